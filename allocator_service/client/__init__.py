@@ -1,0 +1,86 @@
+"""The allocator client interface a worker programs against.
+
+`AllocatorClient` has two implementations with the same behaviour:
+`EmbeddedAllocator` (the core in-process, the default) and `GrpcAllocator`
+(the shared service, `allocator_service.client.grpc_client`, imported lazily
+so an embedded worker never loads grpc). The worker imports only this module
+and `connect()`.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from allocator_service.core import BlockPool, Op, OpResult, PoolConfig, PoolStats, execute_step
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSpec:
+    """What a worker asks for when it registers its KV pool."""
+
+    worker_id: str
+    num_blocks: int
+    block_size: int
+    model_fingerprint: str = ""
+    enable_prefix_caching: bool = False
+
+    def pool_config(self) -> PoolConfig:
+        return PoolConfig(
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            enable_prefix_caching=self.enable_prefix_caching,
+            model_fingerprint=self.model_fingerprint,
+        )
+
+
+class AllocatorClient(abc.ABC):
+    """One worker's view of its pool. Not thread-safe: the engine loop calls it."""
+
+    spec: PoolSpec
+
+    @abc.abstractmethod
+    def step(self, ops: Sequence[Op]) -> list[OpResult]:
+        """Apply one scheduler step (frees first); results in the given order."""
+
+    @abc.abstractmethod
+    def stats(self) -> PoolStats: ...
+
+    @abc.abstractmethod
+    def block_table(self, seq_id: str) -> list[int]: ...
+
+    @abc.abstractmethod
+    def reset_prefix_cache(self) -> int: ...
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release the pool (deregister) and any connection."""
+
+
+class EmbeddedAllocator(AllocatorClient):
+    """The allocator core in the worker's own process."""
+
+    def __init__(self, spec: PoolSpec) -> None:
+        self.spec = spec
+        self.pool = BlockPool(spec.pool_config())
+
+    def step(self, ops: Sequence[Op]) -> list[OpResult]:
+        return execute_step(self.pool, ops)
+
+    def stats(self) -> PoolStats:
+        return self.pool.stats()
+
+    def block_table(self, seq_id: str) -> list[int]:
+        return self.pool.block_table(seq_id)
+
+    def reset_prefix_cache(self) -> int:
+        return self.pool.reset_prefix_cache()
+
+
+def connect(target: str, spec: PoolSpec, **options) -> AllocatorClient:
+    """`embedded` -> in-process core; `HOST:PORT` -> the gRPC service."""
+    if target == "embedded":
+        return EmbeddedAllocator(spec)
+    from allocator_service.client.grpc_client import GrpcAllocator
+
+    return GrpcAllocator(target, spec, **options)

@@ -1,0 +1,52 @@
+"""The allocator's block logic as a pure library.
+
+Imports no grpc, redis, prometheus or torch: the embedded allocator of a
+worker, the gRPC service and the offline tools all run this same code.
+"""
+
+from allocator_service.core.contiguous import ContiguousPool
+from allocator_service.core.errors import (
+    AllocatorError,
+    IntegrityError,
+    InvalidArgument,
+    OutOfBlocks,
+    SequenceExists,
+    UnknownSequence,
+)
+from allocator_service.core.pool import (
+    ALL_CLEARED,
+    BLOCK_REMOVED,
+    BLOCK_STORED,
+    AdmitResult,
+    AppendResult,
+    BlockPool,
+    PoolConfig,
+    PoolStats,
+)
+from allocator_service.core.step import Admit, Append, Fork, Free, Op, OpResult, apply_op, execute_step
+
+__all__ = [
+    "ALL_CLEARED",
+    "BLOCK_REMOVED",
+    "BLOCK_STORED",
+    "Admit",
+    "AdmitResult",
+    "AllocatorError",
+    "Append",
+    "AppendResult",
+    "BlockPool",
+    "ContiguousPool",
+    "Fork",
+    "Free",
+    "IntegrityError",
+    "InvalidArgument",
+    "Op",
+    "OpResult",
+    "OutOfBlocks",
+    "PoolConfig",
+    "PoolStats",
+    "SequenceExists",
+    "UnknownSequence",
+    "apply_op",
+    "execute_step",
+]

@@ -1,0 +1,78 @@
+"""Hash-chained block hashes for prefix caching.
+
+`h_i = SHA-256(h_{i-1} || canonical(tokens of block i) || canonical(extra keys))`.
+
+The root `h_{-1}` comes from a fixed, versioned constant plus the model
+fingerprint and the block size, so two processes (or two restarts, or the
+allocator and a router) compute the same hashes for the same tokens. Python's
+`hash()` is never used: it is salted per process.
+
+Canonical encoding: every field is length-prefixed (u32 little endian), token
+ids are u32 little endian. A `cache_salt` is an extra key of the FIRST block
+only, which is enough to separate tenants since every later hash chains from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+from allocator_service.core.errors import InvalidArgument
+
+HASH_SCHEME = b"pagedkv/prefix-cache/v1"
+MAX_TOKEN_ID = 2**32 - 1
+
+_U32 = struct.Struct("<I")
+
+
+def root_hash(model_fingerprint: str, block_size: int) -> bytes:
+    """The parent hash of every sequence's first block."""
+    h = hashlib.sha256()
+    for part in (HASH_SCHEME, model_fingerprint.encode(), str(block_size).encode()):
+        h.update(_U32.pack(len(part)))
+        h.update(part)
+    return h.digest()
+
+
+def block_hash(parent: bytes, token_ids: Sequence[int], extra_keys: Sequence[str] = ()) -> bytes:
+    """Hash of one full block chained from its parent's hash."""
+    h = hashlib.sha256(parent)
+    h.update(_U32.pack(len(token_ids)))
+    try:
+        h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
+    except struct.error as exc:  # negative, too large or not an int
+        raise InvalidArgument(f"token ids must be integers in [0, {MAX_TOKEN_ID}]") from exc
+    h.update(_U32.pack(len(extra_keys)))
+    for key in extra_keys:
+        raw = key.encode()
+        h.update(_U32.pack(len(raw)))
+        h.update(raw)
+    return h.digest()
+
+
+def salt_keys(cache_salt: str | None) -> tuple[str, ...]:
+    """Extra keys of a sequence's first block."""
+    return ("salt:" + cache_salt,) if cache_salt else ()
+
+
+def chain_hashes(
+    root: bytes,
+    token_ids: Sequence[int],
+    block_size: int,
+    cache_salt: str | None = None,
+    limit_blocks: int | None = None,
+) -> list[bytes]:
+    """Hashes of the full blocks of `token_ids` (at most `limit_blocks`)."""
+    n = len(token_ids) // block_size
+    if limit_blocks is not None:
+        n = min(n, limit_blocks)
+    out: list[bytes] = []
+    parent = root
+    first_keys = salt_keys(cache_salt)
+    for i in range(n):
+        parent = block_hash(
+            parent, token_ids[i * block_size : (i + 1) * block_size], first_keys if i == 0 else ()
+        )
+        out.append(parent)
+    return out

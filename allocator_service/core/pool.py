@@ -1,0 +1,578 @@
+"""One worker's block pool: free queue, block tables, refcounts, prefix cache.
+
+Invariants (checked by `integrity_problems()`):
+
+- every block is in exactly one place: in use (refcount > 0, named by one or
+  more block tables), in the uncached free queue, or in the cached free queue;
+- a block's refcount equals the number of block tables that name it;
+- block tables are append-only except for copy-on-write, which replaces only
+  the LAST entry (the only block that can be partly filled);
+- `_fill[b]` is the number of token slots of block `b` holding a token, and it
+  equals every sharer's count of tokens in that block: a shared block is never
+  written (a write into a shared, not-full block copies it first);
+- every hash in the index names blocks that hold exactly that hash, and only
+  full blocks ever get a hash.
+
+Hand-out order (the free queue, first first): uncached free blocks in the
+order they were freed (table order within one free; 0..N-1 at start), then
+cached free blocks in eviction order: least recently freed first, and within
+one free a sequence's tail before its head. With prefix caching off nothing is
+ever cached, so this is the plain FIFO of the reference article.
+
+Every public mutating method either succeeds whole or raises an
+`AllocatorError` having changed nothing.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from allocator_service.core import hashing
+from allocator_service.core.errors import (
+    InvalidArgument,
+    OutOfBlocks,
+    SequenceExists,
+    UnknownSequence,
+)
+
+# Event kinds passed to the optional event sink (the service turns them into
+# the KV event stream a router can follow).
+BLOCK_STORED = "block_stored"
+BLOCK_REMOVED = "block_removed"
+ALL_CLEARED = "all_cleared"
+
+EventSink = Callable[[str, int, bytes | None], None]
+
+MAX_SEQ_ID_LEN = 256
+
+
+@dataclass(frozen=True, slots=True)
+class PoolConfig:
+    num_blocks: int
+    block_size: int
+    enable_prefix_caching: bool = False
+    model_fingerprint: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_blocks, int) or not 1 <= self.num_blocks <= 1 << 24:
+            raise InvalidArgument(f"num_blocks must be an integer in [1, {1 << 24}]")
+        if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 4096:
+            raise InvalidArgument("block_size must be an integer in [1, 4096]")
+        if len(self.model_fingerprint) > 1024:
+            raise InvalidArgument("model_fingerprint is longer than 1024 characters")
+
+
+class AdmitResult(NamedTuple):
+    cached_tokens: int  # leading prompt tokens found in the prefix cache
+    num_stored: int  # tokens the sequence holds after the admit
+    new_blocks: list[int]  # blocks taken from the free queue, in table order
+    table: list[int]  # the whole new block table (cached hits first)
+
+
+class AppendResult(NamedTuple):
+    keep: int  # entries of the old table kept as they are
+    new_blocks: list[int]  # appended after the kept prefix, in order
+    copies: list[tuple[int, int]]  # (src, dst) block copies to perform first
+
+
+@dataclass(slots=True)
+class PoolStats:
+    num_blocks: int
+    block_size: int
+    used_blocks: int
+    cached_blocks: int  # free blocks still holding a reusable hash
+    free_blocks: int  # all free blocks, cached ones included
+    num_sequences: int
+    tokens_stored: int  # token slots holding a token (shared blocks counted once)
+    slots_allocated: int  # used_blocks * block_size
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
+    evictions: int
+    copies: int
+    out_of_blocks: int
+
+    @property
+    def utilisation(self) -> float:
+        """Tokens stored over slots allocated (1.0 when nothing is allocated)."""
+        return self.tokens_stored / self.slots_allocated if self.slots_allocated else 1.0
+
+    @property
+    def wasted_slots(self) -> int:
+        return self.slots_allocated - self.tokens_stored
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        q = self.prefix_queried_tokens
+        return self.prefix_hit_tokens / q if q else 0.0
+
+
+@dataclass(slots=True)
+class _Seq:
+    table: list[int]
+    num_tokens: int
+    salt: str | None = None
+    # Prefix caching only: the chain of hashes of the sequence's full blocks,
+    # and the tokens of its partly filled last block (hashed once it fills).
+    hashes: list[bytes] = field(default_factory=list)
+    tail: list[int] = field(default_factory=list)
+
+
+def _check_seq_id(seq_id: object) -> str:
+    if not isinstance(seq_id, str) or not seq_id or len(seq_id) > MAX_SEQ_ID_LEN:
+        raise InvalidArgument(f"a sequence id must be a non-empty string of at most {MAX_SEQ_ID_LEN} characters")
+    return seq_id
+
+
+def _check_tokens(tokens: Sequence[int]) -> None:
+    if not tokens:
+        return
+    # type() is int, not isinstance: bools and floats are not token ids.
+    ok = all(type(t) is int for t in tokens)
+    ok = ok and 0 <= min(tokens) and max(tokens) <= hashing.MAX_TOKEN_ID
+    if not ok:
+        raise InvalidArgument(f"token ids must be integers in [0, {hashing.MAX_TOKEN_ID}]")
+
+
+class BlockPool:
+    """Block allocator for one worker's KV pool. Pure Python, single-threaded:
+    callers serialise access (the service holds one lock per pool)."""
+
+    def __init__(self, config: PoolConfig, event_sink: EventSink | None = None) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.num_blocks = config.num_blocks
+        self.enable_prefix_caching = config.enable_prefix_caching
+        self.root_hash = hashing.root_hash(config.model_fingerprint, config.block_size)
+        self.event_sink = event_sink
+
+        n = config.num_blocks
+        self.ref_cnt: list[int] = [0] * n
+        self._fill: list[int] = [0] * n
+        self._hash: list[bytes | None] = [None] * n
+        self._uncached_free: deque[int] = deque(range(n))
+        # NOTE: an OrderedDict is the doubly linked list that lets a cache hit
+        # pull a block out of the middle of the evictable queue in O(1).
+        self._cached_free: OrderedDict[int, None] = OrderedDict()
+        # When several blocks hold one hash, a hit prefers one in use, else the
+        # free one evicted last: `_stamp` records when a block joined the queue.
+        self._stamp: list[int] = [0] * n
+        self._clock = 0
+        self._hash_to_blocks: dict[bytes, dict[int, None]] = {}
+        self._seqs: dict[str, _Seq] = {}
+
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
+        self.evictions = 0
+        self.copies = 0
+        self.out_of_blocks = 0
+
+    # ------------------------------------------------------------------ reads
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._uncached_free) + len(self._cached_free)
+
+    def has_sequence(self, seq_id: str) -> bool:
+        return seq_id in self._seqs
+
+    def block_table(self, seq_id: str) -> list[int]:
+        return list(self._get(seq_id).table)
+
+    def num_tokens(self, seq_id: str) -> int:
+        return self._get(seq_id).num_tokens
+
+    def tables(self) -> dict[str, list[int]]:
+        return {s: list(q.table) for s, q in self._seqs.items()}
+
+    def free_order(self) -> list[int]:
+        """The order in which free blocks would be handed out, first first."""
+        return [*self._uncached_free, *self._cached_free]
+
+    def refcounts(self) -> dict[int, int]:
+        return {b: c for b, c in enumerate(self.ref_cnt) if c > 0}
+
+    def stats(self) -> PoolStats:
+        free = self.num_free_blocks
+        used = self.num_blocks - free
+        stored = sum(f for f, r in zip(self._fill, self.ref_cnt, strict=True) if r > 0)
+        return PoolStats(
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            used_blocks=used,
+            cached_blocks=len(self._cached_free),
+            free_blocks=free,
+            num_sequences=len(self._seqs),
+            tokens_stored=stored,
+            slots_allocated=used * self.block_size,
+            prefix_queried_tokens=self.prefix_queried_tokens,
+            prefix_hit_tokens=self.prefix_hit_tokens,
+            evictions=self.evictions,
+            copies=self.copies,
+            out_of_blocks=self.out_of_blocks,
+        )
+
+    def cached_prefix_tokens(self, tokens: Sequence[int], cache_salt: str | None = None) -> int:
+        """How many leading tokens of `tokens` an admit would find cached
+        (read-only; what a router asks). Never counts the last token."""
+        if not self.enable_prefix_caching or len(tokens) < 2:
+            return 0
+        _check_tokens(tokens)
+        limit = (len(tokens) - 1) // self.block_size
+        parent = self.root_hash
+        keys = hashing.salt_keys(cache_salt)
+        hits = 0
+        B = self.block_size
+        for i in range(limit):
+            parent = hashing.block_hash(parent, tokens[i * B : (i + 1) * B], keys if i == 0 else ())
+            if parent not in self._hash_to_blocks:
+                break
+            hits += 1
+        return hits * B
+
+    # ------------------------------------------------------------- mutations
+    def admit(
+        self,
+        seq_id: str,
+        tokens: Sequence[int],
+        cache_salt: str | None = None,
+        num_new_tokens: int | None = None,
+    ) -> AdmitResult:
+        """Create a sequence holding `tokens` (its prompt).
+
+        With prefix caching the longest chain of cached full blocks is shared
+        (never the block holding the last prompt token, which must be computed
+        to get logits). `num_new_tokens` bounds how many tokens past the cached
+        prefix are stored now (chunked prefill; the rest arrives by `append`).
+        """
+        _check_seq_id(seq_id)
+        if seq_id in self._seqs:
+            raise SequenceExists(seq_id)
+        _check_tokens(tokens)
+        if cache_salt is not None and (not isinstance(cache_salt, str) or len(cache_salt) > 1024):
+            raise InvalidArgument("cache_salt must be a string of at most 1024 characters")
+        if num_new_tokens is not None and (not isinstance(num_new_tokens, int) or num_new_tokens < 1):
+            raise InvalidArgument("num_new_tokens must be a positive integer")
+        B = self.block_size
+        n = len(tokens)
+
+        hashes: list[bytes] = []
+        hits: list[int] = []
+        if self.enable_prefix_caching:
+            hashes = hashing.chain_hashes(self.root_hash, tokens, B, cache_salt)
+            for h in hashes[: max(n - 1, 0) // B]:
+                holders = self._hash_to_blocks.get(h)
+                if not holders:
+                    break
+                hits.append(self._pick_holder(holders))
+        cached = len(hits) * B
+        stored = n if num_new_tokens is None else min(n, cached + num_new_tokens)
+        need = -(-stored // B) - len(hits)
+        free_hits = sum(1 for b in hits if self.ref_cnt[b] == 0)
+        available = self.num_free_blocks - free_hits
+        if need > available:
+            self.out_of_blocks += 1
+            raise OutOfBlocks(need, available)
+
+        # Commit: nothing below can fail.
+        for b in hits:
+            if self.ref_cnt[b] == 0:
+                del self._cached_free[b]
+            self.ref_cnt[b] += 1
+        new_blocks = [self._take() for _ in range(need)]
+        for i, b in enumerate(new_blocks):
+            self._fill[b] = min(B, stored - (len(hits) + i) * B)
+        table = hits + new_blocks
+        seq = _Seq(table=table, num_tokens=stored, salt=cache_salt)
+        if self.enable_prefix_caching:
+            self.prefix_queried_tokens += n
+            self.prefix_hit_tokens += cached
+            full = stored // B
+            for i in range(len(hits), full):
+                self._register(table[i], hashes[i])
+            seq.hashes = hashes[:full]
+            seq.tail = list(tokens[full * B : stored])
+        self._seqs[seq_id] = seq
+        return AdmitResult(cached, stored, new_blocks, list(table))
+
+    def append(self, seq_id: str, tokens: Sequence[int]) -> AppendResult:
+        """Store `tokens` after the sequence's last token (decode, or the next
+        chunk of a chunked prefill). A write into a shared, not-full last block
+        first moves the sequence to a private copy (copy-on-write)."""
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise UnknownSequence(seq_id)
+        _check_tokens(tokens)
+        k = len(tokens)
+        table = seq.table
+        if k == 0:
+            return AppendResult(len(table), [], [])
+        B = self.block_size
+        n = seq.num_tokens
+        offset = n % B
+        room = B - offset if offset else 0
+        cow = offset != 0 and self.ref_cnt[table[-1]] > 1
+        need = (-(-(k - room) // B) if k > room else 0) + cow
+        if need:
+            available = self.num_free_blocks
+            if need > available:
+                self.out_of_blocks += 1
+                raise OutOfBlocks(need, available)
+
+        keep = len(table)
+        new_blocks: list[int] = []
+        copies: list[tuple[int, int]] = []
+        if cow:
+            src = table[-1]
+            dst = self._take()
+            self.ref_cnt[src] -= 1
+            self._fill[dst] = self._fill[src]
+            table[-1] = dst
+            keep -= 1
+            new_blocks.append(dst)
+            copies.append((src, dst))
+            self.copies += 1
+        left = k
+        if room:
+            put = min(room, k)
+            self._fill[table[-1]] += put
+            left -= put
+        while left > 0:
+            b = self._take()
+            put = min(B, left)
+            self._fill[b] = put
+            table.append(b)
+            new_blocks.append(b)
+            left -= put
+        seq.num_tokens = n + k
+
+        if self.enable_prefix_caching:
+            tail = seq.tail
+            tail.extend(tokens)
+            while len(tail) >= B:
+                i = len(seq.hashes)
+                parent = seq.hashes[-1] if i else self.root_hash
+                keys = hashing.salt_keys(seq.salt) if i == 0 else ()
+                h = hashing.block_hash(parent, tail[:B], keys)
+                seq.hashes.append(h)
+                self._register(table[i], h)
+                del tail[:B]
+        return AppendResult(keep, new_blocks, copies)
+
+    def fork(self, parent_id: str, child_id: str) -> list[int]:
+        """The child shares every block of the parent (refcount + 1 each);
+        no data moves. Returns the child's table."""
+        _check_seq_id(child_id)
+        parent = self._seqs.get(parent_id)
+        if parent is None:
+            raise UnknownSequence(parent_id)
+        if child_id in self._seqs:
+            raise SequenceExists(child_id)
+        for b in parent.table:
+            self.ref_cnt[b] += 1
+        self._seqs[child_id] = _Seq(
+            table=list(parent.table),
+            num_tokens=parent.num_tokens,
+            salt=parent.salt,
+            hashes=list(parent.hashes),
+            tail=list(parent.tail),
+        )
+        return list(parent.table)
+
+    def free(self, seq_id: str) -> None:
+        """Drop a sequence. Blocks no other table names return to the free
+        queue: uncached ones in table order, cached ones (still findable)
+        into the evictable queue tail first."""
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            raise UnknownSequence(seq_id)
+        cached: list[int] = []
+        for b in seq.table:
+            self.ref_cnt[b] -= 1
+            if self.ref_cnt[b] == 0:
+                if self._hash[b] is None:
+                    self._uncached_free.append(b)
+                else:
+                    cached.append(b)
+        for b in reversed(cached):
+            self._clock += 1
+            self._stamp[b] = self._clock
+            self._cached_free[b] = None
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached hash; cached free blocks become plain free
+        blocks (keeping their order). Returns how many hashes were dropped."""
+        dropped = sum(len(v) for v in self._hash_to_blocks.values())
+        for blocks in self._hash_to_blocks.values():
+            for b in blocks:
+                self._hash[b] = None
+        self._hash_to_blocks.clear()
+        self._uncached_free.extend(self._cached_free)
+        self._cached_free.clear()
+        if self.event_sink is not None:
+            self.event_sink(ALL_CLEARED, -1, None)
+        return dropped
+
+    # -------------------------------------------------------------- internals
+    def _get(self, seq_id: str) -> _Seq:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise UnknownSequence(seq_id)
+        return seq
+
+    def _pick_holder(self, holders: dict[int, None]) -> int:
+        if len(holders) == 1:
+            return next(iter(holders))
+        in_use = [b for b in holders if self.ref_cnt[b] > 0]
+        if in_use:
+            return min(in_use)
+        return max(holders, key=self._stamp.__getitem__)
+
+    def _take(self) -> int:
+        """Pop the front of the free queue (caller checked there is one)."""
+        if self._uncached_free:
+            b = self._uncached_free.popleft()
+        else:
+            b, _ = self._cached_free.popitem(last=False)
+            self._evict(b)
+        self.ref_cnt[b] = 1
+        self._fill[b] = 0
+        return b
+
+    def _evict(self, b: int) -> None:
+        h = self._hash[b]
+        assert h is not None
+        holders = self._hash_to_blocks[h]
+        del holders[b]
+        if not holders:
+            del self._hash_to_blocks[h]
+        self._hash[b] = None
+        self.evictions += 1
+        if self.event_sink is not None:
+            self.event_sink(BLOCK_REMOVED, b, h)
+
+    def _register(self, b: int, h: bytes) -> None:
+        self._hash[b] = h
+        holders = self._hash_to_blocks.get(h)
+        if holders is None:
+            self._hash_to_blocks[h] = {b: None}
+        else:
+            holders[b] = None
+        if self.event_sink is not None:
+            self.event_sink(BLOCK_STORED, b, h)
+
+    # -------------------------------------------------------------- integrity
+    def integrity_problems(self) -> list[str]:
+        """Every broken invariant, as a readable line (empty when sound)."""
+        problems: list[str] = []
+        n, B = self.num_blocks, self.block_size
+        named = [0] * n
+        for sid, seq in self._seqs.items():
+            if len(seq.table) != -(-seq.num_tokens // B):
+                problems.append(f"{sid}: {len(seq.table)} blocks for {seq.num_tokens} tokens")
+            if len(set(seq.table)) != len(seq.table):
+                problems.append(f"{sid}: table lists a block twice: {seq.table}")
+            for i, b in enumerate(seq.table):
+                if not 0 <= b < n:
+                    problems.append(f"{sid}: block {b} out of range")
+                    continue
+                named[b] += 1
+                expect = min(B, seq.num_tokens - i * B)
+                if self._fill[b] != expect:
+                    problems.append(f"{sid}: block {b} holds {self._fill[b]} tokens, table says {expect}")
+            if self.enable_prefix_caching and len(seq.hashes) != seq.num_tokens // B:
+                problems.append(f"{sid}: {len(seq.hashes)} chain hashes for {seq.num_tokens} tokens")
+        uncached, cached = list(self._uncached_free), list(self._cached_free)
+        free = uncached + cached
+        if len(set(free)) != len(free):
+            problems.append("a block is listed twice in the free queue")
+        for b in free:
+            if named[b]:
+                problems.append(f"block {b} is free and in a table (double-booked)")
+        for b in range(n):
+            if self.ref_cnt[b] != named[b]:
+                problems.append(f"block {b}: refcount {self.ref_cnt[b]} but {named[b]} tables name it")
+        if len(set(free)) + sum(1 for c in named if c) != n:
+            problems.append("a block is lost (neither free nor in a table)")
+        for b in uncached:
+            if self._hash[b] is not None:
+                problems.append(f"uncached free block {b} holds a hash")
+        for b in cached:
+            if self._hash[b] is None:
+                problems.append(f"cached free block {b} holds no hash")
+        indexed = 0
+        for h, holders in self._hash_to_blocks.items():
+            for b in holders:
+                indexed += 1
+                if self._hash[b] != h:
+                    problems.append(f"the cache index maps a hash to block {b}, which holds another")
+                if self._fill[b] != B:
+                    problems.append(f"cached block {b} is not full")
+        if indexed != sum(1 for h in self._hash if h is not None):
+            problems.append("a block holds a hash the cache index does not know")
+        return problems
+
+    def check_integrity(self) -> bool:
+        return not self.integrity_problems()
+
+    # ---------------------------------------------------------- persistence
+    def to_state(self) -> dict[str, Any]:
+        """A JSON-able dump of the whole state; `from_state` rebuilds it exactly."""
+        return {
+            "config": {
+                "num_blocks": self.num_blocks,
+                "block_size": self.block_size,
+                "enable_prefix_caching": self.enable_prefix_caching,
+                "model_fingerprint": self.config.model_fingerprint,
+            },
+            "ref_cnt": list(self.ref_cnt),
+            "fill": list(self._fill),
+            "hash": [h.hex() if h else None for h in self._hash],
+            "uncached_free": list(self._uncached_free),
+            "cached_free": list(self._cached_free),
+            "stamp": list(self._stamp),
+            "clock": self._clock,
+            "seqs": {
+                s: {
+                    "table": q.table,
+                    "num_tokens": q.num_tokens,
+                    "salt": q.salt,
+                    "hashes": [h.hex() for h in q.hashes],
+                    "tail": q.tail,
+                }
+                for s, q in self._seqs.items()
+            },
+            "counters": {
+                "prefix_queried_tokens": self.prefix_queried_tokens,
+                "prefix_hit_tokens": self.prefix_hit_tokens,
+                "evictions": self.evictions,
+                "copies": self.copies,
+                "out_of_blocks": self.out_of_blocks,
+            },
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any], event_sink: EventSink | None = None) -> BlockPool:
+        pool = cls(PoolConfig(**state["config"]), event_sink)
+        pool.ref_cnt = list(state["ref_cnt"])
+        pool._fill = list(state["fill"])
+        pool._hash = [bytes.fromhex(h) if h else None for h in state["hash"]]
+        pool._uncached_free = deque(state["uncached_free"])
+        pool._cached_free = OrderedDict((b, None) for b in state["cached_free"])
+        pool._stamp = list(state["stamp"])
+        pool._clock = state["clock"]
+        for b, h in enumerate(pool._hash):
+            if h is not None:
+                pool._hash_to_blocks.setdefault(h, {})[b] = None
+        for s, q in state["seqs"].items():
+            pool._seqs[s] = _Seq(
+                table=list(q["table"]),
+                num_tokens=q["num_tokens"],
+                salt=q["salt"],
+                hashes=[bytes.fromhex(h) for h in q["hashes"]],
+                tail=list(q["tail"]),
+            )
+        for k, v in state["counters"].items():
+            setattr(pool, k, v)
+        return pool
