@@ -126,12 +126,19 @@ def _check_seq_id(seq_id: object) -> str:
     return seq_id
 
 
+_INT_ONLY = {int}
+
+
 def _check_tokens(tokens: Sequence[int]) -> None:
     if not tokens:
         return
-    # type() is int, not isinstance: bools and floats are not token ids.
-    ok = all(type(t) is int for t in tokens)
-    ok = ok and 0 <= min(tokens) and max(tokens) <= hashing.MAX_TOKEN_ID
+    if len(tokens) == 1:  # the decode hot path
+        t = tokens[0]
+        ok = type(t) is int and 0 <= t <= hashing.MAX_TOKEN_ID
+    else:
+        # type() is int, not isinstance: bools and floats are not token ids.
+        ok = set(map(type, tokens)) <= _INT_ONLY
+        ok = ok and 0 <= min(tokens) and max(tokens) <= hashing.MAX_TOKEN_ID
     if not ok:
         raise InvalidArgument(f"token ids must be integers in [0, {hashing.MAX_TOKEN_ID}]")
 
@@ -311,6 +318,15 @@ class BlockPool:
         B = self.block_size
         n = seq.num_tokens
         offset = n % B
+        if k == 1 and offset and self.ref_cnt[table[-1]] == 1:
+            # Decode fast path: one token into a private block with room.
+            self._fill[table[-1]] += 1
+            seq.num_tokens = n + 1
+            if self.enable_prefix_caching:
+                seq.tail.append(tokens[0])
+                if offset == B - 1:
+                    self._hash_full_tail(seq)
+            return AppendResult(len(table), [], [])
         room = B - offset if offset else 0
         cow = offset != 0 and self.ref_cnt[table[-1]] > 1
         need = (-(-(k - room) // B) if k > room else 0) + cow
@@ -348,17 +364,21 @@ class BlockPool:
         seq.num_tokens = n + k
 
         if self.enable_prefix_caching:
-            tail = seq.tail
-            tail.extend(tokens)
-            while len(tail) >= B:
-                i = len(seq.hashes)
-                parent = seq.hashes[-1] if i else self.root_hash
-                keys = hashing.salt_keys(seq.salt) if i == 0 else ()
-                h = hashing.block_hash(parent, tail[:B], keys)
-                seq.hashes.append(h)
-                self._register(table[i], h)
-                del tail[:B]
+            seq.tail.extend(tokens)
+            self._hash_full_tail(seq)
         return AppendResult(keep, new_blocks, copies)
+
+    def _hash_full_tail(self, seq: _Seq) -> None:
+        """Hash and register each block the sequence has just filled."""
+        B, tail = self.block_size, seq.tail
+        while len(tail) >= B:
+            i = len(seq.hashes)
+            parent = seq.hashes[-1] if i else self.root_hash
+            keys = hashing.salt_keys(seq.salt) if i == 0 else ()
+            h = hashing.block_hash(parent, tail[:B], keys)
+            seq.hashes.append(h)
+            self._register(seq.table[i], h)
+            del tail[:B]
 
     def fork(self, parent_id: str, child_id: str) -> list[int]:
         """The child shares every block of the parent (refcount + 1 each);

@@ -1,0 +1,41 @@
+"""`pagedkv bench NAME`: benchmarks that print a table (or JSON with --json).
+
+Each benchmark module exposes `add_arguments(parser)` and `run(args) -> int`.
+Benchmarks are never timed assertions: they report figures to compare side by
+side in one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "core": ("pagedkv.bench.core", "allocator core operations per second (in-process)"),
+    "allocator": ("pagedkv.bench_allocator", "Step latency: in-process vs gRPC vs gRPC + Redis journal"),
+    "attention": ("worker.bench_attention", "paged vs contiguous attention time on the same data"),
+    "serve": ("worker.bench_serve", "this engine vs transformers generate on one workload"),
+}
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("bench", help="benchmarks (print a table, or JSON with --json)")
+    bsub = p.add_subparsers(dest="bench", metavar="BENCHMARK", required=True)
+    for name, (module_name, help_text) in BENCHMARKS.items():
+        bp = bsub.add_parser(name, help=help_text, description=help_text)
+        bp.set_defaults(_bench_module=module_name)
+        try:
+            importlib.import_module(module_name).add_arguments(bp)
+        except ModuleNotFoundError:
+            bp.set_defaults(_bench_missing=True)
+        if "--json" not in bp._option_string_actions:
+            bp.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    if getattr(args, "_bench_missing", False):
+        from pagedkv.cli import CliError
+
+        raise CliError(f"benchmark {args.bench!r} is not available in this build")
+    return importlib.import_module(args._bench_module).run(args)

@@ -1,0 +1,1 @@
+"""Offline tools built on the allocator core: replay, kv-size, simulate."""
