@@ -1,0 +1,109 @@
+"""`pagedkv kv-size`, `simulate`, `bench core` and `--help`, run as a user would."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+LLAMA3_8B = {
+    "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "num_attention_heads": 32,
+    "num_hidden_layers": 32, "num_key_value_heads": 8, "max_position_embeddings": 8192,
+    "torch_dtype": "bfloat16",
+}  # fmt: skip
+OPT_13B = {
+    "architectures": ["OPTForCausalLM"], "hidden_size": 5120, "num_attention_heads": 40,
+    "num_hidden_layers": 40, "max_position_embeddings": 2048, "torch_dtype": "float16",
+}  # fmt: skip
+
+
+def pagedkv(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pagedkv", *args], capture_output=True, text=True, check=check)
+
+
+@pytest.mark.parametrize("cfg,expected", [(LLAMA3_8B, 131_072), (OPT_13B, 819_200)])
+def test_kv_size_bytes_per_token(tmp_path, cfg, expected):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    out = json.loads(pagedkv("kv-size", str(path), "--json", "--tokens", "1000", "--gib", "16").stdout)
+    assert out["bytes_per_token"] == expected
+    assert out["bytes_for_tokens"] == 1000 * expected
+    assert out["full_sequences_in_budget"] == (16 << 30) // expected // cfg["max_position_embeddings"]
+
+
+def test_kv_size_text_and_dtype_override(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**LLAMA3_8B, "head_dim": 64}))
+    out = json.loads(pagedkv("kv-size", str(path), "--json", "--dtype", "float32").stdout)
+    assert out["bytes_per_token"] == 2 * 32 * 8 * 64 * 4
+    text = pagedkv("kv-size", str(path)).stdout
+    assert "bytes per token" in text
+
+
+@pytest.mark.parametrize(
+    "content,needle",
+    [("{", "not valid JSON"), ('{"num_hidden_layers": 2}', "num_attention_heads must be a positive integer")],
+)
+def test_kv_size_bad_config(tmp_path, content, needle):
+    path = tmp_path / "config.json"
+    path.write_text(content)
+    proc = pagedkv("kv-size", str(path), check=False)
+    assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_simulate_lands_near_the_article():
+    out = json.loads(pagedkv("simulate", "--json").stdout)
+    c, p = out["contiguous"], out["paged"]
+    assert out["pool_slots"] == 131_072
+    assert c["admitted"] == 16  # 131,072 / 8,192 exactly
+    assert 0.10 < c["used_fraction"] < 0.17  # the article: 12.9%
+    assert 105 <= p["admitted"] <= 135  # the article: 122
+    assert p["block_size"] == 16
+    assert p["wasted_slots"] < 16 * p["admitted"]  # less than one block per request
+    assert p["allocated_slots"] - p["used_slots"] == p["wasted_slots"]
+    assert p["wasted_slots"] / p["allocated_slots"] < 0.01  # the article: 0.7%
+
+
+def test_simulate_sweep_and_plot(tmp_path):
+    png = tmp_path / "capacity.png"
+    out = json.loads(pagedkv("simulate", "--json", "--block-sizes", "1,4,16", "--requests", "200",
+                             "--plot", str(png)).stdout)
+    sweep = out["sweep"]
+    assert [r["block_size"] for r in sweep] == [1, 4, 16]
+    assert sweep[0]["wasted_slots"] == 0  # block size 1 wastes nothing
+    assert [r["wasted_slots"] for r in sweep] == sorted(r["wasted_slots"] for r in sweep)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_core_reports_every_op():
+    out = json.loads(pagedkv("bench", "core", "--json", "--sequences", "200", "--decode-rounds", "8").stdout)
+    assert [r["prefix_caching"] for r in out["results"]] == [False, True]
+    for r in out["results"]:
+        assert r["admits_per_s"] > 0 and r["appends_per_s"] > 0 and r["frees_per_s"] > 0
+    assert out["results"][1]["prefix_hit_rate"] > 0.5
+
+
+def _walk(parser, path=()):
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _walk(sub, (*path, name))
+        elif not isinstance(action, argparse._HelpAction):
+            yield path, action
+
+
+def test_help_explains_every_flag():
+    from pagedkv.cli import build_parser
+
+    missing = [(" ".join(path), a.dest) for path, a in _walk(build_parser()) if not a.help]
+    assert missing == []
+
+
+@pytest.mark.parametrize("cmd", [[], ["replay"], ["kv-size"], ["simulate"], ["bench", "core"]])
+def test_help_runs(cmd):
+    proc = pagedkv(*cmd, "--help")
+    assert proc.returncode == 0 and "usage: pagedkv" in proc.stdout
