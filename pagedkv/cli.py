@@ -17,6 +17,8 @@ SUBCOMMANDS: dict[str, str] = {
     "kv-size": "pagedkv.tools.kv_size",
     "simulate": "pagedkv.tools.simulate",
     "bench": "pagedkv.bench",
+    "up": "pagedkv.up",
+    "worker": "worker.cli",
 }
 
 

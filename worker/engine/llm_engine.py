@@ -1,0 +1,280 @@
+"""The engine: a loaded model, its KV pool, an allocator client, a scheduler.
+
+`LLMEngine.step()` is one iteration of continuous batching: schedule (one
+allocator Step call), apply copy-on-write copies, run the model over every
+scheduled token at once (prefill chunks and decodes mixed), sample the
+sequences that reached their last token, check stop conditions. `generate()`
+is the offline API on top; `AsyncLLMEngine` (async_engine.py) the streaming one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+
+from allocator_service.client import AllocatorClient, PoolSpec, connect
+from worker.attention import AttentionMetadata
+from worker.engine.config import EngineConfig
+from worker.engine.sampling import SamplingError, SamplingParams, make_generator, sample
+from worker.engine.scheduler import Batch, Scheduler
+from worker.engine.sequence import Sequence, Status
+from worker.kv_pool import KVPool
+from worker.metrics import WorkerMetrics
+
+log = logging.getLogger("pagedkv.worker")
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class RequestError(ValueError):
+    """A request the engine can never serve (too long, bad parameters)."""
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # every generated token so far
+    text: str  # every generated character so far (stop strings cut off)
+    new_token_ids: list[int] = field(default_factory=list)  # this step's delta
+    new_text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    error: str | None = None
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        loaded,
+        config: EngineConfig,
+        allocator: AllocatorClient | None = None,
+        metrics: WorkerMetrics | None = None,
+    ) -> None:
+        self.config = config
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.device = torch.device(config.device)
+        mc = loaded.config
+        dtype = _DTYPES[config.dtype]
+        if config.num_blocks is not None:
+            self.kv_pool = KVPool(mc.num_hidden_layers, config.num_blocks, config.block_size,
+                                  mc.num_key_value_heads, mc.head_dim, dtype, self.device)
+        else:
+            self.kv_pool = KVPool.from_budget(config.kv_cache_memory or "512MiB", mc.num_hidden_layers,
+                                              config.block_size, mc.num_key_value_heads, mc.head_dim,
+                                              dtype, self.device)
+        self.block_size = config.block_size
+        self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
+        spec = PoolSpec(
+            worker_id=config.worker_id,
+            num_blocks=self.kv_pool.num_blocks,
+            block_size=config.block_size,
+            model_fingerprint=loaded.fingerprint,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+        if allocator is None:
+            options = {}
+            if config.allocator != "embedded":
+                options = {"auth_token": config.allocator_token, "tls_ca": config.allocator_tls_ca}
+            allocator = connect(config.allocator, spec, **options)
+        self.allocator = allocator
+        self.metrics = metrics or WorkerMetrics(config.worker_id, config.model)
+        self.metrics.watch_pool(self.allocator.stats, self.kv_pool.bytes_total)
+        self.scheduler = Scheduler(
+            allocator, config.max_num_seqs, config.max_num_batched_tokens,
+            on_preempt=lambda seq: self.metrics.preempted("out_of_blocks"),
+        )
+        self.eos_token_ids = set(loaded.eos_token_ids)
+        self._seqs: dict[str, Sequence] = {}
+        self._texts: dict[str, str] = {}
+        self._ids = itertools.count()
+        self.num_preemptions = 0
+
+    # -------------------------------------------------------------- requests
+    @property
+    def pool_tokens(self) -> int:
+        return self.kv_pool.num_blocks * self.block_size
+
+    def add_request(
+        self,
+        prompt: str | Seq[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            prompt_ids = self.tokenizer.encode(prompt)
+        else:
+            prompt_ids = list(prompt)
+            vocab = self.loaded.config.vocab_size
+            if any(type(t) is not int or not 0 <= t < vocab for t in prompt_ids):
+                raise RequestError(f"prompt token ids must be integers in [0, {vocab})")
+        if not prompt_ids:
+            raise RequestError("the prompt is empty")
+        limit = min(self.max_model_len, self.pool_tokens)
+        if len(prompt_ids) >= limit:
+            which = "context length" if self.max_model_len <= self.pool_tokens else "KV pool"
+            raise RequestError(
+                f"the prompt has {len(prompt_ids)} tokens; the {which} holds {limit}, "
+                "leaving no room to generate"
+            )
+        room = limit - len(prompt_ids)
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise RequestError(
+                f"max_tokens {params.max_tokens} + {len(prompt_ids)} prompt tokens exceeds the "
+                f"limit of {limit} tokens"
+            )
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self._seqs:
+            raise RequestError(f"request id {rid!r} is already in use")
+        seq = Sequence(
+            request_id=rid,
+            prompt_token_ids=prompt_ids,
+            params=params,
+            max_tokens=params.max_tokens or room,
+            generator=make_generator(params, self.device),
+        )
+        self._seqs[rid] = seq
+        self._texts[rid] = ""
+        self.scheduler.add(seq)
+        self.metrics.prompt_tokens.inc(len(prompt_ids))
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its blocks are freed at the next step."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None and not seq.is_finished:
+            self.scheduler.finish(seq, "abort")
+            self.metrics.finished("abort")
+        self._texts.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule()
+        self.metrics.allocator_step.observe(batch.allocator_seconds)
+        self.num_preemptions += len(batch.preempted)
+        if batch.queried_tokens:
+            self.metrics.prefix_queried.inc(batch.queried_tokens)
+            self.metrics.prefix_hit.inc(batch.cached_tokens)
+        outputs: list[RequestOutput] = []
+        if batch.entries:
+            outputs = self._run(batch)
+        self.metrics.running.set(len(self.scheduler.running))
+        self.metrics.waiting.set(len(self.scheduler.waiting))
+        self.metrics.step_time.observe(time.perf_counter() - t0)
+        return outputs
+
+    @torch.inference_mode()
+    def _run(self, batch: Batch) -> list[RequestOutput]:
+        if batch.copies:
+            self.kv_pool.copy_blocks(batch.copies)
+        entries = batch.entries
+        input_ids = torch.tensor(
+            [t for e in entries for t in e.seq.token_ids[e.num_computed : e.num_computed + e.num_new]],
+            dtype=torch.int64, device=self.device,
+        )
+        meta = AttentionMetadata.build(
+            [(e.seq.block_table, e.num_computed, e.num_new) for e in entries],
+            self.block_size, self.device,
+        )
+        hidden = self.model(input_ids, meta.positions(), self.kv_pool, meta)
+        sampling = [i for i, e in enumerate(entries) if e.samples]
+        if not sampling:
+            return []
+        rows = meta.last_token_indices()[sampling]
+        logits = self.model.compute_logits(hidden[rows])
+        seqs = [entries[i].seq for i in sampling]
+        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        now = time.monotonic()
+        outputs = []
+        for seq, tok in zip(seqs, tokens, strict=True):
+            outputs.append(self._append_token(seq, tok, now))
+        return outputs
+
+    def _append_token(self, seq: Sequence, tok: int, now: float) -> RequestOutput:
+        seq.token_ids.append(tok)
+        self.metrics.generation_tokens.inc()
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            self.metrics.ttft.observe(now - seq.arrival_time)
+        elif seq.last_token_time is not None:
+            self.metrics.itl.observe(now - seq.last_token_time)
+        seq.last_token_time = now
+        p = seq.params
+        reason = None
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
+            reason = "stop"
+        elif seq.num_output_tokens >= seq.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            reason = "length"
+        # Text: decode everything generated (stop/eos token excluded) and diff.
+        visible = seq.output_token_ids if reason != "stop" else seq.output_token_ids[:-1]
+        text = self.tokenizer.decode(visible)
+        if p.stop:
+            cut = min((i for i in (text.find(s) for s in p.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                text, reason = text[:cut], "stop"
+        prev = self._texts.get(seq.request_id, "")
+        # Hold back an incomplete UTF-8 character until the next token ends it.
+        if reason is None and text.endswith("\ufffd"):
+            text = prev
+        new_text = text[len(prev) :] if text.startswith(prev) else text
+        self._texts[seq.request_id] = text
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            self.metrics.finished(reason)
+            self._seqs.pop(seq.request_id, None)
+            self._texts.pop(seq.request_id, None)
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=list(seq.output_token_ids),
+            text=text,
+            new_token_ids=[tok],
+            new_text=new_text,
+            finished=reason is not None,
+            finish_reason=reason,
+            num_cached_tokens=seq.num_cached_tokens,
+            num_preemptions=seq.num_preemptions,
+        )
+
+    # --------------------------------------------------------------- offline
+    def generate(
+        self,
+        prompts: Seq[str | Seq[int]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in prompt order."""
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    def close(self) -> None:
+        self.allocator.close()
+
+
+__all__ = ["EngineConfig", "LLMEngine", "RequestError", "RequestOutput", "SamplingError", "SamplingParams", "Status"]

@@ -1,0 +1,230 @@
+"""Continuous batching over the allocator: one Step call per engine step.
+
+Each step sends, in ONE allocator call:
+1. frees: sequences that finished or were aborted last step, and this step's
+   preemption victims;
+2. the running sequences in admission order, each with its next tokens: one
+   for a decode, a chunk for an unfinished (chunked) prefill;
+3. waiting requests admitted while the token budget, `max_num_seqs` and the
+   free blocks allow, each storing at most the budget left past its cached
+   prefix.
+
+The worker plans the step against its own exact count of free blocks (the
+pool is its own; cached free blocks count as free, being evictable) and
+preempts BEFORE the call: the newest lowest-priority running sequence gives
+its blocks back and is recomputed later (cheaply, from the prefix cache).
+
+NOTE: planning up front is what keeps the prefix cache honest. The allocator
+hashes a block as soon as it is full, and another sequence of the same step
+may share it; so every operation the allocator accepts must be computed by
+this step's forward pass. Dropping an accepted operation after the fact would
+leave a findable block holding no K/V.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from allocator_service.client import AllocatorClient, PoolLost
+from allocator_service.core import Admit, Append, Free, Op
+from worker.engine.sequence import Sequence, Status
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_computed: int  # tokens already in the cache before this step
+    num_new: int  # tokens whose K/V this step computes
+
+    @property
+    def samples(self) -> bool:
+        """This step computes the sequence's last known token, so its logits
+        give the next one."""
+        return self.num_computed + self.num_new == len(self.seq.token_ids)
+
+
+@dataclass(slots=True)
+class Batch:
+    entries: list[ScheduledSeq] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    allocator_seconds: float = 0.0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache this step
+    queried_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(e.num_new for e in self.entries)
+
+
+def _priority_key(seq: Sequence) -> tuple[int, float]:
+    return (seq.params.priority, seq.arrival_time)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        allocator: AllocatorClient,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        on_preempt: Callable[[Sequence], None] | None = None,
+    ) -> None:
+        self.allocator = allocator
+        self.num_blocks = allocator.spec.num_blocks
+        self.block_size = allocator.spec.block_size
+        self.watermark = max(1, self.num_blocks // 100)
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
+        self.running: list[Sequence] = []  # admission order
+        self._to_free: list[str] = []
+        self.on_preempt = on_preempt
+
+    # ---------------------------------------------------------------- queues
+    def add(self, seq: Sequence) -> None:
+        bisect.insort(self.waiting, seq, key=_priority_key)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Mark finished; its blocks are freed in the next step's call."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+            self._to_free.append(seq.alloc_id)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._to_free)
+
+    # ------------------------------------------------------------------ step
+    def schedule(self) -> Batch:
+        batch = Batch()
+        ops: list[Op] = [Free(a) for a in self._to_free]
+        self._to_free = []
+        refs = Counter(b for seq in self.running for b in seq.block_table)
+        free = self.num_blocks - len(refs)
+        budget = self.max_num_batched_tokens
+        planned: dict[Sequence, tuple[int, int]] = {}  # seq -> (new tokens, new blocks)
+        for seq in list(self.running):
+            if seq.status is not Status.RUNNING:
+                continue  # preempted as a victim earlier in this loop
+            if budget <= 0:
+                break
+            n = min(len(seq.token_ids) - seq.num_stored, budget)
+            need = self._blocks_needed(seq, n)
+            while need > free:
+                victim = max(self.running, key=_priority_key)
+                if victim in planned:  # give back what it was promised
+                    k, v_need = planned.pop(victim)
+                    budget += k
+                    free += v_need
+                free += self._preempt(batch, victim, refs, ops)
+                if victim is seq:
+                    break
+            if seq.status is not Status.RUNNING:
+                continue
+            planned[seq] = (n, need)
+            free -= need
+            budget -= n
+        ops.extend(Append(s.alloc_id, s.token_ids[s.num_stored : s.num_stored + n]) for s, (n, _) in planned.items())
+
+        admitting: list[Sequence] = []
+        # Keep a little headroom for the running sequences' next blocks, so a
+        # new admission does not force a preemption on the very next step.
+        headroom = self.watermark if self.running else 0
+        if not batch.preempted:
+            for seq in self.waiting:
+                if budget <= 0 or len(self.running) + len(admitting) >= self.max_num_seqs:
+                    break
+                # Upper bound of the blocks an admit takes from the free queue
+                # (cache hits on free blocks leave the queue too).
+                worst = -(-len(seq.token_ids) // self.block_size)
+                if worst > free - headroom:
+                    break
+                ops.append(Admit(seq.next_alloc_id(), seq.token_ids, seq.params.cache_salt, budget))
+                admitting.append(seq)
+                free -= worst
+                budget -= min(len(seq.token_ids), budget)
+        if not ops:
+            return batch
+
+        results = self._call(ops, batch)
+        if results is None:
+            return batch
+        ri = len(ops) - len(planned) - len(admitting)  # frees come first in `ops`
+        for seq, (n, _) in planned.items():
+            r = results[ri]
+            ri += 1
+            if r.ok:
+                seq.block_table[r.keep :] = r.append
+                batch.copies.extend(r.copies)
+                batch.entries.append(ScheduledSeq(seq, seq.num_stored, n))
+                seq.num_stored += n
+            else:
+                # Our free-block count was off (should not happen) or the
+                # allocator lost the sequence: the failed op changed nothing,
+                # so recompute this one from scratch.
+                self._preempt(batch, seq, None, None)
+                if r.error != "unknown_sequence":
+                    self._to_free.append(seq.alloc_id)
+        for seq in admitting:
+            r = results[ri]
+            ri += 1
+            if r.ok:
+                self._admitted(batch, seq, r)
+        return batch
+
+    def _blocks_needed(self, seq: Sequence, n: int) -> int:
+        return max(0, -(-(seq.num_stored + n) // self.block_size) - len(seq.block_table))
+
+    # ------------------------------------------------------------- internals
+    def _call(self, ops: list[Op], batch: Batch):
+        t0 = time.perf_counter()
+        try:
+            return self.allocator.step(ops)
+        except PoolLost:
+            # Every block is gone: all running sequences start over.
+            for seq in list(self.running):
+                self._preempt(batch, seq, None, None)
+            self._to_free = []
+            return None
+        finally:
+            batch.allocator_seconds += time.perf_counter() - t0
+
+    def _admitted(self, batch: Batch, seq: Sequence, r) -> None:
+        self.waiting.remove(seq)
+        self.running.append(seq)
+        seq.status = Status.RUNNING
+        seq.block_table = list(r.append)
+        seq.num_stored = r.num_stored
+        if not seq.admitted_once:
+            seq.num_cached_tokens = r.cached_tokens
+            seq.admitted_once = True
+        batch.cached_tokens += r.cached_tokens
+        batch.queried_tokens += len(seq.token_ids)
+        batch.entries.append(ScheduledSeq(seq, r.cached_tokens, r.num_stored - r.cached_tokens))
+
+    def _preempt(self, batch: Batch, seq: Sequence, refs: Counter | None, ops: list[Op] | None) -> int:
+        """Send `seq` back to the waiting queue. With `ops`, its Free joins
+        this step; returns the blocks that frees (those no other sequence holds)."""
+        freed = 0
+        if refs is not None:
+            for b in seq.block_table:
+                refs[b] -= 1
+                if refs[b] == 0:
+                    del refs[b]
+                    freed += 1
+        if ops is not None:
+            ops.insert(0, Free(seq.alloc_id))
+        self.running.remove(seq)
+        seq.reset_for_recompute()
+        self.add(seq)
+        batch.preempted.append(seq)
+        if self.on_preempt is not None:
+            self.on_preempt(seq)
+        return freed

@@ -1,0 +1,82 @@
+"""A request as the engine tracks it.
+
+One list, `token_ids` = prompt + generated, drives prefill, chunked prefill,
+decode and recompute after preemption alike: each step the sequence computes
+the K/V of `token_ids[num_stored : num_stored + n]`, and when that reaches the
+end of the list the step's logits give the next token.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from worker.engine.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # not in the allocator (new, or preempted)
+    RUNNING = "running"  # holds blocks
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved limit of generated tokens
+    arrival_time: float = field(default_factory=time.monotonic)
+    generator: torch.Generator | None = None
+
+    token_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_stored: int = 0  # tokens whose K/V the allocator holds blocks for
+    block_table: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admit
+    admitted_once: bool = False
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    # allocator sequence id: a new one per admission, so a preempted
+    # sequence's old id can never collide with its readmission
+    alloc_id: str = ""
+    _admissions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def next_alloc_id(self) -> str:
+        self._admissions += 1
+        self.alloc_id = f"{self.request_id}#{self._admissions}"
+        return self.alloc_id
+
+    def reset_for_recompute(self) -> None:
+        """Preempted: blocks given back; everything computed so far is redone
+        (cheaply when its blocks are still in the prefix cache)."""
+        self.status = Status.WAITING
+        self.num_stored = 0
+        self.block_table = []
+        self.num_preemptions += 1

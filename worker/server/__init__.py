@@ -1,0 +1,1 @@
+"""The worker's OpenAI-style HTTP API (FastAPI on uvicorn)."""
