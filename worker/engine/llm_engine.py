@@ -66,11 +66,11 @@ class LLMEngine:
         mc = loaded.config
         dtype = _DTYPES[config.dtype]
         if config.num_blocks is not None:
-            self.kv_pool = KVPool(mc.num_hidden_layers, config.num_blocks, config.block_size,
-                                  mc.num_key_value_heads, mc.head_dim, dtype, self.device)
+            self.kv_pool = KVPool(mc.num_layers, config.num_blocks, config.block_size,
+                                  mc.num_kv_heads, mc.head_dim, dtype, self.device)
         else:
-            self.kv_pool = KVPool.from_budget(config.kv_cache_memory or "512MiB", mc.num_hidden_layers,
-                                              config.block_size, mc.num_key_value_heads, mc.head_dim,
+            self.kv_pool = KVPool.from_budget(config.kv_cache_memory or "512MiB", mc.num_layers,
+                                              config.block_size, mc.num_kv_heads, mc.head_dim,
                                               dtype, self.device)
         self.block_size = config.block_size
         self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)

@@ -170,11 +170,9 @@ def create_app(engine: AsyncLLMEngine, served_model_name: str) -> FastAPI:
             raise ApiError(400, "logprobs are not supported", param="logprobs")
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         try:
-            prompt_ids = core.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            prompt_ids = core.tokenizer.encode_chat(messages, add_generation_prompt=True)
         except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
             raise ApiError(400, f"cannot apply the chat template: {exc}", param="messages") from None
-        if isinstance(prompt_ids, str):
-            prompt_ids = core.tokenizer.encode(prompt_ids)
         params = check_common(req, req.max_completion_tokens or req.max_tokens)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         stream, first = await start(prompt_ids, params, rid)
