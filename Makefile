@@ -23,9 +23,9 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 install: $(VENV)/.installed
 
 demo: install
-	$(BIN)/pagedkv simulate --block-sizes 1,2,4,8,16 --plot out/capacity.png
+	$(BIN)/pagedkv demo
 
-simulate: install
+simulate: install  ## the capacity simulation of the reference article
 	$(BIN)/pagedkv simulate
 
 test: install

@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, str] = {
     "bench": "pagedkv.bench",
     "up": "pagedkv.up",
     "worker": "worker.cli",
+    "demo": "pagedkv.demo",
 }
 
 
