@@ -1,0 +1,60 @@
+"""Paged attention: metadata for a mixed prefill/decode batch, and the backends.
+
+Every backend has one signature::
+
+    backend(q [T, Hq, D], k_cache, v_cache, meta: AttentionMetadata, scale) -> [T, Hq, D]
+
+where the caches are one layer's `[num_blocks, block_size, Hkv, D]` tensors
+(`KVPool.k_cache(layer)`) that ALREADY hold this step's new K/V (the model
+writes through `meta.slot_mapping` first). Each query attends causally to every
+token of its own sequence up to and including its own position.
+
+Backends: "reference" (per-sequence, float32, the ground truth), "torch"
+(vectorised decode + per-sequence SDPA prefill; the CPU default) and "triton"
+(Triton paged-decode kernel for decodes, the torch prefill path otherwise; the
+CUDA default). Triton is imported only when the "triton" backend is asked for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from worker.attention.metadata import AttentionMetadata, SeqSpec
+from worker.attention.reference import reference_attention
+from worker.attention.torch_paged import PagedAttention
+
+__all__ = [
+    "AttentionBackend",
+    "AttentionMetadata",
+    "BACKEND_NAMES",
+    "SeqSpec",
+    "get_backend",
+    "select_backend",
+]
+
+AttentionBackend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+
+BACKEND_NAMES = ("reference", "torch", "triton")
+
+
+def get_backend(name: str) -> AttentionBackend:
+    """A new instance of the backend called `name` (one of BACKEND_NAMES).
+
+    Backends may keep per-step state (plans, buffers): use one per model.
+    """
+    if name == "reference":
+        return reference_attention
+    if name == "torch":
+        return PagedAttention()
+    if name == "triton":
+        from worker.attention.triton_decode import triton_decode
+
+        return PagedAttention(decode_fn=triton_decode)
+    raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(BACKEND_NAMES)}")
+
+
+def select_backend(device: str | torch.device) -> AttentionBackend:
+    """Triton on CUDA, vectorised torch elsewhere."""
+    return get_backend("triton" if torch.device(device).type == "cuda" else "torch")
