@@ -4,7 +4,8 @@ One allocator (gRPC, in-memory state unless told otherwise), N workers serving
 the OpenAI-style HTTP API, and optionally a Redis for the allocator's journal
 (`--redis`) and a Prometheus scraping everything (`--prometheus`) when their
 binaries are on PATH. Each process's output is echoed with a coloured name
-prefix and kept in `<log dir>/<name>.log`; `pagedkv up` returns when you press
+prefix (but for the access-log lines of /health and /metrics) and kept in
+`<log dir>/<name>.log`; `pagedkv up` returns when you press
 Ctrl-C (or send SIGTERM): workers first, then Prometheus, the allocator and
 Redis get SIGTERM, and whatever is still alive after the grace period gets
 SIGKILL (a second Ctrl-C skips the grace period).
@@ -40,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -66,6 +68,10 @@ _EXEC_WITH_PARENT = (
     "    os._exit(1)\n"
     "os.execvp(sys.argv[2], sys.argv[2:])\n"
 )
+
+
+# Access-log lines of health probes and scrapes: kept in the log file, not echoed.
+_QUIET_LINE = re.compile(r'"GET /(health|metrics) HTTP/')
 
 
 class StackError(CliError):
@@ -182,7 +188,7 @@ class Process:
                 line = raw.decode("utf-8", "replace").rstrip("\r\n")
                 self.tail.append(line)
                 self._log.write(line + "\n")
-                if self._console is not None:
+                if self._console is not None and not _QUIET_LINE.search(line):
                     self._console.print(
                         Text.assemble((f"{self.name:>10} | ", self._colour), line),
                         markup=False, highlight=False, soft_wrap=True,
