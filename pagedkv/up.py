@@ -27,7 +27,8 @@ Library use (tests, the demo)::
 - `__enter__` returns once every process is healthy (gRPC health for the
   allocator, GET /health for workers, /-/ready for Prometheus, PING for Redis)
   or raises `StackError` naming the process that failed, with its last lines;
-  nothing is left running then. `__exit__` stops everything.
+  nothing is left running then, and a temporary log folder is kept for a
+  look (`stack.log_dir`). `__exit__` stops everything; `logs()` works until then.
 - `redis=True` / `prometheus=True` without the binary: a warning, and the
   stack runs without it (`redis_url` / `prometheus_url` are None).
 - Processes run in their own sessions (a Ctrl-C reaches only this launcher,
@@ -298,6 +299,7 @@ class LocalStack:
         self.startup_timeout = startup_timeout
         self.grace = grace
         self._own_log_dir = log_dir is None
+        self.failed = False  # a failed stack keeps even a temporary log folder
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.echo = echo
         self.console = None
@@ -328,7 +330,8 @@ class LocalStack:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         try:
             self._start()
-        except BaseException:
+        except BaseException as exc:
+            self.failed = isinstance(exc, StackError) and bool(self.processes)
             self.stop()
             raise
         return self
@@ -418,7 +421,7 @@ class LocalStack:
             stop_processes(tiers, self.grace, self.hurry)
         finally:
             self.processes = {}
-            if self._own_log_dir and self.log_dir is not None:
+            if self._own_log_dir and self.log_dir is not None and not self.failed:
                 shutil.rmtree(self.log_dir, ignore_errors=True)
                 self.log_dir = None
 
@@ -548,6 +551,7 @@ def run(args: argparse.Namespace) -> int:
             Path(args.ready_file).write_text(json.dumps(stack.describe(), indent=2))
         dead = stack.wait()
         stopping = True
+        stack.failed = True
         raise StackError(dead.describe_failure(f"exited with status {dead.popen.returncode}"))
     except KeyboardInterrupt:
         stopping = True
@@ -559,5 +563,5 @@ def run(args: argparse.Namespace) -> int:
     finally:
         stopping = True
         stack.stop()
-    console.print("all processes stopped")
+    console.print("all processes stopped" + (f"; logs kept in {stack.log_dir}" if stack.failed else ""))
     return status

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -71,8 +72,6 @@ def test_every_flag_has_help_and_passes_through():
 
 
 def test_generated_prometheus_config_passes_promtool(tmp_path):
-    import shutil
-
     exe = shutil.which("promtool")
     if exe is None:
         pytest.skip("skipped: no `promtool` on PATH (Debian package `prometheus`; .ci/run installs it)")
@@ -196,7 +195,9 @@ def test_up_reports_the_worker_that_failed(tmp_path):
     assert proc.returncode == 1
     out = proc.stdout + proc.stderr
     assert "pagedkv up: error: worker-1 exited with status" in out and "no-such-model" in out
-    assert "all processes stopped" in out
+    kept = Path(out.rsplit("logs kept in ", 1)[1].split()[0])
+    assert "no-such-model" in (kept / "worker-1.log").read_text()
+    shutil.rmtree(kept)
 
 
 def test_local_stack_with_redis_and_prometheus(tmp_path):
