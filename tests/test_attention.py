@@ -341,3 +341,21 @@ def test_metadata_build():
 def test_metadata_rejects_bad_batches(seqs, match):
     with pytest.raises(ValueError, match=match):
         AttentionMetadata.build(seqs, block_size=4)
+
+
+# -- the benchmark runs (figures are not asserted) ------------------------------------
+
+
+def test_bench_attention_smoke(capsys):
+    import argparse
+    import json
+
+    from worker import bench_attention
+
+    parser = argparse.ArgumentParser()
+    bench_attention.add_arguments(parser)
+    args = parser.parse_args(["--batch-sizes", "1,3", "--contexts", "40", "--repeats", "1", "--json"])
+    assert bench_attention.run(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [r["batch"] for r in report["results"]] == [1, 3]
+    assert all(r["max_abs_diff"] < 1e-4 and r["ratio"] > 0 for r in report["results"])
