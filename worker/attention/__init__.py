@@ -17,6 +17,7 @@ CUDA default). Triton is imported only when the "triton" backend is asked for.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -38,6 +39,8 @@ AttentionBackend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Attention
 
 BACKEND_NAMES = ("reference", "torch", "triton")
 
+log = logging.getLogger(__name__)
+
 
 def get_backend(name: str) -> AttentionBackend:
     """A new instance of the backend called `name` (one of BACKEND_NAMES).
@@ -56,5 +59,10 @@ def get_backend(name: str) -> AttentionBackend:
 
 
 def select_backend(device: str | torch.device) -> AttentionBackend:
-    """Triton on CUDA, vectorised torch elsewhere."""
-    return get_backend("triton" if torch.device(device).type == "cuda" else "torch")
+    """Triton on CUDA (torch if triton is not installed), vectorised torch elsewhere."""
+    if torch.device(device).type == "cuda":
+        try:
+            return get_backend("triton")
+        except ImportError:
+            log.warning("triton is not installed: CUDA attention falls back to the torch path")
+    return get_backend("torch")

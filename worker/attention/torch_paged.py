@@ -76,11 +76,19 @@ class _PrefillPlan:
 
 
 @dataclass(frozen=True, slots=True)
+class _DecodeGroup:
+    """The decoding sequences of a step, served together."""
+
+    rows: torch.Tensor | None  # their rows in q; None when every sequence decodes
+    block_tables: torch.Tensor  # [b, W] their tables
+    context_lens: torch.Tensor  # [b]
+    max_context_len: int
+    plan: _DecodePlan | None  # gather indices for the torch path (None with a custom decode_fn)
+
+
+@dataclass(frozen=True, slots=True)
 class _StepPlan:
-    decode_seqs: torch.Tensor | None  # seq indices of the decodes; None = all sequences
-    decode_rows: torch.Tensor | None  # their rows in q
-    decode_max_len: int
-    decode: _DecodePlan | None  # None when there is no decode or decode_fn is custom
+    decodes: _DecodeGroup | None  # None when no sequence decodes
     prefills: tuple[_PrefillPlan, ...]
 
 
@@ -127,16 +135,14 @@ class PagedAttention:
     ) -> torch.Tensor:
         num_kv_heads = k_cache.shape[2]
         plan = self._step_plan(meta, num_kv_heads, q.shape[1] // num_kv_heads)
-        if plan.decode_rows is None and not plan.prefills:
-            return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, plan, scale)
+        decodes = plan.decodes
+        if decodes is not None and decodes.rows is None:  # decode-only step: no scatter
+            return self._decode(q, k_cache, v_cache, decodes, scale)
         out = torch.empty_like(q)
         for p in plan.prefills:
             out[p.start : p.start + p.new] = _prefill_one(q[p.start : p.start + p.new], k_cache, v_cache, p, scale)
-        if plan.decode_rows is not None:
-            rows, seqs = plan.decode_rows, plan.decode_seqs
-            out[rows] = self._decode(
-                q[rows], k_cache, v_cache, meta.block_tables[seqs], meta.context_lens[seqs], plan, scale
-            )
+        if decodes is not None:
+            out[decodes.rows] = self._decode(q[decodes.rows], k_cache, v_cache, decodes, scale)
         return out
 
     # -- planning (once per step) ---------------------------------------------
@@ -157,18 +163,20 @@ class PagedAttention:
             else:
                 prefills.append(_prefill_plan(meta.block_tables[s], start, new, ctx, meta.block_size, group))
             start += new
-        max_len = max((meta.host_context_lens[s] for s in decode_seqs), default=0)
-        all_decode = len(decode_seqs) == meta.num_seqs
-        seqs_t = None if all_decode else torch.tensor(decode_seqs, dtype=torch.long, device=device)
-        rows_t = None if all_decode else torch.tensor(decode_rows, dtype=torch.long, device=device)
-        decode = None
-        if decode_seqs and self.decode_fn is None:
-            tables = meta.block_tables if seqs_t is None else meta.block_tables[seqs_t]
-            lens = meta.context_lens if seqs_t is None else meta.context_lens[seqs_t]
-            decode = _decode_plan(tables, lens, max_len, meta.block_size, num_kv_heads, group)
-        if not decode_seqs:
-            seqs_t = rows_t = None
-        self._plan = _StepPlan(seqs_t, rows_t, max_len, decode, tuple(prefills))
+        decodes = None
+        if decode_seqs:
+            if len(decode_seqs) == meta.num_seqs:
+                rows, tables, lens = None, meta.block_tables, meta.context_lens
+            else:
+                seqs = torch.tensor(decode_seqs, dtype=torch.long, device=device)
+                rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
+                tables, lens = meta.block_tables[seqs], meta.context_lens[seqs]
+            max_len = max(meta.host_context_lens[s] for s in decode_seqs)
+            gather = None
+            if self.decode_fn is None:
+                gather = _decode_plan(tables, lens, max_len, meta.block_size, num_kv_heads, group)
+            decodes = _DecodeGroup(rows, tables, lens, max_len, gather)
+        self._plan = _StepPlan(decodes, tuple(prefills))
         self._plan_key = (meta, num_kv_heads, group)
         return self._plan
 
@@ -179,21 +187,20 @@ class PagedAttention:
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        block_tables: torch.Tensor,
-        context_lens: torch.Tensor,
-        plan: _StepPlan,
+        decodes: _DecodeGroup,
         scale: float,
     ) -> torch.Tensor:
         if self.decode_fn is not None:
-            return self.decode_fn(q, k_cache, v_cache, block_tables, context_lens, plan.decode_max_len, scale)
-        assert plan.decode is not None
-        dp = plan.decode
+            return self.decode_fn(
+                q, k_cache, v_cache, decodes.block_tables, decodes.context_lens, decodes.max_context_len, scale
+            )
+        dp = decodes.plan
+        assert dp is not None
         batch, num_q_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[2]
         group = num_q_heads // num_kv_heads
-        key_rows = k_cache.reshape(-1, head_dim)
         keys = self._buffer(dp.key_rows.shape[0], head_dim, k_cache)
-        torch.index_select(key_rows, 0, dp.key_rows, out=keys)
+        torch.index_select(k_cache.reshape(-1, head_dim), 0, dp.key_rows, out=keys)
         keys = keys.view(batch, num_kv_heads, dp.length, head_dim)
         # GQA without repeating K: the `group` query heads sharing a kv head are
         # that kv head's query rows. Query head h reads kv head h // group.

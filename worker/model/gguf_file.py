@@ -160,6 +160,11 @@ class GGUFModelFile:
     def _hf_name(name: str) -> str:
         if name in _GLOBAL_NAMES:
             return _GLOBAL_NAMES[name]
+        if name == "rope_freqs.weight":
+            raise UnsupportedModelError(
+                "this GGUF stores llama3 rope scaling as per-frequency factors (rope_freqs.weight), "
+                "which is not supported; load the model's Hugging Face folder instead"
+            )
         m = _LAYER_RE.match(name)
         if m and m.group(2) in _LAYER_NAMES:
             return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
