@@ -1,0 +1,52 @@
+"""Settings of one allocator service: lease, snapshots, and the limits that
+bound what a single call can make the server do."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Per-call and server-wide bounds. A call over a per-call bound gets
+    INVALID_ARGUMENT; one that would exceed server capacity gets
+    RESOURCE_EXHAUSTED. Either way nothing changes."""
+
+    # Operations in one Step, and tokens in one call (Step, MatchPrefix).
+    max_ops_per_step: int = 16384
+    max_tokens_per_call: int = 1 << 20
+    # Live pools, and blocks summed over them: the metadata of one block costs
+    # the server ~50 bytes, so 4M blocks is ~200 MB of Python lists.
+    max_pools: int = 1024
+    max_total_blocks: int = 1 << 22
+    # Concurrent WatchEvents streams: each holds a server thread.
+    max_watchers: int = 8
+    # Largest request or response on the wire (gRPC answers bigger ones with
+    # RESOURCE_EXHAUSTED before any of our code runs).
+    max_message_bytes: int = 16 << 20
+    max_worker_id_len: int = 128
+
+    def __post_init__(self) -> None:
+        for name in self.__slots__:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceConfig:
+    # A pool no call has renewed for this long is dropped.
+    lease_ttl_s: float = 30.0
+    # With a durable journal: write a snapshot every this many records, so a
+    # restart replays at most that many.
+    snapshot_every: int = 1000
+    # KV events kept for clients that reconnect to WatchEvents.
+    event_retention: int = 65536
+    limits: Limits = field(default_factory=Limits)
+
+    def __post_init__(self) -> None:
+        if not self.lease_ttl_s > 0:
+            raise ValueError("lease_ttl_s must be positive")
+        if self.snapshot_every < 1:
+            raise ValueError("snapshot_every must be at least 1")
+        if self.event_retention < 1:
+            raise ValueError("event_retention must be at least 1")

@@ -1,0 +1,117 @@
+"""Every error the service can answer, and the ONE table mapping it to a
+gRPC status code.
+
+The service raises domain exceptions (these classes, and the core's
+`AllocatorError`s); only `abort()` turns them into a status. Each carries a
+stable machine-readable `code`, sent as the `pagedkv-error` trailing
+metadata so a client can tell "your pool is gone" from "unknown sequence"
+without parsing the message. Anything else reaching `abort()` is a bug: it is
+logged with its traceback and the client sees INTERNAL with no detail.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from allocator_service.core.errors import (
+    AllocatorError,
+    InvalidArgument,
+    OutOfBlocks,
+    SequenceExists,
+    UnknownSequence,
+)
+
+log = logging.getLogger(__name__)
+
+ERROR_KEY = "pagedkv-error"
+
+
+class ServiceError(AllocatorError):
+    """Base of the service's own errors (the core's cover the block logic)."""
+
+
+class BadRequest(ServiceError):
+    """Malformed request or one over the documented limits."""
+
+    code = "invalid_argument"
+
+
+class Unauthenticated(ServiceError):
+    """Missing or wrong bearer token, or no pool credential presented."""
+
+    code = "unauthenticated"
+
+
+class PermissionDenied(ServiceError):
+    """A pool credential that is not this pool's."""
+
+    code = "permission_denied"
+
+
+class PoolNotFound(ServiceError):
+    """No such pool: never registered, deregistered, expired or replaced."""
+
+    code = "pool_not_found"
+
+    def __init__(self, pool_id: str) -> None:
+        super().__init__(f"no pool {pool_id!r} (never registered, dropped, or its lease expired)")
+        self.pool_id = pool_id
+
+
+class StepConflict(ServiceError):
+    """A step id the pool's history cannot accept (reused with other
+    operations, or older than the last step)."""
+
+    code = "step_conflict"
+
+
+class CapacityExceeded(ServiceError):
+    """Server-wide capacity: pools, blocks, watchers."""
+
+    code = "capacity"
+
+
+class StoreUnavailable(ServiceError):
+    """The durable state store (Redis) did not answer; nothing was applied."""
+
+    code = "store_unavailable"
+
+
+# The one mapping. Keyed by class; the most specific match wins (the MRO walk
+# in `status_for`), so a subclass of InvalidArgument is INVALID_ARGUMENT too.
+STATUS: dict[type[Exception], grpc.StatusCode] = {
+    BadRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    PoolNotFound: grpc.StatusCode.NOT_FOUND,
+    UnknownSequence: grpc.StatusCode.NOT_FOUND,
+    StepConflict: grpc.StatusCode.FAILED_PRECONDITION,
+    SequenceExists: grpc.StatusCode.FAILED_PRECONDITION,
+    CapacityExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    OutOfBlocks: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    StoreUnavailable: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """(status code, machine-readable reason) for an exception."""
+    for cls in type(exc).__mro__:
+        status = STATUS.get(cls)
+        if status is not None:
+            return status, getattr(exc, "code", "error")
+    return grpc.StatusCode.INTERNAL, "internal"
+
+
+def abort(context: grpc.ServicerContext, exc: BaseException, method: str = "") -> None:
+    """End the call with the status `exc` maps to (raises, as context.abort does)."""
+    status, code = status_for(exc)
+    if status is grpc.StatusCode.INTERNAL:
+        log.error("internal error in %s", method or "a call", exc_info=exc)
+        message = "internal error"
+    else:
+        message = str(exc)
+    context.set_trailing_metadata(((ERROR_KEY, code),))
+    context.abort(status, message)

@@ -1,0 +1,359 @@
+"""The allocator service as a transport-free object: one lock around the
+registry, the journal write before each change, leases and credentials.
+
+Every mutating call follows the same path under the lock: check the caller,
+validate, journal the record (Redis: before anything changes in memory),
+apply it to the registry, then maybe snapshot. Journaling FIRST means a
+failed write leaves memory untouched, so the caller can simply retry; if the
+write's outcome is unknown (a timeout after Redis may have stored it), the
+service marks itself stale and rebuilds from Redis before the next change,
+so memory never drifts from the journal.
+
+One lock for all pools, not one per pool: the journal and the KV event
+numbers are a single global order, which replay must reproduce exactly, and
+the GIL would serialise the pure-Python work anyway.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from allocator_service.codec import ops_digest, stats_to_proto
+from allocator_service.columns import validate
+from allocator_service.config import ServiceConfig
+from allocator_service.core import PoolStats
+from allocator_service.core.errors import InvalidArgument
+from allocator_service.errors import (
+    BadRequest,
+    CapacityExceeded,
+    PermissionDenied,
+    PoolNotFound,
+    StepConflict,
+    StoreUnavailable,
+    Unauthenticated,
+)
+from allocator_service.events import EventLog
+from allocator_service.journal import MemoryJournal, RedisJournal
+from allocator_service.leases import LeaseTable
+from allocator_service.state import PoolEntry, Registry, config_from_shape
+from pagedkv.v1 import allocator_pb2 as pb
+from pagedkv.v1 import journal_pb2 as jpb
+
+log = logging.getLogger(__name__)
+
+
+class Registration(NamedTuple):
+    pool_id: str
+    epoch: int
+    credential: str
+    lease_ttl_s: float
+
+
+class PoolView(NamedTuple):
+    """What the metrics collector reads of one pool."""
+
+    pool_id: str
+    worker_id: str
+    stats: PoolStats
+
+
+def _digest(credential: str) -> bytes:
+    return hashlib.sha256(credential.encode()).digest()
+
+
+class AllocatorService:
+    def __init__(
+        self,
+        config: ServiceConfig | None = None,
+        journal: MemoryJournal | RedisJournal | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config or ServiceConfig()
+        self.limits = self.config.limits
+        self.journal = journal if journal is not None else MemoryJournal()
+        self.events = EventLog(self.config.event_retention)
+        self.leases = LeaseTable(self.config.lease_ttl_s, clock)
+        self.registry = Registry(self.events)
+        self._lock = threading.Lock()
+        self._stale = False  # memory may lack the last journal write: reload first
+        self._since_snapshot = 0
+        self._watchers = 0
+        self._watchers_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._reaper: threading.Thread | None = None
+        with self._lock:
+            self._load(take_ownership=True)
+
+    # ----------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        """Start the lease reaper thread."""
+        interval = min(max(self.config.lease_ttl_s / 4, 0.05), 1.0)
+
+        def reap() -> None:
+            while not self._stop.wait(interval):
+                try:
+                    self.expire_leases()
+                except Exception:  # keep reaping; a bug here must not stop leases
+                    log.exception("lease reaper")
+
+        self._reaper = threading.Thread(target=reap, name="lease-reaper", daemon=True)
+        self._reaper.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._reaper is not None:
+            self._reaper.join(timeout=5)
+        self.events.close()
+        self.journal.close()
+
+    # ------------------------------------------------------------ internals
+    def _load(self, take_ownership: bool) -> None:
+        """Rebuild the registry from the journal (and its snapshot)."""
+        snap, records = self.journal.load(take_ownership)
+        if snap is not None:
+            registry = Registry.from_snapshot(snap, self.events)
+        else:
+            self.events.reset(1)
+            registry = Registry(self.events)
+        for raw in records:
+            registry.apply(jpb.JournalRecord.FromString(raw))
+        self.registry = registry
+        self.leases.rearm(list(registry.pools))
+        self._since_snapshot = len(records)
+        self._stale = False
+        if snap is not None or records:
+            log.info(
+                "restored %d pools from %s (snapshot at record %d, %d records replayed)",
+                len(registry.pools),
+                self.journal.describe(),
+                snap["index"] if snap else 0,
+                len(records),
+            )
+
+    def _fresh(self) -> Registry:
+        """The registry, reloaded first if a journal write's fate is unknown."""
+        if self._stale:
+            self._load(take_ownership=False)
+        return self.registry
+
+    def _journal(self, **change: Any) -> None:
+        if not self.journal.durable:
+            return
+        record = jpb.JournalRecord(index=self.registry.index + 1, **change)
+        try:
+            self.journal.append(record.SerializeToString())
+        except StoreUnavailable:
+            self._stale = True
+            raise
+
+    def _changed(self, events_before: int) -> None:
+        if self.events.next_sequence != events_before:
+            self.events.notify()
+        if self.journal.durable:
+            self._since_snapshot += 1
+            if self._since_snapshot >= self.config.snapshot_every:
+                self._snapshot()
+
+    def _snapshot(self) -> None:
+        blob = json.dumps(self.registry.to_snapshot(), separators=(",", ":")).encode()
+        try:
+            self.journal.write_snapshot(blob)
+        except StoreUnavailable as exc:
+            # Harmless: the journal still holds every record; retry later.
+            log.warning("snapshot not written: %s", exc)
+            return
+        self._since_snapshot = 0
+
+    def _authorize(self, ref: pb.PoolRef) -> PoolEntry:
+        if not ref.pool_id:
+            raise BadRequest("pool.pool_id is required")
+        entry = self.registry.pools.get(ref.pool_id)
+        if entry is None:
+            raise PoolNotFound(ref.pool_id)
+        if not ref.credential:
+            raise Unauthenticated("this call needs the pool's credential (pool.credential)")
+        if not hmac.compare_digest(_digest(ref.credential), entry.credential_digest):
+            raise PermissionDenied(f"the credential is not that of pool {ref.pool_id!r}")
+        # Any authenticated call on the pool proves its worker is alive.
+        self.leases.renew(entry.pool_id)
+        return entry
+
+    # ------------------------------------------------------------ pool calls
+    def register(self, worker_id: str, shape: pb.PoolShape) -> Registration:
+        limit = self.limits.max_worker_id_len
+        if not worker_id or len(worker_id) > limit or "/" in worker_id or not worker_id.isprintable():
+            raise BadRequest(f"worker_id must be 1 to {limit} printable characters without '/'")
+        config = config_from_shape(shape)
+        credential = secrets.token_urlsafe(32)
+        digest = _digest(credential)
+        with self._lock:
+            reg = self._fresh()
+            old = reg.pools.get(reg.current.get(worker_id, ""))
+            pools = len(reg.pools) - (old is not None)
+            if pools >= self.limits.max_pools:
+                raise CapacityExceeded(f"the server holds its maximum of {self.limits.max_pools} pools")
+            blocks = sum(e.pool.num_blocks for e in reg.pools.values()) - (old.pool.num_blocks if old else 0)
+            if blocks + config.num_blocks > self.limits.max_total_blocks:
+                raise CapacityExceeded(
+                    f"{config.num_blocks} more blocks would exceed the server's "
+                    f"{self.limits.max_total_blocks} (in use: {blocks})"
+                )
+            epoch = reg.next_epoch(worker_id)
+            before = self.events.next_sequence
+            self._journal(
+                registered=jpb.PoolRegistered(
+                    pool_id=f"{worker_id}/{epoch}",
+                    worker_id=worker_id,
+                    epoch=epoch,
+                    shape=shape,
+                    credential_digest=digest,
+                )
+            )
+            entry = reg.register(worker_id, epoch, config, digest)
+            if old is not None:
+                self.leases.forget(old.pool_id)
+            self.leases.renew(entry.pool_id)
+            self._changed(before)
+        log.info("registered pool %s (%d blocks of %d)", entry.pool_id, config.num_blocks, config.block_size)
+        return Registration(entry.pool_id, epoch, credential, self.config.lease_ttl_s)
+
+    def heartbeat(self, ref: pb.PoolRef) -> float:
+        with self._lock:
+            self._authorize(ref)
+        return self.config.lease_ttl_s
+
+    def deregister(self, ref: pb.PoolRef) -> None:
+        with self._lock:
+            self._fresh()
+            entry = self._authorize(ref)
+            self._drop(entry.pool_id, "deregistered")
+
+    def _drop(self, pool_id: str, reason: str) -> None:
+        before = self.events.next_sequence
+        self._journal(dropped=jpb.PoolDropped(pool_id=pool_id, reason=reason))
+        self.registry.drop(pool_id, reason)
+        self.leases.forget(pool_id)
+        self._changed(before)
+        log.info("dropped pool %s (%s)", pool_id, reason)
+
+    def step(self, ref: pb.PoolRef, step_id: int, ops_msg: pb.StepOps) -> pb.StepResponse:
+        if step_id < 1:
+            raise BadRequest("step_id must be positive")
+        # Validation and hashing need no lock.
+        validate(ops_msg, self.limits.max_ops_per_step, self.limits.max_tokens_per_call)
+        digest = ops_digest(ops_msg)
+        with self._lock:
+            self._fresh()
+            entry = self._authorize(ref)
+            if step_id <= entry.last_step_id:
+                if step_id == entry.last_step_id and digest == entry.last_digest:
+                    return entry.last_response  # a retry: same answer, applied once
+                if step_id == entry.last_step_id:
+                    raise StepConflict(f"step {step_id} was already applied with other operations")
+                raise StepConflict(f"step {step_id} is older than the pool's last step {entry.last_step_id}")
+            before = self.events.next_sequence
+            self._journal(
+                step=jpb.StepApplied(pool_id=entry.pool_id, step_id=step_id, digest=digest, ops=ops_msg)
+            )
+            response = self.registry.step(entry, step_id, digest, ops_msg)
+            self._changed(before)
+            return response
+
+    def block_table(self, ref: pb.PoolRef, seq_id: str) -> tuple[list[int], int]:
+        with self._lock:
+            pool = self._authorize(ref).pool
+            return pool.block_table(seq_id), pool.num_tokens(seq_id)
+
+    def stats(self, ref: pb.PoolRef, check_integrity: bool = False) -> pb.GetPoolStatsResponse:
+        with self._lock:
+            entry = self._authorize(ref)
+            problems = entry.pool.integrity_problems() if check_integrity else []
+            return stats_to_proto(
+                entry.pool.stats(),
+                last_step_id=entry.last_step_id,
+                integrity_problems=problems,
+                integrity_checked=check_integrity,
+            )
+
+    def reset_prefix_cache(self, ref: pb.PoolRef) -> int:
+        with self._lock:
+            self._fresh()
+            entry = self._authorize(ref)
+            before = self.events.next_sequence
+            self._journal(reset=jpb.PrefixCacheReset(pool_id=entry.pool_id))
+            dropped = self.registry.reset_prefix_cache(entry)
+            self._changed(before)
+            return dropped
+
+    def dump(self, ref: pb.PoolRef) -> tuple[dict[str, Any], int, list[str]]:
+        with self._lock:
+            entry = self._authorize(ref)
+            return entry.pool.to_state(), entry.last_step_id, entry.pool.integrity_problems()
+
+    # ------------------------------------------------------- cross-pool calls
+    def match_prefix(self, fingerprint: str, tokens: list[int], salt: str | None) -> list[pb.PrefixMatch]:
+        if len(tokens) > self.limits.max_tokens_per_call:
+            raise BadRequest(f"{len(tokens)} tokens; the limit is {self.limits.max_tokens_per_call}")
+        if salt is not None and len(salt) > 1024:
+            raise InvalidArgument("cache_salt is longer than 1024 characters")
+        out = []
+        with self._lock:
+            for e in self.registry.pools.values():
+                pool = e.pool
+                if pool.config.model_fingerprint != fingerprint:
+                    continue
+                out.append(
+                    pb.PrefixMatch(
+                        pool_id=e.pool_id,
+                        worker_id=e.worker_id,
+                        cached_tokens=pool.cached_prefix_tokens(tokens, salt),
+                        free_blocks=pool.num_free_blocks,
+                        block_size=pool.block_size,
+                    )
+                )
+        out.sort(key=lambda m: (-m.cached_tokens, -m.free_blocks, m.pool_id))
+        return out
+
+    def expire_leases(self) -> list[str]:
+        """Drop every pool whose lease ran out (the reaper calls this)."""
+        dropped: list[str] = []
+        with self._lock:
+            for pool_id in self.leases.expired():
+                try:
+                    reg = self._fresh()
+                    if pool_id not in reg.pools:
+                        self.leases.forget(pool_id)
+                        continue
+                    self._drop(pool_id, "lease_expired")
+                except StoreUnavailable as exc:
+                    log.warning("lease of %s expired but the drop cannot be journaled: %s", pool_id, exc)
+                    break
+                dropped.append(pool_id)
+        return dropped
+
+    def pool_views(self) -> list[PoolView]:
+        with self._lock:
+            return [PoolView(e.pool_id, e.worker_id, e.pool.stats()) for e in self.registry.pools.values()]
+
+    # --------------------------------------------------------------- watchers
+    def open_watcher(self) -> None:
+        with self._watchers_lock:
+            if self._watchers >= self.limits.max_watchers:
+                raise CapacityExceeded(f"the server serves at most {self.limits.max_watchers} event streams")
+            self._watchers += 1
+
+    def close_watcher(self) -> None:
+        with self._watchers_lock:
+            self._watchers -= 1
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
