@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, str] = {
     "kv-size": "pagedkv.tools.kv_size",
     "simulate": "pagedkv.tools.simulate",
     "bench": "pagedkv.bench",
+    "allocator": "allocator_service.cli",
     "up": "pagedkv.up",
     "worker": "worker.cli",
     "demo": "pagedkv.demo",

@@ -22,6 +22,13 @@ class PoolLost(Exception):
     worker held is gone and must be recomputed."""
 
 
+class AllocatorUnavailable(ConnectionError):
+    """The allocator did not answer within the client's retries. The step's
+    outcome is unknown: calling `step` again with the same operations is
+    safe (the gRPC client reuses the step id, and the server applies a step
+    id once)."""
+
+
 @dataclass(frozen=True, slots=True)
 class PoolSpec:
     """What a worker asks for when it registers its KV pool."""

@@ -1,0 +1,139 @@
+"""`pagedkv allocator` and `python -m allocator_service`: run the service.
+
+Only argparse and os are imported at module level so that `pagedkv --help`
+stays fast; grpc, redis and prometheus load inside `run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+ENV = "PAGEDKV_ALLOCATOR_"
+
+DESCRIPTION = """\
+Run the PagedKV allocator: the gRPC service that owns every worker's block
+tables, refcounts and prefix-cache index. Every flag can also be given as an
+environment variable (shown in brackets); a flag wins over its variable.
+"""
+
+
+def _env(name: str, default=None):
+    return os.environ.get(ENV + name, default)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    a = parser.add_argument
+    a("--listen", default=_env("LISTEN", "127.0.0.1:50051"), metavar="HOST:PORT",
+      help="address to serve gRPC on; port 0 picks a free one, [::]:PORT or 0.0.0.0:PORT "
+           "for every interface [%(default)s] [PAGEDKV_ALLOCATOR_LISTEN]")
+    a("--metrics-port", type=int, default=_env("METRICS_PORT"), metavar="PORT",
+      help="serve Prometheus metrics on this port (same host as --listen; 0 = any free "
+           "port); off when not given [PAGEDKV_ALLOCATOR_METRICS_PORT]")
+    a("--state", default=_env("STATE", "memory"), metavar="memory|redis://HOST:PORT/DB",
+      help="'memory' keeps state in this process only; a redis:// URL journals every "
+           "accepted change in Redis before replying and rebuilds the exact state on "
+           "start (append ?key_prefix=NAME: to share one Redis) [%(default)s] "
+           "[PAGEDKV_ALLOCATOR_STATE]")
+    a("--auth-token-file", default=_env("AUTH_TOKEN_FILE"), metavar="PATH",
+      help="file holding a bearer token every call must send as 'authorization: Bearer "
+           "TOKEN' (health checks exempt); none = no server-wide token "
+           "[PAGEDKV_ALLOCATOR_AUTH_TOKEN_FILE]")
+    a("--lease-ttl", type=float, default=_env("LEASE_TTL", "30"), metavar="SECONDS",
+      help="drop a pool (and free its blocks) when no call renewed it for this long "
+           "[%(default)s] [PAGEDKV_ALLOCATOR_LEASE_TTL]")
+    a("--tls-cert", default=_env("TLS_CERT"), metavar="PEM",
+      help="serve TLS with this certificate chain (needs --tls-key) [PAGEDKV_ALLOCATOR_TLS_CERT]")
+    a("--tls-key", default=_env("TLS_KEY"), metavar="PEM",
+      help="private key of --tls-cert [PAGEDKV_ALLOCATOR_TLS_KEY]")
+    a("--snapshot-every", type=int, default=_env("SNAPSHOT_EVERY", "1000"), metavar="N",
+      help="with --state redis: write a full snapshot every N journal records, so a "
+           "restart replays at most N [%(default)s] [PAGEDKV_ALLOCATOR_SNAPSHOT_EVERY]")
+    a("--log-level", default=_env("LOG_LEVEL", "INFO"),
+      choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+      help="[%(default)s] [PAGEDKV_ALLOCATOR_LOG_LEVEL]")
+    return parser
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "allocator",
+        help="run the allocator gRPC service",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    return add_arguments(p)
+
+
+class UsageError(Exception):
+    pass
+
+
+def _read(path: str, what: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise UsageError(f"cannot read {what} {path}: {exc.strerror}") from exc
+
+
+def options_from_args(args: argparse.Namespace):
+    from allocator_service.config import ServiceConfig
+    from allocator_service.server import ServeOptions
+
+    token = None
+    if args.auth_token_file:
+        token = _read(args.auth_token_file, "auth token file").decode().strip()
+        if not token:
+            raise UsageError(f"auth token file {args.auth_token_file} is empty")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise UsageError("--tls-cert and --tls-key go together")
+    if ":" not in args.listen:
+        raise UsageError(f"--listen wants HOST:PORT, not {args.listen!r}")
+    try:
+        config = ServiceConfig(lease_ttl_s=args.lease_ttl, snapshot_every=args.snapshot_every)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    if not (args.state == "memory" or args.state.startswith(("redis://", "rediss://", "unix://"))):
+        raise UsageError(f"--state must be 'memory' or a redis:// URL, not {args.state!r}")
+    return ServeOptions(
+        listen=args.listen,
+        state=args.state,
+        metrics_port=args.metrics_port,
+        auth_token=token,
+        tls_cert=_read(args.tls_cert, "TLS certificate") if args.tls_cert else None,
+        tls_key=_read(args.tls_key, "TLS key") if args.tls_key else None,
+        config=config,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+    import sys
+
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    from allocator_service.errors import StoreUnavailable
+    from allocator_service.server import serve
+    from allocator_service.state import CorruptState
+
+    try:
+        return serve(options_from_args(args))
+    except UsageError as exc:
+        print(f"pagedkv allocator: error: {exc}", file=sys.stderr)
+        return 2
+    except (StoreUnavailable, CorruptState, OSError) as exc:
+        print(f"pagedkv allocator: cannot start: {exc}", file=sys.stderr)
+        return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = add_arguments(
+        argparse.ArgumentParser(
+            prog="python -m allocator_service",
+            description=DESCRIPTION,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+    )
+    return run(parser.parse_args(argv))

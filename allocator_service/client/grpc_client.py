@@ -1,0 +1,286 @@
+"""`GrpcAllocator`: the AllocatorClient of a worker that shares the allocator
+service with others.
+
+Failure handling, in the order a worker meets it:
+
+- UNAVAILABLE or DEADLINE_EXCEEDED (server restarting, Redis blip): the SAME
+  request, with the same step id, is sent again after an exponential backoff
+  with jitter. The server applies a step id once and answers a retry of it
+  with the first answer, so a step that did land is never applied twice.
+  When every retry fails, `AllocatorUnavailable` is raised; calling `step`
+  again with the same operations reuses the pending step id, so the worker
+  can simply retry without knowing whether the first attempt landed.
+- The pool is gone (lease expired, server restarted without durable state):
+  the client registers a fresh pool (a new epoch) and raises `PoolLost`;
+  every sequence the worker held is gone and must be recomputed.
+- Anything else is a bug on one side and surfaces as `grpc.RpcError`.
+
+A daemon thread renews the lease at a third of its TTL while the worker is
+idle (every call renews it too).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
+
+import grpc
+
+from allocator_service.client import AllocatorClient, AllocatorUnavailable, PoolLost, PoolSpec
+from allocator_service.codec import decode_results, encode_ops, stats_from_proto
+from allocator_service.core import (
+    BlockPool,
+    InvalidArgument,
+    Op,
+    OpResult,
+    PoolStats,
+    UnknownSequence,
+)
+from allocator_service.errors import ERROR_KEY
+from pagedkv.v1 import allocator_pb2 as pb
+from pagedkv.v1 import allocator_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+# Reconnect quickly after the server restarts (grpc's default backoff grows
+# to two minutes, far longer than a restart takes).
+CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+)
+
+
+def error_reason(err: grpc.RpcError) -> str:
+    """The server's machine-readable reason (`pagedkv-error` trailer)."""
+    for key, value in (err.trailing_metadata() or ()) if hasattr(err, "trailing_metadata") else ():
+        if key == ERROR_KEY:
+            return value
+    return ""
+
+
+def open_channel(target: str, tls_ca: str | bytes | None = None, options=()) -> grpc.Channel:
+    """A channel to `target`; TLS when a CA certificate (path or PEM) is given."""
+    opts = list(CHANNEL_OPTIONS) + list(options)
+    if tls_ca is None:
+        return grpc.insecure_channel(target, options=opts)
+    if isinstance(tls_ca, str):
+        with open(tls_ca, "rb") as f:
+            tls_ca = f.read()
+    return grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=tls_ca), options=opts)
+
+
+class _Caller:
+    """Deadlines, metadata and retry-with-backoff around one stub."""
+
+    def __init__(self, stub, auth_token: str | None, deadline_s: float, retries: int, backoff_s: float) -> None:
+        self.stub = stub
+        self.metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else None
+        self.deadline_s = deadline_s
+        self.retries = retries
+        self.backoff_s = backoff_s
+
+    def __call__(self, method: str, request, *, retry: bool = True):
+        fn = getattr(self.stub, method)
+        attempt = 0
+        while True:
+            try:
+                return fn(request, timeout=self.deadline_s, metadata=self.metadata)
+            except grpc.RpcError as err:
+                if not retry or err.code() not in RETRYABLE:
+                    raise
+                if attempt >= self.retries:
+                    raise AllocatorUnavailable(
+                        f"{method}: allocator unreachable after {attempt + 1} attempts: "
+                        f"{err.code().name} {err.details()}"
+                    ) from err
+                delay = min(self.backoff_s * 2**attempt, 2.0) * (0.5 + random.random() / 2)
+                attempt += 1
+                time.sleep(delay)
+
+
+class GrpcAllocator(AllocatorClient):
+    """One worker's pool at a remote allocator. Registers on construction."""
+
+    def __init__(
+        self,
+        target: str,
+        spec: PoolSpec,
+        *,
+        auth_token: str | None = None,
+        tls_ca: str | bytes | None = None,
+        deadline_s: float = 5.0,
+        retries: int = 10,
+        backoff_s: float = 0.05,
+        heartbeat: bool = True,
+    ) -> None:
+        self.spec = spec
+        self.block_size = spec.block_size
+        self._channel = open_channel(target, tls_ca)
+        self._call = _Caller(pb_grpc.AllocatorStub(self._channel), auth_token, deadline_s, retries, backoff_s)
+        self._register_lock = threading.Lock()
+        self._ref = pb.PoolRef()
+        self.epoch = 0
+        self.lease_ttl_s = 0.0
+        self._step_id = 0
+        self._pending: pb.StepRequest | None = None  # sent, outcome unknown
+        self._closed = threading.Event()
+        self._register()
+        self._heartbeat: threading.Thread | None = None
+        if heartbeat:
+            self._heartbeat = threading.Thread(target=self._beat, name="allocator-heartbeat", daemon=True)
+            self._heartbeat.start()
+
+    @property
+    def pool_id(self) -> str:
+        return self._ref.pool_id
+
+    # ---------------------------------------------------------------- pool
+    def _register(self) -> None:
+        s = self.spec
+        shape = pb.PoolShape(
+            num_blocks=s.num_blocks,
+            block_size=s.block_size,
+            model_fingerprint=s.model_fingerprint,
+            enable_prefix_caching=s.enable_prefix_caching,
+        )
+        r = self._call("RegisterPool", pb.RegisterPoolRequest(worker_id=s.worker_id, shape=shape))
+        with self._register_lock:
+            self._ref = pb.PoolRef(pool_id=r.pool_id, credential=r.credential)
+            self.epoch = r.epoch
+            self.lease_ttl_s = r.lease_ttl_s
+            self._step_id = 0
+            self._pending = None
+
+    def _pool_call(self, method: str, request):
+        """A call on our pool; a vanished pool becomes PoolLost (after
+        registering a fresh one)."""
+        try:
+            return self._call(method, request)
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.NOT_FOUND and error_reason(err) == "pool_not_found":
+                old = self._ref.pool_id
+                self._register()
+                log.warning("allocator pool %s was dropped; registered %s", old, self._ref.pool_id)
+                raise PoolLost(f"pool {old} was dropped by the allocator; now {self._ref.pool_id}") from err
+            raise
+
+    def _beat(self) -> None:
+        while not self._closed.wait(max(self.lease_ttl_s / 3, 0.05)):
+            try:
+                self._call("Heartbeat", pb.HeartbeatRequest(pool=self._ref), retry=False)
+            except grpc.RpcError as err:
+                # The engine's next call handles a lost pool; keep beating.
+                log.debug("heartbeat: %s", err.code().name)
+
+    # ------------------------------------------------------ AllocatorClient
+    def step(self, ops: Sequence[Op]) -> list[OpResult]:
+        try:
+            encoded = encode_ops(ops)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgument(f"cannot encode the step: {exc}") from exc
+        pending = self._pending
+        if pending is not None and pending.ops == encoded:
+            request = pending  # the same operations again: the same step id
+        else:
+            self._step_id += 1
+            request = pb.StepRequest(pool=self._ref, step_id=self._step_id, ops=encoded)
+        self._pending = request
+        response = self._pool_call("Step", request)
+        self._pending = None
+        return decode_results(response, len(ops))
+
+    def stats(self) -> PoolStats:
+        return stats_from_proto(self._pool_call("GetPoolStats", pb.GetPoolStatsRequest(pool=self._ref)))
+
+    def block_table(self, seq_id: str) -> list[int]:
+        try:
+            r = self._pool_call("GetBlockTable", pb.GetBlockTableRequest(pool=self._ref, seq_id=seq_id))
+        except grpc.RpcError as err:
+            if error_reason(err) == "unknown_sequence":
+                raise UnknownSequence(seq_id) from err
+            raise
+        return list(r.block_ids)
+
+    def reset_prefix_cache(self) -> int:
+        return self._pool_call("ResetPrefixCache", pb.ResetPrefixCacheRequest(pool=self._ref)).dropped
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        try:
+            self._call("DeregisterPool", pb.DeregisterPoolRequest(pool=self._ref), retry=False)
+        except grpc.RpcError as err:
+            log.debug("deregister on close: %s", err.code().name)
+        if self._heartbeat is not None:
+            self._heartbeat.join(timeout=2)
+        self._channel.close()
+
+    # -------------------------------------------------- beyond the interface
+    def integrity_problems(self) -> list[str]:
+        r = self._pool_call("GetPoolStats", pb.GetPoolStatsRequest(pool=self._ref, check_integrity=True))
+        return list(r.integrity_problems)
+
+    def dump(self) -> dict[str, Any]:
+        """The pool's full state, as `BlockPool.to_state()` gives it."""
+        import json
+
+        return json.loads(self._pool_call("DumpPool", pb.DumpPoolRequest(pool=self._ref)).state_json)
+
+    def snapshot(self) -> dict[str, Any]:
+        """What `pagedkv replay` prints after each operation, computed by the
+        same code as in-process from the dumped state."""
+        from pagedkv.tools.replay import pool_snapshot
+
+        return pool_snapshot(BlockPool.from_state(self.dump()))
+
+
+class PrefixMatch(NamedTuple):
+    pool_id: str
+    worker_id: str
+    cached_tokens: int
+    free_blocks: int
+    block_size: int
+
+
+class RouterClient:
+    """The cross-pool calls a router makes: MatchPrefix and WatchEvents."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        auth_token: str | None = None,
+        tls_ca: str | bytes | None = None,
+        deadline_s: float = 5.0,
+        retries: int = 3,
+    ) -> None:
+        self._channel = open_channel(target, tls_ca)
+        self._stub = pb_grpc.AllocatorStub(self._channel)
+        self._call = _Caller(self._stub, auth_token, deadline_s, retries, 0.05)
+
+    def match_prefix(self, model_fingerprint: str, tokens: Sequence[int], cache_salt: str | None = None) -> list[PrefixMatch]:
+        r = self._call(
+            "MatchPrefix",
+            pb.MatchPrefixRequest(model_fingerprint=model_fingerprint, tokens=tokens, cache_salt=cache_salt),
+        )
+        return [PrefixMatch(m.pool_id, m.worker_id, m.cached_tokens, m.free_blocks, m.block_size) for m in r.matches]
+
+    def watch_events(self, from_sequence: int = 0, timeout_s: float | None = None) -> Iterator[pb.KvEvent]:
+        """KV events from `from_sequence` (0 = from now). A KV_EVENT_KIND_RESYNC_REQUIRED
+        event says events were missed; the stream goes on after it."""
+        return self._stub.WatchEvents(
+            pb.WatchEventsRequest(from_sequence=from_sequence), timeout=timeout_s, metadata=self._call.metadata
+        )
+
+    def close(self) -> None:
+        self._channel.close()

@@ -1,0 +1,92 @@
+"""Prometheus metrics of the allocator (DESIGN.md, "Observability").
+
+Pool figures are read from the pools at scrape time by a custom collector,
+not kept as gauges updated on the hot path: the core already counts
+evictions, copies and out-of-blocks answers, so a scrape costs one `stats()`
+per pool and a Step costs nothing extra. Counters of a pool restart with each
+epoch, which is a new `pool_id` label (a new series), so they never go down.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from allocator_service.service import AllocatorService
+
+PREFIX = "pagedkv_allocator_"
+RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 2.5)
+
+
+def rpc_histogram(registry: CollectorRegistry) -> Histogram:
+    return Histogram(
+        PREFIX + "rpc_duration_seconds",
+        "Server-side latency of unary RPCs, by method and status code.",
+        ["method", "code"],
+        buckets=RPC_BUCKETS,
+        registry=registry,
+    )
+
+
+class PoolCollector:
+    """Per-pool occupancy and counters, read at scrape time."""
+
+    def __init__(self, service: AllocatorService) -> None:
+        self.service = service
+
+    def describe(self):
+        return []  # no auto-describe: collect() needs the live service
+
+    def collect(self):
+        labels = ["pool_id", "worker_id"]
+
+        def gauge(name: str, doc: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+
+        def counter(name: str, doc: str) -> CounterMetricFamily:
+            return CounterMetricFamily(PREFIX + name, doc, labels=labels)
+
+        capacity = gauge("pool_capacity_blocks", "Blocks in the pool.")
+        used = gauge("pool_used_blocks", "Blocks named by at least one block table.")
+        cached = gauge("pool_cached_blocks", "Free blocks still holding a reusable prefix hash.")
+        free = gauge("pool_free_blocks", "Free blocks, cached ones included.")
+        seqs = gauge("pool_sequences", "Live sequences in the pool.")
+        util = gauge(
+            "pool_slot_utilisation_ratio",
+            "Token slots holding a token over token slots allocated (1 when none allocated).",
+        )
+        queried = counter("prefix_queried_tokens", "Prompt tokens looked up in the prefix cache.")
+        hit = counter("prefix_hit_tokens", "Prompt tokens found in the prefix cache.")
+        evicted = counter("evicted_blocks", "Cached blocks whose hash was dropped to reuse them.")
+        copied = counter("cow_copied_blocks", "Copy-on-write block copies ordered.")
+        oob = counter("out_of_blocks", "Operations answered 'out of blocks'.")
+
+        views = self.service.pool_views()
+        for v in views:
+            s, key = v.stats, [v.pool_id, v.worker_id]
+            capacity.add_metric(key, s.num_blocks)
+            used.add_metric(key, s.used_blocks)
+            cached.add_metric(key, s.cached_blocks)
+            free.add_metric(key, s.free_blocks)
+            seqs.add_metric(key, s.num_sequences)
+            util.add_metric(key, s.utilisation)
+            queried.add_metric(key, s.prefix_queried_tokens)
+            hit.add_metric(key, s.prefix_hit_tokens)
+            evicted.add_metric(key, s.evictions)
+            copied.add_metric(key, s.copies)
+            oob.add_metric(key, s.out_of_blocks)
+        pools = GaugeMetricFamily(PREFIX + "pools", "Registered pools.", value=len(views))
+        events = GaugeMetricFamily(
+            PREFIX + "event_sequence", "Sequence number of the last KV event.",
+            value=self.service.events.next_sequence - 1,
+        )
+        yield from (pools, events, capacity, used, cached, free, seqs, util, queried, hit, evicted, copied, oob)
+
+
+def make_registry(service: AllocatorService) -> tuple[CollectorRegistry, Histogram]:
+    """A registry of our own (not the process-global one), so several
+    servers in one process (tests) do not collide."""
+    registry = CollectorRegistry()
+    histogram = rpc_histogram(registry)
+    registry.register(PoolCollector(service))
+    return registry, histogram

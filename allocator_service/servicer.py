@@ -1,0 +1,163 @@
+"""The gRPC face of `AllocatorService`: unpack, call, pack. Nothing else.
+
+Handlers are built here rather than with the generated
+`add_AllocatorServicer_to_server` for one reason: the generated code parses
+requests with `FromString`, and grpc turns a parse failure into INTERNAL.
+Bytes a client sends must never produce INTERNAL, so requests go through a
+deserializer that returns a `Malformed` marker instead, which becomes
+INVALID_ARGUMENT in the same error path as everything else.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import grpc
+
+from allocator_service import errors
+from allocator_service.errors import BadRequest
+from allocator_service.service import AllocatorService
+from pagedkv.v1 import allocator_pb2 as pb
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Allocator"].full_name
+
+EVENT_KIND = {
+    "block_stored": pb.KV_EVENT_KIND_BLOCK_STORED,
+    "block_removed": pb.KV_EVENT_KIND_BLOCK_REMOVED,
+    "all_cleared": pb.KV_EVENT_KIND_ALL_CLEARED,
+    "pool_registered": pb.KV_EVENT_KIND_POOL_REGISTERED,
+    "pool_dropped": pb.KV_EVENT_KIND_POOL_DROPPED,
+}
+WATCH_BATCH = 512
+WATCH_POLL_S = 0.5
+
+
+class AllocatorServicer:
+    def __init__(self, service: AllocatorService) -> None:
+        self.service = service
+
+    def RegisterPool(self, request: pb.RegisterPoolRequest, context) -> pb.RegisterPoolResponse:
+        r = self.service.register(request.worker_id, request.shape)
+        return pb.RegisterPoolResponse(
+            pool_id=r.pool_id, epoch=r.epoch, credential=r.credential, lease_ttl_s=r.lease_ttl_s
+        )
+
+    def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
+        return pb.HeartbeatResponse(lease_ttl_s=self.service.heartbeat(request.pool))
+
+    def DeregisterPool(self, request: pb.DeregisterPoolRequest, context) -> pb.DeregisterPoolResponse:
+        self.service.deregister(request.pool)
+        return pb.DeregisterPoolResponse()
+
+    def Step(self, request: pb.StepRequest, context) -> pb.StepResponse:
+        return self.service.step(request.pool, request.step_id, request.ops)
+
+    def GetBlockTable(self, request: pb.GetBlockTableRequest, context) -> pb.GetBlockTableResponse:
+        table, num_tokens = self.service.block_table(request.pool, request.seq_id)
+        return pb.GetBlockTableResponse(block_ids=table, num_tokens=num_tokens)
+
+    def GetPoolStats(self, request: pb.GetPoolStatsRequest, context) -> pb.GetPoolStatsResponse:
+        return self.service.stats(request.pool, request.check_integrity)
+
+    def ResetPrefixCache(self, request: pb.ResetPrefixCacheRequest, context) -> pb.ResetPrefixCacheResponse:
+        return pb.ResetPrefixCacheResponse(dropped=self.service.reset_prefix_cache(request.pool))
+
+    def MatchPrefix(self, request: pb.MatchPrefixRequest, context) -> pb.MatchPrefixResponse:
+        salt = request.cache_salt if request.HasField("cache_salt") else None
+        matches = self.service.match_prefix(request.model_fingerprint, list(request.tokens), salt)
+        return pb.MatchPrefixResponse(matches=matches)
+
+    def DumpPool(self, request: pb.DumpPoolRequest, context) -> pb.DumpPoolResponse:
+        state, last_step_id, problems = self.service.dump(request.pool)
+        return pb.DumpPoolResponse(
+            state_json=json.dumps(state, separators=(",", ":")),
+            last_step_id=last_step_id,
+            integrity_problems=problems,
+        )
+
+    def WatchEvents(self, request: pb.WatchEventsRequest, context) -> Iterator[pb.KvEvent]:
+        service = self.service
+        log = service.events
+        service.open_watcher()
+        try:
+            cursor = request.from_sequence or log.next_sequence
+            while context.is_active() and not service.stopping and not log.closed:
+                batch, after, gap = log.read(cursor, WATCH_BATCH, WATCH_POLL_S)
+                if gap:
+                    yield pb.KvEvent(sequence=after - len(batch), kind=pb.KV_EVENT_KIND_RESYNC_REQUIRED)
+                for e in batch:
+                    yield pb.KvEvent(
+                        sequence=e.sequence,
+                        kind=EVENT_KIND[e.kind],
+                        pool_id=e.pool_id,
+                        block_id=e.block_id,
+                        block_hash=e.block_hash,
+                        model_fingerprint=e.model_fingerprint,
+                        reason=e.reason,
+                    )
+                cursor = after
+        finally:
+            service.close_watcher()
+
+
+# ------------------------------------------------------------- registration
+class Malformed(NamedTuple):
+    """Stands in for a request whose bytes did not parse."""
+
+    error: str
+
+
+def _safe_parser(cls) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return cls.FromString(data)
+        except Exception as exc:  # any parse failure is the sender's fault
+            return Malformed(str(exc) or type(exc).__name__)
+
+    return parse
+
+
+def _unary(name: str, fn: Callable) -> Callable:
+    def handle(request, context):
+        try:
+            if type(request) is Malformed:
+                raise BadRequest(f"malformed {name} request: {request.error}")
+            return fn(request, context)
+        except Exception as exc:
+            errors.abort(context, exc, name)
+
+    return handle
+
+
+def _stream(name: str, fn: Callable) -> Callable:
+    def handle(request, context):
+        try:
+            if type(request) is Malformed:
+                raise BadRequest(f"malformed {name} request: {request.error}")
+            yield from fn(request, context)
+        except Exception as exc:
+            errors.abort(context, exc, name)
+
+    return handle
+
+
+def allocator_handler(service: AllocatorService) -> grpc.GenericRpcHandler:
+    """The Allocator service's handlers, with safe parsing and error mapping."""
+    servicer = AllocatorServicer(service)
+    handlers = {}
+    for method in pb.DESCRIPTOR.services_by_name["Allocator"].methods:
+        request_cls = getattr(pb, method.input_type.name)
+        response_cls = getattr(pb, method.output_type.name)
+        fn = getattr(servicer, method.name)
+        if method.server_streaming:
+            make, wrap = grpc.unary_stream_rpc_method_handler, _stream
+        else:
+            make, wrap = grpc.unary_unary_rpc_method_handler, _unary
+        handlers[method.name] = make(
+            wrap(method.name, fn),
+            request_deserializer=_safe_parser(request_cls),
+            response_serializer=response_cls.SerializeToString,
+        )
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
