@@ -10,6 +10,9 @@ Trace lines (one operation each):
 Output: one JSON object per operation with `ok`, `error` (when not ok),
 `cached_tokens` (admit), `new_blocks`, `copies`, `tables`, `free`,
 `refcounts` and `wasted_slots`. A failed operation prints the unchanged state.
+
+With `--allocator HOST:PORT` the trace runs against a running allocator
+service (a fresh pool of the given shape) and prints the same lines.
 """
 
 from __future__ import annotations
@@ -153,6 +156,19 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument(
         "--model-fingerprint", default="", help="model fingerprint mixed into the root hash"
     )
+    p.add_argument(
+        "--allocator", default=None, metavar="HOST:PORT",
+        help="run the trace against a running allocator service: register a fresh pool of "
+        "this shape there (deregistered at the end) instead of using the core in-process",
+    )
+    p.add_argument(
+        "--allocator-token-file", default=None, metavar="PATH",
+        help="file holding the allocator's bearer token, when it requires one",
+    )
+    p.add_argument(
+        "--allocator-tls-ca", default=None, metavar="PEM",
+        help="CA certificate to verify the allocator's TLS certificate",
+    )
     return p
 
 
@@ -164,8 +180,12 @@ def run(args: argparse.Namespace) -> int:
     with fh:
         ops = parse_trace(fh)
     executor = make_executor(args)
-    for out in replay_ops(ops, executor):
-        print(json.dumps(out), flush=True)
+    try:
+        for out in replay_ops(ops, executor):
+            print(json.dumps(out), flush=True)
+    finally:
+        if hasattr(executor, "close"):
+            executor.close()
     return 0
 
 
@@ -181,4 +201,39 @@ def make_executor(args: argparse.Namespace) -> Executor:
         )
     except InvalidArgument as exc:
         raise CliError(str(exc)) from None
+    if getattr(args, "allocator", None):
+        return _remote_executor(args)
     return LocalExecutor(BlockPool(config))
+
+
+def _remote_executor(args: argparse.Namespace) -> Executor:
+    """A fresh pool at the allocator service (GrpcAllocator has the
+    Executor's `block_size`, `step` and `snapshot`)."""
+    import os
+    import uuid
+
+    import grpc
+
+    from allocator_service.client import AllocatorUnavailable, PoolSpec
+    from allocator_service.client.grpc_client import GrpcAllocator
+
+    token = None
+    if args.allocator_token_file:
+        try:
+            with open(args.allocator_token_file, encoding="utf-8") as fh:
+                token = fh.read().strip()
+        except OSError as exc:
+            raise CliError(f"cannot read {args.allocator_token_file}: {exc.strerror}") from None
+    spec = PoolSpec(
+        worker_id=f"replay-{os.getpid()}-{uuid.uuid4().hex[:8]}",
+        num_blocks=args.num_blocks,
+        block_size=args.block_size,
+        model_fingerprint=args.model_fingerprint,
+        enable_prefix_caching=args.prefix_caching,
+    )
+    try:
+        return GrpcAllocator(args.allocator, spec, auth_token=token, tls_ca=args.allocator_tls_ca, retries=3)
+    except AllocatorUnavailable as exc:
+        raise CliError(f"cannot reach the allocator at {args.allocator}: {exc}") from None
+    except grpc.RpcError as exc:
+        raise CliError(f"the allocator refused the pool: {exc.code().name}: {exc.details()}") from None
