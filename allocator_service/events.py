@@ -2,8 +2,10 @@
 
 Events are appended by the state machine (under the service lock) in the
 order state changes are applied, so the same journal gives the same numbers
-after a restart. Readers (one thread per watcher) copy batches out under the
-log's own small lock; they never touch the service lock.
+after a restart. They collect in a pending list without any locking (a
+prefix-cached decode step can store dozens of blocks) and `publish()` moves
+them to the readers' window once per change, under the log's own small lock.
+Readers (one thread per watcher) never touch the service lock.
 """
 
 from __future__ import annotations
@@ -32,8 +34,10 @@ POOL_DROPPED = "pool_dropped"
 class EventLog:
     def __init__(self, retention: int) -> None:
         self._events: deque[Event] = deque(maxlen=retention)
+        self._pending: list[Event] = []
         self._cond = threading.Condition(threading.Lock())
-        self.next_sequence = 1
+        self.next_sequence = 1  # the number the next appended event gets
+        self._published = 1  # readers see events below this number
         self.closed = False
 
     def append(
@@ -45,24 +49,29 @@ class EventLog:
         model_fingerprint: str = "",
         reason: str = "",
     ) -> None:
-        with self._cond:
-            seq = self.next_sequence
-            self.next_sequence = seq + 1
-            self._events.append(
-                Event(seq, kind, pool_id, max(block_id, 0), block_hash or b"", model_fingerprint, reason)
-            )
+        seq = self.next_sequence
+        self.next_sequence = seq + 1
+        self._pending.append(
+            Event(seq, kind, pool_id, max(block_id, 0), block_hash or b"", model_fingerprint, reason)
+        )
 
-    def notify(self) -> None:
-        """Wake the watchers (once per applied change, not once per event)."""
+    def publish(self) -> None:
+        """Make the pending events visible and wake the watchers."""
+        if not self._pending:
+            return
         with self._cond:
+            self._events.extend(self._pending)
+            self._published = self.next_sequence
             self._cond.notify_all()
+        self._pending = []
 
     def reset(self, next_sequence: int) -> None:
         """Forget the window (the state was reloaded); numbering continues at
         `next_sequence`."""
         with self._cond:
             self._events.clear()
-            self.next_sequence = next_sequence
+            self._pending = []
+            self.next_sequence = self._published = next_sequence
             self._cond.notify_all()
 
     def close(self) -> None:
@@ -71,9 +80,9 @@ class EventLog:
             self._cond.notify_all()
 
     @property
-    def first_retained(self) -> int:
-        with self._cond:
-            return self._events[0].sequence if self._events else self.next_sequence
+    def published(self) -> int:
+        """The number the next event visible to readers will have."""
+        return self._published
 
     def read(self, cursor: int, limit: int, timeout: float) -> tuple[list[Event], int, bool]:
         """Events from sequence `cursor` on (at most `limit`), waiting up to
@@ -82,10 +91,10 @@ class EventLog:
         history): the caller must resync, and the batch starts at the oldest
         retained event instead."""
         with self._cond:
-            if self.next_sequence <= cursor and not self.closed:
+            if self._published <= cursor and not self.closed:
                 self._cond.wait(timeout)
-            first = self._events[0].sequence if self._events else self.next_sequence
-            gap = cursor < first or cursor > self.next_sequence
+            first = self._events[0].sequence if self._events else self._published
+            gap = cursor < first or cursor > self._published
             if gap:
                 cursor = first
             batch = list(itertools.islice(self._events, cursor - first, cursor - first + limit))

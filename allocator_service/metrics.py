@@ -78,7 +78,7 @@ class PoolCollector:
         pools = GaugeMetricFamily(PREFIX + "pools", "Registered pools.", value=len(views))
         events = GaugeMetricFamily(
             PREFIX + "event_sequence", "Sequence number of the last KV event.",
-            value=self.service.events.next_sequence - 1,
+            value=self.service.events.published - 1,
         )
         yield from (pools, events, capacity, used, cached, free, seqs, util, queried, hit, evicted, copied, oob)
 

@@ -126,6 +126,7 @@ class AllocatorService:
         for raw in records:
             registry.apply(jpb.JournalRecord.FromString(raw))
         self.registry = registry
+        self.events.publish()
         self.leases.rearm(list(registry.pools))
         self._since_snapshot = len(records)
         self._stale = False
@@ -154,9 +155,8 @@ class AllocatorService:
             self._stale = True
             raise
 
-    def _changed(self, events_before: int) -> None:
-        if self.events.next_sequence != events_before:
-            self.events.notify()
+    def _changed(self) -> None:
+        self.events.publish()
         if self.journal.durable:
             self._since_snapshot += 1
             if self._since_snapshot >= self.config.snapshot_every:
@@ -207,7 +207,6 @@ class AllocatorService:
                     f"{self.limits.max_total_blocks} (in use: {blocks})"
                 )
             epoch = reg.next_epoch(worker_id)
-            before = self.events.next_sequence
             self._journal(
                 registered=jpb.PoolRegistered(
                     pool_id=f"{worker_id}/{epoch}",
@@ -221,7 +220,7 @@ class AllocatorService:
             if old is not None:
                 self.leases.forget(old.pool_id)
             self.leases.renew(entry.pool_id)
-            self._changed(before)
+            self._changed()
         log.info("registered pool %s (%d blocks of %d)", entry.pool_id, config.num_blocks, config.block_size)
         return Registration(entry.pool_id, epoch, credential, self.config.lease_ttl_s)
 
@@ -237,11 +236,10 @@ class AllocatorService:
             self._drop(entry.pool_id, "deregistered")
 
     def _drop(self, pool_id: str, reason: str) -> None:
-        before = self.events.next_sequence
         self._journal(dropped=jpb.PoolDropped(pool_id=pool_id, reason=reason))
         self.registry.drop(pool_id, reason)
         self.leases.forget(pool_id)
-        self._changed(before)
+        self._changed()
         log.info("dropped pool %s (%s)", pool_id, reason)
 
     def step(self, ref: pb.PoolRef, step_id: int, ops_msg: pb.StepOps) -> pb.StepResponse:
@@ -259,12 +257,11 @@ class AllocatorService:
                 if step_id == entry.last_step_id:
                     raise StepConflict(f"step {step_id} was already applied with other operations")
                 raise StepConflict(f"step {step_id} is older than the pool's last step {entry.last_step_id}")
-            before = self.events.next_sequence
             self._journal(
                 step=jpb.StepApplied(pool_id=entry.pool_id, step_id=step_id, digest=digest, ops=ops_msg)
             )
             response = self.registry.step(entry, step_id, digest, ops_msg)
-            self._changed(before)
+            self._changed()
             return response
 
     def block_table(self, ref: pb.PoolRef, seq_id: str) -> tuple[list[int], int]:
@@ -287,10 +284,9 @@ class AllocatorService:
         with self._lock:
             self._fresh()
             entry = self._authorize(ref)
-            before = self.events.next_sequence
             self._journal(reset=jpb.PrefixCacheReset(pool_id=entry.pool_id))
             dropped = self.registry.reset_prefix_cache(entry)
-            self._changed(before)
+            self._changed()
             return dropped
 
     def dump(self, ref: pb.PoolRef) -> tuple[dict[str, Any], int, list[str]]:

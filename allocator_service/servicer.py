@@ -82,7 +82,7 @@ class AllocatorServicer:
         log = service.events
         service.open_watcher()
         try:
-            cursor = request.from_sequence or log.next_sequence
+            cursor = request.from_sequence or log.published
             while context.is_active() and not service.stopping and not log.closed:
                 batch, after, gap = log.read(cursor, WATCH_BATCH, WATCH_POLL_S)
                 if gap:

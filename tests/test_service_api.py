@@ -285,9 +285,10 @@ def test_metrics_endpoint(server, api):
     assert 'code="PERMISSION_DENIED"' in text or 'code="UNAUTHENTICATED"' in text
 
 
-def test_sigterm_shuts_down_cleanly():
-    with allocator_server() as s:
+def test_env_settings_and_sigterm_shutdown():
+    with allocator_server(env={"PAGEDKV_ALLOCATOR_LEASE_TTL": "7.5"}) as s:
         c = GrpcAllocator(s.address, PoolSpec("bye", 8, 4))
+        assert c.lease_ttl_s == 7.5
         c.step([Admit("a", [1, 2])])
         assert s.terminate() == 0
         assert "shutting down" in "\n".join(s.log)
