@@ -49,15 +49,16 @@ def test_leases_are_rearmed_after_a_restart():
     """After a restart the state comes back with a fresh lease for every
     pool (from the restart time), then silent pools expire as usual."""
     with redis_store() as (url, _):
-        args = ("--lease-ttl", str(TTL * 2), "--state", url)
+        ttl = 3 * TTL  # room for a restart under load inside one lease
+        args = ("--lease-ttl", str(ttl), "--state", url)
         with allocator_server(*args) as server:
             worker = GrpcAllocator(server.address, PoolSpec("rearm", 16, 4), heartbeat=False)
             worker.step([Admit("a", [1, 2, 3])])
             server.kill()
-        time.sleep(TTL * 2.5)  # longer than the TTL: only a re-armed lease survives it
+        time.sleep(ttl + 0.5)  # longer than the TTL: only a re-armed lease survives it
         with allocator_server(*args, listen=f"127.0.0.1:{server.port}"):
             assert worker.block_table("a") == [0]
-            time.sleep(TTL * 3)
+            time.sleep(ttl * 1.5)
             with pytest.raises(PoolLost):
                 worker.block_table("a")
             worker.close()
