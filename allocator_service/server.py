@@ -131,6 +131,7 @@ def serve(opts: ServeOptions) -> int:
         pass
     log.info("shutting down")
     health_servicer.enter_graceful_shutdown()
+    service.events.close()  # end WatchEvents streams now rather than at the end of the grace
     server.stop(opts.grace_s).wait()
     service.close()
     if httpd is not None:

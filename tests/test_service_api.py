@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -279,7 +280,12 @@ def test_env_settings_and_sigterm_shutdown():
         c = GrpcAllocator(s.address, PoolSpec("bye", 8, 4))
         assert c.lease_ttl_s == 7.5
         c.step([Admit("a", [1, 2])])
+        watcher = RouterClient(s.address).watch_events(from_sequence=1)
+        next(watcher)  # an open event stream must not hold the shutdown for the grace period
+        t0 = time.monotonic()
         assert s.terminate() == 0
+        assert time.monotonic() - t0 < 4
+        assert list(watcher) == []  # a clean end, no error
         assert "shutting down" in "\n".join(s.log)
         c.close()
 
