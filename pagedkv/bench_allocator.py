@@ -131,7 +131,10 @@ def run(args: argparse.Namespace) -> int:
                 if args.redis:
                     url = args.redis + ("&" if "?" in args.redis else "?") + f"key_prefix=pagedkv-bench-{time.time_ns()}:"
                 else:
-                    redis = RedisProcess()
+                    try:
+                        redis = RedisProcess()
+                    except FileNotFoundError:
+                        raise CliError("grpc+redis needs redis-server on PATH, or --redis URL") from None
                     url = redis.url
                 server = ServerProcess(["--state", url, "--snapshot-every", "1000"])
             elif mode == "grpc":
