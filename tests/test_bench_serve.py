@@ -1,0 +1,82 @@
+"""`pagedkv bench serve` on the tiny random model: the report's shape and sane values, never timings."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+REQUESTS, MAX_TOKENS = 4, 4
+
+TIMING_KEYS = ("tokens_per_s", "wall_s", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s")
+KV_KEYS = ("kv_slots_reserved", "kv_slots_allocated_peak", "kv_slots_holding_tokens_peak", "kv_utilisation_mean")
+
+
+def bench(*extra: str) -> dict:
+    cmd = [sys.executable, "-m", "pagedkv", "bench", "serve", "--model", "tiny-random",
+           "--requests", str(REQUESTS), "--max-tokens", str(MAX_TOKENS), "--json", *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+def check_system(s: dict, pool_slots: int | None = None) -> None:
+    assert s["tokens_generated"] == REQUESTS * MAX_TOKENS  # ignore_eos: every request runs to max_tokens
+    for key in TIMING_KEYS:
+        assert s[key] > 0, key
+    assert s["ttft_p50_s"] <= s["ttft_p90_s"] <= s["wall_s"]
+    assert isinstance(s["preemptions"], int) and s["preemptions"] >= 0
+    assert len(s["tokens_per_s_rounds"]) == 1
+    if pool_slots is not None:
+        assert s["kv_slots_reserved"] == pool_slots
+        assert 0 < s["kv_slots_holding_tokens_peak"] <= s["kv_slots_allocated_peak"] <= pool_slots
+        assert 0 < s["kv_utilisation_mean"] <= 1
+
+
+def test_engine_only():
+    out = bench("--skip-hf")
+    assert out["benchmark"] == "serve" and out["model"] == "tiny-random"
+    w = out["workload"]
+    assert w["requests"] == REQUESTS and w["max_tokens"] == MAX_TOKENS
+    assert 0 < w["shared_prefix_tokens"] < w["prompt_tokens_min"] <= w["prompt_tokens_mean"] <= w["prompt_tokens_max"]
+    assert w["prompt_tokens_min"] < w["prompt_tokens_max"]  # mixed lengths
+    slots = out["kv_pool"]["slots"]
+    assert slots == out["kv_pool"]["num_blocks"] * out["kv_pool"]["block_size"]
+    assert set(out["systems"]) == {"engine", "engine_no_prefix_cache"}
+    assert set(out["skipped"]) == {"hf_static", "hf_continuous"}
+    on, off = out["systems"]["engine"], out["systems"]["engine_no_prefix_cache"]
+    for s in (on, off):
+        check_system(s, slots)
+        assert s["outputs_match_engine"] == REQUESTS  # greedy: same tokens with the cache on or off
+    # The shared system prompt is served from the prefix cache, and stored once.
+    assert on["prefix_cache"] and 0 < on["prefix_hit_tokens"] < on["prefix_queried_tokens"]
+    assert off["prefix_hit_tokens"] == 0
+    assert on["kv_slots_holding_tokens_peak"] < on["kv_tokens_logical_peak"]
+    assert on["kv_slots_allocated_peak"] < off["kv_slots_allocated_peak"]
+    r = out["ratios"]
+    assert r["engine_vs_hf_static"] is None and r["engine_vs_hf_continuous"] is None
+    assert r["engine_vs_engine_no_prefix_cache"] > 0
+
+
+def test_against_transformers():
+    pytest.importorskip("transformers")
+    out = bench("--skip-prefix-off", "--batch-size", "3")
+    assert "engine_no_prefix_cache" in out["skipped"]
+    slots = out["kv_pool"]["slots"]
+    check_system(out["systems"]["engine"], slots)
+    hf = out["systems"]["hf_static"]
+    check_system(hf)
+    # A contiguous cache reserves rows x (longest prompt + max_tokens); mixed lengths leave some unused.
+    assert hf["kv_slots_allocated_peak"] == hf["kv_slots_reserved"] <= slots
+    assert 0 < hf["kv_utilisation_mean"] < 1 and hf["preemptions"] == 0
+    assert 0 <= hf["outputs_match_engine"] <= REQUESTS
+    assert out["ratios"]["engine_vs_hf_static"] > 0
+    if "hf_continuous" in out["systems"]:
+        cb = out["systems"]["hf_continuous"]
+        check_system(cb)
+        assert cb["kv_slots_reserved"] == slots
+        assert out["ratios"]["engine_vs_hf_continuous"] > 0
+    else:
+        assert "hf_continuous" in out["skipped"]
