@@ -35,7 +35,7 @@ lint: install
 	$(BIN)/ruff check .
 
 proto: install
-	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. proto/pagedkv/v1/allocator.proto
+	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. proto/pagedkv/v1/*.proto
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .hypothesis

@@ -23,7 +23,16 @@ from allocator_service.core.pool import (
     PoolConfig,
     PoolStats,
 )
-from allocator_service.core.step import Admit, Append, Fork, Free, Op, OpResult, apply_op, execute_step
+from allocator_service.core.step import (
+    Admit,
+    Append,
+    Fork,
+    Free,
+    Op,
+    OpResult,
+    apply_op,
+    execute_step,
+)
 
 __all__ = [
     "ALL_CLEARED",
