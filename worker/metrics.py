@@ -45,6 +45,9 @@ METRIC_NAMES = (
     f"{PREFIX}_inter_token_latency_seconds",
     f"{PREFIX}_step_duration_seconds",
     f"{PREFIX}_allocator_step_seconds",
+    f"{PREFIX}_allocator_retries_total",
+    f"{PREFIX}_allocator_unavailable_seconds_total",
+    f"{PREFIX}_step_errors_total",
 )
 
 
@@ -113,6 +116,9 @@ class WorkerMetrics:
         self.itl = hist("inter_token_latency_seconds", "Time between two generated tokens of a request.", _ITL_BUCKETS).labels(**lv)
         self.step_time = hist("step_duration_seconds", "Wall time of one engine step (schedule + allocator + forward).", _STEP_BUCKETS).labels(**lv)
         self.allocator_step = hist("allocator_step_seconds", "Latency of the allocator Step call seen by the worker.", _STEP_BUCKETS).labels(**lv)
+        self.allocator_retries = counter("allocator_retries", "Allocator calls that got no answer (UNAVAILABLE, deadline) and were sent again.").labels(**lv)
+        self.allocator_unavailable_seconds = counter("allocator_unavailable_seconds", "Seconds spent waiting for an unavailable allocator (failed attempts and backoff): the worker stalls.").labels(**lv)
+        self.step_errors = counter("step_errors", "Engine steps that raised: every request in flight failed.").labels(**lv)
 
     def preempted(self, cause: str) -> None:
         self._preemptions.labels(**self.labels, cause=cause).inc()

@@ -9,7 +9,9 @@ Failure handling, in the order a worker meets it:
   with the first answer, so a step that did land is never applied twice.
   When every retry fails, `AllocatorUnavailable` is raised; calling `step`
   again with the same operations reuses the pending step id, so the worker
-  can simply retry without knowing whether the first attempt landed.
+  can simply retry without knowing whether the first attempt landed (its
+  scheduler does, until the allocator answers: the worker stalls, nothing
+  fails). `on_unavailable(seconds, failed)` is told the time lost.
 - The pool is gone (lease expired, server restarted without durable state):
   the client registers a fresh pool (a new epoch) and raises `PoolLost`;
   every sequence the worker held is gone and must be recomputed.
@@ -25,7 +27,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import grpc
@@ -81,23 +83,37 @@ def open_channel(target: str, tls_ca: str | bytes | None = None, options=()) -> 
 class _Caller:
     """Deadlines, metadata and retry-with-backoff around one stub."""
 
-    def __init__(self, stub, auth_token: str | None, deadline_s: float, retries: int, backoff_s: float) -> None:
+    def __init__(self, stub, auth_token: str | None, deadline_s: float, retries: int, backoff_s: float,
+                 on_unavailable: Callable[[float, int], None] | None = None) -> None:
         self.stub = stub
         self.metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else None
         self.deadline_s = deadline_s
         self.retries = retries
         self.backoff_s = backoff_s
+        # With retries on, told (seconds, 1) after each failed attempt
+        # (UNAVAILABLE, DEADLINE_EXCEEDED) and its backoff, and (seconds, 0)
+        # for the attempt that got an answer after failures: the worker counts
+        # them as its allocator stall.
+        self.on_unavailable = on_unavailable
+
+    def _unavailable(self, t0: float, failed: int) -> None:
+        if self.on_unavailable is not None:
+            self.on_unavailable(time.monotonic() - t0, failed)
 
     def __call__(self, method: str, request, *, retry: bool = True):
         fn = getattr(self.stub, method)
         attempt = 0
         while True:
+            t0 = time.monotonic()
             try:
-                return fn(request, timeout=self.deadline_s, metadata=self.metadata)
+                response = fn(request, timeout=self.deadline_s, metadata=self.metadata)
             except grpc.RpcError as err:
                 if not retry or err.code() not in RETRYABLE:
+                    if attempt:
+                        self._unavailable(t0, 0)
                     raise
                 if attempt >= self.retries:
+                    self._unavailable(t0, 1)
                     raise AllocatorUnavailable(
                         f"{method}: allocator unreachable after {attempt + 1} attempts: "
                         f"{err.code().name} {err.details()}"
@@ -105,6 +121,11 @@ class _Caller:
                 delay = min(self.backoff_s * 2**attempt, 2.0) * (0.5 + random.random() / 2)
                 attempt += 1
                 time.sleep(delay)
+                self._unavailable(t0, 1)
+                continue
+            if attempt:
+                self._unavailable(t0, 0)
+            return response
 
 
 class GrpcAllocator(AllocatorClient):
@@ -121,11 +142,13 @@ class GrpcAllocator(AllocatorClient):
         retries: int = 10,
         backoff_s: float = 0.05,
         heartbeat: bool = True,
+        on_unavailable: Callable[[float, int], None] | None = None,
     ) -> None:
         self.spec = spec
         self.block_size = spec.block_size
         self._channel = open_channel(target, tls_ca)
-        self._call = _Caller(pb_grpc.AllocatorStub(self._channel), auth_token, deadline_s, retries, backoff_s)
+        self._call = _Caller(pb_grpc.AllocatorStub(self._channel), auth_token, deadline_s, retries, backoff_s,
+                             on_unavailable)
         self._register_lock = threading.Lock()
         self._ref = pb.PoolRef()
         self.epoch = 0
@@ -167,8 +190,9 @@ class GrpcAllocator(AllocatorClient):
             return self._call(method, request)
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.NOT_FOUND and error_reason(err) == "pool_not_found":
-                old = self._ref.pool_id
-                self._register()
+                old = request.pool.pool_id
+                if old == self._ref.pool_id:  # else another thread registered a fresh pool already
+                    self._register()
                 log.warning("allocator pool %s was dropped; registered %s", old, self._ref.pool_id)
                 raise PoolLost(f"pool {old} was dropped by the allocator; now {self._ref.pool_id}") from err
             raise

@@ -81,18 +81,21 @@ class LLMEngine:
             model_fingerprint=loaded.fingerprint,
             enable_prefix_caching=config.enable_prefix_caching,
         )
+        self.metrics = metrics or WorkerMetrics(config.worker_id, config.model)
         if allocator is None:
             options = {}
             if config.allocator != "embedded":
-                options = {"auth_token": config.allocator_token, "tls_ca": config.allocator_tls_ca}
+                options = {"auth_token": config.allocator_token, "tls_ca": config.allocator_tls_ca,
+                           "on_unavailable": self._allocator_unavailable}
             allocator = connect(config.allocator, spec, **options)
         self.allocator = allocator
-        self.metrics = metrics or WorkerMetrics(config.worker_id, config.model)
         self.metrics.watch_pool(self.allocator.stats, self.kv_pool.bytes_total)
         self.scheduler = Scheduler(
             allocator, config.max_num_seqs, config.max_num_batched_tokens,
             on_preempt=lambda seq: self.metrics.preempted("out_of_blocks"),
         )
+        # The allocator away: the step is sent again until answered (a stall, not an error).
+        self.scheduler.on_stall = self.metrics.allocator_unavailable_seconds.inc
         self.eos_token_ids = set(loaded.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
         self._texts: dict[str, str] = {}
@@ -167,7 +170,18 @@ class LLMEngine:
         return len(self.scheduler.waiting)
 
     # ------------------------------------------------------------------ step
+    def _allocator_unavailable(self, seconds: float, failed: int) -> None:
+        self.metrics.allocator_retries.inc(failed)
+        self.metrics.allocator_unavailable_seconds.inc(seconds)
+
     def step(self) -> list[RequestOutput]:
+        try:
+            return self._step()
+        except Exception:
+            self.metrics.step_errors.inc()
+            raise
+
+    def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         self.metrics.allocator_step.observe(batch.allocator_seconds)

@@ -29,7 +29,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from allocator_service.client import AllocatorClient, PoolLost
+from allocator_service.client import AllocatorClient, AllocatorUnavailable, PoolLost
 from allocator_service.core import Admit, Append, Free, Op
 from worker.engine.sequence import Sequence, Status
 
@@ -183,10 +183,27 @@ class Scheduler:
         return max(0, -(-(seq.num_stored + n) // self.block_size) - len(seq.block_table))
 
     # ------------------------------------------------------------- internals
+    # A step the allocator did not answer (AllocatorUnavailable: down,
+    # restarting, its Redis away) is sent again, the SAME operations, after
+    # pauses doubling from the first to the second value, until it is
+    # answered: the plan of this step is made (preemptions, admissions), and
+    # the client reuses the step id, so the server applies it exactly once.
+    # `on_stall(seconds)` is told each pause.
+    stall_backoff_s: tuple[float, float] = (0.05, 1.0)
+    on_stall: Callable[[float], None] | None = None
+
     def _call(self, ops: list[Op], batch: Batch):
         t0 = time.perf_counter()
+        pause = self.stall_backoff_s[0]
         try:
-            return self.allocator.step(ops)
+            while True:
+                try:
+                    return self.allocator.step(ops)
+                except AllocatorUnavailable:
+                    time.sleep(pause)
+                    if self.on_stall is not None:
+                        self.on_stall(pause)
+                    pause = min(pause * 2, self.stall_backoff_s[1])
         except PoolLost:
             # Every block is gone: all running sequences start over.
             for seq in list(self.running):
