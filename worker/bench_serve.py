@@ -42,8 +42,10 @@ What is measured (all clocks start when the workload is handed over):
 
 Each system first runs a small untimed warm-up on unrelated prompts. With
 `--repeats N` the systems run in N interleaved rounds and each reports its
-fastest round (all rounds' tokens/s are listed, with the 1-minute load average
-when each run started: on a shared machine, other work skews single runs).
+fastest round (all rounds' tokens/s are listed). Each run also reports
+`other_cpu_share`: the share of the machine's CPU time that other processes
+(or the hypervisor, as steal) took meanwhile; on a shared machine that is
+what skews a single run.
 Not a timed test: figures depend on the machine; compare them within one run.
 """
 
@@ -185,6 +187,28 @@ def _ttft_stats(values: list[float]) -> dict[str, float]:
     }
 
 
+def _cpu_snapshot() -> tuple[float, float, float] | None:
+    """(machine busy CPU seconds incl. steal, this process's CPU seconds, wall clock), or None off Linux."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    # user nice system idle iowait irq softirq steal ...: everything but idle and iowait is busy.
+    busy = sum(fields[:8]) - fields[3] - fields[4]
+    return busy / os.sysconf("SC_CLK_TCK"), time.process_time(), time.perf_counter()
+
+
+def _other_cpu_share(before, after) -> float | None:
+    """Share of the machine's CPU time that OTHER processes (or the hypervisor) took
+    during a run: 0 on a quiet machine; timings from a busy one are pessimistic."""
+    if before is None or after is None:
+        return None
+    others = (after[0] - before[0]) - (after[1] - before[1])
+    capacity = (after[2] - before[2]) * (os.cpu_count() or 1)
+    return round(min(1.0, max(0.0, others / capacity)), 3) if capacity > 0 else None
+
+
 def _log(args: argparse.Namespace, message: str) -> None:
     print(f"[bench serve] {message}", file=sys.stderr, flush=True)
 
@@ -258,6 +282,9 @@ def _run_engine(loaded, prompts: list[list[int]], args: argparse.Namespace, num_
         "steps": steps,
         "max_running_seqs": max_running,
         "prefix_cache": prefix_caching,
+        "ttft_method": "time from t=0 (all requests submitted) until the step that sampled the first token returned",
+        "kv_method": "allocator pool stats after every step: slots in allocated blocks vs slots holding a token "
+                     "(shared prefix blocks once); logical = sum of the running sequences' stored tokens",
         "prefix_hit_tokens": hits,
         "prefix_queried_tokens": queried,
         "_outputs": outputs,
@@ -268,6 +295,8 @@ def _run_engine(loaded, prompts: list[list[int]], args: argparse.Namespace, num_
 
 
 def _hf_model(spec: str, loaded):
+    from pathlib import Path
+
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
@@ -275,7 +304,6 @@ def _hf_model(spec: str, loaded):
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    from pathlib import Path
 
     if spec == "tiny-random":
         from worker.model.tiny import SEED, TINY_CONFIG, _random_weights
@@ -301,6 +329,12 @@ def _hf_model(spec: str, loaded):
         else:
             path = Path(spec).expanduser()
         if path.suffix == ".gguf":
+            try:  # its GGUF dequantiser draws a tqdm bar of its own, ignoring the switch above
+                import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+                gguf_utils.tqdm = lambda iterable, **_: iterable
+            except (ImportError, AttributeError):
+                pass
             model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
         else:
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
@@ -371,6 +405,10 @@ def _run_hf_static(model, prompts: list[list[int]], args: argparse.Namespace, pa
         "kv_utilisation_mean": round(statistics.fmean(util), 4),
         "kv_utilisation_peak_alloc": round(held_peak / reserved_peak, 4),
         "preemptions": 0,
+        "ttft_method": "batches run one after another from t=0; a streamer's 2nd put() (1st generated token of "
+                       "every row, i.e. end of the batch's prefill) is each member's first-token time",
+        "kv_method": "contiguous reservation rows x (longest prompt + max_tokens) per batch vs the real tokens "
+                     "held after each generated token",
         "_outputs": outputs,
     }
 
@@ -446,6 +484,8 @@ def _run_hf_continuous(model, prompts: list[list[int]], args: argparse.Namespace
         "kv_utilisation_mean": None,
         "kv_utilisation_peak_alloc": None,
         "preemptions": counter.count,
+        "ttft_method": "its own per-token timestamps (record_timestamps=True) minus t=0",
+        "kv_method": "cache size only (num_blocks x page_size); its block usage is not exposed",
         "_outputs": outputs,
     }
 
@@ -503,7 +543,7 @@ def run(args: argparse.Namespace) -> int:
     rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in runners}
     for r in range(args.repeats):
         for name, runner in list(runners.items()):
-            load = os.getloadavg()[0]
+            before = _cpu_snapshot()
             try:
                 result = runner()
             except Exception as exc:  # noqa: BLE001 - report it, keep the other systems' figures
@@ -512,9 +552,10 @@ def run(args: argparse.Namespace) -> int:
                 skipped[name] = f"failed: {exc!r}"
                 del runners[name], rounds[name]
                 continue
-            result["load_1m_at_start"] = round(load, 2)  # other work on the machine skews timings
+            result["other_cpu_share"] = _other_cpu_share(before, _cpu_snapshot())
             rounds[name].append(result)
-            _log(args, f"round {r + 1}: {result['system']}: {result['tokens_per_s']} tok/s, {result['wall_s']} s")
+            _log(args, f"round {r + 1}: {result['system']}: {result['tokens_per_s']} tok/s, {result['wall_s']} s "
+                       f"(other processes took {result['other_cpu_share']} of the CPU)")
     systems: dict[str, dict[str, Any]] = {}
     for name, results in rounds.items():
         best = dict(max(results, key=lambda x: x["tokens_per_s"]))
@@ -573,6 +614,8 @@ def run(args: argparse.Namespace) -> int:
 def _fmt(value: Any) -> str:
     if value is None:
         return "-"
+    if isinstance(value, list):
+        return " ".join(_fmt(v) for v in value)
     if isinstance(value, float):
         return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
     return str(value)
@@ -603,6 +646,8 @@ def _print_table(report: dict[str, Any]) -> None:
         ("preemptions", "preemptions"),
         ("prefix-cache hit tokens", "prefix_hit_tokens"),
         ("outputs equal to engine's", "outputs_match_engine"),
+        ("tokens/s, every round", "tokens_per_s_rounds"),
+        ("CPU share other processes took", "other_cpu_share"),
     ]
     table.add_column("")
     systems = report["systems"]
