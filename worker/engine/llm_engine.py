@@ -114,8 +114,16 @@ class LLMEngine:
         request_id: str | None = None,
     ) -> str:
         params = params or SamplingParams()
+        salt = params.cache_salt
+        # The allocator refuses such a salt (an over-long one per operation: the
+        # request would wait forever; a lone surrogate fails the whole step).
+        if salt is not None and (len(salt) > 1024 or any("\ud800" <= c <= "\udfff" for c in salt)):
+            raise RequestError("cache_salt must be valid Unicode text of at most 1024 characters")
         if isinstance(prompt, str):
-            prompt_ids = self.tokenizer.encode(prompt)
+            try:
+                prompt_ids = self.tokenizer.encode(prompt)
+            except Exception as exc:  # noqa: BLE001 - e.g. a lone surrogate: the request's fault
+                raise RequestError(f"cannot tokenize the prompt: {exc}") from None
         else:
             prompt_ids = list(prompt)
             vocab = self.loaded.config.vocab_size
