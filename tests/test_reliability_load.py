@@ -125,7 +125,8 @@ def pool_client(address: str, i: int, stop: threading.Event, tally: Tally) -> No
         remote.close()
 
 
-def run_phase(stack: Stack, seconds: float, http: Tally, pools: Tally, references) -> None:
+def run_phase(stack: Stack, seconds: float, http: Tally, pools: Tally, references) -> list[dict[str, int]]:
+    """Run the load for `seconds`; the RSS of every process every 5 s."""
     stop = threading.Event()
     threads = [threading.Thread(target=http_client, args=(stack, i, stop, http, references), daemon=True)
                for i in range(HTTP_CLIENTS)]
@@ -133,11 +134,16 @@ def run_phase(stack: Stack, seconds: float, http: Tally, pools: Tally, reference
                 for i in range(POOL_CLIENTS)]
     for t in threads:
         t.start()
-    time.sleep(seconds)
+    timeline = []
+    end = time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0:
+        time.sleep(min(5.0, left))
+        timeline.append(stack.rss())
     stop.set()
     for t in threads:
         t.join(180)
     assert not any(t.is_alive() for t in threads)
+    return timeline
 
 
 def test_load_no_errors_and_flat_memory(references):
@@ -146,11 +152,12 @@ def test_load_no_errors_and_flat_memory(references):
         warm = stack.rss()
         http, pools = Tally(), Tally()
         t0 = time.monotonic()
-        run_phase(stack, SECONDS, http, pools, references)
+        timeline = run_phase(stack, SECONDS, http, pools, references)
         elapsed = time.monotonic() - t0
         end = stack.rss()
         stack.wait_idle()
         samples = [scrape(f"{w.url}/metrics") for w in stack.workers]
+        events = stack.allocator_metrics().value("pagedkv_allocator_event_sequence")
         check_no_leak(stack.redis.url, ["worker-1/1", "worker-2/1"])  # load pools all deregistered
 
         growth = {name: end[name] - warm[name] for name in warm}
@@ -163,6 +170,9 @@ def test_load_no_errors_and_flat_memory(references):
             "preemptions": sum(s.value("pagedkv_worker_preemptions_total") for s in samples),
             "rss_mib": {name: {"warm": round(warm[name] / MIB, 1), "end": round(end[name] / MIB, 1),
                                "growth": round(growth[name] / MIB, 1)} for name in warm},
+            # the allocator keeps the last 65,536 KV events for WatchEvents: it grows until then
+            "allocator_kv_events": int(events),
+            "allocator_rss_every_5s_mib": [round(r["allocator"] / MIB, 1) for r in timeline],
             "first_errors": (http.errors + pools.errors)[:3],
         }
         report("load", figures)
