@@ -93,6 +93,10 @@ class AsyncLLMEngine:
             except (RequestError, ValueError) as exc:
                 fut.get_loop().call_soon_threadsafe(_set_exception, fut, RequestError(str(exc)))
                 return
+            except Exception as exc:  # noqa: BLE001 - fail this request, keep the engine thread alive
+                log.exception("could not add request %s", rid)
+                fut.get_loop().call_soon_threadsafe(_set_exception, fut, RuntimeError(f"could not add the request: {exc}"))
+                return
             fut.get_loop().call_soon_threadsafe(_set_result, fut)
         elif kind == "abort":
             self.engine.abort(msg[1])

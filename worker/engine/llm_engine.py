@@ -92,7 +92,7 @@ class LLMEngine:
         self.metrics.watch_pool(self.allocator.stats, self.kv_pool.bytes_total)
         self.scheduler = Scheduler(
             allocator, config.max_num_seqs, config.max_num_batched_tokens,
-            on_preempt=lambda seq: self.metrics.preempted("out_of_blocks"),
+            on_preempt=lambda seq, cause: self.metrics.preempted(cause),
         )
         # The allocator away: the step is sent again until answered (a stall, not an error).
         self.scheduler.on_stall = self.metrics.allocator_unavailable_seconds.inc
@@ -197,9 +197,9 @@ class LLMEngine:
         if batch.queried_tokens:
             self.metrics.prefix_queried.inc(batch.queried_tokens)
             self.metrics.prefix_hit.inc(batch.cached_tokens)
-        outputs: list[RequestOutput] = []
+        outputs = [self._failed_output(seq) for seq in batch.failed]
         if batch.entries:
-            outputs = self._run(batch)
+            outputs += self._run(batch)
         self.metrics.running.set(len(self.scheduler.running))
         self.metrics.waiting.set(len(self.scheduler.waiting))
         self.metrics.step_time.observe(time.perf_counter() - t0)
@@ -276,6 +276,16 @@ class LLMEngine:
             finish_reason=reason,
             num_cached_tokens=seq.num_cached_tokens,
             num_preemptions=seq.num_preemptions,
+        )
+
+    def _failed_output(self, seq: Sequence) -> RequestOutput:
+        self.metrics.finished("error")
+        self._seqs.pop(seq.request_id, None)
+        text = self._texts.pop(seq.request_id, "")
+        return RequestOutput(
+            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
+            token_ids=list(seq.output_token_ids), text=text, finished=True, finish_reason="error",
+            num_cached_tokens=seq.num_cached_tokens, num_preemptions=seq.num_preemptions, error=seq.error,
         )
 
     # --------------------------------------------------------------- offline

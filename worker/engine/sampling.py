@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+MIN_TEMPERATURE = 1e-5
+
 
 class SamplingError(ValueError):
     """Bad sampling parameters (the HTTP layer answers 400)."""
@@ -47,7 +49,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # Below this, logits / temperature overflows float32: the limit of
+        # sampling at a vanishing temperature IS greedy decoding.
+        return self.temperature < MIN_TEMPERATURE
 
 
 @dataclass(slots=True)
@@ -96,6 +100,7 @@ def sample(
             cum = torch.cumsum(sorted_p, dim=-1)
             # Keep the smallest set whose mass reaches top_p (always >= 1 token).
             drop = cum - sorted_p >= p.top_p
+            drop[0] = False  # top_p below float32's range still keeps the top token
             sorted_p = sorted_p.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
         out.append(int(torch.multinomial(probs, 1, generator=generators[i]).item()))

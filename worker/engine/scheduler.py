@@ -52,6 +52,7 @@ class Batch:
     entries: list[ScheduledSeq] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    failed: list[Sequence] = field(default_factory=list)  # finished with an error by the allocator's answer
     allocator_seconds: float = 0.0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache this step
     queried_tokens: int = 0
@@ -71,7 +72,7 @@ class Scheduler:
         allocator: AllocatorClient,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        on_preempt: Callable[[Sequence], None] | None = None,
+        on_preempt: Callable[[Sequence, str], None] | None = None,
     ) -> None:
         self.allocator = allocator
         self.num_blocks = allocator.spec.num_blocks
@@ -123,7 +124,7 @@ class Scheduler:
                     k, v_need = planned.pop(victim)
                     budget += k
                     free += v_need
-                free += self._preempt(batch, victim, refs, ops)
+                free += self._preempt(batch, victim, refs, ops, "out_of_blocks")
                 if victim is seq:
                     break
             if seq.status is not Status.RUNNING:
@@ -169,7 +170,7 @@ class Scheduler:
                 # Our free-block count was off (should not happen) or the
                 # allocator lost the sequence: the failed op changed nothing,
                 # so recompute this one from scratch.
-                self._preempt(batch, seq, None, None)
+                self._preempt(batch, seq, None, None, r.error or "allocator_error")
                 if r.error != "unknown_sequence":
                     self._to_free.append(seq.alloc_id)
         for seq in admitting:
@@ -177,6 +178,11 @@ class Scheduler:
             ri += 1
             if r.ok:
                 self._admitted(batch, seq, r)
+            elif r.error != "out_of_blocks":
+                # Refused for good (e.g. invalid): waiting would wait forever.
+                seq.error = f"the allocator refused the request: {r.message or r.error}"
+                self.finish(seq, "error")
+                batch.failed.append(seq)
         return batch
 
     def _blocks_needed(self, seq: Sequence, n: int) -> int:
@@ -207,7 +213,7 @@ class Scheduler:
         except PoolLost:
             # Every block is gone: all running sequences start over.
             for seq in list(self.running):
-                self._preempt(batch, seq, None, None)
+                self._preempt(batch, seq, None, None, "pool_lost")
             self._to_free = []
             return None
         finally:
@@ -226,7 +232,7 @@ class Scheduler:
         batch.queried_tokens += len(seq.token_ids)
         batch.entries.append(ScheduledSeq(seq, r.cached_tokens, r.num_stored - r.cached_tokens))
 
-    def _preempt(self, batch: Batch, seq: Sequence, refs: Counter | None, ops: list[Op] | None) -> int:
+    def _preempt(self, batch: Batch, seq: Sequence, refs: Counter | None, ops: list[Op] | None, cause: str) -> int:
         """Send `seq` back to the waiting queue. With `ops`, its Free joins
         this step; returns the blocks that frees (those no other sequence holds)."""
         freed = 0
@@ -243,5 +249,5 @@ class Scheduler:
         self.add(seq)
         batch.preempted.append(seq)
         if self.on_preempt is not None:
-            self.on_preempt(seq)
+            self.on_preempt(seq, cause)
         return freed

@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from worker.engine import AsyncLLMEngine, RequestError, RequestOutput, SamplingError, SamplingParams
@@ -30,6 +31,44 @@ class ApiError(Exception):
                  type_: str = "invalid_request_error", code: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
+
+
+class BodyLimit:
+    """Refuse request bodies over `max_bytes` with a 413, whether they come
+    with a content-length or chunked: the body is read (up to the limit)
+    before the app sees it, then handed on unchanged."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            size += len(message.get("body", b""))
+            if size > self.max_bytes:
+                response = _error_body(413, f"request body larger than {self.max_bytes} bytes")
+                return await response(scope, receive, send)
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: wait for the disconnect
+
+        await self.app(scope, replay, send)
 
 
 def _error_body(status: int, message: str, param=None, type_="invalid_request_error", code=None) -> JSONResponse:
@@ -64,12 +103,7 @@ def create_app(engine: AsyncLLMEngine, served_model_name: str) -> FastAPI:
     core = engine.engine
     created = int(time.time())
 
-    @app.middleware("http")
-    async def _limit_body(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-            return _error_body(413, f"request body larger than {MAX_BODY_BYTES} bytes")
-        return await call_next(request)
+    app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
 
     @app.get("/health")
     async def health():
@@ -77,7 +111,10 @@ def create_app(engine: AsyncLLMEngine, served_model_name: str) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        return Response(generate_latest(core.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        # In a thread: the pool gauges ask the allocator, which may be slow or
+        # away, and /health and the API must not wait behind a scrape.
+        body = await run_in_threadpool(generate_latest, core.metrics.registry)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models():
@@ -123,6 +160,8 @@ def create_app(engine: AsyncLLMEngine, served_model_name: str) -> FastAPI:
             raise ApiError(400, str(exc), param="prompt") from None
         except RuntimeError as exc:
             raise ApiError(500, str(exc), type_="server_error") from None
+        if first.finish_reason == "error":
+            raise ApiError(400, first.error or "the request failed", param="prompt")
         return stream, first
 
     def usage(out: RequestOutput) -> dict:

@@ -48,11 +48,18 @@ class CompletionRequest(_Base):
     logprobs: int | None = None
 
 
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    text: str | None = None
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict] | None = None
+    content: str | list[ContentPart] | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -60,7 +67,7 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, str):
             return self.content
         # content parts: only text parts are understood by a text model
-        return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
+        return "".join(p.text or "" for p in self.content if p.type == "text")
 
 
 class ChatCompletionRequest(_Base):
