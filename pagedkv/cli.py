@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="PagedKV: a paged KV-cache memory manager for LLM serving.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, module_name in SUBCOMMANDS.items():
+    for module_name in SUBCOMMANDS.values():
         module = importlib.import_module(module_name)
         p = module.add_parser(sub)
         p.set_defaults(_module=module_name)

@@ -10,8 +10,7 @@ import sys
 
 import pytest
 
-from allocator_service.core import BlockPool, OutOfBlocks, PoolConfig
-from allocator_service.core import hashing
+from allocator_service.core import BlockPool, OutOfBlocks, PoolConfig, hashing
 
 B = 4
 
