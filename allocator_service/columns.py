@@ -83,7 +83,11 @@ def run_step(pool: BlockPool, step_id: int, msg: pb.StepOps) -> pb.StepResponse:
         kind = kinds[i]
         try:
             if kind == APPEND:
-                r = pool.append(seqs[i], tokens[offsets[i] : offsets[i + 1]])
+                start = offsets[i]
+                if offsets[i + 1] - start == 1 and (k := pool.try_append_one(seqs[i], tokens[start])) >= 0:
+                    keep[i] = k  # a decode token into a private block with room
+                    continue
+                r = pool.append(seqs[i], tokens[start : offsets[i + 1]])
                 keep[i] = r.keep
                 if r.new_blocks:
                     appended[i] = r.new_blocks

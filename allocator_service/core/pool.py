@@ -315,18 +315,11 @@ class BlockPool:
         table = seq.table
         if k == 0:
             return AppendResult(len(table), [], [])
+        if k == 1 and (keep := self.try_append_one(seq_id, tokens[0])) >= 0:
+            return AppendResult(keep, [], [])
         B = self.block_size
         n = seq.num_tokens
         offset = n % B
-        if k == 1 and offset and self.ref_cnt[table[-1]] == 1:
-            # Decode fast path: one token into a private block with room.
-            self._fill[table[-1]] += 1
-            seq.num_tokens = n + 1
-            if self.enable_prefix_caching:
-                seq.tail.append(tokens[0])
-                if offset == B - 1:
-                    self._hash_full_tail(seq)
-            return AppendResult(len(table), [], [])
         room = B - offset if offset else 0
         cow = offset != 0 and self.ref_cnt[table[-1]] > 1
         need = (-(-(k - room) // B) if k > room else 0) + cow
@@ -367,6 +360,28 @@ class BlockPool:
             seq.tail.extend(tokens)
             self._hash_full_tail(seq)
         return AppendResult(keep, new_blocks, copies)
+
+    def try_append_one(self, seq_id: str, token: int) -> int:
+        """The decode hot path: store one token in the sequence's last block
+        when that block is private and has room. Returns the table length
+        (nothing else changes in the table), or -1 when the general `append`
+        must handle it (a new block, copy-on-write, an unknown sequence or a
+        bad token); nothing was changed then."""
+        seq = self._seqs.get(seq_id)
+        if seq is None or type(token) is not int or not 0 <= token <= hashing.MAX_TOKEN_ID:
+            return -1
+        n = seq.num_tokens
+        offset = n % self.block_size
+        table = seq.table
+        if not offset or self.ref_cnt[table[-1]] != 1:
+            return -1
+        self._fill[table[-1]] += 1
+        seq.num_tokens = n + 1
+        if self.enable_prefix_caching:
+            seq.tail.append(token)
+            if offset == self.block_size - 1:
+                self._hash_full_tail(seq)
+        return len(table)
 
     def _hash_full_tail(self, seq: _Seq) -> None:
         """Hash and register each block the sequence has just filled."""

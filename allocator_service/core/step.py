@@ -64,6 +64,8 @@ def apply_op(pool: BlockPool, op: Op) -> OpResult:
     """Run one operation; an AllocatorError becomes a failed result."""
     try:
         if isinstance(op, Append):
+            if len(op.tokens) == 1 and (keep := pool.try_append_one(op.seq, op.tokens[0])) >= 0:
+                return OpResult(keep=keep)
             r = pool.append(op.seq, op.tokens)
             return OpResult(keep=r.keep, append=r.new_blocks, copies=r.copies)
         if isinstance(op, Admit):
