@@ -167,3 +167,21 @@ def test_through_the_grpc_allocator(tiny, reference, caching):
             engine.close()
     finally:
         server.terminate()
+
+
+def test_streamed_deltas_never_take_text_back(tiny):
+    """With a stop string, text that might start it is held back, so the
+    streamed deltas always add up to the final text."""
+    engine = make(tiny)
+    full = engine.generate(["hello"], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0].text
+    needle = full[5:8]
+    params = SamplingParams(max_tokens=16, temperature=0, stop=(needle, "never-there"), ignore_eos=True)
+    engine.add_request("hello", params, request_id="r")
+    deltas, last = [], None
+    while engine.has_unfinished():
+        for out in engine.step():
+            deltas.append(out.new_text)
+            last = out
+    assert last.finished and last.finish_reason == "stop"
+    assert last.text == full[: full.find(needle)]
+    assert "".join(deltas) == last.text

@@ -98,7 +98,6 @@ class LLMEngine:
         self.scheduler.on_stall = self.metrics.allocator_unavailable_seconds.inc
         self.eos_token_ids = set(loaded.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
-        self._texts: dict[str, str] = {}
         self._ids = itertools.count()
         self.num_preemptions = 0
 
@@ -155,7 +154,6 @@ class LLMEngine:
             generator=make_generator(params, self.device),
         )
         self._seqs[rid] = seq
-        self._texts[rid] = ""
         self.scheduler.add(seq)
         self.metrics.prompt_tokens.inc(len(prompt_ids))
         return rid
@@ -166,7 +164,6 @@ class LLMEngine:
         if seq is not None and not seq.is_finished:
             self.scheduler.finish(seq, "abort")
             self.metrics.finished("abort")
-        self._texts.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -247,24 +244,14 @@ class LLMEngine:
             reason = "stop"
         elif seq.num_output_tokens >= seq.max_tokens or len(seq.token_ids) >= self.max_model_len:
             reason = "length"
-        # Text: decode everything generated (stop/eos token excluded) and diff.
-        visible = seq.output_token_ids if reason != "stop" else seq.output_token_ids[:-1]
-        text = self.tokenizer.decode(visible)
-        if p.stop:
-            cut = min((i for i in (text.find(s) for s in p.stop) if i >= 0), default=-1)
-            if cut >= 0:
-                text, reason = text[:cut], "stop"
-        prev = self._texts.get(seq.request_id, "")
-        # Hold back an incomplete UTF-8 character until the next token ends it.
-        if reason is None and text.endswith("\ufffd"):
-            text = prev
-        new_text = text[len(prev) :] if text.startswith(prev) else text
-        self._texts[seq.request_id] = text
+        new_text = self._advance_text(seq, tok, reason)
+        if seq.stopped_by_string:
+            reason = "stop"
         if reason is not None:
             self.scheduler.finish(seq, reason)
             self.metrics.finished(reason)
             self._seqs.pop(seq.request_id, None)
-            self._texts.pop(seq.request_id, None)
+        text = seq.text[: seq.emitted]
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
@@ -278,13 +265,42 @@ class LLMEngine:
             num_preemptions=seq.num_preemptions,
         )
 
+    def _advance_text(self, seq: Sequence, tok: int, reason: str | None) -> str:
+        """Extend the sequence's text by `tok` and return what may be streamed now.
+
+        The stop/eos token itself is never shown. With stop strings, the last
+        (longest stop string - 1) characters are held back until the next
+        token shows they do not start a stop string: streamed text is never
+        taken back."""
+        if seq.detokenizer is None:
+            seq.detokenizer = self.tokenizer.detokenizer()
+        if reason != "stop":
+            seq.text += seq.detokenizer.step([tok])
+        if reason is not None:
+            seq.text += seq.detokenizer.flush()
+        stops = seq.params.stop
+        hold = 0
+        if stops:
+            longest = max(map(len, stops))
+            start = max(0, seq.checked - longest + 1)
+            cut = min((i for i in (seq.text.find(x, start) for x in stops) if i >= 0), default=-1)
+            if cut >= 0:
+                seq.text = seq.text[:cut]
+                seq.stopped_by_string = True
+            elif reason is None:
+                hold = longest - 1
+            seq.checked = len(seq.text)
+        end = max(seq.emitted, len(seq.text) - hold)
+        new_text = seq.text[seq.emitted : end]
+        seq.emitted = end
+        return new_text
+
     def _failed_output(self, seq: Sequence) -> RequestOutput:
         self.metrics.finished("error")
         self._seqs.pop(seq.request_id, None)
-        text = self._texts.pop(seq.request_id, "")
         return RequestOutput(
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
-            token_ids=list(seq.output_token_ids), text=text, finished=True, finish_reason="error",
+            token_ids=list(seq.output_token_ids), text=seq.text[: seq.emitted], finished=True, finish_reason="error",
             num_cached_tokens=seq.num_cached_tokens, num_preemptions=seq.num_preemptions, error=seq.error,
         )
 

@@ -43,6 +43,13 @@ class Sequence:
     error: str | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
+    # streamed text: all decoded text, how much was emitted, how far stop
+    # strings were searched
+    detokenizer: object | None = None
+    text: str = ""
+    emitted: int = 0
+    checked: int = 0
+    stopped_by_string: bool = False
     # allocator sequence id: a new one per admission, so a preempted
     # sequence's old id can never collide with its readmission
     alloc_id: str = ""
