@@ -7,7 +7,7 @@ generator, so its text does not depend on what else shares the batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -52,12 +52,6 @@ class SamplingParams:
         # Below this, logits / temperature overflows float32: the limit of
         # sampling at a vanishing temperature IS greedy decoding.
         return self.temperature < MIN_TEMPERATURE
-
-
-@dataclass(slots=True)
-class _Row:
-    params: SamplingParams
-    generator: torch.Generator | None = field(default=None)
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:

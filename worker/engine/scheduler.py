@@ -57,10 +57,6 @@ class Batch:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache this step
     queried_tokens: int = 0
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(e.num_new for e in self.entries)
-
 
 def _priority_key(seq: Sequence) -> tuple[int, float]:
     return (seq.params.priority, seq.arrival_time)
