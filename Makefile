@@ -29,13 +29,22 @@ simulate: install  ## the capacity simulation of the reference article
 	$(BIN)/pagedkv simulate
 
 test: install
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q
 
 lint: install
 	$(BIN)/ruff check .
 
+# The proto path is the proto package (pagedkv/v1/), but the generated code
+# lives next to its only importers, in allocator_service/v1/, with its one
+# cross-file import made relative. journal.proto has no service: no _grpc file.
+GEN := allocator_service/v1
 proto: install
-	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. proto/pagedkv/v1/*.proto
+	rm -rf $(GEN)/.gen && mkdir -p $(GEN)/.gen
+	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=$(GEN)/.gen --pyi_out=$(GEN)/.gen --grpc_python_out=$(GEN)/.gen proto/pagedkv/v1/allocator.proto
+	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=$(GEN)/.gen --pyi_out=$(GEN)/.gen proto/pagedkv/v1/journal.proto
+	sed -i 's/^from pagedkv\.v1 import /from . import /' $(GEN)/.gen/pagedkv/v1/*.py $(GEN)/.gen/pagedkv/v1/*.pyi
+	mv $(GEN)/.gen/pagedkv/v1/* $(GEN)/ && rm -rf $(GEN)/.gen
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .hypothesis

@@ -12,7 +12,7 @@ import hashlib
 from collections.abc import Sequence
 
 from allocator_service.core import Admit, Append, Fork, Free, Op, OpResult, PoolStats
-from pagedkv.v1 import allocator_pb2 as pb
+from allocator_service.v1 import allocator_pb2 as pb
 
 FREE, APPEND, ADMIT, FORK = pb.OP_KIND_FREE, pb.OP_KIND_APPEND, pb.OP_KIND_ADMIT, pb.OP_KIND_FORK
 

@@ -17,7 +17,7 @@ from itertools import accumulate, chain
 from allocator_service.codec import ADMIT, APPEND, FORK, FREE, OP_ERROR
 from allocator_service.core import AllocatorError, BlockPool
 from allocator_service.errors import BadRequest
-from pagedkv.v1 import allocator_pb2 as pb
+from allocator_service.v1 import allocator_pb2 as pb
 
 _KINDS = frozenset((FREE, APPEND, ADMIT, FORK))
 

@@ -1,6 +1,6 @@
 """Start an allocator server or a private redis-server as a child process.
 
-Used by the benchmark and the tests (`tests/servicetools.py`): both want a
+Used by the benchmark and the tests (`tests/support/allocator.py`): both want a
 REAL server process (its own interpreter, GIL and sockets, killable with
 SIGKILL) rather than a server thread inside the caller.
 """

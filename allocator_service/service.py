@@ -44,8 +44,8 @@ from allocator_service.events import EventLog
 from allocator_service.journal import MemoryJournal, RedisJournal
 from allocator_service.leases import LeaseTable
 from allocator_service.state import PoolEntry, Registry, config_from_shape
-from pagedkv.v1 import allocator_pb2 as pb
-from pagedkv.v1 import journal_pb2 as jpb
+from allocator_service.v1 import allocator_pb2 as pb
+from allocator_service.v1 import journal_pb2 as jpb
 
 log = logging.getLogger(__name__)
 

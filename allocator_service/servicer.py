@@ -19,7 +19,7 @@ import grpc
 from allocator_service import errors
 from allocator_service.errors import BadRequest
 from allocator_service.service import AllocatorService
-from pagedkv.v1 import allocator_pb2 as pb
+from allocator_service.v1 import allocator_pb2 as pb
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Allocator"].full_name
 

@@ -17,8 +17,8 @@ from typing import Any
 from allocator_service.columns import run_step
 from allocator_service.core import BlockPool, PoolConfig
 from allocator_service.events import POOL_DROPPED, POOL_REGISTERED, EventLog
-from pagedkv.v1 import allocator_pb2 as pb
-from pagedkv.v1 import journal_pb2 as jpb
+from allocator_service.v1 import allocator_pb2 as pb
+from allocator_service.v1 import journal_pb2 as jpb
 
 SNAPSHOT_FORMAT = "pagedkv-allocator-snapshot/1"
 

@@ -1,7 +1,8 @@
 """PagedKV: a paged KV-cache memory manager for LLM serving.
 
-This package holds the `pagedkv` command line, the offline tools (replay,
-kv-size, simulate, bench) and the generated gRPC contract (`pagedkv.v1`).
+This package is the umbrella on top of the two services: the `pagedkv`
+command line, the local stack launcher, the offline tools (replay, kv-size,
+simulate) and the benchmarks.
 The allocator's block logic lives in `allocator_service.core`, the model
 runtime in `worker`.
 """

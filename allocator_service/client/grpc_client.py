@@ -43,8 +43,8 @@ from allocator_service.core import (
     UnknownSequence,
 )
 from allocator_service.errors import ERROR_KEY
-from pagedkv.v1 import allocator_pb2 as pb
-from pagedkv.v1 import allocator_pb2_grpc as pb_grpc
+from allocator_service.v1 import allocator_pb2 as pb
+from allocator_service.v1 import allocator_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ import importlib
 
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "core": ("pagedkv.bench.core", "allocator core operations per second (in-process)"),
-    "allocator": ("pagedkv.bench_allocator", "Step latency: in-process vs gRPC vs gRPC + Redis journal"),
-    "attention": ("worker.bench_attention", "paged vs contiguous attention time on the same data"),
-    "serve": ("worker.bench_serve", "this engine vs transformers generate on one workload"),
+    "allocator": ("pagedkv.bench.allocator", "Step latency: in-process vs gRPC vs gRPC + Redis journal"),
+    "attention": ("pagedkv.bench.attention", "paged vs contiguous attention time on the same data"),
+    "serve": ("pagedkv.bench.serve", "this engine vs transformers generate on one workload"),
 }
 
 

@@ -1,0 +1,61 @@
+from . import allocator_pb2 as _allocator_pb2
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class JournalRecord(_message.Message):
+    __slots__ = ("index", "registered", "step", "dropped", "reset")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    registered: PoolRegistered
+    step: StepApplied
+    dropped: PoolDropped
+    reset: PrefixCacheReset
+    def __init__(self, index: _Optional[int] = ..., registered: _Optional[_Union[PoolRegistered, _Mapping]] = ..., step: _Optional[_Union[StepApplied, _Mapping]] = ..., dropped: _Optional[_Union[PoolDropped, _Mapping]] = ..., reset: _Optional[_Union[PrefixCacheReset, _Mapping]] = ...) -> None: ...
+
+class PoolRegistered(_message.Message):
+    __slots__ = ("pool_id", "worker_id", "epoch", "shape", "credential_digest")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    CREDENTIAL_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    worker_id: str
+    epoch: int
+    shape: _allocator_pb2.PoolShape
+    credential_digest: bytes
+    def __init__(self, pool_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., shape: _Optional[_Union[_allocator_pb2.PoolShape, _Mapping]] = ..., credential_digest: _Optional[bytes] = ...) -> None: ...
+
+class StepApplied(_message.Message):
+    __slots__ = ("pool_id", "step_id", "digest", "ops")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    OPS_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    step_id: int
+    digest: bytes
+    ops: _allocator_pb2.StepOps
+    def __init__(self, pool_id: _Optional[str] = ..., step_id: _Optional[int] = ..., digest: _Optional[bytes] = ..., ops: _Optional[_Union[_allocator_pb2.StepOps, _Mapping]] = ...) -> None: ...
+
+class PoolDropped(_message.Message):
+    __slots__ = ("pool_id", "reason")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    reason: str
+    def __init__(self, pool_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class PrefixCacheReset(_message.Message):
+    __slots__ = ("pool_id",)
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    def __init__(self, pool_id: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,173 @@
+"""`pagedkv bench attention`: paged decode attention vs contiguous SDPA on the same data.
+
+For each (batch, context) the same K/V lives twice: scattered over a KV pool
+through shuffled block tables, and as contiguous `[batch, kv_heads, context,
+head_dim]` tensors. We time one decode attention call (one query token per
+sequence) both ways and report the median ms per call and paged / contiguous.
+The paged figure is per layer with the step's gather plan already built (as
+layers 2..N find it); `plan_ms_per_step` is the one-off cost of building it. Both sides
+use the same GQA grouping (query heads folded onto their kv head), so the
+ratio measures the cost of paging alone. Defaults are SmolLM2-135M's head
+shapes (9 query heads, 3 kv heads, head_dim 64).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+__all__ = ["add_arguments", "add_parser", "measure", "run"]
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch-sizes", type=_int_list, default=[1, 16, 64], help="comma list (default 1,16,64)")
+    parser.add_argument("--contexts", type=_int_list, default=[512, 2048], help="tokens per sequence (default 512,2048)")
+    parser.add_argument("--block-size", type=int, default=16, help="token slots per block (default 16)")
+    parser.add_argument("--q-heads", type=int, default=9, help="query heads (default 9, SmolLM2)")
+    parser.add_argument("--kv-heads", type=int, default=3, help="key/value heads (default 3, SmolLM2)")
+    parser.add_argument("--head-dim", type=int, default=64, help="head size (default 64, SmolLM2)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="K/V and query dtype (default float32)")
+    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    parser.add_argument("--backend", choices=["torch", "triton"], default=None, help="default: by device")
+    parser.add_argument("--repeats", type=int, default=10, help="timed calls per case (median reported)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed of the data (default 0)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("attention", help="paged decode attention vs contiguous SDPA")
+    add_arguments(parser)
+    return parser
+
+
+def _median_ms(fn: Callable[[], object], repeats: int, sync: Callable[[], None]) -> float:
+    fn()  # warm-up: allocator, kernels, caches
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _case(args: argparse.Namespace, batch: int, context: int) -> dict[str, float | int]:
+    import torch
+    import torch.nn.functional as F
+
+    from worker.attention import AttentionMetadata, get_backend, select_backend
+    from worker.kv_pool import KVPool
+
+    dtype = getattr(torch, args.dtype)
+    device = torch.device(args.device)
+    gen = torch.Generator().manual_seed(args.seed)
+    block = args.block_size
+    blocks_per_seq = -(-context // block)
+    pool = KVPool(1, batch * blocks_per_seq, block, args.kv_heads, args.head_dim, dtype, device)
+    order = torch.randperm(pool.num_blocks, generator=gen).tolist()
+    tables = [order[s * blocks_per_seq : (s + 1) * blocks_per_seq] for s in range(batch)]
+
+    k = torch.randn(batch, context, args.kv_heads, args.head_dim, generator=gen).to(device, dtype)
+    v = torch.randn(batch, context, args.kv_heads, args.head_dim, generator=gen).to(device, dtype)
+    fill = AttentionMetadata.build([(t, 0, context) for t in tables], block, device)
+    pool.write(0, fill.slot_mapping, k.reshape(-1, args.kv_heads, args.head_dim), v.reshape(-1, args.kv_heads, args.head_dim))
+    meta = AttentionMetadata.build([(t, context - 1, 1) for t in tables], block, device)
+    k_contig = k.transpose(1, 2).contiguous()  # [b, Hkv, ctx, D]
+    v_contig = v.transpose(1, 2).contiguous()
+    q = torch.randn(batch, args.q_heads, args.head_dim, generator=gen).to(device, dtype)
+    scale = args.head_dim**-0.5
+    group = args.q_heads // args.kv_heads
+
+    backend = get_backend(args.backend) if args.backend else select_backend(device)
+    kc, vc = pool.k_cache(0), pool.v_cache(0)
+
+    def paged() -> torch.Tensor:
+        # The same metadata object every call, as layers 2..N of a step see it:
+        # the backend's per-step plan (gather indices) is reused.
+        return backend(q, kc, vc, meta, scale)
+
+    def paged_new_step() -> torch.Tensor:
+        # A fresh metadata object: the plan is rebuilt, as on a step's first layer.
+        return backend(q, kc, vc, dataclasses.replace(meta), scale)
+
+    def contiguous() -> torch.Tensor:
+        qg = q.view(batch, args.kv_heads, group, args.head_dim)
+        return F.scaled_dot_product_attention(qg, k_contig, v_contig, scale=scale).reshape(q.shape)
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    with torch.inference_mode():
+        err = (paged().float() - contiguous().float()).abs().max().item()
+        paged_ms = _median_ms(paged, args.repeats, sync)
+        first_ms = _median_ms(paged_new_step, args.repeats, sync)
+        contig_ms = _median_ms(contiguous, args.repeats, sync)
+    return {
+        "batch": batch,
+        "context": context,
+        "paged_ms": round(paged_ms, 4),
+        "contiguous_ms": round(contig_ms, 4),
+        "ratio": round(paged_ms / contig_ms, 3),
+        "plan_ms_per_step": round(max(first_ms - paged_ms, 0.0), 4),
+        "max_abs_diff": err,
+    }
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """Run every (batch, context) case; the report as a dict (what --json prints)."""
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return {
+        "benchmark": "paged decode attention vs contiguous SDPA",
+        "device": str(args.device),
+        "backend": args.backend or ("triton" if torch.device(args.device).type == "cuda" else "torch"),
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
+        "block_size": args.block_size,
+        "q_heads": args.q_heads,
+        "kv_heads": args.kv_heads,
+        "head_dim": args.head_dim,
+        "results": [_case(args, b, c) for c in args.contexts for b in args.batch_sizes],
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    """The `pagedkv bench attention` entry point: print the report, exit status 0."""
+    report = measure(args)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(
+            f"{report['benchmark']} ({report['backend']}, {args.dtype}, {args.device}, "
+            f"{report['threads']} threads, block {args.block_size}, "
+            f"{args.q_heads}q/{args.kv_heads}kv x {args.head_dim})"
+        )
+        print(f"{'batch':>6} {'context':>8} {'paged ms':>10} {'contig ms':>10} {'ratio':>7} {'plan ms/step':>13}")
+        for r in report["results"]:
+            print(
+                f"{r['batch']:>6} {r['context']:>8} {r['paged_ms']:>10.3f} {r['contiguous_ms']:>10.3f} "
+                f"{r['ratio']:>7.2f} {r['plan_ms_per_step']:>13.3f}"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(prog="python -m pagedkv.bench.attention")
+    add_arguments(_parser)
+    run(_parser.parse_args())

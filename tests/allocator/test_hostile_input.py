@@ -1,0 +1,167 @@
+"""Malformed and hostile requests (hypothesis) against a real server: every
+answer is OK or one of the documented codes (never UNKNOWN or INTERNAL),
+a rejected call changes nothing, and the pool's invariants always hold."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from allocator_service.codec import encode_ops
+from allocator_service.core import Admit, Append, Fork, Free
+from allocator_service.v1 import allocator_pb2 as pb
+from tests.support.allocator import DOCUMENTED, allocator_server, code_of, dump, register, stub
+
+C = grpc.StatusCode
+FUZZ = settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+@pytest.fixture(scope="module")
+def env():
+    with allocator_server() as server:
+        s, md, channel = stub(server.address)
+        ref = register(s, md, "victim", num_blocks=16, block_size=4)
+        # Something to corrupt: shared blocks, a cached prefix, a fork.
+        ops = [Admit("a", list(range(10))), Admit("b", list(range(9))), Fork("a", "c")]
+        s.Step(pb.StepRequest(pool=ref, step_id=1, ops=encode_ops(ops)))
+        yield server, s, channel, ref
+        channel.close()
+
+
+def check_pool(s, ref) -> dict:
+    stats = s.GetPoolStats(pb.GetPoolStatsRequest(pool=ref, check_integrity=True), timeout=10)
+    assert list(stats.integrity_problems) == []
+    return dump(s, None, ref)
+
+
+raw_methods = st.sampled_from(
+    ["Heartbeat", "DeregisterPool", "Step", "GetBlockTable", "GetPoolStats", "ResetPrefixCache",
+     "MatchPrefix", "DumpPool"]
+)
+
+
+@FUZZ
+@given(method=raw_methods, body=st.binary(max_size=200))
+def test_garbage_bytes(env, method, body):
+    server, s, channel, ref = env
+    before = check_pool(s, ref)
+    call = channel.unary_unary(f"/pagedkv.v1.Allocator/{method}")
+    code = code_of(call, body, timeout=10)
+    assert code in DOCUMENTED
+    after = check_pool(s, ref)
+    assert after == before  # garbage never names the victim pool with its credential
+
+
+texts = st.one_of(st.text(max_size=20), st.sampled_from(["a", "b", "c", "", "x" * 300]))
+kinds = st.lists(st.integers(0, 6), max_size=12)
+
+
+hostile_ops = st.lists(
+    st.one_of(
+        st.builds(Admit, texts, st.lists(st.integers(0, 2**32 - 1), max_size=12),
+                  st.one_of(st.none(), texts), st.one_of(st.none(), st.integers(0, 9))),
+        st.builds(Append, texts, st.lists(st.integers(0, 2**32 - 1), max_size=9)),
+        st.builds(Free, texts),
+        st.builds(Fork, texts, texts),
+    ),
+    max_size=8,
+)
+
+
+@st.composite
+def step_requests(draw):
+    """Well-formed columns with odd content, or columns that do not fit
+    together."""
+    if draw(st.booleans()):
+        return draw(st.integers(0, 2**64 - 1)), encode_ops(draw(hostile_ops))
+    n = len(draw(kinds))
+    ks = draw(st.lists(st.integers(0, 6), min_size=n, max_size=n))
+    if draw(st.booleans()):
+        ks += draw(kinds)
+    seqs = draw(st.lists(texts, min_size=n, max_size=n + draw(st.integers(0, 1))))
+    counts = draw(st.lists(st.integers(0, 5), min_size=len(ks), max_size=len(ks)))
+    tokens = draw(st.lists(st.integers(0, 2**32 - 1), max_size=sum(counts) + draw(st.integers(0, 1))))
+    admits = [
+        pb.AdmitOptions(cache_salt=draw(st.one_of(st.none(), texts)), num_new_tokens=draw(st.one_of(st.none(), st.integers(0, 9))))
+        for _ in range(draw(st.integers(0, 3)))
+    ]
+    children = draw(st.lists(texts, max_size=3))
+    ops = pb.StepOps(kinds=ks, seq_ids=seqs, num_tokens=counts, tokens=tokens, admit_options=admits,
+                     fork_children=children)
+    return draw(st.integers(0, 2**64 - 1)), ops
+
+
+@FUZZ
+@given(req=step_requests())
+def test_hostile_steps(env, req):
+    server, s, channel, ref = env
+    step_id, ops = req
+    before = check_pool(s, ref)
+    last = s.GetPoolStats(pb.GetPoolStatsRequest(pool=ref)).last_step_id
+    if step_id > last + 1000:  # keep the step ids usable for later examples
+        step_id = last + 1
+    code = code_of(s.Step, pb.StepRequest(pool=ref, step_id=step_id, ops=ops), timeout=10)
+    event(code.name)
+    assert code in DOCUMENTED
+    after = check_pool(s, ref)
+    if code != C.OK:
+        assert after == before
+
+
+refs = st.builds(
+    pb.PoolRef,
+    pool_id=st.one_of(st.just("victim/1"), st.just("victim/2"), texts),
+    credential=st.one_of(st.just(""), texts),
+)
+
+
+@FUZZ
+@given(r=refs, seq=texts, tokens=st.lists(st.integers(0, 2**32 - 1), max_size=40), salt=st.one_of(st.none(), texts))
+def test_hostile_refs_and_reads(env, r, seq, tokens, salt):
+    server, s, channel, ref = env
+    before = check_pool(s, ref)
+    for call, req in [
+        (s.Heartbeat, pb.HeartbeatRequest(pool=r)),
+        (s.GetBlockTable, pb.GetBlockTableRequest(pool=r, seq_id=seq)),
+        (s.GetPoolStats, pb.GetPoolStatsRequest(pool=r, check_integrity=True)),
+        (s.ResetPrefixCache, pb.ResetPrefixCacheRequest(pool=r)),
+        (s.DumpPool, pb.DumpPoolRequest(pool=r)),
+        (s.DeregisterPool, pb.DeregisterPoolRequest(pool=r)),
+        (s.MatchPrefix, pb.MatchPrefixRequest(model_fingerprint=seq, tokens=tokens, cache_salt=salt)),
+        (s.Step, pb.StepRequest(pool=r, step_id=1, ops=pb.StepOps())),
+    ]:
+        assert code_of(call, req, timeout=10) in DOCUMENTED
+    assert check_pool(s, ref) == before
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    worker=texts,
+    num_blocks=st.integers(0, 80),
+    block_size=st.integers(0, 5000),
+    fingerprint=st.one_of(texts, st.just("f" * 1025)),
+)
+def test_hostile_registrations(env, worker, num_blocks, block_size, fingerprint):
+    server, s, channel, ref = env
+    shape = pb.PoolShape(num_blocks=num_blocks, block_size=block_size, model_fingerprint=fingerprint)
+    if worker == "victim":
+        worker = "not-the-victim"
+    code = code_of(s.RegisterPool, pb.RegisterPoolRequest(worker_id=worker, shape=shape), timeout=10)
+    assert code in DOCUMENTED
+    valid = 1 <= num_blocks and 1 <= block_size <= 4096 and len(fingerprint) <= 1024
+    valid = valid and 1 <= len(worker) <= 128 and "/" not in worker and worker.isprintable()
+    assert (code == C.OK) == valid
+    check_pool(s, ref)
+
+
+def test_watch_from_anywhere(env):
+    server, s, channel, ref = env
+    for start in (1, 2, 10**12):
+        stream = s.WatchEvents(pb.WatchEventsRequest(from_sequence=start), timeout=3)
+        first = next(stream)
+        stream.cancel()
+        assert first.sequence >= 1
+        if start == 10**12:
+            assert first.kind == pb.KV_EVENT_KIND_RESYNC_REQUIRED

@@ -1,0 +1,186 @@
+"""The service's state machine in-process (no gRPC, no Redis): the columnar
+step equals the core's execute_step, snapshots and journal replay rebuild
+the exact state, and an ambiguous journal failure never double-applies."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from allocator_service.codec import decode_results, encode_ops, encode_results
+from allocator_service.columns import run_step, validate
+from allocator_service.config import ServiceConfig
+from allocator_service.core import Admit, Append, BlockPool, Fork, Free, PoolConfig, execute_step
+from allocator_service.errors import StepConflict, StoreUnavailable
+from allocator_service.service import AllocatorService
+from allocator_service.v1 import allocator_pb2 as pb
+from tests.support.allocator import random_steps
+
+SHAPE = pb.PoolShape(num_blocks=24, block_size=4, model_fingerprint="m", enable_prefix_caching=True)
+
+seq_ids = st.sampled_from(["a", "b", "c", "d", ""])
+tokens = st.lists(st.integers(0, 5), max_size=12)
+ops = st.lists(
+    st.one_of(
+        st.builds(Admit, seq_ids, tokens, st.sampled_from([None, "", "t"]), st.sampled_from([None, 0, 1, 3])),
+        st.builds(Append, seq_ids, tokens),
+        st.builds(Free, seq_ids),
+        st.builds(Fork, seq_ids, seq_ids),
+    ),
+    max_size=8,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(ops, min_size=1, max_size=10), st.booleans(), st.integers(1, 4))
+def test_columnar_step_equals_execute_step(steps, prefix, block_size):
+    config = PoolConfig(num_blocks=12, block_size=block_size, enable_prefix_caching=prefix, model_fingerprint="m")
+    ref, pool = BlockPool(config), BlockPool(config)
+    for i, step in enumerate(steps, 1):
+        expected = execute_step(ref, step)
+        msg = encode_ops(step)
+        validate(msg, 1000, 10_000)
+        got = run_step(pool, i, msg)
+        assert got == encode_results(i, expected)
+        assert decode_results(got, len(step)) == expected
+        assert pool.to_state() == ref.to_state()
+
+
+class FakeJournal:
+    """A durable journal in a Python list; `fail_after_write` makes the next
+    append store the record and then report an error (a Redis timeout after
+    the write landed: the ambiguous case)."""
+
+    durable = True
+
+    def __init__(self) -> None:
+        self.records: list[bytes] = []
+        self.snapshot: bytes | None = None
+        self.fail_after_write = False
+        self.down = False
+
+    def load(self, take_ownership=True):
+        if self.down:
+            raise StoreUnavailable("down")
+        return (json.loads(self.snapshot) if self.snapshot else None), list(self.records)
+
+    def append(self, record: bytes) -> None:
+        if self.down:
+            raise StoreUnavailable("down")
+        self.records.append(record)
+        if self.fail_after_write:
+            self.fail_after_write = False
+            raise StoreUnavailable("timeout after write")
+
+    def write_snapshot(self, snapshot: bytes) -> None:
+        self.snapshot = snapshot
+        self.records.clear()
+
+    def close(self) -> None:
+        pass
+
+    def describe(self) -> str:
+        return "fake"
+
+
+def full_state(svc: AllocatorService) -> dict:
+    reg = svc.registry
+    return {
+        "index": reg.index,
+        "events": svc.events.next_sequence,
+        "epochs": reg.epochs,
+        "pools": {
+            p: (e.pool.to_state(), e.last_step_id, e.last_digest, e.last_response, e.credential_digest)
+            for p, e in reg.pools.items()
+        },
+    }
+
+
+@pytest.mark.parametrize("snapshot_every", [1000, 7])
+def test_restart_from_journal_rebuilds_everything(snapshot_every):
+    journal = FakeJournal()
+    svc = AllocatorService(ServiceConfig(snapshot_every=snapshot_every), journal)
+    a = svc.register("wa", SHAPE)
+    b = svc.register("wb", SHAPE)
+    ref_a = pb.PoolRef(pool_id=a.pool_id, credential=a.credential)
+    ref_b = pb.PoolRef(pool_id=b.pool_id, credential=b.credential)
+    for i, (sa, sb) in enumerate(zip(random_steps(1, 40), random_steps(2, 40), strict=True), 1):
+        svc.step(ref_a, i, encode_ops(sa))
+        svc.step(ref_b, i, encode_ops(sb))
+        if i == 20:
+            svc.reset_prefix_cache(ref_a)
+    c = svc.register("wc", SHAPE)
+    svc.register("wc", SHAPE)  # a new epoch replaces c
+    svc.deregister(ref_b)
+    assert (journal.snapshot is not None) == (snapshot_every < 1000)
+
+    again = AllocatorService(ServiceConfig(snapshot_every=snapshot_every), journal)
+    assert full_state(again) == full_state(svc)
+    assert c.pool_id not in again.registry.pools
+    # The last step's answer survives, and a retry of it is not applied again.
+    last = svc.registry.pools[a.pool_id].last_response
+    assert again.step(ref_a, 40, encode_ops(random_steps(1, 40)[-1])) == last
+    assert full_state(again) == full_state(svc)
+    with pytest.raises(StepConflict):
+        again.step(ref_a, 40, encode_ops([Free("nope")]))
+    with pytest.raises(StepConflict):
+        again.step(ref_a, 3, encode_ops([Free("nope")]))
+
+
+def test_ambiguous_journal_failure_reloads_and_applies_once():
+    journal = FakeJournal()
+    svc = AllocatorService(ServiceConfig(), journal)
+    r = svc.register("w", SHAPE)
+    ref = pb.PoolRef(pool_id=r.pool_id, credential=r.credential)
+    steps = random_steps(3, 6)
+    for i, s in enumerate(steps[:5], 1):
+        svc.step(ref, i, encode_ops(s))
+    journal.fail_after_write = True
+    with pytest.raises(StoreUnavailable):
+        svc.step(ref, 6, encode_ops(steps[5]))
+    # The record landed but memory did not apply it: the retry reloads from
+    # the journal, finds step 6 applied, and answers it without applying again.
+    answer = svc.step(ref, 6, encode_ops(steps[5]))
+    reference = BlockPool(PoolConfig(24, 4, True, "m"))
+    for s in steps[:5]:
+        execute_step(reference, s)
+    assert answer == encode_results(6, execute_step(reference, steps[5]))
+    assert svc.registry.pools[r.pool_id].pool.to_state() == reference.to_state()
+
+
+def test_store_down_refuses_changes_and_keeps_reads():
+    journal = FakeJournal()
+    svc = AllocatorService(ServiceConfig(), journal)
+    r = svc.register("w", SHAPE)
+    ref = pb.PoolRef(pool_id=r.pool_id, credential=r.credential)
+    svc.step(ref, 1, encode_ops([Admit("a", [1, 2, 3, 4, 5])]))
+    before = svc.registry.pools[r.pool_id].pool.to_state()
+    journal.down = True
+    with pytest.raises(StoreUnavailable):
+        svc.step(ref, 2, encode_ops([Append("a", [6])]))
+    with pytest.raises(StoreUnavailable):
+        svc.register("w2", SHAPE)
+    assert svc.block_table(ref, "a") == ([0, 1], 5)  # reads still answer
+    assert svc.heartbeat(ref) > 0
+    assert svc.registry.pools[r.pool_id].pool.to_state() == before
+    journal.down = False
+    assert svc.step(ref, 2, encode_ops([Append("a", [6])])).errors == [0]
+
+
+def test_lease_expiry_drops_only_the_silent_pool():
+    now = [0.0]
+    svc = AllocatorService(ServiceConfig(lease_ttl_s=10), clock=lambda: now[0])
+    a = svc.register("a", SHAPE)
+    b = svc.register("b", SHAPE)
+    now[0] = 8
+    svc.heartbeat(pb.PoolRef(pool_id=a.pool_id, credential=a.credential))
+    now[0] = 12
+    assert svc.expire_leases() == [b.pool_id]
+    assert list(svc.registry.pools) == [a.pool_id]
+    now[0] = 17.9
+    assert svc.expire_leases() == []
+    now[0] = 18.1
+    assert svc.expire_leases() == [a.pool_id]

