@@ -23,6 +23,8 @@ from collections.abc import Sequence
 
 import torch
 
+from worker.kv_bytes import kv_bytes_per_token
+
 __all__ = ["KVPool", "num_blocks_for_budget", "parse_memory"]
 
 _UNITS: dict[str, int] = {
@@ -90,8 +92,7 @@ def bytes_per_block(
     num_layers: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
 ) -> int:
     """Bytes one block costs across all layers, K and V together."""
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * block_size * kv_heads * head_dim * element
+    return block_size * kv_bytes_per_token(num_layers, kv_heads, head_dim, dtype.itemsize)
 
 
 def num_blocks_for_budget(

@@ -13,13 +13,7 @@ import json
 from dataclasses import asdict, dataclass
 
 from pagedkv.cli import CliError
-
-DTYPE_BYTES = {
-    "float32": 4, "fp32": 4, "float": 4,
-    "float16": 2, "fp16": 2, "half": 2,
-    "bfloat16": 2, "bf16": 2,
-    "float8": 1, "fp8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1,
-}  # fmt: skip
+from worker.kv_bytes import DTYPE_BYTES, kv_bytes_per_token
 
 GIB = 1 << 30
 
@@ -67,7 +61,7 @@ def kv_size_from_config(cfg: dict, dtype: str | None = None) -> KVSize:
         head_dim=head_dim,
         dtype=name,
         bytes_per_element=per_elem,
-        bytes_per_token=2 * layers * kv_heads * head_dim * per_elem,
+        bytes_per_token=kv_bytes_per_token(layers, kv_heads, head_dim, per_elem),
         max_context=max_ctx if type(max_ctx) is int and max_ctx > 0 else None,
     )
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from worker.kv_bytes import WORKER_DTYPES
+
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
@@ -33,5 +35,5 @@ class EngineConfig:
             raise ValueError("--max-num-batched-tokens must be positive")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("--max-model-len must be at least 2")
-        if self.dtype not in ("float32", "float16", "bfloat16"):
+        if self.dtype not in WORKER_DTYPES:
             raise ValueError("--dtype must be float32, float16 or bfloat16")

@@ -25,10 +25,9 @@ from worker.engine.scheduler import Batch, Scheduler
 from worker.engine.sequence import Sequence, Status
 from worker.kv_pool import KVPool
 from worker.metrics import WorkerMetrics
+from worker.model.loader import resolve_dtype
 
 log = logging.getLogger("pagedkv.worker")
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class RequestError(ValueError):
@@ -64,7 +63,7 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.device = torch.device(config.device)
         mc = loaded.config
-        dtype = _DTYPES[config.dtype]
+        dtype = resolve_dtype(config.dtype, self.device)
         if config.num_blocks is not None:
             self.kv_pool = KVPool(mc.num_layers, config.num_blocks, config.block_size,
                                   mc.num_kv_heads, mc.head_dim, dtype, self.device)

@@ -23,6 +23,7 @@ from typing import Any
 import tokenizers
 import torch
 
+from worker.kv_bytes import WORKER_DTYPES, canonical_dtype
 from worker.model.config import ModelConfig
 from worker.model.llama import LlamaForCausalLM
 from worker.model.tokenizer import Tokenizer
@@ -66,13 +67,12 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     if dtype is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, torch.dtype):
-        result = dtype
+        name = str(dtype).removeprefix("torch.")
     else:
-        aliases = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
-        result = getattr(torch, aliases.get(dtype, dtype), None)
-    if result not in (torch.float32, torch.bfloat16, torch.float16):
+        name = canonical_dtype(dtype)
+    if name not in WORKER_DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported (float32, bfloat16, float16)")
-    return result
+    return getattr(torch, name)
 
 
 def load_model(
