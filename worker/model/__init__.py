@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from worker.model.config import ModelConfig, RopeScaling, UnsupportedModelError
 from worker.model.llama import LlamaForCausalLM
-from worker.model.loader import LoadedModel, ModelLoadError, load_model
+from worker.model.loaded import LoadedModel
+from worker.model.loader import ModelLoadError, load_model
 from worker.model.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
 
 __all__ = [

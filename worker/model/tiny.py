@@ -15,9 +15,10 @@ from tokenizers import AddedToken, decoders, pre_tokenizers
 
 from worker.model.config import ModelConfig
 from worker.model.llama import LlamaForCausalLM
+from worker.model.loaded import LoadedModel
 from worker.model.tokenizer import Tokenizer
 
-__all__ = ["TINY_CONFIG", "build_tiny_random", "tiny_tokenizer"]
+__all__ = ["SEED", "TINY_CONFIG", "build_tiny_random", "random_weights", "tiny_tokenizer"]
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = (
@@ -56,7 +57,8 @@ def tiny_tokenizer() -> Tokenizer:
     return Tokenizer(tk, chat_template=CHAT_TEMPLATE, bos_token=None, eos_token="<|im_end|>")
 
 
-def _random_weights(config: ModelConfig):
+def random_weights(config: ModelConfig):
+    """The tiny model's weights by Hugging Face name, drawn from a fixed seed."""
     gen = torch.Generator().manual_seed(SEED)
 
     def normal(*shape: int) -> torch.Tensor:
@@ -80,11 +82,9 @@ def _random_weights(config: ModelConfig):
     yield "model.norm.weight", torch.ones(c.hidden_size)
 
 
-def build_tiny_random(device: torch.device, dtype: torch.dtype):
-    from worker.model.loader import LoadedModel
-
+def build_tiny_random(device: torch.device, dtype: torch.dtype) -> LoadedModel:
     model = LlamaForCausalLM.create(TINY_CONFIG, device, dtype)
-    model.load_weights(_random_weights(TINY_CONFIG))
+    model.load_weights(random_weights(TINY_CONFIG))
     tokenizer = tiny_tokenizer()
     ident = f"tiny-random/seed={SEED}/{TINY_CONFIG.to_json()}/{CHAT_TEMPLATE}"
     return LoadedModel(

@@ -21,7 +21,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from worker.engine import AsyncLLMEngine, RequestError, RequestOutput, SamplingError, SamplingParams
-from worker.server.protocol import ChatCompletionRequest, CompletionRequest, _Base
+from worker.server.protocol import BaseRequest, ChatCompletionRequest, CompletionRequest
 
 MAX_BODY_BYTES = 8 << 20
 
@@ -126,7 +126,7 @@ def create_app(engine: AsyncLLMEngine, served_model_name: str) -> FastAPI:
             }],
         }
 
-    def check_common(req: _Base, max_tokens: int | None) -> SamplingParams:
+    def check_common(req: BaseRequest, max_tokens: int | None) -> SamplingParams:
         if req.model != served_model_name:
             raise ApiError(404, f"the model {req.model!r} does not exist; this worker serves {served_model_name!r}",
                            param="model", type_="not_found_error", code="model_not_found")
@@ -225,7 +225,7 @@ def create_app(engine: AsyncLLMEngine, served_model_name: str) -> FastAPI:
             }
         return StreamingResponse(_events(first, stream, rid, served_model_name, req, "chat"), media_type="text/event-stream")
 
-    async def _events(first: RequestOutput, stream, rid: str, model: str, req: _Base, kind: str):
+    async def _events(first: RequestOutput, stream, rid: str, model: str, req: BaseRequest, kind: str):
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
         def chunk(choice: dict, **extra) -> bytes:

@@ -13,7 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field
 MAX_STOP = 16
 
 
-class _Base(BaseModel):
+class BaseRequest(BaseModel):
+    """The fields completions and chat completions share."""
+
     model_config = ConfigDict(extra="ignore")
 
     model: str
@@ -41,7 +43,7 @@ class _Base(BaseModel):
         return bool(self.stream_options and self.stream_options.get("include_usage"))
 
 
-class CompletionRequest(_Base):
+class CompletionRequest(BaseRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
     echo: bool = False
@@ -70,7 +72,7 @@ class ChatMessage(BaseModel):
         return "".join(p.text or "" for p in self.content if p.type == "text")
 
 
-class ChatCompletionRequest(_Base):
+class ChatCompletionRequest(BaseRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None

@@ -1,0 +1,40 @@
+"""`LoadedModel`: what the engine needs about one loaded model.
+
+Built by the loaders (`loader` for files, `tiny` for the in-memory test
+model); its own module so that neither imports the other for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from worker.model.config import ModelConfig
+from worker.model.llama import LlamaForCausalLM
+from worker.model.tokenizer import Tokenizer
+
+__all__ = ["LoadedModel"]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class LoadedModel:
+    """Everything the engine needs about one model.
+
+    `fingerprint` is stable across processes and restarts for the same files
+    (SHA-256 over the config and the weight files' names and sizes): it keys
+    the prefix cache, so two workers share cached blocks only if it matches.
+    """
+
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: Tokenizer
+    fingerprint: str
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+    chat_template: str | None
+    name: str
+
+    def __post_init__(self) -> None:
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if len(self.fingerprint) != 64:
+            raise ValueError("fingerprint must be a SHA-256 hex digest")
