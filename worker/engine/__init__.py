@@ -2,7 +2,8 @@
 
 from worker.engine.async_engine import AsyncLLMEngine
 from worker.engine.config import EngineConfig
-from worker.engine.llm_engine import LLMEngine, RequestError, RequestOutput
+from worker.engine.llm_engine import LLMEngine, RequestError
+from worker.engine.output_processor import RequestOutput
 from worker.engine.sampling import SamplingError, SamplingParams
 
 __all__ = ["AsyncLLMEngine", "EngineConfig", "LLMEngine", "RequestError", "RequestOutput", "SamplingError", "SamplingParams"]

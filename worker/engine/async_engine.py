@@ -17,7 +17,8 @@ import threading
 from collections.abc import AsyncIterator
 from collections.abc import Sequence as Seq
 
-from worker.engine.llm_engine import LLMEngine, RequestError, RequestOutput
+from worker.engine.llm_engine import LLMEngine, RequestError
+from worker.engine.output_processor import RequestOutput
 from worker.engine.sampling import SamplingParams
 
 log = logging.getLogger("pagedkv.worker")

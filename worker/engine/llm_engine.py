@@ -1,10 +1,12 @@
-"""The engine: a loaded model, its KV pool, an allocator client, a scheduler.
+"""The engine: requests in, outputs out, over a scheduler, a model runner and
+an output processor.
 
-`LLMEngine.step()` is one iteration of continuous batching: schedule (one
-allocator Step call), apply copy-on-write copies, run the model over every
-scheduled token at once (prefill chunks and decodes mixed), sample the
-sequences that reached their last token, check stop conditions. `generate()`
-is the offline API on top; `AsyncLLMEngine` (async_engine.py) the streaming one.
+`LLMEngine.step()` is one iteration of continuous batching: the scheduler
+plans it (one allocator Step call), the model runner computes every scheduled
+token at once (prefill chunks and decodes mixed) and samples the sequences
+that reached their last token, the output processor checks stop conditions
+and detokenizes. `generate()` is the offline API on top; `AsyncLLMEngine`
+(async_engine.py) the streaming one.
 """
 
 from __future__ import annotations
@@ -13,40 +15,21 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
-
-import torch
 
 from allocator_service.client import AllocatorClient, PoolSpec, connect
-from worker.attention import AttentionMetadata
 from worker.engine.config import EngineConfig
-from worker.engine.sampling import SamplingError, SamplingParams, make_generator, sample
+from worker.engine.model_runner import ModelRunner
+from worker.engine.output_processor import OutputProcessor, RequestOutput
+from worker.engine.sampling import SamplingError, SamplingParams, make_generator
 from worker.engine.scheduler import Batch, Scheduler
 from worker.engine.sequence import Sequence, Status
-from worker.kv_pool import KVPool
 from worker.metrics import WorkerMetrics
-from worker.model.loader import resolve_dtype
 
 log = logging.getLogger("pagedkv.worker")
 
 
 class RequestError(ValueError):
     """A request the engine can never serve (too long, bad parameters)."""
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # every generated token so far
-    text: str  # every generated character so far (stop strings cut off)
-    new_token_ids: list[int] = field(default_factory=list)  # this step's delta
-    new_text: str = ""
-    finished: bool = False
-    finish_reason: str | None = None  # "stop", "length", "abort", "error"
-    num_cached_tokens: int = 0
-    num_preemptions: int = 0
-    error: str | None = None
 
 
 class LLMEngine:
@@ -59,18 +42,10 @@ class LLMEngine:
     ) -> None:
         self.config = config
         self.loaded = loaded
-        self.model = loaded.model
         self.tokenizer = loaded.tokenizer
-        self.device = torch.device(config.device)
-        mc = loaded.config
-        dtype = resolve_dtype(config.dtype, self.device)
-        if config.num_blocks is not None:
-            self.kv_pool = KVPool(mc.num_layers, config.num_blocks, config.block_size,
-                                  mc.num_kv_heads, mc.head_dim, dtype, self.device)
-        else:
-            self.kv_pool = KVPool.from_budget(config.kv_cache_memory or "512MiB", mc.num_layers,
-                                              config.block_size, mc.num_kv_heads, mc.head_dim,
-                                              dtype, self.device)
+        self.runner = ModelRunner(loaded, config)
+        self.kv_pool = self.runner.kv_pool
+        self.device = self.runner.device
         self.block_size = config.block_size
         self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
         spec = PoolSpec(
@@ -95,7 +70,7 @@ class LLMEngine:
         )
         # The allocator away: the step is sent again until answered (a stall, not an error).
         self.scheduler.on_stall = self.metrics.allocator_unavailable_seconds.inc
-        self.eos_token_ids = set(loaded.eos_token_ids)
+        self.output_processor = OutputProcessor(loaded.tokenizer, loaded.eos_token_ids, self.max_model_len)
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.num_preemptions = 0
@@ -103,7 +78,7 @@ class LLMEngine:
     # -------------------------------------------------------------- requests
     @property
     def pool_tokens(self) -> int:
-        return self.kv_pool.num_blocks * self.block_size
+        return self.kv_pool.tokens_capacity
 
     def add_request(
         self,
@@ -201,32 +176,10 @@ class LLMEngine:
         self.metrics.step_time.observe(time.perf_counter() - t0)
         return outputs
 
-    @torch.inference_mode()
     def _run(self, batch: Batch) -> list[RequestOutput]:
-        if batch.copies:
-            self.kv_pool.copy_blocks(batch.copies)
-        entries = batch.entries
-        input_ids = torch.tensor(
-            [t for e in entries for t in e.seq.token_ids[e.num_computed : e.num_computed + e.num_new]],
-            dtype=torch.int64, device=self.device,
-        )
-        meta = AttentionMetadata.build(
-            [(e.seq.block_table, e.num_computed, e.num_new) for e in entries],
-            self.block_size, self.device,
-        )
-        hidden = self.model(input_ids, meta.positions(), self.kv_pool, meta)
-        sampling = [i for i, e in enumerate(entries) if e.samples]
-        if not sampling:
-            return []
-        rows = meta.last_token_indices()[sampling]
-        logits = self.model.compute_logits(hidden[rows])
-        seqs = [entries[i].seq for i in sampling]
-        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        sampled = self.runner.execute(batch)
         now = time.monotonic()
-        outputs = []
-        for seq, tok in zip(seqs, tokens, strict=True):
-            outputs.append(self._append_token(seq, tok, now))
-        return outputs
+        return [self._append_token(seq, tok, now) for seq, tok in sampled]
 
     def _append_token(self, seq: Sequence, tok: int, now: float) -> RequestOutput:
         seq.token_ids.append(tok)
@@ -237,71 +190,17 @@ class LLMEngine:
         elif seq.last_token_time is not None:
             self.metrics.itl.observe(now - seq.last_token_time)
         seq.last_token_time = now
-        p = seq.params
-        reason = None
-        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
-            reason = "stop"
-        elif seq.num_output_tokens >= seq.max_tokens or len(seq.token_ids) >= self.max_model_len:
-            reason = "length"
-        new_text = self._advance_text(seq, tok, reason)
-        if seq.stopped_by_string:
-            reason = "stop"
-        if reason is not None:
-            self.scheduler.finish(seq, reason)
-            self.metrics.finished(reason)
+        out = self.output_processor.process(seq, tok)
+        if out.finished:
+            self.scheduler.finish(seq, out.finish_reason)
+            self.metrics.finished(out.finish_reason)
             self._seqs.pop(seq.request_id, None)
-        text = seq.text[: seq.emitted]
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt_token_ids=seq.prompt_token_ids,
-            token_ids=list(seq.output_token_ids),
-            text=text,
-            new_token_ids=[tok],
-            new_text=new_text,
-            finished=reason is not None,
-            finish_reason=reason,
-            num_cached_tokens=seq.num_cached_tokens,
-            num_preemptions=seq.num_preemptions,
-        )
-
-    def _advance_text(self, seq: Sequence, tok: int, reason: str | None) -> str:
-        """Extend the sequence's text by `tok` and return what may be streamed now.
-
-        The stop/eos token itself is never shown. With stop strings, the last
-        (longest stop string - 1) characters are held back until the next
-        token shows they do not start a stop string: streamed text is never
-        taken back."""
-        if seq.detokenizer is None:
-            seq.detokenizer = self.tokenizer.detokenizer()
-        if reason != "stop":
-            seq.text += seq.detokenizer.step([tok])
-        if reason is not None:
-            seq.text += seq.detokenizer.flush()
-        stops = seq.params.stop
-        hold = 0
-        if stops:
-            longest = max(map(len, stops))
-            start = max(0, seq.checked - longest + 1)
-            cut = min((i for i in (seq.text.find(x, start) for x in stops) if i >= 0), default=-1)
-            if cut >= 0:
-                seq.text = seq.text[:cut]
-                seq.stopped_by_string = True
-            elif reason is None:
-                hold = longest - 1
-            seq.checked = len(seq.text)
-        end = max(seq.emitted, len(seq.text) - hold)
-        new_text = seq.text[seq.emitted : end]
-        seq.emitted = end
-        return new_text
+        return out
 
     def _failed_output(self, seq: Sequence) -> RequestOutput:
         self.metrics.finished("error")
         self._seqs.pop(seq.request_id, None)
-        return RequestOutput(
-            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
-            token_ids=list(seq.output_token_ids), text=seq.text[: seq.emitted], finished=True, finish_reason="error",
-            num_cached_tokens=seq.num_cached_tokens, num_preemptions=seq.num_preemptions, error=seq.error,
-        )
+        return self.output_processor.failed(seq)
 
     # --------------------------------------------------------------- offline
     def generate(
