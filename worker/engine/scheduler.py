@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from allocator_service.client import AllocatorClient, AllocatorUnavailable, PoolLost
-from allocator_service.core import Admit, Append, Free, Op
+from allocator_service.core import Admit, Append, Free, Op, OpResult
 from worker.engine.sequence import Sequence, Status
 
 
@@ -56,6 +56,18 @@ class Batch:
     allocator_seconds: float = 0.0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache this step
     queried_tokens: int = 0
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    """One step in the making: the operations to send and what they used up."""
+
+    ops: list[Op]
+    refs: Counter  # block -> running sequences holding it
+    free: int  # blocks free for this step's appends and admits
+    budget: int  # tokens left in this step
+    running: dict[Sequence, tuple[int, int]] = field(default_factory=dict)  # seq -> (new tokens, new blocks)
+    admitting: list[Sequence] = field(default_factory=list)
 
 
 def _priority_key(seq: Sequence) -> tuple[int, float]:
@@ -100,61 +112,76 @@ class Scheduler:
 
     # ------------------------------------------------------------------ step
     def schedule(self) -> Batch:
+        """Plan the step, send it in one allocator call, apply the answers."""
         batch = Batch()
-        ops: list[Op] = [Free(a) for a in self._to_free]
-        self._to_free = []
         refs = Counter(b for seq in self.running for b in seq.block_table)
-        free = self.num_blocks - len(refs)
-        budget = self.max_num_batched_tokens
-        planned: dict[Sequence, tuple[int, int]] = {}  # seq -> (new tokens, new blocks)
+        plan = _StepPlan(
+            ops=[Free(a) for a in self._to_free],
+            refs=refs,
+            free=self.num_blocks - len(refs),
+            budget=self.max_num_batched_tokens,
+        )
+        self._to_free = []
+        self._plan_running(plan, batch)
+        if not batch.preempted:
+            self._plan_admissions(plan)
+        if not plan.ops:
+            return batch
+        results = self._call(plan.ops, batch)
+        if results is not None:
+            self._apply_results(plan, results, batch)
+        return batch
+
+    def _plan_running(self, plan: _StepPlan, batch: Batch) -> None:
+        """Give each running sequence its next tokens while the budget lasts,
+        preempting the lowest-priority ones when blocks run short."""
         for seq in list(self.running):
             if seq.status is not Status.RUNNING:
                 continue  # preempted as a victim earlier in this loop
-            if budget <= 0:
+            if plan.budget <= 0:
                 break
-            n = min(len(seq.token_ids) - seq.num_stored, budget)
+            n = min(len(seq.token_ids) - seq.num_stored, plan.budget)
             need = self._blocks_needed(seq, n)
-            while need > free:
+            while need > plan.free:
                 victim = max(self.running, key=_priority_key)
-                if victim in planned:  # give back what it was promised
-                    k, v_need = planned.pop(victim)
-                    budget += k
-                    free += v_need
-                free += self._preempt(batch, victim, refs, ops, "out_of_blocks")
+                if victim in plan.running:  # give back what it was promised
+                    k, v_need = plan.running.pop(victim)
+                    plan.budget += k
+                    plan.free += v_need
+                plan.free += self._preempt(batch, victim, plan.refs, plan.ops, "out_of_blocks")
                 if victim is seq:
                     break
             if seq.status is not Status.RUNNING:
                 continue
-            planned[seq] = (n, need)
-            free -= need
-            budget -= n
-        ops.extend(Append(s.alloc_id, s.token_ids[s.num_stored : s.num_stored + n]) for s, (n, _) in planned.items())
+            plan.running[seq] = (n, need)
+            plan.free -= need
+            plan.budget -= n
+        plan.ops.extend(
+            Append(s.alloc_id, s.token_ids[s.num_stored : s.num_stored + n]) for s, (n, _) in plan.running.items()
+        )
 
-        admitting: list[Sequence] = []
+    def _plan_admissions(self, plan: _StepPlan) -> None:
+        """Admit waiting requests while the budget, `max_num_seqs` and the free blocks allow."""
         # Keep a little headroom for the running sequences' next blocks, so a
         # new admission does not force a preemption on the very next step.
         headroom = self.watermark if self.running else 0
-        if not batch.preempted:
-            for seq in self.waiting:
-                if budget <= 0 or len(self.running) + len(admitting) >= self.max_num_seqs:
-                    break
-                # Upper bound of the blocks an admit takes from the free queue
-                # (cache hits on free blocks leave the queue too).
-                worst = -(-len(seq.token_ids) // self.block_size)
-                if worst > free - headroom:
-                    break
-                ops.append(Admit(seq.next_alloc_id(), seq.token_ids, seq.params.cache_salt, budget))
-                admitting.append(seq)
-                free -= worst
-                budget -= min(len(seq.token_ids), budget)
-        if not ops:
-            return batch
+        for seq in self.waiting:
+            if plan.budget <= 0 or len(self.running) + len(plan.admitting) >= self.max_num_seqs:
+                break
+            # Upper bound of the blocks an admit takes from the free queue
+            # (cache hits on free blocks leave the queue too).
+            worst = -(-len(seq.token_ids) // self.block_size)
+            if worst > plan.free - headroom:
+                break
+            plan.ops.append(Admit(seq.next_alloc_id(), seq.token_ids, seq.params.cache_salt, plan.budget))
+            plan.admitting.append(seq)
+            plan.free -= worst
+            plan.budget -= min(len(seq.token_ids), plan.budget)
 
-        results = self._call(ops, batch)
-        if results is None:
-            return batch
-        ri = len(ops) - len(planned) - len(admitting)  # frees come first in `ops`
-        for seq, (n, _) in planned.items():
+    def _apply_results(self, plan: _StepPlan, results: list[OpResult], batch: Batch) -> None:
+        """Apply the allocator's answers: block tables, copies, admissions, refusals."""
+        ri = len(plan.ops) - len(plan.running) - len(plan.admitting)  # frees come first in `ops`
+        for seq, (n, _) in plan.running.items():
             r = results[ri]
             ri += 1
             if r.ok:
@@ -169,7 +196,7 @@ class Scheduler:
                 self._preempt(batch, seq, None, None, r.error or "allocator_error")
                 if r.error != "unknown_sequence":
                     self._to_free.append(seq.alloc_id)
-        for seq in admitting:
+        for seq in plan.admitting:
             r = results[ri]
             ri += 1
             if r.ok:
@@ -179,7 +206,6 @@ class Scheduler:
                 seq.error = f"the allocator refused the request: {r.message or r.error}"
                 self.finish(seq, "error")
                 batch.failed.append(seq)
-        return batch
 
     def _blocks_needed(self, seq: Sequence, n: int) -> int:
         return max(0, -(-(seq.num_stored + n) // self.block_size) - len(seq.block_table))
@@ -215,7 +241,7 @@ class Scheduler:
         finally:
             batch.allocator_seconds += time.perf_counter() - t0
 
-    def _admitted(self, batch: Batch, seq: Sequence, r) -> None:
+    def _admitted(self, batch: Batch, seq: Sequence, r: OpResult) -> None:
         self.waiting.remove(seq)
         self.running.append(seq)
         seq.status = Status.RUNNING
