@@ -1,4 +1,5 @@
-"""Request bodies of the OpenAI-style API (the fields PagedKV honours).
+"""Request bodies of the OpenAI-style API (the fields PagedKV honours), and
+the pieces whole and streamed answers share (usage, finish reason).
 
 Unknown fields are ignored, as OpenAI-compatible servers do, so the official
 client's extra fields never fail a request.
@@ -6,11 +7,12 @@ client's extra fields never fail a request.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-MAX_STOP = 16
+if TYPE_CHECKING:
+    from worker.engine import RequestOutput
 
 
 class BaseRequest(BaseModel):
@@ -76,3 +78,16 @@ class ChatCompletionRequest(BaseRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
+
+
+def usage(out: RequestOutput) -> dict:
+    p, c = len(out.prompt_token_ids), len(out.token_ids)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+
+
+def finish_reason(out: RequestOutput) -> str | None:
+    """The engine's reason in OpenAI's words: an aborted request just stopped."""
+    if out.finish_reason in ("abort", "error"):
+        return "stop" if out.finish_reason == "abort" else "error"
+    return out.finish_reason
