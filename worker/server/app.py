@@ -78,43 +78,38 @@ async def completions(req: CompletionRequest, request: Request):
         raise ApiError(400, "the prompt is empty", param="prompt")
     if req.logprobs:
         raise ApiError(400, "logprobs are not supported", param="logprobs")
-    model = request.app.state.served_model_name
-    params = _sampling_params(req, req.max_tokens, model)
-    rid = f"cmpl-{uuid.uuid4().hex}"
-    stream, first = await _start(request.app.state.engine, prompt, params, rid)
-    if req.stream:
-        return StreamingResponse(stream_events(first, stream, rid, model, "text", req.include_usage()),
-                                 media_type="text/event-stream")
-    out = await _collect(stream, first)
-    return {
-        "id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "text": out.text, "finish_reason": finish_reason(out), "logprobs": None}],
-        "usage": usage(out),
-    }
+    return await _answer(request, req, prompt, req.max_tokens, f"cmpl-{uuid.uuid4().hex}", "text")
 
 
 @router.post("/v1/chat/completions")
 async def chat(req: ChatCompletionRequest, request: Request):
     if req.logprobs:
         raise ApiError(400, "logprobs are not supported", param="logprobs")
-    engine: AsyncLLMEngine = request.app.state.engine
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
     try:
-        prompt_ids = engine.engine.tokenizer.encode_chat(messages, add_generation_prompt=True)
+        prompt_ids = request.app.state.engine.engine.tokenizer.encode_chat(messages, add_generation_prompt=True)
     except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
         raise ApiError(400, f"cannot apply the chat template: {exc}", param="messages") from None
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    return await _answer(request, req, prompt_ids, max_tokens, f"chatcmpl-{uuid.uuid4().hex}", "chat")
+
+
+async def _answer(request: Request, req: BaseRequest, prompt, max_tokens: int | None, rid: str, kind: str):
+    """Run the request; answer with one body, or a stream of events if asked."""
     model = request.app.state.served_model_name
-    params = _sampling_params(req, req.max_completion_tokens or req.max_tokens, model)
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
-    stream, first = await _start(engine, prompt_ids, params, rid)
+    params = _sampling_params(req, max_tokens, model)
+    stream, first = await _start(request.app.state.engine, prompt, params, rid)
     if req.stream:
-        return StreamingResponse(stream_events(first, stream, rid, model, "chat", req.include_usage()),
+        return StreamingResponse(stream_events(first, stream, rid, model, kind, req.include_usage()),
                                  media_type="text/event-stream")
     out = await _collect(stream, first)
+    if kind == "chat":
+        obj, choice = "chat.completion", {"index": 0, "message": {"role": "assistant", "content": out.text}}
+    else:
+        obj, choice = "text_completion", {"index": 0, "text": out.text}
     return {
-        "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
-                     "finish_reason": finish_reason(out), "logprobs": None}],
+        "id": rid, "object": obj, "created": int(time.time()), "model": model,
+        "choices": [{**choice, "finish_reason": finish_reason(out), "logprobs": None}],
         "usage": usage(out),
     }
 
