@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 MIN_TEMPERATURE = 1e-5
+MAX_STOP = 16  # stop strings per request
 
 
 class SamplingError(ValueError):
@@ -42,8 +43,8 @@ class SamplingParams:
             raise SamplingError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
         if self.seed is not None and type(self.seed) is not int:
             raise SamplingError("seed must be an integer")
-        if len(self.stop) > 16 or any(not isinstance(s, str) or not s for s in self.stop):
-            raise SamplingError("stop must be at most 16 non-empty strings")
+        if len(self.stop) > MAX_STOP or any(not isinstance(s, str) or not s for s in self.stop):
+            raise SamplingError(f"stop must be at most {MAX_STOP} non-empty strings")
         if any(type(t) is not int or t < 0 for t in self.stop_token_ids):
             raise SamplingError("stop_token_ids must be non-negative integers")
 
