@@ -1,7 +1,9 @@
-"""PagedKV worker: the model layer a worker process runs.
+"""PagedKV worker: a model, its KV pool and an OpenAI-style API over the allocator.
 
-`worker.kv_pool` holds the physical K/V blocks, `worker.attention` reads and
-writes them through block tables, `worker.model` is a Llama-family decoder and
-its loaders. The engine (scheduler, HTTP) builds on these; nothing here talks
-to the allocator. Kept import-light on purpose: importing `worker` pulls no torch.
+Layers, each importing only those below it (checked by `lint-imports`):
+`cli` -> `server` (HTTP) -> `engine` (scheduler, model runner, output
+processor) -> `model` (decoder, tokenizer, loaders) | `metrics` ->
+`attention` | `kv_pool` (the physical K/V blocks) -> `kv_bytes` (dtype table
+and KV-bytes formula, torch-free). Kept import-light on purpose: importing
+`worker` pulls no torch.
 """
