@@ -1,15 +1,22 @@
 """`pagedkv allocator` and `python -m allocator_service`: run the service.
 
-Only argparse and os are imported at module level so that `pagedkv --help`
-stays fast; grpc, redis and prometheus load inside `run`.
+Only argparse and the settings scheme are imported at module level so that
+`pagedkv --help` stays fast; grpc, redis and prometheus load inside `run`.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 
-ENV = "PAGEDKV_ALLOCATOR_"
+from pagedkv.settings import (
+    LOG_LEVELS,
+    CliError,
+    env_default,
+    log_level,
+    read_file,
+    read_secret,
+    run_command,
+)
 
 DESCRIPTION = """\
 Run the PagedKV allocator: the gRPC service that owns every worker's block
@@ -18,40 +25,39 @@ environment variable (shown in brackets); a flag wins over its variable.
 """
 
 
-def _env(name: str, default=None):
-    return os.environ.get(ENV + name, default)
+def _env(flag: str, default=None, type=str) -> dict:
+    return env_default("allocator", flag, default, type)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a = parser.add_argument
-    a("--listen", default=_env("LISTEN", "127.0.0.1:50051"), metavar="HOST:PORT",
+    a("--listen", **_env("--listen", "127.0.0.1:50051"), metavar="HOST:PORT",
       help="address to serve gRPC on; port 0 picks a free one, [::]:PORT or 0.0.0.0:PORT "
            "for every interface [%(default)s] [PAGEDKV_ALLOCATOR_LISTEN]")
-    a("--metrics-port", type=int, default=_env("METRICS_PORT"), metavar="PORT",
+    a("--metrics-port", **_env("--metrics-port", type=int), metavar="PORT",
       help="serve Prometheus metrics on this port (same host as --listen; 0 = any free "
            "port); off when not given [PAGEDKV_ALLOCATOR_METRICS_PORT]")
-    a("--state", default=_env("STATE", "memory"), metavar="memory|redis://HOST:PORT/DB",
+    a("--state", **_env("--state", "memory"), metavar="memory|redis://HOST:PORT/DB",
       help="'memory' keeps state in this process only; a redis:// URL journals every "
            "accepted change in Redis before replying and rebuilds the exact state on "
            "start (append ?key_prefix=NAME: to share one Redis) [%(default)s] "
            "[PAGEDKV_ALLOCATOR_STATE]")
-    a("--auth-token-file", default=_env("AUTH_TOKEN_FILE"), metavar="PATH",
+    a("--auth-token-file", **_env("--auth-token-file"), metavar="PATH",
       help="file holding a bearer token every call must send as 'authorization: Bearer "
            "TOKEN' (health checks exempt); none = no server-wide token "
            "[PAGEDKV_ALLOCATOR_AUTH_TOKEN_FILE]")
-    a("--lease-ttl", type=float, default=_env("LEASE_TTL", "30"), metavar="SECONDS",
+    a("--lease-ttl", **_env("--lease-ttl", 30.0, float), metavar="SECONDS",
       help="drop a pool (and free its blocks) when no call renewed it for this long "
            "[%(default)s] [PAGEDKV_ALLOCATOR_LEASE_TTL]")
-    a("--tls-cert", default=_env("TLS_CERT"), metavar="PEM",
+    a("--tls-cert", **_env("--tls-cert"), metavar="PEM",
       help="serve TLS with this certificate chain (needs --tls-key) [PAGEDKV_ALLOCATOR_TLS_CERT]")
-    a("--tls-key", default=_env("TLS_KEY"), metavar="PEM",
+    a("--tls-key", **_env("--tls-key"), metavar="PEM",
       help="private key of --tls-cert [PAGEDKV_ALLOCATOR_TLS_KEY]")
-    a("--snapshot-every", type=int, default=_env("SNAPSHOT_EVERY", "1000"), metavar="N",
+    a("--snapshot-every", **_env("--snapshot-every", 1000, int), metavar="N",
       help="with --state redis: write a full snapshot every N journal records, so a "
            "restart replays at most N [%(default)s] [PAGEDKV_ALLOCATOR_SNAPSHOT_EVERY]")
-    a("--log-level", default=_env("LOG_LEVEL", "INFO"),
-      choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-      help="[%(default)s] [PAGEDKV_ALLOCATOR_LOG_LEVEL]")
+    a("--log-level", **_env("--log-level", "INFO", log_level), choices=LOG_LEVELS,
+      help="any case [%(default)s] [PAGEDKV_ALLOCATOR_LOG_LEVEL]")
     return parser
 
 
@@ -65,44 +71,28 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return add_arguments(p)
 
 
-class UsageError(Exception):
-    pass
-
-
-def _read(path: str, what: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as exc:
-        raise UsageError(f"cannot read {what} {path}: {exc.strerror}") from exc
-
-
 def options_from_args(args: argparse.Namespace):
     from allocator_service.config import ServiceConfig
     from allocator_service.server import ServeOptions
 
-    token = None
-    if args.auth_token_file:
-        token = _read(args.auth_token_file, "auth token file").decode().strip()
-        if not token:
-            raise UsageError(f"auth token file {args.auth_token_file} is empty")
+    token = read_secret(args.auth_token_file, "auth token file") if args.auth_token_file else None
     if bool(args.tls_cert) != bool(args.tls_key):
-        raise UsageError("--tls-cert and --tls-key go together")
+        raise CliError("--tls-cert and --tls-key go together")
     if ":" not in args.listen:
-        raise UsageError(f"--listen wants HOST:PORT, not {args.listen!r}")
+        raise CliError(f"--listen wants HOST:PORT, not {args.listen!r}")
     try:
         config = ServiceConfig(lease_ttl_s=args.lease_ttl, snapshot_every=args.snapshot_every)
     except ValueError as exc:
-        raise UsageError(str(exc)) from exc
+        raise CliError(str(exc)) from exc
     if not (args.state == "memory" or args.state.startswith(("redis://", "rediss://", "unix://"))):
-        raise UsageError(f"--state must be 'memory' or a redis:// URL, not {args.state!r}")
+        raise CliError(f"--state must be 'memory' or a redis:// URL, not {args.state!r}")
     return ServeOptions(
         listen=args.listen,
         state=args.state,
         metrics_port=args.metrics_port,
         auth_token=token,
-        tls_cert=_read(args.tls_cert, "TLS certificate") if args.tls_cert else None,
-        tls_key=_read(args.tls_key, "TLS key") if args.tls_key else None,
+        tls_cert=read_file(args.tls_cert, "TLS certificate") if args.tls_cert else None,
+        tls_key=read_file(args.tls_key, "TLS key") if args.tls_key else None,
         config=config,
     )
 
@@ -118,11 +108,9 @@ def run(args: argparse.Namespace) -> int:
     from allocator_service.server import serve
     from allocator_service.state import CorruptState
 
+    options = options_from_args(args)  # a CliError: exit 2, reported by run_command
     try:
-        return serve(options_from_args(args))
-    except UsageError as exc:
-        print(f"pagedkv allocator: error: {exc}", file=sys.stderr)
-        return 2
+        return serve(options)
     except (StoreUnavailable, CorruptState, OSError) as exc:
         print(f"pagedkv allocator: cannot start: {exc}", file=sys.stderr)
         return 1
@@ -136,4 +124,4 @@ def main(argv: list[str] | None = None) -> int:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
     )
-    return run(parser.parse_args(argv))
+    return run_command("allocator", run, parser.parse_args(argv))

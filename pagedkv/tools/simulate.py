@@ -27,7 +27,7 @@ import json
 from dataclasses import asdict, dataclass
 
 from allocator_service.core import BlockPool, ContiguousPool, OutOfBlocks, PoolConfig
-from pagedkv.cli import CliError
+from pagedkv.settings import CliError
 
 GIB = 1 << 30
 

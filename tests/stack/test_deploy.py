@@ -270,7 +270,7 @@ def test_kustomize_renders_the_topology(k8s):
     assert redis["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
     assert {"redis", "allocator", "worker"} <= {d["metadata"]["name"] for d in k8s if d["kind"] == "Service"}
     state = settings["data"]["PAGEDKV_ALLOCATOR_STATE"]
-    assert state == "redis://redis:6379/0" and settings["data"]["PAGEDKV_ALLOCATOR"] == "allocator:50051"
+    assert state == "redis://redis:6379/0" and settings["data"]["PAGEDKV_WORKER_ALLOCATOR"] == "allocator:50051"
 
 
 def test_k8s_settings_are_read_by_the_clis(monkeypatch):
@@ -288,10 +288,8 @@ def test_k8s_settings_are_read_by_the_clis(monkeypatch):
         add(parser)
         parsed[name] = vars(parser.parse_args([]))
     for key, value in settings.items():
-        if key.startswith("PAGEDKV_ALLOCATOR_"):
-            got = parsed["allocator"][key.removeprefix("PAGEDKV_ALLOCATOR_").lower()]
-        else:
-            got = parsed["worker"][key.removeprefix("PAGEDKV_").lower()]
+        component, flag = key.removeprefix("PAGEDKV_").split("_", 1)  # PAGEDKV_<COMPONENT>_<FLAG>
+        got = parsed[component.lower()][flag.lower()]
         if isinstance(got, bool):
             assert got is True, key
         elif isinstance(got, int | float):

@@ -1,0 +1,156 @@
+"""One configuration scheme for every command (the bottom layer: imports nothing of the project).
+
+- Every flag `--FLAG` of a component (`allocator`, `worker`) can be given as the
+  environment variable `PAGEDKV_<COMPONENT>_<FLAG>` (`--metrics-port` of the
+  allocator: `PAGEDKV_ALLOCATOR_METRICS_PORT`); a flag on the command line wins.
+  `env_default` and `env_switch` make those argparse defaults. A variable is
+  parsed like the flag's value, when the command runs (so a bad variable of one
+  command never breaks another), and a bad one is a usage error naming it.
+- Booleans from the environment are strict: 1/true/yes/on or 0/false/no/off.
+- `LOG_LEVELS` / `log_level`: one log-level type, any case, for every command.
+- `read_secret` / `read_file`: the one way to read a token or a certificate.
+- `CliError` is the one user-facing error; `run_command` prints it as
+  `pagedkv COMMAND: error: MESSAGE` with exit status 2 (never a traceback), and
+  ends quietly when the reader of stdout goes away (`... | head`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+
+
+class CliError(Exception):
+    """A user-facing error: printed as one line, exit status 2, no traceback."""
+
+
+def env_name(component: str, flag: str) -> str:
+    """`env_name("worker", "--max-model-len")` -> "PAGEDKV_WORKER_MAX_MODEL_LEN"."""
+    return f"PAGEDKV_{component}_{flag.lstrip('-')}".upper().replace("-", "_")
+
+
+class EnvValue(str):
+    """A default that came from the environment: remembers its variable, so a
+    bad value is reported by the variable's name rather than the flag's."""
+
+    variable: str
+
+    def __new__(cls, value: str, variable: str) -> EnvValue:
+        self = super().__new__(cls, value)
+        self.variable = variable
+        return self
+
+
+def _from_env(convert: Callable[[str], Any]) -> Callable[[str], Any]:
+    """`convert` for argparse, naming the variable when an environment default is bad.
+
+    argparse parses a string default with the flag's `type` only when the flag
+    is not given, so the variable is read exactly when it is used."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = convert(str(text))
+        except (ValueError, TypeError, argparse.ArgumentTypeError) as exc:
+            if isinstance(text, EnvValue):
+                reason = str(exc) if isinstance(exc, argparse.ArgumentTypeError) else f"not a valid {convert.__name__}"
+                raise argparse.ArgumentTypeError(f"{text.variable}={str(text)!r}: {reason}") from None
+            raise
+        return value
+
+    # argparse names the type in its message ("invalid int value: 'x'"): keep that for flags.
+    parse.__name__ = getattr(convert, "__name__", "value")
+    return parse
+
+
+def env_default(component: str, flag: str, default: Any = None, type: Callable[[str], Any] = str) -> dict[str, Any]:
+    """argparse keywords (`default`, `type`) for `--FLAG`: `$PAGEDKV_<COMPONENT>_<FLAG>`
+    when set, else `default`; either way parsed by `type`."""
+    name = env_name(component, flag)
+    raw = os.environ.get(name)
+    return {"default": default if raw is None else EnvValue(raw, name), "type": _from_env(type)}
+
+
+def parse_bool(text: str) -> bool:
+    word = text.strip().lower()
+    if word in TRUE_WORDS:
+        return True
+    if word in FALSE_WORDS:
+        return False
+    raise argparse.ArgumentTypeError(f"not a boolean (use {'/'.join(TRUE_WORDS)} or {'/'.join(FALSE_WORDS)})")
+
+
+parse_bool.__name__ = "boolean"
+
+
+class _Switch(argparse.Action):
+    """`store_true` whose default may come from the environment (parsed strictly)."""
+
+    def __init__(self, option_strings, dest, default=False, **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=default, type=_from_env(parse_bool), **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, True)
+
+
+def env_switch(component: str, flag: str) -> dict[str, Any]:
+    """argparse keywords for an on/off `--FLAG` (off unless given or its variable says on)."""
+    name = env_name(component, flag)
+    raw = os.environ.get(name)
+    return {"action": _Switch, "default": False if raw is None else EnvValue(raw, name)}
+
+
+def log_level(text: str) -> str:
+    """A log level in any case ("info", "INFO"), as logging wants it (upper case)."""
+    level = text.strip().upper()
+    if level not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"not a log level (one of {', '.join(LOG_LEVELS)}, any case)")
+    return level
+
+
+log_level.__name__ = "log level"
+
+
+def read_file(path: str, what: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise CliError(f"cannot read {what} {path}: {exc.strerror}") from None
+
+
+def read_secret(path: str, what: str = "token file") -> str:
+    """The secret in file `path`, without surrounding white space; never empty."""
+    try:
+        secret = read_file(path, what).decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise CliError(f"{what} {path} is not UTF-8 text") from None
+    if not secret:
+        raise CliError(f"{what} {path} is empty")
+    return secret
+
+
+def run_command(command: str, run: Callable[[argparse.Namespace], int | None], args: argparse.Namespace) -> int:
+    """`run(args)`, with the one error style of every command; returns the exit status."""
+    try:
+        status = int(run(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows up here at the latest, while we still catch it
+        return status
+    except CliError as exc:
+        print(f"pagedkv {command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        # The reader went away (`pagedkv replay ... | head -1`): stop quietly, as
+        # a command killed by SIGPIPE would, and keep the interpreter's final
+        # flush from writing to the closed pipe again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
