@@ -1,7 +1,7 @@
 """`pagedkv demo`: the main job, end to end on this machine.
 
 Starts the local topology (the allocator service with in-memory state and
-SmolLM2 workers on the CPU, via `pagedkv.up.LocalStack`), sends a realistic
+SmolLM2 workers on the CPU, via `pagedkv.stack.LocalStack`), sends a realistic
 chat workload through the OpenAI-style HTTP API (many conversations sharing
 one system prompt, mixed lengths, some multi-turn) with a progress bar, and
 ends with a report and a PNG chart of KV utilisation over the run. Then it
@@ -213,8 +213,8 @@ def _chart(path: Path, samples: list[dict], block_size: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagedkv.cli import CliError
-    from pagedkv.up import LocalStack
+    from pagedkv.settings import CliError
+    from pagedkv.stack import LocalStack
 
     try:
         lo, hi = (int(x) for x in args.max_tokens.split(","))

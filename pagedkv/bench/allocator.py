@@ -105,8 +105,8 @@ def measure(client, num_seqs: int, steps: int, warmup: int) -> dict:
 def run(args: argparse.Namespace) -> int:
     from allocator_service.client import EmbeddedAllocator, PoolSpec
     from allocator_service.client.grpc_client import GrpcAllocator
-    from allocator_service.launch import RedisProcess, ServerProcess
-    from pagedkv.cli import CliError
+    from pagedkv.settings import CliError
+    from pagedkv.stack import start_allocator, start_redis
 
     sizes = [int(s) for s in args.sizes.split(",") if s]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -132,13 +132,13 @@ def run(args: argparse.Namespace) -> int:
                     url = args.redis + ("&" if "?" in args.redis else "?") + f"key_prefix=pagedkv-bench-{time.time_ns()}:"
                 else:
                     try:
-                        redis = RedisProcess()
+                        redis = start_redis()
                     except FileNotFoundError:
                         raise CliError("grpc+redis needs redis-server on PATH, or --redis URL") from None
                     url = redis.url
-                server = ServerProcess(["--state", url, "--snapshot-every", "1000"])
+                server = start_allocator(["--state", url, "--snapshot-every", "1000"])
             elif mode == "grpc":
-                server = ServerProcess()
+                server = start_allocator()
             for n in sizes:
                 if server is None:
                     client = EmbeddedAllocator(spec(mode, n))

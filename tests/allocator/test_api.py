@@ -22,7 +22,6 @@ from allocator_service.codec import encode_ops
 from allocator_service.core import Admit, Append, Free, UnknownSequence
 from allocator_service.v1 import allocator_pb2 as pb
 from tests.support.allocator import (
-    allocator_server,
     as_json,
     code_of,
     dump,
@@ -37,7 +36,7 @@ C = grpc.StatusCode
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, allocator_server):
     token_file = tmp_path_factory.mktemp("auth") / "token"
     token_file.write_text(TOKEN + "\n")
     with allocator_server("--auth-token-file", str(token_file), "--metrics-port", "0", "--lease-ttl", "60") as s:
@@ -275,7 +274,7 @@ def test_metrics_endpoint(server, api):
     assert 'code="PERMISSION_DENIED"' in text or 'code="UNAUTHENTICATED"' in text
 
 
-def test_env_settings_and_sigterm_shutdown():
+def test_env_settings_and_sigterm_shutdown(allocator_server):
     with allocator_server(env={"PAGEDKV_ALLOCATOR_LEASE_TTL": "7.5"}) as s:
         c = GrpcAllocator(s.address, PoolSpec("bye", 8, 4))
         assert c.lease_ttl_s == 7.5
@@ -286,11 +285,11 @@ def test_env_settings_and_sigterm_shutdown():
         assert s.terminate() == 0
         assert time.monotonic() - t0 < 4
         assert list(watcher) == []  # a clean end, no error
-        assert "shutting down" in "\n".join(s.log)
+        assert "shutting down" in "\n".join(s.lines)
         c.close()
 
 
-def test_tls(tmp_path):
+def test_tls(tmp_path, allocator_server):
     if subprocess.run(["which", "openssl"], capture_output=True).returncode:
         pytest.skip("needs openssl to make a certificate")
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"

@@ -18,12 +18,12 @@ from allocator_service.client import (
 )
 from allocator_service.client.grpc_client import GrpcAllocator
 from allocator_service.core import Admit, Append, InvalidArgument
-from tests.support.allocator import allocator_server, as_json, random_steps
+from tests.support.allocator import as_json, random_steps
 
 SPEC = PoolSpec("client-test", 32, 4, "m", True)
 
 
-def test_stalled_server_retried_steps_apply_once():
+def test_stalled_server_retried_steps_apply_once(allocator_server):
     """SIGSTOP the server: attempts time out and queue up at the socket; on
     SIGCONT it sees the same step id several times and applies it once."""
     steps = random_steps(seed=21, steps=12)
@@ -48,7 +48,7 @@ def test_stalled_server_retried_steps_apply_once():
         worker.close()
 
 
-def test_restart_without_durable_state_is_pool_lost():
+def test_restart_without_durable_state_is_pool_lost(allocator_server):
     with allocator_server() as server:
         worker = connect(server.address, SPEC, retries=40, backoff_s=0.02)
         worker.step([Admit("a", [1, 2, 3])])
@@ -61,7 +61,7 @@ def test_restart_without_durable_state_is_pool_lost():
             worker.close()
 
 
-def test_unencodable_tokens_are_invalid_argument():
+def test_unencodable_tokens_are_invalid_argument(allocator_server):
     with allocator_server() as server:
         worker = GrpcAllocator(server.address, SPEC)
         with pytest.raises(InvalidArgument):

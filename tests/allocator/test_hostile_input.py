@@ -12,14 +12,14 @@ from hypothesis import strategies as st
 from allocator_service.codec import encode_ops
 from allocator_service.core import Admit, Append, Fork, Free
 from allocator_service.v1 import allocator_pb2 as pb
-from tests.support.allocator import DOCUMENTED, allocator_server, code_of, dump, register, stub
+from tests.support.allocator import DOCUMENTED, code_of, dump, register, stub
 
 C = grpc.StatusCode
 FUZZ = settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
 
 
 @pytest.fixture(scope="module")
-def env():
+def env(allocator_server):
     with allocator_server() as server:
         s, md, channel = stub(server.address)
         ref = register(s, md, "victim", num_blocks=16, block_size=4)

@@ -15,15 +15,12 @@ from allocator_service.client import EmbeddedAllocator, PoolSpec
 from allocator_service.client.grpc_client import GrpcAllocator, RouterClient
 from allocator_service.codec import encode_ops
 from allocator_service.core import execute_step
-from allocator_service.launch import ServerProcess
 from allocator_service.v1 import allocator_pb2 as pb
 from tests.support.allocator import (
-    allocator_server,
     as_json,
     code_of,
     dump,
     random_steps,
-    redis_store,
     register,
     stub,
 )
@@ -32,12 +29,12 @@ C = grpc.StatusCode
 
 
 @pytest.fixture
-def store():
+def store(redis_store):
     with redis_store() as s:
         yield s
 
 
-def test_kill_between_steps_restores_everything(store):
+def test_kill_between_steps_restores_everything(store, allocator_server):
     url, _ = store
     args = ("--state", url, "--snapshot-every", "7")  # some steps in the snapshot, some replayed
     with allocator_server(*args) as server:
@@ -64,7 +61,7 @@ def test_kill_between_steps_restores_everything(store):
         channel.close()
 
     with allocator_server(*args, listen=f"127.0.0.1:{server.port}") as again:
-        assert "2 pools restored" in again.log[-1]
+        assert "2 pools restored" in again.lines[-1]
         s, md, channel = stub(again.address)
         for r in refs:
             assert dump(s, md, r) == before[r.pool_id]
@@ -86,7 +83,7 @@ def test_kill_between_steps_restores_everything(store):
         channel.close()
 
 
-def test_kill_during_steps_each_step_applied_once(store):
+def test_kill_during_steps_each_step_applied_once(store, allocator_server):
     """A worker keeps stepping while the server is SIGKILLed twice and
     restarted; its retries (same step ids) see every step applied exactly
     once: the answers and the final state equal an in-process run."""
@@ -119,7 +116,7 @@ def test_kill_during_steps_each_step_applied_once(store):
                     time.sleep(0.005)
                 time.sleep(rng.random() * 0.01)
                 servers[-1].kill()
-                servers.append(ServerProcess(list(args), listen=f"127.0.0.1:{port}"))
+                servers.append(allocator_server(*args, listen=f"127.0.0.1:{port}"))
             t.join(120)
             assert done.is_set(), "the worker did not get through the restarts"
             assert got == expected
@@ -131,7 +128,7 @@ def test_kill_during_steps_each_step_applied_once(store):
                 s.terminate()
 
 
-def test_redis_outage_is_unavailable_then_recovers(store):
+def test_redis_outage_is_unavailable_then_recovers(store, allocator_server):
     url, redis = store
     if redis is None:
         pytest.skip("needs a private redis-server to stop (PAGEDKV_TEST_REDIS is shared)")
@@ -160,4 +157,4 @@ def test_redis_outage_is_unavailable_then_recovers(store):
         s, md, channel = stub(again.address)
         assert dump(s, md, ref) == as_json(reference.to_state())
         channel.close()
-    assert not any("Traceback" in line for line in server.log)
+    assert not any("Traceback" in line for line in server.lines)

@@ -12,12 +12,11 @@ from allocator_service.client import PoolLost, PoolSpec
 from allocator_service.client.grpc_client import GrpcAllocator, RouterClient
 from allocator_service.core import Admit, Append
 from allocator_service.v1 import allocator_pb2 as pb
-from tests.support.allocator import allocator_server, redis_store
 
 TTL = 1.0
 
 
-def test_silent_pool_is_dropped_and_others_untouched():
+def test_silent_pool_is_dropped_and_others_untouched(allocator_server):
     with allocator_server("--lease-ttl", str(TTL)) as server:
         router = RouterClient(server.address)
         events = router.watch_events(from_sequence=1, timeout_s=10)
@@ -45,7 +44,7 @@ def test_silent_pool_is_dropped_and_others_untouched():
         router.close()
 
 
-def test_leases_are_rearmed_after_a_restart():
+def test_leases_are_rearmed_after_a_restart(allocator_server, redis_store):
     """After a restart the state comes back with a fresh lease for every
     pool (from the restart time), then silent pools expire as usual."""
     with redis_store() as (url, _):

@@ -183,7 +183,7 @@ def test_worker_kill9_lease_expires_and_restart(stack, reference):
         ["worker-1/1"]
 
     t0 = time.monotonic()
-    victim.spawn().wait_healthy()
+    victim.start().wait_healthy()
     restart_s = time.monotonic() - t0
     assert sorted(stack.allocator_metrics().labels("pagedkv_allocator_pool_capacity_blocks", "pool_id")) == \
         ["worker-1/1", "worker-2/2"]

@@ -45,7 +45,7 @@ from allocator_service.client import EmbeddedAllocator, PoolSpec
 from allocator_service.codec import decode_results, encode_ops
 from allocator_service.core import Admit, Append, Fork, Free, UnknownSequence
 from allocator_service.v1 import allocator_pb2 as pb
-from tests.support.allocator import DOCUMENTED, allocator_server, as_json, register, stub
+from tests.support.allocator import DOCUMENTED, as_json, register, stub
 from tests.support.drills import (
     MODEL,
     Stack,
@@ -262,7 +262,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.channel.close()
 
 
-def test_allocator_model_based_fuzzer():
+def test_allocator_model_based_fuzzer(allocator_server):
     with allocator_server() as server:
         PoolMachine.address = server.address
         run_state_machine_as_test(

@@ -24,8 +24,7 @@ import pytest
 
 from allocator_service.client import AllocatorUnavailable, EmbeddedAllocator, PoolSpec
 from allocator_service.client.grpc_client import GrpcAllocator
-from allocator_service.launch import ServerProcess
-from tests.support.allocator import as_json, redis_store
+from tests.support.allocator import as_json
 from worker.engine import EngineConfig, LLMEngine, SamplingParams
 from worker.model.loader import load_model
 
@@ -105,9 +104,9 @@ class Recording(GrpcAllocator):
         return results
 
 
-def test_frozen_then_killed_allocator_with_redis_state(tiny, prompts, reference):
+def test_frozen_then_killed_allocator_with_redis_state(tiny, prompts, reference, allocator_server, redis_store):
     with redis_store() as (url, _):
-        server = ServerProcess(["--state", url, "--lease-ttl", "30", "--snapshot-every", "7"])
+        server = allocator_server("--state", url, "--lease-ttl", "30", "--snapshot-every", "7")
         spec = PoolSpec("stall", CONFIG["num_blocks"], 4, tiny.fingerprint, True)
         holder: dict = {}
 
@@ -137,8 +136,8 @@ def test_frozen_then_killed_allocator_with_redis_state(tiny, prompts, reference)
                 time.sleep(0.01)
             server.kill()
             time.sleep(0.5)
-            holder["server"] = ServerProcess(["--state", url, "--lease-ttl", "30", "--snapshot-every", "7"],
-                                             listen=f"127.0.0.1:{server.port}")
+            holder["server"] = allocator_server("--state", url, "--lease-ttl", "30", "--snapshot-every", "7",
+                                                listen=f"127.0.0.1:{server.port}")
             faults.append("kill")
 
         t = threading.Thread(target=fault, daemon=True)

@@ -167,7 +167,7 @@ def test_dashboard_has_the_panels_the_issue_asks_for():
 
 def _allocator_metric_names() -> set[str]:
     """The names a real allocator process exports (read from its /metrics)."""
-    from pagedkv.up import free_port
+    from pagedkv.stack import free_port
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "allocator_service", "--listen", "127.0.0.1:0",

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from pagedkv.up import LocalStack
+from pagedkv.stack import LocalStack
 from tests.support.http import metric
 from worker.engine import EngineConfig, LLMEngine, SamplingParams
 from worker.model.loader import load_model

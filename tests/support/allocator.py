@@ -1,21 +1,14 @@
-"""Helpers for the allocator service tests: a REAL server process, a Redis
-of the test's own, raw stubs, and the workload both sides replay."""
+"""Helpers for the allocator service tests: raw stubs, and the workload both
+sides replay (the server and Redis processes are fixtures: tests/conftest.py)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import random
-import shutil
-import uuid
-from collections.abc import Iterator
 
 import grpc
-import pytest
 
 from allocator_service.core import Admit, Append, Fork, Free, Op
-from allocator_service.launch import RedisProcess, ServerProcess
 from allocator_service.v1 import allocator_pb2 as pb
 from allocator_service.v1 import allocator_pb2_grpc as pb_grpc
 
@@ -25,45 +18,6 @@ DOCUMENTED = {
     _C.OK, _C.INVALID_ARGUMENT, _C.NOT_FOUND, _C.FAILED_PRECONDITION, _C.RESOURCE_EXHAUSTED,
     _C.UNAUTHENTICATED, _C.PERMISSION_DENIED,
 }
-
-
-@contextlib.contextmanager
-def allocator_server(*args: str, listen: str = "127.0.0.1:0", env: dict | None = None) -> Iterator[ServerProcess]:
-    """`python -m allocator_service` on a free port; SIGTERM (or SIGKILL if
-    it hangs) at the end."""
-    server = ServerProcess(list(args), listen=listen, env=env)
-    try:
-        yield server
-    finally:
-        with contextlib.suppress(Exception):
-            server.terminate()
-
-
-@contextlib.contextmanager
-def redis_store() -> Iterator[tuple[str, RedisProcess | None]]:
-    """(URL with a key prefix of its own, the private RedisProcess or None).
-
-    PAGEDKV_TEST_REDIS=redis://host:port/db points the tests at an existing
-    Redis (keys under a random prefix, deleted afterwards); otherwise a
-    private `redis-server` runs on a free port in a temporary directory."""
-    prefix = f"pagedkv-test-{uuid.uuid4().hex[:12]}:"
-    given = os.environ.get("PAGEDKV_TEST_REDIS")
-    if given:
-        sep = "&" if "?" in given else "?"
-        try:
-            yield f"{given}{sep}key_prefix={prefix}", None
-        finally:
-            import redis
-
-            client = redis.Redis.from_url(given)
-            for key in client.scan_iter(match=prefix + "*"):
-                client.delete(key)
-            client.close()
-        return
-    if shutil.which("redis-server") is None:
-        pytest.skip("needs redis-server on PATH or PAGEDKV_TEST_REDIS")
-    with RedisProcess() as r:
-        yield f"{r.url}?key_prefix={prefix}", r
 
 
 def stub(address: str, token: str | None = None) -> tuple[pb_grpc.AllocatorStub, tuple | None, grpc.Channel]:

@@ -1,9 +1,10 @@
 """Helpers of the reliability drills (tests/test_reliability_*.py).
 
-A `Stack` is the serving topology as REAL processes, each of which a drill
-can kill -9 and start again on the same address: an optional private Redis
-(append-only), the allocator (`python -m allocator_service`) and N workers
-(`python -m worker`, tiny-random model) on loopback ports. Every figure a
+A `Stack` is the serving topology as REAL processes (`pagedkv.stack.LocalStack`),
+each of which a drill can kill -9 and start again on the same address: an
+optional private Redis (append-only), the allocator (`python -m
+allocator_service`) and N workers (`python -m worker`, tiny-random model) on
+loopback ports. Every figure a
 drill reports comes from here: request outcomes with their latency, worker
 and allocator metrics, the resident memory of each process, and the
 allocator's exact state rebuilt from its Redis journal (the journal is
@@ -12,23 +13,19 @@ written before memory changes, so it is what the allocator holds).
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import shutil
 import subprocess
-import sys
-import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import pytest
 
-from allocator_service.launch import RedisProcess, ServerProcess, free_port
+from pagedkv.stack import LocalStack
 
 MODEL = "tiny-random"
 
@@ -55,142 +52,43 @@ def wait_for(check, timeout_s: float, what: str, interval_s: float = 0.1):
         time.sleep(interval_s)
 
 
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-class WorkerProcess:
-    """`python -m worker` on a fixed loopback port; output kept in a file."""
-
-    def __init__(self, worker_id: str, allocator: str, args: Sequence[str], log_dir: Path,
-                 port: int | None = None) -> None:
-        self.worker_id = worker_id
-        self.allocator = allocator
-        self.args = list(args)
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_dir / f"{worker_id}.log"
-        self.starts = 0
-        self.proc: subprocess.Popen | None = None
-
-    def spawn(self) -> WorkerProcess:
-        self.starts += 1
-        cmd = [sys.executable, "-m", "worker", "--model", MODEL, "--allocator", self.allocator,
-               "--worker-id", self.worker_id, "--host", "127.0.0.1", "--port", str(self.port),
-               "--log-level", "warning", *self.args]
-        log = open(self.log_path, "a")  # noqa: SIM115 - the child holds it; closed below
-        log.write(f"---- start {self.starts}\n")
-        log.flush()
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        log.close()
-        return self
-
-    def wait_healthy(self, timeout_s: float = 120.0) -> None:
-        def ready():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.worker_id} exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
-            return _healthy(self.url)
-
-        wait_for(ready, timeout_s, f"{self.worker_id} to be healthy", 0.2)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def kill(self) -> None:
-        """SIGKILL: a crash; nothing runs (no deregistration)."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-
-    def terminate(self) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-
-class Stack:
-    """Redis (optional) + allocator + workers, each restartable in place."""
+class Stack(LocalStack):
+    """The drills' topology: `pagedkv.stack.LocalStack` with the tiny model, quiet
+    workers, a private Redis by default (the drill is skipped without
+    redis-server), and the readings the drills report."""
 
     def __init__(self, workers: int = 2, *, worker_args: Sequence[str] = (), allocator_args: Sequence[str] = (),
                  redis: bool = True, token: str | None = None, tls: tuple[Path, Path] | None = None) -> None:
-        self.log_dir = Path(tempfile.mkdtemp(prefix="pagedkv-drill-"))
-        self.redis: RedisProcess | None = None
-        self.allocator: ServerProcess | None = None
-        self.workers: list[WorkerProcess] = []
-        self.token = token
-        self.tls = tls
-        try:
-            if redis:
-                if shutil.which("redis-server") is None:
-                    pytest.skip("skipped: needs redis-server on PATH (Debian package redis-server)")
-                self.redis = RedisProcess()
-            self.allocator_args = ["--metrics-port", "0", *allocator_args]
-            if self.redis is not None:
-                self.allocator_args += ["--state", self.redis.url]
-            extra_worker: list[str] = []
-            if token is not None:
-                token_file = self.log_dir / "token"
-                token_file.write_text(token + "\n")
-                self.allocator_args += ["--auth-token-file", str(token_file)]
-                extra_worker += ["--allocator-token-file", str(token_file)]
-            if tls is not None:
-                cert, key = tls
-                self.allocator_args += ["--tls-cert", str(cert), "--tls-key", str(key)]
-                extra_worker += ["--allocator-tls-ca", str(cert)]
-            self.port = free_port()
-            self.start_allocator()
-            host = "localhost" if tls is not None else "127.0.0.1"  # the certificate names localhost
-            self.allocator_address = f"{host}:{self.port}"
-            for i in range(1, workers + 1):
-                w = WorkerProcess(f"worker-{i}", self.allocator_address, [*worker_args, *extra_worker], self.log_dir)
-                self.workers.append(w.spawn())
-            for w in self.workers:
-                w.wait_healthy()
-        except BaseException:
-            self.close()
-            raise
+        if redis and shutil.which("redis-server") is None:
+            pytest.skip("skipped: needs redis-server on PATH (Debian package redis-server)")
+        super().__init__(workers, MODEL, worker_args=["--log-level", "warning", *worker_args],
+                         allocator_args=allocator_args, redis=redis, token=token, tls=tls,
+                         startup_timeout=120.0, grace=15.0)
 
     # ------------------------------------------------------------ faults
-    def start_allocator(self) -> None:
-        self.allocator = ServerProcess(self.allocator_args, listen=f"127.0.0.1:{self.port}")
-
     def kill_allocator(self) -> None:
         self.allocator.kill()
 
+    def start_allocator(self) -> None:
+        """Again on the same port (and metrics port), with the same state."""
+        self.allocator.start().wait_healthy(30)
+
     def kill_redis(self) -> None:
         """SIGKILL redis-server (its append-only file stays)."""
-        self.redis.proc.kill()
-        self.redis.proc.wait()
+        self.redis.kill()
 
     def start_redis(self) -> None:
-        self.redis.start()
+        self.redis.start().wait_healthy(15)
 
     # ------------------------------------------------------------ reading
     def pids(self) -> dict[str, int]:
-        out = {"allocator": self.allocator.proc.pid}
-        out.update({w.worker_id: w.pid for w in self.workers})
-        if self.redis is not None:
-            out["redis"] = self.redis.proc.pid
-        return out
+        return {name: proc.pid for name, proc in self.processes.items()}
 
     def rss(self) -> dict[str, int]:
         return {name: rss_bytes(pid) for name, pid in self.pids().items()}
 
     def allocator_metrics(self) -> Samples:
-        return scrape(self.allocator.metrics_url)
+        return scrape(self.allocator_metrics_url)
 
     def wait_idle(self, timeout_s: float = 60.0) -> None:
         """Until every worker runs nothing and holds no block (the frees of
@@ -206,22 +104,7 @@ class Stack:
         wait_for(idle, timeout_s, "the workers to be idle", 0.2)
 
     def close(self) -> None:
-        for w in self.workers:
-            with contextlib.suppress(Exception):
-                w.terminate()
-        if self.allocator is not None:
-            with contextlib.suppress(Exception):
-                self.allocator.terminate()
-        if self.redis is not None:
-            with contextlib.suppress(Exception):
-                self.redis.stop()
-        shutil.rmtree(self.log_dir, ignore_errors=True)
-
-    def __enter__(self) -> Stack:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+        self.stop()
 
 
 # ------------------------------------------------------------------ metrics
@@ -464,12 +347,3 @@ def self_signed_cert(directory: Path) -> tuple[Path, Path]:
     key.write_bytes(pk.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                      serialization.NoEncryption()))
     return cert, key
-
-
-@contextlib.contextmanager
-def stack(**kw) -> Iterator[Stack]:
-    s = Stack(**kw)
-    try:
-        yield s
-    finally:
-        s.close()

@@ -152,12 +152,10 @@ def test_engine_with_an_explicit_allocator_client(tiny, reference):
 
 
 @pytest.mark.parametrize("caching", [False, True])
-def test_through_the_grpc_allocator(tiny, reference, caching):
+def test_through_the_grpc_allocator(tiny, reference, caching, allocator_server):
     """The same outputs with the allocator as a real gRPC server process,
     with a pool small enough to preempt."""
-    from allocator_service.launch import ServerProcess
-
-    server = ServerProcess()
+    server = allocator_server()
     try:
         engine = make(tiny, num_blocks=40, allocator=server.address, enable_prefix_caching=caching)
         try:

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support.http import metric, worker_process
+from tests.support.http import metric
 from worker.engine import EngineConfig, LLMEngine, SamplingParams
 from worker.model.loader import load_model
 
@@ -17,7 +17,7 @@ SYSTEM = "You are a helpful assistant that answers briefly. " * 3
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(worker_process):
     with worker_process("--model", "tiny-random", "--num-blocks", "256", "--block-size", "4",
                         "--enable-prefix-caching", "--max-model-len", "512") as url:
         yield url

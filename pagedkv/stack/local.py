@@ -1,0 +1,273 @@
+"""`LocalStack`: the docker-compose topology as local processes.
+
+One allocator (gRPC, in-memory state unless told otherwise), N workers serving
+the OpenAI-style HTTP API, and optionally a Redis for the allocator's journal
+(`redis=True`) and a Prometheus scraping everything (`prometheus=True`) when
+their binaries are on PATH::
+
+    from pagedkv.stack import LocalStack
+
+    with LocalStack(workers=2, model="tiny-random", worker_args=["--num-blocks", "128"]) as stack:
+        stack.worker_urls            # ["http://127.0.0.1:PORT", ...]: /v1/..., /health, /metrics
+        stack.allocator_address      # "127.0.0.1:PORT" (gRPC)
+        stack.allocator_metrics_url  # "http://127.0.0.1:PORT/metrics"
+        stack.prometheus_url         # "http://127.0.0.1:PORT", or None (not asked for / no binary)
+        stack.redis_url              # "redis://127.0.0.1:PORT/0", or None
+        stack.logs("worker-1")       # that process's last output lines
+        stack.allocator.kill(); stack.allocator.start().wait_healthy()  # a crash and a restart in place
+
+- Every port defaults to a free one (0); `pagedkv up` defaults to fixed ports
+  (workers 8001, 8002, ...; allocator 50051) like docker-compose.
+- `__enter__` returns once every process is healthy (gRPC health for the
+  allocator, GET /health for workers, /-/ready for Prometheus, PING for Redis)
+  or raises `StackError` naming the process that failed, with its last lines;
+  nothing is left running then, and a temporary log folder is kept for a
+  look (`stack.log_dir`). `__exit__` stops everything (workers and Prometheus,
+  then the allocator, then Redis: SIGTERM, SIGKILL after `grace` seconds);
+  `logs()` works until then.
+- `redis=True` / `prometheus=True` without the binary: a warning, and the
+  stack runs without it (`redis_url` / `prometheus_url` are None).
+- `token` / `tls=(cert, key)`: the allocator requires that bearer token / serves
+  TLS with that certificate (which must name localhost), and the workers are
+  given what they need to call it.
+- The processes die with the thread that started the stack (see
+  `pagedkv.stack.process`): start it from one that outlives it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from pagedkv.stack.probes import free_port, port_in_use
+from pagedkv.stack.process import Process, StackError, stop_processes, wait_healthy
+from pagedkv.stack.services import (
+    AllocatorProcess,
+    PrometheusProcess,
+    RedisProcess,
+    Service,
+    WorkerProcess,
+    prometheus_config,
+)
+
+_COLOURS = ("cyan", "magenta", "green", "yellow", "blue", "bright_red", "bright_cyan", "bright_magenta")
+
+
+class LocalStack:
+    """Allocator + N workers (+ Redis, + Prometheus) as local processes; see the module docstring."""
+
+    def __init__(
+        self,
+        workers: int = 2,
+        model: str = "smollm2",
+        *,
+        worker_args: Sequence[str] = (),
+        allocator_args: Sequence[str] = (),
+        state: str = "memory",
+        redis: bool = False,
+        prometheus: bool = False,
+        host: str = "127.0.0.1",
+        base_port: int = 0,
+        allocator_port: int = 0,
+        allocator_metrics_port: int = 0,
+        prometheus_port: int = 0,
+        scrape_interval: str = "2s",
+        startup_timeout: float = 300.0,
+        grace: float = 10.0,
+        log_dir: str | os.PathLike | None = None,
+        echo: bool = False,
+        token: str | None = None,
+        tls: tuple[Path, Path] | None = None,
+    ) -> None:
+        if workers < 1:
+            raise StackError("--workers must be at least 1")
+        if redis and state != "memory":
+            raise StackError(f"--redis starts its own Redis; it cannot be combined with --state {state}")
+        self.num_workers = workers
+        self.model = model
+        self.worker_args = list(worker_args)
+        self.allocator_args = list(allocator_args)
+        self.state = state
+        self.want_redis = redis
+        self.want_prometheus = prometheus
+        self.host = host
+        self.connect_host = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+        self.base_port = base_port
+        self.allocator_port = allocator_port
+        self.allocator_metrics_port = allocator_metrics_port
+        self.prometheus_port = prometheus_port
+        self.scrape_interval = scrape_interval
+        self.startup_timeout = startup_timeout
+        self.grace = grace
+        self.token = token
+        self.tls = tls
+        self._own_log_dir = log_dir is None
+        self.failed = False  # a failed stack keeps even a temporary log folder
+        self.log_dir = Path(log_dir) if log_dir is not None else None
+        self.echo = echo
+        self.console = None
+        self.services: dict[str, Service] = {}  # by name, in start order
+        self.redis: RedisProcess | None = None
+        self.allocator: AllocatorProcess | None = None
+        self.workers: list[WorkerProcess] = []
+        self.prometheus: PrometheusProcess | None = None
+        self.hurry = threading.Event()  # set it to skip the grace period of a running stop()
+        self.worker_urls: list[str] = []
+        self.allocator_address: str | None = None
+        self.allocator_metrics_url: str | None = None
+        self.prometheus_url: str | None = None
+        self.redis_url: str | None = None
+        self.warnings: list[str] = []
+
+    # -------------------------------------------------------------- lifecycle
+
+    def __enter__(self) -> LocalStack:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> LocalStack:
+        from rich.console import Console
+
+        self.console = Console(highlight=False) if self.echo else None
+        if self.log_dir is None:
+            self.log_dir = Path(tempfile.mkdtemp(prefix="pagedkv-up-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self._start()
+        except BaseException as exc:
+            self.failed = isinstance(exc, StackError) and bool(self.processes)
+            self.stop()
+            raise
+        return self
+
+    @property
+    def processes(self) -> dict[str, Process]:
+        """The current process of each service, by name ("allocator", "worker-1", ...)."""
+        return {name: s.proc for name, s in self.services.items() if s.proc is not None}
+
+    def _port(self, port: int, name: str) -> int:
+        if port == 0:
+            return free_port(self.connect_host)
+        if port_in_use(self.connect_host, port):
+            raise StackError(f"port {port} for {name} is already in use (pass 0 to pick a free port)")
+        return port
+
+    def _add(self, cls, *args, **kw):
+        """Make a service of this stack (its log file, colour, console; dies with the launcher)."""
+        name = kw.get("name") or args[0]
+        service = cls(*args, log_path=self.log_dir / f"{name}.log", console=self.console,
+                      colour=_COLOURS[len(self.services) % len(_COLOURS)], die_with_parent=True, **kw)
+        self.services[service.name] = service
+        return service
+
+    def _warn(self, message: str) -> None:
+        self.warnings.append(message)
+        if self.console is not None:
+            self.console.print(f"[yellow]warning:[/] {message}", highlight=False)
+
+    def _start(self) -> None:
+        h = self.connect_host
+        state = self.state
+        if self.want_redis:
+            if shutil.which("redis-server") is None:
+                self._warn("--redis: no redis-server on PATH; the allocator keeps its state in memory")
+            else:
+                self.redis = self._add(RedisProcess, name="redis", host=h, data_dir=self.log_dir / "redis")
+                self.redis.start().wait_healthy(self.startup_timeout)
+                self.redis_url = state = self.redis.url
+
+        aport = self._port(self.allocator_port, "the allocator")
+        mport = self._port(self.allocator_metrics_port, "the allocator's metrics")
+        allocator_args = ["--metrics-port", str(mport), "--state", state]
+        to_allocator: list[str] = []  # what every worker needs to call it
+        if self.token is not None:
+            token_file = self.log_dir / "allocator-token"
+            token_file.write_text(self.token + "\n")
+            allocator_args += ["--auth-token-file", str(token_file)]
+            to_allocator += ["--allocator-token-file", str(token_file)]
+        if self.tls is not None:
+            cert, key = self.tls
+            allocator_args += ["--tls-cert", str(cert), "--tls-key", str(key)]
+            to_allocator += ["--allocator-tls-ca", str(cert)]
+        connect = "localhost" if self.tls is not None else h  # the certificate names localhost
+        self.allocator_address = f"{connect}:{aport}"
+        self.allocator_metrics_url = f"http://{h}:{mport}/metrics"
+        self.allocator = self._add(
+            AllocatorProcess, [*allocator_args, *self.allocator_args], name="allocator",
+            listen=f"{self.host}:{aport}", connect_host=connect, probe_grpc=self.tls is None,
+        )
+        self.allocator.start().wait_healthy(self.startup_timeout)
+
+        checks = []
+        for i in range(1, self.num_workers + 1):
+            name = f"worker-{i}"
+            port = self._port(self.base_port + i - 1 if self.base_port else 0, name)
+            worker = self._add(WorkerProcess, name, model=self.model, allocator=self.allocator_address,
+                               args=[*self.worker_args, *to_allocator], host=self.host, port=port, connect_host=h)
+            self.workers.append(worker)
+            self.worker_urls.append(worker.url)
+            checks.append((worker.start().proc, worker.healthy))
+
+        if self.want_prometheus:
+            prom_bin = shutil.which("prometheus")
+            if prom_bin is None:
+                self._warn("--prometheus: no prometheus binary on PATH; running without it")
+            else:
+                pport = self._port(self.prometheus_port, "Prometheus")
+                config = self.log_dir / "prometheus.yml"
+                config.write_text(prometheus_config(
+                    [f"{h}:{mport}"], [u.removeprefix("http://") for u in self.worker_urls], self.scrape_interval))
+                self.prometheus = self._add(PrometheusProcess, prom_bin, config, self.log_dir / "prometheus-data",
+                                            name="prometheus", host=h, port=pport)
+                self.prometheus_url = self.prometheus.url
+                checks.append((self.prometheus.start().proc, self.prometheus.healthy))
+        wait_healthy(checks, self.startup_timeout)
+
+    def stop(self) -> None:
+        """Stop every process (workers and Prometheus, then the allocator, then Redis). Idempotent."""
+        p = self.processes
+        tiers = [
+            [v for k, v in p.items() if k.startswith("worker-") or k == "prometheus"],
+            [p[k] for k in ("allocator",) if k in p],
+            [p[k] for k in ("redis",) if k in p],
+        ]
+        try:
+            stop_processes(tiers, self.grace, self.hurry)
+        finally:
+            self.services = {}
+            if self._own_log_dir and self.log_dir is not None and not self.failed:
+                shutil.rmtree(self.log_dir, ignore_errors=True)
+                self.log_dir = None
+
+    # -------------------------------------------------------------- inspection
+
+    def logs(self, name: str) -> list[str]:
+        """The last output lines of process `name` ("allocator", "worker-1", "redis", "prometheus")."""
+        return list(self.processes[name].tail)
+
+    def wait(self) -> Process:
+        """Block until some process exits, and return it (a healthy stack never returns)."""
+        while True:
+            for proc in self.processes.values():
+                if not proc.alive():
+                    return proc
+            time.sleep(0.2)
+
+    def describe(self) -> dict:
+        return {
+            "allocator": self.allocator_address,
+            "allocator_metrics": self.allocator_metrics_url,
+            "workers": list(self.worker_urls),
+            "prometheus": self.prometheus_url,
+            "redis": self.redis_url,
+            "pids": {name: proc.pid for name, proc in self.processes.items()},
+            "log_dir": str(self.log_dir) if self.log_dir else None,
+        }

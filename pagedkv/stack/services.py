@@ -1,0 +1,266 @@
+"""The processes of the topology: Redis, the allocator, workers and Prometheus.
+
+Each is a `Service`: made with its settings, then `start()`ed (a new
+`Process`), `wait_healthy()`, and `kill()`ed (SIGKILL: a crash) or
+`terminate()`d (SIGTERM, then SIGKILL after a grace period). `start()` again
+runs it anew on the same address with the same data directory and appends to
+the same log, which is what the fault drills do.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import sys
+import tempfile
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+from pagedkv.stack.probes import free_port, grpc_health_ok, http_ok, redis_ping_ok
+from pagedkv.stack.process import Process, stop_processes, wait_healthy
+
+# What the allocator prints once it serves (allocator_service/server.py).
+_LISTENING = re.compile(r"listening on (\S+):(\d+) ")
+_METRICS = re.compile(r"metrics on (http://\S+)")
+
+
+class Service:
+    """A named process that can be started, probed, stopped and started again in place."""
+
+    def __init__(self, name: str, *, log_path: Path | None = None, console=None, colour: str = "cyan",
+                 env: dict[str, str] | None = None, die_with_parent: bool = False, tail_lines: int = 500) -> None:
+        self.name = name
+        self.log_path = log_path
+        self.console = console
+        self.colour = colour
+        self.env = env
+        # Off by default: a test may restart a service from a thread that ends first.
+        self.die_with_parent = die_with_parent
+        self.tail_lines = tail_lines
+        self.proc: Process | None = None
+        self.starts = 0
+
+    def argv(self) -> list[str]:
+        raise NotImplementedError
+
+    def healthy(self) -> bool:
+        raise NotImplementedError
+
+    def _on_line(self, line: str) -> None:
+        """Each output line as it comes (the allocator reads its address from them)."""
+
+    def start(self) -> Service:
+        argv = self.argv()
+        self.starts += 1
+        if self.starts > 1 and self.log_path is not None:
+            with open(self.log_path, "a", encoding="utf-8") as f:
+                f.write(f"---- start {self.starts}\n")
+        self.proc = Process(self.name, argv, self.log_path, self.colour, console=self.console, env=self.env,
+                            tail_lines=self.tail_lines, die_with_parent=self.die_with_parent,
+                            append=self.starts > 1, on_line=self._on_line)
+        return self
+
+    def wait_healthy(self, timeout: float = 120.0) -> Service:
+        """Until `healthy()`; StackError (with its last lines) when it exits or times out first."""
+        wait_healthy([(self.proc, self.healthy)], timeout, interval=0.05)
+        return self
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.alive()
+
+    @property
+    def lines(self) -> list[str]:
+        """The last output lines of the current run."""
+        return list(self.proc.tail) if self.proc is not None else []
+
+    def log(self) -> str:
+        """Everything it printed, every start (the log file), else the last lines."""
+        if self.log_path is not None and self.log_path.exists():
+            return self.log_path.read_text(errors="replace")
+        return "\n".join(self.lines)
+
+    def kill(self) -> None:
+        """SIGKILL: a crash; no shutdown code runs."""
+        if self.proc is not None:
+            self.proc.kill()
+
+    def terminate(self, grace: float = 15.0) -> int | None:
+        """SIGTERM, SIGKILL after `grace` seconds; the exit status."""
+        if self.proc is None:
+            return None
+        stop_processes([[self.proc]], grace)
+        return self.proc.popen.returncode
+
+    def __enter__(self) -> Service:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.terminate()
+
+
+class AllocatorProcess(Service):
+    """`python -m allocator_service --listen LISTEN ARGS...`; healthy once it says it listens
+    (and, for a plaintext one asked to `probe_grpc`, once gRPC health says SERVING)."""
+
+    def __init__(self, args: Sequence[str] = (), *, listen: str = "127.0.0.1:0", connect_host: str | None = None,
+                 probe_grpc: bool = False, name: str = "allocator", **kw) -> None:
+        super().__init__(name, **kw)
+        self.args = list(args)
+        self.listen = listen
+        self.connect_host = connect_host
+        self.probe_grpc = probe_grpc
+        self.host: str | None = None
+        self.port: int | None = None
+        self.metrics_url: str | None = None
+        self._listening = threading.Event()
+
+    def argv(self) -> list[str]:
+        return [sys.executable, "-m", "allocator_service", "--listen", self.listen, *self.args]
+
+    @property
+    def address(self) -> str:
+        return f"{self.connect_host or self.host}:{self.port}"
+
+    def start(self) -> AllocatorProcess:
+        self._listening.clear()
+        return super().start()
+
+    def _on_line(self, line: str) -> None:
+        if (m := _METRICS.search(line)) is not None:
+            self.metrics_url = m.group(1)
+        if not self._listening.is_set() and (m := _LISTENING.search(line)) is not None:
+            self.host, self.port = m.group(1), int(m.group(2))
+            self._listening.set()
+
+    def healthy(self) -> bool:
+        return self._listening.is_set() and (not self.probe_grpc or grpc_health_ok(self.address))
+
+
+class RedisProcess(Service):
+    """A private `redis-server` with append-only persistence (as a production journal store
+    runs), in `data_dir` (default: a temporary one, removed by `stop()`)."""
+
+    def __init__(self, *, host: str = "127.0.0.1", port: int = 0, data_dir: Path | None = None,
+                 name: str = "redis", **kw) -> None:
+        super().__init__(name, **kw)
+        self.host = host
+        self.port = port or free_port(host)
+        self._own_dir = data_dir is None
+        self.dir = Path(tempfile.mkdtemp(prefix="pagedkv-redis-")) if data_dir is None else Path(data_dir)
+        self.url = f"redis://{host}:{self.port}/0"
+
+    def argv(self) -> list[str]:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise FileNotFoundError("redis-server is not installed")
+        self.dir.mkdir(parents=True, exist_ok=True)
+        return [exe, "--port", str(self.port), "--bind", self.host, "--dir", str(self.dir),
+                "--save", "", "--appendonly", "yes", "--daemonize", "no"]
+
+    def healthy(self) -> bool:
+        return redis_ping_ok(self.host, self.port)
+
+    def halt(self) -> None:
+        """SIGTERM (it flushes its append-only file) but keep the directory, so
+        `start()` brings the same data back."""
+        self.terminate(grace=10.0)
+
+    def stop(self) -> None:
+        self.halt()
+        if self._own_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class WorkerProcess(Service):
+    """`python -m worker [--model M] [--allocator A] --worker-id NAME --host H --port P ARGS...`;
+    healthy when GET /health answers."""
+
+    def __init__(self, name: str, *, model: str | None = None, allocator: str | None = None,
+                 args: Sequence[str] = (), host: str = "127.0.0.1", port: int = 0,
+                 connect_host: str | None = None, **kw) -> None:
+        super().__init__(name, **kw)
+        self.worker_id = name
+        self.model = model
+        self.allocator = allocator
+        self.args = list(args)
+        self.host = host
+        self.port = port or free_port(connect_host or host)
+        self.url = f"http://{connect_host or host}:{self.port}"
+
+    def argv(self) -> list[str]:
+        argv = [sys.executable, "-m", "worker"]
+        if self.model is not None:
+            argv += ["--model", self.model]
+        if self.allocator is not None:
+            argv += ["--allocator", self.allocator]
+        return argv + ["--worker-id", self.worker_id, "--host", self.host, "--port", str(self.port), *self.args]
+
+    def healthy(self) -> bool:
+        return http_ok(f"{self.url}/health")
+
+
+def prometheus_config(allocator_targets: Sequence[str], worker_targets: Sequence[str],
+                      scrape_interval: str = "5s") -> str:
+    """A Prometheus config with the job names docker-compose and the dashboard use."""
+    def job(name: str, targets: Sequence[str]) -> str:
+        listed = ", ".join(f'"{t}"' for t in targets)
+        return f"  - job_name: {name}\n    static_configs:\n      - targets: [{listed}]\n"
+
+    return (
+        f"global:\n  scrape_interval: {scrape_interval}\n  evaluation_interval: {scrape_interval}\n"
+        "scrape_configs:\n"
+        + job("pagedkv-allocator", allocator_targets)
+        + job("pagedkv-worker", worker_targets)
+    )
+
+
+class PrometheusProcess(Service):
+    """`prometheus` with a generated config scraping the allocator and the workers; healthy at /-/ready."""
+
+    def __init__(self, exe: str, config: Path, data_dir: Path, *, host: str = "127.0.0.1", port: int = 0,
+                 name: str = "prometheus", **kw) -> None:
+        super().__init__(name, **kw)
+        self.exe = exe
+        self.config = config
+        self.data_dir = data_dir
+        self.host = host
+        self.port = port or free_port(host)
+        self.url = f"http://{host}:{self.port}"
+
+    def argv(self) -> list[str]:
+        return [self.exe, f"--config.file={self.config}", f"--storage.tsdb.path={self.data_dir}",
+                f"--web.listen-address={self.host}:{self.port}", "--log.level=warn"]
+
+    def healthy(self) -> bool:
+        return http_ok(f"{self.url}/-/ready")
+
+
+def start_allocator(args: Sequence[str] = (), *, listen: str = "127.0.0.1:0", env: dict[str, str] | None = None,
+                    timeout: float = 30.0) -> AllocatorProcess:
+    """An allocator of its own on `listen` (port 0: a free one), serving when this returns."""
+    server = AllocatorProcess(args, listen=listen, env=env)
+    try:
+        return server.start().wait_healthy(timeout)
+    except BaseException:
+        server.kill()
+        raise
+
+
+def start_redis(timeout: float = 15.0) -> RedisProcess:
+    """A private redis-server on a free port, answering PING when this returns
+    (FileNotFoundError when it is not installed)."""
+    redis = RedisProcess()
+    try:
+        return redis.start().wait_healthy(timeout)
+    except BaseException:
+        redis.stop()
+        raise
+
