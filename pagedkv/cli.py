@@ -14,9 +14,7 @@ import importlib
 import sys
 
 from pagedkv import __version__
-from pagedkv.settings import CliError, run_command
-
-__all__ = ["SUBCOMMANDS", "CliError", "build_parser", "main"]  # CliError: pagedkv.settings's, for old importers
+from pagedkv.settings import run_command
 
 # subcommand name -> module that provides add_parser(subparsers) and run(args)
 SUBCOMMANDS: dict[str, str] = {

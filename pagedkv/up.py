@@ -10,8 +10,7 @@ Ctrl-C (or send SIGTERM): workers first, then Prometheus, the allocator and
 Redis get SIGTERM, and whatever is still alive after the grace period gets
 SIGKILL (a second Ctrl-C skips the grace period).
 
-This module is the command line; the stack itself is `pagedkv.stack.LocalStack`
-(the names below are re-exported for library users of `pagedkv.up`).
+This module is the command line; the stack itself is `pagedkv.stack.LocalStack`.
 """
 
 from __future__ import annotations
@@ -21,24 +20,7 @@ import json
 import signal
 from pathlib import Path
 
-from pagedkv.stack import (
-    LocalStack,
-    Process,
-    StackError,
-    free_port,
-    grpc_health_ok,
-    http_ok,
-    prometheus_config,
-    redis_ping_ok,
-    stop_processes,
-    wait_healthy,
-)
-
-__all__ = [
-    "LocalStack", "Process", "StackError", "add_parser", "free_port", "grpc_health_ok", "http_ok",
-    "prometheus_config", "redis_ping_ok", "run", "stop_processes", "wait_healthy", "worker_args_from",
-]
-
+from pagedkv.stack import LocalStack, StackError
 
 # ---------------------------------------------------------------- CLI
 

@@ -13,19 +13,18 @@ from pathlib import Path
 
 import pytest
 
-from pagedkv.up import (
+from pagedkv.stack import (
     LocalStack,
     Process,
     StackError,
-    add_parser,
     grpc_health_ok,
     http_ok,
     prometheus_config,
     redis_ping_ok,
     stop_processes,
     wait_healthy,
-    worker_args_from,
 )
+from pagedkv.up import add_parser, worker_args_from
 
 TINY = ["--model", "tiny-random", "--num-blocks", "32", "--block-size", "4"]
 
@@ -121,7 +120,7 @@ def test_a_killed_launcher_leaves_no_orphans(tmp_path):
     launcher = (
         "import sys, time\n"
         "from pathlib import Path\n"
-        "from pagedkv.up import Process\n"
+        "from pagedkv.stack import Process\n"
         f"p = Process('sleeper', ['sleep', '600'], Path({str(tmp_path / 's.log')!r}), 'cyan')\n"
         "print(p.pid, flush=True)\n"
         "time.sleep(600)\n"
