@@ -31,6 +31,7 @@ from allocator_service.columns import validate
 from allocator_service.config import ServiceConfig
 from allocator_service.core import PoolStats
 from allocator_service.core.errors import InvalidArgument
+from allocator_service.core.limits import MAX_SALT_LEN
 from allocator_service.errors import (
     BadRequest,
     CapacityExceeded,
@@ -298,8 +299,8 @@ class AllocatorService:
     def match_prefix(self, fingerprint: str, tokens: list[int], salt: str | None) -> list[pb.PrefixMatch]:
         if len(tokens) > self.limits.max_tokens_per_call:
             raise BadRequest(f"{len(tokens)} tokens; the limit is {self.limits.max_tokens_per_call}")
-        if salt is not None and len(salt) > 1024:
-            raise InvalidArgument("cache_salt is longer than 1024 characters")
+        if salt is not None and len(salt) > MAX_SALT_LEN:
+            raise InvalidArgument(f"cache_salt is longer than {MAX_SALT_LEN} characters")
         out = []
         with self._lock:
             for e in self.registry.pools.values():

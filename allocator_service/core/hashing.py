@@ -19,9 +19,9 @@ import struct
 from collections.abc import Sequence
 
 from allocator_service.core.errors import InvalidArgument
+from allocator_service.core.limits import MAX_TOKEN_ID
 
 HASH_SCHEME = b"pagedkv/prefix-cache/v1"
-MAX_TOKEN_ID = 2**32 - 1
 
 _U32 = struct.Struct("<I")
 

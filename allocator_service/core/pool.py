@@ -37,6 +37,14 @@ from allocator_service.core.errors import (
     SequenceExists,
     UnknownSequence,
 )
+from allocator_service.core.limits import (
+    MAX_BLOCK_SIZE,
+    MAX_FINGERPRINT_LEN,
+    MAX_NUM_BLOCKS,
+    MAX_SALT_LEN,
+    MAX_SEQ_ID_LEN,
+    MAX_TOKEN_ID,
+)
 
 # Event kinds passed to the optional event sink (the service turns them into
 # the KV event stream a router can follow).
@@ -45,8 +53,6 @@ BLOCK_REMOVED = "block_removed"
 ALL_CLEARED = "all_cleared"
 
 EventSink = Callable[[str, int, bytes | None], None]
-
-MAX_SEQ_ID_LEN = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,12 +63,12 @@ class PoolConfig:
     model_fingerprint: str = ""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_blocks, int) or not 1 <= self.num_blocks <= 1 << 24:
-            raise InvalidArgument(f"num_blocks must be an integer in [1, {1 << 24}]")
-        if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 4096:
-            raise InvalidArgument("block_size must be an integer in [1, 4096]")
-        if len(self.model_fingerprint) > 1024:
-            raise InvalidArgument("model_fingerprint is longer than 1024 characters")
+        if not isinstance(self.num_blocks, int) or not 1 <= self.num_blocks <= MAX_NUM_BLOCKS:
+            raise InvalidArgument(f"num_blocks must be an integer in [1, {MAX_NUM_BLOCKS}]")
+        if not isinstance(self.block_size, int) or not 1 <= self.block_size <= MAX_BLOCK_SIZE:
+            raise InvalidArgument(f"block_size must be an integer in [1, {MAX_BLOCK_SIZE}]")
+        if len(self.model_fingerprint) > MAX_FINGERPRINT_LEN:
+            raise InvalidArgument(f"model_fingerprint is longer than {MAX_FINGERPRINT_LEN} characters")
 
 
 class AdmitResult(NamedTuple):
@@ -134,13 +140,13 @@ def _check_tokens(tokens: Sequence[int]) -> None:
         return
     if len(tokens) == 1:  # the decode hot path
         t = tokens[0]
-        ok = type(t) is int and 0 <= t <= hashing.MAX_TOKEN_ID
+        ok = type(t) is int and 0 <= t <= MAX_TOKEN_ID
     else:
         # type() is int, not isinstance: bools and floats are not token ids.
         ok = set(map(type, tokens)) <= _INT_ONLY
-        ok = ok and 0 <= min(tokens) and max(tokens) <= hashing.MAX_TOKEN_ID
+        ok = ok and 0 <= min(tokens) and max(tokens) <= MAX_TOKEN_ID
     if not ok:
-        raise InvalidArgument(f"token ids must be integers in [0, {hashing.MAX_TOKEN_ID}]")
+        raise InvalidArgument(f"token ids must be integers in [0, {MAX_TOKEN_ID}]")
 
 
 class BlockPool:
@@ -257,8 +263,8 @@ class BlockPool:
         if seq_id in self._seqs:
             raise SequenceExists(seq_id)
         _check_tokens(tokens)
-        if cache_salt is not None and (not isinstance(cache_salt, str) or len(cache_salt) > 1024):
-            raise InvalidArgument("cache_salt must be a string of at most 1024 characters")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or len(cache_salt) > MAX_SALT_LEN):
+            raise InvalidArgument(f"cache_salt must be a string of at most {MAX_SALT_LEN} characters")
         if num_new_tokens is not None and (not isinstance(num_new_tokens, int) or num_new_tokens < 1):
             raise InvalidArgument("num_new_tokens must be a positive integer")
         B = self.block_size
@@ -368,7 +374,7 @@ class BlockPool:
         must handle it (a new block, copy-on-write, an unknown sequence or a
         bad token); nothing was changed then."""
         seq = self._seqs.get(seq_id)
-        if seq is None or type(token) is not int or not 0 <= token <= hashing.MAX_TOKEN_ID:
+        if seq is None or type(token) is not int or not 0 <= token <= MAX_TOKEN_ID:
             return -1
         n = seq.num_tokens
         offset = n % self.block_size

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from allocator_service.codec import encode_ops
 from allocator_service.core import Admit, Append, Fork, Free
+from allocator_service.core.limits import MAX_BLOCK_SIZE, MAX_FINGERPRINT_LEN
 from allocator_service.v1 import allocator_pb2 as pb
 from tests.support.allocator import DOCUMENTED, code_of, dump, register, stub
 
@@ -150,7 +151,7 @@ def test_hostile_registrations(env, worker, num_blocks, block_size, fingerprint)
         worker = "not-the-victim"
     code = code_of(s.RegisterPool, pb.RegisterPoolRequest(worker_id=worker, shape=shape), timeout=10)
     assert code in DOCUMENTED
-    valid = 1 <= num_blocks and 1 <= block_size <= 4096 and len(fingerprint) <= 1024
+    valid = 1 <= num_blocks and 1 <= block_size <= MAX_BLOCK_SIZE and len(fingerprint) <= MAX_FINGERPRINT_LEN
     valid = valid and 1 <= len(worker) <= 128 and "/" not in worker and worker.isprintable()
     assert (code == C.OK) == valid
     check_pool(s, ref)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from allocator_service.core.limits import MAX_BLOCK_SIZE
 from worker.kv_bytes import WORKER_DTYPES
 
 
@@ -27,8 +28,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError("--num-blocks must be positive")
-        if not 1 <= self.block_size <= 1024:
-            raise ValueError("--block-size must be in [1, 1024]")
+        if not 1 <= self.block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"--block-size must be in [1, {MAX_BLOCK_SIZE}]")
         if self.max_num_seqs < 1:
             raise ValueError("--max-num-seqs must be positive")
         if self.max_num_batched_tokens < 1:

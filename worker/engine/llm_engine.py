@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence as Seq
 
 from allocator_service.client import AllocatorClient, PoolSpec, connect
+from allocator_service.core.limits import MAX_SALT_LEN
 from worker.engine.config import EngineConfig
 from worker.engine.model_runner import ModelRunner
 from worker.engine.output_processor import OutputProcessor, RequestOutput
@@ -90,8 +91,8 @@ class LLMEngine:
         salt = params.cache_salt
         # The allocator refuses such a salt (an over-long one per operation: the
         # request would wait forever; a lone surrogate fails the whole step).
-        if salt is not None and (len(salt) > 1024 or any("\ud800" <= c <= "\udfff" for c in salt)):
-            raise RequestError("cache_salt must be valid Unicode text of at most 1024 characters")
+        if salt is not None and (len(salt) > MAX_SALT_LEN or any("\ud800" <= c <= "\udfff" for c in salt)):
+            raise RequestError(f"cache_salt must be valid Unicode text of at most {MAX_SALT_LEN} characters")
         if isinstance(prompt, str):
             try:
                 prompt_ids = self.tokenizer.encode(prompt)
