@@ -7,22 +7,19 @@ worker, the gRPC service and the offline tools all run this same code.
 from allocator_service.core.contiguous import ContiguousPool
 from allocator_service.core.errors import (
     AllocatorError,
-    IntegrityError,
     InvalidArgument,
     OutOfBlocks,
     SequenceExists,
     UnknownSequence,
 )
 from allocator_service.core.pool import (
-    ALL_CLEARED,
-    BLOCK_REMOVED,
-    BLOCK_STORED,
     AdmitResult,
     AppendResult,
     BlockPool,
     PoolConfig,
     PoolStats,
 )
+from allocator_service.core.prefix_index import ALL_CLEARED, BLOCK_REMOVED, BLOCK_STORED
 from allocator_service.core.step import (
     Admit,
     Append,
@@ -47,7 +44,6 @@ __all__ = [
     "ContiguousPool",
     "Fork",
     "Free",
-    "IntegrityError",
     "InvalidArgument",
     "Op",
     "OpResult",

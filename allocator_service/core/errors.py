@@ -46,8 +46,3 @@ class InvalidArgument(AllocatorError):
 
     code = "invalid_argument"
 
-
-class IntegrityError(AllocatorError):
-    """`check_integrity` found the state inconsistent (a bug, never user input)."""
-
-    code = "integrity"

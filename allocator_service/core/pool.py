@@ -26,11 +26,11 @@ Every public mutating method either succeeds whole or raises an
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from allocator_service.core import hashing
+from allocator_service.core import hashing, integrity, snapshot
 from allocator_service.core.errors import (
     InvalidArgument,
     OutOfBlocks,
@@ -45,14 +45,8 @@ from allocator_service.core.limits import (
     MAX_SEQ_ID_LEN,
     MAX_TOKEN_ID,
 )
-
-# Event kinds passed to the optional event sink (the service turns them into
-# the KV event stream a router can follow).
-BLOCK_STORED = "block_stored"
-BLOCK_REMOVED = "block_removed"
-ALL_CLEARED = "all_cleared"
-
-EventSink = Callable[[str, int, bytes | None], None]
+from allocator_service.core.prefix_index import EventSink, PrefixIndex
+from allocator_service.core.sequence import Seq
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,17 +109,6 @@ class PoolStats:
         return self.prefix_hit_tokens / q if q else 0.0
 
 
-@dataclass(slots=True)
-class _Seq:
-    table: list[int]
-    num_tokens: int
-    salt: str | None = None
-    # Prefix caching only: the chain of hashes of the sequence's full blocks,
-    # and the tokens of its partly filled last block (hashed once it fills).
-    hashes: list[bytes] = field(default_factory=list)
-    tail: list[int] = field(default_factory=list)
-
-
 def _check_seq_id(seq_id: object) -> str:
     if not isinstance(seq_id, str) or not seq_id or len(seq_id) > MAX_SEQ_ID_LEN:
         raise InvalidArgument(f"a sequence id must be a non-empty string of at most {MAX_SEQ_ID_LEN} characters")
@@ -159,12 +142,11 @@ class BlockPool:
         self.num_blocks = config.num_blocks
         self.enable_prefix_caching = config.enable_prefix_caching
         self.root_hash = hashing.root_hash(config.model_fingerprint, config.block_size)
-        self.event_sink = event_sink
 
         n = config.num_blocks
         self.ref_cnt: list[int] = [0] * n
         self._fill: list[int] = [0] * n
-        self._hash: list[bytes | None] = [None] * n
+        self.index = PrefixIndex([None] * n, event_sink)
         self._uncached_free: deque[int] = deque(range(n))
         # NOTE: an OrderedDict is the doubly linked list that lets a cache hit
         # pull a block out of the middle of the evictable queue in O(1).
@@ -173,8 +155,7 @@ class BlockPool:
         # free one evicted last: `_stamp` records when a block joined the queue.
         self._stamp: list[int] = [0] * n
         self._clock = 0
-        self._hash_to_blocks: dict[bytes, dict[int, None]] = {}
-        self._seqs: dict[str, _Seq] = {}
+        self._seqs: dict[str, Seq] = {}
 
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
@@ -239,7 +220,7 @@ class BlockPool:
         B = self.block_size
         for i in range(limit):
             parent = hashing.block_hash(parent, tokens[i * B : (i + 1) * B], keys if i == 0 else ())
-            if parent not in self._hash_to_blocks:
+            if parent not in self.index:
                 break
             hits += 1
         return hits * B
@@ -275,10 +256,10 @@ class BlockPool:
         if self.enable_prefix_caching:
             hashes = hashing.chain_hashes(self.root_hash, tokens, B, cache_salt)
             for h in hashes[: max(n - 1, 0) // B]:
-                holders = self._hash_to_blocks.get(h)
-                if not holders:
+                b = self.index.pick(h, self.ref_cnt, self._stamp)
+                if b is None:
                     break
-                hits.append(self._pick_holder(holders))
+                hits.append(b)
         cached = len(hits) * B
         stored = n if num_new_tokens is None else min(n, cached + num_new_tokens)
         need = -(-stored // B) - len(hits)
@@ -297,13 +278,13 @@ class BlockPool:
         for i, b in enumerate(new_blocks):
             self._fill[b] = min(B, stored - (len(hits) + i) * B)
         table = hits + new_blocks
-        seq = _Seq(table=table, num_tokens=stored, salt=cache_salt)
+        seq = Seq(table=table, num_tokens=stored, salt=cache_salt)
         if self.enable_prefix_caching:
             self.prefix_queried_tokens += n
             self.prefix_hit_tokens += cached
             full = stored // B
             for i in range(len(hits), full):
-                self._register(table[i], hashes[i])
+                self.index.register(table[i], hashes[i])
             seq.hashes = hashes[:full]
             seq.tail = list(tokens[full * B : stored])
         self._seqs[seq_id] = seq
@@ -389,7 +370,7 @@ class BlockPool:
                 self._hash_full_tail(seq)
         return len(table)
 
-    def _hash_full_tail(self, seq: _Seq) -> None:
+    def _hash_full_tail(self, seq: Seq) -> None:
         """Hash and register each block the sequence has just filled."""
         B, tail = self.block_size, seq.tail
         while len(tail) >= B:
@@ -398,7 +379,7 @@ class BlockPool:
             keys = hashing.salt_keys(seq.salt) if i == 0 else ()
             h = hashing.block_hash(parent, tail[:B], keys)
             seq.hashes.append(h)
-            self._register(seq.table[i], h)
+            self.index.register(seq.table[i], h)
             del tail[:B]
 
     def fork(self, parent_id: str, child_id: str) -> list[int]:
@@ -412,7 +393,7 @@ class BlockPool:
             raise SequenceExists(child_id)
         for b in parent.table:
             self.ref_cnt[b] += 1
-        self._seqs[child_id] = _Seq(
+        self._seqs[child_id] = Seq(
             table=list(parent.table),
             num_tokens=parent.num_tokens,
             salt=parent.salt,
@@ -429,10 +410,11 @@ class BlockPool:
         if seq is None:
             raise UnknownSequence(seq_id)
         cached: list[int] = []
+        block_hash = self.index.block_hash
         for b in seq.table:
             self.ref_cnt[b] -= 1
             if self.ref_cnt[b] == 0:
-                if self._hash[b] is None:
+                if block_hash[b] is None:
                     self._uncached_free.append(b)
                 else:
                     cached.append(b)
@@ -444,31 +426,16 @@ class BlockPool:
     def reset_prefix_cache(self) -> int:
         """Forget every cached hash; cached free blocks become plain free
         blocks (keeping their order). Returns how many hashes were dropped."""
-        dropped = sum(len(v) for v in self._hash_to_blocks.values())
-        for blocks in self._hash_to_blocks.values():
-            for b in blocks:
-                self._hash[b] = None
-        self._hash_to_blocks.clear()
         self._uncached_free.extend(self._cached_free)
         self._cached_free.clear()
-        if self.event_sink is not None:
-            self.event_sink(ALL_CLEARED, -1, None)
-        return dropped
+        return self.index.clear()
 
     # -------------------------------------------------------------- internals
-    def _get(self, seq_id: str) -> _Seq:
+    def _get(self, seq_id: str) -> Seq:
         seq = self._seqs.get(seq_id)
         if seq is None:
             raise UnknownSequence(seq_id)
         return seq
-
-    def _pick_holder(self, holders: dict[int, None]) -> int:
-        if len(holders) == 1:
-            return next(iter(holders))
-        in_use = [b for b in holders if self.ref_cnt[b] > 0]
-        if in_use:
-            return min(in_use)
-        return max(holders, key=self._stamp.__getitem__)
 
     def _take(self) -> int:
         """Pop the front of the free queue (caller checked there is one)."""
@@ -476,144 +443,26 @@ class BlockPool:
             b = self._uncached_free.popleft()
         else:
             b, _ = self._cached_free.popitem(last=False)
-            self._evict(b)
+            self.index.evict(b)
+            self.evictions += 1
         self.ref_cnt[b] = 1
         self._fill[b] = 0
         return b
 
-    def _evict(self, b: int) -> None:
-        h = self._hash[b]
-        assert h is not None
-        holders = self._hash_to_blocks[h]
-        del holders[b]
-        if not holders:
-            del self._hash_to_blocks[h]
-        self._hash[b] = None
-        self.evictions += 1
-        if self.event_sink is not None:
-            self.event_sink(BLOCK_REMOVED, b, h)
-
-    def _register(self, b: int, h: bytes) -> None:
-        self._hash[b] = h
-        holders = self._hash_to_blocks.get(h)
-        if holders is None:
-            self._hash_to_blocks[h] = {b: None}
-        else:
-            holders[b] = None
-        if self.event_sink is not None:
-            self.event_sink(BLOCK_STORED, b, h)
-
-    # -------------------------------------------------------------- integrity
+    # ------------------------------------------- checks and dumps (own modules)
     def integrity_problems(self) -> list[str]:
         """Every broken invariant, as a readable line (empty when sound)."""
-        problems: list[str] = []
-        n, B = self.num_blocks, self.block_size
-        named = [0] * n
-        for sid, seq in self._seqs.items():
-            if len(seq.table) != -(-seq.num_tokens // B):
-                problems.append(f"{sid}: {len(seq.table)} blocks for {seq.num_tokens} tokens")
-            if len(set(seq.table)) != len(seq.table):
-                problems.append(f"{sid}: table lists a block twice: {seq.table}")
-            for i, b in enumerate(seq.table):
-                if not 0 <= b < n:
-                    problems.append(f"{sid}: block {b} out of range")
-                    continue
-                named[b] += 1
-                expect = min(B, seq.num_tokens - i * B)
-                if self._fill[b] != expect:
-                    problems.append(f"{sid}: block {b} holds {self._fill[b]} tokens, table says {expect}")
-            if self.enable_prefix_caching and len(seq.hashes) != seq.num_tokens // B:
-                problems.append(f"{sid}: {len(seq.hashes)} chain hashes for {seq.num_tokens} tokens")
-        uncached, cached = list(self._uncached_free), list(self._cached_free)
-        free = uncached + cached
-        if len(set(free)) != len(free):
-            problems.append("a block is listed twice in the free queue")
-        for b in free:
-            if named[b]:
-                problems.append(f"block {b} is free and in a table (double-booked)")
-        for b in range(n):
-            if self.ref_cnt[b] != named[b]:
-                problems.append(f"block {b}: refcount {self.ref_cnt[b]} but {named[b]} tables name it")
-        if len(set(free)) + sum(1 for c in named if c) != n:
-            problems.append("a block is lost (neither free nor in a table)")
-        for b in uncached:
-            if self._hash[b] is not None:
-                problems.append(f"uncached free block {b} holds a hash")
-        for b in cached:
-            if self._hash[b] is None:
-                problems.append(f"cached free block {b} holds no hash")
-        indexed = 0
-        for h, holders in self._hash_to_blocks.items():
-            for b in holders:
-                indexed += 1
-                if self._hash[b] != h:
-                    problems.append(f"the cache index maps a hash to block {b}, which holds another")
-                if self._fill[b] != B:
-                    problems.append(f"cached block {b} is not full")
-        if indexed != sum(1 for h in self._hash if h is not None):
-            problems.append("a block holds a hash the cache index does not know")
-        return problems
+        return integrity.integrity_problems(self)
 
     def check_integrity(self) -> bool:
         return not self.integrity_problems()
 
-    # ---------------------------------------------------------- persistence
     def to_state(self) -> dict[str, Any]:
         """A JSON-able dump of the whole state; `from_state` rebuilds it exactly."""
-        return {
-            "config": {
-                "num_blocks": self.num_blocks,
-                "block_size": self.block_size,
-                "enable_prefix_caching": self.enable_prefix_caching,
-                "model_fingerprint": self.config.model_fingerprint,
-            },
-            "ref_cnt": list(self.ref_cnt),
-            "fill": list(self._fill),
-            "hash": [h.hex() if h else None for h in self._hash],
-            "uncached_free": list(self._uncached_free),
-            "cached_free": list(self._cached_free),
-            "stamp": list(self._stamp),
-            "clock": self._clock,
-            "seqs": {
-                s: {
-                    "table": q.table,
-                    "num_tokens": q.num_tokens,
-                    "salt": q.salt,
-                    "hashes": [h.hex() for h in q.hashes],
-                    "tail": q.tail,
-                }
-                for s, q in self._seqs.items()
-            },
-            "counters": {
-                "prefix_queried_tokens": self.prefix_queried_tokens,
-                "prefix_hit_tokens": self.prefix_hit_tokens,
-                "evictions": self.evictions,
-                "copies": self.copies,
-                "out_of_blocks": self.out_of_blocks,
-            },
-        }
+        return snapshot.to_state(self)
 
     @classmethod
     def from_state(cls, state: dict[str, Any], event_sink: EventSink | None = None) -> BlockPool:
         pool = cls(PoolConfig(**state["config"]), event_sink)
-        pool.ref_cnt = list(state["ref_cnt"])
-        pool._fill = list(state["fill"])
-        pool._hash = [bytes.fromhex(h) if h else None for h in state["hash"]]
-        pool._uncached_free = deque(state["uncached_free"])
-        pool._cached_free = OrderedDict((b, None) for b in state["cached_free"])
-        pool._stamp = list(state["stamp"])
-        pool._clock = state["clock"]
-        for b, h in enumerate(pool._hash):
-            if h is not None:
-                pool._hash_to_blocks.setdefault(h, {})[b] = None
-        for s, q in state["seqs"].items():
-            pool._seqs[s] = _Seq(
-                table=list(q["table"]),
-                num_tokens=q["num_tokens"],
-                salt=q["salt"],
-                hashes=[bytes.fromhex(h) for h in q["hashes"]],
-                tail=list(q["tail"]),
-            )
-        for k, v in state["counters"].items():
-            setattr(pool, k, v)
+        snapshot.restore(pool, state)
         return pool

@@ -1,0 +1,67 @@
+"""The invariants of a `BlockPool` (listed in its module docstring), checked
+over its whole state: what the service answers to GetPoolStats with
+`check_integrity` and DumpPool, and what the property tests assert after
+every operation.
+
+A broken invariant is a bug in the allocator, never the caller's doing, so it
+is reported as readable lines rather than raised.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the pool calls in here; this module only reads it
+    from allocator_service.core.pool import BlockPool
+
+
+def integrity_problems(pool: BlockPool) -> list[str]:
+    """Every broken invariant, as a readable line (empty when sound)."""
+    problems: list[str] = []
+    n, B = pool.num_blocks, pool.block_size
+    fill, ref_cnt, block_hash = pool._fill, pool.ref_cnt, pool.index.block_hash
+    named = [0] * n
+    for sid, seq in pool._seqs.items():
+        if len(seq.table) != -(-seq.num_tokens // B):
+            problems.append(f"{sid}: {len(seq.table)} blocks for {seq.num_tokens} tokens")
+        if len(set(seq.table)) != len(seq.table):
+            problems.append(f"{sid}: table lists a block twice: {seq.table}")
+        for i, b in enumerate(seq.table):
+            if not 0 <= b < n:
+                problems.append(f"{sid}: block {b} out of range")
+                continue
+            named[b] += 1
+            expect = min(B, seq.num_tokens - i * B)
+            if fill[b] != expect:
+                problems.append(f"{sid}: block {b} holds {fill[b]} tokens, table says {expect}")
+        if pool.enable_prefix_caching and len(seq.hashes) != seq.num_tokens // B:
+            problems.append(f"{sid}: {len(seq.hashes)} chain hashes for {seq.num_tokens} tokens")
+    uncached, cached = list(pool._uncached_free), list(pool._cached_free)
+    free = uncached + cached
+    if len(set(free)) != len(free):
+        problems.append("a block is listed twice in the free queue")
+    for b in free:
+        if named[b]:
+            problems.append(f"block {b} is free and in a table (double-booked)")
+    for b in range(n):
+        if ref_cnt[b] != named[b]:
+            problems.append(f"block {b}: refcount {ref_cnt[b]} but {named[b]} tables name it")
+    if len(set(free)) + sum(1 for c in named if c) != n:
+        problems.append("a block is lost (neither free nor in a table)")
+    for b in uncached:
+        if block_hash[b] is not None:
+            problems.append(f"uncached free block {b} holds a hash")
+    for b in cached:
+        if block_hash[b] is None:
+            problems.append(f"cached free block {b} holds no hash")
+    indexed = 0
+    for h, holders in pool.index.entries():
+        for b in holders:
+            indexed += 1
+            if block_hash[b] != h:
+                problems.append(f"the cache index maps a hash to block {b}, which holds another")
+            if fill[b] != B:
+                problems.append(f"cached block {b} is not full")
+    if indexed != sum(1 for h in block_hash if h is not None):
+        problems.append("a block holds a hash the cache index does not know")
+    return problems

@@ -1,0 +1,16 @@
+"""One sequence's entry in a `BlockPool`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Seq:
+    table: list[int]  # the block table, logical block i -> physical block
+    num_tokens: int
+    salt: str | None = None
+    # Prefix caching only: the chain of hashes of the sequence's full blocks,
+    # and the tokens of its partly filled last block (hashed once it fills).
+    hashes: list[bytes] = field(default_factory=list)
+    tail: list[int] = field(default_factory=list)

@@ -1,0 +1,75 @@
+"""A `BlockPool` as plain data: the full dump (`to_state`/`restore`: what
+the service's snapshots and DumpPool carry, JSON-able, rebuilt exactly).
+
+NOTE: the dump's keys and encoding are a stored format (Redis snapshots,
+existing journals' snapshots): change them only with a new snapshot format.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from typing import TYPE_CHECKING, Any
+
+from allocator_service.core.prefix_index import PrefixIndex
+from allocator_service.core.sequence import Seq
+
+if TYPE_CHECKING:  # the pool calls in here; this module only reads and fills it
+    from allocator_service.core.pool import BlockPool
+
+
+def to_state(pool: BlockPool) -> dict[str, Any]:
+    """A JSON-able dump of the whole state of `pool`."""
+    return {
+        "config": {
+            "num_blocks": pool.num_blocks,
+            "block_size": pool.block_size,
+            "enable_prefix_caching": pool.enable_prefix_caching,
+            "model_fingerprint": pool.config.model_fingerprint,
+        },
+        "ref_cnt": list(pool.ref_cnt),
+        "fill": list(pool._fill),
+        "hash": [h.hex() if h else None for h in pool.index.block_hash],
+        "uncached_free": list(pool._uncached_free),
+        "cached_free": list(pool._cached_free),
+        "stamp": list(pool._stamp),
+        "clock": pool._clock,
+        "seqs": {
+            s: {
+                "table": q.table,
+                "num_tokens": q.num_tokens,
+                "salt": q.salt,
+                "hashes": [h.hex() for h in q.hashes],
+                "tail": q.tail,
+            }
+            for s, q in pool._seqs.items()
+        },
+        "counters": {
+            "prefix_queried_tokens": pool.prefix_queried_tokens,
+            "prefix_hit_tokens": pool.prefix_hit_tokens,
+            "evictions": pool.evictions,
+            "copies": pool.copies,
+            "out_of_blocks": pool.out_of_blocks,
+        },
+    }
+
+
+def restore(pool: BlockPool, state: dict[str, Any]) -> None:
+    """Fill a fresh pool of `state["config"]` with the dumped state."""
+    pool.ref_cnt = list(state["ref_cnt"])
+    pool._fill = list(state["fill"])
+    pool.index = PrefixIndex([bytes.fromhex(h) if h else None for h in state["hash"]], pool.index.event_sink)
+    pool._uncached_free = deque(state["uncached_free"])
+    pool._cached_free = OrderedDict((b, None) for b in state["cached_free"])
+    pool._stamp = list(state["stamp"])
+    pool._clock = state["clock"]
+    for s, q in state["seqs"].items():
+        pool._seqs[s] = Seq(
+            table=list(q["table"]),
+            num_tokens=q["num_tokens"],
+            salt=q["salt"],
+            hashes=[bytes.fromhex(h) for h in q["hashes"]],
+            tail=list(q["tail"]),
+        )
+    for k, v in state["counters"].items():
+        setattr(pool, k, v)
+
