@@ -26,12 +26,12 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from allocator_service.codec import ops_digest, stats_to_proto
-from allocator_service.columns import validate
-from allocator_service.config import ServiceConfig
-from allocator_service.core import PoolStats
+from allocator_service.codec import columns_from_proto, ops_digest, stats_to_proto
+from allocator_service.config import Limits, ServiceConfig
+from allocator_service.core import PoolStats, StepColumns
 from allocator_service.core.errors import InvalidArgument
 from allocator_service.core.limits import MAX_SALT_LEN
+from allocator_service.core.step import ADMIT, APPEND, FORK, FREE
 from allocator_service.errors import (
     BadRequest,
     CapacityExceeded,
@@ -68,6 +68,35 @@ class PoolView(NamedTuple):
 
 def _digest(credential: str) -> bytes:
     return hashlib.sha256(credential.encode()).digest()
+
+
+_KINDS = frozenset((FREE, APPEND, ADMIT, FORK))
+
+
+def check_step(step: StepColumns, limits: Limits) -> None:
+    """Refuse (BadRequest) columns that exceed the limits or do not fit
+    together, before anything is applied. Per-operation validity (sequence
+    ids, tokens, salts, num_new_tokens) is the core's business: a per-op result."""
+    kinds, counts = step.kinds, step.num_tokens
+    n = len(kinds)
+    if n > limits.max_ops_per_step:
+        raise BadRequest(f"{n} operations in one step; the limit is {limits.max_ops_per_step}")
+    if len(step.seq_ids) != n or len(counts) != n:
+        raise BadRequest("kinds, seq_ids and num_tokens must have one entry per operation")
+    if len(step.tokens) > limits.max_tokens_per_call:
+        raise BadRequest(f"{len(step.tokens)} tokens in one step; the limit is {limits.max_tokens_per_call}")
+    if sum(counts) != len(step.tokens):
+        raise BadRequest("num_tokens does not add up to the number of tokens sent")
+    if not set(kinds) <= _KINDS:
+        raise BadRequest("an operation kind is not FREE, APPEND, ADMIT or FORK")
+    if kinds.count(ADMIT) != len(step.salts):
+        raise BadRequest("admit_options must have one entry per ADMIT operation")
+    if kinds.count(FORK) != len(step.children):
+        raise BadRequest("fork_children must have one entry per FORK operation")
+    if (FREE in kinds or FORK in kinds) and any(
+        c for k, c in zip(kinds, counts, strict=True) if k == FREE or k == FORK
+    ):
+        raise BadRequest("FREE and FORK operations carry no tokens")
 
 
 class AllocatorService:
@@ -246,8 +275,9 @@ class AllocatorService:
     def step(self, ref: pb.PoolRef, step_id: int, ops_msg: pb.StepOps) -> pb.StepResponse:
         if step_id < 1:
             raise BadRequest("step_id must be positive")
-        # Validation and hashing need no lock.
-        validate(ops_msg, self.limits.max_ops_per_step, self.limits.max_tokens_per_call)
+        # Converting, validation and hashing need no lock.
+        step = columns_from_proto(ops_msg)
+        check_step(step, self.limits)
         digest = ops_digest(ops_msg)
         with self._lock:
             self._fresh()
@@ -261,7 +291,7 @@ class AllocatorService:
             self._journal(
                 step=jpb.StepApplied(pool_id=entry.pool_id, step_id=step_id, digest=digest, ops=ops_msg)
             )
-            response = self.registry.step(entry, step_id, digest, ops_msg)
+            response = self.registry.step(entry, step_id, digest, step)
             self._changed()
             return response
 

@@ -14,8 +14,8 @@ import base64
 from dataclasses import dataclass
 from typing import Any
 
-from allocator_service.columns import run_step
-from allocator_service.core import BlockPool, PoolConfig
+from allocator_service.codec import columns_from_proto, result_to_proto
+from allocator_service.core import BlockPool, PoolConfig, StepColumns, run_step
 from allocator_service.events import POOL_DROPPED, POOL_REGISTERED, EventLog
 from allocator_service.v1 import allocator_pb2 as pb
 from allocator_service.v1 import journal_pb2 as jpb
@@ -86,9 +86,9 @@ class Registry:
         self.index += 1
         return entry
 
-    def step(self, entry: PoolEntry, step_id: int, digest: bytes, ops: pb.StepOps) -> pb.StepResponse:
-        """Apply validated operations (`columns.validate`)."""
-        response = run_step(entry.pool, step_id, ops)
+    def step(self, entry: PoolEntry, step_id: int, digest: bytes, step: StepColumns) -> pb.StepResponse:
+        """Apply validated operations (`service.check_step`)."""
+        response = result_to_proto(step_id, run_step(entry.pool, step))
         entry.last_step_id = step_id
         entry.last_digest = digest
         entry.last_response = response
@@ -126,7 +126,7 @@ class Registry:
                 # Validated when accepted (a restart with lower limits must
                 # still replay its history, so no limits here).
                 s = record.step
-                self.step(self.pools[s.pool_id], s.step_id, s.digest, s.ops)
+                self.step(self.pools[s.pool_id], s.step_id, s.digest, columns_from_proto(s.ops))
             elif kind == "dropped":
                 self.drop(record.dropped.pool_id, record.dropped.reason)
             elif kind == "reset":

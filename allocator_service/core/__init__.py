@@ -27,8 +27,12 @@ from allocator_service.core.step import (
     Free,
     Op,
     OpResult,
-    apply_op,
+    StepColumns,
+    StepResult,
     execute_step,
+    op_results,
+    run_step,
+    step_columns,
 )
 
 __all__ = [
@@ -51,7 +55,11 @@ __all__ = [
     "PoolConfig",
     "PoolStats",
     "SequenceExists",
+    "StepColumns",
+    "StepResult",
     "UnknownSequence",
-    "apply_op",
     "execute_step",
+    "op_results",
+    "run_step",
+    "step_columns",
 ]

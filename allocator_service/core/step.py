@@ -8,17 +8,142 @@ failing operation does not fail the others: its result says why.
 The table change of an operation is `keep` (a prefix of the old table that
 stays) plus `append` (new block ids after it); this one shape expresses growth,
 copy-on-write (keep = len - 1) and admission (keep = 0).
+
+`run_step` is the one implementation, on columns (`StepColumns` in,
+`StepResult` out): a 256-sequence decode step is then a few lists, not 512
+objects, and the service converts them to and from the wire's `StepOps` /
+`StepResponse` with list operations. The operation objects (`Free`, `Append`,
+`Admit`, `Fork` -> `OpResult`) are the convenient form for a worker:
+`execute_step` turns them into columns and back around `run_step`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain
+from typing import NamedTuple
 
 from allocator_service.core.errors import AllocatorError
 from allocator_service.core.pool import BlockPool
 
+# Operation kinds in `StepColumns.kinds`.
+# NOTE: the numbers of the wire enum `OpKind`, so the service passes the
+# column through unchanged (the codec checks they agree).
+FREE, APPEND, ADMIT, FORK = 1, 2, 3, 4
 
+# `AllocatorError.code` -> its number in `StepResult.errors` (0: succeeded).
+# NOTE: the numbers of the wire enum `OpError`, as for the kinds.
+ERROR_NUMBER: dict[str, int] = {
+    "out_of_blocks": 1,
+    "unknown_sequence": 2,
+    "sequence_exists": 3,
+    "invalid_argument": 4,
+}
+ERROR_CODE: dict[int, str] = {v: k for k, v in ERROR_NUMBER.items()}
+
+
+class StepColumns(NamedTuple):
+    """A step's operations as columns (the shape of the wire's `StepOps`)."""
+
+    kinds: list[int]  # one per operation: FREE, APPEND, ADMIT or FORK
+    seq_ids: list[str]  # one per operation: the sequence (FORK: the parent)
+    num_tokens: list[int]  # one per operation: its tokens (0 for FREE and FORK)
+    tokens: list[int]  # every operation's tokens, concatenated in order
+    salts: list[str | None]  # one per ADMIT: its cache_salt
+    num_new_tokens: list[int | None]  # one per ADMIT: chunked prefill bound (None: all)
+    children: list[str]  # one per FORK: the child's sequence id
+
+
+class StepResult(NamedTuple):
+    """A step's results as columns, named as the wire's `StepResponse` fields."""
+
+    errors: list[int]  # one per operation: 0, or ERROR_NUMBER of why it failed
+    keep: list[int]  # one per operation: entries of the old table kept
+    num_appended: list[int]  # one per operation: block ids it appends
+    appended: list[int]  # every operation's appended block ids, concatenated
+    num_copies: list[int]  # one per operation: block copies to perform first
+    copies: list[int]  # every operation's (src, dst) copies, flattened
+    cached_tokens: list[int]  # one per operation: prompt tokens found cached (ADMIT)
+    num_stored: list[int]  # one per operation: tokens held after an ADMIT
+    error_messages: list[str]  # one per FAILED operation, in order
+
+
+def run_step(pool: BlockPool, step: StepColumns) -> StepResult:
+    """Apply a step's operations (frees first) and return the results in
+    the order the operations were given. The columns must fit together
+    (one entry per operation, per ADMIT, per FORK; token counts adding up):
+    the service checks what it receives before calling this."""
+    kinds, seqs, counts, tokens, salts, budgets, children = step
+    n = len(kinds)
+    errors = [0] * n
+    keep = [0] * n
+    num_appended = [0] * n
+    appended: list[int] = []
+    num_copies = [0] * n
+    copies: list[int] = []
+    cached = [0] * n
+    stored = [0] * n
+    messages: dict[int, str] = {}  # by operation: frees fail first, out of order
+    if FREE in kinds:
+        for i in range(n):
+            if kinds[i] == FREE:
+                try:
+                    pool.free(seqs[i])
+                except AllocatorError as exc:
+                    errors[i] = ERROR_NUMBER[exc.code]
+                    messages[i] = str(exc)
+    end = 0  # where the next operation's tokens end
+    admits = forks = 0  # ADMIT and FORK operations met so far
+    for i in range(n):
+        kind = kinds[i]
+        seq = seqs[i]
+        start = end
+        end += counts[i]
+        try:
+            if kind == APPEND:
+                # NOTE: a decode token goes straight to the pool's fast path:
+                # no slice, no AppendResult (this is the hot loop of a step).
+                if end - start == 1 and (k := pool.try_append_one(seq, tokens[start])) >= 0:
+                    keep[i] = k
+                    continue
+                r = pool.append(seq, tokens[start:end])
+                keep[i] = r.keep
+                if r.new_blocks:
+                    appended += r.new_blocks
+                    num_appended[i] = len(r.new_blocks)
+                if r.copies:
+                    num_copies[i] = len(r.copies)
+                    copies.extend(chain.from_iterable(r.copies))
+            elif kind == ADMIT:
+                admits += 1
+                a = pool.admit(seq, tokens[start:end], salts[admits - 1], budgets[admits - 1])
+                appended += a.table
+                num_appended[i] = len(a.table)
+                cached[i] = a.cached_tokens
+                stored[i] = a.num_stored
+            elif kind == FORK:
+                forks += 1
+                table = pool.fork(seq, children[forks - 1])
+                appended += table
+                num_appended[i] = len(table)
+        except AllocatorError as exc:
+            errors[i] = ERROR_NUMBER[exc.code]
+            messages[i] = str(exc)
+    return StepResult(
+        errors,
+        keep,
+        num_appended,
+        appended,
+        num_copies,
+        copies,
+        cached,
+        stored,
+        [messages[i] for i in sorted(messages)] if messages else [],
+    )
+
+
+# ------------------------------------------------------ the operation objects
 @dataclass(frozen=True, slots=True)
 class Free:
     seq: str
@@ -60,36 +185,74 @@ class OpResult:
     num_stored: int = 0  # admit: tokens the sequence holds after this step
 
 
-def apply_op(pool: BlockPool, op: Op) -> OpResult:
-    """Run one operation; an AllocatorError becomes a failed result."""
-    try:
-        if isinstance(op, Append):
-            if len(op.tokens) == 1 and (keep := pool.try_append_one(op.seq, op.tokens[0])) >= 0:
-                return OpResult(keep=keep)
-            r = pool.append(op.seq, op.tokens)
-            return OpResult(keep=r.keep, append=r.new_blocks, copies=r.copies)
-        if isinstance(op, Admit):
-            a = pool.admit(op.seq, op.tokens, op.salt, op.num_new_tokens)
-            return OpResult(append=a.table, cached_tokens=a.cached_tokens, num_stored=a.num_stored)
-        if isinstance(op, Free):
-            pool.free(op.seq)
-            return OpResult()
-        if isinstance(op, Fork):
-            table = pool.fork(op.parent, op.child)
-            return OpResult(append=table)
-    except AllocatorError as exc:
-        return OpResult(ok=False, error=exc.code, message=str(exc))
-    raise TypeError(f"not an operation: {op!r}")
+def step_columns(ops: Sequence[Op]) -> StepColumns:
+    """The columns of `ops` (TypeError for anything that is not an operation)."""
+    # Bound methods in locals: this loop runs once per operation per step.
+    kinds: list[int] = []
+    seqs: list[str] = []
+    counts: list[int] = []
+    tokens: list[int] = []
+    kind, seq, count, extend = kinds.append, seqs.append, counts.append, tokens.extend
+    salts: list[str | None] = []
+    budgets: list[int | None] = []
+    children: list[str] = []
+    for op in ops:
+        t = type(op)
+        if t is Append:
+            kind(APPEND)
+            seq(op.seq)
+            count(len(op.tokens))
+            extend(op.tokens)
+        elif t is Free:
+            kind(FREE)
+            seq(op.seq)
+            count(0)
+        elif t is Admit:
+            kind(ADMIT)
+            seq(op.seq)
+            count(len(op.tokens))
+            extend(op.tokens)
+            salts.append(op.salt)
+            budgets.append(op.num_new_tokens)
+        elif t is Fork:
+            kind(FORK)
+            seq(op.parent)
+            count(0)
+            children.append(op.child)
+        else:
+            raise TypeError(f"not an operation: {op!r}")
+    return StepColumns(kinds, seqs, counts, tokens, salts, budgets, children)
+
+
+def op_results(result: StepResult) -> list[OpResult]:
+    """One `OpResult` per operation. Built as if every operation succeeded
+    without copies (the common case, one cheap loop), then the few failures
+    and copy-on-write copies are patched in."""
+    appended = result.appended
+    out: list[OpResult] = []
+    push = out.append
+    a = 0
+    for k, na, c, s in zip(result.keep, result.num_appended, result.cached_tokens, result.num_stored, strict=True):
+        b = a + na
+        push(OpResult(True, "", "", k, appended[a:b], [], c, s))
+        a = b
+    if any(result.errors):
+        messages = iter(result.error_messages)
+        for r, e in zip(out, result.errors, strict=True):
+            if e:
+                r.ok = False
+                r.error = ERROR_CODE[e]
+                r.message = next(messages, "")
+    copies = result.copies
+    if copies:
+        c = 0
+        for r, nc in zip(out, result.num_copies, strict=True):
+            if nc:
+                r.copies = [(copies[j], copies[j + 1]) for j in range(c, c + 2 * nc, 2)]
+                c += 2 * nc
+    return out
 
 
 def execute_step(pool: BlockPool, ops: Sequence[Op]) -> list[OpResult]:
-    """Apply a step's operations (frees first) and return results in the
-    order the operations were given."""
-    results: list[OpResult | None] = [None] * len(ops)
-    for i, op in enumerate(ops):
-        if isinstance(op, Free):
-            results[i] = apply_op(pool, op)
-    for i, op in enumerate(ops):
-        if not isinstance(op, Free):
-            results[i] = apply_op(pool, op)
-    return results  # type: ignore[return-value]
+    """`run_step` on operation objects: results in the order given."""
+    return op_results(run_step(pool, step_columns(ops)))

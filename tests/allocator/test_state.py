@@ -1,5 +1,6 @@
-"""The service's state machine in-process (no gRPC, no Redis): the columnar
-step equals the core's execute_step, snapshots and journal replay rebuild
+"""The service's state machine in-process (no gRPC, no Redis): the one step
+function (`run_step`, on columns, through the wire's encoding) against a
+reference model of the step semantics, snapshots and journal replay rebuild
 the exact state, and an ambiguous journal failure never double-applies."""
 
 from __future__ import annotations
@@ -10,12 +11,24 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from allocator_service.codec import decode_results, encode_ops, encode_results
-from allocator_service.columns import run_step, validate
-from allocator_service.config import ServiceConfig
-from allocator_service.core import Admit, Append, BlockPool, Fork, Free, PoolConfig, execute_step
+from allocator_service.codec import columns_from_proto, decode_results, encode_ops, result_to_proto
+from allocator_service.config import Limits, ServiceConfig
+from allocator_service.core import (
+    Admit,
+    AllocatorError,
+    Append,
+    BlockPool,
+    Fork,
+    Free,
+    OpResult,
+    PoolConfig,
+    execute_step,
+    op_results,
+    run_step,
+    step_columns,
+)
 from allocator_service.errors import StepConflict, StoreUnavailable
-from allocator_service.service import AllocatorService
+from allocator_service.service import AllocatorService, check_step
 from allocator_service.v1 import allocator_pb2 as pb
 from tests.support.allocator import random_steps
 
@@ -34,19 +47,52 @@ ops = st.lists(
 )
 
 
+def reference_step(pool: BlockPool, step: list) -> list[OpResult]:
+    """The step semantics, written plainly on the pool's one-operation
+    methods: frees first, then the rest in the order given; each operation
+    all-or-nothing; a failure is that operation's result, never the step's."""
+    results: list[OpResult | None] = [None] * len(step)
+    frees = [i for i, op in enumerate(step) if isinstance(op, Free)]
+    for i in frees + [i for i in range(len(step)) if i not in frees]:
+        op = step[i]
+        before = pool.to_state()
+        try:
+            if isinstance(op, Free):
+                pool.free(op.seq)
+                results[i] = OpResult()
+            elif isinstance(op, Append):
+                r = pool.append(op.seq, op.tokens)
+                results[i] = OpResult(keep=r.keep, append=r.new_blocks, copies=r.copies)
+            elif isinstance(op, Admit):
+                a = pool.admit(op.seq, op.tokens, op.salt, op.num_new_tokens)
+                results[i] = OpResult(append=a.table, cached_tokens=a.cached_tokens, num_stored=a.num_stored)
+            else:
+                results[i] = OpResult(append=pool.fork(op.parent, op.child))
+        except AllocatorError as exc:
+            after = pool.to_state()
+            after["counters"]["out_of_blocks"] = before["counters"]["out_of_blocks"]  # counts the refusal
+            assert after == before, f"{op} failed ({exc.code}) but changed the pool"
+            results[i] = OpResult(ok=False, error=exc.code, message=str(exc))
+    return results  # type: ignore[return-value]
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(ops, min_size=1, max_size=10), st.booleans(), st.integers(1, 4))
-def test_columnar_step_equals_execute_step(steps, prefix, block_size):
+def test_run_step_follows_the_step_semantics(steps, prefix, block_size):
     config = PoolConfig(num_blocks=12, block_size=block_size, enable_prefix_caching=prefix, model_fingerprint="m")
-    ref, pool = BlockPool(config), BlockPool(config)
+    ref, pool, objects = BlockPool(config), BlockPool(config), BlockPool(config)
     for i, step in enumerate(steps, 1):
-        expected = execute_step(ref, step)
-        msg = encode_ops(step)
-        validate(msg, 1000, 10_000)
-        got = run_step(pool, i, msg)
-        assert got == encode_results(i, expected)
-        assert decode_results(got, len(step)) == expected
-        assert pool.to_state() == ref.to_state()
+        expected = reference_step(ref, step)
+        # The service's path: wire columns in, checked, run, wire columns out.
+        columns = columns_from_proto(encode_ops(step))
+        assert columns == step_columns(step)
+        check_step(columns, Limits())
+        got = run_step(pool, columns)
+        assert op_results(got) == expected
+        assert decode_results(result_to_proto(i, got), len(step)) == expected
+        # The embedded client's path: operation objects.
+        assert execute_step(objects, step) == expected
+        assert pool.to_state() == ref.to_state() == objects.to_state()
 
 
 class FakeJournal:
@@ -147,7 +193,7 @@ def test_ambiguous_journal_failure_reloads_and_applies_once():
     reference = BlockPool(PoolConfig(24, 4, True, "m"))
     for s in steps[:5]:
         execute_step(reference, s)
-    assert answer == encode_results(6, execute_step(reference, steps[5]))
+    assert answer == result_to_proto(6, run_step(reference, step_columns(steps[5])))
     assert svc.registry.pools[r.pool_id].pool.to_state() == reference.to_state()
 
 
