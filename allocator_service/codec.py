@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from allocator_service.core import (
     Op,
     OpResult,
+    PoolConfig,
     PoolStats,
     StepColumns,
     StepResult,
@@ -98,6 +99,26 @@ def decode_results(resp: pb.StepResponse, num_ops: int) -> list[OpResult]:
     if len(resp.errors) != num_ops:
         raise ValueError(f"the server answered {len(resp.errors)} results for {num_ops} operations")
     return op_results(result_from_proto(resp))
+
+
+# ------------------------------------------------------------ pool shape
+def shape_to_proto(config: PoolConfig) -> pb.PoolShape:
+    return pb.PoolShape(
+        num_blocks=config.num_blocks,
+        block_size=config.block_size,
+        model_fingerprint=config.model_fingerprint,
+        enable_prefix_caching=config.enable_prefix_caching,
+    )
+
+
+def config_from_proto(shape: pb.PoolShape) -> PoolConfig:
+    """PoolConfig validates (raises the core's InvalidArgument)."""
+    return PoolConfig(
+        num_blocks=shape.num_blocks,
+        block_size=shape.block_size,
+        enable_prefix_caching=shape.enable_prefix_caching,
+        model_fingerprint=shape.model_fingerprint,
+    )
 
 
 # ------------------------------------------------------------------- stats

@@ -26,7 +26,12 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from allocator_service.codec import columns_from_proto, ops_digest, stats_to_proto
+from allocator_service.codec import (
+    columns_from_proto,
+    config_from_proto,
+    ops_digest,
+    stats_to_proto,
+)
 from allocator_service.config import Limits, ServiceConfig
 from allocator_service.core import PoolStats, StepColumns
 from allocator_service.core.errors import InvalidArgument
@@ -44,7 +49,7 @@ from allocator_service.errors import (
 from allocator_service.events import EventLog
 from allocator_service.journal import MemoryJournal, RedisJournal
 from allocator_service.leases import LeaseTable
-from allocator_service.state import PoolEntry, Registry, config_from_shape
+from allocator_service.state import PoolEntry, Registry
 from allocator_service.v1 import allocator_pb2 as pb
 from allocator_service.v1 import journal_pb2 as jpb
 
@@ -221,7 +226,7 @@ class AllocatorService:
         limit = self.limits.max_worker_id_len
         if not worker_id or len(worker_id) > limit or "/" in worker_id or not worker_id.isprintable():
             raise BadRequest(f"worker_id must be 1 to {limit} printable characters without '/'")
-        config = config_from_shape(shape)
+        config = config_from_proto(shape)
         credential = secrets.token_urlsafe(32)
         digest = _digest(credential)
         with self._lock:

@@ -1,7 +1,7 @@
 """The registry of pools: the allocator as a deterministic state machine.
 
 Every state change is one of four records (pool registered, step applied,
-pool dropped, prefix cache reset; `pagedkv/v1/journal.proto`). Applying the
+pool dropped, prefix cache reset; `proto/pagedkv/v1/journal.proto`). Applying the
 same records in the same order to the same snapshot gives the same pools,
 the same last-step answers and the same KV event numbers: that is what makes
 the Redis journal a complete backup. Nothing here locks, reads a clock or
@@ -14,7 +14,7 @@ import base64
 from dataclasses import dataclass
 from typing import Any
 
-from allocator_service.codec import columns_from_proto, result_to_proto
+from allocator_service.codec import columns_from_proto, config_from_proto, result_to_proto
 from allocator_service.core import BlockPool, PoolConfig, StepColumns, run_step
 from allocator_service.events import POOL_DROPPED, POOL_REGISTERED, EventLog
 from allocator_service.v1 import allocator_pb2 as pb
@@ -39,16 +39,6 @@ class PoolEntry:
     last_step_id: int = 0
     last_digest: bytes = b""
     last_response: pb.StepResponse | None = None
-
-
-def config_from_shape(shape: pb.PoolShape) -> PoolConfig:
-    """PoolConfig validates (raises the core's InvalidArgument)."""
-    return PoolConfig(
-        num_blocks=shape.num_blocks,
-        block_size=shape.block_size,
-        enable_prefix_caching=shape.enable_prefix_caching,
-        model_fingerprint=shape.model_fingerprint,
-    )
 
 
 class Registry:
@@ -121,7 +111,7 @@ class Registry:
         try:
             if kind == "registered":
                 r = record.registered
-                self.register(r.worker_id, r.epoch, config_from_shape(r.shape), r.credential_digest)
+                self.register(r.worker_id, r.epoch, config_from_proto(r.shape), r.credential_digest)
             elif kind == "step":
                 # Validated when accepted (a restart with lower limits must
                 # still replay its history, so no limits here).

@@ -10,8 +10,10 @@ and `connect()`.
 from __future__ import annotations
 
 import abc
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from allocator_service.core import BlockPool, Op, OpResult, PoolConfig, PoolStats, execute_step
 
@@ -29,23 +31,36 @@ class AllocatorUnavailable(ConnectionError):
     id once)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class PoolSpec:
-    """What a worker asks for when it registers its KV pool."""
+    """What a worker asks for when it registers its KV pool: its id and the
+    pool's shape, the core's `PoolConfig` (validated when the spec is built)."""
 
     worker_id: str
-    num_blocks: int
-    block_size: int
-    model_fingerprint: str = ""
-    enable_prefix_caching: bool = False
+    config: PoolConfig
 
-    def pool_config(self) -> PoolConfig:
-        return PoolConfig(
-            num_blocks=self.num_blocks,
-            block_size=self.block_size,
-            enable_prefix_caching=self.enable_prefix_caching,
-            model_fingerprint=self.model_fingerprint,
+    # NOTE: built from the shape's fields, in this order, as the worker and
+    # the tests have always called it; the shape itself exists only as `config`.
+    def __init__(
+        self,
+        worker_id: str,
+        num_blocks: int,
+        block_size: int,
+        model_fingerprint: str = "",
+        enable_prefix_caching: bool = False,
+    ) -> None:
+        object.__setattr__(self, "worker_id", worker_id)
+        object.__setattr__(
+            self, "config", PoolConfig(num_blocks, block_size, enable_prefix_caching, model_fingerprint)
         )
+
+    @property
+    def num_blocks(self) -> int:
+        return self.config.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
 
 
 class AllocatorClient(abc.ABC):
@@ -66,6 +81,11 @@ class AllocatorClient(abc.ABC):
     @abc.abstractmethod
     def reset_prefix_cache(self) -> int: ...
 
+    @abc.abstractmethod
+    def dump(self) -> dict[str, Any]:
+        """The pool's whole state as `BlockPool.to_state()` gives it (JSON
+        types), for tools: `BlockPool.from_state` rebuilds it."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the pool (deregister) and any connection."""
 
@@ -75,7 +95,7 @@ class EmbeddedAllocator(AllocatorClient):
 
     def __init__(self, spec: PoolSpec) -> None:
         self.spec = spec
-        self.pool = BlockPool(spec.pool_config())
+        self.pool = BlockPool(spec.config)
 
     def step(self, ops: Sequence[Op]) -> list[OpResult]:
         return execute_step(self.pool, ops)
@@ -88,6 +108,10 @@ class EmbeddedAllocator(AllocatorClient):
 
     def reset_prefix_cache(self) -> int:
         return self.pool.reset_prefix_cache()
+
+    def dump(self) -> dict[str, Any]:
+        # NOTE: through JSON, as the gRPC client gets it: a copy, JSON types.
+        return json.loads(json.dumps(self.pool.to_state()))
 
 
 def connect(target: str, spec: PoolSpec, **options) -> AllocatorClient:

@@ -23,6 +23,7 @@ idle (every call renews it too).
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import threading
@@ -33,9 +34,8 @@ from typing import Any, NamedTuple
 import grpc
 
 from allocator_service.client import AllocatorClient, AllocatorUnavailable, PoolLost, PoolSpec
-from allocator_service.codec import decode_results, encode_ops, stats_from_proto
+from allocator_service.codec import decode_results, encode_ops, shape_to_proto, stats_from_proto
 from allocator_service.core import (
-    BlockPool,
     InvalidArgument,
     Op,
     OpResult,
@@ -168,14 +168,8 @@ class GrpcAllocator(AllocatorClient):
 
     # ---------------------------------------------------------------- pool
     def _register(self) -> None:
-        s = self.spec
-        shape = pb.PoolShape(
-            num_blocks=s.num_blocks,
-            block_size=s.block_size,
-            model_fingerprint=s.model_fingerprint,
-            enable_prefix_caching=s.enable_prefix_caching,
-        )
-        r = self._call("RegisterPool", pb.RegisterPoolRequest(worker_id=s.worker_id, shape=shape))
+        shape = shape_to_proto(self.spec.config)
+        r = self._call("RegisterPool", pb.RegisterPoolRequest(worker_id=self.spec.worker_id, shape=shape))
         with self._register_lock:
             self._ref = pb.PoolRef(pool_id=r.pool_id, credential=r.credential)
             self.epoch = r.epoch
@@ -255,17 +249,7 @@ class GrpcAllocator(AllocatorClient):
         return list(r.integrity_problems)
 
     def dump(self) -> dict[str, Any]:
-        """The pool's full state, as `BlockPool.to_state()` gives it."""
-        import json
-
         return json.loads(self._pool_call("DumpPool", pb.DumpPoolRequest(pool=self._ref)).state_json)
-
-    def snapshot(self) -> dict[str, Any]:
-        """What `pagedkv replay` prints after each operation, computed by the
-        same code as in-process from the dumped state."""
-        from pagedkv.tools.replay import pool_snapshot
-
-        return pool_snapshot(BlockPool.from_state(self.dump()))
 
 
 class PrefixMatch(NamedTuple):

@@ -1,5 +1,6 @@
 """A `BlockPool` as plain data: the full dump (`to_state`/`restore`: what
-the service's snapshots and DumpPool carry, JSON-able, rebuilt exactly).
+the service's snapshots and DumpPool carry, JSON-able, rebuilt exactly) and
+the short view `pagedkv replay` prints after each operation (`pool_view`).
 
 NOTE: the dump's keys and encoding are a stored format (Redis snapshots,
 existing journals' snapshots): change them only with a new snapshot format.
@@ -73,3 +74,14 @@ def restore(pool: BlockPool, state: dict[str, Any]) -> None:
     for k, v in state["counters"].items():
         setattr(pool, k, v)
 
+
+
+def pool_view(pool: BlockPool) -> dict[str, Any]:
+    """The state columns `pagedkv replay` prints after each operation
+    (refcount keys as strings, as JSON has them)."""
+    return {
+        "tables": pool.tables(),
+        "free": pool.free_order(),
+        "refcounts": {str(b): c for b, c in pool.refcounts().items()},
+        "wasted_slots": pool.stats().wasted_slots,
+    }

@@ -21,10 +21,12 @@ import argparse
 import json
 import sys
 from collections.abc import Iterable, Iterator
-from typing import Any, Protocol
+from typing import Any
 
-from allocator_service.core import Admit, Append, BlockPool, Fork, Free, Op, OpResult, PoolConfig
-from allocator_service.core import execute_step as _execute_step
+from allocator_service.client import AllocatorClient, PoolSpec, connect
+from allocator_service.core import Admit, Append, BlockPool, Fork, Free, InvalidArgument, Op
+from allocator_service.core.limits import MAX_TOKEN_ID
+from allocator_service.core.snapshot import pool_view
 from pagedkv.settings import CliError
 
 _FIELDS = {
@@ -39,42 +41,8 @@ class TraceError(CliError):
     pass
 
 
-class Executor(Protocol):
-    """What replay needs from an allocator: in-process or over gRPC."""
-
-    block_size: int
-
-    def step(self, ops: list[Op]) -> list[OpResult]: ...
-
-    def snapshot(self) -> dict[str, Any]: ...
-
-
-class LocalExecutor:
-    """Replay against the core in this process."""
-
-    def __init__(self, pool: BlockPool) -> None:
-        self.pool = pool
-        self.block_size = pool.block_size
-
-    def step(self, ops: list[Op]) -> list[OpResult]:
-        return _execute_step(self.pool, ops)
-
-    def snapshot(self) -> dict[str, Any]:
-        return pool_snapshot(self.pool)
-
-
-def pool_snapshot(pool: BlockPool) -> dict[str, Any]:
-    """The state columns replay prints (refcount keys as strings, as JSON has them)."""
-    return {
-        "tables": pool.tables(),
-        "free": pool.free_order(),
-        "refcounts": {str(b): c for b, c in pool.refcounts().items()},
-        "wasted_slots": pool.stats().wasted_slots,
-    }
-
-
 def _is_token_list(v: object) -> bool:
-    return isinstance(v, list) and all(type(t) is int and 0 <= t < 2**32 for t in v)
+    return isinstance(v, list) and all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in v)
 
 
 def parse_op(line: str, lineno: int) -> Op:
@@ -118,9 +86,10 @@ def parse_trace(lines: Iterable[str]) -> list[Op]:
     return ops
 
 
-def replay_ops(ops: Iterable[Op], executor: Executor) -> Iterator[dict[str, Any]]:
+def replay_ops(ops: Iterable[Op], client: AllocatorClient) -> Iterator[dict[str, Any]]:
+    block_size = client.spec.block_size
     for op in ops:
-        (r,) = executor.step([op])
+        (r,) = client.step([op])
         out: dict[str, Any] = {"ok": r.ok}
         if not r.ok:
             out["error"] = r.error
@@ -129,15 +98,15 @@ def replay_ops(ops: Iterable[Op], executor: Executor) -> Iterator[dict[str, Any]
             out["cached_tokens"] = r.cached_tokens
         # Admit's table change lists the cache hits (full blocks) too; only
         # blocks taken from the free queue are "new".
-        new = r.append[r.cached_tokens // executor.block_size :] if isinstance(op, Admit) else r.append
+        new = r.append[r.cached_tokens // block_size :] if isinstance(op, Admit) else r.append
         out["new_blocks"] = [] if isinstance(op, Fork) or not r.ok else list(new)
         out["copies"] = [list(c) for c in r.copies]
-        out.update(executor.snapshot())
+        out.update(pool_view(BlockPool.from_state(client.dump())))
         yield out
 
 
-def replay_lines(lines: Iterable[str], executor: Executor) -> Iterator[dict[str, Any]]:
-    return replay_ops(parse_trace(lines), executor)
+def replay_lines(lines: Iterable[str], client: AllocatorClient) -> Iterator[dict[str, Any]]:
+    return replay_ops(parse_trace(lines), client)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -179,43 +148,37 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"cannot read {args.trace}: {exc.strerror}") from None
     with fh:
         ops = parse_trace(fh)
-    executor = make_executor(args)
+    client = make_client(args)
     try:
-        for out in replay_ops(ops, executor):
+        for out in replay_ops(ops, client):
             print(json.dumps(out), flush=True)
     finally:
-        if hasattr(executor, "close"):
-            executor.close()
+        client.close()
     return 0
 
 
-def make_executor(args: argparse.Namespace) -> Executor:
-    from allocator_service.core import InvalidArgument
-
-    try:
-        config = PoolConfig(
-            num_blocks=args.num_blocks,
-            block_size=args.block_size,
-            enable_prefix_caching=args.prefix_caching,
-            model_fingerprint=args.model_fingerprint,
-        )
-    except InvalidArgument as exc:
-        raise CliError(str(exc)) from None
-    if getattr(args, "allocator", None):
-        return _remote_executor(args)
-    return LocalExecutor(BlockPool(config))
-
-
-def _remote_executor(args: argparse.Namespace) -> Executor:
-    """A fresh pool at the allocator service (GrpcAllocator has the
-    Executor's `block_size`, `step` and `snapshot`)."""
+def make_client(args: argparse.Namespace) -> AllocatorClient:
+    """A fresh pool of the given shape: in this process, or at the
+    allocator service with `--allocator` (deregistered on close)."""
     import os
     import uuid
 
+    try:
+        spec = PoolSpec(
+            worker_id=f"replay-{os.getpid()}-{uuid.uuid4().hex[:8]}",
+            num_blocks=args.num_blocks,
+            block_size=args.block_size,
+            model_fingerprint=args.model_fingerprint,
+            enable_prefix_caching=args.prefix_caching,
+        )
+    except InvalidArgument as exc:
+        raise CliError(str(exc)) from None
+    if not getattr(args, "allocator", None):
+        return connect("embedded", spec)
+
     import grpc
 
-    from allocator_service.client import AllocatorUnavailable, PoolSpec
-    from allocator_service.client.grpc_client import GrpcAllocator
+    from allocator_service.client import AllocatorUnavailable
 
     token = None
     if args.allocator_token_file:
@@ -224,15 +187,8 @@ def _remote_executor(args: argparse.Namespace) -> Executor:
                 token = fh.read().strip()
         except OSError as exc:
             raise CliError(f"cannot read {args.allocator_token_file}: {exc.strerror}") from None
-    spec = PoolSpec(
-        worker_id=f"replay-{os.getpid()}-{uuid.uuid4().hex[:8]}",
-        num_blocks=args.num_blocks,
-        block_size=args.block_size,
-        model_fingerprint=args.model_fingerprint,
-        enable_prefix_caching=args.prefix_caching,
-    )
     try:
-        return GrpcAllocator(args.allocator, spec, auth_token=token, tls_ca=args.allocator_tls_ca, retries=3)
+        return connect(args.allocator, spec, auth_token=token, tls_ca=args.allocator_tls_ca, retries=3)
     except AllocatorUnavailable as exc:
         raise CliError(f"cannot reach the allocator at {args.allocator}: {exc}") from None
     except grpc.RpcError as exc:
