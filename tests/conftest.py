@@ -1,4 +1,4 @@
-# --- worker/attention (tests/test_attention.py): Triton without a GPU ----------
+# --- worker/attention (tests/worker/test_attention.py): Triton without a GPU ----------
 # Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. when
 # worker.attention.triton_decode is first imported, so it is set here, before
 # any test module loads. Without an NVIDIA driver the kernel can only run in the

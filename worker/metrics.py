@@ -1,4 +1,4 @@
-"""Prometheus metrics of a worker (DESIGN.md "Observability").
+"""Prometheus metrics of a worker (docs/ARCHITECTURE.md, "Observability").
 
 Names carry their unit, counters end in `_total`; every series has the labels
 `worker` (the worker id) and `model`. Pool gauges are read from the allocator

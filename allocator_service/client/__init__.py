@@ -31,36 +31,13 @@ class AllocatorUnavailable(ConnectionError):
     id once)."""
 
 
-@dataclass(frozen=True, slots=True, init=False)
+@dataclass(frozen=True, slots=True)
 class PoolSpec:
     """What a worker asks for when it registers its KV pool: its id and the
     pool's shape, the core's `PoolConfig` (validated when the spec is built)."""
 
     worker_id: str
     config: PoolConfig
-
-    # NOTE: built from the shape's fields, in this order, as the worker and
-    # the tests have always called it; the shape itself exists only as `config`.
-    def __init__(
-        self,
-        worker_id: str,
-        num_blocks: int,
-        block_size: int,
-        model_fingerprint: str = "",
-        enable_prefix_caching: bool = False,
-    ) -> None:
-        object.__setattr__(self, "worker_id", worker_id)
-        object.__setattr__(
-            self, "config", PoolConfig(num_blocks, block_size, enable_prefix_caching, model_fingerprint)
-        )
-
-    @property
-    def num_blocks(self) -> int:
-        return self.config.num_blocks
-
-    @property
-    def block_size(self) -> int:
-        return self.config.block_size
 
 
 class AllocatorClient(abc.ABC):

@@ -145,7 +145,7 @@ class GrpcAllocator(AllocatorClient):
         on_unavailable: Callable[[float, int], None] | None = None,
     ) -> None:
         self.spec = spec
-        self.block_size = spec.block_size
+        self.block_size = spec.config.block_size
         self._channel = open_channel(target, tls_ca)
         self._call = _Caller(pb_grpc.AllocatorStub(self._channel), auth_token, deadline_s, retries, backoff_s,
                              on_unavailable)

@@ -4,7 +4,7 @@
     python deploy/grafana/build_dashboard.py --check  # exit 1 when the JSON is stale
 
 The panels are declared here (one line of PromQL each) rather than edited in
-the JSON, so the file stays reviewable; tests/test_deploy.py checks that the
+the JSON, so the file stays reviewable; tests/stack/test_deploy.py checks that the
 committed JSON is this script's output and names only exported metrics.
 Every query filters on the `$worker` variable (worker id = the allocator's
 `worker_id` label) and uses the `pagedkv-*` scrape jobs of

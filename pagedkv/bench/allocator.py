@@ -22,7 +22,7 @@ import statistics
 import time
 from collections.abc import Iterator
 
-from allocator_service.core import Admit, Append, Free, Op
+from allocator_service.core import Admit, Append, Free, Op, PoolConfig
 
 SYSTEM_PROMPT = list(range(1000, 1064))
 PROMPT_LEN = 128
@@ -116,11 +116,13 @@ def run(args: argparse.Namespace) -> int:
 
     def spec(mode: str, n: int) -> PoolSpec:
         return PoolSpec(
-            worker_id=f"bench-{mode}-{n}",
-            num_blocks=n * blocks_per_seq + 64,
-            block_size=args.block_size,
-            model_fingerprint="bench",
-            enable_prefix_caching=not args.no_prefix_caching,
+            f"bench-{mode}-{n}",
+            PoolConfig(
+                num_blocks=n * blocks_per_seq + 64,
+                block_size=args.block_size,
+                enable_prefix_caching=not args.no_prefix_caching,
+                model_fingerprint="bench",
+            ),
         )
 
     results = []

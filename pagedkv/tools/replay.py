@@ -24,10 +24,19 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from allocator_service.client import AllocatorClient, PoolSpec, connect
-from allocator_service.core import Admit, Append, BlockPool, Fork, Free, InvalidArgument, Op
+from allocator_service.core import (
+    Admit,
+    Append,
+    BlockPool,
+    Fork,
+    Free,
+    InvalidArgument,
+    Op,
+    PoolConfig,
+)
 from allocator_service.core.limits import MAX_TOKEN_ID
 from allocator_service.core.snapshot import pool_view
-from pagedkv.settings import CliError
+from pagedkv.settings import CliError, read_secret
 
 _FIELDS = {
     "admit": ({"seq", "tokens"}, {"salt"}),
@@ -87,7 +96,7 @@ def parse_trace(lines: Iterable[str]) -> list[Op]:
 
 
 def replay_ops(ops: Iterable[Op], client: AllocatorClient) -> Iterator[dict[str, Any]]:
-    block_size = client.spec.block_size
+    block_size = client.spec.config.block_size
     for op in ops:
         (r,) = client.step([op])
         out: dict[str, Any] = {"ok": r.ok}
@@ -165,11 +174,13 @@ def make_client(args: argparse.Namespace) -> AllocatorClient:
 
     try:
         spec = PoolSpec(
-            worker_id=f"replay-{os.getpid()}-{uuid.uuid4().hex[:8]}",
-            num_blocks=args.num_blocks,
-            block_size=args.block_size,
-            model_fingerprint=args.model_fingerprint,
-            enable_prefix_caching=args.prefix_caching,
+            f"replay-{os.getpid()}-{uuid.uuid4().hex[:8]}",
+            PoolConfig(
+                num_blocks=args.num_blocks,
+                block_size=args.block_size,
+                enable_prefix_caching=args.prefix_caching,
+                model_fingerprint=args.model_fingerprint,
+            ),
         )
     except InvalidArgument as exc:
         raise CliError(str(exc)) from None
@@ -180,13 +191,7 @@ def make_client(args: argparse.Namespace) -> AllocatorClient:
 
     from allocator_service.client import AllocatorUnavailable
 
-    token = None
-    if args.allocator_token_file:
-        try:
-            with open(args.allocator_token_file, encoding="utf-8") as fh:
-                token = fh.read().strip()
-        except OSError as exc:
-            raise CliError(f"cannot read {args.allocator_token_file}: {exc.strerror}") from None
+    token = read_secret(args.allocator_token_file, "allocator token file") if args.allocator_token_file else None
     try:
         return connect(args.allocator, spec, auth_token=token, tls_ca=args.allocator_tls_ca, retries=3)
     except AllocatorUnavailable as exc:

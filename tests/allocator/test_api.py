@@ -19,7 +19,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from allocator_service.client import EmbeddedAllocator, PoolLost, PoolSpec, connect
 from allocator_service.client.grpc_client import GrpcAllocator, RouterClient
 from allocator_service.codec import encode_ops
-from allocator_service.core import Admit, Append, Free, UnknownSequence
+from allocator_service.core import Admit, Append, Free, PoolConfig, UnknownSequence
 from allocator_service.v1 import allocator_pb2 as pb
 from tests.support.allocator import (
     as_json,
@@ -52,12 +52,12 @@ def api(server):
 
 def client(server, worker_id: str, **spec) -> GrpcAllocator:
     shape = {"num_blocks": 48, "block_size": 4, "model_fingerprint": "m", "enable_prefix_caching": True} | spec
-    return GrpcAllocator(server.address, PoolSpec(worker_id, **shape), auth_token=TOKEN)
+    return GrpcAllocator(server.address, PoolSpec(worker_id, PoolConfig(**shape)), auth_token=TOKEN)
 
 
 @pytest.mark.parametrize("prefix", [False, True])
 def test_random_workload_matches_in_process(server, prefix):
-    spec = PoolSpec(f"parity-{prefix}", 40, 4, "m", prefix)
+    spec = PoolSpec(f"parity-{prefix}", PoolConfig(40, 4, prefix, "m"))
     remote = connect(server.address, spec, auth_token=TOKEN)
     local = EmbeddedAllocator(spec)
     try:
@@ -276,7 +276,7 @@ def test_metrics_endpoint(server, api):
 
 def test_env_settings_and_sigterm_shutdown(allocator_server):
     with allocator_server(env={"PAGEDKV_ALLOCATOR_LEASE_TTL": "7.5"}) as s:
-        c = GrpcAllocator(s.address, PoolSpec("bye", 8, 4))
+        c = GrpcAllocator(s.address, PoolSpec("bye", PoolConfig(8, 4)))
         assert c.lease_ttl_s == 7.5
         c.step([Admit("a", [1, 2])])
         watcher = RouterClient(s.address).watch_events(from_sequence=1)
@@ -299,7 +299,7 @@ def test_tls(tmp_path, allocator_server):
         check=True, capture_output=True,
     )
     with allocator_server("--tls-cert", str(cert), "--tls-key", str(key)) as s:
-        c = GrpcAllocator(f"localhost:{s.port}", PoolSpec("tls", 8, 4), tls_ca=str(cert))
+        c = GrpcAllocator(f"localhost:{s.port}", PoolSpec("tls", PoolConfig(8, 4)), tls_ca=str(cert))
         assert c.step([Admit("a", [1, 2, 3])])[0].append == [0]
         c.close()
         s2, _, ch = stub(f"localhost:{s.port}")

@@ -17,10 +17,10 @@ from allocator_service.client import (
     connect,
 )
 from allocator_service.client.grpc_client import GrpcAllocator
-from allocator_service.core import Admit, Append, InvalidArgument
+from allocator_service.core import Admit, Append, InvalidArgument, PoolConfig
 from tests.support.allocator import as_json, random_steps
 
-SPEC = PoolSpec("client-test", 32, 4, "m", True)
+SPEC = PoolSpec("client-test", PoolConfig(32, 4, True, "m"))
 
 
 def test_stalled_server_retried_steps_apply_once(allocator_server):

@@ -14,7 +14,7 @@ import pytest
 from allocator_service.client import EmbeddedAllocator, PoolSpec
 from allocator_service.client.grpc_client import GrpcAllocator, RouterClient
 from allocator_service.codec import encode_ops
-from allocator_service.core import execute_step
+from allocator_service.core import PoolConfig, execute_step
 from allocator_service.v1 import allocator_pb2 as pb
 from tests.support.allocator import (
     as_json,
@@ -89,7 +89,7 @@ def test_kill_during_steps_each_step_applied_once(store, allocator_server):
     once: the answers and the final state equal an in-process run."""
     url, _ = store
     args = ("--state", url, "--snapshot-every", "25")
-    spec = PoolSpec("crashy", 32, 4, "m", True)
+    spec = PoolSpec("crashy", PoolConfig(32, 4, True, "m"))
     steps = random_steps(seed=11, steps=300)
     reference = EmbeddedAllocator(spec)
     expected = [reference.step(ops) for ops in steps]
@@ -133,7 +133,7 @@ def test_redis_outage_is_unavailable_then_recovers(store, allocator_server):
     if redis is None:
         pytest.skip("needs a private redis-server to stop (PAGEDKV_TEST_REDIS is shared)")
     steps = random_steps(seed=5, steps=4)
-    reference = EmbeddedAllocator(PoolSpec("r", 24, 4, "m", True)).pool
+    reference = EmbeddedAllocator(PoolSpec("r", PoolConfig(24, 4, True, "m"))).pool
     with allocator_server("--state", url) as server:
         s, md, channel = stub(server.address)
         ref = register(s, md, "r", num_blocks=24)

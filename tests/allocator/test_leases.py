@@ -10,7 +10,7 @@ import pytest
 
 from allocator_service.client import PoolLost, PoolSpec
 from allocator_service.client.grpc_client import GrpcAllocator, RouterClient
-from allocator_service.core import Admit, Append
+from allocator_service.core import Admit, Append, PoolConfig
 from allocator_service.v1 import allocator_pb2 as pb
 
 TTL = 1.0
@@ -20,8 +20,8 @@ def test_silent_pool_is_dropped_and_others_untouched(allocator_server):
     with allocator_server("--lease-ttl", str(TTL)) as server:
         router = RouterClient(server.address)
         events = router.watch_events(from_sequence=1, timeout_s=10)
-        alive = GrpcAllocator(server.address, PoolSpec("alive", 16, 4))  # heart-beats every TTL/3
-        silent = GrpcAllocator(server.address, PoolSpec("silent", 16, 4), heartbeat=False)
+        alive = GrpcAllocator(server.address, PoolSpec("alive", PoolConfig(16, 4)))  # heart-beats every TTL/3
+        silent = GrpcAllocator(server.address, PoolSpec("silent", PoolConfig(16, 4)), heartbeat=False)
         assert alive.lease_ttl_s == TTL
         alive.step([Admit("a", [1, 2, 3, 4, 5])])
         silent.step([Admit("a", [1, 2, 3, 4, 5])])
@@ -51,7 +51,7 @@ def test_leases_are_rearmed_after_a_restart(allocator_server, redis_store):
         ttl = 3 * TTL  # room for a restart under load inside one lease
         args = ("--lease-ttl", str(ttl), "--state", url)
         with allocator_server(*args) as server:
-            worker = GrpcAllocator(server.address, PoolSpec("rearm", 16, 4), heartbeat=False)
+            worker = GrpcAllocator(server.address, PoolSpec("rearm", PoolConfig(16, 4)), heartbeat=False)
             worker.step([Admit("a", [1, 2, 3])])
             server.kill()
         time.sleep(ttl + 0.5)  # longer than the TTL: only a re-armed lease survives it

@@ -1,4 +1,4 @@
-"""Fault drills on real processes (DESIGN.md "Reliability model").
+"""Fault drills on real processes (docs/ARCHITECTURE.md, "The block contract": durability).
 
 Two workers serve greedy requests on pools small enough to preempt, with the
 allocator's state journaled in a private Redis (append-only), while a drill
@@ -11,7 +11,7 @@ from its journal, is intact with every block free or cached). A last drill
 restarts an allocator that keeps its state in memory: the pools are lost and
 every running sequence is recomputed, with the same texts.
 
-Figures: `python -m pytest tests/test_reliability_faults.py -s` prints one
+Figures: `python -m pytest tests/drills/test_faults.py -s` prints one
 `DRILL {...}` JSON line per drill (docs/RELIABILITY.md).
 """
 

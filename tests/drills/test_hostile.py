@@ -1,7 +1,7 @@
 """Hostile input, on real processes: hypothesis fuzzers over the allocator's
 RPCs and over every HTTP route of a worker.
 
-Allocator (tests/test_service_hostile.py fuzzes garbage bytes, odd columns,
+Allocator (tests/allocator/test_hostile_input.py fuzzes garbage bytes, odd columns,
 odd pool references and registrations; this file adds a model-based fuzzer):
 a state machine drives one pool with steps checked against the in-process
 core, and in between replays step ids (same content: the first answer;
@@ -43,7 +43,7 @@ from hypothesis.stateful import (
 
 from allocator_service.client import EmbeddedAllocator, PoolSpec
 from allocator_service.codec import decode_results, encode_ops
-from allocator_service.core import Admit, Append, Fork, Free, UnknownSequence
+from allocator_service.core import Admit, Append, Fork, Free, PoolConfig, UnknownSequence
 from allocator_service.v1 import allocator_pb2 as pb
 from tests.support.allocator import DOCUMENTED, as_json, register, stub
 from tests.support.drills import (
@@ -100,7 +100,7 @@ class PoolMachine(RuleBasedStateMachine):
 
     def _fresh_pool(self) -> None:
         self.ref = register(self.stub, None, self.worker, **SHAPE)
-        self.core = EmbeddedAllocator(PoolSpec(self.worker, SHAPE["num_blocks"], SHAPE["block_size"], "m", True))
+        self.core = EmbeddedAllocator(PoolSpec(self.worker, PoolConfig(SHAPE["num_blocks"], SHAPE["block_size"], True, "m")))
         self.step_id = 0
         self.last: tuple[int, pb.StepOps, pb.StepResponse] | None = None
 

@@ -8,8 +8,8 @@ warm (a generous bound: this is a leak detector, not a benchmark). The
 figures (requests served, errors, p50/p99 latency, RSS of each process) are
 printed as one `DRILL {...}` JSON line:
 
-    python -m pytest tests/test_reliability_load.py -s
-    PAGEDKV_DRILL_SECONDS=120 python -m pytest tests/test_reliability_load.py -s   # a longer run
+    python -m pytest tests/drills/test_load.py -s
+    PAGEDKV_DRILL_SECONDS=120 python -m pytest tests/drills/test_load.py -s   # a longer run
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import pytest
 
 from allocator_service.client import EmbeddedAllocator, PoolSpec
 from allocator_service.client.grpc_client import GrpcAllocator
+from allocator_service.core import PoolConfig
 from tests.support.allocator import random_steps
 from tests.support.drills import (
     Stack,
@@ -99,7 +100,7 @@ def pool_client(address: str, i: int, stop: threading.Event, tally: Tally) -> No
     for round_ in itertools.count():
         if stop.is_set():
             return
-        spec = PoolSpec(f"load-{i}", 64, 4, "load-model", True)
+        spec = PoolSpec(f"load-{i}", PoolConfig(64, 4, True, "load-model"))
         try:
             remote = GrpcAllocator(address, spec, heartbeat=False)
         except Exception as exc:  # noqa: BLE001 - counted, the drill goes on

@@ -24,6 +24,7 @@ import pytest
 
 from allocator_service.client import AllocatorUnavailable, EmbeddedAllocator, PoolSpec
 from allocator_service.client.grpc_client import GrpcAllocator
+from allocator_service.core import PoolConfig
 from tests.support.allocator import as_json
 from worker.engine import EngineConfig, LLMEngine, SamplingParams
 from worker.model.loader import load_model
@@ -78,7 +79,7 @@ class Flaky(EmbeddedAllocator):
 
 
 def test_scheduler_resends_the_same_step_until_answered(tiny, prompts, reference):
-    spec = PoolSpec("flaky", CONFIG["num_blocks"], 4, tiny.fingerprint, True)
+    spec = PoolSpec("flaky", PoolConfig(CONFIG["num_blocks"], 4, True, tiny.fingerprint))
     flaky = Flaky(spec)
     engine = LLMEngine(tiny, EngineConfig(**CONFIG), allocator=flaky)
     engine.scheduler.stall_backoff_s = (0.001, 0.002)
@@ -107,7 +108,7 @@ class Recording(GrpcAllocator):
 def test_frozen_then_killed_allocator_with_redis_state(tiny, prompts, reference, allocator_server, redis_store):
     with redis_store() as (url, _):
         server = allocator_server("--state", url, "--lease-ttl", "30", "--snapshot-every", "7")
-        spec = PoolSpec("stall", CONFIG["num_blocks"], 4, tiny.fingerprint, True)
+        spec = PoolSpec("stall", PoolConfig(CONFIG["num_blocks"], 4, True, tiny.fingerprint))
         holder: dict = {}
 
         def on_unavailable(seconds: float, failed: int) -> None:

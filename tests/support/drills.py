@@ -1,4 +1,4 @@
-"""Helpers of the reliability drills (tests/test_reliability_*.py).
+"""Helpers of the reliability drills (tests/drills/).
 
 A `Stack` is the serving topology as REAL processes (`pagedkv.stack.LocalStack`),
 each of which a drill can kill -9 and start again on the same address: an

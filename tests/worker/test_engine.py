@@ -9,6 +9,7 @@ import random
 import pytest
 
 from allocator_service.client import EmbeddedAllocator, PoolSpec
+from allocator_service.core import PoolConfig
 from worker.engine import EngineConfig, LLMEngine, RequestError, SamplingParams
 from worker.model.loader import load_model
 
@@ -146,7 +147,7 @@ def test_stop_string_cuts_text(tiny):
 
 
 def test_engine_with_an_explicit_allocator_client(tiny, reference):
-    spec = PoolSpec("w", 512, 4, tiny.fingerprint, False)
+    spec = PoolSpec("w", PoolConfig(512, 4, False, tiny.fingerprint))
     engine = LLMEngine(tiny, EngineConfig(num_blocks=512, block_size=4), allocator=EmbeddedAllocator(spec))
     assert run(engine, prompts_mixed()) == reference
 

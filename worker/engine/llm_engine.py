@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence as Seq
 
 from allocator_service.client import AllocatorClient, PoolSpec, connect
+from allocator_service.core import PoolConfig
 from allocator_service.core.limits import MAX_SALT_LEN
 from worker.engine.config import EngineConfig
 from worker.engine.model_runner import ModelRunner
@@ -50,11 +51,13 @@ class LLMEngine:
         self.block_size = config.block_size
         self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
         spec = PoolSpec(
-            worker_id=config.worker_id,
-            num_blocks=self.kv_pool.num_blocks,
-            block_size=config.block_size,
-            model_fingerprint=loaded.fingerprint,
-            enable_prefix_caching=config.enable_prefix_caching,
+            config.worker_id,
+            PoolConfig(
+                num_blocks=self.kv_pool.num_blocks,
+                block_size=config.block_size,
+                enable_prefix_caching=config.enable_prefix_caching,
+                model_fingerprint=loaded.fingerprint,
+            ),
         )
         self.metrics = metrics or WorkerMetrics(config.worker_id, config.model)
         if allocator is None:

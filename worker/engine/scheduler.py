@@ -83,8 +83,8 @@ class Scheduler:
         on_preempt: Callable[[Sequence, str], None] | None = None,
     ) -> None:
         self.allocator = allocator
-        self.num_blocks = allocator.spec.num_blocks
-        self.block_size = allocator.spec.block_size
+        self.num_blocks = allocator.spec.config.num_blocks
+        self.block_size = allocator.spec.config.block_size
         self.watermark = max(1, self.num_blocks // 100)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
