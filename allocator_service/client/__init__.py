@@ -9,86 +9,15 @@ and `connect()`.
 
 from __future__ import annotations
 
-import abc
-import json
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from allocator_service.client.base import (
+    AllocatorClient,
+    AllocatorUnavailable,
+    EmbeddedAllocator,
+    PoolLost,
+    PoolSpec,
+)
 
-from allocator_service.core import BlockPool, Op, OpResult, PoolConfig, PoolStats, execute_step
-
-
-class PoolLost(Exception):
-    """The allocator dropped this worker's pool (lease expired, allocator
-    state lost). The client has registered a fresh pool; every sequence the
-    worker held is gone and must be recomputed."""
-
-
-class AllocatorUnavailable(ConnectionError):
-    """The allocator did not answer within the client's retries. The step's
-    outcome is unknown: calling `step` again with the same operations is
-    safe (the gRPC client reuses the step id, and the server applies a step
-    id once)."""
-
-
-@dataclass(frozen=True, slots=True)
-class PoolSpec:
-    """What a worker asks for when it registers its KV pool: its id and the
-    pool's shape, the core's `PoolConfig` (validated when the spec is built)."""
-
-    worker_id: str
-    config: PoolConfig
-
-
-class AllocatorClient(abc.ABC):
-    """One worker's view of its pool. Not thread-safe: the engine loop calls it."""
-
-    spec: PoolSpec
-
-    @abc.abstractmethod
-    def step(self, ops: Sequence[Op]) -> list[OpResult]:
-        """Apply one scheduler step (frees first); results in the given order."""
-
-    @abc.abstractmethod
-    def stats(self) -> PoolStats: ...
-
-    @abc.abstractmethod
-    def block_table(self, seq_id: str) -> list[int]: ...
-
-    @abc.abstractmethod
-    def reset_prefix_cache(self) -> int: ...
-
-    @abc.abstractmethod
-    def dump(self) -> dict[str, Any]:
-        """The pool's whole state as `BlockPool.to_state()` gives it (JSON
-        types), for tools: `BlockPool.from_state` rebuilds it."""
-
-    def close(self) -> None:  # noqa: B027 - optional hook
-        """Release the pool (deregister) and any connection."""
-
-
-class EmbeddedAllocator(AllocatorClient):
-    """The allocator core in the worker's own process."""
-
-    def __init__(self, spec: PoolSpec) -> None:
-        self.spec = spec
-        self.pool = BlockPool(spec.config)
-
-    def step(self, ops: Sequence[Op]) -> list[OpResult]:
-        return execute_step(self.pool, ops)
-
-    def stats(self) -> PoolStats:
-        return self.pool.stats()
-
-    def block_table(self, seq_id: str) -> list[int]:
-        return self.pool.block_table(seq_id)
-
-    def reset_prefix_cache(self) -> int:
-        return self.pool.reset_prefix_cache()
-
-    def dump(self) -> dict[str, Any]:
-        # NOTE: through JSON, as the gRPC client gets it: a copy, JSON types.
-        return json.loads(json.dumps(self.pool.to_state()))
+__all__ = ["AllocatorClient", "AllocatorUnavailable", "EmbeddedAllocator", "PoolLost", "PoolSpec", "connect"]
 
 
 def connect(target: str, spec: PoolSpec, **options) -> AllocatorClient:

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 import grpc
 
-from allocator_service.client import AllocatorClient, AllocatorUnavailable, PoolLost, PoolSpec
+from allocator_service.client.base import AllocatorClient, AllocatorUnavailable, PoolLost, PoolSpec
 from allocator_service.codec import decode_results, encode_ops, shape_to_proto, stats_from_proto
 from allocator_service.core import (
     InvalidArgument,
