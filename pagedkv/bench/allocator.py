@@ -17,17 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import time
-from collections.abc import Iterator
 
-from allocator_service.core import Admit, Append, Free, Op, PoolConfig
-
-SYSTEM_PROMPT = list(range(1000, 1064))
-PROMPT_LEN = 128
-MAX_GEN = 512
-FINISH_P = 0.02  # chance a sequence finishes at each step: mean 50 tokens out
+from allocator_service.core import PoolConfig
+from pagedkv.bench.workloads import MAX_GEN, PROMPT_LEN, decode_steps
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,36 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
-def workload(num_seqs: int, seed: int) -> Iterator[list[Op]]:
-    """Endless steps: admit `num_seqs` sequences, then decode with turnover."""
-    rng = random.Random(seed)
-    serial = 0
-    running: dict[str, int] = {}  # seq -> tokens generated
-
-    def admit() -> Admit:
-        nonlocal serial
-        serial += 1
-        seq = f"s{serial}"
-        running[seq] = 0
-        tail = [rng.randrange(32000) for _ in range(PROMPT_LEN - len(SYSTEM_PROMPT))]
-        return Admit(seq, SYSTEM_PROMPT + tail)
-
-    yield [admit() for _ in range(num_seqs)]
-    while True:
-        ops: list[Op] = []
-        for seq in list(running):
-            if running[seq] >= MAX_GEN or rng.random() < FINISH_P:
-                del running[seq]
-                ops.append(Free(seq))
-        for seq in running:
-            ops.append(Append(seq, [rng.randrange(32000)]))
-            running[seq] += 1
-        ops.extend(admit() for _ in range(num_seqs - len(running)))
-        yield ops
-
-
 def measure(client, num_seqs: int, steps: int, warmup: int) -> dict:
-    gen = workload(num_seqs, seed=num_seqs)
+    gen = decode_steps(num_seqs, seed=num_seqs)
     client.step(next(gen))
     for _ in range(warmup):
         client.step(next(gen))

@@ -14,6 +14,7 @@ import random
 import time
 
 from allocator_service.core import BlockPool, PoolConfig
+from pagedkv.bench.workloads import VOCAB, prompt_with_prefix
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,13 +38,10 @@ def _run_once(args: argparse.Namespace, prefix_caching: bool) -> dict:
             model_fingerprint="bench",
         )
     )
-    shared = [rng.randrange(50_000) for _ in range(args.shared_prefix)]
-    prompts = [
-        shared + [rng.randrange(50_000) for _ in range(args.prompt_len - args.shared_prefix)]
-        for _ in range(args.sequences)
-    ]
+    shared = [rng.randrange(VOCAB) for _ in range(args.shared_prefix)]
+    prompts = [prompt_with_prefix(rng, shared, args.prompt_len) for _ in range(args.sequences)]
     ids = [f"seq-{i}" for i in range(args.sequences)]
-    decode_tokens = [[rng.randrange(50_000)] for _ in range(args.decode_rounds)]
+    decode_tokens = [[rng.randrange(VOCAB)] for _ in range(args.decode_rounds)]
 
     t0 = time.perf_counter()
     for sid, prompt in zip(ids, prompts, strict=True):
