@@ -21,6 +21,7 @@ import statistics
 import time
 
 from allocator_service.core import PoolConfig
+from pagedkv.bench import noisy_neighbour
 from pagedkv.bench.workloads import MAX_GEN, PROMPT_LEN, decode_steps
 
 
@@ -39,6 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="journal to this Redis (a redis:// URL) instead of starting a private redis-server",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    noisy_neighbour.add_arguments(parser)
 
 
 def measure(client, num_seqs: int, steps: int, warmup: int) -> dict:
@@ -74,6 +76,13 @@ def run(args: argparse.Namespace) -> int:
     from pagedkv.settings import CliError
     from pagedkv.stack import start_allocator, start_redis
 
+    if args.noisy_neighbour:
+        out = noisy_neighbour.run(args, measure)
+        if args.json:
+            print(json.dumps(out, indent=2))
+        else:
+            noisy_neighbour.print_table(out)
+        return 0
     sizes = [int(s) for s in args.sizes.split(",") if s]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if unknown := set(modes) - {"in-process", "grpc", "grpc+redis"}:
