@@ -12,6 +12,7 @@ from pagedkv.settings import (
     LOG_LEVELS,
     CliError,
     env_default,
+    env_switch,
     log_level,
     read_file,
     read_secret,
@@ -56,6 +57,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a("--snapshot-every", **_env("--snapshot-every", 1000, int), metavar="N",
       help="with --state redis: write a full snapshot every N journal records, so a "
            "restart replays at most N [%(default)s] [PAGEDKV_ALLOCATOR_SNAPSHOT_EVERY]")
+    a("--redis-wait-replicas", **_env("--redis-wait-replicas", 0, int), metavar="N",
+      help="with --state redis: after every journal write wait (Redis WAIT) until N replicas "
+           "hold it before replying; a write they do not acknowledge in time is UNAVAILABLE "
+           "(the worker retries). For durability across the loss of the Redis host "
+           "[%(default)s] [PAGEDKV_ALLOCATOR_REDIS_WAIT_REPLICAS]")
+    a("--redis-wait-timeout", **_env("--redis-wait-timeout", 1.0, float), metavar="SECONDS",
+      help="how long --redis-wait-replicas waits [%(default)s] [PAGEDKV_ALLOCATOR_REDIS_WAIT_TIMEOUT]")
+    a("--check", **env_switch("allocator", "--check"),
+      help="verify the journal in --state (digests, record chain, step chains, head) without "
+           "serving or writing; print what was found; exit 0 if sound, 1 if not "
+           "[PAGEDKV_ALLOCATOR_CHECK]")
     a("--log-level", **_env("--log-level", "INFO", log_level), choices=LOG_LEVELS,
       help="any case [%(default)s] [PAGEDKV_ALLOCATOR_LOG_LEVEL]")
     return parser
@@ -86,6 +98,8 @@ def options_from_args(args: argparse.Namespace):
         raise CliError(str(exc)) from exc
     if not (args.state == "memory" or args.state.startswith(("redis://", "rediss://", "unix://"))):
         raise CliError(f"--state must be 'memory' or a redis:// URL, not {args.state!r}")
+    if args.redis_wait_replicas < 0 or not args.redis_wait_timeout > 0:
+        raise CliError("--redis-wait-replicas must be >= 0 and --redis-wait-timeout positive")
     return ServeOptions(
         listen=args.listen,
         state=args.state,
@@ -94,6 +108,8 @@ def options_from_args(args: argparse.Namespace):
         tls_cert=read_file(args.tls_cert, "TLS certificate") if args.tls_cert else None,
         tls_key=read_file(args.tls_key, "TLS key") if args.tls_key else None,
         config=config,
+        redis_wait_replicas=args.redis_wait_replicas,
+        redis_wait_timeout_s=args.redis_wait_timeout,
     )
 
 
@@ -105,10 +121,16 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
     from allocator_service.errors import StoreUnavailable
-    from allocator_service.server import serve
+    from allocator_service.server import check, serve
     from allocator_service.state import CorruptState
 
     options = options_from_args(args)  # a CliError: exit 2, reported by run_command
+    if args.check:
+        try:
+            return check(options)
+        except StoreUnavailable as exc:
+            print(f"pagedkv allocator --check: cannot read the state: {exc}", file=sys.stderr)
+            return 1
     try:
         return serve(options)
     except (StoreUnavailable, CorruptState, OSError) as exc:

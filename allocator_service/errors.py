@@ -79,6 +79,31 @@ class StoreUnavailable(ServiceError):
     code = "store_unavailable"
 
 
+class StoreLost(StoreUnavailable):
+    """The state store lost what this instance wrote (its keys vanished, or
+    its journal head is behind): Redis was flushed, evicted keys, restarted
+    without its data or failed over to a lagging replica."""
+
+
+class StoreFenced(StoreUnavailable):
+    """Another allocator instance took ownership of the state."""
+
+
+class StoreMisconfigured(StoreUnavailable):
+    """The state store is set up so that it may drop journal records (an
+    eviction policy other than `noeviction`)."""
+
+
+class PoolStateLost(PoolNotFound):
+    """The worker's step follows a step the allocator no longer has (its
+    journal lost records): the pool was dropped; NOT_FOUND, so the worker
+    re-registers and recomputes (`PoolLost`)."""
+
+    def __init__(self, pool_id: str, message: str) -> None:
+        ServiceError.__init__(self, message)
+        self.pool_id = pool_id
+
+
 # The one mapping. Keyed by class; the most specific match wins (the MRO walk
 # in `status_for`), so a subclass of InvalidArgument is INVALID_ARGUMENT too.
 STATUS: dict[type[Exception], grpc.StatusCode] = {

@@ -3,50 +3,98 @@ Redis journal with periodic snapshots.
 
 Redis layout, under a key prefix (default `pagedkv:allocator:`):
 
-- `journal`  list of `JournalRecord` bytes, oldest first: the records after
-  the snapshot;
-- `snapshot` the registry snapshot (JSON) including everything up to its
-  `index`;
+- `journal`  list of framed `JournalRecord`s, oldest first: the records
+  after the snapshot (the frame and its chained digest: `state.py`);
+- `snapshot` the registry snapshot including everything up to its `index`;
+- `head`     `<index>:<chain digest hex>` of the last record written (or of
+  the snapshot when the journal is empty), set in the same atomic write as
+  the record: a journal shorter than its head lost its tail;
 - `owner`    the id of the server instance allowed to write. A starting
   server takes ownership, so an old instance that is still running (a
   network partition, a slow kill) is fenced off instead of interleaving
   writes.
 
-Each write is ONE round trip: a Lua script that checks ownership and then
-RPUSHes the record (or stores the snapshot and empties the journal), which
-Redis runs atomically. A step record carries its step id and digest, so the
-journal entry and the "last step id" of the pool are the same atomic write.
+Each write is ONE round trip: a Lua script that checks ownership and the
+head, then RPUSHes the record and moves the head (or stores the snapshot and
+empties the journal), which Redis runs atomically. The script tells apart
+"another instance owns this state" (FENCED: the owner key names another
+instance) from "Redis lost what we wrote" (LOST: the owner key is gone, or
+the head is not the one this instance wrote last): a flush, evicted keys, a
+restart without its data or a failover to a lagging replica. A write whose
+head already is the one it would set is a retried call that landed: it is
+not pushed twice.
+
+This module stores bytes; it does not interpret them (`state.py` does).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import secrets
-from typing import Any
+from typing import NamedTuple
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from allocator_service.errors import StoreUnavailable
+from allocator_service.errors import StoreFenced, StoreLost, StoreMisconfigured, StoreUnavailable
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "pagedkv:allocator:"
 
-_APPEND = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+_CHECK = """
+local owner = redis.call('GET', KEYS[1])
+if not owner then
+  return redis.error_reply('LOST the allocator state keys are gone from Redis (flushed, evicted, or a Redis without its data)')
+end
+if owner ~= ARGV[1] then
   return redis.error_reply('FENCED another allocator instance owns this state')
 end
-return redis.call('RPUSH', KEYS[2], ARGV[2])
+local head = redis.call('GET', KEYS[2]) or ''
 """
 
-_SNAPSHOT = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then
-  return redis.error_reply('FENCED another allocator instance owns this state')
+# KEYS owner head journal; ARGV instance entry prev_head new_head
+_APPEND = _CHECK + """
+if head == ARGV[4] then return 0 end
+if head ~= ARGV[3] then
+  return redis.error_reply('LOST the journal head in Redis is ' .. head .. ', this instance wrote ' .. ARGV[3] .. ' last (Redis lost records)')
 end
-redis.call('SET', KEYS[2], ARGV[2])
-redis.call('DEL', KEYS[3])
+redis.call('RPUSH', KEYS[3], ARGV[2])
+redis.call('SET', KEYS[2], ARGV[4])
 return 1
 """
+
+# KEYS owner head snapshot journal; ARGV instance snapshot head
+_SNAPSHOT = _CHECK + """
+if head ~= ARGV[3] then
+  return redis.error_reply('LOST the journal head in Redis is ' .. head .. ', this instance wrote ' .. ARGV[3] .. ' last (Redis lost records)')
+end
+redis.call('SET', KEYS[3], ARGV[2])
+redis.call('DEL', KEYS[4])
+return 1
+"""
+
+# A new history from a snapshot: after a replay that repaired damage, or
+# after Redis lost the state. Takes the owner key back only if it is this
+# instance's or gone. KEYS owner head snapshot journal; ARGV instance snapshot head
+_RESEED = """
+local owner = redis.call('GET', KEYS[1])
+if owner and owner ~= ARGV[1] then
+  return redis.error_reply('FENCED another allocator instance owns this state')
+end
+redis.call('SET', KEYS[1], ARGV[1])
+redis.call('SET', KEYS[3], ARGV[2])
+redis.call('DEL', KEYS[4])
+redis.call('SET', KEYS[2], ARGV[3])
+return 1
+"""
+
+
+class Loaded(NamedTuple):
+    """What a store holds: the snapshot blob, the journal's entries after
+    it, and the head marker (None where absent)."""
+
+    snapshot: bytes | None
+    entries: list[bytes]
+    head: bytes | None
 
 
 class MemoryJournal:
@@ -54,13 +102,19 @@ class MemoryJournal:
 
     durable = False
 
-    def load(self, take_ownership: bool = True) -> tuple[dict[str, Any] | None, list[bytes]]:
-        return None, []
+    def load(self, take_ownership: bool = True, check_owner: bool = True) -> Loaded:
+        return Loaded(None, [], None)
 
-    def append(self, record: bytes) -> None:
+    def append(self, entry: bytes, prev_head: bytes, new_head: bytes) -> None:
         pass
 
-    def write_snapshot(self, snapshot: bytes) -> None:
+    def write_snapshot(self, snapshot: bytes, head: bytes) -> None:
+        pass
+
+    def reseed(self, snapshot: bytes, head: bytes) -> None:
+        pass
+
+    def probe(self, head: bytes) -> None:
         pass
 
     def close(self) -> None:
@@ -73,7 +127,8 @@ class MemoryJournal:
 class RedisJournal:
     durable = True
 
-    def __init__(self, url: str, timeout_s: float = 2.0) -> None:
+    def __init__(self, url: str, timeout_s: float = 2.0, wait_replicas: int = 0,
+                 wait_timeout_s: float = 1.0) -> None:
         import redis
         from redis.backoff import ExponentialBackoff
         from redis.retry import Retry
@@ -81,18 +136,21 @@ class RedisJournal:
         self._redis_errors = redis.exceptions.RedisError
         url, self.prefix = split_prefix(url)
         self.url = url
-        # A couple of quick retries ride over a blip; a duplicate RPUSH they
-        # might cause is harmless (replay skips a record index it has seen).
+        # A couple of quick retries ride over a blip; a retried write that
+        # had landed finds the head it would set and is not pushed twice.
         self.client = redis.Redis.from_url(
             url,
-            socket_timeout=timeout_s,
+            socket_timeout=timeout_s + wait_timeout_s if wait_replicas else timeout_s,
             socket_connect_timeout=timeout_s,
             retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 2),
         )
         self.instance = secrets.token_hex(8)
-        self._keys = {k: self.prefix + k for k in ("journal", "snapshot", "owner")}
+        self.wait_replicas = wait_replicas
+        self.wait_timeout_s = wait_timeout_s
+        self._keys = {k: self.prefix + k for k in ("journal", "snapshot", "owner", "head")}
         self._append = self.client.register_script(_APPEND)
         self._snapshot = self.client.register_script(_SNAPSHOT)
+        self._reseed = self.client.register_script(_RESEED)
 
     def describe(self) -> str:
         return f"{self.url} (keys {self.prefix}*)"
@@ -101,13 +159,51 @@ class RedisJournal:
         try:
             return fn(*args, **kwargs)
         except self._redis_errors as exc:
+            text = str(exc)
+            if text.startswith("LOST "):
+                raise StoreLost(f"during {what}: {text[5:]}") from exc
+            if text.startswith("FENCED "):
+                raise StoreFenced(f"during {what}: {text[7:]}") from exc
             raise StoreUnavailable(f"the state store (Redis) failed during {what}: {exc}") from exc
 
-    def load(self, take_ownership: bool = True) -> tuple[dict[str, Any] | None, list[bytes]]:
-        """Read the snapshot and the journal after it (one MULTI, so both come
-        from the same moment). At start-up the server takes ownership; a
-        reload after an error only checks it still has it, so two instances
-        never take the state back and forth."""
+    def _replicated(self, what: str) -> None:
+        """With `wait_replicas`: block until that many replicas hold every
+        write so far (Redis WAIT), else StoreUnavailable (the write is on the
+        primary only: its outcome is treated as unknown)."""
+        if not self.wait_replicas:
+            return
+        timeout_ms = max(1, int(self.wait_timeout_s * 1000))
+        acked = self._call(f"{what} (WAIT)", self.client.wait, self.wait_replicas, timeout_ms)
+        if acked < self.wait_replicas:
+            raise StoreUnavailable(
+                f"only {acked} of {self.wait_replicas} Redis replicas acknowledged the {what} "
+                f"within {self.wait_timeout_s:g} s"
+            )
+
+    def check_config(self) -> None:
+        """Refuse a Redis that may evict journal keys. A Redis that hides
+        CONFIG (managed services rename it) gets a warning."""
+        try:
+            policy = self.client.config_get("maxmemory-policy").get("maxmemory-policy")
+        except self._redis_errors as exc:
+            if "unknown command" in str(exc).lower() or "no permission" in str(exc).lower():
+                log.warning("cannot read Redis maxmemory-policy (%s); make sure it is noeviction", exc)
+                return
+            raise StoreUnavailable(f"the state store (Redis) failed during start: {exc}") from exc
+        if policy is not None and policy != "noeviction":
+            raise StoreMisconfigured(
+                f"Redis at {self.url} has maxmemory-policy {policy!r}: it may evict journal records; "
+                "set it to noeviction (CONFIG SET maxmemory-policy noeviction) or use another Redis"
+            )
+
+    def load(self, take_ownership: bool = True, check_owner: bool = True) -> Loaded:
+        """Read the snapshot, the journal after it and the head (one MULTI,
+        so all come from the same moment). At start-up the server takes
+        ownership; a reload after an error only checks it still has it, so
+        two instances never take the state back and forth; `check_owner`
+        False only reads (`--check`)."""
+        if take_ownership:
+            self.check_config()
 
         def read():
             with self.client.pipeline(transaction=True) as p:
@@ -117,23 +213,58 @@ class RedisJournal:
                     p.get(self._keys["owner"])
                 p.get(self._keys["snapshot"])
                 p.lrange(self._keys["journal"], 0, -1)
-                owner, snap, records = p.execute()
-            return owner, snap, records
+                p.get(self._keys["head"])
+                return p.execute()
 
-        owner, snap, records = self._call("load", read)
-        if not take_ownership and owner != self.instance.encode():
-            raise StoreUnavailable("another allocator instance owns this state now")
-        return (json.loads(snap) if snap else None), list(records)
+        owner, snap, records, head = self._call("load", read)
+        if not take_ownership and check_owner:
+            if owner is None:
+                raise StoreLost("during reload: the allocator state keys are gone from Redis")
+            if owner != self.instance.encode():
+                raise StoreFenced("another allocator instance owns this state now")
+        if check_owner:
+            self._replicated("journal")
+        return Loaded(snap, list(records), head)
 
-    def append(self, record: bytes) -> None:
-        keys = [self._keys["owner"], self._keys["journal"]]
-        self._call("journal append", self._append, keys=keys, args=[self.instance, record])
+    def append(self, entry: bytes, prev_head: bytes, new_head: bytes) -> None:
+        keys = [self._keys["owner"], self._keys["head"], self._keys["journal"]]
+        self._call("journal append", self._append, keys=keys, args=[self.instance, entry, prev_head, new_head])
+        self._replicated("journal record")
 
-    def write_snapshot(self, snapshot: bytes) -> None:
+    def write_snapshot(self, snapshot: bytes, head: bytes) -> None:
         """Store a snapshot of everything applied so far and drop the journal
         it includes (the caller holds the lock: nothing was appended since)."""
-        keys = [self._keys["owner"], self._keys["snapshot"], self._keys["journal"]]
-        self._call("snapshot", self._snapshot, keys=keys, args=[self.instance, snapshot])
+        keys = [self._keys["owner"], self._keys["head"], self._keys["snapshot"], self._keys["journal"]]
+        self._call("snapshot", self._snapshot, keys=keys, args=[self.instance, snapshot, head])
+        self._replicated("snapshot")
+
+    def reseed(self, snapshot: bytes, head: bytes) -> None:
+        """Replace the whole stored state by this snapshot (and take the
+        owner key back if it is gone)."""
+        keys = [self._keys["owner"], self._keys["head"], self._keys["snapshot"], self._keys["journal"]]
+        self._call("reseed", self._reseed, keys=keys, args=[self.instance, snapshot, head])
+        self._replicated("snapshot")
+
+    def probe(self, head: bytes) -> None:
+        """Is the store still ours and whole? StoreLost, StoreFenced or
+        StoreUnavailable if not (one round trip, no write)."""
+
+        def read():
+            with self.client.pipeline(transaction=False) as p:
+                p.get(self._keys["owner"])
+                p.get(self._keys["head"])
+                return p.execute()
+
+        owner, stored = self._call("health check", read)
+        if owner is None:
+            raise StoreLost("the allocator state keys are gone from Redis (flushed, evicted, or a Redis without its data)")
+        if owner != self.instance.encode():
+            raise StoreFenced("another allocator instance owns this state")
+        if (stored or b"") != head:
+            raise StoreLost(
+                f"the journal head in Redis is {(stored or b'').decode(errors='replace')!r}, "
+                f"this instance wrote {head.decode()!r} last (Redis lost records)"
+            )
 
     def close(self) -> None:
         self.client.close()
@@ -153,10 +284,13 @@ def split_prefix(url: str) -> tuple[str, str]:
     return urlunsplit(parts._replace(query=urlencode(rest))), prefix
 
 
-def open_journal(state: str, timeout_s: float = 2.0) -> MemoryJournal | RedisJournal:
-    """`memory` or `redis://host:port/db[?key_prefix=...]`."""
+def open_journal(state: str, timeout_s: float = 2.0, wait_replicas: int = 0,
+                 wait_timeout_s: float = 1.0) -> MemoryJournal | RedisJournal:
+    """`memory` or `redis://host:port/db[?key_prefix=...]`; with Redis,
+    `wait_replicas` > 0 makes every write wait (Redis WAIT, up to
+    `wait_timeout_s`) until that many replicas hold it."""
     if state == "memory":
         return MemoryJournal()
     if state.startswith(("redis://", "rediss://", "unix://")):
-        return RedisJournal(state, timeout_s)
+        return RedisJournal(state, timeout_s, wait_replicas, wait_timeout_s)
     raise ValueError(f"--state must be 'memory' or a redis:// URL, not {state!r}")

@@ -80,7 +80,17 @@ class PoolCollector:
             PREFIX + "event_sequence", "Sequence number of the last KV event.",
             value=self.service.events.published - 1,
         )
-        yield from (pools, events, capacity, used, cached, free, seqs, util, queried, hit, evicted, copied, oob)
+        snapshot_failures = CounterMetricFamily(
+            PREFIX + "snapshot_failures", "Snapshots that could not be written (each backs off).",
+            value=self.service.snapshot_failures,
+        )
+        serving = GaugeMetricFamily(
+            PREFIX + "state_store_serving",
+            "1 while the state store is usable (gRPC health SERVING), 0 while it is unreachable, "
+            "fenced or lost its data.",
+            value=1 if self.service.healthy[0] else 0,
+        )
+        yield from (pools, events, snapshot_failures, serving, capacity, used, cached, free, seqs, util, queried, hit, evicted, copied, oob)
 
 
 def make_registry(service: AllocatorService) -> tuple[CollectorRegistry, Histogram]:

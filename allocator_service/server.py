@@ -62,8 +62,7 @@ def create_server(
     server.add_generic_rpc_handlers((allocator_handler(service),))
     health_servicer = health_servicer or health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    watch_health(service, health_servicer)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     if tls is not None:
         creds = grpc.ssl_server_credentials([(tls[1], tls[0])])
@@ -73,6 +72,18 @@ def create_server(
     if not port:
         raise OSError(f"cannot listen on {address}")
     return server, port
+
+
+def watch_health(service: AllocatorService, health_servicer: health.HealthServicer) -> None:
+    """The gRPC health status follows the service's: NOT_SERVING while its
+    state store is unreachable, fenced or lost (`AllocatorService.healthy`)."""
+
+    def follow(serving: bool, reason: str) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            health_servicer.set(name, status)
+
+    service.add_health_listener(follow)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +96,9 @@ class ServeOptions:
     tls_key: bytes | None = None
     config: ServiceConfig = ServiceConfig()
     grace_s: float = 5.0
+    # Redis WAIT after every journal write: this many replicas, this long.
+    redis_wait_replicas: int = 0
+    redis_wait_timeout_s: float = 1.0
 
 
 def serve(opts: ServeOptions) -> int:
@@ -94,7 +108,8 @@ def serve(opts: ServeOptions) -> int:
     from allocator_service.journal import open_journal
     from allocator_service.metrics import make_registry
 
-    journal = open_journal(opts.state)
+    journal = open_journal(opts.state, wait_replicas=opts.redis_wait_replicas,
+                           wait_timeout_s=opts.redis_wait_timeout_s)
     service = AllocatorService(opts.config, journal)
     registry, histogram = make_registry(service)
     health_servicer = health.HealthServicer()
@@ -136,4 +151,48 @@ def serve(opts: ServeOptions) -> int:
     service.close()
     if httpd is not None:
         httpd.shutdown()
+    return 0
+
+
+def check(opts: ServeOptions, out=sys.stdout) -> int:
+    """`--check`: verify the stored journal without serving or writing;
+    print what was found; 0 if sound, 1 if not."""
+    from allocator_service.events import EventLog
+    from allocator_service.journal import open_journal
+    from allocator_service.state import replay
+
+    journal = open_journal(opts.state)
+    if not journal.durable:
+        print("pagedkv allocator --check: --state memory keeps no journal to check", file=out)
+        return 1
+    try:
+        loaded = journal.load(take_ownership=False, check_owner=False)
+    finally:
+        journal.close()
+    registry, report = replay(loaded.snapshot, loaded.entries, loaded.head, EventLog(1))
+    p = lambda text: print(text, file=out)  # noqa: E731
+    p(f"state: {journal.describe()}")
+    if loaded.snapshot is None:
+        p("snapshot: none")
+    else:
+        p(f"snapshot: up to record {report.snapshot_index}"
+          f"{' (older format, no digest)' if report.snapshot_legacy else ', digest ok'}")
+    p(f"journal: {report.records} records after the snapshot"
+      f"{f' ({report.legacy_records} without digests: older format)' if report.legacy_records else ''}")
+    p(f"head: {report.head}")
+    p(f"last record: {registry.index}")
+    p(f"pools: {len(registry.pools)}")
+    for entry in registry.pools.values():
+        p(f"  {entry.pool_id}: {entry.pool.num_blocks} blocks, last step {entry.last_step_id}")
+    if report.problems:
+        p(f"problems: {len(report.problems)}")
+        for problem in report.problems:
+            p(f"  {'FATAL ' if problem.fatal else ''}{problem}")
+        if report.fatal is not None:
+            p("verdict: NOT sound; the allocator refuses to start on it (see docs/RELIABILITY.md)")
+        else:
+            p(f"verdict: NOT sound; a start drops {', '.join(report.dropped) or 'no pool'} and stores the repair")
+        return 1
+    p("problems: none")
+    p("verdict: sound")
     return 0

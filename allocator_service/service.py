@@ -9,6 +9,16 @@ write's outcome is unknown (a timeout after Redis may have stored it), the
 service marks itself stale and rebuilds from Redis before the next change,
 so memory never drifts from the journal.
 
+Health tells the truth: the service is unhealthy (`healthy`, and every
+listener added with `add_health_listener`: the gRPC health status) while its
+state store is unreachable, fenced by another instance, or lost what this
+instance wrote. A store that lost its data is detected on the next write or
+by the store watch (every `store_check_s`); then every pool is dropped
+loudly (reason `state_lost`: their workers get NOT_FOUND, re-register and
+recompute), the store is seeded again from a snapshot of what is left
+(epochs and event numbers carry on, so no pool id is reissued), and the
+service is healthy again.
+
 One lock for all pools, not one per pool: the journal and the KV event
 numbers are a single global order, which replay must reproduce exactly, and
 the GIL would serialise the pure-Python work anyway.
@@ -16,9 +26,9 @@ the GIL would serialise the pure-Python work anyway.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
-import json
 import logging
 import secrets
 import threading
@@ -42,14 +52,26 @@ from allocator_service.errors import (
     CapacityExceeded,
     PermissionDenied,
     PoolNotFound,
+    PoolStateLost,
     StepConflict,
+    StoreFenced,
+    StoreLost,
     StoreUnavailable,
     Unauthenticated,
 )
 from allocator_service.events import EventLog
 from allocator_service.journal import MemoryJournal, RedisJournal
 from allocator_service.leases import LeaseTable
-from allocator_service.state import PoolEntry, Registry
+from allocator_service.state import (
+    ZERO_CHAIN,
+    CorruptState,
+    PoolEntry,
+    Registry,
+    encode_entry,
+    encode_snapshot,
+    head_marker,
+    replay,
+)
 from allocator_service.v1 import allocator_pb2 as pb
 from allocator_service.v1 import journal_pb2 as jpb
 
@@ -104,7 +126,31 @@ def check_step(step: StepColumns, limits: Limits) -> None:
         raise BadRequest("FREE and FORK operations carry no tokens")
 
 
+def _periodic(stop: threading.Event, interval: float, fn: Callable[[], Any], name: str) -> threading.Thread:
+    """A daemon thread calling `fn` every `interval` until `stop`; an
+    exception is logged and the next round comes (a bug must not stop it)."""
+
+    def loop() -> None:
+        while not stop.wait(interval):
+            try:
+                fn()
+            except Exception:
+                log.exception("%s", name)
+
+    thread = threading.Thread(target=loop, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+# A failed snapshot is tried again after this, doubling up to the cap.
+SNAPSHOT_BACKOFF_S = 1.0
+SNAPSHOT_BACKOFF_CAP_S = 60.0
+
+
 class AllocatorService:
+    # How often the store watch looks at the state store (durable only).
+    store_check_s = 1.0
+
     def __init__(
         self,
         config: ServiceConfig | None = None,
@@ -124,6 +170,8 @@ class AllocatorService:
         self._watchers_lock = threading.Lock()
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
+        self._clock = clock
+        self._init_log_state()
         with self._lock:
             self._load(take_ownership=True)
 
@@ -131,81 +179,221 @@ class AllocatorService:
     def start(self) -> None:
         """Start the lease reaper thread."""
         interval = min(max(self.config.lease_ttl_s / 4, 0.05), 1.0)
-
-        def reap() -> None:
-            while not self._stop.wait(interval):
-                try:
-                    self.expire_leases()
-                except Exception:  # keep reaping; a bug here must not stop leases
-                    log.exception("lease reaper")
-
-        self._reaper = threading.Thread(target=reap, name="lease-reaper", daemon=True)
-        self._reaper.start()
+        self._reaper = _periodic(self._stop, interval, self.expire_leases, "lease-reaper")
+        if self.journal.durable:  # health follows the state store
+            self._watch = _periodic(self._stop, self.store_check_s, self.check_store, "store-watch")
 
     def close(self) -> None:
         self._stop.set()
         if self._reaper is not None:
             self._reaper.join(timeout=5)
+        if self._watch is not None:
+            self._watch.join(timeout=5)
         self.events.close()
         self.journal.close()
 
     # ------------------------------------------------------------ internals
     def _load(self, take_ownership: bool) -> None:
-        """Rebuild the registry from the journal (and its snapshot)."""
-        snap, records = self.journal.load(take_ownership)
-        if snap is not None:
-            registry = Registry.from_snapshot(snap, self.events)
-        else:
-            self.events.reset(1)
-            registry = Registry(self.events)
-        for raw in records:
-            registry.apply(jpb.JournalRecord.FromString(raw))
+        """Rebuild the registry from the journal (and its snapshot), checking
+        every digest and chain (`state.replay`). Damage pinned on pools drops
+        them loudly and the repaired state is stored at once as a new
+        snapshot; damage that cannot be pinned on a pool raises CorruptState."""
+        loaded = self.journal.load(take_ownership)
+        registry, report = replay(loaded.snapshot, loaded.entries, loaded.head, self.events)
+        fatal = report.fatal
+        if fatal is not None:
+            raise CorruptState(
+                f"the journal in {self.journal.describe()} is damaged at {fatal}. Inspect it with "
+                "`pagedkv allocator --state URL --check`; to start over, delete the keys "
+                "<prefix>journal, <prefix>snapshot and <prefix>head (every worker then re-registers "
+                "and recomputes once): see docs/RELIABILITY.md, 'A log that verifies itself'"
+            )
         self.registry = registry
+        self._chain = report.chain
+        self._head = head_marker(registry.index, self._chain) if loaded.head is not None else b""
         self.events.publish()
         self.leases.rearm(list(registry.pools))
-        self._since_snapshot = len(records)
+        self._since_snapshot = len(loaded.entries)
         self._stale = False
-        if snap is not None or records:
+        if report.snapshot_legacy or report.legacy_records:
+            log.warning("the journal was written by an older version (%d records without digests%s): "
+                        "loaded on index continuity alone; the next snapshot converts it",
+                        report.legacy_records, ", an undigested snapshot" if report.snapshot_legacy else "")
+        for problem in report.problems:
+            log.error("journal check: %s", problem)
+        if report.problems:
+            log.error("journal check: %d problem(s); pools dropped: %s; storing the repaired state",
+                      len(report.problems), ", ".join(report.dropped) or "none")
+            self._reseed()
+        if loaded.snapshot is not None or loaded.entries:
             log.info(
                 "restored %d pools from %s (snapshot at record %d, %d records replayed)",
                 len(registry.pools),
                 self.journal.describe(),
-                snap["index"] if snap else 0,
-                len(records),
+                report.snapshot_index,
+                len(loaded.entries),
             )
+
+    def _reseed(self) -> None:
+        """Store the registry as the whole new history (a snapshot, an empty
+        journal, the head and the owner key)."""
+        self._head = head_marker(self.registry.index, self._chain)
+        self.journal.reseed(encode_snapshot(self.registry.to_snapshot(self._chain)), self._head)
+        self._since_snapshot = 0
 
     def _fresh(self) -> Registry:
         """The registry, reloaded first if a journal write's fate is unknown."""
+        if self._lost is not None:
+            self._recover()
         if self._stale:
-            self._load(take_ownership=False)
+            with self._store_write():
+                self._load(take_ownership=False)
         return self.registry
+
+    @contextlib.contextmanager
+    def _store_write(self):
+        """Around a store call: a loss is acted on (pools dropped, store
+        seeded again), fencing makes health NOT_SERVING, and any failure
+        leaves memory possibly behind the store (reload before the next
+        change). The error goes on to the caller (UNAVAILABLE: it retries)."""
+        try:
+            yield
+        except StoreLost as exc:
+            self._on_lost(str(exc))
+            raise
+        except StoreFenced as exc:
+            self._set_health(False, str(exc))
+            raise
+        except StoreUnavailable:
+            self._stale = True
+            raise
 
     def _journal(self, **change: Any) -> None:
         if not self.journal.durable:
             return
-        record = jpb.JournalRecord(index=self.registry.index + 1, **change)
-        try:
-            self.journal.append(record.SerializeToString())
-        except StoreUnavailable:
-            self._stale = True
-            raise
+        step = change.get("step")
+        if step is not None:  # each pool's steps form a chain replay checks
+            step.prev_step_id = self.registry.pools[step.pool_id].last_step_id
+        index = self.registry.index + 1
+        record = jpb.JournalRecord(index=index, **change)
+        entry, chain = encode_entry(self._chain, record.SerializeToString())
+        head = head_marker(index, chain)
+        with self._store_write():
+            self.journal.append(entry, self._head, head)
+        self._chain, self._head = chain, head
 
     def _changed(self) -> None:
         self.events.publish()
         if self.journal.durable:
             self._since_snapshot += 1
-            if self._since_snapshot >= self.config.snapshot_every:
+            if self._since_snapshot >= self.config.snapshot_every and self._clock() >= self._snapshot_not_before:
                 self._snapshot()
 
     def _snapshot(self) -> None:
-        blob = json.dumps(self.registry.to_snapshot(), separators=(",", ":")).encode()
+        blob = encode_snapshot(self.registry.to_snapshot(self._chain))
         try:
-            self.journal.write_snapshot(blob)
+            self.journal.write_snapshot(blob, self._head)
+        except StoreLost as exc:
+            self._on_lost(str(exc))
+            return
         except StoreUnavailable as exc:
-            # Harmless: the journal still holds every record; retry later.
-            log.warning("snapshot not written: %s", exc)
+            # Harmless: the journal still holds every record. Back off
+            # (doubling, capped) instead of retrying on every change.
+            self.snapshot_failures += 1
+            delay = min(SNAPSHOT_BACKOFF_S * 2 ** (self._snapshot_streak), SNAPSHOT_BACKOFF_CAP_S)
+            self._snapshot_streak += 1
+            self._snapshot_not_before = self._clock() + delay
+            log.warning("snapshot not written (next try in %.1f s at the earliest): %s", delay, exc)
             return
         self._since_snapshot = 0
+        self._snapshot_streak = 0
+        self._snapshot_not_before = 0.0
+
+    # ---------------------------------------------------- the store's health
+    def _init_log_state(self) -> None:
+        self._chain = ZERO_CHAIN  # chain digest of the last record written
+        self._head = b""  # the head marker that record set in the store
+        self._lost: str | None = None  # the store lost our state: recover before serving
+        self._health: tuple[bool, str] = (True, "")
+        self._health_listeners: list[Callable[[bool, str], None]] = []
+        self._watch: threading.Thread | None = None
+        self.snapshot_failures = 0
+        self._snapshot_streak = 0
+        self._snapshot_not_before = 0.0
+
+    @property
+    def healthy(self) -> tuple[bool, str]:
+        """(serving, why not)."""
+        return self._health
+
+    def add_health_listener(self, listener: Callable[[bool, str], None]) -> None:
+        """`listener(serving, reason)` now and at every change."""
+        self._health_listeners.append(listener)
+        listener(*self._health)
+
+    def _set_health(self, serving: bool, reason: str) -> None:
+        if self._health[0] == serving and (serving or self._health[1] == reason):
+            return
+        self._health = (serving, reason)
+        if serving:
+            log.warning("health: SERVING again (the state store is usable)")
+        else:
+            log.error("health: NOT_SERVING: %s", reason)
+        for listener in self._health_listeners:
+            try:
+                listener(serving, reason)
+            except Exception:  # a listener must not break the service
+                log.exception("health listener")
+
+    def _on_lost(self, reason: str) -> None:
+        """The store lost what we wrote: every pool is dropped (their history
+        is no longer durable), then the store is seeded again."""
+        self._set_health(False, f"the state store lost the allocator's state: {reason}")
+        if self._lost is None:
+            self._lost = reason
+            pools = list(self.registry.pools)
+            log.error("the state store lost the allocator's state (%s); dropping all %d pools: %s",
+                      reason, len(pools), ", ".join(pools) or "none")
+            for pool_id in pools:
+                self.registry.drop(pool_id, "state_lost")
+                self.leases.forget(pool_id)
+            self.events.publish()
+            self._stale = False
+        try:
+            self._recover()
+        except StoreUnavailable as exc:
+            log.warning("the state store cannot be seeded again yet: %s", exc)
+
+    def _recover(self) -> None:
+        """Seed the store from memory after a loss (raises while it cannot)."""
+        try:
+            self._reseed()
+        except StoreFenced as exc:
+            self._set_health(False, str(exc))
+            raise
+        log.warning("the state store holds a fresh history from record %d; workers re-register",
+                    self.registry.index)
+        self._lost = None
+        self._set_health(True, "")
+
+    def check_store(self) -> None:
+        """One look at the state store (the store watch calls this): health
+        follows what it finds, and a loss is acted on."""
+        if not self.journal.durable:
+            return
+        with self._lock:
+            try:
+                if self._lost is not None or self._stale:
+                    self._fresh()
+                else:
+                    with self._store_write():
+                        self.journal.probe(self._head)
+            except (StoreLost, StoreFenced):
+                return  # acted on, health set, by _store_write
+            except StoreUnavailable as exc:
+                self._set_health(False, f"the state store is unreachable: {exc}")
+                return
+            self._set_health(True, "")
 
     def _authorize(self, ref: pb.PoolRef) -> PoolEntry:
         if not ref.pool_id:
@@ -277,7 +465,8 @@ class AllocatorService:
         self._changed()
         log.info("dropped pool %s (%s)", pool_id, reason)
 
-    def step(self, ref: pb.PoolRef, step_id: int, ops_msg: pb.StepOps) -> pb.StepResponse:
+    def step(self, ref: pb.PoolRef, step_id: int, ops_msg: pb.StepOps,
+             prev_step_id: int | None = None) -> pb.StepResponse:
         if step_id < 1:
             raise BadRequest("step_id must be positive")
         # Converting, validation and hashing need no lock.
@@ -293,12 +482,26 @@ class AllocatorService:
                 if step_id == entry.last_step_id:
                     raise StepConflict(f"step {step_id} was already applied with other operations")
                 raise StepConflict(f"step {step_id} is older than the pool's last step {entry.last_step_id}")
+            if prev_step_id is not None and prev_step_id != entry.last_step_id:
+                self._state_lost(entry, prev_step_id)
             self._journal(
                 step=jpb.StepApplied(pool_id=entry.pool_id, step_id=step_id, digest=digest, ops=ops_msg)
             )
             response = self.registry.step(entry, step_id, digest, step)
             self._changed()
             return response
+
+    def _state_lost(self, entry: PoolEntry, prev_step_id: int) -> None:
+        """The worker got an answer for a step this server does not have (its
+        journal lost records): drop the pool before it hands out a block the
+        worker still uses; NOT_FOUND makes the worker re-register and recompute."""
+        message = (
+            f"pool {entry.pool_id} was dropped: its worker follows step {prev_step_id} but the "
+            f"allocator's last step for it is {entry.last_step_id} (the allocator's state lost records)"
+        )
+        log.error("%s", message)
+        self._drop(entry.pool_id, "state_lost")
+        raise PoolStateLost(entry.pool_id, message)
 
     def block_table(self, ref: pb.PoolRef, seq_id: str) -> tuple[list[int], int]:
         with self._lock:

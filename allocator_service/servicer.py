@@ -52,7 +52,8 @@ class AllocatorServicer:
         return pb.DeregisterPoolResponse()
 
     def Step(self, request: pb.StepRequest, context) -> pb.StepResponse:
-        return self.service.step(request.pool, request.step_id, request.ops)
+        prev = request.prev_step_id if request.HasField("prev_step_id") else None
+        return self.service.step(request.pool, request.step_id, request.ops, prev)
 
     def GetBlockTable(self, request: pb.GetBlockTableRequest, context) -> pb.GetBlockTableResponse:
         table, num_tokens = self.service.block_table(request.pool, request.seq_id)

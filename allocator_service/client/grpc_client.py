@@ -12,9 +12,12 @@ Failure handling, in the order a worker meets it:
   can simply retry without knowing whether the first attempt landed (its
   scheduler does, until the allocator answers: the worker stalls, nothing
   fails). `on_unavailable(seconds, failed)` is told the time lost.
-- The pool is gone (lease expired, server restarted without durable state):
-  the client registers a fresh pool (a new epoch) and raises `PoolLost`;
-  every sequence the worker held is gone and must be recomputed.
+- The pool is gone (lease expired, server restarted without durable state,
+  or the server's journal lost a step this client got an answer for): the
+  client registers a fresh pool (a new epoch) and raises `PoolLost`; every
+  sequence the worker held is gone and must be recomputed. Each Step names
+  the last step id answered (`prev_step_id`), which is how the server tells
+  that its state is behind the worker's.
 - Anything else is a bug on one side and surfaces as `grpc.RpcError`.
 
 A daemon thread renews the lease at a third of its TTL while the worker is
@@ -154,6 +157,7 @@ class GrpcAllocator(AllocatorClient):
         self.epoch = 0
         self.lease_ttl_s = 0.0
         self._step_id = 0
+        self._answered = 0  # the last step id that got an answer
         self._pending: pb.StepRequest | None = None  # sent, outcome unknown
         self._closed = threading.Event()
         self._register()
@@ -175,6 +179,7 @@ class GrpcAllocator(AllocatorClient):
             self.epoch = r.epoch
             self.lease_ttl_s = r.lease_ttl_s
             self._step_id = 0
+            self._answered = 0
             self._pending = None
 
     def _pool_call(self, method: str, request):
@@ -210,10 +215,12 @@ class GrpcAllocator(AllocatorClient):
             request = pending  # the same operations again: the same step id
         else:
             self._step_id += 1
-            request = pb.StepRequest(pool=self._ref, step_id=self._step_id, ops=encoded)
+            request = pb.StepRequest(pool=self._ref, step_id=self._step_id, ops=encoded,
+                                     prev_step_id=self._answered)
         self._pending = request
         response = self._pool_call("Step", request)
         self._pending = None
+        self._answered = request.step_id
         return decode_results(response, len(ops))
 
     def stats(self) -> PoolStats:

@@ -137,14 +137,16 @@ class StepOps(_message.Message):
     def __init__(self, kinds: _Optional[_Iterable[_Union[OpKind, str]]] = ..., seq_ids: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., admit_options: _Optional[_Iterable[_Union[AdmitOptions, _Mapping]]] = ..., fork_children: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("pool", "step_id", "ops")
+    __slots__ = ("pool", "step_id", "ops", "prev_step_id")
     POOL_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     OPS_FIELD_NUMBER: _ClassVar[int]
+    PREV_STEP_ID_FIELD_NUMBER: _ClassVar[int]
     pool: PoolRef
     step_id: int
     ops: StepOps
-    def __init__(self, pool: _Optional[_Union[PoolRef, _Mapping]] = ..., step_id: _Optional[int] = ..., ops: _Optional[_Union[StepOps, _Mapping]] = ...) -> None: ...
+    prev_step_id: int
+    def __init__(self, pool: _Optional[_Union[PoolRef, _Mapping]] = ..., step_id: _Optional[int] = ..., ops: _Optional[_Union[StepOps, _Mapping]] = ..., prev_step_id: _Optional[int] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("step_id", "errors", "keep", "num_appended", "appended", "num_copies", "copies", "cached_tokens", "num_stored", "error_messages")

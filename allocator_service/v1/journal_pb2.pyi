@@ -35,16 +35,18 @@ class PoolRegistered(_message.Message):
     def __init__(self, pool_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., shape: _Optional[_Union[_allocator_pb2.PoolShape, _Mapping]] = ..., credential_digest: _Optional[bytes] = ...) -> None: ...
 
 class StepApplied(_message.Message):
-    __slots__ = ("pool_id", "step_id", "digest", "ops")
+    __slots__ = ("pool_id", "step_id", "digest", "ops", "prev_step_id")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     OPS_FIELD_NUMBER: _ClassVar[int]
+    PREV_STEP_ID_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     step_id: int
     digest: bytes
     ops: _allocator_pb2.StepOps
-    def __init__(self, pool_id: _Optional[str] = ..., step_id: _Optional[int] = ..., digest: _Optional[bytes] = ..., ops: _Optional[_Union[_allocator_pb2.StepOps, _Mapping]] = ...) -> None: ...
+    prev_step_id: int
+    def __init__(self, pool_id: _Optional[str] = ..., step_id: _Optional[int] = ..., digest: _Optional[bytes] = ..., ops: _Optional[_Union[_allocator_pb2.StepOps, _Mapping]] = ..., prev_step_id: _Optional[int] = ...) -> None: ...
 
 class PoolDropped(_message.Message):
     __slots__ = ("pool_id", "reason")

@@ -268,7 +268,8 @@ def test_metrics_endpoint(server, api):
     ):
         assert line in text
     for name in ("pool_cached_blocks", "pool_free_blocks", "evicted_blocks_total", "cow_copied_blocks_total",
-                 "prefix_hit_tokens_total", "pools", "event_sequence"):
+                 "prefix_hit_tokens_total", "pools", "event_sequence", "snapshot_failures_total",
+                 "state_store_serving"):
         assert f"pagedkv_allocator_{name}" in text
     assert 'pagedkv_allocator_rpc_duration_seconds_count{code="OK",method="Step"}' in text
     assert 'code="PERMISSION_DENIED"' in text or 'code="UNAUTHENTICATED"' in text

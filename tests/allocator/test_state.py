@@ -5,8 +5,6 @@ the exact state, and an ambiguous journal failure never double-applies."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -28,6 +26,7 @@ from allocator_service.core import (
     step_columns,
 )
 from allocator_service.errors import StepConflict, StoreUnavailable
+from allocator_service.journal import Loaded
 from allocator_service.service import AllocatorService, check_step
 from allocator_service.v1 import allocator_pb2 as pb
 from tests.support.allocator import random_steps
@@ -105,25 +104,40 @@ class FakeJournal:
     def __init__(self) -> None:
         self.records: list[bytes] = []
         self.snapshot: bytes | None = None
+        self.head: bytes | None = None
         self.fail_after_write = False
         self.down = False
+        self.snapshot_down = False
+        self.snapshot_attempts = 0
 
-    def load(self, take_ownership=True):
+    def load(self, take_ownership=True, check_owner=True):
         if self.down:
             raise StoreUnavailable("down")
-        return (json.loads(self.snapshot) if self.snapshot else None), list(self.records)
+        return Loaded(self.snapshot, list(self.records), self.head)
 
-    def append(self, record: bytes) -> None:
+    def append(self, entry: bytes, prev_head: bytes, new_head: bytes) -> None:
         if self.down:
             raise StoreUnavailable("down")
-        self.records.append(record)
+        assert (self.head or b"") == prev_head
+        self.records.append(entry)
+        self.head = new_head
         if self.fail_after_write:
             self.fail_after_write = False
             raise StoreUnavailable("timeout after write")
 
-    def write_snapshot(self, snapshot: bytes) -> None:
+    def write_snapshot(self, snapshot: bytes, head: bytes) -> None:
+        self.snapshot_attempts += 1
+        if self.snapshot_down:
+            raise StoreUnavailable("snapshot refused")
         self.snapshot = snapshot
         self.records.clear()
+
+    def reseed(self, snapshot: bytes, head: bytes) -> None:
+        self.snapshot, self.head = snapshot, head
+        self.records.clear()
+
+    def probe(self, head: bytes) -> None:
+        pass
 
     def close(self) -> None:
         pass
@@ -230,3 +244,48 @@ def test_lease_expiry_drops_only_the_silent_pool():
     assert svc.expire_leases() == []
     now[0] = 18.1
     assert svc.expire_leases() == [a.pool_id]
+
+
+def test_failed_snapshot_backs_off():
+    """A snapshot that fails is not tried again on every change: the next
+    try waits 1 s, then 2 s, 4 s ... (capped at 60 s); a success resets it."""
+    now = [0.0]
+    journal = FakeJournal()
+    svc = AllocatorService(ServiceConfig(snapshot_every=1), journal, clock=lambda: now[0])
+    r = svc.register("w", SHAPE)  # first snapshot: fine
+    assert journal.snapshot_attempts == 1
+    ref = pb.PoolRef(pool_id=r.pool_id, credential=r.credential)
+    journal.snapshot_down = True
+    attempts_at = []
+    for i in range(1, 41):
+        now[0] = i * 0.25
+        before = journal.snapshot_attempts
+        svc.step(ref, i, encode_ops([]))
+        if journal.snapshot_attempts > before:
+            attempts_at.append(now[0])
+    # tries at 0.25 s, then >= 1 s, >= 2 s, >= 4 s later
+    assert attempts_at == [0.25, 1.25, 3.25, 7.25]
+    assert svc.snapshot_failures == 4
+    journal.snapshot_down = False
+    now[0] = 100.0
+    svc.step(ref, 41, encode_ops([]))
+    assert journal.snapshot is not None and journal.records == []
+    svc.step(ref, 42, encode_ops([]))
+    assert journal.snapshot_attempts == 7  # 1 + 4 failed + 2: no backoff after a success
+
+
+def test_prev_step_id_mismatch_drops_the_pool():
+    from allocator_service.errors import PoolNotFound
+
+    journal = FakeJournal()
+    svc = AllocatorService(ServiceConfig(), journal)
+    r = svc.register("w", SHAPE)
+    ref = pb.PoolRef(pool_id=r.pool_id, credential=r.credential)
+    first = svc.step(ref, 1, encode_ops([Admit("a", [1, 2, 3])]), prev_step_id=0)
+    assert svc.step(ref, 1, encode_ops([Admit("a", [1, 2, 3])]), prev_step_id=0) == first
+    # The worker says it got an answer for step 2, which this server never had.
+    with pytest.raises(PoolNotFound, match="follows step 2 but the allocator's last step for it is 1"):
+        svc.step(ref, 3, encode_ops([]), prev_step_id=2)
+    assert r.pool_id not in svc.registry.pools
+    again = AllocatorService(ServiceConfig(), journal)  # the drop was journaled
+    assert r.pool_id not in again.registry.pools

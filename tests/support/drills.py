@@ -266,12 +266,13 @@ def report(name: str, figures: dict) -> None:
 def journal_state(redis_url: str):
     """(Registry rebuilt from the snapshot and journal in Redis, the journal
     records after the snapshot). The allocator writes the journal before it
-    changes memory, so this is its state (read it while nothing runs)."""
+    changes memory, so this is its state (read it while nothing runs). The
+    journal must verify: every digest and chain sound."""
     import redis
 
     from allocator_service.events import EventLog
     from allocator_service.journal import split_prefix
-    from allocator_service.state import Registry
+    from allocator_service.state import record_bytes, replay
     from allocator_service.v1 import journal_pb2 as jpb
 
     url, prefix = split_prefix(redis_url)
@@ -280,14 +281,13 @@ def journal_state(redis_url: str):
         with client.pipeline(transaction=True) as p:
             p.get(prefix + "snapshot")
             p.lrange(prefix + "journal", 0, -1)
-            snap, raw = p.execute()
+            p.get(prefix + "head")
+            snap, raw, head = p.execute()
     finally:
         client.close()
-    events = EventLog(1 << 16)
-    registry = Registry.from_snapshot(json.loads(snap), events) if snap else Registry(events)
-    records = [jpb.JournalRecord.FromString(r) for r in raw]
-    for rec in records:
-        registry.apply(rec)
+    registry, check = replay(snap, raw, head, EventLog(1 << 16))
+    assert check.sound, [str(p) for p in check.problems]
+    records = [jpb.JournalRecord.FromString(record_bytes(r)) for r in raw]
     return registry, records
 
 

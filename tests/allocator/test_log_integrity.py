@@ -1,0 +1,379 @@
+"""The log verifies itself, on real processes (a real redis-server on its
+own port): a flipped byte, a removed middle record and a lost tail are each
+detected (by `--check` too) and never double-book a block; a record that
+cannot be pinned on one pool stops start-up with one line; Redis that loses
+its data while serving is detected (health NOT_SERVING, pools dropped
+loudly, workers recover with PoolLost, SERVING again); an evicting Redis is
+refused; `--redis-wait-replicas` waits for a real replica."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import grpc
+import pytest
+import redis as redis_lib
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from allocator_service.client import EmbeddedAllocator, PoolLost, PoolSpec
+from allocator_service.client.grpc_client import GrpcAllocator
+from allocator_service.codec import encode_ops
+from allocator_service.core import PoolConfig
+from allocator_service.journal import split_prefix
+from allocator_service.state import ENTRY_MAGIC, ZERO_CHAIN, encode_entry
+from allocator_service.v1 import allocator_pb2 as pb
+from allocator_service.v1 import journal_pb2 as jpb
+from pagedkv.stack.probes import free_port
+from tests.support.allocator import as_json, code_of, dump, random_steps, register, stub
+from tests.support.drills import report
+
+C = grpc.StatusCode
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+STEPS = 12
+
+
+@pytest.fixture
+def store(redis_store):
+    with redis_store() as s:
+        if s[1] is None:
+            pytest.skip("needs a private redis-server (PAGEDKV_TEST_REDIS is shared)")
+        yield s
+
+
+def keys(url: str):
+    base, prefix = split_prefix(url)
+    return redis_lib.Redis.from_url(base), prefix
+
+
+def run_check(url: str) -> tuple[int, str]:
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    p = subprocess.run([sys.executable, "-m", "allocator_service", "--state", url, "--check"],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert "Traceback" not in p.stdout + p.stderr
+    return p.returncode, p.stdout + p.stderr
+
+
+def start_fails(url: str, *extra: str) -> tuple[int, str]:
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    p = subprocess.run([sys.executable, "-m", "allocator_service", "--listen", "127.0.0.1:0",
+                        "--state", url, *extra], capture_output=True, text=True, timeout=60, env=env)
+    assert "Traceback" not in p.stdout + p.stderr
+    return p.returncode, p.stdout + p.stderr
+
+
+def two_pools(url: str, allocator_server):
+    """Two pools, STEPS steps each, interleaved, every record in the journal
+    (no snapshot): (refs, their dumps, the journal entries, the server's port)."""
+    with allocator_server("--state", url) as server:
+        s, md, channel = stub(server.address)
+        refs = [register(s, md, f"w{i}", num_blocks=24) for i in range(2)]
+        workloads = [random_steps(seed=20 + i, steps=STEPS) for i in range(2)]
+        for n in range(STEPS):
+            for ref, steps in zip(refs, workloads, strict=True):
+                s.Step(pb.StepRequest(pool=ref, step_id=n + 1, ops=encode_ops(steps[n]), prev_step_id=n))
+        before = {r.pool_id: dump(s, md, r) for r in refs}
+        channel.close()
+        server.kill()
+    client, prefix = keys(url)
+    entries = client.lrange(prefix + "journal", 0, -1)
+    client.close()
+    assert all(e.startswith(ENTRY_MAGIC) for e in entries) and len(entries) == 2 + 2 * STEPS
+    return refs, before, entries, workloads
+
+
+def record_of(entry: bytes) -> jpb.JournalRecord:
+    return jpb.JournalRecord.FromString(entry[68:])
+
+
+def position_of_step(entries, pool_id: str, step_id: int) -> int:
+    for i, e in enumerate(entries):
+        r = record_of(e)
+        if r.WhichOneof("change") == "step" and r.step.pool_id == pool_id and r.step.step_id == step_id:
+            return i
+    raise AssertionError((pool_id, step_id))
+
+
+def assert_sound_after_restart(url, allocator_server, refs, before, lost: str):
+    """The damaged pool is gone (NOT_FOUND), the other is exactly as before;
+    a second start finds a sound journal (the repair was stored)."""
+    with allocator_server("--state", url) as server:
+        s, md, channel = stub(server.address)
+        for r in refs:
+            if r.pool_id == lost:
+                assert code_of(s.GetPoolStats, pb.GetPoolStatsRequest(pool=r)) == C.NOT_FOUND
+            else:
+                assert dump(s, md, r) == before[r.pool_id]
+        # Its worker registers again: a new epoch, never the dropped id.
+        again = register(s, md, lost.split("/")[0], num_blocks=24)
+        assert again.pool_id == lost.split("/")[0] + "/2"
+        channel.close()
+        log = "\n".join(server.lines)
+    assert f"pool {lost} dropped" in log
+    code, out = run_check(url)
+    assert code == 0 and "verdict: sound" in out, out
+    return log
+
+
+def test_flipped_byte_drops_that_pool_only(store, allocator_server):
+    url, _ = store
+    refs, before, entries, _ = two_pools(url, allocator_server)
+    victim = refs[0].pool_id
+    pos = position_of_step(entries, victim, 5)
+    bad = bytearray(entries[pos])
+    bad[-3] ^= 0x01  # inside the operations: still parses, fails its digest
+    client, prefix = keys(url)
+    client.lset(prefix + "journal", pos, bytes(bad))
+    client.close()
+
+    code, out = run_check(url)
+    assert code == 1, out
+    assert f"journal entry {pos} (record {pos + 1}): fails its digest; pool {victim} dropped" in out
+    assert "verdict: NOT sound" in out and "FATAL" not in out
+    log = assert_sound_after_restart(url, allocator_server, refs, before, victim)
+    assert "journal check:" in log
+    # Every later record of the dropped pool was skipped, loudly.
+    assert f"names pool {victim}, lost with an earlier record: skipped" in log
+
+
+def test_removed_middle_record_is_a_gap_and_breaks_the_step_chain(store, allocator_server):
+    url, _ = store
+    refs, before, entries, _ = two_pools(url, allocator_server)
+    victim = refs[1].pool_id
+    pos = position_of_step(entries, victim, 4)
+    client, prefix = keys(url)
+    client.lset(prefix + "journal", pos, b"__gone__")
+    client.lrem(prefix + "journal", 1, b"__gone__")
+    client.close()
+
+    code, out = run_check(url)
+    assert code == 1, out
+    assert f"records {pos + 1}..{pos + 1} are missing" in out
+    assert f"step 5 follows step 4 but the pool's last step is 3; pool {victim} dropped" in out
+    assert_sound_after_restart(url, allocator_server, refs, before, victim)
+
+
+def test_lost_tail_is_reported_and_the_worker_gets_pool_lost(store, allocator_server):
+    """Redis loses the last record (here RPOP; in production a failover to a
+    lagging replica or a restart without its append-only file): the
+    allocator's state is one step behind the worker's. The worker's next
+    step names the step it got an answer for; the allocator drops the pool
+    instead of handing out a block the worker still uses."""
+    url, _ = store
+    spec = PoolSpec("tail", PoolConfig(16, 4, True, "m"))
+    steps = random_steps(seed=9, steps=12)
+    with allocator_server("--state", url) as server:
+        port = server.port
+        worker = GrpcAllocator(server.address, spec, retries=30, backoff_s=0.02, deadline_s=2, heartbeat=False)
+        for ops in steps[:8]:
+            worker.step(ops)
+        server.kill()
+    client, prefix = keys(url)
+    last = record_of(client.rpop(prefix + "journal"))
+    client.close()
+    assert last.step.step_id == 8
+
+    code, out = run_check(url)
+    assert code == 1 and "the last 1 record(s) were lost" in out, out
+    with allocator_server("--state", url, listen=f"127.0.0.1:{port}") as again:
+        s, md, channel = stub(again.address)
+        old = pb.PoolRef(pool_id=worker.pool_id, credential=worker._ref.credential)
+        assert s.GetPoolStats(pb.GetPoolStatsRequest(pool=old)).last_step_id == 7
+        with pytest.raises(PoolLost):
+            worker.step(steps[8])
+        assert worker.pool_id == "tail/2"
+        assert code_of(s.GetPoolStats, pb.GetPoolStatsRequest(pool=old)) == C.NOT_FOUND
+        # The fresh pool serves the recomputed work exactly as a fresh core would.
+        reference = EmbeddedAllocator(spec)
+        for ops in steps[:4]:
+            assert worker.step(ops) == reference.step(ops)
+        assert worker.integrity_problems() == []
+        channel.close()
+        log = "\n".join(again.lines)
+    assert "its worker follows step 8 but the allocator's last step for it is 7" in log
+    assert "Traceback" not in log
+
+
+def test_prev_step_id_keeps_retries_idempotent(store, allocator_server):
+    url, _ = store
+    with allocator_server("--state", url) as server:
+        s, md, channel = stub(server.address)
+        ref = register(s, md, "r", num_blocks=24)
+        ops = encode_ops(random_steps(seed=1, steps=2)[0])
+        first = s.Step(pb.StepRequest(pool=ref, step_id=1, ops=ops, prev_step_id=0))
+        # A retry of the last step (its answer was lost) carries the same
+        # prev_step_id: the first answer, applied once.
+        assert s.Step(pb.StepRequest(pool=ref, step_id=1, ops=ops, prev_step_id=0)) == first
+        # An older client sends no prev_step_id: not checked.
+        s.Step(pb.StepRequest(pool=ref, step_id=2, ops=encode_ops([])))
+        assert s.GetPoolStats(pb.GetPoolStatsRequest(pool=ref)).last_step_id == 2
+        channel.close()
+
+
+def test_unattributable_damage_stops_start_with_one_line(store, allocator_server):
+    url, _ = store
+    _, _, entries, _ = two_pools(url, allocator_server)
+    bad = bytearray(entries[0])  # the first registration
+    bad[-1] ^= 0x01
+    client, prefix = keys(url)
+    client.lset(prefix + "journal", 0, bytes(bad))
+    client.close()
+    code, out = run_check(url)
+    assert code == 1 and "FATAL journal entry 0 (record 1): fails its digest and cannot be attributed" in out
+    code, out = start_fails(url)
+    assert code == 1, out
+    lines = [line for line in out.splitlines() if "cannot start" in line]
+    assert len(lines) == 1 and "--check" in lines[0] and "docs/RELIABILITY.md" in lines[0], out
+
+
+def test_older_journal_without_digests_still_loads(store, allocator_server):
+    url, _ = store
+    refs, before, entries, _ = two_pools(url, allocator_server)
+    client, prefix = keys(url)
+    client.delete(prefix + "journal", prefix + "head")
+    client.rpush(prefix + "journal", *[e[68:] for e in entries])  # bare records, as before
+    client.close()
+    code, out = run_check(url)
+    assert code == 0 and f"{len(entries)} without digests" in out, out
+    with allocator_server("--state", url, "--snapshot-every", "1") as server:
+        s, md, channel = stub(server.address)
+        for r in refs:
+            assert dump(s, md, r) == before[r.pool_id]
+        # New records are framed and chained after the old ones.
+        s.Step(pb.StepRequest(pool=refs[0], step_id=STEPS + 1, ops=encode_ops([]), prev_step_id=STEPS))
+        channel.close()
+        log = "\n".join(server.lines)
+    assert "written by an older version" in log
+    code, out = run_check(url)
+    assert code == 0, out
+
+
+def test_new_record_links_to_snapshot_chain():
+    """The frame: a record's chain digest covers the one before it."""
+    e1, c1 = encode_entry(ZERO_CHAIN, b"a")
+    e2, c2 = encode_entry(c1, b"b")
+    assert e2[4:36] == c1 and e2[36:68] == c2 and c1 != c2
+
+
+def _health_watch(address: str):
+    channel = grpc.insecure_channel(address)
+    stream = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=60)
+    seen: list[int] = []
+
+    def read():
+        try:
+            for r in stream:
+                seen.append(r.status)
+        except grpc.RpcError:
+            pass
+
+    threading.Thread(target=read, daemon=True).start()
+    return seen, stream, channel
+
+
+def test_flushall_while_serving(store, allocator_server):
+    url, _ = store
+    spec = PoolSpec("flushed", PoolConfig(16, 4, True, "m"))
+    steps = random_steps(seed=4, steps=10)
+    with allocator_server("--state", url) as server:
+        worker = GrpcAllocator(server.address, spec, retries=30, backoff_s=0.02, deadline_s=2)
+        for ops in steps[:5]:
+            worker.step(ops)
+        seen, stream, channel = _health_watch(server.address)
+        deadline = time.monotonic() + 5
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert seen == [health_pb2.HealthCheckResponse.SERVING]
+        client, prefix = keys(url)
+        t0 = time.monotonic()
+        client.flushall()
+        deadline = time.monotonic() + 10
+        while health_pb2.HealthCheckResponse.NOT_SERVING not in seen or seen[-1] != health_pb2.HealthCheckResponse.SERVING:
+            assert time.monotonic() < deadline, seen
+            time.sleep(0.01)
+        recovered_s = time.monotonic() - t0
+        # The pool was dropped loudly: the worker's next step is PoolLost and
+        # it recomputes on a fresh pool (a new epoch: no id is reissued).
+        with pytest.raises(PoolLost):
+            worker.step(steps[5])
+        assert worker.pool_id == "flushed/2"
+        reference = EmbeddedAllocator(spec)
+        for ops in steps[:6]:
+            assert worker.step(ops) == reference.step(ops)
+        assert worker.dump() == as_json(reference.pool.to_state())
+        assert client.get(prefix + "owner") is not None and client.get(prefix + "head") is not None
+        client.close()
+        stream.cancel()
+        channel.close()
+        worker.close()
+        log = "\n".join(server.lines)
+    assert "the state store lost the allocator's state" in log and "dropping all 1 pools: flushed/1" in log
+    assert "Traceback" not in log
+    report("redis_flushall", {"flush_to_serving_again_s": round(recovered_s, 2), "health": [int(x) for x in seen]})
+
+
+def test_evicting_redis_is_refused(store):
+    url, r = store
+    client, _ = keys(url)
+    client.config_set("maxmemory-policy", "allkeys-lru")
+    try:
+        code, out = start_fails(url)
+    finally:
+        client.config_set("maxmemory-policy", "noeviction")
+        client.close()
+    assert code == 1 and "maxmemory-policy 'allkeys-lru'" in out and "noeviction" in out, out
+
+
+def _replica(primary_port: int):
+    exe = shutil.which("redis-server")
+    port = free_port("127.0.0.1")
+    directory = tempfile.mkdtemp(prefix="pagedkv-replica-")
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", directory, "--save", "",
+                             "--appendonly", "no", "--replicaof", "127.0.0.1", str(primary_port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return proc, port, directory
+
+
+def test_wait_for_a_replica(store, allocator_server):
+    url, r = store
+    replica, port, directory = _replica(r.port)
+    try:
+        rc = redis_lib.Redis(port=port)
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                if rc.info("replication").get("master_link_status") == "up":
+                    break
+            except redis_lib.exceptions.ConnectionError:
+                pass
+            assert time.monotonic() < deadline, "the replica did not sync"
+            time.sleep(0.05)
+        with allocator_server("--state", url, "--redis-wait-replicas", "1", "--redis-wait-timeout", "0.5") as server:
+            s, md, channel = stub(server.address)
+            ref = register(s, md, "waited", num_blocks=24)
+            s.Step(pb.StepRequest(pool=ref, step_id=1, ops=encode_ops(random_steps(1, 1)[0]), prev_step_id=0))
+            _, prefix = split_prefix(url)
+            # Acknowledged means on the replica already.
+            assert rc.llen(prefix + "journal") == 2
+            replica.kill()
+            replica.wait()
+            t0 = time.monotonic()
+            late = pb.StepRequest(pool=ref, step_id=2, ops=encode_ops([]), prev_step_id=1)
+            assert code_of(s.Step, late, timeout=10) == C.UNAVAILABLE
+            waited = time.monotonic() - t0
+            assert server.proc.poll() is None
+            channel.close()
+            log = "\n".join(server.lines)
+        assert waited >= 0.5
+        report("redis_wait_replica_lost", {"unavailable_after_s": round(waited, 2)})
+        assert "Traceback" not in log
+    finally:
+        if replica.poll() is None:
+            replica.kill()
+            replica.wait()
+        shutil.rmtree(directory, ignore_errors=True)
