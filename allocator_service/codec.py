@@ -36,6 +36,7 @@ assert core_step.ERROR_NUMBER == {
     "unknown_sequence": pb.OP_ERROR_UNKNOWN_SEQUENCE,
     "sequence_exists": pb.OP_ERROR_SEQUENCE_EXISTS,
     "invalid_argument": pb.OP_ERROR_INVALID_ARGUMENT,
+    "pool_limit": pb.OP_ERROR_POOL_LIMIT,
 }
 
 STATS_FIELDS = tuple(PoolStats.__slots__)

@@ -9,6 +9,7 @@ from allocator_service.core.errors import (
     AllocatorError,
     InvalidArgument,
     OutOfBlocks,
+    PoolLimit,
     SequenceExists,
     UnknownSequence,
 )
@@ -52,6 +53,7 @@ __all__ = [
     "Op",
     "OpResult",
     "OutOfBlocks",
+    "PoolLimit",
     "PoolConfig",
     "PoolStats",
     "SequenceExists",

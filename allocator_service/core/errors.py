@@ -46,3 +46,11 @@ class InvalidArgument(AllocatorError):
 
     code = "invalid_argument"
 
+
+
+class PoolLimit(AllocatorError):
+    """The operation would make the pool hold more sequences or table entries
+    than its shape allows (`limits.max_sequences`, `limits.max_table_entries`).
+    Nothing was changed; freeing sequences makes room again."""
+
+    code = "pool_limit"

@@ -36,6 +36,11 @@ def integrity_problems(pool: BlockPool) -> list[str]:
                 problems.append(f"{sid}: block {b} holds {fill[b]} tokens, table says {expect}")
         if pool.enable_prefix_caching and len(seq.hashes) != seq.num_tokens // B:
             problems.append(f"{sid}: {len(seq.hashes)} chain hashes for {seq.num_tokens} tokens")
+    entries = sum(len(seq.table) for seq in pool._seqs.values())
+    if pool.table_entries != entries:
+        problems.append(f"the pool counts {pool.table_entries} table entries, its tables hold {entries}")
+    if entries > pool.max_table_entries or len(pool._seqs) > pool.max_sequences:
+        problems.append(f"{len(pool._seqs)} sequences and {entries} table entries exceed the pool's bounds")
     uncached, cached = list(pool._uncached_free), list(pool._cached_free)
     free = uncached + cached
     if len(set(free)) != len(free):

@@ -28,3 +28,28 @@ MAX_SEQ_ID_LEN = 256
 
 # Characters of a per-request `cache_salt` (it enters the first block's hash).
 MAX_SALT_LEN = 1024
+
+# What one pool's sequences may hold, whatever legal operations arrive: the
+# bound that keeps the allocator's memory proportional to the blocks it serves
+# (docs/RELIABILITY.md, "Bounded cost"). Derived from the pool's shape only,
+# never from a deployment setting, so replaying a journal always refuses
+# exactly what was refused when the record was accepted.
+#
+# Table entries summed over the pool's sequences (a fork of an L-block
+# sequence adds L, shared blocks count once per table naming them): at most
+# this many per block of the pool, and never fewer than the floor.
+TABLE_ENTRIES_PER_BLOCK = 16
+MIN_TABLE_ENTRIES = 1024
+# Live sequences of a pool (empty ones and forks included).
+SEQUENCES_PER_BLOCK = 2
+MIN_SEQUENCES = 64
+
+
+def max_table_entries(num_blocks: int) -> int:
+    """Table entries one pool of `num_blocks` blocks may hold in total."""
+    return max(TABLE_ENTRIES_PER_BLOCK * num_blocks, MIN_TABLE_ENTRIES)
+
+
+def max_sequences(num_blocks: int) -> int:
+    """Sequences one pool of `num_blocks` blocks may hold at once."""
+    return max(SEQUENCES_PER_BLOCK * num_blocks, MIN_SEQUENCES)

@@ -34,6 +34,7 @@ from allocator_service.core import hashing, integrity, snapshot
 from allocator_service.core.errors import (
     InvalidArgument,
     OutOfBlocks,
+    PoolLimit,
     SequenceExists,
     UnknownSequence,
 )
@@ -44,6 +45,12 @@ from allocator_service.core.limits import (
     MAX_SALT_LEN,
     MAX_SEQ_ID_LEN,
     MAX_TOKEN_ID,
+    MIN_SEQUENCES,
+    MIN_TABLE_ENTRIES,
+    SEQUENCES_PER_BLOCK,
+    TABLE_ENTRIES_PER_BLOCK,
+    max_sequences,
+    max_table_entries,
 )
 from allocator_service.core.prefix_index import EventSink, PrefixIndex
 from allocator_service.core.sequence import Seq
@@ -115,6 +122,18 @@ def _check_seq_id(seq_id: object) -> str:
     return seq_id
 
 
+def _check_salt(cache_salt: object) -> None:
+    """None is "no salt" (the shared namespace); "" is refused: it would look
+    like a tenant's salt yet share the unsalted namespace."""
+    if cache_salt is None:
+        return
+    if not isinstance(cache_salt, str) or not 1 <= len(cache_salt) <= MAX_SALT_LEN:
+        raise InvalidArgument(
+            f"cache_salt must be a non-empty string of at most {MAX_SALT_LEN} characters "
+            "(unset for no salt)"
+        )
+
+
 _INT_ONLY = {int}
 
 
@@ -156,6 +175,11 @@ class BlockPool:
         self._stamp: list[int] = [0] * n
         self._clock = 0
         self._seqs: dict[str, Seq] = {}
+        # The bounded cost of a pool (limits.py): table entries summed over
+        # every sequence, kept exact by admit/append/fork/free.
+        self.max_sequences = max_sequences(n)
+        self.max_table_entries = max_table_entries(n)
+        self.table_entries = 0
 
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
@@ -210,6 +234,7 @@ class BlockPool:
     def cached_prefix_tokens(self, tokens: Sequence[int], cache_salt: str | None = None) -> int:
         """How many leading tokens of `tokens` an admit would find cached
         (read-only; what a router asks). Never counts the last token."""
+        _check_salt(cache_salt)
         if not self.enable_prefix_caching or len(tokens) < 2:
             return 0
         _check_tokens(tokens)
@@ -243,9 +268,9 @@ class BlockPool:
         _check_seq_id(seq_id)
         if seq_id in self._seqs:
             raise SequenceExists(seq_id)
+        self._check_new_sequence()
         _check_tokens(tokens)
-        if cache_salt is not None and (not isinstance(cache_salt, str) or len(cache_salt) > MAX_SALT_LEN):
-            raise InvalidArgument(f"cache_salt must be a string of at most {MAX_SALT_LEN} characters")
+        _check_salt(cache_salt)
         if num_new_tokens is not None and (not isinstance(num_new_tokens, int) or num_new_tokens < 1):
             raise InvalidArgument("num_new_tokens must be a positive integer")
         B = self.block_size
@@ -268,6 +293,7 @@ class BlockPool:
         if need > available:
             self.out_of_blocks += 1
             raise OutOfBlocks(need, available)
+        self._check_new_entries(len(hits) + need)
 
         # Commit: nothing below can fail.
         for b in hits:
@@ -278,6 +304,7 @@ class BlockPool:
         for i, b in enumerate(new_blocks):
             self._fill[b] = min(B, stored - (len(hits) + i) * B)
         table = hits + new_blocks
+        self.table_entries += len(table)
         seq = Seq(table=table, num_tokens=stored, salt=cache_salt)
         if self.enable_prefix_caching:
             self.prefix_queried_tokens += n
@@ -315,6 +342,9 @@ class BlockPool:
             if need > available:
                 self.out_of_blocks += 1
                 raise OutOfBlocks(need, available)
+            if need > cow:  # copy-on-write replaces an entry, adds none
+                self._check_new_entries(need - cow)
+                self.table_entries += need - cow
 
         keep = len(table)
         new_blocks: list[int] = []
@@ -391,6 +421,9 @@ class BlockPool:
             raise UnknownSequence(parent_id)
         if child_id in self._seqs:
             raise SequenceExists(child_id)
+        self._check_new_sequence()
+        self._check_new_entries(len(parent.table))
+        self.table_entries += len(parent.table)
         for b in parent.table:
             self.ref_cnt[b] += 1
         self._seqs[child_id] = Seq(
@@ -409,6 +442,7 @@ class BlockPool:
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             raise UnknownSequence(seq_id)
+        self.table_entries -= len(seq.table)
         cached: list[int] = []
         block_hash = self.index.block_hash
         for b in seq.table:
@@ -436,6 +470,21 @@ class BlockPool:
         if seq is None:
             raise UnknownSequence(seq_id)
         return seq
+
+    def _check_new_sequence(self) -> None:
+        if len(self._seqs) >= self.max_sequences:
+            raise PoolLimit(
+                f"the pool holds its maximum of {self.max_sequences} sequences "
+                f"({SEQUENCES_PER_BLOCK} per block, at least {MIN_SEQUENCES}); free some first"
+            )
+
+    def _check_new_entries(self, added: int) -> None:
+        if self.table_entries + added > self.max_table_entries:
+            raise PoolLimit(
+                f"{added} more block-table entries would exceed the pool's maximum of "
+                f"{self.max_table_entries} ({TABLE_ENTRIES_PER_BLOCK} per block, at least "
+                f"{MIN_TABLE_ENTRIES}; in use: {self.table_entries})"
+            )
 
     def _take(self) -> int:
         """Pop the front of the free queue (caller checked there is one)."""

@@ -71,9 +71,9 @@ def restore(pool: BlockPool, state: dict[str, Any]) -> None:
             hashes=[bytes.fromhex(h) for h in q["hashes"]],
             tail=list(q["tail"]),
         )
+    pool.table_entries = sum(len(q.table) for q in pool._seqs.values())
     for k, v in state["counters"].items():
         setattr(pool, k, v)
-
 
 
 def pool_view(pool: BlockPool) -> dict[str, Any]:

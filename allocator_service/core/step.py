@@ -39,6 +39,7 @@ ERROR_NUMBER: dict[str, int] = {
     "unknown_sequence": 2,
     "sequence_exists": 3,
     "invalid_argument": 4,
+    "pool_limit": 5,
 }
 ERROR_CODE: dict[int, str] = {v: k for k, v in ERROR_NUMBER.items()}
 

@@ -22,6 +22,7 @@ class OpError(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     OP_ERROR_UNKNOWN_SEQUENCE: _ClassVar[OpError]
     OP_ERROR_SEQUENCE_EXISTS: _ClassVar[OpError]
     OP_ERROR_INVALID_ARGUMENT: _ClassVar[OpError]
+    OP_ERROR_POOL_LIMIT: _ClassVar[OpError]
 
 class KvEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -42,6 +43,7 @@ OP_ERROR_OUT_OF_BLOCKS: OpError
 OP_ERROR_UNKNOWN_SEQUENCE: OpError
 OP_ERROR_SEQUENCE_EXISTS: OpError
 OP_ERROR_INVALID_ARGUMENT: OpError
+OP_ERROR_POOL_LIMIT: OpError
 KV_EVENT_KIND_UNSPECIFIED: KvEventKind
 KV_EVENT_KIND_BLOCK_STORED: KvEventKind
 KV_EVENT_KIND_BLOCK_REMOVED: KvEventKind
@@ -71,12 +73,14 @@ class PoolShape(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ...) -> None: ...
 
 class RegisterPoolRequest(_message.Message):
-    __slots__ = ("worker_id", "shape")
+    __slots__ = ("worker_id", "shape", "replace_credential")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     shape: PoolShape
-    def __init__(self, worker_id: _Optional[str] = ..., shape: _Optional[_Union[PoolShape, _Mapping]] = ...) -> None: ...
+    replace_credential: str
+    def __init__(self, worker_id: _Optional[str] = ..., shape: _Optional[_Union[PoolShape, _Mapping]] = ..., replace_credential: _Optional[str] = ...) -> None: ...
 
 class RegisterPoolResponse(_message.Message):
     __slots__ = ("pool_id", "epoch", "credential", "lease_ttl_s")

@@ -92,9 +92,12 @@ class AllocatorServicer:
     """
 
     def RegisterPool(self, request, context):
-        """Create an empty pool for a worker and start its lease. Registering a
-        worker id that already has a pool drops that pool (its GPU memory is
-        gone) and starts a new epoch.
+        """Create an empty pool for a worker and start its lease. A worker id whose
+        pool is live is refused (FAILED_PRECONDITION, `pool_in_use`) unless the
+        request carries that pool's credential (`replace_credential`): then the
+        old pool is dropped (its GPU memory is gone) and a new epoch starts.
+        A worker id whose pool was dropped (deregistered, lease expired)
+        registers freely.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -149,7 +152,7 @@ class AllocatorServicer:
     def MatchPrefix(self, request, context):
         """For every pool of a model fingerprint: how many leading tokens of a
         prompt are cached there, and its free blocks. Read-only; what a router
-        asks to send a request where its prefix already lives.
+        asks to send a request where its prefix already lives. Router role.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -158,6 +161,7 @@ class AllocatorServicer:
     def WatchEvents(self, request, context):
         """A server stream of KV events (block stored/removed, all cleared, pool
         registered/dropped) across all pools, each with a sequence number.
+        Router role.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -165,7 +169,7 @@ class AllocatorServicer:
 
     def DumpPool(self, request, context):
         """The pool's full state, as the core's `to_state()` JSON (tests, replay,
-        debugging).
+        debugging). The pool's own credential, or the admin token for any pool.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
