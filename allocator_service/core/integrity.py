@@ -39,8 +39,12 @@ def integrity_problems(pool: BlockPool) -> list[str]:
     entries = sum(len(seq.table) for seq in pool._seqs.values())
     if pool.table_entries != entries:
         problems.append(f"the pool counts {pool.table_entries} table entries, its tables hold {entries}")
-    if entries > pool.max_table_entries or len(pool._seqs) > pool.max_sequences:
-        problems.append(f"{len(pool._seqs)} sequences and {entries} table entries exceed the pool's bounds")
+    names = sum(len(s) + len(seq.salt or "") for s, seq in pool._seqs.items())
+    if pool.name_chars != names:
+        problems.append(f"the pool counts {pool.name_chars} characters of names, its sequences hold {names}")
+    if entries > pool.max_table_entries or len(pool._seqs) > pool.max_sequences or names > pool.max_name_chars:
+        problems.append(f"{len(pool._seqs)} sequences, {entries} table entries and {names} characters "
+                        "of names exceed the pool's bounds")
     uncached, cached = list(pool._uncached_free), list(pool._cached_free)
     free = uncached + cached
     if len(set(free)) != len(free):

@@ -43,6 +43,11 @@ MIN_TABLE_ENTRIES = 1024
 # Live sequences of a pool (empty ones and forks included).
 SEQUENCES_PER_BLOCK = 2
 MIN_SEQUENCES = 64
+# Characters of the names a pool holds: each sequence's id plus its salt (a
+# fork is charged its parent's salt too). A Python string takes up to 4 bytes
+# a character, so this bounds the bytes of ids and salts.
+NAME_CHARS_PER_BLOCK = 512
+MIN_NAME_CHARS = MIN_SEQUENCES * (MAX_SEQ_ID_LEN + MAX_SALT_LEN)
 
 
 def max_table_entries(num_blocks: int) -> int:
@@ -53,3 +58,8 @@ def max_table_entries(num_blocks: int) -> int:
 def max_sequences(num_blocks: int) -> int:
     """Sequences one pool of `num_blocks` blocks may hold at once."""
     return max(SEQUENCES_PER_BLOCK * num_blocks, MIN_SEQUENCES)
+
+
+def max_name_chars(num_blocks: int) -> int:
+    """Characters of sequence ids and salts one pool may hold in total."""
+    return max(NAME_CHARS_PER_BLOCK * num_blocks, MIN_NAME_CHARS)

@@ -45,10 +45,13 @@ from allocator_service.core.limits import (
     MAX_SALT_LEN,
     MAX_SEQ_ID_LEN,
     MAX_TOKEN_ID,
+    MIN_NAME_CHARS,
     MIN_SEQUENCES,
     MIN_TABLE_ENTRIES,
+    NAME_CHARS_PER_BLOCK,
     SEQUENCES_PER_BLOCK,
     TABLE_ENTRIES_PER_BLOCK,
+    max_name_chars,
     max_sequences,
     max_table_entries,
 )
@@ -134,6 +137,11 @@ def _check_salt(cache_salt: object) -> None:
         )
 
 
+def _name_chars(seq_id: str, salt: str | None) -> int:
+    """What a sequence's names count against `max_name_chars`."""
+    return len(seq_id) + (len(salt) if salt else 0)
+
+
 _INT_ONLY = {int}
 
 
@@ -180,6 +188,9 @@ class BlockPool:
         self.max_sequences = max_sequences(n)
         self.max_table_entries = max_table_entries(n)
         self.table_entries = 0
+        # ... and characters of sequence ids plus salts (`_name_chars`).
+        self.max_name_chars = max_name_chars(n)
+        self.name_chars = 0
 
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
@@ -268,9 +279,10 @@ class BlockPool:
         _check_seq_id(seq_id)
         if seq_id in self._seqs:
             raise SequenceExists(seq_id)
-        self._check_new_sequence()
         _check_tokens(tokens)
         _check_salt(cache_salt)
+        names = _name_chars(seq_id, cache_salt)
+        self._check_new_sequence(names)
         if num_new_tokens is not None and (not isinstance(num_new_tokens, int) or num_new_tokens < 1):
             raise InvalidArgument("num_new_tokens must be a positive integer")
         B = self.block_size
@@ -305,6 +317,7 @@ class BlockPool:
             self._fill[b] = min(B, stored - (len(hits) + i) * B)
         table = hits + new_blocks
         self.table_entries += len(table)
+        self.name_chars += names
         seq = Seq(table=table, num_tokens=stored, salt=cache_salt)
         if self.enable_prefix_caching:
             self.prefix_queried_tokens += n
@@ -421,9 +434,11 @@ class BlockPool:
             raise UnknownSequence(parent_id)
         if child_id in self._seqs:
             raise SequenceExists(child_id)
-        self._check_new_sequence()
+        names = _name_chars(child_id, parent.salt)
+        self._check_new_sequence(names)
         self._check_new_entries(len(parent.table))
         self.table_entries += len(parent.table)
+        self.name_chars += names
         for b in parent.table:
             self.ref_cnt[b] += 1
         self._seqs[child_id] = Seq(
@@ -443,6 +458,7 @@ class BlockPool:
         if seq is None:
             raise UnknownSequence(seq_id)
         self.table_entries -= len(seq.table)
+        self.name_chars -= _name_chars(seq_id, seq.salt)
         cached: list[int] = []
         block_hash = self.index.block_hash
         for b in seq.table:
@@ -471,11 +487,17 @@ class BlockPool:
             raise UnknownSequence(seq_id)
         return seq
 
-    def _check_new_sequence(self) -> None:
+    def _check_new_sequence(self, names: int) -> None:
         if len(self._seqs) >= self.max_sequences:
             raise PoolLimit(
                 f"the pool holds its maximum of {self.max_sequences} sequences "
                 f"({SEQUENCES_PER_BLOCK} per block, at least {MIN_SEQUENCES}); free some first"
+            )
+        if self.name_chars + names > self.max_name_chars:
+            raise PoolLimit(
+                f"{names} more characters of sequence id and salt would exceed the pool's maximum of "
+                f"{self.max_name_chars} ({NAME_CHARS_PER_BLOCK} per block, at least {MIN_NAME_CHARS}; "
+                f"in use: {self.name_chars})"
             )
 
     def _check_new_entries(self, added: int) -> None:

@@ -72,6 +72,7 @@ def restore(pool: BlockPool, state: dict[str, Any]) -> None:
             tail=list(q["tail"]),
         )
     pool.table_entries = sum(len(q.table) for q in pool._seqs.values())
+    pool.name_chars = sum(len(s) + len(q.salt or "") for s, q in pool._seqs.items())
     for k, v in state["counters"].items():
         setattr(pool, k, v)
 

@@ -126,3 +126,25 @@ def test_an_empty_salt_is_refused():
     pool.admit("a", [1, 2, 3], cache_salt="t")
     assert pool.cached_prefix_tokens([1, 2, 3], "t") == 2
     assert pool.cached_prefix_tokens([1, 2, 3], None) == 0
+
+
+def test_names_are_bounded_in_characters():
+    from allocator_service.core.limits import MAX_SALT_LEN, MAX_SEQ_ID_LEN, MIN_NAME_CHARS
+
+    pool = BlockPool(PoolConfig(num_blocks=100, block_size=4))  # 200 sequences, MIN_NAME_CHARS
+    each = MAX_SEQ_ID_LEN + MAX_SALT_LEN
+    ops = [Admit(f"{i}".ljust(MAX_SEQ_ID_LEN, "x"), [], "s" * MAX_SALT_LEN) for i in range(MIN_SEQUENCES + 1)]
+    results = execute_step(pool, ops)
+    assert sum(r.ok for r in results) == MIN_NAME_CHARS // each == MIN_SEQUENCES
+    assert results[-1].error == "pool_limit" and "characters" in results[-1].message
+    pool.free(ops[0].seq)
+    pool.admit("short", [], "t")
+    before = dumped(pool)
+    with pytest.raises(PoolLimit, match="characters"):
+        pool.admit("y" * MAX_SEQ_ID_LEN, [], "s" * MAX_SALT_LEN)
+    with pytest.raises(PoolLimit, match="characters"):
+        pool.fork(ops[1].seq, "z" * MAX_SEQ_ID_LEN)  # the child is charged its parent's salt
+    assert dumped(pool) == before
+    assert pool.name_chars == (MIN_SEQUENCES - 1) * each + len("short") + 1
+    assert BlockPool.from_state(pool.to_state()).name_chars == pool.name_chars
+    assert pool.check_integrity()
