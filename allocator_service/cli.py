@@ -47,6 +47,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
       help="file holding a bearer token every call must send as 'authorization: Bearer "
            "TOKEN' (health checks exempt); none = no server-wide token "
            "[PAGEDKV_ALLOCATOR_AUTH_TOKEN_FILE]")
+    a("--admin-token-file", **_env("--admin-token-file"), metavar="PATH",
+      help="file holding the admin bearer token: every call, and GetPoolStats, "
+           "ResetPrefixCache and DumpPool of ANY pool without its credential; none = no "
+           "admin role [PAGEDKV_ALLOCATOR_ADMIN_TOKEN_FILE]")
+    a("--router-token-file", **_env("--router-token-file"), metavar="PATH",
+      help="file holding the router bearer token, which MatchPrefix and WatchEvents then "
+           "require (or the admin token) and which may call nothing else. Without it those "
+           "two calls are open to any caller only when --auth-token-file is unset too (a "
+           "development setup); with --auth-token-file alone they need the admin token "
+           "[PAGEDKV_ALLOCATOR_ROUTER_TOKEN_FILE]")
     a("--lease-ttl", **_env("--lease-ttl", 30.0, float), metavar="SECONDS",
       help="drop a pool (and free its blocks) when no call renewed it for this long "
            "[%(default)s] [PAGEDKV_ALLOCATOR_LEASE_TTL]")
@@ -88,6 +98,11 @@ def options_from_args(args: argparse.Namespace):
     from allocator_service.server import ServeOptions
 
     token = read_secret(args.auth_token_file, "auth token file") if args.auth_token_file else None
+    admin = read_secret(args.admin_token_file, "admin token file") if args.admin_token_file else None
+    router = read_secret(args.router_token_file, "router token file") if args.router_token_file else None
+    tokens = [t for t in (token, admin, router) if t]
+    if len(set(tokens)) != len(tokens):
+        raise CliError("--auth-token-file, --admin-token-file and --router-token-file must hold different tokens")
     if bool(args.tls_cert) != bool(args.tls_key):
         raise CliError("--tls-cert and --tls-key go together")
     if ":" not in args.listen:
@@ -105,6 +120,8 @@ def options_from_args(args: argparse.Namespace):
         state=args.state,
         metrics_port=args.metrics_port,
         auth_token=token,
+        admin_token=admin,
+        router_token=router,
         tls_cert=read_file(args.tls_cert, "TLS certificate") if args.tls_cert else None,
         tls_key=read_file(args.tls_key, "TLS key") if args.tls_key else None,
         config=config,
@@ -133,7 +150,11 @@ def run(args: argparse.Namespace) -> int:
             return 1
     try:
         return serve(options)
-    except (StoreUnavailable, CorruptState, OSError) as exc:
+    except CorruptState as exc:
+        print(f"pagedkv allocator: cannot start: {exc} (recovery: docs/RELIABILITY.md, "
+              "'A journal that cannot be replayed')", file=sys.stderr)
+        return 1
+    except (StoreUnavailable, OSError) as exc:
         print(f"pagedkv allocator: cannot start: {exc}", file=sys.stderr)
         return 1
 

@@ -19,6 +19,7 @@ from allocator_service.core.errors import (
     AllocatorError,
     InvalidArgument,
     OutOfBlocks,
+    PoolLimit,
     SequenceExists,
     UnknownSequence,
 )
@@ -65,6 +66,13 @@ class StepConflict(ServiceError):
     operations, or older than the last step)."""
 
     code = "step_conflict"
+
+
+class PoolInUse(ServiceError):
+    """RegisterPool of a worker id whose pool is live, without that pool's
+    credential (`replace_credential`): wait for its lease to expire."""
+
+    code = "pool_in_use"
 
 
 class CapacityExceeded(ServiceError):
@@ -114,8 +122,10 @@ STATUS: dict[type[Exception], grpc.StatusCode] = {
     PoolNotFound: grpc.StatusCode.NOT_FOUND,
     UnknownSequence: grpc.StatusCode.NOT_FOUND,
     StepConflict: grpc.StatusCode.FAILED_PRECONDITION,
+    PoolInUse: grpc.StatusCode.FAILED_PRECONDITION,
     SequenceExists: grpc.StatusCode.FAILED_PRECONDITION,
     CapacityExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    PoolLimit: grpc.StatusCode.RESOURCE_EXHAUSTED,
     OutOfBlocks: grpc.StatusCode.RESOURCE_EXHAUSTED,
     StoreUnavailable: grpc.StatusCode.UNAVAILABLE,
 }

@@ -1,5 +1,5 @@
-"""Server interceptors: the server-wide bearer token, and per-RPC latency by
-method and status code.
+"""Server interceptors: the bearer tokens and the caller's role
+(`roles.py` holds the table), and per-RPC latency by method and status code.
 
 Both wrap the handler's behaviour rather than answering from the interceptor
 itself, because a rejection must still be an RPC of the right shape (unary
@@ -8,14 +8,13 @@ or streaming) and still be counted by the metrics interceptor outside it.
 
 from __future__ import annotations
 
-import hmac
 import time
 from collections.abc import Callable
 
 import grpc
 
 from allocator_service import errors
-from allocator_service.errors import Unauthenticated
+from allocator_service.roles import Roles, reset_caller_role, set_caller_role
 
 # Health probes (kubelet, load balancers) carry no token.
 AUTH_EXEMPT = ("/grpc.health.v1.Health/",)
@@ -42,41 +41,54 @@ def _rewrap(handler: grpc.RpcMethodHandler, wrap: Callable[[Callable, bool], Cal
     return handler
 
 
-class BearerAuthInterceptor(grpc.ServerInterceptor):
-    """Refuses (UNAUTHENTICATED) a call without `authorization: Bearer <token>`."""
+def _refusal(exc: Exception):
+    def refuse(behaviour, streams_out):
+        def unary(request, context):
+            errors.abort(context, exc)
 
-    def __init__(self, token: str) -> None:
-        if not token:
-            raise ValueError("empty auth token")
-        self._expected = f"Bearer {token}".encode()
+        def stream(request, context):
+            errors.abort(context, exc)
+            yield  # pragma: no cover - makes this a generator
 
-    def _allowed(self, metadata) -> bool:
-        for key, value in metadata or ():
-            if key == "authorization":
-                raw = value.encode() if isinstance(value, str) else value
-                return hmac.compare_digest(raw, self._expected)
-        return False
+        return stream if streams_out else unary
+
+    return refuse
+
+
+class RoleInterceptor(grpc.ServerInterceptor):
+    """Finds the caller's role from its bearer token and refuses a method the
+    role may not call (`Roles.check`: UNAUTHENTICATED or PERMISSION_DENIED);
+    the handler then runs with the role set (`roles.caller_role()`)."""
+
+    def __init__(self, roles: Roles) -> None:
+        self._roles = roles
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith(AUTH_EXEMPT):
+        full = handler_call_details.method
+        if handler is None or full.startswith(AUTH_EXEMPT):
             return handler
-        if self._allowed(handler_call_details.invocation_metadata):
-            return handler
+        bearer = None
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == "authorization":
+                bearer = value.encode() if isinstance(value, str) else value
+                break
+        try:
+            role = self._roles.check(full.rsplit("/", 1)[-1], bearer)
+        except errors.ServiceError as exc:
+            return _rewrap(handler, _refusal(exc))
 
-        def refuse(behaviour, streams_out):
-            exc = Unauthenticated("missing or wrong bearer token (authorization metadata)")
+        def as_role(behaviour, streams_out):
+            def call(request, context):
+                token = set_caller_role(role)
+                try:
+                    return behaviour(request, context)
+                finally:
+                    reset_caller_role(token)
 
-            def unary(request, context):
-                errors.abort(context, exc)
+            return call
 
-            def stream(request, context):
-                errors.abort(context, exc)
-                yield  # pragma: no cover - makes this a generator
-
-            return stream if streams_out else unary
-
-        return _rewrap(handler, refuse)
+        return _rewrap(handler, as_role)
 
 
 class MetricsInterceptor(grpc.ServerInterceptor):

@@ -20,7 +20,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from allocator_service.config import ServiceConfig
-from allocator_service.interceptors import BearerAuthInterceptor, MetricsInterceptor
+from allocator_service.interceptors import MetricsInterceptor, RoleInterceptor
+from allocator_service.roles import Roles
 from allocator_service.service import AllocatorService
 from allocator_service.servicer import SERVICE_NAME, allocator_handler
 
@@ -32,6 +33,8 @@ def create_server(
     service: AllocatorService | None = None,
     *,
     auth_token: str | None = None,
+    admin_token: str | None = None,
+    router_token: str | None = None,
     tls: tuple[bytes, bytes] | None = None,
     rpc_histogram=None,
     health_servicer: health.HealthServicer | None = None,
@@ -39,15 +42,17 @@ def create_server(
 ) -> tuple[grpc.Server, int]:
     """A server for `service` bound to `address` (HOST:PORT; port 0 = any).
 
-    `tls` is (certificate chain PEM, private key PEM); `auth_token` turns on
-    the bearer-token check; `rpc_histogram` (prometheus Histogram with labels
+    `tls` is (certificate chain PEM, private key PEM); `auth_token` (pools),
+    `admin_token` and `router_token` turn on the bearer-token roles
+    (`roles.py`); `rpc_histogram` (prometheus Histogram with labels
     method, code) turns on RPC latency metrics."""
     service = service if service is not None else AllocatorService()
     interceptors: list[grpc.ServerInterceptor] = []
     if rpc_histogram is not None:
         interceptors.append(MetricsInterceptor(rpc_histogram))  # outermost: sees rejections too
-    if auth_token:
-        interceptors.append(BearerAuthInterceptor(auth_token))
+    roles = Roles(auth_token or None, admin_token or None, router_token or None)
+    if roles.any_token:  # with none, every caller is a pool and router calls are open
+        interceptors.append(RoleInterceptor(roles))
     size = service.limits.max_message_bytes
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
@@ -92,6 +97,8 @@ class ServeOptions:
     state: str = "memory"
     metrics_port: int | None = None
     auth_token: str | None = None
+    admin_token: str | None = None
+    router_token: str | None = None
     tls_cert: bytes | None = None
     tls_key: bytes | None = None
     config: ServiceConfig = ServiceConfig()
@@ -118,10 +125,14 @@ def serve(opts: ServeOptions) -> int:
         opts.listen,
         service,
         auth_token=opts.auth_token,
+        admin_token=opts.admin_token,
+        router_token=opts.router_token,
         tls=tls,
         rpc_histogram=histogram,
         health_servicer=health_servicer,
     )
+    if opts.auth_token and not opts.router_token:
+        log.warning("no router token (--router-token-file): MatchPrefix and WatchEvents answer the admin token only")
     host = opts.listen.rsplit(":", 1)[0]
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

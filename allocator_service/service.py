@@ -51,6 +51,7 @@ from allocator_service.errors import (
     BadRequest,
     CapacityExceeded,
     PermissionDenied,
+    PoolInUse,
     PoolNotFound,
     PoolStateLost,
     StepConflict,
@@ -395,12 +396,16 @@ class AllocatorService:
                 return
             self._set_health(True, "")
 
-    def _authorize(self, ref: pb.PoolRef) -> PoolEntry:
+    def _authorize(self, ref: pb.PoolRef, admin: bool = False) -> PoolEntry:
+        """The pool `ref` names, if it presents that pool's credential. An
+        admin needs none, and its calls do not renew the pool's lease."""
         if not ref.pool_id:
             raise BadRequest("pool.pool_id is required")
         entry = self.registry.pools.get(ref.pool_id)
         if entry is None:
             raise PoolNotFound(ref.pool_id)
+        if admin:
+            return entry
         if not ref.credential:
             raise Unauthenticated("this call needs the pool's credential (pool.credential)")
         if not hmac.compare_digest(_digest(ref.credential), entry.credential_digest):
@@ -410,7 +415,10 @@ class AllocatorService:
         return entry
 
     # ------------------------------------------------------------ pool calls
-    def register(self, worker_id: str, shape: pb.PoolShape) -> Registration:
+    def register(self, worker_id: str, shape: pb.PoolShape, replace_credential: str = "") -> Registration:
+        """A new pool for `worker_id`. A live pool of the same worker id is
+        replaced only with its credential; else PoolInUse until its lease
+        expires (so nobody can drop another worker's pool by naming it)."""
         limit = self.limits.max_worker_id_len
         if not worker_id or len(worker_id) > limit or "/" in worker_id or not worker_id.isprintable():
             raise BadRequest(f"worker_id must be 1 to {limit} printable characters without '/'")
@@ -420,6 +428,8 @@ class AllocatorService:
         with self._lock:
             reg = self._fresh()
             old = reg.pools.get(reg.current.get(worker_id, ""))
+            if old is not None:
+                self._check_replace(old, replace_credential)
             pools = len(reg.pools) - (old is not None)
             if pools >= self.limits.max_pools:
                 raise CapacityExceeded(f"the server holds its maximum of {self.limits.max_pools} pools")
@@ -446,6 +456,16 @@ class AllocatorService:
             self._changed()
         log.info("registered pool %s (%d blocks of %d)", entry.pool_id, config.num_blocks, config.block_size)
         return Registration(entry.pool_id, epoch, credential, self.config.lease_ttl_s)
+
+    def _check_replace(self, old: PoolEntry, credential: str) -> None:
+        if not credential:
+            raise PoolInUse(
+                f"worker id {old.worker_id!r} has a live pool {old.pool_id} (its lease expires in "
+                f"{self.leases.remaining(old.pool_id):.1f} s unless renewed): present its credential "
+                "as replace_credential to replace it, or wait for the lease to expire"
+            )
+        if not hmac.compare_digest(_digest(credential), old.credential_digest):
+            raise PermissionDenied(f"replace_credential is not the credential of pool {old.pool_id!r}")
 
     def heartbeat(self, ref: pb.PoolRef) -> float:
         with self._lock:
@@ -508,9 +528,9 @@ class AllocatorService:
             pool = self._authorize(ref).pool
             return pool.block_table(seq_id), pool.num_tokens(seq_id)
 
-    def stats(self, ref: pb.PoolRef, check_integrity: bool = False) -> pb.GetPoolStatsResponse:
+    def stats(self, ref: pb.PoolRef, check_integrity: bool = False, admin: bool = False) -> pb.GetPoolStatsResponse:
         with self._lock:
-            entry = self._authorize(ref)
+            entry = self._authorize(ref, admin)
             problems = entry.pool.integrity_problems() if check_integrity else []
             return stats_to_proto(
                 entry.pool.stats(),
@@ -519,26 +539,26 @@ class AllocatorService:
                 integrity_checked=check_integrity,
             )
 
-    def reset_prefix_cache(self, ref: pb.PoolRef) -> int:
+    def reset_prefix_cache(self, ref: pb.PoolRef, admin: bool = False) -> int:
         with self._lock:
             self._fresh()
-            entry = self._authorize(ref)
+            entry = self._authorize(ref, admin)
             self._journal(reset=jpb.PrefixCacheReset(pool_id=entry.pool_id))
             dropped = self.registry.reset_prefix_cache(entry)
             self._changed()
             return dropped
 
-    def dump(self, ref: pb.PoolRef) -> tuple[dict[str, Any], int, list[str]]:
+    def dump(self, ref: pb.PoolRef, admin: bool = False) -> tuple[dict[str, Any], int, list[str]]:
         with self._lock:
-            entry = self._authorize(ref)
+            entry = self._authorize(ref, admin)
             return entry.pool.to_state(), entry.last_step_id, entry.pool.integrity_problems()
 
     # ------------------------------------------------------- cross-pool calls
     def match_prefix(self, fingerprint: str, tokens: list[int], salt: str | None) -> list[pb.PrefixMatch]:
         if len(tokens) > self.limits.max_tokens_per_call:
             raise BadRequest(f"{len(tokens)} tokens; the limit is {self.limits.max_tokens_per_call}")
-        if salt is not None and len(salt) > MAX_SALT_LEN:
-            raise InvalidArgument(f"cache_salt is longer than {MAX_SALT_LEN} characters")
+        if salt is not None and not 1 <= len(salt) <= MAX_SALT_LEN:
+            raise InvalidArgument(f"cache_salt must be 1 to {MAX_SALT_LEN} characters (unset for no salt)")
         out = []
         with self._lock:
             for e in self.registry.pools.values():

@@ -18,6 +18,7 @@ import grpc
 
 from allocator_service import errors
 from allocator_service.errors import BadRequest
+from allocator_service.roles import ADMIN, caller_role
 from allocator_service.service import AllocatorService
 from allocator_service.v1 import allocator_pb2 as pb
 
@@ -39,7 +40,7 @@ class AllocatorServicer:
         self.service = service
 
     def RegisterPool(self, request: pb.RegisterPoolRequest, context) -> pb.RegisterPoolResponse:
-        r = self.service.register(request.worker_id, request.shape)
+        r = self.service.register(request.worker_id, request.shape, request.replace_credential)
         return pb.RegisterPoolResponse(
             pool_id=r.pool_id, epoch=r.epoch, credential=r.credential, lease_ttl_s=r.lease_ttl_s
         )
@@ -60,10 +61,11 @@ class AllocatorServicer:
         return pb.GetBlockTableResponse(block_ids=table, num_tokens=num_tokens)
 
     def GetPoolStats(self, request: pb.GetPoolStatsRequest, context) -> pb.GetPoolStatsResponse:
-        return self.service.stats(request.pool, request.check_integrity)
+        return self.service.stats(request.pool, request.check_integrity, admin=caller_role() == ADMIN)
 
     def ResetPrefixCache(self, request: pb.ResetPrefixCacheRequest, context) -> pb.ResetPrefixCacheResponse:
-        return pb.ResetPrefixCacheResponse(dropped=self.service.reset_prefix_cache(request.pool))
+        dropped = self.service.reset_prefix_cache(request.pool, admin=caller_role() == ADMIN)
+        return pb.ResetPrefixCacheResponse(dropped=dropped)
 
     def MatchPrefix(self, request: pb.MatchPrefixRequest, context) -> pb.MatchPrefixResponse:
         salt = request.cache_salt if request.HasField("cache_salt") else None
@@ -71,7 +73,7 @@ class AllocatorServicer:
         return pb.MatchPrefixResponse(matches=matches)
 
     def DumpPool(self, request: pb.DumpPoolRequest, context) -> pb.DumpPoolResponse:
-        state, last_step_id, problems = self.service.dump(request.pool)
+        state, last_step_id, problems = self.service.dump(request.pool, admin=caller_role() == ADMIN)
         return pb.DumpPoolResponse(
             state_json=json.dumps(state, separators=(",", ":")),
             last_step_id=last_step_id,

@@ -228,6 +228,14 @@ class Registry:
                 raise CorruptState(f"journal record {record.index} holds no change")
         except KeyError as exc:
             raise CorruptState(f"journal record {record.index} names an unknown pool {exc}") from exc
+        except CorruptState:
+            raise
+        except Exception as exc:  # a record that cannot be re-applied: name it, never a traceback
+            pool = getattr(getattr(record, kind), "pool_id", "") if kind else ""
+            raise CorruptState(
+                f"journal record {record.index} ({kind} of pool {pool!r}) cannot be re-applied: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
 
     # --------------------------------------------------------- snapshots
     def to_snapshot(self, chain: bytes = ZERO_CHAIN) -> dict[str, Any]:

@@ -18,6 +18,11 @@ Failure handling, in the order a worker meets it:
   sequence the worker held is gone and must be recomputed. Each Step names
   the last step id answered (`prev_step_id`), which is how the server tells
   that its state is behind the worker's.
+- The worker id still has a live pool when registering (a restarted worker
+  process whose previous pool's lease has not yet run out): the server
+  refuses (`pool_in_use`) unless given that pool's credential, so the client
+  waits, retrying, for the old lease to expire (`register_wait_s`), then
+  raises the refusal.
 - Anything else is a bug on one side and surfaces as `grpc.RpcError`.
 
 A daemon thread renews the lease at a third of its TTL while the worker is
@@ -146,8 +151,11 @@ class GrpcAllocator(AllocatorClient):
         backoff_s: float = 0.05,
         heartbeat: bool = True,
         on_unavailable: Callable[[float, int], None] | None = None,
+        replace_credential: str = "",
+        register_wait_s: float = 120.0,
     ) -> None:
         self.spec = spec
+        self.register_wait_s = register_wait_s
         self.block_size = spec.config.block_size
         self._channel = open_channel(target, tls_ca)
         self._call = _Caller(pb_grpc.AllocatorStub(self._channel), auth_token, deadline_s, retries, backoff_s,
@@ -160,7 +168,7 @@ class GrpcAllocator(AllocatorClient):
         self._answered = 0  # the last step id that got an answer
         self._pending: pb.StepRequest | None = None  # sent, outcome unknown
         self._closed = threading.Event()
-        self._register()
+        self._register(replace_credential)
         self._heartbeat: threading.Thread | None = None
         if heartbeat:
             self._heartbeat = threading.Thread(target=self._beat, name="allocator-heartbeat", daemon=True)
@@ -171,9 +179,27 @@ class GrpcAllocator(AllocatorClient):
         return self._ref.pool_id
 
     # ---------------------------------------------------------------- pool
-    def _register(self) -> None:
-        shape = shape_to_proto(self.spec.config)
-        r = self._call("RegisterPool", pb.RegisterPoolRequest(worker_id=self.spec.worker_id, shape=shape))
+    def _register(self, replace_credential: str = "") -> None:
+        """Register a pool, replacing the worker id's live pool only with its
+        credential; else wait up to `register_wait_s` for that pool to go."""
+        request = pb.RegisterPoolRequest(
+            worker_id=self.spec.worker_id,
+            shape=shape_to_proto(self.spec.config),
+            replace_credential=replace_credential,
+        )
+        give_up = time.monotonic() + self.register_wait_s
+        waited = False
+        while True:
+            try:
+                r = self._call("RegisterPool", request)
+                break
+            except grpc.RpcError as err:
+                if error_reason(err) != "pool_in_use" or time.monotonic() >= give_up:
+                    raise
+                if not waited:
+                    log.warning("waiting up to %.0f s to register: %s", self.register_wait_s, err.details())
+                    waited = True
+                time.sleep(0.5)
         with self._register_lock:
             self._ref = pb.PoolRef(pool_id=r.pool_id, credential=r.credential)
             self.epoch = r.epoch
@@ -274,14 +300,19 @@ class RouterClient:
         self,
         target: str,
         *,
+        router_token: str | None = None,
         auth_token: str | None = None,
         tls_ca: str | bytes | None = None,
         deadline_s: float = 5.0,
         retries: int = 3,
     ) -> None:
+        """`router_token` (or the admin token) is what MatchPrefix and
+        WatchEvents need once the server has a router token; `auth_token` is
+        sent when no router token is given (a server with no router token
+        and no server-wide token answers anyone)."""
         self._channel = open_channel(target, tls_ca)
         self._stub = pb_grpc.AllocatorStub(self._channel)
-        self._call = _Caller(self._stub, auth_token, deadline_s, retries, 0.05)
+        self._call = _Caller(self._stub, router_token or auth_token, deadline_s, retries, 0.05)
 
     def match_prefix(self, model_fingerprint: str, tokens: Sequence[int], cache_salt: str | None = None) -> list[PrefixMatch]:
         r = self._call(

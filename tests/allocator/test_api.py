@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from allocator_service.client import EmbeddedAllocator, PoolLost, PoolSpec, connect
-from allocator_service.client.grpc_client import GrpcAllocator, RouterClient
+from allocator_service.client.grpc_client import GrpcAllocator, RouterClient, error_reason
 from allocator_service.codec import encode_ops
 from allocator_service.core import Admit, Append, Free, PoolConfig, UnknownSequence
 from allocator_service.v1 import allocator_pb2 as pb
@@ -31,15 +31,22 @@ from tests.support.allocator import (
 )
 
 TOKEN = "s3cret-token"
+ADMIN_TOKEN = "admin-s3cret"
+ROUTER_TOKEN = "router-s3cret"
 TRACES = Path(__file__).parents[1] / "traces"
 C = grpc.StatusCode
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, allocator_server):
-    token_file = tmp_path_factory.mktemp("auth") / "token"
-    token_file.write_text(TOKEN + "\n")
-    with allocator_server("--auth-token-file", str(token_file), "--metrics-port", "0", "--lease-ttl", "60") as s:
+    tokens = tmp_path_factory.mktemp("auth")
+    for name, value in (("token", TOKEN), ("admin", ADMIN_TOKEN), ("router", ROUTER_TOKEN)):
+        (tokens / name).write_text(value + "\n")
+    with allocator_server(
+        "--auth-token-file", str(tokens / "token"), "--metrics-port", "0", "--lease-ttl", "60",
+        env={"PAGEDKV_ALLOCATOR_ADMIN_TOKEN_FILE": str(tokens / "admin"),
+             "PAGEDKV_ALLOCATOR_ROUTER_TOKEN_FILE": str(tokens / "router")},
+    ) as s:
         yield s
 
 
@@ -50,9 +57,11 @@ def api(server):
     channel.close()
 
 
-def client(server, worker_id: str, **spec) -> GrpcAllocator:
+def client(server, worker_id: str, replace_credential: str = "", register_wait_s: float = 120.0,
+           **spec) -> GrpcAllocator:
     shape = {"num_blocks": 48, "block_size": 4, "model_fingerprint": "m", "enable_prefix_caching": True} | spec
-    return GrpcAllocator(server.address, PoolSpec(worker_id, PoolConfig(**shape)), auth_token=TOKEN)
+    return GrpcAllocator(server.address, PoolSpec(worker_id, PoolConfig(**shape)), auth_token=TOKEN,
+                         replace_credential=replace_credential, register_wait_s=register_wait_s)
 
 
 @pytest.mark.parametrize("prefix", [False, True])
@@ -185,19 +194,84 @@ def test_limits(api):
 
 
 def test_register_again_is_a_new_epoch_and_the_old_pool_is_gone(server):
-    first = client(server, "epoch-worker")
+    """Replacing a live pool needs its credential; a client whose pool was
+    replaced waits for the worker id to be free, then registers anew."""
+    first = client(server, "epoch-worker", register_wait_s=1.0)
     first.step([Admit("a", [1, 2, 3, 4, 5])])
     assert first.epoch == 1
-    second = client(server, "epoch-worker")
+    second = client(server, "epoch-worker", replace_credential=first._ref.credential)
     assert second.epoch == 2 and second.pool_id == "epoch-worker/2"
     assert second.stats().num_sequences == 0
+    with pytest.raises(grpc.RpcError) as refused:  # the id is second's now: first may not take it back
+        first.step([Append("a", [6])])
+    assert refused.value.code() == C.FAILED_PRECONDITION and error_reason(refused.value) == "pool_in_use"
+    assert second.stats().num_sequences == 0
+    second.close()  # deregisters: the worker id is free
     with pytest.raises(PoolLost):
         first.step([Append("a", [6])])
-    assert first.epoch == 3  # it re-registered, replacing the second
-    with pytest.raises(PoolLost):
-        second.step([Append("a", [6])])
+    assert first.epoch == 3
     first.close()
-    second.close()
+
+
+def test_register_with_a_live_worker_id_needs_its_credential(api):
+    """A hijack: RegisterPool naming another live worker's id is refused and
+    changes nothing; the worker's own restart path (its credential, or a
+    wait for the lease) still works."""
+    s, md = api
+    victim = register(s, md, "victim")
+    s.Step(pb.StepRequest(pool=victim, step_id=1, ops=encode_ops([Admit("a", [1, 2, 3])])), metadata=md)
+    before = dump(s, md, victim)
+    shape = pb.PoolShape(num_blocks=8, block_size=4)
+    with pytest.raises(grpc.RpcError) as err:
+        s.RegisterPool(pb.RegisterPoolRequest(worker_id="victim", shape=shape), metadata=md)
+    assert err.value.code() == C.FAILED_PRECONDITION and error_reason(err.value) == "pool_in_use"
+    assert "victim/1" in err.value.details() and "replace_credential" in err.value.details()
+    other = register(s, md, "thief")
+    wrong = pb.RegisterPoolRequest(worker_id="victim", shape=shape, replace_credential=other.credential)
+    assert code_of(s.RegisterPool, wrong, metadata=md) == C.PERMISSION_DENIED
+    assert dump(s, md, victim) == before  # the victim's pool is untouched, same id and credential
+    mine = pb.RegisterPoolRequest(worker_id="victim", shape=shape, replace_credential=victim.credential)
+    r = s.RegisterPool(mine, metadata=md)
+    assert r.pool_id == "victim/2"
+    assert code_of(s.Heartbeat, pb.HeartbeatRequest(pool=victim), metadata=md) == C.NOT_FOUND
+
+
+def test_roles(api, server):
+    """Router calls need the router (or admin) token; the router token calls
+    nothing else; the admin reads and resets any pool without its credential."""
+    s, md = api
+    ref = register(s, md, "roles")
+    s.Step(pb.StepRequest(pool=ref, step_id=1, ops=encode_ops([Admit("a", [1, 2, 3, 4, 5])])), metadata=md)
+    router_md = (("authorization", f"Bearer {ROUTER_TOKEN}"),)
+    admin_md = (("authorization", f"Bearer {ADMIN_TOKEN}"),)
+    match = pb.MatchPrefixRequest(model_fingerprint="m", tokens=[1, 2, 3, 4, 5])
+    assert code_of(s.MatchPrefix, match, metadata=md) == C.PERMISSION_DENIED  # the pools' token
+    assert code_of(s.MatchPrefix, match) == C.UNAUTHENTICATED
+    assert code_of(s.MatchPrefix, match, metadata=router_md) == C.OK
+    assert code_of(s.MatchPrefix, match, metadata=admin_md) == C.OK
+    watch = pb.WatchEventsRequest(from_sequence=1)
+    for metadata, want in ((md, C.PERMISSION_DENIED), (None, C.UNAUTHENTICATED)):
+        with pytest.raises(grpc.RpcError) as err:
+            next(iter(s.WatchEvents(watch, metadata=metadata, timeout=5)))
+        assert err.value.code() == want
+    assert next(iter(s.WatchEvents(watch, metadata=router_md, timeout=5))).sequence >= 1
+    shape = pb.PoolShape(num_blocks=4, block_size=4)
+    assert code_of(s.RegisterPool, pb.RegisterPoolRequest(worker_id="r", shape=shape), metadata=router_md) \
+        == C.PERMISSION_DENIED
+    assert code_of(s.DumpPool, pb.DumpPoolRequest(pool=ref), metadata=router_md) == C.PERMISSION_DENIED
+    no_credential = pb.PoolRef(pool_id=ref.pool_id)
+    assert code_of(s.DumpPool, pb.DumpPoolRequest(pool=no_credential), metadata=md) == C.UNAUTHENTICATED
+    assert json.loads(s.DumpPool(pb.DumpPoolRequest(pool=no_credential), metadata=admin_md).state_json) \
+        == dump(s, md, ref)
+    stats = s.GetPoolStats(pb.GetPoolStatsRequest(pool=no_credential, check_integrity=True), metadata=admin_md)
+    assert stats.num_sequences == 1 and list(stats.integrity_problems) == []
+    assert s.ResetPrefixCache(pb.ResetPrefixCacheRequest(pool=no_credential), metadata=admin_md).dropped == 1
+    # The admin's reach ends at reads and resets: a step still needs the pool's credential.
+    step = pb.StepRequest(pool=no_credential, step_id=2, ops=encode_ops([Free("a")]))
+    assert code_of(s.Step, step, metadata=admin_md) == C.UNAUTHENTICATED
+    router = RouterClient(server.address, router_token=ROUTER_TOKEN)
+    assert [m.pool_id for m in router.match_prefix("m", [1, 2, 3, 4, 5]) if m.pool_id == "roles/1"] == ["roles/1"]
+    router.close()
 
 
 def test_match_prefix_finds_where_a_prefix_lives(server):
@@ -207,7 +281,7 @@ def test_match_prefix_finds_where_a_prefix_lives(server):
         a.step([Admit("r1", system + [1, 2])])
         b.step([Admit("r1", system[:8] + [9, 9, 9])])
         other.step([Admit("r1", system + [1, 2])])
-        router = RouterClient(server.address, auth_token=TOKEN)
+        router = RouterClient(server.address, router_token=ROUTER_TOKEN)
         matches = [m for m in router.match_prefix("m", system + [7]) if m.pool_id.startswith("mp-")]
         assert [(m.pool_id, m.cached_tokens) for m in matches] == [("mp-a/1", 16), ("mp-b/1", 8)]
         assert matches[0].free_blocks == 48 - 5 and matches[0].block_size == 4
@@ -220,7 +294,7 @@ def test_match_prefix_finds_where_a_prefix_lives(server):
 
 
 def test_watch_events_numbers_and_resync(server):
-    router = RouterClient(server.address, auth_token=TOKEN)
+    router = RouterClient(server.address, router_token=ROUTER_TOKEN)
     c = client(server, "ev-worker", num_blocks=4)
     c.step([Admit("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])])  # 2 full blocks -> 2 stored
     c.step([Free("a")])

@@ -73,7 +73,7 @@ def test_kill_between_steps_restores_everything(store, allocator_server):
             assert dump(s, md, r) == before[r.pool_id]
         assert code_of(s.DumpPool, pb.DumpPoolRequest(pool=gone)) == C.NOT_FOUND
         # Event numbers and epochs carry on where they were.
-        fresh = register(s, md, "w0")
+        fresh = register(s, md, "w0", replace_credential=refs[0].credential)
         stream = RouterClient(again.address).watch_events(from_sequence=events_before[-1].sequence + 1, timeout_s=5)
         first, second = next(stream), next(stream)
         stream.cancel()

@@ -173,7 +173,7 @@ def test_restart_from_journal_rebuilds_everything(snapshot_every):
         if i == 20:
             svc.reset_prefix_cache(ref_a)
     c = svc.register("wc", SHAPE)
-    svc.register("wc", SHAPE)  # a new epoch replaces c
+    svc.register("wc", SHAPE, c.credential)  # a new epoch replaces c
     svc.deregister(ref_b)
     assert (journal.snapshot is not None) == (snapshot_every < 1000)
 

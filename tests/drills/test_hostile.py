@@ -98,8 +98,8 @@ class PoolMachine(RuleBasedStateMachine):
         self.worker = f"fuzz-{next(_workers)}"
         self._fresh_pool()
 
-    def _fresh_pool(self) -> None:
-        self.ref = register(self.stub, None, self.worker, **SHAPE)
+    def _fresh_pool(self, replace_credential: str = "") -> None:
+        self.ref = register(self.stub, None, self.worker, replace_credential=replace_credential, **SHAPE)
         self.core = EmbeddedAllocator(PoolSpec(self.worker, PoolConfig(SHAPE["num_blocks"], SHAPE["block_size"], True, "m")))
         self.step_id = 0
         self.last: tuple[int, pb.StepOps, pb.StepResponse] | None = None
@@ -241,9 +241,13 @@ class PoolMachine(RuleBasedStateMachine):
 
     @rule()
     def register_again(self):
-        """A restarted worker: a new epoch; the old pool and its credential are gone."""
+        """A restarted worker: without the live pool's credential it is refused
+        (anyone could name the worker id); with it, a new epoch, and the old
+        pool and its credential are gone."""
         old = self.ref
-        self._fresh_pool()
+        shape = pb.PoolShape(num_blocks=SHAPE["num_blocks"], block_size=SHAPE["block_size"])
+        self.call("RegisterPool", pb.RegisterPoolRequest(worker_id=self.worker, shape=shape), C.FAILED_PRECONDITION)
+        self._fresh_pool(replace_credential=old.credential)
         assert self.ref.pool_id != old.pool_id
         self.send(1, encode_ops([Free("a")]), C.NOT_FOUND, ref=old)
 
@@ -272,6 +276,111 @@ def test_allocator_model_based_fuzzer(allocator_server):
         )
         assert server.proc.poll() is None  # still serving
     report("hostile_allocator", {"calls_by_code": {k: v for k, v in sorted(CODES.items()) if k.startswith("grpc")}})
+
+
+# ============================================================ bounded cost
+COST_BLOCKS, COST_B = 4096, 16
+# Before the bound, one step of 16,384 forks of a 4,096-block sequence added
+# ~1 GiB. The bound asserted here is generous: most of the growth measured
+# (87 to 130 MiB, docs/RELIABILITY.md) is the high-water mark of decoding and
+# journaling 9 MiB requests, which the allocator process keeps.
+COST_RSS_BOUND = 64 * 1024 * 1024 + COST_BLOCKS * 32 * 1024  # 64 MiB + 32 KiB per block
+
+
+def heaviest_legal_steps():
+    """The most expensive legal requests for one pool, as StepOps: a prompt
+    filling every block, steps of 16,384 forks of it, steps of empty admits
+    with the longest ids and salts (4-byte characters), then with short ids,
+    a 1,048,576-token admit."""
+    parent = list(range(COST_BLOCKS * COST_B - 1))
+    yield "admit", encode_ops([Admit("p", parent)])
+    for k in range(3):
+        yield "forks", encode_ops([Fork("p", f"f{k}-{i}") for i in range(16384)])
+    yield "sequences", encode_ops([Admit(f"e{i}", []) for i in range(16384)])
+    yield "free", encode_ops([Free(f"e{i}") for i in range(16384)])
+    pad = "\U0001F600"
+    for k in range(2):
+        yield "names", encode_ops(
+            [Admit(f"{k}-{i}-".ljust(256, pad)[:256], [], pad * 1024) for i in range(1800)]
+        )
+    yield "huge admit", encode_ops([Admit("huge", [7] * (1 << 20))])
+
+
+def test_the_heaviest_legal_requests_are_bounded_and_replay(redis_store, allocator_server):
+    """The heaviest legal requests are refused per operation (pool_limit),
+    the allocator's RSS stays within a bound proportional to its blocks, the
+    journal that holds those requests replays after a kill -9, and a record
+    that cannot be re-applied stops start-up with one clear line."""
+    import subprocess
+    import sys
+    import time
+
+    import redis
+
+    from allocator_service.journal import split_prefix
+    from allocator_service.v1 import journal_pb2 as jpb
+    from tests.support.drills import rss_bytes
+
+    with redis_store() as (url, _):
+        args = ("--state", url, "--snapshot-every", "1000000")  # replay every record on restart
+        with allocator_server(*args) as server:
+            s, md, channel = stub(server.address)
+            ref = register(s, md, "heavy", num_blocks=COST_BLOCKS, block_size=COST_B)
+            base = rss_bytes(server.pid)
+            figures: dict = {"rss_start_mib": round(base / 2**20, 1)}
+            refused: Counter = Counter()
+            for step_id, (what, ops) in enumerate(heaviest_legal_steps(), 1):
+                r = s.Step(pb.StepRequest(pool=ref, step_id=step_id, ops=ops), metadata=md, timeout=120)
+                for e in r.errors:
+                    refused[f"{what}:{pb.OpError.Name(e)}"] += 1
+                figures[f"rss_after_{what}_mib"] = round((rss_bytes(server.pid) - base) / 2**20, 1)
+            stats = s.GetPoolStats(pb.GetPoolStatsRequest(pool=ref, check_integrity=True), metadata=md)
+            assert list(stats.integrity_problems) == []
+            growth = rss_bytes(server.pid) - base
+            # (no DumpPool: the dump of a pool this full is ~130 MB, over the message limit)
+            tables = {q: s.GetBlockTable(pb.GetBlockTableRequest(pool=ref, seq_id=q), metadata=md).block_ids
+                      for q in ("p", "f0-0", "f0-14")}
+            names = (512 * COST_BLOCKS - 1 - 10 * 4 - 5 * 5) // 1280  # after "p", "f0-0".."f0-14"
+            assert stats.num_sequences == 16 + names and stats.used_blocks == COST_BLOCKS
+            entries = 16 * len(tables["p"])  # the parent and its 15 forks; the rest are empty
+            assert refused["forks:OP_ERROR_POOL_LIMIT"] == 3 * 16384 - 15  # 16 x 4096 entries in all
+            assert refused["sequences:OP_ERROR_POOL_LIMIT"] == 16384 - (2 * COST_BLOCKS - 16)
+            assert refused["names:OP_ERROR_POOL_LIMIT"] == 2 * 1800 - names
+            assert refused["huge admit:OP_ERROR_OUT_OF_BLOCKS"] == 1
+            server.kill()
+            channel.close()
+        figures.update(rss_growth_mib=round(growth / 2**20, 1), bound_mib=round(COST_RSS_BOUND / 2**20, 1),
+                       table_entries=entries, sequences=stats.num_sequences, refused=dict(refused))
+        assert growth <= COST_RSS_BOUND, figures
+
+        t0 = time.monotonic()
+        with allocator_server(*args, listen=f"127.0.0.1:{server.port}") as again:
+            figures["restart_s"] = round(time.monotonic() - t0, 2)
+            assert "1 pools restored" in again.lines[-1]
+            s, md, channel = stub(again.address)
+            again_stats = s.GetPoolStats(pb.GetPoolStatsRequest(pool=ref, check_integrity=True), metadata=md)
+            assert again_stats == stats
+            for q, table in tables.items():
+                assert s.GetBlockTable(pb.GetBlockTableRequest(pool=ref, seq_id=q), metadata=md).block_ids == table
+            channel.close()
+            again.kill()
+
+        # A record that cannot be re-applied (here: a step of a pool nobody
+        # registered) stops start-up with one line naming it, exit status 1.
+        base_url, prefix = split_prefix(url)
+        client = redis.Redis.from_url(base_url)
+        last = jpb.JournalRecord.FromString(client.lindex(prefix + "journal", -1))
+        bad = jpb.JournalRecord(index=last.index + 1, step=jpb.StepApplied(pool_id="ghost/1", step_id=1))
+        client.rpush(prefix + "journal", bad.SerializeToString())
+        client.close()
+        out = subprocess.run([sys.executable, "-m", "allocator_service", "--listen", "127.0.0.1:0", *args],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 1, out.stderr
+        lines = [line for line in out.stderr.splitlines() if "cannot start" in line]
+        assert len(lines) == 1 and f"journal record {bad.index}" in lines[0] and "ghost/1" in lines[0]
+        assert "recovery" in lines[0] and "Traceback" not in out.stderr
+        figures["unreplayable_record_message"] = lines[0]
+    report("bounded_cost", figures)
 
 
 # ====================================================================== HTTP

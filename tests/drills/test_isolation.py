@@ -179,3 +179,30 @@ def test_different_cache_salts_never_share_a_block(stack):
     report("isolation", {"journal_records_replayed": len(records), "cached_blocks_checked": len(owner),
                          "shared_block_observations_within_a_salt": shared_within_a_salt,
                          "cached_tokens_second_time": {k: v.cached_tokens for k, v in again.items()}})
+
+
+def test_a_live_workers_id_cannot_be_taken_and_router_calls_need_a_router_token(stack, certs):
+    """Hijacks on the real stack: RegisterPool naming the live worker's id
+    (no credential, or another pool's) is refused and journals nothing; with
+    the pools' token alone (no router token configured) MatchPrefix and
+    WatchEvents are refused, so no tenant can probe another's prompts."""
+    cert = certs[0][0]
+    _, records_before = journal_state(stack.redis.url)
+    shape = pb.PoolShape(num_blocks=4, block_size=4)
+    with tls_channel(stack, cert) as ch:
+        s = pb_grpc.AllocatorStub(ch)
+        md = bearer(TOKEN)
+        codes = {
+            "no credential": code(s.RegisterPool, pb.RegisterPoolRequest(worker_id="worker-1", shape=shape), md),
+            "a made-up credential": code(
+                s.RegisterPool, pb.RegisterPoolRequest(worker_id="worker-1", shape=shape, replace_credential="x"), md),
+            "MatchPrefix": code(s.MatchPrefix, pb.MatchPrefixRequest(model_fingerprint="m", tokens=[1, 2]), md),
+            "WatchEvents": code(lambda r, **kw: next(s.WatchEvents(r, **kw)), pb.WatchEventsRequest(from_sequence=1), md),
+        }
+    assert codes == {"no credential": C.FAILED_PRECONDITION, "a made-up credential": C.PERMISSION_DENIED,
+                     "MatchPrefix": C.PERMISSION_DENIED, "WatchEvents": C.PERMISSION_DENIED}, codes
+    _, records_after = journal_state(stack.redis.url)
+    assert records_after == records_before  # nothing journaled, nothing dropped
+    ref = offline([PROMPT], MAX_TOKENS)[0]
+    assert complete(stack.workers[0].url, PROMPT, MAX_TOKENS).text == ref  # still worker-1/1, unharmed
+    report("hijacks_refused", {k: v.name for k, v in codes.items()})

@@ -36,10 +36,11 @@ def code_of(fn, *args, **kwargs) -> grpc.StatusCode:
 
 
 def register(s: pb_grpc.AllocatorStub, metadata, worker_id: str, num_blocks: int = 64, block_size: int = 4,
-             prefix: bool = True, fingerprint: str = "m") -> pb.PoolRef:
+             prefix: bool = True, fingerprint: str = "m", replace_credential: str = "") -> pb.PoolRef:
     r = s.RegisterPool(
         pb.RegisterPoolRequest(
             worker_id=worker_id,
+            replace_credential=replace_credential,
             shape=pb.PoolShape(num_blocks=num_blocks, block_size=block_size, model_fingerprint=fingerprint,
                                enable_prefix_caching=prefix),
         ),
