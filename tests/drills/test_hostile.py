@@ -318,6 +318,7 @@ def test_the_heaviest_legal_requests_are_bounded_and_replay(redis_store, allocat
     import redis
 
     from allocator_service.journal import split_prefix
+    from allocator_service.state import ENTRY_MAGIC, encode_entry, head_marker, record_bytes
     from allocator_service.v1 import journal_pb2 as jpb
     from tests.support.drills import rss_bytes
 
@@ -369,15 +370,19 @@ def test_the_heaviest_legal_requests_are_bounded_and_replay(redis_store, allocat
         # registered) stops start-up with one line naming it, exit status 1.
         base_url, prefix = split_prefix(url)
         client = redis.Redis.from_url(base_url)
-        last = jpb.JournalRecord.FromString(client.lindex(prefix + "journal", -1))
+        stored = client.lindex(prefix + "journal", -1)
+        last = jpb.JournalRecord.FromString(record_bytes(stored))
         bad = jpb.JournalRecord(index=last.index + 1, step=jpb.StepApplied(pool_id="ghost/1", step_id=1))
-        client.rpush(prefix + "journal", bad.SerializeToString())
+        # Framed and chained like a real record, so only its content is wrong.
+        entry, chain = encode_entry(stored[len(ENTRY_MAGIC) + 32:len(ENTRY_MAGIC) + 64], bad.SerializeToString())
+        client.rpush(prefix + "journal", entry)
+        client.set(prefix + "head", head_marker(bad.index, chain))
         client.close()
         out = subprocess.run([sys.executable, "-m", "allocator_service", "--listen", "127.0.0.1:0", *args],
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 1, out.stderr
         lines = [line for line in out.stderr.splitlines() if "cannot start" in line]
-        assert len(lines) == 1 and f"journal record {bad.index}" in lines[0] and "ghost/1" in lines[0]
+        assert len(lines) == 1 and f"record {bad.index}" in lines[0] and "ghost/1" in lines[0]
         assert "recovery" in lines[0] and "Traceback" not in out.stderr
         figures["unreplayable_record_message"] = lines[0]
     report("bounded_cost", figures)
