@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
+import socket
 
 from pagedkv.settings import (
     LOG_LEVELS,
@@ -30,6 +32,16 @@ def _env(flag: str, default=None, type=str) -> dict:
     return env_default("worker", flag, default, type)
 
 
+def default_worker_id() -> str:
+    """`<hostname>-<pid>-<6 hex>`: unique per host AND process. A pid alone is not:
+    two containers whose worker runs as PID 1 would both be `worker-1` and
+    replace each other's pool. Kept within the allocator's rule (1 to 128
+    printable characters, no '/'): the host name is cut to 100 characters and
+    any '/' or unprintable character in it becomes '-'."""
+    host = "".join(c if c.isprintable() and c not in "/ " else "-" for c in socket.gethostname())[:100]
+    return f"{host or 'worker'}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", **_env("--model", "smollm2"),
                    help="a Hugging Face folder, a .gguf file, 'smollm2' (the GGUF shipped in the "
@@ -43,8 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="file holding the allocator's bearer token, when it requires one")
     p.add_argument("--allocator-tls-ca", **_env("--allocator-tls-ca"),
                    help="CA certificate (PEM) to verify the allocator's TLS certificate")
-    p.add_argument("--worker-id", **_env("--worker-id", f"worker-{os.getpid()}"),
-                   help="this worker's id at the allocator; a restart with the same id starts a new epoch")
+    p.add_argument("--worker-id", **_env("--worker-id", default_worker_id()),
+                   help="this worker's id at the allocator; a restart with the same id starts a new epoch "
+                        "(default HOSTNAME-PID-RANDOM, unique per host and process)")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--num-blocks", **_env("--num-blocks", type=int),
                       help="KV blocks in the pool")
