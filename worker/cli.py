@@ -42,6 +42,19 @@ def default_worker_id() -> str:
     return f"{host or 'worker'}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
+_seconds.__name__ = "seconds"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", **_env("--model", "smollm2"),
                    help="a Hugging Face folder, a .gguf file, 'smollm2' (the GGUF shipped in the "
@@ -58,6 +71,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-id", **_env("--worker-id", default_worker_id()),
                    help="this worker's id at the allocator; a restart with the same id starts a new epoch "
                         "(default HOSTNAME-PID-RANDOM, unique per host and process)")
+    p.add_argument("--allocator-unhealthy-after", metavar="SECONDS",
+                   **_env("--allocator-unhealthy-after", 10.0, _seconds),
+                   help="GET /health answers 503 once the allocator has not answered for this long (default 10)")
+    p.add_argument("--allocator-give-up-after", metavar="SECONDS",
+                   **_env("--allocator-give-up-after", 120.0, _seconds),
+                   help="requests waiting on an allocator that has not answered for this long fail with a 503, "
+                        "and new ones are refused until it answers (default 120)")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--num-blocks", **_env("--num-blocks", type=int),
                       help="KV blocks in the pool")
@@ -109,6 +129,8 @@ def engine_config(args: argparse.Namespace):
         max_model_len=args.max_model_len,
         allocator_token=token,
         allocator_tls_ca=args.allocator_tls_ca,
+        allocator_unhealthy_after_s=args.allocator_unhealthy_after,
+        allocator_give_up_after_s=args.allocator_give_up_after,
     )
 
 

@@ -6,6 +6,13 @@ it through a queue, outputs come back to each request's asyncio.Queue through
 `loop.call_soon_threadsafe`. A client that goes away (its async generator is
 closed) has its request aborted, and the sequence's blocks are freed at the
 next step.
+
+The allocator away: the engine thread keeps sending the same step until it is
+answered (so everything the allocator accepted is computed), while a watchdog
+thread fails every request in flight with `AllocatorError` once the allocator
+has not answered for `allocator_give_up_after_s`; new requests are refused the
+same way until it answers again. While idle, the engine thread probes a remote
+allocator, so `problem()` (GET /health) is true without traffic too.
 """
 
 from __future__ import annotations
@@ -14,9 +21,11 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from collections.abc import Sequence as Seq
 
+from worker.engine.health import AllocatorError
 from worker.engine.llm_engine import LLMEngine, RequestError
 from worker.engine.output_processor import RequestOutput
 from worker.engine.sampling import SamplingParams
@@ -27,12 +36,18 @@ log = logging.getLogger("pagedkv.worker")
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
+        self.unhealthy_after_s = engine.config.allocator_unhealthy_after_s
+        self.give_up_after_s = engine.config.allocator_give_up_after_s
+        # While idle, ask a remote allocator whether it answers this often.
+        self.probe_every_s = min(max(self.unhealthy_after_s / 3, 0.2), 5.0)
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="pagedkv-engine", daemon=True)
         self._thread.start()
+        self._watchdog = threading.Thread(target=self._watch, name="pagedkv-give-up", daemon=True)
+        self._watchdog.start()
         self.last_error: str | None = None
 
     # ------------------------------------------------------------- public
@@ -45,14 +60,17 @@ class AsyncLLMEngine:
         """Yield an output per new token; the last one has `finished=True`.
         Raises RequestError (before the first yield) for a request that can
         never be served."""
+        gave_up = self.gave_up()
+        if gave_up is not None:
+            raise gave_up
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        added: asyncio.Future = loop.create_future()
         with self._lock:
             self._streams[request_id] = (loop, q)
-        self._inbox.put(("add", request_id, prompt, params, added))
+        # A refusal (RequestError) comes through the queue like an output, as
+        # does AllocatorError if the watchdog gives up first.
+        self._inbox.put(("add", request_id, prompt, params))
         try:
-            await added  # raises RequestError if the engine refused it
             while True:
                 out = await q.get()
                 if isinstance(out, BaseException):
@@ -69,11 +87,52 @@ class AsyncLLMEngine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
 
+    def problem(self) -> AllocatorError | None:
+        """Why this worker cannot serve now (GET /health says 503), or None:
+        the allocator refused its last call (the pool is lost to this worker)
+        or has not answered for `unhealthy_after_s`."""
+        health = self.engine.health
+        refusal = health.refusal
+        if refusal is not None:
+            error = AllocatorError("allocator_refused", "the KV-cache allocator refused this worker's pool")
+            error.__cause__ = refusal
+            return error
+        return self._unreachable(self.unhealthy_after_s)
+
+    def gave_up(self) -> AllocatorError | None:
+        """The error for requests while the allocator has not answered for
+        `give_up_after_s`, else None."""
+        return self._unreachable(self.give_up_after_s)
+
+    def _unreachable(self, after_s: float) -> AllocatorError | None:
+        seconds = self.engine.health.unreachable_for()
+        if seconds < after_s:
+            return None
+        return AllocatorError("allocator_unreachable",
+                              f"the KV-cache allocator has not answered for {seconds:.0f} s", seconds)
+
     def shutdown(self) -> None:
         self._stop.set()
         self._inbox.put(("wake",))
         self._thread.join(timeout=10)
         self.engine.close()
+
+    # ------------------------------------------------------------- watchdog
+    def _watch(self) -> None:
+        """Fail every request in flight once the allocator is past the give-up
+        time. The engine thread, stuck sending its step, aborts them when the
+        step is answered (so what the allocator accepted is still computed)."""
+        while not self._stop.wait(0.25):
+            error = self.gave_up()
+            if error is None:
+                continue
+            with self._lock:
+                rids = list(self._streams)
+            for rid in rids:
+                self._deliver(rid, error)
+                self._inbox.put(("abort", rid))
+            if rids:
+                log.warning("allocator unreachable for %.0f s: failed %d request(s)", error.seconds, len(rids))
 
     # ------------------------------------------------------------- engine thread
     def _deliver(self, request_id: str, item) -> None:
@@ -88,52 +147,48 @@ class AsyncLLMEngine:
     def _handle(self, msg) -> None:
         kind = msg[0]
         if kind == "add":
-            _, rid, prompt, params, fut = msg
+            _, rid, prompt, params = msg
+            with self._lock:
+                live = rid in self._streams
+            if not live:
+                return  # failed (given up) or left before the engine took it in
             try:
                 self.engine.add_request(prompt, params, rid)
             except (RequestError, ValueError) as exc:
-                fut.get_loop().call_soon_threadsafe(_set_exception, fut, RequestError(str(exc)))
-                return
+                self._deliver(rid, RequestError(str(exc)))
             except Exception as exc:  # noqa: BLE001 - fail this request, keep the engine thread alive
                 log.exception("could not add request %s", rid)
-                fut.get_loop().call_soon_threadsafe(_set_exception, fut, RuntimeError(f"could not add the request: {exc}"))
-                return
-            fut.get_loop().call_soon_threadsafe(_set_result, fut)
+                self._deliver(rid, RuntimeError(f"could not add the request: {exc}"))
         elif kind == "abort":
             self.engine.abort(msg[1])
 
     def _loop(self) -> None:
+        engine = self.engine
         while not self._stop.is_set():
-            block = not self.engine.has_unfinished()
+            block = not engine.has_unfinished()
             try:
-                msg = self._inbox.get(block=block, timeout=0.5 if block else None)
+                msg = self._inbox.get(block=block, timeout=min(0.5, self.probe_every_s) if block else None)
                 self._handle(msg)
                 while True:  # drain everything that arrived meanwhile
                     self._handle(self._inbox.get_nowait())
             except queue.Empty:
                 pass
-            if not self.engine.has_unfinished():
+            if not engine.has_unfinished():
+                if engine.remote_allocator and time.monotonic() - engine.health.last_answer >= self.probe_every_s:
+                    engine.probe_allocator()
                 continue
             try:
-                outputs = self.engine.step()
+                outputs = engine.step()
             except Exception as exc:  # noqa: BLE001 - fail the requests, keep serving
                 log.exception("engine step failed")
                 self.last_error = repr(exc)
+                error = exc if isinstance(exc, AllocatorError) else RuntimeError(f"engine step failed: {exc}")
                 with self._lock:
                     rids = list(self._streams)
                 for rid in rids:
-                    self.engine.abort(rid)
-                    self._deliver(rid, RuntimeError(f"engine step failed: {exc}"))
+                    engine.abort(rid)
+                    self._deliver(rid, error)
                 continue
             for out in outputs:
                 self._deliver(out.request_id, out)
 
-
-def _set_result(fut: asyncio.Future) -> None:
-    if not fut.done():
-        fut.set_result(None)
-
-
-def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(exc)

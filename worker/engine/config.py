@@ -24,6 +24,10 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's
     allocator_token: str | None = None  # bearer token for the allocator service
     allocator_tls_ca: str | None = None
+    # A remote allocator that has not answered for this long: /health says 503 ...
+    allocator_unhealthy_after_s: float = 10.0
+    # ... and for this long: requests waiting on it fail, new ones are refused.
+    allocator_give_up_after_s: float = 120.0
 
     def __post_init__(self) -> None:
         if self.num_blocks is not None and self.num_blocks < 1:
@@ -36,5 +40,7 @@ class EngineConfig:
             raise ValueError("--max-num-batched-tokens must be positive")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("--max-model-len must be at least 2")
+        if not self.allocator_unhealthy_after_s > 0 or not self.allocator_give_up_after_s > 0:
+            raise ValueError("--allocator-unhealthy-after and --allocator-give-up-after must be positive")
         if self.dtype not in WORKER_DTYPES:
             raise ValueError("--dtype must be float32, float16 or bfloat16")

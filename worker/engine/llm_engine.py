@@ -16,7 +16,13 @@ import logging
 import time
 from collections.abc import Sequence as Seq
 
-from allocator_service.client import AllocatorClient, PoolSpec, connect
+from allocator_service.client import (
+    AllocatorClient,
+    AllocatorUnavailable,
+    PoolLost,
+    PoolSpec,
+    connect,
+)
 from allocator_service.core import PoolConfig
 from allocator_service.core.limits import MAX_SALT_LEN
 from worker.engine.config import EngineConfig
@@ -44,6 +50,7 @@ class LLMEngine:
     ) -> None:
         self.config = config
         self.loaded = loaded
+        self._probing = False  # an idle probe of the allocator is in flight
         self.tokenizer = loaded.tokenizer
         self.runner = ModelRunner(loaded, config)
         self.kv_pool = self.runner.kv_pool
@@ -78,6 +85,33 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.num_preemptions = 0
+        self.remote_allocator = config.allocator != "embedded"
+
+    @property
+    def health(self):
+        """Whether the allocator answers (AllocatorHealth: read from any thread)."""
+        return self.scheduler.health
+
+    def probe_allocator(self) -> None:
+        """Ask the allocator for the pool's stats, to learn while idle whether it
+        still answers (and, if it dropped the pool, to register a new one).
+        Engine thread only; not counted as a stall in the metrics."""
+        health = self.health
+        health.call_started()
+        self._probing = True
+        try:
+            self.allocator.stats()
+        except AllocatorUnavailable:
+            health.unanswered()
+            return
+        except PoolLost:
+            pass  # registered afresh; nothing is running, so nothing to recompute
+        except Exception as exc:  # noqa: BLE001 - a refusal: /health says so until an answer
+            health.refused(exc)
+            return
+        finally:
+            self._probing = False
+        health.answered()
 
     # -------------------------------------------------------------- requests
     @property
@@ -97,10 +131,7 @@ class LLMEngine:
         if salt is not None and (len(salt) > MAX_SALT_LEN or any("\ud800" <= c <= "\udfff" for c in salt)):
             raise RequestError(f"cache_salt must be valid Unicode text of at most {MAX_SALT_LEN} characters")
         if isinstance(prompt, str):
-            try:
-                prompt_ids = self.tokenizer.encode(prompt)
-            except Exception as exc:  # noqa: BLE001 - e.g. a lone surrogate: the request's fault
-                raise RequestError(f"cannot tokenize the prompt: {exc}") from None
+            prompt_ids = self.encode_prompt(prompt)
         else:
             prompt_ids = list(prompt)
             vocab = self.loaded.config.vocab_size
@@ -108,13 +139,9 @@ class LLMEngine:
                 raise RequestError(f"prompt token ids must be integers in [0, {vocab})")
         if not prompt_ids:
             raise RequestError("the prompt is empty")
-        limit = min(self.max_model_len, self.pool_tokens)
+        limit = self.prompt_limit
         if len(prompt_ids) >= limit:
-            which = "context length" if self.max_model_len <= self.pool_tokens else "KV pool"
-            raise RequestError(
-                f"the prompt has {len(prompt_ids)} tokens; the {which} holds {limit}, "
-                "leaving no room to generate"
-            )
+            raise self._too_long(f"{len(prompt_ids)}")
         room = limit - len(prompt_ids)
         if params.max_tokens is not None and params.max_tokens > room:
             raise RequestError(
@@ -136,6 +163,31 @@ class LLMEngine:
         self.metrics.prompt_tokens.inc(len(prompt_ids))
         return rid
 
+    @property
+    def prompt_limit(self) -> int:
+        """A prompt must have fewer tokens than this (context length or pool)."""
+        return min(self.max_model_len, self.pool_tokens)
+
+    def _too_long(self, count: str) -> RequestError:
+        which = "context length" if self.max_model_len <= self.pool_tokens else "KV pool"
+        return RequestError(
+            f"the prompt has {count} tokens; the {which} holds {self.prompt_limit}, leaving no room to generate"
+        )
+
+    def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text prompt, or RequestError. A text that must have
+        too many tokens (the tokenizer's lower bound says so) is refused
+        without tokenizing it: a multi-megabyte prompt costs nothing.
+        Any thread may call it (the server tokenizes off the event loop and
+        off the engine thread)."""
+        at_least = self.tokenizer.min_tokens(text)
+        if at_least >= self.prompt_limit:
+            raise self._too_long(f"at least {at_least}")
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except Exception as exc:  # noqa: BLE001 - e.g. a lone surrogate: the request's fault
+            raise RequestError(f"cannot tokenize the prompt: {exc}") from None
+
     def abort(self, request_id: str) -> None:
         """Stop a request; its blocks are freed at the next step."""
         seq = self._seqs.pop(request_id, None)
@@ -154,6 +206,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ step
     def _allocator_unavailable(self, seconds: float, failed: int) -> None:
+        if self._probing:
+            return  # an idle probe: no request waited
         self.metrics.allocator_retries.inc(failed)
         self.metrics.allocator_unavailable_seconds.inc(seconds)
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from allocator_service.client import AllocatorClient, AllocatorUnavailable, PoolLost
 from allocator_service.core import Admit, Append, Free, Op, OpResult
+from worker.engine.health import AllocatorError, AllocatorHealth
 from worker.engine.sequence import Sequence, Status
 
 
@@ -92,6 +93,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # admission order
         self._to_free: list[str] = []
         self.on_preempt = on_preempt
+        self.health = AllocatorHealth()
 
     # ---------------------------------------------------------------- queues
     def add(self, seq: Sequence) -> None:
@@ -216,28 +218,40 @@ class Scheduler:
     # pauses doubling from the first to the second value, until it is
     # answered: the plan of this step is made (preemptions, admissions), and
     # the client reuses the step id, so the server applies it exactly once.
-    # `on_stall(seconds)` is told each pause.
+    # `on_stall(seconds)` is told each pause. `health` is told whether each
+    # call was answered; any other error from the allocator is a refusal: it
+    # becomes AllocatorError (the step fails, nothing was applied).
     stall_backoff_s: tuple[float, float] = (0.05, 1.0)
     on_stall: Callable[[float], None] | None = None
 
     def _call(self, ops: list[Op], batch: Batch):
         t0 = time.perf_counter()
         pause = self.stall_backoff_s[0]
+        health = self.health
         try:
             while True:
+                health.call_started()
                 try:
-                    return self.allocator.step(ops)
+                    results = self.allocator.step(ops)
                 except AllocatorUnavailable:
+                    health.unanswered()
                     time.sleep(pause)
                     if self.on_stall is not None:
                         self.on_stall(pause)
                     pause = min(pause * 2, self.stall_backoff_s[1])
+                    continue
+                health.answered()
+                return results
         except PoolLost:
             # Every block is gone: all running sequences start over.
+            health.answered()  # the client registered a fresh pool
             for seq in list(self.running):
                 self._preempt(batch, seq, None, None, "pool_lost")
             self._to_free = []
             return None
+        except Exception as exc:
+            health.refused(exc)
+            raise AllocatorError("allocator_refused", "the allocator refused this worker's step") from exc
         finally:
             batch.allocator_seconds += time.perf_counter() - t0
 

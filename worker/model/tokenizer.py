@@ -63,6 +63,41 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
+    @cached_property
+    def _max_token_chars(self) -> int | None:
+        """The most characters of a text one token can stand for, or None when
+        this tokenizer's pipeline gives no such bound.
+
+        The bound holds when nothing before the model can shrink the text: no
+        normalizer, and pre-tokenizers that only split (none that removes
+        characters, as Whitespace does). Then every token covers at most as
+        many characters as its vocabulary string is long (byte-level
+        vocabularies spell one character per byte, which is never fewer than
+        the characters it encodes)."""
+        spec = json.loads(self.backend.to_str())
+        if spec.get("normalizer") is not None:
+            return None
+        splitters = {"ByteLevel", "Metaspace", "Digits", "Split", "Punctuation", "UnicodeScripts"}
+
+        def keeps_text(pre) -> bool:
+            if pre is None:
+                return True
+            if pre.get("type") == "Sequence":
+                return all(keeps_text(p) for p in pre.get("pretokenizers", ()))
+            return pre.get("type") in splitters and str(pre.get("behavior", "")).lower() != "removed"
+
+        if not keeps_text(spec.get("pre_tokenizer")):
+            return None
+        vocab = self.backend.get_vocab(with_added_tokens=True)
+        return max((len(t) for t in vocab), default=0) or None
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound of `len(self.encode(text))` that costs nothing (0 when
+        there is none): lets a caller refuse a text that can never fit before
+        tokenizing megabytes of it."""
+        most = self._max_token_chars
+        return -(-len(text) // most) if most else 0
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 

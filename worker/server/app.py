@@ -3,21 +3,48 @@
 `create_app` wires the pieces: the routes below (module-level handlers that
 find the engine in `app.state`), the error shape and body limit (errors.py)
 and server-sent events (streaming.py).
+
+The event loop does only cheap work, so /health answers under any input: a
+body over `OFFLOAD_BYTES` is parsed and validated in a thread, prompts and
+chat templates are tokenized in a thread (neither on the loop nor on the
+engine thread), and a text that must have too many tokens is refused before
+it is tokenized. A client that hangs up while its request waits or generates
+has the request aborted, streaming or not.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
 
-from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi import APIRouter, FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from worker.engine import AsyncLLMEngine, RequestError, RequestOutput, SamplingError, SamplingParams
-from worker.server.errors import MAX_BODY_BYTES, ApiError, BodyLimit, install_error_handlers
+from worker.engine import (
+    AllocatorError,
+    AsyncLLMEngine,
+    RequestError,
+    RequestOutput,
+    SamplingError,
+    SamplingParams,
+)
+from worker.server.errors import (
+    MAX_BODY_BYTES,
+    ApiError,
+    BodyLimit,
+    failure,
+    install_error_handlers,
+    public_message,
+)
 from worker.server.protocol import (
     BaseRequest,
     ChatCompletionRequest,
@@ -41,10 +68,22 @@ def create_app(engine: AsyncLLMEngine, served_model_name: str) -> FastAPI:
     return app
 
 
+OFFLOAD_BYTES = 64 << 10  # bodies larger than this are parsed in a thread
+OFFLOAD_CHARS = 4096  # prompts longer than this are tokenized in a thread
+T = TypeVar("T")
+Req = TypeVar("Req", bound=BaseRequest)
+
+
 @router.get("/health")
 async def health(request: Request):
-    core = request.app.state.engine.engine
-    return {"status": "ok", "running": core.num_running(), "waiting": core.num_waiting()}
+    engine: AsyncLLMEngine = request.app.state.engine
+    core = engine.engine
+    counts = {"running": core.num_running(), "waiting": core.num_waiting()}
+    problem = engine.problem()
+    if problem is not None:
+        body = {"status": "unavailable", "reason": public_message(problem), "code": problem.reason, **counts}
+        return JSONResponse(status_code=503, content=body, headers={"Retry-After": "5"})
+    return {"status": "ok", **counts}
 
 
 @router.get("/metrics")
@@ -67,8 +106,43 @@ async def models(request: Request):
     }
 
 
+def _parse(body: bytes, content_type: str | None, model: type[Req]) -> Req:
+    """The body as FastAPI would parse a `model` parameter (JSON unless the
+    content type says otherwise), with the same validation errors."""
+    data: object = body
+    if not body:
+        raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
+    main, _, sub = (content_type or "application/json").split(";")[0].strip().lower().partition("/")
+    if main == "application" and (sub == "json" or sub.endswith("+json")):
+        try:
+            data = json.loads(body)
+        except json.JSONDecodeError as exc:
+            raise RequestValidationError([{"type": "json_invalid", "loc": ("body", exc.pos), "msg": "JSON decode error",
+                                           "input": {}, "ctx": {"error": exc.msg}}]) from None
+        except ValueError:  # not UTF-8 (or UTF-16/32) at all: FastAPI's words
+            raise HTTPException(400, "There was an error parsing the body") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise RequestValidationError(
+            [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]) from None
+
+
+async def _read(request: Request, model: type[Req]) -> Req:
+    body = await request.body()
+    content_type = request.headers.get("content-type")
+    if len(body) <= OFFLOAD_BYTES:
+        return _parse(body, content_type, model)
+    return await run_in_threadpool(_parse, body, content_type, model)
+
+
+async def _off_loop(fn, *args, size: int):
+    return fn(*args) if size <= OFFLOAD_CHARS else await run_in_threadpool(fn, *args)
+
+
 @router.post("/v1/completions")
-async def completions(req: CompletionRequest, request: Request):
+async def completions(request: Request):
+    req = await _read(request, CompletionRequest)
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
@@ -78,18 +152,39 @@ async def completions(req: CompletionRequest, request: Request):
         raise ApiError(400, "the prompt is empty", param="prompt")
     if req.logprobs:
         raise ApiError(400, "logprobs are not supported", param="logprobs")
+    if isinstance(prompt, str):
+        prompt = await _off_loop(_prompt_ids, request.app.state.engine.engine, prompt, size=len(prompt))
     return await _answer(request, req, prompt, req.max_tokens, f"cmpl-{uuid.uuid4().hex}", "text")
 
 
+def _prompt_ids(core, text: str) -> list[int]:
+    try:
+        return core.encode_prompt(text)
+    except RequestError as exc:
+        raise ApiError(400, str(exc), param="prompt") from None
+
+
+def _chat_ids(core, messages: list[dict]) -> list[int]:
+    """The rendered chat template's ids (as `Tokenizer.encode_chat`), refused
+    before tokenizing when it must be too long."""
+    try:
+        text = core.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
+        raise ApiError(400, f"cannot apply the chat template: {exc}", param="messages") from None
+    try:
+        return core.encode_prompt(text, add_special_tokens=False)
+    except RequestError as exc:
+        raise ApiError(400, str(exc), param="messages") from None
+
+
 @router.post("/v1/chat/completions")
-async def chat(req: ChatCompletionRequest, request: Request):
+async def chat(request: Request):
+    req = await _read(request, ChatCompletionRequest)
     if req.logprobs:
         raise ApiError(400, "logprobs are not supported", param="logprobs")
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-    try:
-        prompt_ids = request.app.state.engine.engine.tokenizer.encode_chat(messages, add_generation_prompt=True)
-    except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
-        raise ApiError(400, f"cannot apply the chat template: {exc}", param="messages") from None
+    size = sum(len(m["content"]) for m in messages) + 64 * len(messages)
+    prompt_ids = await _off_loop(_chat_ids, request.app.state.engine.engine, messages, size=size)
     max_tokens = req.max_completion_tokens or req.max_tokens
     return await _answer(request, req, prompt_ids, max_tokens, f"chatcmpl-{uuid.uuid4().hex}", "chat")
 
@@ -98,11 +193,17 @@ async def _answer(request: Request, req: BaseRequest, prompt, max_tokens: int | 
     """Run the request; answer with one body, or a stream of events if asked."""
     model = request.app.state.served_model_name
     params = _sampling_params(req, max_tokens, model)
-    stream, first = await _start(request.app.state.engine, prompt, params, rid)
-    if req.stream:
-        return StreamingResponse(stream_events(first, stream, rid, model, kind, req.include_usage()),
-                                 media_type="text/event-stream")
-    out = await _collect(stream, first)
+    stream = request.app.state.engine.generate(prompt, params, rid)
+    try:
+        # Until the first output (and for a whole answer, the last), a client
+        # that hangs up aborts the request; a stream then notices by itself.
+        first = await _unless_gone(request, stream, _first(stream))
+        if req.stream:
+            return StreamingResponse(stream_events(first, stream, rid, model, kind, req.include_usage()),
+                                     media_type="text/event-stream")
+        out = await _unless_gone(request, stream, _collect(stream, first))
+    except _ClientGone:
+        return Response(status_code=499)  # nobody reads it
     if kind == "chat":
         obj, choice = "chat.completion", {"index": 0, "message": {"role": "assistant", "content": out.text}}
     else:
@@ -140,26 +241,65 @@ def _sampling_params(req: BaseRequest, max_tokens: int | None, served_model_name
         raise ApiError(400, str(exc)) from None
 
 
-async def _start(
-    engine: AsyncLLMEngine, prompt, params: SamplingParams, rid: str
-) -> tuple[AsyncIterator[RequestOutput], RequestOutput]:
-    """Submit and wait for the first output, so a refused request becomes a
-    4xx before any byte of a stream is sent."""
-    stream = engine.generate(prompt, params, rid)
+class _ClientGone(Exception):
+    """The client hung up before its answer was ready."""
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone (the body was read: the next message
+    is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_gone(request: Request, stream: AsyncIterator[RequestOutput], work: Awaitable[T]) -> T:
+    """`await work`, unless the client hangs up first: then the request is
+    aborted (closing `stream` frees its sequence) and _ClientGone raised."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            await stream.aclose()
+    if task.cancelled():
+        raise _ClientGone
+    return task.result()
+
+
+async def _first(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """The first output, so a refused request becomes a 4xx (or a failed one a
+    5xx) before any byte of a stream is sent."""
     try:
         first = await stream.__anext__()
     except RequestError as exc:
         raise ApiError(400, str(exc), param="prompt") from None
+    except AllocatorError:
+        raise
     except RuntimeError as exc:
-        raise ApiError(500, str(exc), type_="server_error") from None
+        raise _server_error(exc) from None
     if first.finish_reason == "error":
         raise ApiError(400, first.error or "the request failed", param="prompt")
-    return stream, first
+    return first
+
+
+def _server_error(exc: BaseException) -> ApiError:
+    status, body = failure(exc)
+    return ApiError(status, body["error"]["message"], type_="server_error")
 
 
 async def _collect(stream: AsyncIterator[RequestOutput], first: RequestOutput) -> RequestOutput:
     last = first
     if not first.finished:
-        async for out in stream:
-            last = out
+        try:
+            async for out in stream:
+                last = out
+        except AllocatorError:
+            raise
+        except RuntimeError as exc:  # the engine step failed
+            raise _server_error(exc) from None
     return last

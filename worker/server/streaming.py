@@ -2,6 +2,9 @@
 
 Chat streams open with the assistant role; with `stream_options.include_usage`
 a last chunk carries the usage. Closing the stream early aborts the request.
+A request that fails after its first chunk (the allocator gave up, an engine
+step failed) ends with an OpenAI-shaped `{"error": ...}` event, then
+`[DONE]`.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import time
 from collections.abc import AsyncIterator
 
 from worker.engine import RequestOutput
+from worker.server.errors import failure
 from worker.server.protocol import finish_reason, usage
 
 
@@ -40,18 +44,26 @@ async def stream_events(
         return {"index": 0, "text": out.new_text, "finish_reason": reason, "logprobs": None}
 
     last = first
+    failed: Exception | None = None
     try:
         if kind == "chat":
             yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
         yield chunk(piece(first))
         if not first.finished:
-            async for out in stream:
-                last = out
-                yield chunk(piece(out))
+            try:
+                async for out in stream:
+                    last = out
+                    yield chunk(piece(out))
+            except RuntimeError as exc:  # AllocatorError too: the request failed, the stream did not
+                failed = exc
     finally:
         # Closing the stream before it finished aborts the request, which
         # frees its sequence at the next engine step.
         await stream.aclose()
+    if failed is not None:
+        yield sse(failure(failed)[1])
+        yield b"data: [DONE]\n\n"
+        return
     if include_usage:
         yield chunk({}, usage=usage(last))
     yield b"data: [DONE]\n\n"
