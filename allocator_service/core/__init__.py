@@ -19,6 +19,7 @@ from allocator_service.core.pool import (
     BlockPool,
     PoolConfig,
     PoolStats,
+    check_cache_salt,
 )
 from allocator_service.core.prefix_index import ALL_CLEARED, BLOCK_REMOVED, BLOCK_STORED
 from allocator_service.core.step import (
@@ -37,6 +38,7 @@ from allocator_service.core.step import (
 )
 
 __all__ = [
+    "check_cache_salt",
     "ALL_CLEARED",
     "BLOCK_REMOVED",
     "BLOCK_STORED",

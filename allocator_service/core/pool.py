@@ -125,9 +125,10 @@ def _check_seq_id(seq_id: object) -> str:
     return seq_id
 
 
-def _check_salt(cache_salt: object) -> None:
+def check_cache_salt(cache_salt: object) -> None:
     """None is "no salt" (the shared namespace); "" is refused: it would look
-    like a tenant's salt yet share the unsalted namespace."""
+    like a tenant's salt yet share the unsalted namespace. A salt is text
+    (valid Unicode), as every wire that carries it requires."""
     if cache_salt is None:
         return
     if not isinstance(cache_salt, str) or not 1 <= len(cache_salt) <= MAX_SALT_LEN:
@@ -135,6 +136,10 @@ def _check_salt(cache_salt: object) -> None:
             f"cache_salt must be a non-empty string of at most {MAX_SALT_LEN} characters "
             "(unset for no salt)"
         )
+    try:
+        cache_salt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidArgument("cache_salt must be valid Unicode text") from None
 
 
 def _name_chars(seq_id: str, salt: str | None) -> int:
@@ -245,7 +250,7 @@ class BlockPool:
     def cached_prefix_tokens(self, tokens: Sequence[int], cache_salt: str | None = None) -> int:
         """How many leading tokens of `tokens` an admit would find cached
         (read-only; what a router asks). Never counts the last token."""
-        _check_salt(cache_salt)
+        check_cache_salt(cache_salt)
         if not self.enable_prefix_caching or len(tokens) < 2:
             return 0
         _check_tokens(tokens)
@@ -280,7 +285,7 @@ class BlockPool:
         if seq_id in self._seqs:
             raise SequenceExists(seq_id)
         _check_tokens(tokens)
-        _check_salt(cache_salt)
+        check_cache_salt(cache_salt)
         names = _name_chars(seq_id, cache_salt)
         self._check_new_sequence(names)
         if num_new_tokens is not None and (not isinstance(num_new_tokens, int) or num_new_tokens < 1):

@@ -90,6 +90,9 @@ def test_cache_salt_isolates(client):
         ({"prompt": "word " * 2000}, 400, "context"),
         ({"temperature": -1}, 400, "temperature"),
         ({"n": 2}, 400, "n=1"),
+        # the allocator's salt rule, answered before the request is queued
+        ({"extra_body": {"cache_salt": ""}}, 400, "cache_salt"),
+        ({"extra_body": {"cache_salt": "s" * 1025}}, 400, "cache_salt"),
     ],
 )
 def test_bad_requests_get_openai_errors(client, kwargs, status, needle):

@@ -23,8 +23,7 @@ from allocator_service.client import (
     PoolSpec,
     connect,
 )
-from allocator_service.core import PoolConfig
-from allocator_service.core.limits import MAX_SALT_LEN
+from allocator_service.core import InvalidArgument, PoolConfig, check_cache_salt
 from worker.engine.config import EngineConfig
 from worker.engine.model_runner import ModelRunner
 from worker.engine.output_processor import OutputProcessor, RequestOutput
@@ -126,10 +125,12 @@ class LLMEngine:
     ) -> str:
         params = params or SamplingParams()
         salt = params.cache_salt
-        # The allocator refuses such a salt (an over-long one per operation: the
-        # request would wait forever; a lone surrogate fails the whole step).
-        if salt is not None and (len(salt) > MAX_SALT_LEN or any("\ud800" <= c <= "\udfff" for c in salt)):
-            raise RequestError(f"cache_salt must be valid Unicode text of at most {MAX_SALT_LEN} characters")
+        # The allocator's rule, checked here so a bad salt is a 400 and never
+        # a refused operation (the request would wait) or a failed step.
+        try:
+            check_cache_salt(salt)
+        except InvalidArgument as exc:
+            raise RequestError(str(exc)) from None
         if isinstance(prompt, str):
             prompt_ids = self.encode_prompt(prompt)
         else:

@@ -234,7 +234,7 @@ def _sampling_params(req: BaseRequest, max_tokens: int | None, served_model_name
             stop=req.stop_list(),
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
-            cache_salt=req.cache_salt or None,
+            cache_salt=req.cache_salt,
             priority=req.priority,
         )
     except SamplingError as exc:
