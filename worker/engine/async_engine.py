@@ -57,7 +57,8 @@ class AsyncLLMEngine:
         params: SamplingParams,
         request_id: str,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield an output per new token; the last one has `finished=True`.
+        """Yield an output per new token of each sample (`index`); the last
+        one has `request_finished=True`.
         Raises RequestError (before the first yield) for a request that can
         never be served."""
         gave_up = self.gave_up()
@@ -76,7 +77,7 @@ class AsyncLLMEngine:
                 if isinstance(out, BaseException):
                     raise out
                 yield out
-                if out.finished:
+                if out.request_finished:
                     return
         finally:
             with self._lock:
@@ -138,7 +139,7 @@ class AsyncLLMEngine:
     def _deliver(self, request_id: str, item) -> None:
         with self._lock:
             target = self._streams.get(request_id)
-            if target is not None and (isinstance(item, BaseException) or item.finished):
+            if target is not None and (isinstance(item, BaseException) or item.request_finished):
                 del self._streams[request_id]
         if target is not None:
             loop, q = target

@@ -7,6 +7,10 @@ token at once (prefill chunks and decodes mixed) and samples the sequences
 that reached their last token, the output processor checks stop conditions
 and detokenizes. `generate()` is the offline API on top; `AsyncLLMEngine`
 (async_engine.py) the streaming one.
+
+A request with `n > 1` is n sequences under one request id (`index` 0..n-1):
+sample 0 computes the prompt, the others draw their first token from its
+logits and are forked from it in the allocator (scheduler.py).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from allocator_service.client import (
 )
 from allocator_service.core import InvalidArgument, PoolConfig, check_cache_salt
 from worker.engine.config import EngineConfig
-from worker.engine.model_runner import ModelRunner
+from worker.engine.model_runner import ModelRunner, SampledToken
 from worker.engine.output_processor import OutputProcessor, RequestOutput
 from worker.engine.sampling import SamplingError, SamplingParams, make_generator
 from worker.engine.scheduler import Batch, Scheduler
@@ -81,7 +85,7 @@ class LLMEngine:
         # The allocator away: the step is sent again until answered (a stall, not an error).
         self.scheduler.on_stall = self.metrics.allocator_unavailable_seconds.inc
         self.output_processor = OutputProcessor(loaded.tokenizer, loaded.eos_token_ids, self.max_model_len)
-        self._seqs: dict[str, Sequence] = {}
+        self._seqs: dict[str, list[Sequence]] = {}  # request id -> its samples
         self._ids = itertools.count()
         self.num_preemptions = 0
         self.remote_allocator = config.allocator != "embedded"
@@ -159,7 +163,14 @@ class LLMEngine:
             max_tokens=params.max_tokens or room,
             generator=make_generator(params, self.device),
         )
-        self._seqs[rid] = seq
+        for i in range(1, params.n):
+            child_params = params.for_sample(i)
+            seq.children.append(Sequence(
+                request_id=rid, prompt_token_ids=prompt_ids, params=child_params, max_tokens=seq.max_tokens,
+                arrival_time=seq.arrival_time, generator=make_generator(child_params, self.device),
+                index=i, fork_parent=seq,
+            ))
+        self._seqs[rid] = [seq, *seq.children]
         self.scheduler.add(seq)
         self.metrics.prompt_tokens.inc(len(prompt_ids))
         return rid
@@ -191,10 +202,10 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its blocks are freed at the next step."""
-        seq = self._seqs.pop(request_id, None)
-        if seq is not None and not seq.is_finished:
-            self.scheduler.finish(seq, "abort")
-            self.metrics.finished("abort")
+        for seq in self._seqs.pop(request_id, ()):
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+                self.metrics.finished("abort")
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -238,10 +249,16 @@ class LLMEngine:
     def _run(self, batch: Batch) -> list[RequestOutput]:
         sampled = self.runner.execute(batch)
         now = time.monotonic()
-        return [self._append_token(seq, tok, now) for seq, tok in sampled]
+        for s in sampled:
+            if s.seq.fork_parent is not None:  # first token of a sample: forked next step
+                self.scheduler.add_fork(s.seq)
+        return [self._append_token(s, now) for s in sampled]
 
-    def _append_token(self, seq: Sequence, tok: int, now: float) -> RequestOutput:
+    def _append_token(self, sampled: SampledToken, now: float) -> RequestOutput:
+        seq, tok = sampled.seq, sampled.token_id
         seq.token_ids.append(tok)
+        if seq.logprobs is not None and sampled.logprobs is not None:
+            seq.logprobs.append(sampled.logprobs)
         self.metrics.generation_tokens.inc()
         if seq.first_token_time is None:
             seq.first_token_time = now
@@ -253,13 +270,26 @@ class LLMEngine:
         if out.finished:
             self.scheduler.finish(seq, out.finish_reason)
             self.metrics.finished(out.finish_reason)
-            self._seqs.pop(seq.request_id, None)
+            out.request_finished = self._all_finished(seq.request_id)
         return out
 
+    def _all_finished(self, request_id: str) -> bool:
+        """Whether every sample of the request has finished (then forget it)."""
+        family = self._seqs.get(request_id, ())
+        if all(s.is_finished for s in family):
+            self._seqs.pop(request_id, None)
+            return True
+        return False
+
     def _failed_output(self, seq: Sequence) -> RequestOutput:
+        """A refused admission fails the whole request (its samples never ran)."""
         self.metrics.finished("error")
-        self._seqs.pop(seq.request_id, None)
-        return self.output_processor.failed(seq)
+        for other in self._seqs.get(seq.request_id, ()):
+            if not other.is_finished:
+                self.scheduler.finish(other, "error")
+        out = self.output_processor.failed(seq)
+        out.request_finished = self._all_finished(seq.request_id)
+        return out
 
     # --------------------------------------------------------------- offline
     def generate(
@@ -267,16 +297,25 @@ class LLMEngine:
         prompts: Seq[str | Seq[int]],
         params: SamplingParams | Seq[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in prompt order."""
+        """Run every prompt to completion; outputs in prompt order (sample 0
+        of each: `generate_samples` gives all n)."""
+        return [samples[0] for samples in self.generate_samples(prompts, params)]
+
+    def generate_samples(
+        self,
+        prompts: Seq[str | Seq[int]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> list[list[RequestOutput]]:
+        """Run every prompt to completion; per prompt, its n samples' outputs by index."""
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
-        final: dict[str, RequestOutput] = {}
+        final: dict[tuple[str, int], RequestOutput] = {}
         while self.has_unfinished():
             for out in self.step():
                 if out.finished:
-                    final[out.request_id] = out
-        return [final[i] for i in ids]
+                    final[out.request_id, out.index] = out
+        return [[final[i, k] for k in range(sp.n)] for i, sp in zip(ids, params, strict=True)]
 
     def close(self) -> None:
         self.allocator.close()

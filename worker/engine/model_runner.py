@@ -3,7 +3,9 @@
 `execute(batch)` applies the step's copy-on-write block copies, builds the
 flat input ids and the attention metadata of every scheduled token (prefill
 chunks and decodes mixed), runs the model once, and samples a token for each
-sequence whose last known token was computed this step.
+sequence whose last known token was computed this step. A sequence that
+computed its last prompt token draws the first token of each of its other
+samples (n > 1) from the same row of logits: the prompt is computed once.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 
 from worker.attention import AttentionMetadata
 from worker.engine.config import EngineConfig
-from worker.engine.sampling import sample
+from worker.engine.sampling import Logprobs, sample
 from worker.engine.scheduler import Batch
 from worker.engine.sequence import Sequence
 from worker.kv_pool import KVPool
@@ -25,11 +27,13 @@ from worker.model.loader import resolve_dtype
 class SampledToken(NamedTuple):
     seq: Sequence
     token_id: int
+    logprobs: Logprobs | None = None
 
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         self.model = loaded.model
+        self.stop_ids = frozenset(loaded.eos_token_ids)
         self.device = torch.device(config.device)
         self.block_size = config.block_size
         mc = loaded.config
@@ -64,5 +68,11 @@ class ModelRunner:
         rows = meta.last_token_indices()[sampling]
         logits = self.model.compute_logits(hidden[rows])
         seqs = [entries[i].seq for i in sampling]
-        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
-        return [SampledToken(seq, tok) for seq, tok in zip(seqs, tokens, strict=True)]
+        # The other samples of a prompt computed just now: the same row each.
+        forks = [(r, c) for r, s in enumerate(seqs) if s.children and s.num_output_tokens == 0
+                 for c in s.children if c.fork_parent is s and not c.is_finished and c.num_output_tokens == 0]
+        if forks:
+            logits = torch.cat([logits, logits[[r for r, _ in forks]]])
+            seqs += [c for _, c in forks]
+        tokens, logprobs = sample(logits, seqs, self.stop_ids)
+        return [SampledToken(*t) for t in zip(seqs, tokens, logprobs, strict=True)]

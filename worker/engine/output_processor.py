@@ -4,6 +4,11 @@
 sequence (a stop or eos token, the length limit, a stop string), extends the
 sequence's text through its incremental detokenizer, and returns the step's
 output: every token and character so far plus this step's delta.
+
+vLLM's rules: nothing stops a sequence (stop token, eos, stop string) before
+`min_tokens` tokens; the stop token and stop string are cut from the text
+unless `include_stop_str_in_output`; `stop_reason` is the stop string or stop
+token id that ended it (None for eos or the length limit).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from worker.engine.sampling import Logprobs
 from worker.engine.sequence import Sequence
 from worker.model.tokenizer import Tokenizer
 
@@ -28,6 +34,12 @@ class RequestOutput:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     error: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[Logprobs] | None = None  # every generated token's, when asked for (on the last output)
+    new_logprobs: list[Logprobs] | None = None  # this step's delta, when asked for
+    prompt_logprobs: list[Logprobs | None] | None = None
+    index: int = 0  # which sample of the request (n > 1)
+    request_finished: bool = False  # every sample of the request has finished (set by the engine)
 
 
 class OutputProcessor:
@@ -44,6 +56,7 @@ class OutputProcessor:
             reason = "stop"
         return RequestOutput(
             request_id=seq.request_id,
+            index=seq.index,
             prompt_token_ids=seq.prompt_token_ids,
             token_ids=list(seq.output_token_ids),
             text=seq.text[: seq.emitted],
@@ -53,20 +66,28 @@ class OutputProcessor:
             finish_reason=reason,
             num_cached_tokens=seq.num_cached_tokens,
             num_preemptions=seq.num_preemptions,
+            stop_reason=seq.stop_reason,
+            logprobs=list(seq.logprobs) if seq.logprobs is not None and reason is not None else None,
+            new_logprobs=seq.logprobs[-1:] if seq.logprobs is not None else None,
+            prompt_logprobs=seq.prompt_logprobs,
         )
 
     def failed(self, seq: Sequence) -> RequestOutput:
         """The last output of a sequence that ended in `seq.error`."""
         return RequestOutput(
-            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
+            request_id=seq.request_id, index=seq.index, prompt_token_ids=seq.prompt_token_ids,
             token_ids=list(seq.output_token_ids), text=seq.text[: seq.emitted], finished=True, finish_reason="error",
             num_cached_tokens=seq.num_cached_tokens, num_preemptions=seq.num_preemptions, error=seq.error,
         )
 
     def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params
-        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
-            return "stop"
+        if seq.num_output_tokens >= p.min_tokens:
+            if tok in p.stop_token_ids:
+                seq.stop_reason = tok
+                return "stop"
+            if not p.ignore_eos and tok in self.eos_token_ids:
+                return "stop"
         if seq.num_output_tokens >= seq.max_tokens or len(seq.token_ids) >= self.max_model_len:
             return "length"
         return None
@@ -78,21 +99,24 @@ class OutputProcessor:
         (longest stop string - 1) characters are held back until the next
         token shows they do not start a stop string: streamed text is never
         taken back."""
+        p = seq.params
         if seq.detokenizer is None:
-            seq.detokenizer = self.tokenizer.detokenizer()
-        if reason != "stop":
+            seq.detokenizer = self.tokenizer.detokenizer(skip_special_tokens=p.skip_special_tokens)
+        if reason != "stop" or p.include_stop_str_in_output:
             seq.text += seq.detokenizer.step([tok])
         if reason is not None:
             seq.text += seq.detokenizer.flush()
-        stops = seq.params.stop
+        stops = p.stop if seq.num_output_tokens >= p.min_tokens else ()
         hold = 0
         if stops:
             longest = max(map(len, stops))
             start = max(0, seq.checked - longest + 1)
-            cut = min((i for i in (seq.text.find(x, start) for x in stops) if i >= 0), default=-1)
-            if cut >= 0:
-                seq.text = seq.text[:cut]
+            found = [(i, x) for x in stops if (i := seq.text.find(x, start)) >= 0]
+            if found:
+                cut, stop = min(found, key=lambda f: f[0])
+                seq.text = seq.text[: cut + len(stop)] if p.include_stop_str_in_output else seq.text[:cut]
                 seq.stopped_by_string = True
+                seq.stop_reason = stop
             elif reason is None:
                 hold = longest - 1
             seq.checked = len(seq.text)

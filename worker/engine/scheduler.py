@@ -9,6 +9,16 @@ Each step sends, in ONE allocator call:
    free blocks allow, each storing at most the budget left past its cached
    prefix.
 
+Parallel sampling (n > 1): the prompt is computed once, by sample 0. The step
+that computes its last prompt token samples every sample's first token from
+that one row of logits; the next step FORKS samples 1..n-1 from sample 0 in
+the allocator (`Fork` ops, before any append of that step), so they share
+every prompt block, and each sample's first append into the partly filled
+last block copies it on write. A sample preempted later is recomputed alone
+like any sequence (its prompt blocks found again in the prefix cache when it
+is on); a parent that left before its samples could fork (preempted, pool
+lost) leaves them to be admitted on their own: recompute, never wrong.
+
 The worker plans the step against its own exact count of free blocks (the
 pool is its own; cached free blocks count as free, being evictable) and
 preempts BEFORE the call: the newest lowest-priority running sequence gives
@@ -30,7 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from allocator_service.client import AllocatorClient, AllocatorUnavailable, PoolLost
-from allocator_service.core import Admit, Append, Free, Op, OpResult
+from allocator_service.core import Admit, Append, Fork, Free, Op, OpResult
 from worker.engine.health import AllocatorError, AllocatorHealth
 from worker.engine.sequence import Sequence, Status
 
@@ -67,8 +77,11 @@ class _StepPlan:
     refs: Counter  # block -> running sequences holding it
     free: int  # blocks free for this step's appends and admits
     budget: int  # tokens left in this step
-    running: dict[Sequence, tuple[int, int]] = field(default_factory=dict)  # seq -> (new tokens, new blocks)
+    # seq -> (new tokens, new blocks, the shared block it copies on write or -1)
+    running: dict[Sequence, tuple[int, int, int]] = field(default_factory=dict)
     admitting: list[Sequence] = field(default_factory=list)
+    forks: dict[Sequence, Fork] = field(default_factory=dict)  # child -> its Fork op
+    forked_parents: set[str] = field(default_factory=set)  # alloc ids forked from this step
 
 
 def _priority_key(seq: Sequence) -> tuple[int, float]:
@@ -92,12 +105,19 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
         self.running: list[Sequence] = []  # admission order
         self._to_free: list[str] = []
+        self._free_later: list[str] = []  # parents whose samples fork this step: freed after
+        self.forking: list[Sequence] = []  # samples that drew their first token, to fork next step
         self.on_preempt = on_preempt
         self.health = AllocatorHealth()
 
     # ---------------------------------------------------------------- queues
     def add(self, seq: Sequence) -> None:
         bisect.insort(self.waiting, seq, key=_priority_key)
+
+    def add_fork(self, child: Sequence) -> None:
+        """A sample that drew its first token from its parent's prompt logits:
+        forked from the parent in the next step."""
+        self.forking.append(child)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark finished; its blocks are freed in the next step's call."""
@@ -106,11 +126,13 @@ class Scheduler:
             self._to_free.append(seq.alloc_id)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq in self.forking:
+            self.forking.remove(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._to_free)
+        return bool(self.waiting or self.running or self._to_free or self.forking or self._free_later)
 
     # ------------------------------------------------------------------ step
     def schedule(self) -> Batch:
@@ -123,7 +145,9 @@ class Scheduler:
             free=self.num_blocks - len(refs),
             budget=self.max_num_batched_tokens,
         )
-        self._to_free = []
+        self._to_free = self._free_later
+        self._free_later = []
+        self._plan_forks(plan)
         self._plan_running(plan, batch)
         if not batch.preempted:
             self._plan_admissions(plan)
@@ -134,6 +158,40 @@ class Scheduler:
             self._apply_results(plan, results, batch)
         return batch
 
+    def _plan_forks(self, plan: _StepPlan) -> None:
+        """Fork the samples that drew their first token last step from their
+        parent, which then holds exactly the prompt. A parent that finished
+        last step is freed one step later, after the forks; one no longer in
+        the allocator leaves its samples to be admitted on their own."""
+        if not self.forking:
+            return
+        freeing = {op.seq: op for op in plan.ops if isinstance(op, Free)}
+        for child in self.forking:
+            parent = child.fork_parent
+            child.fork_parent = None
+            alive = parent is not None and (parent.status is Status.RUNNING or parent.alloc_id in freeing
+                                            or parent.alloc_id in self._free_later)
+            if not alive or parent.num_stored != child.num_prompt_tokens:
+                self.add(child)  # recompute: admitted like any request
+                continue
+            if parent.alloc_id in freeing:  # finished last step: free it after its forks
+                plan.ops.remove(freeing.pop(parent.alloc_id))
+                self._free_later.append(parent.alloc_id)
+            op = Fork(parent.alloc_id, child.next_alloc_id())
+            plan.ops.append(op)
+            plan.forks[child] = op
+            plan.forked_parents.add(parent.alloc_id)
+            child.status = Status.RUNNING
+            child.block_table = list(parent.block_table)
+            child.num_stored = parent.num_stored
+            child.admitted_once = True
+            child.num_cached_tokens = parent.num_cached_tokens
+            plan.refs.update(child.block_table)
+            # right after its parent: preempted in the same order as it
+            at = self.running.index(parent) + 1 if parent in self.running else len(self.running)
+            self.running.insert(at, child)
+        self.forking = []
+
     def _plan_running(self, plan: _StepPlan, batch: Batch) -> None:
         """Give each running sequence its next tokens while the budget lasts,
         preempting the lowest-priority ones when blocks run short."""
@@ -143,23 +201,34 @@ class Scheduler:
             if plan.budget <= 0:
                 break
             n = min(len(seq.token_ids) - seq.num_stored, plan.budget)
-            need = self._blocks_needed(seq, n)
-            while need > plan.free:
+            while True:
+                # A write into a partly filled block others share copies it
+                # first (the allocator applies the appends in this order).
+                cow = -1
+                if seq.num_stored % self.block_size and plan.refs[seq.block_table[-1]] > 1:
+                    cow = seq.block_table[-1]
+                need = self._blocks_needed(seq, n) + (cow >= 0)
+                if need <= plan.free:
+                    break
                 victim = max(self.running, key=_priority_key)
                 if victim in plan.running:  # give back what it was promised
-                    k, v_need = plan.running.pop(victim)
+                    k, v_need, v_cow = plan.running.pop(victim)
                     plan.budget += k
                     plan.free += v_need
-                plan.free += self._preempt(batch, victim, plan.refs, plan.ops, "out_of_blocks")
+                    if v_cow >= 0:  # it holds the shared block again until its free
+                        plan.refs[v_cow] += 1
+                plan.free += self._preempt(batch, victim, plan.refs, plan.ops, "out_of_blocks", plan)
                 if victim is seq:
                     break
             if seq.status is not Status.RUNNING:
                 continue
-            plan.running[seq] = (n, need)
+            if cow >= 0:
+                plan.refs[cow] -= 1  # the shared block loses this holder
+            plan.running[seq] = (n, need, cow)
             plan.free -= need
             plan.budget -= n
         plan.ops.extend(
-            Append(s.alloc_id, s.token_ids[s.num_stored : s.num_stored + n]) for s, (n, _) in plan.running.items()
+            Append(s.alloc_id, s.token_ids[s.num_stored : s.num_stored + n]) for s, (n, _, _) in plan.running.items()
         )
 
     def _plan_admissions(self, plan: _StepPlan) -> None:
@@ -182,8 +251,15 @@ class Scheduler:
 
     def _apply_results(self, plan: _StepPlan, results: list[OpResult], batch: Batch) -> None:
         """Apply the allocator's answers: block tables, copies, admissions, refusals."""
-        ri = len(plan.ops) - len(plan.running) - len(plan.admitting)  # frees come first in `ops`
-        for seq, (n, _) in plan.running.items():
+        # `ops`: frees, forks, appends, admits
+        ri = len(plan.ops) - len(plan.forks) - len(plan.running) - len(plan.admitting)
+        for child in plan.forks:
+            r = results[ri]
+            ri += 1
+            if r.ok:
+                child.block_table = list(r.append)
+            # else: its append fails too (unknown sequence), which sends it back to wait
+        for seq, (n, _, _) in plan.running.items():
             r = results[ri]
             ri += 1
             if r.ok:
@@ -268,7 +344,8 @@ class Scheduler:
         batch.queried_tokens += len(seq.token_ids)
         batch.entries.append(ScheduledSeq(seq, r.cached_tokens, r.num_stored - r.cached_tokens))
 
-    def _preempt(self, batch: Batch, seq: Sequence, refs: Counter | None, ops: list[Op] | None, cause: str) -> int:
+    def _preempt(self, batch: Batch, seq: Sequence, refs: Counter | None, ops: list[Op] | None, cause: str,
+                 plan: _StepPlan | None = None) -> int:
         """Send `seq` back to the waiting queue. With `ops`, its Free joins
         this step; returns the blocks that frees (those no other sequence holds)."""
         freed = 0
@@ -278,7 +355,16 @@ class Scheduler:
                 if refs[b] == 0:
                     del refs[b]
                     freed += 1
-        if ops is not None:
+        if plan is not None and seq in plan.forks:  # forked this step: just do not fork it
+            fork = plan.forks.pop(seq)
+            ops.remove(fork)
+            if fork.parent in self._free_later and all(f.parent != fork.parent for f in plan.forks.values()):
+                self._free_later.remove(fork.parent)  # nothing forks from it now: free it now
+                plan.forked_parents.discard(fork.parent)
+                ops.insert(0, Free(fork.parent))
+        elif plan is not None and seq.alloc_id in plan.forked_parents:
+            self._free_later.append(seq.alloc_id)  # frees run first: after its forks, next step
+        elif ops is not None:
             ops.insert(0, Free(seq.alloc_id))
         self.running.remove(seq)
         seq.reset_for_recompute()

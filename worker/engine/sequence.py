@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker.engine.sampling import SamplingParams
+from worker.engine.sampling import Logprobs, SamplingParams
 
 
 class Status(enum.Enum):
@@ -31,6 +31,15 @@ class Sequence:
     max_tokens: int  # resolved limit of generated tokens
     arrival_time: float = field(default_factory=time.monotonic)
     generator: torch.Generator | None = None
+    # Parallel sampling (n > 1): sample `index` of its request. Samples 1..n-1
+    # draw their first token from sample 0's prompt logits, then become FORKS
+    # of it in the allocator (`fork_parent` until then), sharing its blocks.
+    index: int = 0
+    fork_parent: Sequence | None = None
+    children: list[Sequence] = field(default_factory=list)  # samples 1..n-1, on sample 0
+    logprobs: list[Logprobs] | None = None  # per generated token, when asked for
+    prompt_logprobs: list[Logprobs | None] | None = None  # per prompt token (the first: None)
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 
     token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
@@ -58,6 +67,8 @@ class Sequence:
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -77,7 +88,8 @@ class Sequence:
 
     def next_alloc_id(self) -> str:
         self._admissions += 1
-        self.alloc_id = f"{self.request_id}#{self._admissions}"
+        sample = f"/{self.index}" if self.index else ""
+        self.alloc_id = f"{self.request_id}{sample}#{self._admissions}"
         return self.alloc_id
 
     def reset_for_recompute(self) -> None:

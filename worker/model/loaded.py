@@ -6,7 +6,8 @@ model); its own module so that neither imports the other for it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from worker.model.config import ModelConfig
 from worker.model.llama import LlamaForCausalLM
@@ -22,6 +23,11 @@ class LoadedModel:
     `fingerprint` is stable across processes and restarts for the same files
     (SHA-256 over the config and the weight files' names and sizes): it keys
     the prefix cache, so two workers share cached blocks only if it matches.
+
+    `sampling_defaults`: the sampling parameters the model's
+    `generation_config.json` sets (temperature, top_p, top_k, min_p,
+    repetition_penalty), used when a request leaves them out (vLLM's
+    `--generation-config auto`); empty when there is none (GGUF, tiny-random).
     """
 
     model: LlamaForCausalLM
@@ -32,6 +38,7 @@ class LoadedModel:
     max_model_len: int
     chat_template: str | None
     name: str
+    sampling_defaults: Mapping[str, float | int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.max_model_len < 1:

@@ -167,7 +167,28 @@ def _load_hf_folder(folder: Path, device: torch.device, dtype: torch.dtype) -> L
         max_model_len=_max_model_len(config),
         chat_template=template,
         name=folder.name,
+        sampling_defaults=sampling_defaults(gen),
     )
+
+
+# What vLLM's `--generation-config auto` takes from generation_config.json,
+# with transformers' defaults: a value equal to its default is not applied
+# (vLLM reads the config's difference from the defaults, so a file's
+# `top_k: 50` is not a default).
+_GENERATION_DEFAULTS: dict[str, float | int | None] = {
+    "temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0,
+}
+
+
+def sampling_defaults(gen: dict[str, Any]) -> dict[str, float | int]:
+    """The sampling defaults a model's generation config sets (see LoadedModel)."""
+    out: dict[str, float | int] = {}
+    for name, default in _GENERATION_DEFAULTS.items():
+        value = gen.get(name)
+        if isinstance(value, bool) or not isinstance(value, int | float) or value == default:
+            continue
+        out[name] = int(value) if name == "top_k" else float(value)
+    return out
 
 
 # -- GGUF -------------------------------------------------------------------------

@@ -141,9 +141,9 @@ class Tokenizer:
         text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
         return self.encode(text, add_special_tokens=False)
 
-    def detokenizer(self, prompt_ids: Iterable[int] = ()) -> IncrementalDetokenizer:
+    def detokenizer(self, prompt_ids: Iterable[int] = (), skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         """A streaming decoder for one sequence (optionally primed with its prompt)."""
-        return IncrementalDetokenizer(self, prompt_ids)
+        return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens)
 
 
 class IncrementalDetokenizer:
@@ -157,8 +157,9 @@ class IncrementalDetokenizer:
     while the tail is an incomplete character, it emits nothing and waits.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Iterable[int] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Iterable[int] = (), skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
         self.ids: list[int] = list(prompt_ids)
         # ids[prefix:read] is context already emitted; ids[read:] is pending.
         self._prefix = max(0, len(self.ids) - 5)
@@ -167,7 +168,9 @@ class IncrementalDetokenizer:
     def step(self, new_ids: Iterable[int]) -> str:
         """Add generated ids; return the new text they complete ("" if none yet)."""
         self.ids.extend(new_ids)
-        decode = self._tokenizer.decode
+        def decode(ids: list[int]) -> str:
+            return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
+
         before = decode(self.ids[self._prefix : self._read])
         after = decode(self.ids[self._prefix :])
         if len(after) <= len(before) or after.endswith("\ufffd"):
@@ -177,7 +180,9 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Whatever is still pending at the end of the sequence, even if incomplete."""
-        decode = self._tokenizer.decode
+        def decode(ids: list[int]) -> str:
+            return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
+
         before = decode(self.ids[self._prefix : self._read])
         after = decode(self.ids[self._prefix :])
         self._prefix = self._read = len(self.ids)
