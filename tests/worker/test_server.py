@@ -89,7 +89,8 @@ def test_cache_salt_isolates(client):
         ({"max_tokens": 10**6}, 400, "exceeds"),
         ({"prompt": "word " * 2000}, 400, "context"),
         ({"temperature": -1}, 400, "temperature"),
-        ({"n": 2}, 400, "n=1"),
+        ({"n": 0}, 400, "n must be"),
+        ({"best_of": 3}, 400, "best_of"),
         # the allocator's salt rule, answered before the request is queued
         ({"extra_body": {"cache_salt": ""}}, 400, "cache_salt"),
         ({"extra_body": {"cache_salt": "s" * 1025}}, 400, "cache_salt"),
@@ -137,3 +138,145 @@ def test_metrics_exported(server):
     for name in ("pagedkv_worker_kv_slot_utilisation_ratio", "pagedkv_worker_preemptions_total",
                  "pagedkv_worker_time_to_first_token_seconds_bucket", "pagedkv_worker_kv_pool_bytes"):
         assert name in text
+
+
+# -- issue 13: vLLM's sampling API through the official client -----------------------------
+
+GREEDY = dict(model="tiny-random", temperature=0, extra_body={"ignore_eos": True})
+
+
+def test_n_samples_completions_and_chat(client):
+    one = client.completions.create(prompt="fork me", max_tokens=6, **GREEDY).choices[0].text
+    r = client.completions.create(prompt="fork me", max_tokens=6, n=3, **GREEDY)
+    assert [c.index for c in r.choices] == [0, 1, 2] and {c.text for c in r.choices} == {one}
+    assert r.usage.completion_tokens == 18 and r.usage.prompt_tokens == client.completions.create(
+        prompt="fork me", max_tokens=1, **GREEDY).usage.prompt_tokens  # the prompt counted once
+    seeded = dict(model="tiny-random", prompt="fork me", max_tokens=8, n=4, temperature=1.0, seed=7)
+    a = [c.text for c in client.completions.create(**seeded).choices]
+    assert a == [c.text for c in client.completions.create(**seeded).choices] and len(set(a)) > 1
+    msgs = [{"role": "user", "content": "hello"}]
+    chat = client.chat.completions.create(messages=msgs, max_tokens=4, n=2, **GREEDY)
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content == chat.choices[1].message.content
+
+
+def test_n_samples_stream_with_index(client):
+    kw = dict(prompt="stream forks", max_tokens=5, n=2, **GREEDY)
+    whole = client.completions.create(**kw)
+    texts = {0: "", 1: ""}
+    for c in client.completions.create(stream=True, **kw):
+        for ch in c.choices:
+            texts[ch.index] += ch.text
+    assert texts == {c.index: c.text for c in whole.choices}
+    msgs = [{"role": "user", "content": "hello"}]
+    parts: dict[int, str] = {}
+    for c in client.chat.completions.create(messages=msgs, max_tokens=4, n=2, stream=True, **GREEDY):
+        for ch in c.choices:
+            parts[ch.index] = parts.get(ch.index, "") + (ch.delta.content or "")
+    assert sorted(parts) == [0, 1] and parts[0] == parts[1]
+
+
+def test_batched_prompts_each_get_their_choices(client):
+    prompts = ["first prompt", "second one", "third"]
+    singles = [client.completions.create(prompt=p, max_tokens=4, **GREEDY).choices[0].text for p in prompts]
+    r = client.completions.create(prompt=prompts, max_tokens=4, n=2, **GREEDY)
+    assert [c.index for c in r.choices] == list(range(6))
+    assert [c.text for c in r.choices] == [s for s in singles for _ in range(2)]  # index = prompt * n + sample
+    singles.append(client.completions.create(prompt=[5, 6, 7], max_tokens=3, **GREEDY).choices[0].text)
+    streamed: dict[int, str] = {}
+    for c in client.completions.create(prompt=[[5, 6, 7], [8, 9]], max_tokens=3, stream=True, **GREEDY):
+        for ch in c.choices:
+            streamed[ch.index] = streamed.get(ch.index, "") + ch.text
+    assert sorted(streamed) == [0, 1] and streamed[0] == singles[3]
+
+
+def test_completion_logprobs_and_echo(client):
+    r = client.completions.create(prompt="log me", max_tokens=5, logprobs=3, **GREEDY)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    for tok, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        # the top 3 and the chosen token (tiny-random's byte tokens may share a spelling)
+        assert value <= 0 and 1 <= len(top) <= 4 and top[tok] == value == max(top.values())  # greedy
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+    echo = client.completions.create(prompt="echo me", max_tokens=3, echo=True, **GREEDY)
+    plain = client.completions.create(prompt="echo me", max_tokens=3, **GREEDY)
+    assert echo.choices[0].text == "echo me" + plain.choices[0].text
+
+
+def test_chat_logprobs(client):
+    msgs = [{"role": "user", "content": "logprobs please"}]
+    r = client.chat.completions.create(messages=msgs, max_tokens=4, logprobs=True, top_logprobs=2, **GREEDY)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4
+    for item in content:
+        assert len(item.top_logprobs) == 2 and item.top_logprobs[0].logprob == item.logprob
+        assert item.bytes == list(item.token.encode())
+
+
+def test_stop_reason_and_controls(client):
+    tokenizer = load_model("tiny-random").tokenizer
+    base = client.completions.create(prompt=[5, 6, 7], max_tokens=8, logprobs=0, **GREEDY)
+    text = base.choices[0].text
+    assert len(text) >= 4
+    # a stop string: cut, or kept with include_stop_str_in_output; stop_reason names it
+    stop = text[2:4]
+    r = client.completions.create(prompt=[5, 6, 7], max_tokens=8, stop=[stop], **GREEDY)
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["stop_reason"] == stop
+    assert r.choices[0].text == text[: text.find(stop)] and r.choices[0].logprobs is None
+    kept = client.completions.create(prompt=[5, 6, 7], max_tokens=8, stop=[stop], model="tiny-random",
+                                     temperature=0, extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    assert kept.choices[0].text == text[: text.find(stop) + len(stop)]
+    # a stop token id (the greedy first token): stop_reason is the id; min_tokens holds it back
+    engine = LLMEngine(load_model("tiny-random"), EngineConfig(num_blocks=64, block_size=4))
+    first = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=1, temperature=0))[0].token_ids[0]
+    body = dict(prompt=[5, 6, 7], max_tokens=8, model="tiny-random", temperature=0)
+    stopped = client.completions.create(**body, extra_body={"ignore_eos": True, "stop_token_ids": [first]})
+    assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].model_extra["stop_reason"] == first
+    assert stopped.usage.completion_tokens == 1 and stopped.choices[0].text == ""
+    held = client.completions.create(**body, extra_body={"ignore_eos": True, "stop_token_ids": [first],
+                                                         "min_tokens": 3})
+    assert held.usage.completion_tokens >= 3
+    # logit_bias +100 forces a token; the penalties, min_p and skip_special_tokens are honoured
+    forced = client.completions.create(prompt="x", max_tokens=4, logit_bias={"42": 100}, logprobs=0, **GREEDY)
+    assert forced.choices[0].logprobs.tokens == [tokenizer.decode([42], skip_special_tokens=False)] * 4
+    plain = client.completions.create(prompt="x y z", max_tokens=8, **GREEDY).choices[0].text
+    for extra in ({"presence_penalty": 2.0}, {"frequency_penalty": 2.0}):
+        client.completions.create(prompt="x y z", max_tokens=8, **extra, **GREEDY)
+    rep = client.completions.create(prompt="x y z", max_tokens=8, model="tiny-random", temperature=0,
+                                    extra_body={"ignore_eos": True, "repetition_penalty": 1.5, "min_p": 0.1,
+                                                "skip_special_tokens": False})
+    assert rep.usage.completion_tokens == 8 and isinstance(plain, str)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("tool_choice", "auto"),
+    ("response_format", {"type": "json_object"}),
+    ("functions", [{"name": "f"}]),
+    ("function_call", "auto"),
+    ("parallel_tool_calls", True),
+    ("guided_json", {"type": "object"}),
+    ("use_beam_search", True),
+    ("prompt_logprobs", 1),
+])
+def test_unsupported_chat_fields_are_400_naming_them(server, field, value):
+    body = {"model": "tiny-random", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, field: value}
+    r = httpx.post(f"{server}/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field and field in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("field,value", [
+    ("suffix", "tail"), ("best_of", 4), ("echo", True),
+])
+def test_unsupported_completion_fields_are_400_naming_them(client, field, value):
+    extra = {"logprobs": 1} if field == "echo" else {}  # echo alone works; with logprobs it needs prompt logprobs
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model="tiny-random", prompt="hi", max_tokens=2, **{field: value}, **extra)
+    assert exc.value.body["param"] == field
+
+
+def test_non_text_message_parts_are_400(client):
+    msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model="tiny-random", messages=msgs, max_tokens=2)
+    assert "image_url" in exc.value.body["message"]

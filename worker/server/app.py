@@ -49,10 +49,9 @@ from worker.server.protocol import (
     BaseRequest,
     ChatCompletionRequest,
     CompletionRequest,
-    finish_reason,
     usage,
 )
-from worker.server.streaming import stream_events
+from worker.server.streaming import Choices, stream_events
 
 router = APIRouter()
 
@@ -70,6 +69,7 @@ def create_app(engine: AsyncLLMEngine, served_model_name: str) -> FastAPI:
 
 OFFLOAD_BYTES = 64 << 10  # bodies larger than this are parsed in a thread
 OFFLOAD_CHARS = 4096  # prompts longer than this are tokenized in a thread
+MAX_PROMPTS = 256  # prompts in one batched completion request
 T = TypeVar("T")
 Req = TypeVar("Req", bound=BaseRequest)
 
@@ -143,18 +143,38 @@ async def _off_loop(fn, *args, size: int):
 @router.post("/v1/completions")
 async def completions(request: Request):
     req = await _read(request, CompletionRequest)
-    prompt = req.prompt
+    _refuse_unsupported(req)
+    if req.best_of is not None and req.best_of != req.n:
+        # vLLM v1's answer too: only best_of == n (every sample returned) is served.
+        raise ApiError(400, f"best_of must equal n ({req.n}) when set: returning the best {req.n} of "
+                            f"{req.best_of} samples is not supported", param="best_of")
+    if req.echo and req.logprobs is not None:
+        raise ApiError(400, "echo with logprobs (prompt logprobs) is not supported", param="echo")
+    core = request.app.state.engine.engine
+    prompts = _prompt_list(req.prompt)
+    ids = [await _off_loop(_prompt_ids, core, p, size=len(p)) if isinstance(p, str) else p for p in prompts]
+    params = _sampling_params(req, req.max_tokens, request.app.state.served_model_name, core, req.logprobs)
+    echo = [p if isinstance(p, str) else core.tokenizer.decode(p) for p in prompts] if req.echo else None
+    return await _answer(request, req, ids, params, f"cmpl-{uuid.uuid4().hex}", "text", echo)
+
+
+def _prompt_list(prompt) -> list[str | list[int]]:
+    """A completion's prompts: one text, one token-id list, or a batch of either."""
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise ApiError(400, "batched prompts are not supported; send one prompt per request", param="prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, list) and not prompt or prompt == "":
+        prompts = list(prompt)
+    else:
+        prompts = [prompt]
+    if not prompts or any(p == "" or p == [] for p in prompts):
         raise ApiError(400, "the prompt is empty", param="prompt")
-    if req.logprobs:
-        raise ApiError(400, "logprobs are not supported", param="logprobs")
-    if isinstance(prompt, str):
-        prompt = await _off_loop(_prompt_ids, request.app.state.engine.engine, prompt, size=len(prompt))
-    return await _answer(request, req, prompt, req.max_tokens, f"cmpl-{uuid.uuid4().hex}", "text")
+    if len(prompts) > MAX_PROMPTS:
+        raise ApiError(400, f"at most {MAX_PROMPTS} prompts per request", param="prompt")
+    return prompts
+
+
+def _refuse_unsupported(req: BaseRequest) -> None:
+    names = req.unsupported_fields()
+    if names:
+        raise ApiError(400, f"{names[0]} is not supported by this server", param=names[0])
 
 
 def _prompt_ids(core, text: str) -> list[int]:
@@ -180,65 +200,110 @@ def _chat_ids(core, messages: list[dict]) -> list[int]:
 @router.post("/v1/chat/completions")
 async def chat(request: Request):
     req = await _read(request, ChatCompletionRequest)
-    if req.logprobs:
-        raise ApiError(400, "logprobs are not supported", param="logprobs")
+    _refuse_unsupported(req)
+    if req.echo:
+        raise ApiError(400, "echo is not supported on chat completions", param="echo")
+    for i, m in enumerate(req.messages):
+        what = m.unsupported()
+        if what is not None:
+            raise ApiError(400, f"messages[{i}].{what} is not supported by this server", param=f"messages[{i}]")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
     size = sum(len(m["content"]) for m in messages) + 64 * len(messages)
-    prompt_ids = await _off_loop(_chat_ids, request.app.state.engine.engine, messages, size=size)
+    core = request.app.state.engine.engine
+    prompt_ids = await _off_loop(_chat_ids, core, messages, size=size)
     max_tokens = req.max_completion_tokens or req.max_tokens
-    return await _answer(request, req, prompt_ids, max_tokens, f"chatcmpl-{uuid.uuid4().hex}", "chat")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = _sampling_params(req, max_tokens, request.app.state.served_model_name, core, logprobs)
+    return await _answer(request, req, [prompt_ids], params, f"chatcmpl-{uuid.uuid4().hex}", "chat")
 
 
-async def _answer(request: Request, req: BaseRequest, prompt, max_tokens: int | None, rid: str, kind: str):
-    """Run the request; answer with one body, or a stream of events if asked."""
+async def _answer(request: Request, req: BaseRequest, prompts: list[list[int]], params: SamplingParams, rid: str,
+                  kind: str, echo: list[str] | None = None):
+    """Run the request (one engine request per prompt, n samples each);
+    answer with one body, or a stream of events if asked."""
     model = request.app.state.served_model_name
-    params = _sampling_params(req, max_tokens, model)
-    stream = request.app.state.engine.generate(prompt, params, rid)
+    engine: AsyncLLMEngine = request.app.state.engine
+    rids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
+    streams = [engine.generate(p, params, r) for p, r in zip(prompts, rids, strict=True)]
     try:
-        # Until the first output (and for a whole answer, the last), a client
+        # Until the first outputs (and for a whole answer, the last), a client
         # that hangs up aborts the request; a stream then notices by itself.
-        first = await _unless_gone(request, stream, _first(stream))
+        firsts = await _unless_gone(request, streams, _all(*(_first(s) for s in streams)))
+        choices = Choices(kind, params.n, core_decode(engine), echo)
         if req.stream:
-            return StreamingResponse(stream_events(first, stream, rid, model, kind, req.include_usage()),
+            return StreamingResponse(stream_events(firsts, streams, choices, rid, model, req.include_usage()),
                                      media_type="text/event-stream")
-        out = await _unless_gone(request, stream, _collect(stream, first))
+        finals = await _unless_gone(request, streams,
+                                    _all(*(_collect(s, f) for s, f in zip(streams, firsts, strict=True))))
     except _ClientGone:
         return Response(status_code=499)  # nobody reads it
-    if kind == "chat":
-        obj, choice = "chat.completion", {"index": 0, "message": {"role": "assistant", "content": out.text}}
-    else:
-        obj, choice = "text_completion", {"index": 0, "text": out.text}
     return {
-        "id": rid, "object": obj, "created": int(time.time()), "model": model,
-        "choices": [{**choice, "finish_reason": finish_reason(out), "logprobs": None}],
-        "usage": usage(out),
+        "id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
+        "created": int(time.time()), "model": model,
+        "choices": [choices.whole(i, out) for i, per_prompt in enumerate(finals) for out in per_prompt],
+        "usage": usage([out for per_prompt in finals for out in per_prompt]),
     }
 
 
-def _sampling_params(req: BaseRequest, max_tokens: int | None, served_model_name: str) -> SamplingParams:
-    """The checks both endpoints share, then the engine's sampling parameters."""
+def core_decode(engine: AsyncLLMEngine):
+    """One token's text, as vLLM shows it in logprobs (special tokens spelled)."""
+    tokenizer = engine.engine.tokenizer
+    return lambda tok: tokenizer.decode([tok], skip_special_tokens=False)
+
+
+def _sampling_params(req: BaseRequest, max_tokens: int | None, served_model_name: str, core,
+                     logprobs: int | None) -> SamplingParams:
+    """The checks both endpoints share, then the engine's sampling parameters:
+    what the request sets, else the model's generation config, else the API's default."""
     if req.model != served_model_name:
         raise ApiError(404, f"the model {req.model!r} does not exist; this worker serves {served_model_name!r}",
                        param="model", type_="not_found_error", code="model_not_found")
-    if req.n != 1:
-        raise ApiError(400, "only n=1 is supported", param="n")
     if max_tokens is not None and max_tokens < 1:
         raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    defaults = core.loaded.sampling_defaults
+
+    def pick(name: str, fallback):
+        value = getattr(req, name)
+        return value if value is not None else defaults.get(name, fallback)
+
+    vocab = core.loaded.config.vocab_size
+    bias: list[tuple[int, float]] = []
+    for key, value in (req.logit_bias or {}).items():
+        try:
+            tok = int(key)
+        except ValueError:
+            raise ApiError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+        if not 0 <= tok < vocab:
+            raise ApiError(400, f"logit_bias token id {tok} is outside the vocabulary [0, {vocab})",
+                           param="logit_bias")
+        bias.append((tok, value))
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
+            n=req.n,
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", 0),
+            min_p=pick("min_p", 0.0),
+            presence_penalty=pick("presence_penalty", 0.0),
+            frequency_penalty=pick("frequency_penalty", 0.0),
+            repetition_penalty=pick("repetition_penalty", 1.0),
+            logit_bias=tuple(bias),
+            min_tokens=req.min_tokens,
             seed=req.seed,
             stop=req.stop_list(),
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
+            skip_special_tokens=req.skip_special_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            logprobs=logprobs,
             cache_salt=req.cache_salt,
             priority=req.priority,
         )
     except SamplingError as exc:
-        raise ApiError(400, str(exc)) from None
+        raise ApiError(400, str(exc), param=exc.param) from None
 
 
 class _ClientGone(Exception):
@@ -252,9 +317,10 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _unless_gone(request: Request, stream: AsyncIterator[RequestOutput], work: Awaitable[T]) -> T:
+async def _unless_gone(request: Request, streams: list[AsyncIterator[RequestOutput]], work: Awaitable[T]) -> T:
     """`await work`, unless the client hangs up first: then the request is
-    aborted (closing `stream` frees its sequence) and _ClientGone raised."""
+    aborted (closing `streams` frees its sequences) and _ClientGone raised.
+    Work that fails closes the streams too (the other prompts of a batch)."""
     task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_disconnected(request))
     try:
@@ -265,10 +331,27 @@ async def _unless_gone(request: Request, stream: AsyncIterator[RequestOutput], w
             task.cancel()
             with contextlib.suppress(BaseException):
                 await task
-            await stream.aclose()
+            for stream in streams:
+                await stream.aclose()
     if task.cancelled():
         raise _ClientGone
+    if task.exception() is not None:
+        for stream in streams:
+            await stream.aclose()
     return task.result()
+
+
+async def _all(*aws: Awaitable[T]) -> list[T]:
+    """`asyncio.gather`, but the first failure cancels the rest (their
+    streams then abort their requests)."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 async def _first(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
@@ -292,14 +375,15 @@ def _server_error(exc: BaseException) -> ApiError:
     return ApiError(status, body["error"]["message"], type_="server_error")
 
 
-async def _collect(stream: AsyncIterator[RequestOutput], first: RequestOutput) -> RequestOutput:
-    last = first
-    if not first.finished:
+async def _collect(stream: AsyncIterator[RequestOutput], first: RequestOutput) -> list[RequestOutput]:
+    """Every sample's last output, by index."""
+    last = {first.index: first}
+    if not first.request_finished:
         try:
             async for out in stream:
-                last = out
+                last[out.index] = out
         except AllocatorError:
             raise
         except RuntimeError as exc:  # the engine step failed
             raise _server_error(exc) from None
-    return last
+    return [last[i] for i in sorted(last)]

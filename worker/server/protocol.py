@@ -1,8 +1,13 @@
-"""Request bodies of the OpenAI-style API (the fields PagedKV honours), and
-the pieces whole and streamed answers share (usage, finish reason).
+"""Request bodies of the OpenAI-style API (the fields PagedKV honours, with
+vLLM's extra sampling fields), the fields it refuses, and the pieces whole and
+streamed answers share (usage, finish reason, logprobs).
 
-Unknown fields are ignored, as OpenAI-compatible servers do, so the official
-client's extra fields never fail a request.
+A sampling field left out is None here, so the model's own default
+(`generation_config.json`) can apply before the API's. A field PagedKV does not
+implement (`tools`, `response_format`, ...) is a 400 naming it, never ignored
+(`unsupported_fields`); other unknown fields are ignored, as OpenAI-compatible
+servers do, so the official client's bookkeeping fields (`user`, `store`,
+`metadata`) never fail a request.
 """
 
 from __future__ import annotations
@@ -13,28 +18,57 @@ from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:
     from worker.engine import RequestOutput
+    from worker.engine.sampling import Logprobs
+
+# Fields of OpenAI's or vLLM's API that change what a request means and that
+# PagedKV does not implement: a request that sets one (to anything but null)
+# is refused with a 400 naming it.
+UNSUPPORTED_FIELDS = (
+    "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format",
+    "suffix", "audio", "modalities", "prediction", "web_search_options", "reasoning_effort",
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+    "guided_whitespace_pattern", "structured_outputs", "use_beam_search", "length_penalty",
+    "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "prompt_embeds", "logits_processors",
+    "return_tokens_as_token_ids", "chat_template", "chat_template_kwargs", "documents",
+    "continue_final_message", "mm_processor_kwargs", "prompt_logprobs", "kv_transfer_params",
+    "vllm_xargs", "spaces_between_special_tokens", "add_special_tokens", "add_generation_prompt",
+)
 
 
 class BaseRequest(BaseModel):
     """The fields completions and chat completions share."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str
     max_tokens: int | None = Field(default=None)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = 0
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: dict | None = None
-    n: int = 1
     cache_salt: str | None = None
     priority: int = 0
     user: str | None = None
+
+    def unsupported_fields(self) -> list[str]:
+        """The fields this request sets that PagedKV does not implement."""
+        extra = self.model_extra or {}
+        return [name for name in UNSUPPORTED_FIELDS
+                if extra.get(name, getattr(self, name, None) if name in type(self).model_fields else None) is not None]
 
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -50,6 +84,7 @@ class CompletionRequest(BaseRequest):
     max_tokens: int | None = 16  # OpenAI's default for completions
     echo: bool = False
     logprobs: int | None = None
+    best_of: int | None = None
 
 
 class ContentPart(BaseModel):
@@ -60,30 +95,49 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
+
+    def unsupported(self) -> str | None:
+        """The first part of this message a text model without tools cannot take."""
+        extra = self.model_extra or {}
+        for name in ("tool_calls", "function_call", "audio"):
+            if extra.get(name) is not None:
+                return name
+        if isinstance(self.content, list):
+            for part in self.content:
+                if part.type != "text":
+                    return f"content (a {part.type!r} part)"
+        return None
 
     def text(self) -> str:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        # content parts: only text parts are understood by a text model
-        return "".join(p.text or "" for p in self.content if p.type == "text")
+        return "".join(p.text or "" for p in self.content)
 
 
 class ChatCompletionRequest(BaseRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
+    top_logprobs: int | None = None
+    echo: bool = False  # vLLM's: echo the last message; not implemented (400)
 
 
-def usage(out: RequestOutput) -> dict:
-    p, c = len(out.prompt_token_ids), len(out.token_ids)
+def usage(outs: list[RequestOutput]) -> dict:
+    """Usage of a request's final outputs: every prompt once, every sample's tokens."""
+    seen: dict[str, RequestOutput] = {}
+    for out in outs:
+        seen.setdefault(out.request_id, out)
+    p = sum(len(o.prompt_token_ids) for o in seen.values())
+    c = sum(len(o.token_ids) for o in outs)
+    cached = sum(o.num_cached_tokens for o in seen.values())
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def finish_reason(out: RequestOutput) -> str | None:
@@ -91,3 +145,34 @@ def finish_reason(out: RequestOutput) -> str | None:
     if out.finish_reason in ("abort", "error"):
         return "stop" if out.finish_reason == "abort" else "error"
     return out.finish_reason
+
+
+def completion_logprobs(entries: list[Logprobs | None], token_ids: list[int], decode, offset: int = 0) -> dict:
+    """The completions shape: `tokens`, `token_logprobs`, `top_logprobs`
+    (the top ones plus the chosen token, as vLLM), `text_offset`."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for tok, lp in zip(token_ids, entries, strict=True):
+        text = decode(tok)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        if lp is None:  # the first prompt token
+            token_lps.append(None)
+            tops.append(None)
+            continue
+        token_lps.append(max(lp.logprob, -9999.0))
+        top: dict[str, float] = {}
+        for t, v in [*lp.top, (tok, lp.logprob)]:  # tokens that share a spelling: the likeliest
+            top.setdefault(decode(t), max(v, -9999.0))
+        tops.append(top)
+    return {"text_offset": offsets, "token_logprobs": token_lps, "tokens": tokens, "top_logprobs": tops}
+
+
+def chat_logprobs(entries: list[Logprobs], decode) -> dict:
+    """The chat shape: `{"content": [{token, logprob, bytes, top_logprobs}]}`."""
+    def item(tok: int, lp: float) -> dict:
+        text = decode(tok)
+        return {"token": text, "logprob": max(lp, -9999.0), "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, v) for t, v in e.top]}
+                        for e in entries]}
