@@ -26,7 +26,8 @@ from pagedkv.settings import (
 ENV_HELP = """\
 Every flag can also be given as the environment variable PAGEDKV_WORKER_<FLAG>
 (--model: PAGEDKV_WORKER_MODEL, --allocator: PAGEDKV_WORKER_ALLOCATOR, ...); a
-flag wins over its variable.
+flag wins over its variable. --api-key also reads VLLM_API_KEY when
+PAGEDKV_WORKER_API_KEY is not set.
 """
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float", "half")
@@ -118,6 +119,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="cap on prompt + generated tokens (default: the model's context length)")
     p.add_argument("--host", **_env("--host", "127.0.0.1"), help="HTTP listen address (default 127.0.0.1)")
     p.add_argument("--port", **_env("--port", 8000, int), help="HTTP port (default 8000)")
+    p.add_argument("--api-key", **_env("--api-key", os.environ.get("VLLM_API_KEY") or None),
+                   help="require `Authorization: Bearer KEY` on every /v1/* route (401 otherwise); /health, "
+                        "/metrics, /version, /tokenize and /detokenize stay open, as in vLLM "
+                        "(env PAGEDKV_WORKER_API_KEY, else VLLM_API_KEY)")
     p.add_argument("--log-level", **_env("--log-level", "INFO", log_level), choices=LOG_LEVELS,
                    help="log level, any case (default INFO)")
 
@@ -199,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
     log.info("allocator: %s; prefix caching %s", args.allocator, "on" if args.enable_prefix_caching else "off")
     print(f"KV pool: {engine.kv_pool.describe()}", flush=True)
     async_engine = AsyncLLMEngine(engine)
-    app = create_app(async_engine, served_name(args))
+    app = create_app(async_engine, served_name(args), root=model_of(args), api_key=args.api_key)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                     timeout_graceful_shutdown=5)

@@ -152,7 +152,7 @@ def test_worker_serves_a_repo_id_given_positionally(hub):
         url = worker.start().wait_healthy(90).url
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         [card] = client.models.list().data
-        assert card.id == REPO
+        assert card.id == REPO and card.model_extra["root"] == REPO
         r = client.completions.create(model=REPO, prompt=PROMPT, max_tokens=12, temperature=0,
                                       extra_body={"ignore_eos": True})
         engine = LLMEngine(load_model(folder), EngineConfig(num_blocks=64, block_size=4))

@@ -13,6 +13,9 @@ thread fails every request in flight with `AllocatorError` once the allocator
 has not answered for `allocator_give_up_after_s`; new requests are refused the
 same way until it answers again. While idle, the engine thread probes a remote
 allocator, so `problem()` (GET /health) is true without traffic too.
+
+The engine thread dead (an error outside a step): every request in flight and
+every new one fails with `EngineDeadError`, and `dead()` (GET /health) says so.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import time
 from collections.abc import AsyncIterator
 from collections.abc import Sequence as Seq
 
-from worker.engine.health import AllocatorError
+from worker.engine.health import AllocatorError, EngineDeadError
 from worker.engine.llm_engine import LLMEngine, RequestError
 from worker.engine.output_processor import RequestOutput
 from worker.engine.sampling import SamplingParams
@@ -44,7 +47,8 @@ class AsyncLLMEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="pagedkv-engine", daemon=True)
+        self._died: EngineDeadError | None = None
+        self._thread = threading.Thread(target=self._main, name="pagedkv-engine", daemon=True)
         self._thread.start()
         self._watchdog = threading.Thread(target=self._watch, name="pagedkv-give-up", daemon=True)
         self._watchdog.start()
@@ -68,6 +72,10 @@ class AsyncLLMEngine:
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:
             self._streams[request_id] = (loop, q)
+        if self._died is not None:  # after registering: a death from now on fails this stream too
+            with self._lock:
+                self._streams.pop(request_id, None)
+            raise EngineDeadError(str(self._died))
         # A refusal (RequestError) comes through the queue like an output, as
         # does AllocatorError if the watchdog gives up first.
         self._inbox.put(("add", request_id, prompt, params))
@@ -87,6 +95,10 @@ class AsyncLLMEngine:
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
+
+    def dead(self) -> EngineDeadError | None:
+        """Why the engine thread is gone (an error it could not survive), or None."""
+        return self._died
 
     def problem(self) -> AllocatorError | None:
         """Why this worker cannot serve now (GET /health says 503), or None:
@@ -162,6 +174,17 @@ class AsyncLLMEngine:
                 self._deliver(rid, RuntimeError(f"could not add the request: {exc}"))
         elif kind == "abort":
             self.engine.abort(msg[1])
+
+    def _main(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:
+            log.critical("the engine thread died; this worker serves nothing until it restarts", exc_info=True)
+            self._died = EngineDeadError(f"the engine thread died ({type(exc).__name__}: {exc})"[:300])
+            with self._lock:
+                rids = list(self._streams)
+            for rid in rids:
+                self._deliver(rid, self._died)
 
     def _loop(self) -> None:
         engine = self.engine

@@ -1,4 +1,5 @@
 """Is the allocator answering this worker? The facts /health and the give-up read.
+(And `EngineDeadError`: the engine thread itself is gone.)
 
 The engine thread is the only one that calls the allocator for the engine
 (steps, and a probe while idle), and it tells `AllocatorHealth` when a call
@@ -31,6 +32,13 @@ class AllocatorError(RuntimeError):
         super().__init__(message)
         self.reason = reason
         self.seconds = seconds
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has died: no request can be served until the worker
+    restarts. /health answers 503 with code `engine_dead`, requests a 503."""
+
+    reason = "engine_dead"
 
 
 class AllocatorHealth:

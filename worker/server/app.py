@@ -1,8 +1,10 @@
-"""FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+"""FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics
+(and from utility_routes.py /tokenize, /detokenize, /version).
 
 `create_app` wires the pieces: the routes below (module-level handlers that
-find the engine in `app.state`), the error shape and body limit (errors.py)
-and server-sent events (streaming.py).
+find the engine in `app.state`), the error shape, body limit and API key
+(errors.py), request bodies off the loop (bodies.py) and server-sent events
+(streaming.py).
 
 The event loop does only cheap work, so /health answers under any input: a
 body over `OFFLOAD_BYTES` is parsed and validated in a thread, prompts and
@@ -10,23 +12,24 @@ chat templates are tokenized in a thread (neither on the loop nor on the
 engine thread), and a text that must have too many tokens is refused before
 it is tokenized. A client that hangs up while its request waits or generates
 has the request aborted, streaming or not.
+
+With an API key every /v1/* route wants `Authorization: Bearer KEY` (401 in
+OpenAI's error shape otherwise); /health, /metrics, /version, /tokenize and
+/detokenize stay open, as in vLLM.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
 
-from fastapi import APIRouter, FastAPI, HTTPException, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from worker.engine import (
@@ -37,9 +40,12 @@ from worker.engine import (
     SamplingError,
     SamplingParams,
 )
+from worker.server import utility_routes
+from worker.server.bodies import off_loop, read_body
 from worker.server.errors import (
     MAX_BODY_BYTES,
     ApiError,
+    ApiKeyCheck,
     BodyLimit,
     failure,
     install_error_handlers,
@@ -56,30 +62,38 @@ from worker.server.streaming import Choices, stream_events
 router = APIRouter()
 
 
-def create_app(engine: AsyncLLMEngine, served_model_name: str) -> FastAPI:
-    app = FastAPI(title="PagedKV worker", version="0.1.0")
+def create_app(engine: AsyncLLMEngine, served_model_name: str, root: str | None = None,
+               api_key: str | None = None) -> FastAPI:
+    """The worker's HTTP app. `root`: what the model was loaded from (a path or
+    repo id; /v1/models says it), default the served name. `api_key`: when
+    set, required on every /v1/* route."""
+    app = FastAPI(title="PagedKV worker", version=utility_routes.version())
     app.state.engine = engine
     app.state.served_model_name = served_model_name
+    app.state.root = root or served_model_name
     app.state.created = int(time.time())
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
+    if api_key:  # added last, so it runs first: a request without the key is not even read
+        app.add_middleware(ApiKeyCheck, api_key=api_key)
     app.include_router(router)
+    app.include_router(utility_routes.router)
     return app
 
 
-OFFLOAD_BYTES = 64 << 10  # bodies larger than this are parsed in a thread
-OFFLOAD_CHARS = 4096  # prompts longer than this are tokenized in a thread
 MAX_PROMPTS = 256  # prompts in one batched completion request
 T = TypeVar("T")
-Req = TypeVar("Req", bound=BaseRequest)
 
 
 @router.get("/health")
 async def health(request: Request):
+    """200 when the worker can serve; 503 with the reason's code when the
+    engine thread died (`engine_dead`) or the allocator refuses the pool or
+    does not answer (`allocator_refused`, `allocator_unreachable`)."""
     engine: AsyncLLMEngine = request.app.state.engine
     core = engine.engine
     counts = {"running": core.num_running(), "waiting": core.num_waiting()}
-    problem = engine.problem()
+    problem = engine.dead() or engine.problem()
     if problem is not None:
         body = {"status": "unavailable", "reason": public_message(problem), "code": problem.reason, **counts}
         return JSONResponse(status_code=503, content=body, headers={"Retry-After": "5"})
@@ -96,53 +110,26 @@ async def metrics(request: Request):
 
 @router.get("/v1/models")
 async def models(request: Request):
+    """vLLM's model card: `root` is what the model was loaded from, `max_model_len` the context limit."""
     state = request.app.state
     return {
         "object": "list",
         "data": [{
             "id": state.served_model_name, "object": "model", "created": state.created, "owned_by": "pagedkv",
-            "max_model_len": state.engine.engine.max_model_len,
+            "root": state.root, "parent": None, "max_model_len": state.engine.engine.max_model_len,
+            "permission": [{
+                "id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": state.created,
+                "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                "organization": "*", "group": None, "is_blocking": False,
+            }],
         }],
     }
 
 
-def _parse(body: bytes, content_type: str | None, model: type[Req]) -> Req:
-    """The body as FastAPI would parse a `model` parameter (JSON unless the
-    content type says otherwise), with the same validation errors."""
-    data: object = body
-    if not body:
-        raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
-    main, _, sub = (content_type or "application/json").split(";")[0].strip().lower().partition("/")
-    if main == "application" and (sub == "json" or sub.endswith("+json")):
-        try:
-            data = json.loads(body)
-        except json.JSONDecodeError as exc:
-            raise RequestValidationError([{"type": "json_invalid", "loc": ("body", exc.pos), "msg": "JSON decode error",
-                                           "input": {}, "ctx": {"error": exc.msg}}]) from None
-        except ValueError:  # not UTF-8 (or UTF-16/32) at all: FastAPI's words
-            raise HTTPException(400, "There was an error parsing the body") from None
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise RequestValidationError(
-            [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]) from None
-
-
-async def _read(request: Request, model: type[Req]) -> Req:
-    body = await request.body()
-    content_type = request.headers.get("content-type")
-    if len(body) <= OFFLOAD_BYTES:
-        return _parse(body, content_type, model)
-    return await run_in_threadpool(_parse, body, content_type, model)
-
-
-async def _off_loop(fn, *args, size: int):
-    return fn(*args) if size <= OFFLOAD_CHARS else await run_in_threadpool(fn, *args)
-
-
 @router.post("/v1/completions")
 async def completions(request: Request):
-    req = await _read(request, CompletionRequest)
+    req = await read_body(request, CompletionRequest)
     _refuse_unsupported(req)
     if req.best_of is not None and req.best_of != req.n:
         # vLLM v1's answer too: only best_of == n (every sample returned) is served.
@@ -152,7 +139,7 @@ async def completions(request: Request):
         raise ApiError(400, "echo with logprobs (prompt logprobs) is not supported", param="echo")
     core = request.app.state.engine.engine
     prompts = _prompt_list(req.prompt)
-    ids = [await _off_loop(_prompt_ids, core, p, size=len(p)) if isinstance(p, str) else p for p in prompts]
+    ids = [await off_loop(_prompt_ids, core, p, size=len(p)) if isinstance(p, str) else p for p in prompts]
     params = _sampling_params(req, req.max_tokens, request.app.state.served_model_name, core, req.logprobs)
     echo = [p if isinstance(p, str) else core.tokenizer.decode(p) for p in prompts] if req.echo else None
     return await _answer(request, req, ids, params, f"cmpl-{uuid.uuid4().hex}", "text", echo)
@@ -199,7 +186,7 @@ def _chat_ids(core, messages: list[dict]) -> list[int]:
 
 @router.post("/v1/chat/completions")
 async def chat(request: Request):
-    req = await _read(request, ChatCompletionRequest)
+    req = await read_body(request, ChatCompletionRequest)
     _refuse_unsupported(req)
     if req.echo:
         raise ApiError(400, "echo is not supported on chat completions", param="echo")
@@ -212,7 +199,7 @@ async def chat(request: Request):
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
     size = sum(len(m["content"]) for m in messages) + 64 * len(messages)
     core = request.app.state.engine.engine
-    prompt_ids = await _off_loop(_chat_ids, core, messages, size=size)
+    prompt_ids = await off_loop(_chat_ids, core, messages, size=size)
     max_tokens = req.max_completion_tokens or req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = _sampling_params(req, max_tokens, request.app.state.served_model_name, core, logprobs)
@@ -372,7 +359,7 @@ async def _first(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
 
 def _server_error(exc: BaseException) -> ApiError:
     status, body = failure(exc)
-    return ApiError(status, body["error"]["message"], type_="server_error")
+    return ApiError(status, body["error"]["message"], type_="server_error", code=body["error"]["code"])
 
 
 async def _collect(stream: AsyncIterator[RequestOutput], first: RequestOutput) -> list[RequestOutput]:

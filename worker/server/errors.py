@@ -3,7 +3,14 @@
 
 `ApiError` is raised anywhere in a handler; `install_error_handlers` maps it,
 pydantic's validation errors, malformed JSON and unknown routes to that shape;
-`BodyLimit` refuses oversized bodies in it before the app reads them.
+`BodyLimit` refuses oversized bodies in it before the app reads them, and
+`ApiKeyCheck` a /v1/* request without the API key (401, code
+`invalid_api_key`, as OpenAI answers) before anything else.
+
+The shape is OpenAI's and vLLM's (`ErrorResponse{error: ErrorInfo}` since
+vLLM 0.10); the values are OpenAI's: `type` like `invalid_request_error`,
+`code` a string or null (vLLM puts the HTTP status there; the status line
+says it here). The official client reads either.
 
 Allocator failures are mapped HERE and nowhere else (`allocator_error`,
 `public_message`): a 503 with a short message of the worker's own words plus
@@ -14,13 +21,14 @@ repr.
 from __future__ import annotations
 
 import re
+import secrets
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from worker.engine import AllocatorError
+from worker.engine import AllocatorError, EngineDeadError
 
 MAX_BODY_BYTES = 8 << 20
 _DETAILS_CHARS = 200
@@ -68,6 +76,8 @@ def public_message(exc: BaseException) -> str:
     if isinstance(exc, AllocatorError):
         status = _rpc_status(exc.__cause__)
         return f"{exc} ({status})" if status else str(exc)
+    if isinstance(exc, EngineDeadError):
+        return "the engine thread died" if _LEAK.search(str(exc)) else str(exc)
     status = _rpc_status(exc)
     if status is not None:
         return f"the KV-cache allocator failed ({status})"
@@ -79,8 +89,8 @@ def public_message(exc: BaseException) -> str:
 
 def failure(exc: BaseException) -> tuple[int, dict]:
     """The HTTP status and OpenAI-shaped body of a request the worker failed:
-    503 for the allocator (its reason as the code), else 500."""
-    if isinstance(exc, AllocatorError):
+    503 for the allocator or a dead engine thread (the reason as the code), else 500."""
+    if isinstance(exc, AllocatorError | EngineDeadError):
         status, code = 503, exc.reason
     else:
         status, code = 500, None
@@ -114,6 +124,32 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(AllocatorError, _allocator_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+
+
+class ApiKeyCheck:
+    """Every request to /v1/* must carry `Authorization: Bearer <api_key>`
+    (compared in constant time); others get a 401 in the one error shape.
+    Other paths (/health, /metrics, /version, /tokenize, /detokenize) and
+    CORS preflights pass, as in vLLM."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("method") == "OPTIONS" or not _is_api(scope.get("path", "")):
+            return await self.app(scope, receive, send)
+        given = dict(scope.get("headers") or ()).get(b"authorization", b"")
+        if secrets.compare_digest(given, self._expected):
+            return await self.app(scope, receive, send)
+        response = error_response(401, "invalid or missing API key: send the header `Authorization: Bearer KEY`",
+                                  code="invalid_api_key")
+        response.headers["WWW-Authenticate"] = "Bearer"
+        return await response(scope, receive, send)
+
+
+def _is_api(path: str) -> bool:
+    return path == "/v1" or path.startswith("/v1/")
 
 
 class BodyLimit:

@@ -1,0 +1,188 @@
+"""The server conventions a vLLM user relies on, on a real worker process
+through the official `openai` client (raw HTTP where the client has no call):
+
+- prefix caching on by default (`--no-enable-prefix-caching` turns it off);
+- `--api-key`: every /v1/* route wants the bearer key (401 in OpenAI's error
+  shape), /health, /metrics, /version, /tokenize and /detokenize stay open;
+- `/tokenize`, `/detokenize`, `/version` in vLLM's shapes; `/v1/models` with
+  `root` and `max_model_len`;
+- `/health` 503 once the engine thread is dead, and requests a prompt 503.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import httpx
+import openai
+import pytest
+from fastapi.testclient import TestClient
+
+from worker.cli import add_arguments
+from worker.engine import AsyncLLMEngine, EngineConfig, LLMEngine
+from worker.model.loader import load_model
+from worker.server.app import create_app
+
+KEY = "sk-test-0123456789"
+SERVED = "tiny-chat"
+SYSTEM = "You are a helpful assistant that answers briefly. " * 3
+
+
+@pytest.fixture(scope="module")
+def server(worker_process):
+    # no --enable-prefix-caching: on by default
+    with worker_process("--model", "tiny-random", "--served-model-name", SERVED, "--api-key", KEY,
+                        "--num-blocks", "256", "--block-size", "4", "--max-model-len", "512") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0)
+
+
+# ------------------------------------------------------------------ flags
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_prefix_caching_flag_defaults_on_and_turns_off(monkeypatch):
+    monkeypatch.delenv("PAGEDKV_WORKER_ENABLE_PREFIX_CACHING", raising=False)
+    assert _parse().enable_prefix_caching is True
+    assert _parse("--enable-prefix-caching").enable_prefix_caching is True
+    assert _parse("--no-enable-prefix-caching").enable_prefix_caching is False
+    monkeypatch.setenv("PAGEDKV_WORKER_ENABLE_PREFIX_CACHING", "false")
+    assert _parse().enable_prefix_caching is False
+    assert _parse("--enable-prefix-caching").enable_prefix_caching is True  # a flag wins over its variable
+    monkeypatch.setenv("PAGEDKV_WORKER_ENABLE_PREFIX_CACHING", "maybe")
+    with pytest.raises(SystemExit):
+        _parse()
+
+
+def test_api_key_from_the_environment(monkeypatch):
+    monkeypatch.delenv("PAGEDKV_WORKER_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    assert _parse().api_key is None
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
+    assert _parse().api_key == "from-vllm"
+    monkeypatch.setenv("PAGEDKV_WORKER_API_KEY", "from-pagedkv")
+    assert _parse().api_key == "from-pagedkv"
+    assert _parse("--api-key", "flag").api_key == "flag"
+
+
+def test_prefix_caching_is_on_without_the_flag(client):
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "first question"}]
+    client.chat.completions.create(model=SERVED, messages=msgs, max_tokens=2, temperature=0)
+    msgs[1]["content"] = "another question"
+    r = client.chat.completions.create(model=SERVED, messages=msgs, max_tokens=2, temperature=0)
+    assert r.usage.prompt_tokens_details.cached_tokens >= 40  # the shared system prompt
+
+
+# ------------------------------------------------------------------ API key
+
+
+def test_api_key_guards_every_v1_route(server, client):
+    anonymous = openai.OpenAI(base_url=f"{server}/v1", api_key="wrong", max_retries=0)
+    for call in (lambda c: c.models.list(),
+                 lambda c: c.completions.create(model=SERVED, prompt="hi", max_tokens=2),
+                 lambda c: c.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=2)):
+        with pytest.raises(openai.AuthenticationError) as exc:
+            call(anonymous)
+        assert exc.value.status_code == 401
+        assert exc.value.body["code"] == "invalid_api_key" and "API key" in exc.value.body["message"]
+        call(client)  # the right key passes
+    r = httpx.post(f"{server}/v1/completions", json={"model": SERVED, "prompt": "hi"})  # no header at all
+    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert httpx.get(f"{server}/v1/nothing").status_code == 401  # unknown /v1 routes too: nothing leaks
+    # open, as in vLLM
+    for path in ("/health", "/metrics", "/version"):
+        assert httpx.get(f"{server}{path}").status_code == 200, path
+    assert httpx.post(f"{server}/tokenize", json={"prompt": "hi"}).status_code == 200
+    assert httpx.post(f"{server}/detokenize", json={"tokens": [104, 105]}).status_code == 200
+
+
+# ------------------------------------------------------------------ utility routes
+
+
+def test_tokenize_and_detokenize_in_vllm_shapes(server, client):
+    text = "hello paged world"
+    r = httpx.post(f"{server}/tokenize", json={"model": SERVED, "prompt": text, "add_special_tokens": False,
+                                               "return_token_strs": True}).json()
+    assert set(r) == {"count", "max_model_len", "tokens", "token_strs"}
+    assert r["count"] == len(r["tokens"]) == len(r["token_strs"]) and r["max_model_len"] == 512
+    back = httpx.post(f"{server}/detokenize", json={"model": SERVED, "tokens": r["tokens"]}).json()
+    assert back == {"prompt": text}
+    # the counts the completions answer with
+    completion = client.completions.create(model=SERVED, prompt=text, max_tokens=1)
+    plain = httpx.post(f"{server}/tokenize", json={"prompt": text}).json()
+    assert plain["count"] == completion.usage.prompt_tokens and plain["token_strs"] is None
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    chat = client.chat.completions.create(model=SERVED, messages=msgs, max_tokens=1)
+    tokenized = httpx.post(f"{server}/tokenize", json={"messages": msgs}).json()
+    assert tokenized["count"] == chat.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("path,body,status,param", [
+    ("/tokenize", {"prompt": "x", "model": "other"}, 404, "model"),
+    ("/tokenize", {}, 400, None),
+    ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, 400, None),
+    ("/tokenize", {"messages": [{"role": "user", "content": "y"}], "continue_final_message": True}, 400,
+     "continue_final_message"),
+    ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
+    ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+])
+def test_utility_routes_refuse_loudly(server, path, body, status, param):
+    r = httpx.post(f"{server}{path}", json=body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
+
+
+def test_version_and_model_card(server, client):
+    from importlib.metadata import version
+
+    assert httpx.get(f"{server}/version").json() == {"version": version("pagedkv")}
+    [card] = client.models.list().data
+    assert card.id == SERVED and card.owned_by == "pagedkv"
+    assert card.model_extra["root"] == "tiny-random"  # what was loaded; the id is the served name
+    assert card.model_extra["max_model_len"] == 512
+    assert card.model_extra["permission"][0]["object"] == "model_permission"
+
+
+# ------------------------------------------------------------------ a dead engine thread
+
+
+def test_health_is_503_once_the_engine_thread_dies():
+    engine = AsyncLLMEngine(LLMEngine(load_model("tiny-random"), EngineConfig(num_blocks=64, block_size=4)))
+    body = {"model": "tiny-random", "prompt": "hello", "max_tokens": 3}
+    try:
+        with TestClient(create_app(engine, "tiny-random")) as http:
+            assert http.get("/health").status_code == 200
+            assert http.post("/v1/completions", json=body).status_code == 200
+
+            def broken() -> bool:
+                raise MemoryError("injected: the engine thread cannot go on")
+
+            engine.engine.has_unfinished = broken  # the loop's next turn raises outside any step
+            engine.abort("wake-up")
+            deadline = time.monotonic() + 10
+            while engine.dead() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            health = http.get("/health")
+            assert health.status_code == 503 and health.json()["code"] == "engine_dead"
+            assert "MemoryError" in health.json()["reason"]
+            t0 = time.monotonic()
+            r = http.post("/v1/completions", json=body)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+            assert time.monotonic() - t0 < 5  # refused at once, not left waiting
+            streamed = http.post("/v1/completions", json={**body, "stream": True})
+            assert streamed.status_code == 503
+    finally:
+        engine.shutdown()

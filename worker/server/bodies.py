@@ -1,0 +1,51 @@
+"""Request bodies off the event loop: a big body is parsed and validated in a
+thread (`read_body`), a long text tokenized in one (`off_loop`), so /health
+answers under any input (worker/server/app.py says why)."""
+
+from __future__ import annotations
+
+import json
+from typing import TypeVar
+
+from fastapi import HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+from starlette.concurrency import run_in_threadpool
+
+OFFLOAD_BYTES = 64 << 10  # bodies larger than this are parsed in a thread
+OFFLOAD_CHARS = 4096  # prompts longer than this are tokenized in a thread
+Req = TypeVar("Req", bound=BaseModel)
+
+
+def _parse(body: bytes, content_type: str | None, model: type[Req]) -> Req:
+    """The body as FastAPI would parse a `model` parameter (JSON unless the
+    content type says otherwise), with the same validation errors."""
+    data: object = body
+    if not body:
+        raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
+    main, _, sub = (content_type or "application/json").split(";")[0].strip().lower().partition("/")
+    if main == "application" and (sub == "json" or sub.endswith("+json")):
+        try:
+            data = json.loads(body)
+        except json.JSONDecodeError as exc:
+            raise RequestValidationError([{"type": "json_invalid", "loc": ("body", exc.pos), "msg": "JSON decode error",
+                                           "input": {}, "ctx": {"error": exc.msg}}]) from None
+        except ValueError:  # not UTF-8 (or UTF-16/32) at all: FastAPI's words
+            raise HTTPException(400, "There was an error parsing the body") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise RequestValidationError(
+            [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]) from None
+
+
+async def read_body(request: Request, model: type[Req]) -> Req:
+    body = await request.body()
+    content_type = request.headers.get("content-type")
+    if len(body) <= OFFLOAD_BYTES:
+        return _parse(body, content_type, model)
+    return await run_in_threadpool(_parse, body, content_type, model)
+
+
+async def off_loop(fn, *args, size: int):
+    return fn(*args) if size <= OFFLOAD_CHARS else await run_in_threadpool(fn, *args)

@@ -1,0 +1,125 @@
+"""vLLM's utility routes: /tokenize, /detokenize, /version.
+
+Their request and response bodies are vLLM's:
+
+- `POST /tokenize` with `{"prompt": "...", "add_special_tokens": true}` (a
+  completion prompt) or `{"messages": [...], "add_generation_prompt": true,
+  "add_special_tokens": false}` (a chat, rendered with the model's template
+  as /v1/chat/completions renders it; `continue_final_message` is refused);
+  `"model"` optional (404 if it names
+  another model), `"return_token_strs": true` adds each token's text. Answer:
+  `{"count", "max_model_len", "tokens", "token_strs"}`.
+- `POST /detokenize` with `{"tokens": [ids]}`: `{"prompt": text}`.
+- `GET /version`: `{"version": "..."}` (this package's version).
+
+Not under /v1, so an API key does not guard them (as in vLLM). Texts longer
+than `OFFLOAD_CHARS` are tokenized off the event loop.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from worker.server.bodies import off_loop, read_body
+from worker.server.errors import ApiError
+from worker.server.protocol import ChatMessage
+
+router = APIRouter()
+
+
+def version() -> str:
+    try:
+        return importlib.metadata.version("pagedkv")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "0.0.0+unknown"
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's TokenizeCompletionRequest or TokenizeChatRequest (exactly one of
+    `prompt` and `messages`); `add_special_tokens` defaults as vLLM's do:
+    true for a prompt, false for a chat (its template writes them)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' and 'messages'")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]
+
+
+def _check_model(request: Request, model: str | None) -> None:
+    served = request.app.state.served_model_name
+    if model is not None and model != served:
+        raise ApiError(404, f"the model {model!r} does not exist; this worker serves {served!r}",
+                       param="model", type_="not_found_error", code="model_not_found")
+
+
+def _tokenize(core, req: TokenizeRequest) -> list[int]:
+    tok = core.tokenizer
+    if req.messages is None:
+        special = True if req.add_special_tokens is None else req.add_special_tokens
+        text = req.prompt
+    else:
+        special = bool(req.add_special_tokens)
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+        except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
+            raise ApiError(400, f"cannot apply the chat template: {exc}", param="messages") from None
+    try:
+        return tok.encode(text, add_special_tokens=special)
+    except Exception as exc:  # noqa: BLE001 - e.g. a lone surrogate
+        raise ApiError(400, f"cannot tokenize: {exc}", param="prompt" if req.messages is None else "messages") from None
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request):
+    req = await read_body(request, TokenizeRequest)
+    _check_model(request, req.model)
+    if req.continue_final_message:
+        raise ApiError(400, "continue_final_message is not supported", param="continue_final_message")
+    core = request.app.state.engine.engine
+    size = len(req.prompt) if req.prompt is not None else sum(len(m.text()) + 64 for m in req.messages)
+    ids = await off_loop(_tokenize, core, req, size=size)
+    strs = [core.tokenizer.backend.id_to_token(i) for i in ids] if req.return_token_strs else None
+    return {"count": len(ids), "max_model_len": core.max_model_len, "tokens": ids, "token_strs": strs}
+
+
+def _detokenize(core, ids: list[int]) -> str:
+    vocab = core.loaded.config.vocab_size
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ApiError(400, f"token id {bad} is out of range: ids are in [0, {vocab})", param="tokens")
+    return core.tokenizer.decode(ids, skip_special_tokens=False)  # as vLLM: every token comes back
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request):
+    req = await read_body(request, DetokenizeRequest)
+    _check_model(request, req.model)
+    core = request.app.state.engine.engine
+    return {"prompt": await off_loop(_detokenize, core, req.tokens, size=len(req.tokens))}
+
+
+@router.get("/version")
+async def get_version():
+    return {"version": version()}
