@@ -1,7 +1,10 @@
 """Prometheus metrics of a worker (docs/ARCHITECTURE.md, "Observability").
 
 Names carry their unit, counters end in `_total`; every series has the labels
-`worker` (the worker id) and `model`. Pool gauges are read from the allocator
+`worker` (the worker id), `model` (the --model value) and `model_name` (the
+served model name: vLLM's label, so its dashboards' `$model_name` filter
+works; deploy/prometheus/vllm-recording-rules.yml renames the series to
+vLLM's `vllm:` names, the README maps each). Pool gauges are read from the allocator
 client at scrape time by a custom collector, so they are never stale and the
 engine loop does no metric bookkeeping for them.
 
@@ -23,6 +26,11 @@ PREFIX = "pagedkv_worker"
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 _STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+# A request's phases (seconds): vLLM's request-latency buckets, with a finer low end for small models.
+_REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 50, 60,
+                    120, 240, 480, 960, 1920, 7680)
+# Tokens per request: 1, 2, 5, 10, ... 1,000,000 (vLLM's 1-2-5 series).
+_TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5) if m * 10**e <= 10**6)
 
 # Every metric name a worker exports (the dashboard test checks against this).
 METRIC_NAMES = (
@@ -48,6 +56,13 @@ METRIC_NAMES = (
     f"{PREFIX}_allocator_retries_total",
     f"{PREFIX}_allocator_unavailable_seconds_total",
     f"{PREFIX}_step_errors_total",
+    f"{PREFIX}_e2e_request_latency_seconds",
+    f"{PREFIX}_request_queue_time_seconds",
+    f"{PREFIX}_request_prefill_time_seconds",
+    f"{PREFIX}_request_decode_time_seconds",
+    f"{PREFIX}_request_inference_time_seconds",
+    f"{PREFIX}_request_prompt_tokens",
+    f"{PREFIX}_request_generation_tokens",
 )
 
 
@@ -88,9 +103,10 @@ class _PoolCollector(Collector):
 
 
 class WorkerMetrics:
-    def __init__(self, worker_id: str, model: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, worker_id: str, model: str, registry: CollectorRegistry | None = None,
+                 model_name: str | None = None) -> None:
         self.registry = registry or CollectorRegistry()
-        self.labels = {"worker": worker_id, "model": model}
+        self.labels = {"worker": worker_id, "model": model, "model_name": model_name or model}
         names = list(self.labels)
         r = self.registry
 
@@ -119,12 +135,31 @@ class WorkerMetrics:
         self.allocator_retries = counter("allocator_retries", "Allocator calls that got no answer (UNAVAILABLE, deadline) and were sent again.").labels(**lv)
         self.allocator_unavailable_seconds = counter("allocator_unavailable_seconds", "Seconds spent waiting for an unavailable allocator (failed attempts and backoff): the worker stalls.").labels(**lv)
         self.step_errors = counter("step_errors", "Engine steps that raised: every request in flight failed.").labels(**lv)
+        # Per request, observed when it finishes by itself (stop or length; vLLM's request histograms).
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to last token of a finished request.", _REQUEST_BUCKETS).labels(**lv)
+        self.queue_time = hist("request_queue_time_seconds", "Arrival to first scheduled (waiting).", _REQUEST_BUCKETS).labels(**lv)
+        self.prefill_time = hist("request_prefill_time_seconds", "First scheduled to first token (prefill).", _REQUEST_BUCKETS).labels(**lv)
+        self.decode_time = hist("request_decode_time_seconds", "First token to last token (decode).", _REQUEST_BUCKETS).labels(**lv)
+        self.inference_time = hist("request_inference_time_seconds", "First scheduled to last token (prefill + decode).", _REQUEST_BUCKETS).labels(**lv)
+        self.request_prompt_tokens = hist("request_prompt_tokens", "Prompt tokens of a finished request.", _TOKEN_BUCKETS).labels(**lv)
+        self.request_generation_tokens = hist("request_generation_tokens", "Generated tokens of a finished request.", _TOKEN_BUCKETS).labels(**lv)
 
     def preempted(self, cause: str) -> None:
         self._preemptions.labels(**self.labels, cause=cause).inc()
 
     def finished(self, reason: str) -> None:
         self._requests.labels(**self.labels, finish_reason=reason).inc()
+
+    def request_done(self, prompt_tokens: int, generation_tokens: int, arrival: float, scheduled: float,
+                     first_token: float, last_token: float) -> None:
+        """A request that finished by itself: its phases (monotonic times) and sizes."""
+        self.e2e.observe(last_token - arrival)
+        self.queue_time.observe(scheduled - arrival)
+        self.prefill_time.observe(first_token - scheduled)
+        self.decode_time.observe(last_token - first_token)
+        self.inference_time.observe(last_token - scheduled)
+        self.request_prompt_tokens.observe(prompt_tokens)
+        self.request_generation_tokens.observe(generation_tokens)
 
     def watch_pool(self, read_stats: Callable[[], object], pool_bytes: int) -> None:
         """Export the pool gauges, read from `read_stats()` at scrape time."""

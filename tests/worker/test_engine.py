@@ -60,7 +60,8 @@ def test_tiny_pool_preempts_and_matches(tiny, reference):
     assert run(engine, prompts_mixed()) == reference
     assert engine.num_preemptions > 0
     text = engine.metrics.registry.get_sample_value(
-        "pagedkv_worker_preemptions_total", {"worker": "worker-0", "model": "tiny-random", "cause": "out_of_blocks"})
+        "pagedkv_worker_preemptions_total",
+        {"worker": "worker-0", "model": "tiny-random", "model_name": "tiny-random", "cause": "out_of_blocks"})
     assert text == engine.num_preemptions
 
 

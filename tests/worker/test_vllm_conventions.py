@@ -6,7 +6,9 @@ through the official `openai` client (raw HTTP where the client has no call):
   shape), /health, /metrics, /version, /tokenize and /detokenize stay open;
 - `/tokenize`, `/detokenize`, `/version` in vLLM's shapes; `/v1/models` with
   `root` and `max_model_len`;
-- `/health` 503 once the engine thread is dead, and requests a prompt 503.
+- `/health` 503 once the engine thread is dead, and requests a prompt 503;
+- the `model_name` label (the served name) on every worker series, and the
+  per-request histograms vLLM users chart, read back from /metrics.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import httpx
 import openai
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
 
 from worker.cli import add_arguments
 from worker.engine import AsyncLLMEngine, EngineConfig, LLMEngine
@@ -40,6 +43,16 @@ def server(worker_process):
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0)
+
+
+def _samples(url: str) -> list:
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    return [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+
+
+def _value(url: str, name: str, **labels) -> float:
+    return sum(s.value for s in _samples(url)
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
 # ------------------------------------------------------------------ flags
@@ -154,6 +167,51 @@ def test_version_and_model_card(server, client):
     assert card.model_extra["root"] == "tiny-random"  # what was loaded; the id is the served name
     assert card.model_extra["max_model_len"] == 512
     assert card.model_extra["permission"][0]["object"] == "model_permission"
+
+
+# ------------------------------------------------------------------ metrics
+
+
+def test_every_worker_series_carries_model_name(server, client):
+    client.completions.create(model=SERVED, prompt="label me", max_tokens=2)
+    ours = [s for s in _samples(server) if s.name.startswith("pagedkv_worker_")]
+    assert len({s.name for s in ours}) > 20
+    assert {s.labels.get("model_name") for s in ours} == {SERVED}
+    assert {s.labels.get("model") for s in ours} == {"tiny-random"}
+
+
+def test_request_histograms_count_what_the_client_saw(server, client):
+    hist = "pagedkv_worker_request_{}"
+    before = {n: _value(server, n, model_name=SERVED) for n in (
+        hist.format("prompt_tokens_sum"), hist.format("generation_tokens_sum"),
+        hist.format("generation_tokens_count"), "pagedkv_worker_e2e_request_latency_seconds_count",
+        "pagedkv_worker_request_queue_time_seconds_count", "pagedkv_worker_requests_total")}
+    t0 = time.monotonic()
+    prompts = []
+    for i, n in enumerate((3, 5, 7)):
+        r = client.completions.create(model=SERVED, prompt=f"request {i} " * (i + 1), max_tokens=n, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == n
+        prompts.append(r.usage.prompt_tokens)
+    wall = time.monotonic() - t0
+
+    def grew(name: str, **labels) -> float:
+        return _value(server, name, model_name=SERVED, **labels) - before.get(name, 0.0)
+
+    assert grew(hist.format("generation_tokens_count")) == 3
+    assert grew(hist.format("generation_tokens_sum")) == 3 + 5 + 7
+    assert grew(hist.format("prompt_tokens_sum")) == sum(prompts)
+    assert grew("pagedkv_worker_e2e_request_latency_seconds_count") == 3
+    assert grew("pagedkv_worker_request_queue_time_seconds_count") == 3
+    # the phases add up: queue + prefill + decode = e2e (within rounding), all within the wall time
+    parts = [_value(server, f"pagedkv_worker_request_{p}_time_seconds_sum", model_name=SERVED)
+             for p in ("queue", "prefill", "decode")]
+    e2e = _value(server, "pagedkv_worker_e2e_request_latency_seconds_sum", model_name=SERVED)
+    assert abs(sum(parts) - e2e) < 1e-6 and 0 < e2e
+    inference = _value(server, "pagedkv_worker_request_inference_time_seconds_sum", model_name=SERVED)
+    assert abs(inference - parts[1] - parts[2]) < 1e-6
+    assert _value(server, "pagedkv_worker_requests_total", model_name=SERVED, finish_reason="length") >= 3
+    assert wall > 0
 
 
 # ------------------------------------------------------------------ a dead engine thread

@@ -69,7 +69,8 @@ class LLMEngine:
                 model_fingerprint=loaded.fingerprint,
             ),
         )
-        self.metrics = metrics or WorkerMetrics(config.worker_id, config.model)
+        self.metrics = metrics or WorkerMetrics(config.worker_id, config.model,
+                                                model_name=config.served_model_name)
         if allocator is None:
             options = {}
             if config.allocator != "embedded":
@@ -239,6 +240,10 @@ class LLMEngine:
             self.metrics.prefix_queried.inc(batch.queried_tokens)
             self.metrics.prefix_hit.inc(batch.cached_tokens)
         outputs = [self._failed_output(seq) for seq in batch.failed]
+        now = time.monotonic()
+        for entry in batch.entries:  # the queue time ends at the first schedule
+            if entry.seq.first_scheduled_time is None:
+                entry.seq.first_scheduled_time = now
         if batch.entries:
             outputs += self._run(batch)
         self.metrics.running.set(len(self.scheduler.running))
@@ -270,6 +275,9 @@ class LLMEngine:
         if out.finished:
             self.scheduler.finish(seq, out.finish_reason)
             self.metrics.finished(out.finish_reason)
+            if out.finish_reason in ("stop", "length") and seq.first_scheduled_time is not None:
+                self.metrics.request_done(seq.num_prompt_tokens, seq.num_output_tokens, seq.arrival_time,
+                                          seq.first_scheduled_time, seq.first_token_time, now)
             out.request_finished = self._all_finished(seq.request_id)
         return out
 

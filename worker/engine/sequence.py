@@ -50,6 +50,7 @@ class Sequence:
     num_preemptions: int = 0
     finish_reason: str | None = None
     error: str | None = None
+    first_scheduled_time: float | None = None  # the end of its queue time (metrics)
     first_token_time: float | None = None
     last_token_time: float | None = None
     # streamed text: all decoded text, how much was emitted, how far stop
