@@ -135,8 +135,12 @@ def test_allocator_kill9_and_restart(stack, reference):
     """kill -9 the allocator mid-workload, restart it on the same port: it
     rebuilds its state from the journal and re-arms every lease."""
     figures = restart_drill(stack, reference, "allocator_kill9", stack.kill_allocator, stack.start_allocator)
+    # A worker with work in flight stalls (it never fails: restart_drill checks)
+    # and says so; one that had finished its share by then has nothing to
+    # send. Which worker is which is timing: at least one is mid-work.
+    assert any(f["retries"] > 0 for f in figures.values())
     for f in figures.values():
-        assert f["retries"] > 0 and f["stall_s"] > 0  # both workers stalled, and say so
+        assert (f["retries"] > 0) == (f["stall_s"] > 0)
 
 
 def test_redis_kill9_and_restart(stack, reference):
