@@ -67,6 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a("--snapshot-every", **_env("--snapshot-every", 1000, int), metavar="N",
       help="with --state redis: write a full snapshot every N journal records, so a "
            "restart replays at most N [%(default)s] [PAGEDKV_ALLOCATOR_SNAPSHOT_EVERY]")
+    a("--max-snapshot-mb", **_env("--max-snapshot-mb", 256, int), metavar="MB",
+      help="with --state redis: a snapshot larger than this is not written (logged; tried again "
+           "later; the journal keeps every record); at most 512, Redis's value limit "
+           "[%(default)s] [PAGEDKV_ALLOCATOR_MAX_SNAPSHOT_MB]")
     a("--redis-wait-replicas", **_env("--redis-wait-replicas", 0, int), metavar="N",
       help="with --state redis: after every journal write wait (Redis WAIT) until N replicas "
            "hold it before replying; a write they do not acknowledge in time is UNAVAILABLE "
@@ -108,7 +112,10 @@ def options_from_args(args: argparse.Namespace):
     if ":" not in args.listen:
         raise CliError(f"--listen wants HOST:PORT, not {args.listen!r}")
     try:
-        config = ServiceConfig(lease_ttl_s=args.lease_ttl, snapshot_every=args.snapshot_every)
+        if not 1 <= args.max_snapshot_mb <= 512:
+            raise ValueError("--max-snapshot-mb must be 1 to 512 (Redis's value limit)")
+        config = ServiceConfig(lease_ttl_s=args.lease_ttl, snapshot_every=args.snapshot_every,
+                               max_snapshot_bytes=args.max_snapshot_mb << 20)
     except ValueError as exc:
         raise CliError(str(exc)) from exc
     if not (args.state == "memory" or args.state.startswith(("redis://", "rediss://", "unix://"))):

@@ -39,6 +39,9 @@ class ServiceConfig:
     # With a durable journal: write a snapshot every this many records, so a
     # restart replays at most that many.
     snapshot_every: int = 1000
+    # A snapshot larger than this is not written (logged, backed off; the
+    # journal keeps every record). Redis's own value limit is 512 MB.
+    max_snapshot_bytes: int = 256 << 20
     # KV events kept for clients that reconnect to WatchEvents.
     event_retention: int = 65536
     limits: Limits = field(default_factory=Limits)
@@ -48,5 +51,7 @@ class ServiceConfig:
             raise ValueError("lease_ttl_s must be positive")
         if self.snapshot_every < 1:
             raise ValueError("snapshot_every must be at least 1")
+        if self.max_snapshot_bytes < 1:
+            raise ValueError("max_snapshot_bytes must be positive")
         if self.event_retention < 1:
             raise ValueError("event_retention must be at least 1")

@@ -1,11 +1,14 @@
 """The KV event log: a bounded window of numbered events for WatchEvents.
 
-Events are appended by the state machine (under the service lock) in the
-order state changes are applied, so the same journal gives the same numbers
-after a restart. They collect in a pending list without any locking (a
-prefix-cached decode step can store dozens of blocks) and `publish()` moves
-them to the readers' window once per change, under the log's own small lock.
-Readers (one thread per watcher) never touch the service lock.
+Events are numbered in the order of the journal records that caused them,
+so the same journal gives the same numbers after a restart. Each record
+gets a `Batch` when it takes its place in the global order (`begin`, under
+the service's mutation lock); its events collect there without any locking
+while the record is applied, possibly under its pool's lock only and at the
+same time as another pool's record; `finish` numbers and publishes every
+finished batch at the head of the queue, in the records' order. So a record
+applied late never lets a later record's events jump ahead of it.
+Readers (one thread per watcher) take only the log's own small lock.
 """
 
 from __future__ import annotations
@@ -31,16 +34,17 @@ POOL_REGISTERED = "pool_registered"
 POOL_DROPPED = "pool_dropped"
 
 
-class EventLog:
-    def __init__(self, retention: int) -> None:
-        self._events: deque[Event] = deque(maxlen=retention)
-        self._pending: list[Event] = []
-        self._cond = threading.Condition(threading.Lock())
-        self.next_sequence = 1  # the number the next appended event gets
-        self._published = 1  # readers see events below this number
-        self.closed = False
+class Batch:
+    """The events of one journal record, unnumbered until `EventLog.finish`."""
 
-    def append(
+    __slots__ = ("events", "done", "end")
+
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+        self.done = False
+        self.end: int | None = None  # once numbered: the number after its last event
+
+    def add(
         self,
         kind: str,
         pool_id: str,
@@ -49,28 +53,59 @@ class EventLog:
         model_fingerprint: str = "",
         reason: str = "",
     ) -> None:
-        seq = self.next_sequence
-        self.next_sequence = seq + 1
-        self._pending.append(
-            Event(seq, kind, pool_id, max(block_id, 0), block_hash or b"", model_fingerprint, reason)
-        )
+        self.events.append((kind, pool_id, max(block_id, 0), block_hash or b"", model_fingerprint, reason))
 
-    def publish(self) -> None:
-        """Make the pending events visible and wake the watchers."""
-        if not self._pending:
-            return
+
+class EventLog:
+    def __init__(self, retention: int) -> None:
+        self._events: deque[Event] = deque(maxlen=retention)
+        self._queue: deque[Batch] = deque()  # begun, in record order, not yet numbered
+        self._cond = threading.Condition(threading.Lock())
+        self.next_sequence = 1  # the number the next numbered event gets
+        self._published = 1  # readers see events below this number
+        self.closed = False
+
+    def begin(self) -> Batch:
+        """The batch of the next record (the caller keeps records in order)."""
+        batch = Batch()
         with self._cond:
-            self._events.extend(self._pending)
-            self._published = self.next_sequence
+            self._queue.append(batch)
+        return batch
+
+    def finish(self, batch: Batch) -> None:
+        """`batch` is complete: number and publish every complete batch at the
+        head of the queue (this one too once those before it are done)."""
+        with self._cond:
+            batch.done = True
+            queue = self._queue
+            if not queue or not queue[0].done:
+                return
+            seq = self.next_sequence
+            events = self._events
+            while queue and queue[0].done:
+                b = queue.popleft()
+                for e in b.events:
+                    events.append(Event(seq, *e))
+                    seq += 1
+                b.events = []
+                b.end = seq
+            self.next_sequence = self._published = seq
             self._cond.notify_all()
-        self._pending = []
+
+    def numbered(self, batch: Batch, timeout: float) -> int | None:
+        """The number after `batch`'s last event, once it is numbered (waits
+        up to `timeout` s for the batches before it; None if they are not)."""
+        with self._cond:
+            if batch.end is None:
+                self._cond.wait_for(lambda: batch.end is not None, timeout)
+            return batch.end
 
     def reset(self, next_sequence: int) -> None:
-        """Forget the window (the state was reloaded); numbering continues at
-        `next_sequence`."""
+        """Forget the window and any unfinished batch (the state was
+        reloaded); numbering continues at `next_sequence`."""
         with self._cond:
             self._events.clear()
-            self._pending = []
+            self._queue.clear()
             self.next_sequence = self._published = next_sequence
             self._cond.notify_all()
 

@@ -62,13 +62,26 @@ redis.call('SET', KEYS[2], ARGV[4])
 return 1
 """
 
-# KEYS owner head snapshot journal; ARGV instance snapshot head
+# A snapshot taken off the hot path includes the records up to one whose
+# chain digest it names; records appended meanwhile stay. Find that record
+# (at the expected position, else by a scan), store the snapshot and trim the
+# journal up to it, in one step; 0 if the journal no longer holds it.
+# KEYS owner head snapshot journal; ARGV instance snapshot position_hint chain
 _SNAPSHOT = _CHECK + """
-if head ~= ARGV[3] then
-  return redis.error_reply('LOST the journal head in Redis is ' .. head .. ', this instance wrote ' .. ARGV[3] .. ' last (Redis lost records)')
+local function covers(e)
+  return e and string.sub(e, 1, 4) == 'PKJ2' and string.sub(e, 37, 68) == ARGV[4]
+end
+local pos = tonumber(ARGV[3])
+if pos < 1 or not covers(redis.call('LINDEX', KEYS[4], pos - 1)) then
+  pos = 0
+  local n = redis.call('LLEN', KEYS[4])
+  for i = 1, n do
+    if covers(redis.call('LINDEX', KEYS[4], i - 1)) then pos = i break end
+  end
+  if pos == 0 then return 0 end
 end
 redis.call('SET', KEYS[3], ARGV[2])
-redis.call('DEL', KEYS[4])
+redis.call('LTRIM', KEYS[4], pos, -1)
 return 1
 """
 
@@ -108,8 +121,8 @@ class MemoryJournal:
     def append(self, entry: bytes, prev_head: bytes, new_head: bytes) -> None:
         pass
 
-    def write_snapshot(self, snapshot: bytes, head: bytes) -> None:
-        pass
+    def write_snapshot(self, snapshot: bytes, hint: int, chain: bytes) -> bool:
+        return True
 
     def reseed(self, snapshot: bytes, head: bytes) -> None:
         pass
@@ -231,12 +244,16 @@ class RedisJournal:
         self._call("journal append", self._append, keys=keys, args=[self.instance, entry, prev_head, new_head])
         self._replicated("journal record")
 
-    def write_snapshot(self, snapshot: bytes, head: bytes) -> None:
-        """Store a snapshot of everything applied so far and drop the journal
-        it includes (the caller holds the lock: nothing was appended since)."""
+    def write_snapshot(self, snapshot: bytes, hint: int, chain: bytes) -> bool:
+        """Store a snapshot that includes the journal up to the record whose
+        chain digest is `chain` (expected at position `hint`, counting from
+        1) and drop those records; later ones stay. False (nothing written)
+        if the journal no longer holds that record."""
         keys = [self._keys["owner"], self._keys["head"], self._keys["snapshot"], self._keys["journal"]]
-        self._call("snapshot", self._snapshot, keys=keys, args=[self.instance, snapshot, head])
-        self._replicated("snapshot")
+        done = self._call("snapshot", self._snapshot, keys=keys, args=[self.instance, snapshot, hint, chain])
+        if done:
+            self._replicated("snapshot")
+        return bool(done)
 
     def reseed(self, snapshot: bytes, head: bytes) -> None:
         """Replace the whole stored state by this snapshot (and take the

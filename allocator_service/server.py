@@ -27,6 +27,11 @@ from allocator_service.servicer import SERVICE_NAME, allocator_handler
 
 log = logging.getLogger("allocator_service")
 
+# The interpreter's thread switch interval in the server process (Python's
+# default is 5 ms): how long one pool's CPU-bound call can keep another pool's
+# request from running at a stretch (docs/RELIABILITY.md, "Isolation in time").
+GIL_SWITCH_S = 0.0005
+
 
 def create_server(
     address: str,
@@ -117,6 +122,9 @@ def serve(opts: ServeOptions) -> int:
 
     journal = open_journal(opts.state, wait_replicas=opts.redis_wait_replicas,
                            wait_timeout_s=opts.redis_wait_timeout_s)
+    # One pool's long Python work must not keep another pool's Step waiting
+    # for the interpreter: hand it over every GIL_SWITCH_S instead of 5 ms.
+    sys.setswitchinterval(GIL_SWITCH_S)
     service = AllocatorService(opts.config, journal)
     registry, histogram = make_registry(service)
     health_servicer = health.HealthServicer()
@@ -170,7 +178,7 @@ def check(opts: ServeOptions, out=sys.stdout) -> int:
     print what was found; 0 if sound, 1 if not."""
     from allocator_service.events import EventLog
     from allocator_service.journal import open_journal
-    from allocator_service.state import replay
+    from allocator_service.replay import replay
 
     journal = open_journal(opts.state)
     if not journal.durable:

@@ -1,27 +1,37 @@
-"""The allocator service as a transport-free object: one lock around the
-registry, the journal write before each change, leases and credentials.
+"""The allocator service as a transport-free object: credentials, the
+journal write before each change, leases, and the locks that keep one
+pool's work from delaying another's.
 
-Every mutating call follows the same path under the lock: check the caller,
-validate, journal the record (Redis: before anything changes in memory),
-apply it to the registry, then maybe snapshot. Journaling FIRST means a
-failed write leaves memory untouched, so the caller can simply retry; if the
-write's outcome is unknown (a timeout after Redis may have stored it), the
-service marks itself stale and rebuilds from Redis before the next change,
-so memory never drifts from the journal.
+Locks, always taken in this order:
 
-Health tells the truth: the service is unhealthy (`healthy`, and every
-listener added with `add_health_listener`: the gRPC health status) while its
-state store is unreachable, fenced by another instance, or lost what this
-instance wrote. A store that lost its data is detected on the next write or
-by the store watch (every `store_check_s`); then every pool is dropped
-loudly (reason `state_lost`: their workers get NOT_FOUND, re-register and
-recompute), the store is seeded again from a snapshot of what is left
-(epochs and event numbers carry on, so no pool id is reissued), and the
-service is healthy again.
+1. a pool's own lock (`PoolEntry.lock`): every read of that pool
+   (GetBlockTable, GetPoolStats with its integrity check, DumpPool, its part
+   of MatchPrefix, the metrics view) and the application of its records;
+2. the mutation lock (`_lock`): the one global order of records. The
+   journal and the KV event numbers are a single order that replay must
+   reproduce exactly, so every change takes its place here: the journal
+   write (Redis: before anything changes in memory) and the record's index
+   and event batch; registrations and drops are applied here whole, as they
+   touch no pool's blocks. A Step's table work then runs after this lock is
+   released, under its pool's lock only, and its events are numbered in
+   record order whenever it finishes (`events.py`);
+3. small leaf locks: the lease table, the event log, the watcher count.
 
-One lock for all pools, not one per pool: the journal and the KV event
-numbers are a single global order, which replay must reproduce exactly, and
-the GIL would serialise the pure-Python work anyway.
+So a long read of pool X delays only X's own changes, and the mutation lock
+is held for a journal write and some bookkeeping, never for a pool's
+blocks. Conversion, validation and the digest of a request run before any
+lock; heartbeats and every call's lease renewal authenticate against the
+registry with a dict lookup and an HMAC and take only the lease table's
+lock. Cross-pool reads (MatchPrefix, metrics) visit the pools one at a time,
+each under its own lock: MatchPrefix hashes the prompt once per root,
+outside any lock. The durable side (load, journal, snapshots off the hot
+path, the store watch and health) is `durable.py`.
+
+No lease expires because the allocator was not running: the reaper measures
+how late it woke (a pause, SIGSTOP, a stalled interpreter) and extends every
+lease by that much, and a pool is dropped for its lease only after the
+reaper holds that pool's lock and the mutation lock and finds the lease
+still expired.
 """
 
 from __future__ import annotations
@@ -45,8 +55,11 @@ from allocator_service.codec import (
 from allocator_service.config import Limits, ServiceConfig
 from allocator_service.core import PoolStats, StepColumns
 from allocator_service.core.errors import InvalidArgument
+from allocator_service.core.hashing import chain_hashes, root_hash
 from allocator_service.core.limits import MAX_SALT_LEN
+from allocator_service.core.pool import check_tokens
 from allocator_service.core.step import ADMIT, APPEND, FORK, FREE
+from allocator_service.durable import DurableState
 from allocator_service.errors import (
     BadRequest,
     CapacityExceeded,
@@ -55,28 +68,25 @@ from allocator_service.errors import (
     PoolNotFound,
     PoolStateLost,
     StepConflict,
-    StoreFenced,
-    StoreLost,
     StoreUnavailable,
     Unauthenticated,
 )
 from allocator_service.events import EventLog
 from allocator_service.journal import MemoryJournal, RedisJournal
 from allocator_service.leases import LeaseTable
-from allocator_service.state import (
-    ZERO_CHAIN,
-    CorruptState,
-    PoolEntry,
-    Registry,
-    encode_entry,
-    encode_snapshot,
-    head_marker,
-    replay,
-)
+from allocator_service.state import PoolEntry, Registry, new_pool
 from allocator_service.v1 import allocator_pb2 as pb
 from allocator_service.v1 import journal_pb2 as jpb
 
 log = logging.getLogger(__name__)
+
+# Attempts at a change whose pool was replaced by a reload of the state
+# meanwhile (after a journal write whose outcome was unknown).
+_ATTEMPTS = 3
+
+
+class _Reloaded(Exception):
+    """The registry was reloaded while the call waited: start it again."""
 
 
 class Registration(NamedTuple):
@@ -143,15 +153,7 @@ def _periodic(stop: threading.Event, interval: float, fn: Callable[[], Any], nam
     return thread
 
 
-# A failed snapshot is tried again after this, doubling up to the cap.
-SNAPSHOT_BACKOFF_S = 1.0
-SNAPSHOT_BACKOFF_CAP_S = 60.0
-
-
 class AllocatorService:
-    # How often the store watch looks at the state store (durable only).
-    store_check_s = 1.0
-
     def __init__(
         self,
         config: ServiceConfig | None = None,
@@ -163,242 +165,84 @@ class AllocatorService:
         self.journal = journal if journal is not None else MemoryJournal()
         self.events = EventLog(self.config.event_retention)
         self.leases = LeaseTable(self.config.lease_ttl_s, clock)
-        self.registry = Registry(self.events)
-        self._lock = threading.Lock()
-        self._stale = False  # memory may lack the last journal write: reload first
-        self._since_snapshot = 0
+        self._lock = threading.Lock()  # the mutation lock: see the module docstring
+        self.durable = DurableState(self.config, self.journal, self.events, self.leases, self._lock, clock)
         self._watchers = 0
         self._watchers_lock = threading.Lock()
         self._stop = threading.Event()
-        self._reaper: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self._clock = clock
-        self._init_log_state()
+        self.lease_extensions = 0  # times the reaper found the allocator had not run
         with self._lock:
-            self._load(take_ownership=True)
+            self.durable.load(take_ownership=True)
 
-    # ----------------------------------------------------------- lifecycle
-    def start(self) -> None:
-        """Start the lease reaper thread."""
-        interval = min(max(self.config.lease_ttl_s / 4, 0.05), 1.0)
-        self._reaper = _periodic(self._stop, interval, self.expire_leases, "lease-reaper")
-        if self.journal.durable:  # health follows the state store
-            self._watch = _periodic(self._stop, self.store_check_s, self.check_store, "store-watch")
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._reaper is not None:
-            self._reaper.join(timeout=5)
-        if self._watch is not None:
-            self._watch.join(timeout=5)
-        self.events.close()
-        self.journal.close()
-
-    # ------------------------------------------------------------ internals
-    def _load(self, take_ownership: bool) -> None:
-        """Rebuild the registry from the journal (and its snapshot), checking
-        every digest and chain (`state.replay`). Damage pinned on pools drops
-        them loudly and the repaired state is stored at once as a new
-        snapshot; damage that cannot be pinned on a pool raises CorruptState."""
-        loaded = self.journal.load(take_ownership)
-        registry, report = replay(loaded.snapshot, loaded.entries, loaded.head, self.events)
-        fatal = report.fatal
-        if fatal is not None:
-            raise CorruptState(
-                f"the journal in {self.journal.describe()} is damaged at {fatal}. Inspect it with "
-                "`pagedkv allocator --state URL --check`; to start over, delete the keys "
-                "<prefix>journal, <prefix>snapshot and <prefix>head (every worker then re-registers "
-                "and recomputes once): see docs/RELIABILITY.md, 'A log that verifies itself'"
-            )
-        self.registry = registry
-        self._chain = report.chain
-        self._head = head_marker(registry.index, self._chain) if loaded.head is not None else b""
-        self.events.publish()
-        self.leases.rearm(list(registry.pools))
-        self._since_snapshot = len(loaded.entries)
-        self._stale = False
-        if report.snapshot_legacy or report.legacy_records:
-            log.warning("the journal was written by an older version (%d records without digests%s): "
-                        "loaded on index continuity alone; the next snapshot converts it",
-                        report.legacy_records, ", an undigested snapshot" if report.snapshot_legacy else "")
-        for problem in report.problems:
-            log.error("journal check: %s", problem)
-        if report.problems:
-            log.error("journal check: %d problem(s); pools dropped: %s; storing the repaired state",
-                      len(report.problems), ", ".join(report.dropped) or "none")
-            self._reseed()
-        if loaded.snapshot is not None or loaded.entries:
-            log.info(
-                "restored %d pools from %s (snapshot at record %d, %d records replayed)",
-                len(registry.pools),
-                self.journal.describe(),
-                report.snapshot_index,
-                len(loaded.entries),
-            )
-
-    def _reseed(self) -> None:
-        """Store the registry as the whole new history (a snapshot, an empty
-        journal, the head and the owner key)."""
-        self._head = head_marker(self.registry.index, self._chain)
-        self.journal.reseed(encode_snapshot(self.registry.to_snapshot(self._chain)), self._head)
-        self._since_snapshot = 0
-
-    def _fresh(self) -> Registry:
-        """The registry, reloaded first if a journal write's fate is unknown."""
-        if self._lost is not None:
-            self._recover()
-        if self._stale:
-            with self._store_write():
-                self._load(take_ownership=False)
-        return self.registry
-
-    @contextlib.contextmanager
-    def _store_write(self):
-        """Around a store call: a loss is acted on (pools dropped, store
-        seeded again), fencing makes health NOT_SERVING, and any failure
-        leaves memory possibly behind the store (reload before the next
-        change). The error goes on to the caller (UNAVAILABLE: it retries)."""
-        try:
-            yield
-        except StoreLost as exc:
-            self._on_lost(str(exc))
-            raise
-        except StoreFenced as exc:
-            self._set_health(False, str(exc))
-            raise
-        except StoreUnavailable:
-            self._stale = True
-            raise
-
-    def _journal(self, **change: Any) -> None:
-        if not self.journal.durable:
-            return
-        step = change.get("step")
-        if step is not None:  # each pool's steps form a chain replay checks
-            step.prev_step_id = self.registry.pools[step.pool_id].last_step_id
-        index = self.registry.index + 1
-        record = jpb.JournalRecord(index=index, **change)
-        entry, chain = encode_entry(self._chain, record.SerializeToString())
-        head = head_marker(index, chain)
-        with self._store_write():
-            self.journal.append(entry, self._head, head)
-        self._chain, self._head = chain, head
-
-    def _changed(self) -> None:
-        self.events.publish()
-        if self.journal.durable:
-            self._since_snapshot += 1
-            if self._since_snapshot >= self.config.snapshot_every and self._clock() >= self._snapshot_not_before:
-                self._snapshot()
-
-    def _snapshot(self) -> None:
-        blob = encode_snapshot(self.registry.to_snapshot(self._chain))
-        try:
-            self.journal.write_snapshot(blob, self._head)
-        except StoreLost as exc:
-            self._on_lost(str(exc))
-            return
-        except StoreUnavailable as exc:
-            # Harmless: the journal still holds every record. Back off
-            # (doubling, capped) instead of retrying on every change.
-            self.snapshot_failures += 1
-            delay = min(SNAPSHOT_BACKOFF_S * 2 ** (self._snapshot_streak), SNAPSHOT_BACKOFF_CAP_S)
-            self._snapshot_streak += 1
-            self._snapshot_not_before = self._clock() + delay
-            log.warning("snapshot not written (next try in %.1f s at the earliest): %s", delay, exc)
-            return
-        self._since_snapshot = 0
-        self._snapshot_streak = 0
-        self._snapshot_not_before = 0.0
-
-    # ---------------------------------------------------- the store's health
-    def _init_log_state(self) -> None:
-        self._chain = ZERO_CHAIN  # chain digest of the last record written
-        self._head = b""  # the head marker that record set in the store
-        self._lost: str | None = None  # the store lost our state: recover before serving
-        self._health: tuple[bool, str] = (True, "")
-        self._health_listeners: list[Callable[[bool, str], None]] = []
-        self._watch: threading.Thread | None = None
-        self.snapshot_failures = 0
-        self._snapshot_streak = 0
-        self._snapshot_not_before = 0.0
+    @property
+    def registry(self) -> Registry:
+        return self.durable.registry
 
     @property
     def healthy(self) -> tuple[bool, str]:
         """(serving, why not)."""
-        return self._health
+        return self.durable.healthy
+
+    @property
+    def snapshot_failures(self) -> int:
+        return self.durable.snapshot_failures
 
     def add_health_listener(self, listener: Callable[[bool, str], None]) -> None:
         """`listener(serving, reason)` now and at every change."""
-        self._health_listeners.append(listener)
-        listener(*self._health)
-
-    def _set_health(self, serving: bool, reason: str) -> None:
-        if self._health[0] == serving and (serving or self._health[1] == reason):
-            return
-        self._health = (serving, reason)
-        if serving:
-            log.warning("health: SERVING again (the state store is usable)")
-        else:
-            log.error("health: NOT_SERVING: %s", reason)
-        for listener in self._health_listeners:
-            try:
-                listener(serving, reason)
-            except Exception:  # a listener must not break the service
-                log.exception("health listener")
-
-    def _on_lost(self, reason: str) -> None:
-        """The store lost what we wrote: every pool is dropped (their history
-        is no longer durable), then the store is seeded again."""
-        self._set_health(False, f"the state store lost the allocator's state: {reason}")
-        if self._lost is None:
-            self._lost = reason
-            pools = list(self.registry.pools)
-            log.error("the state store lost the allocator's state (%s); dropping all %d pools: %s",
-                      reason, len(pools), ", ".join(pools) or "none")
-            for pool_id in pools:
-                self.registry.drop(pool_id, "state_lost")
-                self.leases.forget(pool_id)
-            self.events.publish()
-            self._stale = False
-        try:
-            self._recover()
-        except StoreUnavailable as exc:
-            log.warning("the state store cannot be seeded again yet: %s", exc)
-
-    def _recover(self) -> None:
-        """Seed the store from memory after a loss (raises while it cannot)."""
-        try:
-            self._reseed()
-        except StoreFenced as exc:
-            self._set_health(False, str(exc))
-            raise
-        log.warning("the state store holds a fresh history from record %d; workers re-register",
-                    self.registry.index)
-        self._lost = None
-        self._set_health(True, "")
+        self.durable.add_health_listener(listener)
 
     def check_store(self) -> None:
-        """One look at the state store (the store watch calls this): health
-        follows what it finds, and a loss is acted on."""
-        if not self.journal.durable:
-            return
-        with self._lock:
-            try:
-                if self._lost is not None or self._stale:
-                    self._fresh()
-                else:
-                    with self._store_write():
-                        self.journal.probe(self._head)
-            except (StoreLost, StoreFenced):
-                return  # acted on, health set, by _store_write
-            except StoreUnavailable as exc:
-                self._set_health(False, f"the state store is unreachable: {exc}")
-                return
-            self._set_health(True, "")
+        self.durable.check_store()
 
+    # ----------------------------------------------------------- lifecycle
+    def reaper_interval(self) -> float:
+        return min(max(self.config.lease_ttl_s / 4, 0.05), 1.0)
+
+    def start(self) -> None:
+        """Start the lease reaper, and with a durable journal the store watch
+        and the snapshot thread."""
+        interval = self.reaper_interval()
+        last = [self._clock()]
+
+        def reap() -> None:
+            now = self._clock()
+            self.extend_if_late(now - last[0] - interval)
+            self.expire_leases()
+            last[0] = self._clock()
+
+        self._threads.append(_periodic(self._stop, interval, reap, "lease-reaper"))
+        if self.journal.durable:  # health follows the state store
+            self._threads.append(_periodic(self._stop, self.durable.store_check_s, self.check_store, "store-watch"))
+            self.durable.background = True
+            thread = threading.Thread(target=self.durable.snapshot_loop, args=(self._stop,),
+                                      name="snapshot", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def extend_if_late(self, late: float) -> None:
+        """The reaper woke `late` seconds after it should have: the process
+        did not run (paused, stopped, starved), so no worker could renew its
+        lease meanwhile; every lease gets that time back."""
+        if late > self.reaper_interval() / 2:
+            self.leases.extend(late)
+            self.lease_extensions += 1
+            log.warning("the allocator did not run for %.2f s (paused or stalled): every lease "
+                        "extended by that much", late)
+
+    def close(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=5)
+        self.events.close()
+        self.journal.close()
+
+    # ------------------------------------------------------------ internals
     def _authorize(self, ref: pb.PoolRef, admin: bool = False) -> PoolEntry:
         """The pool `ref` names, if it presents that pool's credential. An
-        admin needs none, and its calls do not renew the pool's lease."""
+        admin needs none, and its calls do not renew the pool's lease. No
+        lock: a dict lookup, an HMAC and the lease table's own lock."""
         if not ref.pool_id:
             raise BadRequest("pool.pool_id is required")
         entry = self.registry.pools.get(ref.pool_id)
@@ -414,6 +258,49 @@ class AllocatorService:
         self.leases.renew(entry.pool_id)
         return entry
 
+    def _live(self, entry: PoolEntry) -> Registry:
+        """Under the mutation lock: the registry (reloaded first if needed),
+        in which `entry` must still be its pool. PoolNotFound if the pool was
+        dropped meanwhile; _Reloaded if a reload replaced it."""
+        reg = self.durable.fresh()
+        current = reg.pools.get(entry.pool_id)
+        if current is entry:
+            return reg
+        if current is not None:
+            raise _Reloaded
+        raise PoolNotFound(entry.pool_id)
+
+    def _retrying(self, fn: Callable[[], Any]) -> Any:
+        for _ in range(_ATTEMPTS - 1):
+            try:
+                return fn()
+            except _Reloaded:
+                continue
+        return fn()
+
+    def _apply(self, entry: PoolEntry, work: Callable[[Registry, Any], Any], **change: Any) -> Any:
+        """Journal `change` to `entry`'s pool and apply it: its place in the
+        order under the mutation lock, then `work(registry, batch)` under the
+        pool's lock only (the caller holds it). Returns what `work` returns."""
+        with self._lock:
+            reg = self._live(entry)
+            self.durable.append(**change)
+            batch = reg.advance()
+            index = reg.index
+            self.durable.begin_apply()
+            try:
+                self.durable.changed()
+            except BaseException:
+                self.events.finish(batch)
+                self.durable.end_apply()
+                raise
+        try:
+            self.durable.settle(entry, index)
+            return work(reg, batch)
+        finally:
+            self.events.finish(batch)
+            self.durable.end_apply()
+
     # ------------------------------------------------------------ pool calls
     def register(self, worker_id: str, shape: pb.PoolShape, replace_credential: str = "") -> Registration:
         """A new pool for `worker_id`. A live pool of the same worker id is
@@ -425,37 +312,57 @@ class AllocatorService:
         config = config_from_proto(shape)
         credential = secrets.token_urlsafe(32)
         digest = _digest(credential)
-        with self._lock:
-            reg = self._fresh()
+        fresh = new_pool(config)  # O(blocks): before any lock
+
+        def attempt() -> PoolEntry:
+            reg = self.registry
             old = reg.pools.get(reg.current.get(worker_id, ""))
-            if old is not None:
-                self._check_replace(old, replace_credential)
-            pools = len(reg.pools) - (old is not None)
-            if pools >= self.limits.max_pools:
-                raise CapacityExceeded(f"the server holds its maximum of {self.limits.max_pools} pools")
-            blocks = sum(e.pool.num_blocks for e in reg.pools.values()) - (old.pool.num_blocks if old else 0)
-            if blocks + config.num_blocks > self.limits.max_total_blocks:
-                raise CapacityExceeded(
-                    f"{config.num_blocks} more blocks would exceed the server's "
-                    f"{self.limits.max_total_blocks} (in use: {blocks})"
-                )
-            epoch = reg.next_epoch(worker_id)
-            self._journal(
-                registered=jpb.PoolRegistered(
-                    pool_id=f"{worker_id}/{epoch}",
-                    worker_id=worker_id,
-                    epoch=epoch,
-                    shape=shape,
-                    credential_digest=digest,
-                )
-            )
-            entry = reg.register(worker_id, epoch, config, digest)
-            if old is not None:
-                self.leases.forget(old.pool_id)
-            self.leases.renew(entry.pool_id)
-            self._changed()
+            with old.lock if old is not None else contextlib.nullcontext():
+                with self._lock:
+                    reg = self.durable.fresh()
+                    if reg.pools.get(reg.current.get(worker_id, "")) is not old:
+                        raise _Reloaded  # replaced or reloaded while we waited
+                    return self._register(reg, worker_id, shape, config, digest, old, replace_credential,
+                                          fresh)
+
+        entry = self._retrying(attempt)
+        self.durable.after_change()
         log.info("registered pool %s (%d blocks of %d)", entry.pool_id, config.num_blocks, config.block_size)
-        return Registration(entry.pool_id, epoch, credential, self.config.lease_ttl_s)
+        return Registration(entry.pool_id, entry.epoch, credential, self.config.lease_ttl_s)
+
+    def _register(self, reg: Registry, worker_id: str, shape: pb.PoolShape, config, digest: bytes,
+                  old: PoolEntry | None, replace_credential: str, fresh) -> PoolEntry:
+        if old is not None:
+            self._check_replace(old, replace_credential)
+        pools = len(reg.pools) - (old is not None)
+        if pools >= self.limits.max_pools:
+            raise CapacityExceeded(f"the server holds its maximum of {self.limits.max_pools} pools")
+        blocks = sum(e.pool.num_blocks for e in reg.pools.values()) - (old.pool.num_blocks if old else 0)
+        if blocks + config.num_blocks > self.limits.max_total_blocks:
+            raise CapacityExceeded(
+                f"{config.num_blocks} more blocks would exceed the server's "
+                f"{self.limits.max_total_blocks} (in use: {blocks})"
+            )
+        epoch = reg.next_epoch(worker_id)
+        self.durable.append(
+            registered=jpb.PoolRegistered(
+                pool_id=f"{worker_id}/{epoch}",
+                worker_id=worker_id,
+                epoch=epoch,
+                shape=shape,
+                credential_digest=digest,
+            )
+        )
+        batch = reg.advance()
+        try:
+            entry = reg.register(worker_id, epoch, config, digest, batch, fresh)
+        finally:
+            self.events.finish(batch)
+        if old is not None:
+            self.leases.forget(old.pool_id)
+        self.leases.arm(entry.pool_id)
+        self.durable.changed()
+        return entry
 
     def _check_replace(self, old: PoolEntry, credential: str) -> None:
         if not credential:
@@ -468,21 +375,30 @@ class AllocatorService:
             raise PermissionDenied(f"replace_credential is not the credential of pool {old.pool_id!r}")
 
     def heartbeat(self, ref: pb.PoolRef) -> float:
-        with self._lock:
-            self._authorize(ref)
+        self._authorize(ref)  # renews: no pool's lock, no mutation lock
         return self.config.lease_ttl_s
 
     def deregister(self, ref: pb.PoolRef) -> None:
-        with self._lock:
-            self._fresh()
+        def attempt() -> None:
             entry = self._authorize(ref)
-            self._drop(entry.pool_id, "deregistered")
+            with entry.lock, self._lock:
+                self._live(entry)
+                self._drop(entry.pool_id, "deregistered")
+
+        self._retrying(attempt)
+        self.durable.after_change()
 
     def _drop(self, pool_id: str, reason: str) -> None:
-        self._journal(dropped=jpb.PoolDropped(pool_id=pool_id, reason=reason))
-        self.registry.drop(pool_id, reason)
+        """Journal and apply a drop (the pool's lock and the mutation lock held)."""
+        self.durable.append(dropped=jpb.PoolDropped(pool_id=pool_id, reason=reason))
+        reg = self.registry
+        batch = reg.advance()
+        try:
+            reg.drop(pool_id, reason, batch)
+        finally:
+            self.events.finish(batch)
         self.leases.forget(pool_id)
-        self._changed()
+        self.durable.changed()
         log.info("dropped pool %s (%s)", pool_id, reason)
 
     def step(self, ref: pb.PoolRef, step_id: int, ops_msg: pb.StepOps,
@@ -493,23 +409,26 @@ class AllocatorService:
         step = columns_from_proto(ops_msg)
         check_step(step, self.limits)
         digest = ops_digest(ops_msg)
-        with self._lock:
-            self._fresh()
+
+        def attempt() -> pb.StepResponse:
             entry = self._authorize(ref)
-            if step_id <= entry.last_step_id:
-                if step_id == entry.last_step_id and digest == entry.last_digest:
-                    return entry.last_response  # a retry: same answer, applied once
-                if step_id == entry.last_step_id:
-                    raise StepConflict(f"step {step_id} was already applied with other operations")
-                raise StepConflict(f"step {step_id} is older than the pool's last step {entry.last_step_id}")
-            if prev_step_id is not None and prev_step_id != entry.last_step_id:
-                self._state_lost(entry, prev_step_id)
-            self._journal(
-                step=jpb.StepApplied(pool_id=entry.pool_id, step_id=step_id, digest=digest, ops=ops_msg)
-            )
-            response = self.registry.step(entry, step_id, digest, step)
-            self._changed()
-            return response
+            with entry.lock:
+                if step_id <= entry.last_step_id:
+                    if step_id == entry.last_step_id and digest == entry.last_digest:
+                        return entry.last_response  # a retry: same answer, applied once
+                    if step_id == entry.last_step_id:
+                        raise StepConflict(f"step {step_id} was already applied with other operations")
+                    raise StepConflict(f"step {step_id} is older than the pool's last step {entry.last_step_id}")
+                if prev_step_id is not None and prev_step_id != entry.last_step_id:
+                    self._state_lost(entry, prev_step_id)
+                record = jpb.StepApplied(pool_id=entry.pool_id, step_id=step_id, digest=digest, ops=ops_msg)
+                return self._apply(
+                    entry, lambda reg, batch: reg.apply_step(entry, batch, step_id, digest, step), step=record
+                )
+
+        response = self._retrying(attempt)
+        self.durable.after_change()
+        return response
 
     def _state_lost(self, entry: PoolEntry, prev_step_id: int) -> None:
         """The worker got an answer for a step this server does not have (its
@@ -519,84 +438,111 @@ class AllocatorService:
             f"pool {entry.pool_id} was dropped: its worker follows step {prev_step_id} but the "
             f"allocator's last step for it is {entry.last_step_id} (the allocator's state lost records)"
         )
-        log.error("%s", message)
-        self._drop(entry.pool_id, "state_lost")
+        with self._lock:
+            self._live(entry)
+            log.error("%s", message)
+            self._drop(entry.pool_id, "state_lost")
         raise PoolStateLost(entry.pool_id, message)
 
     def block_table(self, ref: pb.PoolRef, seq_id: str) -> tuple[list[int], int]:
-        with self._lock:
-            pool = self._authorize(ref).pool
-            return pool.block_table(seq_id), pool.num_tokens(seq_id)
+        entry = self._authorize(ref)
+        with entry.lock:
+            return entry.pool.block_table(seq_id), entry.pool.num_tokens(seq_id)
 
     def stats(self, ref: pb.PoolRef, check_integrity: bool = False, admin: bool = False) -> pb.GetPoolStatsResponse:
-        with self._lock:
-            entry = self._authorize(ref, admin)
+        entry = self._authorize(ref, admin)
+        with entry.lock:
             problems = entry.pool.integrity_problems() if check_integrity else []
-            return stats_to_proto(
-                entry.pool.stats(),
-                last_step_id=entry.last_step_id,
-                integrity_problems=problems,
-                integrity_checked=check_integrity,
-            )
+            stats, last = entry.pool.stats(), entry.last_step_id
+        return stats_to_proto(stats, last_step_id=last, integrity_problems=problems,
+                              integrity_checked=check_integrity)
 
     def reset_prefix_cache(self, ref: pb.PoolRef, admin: bool = False) -> int:
-        with self._lock:
-            self._fresh()
+        def attempt() -> int:
             entry = self._authorize(ref, admin)
-            self._journal(reset=jpb.PrefixCacheReset(pool_id=entry.pool_id))
-            dropped = self.registry.reset_prefix_cache(entry)
-            self._changed()
-            return dropped
+            with entry.lock:
+                return self._apply(entry, lambda reg, batch: reg.apply_reset(entry, batch),
+                                   reset=jpb.PrefixCacheReset(pool_id=entry.pool_id))
+
+        dropped = self._retrying(attempt)
+        self.durable.after_change()
+        return dropped
 
     def dump(self, ref: pb.PoolRef, admin: bool = False) -> tuple[dict[str, Any], int, list[str]]:
-        with self._lock:
-            entry = self._authorize(ref, admin)
+        entry = self._authorize(ref, admin)
+        with entry.lock:
             return entry.pool.to_state(), entry.last_step_id, entry.pool.integrity_problems()
 
     # ------------------------------------------------------- cross-pool calls
     def match_prefix(self, fingerprint: str, tokens: list[int], salt: str | None) -> list[pb.PrefixMatch]:
+        """Which pools hold how much of the prompt. The prompt's hash chain is
+        computed once per block size, outside any lock; each pool is then
+        visited under its own lock for lookups only."""
         if len(tokens) > self.limits.max_tokens_per_call:
             raise BadRequest(f"{len(tokens)} tokens; the limit is {self.limits.max_tokens_per_call}")
         if salt is not None and not 1 <= len(salt) <= MAX_SALT_LEN:
             raise InvalidArgument(f"cache_salt must be 1 to {MAX_SALT_LEN} characters (unset for no salt)")
+        pools = [e for e in list(self.registry.pools.values()) if e.pool.config.model_fingerprint == fingerprint]
+        if len(tokens) >= 2 and any(e.pool.enable_prefix_caching for e in pools):
+            check_tokens(tokens)
+        chains: dict[int, list[bytes]] = {}
         out = []
-        with self._lock:
-            for e in self.registry.pools.values():
-                pool = e.pool
-                if pool.config.model_fingerprint != fingerprint:
-                    continue
-                out.append(
-                    pb.PrefixMatch(
-                        pool_id=e.pool_id,
-                        worker_id=e.worker_id,
-                        cached_tokens=pool.cached_prefix_tokens(tokens, salt),
-                        free_blocks=pool.num_free_blocks,
-                        block_size=pool.block_size,
-                    )
+        for e in pools:
+            pool = e.pool
+            cached = 0
+            if pool.enable_prefix_caching and len(tokens) >= 2:
+                size = pool.block_size
+                hashes = chains.get(size)
+                if hashes is None:
+                    hashes = chains[size] = chain_hashes(root_hash(fingerprint, size), tokens, size, salt,
+                                                         limit_blocks=(len(tokens) - 1) // size)
+                with e.lock:
+                    cached = pool.cached_blocks(hashes) * size
+            out.append(
+                pb.PrefixMatch(
+                    pool_id=e.pool_id,
+                    worker_id=e.worker_id,
+                    cached_tokens=cached,
+                    free_blocks=pool.num_free_blocks,
+                    block_size=pool.block_size,
                 )
+            )
         out.sort(key=lambda m: (-m.cached_tokens, -m.free_blocks, m.pool_id))
         return out
 
     def expire_leases(self) -> list[str]:
-        """Drop every pool whose lease ran out (the reaper calls this)."""
+        """Drop every pool whose lease ran out (the reaper calls this). Each
+        drop takes the locks as a change does (the pool's, then the mutation
+        lock), so waiting for a busy pool holds up no other pool."""
         dropped: list[str] = []
-        with self._lock:
-            for pool_id in self.leases.expired():
-                try:
-                    reg = self._fresh()
-                    if pool_id not in reg.pools:
-                        self.leases.forget(pool_id)
-                        continue
+        for pool_id in self.leases.expired():
+            entry = self.registry.pools.get(pool_id)
+            if entry is None:
+                self.leases.forget(pool_id)
+                continue
+            try:
+                with entry.lock, self._lock:
+                    reg = self.durable.fresh()
+                    if reg.pools.get(pool_id) is not entry:
+                        continue  # dropped or reloaded meanwhile: the next round looks again
+                    if not self.leases.is_expired(pool_id):
+                        continue  # renewed while we waited for the pool
                     self._drop(pool_id, "lease_expired")
-                except StoreUnavailable as exc:
-                    log.warning("lease of %s expired but the drop cannot be journaled: %s", pool_id, exc)
-                    break
-                dropped.append(pool_id)
+            except StoreUnavailable as exc:
+                log.warning("lease of %s expired but the drop cannot be journaled: %s", pool_id, exc)
+                break
+            dropped.append(pool_id)
+        if dropped:
+            self.durable.after_change()
         return dropped
 
     def pool_views(self) -> list[PoolView]:
-        with self._lock:
-            return [PoolView(e.pool_id, e.worker_id, e.pool.stats()) for e in self.registry.pools.values()]
+        """What the metrics collector reads: each pool under its own lock."""
+        views = []
+        for e in list(self.registry.pools.values()):
+            with e.lock:
+                views.append(PoolView(e.pool_id, e.worker_id, e.pool.stats()))
+        return views
 
     # --------------------------------------------------------------- watchers
     def open_watcher(self) -> None:

@@ -10,13 +10,13 @@ INVALID_ARGUMENT in the same error path as everything else.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import grpc
 
 from allocator_service import errors
+from allocator_service.core.snapshot import dumps_chunked
 from allocator_service.errors import BadRequest
 from allocator_service.roles import ADMIN, caller_role
 from allocator_service.service import AllocatorService
@@ -75,7 +75,7 @@ class AllocatorServicer:
     def DumpPool(self, request: pb.DumpPoolRequest, context) -> pb.DumpPoolResponse:
         state, last_step_id, problems = self.service.dump(request.pool, admin=caller_role() == ADMIN)
         return pb.DumpPoolResponse(
-            state_json=json.dumps(state, separators=(",", ":")),
+            state_json=dumps_chunked(state),
             last_step_id=last_step_id,
             integrity_problems=problems,
         )

@@ -4,126 +4,49 @@ Every state change is one of four records (pool registered, step applied,
 pool dropped, prefix cache reset; `proto/pagedkv/v1/journal.proto`). Applying the
 same records in the same order to the same snapshot gives the same pools,
 the same last-step answers and the same KV event numbers: that is what makes
-the Redis journal a complete backup. Nothing here locks, reads a clock or
-does I/O; the service (`service.py`) does that around it.
+the Redis journal a complete backup. How stored records and snapshots are
+framed and verified, and `replay`, live in `replay.py`.
 
-The log verifies itself. Each stored record is framed with a chained
-digest (`encode_entry`), each step record names the pool's previous step id,
-and a snapshot carries its own digest and the chain digest it includes up
-to. `replay` checks all three: a record whose digest fails but that names a
-live pool drops that pool (`journal_corrupt`); a gap in the indices (a
-record removed) is reported and every pool whose step chain then breaks is
-dropped (`journal_gap`); a journal shorter than its head marker lost its
-tail (reported: each pool whose last step was lost is dropped when its
-worker's next Step names a step the server does not have). Whatever cannot
-be pinned on one pool (an unreadable registration, a snapshot that fails its
-digest, a record naming an unknown pool while nothing else was damaged) is
-fatal: start-up stops with one line, never a guess.
+A record is applied in two parts, so that the service can keep one global
+order without making every pool wait for every other: `advance` gives it
+its place (the next index and an event batch; the service calls it under its
+mutation lock, right after the journal write), and the pool's own work
+(`apply_step`, `apply_reset`) may then run under that pool's lock only,
+while another pool's record is applied. Registrations and drops touch no
+pool's blocks and are applied whole in the first part. Nothing here reads a
+clock or does I/O; each `PoolEntry` carries the lock the service takes for
+its pool.
 """
 
 from __future__ import annotations
 
 import base64
-import hashlib
-import json
+import threading
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
-
-from google.protobuf.message import DecodeError
+from typing import Any
 
 from allocator_service.codec import columns_from_proto, config_from_proto, result_to_proto
 from allocator_service.core import BlockPool, PoolConfig, StepColumns, run_step
-from allocator_service.events import POOL_DROPPED, POOL_REGISTERED, EventLog
+from allocator_service.core.snapshot import dumps_chunked
+from allocator_service.events import POOL_DROPPED, POOL_REGISTERED, Batch, EventLog
 from allocator_service.v1 import allocator_pb2 as pb
 from allocator_service.v1 import journal_pb2 as jpb
 
 SNAPSHOT_FORMAT = "pagedkv-allocator-snapshot/1"
 
-# A stored record: ENTRY_MAGIC | previous chain (32) | chain (32) | record,
-# chain = SHA-256(previous chain || record). A stored snapshot:
-# SNAPSHOT_MAGIC | SHA-256(json) (32) | json. Older versions stored the bare
-# record and the bare JSON: both still load (with a warning).
-ENTRY_MAGIC = b"PKJ2"
-SNAPSHOT_MAGIC = b"PKS2"
-ZERO_CHAIN = bytes(32)
-_FRAME = len(ENTRY_MAGIC) + 64
 
+class _Sink:
+    """The core's event sink for one pool: its events join the batch of the
+    record being applied to it."""
 
-def chain_digest(prev: bytes, record: bytes) -> bytes:
-    return hashlib.sha256(prev + record).digest()
+    __slots__ = ("pool_id", "batch")
 
+    def __init__(self, pool_id: str) -> None:
+        self.pool_id = pool_id
+        self.batch: Batch | None = None
 
-def encode_entry(prev: bytes, record: bytes) -> tuple[bytes, bytes]:
-    """(stored bytes, chain digest) of a record that follows `prev`."""
-    chain = chain_digest(prev, record)
-    return ENTRY_MAGIC + prev + chain + record, chain
-
-
-def record_bytes(raw: bytes) -> bytes:
-    """The JournalRecord bytes of a stored entry (framed or older bare)."""
-    return raw[_FRAME:] if raw.startswith(ENTRY_MAGIC) and len(raw) >= _FRAME else raw
-
-
-def head_marker(index: int, chain: bytes) -> bytes:
-    return f"{index}:{chain.hex()}".encode()
-
-
-def encode_snapshot(snap: dict[str, Any]) -> bytes:
-    body = json.dumps(snap, separators=(",", ":")).encode()
-    return SNAPSHOT_MAGIC + hashlib.sha256(body).digest() + body
-
-
-def decode_snapshot(raw: bytes) -> tuple[dict[str, Any], bool]:
-    """(snapshot, legacy); CorruptState if it fails its digest or parse."""
-    legacy = not raw.startswith(SNAPSHOT_MAGIC)
-    body = raw if legacy else raw[len(SNAPSHOT_MAGIC) + 32:]
-    if not legacy and hashlib.sha256(body).digest() != raw[len(SNAPSHOT_MAGIC):len(SNAPSHOT_MAGIC) + 32]:
-        raise CorruptState("the snapshot fails its digest")
-    try:
-        snap = json.loads(body)
-    except ValueError as exc:
-        raise CorruptState(f"the snapshot is not readable JSON ({exc})") from exc
-    if not isinstance(snap, dict):
-        raise CorruptState("the snapshot is not a JSON object")
-    return snap, legacy
-
-
-class Problem(NamedTuple):
-    """One thing replay found wrong. `position` is the entry's place in the
-    stored journal (0 = first after the snapshot; -1 = the snapshot or the
-    head), `index` the record index when known."""
-
-    position: int
-    index: int | None
-    pool_id: str | None
-    reason: str
-    fatal: bool
-
-    def __str__(self) -> str:
-        where = "snapshot/head" if self.position < 0 else f"journal entry {self.position}"
-        if self.index is not None:
-            where += f" (record {self.index})"
-        return f"{where}: {self.reason}"
-
-
-@dataclass
-class ReplayReport:
-    snapshot_index: int = 0
-    snapshot_legacy: bool = False
-    records: int = 0
-    legacy_records: int = 0
-    head: str = ""
-    problems: list[Problem] = field(default_factory=list)
-    dropped: list[str] = field(default_factory=list)
-    chain: bytes = ZERO_CHAIN  # the chain digest the next record follows
-
-    @property
-    def fatal(self) -> Problem | None:
-        return next((p for p in self.problems if p.fatal), None)
-
-    @property
-    def sound(self) -> bool:
-        return not self.problems
+    def __call__(self, kind: str, block: int, block_hash: bytes | None) -> None:
+        self.batch.add(kind, self.pool_id, block, block_hash)
 
 
 class CorruptState(RuntimeError):
@@ -142,6 +65,13 @@ class PoolEntry:
     last_step_id: int = 0
     last_digest: bytes = b""
     last_response: pb.StepResponse | None = None
+    sink: _Sink | None = None
+    # Readers of this pool and the application of its records take it (the
+    # service: this lock first, then its mutation lock).
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    # A snapshot cut this pool belongs to and that has not serialised it
+    # yet: whoever next takes the lock to change the pool serialises it first.
+    snapshot_due: Any = None
 
 
 class Registry:
@@ -155,53 +85,66 @@ class Registry:
     def next_epoch(self, worker_id: str) -> int:
         return self.epochs.get(worker_id, 0) + 1
 
-    def _sink(self, pool_id: str):
-        """The core's event sink for one pool: its events join the log."""
-        events = self.events
-
-        def sink(kind: str, block: int, block_hash: bytes | None) -> None:
-            events.append(kind, pool_id, block, block_hash)
-
-        return sink
-
     # ----------------------------------------------------------- changes
-    def register(self, worker_id: str, epoch: int, config: PoolConfig, credential_digest: bytes) -> PoolEntry:
+    def advance(self) -> Batch:
+        """The next record's place in the global order: its index and the
+        batch its events go to (finish it with `events.finish`)."""
+        self.index += 1
+        return self.events.begin()
+
+    def register(self, worker_id: str, epoch: int, config: PoolConfig, credential_digest: bytes,
+                 batch: Batch, pool: tuple[BlockPool, _Sink] | None = None) -> PoolEntry:
+        """`pool`: built beforehand by `new_pool` (it may be large), else here."""
         old = self.current.get(worker_id)
         if old is not None:
-            self._drop(old, "replaced")
+            self._drop(old, "replaced", batch)
         pool_id = f"{worker_id}/{epoch}"
-        pool = BlockPool(config, self._sink(pool_id))
-        entry = PoolEntry(pool_id, worker_id, epoch, credential_digest, pool)
+        block_pool, sink = pool if pool is not None else new_pool(config)
+        sink.pool_id = pool_id
+        entry = PoolEntry(pool_id, worker_id, epoch, credential_digest, block_pool, sink=sink)
         self.pools[pool_id] = entry
         self.current[worker_id] = pool_id
         self.epochs[worker_id] = epoch
-        self.events.append(POOL_REGISTERED, pool_id, model_fingerprint=config.model_fingerprint)
-        self.index += 1
+        batch.add(POOL_REGISTERED, pool_id, model_fingerprint=config.model_fingerprint)
         return entry
 
-    def step(self, entry: PoolEntry, step_id: int, digest: bytes, step: StepColumns) -> pb.StepResponse:
-        """Apply validated operations (`service.check_step`)."""
-        response = result_to_proto(step_id, run_step(entry.pool, step))
+    def apply_step(self, entry: PoolEntry, batch: Batch, step_id: int, digest: bytes,
+                   step: StepColumns) -> pb.StepResponse:
+        """Apply validated operations (`service.check_step`) to the pool."""
+        entry.sink.batch = batch
+        try:
+            response = result_to_proto(step_id, run_step(entry.pool, step))
+        finally:
+            entry.sink.batch = None
         entry.last_step_id = step_id
         entry.last_digest = digest
         entry.last_response = response
-        self.index += 1
         return response
 
-    def drop(self, pool_id: str, reason: str) -> None:
-        self._drop(pool_id, reason)
-        self.index += 1
+    def drop(self, pool_id: str, reason: str, batch: Batch) -> None:
+        self._drop(pool_id, reason, batch)
 
-    def _drop(self, pool_id: str, reason: str) -> None:
+    def drop_record(self, pool_id: str, reason: str) -> None:
+        """A whole drop in one go (its own index and events): replay's and
+        the service's when no record can be in flight."""
+        batch = self.advance()
+        try:
+            self._drop(pool_id, reason, batch)
+        finally:
+            self.events.finish(batch)
+
+    def _drop(self, pool_id: str, reason: str, batch: Batch) -> None:
         entry = self.pools.pop(pool_id)
         if self.current.get(entry.worker_id) == pool_id:
             del self.current[entry.worker_id]
-        self.events.append(POOL_DROPPED, pool_id, reason=reason)
+        batch.add(POOL_DROPPED, pool_id, reason=reason)
 
-    def reset_prefix_cache(self, entry: PoolEntry) -> int:
-        dropped = entry.pool.reset_prefix_cache()
-        self.index += 1
-        return dropped
+    def apply_reset(self, entry: PoolEntry, batch: Batch) -> int:
+        entry.sink.batch = batch
+        try:
+            return entry.pool.reset_prefix_cache()
+        finally:
+            entry.sink.batch = None
 
     # ------------------------------------------------------------ replay
     def apply(self, record: jpb.JournalRecord) -> None:
@@ -211,19 +154,29 @@ class Registry:
         if record.index != self.index + 1:
             raise CorruptState(f"journal jumps from record {self.index} to {record.index}")
         kind = record.WhichOneof("change")
+        batch = None
         try:
-            if kind == "registered":
-                r = record.registered
-                self.register(r.worker_id, r.epoch, config_from_proto(r.shape), r.credential_digest)
-            elif kind == "step":
+            if kind == "step":
                 # Validated when accepted (a restart with lower limits must
                 # still replay its history, so no limits here).
                 s = record.step
-                self.step(self.pools[s.pool_id], s.step_id, s.digest, columns_from_proto(s.ops))
-            elif kind == "dropped":
-                self.drop(record.dropped.pool_id, record.dropped.reason)
+                entry = self.pools[s.pool_id]
+                batch = self.advance()
+                self.apply_step(entry, batch, s.step_id, s.digest, columns_from_proto(s.ops))
             elif kind == "reset":
-                self.reset_prefix_cache(self.pools[record.reset.pool_id])
+                entry = self.pools[record.reset.pool_id]
+                batch = self.advance()
+                self.apply_reset(entry, batch)
+            elif kind == "registered":
+                r = record.registered
+                config = config_from_proto(r.shape)
+                batch = self.advance()
+                self.register(r.worker_id, r.epoch, config, r.credential_digest, batch)
+            elif kind == "dropped":
+                if record.dropped.pool_id not in self.pools:
+                    raise KeyError(record.dropped.pool_id)
+                batch = self.advance()
+                self.drop(record.dropped.pool_id, record.dropped.reason, batch)
             else:
                 raise CorruptState(f"journal record {record.index} holds no change")
         except KeyError as exc:
@@ -236,33 +189,28 @@ class Registry:
                 f"journal record {record.index} ({kind} of pool {pool!r}) cannot be re-applied: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
+        finally:
+            if batch is not None:
+                self.events.finish(batch)
 
     # --------------------------------------------------------- snapshots
-    def to_snapshot(self, chain: bytes = ZERO_CHAIN) -> dict[str, Any]:
+    def snapshot_header(self, chain: bytes, next_event: int) -> dict[str, Any]:
+        """Everything of a snapshot but its pools (O(workers), not O(blocks))."""
         return {
             "format": SNAPSHOT_FORMAT,
             "index": self.index,
             # the chain digest of the last record it includes: the first
             # record after it must follow this (absent in older snapshots)
             "chain": chain.hex(),
-            "next_event": self.events.next_sequence,
+            "next_event": next_event,
             "epochs": dict(self.epochs),
-            "pools": [
-                {
-                    "pool_id": e.pool_id,
-                    "worker_id": e.worker_id,
-                    "epoch": e.epoch,
-                    "credential_digest": e.credential_digest.hex(),
-                    "last_step_id": e.last_step_id,
-                    "last_digest": e.last_digest.hex(),
-                    "last_response": base64.b64encode(e.last_response.SerializeToString()).decode()
-                    if e.last_response is not None
-                    else None,
-                    "state": e.pool.to_state(),
-                }
-                for e in self.pools.values()
-            ],
         }
+
+    def to_snapshot(self, chain: bytes, next_event: int | None = None) -> dict[str, Any]:
+        """The whole registry at once (no record may be in flight)."""
+        snap = self.snapshot_header(chain, self.events.next_sequence if next_event is None else next_event)
+        snap["pools"] = [pool_snapshot(e) for e in self.pools.values()]
+        return snap
 
     @classmethod
     def from_snapshot(cls, snap: dict[str, Any], events: EventLog) -> Registry:
@@ -274,7 +222,8 @@ class Registry:
         reg.epochs = dict(snap["epochs"])
         for p in snap["pools"]:
             pool_id = p["pool_id"]
-            pool = BlockPool.from_state(p["state"], reg._sink(pool_id))
+            sink = _Sink(pool_id)
+            pool = BlockPool.from_state(p["state"], sink)
             raw = p["last_response"]
             reg.pools[pool_id] = PoolEntry(
                 pool_id,
@@ -285,149 +234,37 @@ class Registry:
                 p["last_step_id"],
                 bytes.fromhex(p["last_digest"]),
                 pb.StepResponse.FromString(base64.b64decode(raw)) if raw is not None else None,
+                sink,
             )
             reg.current[p["worker_id"]] = pool_id
         return reg
 
 
-def _epoch_of(pool_id: str) -> tuple[str, int] | None:
-    worker, _, epoch = pool_id.rpartition("/")
-    return (worker, int(epoch)) if worker and epoch.isdigit() else None
+def new_pool(config: PoolConfig) -> tuple[BlockPool, _Sink]:
+    """A fresh pool and its event sink (named by `Registry.register`)."""
+    sink = _Sink("")
+    return BlockPool(config, sink), sink
 
 
-def _pool_of(record: jpb.JournalRecord) -> str | None:
-    kind = record.WhichOneof("change")
-    return getattr(record, kind).pool_id if kind in ("step", "dropped", "reset") else None
+def pool_snapshot(entry: PoolEntry) -> dict[str, Any]:
+    """One pool's part of a snapshot (the caller holds its lock or knows no
+    record is applied to it meanwhile)."""
+    e = entry
+    return {
+        "pool_id": e.pool_id,
+        "worker_id": e.worker_id,
+        "epoch": e.epoch,
+        "credential_digest": e.credential_digest.hex(),
+        "last_step_id": e.last_step_id,
+        "last_digest": e.last_digest.hex(),
+        "last_response": base64.b64encode(e.last_response.SerializeToString()).decode()
+        if e.last_response is not None
+        else None,
+        "state": e.pool.to_state(),
+    }
 
 
-def replay(snapshot: bytes | None, entries: list[bytes], head: bytes | None,
-           events: EventLog) -> tuple[Registry, ReplayReport]:
-    """Rebuild the registry from a stored snapshot and journal, checking
-    every digest, the record indices, each pool's step chain and the head
-    marker. Never raises on bad data: a problem that cannot be pinned on one
-    pool is `fatal` in the report and replay stops there (the registry is
-    then incomplete and must not be served)."""
-    report = ReplayReport()
-    problems = report.problems
-
-    def problem(position: int, index: int | None, pool_id: str | None, reason: str, fatal: bool = False):
-        problems.append(Problem(position, index, pool_id, reason, fatal))
-
-    registry = Registry(events)
-    events.reset(1)
-    chain: bytes | None = ZERO_CHAIN  # None: unknown (after a damaged entry or an older snapshot)
-    framed = False
-    if snapshot is not None:
-        try:
-            snap, report.snapshot_legacy = decode_snapshot(snapshot)
-            registry = Registry.from_snapshot(snap, events)
-        except (CorruptState, KeyError, TypeError, ValueError) as exc:
-            problem(-1, None, None, f"the snapshot cannot be used: {exc}", fatal=True)
-            return registry, report
-        report.snapshot_index = registry.index
-        framed = not report.snapshot_legacy
-        chain = bytes.fromhex(snap["chain"]) if "chain" in snap else None
-    damaged = False
-    last_raw = b""
-
-    def drop(pool_id: str, reason: str) -> None:
-        registry.drop(pool_id, reason)
-        report.dropped.append(pool_id)
-
-    for position, raw in enumerate(entries):
-        report.records += 1
-        expected = registry.index + 1
-        intact = True
-        prev = None
-        if raw.startswith(ENTRY_MAGIC) and len(raw) >= _FRAME:
-            prev, stored_chain, body = raw[4:36], raw[36:68], raw[_FRAME:]
-            intact = chain_digest(prev, body) == stored_chain
-            framed = True
-        elif framed:
-            body, stored_chain, intact = raw, None, False  # a frame that lost its magic
-        else:
-            body, stored_chain = raw, None
-            report.legacy_records += 1
-        try:
-            record = jpb.JournalRecord.FromString(body)
-        except DecodeError:
-            record = None
-        if record is None or not intact:
-            pool_id = _pool_of(record) if record is not None else None
-            if record is not None and record.index == expected and pool_id in registry.pools:
-                problem(position, expected, pool_id,
-                        f"fails its digest; pool {pool_id} dropped (its state cannot be trusted)")
-                drop(pool_id, "journal_corrupt")
-                damaged, chain, last_raw = True, None, raw
-                continue
-            what = "cannot be parsed" if record is None else "fails its digest"
-            problem(position, expected, None,
-                    f"{what} and cannot be attributed to one live pool", fatal=True)
-            return registry, report
-        index = record.index
-        if index < expected:
-            if raw == last_raw:
-                continue  # written twice by a retried call (older versions)
-            problem(position, index, None, f"goes back to record {index} after record {expected - 1}", fatal=True)
-            return registry, report
-        if index > expected:
-            problem(position, index, None, f"records {expected}..{index - 1} are missing")
-            damaged = True
-            registry.index = index - 1
-        elif prev is not None and chain is not None and prev != chain:
-            problem(position, index, None, "does not follow the record before it (a different history)",
-                    fatal=True)
-            return registry, report
-        last_raw = raw
-        chain = stored_chain if stored_chain is not None else (ZERO_CHAIN if not framed else None)
-        kind = record.WhichOneof("change")
-        pool_id = _pool_of(record)
-        if pool_id is not None and pool_id not in registry.pools:
-            if damaged:
-                # Its registration, or the record that made replay drop it,
-                # was lost or damaged: skip what follows for it.
-                problem(position, index, pool_id, f"names pool {pool_id}, lost with an earlier record: skipped")
-                owner = _epoch_of(pool_id)
-                if owner is not None and owner[1] > registry.epochs.get(owner[0], 0):
-                    registry.epochs[owner[0]] = owner[1]  # never reissue its id
-                registry.index = index
-                continue
-            problem(position, index, pool_id, f"names unknown pool {pool_id}", fatal=True)
-            return registry, report
-        if kind == "step" and stored_chain is not None:
-            entry = registry.pools[pool_id]
-            if record.step.prev_step_id != entry.last_step_id:
-                problem(position, index, pool_id,
-                        f"step {record.step.step_id} follows step {record.step.prev_step_id} but the "
-                        f"pool's last step is {entry.last_step_id}; pool {pool_id} dropped")
-                drop(pool_id, "journal_gap")
-                registry.index = index
-                damaged = True
-                continue
-        try:
-            registry.apply(record)
-        except CorruptState as exc:
-            problem(position, index, pool_id, str(exc), fatal=True)
-            return registry, report
-        except Exception as exc:  # a record the core refuses: name it, never a traceback
-            problem(position, index, pool_id, f"cannot be applied ({type(exc).__name__}: {exc})", fatal=True)
-            return registry, report
-
-    report.chain = chain if chain is not None else ZERO_CHAIN
-    if head is None:
-        report.head = "none"
-    else:
-        report.head = head.decode(errors="replace")
-        hidx, _, hchain = report.head.partition(":")
-        if not hidx.isdigit():
-            problem(-1, None, None, f"the head marker {report.head!r} is unreadable")
-        elif int(hidx) > registry.index:
-            problem(-1, int(hidx), None,
-                    f"the journal ends at record {registry.index} but its head says {hidx}: the last "
-                    f"{int(hidx) - registry.index} record(s) were lost (a pool whose last step was "
-                    "lost is dropped at its worker's next step)")
-        elif int(hidx) < registry.index:
-            problem(-1, int(hidx), None, f"the head says record {hidx} but the journal holds {registry.index}")
-        elif chain is not None and hchain != chain.hex():
-            problem(-1, int(hidx), None, "the head marker's digest differs from the last record's")
-    return registry, report
+def pool_snapshot_json(entry: PoolEntry) -> str:
+    """`pool_snapshot` as JSON text: taken under the pool's lock, it shares
+    nothing with the live pool afterwards."""
+    return dumps_chunked(pool_snapshot(entry))

@@ -150,7 +150,8 @@ def _name_chars(seq_id: str, salt: str | None) -> int:
 _INT_ONLY = {int}
 
 
-def _check_tokens(tokens: Sequence[int]) -> None:
+def check_tokens(tokens: Sequence[int]) -> None:
+    """InvalidArgument unless every token id is an int in [0, MAX_TOKEN_ID]."""
     if not tokens:
         return
     if len(tokens) == 1:  # the decode hot path
@@ -253,18 +254,33 @@ class BlockPool:
         check_cache_salt(cache_salt)
         if not self.enable_prefix_caching or len(tokens) < 2:
             return 0
-        _check_tokens(tokens)
+        check_tokens(tokens)
         limit = (len(tokens) - 1) // self.block_size
         parent = self.root_hash
         keys = hashing.salt_keys(cache_salt)
         hits = 0
         B = self.block_size
-        for i in range(limit):
+        for i in range(limit):  # hashes only as far as the first miss
             parent = hashing.block_hash(parent, tokens[i * B : (i + 1) * B], keys if i == 0 else ())
             if parent not in self.index:
                 break
             hits += 1
         return hits * B
+
+    def cached_blocks(self, hashes: Sequence[bytes]) -> int:
+        """How many of `hashes` (a prompt's chain from this pool's root, its
+        last token's block left out), from the first, are cached: lookups
+        only, so a caller can hash a prompt once, outside the pool's lock,
+        for every pool of one root (what `cached_prefix_tokens` answers)."""
+        if not self.enable_prefix_caching:
+            return 0
+        index = self.index
+        hits = 0
+        for h in hashes:
+            if h not in index:
+                break
+            hits += 1
+        return hits
 
     # ------------------------------------------------------------- mutations
     def admit(
@@ -284,7 +300,7 @@ class BlockPool:
         _check_seq_id(seq_id)
         if seq_id in self._seqs:
             raise SequenceExists(seq_id)
-        _check_tokens(tokens)
+        check_tokens(tokens)
         check_cache_salt(cache_salt)
         names = _name_chars(seq_id, cache_salt)
         self._check_new_sequence(names)
@@ -342,7 +358,7 @@ class BlockPool:
         seq = self._seqs.get(seq_id)
         if seq is None:
             raise UnknownSequence(seq_id)
-        _check_tokens(tokens)
+        check_tokens(tokens)
         k = len(tokens)
         table = seq.table
         if k == 0:

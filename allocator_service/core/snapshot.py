@@ -8,6 +8,7 @@ existing journals' snapshots): change them only with a new snapshot format.
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict, deque
 from typing import TYPE_CHECKING, Any
 
@@ -36,11 +37,11 @@ def to_state(pool: BlockPool) -> dict[str, Any]:
         "clock": pool._clock,
         "seqs": {
             s: {
-                "table": q.table,
+                "table": list(q.table),
                 "num_tokens": q.num_tokens,
                 "salt": q.salt,
                 "hashes": [h.hex() for h in q.hashes],
-                "tail": q.tail,
+                "tail": list(q.tail),
             }
             for s, q in pool._seqs.items()
         },
@@ -52,6 +53,24 @@ def to_state(pool: BlockPool) -> dict[str, Any]:
             "out_of_blocks": pool.out_of_blocks,
         },
     }
+
+
+# Elements per json.dumps call in `dumps_chunked`.
+_CHUNK = 4096
+
+
+def dumps_chunked(value: Any) -> str:
+    """`json.dumps(value, separators=(",", ":"))`, the same text, built from
+    short calls: one json.dumps of a large pool's dump runs for tens of
+    milliseconds in C without letting another thread run (the service's
+    other pools); list slices and dict entries let the interpreter switch."""
+    if isinstance(value, dict) and len(value) > 1:
+        return "{" + ",".join(json.dumps(k) + ":" + dumps_chunked(v) for k, v in value.items()) + "}"
+    if isinstance(value, list) and len(value) > _CHUNK:
+        parts = (json.dumps(value[i:i + _CHUNK], separators=(",", ":"))[1:-1]
+                 for i in range(0, len(value), _CHUNK))
+        return "[" + ",".join(parts) + "]"
+    return json.dumps(value, separators=(",", ":"))
 
 
 def restore(pool: BlockPool, state: dict[str, Any]) -> None:

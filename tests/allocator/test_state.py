@@ -125,12 +125,17 @@ class FakeJournal:
             self.fail_after_write = False
             raise StoreUnavailable("timeout after write")
 
-    def write_snapshot(self, snapshot: bytes, head: bytes) -> None:
+    def write_snapshot(self, snapshot: bytes, hint: int, chain: bytes) -> bool:
+        """As Redis does: trim the records up to the one with `chain`."""
         self.snapshot_attempts += 1
         if self.snapshot_down:
             raise StoreUnavailable("snapshot refused")
+        upto = next((i + 1 for i, r in enumerate(self.records) if r[36:68] == chain), 0)
+        if not upto:
+            return False
         self.snapshot = snapshot
-        self.records.clear()
+        del self.records[:upto]
+        return True
 
     def reseed(self, snapshot: bytes, head: bytes) -> None:
         self.snapshot, self.head = snapshot, head

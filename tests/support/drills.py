@@ -272,7 +272,7 @@ def journal_state(redis_url: str):
 
     from allocator_service.events import EventLog
     from allocator_service.journal import split_prefix
-    from allocator_service.state import record_bytes, replay
+    from allocator_service.replay import record_bytes, replay
     from allocator_service.v1 import journal_pb2 as jpb
 
     url, prefix = split_prefix(redis_url)

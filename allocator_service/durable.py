@@ -1,0 +1,411 @@
+"""The durable side of the allocator service: load and verified replay, the
+journal write before each change, snapshots, the store watch and health.
+
+`AllocatorService` (service.py) calls in here with its mutation lock held
+(`lock`: the one global order of records) for everything that touches the
+order: `append` before a change, `changed` after it. Snapshots are taken off
+the hot path (`Cut`):
+
+- under the mutation lock, `changed` only notes the cut: the record index
+  and chain digest it includes, an empty event batch whose number will be
+  the snapshot's `next_event`, and the pools present, each marked due;
+- a background thread (or, before `start`, the caller right after its
+  change) then serialises the pools one at a time, each under its own lock,
+  while other records are applied; whoever applies a record with a later
+  index to a pool still due serialises it first (`settle`), so every pool
+  is taken exactly as of the cut: a consistent cut without stopping the world;
+- the store then replaces the snapshot and trims exactly the journal
+  records the snapshot includes, found by the cut record's chain digest
+  (`RedisJournal.write_snapshot`), while records after the cut stay: replay
+  from the new snapshot gives the same state, event numbers and answers.
+
+A snapshot over the size bound (`ServiceConfig.max_snapshot_bytes`, never
+more than Redis's 512 MB value limit) is not written: the reason is logged
+once per try and the next try backs off like a failed write, as does a
+snapshot whose cut the store no longer holds. Either way the journal still
+holds every record.
+
+Health tells the truth: unhealthy (`healthy`, and every listener added with
+`add_health_listener`: the gRPC health status) while the state store is
+unreachable, fenced by another instance, or lost what this instance wrote.
+A store that lost its data is detected on the next write or by the store
+watch; then every pool is dropped loudly (reason `state_lost`: their workers
+get NOT_FOUND, re-register and recompute), the store is seeded again from
+what is left (epochs and event numbers carry on, so no pool id is reissued),
+and the service is healthy again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from allocator_service.config import ServiceConfig
+from allocator_service.errors import StoreFenced, StoreLost, StoreUnavailable
+from allocator_service.events import Batch, EventLog
+from allocator_service.journal import MemoryJournal, RedisJournal
+from allocator_service.leases import LeaseTable
+from allocator_service.replay import ZERO_CHAIN, encode_entry, encode_snapshot, head_marker, replay
+from allocator_service.state import CorruptState, PoolEntry, Registry, pool_snapshot_json
+from allocator_service.v1 import journal_pb2 as jpb
+
+log = logging.getLogger(__name__)
+
+# A failed (or skipped) snapshot is tried again after this, doubling up to the cap.
+SNAPSHOT_BACKOFF_S = 1.0
+SNAPSHOT_BACKOFF_CAP_S = 60.0
+# Redis refuses a value (and a script argument) over 512 MB.
+REDIS_MAX_VALUE_BYTES = 512 << 20
+
+
+@dataclass(eq=False)
+class Cut:
+    """A snapshot being taken: the registry as of record `index`."""
+
+    index: int
+    chain: bytes
+    header: dict[str, Any]
+    marker: Batch  # numbered once every record up to `index` published its events
+    entries: list[PoolEntry]
+    generation: int
+    hint: int  # journal entries the snapshot includes, if nothing was missed
+    parts: dict[str, str] = field(default_factory=dict)  # pool id -> its JSON
+
+
+class DurableState:
+    # How often the store watch looks at the state store (durable only).
+    store_check_s = 1.0
+
+    def __init__(self, config: ServiceConfig, journal: MemoryJournal | RedisJournal, events: EventLog,
+                 leases: LeaseTable, lock: threading.Lock, clock: Callable[[], float]) -> None:
+        self.config = config
+        self.journal = journal
+        self.events = events
+        self.leases = leases
+        self.lock = lock  # the service's mutation lock: the one order of records
+        self._clock = clock
+        self.registry = Registry(events)
+        self._stale = False  # memory may lack the last journal write: reload first
+        self._chain = ZERO_CHAIN  # chain digest of the last record written
+        self._head = b""  # the head marker that record set in the store
+        self._lost: str | None = None  # the store lost our state: recover before serving
+        self._health: tuple[bool, str] = (True, "")
+        self._health_listeners: list[Callable[[bool, str], None]] = []
+        self._since_snapshot = 0
+        self._snapshot_index = 0  # the record index of the stored snapshot (0: none)
+        self.snapshot_failures = 0
+        self.snapshots_skipped = 0
+        self._snapshot_streak = 0
+        self._snapshot_not_before = 0.0
+        self._cut: Cut | None = None
+        self._generation = 0  # every load and reseed starts a new one: older cuts are void
+        # Records whose pool part is being applied (outside the mutation lock).
+        self._applying = 0
+        self._applied = threading.Condition(threading.Lock())
+        self._wake = threading.Event()
+        self.background = False  # a snapshot thread runs (`start`)
+        self.max_snapshot_bytes = min(config.max_snapshot_bytes, REDIS_MAX_VALUE_BYTES)
+
+    # ------------------------------------------------------------- loading
+    def load(self, take_ownership: bool) -> None:
+        """Rebuild the registry from the journal (and its snapshot), checking
+        every digest and chain (`replay`). Damage pinned on pools drops them
+        loudly and the repaired state is stored at once as a new snapshot;
+        damage that cannot be pinned on a pool raises CorruptState. The
+        caller holds the mutation lock."""
+        loaded = self.journal.load(take_ownership)
+        self._quiesce()
+        registry, report = replay(loaded.snapshot, loaded.entries, loaded.head, self.events)
+        fatal = report.fatal
+        if fatal is not None:
+            raise CorruptState(
+                f"the journal in {self.journal.describe()} is damaged at {fatal}. Inspect it with "
+                "`pagedkv allocator --state URL --check`; to start over, delete the keys "
+                "<prefix>journal, <prefix>snapshot and <prefix>head (every worker then re-registers "
+                "and recomputes once): see docs/RELIABILITY.md, 'A log that verifies itself'"
+            )
+        self.registry = registry
+        self._chain = report.chain
+        self._head = head_marker(registry.index, self._chain) if loaded.head is not None else b""
+        self.leases.rearm(list(registry.pools))
+        self._since_snapshot = len(loaded.entries)
+        self._snapshot_index = report.snapshot_index
+        self._stale = False
+        if report.snapshot_legacy or report.legacy_records:
+            log.warning("the journal was written by an older version (%d records without digests%s): "
+                        "loaded on index continuity alone; the next snapshot converts it",
+                        report.legacy_records, ", an undigested snapshot" if report.snapshot_legacy else "")
+        for problem in report.problems:
+            log.error("journal check: %s", problem)
+        if report.problems:
+            log.error("journal check: %d problem(s); pools dropped: %s; storing the repaired state",
+                      len(report.problems), ", ".join(report.dropped) or "none")
+            self._reseed()
+        if loaded.snapshot is not None or loaded.entries:
+            log.info(
+                "restored %d pools from %s (snapshot at record %d, %d records replayed)",
+                len(registry.pools),
+                self.journal.describe(),
+                report.snapshot_index,
+                len(loaded.entries),
+            )
+
+    def _quiesce(self) -> None:
+        """Wait until no record is being applied outside the mutation lock
+        (the caller holds it, so none can start) and void any snapshot cut:
+        the registry is about to be replaced or stored whole."""
+        with self._applied:
+            self._applied.wait_for(lambda: self._applying == 0)
+        self._generation += 1
+        self._cut = None
+
+    def _reseed(self) -> None:
+        """Store the registry as the whole new history (a snapshot, an empty
+        journal, the head and the owner key)."""
+        self._quiesce()
+        self._head = head_marker(self.registry.index, self._chain)
+        self.journal.reseed(encode_snapshot(self.registry.to_snapshot(self._chain)), self._head)
+        self._since_snapshot = 0
+        self._snapshot_index = self.registry.index
+
+    def fresh(self) -> Registry:
+        """The registry, reloaded first if a journal write's fate is unknown."""
+        if self._lost is not None:
+            self._recover()
+        if self._stale:
+            with self.store_write():
+                self.load(take_ownership=False)
+        return self.registry
+
+    @contextlib.contextmanager
+    def store_write(self):
+        """Around a store call: a loss is acted on (pools dropped, store
+        seeded again), fencing makes health NOT_SERVING, and any failure
+        leaves memory possibly behind the store (reload before the next
+        change). The error goes on to the caller (UNAVAILABLE: it retries)."""
+        try:
+            yield
+        except StoreLost as exc:
+            self._on_lost(str(exc))
+            raise
+        except StoreFenced as exc:
+            self._set_health(False, str(exc))
+            raise
+        except StoreUnavailable:
+            self._stale = True
+            raise
+
+    # ------------------------------------------------------ the hot path
+    def append(self, **change: Any) -> None:
+        """Journal one record (mutation lock held), before memory changes."""
+        if not self.journal.durable:
+            return
+        step = change.get("step")
+        if step is not None:  # each pool's steps form a chain replay checks
+            step.prev_step_id = self.registry.pools[step.pool_id].last_step_id
+        index = self.registry.index + 1
+        record = jpb.JournalRecord(index=index, **change)
+        entry, chain = encode_entry(self._chain, record.SerializeToString())
+        head = head_marker(index, chain)
+        with self.store_write():
+            self.journal.append(entry, self._head, head)
+        self._chain, self._head = chain, head
+
+    def begin_apply(self) -> None:
+        """A record's pool part is about to run outside the mutation lock."""
+        with self._applied:
+            self._applying += 1
+
+    def end_apply(self) -> None:
+        with self._applied:
+            self._applying -= 1
+            if not self._applying:
+                self._applied.notify_all()
+
+    def changed(self) -> None:
+        """After a record took its place (mutation lock held): maybe cut a
+        snapshot. O(pools), never O(blocks)."""
+        if not self.journal.durable:
+            return
+        self._since_snapshot += 1
+        if (self._cut is None and self._since_snapshot >= self.config.snapshot_every
+                and self._clock() >= self._snapshot_not_before):
+            reg = self.registry
+            marker = self.events.begin()
+            self.events.finish(marker)
+            entries = list(reg.pools.values())
+            cut = Cut(reg.index, self._chain, reg.snapshot_header(self._chain, 0), marker, entries,
+                      self._generation, reg.index - self._snapshot_index)
+            for e in entries:
+                e.snapshot_due = cut
+            self._cut = cut
+            self._since_snapshot = 0
+
+    def after_change(self) -> None:
+        """After a change, no lock held: a snapshot cut goes to the
+        snapshot thread, or is written here when none runs."""
+        if self._cut is None:
+            return
+        if self.background:
+            self._wake.set()
+        else:
+            self.write_cut()
+
+    @staticmethod
+    def settle(entry: PoolEntry, index: int) -> None:
+        """Before record `index` is applied to `entry` (its lock held):
+        serialise the pool first for a snapshot cut it belongs to that does
+        not include that record."""
+        cut = entry.snapshot_due
+        if cut is not None and cut.index < index:
+            cut.parts[entry.pool_id] = pool_snapshot_json(entry)
+            entry.snapshot_due = None
+
+    # ------------------------------------------------------------ snapshots
+    def snapshot_loop(self, stop: threading.Event) -> None:
+        """The snapshot thread: writes each cut as it comes."""
+        while not stop.is_set():
+            self._wake.wait(1.0)
+            self._wake.clear()
+            if self._cut is not None and not stop.is_set():
+                try:
+                    self.write_cut()
+                except Exception:
+                    log.exception("snapshot")
+
+    def write_cut(self) -> None:
+        """Serialise the pending cut pool by pool (each under its own lock)
+        and store it. No lock held by the caller."""
+        cut = self._cut
+        if cut is None:
+            return
+        try:
+            self._write(cut)
+        finally:
+            with self.lock:
+                if self._cut is cut:
+                    self._cut = None
+
+    def _write(self, cut: Cut) -> None:
+        for e in cut.entries:
+            if e.snapshot_due is cut:
+                with e.lock:
+                    if e.snapshot_due is cut:
+                        cut.parts[e.pool_id] = pool_snapshot_json(e)
+                        e.snapshot_due = None
+        next_event = self.events.numbered(cut.marker, timeout=30.0)
+        if next_event is None or cut.generation != self._generation:
+            return  # the state was reloaded meanwhile: this cut is void
+        header = dict(cut.header, next_event=next_event)
+        blob = encode_snapshot(header, [cut.parts[e.pool_id] for e in cut.entries])
+        if len(blob) > self.max_snapshot_bytes:
+            self.snapshots_skipped += 1
+            self._back_off(f"the snapshot at record {cut.index} would be {len(blob):,} bytes, over the "
+                           f"bound of {self.max_snapshot_bytes:,} (--max-snapshot-mb, at most Redis's "
+                           "512 MB value limit): not written; the journal keeps every record")
+            return
+        try:
+            written = self.journal.write_snapshot(blob, cut.hint, cut.chain)
+        except StoreLost as exc:
+            with self.lock:
+                if cut.generation == self._generation:
+                    self._on_lost(str(exc))
+            return
+        except (StoreUnavailable, StoreFenced) as exc:
+            # Harmless: the journal still holds every record.
+            self.snapshot_failures += 1
+            self._back_off(f"snapshot not written: {exc}")
+            return
+        if not written:
+            self.snapshots_skipped += 1
+            self._back_off(f"snapshot at record {cut.index} not written: the journal in the store no "
+                           "longer holds that record (the store was reseeded or lost records)")
+            return
+        self._snapshot_index = cut.index
+        self._snapshot_streak = 0
+        self._snapshot_not_before = 0.0
+
+    def _back_off(self, why: str) -> None:
+        delay = min(SNAPSHOT_BACKOFF_S * 2 ** self._snapshot_streak, SNAPSHOT_BACKOFF_CAP_S)
+        self._snapshot_streak += 1
+        self._snapshot_not_before = self._clock() + delay
+        log.warning("%s (next try in %.1f s at the earliest)", why, delay)
+
+    # ---------------------------------------------------- the store's health
+    @property
+    def healthy(self) -> tuple[bool, str]:
+        """(serving, why not)."""
+        return self._health
+
+    def add_health_listener(self, listener: Callable[[bool, str], None]) -> None:
+        """`listener(serving, reason)` now and at every change."""
+        self._health_listeners.append(listener)
+        listener(*self._health)
+
+    def _set_health(self, serving: bool, reason: str) -> None:
+        if self._health[0] == serving and (serving or self._health[1] == reason):
+            return
+        self._health = (serving, reason)
+        if serving:
+            log.warning("health: SERVING again (the state store is usable)")
+        else:
+            log.error("health: NOT_SERVING: %s", reason)
+        for listener in self._health_listeners:
+            try:
+                listener(serving, reason)
+            except Exception:  # a listener must not break the service
+                log.exception("health listener")
+
+    def _on_lost(self, reason: str) -> None:
+        """The store lost what we wrote: every pool is dropped (their history
+        is no longer durable), then the store is seeded again. Mutation lock held."""
+        self._set_health(False, f"the state store lost the allocator's state: {reason}")
+        if self._lost is None:
+            self._lost = reason
+            self._quiesce()
+            pools = list(self.registry.pools)
+            log.error("the state store lost the allocator's state (%s); dropping all %d pools: %s",
+                      reason, len(pools), ", ".join(pools) or "none")
+            for pool_id in pools:
+                self.registry.drop_record(pool_id, "state_lost")
+                self.leases.forget(pool_id)
+            self._stale = False
+        try:
+            self._recover()
+        except StoreUnavailable as exc:
+            log.warning("the state store cannot be seeded again yet: %s", exc)
+
+    def _recover(self) -> None:
+        """Seed the store from memory after a loss (raises while it cannot)."""
+        try:
+            self._reseed()
+        except StoreFenced as exc:
+            self._set_health(False, str(exc))
+            raise
+        log.warning("the state store holds a fresh history from record %d; workers re-register",
+                    self.registry.index)
+        self._lost = None
+        self._set_health(True, "")
+
+    def check_store(self) -> None:
+        """One look at the state store (the store watch calls this): health
+        follows what it finds, and a loss is acted on."""
+        if not self.journal.durable:
+            return
+        with self.lock:
+            try:
+                if self._lost is not None or self._stale:
+                    self.fresh()
+                else:
+                    with self.store_write():
+                        self.journal.probe(self._head)
+            except (StoreLost, StoreFenced):
+                return  # acted on, health set, by store_write
+            except StoreUnavailable as exc:
+                self._set_health(False, f"the state store is unreachable: {exc}")
+                return
+            self._set_health(True, "")

@@ -1,0 +1,265 @@
+"""The verified log: how journal records and snapshots are stored, and the
+replay that checks every one of them while rebuilding the registry.
+
+Each stored record is framed with a chained digest (`encode_entry`), each
+step record names the pool's previous step id, and a snapshot carries its
+own digest and the chain digest it includes up to. `replay` checks all
+three: a record whose digest fails but that names a live pool drops that
+pool (`journal_corrupt`); a gap in the indices (a record removed) is
+reported and every pool whose step chain then breaks is dropped
+(`journal_gap`); a journal shorter than its head marker lost its tail
+(reported: each pool whose last step was lost is dropped when its worker's
+next Step names a step the server does not have). Whatever cannot be pinned
+on one pool (an unreadable registration, a snapshot that fails its digest, a
+record naming an unknown pool while nothing else was damaged) is fatal:
+start-up stops with one line, never a guess.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from google.protobuf.message import DecodeError
+
+from allocator_service.events import EventLog
+from allocator_service.state import CorruptState, Registry
+from allocator_service.v1 import journal_pb2 as jpb
+
+# A stored record: ENTRY_MAGIC | previous chain (32) | chain (32) | record,
+# chain = SHA-256(previous chain || record). A stored snapshot:
+# SNAPSHOT_MAGIC | SHA-256(json) (32) | json. Older versions stored the bare
+# record and the bare JSON: both still load (with a warning).
+ENTRY_MAGIC = b"PKJ2"
+SNAPSHOT_MAGIC = b"PKS2"
+ZERO_CHAIN = bytes(32)
+_FRAME = len(ENTRY_MAGIC) + 64
+
+
+def chain_digest(prev: bytes, record: bytes) -> bytes:
+    return hashlib.sha256(prev + record).digest()
+
+
+def encode_entry(prev: bytes, record: bytes) -> tuple[bytes, bytes]:
+    """(stored bytes, chain digest) of a record that follows `prev`."""
+    chain = chain_digest(prev, record)
+    return ENTRY_MAGIC + prev + chain + record, chain
+
+
+def record_bytes(raw: bytes) -> bytes:
+    """The JournalRecord bytes of a stored entry (framed or older bare)."""
+    return raw[_FRAME:] if raw.startswith(ENTRY_MAGIC) and len(raw) >= _FRAME else raw
+
+
+def head_marker(index: int, chain: bytes) -> bytes:
+    return f"{index}:{chain.hex()}".encode()
+
+
+def encode_snapshot(snap: dict[str, Any], pools_json: list[str] | None = None) -> bytes:
+    """The stored snapshot; `pools_json`: its pools already as JSON text
+    (`state.pool_snapshot_json`), else they are in `snap["pools"]`."""
+    if pools_json is None:
+        body = json.dumps(snap, separators=(",", ":")).encode()
+    else:
+        head = json.dumps({**snap, "pools": []}, separators=(",", ":"))
+        assert head.endswith("[]}")
+        body = (head[:-2] + ",".join(pools_json) + "]}").encode()
+    return SNAPSHOT_MAGIC + hashlib.sha256(body).digest() + body
+
+
+def decode_snapshot(raw: bytes) -> tuple[dict[str, Any], bool]:
+    """(snapshot, legacy); CorruptState if it fails its digest or parse."""
+    legacy = not raw.startswith(SNAPSHOT_MAGIC)
+    body = raw if legacy else raw[len(SNAPSHOT_MAGIC) + 32:]
+    if not legacy and hashlib.sha256(body).digest() != raw[len(SNAPSHOT_MAGIC):len(SNAPSHOT_MAGIC) + 32]:
+        raise CorruptState("the snapshot fails its digest")
+    try:
+        snap = json.loads(body)
+    except ValueError as exc:
+        raise CorruptState(f"the snapshot is not readable JSON ({exc})") from exc
+    if not isinstance(snap, dict):
+        raise CorruptState("the snapshot is not a JSON object")
+    return snap, legacy
+
+
+class Problem(NamedTuple):
+    """One thing replay found wrong. `position` is the entry's place in the
+    stored journal (0 = first after the snapshot; -1 = the snapshot or the
+    head), `index` the record index when known."""
+
+    position: int
+    index: int | None
+    pool_id: str | None
+    reason: str
+    fatal: bool
+
+    def __str__(self) -> str:
+        where = "snapshot/head" if self.position < 0 else f"journal entry {self.position}"
+        if self.index is not None:
+            where += f" (record {self.index})"
+        return f"{where}: {self.reason}"
+
+
+@dataclass
+class ReplayReport:
+    snapshot_index: int = 0
+    snapshot_legacy: bool = False
+    records: int = 0
+    legacy_records: int = 0
+    head: str = ""
+    problems: list[Problem] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+    chain: bytes = ZERO_CHAIN  # the chain digest the next record follows
+
+    @property
+    def fatal(self) -> Problem | None:
+        return next((p for p in self.problems if p.fatal), None)
+
+    @property
+    def sound(self) -> bool:
+        return not self.problems
+
+
+def _epoch_of(pool_id: str) -> tuple[str, int] | None:
+    worker, _, epoch = pool_id.rpartition("/")
+    return (worker, int(epoch)) if worker and epoch.isdigit() else None
+
+
+def _pool_of(record: jpb.JournalRecord) -> str | None:
+    kind = record.WhichOneof("change")
+    return getattr(record, kind).pool_id if kind in ("step", "dropped", "reset") else None
+
+
+def replay(snapshot: bytes | None, entries: list[bytes], head: bytes | None,
+           events: EventLog) -> tuple[Registry, ReplayReport]:
+    """Rebuild the registry from a stored snapshot and journal, checking
+    every digest, the record indices, each pool's step chain and the head
+    marker. Never raises on bad data: a problem that cannot be pinned on one
+    pool is `fatal` in the report and replay stops there (the registry is
+    then incomplete and must not be served)."""
+    report = ReplayReport()
+    problems = report.problems
+
+    def problem(position: int, index: int | None, pool_id: str | None, reason: str, fatal: bool = False):
+        problems.append(Problem(position, index, pool_id, reason, fatal))
+
+    registry = Registry(events)
+    events.reset(1)
+    chain: bytes | None = ZERO_CHAIN  # None: unknown (after a damaged entry or an older snapshot)
+    framed = False
+    if snapshot is not None:
+        try:
+            snap, report.snapshot_legacy = decode_snapshot(snapshot)
+            registry = Registry.from_snapshot(snap, events)
+        except (CorruptState, KeyError, TypeError, ValueError) as exc:
+            problem(-1, None, None, f"the snapshot cannot be used: {exc}", fatal=True)
+            return registry, report
+        report.snapshot_index = registry.index
+        framed = not report.snapshot_legacy
+        chain = bytes.fromhex(snap["chain"]) if "chain" in snap else None
+    damaged = False
+    last_raw = b""
+
+    def drop(pool_id: str, reason: str) -> None:
+        registry.drop_record(pool_id, reason)
+        report.dropped.append(pool_id)
+
+    for position, raw in enumerate(entries):
+        report.records += 1
+        expected = registry.index + 1
+        intact = True
+        prev = None
+        if raw.startswith(ENTRY_MAGIC) and len(raw) >= _FRAME:
+            prev, stored_chain, body = raw[4:36], raw[36:68], raw[_FRAME:]
+            intact = chain_digest(prev, body) == stored_chain
+            framed = True
+        elif framed:
+            body, stored_chain, intact = raw, None, False  # a frame that lost its magic
+        else:
+            body, stored_chain = raw, None
+            report.legacy_records += 1
+        try:
+            record = jpb.JournalRecord.FromString(body)
+        except DecodeError:
+            record = None
+        if record is None or not intact:
+            pool_id = _pool_of(record) if record is not None else None
+            if record is not None and record.index == expected and pool_id in registry.pools:
+                problem(position, expected, pool_id,
+                        f"fails its digest; pool {pool_id} dropped (its state cannot be trusted)")
+                drop(pool_id, "journal_corrupt")
+                damaged, chain, last_raw = True, None, raw
+                continue
+            what = "cannot be parsed" if record is None else "fails its digest"
+            problem(position, expected, None,
+                    f"{what} and cannot be attributed to one live pool", fatal=True)
+            return registry, report
+        index = record.index
+        if index < expected:
+            if raw == last_raw:
+                continue  # written twice by a retried call (older versions)
+            problem(position, index, None, f"goes back to record {index} after record {expected - 1}", fatal=True)
+            return registry, report
+        if index > expected:
+            problem(position, index, None, f"records {expected}..{index - 1} are missing")
+            damaged = True
+            registry.index = index - 1
+        elif prev is not None and chain is not None and prev != chain:
+            problem(position, index, None, "does not follow the record before it (a different history)",
+                    fatal=True)
+            return registry, report
+        last_raw = raw
+        chain = stored_chain if stored_chain is not None else (ZERO_CHAIN if not framed else None)
+        kind = record.WhichOneof("change")
+        pool_id = _pool_of(record)
+        if pool_id is not None and pool_id not in registry.pools:
+            if damaged:
+                # Its registration, or the record that made replay drop it,
+                # was lost or damaged: skip what follows for it.
+                problem(position, index, pool_id, f"names pool {pool_id}, lost with an earlier record: skipped")
+                owner = _epoch_of(pool_id)
+                if owner is not None and owner[1] > registry.epochs.get(owner[0], 0):
+                    registry.epochs[owner[0]] = owner[1]  # never reissue its id
+                registry.index = index
+                continue
+            problem(position, index, pool_id, f"names unknown pool {pool_id}", fatal=True)
+            return registry, report
+        if kind == "step" and stored_chain is not None:
+            entry = registry.pools[pool_id]
+            if record.step.prev_step_id != entry.last_step_id:
+                problem(position, index, pool_id,
+                        f"step {record.step.step_id} follows step {record.step.prev_step_id} but the "
+                        f"pool's last step is {entry.last_step_id}; pool {pool_id} dropped")
+                drop(pool_id, "journal_gap")
+                registry.index = index
+                damaged = True
+                continue
+        try:
+            registry.apply(record)
+        except CorruptState as exc:
+            problem(position, index, pool_id, str(exc), fatal=True)
+            return registry, report
+        except Exception as exc:  # a record the core refuses: name it, never a traceback
+            problem(position, index, pool_id, f"cannot be applied ({type(exc).__name__}: {exc})", fatal=True)
+            return registry, report
+
+    report.chain = chain if chain is not None else ZERO_CHAIN
+    if head is None:
+        report.head = "none"
+    else:
+        report.head = head.decode(errors="replace")
+        hidx, _, hchain = report.head.partition(":")
+        if not hidx.isdigit():
+            problem(-1, None, None, f"the head marker {report.head!r} is unreadable")
+        elif int(hidx) > registry.index:
+            problem(-1, int(hidx), None,
+                    f"the journal ends at record {registry.index} but its head says {hidx}: the last "
+                    f"{int(hidx) - registry.index} record(s) were lost (a pool whose last step was "
+                    "lost is dropped at its worker's next step)")
+        elif int(hidx) < registry.index:
+            problem(-1, int(hidx), None, f"the head says record {hidx} but the journal holds {registry.index}")
+        elif chain is not None and hchain != chain.hex():
+            problem(-1, int(hidx), None, "the head marker's digest differs from the last record's")
+    return registry, report
