@@ -223,3 +223,21 @@ def test_generation_config_gives_sampling_defaults(tmp_path):
     req = CompletionRequest(model="m", prompt="t1", temperature=0, top_p=1.0)
     p = _sampling_params(req, 4, "m", core, None)
     assert (p.temperature, p.top_p, p.repetition_penalty) == (0, 1.0, 1.1)  # the request wins
+
+
+def test_max_num_seqs_counts_every_sample(checkpoint):
+    _, loaded = checkpoint
+    engine = engine_of(loaded, max_num_seqs=4)
+    for i in range(3):
+        engine.add_request(PROMPT[: 5 + i], SamplingParams(**GREEDY, n=3), f"r{i}")
+    most = 0
+    while engine.has_unfinished():
+        engine.step()
+        live = len(engine.scheduler.running) + len(engine.scheduler.forking)
+        most = max(most, live)
+        assert live <= 4
+    assert most == 3  # one family of 3 at a time: a second would make 6
+    from worker.engine import RequestError
+
+    with pytest.raises(RequestError, match="max_num_seqs"):
+        engine.add_request(PROMPT, SamplingParams(**GREEDY, n=5))

@@ -157,6 +157,9 @@ class LLMEngine:
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._seqs:
             raise RequestError(f"request id {rid!r} is already in use")
+        if params.n > self.config.max_num_seqs:
+            raise RequestError(f"n ({params.n}) exceeds max_num_seqs ({self.config.max_num_seqs}): "
+                               "the samples of a request run together")
         seq = Sequence(
             request_id=rid,
             prompt_token_ids=prompt_ids,

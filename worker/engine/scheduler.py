@@ -5,9 +5,9 @@ Each step sends, in ONE allocator call:
    preemption victims;
 2. the running sequences in admission order, each with its next tokens: one
    for a decode, a chunk for an unfinished (chunked) prefill;
-3. waiting requests admitted while the token budget, `max_num_seqs` and the
-   free blocks allow, each storing at most the budget left past its cached
-   prefix.
+3. waiting requests admitted while the token budget, `max_num_seqs` (a
+   request with n > 1 counts its n samples) and the free blocks allow, each
+   storing at most the budget left past its cached prefix.
 
 Parallel sampling (n > 1): the prompt is computed once, by sample 0. The step
 that computes its last prompt token samples every sample's first token from
@@ -236,8 +236,13 @@ class Scheduler:
         # Keep a little headroom for the running sequences' next blocks, so a
         # new admission does not force a preemption on the very next step.
         headroom = self.watermark if self.running else 0
+        seqs = len(self.running)
         for seq in self.waiting:
-            if plan.budget <= 0 or len(self.running) + len(plan.admitting) >= self.max_num_seqs:
+            # A request's samples are forked from it once its prompt is
+            # computed: they count from its admission (n <= max_num_seqs,
+            # checked at add_request, so a family alone always fits).
+            family = 1 + sum(1 for c in seq.children if c.fork_parent is seq and not c.is_finished)
+            if plan.budget <= 0 or seqs + family > self.max_num_seqs:
                 break
             # Upper bound of the blocks an admit takes from the free queue
             # (cache hits on free blocks leave the queue too).
@@ -246,6 +251,7 @@ class Scheduler:
                 break
             plan.ops.append(Admit(seq.next_alloc_id(), seq.token_ids, seq.params.cache_salt, plan.budget))
             plan.admitting.append(seq)
+            seqs += family
             plan.free -= worst
             plan.budget -= min(len(seq.token_ids), plan.budget)
 
