@@ -225,6 +225,75 @@ def test_generation_config_gives_sampling_defaults(tmp_path):
     assert (p.temperature, p.top_p, p.repetition_penalty) == (0, 1.0, 1.1)  # the request wins
 
 
+# -- prompt logprobs: the logits of every prompt position -----------------------------------
+
+
+def _assert_prompt_logprobs(hf, prompt: list[int], lps, k: int) -> None:
+    """`lps` equal log_softmax of transformers' logits at each prompt position."""
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    assert len(lps) == len(prompt) and lps[0] is None  # the first token has no logprob (OpenAI, vLLM)
+    for pos in range(1, len(prompt)):
+        lp, row = lps[pos], ref[pos - 1]
+        assert lp.token_id == prompt[pos]
+        assert abs(lp.logprob - row[prompt[pos]].item()) < 1e-4
+        assert lp.rank == int((row > row[prompt[pos]]).sum()) + 1
+        top_v, top_i = row.topk(k)
+        assert [t for t, _ in lp.top] == top_i.tolist()
+        assert max((abs(a - b) for (_, a), b in zip(lp.top, top_v.tolist(), strict=True)), default=0) < 1e-4
+
+
+LONG = [(7 * i + 3) % 97 for i in range(23)]  # 23 tokens: 5 full blocks of 4 and a partial one
+
+
+@pytest.mark.parametrize("batched_tokens", [2048, 5, 4])  # whole prompts; chunks across and on block edges
+def test_prompt_logprobs_are_log_softmax_at_every_position(checkpoint, batched_tokens):
+    hf, loaded = checkpoint
+    engine = engine_of(loaded, max_num_batched_tokens=batched_tokens)
+    plain = engine.generate([LONG, PROMPT], SamplingParams(**GREEDY))
+    outs = engine.generate([LONG, PROMPT], SamplingParams(**GREEDY, prompt_logprobs=3))
+    for prompt, out, ref in zip([LONG, PROMPT], outs, plain, strict=True):
+        _assert_prompt_logprobs(hf, prompt, out.prompt_logprobs, 3)
+        assert out.token_ids == ref.token_ids  # the generated tokens do not change
+    assert engine.allocator.stats().used_blocks == 0
+
+
+def test_prompt_logprobs_ignore_the_prefix_cache(checkpoint):
+    """With prefix caching on, a prompt another request cached is computed
+    again (its own salt): every position's logprobs, still correct; the
+    request after it shares nothing with it either."""
+    hf, loaded = checkpoint
+    engine = engine_of(loaded, enable_prefix_caching=True, max_num_batched_tokens=6)
+    first = engine.generate([LONG], SamplingParams(**GREEDY))[0]
+    again = engine.generate([LONG], SamplingParams(**GREEDY))[0]
+    assert again.num_cached_tokens == 20  # the cache is on and holds the prompt
+    out = engine.generate([LONG], SamplingParams(**GREEDY, prompt_logprobs=2, cache_salt="tenant"))[0]
+    assert out.num_cached_tokens == 0 and out.token_ids == first.token_ids
+    _assert_prompt_logprobs(hf, LONG, out.prompt_logprobs, 2)
+    both = engine.generate([LONG, LONG], SamplingParams(**GREEDY, prompt_logprobs=0, n=2))
+    for o in both:
+        assert o.num_cached_tokens == 0
+        _assert_prompt_logprobs(hf, LONG, o.prompt_logprobs, 0)
+    assert engine.allocator.pool.integrity_problems() == []
+
+
+def test_prompt_logprobs_survive_preemption_and_n(checkpoint):
+    """A tiny pool preempts mid-prompt and after it: each position's logprobs
+    once, correct; every sample of n = 3 carries the request's prompt logprobs."""
+    hf, loaded = checkpoint
+    prompts = [LONG, PROMPT, LONG[:9]]
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=9, prompt_logprobs=1, n=3)
+    ref = [o.token_ids for o in engine_of(loaded).generate(prompts, SamplingParams(**{**GREEDY, "max_tokens": 9}))]
+    for caching in (False, True):
+        engine = engine_of(loaded, num_blocks=12, max_num_batched_tokens=8, enable_prefix_caching=caching)
+        outs = engine.generate_samples(prompts, params)
+        assert engine.num_preemptions > 0
+        for prompt, per, r in zip(prompts, outs, ref, strict=True):
+            assert [o.token_ids for o in per] == [r] * 3
+            for o in per:
+                _assert_prompt_logprobs(hf, prompt, o.prompt_logprobs, 1)
+
+
 def test_max_num_seqs_counts_every_sample(checkpoint):
     _, loaded = checkpoint
     engine = engine_of(loaded, max_num_seqs=4)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import uuid
 from collections.abc import Sequence as Seq
 
 from allocator_service.client import (
@@ -41,6 +42,16 @@ log = logging.getLogger("pagedkv.worker")
 
 class RequestError(ValueError):
     """A request the engine can never serve (too long, bad parameters)."""
+
+
+def prompt_logprobs_salt() -> str:
+    """The cache salt of a request that asks for prompt logprobs: unique, so
+    its admissions find no cached block (every prompt position is computed,
+    as vLLM skips the prefix cache for such requests) and its blocks stay out
+    of other requests' reach. A recompute after preemption may find its OWN
+    blocks again: their positions' logprobs were taken when first computed.
+    The request's own `cache_salt` adds nothing to a salt nobody else has."""
+    return f"prompt-logprobs/{uuid.uuid4().hex}"
 
 
 class LLMEngine:
@@ -160,19 +171,27 @@ class LLMEngine:
         if params.n > self.config.max_num_seqs:
             raise RequestError(f"n ({params.n}) exceeds max_num_seqs ({self.config.max_num_seqs}): "
                                "the samples of a request run together")
+        prompt_logprobs = None
+        if params.prompt_logprobs is not None:
+            # Every prompt position's logits are needed, so no prefix-cache hit
+            # may skip one: a salt of its own (see `prompt_logprobs_salt`).
+            salt = prompt_logprobs_salt()
+            prompt_logprobs = [None]
         seq = Sequence(
             request_id=rid,
             prompt_token_ids=prompt_ids,
             params=params,
             max_tokens=params.max_tokens or room,
             generator=make_generator(params, self.device),
+            prompt_logprobs=prompt_logprobs,
+            cache_salt=salt,
         )
         for i in range(1, params.n):
             child_params = params.for_sample(i)
             seq.children.append(Sequence(
                 request_id=rid, prompt_token_ids=prompt_ids, params=child_params, max_tokens=seq.max_tokens,
                 arrival_time=seq.arrival_time, generator=make_generator(child_params, self.device),
-                index=i, fork_parent=seq,
+                index=i, fork_parent=seq, prompt_logprobs=prompt_logprobs, cache_salt=salt,
             ))
         self._seqs[rid] = [seq, *seq.children]
         self.scheduler.add(seq)

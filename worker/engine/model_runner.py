@@ -6,6 +6,8 @@ chunks and decodes mixed), runs the model once, and samples a token for each
 sequence whose last known token was computed this step. A sequence that
 computed its last prompt token draws the first token of each of its other
 samples (n > 1) from the same row of logits: the prompt is computed once.
+A sequence that asks for prompt logprobs also gets the logits of every prompt
+position computed this step (`_prompt_logprobs`).
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ import torch
 
 from worker.attention import AttentionMetadata
 from worker.engine.config import EngineConfig
-from worker.engine.sampling import Logprobs, sample
-from worker.engine.scheduler import Batch
+from worker.engine.sampling import Logprobs, logprobs_of, sample
+from worker.engine.scheduler import Batch, ScheduledSeq
 from worker.engine.sequence import Sequence
 from worker.kv_pool import KVPool
 from worker.model.loaded import LoadedModel
@@ -62,6 +64,7 @@ class ModelRunner:
             self.block_size, self.device,
         )
         hidden = self.model(input_ids, meta.positions(), self.kv_pool, meta)
+        self._prompt_logprobs(entries, hidden)
         sampling = [i for i, e in enumerate(entries) if e.samples]
         if not sampling:
             return []
@@ -76,3 +79,25 @@ class ModelRunner:
             seqs += [c for _, c in forks]
         tokens, logprobs = sample(logits, seqs, self.stop_ids)
         return [SampledToken(*t) for t in zip(seqs, tokens, logprobs, strict=True)]
+
+    def _prompt_logprobs(self, entries: list[ScheduledSeq], hidden: torch.Tensor) -> None:
+        """The logprobs of the prompt tokens of the sequences that ask for
+        them, from the positions computed this step (a whole prompt or a
+        chunk): the logits at position j give prompt token j + 1. Positions
+        whose logprobs are known (a recompute after preemption) are skipped."""
+        start = 0
+        for e in entries:
+            seq, first = e.seq, e.num_computed
+            start, offset = start + e.num_new, start
+            lps = seq.prompt_logprobs
+            if lps is None:
+                continue
+            lo = max(first, len(lps) - 1)  # the next position whose logprobs are missing
+            hi = min(first + e.num_new, seq.num_prompt_tokens - 1)  # the last prompt position samples
+            if lo >= hi:
+                continue
+            # A cache hit past the known positions would leave a gap (the salt prevents it).
+            assert lo == len(lps) - 1, "prompt positions skipped by the prefix cache"
+            rows = torch.arange(offset + lo - first, offset + hi - first, device=hidden.device)
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), dim=-1)
+            lps.extend(logprobs_of(logprobs, seq.prompt_token_ids[lo + 1 : hi + 1], seq.params.prompt_logprobs))

@@ -249,7 +249,7 @@ class Scheduler:
             worst = -(-len(seq.token_ids) // self.block_size)
             if worst > plan.free - headroom:
                 break
-            plan.ops.append(Admit(seq.next_alloc_id(), seq.token_ids, seq.params.cache_salt, plan.budget))
+            plan.ops.append(Admit(seq.next_alloc_id(), seq.token_ids, seq.cache_salt, plan.budget))
             plan.admitting.append(seq)
             seqs += family
             plan.free -= worst

@@ -38,7 +38,12 @@ class Sequence:
     fork_parent: Sequence | None = None
     children: list[Sequence] = field(default_factory=list)  # samples 1..n-1, on sample 0
     logprobs: list[Logprobs] | None = None  # per generated token, when asked for
-    prompt_logprobs: list[Logprobs | None] | None = None  # per prompt token (the first: None)
+    # per prompt token (the first: None), filled in order as its positions are
+    # computed; the samples of a request share sample 0's list
+    prompt_logprobs: list[Logprobs | None] | None = None
+    # the salt its admissions send: the request's, or for prompt logprobs a
+    # salt of its own (no prefix-cache hit can skip a position it needs)
+    cache_salt: str | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 
     token_ids: list[int] = field(default_factory=list)
