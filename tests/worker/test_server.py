@@ -203,6 +203,82 @@ def test_completion_logprobs_and_echo(client):
     assert echo.choices[0].text == "echo me" + plain.choices[0].text
 
 
+def test_echo_with_logprobs_covers_the_prompt(client):
+    """vLLM's echo + logprobs: the prompt's tokens first (the first one's
+    logprob null), then the completion's; `text_offset` runs across both; the
+    choice carries vLLM's `prompt_logprobs` too, equal to the offline engine's.
+    Asked twice with prefix caching on, the second is computed again (no
+    cached tokens) and answers the same."""
+    prompt = [5, 17, 3, 44, 9, 60, 23, 71, 12, 30]
+    plain = client.completions.create(prompt=prompt, max_tokens=4, logprobs=2, **GREEDY).choices[0]
+    offline = LLMEngine(load_model("tiny-random"), EngineConfig(num_blocks=64, block_size=4)).generate(
+        [prompt], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=2))[0]
+    for _ in range(2):  # the plain request cached this prompt: each is computed again
+        r = client.completions.create(prompt=prompt, max_tokens=4, echo=True, logprobs=2, **GREEDY)
+        choice, n = r.choices[0], len(prompt) + 4
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.tokens[len(prompt):] == plain.logprobs.tokens
+        assert lp.token_logprobs[len(prompt):] == pytest.approx(plain.logprobs.token_logprobs, abs=1e-5)
+        assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(n)]
+        assert choice.text == "".join(lp.tokens[: len(prompt)]) + plain.text
+        for pos in range(1, len(prompt)):
+            ref = offline.prompt_logprobs[pos]
+            assert lp.token_logprobs[pos] == pytest.approx(ref.logprob, abs=1e-5)
+            assert 1 <= len(lp.top_logprobs[pos]) <= 3 and lp.top_logprobs[pos][lp.tokens[pos]] == lp.token_logprobs[pos]
+        # vLLM's prompt_logprobs: null, then token id -> {logprob, rank, decoded_token}
+        plp = choice.model_extra["prompt_logprobs"]
+        assert len(plp) == len(prompt) and plp[0] is None
+        for pos in range(1, len(prompt)):
+            ref = offline.prompt_logprobs[pos]
+            entry = plp[pos][str(prompt[pos])]
+            assert entry["logprob"] == pytest.approx(ref.logprob, abs=1e-5) and entry["rank"] == ref.rank
+            assert entry["decoded_token"] == lp.tokens[pos]
+            assert [int(t) for t in plp[pos] if int(t) != prompt[pos]] == [t for t, _ in ref.top if t != prompt[pos]]
+        assert r.usage.prompt_tokens_details.cached_tokens == 0  # never served from the prefix cache
+    # streamed: the first chunk carries the prompt's logprobs, the offsets go on
+    tokens, offsets, values = [], [], []
+    for c in client.completions.create(prompt=prompt, max_tokens=4, echo=True, logprobs=2, stream=True, **GREEDY):
+        for ch in c.choices:
+            if ch.logprobs is not None:
+                tokens += ch.logprobs.tokens
+                offsets += ch.logprobs.text_offset
+                values += ch.logprobs.token_logprobs
+    assert tokens == lp.tokens and offsets == lp.text_offset
+    assert values[0] is None and values[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+
+
+def test_prompt_logprobs_field(client, server):
+    """vLLM's `prompt_logprobs` extra field: on each completion choice (with n
+    samples, the same on each), on the chat response; refused when streaming."""
+    r = client.completions.create(prompt="score this prompt", max_tokens=2, n=2, model="tiny-random",
+                                  temperature=0, extra_body={"prompt_logprobs": 1})
+    assert [c.logprobs for c in r.choices] == [None, None]
+    plp = r.choices[0].model_extra["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == r.usage.prompt_tokens and plp == r.choices[1].model_extra["prompt_logprobs"]
+    assert all(1 <= len(d) <= 2 and all(set(v) == {"logprob", "rank", "decoded_token"} for v in d.values())
+               for d in plp[1:])
+    assert client.completions.create(prompt="x", max_tokens=1, **GREEDY).choices[0].model_extra["prompt_logprobs"] is None
+    msgs = [{"role": "user", "content": "score me"}]
+    chat = client.chat.completions.create(messages=msgs, max_tokens=2, model="tiny-random", temperature=0,
+                                          extra_body={"prompt_logprobs": 0})
+    plp = chat.model_extra["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == chat.usage.prompt_tokens and all(len(d) == 1 for d in plp[1:])
+    body = {"model": "tiny-random", "prompt": "x", "max_tokens": 1, "stream": True, "prompt_logprobs": 1}
+    r = httpx.post(f"{server}/v1/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+    for bad in (-1, 21, "x"):
+        r = httpx.post(f"{server}/v1/completions", json={**body, "stream": False, "prompt_logprobs": bad})
+        assert r.status_code == 400 and "prompt_logprobs" in r.text
+
+
+def test_n_above_max_num_seqs_is_400(client):
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(prompt="x", max_tokens=1, n=100, **GREEDY)
+    assert "max_num_seqs" in exc.value.body["message"]
+
+
 def test_chat_logprobs(client):
     msgs = [{"role": "user", "content": "logprobs please"}]
     r = client.chat.completions.create(messages=msgs, max_tokens=4, logprobs=True, top_logprobs=2, **GREEDY)
@@ -257,7 +333,6 @@ def test_stop_reason_and_controls(client):
     ("parallel_tool_calls", True),
     ("guided_json", {"type": "object"}),
     ("use_beam_search", True),
-    ("prompt_logprobs", 1),
 ])
 def test_unsupported_chat_fields_are_400_naming_them(server, field, value):
     body = {"model": "tiny-random", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, field: value}
@@ -266,12 +341,11 @@ def test_unsupported_chat_fields_are_400_naming_them(server, field, value):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("suffix", "tail"), ("best_of", 4), ("echo", True),
+    ("suffix", "tail"), ("best_of", 4),
 ])
 def test_unsupported_completion_fields_are_400_naming_them(client, field, value):
-    extra = {"logprobs": 1} if field == "echo" else {}  # echo alone works; with logprobs it needs prompt logprobs
     with pytest.raises(openai.BadRequestError) as exc:
-        client.completions.create(model="tiny-random", prompt="hi", max_tokens=2, **{field: value}, **extra)
+        client.completions.create(model="tiny-random", prompt="hi", max_tokens=2, **{field: value})
     assert exc.value.body["param"] == field
 
 

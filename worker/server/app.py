@@ -55,6 +55,7 @@ from worker.server.protocol import (
     BaseRequest,
     ChatCompletionRequest,
     CompletionRequest,
+    prompt_logprobs_json,
     usage,
 )
 from worker.server.streaming import Choices, stream_events
@@ -135,12 +136,14 @@ async def completions(request: Request):
         # vLLM v1's answer too: only best_of == n (every sample returned) is served.
         raise ApiError(400, f"best_of must equal n ({req.n}) when set: returning the best {req.n} of "
                             f"{req.best_of} samples is not supported", param="best_of")
-    if req.echo and req.logprobs is not None:
-        raise ApiError(400, "echo with logprobs (prompt logprobs) is not supported", param="echo")
+    _check_prompt_logprobs(req)
     core = request.app.state.engine.engine
     prompts = _prompt_list(req.prompt)
     ids = [await off_loop(_prompt_ids, core, p, size=len(p)) if isinstance(p, str) else p for p in prompts]
-    params = _sampling_params(req, req.max_tokens, request.app.state.served_model_name, core, req.logprobs)
+    # vLLM: echo with logprobs asks for the prompt's logprobs (shown before the completion's)
+    prompt_logprobs = req.prompt_logprobs if req.prompt_logprobs is not None or not req.echo else req.logprobs
+    params = _sampling_params(req, req.max_tokens, request.app.state.served_model_name, core, req.logprobs,
+                              prompt_logprobs)
     echo = [p if isinstance(p, str) else core.tokenizer.decode(p) for p in prompts] if req.echo else None
     return await _answer(request, req, ids, params, f"cmpl-{uuid.uuid4().hex}", "text", echo)
 
@@ -162,6 +165,13 @@ def _refuse_unsupported(req: BaseRequest) -> None:
     names = req.unsupported_fields()
     if names:
         raise ApiError(400, f"{names[0]} is not supported by this server", param=names[0])
+
+
+def _check_prompt_logprobs(req: BaseRequest) -> None:
+    """vLLM's rule: the `prompt_logprobs` field is not streamed (echo with
+    logprobs is: the first chunk of each choice carries the prompt's)."""
+    if req.stream and req.prompt_logprobs is not None:
+        raise ApiError(400, "prompt_logprobs are not available when stream is enabled", param="prompt_logprobs")
 
 
 def _prompt_ids(core, text: str) -> list[int]:
@@ -196,13 +206,15 @@ async def chat(request: Request):
             raise ApiError(400, f"messages[{i}].{what} is not supported by this server", param=f"messages[{i}]")
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
+    _check_prompt_logprobs(req)
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
     size = sum(len(m["content"]) for m in messages) + 64 * len(messages)
     core = request.app.state.engine.engine
     prompt_ids = await off_loop(_chat_ids, core, messages, size=size)
     max_tokens = req.max_completion_tokens or req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = _sampling_params(req, max_tokens, request.app.state.served_model_name, core, logprobs)
+    params = _sampling_params(req, max_tokens, request.app.state.served_model_name, core, logprobs,
+                              req.prompt_logprobs)
     return await _answer(request, req, [prompt_ids], params, f"chatcmpl-{uuid.uuid4().hex}", "chat")
 
 
@@ -226,12 +238,15 @@ async def _answer(request: Request, req: BaseRequest, prompts: list[list[int]], 
                                     _all(*(_collect(s, f) for s, f in zip(streams, firsts, strict=True))))
     except _ClientGone:
         return Response(status_code=499)  # nobody reads it
-    return {
+    body = {
         "id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
         "created": int(time.time()), "model": model,
         "choices": [choices.whole(i, out) for i, per_prompt in enumerate(finals) for out in per_prompt],
         "usage": usage([out for per_prompt in finals for out in per_prompt]),
     }
+    if kind == "chat":  # vLLM: on the response for chat, on each choice for completions
+        body["prompt_logprobs"] = prompt_logprobs_json(finals[0][0].prompt_logprobs, choices.decode)
+    return body
 
 
 def core_decode(engine: AsyncLLMEngine):
@@ -241,7 +256,7 @@ def core_decode(engine: AsyncLLMEngine):
 
 
 def _sampling_params(req: BaseRequest, max_tokens: int | None, served_model_name: str, core,
-                     logprobs: int | None) -> SamplingParams:
+                     logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
     """The checks both endpoints share, then the engine's sampling parameters:
     what the request sets, else the model's generation config, else the API's default."""
     if req.model != served_model_name:
@@ -286,6 +301,7 @@ def _sampling_params(req: BaseRequest, max_tokens: int | None, served_model_name
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             cache_salt=req.cache_salt,
             priority=req.priority,
         )

@@ -30,7 +30,7 @@ UNSUPPORTED_FIELDS = (
     "guided_whitespace_pattern", "structured_outputs", "use_beam_search", "length_penalty",
     "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "prompt_embeds", "logits_processors",
     "return_tokens_as_token_ids", "chat_template", "chat_template_kwargs", "documents",
-    "continue_final_message", "mm_processor_kwargs", "prompt_logprobs", "kv_transfer_params",
+    "continue_final_message", "mm_processor_kwargs", "kv_transfer_params",
     "vllm_xargs", "spaces_between_special_tokens", "add_special_tokens", "add_generation_prompt",
 )
 
@@ -63,6 +63,7 @@ class BaseRequest(BaseModel):
     cache_salt: str | None = None
     priority: int = 0
     user: str | None = None
+    prompt_logprobs: int | None = None  # vLLM's: top logprobs of every prompt token (not streamed)
 
     def unsupported_fields(self) -> list[str]:
         """The fields this request sets that PagedKV does not implement."""
@@ -166,6 +167,28 @@ def completion_logprobs(entries: list[Logprobs | None], token_ids: list[int], de
             top.setdefault(decode(t), max(v, -9999.0))
         tops.append(top)
     return {"text_offset": offsets, "token_logprobs": token_lps, "tokens": tokens, "top_logprobs": tops}
+
+
+def prompt_logprobs_json(entries: list[Logprobs | None] | None, decode) -> list[dict | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt token, None for the first, else
+    token id -> {logprob, rank, decoded_token} for the prompt token and the
+    top ones (ranks 1, 2, ...)."""
+    if entries is None:
+        return None
+
+    def item(lp: float, rank: int, tok: int) -> dict:
+        return {"logprob": max(lp, -9999.0), "rank": rank, "decoded_token": decode(tok)}
+
+    out: list[dict | None] = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        d = {str(e.token_id): item(e.logprob, e.rank, e.token_id)}
+        for rank, (t, v) in enumerate(e.top, start=1):
+            d.setdefault(str(t), item(v, rank, t))
+        out.append(d)
+    return out
 
 
 def chat_logprobs(entries: list[Logprobs], decode) -> dict:

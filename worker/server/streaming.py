@@ -20,7 +20,13 @@ from collections.abc import AsyncIterator, Callable
 
 from worker.engine import RequestOutput
 from worker.server.errors import failure
-from worker.server.protocol import chat_logprobs, completion_logprobs, finish_reason, usage
+from worker.server.protocol import (
+    chat_logprobs,
+    completion_logprobs,
+    finish_reason,
+    prompt_logprobs_json,
+    usage,
+)
 
 
 def sse(obj) -> bytes:
@@ -52,9 +58,18 @@ class Choices:
             if self.echo is not None:
                 text = self.echo[prompt_index] + text
             if out.logprobs is not None:
-                logprobs = completion_logprobs(out.logprobs, out.token_ids[: len(out.logprobs)], self.decode)
-            choice = {"index": index, "text": text}
+                logprobs = completion_logprobs(*self._echoed(out, out.logprobs, out.token_ids[: len(out.logprobs)]),
+                                               self.decode)
+            choice = {"index": index, "text": text,
+                      "prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs, self.decode)}
         return {**choice, "logprobs": logprobs, "finish_reason": finish_reason(out), "stop_reason": out.stop_reason}
+
+    def _echoed(self, out: RequestOutput, entries: list, token_ids: list[int]) -> tuple[list, list[int]]:
+        """With echo, the prompt's logprobs and tokens before the completion's
+        (its first token's logprob None), as vLLM answers echo with logprobs."""
+        if self.echo is None or out.prompt_logprobs is None:
+            return entries, token_ids
+        return [*out.prompt_logprobs, *entries], [*out.prompt_token_ids, *token_ids]
 
     def delta(self, prompt_index: int, out: RequestOutput) -> dict:
         index = self.index(prompt_index, out)
@@ -73,7 +88,8 @@ class Choices:
             text = self.echo[prompt_index] + text
         offset = self._offsets.get(index, 0)
         if new is not None:
-            logprobs = completion_logprobs(new, out.new_token_ids, self.decode, offset)
+            entries, ids = self._echoed(out, new, out.new_token_ids) if first else (new, out.new_token_ids)
+            logprobs = completion_logprobs(entries, ids, self.decode, offset)
             offset += sum(len(t) for t in logprobs["tokens"])
         self._offsets[index] = offset
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason,
