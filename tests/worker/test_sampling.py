@@ -247,8 +247,10 @@ LONG = [(7 * i + 3) % 97 for i in range(23)]  # 23 tokens: 5 full blocks of 4 an
 
 
 @pytest.mark.parametrize("batched_tokens", [2048, 5, 4])  # whole prompts; chunks across and on block edges
-def test_prompt_logprobs_are_log_softmax_at_every_position(checkpoint, batched_tokens):
+def test_prompt_logprobs_are_log_softmax_at_every_position(checkpoint, batched_tokens, monkeypatch):
     hf, loaded = checkpoint
+    if batched_tokens > len(LONG):  # whole prompts: their logits in slices of 3 rows
+        monkeypatch.setattr("worker.engine.model_runner.PROMPT_LOGITS_ROWS", 3)
     engine = engine_of(loaded, max_num_batched_tokens=batched_tokens)
     plain = engine.generate([LONG, PROMPT], SamplingParams(**GREEDY))
     outs = engine.generate([LONG, PROMPT], SamplingParams(**GREEDY, prompt_logprobs=3))

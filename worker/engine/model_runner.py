@@ -25,6 +25,8 @@ from worker.kv_pool import KVPool
 from worker.model.loaded import LoadedModel
 from worker.model.loader import resolve_dtype
 
+PROMPT_LOGITS_ROWS = 256  # prompt positions whose logits are computed at once (prompt logprobs)
+
 
 class SampledToken(NamedTuple):
     seq: Sequence
@@ -98,6 +100,9 @@ class ModelRunner:
                 continue
             # A cache hit past the known positions would leave a gap (the salt prevents it).
             assert lo == len(lps) - 1, "prompt positions skipped by the prefix cache"
-            rows = torch.arange(offset + lo - first, offset + hi - first, device=hidden.device)
-            logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), dim=-1)
-            lps.extend(logprobs_of(logprobs, seq.prompt_token_ids[lo + 1 : hi + 1], seq.params.prompt_logprobs))
+            # In slices: a long chunk's [tokens, vocab] float32 logits at once could take gigabytes.
+            for a in range(lo, hi, PROMPT_LOGITS_ROWS):
+                b = min(a + PROMPT_LOGITS_ROWS, hi)
+                rows = hidden[offset + a - first : offset + b - first]
+                logprobs = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
+                lps.extend(logprobs_of(logprobs, seq.prompt_token_ids[a + 1 : b + 1], seq.params.prompt_logprobs))
