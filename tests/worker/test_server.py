@@ -276,7 +276,7 @@ def test_prompt_logprobs_field(client, server):
 def test_n_above_max_num_seqs_is_400(client):
     with pytest.raises(openai.BadRequestError) as exc:
         client.completions.create(prompt="x", max_tokens=1, n=100, **GREEDY)
-    assert "max_num_seqs" in exc.value.body["message"]
+    assert "max_num_seqs" in exc.value.body["message"] and exc.value.body["param"] == "n"
 
 
 def test_chat_logprobs(client):

@@ -224,6 +224,10 @@ async def _answer(request: Request, req: BaseRequest, prompts: list[list[int]], 
     answer with one body, or a stream of events if asked."""
     model = request.app.state.served_model_name
     engine: AsyncLLMEngine = request.app.state.engine
+    limit = engine.engine.config.max_num_seqs
+    if params.n > limit:  # the engine's rule (add_request), named for the client
+        raise ApiError(400, f"n ({params.n}) exceeds max_num_seqs ({limit}): the samples of a request run together",
+                       param="n")
     rids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
     streams = [engine.generate(p, params, r) for p, r in zip(prompts, rids, strict=True)]
     try:
