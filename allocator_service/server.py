@@ -115,10 +115,9 @@ class ServeOptions:
 
 def serve(opts: ServeOptions) -> int:
     """Run until SIGTERM/SIGINT; returns the exit status."""
-    from prometheus_client import start_http_server
-
     from allocator_service.journal import open_journal
     from allocator_service.metrics import make_registry
+    from allocator_service.web.app import start_web_server, stop_web_server
 
     journal = open_journal(opts.state, wait_replicas=opts.redis_wait_replicas,
                            wait_timeout_s=opts.redis_wait_timeout_s)
@@ -151,7 +150,10 @@ def serve(opts: ServeOptions) -> int:
     httpd = None
     if opts.metrics_port is not None:
         metrics_host = host.strip("[]") if host not in ("", "[::]", "0.0.0.0") else "0.0.0.0"
-        httpd, _ = start_http_server(opts.metrics_port, addr=metrics_host, registry=registry)
+        # /metrics, the live /pools page and /playground (allocator_service/web/)
+        httpd, _ = start_web_server(opts.metrics_port, metrics_host, registry=registry, service=service,
+                                    roles=Roles(opts.auth_token or None, opts.admin_token or None,
+                                                opts.router_token or None))
         print(f"pagedkv allocator: metrics on http://{metrics_host}:{httpd.server_port}/metrics",
               file=sys.stderr, flush=True)
     # Tests and operators read this line; keep its shape.
@@ -169,7 +171,7 @@ def serve(opts: ServeOptions) -> int:
     server.stop(opts.grace_s).wait()
     service.close()
     if httpd is not None:
-        httpd.shutdown()
+        stop_web_server(httpd)
     return 0
 
 
