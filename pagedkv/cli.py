@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, str] = {
     "replay": "pagedkv.tools.replay",
     "kv-size": "pagedkv.tools.kv_size",
     "simulate": "pagedkv.tools.simulate",
+    "playground": "pagedkv.tools.playground",
     "bench": "pagedkv.bench",
     "allocator": "allocator_service.cli",
     "up": "pagedkv.up",
