@@ -117,8 +117,10 @@ def stream(service, stopping: Callable[[], bool], keepalive_s: float = 10.0) -> 
     cursor = events.published
     last_sent = time.monotonic()
     dirty: set[str] = set()
+    wait = 0.1
     while not stopping() and not events.closed:
-        batch, cursor, gap = events.read(cursor, 1000, 0.1)
+        batch, cursor, gap = events.read(cursor, 1000, wait)
+        wait = 0.1  # or until a pool held back by min_interval may be read again
         kv: dict[str, dict[str, int]] = {}
         for e in batch:
             counts = kv.setdefault(e.pool_id, {})
@@ -136,7 +138,12 @@ def stream(service, stopping: Callable[[], bool], keepalive_s: float = 10.0) -> 
             frame = frames.get(pool_id)
             if frame is not None:
                 changed = pool_id in dirty or entry.last_step_id != frame.step
-                if not changed or now - frame.read_at < min_interval(len(frame.state)):
+                if not changed:
+                    continue
+                early = frame.read_at + min_interval(len(frame.state)) - now
+                if early > 0:
+                    dirty.add(pool_id)
+                    wait = min(wait, max(early, 0.005))
                     continue
             state, owner, ref, counters, step = read_pool(entry)
             dirty.discard(pool_id)

@@ -154,39 +154,45 @@ def test_live_page_follows_a_worker(allocator, worker):
     OUT.mkdir(exist_ok=True)
     pool_id = f"{WORKER}/1"
     complete(worker, "the same system prompt, then question one", 8).read()
-    with cdp.Browser(1280, 720) as browser:
+    with cdp.Browser(1280, 400) as browser:
         browser.goto(f"{allocator.base}/pools?token={ROUTER}")
         browser.wait_for(f'document.querySelector(\'section.pool[data-pool="{pool_id}"]\')')
         got = settle(browser, allocator, pool_id)
         assert got["cells"] == {k: got[k] for k in ("used", "cached", "free")}  # one cell per block
         assert got["cached"] > 0  # the finished request's full blocks stay findable
 
-        # A new request: its blocks appear while it runs.
+        # New requests: their blocks appear while they run (two at once,
+        # sharing a prompt: shared blocks carry their refcount).
         base_used = got["used"]
         seen: dict[str, float] = {}
-        resp = complete(worker, "the same system prompt, then question two " * 2, 200, stream=True)
-        first = resp.readline()
+        responses = [complete(worker, f"the same system prompt, then question {q} " * 2, 200, stream=True)
+                     for q in ("two", "three")]
+        first = responses[0].readline()
         t0 = time.monotonic()
         assert first
-        done = threading.Event()
-        threading.Thread(target=lambda: (resp.read(), done.set()), daemon=True).start()
+        done = [threading.Event() for _ in responses]
+        for resp, ev in zip(responses, done, strict=True):
+            threading.Thread(target=lambda r=resp, e=ev: (r.read(), e.set()), daemon=True).start()
+        sel = f'section.pool[data-pool="{pool_id}"]'
         try:
-            browser.wait_for(
-                f'(+document.querySelector(\'section.pool[data-pool="{pool_id}"]\').dataset.used) > {base_used}',
-                timeout=3.0, interval=0.02)
+            browser.wait_for(f"(+document.querySelector('{sel}').dataset.used) > {base_used}",
+                             timeout=3.0, interval=0.02)
             seen["appear_s"] = time.monotonic() - t0
-            # Clicking its sequence highlights its table, in order.
-            browser.eval(f"""document.querySelector('section.pool[data-pool="{pool_id}"] .seq').click()""")
-            browser.wait_for(f"""document.querySelector('section.pool[data-pool="{pool_id}"] .b.hl')""", 3.0)
-            order = browser.eval(f"""[...document.querySelectorAll('section.pool[data-pool="{pool_id}"] .b.hl')]
-                                     .map(b => [+b.dataset.b, +b.textContent])""")
-            line = browser.eval(f"""document.querySelector('section.pool[data-pool="{pool_id}"] .table-line').textContent""")
+            time.sleep(2.1)  # sparkline samples
+            if not all(e.is_set() for e in done):
+                browser.screenshot(str(OUT / "pools-running.png"))
+            # Clicking a sequence highlights its table, in order.
+            browser.eval(f"document.querySelector('{sel} .seq').click()")
+            browser.wait_for(f"document.querySelector('{sel} .b.hl')", 3.0)
+            order = browser.eval(f"[...document.querySelectorAll('{sel} .b.hl')].map(b => [+b.dataset.b, +b.textContent])")
+            line = browser.eval(f"document.querySelector('{sel} .table-line').textContent")
             table = json.loads(line[line.index("["):line.index("]") + 1])
             assert sorted(order, key=lambda x: x[1]) == [[b, i] for i, b in enumerate(table)]
-            if not done.is_set():
-                browser.screenshot(str(OUT / "pools-running.png"))
+            if not all(e.is_set() for e in done):
+                browser.screenshot(str(OUT / "pools-selected.png"))
         finally:
-            done.wait(60)
+            for e in done:
+                e.wait(60)
         browser.eval(f"""document.querySelector('section.pool[data-pool="{pool_id}"] .seq[aria-pressed="true"]')?.click()""")
         # Finished: its blocks turn cached or free, and the page agrees again.
         got = settle(browser, allocator, pool_id)
@@ -196,6 +202,33 @@ def test_live_page_follows_a_worker(allocator, worker):
         browser.screenshot(str(OUT / "pools.png"))
     print(f"\n/pools: a new request's blocks shown {1000 * seen['appear_s']:.0f} ms after its first token")
     assert seen["appear_s"] < 3.0
+
+
+@needs_chromium
+def test_a_step_reaches_the_page_quickly(allocator):
+    """From a Step's answer to the page drawing it, on a small pool."""
+    client = GrpcAllocator(allocator.address, PoolSpec("latency-pool", PoolConfig(64, 4, True, "m")),
+                           auth_token=TOKEN)
+    try:
+        sel = f'section.pool[data-pool="{client.pool_id}"]'
+        with cdp.Browser(1280, 720) as browser:
+            browser.goto(f"{allocator.base}/pools?token={ROUTER}")
+            browser.wait_for(f"document.querySelector('{sel}')")
+            times = []
+            for i in range(8):
+                assert client.step([Admit(f"s{i}", list(range(100 * i + 1, 100 * i + 9)))])[0].ok
+                answered = time.time()
+                browser.wait_for(f"+document.querySelector('{sel}').dataset.used === {2 * (i + 1)}",
+                                 timeout=3, interval=0.005)
+                # the page's own clock (same machine): when it drew the change
+                drawn = browser.eval(f"+document.querySelector('{sel}').dataset.renderedAt") / 1000
+                times.append(drawn - answered)
+        times.sort()
+        print(f"\n/pools: a step drawn {1000 * times[len(times) // 2]:.0f} ms (median of 8), "
+              f"{1000 * times[-1]:.0f} ms at most")
+        assert times[-1] < 2.0
+    finally:
+        client.close()
 
 
 @needs_chromium

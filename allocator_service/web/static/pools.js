@@ -77,7 +77,7 @@ function counts(p) {
 function schedule(p) {
   if (p.dirty) return;
   p.dirty = true;
-  setTimeout(() => render(p), 30);
+  setTimeout(() => render(p), 16);  // one render per burst of messages
 }
 function renderAll() { for (const p of pools.values()) render(p); }
 
@@ -192,7 +192,8 @@ function sample(only) {
     if (!n) continue;
     p.history.push(counts(p)[USED] / n);
     if (p.history.length > HISTORY) p.history.shift();
-    const pts = p.history.map((v, i) => `${(i * 120 / (HISTORY - 1)).toFixed(1)},${(22 - 20 * v).toFixed(1)}`);
+    const k = p.history.length;  // newest at the right edge
+    const pts = p.history.map((v, i) => `${(120 - (k - 1 - i) * 120 / (HISTORY - 1)).toFixed(1)},${(22 - 20 * v).toFixed(1)}`);
     p.el.querySelector(".spark polyline").setAttribute("points", pts.join(" "));
     p.el.querySelector(".spark").setAttribute("aria-label", `blocks in use, last minute: now ${(100 * p.history.at(-1)).toFixed(0)}%`);
   }
