@@ -15,7 +15,7 @@ const ARTICLE = [
   { label: "B finishes", act: () => free("B") },
   { label: "C generates 4 tokens", act: () => grow("C", 4) },
 ];
-let ops = [], labels = [], nextToken = 1, nextName = 0, articleStep = 0, last = null;
+let ops = [], labels = [], nextToken = 1, nextName = 0, articleStep = 0, last = null, inArticle = false;
 const chatTokens = new Map(); // chat -> its token ids (to share a prompt)
 
 function settings() {
@@ -39,6 +39,10 @@ async function run(op, label) {
   const answer = await r.json();
   if (!r.ok) { $("status").textContent = answer.error; $("status").className = "status err"; return false; }
   if (op) { ops.push(op); labels.push(label); }
+  if (op && !inArticle && articleStep) {  // a click of one's own: the article's table starts over
+    articleStep = 0;
+    $("article").textContent = "article's table: start over";
+  }
   last = answer;
   draw(answer);
   return true;
@@ -154,7 +158,8 @@ $("article").addEventListener("click", async () => {
   if (articleStep === 0 && ops.length) await reset();
   if (articleStep >= ARTICLE.length) { await reset(); return; }
   const step = ARTICLE[articleStep++];
-  await step.act();
+  inArticle = true;
+  try { await step.act(); } finally { inArticle = false; }
   $("article").textContent = articleStep < ARTICLE.length ? `article's table: step ${articleStep + 1} (${ARTICLE[articleStep].label})` : "article's table: done (again)";
 });
 $("reset").addEventListener("click", reset);
