@@ -178,10 +178,8 @@ def test_live_page_follows_a_worker(allocator, worker):
             browser.wait_for(f"(+document.querySelector('{sel}').dataset.used) > {base_used}",
                              timeout=3.0, interval=0.02)
             seen["appear_s"] = time.monotonic() - t0
-            time.sleep(2.1)  # sparkline samples
-            if not all(e.is_set() for e in done):
-                browser.screenshot(str(OUT / "pools-running.png"))
-            # Clicking a sequence highlights its table, in order.
+            # Clicking a sequence highlights its table, in order (at once:
+            # the requests must still be running to have a table).
             browser.eval(f"document.querySelector('{sel} .seq').click()")
             browser.wait_for(f"document.querySelector('{sel} .b.hl')", 3.0)
             order = browser.eval(f"[...document.querySelectorAll('{sel} .b.hl')].map(b => [+b.dataset.b, +b.textContent])")
@@ -190,6 +188,7 @@ def test_live_page_follows_a_worker(allocator, worker):
             assert sorted(order, key=lambda x: x[1]) == [[b, i] for i, b in enumerate(table)]
             if not all(e.is_set() for e in done):
                 browser.screenshot(str(OUT / "pools-selected.png"))
+            time.sleep(2.1)  # sparkline samples
         finally:
             for e in done:
                 e.wait(60)
