@@ -55,9 +55,31 @@ def flags(command: list[str]) -> dict[str, str]:
 # ------------------------------------------------------------------ docker-compose
 
 
+def with_defaults(text: str) -> str:
+    """The compose file as a user without settings gets it: ${VAR:-default} -> default."""
+    return re.sub(r"\$\{[A-Z0-9_]+:-([^}]*)\}", r"\1", text)
+
+
 @pytest.fixture(scope="module")
 def compose() -> dict:
-    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    return yaml.safe_load(with_defaults((ROOT / "docker-compose.yml").read_text()))
+
+
+def test_compose_settings_default_to_the_public_images():
+    """Image names and the torch source are settings; unset, they are what a user pulls."""
+    raw = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    assert raw["redis"]["image"] == "${REDIS_IMAGE:-redis:7-alpine}"
+    assert raw["prometheus"]["image"] == "${PROMETHEUS_IMAGE:-prom/prometheus:v2.55.1}"
+    build = raw["allocator"]["build"]
+    assert build["args"]["BASE_IMAGE"] == "${PAGEDKV_BASE_IMAGE:-python:3.11-slim-bookworm}"
+    assert "download.pytorch.org/whl/cpu" in build["args"]["TORCH_INDEX_URL"]
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    assert "ARG BASE_IMAGE=python:3.11-slim-bookworm" in dockerfile and "FROM ${BASE_IMAGE}" in dockerfile
+    # Grafana: in a profile (so a machine without its image can leave it out),
+    # which the committed .env turns on for `docker compose up`.
+    assert raw["grafana"]["profiles"] == ["grafana"]
+    assert "COMPOSE_PROFILES=grafana" in (ROOT / ".env").read_text().splitlines()
+    assert all("profiles" not in svc for name, svc in raw.items() if name != "grafana")
 
 
 def test_docker_compose_config_validates():
@@ -114,7 +136,8 @@ def test_compose_topology(compose):
 
 
 def test_dockerfiles():
-    ignored = (ROOT / ".dockerignore").read_text().split()
+    ignored = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")]
     for name, marker in (("Dockerfile", "download.pytorch.org/whl/cpu"), ("Dockerfile.cuda", "FROM nvidia/cuda:")):
         text = (DEPLOY / name).read_text()
         assert marker in text, name
