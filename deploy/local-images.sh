@@ -128,7 +128,7 @@ else
     fi
     python3 -m venv /opt/venv
     /opt/venv/bin/pip install -q --no-cache-dir --disable-pip-version-check '/wheels/$(basename "$wheel")'
-    /opt/venv/bin/python -c 'import torch; print(\"torch\", torch.__version__)'
+    /opt/venv/bin/python -W ignore -c 'import torch; print(\"torch\", torch.__version__)'
   " || die "installing torch into $BASE failed"
   docker commit --change 'ENV VIRTUAL_ENV=/opt/venv' \
     --change 'ENV PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
