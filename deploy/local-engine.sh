@@ -71,7 +71,12 @@ case "${1:-}" in
     fi
     kill "$pid"
     for _ in $(seq 1 60); do
-      kill -0 "$pid" 2>/dev/null || { echo "engine stopped (pid $pid)"; exit 0; }
+      if ! kill -0 "$pid" 2>/dev/null; then
+        # dockerd leaves its handle on the host's network namespace mounted
+        umount "$RUN/exec/netns/default" 2>/dev/null || true
+        echo "engine stopped (pid $pid)"
+        exit 0
+      fi
       sleep 0.5
     done
     echo "error: the engine (pid $pid) did not stop within 30 s" >&2
