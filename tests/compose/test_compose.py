@@ -226,6 +226,13 @@ def chat(base: str, prompt: str, *, max_tokens: int, stream: bool = False, ignor
     body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "stream": stream, "ignore_eos": ignore_eos}
     t0 = time.monotonic()
+    try:
+        return _chat(base, body, stream, timeout, t0)
+    except httpx.HTTPError as exc:  # e.g. a stream cut short: an outcome to report, with the logs
+        return {"status": -1, "error": repr(exc), "latency_s": time.monotonic() - t0}
+
+
+def _chat(base: str, body: dict, stream: bool, timeout: float, t0: float) -> dict:
     with httpx.Client(timeout=timeout) as client:
         if not stream:
             r = client.post(f"{base}/v1/chat/completions", json=body)
