@@ -39,6 +39,7 @@ import httpx
 import pytest
 
 from pagedkv.stack import free_port
+from tests.support.drills import wait_for
 
 pytestmark = [pytest.mark.compose, pytest.mark.timeout(2400)]
 
@@ -145,17 +146,6 @@ class Stack:
         return {kind: self.docker(*cmd, "--filter", label, "-q").stdout.split()
                 for kind, cmd in (("containers", ("ps", "-a")), ("networks", ("network", "ls")),
                                   ("volumes", ("volume", "ls")))}
-
-
-def wait_for(check, timeout_s: float, what: str, interval_s: float = 1.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
-        time.sleep(interval_s)
 
 
 @pytest.fixture(scope="module")
@@ -333,7 +323,8 @@ def workload(stack):
         t = time.monotonic()
         stack.compose("restart", "allocator", timeout=180)
         restart_s = time.monotonic() - t
-        wait_for(lambda: stack.health("allocator") == "running/healthy", 120, "the allocator to be healthy again")
+        wait_for(lambda: stack.health("allocator") == "running/healthy", 120, "the allocator to be healthy again",
+                 interval_s=1)
         return {"restart_s": round(restart_s, 2), "restart_to_healthy_s": round(time.monotonic() - t, 2)}
 
     t0 = time.monotonic()
