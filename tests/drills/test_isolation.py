@@ -19,6 +19,7 @@ import threading
 from collections import defaultdict
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -28,7 +29,7 @@ from allocator_service.events import EventLog
 from allocator_service.state import Registry
 from allocator_service.v1 import allocator_pb2 as pb
 from allocator_service.v1 import allocator_pb2_grpc as pb_grpc
-from tests.support.drills import Stack, complete, journal_state, report, self_signed_cert
+from tests.support.drills import MODEL, Stack, complete, journal_state, report, self_signed_cert
 from tests.support.drills import reference_texts as offline
 
 C = grpc.StatusCode
@@ -150,6 +151,14 @@ def test_different_cache_salts_never_share_a_block(stack):
         t.join(120)
     assert [r.status for r in results] == [200] * len(salts)
     assert {r.text for r in results} == texts
+    # Within one salt, sharing is certain whatever the timing above: n=2
+    # forks the prompt's blocks (the concurrent requests share only when
+    # they happen to overlap).
+    for salt in ("tenant-a", "tenant-b"):
+        r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+            "model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "n": 2, "cache_salt": salt})
+        assert r.status_code == 200 and {c["text"] for c in r.json()["choices"]} == texts
     stack.wait_idle()
 
     # The allocator's side: replay the whole journal; after every record no

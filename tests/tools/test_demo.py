@@ -1,0 +1,25 @@
+"""`pagedkv demo`, the main job, end to end on the tiny model: the real stack
+(allocator + worker processes), the chat workload through the HTTP API, the
+report and the chart (the same code path as `make demo`, seconds not a minute)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_demo_runs_the_workload_and_writes_its_report(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagedkv", "demo", "--model", "tiny-random", "--conversations", "8",
+         "--concurrency", "4", "--out", str(tmp_path), "--json"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])  # --json: the report is the last line
+    saved = json.loads((tmp_path / "demo_report.json").read_text())
+    assert report["requests"] == saved["requests"] >= 8
+    assert report["errors"] == 0, report["error_samples"]
+    assert report["completion_tokens"] > 0 and 0 < report["peak_slots_holding_tokens"] <= report["peak_slots_allocated"]
+    assert report["prefix_cache_hit_rate"] > 0  # every conversation shares the system prompt
+    assert (tmp_path / "demo_kv.png").stat().st_size > 0
