@@ -22,6 +22,7 @@ from allocator_service.core.pool import (
     check_cache_salt,
 )
 from allocator_service.core.prefix_index import ALL_CLEARED, BLOCK_REMOVED, BLOCK_STORED
+from allocator_service.core.sequence import blocks_for
 from allocator_service.core.step import (
     Admit,
     Append,
@@ -38,6 +39,7 @@ from allocator_service.core.step import (
 )
 
 __all__ = [
+    "blocks_for",
     "check_cache_salt",
     "ALL_CLEARED",
     "BLOCK_REMOVED",

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from allocator_service.core.sequence import blocks_for
+
 if TYPE_CHECKING:  # the pool calls in here; this module only reads it
     from allocator_service.core.pool import BlockPool
 
@@ -22,7 +24,7 @@ def integrity_problems(pool: BlockPool) -> list[str]:
     fill, ref_cnt, block_hash = pool._fill, pool.ref_cnt, pool.index.block_hash
     named = [0] * n
     for sid, seq in pool._seqs.items():
-        if len(seq.table) != -(-seq.num_tokens // B):
+        if len(seq.table) != blocks_for(seq.num_tokens, B):
             problems.append(f"{sid}: {len(seq.table)} blocks for {seq.num_tokens} tokens")
         if len(set(seq.table)) != len(seq.table):
             problems.append(f"{sid}: table lists a block twice: {seq.table}")

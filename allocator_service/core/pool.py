@@ -56,7 +56,7 @@ from allocator_service.core.limits import (
     max_table_entries,
 )
 from allocator_service.core.prefix_index import EventSink, PrefixIndex
-from allocator_service.core.sequence import Seq
+from allocator_service.core.sequence import Seq, blocks_for
 
 
 @dataclass(frozen=True, slots=True)
@@ -320,7 +320,7 @@ class BlockPool:
                 hits.append(b)
         cached = len(hits) * B
         stored = n if num_new_tokens is None else min(n, cached + num_new_tokens)
-        need = -(-stored // B) - len(hits)
+        need = blocks_for(stored, B) - len(hits)
         free_hits = sum(1 for b in hits if self.ref_cnt[b] == 0)
         available = self.num_free_blocks - free_hits
         if need > available:
@@ -370,7 +370,7 @@ class BlockPool:
         offset = n % B
         room = B - offset if offset else 0
         cow = offset != 0 and self.ref_cnt[table[-1]] > 1
-        need = (-(-(k - room) // B) if k > room else 0) + cow
+        need = (blocks_for(k - room, B) if k > room else 0) + cow
         if need:
             available = self.num_free_blocks
             if need > available:

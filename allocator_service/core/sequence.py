@@ -1,8 +1,14 @@
-"""One sequence's entry in a `BlockPool`."""
+"""One sequence's entry in a `BlockPool`, and how many blocks its tokens take."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold `num_tokens` tokens: a table's length (the block
+    contract: token p lives in block p // block_size)."""
+    return -(-num_tokens // block_size)
 
 
 @dataclass(slots=True)

@@ -20,7 +20,7 @@ import os
 import statistics
 import time
 
-from allocator_service.core import PoolConfig
+from allocator_service.core import PoolConfig, blocks_for
 from pagedkv.bench import noisy_neighbour
 from pagedkv.bench.workloads import MAX_GEN, PROMPT_LEN, decode_steps
 
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if unknown := set(modes) - {"in-process", "grpc", "grpc+redis"}:
         raise CliError(f"unknown mode(s): {', '.join(sorted(unknown))}")
-    blocks_per_seq = -(-(PROMPT_LEN + MAX_GEN) // args.block_size) + 2
+    blocks_per_seq = blocks_for(PROMPT_LEN + MAX_GEN, args.block_size) + 2
 
     def spec(mode: str, n: int) -> PoolSpec:
         return PoolSpec(

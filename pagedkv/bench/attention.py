@@ -20,6 +20,8 @@ import statistics
 import time
 from collections.abc import Callable
 
+from allocator_service.core import blocks_for
+
 __all__ = ["add_arguments", "add_parser", "measure", "run"]
 
 
@@ -78,7 +80,7 @@ def _case(args: argparse.Namespace, batch: int, context: int) -> dict[str, float
     device = torch.device(args.device)
     gen = torch.Generator().manual_seed(args.seed)
     block = args.block_size
-    blocks_per_seq = -(-context // block)
+    blocks_per_seq = blocks_for(context, block)
     pool = KVPool(1, batch * blocks_per_seq, block, args.kv_heads, args.head_dim, dtype, device)
     order = torch.randperm(pool.num_blocks, generator=gen).tolist()
     tables = [order[s * blocks_per_seq : (s + 1) * blocks_per_seq] for s in range(batch)]

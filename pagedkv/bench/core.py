@@ -13,7 +13,7 @@ import json
 import random
 import time
 
-from allocator_service.core import BlockPool, PoolConfig
+from allocator_service.core import BlockPool, PoolConfig, blocks_for
 from pagedkv.bench.workloads import VOCAB, prompt_with_prefix
 
 
@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _run_once(args: argparse.Namespace, prefix_caching: bool) -> dict:
     rng = random.Random(args.seed)
     B = args.block_size
-    per_seq = -(-(args.prompt_len + args.decode_rounds) // B) + 1
+    per_seq = blocks_for(args.prompt_len + args.decode_rounds, B) + 1
     pool = BlockPool(
         PoolConfig(
             num_blocks=args.sequences * per_seq,

@@ -22,7 +22,7 @@ import random
 import time
 from collections import Counter
 
-from allocator_service.core import Admit, Fork, Free, PoolConfig
+from allocator_service.core import Admit, Fork, Free, PoolConfig, blocks_for
 from pagedkv.bench.workloads import MAX_GEN, PROMPT_LEN, prompt_with_prefix
 
 
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace, measure) -> dict:
     from pagedkv.stack import start_allocator
 
     n = args.victim_seqs
-    blocks_per_seq = -(-(PROMPT_LEN + MAX_GEN) // args.block_size) + 2
+    blocks_per_seq = blocks_for(PROMPT_LEN + MAX_GEN, args.block_size) + 2
     victim_config = PoolConfig(n * blocks_per_seq + 64, args.block_size, True, "bench")
 
     def victim_steps(name: str) -> dict:

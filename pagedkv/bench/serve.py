@@ -62,6 +62,8 @@ import sys
 import time
 from typing import Any
 
+from allocator_service.core import blocks_for
+
 __all__ = ["add_arguments", "build_workload", "run"]
 
 SYSTEM_PROMPT = (
@@ -509,7 +511,7 @@ def run(args: argparse.Namespace) -> int:
         min(args.batch_size, len(prompts) - s) * (max(lengths[s : s + args.batch_size]) + args.max_tokens)
         for s in range(0, len(prompts), args.batch_size)
     )
-    num_blocks = args.num_blocks or -(-longest_batch // args.block_size)
+    num_blocks = args.num_blocks or blocks_for(longest_batch, args.block_size)
     limit = min(loaded.max_model_len, num_blocks * args.block_size)
     if max(lengths) + args.max_tokens > limit:
         from pagedkv.settings import CliError

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from allocator_service.core import blocks_for
+
 __all__ = ["AttentionMetadata", "SeqSpec"]
 
 # (block_table, num_computed_tokens, num_new_tokens): the builder's input per sequence.
@@ -69,7 +71,7 @@ class AttentionMetadata:
         bt = self.block_tables
         if bt.dim() != 2 or bt.shape[0] != batch or bt.dtype != torch.int32:
             raise ValueError(f"block_tables: expected int32 [{batch}, max_blocks], got {bt.dtype} {tuple(bt.shape)}")
-        if -(-max(self.host_context_lens) // self.block_size) > bt.shape[1]:
+        if blocks_for(max(self.host_context_lens), self.block_size) > bt.shape[1]:
             raise ValueError("block_tables has fewer columns than the longest context needs")
 
     # -- sizes ----------------------------------------------------------------

@@ -40,7 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from allocator_service.client import AllocatorClient, AllocatorUnavailable, PoolLost
-from allocator_service.core import Admit, Append, Fork, Free, Op, OpResult
+from allocator_service.core import Admit, Append, Fork, Free, Op, OpResult, blocks_for
 from worker.engine.health import AllocatorError, AllocatorHealth
 from worker.engine.sequence import Sequence, Status
 
@@ -246,7 +246,7 @@ class Scheduler:
                 break
             # Upper bound of the blocks an admit takes from the free queue
             # (cache hits on free blocks leave the queue too).
-            worst = -(-len(seq.token_ids) // self.block_size)
+            worst = blocks_for(len(seq.token_ids), self.block_size)
             if worst > plan.free - headroom:
                 break
             plan.ops.append(Admit(seq.next_alloc_id(), seq.token_ids, seq.cache_salt, plan.budget))
@@ -292,7 +292,7 @@ class Scheduler:
                 batch.failed.append(seq)
 
     def _blocks_needed(self, seq: Sequence, n: int) -> int:
-        return max(0, -(-(seq.num_stored + n) // self.block_size) - len(seq.block_table))
+        return max(0, blocks_for(seq.num_stored + n, self.block_size) - len(seq.block_table))
 
     # ------------------------------------------------------------- internals
     # A step the allocator did not answer (AllocatorUnavailable: down,
