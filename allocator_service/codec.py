@@ -56,6 +56,7 @@ def columns_to_proto(step: StepColumns) -> pb.StepOps:
             for salt, budget in zip(step.salts, step.num_new_tokens, strict=True)
         ],
         fork_children=step.children,
+        num_reserved=step.num_reserved,
     )
 
 
@@ -73,6 +74,7 @@ def columns_from_proto(msg: pb.StepOps) -> StepColumns:
         salts,
         budgets,
         list(msg.fork_children),
+        list(msg.num_reserved),
     )
 
 

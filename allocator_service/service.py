@@ -125,6 +125,15 @@ def check_step(step: StepColumns, limits: Limits) -> None:
         raise BadRequest(f"{len(step.tokens)} tokens in one step; the limit is {limits.max_tokens_per_call}")
     if sum(counts) != len(step.tokens):
         raise BadRequest("num_tokens does not add up to the number of tokens sent")
+    reserved = step.num_reserved
+    if reserved:
+        if len(reserved) != n:
+            raise BadRequest("num_reserved must be empty or have one entry per operation")
+        if any(r for k, r in zip(kinds, reserved, strict=True) if k != APPEND):
+            raise BadRequest("only APPEND operations reserve slots")
+        if sum(reserved) + len(step.tokens) > limits.max_tokens_per_call:
+            raise BadRequest(f"{sum(reserved)} reserved slots and {len(step.tokens)} tokens in one step; "
+                             f"the limit is {limits.max_tokens_per_call}")
     if not set(kinds) <= _KINDS:
         raise BadRequest("an operation kind is not FREE, APPEND, ADMIT or FORK")
     if kinds.count(ADMIT) != len(step.salts):

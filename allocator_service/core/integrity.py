@@ -36,8 +36,12 @@ def integrity_problems(pool: BlockPool) -> list[str]:
             expect = min(B, seq.num_tokens - i * B)
             if fill[b] != expect:
                 problems.append(f"{sid}: block {b} holds {fill[b]} tokens, table says {expect}")
-        if pool.enable_prefix_caching and len(seq.hashes) != seq.num_tokens // B:
-            problems.append(f"{sid}: {len(seq.hashes)} chain hashes for {seq.num_tokens} tokens")
+        if not 0 <= seq.reserved <= seq.num_tokens:
+            problems.append(f"{sid}: {seq.reserved} reserved slots of {seq.num_tokens}")
+        known = seq.num_tokens - seq.reserved  # slots whose token values the pool has
+        if pool.enable_prefix_caching and (len(seq.hashes) != known // B or len(seq.tail) != known % B):
+            problems.append(f"{sid}: {len(seq.hashes)} chain hashes and {len(seq.tail)} tail tokens "
+                            f"for {known} known tokens")
     entries = sum(len(seq.table) for seq in pool._seqs.values())
     if pool.table_entries != entries:
         problems.append(f"the pool counts {pool.table_entries} table entries, its tables hold {entries}")

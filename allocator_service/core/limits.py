@@ -20,6 +20,11 @@ MAX_NUM_BLOCKS = 1 << 24
 # can run a pool with larger blocks, so the allocator does not accept one.
 MAX_BLOCK_SIZE = 1024
 
+# Slots one APPEND may reserve for tokens not known yet (async scheduling
+# reserves one per sampled token; the service also counts them against its
+# tokens-per-call bound).
+MAX_RESERVE = 1 << 20
+
 # Characters of a model fingerprint (it enters the root hash).
 MAX_FINGERPRINT_LEN = 1024
 

@@ -42,6 +42,7 @@ from allocator_service.core.limits import (
     MAX_BLOCK_SIZE,
     MAX_FINGERPRINT_LEN,
     MAX_NUM_BLOCKS,
+    MAX_RESERVE,
     MAX_SALT_LEN,
     MAX_SEQ_ID_LEN,
     MAX_TOKEN_ID,
@@ -351,25 +352,38 @@ class BlockPool:
         self._seqs[seq_id] = seq
         return AdmitResult(cached, stored, new_blocks, list(table))
 
-    def append(self, seq_id: str, tokens: Sequence[int]) -> AppendResult:
-        """Store `tokens` after the sequence's last token (decode, or the next
-        chunk of a chunked prefill). A write into a shared, not-full last block
-        first moves the sequence to a private copy (copy-on-write)."""
+    def append(self, seq_id: str, tokens: Sequence[int], reserve: int = 0) -> AppendResult:
+        """Store `tokens` after the sequence's last known token (decode, or the
+        next chunk of a chunked prefill), then hold `reserve` more slots for
+        tokens whose values are not known yet (async scheduling: the slot of a
+        token the worker is still sampling).
+
+        `tokens` first fill the slots reserved earlier, in order (no new
+        block: the slots are held), and only the rest take new slots. A write
+        into a shared, not-full last block first moves the sequence to a
+        private copy (copy-on-write). A block is hashed (findable) only once
+        every one of its slots has a known value."""
         seq = self._seqs.get(seq_id)
         if seq is None:
             raise UnknownSequence(seq_id)
         check_tokens(tokens)
-        k = len(tokens)
+        if type(reserve) is not int or not 0 <= reserve <= MAX_RESERVE:
+            raise InvalidArgument(f"reserve must be an integer in [0, {MAX_RESERVE}]")
         table = seq.table
-        if k == 0:
+        fill = min(len(tokens), seq.reserved)  # values of slots held already
+        k = len(tokens) - fill + reserve  # new slots
+        if k == 0 and not fill:
             return AppendResult(len(table), [], [])
-        if k == 1 and (keep := self.try_append_one(seq_id, tokens[0])) >= 0:
+        if not reserve and not seq.reserved and k == 1 and (keep := self.try_append_one(seq_id, tokens[0])) >= 0:
             return AppendResult(keep, [], [])
         B = self.block_size
         n = seq.num_tokens
         offset = n % B
         room = B - offset if offset else 0
-        cow = offset != 0 and self.ref_cnt[table[-1]] > 1
+        # NOTE: a reserved slot is never in a shared block (a sequence with
+        # reserved slots cannot be forked, and its partly known block has no
+        # hash), so filling one never copies.
+        cow = k > 0 and offset != 0 and self.ref_cnt[table[-1]] > 1
         need = (blocks_for(k - room, B) if k > room else 0) + cow
         if need:
             available = self.num_free_blocks
@@ -394,7 +408,7 @@ class BlockPool:
             copies.append((src, dst))
             self.copies += 1
         left = k
-        if room:
+        if room and left:
             put = min(room, k)
             self._fill[table[-1]] += put
             left -= put
@@ -406,8 +420,9 @@ class BlockPool:
             new_blocks.append(b)
             left -= put
         seq.num_tokens = n + k
+        seq.reserved += reserve - fill
 
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and tokens:
             seq.tail.extend(tokens)
             self._hash_full_tail(seq)
         return AppendResult(keep, new_blocks, copies)
@@ -416,10 +431,10 @@ class BlockPool:
         """The decode hot path: store one token in the sequence's last block
         when that block is private and has room. Returns the table length
         (nothing else changes in the table), or -1 when the general `append`
-        must handle it (a new block, copy-on-write, an unknown sequence or a
-        bad token); nothing was changed then."""
+        must handle it (a new block, copy-on-write, reserved slots, an unknown
+        sequence or a bad token); nothing was changed then."""
         seq = self._seqs.get(seq_id)
-        if seq is None or type(token) is not int or not 0 <= token <= MAX_TOKEN_ID:
+        if seq is None or seq.reserved or type(token) is not int or not 0 <= token <= MAX_TOKEN_ID:
             return -1
         n = seq.num_tokens
         offset = n % self.block_size
@@ -431,6 +446,27 @@ class BlockPool:
         if self.enable_prefix_caching:
             seq.tail.append(token)
             if offset == self.block_size - 1:
+                self._hash_full_tail(seq)
+        return len(table)
+
+    def try_fill_and_reserve_one(self, seq_id: str, token: int) -> int:
+        """The async decode hot path: the value of the one reserved slot, and
+        one slot reserved after it in the same private, not-full last block.
+        Returns the table length, or -1 when the general `append` must handle
+        it; nothing was changed then."""
+        seq = self._seqs.get(seq_id)
+        if seq is None or seq.reserved != 1 or type(token) is not int or not 0 <= token <= MAX_TOKEN_ID:
+            return -1
+        n = seq.num_tokens
+        B = self.block_size
+        table = seq.table
+        if not n % B or self.ref_cnt[table[-1]] != 1:
+            return -1
+        self._fill[table[-1]] += 1
+        seq.num_tokens = n + 1
+        if self.enable_prefix_caching:
+            seq.tail.append(token)
+            if len(seq.tail) == B:  # the filled slot completed a block before the new one
                 self._hash_full_tail(seq)
         return len(table)
 
@@ -455,6 +491,10 @@ class BlockPool:
             raise UnknownSequence(parent_id)
         if child_id in self._seqs:
             raise SequenceExists(child_id)
+        if parent.reserved:
+            # The child would hold slots whose values only the parent sends.
+            raise InvalidArgument(f"cannot fork {parent_id!r}: it has {parent.reserved} reserved slots "
+                                  "whose tokens are not known yet")
         names = _name_chars(child_id, parent.salt)
         self._check_new_sequence(names)
         self._check_new_entries(len(parent.table))

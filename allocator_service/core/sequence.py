@@ -20,3 +20,8 @@ class Seq:
     # and the tokens of its partly filled last block (hashed once it fills).
     hashes: list[bytes] = field(default_factory=list)
     tail: list[int] = field(default_factory=list)
+    # Async scheduling: the last `reserved` of its `num_tokens` slots are held
+    # for tokens whose values the worker has not sent yet (an APPEND that
+    # reserves). Their values arrive, in order, with its next APPEND; a block
+    # with a reserved slot is never hashed, so never found by another sequence.
+    reserved: int = 0

@@ -42,6 +42,9 @@ def to_state(pool: BlockPool) -> dict[str, Any]:
                 "salt": q.salt,
                 "hashes": [h.hex() for h in q.hashes],
                 "tail": list(q.tail),
+                # NOTE: only when set, so a dump without reservations has the
+                # keys every stored snapshot has (older ones read as 0).
+                **({"reserved": q.reserved} if q.reserved else {}),
             }
             for s, q in pool._seqs.items()
         },
@@ -89,6 +92,7 @@ def restore(pool: BlockPool, state: dict[str, Any]) -> None:
             salt=q["salt"],
             hashes=[bytes.fromhex(h) for h in q["hashes"]],
             tail=list(q["tail"]),
+            reserved=q.get("reserved", 0),
         )
     pool.table_entries = sum(len(q.table) for q in pool._seqs.values())
     pool.name_chars = sum(len(s) + len(q.salt or "") for s, q in pool._seqs.items())

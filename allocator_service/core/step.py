@@ -54,6 +54,9 @@ class StepColumns(NamedTuple):
     salts: list[str | None]  # one per ADMIT: its cache_salt
     num_new_tokens: list[int | None]  # one per ADMIT: chunked prefill bound (None: all)
     children: list[str]  # one per FORK: the child's sequence id
+    # Empty (nothing reserved), or one per operation: slots an APPEND reserves
+    # after its tokens for tokens not known yet (async scheduling; 0 elsewhere).
+    num_reserved: list[int] = []  # noqa: RUF012 - a NamedTuple default, never mutated
 
 
 class StepResult(NamedTuple):
@@ -75,8 +78,10 @@ def run_step(pool: BlockPool, step: StepColumns) -> StepResult:
     the order the operations were given. The columns must fit together
     (one entry per operation, per ADMIT, per FORK; token counts adding up):
     the service checks what it receives before calling this."""
-    kinds, seqs, counts, tokens, salts, budgets, children = step
+    kinds, seqs, counts, tokens, salts, budgets, children, reserved = step
     n = len(kinds)
+    if not reserved:
+        reserved = [0] * n
     errors = [0] * n
     keep = [0] * n
     num_appended = [0] * n
@@ -105,10 +110,15 @@ def run_step(pool: BlockPool, step: StepColumns) -> StepResult:
             if kind == APPEND:
                 # NOTE: a decode token goes straight to the pool's fast path:
                 # no slice, no AppendResult (this is the hot loop of a step).
-                if end - start == 1 and (k := pool.try_append_one(seq, tokens[start])) >= 0:
-                    keep[i] = k
-                    continue
-                r = pool.append(seq, tokens[start:end])
+                r_i = reserved[i]
+                if end - start == 1:
+                    if r_i == 0 and (k := pool.try_append_one(seq, tokens[start])) >= 0:
+                        keep[i] = k
+                        continue
+                    if r_i == 1 and (k := pool.try_fill_and_reserve_one(seq, tokens[start])) >= 0:
+                        keep[i] = k
+                        continue
+                r = pool.append(seq, tokens[start:end], r_i)
                 keep[i] = r.keep
                 if r.new_blocks:
                     appended += r.new_blocks
@@ -154,6 +164,9 @@ class Free:
 class Append:
     seq: str
     tokens: Sequence[int]
+    # Slots held after `tokens` for tokens not known yet; their values come
+    # with the sequence's next Append, first in its `tokens` (async scheduling).
+    reserve: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,13 +210,18 @@ def step_columns(ops: Sequence[Op]) -> StepColumns:
     salts: list[str | None] = []
     budgets: list[int | None] = []
     children: list[str] = []
-    for op in ops:
+    reserved: list[int] = []  # filled in only once an operation reserves
+    for i, op in enumerate(ops):
         t = type(op)
         if t is Append:
             kind(APPEND)
             seq(op.seq)
             count(len(op.tokens))
             extend(op.tokens)
+            if op.reserve:
+                if len(reserved) < i:
+                    reserved.extend([0] * (i - len(reserved)))
+                reserved.append(op.reserve)
         elif t is Free:
             kind(FREE)
             seq(op.seq)
@@ -222,7 +240,9 @@ def step_columns(ops: Sequence[Op]) -> StepColumns:
             children.append(op.child)
         else:
             raise TypeError(f"not an operation: {op!r}")
-    return StepColumns(kinds, seqs, counts, tokens, salts, budgets, children)
+    if reserved and len(reserved) < len(kinds):
+        reserved.extend([0] * (len(kinds) - len(reserved)))
+    return StepColumns(kinds, seqs, counts, tokens, salts, budgets, children, reserved)
 
 
 def op_results(result: StepResult) -> list[OpResult]:

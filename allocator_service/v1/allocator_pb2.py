@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apagedkv/v1/allocator.proto\x12\npagedkv.v1\".\n\x07PoolRef\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x12\n\ncredential\x18\x02 \x01(\t\"m\n\tPoolShape\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x1d\n\x15\x65nable_prefix_caching\x18\x04 \x01(\x08\"j\n\x13RegisterPoolRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x05shape\x18\x02 \x01(\x0b\x32\x15.pagedkv.v1.PoolShape\x12\x1a\n\x12replace_credential\x18\x03 \x01(\t\"_\n\x14RegisterPoolResponse\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x12\n\ncredential\x18\x03 \x01(\t\x12\x13\n\x0blease_ttl_s\x18\x04 \x01(\x01\"5\n\x10HeartbeatRequest\x12!\n\x04pool\x18\x01 \x01(\x0b\x32\x13.pagedkv.v1.PoolRef\"(\n\x11HeartbeatResponse\x12\x13\n\x0blease_ttl_s\x18\x01 \x01(\x01\":\n\x15\x44\x65registerPoolRequest\x12!\n\x04pool\x18\x01 \x01(\x0b\x32\x13.pagedkv.v1.PoolRef\"\x18\n\x16\x44\x65registerPoolResponse\"f\n\x0c\x41\x64mitOptions\x12\x17\n\ncache_salt\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x1b\n\x0enum_new_tokens\x18\x02 \x01(\rH\x01\x88\x01\x01\x42\r\n\x0b_cache_saltB\x11\n\x0f_num_new_tokens\"\xa9\x01\n\x07StepOps\x12!\n\x05kinds\x18\x01 \x03(\x0e\x32\x12.pagedkv.v1.OpKind\x12\x0f\n\x07seq_ids\x18\x02 \x03(\t\x12\x12\n\nnum_tokens\x18\x03 \x03(\r\x12\x0e\n\x06tokens\x18\x04 \x03(\r\x12/\n\radmit_options\x18\x05 \x03(\x0b\x32\x18.pagedkv.v1.AdmitOptions\x12\x15\n\rfork_children\x18\x06 \x03(\t\"\x8f\x01\n\x0bStepRequest\x12!\n\x04pool\x18\x01 \x01(\x0b\x32\x13.pagedkv.v1.PoolRef\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12 \n\x03ops\x18\x03 \x01(\x0b\x32\x13.pagedkv.v1.StepOps\x12\x19\n\x0cprev_step_id\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x0f\n\r_prev_step_id\"\xe1\x01\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12#\n\x06\x65rrors\x18\x02 \x03(\x0e\x32\x13.pagedkv.v1.OpError\x12\x0c\n\x04keep\x18\x03 \x03(\r\x12\x14\n\x0cnum_appended\x18\x04 \x03(\r\x12\x10\n\x08\x61ppended\x18\x05 \x03(\r\x12\x12\n\nnum_copies\x18\x06 \x03(\r\x12\x0e\n\x06\x63opies\x18\x07 \x03(\r\x12\x15\n\rcached_tokens\x18\x08 \x03(\r\x12\x12\n\nnum_stored\x18\t \x03(\r\x12\x16\n\x0e\x65rror_messages\x18\n \x03(\t\"I\n\x14GetBlockTableRequest\x12!\n\x04pool\x18\x01 \x01(\x0b\x32\x13.pagedkv.v1.PoolRef\x12\x0e\n\x06seq_id\x18\x02 \x01(\t\">\n\x15GetBlockTableResponse\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\"Q\n\x13GetPoolStatsRequest\x12!\n\x04pool\x18\x01 \x01(\x0b\x32\x13.pagedkv.v1.PoolRef\x12\x17\n\x0f\x63heck_integrity\x18\x02 \x01(\x08\"\x87\x03\n\x14GetPoolStatsResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x13\n\x0bused_blocks\x18\x03 \x01(\r\x12\x15\n\rcached_blocks\x18\x04 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\r\x12\x15\n\rnum_sequences\x18\x06 \x01(\r\x12\x15\n\rtokens_stored\x18\x07 \x01(\x04\x12\x17\n\x0fslots_allocated\x18\x08 \x01(\x04\x12\x1d\n\x15prefix_queried_tokens\x18\t \x01(\x04\x12\x19\n\x11prefix_hit_tokens\x18\n \x01(\x04\x12\x11\n\tevictions\x18\x0b \x01(\x04\x12\x0e\n\x06\x63opies\x18\x0c \x01(\x04\x12\x15\n\rout_of_blocks\x18\r \x01(\x04\x12\x14\n\x0clast_step_id\x18\x0e \x01(\x04\x12\x1a\n\x12integrity_problems\x18\x0f \x03(\t\x12\x19\n\x11integrity_checked\x18\x10 \x01(\x08\"<\n\x17ResetPrefixCacheRequest\x12!\n\x04pool\x18\x01 \x01(\x0b\x32\x13.pagedkv.v1.PoolRef\"+\n\x18ResetPrefixCacheResponse\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\x04\"g\n\x12MatchPrefixRequest\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x17\n\ncache_salt\x18\x03 \x01(\tH\x00\x88\x01\x01\x42\r\n\x0b_cache_salt\"q\n\x0bPrefixMatch\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\"?\n\x13MatchPrefixResponse\x12(\n\x07matches\x18\x01 \x03(\x0b\x32\x17.pagedkv.v1.PrefixMatch\"+\n\x12WatchEventsRequest\x12\x15\n\rfrom_sequence\x18\x01 \x01(\x04\"\xa4\x01\n\x07KvEvent\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12%\n\x04kind\x18\x02 \x01(\x0e\x32\x17.pagedkv.v1.KvEventKind\x12\x0f\n\x07pool_id\x18\x03 \x01(\t\x12\x10\n\x08\x62lock_id\x18\x04 \x01(\r\x12\x12\n\nblock_hash\x18\x05 \x01(\x0c\x12\x19\n\x11model_fingerprint\x18\x06 \x01(\t\x12\x0e\n\x06reason\x18\x07 \x01(\t\"4\n\x0f\x44umpPoolRequest\x12!\n\x04pool\x18\x01 \x01(\x0b\x32\x13.pagedkv.v1.PoolRef\"X\n\x10\x44umpPoolResponse\x12\x12\n\nstate_json\x18\x01 \x01(\t\x12\x14\n\x0clast_step_id\x18\x02 \x01(\x04\x12\x1a\n\x12integrity_problems\x18\x03 \x03(\t*l\n\x06OpKind\x12\x17\n\x13OP_KIND_UNSPECIFIED\x10\x00\x12\x10\n\x0cOP_KIND_FREE\x10\x01\x12\x12\n\x0eOP_KIND_APPEND\x10\x02\x12\x11\n\rOP_KIND_ADMIT\x10\x03\x12\x10\n\x0cOP_KIND_FORK\x10\x04*\xad\x01\n\x07OpError\x12\x11\n\rOP_ERROR_NONE\x10\x00\x12\x1a\n\x16OP_ERROR_OUT_OF_BLOCKS\x10\x01\x12\x1d\n\x19OP_ERROR_UNKNOWN_SEQUENCE\x10\x02\x12\x1c\n\x18OP_ERROR_SEQUENCE_EXISTS\x10\x03\x12\x1d\n\x19OP_ERROR_INVALID_ARGUMENT\x10\x04\x12\x17\n\x13OP_ERROR_POOL_LIMIT\x10\x05*\xf2\x01\n\x0bKvEventKind\x12\x1d\n\x19KV_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x1e\n\x1aKV_EVENT_KIND_BLOCK_STORED\x10\x01\x12\x1f\n\x1bKV_EVENT_KIND_BLOCK_REMOVED\x10\x02\x12\x1d\n\x19KV_EVENT_KIND_ALL_CLEARED\x10\x03\x12!\n\x1dKV_EVENT_KIND_POOL_REGISTERED\x10\x04\x12\x1e\n\x1aKV_EVENT_KIND_POOL_DROPPED\x10\x05\x12!\n\x1dKV_EVENT_KIND_RESYNC_REQUIRED\x10\x06\x32\xa1\x06\n\tAllocator\x12Q\n\x0cRegisterPool\x12\x1f.pagedkv.v1.RegisterPoolRequest\x1a .pagedkv.v1.RegisterPoolResponse\x12H\n\tHeartbeat\x12\x1c.pagedkv.v1.HeartbeatRequest\x1a\x1d.pagedkv.v1.HeartbeatResponse\x12W\n\x0e\x44\x65registerPool\x12!.pagedkv.v1.DeregisterPoolRequest\x1a\".pagedkv.v1.DeregisterPoolResponse\x12\x39\n\x04Step\x12\x17.pagedkv.v1.StepRequest\x1a\x18.pagedkv.v1.StepResponse\x12T\n\rGetBlockTable\x12 .pagedkv.v1.GetBlockTableRequest\x1a!.pagedkv.v1.GetBlockTableResponse\x12Q\n\x0cGetPoolStats\x12\x1f.pagedkv.v1.GetPoolStatsRequest\x1a .pagedkv.v1.GetPoolStatsResponse\x12]\n\x10ResetPrefixCache\x12#.pagedkv.v1.ResetPrefixCacheRequest\x1a$.pagedkv.v1.ResetPrefixCacheResponse\x12N\n\x0bMatchPrefix\x12\x1e.pagedkv.v1.MatchPrefixRequest\x1a\x1f.pagedkv.v1.MatchPrefixResponse\x12\x44\n\x0bWatchEvents\x12\x1e.pagedkv.v1.WatchEventsRequest\x1a\x13.pagedkv.v1.KvEvent0\x01\x12\x45\n\x08\x44umpPool\x12\x1b.pagedkv.v1.DumpPoolRequest\x1a\x1c.pagedkv.v1.DumpPoolResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apagedkv/v1/allocator.proto\x12\npagedkv.v1\".\n\x07PoolRef\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x12\n\ncredential\x18\x02 \x01(\t\"m\n\tPoolShape\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x1d\n\x15\x65nable_prefix_caching\x18\x04 \x01(\x08\"j\n\x13RegisterPoolRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x05shape\x18\x02 \x01(\x0b\x32\x15.pagedkv.v1.PoolShape\x12\x1a\n\x12replace_credential\x18\x03 \x01(\t\"_\n\x14RegisterPoolResponse\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x12\n\ncredential\x18\x03 \x01(\t\x12\x13\n\x0blease_ttl_s\x18\x04 \x01(\x01\"5\n\x10HeartbeatRequest\x12!\n\x04pool\x18\x01 \x01(\x0b\x32\x13.pagedkv.v1.PoolRef\"(\n\x11HeartbeatResponse\x12\x13\n\x0blease_ttl_s\x18\x01 \x01(\x01\":\n\x15\x44\x65registerPoolRequest\x12!\n\x04pool\x18\x01 \x01(\x0b\x32\x13.pagedkv.v1.PoolRef\"\x18\n\x16\x44\x65registerPoolResponse\"f\n\x0c\x41\x64mitOptions\x12\x17\n\ncache_salt\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x1b\n\x0enum_new_tokens\x18\x02 \x01(\rH\x01\x88\x01\x01\x42\r\n\x0b_cache_saltB\x11\n\x0f_num_new_tokens\"\xbf\x01\n\x07StepOps\x12!\n\x05kinds\x18\x01 \x03(\x0e\x32\x12.pagedkv.v1.OpKind\x12\x0f\n\x07seq_ids\x18\x02 \x03(\t\x12\x12\n\nnum_tokens\x18\x03 \x03(\r\x12\x0e\n\x06tokens\x18\x04 \x03(\r\x12/\n\radmit_options\x18\x05 \x03(\x0b\x32\x18.pagedkv.v1.AdmitOptions\x12\x15\n\rfork_children\x18\x06 \x03(\t\x12\x14\n\x0cnum_reserved\x18\x07 \x03(\r\"\x8f\x01\n\x0bStepRequest\x12!\n\x04pool\x18\x01 \x01(\x0b\x32\x13.pagedkv.v1.PoolRef\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12 \n\x03ops\x18\x03 \x01(\x0b\x32\x13.pagedkv.v1.StepOps\x12\x19\n\x0cprev_step_id\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x0f\n\r_prev_step_id\"\xe1\x01\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12#\n\x06\x65rrors\x18\x02 \x03(\x0e\x32\x13.pagedkv.v1.OpError\x12\x0c\n\x04keep\x18\x03 \x03(\r\x12\x14\n\x0cnum_appended\x18\x04 \x03(\r\x12\x10\n\x08\x61ppended\x18\x05 \x03(\r\x12\x12\n\nnum_copies\x18\x06 \x03(\r\x12\x0e\n\x06\x63opies\x18\x07 \x03(\r\x12\x15\n\rcached_tokens\x18\x08 \x03(\r\x12\x12\n\nnum_stored\x18\t \x03(\r\x12\x16\n\x0e\x65rror_messages\x18\n \x03(\t\"I\n\x14GetBlockTableRequest\x12!\n\x04pool\x18\x01 \x01(\x0b\x32\x13.pagedkv.v1.PoolRef\x12\x0e\n\x06seq_id\x18\x02 \x01(\t\">\n\x15GetBlockTableResponse\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\"Q\n\x13GetPoolStatsRequest\x12!\n\x04pool\x18\x01 \x01(\x0b\x32\x13.pagedkv.v1.PoolRef\x12\x17\n\x0f\x63heck_integrity\x18\x02 \x01(\x08\"\x87\x03\n\x14GetPoolStatsResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x13\n\x0bused_blocks\x18\x03 \x01(\r\x12\x15\n\rcached_blocks\x18\x04 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\r\x12\x15\n\rnum_sequences\x18\x06 \x01(\r\x12\x15\n\rtokens_stored\x18\x07 \x01(\x04\x12\x17\n\x0fslots_allocated\x18\x08 \x01(\x04\x12\x1d\n\x15prefix_queried_tokens\x18\t \x01(\x04\x12\x19\n\x11prefix_hit_tokens\x18\n \x01(\x04\x12\x11\n\tevictions\x18\x0b \x01(\x04\x12\x0e\n\x06\x63opies\x18\x0c \x01(\x04\x12\x15\n\rout_of_blocks\x18\r \x01(\x04\x12\x14\n\x0clast_step_id\x18\x0e \x01(\x04\x12\x1a\n\x12integrity_problems\x18\x0f \x03(\t\x12\x19\n\x11integrity_checked\x18\x10 \x01(\x08\"<\n\x17ResetPrefixCacheRequest\x12!\n\x04pool\x18\x01 \x01(\x0b\x32\x13.pagedkv.v1.PoolRef\"+\n\x18ResetPrefixCacheResponse\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\x04\"g\n\x12MatchPrefixRequest\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x17\n\ncache_salt\x18\x03 \x01(\tH\x00\x88\x01\x01\x42\r\n\x0b_cache_salt\"q\n\x0bPrefixMatch\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\"?\n\x13MatchPrefixResponse\x12(\n\x07matches\x18\x01 \x03(\x0b\x32\x17.pagedkv.v1.PrefixMatch\"+\n\x12WatchEventsRequest\x12\x15\n\rfrom_sequence\x18\x01 \x01(\x04\"\xa4\x01\n\x07KvEvent\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12%\n\x04kind\x18\x02 \x01(\x0e\x32\x17.pagedkv.v1.KvEventKind\x12\x0f\n\x07pool_id\x18\x03 \x01(\t\x12\x10\n\x08\x62lock_id\x18\x04 \x01(\r\x12\x12\n\nblock_hash\x18\x05 \x01(\x0c\x12\x19\n\x11model_fingerprint\x18\x06 \x01(\t\x12\x0e\n\x06reason\x18\x07 \x01(\t\"4\n\x0f\x44umpPoolRequest\x12!\n\x04pool\x18\x01 \x01(\x0b\x32\x13.pagedkv.v1.PoolRef\"X\n\x10\x44umpPoolResponse\x12\x12\n\nstate_json\x18\x01 \x01(\t\x12\x14\n\x0clast_step_id\x18\x02 \x01(\x04\x12\x1a\n\x12integrity_problems\x18\x03 \x03(\t*l\n\x06OpKind\x12\x17\n\x13OP_KIND_UNSPECIFIED\x10\x00\x12\x10\n\x0cOP_KIND_FREE\x10\x01\x12\x12\n\x0eOP_KIND_APPEND\x10\x02\x12\x11\n\rOP_KIND_ADMIT\x10\x03\x12\x10\n\x0cOP_KIND_FORK\x10\x04*\xad\x01\n\x07OpError\x12\x11\n\rOP_ERROR_NONE\x10\x00\x12\x1a\n\x16OP_ERROR_OUT_OF_BLOCKS\x10\x01\x12\x1d\n\x19OP_ERROR_UNKNOWN_SEQUENCE\x10\x02\x12\x1c\n\x18OP_ERROR_SEQUENCE_EXISTS\x10\x03\x12\x1d\n\x19OP_ERROR_INVALID_ARGUMENT\x10\x04\x12\x17\n\x13OP_ERROR_POOL_LIMIT\x10\x05*\xf2\x01\n\x0bKvEventKind\x12\x1d\n\x19KV_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x1e\n\x1aKV_EVENT_KIND_BLOCK_STORED\x10\x01\x12\x1f\n\x1bKV_EVENT_KIND_BLOCK_REMOVED\x10\x02\x12\x1d\n\x19KV_EVENT_KIND_ALL_CLEARED\x10\x03\x12!\n\x1dKV_EVENT_KIND_POOL_REGISTERED\x10\x04\x12\x1e\n\x1aKV_EVENT_KIND_POOL_DROPPED\x10\x05\x12!\n\x1dKV_EVENT_KIND_RESYNC_REQUIRED\x10\x06\x32\xa1\x06\n\tAllocator\x12Q\n\x0cRegisterPool\x12\x1f.pagedkv.v1.RegisterPoolRequest\x1a .pagedkv.v1.RegisterPoolResponse\x12H\n\tHeartbeat\x12\x1c.pagedkv.v1.HeartbeatRequest\x1a\x1d.pagedkv.v1.HeartbeatResponse\x12W\n\x0e\x44\x65registerPool\x12!.pagedkv.v1.DeregisterPoolRequest\x1a\".pagedkv.v1.DeregisterPoolResponse\x12\x39\n\x04Step\x12\x17.pagedkv.v1.StepRequest\x1a\x18.pagedkv.v1.StepResponse\x12T\n\rGetBlockTable\x12 .pagedkv.v1.GetBlockTableRequest\x1a!.pagedkv.v1.GetBlockTableResponse\x12Q\n\x0cGetPoolStats\x12\x1f.pagedkv.v1.GetPoolStatsRequest\x1a .pagedkv.v1.GetPoolStatsResponse\x12]\n\x10ResetPrefixCache\x12#.pagedkv.v1.ResetPrefixCacheRequest\x1a$.pagedkv.v1.ResetPrefixCacheResponse\x12N\n\x0bMatchPrefix\x12\x1e.pagedkv.v1.MatchPrefixRequest\x1a\x1f.pagedkv.v1.MatchPrefixResponse\x12\x44\n\x0bWatchEvents\x12\x1e.pagedkv.v1.WatchEventsRequest\x1a\x13.pagedkv.v1.KvEvent0\x01\x12\x45\n\x08\x44umpPool\x12\x1b.pagedkv.v1.DumpPoolRequest\x1a\x1c.pagedkv.v1.DumpPoolResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pagedkv.v1.allocator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_OPKIND']._serialized_start=2603
-  _globals['_OPKIND']._serialized_end=2711
-  _globals['_OPERROR']._serialized_start=2714
-  _globals['_OPERROR']._serialized_end=2887
-  _globals['_KVEVENTKIND']._serialized_start=2890
-  _globals['_KVEVENTKIND']._serialized_end=3132
+  _globals['_OPKIND']._serialized_start=2625
+  _globals['_OPKIND']._serialized_end=2733
+  _globals['_OPERROR']._serialized_start=2736
+  _globals['_OPERROR']._serialized_end=2909
+  _globals['_KVEVENTKIND']._serialized_start=2912
+  _globals['_KVEVENTKIND']._serialized_end=3154
   _globals['_POOLREF']._serialized_start=42
   _globals['_POOLREF']._serialized_end=88
   _globals['_POOLSHAPE']._serialized_start=90
@@ -56,37 +56,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ADMITOPTIONS']._serialized_start=589
   _globals['_ADMITOPTIONS']._serialized_end=691
   _globals['_STEPOPS']._serialized_start=694
-  _globals['_STEPOPS']._serialized_end=863
-  _globals['_STEPREQUEST']._serialized_start=866
-  _globals['_STEPREQUEST']._serialized_end=1009
-  _globals['_STEPRESPONSE']._serialized_start=1012
-  _globals['_STEPRESPONSE']._serialized_end=1237
-  _globals['_GETBLOCKTABLEREQUEST']._serialized_start=1239
-  _globals['_GETBLOCKTABLEREQUEST']._serialized_end=1312
-  _globals['_GETBLOCKTABLERESPONSE']._serialized_start=1314
-  _globals['_GETBLOCKTABLERESPONSE']._serialized_end=1376
-  _globals['_GETPOOLSTATSREQUEST']._serialized_start=1378
-  _globals['_GETPOOLSTATSREQUEST']._serialized_end=1459
-  _globals['_GETPOOLSTATSRESPONSE']._serialized_start=1462
-  _globals['_GETPOOLSTATSRESPONSE']._serialized_end=1853
-  _globals['_RESETPREFIXCACHEREQUEST']._serialized_start=1855
-  _globals['_RESETPREFIXCACHEREQUEST']._serialized_end=1915
-  _globals['_RESETPREFIXCACHERESPONSE']._serialized_start=1917
-  _globals['_RESETPREFIXCACHERESPONSE']._serialized_end=1960
-  _globals['_MATCHPREFIXREQUEST']._serialized_start=1962
-  _globals['_MATCHPREFIXREQUEST']._serialized_end=2065
-  _globals['_PREFIXMATCH']._serialized_start=2067
-  _globals['_PREFIXMATCH']._serialized_end=2180
-  _globals['_MATCHPREFIXRESPONSE']._serialized_start=2182
-  _globals['_MATCHPREFIXRESPONSE']._serialized_end=2245
-  _globals['_WATCHEVENTSREQUEST']._serialized_start=2247
-  _globals['_WATCHEVENTSREQUEST']._serialized_end=2290
-  _globals['_KVEVENT']._serialized_start=2293
-  _globals['_KVEVENT']._serialized_end=2457
-  _globals['_DUMPPOOLREQUEST']._serialized_start=2459
-  _globals['_DUMPPOOLREQUEST']._serialized_end=2511
-  _globals['_DUMPPOOLRESPONSE']._serialized_start=2513
-  _globals['_DUMPPOOLRESPONSE']._serialized_end=2601
-  _globals['_ALLOCATOR']._serialized_start=3135
-  _globals['_ALLOCATOR']._serialized_end=3936
+  _globals['_STEPOPS']._serialized_end=885
+  _globals['_STEPREQUEST']._serialized_start=888
+  _globals['_STEPREQUEST']._serialized_end=1031
+  _globals['_STEPRESPONSE']._serialized_start=1034
+  _globals['_STEPRESPONSE']._serialized_end=1259
+  _globals['_GETBLOCKTABLEREQUEST']._serialized_start=1261
+  _globals['_GETBLOCKTABLEREQUEST']._serialized_end=1334
+  _globals['_GETBLOCKTABLERESPONSE']._serialized_start=1336
+  _globals['_GETBLOCKTABLERESPONSE']._serialized_end=1398
+  _globals['_GETPOOLSTATSREQUEST']._serialized_start=1400
+  _globals['_GETPOOLSTATSREQUEST']._serialized_end=1481
+  _globals['_GETPOOLSTATSRESPONSE']._serialized_start=1484
+  _globals['_GETPOOLSTATSRESPONSE']._serialized_end=1875
+  _globals['_RESETPREFIXCACHEREQUEST']._serialized_start=1877
+  _globals['_RESETPREFIXCACHEREQUEST']._serialized_end=1937
+  _globals['_RESETPREFIXCACHERESPONSE']._serialized_start=1939
+  _globals['_RESETPREFIXCACHERESPONSE']._serialized_end=1982
+  _globals['_MATCHPREFIXREQUEST']._serialized_start=1984
+  _globals['_MATCHPREFIXREQUEST']._serialized_end=2087
+  _globals['_PREFIXMATCH']._serialized_start=2089
+  _globals['_PREFIXMATCH']._serialized_end=2202
+  _globals['_MATCHPREFIXRESPONSE']._serialized_start=2204
+  _globals['_MATCHPREFIXRESPONSE']._serialized_end=2267
+  _globals['_WATCHEVENTSREQUEST']._serialized_start=2269
+  _globals['_WATCHEVENTSREQUEST']._serialized_end=2312
+  _globals['_KVEVENT']._serialized_start=2315
+  _globals['_KVEVENT']._serialized_end=2479
+  _globals['_DUMPPOOLREQUEST']._serialized_start=2481
+  _globals['_DUMPPOOLREQUEST']._serialized_end=2533
+  _globals['_DUMPPOOLRESPONSE']._serialized_start=2535
+  _globals['_DUMPPOOLRESPONSE']._serialized_end=2623
+  _globals['_ALLOCATOR']._serialized_start=3157
+  _globals['_ALLOCATOR']._serialized_end=3958
 # @@protoc_insertion_point(module_scope)

@@ -125,20 +125,22 @@ class AdmitOptions(_message.Message):
     def __init__(self, cache_salt: _Optional[str] = ..., num_new_tokens: _Optional[int] = ...) -> None: ...
 
 class StepOps(_message.Message):
-    __slots__ = ("kinds", "seq_ids", "num_tokens", "tokens", "admit_options", "fork_children")
+    __slots__ = ("kinds", "seq_ids", "num_tokens", "tokens", "admit_options", "fork_children", "num_reserved")
     KINDS_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     ADMIT_OPTIONS_FIELD_NUMBER: _ClassVar[int]
     FORK_CHILDREN_FIELD_NUMBER: _ClassVar[int]
+    NUM_RESERVED_FIELD_NUMBER: _ClassVar[int]
     kinds: _containers.RepeatedScalarFieldContainer[OpKind]
     seq_ids: _containers.RepeatedScalarFieldContainer[str]
     num_tokens: _containers.RepeatedScalarFieldContainer[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     admit_options: _containers.RepeatedCompositeFieldContainer[AdmitOptions]
     fork_children: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, kinds: _Optional[_Iterable[_Union[OpKind, str]]] = ..., seq_ids: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., admit_options: _Optional[_Iterable[_Union[AdmitOptions, _Mapping]]] = ..., fork_children: _Optional[_Iterable[str]] = ...) -> None: ...
+    num_reserved: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, kinds: _Optional[_Iterable[_Union[OpKind, str]]] = ..., seq_ids: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., admit_options: _Optional[_Iterable[_Union[AdmitOptions, _Mapping]]] = ..., fork_children: _Optional[_Iterable[str]] = ..., num_reserved: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("pool", "step_id", "ops", "prev_step_id")
