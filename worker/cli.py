@@ -107,6 +107,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="share identical prompt prefixes between requests (hash-chained blocks); on by "
                         "default, as in vLLM: --no-enable-prefix-caching or "
                         "PAGEDKV_WORKER_ENABLE_PREFIX_CACHING=false turns it off")
+    p.add_argument("--async-scheduling", **env_switch("worker", "--async-scheduling", default=True),
+                   help="send each step's allocator call while the previous step computes, its "
+                        "token-dependent parts (hashes, frees) one step later; on by default: "
+                        "--no-async-scheduling or PAGEDKV_WORKER_ASYNC_SCHEDULING=false turns it off")
     p.add_argument("--device", **_env("--device", "cpu"), help="torch device: cpu or cuda (default cpu)")
     p.add_argument("--dtype", **_env("--dtype", "auto"), choices=DTYPES,
                    help="weights and KV dtype; 'auto' (the default) is the model's own: float32 on the CPU, "
@@ -163,6 +167,7 @@ def engine_config(args: argparse.Namespace, dtype: str | None = None):
         kv_cache_memory=args.kv_cache_memory,
         block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching,
+        async_scheduling=args.async_scheduling,
         device=args.device,
         dtype=dtype or ("float32" if args.dtype == "auto" else canonical_dtype(args.dtype)),
         max_num_seqs=args.max_num_seqs,
@@ -201,7 +206,8 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, ModelLoadError, OSError) as exc:  # a bad --model, size or file: the user's to fix
         raise CliError(str(exc)) from None
     log.info("model %s (fingerprint %s), %s", model_of(args), engine.loaded.fingerprint[:12], engine.kv_pool.describe())
-    log.info("allocator: %s; prefix caching %s", args.allocator, "on" if args.enable_prefix_caching else "off")
+    log.info("allocator: %s; prefix caching %s; async scheduling %s", args.allocator,
+             "on" if args.enable_prefix_caching else "off", "on" if args.async_scheduling else "off")
     print(f"KV pool: {engine.kv_pool.describe()}", flush=True)
     async_engine = AsyncLLMEngine(engine)
     app = create_app(async_engine, served_name(args), root=model_of(args), api_key=args.api_key)

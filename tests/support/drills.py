@@ -232,12 +232,14 @@ def run_jobs(stack: Stack, prompts: Sequence[str], jobs: Sequence[Job], max_toke
 
 
 def reference_texts(prompts: Sequence[str], max_tokens: int, chat: bool = False) -> list[str]:
-    """Greedy texts of a fault-free run: the offline engine, in this process."""
+    """Greedy texts of a fault-free run: the offline engine, in this process,
+    synchronous (`--no-async-scheduling`): the drills' workers pipeline their
+    allocator calls (the default) and must produce the same texts."""
     from worker.engine import EngineConfig, LLMEngine, SamplingParams
     from worker.model.loader import load_model
 
     loaded = load_model(MODEL)
-    engine = LLMEngine(loaded, EngineConfig(num_blocks=1024, block_size=4))
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=1024, block_size=4, async_scheduling=False))
     if chat:
         inputs = [loaded.tokenizer.encode_chat([{"role": "user", "content": p}], add_generation_prompt=True)
                   for p in prompts]

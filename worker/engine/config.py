@@ -19,6 +19,8 @@ class EngineConfig:
     kv_cache_memory: str | None = None  # a budget ("2GiB"; on CUDA "0.5" = half of free memory)
     block_size: int = 16
     enable_prefix_caching: bool = False
+    # Send step N+1's allocator call while step N computes (scheduler.py).
+    async_scheduling: bool = True
     device: str = "cpu"
     dtype: str = "float32"
     max_num_seqs: int = 64

@@ -93,6 +93,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             allocator, config.max_num_seqs, config.max_num_batched_tokens,
             on_preempt=lambda seq, cause: self.metrics.preempted(cause),
+            async_scheduling=config.async_scheduling,
         )
         # The allocator away: the step is sent again until answered (a stall, not an error).
         self.scheduler.on_stall = self.metrics.allocator_unavailable_seconds.inc
@@ -266,6 +267,9 @@ class LLMEngine:
         for entry in batch.entries:  # the queue time ends at the first schedule
             if entry.seq.first_scheduled_time is None:
                 entry.seq.first_scheduled_time = now
+        if self.scheduler.async_scheduling:
+            # The next step's allocator call runs while this one computes.
+            self.scheduler.schedule_ahead(batch)
         if batch.entries:
             outputs += self._run(batch)
         self.metrics.running.set(len(self.scheduler.running))
@@ -348,6 +352,7 @@ class LLMEngine:
         return [[final[i, k] for k in range(sp.n)] for i, sp in zip(ids, params, strict=True)]
 
     def close(self) -> None:
+        self.scheduler.close()
         self.allocator.close()
 
 

@@ -62,7 +62,7 @@ class ModelRunner:
             dtype=torch.int64, device=self.device,
         )
         meta = AttentionMetadata.build(
-            [(e.seq.block_table, e.num_computed, e.num_new) for e in entries],
+            [(e.table, e.num_computed, e.num_new) for e in entries],
             self.block_size, self.device,
         )
         hidden = self.model(input_ids, meta.positions(), self.kv_pool, meta)
@@ -74,8 +74,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[rows])
         seqs = [entries[i].seq for i in sampling]
         # The other samples of a prompt computed just now: the same row each.
-        forks = [(r, c) for r, s in enumerate(seqs) if s.children and s.num_output_tokens == 0
-                 for c in s.children if c.fork_parent is s and not c.is_finished and c.num_output_tokens == 0]
+        forks = [(r, c) for r, s in enumerate(seqs) for c in s.unforked_samples()]
         if forks:
             logits = torch.cat([logits, logits[[r for r, _ in forks]]])
             seqs += [c for _, c in forks]

@@ -29,6 +29,25 @@ hashes a block as soon as it is full, and another sequence of the same step
 may share it; so every operation the allocator accepts must be computed by
 this step's forward pass. Dropping an accepted operation after the fact would
 leave a findable block holding no K/V.
+
+Async scheduling (the default; `--no-async-scheduling` turns it off): the
+engine plans step N+1 and sends its call (`schedule_ahead`) before step N's
+forward pass, and collects the answer (`schedule`) after step N sampled, so
+the call runs while the model computes. A step's block needs depend on token
+counts only: each sequence step N samples is planned one more token, whose
+slot the call RESERVES (its value is being sampled); the value follows at
+the front of the sequence's next Append, and only then can the block it
+completes be hashed. Its K/V is written by step N+1's forward, and anything
+that finds that block is admitted in call N+2 or later, so computes after
+step N+1 (forwards run one after another): a findable block holds real K/V,
+at step granularity as in the synchronous engine. A sequence that finished at
+step N (stop token, length, stop string, abort) already holds a slot from
+call N+1: its Free rides the next call, and the slot, never given a value, is
+never hashed. The samples of a prompt are forked in the call planned before
+the step that samples their first token, reserving that token's slot.
+Preemption still happens while planning, before the call: a victim that is
+part of step N keeps the token step N samples for it (recompute preemption).
+The contract's rules and reasons: docs/ARCHITECTURE.md, "The block contract".
 """
 
 from __future__ import annotations
@@ -37,9 +56,10 @@ import bisect
 import time
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from allocator_service.client import AllocatorClient, AllocatorUnavailable, PoolLost
+from allocator_service.client import AllocatorClient, AllocatorUnavailable, EmbeddedAllocator, PoolLost
 from allocator_service.core import Admit, Append, Fork, Free, Op, OpResult, blocks_for
 from worker.engine.health import AllocatorError, AllocatorHealth
 from worker.engine.sequence import Sequence, Status
@@ -50,6 +70,10 @@ class ScheduledSeq:
     seq: Sequence
     num_computed: int  # tokens already in the cache before this step
     num_new: int  # tokens whose K/V this step computes
+    # The block table this step computes with: the list as scheduled (async
+    # scheduling may preempt the sequence, which resets its table, while
+    # planning the next step, before this step's forward pass runs).
+    table: list[int]
 
     @property
     def samples(self) -> bool:
@@ -82,6 +106,18 @@ class _StepPlan:
     admitting: list[Sequence] = field(default_factory=list)
     forks: dict[Sequence, Fork] = field(default_factory=dict)  # child -> its Fork op
     forked_parents: set[str] = field(default_factory=set)  # alloc ids forked from this step
+    # async scheduling: sequences the running step samples a token for (one
+    # more token each, its slot reserved: `_append_op`)
+    ahead: frozenset = frozenset()
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """A call sent ahead: its plan, the batch it fills, its answer to come."""
+
+    plan: _StepPlan
+    batch: Batch
+    future: Future
 
 
 def _priority_key(seq: Sequence) -> tuple[int, float]:
@@ -95,6 +131,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         on_preempt: Callable[[Sequence, str], None] | None = None,
+        async_scheduling: bool = False,
     ) -> None:
         self.allocator = allocator
         self.num_blocks = allocator.spec.config.num_blocks
@@ -109,6 +146,16 @@ class Scheduler:
         self.forking: list[Sequence] = []  # samples that drew their first token, to fork next step
         self.on_preempt = on_preempt
         self.health = AllocatorHealth()
+        self.async_scheduling = async_scheduling
+        self._inflight: _InFlight | None = None
+        # A remote call waits on the network and the server: it runs on one
+        # thread of its own while the forward pass runs. The embedded core is
+        # pure Python that holds the GIL throughout, so a thread would only
+        # interleave it with the forward pass: it runs inline, still planned
+        # and applied a step ahead (the same rules, whichever client).
+        self._executor: ThreadPoolExecutor | None = None
+        if async_scheduling and not isinstance(allocator, EmbeddedAllocator):
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="allocator-call")
 
     # ---------------------------------------------------------------- queues
     def add(self, seq: Sequence) -> None:
@@ -116,7 +163,11 @@ class Scheduler:
 
     def add_fork(self, child: Sequence) -> None:
         """A sample that drew its first token from its parent's prompt logits:
-        forked from the parent in the next step."""
+        forked from the parent in the next step (unless a call planned ahead
+        forked it already, or preempted it after: then it is admitted alone)."""
+        if child.status is Status.RUNNING or child in self.waiting:
+            child.fork_parent = None
+            return
         self.forking.append(child)
 
     def finish(self, seq: Sequence, reason: str) -> None:
@@ -132,25 +183,23 @@ class Scheduler:
         seq.finish_reason = reason
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._to_free or self.forking or self._free_later)
+        # NOTE: a call in flight that only frees leaves nothing to compute: an
+        # idle engine need not step for it (the next `schedule` collects it).
+        inflight = self._inflight
+        return bool(self.waiting or self.running or self._to_free or self.forking or self._free_later
+                    or (inflight and (inflight.plan.running or inflight.plan.admitting or inflight.plan.forks)))
 
     # ------------------------------------------------------------------ step
     def schedule(self) -> Batch:
-        """Plan the step, send it in one allocator call, apply the answers."""
+        """The step to compute now: the answer of the call sent ahead, or
+        (none in flight) the step planned, sent in one allocator call and
+        answered now."""
+        if self._inflight is not None:
+            inflight, self._inflight = self._inflight, None
+            self._collect(inflight)
+            return inflight.batch
         batch = Batch()
-        refs = Counter(b for seq in self.running for b in seq.block_table)
-        plan = _StepPlan(
-            ops=[Free(a) for a in self._to_free],
-            refs=refs,
-            free=self.num_blocks - len(refs),
-            budget=self.max_num_batched_tokens,
-        )
-        self._to_free = self._free_later
-        self._free_later = []
-        self._plan_forks(plan)
-        self._plan_running(plan, batch)
-        if not batch.preempted:
-            self._plan_admissions(plan)
+        plan = self._plan(batch, frozenset())
         if not plan.ops:
             return batch
         results = self._call(plan.ops, batch)
@@ -158,21 +207,90 @@ class Scheduler:
             self._apply_results(plan, results, batch)
         return batch
 
-    def _plan_forks(self, plan: _StepPlan) -> None:
-        """Fork the samples that drew their first token last step from their
-        parent, which then holds exactly the prompt. A parent that finished
-        last step is freed one step later, after the forks; one no longer in
-        the allocator leaves its samples to be admitted on their own."""
-        if not self.forking:
+    def schedule_ahead(self, running: Batch) -> None:
+        """Async scheduling: plan the step after `running` (about to be
+        computed) as if each sequence it samples has one more token, and send
+        its call; `schedule` collects the answer after `running` sampled."""
+        ahead = [e.seq for e in running.entries if e.samples]
+        ahead += [c for s in ahead for c in s.unforked_samples()]
+        batch = Batch()
+        plan = self._plan(batch, frozenset(ahead))
+        if not plan.ops:
+            return
+        t0 = time.perf_counter()
+        if self._executor is None:
+            future: Future = Future()
+            try:
+                future.set_result(self._send(plan.ops))
+            except BaseException as exc:  # noqa: BLE001 - raised where the answer is collected
+                future.set_exception(exc)
+        else:
+            future = self._executor.submit(self._send, plan.ops)
+        batch.allocator_seconds += time.perf_counter() - t0
+        self._inflight = _InFlight(plan, batch, future)
+
+    def _collect(self, inflight: _InFlight) -> None:
+        """Wait for a call sent ahead and apply its answer (the time waited is
+        what the step pays for the allocator)."""
+        batch = inflight.batch
+        results = self._received(lambda: inflight.future.result(), batch)
+        if results is not None:
+            self._apply_results(inflight.plan, results, batch)
+
+    def close(self) -> None:
+        """Wait for a call in flight (its answer is dropped) and stop the call thread."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None:
+            try:
+                inflight.future.result()
+            except Exception:  # noqa: BLE001, S110 - closing: nothing more to compute
+                pass
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+
+    def _plan(self, batch: Batch, ahead: frozenset) -> _StepPlan:
+        """One step's operations, against the exact count of free blocks."""
+        refs = Counter(b for seq in self.running for b in seq.block_table)
+        plan = _StepPlan(
+            ops=[Free(a) for a in self._to_free],
+            refs=refs,
+            free=self.num_blocks - len(refs),
+            budget=self.max_num_batched_tokens,
+            ahead=ahead,
+        )
+        self._to_free = self._free_later
+        self._free_later = []
+        self._plan_forks(plan, self.forking)
+        self.forking = []
+        if ahead:  # the samples the running step draws a first token for: forked before it
+            self._plan_forks(plan, [c for c in ahead if c.fork_parent is not None])
+        self._plan_running(plan, batch)
+        if not batch.preempted:
+            self._plan_admissions(plan)
+        return plan
+
+    def _plan_forks(self, plan: _StepPlan, children: list[Sequence]) -> None:
+        """Fork samples from their parent, which then holds exactly the
+        prompt: those that drew their first token last step, and (async)
+        those the running step draws it for (`plan.ahead`: their
+        `fork_parent` stays until it is drawn, which the model runner reads).
+        A parent that finished last step is freed one step later, after the
+        forks; one no longer in the allocator leaves its samples to be
+        admitted on their own."""
+        if not children:
             return
         freeing = {op.seq: op for op in plan.ops if isinstance(op, Free)}
-        for child in self.forking:
+        for child in children:
             parent = child.fork_parent
-            child.fork_parent = None
+            predicted = child in plan.ahead
+            if not predicted:
+                child.fork_parent = None
             alive = parent is not None and (parent.status is Status.RUNNING or parent.alloc_id in freeing
                                             or parent.alloc_id in self._free_later)
-            if not alive or parent.num_stored != child.num_prompt_tokens:
-                self.add(child)  # recompute: admitted like any request
+            if not alive or parent.num_stored != child.num_prompt_tokens or parent.num_reserved:
+                if not predicted:
+                    self.add(child)  # recompute: admitted like any request
+                # else: left to its first token (`add_fork` then)
                 continue
             if parent.alloc_id in freeing:  # finished last step: free it after its forks
                 plan.ops.remove(freeing.pop(parent.alloc_id))
@@ -190,7 +308,6 @@ class Scheduler:
             # right after its parent: preempted in the same order as it
             at = self.running.index(parent) + 1 if parent in self.running else len(self.running)
             self.running.insert(at, child)
-        self.forking = []
 
     def _plan_running(self, plan: _StepPlan, batch: Batch) -> None:
         """Give each running sequence its next tokens while the budget lasts,
@@ -200,7 +317,7 @@ class Scheduler:
                 continue  # preempted as a victim earlier in this loop
             if plan.budget <= 0:
                 break
-            n = min(len(seq.token_ids) - seq.num_stored, plan.budget)
+            n = min(len(seq.token_ids) + (seq in plan.ahead) - seq.num_stored, plan.budget)
             while True:
                 # A write into a partly filled block others share copies it
                 # first (the allocator applies the appends in this order).
@@ -227,9 +344,7 @@ class Scheduler:
             plan.running[seq] = (n, need, cow)
             plan.free -= need
             plan.budget -= n
-        plan.ops.extend(
-            Append(s.alloc_id, s.token_ids[s.num_stored : s.num_stored + n]) for s, (n, _, _) in plan.running.items()
-        )
+        plan.ops.extend(_append_op(s, n) for s, (n, _, _) in plan.running.items())
 
     def _plan_admissions(self, plan: _StepPlan) -> None:
         """Admit waiting requests while the budget, `max_num_seqs` and the free blocks allow."""
@@ -262,16 +377,22 @@ class Scheduler:
         for child in plan.forks:
             r = results[ri]
             ri += 1
-            if r.ok:
+            if r.ok:  # (one finished while the call was out is in `_to_free` already)
                 child.block_table = list(r.append)
             # else: its append fails too (unknown sequence), which sends it back to wait
         for seq, (n, _, _) in plan.running.items():
             r = results[ri]
             ri += 1
+            if seq.is_finished:
+                # Finished after the call was sent (async): its Free is queued;
+                # a slot reserved for it is never given a value, so never hashed.
+                batch.copies.extend(r.copies)  # harmless, and keeps a copy's source and target consistent
+                continue
             if r.ok:
                 seq.block_table[r.keep :] = r.append
                 batch.copies.extend(r.copies)
-                batch.entries.append(ScheduledSeq(seq, seq.num_stored, n))
+                batch.entries.append(ScheduledSeq(seq, seq.num_stored, n, seq.block_table))
+                seq.num_reserved = max(0, seq.num_stored + n - len(seq.token_ids))
                 seq.num_stored += n
             else:
                 # Our free-block count was off (should not happen) or the
@@ -283,7 +404,10 @@ class Scheduler:
         for seq in plan.admitting:
             r = results[ri]
             ri += 1
-            if r.ok:
+            if seq.is_finished:  # aborted while the call was out (async)
+                if r.ok:
+                    self._to_free.append(seq.alloc_id)  # admitted all the same: freed next step
+            elif r.ok:
                 self._admitted(batch, seq, r)
             elif r.error != "out_of_blocks":
                 # Refused for good (e.g. invalid): waiting would wait forever.
@@ -307,23 +431,34 @@ class Scheduler:
     on_stall: Callable[[float], None] | None = None
 
     def _call(self, ops: list[Op], batch: Batch):
-        t0 = time.perf_counter()
+        return self._received(lambda: self._send(ops), batch)
+
+    def _send(self, ops: list[Op]) -> list[OpResult]:
+        """Send the step until it is answered (on the call thread, with async
+        scheduling and a remote allocator)."""
         pause = self.stall_backoff_s[0]
         health = self.health
+        while True:
+            health.call_started()
+            try:
+                results = self.allocator.step(ops)
+            except AllocatorUnavailable:
+                health.unanswered()
+                time.sleep(pause)
+                if self.on_stall is not None:
+                    self.on_stall(pause)
+                pause = min(pause * 2, self.stall_backoff_s[1])
+                continue
+            health.answered()
+            return results
+
+    def _received(self, answer: Callable[[], list[OpResult]], batch: Batch):
+        """The step's answer, or None when the pool was lost (every running
+        sequence is then preempted); a refusal becomes AllocatorError."""
+        t0 = time.perf_counter()
+        health = self.health
         try:
-            while True:
-                health.call_started()
-                try:
-                    results = self.allocator.step(ops)
-                except AllocatorUnavailable:
-                    health.unanswered()
-                    time.sleep(pause)
-                    if self.on_stall is not None:
-                        self.on_stall(pause)
-                    pause = min(pause * 2, self.stall_backoff_s[1])
-                    continue
-                health.answered()
-                return results
+            return answer()
         except PoolLost:
             # Every block is gone: all running sequences start over.
             health.answered()  # the client registered a fresh pool
@@ -348,7 +483,7 @@ class Scheduler:
             seq.admitted_once = True
         batch.cached_tokens += r.cached_tokens
         batch.queried_tokens += len(seq.token_ids)
-        batch.entries.append(ScheduledSeq(seq, r.cached_tokens, r.num_stored - r.cached_tokens))
+        batch.entries.append(ScheduledSeq(seq, r.cached_tokens, r.num_stored - r.cached_tokens, seq.block_table))
 
     def _preempt(self, batch: Batch, seq: Sequence, refs: Counter | None, ops: list[Op] | None, cause: str,
                  plan: _StepPlan | None = None) -> int:
@@ -379,3 +514,14 @@ class Scheduler:
         if self.on_preempt is not None:
             self.on_preempt(seq, cause)
         return freed
+
+
+def _append_op(seq: Sequence, n: int) -> Append:
+    """The Append that gives `seq` its next `n` slots: first the values of
+    the slots reserved for it before (now known), then those of the new
+    slots whose tokens are known, and a reservation for the rest (the token
+    the running step samples for it: async scheduling)."""
+    start = seq.num_stored - seq.num_reserved
+    end = seq.num_stored + n
+    known = len(seq.token_ids)
+    return Append(seq.alloc_id, seq.token_ids[start : min(end, known)], max(0, end - known))

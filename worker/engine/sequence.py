@@ -49,6 +49,9 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     num_stored: int = 0  # tokens whose K/V the allocator holds blocks for
+    # of those, the last ones whose token values the allocator has not been
+    # sent yet (async scheduling: slots reserved for tokens being sampled)
+    num_reserved: int = 0
     block_table: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admit
     admitted_once: bool = False
@@ -92,6 +95,14 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
 
+    def unforked_samples(self) -> list[Sequence]:
+        """The samples that draw their first token from this sequence's
+        prompt logits: when it computes its last prompt token, the model
+        runner samples each of them from the same row (n > 1)."""
+        if not self.children or self.num_output_tokens:
+            return []
+        return [c for c in self.children if c.fork_parent is self and not c.is_finished and c.num_output_tokens == 0]
+
     def next_alloc_id(self) -> str:
         self._admissions += 1
         sample = f"/{self.index}" if self.index else ""
@@ -103,5 +114,6 @@ class Sequence:
         (cheaply when its blocks are still in the prefix cache)."""
         self.status = Status.WAITING
         self.num_stored = 0
+        self.num_reserved = 0
         self.block_table = []
         self.num_preemptions += 1
