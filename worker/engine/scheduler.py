@@ -59,7 +59,12 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from allocator_service.client import AllocatorClient, AllocatorUnavailable, EmbeddedAllocator, PoolLost
+from allocator_service.client import (
+    AllocatorClient,
+    AllocatorUnavailable,
+    EmbeddedAllocator,
+    PoolLost,
+)
 from allocator_service.core import Admit, Append, Fork, Free, Op, OpResult, blocks_for
 from worker.engine.health import AllocatorError, AllocatorHealth
 from worker.engine.sequence import Sequence, Status
