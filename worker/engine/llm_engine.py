@@ -283,7 +283,9 @@ class LLMEngine:
         for s in sampled:
             if s.seq.fork_parent is not None:  # first token of a sample: forked next step
                 self.scheduler.add_fork(s.seq)
-        return [self._append_token(s, now) for s in sampled]
+        # A sequence that finished (an abort) while its step was planned
+        # ahead was computed all the same: what it sampled is dropped.
+        return [self._append_token(s, now) for s in sampled if not s.seq.is_finished]
 
     def _append_token(self, sampled: SampledToken, now: float) -> RequestOutput:
         seq, tok = sampled.seq, sampled.token_id

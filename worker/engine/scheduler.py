@@ -387,17 +387,20 @@ class Scheduler:
             # else: its append fails too (unknown sequence), which sends it back to wait
         for seq, (n, _, _) in plan.running.items():
             r = results[ri]
+            reserve = plan.ops[ri].reserve  # (its Append: the tokens sampled since are not in it)
             ri += 1
             if seq.is_finished:
                 # Finished after the call was sent (async): its Free is queued;
                 # a slot reserved for it is never given a value, so never hashed.
-                batch.copies.extend(r.copies)  # harmless, and keeps a copy's source and target consistent
+                if r.ok:
+                    self._finished_answer(batch, seq, seq.num_stored, n - reserve, r)
                 continue
             if r.ok:
                 seq.block_table[r.keep :] = r.append
                 batch.copies.extend(r.copies)
                 batch.entries.append(ScheduledSeq(seq, seq.num_stored, n, seq.block_table))
-                seq.num_reserved = max(0, seq.num_stored + n - len(seq.token_ids))
+                # The Append gave the values of every slot reserved before.
+                seq.num_reserved = reserve
                 seq.num_stored += n
             else:
                 # Our free-block count was off (should not happen) or the
@@ -410,8 +413,10 @@ class Scheduler:
             r = results[ri]
             ri += 1
             if seq.is_finished:  # aborted while the call was out (async)
-                if r.ok:
-                    self._to_free.append(seq.alloc_id)  # admitted all the same: freed next step
+                if r.ok:  # admitted all the same: computed now, freed next step
+                    self._to_free.append(seq.alloc_id)
+                    seq.block_table = list(r.append)
+                    self._finished_answer(batch, seq, r.cached_tokens, r.num_stored - r.cached_tokens, r)
             elif r.ok:
                 self._admitted(batch, seq, r)
             elif r.error != "out_of_blocks":
@@ -419,6 +424,18 @@ class Scheduler:
                 seq.error = f"the allocator refused the request: {r.message or r.error}"
                 self.finish(seq, "error")
                 batch.failed.append(seq)
+
+    def _finished_answer(self, batch: Batch, seq: Sequence, start: int, known: int, r: OpResult) -> None:
+        """An accepted operation of a sequence that finished (an abort) after
+        its call was sent ahead: the tokens with known values it stored are
+        computed all the same (the allocator may have hashed their blocks, so
+        another sequence could find them: a findable block holds real K/V);
+        what the step samples for it is dropped (`LLMEngine._run`)."""
+        if r.keep or r.append:
+            seq.block_table[r.keep :] = r.append
+        batch.copies.extend(r.copies)
+        if known > 0:
+            batch.entries.append(ScheduledSeq(seq, start, known, seq.block_table))
 
     def _blocks_needed(self, seq: Sequence, n: int) -> int:
         return max(0, blocks_for(seq.num_stored + n, self.block_size) - len(seq.block_table))
@@ -528,5 +545,5 @@ def _append_op(seq: Sequence, n: int) -> Append:
     the running step samples for it: async scheduling)."""
     start = seq.num_stored - seq.num_reserved
     end = seq.num_stored + n
-    known = len(seq.token_ids)
+    known = len(seq.token_ids)  # >= num_stored: every reserved slot's token has been sampled
     return Append(seq.alloc_id, seq.token_ids[start : min(end, known)], max(0, end - known))
