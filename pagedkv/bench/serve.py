@@ -40,6 +40,18 @@ What is measured (all clocks start when the workload is handed over):
 - outputs_match_engine: requests whose greedy tokens equal the engine's
   (fp32 on both sides; batched float sums may flip a near-tie).
 
+Allocators (`--allocator embedded,grpc,grpc+redis`): instead of the systems
+above, this engine (prefix caching on unless `--no-enable-prefix-caching`)
+runs the workload through each allocator: in-process, a real allocator
+process over gRPC (memory state), and one journaling to a private
+`redis-server` (append-only). Each system also reports the mean wall time per
+engine step, the time per output token (per request: from its first token to
+its last, over its tokens after the first; the mean over requests), the time
+a step waited for the allocator, and its tokens/s as a ratio to embedded's
+(with the same scheduling). `--no-async-scheduling` runs every engine with the
+allocator call on the critical path; `--compare-async-scheduling` runs every
+allocator both ways, interleaved, side by side.
+
 Each system first runs a small untimed warm-up on unrelated prompts. With
 `--repeats N` the systems run in N interleaved rounds and each reports its
 fastest round (all rounds' tokens/s are listed). Each run also reports
@@ -142,7 +154,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="skip transformers' continuous batching (generate_batch)")
     parser.add_argument("--skip-prefix-off", action="store_true",
                         help="skip the engine run with prefix caching off")
+    parser.add_argument("--allocator", type=_allocators, default=None, metavar="LIST",
+                        help="compare allocators instead: comma-separated of embedded, grpc (a real allocator "
+                             "process), grpc+redis (one journaling to a private redis-server); this engine only")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                        help="the engines send each step's allocator call while the previous step computes "
+                             "(default on; --no-async-scheduling puts the call on the critical path)")
+    parser.add_argument("--compare-async-scheduling", action="store_true",
+                        help="with --allocator: run every allocator with async scheduling on and off")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="with --allocator: the engines' prefix caching (default on)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+ALLOCATORS = ("embedded", "grpc", "grpc+redis")
+
+
+def _allocators(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names or any(n not in ALLOCATORS for n in names):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(ALLOCATORS)}, got {text!r}")
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"an allocator is named twice in {text!r}")
+    return names
 
 
 # -- workload ---------------------------------------------------------------------
@@ -218,14 +252,28 @@ def _log(args: argparse.Namespace, message: str) -> None:
 # -- this engine --------------------------------------------------------------------
 
 
-def _run_engine(loaded, prompts: list[list[int]], args: argparse.Namespace, num_blocks: int, prefix_caching: bool) -> dict[str, Any]:
+def _seconds(histogram) -> float:
+    """The sum a prometheus histogram has observed."""
+    return next(s.value for m in histogram.collect() for s in m.samples if s.name.endswith("_sum"))
+
+
+_WORKERS = iter(range(1, 1 << 30))  # a fresh worker id (so a fresh pool) for every run
+
+
+def _run_engine(loaded, prompts: list[list[int]], args: argparse.Namespace, num_blocks: int, prefix_caching: bool,
+                allocator: str = "embedded", async_scheduling: bool | None = None) -> dict[str, Any]:
     from worker.engine import EngineConfig, LLMEngine, SamplingParams
 
+    if async_scheduling is None:
+        async_scheduling = args.async_scheduling
     config = EngineConfig(
         model=str(args.model),
+        allocator=allocator,
+        worker_id=f"bench-serve-{os.getpid()}-{next(_WORKERS)}",
         num_blocks=num_blocks,
         block_size=args.block_size,
         enable_prefix_caching=prefix_caching,
+        async_scheduling=async_scheduling,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
@@ -236,7 +284,9 @@ def _run_engine(loaded, prompts: list[list[int]], args: argparse.Namespace, num_
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
         before = engine.allocator.stats()
         preempt0 = engine.num_preemptions
+        waited0 = _seconds(engine.metrics.allocator_step)
         first: dict[str, float] = {}
+        last: dict[str, float] = {}
         tokens: dict[str, list[int]] = {}
         allocated: list[int] = []
         held: list[int] = []
@@ -252,6 +302,7 @@ def _run_engine(loaded, prompts: list[list[int]], args: argparse.Namespace, num_
                 first.setdefault(out.request_id, now)
                 if out.finished:
                     tokens[out.request_id] = out.token_ids
+                    last[out.request_id] = now
             stats = engine.allocator.stats()
             running = engine.scheduler.running
             max_running = max(max_running, len(running))
@@ -261,11 +312,13 @@ def _run_engine(loaded, prompts: list[list[int]], args: argparse.Namespace, num_
                 logical.append(sum(s.num_stored for s in running))
         wall = time.perf_counter() - t0
         after = engine.allocator.stats()
+        waited = _seconds(engine.metrics.allocator_step) - waited0  # the steps' wait for the allocator
     finally:
         engine.close()
     outputs = [tokens[i] for i in ids]
     generated = sum(len(t) for t in outputs)
     util = [h / a for h, a in zip(held, allocated, strict=True)]
+    tpot = [(last[i] - first[i]) / (len(t) - 1) for i, t in zip(ids, outputs, strict=True) if len(t) > 1]
     queried = after.prefix_queried_tokens - before.prefix_queried_tokens
     hits = after.prefix_hit_tokens - before.prefix_hit_tokens
     return {
@@ -274,6 +327,11 @@ def _run_engine(loaded, prompts: list[list[int]], args: argparse.Namespace, num_
         "wall_s": round(wall, 3),
         "tokens_per_s": round(generated / wall, 2),
         **_ttft_stats([first[i] - t0 for i in ids]),
+        "mean_step_ms": round(wall / steps * 1000, 3) if steps else None,
+        "tpot_ms": round(statistics.fmean(tpot) * 1000, 3) if tpot else None,
+        "allocator_wait_ms_per_step": round(waited / steps * 1000, 3) if steps else None,
+        "allocator": allocator if allocator == "embedded" else "grpc",
+        "async_scheduling": async_scheduling,
         "kv_slots_reserved": num_blocks * args.block_size,
         "kv_slots_allocated_peak": max(allocated, default=0),
         "kv_slots_holding_tokens_peak": max(held, default=0),
@@ -500,6 +558,10 @@ def run(args: argparse.Namespace) -> int:
 
     from worker.model.loader import load_model
 
+    if args.compare_async_scheduling and not args.allocator:
+        from pagedkv.settings import CliError
+
+        raise CliError("--compare-async-scheduling compares allocators: give --allocator too")
     if args.threads:
         torch.set_num_threads(args.threads)
     t = time.perf_counter()
@@ -518,6 +580,8 @@ def run(args: argparse.Namespace) -> int:
 
         raise CliError(f"a request needs {max(lengths) + args.max_tokens} tokens; the limit is {limit}")
 
+    if args.allocator:
+        return _run_allocators(args, loaded, prompts, num_blocks)
     runners: dict[str, Any] = {}
     skipped: dict[str, str] = {}
     runners["engine"] = lambda: _run_engine(loaded, prompts, args, num_blocks, prefix_caching=True)
@@ -611,6 +675,124 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_table(report)
     return 0
+
+
+# -- allocators ----------------------------------------------------------------------
+
+
+def _run_allocators(args: argparse.Namespace, loaded, prompts: list[list[int]], num_blocks: int) -> int:
+    """The engine through each allocator of `--allocator`, in interleaved rounds."""
+    import torch
+
+    from pagedkv.settings import CliError
+    from pagedkv.stack import start_allocator, start_redis
+
+    schedulings = [True, False] if args.compare_async_scheduling else [args.async_scheduling]
+    servers: list[Any] = []
+    redises: list[Any] = []  # stopped with their data directory
+    addresses: dict[str, str] = {}
+    try:
+        for name in args.allocator:
+            if name == "grpc":
+                server = start_allocator()
+                servers.append(server)
+                addresses[name] = server.address
+            elif name == "grpc+redis":
+                try:
+                    redis = start_redis()
+                except FileNotFoundError:
+                    raise CliError("grpc+redis needs redis-server on PATH") from None
+                servers.append(redis)
+                redises.append(redis)
+                server = start_allocator(["--state", redis.url])
+                servers.append(server)
+                addresses[name] = server.address
+            else:
+                addresses[name] = "embedded"
+        runs = [(f"{name}{'' if on else '_sync'}", name, on) for on in schedulings for name in args.allocator]
+        _log(args, f"{len(prompts)} requests x {args.max_tokens} tokens, pool {num_blocks} blocks of "
+                   f"{args.block_size}, prefix caching {'on' if args.enable_prefix_caching else 'off'}, "
+                   f"{torch.get_num_threads()} threads, {args.repeats} round(s) of {', '.join(k for k, _, _ in runs)}")
+        rounds: dict[str, list[dict[str, Any]]] = {key: [] for key, _, _ in runs}
+        for r in range(args.repeats):
+            for key, name, on in runs:
+                before = _cpu_snapshot()
+                result = _run_engine(loaded, prompts, args, num_blocks, args.enable_prefix_caching,
+                                     allocator=addresses[name], async_scheduling=on)
+                result["other_cpu_share"] = _other_cpu_share(before, _cpu_snapshot())
+                result["allocator"] = name
+                result["system"] = f"{name}, async {'on' if on else 'off'}"
+                rounds[key].append(result)
+                _log(args, f"round {r + 1}: {result['system']}: {result['tokens_per_s']} tok/s, "
+                           f"{result['mean_step_ms']} ms/step, waited {result['allocator_wait_ms_per_step']} ms/step "
+                           f"for the allocator (other processes took {result['other_cpu_share']} of the CPU)")
+    finally:
+        for server in reversed(servers):  # an allocator before its Redis
+            server.stop() if server in redises else server.terminate()
+    systems: dict[str, dict[str, Any]] = {}
+    for key, results in rounds.items():
+        best = dict(max(results, key=lambda x: x["tokens_per_s"]))
+        best["tokens_per_s_rounds"] = [x["tokens_per_s"] for x in results]
+        systems[key] = best
+    first = next(iter(systems))
+    reference = systems[first]["_outputs"]
+    for result in systems.values():
+        result["outputs_match_first"] = sum(a == b for a, b in zip(result.pop("_outputs"), reference, strict=True))
+        base = systems.get("embedded" + ("" if result["async_scheduling"] else "_sync"))
+        result["ratio_to_embedded"] = round(result["tokens_per_s"] / base["tokens_per_s"], 3) if base else None
+        sync = systems.get(f"{result['allocator']}_sync")
+        result["async_vs_sync"] = (round(result["tokens_per_s"] / sync["tokens_per_s"], 3)
+                                   if sync is not None and result["async_scheduling"] else None)
+    report = {
+        "benchmark": "serve --allocator",
+        "model": loaded.name,
+        "dtype": "float32",
+        "device": "cpu",
+        "threads": torch.get_num_threads(),
+        "workload": {
+            "requests": len(prompts),
+            "max_tokens": args.max_tokens,
+            "greedy": True,
+            "ignore_eos": True,
+            "prompt_tokens_total": sum(len(p) for p in prompts),
+            "shared_prefix_tokens": _common_prefix(prompts),
+        },
+        "kv_pool": {"num_blocks": num_blocks, "block_size": args.block_size, "slots": num_blocks * args.block_size,
+                    "prefix_caching": args.enable_prefix_caching},
+        "first_system": first,
+        "systems": systems,
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print_allocator_table(report)
+    return 0
+
+
+def _print_allocator_table(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    w, pool = report["workload"], report["kv_pool"]
+    table = Table(title=(
+        f"bench serve --allocator: {report['model']} fp32, {report['threads']} threads; {w['requests']} requests x "
+        f"{w['max_tokens']} tokens; pool {pool['num_blocks']} x {pool['block_size']} slots, prefix caching "
+        f"{'on' if pool['prefix_caching'] else 'off'}"))
+    for column in ("allocator", "async", "tokens/s", "/ embedded", "ms/step", "TPOT ms", "wait ms/step",
+                   "async/sync", "outputs"):
+        table.add_column(column, justify="left" if column == "allocator" else "right")
+    for s in report["systems"].values():
+        table.add_row(s["allocator"], "on" if s["async_scheduling"] else "off", _fmt(s["tokens_per_s"]),
+                      _fmt(s["ratio_to_embedded"]), _fmt(s["mean_step_ms"]), _fmt(s["tpot_ms"]),
+                      _fmt(s["allocator_wait_ms_per_step"]), _fmt(s["async_vs_sync"]),
+                      f"{s['outputs_match_first']}/{w['requests']}")
+    console = Console()
+    console.print(table)
+    console.print("wait: the time a step waited for the allocator's answer; outputs: requests whose greedy "
+                  f"tokens equal {report['first_system']}'s")
+    for s in report["systems"].values():
+        console.print(f"{s['system']}: tokens/s of every round {_fmt(s['tokens_per_s_rounds'])}, other processes "
+                      f"took {_fmt(s['other_cpu_share'])} of the CPU in the best")
 
 
 def _fmt(value: Any) -> str:

@@ -80,3 +80,42 @@ def test_against_transformers():
         assert out["ratios"]["engine_vs_hf_continuous"] > 0
     else:
         assert "hf_continuous" in out["skipped"]
+
+
+def test_through_each_allocator_async_on_and_off():
+    """`--allocator embedded,grpc,grpc+redis --compare-async-scheduling`: real
+    allocator processes (and a private redis-server), the same greedy tokens
+    through each, every figure present; ratios to the embedded run of the
+    same scheduling."""
+    import shutil
+
+    allocators = "embedded,grpc,grpc+redis" if shutil.which("redis-server") else "embedded,grpc"
+    names = allocators.split(",")
+    out = bench("--allocator", allocators, "--compare-async-scheduling", "--num-blocks", "64")
+    assert out["benchmark"] == "serve --allocator" and out["kv_pool"]["prefix_caching"] is True
+    systems = out["systems"]
+    assert list(systems) == names + [f"{n}_sync" for n in names]
+    for key, s in systems.items():
+        assert s["tokens_generated"] == REQUESTS * MAX_TOKENS
+        assert s["outputs_match_first"] == REQUESTS  # the same greedy tokens, whichever allocator and scheduling
+        assert s["async_scheduling"] is not key.endswith("_sync")
+        assert s["allocator"] == key.removesuffix("_sync")
+        for k in ("tokens_per_s", "mean_step_ms", "tpot_ms", "ratio_to_embedded"):
+            assert s[k] > 0, k
+        assert s["allocator_wait_ms_per_step"] >= 0
+        assert s["prefix_hit_tokens"] > 0  # the shared system prompt, through every allocator
+        assert (s["async_vs_sync"] is None) is not s["async_scheduling"]
+    assert systems["embedded"]["ratio_to_embedded"] == systems["embedded_sync"]["ratio_to_embedded"] == 1.0
+    assert systems["grpc"]["ratio_to_embedded"] == round(
+        systems["grpc"]["tokens_per_s"] / systems["embedded"]["tokens_per_s"], 3)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--allocator", "embedded,mars"], "comma-separated list of embedded, grpc, grpc+redis"),
+    (["--allocator", "grpc,grpc"], "named twice"),
+    (["--compare-async-scheduling"], "give --allocator too"),
+])
+def test_bad_allocator_arguments(args, message):
+    cmd = [sys.executable, "-m", "pagedkv", "bench", "serve", "--model", "tiny-random", "--requests", "1", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
