@@ -15,6 +15,10 @@ objects, and the service converts them to and from the wire's `StepOps` /
 `StepResponse` with list operations. The operation objects (`Free`, `Append`,
 `Admit`, `Fork` -> `OpResult`) are the convenient form for a worker:
 `execute_step` turns them into columns and back around `run_step`.
+
+An APPEND may also reserve slots for tokens not known yet (`num_reserved`,
+async scheduling): their values come first in the sequence's next APPEND
+(`BlockPool.append`; the rules: docs/ARCHITECTURE.md, "One step ahead").
 """
 
 from __future__ import annotations
