@@ -53,6 +53,7 @@ METRIC_NAMES = (
     f"{PREFIX}_inter_token_latency_seconds",
     f"{PREFIX}_step_duration_seconds",
     f"{PREFIX}_allocator_step_seconds",
+    f"{PREFIX}_allocator_steps_ahead_total",
     f"{PREFIX}_allocator_retries_total",
     f"{PREFIX}_allocator_unavailable_seconds_total",
     f"{PREFIX}_step_errors_total",
@@ -131,7 +132,8 @@ class WorkerMetrics:
         self.ttft = hist("time_to_first_token_seconds", "Arrival to first generated token.", _TTFT_BUCKETS).labels(**lv)
         self.itl = hist("inter_token_latency_seconds", "Time between two generated tokens of a request.", _ITL_BUCKETS).labels(**lv)
         self.step_time = hist("step_duration_seconds", "Wall time of one engine step (schedule + allocator + forward).", _STEP_BUCKETS).labels(**lv)
-        self.allocator_step = hist("allocator_step_seconds", "Latency of the allocator Step call seen by the worker.", _STEP_BUCKETS).labels(**lv)
+        self.allocator_step = hist("allocator_step_seconds", "Time a step waited for its allocator Step call (with async scheduling, what the previous forward pass did not hide).", _STEP_BUCKETS).labels(**lv)
+        self.allocator_steps_ahead = counter("allocator_steps_ahead", "Allocator Step calls sent ahead, while the previous step computed (async scheduling).").labels(**lv)
         self.allocator_retries = counter("allocator_retries", "Allocator calls that got no answer (UNAVAILABLE, deadline) and were sent again.").labels(**lv)
         self.allocator_unavailable_seconds = counter("allocator_unavailable_seconds", "Seconds spent waiting for an unavailable allocator (failed attempts and backoff): the worker stalls.").labels(**lv)
         self.step_errors = counter("step_errors", "Engine steps that raised: every request in flight failed.").labels(**lv)

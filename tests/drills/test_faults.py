@@ -11,6 +11,10 @@ from its journal, is intact with every block free or cached). A last drill
 restarts an allocator that keeps its state in memory: the pools are lost and
 every running sequence is recomputed, with the same texts.
 
+The workers pipeline their allocator calls (async scheduling, the default):
+each kill lands while a step's call is out as the previous step computes,
+and the texts are those of the synchronous engine (`reference_texts`).
+
 Figures: `python -m pytest tests/drills/test_faults.py -s` prints one
 `DRILL {...}` JSON line per drill (docs/RELIABILITY.md).
 """
@@ -125,6 +129,8 @@ def restart_drill(stack: Stack, reference: list[str], name: str, kill, start) ->
     for f in figures.values():
         assert f["step_errors"] == 0 and f["failed_requests"] == 0
     assert_same_pools_no_recompute(stack, ["worker-1/1", "worker-2/1"])
+    for w in stack.workers:  # the steps were pipelined (async scheduling)
+        assert scrape(f"{w.url}/metrics").value("pagedkv_worker_allocator_steps_ahead_total") > 0
     pools = check_no_leak(stack.redis.url, ["worker-1/1", "worker-2/1"])
     report(name, {"requests": len(results), "errors": 0, **fault_figures, "workers": figures, "pools": pools,
                   "max_latency_s": round(max(r.latency_s for r in results), 3)})

@@ -93,3 +93,26 @@ def test_async_through_a_real_allocator(tiny, synchronous, allocator_server, red
                               allocator=server.address, worker_id=f"w-{on}", async_scheduling=on)
                 assert outcome(engine) == synchronous
                 assert engine.num_preemptions > 0
+
+
+def test_the_flag_and_its_variable(monkeypatch):
+    """On by default; `--no-async-scheduling` or PAGEDKV_WORKER_ASYNC_SCHEDULING=false
+    turns it off; a flag wins over its variable; a bad value is refused."""
+    import argparse
+
+    from worker.cli import add_arguments, engine_config
+
+    def parse(*argv: str) -> argparse.Namespace:
+        p = argparse.ArgumentParser()
+        add_arguments(p)
+        return p.parse_args(["--model", "tiny-random", *argv])
+
+    monkeypatch.delenv("PAGEDKV_WORKER_ASYNC_SCHEDULING", raising=False)
+    assert engine_config(parse()).async_scheduling is True
+    assert engine_config(parse("--no-async-scheduling")).async_scheduling is False
+    monkeypatch.setenv("PAGEDKV_WORKER_ASYNC_SCHEDULING", "off")
+    assert engine_config(parse()).async_scheduling is False
+    assert engine_config(parse("--async-scheduling")).async_scheduling is True
+    monkeypatch.setenv("PAGEDKV_WORKER_ASYNC_SCHEDULING", "sometimes")
+    with pytest.raises(SystemExit):
+        parse()

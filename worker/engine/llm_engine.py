@@ -269,7 +269,8 @@ class LLMEngine:
                 entry.seq.first_scheduled_time = now
         if self.scheduler.async_scheduling:
             # The next step's allocator call runs while this one computes.
-            self.scheduler.schedule_ahead(batch)
+            if self.scheduler.schedule_ahead(batch):
+                self.metrics.allocator_steps_ahead.inc()
         if batch.entries:
             outputs += self._run(batch)
         self.metrics.running.set(len(self.scheduler.running))

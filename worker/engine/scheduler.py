@@ -212,16 +212,17 @@ class Scheduler:
             self._apply_results(plan, results, batch)
         return batch
 
-    def schedule_ahead(self, running: Batch) -> None:
+    def schedule_ahead(self, running: Batch) -> bool:
         """Async scheduling: plan the step after `running` (about to be
         computed) as if each sequence it samples has one more token, and send
-        its call; `schedule` collects the answer after `running` sampled."""
+        its call; `schedule` collects the answer after `running` sampled.
+        Whether a call was sent (a step with nothing to do sends none)."""
         ahead = [e.seq for e in running.entries if e.samples]
         ahead += [c for s in ahead for c in s.unforked_samples()]
         batch = Batch()
         plan = self._plan(batch, frozenset(ahead))
         if not plan.ops:
-            return
+            return False
         t0 = time.perf_counter()
         if self._executor is None:
             future: Future = Future()
@@ -233,6 +234,7 @@ class Scheduler:
             future = self._executor.submit(self._send, plan.ops)
         batch.allocator_seconds += time.perf_counter() - t0
         self._inflight = _InFlight(plan, batch, future)
+        return True
 
     def _collect(self, inflight: _InFlight) -> None:
         """Wait for a call sent ahead and apply its answer (the time waited is
