@@ -64,7 +64,7 @@ hostile_ops = st.lists(
     st.one_of(
         st.builds(Admit, texts, st.lists(st.integers(0, 2**32 - 1), max_size=12),
                   st.one_of(st.none(), texts), st.one_of(st.none(), st.integers(0, 9))),
-        st.builds(Append, texts, st.lists(st.integers(0, 2**32 - 1), max_size=9)),
+        st.builds(Append, texts, st.lists(st.integers(0, 2**32 - 1), max_size=9), st.integers(0, 3)),
         st.builds(Free, texts),
         st.builds(Fork, texts, texts),
     ),
@@ -90,8 +90,11 @@ def step_requests(draw):
         for _ in range(draw(st.integers(0, 3)))
     ]
     children = draw(st.lists(texts, max_size=3))
+    # reservations: none, one per operation, or a column that does not fit
+    reserved = draw(st.lists(st.integers(0, 2**32 - 1), min_size=len(ks), max_size=len(ks))
+                    | st.lists(st.integers(0, 3), max_size=len(ks) + 1))
     ops = pb.StepOps(kinds=ks, seq_ids=seqs, num_tokens=counts, tokens=tokens, admit_options=admits,
-                     fork_children=children)
+                     fork_children=children, num_reserved=reserved)
     return draw(st.integers(0, 2**64 - 1)), ops
 
 

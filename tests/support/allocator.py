@@ -63,8 +63,9 @@ def as_json(state: dict) -> dict:
 
 def random_steps(seed: int, steps: int, max_ops: int = 6, vocab: int = 6) -> list[list[Op]]:
     """A mixed workload that exercises admits with shared prefixes and salts,
-    appends (copy-on-write after forks), forks, frees, failures (unknown
-    sequences, out of blocks) and eviction, for a small pool."""
+    appends (copy-on-write after forks; reserved slots filled later), forks,
+    frees, failures (unknown sequences, out of blocks, a fork of a sequence
+    with reserved slots) and eviction, for a small pool."""
     rng = random.Random(seed)
     live: list[str] = []
     out: list[list[Op]] = []
@@ -80,7 +81,10 @@ def random_steps(seed: int, steps: int, max_ops: int = 6, vocab: int = 6) -> lis
                                  rng.choice([None, None, "tenant"])))
                 live.append(seq)
             elif k < 0.7:
-                ops.append(Append(rng.choice(live), [rng.randrange(vocab) for _ in range(rng.randint(0, 6))]))
+                # Some reserve slots for tokens not known yet (async scheduling): the
+                # next Append of that sequence fills them first; a Fork of it is refused.
+                ops.append(Append(rng.choice(live), [rng.randrange(vocab) for _ in range(rng.randint(0, 6))],
+                                  rng.choice((0, 0, 0, 1, 2))))
             elif k < 0.85:
                 seq = rng.choice(live)
                 live.remove(seq)

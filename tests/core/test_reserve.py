@@ -1,0 +1,114 @@
+"""Reserved slots (async scheduling): an APPEND holds slots for tokens not
+known yet; their values come first in the sequence's next APPEND; a block is
+hashed (findable) only once every slot of it has a value; a sequence with
+reserved slots cannot be forked; snapshots and integrity checks know them."""
+
+from __future__ import annotations
+
+import pytest
+
+from allocator_service.core import (
+    Admit,
+    Append,
+    BlockPool,
+    Fork,
+    Free,
+    InvalidArgument,
+    OutOfBlocks,
+    PoolConfig,
+    execute_step,
+)
+
+
+def pool(num_blocks: int = 8, block_size: int = 4, caching: bool = True) -> BlockPool:
+    return BlockPool(PoolConfig(num_blocks, block_size, caching, "m"))
+
+
+def test_reserve_then_fill_hashes_only_when_the_values_come():
+    p = pool()
+    p.admit("a", [1, 2, 3])  # block 0 holds 3 tokens
+    r = p.append("a", [], reserve=1)  # the 4th slot, its token being sampled
+    assert (r.keep, r.new_blocks, r.copies) == (1, [], [])
+    assert p.num_tokens("a") == 4 and p.stats().tokens_stored == 4
+    assert p.index.block_hash[0] is None  # full, but one value unknown: not findable
+    assert p.cached_prefix_tokens([1, 2, 3, 9, 5]) == 0
+    r = p.append("a", [9], reserve=1)  # the value of slot 4, and slot 5 reserved
+    assert (r.keep, r.new_blocks) == (1, [1])
+    assert p.index.block_hash[0] is not None  # now findable
+    assert p.cached_prefix_tokens([1, 2, 3, 9, 5]) == 4
+    assert p.cached_prefix_tokens([1, 2, 3, 8, 5]) == 0
+    assert p.integrity_problems() == []
+
+
+def test_values_fill_reserved_slots_before_new_ones():
+    p = pool(block_size=2)
+    p.admit("a", [1])
+    p.append("a", [], reserve=2)  # slots 1 and 2: block 1 is new
+    assert p.block_table("a") == [0, 1] and p.num_tokens("a") == 3
+    r = p.append("a", [7, 8, 9, 4])  # two fill the reserved slots, two are new: slots 3, 4
+    assert (r.keep, r.new_blocks) == (2, [2])
+    assert p.num_tokens("a") == 5
+    assert p.integrity_problems() == []
+    # The chain is that of [1, 7, 8, 9, 4], whichever way it arrived.
+    q = pool(block_size=2)
+    q.admit("b", [1, 7, 8, 9, 4])
+    assert p._seqs["a"].hashes == q._seqs["b"].hashes
+
+
+def test_a_sequence_with_reserved_slots_cannot_be_forked_and_nothing_changes():
+    p = pool()
+    p.admit("a", [1, 2])
+    p.append("a", [], reserve=1)
+    before = p.to_state()
+    [r] = execute_step(p, [Fork("a", "child")])
+    assert not r.ok and r.error == "invalid_argument" and "reserved" in r.message
+    assert p.to_state() == before
+
+
+def test_reserving_is_all_or_nothing():
+    p = pool(num_blocks=2, block_size=2)
+    p.admit("a", [1, 2, 3])
+    before = p.to_state()
+    del before["counters"]
+    with pytest.raises(OutOfBlocks):
+        p.append("a", [4], reserve=2)  # slot 3 fits, slots 4 and 5 need a block there is none of
+    with pytest.raises(InvalidArgument):
+        p.append("a", [], reserve=-1)
+    after = p.to_state()
+    assert after.pop("counters")["out_of_blocks"] == 1
+    assert after == before
+
+
+def test_free_with_reserved_slots_leaves_nothing_findable():
+    p = pool(block_size=2)
+    p.admit("a", [1, 2, 3])
+    p.append("a", [], reserve=1)  # block 1 full, its last value unknown
+    p.free("a")
+    # Block 1 is a plain free block (handed out before any cached one); the
+    # prompt's full block 0 stays cached, evicted last.
+    assert p.free_order() == [2, 3, 4, 5, 6, 7, 1, 0]
+    assert p.index.block_hash[1] is None and p.index.block_hash[0] is not None
+
+
+def test_snapshot_keeps_reservations_and_reads_old_snapshots():
+    p = pool()
+    p.admit("a", [1, 2, 3])
+    p.append("a", [], reserve=1)
+    state = p.to_state()
+    assert state["seqs"]["a"]["reserved"] == 1
+    again = BlockPool.from_state(state)
+    assert again.integrity_problems() == []
+    again.append("a", [4])
+    assert again.index.block_hash[0] is not None
+    old = pool()
+    old.admit("b", [1, 2])
+    assert "reserved" not in old.to_state()["seqs"]["b"]  # a stored snapshot's format, unchanged
+    assert BlockPool.from_state(old.to_state())._seqs["b"].reserved == 0
+
+
+def test_the_columns_carry_reservations_only_when_some_op_reserves():
+    from allocator_service.core import step_columns
+
+    assert step_columns([Admit("a", [1]), Append("a", [2])]).num_reserved == []
+    cols = step_columns([Free("x"), Append("a", [2], 1), Append("b", [3]), Append("c", [], 2), Free("y")])
+    assert cols.num_reserved == [0, 1, 0, 2, 0]
