@@ -188,11 +188,14 @@ class Scheduler:
         seq.finish_reason = reason
 
     def has_work(self) -> bool:
-        # NOTE: a call in flight that only frees leaves nothing to compute: an
-        # idle engine need not step for it (the next `schedule` collects it).
+        # NOTE: a call in flight that only frees, once answered, leaves nothing
+        # to do: an idle engine need not step for it (the next `schedule`
+        # collects it). Until answered it is work: the engine steps to collect
+        # it, so nothing else (an idle probe) calls the client meanwhile.
         inflight = self._inflight
         return bool(self.waiting or self.running or self._to_free or self.forking or self._free_later
-                    or (inflight and (inflight.plan.running or inflight.plan.admitting or inflight.plan.forks)))
+                    or (inflight and (not inflight.future.done() or inflight.plan.running
+                                      or inflight.plan.admitting or inflight.plan.forks)))
 
     # ------------------------------------------------------------------ step
     def schedule(self) -> Batch:
