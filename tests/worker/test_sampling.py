@@ -123,17 +123,25 @@ def test_min_p_and_seed_are_reproducible(checkpoint):
 # -- parallel sampling: n samples as forks of one computed prompt ---------------------------
 
 
-def test_n4_shares_prompt_blocks_and_copies_the_partial_one(checkpoint):
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "async"])
+def test_n4_shares_prompt_blocks_and_copies_the_partial_one(checkpoint, ahead):
     _, loaded = checkpoint
-    engine = engine_of(loaded)
+    engine = engine_of(loaded, async_scheduling=ahead)
     pool = engine.allocator.pool
     engine.add_request(PROMPT, SamplingParams(**GREEDY, n=4), "r")
     engine.step()  # the prompt, once; four first tokens from its logits
-    assert len(pool.tables()) == 1 and engine.metrics.prompt_tokens._value.get() == len(PROMPT)
-    (parent_table,) = pool.tables().values()
+    assert engine.metrics.prompt_tokens._value.get() == len(PROMPT)
+    parent_table = list(engine._seqs["r"][0].block_table)
     assert len(parent_table) == 3
-    copies_before = pool.copies
-    engine.step()  # four forks, then four appends into the shared partial block
+    if not ahead:
+        assert list(pool.tables().values()) == [parent_table]
+        copies_before = pool.copies
+        engine.step()  # four forks, then four appends into the shared partial block
+    else:
+        # The next step's call went out before this step computed (the
+        # embedded core answers at once): it forked the four samples and
+        # reserved each one's first-token slot in the shared partial block.
+        copies_before = 0
     tables = pool.tables()
     assert len(tables) == 4
     refs = pool.refcounts()
@@ -148,10 +156,12 @@ def test_n4_shares_prompt_blocks_and_copies_the_partial_one(checkpoint):
     for _ in range(5):
         engine.step()
     seqs = engine._seqs["r"]
-    own = sum(-(-(len(s.token_ids) - 1 - 8) // 4) for s in seqs)  # stored tokens past the 8 shared
+    # stored: all but the last token (async: the last one's slot too, reserved ahead)
+    own = sum(-(-(len(s.token_ids) - (0 if ahead else 1) - 8) // 4) for s in seqs)  # past the 8 shared
     assert engine.allocator.stats().used_blocks == 2 + own
     while engine.has_unfinished():
         engine.step()
+    engine.step()  # (async: the last frees are collected)
     assert engine.allocator.stats().used_blocks == 0 and pool.integrity_problems() == []
 
 
