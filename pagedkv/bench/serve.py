@@ -622,12 +622,7 @@ def run(args: argparse.Namespace) -> int:
             rounds[name].append(result)
             _log(args, f"round {r + 1}: {result['system']}: {result['tokens_per_s']} tok/s, {result['wall_s']} s "
                        f"(other processes took {result['other_cpu_share']} of the CPU)")
-    systems: dict[str, dict[str, Any]] = {}
-    for name, results in rounds.items():
-        best = dict(max(results, key=lambda x: x["tokens_per_s"]))
-        best["tokens_per_s_rounds"] = [x["tokens_per_s"] for x in results]
-        systems[name] = best
-
+    systems = _fastest(rounds)
     reference = systems["engine"]["_outputs"]
     for result in systems.values():
         outs = result.pop("_outputs")
@@ -639,23 +634,7 @@ def run(args: argparse.Namespace) -> int:
         return round(systems["engine"]["tokens_per_s"] / systems[other]["tokens_per_s"], 3)
 
     report = {
-        "benchmark": "serve",
-        "model": loaded.name,
-        "dtype": "float32",
-        "device": "cpu",
-        "threads": torch.get_num_threads(),
-        "workload": {
-            "requests": len(prompts),
-            "max_tokens": args.max_tokens,
-            "greedy": True,
-            "ignore_eos": True,
-            "prompt_tokens_total": sum(lengths),
-            "prompt_tokens_min": min(lengths),
-            "prompt_tokens_mean": round(statistics.fmean(lengths), 1),
-            "prompt_tokens_max": max(lengths),
-            "shared_prefix_tokens": _common_prefix(prompts),
-            "hf_static_batch_size": args.batch_size,
-        },
+        **_report_head("serve", loaded, prompts, args),
         "kv_pool": {
             "num_blocks": num_blocks,
             "block_size": args.block_size,
@@ -675,6 +654,41 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_table(report)
     return 0
+
+
+def _fastest(rounds: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Each system's fastest round, with every round's tokens/s."""
+    systems: dict[str, dict[str, Any]] = {}
+    for name, results in rounds.items():
+        best = dict(max(results, key=lambda x: x["tokens_per_s"]))
+        best["tokens_per_s_rounds"] = [x["tokens_per_s"] for x in results]
+        systems[name] = best
+    return systems
+
+
+def _report_head(benchmark: str, loaded, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    lengths = [len(p) for p in prompts]
+    return {
+        "benchmark": benchmark,
+        "model": loaded.name,
+        "dtype": "float32",
+        "device": "cpu",
+        "threads": torch.get_num_threads(),
+        "workload": {
+            "requests": len(prompts),
+            "max_tokens": args.max_tokens,
+            "greedy": True,
+            "ignore_eos": True,
+            "prompt_tokens_total": sum(lengths),
+            "prompt_tokens_min": min(lengths),
+            "prompt_tokens_mean": round(statistics.fmean(lengths), 1),
+            "prompt_tokens_max": max(lengths),
+            "shared_prefix_tokens": _common_prefix(prompts),
+            "hf_static_batch_size": args.batch_size,
+        },
+    }
 
 
 # -- allocators ----------------------------------------------------------------------
@@ -729,11 +743,7 @@ def _run_allocators(args: argparse.Namespace, loaded, prompts: list[list[int]], 
     finally:
         for server in reversed(servers):  # an allocator before its Redis
             server.stop() if server in redises else server.terminate()
-    systems: dict[str, dict[str, Any]] = {}
-    for key, results in rounds.items():
-        best = dict(max(results, key=lambda x: x["tokens_per_s"]))
-        best["tokens_per_s_rounds"] = [x["tokens_per_s"] for x in results]
-        systems[key] = best
+    systems = _fastest(rounds)
     first = next(iter(systems))
     reference = systems[first]["_outputs"]
     for result in systems.values():
@@ -744,19 +754,7 @@ def _run_allocators(args: argparse.Namespace, loaded, prompts: list[list[int]], 
         result["async_vs_sync"] = (round(result["tokens_per_s"] / sync["tokens_per_s"], 3)
                                    if sync is not None and result["async_scheduling"] else None)
     report = {
-        "benchmark": "serve --allocator",
-        "model": loaded.name,
-        "dtype": "float32",
-        "device": "cpu",
-        "threads": torch.get_num_threads(),
-        "workload": {
-            "requests": len(prompts),
-            "max_tokens": args.max_tokens,
-            "greedy": True,
-            "ignore_eos": True,
-            "prompt_tokens_total": sum(len(p) for p in prompts),
-            "shared_prefix_tokens": _common_prefix(prompts),
-        },
+        **_report_head("serve --allocator", loaded, prompts, args),
         "kv_pool": {"num_blocks": num_blocks, "block_size": args.block_size, "slots": num_blocks * args.block_size,
                     "prefix_caching": args.enable_prefix_caching},
         "first_system": first,
