@@ -261,7 +261,11 @@ _WORKERS = iter(range(1, 1 << 30))  # a fresh worker id (so a fresh pool) for ev
 
 
 def _run_engine(loaded, prompts: list[list[int]], args: argparse.Namespace, num_blocks: int, prefix_caching: bool,
-                allocator: str = "embedded", async_scheduling: bool | None = None) -> dict[str, Any]:
+                allocator: str = "embedded", async_scheduling: bool | None = None,
+                sample_kv: bool = True) -> dict[str, Any]:
+    """One run of the workload. `sample_kv`: read the pool's stats after every
+    step (the KV figures); off when comparing allocators, where that read
+    would be one more RPC per step on the loop being timed."""
     from worker.engine import EngineConfig, LLMEngine, SamplingParams
 
     if async_scheduling is None:
@@ -303,6 +307,8 @@ def _run_engine(loaded, prompts: list[list[int]], args: argparse.Namespace, num_
                 if out.finished:
                     tokens[out.request_id] = out.token_ids
                     last[out.request_id] = now
+            if not sample_kv:
+                continue
             stats = engine.allocator.stats()
             running = engine.scheduler.running
             max_running = max(max_running, len(running))
@@ -732,7 +738,7 @@ def _run_allocators(args: argparse.Namespace, loaded, prompts: list[list[int]], 
             for key, name, on in runs:
                 before = _cpu_snapshot()
                 result = _run_engine(loaded, prompts, args, num_blocks, args.enable_prefix_caching,
-                                     allocator=addresses[name], async_scheduling=on)
+                                     allocator=addresses[name], async_scheduling=on, sample_kv=False)
                 result["other_cpu_share"] = _other_cpu_share(before, _cpu_snapshot())
                 result["allocator"] = name
                 result["system"] = f"{name}, async {'on' if on else 'off'}"
