@@ -47,9 +47,10 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from allocator_service.codec import (
+    canonical_ops,
     columns_from_proto,
     config_from_proto,
-    ops_digest,
+    digest_of,
     stats_to_proto,
 )
 from allocator_service.config import Limits, ServiceConfig
@@ -74,6 +75,7 @@ from allocator_service.errors import (
 from allocator_service.events import EventLog
 from allocator_service.journal import MemoryJournal, RedisJournal
 from allocator_service.leases import LeaseTable
+from allocator_service.replay import StepRecord
 from allocator_service.state import PoolEntry, Registry, new_pool
 from allocator_service.v1 import allocator_pb2 as pb
 from allocator_service.v1 import journal_pb2 as jpb
@@ -408,7 +410,9 @@ class AllocatorService:
         # Converting, validation and hashing need no lock.
         step = columns_from_proto(ops_msg)
         check_step(step, self.limits)
-        digest = ops_digest(ops_msg)
+        # Encoded once: the digest covers these bytes, the journal stores them.
+        ops_bytes = canonical_ops(ops_msg)
+        digest = digest_of(ops_bytes)
 
         def attempt() -> pb.StepResponse:
             entry = self._authorize(ref)
@@ -421,7 +425,7 @@ class AllocatorService:
                     raise StepConflict(f"step {step_id} is older than the pool's last step {entry.last_step_id}")
                 if prev_step_id is not None and prev_step_id != entry.last_step_id:
                     self._state_lost(entry, prev_step_id)
-                record = jpb.StepApplied(pool_id=entry.pool_id, step_id=step_id, digest=digest, ops=ops_msg)
+                record = StepRecord(entry.pool_id, step_id, digest, ops_bytes)
                 return self._apply(
                     entry, lambda reg, batch: reg.apply_step(entry, batch, step_id, digest, step), step=record
                 )

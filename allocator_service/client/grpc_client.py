@@ -42,13 +42,14 @@ from typing import Any, NamedTuple
 import grpc
 
 from allocator_service.client.base import AllocatorClient, AllocatorUnavailable, PoolLost, PoolSpec
-from allocator_service.codec import decode_results, encode_ops, shape_to_proto, stats_from_proto
+from allocator_service.codec import decode_results, fill_ops, shape_to_proto, stats_from_proto
 from allocator_service.core import (
     InvalidArgument,
     Op,
-    OpResult,
     PoolStats,
+    StepResults,
     UnknownSequence,
+    step_columns,
 )
 from allocator_service.errors import ERROR_KEY
 from allocator_service.v1 import allocator_pb2 as pb
@@ -231,18 +232,18 @@ class GrpcAllocator(AllocatorClient):
                 log.debug("heartbeat: %s", err.code().name)
 
     # ------------------------------------------------------ AllocatorClient
-    def step(self, ops: Sequence[Op]) -> list[OpResult]:
+    def step(self, ops: Sequence[Op]) -> StepResults:
+        request = pb.StepRequest(pool=self._ref, prev_step_id=self._answered)
         try:
-            encoded = encode_ops(ops)
+            fill_ops(request.ops, step_columns(ops))  # in place: no copy of the columns
         except (TypeError, ValueError) as exc:
             raise InvalidArgument(f"cannot encode the step: {exc}") from exc
         pending = self._pending
-        if pending is not None and pending.ops == encoded:
+        if pending is not None and pending.ops == request.ops:
             request = pending  # the same operations again: the same step id
         else:
             self._step_id += 1
-            request = pb.StepRequest(pool=self._ref, step_id=self._step_id, ops=encoded,
-                                     prev_step_id=self._answered)
+            request.step_id = self._step_id
         self._pending = request
         response = self._pool_call("Step", request)
         self._pending = None

@@ -19,10 +19,10 @@ objects, and the service converts them to and from the wire's `StepOps` /
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from itertools import chain
-from typing import NamedTuple
+from itertools import accumulate, chain
+from typing import NamedTuple, overload
 
 from allocator_service.core.errors import AllocatorError
 from allocator_service.core.pool import BlockPool
@@ -252,6 +252,93 @@ def op_results(result: StepResult) -> list[OpResult]:
                 r.copies = [(copies[j], copies[j + 1]) for j in range(c, c + 2 * nc, 2)]
                 c += 2 * nc
     return out
+
+
+class StepResults(Sequence[OpResult]):
+    """A step's results as a client returns them: a read-only sequence of
+    `OpResult`s over the columns (`columns`, a `StepResult`), built without
+    a Python object per operation. `results[i]` makes operation i's
+    `OpResult` when asked; a consumer on the hot path reads the columns
+    instead (`columns.errors[i]`, `.keep[i]`, `.num_appended[i]`,
+    `.num_copies[i]`, and `appended(i)` / `copies(i)`), so a decode step
+    whose operations changed nothing in their tables costs no objects.
+    Compares equal to a list of the same `OpResult`s."""
+
+    __slots__ = ("columns", "_starts", "_copy_starts", "_messages")
+
+    def __init__(self, columns: StepResult) -> None:
+        self.columns = columns
+        self._starts: list[int] | None = None  # where each operation's appended ids start
+        self._copy_starts: list[int] | None = None
+        self._messages: dict[int, str] | None = None  # failed operation -> its message
+
+    def __len__(self) -> int:
+        return len(self.columns.errors)
+
+    @property
+    def all_ok(self) -> bool:
+        return not any(self.columns.errors)
+
+    def appended(self, i: int) -> list[int]:
+        """The block ids operation i appends to its table (after `keep[i]`)."""
+        n = self.columns.num_appended[i]
+        if not n:
+            return []
+        if self._starts is None:
+            self._starts = list(accumulate(self.columns.num_appended, initial=0))
+        a = self._starts[i]
+        return self.columns.appended[a : a + n]
+
+    def copies(self, i: int) -> list[tuple[int, int]]:
+        """The (src, dst) block copies operation i needs first."""
+        n = self.columns.num_copies[i]
+        if not n:
+            return []
+        if self._copy_starts is None:
+            self._copy_starts = list(accumulate(self.columns.num_copies, initial=0))
+        c, flat = 2 * self._copy_starts[i], self.columns.copies
+        return [(flat[j], flat[j + 1]) for j in range(c, c + 2 * n, 2)]
+
+    def _message(self, i: int) -> str:
+        if self._messages is None:
+            failed = [j for j, e in enumerate(self.columns.errors) if e]
+            self._messages = dict(zip(failed, self.columns.error_messages, strict=False))
+        return self._messages.get(i, "")
+
+    def _result(self, i: int) -> OpResult:
+        c = self.columns
+        e = c.errors[i]
+        return OpResult(not e, ERROR_CODE[e] if e else "", self._message(i) if e else "", c.keep[i],
+                        self.appended(i), self.copies(i), c.cached_tokens[i], c.num_stored[i])
+
+    @overload
+    def __getitem__(self, i: int) -> OpResult: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[OpResult]: ...
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self._result(j) for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError("step result index out of range")
+        return self._result(i)
+
+    def __iter__(self) -> Iterator[OpResult]:
+        return iter(op_results(self.columns))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, StepResults):
+            return self.columns == other.columns
+        if isinstance(other, list | tuple):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"StepResults({list(self)!r})"
 
 
 def execute_step(pool: BlockPool, ops: Sequence[Op]) -> list[OpResult]:

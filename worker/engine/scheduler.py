@@ -40,7 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from allocator_service.client import AllocatorClient, AllocatorUnavailable, PoolLost
-from allocator_service.core import Admit, Append, Fork, Free, Op, OpResult, blocks_for
+from allocator_service.core import Admit, Append, Fork, Free, Op, OpResult, StepResults, blocks_for
 from worker.engine.health import AllocatorError, AllocatorHealth
 from worker.engine.sequence import Sequence, Status
 
@@ -255,7 +255,7 @@ class Scheduler:
             plan.free -= worst
             plan.budget -= min(len(seq.token_ids), plan.budget)
 
-    def _apply_results(self, plan: _StepPlan, results: list[OpResult], batch: Batch) -> None:
+    def _apply_results(self, plan: _StepPlan, results: StepResults | list[OpResult], batch: Batch) -> None:
         """Apply the allocator's answers: block tables, copies, admissions, refusals."""
         # `ops`: frees, forks, appends, admits
         ri = len(plan.ops) - len(plan.forks) - len(plan.running) - len(plan.admitting)
@@ -265,7 +265,17 @@ class Scheduler:
             if r.ok:
                 child.block_table = list(r.append)
             # else: its append fails too (unknown sequence), which sends it back to wait
+        # NOTE: a decode step's appends mostly leave the table as it is (no
+        # error, no new block, no copy): read those from the result columns
+        # without making an OpResult each (`StepResults`).
+        cols = results.columns if isinstance(results, StepResults) else None
         for seq, (n, _, _) in plan.running.items():
+            if (cols is not None and not cols.errors[ri] and not cols.num_appended[ri]
+                    and not cols.num_copies[ri] and cols.keep[ri] == len(seq.block_table)):
+                ri += 1
+                batch.entries.append(ScheduledSeq(seq, seq.num_stored, n))
+                seq.num_stored += n
+                continue
             r = results[ri]
             ri += 1
             if r.ok:
