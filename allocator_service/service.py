@@ -68,7 +68,9 @@ from allocator_service.errors import (
     PoolInUse,
     PoolNotFound,
     PoolStateLost,
+    ShuttingDown,
     StepConflict,
+    StepStreamsExhausted,
     StoreUnavailable,
     Unauthenticated,
 )
@@ -170,7 +172,9 @@ class AllocatorService:
         self._lock = threading.Lock()  # the mutation lock: see the module docstring
         self.durable = DurableState(self.config, self.journal, self.events, self.leases, self._lock, clock)
         self._watchers = 0
-        self._watchers_lock = threading.Lock()
+        self._step_streams: set[Callable[[], Any]] = set()  # each open StepStream's end()
+        self._step_streams_ended = False
+        self._watchers_lock = threading.Lock()  # the count of open streams (watchers, step streams)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._clock = clock
@@ -558,6 +562,31 @@ class AllocatorService:
     def close_watcher(self) -> None:
         with self._watchers_lock:
             self._watchers -= 1
+
+    def open_step_stream(self, end: Callable[[], Any]) -> None:
+        """Count a StepStream in (`end()` ends it: `end_step_streams`)."""
+        with self._watchers_lock:
+            if self._step_streams_ended:
+                raise ShuttingDown("the allocator is shutting down")
+            if len(self._step_streams) >= self.limits.max_step_streams:
+                raise StepStreamsExhausted(
+                    f"the server serves at most {self.limits.max_step_streams} step streams: send unary Steps"
+                )
+            self._step_streams.add(end)
+
+    def close_step_stream(self, end: Callable[[], Any]) -> None:
+        with self._watchers_lock:
+            self._step_streams.discard(end)
+
+    def end_step_streams(self) -> None:
+        """At shutdown: end every open StepStream now (an idle one waits for
+        its worker's next step and would hold the shutdown for its grace)
+        and refuse new ones."""
+        with self._watchers_lock:
+            self._step_streams_ended = True
+            ends = list(self._step_streams)
+        for end in ends:
+            end()
 
     @property
     def stopping(self) -> bool:

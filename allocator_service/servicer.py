@@ -56,6 +56,20 @@ class AllocatorServicer:
         prev = request.prev_step_id if request.HasField("prev_step_id") else None
         return self.service.step(request.pool, request.step_id, request.ops, prev)
 
+    def StepStream(self, requests: Iterator[pb.StepRequest], context) -> Iterator[pb.StepResponse]:
+        """Step, once per request on one long-lived call. The first failing
+        request ends the stream with Step's status for it (`_bidi`)."""
+        service = self.service
+        end = context.cancel
+        service.open_step_stream(end)
+        try:
+            for request in requests:
+                if type(request) is Malformed:
+                    raise BadRequest(f"malformed StepStream request: {request.error}")
+                yield self.Step(request, context)
+        finally:
+            service.close_step_stream(end)
+
     def GetBlockTable(self, request: pb.GetBlockTableRequest, context) -> pb.GetBlockTableResponse:
         table, num_tokens = self.service.block_table(request.pool, request.seq_id)
         return pb.GetBlockTableResponse(block_ids=table, num_tokens=num_tokens)
@@ -146,6 +160,18 @@ def _stream(name: str, fn: Callable) -> Callable:
     return handle
 
 
+def _bidi(name: str, fn: Callable) -> Callable:
+    def handle(requests, context):
+        try:
+            yield from fn(requests, context)
+        except grpc.RpcError:
+            return  # the request iterator's: the call was cancelled (client gone, or shutdown)
+        except Exception as exc:
+            errors.abort(context, exc, name)
+
+    return handle
+
+
 def allocator_handler(service: AllocatorService) -> grpc.GenericRpcHandler:
     """The Allocator service's handlers, with safe parsing and error mapping."""
     servicer = AllocatorServicer(service)
@@ -154,7 +180,9 @@ def allocator_handler(service: AllocatorService) -> grpc.GenericRpcHandler:
         request_cls = getattr(pb, method.input_type.name)
         response_cls = getattr(pb, method.output_type.name)
         fn = getattr(servicer, method.name)
-        if method.server_streaming:
+        if method.client_streaming and method.server_streaming:
+            make, wrap = grpc.stream_stream_rpc_method_handler, _bidi
+        elif method.server_streaming:
             make, wrap = grpc.unary_stream_rpc_method_handler, _stream
         else:
             make, wrap = grpc.unary_unary_rpc_method_handler, _unary

@@ -55,6 +55,11 @@ class AllocatorStub:
                 request_serializer=pagedkv_dot_v1_dot_allocator__pb2.StepRequest.SerializeToString,
                 response_deserializer=pagedkv_dot_v1_dot_allocator__pb2.StepResponse.FromString,
                 _registered_method=True)
+        self.StepStream = channel.stream_stream(
+                '/pagedkv.v1.Allocator/StepStream',
+                request_serializer=pagedkv_dot_v1_dot_allocator__pb2.StepRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_v1_dot_allocator__pb2.StepResponse.FromString,
+                _registered_method=True)
         self.GetBlockTable = channel.unary_unary(
                 '/pagedkv.v1.Allocator/GetBlockTable',
                 request_serializer=pagedkv_dot_v1_dot_allocator__pb2.GetBlockTableRequest.SerializeToString,
@@ -122,6 +127,20 @@ class AllocatorServicer:
         and then in the order given. Each operation is all-or-nothing and gets
         its own result; a failing operation does not fail the call. Idempotent
         per step id: a retry of the pool's last step returns the same answer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StepStream(self, request_iterator, context):
+        """Step over one long-lived call: each StepRequest sent gets one
+        StepResponse, in order, with exactly Step's semantics (credentials,
+        step ids, retries, prev_step_id), minus a call's setup per step. A
+        failed step ends the stream with the status Step would have answered;
+        the client opens a new stream (a retry sends the same step id). Each
+        open stream holds a server thread: past the server's limit (16 by
+        default) a new one is refused with RESOURCE_EXHAUSTED (`step_streams`)
+        and the client sends unary Steps instead.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -195,6 +214,11 @@ def add_AllocatorServicer_to_server(servicer, server):
             ),
             'Step': grpc.unary_unary_rpc_method_handler(
                     servicer.Step,
+                    request_deserializer=pagedkv_dot_v1_dot_allocator__pb2.StepRequest.FromString,
+                    response_serializer=pagedkv_dot_v1_dot_allocator__pb2.StepResponse.SerializeToString,
+            ),
+            'StepStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.StepStream,
                     request_deserializer=pagedkv_dot_v1_dot_allocator__pb2.StepRequest.FromString,
                     response_serializer=pagedkv_dot_v1_dot_allocator__pb2.StepResponse.SerializeToString,
             ),
@@ -336,6 +360,33 @@ class Allocator:
             request,
             target,
             '/pagedkv.v1.Allocator/Step',
+            pagedkv_dot_v1_dot_allocator__pb2.StepRequest.SerializeToString,
+            pagedkv_dot_v1_dot_allocator__pb2.StepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StepStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pagedkv.v1.Allocator/StepStream',
             pagedkv_dot_v1_dot_allocator__pb2.StepRequest.SerializeToString,
             pagedkv_dot_v1_dot_allocator__pb2.StepResponse.FromString,
             options,

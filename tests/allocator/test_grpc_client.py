@@ -18,7 +18,7 @@ from allocator_service.client import (
 )
 from allocator_service.client.grpc_client import GrpcAllocator
 from allocator_service.core import Admit, Append, InvalidArgument, PoolConfig
-from tests.support.allocator import as_json, random_steps
+from tests.support.allocator import as_json, freeze, random_steps
 
 SPEC = PoolSpec("client-test", PoolConfig(32, 4, True, "m"))
 
@@ -32,7 +32,7 @@ def test_stalled_server_retried_steps_apply_once(allocator_server):
         worker = GrpcAllocator(server.address, SPEC, deadline_s=0.3, retries=2, backoff_s=0.01)
         for ops in steps[:6]:
             assert worker.step(ops) == reference.step(ops)
-        os.kill(server.proc.pid, signal.SIGSTOP)
+        freeze(server.proc.pid)
         try:
             with pytest.raises(AllocatorUnavailable):
                 worker.step(steps[6])
