@@ -34,6 +34,10 @@ POOL_REGISTERED = "pool_registered"
 POOL_DROPPED = "pool_dropped"
 
 
+def _numbered(sequence: int, event: tuple) -> tuple:
+    return (sequence, *event)
+
+
 class Batch:
     """The events of one journal record, unnumbered until `EventLog.finish`."""
 
@@ -58,7 +62,7 @@ class Batch:
 
 class EventLog:
     def __init__(self, retention: int) -> None:
-        self._events: deque[Event] = deque(maxlen=retention)
+        self._events: deque[tuple] = deque(maxlen=retention)  # Event fields, in order
         self._queue: deque[Batch] = deque()  # begun, in record order, not yet numbered
         self._cond = threading.Condition(threading.Lock())
         self.next_sequence = 1  # the number the next numbered event gets
@@ -84,9 +88,10 @@ class EventLog:
             events = self._events
             while queue and queue[0].done:
                 b = queue.popleft()
-                for e in b.events:
-                    events.append(Event(seq, *e))
-                    seq += 1
+                # NOTE: plain tuples in Event's field order, made Events when
+                # read (`read`): this runs for every event of every step.
+                events.extend(map(_numbered, itertools.count(seq), b.events))
+                seq += len(b.events)
                 b.events = []
                 b.end = seq
             self.next_sequence = self._published = seq
@@ -128,9 +133,9 @@ class EventLog:
         with self._cond:
             if self._published <= cursor and not self.closed:
                 self._cond.wait(timeout)
-            first = self._events[0].sequence if self._events else self._published
+            first = self._events[0][0] if self._events else self._published
             gap = cursor < first or cursor > self._published
             if gap:
                 cursor = first
-            batch = list(itertools.islice(self._events, cursor - first, cursor - first + limit))
+            batch = list(map(Event._make, itertools.islice(self._events, cursor - first, cursor - first + limit)))
         return batch, cursor + len(batch), gap
