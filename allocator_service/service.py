@@ -44,6 +44,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
+from itertools import compress
 from typing import Any, NamedTuple
 
 from allocator_service.codec import (
@@ -113,6 +114,7 @@ def _digest(credential: str) -> bytes:
 
 
 _KINDS = frozenset((FREE, APPEND, ADMIT, FORK))
+_TOKENLESS = frozenset((FREE, FORK))
 
 
 def check_step(step: StepColumns, limits: Limits) -> None:
@@ -135,9 +137,8 @@ def check_step(step: StepColumns, limits: Limits) -> None:
         raise BadRequest("admit_options must have one entry per ADMIT operation")
     if kinds.count(FORK) != len(step.children):
         raise BadRequest("fork_children must have one entry per FORK operation")
-    if (FREE in kinds or FORK in kinds) and any(
-        c for k, c in zip(kinds, counts, strict=True) if k == FREE or k == FORK
-    ):
+    # NOTE: compress/map rather than a generator: C speed over every operation.
+    if (FREE in kinds or FORK in kinds) and any(compress(counts, map(_TOKENLESS.__contains__, kinds))):
         raise BadRequest("FREE and FORK operations carry no tokens")
 
 
