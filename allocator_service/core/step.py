@@ -96,18 +96,19 @@ def run_step(pool: BlockPool, step: StepColumns) -> StepResult:
                     messages[i] = str(exc)
     end = 0  # where the next operation's tokens end
     admits = forks = 0  # ADMIT and FORK operations met so far
+    append_one = pool.try_append_one
     for i in range(n):
         kind = kinds[i]
-        seq = seqs[i]
         start = end
         end += counts[i]
+        # NOTE: a decode token goes straight to the pool's fast path: no
+        # slice, no AppendResult (this is the hot loop of a step).
+        if kind == APPEND and end - start == 1 and (k := append_one(seqs[i], tokens[start])) >= 0:
+            keep[i] = k
+            continue
+        seq = seqs[i]
         try:
             if kind == APPEND:
-                # NOTE: a decode token goes straight to the pool's fast path:
-                # no slice, no AppendResult (this is the hot loop of a step).
-                if end - start == 1 and (k := pool.try_append_one(seq, tokens[start])) >= 0:
-                    keep[i] = k
-                    continue
                 r = pool.append(seq, tokens[start:end])
                 keep[i] = r.keep
                 if r.new_blocks:
