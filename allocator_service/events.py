@@ -33,6 +33,10 @@ class Event(NamedTuple):
     block_hash: bytes = b""
     model_fingerprint: str = ""
     reason: str = ""
+    # POOL_REGISTERED: what a router needs to reach the pool's worker.
+    worker_id: str = ""
+    advertise_url: str = ""
+    served_model_name: str = ""
 
 
 # Kinds beyond the core's block_stored / block_removed / all_cleared.
@@ -58,8 +62,12 @@ class Batch:
         block_hash: bytes | None = None,
         model_fingerprint: str = "",
         reason: str = "",
+        **registered: str,
     ) -> None:
-        self.events.append((kind, pool_id, max(block_id, 0), block_hash or b"", model_fingerprint, reason))
+        """`registered`: a POOL_REGISTERED event's worker_id, advertise_url, served_model_name."""
+        self.events.append((kind, pool_id, max(block_id, 0), block_hash or b"", model_fingerprint, reason,
+                            registered.get("worker_id", ""), registered.get("advertise_url", ""),
+                            registered.get("served_model_name", "")))
 
 
 class EventLog:

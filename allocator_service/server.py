@@ -142,7 +142,7 @@ def serve(opts: ServeOptions) -> int:
         health_servicer=health_servicer,
     )
     if opts.auth_token and not opts.router_token:
-        log.warning("no router token (--router-token-file): MatchPrefix and WatchEvents answer the admin token only")
+        log.warning("no router token (--router-token-file): MatchPrefix, WatchEvents and ListPools answer the admin token only")
     host = opts.listen.rsplit(":", 1)[0]
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -58,7 +58,7 @@ from allocator_service.config import Limits, ServiceConfig
 from allocator_service.core import PoolStats, StepColumns
 from allocator_service.core.errors import InvalidArgument
 from allocator_service.core.hashing import chain_hashes, root_hash
-from allocator_service.core.limits import MAX_SALT_LEN
+from allocator_service.core.limits import MAX_ADVERTISE_URL_LEN, MAX_SALT_LEN, MAX_SERVED_MODEL_NAME_LEN
 from allocator_service.core.pool import check_tokens
 from allocator_service.core.step import ADMIT, APPEND, FORK, FREE
 from allocator_service.durable import DurableState
@@ -106,6 +106,35 @@ class PoolView(NamedTuple):
 
     pool_id: str
     worker_id: str
+    stats: PoolStats
+
+
+class Advertised(NamedTuple):
+    """What a worker tells routers about itself when it registers its pool."""
+
+    advertise_url: str = ""
+    served_model_name: str = ""
+
+    def check(self) -> None:
+        """BadRequest unless both are within their bounds (empty = not given)."""
+        url, name = self.advertise_url, self.served_model_name
+        if url and (len(url) > MAX_ADVERTISE_URL_LEN or not url.isprintable() or " " in url
+                    or not url.startswith(("http://", "https://")) or len(url.split("://", 1)[1]) == 0):
+            raise BadRequest(f"advertise_url must be an http:// or https:// URL of at most "
+                             f"{MAX_ADVERTISE_URL_LEN} printable characters without spaces")
+        if len(name) > MAX_SERVED_MODEL_NAME_LEN or not name.isprintable():
+            raise BadRequest(f"served_model_name must be at most {MAX_SERVED_MODEL_NAME_LEN} printable characters")
+
+
+class PoolListing(NamedTuple):
+    """One live pool as ListPools answers it."""
+
+    pool_id: str
+    worker_id: str
+    model_fingerprint: str
+    served_model_name: str
+    advertise_url: str
+    enable_prefix_caching: bool
     stats: PoolStats
 
 
@@ -309,13 +338,16 @@ class AllocatorService:
             self.durable.end_apply()
 
     # ------------------------------------------------------------ pool calls
-    def register(self, worker_id: str, shape: pb.PoolShape, replace_credential: str = "") -> Registration:
+    def register(self, worker_id: str, shape: pb.PoolShape, replace_credential: str = "",
+                 advertised: Advertised = Advertised()) -> Registration:
         """A new pool for `worker_id`. A live pool of the same worker id is
         replaced only with its credential; else PoolInUse until its lease
-        expires (so nobody can drop another worker's pool by naming it)."""
+        expires (so nobody can drop another worker's pool by naming it).
+        `advertised`: its HTTP URL and served model name, for routers."""
         limit = self.limits.max_worker_id_len
         if not worker_id or len(worker_id) > limit or "/" in worker_id or not worker_id.isprintable():
             raise BadRequest(f"worker_id must be 1 to {limit} printable characters without '/'")
+        advertised.check()
         config = config_from_proto(shape)
         credential = secrets.token_urlsafe(32)
         digest = _digest(credential)
@@ -330,7 +362,7 @@ class AllocatorService:
                     if reg.pools.get(reg.current.get(worker_id, "")) is not old:
                         raise _Reloaded  # replaced or reloaded while we waited
                     return self._register(reg, worker_id, shape, config, digest, old, replace_credential,
-                                          fresh)
+                                          fresh, advertised)
 
         entry = self._retrying(attempt)
         self.durable.after_change()
@@ -338,7 +370,8 @@ class AllocatorService:
         return Registration(entry.pool_id, entry.epoch, credential, self.config.lease_ttl_s)
 
     def _register(self, reg: Registry, worker_id: str, shape: pb.PoolShape, config, digest: bytes,
-                  old: PoolEntry | None, replace_credential: str, fresh) -> PoolEntry:
+                  old: PoolEntry | None, replace_credential: str, fresh,
+                  advertised: Advertised = Advertised()) -> PoolEntry:
         if old is not None:
             self._check_replace(old, replace_credential)
         pools = len(reg.pools) - (old is not None)
@@ -358,11 +391,13 @@ class AllocatorService:
                 epoch=epoch,
                 shape=shape,
                 credential_digest=digest,
+                advertise_url=advertised.advertise_url,
+                served_model_name=advertised.served_model_name,
             )
         )
         batch = reg.advance()
         try:
-            entry = reg.register(worker_id, epoch, config, digest, batch, fresh)
+            entry = reg.register(worker_id, epoch, config, digest, batch, fresh, **advertised._asdict())
         finally:
             self.events.finish(batch)
         if old is not None:
@@ -544,6 +579,21 @@ class AllocatorService:
         if dropped:
             self.durable.after_change()
         return dropped
+
+    def list_pools(self, fingerprint: str = "") -> list[PoolListing]:
+        """Every live pool (of `fingerprint`, when given), by pool id: what a
+        router needs to reach its worker and weigh its load. Each pool is
+        read under its own lock."""
+        out = []
+        for e in sorted(list(self.registry.pools.values()), key=lambda e: e.pool_id):
+            config = e.pool.config
+            if fingerprint and config.model_fingerprint != fingerprint:
+                continue
+            with e.lock:
+                stats = e.pool.stats()
+            out.append(PoolListing(e.pool_id, e.worker_id, config.model_fingerprint, e.served_model_name,
+                                   e.advertise_url, e.pool.enable_prefix_caching, stats))
+        return out
 
     def pool_views(self) -> list[PoolView]:
         """What the metrics collector reads: each pool under its own lock."""

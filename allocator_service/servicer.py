@@ -19,7 +19,7 @@ from allocator_service import errors
 from allocator_service.core.snapshot import dumps_chunked
 from allocator_service.errors import BadRequest
 from allocator_service.roles import ADMIN, caller_role
-from allocator_service.service import AllocatorService
+from allocator_service.service import Advertised, AllocatorService
 from allocator_service.v1 import allocator_pb2 as pb
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Allocator"].full_name
@@ -40,7 +40,8 @@ class AllocatorServicer:
         self.service = service
 
     def RegisterPool(self, request: pb.RegisterPoolRequest, context) -> pb.RegisterPoolResponse:
-        r = self.service.register(request.worker_id, request.shape, request.replace_credential)
+        r = self.service.register(request.worker_id, request.shape, request.replace_credential,
+                                  Advertised(request.advertise_url, request.served_model_name))
         return pb.RegisterPoolResponse(
             pool_id=r.pool_id, epoch=r.epoch, credential=r.credential, lease_ttl_s=r.lease_ttl_s
         )
@@ -86,6 +87,18 @@ class AllocatorServicer:
         matches = self.service.match_prefix(request.model_fingerprint, list(request.tokens), salt)
         return pb.MatchPrefixResponse(matches=matches)
 
+    def ListPools(self, request: pb.ListPoolsRequest, context) -> pb.ListPoolsResponse:
+        return pb.ListPoolsResponse(pools=[
+            pb.PoolInfo(
+                pool_id=p.pool_id, worker_id=p.worker_id, model_fingerprint=p.model_fingerprint,
+                served_model_name=p.served_model_name, advertise_url=p.advertise_url,
+                block_size=p.stats.block_size, num_blocks=p.stats.num_blocks, free_blocks=p.stats.free_blocks,
+                used_blocks=p.stats.used_blocks, cached_blocks=p.stats.cached_blocks,
+                num_sequences=p.stats.num_sequences, enable_prefix_caching=p.enable_prefix_caching,
+            )
+            for p in self.service.list_pools(request.model_fingerprint)
+        ])
+
     def DumpPool(self, request: pb.DumpPoolRequest, context) -> pb.DumpPoolResponse:
         state, last_step_id, problems = self.service.dump(request.pool, admin=caller_role() == ADMIN)
         return pb.DumpPoolResponse(
@@ -113,6 +126,9 @@ class AllocatorServicer:
                         block_hash=e.block_hash,
                         model_fingerprint=e.model_fingerprint,
                         reason=e.reason,
+                        worker_id=e.worker_id,
+                        advertise_url=e.advertise_url,
+                        served_model_name=e.served_model_name,
                     )
                 cursor = after
         finally:

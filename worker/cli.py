@@ -119,6 +119,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="cap on prompt + generated tokens (default: the model's context length)")
     p.add_argument("--host", **_env("--host", "127.0.0.1"), help="HTTP listen address (default 127.0.0.1)")
     p.add_argument("--port", **_env("--port", 8000, int), help="HTTP port (default 8000)")
+    p.add_argument("--advertise-url", **_env("--advertise-url", ""),
+                   help="this worker's HTTP URL as a router reaches it (http://HOST:PORT), registered with "
+                        "its pool at the allocator together with the served model name, so `pagedkv router "
+                        "--allocator` finds it; empty (the default): not advertised "
+                        "(env PAGEDKV_WORKER_ADVERTISE_URL)")
     p.add_argument("--api-key", **_env("--api-key", os.environ.get("VLLM_API_KEY") or None),
                    help="require `Authorization: Bearer KEY` on every /v1/* route (401 otherwise); /health, "
                         "/metrics, /version, /tokenize and /detokenize stay open, as in vLLM "
@@ -172,6 +177,7 @@ def engine_config(args: argparse.Namespace, dtype: str | None = None):
         allocator_tls_ca=args.allocator_tls_ca,
         allocator_unhealthy_after_s=args.allocator_unhealthy_after,
         allocator_give_up_after_s=args.allocator_give_up_after,
+        advertise_url=args.advertise_url,
     )
 
 

@@ -40,10 +40,14 @@ class AllocatorUnavailable(ConnectionError):
 @dataclass(frozen=True, slots=True)
 class PoolSpec:
     """What a worker asks for when it registers its KV pool: its id and the
-    pool's shape, the core's `PoolConfig` (validated when the spec is built)."""
+    pool's shape, the core's `PoolConfig` (validated when the spec is built);
+    and, for routers that discover workers through the allocator, where it
+    serves HTTP and the model name it serves (empty: not advertised)."""
 
     worker_id: str
     config: PoolConfig
+    advertise_url: str = ""
+    served_model_name: str = ""
 
 
 class AllocatorClient(abc.ABC):

@@ -271,6 +271,8 @@ class GrpcAllocator(AllocatorClient):
             worker_id=self.spec.worker_id,
             shape=shape_to_proto(self.spec.config),
             replace_credential=replace_credential,
+            advertise_url=self.spec.advertise_url,
+            served_model_name=self.spec.served_model_name,
         )
         give_up = time.monotonic() + self.register_wait_s
         waited = False
@@ -423,8 +425,25 @@ class PrefixMatch(NamedTuple):
     block_size: int
 
 
+class PoolInfo(NamedTuple):
+    """One live pool as ListPools answers it."""
+
+    pool_id: str
+    worker_id: str
+    model_fingerprint: str
+    served_model_name: str
+    advertise_url: str
+    block_size: int
+    num_blocks: int
+    free_blocks: int
+    used_blocks: int
+    cached_blocks: int
+    num_sequences: int
+    enable_prefix_caching: bool
+
+
 class RouterClient:
-    """The cross-pool calls a router makes: MatchPrefix and WatchEvents."""
+    """The cross-pool calls a router makes: MatchPrefix, WatchEvents and ListPools."""
 
     def __init__(
         self,
@@ -436,8 +455,8 @@ class RouterClient:
         deadline_s: float = 5.0,
         retries: int = 3,
     ) -> None:
-        """`router_token` (or the admin token) is what MatchPrefix and
-        WatchEvents need once the server has a router token; `auth_token` is
+        """`router_token` (or the admin token) is what MatchPrefix, WatchEvents
+        and ListPools need once the server has a router token; `auth_token` is
         sent when no router token is given (a server with no router token
         and no server-wide token answers anyone)."""
         self._channel = open_channel(target, tls_ca)
@@ -450,6 +469,16 @@ class RouterClient:
             pb.MatchPrefixRequest(model_fingerprint=model_fingerprint, tokens=tokens, cache_salt=cache_salt),
         )
         return [PrefixMatch(m.pool_id, m.worker_id, m.cached_tokens, m.free_blocks, m.block_size) for m in r.matches]
+
+    def list_pools(self, model_fingerprint: str = "") -> list[PoolInfo]:
+        """Every live pool (of `model_fingerprint`, when given), by pool id."""
+        r = self._call("ListPools", pb.ListPoolsRequest(model_fingerprint=model_fingerprint))
+        return [
+            PoolInfo(p.pool_id, p.worker_id, p.model_fingerprint, p.served_model_name, p.advertise_url,
+                     p.block_size, p.num_blocks, p.free_blocks, p.used_blocks, p.cached_blocks,
+                     p.num_sequences, p.enable_prefix_caching)
+            for p in r.pools
+        ]
 
     def watch_events(self, from_sequence: int = 0, timeout_s: float | None = None) -> Iterator[pb.KvEvent]:
         """KV events from `from_sequence` (0 = from now). A KV_EVENT_KIND_RESYNC_REQUIRED

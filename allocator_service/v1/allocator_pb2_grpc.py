@@ -90,6 +90,11 @@ class AllocatorStub:
                 request_serializer=pagedkv_dot_v1_dot_allocator__pb2.DumpPoolRequest.SerializeToString,
                 response_deserializer=pagedkv_dot_v1_dot_allocator__pb2.DumpPoolResponse.FromString,
                 _registered_method=True)
+        self.ListPools = channel.unary_unary(
+                '/pagedkv.v1.Allocator/ListPools',
+                request_serializer=pagedkv_dot_v1_dot_allocator__pb2.ListPoolsRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_v1_dot_allocator__pb2.ListPoolsResponse.FromString,
+                _registered_method=True)
 
 
 class AllocatorServicer:
@@ -194,6 +199,15 @@ class AllocatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListPools(self, request, context):
+        """Every live pool: its worker, model, HTTP address (what the worker
+        advertised when it registered) and occupancy. What a router reads to
+        learn the workers it may send requests to. Router role.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AllocatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -251,6 +265,11 @@ def add_AllocatorServicer_to_server(servicer, server):
                     servicer.DumpPool,
                     request_deserializer=pagedkv_dot_v1_dot_allocator__pb2.DumpPoolRequest.FromString,
                     response_serializer=pagedkv_dot_v1_dot_allocator__pb2.DumpPoolResponse.SerializeToString,
+            ),
+            'ListPools': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListPools,
+                    request_deserializer=pagedkv_dot_v1_dot_allocator__pb2.ListPoolsRequest.FromString,
+                    response_serializer=pagedkv_dot_v1_dot_allocator__pb2.ListPoolsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -551,6 +570,33 @@ class Allocator:
             '/pagedkv.v1.Allocator/DumpPool',
             pagedkv_dot_v1_dot_allocator__pb2.DumpPoolRequest.SerializeToString,
             pagedkv_dot_v1_dot_allocator__pb2.DumpPoolResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListPools(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.v1.Allocator/ListPools',
+            pagedkv_dot_v1_dot_allocator__pb2.ListPoolsRequest.SerializeToString,
+            pagedkv_dot_v1_dot_allocator__pb2.ListPoolsResponse.FromString,
             options,
             channel_credentials,
             insecure,

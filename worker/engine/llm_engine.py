@@ -79,6 +79,8 @@ class LLMEngine:
                 enable_prefix_caching=config.enable_prefix_caching,
                 model_fingerprint=loaded.fingerprint,
             ),
+            advertise_url=config.advertise_url,
+            served_model_name=config.served_model_name or config.model,
         )
         self.metrics = metrics or WorkerMetrics(config.worker_id, config.model,
                                                 model_name=config.served_model_name)
