@@ -211,6 +211,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"KV pool: {engine.kv_pool.describe()}", flush=True)
     async_engine = AsyncLLMEngine(engine)
     app = create_app(async_engine, served_name(args), root=model_of(args), api_key=args.api_key)
+    # NOTE: at shutdown, not only in `finally`: uvicorn re-raises the SIGTERM it
+    # caught once it has stopped, which ends the process before `finally` runs;
+    # the engine's close deregisters the pool, so routers drop this worker now
+    # rather than when its lease runs out.
+    app.router.on_shutdown.append(async_engine.shutdown)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                     timeout_graceful_shutdown=5)

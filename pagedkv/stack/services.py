@@ -1,4 +1,4 @@
-"""The processes of the topology: Redis, the allocator, workers and Prometheus.
+"""The processes of the topology: Redis, the allocator, workers, the router and Prometheus.
 
 Each is a `Service`: made with its settings, then `start()`ed (a new
 `Process`), `wait_healthy()`, and `kill()`ed (SIGKILL: a crash) or
@@ -201,14 +201,44 @@ class WorkerProcess(Service):
             argv += ["--model", self.model]
         if self.allocator is not None:
             argv += ["--allocator", self.allocator]
-        return argv + ["--worker-id", self.worker_id, "--host", self.host, "--port", str(self.port), *self.args]
+        argv += ["--worker-id", self.worker_id, "--host", self.host, "--port", str(self.port)]
+        if "--advertise-url" not in self.args:  # so a router finds it through the allocator
+            argv += ["--advertise-url", self.url]
+        return argv + self.args
+
+    def healthy(self) -> bool:
+        return http_ok(f"{self.url}/health")
+
+
+class RouterProcess(Service):
+    """`python -m router --listen H:P [--allocator A] [--model M] ARGS...`; healthy when GET
+    /health answers 200 (it knows at least one worker)."""
+
+    def __init__(self, name: str = "router", *, allocator: str | None = None, model: str | None = None,
+                 args: Sequence[str] = (), host: str = "127.0.0.1", port: int = 0,
+                 connect_host: str | None = None, **kw) -> None:
+        super().__init__(name, **kw)
+        self.allocator = allocator
+        self.model = model
+        self.args = list(args)
+        self.host = host
+        self.port = port or free_port(connect_host or host)
+        self.url = f"http://{connect_host or host}:{self.port}"
+
+    def argv(self) -> list[str]:
+        argv = [sys.executable, "-m", "router", "--listen", f"{self.host}:{self.port}"]
+        if self.allocator is not None:
+            argv += ["--allocator", self.allocator]
+        if self.model is not None:
+            argv += ["--model", self.model]
+        return argv + self.args
 
     def healthy(self) -> bool:
         return http_ok(f"{self.url}/health")
 
 
 def prometheus_config(allocator_targets: Sequence[str], worker_targets: Sequence[str],
-                      scrape_interval: str = "5s") -> str:
+                      scrape_interval: str = "5s", router_targets: Sequence[str] = ()) -> str:
     """A Prometheus config with the job names docker-compose and the dashboard use."""
     def job(name: str, targets: Sequence[str]) -> str:
         listed = ", ".join(f'"{t}"' for t in targets)
@@ -219,6 +249,7 @@ def prometheus_config(allocator_targets: Sequence[str], worker_targets: Sequence
         "scrape_configs:\n"
         + job("pagedkv-allocator", allocator_targets)
         + job("pagedkv-worker", worker_targets)
+        + (job("pagedkv-router", router_targets) if router_targets else "")
     )
 
 
