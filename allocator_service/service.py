@@ -58,7 +58,11 @@ from allocator_service.config import Limits, ServiceConfig
 from allocator_service.core import PoolStats, StepColumns
 from allocator_service.core.errors import InvalidArgument
 from allocator_service.core.hashing import chain_hashes, root_hash
-from allocator_service.core.limits import MAX_ADVERTISE_URL_LEN, MAX_SALT_LEN, MAX_SERVED_MODEL_NAME_LEN
+from allocator_service.core.limits import (
+    MAX_ADVERTISE_URL_LEN,
+    MAX_SALT_LEN,
+    MAX_SERVED_MODEL_NAME_LEN,
+)
 from allocator_service.core.pool import check_tokens
 from allocator_service.core.step import ADMIT, APPEND, FORK, FREE
 from allocator_service.durable import DurableState
@@ -124,6 +128,9 @@ class Advertised(NamedTuple):
                              f"{MAX_ADVERTISE_URL_LEN} printable characters without spaces")
         if len(name) > MAX_SERVED_MODEL_NAME_LEN or not name.isprintable():
             raise BadRequest(f"served_model_name must be at most {MAX_SERVED_MODEL_NAME_LEN} printable characters")
+
+
+NOT_ADVERTISED = Advertised()
 
 
 class PoolListing(NamedTuple):
@@ -339,7 +346,7 @@ class AllocatorService:
 
     # ------------------------------------------------------------ pool calls
     def register(self, worker_id: str, shape: pb.PoolShape, replace_credential: str = "",
-                 advertised: Advertised = Advertised()) -> Registration:
+                 advertised: Advertised = NOT_ADVERTISED) -> Registration:
         """A new pool for `worker_id`. A live pool of the same worker id is
         replaced only with its credential; else PoolInUse until its lease
         expires (so nobody can drop another worker's pool by naming it).
@@ -371,7 +378,7 @@ class AllocatorService:
 
     def _register(self, reg: Registry, worker_id: str, shape: pb.PoolShape, config, digest: bytes,
                   old: PoolEntry | None, replace_credential: str, fresh,
-                  advertised: Advertised = Advertised()) -> PoolEntry:
+                  advertised: Advertised = NOT_ADVERTISED) -> PoolEntry:
         if old is not None:
             self._check_replace(old, replace_credential)
         pools = len(reg.pools) - (old is not None)

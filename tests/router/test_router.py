@@ -21,7 +21,7 @@ from worker.model.tiny import tiny_tokenizer
 MODEL = "tiny-random"
 BLOCK = 16
 # Byte-level tokenizer: one token per byte, so each prefix is ~300 tokens (18 blocks).
-PREFIXES = [f"System prompt {i}: " + ("you are a careful assistant number %d. " % i) * 8 for i in range(4)]
+PREFIXES = [f"System prompt {i}: " + f"you are a careful assistant number {i}. " * 8 for i in range(4)]
 
 
 @pytest.fixture(scope="module")
