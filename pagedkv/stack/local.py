@@ -31,6 +31,9 @@ their binaries are on PATH::
   `logs()` works until then.
 - `redis=True` / `prometheus=True` without the binary: a warning, and the
   stack runs without it (`redis_url` / `prometheus_url` are None).
+- `router=True`: the router (`python -m router`) in front of the workers, on
+  `router_port`, with `router_args`; `worker_host="127.0.0.1"` keeps the
+  workers on loopback while the router (and the allocator) bind `host`.
 - `token` / `tls=(cert, key)`: the allocator requires that bearer token / serves
   TLS with that certificate (which must name localhost), and the workers are
   given what they need to call it.
@@ -91,6 +94,7 @@ class LocalStack:
         router: bool = False,
         router_port: int = 0,
         router_args: Sequence[str] = (),
+        worker_host: str | None = None,
     ) -> None:
         if workers < 1:
             raise StackError("--workers must be at least 1")
@@ -117,6 +121,8 @@ class LocalStack:
         self.want_router = router
         self.router_port = router_port
         self.router_args = list(router_args)
+        # where workers bind (default `host`): loopback keeps them internal behind the router
+        self.worker_host = worker_host or host
         self._own_log_dir = log_dir is None
         self.failed = False  # a failed stack keeps even a temporary log folder
         self.log_dir = Path(log_dir) if log_dir is not None else None
@@ -231,7 +237,8 @@ class LocalStack:
             name = f"worker-{i}"
             port = self._port(self.base_port + i - 1 if self.base_port else 0, name)
             worker = self._add(WorkerProcess, name, model=self.model, allocator=self.allocator_address,
-                               args=[*self.worker_args, *to_allocator], host=self.host, port=port, connect_host=h)
+                               args=[*self.worker_args, *to_allocator], host=self.worker_host, port=port,
+                               connect_host=h)
             self.workers.append(worker)
             self.worker_urls.append(worker.url)
             checks.append((worker.start().proc, worker.healthy))
