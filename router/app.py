@@ -8,8 +8,9 @@ prompt is tokenized once with the worker's tokenizer and chat template
 each pool holds; `policy.rank` orders the workers. The body goes unchanged to
 the first; its answer (JSON or server-sent events) is passed through chunk
 by chunk as it arrives, with the headers `x-pagedkv-worker` naming who
-answered and `x-pagedkv-cached-tokens` how much of the prompt its pool held
-(by MatchPrefix) when it was chosen.
+answered, `x-pagedkv-cached-tokens` how much of the prompt its pool held
+(by MatchPrefix) when it was chosen and `x-pagedkv-routing-ms` how long the
+choice took.
 
 Failure: a worker that refuses the connection, does not send its answer's
 status within `first_byte_timeout`, or answers 502/503/504 is skipped (and
@@ -153,7 +154,8 @@ class Router:
         matches = await self.cached_tokens(workers, tokens, req.cache_salt)
         order = self.ranked(workers, matches, len(tokens or ()))
         best = max((c for _, c in order), default=0)
-        self.metrics.routing_seconds.labels(self.policy).observe(time.perf_counter() - t0)
+        routing_s = time.perf_counter() - t0
+        self.metrics.routing_seconds.labels(self.policy).observe(routing_s)
         body = await request.body()
         headers = [(k, v) for k, v in request.headers.raw if k.lower() not in _HOP]
         why = "no worker answered"
@@ -169,7 +171,7 @@ class Router:
             self.metrics.prompt_tokens.labels(self.policy).inc(len(tokens or ()))
             self.metrics.cached_chosen.labels(self.policy).inc(cached)
             self.metrics.cached_best.labels(self.policy).inc(best)
-            return self._relay(worker, upstream, bool(req.stream), cached)
+            return self._relay(worker, upstream, bool(req.stream), cached, routing_s)
         self.metrics.failed.labels("no_worker_available").inc()
         raise ApiError(503, f"no worker could take the request ({why})", type_="server_error",
                        code="no_worker_available")
@@ -196,10 +198,12 @@ class Router:
             raise _Skip("unavailable", f"it answered {upstream.status_code}")
         return upstream
 
-    def _relay(self, worker: Worker, upstream: httpx.Response, stream: bool, cached: int) -> Response:
+    def _relay(self, worker: Worker, upstream: httpx.Response, stream: bool, cached: int,
+               routing_s: float) -> Response:
         headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_OUT}
         headers["x-pagedkv-worker"] = worker.name
         headers["x-pagedkv-cached-tokens"] = str(cached)  # what MatchPrefix said the worker held
+        headers["x-pagedkv-routing-ms"] = f"{routing_s * 1000:.3f}"  # choosing it took
         done = False
 
         async def close() -> None:
