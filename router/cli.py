@@ -72,9 +72,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a static list of worker URLs (http://HOST:PORT,...), instead of or, with "
                         "--allocator, restricting the workers the allocator lists")
     p.add_argument("--model", **_env("--model", "smollm2"),
-                   help="the model whose tokenizer and chat template prompts are tokenized with, as the "
-                        "workers load it: 'tiny-random', 'smollm2', a Hugging Face folder or repo id, a .gguf "
-                        "file (default smollm2)")
+                   help="the model whose tokenizer and chat template prompts are tokenized with for MatchPrefix, "
+                        "as the workers load it: 'tiny-random', 'smollm2', a Hugging Face folder or repo id, a "
+                        ".gguf file (default smollm2; not loaded without --allocator)")
     p.add_argument("--policy", **_env("--policy", "kv"), choices=POLICIES,
                    help="kv: most cached prefix weighed against load (2*overlap - usage - waiting); "
                         "least-load; round-robin (default kv)")
@@ -112,20 +112,21 @@ def build_router(args: argparse.Namespace):
     if not args.allocator and not args.workers:
         raise CliError("give --allocator HOST:PORT (workers found there) or --workers URL,...")
     token = read_secret(args.router_token_file, "router token file") if args.router_token_file else None
-    try:
-        # The worker's own loader: the same tokenizer and chat template it uses.
-        loaded = load_model(args.model, device="cpu")
-    except (ValueError, ModelLoadError, OSError) as exc:
-        raise CliError(str(exc)) from None
-    client = None
+    tokenizer = client = None
     if args.allocator:
+        try:
+            # The worker's own loader: the same tokenizer and chat template it uses
+            # (only MatchPrefix needs the prompt's tokens: without an allocator, none).
+            tokenizer = load_model(args.model, device="cpu").tokenizer
+        except (ValueError, ModelLoadError, OSError) as exc:
+            raise CliError(str(exc)) from None
         from allocator_service.client.grpc_client import RouterClient
 
         # No retries: a request routes by load alone rather than wait for an allocator that is away.
         client = RouterClient(args.allocator, router_token=token, tls_ca=args.allocator_tls_ca, deadline_s=2.0,
                               retries=0)
     discovery = Discovery(client, args.workers or (), refresh_s=args.refresh_interval)
-    return Router(loaded.tokenizer, discovery, args.policy, allocator=client,
+    return Router(tokenizer, discovery, args.policy, allocator=client,
                   first_byte_timeout=args.first_byte_timeout)
 
 
