@@ -132,7 +132,14 @@ def test_a_killed_worker_is_routed_around_without_a_failed_request(stack):
     _, worker, _ = _complete(stack.router_url, prefix + "before")
     assert worker == "worker-2"
     retries_before = metric(stack.router_url, "pagedkv_router_retries_total", {"reason": "unreachable"}) or 0
+    # A stream under way when its worker dies ends with an error event, not a silent cut.
+    long = _client(stack.router_url).completions.create(model=MODEL, prompt=prefix + "long", max_tokens=1500,
+                                                        temperature=0, stream=True, extra_body={"ignore_eos": True})
+    next(iter(long))
     stack.workers[1].kill()  # its pool stays registered until its lease runs out
+    with pytest.raises(openai.APIError, match="the worker failed mid-answer"):
+        for _ in long:
+            pass
     for i in range(4):
         text, worker, _ = _complete(stack.router_url, prefix + f"after {i}")
         assert worker == "worker-1" and text
@@ -141,3 +148,4 @@ def test_a_killed_worker_is_routed_around_without_a_failed_request(stack):
         assert "".join(c.choices[0].text for c in chunks)
     assert metric(stack.router_url, "pagedkv_router_retries_total", {"reason": "unreachable"}) >= retries_before + 1
     assert metric(stack.router_url, "pagedkv_router_failed_requests_total", {"reason": "no_worker_available"}) is None
+    assert metric(stack.router_url, "pagedkv_router_failed_requests_total", {"reason": "worker_failed_mid_answer"}) == 1
