@@ -107,7 +107,7 @@ def build_router(args: argparse.Namespace):
     """The Router (tokenizer loaded, allocator client made), not started."""
     from router.app import Router
     from router.discovery import Discovery
-    from worker.model.loader import ModelLoadError, load_model
+    from worker.model.loader import ModelLoadError, load_tokenizer
 
     if not args.allocator and not args.workers:
         raise CliError("give --allocator HOST:PORT (workers found there) or --workers URL,...")
@@ -115,9 +115,9 @@ def build_router(args: argparse.Namespace):
     tokenizer = client = None
     if args.allocator:
         try:
-            # The worker's own loader: the same tokenizer and chat template it uses
-            # (only MatchPrefix needs the prompt's tokens: without an allocator, none).
-            tokenizer = load_model(args.model, device="cpu").tokenizer
+            # The worker's own loader: the same tokenizer and chat template it uses, no
+            # weights (only MatchPrefix needs the prompt's tokens: without an allocator, none).
+            tokenizer = load_tokenizer(args.model)
         except (ValueError, ModelLoadError, OSError) as exc:
             raise CliError(str(exc)) from None
         from allocator_service.client.grpc_client import RouterClient

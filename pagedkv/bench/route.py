@@ -178,12 +178,12 @@ async def _probe(direct: str, routed: str, model: str, n: int) -> dict[str, Any]
 def run(args: argparse.Namespace) -> int:
     from pagedkv.settings import CliError
     from pagedkv.stack import LocalStack, RouterProcess, WorkerProcess, stop_processes
-    from worker.model.loader import load_model
+    from worker.model.loader import load_tokenizer
 
     if min(args.prompts, args.prompt_tokens, args.conversations, args.concurrency, args.max_tokens,
            args.num_blocks, args.rounds, args.probe_requests) < 1:
         raise CliError("every count must be positive")
-    workload = build_workload(load_model(args.model).tokenizer, args.prompts, args.prompt_tokens,
+    workload = build_workload(load_tokenizer(args.model), args.prompts, args.prompt_tokens,
                               args.conversations, args.seed)
     worker_args = ["--log-level", "warning", "--block-size", str(args.block_size), "--enable-prefix-caching",
                    "--max-num-seqs", str(args.concurrency)]
