@@ -1,5 +1,6 @@
-"""The router in front of real workers (LocalStack: an allocator, two
-tiny-random workers, the router), driven by the official openai client:
+"""The router in front of real workers (LocalStack: an allocator with
+tokens, two tiny-random workers, the router with its own router token),
+driven by the official openai client:
 the same greedy text as a worker gives directly, requests placed where their
 prefix lives (by the allocator's MatchPrefix), salts that do not attract each
 other, a worker that joins used without a restart, a killed worker routed
@@ -27,7 +28,9 @@ PREFIXES = [f"System prompt {i}: " + f"you are a careful assistant number {i}. "
 @pytest.fixture(scope="module")
 def stack():
     args = ["--num-blocks", "256", "--block-size", str(BLOCK), "--max-num-seqs", "8"]
-    with LocalStack(workers=2, model=MODEL, worker_args=args, router=True, startup_timeout=180) as s:
+    # With tokens: the workers call with the pools' token, the router with its own router token.
+    with LocalStack(workers=2, model=MODEL, worker_args=args, router=True, startup_timeout=180,
+                    token="pools-token") as s:
         yield s
 
 
@@ -76,7 +79,8 @@ def test_requests_land_on_the_worker_that_holds_their_prefix(stack):
         url = stack.worker_urls[i]
         _client(url).completions.create(model=MODEL, prompt=prefix + "warm up", max_tokens=1, temperature=0)
         owner[prefix] = _worker_id(stack, url)
-    allocator = RouterClient(stack.allocator_address)
+    allocator = RouterClient(stack.allocator_address,
+                             router_token=(stack.log_dir / "router-token").read_text().strip())
     pools = {p.worker_id: p for p in allocator.list_pools()}
     for prefix, wid in owner.items():
         for question in ("What now?", "And then?", "Why?"):
@@ -107,7 +111,8 @@ def test_cache_salts_do_not_attract_each_other(stack):
 
 def test_a_worker_that_joins_is_used_without_restarting_the_router(stack):
     joined = WorkerProcess("worker-joined", model=MODEL, allocator=stack.allocator_address,
-                           args=["--log-level", "warning", "--num-blocks", "256", "--block-size", str(BLOCK)])
+                           args=["--log-level", "warning", "--num-blocks", "256", "--block-size", str(BLOCK),
+                                 "--allocator-token-file", str(stack.log_dir / "allocator-token")])
     try:
         joined.start().wait_healthy(120)
         deadline = time.monotonic() + 30
