@@ -7,7 +7,8 @@
   parsed like the flag's value, when the command runs (so a bad variable of one
   command never breaks another), and a bad one is a usage error naming it.
 - Booleans from the environment are strict: 1/true/yes/on or 0/false/no/off.
-- `LOG_LEVELS` / `log_level`: one log-level type, any case, for every command.
+- `LOG_LEVELS` / `log_level`: one log-level type, any case, for every command;
+  `seconds`: one type for a positive number of seconds.
 - `read_secret` / `read_file`: the one way to read a token or a certificate.
 - `CliError` is the one user-facing error; `run_command` prints it as
   `pagedkv COMMAND: error: MESSAGE` with exit status 2 (never a traceback), and
@@ -127,6 +128,17 @@ def log_level(text: str) -> str:
 
 
 log_level.__name__ = "log level"
+
+
+def seconds(text: str) -> float:
+    """A positive, finite number of seconds (a timeout, an interval)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
 
 
 def read_file(path: str, what: str) -> bytes:

@@ -12,7 +12,15 @@ from __future__ import annotations
 import argparse
 import os
 
-from pagedkv.settings import LOG_LEVELS, CliError, env_default, log_level, read_secret, run_command
+from pagedkv.settings import (
+    LOG_LEVELS,
+    CliError,
+    env_default,
+    log_level,
+    read_secret,
+    run_command,
+    seconds,
+)
 from router.policy import POLICIES
 
 ENV_HELP = """\
@@ -49,19 +57,6 @@ def _urls(text: str) -> list[str]:
 _urls.__name__ = "URL list"
 
 
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
-
-
-_positive.__name__ = "positive number"
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", **_env("--listen", "127.0.0.1:8000", _address),
                    help="HOST:PORT to serve the API on (default 127.0.0.1:8000)")
@@ -86,10 +81,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="require `Authorization: Bearer KEY` on every /v1/* route, as a worker does; the "
                         "header is forwarded to the workers either way (env PAGEDKV_ROUTER_API_KEY, else "
                         "VLLM_API_KEY)")
-    p.add_argument("--first-byte-timeout", metavar="SECONDS", **_env("--first-byte-timeout", 60.0, _positive),
+    p.add_argument("--first-byte-timeout", metavar="SECONDS", **_env("--first-byte-timeout", 60.0, seconds),
                    help="a worker that has not answered a request's status in this long is skipped and the "
                         "request sent to another (default 60)")
-    p.add_argument("--refresh-interval", metavar="SECONDS", **_env("--refresh-interval", 5.0, _positive),
+    p.add_argument("--refresh-interval", metavar="SECONDS", **_env("--refresh-interval", 5.0, seconds),
                    help="list the allocator's pools at least this often, besides on every pool event "
                         "(default 5)")
     p.add_argument("--log-level", **_env("--log-level", "INFO", log_level), choices=LOG_LEVELS,

@@ -21,6 +21,7 @@ from pagedkv.settings import (
     log_level,
     read_secret,
     run_command,
+    seconds,
 )
 
 ENV_HELP = """\
@@ -45,19 +46,6 @@ def default_worker_id() -> str:
     any '/' or unprintable character in it becomes '-'."""
     host = "".join(c if c.isprintable() and c not in "/ " else "-" for c in socket.gethostname())[:100]
     return f"{host or 'worker'}-{os.getpid()}-{secrets.token_hex(3)}"
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
-    return value
-
-
-_seconds.__name__ = "seconds"
 
 
 class _StoreGiven(argparse.Action):
@@ -89,10 +77,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="this worker's id at the allocator; a restart with the same id starts a new epoch "
                         "(default HOSTNAME-PID-RANDOM, unique per host and process)")
     p.add_argument("--allocator-unhealthy-after", metavar="SECONDS",
-                   **_env("--allocator-unhealthy-after", 10.0, _seconds),
+                   **_env("--allocator-unhealthy-after", 10.0, seconds),
                    help="GET /health answers 503 once the allocator has not answered for this long (default 10)")
     p.add_argument("--allocator-give-up-after", metavar="SECONDS",
-                   **_env("--allocator-give-up-after", 120.0, _seconds),
+                   **_env("--allocator-give-up-after", 120.0, seconds),
                    help="requests waiting on an allocator that has not answered for this long fail with a 503, "
                         "and new ones are refused until it answers (default 120)")
     size = p.add_mutually_exclusive_group()

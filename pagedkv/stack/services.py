@@ -179,15 +179,16 @@ class RedisProcess(Service):
         self.stop()
 
 
-class WorkerProcess(Service):
-    """`python -m worker [--model M] [--allocator A] --worker-id NAME --host H --port P ARGS...`;
-    healthy when GET /health answers."""
+class HttpService(Service):
+    """A process of ours serving HTTP (a worker, the router): `python -m MODULE` with its model,
+    allocator and ARGS, on `host:port` (a free port when 0); healthy when GET /health answers 2xx."""
+
+    module = ""
 
     def __init__(self, name: str, *, model: str | None = None, allocator: str | None = None,
                  args: Sequence[str] = (), host: str = "127.0.0.1", port: int = 0,
                  connect_host: str | None = None, **kw) -> None:
         super().__init__(name, **kw)
-        self.worker_id = name
         self.model = model
         self.allocator = allocator
         self.args = list(args)
@@ -196,45 +197,48 @@ class WorkerProcess(Service):
         self.url = f"http://{connect_host or host}:{self.port}"
 
     def argv(self) -> list[str]:
-        argv = [sys.executable, "-m", "worker"]
+        argv = [sys.executable, "-m", self.module]
         if self.model is not None:
             argv += ["--model", self.model]
         if self.allocator is not None:
             argv += ["--allocator", self.allocator]
-        argv += ["--worker-id", self.worker_id, "--host", self.host, "--port", str(self.port)]
+        return argv + self.own_args() + self.args
+
+    def own_args(self) -> list[str]:
+        return []
+
+    def healthy(self) -> bool:
+        return http_ok(f"{self.url}/health")
+
+
+class WorkerProcess(HttpService):
+    """`python -m worker [--model M] [--allocator A] --worker-id NAME --host H --port P
+    --advertise-url URL ARGS...`; healthy when GET /health answers."""
+
+    module = "worker"
+
+    def __init__(self, name: str, **kw) -> None:
+        super().__init__(name, **kw)
+        self.worker_id = name
+
+    def own_args(self) -> list[str]:
+        argv = ["--worker-id", self.worker_id, "--host", self.host, "--port", str(self.port)]
         if "--advertise-url" not in self.args:  # so a router finds it through the allocator
             argv += ["--advertise-url", self.url]
-        return argv + self.args
-
-    def healthy(self) -> bool:
-        return http_ok(f"{self.url}/health")
+        return argv
 
 
-class RouterProcess(Service):
-    """`python -m router --listen H:P [--allocator A] [--model M] ARGS...`; healthy when GET
+class RouterProcess(HttpService):
+    """`python -m router [--model M] [--allocator A] --listen H:P ARGS...`; healthy when GET
     /health answers 200 (it knows at least one worker)."""
 
-    def __init__(self, name: str = "router", *, allocator: str | None = None, model: str | None = None,
-                 args: Sequence[str] = (), host: str = "127.0.0.1", port: int = 0,
-                 connect_host: str | None = None, **kw) -> None:
+    module = "router"
+
+    def __init__(self, name: str = "router", **kw) -> None:
         super().__init__(name, **kw)
-        self.allocator = allocator
-        self.model = model
-        self.args = list(args)
-        self.host = host
-        self.port = port or free_port(connect_host or host)
-        self.url = f"http://{connect_host or host}:{self.port}"
 
-    def argv(self) -> list[str]:
-        argv = [sys.executable, "-m", "router", "--listen", f"{self.host}:{self.port}"]
-        if self.allocator is not None:
-            argv += ["--allocator", self.allocator]
-        if self.model is not None:
-            argv += ["--model", self.model]
-        return argv + self.args
-
-    def healthy(self) -> bool:
-        return http_ok(f"{self.url}/health")
+    def own_args(self) -> list[str]:
+        return ["--listen", f"{self.host}:{self.port}"]
 
 
 def prometheus_config(allocator_targets: Sequence[str], worker_targets: Sequence[str],
