@@ -109,6 +109,14 @@ def test_cache_salts_do_not_attract_each_other(stack):
         assert cached == 0
 
 
+def test_a_restarted_router_routes_as_before(stack):
+    prefix = PREFIXES[2]  # held by worker-1 (test above)
+    stack.router.terminate()
+    stack.router.start().wait_healthy(120)  # the same port: it learns everything from the allocator again
+    _, worker, cached = _complete(stack.router_url, prefix + "after a restart")
+    assert worker == "worker-1" and cached > 0
+
+
 def test_a_worker_that_joins_is_used_without_restarting_the_router(stack):
     joined = WorkerProcess("worker-joined", model=MODEL, allocator=stack.allocator_address,
                            args=["--log-level", "warning", "--num-blocks", "256", "--block-size", str(BLOCK),
