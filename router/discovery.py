@@ -4,9 +4,10 @@ From the allocator: `ListPools` gives every live pool with the URL its worker
 advertised and the model it serves; the `WatchEvents` stream says when a pool
 is registered or dropped, and each such event (and a resync) is answered by
 listing again, so the view is the allocator's, not a copy kept in step by
-hand. The stream is reopened after any failure (with backoff), and the
-listing is also refreshed every `refresh_s` seconds (a registration that
-landed between a listing and a reopened stream is found then at the latest).
+hand. The stream is reopened after any failure (with backoff) from the event
+after the last one seen, and the listing is also refreshed every `refresh_s`
+seconds (a registration that lands between the first listing and the start
+of the first stream is found then at the latest).
 
 Static (`--workers URL,...`): exactly those URLs. With an allocator as well,
 a static URL is matched to the pool that advertises it, for its cache view.
@@ -61,6 +62,7 @@ class Discovery:
         self._thread: threading.Thread | None = None
         self._refresher: threading.Thread | None = None
         self.listed = threading.Event()  # the allocator answered at least once
+        self._next_event = 0  # the event number to follow from on a reconnect (0: from now)
         self.refreshes = 0
         self.allocator_ok = client is None
 
@@ -130,12 +132,16 @@ class Discovery:
         backoff = 0.1
         while not self._stop.is_set():
             try:
-                self._stream = self.client.watch_events(from_sequence=0)
+                # A reconnect follows on from the last event seen, so none is missed
+                # (too old: RESYNC_REQUIRED, answered by listing again).
+                self._stream = self.client.watch_events(from_sequence=self._next_event)
                 if self._stop.is_set():
                     break
-                self._try_refresh()  # the stream is asked for: nothing after this is missed
+                self._try_refresh()
                 for event in self._stream:
                     backoff = 0.1
+                    if event.kind != pb.KV_EVENT_KIND_RESYNC_REQUIRED:
+                        self._next_event = event.sequence + 1
                     if event.kind in wanted:
                         self._try_refresh()
             except Exception as exc:  # noqa: BLE001 - reconnect after any failure
