@@ -118,7 +118,8 @@ class Router:
         out: dict[str, tuple[int, int]] = {}
         for fingerprint in sorted({w.model_fingerprint for w in workers if w.pool_id}):
             try:
-                matches = await asyncio.to_thread(self.allocator.match_prefix, fingerprint, tokens, salt)
+                with self.metrics.match_seconds.time():
+                    matches = await asyncio.to_thread(self.allocator.match_prefix, fingerprint, tokens, salt)
             except Exception as exc:  # noqa: BLE001 - the allocator away: route by load alone
                 self.metrics.match_errors.inc()
                 log.warning("MatchPrefix failed (%s): routing by load", type(exc).__name__)

@@ -28,6 +28,10 @@ class RouterMetrics:
             "pagedkv_router_routing_seconds",
             "Time to choose a worker: tokenize, MatchPrefix, rank.",
             ["policy"], buckets=ROUTING_BUCKETS, registry=r)
+        self.match_seconds = Histogram(
+            "pagedkv_router_match_prefix_seconds",
+            "Time of the MatchPrefix call (the allocator's share of the routing time).",
+            buckets=ROUTING_BUCKETS, registry=r)
         self.retries = Counter(
             "pagedkv_router_retries",
             "Requests sent again to another worker before any byte reached the client, by why.",

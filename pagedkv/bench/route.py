@@ -132,6 +132,25 @@ def _prefix_counters(urls: list[str]) -> tuple[float, float]:
     return hit, queried
 
 
+def _routing_split(url: str) -> dict[str, float | None]:
+    """The kv router's mean routing time and the MatchPrefix part of it, over the whole bench."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    got: dict[str, float] = {}
+    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+        for s in fam.samples:
+            if s.name.endswith(("_seconds_sum", "_seconds_count")):
+                got[s.name] = got.get(s.name, 0.0) + s.value
+
+    def mean(name: str) -> float | None:
+        n = got.get(f"{name}_count", 0.0)
+        return round(1000 * got.get(f"{name}_sum", 0.0) / n, 3) if n else None
+
+    return {"kv_routing_mean_ms": mean("pagedkv_router_routing_seconds"),
+            "kv_match_prefix_mean_ms": mean("pagedkv_router_match_prefix_seconds")}
+
+
 def _pct(values: list[float], q: float) -> float | None:
     values = sorted(v for v in values if v is not None and v == v)
     if not values:
@@ -215,6 +234,7 @@ def run(args: argparse.Namespace) -> int:
                     hit1, queried1 = _prefix_counters(counted)
                     runs[name].append(_figures(results, wall, hit1 - hit0, queried1 - queried0))
             probe = asyncio.run(_probe(stack.worker_urls[0], routers["kv"].url, args.model, args.probe_requests))
+            probe |= _routing_split(routers["kv"].url)
         finally:
             stop_processes([[r.proc for r in routers.values() if r.proc is not None]
                             + ([single.proc] if single.proc is not None else [])], 10.0)
@@ -280,3 +300,5 @@ def _print(report: dict) -> None:
             f"kv TTFT p50 / round-robin: {g['kv_ttft_p50_of_round_robin']} (target <= 0.6)")
     c.print(f"router added latency p50 (sequential 1-token requests): {p['routed_p50_ms']} ms routed vs "
             f"{p['direct_p50_ms']} ms direct = +{p['added_p50_ms']} ms (target <= 2)")
+    c.print(f"kv routing time, mean over the bench: {p['kv_routing_mean_ms']} ms, of which MatchPrefix "
+            f"{p['kv_match_prefix_mean_ms']} ms")
