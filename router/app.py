@@ -88,6 +88,14 @@ class Router:
         self.in_flight: dict[str, int] = {}
         self.down_until: dict[str, float] = {}
         self._turns = itertools.count()
+        # NOTE: a prompt being prefilled is in no pool's cache yet (a block is hashed
+        # once computed), so MatchPrefix cannot see it. Until its answer ends, a
+        # prompt sharing its prefix counts that prefix as cached on the worker
+        # computing it; else a tenant's first requests, arriving together, would be
+        # spread by load over every worker, each caching the prefix again. Requests
+        # in flight are this router's own (like `in_flight`): a restart loses none.
+        self.computing: dict[int, tuple[str, str | None, list[int]]] = {}  # id -> (url, salt, prompt)
+        self._ids = itertools.count()
 
     # ------------------------------------------------------------ choosing
     def candidates_for(self, model: str) -> list[Worker]:
@@ -128,18 +136,43 @@ class Router:
                 out[m.pool_id] = (m.cached_tokens, m.free_blocks)
         return out
 
+    def being_computed(self, workers: Sequence[Worker], tokens: list[int] | None,
+                       salt: str | None) -> dict[str, int]:
+        """url -> the most leading tokens of `tokens` (whole blocks, never the
+        last token) that a prompt in flight there under the same salt shares."""
+        out: dict[str, int] = {}
+        if not tokens or self.policy != "kv":
+            return out
+        sizes = {w.url: w.block_size for w in workers if w.block_size}
+        for url, other_salt, other in self.computing.values():
+            size = sizes.get(url)
+            if size is None or other_salt != salt:
+                continue
+            n = min(len(tokens) - 1, len(other)) // size * size
+            k = 0
+            while k < n and tokens[k:k + size] == other[k:k + size]:
+                k += size
+            if k > out.get(url, 0):
+                out[url] = k
+        return out
+
     def ranked(self, workers: Sequence[Worker], matches: dict[str, tuple[int, int]],
-               prompt_tokens: int) -> list[tuple[Worker, int]]:
-        """(worker, its cached tokens), best first; workers in their cool-down last."""
+               prompt_tokens: int, computing: dict[str, int] | None = None) -> list[tuple[Worker, int]]:
+        """(worker, its cached tokens by MatchPrefix), best first; workers in
+        their cool-down last. `computing`: tokens being computed there, ranked
+        as if cached."""
         now = time.monotonic()
         by_url = {w.url: w for w in workers}
+        exact = {}
         cands = []
         for w in workers:
             cached, free = matches.get(w.pool_id, (0, w.free_blocks))
-            cands.append(Candidate(w.url, cached, free, w.num_blocks, self.in_flight.get(w.url, 0)))
+            exact[w.url] = cached
+            soon = max(cached, (computing or {}).get(w.url, 0))
+            cands.append(Candidate(w.url, soon, free, w.num_blocks, self.in_flight.get(w.url, 0)))
         order = rank(self.policy, cands, prompt_tokens, next(self._turns))
         order.sort(key=lambda c: self.down_until.get(c.key, 0.0) > now)  # stable: keeps the ranking
-        return [(by_url[c.key], c.cached_tokens) for c in order]
+        return [(by_url[c.key], exact[c.key]) for c in order]
 
     # ------------------------------------------------------------ proxying
     async def forward(self, request: Request, kind: str, model_cls) -> Response:
@@ -153,26 +186,33 @@ class Router:
             size = sum(len(m.text()) for m in req.messages) if kind == "chat" else len(str(req.prompt))
             tokens = await off_loop(self.prompt_ids, kind, req, size=size)
         matches = await self.cached_tokens(workers, tokens, req.cache_salt)
-        order = self.ranked(workers, matches, len(tokens or ()))
+        order = self.ranked(workers, matches, len(tokens or ()), self.being_computed(workers, tokens, req.cache_salt))
         best = max((c for _, c in order), default=0)
         routing_s = time.perf_counter() - t0
         self.metrics.routing_seconds.labels(self.policy).observe(routing_s)
         body = await request.body()
         headers = [(k, v) for k, v in request.headers.raw if k.lower() not in _HOP]
         why = "no worker answered"
+        rid = next(self._ids)
         for worker, cached in order[: self.max_attempts]:
+            if tokens:  # from now on (no await before this): the next request sees it
+                self.computing[rid] = (worker.url, req.cache_salt, tokens)
             try:
                 upstream = await self._send(worker, request.url.path, body, headers)
             except _Skip as skip:
+                self.computing.pop(rid, None)
                 why = f"{worker.name}: {skip}"
                 self.metrics.retries.labels(skip.reason).inc()
                 log.warning("worker %s at %s: %s; trying another", worker.name, worker.url, skip)
                 continue
+            except BaseException:  # cancelled (the client left): nothing is computed for it
+                self.computing.pop(rid, None)
+                raise
             self.metrics.routed.labels(worker.name, self.policy).inc()
             self.metrics.prompt_tokens.labels(self.policy).inc(len(tokens or ()))
             self.metrics.cached_chosen.labels(self.policy).inc(cached)
             self.metrics.cached_best.labels(self.policy).inc(best)
-            return self._relay(worker, upstream, bool(req.stream), cached, routing_s)
+            return self._relay(worker, upstream, bool(req.stream), cached, routing_s, rid)
         self.metrics.failed.labels("no_worker_available").inc()
         raise ApiError(503, f"no worker could take the request ({why})", type_="server_error",
                        code="no_worker_available")
@@ -200,7 +240,7 @@ class Router:
         return upstream
 
     def _relay(self, worker: Worker, upstream: httpx.Response, stream: bool, cached: int,
-               routing_s: float) -> Response:
+               routing_s: float, rid: int) -> Response:
         headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_OUT}
         headers["x-pagedkv-worker"] = worker.name
         headers["x-pagedkv-cached-tokens"] = str(cached)  # what MatchPrefix said the worker held
@@ -211,6 +251,7 @@ class Router:
             nonlocal done
             if not done:
                 done = True
+                self.computing.pop(rid, None)
                 await upstream.aclose()
                 self._leave(worker)
 

@@ -5,7 +5,8 @@
     score = 2 * overlap - usage - waiting
 
 - `overlap`: the share of the prompt's tokens the worker's pool already holds
-  (`MatchPrefix`'s `cached_tokens` / prompt tokens): prefill it saves;
+  (`MatchPrefix`'s `cached_tokens` / prompt tokens; or, when more, what a
+  prompt being prefilled there shares with it): prefill it saves;
 - `usage`: the share of its pool's blocks in use (1 - free / total): memory
   pressure, i.e. how soon it would have to evict or preempt;
 - `waiting`: its requests in flight through this router over the largest

@@ -9,6 +9,7 @@ around without a failed request."""
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -95,6 +96,16 @@ def test_requests_land_on_the_worker_that_holds_their_prefix(stack):
     best = metric(stack.router_url, "pagedkv_router_prefix_best_cached_tokens_total", {"policy": "kv"})
     chosen = metric(stack.router_url, "pagedkv_router_prefix_cached_tokens_total", {"policy": "kv"})
     assert chosen == best > 0
+
+
+def test_requests_arriving_together_with_a_new_prefix_land_on_one_worker(stack):
+    """Before any pool holds the prefix (MatchPrefix sees it once computed), the
+    router counts it on the worker computing it: the prefix is not cached twice."""
+    prefix = "A tenant nobody has seen yet: " + "answer in French, briefly. " * 12
+    with ThreadPoolExecutor(4) as pool:
+        placed = list(pool.map(lambda i: _complete(stack.router_url, prefix + f"question {i}"),
+                               range(4)))
+    assert len({worker for _, worker, _ in placed}) == 1, placed
 
 
 def test_cache_salts_do_not_attract_each_other(stack):
