@@ -23,6 +23,7 @@ import json
 import signal
 from pathlib import Path
 
+from pagedkv.settings import parse_threads
 from pagedkv.stack import LocalStack, StackError
 from router.policy import POLICIES
 
@@ -60,6 +61,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     pool.add_argument("--dtype", help="model and KV dtype, e.g. float32, bfloat16")
     pool.add_argument("--max-num-seqs", type=int, help="most sequences in one running batch")
     pool.add_argument("--max-num-batched-tokens", type=int, help="most tokens in one scheduler step")
+    pool.add_argument("--threads", type=parse_threads, metavar="N|A/B",
+                      help="compute threads per worker, a count or a share of the cores "
+                           "(default: the cores divided among the workers, max(1, cores // workers))")
     pool.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
                       help="any other worker flag, once per word: --worker-arg=--seed --worker-arg=1")
     p.add_argument("--allocator-arg", action="append", default=[], metavar="ARG",
@@ -75,7 +79,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def worker_args_from(args: argparse.Namespace) -> list[str]:
     out: list[str] = []
     for flag in ("num_blocks", "kv_cache_memory", "block_size", "device", "dtype", "max_num_seqs",
-                 "max_num_batched_tokens"):
+                 "max_num_batched_tokens", "threads"):
         value = getattr(args, flag)
         if value is not None:
             out += ["--" + flag.replace("_", "-"), str(value)]

@@ -19,6 +19,7 @@ from pagedkv.settings import (
     env_default,
     env_switch,
     log_level,
+    parse_threads,
     read_secret,
     run_command,
     seconds,
@@ -105,6 +106,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="token budget of one step; longer prompts are prefilled in chunks (default 2048)")
     p.add_argument("--max-model-len", **_env("--max-model-len", type=int),
                    help="cap on prompt + generated tokens (default: the model's context length)")
+    p.add_argument("--threads", metavar="N|A/B", **_env("--threads", type=parse_threads),
+                   help="torch compute threads (intra-op and inter-op; the CPU attention kernel follows): a "
+                        "count, or a share of the cores this process may use, '1/2' = half of them, at least "
+                        "one. Several workers on one host should split the cores: `pagedkv up` and the "
+                        "compose file pass 1/N to each of N workers (default: torch's own, every core)")
     p.add_argument("--host", **_env("--host", "127.0.0.1"), help="HTTP listen address (default 127.0.0.1)")
     p.add_argument("--port", **_env("--port", 8000, int), help="HTTP port (default 8000)")
     p.add_argument("--advertise-url", **_env("--advertise-url", ""),
@@ -169,6 +175,20 @@ def engine_config(args: argparse.Namespace, dtype: str | None = None):
     )
 
 
+def set_threads(threads: int | None) -> int:
+    """Apply --threads before any torch work (inter-op threads can be set only
+    then); returns the intra-op count torch will use."""
+    import torch
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+        try:
+            torch.set_num_interop_threads(threads)
+        except RuntimeError:  # torch already ran parallel work in this process: it keeps its pool
+            pass
+    return torch.get_num_threads()
+
+
 def build_engine(args: argparse.Namespace):
     """Load the model and make the engine (also used by tests and benches)."""
     from worker.engine import LLMEngine
@@ -190,12 +210,14 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("pagedkv.worker")
+    threads = set_threads(args.threads)
     try:
         engine = build_engine(args)
     except (ValueError, ModelLoadError, OSError) as exc:  # a bad --model, size or file: the user's to fix
         raise CliError(str(exc)) from None
     log.info("model %s (fingerprint %s), %s", model_of(args), engine.loaded.fingerprint[:12], engine.kv_pool.describe())
-    log.info("allocator: %s; prefix caching %s", args.allocator, "on" if args.enable_prefix_caching else "off")
+    log.info("allocator: %s; prefix caching %s; %d compute threads", args.allocator,
+             "on" if args.enable_prefix_caching else "off", threads)
     print(f"KV pool: {engine.kv_pool.describe()}", flush=True)
     async_engine = AsyncLLMEngine(engine)
     app = create_app(async_engine, served_name(args), root=model_of(args), api_key=args.api_key)

@@ -29,6 +29,9 @@ their binaries are on PATH::
   look (`stack.log_dir`). `__exit__` stops everything (workers and Prometheus,
   then the allocator, then Redis: SIGTERM, SIGKILL after `grace` seconds);
   `logs()` works until then.
+- Workers divide the cores: each gets `--threads 1/N` (N workers), so
+  max(1, cores // N) threads, unless `worker_args` or PAGEDKV_WORKER_THREADS
+  say otherwise.
 - `redis=True` / `prometheus=True` without the binary: a warning, and the
   stack runs without it (`redis_url` / `prometheus_url` are None).
 - `router=True`: the router (`python -m router`) in front of the workers, on
@@ -51,6 +54,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from pagedkv.settings import env_name, thread_share
 from pagedkv.stack.probes import free_port, port_in_use
 from pagedkv.stack.process import Process, StackError, stop_processes, wait_healthy
 from pagedkv.stack.services import (
@@ -63,6 +67,7 @@ from pagedkv.stack.services import (
     prometheus_config,
 )
 
+THREADS_ENV = env_name("worker", "--threads")
 _COLOURS = ("cyan", "magenta", "green", "yellow", "blue", "bright_red", "bright_cyan", "bright_magenta")
 
 
@@ -232,12 +237,16 @@ class LocalStack:
         )
         self.allocator.start().wait_healthy(self.startup_timeout)
 
+        # The workers share this machine: each takes 1/N of the cores unless told
+        # otherwise (a --threads in worker_args comes later and wins; so does the
+        # environment's PAGEDKV_WORKER_THREADS). Each would take every core.
+        share = [] if THREADS_ENV in os.environ else ["--threads", thread_share(self.num_workers)]
         checks = []
         for i in range(1, self.num_workers + 1):
             name = f"worker-{i}"
             port = self._port(self.base_port + i - 1 if self.base_port else 0, name)
             worker = self._add(WorkerProcess, name, model=self.model, allocator=self.allocator_address,
-                               args=[*self.worker_args, *to_allocator], host=self.worker_host, port=port,
+                               args=[*share, *self.worker_args, *to_allocator], host=self.worker_host, port=port,
                                connect_host=h)
             self.workers.append(worker)
             self.worker_urls.append(worker.url)

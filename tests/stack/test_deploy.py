@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pagedkv.settings import parse_threads
+
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "pagedkv.json"
@@ -124,6 +126,12 @@ def test_compose_topology(compose):
     assert r["ports"] == [f"8000:{rf['--listen'].rsplit(':', 1)[1]}"] and rf["--listen"].startswith("0.0.0.0:")
     published = {p.split(":")[0] for svc in s.values() for p in svc.get("ports", [])}
     assert published == {"8000", "9090", "3000"}
+    # The two workers split the cores: each resolves the share against its own cores.
+    workers = [n for n in s if n.startswith("worker-")]
+    for name in workers:
+        share = s[name]["environment"]["PAGEDKV_WORKER_THREADS"]
+        for cores in (1, 2, 3, 16):
+            assert parse_threads(share, cores=cores) == max(1, cores // len(workers))
 
     # Prometheus scrapes exactly the allocator's metrics port and each worker's HTTP port.
     prom = yaml.safe_load(PROM_CONFIG.read_text())

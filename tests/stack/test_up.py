@@ -67,6 +67,11 @@ def test_every_flag_has_help_and_passes_through():
     assert worker_args_from(args) == ["--num-blocks", "64", "--device", "cpu", "--no-enable-prefix-caching",
                                       "--max-model-len", "96"]
     assert "--enable-prefix-caching" in worker_args_from(p.parse_args([]))
+    # no --threads: the stack gives each worker 1/N of the cores (tests/stack/test_e2e.py)
+    assert "--threads" not in worker_args_from(p.parse_args([]))
+    assert worker_args_from(p.parse_args(["--threads", "3"]))[:2] == ["--threads", "3"]
+    with pytest.raises(SystemExit):
+        p.parse_args(["--threads", "0"])
     proc = subprocess.run([sys.executable, "-m", "pagedkv", "up", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0 and "usage: pagedkv up" in proc.stdout
 
