@@ -3,7 +3,8 @@
 For each (batch, context) the same K/V lives twice: scattered over a KV pool
 through shuffled block tables, and as contiguous `[batch, kv_heads, context,
 head_dim]` tensors. We time one decode attention call (one query token per
-sequence) both ways and report the median ms per call and paged / contiguous.
+sequence) both ways, alternately, and report the median ms per call and the
+median of the per-pair ratios paged / contiguous.
 The paged figure is per layer with the step's gather plan already built (as
 layers 2..N find it); `plan_ms_per_step` is the one-off cost of building it. Both sides
 use the same GQA grouping (query heads folded onto their kv head), so the
@@ -85,6 +86,24 @@ def _median_ms(fn: Callable[[], object], repeats: int, sync: Callable[[], None])
     return statistics.median(times)
 
 
+def _paired_ms(a: Callable[[], object], b: Callable[[], object], repeats: int,
+               sync: Callable[[], None]) -> tuple[float, float, float]:
+    """Median ms of `a` and of `b`, timed alternately, and the median of the
+    per-pair ratios b / a: on a shared machine a burst of load hits both sides
+    of a pair, so the ratio is steadier than either time."""
+    a(), b()
+    sync()
+    ta, tb = [], []
+    for _ in range(repeats):
+        for fn, out in ((a, ta), (b, tb)):
+            start = time.perf_counter()
+            fn()
+            sync()
+            out.append((time.perf_counter() - start) * 1e3)
+    ratios = [y / x for x, y in zip(ta, tb, strict=True)]
+    return statistics.median(ta), statistics.median(tb), statistics.median(ratios)
+
+
 def _case(args: argparse.Namespace, names: list[str], batch: int, context: int) -> dict:
     import torch
     import torch.nn.functional as F
@@ -121,8 +140,8 @@ def _case(args: argparse.Namespace, names: list[str], batch: int, context: int) 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     result: dict = {"batch": batch, "context": context}
     with torch.inference_mode():
-        # Each backend is timed right after its own contiguous run, so that the
-        # ratio compares two figures taken under the same load of the machine.
+        # Each backend is timed call by call alternately with contiguous SDPA, so
+        # that the ratio compares figures taken under the same load of the machine.
         for name in names:
             backend = get_backend(name)
 
@@ -136,13 +155,12 @@ def _case(args: argparse.Namespace, names: list[str], batch: int, context: int) 
                 return backend(q, kc, vc, dataclasses.replace(meta), scale)
 
             err = (paged().float() - contiguous().float()).abs().max().item()
-            contig_ms = _median_ms(contiguous, args.repeats, sync)
-            paged_ms = _median_ms(paged, args.repeats, sync)
+            contig_ms, paged_ms, ratio = _paired_ms(contiguous, paged, args.repeats, sync)
             first_ms = _median_ms(paged_new_step, args.repeats, sync)
             result[name] = {
                 "paged_ms": round(paged_ms, 4),
                 "contiguous_ms": round(contig_ms, 4),
-                "ratio": round(paged_ms / contig_ms, 3),
+                "ratio": round(ratio, 3),
                 "plan_ms_per_step": round(max(first_ms - paged_ms, 0.0), 4),
                 "max_abs_diff": err,
             }
