@@ -4,7 +4,10 @@ One process, one workload, the systems one after another on the same model
 weights and threads:
 
 1. this engine (`LLMEngine`), prefix caching on; then (unless
-   `--skip-prefix-off`) the same with prefix caching off;
+   `--skip-prefix-off`) the same with prefix caching off, once per CPU
+   attention backend named by `--attention` (e.g. `torch,numba`: the gather
+   path and the block-wise kernel side by side; each also gets a ratio to
+   transformers static, `<system>_vs_hf_static`);
 2. transformers static batching: `model.generate` over batches of
    `--batch-size` requests in arrival order, left-padded;
 3. transformers continuous batching (`model.generate_batch`), when the
