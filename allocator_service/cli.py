@@ -52,9 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
            "ResetPrefixCache and DumpPool of ANY pool without its credential; none = no "
            "admin role [PAGEDKV_ALLOCATOR_ADMIN_TOKEN_FILE]")
     a("--router-token-file", **_env("--router-token-file"), metavar="PATH",
-      help="file holding the router bearer token, which MatchPrefix and WatchEvents then "
+      help="file holding the router bearer token, which MatchPrefix, WatchEvents and ListPools then "
            "require (or the admin token) and which may call nothing else. Without it those "
-           "two calls are open to any caller only when --auth-token-file is unset too (a "
+           "calls are open to any caller only when --auth-token-file is unset too (a "
            "development setup); with --auth-token-file alone they need the admin token "
            "[PAGEDKV_ALLOCATOR_ROUTER_TOKEN_FILE]")
     a("--lease-ttl", **_env("--lease-ttl", 30.0, float), metavar="SECONDS",

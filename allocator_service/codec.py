@@ -15,12 +15,11 @@ from collections.abc import Sequence
 
 from allocator_service.core import (
     Op,
-    OpResult,
     PoolConfig,
     PoolStats,
     StepColumns,
     StepResult,
-    op_results,
+    StepResults,
     step_columns,
 )
 from allocator_service.core import step as core_step
@@ -46,18 +45,27 @@ STATS_FIELDS = tuple(PoolStats.__slots__)
 def columns_to_proto(step: StepColumns) -> pb.StepOps:
     """Raises ValueError/TypeError for a token that is not an integer in
     [0, 2^32) (protobuf refuses it)."""
-    return pb.StepOps(
-        kinds=step.kinds,
-        seq_ids=step.seq_ids,
-        num_tokens=step.num_tokens,
-        tokens=step.tokens,
-        admit_options=[
-            pb.AdmitOptions(cache_salt=salt, num_new_tokens=budget)
-            for salt, budget in zip(step.salts, step.num_new_tokens, strict=True)
-        ],
-        fork_children=step.children,
-        num_reserved=step.num_reserved,
-    )
+    msg = pb.StepOps()
+    fill_ops(msg, step)
+    return msg
+
+
+def fill_ops(msg: pb.StepOps, step: StepColumns) -> None:
+    """Write the columns into an empty `StepOps` in place: the client fills
+    its `StepRequest.ops` this way, so the message is never copied. Raises
+    as `columns_to_proto`."""
+    msg.kinds.extend(step.kinds)
+    msg.seq_ids.extend(step.seq_ids)
+    msg.num_tokens.extend(step.num_tokens)
+    msg.tokens.extend(step.tokens)
+    if step.salts:
+        add = msg.admit_options.add
+        for salt, budget in zip(step.salts, step.num_new_tokens, strict=True):
+            add(cache_salt=salt, num_new_tokens=budget)
+    if step.children:
+        msg.fork_children.extend(step.children)
+    if step.num_reserved:
+        msg.num_reserved.extend(step.num_reserved)
 
 
 def columns_from_proto(msg: pb.StepOps) -> StepColumns:
@@ -85,7 +93,18 @@ def encode_ops(ops: Sequence[Op]) -> pb.StepOps:
 
 def ops_digest(msg: pb.StepOps) -> bytes:
     """What a retried step id must match: SHA-256 of the canonical encoding."""
-    return hashlib.sha256(msg.SerializeToString(deterministic=True)).digest()
+    return digest_of(canonical_ops(msg))
+
+
+def digest_of(ops: bytes) -> bytes:
+    """`ops_digest` of operations already encoded by `canonical_ops`."""
+    return hashlib.sha256(ops).digest()
+
+
+def canonical_ops(msg: pb.StepOps) -> bytes:
+    """The canonical encoding of a step's operations: what its digest covers
+    and what the journal stores (encoded once, `journal_step_record`)."""
+    return msg.SerializeToString(deterministic=True)
 
 
 # --------------------------------------------------------------- responses
@@ -97,11 +116,12 @@ def result_from_proto(resp: pb.StepResponse) -> StepResult:
     return StepResult(*(list(getattr(resp, f)) for f in StepResult._fields))
 
 
-def decode_results(resp: pb.StepResponse, num_ops: int) -> list[OpResult]:
-    """The `OpResult`s of a response to `num_ops` operations."""
+def decode_results(resp: pb.StepResponse, num_ops: int) -> StepResults:
+    """The results of a response to `num_ops` operations: columns copied out
+    of the message, no object per operation (`StepResults`)."""
     if len(resp.errors) != num_ops:
         raise ValueError(f"the server answered {len(resp.errors)} results for {num_ops} operations")
-    return op_results(result_from_proto(resp))
+    return StepResults(result_from_proto(resp))
 
 
 # ------------------------------------------------------------ pool shape

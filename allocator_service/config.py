@@ -21,6 +21,11 @@ class Limits:
     max_total_blocks: int = 1 << 22
     # Concurrent WatchEvents streams: each holds a server thread.
     max_watchers: int = 8
+    # Concurrent StepStream calls (a worker's hot path as one long-lived
+    # call): each holds a server thread too, so the server's thread pool is
+    # this much larger than its unary concurrency; past it a worker is
+    # refused and sends unary Steps.
+    max_step_streams: int = 16
     # Largest request or response on the wire (gRPC answers bigger ones with
     # RESOURCE_EXHAUSTED before any of our code runs).
     max_message_bytes: int = 16 << 20

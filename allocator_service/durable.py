@@ -49,7 +49,15 @@ from allocator_service.errors import StoreFenced, StoreLost, StoreUnavailable
 from allocator_service.events import Batch, EventLog
 from allocator_service.journal import MemoryJournal, RedisJournal
 from allocator_service.leases import LeaseTable
-from allocator_service.replay import ZERO_CHAIN, encode_entry, encode_snapshot, head_marker, replay
+from allocator_service.replay import (
+    ZERO_CHAIN,
+    StepRecord,
+    encode_entry,
+    encode_snapshot,
+    encode_step_record,
+    head_marker,
+    replay,
+)
 from allocator_service.state import CorruptState, PoolEntry, Registry, pool_snapshot_json
 from allocator_service.v1 import journal_pb2 as jpb
 
@@ -201,15 +209,17 @@ class DurableState:
 
     # ------------------------------------------------------ the hot path
     def append(self, **change: Any) -> None:
-        """Journal one record (mutation lock held), before memory changes."""
+        """Journal one record (mutation lock held), before memory changes:
+        `step=StepRecord(...)`, or one of the other changes as its message."""
         if not self.journal.durable:
             return
-        step = change.get("step")
-        if step is not None:  # each pool's steps form a chain replay checks
-            step.prev_step_id = self.registry.pools[step.pool_id].last_step_id
         index = self.registry.index + 1
-        record = jpb.JournalRecord(index=index, **change)
-        entry, chain = encode_entry(self._chain, record.SerializeToString())
+        step: StepRecord | None = change.get("step")
+        if step is not None:  # each pool's steps form a chain replay checks
+            data = encode_step_record(index, step, self.registry.pools[step.pool_id].last_step_id)
+        else:
+            data = jpb.JournalRecord(index=index, **change).SerializeToString()
+        entry, chain = encode_entry(self._chain, data)
         head = head_marker(index, chain)
         with self.store_write():
             self.journal.append(entry, self._head, head)

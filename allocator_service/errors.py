@@ -81,6 +81,20 @@ class CapacityExceeded(ServiceError):
     code = "capacity"
 
 
+class StepStreamsExhausted(CapacityExceeded):
+    """Every StepStream the server serves at once is open: the client sends
+    unary Steps instead (RESOURCE_EXHAUSTED, `step_streams`)."""
+
+    code = "step_streams"
+
+
+class ShuttingDown(ServiceError):
+    """The server is stopping: a step stream is ended (UNAVAILABLE, so the
+    worker retries the step at the next server)."""
+
+    code = "shutting_down"
+
+
 class StoreUnavailable(ServiceError):
     """The durable state store (Redis) did not answer; nothing was applied."""
 
@@ -128,6 +142,7 @@ STATUS: dict[type[Exception], grpc.StatusCode] = {
     PoolLimit: grpc.StatusCode.RESOURCE_EXHAUSTED,
     OutOfBlocks: grpc.StatusCode.RESOURCE_EXHAUSTED,
     StoreUnavailable: grpc.StatusCode.UNAVAILABLE,
+    ShuttingDown: grpc.StatusCode.UNAVAILABLE,
 }
 
 

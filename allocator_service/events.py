@@ -9,11 +9,17 @@ same time as another pool's record; `finish` numbers and publishes every
 finished batch at the head of the queue, in the records' order. So a record
 applied late never lets a later record's events jump ahead of it.
 Readers (one thread per watcher) take only the log's own small lock.
+
+Numbering costs O(batches), not O(events): a published batch keeps its
+events as the tuples it collected, under the number of its first one, and
+a reader builds `Event`s from them outside the lock. (A 32k-token admit
+stores 2,048 blocks: numbering them one by one under the log's lock made
+every other pool's Step, which finishes its own batch, wait for it.)
 """
 
 from __future__ import annotations
 
-import itertools
+import bisect
 import threading
 from collections import deque
 from typing import NamedTuple
@@ -27,6 +33,10 @@ class Event(NamedTuple):
     block_hash: bytes = b""
     model_fingerprint: str = ""
     reason: str = ""
+    # POOL_REGISTERED: what a router needs to reach the pool's worker.
+    worker_id: str = ""
+    advertise_url: str = ""
+    served_model_name: str = ""
 
 
 # Kinds beyond the core's block_stored / block_removed / all_cleared.
@@ -52,13 +62,22 @@ class Batch:
         block_hash: bytes | None = None,
         model_fingerprint: str = "",
         reason: str = "",
+        **registered: str,
     ) -> None:
-        self.events.append((kind, pool_id, max(block_id, 0), block_hash or b"", model_fingerprint, reason))
+        """`registered`: a POOL_REGISTERED event's worker_id, advertise_url, served_model_name."""
+        self.events.append((kind, pool_id, max(block_id, 0), block_hash or b"", model_fingerprint, reason,
+                            registered.get("worker_id", ""), registered.get("advertise_url", ""),
+                            registered.get("served_model_name", "")))
 
 
 class EventLog:
     def __init__(self, retention: int) -> None:
-        self._events: deque[Event] = deque(maxlen=retention)
+        self._retention = retention
+        # Published batches with events: the number of the first event of
+        # each, and its events (never changed once published).
+        self._starts: deque[int] = deque()
+        self._batches: deque[list[tuple]] = deque()
+        self._first = 1  # the oldest retained event's number (= _published when none is)
         self._queue: deque[Batch] = deque()  # begun, in record order, not yet numbered
         self._cond = threading.Condition(threading.Lock())
         self.next_sequence = 1  # the number the next numbered event gets
@@ -81,16 +100,25 @@ class EventLog:
             if not queue or not queue[0].done:
                 return
             seq = self.next_sequence
-            events = self._events
             while queue and queue[0].done:
                 b = queue.popleft()
-                for e in b.events:
-                    events.append(Event(seq, *e))
-                    seq += 1
-                b.events = []
+                if b.events:
+                    self._starts.append(seq)
+                    self._batches.append(b.events)
+                    seq += len(b.events)
+                    b.events = []
                 b.end = seq
             self.next_sequence = self._published = seq
+            self._trim()
             self._cond.notify_all()
+
+    def _trim(self) -> None:
+        """Keep the last `retention` events (lock held)."""
+        self._first = max(self._first, self._published - self._retention)
+        starts, batches = self._starts, self._batches
+        while starts and starts[0] + len(batches[0]) <= self._first:
+            starts.popleft()
+            batches.popleft()
 
     def numbered(self, batch: Batch, timeout: float) -> int | None:
         """The number after `batch`'s last event, once it is numbered (waits
@@ -104,9 +132,10 @@ class EventLog:
         """Forget the window and any unfinished batch (the state was
         reloaded); numbering continues at `next_sequence`."""
         with self._cond:
-            self._events.clear()
+            self._starts.clear()
+            self._batches.clear()
             self._queue.clear()
-            self.next_sequence = self._published = next_sequence
+            self.next_sequence = self._published = self._first = next_sequence
             self._cond.notify_all()
 
     def close(self) -> None:
@@ -128,9 +157,23 @@ class EventLog:
         with self._cond:
             if self._published <= cursor and not self.closed:
                 self._cond.wait(timeout)
-            first = self._events[0].sequence if self._events else self._published
+            first = self._first
             gap = cursor < first or cursor > self._published
             if gap:
                 cursor = first
-            batch = list(itertools.islice(self._events, cursor - first, cursor - first + limit))
-        return batch, cursor + len(batch), gap
+            # The pieces to read, found under the lock; the Events are built after.
+            pieces = []
+            starts, batches = self._starts, self._batches
+            i = max(bisect.bisect_right(starts, cursor) - 1, 0)
+            at, left = cursor, limit
+            while left > 0 and i < len(starts):
+                start, events = starts[i], batches[i]
+                lo = at - start
+                if lo < len(events):
+                    hi = min(len(events), lo + left)
+                    pieces.append((start, events, lo, hi))
+                    at += hi - lo
+                    left -= hi - lo
+                i += 1
+        out = [Event(start + j, *events[j]) for start, events, lo, hi in pieces for j in range(lo, hi)]
+        return out, cursor + len(out), gap

@@ -86,14 +86,31 @@ class RoleInterceptor(grpc.ServerInterceptor):
                 finally:
                     reset_caller_role(token)
 
-            return call
+            def stream(request, context):
+                # A streaming handler's code runs as its responses are
+                # drawn: the role is set around each draw, not just around
+                # making the generator.
+                responses = call(request, context)
+                while True:
+                    token = set_caller_role(role)
+                    try:
+                        response = next(responses)
+                    except StopIteration:
+                        return
+                    finally:
+                        reset_caller_role(token)
+                    yield response
+
+            return stream if streams_out else call
 
         return _rewrap(handler, as_role)
 
 
 class MetricsInterceptor(grpc.ServerInterceptor):
     """Observes every unary call's latency into a histogram labelled by
-    method and status code. (Streams such as WatchEvents live for minutes;
+    method and status code, and on a bidirectional stream (StepStream) each
+    request's, from its arrival to its answer (or to the error that ends
+    the stream). (Server streams such as WatchEvents live for minutes;
     their duration is not a latency, so they are not observed.)"""
 
     def __init__(self, histogram) -> None:
@@ -113,6 +130,8 @@ class MetricsInterceptor(grpc.ServerInterceptor):
         method = handler_call_details.method.rsplit("/", 1)[-1]
 
         def timed(behaviour, streams_out):
+            if streams_out and handler.request_streaming:
+                return self._per_message(method, behaviour)
             if streams_out:
                 return behaviour
 
@@ -131,3 +150,29 @@ class MetricsInterceptor(grpc.ServerInterceptor):
             return call
 
         return _rewrap(handler, timed)
+
+    def _per_message(self, method: str, behaviour: Callable) -> Callable:
+        """A request-response stream timed per request: from the moment the
+        handler draws a request to the moment its answer is yielded."""
+
+        def call(requests, context):
+            started: list[float] = []  # the request in flight: its arrival
+
+            def arriving():
+                for request in requests:
+                    started[:] = (time.perf_counter(),)
+                    yield request
+
+            try:
+                for response in behaviour(arriving(), context):
+                    if started:
+                        self._observe(method, "OK", time.perf_counter() - started.pop())
+                    yield response
+            except Exception:
+                if started:
+                    status = context.code()
+                    self._observe(method, status.name if status is not None else "UNKNOWN",
+                                  time.perf_counter() - started.pop())
+                raise
+
+        return call

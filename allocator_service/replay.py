@@ -53,6 +53,48 @@ def record_bytes(raw: bytes) -> bytes:
     return raw[_FRAME:] if raw.startswith(ENTRY_MAGIC) and len(raw) >= _FRAME else raw
 
 
+class StepRecord(NamedTuple):
+    """A step record before its place in the log is known: the operations
+    as the bytes the step's digest covers (`codec.canonical_ops`)."""
+
+    pool_id: str
+    step_id: int
+    digest: bytes
+    ops: bytes
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _length_delimited(field_number: int, payload: bytes) -> bytes:
+    return _varint(field_number << 3 | 2) + _varint(len(payload)) + payload
+
+
+# Field numbers of JournalRecord.step and StepApplied.ops (journal.proto).
+_RECORD_STEP = jpb.JournalRecord.DESCRIPTOR.fields_by_name["step"].number
+_STEP_OPS = jpb.StepApplied.DESCRIPTOR.fields_by_name["ops"].number
+
+
+def encode_step_record(index: int, step: StepRecord, prev_step_id: int) -> bytes:
+    """The serialized `JournalRecord` of a step, byte for byte what
+    protobuf gives for `JournalRecord(index, step=StepApplied(pool_id,
+    step_id, digest, ops, prev_step_id))`, built around the operations'
+    bytes as they are: a 256-operation step is not parsed back into a
+    message and encoded again on the hot path. (Fields in number order, as
+    protobuf writes them: ops, field 4, sits between digest and
+    prev_step_id.)"""
+    head = jpb.StepApplied(pool_id=step.pool_id, step_id=step.step_id, digest=step.digest).SerializeToString()
+    tail = jpb.StepApplied(prev_step_id=prev_step_id).SerializeToString()
+    inner = head + _length_delimited(_STEP_OPS, step.ops) + tail
+    return jpb.JournalRecord(index=index).SerializeToString() + _length_delimited(_RECORD_STEP, inner)
+
+
 def head_marker(index: int, chain: bytes) -> bytes:
     return f"{index}:{chain.hex()}".encode()
 

@@ -5,11 +5,11 @@ A call's role comes from its `authorization: Bearer <token>` metadata:
 
 - **admin** (the admin token): every method; GetPoolStats, ResetPrefixCache
   and DumpPool of ANY pool without the pool's credential.
-- **router** (the router token): MatchPrefix and WatchEvents only.
+- **router** (the router token): MatchPrefix, WatchEvents and ListPools only.
 - **pool** (the server-wide token, or no token when the server has none):
   RegisterPool and the calls on a pool whose credential it presents. It may
-  call MatchPrefix and WatchEvents only in a development setup: no router and
-  no server-wide token configured.
+  call the router's methods only in a development setup: no router and no
+  server-wide token configured.
 
 A token that matches none of the configured ones, or none where one is
 needed, is UNAUTHENTICATED; a valid token of a role the method does not
@@ -26,7 +26,7 @@ from allocator_service.errors import PermissionDenied, Unauthenticated
 
 ADMIN, ROUTER, POOL = "admin", "router", "pool"
 
-ROUTER_METHODS = frozenset(("MatchPrefix", "WatchEvents"))
+ROUTER_METHODS = frozenset(("MatchPrefix", "WatchEvents", "ListPools"))
 # Pool calls an admin may make on any pool, without the pool's credential.
 ADMIN_ANY_POOL = frozenset(("GetPoolStats", "ResetPrefixCache", "DumpPool"))
 
@@ -68,7 +68,7 @@ class Roles:
 
     @property
     def open_router_calls(self) -> bool:
-        """MatchPrefix/WatchEvents answer the pool role (development setup)."""
+        """The router's methods answer the pool role (development setup)."""
         return self.router_token is None and self.auth_token is None
 
     def role_of(self, bearer: bytes | None) -> str | None:
@@ -95,7 +95,8 @@ class Roles:
                 raise PermissionDenied(f"{method} needs the router or admin token, not the pools' token")
             raise Unauthenticated(f"{method} needs the router or admin token (authorization metadata)")
         if role == ROUTER:
-            raise PermissionDenied(f"the router token may call MatchPrefix and WatchEvents only, not {method}")
+            raise PermissionDenied(f"the router token may call {', '.join(sorted(ROUTER_METHODS))} only, "
+                                   f"not {method}")
         return role
 
     def _known(self, bearer: bytes) -> bool:

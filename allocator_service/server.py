@@ -60,7 +60,10 @@ def create_server(
         interceptors.append(RoleInterceptor(roles))
     size = service.limits.max_message_bytes
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
+        # Each open StepStream holds a thread for its life: room for them
+        # beside `max_workers` threads for everything else.
+        futures.ThreadPoolExecutor(max_workers=max_workers + service.limits.max_step_streams,
+                                   thread_name_prefix="rpc"),
         interceptors=interceptors,
         options=[
             ("grpc.max_receive_message_length", size),
@@ -139,7 +142,7 @@ def serve(opts: ServeOptions) -> int:
         health_servicer=health_servicer,
     )
     if opts.auth_token and not opts.router_token:
-        log.warning("no router token (--router-token-file): MatchPrefix and WatchEvents answer the admin token only")
+        log.warning("no router token (--router-token-file): MatchPrefix, WatchEvents and ListPools answer the admin token only")
     host = opts.listen.rsplit(":", 1)[0]
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -168,7 +171,9 @@ def serve(opts: ServeOptions) -> int:
     log.info("shutting down")
     health_servicer.enter_graceful_shutdown()
     service.events.close()  # end WatchEvents streams now rather than at the end of the grace
-    server.stop(opts.grace_s).wait()
+    stopped = server.stop(opts.grace_s)  # no new calls from here
+    service.end_step_streams()  # idle StepStreams too: their workers retry at the next server
+    stopped.wait()
     service.close()
     if httpd is not None:
         stop_web_server(httpd)

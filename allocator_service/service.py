@@ -44,19 +44,25 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
+from itertools import compress
 from typing import Any, NamedTuple
 
 from allocator_service.codec import (
+    canonical_ops,
     columns_from_proto,
     config_from_proto,
-    ops_digest,
+    digest_of,
     stats_to_proto,
 )
 from allocator_service.config import Limits, ServiceConfig
 from allocator_service.core import PoolStats, StepColumns
 from allocator_service.core.errors import InvalidArgument
 from allocator_service.core.hashing import chain_hashes, root_hash
-from allocator_service.core.limits import MAX_SALT_LEN
+from allocator_service.core.limits import (
+    MAX_ADVERTISE_URL_LEN,
+    MAX_SALT_LEN,
+    MAX_SERVED_MODEL_NAME_LEN,
+)
 from allocator_service.core.pool import check_tokens
 from allocator_service.core.step import ADMIT, APPEND, FORK, FREE
 from allocator_service.durable import DurableState
@@ -67,13 +73,16 @@ from allocator_service.errors import (
     PoolInUse,
     PoolNotFound,
     PoolStateLost,
+    ShuttingDown,
     StepConflict,
+    StepStreamsExhausted,
     StoreUnavailable,
     Unauthenticated,
 )
 from allocator_service.events import EventLog
 from allocator_service.journal import MemoryJournal, RedisJournal
 from allocator_service.leases import LeaseTable
+from allocator_service.replay import StepRecord
 from allocator_service.state import PoolEntry, Registry, new_pool
 from allocator_service.v1 import allocator_pb2 as pb
 from allocator_service.v1 import journal_pb2 as jpb
@@ -104,11 +113,44 @@ class PoolView(NamedTuple):
     stats: PoolStats
 
 
+class Advertised(NamedTuple):
+    """What a worker tells routers about itself when it registers its pool."""
+
+    advertise_url: str = ""
+    served_model_name: str = ""
+
+    def check(self) -> None:
+        """BadRequest unless both are within their bounds (empty = not given)."""
+        url, name = self.advertise_url, self.served_model_name
+        if url and (len(url) > MAX_ADVERTISE_URL_LEN or not url.isprintable() or " " in url
+                    or not url.startswith(("http://", "https://")) or len(url.split("://", 1)[1]) == 0):
+            raise BadRequest(f"advertise_url must be an http:// or https:// URL of at most "
+                             f"{MAX_ADVERTISE_URL_LEN} printable characters without spaces")
+        if len(name) > MAX_SERVED_MODEL_NAME_LEN or not name.isprintable():
+            raise BadRequest(f"served_model_name must be at most {MAX_SERVED_MODEL_NAME_LEN} printable characters")
+
+
+NOT_ADVERTISED = Advertised()
+
+
+class PoolListing(NamedTuple):
+    """One live pool as ListPools answers it."""
+
+    pool_id: str
+    worker_id: str
+    model_fingerprint: str
+    served_model_name: str
+    advertise_url: str
+    enable_prefix_caching: bool
+    stats: PoolStats
+
+
 def _digest(credential: str) -> bytes:
     return hashlib.sha256(credential.encode()).digest()
 
 
 _KINDS = frozenset((FREE, APPEND, ADMIT, FORK))
+_TOKENLESS = frozenset((FREE, FORK))
 
 
 def check_step(step: StepColumns, limits: Limits) -> None:
@@ -140,9 +182,8 @@ def check_step(step: StepColumns, limits: Limits) -> None:
         raise BadRequest("admit_options must have one entry per ADMIT operation")
     if kinds.count(FORK) != len(step.children):
         raise BadRequest("fork_children must have one entry per FORK operation")
-    if (FREE in kinds or FORK in kinds) and any(
-        c for k, c in zip(kinds, counts, strict=True) if k == FREE or k == FORK
-    ):
+    # NOTE: compress/map rather than a generator: C speed over every operation.
+    if (FREE in kinds or FORK in kinds) and any(compress(counts, map(_TOKENLESS.__contains__, kinds))):
         raise BadRequest("FREE and FORK operations carry no tokens")
 
 
@@ -177,7 +218,9 @@ class AllocatorService:
         self._lock = threading.Lock()  # the mutation lock: see the module docstring
         self.durable = DurableState(self.config, self.journal, self.events, self.leases, self._lock, clock)
         self._watchers = 0
-        self._watchers_lock = threading.Lock()
+        self._step_streams: set[Callable[[], Any]] = set()  # each open StepStream's end()
+        self._step_streams_ended = False
+        self._watchers_lock = threading.Lock()  # the count of open streams (watchers, step streams)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._clock = clock
@@ -311,13 +354,16 @@ class AllocatorService:
             self.durable.end_apply()
 
     # ------------------------------------------------------------ pool calls
-    def register(self, worker_id: str, shape: pb.PoolShape, replace_credential: str = "") -> Registration:
+    def register(self, worker_id: str, shape: pb.PoolShape, replace_credential: str = "",
+                 advertised: Advertised = NOT_ADVERTISED) -> Registration:
         """A new pool for `worker_id`. A live pool of the same worker id is
         replaced only with its credential; else PoolInUse until its lease
-        expires (so nobody can drop another worker's pool by naming it)."""
+        expires (so nobody can drop another worker's pool by naming it).
+        `advertised`: its HTTP URL and served model name, for routers."""
         limit = self.limits.max_worker_id_len
         if not worker_id or len(worker_id) > limit or "/" in worker_id or not worker_id.isprintable():
             raise BadRequest(f"worker_id must be 1 to {limit} printable characters without '/'")
+        advertised.check()
         config = config_from_proto(shape)
         credential = secrets.token_urlsafe(32)
         digest = _digest(credential)
@@ -332,7 +378,7 @@ class AllocatorService:
                     if reg.pools.get(reg.current.get(worker_id, "")) is not old:
                         raise _Reloaded  # replaced or reloaded while we waited
                     return self._register(reg, worker_id, shape, config, digest, old, replace_credential,
-                                          fresh)
+                                          fresh, advertised)
 
         entry = self._retrying(attempt)
         self.durable.after_change()
@@ -340,7 +386,8 @@ class AllocatorService:
         return Registration(entry.pool_id, entry.epoch, credential, self.config.lease_ttl_s)
 
     def _register(self, reg: Registry, worker_id: str, shape: pb.PoolShape, config, digest: bytes,
-                  old: PoolEntry | None, replace_credential: str, fresh) -> PoolEntry:
+                  old: PoolEntry | None, replace_credential: str, fresh,
+                  advertised: Advertised = NOT_ADVERTISED) -> PoolEntry:
         if old is not None:
             self._check_replace(old, replace_credential)
         pools = len(reg.pools) - (old is not None)
@@ -360,11 +407,13 @@ class AllocatorService:
                 epoch=epoch,
                 shape=shape,
                 credential_digest=digest,
+                advertise_url=advertised.advertise_url,
+                served_model_name=advertised.served_model_name,
             )
         )
         batch = reg.advance()
         try:
-            entry = reg.register(worker_id, epoch, config, digest, batch, fresh)
+            entry = reg.register(worker_id, epoch, config, digest, batch, fresh, **advertised._asdict())
         finally:
             self.events.finish(batch)
         if old is not None:
@@ -417,7 +466,9 @@ class AllocatorService:
         # Converting, validation and hashing need no lock.
         step = columns_from_proto(ops_msg)
         check_step(step, self.limits)
-        digest = ops_digest(ops_msg)
+        # Encoded once: the digest covers these bytes, the journal stores them.
+        ops_bytes = canonical_ops(ops_msg)
+        digest = digest_of(ops_bytes)
 
         def attempt() -> pb.StepResponse:
             entry = self._authorize(ref)
@@ -430,7 +481,7 @@ class AllocatorService:
                     raise StepConflict(f"step {step_id} is older than the pool's last step {entry.last_step_id}")
                 if prev_step_id is not None and prev_step_id != entry.last_step_id:
                     self._state_lost(entry, prev_step_id)
-                record = jpb.StepApplied(pool_id=entry.pool_id, step_id=step_id, digest=digest, ops=ops_msg)
+                record = StepRecord(entry.pool_id, step_id, digest, ops_bytes)
                 return self._apply(
                     entry, lambda reg, batch: reg.apply_step(entry, batch, step_id, digest, step), step=record
                 )
@@ -545,6 +596,21 @@ class AllocatorService:
             self.durable.after_change()
         return dropped
 
+    def list_pools(self, fingerprint: str = "") -> list[PoolListing]:
+        """Every live pool (of `fingerprint`, when given), by pool id: what a
+        router needs to reach its worker and weigh its load. Each pool is
+        read under its own lock."""
+        out = []
+        for e in sorted(list(self.registry.pools.values()), key=lambda e: e.pool_id):
+            config = e.pool.config
+            if fingerprint and config.model_fingerprint != fingerprint:
+                continue
+            with e.lock:
+                stats = e.pool.stats()
+            out.append(PoolListing(e.pool_id, e.worker_id, config.model_fingerprint, e.served_model_name,
+                                   e.advertise_url, e.pool.enable_prefix_caching, stats))
+        return out
+
     def pool_views(self) -> list[PoolView]:
         """What the metrics collector reads: each pool under its own lock."""
         views = []
@@ -563,6 +629,31 @@ class AllocatorService:
     def close_watcher(self) -> None:
         with self._watchers_lock:
             self._watchers -= 1
+
+    def open_step_stream(self, end: Callable[[], Any]) -> None:
+        """Count a StepStream in (`end()` ends it: `end_step_streams`)."""
+        with self._watchers_lock:
+            if self._step_streams_ended:
+                raise ShuttingDown("the allocator is shutting down")
+            if len(self._step_streams) >= self.limits.max_step_streams:
+                raise StepStreamsExhausted(
+                    f"the server serves at most {self.limits.max_step_streams} step streams: send unary Steps"
+                )
+            self._step_streams.add(end)
+
+    def close_step_stream(self, end: Callable[[], Any]) -> None:
+        with self._watchers_lock:
+            self._step_streams.discard(end)
+
+    def end_step_streams(self) -> None:
+        """At shutdown: end every open StepStream now (an idle one waits for
+        its worker's next step and would hold the shutdown for its grace)
+        and refuse new ones."""
+        with self._watchers_lock:
+            self._step_streams_ended = True
+            ends = list(self._step_streams)
+        for end in ends:
+            end()
 
     @property
     def stopping(self) -> bool:

@@ -19,7 +19,7 @@ from allocator_service import errors
 from allocator_service.core.snapshot import dumps_chunked
 from allocator_service.errors import BadRequest
 from allocator_service.roles import ADMIN, caller_role
-from allocator_service.service import AllocatorService
+from allocator_service.service import Advertised, AllocatorService
 from allocator_service.v1 import allocator_pb2 as pb
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Allocator"].full_name
@@ -40,7 +40,8 @@ class AllocatorServicer:
         self.service = service
 
     def RegisterPool(self, request: pb.RegisterPoolRequest, context) -> pb.RegisterPoolResponse:
-        r = self.service.register(request.worker_id, request.shape, request.replace_credential)
+        r = self.service.register(request.worker_id, request.shape, request.replace_credential,
+                                  Advertised(request.advertise_url, request.served_model_name))
         return pb.RegisterPoolResponse(
             pool_id=r.pool_id, epoch=r.epoch, credential=r.credential, lease_ttl_s=r.lease_ttl_s
         )
@@ -55,6 +56,20 @@ class AllocatorServicer:
     def Step(self, request: pb.StepRequest, context) -> pb.StepResponse:
         prev = request.prev_step_id if request.HasField("prev_step_id") else None
         return self.service.step(request.pool, request.step_id, request.ops, prev)
+
+    def StepStream(self, requests: Iterator[pb.StepRequest], context) -> Iterator[pb.StepResponse]:
+        """Step, once per request on one long-lived call. The first failing
+        request ends the stream with Step's status for it (`_bidi`)."""
+        service = self.service
+        end = context.cancel
+        service.open_step_stream(end)
+        try:
+            for request in requests:
+                if type(request) is Malformed:
+                    raise BadRequest(f"malformed StepStream request: {request.error}")
+                yield self.Step(request, context)
+        finally:
+            service.close_step_stream(end)
 
     def GetBlockTable(self, request: pb.GetBlockTableRequest, context) -> pb.GetBlockTableResponse:
         table, num_tokens = self.service.block_table(request.pool, request.seq_id)
@@ -71,6 +86,18 @@ class AllocatorServicer:
         salt = request.cache_salt if request.HasField("cache_salt") else None
         matches = self.service.match_prefix(request.model_fingerprint, list(request.tokens), salt)
         return pb.MatchPrefixResponse(matches=matches)
+
+    def ListPools(self, request: pb.ListPoolsRequest, context) -> pb.ListPoolsResponse:
+        return pb.ListPoolsResponse(pools=[
+            pb.PoolInfo(
+                pool_id=p.pool_id, worker_id=p.worker_id, model_fingerprint=p.model_fingerprint,
+                served_model_name=p.served_model_name, advertise_url=p.advertise_url,
+                block_size=p.stats.block_size, num_blocks=p.stats.num_blocks, free_blocks=p.stats.free_blocks,
+                used_blocks=p.stats.used_blocks, cached_blocks=p.stats.cached_blocks,
+                num_sequences=p.stats.num_sequences, enable_prefix_caching=p.enable_prefix_caching,
+            )
+            for p in self.service.list_pools(request.model_fingerprint)
+        ])
 
     def DumpPool(self, request: pb.DumpPoolRequest, context) -> pb.DumpPoolResponse:
         state, last_step_id, problems = self.service.dump(request.pool, admin=caller_role() == ADMIN)
@@ -99,6 +126,9 @@ class AllocatorServicer:
                         block_hash=e.block_hash,
                         model_fingerprint=e.model_fingerprint,
                         reason=e.reason,
+                        worker_id=e.worker_id,
+                        advertise_url=e.advertise_url,
+                        served_model_name=e.served_model_name,
                     )
                 cursor = after
         finally:
@@ -146,6 +176,18 @@ def _stream(name: str, fn: Callable) -> Callable:
     return handle
 
 
+def _bidi(name: str, fn: Callable) -> Callable:
+    def handle(requests, context):
+        try:
+            yield from fn(requests, context)
+        except grpc.RpcError:
+            return  # the request iterator's: the call was cancelled (client gone, or shutdown)
+        except Exception as exc:
+            errors.abort(context, exc, name)
+
+    return handle
+
+
 def allocator_handler(service: AllocatorService) -> grpc.GenericRpcHandler:
     """The Allocator service's handlers, with safe parsing and error mapping."""
     servicer = AllocatorServicer(service)
@@ -154,7 +196,9 @@ def allocator_handler(service: AllocatorService) -> grpc.GenericRpcHandler:
         request_cls = getattr(pb, method.input_type.name)
         response_cls = getattr(pb, method.output_type.name)
         fn = getattr(servicer, method.name)
-        if method.server_streaming:
+        if method.client_streaming and method.server_streaming:
+            make, wrap = grpc.stream_stream_rpc_method_handler, _bidi
+        elif method.server_streaming:
             make, wrap = grpc.unary_stream_rpc_method_handler, _stream
         else:
             make, wrap = grpc.unary_unary_rpc_method_handler, _unary

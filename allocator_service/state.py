@@ -72,6 +72,10 @@ class PoolEntry:
     # A snapshot cut this pool belongs to and that has not serialised it
     # yet: whoever next takes the lock to change the pool serialises it first.
     snapshot_due: Any = None
+    # What the worker advertised for routers (RegisterPoolRequest): journaled
+    # with the registration and kept in snapshots, so a restart keeps them.
+    advertise_url: str = ""
+    served_model_name: str = ""
 
 
 class Registry:
@@ -93,7 +97,8 @@ class Registry:
         return self.events.begin()
 
     def register(self, worker_id: str, epoch: int, config: PoolConfig, credential_digest: bytes,
-                 batch: Batch, pool: tuple[BlockPool, _Sink] | None = None) -> PoolEntry:
+                 batch: Batch, pool: tuple[BlockPool, _Sink] | None = None, *,
+                 advertise_url: str = "", served_model_name: str = "") -> PoolEntry:
         """`pool`: built beforehand by `new_pool` (it may be large), else here."""
         old = self.current.get(worker_id)
         if old is not None:
@@ -101,11 +106,13 @@ class Registry:
         pool_id = f"{worker_id}/{epoch}"
         block_pool, sink = pool if pool is not None else new_pool(config)
         sink.pool_id = pool_id
-        entry = PoolEntry(pool_id, worker_id, epoch, credential_digest, block_pool, sink=sink)
+        entry = PoolEntry(pool_id, worker_id, epoch, credential_digest, block_pool, sink=sink,
+                          advertise_url=advertise_url, served_model_name=served_model_name)
         self.pools[pool_id] = entry
         self.current[worker_id] = pool_id
         self.epochs[worker_id] = epoch
-        batch.add(POOL_REGISTERED, pool_id, model_fingerprint=config.model_fingerprint)
+        batch.add(POOL_REGISTERED, pool_id, model_fingerprint=config.model_fingerprint, worker_id=worker_id,
+                  advertise_url=advertise_url, served_model_name=served_model_name)
         return entry
 
     def apply_step(self, entry: PoolEntry, batch: Batch, step_id: int, digest: bytes,
@@ -171,7 +178,8 @@ class Registry:
                 r = record.registered
                 config = config_from_proto(r.shape)
                 batch = self.advance()
-                self.register(r.worker_id, r.epoch, config, r.credential_digest, batch)
+                self.register(r.worker_id, r.epoch, config, r.credential_digest, batch,
+                              advertise_url=r.advertise_url, served_model_name=r.served_model_name)
             elif kind == "dropped":
                 if record.dropped.pool_id not in self.pools:
                     raise KeyError(record.dropped.pool_id)
@@ -235,6 +243,9 @@ class Registry:
                 bytes.fromhex(p["last_digest"]),
                 pb.StepResponse.FromString(base64.b64decode(raw)) if raw is not None else None,
                 sink,
+                # absent in snapshots of older versions
+                advertise_url=p.get("advertise_url", ""),
+                served_model_name=p.get("served_model_name", ""),
             )
             reg.current[p["worker_id"]] = pool_id
         return reg
@@ -255,6 +266,8 @@ def pool_snapshot(entry: PoolEntry) -> dict[str, Any]:
         "worker_id": e.worker_id,
         "epoch": e.epoch,
         "credential_digest": e.credential_digest.hex(),
+        "advertise_url": e.advertise_url,
+        "served_model_name": e.served_model_name,
         "last_step_id": e.last_step_id,
         "last_digest": e.last_digest.hex(),
         "last_response": base64.b64encode(e.last_response.SerializeToString()).decode()

@@ -26,6 +26,7 @@ SUBCOMMANDS: dict[str, str] = {
     "allocator": "allocator_service.cli",
     "up": "pagedkv.up",
     "worker": "worker.cli",
+    "router": "router.cli",
     "demo": "pagedkv.demo",
 }
 

@@ -1,11 +1,13 @@
 """`pagedkv demo`: the main job, end to end on this machine.
 
-Starts the local topology (the allocator service with in-memory state and
-SmolLM2 workers on the CPU, via `pagedkv.stack.LocalStack`), sends a realistic
-chat workload through the OpenAI-style HTTP API (many conversations sharing
-one system prompt, mixed lengths, some multi-turn) with a progress bar, and
-ends with a report and a PNG chart of KV utilisation over the run. Then it
-shuts everything down.
+Starts the local topology (the allocator service with in-memory state, two
+SmolLM2 workers on the CPU and the router in front of them, via
+`pagedkv.stack.LocalStack`), sends a realistic chat workload through the
+router's OpenAI-style HTTP API (many conversations sharing one system prompt,
+mixed lengths, some multi-turn) with a progress bar, and ends with a report
+(with the routing figures: requests per worker, prefix tokens cached where
+each request went vs the best any worker had, routing time) and a PNG chart
+of KV utilisation over the run. Then it shuts everything down.
 """
 
 from __future__ import annotations
@@ -66,7 +68,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="start the local stack, run a chat workload, print a report and a chart",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2", help="model of the workers (default smollm2)")
-    p.add_argument("--workers", type=int, default=1, help="worker processes (default 1; the CPU has 2 cores)")
+    p.add_argument("--workers", type=int, default=2, help="worker processes behind the router (default 2)")
+    p.add_argument("--policy", default="kv", choices=("kv", "least-load", "round-robin"),
+                   help="the router's policy (default kv)")
     p.add_argument("--conversations", type=int, default=32, help="conversations to run (default 32)")
     p.add_argument("--multi-turn", type=float, default=0.35, help="share of conversations with a second turn (default 0.35)")
     p.add_argument("--concurrency", type=int, default=16, help="conversations in flight at once (default 16)")
@@ -145,7 +149,8 @@ async def _conversation(client, model: str, rng: random.Random, turns: int, lo: 
                          {"role": "user", "content": rng.choice(FOLLOW_UPS)}]
 
 
-async def _workload(urls: list[str], args, lo: int, hi: int) -> tuple[Stats, list[dict], float]:
+async def _workload(api: str, urls: list[str], args, lo: int, hi: int) -> tuple[Stats, list[dict], float]:
+    """The conversations through `api` (the router); KV samples polled from every worker at `urls`."""
     import openai
     from tqdm import tqdm
 
@@ -155,12 +160,12 @@ async def _workload(urls: list[str], args, lo: int, hi: int) -> tuple[Stats, lis
     stop = asyncio.Event()
     t0 = time.monotonic()
     poller = asyncio.create_task(_poll(urls, samples, stop, t0))
-    clients = [openai.AsyncOpenAI(base_url=f"{u}/v1", api_key="demo", max_retries=0, timeout=600) for u in urls]
+    client = openai.AsyncOpenAI(base_url=f"{api}/v1", api_key="demo", max_retries=0, timeout=600)
     sem = asyncio.Semaphore(args.concurrency)
     with tqdm(total=sum(turns), desc="chat requests", unit="req") as bar:
         async def one(i: int) -> None:
             async with sem:
-                await _conversation(clients[i % len(clients)], args.model, random.Random(args.seed * 1000 + i),
+                await _conversation(client, args.model, random.Random(args.seed * 1000 + i),
                                     turns[i], lo, hi, stats, bar)
 
         await asyncio.gather(*(one(i) for i in range(args.conversations)))
@@ -182,6 +187,34 @@ def _worker_totals(urls: list[str]) -> dict[str, float]:
                 if s.name.endswith("_total") or s.name.endswith("kv_pool_blocks"):
                     totals[s.name] = totals.get(s.name, 0) + s.value
     return totals
+
+
+def _routing(router_url: str, policy: str) -> dict:
+    """The router's figures, read back from its /metrics."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    per_worker: dict[str, int] = {}
+    sums: dict[str, float] = {}
+    for fam in text_string_to_metric_families(httpx.get(f"{router_url}/metrics", timeout=5).text):
+        for s in fam.samples:
+            if s.name == "pagedkv_router_requests_total":
+                per_worker[s.labels["worker"]] = int(s.value)
+            elif s.labels.get("policy", policy) == policy or s.name == "pagedkv_router_retries_total":
+                sums[s.name] = sums.get(s.name, 0) + s.value
+    chosen = sums.get("pagedkv_router_prefix_cached_tokens_total", 0)
+    best = sums.get("pagedkv_router_prefix_best_cached_tokens_total", 0)
+    count = sums.get("pagedkv_router_routing_seconds_count", 0)
+    return {
+        "policy": policy,
+        "requests_per_worker": dict(sorted(per_worker.items())),
+        "prompt_tokens": int(sums.get("pagedkv_router_prompt_tokens_total", 0)),
+        "prefix_tokens_cached_where_sent": int(chosen),
+        "prefix_tokens_cached_best_worker": int(best),
+        "cached_where_sent_of_best": round(chosen / best, 3) if best else None,
+        "routing_ms_mean": round(1000 * sums.get("pagedkv_router_routing_seconds_sum", 0) / count, 3) if count else None,
+        "retries": int(sums.get("pagedkv_router_retries_total", 0)),
+    }
 
 
 def _chart(path: Path, samples: list[dict], block_size: int) -> None:
@@ -225,14 +258,18 @@ def run(args: argparse.Namespace) -> int:
     worker_args = ["--num-blocks", str(args.num_blocks), "--block-size", str(args.block_size),
                    "--enable-prefix-caching", "--max-model-len", str(args.max_model_len),
                    "--max-num-seqs", str(args.concurrency)]
-    print(f"starting the allocator and {args.workers} worker(s) on {args.model} (CPU) ...", flush=True)
-    with LocalStack(workers=args.workers, model=args.model, worker_args=worker_args) as stack:
-        stats, samples, wall = asyncio.run(_workload(stack.worker_urls, args, lo, hi))
+    print(f"starting the allocator, {args.workers} worker(s) on {args.model} (CPU) and the router "
+          f"(policy {args.policy}) ...", flush=True)
+    with LocalStack(workers=args.workers, model=args.model, worker_args=worker_args, router=True,
+                    router_args=["--policy", args.policy]) as stack:
+        stats, samples, wall = asyncio.run(_workload(stack.router_url, stack.worker_urls, args, lo, hi))
         totals = _worker_totals(stack.worker_urls)
+        routing = _routing(stack.router_url, args.policy)
     out_dir = Path(args.out)
     chart = out_dir / "demo_kv.png"
     _chart(chart, samples, args.block_size)
     report = _report(args, stats, samples, wall, totals)
+    report["routing"] = routing
     report["chart"] = str(chart)
     (out_dir / "demo_report.json").write_text(json.dumps(report, indent=2))
     if args.json:
@@ -296,6 +333,15 @@ def _print_report(r: dict) -> None:
          f"{r['reserve_max_conversations_fit']} in {r['pool_tokens']:,} slots"),
         ("chart", r["chart"]),
     ]
+    g = r.get("routing")
+    if g:
+        rows[-1:-1] = [
+            (f"router ({g['policy']}): requests per worker",
+             ", ".join(f"{w} {n}" for w, n in g["requests_per_worker"].items())),
+            ("router: prefix tokens cached where sent / best any worker had",
+             f"{g['prefix_tokens_cached_where_sent']:,} / {g['prefix_tokens_cached_best_worker']:,}"),
+            ("router: routing time (mean) / retries", f"{g['routing_ms_mean']} ms / {g['retries']}"),
+        ]
     for a, b in rows:
         t.add_row(a, b)
     Console(width=110).print(t)

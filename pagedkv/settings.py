@@ -7,7 +7,10 @@
   parsed like the flag's value, when the command runs (so a bad variable of one
   command never breaks another), and a bad one is a usage error naming it.
 - Booleans from the environment are strict: 1/true/yes/on or 0/false/no/off.
-- `LOG_LEVELS` / `log_level`: one log-level type, any case, for every command.
+- `LOG_LEVELS` / `log_level`: one log-level type, any case, for every command;
+  `seconds`: one type for a positive number of seconds.
+- `parse_threads` / `thread_share`: a thread count or a share of the cores
+  ("1/2"), the one rule by which a launcher divides a machine among workers.
 - `read_secret` / `read_file`: the one way to read a token or a certificate.
 - `CliError` is the one user-facing error; `run_command` prints it as
   `pagedkv COMMAND: error: MESSAGE` with exit status 2 (never a traceback), and
@@ -127,6 +130,60 @@ def log_level(text: str) -> str:
 
 
 log_level.__name__ = "log level"
+
+
+def seconds(text: str) -> float:
+    """A positive, finite number of seconds (a timeout, an interval)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
+def cpu_count() -> int:
+    """The cores this process may run on: its affinity mask (a container's cpuset), else all."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def thread_share(workers: int) -> str:
+    """What a launcher passes each of `workers` workers on one machine as `--threads`:
+    "1/N", which each worker resolves against its own cores (`parse_threads`)."""
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    return f"1/{workers}"
+
+
+def parse_threads(text: str, cores: int | None = None) -> int:
+    """`--threads`: a count ("4") or a share of the cores ("1/2": half of them).
+
+    A share is `max(1, cores * A // B)` for "A/B", so N workers started with
+    "1/N" each take `max(1, cores // N)` and together no more than the machine
+    (unless there are more workers than cores: then each gets one).
+    """
+    word = text.strip()
+    try:
+        if "/" in word:
+            a, b = (int(x) for x in word.split("/", 1))
+            if not 0 < a <= b:
+                raise ValueError
+            return max(1, (cpu_count() if cores is None else cores) * a // b)
+        value = int(word)
+        if value < 1:
+            raise ValueError
+        return value
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a thread count (e.g. 4) or a share of the cores (e.g. 1/2), got {text!r}"
+        ) from None
+
+
+parse_threads.__name__ = "threads"
 
 
 def read_file(path: str, what: str) -> bytes:

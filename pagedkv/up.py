@@ -1,12 +1,15 @@
 """`pagedkv up`: the docker-compose topology as local processes.
 
 One allocator (gRPC, in-memory state unless told otherwise), N workers serving
-the OpenAI-style HTTP API, and optionally a Redis for the allocator's journal
+the OpenAI-style HTTP API on loopback, the router in front of them on port
+8000 (the one address clients use: it sends each request to the worker whose
+KV pool holds most of its prompt; `--no-router` leaves it out and the
+workers bind --host), and optionally a Redis for the allocator's journal
 (`--redis`) and a Prometheus scraping everything (`--prometheus`) when their
 binaries are on PATH. Each process's output is echoed with a coloured name
 prefix (but for the access-log lines of /health and /metrics) and kept in
 `<log dir>/<name>.log`; `pagedkv up` returns when you press
-Ctrl-C (or send SIGTERM): workers first, then Prometheus, the allocator and
+Ctrl-C (or send SIGTERM): the router and workers first, then Prometheus, the allocator and
 Redis get SIGTERM, and whatever is still alive after the grace period gets
 SIGKILL (a second Ctrl-C skips the grace period).
 
@@ -20,7 +23,9 @@ import json
 import signal
 from pathlib import Path
 
+from pagedkv.settings import parse_threads
 from pagedkv.stack import LocalStack, StackError
+from router.policy import POLICIES
 
 # ---------------------------------------------------------------- CLI
 
@@ -33,6 +38,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=2, help="number of worker processes (default: 2)")
     p.add_argument("--model", default="smollm2", help="model every worker serves: smollm2, tiny-random or a path (default: smollm2)")
     p.add_argument("--host", default="127.0.0.1", help="address the allocator and workers bind (default: 127.0.0.1)")
+    p.add_argument("--router", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the router in front of the workers (default: on); --no-router: clients use the workers")
+    p.add_argument("--router-port", type=int, default=8000, help="HTTP port of the router; 0 picks a free one (default: 8000)")
+    p.add_argument("--policy", default="kv", choices=POLICIES,
+                   help="the router's policy (default: kv)")
     p.add_argument("--base-port", type=int, default=8001, help="HTTP port of worker 1; worker i gets base+i-1; 0 picks free ports (default: 8001)")
     p.add_argument("--allocator-port", type=int, default=50051, help="gRPC port of the allocator; 0 picks a free one (default: 50051)")
     p.add_argument("--allocator-metrics-port", type=int, default=9400, help="Prometheus /metrics port of the allocator; 0 picks a free one (default: 9400)")
@@ -51,6 +61,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     pool.add_argument("--dtype", help="model and KV dtype, e.g. float32, bfloat16")
     pool.add_argument("--max-num-seqs", type=int, help="most sequences in one running batch")
     pool.add_argument("--max-num-batched-tokens", type=int, help="most tokens in one scheduler step")
+    pool.add_argument("--threads", type=parse_threads, metavar="N|A/B",
+                      help="compute threads per worker, a count or a share of the cores "
+                           "(default: the cores divided among the workers, max(1, cores // workers))")
     pool.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
                       help="any other worker flag, once per word: --worker-arg=--seed --worker-arg=1")
     p.add_argument("--allocator-arg", action="append", default=[], metavar="ARG",
@@ -66,7 +79,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def worker_args_from(args: argparse.Namespace) -> list[str]:
     out: list[str] = []
     for flag in ("num_blocks", "kv_cache_memory", "block_size", "device", "dtype", "max_num_seqs",
-                 "max_num_batched_tokens"):
+                 "max_num_batched_tokens", "threads"):
         value = getattr(args, flag)
         if value is not None:
             out += ["--" + flag.replace("_", "-"), str(value)]
@@ -88,6 +101,9 @@ def run(args: argparse.Namespace) -> int:
         allocator_metrics_port=args.allocator_metrics_port, prometheus_port=args.prometheus_port,
         scrape_interval=args.scrape_interval, startup_timeout=args.timeout, grace=args.grace,
         log_dir=args.log_dir, echo=not args.quiet,
+        router=args.router, router_port=args.router_port, router_args=["--policy", args.policy],
+        # behind the router the workers are internal: loopback only
+        worker_host="127.0.0.1" if args.router else None,
     )
     stopping = False
 
@@ -110,6 +126,9 @@ def run(args: argparse.Namespace) -> int:
         procs = stack.processes
         table.add_row("allocator", str(procs["allocator"].pid),
                       f"grpc {stack.allocator_address}  metrics {stack.allocator_metrics_url}")
+        if stack.router_url:
+            table.add_row("router", str(procs["router"].pid),
+                          f"{stack.router_url}/v1  (the API: policy {args.policy})  {stack.router_url}/metrics")
         for i, url in enumerate(stack.worker_urls, 1):
             table.add_row(f"worker-{i}", str(procs[f"worker-{i}"].pid), f"{url}/v1  {url}/metrics")
         if stack.redis_url:

@@ -19,8 +19,10 @@ from pagedkv.settings import (
     env_default,
     env_switch,
     log_level,
+    parse_threads,
     read_secret,
     run_command,
+    seconds,
 )
 
 ENV_HELP = """\
@@ -45,19 +47,6 @@ def default_worker_id() -> str:
     any '/' or unprintable character in it becomes '-'."""
     host = "".join(c if c.isprintable() and c not in "/ " else "-" for c in socket.gethostname())[:100]
     return f"{host or 'worker'}-{os.getpid()}-{secrets.token_hex(3)}"
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
-    return value
-
-
-_seconds.__name__ = "seconds"
 
 
 class _StoreGiven(argparse.Action):
@@ -89,10 +78,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="this worker's id at the allocator; a restart with the same id starts a new epoch "
                         "(default HOSTNAME-PID-RANDOM, unique per host and process)")
     p.add_argument("--allocator-unhealthy-after", metavar="SECONDS",
-                   **_env("--allocator-unhealthy-after", 10.0, _seconds),
+                   **_env("--allocator-unhealthy-after", 10.0, seconds),
                    help="GET /health answers 503 once the allocator has not answered for this long (default 10)")
     p.add_argument("--allocator-give-up-after", metavar="SECONDS",
-                   **_env("--allocator-give-up-after", 120.0, _seconds),
+                   **_env("--allocator-give-up-after", 120.0, seconds),
                    help="requests waiting on an allocator that has not answered for this long fail with a 503, "
                         "and new ones are refused until it answers (default 120)")
     size = p.add_mutually_exclusive_group()
@@ -121,8 +110,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="token budget of one step; longer prompts are prefilled in chunks (default 2048)")
     p.add_argument("--max-model-len", **_env("--max-model-len", type=int),
                    help="cap on prompt + generated tokens (default: the model's context length)")
+    p.add_argument("--threads", metavar="N|A/B", **_env("--threads", type=parse_threads),
+                   help="torch compute threads (intra-op and inter-op; the CPU attention kernel follows): a "
+                        "count, or a share of the cores this process may use, '1/2' = half of them, at least "
+                        "one. Several workers on one host should split the cores: `pagedkv up` and the "
+                        "compose file pass 1/N to each of N workers (default: torch's own, every core)")
     p.add_argument("--host", **_env("--host", "127.0.0.1"), help="HTTP listen address (default 127.0.0.1)")
     p.add_argument("--port", **_env("--port", 8000, int), help="HTTP port (default 8000)")
+    p.add_argument("--advertise-url", **_env("--advertise-url", ""),
+                   help="this worker's HTTP URL as a router reaches it (http://HOST:PORT), registered with "
+                        "its pool at the allocator together with the served model name, so `pagedkv router "
+                        "--allocator` finds it; empty (the default): not advertised "
+                        "(env PAGEDKV_WORKER_ADVERTISE_URL)")
     p.add_argument("--api-key", **_env("--api-key", os.environ.get("VLLM_API_KEY") or None),
                    help="require `Authorization: Bearer KEY` on every /v1/* route (401 otherwise); /health, "
                         "/metrics, /version, /tokenize and /detokenize stay open, as in vLLM "
@@ -177,7 +176,22 @@ def engine_config(args: argparse.Namespace, dtype: str | None = None):
         allocator_tls_ca=args.allocator_tls_ca,
         allocator_unhealthy_after_s=args.allocator_unhealthy_after,
         allocator_give_up_after_s=args.allocator_give_up_after,
+        advertise_url=args.advertise_url,
     )
+
+
+def set_threads(threads: int | None) -> int:
+    """Apply --threads before any torch work (inter-op threads can be set only
+    then); returns the intra-op count torch will use."""
+    import torch
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+        try:
+            torch.set_num_interop_threads(threads)
+        except RuntimeError:  # torch already ran parallel work in this process: it keeps its pool
+            pass
+    return torch.get_num_threads()
 
 
 def build_engine(args: argparse.Namespace):
@@ -201,16 +215,22 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("pagedkv.worker")
+    threads = set_threads(args.threads)
     try:
         engine = build_engine(args)
     except (ValueError, ModelLoadError, OSError) as exc:  # a bad --model, size or file: the user's to fix
         raise CliError(str(exc)) from None
     log.info("model %s (fingerprint %s), %s", model_of(args), engine.loaded.fingerprint[:12], engine.kv_pool.describe())
-    log.info("allocator: %s; prefix caching %s; async scheduling %s", args.allocator,
-             "on" if args.enable_prefix_caching else "off", "on" if args.async_scheduling else "off")
+    log.info("allocator: %s; prefix caching %s; async scheduling %s; %d compute threads", args.allocator,
+             "on" if args.enable_prefix_caching else "off", "on" if args.async_scheduling else "off", threads)
     print(f"KV pool: {engine.kv_pool.describe()}", flush=True)
     async_engine = AsyncLLMEngine(engine)
     app = create_app(async_engine, served_name(args), root=model_of(args), api_key=args.api_key)
+    # NOTE: at shutdown, not only in `finally`: uvicorn re-raises the SIGTERM it
+    # caught once it has stopped, which ends the process before `finally` runs;
+    # the engine's close deregisters the pool, so routers drop this worker now
+    # rather than when its lease runs out.
+    app.router.on_shutdown.append(async_engine.shutdown)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                     timeout_graceful_shutdown=5)

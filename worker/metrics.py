@@ -41,6 +41,7 @@ METRIC_NAMES = (
     f"{PREFIX}_kv_pool_bytes",
     f"{PREFIX}_kv_usage_ratio",
     f"{PREFIX}_kv_slot_utilisation_ratio",
+    f"{PREFIX}_threads",
     f"{PREFIX}_running_sequences",
     f"{PREFIX}_waiting_sequences",
     f"{PREFIX}_preemptions_total",
@@ -121,6 +122,8 @@ class WorkerMetrics:
             return Gauge(f"{PREFIX}_{name}", doc, names, registry=r)
 
         lv = self.labels
+        # --threads as torch applies it: read at scrape time, so it is what the process runs with
+        self.threads = gauge("threads", "Compute threads torch uses in this worker (--threads).").labels(**lv)
         self.running = gauge("running_sequences", "Sequences in the running batch.").labels(**lv)
         self.waiting = gauge("waiting_sequences", "Requests waiting to be admitted.").labels(**lv)
         self._preemptions = counter("preemptions", "Running sequences preempted (blocks given back, recomputed later).", ("cause",))

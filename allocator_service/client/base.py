@@ -13,7 +13,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from allocator_service.core import BlockPool, Op, OpResult, PoolConfig, PoolStats, execute_step
+from allocator_service.core import (
+    BlockPool,
+    Op,
+    PoolConfig,
+    PoolStats,
+    StepResults,
+    run_step,
+    step_columns,
+)
 
 
 class PoolLost(Exception):
@@ -32,10 +40,14 @@ class AllocatorUnavailable(ConnectionError):
 @dataclass(frozen=True, slots=True)
 class PoolSpec:
     """What a worker asks for when it registers its KV pool: its id and the
-    pool's shape, the core's `PoolConfig` (validated when the spec is built)."""
+    pool's shape, the core's `PoolConfig` (validated when the spec is built);
+    and, for routers that discover workers through the allocator, where it
+    serves HTTP and the model name it serves (empty: not advertised)."""
 
     worker_id: str
     config: PoolConfig
+    advertise_url: str = ""
+    served_model_name: str = ""
 
 
 class AllocatorClient(abc.ABC):
@@ -44,8 +56,10 @@ class AllocatorClient(abc.ABC):
     spec: PoolSpec
 
     @abc.abstractmethod
-    def step(self, ops: Sequence[Op]) -> list[OpResult]:
-        """Apply one scheduler step (frees first); results in the given order."""
+    def step(self, ops: Sequence[Op]) -> StepResults:
+        """Apply one scheduler step (frees first); results in the given order:
+        a sequence of `OpResult`s read from columns (`StepResults`), so a
+        256-operation step builds no object per operation unless asked."""
 
     @abc.abstractmethod
     def stats(self) -> PoolStats: ...
@@ -72,8 +86,8 @@ class EmbeddedAllocator(AllocatorClient):
         self.spec = spec
         self.pool = BlockPool(spec.config)
 
-    def step(self, ops: Sequence[Op]) -> list[OpResult]:
-        return execute_step(self.pool, ops)
+    def step(self, ops: Sequence[Op]) -> StepResults:
+        return StepResults(run_step(self.pool, step_columns(ops)))
 
     def stats(self) -> PoolStats:
         return self.pool.stats()

@@ -27,12 +27,24 @@ Failure handling, in the order a worker meets it:
 
 A daemon thread renews the lease at a third of its TTL while the worker is
 idle (every call renews it too).
+
+Steps go over one long-lived `StepStream` call (`step_stream=True`, the
+default): the same requests and answers as unary `Step`, minus a call's
+setup per step. Everything above holds for it unchanged: a stream that
+fails (the server's error for that step, a restart, a broken connection)
+is dropped and the step goes through the same retry path with the same step
+id, on a new stream. The deadline of a step on the stream is enforced by a
+watchdog thread (within a quarter of the deadline, at most 0.25 s late):
+it cancels the stream, and the step is retried as DEADLINE_EXCEEDED. A
+server that refuses the stream (every one of its `max_step_streams` taken,
+or an older server without the method) gets unary Steps from then on.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import queue
 import random
 import threading
 import time
@@ -42,13 +54,14 @@ from typing import Any, NamedTuple
 import grpc
 
 from allocator_service.client.base import AllocatorClient, AllocatorUnavailable, PoolLost, PoolSpec
-from allocator_service.codec import decode_results, encode_ops, shape_to_proto, stats_from_proto
+from allocator_service.codec import decode_results, fill_ops, shape_to_proto, stats_from_proto
 from allocator_service.core import (
     InvalidArgument,
     Op,
-    OpResult,
     PoolStats,
+    StepResults,
     UnknownSequence,
+    step_columns,
 )
 from allocator_service.errors import ERROR_KEY
 from allocator_service.v1 import allocator_pb2 as pb
@@ -88,6 +101,67 @@ def open_channel(target: str, tls_ca: str | bytes | None = None, options=()) -> 
     return grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=tls_ca), options=opts)
 
 
+class _StreamBroken(grpc.RpcError):
+    """A step stream that ended without an answer: the same retry as a
+    failed unary call. `code()` says which retry: DEADLINE_EXCEEDED when the
+    watchdog cut it, UNAVAILABLE when it ended otherwise."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self):
+        return ()
+
+
+_END = object()  # ends a step stream's request iterator
+
+
+class _StepStream:
+    """One open StepStream call: a request put on the queue, its answer read
+    from the call, in order."""
+
+    def __init__(self, stub, metadata) -> None:
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        # No timeout on the call: it lives as long as the client; each
+        # step's deadline is the watchdog's (`GrpcAllocator._watch`).
+        self._call = stub.StepStream(iter(self._requests.get, _END), metadata=metadata)
+        self.sent_at = 0.0  # monotonic time the step in flight was sent (0: none)
+        self.timed_out = False
+
+    def send(self, request: pb.StepRequest) -> pb.StepResponse:
+        self.sent_at = time.monotonic()
+        self._requests.put(request)
+        try:
+            return next(self._call)
+        except StopIteration:
+            raise _StreamBroken(grpc.StatusCode.UNAVAILABLE, "the step stream ended without an answer") from None
+        except grpc.RpcError as err:
+            if self.timed_out:
+                raise _StreamBroken(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    "no answer on the step stream within the deadline") from err
+            if err.code() == grpc.StatusCode.CANCELLED:  # not by us: the connection or the server went
+                raise _StreamBroken(grpc.StatusCode.UNAVAILABLE, f"the step stream was cut: {err.details()}") from err
+            raise
+        finally:
+            self.sent_at = 0.0
+
+    def cut(self) -> None:
+        """Cancel the call (the watchdog: its step is past the deadline)."""
+        self.timed_out = True
+        self._call.cancel()
+
+    def close(self) -> None:
+        self._requests.put(_END)
+        self._call.cancel()
+
+
 class _Caller:
     """Deadlines, metadata and retry-with-backoff around one stub."""
 
@@ -108,13 +182,18 @@ class _Caller:
         if self.on_unavailable is not None:
             self.on_unavailable(time.monotonic() - t0, failed)
 
-    def __call__(self, method: str, request, *, retry: bool = True):
+    def __call__(self, method: str, request, *, retry: bool = True, via: Callable | None = None):
+        """`via(request)`: send it this way instead of a unary call (the step
+        stream); its failures take the same retry path."""
         fn = getattr(self.stub, method)
         attempt = 0
         while True:
             t0 = time.monotonic()
             try:
-                response = fn(request, timeout=self.deadline_s, metadata=self.metadata)
+                if via is not None:
+                    response = via(request)
+                else:
+                    response = fn(request, timeout=self.deadline_s, metadata=self.metadata)
             except grpc.RpcError as err:
                 if not retry or err.code() not in RETRYABLE:
                     if attempt:
@@ -153,7 +232,10 @@ class GrpcAllocator(AllocatorClient):
         on_unavailable: Callable[[float, int], None] | None = None,
         replace_credential: str = "",
         register_wait_s: float = 120.0,
+        step_stream: bool = True,
     ) -> None:
+        """`step_stream`: send steps over one long-lived StepStream call
+        (see the module docstring) rather than one unary Step each."""
         self.spec = spec
         self.register_wait_s = register_wait_s
         self.block_size = spec.config.block_size
@@ -168,6 +250,9 @@ class GrpcAllocator(AllocatorClient):
         self._answered = 0  # the last step id that got an answer
         self._pending: pb.StepRequest | None = None  # sent, outcome unknown
         self._closed = threading.Event()
+        self._use_stream = step_stream
+        self._stream: _StepStream | None = None
+        self._watchdog: threading.Thread | None = None
         self._register(replace_credential)
         self._heartbeat: threading.Thread | None = None
         if heartbeat:
@@ -186,6 +271,8 @@ class GrpcAllocator(AllocatorClient):
             worker_id=self.spec.worker_id,
             shape=shape_to_proto(self.spec.config),
             replace_credential=replace_credential,
+            advertise_url=self.spec.advertise_url,
+            served_model_name=self.spec.served_model_name,
         )
         give_up = time.monotonic() + self.register_wait_s
         waited = False
@@ -208,11 +295,11 @@ class GrpcAllocator(AllocatorClient):
             self._answered = 0
             self._pending = None
 
-    def _pool_call(self, method: str, request):
+    def _pool_call(self, method: str, request, via: Callable | None = None):
         """A call on our pool; a vanished pool becomes PoolLost (after
         registering a fresh one)."""
         try:
-            return self._call(method, request)
+            return self._call(method, request, via=via)
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.NOT_FOUND and error_reason(err) == "pool_not_found":
                 old = request.pool.pool_id
@@ -231,23 +318,64 @@ class GrpcAllocator(AllocatorClient):
                 log.debug("heartbeat: %s", err.code().name)
 
     # ------------------------------------------------------ AllocatorClient
-    def step(self, ops: Sequence[Op]) -> list[OpResult]:
+    def step(self, ops: Sequence[Op]) -> StepResults:
+        request = pb.StepRequest(pool=self._ref, prev_step_id=self._answered)
         try:
-            encoded = encode_ops(ops)
+            fill_ops(request.ops, step_columns(ops))  # in place: no copy of the columns
         except (TypeError, ValueError) as exc:
             raise InvalidArgument(f"cannot encode the step: {exc}") from exc
         pending = self._pending
-        if pending is not None and pending.ops == encoded:
+        if pending is not None and pending.ops == request.ops:
             request = pending  # the same operations again: the same step id
         else:
             self._step_id += 1
-            request = pb.StepRequest(pool=self._ref, step_id=self._step_id, ops=encoded,
-                                     prev_step_id=self._answered)
+            request.step_id = self._step_id
         self._pending = request
-        response = self._pool_call("Step", request)
+        response = self._pool_call("Step", request, via=self._send_on_stream if self._use_stream else None)
         self._pending = None
         self._answered = request.step_id
         return decode_results(response, len(ops))
+
+    # ----------------------------------------------------------- the stream
+    def _send_on_stream(self, request: pb.StepRequest) -> pb.StepResponse:
+        """One step on the step stream, opened on first use and after a
+        failure. Any failure drops the stream and is raised for the caller's
+        retry; a refused stream sends this and every later step unary."""
+        if not self._use_stream:  # refused earlier in this call's retries
+            return self._unary_step(request)
+        stream = self._stream
+        if stream is None:
+            stream = self._stream = _StepStream(self._call.stub, self._call.metadata)
+            if self._watchdog is None:
+                self._watchdog = threading.Thread(target=self._watch, name="allocator-step-watchdog", daemon=True)
+                self._watchdog.start()
+        try:
+            return stream.send(request)
+        except grpc.RpcError as err:
+            self._stream = None
+            stream.close()
+            code = err.code()
+            if code == grpc.StatusCode.UNIMPLEMENTED or (
+                    code == grpc.StatusCode.RESOURCE_EXHAUSTED and error_reason(err) == "step_streams"):
+                # Refused before any request was read: nothing was applied.
+                log.info("the allocator refused a step stream (%s): sending unary Steps", err.details())
+                self._use_stream = False
+                return self._unary_step(request)
+            raise
+
+    def _unary_step(self, request: pb.StepRequest) -> pb.StepResponse:
+        return self._call.stub.Step(request, timeout=self._call.deadline_s, metadata=self._call.metadata)
+
+    def _watch(self) -> None:
+        """The step stream's deadline: cut a stream whose step has waited
+        longer than the deadline (its step is then retried)."""
+        deadline = self._call.deadline_s
+        while not self._closed.wait(min(deadline / 4, 0.25)):
+            stream = self._stream
+            sent = stream.sent_at if stream is not None else 0.0
+            if sent and time.monotonic() - sent > deadline:
+                log.warning("no answer on the step stream within %.1f s: retrying the step", deadline)
+                stream.cut()
 
     def stats(self) -> PoolStats:
         return stats_from_proto(self._pool_call("GetPoolStats", pb.GetPoolStatsRequest(pool=self._ref)))
@@ -268,12 +396,16 @@ class GrpcAllocator(AllocatorClient):
         if self._closed.is_set():
             return
         self._closed.set()
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
         try:
             self._call("DeregisterPool", pb.DeregisterPoolRequest(pool=self._ref), retry=False)
         except grpc.RpcError as err:
             log.debug("deregister on close: %s", err.code().name)
-        if self._heartbeat is not None:
-            self._heartbeat.join(timeout=2)
+        for thread in (self._heartbeat, self._watchdog):
+            if thread is not None:
+                thread.join(timeout=2)
         self._channel.close()
 
     # -------------------------------------------------- beyond the interface
@@ -293,8 +425,25 @@ class PrefixMatch(NamedTuple):
     block_size: int
 
 
+class PoolInfo(NamedTuple):
+    """One live pool as ListPools answers it."""
+
+    pool_id: str
+    worker_id: str
+    model_fingerprint: str
+    served_model_name: str
+    advertise_url: str
+    block_size: int
+    num_blocks: int
+    free_blocks: int
+    used_blocks: int
+    cached_blocks: int
+    num_sequences: int
+    enable_prefix_caching: bool
+
+
 class RouterClient:
-    """The cross-pool calls a router makes: MatchPrefix and WatchEvents."""
+    """The cross-pool calls a router makes: MatchPrefix, WatchEvents and ListPools."""
 
     def __init__(
         self,
@@ -306,8 +455,8 @@ class RouterClient:
         deadline_s: float = 5.0,
         retries: int = 3,
     ) -> None:
-        """`router_token` (or the admin token) is what MatchPrefix and
-        WatchEvents need once the server has a router token; `auth_token` is
+        """`router_token` (or the admin token) is what MatchPrefix, WatchEvents
+        and ListPools need once the server has a router token; `auth_token` is
         sent when no router token is given (a server with no router token
         and no server-wide token answers anyone)."""
         self._channel = open_channel(target, tls_ca)
@@ -320,6 +469,16 @@ class RouterClient:
             pb.MatchPrefixRequest(model_fingerprint=model_fingerprint, tokens=tokens, cache_salt=cache_salt),
         )
         return [PrefixMatch(m.pool_id, m.worker_id, m.cached_tokens, m.free_blocks, m.block_size) for m in r.matches]
+
+    def list_pools(self, model_fingerprint: str = "") -> list[PoolInfo]:
+        """Every live pool (of `model_fingerprint`, when given), by pool id."""
+        r = self._call("ListPools", pb.ListPoolsRequest(model_fingerprint=model_fingerprint))
+        return [
+            PoolInfo(p.pool_id, p.worker_id, p.model_fingerprint, p.served_model_name, p.advertise_url,
+                     p.block_size, p.num_blocks, p.free_blocks, p.used_blocks, p.cached_blocks,
+                     p.num_sequences, p.enable_prefix_caching)
+            for p in r.pools
+        ]
 
     def watch_events(self, from_sequence: int = 0, timeout_s: float | None = None) -> Iterator[pb.KvEvent]:
         """KV events from `from_sequence` (0 = from now). A KV_EVENT_KIND_RESYNC_REQUIRED

@@ -28,6 +28,11 @@ MAX_RESERVE = 1 << 20
 # Characters of a model fingerprint (it enters the root hash).
 MAX_FINGERPRINT_LEN = 1024
 
+# Characters of what a worker advertises with its pool for routers: its HTTP
+# URL and its served model name (kept per pool and in every snapshot).
+MAX_ADVERTISE_URL_LEN = 2048
+MAX_SERVED_MODEL_NAME_LEN = 256
+
 # Characters of a sequence id.
 MAX_SEQ_ID_LEN = 256
 

@@ -23,10 +23,10 @@ async scheduling): their values come first in the sequence's next APPEND
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from itertools import chain
-from typing import NamedTuple
+from itertools import accumulate, chain
+from typing import NamedTuple, overload
 
 from allocator_service.core.errors import AllocatorError
 from allocator_service.core.pool import BlockPool
@@ -105,24 +105,27 @@ def run_step(pool: BlockPool, step: StepColumns) -> StepResult:
                     messages[i] = str(exc)
     end = 0  # where the next operation's tokens end
     admits = forks = 0  # ADMIT and FORK operations met so far
+    append_one = pool.try_append_one
+    fill_one = pool.try_fill_and_reserve_one
     for i in range(n):
         kind = kinds[i]
-        seq = seqs[i]
         start = end
         end += counts[i]
+        # NOTE: a decode token goes straight to the pool's fast path: no
+        # slice, no AppendResult (this is the hot loop of a step). With async
+        # scheduling a decode fills its one reserved slot and reserves the next.
+        if kind == APPEND and end - start == 1:
+            r_i = reserved[i]
+            if r_i == 0 and (k := append_one(seqs[i], tokens[start])) >= 0:
+                keep[i] = k
+                continue
+            if r_i == 1 and (k := fill_one(seqs[i], tokens[start])) >= 0:
+                keep[i] = k
+                continue
+        seq = seqs[i]
         try:
             if kind == APPEND:
-                # NOTE: a decode token goes straight to the pool's fast path:
-                # no slice, no AppendResult (this is the hot loop of a step).
-                r_i = reserved[i]
-                if end - start == 1:
-                    if r_i == 0 and (k := pool.try_append_one(seq, tokens[start])) >= 0:
-                        keep[i] = k
-                        continue
-                    if r_i == 1 and (k := pool.try_fill_and_reserve_one(seq, tokens[start])) >= 0:
-                        keep[i] = k
-                        continue
-                r = pool.append(seq, tokens[start:end], r_i)
+                r = pool.append(seq, tokens[start:end], reserved[i])
                 keep[i] = r.keep
                 if r.new_blocks:
                     appended += r.new_blocks
@@ -276,6 +279,93 @@ def op_results(result: StepResult) -> list[OpResult]:
                 r.copies = [(copies[j], copies[j + 1]) for j in range(c, c + 2 * nc, 2)]
                 c += 2 * nc
     return out
+
+
+class StepResults(Sequence[OpResult]):
+    """A step's results as a client returns them: a read-only sequence of
+    `OpResult`s over the columns (`columns`, a `StepResult`), built without
+    a Python object per operation. `results[i]` makes operation i's
+    `OpResult` when asked; a consumer on the hot path reads the columns
+    instead (`columns.errors[i]`, `.keep[i]`, `.num_appended[i]`,
+    `.num_copies[i]`, and `appended(i)` / `copies(i)`), so a decode step
+    whose operations changed nothing in their tables costs no objects.
+    Compares equal to a list of the same `OpResult`s."""
+
+    __slots__ = ("columns", "_starts", "_copy_starts", "_messages")
+
+    def __init__(self, columns: StepResult) -> None:
+        self.columns = columns
+        self._starts: list[int] | None = None  # where each operation's appended ids start
+        self._copy_starts: list[int] | None = None
+        self._messages: dict[int, str] | None = None  # failed operation -> its message
+
+    def __len__(self) -> int:
+        return len(self.columns.errors)
+
+    @property
+    def all_ok(self) -> bool:
+        return not any(self.columns.errors)
+
+    def appended(self, i: int) -> list[int]:
+        """The block ids operation i appends to its table (after `keep[i]`)."""
+        n = self.columns.num_appended[i]
+        if not n:
+            return []
+        if self._starts is None:
+            self._starts = list(accumulate(self.columns.num_appended, initial=0))
+        a = self._starts[i]
+        return self.columns.appended[a : a + n]
+
+    def copies(self, i: int) -> list[tuple[int, int]]:
+        """The (src, dst) block copies operation i needs first."""
+        n = self.columns.num_copies[i]
+        if not n:
+            return []
+        if self._copy_starts is None:
+            self._copy_starts = list(accumulate(self.columns.num_copies, initial=0))
+        c, flat = 2 * self._copy_starts[i], self.columns.copies
+        return [(flat[j], flat[j + 1]) for j in range(c, c + 2 * n, 2)]
+
+    def _message(self, i: int) -> str:
+        if self._messages is None:
+            failed = [j for j, e in enumerate(self.columns.errors) if e]
+            self._messages = dict(zip(failed, self.columns.error_messages, strict=False))
+        return self._messages.get(i, "")
+
+    def _result(self, i: int) -> OpResult:
+        c = self.columns
+        e = c.errors[i]
+        return OpResult(not e, ERROR_CODE[e] if e else "", self._message(i) if e else "", c.keep[i],
+                        self.appended(i), self.copies(i), c.cached_tokens[i], c.num_stored[i])
+
+    @overload
+    def __getitem__(self, i: int) -> OpResult: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[OpResult]: ...
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self._result(j) for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError("step result index out of range")
+        return self._result(i)
+
+    def __iter__(self) -> Iterator[OpResult]:
+        return iter(op_results(self.columns))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, StepResults):
+            return self.columns == other.columns
+        if isinstance(other, list | tuple):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"StepResults({list(self)!r})"
 
 
 def execute_step(pool: BlockPool, ops: Sequence[Op]) -> list[OpResult]:

@@ -73,14 +73,18 @@ class PoolShape(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ...) -> None: ...
 
 class RegisterPoolRequest(_message.Message):
-    __slots__ = ("worker_id", "shape", "replace_credential")
+    __slots__ = ("worker_id", "shape", "replace_credential", "advertise_url", "served_model_name")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     REPLACE_CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
+    ADVERTISE_URL_FIELD_NUMBER: _ClassVar[int]
+    SERVED_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     shape: PoolShape
     replace_credential: str
-    def __init__(self, worker_id: _Optional[str] = ..., shape: _Optional[_Union[PoolShape, _Mapping]] = ..., replace_credential: _Optional[str] = ...) -> None: ...
+    advertise_url: str
+    served_model_name: str
+    def __init__(self, worker_id: _Optional[str] = ..., shape: _Optional[_Union[PoolShape, _Mapping]] = ..., replace_credential: _Optional[str] = ..., advertise_url: _Optional[str] = ..., served_model_name: _Optional[str] = ...) -> None: ...
 
 class RegisterPoolResponse(_message.Message):
     __slots__ = ("pool_id", "epoch", "credential", "lease_ttl_s")
@@ -287,7 +291,7 @@ class WatchEventsRequest(_message.Message):
     def __init__(self, from_sequence: _Optional[int] = ...) -> None: ...
 
 class KvEvent(_message.Message):
-    __slots__ = ("sequence", "kind", "pool_id", "block_id", "block_hash", "model_fingerprint", "reason")
+    __slots__ = ("sequence", "kind", "pool_id", "block_id", "block_hash", "model_fingerprint", "reason", "worker_id", "advertise_url", "served_model_name")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -295,6 +299,9 @@ class KvEvent(_message.Message):
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADVERTISE_URL_FIELD_NUMBER: _ClassVar[int]
+    SERVED_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     kind: KvEventKind
     pool_id: str
@@ -302,7 +309,10 @@ class KvEvent(_message.Message):
     block_hash: bytes
     model_fingerprint: str
     reason: str
-    def __init__(self, sequence: _Optional[int] = ..., kind: _Optional[_Union[KvEventKind, str]] = ..., pool_id: _Optional[str] = ..., block_id: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., model_fingerprint: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    worker_id: str
+    advertise_url: str
+    served_model_name: str
+    def __init__(self, sequence: _Optional[int] = ..., kind: _Optional[_Union[KvEventKind, str]] = ..., pool_id: _Optional[str] = ..., block_id: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., model_fingerprint: _Optional[str] = ..., reason: _Optional[str] = ..., worker_id: _Optional[str] = ..., advertise_url: _Optional[str] = ..., served_model_name: _Optional[str] = ...) -> None: ...
 
 class DumpPoolRequest(_message.Message):
     __slots__ = ("pool",)
@@ -319,3 +329,43 @@ class DumpPoolResponse(_message.Message):
     last_step_id: int
     integrity_problems: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, state_json: _Optional[str] = ..., last_step_id: _Optional[int] = ..., integrity_problems: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ListPoolsRequest(_message.Message):
+    __slots__ = ("model_fingerprint",)
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    model_fingerprint: str
+    def __init__(self, model_fingerprint: _Optional[str] = ...) -> None: ...
+
+class PoolInfo(_message.Message):
+    __slots__ = ("pool_id", "worker_id", "model_fingerprint", "served_model_name", "advertise_url", "block_size", "num_blocks", "free_blocks", "used_blocks", "cached_blocks", "num_sequences", "enable_prefix_caching")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    SERVED_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    ADVERTISE_URL_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    ENABLE_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    worker_id: str
+    model_fingerprint: str
+    served_model_name: str
+    advertise_url: str
+    block_size: int
+    num_blocks: int
+    free_blocks: int
+    used_blocks: int
+    cached_blocks: int
+    num_sequences: int
+    enable_prefix_caching: bool
+    def __init__(self, pool_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., served_model_name: _Optional[str] = ..., advertise_url: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ...) -> None: ...
+
+class ListPoolsResponse(_message.Message):
+    __slots__ = ("pools",)
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    pools: _containers.RepeatedCompositeFieldContainer[PoolInfo]
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolInfo, _Mapping]]] = ...) -> None: ...

@@ -55,6 +55,11 @@ class AllocatorStub:
                 request_serializer=pagedkv_dot_v1_dot_allocator__pb2.StepRequest.SerializeToString,
                 response_deserializer=pagedkv_dot_v1_dot_allocator__pb2.StepResponse.FromString,
                 _registered_method=True)
+        self.StepStream = channel.stream_stream(
+                '/pagedkv.v1.Allocator/StepStream',
+                request_serializer=pagedkv_dot_v1_dot_allocator__pb2.StepRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_v1_dot_allocator__pb2.StepResponse.FromString,
+                _registered_method=True)
         self.GetBlockTable = channel.unary_unary(
                 '/pagedkv.v1.Allocator/GetBlockTable',
                 request_serializer=pagedkv_dot_v1_dot_allocator__pb2.GetBlockTableRequest.SerializeToString,
@@ -84,6 +89,11 @@ class AllocatorStub:
                 '/pagedkv.v1.Allocator/DumpPool',
                 request_serializer=pagedkv_dot_v1_dot_allocator__pb2.DumpPoolRequest.SerializeToString,
                 response_deserializer=pagedkv_dot_v1_dot_allocator__pb2.DumpPoolResponse.FromString,
+                _registered_method=True)
+        self.ListPools = channel.unary_unary(
+                '/pagedkv.v1.Allocator/ListPools',
+                request_serializer=pagedkv_dot_v1_dot_allocator__pb2.ListPoolsRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_v1_dot_allocator__pb2.ListPoolsResponse.FromString,
                 _registered_method=True)
 
 
@@ -122,6 +132,20 @@ class AllocatorServicer:
         and then in the order given. Each operation is all-or-nothing and gets
         its own result; a failing operation does not fail the call. Idempotent
         per step id: a retry of the pool's last step returns the same answer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StepStream(self, request_iterator, context):
+        """Step over one long-lived call: each StepRequest sent gets one
+        StepResponse, in order, with exactly Step's semantics (credentials,
+        step ids, retries, prev_step_id), minus a call's setup per step. A
+        failed step ends the stream with the status Step would have answered;
+        the client opens a new stream (a retry sends the same step id). Each
+        open stream holds a server thread: past the server's limit (16 by
+        default) a new one is refused with RESOURCE_EXHAUSTED (`step_streams`)
+        and the client sends unary Steps instead.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -175,6 +199,15 @@ class AllocatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListPools(self, request, context):
+        """Every live pool: its worker, model, HTTP address (what the worker
+        advertised when it registered) and occupancy. What a router reads to
+        learn the workers it may send requests to. Router role.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AllocatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -195,6 +228,11 @@ def add_AllocatorServicer_to_server(servicer, server):
             ),
             'Step': grpc.unary_unary_rpc_method_handler(
                     servicer.Step,
+                    request_deserializer=pagedkv_dot_v1_dot_allocator__pb2.StepRequest.FromString,
+                    response_serializer=pagedkv_dot_v1_dot_allocator__pb2.StepResponse.SerializeToString,
+            ),
+            'StepStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.StepStream,
                     request_deserializer=pagedkv_dot_v1_dot_allocator__pb2.StepRequest.FromString,
                     response_serializer=pagedkv_dot_v1_dot_allocator__pb2.StepResponse.SerializeToString,
             ),
@@ -227,6 +265,11 @@ def add_AllocatorServicer_to_server(servicer, server):
                     servicer.DumpPool,
                     request_deserializer=pagedkv_dot_v1_dot_allocator__pb2.DumpPoolRequest.FromString,
                     response_serializer=pagedkv_dot_v1_dot_allocator__pb2.DumpPoolResponse.SerializeToString,
+            ),
+            'ListPools': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListPools,
+                    request_deserializer=pagedkv_dot_v1_dot_allocator__pb2.ListPoolsRequest.FromString,
+                    response_serializer=pagedkv_dot_v1_dot_allocator__pb2.ListPoolsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -336,6 +379,33 @@ class Allocator:
             request,
             target,
             '/pagedkv.v1.Allocator/Step',
+            pagedkv_dot_v1_dot_allocator__pb2.StepRequest.SerializeToString,
+            pagedkv_dot_v1_dot_allocator__pb2.StepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StepStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pagedkv.v1.Allocator/StepStream',
             pagedkv_dot_v1_dot_allocator__pb2.StepRequest.SerializeToString,
             pagedkv_dot_v1_dot_allocator__pb2.StepResponse.FromString,
             options,
@@ -500,6 +570,33 @@ class Allocator:
             '/pagedkv.v1.Allocator/DumpPool',
             pagedkv_dot_v1_dot_allocator__pb2.DumpPoolRequest.SerializeToString,
             pagedkv_dot_v1_dot_allocator__pb2.DumpPoolResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListPools(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.v1.Allocator/ListPools',
+            pagedkv_dot_v1_dot_allocator__pb2.ListPoolsRequest.SerializeToString,
+            pagedkv_dot_v1_dot_allocator__pb2.ListPoolsResponse.FromString,
             options,
             channel_credentials,
             insecure,

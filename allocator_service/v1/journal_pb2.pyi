@@ -21,18 +21,22 @@ class JournalRecord(_message.Message):
     def __init__(self, index: _Optional[int] = ..., registered: _Optional[_Union[PoolRegistered, _Mapping]] = ..., step: _Optional[_Union[StepApplied, _Mapping]] = ..., dropped: _Optional[_Union[PoolDropped, _Mapping]] = ..., reset: _Optional[_Union[PrefixCacheReset, _Mapping]] = ...) -> None: ...
 
 class PoolRegistered(_message.Message):
-    __slots__ = ("pool_id", "worker_id", "epoch", "shape", "credential_digest")
+    __slots__ = ("pool_id", "worker_id", "epoch", "shape", "credential_digest", "advertise_url", "served_model_name")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     CREDENTIAL_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    ADVERTISE_URL_FIELD_NUMBER: _ClassVar[int]
+    SERVED_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     worker_id: str
     epoch: int
     shape: _allocator_pb2.PoolShape
     credential_digest: bytes
-    def __init__(self, pool_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., shape: _Optional[_Union[_allocator_pb2.PoolShape, _Mapping]] = ..., credential_digest: _Optional[bytes] = ...) -> None: ...
+    advertise_url: str
+    served_model_name: str
+    def __init__(self, pool_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., shape: _Optional[_Union[_allocator_pb2.PoolShape, _Mapping]] = ..., credential_digest: _Optional[bytes] = ..., advertise_url: _Optional[str] = ..., served_model_name: _Optional[str] = ...) -> None: ...
 
 class StepApplied(_message.Message):
     __slots__ = ("pool_id", "step_id", "digest", "ops", "prev_step_id")

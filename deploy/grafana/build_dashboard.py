@@ -96,6 +96,23 @@ ROWS: list[tuple[str, list[tuple]]] = [
             (f"sum by (worker_id) (pagedkv_allocator_pool_sequences{{{WID}}})", "{{worker_id}} sequences"),
         ], {}),
     ]),
+    ("Router", [
+        ("Router: requests / s per worker and policy", "reqps",
+         [(rate("pagedkv_router_requests_total", "worker, policy"), "{{worker}} {{policy}}")], {}),
+        ("Router: prefix tokens cached where sent (of the best any worker had, of the prompt)", "percentunit", [
+            (f"{rate('pagedkv_router_prefix_cached_tokens_total', 'policy', '')} / "
+             f"{rate('pagedkv_router_prefix_best_cached_tokens_total', 'policy', '')}", "{{policy}} of the best"),
+            (f"{rate('pagedkv_router_prefix_cached_tokens_total', 'policy', '')} / "
+             f"{rate('pagedkv_router_prompt_tokens_total', 'policy', '')}", "{{policy}} of the prompt"),
+        ], {"max": 1}),
+        ("Router: routing latency (tokenize + MatchPrefix + rank)", "s",
+         quantiles("pagedkv_router_routing_seconds", sel=""), {}),
+        ("Router: retries and failed requests / s", "ops", [
+            (rate("pagedkv_router_retries_total", "reason", ""), "retry: {{reason}}"),
+            (rate("pagedkv_router_failed_requests_total", "reason", ""), "failed: {{reason}}"),
+            (f"sum by (worker) (pagedkv_router_in_flight_requests{{{W}}})", "{{worker}} in flight"),
+        ], {}),
+    ]),
 ]
 
 

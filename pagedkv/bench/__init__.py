@@ -15,6 +15,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "allocator": ("pagedkv.bench.allocator", "Step latency: in-process vs gRPC vs gRPC + Redis journal"),
     "attention": ("pagedkv.bench.attention", "paged vs contiguous attention time on the same data"),
     "serve": ("pagedkv.bench.serve", "this engine vs transformers generate on one workload"),
+    "route": ("pagedkv.bench.route", "the router's policies (kv, least-load, round-robin) on a multi-tenant workload"),
 }
 
 

@@ -33,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     parser.add_argument(
         "--modes", default="in-process,grpc,grpc+redis",
-        help="which of in-process, grpc, grpc+redis to run [%(default)s]",
+        help="which of in-process, grpc, grpc+redis, grpc-unary, grpc-unary+redis to run (grpc: steps "
+             "over the StepStream call, as workers send them; grpc-unary: one unary Step each) [%(default)s]",
     )
     parser.add_argument(
         "--redis", default=None, metavar="URL",
@@ -56,7 +57,7 @@ def measure(client, num_seqs: int, steps: int, warmup: int) -> dict:
         results = client.step(ops)
         times.append(time.perf_counter() - t0)
         ops_done += len(ops)
-        if not all(r.ok for r in results):
+        if not results.all_ok:
             raise RuntimeError(f"benchmark pool too small: {[r for r in results if not r.ok][:1]}")
     times.sort()
     return {
@@ -85,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     sizes = [int(s) for s in args.sizes.split(",") if s]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if unknown := set(modes) - {"in-process", "grpc", "grpc+redis"}:
+    if unknown := set(modes) - {"in-process", "grpc", "grpc+redis", "grpc-unary", "grpc-unary+redis"}:
         raise CliError(f"unknown mode(s): {', '.join(sorted(unknown))}")
     blocks_per_seq = blocks_for(PROMPT_LEN + MAX_GEN, args.block_size) + 2
 
@@ -104,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     for mode in modes:
         redis = server = None
         try:
-            if mode == "grpc+redis":
+            if mode.endswith("+redis"):
                 if args.redis:
                     url = args.redis + ("&" if "?" in args.redis else "?") + f"key_prefix=pagedkv-bench-{time.time_ns()}:"
                 else:
@@ -114,13 +115,13 @@ def run(args: argparse.Namespace) -> int:
                         raise CliError("grpc+redis needs redis-server on PATH, or --redis URL") from None
                     url = redis.url
                 server = start_allocator(["--state", url, "--snapshot-every", "1000"])
-            elif mode == "grpc":
+            elif mode != "in-process":
                 server = start_allocator()
             for n in sizes:
                 if server is None:
                     client = EmbeddedAllocator(spec(mode, n))
                 else:
-                    client = GrpcAllocator(server.address, spec(mode, n))
+                    client = GrpcAllocator(server.address, spec(mode, n), step_stream="unary" not in mode)
                 try:
                     results.append({"mode": mode, **measure(client, n, args.steps, args.warmup)})
                 finally:
@@ -151,9 +152,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"Step latency, block size {args.block_size}, prefix caching "
           f"{'on' if out['prefix_caching'] else 'off'}, {args.steps} steps per case, "
           f"{out['cpus']} CPUs, load average {out['load_average_1m']}")
-    print(f"{'mode':<12} {'seqs':>5} {'ops/step':>9} {'p50 ms':>8} {'p99 ms':>8} {'ops/s':>10}")
+    print(f"{'mode':<16} {'seqs':>5} {'ops/step':>9} {'p50 ms':>8} {'p99 ms':>8} {'ops/s':>10}")
     for r in results:
-        print(f"{r['mode']:<12} {r['seqs']:>5} {r['ops_per_step']:>9.1f} {r['p50_ms']:>8.3f} "
+        print(f"{r['mode']:<16} {r['seqs']:>5} {r['ops_per_step']:>9.1f} {r['p50_ms']:>8.3f} "
               f"{r['p99_ms']:>8.3f} {r['ops_per_s']:>10.0f}")
     for n, v in out.get("redis_overhead_p50", {}).items():
         print(f"Redis journal adds {100 * v:.0f}% to the p50 at {n} sequences per step")

@@ -3,7 +3,8 @@
 For each (batch, context) the same K/V lives twice: scattered over a KV pool
 through shuffled block tables, and as contiguous `[batch, kv_heads, context,
 head_dim]` tensors. We time one decode attention call (one query token per
-sequence) both ways and report the median ms per call and paged / contiguous.
+sequence) both ways, alternately, and report the median ms per call and the
+median of the per-pair ratios paged / contiguous.
 The paged figure is per layer with the step's gather plan already built (as
 layers 2..N find it); `plan_ms_per_step` is the one-off cost of building it. Both sides
 use the same GQA grouping (query heads folded onto their kv head), so the
@@ -35,6 +36,17 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+_BACKENDS = ("torch", "numba", "triton")
+
+
+def _backend_list(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [n for n in names if n not in _BACKENDS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(_BACKENDS)}, got {text!r}")
+    return names
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-sizes", type=_int_list, default=[1, 16, 64], help="comma list (default 1,16,64)")
     parser.add_argument("--contexts", type=_int_list, default=[512, 2048], help="tokens per sequence (default 512,2048)")
@@ -44,7 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--head-dim", type=int, default=64, help="head size (default 64, SmolLM2)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="K/V and query dtype (default float32)")
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    parser.add_argument("--backend", choices=["torch", "triton"], default=None, help="default: by device")
+    parser.add_argument(
+        "--backend",
+        type=_backend_list,
+        default=None,
+        help="comma list of torch, numba, triton, timed side by side (default: the device's, numba on the CPU)",
+    )
     parser.add_argument("--repeats", type=int, default=10, help="timed calls per case (median reported)")
     parser.add_argument("--seed", type=int, default=0, help="random seed of the data (default 0)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
@@ -69,11 +86,29 @@ def _median_ms(fn: Callable[[], object], repeats: int, sync: Callable[[], None])
     return statistics.median(times)
 
 
-def _case(args: argparse.Namespace, batch: int, context: int) -> dict[str, float | int]:
+def _paired_ms(a: Callable[[], object], b: Callable[[], object], repeats: int,
+               sync: Callable[[], None]) -> tuple[float, float, float]:
+    """Median ms of `a` and of `b`, timed alternately, and the median of the
+    per-pair ratios b / a: on a shared machine a burst of load hits both sides
+    of a pair, so the ratio is steadier than either time."""
+    a(), b()
+    sync()
+    ta, tb = [], []
+    for _ in range(repeats):
+        for fn, out in ((a, ta), (b, tb)):
+            start = time.perf_counter()
+            fn()
+            sync()
+            out.append((time.perf_counter() - start) * 1e3)
+    ratios = [y / x for x, y in zip(ta, tb, strict=True)]
+    return statistics.median(ta), statistics.median(tb), statistics.median(ratios)
+
+
+def _case(args: argparse.Namespace, names: list[str], batch: int, context: int) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from worker.attention import AttentionMetadata, get_backend, select_backend
+    from worker.attention import AttentionMetadata, get_backend
     from worker.kv_pool import KVPool
 
     dtype = getattr(torch, args.dtype)
@@ -96,37 +131,51 @@ def _case(args: argparse.Namespace, batch: int, context: int) -> dict[str, float
     scale = args.head_dim**-0.5
     group = args.q_heads // args.kv_heads
 
-    backend = get_backend(args.backend) if args.backend else select_backend(device)
     kc, vc = pool.k_cache(0), pool.v_cache(0)
-
-    def paged() -> torch.Tensor:
-        # The same metadata object every call, as layers 2..N of a step see it:
-        # the backend's per-step plan (gather indices) is reused.
-        return backend(q, kc, vc, meta, scale)
-
-    def paged_new_step() -> torch.Tensor:
-        # A fresh metadata object: the plan is rebuilt, as on a step's first layer.
-        return backend(q, kc, vc, dataclasses.replace(meta), scale)
 
     def contiguous() -> torch.Tensor:
         qg = q.view(batch, args.kv_heads, group, args.head_dim)
         return F.scaled_dot_product_attention(qg, k_contig, v_contig, scale=scale).reshape(q.shape)
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    result: dict = {"batch": batch, "context": context}
     with torch.inference_mode():
-        err = (paged().float() - contiguous().float()).abs().max().item()
-        paged_ms = _median_ms(paged, args.repeats, sync)
-        first_ms = _median_ms(paged_new_step, args.repeats, sync)
-        contig_ms = _median_ms(contiguous, args.repeats, sync)
-    return {
-        "batch": batch,
-        "context": context,
-        "paged_ms": round(paged_ms, 4),
-        "contiguous_ms": round(contig_ms, 4),
-        "ratio": round(paged_ms / contig_ms, 3),
-        "plan_ms_per_step": round(max(first_ms - paged_ms, 0.0), 4),
-        "max_abs_diff": err,
-    }
+        # Each backend is timed call by call alternately with contiguous SDPA, so
+        # that the ratio compares figures taken under the same load of the machine.
+        for name in names:
+            backend = get_backend(name)
+
+            def paged(backend=backend) -> torch.Tensor:
+                # The same metadata object every call, as layers 2..N of a step see it:
+                # the backend's per-step plan (gather indices) is reused.
+                return backend(q, kc, vc, meta, scale)
+
+            def paged_new_step(backend=backend) -> torch.Tensor:
+                # A fresh metadata object: the plan is rebuilt, as on a step's first layer.
+                return backend(q, kc, vc, dataclasses.replace(meta), scale)
+
+            err = (paged().float() - contiguous().float()).abs().max().item()
+            contig_ms, paged_ms, ratio = _paired_ms(contiguous, paged, args.repeats, sync)
+            first_ms = _median_ms(paged_new_step, args.repeats, sync)
+            result[name] = {
+                "paged_ms": round(paged_ms, 4),
+                "contiguous_ms": round(contig_ms, 4),
+                "ratio": round(ratio, 3),
+                "plan_ms_per_step": round(max(first_ms - paged_ms, 0.0), 4),
+                "max_abs_diff": err,
+            }
+    return result
+
+
+def default_backend(device: str) -> str:
+    """The name `select_backend` picks for `device`."""
+    import importlib.util
+
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return "numba"
+    return "triton" if importlib.util.find_spec("triton") is not None else "torch"
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -135,17 +184,18 @@ def measure(args: argparse.Namespace) -> dict:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    names = args.backend or [default_backend(args.device)]
     return {
         "benchmark": "paged decode attention vs contiguous SDPA",
         "device": str(args.device),
-        "backend": args.backend or ("triton" if torch.device(args.device).type == "cuda" else "torch"),
+        "backends": names,
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
         "block_size": args.block_size,
         "q_heads": args.q_heads,
         "kv_heads": args.kv_heads,
         "head_dim": args.head_dim,
-        "results": [_case(args, b, c) for c in args.contexts for b in args.batch_sizes],
+        "results": [_case(args, names, b, c) for c in args.contexts for b in args.batch_sizes],
     }
 
 
@@ -156,16 +206,20 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
     else:
         print(
-            f"{report['benchmark']} ({report['backend']}, {args.dtype}, {args.device}, "
+            f"{report['benchmark']} ({args.dtype}, {args.device}, "
             f"{report['threads']} threads, block {args.block_size}, "
             f"{args.q_heads}q/{args.kv_heads}kv x {args.head_dim})"
         )
-        print(f"{'batch':>6} {'context':>8} {'paged ms':>10} {'contig ms':>10} {'ratio':>7} {'plan ms/step':>13}")
+        print(
+            f"{'backend':>8} {'batch':>6} {'context':>8} {'paged ms':>10} {'contig ms':>10} {'ratio':>7} {'plan ms/step':>13}"
+        )
         for r in report["results"]:
-            print(
-                f"{r['batch']:>6} {r['context']:>8} {r['paged_ms']:>10.3f} {r['contiguous_ms']:>10.3f} "
-                f"{r['ratio']:>7.2f} {r['plan_ms_per_step']:>13.3f}"
-            )
+            for name in report["backends"]:
+                x = r[name]
+                print(
+                    f"{name:>8} {r['batch']:>6} {r['context']:>8} {x['paged_ms']:>10.3f} {x['contiguous_ms']:>10.3f} "
+                    f"{x['ratio']:>7.2f} {x['plan_ms_per_step']:>13.3f}"
+                )
     return 0
 
 

@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --noisy-neighbour: blocks in the neighbour's pool [%(default)s]")
     parser.add_argument("--neighbour-prompt", type=int, default=32768,
                         help="with --noisy-neighbour: tokens in each of the neighbour's admits [%(default)s]")
+    parser.add_argument("--separate-neighbour", action="store_true",
+                        help="with --noisy-neighbour: the neighbour's pool on an allocator process of its own "
+                             "(the best that pools sharded across processes could give)")
 
 
 def _neighbour(address: str, block_size: int, num_blocks: int, prompt_len: int,
@@ -103,6 +106,7 @@ def run(args: argparse.Namespace, measure) -> dict:
 
     ctx = mp.get_context("spawn")
     server = start_allocator(["--lease-ttl", "30"])
+    own = start_allocator(["--lease-ttl", "30"]) if args.separate_neighbour else None
     try:
         quiet = victim_steps("victim-alone")
         with ctx.Manager() as manager:
@@ -110,7 +114,7 @@ def run(args: argparse.Namespace, measure) -> dict:
             stop, ready = ctx.Event(), ctx.Event()
             proc = ctx.Process(
                 target=_neighbour,
-                args=(server.address, args.block_size, args.neighbour_blocks, args.neighbour_prompt,
+                args=((own or server).address, args.block_size, args.neighbour_blocks, args.neighbour_prompt,
                       stop, ready, counts),
                 daemon=True,
             )
@@ -124,12 +128,15 @@ def run(args: argparse.Namespace, measure) -> dict:
             neighbour = dict(sorted(counts.items()))
     finally:
         server.terminate()
+        if own is not None:
+            own.terminate()
     return {
         "benchmark": "noisy-neighbour",
         "block_size": args.block_size,
         "victim_seqs": n,
         "neighbour_blocks": args.neighbour_blocks,
         "neighbour_prompt_tokens": args.neighbour_prompt,
+        "neighbour_allocator": "own" if own is not None else "shared",
         "cpus": os.cpu_count(),
         "load_average_1m": round(os.getloadavg()[0], 2),
         "quiet": quiet,
@@ -144,7 +151,8 @@ def run(args: argparse.Namespace, measure) -> dict:
 
 def print_table(out: dict) -> None:
     print(f"Victim pool: {out['victim_seqs']} sequences per step, block size {out['block_size']}; "
-          f"neighbour: {out['neighbour_blocks']:,} blocks, {out['neighbour_prompt_tokens']:,}-token admits; "
+          f"neighbour: {out['neighbour_blocks']:,} blocks, {out['neighbour_prompt_tokens']:,}-token admits "
+          f"({out['neighbour_allocator']} allocator process); "
           f"{out['cpus']} CPUs, load average {out['load_average_1m']}")
     print(f"{'victim step latency':<28} {'p50 ms':>9} {'p99 ms':>9} {'mean ms':>9}")
     for name in ("quiet", "noisy"):

@@ -4,7 +4,10 @@ One process, one workload, the systems one after another on the same model
 weights and threads:
 
 1. this engine (`LLMEngine`), prefix caching on; then (unless
-   `--skip-prefix-off`) the same with prefix caching off;
+   `--skip-prefix-off`) the same with prefix caching off, once per CPU
+   attention backend named by `--attention` (e.g. `torch,numba`: the gather
+   path and the block-wise kernel side by side; each also gets a ratio to
+   transformers static, `<system>_vs_hf_static`);
 2. transformers static batching: `model.generate` over batches of
    `--batch-size` requests in arrival order, left-padded;
 3. transformers continuous batching (`model.generate_batch`), when the
@@ -164,6 +167,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --allocator: run every allocator with async scheduling on and off")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="with --allocator: the engines' prefix caching (default on)")
+    parser.add_argument("--attention", type=_attention_list, default=None,
+                        help="comma list of CPU attention backends (torch, numba) for the prefix-caching-off "
+                             "engine, one system each, interleaved: e.g. torch,numba compares the gather path "
+                             "with the block-wise kernel (default: the CPU default alone)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
@@ -176,6 +183,13 @@ def _allocators(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(ALLOCATORS)}, got {text!r}")
     if len(set(names)) != len(names):
         raise argparse.ArgumentTypeError(f"an allocator is named twice in {text!r}")
+    return names
+
+
+def _attention_list(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    if not names or any(n not in ("torch", "numba") for n in names):
+        raise argparse.ArgumentTypeError(f"expected a comma list of torch, numba; got {text!r}")
     return names
 
 
@@ -262,11 +276,15 @@ _WORKERS = iter(range(1, 1 << 30))  # a fresh worker id (so a fresh pool) for ev
 
 def _run_engine(loaded, prompts: list[list[int]], args: argparse.Namespace, num_blocks: int, prefix_caching: bool,
                 allocator: str = "embedded", async_scheduling: bool | None = None,
-                sample_kv: bool = True) -> dict[str, Any]:
+                sample_kv: bool = True, attention: str | None = None) -> dict[str, Any]:
     """One run of the workload. `sample_kv`: read the pool's stats after every
     step (the KV figures); off when comparing allocators, where that read
     would be one more RPC per step on the loop being timed."""
+    from worker.attention import get_backend, select_backend
     from worker.engine import EngineConfig, LLMEngine, SamplingParams
+
+    # every run sets it: the systems share one loaded model
+    loaded.model.attn_backend = get_backend(attention) if attention else select_backend("cpu")
 
     if async_scheduling is None:
         async_scheduling = args.async_scheduling
@@ -328,7 +346,8 @@ def _run_engine(loaded, prompts: list[list[int]], args: argparse.Namespace, num_
     queried = after.prefix_queried_tokens - before.prefix_queried_tokens
     hits = after.prefix_hit_tokens - before.prefix_hit_tokens
     return {
-        "system": "engine" + ("" if prefix_caching else " (prefix caching off)"),
+        "system": "engine" + ("" if prefix_caching else " (prefix caching off)")
+                  + (f" [{attention} attention]" if attention else ""),
         "tokens_generated": generated,
         "wall_s": round(wall, 3),
         "tokens_per_s": round(generated / wall, 2),
@@ -593,8 +612,14 @@ def run(args: argparse.Namespace) -> int:
     runners["engine"] = lambda: _run_engine(loaded, prompts, args, num_blocks, prefix_caching=True)
     if args.skip_prefix_off:
         skipped["engine_no_prefix_cache"] = "--skip-prefix-off"
+    elif not args.attention or len(args.attention) == 1:
+        attention = args.attention[0] if args.attention else None
+        runners["engine_no_prefix_cache"] = lambda: _run_engine(loaded, prompts, args, num_blocks, False, attention=attention)
     else:
-        runners["engine_no_prefix_cache"] = lambda: _run_engine(loaded, prompts, args, num_blocks, prefix_caching=False)
+        for name in args.attention:
+            runners[f"engine_no_prefix_cache_{name}"] = (
+                lambda name=name: _run_engine(loaded, prompts, args, num_blocks, False, attention=name)
+            )
     if args.skip_hf:
         skipped["hf_static"] = skipped["hf_continuous"] = "--skip-hf"
     else:
@@ -653,6 +678,12 @@ def run(args: argparse.Namespace) -> int:
             "engine_vs_hf_static": ratio("hf_static"),
             "engine_vs_hf_continuous": ratio("hf_continuous"),
             "engine_vs_engine_no_prefix_cache": ratio("engine_no_prefix_cache"),
+            # the prefix-caching-off engine(s) against static batching at the same memory
+            **{
+                f"{name}_vs_hf_static": round(systems[name]["tokens_per_s"] / systems["hf_static"]["tokens_per_s"], 3)
+                for name in systems
+                if name.startswith("engine_no_prefix_cache") and "hf_static" in systems
+            },
         },
     }
     if args.json:
@@ -851,6 +882,9 @@ def _print_table(report: dict[str, Any]) -> None:
         f"engine / transformers continuous: {_fmt(r['engine_vs_hf_continuous'])}x   "
         f"prefix caching on / off: {_fmt(r['engine_vs_engine_no_prefix_cache'])}x"
     )
+    for key, value in r.items():
+        if key.startswith("engine_no_prefix_cache"):
+            console.print(f"{key.removesuffix('_vs_hf_static')} / transformers static: {_fmt(value)}x")
     for name, why in report["skipped"].items():
         console.print(f"skipped {name}: {why}")
 

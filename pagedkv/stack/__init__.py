@@ -9,7 +9,7 @@ allocator, workers and Prometheus through this package:
   with its launcher), `stop_processes` (SIGTERM, then SIGKILL, tier by tier),
   `wait_healthy`, `StackError`.
 - `services`: `AllocatorProcess`, `RedisProcess`, `WorkerProcess`,
-  `PrometheusProcess`: start, health, kill -9, terminate and restart in place;
+  `RouterProcess`, `PrometheusProcess`: start, health, kill -9, terminate and restart in place;
   `start_allocator` / `start_redis` for one of its own.
 - `local`: `LocalStack`, the whole topology (what `pagedkv up` runs).
 
@@ -26,6 +26,7 @@ from pagedkv.stack.services import (
     AllocatorProcess,
     PrometheusProcess,
     RedisProcess,
+    RouterProcess,
     Service,
     WorkerProcess,
     prometheus_config,
@@ -34,7 +35,7 @@ from pagedkv.stack.services import (
 )
 
 __all__ = [
-    "AllocatorProcess", "LocalStack", "Process", "PrometheusProcess", "RedisProcess", "Service", "StackError",
+    "AllocatorProcess", "LocalStack", "Process", "PrometheusProcess", "RedisProcess", "RouterProcess", "Service", "StackError",
     "WorkerProcess", "free_port", "grpc_health_ok", "http_ok", "port_in_use", "prometheus_config",
     "redis_ping_ok", "start_allocator", "start_redis", "stop_processes", "wait_healthy",
 ]

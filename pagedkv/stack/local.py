@@ -1,7 +1,8 @@
 """`LocalStack`: the docker-compose topology as local processes.
 
 One allocator (gRPC, in-memory state unless told otherwise), N workers serving
-the OpenAI-style HTTP API, and optionally a Redis for the allocator's journal
+the OpenAI-style HTTP API, optionally the router in front of them
+(`router=True`: the one address clients use), and optionally a Redis for the allocator's journal
 (`redis=True`) and a Prometheus scraping everything (`prometheus=True`) when
 their binaries are on PATH::
 
@@ -9,6 +10,7 @@ their binaries are on PATH::
 
     with LocalStack(workers=2, model="tiny-random", worker_args=["--num-blocks", "128"]) as stack:
         stack.worker_urls            # ["http://127.0.0.1:PORT", ...]: /v1/..., /health, /metrics
+        stack.router_url             # "http://127.0.0.1:PORT" with router=True, else None
         stack.allocator_address      # "127.0.0.1:PORT" (gRPC)
         stack.allocator_metrics_url  # "http://127.0.0.1:PORT/metrics"
         stack.prometheus_url         # "http://127.0.0.1:PORT", or None (not asked for / no binary)
@@ -17,7 +19,9 @@ their binaries are on PATH::
         stack.allocator.kill(); stack.allocator.start().wait_healthy()  # a crash and a restart in place
 
 - Every port defaults to a free one (0); `pagedkv up` defaults to fixed ports
-  (workers 8001, 8002, ...; allocator 50051) like docker-compose.
+  (router 8000; workers 8001, 8002, ...; allocator 50051) like docker-compose.
+  Every worker advertises its URL with its pool, so the router (started
+  last, once the workers are healthy) finds them through the allocator.
 - `__enter__` returns once every process is healthy (gRPC health for the
   allocator, GET /health for workers, /-/ready for Prometheus, PING for Redis)
   or raises `StackError` naming the process that failed, with its last lines;
@@ -25,8 +29,14 @@ their binaries are on PATH::
   look (`stack.log_dir`). `__exit__` stops everything (workers and Prometheus,
   then the allocator, then Redis: SIGTERM, SIGKILL after `grace` seconds);
   `logs()` works until then.
+- Workers divide the cores: each gets `--threads 1/N` (N workers), so
+  max(1, cores // N) threads, unless `worker_args` or PAGEDKV_WORKER_THREADS
+  say otherwise.
 - `redis=True` / `prometheus=True` without the binary: a warning, and the
   stack runs without it (`redis_url` / `prometheus_url` are None).
+- `router=True`: the router (`python -m router`) in front of the workers, on
+  `router_port`, with `router_args`; `worker_host="127.0.0.1"` keeps the
+  workers on loopback while the router (and the allocator) bind `host`.
 - `token` / `tls=(cert, key)`: the allocator requires that bearer token / serves
   TLS with that certificate (which must name localhost), and the workers are
   given what they need to call it.
@@ -44,17 +54,20 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from pagedkv.settings import env_name, thread_share
 from pagedkv.stack.probes import free_port, port_in_use
 from pagedkv.stack.process import Process, StackError, stop_processes, wait_healthy
 from pagedkv.stack.services import (
     AllocatorProcess,
     PrometheusProcess,
     RedisProcess,
+    RouterProcess,
     Service,
     WorkerProcess,
     prometheus_config,
 )
 
+THREADS_ENV = env_name("worker", "--threads")
 _COLOURS = ("cyan", "magenta", "green", "yellow", "blue", "bright_red", "bright_cyan", "bright_magenta")
 
 
@@ -83,6 +96,10 @@ class LocalStack:
         echo: bool = False,
         token: str | None = None,
         tls: tuple[Path, Path] | None = None,
+        router: bool = False,
+        router_port: int = 0,
+        router_args: Sequence[str] = (),
+        worker_host: str | None = None,
     ) -> None:
         if workers < 1:
             raise StackError("--workers must be at least 1")
@@ -106,6 +123,11 @@ class LocalStack:
         self.grace = grace
         self.token = token
         self.tls = tls
+        self.want_router = router
+        self.router_port = router_port
+        self.router_args = list(router_args)
+        # where workers bind (default `host`): loopback keeps them internal behind the router
+        self.worker_host = worker_host or host
         self._own_log_dir = log_dir is None
         self.failed = False  # a failed stack keeps even a temporary log folder
         self.log_dir = Path(log_dir) if log_dir is not None else None
@@ -116,6 +138,8 @@ class LocalStack:
         self.allocator: AllocatorProcess | None = None
         self.workers: list[WorkerProcess] = []
         self.prometheus: PrometheusProcess | None = None
+        self.router: RouterProcess | None = None
+        self.router_url: str | None = None
         self.hurry = threading.Event()  # set it to skip the grace period of a running stop()
         self.worker_urls: list[str] = []
         self.allocator_address: str | None = None
@@ -188,15 +212,22 @@ class LocalStack:
         mport = self._port(self.allocator_metrics_port, "the allocator's metrics")
         allocator_args = ["--metrics-port", str(mport), "--state", state]
         to_allocator: list[str] = []  # what every worker needs to call it
+        router_to_allocator: list[str] = []  # and the router
         if self.token is not None:
             token_file = self.log_dir / "allocator-token"
             token_file.write_text(self.token + "\n")
             allocator_args += ["--auth-token-file", str(token_file)]
             to_allocator += ["--allocator-token-file", str(token_file)]
+            if self.want_router:  # the router's own credential (the roles table)
+                router_file = self.log_dir / "router-token"
+                router_file.write_text(self.token + "-router\n")
+                allocator_args += ["--router-token-file", str(router_file)]
+                router_to_allocator += ["--router-token-file", str(router_file)]
         if self.tls is not None:
             cert, key = self.tls
             allocator_args += ["--tls-cert", str(cert), "--tls-key", str(key)]
             to_allocator += ["--allocator-tls-ca", str(cert)]
+            router_to_allocator += ["--allocator-tls-ca", str(cert)]
         connect = "localhost" if self.tls is not None else h  # the certificate names localhost
         self.allocator_address = f"{connect}:{aport}"
         self.allocator_metrics_url = f"http://{h}:{mport}/metrics"
@@ -206,15 +237,30 @@ class LocalStack:
         )
         self.allocator.start().wait_healthy(self.startup_timeout)
 
+        # The workers share this machine: each takes 1/N of the cores unless told
+        # otherwise (a --threads in worker_args comes later and wins; so does the
+        # environment's PAGEDKV_WORKER_THREADS). Each would take every core.
+        share = [] if THREADS_ENV in os.environ else ["--threads", thread_share(self.num_workers)]
         checks = []
         for i in range(1, self.num_workers + 1):
             name = f"worker-{i}"
             port = self._port(self.base_port + i - 1 if self.base_port else 0, name)
             worker = self._add(WorkerProcess, name, model=self.model, allocator=self.allocator_address,
-                               args=[*self.worker_args, *to_allocator], host=self.host, port=port, connect_host=h)
+                               args=[*share, *self.worker_args, *to_allocator], host=self.worker_host, port=port,
+                               connect_host=h)
             self.workers.append(worker)
             self.worker_urls.append(worker.url)
             checks.append((worker.start().proc, worker.healthy))
+
+        if self.want_router:
+            rport = self._port(self.router_port, "the router")
+            self.router = self._add(RouterProcess, name="router", allocator=self.allocator_address,
+                                    model=self.model, args=[*router_to_allocator, *self.router_args],
+                                    host=self.host, port=rport, connect_host=h)
+            self.router_url = self.router.url
+            # after the workers: its /health waits for one it can reach
+            wait_healthy(checks, self.startup_timeout)
+            checks = [(self.router.start().proc, self.router.healthy)]
 
         if self.want_prometheus:
             prom_bin = shutil.which("prometheus")
@@ -224,7 +270,8 @@ class LocalStack:
                 pport = self._port(self.prometheus_port, "Prometheus")
                 config = self.log_dir / "prometheus.yml"
                 config.write_text(prometheus_config(
-                    [f"{h}:{mport}"], [u.removeprefix("http://") for u in self.worker_urls], self.scrape_interval))
+                    [f"{h}:{mport}"], [u.removeprefix("http://") for u in self.worker_urls], self.scrape_interval,
+                    [self.router_url.removeprefix("http://")] if self.router_url else ()))
                 self.prometheus = self._add(PrometheusProcess, prom_bin, config, self.log_dir / "prometheus-data",
                                             name="prometheus", host=h, port=pport)
                 self.prometheus_url = self.prometheus.url
@@ -232,9 +279,10 @@ class LocalStack:
         wait_healthy(checks, self.startup_timeout)
 
     def stop(self) -> None:
-        """Stop every process (workers and Prometheus, then the allocator, then Redis). Idempotent."""
+        """Stop every process (the router, then workers and Prometheus, then the allocator, then Redis). Idempotent."""
         p = self.processes
         tiers = [
+            [p[k] for k in ("router",) if k in p],
             [v for k, v in p.items() if k.startswith("worker-") or k == "prometheus"],
             [p[k] for k in ("allocator",) if k in p],
             [p[k] for k in ("redis",) if k in p],
@@ -266,6 +314,7 @@ class LocalStack:
             "allocator": self.allocator_address,
             "allocator_metrics": self.allocator_metrics_url,
             "workers": list(self.worker_urls),
+            "router": self.router_url,
             "prometheus": self.prometheus_url,
             "redis": self.redis_url,
             "pids": {name: proc.pid for name, proc in self.processes.items()},

@@ -1,4 +1,4 @@
-"""The processes of the topology: Redis, the allocator, workers and Prometheus.
+"""The processes of the topology: Redis, the allocator, workers, the router and Prometheus.
 
 Each is a `Service`: made with its settings, then `start()`ed (a new
 `Process`), `wait_healthy()`, and `kill()`ed (SIGKILL: a crash) or
@@ -179,15 +179,16 @@ class RedisProcess(Service):
         self.stop()
 
 
-class WorkerProcess(Service):
-    """`python -m worker [--model M] [--allocator A] --worker-id NAME --host H --port P ARGS...`;
-    healthy when GET /health answers."""
+class HttpService(Service):
+    """A process of ours serving HTTP (a worker, the router): `python -m MODULE` with its model,
+    allocator and ARGS, on `host:port` (a free port when 0); healthy when GET /health answers 2xx."""
+
+    module = ""
 
     def __init__(self, name: str, *, model: str | None = None, allocator: str | None = None,
                  args: Sequence[str] = (), host: str = "127.0.0.1", port: int = 0,
                  connect_host: str | None = None, **kw) -> None:
         super().__init__(name, **kw)
-        self.worker_id = name
         self.model = model
         self.allocator = allocator
         self.args = list(args)
@@ -196,19 +197,52 @@ class WorkerProcess(Service):
         self.url = f"http://{connect_host or host}:{self.port}"
 
     def argv(self) -> list[str]:
-        argv = [sys.executable, "-m", "worker"]
+        argv = [sys.executable, "-m", self.module]
         if self.model is not None:
             argv += ["--model", self.model]
         if self.allocator is not None:
             argv += ["--allocator", self.allocator]
-        return argv + ["--worker-id", self.worker_id, "--host", self.host, "--port", str(self.port), *self.args]
+        return argv + self.own_args() + self.args
+
+    def own_args(self) -> list[str]:
+        return []
 
     def healthy(self) -> bool:
         return http_ok(f"{self.url}/health")
 
 
+class WorkerProcess(HttpService):
+    """`python -m worker [--model M] [--allocator A] --worker-id NAME --host H --port P
+    --advertise-url URL ARGS...`; healthy when GET /health answers."""
+
+    module = "worker"
+
+    def __init__(self, name: str, **kw) -> None:
+        super().__init__(name, **kw)
+        self.worker_id = name
+
+    def own_args(self) -> list[str]:
+        argv = ["--worker-id", self.worker_id, "--host", self.host, "--port", str(self.port)]
+        if "--advertise-url" not in self.args:  # so a router finds it through the allocator
+            argv += ["--advertise-url", self.url]
+        return argv
+
+
+class RouterProcess(HttpService):
+    """`python -m router [--model M] [--allocator A] --listen H:P ARGS...`; healthy when GET
+    /health answers 200 (it knows at least one worker)."""
+
+    module = "router"
+
+    def __init__(self, name: str = "router", **kw) -> None:
+        super().__init__(name, **kw)
+
+    def own_args(self) -> list[str]:
+        return ["--listen", f"{self.host}:{self.port}"]
+
+
 def prometheus_config(allocator_targets: Sequence[str], worker_targets: Sequence[str],
-                      scrape_interval: str = "5s") -> str:
+                      scrape_interval: str = "5s", router_targets: Sequence[str] = ()) -> str:
     """A Prometheus config with the job names docker-compose and the dashboard use."""
     def job(name: str, targets: Sequence[str]) -> str:
         listed = ", ".join(f'"{t}"' for t in targets)
@@ -219,6 +253,7 @@ def prometheus_config(allocator_targets: Sequence[str], worker_targets: Sequence
         "scrape_configs:\n"
         + job("pagedkv-allocator", allocator_targets)
         + job("pagedkv-worker", worker_targets)
+        + (job("pagedkv-router", router_targets) if router_targets else "")
     )
 
 

@@ -18,21 +18,25 @@ from allocator_service.client import (
 )
 from allocator_service.client.grpc_client import GrpcAllocator
 from allocator_service.core import Admit, Append, InvalidArgument, PoolConfig
-from tests.support.allocator import as_json, random_steps
+from tests.support.allocator import as_json, freeze, random_steps
 
 SPEC = PoolSpec("client-test", PoolConfig(32, 4, True, "m"))
 
 
-def test_stalled_server_retried_steps_apply_once(allocator_server):
+@pytest.mark.parametrize("step_stream", [True, False], ids=["stream", "unary"])
+def test_stalled_server_retried_steps_apply_once(allocator_server, step_stream):
     """SIGSTOP the server: attempts time out and queue up at the socket; on
-    SIGCONT it sees the same step id several times and applies it once."""
+    SIGCONT it sees the same step id several times and applies it once. On
+    the step stream the deadline is the watchdog's: it cuts the stream and
+    each retry goes on a new one."""
     steps = random_steps(seed=21, steps=12)
     reference = EmbeddedAllocator(SPEC)
     with allocator_server() as server:
-        worker = GrpcAllocator(server.address, SPEC, deadline_s=0.3, retries=2, backoff_s=0.01)
+        worker = GrpcAllocator(server.address, SPEC, deadline_s=0.3, retries=2, backoff_s=0.01,
+                               step_stream=step_stream)
         for ops in steps[:6]:
             assert worker.step(ops) == reference.step(ops)
-        os.kill(server.proc.pid, signal.SIGSTOP)
+        freeze(server.proc.pid)
         try:
             with pytest.raises(AllocatorUnavailable):
                 worker.step(steps[6])

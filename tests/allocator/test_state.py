@@ -25,7 +25,7 @@ from allocator_service.core import (
     run_step,
     step_columns,
 )
-from allocator_service.errors import StepConflict, StoreUnavailable
+from allocator_service.errors import BadRequest, StepConflict, StoreUnavailable
 from allocator_service.journal import Loaded
 from allocator_service.service import AllocatorService, check_step
 from allocator_service.v1 import allocator_pb2 as pb
@@ -294,3 +294,14 @@ def test_prev_step_id_mismatch_drops_the_pool():
     assert r.pool_id not in svc.registry.pools
     again = AllocatorService(ServiceConfig(), journal)  # the drop was journaled
     assert r.pool_id not in again.registry.pools
+
+
+def test_check_step_refuses_tokens_on_free_and_fork():
+    limits = ServiceConfig().limits
+    check_step(columns_from_proto(encode_ops([Free("a"), Append("b", [1])])), limits)
+    for op in (Free("a"), Fork("a", "b")):
+        cols = columns_from_proto(encode_ops([Append("x", [1]), op]))
+        cols.num_tokens[1] = 1
+        cols.num_tokens[0] = 0
+        with pytest.raises(BadRequest, match="carry no tokens"):
+            check_step(cols, limits)

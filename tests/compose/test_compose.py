@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ENGINE = ROOT / "deploy" / "local-engine.sh"
 LOCAL_IMAGES = ROOT / "deploy" / "local-images.sh"
 PROJECT = "pagedkv-compose-test"
-SERVICES = {"redis", "allocator", "worker-1", "worker-2", "prometheus"}  # grafana: profile off
+SERVICES = {"redis", "allocator", "worker-1", "worker-2", "router", "prometheus"}  # grafana: profile off
 WORKERS = ("worker-1", "worker-2")
 MODEL = os.environ.get("PAGEDKV_COMPOSE_MODEL", "smollm2")
 # SmolLM2-135M in fp32 keeps 45 KiB of K/V per token: 8 MiB is 11 blocks of 16
@@ -150,7 +150,12 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack(docker_host, tmp_path_factory):
-    ports = {name: free_port() for name in (*WORKERS, "prometheus")}
+    ports = {name: free_port() for name in (*WORKERS, "router", "prometheus")}
+    # Workers are internal in docker-compose.yml (clients use the router); this
+    # test also talks to each directly, so an override publishes them on loopback.
+    override = tmp_path_factory.mktemp("override") / "publish-workers.yml"
+    override.write_text("services:\n" + "".join(
+        f"  {w}:\n    ports: [\"127.0.0.1:{ports[w]}:8000\"]\n" for w in WORKERS))
     env = {
         **os.environ,
         "DOCKER_HOST": docker_host,
@@ -159,8 +164,8 @@ def stack(docker_host, tmp_path_factory):
         "PAGEDKV_WORKER_MODEL": MODEL,
         "PAGEDKV_WORKER_KV_CACHE_MEMORY": KV_CACHE_MEMORY,
         "PAGEDKV_WORKER_THREADS": "1",  # two workers, two cores
-        "PAGEDKV_WORKER_1_PORT": f"127.0.0.1:{ports['worker-1']}",
-        "PAGEDKV_WORKER_2_PORT": f"127.0.0.1:{ports['worker-2']}",
+        "COMPOSE_FILE": f"{ROOT / 'docker-compose.yml'}{os.pathsep}{override}",
+        "PAGEDKV_ROUTER_PORT": f"127.0.0.1:{ports['router']}",
         "PROMETHEUS_PORT": f"127.0.0.1:{ports['prometheus']}",
     }
     env_file = None
@@ -278,7 +283,7 @@ def test_every_service_is_healthy_and_grafana_stays_for_users(stack):
 
 
 def test_chat_with_each_worker_through_its_published_port(stack):
-    for worker in WORKERS:
+    for worker in (*WORKERS, "router"):  # the router: the one port published by docker-compose.yml
         t0 = time.monotonic()
         answers = [chat(stack.url(worker), FRANCE, max_tokens=24, stream=stream) for stream in (False, True)]
         for a in answers:

@@ -20,11 +20,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pagedkv.settings import parse_threads
+
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "pagedkv.json"
 PROM_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
-SERVICES = {"redis", "allocator", "worker-1", "worker-2", "prometheus", "grafana"}
+SERVICES = {"redis", "allocator", "worker-1", "worker-2", "router", "prometheus", "grafana"}
 
 
 def need(binary: str, package: str) -> str:
@@ -102,7 +104,7 @@ def test_compose_topology(compose):
     alloc = flags(s["allocator"]["command"])
     assert alloc["--state"] == "redis://redis:6379/0"
     assert s["allocator"]["depends_on"]["redis"]["condition"] == "service_healthy"
-    ids, host_ports = set(), set()
+    ids = set()
     for name in ("worker-1", "worker-2"):
         w = s[name]
         assert w["build"]["dockerfile"] == "deploy/Dockerfile" and w["image"] == s["allocator"]["image"]
@@ -110,17 +112,33 @@ def test_compose_topology(compose):
         assert w["command"][0] == "worker" and f["--model"] == "smollm2"
         assert f["--allocator"] == "allocator:50051" and alloc["--listen"].endswith(":50051")
         assert "--enable-prefix-caching" in f and f["--host"] == "0.0.0.0"
-        assert w["ports"] == [f"800{name[-1]}:{f['--port']}"]
+        # internal: reached by the router at the URL it registers with its pool
+        assert "ports" not in w and w["expose"] == [f["--port"]]
+        assert f["--advertise-url"] == f"http://{name}:{f['--port']}"
         assert w["depends_on"]["allocator"]["condition"] == "service_healthy"
         ids.add(f["--worker-id"])
-        host_ports.add(w["ports"][0].split(":")[0])
-    assert ids == {"worker-1", "worker-2"} and host_ports == {"8001", "8002"}
+    assert ids == {"worker-1", "worker-2"}
+    # The router is the one public API port.
+    r = s["router"]
+    rf = flags(r["command"])
+    assert r["command"][0] == "router" and r["image"] == s["allocator"]["image"]
+    assert rf["--allocator"] == "allocator:50051" and rf["--model"] == "smollm2" and rf["--policy"] == "kv"
+    assert r["ports"] == [f"8000:{rf['--listen'].rsplit(':', 1)[1]}"] and rf["--listen"].startswith("0.0.0.0:")
+    published = {p.split(":")[0] for svc in s.values() for p in svc.get("ports", [])}
+    assert published == {"8000", "9090", "3000"}
+    # The two workers split the cores: each resolves the share against its own cores.
+    workers = [n for n in s if n.startswith("worker-")]
+    for name in workers:
+        share = s[name]["environment"]["PAGEDKV_WORKER_THREADS"]
+        for cores in (1, 2, 3, 16):
+            assert parse_threads(share, cores=cores) == max(1, cores // len(workers))
 
     # Prometheus scrapes exactly the allocator's metrics port and each worker's HTTP port.
     prom = yaml.safe_load(PROM_CONFIG.read_text())
     targets = {t for job in prom["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
     worker_port = flags(s["worker-1"]["command"])["--port"]
-    assert targets == {f"allocator:{alloc['--metrics-port']}", f"worker-1:{worker_port}", f"worker-2:{worker_port}"}
+    assert targets == {f"allocator:{alloc['--metrics-port']}", f"worker-1:{worker_port}", f"worker-2:{worker_port}",
+                       f"router:{rf['--listen'].rsplit(':', 1)[1]}"}
 
     # Every mounted file exists; Grafana's provisioning points at the mounted dashboards.
     for name, svc in s.items():
@@ -216,16 +234,28 @@ def _allocator_metric_names() -> set[str]:
     return names
 
 
+def _router_metric_names() -> set[str]:
+    from router.metrics import RouterMetrics
+
+    names = set()
+    for family in RouterMetrics().registry.collect():
+        names.add(family.name)
+        if family.type == "counter":
+            names.add(family.name + "_total")
+    return names
+
+
 def test_dashboard_names_only_exported_metrics():
     from worker.metrics import METRIC_NAMES
 
-    exported = set(METRIC_NAMES) | _allocator_metric_names()
+    exported = set(METRIC_NAMES) | _allocator_metric_names() | _router_metric_names()
     assert any(n.startswith("pagedkv_allocator_") for n in exported)
     used = {tok for expr in _exprs() for tok in re.findall(r"pagedkv_[a-z_]+", expr)}
     unknown = {u for u in used if u not in exported and re.sub(r"_(bucket|sum|count)$", "", u) not in exported}
     assert unknown == set()
     # the dashboard covers both services
     assert {u for u in used if u.startswith("pagedkv_worker_")} and {u for u in used if u.startswith("pagedkv_allocator_")}
+    assert {u for u in used if u.startswith("pagedkv_router_")}
 
 
 def test_dashboard_promql_parses(tmp_path):
@@ -281,7 +311,17 @@ def test_kustomize_renders_the_topology(k8s):
         assert ac[probe]["grpc"]["port"] == int(af["--listen"].rsplit(":", 1)[1]), probe
     assert at["metadata"]["annotations"]["prometheus.io/port"] == af["--metrics-port"]
 
-    for pod in (worker, at):
+    router = _one(k8s, "Deployment", "router")["spec"]["template"]
+    [rc] = router["spec"]["containers"]
+    assert rc["image"] == "pagedkv:cpu" and rc["args"][0] == "router"
+    assert rc["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert flags(rc["args"])["--listen"].endswith(":8000") and router["metadata"]["annotations"]["prometheus.io/port"] == "8000"
+    env = {e["name"]: e for e in wc["env"]}
+    assert env["PAGEDKV_WORKER_ADVERTISE_URL"]["value"] == f"http://$(POD_IP):{port}"
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert settings["data"]["PAGEDKV_ROUTER_ALLOCATOR"] == settings["data"]["PAGEDKV_WORKER_ALLOCATOR"]
+
+    for pod in (worker, at, router):
         ann = pod["metadata"]["annotations"]
         assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/path"] == "/metrics"
         [c] = pod["spec"]["containers"]
@@ -291,14 +331,15 @@ def test_kustomize_renders_the_topology(k8s):
     [rc] = redis["spec"]["template"]["spec"]["containers"]
     assert flags(rc["args"])["--appendonly"] == "yes"
     assert redis["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
-    assert {"redis", "allocator", "worker"} <= {d["metadata"]["name"] for d in k8s if d["kind"] == "Service"}
+    assert {"redis", "allocator", "worker", "router"} <= {d["metadata"]["name"] for d in k8s if d["kind"] == "Service"}
     state = settings["data"]["PAGEDKV_ALLOCATOR_STATE"]
     assert state == "redis://redis:6379/0" and settings["data"]["PAGEDKV_WORKER_ALLOCATOR"] == "allocator:50051"
 
 
 def test_k8s_settings_are_read_by_the_clis(monkeypatch):
-    """Every key of deploy/k8s/settings.env is an environment default of the worker or allocator CLI."""
+    """Every key of deploy/k8s/settings.env is an environment default of the worker, allocator or router CLI."""
     from allocator_service.cli import add_arguments as allocator_arguments
+    from router.cli import add_arguments as router_arguments
     from worker.cli import add_arguments as worker_arguments
 
     settings = dict(line.split("=", 1) for line in (DEPLOY / "k8s" / "settings.env").read_text().splitlines()
@@ -306,7 +347,7 @@ def test_k8s_settings_are_read_by_the_clis(monkeypatch):
     for key, value in settings.items():
         monkeypatch.setenv(key, value)
     parsed = {}
-    for name, add in (("worker", worker_arguments), ("allocator", allocator_arguments)):
+    for name, add in (("worker", worker_arguments), ("allocator", allocator_arguments), ("router", router_arguments)):
         parser = argparse.ArgumentParser()
         add(parser)
         parsed[name] = vars(parser.parse_args([]))

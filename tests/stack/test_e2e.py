@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from pagedkv.settings import cpu_count
 from pagedkv.stack import LocalStack
 from tests.support.http import metric
 from worker.engine import EngineConfig, LLMEngine, SamplingParams
@@ -43,6 +44,15 @@ def ask(url: str, prompt: str, stream: bool) -> str:
     if stream:
         return "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices)
     return client.completions.create(**kw).choices[0].text
+
+
+def test_the_workers_divide_the_cores(stack):
+    # LocalStack (so `pagedkv up`) passes each of its 2 workers half the cores;
+    # each worker reports the thread count torch runs with.
+    for worker, url in zip(stack.workers, stack.worker_urls, strict=True):
+        argv = worker.argv()
+        assert argv[argv.index("--threads") + 1] == "1/2"
+        assert metric(url, "pagedkv_worker_threads") == max(1, cpu_count() // 2)
 
 
 def test_two_workers_match_the_offline_engine_under_preemption(stack, offline):

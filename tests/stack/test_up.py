@@ -67,6 +67,11 @@ def test_every_flag_has_help_and_passes_through():
     assert worker_args_from(args) == ["--num-blocks", "64", "--device", "cpu", "--no-enable-prefix-caching",
                                       "--max-model-len", "96"]
     assert "--enable-prefix-caching" in worker_args_from(p.parse_args([]))
+    # no --threads: the stack gives each worker 1/N of the cores (tests/stack/test_e2e.py)
+    assert "--threads" not in worker_args_from(p.parse_args([]))
+    assert worker_args_from(p.parse_args(["--threads", "3"]))[:2] == ["--threads", "3"]
+    with pytest.raises(SystemExit):
+        p.parse_args(["--threads", "0"])
     proc = subprocess.run([sys.executable, "-m", "pagedkv", "up", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0 and "usage: pagedkv up" in proc.stdout
 
@@ -145,7 +150,8 @@ def test_up_starts_the_topology_and_stops_it_on_sigint(tmp_path):
     log = open(tmp_path / "up.log", "w")  # noqa: SIM115 - closed below
     up = subprocess.Popen(
         [sys.executable, "-m", "pagedkv", "up", "--workers", "2", *TINY, "--base-port", "0",
-         "--allocator-port", "0", "--allocator-metrics-port", "0", "--ready-file", str(ready), "--grace", "10"],
+         "--allocator-port", "0", "--allocator-metrics-port", "0", "--router-port", "0", "--ready-file", str(ready),
+         "--grace", "10"],
         stdout=log, stderr=subprocess.STDOUT,
     )
     try:
@@ -164,7 +170,12 @@ def test_up_starts_the_topology_and_stops_it_on_sigint(tmp_path):
 
         metrics = urllib.request.urlopen(info["allocator_metrics"], timeout=5).read().decode()
         assert "pagedkv_allocator_pools 2.0" in metrics
-        assert {"allocator", "worker-1", "worker-2"} == set(info["pids"])
+        assert {"allocator", "worker-1", "worker-2", "router"} == set(info["pids"])
+        # the router is the front door: it found both workers through the allocator
+        import httpx
+
+        assert httpx.get(f"{info['router']}/health", timeout=5).json()["workers"] == 2
+        assert all(url.startswith("http://127.0.0.1:") for url in info["workers"])  # internal
         family = _descendants(up.pid)
         assert set(info["pids"].values()) <= family
         log_dir = Path(info["log_dir"])
@@ -189,7 +200,8 @@ def test_up_starts_the_topology_and_stops_it_on_sigint(tmp_path):
 def test_up_reports_the_worker_that_failed(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "pagedkv", "up", "--workers", "1", "--model", str(tmp_path / "no-such-model"),
-         "--base-port", "0", "--allocator-port", "0", "--allocator-metrics-port", "0", "--timeout", "60"],
+         "--base-port", "0", "--allocator-port", "0", "--allocator-metrics-port", "0", "--router-port", "0",
+         "--timeout", "60"],
         capture_output=True, text=True, timeout=90,
     )
     assert proc.returncode == 1

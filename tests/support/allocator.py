@@ -4,7 +4,10 @@ sides replay (the server and Redis processes are fixtures: tests/conftest.py).""
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
+import time
 
 import grpc
 
@@ -97,3 +100,24 @@ def random_steps(seed: int, steps: int, max_ops: int = 6, vocab: int = 6) -> lis
                 ops.append(Append(f"ghost{n}", [1]))
         out.append(ops)
     return out
+
+
+def freeze(pid: int, timeout_s: float = 5.0) -> None:
+    """SIGSTOP `pid` and return once every thread of it is stopped (the
+    signal takes effect asynchronously: a request sent right after kill()
+    could otherwise still be answered)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:
+                continue
+        if states and all(s in "Tt" for s in states):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"process {pid} did not stop (thread states {states})")
+        time.sleep(0.005)

@@ -61,7 +61,11 @@ class Stack(LocalStack):
                  redis: bool = True, token: str | None = None, tls: tuple[Path, Path] | None = None) -> None:
         if redis and shutil.which("redis-server") is None:
             pytest.skip("skipped: needs redis-server on PATH (Debian package redis-server)")
-        super().__init__(workers, MODEL, worker_args=["--log-level", "warning", *worker_args],
+        # "--threads 1/1": every core per worker, torch's default, not the stack's
+        # share. The drills' faults must land mid-workload and their workloads
+        # are sized for that pace; with the cores divided a worker got through
+        # them in 0.6 s, before the fault (the Redis kill drill then saw no retry).
+        super().__init__(workers, MODEL, worker_args=["--log-level", "warning", "--threads", "1/1", *worker_args],
                          allocator_args=allocator_args, redis=redis, token=token, tls=tls,
                          startup_timeout=120.0, grace=15.0)
 

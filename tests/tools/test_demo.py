@@ -1,6 +1,6 @@
 """`pagedkv demo`, the main job, end to end on the tiny model: the real stack
-(allocator + worker processes), the chat workload through the HTTP API, the
-report and the chart (the same code path as `make demo`, seconds not a minute)."""
+(allocator + two worker processes + the router), the chat workload through
+the router's HTTP API, the report with its routing figures and the chart (the same code path as `make demo`, seconds not a minute)."""
 
 from __future__ import annotations
 
@@ -23,3 +23,8 @@ def test_demo_runs_the_workload_and_writes_its_report(tmp_path):
     assert report["completion_tokens"] > 0 and 0 < report["peak_slots_holding_tokens"] <= report["peak_slots_allocated"]
     assert report["prefix_cache_hit_rate"] > 0  # every conversation shares the system prompt
     assert (tmp_path / "demo_kv.png").stat().st_size > 0
+    routing = report["routing"]
+    assert routing["policy"] == "kv" and sum(routing["requests_per_worker"].values()) == report["requests"]
+    # the shared system prompt was found cached where requests were sent (never more than the best had)
+    assert 0 < routing["prefix_tokens_cached_where_sent"] <= routing["prefix_tokens_cached_best_worker"]
+    assert routing["retries"] == 0 and routing["routing_ms_mean"] > 0

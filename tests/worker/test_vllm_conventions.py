@@ -22,6 +22,7 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from pagedkv.settings import cpu_count, parse_threads
 from worker.cli import add_arguments
 from worker.engine import AsyncLLMEngine, EngineConfig, LLMEngine
 from worker.model.loader import load_model
@@ -36,7 +37,8 @@ SYSTEM = "You are a helpful assistant that answers briefly. " * 3
 def server(worker_process):
     # no --enable-prefix-caching: on by default
     with worker_process("--model", "tiny-random", "--served-model-name", SERVED, "--api-key", KEY,
-                        "--num-blocks", "256", "--block-size", "4", "--max-model-len", "512") as url:
+                        "--num-blocks", "256", "--block-size", "4", "--max-model-len", "512",
+                        "--threads", "1") as url:
         yield url
 
 
@@ -86,6 +88,26 @@ def test_api_key_from_the_environment(monkeypatch):
     monkeypatch.setenv("PAGEDKV_WORKER_API_KEY", "from-pagedkv")
     assert _parse().api_key == "from-pagedkv"
     assert _parse("--api-key", "flag").api_key == "flag"
+
+
+def test_threads_flag_env_and_share(monkeypatch):
+    monkeypatch.delenv("PAGEDKV_WORKER_THREADS", raising=False)
+    assert _parse().threads is None  # torch's own default
+    assert _parse("--threads", "3").threads == 3
+    assert _parse("--threads", "1/1").threads == cpu_count()
+    assert _parse("--threads", "1/1000").threads == 1  # a share never rounds down to none
+    assert parse_threads("1/2", cores=8) == 4 and parse_threads("2/3", cores=8) == 5
+    monkeypatch.setenv("PAGEDKV_WORKER_THREADS", "2")
+    assert _parse().threads == 2
+    assert _parse("--threads", "1").threads == 1  # a flag wins over its variable
+    for bad in ("0", "-1", "two", "3/2", "0/4", "1/0"):
+        with pytest.raises(SystemExit):
+            _parse("--threads", bad)
+
+
+def test_worker_computes_with_the_threads_it_was_given(server):
+    # `--threads 1` on a machine whose torch would take every core; read back from /metrics
+    assert _value(server, "pagedkv_worker_threads") == 1
 
 
 def test_prefix_caching_is_on_without_the_flag(client):

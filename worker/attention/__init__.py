@@ -10,9 +10,11 @@ writes through `meta.slot_mapping` first). Each query attends causally to every
 token of its own sequence up to and including its own position.
 
 Backends: "reference" (per-sequence, float32, the ground truth), "torch"
-(vectorised decode + per-sequence SDPA prefill; the CPU default) and "triton"
+(vectorised gather decode + per-sequence SDPA prefill), "numba" (a compiled
+block-wise decode kernel that reads blocks in place, float32 decodes; other
+dtypes and prefills take the torch path; the CPU default) and "triton"
 (Triton paged-decode kernel for decodes, the torch prefill path otherwise; the
-CUDA default). Triton is imported only when the "triton" backend is asked for.
+CUDA default). Numba and Triton are imported only when their backend is asked for.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ __all__ = [
 
 AttentionBackend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
 
-BACKEND_NAMES = ("reference", "torch", "triton")
+BACKEND_NAMES = ("reference", "torch", "numba", "triton")
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +53,10 @@ def get_backend(name: str) -> AttentionBackend:
         return reference_attention
     if name == "torch":
         return PagedAttention()
+    if name == "numba":
+        from worker.attention.cpu_decode import DTYPES, numba_decode
+
+        return PagedAttention(decode_fn=numba_decode, decode_dtypes=DTYPES)
     if name == "triton":
         from worker.attention.triton_decode import triton_decode
 
@@ -59,10 +65,10 @@ def get_backend(name: str) -> AttentionBackend:
 
 
 def select_backend(device: str | torch.device) -> AttentionBackend:
-    """Triton on CUDA (torch if triton is not installed), vectorised torch elsewhere."""
+    """Triton on CUDA (torch if triton is not installed), the Numba kernel elsewhere."""
     if torch.device(device).type == "cuda":
         try:
             return get_backend("triton")
         except ImportError:
             log.warning("triton is not installed: CUDA attention falls back to the torch path")
-    return get_backend("torch")
+    return get_backend("numba")

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from allocator_service.core import blocks_for
@@ -101,8 +102,11 @@ class AttentionMetadata:
 
     def positions(self) -> torch.Tensor:
         """[T] int64 positions of the new tokens (the new tokens end the context)."""
-        pos = [p for q, c in zip(self.host_query_lens, self.host_context_lens, strict=True) for p in range(c - q, c)]
-        return torch.tensor(pos, dtype=torch.int64, device=self.slot_mapping.device)
+        q = np.asarray(self.host_query_lens, dtype=np.int64)
+        starts = np.zeros(len(q) + 1, dtype=np.int64)
+        np.cumsum(q, out=starts[1:])
+        pos = _positions(q, np.asarray(self.host_context_lens, dtype=np.int64), starts)
+        return torch.from_numpy(pos).to(self.slot_mapping.device)
 
     def last_token_indices(self) -> torch.Tensor:
         """[batch] int64 row of each sequence's last new token: where to take logits."""
@@ -126,12 +130,13 @@ class AttentionMetadata:
         """
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        slots: list[int] = []
-        starts = [0]
+        batch = len(seqs)
+        width = max((len(table) for table, _, _ in seqs), default=0)
+        # NumPy, not Python loops per token nor torch.tensor(list of lists):
+        # built every step, this was about 1 ms for a 32-sequence decode batch.
+        rows = np.full((batch, width), pad_block_id, dtype=np.int64)
         query_lens: list[int] = []
         seq_lens: list[int] = []
-        width = max((len(table) for table, _, _ in seqs), default=0)
-        rows: list[list[int]] = []
         for s, (table, computed, new) in enumerate(seqs):
             total = computed + new
             if computed < 0 or new < 1:
@@ -141,18 +146,29 @@ class AttentionMetadata:
                     f"sequence {s}: block table of {len(table)} blocks x {block_size} "
                     f"cannot hold {total} tokens"
                 )
-            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(computed, total))
-            starts.append(starts[-1] + new)
+            rows[s, : len(table)] = table
             query_lens.append(new)
             seq_lens.append(total)
-            rows.append(list(table) + [pad_block_id] * (width - len(table)))
+        q = np.asarray(query_lens, dtype=np.int64)
+        starts = np.zeros(batch + 1, dtype=np.int64)
+        np.cumsum(q, out=starts[1:])
+        owner = np.repeat(np.arange(batch), q)  # the sequence of each new token
+        pos = _positions(q, np.asarray(seq_lens, dtype=np.int64), starts)
+        slots = rows[owner, pos // block_size] * block_size + pos % block_size
         dev = torch.device(device)
         return cls(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            query_start_loc=torch.from_numpy(starts.astype(np.int32)).to(dev),
             context_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(rows, dtype=torch.int32, device=dev).reshape(len(rows), width),
+            block_tables=torch.from_numpy(rows.astype(np.int32)).to(dev),
             block_size=block_size,
             host_query_lens=tuple(query_lens),
             host_context_lens=tuple(seq_lens),
         )
+
+
+def _positions(query_lens: np.ndarray, context_lens: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """int64 position of every new token: sequence s's run context-new .. context-1."""
+    total = int(starts[-1])
+    first = np.repeat(context_lens - query_lens - starts[:-1], query_lens)
+    return np.arange(total, dtype=np.int64) + first

@@ -83,7 +83,7 @@ class _DecodeGroup:
     block_tables: torch.Tensor  # [b, W] their tables
     context_lens: torch.Tensor  # [b]
     max_context_len: int
-    plan: _DecodePlan | None  # gather indices for the torch path (None with a custom decode_fn)
+    plan: _DecodePlan | None  # gather indices for the torch path (None when decode_fn serves it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,9 +119,11 @@ class PagedAttention:
     it, and keeps a key buffer that grows to the largest batch seen.
     """
 
-    def __init__(self, decode_fn: DecodeFn | None = None) -> None:
+    def __init__(self, decode_fn: DecodeFn | None = None, decode_dtypes: tuple[torch.dtype, ...] | None = None) -> None:
         self.decode_fn = decode_fn
-        self._plan_key: tuple[AttentionMetadata, int, int] | None = None
+        # The cache dtypes `decode_fn` takes (None: all); other dtypes use the torch path.
+        self.decode_dtypes = decode_dtypes
+        self._plan_key: tuple[AttentionMetadata, int, int, bool] | None = None
         self._plan: _StepPlan | None = None
         self._key_buffer: torch.Tensor | None = None
 
@@ -134,7 +136,8 @@ class PagedAttention:
         scale: float,
     ) -> torch.Tensor:
         num_kv_heads = k_cache.shape[2]
-        plan = self._step_plan(meta, num_kv_heads, q.shape[1] // num_kv_heads)
+        use_fn = self.decode_fn is not None and (self.decode_dtypes is None or k_cache.dtype in self.decode_dtypes)
+        plan = self._step_plan(meta, num_kv_heads, q.shape[1] // num_kv_heads, use_fn)
         decodes = plan.decodes
         if decodes is not None and decodes.rows is None:  # decode-only step: no scatter
             return self._decode(q, k_cache, v_cache, decodes, scale)
@@ -147,9 +150,9 @@ class PagedAttention:
 
     # -- planning (once per step) ---------------------------------------------
 
-    def _step_plan(self, meta: AttentionMetadata, num_kv_heads: int, group: int) -> _StepPlan:
+    def _step_plan(self, meta: AttentionMetadata, num_kv_heads: int, group: int, use_fn: bool) -> _StepPlan:
         last = self._plan_key
-        if self._plan is not None and last is not None and last[0] is meta and last[1:] == (num_kv_heads, group):
+        if self._plan is not None and last is not None and last[0] is meta and last[1:] == (num_kv_heads, group, use_fn):
             return self._plan
         device = meta.slot_mapping.device
         decode_seqs: list[int] = []
@@ -173,11 +176,11 @@ class PagedAttention:
                 tables, lens = meta.block_tables[seqs], meta.context_lens[seqs]
             max_len = max(meta.host_context_lens[s] for s in decode_seqs)
             gather = None
-            if self.decode_fn is None:
+            if not use_fn:
                 gather = _decode_plan(tables, lens, max_len, meta.block_size, num_kv_heads, group)
             decodes = _DecodeGroup(rows, tables, lens, max_len, gather)
         self._plan = _StepPlan(decodes, tuple(prefills))
-        self._plan_key = (meta, num_kv_heads, group)
+        self._plan_key = (meta, num_kv_heads, group, use_fn)
         return self._plan
 
     # -- decode -----------------------------------------------------------------
@@ -190,7 +193,8 @@ class PagedAttention:
         decodes: _DecodeGroup,
         scale: float,
     ) -> torch.Tensor:
-        if self.decode_fn is not None:
+        if decodes.plan is None:
+            assert self.decode_fn is not None
             return self.decode_fn(
                 q, k_cache, v_cache, decodes.block_tables, decodes.context_lens, decodes.max_context_len, scale
             )

@@ -32,6 +32,9 @@ class EngineConfig:
     allocator_unhealthy_after_s: float = 10.0
     # ... and for this long: requests waiting on it fail, new ones are refused.
     allocator_give_up_after_s: float = 120.0
+    # Registered with the pool so a router finds this worker: its HTTP URL
+    # as others reach it (empty: not advertised; the served model name goes too).
+    advertise_url: str = ""
 
     def __post_init__(self) -> None:
         if self.num_blocks is not None and self.num_blocks < 1:
@@ -46,5 +49,7 @@ class EngineConfig:
             raise ValueError("--max-model-len must be at least 2")
         if not self.allocator_unhealthy_after_s > 0 or not self.allocator_give_up_after_s > 0:
             raise ValueError("--allocator-unhealthy-after and --allocator-give-up-after must be positive")
+        if self.advertise_url and not self.advertise_url.startswith(("http://", "https://")):
+            raise ValueError(f"--advertise-url must be an http:// or https:// URL, got {self.advertise_url!r}")
         if self.dtype not in WORKER_DTYPES:
             raise ValueError("--dtype must be float32, float16 or bfloat16")

@@ -21,6 +21,8 @@ import time
 import uuid
 from collections.abc import Sequence as Seq
 
+import torch
+
 from allocator_service.client import (
     AllocatorClient,
     AllocatorUnavailable,
@@ -79,6 +81,8 @@ class LLMEngine:
                 enable_prefix_caching=config.enable_prefix_caching,
                 model_fingerprint=loaded.fingerprint,
             ),
+            advertise_url=config.advertise_url,
+            served_model_name=config.served_model_name or config.model,
         )
         self.metrics = metrics or WorkerMetrics(config.worker_id, config.model,
                                                 model_name=config.served_model_name)
@@ -90,6 +94,7 @@ class LLMEngine:
             allocator = connect(config.allocator, spec, **options)
         self.allocator = allocator
         self.metrics.watch_pool(self.allocator.stats, self.kv_pool.bytes_total)
+        self.metrics.threads.set_function(torch.get_num_threads)
         self.scheduler = Scheduler(
             allocator, config.max_num_seqs, config.max_num_batched_tokens,
             on_preempt=lambda seq, cause: self.metrics.preempted(cause),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from worker.attention import AttentionMetadata
@@ -57,10 +58,9 @@ class ModelRunner:
         if batch.copies:
             self.kv_pool.copy_blocks(batch.copies)
         entries = batch.entries
-        input_ids = torch.tensor(
-            [t for e in entries for t in e.seq.token_ids[e.num_computed : e.num_computed + e.num_new]],
-            dtype=torch.int64, device=self.device,
-        )
+        # via NumPy: torch.tensor(list) costs about 3x as much per element, every step
+        ids = [t for e in entries for t in e.seq.token_ids[e.num_computed : e.num_computed + e.num_new]]
+        input_ids = torch.from_numpy(np.array(ids, dtype=np.int64)).to(self.device)
         meta = AttentionMetadata.build(
             [(e.table, e.num_computed, e.num_new) for e in entries],
             self.block_size, self.device,

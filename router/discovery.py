@@ -1,0 +1,169 @@
+"""The live set of workers: learned from the allocator, or a static list.
+
+From the allocator: `ListPools` gives every live pool with the URL its worker
+advertised and the model it serves; the `WatchEvents` stream says when a pool
+is registered or dropped, and each such event (and a resync) is answered by
+listing again, so the view is the allocator's, not a copy kept in step by
+hand. The stream is reopened after any failure (with backoff) from the event
+after the last one seen, and the listing is also refreshed every `refresh_s`
+seconds (a registration that lands between the first listing and the start
+of the first stream is found then at the latest).
+
+Static (`--workers URL,...`): exactly those URLs. With an allocator as well,
+a static URL is matched to the pool that advertises it, for its cache view.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Worker:
+    """A worker the router may send requests to."""
+
+    url: str  # its HTTP API, no trailing '/'
+    worker_id: str = ""
+    pool_id: str = ""  # empty: no pool known (static, no allocator)
+    model_fingerprint: str = ""
+    served_model_name: str = ""  # empty: not known (static): any model
+    num_blocks: int = 0
+    block_size: int = 0
+    free_blocks: int = 0
+
+    @property
+    def name(self) -> str:
+        """What metrics and the `x-pagedkv-worker` header call it."""
+        return self.worker_id or self.url
+
+
+def normalise_url(url: str) -> str:
+    return url.strip().rstrip("/")
+
+
+class Discovery:
+    """The workers the router knows, kept current by a daemon thread."""
+
+    def __init__(self, client=None, static: Sequence[str] = (), refresh_s: float = 5.0,
+                 on_change: Callable[[dict[str, Worker]], None] | None = None) -> None:
+        self.client = client  # a RouterClient, or None (static list only)
+        self.static = [normalise_url(u) for u in static]
+        self.refresh_s = refresh_s
+        self.on_change = on_change
+        self._workers: dict[str, Worker] = {u: Worker(u) for u in self.static}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._stream = None
+        self._thread: threading.Thread | None = None
+        self._refresher: threading.Thread | None = None
+        self.listed = threading.Event()  # the allocator answered at least once
+        self._next_event = 0  # the event number to follow from on a reconnect (0: from now)
+        self.refreshes = 0
+        self.allocator_ok = client is None
+
+    @property
+    def workers(self) -> dict[str, Worker]:
+        """url -> Worker, a snapshot."""
+        return self._workers
+
+    def refresh(self) -> None:
+        """List the allocator's pools now (raises what the client raises)."""
+        pools = self.client.list_pools()
+        by_url: dict[str, Worker] = {}
+        for p in pools:
+            url = normalise_url(p.advertise_url)
+            if not url:
+                continue  # not advertised: nobody can reach it
+            if self.static and url not in self.static:
+                continue
+            w = Worker(url, p.worker_id, p.pool_id, p.model_fingerprint, p.served_model_name, p.num_blocks,
+                       p.block_size, p.free_blocks)
+            old = by_url.get(url)
+            # Two live pools at one URL: a worker restarted under a new id while its
+            # old pool's lease runs; the one with fewer blocks in use is the new one.
+            if old is None or w.free_blocks > old.free_blocks:
+                by_url[url] = w
+        for url in self.static:
+            by_url.setdefault(url, Worker(url))
+        with self._lock:
+            changed = set(by_url) != set(self._workers)
+            self._workers = by_url
+            self.refreshes += 1
+        self.allocator_ok = True
+        self.listed.set()
+        if changed:
+            log.info("workers: %s", ", ".join(f"{w.name} at {u}" for u, w in sorted(by_url.items())) or "none")
+            if self.on_change is not None:
+                self.on_change(by_url)
+
+    # ------------------------------------------------------------ threads
+    def start(self) -> None:
+        if self.client is None:
+            self.listed.set()
+            return
+        self._thread = threading.Thread(target=self._follow, name="router-events", daemon=True)
+        self._thread.start()
+        self._refresher = threading.Thread(target=self._refresh_loop, name="router-refresh", daemon=True)
+        self._refresher.start()
+
+    def _refresh_loop(self) -> None:
+        while not self._stop.wait(self.refresh_s):
+            self._try_refresh()
+
+    def _try_refresh(self) -> bool:
+        try:
+            self.refresh()
+            return True
+        except Exception as exc:  # noqa: BLE001 - the allocator away: keep the last view, say so
+            self.allocator_ok = False
+            log.warning("cannot list the allocator's pools: %s", _short(exc))
+            return False
+
+    def _follow(self) -> None:
+        from allocator_service.v1 import allocator_pb2 as pb
+
+        wanted = (pb.KV_EVENT_KIND_POOL_REGISTERED, pb.KV_EVENT_KIND_POOL_DROPPED,
+                  pb.KV_EVENT_KIND_RESYNC_REQUIRED)
+        backoff = 0.1
+        while not self._stop.is_set():
+            try:
+                # A reconnect follows on from the last event seen, so none is missed
+                # (too old: RESYNC_REQUIRED, answered by listing again).
+                self._stream = self.client.watch_events(from_sequence=self._next_event)
+                if self._stop.is_set():
+                    break
+                self._try_refresh()
+                for event in self._stream:
+                    backoff = 0.1
+                    if event.kind != pb.KV_EVENT_KIND_RESYNC_REQUIRED:
+                        self._next_event = event.sequence + 1
+                    if event.kind in wanted:
+                        self._try_refresh()
+            except Exception as exc:  # noqa: BLE001 - reconnect after any failure
+                if self._stop.is_set():
+                    break
+                log.warning("allocator event stream: %s; reconnecting in %.1f s", _short(exc), backoff)
+            if self._stop.wait(backoff):
+                break
+            backoff = min(backoff * 2, 2.0)
+
+    def close(self) -> None:
+        self._stop.set()
+        stream = self._stream
+        if stream is not None:
+            stream.cancel()
+        for t in (self._thread, self._refresher):
+            if t is not None:
+                t.join(timeout=2)
+
+
+def _short(exc: BaseException) -> str:
+    code, details = getattr(exc, "code", None), getattr(exc, "details", None)
+    if callable(code) and callable(details):
+        return f"{code().name}: {details()}"
+    return f"{type(exc).__name__}: {exc}"

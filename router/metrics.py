@@ -1,0 +1,47 @@
+"""The router's Prometheus series (its own registry; names carry their unit,
+counters end in `_total`). The Grafana dashboard's router row reads them."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Routing is sub-millisecond to a few ms (tokenize + one MatchPrefix call).
+ROUTING_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.routed = Counter("pagedkv_router_requests", "Requests sent to a worker (the one that answered).",
+                              ["worker", "policy"], registry=r)
+        self.prompt_tokens = Counter("pagedkv_router_prompt_tokens", "Prompt tokens of routed requests.",
+                                     ["policy"], registry=r)
+        self.cached_chosen = Counter(
+            "pagedkv_router_prefix_cached_tokens",
+            "Prompt tokens the chosen worker's pool held cached when the request was routed.",
+            ["policy"], registry=r)
+        self.cached_best = Counter(
+            "pagedkv_router_prefix_best_cached_tokens",
+            "Prompt tokens the best-placed worker's pool held cached when the request was routed.",
+            ["policy"], registry=r)
+        self.routing_seconds = Histogram(
+            "pagedkv_router_routing_seconds",
+            "Time to choose a worker: tokenize, MatchPrefix, rank.",
+            ["policy"], buckets=ROUTING_BUCKETS, registry=r)
+        self.match_seconds = Histogram(
+            "pagedkv_router_match_prefix_seconds",
+            "Time of the MatchPrefix call (the allocator's share of the routing time).",
+            buckets=ROUTING_BUCKETS, registry=r)
+        self.retries = Counter(
+            "pagedkv_router_retries",
+            "Requests sent again to another worker before any byte reached the client, by why.",
+            ["reason"], registry=r)
+        self.failed = Counter(
+            "pagedkv_router_failed_requests",
+            "Requests the router answered with an error of its own, by why.", ["reason"], registry=r)
+        self.match_errors = Counter(
+            "pagedkv_router_match_prefix_errors",
+            "MatchPrefix calls that failed (the request was routed by load alone).", registry=r)
+        self.in_flight = Gauge("pagedkv_router_in_flight_requests",
+                               "Requests a worker is answering through this router.", ["worker"], registry=r)
+        self.workers = Gauge("pagedkv_router_workers", "Workers the router may send requests to.", registry=r)
