@@ -383,7 +383,7 @@ def test_allocator_restart_mid_workload_completes_every_request_from_the_journal
 
 
 def test_prometheus_scrapes_utilisation_and_preemption_series_from_every_target(stack, workload):
-    allocator, workers = "allocator:9400", {f"{w}:8000" for w in WORKERS}
+    allocator, router, workers = "allocator:9400", "router:8000", {f"{w}:8000" for w in WORKERS}
 
     def series(expr: str) -> dict[str, list[dict]]:
         out: dict[str, list[dict]] = {}
@@ -396,7 +396,8 @@ def test_prometheus_scrapes_utilisation_and_preemption_series_from_every_target(
     def scraped() -> bool:
         seen["up"] = {i: float(rs[0]["value"][1]) for i, rs in series("up").items()}
         seen["preemptions"] = sorted(series("pagedkv_worker_preemptions_total > 0"))
-        return seen["up"] == {allocator: 1.0, **dict.fromkeys(workers, 1.0)} and set(seen["preemptions"]) == workers
+        up = {allocator: 1.0, router: 1.0, **dict.fromkeys(workers, 1.0)}
+        return seen["up"] == up and set(seen["preemptions"]) == workers
 
     t0 = time.monotonic()
     try:
@@ -414,7 +415,10 @@ def test_prometheus_scrapes_utilisation_and_preemption_series_from_every_target(
     # answers, a series for each pool.
     oob = series("pagedkv_allocator_out_of_blocks_total")
     assert set(oob) == {allocator} and {r["metric"]["worker_id"] for r in oob[allocator]} == set(WORKERS)
-    note("prometheus", targets=sorted([allocator, *workers]), wait_s=round(time.monotonic() - t0, 1))
+    # the router: the chat test's request through it is counted, by the worker it chose
+    routed = series("pagedkv_router_requests_total")
+    assert set(routed) == {router} and {r["metric"]["worker"] for r in routed[router]} <= set(WORKERS)
+    note("prometheus", targets=sorted([allocator, router, *workers]), wait_s=round(time.monotonic() - t0, 1))
 
 
 def test_down_leaves_no_container_network_or_volume(stack):
