@@ -55,7 +55,7 @@ from worker.server.errors import (
     BodyLimit,
     install_error_handlers,
 )
-from worker.server.protocol import ChatCompletionRequest, CompletionRequest
+from worker.server.protocol import ChatCompletionRequest, CompletionRequest, template_messages
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class Router:
         they cannot be had (the worker then answers the error)."""
         try:
             if kind == "chat":
-                return self.tokenizer.encode_chat([{"role": m.role, "content": m.text()} for m in req.messages])
+                return self.tokenizer.encode_chat(template_messages(req.messages))
             prompt = req.prompt
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
                 prompt = prompt[0]  # a batch: its first prompt places it

@@ -56,6 +56,7 @@ from worker.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     prompt_logprobs_json,
+    template_messages,
     usage,
 )
 from worker.server.streaming import Choices, stream_events
@@ -207,7 +208,7 @@ async def chat(request: Request):
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
     _check_prompt_logprobs(req)
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    messages = template_messages(req.messages)
     size = sum(len(m["content"]) for m in messages) + 64 * len(messages)
     core = request.app.state.engine.engine
     prompt_ids = await off_loop(_chat_ids, core, messages, size=size)

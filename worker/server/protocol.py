@@ -121,6 +121,12 @@ class ChatMessage(BaseModel):
         return "".join(p.text or "" for p in self.content)
 
 
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """What the chat template renders: each message's role and text. The one
+    conversion, so the worker, its /tokenize and the router hash the same ids."""
+    return [{"role": m.role, "content": m.text()} for m in messages]
+
+
 class ChatCompletionRequest(BaseRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None

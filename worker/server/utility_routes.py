@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from worker.server.bodies import off_loop, read_body
 from worker.server.errors import ApiError
-from worker.server.protocol import ChatMessage
+from worker.server.protocol import ChatMessage, template_messages
 
 router = APIRouter()
 
@@ -80,7 +80,7 @@ def _tokenize(core, req: TokenizeRequest) -> list[int]:
         text = req.prompt
     else:
         special = bool(req.add_special_tokens)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = template_messages(req.messages)
         try:
             text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
         except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
