@@ -90,15 +90,17 @@ def error_reason(err: grpc.RpcError) -> str:
     return ""
 
 
-def open_channel(target: str, tls_ca: str | bytes | None = None, options=()) -> grpc.Channel:
-    """A channel to `target`; TLS when a CA certificate (path or PEM) is given."""
+def open_channel(target: str, tls_ca: str | bytes | None = None, options=(), *, aio: bool = False):
+    """A channel to `target`; TLS when a CA certificate (path or PEM) is given.
+    `aio`: a `grpc.aio` channel, bound to the running event loop."""
     opts = list(CHANNEL_OPTIONS) + list(options)
+    kind = grpc.aio if aio else grpc
     if tls_ca is None:
-        return grpc.insecure_channel(target, options=opts)
+        return kind.insecure_channel(target, options=opts)
     if isinstance(tls_ca, str):
         with open(tls_ca, "rb") as f:
             tls_ca = f.read()
-    return grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=tls_ca), options=opts)
+    return kind.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=tls_ca), options=opts)
 
 
 class _StreamBroken(grpc.RpcError):
@@ -459,15 +461,34 @@ class RouterClient:
         and ListPools need once the server has a router token; `auth_token` is
         sent when no router token is given (a server with no router token
         and no server-wide token answers anyone)."""
+        self._target, self._tls_ca = target, tls_ca
         self._channel = open_channel(target, tls_ca)
         self._stub = pb_grpc.AllocatorStub(self._channel)
         self._call = _Caller(self._stub, router_token or auth_token, deadline_s, retries, 0.05)
+        self._aio: tuple[Any, Any] | None = None  # (grpc.aio channel, its stub): made in the loop that uses it
 
     def match_prefix(self, model_fingerprint: str, tokens: Sequence[int], cache_salt: str | None = None) -> list[PrefixMatch]:
-        r = self._call(
-            "MatchPrefix",
-            pb.MatchPrefixRequest(model_fingerprint=model_fingerprint, tokens=tokens, cache_salt=cache_salt),
-        )
+        r = self._call("MatchPrefix", self._match_request(model_fingerprint, tokens, cache_salt))
+        return self._matches(r)
+
+    async def match_prefix_async(self, model_fingerprint: str, tokens: Sequence[int],
+                                 cache_salt: str | None = None) -> list[PrefixMatch]:
+        """`match_prefix` from an event loop, on a `grpc.aio` channel: one
+        attempt (a router routes by load rather than wait), no thread hop.
+        Call `aclose` from the same loop when done."""
+        if self._aio is None:
+            channel = open_channel(self._target, self._tls_ca, aio=True)
+            self._aio = (channel, pb_grpc.AllocatorStub(channel))
+        r = await self._aio[1].MatchPrefix(self._match_request(model_fingerprint, tokens, cache_salt),
+                                           timeout=self._call.deadline_s, metadata=self._call.metadata)
+        return self._matches(r)
+
+    @staticmethod
+    def _match_request(model_fingerprint: str, tokens: Sequence[int], cache_salt: str | None) -> pb.MatchPrefixRequest:
+        return pb.MatchPrefixRequest(model_fingerprint=model_fingerprint, tokens=tokens, cache_salt=cache_salt)
+
+    @staticmethod
+    def _matches(r: pb.MatchPrefixResponse) -> list[PrefixMatch]:
         return [PrefixMatch(m.pool_id, m.worker_id, m.cached_tokens, m.free_blocks, m.block_size) for m in r.matches]
 
     def list_pools(self, model_fingerprint: str = "") -> list[PoolInfo]:
@@ -486,6 +507,12 @@ class RouterClient:
         return self._stub.WatchEvents(
             pb.WatchEventsRequest(from_sequence=from_sequence), timeout=timeout_s, metadata=self._call.metadata
         )
+
+    async def aclose(self) -> None:
+        """Closes the `grpc.aio` channel of `match_prefix_async` (from its loop)."""
+        if self._aio is not None:
+            channel, self._aio = self._aio[0], None
+            await channel.close()
 
     def close(self) -> None:
         self._channel.close()

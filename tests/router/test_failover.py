@@ -1,0 +1,146 @@
+"""The router's failure rules against workers that misbehave on the wire:
+a worker that answers 503, or drops the connection in the middle of a whole
+(non-stream) answer, is skipped before anything reaches the client, and the
+request is answered by the next worker; one that drops a stream after its
+first event ends the client's stream with an OpenAI-shaped error event.
+
+The misbehaving worker is a real TCP server on a loopback port speaking
+just enough HTTP/1.1 to fail in one chosen way; the good worker is a real
+tiny-random worker; the router is a real process with a static list."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import httpx
+import openai
+import pytest
+
+from pagedkv.stack import RouterProcess
+from tests.support.http import metric
+
+MODEL = "tiny-random"
+
+
+class BadWorker:
+    """An HTTP server on 127.0.0.1 that fails every POST in one way:
+    `503` (answers Service Unavailable), `drop-body` (sends a 200 whose
+    declared body never fully arrives), `drop-stream` (sends one SSE event,
+    then closes). GETs (/v1/models) answer 404."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.posts = 0
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> BadWorker:
+        self.thread.start()
+        assert self.ready.wait(10)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        server = self.loop.run_until_complete(asyncio.start_server(self._serve, "127.0.0.1", 0))
+        self.port = server.sockets[0].getsockname()[1]
+        self.ready.set()
+        self.loop.run_forever()
+        server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            lines = head.decode("latin-1").split("\r\n")
+            length = next((int(v) for k, _, v in (h.partition(":") for h in lines[1:])
+                           if k.strip().lower() == "content-length"), 0)
+            await reader.readexactly(length)
+            if not lines[0].startswith("POST"):
+                writer.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+                return
+            self.posts += 1
+            if self.mode == "503":
+                body = b'{"error": {"message": "overloaded"}}'
+                writer.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+                             b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+            elif self.mode == "drop-body":
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 500\r\n\r\n"
+                             b'{"id": "cmpl-cut", "choices": [')
+            else:  # drop-stream
+                event = {"id": "cmpl-cut", "object": "text_completion", "model": MODEL,
+                         "choices": [{"index": 0, "text": "partial", "logprobs": None, "finish_reason": None}]}
+                chunk = f"data: {json.dumps(event)}\n\n".encode()
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                             b"transfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n" % (len(chunk), chunk))
+                # Dies a while after its first event, as a worker would; bytes that come
+                # in the same read as the loss of the connection are not passed on (the
+                # client library raises before it hands over what it buffered).
+                await writer.drain()
+                await asyncio.sleep(0.3)
+            await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+@pytest.fixture(scope="module")
+def good_worker(worker_process):
+    with worker_process("--model", MODEL, "--num-blocks", "64") as url:
+        yield url
+
+
+def _router(*urls: str) -> RouterProcess:
+    # round-robin: each of two workers first in turn, whatever they hold
+    return RouterProcess(model=MODEL, args=["--workers", ",".join(urls), "--policy", "round-robin",
+                                            "--log-level", "warning"]).start().wait_healthy(120)
+
+
+def _complete(url: str, **kw):
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    return client.completions.with_raw_response.create(model=MODEL, prompt="Hello there", max_tokens=6,
+                                                       temperature=0, **kw)
+
+
+@pytest.mark.parametrize("mode, reason", [("503", "unavailable"), ("drop-body", "unreachable")])
+def test_a_failing_worker_is_skipped_before_the_client_sees_a_byte(good_worker, mode, reason):
+    expected = _complete(good_worker).parse().choices[0].text
+    with BadWorker(mode) as bad:
+        router = _router(bad.url, good_worker)
+        try:
+            for _ in range(4):
+                raw = _complete(router.url)
+                assert raw.parse().choices[0].text == expected
+                assert raw.headers["x-pagedkv-worker"] == good_worker
+            assert bad.posts >= 1  # it was tried, and failed, and nobody noticed
+            retries = metric(router.url, "pagedkv_router_retries_total", {"reason": reason})
+            assert retries == bad.posts
+        finally:
+            router.terminate()
+
+
+def test_a_stream_cut_after_its_first_event_ends_with_an_error_event(good_worker):
+    with BadWorker("drop-stream") as bad:
+        router = _router(bad.url)
+        try:
+            with httpx.stream("POST", f"{router.url}/v1/completions", timeout=60,
+                              json={"model": MODEL, "prompt": "Hello", "max_tokens": 6, "stream": True}) as r:
+                assert r.status_code == 200
+                events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+            assert json.loads(events[0])["choices"][0]["text"] == "partial"
+            assert json.loads(events[1])["error"]["code"] == "worker_failed"
+            assert events[2:] == ["[DONE]"]
+            failed = metric(router.url, "pagedkv_router_failed_requests_total", {"reason": "worker_failed_mid_answer"})
+            assert failed == 1
+        finally:
+            router.terminate()
