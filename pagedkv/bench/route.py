@@ -25,7 +25,9 @@ Figures per run, then the mean over rounds per policy:
 - routing ms p50: the router's time to choose (its `x-pagedkv-routing-ms`);
 - and once, the router's added latency end to end: `--probe-requests`
   sequential one-token completions alternating a worker directly and the
-  kv router, p50 of each and the difference.
+  kv router, p50 of each and the difference; with a prompt of a few whole
+  blocks (the router asks MatchPrefix: `added_p50_ms`) and with one under a
+  block (it need not: `short_prompt_added_p50_ms`).
 Not a timed test: compare the figures within one run.
 """
 
@@ -173,12 +175,18 @@ def _figures(results: list[dict], wall: float, hit: float, queried: float) -> di
     }
 
 
-async def _probe(direct: str, routed: str, model: str, n: int) -> dict[str, Any]:
+# The probe's prompts: one of several whole blocks (the router asks MatchPrefix:
+# the figure the target is about), and one shorter than a block (no pool can
+# hold any of it, so the router does not ask).
+PROBE_PROMPT = "Latency probe: the same prompt every time, long enough to fill a few whole blocks. " * 3
+PROBE_SHORT_PROMPT = "Latency probe."
+
+
+async def _probe(direct: str, routed: str, model: str, n: int, prompt: str) -> dict[str, Any]:
     """Sequential one-token completions, alternating `direct` and `routed`."""
     import httpx
 
-    body = {"model": model, "prompt": "Latency probe: the same short prompt every time.", "max_tokens": 1,
-            "temperature": 0}
+    body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
     times: dict[str, list[float]] = {"direct": [], "routed": []}
     async with httpx.AsyncClient(timeout=60) as client:
         for url in (direct, routed):  # warm both paths' connections
@@ -192,6 +200,12 @@ async def _probe(direct: str, routed: str, model: str, n: int) -> dict[str, Any]
     d, r = statistics.median(times["direct"]), statistics.median(times["routed"])
     return {"requests_each": n, "direct_p50_ms": round(1000 * d, 3), "routed_p50_ms": round(1000 * r, 3),
             "added_p50_ms": round(1000 * (r - d), 3)}
+
+
+def _probes(direct: str, routed: str, model: str, n: int) -> dict[str, Any]:
+    whole = asyncio.run(_probe(direct, routed, model, n, PROBE_PROMPT))
+    short = asyncio.run(_probe(direct, routed, model, n, PROBE_SHORT_PROMPT))
+    return whole | {f"short_prompt_{k}": v for k, v in short.items() if k != "requests_each"}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -233,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
                     results, wall = asyncio.run(_run(url, workload, args, f"round{rnd}-{name}"))
                     hit1, queried1 = _prefix_counters(counted)
                     runs[name].append(_figures(results, wall, hit1 - hit0, queried1 - queried0))
-            probe = asyncio.run(_probe(stack.worker_urls[0], routers["kv"].url, args.model, args.probe_requests))
+            probe = _probes(stack.worker_urls[0], routers["kv"].url, args.model, args.probe_requests)
             probe |= _routing_split(routers["kv"].url)
         finally:
             stop_processes([[r.proc for r in routers.values() if r.proc is not None]
@@ -298,7 +312,8 @@ def _print(report: dict) -> None:
     c.print(f"kv hit rate / one worker with both pools: {g['kv_hit_rate_of_one_worker_with_both_pools']} "
             f"(target >= 0.9); kv tokens/s / round-robin: {g['kv_tokens_per_s_over_round_robin']} (target >= 1.5); "
             f"kv TTFT p50 / round-robin: {g['kv_ttft_p50_of_round_robin']} (target <= 0.6)")
-    c.print(f"router added latency p50 (sequential 1-token requests): {p['routed_p50_ms']} ms routed vs "
-            f"{p['direct_p50_ms']} ms direct = +{p['added_p50_ms']} ms (target <= 2)")
+    c.print(f"router added latency p50 (sequential 1-token requests, a prompt of whole blocks): "
+            f"{p['routed_p50_ms']} ms routed vs {p['direct_p50_ms']} ms direct = +{p['added_p50_ms']} ms "
+            f"(target <= 2); a prompt under one block (no MatchPrefix asked): +{p['short_prompt_added_p50_ms']} ms")
     c.print(f"kv routing time, mean over the bench: {p['kv_routing_mean_ms']} ms, of which MatchPrefix "
             f"{p['kv_match_prefix_mean_ms']} ms")
