@@ -50,6 +50,7 @@ from router.discovery import Discovery, Worker
 from router.metrics import RouterMetrics
 from router.policy import Candidate, rank
 from worker.server.bodies import off_loop, read_body
+from worker.server.disconnect import ClientGone, unless_gone
 from worker.server.errors import (
     MAX_BODY_BYTES,
     ApiError,
@@ -200,7 +201,11 @@ class Router:
             if tokens:  # from now on (no await before this): the next request sees it
                 self.computing[rid] = (worker.url, req.cache_salt, tokens)
             try:
-                upstream, whole = await self._send(worker, request.url.path, body, headers, bool(req.stream))
+                upstream, whole = await unless_gone(
+                    request, self._send(worker, request.url.path, body, headers, bool(req.stream)))
+            except ClientGone:  # the worker's connection is closed: it aborts the request
+                self.computing.pop(rid, None)
+                return Response(status_code=499)  # nobody reads it
             except _Skip as skip:
                 self.computing.pop(rid, None)
                 why = f"{worker.name}: {skip}"

@@ -3,6 +3,8 @@ a worker that answers 503, or drops the connection in the middle of a whole
 (non-stream) answer, is skipped before anything reaches the client, and the
 request is answered by the next worker; one that drops a stream after its
 first event ends the client's stream with an OpenAI-shaped error event.
+And a client that hangs up on the router, stream or not, has its request
+aborted on the worker (its blocks freed) as if it had hung up there.
 
 The misbehaving worker is a real TCP server on a loopback port speaking
 just enough HTTP/1.1 to fail in one chosen way; the good worker is a real
@@ -12,13 +14,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
+import time
 
 import httpx
 import openai
 import pytest
 
 from pagedkv.stack import RouterProcess
+from tests.support.drills import scrape, wait_for
 from tests.support.http import metric
 
 MODEL = "tiny-random"
@@ -96,7 +101,7 @@ class BadWorker:
 
 @pytest.fixture(scope="module")
 def good_worker(worker_process):
-    with worker_process("--model", MODEL, "--num-blocks", "64") as url:
+    with worker_process("--model", MODEL, "--num-blocks", "512", "--block-size", "4", "--max-model-len", "2048") as url:
         yield url
 
 
@@ -144,3 +149,30 @@ def test_a_stream_cut_after_its_first_event_ends_with_an_error_event(good_worker
             assert failed == 1
         finally:
             router.terminate()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_hangs_up_on_the_router_aborts_its_request_on_the_worker(good_worker, stream):
+    before = scrape(f"{good_worker}/metrics").value("pagedkv_worker_requests_total", finish_reason="abort") or 0
+    router = _router(good_worker)
+    try:
+        host, port = router.url.removeprefix("http://").split(":")
+        body = json.dumps({"model": MODEL, "prompt": "a very long answer", "max_tokens": 2000, "temperature": 0,
+                           "ignore_eos": True, "stream": stream}).encode()
+        sock = socket.create_connection((host, int(port)))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        wait_for(lambda: httpx.get(f"{good_worker}/health").json()["running"] == 1, 60, "the request to run", 0.01)
+        time.sleep(0.2)  # generating
+        sock.close()  # the client hangs up on the router
+
+        def aborted():
+            m = scrape(f"{good_worker}/metrics")
+            return (m.value("pagedkv_worker_requests_total", finish_reason="abort") == before + 1
+                    and m.value("pagedkv_worker_running_sequences") == 0
+                    and m.value("pagedkv_worker_kv_blocks_used") == 0) and m
+
+        wait_for(aborted, 30, "the abort on the worker and its blocks freed", 0.05)
+        assert metric(router.url, "pagedkv_router_in_flight_requests", {"worker": good_worker}) == 0
+    finally:
+        router.terminate()

@@ -21,7 +21,6 @@ OpenAI's error shape otherwise); /health, /metrics, /version, /tokenize and
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -42,6 +41,7 @@ from worker.engine import (
 )
 from worker.server import utility_routes
 from worker.server.bodies import off_loop, read_body
+from worker.server.disconnect import ClientGone, unless_gone
 from worker.server.errors import (
     MAX_BODY_BYTES,
     ApiError,
@@ -241,7 +241,7 @@ async def _answer(request: Request, req: BaseRequest, prompts: list[list[int]], 
                                      media_type="text/event-stream")
         finals = await _unless_gone(request, streams,
                                     _all(*(_collect(s, f) for s, f in zip(streams, firsts, strict=True))))
-    except _ClientGone:
+    except ClientGone:
         return Response(status_code=499)  # nobody reads it
     body = {
         "id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
@@ -314,39 +314,16 @@ def _sampling_params(req: BaseRequest, max_tokens: int | None, served_model_name
         raise ApiError(400, str(exc), param=exc.param) from None
 
 
-class _ClientGone(Exception):
-    """The client hung up before its answer was ready."""
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client has gone (the body was read: the next message
-    is the disconnect)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 async def _unless_gone(request: Request, streams: list[AsyncIterator[RequestOutput]], work: Awaitable[T]) -> T:
     """`await work`, unless the client hangs up first: then the request is
-    aborted (closing `streams` frees its sequences) and _ClientGone raised.
+    aborted (closing `streams` frees its sequences) and ClientGone raised.
     Work that fails closes the streams too (the other prompts of a batch)."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnected(request))
     try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
-            for stream in streams:
-                await stream.aclose()
-    if task.cancelled():
-        raise _ClientGone
-    if task.exception() is not None:
+        return await unless_gone(request, work)
+    except BaseException:
         for stream in streams:
             await stream.aclose()
-    return task.result()
+        raise
 
 
 async def _all(*aws: Awaitable[T]) -> list[T]:
