@@ -23,6 +23,8 @@ Figures per run, then the mean over rounds per policy:
 - tokens/s: generated tokens / wall time of the run;
 - TTFT p50 / p95: request sent -> first streamed token, at the client;
 - routing ms p50: the router's time to choose (its `x-pagedkv-routing-ms`);
+- busiest worker's share: the most requests any one worker answered over all
+  answered (0.5 is an even split over two; 1.0 for the reference);
 - and once, the router's added latency end to end: `--probe-requests`
   sequential one-token completions alternating a worker directly and the
   kv router, p50 of each and the difference; with a prompt of a few whole
@@ -91,6 +93,7 @@ async def _one(client, url: str, messages: list[dict], model: str, max_tokens: i
         if r.status_code != 200:
             return {"error": f"{r.status_code} {(await r.aread())[:200]!r}"}
         routing_ms = float(r.headers.get("x-pagedkv-routing-ms", "nan"))
+        worker = r.headers.get("x-pagedkv-worker", url)
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -101,7 +104,7 @@ async def _one(client, url: str, messages: list[dict], model: str, max_tokens: i
                 ttft = time.perf_counter() - t0
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
-    return {"ttft": ttft, "tokens": tokens, "routing_ms": routing_ms}
+    return {"ttft": ttft, "tokens": tokens, "routing_ms": routing_ms, "worker": worker}
 
 
 async def _run(url: str, workload: list[list[dict]], args, salt: str) -> tuple[list[dict], float]:
@@ -163,6 +166,9 @@ def _pct(values: list[float], q: float) -> float | None:
 def _figures(results: list[dict], wall: float, hit: float, queried: float) -> dict[str, Any]:
     ok = [r for r in results if "error" not in r]
     ttft = [r["ttft"] for r in ok]
+    per_worker: dict[str, int] = {}
+    for r in ok:
+        per_worker[r["worker"]] = per_worker.get(r["worker"], 0) + 1
     return {
         "requests": len(results),
         "errors": len(results) - len(ok),
@@ -171,6 +177,8 @@ def _figures(results: list[dict], wall: float, hit: float, queried: float) -> di
         "ttft_p50_ms": round(1000 * _pct(ttft, 0.5), 2) if ok else None,
         "ttft_p95_ms": round(1000 * _pct(ttft, 0.95), 2) if ok else None,
         "routing_ms_p50": _pct([r["routing_ms"] for r in ok], 0.5),
+        # how evenly the requests were spread: the busiest worker's share (0.5 = even over two)
+        "busiest_worker_share": round(max(per_worker.values()) / len(ok), 4) if ok else None,
         "wall_s": round(wall, 3),
     }
 
@@ -267,7 +275,7 @@ def _mean(rows: list[dict], key: str) -> float | None:
 
 def _report(args, runs: dict[str, list[dict]], probe: dict) -> dict[str, Any]:
     summary = {name: {k: _mean(rows, k) for k in ("hit_rate", "tokens_per_s", "ttft_p50_ms", "ttft_p95_ms",
-                                                  "routing_ms_p50")}
+                                                  "routing_ms_p50", "busiest_worker_share")}
                | {"errors": sum(r["errors"] for r in rows)}
                for name, rows in runs.items()}
     kv, rr, ref = summary["kv"], summary["round-robin"], summary[REFERENCE]
@@ -300,11 +308,12 @@ def _print(report: dict) -> None:
     t = Table(title=f"pagedkv bench route: {w['tenants']} tenants x {w['conversations_per_tenant']} conversations, "
                     f"~{w['prompt_tokens']}-token system prompts, 2 workers x {w['num_blocks_per_worker']} blocks "
                     f"({w['model']}), mean of {w['rounds']} interleaved rounds")
-    for col in ("policy", "hit rate", "tokens/s", "TTFT p50 ms", "TTFT p95 ms", "routing ms p50", "errors"):
+    for col in ("policy", "hit rate", "tokens/s", "TTFT p50 ms", "TTFT p95 ms", "routing ms p50",
+                "busiest worker's share", "errors"):
         t.add_column(col, justify="right" if col != "policy" else "left")
     for name, s in report["summary"].items():
         t.add_row(name, f"{s['hit_rate']:.1%}", f"{s['tokens_per_s']:.1f}", str(s["ttft_p50_ms"]),
-                  str(s["ttft_p95_ms"]), str(s["routing_ms_p50"]), str(s["errors"]))
+                  str(s["ttft_p95_ms"]), str(s["routing_ms_p50"]), str(s["busiest_worker_share"]), str(s["errors"]))
     c = Console(width=140)
     c.print(t)
     g = report["targets"]

@@ -23,6 +23,7 @@ def test_bench_route_json():
     for name, s in out["summary"].items():
         assert s["errors"] == 0, name
         assert 0 <= s["hit_rate"] <= 1 and s["tokens_per_s"] > 0 and s["ttft_p50_ms"] > 0
+        assert 0.5 <= s["busiest_worker_share"] <= 1
     assert set(out["targets"]) == {"kv_hit_rate_of_one_worker_with_both_pools", "kv_tokens_per_s_over_round_robin",
                                    "kv_ttft_p50_of_round_robin", "router_added_p50_ms"}
     probe = out["probe"]
