@@ -33,6 +33,19 @@ EVENT_KIND = {
 }
 WATCH_BATCH = 512
 WATCH_POLL_S = 0.5
+_KIND_NAME = {v: k for k, v in EVENT_KIND.items()}
+
+
+def watched_kinds(kinds) -> frozenset[str] | None:
+    """WatchEventsRequest.kinds as the event log's kind names; None = every
+    kind. RESYNC_REQUIRED may be named (it is sent anyway); anything else
+    that is not an event kind is refused."""
+    if not kinds:
+        return None
+    unknown = [k for k in kinds if k not in _KIND_NAME and k != pb.KV_EVENT_KIND_RESYNC_REQUIRED]
+    if unknown:
+        raise BadRequest(f"kinds: {unknown} are not event kinds (KvEventKind values 1 to 6)")
+    return frozenset(_KIND_NAME[k] for k in kinds if k in _KIND_NAME)
 
 
 class AllocatorServicer:
@@ -110,6 +123,7 @@ class AllocatorServicer:
     def WatchEvents(self, request: pb.WatchEventsRequest, context) -> Iterator[pb.KvEvent]:
         service = self.service
         log = service.events
+        wanted = watched_kinds(request.kinds)
         service.open_watcher()
         try:
             cursor = request.from_sequence or log.published
@@ -118,6 +132,8 @@ class AllocatorServicer:
                 if gap:
                     yield pb.KvEvent(sequence=after - len(batch), kind=pb.KV_EVENT_KIND_RESYNC_REQUIRED)
                 for e in batch:
+                    if wanted is not None and e.kind not in wanted:
+                        continue
                     yield pb.KvEvent(
                         sequence=e.sequence,
                         kind=EVENT_KIND[e.kind],

@@ -127,14 +127,16 @@ class Discovery:
     def _follow(self) -> None:
         from allocator_service.v1 import allocator_pb2 as pb
 
-        wanted = (pb.KV_EVENT_KIND_POOL_REGISTERED, pb.KV_EVENT_KIND_POOL_DROPPED,
-                  pb.KV_EVENT_KIND_RESYNC_REQUIRED)
+        # Only the pools' events: a block's events (most of them, one per block
+        # hashed or evicted in any pool) would cost this process and the
+        # allocator CPU on every step for nothing the router uses.
+        pools = (pb.KV_EVENT_KIND_POOL_REGISTERED, pb.KV_EVENT_KIND_POOL_DROPPED)
         backoff = 0.1
         while not self._stop.is_set():
             try:
                 # A reconnect follows on from the last event seen, so none is missed
                 # (too old: RESYNC_REQUIRED, answered by listing again).
-                self._stream = self.client.watch_events(from_sequence=self._next_event)
+                self._stream = self.client.watch_events(from_sequence=self._next_event, kinds=pools)
                 if self._stop.is_set():
                     break
                 self._try_refresh()
@@ -142,8 +144,7 @@ class Discovery:
                     backoff = 0.1
                     if event.kind != pb.KV_EVENT_KIND_RESYNC_REQUIRED:
                         self._next_event = event.sequence + 1
-                    if event.kind in wanted:
-                        self._try_refresh()
+                    self._try_refresh()  # a pool came or went, or events were missed
             except Exception as exc:  # noqa: BLE001 - reconnect after any failure
                 if self._stop.is_set():
                     break

@@ -501,11 +501,14 @@ class RouterClient:
             for p in r.pools
         ]
 
-    def watch_events(self, from_sequence: int = 0, timeout_s: float | None = None) -> Iterator[pb.KvEvent]:
-        """KV events from `from_sequence` (0 = from now). A KV_EVENT_KIND_RESYNC_REQUIRED
-        event says events were missed; the stream goes on after it."""
+    def watch_events(self, from_sequence: int = 0, timeout_s: float | None = None,
+                     kinds: Sequence[int] = ()) -> Iterator[pb.KvEvent]:
+        """KV events from `from_sequence` (0 = from now), only of `kinds` if
+        given (KvEventKind values). A KV_EVENT_KIND_RESYNC_REQUIRED event says
+        events were missed; the stream goes on after it."""
         return self._stub.WatchEvents(
-            pb.WatchEventsRequest(from_sequence=from_sequence), timeout=timeout_s, metadata=self._call.metadata
+            pb.WatchEventsRequest(from_sequence=from_sequence, kinds=kinds), timeout=timeout_s,
+            metadata=self._call.metadata,
         )
 
     async def aclose(self) -> None:

@@ -285,10 +285,12 @@ class MatchPrefixResponse(_message.Message):
     def __init__(self, matches: _Optional[_Iterable[_Union[PrefixMatch, _Mapping]]] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
-    __slots__ = ("from_sequence",)
+    __slots__ = ("from_sequence", "kinds")
     FROM_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    KINDS_FIELD_NUMBER: _ClassVar[int]
     from_sequence: int
-    def __init__(self, from_sequence: _Optional[int] = ...) -> None: ...
+    kinds: _containers.RepeatedScalarFieldContainer[KvEventKind]
+    def __init__(self, from_sequence: _Optional[int] = ..., kinds: _Optional[_Iterable[_Union[KvEventKind, str]]] = ...) -> None: ...
 
 class KvEvent(_message.Message):
     __slots__ = ("sequence", "kind", "pool_id", "block_id", "block_hash", "model_fingerprint", "reason", "worker_id", "advertise_url", "served_model_name")

@@ -72,6 +72,47 @@ def test_list_pools_says_where_each_worker_serves_and_its_load(server):
     router.close()
 
 
+def test_a_watcher_of_the_pools_gets_only_the_pools_events(server):
+    """WatchEvents with `kinds`: the same numbered stream, only those kinds;
+    a kind that is not one is refused."""
+    router = RouterClient(server.address, router_token=ROUTER_TOKEN)
+    # From the first event (none missed, whenever the server starts each call).
+    everything = router.watch_events(from_sequence=1, timeout_s=10)
+    pools_only = router.watch_events(from_sequence=1, timeout_s=10, kinds=(pb.KV_EVENT_KIND_POOL_REGISTERED,
+                                                                           pb.KV_EVENT_KIND_POOL_DROPPED))
+    a = _client(server.address, "kinds-a", "http://10.0.0.2:8000", "chat-model", TOKEN)
+    a.step([Admit("s1", list(range(10)))])  # 2 full blocks hashed: 2 BLOCK_STORED events
+    a.close()  # deregistered: POOL_DROPPED
+
+    def until_dropped(stream) -> list[tuple[int, int]]:
+        got = []
+        for e in stream:
+            if e.pool_id == "kinds-a/1":
+                got.append((e.sequence, e.kind))
+                if e.kind == pb.KV_EVENT_KIND_POOL_DROPPED:
+                    return got
+        raise AssertionError("the stream ended")
+
+    try:
+        seen_all = until_dropped(everything)
+        assert [k for _, k in seen_all] == [pb.KV_EVENT_KIND_POOL_REGISTERED, pb.KV_EVENT_KIND_BLOCK_STORED,
+                                            pb.KV_EVENT_KIND_BLOCK_STORED, pb.KV_EVENT_KIND_POOL_DROPPED]
+        # the same two events, with the server's own numbers (gaps and all)
+        assert until_dropped(pools_only) == [seen_all[0], seen_all[3]]
+    finally:
+        everything.cancel()
+        pools_only.cancel()
+    s, _, channel = stub(server.address)
+    for bad in ((pb.KV_EVENT_KIND_UNSPECIFIED,), (99,)):
+        call = s.WatchEvents(pb.WatchEventsRequest(kinds=bad), timeout=5,
+                             metadata=(("authorization", f"Bearer {ROUTER_TOKEN}"),))
+        with pytest.raises(grpc.RpcError) as err:
+            next(call)
+        assert err.value.code() == C.INVALID_ARGUMENT and "not event kinds" in err.value.details()
+    channel.close()
+    router.close()
+
+
 @pytest.mark.parametrize("field,value", [
     ("advertise_url", "ftp://host:21"),
     ("advertise_url", "http://"),
