@@ -80,6 +80,7 @@ from allocator_service.errors import (
     Unauthenticated,
 )
 from allocator_service.events import EventLog
+from allocator_service.fairshare import FairShare
 from allocator_service.journal import MemoryJournal, RedisJournal
 from allocator_service.leases import LeaseTable
 from allocator_service.replay import StepRecord
@@ -215,6 +216,10 @@ class AllocatorService:
         self.journal = journal if journal is not None else MemoryJournal()
         self.events = EventLog(self.config.event_retention)
         self.leases = LeaseTable(self.config.lease_ttl_s, clock)
+        # Who runs next when pools contend for the interpreter (the servicer
+        # runs each call under it).
+        window = self.config.fair_share_window_s
+        self.fair = FairShare(window or 1.0, max_wait_s=self.config.fair_share_max_wait_s, enabled=window > 0)
         self._lock = threading.Lock()  # the mutation lock: see the module docstring
         self.durable = DurableState(self.config, self.journal, self.events, self.leases, self._lock, clock)
         self._watchers = 0
