@@ -57,12 +57,15 @@ class FairShare:
         self.enabled = enabled
         self._cpu, self._clock = cpu, clock
         self._cond = threading.Condition(threading.Lock())
-        # tenant -> [recent CPU seconds, clock time it was last decayed to]
+        # tenant -> [recent CPU seconds, clock time they were decayed to,
+        #            clock time of its last charge]
         self._use: dict[str, list[float]] = {}
         # tenant -> pool calls in flight (router calls make nobody wait)
         self._running: dict[str, int] = {}
         self._in_flight = 0
+        self._pruned_at = clock()
         # What the metrics report (server-wide, so the series stay few).
+        self.waiting = 0  # calls waiting now
         self.waits = 0
         self.wait_seconds = 0.0
         self.cpu_seconds = 0.0
@@ -86,7 +89,7 @@ class FairShare:
         mine = self._recent(tenant, now)
         others = [(t, self._recent(t, now)) for t in self._use if t != tenant]
         active = sum(1 for t, use in others if self._running.get(t) or use > self._floor)
-        if not active and self._in_flight <= self._running.get(tenant, 0):
+        if not active:
             return 0.0
         # A lighter pool's call is in flight: until it is answered (notified).
         if any(self._running.get(t) and use < mine - self.slack_s for t, use in others):
@@ -103,10 +106,14 @@ class FairShare:
             return
         t0 = self._clock()
         waited = 0.0
-        while delay > 0 and waited < self.max_wait_s:
-            self._cond.wait(min(delay, self.max_wait_s - waited))
-            waited = self._clock() - t0
-            delay = self._delay(tenant)
+        self.waiting += 1
+        try:
+            while delay > 0 and waited < self.max_wait_s:
+                self._cond.wait(min(delay, self.max_wait_s - waited))
+                waited = self._clock() - t0
+                delay = self._delay(tenant)
+        finally:
+            self.waiting -= 1
         self.waits += 1
         self.wait_seconds += waited
 
@@ -114,15 +121,19 @@ class FairShare:
         """Add `seconds` of CPU to `tenant`'s recent use (lock held)."""
         now = self._clock()
         self._recent(tenant, now)
-        self._use.setdefault(tenant, [0.0, now])[0] += seconds
+        use = self._use.setdefault(tenant, [0.0, now, now])
+        use[0] += seconds
+        use[2] = now
         self.cpu_seconds += seconds
 
     def _forget_idle(self) -> None:
         """Drop tenants with no call in flight whose use has decayed to
-        nothing, so the table holds only recent tenants (lock held)."""
-        now = self._clock()
-        for tenant in [t for t, (_, at) in self._use.items()
-                       if now - at > 20 * self.window_s and not self._running.get(t)]:
+        nothing (idle for 10 windows: under 1/20,000 of what it was), so the
+        table holds recent tenants only and a lone busy pool's pause points
+        take the fast path (lock held; at most once a window)."""
+        now = self._pruned_at = self._clock()
+        for tenant in [t for t, (_, _, charged) in self._use.items()
+                       if now - charged > 10 * self.window_s and not self._running.get(t)]:
             del self._use[tenant]
 
     # ------------------------------------------------------------ the calls
@@ -166,7 +177,7 @@ class FairShare:
                     else:
                         self._running[tenant] -= 1
                     self._cond.notify_all()
-                if len(self._use) > 64:
+                if self._clock() - self._pruned_at > self.window_s:
                     self._forget_idle()
 
     def recent_cpu(self) -> dict[str, float]:

@@ -106,12 +106,15 @@ class PoolCollector:
             PREFIX + "fair_share_wait_seconds", "Seconds calls spent waiting for the fair share.",
             value=fair.wait_seconds,
         )
+        waiting = GaugeMetricFamily(
+            PREFIX + "fair_share_waiting", "Calls waiting for the fair share now.", value=fair.waiting,
+        )
         cpu_seconds = CounterMetricFamily(
             PREFIX + "fair_share_cpu_seconds", "CPU seconds of the calls run under the fair share.",
             value=fair.cpu_seconds,
         )
         yield from (pools, events, snapshot_failures, serving, capacity, used, cached, free, seqs, util, queried, hit,
-                    evicted, copied, oob, recent_cpu, waits, wait_seconds, cpu_seconds)
+                    evicted, copied, oob, recent_cpu, waits, wait_seconds, waiting, cpu_seconds)
 
 
 def make_registry(service: AllocatorService) -> tuple[CollectorRegistry, Histogram]:
