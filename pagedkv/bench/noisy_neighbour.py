@@ -10,7 +10,10 @@ a p99 with the neighbour at most twice the quiet p99.
 
 The neighbour is a separate process so that it competes with the victim only
 inside the allocator (its lock, its CPU), not in the benchmark's own
-interpreter.
+interpreter; its requests are serialized before timing starts and its answers
+are not parsed (`_Prebuilt`), so that on a small machine its own client takes
+as little of the victims' CPUs as it can (`--neighbour-parses`: a worker's own
+clients, building and parsing as they go).
 """
 
 from __future__ import annotations
