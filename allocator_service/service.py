@@ -63,6 +63,7 @@ from allocator_service.core.limits import (
     MAX_SALT_LEN,
     MAX_SERVED_MODEL_NAME_LEN,
 )
+from allocator_service.core.pacing import Unpaced
 from allocator_service.core.pool import check_tokens
 from allocator_service.core.step import ADMIT, APPEND, FORK, FREE
 from allocator_service.durable import DurableState
@@ -220,7 +221,9 @@ class AllocatorService:
         # runs each call under it).
         window = self.config.fair_share_window_s
         self.fair = FairShare(window or 1.0, max_wait_s=self.config.fair_share_max_wait_s, enabled=window > 0)
-        self._lock = threading.Lock()  # the mutation lock: see the module docstring
+        # The mutation lock (see the module docstring); its holder never waits
+        # for the fair share (a pool waiting there would hold up every change).
+        self._lock = Unpaced()
         self.durable = DurableState(self.config, self.journal, self.events, self.leases, self._lock, clock)
         self._watchers = 0
         self._step_streams: set[Callable[[], Any]] = set()  # each open StepStream's end()

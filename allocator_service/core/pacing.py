@@ -51,3 +51,23 @@ def chunks(items: Sequence[T], size: int = CHUNK) -> Iterator[Sequence[T]]:
     for start in range(0, len(items), size):
         pace()
         yield items[start:start + size]
+
+
+class Unpaced:
+    """A lock under which the holder's pause points do nothing: a thread that
+    holds a lock every other call may need (the service's mutation lock,
+    held through a reload's replay) must never wait there for those calls."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pacer: Callable[[], None] | None = None  # the holder's, restored on release
+
+    def __enter__(self) -> Unpaced:
+        self._lock.acquire()
+        self._pacer = getattr(_local, "pacer", None)
+        _local.pacer = None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _local.pacer = self._pacer
+        self._lock.release()

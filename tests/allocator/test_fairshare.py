@@ -18,7 +18,7 @@ from allocator_service.client import EmbeddedAllocator, PoolSpec
 from allocator_service.client.grpc_client import GrpcAllocator
 from allocator_service.core import Admit, BlockPool, Fork, Free, PoolConfig
 from allocator_service.core.hashing import chain_hashes, root_hash
-from allocator_service.core.pacing import pacing
+from allocator_service.core.pacing import Unpaced, pace, pacing
 from allocator_service.core.snapshot import dumps_chunked
 from allocator_service.fairshare import FairShare
 from tests.support.allocator import as_json, random_steps
@@ -144,6 +144,21 @@ def test_the_cores_long_loops_pause_and_give_the_same_results():
     assert after_integrity >= 8192 // 512  # every chunk of the block loops at least
     assert after_dump - after_integrity >= 8192 // 512
     assert len(paused) - after_dump >= 2048 // 64
+
+
+def test_no_pause_point_waits_under_the_mutation_lock():
+    """The service's mutation lock (`Unpaced`): while it is held, the
+    holder's pause points do nothing (a pool waiting there would hold up
+    every change); after it, they call the pacer again."""
+    lock, paused = Unpaced(), []
+    with pacing(lambda: paused.append(1)):
+        pace()
+        with lock:
+            pace()
+            _busy_pool().integrity_problems()
+        pace()
+    assert paused == [1, 1]
+    assert not lock._lock.locked()
 
 
 @pytest.fixture(scope="module")
