@@ -78,6 +78,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
            "[%(default)s] [PAGEDKV_ALLOCATOR_REDIS_WAIT_REPLICAS]")
     a("--redis-wait-timeout", **_env("--redis-wait-timeout", 1.0, float), metavar="SECONDS",
       help="how long --redis-wait-replicas waits [%(default)s] [PAGEDKV_ALLOCATOR_REDIS_WAIT_TIMEOUT]")
+    a("--fair-share-window-ms", **_env("--fair-share-window-ms", 100.0, float), metavar="MS",
+      help="per-pool CPU fair share: while pools contend, the pool that used more CPU over about "
+           "this long waits for a call of the one that used less (delayed, never refused); 0 = off "
+           "[%(default)s] [PAGEDKV_ALLOCATOR_FAIR_SHARE_WINDOW_MS]")
     a("--check", **env_switch("allocator", "--check"),
       help="verify the journal in --state (digests, record chain, step chains, head) without "
            "serving or writing; print what was found; exit 0 if sound, 1 if not "
@@ -115,7 +119,8 @@ def options_from_args(args: argparse.Namespace):
         if not 1 <= args.max_snapshot_mb <= 512:
             raise ValueError("--max-snapshot-mb must be 1 to 512 (Redis's value limit)")
         config = ServiceConfig(lease_ttl_s=args.lease_ttl, snapshot_every=args.snapshot_every,
-                               max_snapshot_bytes=args.max_snapshot_mb << 20)
+                               max_snapshot_bytes=args.max_snapshot_mb << 20,
+                               fair_share_window_s=args.fair_share_window_ms / 1e3)
     except ValueError as exc:
         raise CliError(str(exc)) from exc
     if not (args.state == "memory" or args.state.startswith(("redis://", "rediss://", "unix://"))):

@@ -49,6 +49,11 @@ class ServiceConfig:
     max_snapshot_bytes: int = 256 << 20
     # KV events kept for clients that reconnect to WatchEvents.
     event_retention: int = 65536
+    # The per-pool CPU fair share (fairshare.py): each pool's CPU use is
+    # counted over about this long; 0 turns the fair share off.
+    fair_share_window_s: float = 0.1
+    # Longest a call waits at once for a lighter pool's call to finish.
+    fair_share_max_wait_s: float = 0.05
     limits: Limits = field(default_factory=Limits)
 
     def __post_init__(self) -> None:
@@ -60,3 +65,5 @@ class ServiceConfig:
             raise ValueError("max_snapshot_bytes must be positive")
         if self.event_retention < 1:
             raise ValueError("event_retention must be at least 1")
+        if self.fair_share_window_s < 0 or not self.fair_share_max_wait_s > 0:
+            raise ValueError("fair_share_window_s must be >= 0 and fair_share_max_wait_s positive")

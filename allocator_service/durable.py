@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from allocator_service.config import ServiceConfig
+from allocator_service.core.pacing import Unpaced
 from allocator_service.errors import StoreFenced, StoreLost, StoreUnavailable
 from allocator_service.events import Batch, EventLog
 from allocator_service.journal import MemoryJournal, RedisJournal
@@ -89,7 +90,7 @@ class DurableState:
     store_check_s = 1.0
 
     def __init__(self, config: ServiceConfig, journal: MemoryJournal | RedisJournal, events: EventLog,
-                 leases: LeaseTable, lock: threading.Lock, clock: Callable[[], float]) -> None:
+                 leases: LeaseTable, lock: Unpaced, clock: Callable[[], float]) -> None:
         self.config = config
         self.journal = journal
         self.events = events

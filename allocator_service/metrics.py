@@ -60,7 +60,14 @@ class PoolCollector:
         evicted = counter("evicted_blocks", "Cached blocks whose hash was dropped to reuse them.")
         copied = counter("cow_copied_blocks", "Copy-on-write block copies ordered.")
         oob = counter("out_of_blocks", "Operations answered 'out of blocks'.")
+        recent_cpu = gauge(
+            "pool_recent_cpu_seconds",
+            "CPU seconds the pool's calls used recently (decaying over the fair-share window): "
+            "the one that used more waits for the other when pools contend.",
+        )
 
+        fair = self.service.fair
+        recent = fair.recent_cpu()
         views = self.service.pool_views()
         for v in views:
             s, key = v.stats, [v.pool_id, v.worker_id]
@@ -75,6 +82,7 @@ class PoolCollector:
             evicted.add_metric(key, s.evictions)
             copied.add_metric(key, s.copies)
             oob.add_metric(key, s.out_of_blocks)
+            recent_cpu.add_metric(key, recent.get(v.pool_id, 0.0))
         pools = GaugeMetricFamily(PREFIX + "pools", "Registered pools.", value=len(views))
         events = GaugeMetricFamily(
             PREFIX + "event_sequence", "Sequence number of the last KV event.",
@@ -90,7 +98,23 @@ class PoolCollector:
             "fenced or lost its data.",
             value=1 if self.service.healthy[0] else 0,
         )
-        yield from (pools, events, snapshot_failures, serving, capacity, used, cached, free, seqs, util, queried, hit, evicted, copied, oob)
+        waits = CounterMetricFamily(
+            PREFIX + "fair_share_waits", "Times a call waited for a call of a pool that used less CPU.",
+            value=fair.waits,
+        )
+        wait_seconds = CounterMetricFamily(
+            PREFIX + "fair_share_wait_seconds", "Seconds calls spent waiting for the fair share.",
+            value=fair.wait_seconds,
+        )
+        waiting = GaugeMetricFamily(
+            PREFIX + "fair_share_waiting", "Calls waiting for the fair share now.", value=fair.waiting,
+        )
+        cpu_seconds = CounterMetricFamily(
+            PREFIX + "fair_share_cpu_seconds", "CPU seconds of the calls run under the fair share.",
+            value=fair.cpu_seconds,
+        )
+        yield from (pools, events, snapshot_failures, serving, capacity, used, cached, free, seqs, util, queried, hit,
+                    evicted, copied, oob, recent_cpu, waits, wait_seconds, waiting, cpu_seconds)
 
 
 def make_registry(service: AllocatorService) -> tuple[CollectorRegistry, Histogram]:

@@ -63,6 +63,7 @@ from allocator_service.core.limits import (
     MAX_SALT_LEN,
     MAX_SERVED_MODEL_NAME_LEN,
 )
+from allocator_service.core.pacing import Unpaced
 from allocator_service.core.pool import check_tokens
 from allocator_service.core.step import ADMIT, APPEND, FORK, FREE
 from allocator_service.durable import DurableState
@@ -80,6 +81,7 @@ from allocator_service.errors import (
     Unauthenticated,
 )
 from allocator_service.events import EventLog
+from allocator_service.fairshare import FairShare
 from allocator_service.journal import MemoryJournal, RedisJournal
 from allocator_service.leases import LeaseTable
 from allocator_service.replay import StepRecord
@@ -215,7 +217,13 @@ class AllocatorService:
         self.journal = journal if journal is not None else MemoryJournal()
         self.events = EventLog(self.config.event_retention)
         self.leases = LeaseTable(self.config.lease_ttl_s, clock)
-        self._lock = threading.Lock()  # the mutation lock: see the module docstring
+        # Who runs next when pools contend for the interpreter (the servicer
+        # runs each call under it).
+        window = self.config.fair_share_window_s
+        self.fair = FairShare(window or 1.0, max_wait_s=self.config.fair_share_max_wait_s, enabled=window > 0)
+        # The mutation lock (see the module docstring); its holder never waits
+        # for the fair share (a pool waiting there would hold up every change).
+        self._lock = Unpaced()
         self.durable = DurableState(self.config, self.journal, self.events, self.leases, self._lock, clock)
         self._watchers = 0
         self._step_streams: set[Callable[[], Any]] = set()  # each open StepStream's end()

@@ -18,6 +18,7 @@ import grpc
 from allocator_service import errors
 from allocator_service.core.snapshot import dumps_chunked
 from allocator_service.errors import BadRequest
+from allocator_service.fairshare import ROUTER, FairShare
 from allocator_service.roles import ADMIN, caller_role
 from allocator_service.service import Advertised, AllocatorService
 from allocator_service.v1 import allocator_pb2 as pb
@@ -80,7 +81,8 @@ class AllocatorServicer:
             for request in requests:
                 if type(request) is Malformed:
                     raise BadRequest(f"malformed StepStream request: {request.error}")
-                yield self.Step(request, context)
+                with service.fair.call(request.pool.pool_id):  # each step is a call of its own
+                    yield self.Step(request, context)
         finally:
             service.close_step_stream(end)
 
@@ -168,12 +170,34 @@ def _safe_parser(cls) -> Callable[[bytes], Any]:
     return parse
 
 
-def _unary(name: str, fn: Callable) -> Callable:
+def _tenant(method: str) -> Callable[[Any], tuple[str, bool]] | None:
+    """Who a unary call of `method` is charged to in the CPU fair share
+    (`fairshare.py`), and whether it is a pool call; None: not scheduled.
+    A call is charged to the pool it names: one naming a pool without its
+    credential is refused before any long work, so it can charge that pool
+    only the cost of a refusal."""
+    if method == "Heartbeat":
+        return None  # a dict lookup and an HMAC: never made to wait
+    if method == "RegisterPool":
+        return lambda request: (f"worker {request.worker_id}", True)
+    fields = getattr(pb, pb.DESCRIPTOR.services_by_name["Allocator"].methods_by_name[method].input_type.name)
+    if "pool" in fields.DESCRIPTOR.fields_by_name:
+        return lambda request: (request.pool.pool_id, True)
+    return lambda request: (ROUTER, False)
+
+
+def _unary(name: str, fn: Callable, fair: FairShare) -> Callable:
+    tenant = _tenant(name)
+
     def handle(request, context):
         try:
             if type(request) is Malformed:
                 raise BadRequest(f"malformed {name} request: {request.error}")
-            return fn(request, context)
+            if tenant is None:
+                return fn(request, context)
+            who, pool_call = tenant(request)
+            with fair.call(who, pool_call=pool_call):
+                return fn(request, context)
         except Exception as exc:
             errors.abort(context, exc, name)
 
@@ -219,7 +243,7 @@ def allocator_handler(service: AllocatorService) -> grpc.GenericRpcHandler:
         else:
             make, wrap = grpc.unary_unary_rpc_method_handler, _unary
         handlers[method.name] = make(
-            wrap(method.name, fn),
+            wrap(method.name, fn, service.fair) if wrap is _unary else wrap(method.name, fn),
             request_deserializer=_safe_parser(request_cls),
             response_serializer=response_cls.SerializeToString,
         )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from allocator_service.core.pacing import CHUNK, chunks, pace
 from allocator_service.core.sequence import blocks_for
 
 if TYPE_CHECKING:  # the pool calls in here; this module only reads it
@@ -24,11 +25,14 @@ def integrity_problems(pool: BlockPool) -> list[str]:
     fill, ref_cnt, block_hash = pool._fill, pool.ref_cnt, pool.index.block_hash
     named = [0] * n
     for sid, seq in pool._seqs.items():
+        pace()
         if len(seq.table) != blocks_for(seq.num_tokens, B):
             problems.append(f"{sid}: {len(seq.table)} blocks for {seq.num_tokens} tokens")
         if len(set(seq.table)) != len(seq.table):
             problems.append(f"{sid}: table lists a block twice: {seq.table}")
         for i, b in enumerate(seq.table):
+            if not i % CHUNK:
+                pace()
             if not 0 <= b < n:
                 problems.append(f"{sid}: block {b} out of range")
                 continue
@@ -55,22 +59,28 @@ def integrity_problems(pool: BlockPool) -> list[str]:
     free = uncached + cached
     if len(set(free)) != len(free):
         problems.append("a block is listed twice in the free queue")
-    for b in free:
-        if named[b]:
-            problems.append(f"block {b} is free and in a table (double-booked)")
-    for b in range(n):
-        if ref_cnt[b] != named[b]:
-            problems.append(f"block {b}: refcount {ref_cnt[b]} but {named[b]} tables name it")
+    for part in chunks(free):
+        for b in part:
+            if named[b]:
+                problems.append(f"block {b} is free and in a table (double-booked)")
+    for part in chunks(range(n)):
+        for b in part:
+            if ref_cnt[b] != named[b]:
+                problems.append(f"block {b}: refcount {ref_cnt[b]} but {named[b]} tables name it")
     if len(set(free)) + sum(1 for c in named if c) != n:
         problems.append("a block is lost (neither free nor in a table)")
-    for b in uncached:
-        if block_hash[b] is not None:
-            problems.append(f"uncached free block {b} holds a hash")
-    for b in cached:
-        if block_hash[b] is None:
-            problems.append(f"cached free block {b} holds no hash")
+    for part in chunks(uncached):
+        for b in part:
+            if block_hash[b] is not None:
+                problems.append(f"uncached free block {b} holds a hash")
+    for part in chunks(cached):
+        for b in part:
+            if block_hash[b] is None:
+                problems.append(f"cached free block {b} holds no hash")
     indexed = 0
-    for h, holders in pool.index.entries():
+    for i, (h, holders) in enumerate(pool.index.entries()):
+        if not i % CHUNK:
+            pace()
         for b in holders:
             indexed += 1
             if block_hash[b] != h:

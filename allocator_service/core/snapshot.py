@@ -12,6 +12,7 @@ import json
 from collections import OrderedDict, deque
 from typing import TYPE_CHECKING, Any
 
+from allocator_service.core.pacing import chunks
 from allocator_service.core.prefix_index import PrefixIndex
 from allocator_service.core.sequence import Seq
 
@@ -30,7 +31,7 @@ def to_state(pool: BlockPool) -> dict[str, Any]:
         },
         "ref_cnt": list(pool.ref_cnt),
         "fill": list(pool._fill),
-        "hash": [h.hex() if h else None for h in pool.index.block_hash],
+        "hash": [h.hex() if h else None for part in chunks(pool.index.block_hash) for h in part],
         "uncached_free": list(pool._uncached_free),
         "cached_free": list(pool._cached_free),
         "stamp": list(pool._stamp),
@@ -40,7 +41,7 @@ def to_state(pool: BlockPool) -> dict[str, Any]:
                 "table": list(q.table),
                 "num_tokens": q.num_tokens,
                 "salt": q.salt,
-                "hashes": [h.hex() for h in q.hashes],
+                "hashes": [h.hex() for part in chunks(q.hashes) for h in part],
                 "tail": list(q.tail),
                 # NOTE: only when set, so a dump without reservations has the
                 # keys every stored snapshot has (older ones read as 0).
@@ -58,8 +59,9 @@ def to_state(pool: BlockPool) -> dict[str, Any]:
     }
 
 
-# Elements per json.dumps call in `dumps_chunked`.
-_CHUNK = 4096
+# Elements per json.dumps call in `dumps_chunked`: one call runs in C without
+# letting another thread run; 4,096 block hashes took 1.1 ms, 512 take 0.12.
+_CHUNK = 512
 
 
 def dumps_chunked(value: Any) -> str:
@@ -70,8 +72,7 @@ def dumps_chunked(value: Any) -> str:
     if isinstance(value, dict) and len(value) > 1:
         return "{" + ",".join(json.dumps(k) + ":" + dumps_chunked(v) for k, v in value.items()) + "}"
     if isinstance(value, list) and len(value) > _CHUNK:
-        parts = (json.dumps(value[i:i + _CHUNK], separators=(",", ":"))[1:-1]
-                 for i in range(0, len(value), _CHUNK))
+        parts = (json.dumps(part, separators=(",", ":"))[1:-1] for part in chunks(value, _CHUNK))
         return "[" + ",".join(parts) + "]"
     return json.dumps(value, separators=(",", ":"))
 

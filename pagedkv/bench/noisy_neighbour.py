@@ -10,7 +10,10 @@ a p99 with the neighbour at most twice the quiet p99.
 
 The neighbour is a separate process so that it competes with the victim only
 inside the allocator (its lock, its CPU), not in the benchmark's own
-interpreter.
+interpreter; its requests are serialized before timing starts and its answers
+are not parsed (`_Prebuilt`), so that on a small machine its own client takes
+as little of the victims' CPUs as it can (`--neighbour-parses`: a worker's own
+clients, building and parsing as they go).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import os
 import random
 import time
 from collections import Counter
+from collections.abc import Callable
+from functools import partial
 
 from allocator_service.core import Admit, Fork, Free, PoolConfig, blocks_for
 from pagedkv.bench.workloads import MAX_GEN, PROMPT_LEN, prompt_with_prefix
@@ -41,48 +46,140 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--separate-neighbour", action="store_true",
                         help="with --noisy-neighbour: the neighbour's pool on an allocator process of its own "
                              "(the best that pools sharded across processes could give)")
+    parser.add_argument("--neighbour-parses", action="store_true",
+                        help="with --noisy-neighbour: the neighbour builds each request and parses each answer as it "
+                             "goes (as a worker's GrpcAllocator does, and this benchmark did before); by default its "
+                             "requests are serialized before timing starts and its answers left unparsed, so that "
+                             "its client takes as little of the machine's CPU as it can")
 
 
-def _neighbour(address: str, block_size: int, num_blocks: int, prompt_len: int,
+# Distinct prompts the prebuilt neighbour cycles through: more than its pool
+# keeps cached (65,536 blocks of 16 hold 32 prompts of 32k tokens), so every
+# admit misses the cache, as a fresh prompt does.
+_ROUNDS = 40
+
+
+class _Prebuilt:
+    """The neighbour's client at the least CPU it can cost: every request
+    serialized before timing starts, no answer parsed.
+
+    A worker that sends heavy requests runs on its own host. Here its client
+    shares the benchmark machine's CPUs with the victim and the allocator;
+    building 32k-token requests and parsing 65,536-block dumps as it goes
+    (`_Parsing`) takes a CPU the victim then waits for, which is the
+    benchmark's doing, not the allocator's. A Step request is its step-less
+    part (pool and operations) followed by the step id as a second
+    serialized message (protobuf merges concatenated messages): the id is
+    the only field that changes when a round is sent again."""
+
+    def __init__(self, address: str, config: PoolConfig, prompt_len: int) -> None:
+        import grpc
+
+        from allocator_service.codec import encode_ops, shape_to_proto
+        from allocator_service.servicer import SERVICE_NAME
+        from allocator_service.v1 import allocator_pb2 as pb
+
+        self._pb = pb
+        self._channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", -1),
+                                                                ("grpc.max_send_message_length", -1)])
+        # bytes in, bytes out: with no serializers, no answer is parsed
+        self._method = {name: self._channel.unary_unary(f"/{SERVICE_NAME}/{name}")
+                        for name in ("RegisterPool", "Step", "GetPoolStats", "DumpPool", "MatchPrefix")}
+        register = pb.RegisterPoolRequest(worker_id="noisy-neighbour", shape=shape_to_proto(config))
+        answer = pb.RegisterPoolResponse.FromString(self._method["RegisterPool"](register.SerializeToString(),
+                                                                                 timeout=60))
+        ref = pb.PoolRef(pool_id=answer.pool_id, credential=answer.credential)
+
+        def step(ops) -> bytes:
+            return pb.StepRequest(pool=ref, ops=encode_ops(ops)).SerializeToString()
+
+        rng = random.Random(1)
+        self._rounds = []
+        for i in range(_ROUNDS):
+            prompt, parent = prompt_with_prefix(rng, [], prompt_len), f"p{i}"
+            children = [f"{parent}-c{c}" for c in range(8)]
+            self._rounds.append([
+                ("admit", "Step", step([Admit(parent, prompt)])),
+                ("fork x8", "Step", step([Fork(parent, c) for c in children])),
+                ("integrity check", "GetPoolStats",
+                 pb.GetPoolStatsRequest(pool=ref, check_integrity=True).SerializeToString()),
+                ("dump", "DumpPool", pb.DumpPoolRequest(pool=ref).SerializeToString()),
+                ("match prefix", "MatchPrefix",
+                 pb.MatchPrefixRequest(model_fingerprint=config.model_fingerprint, tokens=prompt).SerializeToString()),
+                ("free", "Step", step([Free(parent), *(Free(c) for c in children)])),
+            ])
+        self._step_id = 0
+
+    def _send(self, name: str, request: bytes) -> None:
+        if name == "Step":
+            self._step_id += 1
+            request += self._pb.StepRequest(step_id=self._step_id).SerializeToString()
+        self._method[name](request, timeout=60)
+
+    def round(self, i: int) -> list[tuple[str, Callable[[], object]]]:
+        return [(kind, partial(self._send, name, request)) for kind, name, request in self._rounds[i % _ROUNDS]]
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+class _Parsing:
+    """The neighbour as a worker's own clients send it (`GrpcAllocator`,
+    `RouterClient`): each request built and each answer parsed as it goes,
+    a fresh random prompt every round (`--neighbour-parses`)."""
+
+    def __init__(self, address: str, config: PoolConfig, prompt_len: int) -> None:
+        from allocator_service.client import PoolSpec
+        from allocator_service.client.grpc_client import GrpcAllocator, RouterClient
+
+        self._client = GrpcAllocator(address, PoolSpec("noisy-neighbour", config), deadline_s=60.0)
+        self._router = RouterClient(address, deadline_s=60.0)
+        self._rng = random.Random(1)
+        self._config, self._prompt_len = config, prompt_len
+
+    def round(self, i: int) -> list[tuple[str, Callable[[], object]]]:
+        client = self._client
+        prompt, parent = prompt_with_prefix(self._rng, [], self._prompt_len), f"p{i}"
+        children = [f"{parent}-c{c}" for c in range(8)]
+        return [
+            ("admit", lambda: client.step([Admit(parent, prompt)])),
+            ("fork x8", lambda: client.step([Fork(parent, c) for c in children])),
+            ("integrity check", client.integrity_problems),
+            ("dump", client.dump),
+            ("match prefix", lambda: self._router.match_prefix(self._config.model_fingerprint, prompt)),
+            ("free", lambda: client.step([Free(parent), *(Free(c) for c in children)])),
+        ]
+
+    def close(self) -> None:
+        self._client.close()
+        self._router.close()
+
+
+def _neighbour(address: str, block_size: int, num_blocks: int, prompt_len: int, parsing: bool,
                stop: mp.synchronize.Event, ready: mp.synchronize.Event, counts: dict) -> None:
-    """The noisy pool's loop (runs in its own process until `stop`)."""
+    """The noisy pool's loop (runs in its own process until `stop`): rounds
+    of the heaviest legal calls, `ready` once the first admit is answered."""
     import grpc
 
-    from allocator_service.client import PoolSpec
-    from allocator_service.client.grpc_client import GrpcAllocator, RouterClient
-
-    spec = PoolSpec("noisy-neighbour", PoolConfig(num_blocks, block_size, True, "bench"))
-    client = GrpcAllocator(address, spec, deadline_s=60.0)
-    router = RouterClient(address, deadline_s=60.0)
-    rng = random.Random(1)
+    config = PoolConfig(num_blocks, block_size, True, "bench")
+    client = (_Parsing if parsing else _Prebuilt)(address, config, prompt_len)
     done: Counter[str] = Counter()
-    round_ = 0
-
-    def call(kind: str, fn, *args) -> None:
-        try:
-            fn(*args)
-            done[kind] += 1
-        except grpc.RpcError as err:  # refused is an answer too: count it
-            done[f"{kind} refused ({err.code().name})"] += 1
-
     try:
+        i = 0
         while not stop.is_set():
-            round_ += 1
-            prompt = prompt_with_prefix(rng, [], prompt_len)
-            parent = f"p{round_}"
-            call("admit", client.step, [Admit(parent, prompt)])
-            ready.set()
-            call("fork x8", client.step, [Fork(parent, f"{parent}-c{i}") for i in range(8)])
-            call("integrity check", client.integrity_problems)
-            call("dump", client.dump)
-            call("match prefix", router.match_prefix, "bench", prompt)
-            call("free", client.step, [Free(parent), *(Free(f"{parent}-c{i}") for i in range(8))])
+            for kind, call in client.round(i):
+                try:
+                    call()
+                    done[kind] += 1
+                except grpc.RpcError as err:  # refused is an answer too: count it
+                    done[f"{kind} refused ({err.code().name})"] += 1
+                ready.set()
+            i += 1
             counts.update(done)
     finally:
         ready.set()
         counts.update(done)
         client.close()
-        router.close()
 
 
 def run(args: argparse.Namespace, measure) -> dict:
@@ -115,7 +212,7 @@ def run(args: argparse.Namespace, measure) -> dict:
             proc = ctx.Process(
                 target=_neighbour,
                 args=((own or server).address, args.block_size, args.neighbour_blocks, args.neighbour_prompt,
-                      stop, ready, counts),
+                      args.neighbour_parses, stop, ready, counts),
                 daemon=True,
             )
             proc.start()
@@ -137,6 +234,7 @@ def run(args: argparse.Namespace, measure) -> dict:
         "neighbour_blocks": args.neighbour_blocks,
         "neighbour_prompt_tokens": args.neighbour_prompt,
         "neighbour_allocator": "own" if own is not None else "shared",
+        "neighbour_client": "parsing" if args.neighbour_parses else "prebuilt",
         "cpus": os.cpu_count(),
         "load_average_1m": round(os.getloadavg()[0], 2),
         "quiet": quiet,
@@ -152,7 +250,7 @@ def run(args: argparse.Namespace, measure) -> dict:
 def print_table(out: dict) -> None:
     print(f"Victim pool: {out['victim_seqs']} sequences per step, block size {out['block_size']}; "
           f"neighbour: {out['neighbour_blocks']:,} blocks, {out['neighbour_prompt_tokens']:,}-token admits "
-          f"({out['neighbour_allocator']} allocator process); "
+          f"({out['neighbour_allocator']} allocator process, {out['neighbour_client']} client); "
           f"{out['cpus']} CPUs, load average {out['load_average_1m']}")
     print(f"{'victim step latency':<28} {'p50 ms':>9} {'p99 ms':>9} {'mean ms':>9}")
     for name in ("quiet", "noisy"):

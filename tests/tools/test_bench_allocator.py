@@ -27,16 +27,17 @@ def test_bench_allocator_json():
     assert set(out["redis_overhead_p50"]) == {"1", "8"}
 
 
-@pytest.mark.parametrize("separate", [False, True])
-def test_noisy_neighbour_reports_both_phases(separate):
+@pytest.mark.parametrize("separate,parses", [(False, False), (True, False), (False, True)])
+def test_noisy_neighbour_reports_both_phases(separate, parses):
     """Both phases run against one real allocator (with --separate-neighbour
-    the neighbour has its own); the neighbour really sent every kind of
-    heavy request (answered or refused)."""
+    the neighbour has its own); the neighbour, prebuilt or parsing, really
+    sent every kind of heavy request and each was answered (a prebuilt
+    request with a wrong step id or credential would be refused)."""
     proc = subprocess.run(
         [sys.executable, "-m", "pagedkv", "bench", "allocator", "--noisy-neighbour", "--json",
          "--victim-seqs", "8", "--steps", "20", "--warmup", "2",
          "--neighbour-blocks", "2048", "--neighbour-prompt", "1024",
-         *(["--separate-neighbour"] if separate else [])],
+         *(["--separate-neighbour"] if separate else []), *(["--neighbour-parses"] if parses else [])],
         capture_output=True, text=True, timeout=180, check=True,
     )
     out = json.loads(proc.stdout)
@@ -44,5 +45,5 @@ def test_noisy_neighbour_reports_both_phases(separate):
         assert out[phase]["steps"] == 20 and 0 < out[phase]["p50_ms"] <= out[phase]["p99_ms"]
     assert out["p99_ratio"] == out["noisy"]["p99_ms"] / out["quiet"]["p99_ms"]
     assert out["neighbour_allocator"] == ("own" if separate else "shared")
-    kinds = {k.split(" refused")[0] for k in out["neighbour_requests"]}
-    assert kinds == {"admit", "fork x8", "integrity check", "dump", "match prefix", "free"}
+    assert out["neighbour_client"] == ("parsing" if parses else "prebuilt")
+    assert set(out["neighbour_requests"]) == {"admit", "fork x8", "integrity check", "dump", "match prefix", "free"}

@@ -1,0 +1,187 @@
+"""Per-pool CPU fair share of the allocator process.
+
+All pools share one interpreter. A pool whose calls are long and CPU-bound
+(32k-token admits, integrity checks, dumps of a 65,536-block pool) would
+otherwise run beside a worker's 0.5 ms decode Step for as long as it likes,
+and that Step waits for the interpreter behind it, again and again.
+
+So each call is charged to its tenant (the pool it names; `RegisterPool` to
+its worker id; cross-pool router calls to one tenant, `ROUTER`): the CPU
+time of the thread that serves it (`time.thread_time`), kept as a sum that
+decays with a time constant of `window_s` (the tenant's recent CPU use).
+When tenants contend, the one that used more waits for the one that used
+less: a call about to start, and a long call at each pause point of the
+core (`core/pacing.py`, between chunks of work), waits while a call of a
+tenant whose recent use is at least `slack_s` lower is in flight, so the
+heavy pool yields the interpreter to the light one and runs again once that
+call is answered. Like a CPU scheduler's fair share, nothing is refused
+and no result changes; a wait lasts at most `max_wait_s` at a time, and
+a tenant that waits uses no CPU, so its recent use falls until it is no
+longer the heavier one: none can be starved.
+
+Only pool calls make others wait; a router call does not (it takes every
+pool's lock in turn, and a pool waiting at a pause point holds its own).
+A call waits only where it holds no lock another pool's call needs: before
+it starts, and at pause points inside its own pool's work.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from allocator_service.core.pacing import pacing
+
+ROUTER = "(router)"
+
+
+class FairShare:
+    def __init__(
+        self,
+        window_s: float = 0.1,
+        slack_s: float = 0.002,
+        max_wait_s: float = 0.05,
+        *,
+        enabled: bool = True,
+        cpu: Callable[[], float] = time.thread_time,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not (window_s > 0 and slack_s >= 0 and max_wait_s > 0):
+            raise ValueError("window_s and max_wait_s must be positive, slack_s not negative")
+        self.window_s, self.slack_s, self.max_wait_s = window_s, slack_s, max_wait_s
+        # Recent use below this counts as idle (1% of the time).
+        self._floor = window_s / 100
+        self.enabled = enabled
+        self._cpu, self._clock = cpu, clock
+        self._cond = threading.Condition(threading.Lock())
+        # tenant -> [recent CPU seconds, clock time they were decayed to,
+        #            clock time of its last charge]
+        self._use: dict[str, list[float]] = {}
+        # tenant -> pool calls in flight (router calls make nobody wait)
+        self._running: dict[str, int] = {}
+        self._in_flight = 0
+        self._pruned_at = clock()
+        # What the metrics report (server-wide, so the series stay few).
+        self.waiting = 0  # calls waiting now
+        self.waits = 0
+        self.wait_seconds = 0.0
+        self.cpu_seconds = 0.0
+
+    # ------------------------------------------------------------- the rule
+    def _recent(self, tenant: str, now: float) -> float:
+        """`tenant`'s recent CPU seconds, decayed to `now` (lock held)."""
+        use = self._use.get(tenant)
+        if use is None:
+            return 0.0
+        if now > use[1]:
+            use[0] *= math.exp((use[1] - now) / self.window_s)
+            use[1] = now
+        return use[0]
+
+    def _delay(self, tenant: str) -> float:
+        """How long `tenant` should wait before it runs on (0: not at all;
+        lock held). Only while another tenant is active: it has a pool call
+        in flight or used CPU within the window."""
+        now = self._clock()
+        mine = self._recent(tenant, now)
+        others = [(t, self._recent(t, now)) for t in self._use if t != tenant]
+        active = sum(1 for t, use in others if self._running.get(t) or use > self._floor)
+        if not active:
+            return 0.0
+        # A lighter pool's call is in flight: until it is answered (notified).
+        if any(self._running.get(t) and use < mine - self.slack_s for t, use in others):
+            return self.max_wait_s
+        # Over its share of the interpreter: until its use decays to the share
+        # (a tenant using a fraction f of the time settles at f * window).
+        cap = self.window_s / (active + 1)
+        return self.window_s * math.log(mine / cap) if mine > cap else 0.0
+
+    def _wait(self, tenant: str) -> None:
+        """Wait as `_delay` says, at most `max_wait_s` in all (lock held)."""
+        delay = self._delay(tenant)
+        if delay <= 0:
+            return
+        t0 = self._clock()
+        waited = 0.0
+        self.waiting += 1
+        try:
+            while delay > 0 and waited < self.max_wait_s:
+                self._cond.wait(min(delay, self.max_wait_s - waited))
+                waited = self._clock() - t0
+                delay = self._delay(tenant)
+        finally:
+            self.waiting -= 1
+        self.waits += 1
+        self.wait_seconds += waited
+
+    def _charge(self, tenant: str, seconds: float) -> None:
+        """Add `seconds` of CPU to `tenant`'s recent use (lock held)."""
+        now = self._clock()
+        self._recent(tenant, now)
+        use = self._use.setdefault(tenant, [0.0, now, now])
+        use[0] += seconds
+        use[2] = now
+        self.cpu_seconds += seconds
+
+    def _forget_idle(self) -> None:
+        """Drop tenants with no call in flight whose use has decayed to
+        nothing (idle for 10 windows: under 1/20,000 of what it was), so the
+        table holds recent tenants only and a lone busy pool's pause points
+        take the fast path (lock held; at most once a window)."""
+        now = self._pruned_at = self._clock()
+        for tenant in [t for t, (_, _, charged) in self._use.items()
+                       if now - charged > 10 * self.window_s and not self._running.get(t)]:
+            del self._use[tenant]
+
+    # ------------------------------------------------------------ the calls
+    @contextmanager
+    def call(self, tenant: str, *, pool_call: bool = True) -> Iterator[None]:
+        """Run one call of `tenant` under the fair share: it may wait before
+        it starts and at the core's pause points; its CPU time is charged."""
+        if not self.enabled:
+            yield
+            return
+        cpu = self._cpu
+        mark = [cpu()]
+
+        def pace() -> None:
+            """At a pause point: charge the CPU so far, then maybe wait."""
+            if len(self._use) <= 1 and self._in_flight <= self._running.get(tenant, 0):
+                return  # no other tenant: nothing to yield to (read without the lock)
+            now = cpu()
+            with self._cond:
+                self._charge(tenant, now - mark[0])
+                self._wait(tenant)
+            mark[0] = cpu()
+
+        with self._cond:
+            self._wait(tenant)
+            if pool_call:
+                self._running[tenant] = self._running.get(tenant, 0) + 1
+                self._in_flight += 1
+        mark[0] = cpu()
+        try:
+            with pacing(pace):
+                yield
+        finally:
+            spent = cpu() - mark[0]
+            with self._cond:
+                self._charge(tenant, spent)
+                if pool_call:
+                    self._in_flight -= 1
+                    if self._running[tenant] == 1:
+                        del self._running[tenant]
+                    else:
+                        self._running[tenant] -= 1
+                    self._cond.notify_all()
+                if self._clock() - self._pruned_at > self.window_s:
+                    self._forget_idle()
+
+    def recent_cpu(self) -> dict[str, float]:
+        """Each tenant's recent CPU seconds (decayed to now)."""
+        with self._cond:
+            now = self._clock()
+            return {t: self._recent(t, now) for t in list(self._use)}

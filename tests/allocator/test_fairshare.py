@@ -1,0 +1,219 @@
+"""The per-pool CPU fair share (allocator_service/fairshare.py): a pool that
+used more CPU waits for a lighter pool's call, and over its share while pools
+contend; it is delayed, never refused, and its answers do not change. The
+core's long loops reach their pause points and give the same results with a
+pacer installed. No assertion on a duration."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from allocator_service.client import EmbeddedAllocator, PoolSpec
+from allocator_service.client.grpc_client import GrpcAllocator
+from allocator_service.core import Admit, BlockPool, Fork, Free, PoolConfig
+from allocator_service.core.hashing import chain_hashes, root_hash
+from allocator_service.core.pacing import Unpaced, pace, pacing
+from allocator_service.core.snapshot import dumps_chunked
+from allocator_service.fairshare import FairShare
+from tests.support.allocator import as_json, random_steps
+
+
+def _until(predicate, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"never {what}"
+        time.sleep(0.005)
+
+
+class FakeCpu:
+    """CPU seconds that advance only when a test says so."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_heavier_pool_waits_for_a_lighter_pools_call_and_then_runs():
+    cpu = FakeCpu()
+    # A window so long that nothing decays during the test; a wait bound
+    # long enough that only the lighter call's end can release the heavy one.
+    fair = FairShare(window_s=1000.0, max_wait_s=60.0, cpu=cpu)
+    with fair.call("heavy"):
+        cpu.now += 100.0  # the heavy pool's recent use: 100 s of CPU
+    with fair.call("light"):
+        cpu.now += 1.0
+    light_in, light_out, heavy_ran = threading.Event(), threading.Event(), threading.Event()
+    answers = []
+
+    def light() -> None:
+        with fair.call("light"):
+            light_in.set()
+            light_out.wait(30)
+
+    def heavy() -> None:
+        with fair.call("heavy"):
+            heavy_ran.set()
+            answers.append("heavy's answer")
+
+    a = threading.Thread(target=light)
+    a.start()
+    assert light_in.wait(30)
+    b = threading.Thread(target=heavy)
+    b.start()
+    _until(lambda: fair.waiting == 1, "waiting")
+    assert not heavy_ran.is_set()  # held while the lighter pool's call runs
+    light_out.set()
+    a.join(30)
+    b.join(30)
+    assert answers == ["heavy's answer"]  # delayed, never refused
+    assert fair.waits == 1 and fair.waiting == 0
+    # The lighter pool never waits for the heavier one.
+    heavy_in, heavy_out = threading.Event(), threading.Event()
+
+    def heavy_again() -> None:
+        with fair.call("heavy"):
+            heavy_in.set()
+            heavy_out.wait(30)
+
+    c = threading.Thread(target=heavy_again)
+    c.start()
+    assert heavy_in.wait(30)
+    with fair.call("light"):
+        pass
+    heavy_out.set()
+    c.join(30)
+    assert fair.waits == 1
+
+
+def test_over_its_share_a_pool_waits_at_most_the_bound_and_runs():
+    """Two active pools: one with 0.9 of the window's CPU is over its half
+    and waits (bounded by max_wait_s, then it runs); alone it never waits."""
+    cpu = FakeCpu()
+    fair = FairShare(window_s=1.0, max_wait_s=0.01, cpu=cpu)
+    with fair.call("alone"):
+        cpu.now += 0.9
+    with fair.call("alone"):
+        pass
+    assert fair.waits == 0  # no other tenant: no share to keep
+    with fair.call("other"):
+        cpu.now += 0.1
+    ran = []
+    with fair.call("alone"):
+        ran.append(True)
+    assert ran == [True] and fair.waits == 1 and fair.wait_seconds > 0
+    off = FairShare(enabled=False, cpu=cpu)
+    with off.call("x"):
+        cpu.now += 5
+    with off.call("y"):
+        pass
+    assert off.waits == 0 and off.recent_cpu() == {}
+
+
+def _busy_pool() -> BlockPool:
+    pool = BlockPool(PoolConfig(8192, 16, True, "m"))
+    tokens = list(range(16 * 2048))
+    pool.admit("p", tokens)
+    for i in range(3):
+        pool.fork("p", f"c{i}")
+    pool.admit("q", tokens[:1000])
+    pool.free("q")  # cached free blocks too
+    return pool
+
+
+def test_the_cores_long_loops_pause_and_give_the_same_results():
+    pool = _busy_pool()
+    plain = (pool.integrity_problems(), dumps_chunked(pool.to_state()),
+             chain_hashes(root_hash("m", 16), list(range(16 * 2048)), 16))
+    paused = []
+    with pacing(lambda: paused.append(1)):
+        integrity = pool.integrity_problems()
+        after_integrity = len(paused)
+        dumped = dumps_chunked(pool.to_state())
+        after_dump = len(paused)
+        hashes = chain_hashes(root_hash("m", 16), list(range(16 * 2048)), 16)
+    assert (integrity, dumped, hashes) == plain
+    assert plain[0] == []
+    assert after_integrity >= 8192 // 512  # every chunk of the block loops at least
+    assert after_dump - after_integrity >= 8192 // 512
+    assert len(paused) - after_dump >= 2048 // 64
+
+
+def test_no_pause_point_waits_under_the_mutation_lock():
+    """The service's mutation lock (`Unpaced`): while it is held, the
+    holder's pause points do nothing (a pool waiting there would hold up
+    every change); after it, they call the pacer again."""
+    lock, paused = Unpaced(), []
+    with pacing(lambda: paused.append(1)):
+        pace()
+        with lock:
+            pace()
+            _busy_pool().integrity_problems()
+        pace()
+    assert paused == [1, 1]
+    assert not lock._lock.locked()
+
+
+@pytest.fixture(scope="module")
+def server(allocator_server):
+    with allocator_server("--metrics-port", "0") as s:
+        yield s
+
+
+def _metric(text: str, name: str, labels: str = "") -> float:
+    m = re.search(rf"^pagedkv_allocator_{name}{re.escape(labels)} (\S+)$", text, re.M)
+    assert m, f"no {name}{labels}"
+    return float(m.group(1))
+
+
+def test_a_heavy_pool_beside_a_light_one_gets_the_same_answers(server):
+    """A light pool steps while a heavy one admits long prompts, forks them,
+    checks and dumps its pool, over and over, against a server with the fair
+    share on. Every answer of both equals the in-process core's, and the
+    server charged both pools' CPU (metrics)."""
+    heavy_spec = PoolSpec("fair-heavy", PoolConfig(8192, 16, True, "m"))
+    light_spec = PoolSpec("fair-light", PoolConfig(64, 4, True, "m"))
+    heavy, light = GrpcAllocator(server.address, heavy_spec), GrpcAllocator(server.address, light_spec)
+    heavy_core, light_core = EmbeddedAllocator(heavy_spec), EmbeddedAllocator(light_spec)
+    done = threading.Event()
+    light_steps = []
+
+    def light_loop() -> None:
+        while not done.is_set():
+            for ops in random_steps(seed=len(light_steps), steps=20):
+                light_steps.append((light.step(ops), light_core.step(ops)))
+
+    t = threading.Thread(target=light_loop)
+    t.start()
+    try:
+        for r in range(4):
+            prompt = [(r * 7919 + i) % 32000 for i in range(16 * 1024)]
+            for ops in ([Admit(f"p{r}", prompt)], [Fork(f"p{r}", f"p{r}-c{i}") for i in range(4)]):
+                assert heavy.step(ops) == heavy_core.step(ops)
+            assert heavy.integrity_problems() == []
+            assert heavy.dump() == as_json(heavy_core.pool.to_state())
+            ops = [Free(f"p{r}"), *(Free(f"p{r}-c{i}") for i in range(4))]
+            assert heavy.step(ops) == heavy_core.step(ops)
+    finally:
+        done.set()
+        t.join(60)
+    assert light_steps and all(got == want for got, want in light_steps)
+    assert light.dump() == as_json(light_core.pool.to_state())
+    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+    assert _metric(text, "fair_share_cpu_seconds_total") > 0
+    assert _metric(text, "fair_share_waiting") == 0
+    recent = {m.group(1): float(m.group(2)) for m in re.finditer(
+        r'^pagedkv_allocator_pool_recent_cpu_seconds\{pool_id="([^"]+)",worker_id="[^"]+"\} (\S+)$', text, re.M)}
+    assert set(recent) >= {heavy.pool_id, light.pool_id}
+    print("DRILL", json.dumps({"fair_share_waits": _metric(text, "fair_share_waits_total"),
+                               "fair_share_wait_seconds": _metric(text, "fair_share_wait_seconds_total"),
+                               "light_steps": len(light_steps)}))
+    heavy.close()
+    light.close()
