@@ -145,23 +145,38 @@ def _raise(exc: BaseException):
 
 class _StepStream:
     """One open StepStream call: a request put on the queue, its answer read
-    from the call, in order."""
+    from the call, in order, by a reader thread of the stream's own."""
 
     def __init__(self, stub, metadata) -> None:
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         # No timeout on the call: it lives as long as the client; each
         # step's deadline is the watchdog's (`GrpcAllocator._watch`).
         self._call = stub.StepStream(iter(self._requests.get, _END), metadata=metadata)
+        self._answers: queue.SimpleQueue = queue.SimpleQueue()
         self.sent_at = 0.0  # monotonic time the client began to wait for an answer (0: not waiting)
         self.timed_out = False
+        threading.Thread(target=self._read, name="allocator-step-stream", daemon=True).start()
+
+    def _read(self) -> None:
+        """Take each answer in as it arrives. NOTE: grpc receives a stream's
+        next message only while someone waits in `next(call)`; waiting here
+        at all times means an answer to a step sent ahead is in before the
+        worker asks for it (read in `next` at collection time, it cost the
+        engine thread a round trip with grpc's threads: ~0.1 ms a step)."""
+        try:
+            for response in self._call:
+                self._answers.put(response)
+            self._answers.put(_END)
+        except grpc.RpcError as err:
+            self._answers.put(err)
 
     def send(self, request: pb.StepRequest) -> pb.StepResponse:
         self.put(request)
         return self.get()
 
     def put(self, request: pb.StepRequest) -> None:
-        """Send a step without waiting: grpc's own threads send it and
-        receive the answer, which `get` reads."""
+        """Send a step without waiting: grpc's threads send it, the reader
+        takes the answer in, `get` returns it."""
         self._requests.put(request)
 
     def get(self) -> pb.StepResponse:
@@ -171,18 +186,20 @@ class _StepStream:
         delay."""
         self.sent_at = time.monotonic()
         try:
-            return next(self._call)
-        except StopIteration:
-            raise _StreamBroken(grpc.StatusCode.UNAVAILABLE, "the step stream ended without an answer") from None
-        except grpc.RpcError as err:
-            if self.timed_out:
-                raise _StreamBroken(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                    "no answer on the step stream within the deadline") from err
-            if err.code() == grpc.StatusCode.CANCELLED:  # not by us: the connection or the server went
-                raise _StreamBroken(grpc.StatusCode.UNAVAILABLE, f"the step stream was cut: {err.details()}") from err
-            raise
+            answer = self._answers.get()
         finally:
             self.sent_at = 0.0
+        if type(answer) is pb.StepResponse:
+            return answer
+        if answer is _END:
+            raise _StreamBroken(grpc.StatusCode.UNAVAILABLE, "the step stream ended without an answer")
+        err: grpc.RpcError = answer
+        if self.timed_out:
+            raise _StreamBroken(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                "no answer on the step stream within the deadline") from err
+        if err.code() == grpc.StatusCode.CANCELLED:  # not by us: the connection or the server went
+            raise _StreamBroken(grpc.StatusCode.UNAVAILABLE, f"the step stream was cut: {err.details()}") from err
+        raise err
 
     def cut(self) -> None:
         """Cancel the call (the watchdog: its step is past the deadline)."""
