@@ -41,9 +41,10 @@ or an older server without the method) gets unary Steps from then on.
 
 Async scheduling sends a step with `send_step` and collects its answer
 later on the same (engine) thread: the request is queued on the stream (or
-started as a grpc future, unary) and grpc's own threads carry it, so the
-worker runs no Python thread of its own per call (each one that wakes
-during the forward pass takes the interpreter from it). A failure read at
+started as a grpc future, unary), grpc's threads carry it and the stream's
+reader takes the answer in, so no thread wakes just to make the call (each
+Python thread that wakes during the forward pass takes the interpreter from
+it). A failure read at
 collection time takes the retry path above, with the same step id. On the
 stream the deadline counts from when the worker starts waiting for the
 answer.
