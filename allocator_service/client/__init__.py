@@ -13,12 +13,11 @@ from allocator_service.client.base import (
     AllocatorClient,
     AllocatorUnavailable,
     EmbeddedAllocator,
-    PendingStep,
     PoolLost,
     PoolSpec,
 )
 
-__all__ = ["AllocatorClient", "AllocatorUnavailable", "EmbeddedAllocator", "PendingStep", "PoolLost", "PoolSpec", "connect"]
+__all__ = ["AllocatorClient", "AllocatorUnavailable", "EmbeddedAllocator", "PoolLost", "PoolSpec", "connect"]
 
 
 def connect(target: str, spec: PoolSpec, **options) -> AllocatorClient:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,44 +50,6 @@ class PoolSpec:
     served_model_name: str = ""
 
 
-class PendingStep:
-    """A step sent and not yet collected (`AllocatorClient.send_step`):
-    `result()` waits for its answer, or raises what the call raised, once
-    and then again on every later call; `done()` says whether it has been
-    collected."""
-
-    __slots__ = ("_answer", "_results", "_error")
-
-    def __init__(self, answer: Callable[[], StepResults]) -> None:
-        self._answer: Callable[[], StepResults] | None = answer
-        self._results: StepResults | None = None
-        self._error: BaseException | None = None
-
-    @classmethod
-    def applied(cls, answer: Callable[[], StepResults]) -> PendingStep:
-        """A step answered at once (the embedded core): `answer` runs now."""
-        pending = cls(answer)
-        pending._collect()
-        return pending
-
-    def done(self) -> bool:
-        return self._answer is None
-
-    def _collect(self) -> None:
-        answer, self._answer = self._answer, None
-        try:
-            self._results = answer()
-        except Exception as exc:  # noqa: BLE001 - raised by result(), where the answer is collected
-            self._error = exc
-
-    def result(self) -> StepResults:
-        if self._answer is not None:
-            self._collect()
-        if self._error is not None:
-            raise self._error
-        return self._results
-
-
 class AllocatorClient(abc.ABC):
     """One worker's view of its pool. Not thread-safe: the engine loop calls it."""
 
@@ -98,14 +60,6 @@ class AllocatorClient(abc.ABC):
         """Apply one scheduler step (frees first); results in the given order:
         a sequence of `OpResult`s read from columns (`StepResults`), so a
         256-operation step builds no object per operation unless asked."""
-
-    def send_step(self, ops: Sequence[Op]) -> PendingStep:
-        """`step`, split in two for async scheduling: send now, collect the
-        answer with `result()` later (after the forward pass that runs
-        meanwhile). Nothing else may call the client in between. This one
-        applies the step at once; a remote client only sends it, so the
-        worker pays neither a thread nor a wait for the call."""
-        return PendingStep.applied(lambda: self.step(ops))
 
     @abc.abstractmethod
     def stats(self) -> PoolStats: ...

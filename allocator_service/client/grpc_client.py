@@ -38,16 +38,6 @@ watchdog thread (within a quarter of the deadline, at most 0.25 s late):
 it cancels the stream, and the step is retried as DEADLINE_EXCEEDED. A
 server that refuses the stream (every one of its `max_step_streams` taken,
 or an older server without the method) gets unary Steps from then on.
-
-Async scheduling sends a step with `send_step` and collects its answer
-later on the same (engine) thread: the request is queued on the stream (or
-started as a grpc future, unary), grpc's threads carry it and the stream's
-reader takes the answer in, so no thread wakes just to make the call (each
-Python thread that wakes during the forward pass takes the interpreter from
-it). A failure read at
-collection time takes the retry path above, with the same step id. On the
-stream the deadline counts from when the worker starts waiting for the
-answer.
 """
 
 from __future__ import annotations
@@ -59,18 +49,11 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from functools import partial
 from typing import Any, NamedTuple
 
 import grpc
 
-from allocator_service.client.base import (
-    AllocatorClient,
-    AllocatorUnavailable,
-    PendingStep,
-    PoolLost,
-    PoolSpec,
-)
+from allocator_service.client.base import AllocatorClient, AllocatorUnavailable, PoolLost, PoolSpec
 from allocator_service.codec import decode_results, fill_ops, shape_to_proto, stats_from_proto
 from allocator_service.core import (
     InvalidArgument,
@@ -140,67 +123,34 @@ class _StreamBroken(grpc.RpcError):
 _END = object()  # ends a step stream's request iterator
 
 
-def _raise(exc: BaseException):
-    raise exc
-
-
 class _StepStream:
     """One open StepStream call: a request put on the queue, its answer read
-    from the call, in order, by a reader thread of the stream's own."""
+    from the call, in order."""
 
     def __init__(self, stub, metadata) -> None:
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         # No timeout on the call: it lives as long as the client; each
         # step's deadline is the watchdog's (`GrpcAllocator._watch`).
         self._call = stub.StepStream(iter(self._requests.get, _END), metadata=metadata)
-        self._answers: queue.SimpleQueue = queue.SimpleQueue()
-        self.sent_at = 0.0  # monotonic time the client began to wait for an answer (0: not waiting)
+        self.sent_at = 0.0  # monotonic time the step in flight was sent (0: none)
         self.timed_out = False
-        threading.Thread(target=self._read, name="allocator-step-stream", daemon=True).start()
-
-    def _read(self) -> None:
-        """Take each answer in as it arrives. NOTE: grpc receives a stream's
-        next message only while someone waits in `next(call)`; waiting here
-        at all times means an answer to a step sent ahead is in before the
-        worker asks for it (read in `next` at collection time, it cost the
-        engine thread a round trip with grpc's threads: ~0.1 ms a step)."""
-        try:
-            for response in self._call:
-                self._answers.put(response)
-            self._answers.put(_END)
-        except grpc.RpcError as err:
-            self._answers.put(err)
 
     def send(self, request: pb.StepRequest) -> pb.StepResponse:
-        self.put(request)
-        return self.get()
-
-    def put(self, request: pb.StepRequest) -> None:
-        """Send a step without waiting: grpc's threads send it, the reader
-        takes the answer in, `get` returns it."""
-        self._requests.put(request)
-
-    def get(self) -> pb.StepResponse:
-        """The answer to the step put last. NOTE: the deadline counts from
-        here, not from `put`: a step sent ahead is answered while the worker
-        computes, and what the worker does meanwhile is not the allocator's
-        delay."""
         self.sent_at = time.monotonic()
+        self._requests.put(request)
         try:
-            answer = self._answers.get()
+            return next(self._call)
+        except StopIteration:
+            raise _StreamBroken(grpc.StatusCode.UNAVAILABLE, "the step stream ended without an answer") from None
+        except grpc.RpcError as err:
+            if self.timed_out:
+                raise _StreamBroken(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    "no answer on the step stream within the deadline") from err
+            if err.code() == grpc.StatusCode.CANCELLED:  # not by us: the connection or the server went
+                raise _StreamBroken(grpc.StatusCode.UNAVAILABLE, f"the step stream was cut: {err.details()}") from err
+            raise
         finally:
             self.sent_at = 0.0
-        if type(answer) is pb.StepResponse:
-            return answer
-        if answer is _END:
-            raise _StreamBroken(grpc.StatusCode.UNAVAILABLE, "the step stream ended without an answer")
-        err: grpc.RpcError = answer
-        if self.timed_out:
-            raise _StreamBroken(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                "no answer on the step stream within the deadline") from err
-        if err.code() == grpc.StatusCode.CANCELLED:  # not by us: the connection or the server went
-            raise _StreamBroken(grpc.StatusCode.UNAVAILABLE, f"the step stream was cut: {err.details()}") from err
-        raise err
 
     def cut(self) -> None:
         """Cancel the call (the watchdog: its step is past the deadline)."""
@@ -369,43 +319,6 @@ class GrpcAllocator(AllocatorClient):
 
     # ------------------------------------------------------ AllocatorClient
     def step(self, ops: Sequence[Op]) -> StepResults:
-        request = self._step_request(ops)
-        response = self._pool_call("Step", request, via=self._send_on_stream if self._use_stream else None)
-        return self._answered_with(request, response, len(ops))
-
-    def send_step(self, ops: Sequence[Op]) -> PendingStep:
-        """Send the step now and read its answer in `result()`: on the step
-        stream the request is only queued (grpc's threads send it and take
-        the answer in), unary it is a grpc future. The first attempt is the
-        one sent here; a failure read in `result()` takes `step`'s retry
-        path with the same step id."""
-        try:
-            request = self._step_request(ops)
-        except InvalidArgument as exc:
-            return PendingStep.applied(partial(_raise, exc))  # raised where it is collected
-        first: Callable[[], pb.StepResponse] | None
-        if self._use_stream:
-            stream = self._open_stream()
-            stream.put(request)
-            first = lambda: self._on_stream(stream, request, stream.get)  # noqa: E731
-        else:
-            first = self._call.stub.Step.future(request, timeout=self._call.deadline_s,
-                                                metadata=self._call.metadata).result
-
-        def attempt(req: pb.StepRequest) -> pb.StepResponse:
-            nonlocal first
-            if first is not None:
-                sent, first = first, None
-                return sent()
-            return self._send_on_stream(req) if self._use_stream else self._unary_step(req)
-
-        return PendingStep(lambda: self._answered_with(request, self._pool_call("Step", request, via=attempt),
-                                                       len(ops)))
-
-    def _step_request(self, ops: Sequence[Op]) -> pb.StepRequest:
-        """The request for `ops`: the pending step's (its step id) when they
-        are the operations of a step whose outcome is unknown, else the next
-        step id."""
         request = pb.StepRequest(pool=self._ref, prev_step_id=self._answered)
         try:
             fill_ops(request.ops, step_columns(ops))  # in place: no copy of the columns
@@ -418,42 +331,28 @@ class GrpcAllocator(AllocatorClient):
             self._step_id += 1
             request.step_id = self._step_id
         self._pending = request
-        return request
-
-    def _answered_with(self, request: pb.StepRequest, response: pb.StepResponse, num_ops: int) -> StepResults:
+        response = self._pool_call("Step", request, via=self._send_on_stream if self._use_stream else None)
         self._pending = None
         self._answered = request.step_id
-        return decode_results(response, num_ops)
+        return decode_results(response, len(ops))
 
     # ----------------------------------------------------------- the stream
-    def _open_stream(self) -> _StepStream:
-        """The step stream, opened on first use and after a failure."""
+    def _send_on_stream(self, request: pb.StepRequest) -> pb.StepResponse:
+        """One step on the step stream, opened on first use and after a
+        failure. Any failure drops the stream and is raised for the caller's
+        retry; a refused stream sends this and every later step unary."""
+        if not self._use_stream:  # refused earlier in this call's retries
+            return self._unary_step(request)
         stream = self._stream
         if stream is None:
             stream = self._stream = _StepStream(self._call.stub, self._call.metadata)
             if self._watchdog is None:
                 self._watchdog = threading.Thread(target=self._watch, name="allocator-step-watchdog", daemon=True)
                 self._watchdog.start()
-        return stream
-
-    def _send_on_stream(self, request: pb.StepRequest) -> pb.StepResponse:
-        """One step on the step stream. Any failure drops the stream and is
-        raised for the caller's retry; a refused stream sends this and every
-        later step unary."""
-        if not self._use_stream:  # refused earlier in this call's retries
-            return self._unary_step(request)
-        stream = self._open_stream()
-        return self._on_stream(stream, request, lambda: stream.send(request))
-
-    def _on_stream(self, stream: _StepStream, request: pb.StepRequest,
-                   answer: Callable[[], pb.StepResponse]) -> pb.StepResponse:
-        """`answer()`, the stream's answer to `request`, with the failures
-        of a stream handled (see `_send_on_stream`)."""
         try:
-            return answer()
+            return stream.send(request)
         except grpc.RpcError as err:
-            if self._stream is stream:
-                self._stream = None
+            self._stream = None
             stream.close()
             code = err.code()
             if code == grpc.StatusCode.UNIMPLEMENTED or (

@@ -52,37 +52,6 @@ def test_stalled_server_retried_steps_apply_once(allocator_server, step_stream):
         worker.close()
 
 
-@pytest.mark.parametrize("step_stream", [True, False], ids=["stream", "unary"])
-def test_steps_sent_ahead_answer_as_steps_and_retry_with_their_step_id(allocator_server, step_stream):
-    """`send_step` (async scheduling) sends now and answers at `result()`:
-    the answers of `step`. A step sent ahead to a frozen server is collected
-    as AllocatorUnavailable; sent again with the same operations, it keeps
-    its step id and is applied once."""
-    steps = random_steps(seed=22, steps=12)
-    reference = EmbeddedAllocator(SPEC)
-    with allocator_server() as server:
-        worker = GrpcAllocator(server.address, SPEC, deadline_s=0.3, retries=2, backoff_s=0.01,
-                               step_stream=step_stream)
-        for ops in steps[:6]:
-            pending = worker.send_step(ops)
-            assert not pending.done()
-            assert pending.result() == reference.step(ops)
-            assert pending.done()
-        freeze(server.proc.pid)
-        try:
-            pending = worker.send_step(steps[6])
-            with pytest.raises(AllocatorUnavailable):
-                pending.result()
-        finally:
-            os.kill(server.proc.pid, signal.SIGCONT)
-        worker._call.deadline_s = 5
-        assert worker.send_step(steps[6]).result() == reference.step(steps[6])
-        for ops in steps[7:]:
-            assert worker.send_step(ops).result() == reference.step(ops)
-        assert worker.dump() == as_json(reference.pool.to_state())
-        worker.close()
-
-
 def test_restart_without_durable_state_is_pool_lost(allocator_server):
     with allocator_server() as server:
         worker = connect(server.address, SPEC, retries=40, backoff_s=0.02)
@@ -103,9 +72,6 @@ def test_unencodable_tokens_are_invalid_argument(allocator_server):
             worker.step([Admit("a", [-1])])
         with pytest.raises(InvalidArgument):
             worker.step([Append("a", [2**32])])
-        pending = worker.send_step([Append("a", [2**32])])  # raised where it is collected
-        with pytest.raises(InvalidArgument):
-            pending.result()
         assert worker.step([Admit("a", [1])])[0].ok  # nothing was sent, ids still in order
         worker.close()
 

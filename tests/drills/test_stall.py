@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from allocator_service.client import AllocatorUnavailable, EmbeddedAllocator, PendingStep, PoolSpec
+from allocator_service.client import AllocatorUnavailable, EmbeddedAllocator, PoolSpec
 from allocator_service.client.grpc_client import GrpcAllocator
 from allocator_service.core import PoolConfig
 from tests.support.allocator import as_json
@@ -103,19 +103,6 @@ class Recording(GrpcAllocator):
         # a copy: an Admit's token list is the sequence's own, which grows
         self.accepted.append((copy.deepcopy(list(ops)), results))
         return results
-
-    def send_step(self, ops):
-        """A step sent ahead (async scheduling): recorded when its answer is
-        collected; a failed one is sent again through `step`."""
-        pending = super().send_step(ops)
-        sent = copy.deepcopy(list(ops))
-
-        def answer():
-            results = pending.result()
-            self.accepted.append((sent, results))
-            return results
-
-        return PendingStep(answer)
 
 
 def test_frozen_then_killed_allocator_with_redis_state(tiny, prompts, reference, allocator_server, redis_store):

@@ -56,13 +56,14 @@ import bisect
 import time
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import chain
 
 from allocator_service.client import (
     AllocatorClient,
     AllocatorUnavailable,
-    PendingStep,
+    EmbeddedAllocator,
     PoolLost,
 )
 from allocator_service.core import Admit, Append, Fork, Free, Op, OpResult, StepResults, blocks_for
@@ -122,7 +123,7 @@ class _InFlight:
 
     plan: _StepPlan
     batch: Batch
-    pending: PendingStep
+    future: Future
 
 
 def _priority_key(seq: Sequence) -> tuple[int, float]:
@@ -152,12 +153,15 @@ class Scheduler:
         self.on_preempt = on_preempt
         self.health = AllocatorHealth()
         self.async_scheduling = async_scheduling
-        # NOTE: the call sent ahead is the client's to carry (`send_step`):
-        # a remote one only queues it (grpc's threads send it and take the
-        # answer in while the forward pass runs), the embedded core applies
-        # it at once. No thread of the scheduler's own: each Python thread
-        # that wakes during the forward pass takes the interpreter from it.
         self._inflight: _InFlight | None = None
+        # A remote call waits on the network and the server: it runs on one
+        # thread of its own while the forward pass runs. The embedded core is
+        # pure Python that holds the GIL throughout, so a thread would only
+        # interleave it with the forward pass: it runs inline, still planned
+        # and applied a step ahead (the same rules, whichever client).
+        self._executor: ThreadPoolExecutor | None = None
+        if async_scheduling and not isinstance(allocator, EmbeddedAllocator):
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="allocator-call")
 
     # ---------------------------------------------------------------- queues
     def add(self, seq: Sequence) -> None:
@@ -191,7 +195,7 @@ class Scheduler:
         # it, so nothing else (an idle probe) calls the client meanwhile.
         inflight = self._inflight
         return bool(self.waiting or self.running or self._to_free or self.forking or self._free_later
-                    or (inflight and (not inflight.pending.done() or inflight.plan.running
+                    or (inflight and (not inflight.future.done() or inflight.plan.running
                                       or inflight.plan.admitting or inflight.plan.forks)))
 
     # ------------------------------------------------------------------ step
@@ -224,27 +228,36 @@ class Scheduler:
         if not plan.ops:
             return False
         t0 = time.perf_counter()
-        pending = self.allocator.send_step(plan.ops)
+        if self._executor is None:
+            future: Future = Future()
+            try:
+                future.set_result(self._send(plan.ops))
+            except BaseException as exc:  # noqa: BLE001 - raised where the answer is collected
+                future.set_exception(exc)
+        else:
+            future = self._executor.submit(self._send, plan.ops)
         batch.allocator_seconds += time.perf_counter() - t0
-        self._inflight = _InFlight(plan, batch, pending)
+        self._inflight = _InFlight(plan, batch, future)
         return True
 
     def _collect(self, inflight: _InFlight) -> None:
         """Wait for a call sent ahead and apply its answer (the time waited is
         what the step pays for the allocator)."""
         batch = inflight.batch
-        results = self._received(lambda: self._send(inflight.plan.ops, inflight.pending), batch)
+        results = self._received(lambda: inflight.future.result(), batch)
         if results is not None:
             self._apply_results(inflight.plan, results, batch)
 
     def close(self) -> None:
-        """Wait for a call in flight (its answer is dropped)."""
+        """Wait for a call in flight (its answer is dropped) and stop the call thread."""
         inflight, self._inflight = self._inflight, None
         if inflight is not None:
             try:
-                inflight.pending.result()
+                inflight.future.result()
             except Exception:  # noqa: BLE001, S110 - closing: nothing more to compute
                 pass
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
 
     def _plan(self, batch: Batch, ahead: frozenset) -> _StepPlan:
         """One step's operations, against the exact count of free blocks."""
@@ -456,17 +469,16 @@ class Scheduler:
     def _call(self, ops: list[Op], batch: Batch):
         return self._received(lambda: self._send(ops), batch)
 
-    def _send(self, ops: list[Op], pending: PendingStep | None = None) -> StepResults:
-        """Send the step until it is answered; `pending`: its first attempt,
-        sent ahead (async scheduling), collected here."""
+    def _send(self, ops: list[Op]) -> list[OpResult]:
+        """Send the step until it is answered (on the call thread, with async
+        scheduling and a remote allocator)."""
         pause = self.stall_backoff_s[0]
         health = self.health
         while True:
-            health.call_started()  # (a step sent ahead: from when the engine waits for it)
+            health.call_started()
             try:
-                results = pending.result() if pending is not None else self.allocator.step(ops)
+                results = self.allocator.step(ops)
             except AllocatorUnavailable:
-                pending = None
                 health.unanswered()
                 time.sleep(pause)
                 if self.on_stall is not None:
