@@ -54,7 +54,7 @@ class StepColumns(NamedTuple):
     kinds: list[int]  # one per operation: FREE, APPEND, ADMIT or FORK
     seq_ids: list[str]  # one per operation: the sequence (FORK: the parent)
     num_tokens: list[int]  # one per operation: its tokens (0 for FREE and FORK)
-    tokens: list[int]  # every operation's tokens, concatenated in order
+    tokens: Sequence[int]  # every operation's tokens, concatenated in order (a list, or the wire's field)
     salts: list[str | None]  # one per ADMIT: its cache_salt
     num_new_tokens: list[int | None]  # one per ADMIT: chunked prefill bound (None: all)
     children: list[str]  # one per FORK: the child's sequence id
@@ -64,7 +64,9 @@ class StepColumns(NamedTuple):
 
 
 class StepResult(NamedTuple):
-    """A step's results as columns, named as the wire's `StepResponse` fields."""
+    """A step's results as columns, named as the wire's `StepResponse` fields
+    (lists from `run_step`; a gRPC client's are the response's own repeated
+    fields, read in place: sequences that compare equal to the lists)."""
 
     errors: list[int]  # one per operation: 0, or ERROR_NUMBER of why it failed
     keep: list[int]  # one per operation: entries of the old table kept
