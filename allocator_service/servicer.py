@@ -10,6 +10,7 @@ INVALID_ARGUMENT in the same error path as everything else.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -45,7 +46,8 @@ def watched_kinds(kinds) -> frozenset[str] | None:
         return None
     unknown = [k for k in kinds if k not in _KIND_NAME and k != pb.KV_EVENT_KIND_RESYNC_REQUIRED]
     if unknown:
-        raise BadRequest(f"kinds: {unknown} are not event kinds (KvEventKind values 1 to 6)")
+        raise BadRequest(f"kinds: {unknown} are not event kinds (one of "
+                         f"{sorted(k for k in pb.KvEventKind.values() if k != pb.KV_EVENT_KIND_UNSPECIFIED)})")
     return frozenset(_KIND_NAME[k] for k in kinds if k in _KIND_NAME)
 
 
@@ -241,9 +243,9 @@ def allocator_handler(service: AllocatorService) -> grpc.GenericRpcHandler:
         elif method.server_streaming:
             make, wrap = grpc.unary_stream_rpc_method_handler, _stream
         else:
-            make, wrap = grpc.unary_unary_rpc_method_handler, _unary
+            make, wrap = grpc.unary_unary_rpc_method_handler, functools.partial(_unary, fair=service.fair)
         handlers[method.name] = make(
-            wrap(method.name, fn, service.fair) if wrap is _unary else wrap(method.name, fn),
+            wrap(method.name, fn),
             request_deserializer=_safe_parser(request_cls),
             response_serializer=response_cls.SerializeToString,
         )

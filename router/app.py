@@ -251,32 +251,26 @@ class Router:
             upstream = await asyncio.wait_for(
                 self.http.post(worker.url + path, data=body, headers=headers), self.first_byte_timeout)
             if upstream.status in RETRY_STATUSES:
-                raise _Skip("unavailable", f"it answered {upstream.status}")
-            if stream and upstream.content_type == "text/event-stream":
-                return upstream, None
-            whole = await upstream.read()
-        except _Skip:
-            self._give_up(worker, upstream)
-            raise
+                skip = _Skip("unavailable", f"it answered {upstream.status}")
+            elif stream and upstream.content_type == "text/event-stream":
+                return upstream, None  # still in flight: the relay ends it
+            else:
+                whole = await upstream.read()  # read whole: the connection goes back to the pool
+                self._leave(worker)
+                return upstream, whole
         except aiohttp.ClientError as exc:  # before TimeoutError: a connect timeout is one of these
-            self._give_up(worker, upstream)
-            raise _Skip("unreachable", type(exc).__name__) from None
+            skip = _Skip("unreachable", type(exc).__name__)
         except TimeoutError:
-            self._give_up(worker, upstream)
-            raise _Skip("timeout", f"no answer within {self.first_byte_timeout:g} s") from None
+            skip = _Skip("timeout", f"no answer within {self.first_byte_timeout:g} s")
         except BaseException:
             if upstream is not None:
                 upstream.close()
             self._leave(worker)
             raise
-        upstream.release()
-        self._leave(worker)
-        return upstream, whole
-
-    def _give_up(self, worker: Worker, upstream: aiohttp.ClientResponse | None) -> None:
         if upstream is not None:
             upstream.close()
         self._leave(worker, down=True)
+        raise skip
 
     @staticmethod
     def _answer_headers(worker: Worker, upstream: aiohttp.ClientResponse, cached: int,

@@ -41,6 +41,7 @@ import json
 import random
 import statistics
 import time
+from collections import Counter
 from typing import Any
 
 POLICIES = ("kv", "least-load", "round-robin")
@@ -166,9 +167,7 @@ def _pct(values: list[float], q: float) -> float | None:
 def _figures(results: list[dict], wall: float, hit: float, queried: float) -> dict[str, Any]:
     ok = [r for r in results if "error" not in r]
     ttft = [r["ttft"] for r in ok]
-    per_worker: dict[str, int] = {}
-    for r in ok:
-        per_worker[r["worker"]] = per_worker.get(r["worker"], 0) + 1
+    per_worker = Counter(r["worker"] for r in ok)
     return {
         "requests": len(results),
         "errors": len(results) - len(ok),
