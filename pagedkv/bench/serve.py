@@ -51,7 +51,10 @@ process over gRPC (memory state), and one journaling to a private
 engine step, the time per output token (per request: from its first token to
 its last, over its tokens after the first; the mean over requests), the time
 a step waited for the allocator, and its tokens/s as a ratio to embedded's
-(with the same scheduling). `--no-async-scheduling` runs every engine with the
+(with the same scheduling): the best round's over embedded's best, and
+`ratio_to_embedded_paired_median`, each round's ratio to embedded's round of
+the same pass (the order of systems rotates from round to round), the median
+over rounds. `--no-async-scheduling` runs every engine with the
 allocator call on the critical path; `--compare-async-scheduling` runs every
 allocator both ways, interleaved, side by side.
 
@@ -766,7 +769,9 @@ def _run_allocators(args: argparse.Namespace, loaded, prompts: list[list[int]], 
                    f"{torch.get_num_threads()} threads, {args.repeats} round(s) of {', '.join(k for k, _, _ in runs)}")
         rounds: dict[str, list[dict[str, Any]]] = {key: [] for key, _, _ in runs}
         for r in range(args.repeats):
-            for key, name, on in runs:
+            # Each round starts with the next system: no allocator is always
+            # the one that runs right after another's teardown.
+            for key, name, on in runs[r % len(runs):] + runs[:r % len(runs)]:
                 before = _cpu_snapshot()
                 result = _run_engine(loaded, prompts, args, num_blocks, args.enable_prefix_caching,
                                      allocator=addresses[name], async_scheduling=on, sample_kv=False)
@@ -787,6 +792,12 @@ def _run_allocators(args: argparse.Namespace, loaded, prompts: list[list[int]], 
         result["outputs_match_first"] = sum(a == b for a, b in zip(result.pop("_outputs"), reference, strict=True))
         base = systems.get("embedded" + ("" if result["async_scheduling"] else "_sync"))
         result["ratio_to_embedded"] = round(result["tokens_per_s"] / base["tokens_per_s"], 3) if base else None
+        # Paired: each round against embedded's round of the same pass (they
+        # ran back to back), the median over rounds; steadier than the ratio
+        # of two best rounds when the machine's speed drifts between rounds.
+        result["ratio_to_embedded_paired_median"] = (
+            round(statistics.median(a / b for a, b in zip(result["tokens_per_s_rounds"], base["tokens_per_s_rounds"],
+                                                           strict=True)), 3) if base else None)
         sync = systems.get(f"{result['allocator']}_sync")
         result["async_vs_sync"] = (round(result["tokens_per_s"] / sync["tokens_per_s"], 3)
                                    if sync is not None and result["async_scheduling"] else None)
@@ -813,18 +824,20 @@ def _print_allocator_table(report: dict[str, Any]) -> None:
         f"bench serve --allocator: {report['model']} fp32, {report['threads']} threads; {w['requests']} requests x "
         f"{w['max_tokens']} tokens; pool {pool['num_blocks']} x {pool['block_size']} slots, prefix caching "
         f"{'on' if pool['prefix_caching'] else 'off'}"))
-    for column in ("allocator", "async", "tokens/s", "/ embedded", "ms/step", "TPOT ms", "wait ms/step",
+    for column in ("allocator", "async", "tokens/s", "/ embedded", "paired", "ms/step", "TPOT ms", "wait ms/step",
                    "async/sync", "outputs"):
         table.add_column(column, justify="left" if column == "allocator" else "right")
     for s in report["systems"].values():
         table.add_row(s["allocator"], "on" if s["async_scheduling"] else "off", _fmt(s["tokens_per_s"]),
-                      _fmt(s["ratio_to_embedded"]), _fmt(s["mean_step_ms"]), _fmt(s["tpot_ms"]),
+                      _fmt(s["ratio_to_embedded"]), _fmt(s["ratio_to_embedded_paired_median"]),
+                      _fmt(s["mean_step_ms"]), _fmt(s["tpot_ms"]),
                       _fmt(s["allocator_wait_ms_per_step"]), _fmt(s["async_vs_sync"]),
                       f"{s['outputs_match_first']}/{w['requests']}")
     console = Console()
     console.print(table)
-    console.print("wait: the time a step waited for the allocator's answer; outputs: requests whose greedy "
-                  f"tokens equal {report['first_system']}'s")
+    console.print("/ embedded: best round over embedded's best; paired: the median over rounds of each round's "
+                  "ratio to embedded's round; wait: the time a step waited for the allocator's answer; outputs: "
+                  f"requests whose greedy tokens equal {report['first_system']}'s")
     for s in report["systems"].values():
         console.print(f"{s['system']}: tokens/s of every round {_fmt(s['tokens_per_s_rounds'])}, other processes "
                       f"took {_fmt(s['other_cpu_share'])} of the CPU in the best")

@@ -110,6 +110,9 @@ def test_through_each_allocator_async_on_and_off():
     assert systems["embedded"]["ratio_to_embedded"] == systems["embedded_sync"]["ratio_to_embedded"] == 1.0
     assert systems["grpc"]["ratio_to_embedded"] == round(
         systems["grpc"]["tokens_per_s"] / systems["embedded"]["tokens_per_s"], 3)
+    # one round: the paired median is that round's own ratio
+    assert systems["embedded"]["ratio_to_embedded_paired_median"] == 1.0
+    assert systems["grpc"]["ratio_to_embedded_paired_median"] == systems["grpc"]["ratio_to_embedded"]
 
 
 @pytest.mark.parametrize("args, message", [
