@@ -43,6 +43,8 @@ def test_noisy_neighbour_reports_both_phases(separate, parses):
     out = json.loads(proc.stdout)
     for phase in ("quiet", "noisy"):
         assert out[phase]["steps"] == 20 and 0 < out[phase]["p50_ms"] <= out[phase]["p99_ms"]
+        # the allocator's own timing of the victim's steps, read from its /metrics
+        assert 0 < out[phase]["server_p50_le_ms"] <= out[phase]["server_p99_le_ms"]
     assert out["p99_ratio"] == out["noisy"]["p99_ms"] / out["quiet"]["p99_ms"]
     assert out["neighbour_allocator"] == ("own" if separate else "shared")
     assert out["neighbour_client"] == ("parsing" if parses else "prebuilt")
