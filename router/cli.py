@@ -131,7 +131,6 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from router.app import create_app
-    from worker.server.http_protocol import CoalescingH11Protocol
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     router = build_router(args)
@@ -139,8 +138,7 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(router, api_key=args.api_key)
     print(f"router: policy {args.policy}, workers from "
           f"{'the allocator at ' + args.allocator if args.allocator else 'the static list'}", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level=args.log_level.lower(), timeout_graceful_shutdown=5,
-                http=CoalescingH11Protocol)
+    uvicorn.run(app, host=host, port=port, log_level=args.log_level.lower(), timeout_graceful_shutdown=5)
     return 0
 
 

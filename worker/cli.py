@@ -212,7 +212,6 @@ def run(args: argparse.Namespace) -> int:
     from worker.engine import AsyncLLMEngine
     from worker.model.loader import ModelLoadError
     from worker.server.app import create_app
-    from worker.server.http_protocol import CoalescingH11Protocol
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("pagedkv.worker")
@@ -234,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
     app.router.on_shutdown.append(async_engine.shutdown)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                    timeout_graceful_shutdown=5, http=CoalescingH11Protocol)
+                    timeout_graceful_shutdown=5)
     finally:
         async_engine.shutdown()
     return 0
