@@ -44,8 +44,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--policy", default="kv", choices=POLICIES,
                    help="the router's policy (default: kv)")
     p.add_argument("--base-port", type=int, default=8001, help="HTTP port of worker 1; worker i gets base+i-1; 0 picks free ports (default: 8001)")
-    p.add_argument("--allocator-port", type=int, default=50051, help="gRPC port of the allocator; 0 picks a free one (default: 50051)")
-    p.add_argument("--allocator-metrics-port", type=int, default=9400, help="Prometheus /metrics port of the allocator; 0 picks a free one (default: 9400)")
+    p.add_argument("--allocators", type=int, default=1,
+                   help="allocator processes the workers' pools are sharded over: worker i registers with allocator "
+                        "((i - 1) mod N), the router follows them all; at most --workers (default: 1)")
+    p.add_argument("--allocator-port", type=int, default=50051, help="gRPC port of the allocator (allocator i: this + i - 1); 0 picks a free one (default: 50051)")
+    p.add_argument("--allocator-metrics-port", type=int, default=9400, help="Prometheus /metrics port of the allocator (allocator i: this + i - 1); 0 picks a free one (default: 9400)")
     p.add_argument("--state", default="memory", help="allocator state: memory or redis://host:port/db (default: memory)")
     p.add_argument("--redis", action="store_true", help="start a redis-server (append-only, on a free port) when the binary exists and keep the allocator's journal in it")
     p.add_argument("--prometheus", action="store_true", help="start a prometheus (when the binary exists) scraping the allocator and every worker")
@@ -95,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
 
     console = Console(highlight=False)
     stack = LocalStack(
-        workers=args.workers, model=args.model, worker_args=worker_args_from(args),
+        workers=args.workers, allocators=args.allocators, model=args.model, worker_args=worker_args_from(args),
         allocator_args=args.allocator_arg, state=args.state, redis=args.redis, prometheus=args.prometheus,
         host=args.host, base_port=args.base_port, allocator_port=args.allocator_port,
         allocator_metrics_port=args.allocator_metrics_port, prometheus_port=args.prometheus_port,
@@ -124,8 +127,9 @@ def run(args: argparse.Namespace) -> int:
         for col in ("process", "pid", "address"):
             table.add_column(col)
         procs = stack.processes
-        table.add_row("allocator", str(procs["allocator"].pid),
-                      f"grpc {stack.allocator_address}  metrics {stack.allocator_metrics_url}")
+        for alloc, address, metrics in zip(stack.allocators, stack.allocator_addresses, stack.allocator_metrics_urls,
+                                           strict=True):
+            table.add_row(alloc.name, str(procs[alloc.name].pid), f"grpc {address}  metrics {metrics}")
         if stack.router_url:
             table.add_row("router", str(procs["router"].pid),
                           f"{stack.router_url}/v1  (the API: policy {args.policy})  {stack.router_url}/metrics")

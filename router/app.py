@@ -5,7 +5,8 @@ validated with the worker's own request models (`worker.server.protocol`, via
 `worker.server.bodies`), so a bad request gets the worker's exact 400; the
 prompt is tokenized once with the worker's tokenizer and chat template
 (`Tokenizer.encode_chat`); the allocator's `MatchPrefix` says how much of it
-each pool holds; `policy.rank` orders the workers. The body goes unchanged to
+each pool holds (with pools sharded over several allocators, each is asked
+about its own pools, all at once); `policy.rank` orders the workers. The body goes unchanged to
 the first; its answer (JSON or server-sent events) is passed through chunk
 by chunk as it arrives, with the headers `x-pagedkv-worker` naming who
 answered, `x-pagedkv-cached-tokens` how much of the prompt its pool held
@@ -46,7 +47,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from router.discovery import Discovery, Worker
+from router.discovery import Discovery, MergedDiscovery, Worker
 from router.metrics import RouterMetrics
 from router.policy import Candidate, rank
 from worker.server.bodies import off_loop, read_body
@@ -73,12 +74,13 @@ _HOP_OUT = frozenset(("connection", "keep-alive", "transfer-encoding", "date", "
 class Router:
     """What the routes share: the tokenizer, the workers, the allocator, the policy."""
 
-    def __init__(self, tokenizer, discovery: Discovery, policy: str, *, allocator=None,
-                 metrics: RouterMetrics | None = None, first_byte_timeout: float = 60.0,
+    def __init__(self, tokenizer, discovery: Discovery | MergedDiscovery, policy: str, *,
+                 allocators: Sequence = (), metrics: RouterMetrics | None = None, first_byte_timeout: float = 60.0,
                  connect_timeout: float = 2.0, cooldown_s: float = 5.0, max_attempts: int = 3) -> None:
         self.tokenizer = tokenizer
         self.discovery = discovery
-        self.allocator = allocator  # a RouterClient, or None: routing by load alone
+        # RouterClients, in the order of `Worker.allocator`; none: routing by load alone
+        self.allocators = list(allocators)
         self.policy = policy
         self.metrics = metrics or RouterMetrics()
         self.first_byte_timeout = first_byte_timeout
@@ -120,24 +122,30 @@ class Router:
             return None
 
     async def cached_tokens(self, workers: Sequence[Worker], tokens: list[int] | None,
-                            salt: str | None) -> dict[str, tuple[int, int]]:
-        """pool id -> (cached tokens of this prompt, free blocks), from MatchPrefix."""
-        if self.allocator is None or not tokens or salt == "" or self.policy != "kv":
+                            salt: str | None) -> dict[tuple[int, str], tuple[int, int]]:
+        """(allocator, pool id) -> (cached tokens of this prompt, free
+        blocks), from MatchPrefix: one call per allocator and model, all at once."""
+        if not self.allocators or not tokens or salt == "" or self.policy != "kv":
             return {}
         if all(w.block_size and len(tokens) - 1 < w.block_size for w in workers):
             return {}  # not one whole block before the last token: no pool can hold any of it
-        out: dict[str, tuple[int, int]] = {}
-        for fingerprint in sorted({w.model_fingerprint for w in workers if w.pool_id}):
+        asks = sorted({(w.allocator, w.model_fingerprint) for w in workers if w.pool_id})
+
+        async def ask(index: int, fingerprint: str) -> list[tuple[tuple[int, str], tuple[int, int]]]:
             try:
-                with self.metrics.match_seconds.time():
-                    matches = await self.allocator.match_prefix_async(fingerprint, tokens, salt)
-            except Exception as exc:  # noqa: BLE001 - the allocator away: route by load alone
+                matches = await self.allocators[index].match_prefix_async(fingerprint, tokens, salt)
+            except Exception as exc:  # noqa: BLE001 - that allocator away: its pools route by load alone
                 self.metrics.match_errors.inc()
                 log.warning("MatchPrefix failed (%s): routing by load", type(exc).__name__)
-                continue
-            for m in matches:
-                out[m.pool_id] = (m.cached_tokens, m.free_blocks)
-        return out
+                return []
+            return [((index, m.pool_id), (m.cached_tokens, m.free_blocks)) for m in matches]
+
+        with self.metrics.match_seconds.time():
+            if len(asks) == 1:
+                answers = [await ask(*asks[0])]
+            else:
+                answers = await asyncio.gather(*(ask(i, fp) for i, fp in asks))
+        return {key: value for answer in answers for key, value in answer}
 
     def being_computed(self, workers: Sequence[Worker], tokens: list[int] | None,
                        salt: str | None) -> dict[str, int]:
@@ -159,7 +167,7 @@ class Router:
                 out[url] = k
         return out
 
-    def ranked(self, workers: Sequence[Worker], matches: dict[str, tuple[int, int]],
+    def ranked(self, workers: Sequence[Worker], matches: dict[tuple[int, str], tuple[int, int]],
                prompt_tokens: int, computing: dict[str, int] | None = None) -> list[tuple[Worker, int]]:
         """(worker, its cached tokens by MatchPrefix), best first; workers in
         their cool-down last. `computing`: tokens being computed there, ranked
@@ -169,7 +177,7 @@ class Router:
         exact = {}
         cands = []
         for w in workers:
-            cached, free = matches.get(w.pool_id, (0, w.free_blocks))
+            cached, free = matches.get((w.allocator, w.pool_id), (0, w.free_blocks))
             exact[w.url] = cached
             soon = max(cached, (computing or {}).get(w.url, 0))
             cands.append(Candidate(w.url, soon, free, w.num_blocks, self.in_flight.get(w.url, 0)))
@@ -185,7 +193,7 @@ class Router:
         if not workers:
             return self._no_model(req.model)
         tokens = None
-        if self.policy == "kv" and self.allocator is not None:
+        if self.policy == "kv" and self.allocators:
             size = sum(len(m.text()) for m in req.messages) if kind == "chat" else len(str(req.prompt))
             tokens = await off_loop(self.prompt_ids, kind, req, size=size)
         matches = await self.cached_tokens(workers, tokens, req.cache_salt)
@@ -363,8 +371,8 @@ class Router:
     async def aclose(self) -> None:
         if self._http is not None:
             await self._http.close()
-        if self.allocator is not None:
-            await self.allocator.aclose()
+        for client in self.allocators:
+            await client.aclose()
 
 
 class _Skip(Exception):
@@ -410,8 +418,12 @@ def create_app(router: Router, api_key: str | None = None) -> FastAPI:
     @app.get("/health")
     async def health():
         d = router.discovery
+        # several allocators: "ok" while every one answers, "unreachable" while one or more does not
         body = {"workers": len(d.workers), "allocator": "ok" if d.allocator_ok else "unreachable",
                 "policy": router.policy}
+        if isinstance(d, MergedDiscovery):
+            body["allocators"] = len(d.parts)
+            body["allocators_unreachable"] = d.allocators_unreachable
         if not d.workers:
             return JSONResponse(status_code=503, headers={"Retry-After": "5"},
                                 content={"status": "unavailable", "code": "no_workers", **body})

@@ -1,7 +1,8 @@
 """`pagedkv router` / `python -m router`: one OpenAI-style front door for many workers.
 
 Learns the workers from the allocator (each worker registers its pool with
---advertise-url) and sends each request to the worker whose pool already
+--advertise-url; with pools sharded over several allocators, from each of
+them: --allocator A,B,...) and sends each request to the worker whose pool already
 holds the most of its prompt, weighed against load (--policy kv); or a
 static --workers list. Serves /v1/completions, /v1/chat/completions (server-
 sent events passed through as they come), /v1/models, /health and /metrics.
@@ -46,6 +47,22 @@ def _address(text: str) -> tuple[str, int]:
 _address.__name__ = "HOST:PORT"
 
 
+def _allocators(text: str) -> list[str]:
+    """`HOST:PORT[,HOST:PORT...]`: each allocator once."""
+    addresses = [a.strip() for a in text.split(",") if a.strip()]
+    for a in addresses:
+        _address(a)
+    if not addresses:
+        raise argparse.ArgumentTypeError("expected HOST:PORT[,HOST:PORT...]")
+    twice = sorted({a for a in addresses if addresses.count(a) > 1})
+    if twice:
+        raise argparse.ArgumentTypeError(f"allocator {twice[0]} named twice")
+    return addresses
+
+
+_allocators.__name__ = "allocator list"
+
+
 def _urls(text: str) -> list[str]:
     urls = [u.strip().rstrip("/") for u in text.split(",") if u.strip()]
     bad = [u for u in urls if not u.startswith(("http://", "https://"))]
@@ -60,9 +77,11 @@ _urls.__name__ = "URL list"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", **_env("--listen", "127.0.0.1:8000", _address),
                    help="HOST:PORT to serve the API on (default 127.0.0.1:8000)")
-    p.add_argument("--allocator", **_env("--allocator"),
+    p.add_argument("--allocator", **_env("--allocator", None, _allocators),
                    help="HOST:PORT of the allocator service: where the live workers and the prefix each "
-                        "pool holds come from (without it, --workers is needed and routing uses load alone)")
+                        "pool holds come from (without it, --workers is needed and routing uses load alone); "
+                        "pools sharded over several allocators: HOST:PORT,HOST:PORT,... (each is followed and "
+                        "asked about its own pools)"),
     p.add_argument("--workers", **_env("--workers", None, _urls),
                    help="a static list of worker URLs (http://HOST:PORT,...), instead of or, with "
                         "--allocator, restricting the workers the allocator lists")
@@ -101,13 +120,14 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def build_router(args: argparse.Namespace):
     """The Router (tokenizer loaded, allocator client made), not started."""
     from router.app import Router
-    from router.discovery import Discovery
+    from router.discovery import Discovery, MergedDiscovery
     from worker.model.loader import ModelLoadError, load_tokenizer
 
     if not args.allocator and not args.workers:
         raise CliError("give --allocator HOST:PORT (workers found there) or --workers URL,...")
     token = read_secret(args.router_token_file, "router token file") if args.router_token_file else None
-    tokenizer = client = None
+    tokenizer = None
+    clients = []
     if args.allocator:
         try:
             # The worker's own loader: the same tokenizer and chat template it uses, no
@@ -118,10 +138,14 @@ def build_router(args: argparse.Namespace):
         from allocator_service.client.grpc_client import RouterClient
 
         # No retries: a request routes by load alone rather than wait for an allocator that is away.
-        client = RouterClient(args.allocator, router_token=token, tls_ca=args.allocator_tls_ca, deadline_s=2.0,
-                              retries=0)
-    discovery = Discovery(client, args.workers or (), refresh_s=args.refresh_interval)
-    return Router(tokenizer, discovery, args.policy, allocator=client,
+        clients = [RouterClient(a, router_token=token, tls_ca=args.allocator_tls_ca, deadline_s=2.0, retries=0)
+                   for a in args.allocator]
+    if len(clients) > 1:
+        discovery = MergedDiscovery([Discovery(c, args.workers or (), refresh_s=args.refresh_interval, index=i)
+                                     for i, c in enumerate(clients)])
+    else:
+        discovery = Discovery(clients[0] if clients else None, args.workers or (), refresh_s=args.refresh_interval)
+    return Router(tokenizer, discovery, args.policy, allocators=clients,
                   first_byte_timeout=args.first_byte_timeout)
 
 
@@ -137,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
     host, port = args.listen
     app = create_app(router, api_key=args.api_key)
     print(f"router: policy {args.policy}, workers from "
-          f"{'the allocator at ' + args.allocator if args.allocator else 'the static list'}", flush=True)
+          f"{'the allocator at ' + ','.join(args.allocator) if args.allocator else 'the static list'}", flush=True)
     uvicorn.run(app, host=host, port=port, log_level=args.log_level.lower(), timeout_graceful_shutdown=5)
     return 0
 

@@ -11,6 +11,12 @@ of the first stream is found then at the latest).
 
 Static (`--workers URL,...`): exactly those URLs. With an allocator as well,
 a static URL is matched to the pool that advertises it, for its cache view.
+
+Several allocators (pools sharded across allocator processes, each worker
+registered with one of them): one `Discovery` follows each, and
+`MergedDiscovery` shows their workers as one set, each worker marked with
+the allocator that holds its pool (`Worker.allocator`), which is the one
+the router asks about that pool's cache.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ class Worker:
     num_blocks: int = 0
     block_size: int = 0
     free_blocks: int = 0
+    allocator: int = 0  # which of the router's allocators holds its pool (their order on the command line)
 
     @property
     def name(self) -> str:
@@ -50,8 +57,9 @@ class Discovery:
     """The workers the router knows, kept current by a daemon thread."""
 
     def __init__(self, client=None, static: Sequence[str] = (), refresh_s: float = 5.0,
-                 on_change: Callable[[dict[str, Worker]], None] | None = None) -> None:
+                 on_change: Callable[[dict[str, Worker]], None] | None = None, index: int = 0) -> None:
         self.client = client  # a RouterClient, or None (static list only)
+        self.index = index  # this allocator's place among the router's (`Worker.allocator`)
         self.static = [normalise_url(u) for u in static]
         self.refresh_s = refresh_s
         self.on_change = on_change
@@ -82,7 +90,7 @@ class Discovery:
             if self.static and url not in self.static:
                 continue
             w = Worker(url, p.worker_id, p.pool_id, p.model_fingerprint, p.served_model_name, p.num_blocks,
-                       p.block_size, p.free_blocks)
+                       p.block_size, p.free_blocks, self.index)
             old = by_url.get(url)
             # Two live pools at one URL: a worker restarted under a new id while its
             # old pool's lease runs; the one with fewer blocks in use is the new one.
@@ -161,6 +169,64 @@ class Discovery:
         for t in (self._thread, self._refresher):
             if t is not None:
                 t.join(timeout=2)
+
+
+class MergedDiscovery:
+    """Several allocators' workers as one set (the interface of `Discovery`).
+
+    A URL listed by two allocators (a worker moved from one to another, its
+    old pool's lease still running) is the pool with more free blocks, as
+    within one allocator; a pool beats a bare static entry."""
+
+    def __init__(self, parts: Sequence[Discovery]) -> None:
+        if not parts:
+            raise ValueError("no allocator to follow")
+        self.parts = list(parts)
+        self._merged: dict[str, Worker] = {}
+        self._views: list[dict[str, Worker]] = []  # the parts' views merged last (held: no id is reused)
+
+    @property
+    def workers(self) -> dict[str, Worker]:
+        # NOTE: each part replaces its whole dict when it lists again, so
+        # identity says whether anything changed: a request merges only after a change.
+        views = [p.workers for p in self.parts]
+        if len(views) != len(self._views) or any(a is not b for a, b in zip(views, self._views, strict=False)):
+            merged: dict[str, Worker] = {}
+            for view in views:
+                for url, w in view.items():
+                    old = merged.get(url)
+                    if old is None or _better(w, old):
+                        merged[url] = w
+            self._merged, self._views = merged, views
+        return self._merged
+
+    @property
+    def allocator_ok(self) -> bool:
+        """Every allocator answered its last listing."""
+        return all(p.allocator_ok for p in self.parts)
+
+    @property
+    def allocators_unreachable(self) -> int:
+        return sum(not p.allocator_ok for p in self.parts)
+
+    def refresh(self) -> None:
+        for p in self.parts:
+            p.refresh()
+
+    def start(self) -> None:
+        for p in self.parts:
+            p.start()
+
+    def close(self) -> None:
+        for p in self.parts:
+            p.close()
+
+
+def _better(w: Worker, old: Worker) -> bool:
+    """Whether `w` should stand for its URL rather than `old`."""
+    if bool(w.pool_id) != bool(old.pool_id):
+        return bool(w.pool_id)
+    return w.free_blocks > old.free_blocks
 
 
 def _short(exc: BaseException) -> str:

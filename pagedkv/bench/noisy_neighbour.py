@@ -50,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --noisy-neighbour: tokens in each of the neighbour's admits [%(default)s]")
     parser.add_argument("--separate-neighbour", action="store_true",
                         help="with --noisy-neighbour: the neighbour's pool on an allocator process of its own "
-                             "(the best that pools sharded across processes could give)")
+                             "(pools sharded across allocator processes, as `pagedkv up --allocators 2` runs "
+                             "them)")
     parser.add_argument("--neighbour-parses", action="store_true",
                         help="with --noisy-neighbour: the neighbour builds each request and parses each answer as it "
                              "goes (as a worker's GrpcAllocator does, and this benchmark did before); by default its "

@@ -37,6 +37,13 @@ their binaries are on PATH::
 - `router=True`: the router (`python -m router`) in front of the workers, on
   `router_port`, with `router_args`; `worker_host="127.0.0.1"` keeps the
   workers on loopback while the router (and the allocator) bind `host`.
+- `allocators=N`: pools sharded over N allocator processes ("allocator",
+  "allocator-2", ...; ports `allocator_port + i` and `allocator_metrics_port
+  + i` when fixed); worker i registers with allocator ((i - 1) mod N), the
+  router follows them all (`--allocator A,B,...`). With Redis state each
+  keeps its journal under a key prefix of its own (`pagedkv:allocator-2:`,
+  ...). `allocator` / `allocator_address` are the first one's;
+  `allocator_addresses` lists all.
 - `token` / `tls=(cert, key)`: the allocator requires that bearer token / serves
   TLS with that certificate (which must name localhost), and the workers are
   given what they need to call it.
@@ -79,6 +86,7 @@ class LocalStack:
         workers: int = 2,
         model: str = "smollm2",
         *,
+        allocators: int = 1,
         worker_args: Sequence[str] = (),
         allocator_args: Sequence[str] = (),
         state: str = "memory",
@@ -103,6 +111,9 @@ class LocalStack:
     ) -> None:
         if workers < 1:
             raise StackError("--workers must be at least 1")
+        if not 1 <= allocators <= workers:
+            raise StackError("--allocators must be at least 1 and at most --workers (each holds some workers' pools)")
+        self.num_allocators = allocators
         if redis and state != "memory":
             raise StackError(f"--redis starts its own Redis; it cannot be combined with --state {state}")
         self.num_workers = workers
@@ -135,7 +146,8 @@ class LocalStack:
         self.console = None
         self.services: dict[str, Service] = {}  # by name, in start order
         self.redis: RedisProcess | None = None
-        self.allocator: AllocatorProcess | None = None
+        self.allocator: AllocatorProcess | None = None  # the first of `allocators`
+        self.allocators: list[AllocatorProcess] = []
         self.workers: list[WorkerProcess] = []
         self.prometheus: PrometheusProcess | None = None
         self.router: RouterProcess | None = None
@@ -144,6 +156,8 @@ class LocalStack:
         self.worker_urls: list[str] = []
         self.allocator_address: str | None = None
         self.allocator_metrics_url: str | None = None
+        self.allocator_addresses: list[str] = []
+        self.allocator_metrics_urls: list[str] = []
         self.prometheus_url: str | None = None
         self.redis_url: str | None = None
         self.warnings: list[str] = []
@@ -208,9 +222,7 @@ class LocalStack:
                 self.redis.start().wait_healthy(self.startup_timeout)
                 self.redis_url = state = self.redis.url
 
-        aport = self._port(self.allocator_port, "the allocator")
-        mport = self._port(self.allocator_metrics_port, "the allocator's metrics")
-        allocator_args = ["--metrics-port", str(mport), "--state", state]
+        allocator_args: list[str] = []
         to_allocator: list[str] = []  # what every worker needs to call it
         router_to_allocator: list[str] = []  # and the router
         if self.token is not None:
@@ -229,13 +241,23 @@ class LocalStack:
             to_allocator += ["--allocator-tls-ca", str(cert)]
             router_to_allocator += ["--allocator-tls-ca", str(cert)]
         connect = "localhost" if self.tls is not None else h  # the certificate names localhost
-        self.allocator_address = f"{connect}:{aport}"
-        self.allocator_metrics_url = f"http://{h}:{mport}/metrics"
-        self.allocator = self._add(
-            AllocatorProcess, [*allocator_args, *self.allocator_args], name="allocator",
-            listen=f"{self.host}:{aport}", connect_host=connect, probe_grpc=self.tls is None,
-        )
-        self.allocator.start().wait_healthy(self.startup_timeout)
+        for i in range(self.num_allocators):
+            name = "allocator" if i == 0 else f"allocator-{i + 1}"
+            aport = self._port(self.allocator_port + i if self.allocator_port else 0, f"the {name}")
+            mport = self._port(self.allocator_metrics_port + i if self.allocator_metrics_port else 0,
+                               f"the {name}'s metrics")
+            allocator = self._add(
+                AllocatorProcess, ["--metrics-port", str(mport), "--state", _shard_state(state, i),
+                                   *allocator_args, *self.allocator_args],
+                name=name, listen=f"{self.host}:{aport}", connect_host=connect, probe_grpc=self.tls is None,
+            )
+            self.allocators.append(allocator)
+            self.allocator_addresses.append(f"{connect}:{aport}")
+            self.allocator_metrics_urls.append(f"http://{h}:{mport}/metrics")
+        self.allocator = self.allocators[0]
+        self.allocator_address = self.allocator_addresses[0]
+        self.allocator_metrics_url = self.allocator_metrics_urls[0]
+        wait_healthy([(a.start().proc, a.healthy) for a in self.allocators], self.startup_timeout)
 
         # The workers share this machine: each takes 1/N of the cores unless told
         # otherwise (a --threads in worker_args comes later and wins; so does the
@@ -245,7 +267,8 @@ class LocalStack:
         for i in range(1, self.num_workers + 1):
             name = f"worker-{i}"
             port = self._port(self.base_port + i - 1 if self.base_port else 0, name)
-            worker = self._add(WorkerProcess, name, model=self.model, allocator=self.allocator_address,
+            worker = self._add(WorkerProcess, name, model=self.model,
+                               allocator=self.allocator_addresses[(i - 1) % self.num_allocators],
                                args=[*share, *self.worker_args, *to_allocator], host=self.worker_host, port=port,
                                connect_host=h)
             self.workers.append(worker)
@@ -254,7 +277,7 @@ class LocalStack:
 
         if self.want_router:
             rport = self._port(self.router_port, "the router")
-            self.router = self._add(RouterProcess, name="router", allocator=self.allocator_address,
+            self.router = self._add(RouterProcess, name="router", allocator=",".join(self.allocator_addresses),
                                     model=self.model, args=[*router_to_allocator, *self.router_args],
                                     host=self.host, port=rport, connect_host=h)
             self.router_url = self.router.url
@@ -270,7 +293,8 @@ class LocalStack:
                 pport = self._port(self.prometheus_port, "Prometheus")
                 config = self.log_dir / "prometheus.yml"
                 config.write_text(prometheus_config(
-                    [f"{h}:{mport}"], [u.removeprefix("http://") for u in self.worker_urls], self.scrape_interval,
+                    [u.removeprefix("http://").removesuffix("/metrics") for u in self.allocator_metrics_urls],
+                    [u.removeprefix("http://") for u in self.worker_urls], self.scrape_interval,
                     [self.router_url.removeprefix("http://")] if self.router_url else ()))
                 self.prometheus = self._add(PrometheusProcess, prom_bin, config, self.log_dir / "prometheus-data",
                                             name="prometheus", host=h, port=pport)
@@ -284,7 +308,7 @@ class LocalStack:
         tiers = [
             [p[k] for k in ("router",) if k in p],
             [v for k, v in p.items() if k.startswith("worker-") or k == "prometheus"],
-            [p[k] for k in ("allocator",) if k in p],
+            [v for k, v in p.items() if k == "allocator" or k.startswith("allocator-")],
             [p[k] for k in ("redis",) if k in p],
         ]
         try:
@@ -313,6 +337,7 @@ class LocalStack:
         return {
             "allocator": self.allocator_address,
             "allocator_metrics": self.allocator_metrics_url,
+            "allocators": list(self.allocator_addresses),
             "workers": list(self.worker_urls),
             "router": self.router_url,
             "prometheus": self.prometheus_url,
@@ -320,3 +345,11 @@ class LocalStack:
             "pids": {name: proc.pid for name, proc in self.processes.items()},
             "log_dir": str(self.log_dir) if self.log_dir else None,
         }
+
+
+def _shard_state(state: str, index: int) -> str:
+    """The `--state` of allocator `index` (0-based): the first keeps the
+    default key prefix, each other one a prefix of its own in the same Redis."""
+    if index == 0 or not state.startswith(("redis://", "rediss://", "unix://")):
+        return state
+    return f"{state}{'&' if '?' in state else '?'}key_prefix=pagedkv:allocator-{index + 1}:"

@@ -358,6 +358,8 @@ def test_k8s_settings_are_read_by_the_clis(monkeypatch):
             assert got is True, key
         elif isinstance(got, int | float):
             assert got == float(value), key
+        elif isinstance(got, list):  # a comma-separated list (the router's allocators)
+            assert ",".join(got) == value, key
         else:
             assert got == value, key
 

@@ -1,0 +1,117 @@
+"""Pools sharded over several allocator processes (`pagedkv up --allocators
+N`, `LocalStack(allocators=N)`, `pagedkv router --allocator A,B`): each
+worker registers with one allocator, the router follows them all and asks
+each about its own pools, so placement by prefix works across allocators as
+within one. Real processes: two allocators, two tiny-random workers (one
+on each), the router, driven by the official openai client."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from allocator_service.client.grpc_client import RouterClient
+from pagedkv.stack import LocalStack, StackError
+from router.discovery import MergedDiscovery, Worker
+from tests.support.http import metric
+
+MODEL = "tiny-random"
+BLOCK = 16
+PREFIXES = [f"Shard {i} system prompt: " + f"you answer for tenant {i}, politely. " * 8 for i in range(2)]
+
+
+@pytest.fixture(scope="module")
+def stack():
+    args = ["--num-blocks", "256", "--block-size", str(BLOCK), "--max-num-seqs", "8"]
+    with LocalStack(workers=2, allocators=2, model=MODEL, worker_args=args, router=True,
+                    startup_timeout=180) as s:
+        yield s
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_each_worker_registers_with_its_own_allocator(stack):
+    assert len(stack.allocator_addresses) == 2 and stack.allocator_address == stack.allocator_addresses[0]
+    for address, worker in zip(stack.allocator_addresses, ("worker-1", "worker-2"), strict=True):
+        client = RouterClient(address)
+        try:
+            assert [p.worker_id for p in client.list_pools()] == [worker]
+        finally:
+            client.close()
+    health = httpx.get(f"{stack.router_url}/health").json()
+    assert health == {"status": "ok", "workers": 2, "allocator": "ok", "policy": "kv", "allocators": 2,
+                      "allocators_unreachable": 0}
+
+
+def test_requests_land_on_the_worker_holding_their_prefix_whichever_allocator_holds_its_pool(stack):
+    # Each prefix goes straight to one worker, so only that worker's pool (on its own allocator) holds it.
+    for url, prefix in zip(stack.worker_urls, PREFIXES, strict=True):
+        _client(url).completions.create(model=MODEL, prompt=prefix + "warm up", max_tokens=1, temperature=0)
+    for owner, prefix in zip(("worker-1", "worker-2"), PREFIXES, strict=True):
+        for question in ("What now?", "And then?"):
+            raw = _client(stack.router_url).completions.with_raw_response.create(
+                model=MODEL, prompt=prefix + question, max_tokens=4, temperature=0)
+            assert raw.headers["x-pagedkv-worker"] == owner
+            assert int(raw.headers["x-pagedkv-cached-tokens"]) >= (len(prefix) // BLOCK - 1) * BLOCK
+    # the chosen worker always held the most any worker held: both allocators were asked
+    best = metric(stack.router_url, "pagedkv_router_prefix_best_cached_tokens_total", {"policy": "kv"})
+    chosen = metric(stack.router_url, "pagedkv_router_prefix_cached_tokens_total", {"policy": "kv"})
+    assert chosen == best > 0
+
+
+def test_more_allocators_than_workers_is_refused():
+    with pytest.raises(StackError, match="--allocators"):
+        LocalStack(workers=1, allocators=2, model=MODEL)
+
+
+def test_an_allocator_named_twice_is_refused():
+    proc = subprocess.run([sys.executable, "-m", "router", "--allocator", "127.0.0.1:1,127.0.0.1:1",
+                           "--model", MODEL, "--listen", "127.0.0.1:0"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "named twice" in proc.stderr
+
+
+class _Part:
+    """A Discovery's view, as MergedDiscovery reads it."""
+
+    def __init__(self, workers: dict[str, Worker], ok: bool = True) -> None:
+        self.workers, self.allocator_ok = workers, ok
+
+
+_workers = st.lists(st.tuples(st.sampled_from(["http://a", "http://b", "http://c"]), st.booleans(),
+                              st.integers(0, 8)), max_size=3)
+
+
+@given(st.lists(_workers, min_size=1, max_size=3))
+def test_merged_view_keeps_every_url_and_prefers_a_pool_then_free_blocks(parts):
+    views = []
+    for index, entries in enumerate(parts):
+        view = {url: Worker(url, pool_id=f"p{index}" if pooled else "", free_blocks=free, allocator=index)
+                for url, pooled, free in entries}
+        views.append(view)
+    merged = MergedDiscovery([_Part(v) for v in views])  # type: ignore[list-item]
+    got = merged.workers
+    assert set(got) == {url for v in views for url in v}
+    for url, w in got.items():
+        rivals = [v[url] for v in views if url in v]
+        assert w in rivals
+        assert max((bool(r.pool_id), r.free_blocks) for r in rivals) == (bool(w.pool_id), w.free_blocks)
+
+
+def test_merged_view_follows_a_part_that_lists_again():
+    one, two = _Part({"http://a": Worker("http://a", pool_id="p", allocator=0)}), _Part({}, ok=False)
+    merged = MergedDiscovery([one, two])  # type: ignore[list-item]
+    assert list(merged.workers) == ["http://a"]
+    assert not merged.allocator_ok and merged.allocators_unreachable == 1
+    two.workers = {"http://b": Worker("http://b", pool_id="q", allocator=1)}  # a new listing: a new dict
+    two.allocator_ok = True
+    assert sorted(merged.workers) == ["http://a", "http://b"] and merged.workers["http://b"].allocator == 1
+    assert merged.allocator_ok
