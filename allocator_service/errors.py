@@ -88,6 +88,13 @@ class StepStreamsExhausted(CapacityExceeded):
     code = "step_streams"
 
 
+class TooManyCalls(CapacityExceeded):
+    """A pool already has as many unary calls in flight as one pool may
+    (`Limits.max_calls_per_pool`; RESOURCE_EXHAUSTED, `pool_calls`)."""
+
+    code = "pool_calls"
+
+
 class ShuttingDown(ServiceError):
     """The server is stopping: a step stream is ended (UNAVAILABLE, so the
     worker retries the step at the next server)."""

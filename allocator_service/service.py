@@ -47,6 +47,7 @@ from collections.abc import Callable
 from itertools import compress
 from typing import Any, NamedTuple
 
+from allocator_service.call_slots import CallSlots
 from allocator_service.codec import (
     canonical_ops,
     columns_from_proto,
@@ -221,6 +222,8 @@ class AllocatorService:
         # runs each call under it).
         window = self.config.fair_share_window_s
         self.fair = FairShare(window or 1.0, max_wait_s=self.config.fair_share_max_wait_s, enabled=window > 0)
+        # Unary calls in flight per pool (the servicer takes a slot per call).
+        self.call_slots = CallSlots(self.limits.max_calls_per_pool)
         # The mutation lock (see the module docstring); its holder never waits
         # for the fair share (a pool waiting there would hold up every change).
         self._lock = Unpaced()

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import grpc
 
 from allocator_service import errors
+from allocator_service.call_slots import CallSlots
 from allocator_service.core.snapshot import dumps_chunked
 from allocator_service.errors import BadRequest
 from allocator_service.fairshare import ROUTER, FairShare
@@ -188,7 +189,7 @@ def _tenant(method: str) -> Callable[[Any], tuple[str, bool]] | None:
     return lambda request: (ROUTER, False)
 
 
-def _unary(name: str, fn: Callable, fair: FairShare) -> Callable:
+def _unary(name: str, fn: Callable, fair: FairShare, slots: CallSlots) -> Callable:
     tenant = _tenant(name)
 
     def handle(request, context):
@@ -198,7 +199,10 @@ def _unary(name: str, fn: Callable, fair: FairShare) -> Callable:
             if tenant is None:
                 return fn(request, context)
             who, pool_call = tenant(request)
-            with fair.call(who, pool_call=pool_call):
+            if not pool_call:  # a router's: routers are trusted callers, each a few calls at a time
+                with fair.call(who, pool_call=False):
+                    return fn(request, context)
+            with slots.take(who), fair.call(who):
                 return fn(request, context)
         except Exception as exc:
             errors.abort(context, exc, name)
@@ -243,7 +247,8 @@ def allocator_handler(service: AllocatorService) -> grpc.GenericRpcHandler:
         elif method.server_streaming:
             make, wrap = grpc.unary_stream_rpc_method_handler, _stream
         else:
-            make, wrap = grpc.unary_unary_rpc_method_handler, functools.partial(_unary, fair=service.fair)
+            make, wrap = grpc.unary_unary_rpc_method_handler, functools.partial(
+                _unary, fair=service.fair, slots=service.call_slots)
         handlers[method.name] = make(
             wrap(method.name, fn),
             request_deserializer=_safe_parser(request_cls),
