@@ -169,9 +169,11 @@ class Router:
 
     def ranked(self, workers: Sequence[Worker], matches: dict[tuple[int, str], tuple[int, int]],
                prompt_tokens: int, computing: dict[str, int] | None = None) -> list[tuple[Worker, int]]:
-        """(worker, its cached tokens by MatchPrefix), best first; workers in
-        their cool-down last. `computing`: tokens being computed there, ranked
-        as if cached."""
+        """(worker, its cached tokens by MatchPrefix), best first; workers
+        whose allocator does not answer the router after the others (with
+        pools sharded over allocators: a worker cannot compute while its own
+        allocator is away), and workers in their cool-down last.
+        `computing`: tokens being computed there, ranked as if cached."""
         now = time.monotonic()
         by_url = {w.url: w for w in workers}
         exact = {}
@@ -182,7 +184,9 @@ class Router:
             soon = max(cached, (computing or {}).get(w.url, 0))
             cands.append(Candidate(w.url, soon, free, w.num_blocks, self.in_flight.get(w.url, 0)))
         order = rank(self.policy, cands, prompt_tokens, next(self._turns))
-        order.sort(key=lambda c: self.down_until.get(c.key, 0.0) > now)  # stable: keeps the ranking
+        reachable = self.discovery.allocator_answers
+        order.sort(key=lambda c: (self.down_until.get(c.key, 0.0) > now,  # stable: keeps the ranking
+                                  not reachable(by_url[c.key].allocator)))
         return [(by_url[c.key], exact[c.key]) for c in order]
 
     # ------------------------------------------------------------ proxying

@@ -79,6 +79,10 @@ class Discovery:
         """url -> Worker, a snapshot."""
         return self._workers
 
+    def allocator_answers(self, index: int) -> bool:
+        """Whether the allocator of `Worker.allocator == index` answered its last listing."""
+        return self.allocator_ok
+
     def refresh(self) -> None:
         """List the allocator's pools now (raises what the client raises)."""
         pools = self.client.list_pools()
@@ -204,6 +208,9 @@ class MergedDiscovery:
     def allocator_ok(self) -> bool:
         """Every allocator answered its last listing."""
         return all(p.allocator_ok for p in self.parts)
+
+    def allocator_answers(self, index: int) -> bool:
+        return self.parts[index].allocator_ok
 
     @property
     def allocators_unreachable(self) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import httpx
 import openai
@@ -65,6 +66,29 @@ def test_requests_land_on_the_worker_holding_their_prefix_whichever_allocator_ho
     best = metric(stack.router_url, "pagedkv_router_prefix_best_cached_tokens_total", {"policy": "kv"})
     chosen = metric(stack.router_url, "pagedkv_router_prefix_cached_tokens_total", {"policy": "kv"})
     assert chosen == best > 0
+
+
+def test_while_an_allocator_is_away_its_workers_are_ranked_after_the_others(stack):
+    """worker-2 cannot compute while its allocator is away: a prompt whose
+    prefix it holds goes to worker-1 meanwhile, and is answered."""
+    prefix = PREFIXES[1]  # held by worker-2 (the test above)
+    stack.allocators[1].kill()
+    try:
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{stack.router_url}/health").json()["allocators_unreachable"] != 1:
+            assert time.monotonic() < deadline, "the router never noticed the allocator was gone"
+            time.sleep(0.1)
+        assert httpx.get(f"{stack.router_url}/health").json()["allocator"] == "unreachable"
+        # MatchPrefix cannot ask allocator-2 now, so both workers look cold and
+        # equally loaded: without the rule, ties would alternate onto worker-2
+        # (and its request would wait for its allocator, past this timeout)
+        client = openai.OpenAI(base_url=f"{stack.router_url}/v1", api_key="unused", max_retries=0, timeout=30)
+        for i in range(3):
+            raw = client.completions.with_raw_response.create(
+                model=MODEL, prompt=prefix + f"While it is away, {i}?", max_tokens=4, temperature=0)
+            assert raw.headers["x-pagedkv-worker"] == "worker-1" and raw.parse().choices[0].text
+    finally:
+        stack.allocators[1].start().wait_healthy(60)  # the same port: the stack stops as usual
 
 
 def test_more_allocators_than_workers_is_refused():
