@@ -1,16 +1,20 @@
-"""Unary calls in flight, per pool: one worker cannot take every server thread.
+"""A pool's slow calls in flight: one worker cannot take every server thread.
 
 The server answers unary calls on a fixed pool of threads (`server.py`). A
-pool's long calls (integrity checks, dumps of a large pool) are legal, and
-the fair share (`fairshare.py`) even makes a heavy pool's calls wait while
-lighter pools run, each waiting call holding its thread. Without a bound, one
-worker that sends many such calls at once holds every thread, and every other
-pool's calls queue behind them. So each pool (for RegisterPool: each worker
-id) may have at most `Limits.max_calls_per_pool` unary calls in flight; one
-more is refused at once with RESOURCE_EXHAUSTED (`pool_calls`), before any
-work, and nothing changes. A worker's own client never comes near it: its
-steps go over its step stream, its heartbeats are not counted, and the rest
-(stats for its metrics, a block table) are one or two at a time.
+pool's reads can be long and are legal (integrity checks, dumps of a large
+pool), and the fair share (`fairshare.py`) even makes a heavy pool's calls
+wait while lighter pools run, each waiting call holding its thread. Without
+a bound, one worker that sends many such calls at once holds every thread,
+and every other pool's calls queue behind them. So a pool may have at most
+`Limits.max_calls_per_pool` of them in flight (GetBlockTable, GetPoolStats,
+ResetPrefixCache, DumpPool: `servicer.SLOTTED`); one more is refused at once
+with RESOURCE_EXHAUSTED (`pool_calls`), before any work, and nothing
+changes. Only calls with the pool's credential take a slot (it is checked
+first), so nobody can use up another pool's slots. The gRPC client backs
+off and retries a `pool_calls` refusal like an unreachable server, so a
+worker's own burst (its /metrics scraped by several at once) waits rather
+than fails. What this bounds is one pool: many pools' slow calls together
+can still fill the server's threads.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ class CallSlots:
         self.per_tenant = per_tenant
         self._lock = threading.Lock()
         self._in_flight: dict[str, int] = {}
-        self.refused = 0  # calls refused so far (metrics)
+        self.refused = 0  # calls refused so far (`pagedkv_allocator_pool_calls_refused_total`)
 
     @contextmanager
     def take(self, tenant: str) -> Iterator[None]:

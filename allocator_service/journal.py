@@ -287,6 +287,15 @@ class RedisJournal:
         self.client.close()
 
 
+def with_prefix(url: str, suffix: str) -> str:
+    """`url` with its key prefix (`key_prefix`, else the default) extended
+    by `suffix`: another allocator's keys in the same Redis database."""
+    rest, prefix = split_prefix(url)
+    parts = urlsplit(rest)
+    query = parse_qsl(parts.query, keep_blank_values=True) + [("key_prefix", prefix + suffix)]
+    return urlunsplit(parts._replace(query=urlencode(query, safe=":")))
+
+
 def split_prefix(url: str) -> tuple[str, str]:
     """`redis://h:p/db?key_prefix=x:` -> (`redis://h:p/db`, `x:`)."""
     parts = urlsplit(url)

@@ -113,8 +113,13 @@ class PoolCollector:
             PREFIX + "fair_share_cpu_seconds", "CPU seconds of the calls run under the fair share.",
             value=fair.cpu_seconds,
         )
+        calls_refused = CounterMetricFamily(
+            PREFIX + "pool_calls_refused",
+            "Calls refused because their pool already had as many in flight as one pool may (pool_calls).",
+            value=self.service.call_slots.refused,
+        )
         yield from (pools, events, snapshot_failures, serving, capacity, used, cached, free, seqs, util, queried, hit,
-                    evicted, copied, oob, recent_cpu, waits, wait_seconds, waiting, cpu_seconds)
+                    evicted, copied, oob, recent_cpu, waits, wait_seconds, waiting, cpu_seconds, calls_refused)
 
 
 def make_registry(service: AllocatorService) -> tuple[CollectorRegistry, Histogram]:

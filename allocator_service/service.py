@@ -301,6 +301,11 @@ class AllocatorService:
         self.events.close()
         self.journal.close()
 
+    def authorize(self, ref: pb.PoolRef) -> None:
+        """Raise unless `ref` presents its pool's credential (the servicer
+        checks it before a call takes one of that pool's slots)."""
+        self._authorize(ref)
+
     # ------------------------------------------------------------ internals
     def _authorize(self, ref: pb.PoolRef, admin: bool = False) -> PoolEntry:
         """The pool `ref` names, if it presents that pool's credential. An

@@ -17,10 +17,9 @@ from typing import Any, NamedTuple
 import grpc
 
 from allocator_service import errors
-from allocator_service.call_slots import CallSlots
 from allocator_service.core.snapshot import dumps_chunked
 from allocator_service.errors import BadRequest
-from allocator_service.fairshare import ROUTER, FairShare
+from allocator_service.fairshare import ROUTER
 from allocator_service.roles import ADMIN, caller_role
 from allocator_service.service import Advertised, AllocatorService
 from allocator_service.v1 import allocator_pb2 as pb
@@ -189,8 +188,18 @@ def _tenant(method: str) -> Callable[[Any], tuple[str, bool]] | None:
     return lambda request: (ROUTER, False)
 
 
-def _unary(name: str, fn: Callable, fair: FairShare, slots: CallSlots) -> Callable:
+# A pool's calls that can take long (an integrity check, a dump of a large
+# pool) and that a worker makes beside its steps: at most
+# `Limits.max_calls_per_pool` of them in flight per pool (`call_slots.py`).
+# Not Step (ordered by step ids, and the step stream's fallback), Heartbeat,
+# RegisterPool or DeregisterPool (short, and a refusal would cost the worker
+# its pool or its lease), nor an admin's or a router's calls (trusted roles).
+SLOTTED = frozenset(("GetBlockTable", "GetPoolStats", "ResetPrefixCache", "DumpPool"))
+
+
+def _unary(name: str, fn: Callable, service: AllocatorService) -> Callable:
     tenant = _tenant(name)
+    fair, slots, slotted = service.fair, service.call_slots, name in SLOTTED
 
     def handle(request, context):
         try:
@@ -199,10 +208,12 @@ def _unary(name: str, fn: Callable, fair: FairShare, slots: CallSlots) -> Callab
             if tenant is None:
                 return fn(request, context)
             who, pool_call = tenant(request)
-            if not pool_call:  # a router's: routers are trusted callers, each a few calls at a time
-                with fair.call(who, pool_call=False):
+            if slotted and caller_role() != ADMIN:
+                # the credential first: a caller without it must not take the pool's slots
+                service.authorize(request.pool)
+                with slots.take(who), fair.call(who):
                     return fn(request, context)
-            with slots.take(who), fair.call(who):
+            with fair.call(who, pool_call=pool_call):
                 return fn(request, context)
         except Exception as exc:
             errors.abort(context, exc, name)
@@ -247,8 +258,7 @@ def allocator_handler(service: AllocatorService) -> grpc.GenericRpcHandler:
         elif method.server_streaming:
             make, wrap = grpc.unary_stream_rpc_method_handler, _stream
         else:
-            make, wrap = grpc.unary_unary_rpc_method_handler, functools.partial(
-                _unary, fair=service.fair, slots=service.call_slots)
+            make, wrap = grpc.unary_unary_rpc_method_handler, functools.partial(_unary, service=service)
         handlers[method.name] = make(
             wrap(method.name, fn),
             request_deserializer=_safe_parser(request_cls),

@@ -129,7 +129,12 @@ class Router:
             return {}
         if all(w.block_size and len(tokens) - 1 < w.block_size for w in workers):
             return {}  # not one whole block before the last token: no pool can hold any of it
-        asks = sorted({(w.allocator, w.model_fingerprint) for w in workers if w.pool_id})
+        # Not an allocator that did not answer its last listing: its workers are
+        # ranked last anyway, and a call to it could hold every request up to its deadline.
+        answers = self.discovery.allocator_answers
+        asks = sorted({(w.allocator, w.model_fingerprint) for w in workers if w.pool_id and answers(w.allocator)})
+        if not asks:
+            return {}
 
         async def ask(index: int, fingerprint: str) -> list[tuple[tuple[int, str], tuple[int, int]]]:
             try:
@@ -172,7 +177,7 @@ class Router:
         """(worker, its cached tokens by MatchPrefix), best first; workers
         whose allocator does not answer the router after the others (with
         pools sharded over allocators: a worker cannot compute while its own
-        allocator is away), and workers in their cool-down last.
+        allocator is away), and workers in their cool-down after those.
         `computing`: tokens being computed there, ranked as if cached."""
         now = time.monotonic()
         by_url = {w.url: w for w in workers}

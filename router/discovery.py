@@ -101,7 +101,7 @@ class Discovery:
             if old is None or w.free_blocks > old.free_blocks:
                 by_url[url] = w
         for url in self.static:
-            by_url.setdefault(url, Worker(url))
+            by_url.setdefault(url, Worker(url, allocator=self.index))
         with self._lock:
             changed = set(by_url) != set(self._workers)
             self._workers = by_url
@@ -179,28 +179,33 @@ class MergedDiscovery:
     """Several allocators' workers as one set (the interface of `Discovery`).
 
     A URL listed by two allocators (a worker moved from one to another, its
-    old pool's lease still running) is the pool with more free blocks, as
-    within one allocator; a pool beats a bare static entry."""
+    old pool's lease still running) is the entry of an allocator that
+    answers its listings over one that does not (whose last listing may be
+    stale), then a pool over a bare static entry, then the pool with more
+    free blocks, as within one allocator."""
 
     def __init__(self, parts: Sequence[Discovery]) -> None:
         if not parts:
             raise ValueError("no allocator to follow")
         self.parts = list(parts)
         self._merged: dict[str, Worker] = {}
-        self._views: list[dict[str, Worker]] = []  # the parts' views merged last (held: no id is reused)
+        # the parts' views (held: no id is reused) and answering flags merged last
+        self._views: list[tuple[dict[str, Worker], bool]] = []
 
     @property
     def workers(self) -> dict[str, Worker]:
         # NOTE: each part replaces its whole dict when it lists again, so
         # identity says whether anything changed: a request merges only after a change.
-        views = [p.workers for p in self.parts]
-        if len(views) != len(self._views) or any(a is not b for a, b in zip(views, self._views, strict=False)):
+        views = [(p.workers, p.allocator_ok) for p in self.parts]
+        if len(views) != len(self._views) or any(a is not b or ok != was for (a, ok), (b, was)
+                                                  in zip(views, self._views, strict=False)):
             merged: dict[str, Worker] = {}
-            for view in views:
+            best: dict[str, tuple[bool, bool, int]] = {}
+            for view, ok in views:
                 for url, w in view.items():
-                    old = merged.get(url)
-                    if old is None or _better(w, old):
-                        merged[url] = w
+                    rank = (ok, bool(w.pool_id), w.free_blocks)
+                    if url not in best or rank > best[url]:
+                        merged[url], best[url] = w, rank
             self._merged, self._views = merged, views
         return self._merged
 
@@ -227,13 +232,6 @@ class MergedDiscovery:
     def close(self) -> None:
         for p in self.parts:
             p.close()
-
-
-def _better(w: Worker, old: Worker) -> bool:
-    """Whether `w` should stand for its URL rather than `old`."""
-    if bool(w.pool_id) != bool(old.pool_id):
-        return bool(w.pool_id)
-    return w.free_blocks > old.free_blocks
 
 
 def _short(exc: BaseException) -> str:

@@ -11,7 +11,9 @@ Failure handling, in the order a worker meets it:
   again with the same operations reuses the pending step id, so the worker
   can simply retry without knowing whether the first attempt landed (its
   scheduler does, until the allocator answers: the worker stalls, nothing
-  fails). `on_unavailable(seconds, failed)` is told the time lost.
+  fails). `on_unavailable(seconds, failed)` is told the time lost. A
+  RESOURCE_EXHAUSTED `pool_calls` (the pool's slow calls already in flight
+  at the server) is retried the same way: it asks to wait, not to fail.
 - The pool is gone (lease expired, server restarted without durable state,
   or the server's journal lost a step this client got an answer for): the
   client registers a fresh pool (a new epoch) and raises `PoolLost`; every
@@ -70,6 +72,8 @@ from allocator_service.v1 import allocator_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# Refusals that mean "not now": retried the same way (the pool's slow calls in flight).
+RETRYABLE_REASONS = ("pool_calls",)
 
 # Reconnect quickly after the server restarts (grpc's default backoff grows
 # to two minutes, far longer than a restart takes).
@@ -197,7 +201,7 @@ class _Caller:
                 else:
                     response = fn(request, timeout=self.deadline_s, metadata=self.metadata)
             except grpc.RpcError as err:
-                if not retry or err.code() not in RETRYABLE:
+                if not retry or (err.code() not in RETRYABLE and error_reason(err) not in RETRYABLE_REASONS):
                     if attempt:
                         self._unavailable(t0, 0)
                     raise

@@ -138,7 +138,10 @@ class _Parsing:
         from allocator_service.client import PoolSpec
         from allocator_service.client.grpc_client import GrpcAllocator, RouterClient
 
-        self._client = GrpcAllocator(address, PoolSpec("noisy-neighbour", config), deadline_s=60.0)
+        # unary Steps: only the victim streams, so the allocator's StepStream
+        # histogram is the victim's alone (`_server_step_buckets`)
+        self._client = GrpcAllocator(address, PoolSpec("noisy-neighbour", config), deadline_s=60.0,
+                                     step_stream=False)
         self._router = RouterClient(address, deadline_s=60.0)
         self._rng = random.Random(1)
         self._config, self._prompt_len = config, prompt_len
@@ -192,7 +195,8 @@ def _server_step_buckets(metrics_url: str) -> dict[float, float]:
     """The allocator's own histogram of the step messages it answered
     (`rpc_duration_seconds`, StepStream, OK): cumulative count by upper
     bound in seconds. Only the victim streams its steps (the neighbour sends
-    unary calls), so the difference over a phase is the victim's."""
+    unary calls, prebuilt or parsing), so the difference over a phase is the
+    victim's: its timed steps and its few warm-up steps."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families

@@ -41,8 +41,10 @@ their binaries are on PATH::
   "allocator-2", ...; ports `allocator_port + i` and `allocator_metrics_port
   + i` when fixed); worker i registers with allocator ((i - 1) mod N), the
   router follows them all (`--allocator A,B,...`). With Redis state each
-  keeps its journal under a key prefix of its own (`pagedkv:allocator-2:`,
-  ...). `allocator` / `allocator_address` are the first one's;
+  keeps its journal under a key prefix of its own (the first the state
+  URL's `key_prefix`, default `pagedkv:allocator:`; allocator i that prefix
+  plus `shard-i:`). Their `--state`, `--listen` and `--metrics-port` are
+  the stack's to set: `allocator_args` may not give them then. `allocator` / `allocator_address` are the first one's;
   `allocator_addresses` lists all.
 - `token` / `tls=(cert, key)`: the allocator requires that bearer token / serves
   TLS with that certificate (which must name localhost), and the workers are
@@ -114,6 +116,10 @@ class LocalStack:
         if not 1 <= allocators <= workers:
             raise StackError("--allocators must be at least 1 and at most --workers (each holds some workers' pools)")
         self.num_allocators = allocators
+        if allocators > 1 and {"--state", "--listen", "--metrics-port"} & {a.split("=")[0] for a in allocator_args}:
+            raise StackError("with --allocators > 1 each allocator gets its own --state key prefix, --listen and "
+                             "--metrics-port: give the state with --state, the ports with --allocator-port and "
+                             "--allocator-metrics-port")
         if redis and state != "memory":
             raise StackError(f"--redis starts its own Redis; it cannot be combined with --state {state}")
         self.num_workers = workers
@@ -349,7 +355,10 @@ class LocalStack:
 
 def _shard_state(state: str, index: int) -> str:
     """The `--state` of allocator `index` (0-based): the first keeps the
-    default key prefix, each other one a prefix of its own in the same Redis."""
+    URL's key prefix, each other one that prefix plus `shard-<index + 1>:`,
+    in the same Redis (the URL's rules are the journal's own)."""
     if index == 0 or not state.startswith(("redis://", "rediss://", "unix://")):
         return state
-    return f"{state}{'&' if '?' in state else '?'}key_prefix=pagedkv:allocator-{index + 1}:"
+    from allocator_service.journal import with_prefix
+
+    return with_prefix(state, f"shard-{index + 1}:")

@@ -7,6 +7,7 @@ in this process, whose handling of one pool's GetPoolStats is held open."""
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 from allocator_service.call_slots import CallSlots
 from allocator_service.client import PoolSpec
 from allocator_service.client.grpc_client import GrpcAllocator, error_reason
+from allocator_service.codec import encode_ops
 from allocator_service.config import Limits, ServiceConfig
 from allocator_service.core import Admit, PoolConfig
 from allocator_service.errors import TooManyCalls
@@ -26,64 +28,104 @@ from allocator_service.v1 import allocator_pb2 as pb
 from tests.support.allocator import register, stub
 
 
-def test_a_pool_past_its_calls_in_flight_is_refused_and_nobody_else_waits():
-    service = AllocatorService(ServiceConfig(limits=Limits(max_calls_per_pool=2)))
-    server, port = create_server("127.0.0.1:0", service)
-    server.start()
-    s, md, channel = stub(f"127.0.0.1:{port}")
-    release = threading.Event()
-    held = threading.Semaphore(0)
-    stats = service.stats
+class HeldServer:
+    """A real server (pool and admin tokens) whose GetPoolStats of one pool
+    stays in its handler until released; at most 2 slow calls per pool."""
 
-    def slow_stats(ref, *args, **kw):
-        if ref.pool_id == heavy.pool_id:  # the heavy pool's calls stay in flight until released
-            held.release()
-            release.wait(10)
-        return stats(ref, *args, **kw)
+    def __init__(self) -> None:
+        self.service = AllocatorService(ServiceConfig(limits=Limits(max_calls_per_pool=2)))
+        self.server, port = create_server("127.0.0.1:0", self.service, auth_token="pool-token",
+                                          admin_token="admin-token")
+        self.server.start()
+        self.address = f"127.0.0.1:{port}"
+        self.stub, self.md, self.channel = stub(self.address, "pool-token")
+        self.admin, self.admin_md, self.admin_channel = stub(self.address, "admin-token")
+        self.release = threading.Event()
+        self.held = threading.Semaphore(0)
+        self.held_pool = ""
+        stats = self.service.stats
 
-    service.stats = slow_stats
+        def slow_stats(ref, *args, **kw):
+            if ref.pool_id == self.held_pool and not kw.get("admin"):
+                self.held.release()
+                self.release.wait(10)
+            return stats(ref, *args, **kw)
+
+        self.service.stats = slow_stats
+
+    def close(self) -> None:
+        self.release.set()
+        self.channel.close()
+        self.admin_channel.close()
+        self.server.stop(0).wait()
+        self.service.close()
+
+
+def test_a_pool_past_its_slow_calls_in_flight_is_refused_and_nothing_else_is():
+    h = HeldServer()
+    s, md = h.stub, h.md
     try:
         heavy, light = register(s, md, "heavy"), register(s, md, "light")
+        h.held_pool = heavy.pool_id
         with ThreadPoolExecutor(2) as pool:
-            calls = [pool.submit(s.GetPoolStats, pb.GetPoolStatsRequest(pool=heavy), timeout=10) for _ in range(2)]
+            calls = [pool.submit(s.GetPoolStats, pb.GetPoolStatsRequest(pool=heavy), metadata=md, timeout=10)
+                     for _ in range(2)]
             for _ in range(2):
-                assert held.acquire(timeout=10)  # both in the handler now
+                assert h.held.acquire(timeout=10)  # both in the handler now
             with pytest.raises(grpc.RpcError) as refused:
-                s.GetPoolStats(pb.GetPoolStatsRequest(pool=heavy), timeout=10)
+                s.GetPoolStats(pb.GetPoolStatsRequest(pool=heavy), metadata=md, timeout=10)
             assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert error_reason(refused.value) == "pool_calls"
-            # meanwhile, answered: another pool's calls and the heavy pool's heartbeat
-            assert s.GetPoolStats(pb.GetPoolStatsRequest(pool=light), timeout=10).num_blocks == 64
-            s.Heartbeat(pb.HeartbeatRequest(pool=heavy), timeout=10)
-            release.set()
+            # without the pool's credential: refused for that, and no slot is taken
+            stranger = pb.PoolRef(pool_id=heavy.pool_id, credential="not-its-credential")
+            with pytest.raises(grpc.RpcError) as denied:
+                s.GetPoolStats(pb.GetPoolStatsRequest(pool=stranger), metadata=md, timeout=10)
+            assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            # meanwhile, answered: another pool's calls; the heavy pool's heartbeat
+            # and its unary steps (not slow calls: never refused for its slots)
+            assert s.GetPoolStats(pb.GetPoolStatsRequest(pool=light), metadata=md, timeout=10).num_blocks == 64
+            s.Heartbeat(pb.HeartbeatRequest(pool=heavy), metadata=md, timeout=10)
+            step = pb.StepRequest(pool=heavy, step_id=1, ops=encode_ops([Admit("a", [1, 2, 3])]))
+            answer = s.Step(step, metadata=md, timeout=10)
+            assert list(answer.errors) == [pb.OP_ERROR_NONE] and list(answer.num_stored) == [3]
+            # an admin's read of the pool takes none of its slots
+            r = h.admin.GetPoolStats(pb.GetPoolStatsRequest(pool=pb.PoolRef(pool_id=heavy.pool_id)),
+                                     metadata=h.admin_md, timeout=10)
+            assert r.num_sequences == 1
+            h.release.set()
             assert all(c.result().num_blocks == 64 for c in calls)
         # its calls answered, the pool has its slots back
-        assert s.GetPoolStats(pb.GetPoolStatsRequest(pool=heavy), timeout=10).num_blocks == 64
-        assert service.call_slots.in_flight(heavy.pool_id) == 0 and service.call_slots.refused == 1
+        assert s.GetPoolStats(pb.GetPoolStatsRequest(pool=heavy), metadata=md, timeout=10).num_blocks == 64
+        assert h.service.call_slots.in_flight(heavy.pool_id) == 0 and h.service.call_slots.refused == 1
     finally:
-        release.set()
-        channel.close()
-        server.stop(0).wait()
-        service.close()
+        h.close()
 
 
-def test_a_worker_stepping_while_its_metrics_are_read_stays_within_its_slots():
-    """The worker's own client: steps on its stream, stats beside them."""
-    service = AllocatorService()
-    server, port = create_server("127.0.0.1:0", service)
-    server.start()
-    worker = GrpcAllocator(f"127.0.0.1:{port}", PoolSpec("w", PoolConfig(64, 4, True, "m")))
+def test_the_workers_client_waits_for_a_slot_instead_of_failing():
+    """GrpcAllocator retries a `pool_calls` refusal with its backoff: a
+    worker whose stats are read while two are in flight gets its answer."""
+    h = HeldServer()
+    worker = GrpcAllocator(h.address, PoolSpec("w", PoolConfig(64, 4, True, "m")), auth_token="pool-token",
+                           backoff_s=0.02)
     try:
-        with ThreadPoolExecutor(2) as pool:
-            reads = [pool.submit(worker.stats) for _ in range(20)]
-            for i in range(20):
-                worker.step([Admit(f"s{i}", [i, i + 1])])
-            assert all(r.result().num_blocks == 64 for r in reads)
-        assert service.call_slots.refused == 0
+        h.held_pool = worker.pool_id
+        with ThreadPoolExecutor(3) as pool:
+            first = [pool.submit(worker.stats) for _ in range(2)]
+            for _ in range(2):
+                assert h.held.acquire(timeout=10)
+            third = pool.submit(worker.stats)
+            deadline = time.monotonic() + 10
+            while h.service.call_slots.refused == 0:  # refused at least once, and retrying
+                assert time.monotonic() < deadline, "the third call was never refused"
+                time.sleep(0.01)
+            assert not third.done()
+            h.held_pool = ""  # its retry is not held
+            h.release.set()
+            assert third.result(timeout=10).num_blocks == 64
+            assert all(f.result(timeout=10).num_blocks == 64 for f in first)
     finally:
         worker.close()
-        server.stop(0).wait()
-        service.close()
+        h.close()
 
 
 @given(st.lists(st.tuples(st.sampled_from("abc"), st.booleans()), max_size=30), st.integers(1, 3))

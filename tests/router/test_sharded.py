@@ -94,6 +94,26 @@ def test_while_an_allocator_is_away_its_workers_are_ranked_after_the_others(stac
 def test_more_allocators_than_workers_is_refused():
     with pytest.raises(StackError, match="--allocators"):
         LocalStack(workers=1, allocators=2, model=MODEL)
+    with pytest.raises(StackError, match="its own --state"):  # each shard's state and ports are the stack's
+        LocalStack(workers=2, allocators=2, model=MODEL, allocator_args=["--state=redis://h:1/0"])
+
+
+@pytest.mark.parametrize("state, second", [
+    ("memory", "memory"),
+    ("redis://h:6379/0", "pagedkv:allocator:shard-2:"),
+    ("redis://h:6379/0?key_prefix=teamA:", "teamA:shard-2:"),  # two stacks on one Redis stay apart
+])
+def test_each_allocator_keeps_its_journal_under_its_own_key_prefix(state, second):
+    from allocator_service.journal import split_prefix
+    from pagedkv.stack.local import _shard_state
+
+    assert _shard_state(state, 0) == state
+    if state == "memory":
+        assert _shard_state(state, 1) == "memory"
+        return
+    url, prefix = split_prefix(_shard_state(state, 1))
+    assert url == "redis://h:6379/0" and prefix == second
+    assert split_prefix(_shard_state(state, 2))[1] == second.replace("shard-2", "shard-3")
 
 
 def test_an_allocator_named_twice_is_refused():
@@ -114,20 +134,20 @@ _workers = st.lists(st.tuples(st.sampled_from(["http://a", "http://b", "http://c
                               st.integers(0, 8)), max_size=3)
 
 
-@given(st.lists(_workers, min_size=1, max_size=3))
-def test_merged_view_keeps_every_url_and_prefers_a_pool_then_free_blocks(parts):
+@given(st.lists(st.tuples(_workers, st.booleans()), min_size=1, max_size=3))
+def test_merged_view_keeps_every_url_and_prefers_an_answering_allocator_then_a_pool_then_free_blocks(parts):
     views = []
-    for index, entries in enumerate(parts):
+    for index, (entries, ok) in enumerate(parts):
         view = {url: Worker(url, pool_id=f"p{index}" if pooled else "", free_blocks=free, allocator=index)
                 for url, pooled, free in entries}
-        views.append(view)
-    merged = MergedDiscovery([_Part(v) for v in views])  # type: ignore[list-item]
+        views.append((view, ok))
+    merged = MergedDiscovery([_Part(v, ok) for v, ok in views])  # type: ignore[list-item]
     got = merged.workers
-    assert set(got) == {url for v in views for url in v}
+    assert set(got) == {url for v, _ in views for url in v}
     for url, w in got.items():
-        rivals = [v[url] for v in views if url in v]
-        assert w in rivals
-        assert max((bool(r.pool_id), r.free_blocks) for r in rivals) == (bool(w.pool_id), w.free_blocks)
+        rivals = [(ok, bool(v[url].pool_id), v[url].free_blocks) for v, ok in views if url in v]
+        assert w in [v[url] for v, _ in views if url in v]
+        assert (parts[w.allocator][1], bool(w.pool_id), w.free_blocks) == max(rivals)
 
 
 def test_merged_view_follows_a_part_that_lists_again():
