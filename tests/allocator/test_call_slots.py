@@ -97,6 +97,12 @@ def test_a_pool_past_its_slow_calls_in_flight_is_refused_and_nothing_else_is():
         # its calls answered, the pool has its slots back
         assert s.GetPoolStats(pb.GetPoolStatsRequest(pool=heavy), metadata=md, timeout=10).num_blocks == 64
         assert h.service.call_slots.in_flight(heavy.pool_id) == 0 and h.service.call_slots.refused == 1
+        from prometheus_client import generate_latest
+
+        from allocator_service.metrics import make_registry
+
+        text = generate_latest(make_registry(h.service)[0]).decode()
+        assert "pagedkv_allocator_pool_calls_refused_total 1.0" in text
     finally:
         h.close()
 
