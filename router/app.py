@@ -43,6 +43,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 
 import aiohttp
+import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -142,6 +143,8 @@ class Router:
             except Exception as exc:  # noqa: BLE001 - that allocator away: its pools route by load alone
                 self.metrics.match_errors.inc()
                 log.warning("MatchPrefix failed (%s): routing by load", type(exc).__name__)
+                if _unreachable(exc):  # not asked again until it answers a listing (each request would wait)
+                    self.discovery.not_answering(index)
                 return []
             return [((index, m.pool_id), (m.cached_tokens, m.free_blocks)) for m in matches]
 
@@ -382,6 +385,12 @@ class Router:
             await self._http.close()
         for client in self.allocators:
             await client.aclose()
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """A gRPC error that says the allocator did not answer (as opposed to refusing)."""
+    code = getattr(exc, "code", None)
+    return callable(code) and code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 class _Skip(Exception):

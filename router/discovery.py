@@ -83,6 +83,11 @@ class Discovery:
         """Whether the allocator of `Worker.allocator == index` answered its last listing."""
         return self.allocator_ok
 
+    def not_answering(self, index: int = 0) -> None:
+        """A call to the allocator went unanswered: count it away until a listing succeeds."""
+        if self.client is not None:
+            self.allocator_ok = False
+
     def refresh(self) -> None:
         """List the allocator's pools now (raises what the client raises)."""
         pools = self.client.list_pools()
@@ -216,6 +221,9 @@ class MergedDiscovery:
 
     def allocator_answers(self, index: int) -> bool:
         return self.parts[index].allocator_ok
+
+    def not_answering(self, index: int) -> None:
+        self.parts[index].not_answering()
 
     @property
     def allocators_unreachable(self) -> int:

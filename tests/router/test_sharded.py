@@ -7,10 +7,12 @@ on each), the router, driven by the official openai client."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import time
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -18,8 +20,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from allocator_service.client.grpc_client import RouterClient
+from allocator_service.v1 import allocator_pb2 as pb
 from pagedkv.stack import LocalStack, StackError
-from router.discovery import MergedDiscovery, Worker
+from router.app import Router
+from router.discovery import Discovery, MergedDiscovery, Worker
 from tests.support.http import metric
 
 MODEL = "tiny-random"
@@ -159,3 +163,41 @@ def test_merged_view_follows_a_part_that_lists_again():
     two.allocator_ok = True
     assert sorted(merged.workers) == ["http://a", "http://b"] and merged.workers["http://b"].allocator == 1
     assert merged.allocator_ok
+
+
+class _Unanswered(Exception):
+    def code(self):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class _FakeAllocator:
+    """A RouterClient's MatchPrefix: answers, or times out."""
+
+    def __init__(self, pool_id: str, cached: int, times_out: bool = False) -> None:
+        self.pool_id, self.cached, self.times_out, self.calls = pool_id, cached, times_out, 0
+
+    async def match_prefix_async(self, fingerprint, tokens, salt):
+        self.calls += 1
+        if self.times_out:
+            raise _Unanswered()
+        return [pb.PrefixMatch(pool_id=self.pool_id, cached_tokens=self.cached, free_blocks=9)]
+
+
+def test_an_allocator_that_does_not_answer_matchprefix_is_not_asked_again_until_it_lists():
+    """One request pays the unanswered allocator's deadline, not every one."""
+    clients = [_FakeAllocator("p0", 32), _FakeAllocator("p1", 48, times_out=True)]
+    parts = [Discovery(c, index=i) for i, c in enumerate(clients)]
+    for p in parts:
+        p.allocator_ok = True  # as after a listing
+    router = Router(None, MergedDiscovery(parts), "kv", allocators=clients)
+    workers = [Worker(f"http://w{i}", pool_id=f"p{i}", model_fingerprint="m", block_size=4, allocator=i)
+               for i in range(2)]
+    tokens = list(range(20))
+    first = asyncio.run(router.cached_tokens(workers, tokens, None))
+    assert first == {(0, "p0"): (32, 9)}  # the other's pools route by load
+    assert not router.discovery.allocator_answers(1) and router.discovery.allocator_answers(0)
+    again = asyncio.run(router.cached_tokens(workers, tokens, None))
+    assert again == first and [c.calls for c in clients] == [2, 1]  # not asked the second time
+    parts[1].allocator_ok = True  # its next listing succeeded
+    clients[1].times_out = False
+    assert asyncio.run(router.cached_tokens(workers, tokens, None)) == {(0, "p0"): (32, 9), (1, "p1"): (48, 9)}
