@@ -167,6 +167,7 @@ class LocalStack:
         self.prometheus_url: str | None = None
         self.redis_url: str | None = None
         self.warnings: list[str] = []
+        self._ports: dict[int, str] = {}  # fixed ports given out by this start, by whom
 
     # -------------------------------------------------------------- lifecycle
 
@@ -200,8 +201,11 @@ class LocalStack:
     def _port(self, port: int, name: str) -> int:
         if port == 0:
             return free_port(self.connect_host)
+        if port in self._ports:  # e.g. --allocator-port P with --allocators 2 and metrics on P + 1
+            raise StackError(f"port {port} for {name} is also the port of {self._ports[port]}")
         if port_in_use(self.connect_host, port):
             raise StackError(f"port {port} for {name} is already in use (pass 0 to pick a free port)")
+        self._ports[port] = name
         return port
 
     def _add(self, cls, *args, **kw):
@@ -218,6 +222,7 @@ class LocalStack:
             self.console.print(f"[yellow]warning:[/] {message}", highlight=False)
 
     def _start(self) -> None:
+        self._ports = {}
         h = self.connect_host
         state = self.state
         if self.want_redis:

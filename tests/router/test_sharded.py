@@ -102,6 +102,17 @@ def test_more_allocators_than_workers_is_refused():
         LocalStack(workers=2, allocators=2, model=MODEL, allocator_args=["--state=redis://h:1/0"])
 
 
+def test_fixed_ports_that_overlap_are_refused_before_anything_starts():
+    from pagedkv.stack.probes import free_port
+
+    port = free_port("127.0.0.1")
+    # allocator i listens on port + i and serves metrics on metrics_port + i: here both on `port`
+    stack = LocalStack(workers=2, allocators=2, model=MODEL, allocator_port=port, allocator_metrics_port=port)
+    with pytest.raises(StackError, match=f"port {port} for the allocator's metrics is also the port of the allocator"):
+        stack.start()
+    assert stack.processes == {}
+
+
 @pytest.mark.parametrize("state, second", [
     ("memory", "memory"),
     ("redis://h:6379/0", "pagedkv:allocator:shard-2:"),
