@@ -449,7 +449,11 @@ def create_app(router: Router, api_key: str | None = None) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        router.metrics.workers.set(len(router.discovery.workers))
+        d = router.discovery
+        router.metrics.workers.set(len(d.workers))
+        parts = d.parts if isinstance(d, MergedDiscovery) else [d] if d.client is not None else []
+        router.metrics.allocators.set(len(parts))
+        router.metrics.allocators_unreachable.set(sum(not p.allocator_ok for p in parts))
         return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

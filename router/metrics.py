@@ -45,3 +45,8 @@ class RouterMetrics:
         self.in_flight = Gauge("pagedkv_router_in_flight_requests",
                                "Requests a worker is answering through this router.", ["worker"], registry=r)
         self.workers = Gauge("pagedkv_router_workers", "Workers the router may send requests to.", registry=r)
+        self.allocators = Gauge("pagedkv_router_allocators", "Allocators the router follows (pools sharded over them).",
+                                registry=r)
+        self.allocators_unreachable = Gauge(
+            "pagedkv_router_allocators_unreachable",
+            "Allocators whose last listing or MatchPrefix went unanswered (their workers rank last).", registry=r)

@@ -111,6 +111,7 @@ ROWS: list[tuple[str, list[tuple]]] = [
             (rate("pagedkv_router_retries_total", "reason", ""), "retry: {{reason}}"),
             (rate("pagedkv_router_failed_requests_total", "reason", ""), "failed: {{reason}}"),
             (f"sum by (worker) (pagedkv_router_in_flight_requests{{{W}}})", "{{worker}} in flight"),
+            ("max(pagedkv_router_allocators_unreachable)", "allocators unreachable"),
         ], {}),
     ]),
 ]

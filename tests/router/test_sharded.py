@@ -54,6 +54,8 @@ def test_each_worker_registers_with_its_own_allocator(stack):
     health = httpx.get(f"{stack.router_url}/health").json()
     assert health == {"status": "ok", "workers": 2, "allocator": "ok", "policy": "kv", "allocators": 2,
                       "allocators_unreachable": 0}
+    assert metric(stack.router_url, "pagedkv_router_allocators") == 2
+    assert metric(stack.router_url, "pagedkv_router_allocators_unreachable") == 0
 
 
 def test_requests_land_on_the_worker_holding_their_prefix_whichever_allocator_holds_its_pool(stack):
@@ -83,6 +85,7 @@ def test_while_an_allocator_is_away_its_workers_are_ranked_after_the_others(stac
             assert time.monotonic() < deadline, "the router never noticed the allocator was gone"
             time.sleep(0.1)
         assert httpx.get(f"{stack.router_url}/health").json()["allocator"] == "unreachable"
+        assert metric(stack.router_url, "pagedkv_router_allocators_unreachable") == 1
         # MatchPrefix cannot ask allocator-2 now, so both workers look cold and
         # equally loaded: without the rule, ties would alternate onto worker-2
         # (and its request would wait for its allocator, past this timeout)
