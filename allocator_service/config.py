@@ -26,9 +26,9 @@ class Limits:
     # this much larger than its unary concurrency; past it a worker is
     # refused and sends unary Steps.
     max_step_streams: int = 16
-    # Unary calls one pool (RegisterPool: one worker id) may have in flight at
-    # once, so that one worker cannot hold every thread of the server's pool
-    # (`call_slots.py`); past it RESOURCE_EXHAUSTED.
+    # Slow reads (servicer.SLOTTED: block tables, stats, dumps, cache resets)
+    # one pool may have in flight at once, so that one worker cannot hold every
+    # thread of the server's pool (`call_slots.py`); past it RESOURCE_EXHAUSTED.
     max_calls_per_pool: int = 4
     # Largest request or response on the wire (gRPC answers bigger ones with
     # RESOURCE_EXHAUSTED before any of our code runs).

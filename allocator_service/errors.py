@@ -89,7 +89,7 @@ class StepStreamsExhausted(CapacityExceeded):
 
 
 class TooManyCalls(CapacityExceeded):
-    """A pool already has as many unary calls in flight as one pool may
+    """A pool already has as many slow reads in flight as one pool may
     (`Limits.max_calls_per_pool`; RESOURCE_EXHAUSTED, `pool_calls`)."""
 
     code = "pool_calls"

@@ -439,7 +439,7 @@ def create_app(router: Router, api_key: str | None = None) -> FastAPI:
         # several allocators: "ok" while every one answers, "unreachable" while one or more does not
         body = {"workers": len(d.workers), "allocator": "ok" if d.allocator_ok else "unreachable",
                 "policy": router.policy}
-        if isinstance(d, MergedDiscovery):
+        if len(d.parts) > 1:
             body["allocators"] = len(d.parts)
             body["allocators_unreachable"] = d.allocators_unreachable
         if not d.workers:
@@ -451,9 +451,8 @@ def create_app(router: Router, api_key: str | None = None) -> FastAPI:
     async def metrics():
         d = router.discovery
         router.metrics.workers.set(len(d.workers))
-        parts = d.parts if isinstance(d, MergedDiscovery) else [d] if d.client is not None else []
-        router.metrics.allocators.set(len(parts))
-        router.metrics.allocators_unreachable.set(sum(not p.allocator_ok for p in parts))
+        router.metrics.allocators.set(len(d.parts))
+        router.metrics.allocators_unreachable.set(d.allocators_unreachable)
         return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

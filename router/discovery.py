@@ -79,6 +79,15 @@ class Discovery:
         """url -> Worker, a snapshot."""
         return self._workers
 
+    @property
+    def parts(self) -> list[Discovery]:
+        """The allocators followed, one Discovery each (`MergedDiscovery` has several)."""
+        return [self] if self.client is not None else []
+
+    @property
+    def allocators_unreachable(self) -> int:
+        return _unreachable(self.parts)
+
     def allocator_answers(self, index: int) -> bool:
         """Whether the allocator of `Worker.allocator == index` answered its last listing."""
         return self.allocator_ok
@@ -227,7 +236,7 @@ class MergedDiscovery:
 
     @property
     def allocators_unreachable(self) -> int:
-        return sum(not p.allocator_ok for p in self.parts)
+        return _unreachable(self.parts)
 
     def refresh(self) -> None:
         for p in self.parts:
@@ -240,6 +249,11 @@ class MergedDiscovery:
     def close(self) -> None:
         for p in self.parts:
             p.close()
+
+
+def _unreachable(parts: Sequence[Discovery]) -> int:
+    """How many of the followed allocators did not answer their last listing."""
+    return sum(not p.allocator_ok for p in parts)
 
 
 def _short(exc: BaseException) -> str:

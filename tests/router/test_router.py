@@ -17,7 +17,7 @@ import pytest
 
 from allocator_service.client.grpc_client import RouterClient
 from pagedkv.stack import LocalStack, WorkerProcess
-from tests.support.http import metric
+from tests.support.http import metric, openai_client
 from worker.model.tiny import tiny_tokenizer
 
 MODEL = "tiny-random"
@@ -35,14 +35,10 @@ def stack():
         yield s
 
 
-def _client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
 def _complete(url: str, prompt: str, salt: str | None = None, **kw):
     """(text, the worker that answered, the cached tokens the router saw there)."""
     extra = {"cache_salt": salt} if salt is not None else None
-    raw = _client(url).completions.with_raw_response.create(
+    raw = openai_client(url).completions.with_raw_response.create(
         model=MODEL, prompt=prompt, max_tokens=8, temperature=0, extra_body=extra, **kw)
     return raw.parse().choices[0].text, raw.headers.get("x-pagedkv-worker"), \
         int(raw.headers.get("x-pagedkv-cached-tokens", "-1"))
@@ -53,7 +49,7 @@ def _worker_id(stack: LocalStack, url: str) -> str:
 
 
 def test_the_openai_client_gets_the_same_greedy_text_as_from_a_worker(stack):
-    router, worker = _client(stack.router_url), _client(stack.worker_urls[0])
+    router, worker = openai_client(stack.router_url), openai_client(stack.worker_urls[0])
     messages = [{"role": "system", "content": PREFIXES[0]}, {"role": "user", "content": "Say something."}]
     for c in (router, worker):
         assert [m.id for m in c.models.list().data] == [MODEL]
@@ -78,7 +74,7 @@ def test_requests_land_on_the_worker_that_holds_their_prefix(stack):
     owner = {}
     for i, prefix in enumerate(PREFIXES[2:4]):
         url = stack.worker_urls[i]
-        _client(url).completions.create(model=MODEL, prompt=prefix + "warm up", max_tokens=1, temperature=0)
+        openai_client(url).completions.create(model=MODEL, prompt=prefix + "warm up", max_tokens=1, temperature=0)
         owner[prefix] = _worker_id(stack, url)
     allocator = RouterClient(stack.allocator_address,
                              router_token=(stack.log_dir / "router-token").read_text().strip())
@@ -139,7 +135,7 @@ def test_a_worker_that_joins_is_used_without_restarting_the_router(stack):
             assert time.monotonic() < deadline, "the router never learned of the new worker"
             time.sleep(0.1)
         prefix = "A prompt only the new worker has seen. " * 8
-        _client(joined.url).completions.create(model=MODEL, prompt=prefix + "hi", max_tokens=1, temperature=0)
+        openai_client(joined.url).completions.create(model=MODEL, prompt=prefix + "hi", max_tokens=1, temperature=0)
         for question in ("one", "two"):
             _, worker, cached = _complete(stack.router_url, prefix + question)
             assert worker == "worker-joined" and cached > 0
@@ -157,7 +153,7 @@ def test_a_killed_worker_is_routed_around_without_a_failed_request(stack):
     assert worker == "worker-2"
     retries_before = metric(stack.router_url, "pagedkv_router_retries_total", {"reason": "unreachable"}) or 0
     # A stream under way when its worker dies ends with an error event, not a silent cut.
-    long = _client(stack.router_url).completions.create(model=MODEL, prompt=prefix + "long", max_tokens=1500,
+    long = openai_client(stack.router_url).completions.create(model=MODEL, prompt=prefix + "long", max_tokens=1500,
                                                         temperature=0, stream=True, extra_body={"ignore_eos": True})
     next(iter(long))
     stack.workers[1].kill()  # its pool stays registered until its lease runs out
@@ -167,7 +163,7 @@ def test_a_killed_worker_is_routed_around_without_a_failed_request(stack):
     for i in range(4):
         text, worker, _ = _complete(stack.router_url, prefix + f"after {i}")
         assert worker == "worker-1" and text
-        chunks = _client(stack.router_url).completions.create(model=MODEL, prompt=prefix + f"stream {i}",
+        chunks = openai_client(stack.router_url).completions.create(model=MODEL, prompt=prefix + f"stream {i}",
                                                               max_tokens=4, temperature=0, stream=True)
         assert "".join(c.choices[0].text for c in chunks)
     assert metric(stack.router_url, "pagedkv_router_retries_total", {"reason": "unreachable"}) >= retries_before + 1

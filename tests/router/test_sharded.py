@@ -14,7 +14,6 @@ import time
 
 import grpc
 import httpx
-import openai
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -24,7 +23,7 @@ from allocator_service.v1 import allocator_pb2 as pb
 from pagedkv.stack import LocalStack, StackError
 from router.app import Router
 from router.discovery import Discovery, MergedDiscovery, Worker
-from tests.support.http import metric
+from tests.support.http import metric, openai_client
 
 MODEL = "tiny-random"
 BLOCK = 16
@@ -37,10 +36,6 @@ def stack():
     with LocalStack(workers=2, allocators=2, model=MODEL, worker_args=args, router=True,
                     startup_timeout=180) as s:
         yield s
-
-
-def _client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def test_each_worker_registers_with_its_own_allocator(stack):
@@ -61,10 +56,10 @@ def test_each_worker_registers_with_its_own_allocator(stack):
 def test_requests_land_on_the_worker_holding_their_prefix_whichever_allocator_holds_its_pool(stack):
     # Each prefix goes straight to one worker, so only that worker's pool (on its own allocator) holds it.
     for url, prefix in zip(stack.worker_urls, PREFIXES, strict=True):
-        _client(url).completions.create(model=MODEL, prompt=prefix + "warm up", max_tokens=1, temperature=0)
+        openai_client(url).completions.create(model=MODEL, prompt=prefix + "warm up", max_tokens=1, temperature=0)
     for owner, prefix in zip(("worker-1", "worker-2"), PREFIXES, strict=True):
         for question in ("What now?", "And then?"):
-            raw = _client(stack.router_url).completions.with_raw_response.create(
+            raw = openai_client(stack.router_url).completions.with_raw_response.create(
                 model=MODEL, prompt=prefix + question, max_tokens=4, temperature=0)
             assert raw.headers["x-pagedkv-worker"] == owner
             assert int(raw.headers["x-pagedkv-cached-tokens"]) >= (len(prefix) // BLOCK - 1) * BLOCK
@@ -89,7 +84,7 @@ def test_while_an_allocator_is_away_its_workers_are_ranked_after_the_others(stac
         # MatchPrefix cannot ask allocator-2 now, so both workers look cold and
         # equally loaded: without the rule, ties would alternate onto worker-2
         # (and its request would wait for its allocator, past this timeout)
-        client = openai.OpenAI(base_url=f"{stack.router_url}/v1", api_key="unused", max_retries=0, timeout=30)
+        client = openai_client(stack.router_url, timeout=30)
         for i in range(3):
             raw = client.completions.with_raw_response.create(
                 model=MODEL, prompt=prefix + f"While it is away, {i}?", max_tokens=4, temperature=0)
