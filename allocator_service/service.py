@@ -43,7 +43,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from itertools import compress
 from typing import Any, NamedTuple
 
@@ -626,6 +626,17 @@ class AllocatorService:
             out.append(PoolListing(e.pool_id, e.worker_id, config.model_fingerprint, e.served_model_name,
                                    e.advertise_url, e.pool.enable_prefix_caching, stats))
         return out
+
+    def cached_blocks(self) -> Iterator[tuple[str, list[tuple[int, bytes]]]]:
+        """(pool id, [(block, hash), ...]) for every live pool: each pool's
+        cached blocks as they are now, read under its own lock (the start
+        of a WatchEvents snapshot). A pool's events are numbered in the order
+        its records are applied, so the events numbered from before this
+        call, replayed onto it, give exactly the pool's view at their end."""
+        for e in list(self.registry.pools.values()):
+            with e.lock:
+                held = [(b, h) for b, h in enumerate(e.pool.index.block_hash) if h is not None]
+            yield e.pool_id, held
 
     def pool_views(self) -> list[PoolView]:
         """What the metrics collector reads: each pool under its own lock."""

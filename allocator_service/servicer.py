@@ -36,15 +36,17 @@ EVENT_KIND = {
 WATCH_BATCH = 512
 WATCH_POLL_S = 0.5
 _KIND_NAME = {v: k for k, v in EVENT_KIND.items()}
+# Sent whatever the kinds filter says (naming them is allowed).
+ALWAYS_SENT = frozenset((pb.KV_EVENT_KIND_RESYNC_REQUIRED, pb.KV_EVENT_KIND_SNAPSHOT_END))
 
 
 def watched_kinds(kinds) -> frozenset[str] | None:
     """WatchEventsRequest.kinds as the event log's kind names; None = every
-    kind. RESYNC_REQUIRED may be named (it is sent anyway); anything else
+    kind. RESYNC_REQUIRED and SNAPSHOT_END may be named (they are sent anyway); anything else
     that is not an event kind is refused."""
     if not kinds:
         return None
-    unknown = [k for k in kinds if k not in _KIND_NAME and k != pb.KV_EVENT_KIND_RESYNC_REQUIRED]
+    unknown = [k for k in kinds if k not in _KIND_NAME and k not in ALWAYS_SENT]
     if unknown:
         raise BadRequest(f"kinds: {unknown} are not event kinds (one of "
                          f"{sorted(k for k in pb.KvEventKind.values() if k != pb.KV_EVENT_KIND_UNSPECIFIED)})")
@@ -128,9 +130,18 @@ class AllocatorServicer:
         service = self.service
         log = service.events
         wanted = watched_kinds(request.kinds)
+        if request.snapshot and request.from_sequence:
+            raise BadRequest("snapshot starts from the present: send from_sequence 0 with it")
         service.open_watcher()
         try:
             cursor = request.from_sequence or log.published
+            if request.snapshot:  # the present first, then everything numbered from `cursor` on
+                stored = wanted is None or "block_stored" in wanted
+                for pool_id, held in service.cached_blocks() if stored else ():
+                    for block, block_hash in held:
+                        yield pb.KvEvent(kind=pb.KV_EVENT_KIND_BLOCK_STORED, pool_id=pool_id, block_id=block,
+                                         block_hash=block_hash)
+                yield pb.KvEvent(sequence=cursor, kind=pb.KV_EVENT_KIND_SNAPSHOT_END)
             while context.is_active() and not service.stopping and not log.closed:
                 batch, after, gap = log.read(cursor, WATCH_BATCH, WATCH_POLL_S)
                 if gap:

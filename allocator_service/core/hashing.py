@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 from allocator_service.core.errors import InvalidArgument
 from allocator_service.core.limits import MAX_TOKEN_ID
@@ -81,3 +81,16 @@ def chain_hashes(
         )
         out.append(parent)
     return out
+
+
+def leading_hits(hashes: Sequence[bytes], cached: Container[bytes]) -> int:
+    """How many of `hashes` (a prompt's chain), from the first, are in
+    `cached`: the prefix a cache holds, since a block is reusable only
+    after every block before it (the rule of `BlockPool.cached_blocks`, and
+    of a router matching in its copy of a pool's index)."""
+    hits = 0
+    for h in hashes:
+        if h not in cached:
+            break
+        hits += 1
+    return hits

@@ -275,13 +275,7 @@ class BlockPool:
         for every pool of one root (what `cached_prefix_tokens` answers)."""
         if not self.enable_prefix_caching:
             return 0
-        index = self.index
-        hits = 0
-        for h in hashes:
-            if h not in index:
-                break
-            hits += 1
-        return hits
+        return hashing.leading_hits(hashes, self.index)
 
     # ------------------------------------------------------------- mutations
     def admit(

@@ -33,6 +33,7 @@ class KvEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_EVENT_KIND_POOL_REGISTERED: _ClassVar[KvEventKind]
     KV_EVENT_KIND_POOL_DROPPED: _ClassVar[KvEventKind]
     KV_EVENT_KIND_RESYNC_REQUIRED: _ClassVar[KvEventKind]
+    KV_EVENT_KIND_SNAPSHOT_END: _ClassVar[KvEventKind]
 OP_KIND_UNSPECIFIED: OpKind
 OP_KIND_FREE: OpKind
 OP_KIND_APPEND: OpKind
@@ -51,6 +52,7 @@ KV_EVENT_KIND_ALL_CLEARED: KvEventKind
 KV_EVENT_KIND_POOL_REGISTERED: KvEventKind
 KV_EVENT_KIND_POOL_DROPPED: KvEventKind
 KV_EVENT_KIND_RESYNC_REQUIRED: KvEventKind
+KV_EVENT_KIND_SNAPSHOT_END: KvEventKind
 
 class PoolRef(_message.Message):
     __slots__ = ("pool_id", "credential")
@@ -285,12 +287,14 @@ class MatchPrefixResponse(_message.Message):
     def __init__(self, matches: _Optional[_Iterable[_Union[PrefixMatch, _Mapping]]] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
-    __slots__ = ("from_sequence", "kinds")
+    __slots__ = ("from_sequence", "kinds", "snapshot")
     FROM_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     KINDS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     from_sequence: int
     kinds: _containers.RepeatedScalarFieldContainer[KvEventKind]
-    def __init__(self, from_sequence: _Optional[int] = ..., kinds: _Optional[_Iterable[_Union[KvEventKind, str]]] = ...) -> None: ...
+    snapshot: bool
+    def __init__(self, from_sequence: _Optional[int] = ..., kinds: _Optional[_Iterable[_Union[KvEventKind, str]]] = ..., snapshot: _Optional[bool] = ...) -> None: ...
 
 class KvEvent(_message.Message):
     __slots__ = ("sequence", "kind", "pool_id", "block_id", "block_hash", "model_fingerprint", "reason", "worker_id", "advertise_url", "served_model_name")
