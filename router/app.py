@@ -4,13 +4,16 @@
 validated with the worker's own request models (`worker.server.protocol`, via
 `worker.server.bodies`), so a bad request gets the worker's exact 400; the
 prompt is tokenized once with the worker's tokenizer and chat template
-(`Tokenizer.encode_chat`); the allocator's `MatchPrefix` says how much of it
-each pool holds (with pools sharded over several allocators, each is asked
-about its own pools, all at once); `policy.rank` orders the workers. The body goes unchanged to
+(`Tokenizer.encode_chat`); how much of it each pool holds is matched in
+the router's copy of the pools' caches, kept from the allocator's events
+(`prefix_view.py`), or, while that copy is not in step (or with
+`--cache-view match-prefix`), asked of the allocator's `MatchPrefix` (with
+pools sharded over several allocators, each is asked about its own pools,
+all at once); `policy.rank` orders the workers. The body goes unchanged to
 the first; its answer (JSON or server-sent events) is passed through chunk
 by chunk as it arrives, with the headers `x-pagedkv-worker` naming who
 answered, `x-pagedkv-cached-tokens` how much of the prompt its pool held
-(by MatchPrefix) when it was chosen and `x-pagedkv-routing-ms` how long the
+(by the view or MatchPrefix) when it was chosen and `x-pagedkv-routing-ms` how long the
 choice took.
 
 Failure: a worker that refuses the connection, does not send its answer's
@@ -48,9 +51,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from allocator_service.core.errors import InvalidArgument
+from allocator_service.core.hashing import chain_hashes, root_hash
 from router.discovery import Discovery, MergedDiscovery, Worker
 from router.metrics import RouterMetrics
 from router.policy import Candidate, rank
+from router.prefix_view import PrefixView
 from worker.server.bodies import off_loop, read_body
 from worker.server.disconnect import ClientGone, unless_gone
 from worker.server.errors import (
@@ -125,7 +131,8 @@ class Router:
     async def cached_tokens(self, workers: Sequence[Worker], tokens: list[int] | None,
                             salt: str | None) -> dict[tuple[int, str], tuple[int, int]]:
         """(allocator, pool id) -> (cached tokens of this prompt, free
-        blocks), from MatchPrefix: one call per allocator and model, all at once."""
+        blocks): matched in the view of each allocator whose view is in step;
+        from MatchPrefix for the others, one call per allocator and model, all at once."""
         if not self.allocators or not tokens or salt == "" or self.policy != "kv":
             return {}
         if all(w.block_size and len(tokens) - 1 < w.block_size for w in workers):
@@ -136,6 +143,18 @@ class Router:
         asks = sorted({(w.allocator, w.model_fingerprint) for w in workers if w.pool_id and answers(w.allocator)})
         if not asks:
             return {}
+
+        # Matched here, in the pools' caches as the allocator's own events say: no call to wait for.
+        views = {i: p.view for i, p in enumerate(self.discovery.parts) if p.view is not None and p.view.synced}
+        local = [(i, fp) for i, fp in asks if i in views]
+        found: dict[tuple[int, str], tuple[int, int]] = {}
+        if local:
+            with self.metrics.view_match_seconds.time():
+                for index, fingerprint in local:
+                    found |= self._match_in_view(views[index], index, fingerprint, workers, tokens, salt)
+            asks = [(i, fp) for i, fp in asks if i not in views]
+            if not asks:
+                return found
 
         async def ask(index: int, fingerprint: str) -> list[tuple[tuple[int, str], tuple[int, int]]]:
             try:
@@ -153,7 +172,32 @@ class Router:
                 answers = [await ask(*asks[0])]
             else:
                 answers = await asyncio.gather(*(ask(i, fp) for i, fp in asks))
-        return {key: value for answer in answers for key, value in answer}
+        return found | {key: value for answer in answers for key, value in answer}
+
+    @staticmethod
+    def _match_in_view(view: PrefixView, index: int, fingerprint: str, workers: Sequence[Worker],
+                       tokens: list[int], salt: str | None) -> dict[tuple[int, str], tuple[int, int]]:
+        """What MatchPrefix would answer for the pools of allocator `index`
+        and `fingerprint` among `workers`, from its events: the prompt's hash
+        chain per block size (its last token's block left out, as a
+        prompt's last token is always computed), the leading hashes the pool
+        holds; free blocks from the last listing."""
+        out: dict[tuple[int, str], tuple[int, int]] = {}
+        chains: dict[int, list[bytes]] = {}
+        for w in workers:
+            if w.allocator != index or w.model_fingerprint != fingerprint or not w.pool_id or not w.block_size:
+                continue
+            size = w.block_size
+            hashes = chains.get(size)
+            if hashes is None:
+                try:
+                    hashes = chain_hashes(root_hash(fingerprint, size), tokens, size, salt,
+                                          limit_blocks=(len(tokens) - 1) // size)
+                except InvalidArgument:  # a token id no model has: nothing can be cached
+                    hashes = []
+                chains[size] = hashes
+            out[(index, w.pool_id)] = (view.cached_blocks(w.pool_id, hashes) * size, w.free_blocks)
+        return out
 
     def being_computed(self, workers: Sequence[Worker], tokens: list[int] | None,
                        salt: str | None) -> dict[str, int]:
@@ -453,6 +497,7 @@ def create_app(router: Router, api_key: str | None = None) -> FastAPI:
         router.metrics.workers.set(len(d.workers))
         router.metrics.allocators.set(len(d.parts))
         router.metrics.allocators_unreachable.set(d.allocators_unreachable)
+        router.metrics.views_synced.set(sum(p.view is not None and p.view.synced for p in d.parts))
         return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

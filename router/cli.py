@@ -24,6 +24,8 @@ from pagedkv.settings import (
 )
 from router.policy import POLICIES
 
+CACHE_VIEWS = ("events", "match-prefix")
+
 ENV_HELP = """\
 Every flag can also be given as the environment variable PAGEDKV_ROUTER_<FLAG>
 (--listen: PAGEDKV_ROUTER_LISTEN, --allocator: PAGEDKV_ROUTER_ALLOCATOR, ...); a
@@ -92,6 +94,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", **_env("--policy", "kv"), choices=POLICIES,
                    help="kv: most cached prefix weighed against load (2*overlap - usage - waiting); "
                         "least-load; round-robin (default kv)")
+    p.add_argument("--cache-view", **_env("--cache-view", "events"), choices=CACHE_VIEWS,
+                   help="events: keep the pools' prefix caches in the router from the allocator's block events "
+                        "(a snapshot, then every change) and match prompts here, asking MatchPrefix only while "
+                        "that copy is not in step; match-prefix: ask MatchPrefix for every request (default "
+                        "events)")
     p.add_argument("--router-token-file", **_env("--router-token-file"),
                    help="file holding the allocator's router bearer token (its --router-token-file)")
     p.add_argument("--allocator-tls-ca", **_env("--allocator-tls-ca"),
@@ -103,9 +110,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--first-byte-timeout", metavar="SECONDS", **_env("--first-byte-timeout", 60.0, seconds),
                    help="a worker that has not answered a request's status in this long is skipped and the "
                         "request sent to another (default 60)")
-    p.add_argument("--refresh-interval", metavar="SECONDS", **_env("--refresh-interval", 5.0, seconds),
-                   help="list the allocator's pools at least this often, besides on every pool event "
-                        "(default 5)")
+    p.add_argument("--refresh-interval", metavar="SECONDS", **_env("--refresh-interval", 1.0, seconds),
+                   help="list the allocator's pools at least this often, besides on every pool event: their "
+                        "free blocks weigh in the kv policy's usage term (MatchPrefix, when asked, gives them "
+                        "fresh) (default 1)")
     p.add_argument("--log-level", **_env("--log-level", "INFO", log_level), choices=LOG_LEVELS,
                    help="log level, any case (default INFO)")
 
@@ -121,6 +129,7 @@ def build_router(args: argparse.Namespace):
     """The Router (tokenizer loaded, allocator client made), not started."""
     from router.app import Router
     from router.discovery import Discovery, MergedDiscovery
+    from router.prefix_view import PrefixView
     from worker.model.loader import ModelLoadError, load_tokenizer
 
     if not args.allocator and not args.workers:
@@ -140,11 +149,14 @@ def build_router(args: argparse.Namespace):
         # No retries: a request routes by load alone rather than wait for an allocator that is away.
         clients = [RouterClient(a, router_token=token, tls_ca=args.allocator_tls_ca, deadline_s=2.0, retries=0)
                    for a in args.allocator]
-    if len(clients) > 1:
-        discovery = MergedDiscovery([Discovery(c, args.workers or (), refresh_s=args.refresh_interval, index=i)
-                                     for i, c in enumerate(clients)])
+    # The view is only read to rank by cached prefix (`kv`).
+    follow_blocks = args.cache_view == "events" and args.policy == "kv"
+    parts = [Discovery(c, args.workers or (), refresh_s=args.refresh_interval, index=i,
+                       view=PrefixView() if follow_blocks else None) for i, c in enumerate(clients)]
+    if len(parts) > 1:
+        discovery = MergedDiscovery(parts)
     else:
-        discovery = Discovery(clients[0] if clients else None, args.workers or (), refresh_s=args.refresh_interval)
+        discovery = parts[0] if parts else Discovery(None, args.workers or (), refresh_s=args.refresh_interval)
     return Router(tokenizer, discovery, args.policy, allocators=clients,
                   first_byte_timeout=args.first_byte_timeout)
 

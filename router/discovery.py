@@ -9,6 +9,13 @@ after the last one seen, and the listing is also refreshed every `refresh_s`
 seconds (a registration that lands between the first listing and the start
 of the first stream is found then at the latest).
 
+With a `PrefixView` (`--cache-view events`, the router's default) the
+stream carries every event instead, after a snapshot of every pool's cached
+blocks: the view applies them (`router.prefix_view`). Each connection takes
+a new snapshot, so a reconnect or a RESYNC_REQUIRED rebuilds the view
+rather than resuming it; the view says it is not in step from the moment a
+stream breaks until its new snapshot has ended.
+
 Static (`--workers URL,...`): exactly those URLs. With an allocator as well,
 a static URL is matched to the pool that advertises it, for its cache view.
 
@@ -25,6 +32,8 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from router.prefix_view import PrefixView
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +66,12 @@ class Discovery:
     """The workers the router knows, kept current by a daemon thread."""
 
     def __init__(self, client=None, static: Sequence[str] = (), refresh_s: float = 5.0,
-                 on_change: Callable[[dict[str, Worker]], None] | None = None, index: int = 0) -> None:
+                 on_change: Callable[[dict[str, Worker]], None] | None = None, index: int = 0,
+                 view: PrefixView | None = None) -> None:
         self.client = client  # a RouterClient, or None (static list only)
+        # The pools' prefix caches from every block event (None: the pools' events only,
+        # and the router asks MatchPrefix per request).
+        self.view = view if client is not None else None
         self.index = index  # this allocator's place among the router's (`Worker.allocator`)
         self.static = [normalise_url(u) for u in static]
         self.refresh_s = refresh_s
@@ -153,37 +166,61 @@ class Discovery:
     def _follow(self) -> None:
         from allocator_service.v1 import allocator_pb2 as pb
 
-        # Only the pools' events: a block's events (most of them, one per block
-        # hashed or evicted in any pool) would cost this process and the
-        # allocator CPU on every step for nothing the router uses.
-        pools = (pb.KV_EVENT_KIND_POOL_REGISTERED, pb.KV_EVENT_KIND_POOL_DROPPED)
+        pool_kinds = (pb.KV_EVENT_KIND_POOL_REGISTERED, pb.KV_EVENT_KIND_POOL_DROPPED)
+        view = self.view
         backoff = 0.1
         while not self._stop.is_set():
             try:
-                # A reconnect follows on from the last event seen, so none is missed
-                # (too old: RESYNC_REQUIRED, answered by listing again).
-                self._stream = self.client.watch_events(from_sequence=self._next_event, kinds=pools)
+                if view is not None:
+                    # Every event, after a snapshot of the present: each (re)connection
+                    # rebuilds the view (MatchPrefix answers until the snapshot ends).
+                    view.begin()
+                    self._stream = self.client.watch_events(snapshot=True)
+                else:
+                    # Only the pools' events: a block's events (most of them, one per block
+                    # hashed or evicted in any pool) would cost this process and the
+                    # allocator CPU on every step for nothing this router uses. A
+                    # reconnect follows on from the last event seen, so none is missed
+                    # (too old: RESYNC_REQUIRED, answered by listing again).
+                    self._stream = self.client.watch_events(from_sequence=self._next_event, kinds=pool_kinds)
                 if self._stop.is_set():
                     break
                 self._try_refresh()
                 for event in self._stream:
                     backoff = 0.1
-                    if event.kind != pb.KV_EVENT_KIND_RESYNC_REQUIRED:
+                    kind = event.kind
+                    if view is not None:
+                        if kind == pb.KV_EVENT_KIND_RESYNC_REQUIRED:
+                            raise _Resync  # events the view needs are gone: a new snapshot
+                        view.apply(event)
+                        if kind not in pool_kinds:
+                            continue
+                    elif kind != pb.KV_EVENT_KIND_RESYNC_REQUIRED:
                         self._next_event = event.sequence + 1
                     self._try_refresh()  # a pool came or went, or events were missed
+            except _Resync:
+                log.warning("allocator event stream: events were missed; taking a new snapshot")
+                self._cancel_stream()
+                continue
             except Exception as exc:  # noqa: BLE001 - reconnect after any failure
                 if self._stop.is_set():
                     break
                 log.warning("allocator event stream: %s; reconnecting in %.1f s", _short(exc), backoff)
+            finally:
+                if view is not None:
+                    view.lost()
             if self._stop.wait(backoff):
                 break
             backoff = min(backoff * 2, 2.0)
 
-    def close(self) -> None:
-        self._stop.set()
+    def _cancel_stream(self) -> None:
         stream = self._stream
         if stream is not None:
             stream.cancel()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._cancel_stream()
         for t in (self._thread, self._refresher):
             if t is not None:
                 t.join(timeout=2)
@@ -249,6 +286,10 @@ class MergedDiscovery:
     def close(self) -> None:
         for p in self.parts:
             p.close()
+
+
+class _Resync(Exception):
+    """The allocator no longer holds events the view needs."""
 
 
 def _unreachable(parts: Sequence[Discovery]) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-# Routing is sub-millisecond to a few ms (tokenize + one MatchPrefix call).
+# Routing is sub-millisecond to a few ms (tokenize + match in the view, or one MatchPrefix call).
 ROUTING_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
@@ -26,12 +26,21 @@ class RouterMetrics:
             ["policy"], registry=r)
         self.routing_seconds = Histogram(
             "pagedkv_router_routing_seconds",
-            "Time to choose a worker: tokenize, MatchPrefix, rank.",
+            "Time to choose a worker: tokenize, match (view or MatchPrefix), rank.",
             ["policy"], buckets=ROUTING_BUCKETS, registry=r)
         self.match_seconds = Histogram(
             "pagedkv_router_match_prefix_seconds",
             "Time of the MatchPrefix call (the allocator's share of the routing time).",
             buckets=ROUTING_BUCKETS, registry=r)
+        self.view_match_seconds = Histogram(
+            "pagedkv_router_view_match_seconds",
+            "Time to match a prompt in the router's copy of the allocators' prefix caches, kept from their "
+            "events (no call; what replaces MatchPrefix while the copy is in step).",
+            buckets=ROUTING_BUCKETS, registry=r)
+        self.views_synced = Gauge(
+            "pagedkv_router_prefix_views_synced",
+            "Allocators whose prefix caches the router holds in step from their events (the rest are asked "
+            "MatchPrefix per request).", registry=r)
         self.retries = Counter(
             "pagedkv_router_retries",
             "Requests sent again to another worker before any byte reached the client, by why.",

@@ -26,10 +26,12 @@ Figures per run, then the mean over rounds per policy:
 - busiest worker's share: the most requests any one worker answered over all
   answered (0.5 is an even split over two; 1.0 for the reference);
 - and once, the router's added latency end to end: `--probe-requests`
-  sequential one-token completions alternating a worker directly and the
-  kv router, p50 of each and the difference; with a prompt of a few whole
-  blocks (the router asks MatchPrefix: `added_p50_ms`) and with one under a
-  block (it need not: `short_prompt_added_p50_ms`).
+  sequential one-token completions in turn to a worker directly, to the kv
+  router and to a kv router asking MatchPrefix per request (`--cache-view
+  match-prefix`), p50 of each and the difference; with a prompt of a few
+  whole blocks (the prompt is matched: `added_p50_ms`,
+  `match_prefix_added_p50_ms`) and with one under a block (nothing to
+  match: `short_prompt_added_p50_ms`, ...).
 Not a timed test: compare the figures within one run.
 """
 
@@ -46,6 +48,7 @@ from typing import Any
 
 POLICIES = ("kv", "least-load", "round-robin")
 REFERENCE = "one-worker-2x-memory"
+ASKING = "kv-match-prefix"  # kv asking MatchPrefix per request: the probe's comparison
 WORDS = ("account", "billing", "cluster", "deploy", "engine", "fault", "gateway", "host", "index", "journal",
          "kernel", "latency", "memory", "network", "object", "packet", "queue", "replica", "storage", "tenant",
          "upgrade", "volume", "window", "yield", "zone")
@@ -139,7 +142,8 @@ def _prefix_counters(urls: list[str]) -> tuple[float, float]:
 
 
 def _routing_split(url: str) -> dict[str, float | None]:
-    """The kv router's mean routing time and the MatchPrefix part of it, over the whole bench."""
+    """The kv router's mean routing time and its matching part (in its view; MatchPrefix while
+    the view was not in step), over the whole bench."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -154,6 +158,7 @@ def _routing_split(url: str) -> dict[str, float | None]:
         return round(1000 * got.get(f"{name}_sum", 0.0) / n, 3) if n else None
 
     return {"kv_routing_mean_ms": mean("pagedkv_router_routing_seconds"),
+            "kv_view_match_mean_ms": mean("pagedkv_router_view_match_seconds"),
             "kv_match_prefix_mean_ms": mean("pagedkv_router_match_prefix_seconds")}
 
 
@@ -189,27 +194,33 @@ PROBE_PROMPT = "Latency probe: the same prompt every time, long enough to fill a
 PROBE_SHORT_PROMPT = "Latency probe."
 
 
-async def _probe(direct: str, routed: str, model: str, n: int, prompt: str) -> dict[str, Any]:
-    """Sequential one-token completions, alternating `direct` and `routed`."""
+async def _probe(direct: str, routed: dict[str, str], model: str, n: int, prompt: str) -> dict[str, Any]:
+    """Sequential one-token completions, in turn to `direct` and to each of
+    `routed` (name -> router URL); each router's p50 less direct's."""
     import httpx
 
     body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
-    times: dict[str, list[float]] = {"direct": [], "routed": []}
+    targets = [("direct", direct), *routed.items()]
+    times: dict[str, list[float]] = {name: [] for name, _ in targets}
     async with httpx.AsyncClient(timeout=60) as client:
-        for url in (direct, routed):  # warm both paths' connections
+        for _, url in targets:  # warm every path's connections
             await client.post(f"{url}/v1/completions", json=body)
-        for i in range(2 * n):
-            name, url = (("direct", direct), ("routed", routed))[i % 2]
+        for i in range(len(targets) * n):
+            name, url = targets[i % len(targets)]
             t0 = time.perf_counter()
             r = await client.post(f"{url}/v1/completions", json=body)
             if r.status_code == 200:
                 times[name].append(time.perf_counter() - t0)
-    d, r = statistics.median(times["direct"]), statistics.median(times["routed"])
-    return {"requests_each": n, "direct_p50_ms": round(1000 * d, 3), "routed_p50_ms": round(1000 * r, 3),
-            "added_p50_ms": round(1000 * (r - d), 3)}
+    p50 = {name: statistics.median(t) for name, t in times.items()}
+    out = {"requests_each": n, "direct_p50_ms": round(1000 * p50["direct"], 3)}
+    for name in routed:
+        prefix = "" if name == "kv" else f"{name.removeprefix('kv-').replace('-', '_')}_"
+        out[f"{prefix}routed_p50_ms"] = round(1000 * p50[name], 3)
+        out[f"{prefix}added_p50_ms"] = round(1000 * (p50[name] - p50["direct"]), 3)
+    return out
 
 
-def _probes(direct: str, routed: str, model: str, n: int) -> dict[str, Any]:
+def _probes(direct: str, routed: dict[str, str], model: str, n: int) -> dict[str, Any]:
     whole = asyncio.run(_probe(direct, routed, model, n, PROBE_PROMPT))
     short = asyncio.run(_probe(direct, routed, model, n, PROBE_SHORT_PROMPT))
     return whole | {f"short_prompt_{k}": v for k, v in short.items() if k != "requests_each"}
@@ -239,6 +250,11 @@ def run(args: argparse.Namespace) -> int:
                 routers[policy] = RouterProcess(f"router-{policy}", allocator=stack.allocator_address,
                                                 model=args.model, args=["--policy", policy, "--log-level", "warning"])
                 routers[policy].start()
+            # For the probe only: kv asking MatchPrefix per request (the default keeps
+            # the allocator's view from its events), side by side with it.
+            routers[ASKING] = RouterProcess(f"router-{ASKING}", allocator=stack.allocator_address, model=args.model,
+                                            args=["--cache-view", "match-prefix", "--log-level", "warning"])
+            routers[ASKING].start()
             single.wait_healthy(300)
             for r in routers.values():
                 r.wait_healthy(300)
@@ -254,7 +270,8 @@ def run(args: argparse.Namespace) -> int:
                     results, wall = asyncio.run(_run(url, workload, args, f"round{rnd}-{name}"))
                     hit1, queried1 = _prefix_counters(counted)
                     runs[name].append(_figures(results, wall, hit1 - hit0, queried1 - queried0))
-            probe = _probes(stack.worker_urls[0], routers["kv"].url, args.model, args.probe_requests)
+            probe = _probes(stack.worker_urls[0], {name: routers[name].url for name in ("kv", ASKING)},
+                            args.model, args.probe_requests)
             probe |= _routing_split(routers["kv"].url)
         finally:
             stop_processes([[r.proc for r in routers.values() if r.proc is not None]
@@ -322,6 +339,9 @@ def _print(report: dict) -> None:
             f"kv TTFT p50 / round-robin: {g['kv_ttft_p50_of_round_robin']} (target <= 0.6)")
     c.print(f"router added latency p50 (sequential 1-token requests, a prompt of whole blocks): "
             f"{p['routed_p50_ms']} ms routed vs {p['direct_p50_ms']} ms direct = +{p['added_p50_ms']} ms "
-            f"(target <= 2); a prompt under one block (no MatchPrefix asked): +{p['short_prompt_added_p50_ms']} ms")
-    c.print(f"kv routing time, mean over the bench: {p['kv_routing_mean_ms']} ms, of which MatchPrefix "
-            f"{p['kv_match_prefix_mean_ms']} ms")
+            f"(target <= 2); a prompt under one block (nothing to match): +{p['short_prompt_added_p50_ms']} ms")
+    c.print(f"the same, kv asking MatchPrefix per request (--cache-view match-prefix): "
+            f"+{p['match_prefix_added_p50_ms']} ms (under one block: +{p['short_prompt_match_prefix_added_p50_ms']} ms)")
+    c.print(f"kv routing time, mean over the bench: {p['kv_routing_mean_ms']} ms, of which matching in its view "
+            f"{p['kv_view_match_mean_ms']} ms (MatchPrefix, while the view was not in step: "
+            f"{p['kv_match_prefix_mean_ms']} ms)")

@@ -2,7 +2,8 @@
 tokens, two tiny-random workers, the router with its own router token),
 driven by the official openai client:
 the same greedy text as a worker gives directly, requests placed where their
-prefix lives (by the allocator's MatchPrefix), salts that do not attract each
+prefix lives (by the router's copy of the pools' caches, kept from the
+allocator's events, as by asking MatchPrefix), salts that do not attract each
 other, a worker that joins used without a restart, a killed worker routed
 around without a failed request."""
 
@@ -16,7 +17,7 @@ import openai
 import pytest
 
 from allocator_service.client.grpc_client import RouterClient
-from pagedkv.stack import LocalStack, WorkerProcess
+from pagedkv.stack import LocalStack, RouterProcess, WorkerProcess
 from tests.support.http import metric, openai_client
 from worker.model.tiny import tiny_tokenizer
 
@@ -92,6 +93,31 @@ def test_requests_land_on_the_worker_that_holds_their_prefix(stack):
     best = metric(stack.router_url, "pagedkv_router_prefix_best_cached_tokens_total", {"policy": "kv"})
     chosen = metric(stack.router_url, "pagedkv_router_prefix_cached_tokens_total", {"policy": "kv"})
     assert chosen == best > 0
+
+
+def test_the_view_from_events_routes_as_asking_match_prefix_does(stack):
+    """The default router matches prompts in its copy of the pools' caches (kept
+    from the allocator's events) and asks no MatchPrefix; a router asking
+    MatchPrefix per request places every request the same and sees the same
+    cached tokens."""
+    asking = RouterProcess("router-asking", allocator=stack.allocator_address, model=MODEL,
+                           args=["--cache-view", "match-prefix", "--log-level", "warning",
+                                 "--router-token-file", str(stack.log_dir / "router-token")])
+    try:
+        asking.start().wait_healthy(120)
+        calls_before = metric(stack.router_url, "pagedkv_router_match_prefix_seconds_count")
+        for prefix in PREFIXES[2:4]:
+            for question in ("Once more?", "Again?"):
+                _, via_view, cached_view = _complete(stack.router_url, prefix + question)
+                _, via_call, cached_call = _complete(asking.url, prefix + question)
+                assert (via_view, cached_view) == (via_call, cached_call) and cached_view > 0
+        assert metric(stack.router_url, "pagedkv_router_prefix_views_synced") == 1
+        assert metric(stack.router_url, "pagedkv_router_view_match_seconds_count") > 0
+        assert metric(stack.router_url, "pagedkv_router_match_prefix_seconds_count") == calls_before
+        assert metric(asking.url, "pagedkv_router_prefix_views_synced") == 0
+        assert metric(asking.url, "pagedkv_router_match_prefix_seconds_count") == 4
+    finally:
+        asking.terminate()
 
 
 def test_requests_arriving_together_with_a_new_prefix_land_on_one_worker(stack):

@@ -1,0 +1,126 @@
+"""The allocator's prefix-cache index, kept in the router from its events.
+
+Why: asking `MatchPrefix` costs each request a round trip to the allocator
+before its worker is chosen. On an idle host that is two process wake-ups,
+about a millisecond, as much as the rest of the router's hop. The allocator
+already publishes every change to every pool's prefix cache (`WatchEvents`:
+block stored, block removed, all cleared, pool registered or dropped), so
+the router follows them, keeps the same index and matches a prompt itself:
+the same hash chain (`allocator_service.core.hashing`), the same rule as
+`BlockPool.cached_blocks` (the leading hashes some block of the pool holds).
+
+Exact, not approximate: the stream starts with a snapshot of every pool's
+cached blocks, then carries every event numbered from before that snapshot
+was read. Each event sets one block's hash (stored: `h`; removed: none) or
+every block of a pool (cleared, registered, dropped), and a pool's events
+are numbered in the order they happened; so replaying them in order onto
+the snapshot leaves each block holding what its last event says, which is
+what the allocator holds once that event is applied, whatever the snapshot
+already reflected. The view lags the allocator by an event's trip (a
+prompt's blocks are hashed only once computed, so the router also counts
+prompts in flight as cached: `Router.being_computed`).
+
+`synced` is false until the snapshot has ended, and again from the moment
+the stream breaks until a new snapshot ends; meanwhile the router asks
+`MatchPrefix` as before. One thread (the discovery's) applies events; the
+event loop's thread reads. Readers see whole dict operations only (each is
+atomic under the GIL); `begin` swaps in new dicts instead of clearing them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from allocator_service.core.hashing import leading_hits
+from allocator_service.v1 import allocator_pb2 as pb
+
+_STORED = pb.KV_EVENT_KIND_BLOCK_STORED
+_REMOVED = pb.KV_EVENT_KIND_BLOCK_REMOVED
+_CLEARED = pb.KV_EVENT_KIND_ALL_CLEARED
+_REGISTERED = pb.KV_EVENT_KIND_POOL_REGISTERED
+_DROPPED = pb.KV_EVENT_KIND_POOL_DROPPED
+_SNAPSHOT_END = pb.KV_EVENT_KIND_SNAPSHOT_END
+
+
+class _Pool:
+    """One pool's blocks that hold a hash, and how many blocks hold each hash
+    (two sequences may fill identical blocks before either is cached)."""
+
+    __slots__ = ("hash_of", "holders")
+
+    def __init__(self) -> None:
+        self.hash_of: dict[int, bytes] = {}
+        self.holders: dict[bytes, int] = {}
+
+    def set(self, block: int, h: bytes | None) -> None:
+        old = self.hash_of.get(block)
+        if old == h:
+            return
+        if old is not None:
+            n = self.holders[old] - 1
+            if n:
+                self.holders[old] = n
+            else:
+                del self.holders[old]
+        if h is None:
+            del self.hash_of[block]
+        else:
+            self.hash_of[block] = h
+            self.holders[h] = self.holders.get(h, 0) + 1
+
+
+class PrefixView:
+    """Every pool's cached block hashes, as the allocator's events say."""
+
+    def __init__(self) -> None:
+        self._pools: dict[str, _Pool] = {}
+        self.synced = False
+        self.applied = 0  # the number of the last event applied (0: none since the snapshot)
+        self.snapshots = 0  # snapshots completed (each (re)connection takes one)
+
+    def begin(self) -> None:
+        """A new snapshot follows: forget everything, not in step until it ends."""
+        self.synced = False
+        self._pools = {}
+        self.applied = 0
+
+    def lost(self) -> None:
+        """The stream broke: not in step until a new snapshot ends."""
+        self.synced = False
+
+    def apply(self, event: pb.KvEvent) -> None:
+        """One event of the stream, in order (others' kinds are ignored)."""
+        kind = event.kind
+        if kind == _STORED:
+            self._pool(event.pool_id).set(event.block_id, event.block_hash)
+        elif kind == _REMOVED:
+            self._pool(event.pool_id).set(event.block_id, None)
+        elif kind in (_CLEARED, _REGISTERED):  # a registered pool starts with nothing cached
+            self._pools[event.pool_id] = _Pool()
+        elif kind == _DROPPED:
+            self._pools.pop(event.pool_id, None)
+        elif kind == _SNAPSHOT_END:
+            self.snapshots += 1
+            self.synced = True
+            return
+        else:
+            return
+        if event.sequence:  # a snapshot's own events carry none
+            self.applied = event.sequence
+
+    def _pool(self, pool_id: str) -> _Pool:
+        pool = self._pools.get(pool_id)
+        if pool is None:
+            pool = self._pools[pool_id] = _Pool()
+        return pool
+
+    def cached_blocks(self, pool_id: str, hashes: Sequence[bytes]) -> int:
+        """How many of `hashes` (a prompt's chain from the pool's root), from
+        the first, some block of the pool holds: `BlockPool.cached_blocks`."""
+        pool = self._pools.get(pool_id)
+        return leading_hits(hashes, pool.holders) if pool is not None else 0
+
+    def blocks(self, pool_id: str) -> dict[int, bytes]:
+        """block -> hash of one pool (tests and debugging)."""
+        pool = self._pools.get(pool_id)
+        return dict(pool.hash_of) if pool is not None else {}

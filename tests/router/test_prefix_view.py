@@ -1,0 +1,194 @@
+"""The router's copy of the allocator's prefix caches (`router.prefix_view`),
+kept from WatchEvents (a snapshot, then every event), against a real
+allocator process: block for block the hashes DumpPool shows, and the
+prefix MatchPrefix finds, wherever in a workload the snapshot was taken;
+a stream that breaks is rebuilt from a new snapshot."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import threading
+import time
+from itertools import count
+
+import grpc
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from allocator_service.client import PoolSpec
+from allocator_service.client.grpc_client import GrpcAllocator, RouterClient
+from allocator_service.core import Admit, Append, PoolConfig
+from allocator_service.core.hashing import chain_hashes, root_hash
+from allocator_service.v1 import allocator_pb2 as pb
+from router.discovery import Discovery
+from router.prefix_view import PrefixView
+from tests.support.allocator import random_steps
+
+_ids = count()
+
+
+@pytest.fixture(scope="module")
+def server(allocator_server):
+    with allocator_server("--lease-ttl", "60") as s:
+        yield s
+
+
+class Follower:
+    """A thread applying one WatchEvents stream (with a snapshot) to a view."""
+
+    def __init__(self, address: str, view: PrefixView) -> None:
+        self.client = RouterClient(address)
+        self.stream = self.client.watch_events(snapshot=True)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.view = view
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            for event in self.stream:
+                self.view.apply(event)
+        except grpc.RpcError:
+            pass  # cancelled at the end
+
+    def close(self) -> None:
+        self.stream.cancel()
+        self.thread.join(5)
+        self.client.close()
+
+
+def dumped_hashes(pool: GrpcAllocator) -> dict[int, bytes]:
+    return {b: bytes.fromhex(h) for b, h in enumerate(pool.dump()["hash"]) if h}
+
+
+def wait_for(view: PrefixView, pool: GrpcAllocator, pool_id: str, timeout: float = 10.0) -> dict[int, bytes]:
+    """The pool's hashes once the view shows the same (events arrive a moment
+    after the step that caused them), else what DumpPool says at the end."""
+    deadline = time.monotonic() + timeout
+    want = dumped_hashes(pool)
+    while view.blocks(pool_id) != want and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return want
+
+
+def matched_tokens(view: PrefixView, pool_id: str, tokens: list[int], size: int, salt: str | None) -> int:
+    hashes = chain_hashes(root_hash("m", size), tokens, size, salt, limit_blocks=(len(tokens) - 1) // size)
+    return view.cached_blocks(pool_id, hashes) * size
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10_000), block_size=st.sampled_from([1, 2, 4]), snapshot_at=st.floats(0, 1),
+       resets=st.booleans())
+def test_the_view_holds_what_the_allocator_holds(server, seed, block_size, snapshot_at, resets):
+    worker_id = f"view-{next(_ids)}"
+    pool = GrpcAllocator(server.address, PoolSpec(worker_id, PoolConfig(12, block_size, model_fingerprint="m", enable_prefix_caching=True)))
+    steps = random_steps(seed, 30)
+    start = int(snapshot_at * len(steps))
+    rng = random.Random(seed)
+    view = PrefixView()
+    follower = None
+    try:
+        for i, ops in enumerate(steps):
+            if i == start:  # the snapshot taken part way through the workload
+                follower = Follower(server.address, view)
+            pool.step(ops)
+            if resets and rng.random() < 0.1:
+                pool.reset_prefix_cache()
+        if follower is None:
+            follower = Follower(server.address, view)
+        want = wait_for(view, pool, pool.pool_id)
+        assert view.synced
+        assert view.blocks(pool.pool_id) == want  # block for block
+        router = RouterClient(server.address)
+        try:
+            for _ in range(8):  # and the prefixes MatchPrefix finds for prompts like the workload's
+                tokens = [rng.randrange(6) for _ in range(rng.randint(2, 16))]
+                salt = rng.choice([None, "tenant"])
+                held = {m.pool_id: m.cached_tokens for m in router.match_prefix("m", tokens, salt)}
+                assert matched_tokens(view, pool.pool_id, tokens, block_size, salt) == held[pool.pool_id]
+        finally:
+            router.close()
+    finally:
+        if follower is not None:
+            follower.close()
+        pool.close()
+
+
+def test_a_dropped_pool_leaves_the_view_and_a_snapshot_sees_every_pool(server):
+    a = GrpcAllocator(server.address, PoolSpec(f"view-a-{next(_ids)}", PoolConfig(16, 2, model_fingerprint="m", enable_prefix_caching=True)))
+    b = GrpcAllocator(server.address, PoolSpec(f"view-b-{next(_ids)}", PoolConfig(16, 2, model_fingerprint="m", enable_prefix_caching=True)))
+    view = PrefixView()
+    follower = None
+    try:
+        for pool, prompt in ((a, [1, 2, 3, 4, 5]), (b, [5, 4, 3, 2, 1])):
+            pool.step([Admit("x", prompt)])
+            pool.step([Append("x", [6])])  # its blocks computed: hashed, so cached
+        follower = Follower(server.address, view)
+        for pool in (a, b):
+            want = wait_for(view, pool, pool.pool_id)
+            assert view.blocks(pool.pool_id) == want != {}
+        a.close()  # deregistered: POOL_DROPPED
+        deadline = time.monotonic() + 10
+        while view.blocks(a.pool_id) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert view.blocks(a.pool_id) == {} and view.blocks(b.pool_id) != {}
+    finally:
+        if follower is not None:
+            follower.close()
+        b.close()
+
+
+def test_discovery_rebuilds_the_view_after_the_allocator_restarts(allocator_server, tmp_path):
+    """Kill -9 and a restart on the same port with the state in Redis-free
+    memory: the pools are gone; the stream breaks, the view stops being in
+    step (the router asks MatchPrefix meanwhile), and a new snapshot shows
+    what the new process holds."""
+    from pagedkv.stack import free_port
+
+    listen = f"127.0.0.1:{free_port('127.0.0.1')}"
+    first = allocator_server("--lease-ttl", "60", listen=listen)
+    pool = GrpcAllocator(first.address, PoolSpec(f"view-r-{next(_ids)}", PoolConfig(16, 2, model_fingerprint="m", enable_prefix_caching=True)),
+                         retries=0)
+    view = PrefixView()
+    discovery = Discovery(RouterClient(first.address), refresh_s=0.2, view=view)
+    discovery.start()
+    second = None
+    try:
+        pool.step([Admit("x", [1, 2, 3, 4, 5])])
+        pool.step([Append("x", [6])])
+        want = wait_for(view, pool, pool.pool_id)
+        assert view.blocks(pool.pool_id) == want != {}
+        snapshots = view.snapshots
+        first.kill()
+        deadline = time.monotonic() + 10
+        while view.synced and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not view.synced
+        second = allocator_server("--lease-ttl", "60", listen=listen)
+        deadline = time.monotonic() + 20
+        while (view.snapshots == snapshots or not view.synced) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert view.synced and view.snapshots > snapshots
+        assert view.blocks(pool.pool_id) == {}  # the new process holds no pool
+    finally:
+        discovery.close()
+        with contextlib.suppress(Exception):  # its allocator was restarted without it
+            pool.close()
+        for s in (first, second):
+            if s is not None:
+                s.terminate()
+
+
+def test_a_snapshot_follows_the_kinds_filter_and_refuses_a_starting_number(server):
+    client = RouterClient(server.address)
+    try:
+        only_pools = client.watch_events(snapshot=True, kinds=[pb.KV_EVENT_KIND_POOL_DROPPED], timeout_s=3)
+        first = next(only_pools)
+        assert first.kind == pb.KV_EVENT_KIND_SNAPSHOT_END and first.sequence > 0
+        only_pools.cancel()
+        with pytest.raises(grpc.RpcError) as err:
+            next(client.watch_events(from_sequence=5, snapshot=True, timeout_s=3))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        client.close()
