@@ -98,7 +98,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="events: keep the pools' prefix caches in the router from the allocator's block events "
                         "(a snapshot, then every change) and match prompts here, asking MatchPrefix only while "
                         "that copy is not in step; match-prefix: ask MatchPrefix for every request (default "
-                        "events)")
+                        "events; only --policy kv reads the cache)")
     p.add_argument("--router-token-file", **_env("--router-token-file"),
                    help="file holding the allocator's router bearer token (its --router-token-file)")
     p.add_argument("--allocator-tls-ca", **_env("--allocator-tls-ca"),

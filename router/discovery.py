@@ -30,12 +30,17 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from router.prefix_view import PrefixView
 
 log = logging.getLogger(__name__)
+
+# With a view: a stream in step this long before it broke or was told to
+# resync starts its next connection at the shortest backoff again.
+CALM_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +175,7 @@ class Discovery:
         view = self.view
         backoff = 0.1
         while not self._stop.is_set():
+            in_step_since = None  # with a view: when its snapshot ended
             try:
                 if view is not None:
                     # Every event, after a snapshot of the present: each (re)connection
@@ -187,21 +193,26 @@ class Discovery:
                     break
                 self._try_refresh()
                 for event in self._stream:
-                    backoff = 0.1
                     kind = event.kind
                     if view is not None:
                         if kind == pb.KV_EVENT_KIND_RESYNC_REQUIRED:
-                            raise _Resync  # events the view needs are gone: a new snapshot
+                            # Events the view needs are gone: a new snapshot, after the backoff
+                            # (at once, a router that cannot keep up would be sent snapshots back
+                            # to back), which only a view in step a good while resets (below).
+                            raise _Resync
                         view.apply(event)
+                        if kind == pb.KV_EVENT_KIND_SNAPSHOT_END:
+                            in_step_since = time.monotonic()
                         if kind not in pool_kinds:
                             continue
-                    elif kind != pb.KV_EVENT_KIND_RESYNC_REQUIRED:
-                        self._next_event = event.sequence + 1
+                    else:
+                        backoff = 0.1
+                        if kind != pb.KV_EVENT_KIND_RESYNC_REQUIRED:
+                            self._next_event = event.sequence + 1
                     self._try_refresh()  # a pool came or went, or events were missed
             except _Resync:
-                log.warning("allocator event stream: events were missed; taking a new snapshot")
+                log.warning("allocator event stream: events were missed; a new snapshot in %.1f s", backoff)
                 self._cancel_stream()
-                continue
             except Exception as exc:  # noqa: BLE001 - reconnect after any failure
                 if self._stop.is_set():
                     break
@@ -209,6 +220,8 @@ class Discovery:
             finally:
                 if view is not None:
                     view.lost()
+                    if in_step_since is not None and time.monotonic() - in_step_since > CALM_S:
+                        backoff = 0.1  # a stream that served a good while: reconnect promptly
             if self._stop.wait(backoff):
                 break
             backoff = min(backoff * 2, 2.0)

@@ -23,8 +23,15 @@ prompts in flight as cached: `Router.being_computed`).
 `synced` is false until the snapshot has ended, and again from the moment
 the stream breaks until a new snapshot ends; meanwhile the router asks
 `MatchPrefix` as before. One thread (the discovery's) applies events; the
-event loop's thread reads. Readers see whole dict operations only (each is
-atomic under the GIL); `begin` swaps in new dicts instead of clearing them.
+event loop's thread reads. A snapshot is built aside and put in place whole
+when it ends, so a reader that saw `synced` reads a complete view (at worst
+the one a new snapshot is about to replace), never a half-built one; and
+readers see whole dict operations only (each is atomic under the GIL).
+
+How late the view is: by the time its events take to reach the router and
+be applied (the discovery thread does nothing else). A router so busy that
+it falls a whole event window (the allocator's `event_retention`) behind
+gets RESYNC_REQUIRED and takes a new snapshot.
 """
 
 from __future__ import annotations
@@ -73,16 +80,15 @@ class PrefixView:
     """Every pool's cached block hashes, as the allocator's events say."""
 
     def __init__(self) -> None:
-        self._pools: dict[str, _Pool] = {}
+        self._pools: dict[str, _Pool] = {}  # what readers read (complete once `synced`)
+        self._applying: dict[str, _Pool] = self._pools  # where events go (a snapshot being built)
         self.synced = False
-        self.applied = 0  # the number of the last event applied (0: none since the snapshot)
         self.snapshots = 0  # snapshots completed (each (re)connection takes one)
 
     def begin(self) -> None:
-        """A new snapshot follows: forget everything, not in step until it ends."""
+        """A new snapshot follows: built aside, not in step until it ends."""
         self.synced = False
-        self._pools = {}
-        self.applied = 0
+        self._applying = {}
 
     def lost(self) -> None:
         """The stream broke: not in step until a new snapshot ends."""
@@ -91,28 +97,19 @@ class PrefixView:
     def apply(self, event: pb.KvEvent) -> None:
         """One event of the stream, in order (others' kinds are ignored)."""
         kind = event.kind
+        pools = self._applying
         if kind == _STORED:
-            self._pool(event.pool_id).set(event.block_id, event.block_hash)
+            _pool(pools, event.pool_id).set(event.block_id, event.block_hash)
         elif kind == _REMOVED:
-            self._pool(event.pool_id).set(event.block_id, None)
+            _pool(pools, event.pool_id).set(event.block_id, None)
         elif kind in (_CLEARED, _REGISTERED):  # a registered pool starts with nothing cached
-            self._pools[event.pool_id] = _Pool()
+            pools[event.pool_id] = _Pool()
         elif kind == _DROPPED:
-            self._pools.pop(event.pool_id, None)
+            pools.pop(event.pool_id, None)
         elif kind == _SNAPSHOT_END:
+            self._pools = pools
             self.snapshots += 1
             self.synced = True
-            return
-        else:
-            return
-        if event.sequence:  # a snapshot's own events carry none
-            self.applied = event.sequence
-
-    def _pool(self, pool_id: str) -> _Pool:
-        pool = self._pools.get(pool_id)
-        if pool is None:
-            pool = self._pools[pool_id] = _Pool()
-        return pool
 
     def cached_blocks(self, pool_id: str, hashes: Sequence[bytes]) -> int:
         """How many of `hashes` (a prompt's chain from the pool's root), from
@@ -124,3 +121,10 @@ class PrefixView:
         """block -> hash of one pool (tests and debugging)."""
         pool = self._pools.get(pool_id)
         return dict(pool.hash_of) if pool is not None else {}
+
+
+def _pool(pools: dict[str, _Pool], pool_id: str) -> _Pool:
+    pool = pools.get(pool_id)
+    if pool is None:
+        pool = pools[pool_id] = _Pool()
+    return pool

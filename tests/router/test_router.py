@@ -9,6 +9,7 @@ around without a failed request."""
 
 from __future__ import annotations
 
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -103,19 +104,28 @@ def test_the_view_from_events_routes_as_asking_match_prefix_does(stack):
     asking = RouterProcess("router-asking", allocator=stack.allocator_address, model=MODEL,
                            args=["--cache-view", "match-prefix", "--log-level", "warning",
                                  "--router-token-file", str(stack.log_dir / "router-token")])
+    prefixes = [f"View check {i}: " + "answer with care and cite the source. " * 8 for i in range(2)]
     try:
+        for prefix, url in zip(prefixes, stack.worker_urls, strict=True):  # each pool holds one
+            openai_client(url).completions.create(model=MODEL, prompt=prefix + "warm", max_tokens=1, temperature=0)
         asking.start().wait_healthy(120)
         calls_before = metric(stack.router_url, "pagedkv_router_match_prefix_seconds_count")
-        for prefix in PREFIXES[2:4]:
+        for prefix in prefixes:
             for question in ("Once more?", "Again?"):
-                _, via_view, cached_view = _complete(stack.router_url, prefix + question)
+                # Once, so that answering it again changes no pool; then both routers.
+                _complete(asking.url, prefix + question)
                 _, via_call, cached_call = _complete(asking.url, prefix + question)
+                for _ in range(20):  # the view is late by its events' trip
+                    _, via_view, cached_view = _complete(stack.router_url, prefix + question)
+                    if (via_view, cached_view) == (via_call, cached_call):
+                        break
+                    time.sleep(0.05)
                 assert (via_view, cached_view) == (via_call, cached_call) and cached_view > 0
         assert metric(stack.router_url, "pagedkv_router_prefix_views_synced") == 1
         assert metric(stack.router_url, "pagedkv_router_view_match_seconds_count") > 0
         assert metric(stack.router_url, "pagedkv_router_match_prefix_seconds_count") == calls_before
         assert metric(asking.url, "pagedkv_router_prefix_views_synced") == 0
-        assert metric(asking.url, "pagedkv_router_match_prefix_seconds_count") == 4
+        assert metric(asking.url, "pagedkv_router_match_prefix_seconds_count") == 8
     finally:
         asking.terminate()
 
@@ -140,6 +150,12 @@ def test_cache_salts_do_not_attract_each_other(stack):
     for salt in ("tenant-b", None):
         _, _, cached = _complete(stack.router_url, prefix + "second", salt=salt)
         assert cached == 0
+    # A salt the allocator would refuse matches nothing; the worker answers the error.
+    for bad in ("\ud800", "s" * 1025):  # JSON-escaped: a lone surrogate is valid JSON, not valid text
+        body = json.dumps({"model": MODEL, "prompt": prefix + "third", "max_tokens": 1, "cache_salt": bad})
+        r = httpx.post(f"{stack.router_url}/v1/completions", content=body,
+                       headers={"content-type": "application/json"}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
 
 
 def test_a_restarted_router_routes_as_before(stack):

@@ -167,7 +167,9 @@ class AsyncLLMEngine:
                 return  # failed (given up) or left before the engine took it in
             try:
                 self.engine.add_request(prompt, params, rid)
-            except (RequestError, ValueError) as exc:
+            except RequestError as exc:
+                self._deliver(rid, exc)
+            except ValueError as exc:
                 self._deliver(rid, RequestError(str(exc)))
             except Exception as exc:  # noqa: BLE001 - fail this request, keep the engine thread alive
                 log.exception("could not add request %s", rid)

@@ -43,7 +43,12 @@ log = logging.getLogger("pagedkv.worker")
 
 
 class RequestError(ValueError):
-    """A request the engine can never serve (too long, bad parameters)."""
+    """A request the engine can never serve (too long, bad parameters);
+    `param`: the request field at fault, as the API's error names it."""
+
+    def __init__(self, message: str, param: str = "prompt") -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def prompt_logprobs_salt() -> str:
@@ -152,7 +157,7 @@ class LLMEngine:
         try:
             check_cache_salt(salt)
         except InvalidArgument as exc:
-            raise RequestError(str(exc)) from None
+            raise RequestError(str(exc), param="cache_salt") from None
         if isinstance(prompt, str):
             prompt_ids = self.encode_prompt(prompt)
         else:

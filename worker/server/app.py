@@ -345,7 +345,7 @@ async def _first(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
     try:
         first = await stream.__anext__()
     except RequestError as exc:
-        raise ApiError(400, str(exc), param="prompt") from None
+        raise ApiError(400, str(exc), param=exc.param) from None
     except AllocatorError:
         raise
     except RuntimeError as exc:
