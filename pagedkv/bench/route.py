@@ -3,8 +3,11 @@
 Topology (real processes, `pagedkv.stack`): one allocator, two workers whose
 pools each hold only part of the tenants' prefixes (`--num-blocks`), and one
 router per policy (`kv`, `least-load`, `round-robin`) in front of the same
-two workers; plus a reference worker alone with both pools' memory (2 x
-`--num-blocks`, its own embedded allocator, not behind any router).
+two workers, and a `kv` router asking MatchPrefix per request
+(`kv-match-prefix`: the default `kv` matches in its copy of the pools'
+caches, kept from the allocator's events); plus a reference worker alone
+with both pools' memory (2 x `--num-blocks`, its own embedded allocator,
+not behind any router).
 
 Workload: `--prompts` tenants, each with a system prompt of about
 `--prompt-tokens` tokens, and `--conversations` conversations per tenant
@@ -48,7 +51,7 @@ from typing import Any
 
 POLICIES = ("kv", "least-load", "round-robin")
 REFERENCE = "one-worker-2x-memory"
-ASKING = "kv-match-prefix"  # kv asking MatchPrefix per request: the probe's comparison
+ASKING = "kv-match-prefix"  # kv asking MatchPrefix per request: the cache view's comparison
 WORDS = ("account", "billing", "cluster", "deploy", "engine", "fault", "gateway", "host", "index", "journal",
          "kernel", "latency", "memory", "network", "object", "packet", "queue", "replica", "storage", "tenant",
          "upgrade", "volume", "window", "yield", "zone")
@@ -238,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
                               args.conversations, args.seed)
     worker_args = ["--log-level", "warning", "--block-size", str(args.block_size), "--enable-prefix-caching",
                    "--max-num-seqs", str(args.concurrency)]
-    runs: dict[str, list[dict]] = {name: [] for name in (*POLICIES, REFERENCE)}
+    runs: dict[str, list[dict]] = {name: [] for name in (*POLICIES, ASKING, REFERENCE)}
     routers: dict[str, RouterProcess] = {}
     with LocalStack(workers=2, model=args.model, worker_args=[*worker_args, "--num-blocks", str(args.num_blocks)],
                     startup_timeout=300) as stack:
@@ -250,15 +253,15 @@ def run(args: argparse.Namespace) -> int:
                 routers[policy] = RouterProcess(f"router-{policy}", allocator=stack.allocator_address,
                                                 model=args.model, args=["--policy", policy, "--log-level", "warning"])
                 routers[policy].start()
-            # For the probe only: kv asking MatchPrefix per request (the default keeps
-            # the allocator's view from its events), side by side with it.
+            # kv asking MatchPrefix per request (the default keeps the allocator's
+            # view from its events), side by side with it, in the rounds and the probe.
             routers[ASKING] = RouterProcess(f"router-{ASKING}", allocator=stack.allocator_address, model=args.model,
                                             args=["--cache-view", "match-prefix", "--log-level", "warning"])
             routers[ASKING].start()
             single.wait_healthy(300)
             for r in routers.values():
                 r.wait_healthy(300)
-            targets = {**{p: (routers[p].url, stack.worker_urls) for p in POLICIES},
+            targets = {**{p: (routers[p].url, stack.worker_urls) for p in (*POLICIES, ASKING)},
                        REFERENCE: (single.url, [single.url])}
             names = list(targets)
             for name, (url, _) in targets.items():  # warm-up: each path once, its own salt
