@@ -105,13 +105,16 @@ ROWS: list[tuple[str, list[tuple]]] = [
             (f"{rate('pagedkv_router_prefix_cached_tokens_total', 'policy', '')} / "
              f"{rate('pagedkv_router_prompt_tokens_total', 'policy', '')}", "{{policy}} of the prompt"),
         ], {"max": 1}),
-        ("Router: routing latency (tokenize + MatchPrefix + rank)", "s",
-         quantiles("pagedkv_router_routing_seconds", sel=""), {}),
+        ("Router: routing latency (tokenize + match in the cache view, or MatchPrefix + rank)", "s",
+         quantiles("pagedkv_router_routing_seconds", sel="")
+         + quantiles("pagedkv_router_view_match_seconds", sel="", qs=(0.5, 0.99), prefix="view match ")
+         + quantiles("pagedkv_router_match_prefix_seconds", sel="", qs=(0.5, 0.99), prefix="MatchPrefix "), {}),
         ("Router: retries and failed requests / s", "ops", [
             (rate("pagedkv_router_retries_total", "reason", ""), "retry: {{reason}}"),
             (rate("pagedkv_router_failed_requests_total", "reason", ""), "failed: {{reason}}"),
             (f"sum by (worker) (pagedkv_router_in_flight_requests{{{W}}})", "{{worker}} in flight"),
             ("max(pagedkv_router_allocators_unreachable)", "allocators unreachable"),
+            ("pagedkv_router_prefix_views_synced", "{{instance}}: allocators whose cache view is in step"),
         ], {}),
     ]),
 ]
