@@ -9,7 +9,7 @@ import json
 import subprocess
 import sys
 
-from pagedkv.bench.route import POLICIES, REFERENCE
+from pagedkv.bench.route import ASKING, POLICIES, REFERENCE
 
 
 def test_bench_route_json():
@@ -19,7 +19,7 @@ def test_bench_route_json():
         capture_output=True, text=True, timeout=300, check=True,
     )
     out = json.loads(proc.stdout)
-    assert set(out["summary"]) == {*POLICIES, REFERENCE}
+    assert set(out["summary"]) == {*POLICIES, ASKING, REFERENCE}
     for name, s in out["summary"].items():
         assert s["errors"] == 0, name
         assert 0 <= s["hit_rate"] <= 1 and s["tokens_per_s"] > 0 and s["ttft_p50_ms"] > 0
@@ -28,6 +28,7 @@ def test_bench_route_json():
                                    "kv_ttft_p50_of_round_robin", "router_added_p50_ms"}
     probe = out["probe"]
     assert probe["requests_each"] == 3
-    for key in ("direct_p50_ms", "routed_p50_ms", "short_prompt_direct_p50_ms", "short_prompt_routed_p50_ms"):
+    for key in ("direct_p50_ms", "routed_p50_ms", "short_prompt_direct_p50_ms", "short_prompt_routed_p50_ms",
+                "match_prefix_routed_p50_ms", "short_prompt_match_prefix_routed_p50_ms"):
         assert probe[key] > 0, key
     assert out["targets"]["router_added_p50_ms"] == probe["added_p50_ms"]
