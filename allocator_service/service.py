@@ -627,16 +627,18 @@ class AllocatorService:
                                    e.advertise_url, e.pool.enable_prefix_caching, stats))
         return out
 
-    def cached_blocks(self) -> Iterator[tuple[str, list[tuple[int, bytes]]]]:
-        """(pool id, [(block, hash), ...]) for every live pool: each pool's
+    def cached_blocks(self) -> Iterator[tuple[str, list[int], list[bytes]]]:
+        """(pool id, blocks, their hashes) for every live pool: each pool's
         cached blocks as they are now, read under its own lock (the start
         of a WatchEvents snapshot). A pool's events are numbered in the order
         its records are applied, so the events numbered from before this
         call, replayed onto it, give exactly the pool's view at their end."""
         for e in list(self.registry.pools.values()):
             with e.lock:
-                held = [(b, h) for b, h in enumerate(e.pool.index.block_hash) if h is not None]
-            yield e.pool_id, held
+                hashes = e.pool.index.block_hash
+                ids = [b for b, h in enumerate(hashes) if h is not None]
+                held = [hashes[b] for b in ids]
+            yield e.pool_id, ids, held
 
     def pool_views(self) -> list[PoolView]:
         """What the metrics collector reads: each pool under its own lock."""

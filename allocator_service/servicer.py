@@ -38,6 +38,9 @@ WATCH_POLL_S = 0.5
 _KIND_NAME = {v: k for k, v in EVENT_KIND.items()}
 # Sent whatever the kinds filter says (naming them is allowed).
 ALWAYS_SENT = frozenset((pb.KV_EVENT_KIND_RESYNC_REQUIRED, pb.KV_EVENT_KIND_SNAPSHOT_END))
+# A snapshot's blocks per POOL_CACHED event: 8,192 x (32 + ~3) bytes, well under
+# gRPC's 4 MB message limit; a 65,536-block pool is 8 messages, not 65,536.
+SNAPSHOT_BLOCKS = 8192
 
 
 def watched_kinds(kinds) -> frozenset[str] | None:
@@ -46,7 +49,8 @@ def watched_kinds(kinds) -> frozenset[str] | None:
     that is not an event kind is refused."""
     if not kinds:
         return None
-    unknown = [k for k in kinds if k not in _KIND_NAME and k not in ALWAYS_SENT]
+    unknown = [k for k in kinds if k not in _KIND_NAME and k not in ALWAYS_SENT
+               and k != pb.KV_EVENT_KIND_POOL_CACHED]
     if unknown:
         raise BadRequest(f"kinds: {unknown} are not event kinds (one of "
                          f"{sorted(k for k in pb.KvEventKind.values() if k != pb.KV_EVENT_KIND_UNSPECIFIED)})")
@@ -136,11 +140,12 @@ class AllocatorServicer:
         try:
             cursor = request.from_sequence or log.published
             if request.snapshot:  # the present first, then everything numbered from `cursor` on
-                stored = wanted is None or "block_stored" in wanted
-                for pool_id, held in service.cached_blocks() if stored else ():
-                    for block, block_hash in held:
-                        yield pb.KvEvent(kind=pb.KV_EVENT_KIND_BLOCK_STORED, pool_id=pool_id, block_id=block,
-                                         block_hash=block_hash)
+                blocks = wanted is None or "block_stored" in wanted or pb.KV_EVENT_KIND_POOL_CACHED in request.kinds
+                for pool_id, ids, hashes in service.cached_blocks() if blocks else ():
+                    for i in range(0, len(ids), SNAPSHOT_BLOCKS):
+                        yield pb.KvEvent(kind=pb.KV_EVENT_KIND_POOL_CACHED, pool_id=pool_id,
+                                         block_ids=ids[i:i + SNAPSHOT_BLOCKS],
+                                         block_hashes=b"".join(hashes[i:i + SNAPSHOT_BLOCKS]))
                 yield pb.KvEvent(sequence=cursor, kind=pb.KV_EVENT_KIND_SNAPSHOT_END)
             while context.is_active() and not service.stopping and not log.closed:
                 batch, after, gap = log.read(cursor, WATCH_BATCH, WATCH_POLL_S)

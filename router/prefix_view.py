@@ -10,7 +10,7 @@ the same hash chain (`allocator_service.core.hashing`), the same rule as
 `BlockPool.cached_blocks` (the leading hashes some block of the pool holds).
 
 Exact, not approximate: the stream starts with a snapshot of every pool's
-cached blocks, then carries every event numbered from before that snapshot
+cached blocks (POOL_CACHED events, many blocks each), then carries every event numbered from before that snapshot
 was read. Each event sets one block's hash (stored: `h`; removed: none) or
 every block of a pool (cleared, registered, dropped), and a pool's events
 are numbered in the order they happened; so replaying them in order onto
@@ -47,6 +47,7 @@ _CLEARED = pb.KV_EVENT_KIND_ALL_CLEARED
 _REGISTERED = pb.KV_EVENT_KIND_POOL_REGISTERED
 _DROPPED = pb.KV_EVENT_KIND_POOL_DROPPED
 _SNAPSHOT_END = pb.KV_EVENT_KIND_SNAPSHOT_END
+_POOL_CACHED = pb.KV_EVENT_KIND_POOL_CACHED
 
 
 class _Pool:
@@ -106,6 +107,11 @@ class PrefixView:
             pools[event.pool_id] = _Pool()
         elif kind == _DROPPED:
             pools.pop(event.pool_id, None)
+        elif kind == _POOL_CACHED:
+            pool = _pool(pools, event.pool_id)
+            hashes = event.block_hashes
+            for i, block in enumerate(event.block_ids):
+                pool.set(block, hashes[32 * i : 32 * i + 32])
         elif kind == _SNAPSHOT_END:
             self._pools = pools
             self.snapshots += 1

@@ -510,7 +510,7 @@ class RouterClient:
         """KV events from `from_sequence` (0 = from now), only of `kinds` if
         given (KvEventKind values). A KV_EVENT_KIND_RESYNC_REQUIRED event says
         events were missed; the stream goes on after it. `snapshot`: first
-        every pool's cached blocks (BLOCK_STORED, sequence 0), then
+        every pool's cached blocks (POOL_CACHED, sequence 0), then
         KV_EVENT_KIND_SNAPSHOT_END, then the events from now."""
         return self._stub.WatchEvents(
             pb.WatchEventsRequest(from_sequence=from_sequence, kinds=kinds, snapshot=snapshot), timeout=timeout_s,

@@ -34,6 +34,7 @@ class KvEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_EVENT_KIND_POOL_DROPPED: _ClassVar[KvEventKind]
     KV_EVENT_KIND_RESYNC_REQUIRED: _ClassVar[KvEventKind]
     KV_EVENT_KIND_SNAPSHOT_END: _ClassVar[KvEventKind]
+    KV_EVENT_KIND_POOL_CACHED: _ClassVar[KvEventKind]
 OP_KIND_UNSPECIFIED: OpKind
 OP_KIND_FREE: OpKind
 OP_KIND_APPEND: OpKind
@@ -53,6 +54,7 @@ KV_EVENT_KIND_POOL_REGISTERED: KvEventKind
 KV_EVENT_KIND_POOL_DROPPED: KvEventKind
 KV_EVENT_KIND_RESYNC_REQUIRED: KvEventKind
 KV_EVENT_KIND_SNAPSHOT_END: KvEventKind
+KV_EVENT_KIND_POOL_CACHED: KvEventKind
 
 class PoolRef(_message.Message):
     __slots__ = ("pool_id", "credential")
@@ -297,7 +299,7 @@ class WatchEventsRequest(_message.Message):
     def __init__(self, from_sequence: _Optional[int] = ..., kinds: _Optional[_Iterable[_Union[KvEventKind, str]]] = ..., snapshot: _Optional[bool] = ...) -> None: ...
 
 class KvEvent(_message.Message):
-    __slots__ = ("sequence", "kind", "pool_id", "block_id", "block_hash", "model_fingerprint", "reason", "worker_id", "advertise_url", "served_model_name")
+    __slots__ = ("sequence", "kind", "pool_id", "block_id", "block_hash", "model_fingerprint", "reason", "worker_id", "advertise_url", "served_model_name", "block_ids", "block_hashes")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -308,6 +310,8 @@ class KvEvent(_message.Message):
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADVERTISE_URL_FIELD_NUMBER: _ClassVar[int]
     SERVED_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     kind: KvEventKind
     pool_id: str
@@ -318,7 +322,9 @@ class KvEvent(_message.Message):
     worker_id: str
     advertise_url: str
     served_model_name: str
-    def __init__(self, sequence: _Optional[int] = ..., kind: _Optional[_Union[KvEventKind, str]] = ..., pool_id: _Optional[str] = ..., block_id: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., model_fingerprint: _Optional[str] = ..., reason: _Optional[str] = ..., worker_id: _Optional[str] = ..., advertise_url: _Optional[str] = ..., served_model_name: _Optional[str] = ...) -> None: ...
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_hashes: bytes
+    def __init__(self, sequence: _Optional[int] = ..., kind: _Optional[_Union[KvEventKind, str]] = ..., pool_id: _Optional[str] = ..., block_id: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., model_fingerprint: _Optional[str] = ..., reason: _Optional[str] = ..., worker_id: _Optional[str] = ..., advertise_url: _Optional[str] = ..., served_model_name: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[bytes] = ...) -> None: ...
 
 class DumpPoolRequest(_message.Message):
     __slots__ = ("pool",)

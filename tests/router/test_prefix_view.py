@@ -218,6 +218,36 @@ def test_discovery_rebuilds_the_view_after_the_allocator_restarts(allocator_serv
                 s.terminate()
 
 
+def test_a_big_pools_snapshot_comes_packed(server):
+    """20,010 cached blocks: three POOL_CACHED events (8,192 blocks at most
+    each), not one message per block, and the view built from them exact."""
+    pool = GrpcAllocator(server.address, PoolSpec(f"view-big-{next(_ids)}",
+                                                  PoolConfig(20_480, 1, model_fingerprint="m",
+                                                             enable_prefix_caching=True)))
+    rng = random.Random(7)
+    client = RouterClient(server.address)
+    try:
+        for i in range(5):
+            pool.step([Admit(f"s{i}", [rng.randrange(1000) for _ in range(4001)])])
+            pool.step([Append(f"s{i}", [1])])
+        want = dumped_hashes(pool)
+        assert len(want) == 20_010
+        stream = client.watch_events(snapshot=True, kinds=[pb.KV_EVENT_KIND_POOL_CACHED], timeout_s=10)
+        view, mine = PrefixView(), []
+        view.begin()
+        for event in stream:
+            view.apply(event)
+            if event.pool_id == pool.pool_id:
+                mine.append(len(event.block_ids))
+            if event.kind == pb.KV_EVENT_KIND_SNAPSHOT_END:
+                break
+        stream.cancel()
+        assert mine == [8192, 8192, 3626] and view.synced and view.blocks(pool.pool_id) == want
+    finally:
+        client.close()
+        pool.close()
+
+
 def test_a_snapshot_follows_the_kinds_filter_and_refuses_a_starting_number(server):
     client = RouterClient(server.address)
     try:
