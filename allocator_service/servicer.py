@@ -11,14 +11,16 @@ INVALID_ARGUMENT in the same error path as everything else.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 import grpc
 
 from allocator_service import errors
+from allocator_service.core.prefix_index import BLOCK_REMOVED, BLOCK_STORED
 from allocator_service.core.snapshot import dumps_chunked
 from allocator_service.errors import BadRequest
+from allocator_service.events import Event
 from allocator_service.fairshare import ROUTER
 from allocator_service.roles import ADMIN, caller_role
 from allocator_service.service import Advertised, AllocatorService
@@ -36,11 +38,15 @@ EVENT_KIND = {
 WATCH_BATCH = 512
 WATCH_POLL_S = 0.5
 _KIND_NAME = {v: k for k, v in EVENT_KIND.items()}
+_BLOCK_KINDS = frozenset((BLOCK_STORED, BLOCK_REMOVED))
 # Sent whatever the kinds filter says (naming them is allowed).
 ALWAYS_SENT = frozenset((pb.KV_EVENT_KIND_RESYNC_REQUIRED, pb.KV_EVENT_KIND_SNAPSHOT_END))
 # A snapshot's blocks per POOL_CACHED event: 8,192 x (32 + ~3) bytes, well under
 # gRPC's 4 MB message limit; a 65,536-block pool is 8 messages, not 65,536.
 SNAPSHOT_BLOCKS = 8192
+# Kinds that only stand for others packed (a snapshot's, a packed stream's);
+# naming them is allowed.
+_PACKED_KINDS = frozenset((pb.KV_EVENT_KIND_POOL_CACHED, pb.KV_EVENT_KIND_BLOCKS_CHANGED))
 
 
 def watched_kinds(kinds) -> frozenset[str] | None:
@@ -49,12 +55,51 @@ def watched_kinds(kinds) -> frozenset[str] | None:
     that is not an event kind is refused."""
     if not kinds:
         return None
-    unknown = [k for k in kinds if k not in _KIND_NAME and k not in ALWAYS_SENT
-               and k != pb.KV_EVENT_KIND_POOL_CACHED]
+    unknown = [k for k in kinds if k not in _KIND_NAME and k not in ALWAYS_SENT and k not in _PACKED_KINDS]
     if unknown:
         raise BadRequest(f"kinds: {unknown} are not event kinds (one of "
                          f"{sorted(k for k in pb.KvEventKind.values() if k != pb.KV_EVENT_KIND_UNSPECIFIED)})")
     return frozenset(_KIND_NAME[k] for k in kinds if k in _KIND_NAME)
+
+
+def event_message(e: Event) -> pb.KvEvent:
+    return pb.KvEvent(
+        sequence=e.sequence,
+        kind=EVENT_KIND[e.kind],
+        pool_id=e.pool_id,
+        block_id=e.block_id,
+        block_hash=e.block_hash,
+        model_fingerprint=e.model_fingerprint,
+        reason=e.reason,
+        worker_id=e.worker_id,
+        advertise_url=e.advertise_url,
+        served_model_name=e.served_model_name,
+    )
+
+
+def packed_events(events: Iterable[Event]) -> Iterator[pb.KvEvent]:
+    """`events` as messages, each run of consecutively numbered block events
+    of one pool as one BLOCKS_CHANGED (a run of one stays a plain event)."""
+    run: list[Event] = []
+
+    def flush() -> Iterator[pb.KvEvent]:
+        if len(run) == 1:
+            yield event_message(run[0])
+        elif run:
+            yield pb.KvEvent(sequence=run[0].sequence, kind=pb.KV_EVENT_KIND_BLOCKS_CHANGED, pool_id=run[0].pool_id,
+                             block_ids=[e.block_id for e in run], block_hashes=b"".join(e.block_hash for e in run),
+                             removed=[e.kind == BLOCK_REMOVED for e in run])
+        run.clear()
+
+    for e in events:
+        if e.kind in _BLOCK_KINDS:
+            if run and (e.pool_id != run[0].pool_id or e.sequence != run[-1].sequence + 1):
+                yield from flush()
+            run.append(e)
+        else:
+            yield from flush()
+            yield event_message(e)
+    yield from flush()
 
 
 class AllocatorServicer:
@@ -140,7 +185,7 @@ class AllocatorServicer:
         try:
             cursor = request.from_sequence or log.published
             if request.snapshot:  # the present first, then everything numbered from `cursor` on
-                blocks = wanted is None or "block_stored" in wanted or pb.KV_EVENT_KIND_POOL_CACHED in request.kinds
+                blocks = wanted is None or BLOCK_STORED in wanted or pb.KV_EVENT_KIND_POOL_CACHED in request.kinds
                 for pool_id, ids, hashes in service.cached_blocks() if blocks else ():
                     for i in range(0, len(ids), SNAPSHOT_BLOCKS):
                         yield pb.KvEvent(kind=pb.KV_EVENT_KIND_POOL_CACHED, pool_id=pool_id,
@@ -151,21 +196,8 @@ class AllocatorServicer:
                 batch, after, gap = log.read(cursor, WATCH_BATCH, WATCH_POLL_S)
                 if gap:
                     yield pb.KvEvent(sequence=after - len(batch), kind=pb.KV_EVENT_KIND_RESYNC_REQUIRED)
-                for e in batch:
-                    if wanted is not None and e.kind not in wanted:
-                        continue
-                    yield pb.KvEvent(
-                        sequence=e.sequence,
-                        kind=EVENT_KIND[e.kind],
-                        pool_id=e.pool_id,
-                        block_id=e.block_id,
-                        block_hash=e.block_hash,
-                        model_fingerprint=e.model_fingerprint,
-                        reason=e.reason,
-                        worker_id=e.worker_id,
-                        advertise_url=e.advertise_url,
-                        served_model_name=e.served_model_name,
-                    )
+                events = (e for e in batch if wanted is None or e.kind in wanted)
+                yield from packed_events(events) if request.packed else map(event_message, events)
                 cursor = after
         finally:
             service.close_watcher()

@@ -181,7 +181,7 @@ class Discovery:
                     # Every event, after a snapshot of the present: each (re)connection
                     # rebuilds the view (MatchPrefix answers until the snapshot ends).
                     view.begin()
-                    self._stream = self.client.watch_events(snapshot=True)
+                    self._stream = self.client.watch_events(snapshot=True, packed=True)
                 else:
                     # Only the pools' events: a block's events (most of them, one per block
                     # hashed or evicted in any pool) would cost this process and the

@@ -48,6 +48,7 @@ _REGISTERED = pb.KV_EVENT_KIND_POOL_REGISTERED
 _DROPPED = pb.KV_EVENT_KIND_POOL_DROPPED
 _SNAPSHOT_END = pb.KV_EVENT_KIND_SNAPSHOT_END
 _POOL_CACHED = pb.KV_EVENT_KIND_POOL_CACHED
+_BLOCKS_CHANGED = pb.KV_EVENT_KIND_BLOCKS_CHANGED
 
 
 class _Pool:
@@ -107,6 +108,11 @@ class PrefixView:
             pools[event.pool_id] = _Pool()
         elif kind == _DROPPED:
             pools.pop(event.pool_id, None)
+        elif kind == _BLOCKS_CHANGED:  # a run of stored/removed events of one pool (a packed stream)
+            pool = _pool(pools, event.pool_id)
+            hashes, removed = event.block_hashes, event.removed
+            for i, block in enumerate(event.block_ids):
+                pool.set(block, None if removed[i] else hashes[32 * i : 32 * i + 32])
         elif kind == _POOL_CACHED:
             pool = _pool(pools, event.pool_id)
             hashes = event.block_hashes

@@ -506,14 +506,16 @@ class RouterClient:
         ]
 
     def watch_events(self, from_sequence: int = 0, timeout_s: float | None = None,
-                     kinds: Sequence[int] = (), snapshot: bool = False) -> Iterator[pb.KvEvent]:
+                     kinds: Sequence[int] = (), snapshot: bool = False, packed: bool = False) -> Iterator[pb.KvEvent]:
         """KV events from `from_sequence` (0 = from now), only of `kinds` if
         given (KvEventKind values). A KV_EVENT_KIND_RESYNC_REQUIRED event says
         events were missed; the stream goes on after it. `snapshot`: first
         every pool's cached blocks (POOL_CACHED, sequence 0), then
-        KV_EVENT_KIND_SNAPSHOT_END, then the events from now."""
+        KV_EVENT_KIND_SNAPSHOT_END, then the events from now. `packed`: runs
+        of one pool's block events as single BLOCKS_CHANGED events."""
         return self._stub.WatchEvents(
-            pb.WatchEventsRequest(from_sequence=from_sequence, kinds=kinds, snapshot=snapshot), timeout=timeout_s,
+            pb.WatchEventsRequest(from_sequence=from_sequence, kinds=kinds, snapshot=snapshot, packed=packed),
+            timeout=timeout_s,
             metadata=self._call.metadata,
         )
 

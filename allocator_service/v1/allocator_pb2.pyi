@@ -35,6 +35,7 @@ class KvEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_EVENT_KIND_RESYNC_REQUIRED: _ClassVar[KvEventKind]
     KV_EVENT_KIND_SNAPSHOT_END: _ClassVar[KvEventKind]
     KV_EVENT_KIND_POOL_CACHED: _ClassVar[KvEventKind]
+    KV_EVENT_KIND_BLOCKS_CHANGED: _ClassVar[KvEventKind]
 OP_KIND_UNSPECIFIED: OpKind
 OP_KIND_FREE: OpKind
 OP_KIND_APPEND: OpKind
@@ -55,6 +56,7 @@ KV_EVENT_KIND_POOL_DROPPED: KvEventKind
 KV_EVENT_KIND_RESYNC_REQUIRED: KvEventKind
 KV_EVENT_KIND_SNAPSHOT_END: KvEventKind
 KV_EVENT_KIND_POOL_CACHED: KvEventKind
+KV_EVENT_KIND_BLOCKS_CHANGED: KvEventKind
 
 class PoolRef(_message.Message):
     __slots__ = ("pool_id", "credential")
@@ -289,17 +291,19 @@ class MatchPrefixResponse(_message.Message):
     def __init__(self, matches: _Optional[_Iterable[_Union[PrefixMatch, _Mapping]]] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
-    __slots__ = ("from_sequence", "kinds", "snapshot")
+    __slots__ = ("from_sequence", "kinds", "snapshot", "packed")
     FROM_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     KINDS_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     from_sequence: int
     kinds: _containers.RepeatedScalarFieldContainer[KvEventKind]
     snapshot: bool
-    def __init__(self, from_sequence: _Optional[int] = ..., kinds: _Optional[_Iterable[_Union[KvEventKind, str]]] = ..., snapshot: _Optional[bool] = ...) -> None: ...
+    packed: bool
+    def __init__(self, from_sequence: _Optional[int] = ..., kinds: _Optional[_Iterable[_Union[KvEventKind, str]]] = ..., snapshot: _Optional[bool] = ..., packed: _Optional[bool] = ...) -> None: ...
 
 class KvEvent(_message.Message):
-    __slots__ = ("sequence", "kind", "pool_id", "block_id", "block_hash", "model_fingerprint", "reason", "worker_id", "advertise_url", "served_model_name", "block_ids", "block_hashes")
+    __slots__ = ("sequence", "kind", "pool_id", "block_id", "block_hash", "model_fingerprint", "reason", "worker_id", "advertise_url", "served_model_name", "block_ids", "block_hashes", "removed")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -312,6 +316,7 @@ class KvEvent(_message.Message):
     SERVED_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     kind: KvEventKind
     pool_id: str
@@ -324,7 +329,8 @@ class KvEvent(_message.Message):
     served_model_name: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     block_hashes: bytes
-    def __init__(self, sequence: _Optional[int] = ..., kind: _Optional[_Union[KvEventKind, str]] = ..., pool_id: _Optional[str] = ..., block_id: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., model_fingerprint: _Optional[str] = ..., reason: _Optional[str] = ..., worker_id: _Optional[str] = ..., advertise_url: _Optional[str] = ..., served_model_name: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[bytes] = ...) -> None: ...
+    removed: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, sequence: _Optional[int] = ..., kind: _Optional[_Union[KvEventKind, str]] = ..., pool_id: _Optional[str] = ..., block_id: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., model_fingerprint: _Optional[str] = ..., reason: _Optional[str] = ..., worker_id: _Optional[str] = ..., advertise_url: _Optional[str] = ..., served_model_name: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[bytes] = ..., removed: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class DumpPoolRequest(_message.Message):
     __slots__ = ("pool",)

@@ -38,9 +38,9 @@ def server(allocator_server):
 class Follower:
     """A thread applying one WatchEvents stream (with a snapshot) to a view."""
 
-    def __init__(self, address: str, view: PrefixView) -> None:
+    def __init__(self, address: str, view: PrefixView, packed: bool = True) -> None:
         self.client = RouterClient(address)
-        self.stream = self.client.watch_events(snapshot=True)
+        self.stream = self.client.watch_events(snapshot=True, packed=packed)
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.view = view
         self.thread.start()
@@ -79,8 +79,8 @@ def matched_tokens(view: PrefixView, pool_id: str, tokens: list[int], size: int,
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 10_000), block_size=st.sampled_from([1, 2, 4]), snapshot_at=st.floats(0, 1),
-       resets=st.booleans())
-def test_the_view_holds_what_the_allocator_holds(server, seed, block_size, snapshot_at, resets):
+       resets=st.booleans(), packed=st.booleans())
+def test_the_view_holds_what_the_allocator_holds(server, seed, block_size, snapshot_at, resets, packed):
     worker_id = f"view-{next(_ids)}"
     pool = GrpcAllocator(server.address, PoolSpec(worker_id, PoolConfig(12, block_size, model_fingerprint="m", enable_prefix_caching=True)))
     steps = random_steps(seed, 30)
@@ -91,12 +91,12 @@ def test_the_view_holds_what_the_allocator_holds(server, seed, block_size, snaps
     try:
         for i, ops in enumerate(steps):
             if i == start:  # the snapshot taken part way through the workload
-                follower = Follower(server.address, view)
+                follower = Follower(server.address, view, packed)
             pool.step(ops)
             if resets and rng.random() < 0.1:
                 pool.reset_prefix_cache()
         if follower is None:
-            follower = Follower(server.address, view)
+            follower = Follower(server.address, view, packed)
         want = wait_for(view, pool, pool.pool_id)
         assert view.synced
         assert view.blocks(pool.pool_id) == want  # block for block
@@ -246,6 +246,59 @@ def test_a_big_pools_snapshot_comes_packed(server):
     finally:
         client.close()
         pool.close()
+
+
+def test_a_packed_stream_sends_a_run_of_block_events_as_one(server):
+    """An admit whose prompt fills 5 blocks, then an append that fills a
+    sixth: the plain stream has one BLOCK_STORED per block; the packed one
+    carries the admit's five as one BLOCKS_CHANGED, and unpacked it is the
+    plain stream, sequence numbers included."""
+    client = RouterClient(server.address)
+    # Both from the same number: the head now, which a snapshot's end names.
+    probe = client.watch_events(snapshot=True, kinds=[pb.KV_EVENT_KIND_POOL_DROPPED], timeout_s=10)
+    head = next(probe).sequence
+    probe.cancel()
+    plain = client.watch_events(from_sequence=head, timeout_s=10)
+    packed = client.watch_events(from_sequence=head, packed=True, timeout_s=10)
+    pool = GrpcAllocator(server.address, PoolSpec(f"view-p-{next(_ids)}",
+                                                  PoolConfig(16, 2, model_fingerprint="m", enable_prefix_caching=True)))
+    try:
+        pool.step([Admit("x", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11])])
+        pool.step([Append("x", [12])])
+        pool.close()  # POOL_DROPPED ends what each stream is read for
+
+        def mine(stream) -> list[pb.KvEvent]:
+            got = []
+            for e in stream:
+                if e.pool_id == pool.pool_id:
+                    got.append(e)
+                    if e.kind == pb.KV_EVENT_KIND_POOL_DROPPED:
+                        return got
+            return got
+
+        one_by_one, runs = mine(plain), mine(packed)
+
+        def expanded(events) -> list[tuple]:
+            out = []
+            for e in events:
+                if e.kind != pb.KV_EVENT_KIND_BLOCKS_CHANGED:
+                    out.append((e.sequence, e.kind, e.block_id, e.block_hash))
+                    continue
+                for i, block in enumerate(e.block_ids):
+                    kind = pb.KV_EVENT_KIND_BLOCK_REMOVED if e.removed[i] else pb.KV_EVENT_KIND_BLOCK_STORED
+                    out.append((e.sequence + i, kind, block, e.block_hashes[32 * i:32 * i + 32]))
+            return out
+
+        # The admit's 5 full blocks are one record's run; the append's block is a run of one (plain).
+        assert [pb.KvEventKind.Name(e.kind) for e in runs] == [
+            "KV_EVENT_KIND_POOL_REGISTERED", "KV_EVENT_KIND_BLOCKS_CHANGED", "KV_EVENT_KIND_BLOCK_STORED",
+            "KV_EVENT_KIND_POOL_DROPPED"]
+        assert len(runs[1].block_ids) == 5 and not any(runs[1].removed)
+        assert expanded(runs) == expanded(one_by_one)  # the same events, numbers included
+    finally:
+        plain.cancel()
+        packed.cancel()
+        client.close()
 
 
 def test_a_snapshot_follows_the_kinds_filter_and_refuses_a_starting_number(server):
