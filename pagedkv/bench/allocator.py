@@ -2,6 +2,13 @@
 allocator in-process, over gRPC, and over gRPC with the Redis journal, for
 1, 64 and 256 sequences per step, in one run.
 
+`--watch-events none,plain,packed` times the gRPC steps again while another
+process follows every KV event of the server as a router with a cache view
+does (a snapshot, then `plain`: one message per block event; `packed`: a
+record's run of block events in one message, what the router asks for),
+interleaved with
+the unwatched case: what a router's event stream costs the pools' Steps.
+
 The workload is a decode loop: every running sequence appends one token per
 step; each step a few sequences finish (free) and as many new ones arrive
 (admit, 128-token prompts sharing a 64-token system prompt), with prefix
@@ -35,6 +42,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--modes", default="in-process,grpc,grpc+redis",
         help="which of in-process, grpc, grpc+redis, grpc-unary, grpc-unary+redis to run (grpc: steps "
              "over the StepStream call, as workers send them; grpc-unary: one unary Step each) [%(default)s]",
+    )
+    parser.add_argument(
+        "--watch-events", default="none", metavar="LIST",
+        help="for the gRPC modes, time each case with each of: none (no watcher), plain (a process following "
+             "every KV event, one message each), packed (runs of block events per message, as the router's "
+             "cache view asks) [%(default)s]",
     )
     parser.add_argument(
         "--redis", default=None, metavar="URL",
@@ -88,6 +101,9 @@ def run(args: argparse.Namespace) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if unknown := set(modes) - {"in-process", "grpc", "grpc+redis", "grpc-unary", "grpc-unary+redis"}:
         raise CliError(f"unknown mode(s): {', '.join(sorted(unknown))}")
+    watchers = [w.strip() for w in args.watch_events.split(",") if w.strip()]
+    if not watchers or (unknown := set(watchers) - set(WATCHERS)):
+        raise CliError(f"--watch-events: one or more of {', '.join(WATCHERS)}, got {args.watch_events!r}")
     blocks_per_seq = blocks_for(PROMPT_LEN + MAX_GEN, args.block_size) + 2
 
     def spec(mode: str, n: int) -> PoolSpec:
@@ -118,14 +134,22 @@ def run(args: argparse.Namespace) -> int:
             elif mode != "in-process":
                 server = start_allocator()
             for n in sizes:
-                if server is None:
-                    client = EmbeddedAllocator(spec(mode, n))
-                else:
-                    client = GrpcAllocator(server.address, spec(mode, n), step_stream="unary" not in mode)
-                try:
-                    results.append({"mode": mode, **measure(client, n, args.steps, args.warmup)})
-                finally:
-                    client.close()
+                for watcher in watchers if server is not None else ["none"]:
+                    if server is None:
+                        client = EmbeddedAllocator(spec(mode, n))
+                    else:
+                        client = GrpcAllocator(server.address, spec(f"{mode}-{watcher}", n),
+                                               step_stream="unary" not in mode)
+                    follower = None if watcher == "none" else EventFollower(server.address, watcher == "packed")
+                    try:
+                        row = {"mode": mode, "watcher": watcher, **measure(client, n, args.steps, args.warmup)}
+                        if follower is not None:
+                            row |= follower.stop()
+                        results.append(row)
+                    finally:
+                        if follower is not None:
+                            follower.stop()
+                        client.close()
         finally:
             if server is not None:
                 server.terminate()
@@ -140,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         "load_average_1m": round(os.getloadavg()[0], 2),
         "results": results,
     }
-    by = {(r["mode"], r["seqs"]): r for r in results}
+    by = {(r["mode"], r["seqs"]): r for r in results if r["watcher"] == "none"}
     for n in sizes:
         if ("grpc", n) in by and ("grpc+redis", n) in by:
             out.setdefault("redis_overhead_p50", {})[str(n)] = (
@@ -152,10 +176,56 @@ def run(args: argparse.Namespace) -> int:
     print(f"Step latency, block size {args.block_size}, prefix caching "
           f"{'on' if out['prefix_caching'] else 'off'}, {args.steps} steps per case, "
           f"{out['cpus']} CPUs, load average {out['load_average_1m']}")
-    print(f"{'mode':<16} {'seqs':>5} {'ops/step':>9} {'p50 ms':>8} {'p99 ms':>8} {'ops/s':>10}")
+    watched = any(r["watcher"] != "none" for r in results)
+    print(f"{'mode':<16} {'seqs':>5} {'ops/step':>9} {'p50 ms':>8} {'p99 ms':>8} {'ops/s':>10}"
+          + (f" {'watcher':>8} {'messages':>9} {'events':>8}" if watched else ""))
     for r in results:
         print(f"{r['mode']:<16} {r['seqs']:>5} {r['ops_per_step']:>9.1f} {r['p50_ms']:>8.3f} "
-              f"{r['p99_ms']:>8.3f} {r['ops_per_s']:>10.0f}")
+              f"{r['p99_ms']:>8.3f} {r['ops_per_s']:>10.0f}"
+              + (f" {r['watcher']:>8} {r.get('watcher_messages', ''):>9} {r.get('watcher_events', ''):>8}"
+                 if watched else ""))
     for n, v in out.get("redis_overhead_p50", {}).items():
         print(f"Redis journal adds {100 * v:.0f}% to the p50 at {n} sequences per step")
     return 0
+
+
+WATCHERS = ("none", "plain", "packed")
+
+
+class EventFollower:
+    """Another process following every KV event of the allocator at
+    `address` (packed or not) while a case runs; `stop()` says how many
+    messages and events it received."""
+
+    def __init__(self, address: str, packed: bool) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")  # no fork of a process with grpc threads
+        self._counts = ctx.Array("q", 2)
+        self._ready = ctx.Event()
+        self._proc = ctx.Process(target=_follow_events, args=(address, packed, self._counts, self._ready), daemon=True)
+        self._proc.start()
+        if not self._ready.wait(60):
+            raise RuntimeError("the event follower did not start")
+        self._result: dict | None = None
+
+    def stop(self) -> dict:
+        if self._result is None:
+            self._proc.terminate()
+            self._proc.join(10)
+            self._result = {"watcher_messages": self._counts[0], "watcher_events": self._counts[1]}
+        return self._result
+
+
+def _follow_events(address: str, packed: bool, counts, ready) -> None:  # pragma: no cover - a child process
+    from allocator_service.client.grpc_client import RouterClient
+    from allocator_service.v1 import allocator_pb2 as pb
+
+    # As a router's view follows: a snapshot (whose end says the stream is live), then every event.
+    for event in RouterClient(address).watch_events(packed=packed, snapshot=True):
+        if event.kind == pb.KV_EVENT_KIND_SNAPSHOT_END:
+            ready.set()
+            continue
+        if ready.is_set():  # counted in place: the parent reads them when it stops this process
+            counts[0] += 1
+            counts[1] += max(1, len(event.block_ids)) if event.kind == pb.KV_EVENT_KIND_BLOCKS_CHANGED else 1

@@ -27,6 +27,23 @@ def test_bench_allocator_json():
     assert set(out["redis_overhead_p50"]) == {"1", "8"}
 
 
+def test_bench_allocator_with_an_event_follower():
+    """--watch-events: the gRPC case again with another process following
+    every event; packed, it got the step's block events in fewer messages."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagedkv", "bench", "allocator", "--json", "--sizes", "64", "--modes", "grpc",
+         "--steps", "40", "--warmup", "2", "--watch-events", "none,plain,packed"],
+        capture_output=True, text=True, timeout=120, check=True,
+    )
+    rows = {r["watcher"]: r for r in json.loads(proc.stdout)["results"]}
+    assert set(rows) == {"none", "plain", "packed"} and "watcher_events" not in rows["none"]
+    assert rows["plain"]["watcher_events"] == rows["plain"]["watcher_messages"] > 0
+    assert rows["packed"]["watcher_events"] > rows["packed"]["watcher_messages"] > 0
+    bad = subprocess.run([sys.executable, "-m", "pagedkv", "bench", "allocator", "--watch-events", "some"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--watch-events" in bad.stderr
+
+
 @pytest.mark.parametrize("separate,parses", [(False, False), (True, False), (False, True)])
 def test_noisy_neighbour_reports_both_phases(separate, parses):
     """Both phases run against one real allocator (with --separate-neighbour
