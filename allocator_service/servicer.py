@@ -51,15 +51,19 @@ _PACKED_KINDS = frozenset((pb.KV_EVENT_KIND_POOL_CACHED, pb.KV_EVENT_KIND_BLOCKS
 
 def watched_kinds(kinds) -> frozenset[str] | None:
     """WatchEventsRequest.kinds as the event log's kind names; None = every
-    kind. RESYNC_REQUIRED and SNAPSHOT_END may be named (they are sent anyway); anything else
-    that is not an event kind is refused."""
+    kind. RESYNC_REQUIRED and SNAPSHOT_END may be named (they are sent anyway);
+    BLOCKS_CHANGED stands for the block events it packs, POOL_CACHED for a
+    snapshot's blocks; anything else that is not an event kind is refused."""
     if not kinds:
         return None
     unknown = [k for k in kinds if k not in _KIND_NAME and k not in ALWAYS_SENT and k not in _PACKED_KINDS]
     if unknown:
         raise BadRequest(f"kinds: {unknown} are not event kinds (one of "
                          f"{sorted(k for k in pb.KvEventKind.values() if k != pb.KV_EVENT_KIND_UNSPECIFIED)})")
-    return frozenset(_KIND_NAME[k] for k in kinds if k in _KIND_NAME)
+    names = {_KIND_NAME[k] for k in kinds if k in _KIND_NAME}
+    if pb.KV_EVENT_KIND_BLOCKS_CHANGED in kinds:  # what a packed run carries
+        names |= _BLOCK_KINDS
+    return frozenset(names)
 
 
 def event_message(e: Event) -> pb.KvEvent:

@@ -140,8 +140,10 @@ def run(args: argparse.Namespace) -> int:
                     else:
                         client = GrpcAllocator(server.address, spec(f"{mode}-{watcher}", n),
                                                step_stream="unary" not in mode)
-                    follower = None if watcher == "none" else EventFollower(server.address, watcher == "packed")
+                    follower = None
                     try:
+                        if watcher != "none":
+                            follower = EventFollower(server.address, watcher == "packed")
                         row = {"mode": mode, "watcher": watcher, **measure(client, n, args.steps, args.warmup)}
                         if follower is not None:
                             row |= follower.stop()
@@ -201,13 +203,17 @@ class EventFollower:
         import multiprocessing
 
         ctx = multiprocessing.get_context("spawn")  # no fork of a process with grpc threads
-        self._counts = ctx.Array("q", 2)
+        # No lock: one writer, read after it is stopped (a child killed holding a lock would hang the reader).
+        self._counts = ctx.Array("q", 2, lock=False)
         self._ready = ctx.Event()
         self._proc = ctx.Process(target=_follow_events, args=(address, packed, self._counts, self._ready), daemon=True)
         self._proc.start()
-        if not self._ready.wait(60):
-            raise RuntimeError("the event follower did not start")
         self._result: dict | None = None
+        deadline = time.monotonic() + 60
+        while not self._ready.wait(0.1):
+            if not self._proc.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the event follower did not start (exit code {self._proc.exitcode})")
 
     def stop(self) -> dict:
         if self._result is None:
