@@ -627,6 +627,12 @@ class AllocatorService:
                                    e.advertise_url, e.pool.enable_prefix_caching, stats))
         return out
 
+    def free_blocks(self, pool_id: str) -> int | None:
+        """A live pool's free blocks (None: no such pool), read without its
+        lock as MatchPrefix reads them: a load figure, not a promise."""
+        entry = self.registry.pools.get(pool_id)
+        return entry.pool.num_free_blocks if entry is not None else None
+
     def cached_blocks(self) -> Iterator[tuple[str, list[int], list[bytes]]]:
         """(pool id, blocks, their hashes) for every live pool: each pool's
         cached blocks as they are now, read under its own lock (the start

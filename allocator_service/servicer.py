@@ -81,18 +81,26 @@ def event_message(e: Event) -> pb.KvEvent:
     )
 
 
-def packed_events(events: Iterable[Event]) -> Iterator[pb.KvEvent]:
+def packed_events(events: Iterable[Event], free_blocks: Callable[[str], int | None]) -> Iterator[pb.KvEvent]:
     """`events` as messages, each run of consecutively numbered block events
-    of one pool as one BLOCKS_CHANGED (a run of one stays a plain event)."""
+    of one pool as one BLOCKS_CHANGED (a run of one stays a plain event),
+    each with the pool's free blocks now (`free_blocks(pool_id)`)."""
     run: list[Event] = []
 
     def flush() -> Iterator[pb.KvEvent]:
-        if len(run) == 1:
-            yield event_message(run[0])
-        elif run:
-            yield pb.KvEvent(sequence=run[0].sequence, kind=pb.KV_EVENT_KIND_BLOCKS_CHANGED, pool_id=run[0].pool_id,
-                             block_ids=[e.block_id for e in run], block_hashes=b"".join(e.block_hash for e in run),
-                             removed=[e.kind == BLOCK_REMOVED for e in run])
+        if run:
+            first = run[0]
+            if len(run) == 1:
+                message = event_message(first)
+            else:
+                message = pb.KvEvent(sequence=first.sequence, kind=pb.KV_EVENT_KIND_BLOCKS_CHANGED,
+                                     pool_id=first.pool_id, block_ids=[e.block_id for e in run],
+                                     block_hashes=b"".join(e.block_hash for e in run),
+                                     removed=[e.kind == BLOCK_REMOVED for e in run])
+            free = free_blocks(first.pool_id)
+            if free is not None:
+                message.free_blocks = free
+            yield message
         run.clear()
 
     for e in events:
@@ -194,14 +202,15 @@ class AllocatorServicer:
                     for i in range(0, len(ids), SNAPSHOT_BLOCKS):
                         yield pb.KvEvent(kind=pb.KV_EVENT_KIND_POOL_CACHED, pool_id=pool_id,
                                          block_ids=ids[i:i + SNAPSHOT_BLOCKS],
-                                         block_hashes=b"".join(hashes[i:i + SNAPSHOT_BLOCKS]))
+                                         block_hashes=b"".join(hashes[i:i + SNAPSHOT_BLOCKS]),
+                                         free_blocks=service.free_blocks(pool_id))
                 yield pb.KvEvent(sequence=cursor, kind=pb.KV_EVENT_KIND_SNAPSHOT_END)
             while context.is_active() and not service.stopping and not log.closed:
                 batch, after, gap = log.read(cursor, WATCH_BATCH, WATCH_POLL_S)
                 if gap:
                     yield pb.KvEvent(sequence=after - len(batch), kind=pb.KV_EVENT_KIND_RESYNC_REQUIRED)
                 events = (e for e in batch if wanted is None or e.kind in wanted)
-                yield from packed_events(events) if request.packed else map(event_message, events)
+                yield from packed_events(events, service.free_blocks) if request.packed else map(event_message, events)
                 cursor = after
         finally:
             service.close_watcher()

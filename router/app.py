@@ -183,7 +183,8 @@ class Router:
         (allocator, fingerprint) in `asks`, from that allocator's view: the
         prompt's hash chain per block size (its last token's block left out,
         as a prompt's last token is always computed), the leading hashes the
-        pool holds; free blocks from the last listing. A salt or token id the
+        pool holds; free blocks as the view last heard them (its events carry
+        them, and listings), else from the last listing. A salt or token id the
         allocator would refuse matches nothing (the worker answers the error)."""
         out: dict[tuple[int, str], tuple[int, int]] = {}
         try:
@@ -205,7 +206,9 @@ class Router:
                     except InvalidArgument:  # a token id no model has: nothing can be cached
                         hashes = []
                     chains[(fingerprint, size)] = hashes
-                out[(index, w.pool_id)] = (view.cached_blocks(w.pool_id, hashes) * size, w.free_blocks)
+                free = view.free_blocks(w.pool_id)
+                out[(index, w.pool_id)] = (view.cached_blocks(w.pool_id, hashes) * size,
+                                           w.free_blocks if free is None else free)
         return out
 
     def being_computed(self, workers: Sequence[Worker], tokens: list[int] | None,

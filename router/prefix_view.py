@@ -53,13 +53,15 @@ _BLOCKS_CHANGED = pb.KV_EVENT_KIND_BLOCKS_CHANGED
 
 class _Pool:
     """One pool's blocks that hold a hash, and how many blocks hold each hash
-    (two sequences may fill identical blocks before either is cached)."""
+    (two sequences may fill identical blocks before either is cached); its
+    free blocks as last heard (None: not yet)."""
 
-    __slots__ = ("hash_of", "holders")
+    __slots__ = ("hash_of", "holders", "free")
 
-    def __init__(self) -> None:
+    def __init__(self, free: int | None = None) -> None:
         self.hash_of: dict[int, bytes] = {}
         self.holders: dict[bytes, int] = {}
+        self.free = free
 
     def set(self, block: int, h: bytes | None) -> None:
         old = self.hash_of.get(block)
@@ -101,13 +103,18 @@ class PrefixView:
         kind = event.kind
         pools = self._applying
         if kind == _STORED:
-            _pool(pools, event.pool_id).set(event.block_id, event.block_hash)
+            pool = _pool(pools, event.pool_id)
+            pool.set(event.block_id, event.block_hash)
         elif kind == _REMOVED:
-            _pool(pools, event.pool_id).set(event.block_id, None)
-        elif kind in (_CLEARED, _REGISTERED):  # a registered pool starts with nothing cached
+            pool = _pool(pools, event.pool_id)
+            pool.set(event.block_id, None)
+        elif kind == _CLEARED:  # the hashes go; the blocks stay as free as they were
+            old = pools.get(event.pool_id)
+            pools[event.pool_id] = _Pool(old.free if old is not None else None)
+            return
+        elif kind == _REGISTERED:  # a registered pool starts with nothing cached
             pools[event.pool_id] = _Pool()
-        elif kind == _DROPPED:
-            pools.pop(event.pool_id, None)
+            return
         elif kind == _BLOCKS_CHANGED:  # a run of stored/removed events of one pool (a packed stream)
             pool = _pool(pools, event.pool_id)
             hashes, removed = event.block_hashes, event.removed
@@ -118,10 +125,30 @@ class PrefixView:
             hashes = event.block_hashes
             for i, block in enumerate(event.block_ids):
                 pool.set(block, hashes[32 * i : 32 * i + 32])
+        elif kind == _DROPPED:
+            pools.pop(event.pool_id, None)
+            return
         elif kind == _SNAPSHOT_END:
             self._pools = pools
             self.snapshots += 1
             self.synced = True
+            return
+        else:
+            return
+        if event.HasField("free_blocks"):  # a packed stream's and a snapshot's block events carry it
+            pool.free = event.free_blocks
+
+    def note_free(self, pool_id: str, free: int) -> None:
+        """A pool's free blocks from a listing (the later of it and the last
+        event's figure stands); a pool the view does not hold is not added."""
+        pool = self._applying.get(pool_id)
+        if pool is not None:
+            pool.free = free
+
+    def free_blocks(self, pool_id: str) -> int | None:
+        """The pool's free blocks as last heard (an event or a listing), None if not heard."""
+        pool = self._pools.get(pool_id)
+        return pool.free if pool is not None else None
 
     def cached_blocks(self, pool_id: str, hashes: Sequence[bytes]) -> int:
         """How many of `hashes` (a prompt's chain from the pool's root), from

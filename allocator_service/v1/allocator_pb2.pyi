@@ -303,7 +303,7 @@ class WatchEventsRequest(_message.Message):
     def __init__(self, from_sequence: _Optional[int] = ..., kinds: _Optional[_Iterable[_Union[KvEventKind, str]]] = ..., snapshot: _Optional[bool] = ..., packed: _Optional[bool] = ...) -> None: ...
 
 class KvEvent(_message.Message):
-    __slots__ = ("sequence", "kind", "pool_id", "block_id", "block_hash", "model_fingerprint", "reason", "worker_id", "advertise_url", "served_model_name", "block_ids", "block_hashes", "removed")
+    __slots__ = ("sequence", "kind", "pool_id", "block_id", "block_hash", "model_fingerprint", "reason", "worker_id", "advertise_url", "served_model_name", "block_ids", "block_hashes", "removed", "free_blocks")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -317,6 +317,7 @@ class KvEvent(_message.Message):
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     kind: KvEventKind
     pool_id: str
@@ -330,7 +331,8 @@ class KvEvent(_message.Message):
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     block_hashes: bytes
     removed: _containers.RepeatedScalarFieldContainer[bool]
-    def __init__(self, sequence: _Optional[int] = ..., kind: _Optional[_Union[KvEventKind, str]] = ..., pool_id: _Optional[str] = ..., block_id: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., model_fingerprint: _Optional[str] = ..., reason: _Optional[str] = ..., worker_id: _Optional[str] = ..., advertise_url: _Optional[str] = ..., served_model_name: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[bytes] = ..., removed: _Optional[_Iterable[bool]] = ...) -> None: ...
+    free_blocks: int
+    def __init__(self, sequence: _Optional[int] = ..., kind: _Optional[_Union[KvEventKind, str]] = ..., pool_id: _Optional[str] = ..., block_id: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., model_fingerprint: _Optional[str] = ..., reason: _Optional[str] = ..., worker_id: _Optional[str] = ..., advertise_url: _Optional[str] = ..., served_model_name: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[bytes] = ..., removed: _Optional[_Iterable[bool]] = ..., free_blocks: _Optional[int] = ...) -> None: ...
 
 class DumpPoolRequest(_message.Message):
     __slots__ = ("pool",)

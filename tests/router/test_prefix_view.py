@@ -244,6 +244,8 @@ def test_a_big_pools_snapshot_comes_packed(server):
                 break
         stream.cancel()
         assert mine == [8192, 8192, 3626] and view.synced and view.blocks(pool.pool_id) == want
+        # With the pool's free blocks, as a listing would say them (the pool idle meanwhile).
+        assert view.free_blocks(pool.pool_id) == pool.stats().free_blocks
     finally:
         client.close()
         pool.close()
@@ -293,6 +295,10 @@ def test_a_packed_stream_sends_a_run_of_block_events_as_one(server):
         # The admit's 5 blocks are one run (with the append's sixth when one read took both).
         changed = [e for e in runs if e.kind == pb.KV_EVENT_KIND_BLOCKS_CHANGED]
         assert changed and len(changed[0].block_ids) >= 5 and not any(changed[0].removed)
+        # A packed stream's block events carry the pool's free blocks (16 less the 6 it holds)
+        # unless the pool was gone when the message was built (it is closed right after).
+        assert all(e.free_blocks == 10 for e in runs if e.HasField("free_blocks"))
+        assert not any(e.HasField("free_blocks") for e in one_by_one)  # a plain stream is as it was
         assert len(runs) < len(one_by_one)
         assert expanded(runs) == expanded(one_by_one)  # the same events, numbers included
     finally:
