@@ -58,7 +58,7 @@ from allocator_service.codec import (
 from allocator_service.config import Limits, ServiceConfig
 from allocator_service.core import PoolStats, StepColumns
 from allocator_service.core.errors import InvalidArgument
-from allocator_service.core.hashing import chain_hashes, root_hash
+from allocator_service.core.hashing import prompt_chain
 from allocator_service.core.limits import (
     MAX_ADVERTISE_URL_LEN,
     MAX_SALT_LEN,
@@ -570,8 +570,7 @@ class AllocatorService:
                 size = pool.block_size
                 hashes = chains.get(size)
                 if hashes is None:
-                    hashes = chains[size] = chain_hashes(root_hash(fingerprint, size), tokens, size, salt,
-                                                         limit_blocks=(len(tokens) - 1) // size)
+                    hashes = chains[size] = prompt_chain(fingerprint, tokens, size, salt)
                 with e.lock:
                     cached = pool.cached_blocks(hashes) * size
             out.append(

@@ -52,7 +52,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from allocator_service.core import InvalidArgument, check_cache_salt
-from allocator_service.core.hashing import chain_hashes, root_hash
+from allocator_service.core.hashing import prompt_chain
 from router.discovery import Discovery, MergedDiscovery, Worker
 from router.metrics import RouterMetrics
 from router.policy import Candidate, rank
@@ -181,8 +181,7 @@ class Router:
                         tokens: list[int], salt: str | None) -> dict[tuple[int, str], tuple[int, int]]:
         """What MatchPrefix would answer for the pools among `workers` of each
         (allocator, fingerprint) in `asks`, from that allocator's view: the
-        prompt's hash chain per block size (its last token's block left out,
-        as a prompt's last token is always computed), the leading hashes the
+        prompt's hash chain per block size (`prompt_chain`), the leading hashes the
         pool holds; free blocks as the view last heard them (its events carry
         them, and listings), else from the last listing. A salt or token id the
         allocator would refuse matches nothing (the worker answers the error)."""
@@ -201,8 +200,7 @@ class Router:
                 hashes = chains.get((fingerprint, size))
                 if hashes is None:
                     try:
-                        hashes = chain_hashes(root_hash(fingerprint, size), tokens, size, salt,
-                                              limit_blocks=(len(tokens) - 1) // size)
+                        hashes = prompt_chain(fingerprint, tokens, size, salt)
                     except InvalidArgument:  # a token id no model has: nothing can be cached
                         hashes = []
                     chains[(fingerprint, size)] = hashes

@@ -10,8 +10,8 @@ the same hash chain (`allocator_service.core.hashing`), the same rule as
 `BlockPool.cached_blocks` (the leading hashes some block of the pool holds).
 
 Exact, not approximate: the stream starts with a snapshot of every pool's
-cached blocks (POOL_CACHED events, many blocks each), then carries every event numbered from before that snapshot
-was read. Each event sets one block's hash (stored: `h`; removed: none) or
+cached blocks (POOL_CACHED events, many blocks each), then carries every
+event numbered from before that snapshot was read. Each event sets one block's hash (stored: `h`; removed: none) or
 every block of a pool (cleared, registered, dropped), and a pool's events
 are numbered in the order they happened; so replaying them in order onto
 the snapshot leaves each block holding what its last event says, which is

@@ -83,6 +83,16 @@ def chain_hashes(
     return out
 
 
+def prompt_chain(model_fingerprint: str, token_ids: Sequence[int], block_size: int,
+                 cache_salt: str | None = None) -> list[bytes]:
+    """The hashes a prefix-cache lookup of a prompt compares: its full blocks
+    before its last token (that token is always computed, so its block is
+    never taken from the cache). What MatchPrefix hashes, and a router
+    matching in its copy of the pools' indexes."""
+    return chain_hashes(root_hash(model_fingerprint, block_size), token_ids, block_size, cache_salt,
+                        limit_blocks=(len(token_ids) - 1) // block_size)
+
+
 def leading_hits(hashes: Sequence[bytes], cached: Container[bytes]) -> int:
     """How many of `hashes` (a prompt's chain), from the first, are in
     `cached`: the prefix a cache holds, since a block is reusable only

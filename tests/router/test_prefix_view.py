@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from allocator_service.client import PoolSpec
 from allocator_service.client.grpc_client import GrpcAllocator, RouterClient
 from allocator_service.core import Admit, Append, PoolConfig
-from allocator_service.core.hashing import chain_hashes, root_hash
+from allocator_service.core.hashing import prompt_chain
 from allocator_service.servicer import watched_kinds
 from allocator_service.v1 import allocator_pb2 as pb
 from router.discovery import Discovery
@@ -74,7 +74,7 @@ def wait_for(view: PrefixView, pool: GrpcAllocator, pool_id: str, timeout: float
 
 
 def matched_tokens(view: PrefixView, pool_id: str, tokens: list[int], size: int, salt: str | None) -> int:
-    hashes = chain_hashes(root_hash("m", size), tokens, size, salt, limit_blocks=(len(tokens) - 1) // size)
+    hashes = prompt_chain("m", tokens, size, salt)
     return view.cached_blocks(pool_id, hashes) * size
 
 
