@@ -100,6 +100,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="send each step's allocator call while the previous step computes, its "
                         "token-dependent parts (hashes, frees) one step later; on by default: "
                         "--no-async-scheduling or PAGEDKV_WORKER_ASYNC_SCHEDULING=false turns it off")
+    p.add_argument("--num-lookahead-slots", **_env("--num-lookahead-slots", 8, int), metavar="N",
+                   help="slots an allocator call holds for each decoding sequence past its next token, so the "
+                        "next N steps make no call unless one runs out or requests arrive (default 8; 0: a "
+                        "call every step)")
     p.add_argument("--device", **_env("--device", "cpu"), help="torch device: cpu or cuda (default cpu)")
     p.add_argument("--dtype", **_env("--dtype", "auto"), choices=DTYPES,
                    help="weights and KV dtype; 'auto' (the default) is the model's own: float32 on the CPU, "
@@ -167,6 +171,7 @@ def engine_config(args: argparse.Namespace, dtype: str | None = None):
         block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching,
         async_scheduling=args.async_scheduling,
+        num_lookahead_slots=args.num_lookahead_slots,
         device=args.device,
         dtype=dtype or ("float32" if args.dtype == "auto" else canonical_dtype(args.dtype)),
         max_num_seqs=args.max_num_seqs,

@@ -55,6 +55,7 @@ METRIC_NAMES = (
     f"{PREFIX}_step_duration_seconds",
     f"{PREFIX}_allocator_step_seconds",
     f"{PREFIX}_allocator_steps_ahead_total",
+    f"{PREFIX}_allocator_calls_total",
     f"{PREFIX}_allocator_retries_total",
     f"{PREFIX}_allocator_unavailable_seconds_total",
     f"{PREFIX}_step_errors_total",
@@ -136,6 +137,7 @@ class WorkerMetrics:
         self.itl = hist("inter_token_latency_seconds", "Time between two generated tokens of a request.", _ITL_BUCKETS).labels(**lv)
         self.step_time = hist("step_duration_seconds", "Wall time of one engine step (schedule + allocator + forward).", _STEP_BUCKETS).labels(**lv)
         self.allocator_step = hist("allocator_step_seconds", "Time a step waited for its allocator Step call (with async scheduling, what the previous forward pass did not hide).", _STEP_BUCKETS).labels(**lv)
+        self.allocator_calls = counter("allocator_calls", "Allocator Step calls the engine's steps made; a step computed in slots its sequences hold already (lookahead slots) makes none.").labels(**lv)
         self.allocator_steps_ahead = counter("allocator_steps_ahead", "Allocator Step calls sent ahead, while the previous step computed (async scheduling).").labels(**lv)
         self.allocator_retries = counter("allocator_retries", "Allocator calls that got no answer (UNAVAILABLE, deadline) and were sent again.").labels(**lv)
         self.allocator_unavailable_seconds = counter("allocator_unavailable_seconds", "Seconds spent waiting for an unavailable allocator (failed attempts and backoff): the worker stalls.").labels(**lv)

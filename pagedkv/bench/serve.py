@@ -168,6 +168,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default on; --no-async-scheduling puts the call on the critical path)")
     parser.add_argument("--compare-async-scheduling", action="store_true",
                         help="with --allocator: run every allocator with async scheduling on and off")
+    parser.add_argument("--num-lookahead-slots", type=_lookahead_list, default=[8], metavar="N[,N...]",
+                        help="the engines' lookahead slots (default 8; 0: an allocator call every step); with "
+                             "--allocator a comma list runs every allocator with each (e.g. 0,8)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="with --allocator: the engines' prefix caching (default on)")
     parser.add_argument("--attention", type=_attention_list, default=None,
@@ -187,6 +190,19 @@ def _allocators(text: str) -> list[str]:
     if len(set(names)) != len(names):
         raise argparse.ArgumentTypeError(f"an allocator is named twice in {text!r}")
     return names
+
+
+def _lookahead_list(text: str) -> list[int]:
+    from worker.engine.config import MAX_LOOKAHEAD_SLOTS
+
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or any(not 0 <= v <= MAX_LOOKAHEAD_SLOTS for v in values) or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(
+            f"expected a comma list of distinct integers in [0, {MAX_LOOKAHEAD_SLOTS}], got {text!r}")
+    return values
 
 
 def _attention_list(text: str) -> list[str]:
@@ -279,7 +295,8 @@ _WORKERS = iter(range(1, 1 << 30))  # a fresh worker id (so a fresh pool) for ev
 
 def _run_engine(loaded, prompts: list[list[int]], args: argparse.Namespace, num_blocks: int, prefix_caching: bool,
                 allocator: str = "embedded", async_scheduling: bool | None = None,
-                sample_kv: bool = True, attention: str | None = None) -> dict[str, Any]:
+                sample_kv: bool = True, attention: str | None = None,
+                lookahead: int | None = None) -> dict[str, Any]:
     """One run of the workload. `sample_kv`: read the pool's stats after every
     step (the KV figures); off when comparing allocators, where that read
     would be one more RPC per step on the loop being timed."""
@@ -291,6 +308,8 @@ def _run_engine(loaded, prompts: list[list[int]], args: argparse.Namespace, num_
 
     if async_scheduling is None:
         async_scheduling = args.async_scheduling
+    if lookahead is None:
+        lookahead = args.num_lookahead_slots[0]
     config = EngineConfig(
         model=str(args.model),
         allocator=allocator,
@@ -299,6 +318,7 @@ def _run_engine(loaded, prompts: list[list[int]], args: argparse.Namespace, num_
         block_size=args.block_size,
         enable_prefix_caching=prefix_caching,
         async_scheduling=async_scheduling,
+        num_lookahead_slots=lookahead,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
@@ -310,6 +330,7 @@ def _run_engine(loaded, prompts: list[list[int]], args: argparse.Namespace, num_
         before = engine.allocator.stats()
         preempt0 = engine.num_preemptions
         waited0 = _seconds(engine.metrics.allocator_step)
+        calls0 = engine.metrics.allocator_calls._value.get()
         first: dict[str, float] = {}
         last: dict[str, float] = {}
         tokens: dict[str, list[int]] = {}
@@ -340,6 +361,7 @@ def _run_engine(loaded, prompts: list[list[int]], args: argparse.Namespace, num_
         wall = time.perf_counter() - t0
         after = engine.allocator.stats()
         waited = _seconds(engine.metrics.allocator_step) - waited0  # the steps' wait for the allocator
+        calls = engine.metrics.allocator_calls._value.get() - calls0
     finally:
         engine.close()
     outputs = [tokens[i] for i in ids]
@@ -358,8 +380,10 @@ def _run_engine(loaded, prompts: list[list[int]], args: argparse.Namespace, num_
         "mean_step_ms": round(wall / steps * 1000, 3) if steps else None,
         "tpot_ms": round(statistics.fmean(tpot) * 1000, 3) if tpot else None,
         "allocator_wait_ms_per_step": round(waited / steps * 1000, 3) if steps else None,
+        "allocator_calls_per_step": round(calls / steps, 3) if steps else None,
         "allocator": allocator if allocator == "embedded" else "grpc",
         "async_scheduling": async_scheduling,
+        "num_lookahead_slots": lookahead,
         "kv_slots_reserved": num_blocks * args.block_size,
         "kv_slots_allocated_peak": max(allocated, default=0),
         "kv_slots_holding_tokens_peak": max(held, default=0),
@@ -590,6 +614,10 @@ def run(args: argparse.Namespace) -> int:
         from pagedkv.settings import CliError
 
         raise CliError("--compare-async-scheduling compares allocators: give --allocator too")
+    if len(args.num_lookahead_slots) > 1 and not args.allocator:
+        from pagedkv.settings import CliError
+
+        raise CliError("several --num-lookahead-slots values compare allocators: give --allocator too")
     if args.threads:
         torch.set_num_threads(args.threads)
     t = time.perf_counter()
@@ -763,25 +791,28 @@ def _run_allocators(args: argparse.Namespace, loaded, prompts: list[list[int]], 
                 addresses[name] = server.address
             else:
                 addresses[name] = "embedded"
-        runs = [(f"{name}{'' if on else '_sync'}", name, on) for on in schedulings for name in args.allocator]
+        lookaheads = args.num_lookahead_slots
+        runs = [(_allocator_key(name, on, la, lookaheads), name, on, la)
+                for la in lookaheads for on in schedulings for name in args.allocator]
         _log(args, f"{len(prompts)} requests x {args.max_tokens} tokens, pool {num_blocks} blocks of "
                    f"{args.block_size}, prefix caching {'on' if args.enable_prefix_caching else 'off'}, "
-                   f"{torch.get_num_threads()} threads, {args.repeats} round(s) of {', '.join(k for k, _, _ in runs)}")
-        rounds: dict[str, list[dict[str, Any]]] = {key: [] for key, _, _ in runs}
+                   f"{torch.get_num_threads()} threads, {args.repeats} round(s) of {', '.join(r[0] for r in runs)}")
+        rounds: dict[str, list[dict[str, Any]]] = {key: [] for key, *_ in runs}
         for r in range(args.repeats):
             # Each round starts with the next system: no allocator is always
             # the one that runs right after another's teardown.
-            for key, name, on in runs[r % len(runs):] + runs[:r % len(runs)]:
+            for key, name, on, la in runs[r % len(runs):] + runs[:r % len(runs)]:
                 before = _cpu_snapshot()
                 result = _run_engine(loaded, prompts, args, num_blocks, args.enable_prefix_caching,
-                                     allocator=addresses[name], async_scheduling=on, sample_kv=False)
+                                     allocator=addresses[name], async_scheduling=on, sample_kv=False, lookahead=la)
                 result["other_cpu_share"] = _other_cpu_share(before, _cpu_snapshot())
                 result["allocator"] = name
-                result["system"] = f"{name}, async {'on' if on else 'off'}"
+                result["system"] = f"{name}, async {'on' if on else 'off'}, lookahead {la}"
                 rounds[key].append(result)
                 _log(args, f"round {r + 1}: {result['system']}: {result['tokens_per_s']} tok/s, "
-                           f"{result['mean_step_ms']} ms/step, waited {result['allocator_wait_ms_per_step']} ms/step "
-                           f"for the allocator (other processes took {result['other_cpu_share']} of the CPU)")
+                           f"{result['mean_step_ms']} ms/step, {result['allocator_calls_per_step']} calls/step, "
+                           f"waited {result['allocator_wait_ms_per_step']} ms/step for the allocator (other "
+                           f"processes took {result['other_cpu_share']} of the CPU)")
     finally:
         for server in reversed(servers):  # an allocator before its Redis
             server.stop() if server in redises else server.terminate()
@@ -790,7 +821,8 @@ def _run_allocators(args: argparse.Namespace, loaded, prompts: list[list[int]], 
     reference = systems[first]["_outputs"]
     for result in systems.values():
         result["outputs_match_first"] = sum(a == b for a, b in zip(result.pop("_outputs"), reference, strict=True))
-        base = systems.get("embedded" + ("" if result["async_scheduling"] else "_sync"))
+        base = systems.get(_allocator_key("embedded", result["async_scheduling"], result["num_lookahead_slots"],
+                                          lookaheads))
         result["ratio_to_embedded"] = round(result["tokens_per_s"] / base["tokens_per_s"], 3) if base else None
         # Paired: each round against embedded's round of the same pass (they
         # ran back to back), the median over rounds; steadier than the ratio
@@ -798,7 +830,7 @@ def _run_allocators(args: argparse.Namespace, loaded, prompts: list[list[int]], 
         result["ratio_to_embedded_paired_median"] = (
             round(statistics.median(a / b for a, b in zip(result["tokens_per_s_rounds"], base["tokens_per_s_rounds"],
                                                            strict=True)), 3) if base else None)
-        sync = systems.get(f"{result['allocator']}_sync")
+        sync = systems.get(_allocator_key(result["allocator"], False, result["num_lookahead_slots"], lookaheads))
         result["async_vs_sync"] = (round(result["tokens_per_s"] / sync["tokens_per_s"], 3)
                                    if sync is not None and result["async_scheduling"] else None)
     report = {
@@ -815,6 +847,12 @@ def _run_allocators(args: argparse.Namespace, loaded, prompts: list[list[int]], 
     return 0
 
 
+def _allocator_key(name: str, async_scheduling: bool, lookahead: int, lookaheads: list[int]) -> str:
+    """A system's key in the report: `grpc`, `grpc_sync`; `grpc_la0` when
+    several lookahead values are compared."""
+    return f"{name}{'' if async_scheduling else '_sync'}{f'_la{lookahead}' if len(lookaheads) > 1 else ''}"
+
+
 def _print_allocator_table(report: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -824,19 +862,21 @@ def _print_allocator_table(report: dict[str, Any]) -> None:
         f"bench serve --allocator: {report['model']} fp32, {report['threads']} threads; {w['requests']} requests x "
         f"{w['max_tokens']} tokens; pool {pool['num_blocks']} x {pool['block_size']} slots, prefix caching "
         f"{'on' if pool['prefix_caching'] else 'off'}"))
-    for column in ("allocator", "async", "tokens/s", "/ embedded", "paired", "ms/step", "TPOT ms", "wait ms/step",
-                   "async/sync", "outputs"):
+    for column in ("allocator", "async", "ahead", "tokens/s", "/ embedded", "paired", "ms/step", "calls/step",
+                   "TPOT ms", "wait ms/step", "async/sync", "outputs"):
         table.add_column(column, justify="left" if column == "allocator" else "right")
     for s in report["systems"].values():
-        table.add_row(s["allocator"], "on" if s["async_scheduling"] else "off", _fmt(s["tokens_per_s"]),
+        table.add_row(s["allocator"], "on" if s["async_scheduling"] else "off", str(s["num_lookahead_slots"]),
+                      _fmt(s["tokens_per_s"]),
                       _fmt(s["ratio_to_embedded"]), _fmt(s["ratio_to_embedded_paired_median"]),
-                      _fmt(s["mean_step_ms"]), _fmt(s["tpot_ms"]),
+                      _fmt(s["mean_step_ms"]), _fmt(s["allocator_calls_per_step"]), _fmt(s["tpot_ms"]),
                       _fmt(s["allocator_wait_ms_per_step"]), _fmt(s["async_vs_sync"]),
                       f"{s['outputs_match_first']}/{w['requests']}")
     console = Console()
     console.print(table)
-    console.print("/ embedded: best round over embedded's best; paired: the median over rounds of each round's "
-                  "ratio to embedded's round; wait: the time a step waited for the allocator's answer; outputs: "
+    console.print("ahead: lookahead slots; / embedded: best round over embedded's best (same async and "
+                  "lookahead); paired: the median over rounds of each round's ratio to embedded's round; calls/step: "
+                  "allocator calls per engine step; wait: the time a step waited for the allocator's answer; outputs: "
                   f"requests whose greedy tokens equal {report['first_system']}'s")
     for s in report["systems"].values():
         console.print(f"{s['system']}: tokens/s of every round {_fmt(s['tokens_per_s_rounds'])}, other processes "

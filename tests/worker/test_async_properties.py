@@ -62,15 +62,16 @@ def draw(prefix: tuple[int, ...], sample: int) -> int:
 
 
 class Run:
-    def __init__(self, w: dict, async_scheduling: bool) -> None:
+    def __init__(self, w: dict, async_scheduling: bool, lookahead: int = 0) -> None:
         self.B = B = w["block_size"]
         self.caching = w["caching"]
         config = PoolConfig(w["slots"] // B, B, w["caching"], "prop")
         self.alloc = EmbeddedAllocator(PoolSpec("w", config))
         self.pool = self.alloc.pool
         self.sched = Scheduler(self.alloc, max_num_seqs=8, max_num_batched_tokens=w["budget"],
-                               async_scheduling=async_scheduling)
+                               async_scheduling=async_scheduling, lookahead=lookahead)
         self.async_scheduling = async_scheduling
+        self.lookahead = lookahead
         self.kv: dict[int, tuple[int, ...]] = {}  # flat slot -> the prefix its K/V was computed from
         self.requests = w["requests"]
         self.families: dict[str, list[Sequence]] = {}
@@ -152,7 +153,9 @@ class Run:
         for s in self.sched.running:
             assert self.pool.block_table(s.alloc_id) == s.block_table
             # the allocator waits for the values of the same slots (so it hashes every block that fills)
-            assert self.pool._seqs[s.alloc_id].reserved == s.num_reserved <= (1 if self.async_scheduling else 0)
+            held = self.pool._seqs[s.alloc_id]
+            assert held.reserved == s.num_reserved <= self.async_scheduling + self.lookahead
+            assert held.num_tokens == s.num_held >= s.num_stored
 
     def check_sharing(self) -> None:
         holders: dict[int, set[str]] = {}
@@ -190,11 +193,12 @@ def fits(w: dict) -> bool:
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(workload_st.filter(fits))
 def test_deferred_hashes_and_frees_keep_the_contract(w):
-    pipelined = Run(w, async_scheduling=True).run()
     synchronous = Run(w, async_scheduling=False).run()
     # An abort lands on a step, and the pipelined engine admits a step later:
     # what an aborted request had produced may differ; everything else is equal.
     kept = {f"r{i}" for i, r in enumerate(w["requests"]) if r["abort"] is None}
-    assert {k: v for k, v in pipelined.items() if k in kept} == {k: v for k, v in synchronous.items() if k in kept}
-    for rid in kept:
-        assert all(pipelined[rid]), "a request ended without a token"
+    for async_scheduling, lookahead in ((True, 0), (True, 3), (False, 2)):
+        other = Run(w, async_scheduling, lookahead).run()
+        assert {k: v for k, v in other.items() if k in kept} == {k: v for k, v in synchronous.items() if k in kept}
+        for rid in kept:
+            assert all(other[rid]), "a request ended without a token"

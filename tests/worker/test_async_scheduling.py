@@ -60,17 +60,58 @@ def tiny():
     return load_model("tiny-random")
 
 
+# token slots small enough that every engine below preempts (10 requests, 17 samples, up to 84 tokens)
+PREEMPTING_SLOTS = {1: 160, 4: 160, 16: 128}
+
+
 @pytest.mark.parametrize("caching", [False, True], ids=["no-cache", "cache"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_async_equals_sync_under_preemption(tiny, synchronous, block_size, caching):
-    """A pool of 192 token slots for 10 requests (17 samples) of up to 84
-    tokens: both engines preempt, and both give the synchronous outputs."""
-    small = {"num_blocks": 192 // block_size, "block_size": block_size, "enable_prefix_caching": caching}
-    sync = make(tiny, async_scheduling=False, **small)
-    pipelined = make(tiny, async_scheduling=True, **small)
-    assert outcome(sync) == synchronous
-    assert outcome(pipelined) == synchronous
-    assert pipelined.num_preemptions > 0
+    """A pool that forces preemption: async scheduling on and off, each
+    with a call every step (no lookahead slots) and with the default 8
+    lookahead slots (steps that make no call), all preempt and all give the
+    synchronous outputs."""
+    small = {"num_blocks": PREEMPTING_SLOTS[block_size] // block_size, "block_size": block_size,
+             "enable_prefix_caching": caching}
+    for on, lookahead in ((False, 0), (True, 0), (True, 8), (False, 8)):
+        engine = make(tiny, async_scheduling=on, num_lookahead_slots=lookahead, **small)
+        assert outcome(engine) == synchronous, (on, lookahead)
+        assert engine.num_preemptions > 0, (on, lookahead)
+
+
+@pytest.mark.parametrize("on", [True, False], ids=["async", "sync"])
+def test_lookahead_slots_skip_calls_and_keep_every_block_cached(tiny, on):
+    """Four greedy requests decoding together (30 tokens, blocks of 4): with
+    8 lookahead slots a call holds each sequence's next 9 slots, so 7 calls
+    serve the 31 steps that take a call each with none; the tokens are the
+    same; and once the requests finish, every full block of what each
+    computed (prompt and output but the last token) is in the prefix cache,
+    as with a call per step: the values of the steps that made no call are
+    sent before the Free."""
+    prompts = [list(range(10 + i, 23 + 2 * i)) for i in range(4)]
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    runs = {}
+    for lookahead in (0, 8):
+        engine = make(tiny, block_size=4, enable_prefix_caching=True, async_scheduling=on,
+                      num_lookahead_slots=lookahead)
+        calls = []
+        step = engine.allocator.step
+        engine.allocator.step = lambda ops, step=step, calls=calls: (calls.append(len(ops)), step(ops))[1]
+        try:
+            outs = engine.generate(prompts, params)
+            while engine.has_unfinished():
+                engine.step()
+            pool = engine.allocator.pool
+            assert pool.stats().used_blocks == 0
+            for prompt, out in zip(prompts, outs, strict=True):
+                computed = prompt + out.token_ids[:-1]
+                assert pool.cached_prefix_tokens([*computed, 0]) == len(computed) // 4 * 4
+            runs[lookahead] = ([o.token_ids for o in outs], len(calls))
+        finally:
+            engine.close()
+    assert runs[8][0] == runs[0][0]
+    assert runs[0][1] >= 31
+    assert runs[8][1] == 7
 
 
 def test_async_with_chunked_prefill_and_cache(tiny, synchronous):
@@ -89,7 +130,7 @@ def test_async_through_a_real_allocator(tiny, synchronous, allocator_server, red
     with (redis_store() if redis else contextlib.nullcontext(("", None))) as (url, _):
         with allocator_server(*(("--state", url) if redis else ())) as server:
             for on in (True, False):
-                engine = make(tiny, num_blocks=48, block_size=4, enable_prefix_caching=True,
+                engine = make(tiny, num_blocks=40, block_size=4, enable_prefix_caching=True,
                               allocator=server.address, worker_id=f"w-{on}", async_scheduling=on)
                 assert outcome(engine) == synchronous
                 assert engine.num_preemptions > 0

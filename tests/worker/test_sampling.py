@@ -126,7 +126,8 @@ def test_min_p_and_seed_are_reproducible(checkpoint):
 @pytest.mark.parametrize("ahead", [False, True], ids=["sync", "async"])
 def test_n4_shares_prompt_blocks_and_copies_the_partial_one(checkpoint, ahead):
     _, loaded = checkpoint
-    engine = engine_of(loaded, async_scheduling=ahead)
+    # (no lookahead slots: the blocks held are exactly those of the tokens)
+    engine = engine_of(loaded, async_scheduling=ahead, num_lookahead_slots=0)
     pool = engine.allocator.pool
     engine.add_request(PROMPT, SamplingParams(**GREEDY, n=4), "r")
     engine.step()  # the prompt, once; four first tokens from its logits

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from allocator_service.core.limits import MAX_BLOCK_SIZE
 from worker.kv_bytes import WORKER_DTYPES
 
+# more slots ahead would hold blocks for long without saving more calls
+MAX_LOOKAHEAD_SLOTS = 1024
+
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
@@ -21,6 +24,9 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     # Send step N+1's allocator call while step N computes (scheduler.py).
     async_scheduling: bool = True
+    # A call holds a sampling sequence's slots this far past its next token,
+    # so the steps after it make no call until one runs out (scheduler.py).
+    num_lookahead_slots: int = 8
     device: str = "cpu"
     dtype: str = "float32"
     max_num_seqs: int = 64
@@ -43,6 +49,8 @@ class EngineConfig:
             raise ValueError(f"--block-size must be in [1, {MAX_BLOCK_SIZE}]")
         if self.max_num_seqs < 1:
             raise ValueError("--max-num-seqs must be positive")
+        if not 0 <= self.num_lookahead_slots <= MAX_LOOKAHEAD_SLOTS:
+            raise ValueError(f"--num-lookahead-slots must be in [0, {MAX_LOOKAHEAD_SLOTS}]")
         if self.max_num_batched_tokens < 1:
             raise ValueError("--max-num-batched-tokens must be positive")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -104,6 +104,7 @@ class LLMEngine:
             allocator, config.max_num_seqs, config.max_num_batched_tokens,
             on_preempt=lambda seq, cause: self.metrics.preempted(cause),
             async_scheduling=config.async_scheduling,
+            lookahead=config.num_lookahead_slots,
         )
         # The allocator away: the step is sent again until answered (a stall, not an error).
         self.scheduler.on_stall = self.metrics.allocator_unavailable_seconds.inc
@@ -268,6 +269,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         self.metrics.allocator_step.observe(batch.allocator_seconds)
+        if batch.allocator_call:
+            self.metrics.allocator_calls.inc()
         self.num_preemptions += len(batch.preempted)
         if batch.queried_tokens:
             self.metrics.prefix_queried.inc(batch.queried_tokens)

@@ -47,6 +47,20 @@ never hashed. The samples of a prompt are forked in the call planned before
 the step that samples their first token, reserving that token's slot.
 Preemption still happens while planning, before the call: a victim that is
 part of step N keeps the token step N samples for it (recompute preemption).
+
+Lookahead slots (`--num-lookahead-slots`, default 8, either mode): a call
+holds each sequence it samples for that many slots past its next token
+(reserved, as above), so the steps after it compute in slots held already and
+make NO allocator call until a sequence runs out of them, new requests are
+admitted, or a sample forks; a decode-only batch calls once per 1 + N steps.
+The values of the tokens those steps computed ride the next call (so their
+blocks are hashed up to N steps later). A finished sequence keeps its blocks
+until a call goes out anyway (sooner when requests wait for room, or nothing
+else runs); one with values not sent yet sends them in a last Append, and
+its Free follows in the call after (frees run first in a call): the prefix
+cache ends up with every block the sequence filled, as with a call per step.
+Slots ahead are taken only from blocks no running sequence may need next
+(never by preempting): near a full pool every step calls again.
 The contract's rules and reasons: docs/ARCHITECTURE.md, "The block contract".
 """
 
@@ -95,21 +109,37 @@ class Batch:
     preempted: list[Sequence] = field(default_factory=list)
     failed: list[Sequence] = field(default_factory=list)  # finished with an error by the allocator's answer
     allocator_seconds: float = 0.0
+    allocator_call: bool = False  # its operations went out in an allocator call (else computed in slots held)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache this step
     queried_tokens: int = 0
+
+
+@dataclass(slots=True)
+class _Planned:
+    """A running sequence's part of a step in the making."""
+
+    n: int  # tokens this step computes
+    need: int  # blocks its Append takes from the free queue (a copy on write included)
+    cow: int  # the shared block it copies on write, or -1
+    known: int  # of the `n` tokens, those whose values are known at planning
+    must_call: bool  # it needs slots it does not hold (or a copy): the step makes a call
+    op: Append | None = None  # None: computed in slots it holds, nothing sent for it
+    held: int = 0  # after its Append: the slots it holds, ...
+    reserved: int = 0  # ... the last of them without values
 
 
 @dataclass(slots=True)
 class _StepPlan:
     """One step in the making: the operations to send and what they used up."""
 
-    ops: list[Op]
+    ops: list[Op]  # frees, forks, the last Appends of finished sequences; then the running
     refs: Counter  # block -> running sequences holding it
     free: int  # blocks free for this step's appends and admits
     budget: int  # tokens left in this step
-    # seq -> (new tokens, new blocks, the shared block it copies on write or -1)
-    running: dict[Sequence, tuple[int, int, int]] = field(default_factory=dict)
+    running: dict[Sequence, _Planned] = field(default_factory=dict)
     admitting: list[Sequence] = field(default_factory=list)
+    admits: list[Admit] = field(default_factory=list)  # their ops, sent after the running Appends
+    flushing: list[Sequence] = field(default_factory=list)  # finished: their last values (ops)
     forks: dict[Sequence, Fork] = field(default_factory=dict)  # child -> its Fork op
     forked_parents: set[str] = field(default_factory=set)  # alloc ids forked from this step
     # async scheduling: sequences the running step samples a token for (one
@@ -138,6 +168,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         on_preempt: Callable[[Sequence, str], None] | None = None,
         async_scheduling: bool = False,
+        lookahead: int = 0,
     ) -> None:
         self.allocator = allocator
         self.num_blocks = allocator.spec.config.num_blocks
@@ -148,11 +179,21 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
         self.running: list[Sequence] = []  # admission order
         self._to_free: list[str] = []
+        # Finished (or aborted) while running: each is freed, or first sends
+        # the values of tokens it computed in steps that made no call
+        # (`_flushed` until its Free is sent). Their blocks count as held
+        # until then: they ride the next call (`_plan_finishing`).
+        self._finishing: list[Sequence] = []
+        self._flushed: list[Sequence] = []
         self._free_later: list[str] = []  # parents whose samples fork this step: freed after
         self.forking: list[Sequence] = []  # samples that drew their first token, to fork next step
         self.on_preempt = on_preempt
         self.health = AllocatorHealth()
         self.async_scheduling = async_scheduling
+        if lookahead < 0:
+            raise ValueError("lookahead slots must be >= 0")
+        self.lookahead = lookahead
+        self.caching = allocator.spec.config.enable_prefix_caching
         self._inflight: _InFlight | None = None
         # A remote call waits on the network and the server: it runs on one
         # thread of its own while the forward pass runs. The embedded core is
@@ -177,10 +218,11 @@ class Scheduler:
         self.forking.append(child)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Mark finished; its blocks are freed in the next step's call."""
+        """Mark finished; its blocks are freed in the next step's call (after
+        a last Append of values not sent yet: `_plan_finishing`)."""
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
-            self._to_free.append(seq.alloc_id)
+            self._finishing.append(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         elif seq in self.forking:
@@ -195,6 +237,7 @@ class Scheduler:
         # it, so nothing else (an idle probe) calls the client meanwhile.
         inflight = self._inflight
         return bool(self.waiting or self.running or self._to_free or self.forking or self._free_later
+                    or self._finishing or self._flushed
                     or (inflight and (not inflight.future.done() or inflight.plan.running
                                       or inflight.plan.admitting or inflight.plan.forks)))
 
@@ -209,8 +252,10 @@ class Scheduler:
             return inflight.batch
         batch = Batch()
         plan = self._plan(batch, frozenset())
-        if not plan.ops:
+        if not plan.ops:  # nothing to send: computed in slots held already
+            self._apply_results(plan, [], batch)
             return batch
+        batch.allocator_call = True
         results = self._call(plan.ops, batch)
         if results is not None:
             self._apply_results(plan, results, batch)
@@ -225,11 +270,15 @@ class Scheduler:
         ahead += [c for s in ahead for c in s.unforked_samples()]
         batch = Batch()
         plan = self._plan(batch, frozenset(ahead))
-        if not plan.ops:
+        if not plan.ops:  # nothing to send: computed in slots held already
+            future: Future = Future()
+            future.set_result([])
+            self._inflight = _InFlight(plan, batch, future)
             return False
+        batch.allocator_call = True
         t0 = time.perf_counter()
         if self._executor is None:
-            future: Future = Future()
+            future = Future()
             try:
                 future.set_result(self._send(plan.ops))
             except BaseException as exc:  # noqa: BLE001 - raised where the answer is collected
@@ -263,7 +312,9 @@ class Scheduler:
         """One step's operations, against the exact count of free blocks."""
         # NOTE: chain, not a generator: the count runs over every block the
         # running sequences hold, at C speed (30 -> 20 us for ~1,000 blocks).
-        refs = Counter(chain.from_iterable(seq.block_table for seq in self.running))
+        # (finished sequences hold their blocks until their Free is sent)
+        holders = chain(self.running, self._finishing, self._flushed)
+        refs = Counter(chain.from_iterable(seq.block_table for seq in holders))
         plan = _StepPlan(
             ops=[Free(a) for a in self._to_free],
             refs=refs,
@@ -280,7 +331,39 @@ class Scheduler:
         self._plan_running(plan, batch)
         if not batch.preempted:
             self._plan_admissions(plan)
+        # A step makes a call when it needs one; finished sequences alone make
+        # one only when requests wait for room or nothing else runs.
+        gone = self._finishing or self._flushed
+        if (plan.ops or plan.admits or any(p.must_call for p in plan.running.values())
+                or (gone and (self.waiting or not self.running))):
+            self._plan_finishing(plan)
+            self._plan_appends(plan)
         return plan
+
+    def _plan_finishing(self, plan: _StepPlan) -> None:
+        """Free the sequences that finished; one that computed tokens whose
+        values the allocator lacks (steps that made no call) first sends them
+        (their blocks are hashed, so findable as with a call per step) and is
+        freed by a later call: frees run first in a call. A parent whose
+        samples fork in this call is freed by a later one too."""
+        keep: list[Sequence] = []
+        for seq in self._flushed:
+            if seq.alloc_id in plan.forked_parents:
+                keep.append(seq)
+            else:
+                plan.ops.insert(0, Free(seq.alloc_id))
+        self._flushed = keep
+        for seq in self._finishing:
+            valued = seq.num_held - seq.num_reserved
+            if seq.alloc_id in plan.forked_parents:
+                self._flushed.append(seq)
+            elif self.caching and seq.num_stored > valued:
+                plan.ops.append(Append(seq.alloc_id, seq.token_ids[valued : seq.num_stored]))
+                plan.flushing.append(seq)
+                self._flushed.append(seq)
+            else:
+                plan.ops.insert(0, Free(seq.alloc_id))
+        self._finishing = []
 
     def _plan_forks(self, plan: _StepPlan, children: list[Sequence]) -> None:
         """Fork samples from their parent, which then holds exactly the
@@ -299,8 +382,10 @@ class Scheduler:
             if not predicted:
                 child.fork_parent = None
             alive = parent is not None and (parent.status is Status.RUNNING or parent.alloc_id in freeing
-                                            or parent.alloc_id in self._free_later)
-            if not alive or parent.num_stored != child.num_prompt_tokens or parent.num_reserved:
+                                            or parent.alloc_id in self._free_later or parent in self._finishing
+                                            or parent in self._flushed)
+            if (not alive or parent.num_stored != child.num_prompt_tokens or parent.num_held != parent.num_stored
+                    or parent.num_reserved):
                 if not predicted:
                     self.add(child)  # recompute: admitted like any request
                 # else: left to its first token (`add_fork` then)
@@ -314,7 +399,8 @@ class Scheduler:
             plan.forked_parents.add(parent.alloc_id)
             child.status = Status.RUNNING
             child.block_table = list(parent.block_table)
-            child.num_stored = parent.num_stored
+            child.num_stored = child.num_held = parent.num_stored
+            child.num_reserved = 0
             child.admitted_once = True
             child.num_cached_tokens = parent.num_cached_tokens
             plan.refs.update(child.block_table)
@@ -331,22 +417,23 @@ class Scheduler:
             if plan.budget <= 0:
                 break
             n = min(len(seq.token_ids) + (seq in plan.ahead) - seq.num_stored, plan.budget)
+            end = seq.num_stored + n
             while True:
                 # A write into a partly filled block others share copies it
                 # first (the allocator applies the appends in this order).
                 cow = -1
-                if seq.num_stored % self.block_size and plan.refs[seq.block_table[-1]] > 1:
+                if seq.num_held % self.block_size and plan.refs[seq.block_table[-1]] > 1:
                     cow = seq.block_table[-1]
                 need = self._blocks_needed(seq, n) + (cow >= 0)
                 if need <= plan.free:
                     break
                 victim = max(self.running, key=_priority_key)
                 if victim in plan.running:  # give back what it was promised
-                    k, v_need, v_cow = plan.running.pop(victim)
-                    plan.budget += k
-                    plan.free += v_need
-                    if v_cow >= 0:  # it holds the shared block again until its free
-                        plan.refs[v_cow] += 1
+                    given = plan.running.pop(victim)
+                    plan.budget += given.n
+                    plan.free += given.need
+                    if given.cow >= 0:  # it holds the shared block again until its free
+                        plan.refs[given.cow] += 1
                 plan.free += self._preempt(batch, victim, plan.refs, plan.ops, "out_of_blocks", plan)
                 if victim is seq:
                     break
@@ -354,10 +441,40 @@ class Scheduler:
                 continue
             if cow >= 0:
                 plan.refs[cow] -= 1  # the shared block loses this holder
-            plan.running[seq] = (n, need, cow)
+            known = max(0, min(end, len(seq.token_ids)) - seq.num_stored)
+            plan.running[seq] = _Planned(n, need, cow, known, end > seq.num_held or cow >= 0)
             plan.free -= need
             plan.budget -= n
-        plan.ops.extend(_append_op(s, n) for s, (n, _, _) in plan.running.items())
+
+    def _plan_appends(self, plan: _StepPlan) -> None:
+        """The step makes a call: every running sequence sends the values it
+        has not sent, and one that samples tops its slots up to
+        `lookahead` past its next token, from blocks no running sequence may
+        need next step (never by preempting: otherwise only the room of
+        the blocks it takes anyway); then the admissions follow."""
+        B = self.block_size
+        spare = plan.free - max(self.watermark, len(self.running))
+        for seq, p in plan.running.items():
+            end = seq.num_stored + p.n
+            target = max(end, seq.num_held)
+            if self.lookahead and end >= len(seq.token_ids):  # this step samples it
+                want = end + self.lookahead
+                blocks = len(seq.block_table) + p.need - (p.cow >= 0)  # held once the Append is applied
+                extra = blocks_for(want, B) - blocks
+                if extra <= 0 or extra <= spare:
+                    spare -= max(0, extra)
+                    p.need += max(0, extra)
+                    plan.free -= max(0, extra)
+                    target = max(target, want)
+                else:
+                    target = max(target, min(want, blocks * B))
+            op = _append_op(seq, end, target)
+            if op.tokens or target > seq.num_held:
+                p.op = op
+                p.held = target
+                p.reserved = target - (seq.num_held - seq.num_reserved) - len(op.tokens)
+                plan.ops.append(op)
+        plan.ops.extend(plan.admits)
 
     def _plan_admissions(self, plan: _StepPlan) -> None:
         """Admit waiting requests while the budget, `max_num_seqs` and the free blocks allow."""
@@ -377,7 +494,7 @@ class Scheduler:
             worst = blocks_for(len(seq.token_ids), self.block_size)
             if worst > plan.free - headroom:
                 break
-            plan.ops.append(Admit(seq.next_alloc_id(), seq.token_ids, seq.cache_salt, plan.budget))
+            plan.admits.append(Admit(seq.next_alloc_id(), seq.token_ids, seq.cache_salt, plan.budget))
             plan.admitting.append(seq)
             seqs += family
             plan.free -= worst
@@ -385,37 +502,42 @@ class Scheduler:
 
     def _apply_results(self, plan: _StepPlan, results: StepResults | list[OpResult], batch: Batch) -> None:
         """Apply the allocator's answers: block tables, copies, admissions, refusals."""
-        # `ops`: frees, forks, appends, admits
-        ri = len(plan.ops) - len(plan.forks) - len(plan.running) - len(plan.admitting)
+        # `ops`: frees, forks, the finished's last Appends, the running's Appends, admits
+        ri = len(plan.ops) - len(plan.forks) - len(plan.flushing) - len(plan.admitting)
+        ri -= sum(1 for p in plan.running.values() if p.op is not None)
         for child in plan.forks:
             r = results[ri]
             ri += 1
-            if r.ok:  # (one finished while the call was out is in `_to_free` already)
+            if r.ok:  # (one finished while the call was out is in `_finishing` already)
                 child.block_table = list(r.append)
             # else: its append fails too (unknown sequence), which sends it back to wait
+        ri += len(plan.flushing)  # values only, into slots held: nothing to apply (Free follows)
         # NOTE: a decode step's appends mostly leave the table as it is (no
         # error, no new block, no copy): read those from the result columns
         # without making an OpResult each (`StepResults`).
         cols = results.columns if isinstance(results, StepResults) else None
-        for seq, (n, _, _) in plan.running.items():
+        for seq, p in plan.running.items():
+            if p.op is None:  # computed in slots it holds: no call for it
+                if not seq.is_finished:  # (finished since: nothing sent, nothing to compute)
+                    self._computes(batch, seq, p)
+                continue
             if (cols is not None and not seq.is_finished and not cols.errors[ri] and not cols.num_appended[ri]
                     and not cols.num_copies[ri] and cols.keep[ri] == len(seq.block_table)):
-                self._computes(batch, seq, n, plan.ops[ri].reserve)
+                self._computes(batch, seq, p)
                 ri += 1
                 continue
             r = results[ri]
-            reserve = plan.ops[ri].reserve  # (its Append: the tokens sampled since are not in it)
             ri += 1
             if seq.is_finished:
                 # Finished after the call was sent (async): its Free is queued;
                 # a slot reserved for it is never given a value, so never hashed.
                 if r.ok:
-                    self._finished_answer(batch, seq, seq.num_stored, n - reserve, r)
+                    self._finished_answer(batch, seq, p, r)
                 continue
             if r.ok:
                 seq.block_table[r.keep :] = r.append
                 batch.copies.extend(r.copies)
-                self._computes(batch, seq, n, reserve)
+                self._computes(batch, seq, p)
             else:
                 # Our free-block count was off (should not happen) or the
                 # allocator lost the sequence: the failed op changed nothing,
@@ -430,7 +552,7 @@ class Scheduler:
                 if r.ok:  # admitted all the same: computed now, freed next step
                     self._to_free.append(seq.alloc_id)
                     seq.block_table = list(r.append)
-                    self._finished_answer(batch, seq, r.cached_tokens, r.num_stored - r.cached_tokens, r)
+                    self._finished_answer(batch, seq, None, r, r.cached_tokens, r.num_stored - r.cached_tokens)
             elif r.ok:
                 self._admitted(batch, seq, r)
             elif r.error != "out_of_blocks":
@@ -439,7 +561,8 @@ class Scheduler:
                 self.finish(seq, "error")
                 batch.failed.append(seq)
 
-    def _finished_answer(self, batch: Batch, seq: Sequence, start: int, known: int, r: OpResult) -> None:
+    def _finished_answer(self, batch: Batch, seq: Sequence, p: _Planned | None, r: OpResult,
+                         start: int = 0, known: int = 0) -> None:
         """An accepted operation of a sequence that finished (an abort) after
         its call was sent ahead: the tokens with known values it stored are
         computed all the same (the allocator may have hashed their blocks, so
@@ -448,6 +571,10 @@ class Scheduler:
         if r.keep or r.append:
             seq.block_table[r.keep :] = r.append
         batch.copies.extend(r.copies)
+        if p is not None:  # its Append (else an admission: `start`, `known`)
+            start, known = seq.num_stored, p.known
+            seq.num_stored += known
+            seq.num_held, seq.num_reserved = p.held, p.reserved
         if known > 0:
             batch.entries.append(ScheduledSeq(seq, start, known, seq.block_table))
 
@@ -501,6 +628,8 @@ class Scheduler:
             for seq in list(self.running):
                 self._preempt(batch, seq, None, None, "pool_lost")
             self._to_free = []
+            self._finishing = []
+            self._flushed = []
             return None
         except Exception as exc:
             health.refused(exc)
@@ -508,20 +637,22 @@ class Scheduler:
         finally:
             batch.allocator_seconds += time.perf_counter() - t0
 
-    def _computes(self, batch: Batch, seq: Sequence, n: int, reserve: int) -> None:
-        """A running sequence whose Append was accepted: this step computes its
-        next `n` tokens with its table as it stands now. The Append gave the
-        values of every slot reserved before and reserved `reserve` more."""
-        batch.entries.append(ScheduledSeq(seq, seq.num_stored, n, seq.block_table))
-        seq.num_reserved = reserve
-        seq.num_stored += n
+    def _computes(self, batch: Batch, seq: Sequence, p: _Planned) -> None:
+        """A running sequence whose Append was accepted, or that needed none:
+        this step computes its next `p.n` tokens with its table as it stands
+        now, in slots it holds."""
+        batch.entries.append(ScheduledSeq(seq, seq.num_stored, p.n, seq.block_table))
+        seq.num_stored += p.n
+        if p.op is not None:
+            seq.num_held, seq.num_reserved = p.held, p.reserved
 
     def _admitted(self, batch: Batch, seq: Sequence, r: OpResult) -> None:
         self.waiting.remove(seq)
         self.running.append(seq)
         seq.status = Status.RUNNING
         seq.block_table = list(r.append)
-        seq.num_stored = r.num_stored
+        seq.num_stored = seq.num_held = r.num_stored
+        seq.num_reserved = 0
         if not seq.admitted_once:
             seq.num_cached_tokens = r.cached_tokens
             seq.admitted_once = True
@@ -543,10 +674,11 @@ class Scheduler:
         if plan is not None and seq in plan.forks:  # forked this step: just do not fork it
             fork = plan.forks.pop(seq)
             ops.remove(fork)
-            if fork.parent in self._free_later and all(f.parent != fork.parent for f in plan.forks.values()):
-                self._free_later.remove(fork.parent)  # nothing forks from it now: free it now
+            if all(f.parent != fork.parent for f in plan.forks.values()):  # nothing forks from it now
                 plan.forked_parents.discard(fork.parent)
-                ops.insert(0, Free(fork.parent))
+                if fork.parent in self._free_later:  # preempted: free it now
+                    self._free_later.remove(fork.parent)
+                    ops.insert(0, Free(fork.parent))
         elif plan is not None and seq.alloc_id in plan.forked_parents:
             self._free_later.append(seq.alloc_id)  # frees run first: after its forks, next step
         elif ops is not None:
@@ -560,12 +692,16 @@ class Scheduler:
         return freed
 
 
-def _append_op(seq: Sequence, n: int) -> Append:
-    """The Append that gives `seq` its next `n` slots: first the values of
-    the slots reserved for it before (now known), then those of the new
-    slots whose tokens are known, and a reservation for the rest (the token
-    the running step samples for it: async scheduling)."""
-    start = seq.num_stored - seq.num_reserved
-    end = seq.num_stored + n
-    known = len(seq.token_ids)  # >= num_stored: every reserved slot's token has been sampled
-    return Append(seq.alloc_id, seq.token_ids[start : min(end, known)], max(0, end - known))
+def _append_op(seq: Sequence, end: int, target: int) -> Append:
+    """The Append that makes `seq` hold `target` slots (>= `end`, the end of
+    what this step computes, and >= those it holds): first the values of the
+    slots it holds without them (reserved before, or computed by steps that
+    made no call), then those of the new slots up to `end` whose tokens are
+    known (no value past what is computed by the end of this step: a block
+    is findable once its values are in), and a reservation for the rest (the
+    token the running step samples for it, with async scheduling, and the
+    lookahead slots)."""
+    start = seq.num_held - seq.num_reserved
+    tokens = seq.token_ids[start : min(end, len(seq.token_ids))]
+    fill = min(len(tokens), seq.num_reserved)  # values of slots it holds
+    return Append(seq.alloc_id, tokens, target - seq.num_held - (len(tokens) - fill))

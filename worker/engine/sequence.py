@@ -48,9 +48,12 @@ class Sequence:
 
     token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
-    num_stored: int = 0  # tokens whose K/V the allocator holds blocks for
-    # of those, the last ones whose token values the allocator has not been
-    # sent yet (async scheduling: slots reserved for tokens being sampled)
+    num_stored: int = 0  # tokens whose K/V is computed (or computing, by the step in flight)
+    # slots the allocator holds for it (>= num_stored: a call may hold slots
+    # ahead, `--num-lookahead-slots`), and of those the last ones whose token
+    # values it has not been sent yet (reserved: tokens being sampled, or
+    # not sampled yet, or computed by steps that made no call)
+    num_held: int = 0
     num_reserved: int = 0
     block_table: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admit
@@ -114,6 +117,7 @@ class Sequence:
         (cheaply when its blocks are still in the prefix cache)."""
         self.status = Status.WAITING
         self.num_stored = 0
+        self.num_held = 0
         self.num_reserved = 0
         self.block_table = []
         self.num_preemptions += 1
