@@ -18,7 +18,14 @@ After every step:
   holds, once that step has computed, the K/V its hash names;
 - no block is held by two sequences unless shared through the cache (it has
   a hash) or a fork (the holders are samples of one request);
-- the worker's block tables are the allocator's.
+- the worker's block tables, held and reserved slot counts are the
+  allocator's, for running sequences and finished ones not freed yet, and
+  the allocator holds no sequence the worker does not know;
+- every operation the worker sends is accepted, and after each call the
+  allocator has at least the free blocks the worker planned with (the free
+  count is never over-estimated).
+Each workload runs synchronously with a call every step (the reference),
+and pipelined and with lookahead slots (steps that make no call).
 At the end both runs give the same tokens, and every block is back.
 """
 
@@ -75,6 +82,22 @@ class Run:
         self.kv: dict[int, tuple[int, ...]] = {}  # flat slot -> the prefix its K/V was computed from
         self.requests = w["requests"]
         self.families: dict[str, list[Sequence]] = {}
+        plan, step = self.sched._plan, self.alloc.step
+        planned = []
+
+        def recording_plan(batch, ahead):
+            planned.append(plan(batch, ahead))
+            return planned[-1]
+
+        def checked_step(ops):
+            results = step(ops)
+            refused = [(op, r.error) for op, r in zip(ops, results, strict=True) if not r.ok]
+            assert not refused, f"the allocator refused {refused}"
+            assert self.pool.num_free_blocks >= planned[-1].free, "the worker over-estimated the free blocks"
+            return results
+
+        self.sched._plan = recording_plan
+        self.alloc.step = checked_step
 
     def add(self, rid: str, r: dict) -> None:
         params = SamplingParams(max_tokens=r["max_tokens"], n=r["n"], temperature=1.0, seed=1,
@@ -150,12 +173,16 @@ class Run:
                 self.finish(seq, "length")
 
     def check_tables(self) -> None:
-        for s in self.sched.running:
+        sched = self.sched
+        known = [*sched.running, *sched._finishing, *sched._flushed]
+        for s in known:
             assert self.pool.block_table(s.alloc_id) == s.block_table
             # the allocator waits for the values of the same slots (so it hashes every block that fills)
             held = self.pool._seqs[s.alloc_id]
             assert held.reserved == s.num_reserved <= self.async_scheduling + self.lookahead
-            assert held.num_tokens == s.num_held >= s.num_stored
+            assert held.num_tokens == s.num_held >= s.num_stored >= s.num_held - s.num_reserved
+        pending = {*(s.alloc_id for s in known), *sched._to_free, *sched._free_later}
+        assert set(self.pool.tables()) <= pending, "the allocator holds a sequence the worker forgot"
 
     def check_sharing(self) -> None:
         holders: dict[int, set[str]] = {}
@@ -197,8 +224,86 @@ def test_deferred_hashes_and_frees_keep_the_contract(w):
     # An abort lands on a step, and the pipelined engine admits a step later:
     # what an aborted request had produced may differ; everything else is equal.
     kept = {f"r{i}" for i, r in enumerate(w["requests"]) if r["abort"] is None}
-    for async_scheduling, lookahead in ((True, 0), (True, 3), (False, 2)):
+    for async_scheduling, lookahead in ((True, 0), (True, 3), (False, 2), (True, 8)):
         other = Run(w, async_scheduling, lookahead).run()
         assert {k: v for k, v in other.items() if k in kept} == {k: v for k, v in synchronous.items() if k in kept}
         for rid in kept:
             assert all(other[rid]), "a request ended without a token"
+
+
+# -- lookahead slots cost nothing a call per step would not: scheduler-level cases -------------
+
+
+def _scheduler(num_blocks: int, budget: int, lookahead: int, async_scheduling: bool = False) -> Scheduler:
+    alloc = EmbeddedAllocator(PoolSpec("w", PoolConfig(num_blocks, 1, False, "prop")))
+    return Scheduler(alloc, max_num_seqs=8, max_num_batched_tokens=budget, async_scheduling=async_scheduling,
+                     lookahead=lookahead)
+
+
+def _request(rid: str, prompt: list[int], max_tokens: int, arrival: float, n: int = 1) -> Sequence:
+    params = SamplingParams(max_tokens=max_tokens, n=n, temperature=1.0, seed=1)
+    seq = Sequence(request_id=rid, prompt_token_ids=prompt, params=params, max_tokens=max_tokens,
+                   arrival_time=arrival)
+    for i in range(1, n):
+        seq.children.append(Sequence(request_id=rid, prompt_token_ids=prompt, params=params.for_sample(i),
+                                     max_tokens=max_tokens, arrival_time=arrival, index=i, fork_parent=seq))
+    return seq
+
+
+def _drive(sched: Scheduler, seqs: list[Sequence]) -> tuple[int, list]:
+    """Run to the end (each sample draws token 7); the preemptions and every op sent."""
+    sent = []
+    step = sched.allocator.step
+    sched.allocator.step = lambda ops: (sent.extend(ops), step(ops))[1]
+    for seq in seqs:
+        sched.add(seq)
+    preemptions = 0
+    for _ in range(200):
+        if not sched.has_work():
+            break
+        batch = sched.schedule()
+        preemptions += len(batch.preempted)
+        for e in batch.entries:
+            if not e.samples:
+                continue
+            for s in (e.seq, *e.seq.unforked_samples()):
+                s.token_ids.append(7)
+                if s.fork_parent is not None:
+                    sched.add_fork(s)
+                if s.num_output_tokens >= s.max_tokens:
+                    sched.finish(s, "length")
+    assert not sched.has_work()
+    return preemptions, sent
+
+
+def test_a_finished_sequence_frees_its_blocks_for_the_step_that_frees_it():
+    """6 slots: A (3 + 1 token) finishes as B (3 + 3) needs its next slot; the
+    call that frees A gives B A's slots, as a call per step does: no
+    preemption, with lookahead slots or without."""
+    for lookahead in (0, 8):
+        a, b = _request("A", [1, 2, 3], 1, 0.0), _request("B", [4, 5, 6], 3, 1.0)
+        assert _drive(_scheduler(6, 256, lookahead), [a, b])[0] == 0, lookahead
+
+
+def test_lookahead_leaves_a_chunked_prompt_its_blocks():
+    """30 slots, 4 tokens a step: D decodes 12 tokens while P's 20-token
+    prompt is prefilled in chunks; lookahead never takes the slots P's next
+    chunks need (no preemption, as with a call per step) nor slots past what
+    D can still produce."""
+    for lookahead in (0, 8):
+        d, p = _request("D", [1, 2], 12, 0.0), _request("P", list(range(20)), 2, 1.0)
+        sched = _scheduler(30, 4, lookahead)
+        assert _drive(sched, [d, p])[0] == 0, lookahead
+
+
+def test_samples_of_a_chunked_prompt_still_fork_with_lookahead():
+    """A 12-token prompt prefilled 8 tokens a step, n = 3: the parent holds
+    exactly its prompt when its samples fork (no slots ahead while samples
+    wait to fork), so they share it: two Forks, one Admit, with lookahead
+    slots or without, sync or async."""
+    for async_scheduling in (False, True):
+        for lookahead in (0, 2, 8):
+            seq = _request("r", [1, 2, 0] * 4, 4, 0.0, n=3)
+            sent = _drive(_scheduler(64, 8, lookahead, async_scheduling), [seq])[1]
+            kinds = [type(op).__name__ for op in sent]
+            assert (kinds.count("Fork"), kinds.count("Admit")) == (2, 1), (async_scheduling, lookahead)

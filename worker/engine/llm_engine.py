@@ -268,8 +268,8 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
-        self.metrics.allocator_step.observe(batch.allocator_seconds)
-        if batch.allocator_call:
+        if batch.allocator_call:  # (a step computed in slots held already waited for nothing)
+            self.metrics.allocator_step.observe(batch.allocator_seconds)
             self.metrics.allocator_calls.inc()
         self.num_preemptions += len(batch.preempted)
         if batch.queried_tokens:

@@ -139,7 +139,12 @@ class _StepPlan:
     running: dict[Sequence, _Planned] = field(default_factory=dict)
     admitting: list[Sequence] = field(default_factory=list)
     admits: list[Admit] = field(default_factory=list)  # their ops, sent after the running Appends
-    flushing: list[Sequence] = field(default_factory=list)  # finished: their last values (ops)
+    short: bool = False  # blocks ran short (a preemption, a request left waiting): no lookahead blocks
+    # parents preempted after their samples forked in this call: their
+    # blocks, held until their Free (next call)
+    deferred: dict[str, list[int]] = field(default_factory=dict)
+    flushing: list[Sequence] = field(default_factory=list)  # finished: their last values ...
+    flushes: list[Append] = field(default_factory=list)  # ... (ops, sent after the forks)
     forks: dict[Sequence, Fork] = field(default_factory=dict)  # child -> its Fork op
     forked_parents: set[str] = field(default_factory=set)  # alloc ids forked from this step
     # async scheduling: sequences the running step samples a token for (one
@@ -185,7 +190,7 @@ class Scheduler:
         # until then: they ride the next call (`_plan_finishing`).
         self._finishing: list[Sequence] = []
         self._flushed: list[Sequence] = []
-        self._free_later: list[str] = []  # parents whose samples fork this step: freed after
+        self._free_later: list[str] = []  # parents preempted in the call their samples fork in: freed next
         self.forking: list[Sequence] = []  # samples that drew their first token, to fork next step
         self.on_preempt = on_preempt
         self.health = AllocatorHealth()
@@ -310,55 +315,65 @@ class Scheduler:
 
     def _plan(self, batch: Batch, ahead: frozenset) -> _StepPlan:
         """One step's operations, against the exact count of free blocks."""
+        call = self._call_needed(ahead)
+        # (a parent freed after the forks of the last call: first in this one)
+        plan = _StepPlan(ops=[Free(a) for a in chain(self._to_free, self._free_later)], refs=Counter(), free=0,
+                         budget=self.max_num_batched_tokens, ahead=ahead)
+        self._to_free = []
+        self._free_later = []
+        if call:  # finished sequences ride it: freed first, so their blocks serve this step
+            self._plan_finishing(plan, ahead)
         # NOTE: chain, not a generator: the count runs over every block the
         # running sequences hold, at C speed (30 -> 20 us for ~1,000 blocks).
-        # (finished sequences hold their blocks until their Free is sent)
+        # Finished sequences hold their blocks until their Free is sent.
         holders = chain(self.running, self._finishing, self._flushed)
-        refs = Counter(chain.from_iterable(seq.block_table for seq in holders))
-        plan = _StepPlan(
-            ops=[Free(a) for a in self._to_free],
-            refs=refs,
-            free=self.num_blocks - len(refs),
-            budget=self.max_num_batched_tokens,
-            ahead=ahead,
-        )
-        self._to_free = self._free_later
-        self._free_later = []
+        plan.refs.update(chain.from_iterable(seq.block_table for seq in holders))
+        plan.free = self.num_blocks - len(plan.refs)
         self._plan_forks(plan, self.forking)
         self.forking = []
         if ahead:  # the samples the running step draws a first token for: forked before it
             self._plan_forks(plan, [c for c in ahead if c.fork_parent is not None])
         self._plan_running(plan, batch)
-        if not batch.preempted:
+        if batch.preempted:
+            plan.short = True
+        else:
             self._plan_admissions(plan)
-        # A step makes a call when it needs one; finished sequences alone make
-        # one only when requests wait for room or nothing else runs.
-        gone = self._finishing or self._flushed
-        if (plan.ops or plan.admits or any(p.must_call for p in plan.running.values())
-                or (gone and (self.waiting or not self.running))):
-            self._plan_finishing(plan)
+        if call or plan.ops or plan.admits or any(p.must_call for p in plan.running.values()):
             self._plan_appends(plan)
         return plan
 
-    def _plan_finishing(self, plan: _StepPlan) -> None:
+    def _call_needed(self, ahead: frozenset) -> bool:
+        """Whether this step makes an allocator call: a running sequence needs
+        slots it does not hold, a sample forks, or something waits to be
+        freed. Finished sequences alone make one only when requests wait for
+        room or nothing else runs (else they ride the next call). Admissions
+        make one too (`_plan`); they wait only while requests do."""
+        if self._to_free or self._free_later or self.forking or any(c.fork_parent is not None for c in ahead):
+            return True
+        if (self._finishing or self._flushed) and (self.waiting or not self.running):
+            return True
+        return any(len(seq.token_ids) + (seq in ahead) > seq.num_held for seq in self.running)
+
+    def _plan_finishing(self, plan: _StepPlan, ahead: frozenset) -> None:
         """Free the sequences that finished; one that computed tokens whose
         values the allocator lacks (steps that made no call) first sends them
         (their blocks are hashed, so findable as with a call per step) and is
         freed by a later call: frees run first in a call. A parent whose
-        samples fork in this call is freed by a later one too."""
+        samples may fork in this call is freed by a later one too."""
+        parents = {c.fork_parent for c in chain(self.forking, ahead) if c.fork_parent is not None}
         keep: list[Sequence] = []
         for seq in self._flushed:
-            if seq.alloc_id in plan.forked_parents:
+            if seq in parents:
                 keep.append(seq)
             else:
                 plan.ops.insert(0, Free(seq.alloc_id))
         self._flushed = keep
         for seq in self._finishing:
             valued = seq.num_held - seq.num_reserved
-            if seq.alloc_id in plan.forked_parents:
+            if seq in parents:
                 self._flushed.append(seq)
             elif self.caching and seq.num_stored > valued:
-                plan.ops.append(Append(seq.alloc_id, seq.token_ids[valued : seq.num_stored]))
+                plan.flushes.append(Append(seq.alloc_id, seq.token_ids[valued : seq.num_stored]))
                 plan.flushing.append(seq)
                 self._flushed.append(seq)
             else:
@@ -375,14 +390,13 @@ class Scheduler:
         admitted on their own."""
         if not children:
             return
-        freeing = {op.seq: op for op in plan.ops if isinstance(op, Free)}
         for child in children:
             parent = child.fork_parent
             predicted = child in plan.ahead
             if not predicted:
                 child.fork_parent = None
-            alive = parent is not None and (parent.status is Status.RUNNING or parent.alloc_id in freeing
-                                            or parent.alloc_id in self._free_later or parent in self._finishing
+            # (a finished parent is kept until its samples forked: `_plan_finishing`)
+            alive = parent is not None and (parent.status is Status.RUNNING or parent in self._finishing
                                             or parent in self._flushed)
             if (not alive or parent.num_stored != child.num_prompt_tokens or parent.num_held != parent.num_stored
                     or parent.num_reserved):
@@ -390,9 +404,6 @@ class Scheduler:
                     self.add(child)  # recompute: admitted like any request
                 # else: left to its first token (`add_fork` then)
                 continue
-            if parent.alloc_id in freeing:  # finished last step: free it after its forks
-                plan.ops.remove(freeing.pop(parent.alloc_id))
-                self._free_later.append(parent.alloc_id)
             op = Fork(parent.alloc_id, child.next_alloc_id())
             plan.ops.append(op)
             plan.forks[child] = op
@@ -452,13 +463,18 @@ class Scheduler:
         `lookahead` past its next token, from blocks no running sequence may
         need next step (never by preempting: otherwise only the room of
         the blocks it takes anyway); then the admissions follow."""
+        plan.ops.extend(plan.flushes)
         B = self.block_size
-        spare = plan.free - max(self.watermark, len(self.running))
+        spare = 0 if plan.short else plan.free - self.watermark - self._blocks_to_come(plan)
         for seq, p in plan.running.items():
             end = seq.num_stored + p.n
             target = max(end, seq.num_held)
-            if self.lookahead and end >= len(seq.token_ids):  # this step samples it
-                want = end + self.lookahead
+            # (not while samples wait to fork from it: a parent forks holding
+            # exactly its prompt)
+            if (self.lookahead and end >= len(seq.token_ids)  # this step samples it
+                    and not any(c.fork_parent is seq and not c.is_finished for c in seq.children)):
+                # never past what the request can still produce
+                want = min(end + self.lookahead, seq.num_prompt_tokens + seq.max_tokens)
                 blocks = len(seq.block_table) + p.need - (p.cow >= 0)  # held once the Append is applied
                 extra = blocks_for(want, B) - blocks
                 if extra <= 0 or extra <= spare:
@@ -475,6 +491,18 @@ class Scheduler:
                 p.reserved = target - (seq.num_held - seq.num_reserved) - len(op.tokens)
                 plan.ops.append(op)
         plan.ops.extend(plan.admits)
+
+    def _blocks_to_come(self, plan: _StepPlan) -> int:
+        """Blocks the running sequences need after this step for what they
+        will compute: their known tokens not computed yet (the rest of a
+        chunked prompt, a recompute) and the next token; at least one each.
+        Lookahead leaves these free."""
+        B, total = self.block_size, 0
+        for seq in self.running:
+            p = plan.running.get(seq)
+            blocks = len(seq.block_table) + (p.need - (p.cow >= 0) if p is not None else 0)
+            total += max(1, blocks_for(len(seq.token_ids) + 1, B) - blocks)
+        return total
 
     def _plan_admissions(self, plan: _StepPlan) -> None:
         """Admit waiting requests while the budget, `max_num_seqs` and the free blocks allow."""
@@ -493,6 +521,7 @@ class Scheduler:
             # (cache hits on free blocks leave the queue too).
             worst = blocks_for(len(seq.token_ids), self.block_size)
             if worst > plan.free - headroom:
+                plan.short = True
                 break
             plan.admits.append(Admit(seq.next_alloc_id(), seq.token_ids, seq.cache_salt, plan.budget))
             plan.admitting.append(seq)
@@ -511,7 +540,10 @@ class Scheduler:
             if r.ok:  # (one finished while the call was out is in `_finishing` already)
                 child.block_table = list(r.append)
             # else: its append fails too (unknown sequence), which sends it back to wait
-        ri += len(plan.flushing)  # values only, into slots held: nothing to apply (Free follows)
+        for seq, op in zip(plan.flushing, plan.flushes, strict=True):  # values of slots held: no table change
+            if results[ri].ok:
+                seq.num_reserved -= len(op.tokens)
+            ri += 1
         # NOTE: a decode step's appends mostly leave the table as it is (no
         # error, no new block, no copy): read those from the result columns
         # without making an OpResult each (`StepResults`).
@@ -664,13 +696,10 @@ class Scheduler:
                  plan: _StepPlan | None = None) -> int:
         """Send `seq` back to the waiting queue. With `ops`, its Free joins
         this step; returns the blocks that frees (those no other sequence holds)."""
-        freed = 0
-        if refs is not None:
-            for b in seq.block_table:
-                refs[b] -= 1
-                if refs[b] == 0:
-                    del refs[b]
-                    freed += 1
+        # A parent its samples fork from in this call keeps its blocks until
+        # its Free, in the next call (frees run first in a call).
+        deferred = plan is not None and seq.alloc_id in plan.forked_parents and seq not in plan.forks
+        freed = 0 if refs is None or deferred else _release(refs, seq.block_table)
         if plan is not None and seq in plan.forks:  # forked this step: just do not fork it
             fork = plan.forks.pop(seq)
             ops.remove(fork)
@@ -679,8 +708,10 @@ class Scheduler:
                 if fork.parent in self._free_later:  # preempted: free it now
                     self._free_later.remove(fork.parent)
                     ops.insert(0, Free(fork.parent))
-        elif plan is not None and seq.alloc_id in plan.forked_parents:
-            self._free_later.append(seq.alloc_id)  # frees run first: after its forks, next step
+                    plan.free += _release(refs, plan.deferred.pop(fork.parent))
+        elif deferred:
+            self._free_later.append(seq.alloc_id)
+            plan.deferred[seq.alloc_id] = list(seq.block_table)
         elif ops is not None:
             ops.insert(0, Free(seq.alloc_id))
         self.running.remove(seq)
@@ -690,6 +721,17 @@ class Scheduler:
         if self.on_preempt is not None:
             self.on_preempt(seq, cause)
         return freed
+
+
+def _release(refs: Counter, table: list[int]) -> int:
+    """Drop one holder of each block of `table`; the blocks no one holds now."""
+    freed = 0
+    for b in table:
+        refs[b] -= 1
+        if refs[b] == 0:
+            del refs[b]
+            freed += 1
+    return freed
 
 
 def _append_op(seq: Sequence, end: int, target: int) -> Append:
