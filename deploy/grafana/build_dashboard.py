@@ -65,6 +65,10 @@ ROWS: list[tuple[str, list[tuple]]] = [
         ], {}),
         ("Requests finished / s by reason", "reqps",
          [(rate("pagedkv_worker_requests_total", "worker, finish_reason"), "{{worker}} {{finish_reason}}")], {}),
+        ("Allocator calls per engine step (lookahead slots: steps without one)", "percentunit", [
+            (rate("pagedkv_worker_allocator_calls_total", "worker") + " / "
+             + rate("pagedkv_worker_step_duration_seconds_count", "worker"), "{{worker}}"),
+        ], {"max": 1}),
     ]),
     ("Latency", [
         ("Time to first token", "s", quantiles("pagedkv_worker_time_to_first_token_seconds"), {}),
