@@ -356,10 +356,11 @@ class Scheduler:
 
     def _plan_finishing(self, plan: _StepPlan, ahead: frozenset) -> None:
         """Free the sequences that finished; one that computed tokens whose
-        values the allocator lacks (steps that made no call) first sends them
-        (their blocks are hashed, so findable as with a call per step) and is
-        freed by a later call: frees run first in a call. A parent whose
-        samples may fork in this call is freed by a later one too."""
+        values the allocator lacks (steps that made no call) and that fill a
+        block first sends them (the block is hashed, so findable as with a
+        call per step; a partly filled block never is) and is freed by a
+        later call: frees run first in a call. A parent whose samples may
+        fork in this call is freed by a later one too."""
         parents = {c.fork_parent for c in chain(self.forking, ahead) if c.fork_parent is not None}
         keep: list[Sequence] = []
         for seq in self._flushed:
@@ -372,7 +373,7 @@ class Scheduler:
             valued = seq.num_held - seq.num_reserved
             if seq in parents:
                 self._flushed.append(seq)
-            elif self.caching and seq.num_stored > valued:
+            elif self.caching and seq.num_stored // self.block_size > valued // self.block_size:
                 plan.flushes.append(Append(seq.alloc_id, seq.token_ids[valued : seq.num_stored]))
                 plan.flushing.append(seq)
                 self._flushed.append(seq)
