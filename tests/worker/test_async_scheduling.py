@@ -157,3 +157,29 @@ def test_the_flag_and_its_variable(monkeypatch):
     monkeypatch.setenv("PAGEDKV_WORKER_ASYNC_SCHEDULING", "sometimes")
     with pytest.raises(SystemExit):
         parse()
+
+
+def test_the_lookahead_flag_and_its_variable(monkeypatch):
+    """8 by default; `--num-lookahead-slots N` or PAGEDKV_WORKER_NUM_LOOKAHEAD_SLOTS
+    sets it, the flag winning; a value that is not an integer in [0, 1024] is refused."""
+    import argparse
+
+    from worker.cli import add_arguments, engine_config
+
+    def config(*argv: str):
+        p = argparse.ArgumentParser()
+        add_arguments(p)
+        return engine_config(p.parse_args(["--model", "tiny-random", *argv]))
+
+    monkeypatch.delenv("PAGEDKV_WORKER_NUM_LOOKAHEAD_SLOTS", raising=False)
+    assert config().num_lookahead_slots == 8
+    assert config("--num-lookahead-slots", "0").num_lookahead_slots == 0
+    monkeypatch.setenv("PAGEDKV_WORKER_NUM_LOOKAHEAD_SLOTS", "16")
+    assert config().num_lookahead_slots == 16
+    assert config("--num-lookahead-slots", "2").num_lookahead_slots == 2
+    for bad in ("-1", "1025"):
+        with pytest.raises(ValueError, match="--num-lookahead-slots"):
+            config("--num-lookahead-slots", bad)
+    monkeypatch.setenv("PAGEDKV_WORKER_NUM_LOOKAHEAD_SLOTS", "many")
+    with pytest.raises(SystemExit):
+        config()
