@@ -18,12 +18,40 @@ from typing import Any
 CHROMIUM = os.environ.get("PAGEDKV_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 
 
+class ChromiumGone(RuntimeError):
+    """The browser process is gone (its DevTools pipe closed)."""
+
+
 def available() -> bool:
     return os.path.exists(CHROMIUM) and os.access(CHROMIUM, os.X_OK)
 
 
 class Browser:
+    # Chromium now and then dies while starting (seen once on a fresh CI
+    # machine, right after `apt-get install chromium`): the first command
+    # then meets a closed pipe. It is started again, with what it printed
+    # kept for the error if it never comes up.
+    START_ATTEMPTS = 3
+
     def __init__(self, width: int = 1280, height: int = 900) -> None:
+        for attempt in range(1, self.START_ATTEMPTS + 1):
+            self._start(width, height)
+            try:
+                target = self.send("Target.createTarget", {"url": "about:blank"}, session=False)["targetId"]
+                break
+            except (BrokenPipeError, ChromiumGone) as exc:
+                log = self._stderr_tail()
+                self.close()
+                if attempt == self.START_ATTEMPTS:
+                    raise ChromiumGone(f"chromium did not start ({attempt} attempts): {exc}; it said: {log}") from exc
+                time.sleep(1.0)
+        self.session = self.send("Target.attachToTarget", {"targetId": target, "flatten": True},
+                                 session=False)["sessionId"]
+        self.send("Page.enable")
+        self.send("Emulation.setDeviceMetricsOverride",
+                  {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False})
+
+    def _start(self, width: int, height: int) -> None:
         self._dir = tempfile.mkdtemp(prefix="pagedkv-chromium-")
         to_child_r, to_child_w = os.pipe()
         from_child_r, from_child_w = os.pipe()
@@ -36,25 +64,28 @@ class Browser:
             os.dup2(hi[0], 3)
             os.dup2(hi[1], 4)
 
-        self.proc = subprocess.Popen(
-            [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-             "--disable-dev-shm-usage", "--no-first-run", "--remote-debugging-pipe",
-             f"--user-data-dir={self._dir}", f"--window-size={width},{height}", "about:blank"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            preexec_fn=child_fds, pass_fds=(3, 4),
-        )
+        self._stderr = os.path.join(self._dir, "stderr.log")
+        with open(self._stderr, "wb") as err:
+            self.proc = subprocess.Popen(
+                [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-dev-shm-usage", "--no-first-run", "--remote-debugging-pipe",
+                 f"--user-data-dir={self._dir}", f"--window-size={width},{height}", "about:blank"],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                preexec_fn=child_fds, pass_fds=(3, 4),
+            )
         for fd in hi:
             os.close(fd)
         self._w, self._r = to_child_w, from_child_r
         self._buf = b""
         self._id = 0
         self.session: str | None = None
-        target = self.send("Target.createTarget", {"url": "about:blank"}, session=False)["targetId"]
-        self.session = self.send("Target.attachToTarget", {"targetId": target, "flatten": True},
-                                 session=False)["sessionId"]
-        self.send("Page.enable")
-        self.send("Emulation.setDeviceMetricsOverride",
-                  {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False})
+
+    def _stderr_tail(self) -> str:
+        try:
+            with open(self._stderr, "rb") as f:
+                return f.read()[-2000:].decode(errors="replace").strip() or "(nothing)"
+        except OSError:
+            return "(no log)"
 
     def send(self, method: str, params: dict | None = None, session: bool = True,
              timeout: float = 30.0) -> dict[str, Any]:
@@ -76,7 +107,7 @@ class Browser:
                 raise TimeoutError(f"{method}: no answer in {timeout} s")
             chunk = os.read(self._r, 1 << 20)
             if not chunk:
-                raise RuntimeError("chromium closed the pipe")
+                raise ChromiumGone("chromium closed the pipe")
             self._buf += chunk
 
     def goto(self, url: str) -> None:
