@@ -193,6 +193,40 @@ def test_numba_decode_reads_a_strided_query():
     assert_matches(out, case)
 
 
+def test_numba_serial_and_parallel_builds_each_compute_and_cache_their_own(tmp_path):
+    """Both builds of the kernel give the reference's answer, and each keeps
+    its own entry in numba's on-disk cache: numba keys that cache by the
+    function's name, not its flags, so one entry for both made the serial
+    build (one sequence, one thread) load the parallel one's code and pay the
+    thread pool's dispatch on every call (or the parallel one run serially)."""
+    code = (
+        "import numpy as np\n"
+        "from worker.attention import cpu_decode as cd\n"
+        "rng = np.random.default_rng(0)\n"
+        "k = rng.standard_normal((8, 4, 2, 8), dtype=np.float32); v = k[::-1].copy()\n"
+        "q = rng.standard_normal((3, 4, 8), dtype=np.float32)\n"
+        "tables = np.array([[0, 1], [2, 3], [4, 5]], dtype=np.int32); lens = np.array([5, 8, 1], dtype=np.int32)\n"
+        "outs = []\n"
+        "for build in (cd._parallel, cd._serial):\n"
+        "    out = np.empty_like(q); build(out, q, k, v, tables, lens, 0.25); outs.append(out)\n"
+        "assert np.allclose(outs[0], outs[1], atol=1e-6)\n"
+    )
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=os.path.dirname(os.path.dirname(
+        os.path.dirname(os.path.abspath(__file__)))), timeout=300)
+    indexes = sorted(p.name.split("-")[0] for p in tmp_path.rglob("*.nbi"))
+    assert indexes == ["cpu_decode._paged_decode_parallel", "cpu_decode._paged_decode_serial"], indexes
+    from worker.attention import cpu_decode
+
+    case = make_case([(40, 1), (7, 1), (0, 1)], 4, 6, 2, 16, seed=5)
+    for build in (cpu_decode._serial, cpu_decode._parallel):
+        out = torch.empty_like(case.q)
+        args = [t.contiguous().numpy() for t in (case.q, case.pool.k_cache(0), case.pool.v_cache(0),
+                                                  case.meta.block_tables, case.meta.context_lens)]
+        build(out.numpy(), *args, case.scale)
+        assert_matches(out, case)
+
+
 def test_one_backend_serves_many_layers_and_steps():
     # The torch backend caches its gather plan per metadata object: the same plan
     # must serve every layer of a step, and a new step must not reuse it.

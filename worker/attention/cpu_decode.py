@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+import types
 
 import numba
 import numpy as np
@@ -117,10 +118,23 @@ def _paged_decode(out, q, k_cache, v_cache, block_tables, context_lens, scale): 
                 out[s, h, d] = acc[h, d] * inv
 
 
+def _named(fn, name: str):
+    """`fn` as a function of another name. NOTE: numba's on-disk cache is
+    keyed by the function's qualified name and line, not by its flags: two
+    builds of one function share one cache entry, and whichever is compiled
+    first is loaded for both (measured: the serial build then ran the
+    parallel one's code, ~110 us of thread-pool dispatch per call, 6x the
+    kernel at one sequence of 256 tokens; or the parallel one ran serially)."""
+    clone = types.FunctionType(fn.__code__, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+    clone.__qualname__ = name
+    return clone
+
+
 # One source, two builds: prange is a plain range in the serial one, which skips
 # the thread pool's dispatch (a one-sequence batch or one thread gains nothing from it).
-_serial = numba.njit(fastmath=True, cache=True, nogil=True)(_paged_decode)
-_parallel = numba.njit(parallel=True, fastmath=True, cache=True, nogil=True)(_paged_decode)
+_serial = numba.njit(fastmath=True, cache=True, nogil=True)(_named(_paged_decode, "_paged_decode_serial"))
+_parallel = numba.njit(parallel=True, fastmath=True, cache=True, nogil=True)(
+    _named(_paged_decode, "_paged_decode_parallel"))
 
 
 def numba_decode(
