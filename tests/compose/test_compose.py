@@ -323,7 +323,8 @@ def workload(stack):
     mid = {w: scrape(stack.url(w)) for w in WORKERS}
 
     def restart() -> dict:
-        start = generated(stack)
+        # (counted from before the workload was sent, not from now: it is under way already)
+        start = sum(total(mid[w], "pagedkv_worker_generation_tokens_total") for w in WORKERS)
         wait_for(lambda: generated(stack) >= start + 16, 120, "the workload to be under way", interval_s=0.2)
         t = time.monotonic()
         stack.compose("restart", "allocator", timeout=180)

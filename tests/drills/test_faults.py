@@ -77,9 +77,14 @@ def generated(stack: Stack, workers=None) -> float:
                for i in (workers if workers is not None else range(len(stack.workers))))
 
 
-def after_some_tokens(stack: Stack, n: int = 8, workers=None) -> None:
-    """Wait until the workload is well under way (n tokens generated)."""
-    start = generated(stack, workers)
+def after_some_tokens(stack: Stack, before: list, n: int = 8, workers=None) -> None:
+    """Wait until the workload is well under way: n tokens generated since
+    `before` (the workers' metrics read before it was sent). NOTE: counted
+    from before the requests went out, not from when this starts: the
+    requests start first, and a worker could finish all of its part before
+    a count taken here, leaving nothing more to wait for."""
+    indexes = workers if workers is not None else range(len(stack.workers))
+    start = sum(before[i].value("pagedkv_worker_generation_tokens_total") for i in indexes)
     wait_for(lambda: generated(stack, workers) >= start + n, 60, f"{n} tokens to be generated")
 
 
@@ -118,7 +123,7 @@ def restart_drill(stack: Stack, reference: list[str], name: str, kill, start) ->
     late: list = []
 
     def fault() -> dict:
-        after_some_tokens(stack)
+        after_some_tokens(stack, before)
         t0 = time.monotonic()
         kill()
         sending = threading.Thread(
@@ -177,7 +182,7 @@ def test_worker_kill9_lease_expires_and_restart(stack, reference):
     victim = stack.workers[1]
 
     def fault() -> dict:
-        after_some_tokens(stack, workers=[1])
+        after_some_tokens(stack, before, workers=[1])
         victim.kill()
         t0 = time.monotonic()
         dropped = None
@@ -226,7 +231,7 @@ def test_allocator_restart_with_memory_state_recomputes():
         before = worker_samples(stack)
 
         def fault() -> dict:
-            after_some_tokens(stack)
+            after_some_tokens(stack, before)
             stack.kill_allocator()
             time.sleep(OUTAGE_S)
             stack.start_allocator()
