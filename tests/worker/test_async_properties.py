@@ -180,7 +180,7 @@ class Run:
             # the allocator waits for the values of the same slots (so it hashes every block that fills)
             held = self.pool._seqs[s.alloc_id]
             assert held.reserved == s.num_reserved <= self.async_scheduling + self.lookahead
-            assert held.num_tokens == s.num_held >= s.num_stored >= s.num_held - s.num_reserved
+            assert held.num_tokens == s.num_held >= s.num_stored >= s.num_valued
         pending = {*(s.alloc_id for s in known), *sched._to_free, *sched._free_later}
         assert set(self.pool.tables()) <= pending, "the allocator holds a sequence the worker forgot"
 

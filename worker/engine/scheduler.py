@@ -143,8 +143,8 @@ class _StepPlan:
     # parents preempted after their samples forked in this call: their
     # blocks, held until their Free (next call)
     deferred: dict[str, list[int]] = field(default_factory=dict)
-    flushing: list[Sequence] = field(default_factory=list)  # finished: their last values ...
-    flushes: list[Append] = field(default_factory=list)  # ... (ops, sent after the forks)
+    # finished sequences and the Appends of their last values (sent after the forks)
+    flushes: list[tuple[Sequence, Append]] = field(default_factory=list)
     forks: dict[Sequence, Fork] = field(default_factory=dict)  # child -> its Fork op
     forked_parents: set[str] = field(default_factory=set)  # alloc ids forked from this step
     # async scheduling: sequences the running step samples a token for (one
@@ -370,12 +370,11 @@ class Scheduler:
                 plan.ops.insert(0, Free(seq.alloc_id))
         self._flushed = keep
         for seq in self._finishing:
-            valued = seq.num_held - seq.num_reserved
+            valued = seq.num_valued
             if seq in parents:
                 self._flushed.append(seq)
             elif self.caching and seq.num_stored // self.block_size > valued // self.block_size:
-                plan.flushes.append(Append(seq.alloc_id, seq.token_ids[valued : seq.num_stored]))
-                plan.flushing.append(seq)
+                plan.flushes.append((seq, Append(seq.alloc_id, seq.token_ids[valued : seq.num_stored])))
                 self._flushed.append(seq)
             else:
                 plan.ops.insert(0, Free(seq.alloc_id))
@@ -464,7 +463,7 @@ class Scheduler:
         `lookahead` past its next token, from blocks no running sequence may
         need next step (never by preempting: otherwise only the room of
         the blocks it takes anyway); then the admissions follow."""
-        plan.ops.extend(plan.flushes)
+        plan.ops.extend(op for _, op in plan.flushes)
         B = self.block_size
         spare = 0 if plan.short else plan.free - self.watermark - self._blocks_to_come(plan)
         for seq, p in plan.running.items():
@@ -489,7 +488,7 @@ class Scheduler:
             if op.tokens or target > seq.num_held:
                 p.op = op
                 p.held = target
-                p.reserved = target - (seq.num_held - seq.num_reserved) - len(op.tokens)
+                p.reserved = target - seq.num_valued - len(op.tokens)
                 plan.ops.append(op)
         plan.ops.extend(plan.admits)
 
@@ -533,7 +532,7 @@ class Scheduler:
     def _apply_results(self, plan: _StepPlan, results: StepResults | list[OpResult], batch: Batch) -> None:
         """Apply the allocator's answers: block tables, copies, admissions, refusals."""
         # `ops`: frees, forks, the finished's last Appends, the running's Appends, admits
-        ri = len(plan.ops) - len(plan.forks) - len(plan.flushing) - len(plan.admitting)
+        ri = len(plan.ops) - len(plan.forks) - len(plan.flushes) - len(plan.admitting)
         ri -= sum(1 for p in plan.running.values() if p.op is not None)
         for child in plan.forks:
             r = results[ri]
@@ -541,7 +540,7 @@ class Scheduler:
             if r.ok:  # (one finished while the call was out is in `_finishing` already)
                 child.block_table = list(r.append)
             # else: its append fails too (unknown sequence), which sends it back to wait
-        for seq, op in zip(plan.flushing, plan.flushes, strict=True):  # values of slots held: no table change
+        for seq, op in plan.flushes:  # values of slots held: no table change
             if results[ri].ok:
                 seq.num_reserved -= len(op.tokens)
             ri += 1
@@ -744,7 +743,7 @@ def _append_op(seq: Sequence, end: int, target: int) -> Append:
     is findable once its values are in), and a reservation for the rest (the
     token the running step samples for it, with async scheduling, and the
     lookahead slots)."""
-    start = seq.num_held - seq.num_reserved
+    start = seq.num_valued
     tokens = seq.token_ids[start : min(end, len(seq.token_ids))]
     fill = min(len(tokens), seq.num_reserved)  # values of slots it holds
     return Append(seq.alloc_id, tokens, target - seq.num_held - (len(tokens) - fill))

@@ -83,6 +83,12 @@ class Sequence:
             self.logprobs = []
 
     @property
+    def num_valued(self) -> int:
+        """Slots the allocator holds with their token values (the rest of
+        `num_held` is reserved)."""
+        return self.num_held - self.num_reserved
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
