@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import pytest
 
+from allocator_service.client import EmbeddedAllocator, PoolSpec
+from allocator_service.core import Free, PoolConfig
 from tests.worker.test_engine import make, prompts_mixed
-from worker.engine import SamplingParams
+from worker.engine import AllocatorError, EngineConfig, LLMEngine, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 
@@ -183,3 +185,54 @@ def test_the_lookahead_flag_and_its_variable(monkeypatch):
     monkeypatch.setenv("PAGEDKV_WORKER_NUM_LOOKAHEAD_SLOTS", "many")
     with pytest.raises(SystemExit):
         config()
+
+
+class RefusesAStepWithFrees(EmbeddedAllocator):
+    """Refuses (nothing applied, as a server that says no) the `nth` step
+    that carries a Free."""
+
+    def __init__(self, spec: PoolSpec, nth: int) -> None:
+        super().__init__(spec)
+        self.nth = nth
+        self.refused: list[str] = []
+
+    def step(self, ops):
+        frees = [op.seq for op in ops if isinstance(op, Free)]
+        if frees and self.nth:
+            self.nth -= 1
+            if not self.nth:
+                self.refused = frees
+                raise RuntimeError("refused: the allocator said no to this step")
+        return super().step(ops)
+
+
+@pytest.mark.parametrize("nth", [1, 2, 4])
+@pytest.mark.parametrize(("on", "lookahead"), [(False, 0), (True, 0), (True, 8)], ids=["sync", "async", "async-la8"])
+def test_a_refused_step_loses_none_of_its_frees(tiny, synchronous, nth, on, lookahead):
+    """The allocator refuses a step that frees sequences (finished,
+    preempted): the step's requests fail, as the server's engine loop fails
+    them, and yet every sequence the step would have freed is freed by a
+    later call: once the engine is idle the allocator holds no sequence and
+    no block, and the engine then serves the workload as before."""
+    small = {"num_blocks": PREEMPTING_SLOTS[4] // 4, "block_size": 4, "enable_prefix_caching": True}
+    spec = PoolSpec("w", PoolConfig(num_blocks=small["num_blocks"], block_size=4, model_fingerprint=tiny.fingerprint))
+    allocator = RefusesAStepWithFrees(spec, nth)
+    engine = LLMEngine(tiny, EngineConfig(async_scheduling=on, num_lookahead_slots=lookahead, **small),
+                       allocator=allocator)
+    prompts, params = workload()
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    failed = 0
+    while engine.has_unfinished():
+        try:
+            engine.step()
+        except AllocatorError:
+            failed += 1
+            for rid in ids:  # what the server's engine loop does (worker/engine/async_engine.py)
+                engine.abort(rid)
+    assert failed == 1 and allocator.refused
+    for _ in range(2):  # the frees of the aborted requests, sent and (async) collected
+        engine.step()
+    st = allocator.stats()
+    assert (st.num_sequences, st.used_blocks) == (0, 0), f"the refused step's frees {allocator.refused} were lost"
+    assert allocator.pool.integrity_problems() == []
+    assert outcome(engine) == synchronous

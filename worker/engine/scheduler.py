@@ -298,7 +298,7 @@ class Scheduler:
         """Wait for a call sent ahead and apply its answer (the time waited is
         what the step pays for the allocator)."""
         batch = inflight.batch
-        results = self._received(lambda: inflight.future.result(), batch)
+        results = self._received(lambda: inflight.future.result(), batch, inflight.plan.ops)
         if results is not None:
             self._apply_results(inflight.plan, results, batch)
 
@@ -626,7 +626,7 @@ class Scheduler:
     on_stall: Callable[[float], None] | None = None
 
     def _call(self, ops: list[Op], batch: Batch):
-        return self._received(lambda: self._send(ops), batch)
+        return self._received(lambda: self._send(ops), batch, ops)
 
     def _send(self, ops: list[Op]) -> list[OpResult]:
         """Send the step until it is answered (on the call thread, with async
@@ -647,9 +647,13 @@ class Scheduler:
             health.answered()
             return results
 
-    def _received(self, answer: Callable[[], list[OpResult]], batch: Batch):
-        """The step's answer, or None when the pool was lost (every running
-        sequence is then preempted); a refusal becomes AllocatorError."""
+    def _received(self, answer: Callable[[], list[OpResult]], batch: Batch, ops: list[Op]):
+        """The step's answer to `ops`, or None when the pool was lost (every
+        running sequence is then preempted); a refusal becomes AllocatorError.
+        A refused step applied nothing, so its Frees (sequences finished or
+        preempted, which the scheduler no longer tracks) go out again with
+        the next call: else the allocator would keep their blocks for as
+        long as the worker renews its lease."""
         t0 = time.perf_counter()
         health = self.health
         try:
@@ -665,6 +669,7 @@ class Scheduler:
             return None
         except Exception as exc:
             health.refused(exc)
+            self._to_free.extend(op.seq for op in ops if isinstance(op, Free))
             raise AllocatorError("allocator_refused", "the allocator refused this worker's step") from exc
         finally:
             batch.allocator_seconds += time.perf_counter() - t0
