@@ -295,6 +295,19 @@ def test_chat_with_each_worker_through_its_published_port(stack):
              seconds=round(time.monotonic() - t0, 2))
 
 
+def test_a_fresh_worker_container_finds_the_attention_kernel_compiled(stack):
+    """The image carries the CPU attention kernel compiled (deploy/Dockerfile):
+    a new container from it loads both builds from numba's cache and
+    compiles neither (cold, that is ~6 s at every container's start)."""
+    image = stack.docker("inspect", "-f", "{{.Config.Image}}", stack.container(WORKERS[0])).stdout.strip()
+    code = ("from worker.attention import cpu_decode as cd\n"
+            "cd.compile_kernels(parallel=True)\n"
+            "print(*(sum(getattr(b.stats, c).values()) for c in ('cache_misses', 'cache_hits')"
+            " for b in (cd._serial, cd._parallel)))\n")
+    out = stack.docker("run", "--rm", "--entrypoint", "python", image, "-c", code, timeout=180).stdout.split()
+    assert out == ["0", "0", "1", "1"], f"cache misses (serial, parallel), then hits: {out}"
+
+
 def run_workload(stack: Stack, during=None) -> tuple[list[dict], object]:
     """Every prompt on both workers at once (odd ones streamed); `during()`
     runs beside them. The results in (worker, prompt) order, and what

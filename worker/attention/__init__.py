@@ -54,8 +54,9 @@ def get_backend(name: str) -> AttentionBackend:
     if name == "torch":
         return PagedAttention()
     if name == "numba":
-        from worker.attention.cpu_decode import DTYPES, numba_decode
+        from worker.attention.cpu_decode import DTYPES, compile_kernels, numba_decode
 
+        compile_kernels()  # now, not at a request's first decode
         return PagedAttention(decode_fn=numba_decode, decode_dtypes=DTYPES)
     if name == "triton":
         from worker.attention.triton_decode import triton_decode

@@ -17,6 +17,8 @@ float32 only (NumPy has no bfloat16): `PagedAttention` sends other dtypes to
 the torch path. Sequences run in parallel on as many threads as torch uses,
 so `--threads` governs both. The first call compiles (a few seconds), and the
 machine code is cached on disk (`cache=True`; `NUMBA_CACHE_DIR` moves it).
+`compile_kernels` does that when the backend is built (`get_backend`), so no
+request waits for it; the images run it at build time.
 
 Threads: Numba's default OpenMP layer is a second OpenMP runtime beside
 torch's, and its idle threads spin after each kernel: measured here, torch's
@@ -36,7 +38,7 @@ import numba
 import numpy as np
 import torch
 
-__all__ = ["DTYPES", "numba_decode"]
+__all__ = ["DTYPES", "compile_kernels", "numba_decode"]
 
 DTYPES = (torch.float32,)
 
@@ -169,3 +171,22 @@ def numba_decode(
         numba.set_num_threads(threads)  # per calling thread in numba; torch's is the one --threads sets
         _parallel(*args)
     return out
+
+
+def compile_kernels(parallel: bool | None = None) -> None:
+    """Compile the builds calls will use now (or load them from numba's disk
+    cache, ~0.2 s), with the argument types of a real decode, rather than at
+    a request's first decode: cold, the serial build took ~2 s and the
+    parallel one ~4.6 s on the 2-CPU VM, a stall for every running request
+    at the first decode of two or more sequences. `parallel`: compile the
+    parallel build too (None: when calls can use it, more than one thread)."""
+    if parallel is None:
+        parallel = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS) > 1
+    q = np.zeros((2, 1, 8), dtype=np.float32)
+    cache = np.zeros((2, 4, 1, 8), dtype=np.float32)
+    args = (np.empty_like(q), q, cache, cache, np.array([[0], [1]], dtype=np.int32),
+            np.array([1, 1], dtype=np.int32), 1.0)
+    _serial(*args)
+    if parallel:
+        with _launch:
+            _parallel(*args)
