@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -307,3 +308,53 @@ def test_samples_of_a_chunked_prompt_still_fork_with_lookahead():
             sent = _drive(_scheduler(64, 8, lookahead, async_scheduling), [seq])[1]
             kinds = [type(op).__name__ for op in sent]
             assert (kinds.count("Fork"), kinds.count("Admit")) == (2, 1), (async_scheduling, lookahead)
+
+
+def test_lookahead_holds_no_slot_for_the_last_token():
+    """A request of 3 prompt tokens and 2 outputs computes 4 positions: its
+    last token is sampled, never fed back, so lookahead holds no slot for it
+    (with blocks of 1 such a slot is a whole block)."""
+    sched = _scheduler(64, 256, 8)
+    seq = _request("A", [1, 2, 3], 2, 0.0)
+    held = []
+    step = sched.allocator.step
+
+    def watch(ops):
+        results = step(ops)
+        held.append(sched.allocator.pool.stats().slots_allocated)
+        return results
+
+    sched.allocator.step = watch
+    _drive(sched, [seq])
+    assert max(held) == 4
+
+
+def _request_spec(prompt_len: int, n: int, max_tokens: int, arrive: int) -> dict:
+    return {"prompt": [0] * prompt_len, "n": n, "max_tokens": max_tokens, "stops": False, "arrive": arrive,
+            "abort": None}
+
+
+@pytest.mark.parametrize(("w", "max_num_seqs", "lookahead"), [
+    # the last token's slot (blocks of 1): one block too many held by a sample
+    ({"block_size": 1, "slots": 19, "caching": False, "budget": 2,
+      "requests": [_request_spec(1, 1, 1, 0), _request_spec(4, 4, 9, 0)]}, 4, 5),
+    # a finished sequence kept its blocks for its last Append while a running one was preempted
+    ({"block_size": 2, "slots": 16, "caching": True, "budget": 8,
+      "requests": [_request_spec(1, 1, 1, 0), _request_spec(1, 3, 12, 0)]}, 3, 1),
+    # one sequence's lookahead starved the others over the next steps
+    ({"block_size": 1, "slots": 39, "caching": False, "budget": 256,
+      "requests": [_request_spec(1, 1, 1, 0), _request_spec(1, 2, 7, 4), _request_spec(11, 3, 7, 5)]}, 5, 5),
+], ids=["last-token-slot", "flush-before-preempting", "all-or-none"])
+def test_lookahead_preempts_no_more_than_a_call_per_step(w, max_num_seqs, lookahead):
+    """Workloads (found by a wider fuzz of these rules) where lookahead slots
+    used to cost a preemption that a call per step does not make; the
+    outputs are the same either way."""
+    results = {}
+    for slots in (0, lookahead):
+        run = Run(w, async_scheduling=False, lookahead=slots)
+        run.sched.max_num_seqs = max_num_seqs
+        preempted = []
+        run.sched.on_preempt = lambda seq, cause, preempted=preempted: preempted.append(seq.alloc_id)
+        results[slots] = (run.run(), preempted)
+    assert results[lookahead][0] == results[0][0]
+    assert len(results[lookahead][1]) <= len(results[0][1]), results

@@ -59,8 +59,11 @@ until a call goes out anyway (sooner when requests wait for room, or nothing
 else runs); one with values not sent yet sends them in a last Append, and
 its Free follows in the call after (frees run first in a call): the prefix
 cache ends up with every block the sequence filled, as with a call per step.
-Slots ahead are taken only from blocks no running sequence may need next
-(never by preempting): near a full pool every step calls again.
+Slots ahead are all or none: taken only when the free blocks hold every
+sampling sequence's slots ahead and what every running one needs next
+(never by preempting; never for a request's last token, which is sampled,
+not computed): near a full pool every step calls again, and a finished
+sequence's pending last Append gives way to a running sequence's blocks.
 The contract's rules and reasons: docs/ARCHITECTURE.md, "The block contract".
 """
 
@@ -438,6 +441,15 @@ class Scheduler:
                 need = self._blocks_needed(seq, n) + (cow >= 0)
                 if need <= plan.free:
                     break
+                if plan.flushes:
+                    # A finished sequence's last Append only keeps its blocks
+                    # cached one more call: free it now rather than preempt
+                    # (a call per step would have freed it in this one).
+                    fseq, _ = plan.flushes.pop()
+                    self._flushed.remove(fseq)
+                    plan.ops.insert(0, Free(fseq.alloc_id))
+                    plan.free += _release(plan.refs, fseq.block_table)
+                    continue
                 victim = max(self.running, key=_priority_key)
                 if victim in plan.running:  # give back what it was promised
                     given = plan.running.pop(victim)
@@ -459,28 +471,39 @@ class Scheduler:
 
     def _plan_appends(self, plan: _StepPlan) -> None:
         """The step makes a call: every running sequence sends the values it
-        has not sent, and one that samples tops its slots up to
-        `lookahead` past its next token, from blocks no running sequence may
-        need next step (never by preempting: otherwise only the room of
-        the blocks it takes anyway); then the admissions follow."""
+        has not sent, and each one that samples tops its slots up to
+        `lookahead` past its next token; then the admissions follow.
+        Lookahead is all or none: only when the free blocks past the
+        watermark hold every running sequence's lookahead and what each still
+        needs for its known tokens and its next one (so a sequence that gets
+        none now is not starved by those that did over the next steps), and
+        never in a step that preempted or left a request waiting for blocks.
+        Otherwise a sequence takes only the room of the blocks it takes anyway."""
         plan.ops.extend(op for _, op in plan.flushes)
         B = self.block_size
-        spare = 0 if plan.short else plan.free - self.watermark - self._blocks_to_come(plan)
+        wants: dict[Sequence, int] = {}
+        extra_total = 0
         for seq, p in plan.running.items():
             end = seq.num_stored + p.n
-            target = max(end, seq.num_held)
             # (not while samples wait to fork from it: a parent forks holding
             # exactly its prompt)
             if (self.lookahead and end >= len(seq.token_ids)  # this step samples it
                     and not any(c.fork_parent is seq and not c.is_finished for c in seq.children)):
                 # never past what the request can still produce
-                want = min(end + self.lookahead, seq.num_prompt_tokens + seq.max_tokens)
-                blocks = len(seq.block_table) + p.need - (p.cow >= 0)  # held once the Append is applied
-                extra = blocks_for(want, B) - blocks
-                if extra <= 0 or extra <= spare:
-                    spare -= max(0, extra)
-                    p.need += max(0, extra)
-                    plan.free -= max(0, extra)
+                # (the last token is sampled, never computed: no slot for it)
+                wants[seq] = want = min(end + self.lookahead, seq.num_prompt_tokens + seq.max_tokens - 1)
+                extra_total += max(0, blocks_for(want, B) - self._blocks_after(seq, p))
+        fits = not plan.short and extra_total <= plan.free - self.watermark - self._blocks_to_come(plan)
+        for seq, p in plan.running.items():
+            end = seq.num_stored + p.n
+            target = max(end, seq.num_held)
+            if seq in wants:
+                want = wants[seq]
+                blocks = self._blocks_after(seq, p)
+                if fits:
+                    extra = max(0, blocks_for(want, B) - blocks)
+                    p.need += extra
+                    plan.free -= extra
                     target = max(target, want)
                 else:
                     target = max(target, min(want, blocks * B))
@@ -492,6 +515,11 @@ class Scheduler:
                 plan.ops.append(op)
         plan.ops.extend(plan.admits)
 
+    @staticmethod
+    def _blocks_after(seq: Sequence, p: _Planned) -> int:
+        """The blocks `seq` holds once its planned Append is applied."""
+        return len(seq.block_table) + p.need - (p.cow >= 0)
+
     def _blocks_to_come(self, plan: _StepPlan) -> int:
         """Blocks the running sequences need after this step for what they
         will compute: their known tokens not computed yet (the rest of a
@@ -500,7 +528,7 @@ class Scheduler:
         B, total = self.block_size, 0
         for seq in self.running:
             p = plan.running.get(seq)
-            blocks = len(seq.block_table) + (p.need - (p.cow >= 0) if p is not None else 0)
+            blocks = self._blocks_after(seq, p) if p is not None else len(seq.block_table)
             total += max(1, blocks_for(len(seq.token_ids) + 1, B) - blocks)
         return total
 
