@@ -273,9 +273,13 @@ class Scheduler:
         """Async scheduling: plan the step after `running` (about to be
         computed) as if each sequence it samples has one more token, and send
         its call; `schedule` collects the answer after `running` sampled.
-        Whether a call was sent (a step with nothing to do sends none)."""
-        ahead = [e.seq for e in running.entries if e.samples]
-        ahead += [c for s in ahead for c in s.unforked_samples()]
+        Whether a call was sent (a step with nothing to do sends none).
+        A sequence whose sample is its last (`max_tokens`) finishes with it:
+        no slot is planned for that token, which is never computed (its
+        samples still fork as planned)."""
+        sampling = [e.seq for e in running.entries if e.samples]
+        ahead = [s for s in sampling if s.num_output_tokens + 1 < s.max_tokens]
+        ahead += [c for s in sampling for c in s.unforked_samples()]
         batch = Batch()
         plan = self._plan(batch, frozenset(ahead))
         if not plan.ops:  # nothing to send: computed in slots held already
