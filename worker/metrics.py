@@ -127,6 +127,9 @@ class WorkerMetrics:
         self.threads = gauge("threads", "Compute threads torch uses in this worker (--threads).").labels(**lv)
         self.running = gauge("running_sequences", "Sequences in the running batch.").labels(**lv)
         self.waiting = gauge("waiting_sequences", "Requests waiting to be admitted.").labels(**lv)
+        self.slots_ahead = gauge("kv_slots_ahead", "Token slots the allocator holds for this worker's sequences past "
+                                 "what they computed: tokens being sampled, lookahead slots (--num-lookahead-slots), "
+                                 "finished sequences' until their Free goes out.").labels(**lv)
         self._preemptions = counter("preemptions", "Running sequences preempted (blocks given back, recomputed later).", ("cause",))
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens received.").labels(**lv)
         self.generation_tokens = counter("generation_tokens", "Tokens generated.").labels(**lv)

@@ -116,6 +116,31 @@ def test_lookahead_slots_skip_calls_and_keep_every_block_cached(tiny, on):
     assert runs[8][1] == 7
 
 
+def test_slots_held_ahead_are_exported(tiny):
+    """`pagedkv_worker_kv_slots_ahead` reads the slots the allocator holds
+    past what the sequences computed: none with a call per step (sync); with
+    8 lookahead slots none after the prefill (an admission reserves none),
+    8 per sequence once the next call tops them up, one fewer each step
+    until the next; 0 once every request is done."""
+    prompts = [list(range(10 + i, 23 + 2 * i)) for i in range(4)]
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    for lookahead in (0, 8):
+        engine = make(tiny, block_size=4, async_scheduling=False, num_lookahead_slots=lookahead)
+        try:
+            for prompt in prompts:
+                engine.add_request(prompt, params)
+            readings = []
+            while engine.has_unfinished():
+                engine.step()
+                readings.append(engine.metrics.registry.get_sample_value("pagedkv_worker_kv_slots_ahead",
+                                                                         engine.metrics.labels))
+            expected = [0] * len(readings) if not lookahead else [0, 32, 28, 24, 20, 16, 12, 8, 4, 0, 32]
+            assert readings[: len(expected)] == expected, (lookahead, readings)
+            assert readings[-1] == 0 and max(readings) == 4 * lookahead
+        finally:
+            engine.close()
+
+
 def test_async_with_chunked_prefill_and_cache(tiny, synchronous):
     engine = make(tiny, enable_prefix_caching=True, num_blocks=28, max_num_batched_tokens=13)
     assert outcome(engine) == synchronous

@@ -288,6 +288,7 @@ class LLMEngine:
             outputs += self._run(batch)
         self.metrics.running.set(len(self.scheduler.running))
         self.metrics.waiting.set(len(self.scheduler.waiting))
+        self.metrics.slots_ahead.set(self.scheduler.slots_ahead())
         self.metrics.step_time.observe(time.perf_counter() - t0)
         return outputs
 

@@ -238,6 +238,12 @@ class Scheduler:
         seq.status = Status.FINISHED
         seq.finish_reason = reason
 
+    def slots_ahead(self) -> int:
+        """Token slots the allocator holds for this scheduler's sequences
+        past what they computed: the slot of a token being sampled, lookahead
+        slots, and those of finished sequences whose Free has not gone out."""
+        return sum(seq.num_held - seq.num_stored for seq in chain(self.running, self._finishing, self._flushed))
+
     def has_work(self) -> bool:
         # NOTE: a call in flight that only frees, once answered, leaves nothing
         # to do: an idle engine need not step for it (the next `schedule`
