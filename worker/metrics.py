@@ -44,6 +44,7 @@ METRIC_NAMES = (
     f"{PREFIX}_threads",
     f"{PREFIX}_running_sequences",
     f"{PREFIX}_waiting_sequences",
+    f"{PREFIX}_kv_slots_ahead",
     f"{PREFIX}_preemptions_total",
     f"{PREFIX}_prompt_tokens_total",
     f"{PREFIX}_generation_tokens_total",

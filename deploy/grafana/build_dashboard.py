@@ -47,6 +47,8 @@ ROWS: list[tuple[str, list[tuple]]] = [
             (f"sum by (worker) (pagedkv_worker_kv_blocks_free{{{W}}}) - sum by (worker) (pagedkv_worker_kv_blocks_cached{{{W}}})",
              "{{worker}} free (empty)"),
         ], {"stack": True}),
+        ("KV slots held ahead of the computed tokens (lookahead)", "short",
+         [(f"sum by (worker) (pagedkv_worker_kv_slots_ahead{{{W}}})", "{{worker}}")], {}),
         ("Prefix-cache hit rate (prompt tokens)", "percentunit", [
             (f"{rate('pagedkv_worker_prefix_cache_hit_tokens_total', 'worker')} / "
              f"{rate('pagedkv_worker_prefix_cache_queried_tokens_total', 'worker')}", "{{worker}}"),
