@@ -261,3 +261,72 @@ def test_a_refused_step_loses_none_of_its_frees(tiny, synchronous, nth, on, look
     assert (st.num_sequences, st.used_blocks) == (0, 0), f"the refused step's frees {allocator.refused} were lost"
     assert allocator.pool.integrity_problems() == []
     assert outcome(engine) == synchronous
+
+
+class RefusesFromTheFirstFree(EmbeddedAllocator):
+    """Refuses every step from the first one that frees on, while `refusing`
+    stays set (a server that no longer accepts this worker, e.g. a rotated token)."""
+
+    def __init__(self, spec: PoolSpec) -> None:
+        super().__init__(spec)
+        self.calls = 0
+        self.refusing = False
+        self.armed = True
+
+    def step(self, ops):
+        self.calls += 1
+        if self.armed and any(isinstance(op, Free) for op in ops):
+            self.refusing, self.armed = True, False
+        if self.refusing:
+            raise RuntimeError("refused: UNAUTHENTICATED")
+        return super().step(ops)
+
+
+@pytest.mark.parametrize("on", [False, True], ids=["sync", "async"])
+def test_an_allocator_that_keeps_refusing_leaves_the_engine_idle(tiny, synchronous, on):
+    """Frees a refused step carried are not work by themselves: once every
+    request has failed, the engine goes idle (no allocator call at all)
+    however long the allocator keeps refusing; the Frees go out with the
+    first call made for new work once it answers again."""
+    spec = PoolSpec("w", PoolConfig(num_blocks=64, block_size=4, model_fingerprint=tiny.fingerprint))
+    allocator = RefusesFromTheFirstFree(spec)
+    engine = LLMEngine(tiny, EngineConfig(num_blocks=64, block_size=4, async_scheduling=on), allocator=allocator)
+    ids = [engine.add_request([1, 2, 3], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)),
+           engine.add_request([4, 5, 6, 7], SamplingParams(max_tokens=9, temperature=0, ignore_eos=True))]
+    steps = 0
+    while engine.has_unfinished():
+        steps += 1
+        assert steps < 50, "the engine keeps stepping against an allocator that refuses"
+        try:
+            engine.step()
+        except AllocatorError:
+            for rid in ids:
+                engine.abort(rid)
+    calls = allocator.calls
+    assert allocator.refusing and not engine.has_unfinished() and calls < 10
+    allocator.refusing = False  # the allocator takes the worker again
+    assert outcome(engine) == synchronous
+    assert allocator.calls > calls
+
+
+def test_samples_whose_first_token_is_their_last_are_not_forked(tiny):
+    """n = 3 and max_tokens = 1: each sample's first token is its last, so
+    it is never computed, and no engine forks a sample (a fork would hold a
+    copy of the prompt's last, partly filled block for nothing); the same
+    tokens with async scheduling on and off."""
+    runs = {}
+    for on in (False, True):
+        engine = make(tiny, block_size=4, async_scheduling=on)
+        sent = []
+        step = engine.allocator.step
+        engine.allocator.step = lambda ops, step=step, sent=sent: (sent.extend(ops), step(ops))[1]
+        try:
+            params = SamplingParams(max_tokens=1, n=3, temperature=0.8, seed=5, ignore_eos=True)
+            outs = engine.generate_samples([[1, 2, 3, 4, 5, 6]], [params])[0]
+            while engine.has_unfinished():
+                engine.step()
+        finally:
+            engine.close()
+        runs[on] = [o.token_ids for o in outs]
+        assert not [op for op in sent if type(op).__name__ == "Fork"], on
+    assert runs[True] == runs[False]

@@ -194,6 +194,10 @@ class Scheduler:
         self._finishing: list[Sequence] = []
         self._flushed: list[Sequence] = []
         self._free_later: list[str] = []  # parents preempted in the call their samples fork in: freed next
+        # Frees of a step the allocator refused: they ride the next call, but
+        # are not work by themselves (an allocator that keeps refusing would
+        # otherwise be called again at once, forever).
+        self._refused_frees: list[str] = []
         self.forking: list[Sequence] = []  # samples that drew their first token, to fork next step
         self.on_preempt = on_preempt
         self.health = AllocatorHealth()
@@ -248,12 +252,13 @@ class Scheduler:
         # NOTE: a call in flight that only frees, once answered, leaves nothing
         # to do: an idle engine need not step for it (the next `schedule`
         # collects it). Until answered it is work: the engine steps to collect
-        # it, so nothing else (an idle probe) calls the client meanwhile.
+        # it, so nothing else (an idle probe) calls the client meanwhile; so
+        # is a refused one, whose error must not fail the next request.
         inflight = self._inflight
         return bool(self.waiting or self.running or self._to_free or self.forking or self._free_later
                     or self._finishing or self._flushed
-                    or (inflight and (not inflight.future.done() or inflight.plan.running
-                                      or inflight.plan.admitting or inflight.plan.forks)))
+                    or (inflight and (not inflight.future.done() or inflight.future.exception() is not None
+                                      or inflight.plan.running or inflight.plan.admitting or inflight.plan.forks)))
 
     # ------------------------------------------------------------------ step
     def schedule(self) -> Batch:
@@ -280,12 +285,13 @@ class Scheduler:
         computed) as if each sequence it samples has one more token, and send
         its call; `schedule` collects the answer after `running` sampled.
         Whether a call was sent (a step with nothing to do sends none).
-        A sequence whose sample is its last (`max_tokens`) finishes with it:
-        no slot is planned for that token, which is never computed (its
-        samples still fork as planned)."""
+        A sequence (or unforked sample) whose draw is its last (`max_tokens`)
+        finishes with it: nothing is planned for that token, which is never
+        computed (a sample finished so is never forked, as in the
+        synchronous engine)."""
         sampling = [e.seq for e in running.entries if e.samples]
+        sampling += [c for s in sampling for c in s.unforked_samples()]
         ahead = [s for s in sampling if s.num_output_tokens + 1 < s.max_tokens]
-        ahead += [c for s in sampling for c in s.unforked_samples()]
         batch = Batch()
         plan = self._plan(batch, frozenset(ahead))
         if not plan.ops:  # nothing to send: computed in slots held already
@@ -330,10 +336,11 @@ class Scheduler:
         """One step's operations, against the exact count of free blocks."""
         call = self._call_needed(ahead)
         # (a parent freed after the forks of the last call: first in this one)
-        plan = _StepPlan(ops=[Free(a) for a in chain(self._to_free, self._free_later)], refs=Counter(), free=0,
-                         budget=self.max_num_batched_tokens, ahead=ahead)
+        plan = _StepPlan(ops=[Free(a) for a in chain(self._to_free, self._free_later, self._refused_frees)],
+                         refs=Counter(), free=0, budget=self.max_num_batched_tokens, ahead=ahead)
         self._to_free = []
         self._free_later = []
+        self._refused_frees = []
         if call:  # finished sequences ride it: freed first, so their blocks serve this step
             self._plan_finishing(plan, ahead)
         # NOTE: chain, not a generator: the count runs over every block the
@@ -361,7 +368,8 @@ class Scheduler:
         freed. Finished sequences alone make one only when requests wait for
         room or nothing else runs (else they ride the next call). Admissions
         make one too (`_plan`); they wait only while requests do."""
-        if self._to_free or self._free_later or self.forking or any(c.fork_parent is not None for c in ahead):
+        if (self._to_free or self._free_later or self._refused_frees or self.forking
+                or any(c.fork_parent is not None for c in ahead)):
             return True
         if (self._finishing or self._flushed) and (self.waiting or not self.running):
             return True
@@ -690,8 +698,8 @@ class Scheduler:
         running sequence is then preempted); a refusal becomes AllocatorError.
         A refused step applied nothing, so its Frees (sequences finished or
         preempted, which the scheduler no longer tracks) go out again with
-        the next call: else the allocator would keep their blocks for as
-        long as the worker renews its lease."""
+        the next call made for other work: else the allocator would keep
+        their blocks for as long as the worker renews its lease."""
         t0 = time.perf_counter()
         health = self.health
         try:
@@ -702,12 +710,14 @@ class Scheduler:
             for seq in list(self.running):
                 self._preempt(batch, seq, None, None, "pool_lost")
             self._to_free = []
+            self._free_later = []
+            self._refused_frees = []
             self._finishing = []
             self._flushed = []
             return None
         except Exception as exc:
             health.refused(exc)
-            self._to_free.extend(op.seq for op in ops if isinstance(op, Free))
+            self._refused_frees.extend(op.seq for op in ops if isinstance(op, Free))
             raise AllocatorError("allocator_refused", "the allocator refused this worker's step") from exc
         finally:
             batch.allocator_seconds += time.perf_counter() - t0
