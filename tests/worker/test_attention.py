@@ -227,25 +227,30 @@ def test_numba_serial_and_parallel_builds_each_compute_and_cache_their_own(tmp_p
         assert_matches(out, case)
 
 
-def test_the_numba_backend_compiles_its_kernel_before_any_request():
-    """Building the backend compiles (or loads) the builds decodes will use,
-    with a real decode's argument types: no request then waits seconds for
-    numba at its first decode, batched or alone (a different type would
-    compile a second signature while serving)."""
+def test_a_float32_cpu_model_compiles_its_kernel_at_load_and_others_do_not():
+    """Loading a float32 model on the CPU compiles (or loads) the kernel
+    builds decodes will use, with a real decode's argument types: no request
+    then waits seconds for numba at its first decode, batched or alone (a
+    different type would compile a second signature while serving). A
+    bfloat16 model never runs the kernel, and compiles nothing."""
     code = (
         "import torch\n"
         "torch.set_num_threads(2)\n"
-        "from worker.attention import cpu_decode as cd, get_backend\n"
-        "get_backend('numba')\n"
-        "built = (list(cd._serial.signatures), list(cd._parallel.signatures))\n"
-        "assert [len(b) for b in built] == [1, 1], built\n"
-        "from worker.engine import EngineConfig, LLMEngine, SamplingParams\n"
+        "from worker.attention import cpu_decode as cd\n"
         "from worker.model.loader import load_model\n"
-        "engine = LLMEngine(load_model('tiny-random'), EngineConfig(num_blocks=64, block_size=4))\n"
+        "def built():\n"
+        "    return (list(cd._serial.signatures), list(cd._parallel.signatures))\n"
+        "load_model('tiny-random', dtype='bfloat16')\n"
+        "assert built() == ([], []), built()\n"
+        "loaded = load_model('tiny-random')\n"
+        "at_load = built()\n"
+        "assert [len(b) for b in at_load] == [1, 1], at_load\n"
+        "from worker.engine import EngineConfig, LLMEngine, SamplingParams\n"
+        "engine = LLMEngine(loaded, EngineConfig(num_blocks=64, block_size=4))\n"
         "greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)\n"
         "engine.generate([[1, 2, 3, 4, 5], [6, 7, 8]], greedy)\n"
         "engine.generate([[9, 10]], greedy)\n"
-        "assert (list(cd._serial.signatures), list(cd._parallel.signatures)) == built\n"
+        "assert built() == at_load\n"
     )
     env = {**os.environ, "NUMBA_NUM_THREADS": "2"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=os.path.dirname(os.path.dirname(

@@ -56,8 +56,7 @@ def get_backend(name: str) -> AttentionBackend:
     if name == "numba":
         from worker.attention.cpu_decode import DTYPES, compile_kernels, numba_decode
 
-        compile_kernels()  # now, not at a request's first decode
-        return PagedAttention(decode_fn=numba_decode, decode_dtypes=DTYPES)
+        return PagedAttention(decode_fn=numba_decode, decode_dtypes=DTYPES, compile_fn=compile_kernels)
     if name == "triton":
         from worker.attention.triton_decode import triton_decode
 

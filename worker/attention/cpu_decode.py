@@ -17,8 +17,9 @@ float32 only (NumPy has no bfloat16): `PagedAttention` sends other dtypes to
 the torch path. Sequences run in parallel on as many threads as torch uses,
 so `--threads` governs both. The first call compiles (a few seconds), and the
 machine code is cached on disk (`cache=True`; `NUMBA_CACHE_DIR` moves it).
-`compile_kernels` does that when the backend is built (`get_backend`), so no
-request waits for it; the images run it at build time.
+`compile_kernels` does that when a float32 model is built with this backend
+(`PagedAttention.prepare`), so no request waits for it; the CPU image runs it
+at build time.
 
 Threads: Numba's default OpenMP layer is a second OpenMP runtime beside
 torch's, and its idle threads spin after each kernel: measured here, torch's

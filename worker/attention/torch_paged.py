@@ -119,13 +119,22 @@ class PagedAttention:
     it, and keeps a key buffer that grows to the largest batch seen.
     """
 
-    def __init__(self, decode_fn: DecodeFn | None = None, decode_dtypes: tuple[torch.dtype, ...] | None = None) -> None:
+    def __init__(self, decode_fn: DecodeFn | None = None, decode_dtypes: tuple[torch.dtype, ...] | None = None,
+                 compile_fn: Callable[[], None] | None = None) -> None:
         self.decode_fn = decode_fn
         # The cache dtypes `decode_fn` takes (None: all); other dtypes use the torch path.
         self.decode_dtypes = decode_dtypes
+        self._compile_fn = compile_fn
         self._plan_key: tuple[AttentionMetadata, int, int, bool] | None = None
         self._plan: _StepPlan | None = None
         self._key_buffer: torch.Tensor | None = None
+
+    def prepare(self, dtype: torch.dtype) -> None:
+        """Compile now what decodes of a `dtype` cache will run (a kernel
+        compiled on first use would stall the first requests instead); a
+        dtype `decode_fn` does not take compiles nothing."""
+        if self._compile_fn is not None and (self.decode_dtypes is None or dtype in self.decode_dtypes):
+            self._compile_fn()
 
     def __call__(
         self,

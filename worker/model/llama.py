@@ -163,6 +163,9 @@ class LlamaForCausalLM(nn.Module):
         # Buffers are not weights: recompute them (to_empty left garbage), in float32.
         model.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling).to(device)
         model.attn_backend = select_backend(device)
+        prepare = getattr(model.attn_backend, "prepare", None)
+        if prepare is not None:  # e.g. the CPU kernel compiled at load, not at the first requests
+            prepare(dtype)
         return model.eval().requires_grad_(False)
 
     @property
