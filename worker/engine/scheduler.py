@@ -60,9 +60,9 @@ else runs); one with values not sent yet sends them in a last Append, and
 its Free follows in the call after (frees run first in a call): the prefix
 cache ends up with every block the sequence filled, as with a call per step.
 Slots ahead are all or none: taken only when the free blocks hold every
-sampling sequence's slots ahead and what every running one needs next
-(never by preempting; never for a request's last token, which is sampled,
-not computed): near a full pool every step calls again, and a finished
+sampling sequence's slots ahead, what every running one needs next and the
+blocks of a request waiting only for the token budget (never by preempting;
+never for a request's last token, which is sampled, not computed): near a full pool every step calls again, and a finished
 sequence's pending last Append gives way to a running sequence's blocks.
 The contract's rules and reasons: docs/ARCHITECTURE.md, "The block contract".
 """
@@ -143,6 +143,8 @@ class _StepPlan:
     admitting: list[Sequence] = field(default_factory=list)
     admits: list[Admit] = field(default_factory=list)  # their ops, sent after the running Appends
     short: bool = False  # blocks ran short (a preemption, a request left waiting): no lookahead blocks
+    # blocks the first request left waiting for the token budget takes next step: no lookahead takes them
+    queued: int = 0
     # parents preempted after their samples forked in this call: their
     # blocks, held until their Free (next call)
     deferred: dict[str, list[int]] = field(default_factory=dict)
@@ -511,7 +513,8 @@ class Scheduler:
                 # (the last token is sampled, never computed: no slot for it)
                 wants[seq] = want = min(end + self.lookahead, seq.num_prompt_tokens + seq.max_tokens - 1)
                 extra_total += max(0, blocks_for(want, B) - self._blocks_after(seq, p))
-        fits = not plan.short and extra_total <= plan.free - self.watermark - self._blocks_to_come(plan)
+        fits = not plan.short and extra_total <= (plan.free - self.watermark - self._blocks_to_come(plan)
+                                                  - plan.queued)
         for seq, p in plan.running.items():
             end = seq.num_stored + p.n
             target = max(end, seq.num_held)
@@ -561,11 +564,14 @@ class Scheduler:
             # computed: they count from its admission (n <= max_num_seqs,
             # checked at add_request, so a family alone always fits).
             family = 1 + sum(1 for c in seq.children if c.fork_parent is seq and not c.is_finished)
-            if plan.budget <= 0 or seqs + family > self.max_num_seqs:
+            if seqs + family > self.max_num_seqs:
                 break
             # Upper bound of the blocks an admit takes from the free queue
             # (cache hits on free blocks leave the queue too).
             worst = blocks_for(len(seq.token_ids), self.block_size)
+            if plan.budget <= 0:  # admitted next step, if its blocks are still free
+                plan.queued = worst
+                break
             if worst > plan.free - headroom:
                 plan.short = True
                 break
