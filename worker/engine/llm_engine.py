@@ -106,6 +106,7 @@ class LLMEngine:
             async_scheduling=config.async_scheduling,
             lookahead=config.num_lookahead_slots,
         )
+        self.metrics.slots_ahead.set_function(self.scheduler.slots_ahead)  # summed at scrape time, not per step
         # The allocator away: the step is sent again until answered (a stall, not an error).
         self.scheduler.on_stall = self.metrics.allocator_unavailable_seconds.inc
         self.output_processor = OutputProcessor(loaded.tokenizer, loaded.eos_token_ids, self.max_model_len)
@@ -288,7 +289,6 @@ class LLMEngine:
             outputs += self._run(batch)
         self.metrics.running.set(len(self.scheduler.running))
         self.metrics.waiting.set(len(self.scheduler.waiting))
-        self.metrics.slots_ahead.set(self.scheduler.slots_ahead())
         self.metrics.step_time.observe(time.perf_counter() - t0)
         return outputs
 

@@ -293,7 +293,7 @@ class Scheduler:
         synchronous engine)."""
         sampling = [e.seq for e in running.entries if e.samples]
         sampling += [c for s in sampling for c in s.unforked_samples()]
-        ahead = [s for s in sampling if s.num_output_tokens + 1 < s.max_tokens]
+        ahead = [s for s in sampling if len(s.token_ids) < s.max_computed_tokens]
         batch = Batch()
         plan = self._plan(batch, frozenset(ahead))
         if not plan.ops:  # nothing to send: computed in slots held already
@@ -501,26 +501,23 @@ class Scheduler:
         Otherwise a sequence takes only the room of the blocks it takes anyway."""
         plan.ops.extend(op for _, op in plan.flushes)
         B = self.block_size
-        wants: dict[Sequence, int] = {}
-        extra_total = 0
+        wants: dict[Sequence, tuple[int, int]] = {}  # sampling sequence -> (slots it wants, blocks it holds then)
         for seq, p in plan.running.items():
             end = seq.num_stored + p.n
             # (not while samples wait to fork from it: a parent forks holding
             # exactly its prompt)
             if (self.lookahead and end >= len(seq.token_ids)  # this step samples it
                     and not any(c.fork_parent is seq and not c.is_finished for c in seq.children)):
-                # never past what the request can still produce
-                # (the last token is sampled, never computed: no slot for it)
-                wants[seq] = want = min(end + self.lookahead, seq.num_prompt_tokens + seq.max_tokens - 1)
-                extra_total += max(0, blocks_for(want, B) - self._blocks_after(seq, p))
-        fits = not plan.short and extra_total <= (plan.free - self.watermark - self._blocks_to_come(plan)
-                                                  - plan.queued)
+                # never past what the request can still compute
+                wants[seq] = (min(end + self.lookahead, seq.max_computed_tokens), self._blocks_after(seq, p))
+        extra_total = sum(max(0, blocks_for(want, B) - blocks) for want, blocks in wants.values())
+        fits = bool(wants) and not plan.short and extra_total <= (
+            plan.free - self.watermark - self._blocks_to_come(plan) - plan.queued)
         for seq, p in plan.running.items():
             end = seq.num_stored + p.n
             target = max(end, seq.num_held)
             if seq in wants:
-                want = wants[seq]
-                blocks = self._blocks_after(seq, p)
+                want, blocks = wants[seq]
                 if fits:
                     extra = max(0, blocks_for(want, B) - blocks)
                     p.need += extra

@@ -101,6 +101,12 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def max_computed_tokens(self) -> int:
+        """The most tokens whose K/V this sequence can ever compute: prompt
+        + `max_tokens` - 1 (its last token is sampled, never fed back)."""
+        return self.num_prompt_tokens + self.max_tokens - 1
+
+    @property
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
 
