@@ -27,8 +27,8 @@ from allocator_service.v1 import allocator_pb2 as pb
 
 # NOTE: the core numbers kinds and per-operation errors as the wire enums do,
 # so those columns cross the edge unmapped; this holds them equal.
-assert (core_step.FREE, core_step.APPEND, core_step.ADMIT, core_step.FORK) == (
-    pb.OP_KIND_FREE, pb.OP_KIND_APPEND, pb.OP_KIND_ADMIT, pb.OP_KIND_FORK
+assert (core_step.FREE, core_step.APPEND, core_step.ADMIT, core_step.FORK, core_step.UNRESERVE) == (
+    pb.OP_KIND_FREE, pb.OP_KIND_APPEND, pb.OP_KIND_ADMIT, pb.OP_KIND_FORK, pb.OP_KIND_UNRESERVE
 )
 assert core_step.ERROR_NUMBER == {
     "out_of_blocks": pb.OP_ERROR_OUT_OF_BLOCKS,

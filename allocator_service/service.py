@@ -66,7 +66,7 @@ from allocator_service.core.limits import (
 )
 from allocator_service.core.pacing import Unpaced
 from allocator_service.core.pool import check_tokens
-from allocator_service.core.step import ADMIT, APPEND, FORK, FREE
+from allocator_service.core.step import ADMIT, APPEND, FORK, FREE, UNRESERVE
 from allocator_service.durable import DurableState
 from allocator_service.errors import (
     BadRequest,
@@ -152,8 +152,8 @@ def _digest(credential: str) -> bytes:
     return hashlib.sha256(credential.encode()).digest()
 
 
-_KINDS = frozenset((FREE, APPEND, ADMIT, FORK))
-_TOKENLESS = frozenset((FREE, FORK))
+_KINDS = frozenset((FREE, APPEND, ADMIT, FORK, UNRESERVE))
+_TOKENLESS = frozenset((FREE, FORK, UNRESERVE))
 
 
 def check_step(step: StepColumns, limits: Limits) -> None:
@@ -174,20 +174,22 @@ def check_step(step: StepColumns, limits: Limits) -> None:
     if reserved:
         if len(reserved) != n:
             raise BadRequest("num_reserved must be empty or have one entry per operation")
-        if any(r for k, r in zip(kinds, reserved, strict=True) if k != APPEND):
-            raise BadRequest("only APPEND operations reserve slots")
-        if sum(reserved) + len(step.tokens) > limits.max_tokens_per_call:
-            raise BadRequest(f"{sum(reserved)} reserved slots and {len(step.tokens)} tokens in one step; "
+        if any(r for k, r in zip(kinds, reserved, strict=True) if k != APPEND and k != UNRESERVE):
+            raise BadRequest("num_reserved is for APPEND and UNRESERVE operations only")
+        taken = sum(r for k, r in zip(kinds, reserved, strict=True) if k == APPEND)
+        if taken + len(step.tokens) > limits.max_tokens_per_call:
+            raise BadRequest(f"{taken} reserved slots and {len(step.tokens)} tokens in one step; "
                              f"the limit is {limits.max_tokens_per_call}")
     if not set(kinds) <= _KINDS:
-        raise BadRequest("an operation kind is not FREE, APPEND, ADMIT or FORK")
+        raise BadRequest("an operation kind is not FREE, APPEND, ADMIT, FORK or UNRESERVE")
     if kinds.count(ADMIT) != len(step.salts):
         raise BadRequest("admit_options must have one entry per ADMIT operation")
     if kinds.count(FORK) != len(step.children):
         raise BadRequest("fork_children must have one entry per FORK operation")
     # NOTE: compress/map rather than a generator: C speed over every operation.
-    if (FREE in kinds or FORK in kinds) and any(compress(counts, map(_TOKENLESS.__contains__, kinds))):
-        raise BadRequest("FREE and FORK operations carry no tokens")
+    if (FREE in kinds or FORK in kinds or UNRESERVE in kinds) and any(
+            compress(counts, map(_TOKENLESS.__contains__, kinds))):
+        raise BadRequest("FREE, FORK and UNRESERVE operations carry no tokens")
 
 
 def _periodic(stop: threading.Event, interval: float, fn: Callable[[], Any], name: str) -> threading.Thread:

@@ -6,7 +6,8 @@ Invariants (checked by `integrity_problems()`):
   more block tables), in the uncached free queue, or in the cached free queue;
 - a block's refcount equals the number of block tables that name it;
 - block tables are append-only except for copy-on-write, which replaces only
-  the LAST entry (the only block that can be partly filled);
+  the LAST entry (the only block that can be partly filled), and `unreserve`,
+  which drops trailing blocks that hold nothing but reserved slots;
 - `_fill[b]` is the number of token slots of block `b` holding a token, and it
   equals every sharer's count of tokens in that block: a shared block is never
   written (a write into a shared, not-full block copies it first);
@@ -463,6 +464,35 @@ class BlockPool:
             if len(seq.tail) == B:  # the filled slot completed a block before the new one
                 self._hash_full_tail(seq)
         return len(table)
+
+    def unreserve(self, seq_id: str, slots: int) -> int:
+        """Give back the last `slots` of the sequence's reserved slots (held
+        for tokens whose values were never sent: a worker's lookahead it no
+        longer wants). Blocks left holding no slot return to the uncached
+        free queue, in table order: a block with a reserved slot is private
+        (a sequence holding reserved slots cannot be forked, and such a block
+        is never hashed, so never found) and has no hash. Returns the table
+        length (`keep`: the entries left)."""
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise UnknownSequence(seq_id)
+        if type(slots) is not int or not 1 <= slots <= seq.reserved:
+            raise InvalidArgument(f"unreserve: {seq_id!r} holds {seq.reserved} reserved slots; "
+                                  f"cannot give back {slots!r}")
+        n = seq.num_tokens - slots
+        B, table = self.block_size, seq.table
+        keep = blocks_for(n, B)
+        for b in table[keep:]:
+            self.ref_cnt[b] = 0
+            self._fill[b] = 0
+            self._uncached_free.append(b)
+        self.table_entries -= len(table) - keep
+        del table[keep:]
+        if keep:
+            self._fill[table[-1]] = n - (keep - 1) * B
+        seq.num_tokens = n
+        seq.reserved -= slots
+        return keep
 
     def _hash_full_tail(self, seq: Seq) -> None:
         """Hash and register each block the sequence has just filled."""

@@ -13,12 +13,15 @@ copy-on-write (keep = len - 1) and admission (keep = 0).
 `StepResult` out): a 256-sequence decode step is then a few lists, not 512
 objects, and the service converts them to and from the wire's `StepOps` /
 `StepResponse` with list operations. The operation objects (`Free`, `Append`,
-`Admit`, `Fork` -> `OpResult`) are the convenient form for a worker:
+`Admit`, `Fork`, `Unreserve` -> `OpResult`) are the convenient form for a worker:
 `execute_step` turns them into columns and back around `run_step`.
 
 An APPEND may also reserve slots for tokens not known yet (`num_reserved`,
 async scheduling): their values come first in the sequence's next APPEND
 (`BlockPool.append`; the rules: docs/ARCHITECTURE.md, "One step ahead").
+An UNRESERVE gives reserved slots back (`num_reserved` says how many; the
+worker's lookahead slots, when a request waits for their blocks or a running
+sequence would otherwise be preempted: `BlockPool.unreserve`).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from allocator_service.core.pool import BlockPool
 # Operation kinds in `StepColumns.kinds`.
 # NOTE: the numbers of the wire enum `OpKind`, so the service passes the
 # column through unchanged (the codec checks they agree).
-FREE, APPEND, ADMIT, FORK = 1, 2, 3, 4
+FREE, APPEND, ADMIT, FORK, UNRESERVE = 1, 2, 3, 4, 5
 
 # `AllocatorError.code` -> its number in `StepResult.errors` (0: succeeded).
 # NOTE: the numbers of the wire enum `OpError`, as for the kinds.
@@ -51,15 +54,16 @@ ERROR_CODE: dict[int, str] = {v: k for k, v in ERROR_NUMBER.items()}
 class StepColumns(NamedTuple):
     """A step's operations as columns (the shape of the wire's `StepOps`)."""
 
-    kinds: list[int]  # one per operation: FREE, APPEND, ADMIT or FORK
+    kinds: list[int]  # one per operation: FREE, APPEND, ADMIT, FORK or UNRESERVE
     seq_ids: list[str]  # one per operation: the sequence (FORK: the parent)
-    num_tokens: list[int]  # one per operation: its tokens (0 for FREE and FORK)
+    num_tokens: list[int]  # one per operation: its tokens (0 for FREE, FORK and UNRESERVE)
     tokens: Sequence[int]  # every operation's tokens, concatenated in order (a list, or the wire's field)
     salts: list[str | None]  # one per ADMIT: its cache_salt
     num_new_tokens: list[int | None]  # one per ADMIT: chunked prefill bound (None: all)
     children: list[str]  # one per FORK: the child's sequence id
     # Empty (nothing reserved), or one per operation: slots an APPEND reserves
-    # after its tokens for tokens not known yet (async scheduling; 0 elsewhere).
+    # after its tokens for tokens not known yet (async scheduling), or an
+    # UNRESERVE gives back (0 elsewhere).
     num_reserved: list[int] = []  # noqa: RUF012 - a NamedTuple default, never mutated
 
 
@@ -147,6 +151,8 @@ def run_step(pool: BlockPool, step: StepColumns) -> StepResult:
                 table = pool.fork(seq, children[forks - 1])
                 appended += table
                 num_appended[i] = len(table)
+            elif kind == UNRESERVE:
+                keep[i] = pool.unreserve(seq, reserved[i])
         except AllocatorError as exc:
             errors[i] = ERROR_NUMBER[exc.code]
             messages[i] = str(exc)
@@ -193,7 +199,16 @@ class Fork:
     child: str
 
 
-Op = Free | Append | Admit | Fork
+@dataclass(frozen=True, slots=True)
+class Unreserve:
+    """Give back the last `slots` reserved slots of `seq` (slots held for
+    tokens not known yet); blocks left holding no slot become free."""
+
+    seq: str
+    slots: int
+
+
+Op = Free | Append | Admit | Fork | Unreserve
 
 
 @dataclass(slots=True)
@@ -247,6 +262,13 @@ def step_columns(ops: Sequence[Op]) -> StepColumns:
             seq(op.parent)
             count(0)
             children.append(op.child)
+        elif t is Unreserve:
+            kind(UNRESERVE)
+            seq(op.seq)
+            count(0)
+            if len(reserved) < i:
+                reserved.extend([0] * (i - len(reserved)))
+            reserved.append(op.slots)
         else:
             raise TypeError(f"not an operation: {op!r}")
     if reserved and len(reserved) < len(kinds):

@@ -14,6 +14,7 @@ class OpKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     OP_KIND_APPEND: _ClassVar[OpKind]
     OP_KIND_ADMIT: _ClassVar[OpKind]
     OP_KIND_FORK: _ClassVar[OpKind]
+    OP_KIND_UNRESERVE: _ClassVar[OpKind]
 
 class OpError(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -41,6 +42,7 @@ OP_KIND_FREE: OpKind
 OP_KIND_APPEND: OpKind
 OP_KIND_ADMIT: OpKind
 OP_KIND_FORK: OpKind
+OP_KIND_UNRESERVE: OpKind
 OP_ERROR_NONE: OpError
 OP_ERROR_OUT_OF_BLOCKS: OpError
 OP_ERROR_UNKNOWN_SEQUENCE: OpError

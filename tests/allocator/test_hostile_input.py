@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from allocator_service.client.grpc_client import error_reason
 from allocator_service.codec import encode_ops
-from allocator_service.core import Admit, Append, Fork, Free
+from allocator_service.core import Admit, Append, Fork, Free, Unreserve
 from allocator_service.core.limits import MAX_BLOCK_SIZE, MAX_FINGERPRINT_LEN
 from allocator_service.v1 import allocator_pb2 as pb
 from tests.support.allocator import DOCUMENTED, code_of, dump, register, stub
@@ -67,6 +67,7 @@ hostile_ops = st.lists(
         st.builds(Append, texts, st.lists(st.integers(0, 2**32 - 1), max_size=9), st.integers(0, 3)),
         st.builds(Free, texts),
         st.builds(Fork, texts, texts),
+        st.builds(Unreserve, texts, st.integers(0, 3)),
     ),
     max_size=8,
 )

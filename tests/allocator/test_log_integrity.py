@@ -19,6 +19,7 @@ import time
 import grpc
 import pytest
 import redis as redis_lib
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from allocator_service.client import EmbeddedAllocator, PoolLost, PoolSpec
@@ -91,6 +92,23 @@ def record_of(entry: bytes) -> jpb.JournalRecord:
     return jpb.JournalRecord.FromString(entry[68:])
 
 
+def flip_an_operation_bit(entry: bytes) -> bytes:
+    """`entry` with one bit flipped inside its step's operations, the last
+    such bit whose record still parses with everything else unchanged."""
+    good = record_of(entry).step
+    for i in range(len(entry) - 1, 68, -1):
+        bad = bytearray(entry)
+        bad[i] ^= 0x01
+        try:
+            step = record_of(bytes(bad)).step
+        except DecodeError:
+            continue
+        same = (step.pool_id, step.step_id, step.digest, step.prev_step_id)
+        if same == (good.pool_id, good.step_id, good.digest, good.prev_step_id) and step.ops != good.ops:
+            return bytes(bad)
+    raise AssertionError("no bit of the operations can flip with the record still parsing")
+
+
 def position_of_step(entries, pool_id: str, step_id: int) -> int:
     for i, e in enumerate(entries):
         r = record_of(e)
@@ -125,10 +143,9 @@ def test_flipped_byte_drops_that_pool_only(store, allocator_server):
     refs, before, entries, _ = two_pools(url, allocator_server)
     victim = refs[0].pool_id
     pos = position_of_step(entries, victim, 5)
-    bad = bytearray(entries[pos])
-    bad[-3] ^= 0x01  # inside the operations: still parses, fails its digest
+    bad = flip_an_operation_bit(entries[pos])  # still parses, fails its digest
     client, prefix = keys(url)
-    client.lset(prefix + "journal", pos, bytes(bad))
+    client.lset(prefix + "journal", pos, bad)
     client.close()
 
     code, out = run_check(url)

@@ -1,6 +1,7 @@
 """Property-based (hypothesis) test of the allocator core.
 
-Thousands of random admit/append/fork/free/reset operations, prefix caching on
+Thousands of random admit/append/fork/free/reset operations, reservations of
+slots for tokens not known yet and their return (unreserve), prefix caching on
 and off. After every operation the pool's integrity holds, and a shadow KV
 array written through each sequence's flat slot ids (copies applied first, as
 a worker would) reads back every sequence's tokens in order. That also proves
@@ -20,8 +21,10 @@ from allocator_service.core import (
     BlockPool,
     Fork,
     Free,
+    InvalidArgument,
     OutOfBlocks,
     PoolConfig,
+    Unreserve,
     execute_step,
 )
 
@@ -33,7 +36,8 @@ class PoolMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.pool: BlockPool
-        self.tokens: dict[str, list[int]] = {}
+        self.tokens: dict[str, list[int]] = {}  # each sequence's tokens with known values
+        self.reserved: dict[str, int] = {}  # slots held after them for values not known yet
         self.kv: dict[int, int] = {}  # flat slot id -> token written there
         self.counter = 0
 
@@ -89,32 +93,69 @@ class PoolMachine(RuleBasedStateMachine):
             assert self.kv.get(self._slot(sid, p)) == toks[p]
         self._write(sid, r.cached_tokens, toks[r.cached_tokens : r.num_stored])
         self.tokens[sid] = list(toks[: r.num_stored])
+        self.reserved[sid] = 0
 
     @precondition(lambda self: self.tokens)
-    @rule(data=st.data(), toks=st.lists(st.integers(0, 2), min_size=1, max_size=9))
-    def append(self, data, toks) -> None:
+    @rule(data=st.data(), toks=st.lists(st.integers(0, 2), min_size=0, max_size=9),
+          reserve=st.sampled_from([0, 0, 0, 1, 2, 5]))
+    def append(self, data, toks, reserve) -> None:
+        """Values first fill the reserved slots (same positions), then new ones."""
         sid = data.draw(st.sampled_from(sorted(self.tokens)))
-        r = self._unchanged_on_failure(lambda: self.pool.append(sid, toks))
+        if not toks and not reserve:
+            return
+        r = self._unchanged_on_failure(lambda: self.pool.append(sid, toks, reserve))
         if r is None:
             return
         self._copy(r.copies)
         self._write(sid, len(self.tokens[sid]), toks)
         self.tokens[sid].extend(toks)
+        self.reserved[sid] += reserve - min(len(toks), self.reserved[sid])
+
+    @precondition(lambda self: any(self.reserved.values()))
+    @rule(data=st.data())
+    def unreserve(self, data) -> None:
+        """Give back some reserved slots: the blocks left holding none are
+        free (never findable: the admit rule's cache check reads them)."""
+        sid = data.draw(st.sampled_from(sorted(s for s, n in self.reserved.items() if n)))
+        n = data.draw(st.integers(1, self.reserved[sid]))
+        free_before = self.pool.num_free_blocks
+        keep = self.pool.unreserve(sid, n)
+        self.reserved[sid] -= n
+        assert keep == len(self.pool.block_table(sid))
+        held = len(self.tokens[sid]) + self.reserved[sid]
+        assert keep == -(-held // self.B)
+        assert self.pool.num_free_blocks >= free_before
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), extra=st.sampled_from([0, 1, 3]))
+    def unreserve_too_many_fails_cleanly(self, data, extra) -> None:
+        sid = data.draw(st.sampled_from(sorted(self.tokens)))
+        before = self.pool.to_state()
+        [r] = execute_step(self.pool, [Unreserve(sid, self.reserved[sid] + 1 + extra)])
+        assert not r.ok and r.error == "invalid_argument"
+        with pytest.raises(InvalidArgument):
+            self.pool.unreserve(sid, 0)
+        assert self.pool.to_state() == before
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
     def fork(self, data) -> None:
         parent = data.draw(st.sampled_from(sorted(self.tokens)))
         child = self._new_id()
+        if self.reserved[parent]:  # refused: its reserved slots' values would never reach the child
+            with pytest.raises(InvalidArgument):
+                self.pool.fork(parent, child)
+            return
         self.pool.fork(parent, child)
         self.tokens[child] = list(self.tokens[parent])
+        self.reserved[child] = 0
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
     def free(self, data) -> None:
         sid = data.draw(st.sampled_from(sorted(self.tokens)))
         self.pool.free(sid)
-        del self.tokens[sid]
+        del self.tokens[sid], self.reserved[sid]
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data(), toks=st.lists(st.integers(0, 2), min_size=1, max_size=5))
@@ -124,11 +165,12 @@ class PoolMachine(RuleBasedStateMachine):
         sid = self._new_id()
         results = execute_step(self.pool, [Admit(sid, toks), Free(victim)])
         assert results[1].ok
-        del self.tokens[victim]
+        del self.tokens[victim], self.reserved[victim]
         if results[0].ok:
             r = results[0]
             self._write(sid, r.cached_tokens, toks[r.cached_tokens:])
             self.tokens[sid] = list(toks)
+            self.reserved[sid] = 0
         else:
             assert results[0].error == "out_of_blocks"
 
@@ -150,7 +192,7 @@ class PoolMachine(RuleBasedStateMachine):
             return
         assert self.pool.integrity_problems() == []
         for sid, toks in self.tokens.items():
-            assert self.pool.num_tokens(sid) == len(toks)
+            assert self.pool.num_tokens(sid) == len(toks) + self.reserved[sid]
             assert [self.kv.get(self._slot(sid, p)) for p in range(len(toks))] == toks
         st_ = self.pool.stats()
         assert st_.used_blocks + st_.free_blocks == self.pool.num_blocks

@@ -1,7 +1,8 @@
 """Reserved slots (async scheduling): an APPEND holds slots for tokens not
 known yet; their values come first in the sequence's next APPEND; a block is
 hashed (findable) only once every slot of it has a value; a sequence with
-reserved slots cannot be forked; snapshots and integrity checks know them."""
+reserved slots cannot be forked; an UNRESERVE gives them back; snapshots and
+integrity checks know them."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from allocator_service.core import (
     InvalidArgument,
     OutOfBlocks,
     PoolConfig,
+    Unreserve,
     execute_step,
 )
 
@@ -112,3 +114,35 @@ def test_the_columns_carry_reservations_only_when_some_op_reserves():
     assert step_columns([Admit("a", [1]), Append("a", [2])]).num_reserved == []
     cols = step_columns([Free("x"), Append("a", [2], 1), Append("b", [3]), Append("c", [], 2), Free("y")])
     assert cols.num_reserved == [0, 1, 0, 2, 0]
+    cols = step_columns([Free("x"), Unreserve("a", 3)])  # the count an UNRESERVE gives back
+    assert (cols.kinds, cols.num_tokens, cols.num_reserved) == ([1, 5], [0, 0], [0, 3])
+
+
+def test_unreserve_gives_back_the_trailing_blocks_of_reserved_slots():
+    p = pool(block_size=2)
+    p.admit("a", [1, 2, 3])  # blocks 0, 1 (slot 3 of block 1 empty)
+    r = p.append("a", [], reserve=5)  # slots 3..7: block 1's last, blocks 2 and 3
+    assert (r.keep, r.new_blocks) == (2, [2, 3]) and p.num_tokens("a") == 8
+    [res] = execute_step(p, [Unreserve("a", 3)])  # slots 5..7: block 3 and half of block 2
+    assert res.ok and (res.keep, res.append) == (3, [])
+    assert p.block_table("a") == [0, 1, 2] and p.num_tokens("a") == 5
+    assert p.free_order() == [4, 5, 6, 7, 3]  # block 3 back at the end of the plain free queue
+    assert p.integrity_problems() == []
+    # The two reserved slots left take their values as before; nothing new.
+    r = p.append("a", [4, 5])
+    assert (r.keep, r.new_blocks) == (3, [])
+    assert p.cached_prefix_tokens([1, 2, 3, 4, 5, 9]) == 4
+    assert p.integrity_problems() == []
+
+
+def test_unreserve_refuses_more_than_the_reserved_slots_and_changes_nothing():
+    p = pool()
+    p.admit("a", [1, 2])
+    p.append("a", [], reserve=2)
+    before = p.to_state()
+    results = execute_step(p, [Unreserve("a", 3), Unreserve("a", 0), Unreserve("ghost", 1)])
+    assert [r.error for r in results] == ["invalid_argument", "invalid_argument", "unknown_sequence"]
+    assert p.to_state() == before
+    [r] = execute_step(p, [Unreserve("a", 2)])  # all of them: the prompt's block stays
+    assert r.ok and r.keep == 1 and p.num_tokens("a") == 2
+    assert p.integrity_problems() == []

@@ -11,7 +11,7 @@ import time
 
 import grpc
 
-from allocator_service.core import Admit, Append, Fork, Free, Op
+from allocator_service.core import Admit, Append, Fork, Free, Op, Unreserve
 from allocator_service.v1 import allocator_pb2 as pb
 from allocator_service.v1 import allocator_pb2_grpc as pb_grpc
 
@@ -66,11 +66,13 @@ def as_json(state: dict) -> dict:
 
 def random_steps(seed: int, steps: int, max_ops: int = 6, vocab: int = 6) -> list[list[Op]]:
     """A mixed workload that exercises admits with shared prefixes and salts,
-    appends (copy-on-write after forks; reserved slots filled later), forks,
-    frees, failures (unknown sequences, out of blocks, a fork of a sequence
-    with reserved slots) and eviction, for a small pool."""
+    appends (copy-on-write after forks; reserved slots filled later or given
+    back), forks, frees, failures (unknown sequences, out of blocks, a fork
+    of a sequence with reserved slots, giving back more slots than reserved)
+    and eviction, for a small pool."""
     rng = random.Random(seed)
     live: list[str] = []
+    reserved: dict[str, int] = {}  # a guess: what each sequence holds if its operations succeed
     out: list[list[Op]] = []
     n = 0
     for _ in range(steps):
@@ -83,11 +85,17 @@ def random_steps(seed: int, steps: int, max_ops: int = 6, vocab: int = 6) -> lis
                 ops.append(Admit(seq, [rng.randrange(vocab) for _ in range(rng.randint(1, 14))],
                                  rng.choice([None, None, "tenant"])))
                 live.append(seq)
-            elif k < 0.7:
+            elif k < 0.65:
                 # Some reserve slots for tokens not known yet (async scheduling): the
                 # next Append of that sequence fills them first; a Fork of it is refused.
-                ops.append(Append(rng.choice(live), [rng.randrange(vocab) for _ in range(rng.randint(0, 6))],
-                                  rng.choice((0, 0, 0, 1, 2))))
+                seq, toks = rng.choice(live), [rng.randrange(vocab) for _ in range(rng.randint(0, 6))]
+                ops.append(Append(seq, toks, rng.choice((0, 0, 0, 1, 2, 5))))
+                reserved[seq] = max(0, reserved.get(seq, 0) - len(toks)) + ops[-1].reserve  # if it succeeds
+            elif k < 0.7:
+                # Reserved slots given back (refused for more than the sequence holds).
+                seq = rng.choice([s for s in live if reserved.get(s)] or live)
+                ops.append(Unreserve(seq, rng.randint(1, reserved.get(seq, 0) + 1)))
+                reserved[seq] = max(0, reserved.get(seq, 0) - ops[-1].slots)
             elif k < 0.85:
                 seq = rng.choice(live)
                 live.remove(seq)
