@@ -62,9 +62,14 @@ cache ends up with every block the sequence filled, as with a call per step.
 Slots ahead are all or none: taken only when the free blocks hold every
 sampling sequence's slots ahead, what every running one needs next and the
 blocks of a request waiting only for the token budget (never by preempting;
-never for a request's last token, which is sampled, not computed): near a full pool every step calls again, and a finished
-sequence's pending last Append gives way to a running sequence's blocks.
-The contract's rules and reasons: docs/ARCHITECTURE.md, "The block contract".
+never for a request's last token, which is sampled, not computed): near a
+full pool every step calls again. A step short of blocks, for a running
+sequence or the next request to admit, frees the finished sequences whose
+last values were still to go out, then takes slots ahead back (`Unreserve`,
+in the same call) before it preempts or leaves the request waiting: slots
+ahead never cost an admission or a preemption that a call per step would
+not. The contract's rules and reasons: docs/ARCHITECTURE.md, "The block
+contract".
 """
 
 from __future__ import annotations
@@ -83,7 +88,17 @@ from allocator_service.client import (
     EmbeddedAllocator,
     PoolLost,
 )
-from allocator_service.core import Admit, Append, Fork, Free, Op, OpResult, StepResults, blocks_for
+from allocator_service.core import (
+    Admit,
+    Append,
+    Fork,
+    Free,
+    Op,
+    OpResult,
+    StepResults,
+    Unreserve,
+    blocks_for,
+)
 from worker.engine.health import AllocatorError, AllocatorHealth
 from worker.engine.sequence import Sequence, Status
 
@@ -151,6 +166,9 @@ class _StepPlan:
     # finished sequences and the Appends of their last values (sent after the forks)
     flushes: list[tuple[Sequence, Append]] = field(default_factory=list)
     forks: dict[Sequence, Fork] = field(default_factory=dict)  # child -> its Fork op
+    # running sequences that give back their slots ahead in this call (so a
+    # request is admitted, or nobody preempted): (slots, blocks that frees)
+    unreserves: dict[Sequence, tuple[int, int]] = field(default_factory=dict)
     forked_parents: set[str] = field(default_factory=set)  # alloc ids forked from this step
     # async scheduling: sequences the running step samples a token for (one
     # more token each, its slot reserved: `_append_op`)
@@ -461,15 +479,10 @@ class Scheduler:
                 need = self._blocks_needed(seq, n) + (cow >= 0)
                 if need <= plan.free:
                     break
-                if plan.flushes:
-                    # A finished sequence's last Append only keeps its blocks
-                    # cached one more call: free it now rather than preempt
-                    # (a call per step would have freed it in this one).
-                    fseq, _ = plan.flushes.pop()
-                    self._flushed.remove(fseq)
-                    plan.ops.insert(0, Free(fseq.alloc_id))
-                    plan.free += _release(plan.refs, fseq.block_table)
+                if self._drop_flush(plan):
                     continue
+                if self._unreserve_ahead(plan, need - plan.free):
+                    continue  # other sequences' slots ahead made the room
                 victim = max(self.running, key=_priority_key)
                 if victim in plan.running:  # give back what it was promised
                     given = plan.running.pop(victim)
@@ -500,6 +513,8 @@ class Scheduler:
         never in a step that preempted or left a request waiting for blocks.
         Otherwise a sequence takes only the room of the blocks it takes anyway."""
         plan.ops.extend(op for _, op in plan.flushes)
+        # (before the Appends: the blocks they free may serve them)
+        plan.ops.extend(Unreserve(seq.alloc_id, slots) for seq, (slots, _) in plan.unreserves.items())
         B = self.block_size
         wants: dict[Sequence, tuple[int, int]] = {}  # sampling sequence -> (slots it wants, blocks it holds then)
         for seq, p in plan.running.items():
@@ -507,6 +522,7 @@ class Scheduler:
             # (not while samples wait to fork from it: a parent forks holding
             # exactly its prompt)
             if (self.lookahead and end >= len(seq.token_ids)  # this step samples it
+                    and seq not in plan.unreserves
                     and not any(c.fork_parent is seq and not c.is_finished for c in seq.children)):
                 # never past what the request can still compute
                 wants[seq] = (min(end + self.lookahead, seq.max_computed_tokens), self._blocks_after(seq, p))
@@ -515,6 +531,16 @@ class Scheduler:
             plan.free - self.watermark - self._blocks_to_come(plan) - plan.queued)
         for seq, p in plan.running.items():
             end = seq.num_stored + p.n
+            if seq in plan.unreserves:
+                # It keeps the blocks up to `end`; only values go out (into
+                # slots it keeps: `_unreserve_ahead`), after its Unreserve.
+                target = seq.num_held - plan.unreserves[seq][0]
+                op = Append(seq.alloc_id, seq.token_ids[seq.num_valued : min(end, len(seq.token_ids))])
+                if op.tokens:
+                    p.op, p.held = op, target
+                    p.reserved = target - seq.num_valued - len(op.tokens)
+                    plan.ops.append(op)
+                continue
             target = max(end, seq.num_held)
             if seq in wants:
                 want, blocks = wants[seq]
@@ -550,6 +576,53 @@ class Scheduler:
             total += max(1, blocks_for(len(seq.token_ids) + 1, B) - blocks)
         return total
 
+    def _drop_flush(self, plan: _StepPlan) -> bool:
+        """Blocks ran short: free a finished sequence now instead of sending
+        its last values first. Those only keep its blocks cached one more
+        call; a call per step would have freed it in this one, so neither a
+        preemption nor a request left waiting is worth them. Whether there
+        was one."""
+        if not plan.flushes:
+            return False
+        fseq, _ = plan.flushes.pop()
+        self._flushed.remove(fseq)
+        plan.ops.insert(0, Free(fseq.alloc_id))
+        plan.free += _release(plan.refs, fseq.block_table)
+        return True
+
+    def _unreserve_ahead(self, plan: _StepPlan, short: int) -> bool:
+        """Make `short` more blocks free by giving back the slots running
+        sequences hold past anything this step computes (lookahead slots):
+        whole trailing blocks, the newest lowest-priority sequences' first,
+        as preemption would pick them. All or nothing: whether that made the
+        room (else nothing is given back). A sequence gives back the blocks
+        past the one that holds the end of this step's tokens (for one not
+        planned yet, of its known tokens and the one being sampled), and
+        keeps any room in that block; what it gives back is reserved slots
+        (past anything computed, so without values)."""
+        if not self.lookahead:  # (no slots ahead: nothing to give back)
+            return False
+        B, found, picked = self.block_size, 0, []
+        for seq in sorted(self.running, key=_priority_key, reverse=True):
+            if found >= short:
+                break
+            if seq in plan.unreserves or seq.status is not Status.RUNNING:
+                continue
+            p = plan.running.get(seq)
+            end = seq.num_stored + p.n if p is not None else len(seq.token_ids) + (seq in plan.ahead)
+            keep = blocks_for(end, B)
+            blocks = len(seq.block_table) - keep
+            if blocks > 0:
+                picked.append((seq, seq.num_held - keep * B, blocks))
+                found += blocks
+        if found < short:
+            return False
+        for seq, slots, blocks in picked:
+            plan.unreserves[seq] = (slots, blocks)
+        plan.free += found
+        plan.short = True  # blocks ran short: this step takes no lookahead back
+        return True
+
     def _plan_admissions(self, plan: _StepPlan) -> None:
         """Admit waiting requests while the budget, `max_num_seqs` and the free blocks allow."""
         # Keep a little headroom for the running sequences' next blocks, so a
@@ -569,7 +642,9 @@ class Scheduler:
             if plan.budget <= 0:  # admitted next step, if its blocks are still free
                 plan.queued = worst
                 break
-            if worst > plan.free - headroom:
+            while worst > plan.free - headroom and self._drop_flush(plan):
+                pass
+            if worst > plan.free - headroom and not self._unreserve_ahead(plan, worst - plan.free + headroom):
                 plan.short = True
                 break
             plan.admits.append(Admit(seq.next_alloc_id(), seq.token_ids, seq.cache_salt, plan.budget))
@@ -581,7 +656,7 @@ class Scheduler:
     def _apply_results(self, plan: _StepPlan, results: StepResults | list[OpResult], batch: Batch) -> None:
         """Apply the allocator's answers: block tables, copies, admissions, refusals."""
         # `ops`: frees, forks, the finished's last Appends, the running's Appends, admits
-        ri = len(plan.ops) - len(plan.forks) - len(plan.flushes) - len(plan.admitting)
+        ri = len(plan.ops) - len(plan.forks) - len(plan.flushes) - len(plan.unreserves) - len(plan.admitting)
         ri -= sum(1 for p in plan.running.values() if p.op is not None)
         for child in plan.forks:
             r = results[ri]
@@ -593,6 +668,18 @@ class Scheduler:
             if results[ri].ok:
                 seq.num_reserved -= len(op.tokens)
             ri += 1
+        for seq, (slots, _) in plan.unreserves.items():
+            r = results[ri]
+            ri += 1
+            if r.ok:  # (a new list: the step in flight keeps the table it was scheduled with)
+                seq.block_table = seq.block_table[: r.keep]
+                seq.num_held -= slots
+                seq.num_reserved -= slots
+            elif (p := plan.running.get(seq)) is not None and p.op is not None:
+                # Refused (should not happen): nothing changed, it still
+                # holds them; its Append sent values only, which stands.
+                p.held += slots
+                p.reserved += slots
         # NOTE: a decode step's appends mostly leave the table as it is (no
         # error, no new block, no copy): read those from the result columns
         # without making an OpResult each (`StepResults`).
@@ -756,6 +843,8 @@ class Scheduler:
         # its Free, in the next call (frees run first in a call).
         deferred = plan is not None and seq.alloc_id in plan.forked_parents and seq not in plan.forks
         freed = 0 if refs is None or deferred else _release(refs, seq.block_table)
+        if plan is not None and seq in plan.unreserves:  # (those blocks were counted free already)
+            freed -= plan.unreserves.pop(seq)[1]
         if plan is not None and seq in plan.forks:  # forked this step: just do not fork it
             fork = plan.forks.pop(seq)
             ops.remove(fork)
