@@ -418,7 +418,7 @@ def _admissions_and_preemptions(w: dict, async_scheduling: bool, lookahead: int,
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-@given(w=workload_st.map(lambda w: {**w, "slots": w["slots"] // 2 + 8,
+@given(w=workload_st.map(lambda w: {**w, "slots": w["slots"] // 2 + 8, "caching": False,
                                     "requests": [{**r, "abort": None} for r in w["requests"]]}).filter(fits),
        async_scheduling=st.booleans(), lookahead=st.sampled_from([2, 8, 32]), max_num_seqs=st.integers(3, 5))
 def test_lookahead_admits_no_later_and_preempts_no_more_than_a_call_per_step(w, async_scheduling, lookahead,
@@ -429,7 +429,13 @@ def test_lookahead_admits_no_later_and_preempts_no_more_than_a_call_per_step(w, 
     then takes slots ahead back (UNRESERVE), before it leaves a request
     waiting or preempts. (Before UNRESERVE a scratch fuzz of such workloads
     found 63 of 390 admitting some request later with 8 slots ahead, and 22
-    preempting more.) Same outputs either way."""
+    preempting more.) Same outputs either way.
+
+    Prefix caching off: with it on, values sent up to N steps late are
+    hashed late, and a finished sequence's Free follows its last values by a
+    call, so which blocks an admission finds (or evicts) can differ from a
+    call per step, and that moves later admissions either way (a review
+    found one in ~600 such workloads admitted a step later)."""
     reference = _admissions_and_preemptions(w, async_scheduling, 0, max_num_seqs)
     outputs, admitted, preemptions = _admissions_and_preemptions(w, async_scheduling, lookahead, max_num_seqs)
     assert outputs == reference[0]

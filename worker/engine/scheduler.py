@@ -655,7 +655,7 @@ class Scheduler:
 
     def _apply_results(self, plan: _StepPlan, results: StepResults | list[OpResult], batch: Batch) -> None:
         """Apply the allocator's answers: block tables, copies, admissions, refusals."""
-        # `ops`: frees, forks, the finished's last Appends, the running's Appends, admits
+        # `ops`: frees, forks, the finished's last Appends, unreserves, the running's Appends, admits
         ri = len(plan.ops) - len(plan.forks) - len(plan.flushes) - len(plan.unreserves) - len(plan.admitting)
         ri -= sum(1 for p in plan.running.values() if p.op is not None)
         for child in plan.forks:
