@@ -330,3 +330,53 @@ def test_samples_whose_first_token_is_their_last_are_not_forked(tiny):
         runs[on] = [o.token_ids for o in outs]
         assert not [op for op in sent if type(op).__name__ == "Fork"], on
     assert runs[True] == runs[False]
+
+
+@pytest.mark.parametrize("on", [True, False], ids=["async", "sync"])
+def test_slots_ahead_are_given_back_to_requests_that_arrive_later(tiny, allocator_server, redis_store, on):
+    """Four requests decode holding 8 slots ahead when four more arrive at
+    step 5 into a pool of 70 blocks of 4, through a real allocator process
+    with a Redis journal: the blocks held ahead are given back (UNRESERVE)
+    and every request gets its first token at the same step as with a call
+    per step, with the same tokens and preemptions. (Before UNRESERVE the
+    sixth request waited for the slots ahead to be used up: its first
+    token came at step 24 instead of 5.)"""
+    from allocator_service.core import Unreserve
+
+    prompts = prompts_mixed(seed=5, n=8)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+    def run(server, lookahead: int):
+        engine = make(tiny, num_blocks=70, block_size=4, enable_prefix_caching=False, async_scheduling=on,
+                      num_lookahead_slots=lookahead, allocator=server.address, worker_id=f"w-{on}-{lookahead}")
+        given_back, step = [], engine.allocator.step
+
+        def counting(ops):
+            given_back.extend(op for op in ops if type(op) is Unreserve)
+            return step(ops)
+
+        engine.allocator.step = counting
+        first: dict[str, int] = {}
+        tokens: dict[str, list[int]] = {}
+        try:
+            for i in range(4):
+                engine.add_request(prompts[i], params, f"r{i}")
+            number = 0
+            while engine.has_unfinished() or number <= 5:
+                if number == 5:
+                    for i in range(4, 8):
+                        engine.add_request(prompts[i], params, f"r{i}")
+                for out in engine.step():
+                    first.setdefault(out.request_id, number)
+                    if out.finished:
+                        tokens[out.request_id] = out.token_ids
+                number += 1
+            return tokens, first, engine.num_preemptions, len(given_back)
+        finally:
+            engine.close()
+
+    with redis_store() as (url, _), allocator_server("--state", url) as server:
+        tokens, first, preemptions, given_back = run(server, 8)
+        assert given_back > 0
+        assert (tokens, first, preemptions) == run(server, 0)[:3]
+        assert first["r5"] <= 6
