@@ -66,7 +66,7 @@ from allocator_service.core.limits import (
 )
 from allocator_service.core.pacing import Unpaced
 from allocator_service.core.pool import check_tokens
-from allocator_service.core.step import ADMIT, APPEND, FORK, FREE, UNRESERVE
+from allocator_service.core.step import ADMIT, APPEND, FORK, FREE, KINDS, UNRESERVE
 from allocator_service.durable import DurableState
 from allocator_service.errors import (
     BadRequest,
@@ -152,7 +152,7 @@ def _digest(credential: str) -> bytes:
     return hashlib.sha256(credential.encode()).digest()
 
 
-_KINDS = frozenset((FREE, APPEND, ADMIT, FORK, UNRESERVE))
+_KINDS = frozenset(KINDS)
 _TOKENLESS = frozenset((FREE, FORK, UNRESERVE))
 
 

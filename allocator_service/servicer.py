@@ -19,6 +19,7 @@ import grpc
 from allocator_service import errors
 from allocator_service.core.prefix_index import BLOCK_REMOVED, BLOCK_STORED
 from allocator_service.core.snapshot import dumps_chunked
+from allocator_service.core.step import KINDS
 from allocator_service.errors import BadRequest
 from allocator_service.events import Event
 from allocator_service.fairshare import ROUTER
@@ -122,7 +123,7 @@ class AllocatorServicer:
         r = self.service.register(request.worker_id, request.shape, request.replace_credential,
                                   Advertised(request.advertise_url, request.served_model_name))
         return pb.RegisterPoolResponse(
-            pool_id=r.pool_id, epoch=r.epoch, credential=r.credential, lease_ttl_s=r.lease_ttl_s
+            pool_id=r.pool_id, epoch=r.epoch, credential=r.credential, lease_ttl_s=r.lease_ttl_s, op_kinds=KINDS
         )
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from allocator_service.core import (
+    KINDS,
     BlockPool,
     Op,
     PoolConfig,
@@ -54,6 +55,10 @@ class AllocatorClient(abc.ABC):
     """One worker's view of its pool. Not thread-safe: the engine loop calls it."""
 
     spec: PoolSpec
+    # The operation kinds the allocator applies (a gRPC allocator says at
+    # registration, `RegisterPoolResponse.op_kinds`): a worker sends no
+    # other, since an allocator refuses a step with a kind it does not know.
+    op_kinds: frozenset[int] = frozenset(KINDS)
 
     @abc.abstractmethod
     def step(self, ops: Sequence[Op]) -> StepResults:

@@ -72,6 +72,7 @@ from allocator_service.v1 import allocator_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+OLDEST_OP_KINDS = frozenset((pb.OP_KIND_FREE, pb.OP_KIND_APPEND, pb.OP_KIND_ADMIT, pb.OP_KIND_FORK))
 # Refusals that mean "not now": retried the same way (the pool's slow calls in flight).
 RETRYABLE_REASONS = ("pool_calls",)
 
@@ -297,6 +298,8 @@ class GrpcAllocator(AllocatorClient):
             self._ref = pb.PoolRef(pool_id=r.pool_id, credential=r.credential)
             self.epoch = r.epoch
             self.lease_ttl_s = r.lease_ttl_s
+            # (an allocator from before `op_kinds` applies the first four kinds)
+            self.op_kinds = frozenset(r.op_kinds) or OLDEST_OP_KINDS
             self._step_id = 0
             self._answered = 0
             self._pending = None

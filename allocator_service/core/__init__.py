@@ -24,6 +24,8 @@ from allocator_service.core.pool import (
 from allocator_service.core.prefix_index import ALL_CLEARED, BLOCK_REMOVED, BLOCK_STORED
 from allocator_service.core.sequence import blocks_for
 from allocator_service.core.step import (
+    KINDS,
+    UNRESERVE,
     Admit,
     Append,
     Fork,
@@ -41,6 +43,8 @@ from allocator_service.core.step import (
 )
 
 __all__ = [
+    "KINDS",
+    "UNRESERVE",
     "blocks_for",
     "check_cache_salt",
     "ALL_CLEARED",

@@ -7,7 +7,8 @@ failing operation does not fail the others: its result says why.
 
 The table change of an operation is `keep` (a prefix of the old table that
 stays) plus `append` (new block ids after it); this one shape expresses growth,
-copy-on-write (keep = len - 1) and admission (keep = 0).
+copy-on-write (keep = len - 1), admission (keep = 0) and unreserve (keep <
+len, nothing appended).
 
 `run_step` is the one implementation, on columns (`StepColumns` in,
 `StepResult` out): a 256-sequence decode step is then a few lists, not 512
@@ -38,6 +39,7 @@ from allocator_service.core.pool import BlockPool
 # NOTE: the numbers of the wire enum `OpKind`, so the service passes the
 # column through unchanged (the codec checks they agree).
 FREE, APPEND, ADMIT, FORK, UNRESERVE = 1, 2, 3, 4, 5
+KINDS = (FREE, APPEND, ADMIT, FORK, UNRESERVE)  # every kind `run_step` applies
 
 # `AllocatorError.code` -> its number in `StepResult.errors` (0: succeeded).
 # NOTE: the numbers of the wire enum `OpError`, as for the kinds.
@@ -153,6 +155,11 @@ def run_step(pool: BlockPool, step: StepColumns) -> StepResult:
                 num_appended[i] = len(table)
             elif kind == UNRESERVE:
                 keep[i] = pool.unreserve(seq, reserved[i])
+            elif kind != FREE:
+                # The service refuses unknown kinds before this; a journal
+                # written by a newer allocator must not replay with an
+                # operation skipped (its tables would differ from the workers').
+                raise ValueError(f"operation kind {kind} is not one this allocator applies")
         except AllocatorError as exc:
             errors[i] = ERROR_NUMBER[exc.code]
             messages[i] = str(exc)

@@ -95,16 +95,18 @@ class RegisterPoolRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., shape: _Optional[_Union[PoolShape, _Mapping]] = ..., replace_credential: _Optional[str] = ..., advertise_url: _Optional[str] = ..., served_model_name: _Optional[str] = ...) -> None: ...
 
 class RegisterPoolResponse(_message.Message):
-    __slots__ = ("pool_id", "epoch", "credential", "lease_ttl_s")
+    __slots__ = ("pool_id", "epoch", "credential", "lease_ttl_s", "op_kinds")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    OP_KINDS_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     epoch: int
     credential: str
     lease_ttl_s: float
-    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., credential: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
+    op_kinds: _containers.RepeatedScalarFieldContainer[OpKind]
+    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., credential: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ..., op_kinds: _Optional[_Iterable[_Union[OpKind, str]]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("pool",)

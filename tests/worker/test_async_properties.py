@@ -417,6 +417,12 @@ def _admissions_and_preemptions(w: dict, async_scheduling: bool, lookahead: int,
     return run.run(), admitted, len(preempted)
 
 
+# Before UNRESERVE: r2 admitted at step 3 with 2 slots ahead, at step 2 with a call per step.
+@example(w={"block_size": 1, "slots": 20, "caching": False, "budget": 3, "requests": [
+    {"prompt": [0, 0], "n": 1, "max_tokens": 2, "stops": False, "arrive": 1, "abort": None},
+    {"prompt": [0, 0, 0, 0], "n": 1, "max_tokens": 3, "stops": False, "arrive": 0, "abort": None},
+    {"prompt": [0] * 11, "n": 1, "max_tokens": 1, "stops": False, "arrive": 2, "abort": None}]},
+    async_scheduling=False, lookahead=2, max_num_seqs=3)
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(w=workload_st.map(lambda w: {**w, "slots": w["slots"] // 2 + 8, "caching": False,
                                     "requests": [{**r, "abort": None} for r in w["requests"]]}).filter(fits),

@@ -332,6 +332,43 @@ def test_samples_whose_first_token_is_their_last_are_not_forked(tiny):
     assert runs[True] == runs[False]
 
 
+def _late_arrivals(engine) -> tuple[dict[str, list[int]], dict[str, int], int, int]:
+    """Four requests, then four more at step 5: each request's tokens, the
+    step of its first token, the preemptions and the UNRESERVEs sent."""
+    from allocator_service.core import Unreserve
+
+    prompts = prompts_mixed(seed=5, n=8)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    given_back, step = [], engine.allocator.step
+
+    def counting(ops):
+        given_back.extend(op for op in ops if type(op) is Unreserve)
+        return step(ops)
+
+    engine.allocator.step = counting
+    first: dict[str, int] = {}
+    tokens: dict[str, list[int]] = {}
+    try:
+        for i in range(4):
+            engine.add_request(prompts[i], params, f"r{i}")
+        number = 0
+        while engine.has_unfinished() or number <= 5:
+            if number == 5:
+                for i in range(4, 8):
+                    engine.add_request(prompts[i], params, f"r{i}")
+            for out in engine.step():
+                first.setdefault(out.request_id, number)
+                if out.finished:
+                    tokens[out.request_id] = out.token_ids
+            number += 1
+        return tokens, first, engine.num_preemptions, len(given_back)
+    finally:
+        engine.close()
+
+
+LATE_POOL = {"num_blocks": 70, "block_size": 4, "enable_prefix_caching": False}
+
+
 @pytest.mark.parametrize("on", [True, False], ids=["async", "sync"])
 def test_slots_ahead_are_given_back_to_requests_that_arrive_later(tiny, allocator_server, redis_store, on):
     """Four requests decode holding 8 slots ahead when four more arrive at
@@ -340,43 +377,47 @@ def test_slots_ahead_are_given_back_to_requests_that_arrive_later(tiny, allocato
     and every request gets its first token at the same step as with a call
     per step, with the same tokens and preemptions. (Before UNRESERVE the
     sixth request waited for the slots ahead to be used up: its first
-    token came at step 24 instead of 5.)"""
-    from allocator_service.core import Unreserve
-
-    prompts = prompts_mixed(seed=5, n=8)
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-
-    def run(server, lookahead: int):
-        engine = make(tiny, num_blocks=70, block_size=4, enable_prefix_caching=False, async_scheduling=on,
-                      num_lookahead_slots=lookahead, allocator=server.address, worker_id=f"w-{on}-{lookahead}")
-        given_back, step = [], engine.allocator.step
-
-        def counting(ops):
-            given_back.extend(op for op in ops if type(op) is Unreserve)
-            return step(ops)
-
-        engine.allocator.step = counting
-        first: dict[str, int] = {}
-        tokens: dict[str, list[int]] = {}
-        try:
-            for i in range(4):
-                engine.add_request(prompts[i], params, f"r{i}")
-            number = 0
-            while engine.has_unfinished() or number <= 5:
-                if number == 5:
-                    for i in range(4, 8):
-                        engine.add_request(prompts[i], params, f"r{i}")
-                for out in engine.step():
-                    first.setdefault(out.request_id, number)
-                    if out.finished:
-                        tokens[out.request_id] = out.token_ids
-                number += 1
-            return tokens, first, engine.num_preemptions, len(given_back)
-        finally:
-            engine.close()
-
+    token came at step 24 instead of 5, 25 instead of 6 with async
+    scheduling.)"""
     with redis_store() as (url, _), allocator_server("--state", url) as server:
-        tokens, first, preemptions, given_back = run(server, 8)
+        def run(lookahead: int):
+            return _late_arrivals(make(tiny, async_scheduling=on, num_lookahead_slots=lookahead,
+                                       allocator=server.address, worker_id=f"w-{on}-{lookahead}", **LATE_POOL))
+
+        tokens, first, preemptions, given_back = run(8)
         assert given_back > 0
-        assert (tokens, first, preemptions) == run(server, 0)[:3]
-        assert first["r5"] <= 6
+        assert (tokens, first, preemptions) == run(0)[:3]
+
+
+def test_an_allocator_from_before_unreserve_is_sent_none(tiny, monkeypatch):
+    """An allocator whose registration lists no op kinds (one from before
+    `op_kinds`, which applies FREE, APPEND, ADMIT and FORK only, and would
+    refuse a whole step holding an UNRESERVE) gets none: slots ahead wait to
+    be used up as before, and the tokens are the same."""
+    from allocator_service import servicer
+    from allocator_service.core import UNRESERVE
+    from allocator_service.server import create_server
+    from allocator_service.service import AllocatorService
+
+    register = servicer.AllocatorServicer.RegisterPool
+
+    def older(self, request, context):
+        response = register(self, request, context)
+        response.ClearField("op_kinds")
+        return response
+
+    monkeypatch.setattr(servicer.AllocatorServicer, "RegisterPool", older)
+    service = AllocatorService()
+    server, port = create_server("127.0.0.1:0", service)
+    server.start()
+    try:
+        engine = make(tiny, num_lookahead_slots=8, allocator=f"127.0.0.1:{port}", worker_id="w-older", **LATE_POOL)
+        assert UNRESERVE not in engine.allocator.op_kinds and len(engine.allocator.op_kinds) == 4
+        tokens, first, _, given_back = _late_arrivals(engine)
+        assert given_back == 0
+        reference = _late_arrivals(make(tiny, num_lookahead_slots=0, **LATE_POOL))
+        assert tokens == reference[0]
+        assert first["r5"] > reference[1]["r5"]  # it waited for the slots ahead, as before UNRESERVE
+    finally:
+        server.stop(0).wait()
+        service.close()

@@ -66,10 +66,12 @@ never for a request's last token, which is sampled, not computed): near a
 full pool every step calls again. A step short of blocks, for a running
 sequence or the next request to admit, frees the finished sequences whose
 last values were still to go out, then takes slots ahead back (`Unreserve`,
-in the same call) before it preempts or leaves the request waiting: slots
-ahead never cost an admission or a preemption that a call per step would
-not. The contract's rules and reasons: docs/ARCHITECTURE.md, "The block
-contract".
+in the same call) before it preempts or leaves the request waiting: with
+prefix caching off, slots ahead never cost an admission or a preemption
+that a call per step would not (with it on, values hashed late can change
+which blocks an admission finds). An allocator from before UNRESERVE (not in
+its `op_kinds`) is sent none. The contract's rules and reasons:
+docs/ARCHITECTURE.md, "The block contract".
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ from allocator_service.client import (
     PoolLost,
 )
 from allocator_service.core import (
+    UNRESERVE,
     Admit,
     Append,
     Fork,
@@ -600,8 +603,8 @@ class Scheduler:
         planned yet, of its known tokens and the one being sampled), and
         keeps any room in that block; what it gives back is reserved slots
         (past anything computed, so without values)."""
-        if not self.lookahead:  # (no slots ahead: nothing to give back)
-            return False
+        if not self.lookahead or UNRESERVE not in self.allocator.op_kinds:
+            return False  # no slots ahead, or an allocator from before UNRESERVE
         B, found, picked = self.block_size, 0, []
         for seq in sorted(self.running, key=_priority_key, reverse=True):
             if found >= short:
