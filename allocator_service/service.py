@@ -176,7 +176,9 @@ def check_step(step: StepColumns, limits: Limits) -> None:
             raise BadRequest("num_reserved must be empty or have one entry per operation")
         if any(r for k, r in zip(kinds, reserved, strict=True) if k != APPEND and k != UNRESERVE):
             raise BadRequest("num_reserved is for APPEND and UNRESERVE operations only")
-        taken = sum(r for k, r in zip(kinds, reserved, strict=True) if k == APPEND)
+        taken = sum(reserved)  # slots APPENDs take (at C speed: this runs on every async step)
+        if UNRESERVE in kinds:
+            taken -= sum(compress(reserved, map(UNRESERVE.__eq__, kinds)))
         if taken + len(step.tokens) > limits.max_tokens_per_call:
             raise BadRequest(f"{taken} reserved slots and {len(step.tokens)} tokens in one step; "
                              f"the limit is {limits.max_tokens_per_call}")

@@ -535,26 +535,23 @@ class Scheduler:
         for seq, p in plan.running.items():
             end = seq.num_stored + p.n
             if seq in plan.unreserves:
-                # It keeps the blocks up to `end`; only values go out (into
-                # slots it keeps: `_unreserve_ahead`), after its Unreserve.
+                # It keeps the blocks up to `end` (`_unreserve_ahead`): its
+                # Append, after the Unreserve, sends values only, into slots
+                # it keeps (built against what it holds now: it reserves none).
                 target = seq.num_held - plan.unreserves[seq][0]
-                op = Append(seq.alloc_id, seq.token_ids[seq.num_valued : min(end, len(seq.token_ids))])
-                if op.tokens:
-                    p.op, p.held = op, target
-                    p.reserved = target - seq.num_valued - len(op.tokens)
-                    plan.ops.append(op)
-                continue
-            target = max(end, seq.num_held)
-            if seq in wants:
-                want, blocks = wants[seq]
-                if fits:
-                    extra = max(0, blocks_for(want, B) - blocks)
-                    p.need += extra
-                    plan.free -= extra
-                    target = max(target, want)
-                else:
-                    target = max(target, min(want, blocks * B))
-            op = _append_op(seq, end, target)
+                op = _append_op(seq, end, seq.num_held)
+            else:
+                target = max(end, seq.num_held)
+                if seq in wants:
+                    want, blocks = wants[seq]
+                    if fits:
+                        extra = max(0, blocks_for(want, B) - blocks)
+                        p.need += extra
+                        plan.free -= extra
+                        target = max(target, want)
+                    else:
+                        target = max(target, min(want, blocks * B))
+                op = _append_op(seq, end, target)
             if op.tokens or target > seq.num_held:
                 p.op = op
                 p.held = target
@@ -609,7 +606,7 @@ class Scheduler:
         for seq in sorted(self.running, key=_priority_key, reverse=True):
             if found >= short:
                 break
-            if seq in plan.unreserves or seq.status is not Status.RUNNING:
+            if seq in plan.unreserves:
                 continue
             p = plan.running.get(seq)
             end = seq.num_stored + p.n if p is not None else len(seq.token_ids) + (seq in plan.ahead)
