@@ -47,6 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
       help="file holding a bearer token every call must send as 'authorization: Bearer "
            "TOKEN' (health checks exempt); none = no server-wide token "
            "[PAGEDKV_ALLOCATOR_AUTH_TOKEN_FILE]")
+    a("--worker-tokens-file", **_env("--worker-tokens-file"), metavar="PATH",
+      help="file of worker tokens, one 'WORKER_ID URL TOKEN' per line: a worker sending TOKEN may "
+           "register only WORKER_ID advertising URL, and no other credential but the admin token may "
+           "register that id or advertise that address. With it and no --auth-token-file, every "
+           "worker needs its own token [PAGEDKV_ALLOCATOR_WORKER_TOKENS_FILE]")
     a("--admin-token-file", **_env("--admin-token-file"), metavar="PATH",
       help="file holding the admin bearer token: every call, and GetPoolStats, "
            "ResetPrefixCache and DumpPool of ANY pool without its credential; none = no "
@@ -111,6 +116,16 @@ def options_from_args(args: argparse.Namespace):
     tokens = [t for t in (token, admin, router) if t]
     if len(set(tokens)) != len(tokens):
         raise CliError("--auth-token-file, --admin-token-file and --router-token-file must hold different tokens")
+    worker_tokens = {}
+    if args.worker_tokens_file:
+        from allocator_service.roles import parse_worker_tokens
+
+        try:
+            worker_tokens = parse_worker_tokens(read_file(args.worker_tokens_file, "worker tokens file").decode())
+        except ValueError as exc:
+            raise CliError(f"--worker-tokens-file {args.worker_tokens_file}: {exc}") from exc
+        if set(worker_tokens) & set(tokens):
+            raise CliError("a worker token must differ from the auth, admin and router tokens")
     if bool(args.tls_cert) != bool(args.tls_key):
         raise CliError("--tls-cert and --tls-key go together")
     if ":" not in args.listen:
@@ -134,6 +149,7 @@ def options_from_args(args: argparse.Namespace):
         auth_token=token,
         admin_token=admin,
         router_token=router,
+        worker_tokens=worker_tokens,
         tls_cert=read_file(args.tls_cert, "TLS certificate") if args.tls_cert else None,
         tls_key=read_file(args.tls_key, "TLS key") if args.tls_key else None,
         config=config,

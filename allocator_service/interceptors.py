@@ -1,5 +1,6 @@
 """Server interceptors: the bearer tokens and the caller's role
-(`roles.py` holds the table), and per-RPC latency by method and status code.
+(`roles.py` holds the table, and what a worker token may register), and
+per-RPC latency by method and status code.
 
 Both wrap the handler's behaviour rather than answering from the interceptor
 itself, because a rejection must still be an RPC of the right shape (unary
@@ -73,13 +74,20 @@ class RoleInterceptor(grpc.ServerInterceptor):
             if key == "authorization":
                 bearer = value.encode() if isinstance(value, str) else value
                 break
+        method = full.rsplit("/", 1)[-1]
         try:
-            role = self._roles.check(full.rsplit("/", 1)[-1], bearer)
+            role = self._roles.check(method, bearer)
         except errors.ServiceError as exc:
             return _rewrap(handler, _refusal(exc))
+        grant = self._roles.grant_of(bearer) if method == "RegisterPool" else None
 
         def as_role(behaviour, streams_out):
             def call(request, context):
+                if method == "RegisterPool":  # a worker token registers its own worker only
+                    try:
+                        self._roles.check_registration(role, grant, request.worker_id, request.advertise_url)
+                    except errors.ServiceError as exc:
+                        errors.abort(context, exc)
                 token = set_caller_role(role)
                 try:
                     return behaviour(request, context)

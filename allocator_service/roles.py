@@ -6,10 +6,19 @@ A call's role comes from its `authorization: Bearer <token>` metadata:
 - **admin** (the admin token): every method; GetPoolStats, ResetPrefixCache
   and DumpPool of ANY pool without the pool's credential.
 - **router** (the router token): MatchPrefix, WatchEvents and ListPools only.
-- **pool** (the server-wide token, or no token when the server has none):
-  RegisterPool and the calls on a pool whose credential it presents. It may
-  call the router's methods only in a development setup: no router and no
-  server-wide token configured.
+- **pool** (a worker token, the server-wide token, or no token when the
+  server has neither): RegisterPool and the calls on a pool whose credential
+  it presents. It may call the router's methods only in a development setup:
+  no router token, no server-wide token and no worker tokens configured.
+
+A *worker token* (`--worker-tokens-file`) is bound to one worker id and the
+address it advertises (`WorkerGrant`): its holder may register that worker
+there and nothing else, and that id and that address may be registered with
+no other credential but the admin token (an admin approves any). So a fixed
+id such as compose's `worker-1` cannot be squatted, and no caller can list
+its own server, or another worker's address, under a bound worker. The
+router still proves every listed address before it sends a request there
+(`attest.py`).
 
 A token that matches none of the configured ones, or none where one is
 needed, is UNAUTHENTICATED; a valid token of a role the method does not
@@ -20,8 +29,10 @@ from __future__ import annotations
 
 import contextvars
 import hmac
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
+from allocator_service.attest import normalise_url
 from allocator_service.errors import PermissionDenied, Unauthenticated
 
 ADMIN, ROUTER, POOL = "admin", "router", "pool"
@@ -48,38 +59,107 @@ def reset_caller_role(token: contextvars.Token) -> None:
 
 
 @dataclass(frozen=True, slots=True)
+class WorkerGrant:
+    """What one worker token may register: this worker id at this address."""
+
+    worker_id: str
+    advertise_url: str
+
+
+def parse_worker_tokens(text: str) -> dict[str, WorkerGrant]:
+    """A worker tokens file: one `WORKER_ID URL TOKEN` per line (blank lines
+    and `#` comments skipped) -> token -> grant. Raises ValueError, naming
+    the line, on a malformed line or a repeated id, address or token."""
+    grants: dict[str, WorkerGrant] = {}
+    for n, line in enumerate(text.splitlines(), 1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        if len(words) != 3:
+            raise ValueError(f"line {n}: want 'WORKER_ID URL TOKEN', got {len(words)} fields")
+        worker_id, url, token = words
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"line {n}: the address must be an http:// or https:// URL, not {url!r}")
+        grant = WorkerGrant(worker_id, normalise_url(url))
+        for seen_token, seen in grants.items():
+            if hmac.compare_digest(seen_token, token) or seen.worker_id == worker_id \
+                    or seen.advertise_url == grant.advertise_url:
+                raise ValueError(f"line {n}: worker id, address and token must each appear once")
+        grants[token] = grant
+    return grants
+
+
+@dataclass(frozen=True, slots=True, eq=False)
 class Roles:
-    """The configured tokens (None: not configured)."""
+    """The configured tokens (None: not configured) and the worker tokens
+    (token -> the one worker it may register)."""
 
     auth_token: str | None = None
     admin_token: str | None = None
     router_token: str | None = None
+    worker_tokens: Mapping[str, WorkerGrant] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         tokens = [t for t in (self.auth_token, self.admin_token, self.router_token) if t is not None]
-        if any(not t for t in tokens):
+        if any(not t for t in tokens) or any(not t for t in self.worker_tokens):
             raise ValueError("a configured token must not be empty")
-        if len(set(tokens)) != len(tokens):
-            raise ValueError("the auth, admin and router tokens must differ from each other")
+        if len(set(tokens)) != len(tokens) or set(tokens) & set(self.worker_tokens):
+            raise ValueError("the auth, admin, router and worker tokens must differ from each other")
 
     @property
     def any_token(self) -> bool:
-        return bool(self.auth_token or self.admin_token or self.router_token)
+        return bool(self.auth_token or self.admin_token or self.router_token or self.worker_tokens)
+
+    @property
+    def open_registration(self) -> bool:
+        """Any caller is a pool (development setup: no server-wide and no worker token)."""
+        return self.auth_token is None and not self.worker_tokens
 
     @property
     def open_router_calls(self) -> bool:
         """The router's methods answer the pool role (development setup)."""
-        return self.router_token is None and self.auth_token is None
+        return self.router_token is None and self.open_registration
 
-    def role_of(self, bearer: bytes | None) -> str | None:
-        """The role a bearer value (`Bearer <token>`, or None when absent)
-        proves, or None when it proves nothing that is needed."""
+    def _match(self, bearer: bytes | None) -> tuple[str | None, WorkerGrant | None]:
         if bearer is not None:
             for token, role in ((self.admin_token, ADMIN), (self.router_token, ROUTER),
                                 (self.auth_token, POOL)):
                 if token is not None and hmac.compare_digest(bearer, f"Bearer {token}".encode()):
-                    return role
-        return POOL if self.auth_token is None else None
+                    return role, None
+            for token, grant in self.worker_tokens.items():
+                if hmac.compare_digest(bearer, f"Bearer {token}".encode()):
+                    return POOL, grant
+        return (POOL if self.open_registration else None), None
+
+    def role_of(self, bearer: bytes | None) -> str | None:
+        """The role a bearer value (`Bearer <token>`, or None when absent)
+        proves, or None when it proves nothing that is needed."""
+        return self._match(bearer)[0]
+
+    def grant_of(self, bearer: bytes | None) -> WorkerGrant | None:
+        """The worker a worker token binds (None: not a worker token)."""
+        return self._match(bearer)[1]
+
+    def check_registration(self, role: str, grant: WorkerGrant | None, worker_id: str,
+                           advertise_url: str) -> None:
+        """Raise PermissionDenied unless a caller of `role` (holding `grant`)
+        may register `worker_id` advertising `advertise_url`."""
+        if role == ADMIN:
+            return  # an admin approves any registration
+        url = normalise_url(advertise_url)
+        if grant is not None:
+            if worker_id != grant.worker_id or url != grant.advertise_url:
+                raise PermissionDenied(
+                    f"this worker token registers worker {grant.worker_id!r} advertising "
+                    f"{grant.advertise_url!r} only, not {worker_id!r} advertising {url!r}")
+            return
+        for bound in self.worker_tokens.values():
+            if worker_id == bound.worker_id:
+                raise PermissionDenied(f"worker id {worker_id!r} is bound to its own worker token "
+                                       "(--worker-tokens-file): register it with that token")
+            if url and url == bound.advertise_url:
+                raise PermissionDenied(f"the address {url!r} is bound to worker {bound.worker_id!r} "
+                                       "(--worker-tokens-file): only its worker token may advertise it")
 
     def check(self, method: str, bearer: bytes | None) -> str:
         """The caller's role, or raises Unauthenticated / PermissionDenied."""
@@ -102,5 +182,5 @@ class Roles:
     def _known(self, bearer: bytes) -> bool:
         return any(
             t is not None and hmac.compare_digest(bearer, f"Bearer {t}".encode())
-            for t in (self.auth_token, self.admin_token, self.router_token)
+            for t in (self.auth_token, self.admin_token, self.router_token, *self.worker_tokens)
         )

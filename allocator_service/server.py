@@ -12,8 +12,9 @@ import logging
 import signal
 import sys
 import threading
+from collections.abc import Mapping
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -21,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from allocator_service.config import ServiceConfig
 from allocator_service.interceptors import MetricsInterceptor, RoleInterceptor
-from allocator_service.roles import Roles
+from allocator_service.roles import Roles, WorkerGrant
 from allocator_service.service import AllocatorService
 from allocator_service.servicer import SERVICE_NAME, allocator_handler
 
@@ -40,6 +41,7 @@ def create_server(
     auth_token: str | None = None,
     admin_token: str | None = None,
     router_token: str | None = None,
+    worker_tokens: Mapping[str, WorkerGrant] | None = None,
     tls: tuple[bytes, bytes] | None = None,
     rpc_histogram=None,
     health_servicer: health.HealthServicer | None = None,
@@ -48,14 +50,14 @@ def create_server(
     """A server for `service` bound to `address` (HOST:PORT; port 0 = any).
 
     `tls` is (certificate chain PEM, private key PEM); `auth_token` (pools),
-    `admin_token` and `router_token` turn on the bearer-token roles
-    (`roles.py`); `rpc_histogram` (prometheus Histogram with labels
+    `admin_token`, `router_token` and `worker_tokens` (token -> the worker
+    it may register) turn on the bearer-token roles (`roles.py`); `rpc_histogram` (prometheus Histogram with labels
     method, code) turns on RPC latency metrics."""
     service = service if service is not None else AllocatorService()
     interceptors: list[grpc.ServerInterceptor] = []
     if rpc_histogram is not None:
         interceptors.append(MetricsInterceptor(rpc_histogram))  # outermost: sees rejections too
-    roles = Roles(auth_token or None, admin_token or None, router_token or None)
+    roles = Roles(auth_token or None, admin_token or None, router_token or None, worker_tokens or {})
     if roles.any_token:  # with none, every caller is a pool and router calls are open
         interceptors.append(RoleInterceptor(roles))
     size = service.limits.max_message_bytes
@@ -107,6 +109,7 @@ class ServeOptions:
     auth_token: str | None = None
     admin_token: str | None = None
     router_token: str | None = None
+    worker_tokens: Mapping[str, WorkerGrant] = field(default_factory=dict)
     tls_cert: bytes | None = None
     tls_key: bytes | None = None
     config: ServiceConfig = ServiceConfig()
@@ -137,10 +140,14 @@ def serve(opts: ServeOptions) -> int:
         auth_token=opts.auth_token,
         admin_token=opts.admin_token,
         router_token=opts.router_token,
+        worker_tokens=opts.worker_tokens,
         tls=tls,
         rpc_histogram=histogram,
         health_servicer=health_servicer,
     )
+    if not opts.auth_token and not opts.worker_tokens:
+        log.warning("no worker credentials (--worker-tokens-file, --auth-token-file): any caller may register "
+                    "a pool; use this only where nobody else reaches the allocator")
     if opts.auth_token and not opts.router_token:
         log.warning("no router token (--router-token-file): MatchPrefix, WatchEvents and ListPools answer the admin token only")
     host = opts.listen.rsplit(":", 1)[0]
@@ -156,7 +163,7 @@ def serve(opts: ServeOptions) -> int:
         # /metrics, the live /pools page and /playground (allocator_service/web/)
         httpd, _ = start_web_server(opts.metrics_port, metrics_host, registry=registry, service=service,
                                     roles=Roles(opts.auth_token or None, opts.admin_token or None,
-                                                opts.router_token or None))
+                                                opts.router_token or None, opts.worker_tokens))
         print(f"pagedkv allocator: metrics on http://{metrics_host}:{httpd.server_port}/metrics",
               file=sys.stderr, flush=True)
     # Tests and operators read this line; keep its shape.

@@ -37,7 +37,6 @@ still expired.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import hmac
 import logging
 import secrets
@@ -47,6 +46,7 @@ from collections.abc import Callable, Iterator
 from itertools import compress
 from typing import Any, NamedTuple
 
+from allocator_service.attest import attest_key, credential_digest
 from allocator_service.call_slots import CallSlots
 from allocator_service.codec import (
     canonical_ops,
@@ -146,10 +146,8 @@ class PoolListing(NamedTuple):
     advertise_url: str
     enable_prefix_caching: bool
     stats: PoolStats
-
-
-def _digest(credential: str) -> bytes:
-    return hashlib.sha256(credential.encode()).digest()
+    # proves the pool's identity answers (`attest.py`); derived from its credential
+    attest_key: bytes
 
 
 _KINDS = frozenset(KINDS)
@@ -324,7 +322,7 @@ class AllocatorService:
             return entry
         if not ref.credential:
             raise Unauthenticated("this call needs the pool's credential (pool.credential)")
-        if not hmac.compare_digest(_digest(ref.credential), entry.credential_digest):
+        if not hmac.compare_digest(credential_digest(ref.credential), entry.credential_digest):
             raise PermissionDenied(f"the credential is not that of pool {ref.pool_id!r}")
         # Any authenticated call on the pool proves its worker is alive.
         self.leases.renew(entry.pool_id)
@@ -386,7 +384,7 @@ class AllocatorService:
         advertised.check()
         config = config_from_proto(shape)
         credential = secrets.token_urlsafe(32)
-        digest = _digest(credential)
+        digest = credential_digest(credential)
         fresh = new_pool(config)  # O(blocks): before any lock
 
         def attempt() -> PoolEntry:
@@ -449,7 +447,7 @@ class AllocatorService:
                 f"{self.leases.remaining(old.pool_id):.1f} s unless renewed): present its credential "
                 "as replace_credential to replace it, or wait for the lease to expire"
             )
-        if not hmac.compare_digest(_digest(credential), old.credential_digest):
+        if not hmac.compare_digest(credential_digest(credential), old.credential_digest):
             raise PermissionDenied(f"replace_credential is not the credential of pool {old.pool_id!r}")
 
     def heartbeat(self, ref: pb.PoolRef) -> float:
@@ -627,7 +625,8 @@ class AllocatorService:
             with e.lock:
                 stats = e.pool.stats()
             out.append(PoolListing(e.pool_id, e.worker_id, config.model_fingerprint, e.served_model_name,
-                                   e.advertise_url, e.pool.enable_prefix_caching, stats))
+                                   e.advertise_url, e.pool.enable_prefix_caching, stats,
+                                   attest_key(e.credential_digest)))
         return out
 
     def free_blocks(self, pool_id: str) -> int | None:

@@ -176,6 +176,7 @@ class AllocatorServicer:
                 block_size=p.stats.block_size, num_blocks=p.stats.num_blocks, free_blocks=p.stats.free_blocks,
                 used_blocks=p.stats.used_blocks, cached_blocks=p.stats.cached_blocks,
                 num_sequences=p.stats.num_sequences, enable_prefix_caching=p.enable_prefix_caching,
+                attest_key=p.attest_key,
             )
             for p in self.service.list_pools(request.model_fingerprint)
         ])

@@ -25,6 +25,7 @@ SUBCOMMANDS: dict[str, str] = {
     "bench": "pagedkv.bench",
     "allocator": "allocator_service.cli",
     "up": "pagedkv.up",
+    "credentials": "pagedkv.stack.credentials",
     "worker": "worker.cli",
     "router": "router.cli",
     "demo": "pagedkv.demo",

@@ -140,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
         if stack.prometheus_url:
             table.add_row("prometheus", str(procs["prometheus"].pid), stack.prometheus_url)
         console.print(table)
-        console.print(f"logs: {stack.log_dir}   Ctrl-C stops everything")
+        console.print(f"logs and credentials (admin-token, router-token, worker tokens): {stack.log_dir}   "
+                      "Ctrl-C stops everything")
         if args.ready_file:
             Path(args.ready_file).write_text(json.dumps(stack.describe(), indent=2))
         dead = stack.wait()

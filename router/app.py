@@ -30,9 +30,12 @@ itself sends when it fails mid-stream). With no worker left: 503, code
 `/health`: 200 while some worker is known (503 `no_workers` otherwise);
 `/metrics`: the router's series (`metrics.py`).
 
-With an API key the router checks it as a worker does (`ApiKeyCheck`) and
-forwards the client's `Authorization` header unchanged either way, so
-workers that check the key check it too.
+Credentials: a client's `Authorization` header is never forwarded. With an
+API key the router checks it as a worker does (`ApiKeyCheck`) and presents
+that key, its own, to the workers (which check the same key); without one
+it presents none. A worker is sent anything at all only once it has proven
+the pool it serves (`discovery.prove`), or when the operator listed it
+(`--workers`).
 """
 
 from __future__ import annotations
@@ -72,9 +75,9 @@ log = logging.getLogger(__name__)
 
 # A worker's answer with one of these statuses is retried elsewhere (nothing was sent yet).
 RETRY_STATUSES = frozenset((502, 503, 504))
-# Not forwarded either way (hop-by-hop, or set anew by this hop).
+# Not forwarded either way (hop-by-hop, set anew by this hop, or the client's credentials).
 _HOP = frozenset((b"host", b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"te",
-                  b"upgrade", b"proxy-authorization", b"proxy-connection"))
+                  b"upgrade", b"proxy-authorization", b"proxy-connection", b"authorization", b"cookie"))
 _HOP_OUT = frozenset(("connection", "keep-alive", "transfer-encoding", "date", "server", "content-length"))
 
 
@@ -83,8 +86,12 @@ class Router:
 
     def __init__(self, tokenizer, discovery: Discovery | MergedDiscovery, policy: str, *,
                  allocators: Sequence = (), metrics: RouterMetrics | None = None, first_byte_timeout: float = 60.0,
-                 connect_timeout: float = 2.0, cooldown_s: float = 5.0, max_attempts: int = 3) -> None:
+                 connect_timeout: float = 2.0, cooldown_s: float = 5.0, max_attempts: int = 3,
+                 worker_api_key: str | None = None) -> None:
         self.tokenizer = tokenizer
+        # what the router presents to workers (never a client's own header)
+        self.worker_auth: list[tuple[str, str]] = [("authorization", f"Bearer {worker_api_key}")] \
+            if worker_api_key else []
         self.discovery = discovery
         # RouterClients, in the order of `Worker.allocator`; none: routing by load alone
         self.allocators = list(allocators)
@@ -268,7 +275,8 @@ class Router:
         routing_s = time.perf_counter() - t0
         self.metrics.routing_seconds.labels(self.policy).observe(routing_s)
         body = await request.body()
-        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw if k.lower() not in _HOP]
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw
+                   if k.lower() not in _HOP] + self.worker_auth
         why = "no worker answered"
         rid = next(self._ids)
         for worker, cached in order[: self.max_attempts]:
@@ -412,8 +420,7 @@ class Router:
         groups: dict[str, list[Worker]] = {}
         for w in self.discovery.workers.values():
             groups.setdefault(w.served_model_name or w.url, []).append(w)
-        auth = request.headers.get("authorization")
-        headers = {"authorization": auth} if auth else {}
+        headers = dict(self.worker_auth)
 
         async def cards(ws: list[Worker]) -> list[dict]:
             for w in ws:
@@ -505,6 +512,7 @@ def create_app(router: Router, api_key: str | None = None) -> FastAPI:
     async def metrics():
         d = router.discovery
         router.metrics.workers.set(len(d.workers))
+        router.metrics.unproven_pools.set(d.unproven_pools)
         router.metrics.allocators.set(len(d.parts))
         router.metrics.allocators_unreachable.set(d.allocators_unreachable)
         router.metrics.views_synced.set(sum(p.view is not None and p.view.synced for p in d.parts))

@@ -104,9 +104,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allocator-tls-ca", **_env("--allocator-tls-ca"),
                    help="CA certificate (PEM) to verify the allocator's TLS certificate")
     p.add_argument("--api-key", **_env("--api-key", os.environ.get("VLLM_API_KEY") or None),
-                   help="require `Authorization: Bearer KEY` on every /v1/* route, as a worker does; the "
-                        "header is forwarded to the workers either way (env PAGEDKV_ROUTER_API_KEY, else "
-                        "VLLM_API_KEY)")
+                   help="require `Authorization: Bearer KEY` on every /v1/* route, as a worker does, and "
+                        "present KEY to the workers (give them the same --api-key); a client's own header is "
+                        "never forwarded (env PAGEDKV_ROUTER_API_KEY, else VLLM_API_KEY)")
     p.add_argument("--first-byte-timeout", metavar="SECONDS", **_env("--first-byte-timeout", 60.0, seconds),
                    help="a worker that has not answered a request's status in this long is skipped and the "
                         "request sent to another (default 60)")
@@ -158,7 +158,7 @@ def build_router(args: argparse.Namespace):
     else:
         discovery = parts[0] if parts else Discovery(None, args.workers or (), refresh_s=args.refresh_interval)
     return Router(tokenizer, discovery, args.policy, allocators=clients,
-                  first_byte_timeout=args.first_byte_timeout)
+                  first_byte_timeout=args.first_byte_timeout, worker_api_key=args.api_key)
 
 
 def run(args: argparse.Namespace) -> int:

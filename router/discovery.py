@@ -16,7 +16,17 @@ a new snapshot, so a reconnect or a RESYNC_REQUIRED rebuilds the view
 rather than resuming it; the view says it is not in step from the moment a
 stream breaks until its new snapshot has ended.
 
-Static (`--workers URL,...`): exactly those URLs. With an allocator as well,
+A listed pool is a candidate only once its worker has proven it
+(`allocator_service.attest`): the router asks the pool's address
+`GET /pagedkv/identity` with a fresh nonce, and the answer must name that
+pool and carry the proof keyed by the pool's attestation key from the
+listing. An address advertised by a pool whose worker is not there (another
+worker's address, re-advertised; a worker that restarted under a new pool)
+is never sent a request. A proof is asked once per (pool, address); one
+that fails is asked again after `RETRY_PROOF_S`.
+
+Static (`--workers URL,...`): exactly those URLs, trusted as the operator
+gave them. With an allocator as well,
 a static URL is matched to the pool that advertises it, for its cache view.
 
 Several allocators (pools sharded across allocator processes, each worker
@@ -29,11 +39,16 @@ the router asks about that pool's cache.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import httpx
+
+from allocator_service.attest import IDENTITY_PATH, normalise_url, verify
 from router.prefix_view import PrefixView
 
 log = logging.getLogger(__name__)
@@ -41,6 +56,12 @@ log = logging.getLogger(__name__)
 # With a view: a stream in step this long before it broke or was told to
 # resync starts its next connection at the shortest backoff again.
 CALM_S = 10.0
+# A worker's identity answer: how long to wait for it, the most bytes read of
+# it, how soon a failed proof is asked again, and proofs asked at once.
+PROOF_TIMEOUT_S = 2.0
+MAX_PROOF_BYTES = 4096
+RETRY_PROOF_S = 2.0
+PROOF_THREADS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,8 +84,31 @@ class Worker:
         return self.worker_id or self.url
 
 
-def normalise_url(url: str) -> str:
-    return url.strip().rstrip("/")
+def prove(pool, timeout_s: float = PROOF_TIMEOUT_S) -> bool:
+    """Whether the worker at `pool.advertise_url` proves it serves `pool`
+    (a ListPools entry): a fresh nonce, and the answer checked against the
+    pool's attestation key. Any failure (no key listed, refused, slow,
+    oversized, wrong pool, wrong proof) is False."""
+    key = getattr(pool, "attest_key", b"")
+    url = normalise_url(pool.advertise_url)
+    if not key or not url:
+        return False
+    nonce = secrets.token_hex(16)
+    deadline = time.monotonic() + timeout_s
+    try:
+        with httpx.stream("GET", f"{url}{IDENTITY_PATH}", params={"nonce": nonce}, timeout=timeout_s,
+                          follow_redirects=False) as r:
+            if r.status_code != 200:
+                return False
+            body = b""
+            for chunk in r.iter_bytes():
+                body += chunk
+                if len(body) > MAX_PROOF_BYTES or time.monotonic() > deadline:
+                    return False
+        answer = httpx.Response(200, content=body).json()
+    except (httpx.HTTPError, ValueError):
+        return False
+    return verify(key, nonce, pool.pool_id, url, answer)
 
 
 class Discovery:
@@ -91,6 +135,11 @@ class Discovery:
         self._next_event = 0  # the event number to follow from on a reconnect (0: from now)
         self.refreshes = 0
         self.allocator_ok = client is None
+        # (pool id, address) -> proven; a failed proof's next try (monotonic)
+        self._proven: set[tuple[str, str]] = set()
+        self._retry_at: dict[tuple[str, str], float] = {}
+        self._prove_lock = threading.Lock()  # the two threads that list take turns proving
+        self.unproven_pools = 0  # listed with an address, not proven (at the last listing)
 
     @property
     def workers(self) -> dict[str, Worker]:
@@ -118,13 +167,13 @@ class Discovery:
     def refresh(self) -> None:
         """List the allocator's pools now (raises what the client raises)."""
         pools = self.client.list_pools()
+        proven = self._prove_new([p for p in pools if normalise_url(p.advertise_url)
+                                  and (not self.static or normalise_url(p.advertise_url) in self.static)])
         by_url: dict[str, Worker] = {}
         for p in pools:
             url = normalise_url(p.advertise_url)
-            if not url:
-                continue  # not advertised: nobody can reach it
-            if self.static and url not in self.static:
-                continue
+            if (p.pool_id, url) not in proven:
+                continue  # not advertised, not among the static URLs, or its worker did not prove it
             w = Worker(url, p.worker_id, p.pool_id, p.model_fingerprint, p.served_model_name, p.num_blocks,
                        p.block_size, p.free_blocks, self.index)
             old = by_url.get(url)
@@ -147,6 +196,34 @@ class Discovery:
             log.info("workers: %s", ", ".join(f"{w.name} at {u}" for u, w in sorted(by_url.items())) or "none")
             if self.on_change is not None:
                 self.on_change(by_url)
+
+    def _prove_new(self, pools: list) -> set[tuple[str, str]]:
+        """The (pool id, address) pairs of `pools` that are proven, asking
+        each worker not yet proven (all at once) whose retry time has come."""
+        with self._prove_lock:
+            return self._prove_new_locked(pools)
+
+    def _prove_new_locked(self, pools: list) -> set[tuple[str, str]]:
+        now = time.monotonic()
+        keys = {(p.pool_id, normalise_url(p.advertise_url)): p for p in pools}
+        ask = [(k, p) for k, p in keys.items() if k not in self._proven and self._retry_at.get(k, 0.0) <= now]
+        if ask:
+            with ThreadPoolExecutor(min(PROOF_THREADS, len(ask)), thread_name_prefix="router-prove") as ex:
+                results = list(ex.map(lambda kp: prove(kp[1]), ask))
+            for (key, _), ok in zip(ask, results, strict=True):
+                if ok:
+                    self._proven.add(key)
+                    self._retry_at.pop(key, None)
+                else:
+                    if key not in self._retry_at:
+                        log.warning("pool %s at %s: its worker did not prove it serves that pool; "
+                                    "not routed to", *key)
+                    self._retry_at[key] = now + RETRY_PROOF_S
+        # forget pools no longer listed
+        self._proven &= set(keys)
+        self._retry_at = {k: t for k, t in self._retry_at.items() if k in keys}
+        self.unproven_pools = len(keys) - len(self._proven)
+        return set(self._proven)
 
     # ------------------------------------------------------------ threads
     def start(self) -> None:
@@ -275,6 +352,10 @@ class MergedDiscovery:
                         merged[url], best[url] = w, rank
             self._merged, self._views = merged, views
         return self._merged
+
+    @property
+    def unproven_pools(self) -> int:
+        return sum(p.unproven_pools for p in self.parts)
 
     @property
     def allocator_ok(self) -> bool:

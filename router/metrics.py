@@ -54,6 +54,10 @@ class RouterMetrics:
         self.in_flight = Gauge("pagedkv_router_in_flight_requests",
                                "Requests a worker is answering through this router.", ["worker"], registry=r)
         self.workers = Gauge("pagedkv_router_workers", "Workers the router may send requests to.", registry=r)
+        self.unproven_pools = Gauge(
+            "pagedkv_router_unproven_pools",
+            "Listed pools never sent a request: the worker at the advertised address has not proven it "
+            "serves that pool (GET /pagedkv/identity).", registry=r)
         self.allocators = Gauge("pagedkv_router_allocators", "Allocators the router follows (pools sharded over them).",
                                 registry=r)
         self.allocators_unreachable = Gauge(

@@ -83,6 +83,12 @@ class AllocatorClient(abc.ABC):
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the pool (deregister) and any connection."""
 
+    def identity(self, nonce: str) -> dict[str, str] | None:
+        """The answer to a router's challenge (`attest.py`): this pool's id,
+        its worker id and the proof over `nonce`; None when no shared
+        allocator lists the pool (nobody routes to it through one)."""
+        return None
+
 
 class EmbeddedAllocator(AllocatorClient):
     """The allocator core in the worker's own process."""

@@ -55,6 +55,7 @@ from typing import Any, NamedTuple
 
 import grpc
 
+from allocator_service.attest import attest_key, credential_digest, proof
 from allocator_service.client.base import AllocatorClient, AllocatorUnavailable, PoolLost, PoolSpec
 from allocator_service.codec import decode_results, fill_ops, shape_to_proto, stats_from_proto
 from allocator_service.core import (
@@ -270,6 +271,17 @@ class GrpcAllocator(AllocatorClient):
     def pool_id(self) -> str:
         return self._ref.pool_id
 
+    def identity(self, nonce: str) -> dict[str, str] | None:
+        if not self.spec.advertise_url:
+            return None  # not listed with an address: no router is sent here by the allocator
+        with self._register_lock:
+            ref = self._ref
+        if not ref.pool_id:
+            return None
+        key = attest_key(credential_digest(ref.credential))
+        return {"pool_id": ref.pool_id, "worker_id": self.spec.worker_id,
+                "proof": proof(key, nonce, ref.pool_id, self.spec.advertise_url)}
+
     # ---------------------------------------------------------------- pool
     def _register(self, replace_credential: str = "") -> None:
         """Register a pool, replacing the worker id's live pool only with its
@@ -449,6 +461,7 @@ class PoolInfo(NamedTuple):
     cached_blocks: int
     num_sequences: int
     enable_prefix_caching: bool
+    attest_key: bytes = b""  # proves the worker's identity answers (`attest.py`)
 
 
 class RouterClient:
@@ -504,7 +517,7 @@ class RouterClient:
         return [
             PoolInfo(p.pool_id, p.worker_id, p.model_fingerprint, p.served_model_name, p.advertise_url,
                      p.block_size, p.num_blocks, p.free_blocks, p.used_blocks, p.cached_blocks,
-                     p.num_sequences, p.enable_prefix_caching)
+                     p.num_sequences, p.enable_prefix_caching, p.attest_key)
             for p in r.pools
         ]
 

@@ -361,7 +361,7 @@ class ListPoolsRequest(_message.Message):
     def __init__(self, model_fingerprint: _Optional[str] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
-    __slots__ = ("pool_id", "worker_id", "model_fingerprint", "served_model_name", "advertise_url", "block_size", "num_blocks", "free_blocks", "used_blocks", "cached_blocks", "num_sequences", "enable_prefix_caching")
+    __slots__ = ("pool_id", "worker_id", "model_fingerprint", "served_model_name", "advertise_url", "block_size", "num_blocks", "free_blocks", "used_blocks", "cached_blocks", "num_sequences", "enable_prefix_caching", "attest_key")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -374,6 +374,7 @@ class PoolInfo(_message.Message):
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     ENABLE_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    ATTEST_KEY_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     worker_id: str
     model_fingerprint: str
@@ -386,7 +387,8 @@ class PoolInfo(_message.Message):
     cached_blocks: int
     num_sequences: int
     enable_prefix_caching: bool
-    def __init__(self, pool_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., served_model_name: _Optional[str] = ..., advertise_url: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ...) -> None: ...
+    attest_key: bytes
+    def __init__(self, pool_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., served_model_name: _Optional[str] = ..., advertise_url: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., attest_key: _Optional[bytes] = ...) -> None: ...
 
 class ListPoolsResponse(_message.Message):
     __slots__ = ("pools",)

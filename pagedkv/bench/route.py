@@ -251,12 +251,14 @@ def run(args: argparse.Namespace) -> int:
             single.start()
             for policy in POLICIES:
                 routers[policy] = RouterProcess(f"router-{policy}", allocator=stack.allocator_address,
-                                                model=args.model, args=["--policy", policy, "--log-level", "warning"])
+                                                model=args.model, args=["--policy", policy, "--log-level", "warning",
+                                                                        *stack.router_credentials])
                 routers[policy].start()
             # kv asking MatchPrefix per request (the default keeps the allocator's
             # view from its events), side by side with it, in the rounds and the probe.
             routers[ASKING] = RouterProcess(f"router-{ASKING}", allocator=stack.allocator_address, model=args.model,
-                                            args=["--cache-view", "match-prefix", "--log-level", "warning"])
+                                            args=["--cache-view", "match-prefix", "--log-level", "warning",
+                                                  *stack.router_credentials])
             routers[ASKING].start()
             single.wait_healthy(300)
             for r in routers.values():

@@ -46,9 +46,15 @@ their binaries are on PATH::
   plus `shard-i:`). Their `--state`, `--listen` and `--metrics-port` are
   the stack's to set: `allocator_args` may not give them then. `allocator` / `allocator_address` are the first one's;
   `allocator_addresses` lists all.
-- `token` / `tls=(cert, key)`: the allocator requires that bearer token / serves
-  TLS with that certificate (which must name localhost), and the workers are
-  given what they need to call it.
+- Credentials (`credentials=True`, the default): generated for the stack, in
+  files of the log folder readable by this user only: each worker its own
+  token, bound to its id and address (`worker-tokens`, `worker-N.token`),
+  the router's token (`router-token`) and an admin token (`admin-token`).
+  `token=T` instead: one shared worker token (`allocator-token`) and the
+  router token `T-router`. `credentials=False` and no `token`: none at all
+  (any caller may register a pool: a development setup).
+- `tls=(cert, key)`: the allocator serves TLS with that certificate (which
+  must name localhost), and the workers are given what they need to call it.
 - The processes die with the thread that started the stack (see
   `pagedkv.stack.process`): start it from one that outlives it.
 """
@@ -64,6 +70,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pagedkv.settings import env_name, thread_share
+from pagedkv.stack.credentials import (
+    ADMIN_TOKEN,
+    ROUTER_TOKEN,
+    WORKER_TOKENS,
+    worker_token_file,
+    write_credentials,
+)
 from pagedkv.stack.probes import free_port, port_in_use
 from pagedkv.stack.process import Process, StackError, stop_processes, wait_healthy
 from pagedkv.stack.services import (
@@ -105,6 +118,7 @@ class LocalStack:
         log_dir: str | os.PathLike | None = None,
         echo: bool = False,
         token: str | None = None,
+        credentials: bool = True,
         tls: tuple[Path, Path] | None = None,
         router: bool = False,
         router_port: int = 0,
@@ -139,6 +153,7 @@ class LocalStack:
         self.startup_timeout = startup_timeout
         self.grace = grace
         self.token = token
+        self.credentials = credentials
         self.tls = tls
         self.want_router = router
         self.router_port = router_port
@@ -216,6 +231,15 @@ class LocalStack:
         self.services[service.name] = service
         return service
 
+    def _secret(self, name: str, value: str) -> Path:
+        """A file of the log folder holding `value`, readable by this user only."""
+        path = self.log_dir / name
+        path.unlink(missing_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(value + "\n")
+        return path
+
     def _warn(self, message: str) -> None:
         self.warnings.append(message)
         if self.console is not None:
@@ -233,19 +257,35 @@ class LocalStack:
                 self.redis.start().wait_healthy(self.startup_timeout)
                 self.redis_url = state = self.redis.url
 
+        # The workers are made (not started) first: their addresses go into their credentials.
+        share = [] if THREADS_ENV in os.environ else ["--threads", thread_share(self.num_workers)]
+        for i in range(1, self.num_workers + 1):
+            name = f"worker-{i}"
+            port = self._port(self.base_port + i - 1 if self.base_port else 0, name)
+            self.workers.append(self._add(
+                WorkerProcess, name, model=self.model, allocator="", args=[*share, *self.worker_args],
+                host=self.worker_host, port=port, connect_host=h))
+            self.worker_urls.append(self.workers[-1].url)
+
         allocator_args: list[str] = []
         to_allocator: list[str] = []  # what every worker needs to call it
         router_to_allocator: list[str] = []  # and the router
-        if self.token is not None:
-            token_file = self.log_dir / "allocator-token"
-            token_file.write_text(self.token + "\n")
+        if self.token is not None:  # one shared worker token
+            token_file = self._secret("allocator-token", self.token)
             allocator_args += ["--auth-token-file", str(token_file)]
             to_allocator += ["--allocator-token-file", str(token_file)]
-            if self.want_router:  # the router's own credential (the roles table)
-                router_file = self.log_dir / "router-token"
-                router_file.write_text(self.token + "-router\n")
-                allocator_args += ["--router-token-file", str(router_file)]
-                router_to_allocator += ["--router-token-file", str(router_file)]
+            # the router's own credential (the roles table), for this stack's router or another's
+            router_file = self._secret("router-token", self.token + "-router")
+            allocator_args += ["--router-token-file", str(router_file)]
+            router_to_allocator += ["--router-token-file", str(router_file)]
+        elif self.credentials:  # generated for this stack: a token per worker, bound to its id and address
+            write_credentials(self.log_dir, [(w.worker_id, w.url) for w in self.workers])
+            for worker in self.workers:
+                worker.args += ["--allocator-token-file", str(worker_token_file(self.log_dir, worker.worker_id))]
+            allocator_args += ["--worker-tokens-file", str(self.log_dir / WORKER_TOKENS),
+                               "--admin-token-file", str(self.log_dir / ADMIN_TOKEN),
+                               "--router-token-file", str(self.log_dir / ROUTER_TOKEN)]
+            router_to_allocator += ["--router-token-file", str(self.log_dir / ROUTER_TOKEN)]
         if self.tls is not None:
             cert, key = self.tls
             allocator_args += ["--tls-cert", str(cert), "--tls-key", str(key)]
@@ -273,17 +313,10 @@ class LocalStack:
         # The workers share this machine: each takes 1/N of the cores unless told
         # otherwise (a --threads in worker_args comes later and wins; so does the
         # environment's PAGEDKV_WORKER_THREADS). Each would take every core.
-        share = [] if THREADS_ENV in os.environ else ["--threads", thread_share(self.num_workers)]
         checks = []
-        for i in range(1, self.num_workers + 1):
-            name = f"worker-{i}"
-            port = self._port(self.base_port + i - 1 if self.base_port else 0, name)
-            worker = self._add(WorkerProcess, name, model=self.model,
-                               allocator=self.allocator_addresses[(i - 1) % self.num_allocators],
-                               args=[*share, *self.worker_args, *to_allocator], host=self.worker_host, port=port,
-                               connect_host=h)
-            self.workers.append(worker)
-            self.worker_urls.append(worker.url)
+        for i, worker in enumerate(self.workers):
+            worker.allocator = self.allocator_addresses[i % self.num_allocators]
+            worker.args += to_allocator
             checks.append((worker.start().proc, worker.healthy))
 
         if self.want_router:
@@ -343,6 +376,26 @@ class LocalStack:
                 if not proc.alive():
                     return proc
             time.sleep(0.2)
+
+    @property
+    def router_credentials(self) -> list[str]:
+        """What another router of this stack needs to follow its allocators."""
+        path = self.log_dir / ROUTER_TOKEN if self.log_dir is not None else None
+        return ["--router-token-file", str(path)] if path is not None and path.exists() else []
+
+    @property
+    def router_token(self) -> str | None:
+        """The router's token for the allocator (None: the stack has none)."""
+        return self._read_secret(ROUTER_TOKEN)
+
+    @property
+    def admin_token(self) -> str | None:
+        """The allocator's admin token (None: the stack has none)."""
+        return self._read_secret(ADMIN_TOKEN)
+
+    def _read_secret(self, name: str) -> str | None:
+        path = self.log_dir / name if self.log_dir is not None else None
+        return path.read_text().strip() if path is not None and path.exists() else None
 
     def describe(self) -> dict:
         return {

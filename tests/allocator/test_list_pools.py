@@ -8,6 +8,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from allocator_service.attest import verify
 from allocator_service.client import PoolSpec
 from allocator_service.client.grpc_client import GrpcAllocator, PoolInfo, RouterClient
 from allocator_service.core import Admit, PoolConfig
@@ -55,7 +56,13 @@ def test_list_pools_says_where_each_worker_serves_and_its_load(server):
     try:
         a.step([Admit("s1", list(range(10)))])  # 3 blocks of 4
         listed = [p for p in router.list_pools() if p.pool_id.startswith("lp-")]
-        assert listed == [
+        # Each pool's attestation key proves its own worker's identity answers, and no other's.
+        nonce = "ab" * 16
+        assert verify(listed[0].attest_key, nonce, "lp-a/1", "http://10.0.0.1:8000", a.identity(nonce))
+        assert verify(listed[1].attest_key, nonce, "lp-b/1", "https://b.example:9000", b.identity(nonce))
+        assert not verify(listed[0].attest_key, nonce, "lp-a/1", "http://10.0.0.1:8000", b.identity(nonce))
+        assert not verify(listed[0].attest_key, "cd" * 16, "lp-a/1", "http://10.0.0.1:8000", a.identity(nonce))
+        assert [p._replace(attest_key=b"") for p in listed] == [
             PoolInfo("lp-a/1", "lp-a", "m", "chat-model", "http://10.0.0.1:8000", 4, 16, 13, 3, 0, 1, True),
             PoolInfo("lp-b/1", "lp-b", "other", "chat-model", "https://b.example:9000/", 4, 8, 8, 0, 0, 0, True),
         ]

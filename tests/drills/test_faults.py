@@ -176,7 +176,7 @@ def test_worker_kill9_lease_expires_and_restart(stack, reference):
     """kill -9 worker-2 mid-workload: worker-1's requests are unaffected,
     worker-2's lease runs out and its pool is dropped; worker-2 started again
     with the same --worker-id registers a new epoch and serves."""
-    router = RouterClient(stack.allocator_address)
+    router = RouterClient(stack.allocator_address, router_token=stack.router_token)
     first_event = stack.allocator_metrics().value("pagedkv_allocator_event_sequence") + 1
     before = worker_samples(stack)
     victim = stack.workers[1]

@@ -28,6 +28,7 @@ from allocator_service.client.grpc_client import GrpcAllocator
 from allocator_service.core import PoolConfig
 from tests.support.allocator import random_steps
 from tests.support.drills import (
+    POOLS_TOKEN,
     Stack,
     check_no_leak,
     complete,
@@ -102,7 +103,7 @@ def pool_client(address: str, i: int, stop: threading.Event, tally: Tally) -> No
             return
         spec = PoolSpec(f"load-{i}", PoolConfig(64, 4, True, "load-model"))
         try:
-            remote = GrpcAllocator(address, spec, heartbeat=False)
+            remote = GrpcAllocator(address, spec, auth_token=POOLS_TOKEN, heartbeat=False)
         except Exception as exc:  # noqa: BLE001 - counted, the drill goes on
             tally.add(0.0, repr(exc))
             continue

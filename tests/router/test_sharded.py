@@ -41,7 +41,7 @@ def stack():
 def test_each_worker_registers_with_its_own_allocator(stack):
     assert len(stack.allocator_addresses) == 2 and stack.allocator_address == stack.allocator_addresses[0]
     for address, worker in zip(stack.allocator_addresses, ("worker-1", "worker-2"), strict=True):
-        client = RouterClient(address)
+        client = RouterClient(address, router_token=stack.router_token)
         try:
             assert [p.worker_id for p in client.list_pools()] == [worker]
         finally:

@@ -52,6 +52,10 @@ def wait_for(check, timeout_s: float, what: str, interval_s: float = 0.1):
         time.sleep(interval_s)
 
 
+# The workers' shared token: a drill's own extra pools register with it too (`Stack.token`).
+POOLS_TOKEN = "drill-pools-token"
+
+
 class Stack(LocalStack):
     """The drills' topology: `pagedkv.stack.LocalStack` with the tiny model, quiet
     workers, a private Redis by default (the drill is skipped without
@@ -66,7 +70,7 @@ class Stack(LocalStack):
         # are sized for that pace; with the cores divided a worker got through
         # them in 0.6 s, before the fault (the Redis kill drill then saw no retry).
         super().__init__(workers, MODEL, worker_args=["--log-level", "warning", "--threads", "1/1", *worker_args],
-                         allocator_args=allocator_args, redis=redis, token=token, tls=tls,
+                         allocator_args=allocator_args, redis=redis, token=token or POOLS_TOKEN, tls=tls,
                          startup_timeout=120.0, grace=15.0)
 
     # ------------------------------------------------------------ faults

@@ -11,6 +11,10 @@ Their request and response bodies are vLLM's:
   `{"count", "max_model_len", "tokens", "token_strs"}`.
 - `POST /detokenize` with `{"tokens": [ids]}`: `{"prompt": text}`.
 - `GET /version`: `{"version": "..."}` (this package's version).
+- `GET /pagedkv/identity?nonce=N`: the answer to a router's challenge
+  (`allocator_service.attest`): `{"pool_id", "worker_id", "proof"}`, proving
+  that this worker serves the pool the allocator lists at its address; 404
+  `not_registered` when no shared allocator lists it with an address.
 
 Not under /v1, so an API key does not guard them (as in vLLM). Texts longer
 than `OFFLOAD_CHARS` are tokenized off the event loop.
@@ -23,6 +27,7 @@ import importlib.metadata
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from allocator_service.attest import IDENTITY_PATH, valid_nonce
 from worker.server.bodies import off_loop, read_body
 from worker.server.errors import ApiError
 from worker.server.protocol import ChatMessage, template_messages
@@ -123,3 +128,14 @@ async def detokenize(request: Request):
 @router.get("/version")
 async def get_version():
     return {"version": version()}
+
+
+@router.get(IDENTITY_PATH)
+async def identity(request: Request, nonce: str = ""):
+    if not valid_nonce(nonce):
+        raise ApiError(400, "nonce must be 32 to 128 lowercase hex digits", param="nonce")
+    answer = request.app.state.engine.engine.allocator.identity(nonce)
+    if answer is None:
+        raise ApiError(404, "this worker's pool is not listed with an address by a shared allocator",
+                       type_="not_found_error", code="not_registered")
+    return answer
