@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "pagedkv.json"
 PROM_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
-SERVICES = {"redis", "allocator", "worker-1", "worker-2", "router", "prometheus", "grafana"}
+SERVICES = {"credentials", "redis", "allocator", "worker-1", "worker-2", "router", "prometheus", "grafana"}
 
 
 def need(binary: str, package: str) -> str:
@@ -95,7 +95,24 @@ def test_docker_compose_config_validates():
 def test_compose_topology(compose):
     s = compose["services"]
     assert set(s) == SERVICES
+    # The stack's credentials, made once by a one-shot service: a token per worker (bound
+    # to its id and the address it advertises), the router's and an admin's.
+    cred = s["credentials"]
+    assert cred["command"] == ["credentials", "/credentials", "worker-1=http://worker-1:8000",
+                               "worker-2=http://worker-2:8000"]
+    assert cred["restart"] == "no" and cred["volumes"] == ["credentials:/credentials"]
+    for name in ("allocator", "worker-1", "worker-2", "router"):
+        assert s[name]["volumes"] == ["credentials:/credentials:ro"], name
+    assert s["allocator"]["depends_on"]["credentials"]["condition"] == "service_completed_successfully"
+    tokens = flags(s["allocator"]["command"])
+    assert (tokens["--worker-tokens-file"], tokens["--router-token-file"], tokens["--admin-token-file"]) == (
+        "/credentials/worker-tokens", "/credentials/router-token", "/credentials/admin-token")
+    assert flags(s["router"]["command"])["--router-token-file"] == "/credentials/router-token"
+    for name in ("worker-1", "worker-2"):
+        assert flags(s[name]["command"])["--allocator-token-file"] == f"/credentials/{name}.token"
     for name, svc in s.items():
+        if name == "credentials":
+            continue
         assert svc.get("restart") == "unless-stopped", name
         assert "healthcheck" in svc, name
     assert "--appendonly" in s["redis"]["command"] and "yes" in s["redis"]["command"]

@@ -1,0 +1,52 @@
+"""`pagedkv credentials` (compose's credentials service) and what `pagedkv up`
+generates: a token per worker bound to its id and address, the router's and
+an admin's, readable by their owner only, kept across restarts."""
+
+from __future__ import annotations
+
+import stat
+import subprocess
+import sys
+
+from allocator_service.roles import WorkerGrant, parse_worker_tokens
+from pagedkv.stack.credentials import write_credentials
+
+WORKERS = [("worker-1", "http://worker-1:8000"), ("worker-2", "http://worker-2:8000/")]
+
+
+def _files(d) -> dict[str, str]:
+    return {p.name: p.read_text() for p in sorted(d.iterdir())}
+
+
+def test_each_worker_gets_a_token_bound_to_its_id_and_address(tmp_path):
+    assert write_credentials(tmp_path, WORKERS)
+    files = _files(tmp_path)
+    assert set(files) == {"worker-tokens", "worker-1.token", "worker-2.token", "router-token", "admin-token"}
+    for p in tmp_path.iterdir():
+        assert stat.S_IMODE(p.stat().st_mode) == 0o600, p
+    grants = parse_worker_tokens(files["worker-tokens"])
+    assert grants == {files["worker-1.token"].strip(): WorkerGrant("worker-1", "http://worker-1:8000"),
+                      files["worker-2.token"].strip(): WorkerGrant("worker-2", "http://worker-2:8000")}
+    tokens = [v.strip() for v in files.values() if "\n" == v[-1] and " " not in v.strip()]
+    assert len(set(tokens)) == len(tokens) == 4 and all(len(t) >= 40 for t in tokens)
+
+
+def test_a_restart_keeps_them_and_other_workers_renew_them(tmp_path):
+    write_credentials(tmp_path, WORKERS)
+    first = _files(tmp_path)
+    assert not write_credentials(tmp_path, WORKERS)  # a container restarted: the same tokens
+    assert _files(tmp_path) == first
+    assert write_credentials(tmp_path, [*WORKERS, ("worker-3", "http://worker-3:8000")])
+    assert set(parse_worker_tokens(_files(tmp_path)["worker-tokens"]).values()) >= {
+        WorkerGrant("worker-3", "http://worker-3:8000")}
+    assert _files(tmp_path)["router-token"] != first["router-token"]
+
+
+def test_the_command_says_what_it_did_and_refuses_a_bad_worker(tmp_path):
+    cmd = [sys.executable, "-m", "pagedkv", "credentials", str(tmp_path / "c"), "worker-1=http://worker-1:8000"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "credentials for 1 workers" in r.stdout and "(written)" in r.stdout
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "(kept)" in r.stdout
+    r = subprocess.run([*cmd[:-1], "worker-1"], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "want WORKER_ID=URL" in r.stderr and "Traceback" not in r.stderr
