@@ -215,7 +215,8 @@ def check(opts: ServeOptions, out=sys.stdout) -> int:
         for problem in report.problems:
             p(f"  {'FATAL ' if problem.fatal else ''}{problem}")
         if report.fatal is not None:
-            p("verdict: NOT sound; the allocator refuses to start on it (see docs/RELIABILITY.md)")
+            p("verdict: NOT sound; the allocator refuses to start on it "
+              "(see docs/operations.md, 'A journal that cannot be replayed')")
         else:
             p(f"verdict: NOT sound; a start drops {', '.join(report.dropped) or 'no pool'} and stores the repair")
         return 1
