@@ -29,7 +29,7 @@ log = logging.getLogger("allocator_service")
 
 # The interpreter's thread switch interval in the server process (Python's
 # default is 5 ms): how long one pool's CPU-bound call can keep another pool's
-# request from running at a stretch (docs/RELIABILITY.md, "Isolation in time").
+# request from running at a stretch (docs/reliability.md, "Isolation and bounded cost").
 GIL_SWITCH_S = 0.0005
 
 
