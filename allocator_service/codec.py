@@ -3,7 +3,7 @@
 
 Columns instead of one message per operation: a 256-sequence decode step is
 then a few packed arrays, and both ends convert them with list operations
-rather than 256 message objects (see the hot-path notes in the README). The
+rather than 256 message objects (docs/benchmarks.md times the Step). The
 core's `StepColumns` and `StepResult` have the wire's shape, so converting is
 copying lists; the one step semantics is the core's `run_step`.
 """

@@ -135,7 +135,7 @@ class DurableState:
                 f"the journal in {self.journal.describe()} is damaged at {fatal}. Inspect it with "
                 "`pagedkv allocator --state URL --check`; to start over, delete the keys "
                 "<prefix>journal, <prefix>snapshot and <prefix>head (every worker then re-registers "
-                "and recomputes once): see docs/RELIABILITY.md, 'A log that verifies itself'"
+                "and recomputes once): see docs/operations.md, 'A journal that cannot be replayed'"
             )
         self.registry = registry
         self._chain = report.chain

@@ -1,4 +1,4 @@
-"""Prometheus metrics of the allocator (docs/ARCHITECTURE.md, "Observability").
+"""Prometheus metrics of the allocator (docs/operations.md, "Observing").
 
 Pool figures are read from the pools at scrape time by a custom collector,
 not kept as gauges updated on the hot path: the core already counts

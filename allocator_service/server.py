@@ -30,7 +30,7 @@ log = logging.getLogger("allocator_service")
 
 # The interpreter's thread switch interval in the server process (Python's
 # default is 5 ms): how long one pool's CPU-bound call can keep another pool's
-# request from running at a stretch (docs/RELIABILITY.md, "Isolation in time").
+# request from running at a stretch (docs/reliability.md, "Isolation and bounded cost").
 GIL_SWITCH_S = 0.0005
 
 
@@ -222,7 +222,8 @@ def check(opts: ServeOptions, out=sys.stdout) -> int:
         for problem in report.problems:
             p(f"  {'FATAL ' if problem.fatal else ''}{problem}")
         if report.fatal is not None:
-            p("verdict: NOT sound; the allocator refuses to start on it (see docs/RELIABILITY.md)")
+            p("verdict: NOT sound; the allocator refuses to start on it "
+              "(see docs/operations.md, 'A journal that cannot be replayed')")
         else:
             p(f"verdict: NOT sound; a start drops {', '.join(report.dropped) or 'no pool'} and stores the repair")
         return 1

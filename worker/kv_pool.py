@@ -2,7 +2,7 @@
 
 Layout: per layer, K and V each look like `[num_blocks, block_size, num_kv_heads,
 head_dim]`, so token position `p` of a sequence with block table `t` lives at
-`[t[p // B], p % B]`, flat slot id `t[p // B] * B + p % B` (docs/ARCHITECTURE.md, "The block contract").
+`[t[p // B], p % B]`, flat slot id `t[p // B] * B + p % B` (docs/architecture.md, "The block contract").
 
 Invariants:
 - The pool never allocates after construction; block ids are `0..num_blocks-1`

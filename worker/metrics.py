@@ -1,10 +1,10 @@
-"""Prometheus metrics of a worker (docs/ARCHITECTURE.md, "Observability").
+"""Prometheus metrics of a worker (docs/operations.md, "Observing").
 
 Names carry their unit, counters end in `_total`; every series has the labels
 `worker` (the worker id), `model` (the --model value) and `model_name` (the
 served model name: vLLM's label, so its dashboards' `$model_name` filter
 works; deploy/prometheus/vllm-recording-rules.yml renames the series to
-vLLM's `vllm:` names, the README maps each). Pool gauges are read from the allocator
+vLLM's `vllm:` names, docs/operations.md maps each). Pool gauges are read from the allocator
 client at scrape time by a custom collector, so they are never stale and the
 engine loop does no metric bookkeeping for them.
 

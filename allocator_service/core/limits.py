@@ -41,7 +41,7 @@ MAX_SALT_LEN = 1024
 
 # What one pool's sequences may hold, whatever legal operations arrive: the
 # bound that keeps the allocator's memory proportional to the blocks it serves
-# (docs/RELIABILITY.md, "Bounded cost"). Derived from the pool's shape only,
+# (docs/architecture.md, "Bounded cost"). Derived from the pool's shape only,
 # never from a deployment setting, so replaying a journal always refuses
 # exactly what was refused when the record was accepted.
 #

@@ -19,7 +19,7 @@ objects, and the service converts them to and from the wire's `StepOps` /
 
 An APPEND may also reserve slots for tokens not known yet (`num_reserved`,
 async scheduling): their values come first in the sequence's next APPEND
-(`BlockPool.append`; the rules: docs/ARCHITECTURE.md, "One step ahead").
+(`BlockPool.append`; the rules: docs/architecture.md, "One step ahead").
 An UNRESERVE gives reserved slots back (`num_reserved` says how many; the
 worker's lookahead slots, when a request waits for their blocks or a running
 sequence would otherwise be preempted: `BlockPool.unreserve`).

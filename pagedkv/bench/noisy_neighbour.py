@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "them)")
     parser.add_argument("--neighbour-parses", action="store_true",
                         help="with --noisy-neighbour: the neighbour builds each request and parses each answer as it "
-                             "goes (as a worker's GrpcAllocator does, and this benchmark did before); by default its "
+                             "goes (as a worker's GrpcAllocator does); by default its "
                              "requests are serialized before timing starts and its answers left unparsed, so that "
                              "its client takes as little of the machine's CPU as it can")
 

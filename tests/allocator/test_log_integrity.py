@@ -15,6 +15,7 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -245,7 +246,11 @@ def test_unattributable_damage_stops_start_with_one_line(store, allocator_server
     code, out = start_fails(url)
     assert code == 1, out
     lines = [line for line in out.splitlines() if "cannot start" in line]
-    assert len(lines) == 1 and "--check" in lines[0] and "docs/RELIABILITY.md" in lines[0], out
+    assert len(lines) == 1 and "--check" in lines[0] and "docs/operations.md" in lines[0], out
+    # the recovery the line points at is there
+    section = "A journal that cannot be replayed"
+    assert section in lines[0]
+    assert f"### {section}" in (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
 
 
 def test_older_journal_without_digests_still_loads(store, allocator_server):

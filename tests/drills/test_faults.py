@@ -1,4 +1,4 @@
-"""Fault drills on real processes (docs/ARCHITECTURE.md, "The block contract": durability).
+"""Fault drills on real processes (docs/architecture.md, "The block contract": durability).
 
 Two workers serve greedy requests on pools small enough to preempt, with the
 allocator's state journaled in a private Redis (append-only), while a drill
@@ -16,7 +16,7 @@ each kill lands while a step's call is out as the previous step computes,
 and the texts are those of the synchronous engine (`reference_texts`).
 
 Figures: `python -m pytest tests/drills/test_faults.py -s` prints one
-`DRILL {...}` JSON line per drill (docs/RELIABILITY.md).
+`DRILL {...}` JSON line per drill (docs/reliability.md).
 """
 
 from __future__ import annotations

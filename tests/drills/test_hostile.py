@@ -282,7 +282,7 @@ def test_allocator_model_based_fuzzer(allocator_server):
 COST_BLOCKS, COST_B = 4096, 16
 # Before the bound, one step of 16,384 forks of a 4,096-block sequence added
 # ~1 GiB. The bound asserted here is generous: most of the growth measured
-# (87 to 130 MiB, docs/RELIABILITY.md) is the high-water mark of decoding and
+# (87 to 130 MiB, docs/reliability.md) is the high-water mark of decoding and
 # journaling 9 MiB requests, which the allocator process keeps.
 COST_RSS_BOUND = 64 * 1024 * 1024 + COST_BLOCKS * 32 * 1024  # 64 MiB + 32 KiB per block
 

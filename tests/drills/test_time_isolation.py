@@ -1,4 +1,4 @@
-"""Isolation in time, on real processes (docs/RELIABILITY.md, "Isolation in time").
+"""Isolation in time, on real processes (docs/reliability.md, "Isolation and bounded cost").
 
 - A victim pool's Steps and heartbeats never wait behind a whole heavy call
   of another pool (a dump or integrity check of a 65,536-block pool) while

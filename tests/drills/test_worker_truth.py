@@ -1,5 +1,5 @@
 """The worker tells the truth and sheds waste, on real processes
-(docs/RELIABILITY.md, "The worker").
+(docs/reliability.md, "Workers and the router under load and faults").
 
 - A multi-megabyte body (just under the 8 MiB limit) does not stop /health:
   text and chat prompts that must be too long are refused before they are

@@ -1,5 +1,5 @@
 """Property-based (hypothesis) test of async scheduling's rules: deferred
-hashes and deferred frees (docs/ARCHITECTURE.md, "The block contract").
+hashes and deferred frees (docs/architecture.md, "The block contract").
 
 The real `Scheduler` plans against the real allocator core (`EmbeddedAllocator`)
 while a model of the forward pass stands in for torch: each scheduled token

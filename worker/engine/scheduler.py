@@ -71,7 +71,7 @@ prefix caching off, slots ahead never cost an admission or a preemption
 that a call per step would not (with it on, values hashed late can change
 which blocks an admission finds). An allocator from before UNRESERVE (not in
 its `op_kinds`) is sent none. The contract's rules and reasons:
-docs/ARCHITECTURE.md, "The block contract".
+docs/architecture.md, "The block contract".
 """
 
 from __future__ import annotations
