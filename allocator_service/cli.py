@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from pagedkv.settings import (
+from pagedkv_base.settings import (
     LOG_LEVELS,
     CliError,
     env_default,

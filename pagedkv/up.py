@@ -23,8 +23,8 @@ import json
 import signal
 from pathlib import Path
 
-from pagedkv.settings import parse_threads
 from pagedkv.stack import LocalStack, StackError
+from pagedkv_base.settings import parse_threads
 from router.policy import POLICIES
 
 # ---------------------------------------------------------------- CLI

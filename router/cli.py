@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from pagedkv.settings import (
+from pagedkv_base.settings import (
     LOG_LEVELS,
     CliError,
     env_default,
@@ -127,10 +127,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def build_router(args: argparse.Namespace):
     """The Router (tokenizer loaded, allocator client made), not started."""
+    from pagedkv_base.model_files import ModelLoadError, load_tokenizer
     from router.app import Router
     from router.discovery import Discovery, MergedDiscovery
     from router.prefix_view import PrefixView
-    from worker.model.loader import ModelLoadError, load_tokenizer
 
     if not args.allocator and not args.workers:
         raise CliError("give --allocator HOST:PORT (workers found there) or --workers URL,...")
@@ -139,7 +139,7 @@ def build_router(args: argparse.Namespace):
     clients = []
     if args.allocator:
         try:
-            # The worker's own loader: the same tokenizer and chat template it uses, no
+            # The tokenizer and chat template the worker loads (pagedkv_base.model_files), no
             # weights (only MatchPrefix needs the prompt's tokens: without an allocator, none).
             tokenizer = load_tokenizer(args.model)
         except (ValueError, ModelLoadError, OSError) as exc:

@@ -13,7 +13,7 @@ import os
 import secrets
 import socket
 
-from pagedkv.settings import (
+from pagedkv_base.settings import (
     LOG_LEVELS,
     CliError,
     env_default,

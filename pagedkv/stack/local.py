@@ -63,7 +63,6 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from pagedkv.settings import env_name, thread_share
 from pagedkv.stack.probes import free_port, port_in_use
 from pagedkv.stack.process import Process, StackError, stop_processes, wait_healthy
 from pagedkv.stack.services import (
@@ -75,6 +74,7 @@ from pagedkv.stack.services import (
     WorkerProcess,
     prometheus_config,
 )
+from pagedkv_base.settings import env_name, thread_share
 
 THREADS_ENV = env_name("worker", "--threads")
 _COLOURS = ("cyan", "magenta", "green", "yellow", "blue", "bright_red", "bright_cyan", "bright_magenta")
