@@ -85,3 +85,41 @@ def test_reference_has_every_setting():
     assert len(table) == 2 + 5
     assert "| `--size` | `PAGEDKV_TOY_SIZE` | `4` | blocks |" in table
     assert "|  | `PAGEDKV_TOY_WAIT` | `1.0` | seconds to wait |" in table
+
+
+@pytest.mark.parametrize("component", ["allocator", "worker", "router", "up"])
+def test_each_component_is_its_dataclass(component):
+    """A component's parser has exactly the flags of its dataclass, each with its
+    variable in the help, and the reference names every setting."""
+    import dataclasses
+
+    from pagedkv.cli import build_parser
+    from pagedkv.configs import CONFIGS, reference_markdown
+
+    cls = CONFIGS[component]
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices[component]
+    own = {a.dest: a for a in sub._actions if a.option_strings and a.dest != "help"}
+    fields = dataclasses.fields(cls)
+    flagged = {f.name for f in fields if f.metadata["pagedkv"].flag}
+    if component == "up":  # plus the workers' and the router's that it hands on
+        from router.cli import RouterArgs
+        from worker.cli import WorkerArgs
+
+        flagged |= {f.name for c in (WorkerArgs, RouterArgs) for f in dataclasses.fields(c)
+                    if f.metadata["pagedkv"].stack}
+    assert set(own) == flagged
+    for name, action in own.items():
+        assert f"PAGEDKV_{component.upper()}_" in action.help or name in flagged - {f.name for f in fields}
+    table = reference_markdown(component)
+    for f in fields:
+        assert f"`PAGEDKV_{component.upper()}_{f.name.upper()}`" in table
+
+
+def test_a_worker_refuses_two_pool_sizes():
+    from worker.cli import add_arguments as worker_arguments
+    from worker.cli import worker_args
+
+    p = argparse.ArgumentParser()
+    worker_arguments(p)
+    with pytest.raises(CliError, match="--num-blocks or --kv-cache-memory"):
+        worker_args(p.parse_args(["--num-blocks", "8", "--kv-cache-memory", "1GiB"]))
