@@ -7,12 +7,14 @@ Only argparse and the settings scheme are imported at module level so that
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
+from typing import ClassVar
 
-from pagedkv.settings import (
+from pagedkv_base.config import add_arguments as add_setting_flags
+from pagedkv_base.config import from_args, setting
+from pagedkv_base.settings import (
     LOG_LEVELS,
     CliError,
-    env_default,
-    env_switch,
     log_level,
     read_file,
     read_secret,
@@ -21,78 +23,86 @@ from pagedkv.settings import (
 
 DESCRIPTION = """\
 Run the PagedKV allocator: the gRPC service that owns every worker's block
-tables, refcounts and prefix-cache index. Every flag can also be given as an
-environment variable (shown in brackets); a flag wins over its variable.
+tables, refcounts and prefix-cache index. Every setting is also an
+environment variable (shown in brackets; some are variables only: see the
+configuration reference); a flag wins over its variable.
 """
 
+_REDIS = ("redis://", "rediss://", "unix://")
 
-def _env(flag: str, default=None, type=str) -> dict:
-    return env_default("allocator", flag, default, type)
+
+@dataclass(frozen=True, slots=True)
+class AllocatorArgs:
+    """Every setting of `pagedkv allocator`: its flags, variables and reference come from here."""
+
+    component: ClassVar[str] = "allocator"
+
+    listen: str = setting(
+        "127.0.0.1:50051", "address to serve gRPC on; port 0 picks a free one, [::]:PORT or 0.0.0.0:PORT "
+        "for every interface", metavar="HOST:PORT")
+    metrics_port: int | None = setting(
+        None, "serve Prometheus metrics, /pools and /playground on this port (same host as --listen; "
+        "0 = any free port); off when not given", metavar="PORT")
+    state: str = setting(
+        "memory", "'memory' keeps state in this process only; a redis:// URL journals every accepted change "
+        "in Redis before replying and rebuilds the exact state on start (append ?key_prefix=NAME: to share "
+        "one Redis)", metavar="memory|redis://HOST:PORT/DB")
+    auth_token_file: str | None = setting(
+        None, "file holding a bearer token every call must send as 'authorization: Bearer TOKEN' (health "
+        "checks exempt); none = no server-wide token", metavar="PATH")
+    worker_tokens_file: str | None = setting(
+        None, "file of worker tokens, one 'WORKER_ID URL TOKEN' per line: a worker sending TOKEN may register "
+        "only WORKER_ID advertising URL, and no other credential but the admin token may register that id or "
+        "advertise that address. With it and no --auth-token-file, every worker needs its own token",
+        metavar="PATH")
+    admin_token_file: str | None = setting(
+        None, "file holding the admin bearer token: every call, and GetPoolStats, ResetPrefixCache and "
+        "DumpPool of ANY pool without its credential; none = no admin role", metavar="PATH")
+    router_token_file: str | None = setting(
+        None, "file holding the router bearer token, which MatchPrefix, WatchEvents and ListPools then "
+        "require (or the admin token) and which may call nothing else. Without it those calls are open to "
+        "any caller only when --auth-token-file is unset too (a development setup); with --auth-token-file "
+        "alone they need the admin token", metavar="PATH")
+    lease_ttl: float = setting(
+        30.0, "drop a pool (and free its blocks) when no call renewed it for this long", metavar="SECONDS")
+    tls_cert: str | None = setting(
+        None, "serve TLS with this certificate chain (needs --tls-key)", metavar="PEM")
+    tls_key: str | None = setting(None, "private key of --tls-cert", metavar="PEM")
+    snapshot_every: int = setting(
+        1000, "with --state redis: write a full snapshot every N journal records, so a restart replays at "
+        "most N", metavar="N")
+    max_snapshot_mb: int = setting(
+        256, "with --state redis: a snapshot larger than this is not written (logged; tried again later; "
+        "the journal keeps every record); at most 512, Redis's value limit", metavar="MB")
+    redis_wait_replicas: int = setting(
+        0, "with --state redis: after every journal write wait (Redis WAIT) until N replicas hold it before "
+        "replying; a write they do not acknowledge in time is UNAVAILABLE (the worker retries). For "
+        "durability across the loss of the Redis host", metavar="N")
+    redis_wait_timeout: float = setting(
+        1.0, "how long --redis-wait-replicas waits", metavar="SECONDS")
+    fair_share_window_ms: float = setting(
+        100.0, "per-pool CPU fair share: while pools contend, the pool that used more CPU over about this "
+        "long waits for a call of the one that used less (delayed, never refused); 0 = off", flag=False)
+    check: bool = setting(
+        False, "verify the journal in --state (digests, record chain, step chains, head) without serving or "
+        "writing; print what was found; exit 0 if sound, 1 if not")
+    log_level: str = setting("INFO", "log level, any case", parse=log_level, choices=LOG_LEVELS)
+
+    def __post_init__(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if ":" not in self.listen:
+            raise ValueError(f"--listen wants HOST:PORT, not {self.listen!r}")
+        if not 1 <= self.max_snapshot_mb <= 512:
+            raise ValueError("--max-snapshot-mb must be 1 to 512 (Redis's value limit)")
+        if not (self.state == "memory" or self.state.startswith(_REDIS)):
+            raise ValueError(f"--state must be 'memory' or a redis:// URL, not {self.state!r}")
+        if self.redis_wait_replicas < 0 or not self.redis_wait_timeout > 0:
+            raise ValueError("--redis-wait-replicas must be >= 0 and --redis-wait-timeout positive")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    a = parser.add_argument
-    a("--listen", **_env("--listen", "127.0.0.1:50051"), metavar="HOST:PORT",
-      help="address to serve gRPC on; port 0 picks a free one, [::]:PORT or 0.0.0.0:PORT "
-           "for every interface [%(default)s] [PAGEDKV_ALLOCATOR_LISTEN]")
-    a("--metrics-port", **_env("--metrics-port", type=int), metavar="PORT",
-      help="serve Prometheus metrics on this port (same host as --listen; 0 = any free "
-           "port); off when not given [PAGEDKV_ALLOCATOR_METRICS_PORT]")
-    a("--state", **_env("--state", "memory"), metavar="memory|redis://HOST:PORT/DB",
-      help="'memory' keeps state in this process only; a redis:// URL journals every "
-           "accepted change in Redis before replying and rebuilds the exact state on "
-           "start (append ?key_prefix=NAME: to share one Redis) [%(default)s] "
-           "[PAGEDKV_ALLOCATOR_STATE]")
-    a("--auth-token-file", **_env("--auth-token-file"), metavar="PATH",
-      help="file holding a bearer token every call must send as 'authorization: Bearer "
-           "TOKEN' (health checks exempt); none = no server-wide token "
-           "[PAGEDKV_ALLOCATOR_AUTH_TOKEN_FILE]")
-    a("--worker-tokens-file", **_env("--worker-tokens-file"), metavar="PATH",
-      help="file of worker tokens, one 'WORKER_ID URL TOKEN' per line: a worker sending TOKEN may "
-           "register only WORKER_ID advertising URL, and no other credential but the admin token may "
-           "register that id or advertise that address. With it and no --auth-token-file, every "
-           "worker needs its own token [PAGEDKV_ALLOCATOR_WORKER_TOKENS_FILE]")
-    a("--admin-token-file", **_env("--admin-token-file"), metavar="PATH",
-      help="file holding the admin bearer token: every call, and GetPoolStats, "
-           "ResetPrefixCache and DumpPool of ANY pool without its credential; none = no "
-           "admin role [PAGEDKV_ALLOCATOR_ADMIN_TOKEN_FILE]")
-    a("--router-token-file", **_env("--router-token-file"), metavar="PATH",
-      help="file holding the router bearer token, which MatchPrefix, WatchEvents and ListPools then "
-           "require (or the admin token) and which may call nothing else. Without it those "
-           "calls are open to any caller only when --auth-token-file is unset too (a "
-           "development setup); with --auth-token-file alone they need the admin token "
-           "[PAGEDKV_ALLOCATOR_ROUTER_TOKEN_FILE]")
-    a("--lease-ttl", **_env("--lease-ttl", 30.0, float), metavar="SECONDS",
-      help="drop a pool (and free its blocks) when no call renewed it for this long "
-           "[%(default)s] [PAGEDKV_ALLOCATOR_LEASE_TTL]")
-    a("--tls-cert", **_env("--tls-cert"), metavar="PEM",
-      help="serve TLS with this certificate chain (needs --tls-key) [PAGEDKV_ALLOCATOR_TLS_CERT]")
-    a("--tls-key", **_env("--tls-key"), metavar="PEM",
-      help="private key of --tls-cert [PAGEDKV_ALLOCATOR_TLS_KEY]")
-    a("--snapshot-every", **_env("--snapshot-every", 1000, int), metavar="N",
-      help="with --state redis: write a full snapshot every N journal records, so a "
-           "restart replays at most N [%(default)s] [PAGEDKV_ALLOCATOR_SNAPSHOT_EVERY]")
-    a("--max-snapshot-mb", **_env("--max-snapshot-mb", 256, int), metavar="MB",
-      help="with --state redis: a snapshot larger than this is not written (logged; tried again "
-           "later; the journal keeps every record); at most 512, Redis's value limit "
-           "[%(default)s] [PAGEDKV_ALLOCATOR_MAX_SNAPSHOT_MB]")
-    a("--redis-wait-replicas", **_env("--redis-wait-replicas", 0, int), metavar="N",
-      help="with --state redis: after every journal write wait (Redis WAIT) until N replicas "
-           "hold it before replying; a write they do not acknowledge in time is UNAVAILABLE "
-           "(the worker retries). For durability across the loss of the Redis host "
-           "[%(default)s] [PAGEDKV_ALLOCATOR_REDIS_WAIT_REPLICAS]")
-    a("--redis-wait-timeout", **_env("--redis-wait-timeout", 1.0, float), metavar="SECONDS",
-      help="how long --redis-wait-replicas waits [%(default)s] [PAGEDKV_ALLOCATOR_REDIS_WAIT_TIMEOUT]")
-    a("--fair-share-window-ms", **_env("--fair-share-window-ms", 100.0, float), metavar="MS",
-      help="per-pool CPU fair share: while pools contend, the pool that used more CPU over about "
-           "this long waits for a call of the one that used less (delayed, never refused); 0 = off "
-           "[%(default)s] [PAGEDKV_ALLOCATOR_FAIR_SHARE_WINDOW_MS]")
-    a("--check", **env_switch("allocator", "--check"),
-      help="verify the journal in --state (digests, record chain, step chains, head) without "
-           "serving or writing; print what was found; exit 0 if sound, 1 if not "
-           "[PAGEDKV_ALLOCATOR_CHECK]")
-    a("--log-level", **_env("--log-level", "INFO", log_level), choices=LOG_LEVELS,
-      help="any case [%(default)s] [PAGEDKV_ALLOCATOR_LOG_LEVEL]")
+    add_setting_flags(parser, AllocatorArgs)
     return parser
 
 
@@ -110,51 +120,42 @@ def options_from_args(args: argparse.Namespace):
     from allocator_service.config import ServiceConfig
     from allocator_service.server import ServeOptions
 
-    token = read_secret(args.auth_token_file, "auth token file") if args.auth_token_file else None
-    admin = read_secret(args.admin_token_file, "admin token file") if args.admin_token_file else None
-    router = read_secret(args.router_token_file, "router token file") if args.router_token_file else None
+    a = from_args(AllocatorArgs, args)
+    token = read_secret(a.auth_token_file, "auth token file") if a.auth_token_file else None
+    admin = read_secret(a.admin_token_file, "admin token file") if a.admin_token_file else None
+    router = read_secret(a.router_token_file, "router token file") if a.router_token_file else None
     tokens = [t for t in (token, admin, router) if t]
     if len(set(tokens)) != len(tokens):
         raise CliError("--auth-token-file, --admin-token-file and --router-token-file must hold different tokens")
     worker_tokens = {}
-    if args.worker_tokens_file:
+    if a.worker_tokens_file:
         from allocator_service.roles import parse_worker_tokens
 
         try:
-            worker_tokens = parse_worker_tokens(read_file(args.worker_tokens_file, "worker tokens file").decode())
+            worker_tokens = parse_worker_tokens(read_file(a.worker_tokens_file, "worker tokens file").decode())
         except ValueError as exc:
-            raise CliError(f"--worker-tokens-file {args.worker_tokens_file}: {exc}") from exc
+            raise CliError(f"--worker-tokens-file {a.worker_tokens_file}: {exc}") from exc
         if set(worker_tokens) & set(tokens):
             raise CliError("a worker token must differ from the auth, admin and router tokens")
-    if bool(args.tls_cert) != bool(args.tls_key):
-        raise CliError("--tls-cert and --tls-key go together")
-    if ":" not in args.listen:
-        raise CliError(f"--listen wants HOST:PORT, not {args.listen!r}")
     try:
-        if not 1 <= args.max_snapshot_mb <= 512:
-            raise ValueError("--max-snapshot-mb must be 1 to 512 (Redis's value limit)")
-        config = ServiceConfig(lease_ttl_s=args.lease_ttl, snapshot_every=args.snapshot_every,
-                               max_snapshot_bytes=args.max_snapshot_mb << 20,
-                               fair_share_window_s=args.fair_share_window_ms / 1e3)
+        config = ServiceConfig(lease_ttl_s=a.lease_ttl, snapshot_every=a.snapshot_every,
+                               max_snapshot_bytes=a.max_snapshot_mb << 20,
+                               fair_share_window_s=a.fair_share_window_ms / 1e3)
     except ValueError as exc:
         raise CliError(str(exc)) from exc
-    if not (args.state == "memory" or args.state.startswith(("redis://", "rediss://", "unix://"))):
-        raise CliError(f"--state must be 'memory' or a redis:// URL, not {args.state!r}")
-    if args.redis_wait_replicas < 0 or not args.redis_wait_timeout > 0:
-        raise CliError("--redis-wait-replicas must be >= 0 and --redis-wait-timeout positive")
     return ServeOptions(
-        listen=args.listen,
-        state=args.state,
-        metrics_port=args.metrics_port,
+        listen=a.listen,
+        state=a.state,
+        metrics_port=a.metrics_port,
         auth_token=token,
         admin_token=admin,
         router_token=router,
         worker_tokens=worker_tokens,
-        tls_cert=read_file(args.tls_cert, "TLS certificate") if args.tls_cert else None,
-        tls_key=read_file(args.tls_key, "TLS key") if args.tls_key else None,
+        tls_cert=read_file(a.tls_cert, "TLS certificate") if a.tls_cert else None,
+        tls_key=read_file(a.tls_key, "TLS key") if a.tls_key else None,
         config=config,
-        redis_wait_replicas=args.redis_wait_replicas,
-        redis_wait_timeout_s=args.redis_wait_timeout,
+        redis_wait_replicas=a.redis_wait_replicas,
+        redis_wait_timeout_s=a.redis_wait_timeout,
     )
 
 
@@ -179,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         return serve(options)
     except CorruptState as exc:
-        print(f"pagedkv allocator: cannot start: {exc} (recovery: docs/operations.md, "
+        print(f"pagedkv allocator: cannot start: {exc} (recovery: docs/RELIABILITY.md, "
               "'A journal that cannot be replayed')", file=sys.stderr)
         return 1
     except (StoreUnavailable, OSError) as exc:

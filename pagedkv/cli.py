@@ -4,7 +4,7 @@ Each subcommand lives in its own module and registers itself through
 `add_parser(subparsers)`; heavy imports (torch, grpc) happen only inside the
 chosen subcommand so `pagedkv --help` stays instant. Errors, Ctrl-C and a
 closed stdout are handled the same way for every subcommand
-(`pagedkv.settings.run_command`).
+(`pagedkv_base.settings.run_command`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import importlib
 import sys
 
 from pagedkv import __version__
-from pagedkv.settings import run_command
+from pagedkv_base.settings import run_command
 
 # subcommand name -> module that provides add_parser(subparsers) and run(args)
 SUBCOMMANDS: dict[str, str] = {

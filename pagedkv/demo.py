@@ -246,8 +246,8 @@ def _chart(path: Path, samples: list[dict], block_size: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagedkv.settings import CliError
     from pagedkv.stack import LocalStack
+    from pagedkv_base.settings import CliError
 
     try:
         lo, hi = (int(x) for x in args.max_tokens.split(","))

@@ -1,8 +1,8 @@
 """The router's HTTP app: the worker's OpenAI-style API, answered by a worker.
 
 `/v1/completions` and `/v1/chat/completions`: the body is parsed and
-validated with the worker's own request models (`worker.server.protocol`, via
-`worker.server.bodies`), so a bad request gets the worker's exact 400; the
+validated with the worker's own request models (`pagedkv_base.api.protocol`, via
+`pagedkv_base.api.bodies`), so a bad request gets the worker's exact 400; the
 prompt is tokenized once with the worker's tokenizer and chat template
 (`Tokenizer.encode_chat`); how much of it each pool holds is matched in
 the router's copy of the pools' caches, kept from the allocator's events
@@ -56,20 +56,20 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from allocator_service.core import InvalidArgument, check_cache_salt
 from allocator_service.core.hashing import prompt_chain
-from router.discovery import Discovery, MergedDiscovery, Worker
-from router.metrics import RouterMetrics
-from router.policy import Candidate, rank
-from router.prefix_view import PrefixView
-from worker.server.bodies import off_loop, read_body
-from worker.server.disconnect import ClientGone, unless_gone
-from worker.server.errors import (
+from pagedkv_base.api.bodies import off_loop, read_body
+from pagedkv_base.api.disconnect import ClientGone, unless_gone
+from pagedkv_base.api.errors import (
     MAX_BODY_BYTES,
     ApiError,
     ApiKeyCheck,
     BodyLimit,
     install_error_handlers,
 )
-from worker.server.protocol import ChatCompletionRequest, CompletionRequest, template_messages
+from pagedkv_base.api.protocol import ChatCompletionRequest, CompletionRequest, template_messages
+from router.discovery import Discovery, MergedDiscovery, Worker
+from router.metrics import RouterMetrics
+from router.policy import Candidate, rank
+from router.prefix_view import PrefixView
 
 log = logging.getLogger(__name__)
 

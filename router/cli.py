@@ -11,32 +11,22 @@ sent events passed through as they come), /v1/models, /health and /metrics.
 from __future__ import annotations
 
 import argparse
-import os
+from dataclasses import dataclass
+from typing import ClassVar
 
-from pagedkv.settings import (
-    LOG_LEVELS,
-    CliError,
-    env_default,
-    log_level,
-    read_secret,
-    run_command,
-    seconds,
-)
+from pagedkv_base.config import add_arguments as add_setting_flags
+from pagedkv_base.config import from_args, setting
+from pagedkv_base.settings import LOG_LEVELS, CliError, log_level, read_secret, run_command, seconds
 from router.policy import POLICIES
 
 CACHE_VIEWS = ("events", "match-prefix")
 
 ENV_HELP = """\
-Every flag can also be given as the environment variable PAGEDKV_ROUTER_<FLAG>
-(--listen: PAGEDKV_ROUTER_LISTEN, --allocator: PAGEDKV_ROUTER_ALLOCATOR, ...); a
+Every setting is also the environment variable PAGEDKV_ROUTER_<SETTING> (shown
+in brackets; some are variables only: see the configuration reference); a
 flag wins over its variable. --api-key also reads VLLM_API_KEY when
 PAGEDKV_ROUTER_API_KEY is not set.
 """
-
-
-
-def _env(flag: str, default=None, type=str) -> dict:
-    return env_default("router", flag, default, type)
 
 
 def _address(text: str) -> tuple[str, int]:
@@ -76,46 +66,58 @@ def _urls(text: str) -> list[str]:
 _urls.__name__ = "URL list"
 
 
+@dataclass(frozen=True, slots=True)
+class RouterArgs:
+    """Every setting of `pagedkv router`: its flags, variables and reference come from here."""
+
+    component: ClassVar[str] = "router"
+
+    listen: tuple[str, int] = setting(("127.0.0.1", 8000), "HOST:PORT to serve the API on", parse=_address,
+                                      shown_default="127.0.0.1:8000")
+    allocator: list[str] | None = setting(
+        None, "HOST:PORT of the allocator service: where the live workers and the prefix each pool holds "
+        "come from (without it, --workers is needed and routing uses load alone); pools sharded over several "
+        "allocators: HOST:PORT,HOST:PORT,... (each is followed and asked about its own pools)",
+        parse=_allocators)
+    workers: list[str] | None = setting(
+        None, "a static list of worker URLs (http://HOST:PORT,...), instead of or, with --allocator, "
+        "restricting the workers the allocator lists", parse=_urls)
+    model: str = setting(
+        "smollm2", "the model whose tokenizer and chat template prompts are tokenized with for MatchPrefix, "
+        "as the workers load it: 'tiny-random', 'smollm2', a Hugging Face folder or repo id, a .gguf file "
+        "(not loaded without --allocator)")
+    policy: str = setting(
+        "kv", "kv: most cached prefix weighed against load (2*overlap - usage - waiting); least-load; "
+        "round-robin", choices=POLICIES, stack=True)
+    cache_view: str = setting(
+        "events", "events: keep the pools' prefix caches in the router from the allocator's block events "
+        "(a snapshot, then every change) and match prompts here, asking MatchPrefix only while that copy is "
+        "not in step; match-prefix: ask MatchPrefix for every request (only --policy kv reads the cache)",
+        choices=CACHE_VIEWS)
+    router_token_file: str | None = setting(
+        None, "file holding the allocator's router bearer token (its --router-token-file)")
+    allocator_tls_ca: str | None = setting(
+        None, "CA certificate (PEM) to verify the allocator's TLS certificate")
+    api_key: str | None = setting(
+        None, "require `Authorization: Bearer KEY` on every /v1/* route, as a worker does, and present KEY "
+        "to the workers (give them the same --api-key); a client's own header is never forwarded",
+        fallback_env="VLLM_API_KEY")
+    first_byte_timeout: float = setting(
+        60.0, "seconds: a worker that has not answered a request's status in this long is skipped and the "
+        "request sent to another", parse=seconds, flag=False)
+    refresh_interval: float = setting(
+        1.0, "seconds: list the allocator's pools at least this often, besides on every pool event: their "
+        "free blocks weigh in the kv policy's usage term (MatchPrefix, when asked, gives them fresh)",
+        parse=seconds, flag=False)
+    log_level: str = setting("INFO", "log level, any case", parse=log_level, choices=LOG_LEVELS)
+
+    def __post_init__(self) -> None:
+        if not self.allocator and not self.workers:
+            raise ValueError("give --allocator HOST:PORT (workers found there) or --workers URL,...")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--listen", **_env("--listen", "127.0.0.1:8000", _address),
-                   help="HOST:PORT to serve the API on (default 127.0.0.1:8000)")
-    p.add_argument("--allocator", **_env("--allocator", None, _allocators),
-                   help="HOST:PORT of the allocator service: where the live workers and the prefix each "
-                        "pool holds come from (without it, --workers is needed and routing uses load alone); "
-                        "pools sharded over several allocators: HOST:PORT,HOST:PORT,... (each is followed and "
-                        "asked about its own pools)"),
-    p.add_argument("--workers", **_env("--workers", None, _urls),
-                   help="a static list of worker URLs (http://HOST:PORT,...), instead of or, with "
-                        "--allocator, restricting the workers the allocator lists")
-    p.add_argument("--model", **_env("--model", "smollm2"),
-                   help="the model whose tokenizer and chat template prompts are tokenized with for MatchPrefix, "
-                        "as the workers load it: 'tiny-random', 'smollm2', a Hugging Face folder or repo id, a "
-                        ".gguf file (default smollm2; not loaded without --allocator)")
-    p.add_argument("--policy", **_env("--policy", "kv"), choices=POLICIES,
-                   help="kv: most cached prefix weighed against load (2*overlap - usage - waiting); "
-                        "least-load; round-robin (default kv)")
-    p.add_argument("--cache-view", **_env("--cache-view", "events"), choices=CACHE_VIEWS,
-                   help="events: keep the pools' prefix caches in the router from the allocator's block events "
-                        "(a snapshot, then every change) and match prompts here, asking MatchPrefix only while "
-                        "that copy is not in step; match-prefix: ask MatchPrefix for every request (default "
-                        "events; only --policy kv reads the cache)")
-    p.add_argument("--router-token-file", **_env("--router-token-file"),
-                   help="file holding the allocator's router bearer token (its --router-token-file)")
-    p.add_argument("--allocator-tls-ca", **_env("--allocator-tls-ca"),
-                   help="CA certificate (PEM) to verify the allocator's TLS certificate")
-    p.add_argument("--api-key", **_env("--api-key", os.environ.get("VLLM_API_KEY") or None),
-                   help="require `Authorization: Bearer KEY` on every /v1/* route, as a worker does, and "
-                        "present KEY to the workers (give them the same --api-key); a client's own header is "
-                        "never forwarded (env PAGEDKV_ROUTER_API_KEY, else VLLM_API_KEY)")
-    p.add_argument("--first-byte-timeout", metavar="SECONDS", **_env("--first-byte-timeout", 60.0, seconds),
-                   help="a worker that has not answered a request's status in this long is skipped and the "
-                        "request sent to another (default 60)")
-    p.add_argument("--refresh-interval", metavar="SECONDS", **_env("--refresh-interval", 1.0, seconds),
-                   help="list the allocator's pools at least this often, besides on every pool event: their "
-                        "free blocks weigh in the kv policy's usage term (MatchPrefix, when asked, gives them "
-                        "fresh) (default 1)")
-    p.add_argument("--log-level", **_env("--log-level", "INFO", log_level), choices=LOG_LEVELS,
-                   help="log level, any case (default INFO)")
+    add_setting_flags(p, RouterArgs)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -127,38 +129,37 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def build_router(args: argparse.Namespace):
     """The Router (tokenizer loaded, allocator client made), not started."""
+    from pagedkv_base.model_files import ModelLoadError, load_tokenizer
     from router.app import Router
     from router.discovery import Discovery, MergedDiscovery
     from router.prefix_view import PrefixView
-    from worker.model.loader import ModelLoadError, load_tokenizer
 
-    if not args.allocator and not args.workers:
-        raise CliError("give --allocator HOST:PORT (workers found there) or --workers URL,...")
-    token = read_secret(args.router_token_file, "router token file") if args.router_token_file else None
+    r = from_args(RouterArgs, args)
+    token = read_secret(r.router_token_file, "router token file") if r.router_token_file else None
     tokenizer = None
     clients = []
-    if args.allocator:
+    if r.allocator:
         try:
-            # The worker's own loader: the same tokenizer and chat template it uses, no
+            # The tokenizer and chat template the worker loads (pagedkv_base.model_files), no
             # weights (only MatchPrefix needs the prompt's tokens: without an allocator, none).
-            tokenizer = load_tokenizer(args.model)
+            tokenizer = load_tokenizer(r.model)
         except (ValueError, ModelLoadError, OSError) as exc:
             raise CliError(str(exc)) from None
         from allocator_service.client.grpc_client import RouterClient
 
         # No retries: a request routes by load alone rather than wait for an allocator that is away.
-        clients = [RouterClient(a, router_token=token, tls_ca=args.allocator_tls_ca, deadline_s=2.0, retries=0)
-                   for a in args.allocator]
+        clients = [RouterClient(a, router_token=token, tls_ca=r.allocator_tls_ca, deadline_s=2.0, retries=0)
+                   for a in r.allocator]
     # The view is only read to rank by cached prefix (`kv`).
-    follow_blocks = args.cache_view == "events" and args.policy == "kv"
-    parts = [Discovery(c, args.workers or (), refresh_s=args.refresh_interval, index=i,
+    follow_blocks = r.cache_view == "events" and r.policy == "kv"
+    parts = [Discovery(c, r.workers or (), refresh_s=r.refresh_interval, index=i,
                        view=PrefixView() if follow_blocks else None) for i, c in enumerate(clients)]
     if len(parts) > 1:
         discovery = MergedDiscovery(parts)
     else:
-        discovery = parts[0] if parts else Discovery(None, args.workers or (), refresh_s=args.refresh_interval)
-    return Router(tokenizer, discovery, args.policy, allocators=clients,
-                  first_byte_timeout=args.first_byte_timeout, worker_api_key=args.api_key)
+        discovery = parts[0] if parts else Discovery(None, r.workers or (), refresh_s=r.refresh_interval)
+    return Router(tokenizer, discovery, r.policy, allocators=clients, first_byte_timeout=r.first_byte_timeout,
+                  worker_api_key=r.api_key)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -168,13 +169,14 @@ def run(args: argparse.Namespace) -> int:
 
     from router.app import create_app
 
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    r = from_args(RouterArgs, args)
+    logging.basicConfig(level=r.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     router = build_router(args)
-    host, port = args.listen
-    app = create_app(router, api_key=args.api_key)
-    print(f"router: policy {args.policy}, workers from "
-          f"{'the allocator at ' + ','.join(args.allocator) if args.allocator else 'the static list'}", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level=args.log_level.lower(), timeout_graceful_shutdown=5)
+    host, port = r.listen
+    app = create_app(router, api_key=r.api_key)
+    print(f"router: policy {r.policy}, workers from "
+          f"{'the allocator at ' + ','.join(r.allocator) if r.allocator else 'the static list'}", flush=True)
+    uvicorn.run(app, host=host, port=port, log_level=r.log_level.lower(), timeout_graceful_shutdown=5)
     return 0
 
 

@@ -36,7 +36,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "_bench_missing", False):
-        from pagedkv.settings import CliError
+        from pagedkv_base.settings import CliError
 
         raise CliError(f"benchmark {args.bench!r} is not available in this build")
     return importlib.import_module(args._bench_module).run(args)

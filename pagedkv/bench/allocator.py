@@ -87,8 +87,8 @@ def measure(client, num_seqs: int, steps: int, warmup: int) -> dict:
 def run(args: argparse.Namespace) -> int:
     from allocator_service.client import EmbeddedAllocator, PoolSpec
     from allocator_service.client.grpc_client import GrpcAllocator
-    from pagedkv.settings import CliError
     from pagedkv.stack import start_allocator, start_redis
+    from pagedkv_base.settings import CliError
 
     if args.noisy_neighbour:
         out = noisy_neighbour.run(args, measure)

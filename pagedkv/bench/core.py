@@ -72,7 +72,7 @@ def _run_once(args: argparse.Namespace, prefix_caching: bool) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     if args.sequences < 1 or args.prompt_len < 1 or args.decode_rounds < 1 or args.block_size < 1:
-        from pagedkv.settings import CliError
+        from pagedkv_base.settings import CliError
 
         raise CliError("--sequences, --prompt-len, --decode-rounds and --block-size must be positive")
     args.shared_prefix = min(args.shared_prefix, args.prompt_len)

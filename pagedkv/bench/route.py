@@ -230,9 +230,9 @@ def _probes(direct: str, routed: dict[str, str], model: str, n: int) -> dict[str
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagedkv.settings import CliError
     from pagedkv.stack import LocalStack, RouterProcess, WorkerProcess, stop_processes
-    from worker.model.loader import load_tokenizer
+    from pagedkv_base.model_files import load_tokenizer
+    from pagedkv_base.settings import CliError
 
     if min(args.prompts, args.prompt_tokens, args.conversations, args.concurrency, args.max_tokens,
            args.num_blocks, args.rounds, args.probe_requests) < 1:

@@ -435,7 +435,7 @@ def _hf_model(spec: str, loaded):
         model.tie_weights()
     else:
         if spec == "smollm2":
-            from worker.model.loader import smollm2_path
+            from pagedkv_base.model_files import smollm2_path
 
             path = smollm2_path()
         else:
@@ -611,11 +611,11 @@ def run(args: argparse.Namespace) -> int:
     from worker.model.loader import load_model
 
     if args.compare_async_scheduling and not args.allocator:
-        from pagedkv.settings import CliError
+        from pagedkv_base.settings import CliError
 
         raise CliError("--compare-async-scheduling compares allocators: give --allocator too")
     if len(args.num_lookahead_slots) > 1 and not args.allocator:
-        from pagedkv.settings import CliError
+        from pagedkv_base.settings import CliError
 
         raise CliError("several --num-lookahead-slots values compare allocators: give --allocator too")
     if args.threads:
@@ -632,7 +632,7 @@ def run(args: argparse.Namespace) -> int:
     num_blocks = args.num_blocks or blocks_for(longest_batch, args.block_size)
     limit = min(loaded.max_model_len, num_blocks * args.block_size)
     if max(lengths) + args.max_tokens > limit:
-        from pagedkv.settings import CliError
+        from pagedkv_base.settings import CliError
 
         raise CliError(f"a request needs {max(lengths) + args.max_tokens} tokens; the limit is {limit}")
 
@@ -766,8 +766,8 @@ def _run_allocators(args: argparse.Namespace, loaded, prompts: list[list[int]], 
     """The engine through each allocator of `--allocator`, in interleaved rounds."""
     import torch
 
-    from pagedkv.settings import CliError
     from pagedkv.stack import start_allocator, start_redis
+    from pagedkv_base.settings import CliError
 
     schedulings = [True, False] if args.compare_async_scheduling else [args.async_scheduling]
     servers: list[Any] = []

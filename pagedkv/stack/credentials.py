@@ -84,7 +84,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagedkv.settings import CliError
+    from pagedkv_base.settings import CliError
 
     pairs = []
     for spec in args.workers:

@@ -69,7 +69,6 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from pagedkv.settings import env_name, thread_share
 from pagedkv.stack.credentials import (
     ADMIN_TOKEN,
     ROUTER_TOKEN,
@@ -88,6 +87,7 @@ from pagedkv.stack.services import (
     WorkerProcess,
     prometheus_config,
 )
+from pagedkv_base.settings import env_name, thread_share
 
 THREADS_ENV = env_name("worker", "--threads")
 _COLOURS = ("cyan", "magenta", "green", "yellow", "blue", "bright_red", "bright_cyan", "bright_magenta")

@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from pagedkv.settings import CliError
+from pagedkv_base.settings import CliError
 
 # Run a command with PR_SET_PDEATHSIG (1) = SIGTERM, so it dies with the launcher.
 _EXEC_WITH_PARENT = (

@@ -12,7 +12,7 @@ import argparse
 import json
 from dataclasses import asdict, dataclass
 
-from pagedkv.settings import CliError
+from pagedkv_base.settings import CliError
 from worker.kv_bytes import DTYPE_BYTES, kv_bytes_per_token
 
 GIB = 1 << 30

@@ -12,7 +12,7 @@ import sys
 import threading
 
 from allocator_service.web.app import start_web_server, stop_web_server
-from pagedkv.settings import CliError
+from pagedkv_base.settings import CliError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:

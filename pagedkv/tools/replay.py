@@ -36,7 +36,7 @@ from allocator_service.core import (
 )
 from allocator_service.core.limits import MAX_TOKEN_ID
 from allocator_service.core.snapshot import pool_view
-from pagedkv.settings import CliError, read_secret
+from pagedkv_base.settings import CliError, read_secret
 
 _FIELDS = {
     "admit": ({"seq", "tokens"}, {"salt"}),

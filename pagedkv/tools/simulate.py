@@ -27,7 +27,7 @@ import json
 from dataclasses import asdict, dataclass
 
 from allocator_service.core import BlockPool, ContiguousPool, OutOfBlocks, PoolConfig
-from pagedkv.settings import CliError
+from pagedkv_base.settings import CliError
 
 GIB = 1 << 30
 

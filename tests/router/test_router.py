@@ -19,8 +19,8 @@ import pytest
 
 from allocator_service.client.grpc_client import RouterClient
 from pagedkv.stack import LocalStack, RouterProcess, WorkerProcess
+from pagedkv_base.model_files import tiny_tokenizer
 from tests.support.http import metric, openai_client
-from worker.model.tiny import tiny_tokenizer
 
 MODEL = "tiny-random"
 BLOCK = 16

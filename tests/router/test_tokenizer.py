@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from worker.model.loader import ModelLoadError, load_model, load_tokenizer
+from pagedkv_base.model_files import ModelLoadError, load_tokenizer
+from worker.model.loader import load_model
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi there, 2+2?"}]
 

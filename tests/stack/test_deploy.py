@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pagedkv.settings import parse_threads
+from pagedkv_base.settings import parse_threads
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

@@ -12,8 +12,8 @@ import httpx
 import openai
 import pytest
 
-from pagedkv.settings import cpu_count
 from pagedkv.stack import LocalStack
+from pagedkv_base.settings import cpu_count
 from tests.support.http import metric
 from worker.engine import EngineConfig, LLMEngine, SamplingParams
 from worker.model.loader import load_model

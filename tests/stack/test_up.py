@@ -25,6 +25,9 @@ from pagedkv.stack import (
     wait_healthy,
 )
 from pagedkv.up import add_parser, worker_args_from
+from pagedkv_base.config import to_argv
+from router.cli import RouterArgs
+from worker import cli as worker_cli
 
 TINY = ["--model", "tiny-random", "--num-blocks", "32", "--block-size", "4"]
 
@@ -62,14 +65,19 @@ def _descendants(pid: int) -> set[int]:
 def test_every_flag_has_help_and_passes_through():
     p = _parser()
     assert [a.dest for a in p._actions if not a.help] == []
-    args = p.parse_args(["--num-blocks", "64", "--device", "cpu", "--no-enable-prefix-caching",
-                         "--worker-arg=--max-model-len", "--worker-arg=96"])
-    assert worker_args_from(args) == ["--num-blocks", "64", "--device", "cpu", "--no-enable-prefix-caching",
-                                      "--max-model-len", "96"]
-    assert "--enable-prefix-caching" in worker_args_from(p.parse_args([]))
+    given = ["--num-blocks", "64", "--device", "cpu", "--no-enable-prefix-caching", "--max-model-len", "96"]
+    args = p.parse_args(given)
+    handed = worker_args_from(args)
+    assert handed == ["--num-blocks", "64", "--no-enable-prefix-caching", "--device", "cpu", "--max-model-len", "96"]
+    # what a worker makes of them is what `pagedkv worker` makes of the same flags
+    worker = argparse.ArgumentParser()
+    worker_cli.add_arguments(worker)
+    assert worker_cli.worker_args(worker.parse_args(handed)) == worker_cli.worker_args(worker.parse_args(given))
+    # nothing given, nothing handed on: each worker's own defaults and PAGEDKV_WORKER_* decide;
     # no --threads: the stack gives each worker 1/N of the cores (tests/stack/test_e2e.py)
-    assert "--threads" not in worker_args_from(p.parse_args([]))
-    assert worker_args_from(p.parse_args(["--threads", "3"]))[:2] == ["--threads", "3"]
+    assert worker_args_from(p.parse_args([])) == []
+    assert worker_args_from(p.parse_args(["--threads", "1/2"])) == ["--threads", "1/2"]
+    assert to_argv(RouterArgs, p.parse_args(["--policy", "least-load"])) == ["--policy", "least-load"]
     with pytest.raises(SystemExit):
         p.parse_args(["--threads", "0"])
     proc = subprocess.run([sys.executable, "-m", "pagedkv", "up", "--help"], capture_output=True, text=True)

@@ -87,7 +87,9 @@ def test_rows_give_the_variable_and_the_default_a_user_gets():
     assert row(tables["pagedkv worker"], "--enable-prefix-caching")[1:3] == [
         "`PAGEDKV_WORKER_ENABLE_PREFIX_CACHING`", "on"]
     assert row(tables["pagedkv router"], "--policy")[1:3] == ["`PAGEDKV_ROUTER_POLICY`", "`kv`"]
-    assert row(tables["pagedkv up"], "--workers")[1:3] == ["", "`2`"]  # `up` reads no variables
+    assert row(tables["pagedkv up"], "--workers")[1:3] == ["`PAGEDKV_UP_WORKERS`", "`2`"]
+    # a setting that is a variable only has a row too
+    assert "`PAGEDKV_ALLOCATOR_FAIR_SHARE_WINDOW_MS`" in tables["pagedkv allocator"]
     # the worker's default id is made per process: the reference names no host or pid
-    assert row(tables["pagedkv worker"], "--worker-id")[2] == "computed at start"
+    assert row(tables["pagedkv worker"], "--worker-id")[2] == "HOSTNAME-PID-RANDOM (unique per host and process)"
     assert not re.search(rf"{re.escape(socket.gethostname()[:100])}-\d+-[0-9a-f]{{6}}", text)

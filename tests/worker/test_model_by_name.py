@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from pagedkv.stack import WorkerProcess
+from pagedkv_base.model_files import hf_cache_dir
 from worker.cli import add_arguments, model_of
 from worker.engine import EngineConfig, LLMEngine, SamplingParams
 from worker.model import ModelLoadError, load_model
-from worker.model.loader import hf_cache_dir
 
 transformers = pytest.importorskip("transformers")
 
@@ -129,7 +129,7 @@ def test_missing_repo_is_one_line_naming_the_cache(offline_cache, tmp_path, monk
 def test_positional_model_and_flag_agree():
     import argparse
 
-    from pagedkv.settings import CliError
+    from pagedkv_base.settings import CliError
 
     p = argparse.ArgumentParser()
     add_arguments(p)

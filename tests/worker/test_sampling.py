@@ -218,8 +218,8 @@ def test_abort_frees_every_sample(checkpoint):
 def test_generation_config_gives_sampling_defaults(tmp_path):
     from types import SimpleNamespace
 
+    from pagedkv_base.api.protocol import CompletionRequest
     from worker.server.app import _sampling_params
-    from worker.server.protocol import CompletionRequest
 
     _save_checkpoint("llama", tmp_path)
     (tmp_path / "generation_config.json").write_text(json.dumps(

@@ -22,7 +22,7 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagedkv.settings import cpu_count, parse_threads
+from pagedkv_base.settings import cpu_count, parse_threads
 from worker.cli import add_arguments
 from worker.engine import AsyncLLMEngine, EngineConfig, LLMEngine
 from worker.model.loader import load_model

@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from pagedkv_base.tokenizer import Tokenizer
 from worker.engine.sampling import Logprobs
 from worker.engine.sequence import Sequence
-from worker.model.tokenizer import Tokenizer
 
 
 @dataclass(slots=True)

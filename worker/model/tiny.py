@@ -9,24 +9,15 @@ from __future__ import annotations
 
 import hashlib
 
-import tokenizers
 import torch
-from tokenizers import AddedToken, decoders, pre_tokenizers
 
+from pagedkv_base.model_files import CHAT_TEMPLATE, tiny_tokenizer
 from worker.model.config import ModelConfig
 from worker.model.llama import LlamaForCausalLM
 from worker.model.loaded import LoadedModel
-from worker.model.tokenizer import Tokenizer
 
-__all__ = ["SEED", "TINY_CONFIG", "build_tiny_random", "random_weights", "tiny_tokenizer"]
+__all__ = ["SEED", "TINY_CONFIG", "build_tiny_random", "random_weights"]
 
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 SEED = 0
 
 TINY_CONFIG = ModelConfig(
@@ -43,18 +34,6 @@ TINY_CONFIG = ModelConfig(
     max_position_embeddings=2048,
     tie_word_embeddings=True,
 )
-
-
-def tiny_tokenizer() -> Tokenizer:
-    """Byte-level: ids 0-2 are the special tokens, 3..258 one per byte (no merges)."""
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
-    vocab.update({ch: len(SPECIAL_TOKENS) + i for i, ch in enumerate(alphabet)})
-    tk = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    return Tokenizer(tk, chat_template=CHAT_TEMPLATE, bos_token=None, eos_token="<|im_end|>")
 
 
 def random_weights(config: ModelConfig):

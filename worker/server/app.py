@@ -3,8 +3,9 @@
 
 `create_app` wires the pieces: the routes below (module-level handlers that
 find the engine in `app.state`), the error shape, body limit and API key
-(errors.py), request bodies off the loop (bodies.py) and server-sent events
-(streaming.py).
+(`pagedkv_base.api.errors`, with the allocator's failures from errors.py),
+request bodies off the loop (`pagedkv_base.api.bodies`) and server-sent
+events (streaming.py).
 
 The event loop does only cheap work, so /health answers under any input: a
 body over `OFFLOAD_BYTES` is parsed and validated in a thread, prompts and
@@ -31,6 +32,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
+from pagedkv_base.api.bodies import off_loop, read_body
+from pagedkv_base.api.disconnect import ClientGone, unless_gone
+from pagedkv_base.api.errors import MAX_BODY_BYTES, ApiError, ApiKeyCheck, BodyLimit
+from pagedkv_base.api.protocol import (
+    BaseRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    template_messages,
+)
 from worker.engine import (
     AllocatorError,
     AsyncLLMEngine,
@@ -40,25 +50,8 @@ from worker.engine import (
     SamplingParams,
 )
 from worker.server import utility_routes
-from worker.server.bodies import off_loop, read_body
-from worker.server.disconnect import ClientGone, unless_gone
-from worker.server.errors import (
-    MAX_BODY_BYTES,
-    ApiError,
-    ApiKeyCheck,
-    BodyLimit,
-    failure,
-    install_error_handlers,
-    public_message,
-)
-from worker.server.protocol import (
-    BaseRequest,
-    ChatCompletionRequest,
-    CompletionRequest,
-    prompt_logprobs_json,
-    template_messages,
-    usage,
-)
+from worker.server.answers import prompt_logprobs_json, usage
+from worker.server.errors import failure, install_worker_error_handlers, public_message
 from worker.server.streaming import Choices, stream_events
 
 router = APIRouter()
@@ -74,7 +67,7 @@ def create_app(engine: AsyncLLMEngine, served_model_name: str, root: str | None 
     app.state.served_model_name = served_model_name
     app.state.root = root or served_model_name
     app.state.created = int(time.time())
-    install_error_handlers(app)
+    install_worker_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
     if api_key:  # added last, so it runs first: a request without the key is not even read
         app.add_middleware(ApiKeyCheck, api_key=api_key)

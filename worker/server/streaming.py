@@ -19,14 +19,14 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from worker.engine import RequestOutput
-from worker.server.errors import failure
-from worker.server.protocol import (
+from worker.server.answers import (
     chat_logprobs,
     completion_logprobs,
     finish_reason,
     prompt_logprobs_json,
     usage,
 )
+from worker.server.errors import failure
 
 
 def sse(obj) -> bytes:

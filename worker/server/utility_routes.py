@@ -28,9 +28,9 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from allocator_service.attest import IDENTITY_PATH, valid_nonce
-from worker.server.bodies import off_loop, read_body
-from worker.server.errors import ApiError
-from worker.server.protocol import ChatMessage, template_messages
+from pagedkv_base.api.bodies import off_loop, read_body
+from pagedkv_base.api.errors import ApiError
+from pagedkv_base.api.protocol import ChatMessage, template_messages
 
 router = APIRouter()
 

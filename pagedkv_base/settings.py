@@ -1,4 +1,6 @@
 """One configuration scheme for every command (the bottom layer: imports nothing of the project).
+`pagedkv_base.config` makes a component's flags, variables and reference from
+its config dataclass with these pieces.
 
 - Every flag `--FLAG` of a component (`allocator`, `worker`) can be given as the
   environment variable `PAGEDKV_<COMPONENT>_<FLAG>` (`--metrics-port` of the
@@ -51,7 +53,7 @@ class EnvValue(str):
         return self
 
 
-def _from_env(convert: Callable[[str], Any]) -> Callable[[str], Any]:
+def from_env(convert: Callable[[str], Any]) -> Callable[[str], Any]:
     """`convert` for argparse, naming the variable when an environment default is bad.
 
     argparse parses a string default with the flag's `type` only when the flag
@@ -77,7 +79,7 @@ def env_default(component: str, flag: str, default: Any = None, type: Callable[[
     when set, else `default`; either way parsed by `type`."""
     name = env_name(component, flag)
     raw = os.environ.get(name)
-    return {"default": default if raw is None else EnvValue(raw, name), "type": _from_env(type)}
+    return {"default": default if raw is None else EnvValue(raw, name), "type": from_env(type)}
 
 
 def parse_bool(text: str) -> bool:
@@ -96,7 +98,7 @@ class _Switch(argparse.Action):
     """`store_true` whose default may come from the environment (parsed strictly)."""
 
     def __init__(self, option_strings, dest, default=False, **kwargs) -> None:
-        super().__init__(option_strings, dest, nargs=0, default=default, type=_from_env(parse_bool), **kwargs)
+        super().__init__(option_strings, dest, nargs=0, default=default, type=from_env(parse_bool), **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         setattr(namespace, self.dest, True)
@@ -107,7 +109,7 @@ class _Toggle(argparse.BooleanOptionalAction):
 
     def __init__(self, option_strings, dest, default=None, **kwargs) -> None:
         super().__init__(option_strings, dest, default=default, **kwargs)
-        self.type = _from_env(parse_bool)  # set here: BooleanOptionalAction(type=) is deprecated
+        self.type = from_env(parse_bool)  # set here: BooleanOptionalAction(type=) is deprecated
 
 
 def env_switch(component: str, flag: str, default: bool = False) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Request bodies of the OpenAI-style API (the fields PagedKV honours, with
-vLLM's extra sampling fields), the fields it refuses, and the pieces whole and
-streamed answers share (usage, finish reason, logprobs).
+vLLM's extra sampling fields) and the fields it refuses: the worker and the
+router parse a request with these same models, so both give the same 400.
 
 A sampling field left out is None here, so the model's own default
 (`generation_config.json`) can apply before the API's. A field PagedKV does not
@@ -12,13 +12,9 @@ servers do, so the official client's bookkeeping fields (`user`, `store`,
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-
-if TYPE_CHECKING:
-    from worker.engine import RequestOutput
-    from worker.engine.sampling import Logprobs
 
 # Fields of OpenAI's or vLLM's API that change what a request means and that
 # PagedKV does not implement: a request that sets one (to anything but null)
@@ -133,75 +129,3 @@ class ChatCompletionRequest(BaseRequest):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     echo: bool = False  # vLLM's: echo the last message; not implemented (400)
-
-
-def usage(outs: list[RequestOutput]) -> dict:
-    """Usage of a request's final outputs: every prompt once, every sample's tokens."""
-    seen: dict[str, RequestOutput] = {}
-    for out in outs:
-        seen.setdefault(out.request_id, out)
-    p = sum(len(o.prompt_token_ids) for o in seen.values())
-    c = sum(len(o.token_ids) for o in outs)
-    cached = sum(o.num_cached_tokens for o in seen.values())
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-            "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-def finish_reason(out: RequestOutput) -> str | None:
-    """The engine's reason in OpenAI's words: an aborted request just stopped."""
-    if out.finish_reason in ("abort", "error"):
-        return "stop" if out.finish_reason == "abort" else "error"
-    return out.finish_reason
-
-
-def completion_logprobs(entries: list[Logprobs | None], token_ids: list[int], decode, offset: int = 0) -> dict:
-    """The completions shape: `tokens`, `token_logprobs`, `top_logprobs`
-    (the top ones plus the chosen token, as vLLM), `text_offset`."""
-    tokens, token_lps, tops, offsets = [], [], [], []
-    for tok, lp in zip(token_ids, entries, strict=True):
-        text = decode(tok)
-        tokens.append(text)
-        offsets.append(offset)
-        offset += len(text)
-        if lp is None:  # the first prompt token
-            token_lps.append(None)
-            tops.append(None)
-            continue
-        token_lps.append(max(lp.logprob, -9999.0))
-        top: dict[str, float] = {}
-        for t, v in [*lp.top, (tok, lp.logprob)]:  # tokens that share a spelling: the likeliest
-            top.setdefault(decode(t), max(v, -9999.0))
-        tops.append(top)
-    return {"text_offset": offsets, "token_logprobs": token_lps, "tokens": tokens, "top_logprobs": tops}
-
-
-def prompt_logprobs_json(entries: list[Logprobs | None] | None, decode) -> list[dict | None] | None:
-    """vLLM's `prompt_logprobs`: per prompt token, None for the first, else
-    token id -> {logprob, rank, decoded_token} for the prompt token and the
-    top ones (ranks 1, 2, ...)."""
-    if entries is None:
-        return None
-
-    def item(lp: float, rank: int, tok: int) -> dict:
-        return {"logprob": max(lp, -9999.0), "rank": rank, "decoded_token": decode(tok)}
-
-    out: list[dict | None] = []
-    for e in entries:
-        if e is None:
-            out.append(None)
-            continue
-        d = {str(e.token_id): item(e.logprob, e.rank, e.token_id)}
-        for rank, (t, v) in enumerate(e.top, start=1):
-            d.setdefault(str(t), item(v, rank, t))
-        out.append(d)
-    return out
-
-
-def chat_logprobs(entries: list[Logprobs], decode) -> dict:
-    """The chat shape: `{"content": [{token, logprob, bytes, top_logprobs}]}`."""
-    def item(tok: int, lp: float) -> dict:
-        text = decode(tok)
-        return {"token": text, "logprob": max(lp, -9999.0), "bytes": list(text.encode("utf-8"))}
-
-    return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, v) for t, v in e.top]}
-                        for e in entries]}

@@ -1,0 +1,47 @@
+"""`UpArgs`: the one definition of `pagedkv up`'s own settings (flags, variables
+PAGEDKV_UP_*, reference), as `pagedkv_base.config` makes them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from pagedkv_base.config import setting
+
+
+@dataclass(frozen=True, slots=True)
+class UpArgs:
+    """The settings of `pagedkv up` itself (what `LocalStack` is started with); the
+    workers' and the router's that it offers (`stack=True` in WorkerArgs and
+    RouterArgs) are theirs, handed on as given."""
+
+    component: ClassVar[str] = "up"
+
+    workers: int = setting(2, "number of worker processes")
+    model: str = setting("smollm2", "model every worker serves (and the router tokenizes with): smollm2, "
+                         "tiny-random, a path or a Hugging Face repo id")
+    host: str = setting("127.0.0.1", "address the allocator and the router bind (the workers too with --no-router)")
+    router: bool = setting(True, "run the router in front of the workers; --no-router: clients use the workers")
+    router_port: int = setting(8000, "HTTP port of the router; 0 picks a free one")
+    base_port: int = setting(8001, "HTTP port of worker 1; worker i gets base+i-1; 0 picks free ports")
+    allocators: int = setting(
+        1, "allocator processes the workers' pools are sharded over: worker i registers with allocator "
+        "((i - 1) mod N), the router follows them all; at most --workers")
+    allocator_port: int = setting(
+        50051, "gRPC port of the allocator (allocator i: this + i - 1); 0 picks a free one")
+    allocator_metrics_port: int = setting(
+        9400, "Prometheus /metrics port of the allocator (allocator i: this + i - 1); 0 picks a free one")
+    state: str = setting("memory", "allocator state: memory or redis://host:port/db")
+    redis: bool = setting(
+        False, "start a redis-server (append-only, on a free port) when the binary exists and keep the "
+        "allocator's journal in it")
+    prometheus: bool = setting(
+        False, "start a prometheus (when the binary exists) scraping the allocators, the router and every worker")
+    prometheus_port: int = setting(9090, "Prometheus web port; 0 picks a free one", flag=False)
+    scrape_interval: str = setting("2s", "Prometheus scrape interval", flag=False)
+    timeout: float = setting(300.0, "seconds each stage may take to become healthy")
+    grace: float = setting(10.0, "seconds between SIGTERM and SIGKILL at shutdown")
+    log_dir: str | None = setting(
+        None, "keep each process's log as DIR/NAME.log", shown_default="a temporary folder, removed at exit")
+    ready_file: str | None = setting(None, "when everything is healthy, write the addresses and pids there as JSON")
+    quiet: bool = setting(False, "do not echo the processes' output (it still goes to the log files)")
