@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import time
 from collections.abc import Callable
 
 from allocator_service.core import blocks_for
+from pagedkv.bench import harness
+from pagedkv.bench.harness import Table, cell
 
-__all__ = ["add_arguments", "add_parser", "measure", "run"]
+__all__ = ["add_arguments", "measure", "run", "tables"]
 
 
 def _int_list(text: str) -> list[int]:
@@ -65,13 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=10, help="timed calls per case (median reported)")
     parser.add_argument("--seed", type=int, default=0, help="random seed of the data (default 0)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("attention", help="paged decode attention vs contiguous SDPA")
-    add_arguments(parser)
-    return parser
+    harness.add_json_option(parser)
 
 
 def _median_ms(fn: Callable[[], object], repeats: int, sync: Callable[[], None]) -> float:
@@ -199,31 +194,18 @@ def measure(args: argparse.Namespace) -> dict:
     }
 
 
+def tables(report: dict) -> list[Table]:
+    rows = [[name, cell(r["batch"]), cell(r["context"]), cell(r[name]["paged_ms"], ".3f"),
+             cell(r[name]["contiguous_ms"], ".3f"), cell(r[name]["ratio"], ".2f"),
+             cell(r[name]["plan_ms_per_step"], ".3f")]
+            for r in report["results"] for name in report["backends"]]
+    return [Table(
+        title=f"{report['benchmark']} ({report['dtype']}, {report['device']}, {report['threads']} threads, "
+              f"block {report['block_size']}, {report['q_heads']}q/{report['kv_heads']}kv x {report['head_dim']})",
+        columns=["backend", "batch", "context", "paged ms", "contig ms", "ratio", "plan ms/step"],
+        rows=rows)]
+
+
 def run(args: argparse.Namespace) -> int:
     """The `pagedkv bench attention` entry point: print the report, exit status 0."""
-    report = measure(args)
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print(
-            f"{report['benchmark']} ({args.dtype}, {args.device}, "
-            f"{report['threads']} threads, block {args.block_size}, "
-            f"{args.q_heads}q/{args.kv_heads}kv x {args.head_dim})"
-        )
-        print(
-            f"{'backend':>8} {'batch':>6} {'context':>8} {'paged ms':>10} {'contig ms':>10} {'ratio':>7} {'plan ms/step':>13}"
-        )
-        for r in report["results"]:
-            for name in report["backends"]:
-                x = r[name]
-                print(
-                    f"{name:>8} {r['batch']:>6} {r['context']:>8} {x['paged_ms']:>10.3f} {x['contiguous_ms']:>10.3f} "
-                    f"{x['ratio']:>7.2f} {x['plan_ms_per_step']:>13.3f}"
-                )
-    return 0
-
-
-if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="python -m pagedkv.bench.attention")
-    add_arguments(_parser)
-    run(_parser.parse_args())
+    return harness.run("attention", args, measure, tables)
