@@ -23,13 +23,14 @@ clients, building and parsing as they go).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import multiprocessing as mp
 import os
 import random
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 
 from allocator_service.core import Admit, Fork, Free, PoolConfig, blocks_for
@@ -219,6 +220,31 @@ def _bucket_quantiles(before: dict[float, float], after: dict[float, float]) -> 
     return out
 
 
+@contextlib.contextmanager
+def _running_neighbour(address: str, args: argparse.Namespace) -> Iterator[dict[str, int]]:
+    """The neighbour's process, sending from its first answered admit until
+    the block exits; then the requests it sent, by kind (filled in on exit)."""
+    ctx = mp.get_context("spawn")
+    sent: dict[str, int] = {}
+    with ctx.Manager() as manager:
+        counts = manager.dict()
+        stop, ready = ctx.Event(), ctx.Event()
+        proc = ctx.Process(
+            target=_neighbour,
+            args=(address, args.block_size, args.neighbour_blocks, args.neighbour_prompt, args.neighbour_parses,
+                  stop, ready, counts),
+            daemon=True,
+        )
+        proc.start()
+        try:
+            ready.wait(120)
+            yield sent
+        finally:
+            stop.set()
+            proc.join(120)
+            sent.update(counts.items())
+
+
 def measure(args: argparse.Namespace, measure_steps) -> dict:
     """Both phases against one allocator process; `measure_steps(client, n,
     steps, warmup)` is the decode-loop timer of `pagedkv bench allocator`."""
@@ -241,28 +267,14 @@ def measure(args: argparse.Namespace, measure_steps) -> dict:
             victim.close()
         return {**timed, **_bucket_quantiles(before, _server_step_buckets(server.metrics_url))}
 
-    ctx = mp.get_context("spawn")
     server = start_allocator(["--lease-ttl", "30", "--metrics-port", "0"])
     own = start_allocator(["--lease-ttl", "30"]) if args.separate_neighbour else None
     try:
         quiet = victim_steps("victim-alone")
-        with ctx.Manager() as manager:
-            counts = manager.dict()
-            stop, ready = ctx.Event(), ctx.Event()
-            proc = ctx.Process(
-                target=_neighbour,
-                args=((own or server).address, args.block_size, args.neighbour_blocks, args.neighbour_prompt,
-                      args.neighbour_parses, stop, ready, counts),
-                daemon=True,
-            )
-            proc.start()
-            ready.wait(120)
+        with _running_neighbour((own or server).address, args) as neighbour:
             t0 = time.perf_counter()
             noisy = victim_steps("victim-with-neighbour")
             seconds = time.perf_counter() - t0
-            stop.set()
-            proc.join(120)
-            neighbour = dict(sorted(counts.items()))
     finally:
         server.terminate()
         if own is not None:
@@ -280,7 +292,7 @@ def measure(args: argparse.Namespace, measure_steps) -> dict:
         "quiet": quiet,
         "noisy": noisy,
         "noisy_seconds": round(seconds, 2),
-        "neighbour_requests": neighbour,
+        "neighbour_requests": dict(sorted(neighbour.items())),
         "p50_ratio": noisy["p50_ms"] / quiet["p50_ms"],
         "p99_ratio": noisy["p99_ms"] / quiet["p99_ms"],
         "target_p99_ratio": 2.0,
