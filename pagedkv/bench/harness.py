@@ -159,7 +159,7 @@ def print_tables(tables: Iterable[Table]) -> None:
 
 
 def markdown(table: Table) -> str:
-    """The table in GitHub Markdown: its title in bold, the grid, then its notes."""
+    """The table in GitHub Markdown: its title in bold, the grid, then its notes as a list."""
 
     def line(cells: Iterable[str]) -> str:
         return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
@@ -167,8 +167,8 @@ def markdown(table: Table) -> str:
     out = [f"**{table.title}**", "", line(table.columns),
            "| " + " | ".join("---" if i == 0 else "---:" for i in range(len(table.columns))) + " |"]
     out += [line(row) for row in table.rows]
-    for note in table.notes:
-        out += ["", note]
+    if table.notes:
+        out += ["", *(f"- {note}" for note in table.notes)]
     return "\n".join(out)
 
 

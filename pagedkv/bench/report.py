@@ -53,8 +53,8 @@ def load(results: str | Path) -> list[tuple[str, dict]]:
         name = report.get("environment", {}).get("benchmark")
         if name not in BENCHMARKS:
             raise CliError(f"{path}: no environment.benchmark naming one of {', '.join(order)}")
-        found.append((order.index(name), path.name, report))
-    return [(file, report) for _, file, report in sorted(found, key=lambda x: x[:2])]
+        found.append((order.index(name), path.stem, path.name, report))
+    return [(file, report) for *_, file, report in sorted(found, key=lambda x: x[:2])]
 
 
 def render(results: list[tuple[str, dict]], folder: str = DEFAULT_RESULTS) -> str:
@@ -64,8 +64,7 @@ def render(results: list[tuple[str, dict]], folder: str = DEFAULT_RESULTS) -> st
 
 def _section(path: str, report: dict) -> str:
     env = report["environment"]
-    name = env["benchmark"]
-    tables = importlib.import_module(BENCHMARKS[name][0]).tables(report)
+    tables = importlib.import_module(BENCHMARKS[env["benchmark"]][0]).tables(report)
     m = env["machine"]
     machine = f"{m['cpu_model']}, {m['cpu_cores']} cores" + (
         f", {m['memory_gib']} GiB" if m.get("memory_gib") else "")
@@ -73,7 +72,7 @@ def _section(path: str, report: dict) -> str:
     if all(v is not None for v in load):
         machine += f"; load average {load[0]} at the start, {load[1]} at the end"
     date = env["date"].replace("T", " ").removesuffix("Z")[:16] + " UTC"
-    lines = [f"## {name}: {BENCHMARKS[name][1]}", "",
+    lines = [f"## {Path(path).stem}", "",
              "```", env["command"], "```", "",
              f"Machine: {machine}. Date: {date}. Result: `{path}`.", ""]
     lines += ["\n\n".join(markdown(t) for t in tables), ""]
