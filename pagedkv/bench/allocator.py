@@ -37,21 +37,22 @@ MODES = ("in-process", "grpc", "grpc+redis", "grpc-unary", "grpc-unary+redis")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--sizes", default="1,64,256", help="sequences per step, comma-separated [%(default)s]")
+    parser.add_argument("--sizes", type=harness.comma_list(low=1), default=[1, 64, 256],
+                        help="sequences per step, comma-separated [1,64,256]")
     parser.add_argument("--steps", type=int, default=400, help="timed steps per case [%(default)s]")
     parser.add_argument("--warmup", type=int, default=50, help="untimed steps first [%(default)s]")
     parser.add_argument("--block-size", type=int, default=16, help="[%(default)s]")
     parser.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     parser.add_argument(
-        "--modes", default="in-process,grpc,grpc+redis",
+        "--modes", type=harness.comma_list(MODES), default=["in-process", "grpc", "grpc+redis"],
         help="which of in-process, grpc, grpc+redis, grpc-unary, grpc-unary+redis to run (grpc: steps "
-             "over the StepStream call, as workers send them; grpc-unary: one unary Step each) [%(default)s]",
+             "over the StepStream call, as workers send them; grpc-unary: one unary Step each) [in-process,grpc,grpc+redis]",
     )
     parser.add_argument(
-        "--watch-events", default="none", metavar="LIST",
+        "--watch-events", type=harness.comma_list(WATCHERS), default=["none"], metavar="LIST",
         help="for the gRPC modes, time each case with each of: none (no watcher), plain (a process following "
              "every KV event, one message each), packed (runs of block events per message, as the router's "
-             "cache view asks) [%(default)s]",
+             "cache view asks) [none]",
     )
     parser.add_argument(
         "--redis", default=None, metavar="URL",
@@ -88,23 +89,12 @@ def measure_steps(client, num_seqs: int, steps: int, warmup: int) -> dict:
     }
 
 
-def _names(text: str, known: tuple[str, ...], what: str) -> list[str]:
-    from pagedkv.settings import CliError
-
-    names = [m.strip() for m in text.split(",") if m.strip()]
-    if not names or set(names) - set(known):
-        raise CliError(f"{what}: one or more of {', '.join(known)}, got {text!r}")
-    return names
-
-
 def measure(args: argparse.Namespace) -> dict:
     if args.noisy_neighbour:
         return noisy_neighbour.measure(args, measure_steps)
-    sizes = [int(s) for s in args.sizes.split(",") if s]
-    modes = _names(args.modes, MODES, "--modes")
-    watchers = _names(args.watch_events, WATCHERS, "--watch-events")
+    sizes, watchers = args.sizes, args.watch_events
     results = []
-    for mode in modes:
+    for mode in args.modes:
         with contextlib.ExitStack() as stack:
             kind = "embedded" if mode == "in-process" else mode.replace("-unary", "")
             address = deploy(stack, kind, redis_url=args.redis,

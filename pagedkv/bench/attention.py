@@ -27,30 +27,12 @@ from pagedkv.bench.harness import Table, cell
 __all__ = ["add_arguments", "measure", "run", "tables"]
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
 _BACKENDS = ("torch", "numba", "triton")
 
 
-def _backend_list(text: str) -> list[str]:
-    names = [x.strip() for x in text.split(",") if x.strip()]
-    unknown = [n for n in names if n not in _BACKENDS]
-    if not names or unknown:
-        raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(_BACKENDS)}, got {text!r}")
-    return names
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batch-sizes", type=_int_list, default=[1, 16, 64], help="comma list (default 1,16,64)")
-    parser.add_argument("--contexts", type=_int_list, default=[512, 2048], help="tokens per sequence (default 512,2048)")
+    parser.add_argument("--batch-sizes", type=harness.comma_list(low=1), default=[1, 16, 64], help="comma list (default 1,16,64)")
+    parser.add_argument("--contexts", type=harness.comma_list(low=1), default=[512, 2048], help="tokens per sequence (default 512,2048)")
     parser.add_argument("--block-size", type=int, default=16, help="token slots per block (default 16)")
     parser.add_argument("--q-heads", type=int, default=9, help="query heads (default 9, SmolLM2)")
     parser.add_argument("--kv-heads", type=int, default=3, help="key/value heads (default 3, SmolLM2)")
@@ -59,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
     parser.add_argument(
         "--backend",
-        type=_backend_list,
+        type=harness.comma_list(_BACKENDS),
         default=None,
         help="comma list of torch, numba, triton, timed side by side (default: the device's, numba on the CPU)",
     )

@@ -62,6 +62,36 @@ def add_json_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def comma_list(choices: Sequence[str] | None = None, *, low: int | None = None,
+               high: int | None = None) -> Callable[[str], list]:
+    """An argparse type: a comma-separated list of distinct items, each one of
+    `choices`, or (without choices) an integer in [low, high]."""
+    if choices is not None:
+        what = f"a comma-separated list of {', '.join(choices)}"
+    else:
+        what = "a comma-separated list of integers" + (
+            f" in [{low}, {high}]" if low is not None and high is not None
+            else f" of at least {low}" if low is not None else "")
+
+    def parse(text: str) -> list:
+        items: list = [x.strip() for x in text.split(",") if x.strip()]
+        if choices is None:
+            try:
+                items = [int(x) for x in items]
+            except ValueError:
+                items = []
+            ok = all((low is None or v >= low) and (high is None or v <= high) for v in items)
+        else:
+            ok = all(x in choices for x in items)
+        if not items or not ok:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        if len(set(items)) != len(items):
+            raise argparse.ArgumentTypeError(f"an item is named twice in {text!r}")
+        return items
+
+    return parse
+
+
 def run(name: str, args: argparse.Namespace, measure: Callable[[argparse.Namespace], dict],
         tables: Callable[[dict], list[Table]]) -> int:
     """Measure, record where and when, then print the tables and/or write the JSON."""

@@ -98,7 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="skip transformers' continuous batching (generate_batch)")
     parser.add_argument("--skip-prefix-off", action="store_true",
                         help="skip the engine run with prefix caching off")
-    parser.add_argument("--allocator", type=_allocators, default=None, metavar="LIST",
+    parser.add_argument("--allocator", type=harness.comma_list(KINDS), default=None, metavar="LIST",
                         help="compare allocators instead: comma-separated of embedded, grpc (a real allocator "
                              "process), grpc+redis (one journaling to a private redis-server); this engine only")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
@@ -111,40 +111,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--allocator a comma list runs every allocator with each (e.g. 0,8)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="with --allocator: the engines' prefix caching (default on)")
-    parser.add_argument("--attention", type=_attention_list, default=None,
+    parser.add_argument("--attention", type=harness.comma_list(("torch", "numba")), default=None,
                         help="comma list of CPU attention backends (torch, numba) for the prefix-caching-off "
                              "engine, one system each, interleaved: e.g. torch,numba compares the gather path "
                              "with the block-wise kernel (default: the CPU default alone)")
     harness.add_json_option(parser)
 
 
-def _allocators(text: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    if not names or any(n not in KINDS for n in names):
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(KINDS)}, got {text!r}")
-    if len(set(names)) != len(names):
-        raise argparse.ArgumentTypeError(f"an allocator is named twice in {text!r}")
-    return names
-
-
 def _lookahead_list(text: str) -> list[int]:
     from worker.engine.config import MAX_LOOKAHEAD_SLOTS
 
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        values = []
-    if not values or any(not 0 <= v <= MAX_LOOKAHEAD_SLOTS for v in values) or len(set(values)) != len(values):
-        raise argparse.ArgumentTypeError(
-            f"expected a comma list of distinct integers in [0, {MAX_LOOKAHEAD_SLOTS}], got {text!r}")
-    return values
-
-
-def _attention_list(text: str) -> list[str]:
-    names = [x.strip() for x in text.split(",") if x.strip()]
-    if not names or any(n not in ("torch", "numba") for n in names):
-        raise argparse.ArgumentTypeError(f"expected a comma list of torch, numba; got {text!r}")
-    return names
+    return harness.comma_list(low=0, high=MAX_LOOKAHEAD_SLOTS)(text)
 
 
 # -- the comparison ----------------------------------------------------------------------
