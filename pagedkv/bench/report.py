@@ -1,6 +1,6 @@
 """`pagedkv bench report`: the committed benchmark results as one Markdown page.
 
-Every `*.json` in `--results` (default `docs/benchmarks/`) is a report that a
+Every `*.json` in DIR (default `docs/benchmarks/`) is a report that a
 benchmark wrote with `--json FILE`; each becomes a section with the command
 that produced it, the machine it ran on and the date it ran, then the
 benchmark's own tables (`tables(report)`, what the terminal shows). Nothing
@@ -33,7 +33,7 @@ A "-" is a figure the benchmark did not measure.
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--results", default=DEFAULT_RESULTS, metavar="DIR",
+    parser.add_argument("results", nargs="?", default=DEFAULT_RESULTS, metavar="DIR",
                         help="the folder of benchmark JSON files [%(default)s]")
     parser.add_argument("--write", default=None, metavar="FILE",
                         help="write the page to FILE (e.g. docs/benchmarks.md) instead of printing it")

@@ -42,7 +42,7 @@ def test_json_file_records_the_run_and_the_report_renders_it(tmp_path):
     assert env["command"] == f"pagedkv bench core --sequences 50 --decode-rounds 2 --json {out / 'core.json'}"
     assert env["machine"]["cpu_cores"] >= 1 and env["machine"]["cpu_model"]
     assert env["date"].endswith("Z") and env["load_average_1m_start"] >= 0
-    page = pagedkv("bench", "report", "--results", str(out)).stdout
+    page = pagedkv("bench", "report", str(out)).stdout
     assert env["command"] in page and f"{env['machine']['cpu_cores']} cores" in page
     assert env["date"][:10] in page and "| on |" in page and "| off |" in page
 
