@@ -39,9 +39,9 @@ MODES = ("in-process", "grpc", "grpc+redis", "grpc-unary", "grpc-unary+redis")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", type=harness.comma_list(low=1), default=[1, 64, 256],
                         help="sequences per step, comma-separated [1,64,256]")
-    parser.add_argument("--steps", type=int, default=400, help="timed steps per case [%(default)s]")
+    parser.add_argument("--steps", type=harness.positive, default=400, help="timed steps per case [%(default)s]")
     parser.add_argument("--warmup", type=int, default=50, help="untimed steps first [%(default)s]")
-    parser.add_argument("--block-size", type=int, default=16, help="[%(default)s]")
+    parser.add_argument("--block-size", type=harness.positive, default=16, help="[%(default)s]")
     parser.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     parser.add_argument(
         "--modes", type=harness.comma_list(MODES), default=["in-process", "grpc", "grpc+redis"],

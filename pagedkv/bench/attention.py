@@ -33,10 +33,10 @@ _BACKENDS = ("torch", "numba", "triton")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-sizes", type=harness.comma_list(low=1), default=[1, 16, 64], help="comma list (default 1,16,64)")
     parser.add_argument("--contexts", type=harness.comma_list(low=1), default=[512, 2048], help="tokens per sequence (default 512,2048)")
-    parser.add_argument("--block-size", type=int, default=16, help="token slots per block (default 16)")
-    parser.add_argument("--q-heads", type=int, default=9, help="query heads (default 9, SmolLM2)")
-    parser.add_argument("--kv-heads", type=int, default=3, help="key/value heads (default 3, SmolLM2)")
-    parser.add_argument("--head-dim", type=int, default=64, help="head size (default 64, SmolLM2)")
+    parser.add_argument("--block-size", type=harness.positive, default=16, help="token slots per block (default 16)")
+    parser.add_argument("--q-heads", type=harness.positive, default=9, help="query heads (default 9, SmolLM2)")
+    parser.add_argument("--kv-heads", type=harness.positive, default=3, help="key/value heads (default 3, SmolLM2)")
+    parser.add_argument("--head-dim", type=harness.positive, default=64, help="head size (default 64, SmolLM2)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="K/V and query dtype (default float32)")
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
     parser.add_argument(
@@ -45,9 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="comma list of torch, numba, triton, timed side by side (default: the device's, numba on the CPU)",
     )
-    parser.add_argument("--repeats", type=int, default=10, help="timed calls per case (median reported)")
+    parser.add_argument("--repeats", type=harness.positive, default=10, help="timed calls per case (median reported)")
     parser.add_argument("--seed", type=int, default=0, help="random seed of the data (default 0)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--threads", type=harness.positive, default=None, help="torch CPU threads (default: torch's)")
     harness.add_json_option(parser)
 
 

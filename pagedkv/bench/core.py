@@ -19,11 +19,11 @@ from pagedkv.bench.workloads import VOCAB, prompt_with_prefix
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sequences", type=int, default=10_000, help="sequences (default 10,000)")
-    p.add_argument("--prompt-len", type=int, default=200, help="prompt tokens per sequence (default 200)")
+    p.add_argument("--sequences", type=harness.positive, default=10_000, help="sequences (default 10,000)")
+    p.add_argument("--prompt-len", type=harness.positive, default=200, help="prompt tokens per sequence (default 200)")
     p.add_argument("--shared-prefix", type=int, default=128, help="leading prompt tokens all sequences share (default 128)")
-    p.add_argument("--decode-rounds", type=int, default=64, help="tokens appended per sequence (default 64)")
-    p.add_argument("--block-size", type=int, default=16, help="block size (default 16)")
+    p.add_argument("--decode-rounds", type=harness.positive, default=64, help="tokens appended per sequence (default 64)")
+    p.add_argument("--block-size", type=harness.positive, default=16, help="block size (default 16)")
     p.add_argument("--seed", type=int, default=0, help="random seed")
     harness.add_json_option(p)
 
@@ -73,10 +73,6 @@ def _run_once(args: argparse.Namespace, prefix_caching: bool) -> dict:
 
 
 def measure(args: argparse.Namespace) -> dict:
-    if args.sequences < 1 or args.prompt_len < 1 or args.decode_rounds < 1 or args.block_size < 1:
-        from pagedkv.settings import CliError
-
-        raise CliError("--sequences, --prompt-len, --decode-rounds and --block-size must be positive")
     args.shared_prefix = min(args.shared_prefix, args.prompt_len)
     return {
         "sequences": args.sequences,

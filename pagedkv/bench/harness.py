@@ -62,6 +62,17 @@ def add_json_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def positive(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def comma_list(choices: Sequence[str] | None = None, *, low: int | None = None,
                high: int | None = None) -> Callable[[str], list]:
     """An argparse type: a comma-separated list of distinct items, each one of

@@ -45,11 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="measure a victim pool's Step latency alone and while another pool sends the heaviest "
              "legal requests (admits, forks, integrity checks, dumps, MatchPrefix)",
     )
-    parser.add_argument("--victim-seqs", type=int, default=64,
+    parser.add_argument("--victim-seqs", type=harness.positive, default=64,
                         help="with --noisy-neighbour: sequences per victim step [%(default)s]")
-    parser.add_argument("--neighbour-blocks", type=int, default=65536,
+    parser.add_argument("--neighbour-blocks", type=harness.positive, default=65536,
                         help="with --noisy-neighbour: blocks in the neighbour's pool [%(default)s]")
-    parser.add_argument("--neighbour-prompt", type=int, default=32768,
+    parser.add_argument("--neighbour-prompt", type=harness.positive, default=32768,
                         help="with --noisy-neighbour: tokens in each of the neighbour's admits [%(default)s]")
     parser.add_argument("--separate-neighbour", action="store_true",
                         help="with --noisy-neighbour: the neighbour's pool on an allocator process of its own "

