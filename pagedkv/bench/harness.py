@@ -106,11 +106,15 @@ def comma_list(choices: Sequence[str] | None = None, *, low: int | None = None,
 def run(name: str, args: argparse.Namespace, measure: Callable[[argparse.Namespace], dict],
         tables: Callable[[dict], list[Table]]) -> int:
     """Measure, record where and when, then print the tables and/or write the JSON."""
+    destination = getattr(args, "json", None)
+    if destination not in (None, STDOUT) and not Path(destination).resolve().parent.is_dir():
+        from pagedkv.settings import CliError
+
+        raise CliError(f"--json {destination}: no folder {Path(destination).parent}")
     recorded = environment(name, args)
     report = measure(args)
     recorded["load_average_1m_end"] = load_average()
     report["environment"] = recorded
-    destination = getattr(args, "json", None)
     if destination == STDOUT:
         print(json.dumps(report, indent=2))
         return 0
