@@ -1,8 +1,12 @@
-"""`pagedkv bench NAME`: benchmarks that print a table (or JSON with --json).
+"""`pagedkv bench NAME`: benchmarks that print a table and write JSON with --json.
 
-Each benchmark module exposes `add_arguments(parser)` and `run(args) -> int`.
-Benchmarks are never timed assertions: they report figures to compare side by
-side in one run.
+Each benchmark module exposes `add_arguments(parser)`, `measure(args)` (the
+report), `tables(report)` and `run(args)` (`harness.run`: the report with the
+command, machine and date of the run, printed as tables or written as JSON).
+`pagedkv bench report` renders the committed results (`docs/benchmarks/*.json`)
+as `docs/benchmarks.md`. Workloads are in `workloads`, the systems compared in
+`systems`. Benchmarks are never timed assertions: they report figures to
+compare side by side in one run.
 """
 
 from __future__ import annotations
@@ -17,20 +21,19 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "serve": ("pagedkv.bench.serve", "this engine vs transformers generate on one workload"),
     "route": ("pagedkv.bench.route", "the router's policies (kv, least-load, round-robin) on a multi-tenant workload"),
 }
+REPORT = ("pagedkv.bench.report", "render the committed benchmark results (JSON) as Markdown")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser("bench", help="benchmarks (print a table, or JSON with --json)")
+    p = sub.add_parser("bench", help="benchmarks (print a table; write JSON with --json)")
     bsub = p.add_subparsers(dest="bench", metavar="BENCHMARK", required=True)
-    for name, (module_name, help_text) in BENCHMARKS.items():
+    for name, (module_name, help_text) in {**BENCHMARKS, "report": REPORT}.items():
         bp = bsub.add_parser(name, help=help_text, description=help_text)
-        bp.set_defaults(_bench_module=module_name)
+        bp.set_defaults(_bench_module=module_name, _bench_parser=bp)
         try:
             importlib.import_module(module_name).add_arguments(bp)
         except ModuleNotFoundError:
             bp.set_defaults(_bench_missing=True)
-        if "--json" not in bp._option_string_actions:
-            bp.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return p
 
 

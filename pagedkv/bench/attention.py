@@ -16,62 +16,39 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import time
 from collections.abc import Callable
 
 from allocator_service.core import blocks_for
+from pagedkv.bench import harness
+from pagedkv.bench.harness import Table, cell
 
-__all__ = ["add_arguments", "add_parser", "measure", "run"]
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
+__all__ = ["add_arguments", "measure", "run", "tables"]
 
 
 _BACKENDS = ("torch", "numba", "triton")
 
 
-def _backend_list(text: str) -> list[str]:
-    names = [x.strip() for x in text.split(",") if x.strip()]
-    unknown = [n for n in names if n not in _BACKENDS]
-    if not names or unknown:
-        raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(_BACKENDS)}, got {text!r}")
-    return names
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batch-sizes", type=_int_list, default=[1, 16, 64], help="comma list (default 1,16,64)")
-    parser.add_argument("--contexts", type=_int_list, default=[512, 2048], help="tokens per sequence (default 512,2048)")
-    parser.add_argument("--block-size", type=int, default=16, help="token slots per block (default 16)")
-    parser.add_argument("--q-heads", type=int, default=9, help="query heads (default 9, SmolLM2)")
-    parser.add_argument("--kv-heads", type=int, default=3, help="key/value heads (default 3, SmolLM2)")
-    parser.add_argument("--head-dim", type=int, default=64, help="head size (default 64, SmolLM2)")
+    parser.add_argument("--batch-sizes", type=harness.comma_list(low=1), default=[1, 16, 64], help="comma list (default 1,16,64)")
+    parser.add_argument("--contexts", type=harness.comma_list(low=1), default=[512, 2048], help="tokens per sequence (default 512,2048)")
+    parser.add_argument("--block-size", type=harness.positive, default=16, help="token slots per block (default 16)")
+    parser.add_argument("--q-heads", type=harness.positive, default=9, help="query heads (default 9, SmolLM2)")
+    parser.add_argument("--kv-heads", type=harness.positive, default=3, help="key/value heads (default 3, SmolLM2)")
+    parser.add_argument("--head-dim", type=harness.positive, default=64, help="head size (default 64, SmolLM2)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="K/V and query dtype (default float32)")
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
     parser.add_argument(
         "--backend",
-        type=_backend_list,
+        type=harness.comma_list(_BACKENDS),
         default=None,
         help="comma list of torch, numba, triton, timed side by side (default: the device's, numba on the CPU)",
     )
-    parser.add_argument("--repeats", type=int, default=10, help="timed calls per case (median reported)")
+    parser.add_argument("--repeats", type=harness.positive, default=10, help="timed calls per case (median reported)")
     parser.add_argument("--seed", type=int, default=0, help="random seed of the data (default 0)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("attention", help="paged decode attention vs contiguous SDPA")
-    add_arguments(parser)
-    return parser
+    parser.add_argument("--threads", type=harness.positive, default=None, help="torch CPU threads (default: torch's)")
+    harness.add_json_option(parser)
 
 
 def _median_ms(fn: Callable[[], object], repeats: int, sync: Callable[[], None]) -> float:
@@ -199,31 +176,18 @@ def measure(args: argparse.Namespace) -> dict:
     }
 
 
+def tables(report: dict) -> list[Table]:
+    rows = [[name, cell(r["batch"]), cell(r["context"]), cell(r[name]["paged_ms"], ".3f"),
+             cell(r[name]["contiguous_ms"], ".3f"), cell(r[name]["ratio"], ".2f"),
+             cell(r[name]["plan_ms_per_step"], ".3f")]
+            for r in report["results"] for name in report["backends"]]
+    return [Table(
+        title=f"{report['benchmark']} ({report['dtype']}, {report['device']}, {report['threads']} threads, "
+              f"block {report['block_size']}, {report['q_heads']}q/{report['kv_heads']}kv x {report['head_dim']})",
+        columns=["backend", "batch", "context", "paged ms", "contig ms", "ratio", "plan ms/step"],
+        rows=rows)]
+
+
 def run(args: argparse.Namespace) -> int:
     """The `pagedkv bench attention` entry point: print the report, exit status 0."""
-    report = measure(args)
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print(
-            f"{report['benchmark']} ({args.dtype}, {args.device}, "
-            f"{report['threads']} threads, block {args.block_size}, "
-            f"{args.q_heads}q/{args.kv_heads}kv x {args.head_dim})"
-        )
-        print(
-            f"{'backend':>8} {'batch':>6} {'context':>8} {'paged ms':>10} {'contig ms':>10} {'ratio':>7} {'plan ms/step':>13}"
-        )
-        for r in report["results"]:
-            for name in report["backends"]:
-                x = r[name]
-                print(
-                    f"{name:>8} {r['batch']:>6} {r['context']:>8} {x['paged_ms']:>10.3f} {x['contiguous_ms']:>10.3f} "
-                    f"{x['ratio']:>7.2f} {x['plan_ms_per_step']:>13.3f}"
-                )
-    return 0
-
-
-if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="python -m pagedkv.bench.attention")
-    add_arguments(_parser)
-    run(_parser.parse_args())
+    return harness.run("attention", args, measure, tables)

@@ -9,21 +9,23 @@ every prompt starts with the same system prompt, so admits hit the cache.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
 
 from allocator_service.core import BlockPool, PoolConfig, blocks_for
+from pagedkv.bench import harness
+from pagedkv.bench.harness import Table, cell
 from pagedkv.bench.workloads import VOCAB, prompt_with_prefix
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sequences", type=int, default=10_000, help="sequences (default 10,000)")
-    p.add_argument("--prompt-len", type=int, default=200, help="prompt tokens per sequence (default 200)")
+    p.add_argument("--sequences", type=harness.positive, default=10_000, help="sequences (default 10,000)")
+    p.add_argument("--prompt-len", type=harness.positive, default=200, help="prompt tokens per sequence (default 200)")
     p.add_argument("--shared-prefix", type=int, default=128, help="leading prompt tokens all sequences share (default 128)")
-    p.add_argument("--decode-rounds", type=int, default=64, help="tokens appended per sequence (default 64)")
-    p.add_argument("--block-size", type=int, default=16, help="block size (default 16)")
+    p.add_argument("--decode-rounds", type=harness.positive, default=64, help="tokens appended per sequence (default 64)")
+    p.add_argument("--block-size", type=harness.positive, default=16, help="block size (default 16)")
     p.add_argument("--seed", type=int, default=0, help="random seed")
+    harness.add_json_option(p)
 
 
 def _run_once(args: argparse.Namespace, prefix_caching: bool) -> dict:
@@ -70,33 +72,29 @@ def _run_once(args: argparse.Namespace, prefix_caching: bool) -> dict:
     }
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.sequences < 1 or args.prompt_len < 1 or args.decode_rounds < 1 or args.block_size < 1:
-        from pagedkv_base.settings import CliError
-
-        raise CliError("--sequences, --prompt-len, --decode-rounds and --block-size must be positive")
+def measure(args: argparse.Namespace) -> dict:
     args.shared_prefix = min(args.shared_prefix, args.prompt_len)
-    results = [_run_once(args, False), _run_once(args, True)]
-    out = {
+    return {
         "sequences": args.sequences,
         "prompt_len": args.prompt_len,
+        "shared_prefix": args.shared_prefix,
         "decode_rounds": args.decode_rounds,
         "block_size": args.block_size,
-        "results": results,
+        "results": [_run_once(args, False), _run_once(args, True)],
     }
-    if args.json:
-        print(json.dumps(out))
-        return 0
-    from rich.console import Console
-    from rich.table import Table
 
-    t = Table(title=f"allocator core, {args.sequences:,} sequences, block size {args.block_size}")
-    for col in ("prefix caching", "admit (us)", "append (us)", "free (us)", "appends/s", "hit rate"):
-        t.add_column(col, justify="right")
-    for r in results:
-        t.add_row(
-            "on" if r["prefix_caching"] else "off", f"{r['admit_us']:.2f}", f"{r['append_us']:.3f}",
-            f"{r['free_us']:.2f}", f"{r['appends_per_s']:,.0f}", f"{r['prefix_hit_rate']:.1%}",
-        )
-    Console(width=120).print(t)
-    return 0
+
+def tables(report: dict) -> list[Table]:
+    rows = [[cell(r["prefix_caching"]), cell(r["admit_us"], ".2f"), cell(r["append_us"], ".3f"),
+             cell(r["free_us"], ".2f"), cell(r["appends_per_s"], ",.0f"), cell(r["prefix_hit_rate"], ".1%")]
+            for r in report["results"]]
+    return [Table(
+        title=f"allocator core, {report['sequences']:,} sequences of {report['prompt_len']} prompt tokens "
+              f"({report.get('shared_prefix', '-')} shared), {report['decode_rounds']} decode rounds, "
+              f"block size {report['block_size']}",
+        columns=["prefix caching", "admit (us)", "append (us)", "free (us)", "appends/s", "hit rate"],
+        rows=rows)]
+
+
+def run(args: argparse.Namespace) -> int:
+    return harness.run("core", args, measure, tables)

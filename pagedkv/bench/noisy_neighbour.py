@@ -23,16 +23,19 @@ clients, building and parsing as they go).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import multiprocessing as mp
 import os
 import random
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 
 from allocator_service.core import Admit, Fork, Free, PoolConfig, blocks_for
+from pagedkv.bench import harness
+from pagedkv.bench.harness import Table, cell
 from pagedkv.bench.workloads import MAX_GEN, PROMPT_LEN, prompt_with_prefix
 
 
@@ -42,11 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="measure a victim pool's Step latency alone and while another pool sends the heaviest "
              "legal requests (admits, forks, integrity checks, dumps, MatchPrefix)",
     )
-    parser.add_argument("--victim-seqs", type=int, default=64,
+    parser.add_argument("--victim-seqs", type=harness.positive, default=64,
                         help="with --noisy-neighbour: sequences per victim step [%(default)s]")
-    parser.add_argument("--neighbour-blocks", type=int, default=65536,
+    parser.add_argument("--neighbour-blocks", type=harness.positive, default=65536,
                         help="with --noisy-neighbour: blocks in the neighbour's pool [%(default)s]")
-    parser.add_argument("--neighbour-prompt", type=int, default=32768,
+    parser.add_argument("--neighbour-prompt", type=harness.positive, default=32768,
                         help="with --noisy-neighbour: tokens in each of the neighbour's admits [%(default)s]")
     parser.add_argument("--separate-neighbour", action="store_true",
                         help="with --noisy-neighbour: the neighbour's pool on an allocator process of its own "
@@ -197,17 +200,9 @@ def _server_step_buckets(metrics_url: str) -> dict[float, float]:
     bound in seconds. Only the victim streams its steps (the neighbour sends
     unary calls, prebuilt or parsing), so the difference over a phase is the
     victim's: its timed steps and its few warm-up steps."""
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    url = metrics_url if metrics_url.rstrip("/").endswith("/metrics") else metrics_url.rstrip("/") + "/metrics"
-    with urllib.request.urlopen(url, timeout=10) as response:  # noqa: S310 - our own loopback server
-        text = response.read().decode()
     return {
         float(sample.labels["le"]): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
+        for sample in harness.metric_samples(metrics_url)
         if sample.name.endswith("rpc_duration_seconds_bucket")
         and sample.labels.get("method") == "StepStream" and sample.labels.get("code") == "OK"
     }
@@ -225,9 +220,34 @@ def _bucket_quantiles(before: dict[float, float], after: dict[float, float]) -> 
     return out
 
 
-def run(args: argparse.Namespace, measure) -> dict:
-    """Both phases against one allocator process; `measure(client, n, steps,
-    warmup)` is the decode-loop timer of `pagedkv bench allocator`."""
+@contextlib.contextmanager
+def _running_neighbour(address: str, args: argparse.Namespace) -> Iterator[dict[str, int]]:
+    """The neighbour's process, sending from its first answered admit until
+    the block exits; then the requests it sent, by kind (filled in on exit)."""
+    ctx = mp.get_context("spawn")
+    sent: dict[str, int] = {}
+    with ctx.Manager() as manager:
+        counts = manager.dict()
+        stop, ready = ctx.Event(), ctx.Event()
+        proc = ctx.Process(
+            target=_neighbour,
+            args=(address, args.block_size, args.neighbour_blocks, args.neighbour_prompt, args.neighbour_parses,
+                  stop, ready, counts),
+            daemon=True,
+        )
+        proc.start()
+        try:
+            ready.wait(120)
+            yield sent
+        finally:
+            stop.set()
+            proc.join(120)
+            sent.update(counts.items())
+
+
+def measure(args: argparse.Namespace, measure_steps) -> dict:
+    """Both phases against one allocator process; `measure_steps(client, n,
+    steps, warmup)` is the decode-loop timer of `pagedkv bench allocator`."""
     from allocator_service.client import PoolSpec
     from allocator_service.client.grpc_client import GrpcAllocator
     from pagedkv.stack import start_allocator
@@ -242,33 +262,19 @@ def run(args: argparse.Namespace, measure) -> dict:
         victim = GrpcAllocator(server.address, PoolSpec(name, victim_config))
         before = _server_step_buckets(server.metrics_url)
         try:
-            timed = measure(victim, n, args.steps, args.warmup)
+            timed = measure_steps(victim, n, args.steps, args.warmup)
         finally:
             victim.close()
         return {**timed, **_bucket_quantiles(before, _server_step_buckets(server.metrics_url))}
 
-    ctx = mp.get_context("spawn")
     server = start_allocator(["--lease-ttl", "30", "--metrics-port", "0"])
     own = start_allocator(["--lease-ttl", "30"]) if args.separate_neighbour else None
     try:
         quiet = victim_steps("victim-alone")
-        with ctx.Manager() as manager:
-            counts = manager.dict()
-            stop, ready = ctx.Event(), ctx.Event()
-            proc = ctx.Process(
-                target=_neighbour,
-                args=((own or server).address, args.block_size, args.neighbour_blocks, args.neighbour_prompt,
-                      args.neighbour_parses, stop, ready, counts),
-                daemon=True,
-            )
-            proc.start()
-            ready.wait(120)
+        with _running_neighbour((own or server).address, args) as neighbour:
             t0 = time.perf_counter()
             noisy = victim_steps("victim-with-neighbour")
             seconds = time.perf_counter() - t0
-            stop.set()
-            proc.join(120)
-            neighbour = dict(sorted(counts.items()))
     finally:
         server.terminate()
         if own is not None:
@@ -282,34 +288,31 @@ def run(args: argparse.Namespace, measure) -> dict:
         "neighbour_allocator": "own" if own is not None else "shared",
         "neighbour_client": "parsing" if args.neighbour_parses else "prebuilt",
         "cpus": os.cpu_count(),
-        "load_average_1m": round(os.getloadavg()[0], 2),
+        "load_average_1m": harness.load_average(),
         "quiet": quiet,
         "noisy": noisy,
         "noisy_seconds": round(seconds, 2),
-        "neighbour_requests": neighbour,
+        "neighbour_requests": dict(sorted(neighbour.items())),
         "p50_ratio": noisy["p50_ms"] / quiet["p50_ms"],
         "p99_ratio": noisy["p99_ms"] / quiet["p99_ms"],
         "target_p99_ratio": 2.0,
     }
 
 
-def print_table(out: dict) -> None:
-    print(f"Victim pool: {out['victim_seqs']} sequences per step, block size {out['block_size']}; "
-          f"neighbour: {out['neighbour_blocks']:,} blocks, {out['neighbour_prompt_tokens']:,}-token admits "
-          f"({out['neighbour_allocator']} allocator process, {out['neighbour_client']} client); "
-          f"{out['cpus']} CPUs, load average {out['load_average_1m']}")
-    print(f"{'victim step latency':<28} {'p50 ms':>9} {'p99 ms':>9} {'mean ms':>9}   "
-          f"{'in the handler: p50, p99 ms':>28}")
-    for name in ("quiet", "noisy"):
+def tables(out: dict) -> list[Table]:
+    rows = []
+    for name, label in (("quiet", "alone"), ("noisy", "with the noisy neighbour")):
         r = out[name]
-        label = "alone" if name == "quiet" else "with the noisy neighbour"
-        print(f"{label:<28} {r['p50_ms']:>9.3f} {r['p99_ms']:>9.3f} {r['mean_ms']:>9.3f}   "
-              f"{'<= ' + _ms(r['server_p50_le_ms']) + ', <= ' + _ms(r['server_p99_le_ms']):>28}")
-    print(f"p99 with the neighbour / alone: {out['p99_ratio']:.1f}x (target at most "
-          f"{out['target_p99_ratio']:.0f}x); p50: {out['p50_ratio']:.1f}x")
+        rows.append([label, cell(r["p50_ms"], ".3f"), cell(r["p99_ms"], ".3f"), cell(r["mean_ms"], ".3f"),
+                     f"<= {cell(r['server_p50_le_ms'], 'g')}", f"<= {cell(r['server_p99_le_ms'], 'g')}"])
     done = ", ".join(f"{k} {v}" for k, v in out["neighbour_requests"].items())
-    print(f"neighbour requests in {out['noisy_seconds']} s: {done}")
-
-
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:g}"
+    return [Table(
+        title=f"Victim pool: {out['victim_seqs']} sequences per step, block size {out['block_size']}; "
+              f"neighbour: {out['neighbour_blocks']:,} blocks, {out['neighbour_prompt_tokens']:,}-token admits "
+              f"({out['neighbour_allocator']} allocator process, {out['neighbour_client']} client)",
+        columns=["victim step latency", "p50 ms", "p99 ms", "mean ms", "in the handler: p50 ms", "p99 ms"],
+        rows=rows,
+        notes=[f"p99 with the neighbour / alone: {out['p99_ratio']:.1f}x (target at most "
+               f"{out['target_p99_ratio']:.0f}x); p50: {out['p50_ratio']:.1f}x",
+               f"neighbour requests in {out['noisy_seconds']} s: {done}"],
+    )]
