@@ -250,6 +250,10 @@ class TokenTexts:
         self._detok = tokenizer.detokenizer(prompt_ids, skip_special_tokens)
         self._hidden = tokenizer.special_ids if skip_special_tokens else frozenset()
 
+    def shows(self, token_id: int) -> bool:
+        """Whether the text shows the token (a special one it skips adds nothing)."""
+        return token_id not in self._hidden
+
     def _spelled(self, token_id: int) -> str:
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
 

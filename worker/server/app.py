@@ -55,7 +55,6 @@ from worker.server.protocol import (
     BaseRequest,
     ChatCompletionRequest,
     CompletionRequest,
-    prompt_logprobs_json,
     template_messages,
     usage,
 )
@@ -145,7 +144,8 @@ async def completions(request: Request):
     prompt_logprobs = req.prompt_logprobs if req.prompt_logprobs is not None or not req.echo else req.logprobs
     params = _sampling_params(req, req.max_tokens, request.app.state.served_model_name, core, req.logprobs,
                               prompt_logprobs)
-    echo = [p if isinstance(p, str) else core.tokenizer.decode(p) for p in prompts] if req.echo else None
+    # echoed, a prompt's decode then the completion's text: the decode of prompt + output
+    echo = [core.tokenizer.decode(p, skip_special_tokens=params.skip_special_tokens) for p in ids] if req.echo else None
     return await _answer(request, req, ids, params, f"cmpl-{uuid.uuid4().hex}", "text", echo)
 
 
@@ -235,7 +235,7 @@ async def _answer(request: Request, req: BaseRequest, prompts: list[list[int]], 
         # Until the first outputs (and for a whole answer, the last), a client
         # that hangs up aborts the request; a stream then notices by itself.
         firsts = await _unless_gone(request, streams, _all(*(_first(s) for s in streams)))
-        choices = Choices(kind, params.n, core_decode(engine), echo)
+        choices = Choices(kind, params.n, engine.engine.tokenizer, params.skip_special_tokens, echo)
         if req.stream:
             return StreamingResponse(stream_events(firsts, streams, choices, rid, model, req.include_usage()),
                                      media_type="text/event-stream")
@@ -250,14 +250,8 @@ async def _answer(request: Request, req: BaseRequest, prompts: list[list[int]], 
         "usage": usage([out for per_prompt in finals for out in per_prompt]),
     }
     if kind == "chat":  # vLLM: on the response for chat, on each choice for completions
-        body["prompt_logprobs"] = prompt_logprobs_json(finals[0][0].prompt_logprobs, choices.decode)
+        body["prompt_logprobs"] = choices.prompt_logprobs(finals[0][0])
     return body
-
-
-def core_decode(engine: AsyncLLMEngine):
-    """One token's text, as vLLM shows it in logprobs (special tokens spelled)."""
-    tokenizer = engine.engine.tokenizer
-    return lambda tok: tokenizer.decode([tok], skip_special_tokens=False)
 
 
 def _sampling_params(req: BaseRequest, max_tokens: int | None, served_model_name: str, core,
