@@ -328,6 +328,7 @@ def _run_engine(loaded, prompts: list[list[int]], args: argparse.Namespace, num_
         engine.generate(_warmup_prompts(loaded.config.vocab_size), warm)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
         before = engine.allocator.stats()
+        engine.metrics.peaks.reset()  # the engine's high-water marks: this run's, at every step
         preempt0 = engine.num_preemptions
         waited0 = _seconds(engine.metrics.allocator_step)
         calls0 = engine.metrics.allocator_calls._value.get()
@@ -337,7 +338,7 @@ def _run_engine(loaded, prompts: list[list[int]], args: argparse.Namespace, num_
         allocated: list[int] = []
         held: list[int] = []
         logical: list[int] = []
-        max_running = steps = 0
+        steps = 0
         t0 = time.perf_counter()
         ids = [engine.add_request(p, params, f"req-{i}") for i, p in enumerate(prompts)]
         while engine.has_unfinished():
@@ -353,12 +354,12 @@ def _run_engine(loaded, prompts: list[list[int]], args: argparse.Namespace, num_
                 continue
             stats = engine.allocator.stats()
             running = engine.scheduler.running
-            max_running = max(max_running, len(running))
             if stats.slots_allocated:
                 allocated.append(stats.slots_allocated)
                 held.append(stats.tokens_stored)
                 logical.append(sum(s.num_stored for s in running))
         wall = time.perf_counter() - t0
+        peaks = engine.metrics.peaks.values()
         after = engine.allocator.stats()
         waited = _seconds(engine.metrics.allocator_step) - waited0  # the steps' wait for the allocator
         calls = engine.metrics.allocator_calls._value.get() - calls0
@@ -385,18 +386,19 @@ def _run_engine(loaded, prompts: list[list[int]], args: argparse.Namespace, num_
         "async_scheduling": async_scheduling,
         "num_lookahead_slots": lookahead,
         "kv_slots_reserved": num_blocks * args.block_size,
-        "kv_slots_allocated_peak": max(allocated, default=0),
-        "kv_slots_holding_tokens_peak": max(held, default=0),
+        "kv_slots_allocated_peak": peaks.kv_blocks_used * args.block_size,
+        "kv_slots_holding_tokens_peak": peaks.kv_slots_holding_tokens,
         "kv_tokens_logical_peak": max(logical, default=0),
         "kv_utilisation_mean": round(statistics.fmean(util), 4) if util else None,
         "kv_utilisation_peak_alloc": round(held[allocated.index(max(allocated))] / max(allocated), 4) if allocated else None,
         "preemptions": engine.num_preemptions - preempt0,
         "steps": steps,
-        "max_running_seqs": max_running,
+        "max_running_seqs": peaks.running_sequences,
         "prefix_cache": prefix_caching,
         "ttft_method": "time from t=0 (all requests submitted) until the step that sampled the first token returned",
-        "kv_method": "allocator pool stats after every step: slots in allocated blocks vs slots holding a token "
-                     "(shared prefix blocks once); logical = sum of the running sequences' stored tokens",
+        "kv_method": "peaks: the engine's high-water marks at every step (pagedkv_worker_*_peak: the running "
+                     "sequences' blocks, shared ones once, and their slots holding a token); means: allocator pool "
+                     "stats after every step; logical = sum of the running sequences' stored tokens",
         "prefix_hit_tokens": hits,
         "prefix_queried_tokens": queried,
         "_outputs": outputs,

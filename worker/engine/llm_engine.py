@@ -36,7 +36,7 @@ from worker.engine.model_runner import ModelRunner, SampledToken
 from worker.engine.output_processor import OutputProcessor, RequestOutput
 from worker.engine.sampling import SamplingError, SamplingParams, make_generator
 from worker.engine.scheduler import Batch, Scheduler
-from worker.engine.sequence import Sequence, Status
+from worker.engine.sequence import Sequence, Status, kv_in_use
 from worker.metrics import WorkerMetrics
 
 log = logging.getLogger("pagedkv.worker")
@@ -269,6 +269,8 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
+        running = self.scheduler.running  # as this step computes them, their blocks from its call
+        self.metrics.peaks.observe(*kv_in_use(running, self.block_size), len(running))
         if batch.allocator_call:  # (a step computed in slots held already waited for nothing)
             self.metrics.allocator_step.observe(batch.allocator_seconds)
             self.metrics.allocator_calls.inc()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -133,3 +134,16 @@ class Sequence:
         self.num_reserved = 0
         self.block_table = []
         self.num_preemptions += 1
+
+
+def kv_in_use(seqs: Iterable[Sequence], block_size: int) -> tuple[int, int]:
+    """(blocks, slots holding a token) the sequences' block tables name, a
+    shared block once. Every block but a table's last is full; a shared last
+    block holds as many tokens for every sharer (the allocator's invariant)."""
+    fill: dict[int, int] = {}
+    for seq in seqs:
+        table = seq.block_table
+        if table:
+            fill.update(dict.fromkeys(table, block_size))
+            fill[table[-1]] = seq.num_held - (len(table) - 1) * block_size
+    return len(fill), sum(fill.values())

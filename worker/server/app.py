@@ -1,5 +1,5 @@
 """FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics
-(and from utility_routes.py /tokenize, /detokenize, /version).
+(and from utility_routes.py /tokenize, /detokenize, /version, /reset_peaks).
 
 `create_app` wires the pieces: the routes below (module-level handlers that
 find the engine in `app.state`), the error shape, body limit and API key
@@ -15,7 +15,7 @@ has the request aborted, streaming or not.
 
 With an API key every /v1/* route wants `Authorization: Bearer KEY` (401 in
 OpenAI's error shape otherwise); /health, /metrics, /version, /tokenize and
-/detokenize stay open, as in vLLM.
+/detokenize stay open, as in vLLM, and so does /reset_peaks.
 """
 
 from __future__ import annotations
