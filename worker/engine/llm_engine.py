@@ -269,11 +269,12 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
-        running = self.scheduler.running  # as this step computes them, their blocks from its call
-        self.metrics.peaks.observe(*kv_in_use(running, self.block_size), len(running))
         if batch.allocator_call:  # (a step computed in slots held already waited for nothing)
             self.metrics.allocator_step.observe(batch.allocator_seconds)
             self.metrics.allocator_calls.inc()
+            # The high-water marks: without a call no block table grew and nobody was admitted.
+            running = self.scheduler.running  # as this step computes them, their blocks from its call
+            self.metrics.peaks.observe(*kv_in_use(running, self.block_size), len(running))
         self.num_preemptions += len(batch.preempted)
         if batch.queried_tokens:
             self.metrics.prefix_queried.inc(batch.queried_tokens)

@@ -188,9 +188,10 @@ class IncrementalDetokenizer:
                 if len(tail) == self.CONTEXT:
                     break
         self.ids: list[int] = tail[::-1]
-        # ids[prefix:read] is context already emitted; ids[read:] is pending.
+        # ids[prefix:read] is context already emitted (its text: `_shown`); ids[read:] is pending.
         self._prefix = 0
         self._read = len(self.ids)
+        self._shown = self._decode(self.ids)
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
@@ -200,7 +201,7 @@ class IncrementalDetokenizer:
         none or leave an incomplete character. Past the text the window
         already showed, except a U+FFFD of the prompt's that the window now
         renders whole."""
-        before = self._decode(self.ids[self._prefix : self._read])
+        before = self._shown
         after = self._decode(self.ids[self._prefix :] + ids)
         same = len(os.path.commonprefix((before, after)))
         if same == len(after) or after.endswith("\ufffd"):
@@ -217,6 +218,7 @@ class IncrementalDetokenizer:
         if delta is None:
             return ""
         self._prefix, self._read = self._read, len(self.ids)
+        self._shown = self._decode(self.ids[self._prefix :])
         return delta
 
     def peek(self, token_id: int) -> str:
@@ -228,9 +230,9 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Whatever is still pending at the end of the sequence, even if incomplete."""
-        before = self._decode(self.ids[self._prefix : self._read])
-        after = self._decode(self.ids[self._prefix :])
+        before, after = self._shown, self._decode(self.ids[self._prefix :])
         self._prefix = self._read = len(self.ids)
+        self._shown = ""
         return after[len(os.path.commonprefix((before, after))) :]
 
 

@@ -243,15 +243,21 @@ async def _answer(request: Request, req: BaseRequest, prompts: list[list[int]], 
                                     _all(*(_collect(s, f) for s, f in zip(streams, firsts, strict=True))))
     except ClientGone:
         return Response(status_code=499)  # nobody reads it
-    body = {
-        "id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
-        "created": int(time.time()), "model": model,
-        "choices": [choices.whole(i, out) for i, per_prompt in enumerate(finals) for out in per_prompt],
-        "usage": usage([out for per_prompt in finals for out in per_prompt]),
-    }
-    if kind == "chat":  # vLLM: on the response for chat, on each choice for completions
-        body["prompt_logprobs"] = choices.prompt_logprobs(finals[0][0])
-    return body
+
+    def body() -> dict:
+        answer = {
+            "id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
+            "created": int(time.time()), "model": model,
+            "choices": [choices.whole(i, out) for i, per_prompt in enumerate(finals) for out in per_prompt],
+            "usage": usage([out for per_prompt in finals for out in per_prompt]),
+        }
+        if kind == "chat":  # vLLM: on the response for chat, on each choice for completions
+            answer["prompt_logprobs"] = choices.prompt_logprobs(finals[0][0])
+        return answer
+
+    # Logprobs spell each position's tokens in context (a few decodes each): off the loop.
+    spelled = params.logprobs is not None or params.prompt_logprobs is not None
+    return await run_in_threadpool(body) if spelled else body()
 
 
 def _sampling_params(req: BaseRequest, max_tokens: int | None, served_model_name: str, core,
