@@ -140,10 +140,11 @@ def kv_in_use(seqs: Iterable[Sequence], block_size: int) -> tuple[int, int]:
     """(blocks, slots holding a token) the sequences' block tables name, a
     shared block once. Every block but a table's last is full; a shared last
     block holds as many tokens for every sharer (the allocator's invariant)."""
-    fill: dict[int, int] = {}
+    used: set[int] = set()
+    empty: dict[int, int] = {}  # a table's last block -> its slots holding no token
     for seq in seqs:
         table = seq.block_table
         if table:
-            fill.update(dict.fromkeys(table, block_size))
-            fill[table[-1]] = seq.num_held - (len(table) - 1) * block_size
-    return len(fill), sum(fill.values())
+            used.update(table)
+            empty[table[-1]] = len(table) * block_size - seq.num_held
+    return len(used), len(used) * block_size - sum(empty.values())
