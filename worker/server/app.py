@@ -144,9 +144,14 @@ async def completions(request: Request):
     prompt_logprobs = req.prompt_logprobs if req.prompt_logprobs is not None or not req.echo else req.logprobs
     params = _sampling_params(req, req.max_tokens, request.app.state.served_model_name, core, req.logprobs,
                               prompt_logprobs)
-    # echoed, a prompt's decode then the completion's text: the decode of prompt + output
-    echo = [core.tokenizer.decode(p, skip_special_tokens=params.skip_special_tokens) for p in ids] if req.echo else None
+    echo = None
+    if req.echo:  # a prompt's decode then the completion's text: the decode of prompt + output
+        echo = await off_loop(_decode_all, core, ids, params.skip_special_tokens, size=4 * sum(map(len, ids)))
     return await _answer(request, req, ids, params, f"cmpl-{uuid.uuid4().hex}", "text", echo)
+
+
+def _decode_all(core, prompts: list[list[int]], skip_special_tokens: bool) -> list[str]:
+    return [core.tokenizer.decode(p, skip_special_tokens=skip_special_tokens) for p in prompts]
 
 
 def _prompt_list(prompt) -> list[str | list[int]]:
