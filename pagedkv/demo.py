@@ -8,6 +8,11 @@ mixed lengths, some multi-turn) with a progress bar, and ends with a report
 (with the routing figures: requests per worker, prefix tokens cached where
 each request went vs the best any worker had, routing time) and a PNG chart
 of KV utilisation over the run. Then it shuts everything down.
+
+The report's peaks are the workers' own high-water marks, taken at every
+engine step (`pagedkv_worker_*_peak`, started again by `POST /reset_peaks`
+before the workload): each is the sum over the workers of each worker's peak.
+The chart and the mean utilisation come from /metrics polled every 0.25 s.
 """
 
 from __future__ import annotations
@@ -151,12 +156,16 @@ async def _conversation(client, model: str, rng: random.Random, turns: int, lo: 
 
 async def _workload(api: str, urls: list[str], args, lo: int, hi: int) -> tuple[Stats, list[dict], float]:
     """The conversations through `api` (the router); KV samples polled from every worker at `urls`."""
+    import httpx
     import openai
     from tqdm import tqdm
 
     rng = random.Random(args.seed)
     turns = [2 if rng.random() < args.multi_turn else 1 for _ in range(args.conversations)]
     stats, samples = Stats(), []
+    async with httpx.AsyncClient(timeout=5) as http:  # the peaks count this workload alone
+        for url in urls:
+            (await http.post(f"{url}/reset_peaks")).raise_for_status()
     stop = asyncio.Event()
     t0 = time.monotonic()
     poller = asyncio.create_task(_poll(urls, samples, stop, t0))
@@ -184,7 +193,7 @@ def _worker_totals(urls: list[str]) -> dict[str, float]:
     for url in urls:
         for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=5).text):
             for s in fam.samples:
-                if s.name.endswith("_total") or s.name.endswith("kv_pool_blocks"):
+                if s.name.endswith(("_total", "_peak", "kv_pool_blocks")):
                     totals[s.name] = totals.get(s.name, 0) + s.value
     return totals
 
@@ -283,7 +292,7 @@ def _report(args, stats: Stats, samples: list[dict], wall: float, totals: dict[s
     B = args.block_size
     pool_tokens = args.num_blocks * B * args.workers
     busy = [s for s in samples if s.get("kv_blocks_used", 0) > 0]
-    peak = max(busy, key=lambda s: s["kv_blocks_used"], default={})
+    peak_blocks = int(totals.get("pagedkv_worker_kv_blocks_used_peak", 0))
     queried = totals.get("pagedkv_worker_prefix_cache_queried_tokens_total", 0)
     hit = totals.get("pagedkv_worker_prefix_cache_hit_tokens_total", 0)
     ttft = sorted(stats.ttft)
@@ -300,11 +309,11 @@ def _report(args, stats: Stats, samples: list[dict], wall: float, totals: dict[s
         "cached_prompt_tokens": stats.cached_tokens,
         "prompt_tokens": stats.prompt_tokens,
         "preemptions": int(totals.get("pagedkv_worker_preemptions_total", 0)),
-        "peak_blocks_used": int(peak.get("kv_blocks_used", 0)),
-        "peak_slots_allocated": int(peak.get("kv_blocks_used", 0)) * B,
-        "peak_slots_holding_tokens": round(peak.get("kv_blocks_used", 0) * B * peak.get("kv_slot_utilisation_ratio", 1.0)),
+        "peak_blocks_used": peak_blocks,
+        "peak_slots_allocated": peak_blocks * B,
+        "peak_slots_holding_tokens": int(totals.get("pagedkv_worker_kv_slots_holding_tokens_peak", 0)),
         "mean_slot_utilisation": round(statistics.mean(s["kv_slot_utilisation_ratio"] for s in busy), 4) if busy else None,
-        "peak_running_conversations": int(max((s.get("running_sequences", 0) for s in samples), default=0)),
+        "peak_running_conversations": int(totals.get("pagedkv_worker_running_sequences_peak", 0)),
         "pool_tokens": pool_tokens,
         "reserve_max_conversations_fit": pool_tokens // args.max_model_len,
         "max_model_len": args.max_model_len,

@@ -9,6 +9,7 @@ Face templates expect (trim_blocks, lstrip_blocks, `raise_exception`,
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from functools import cached_property
@@ -16,7 +17,7 @@ from typing import Any
 
 import tokenizers
 
-__all__ = ["ChatTemplateError", "IncrementalDetokenizer", "Tokenizer"]
+__all__ = ["ChatTemplateError", "IncrementalDetokenizer", "TokenTexts", "Tokenizer"]
 
 
 class ChatTemplateError(ValueError):
@@ -141,49 +142,131 @@ class Tokenizer:
         text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
         return self.encode(text, add_special_tokens=False)
 
-    def detokenizer(self, prompt_ids: Iterable[int] = (), skip_special_tokens: bool = True) -> IncrementalDetokenizer:
-        """A streaming decoder for one sequence (optionally primed with its prompt)."""
+    @cached_property
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the special tokens: the ones `decode(skip_special_tokens=True)` leaves out."""
+        return frozenset(i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
+
+    def detokenizer(self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        """A streaming decoder for one sequence, primed with its prompt: the
+        generated text reads as it does after the prompt."""
         return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens)
 
 
 class IncrementalDetokenizer:
-    """Turns a growing list of generated ids into text deltas.
+    """Turns a growing list of generated ids into text deltas, as the text
+    reads after the prompt: the deltas concatenate to decode(prompt + output)
+    minus decode(prompt) (vLLM's rule).
 
     Decoding token by token is wrong in two ways: a multi-byte character may be
     split across tokens (the partial decode ends in U+FFFD), and some decoders
-    render a token differently at the start of a string (SentencePiece drops
-    the leading space). So each step decodes a short window that starts a few
-    tokens back and emits only the text past what that window already showed;
-    while the tail is an incomplete character, it emits nothing and waits.
+    render a token differently at the start of a string (SentencePiece's
+    Metaspace or Strip drops the leading space; WordPiece joins words with a
+    space only between two of them). So each step decodes a short window that
+    starts a few tokens back, the prompt's last tokens at first, and emits only
+    the text past what that window already showed; while the tail is an
+    incomplete character, it emits nothing and waits. A prompt that ends in
+    the middle of a character (token ids can) shows U+FFFD for it; the
+    completion's first delta then starts with the whole character (as vLLM's).
+
+    With `skip_special_tokens`, special tokens never enter the window (as
+    `decode` leaves them out, a window of them alone would render the next
+    token as at the start of a string).
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Iterable[int] = (), skip_special_tokens: bool = True) -> None:
+    CONTEXT = 5  # prompt tokens the first window starts with (vLLM's)
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
-        self.ids: list[int] = list(prompt_ids)
-        # ids[prefix:read] is context already emitted; ids[read:] is pending.
-        self._prefix = max(0, len(self.ids) - 5)
+        self._hidden = tokenizer.special_ids if skip_special_tokens else frozenset()
+        # The prompt's last shown tokens: the first window.
+        tail: list[int] = []
+        for t in reversed(prompt_ids):
+            if t not in self._hidden:
+                tail.append(t)
+                if len(tail) == self.CONTEXT:
+                    break
+        self.ids: list[int] = tail[::-1]
+        # ids[prefix:read] is context already emitted (its text: `_shown`); ids[read:] is pending.
+        self._prefix = 0
         self._read = len(self.ids)
+        self._shown = self._decode(self.ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
+
+    def _delta(self, ids: list[int]) -> str | None:
+        """The text `ids` (shown tokens) would add now; None while they add
+        none or leave an incomplete character. Past the text the window
+        already showed, except a U+FFFD of the prompt's that the window now
+        renders whole."""
+        before = self._shown
+        after = self._decode(self.ids[self._prefix :] + ids)
+        same = len(os.path.commonprefix((before, after)))
+        if same == len(after) or after.endswith("\ufffd"):
+            return None
+        return after[same:]
 
     def step(self, new_ids: Iterable[int]) -> str:
         """Add generated ids; return the new text they complete ("" if none yet)."""
-        self.ids.extend(new_ids)
-        def decode(ids: list[int]) -> str:
-            return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
-
-        before = decode(self.ids[self._prefix : self._read])
-        after = decode(self.ids[self._prefix :])
-        if len(after) <= len(before) or after.endswith("\ufffd"):
+        shown = [t for t in new_ids if t not in self._hidden]
+        if not shown:
+            return ""
+        delta = self._delta(shown)
+        self.ids.extend(shown)
+        if delta is None:
             return ""
         self._prefix, self._read = self._read, len(self.ids)
-        return after[len(before) :]
+        self._shown = self._decode(self.ids[self._prefix :])
+        return delta
+
+    def peek(self, token_id: int) -> str:
+        """The text `token_id` would add if it came next ("" for a token the
+        text skips, or one that leaves an incomplete character); nothing changes."""
+        if token_id in self._hidden:
+            return ""
+        return self._delta([token_id]) or ""
 
     def flush(self) -> str:
         """Whatever is still pending at the end of the sequence, even if incomplete."""
-        def decode(ids: list[int]) -> str:
-            return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
-
-        before = decode(self.ids[self._prefix : self._read])
-        after = decode(self.ids[self._prefix :])
+        before, after = self._shown, self._decode(self.ids[self._prefix :])
         self._prefix = self._read = len(self.ids)
-        return after[len(before) :]
+        self._shown = ""
+        return after[len(os.path.commonprefix((before, after))) :]
+
+
+class TokenTexts:
+    """Each token's text where it stands in its sequence, for logprobs.
+
+    A token's text is what it adds to the sequence's text (its
+    `IncrementalDetokenizer` delta), so a choice's tokens concatenate to its
+    text and `text_offset` points into it: a token that leaves a character
+    incomplete adds "", the one that completes it adds the whole character.
+    A special token the text skips adds nothing and is spelled out. An
+    alternative at a position gets the text it would have added there.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._detok = tokenizer.detokenizer(prompt_ids, skip_special_tokens)
+        self._hidden = tokenizer.special_ids if skip_special_tokens else frozenset()
+
+    def shows(self, token_id: int) -> bool:
+        """Whether the text shows the token (a special one it skips adds nothing)."""
+        return token_id not in self._hidden
+
+    def _spelled(self, token_id: int) -> str:
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def alternative(self, token_id: int) -> str:
+        """The text `token_id` would add next (before `next` takes the position)."""
+        return self._spelled(token_id) if token_id in self._hidden else self._detok.peek(token_id)
+
+    def next(self, token_id: int) -> str:
+        """The text `token_id` adds, taking the next position."""
+        return self._spelled(token_id) if token_id in self._hidden else self._detok.step([token_id])
+
+    def flush(self) -> str:
+        """What the last tokens left pending (an incomplete character), at the end of the sequence."""
+        return self._detok.flush()

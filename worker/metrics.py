@@ -8,13 +8,19 @@ vLLM's `vllm:` names, docs/operations.md maps each). Pool gauges are read from t
 client at scrape time by a custom collector, so they are never stale and the
 engine loop does no metric bookkeeping for them.
 
+High-water marks (`*_peak`): the most KV blocks, token slots and running
+sequences at once, taken at every engine step (exact, where a scrape only sees
+the moment it lands on); `POST /reset_peaks` starts them again for a run.
+
 Registry per worker (not the global default) so tests can run several engines
 in one process.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -45,6 +51,9 @@ METRIC_NAMES = (
     f"{PREFIX}_running_sequences",
     f"{PREFIX}_waiting_sequences",
     f"{PREFIX}_kv_slots_ahead",
+    f"{PREFIX}_kv_blocks_used_peak",
+    f"{PREFIX}_kv_slots_holding_tokens_peak",
+    f"{PREFIX}_running_sequences_peak",
     f"{PREFIX}_preemptions_total",
     f"{PREFIX}_prompt_tokens_total",
     f"{PREFIX}_generation_tokens_total",
@@ -68,6 +77,51 @@ METRIC_NAMES = (
     f"{PREFIX}_request_prompt_tokens",
     f"{PREFIX}_request_generation_tokens",
 )
+
+
+class PeakValues(NamedTuple):
+    kv_blocks_used: int
+    kv_slots_holding_tokens: int
+    running_sequences: int
+
+
+class Peaks:
+    """High-water marks of a worker's KV use, raised at every engine step
+    (the engine thread) and reset for a run (any thread).
+
+    Taken from the running sequences' block tables after the step's
+    allocator call: blocks they name (a shared block once), the slots of
+    those blocks that hold a token (reserved ones included, as the
+    allocator's `kv_slot_utilisation_ratio` counts them), and the sequences.
+    A finished sequence's blocks, held until its Free goes out with a later
+    call, are not counted: a scrape of `kv_blocks_used` can show more."""
+
+    def __init__(self, blocks: Gauge, slots: Gauge, running: Gauge) -> None:
+        self._gauges = (blocks, slots, running)
+        self._lock = threading.Lock()
+        self._values = PeakValues(0, 0, 0)
+
+    def observe(self, blocks: int, slots: int, running: int) -> None:
+        old = self._values
+        if blocks <= old.kv_blocks_used and slots <= old.kv_slots_holding_tokens and running <= old.running_sequences:
+            return  # the common case: nothing new, no lock
+        with self._lock:
+            old = self._values
+            self._values = PeakValues(max(old.kv_blocks_used, blocks), max(old.kv_slots_holding_tokens, slots),
+                                      max(old.running_sequences, running))
+            for gauge, value in zip(self._gauges, self._values, strict=True):
+                gauge.set(value)
+
+    def values(self) -> PeakValues:
+        return self._values
+
+    def reset(self) -> PeakValues:
+        """Start again from 0 (the next step raises them to what runs then); the peaks until now."""
+        with self._lock:
+            old, self._values = self._values, PeakValues(0, 0, 0)
+            for gauge in self._gauges:
+                gauge.set(0)
+        return old
 
 
 class _PoolCollector(Collector):
@@ -131,6 +185,14 @@ class WorkerMetrics:
         self.slots_ahead = gauge("kv_slots_ahead", "Token slots the allocator holds for this worker's sequences past "
                                  "what they computed: tokens being sampled, lookahead slots (--num-lookahead-slots), "
                                  "finished sequences' until their Free goes out.").labels(**lv)
+        self.peaks = Peaks(
+            gauge("kv_blocks_used_peak", "Most KV blocks the running sequences' block tables named at once "
+                  "(a shared block once), at any engine step since the last POST /reset_peaks.").labels(**lv),
+            gauge("kv_slots_holding_tokens_peak", "Most token slots of those blocks holding a token at once "
+                  "(reserved slots included), at any engine step since the last POST /reset_peaks.").labels(**lv),
+            gauge("running_sequences_peak", "Most sequences in the running batch at once, at any engine step "
+                  "since the last POST /reset_peaks.").labels(**lv),
+        )
         self._preemptions = counter("preemptions", "Running sequences preempted (blocks given back, recomputed later).", ("cause",))
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens received.").labels(**lv)
         self.generation_tokens = counter("generation_tokens", "Tokens generated.").labels(**lv)

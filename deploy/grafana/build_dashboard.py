@@ -53,6 +53,11 @@ ROWS: list[tuple[str, list[tuple]]] = [
             (f"{rate('pagedkv_worker_prefix_cache_hit_tokens_total', 'worker')} / "
              f"{rate('pagedkv_worker_prefix_cache_queried_tokens_total', 'worker')}", "{{worker}}"),
         ], {"max": 1}),
+        ("Peaks at any engine step since the last POST /reset_peaks", "short", [
+            (f"sum by (worker) (pagedkv_worker_kv_blocks_used_peak{{{W}}})", "{{worker}} blocks used"),
+            (f"sum by (worker) (pagedkv_worker_kv_slots_holding_tokens_peak{{{W}}})", "{{worker}} slots holding a token"),
+            (f"sum by (worker) (pagedkv_worker_running_sequences_peak{{{W}}})", "{{worker}} running sequences"),
+        ], {}),
     ]),
     ("Scheduling and throughput", [
         ("Running / waiting sequences", "short", [

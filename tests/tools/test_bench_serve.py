@@ -117,13 +117,14 @@ def test_through_each_allocator_async_on_and_off():
 
 def test_figures_the_allocator_comparison_does_not_measure_are_null():
     """`--allocator` does not read the pool's stats after every step (one more
-    allocator call per step on the loop being timed): those figures are null,
-    never 0; the most sequences running at once is counted locally, so it is there."""
+    allocator call per step on the loop being timed): the figures made from
+    those reads are null, never 0; the peaks are the engine's own high-water
+    marks, raised at every step, so they are there."""
     out = bench("--allocator", "embedded", "--num-blocks", "64")
     s = out["systems"]["embedded"]
-    for key in ("kv_slots_allocated_peak", "kv_slots_holding_tokens_peak", "kv_tokens_logical_peak",
-                "kv_utilisation_mean", "kv_utilisation_peak_alloc"):
+    for key in ("kv_tokens_logical_peak", "kv_utilisation_mean", "kv_utilisation_peak_alloc"):
         assert s[key] is None, key
+    assert 0 < s["kv_slots_holding_tokens_peak"] <= s["kv_slots_allocated_peak"] <= s["kv_slots_reserved"]
     assert 0 < s["max_running_seqs"] <= REQUESTS
     assert s["prefix_hit_tokens"] > 0 and s["preemptions"] == 0
 

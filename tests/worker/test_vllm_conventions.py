@@ -8,7 +8,8 @@ through the official `openai` client (raw HTTP where the client has no call):
   `root` and `max_model_len`;
 - `/health` 503 once the engine thread is dead, and requests a prompt 503;
 - the `model_name` label (the served name) on every worker series, and the
-  per-request histograms vLLM users chart, read back from /metrics.
+  per-request histograms vLLM users chart, read back from /metrics;
+- the high-water marks (`*_peak`) and `POST /reset_peaks`.
 """
 
 from __future__ import annotations
@@ -234,6 +235,26 @@ def test_request_histograms_count_what_the_client_saw(server, client):
     assert abs(inference - parts[1] - parts[2]) < 1e-6
     assert _value(server, "pagedkv_worker_requests_total", model_name=SERVED, finish_reason="length") >= 3
     assert wall > 0
+
+
+PEAKS = {"kv_blocks_used": "pagedkv_worker_kv_blocks_used_peak",
+         "kv_slots_holding_tokens": "pagedkv_worker_kv_slots_holding_tokens_peak",
+         "running_sequences": "pagedkv_worker_running_sequences_peak"}
+
+
+def test_peaks_outlast_the_run_and_reset(server, client):
+    """The high-water marks are on /metrics after the run, with the pool empty
+    again: no poll has to land on the right moment. POST /reset_peaks answers
+    them and starts them again; like /metrics it wants no API key."""
+    assert httpx.post(f"{server}/reset_peaks").status_code == 200
+    client.completions.create(model=SERVED, prompt=[5, 6, 7], max_tokens=20, temperature=0,
+                              extra_body={"ignore_eos": True})
+    peaks = {key: _value(server, name) for key, name in PEAKS.items()}
+    # one sequence; it held at least the 22 tokens it computed, in blocks of 4
+    assert peaks["running_sequences"] == 1
+    assert 3 + 20 - 1 <= peaks["kv_slots_holding_tokens"] <= 4 * peaks["kv_blocks_used"]
+    assert httpx.post(f"{server}/reset_peaks").json() == peaks
+    assert all(_value(server, name) == 0 for name in PEAKS.values())
 
 
 # ------------------------------------------------------------------ a dead engine thread

@@ -36,7 +36,7 @@ from worker.engine.model_runner import ModelRunner, SampledToken
 from worker.engine.output_processor import OutputProcessor, RequestOutput
 from worker.engine.sampling import SamplingError, SamplingParams, make_generator
 from worker.engine.scheduler import Batch, Scheduler
-from worker.engine.sequence import Sequence, Status
+from worker.engine.sequence import Sequence, Status, kv_in_use
 from worker.metrics import WorkerMetrics
 
 log = logging.getLogger("pagedkv.worker")
@@ -272,6 +272,9 @@ class LLMEngine:
         if batch.allocator_call:  # (a step computed in slots held already waited for nothing)
             self.metrics.allocator_step.observe(batch.allocator_seconds)
             self.metrics.allocator_calls.inc()
+            # The high-water marks: without a call no block table grew and nobody was admitted.
+            running = self.scheduler.running  # as this step computes them, their blocks from its call
+            self.metrics.peaks.observe(*kv_in_use(running, self.block_size), len(running))
         self.num_preemptions += len(batch.preempted)
         if batch.queried_tokens:
             self.metrics.prefix_queried.inc(batch.queried_tokens)

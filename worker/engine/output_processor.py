@@ -3,7 +3,9 @@
 `OutputProcessor.process(seq, token)` decides whether the token ends the
 sequence (a stop or eos token, the length limit, a stop string), extends the
 sequence's text through its incremental detokenizer, and returns the step's
-output: every token and character so far plus this step's delta.
+output: every token and character so far plus this step's delta. The text is
+what vLLM returns: decode(prompt + output) minus decode(prompt), the
+detokenizer being primed with the prompt's last tokens.
 
 vLLM's rules: nothing stops a sequence (stop token, eos, stop string) before
 `min_tokens` tokens; the stop token and stop string are cut from the text
@@ -101,7 +103,9 @@ class OutputProcessor:
         taken back."""
         p = seq.params
         if seq.detokenizer is None:
-            seq.detokenizer = self.tokenizer.detokenizer(skip_special_tokens=p.skip_special_tokens)
+            # Primed with the prompt, so the text reads as it does after it
+            # (vLLM's rule: decode(prompt + output) minus decode(prompt)).
+            seq.detokenizer = self.tokenizer.detokenizer(seq.prompt_token_ids, p.skip_special_tokens)
         if reason != "stop" or p.include_stop_str_in_output:
             seq.text += seq.detokenizer.step([tok])
         if reason is not None:

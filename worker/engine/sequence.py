@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -133,3 +134,17 @@ class Sequence:
         self.num_reserved = 0
         self.block_table = []
         self.num_preemptions += 1
+
+
+def kv_in_use(seqs: Iterable[Sequence], block_size: int) -> tuple[int, int]:
+    """(blocks, slots holding a token) the sequences' block tables name, a
+    shared block once. Every block but a table's last is full; a shared last
+    block holds as many tokens for every sharer (the allocator's invariant)."""
+    used: set[int] = set()
+    empty: dict[int, int] = {}  # a table's last block -> its slots holding no token
+    for seq in seqs:
+        table = seq.block_table
+        if table:
+            used.update(table)
+            empty[table[-1]] = len(table) * block_size - seq.num_held
+    return len(used), len(used) * block_size - sum(empty.values())

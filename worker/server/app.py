@@ -1,5 +1,5 @@
 """FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics
-(and from utility_routes.py /tokenize, /detokenize, /version).
+(and from utility_routes.py /tokenize, /detokenize, /version, /reset_peaks).
 
 `create_app` wires the pieces: the routes below (module-level handlers that
 find the engine in `app.state`), the error shape, body limit and API key
@@ -16,7 +16,7 @@ has the request aborted, streaming or not.
 
 With an API key every /v1/* route wants `Authorization: Bearer KEY` (401 in
 OpenAI's error shape otherwise); /health, /metrics, /version, /tokenize and
-/detokenize stay open, as in vLLM.
+/detokenize stay open, as in vLLM, and so does /reset_peaks.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from worker.engine import (
     SamplingParams,
 )
 from worker.server import utility_routes
-from worker.server.answers import prompt_logprobs_json, usage
+from worker.server.answers import usage
 from worker.server.errors import failure, install_worker_error_handlers, public_message
 from worker.server.streaming import Choices, stream_events
 
@@ -138,8 +138,14 @@ async def completions(request: Request):
     prompt_logprobs = req.prompt_logprobs if req.prompt_logprobs is not None or not req.echo else req.logprobs
     params = _sampling_params(req, req.max_tokens, request.app.state.served_model_name, core, req.logprobs,
                               prompt_logprobs)
-    echo = [p if isinstance(p, str) else core.tokenizer.decode(p) for p in prompts] if req.echo else None
+    echo = None
+    if req.echo:  # a prompt's decode then the completion's text: the decode of prompt + output
+        echo = await off_loop(_decode_all, core, ids, params.skip_special_tokens, size=4 * sum(map(len, ids)))
     return await _answer(request, req, ids, params, f"cmpl-{uuid.uuid4().hex}", "text", echo)
+
+
+def _decode_all(core, prompts: list[list[int]], skip_special_tokens: bool) -> list[str]:
+    return [core.tokenizer.decode(p, skip_special_tokens=skip_special_tokens) for p in prompts]
 
 
 def _prompt_list(prompt) -> list[str | list[int]]:
@@ -228,7 +234,7 @@ async def _answer(request: Request, req: BaseRequest, prompts: list[list[int]], 
         # Until the first outputs (and for a whole answer, the last), a client
         # that hangs up aborts the request; a stream then notices by itself.
         firsts = await _unless_gone(request, streams, _all(*(_first(s) for s in streams)))
-        choices = Choices(kind, params.n, core_decode(engine), echo)
+        choices = Choices(kind, params.n, engine.engine.tokenizer, params.skip_special_tokens, echo)
         if req.stream:
             return StreamingResponse(stream_events(firsts, streams, choices, rid, model, req.include_usage()),
                                      media_type="text/event-stream")
@@ -236,21 +242,21 @@ async def _answer(request: Request, req: BaseRequest, prompts: list[list[int]], 
                                     _all(*(_collect(s, f) for s, f in zip(streams, firsts, strict=True))))
     except ClientGone:
         return Response(status_code=499)  # nobody reads it
-    body = {
-        "id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
-        "created": int(time.time()), "model": model,
-        "choices": [choices.whole(i, out) for i, per_prompt in enumerate(finals) for out in per_prompt],
-        "usage": usage([out for per_prompt in finals for out in per_prompt]),
-    }
-    if kind == "chat":  # vLLM: on the response for chat, on each choice for completions
-        body["prompt_logprobs"] = prompt_logprobs_json(finals[0][0].prompt_logprobs, choices.decode)
-    return body
 
+    def body() -> dict:
+        answer = {
+            "id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
+            "created": int(time.time()), "model": model,
+            "choices": [choices.whole(i, out) for i, per_prompt in enumerate(finals) for out in per_prompt],
+            "usage": usage([out for per_prompt in finals for out in per_prompt]),
+        }
+        if kind == "chat":  # vLLM: on the response for chat, on each choice for completions
+            answer["prompt_logprobs"] = choices.prompt_logprobs(finals[0][0])
+        return answer
 
-def core_decode(engine: AsyncLLMEngine):
-    """One token's text, as vLLM shows it in logprobs (special tokens spelled)."""
-    tokenizer = engine.engine.tokenizer
-    return lambda tok: tokenizer.decode([tok], skip_special_tokens=False)
+    # Logprobs spell each position's tokens in context (a few decodes each): off the loop.
+    spelled = params.logprobs is not None or params.prompt_logprobs is not None
+    return await run_in_threadpool(body) if spelled else body()
 
 
 def _sampling_params(req: BaseRequest, max_tokens: int | None, served_model_name: str, core,

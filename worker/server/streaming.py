@@ -16,8 +16,9 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
+from pagedkv_base.tokenizer import Tokenizer, TokenTexts
 from worker.engine import RequestOutput
 from worker.server.answers import (
     chat_logprobs,
@@ -34,42 +35,78 @@ def sse(obj) -> bytes:
 
 
 class Choices:
-    """How one request's outputs become choices (whole, or streamed deltas)."""
+    """How one request's outputs become choices (whole, or streamed deltas).
 
-    def __init__(self, kind: str, n: int, decode: Callable[[int], str], echo: list[str] | None = None) -> None:
+    A choice's text is the engine's (decode(prompt + output) minus
+    decode(prompt)); echoed, the prompt's decode comes first. Logprobs spell
+    each token as it reads in that text (`TokenTexts`), so `tokens` concatenate
+    to the text (a special token the text skips is spelled and adds nothing)
+    and `text_offset` points into it."""
+
+    def __init__(self, kind: str, n: int, tokenizer: Tokenizer, skip_special_tokens: bool = True,
+                 echo: list[str] | None = None) -> None:
         self.kind = kind  # "chat" or "text"
         self.n = n
-        self.decode = decode
+        self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
         self.echo = echo  # per prompt: its text, shown before the completion
         self._offsets: dict[int, int] = {}  # streamed text per choice so far (text_offset)
+        self._texts: dict[int, TokenTexts] = {}  # per streamed choice: its tokens' texts so far
 
     def index(self, prompt_index: int, out: RequestOutput) -> int:
         return prompt_index * self.n + out.index
+
+    def _spell(self, texts: TokenTexts, entries: list, token_ids: list[int], finished: bool
+               ) -> tuple[list[dict[int, str]], list[int]]:
+        """Per position, the chosen and top tokens' texts there; and how much
+        of the text the chosen token adds. Takes the positions from `texts`."""
+        spelled, widths = [], []
+        for tok, e in zip(token_ids, entries, strict=True):
+            d = {} if e is None else {t: texts.alternative(t) for t, _ in e.top}
+            d[tok] = texts.next(tok)
+            spelled.append(d)
+            widths.append(len(d[tok]) if texts.shows(tok) else 0)
+        if finished and spelled:  # an incomplete character at the end: shown by the last token
+            rest = texts.flush()
+            spelled[-1][token_ids[-1]] += rest
+            widths[-1] += len(rest)
+        return spelled, widths
+
+    def prompt_logprobs(self, out: RequestOutput) -> list[dict | None] | None:
+        """vLLM's `prompt_logprobs` field, each prompt token spelled as it reads in the prompt."""
+        if out.prompt_logprobs is None:
+            return None
+        texts = TokenTexts(self.tokenizer, (), self.skip)
+        spelled, _ = self._spell(texts, out.prompt_logprobs, out.prompt_token_ids[: len(out.prompt_logprobs)], False)
+        return prompt_logprobs_json(out.prompt_logprobs, spelled)
 
     def whole(self, prompt_index: int, out: RequestOutput) -> dict:
         index = self.index(prompt_index, out)
         logprobs = None
         if self.kind == "chat":
             if out.logprobs is not None:
-                logprobs = chat_logprobs(out.logprobs, self.decode)
+                texts = TokenTexts(self.tokenizer, out.prompt_token_ids, self.skip)
+                spelled, _ = self._spell(texts, out.logprobs, out.token_ids[: len(out.logprobs)], out.finished)
+                logprobs = chat_logprobs(out.logprobs, spelled)
             choice = {"index": index, "message": {"role": "assistant", "content": out.text}}
         else:
             text = out.text
             if self.echo is not None:
                 text = self.echo[prompt_index] + text
             if out.logprobs is not None:
-                logprobs = completion_logprobs(*self._echoed(out, out.logprobs, out.token_ids[: len(out.logprobs)]),
-                                               self.decode)
-            choice = {"index": index, "text": text,
-                      "prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs, self.decode)}
+                texts, entries, ids = self._echoed(out, out.logprobs, out.token_ids[: len(out.logprobs)])
+                logprobs = completion_logprobs(entries, ids, *self._spell(texts, entries, ids, out.finished))
+            choice = {"index": index, "text": text, "prompt_logprobs": self.prompt_logprobs(out)}
         return {**choice, "logprobs": logprobs, "finish_reason": finish_reason(out), "stop_reason": out.stop_reason}
 
-    def _echoed(self, out: RequestOutput, entries: list, token_ids: list[int]) -> tuple[list, list[int]]:
+    def _echoed(self, out: RequestOutput, entries: list, token_ids: list[int]) -> tuple[TokenTexts, list, list[int]]:
         """With echo, the prompt's logprobs and tokens before the completion's
-        (its first token's logprob None), as vLLM answers echo with logprobs."""
+        (its first token's logprob None), as vLLM answers echo with logprobs;
+        and the `TokenTexts` to spell them from their first position."""
         if self.echo is None or out.prompt_logprobs is None:
-            return entries, token_ids
-        return [*out.prompt_logprobs, *entries], [*out.prompt_token_ids, *token_ids]
+            return TokenTexts(self.tokenizer, out.prompt_token_ids, self.skip), entries, token_ids
+        return (TokenTexts(self.tokenizer, (), self.skip), [*out.prompt_logprobs, *entries],
+                [*out.prompt_token_ids, *token_ids])
 
     def delta(self, prompt_index: int, out: RequestOutput) -> dict:
         index = self.index(prompt_index, out)
@@ -79,7 +116,9 @@ class Choices:
         logprobs = None
         if self.kind == "chat":
             if new is not None:
-                logprobs = chat_logprobs(new, self.decode)
+                texts = self._texts.setdefault(index, TokenTexts(self.tokenizer, out.prompt_token_ids, self.skip))
+                spelled, _ = self._spell(texts, new, out.new_token_ids, out.finished)
+                logprobs = chat_logprobs(new, spelled)
             return {"index": index, "delta": {"content": out.new_text} if out.new_text else {},
                     "logprobs": logprobs, "finish_reason": reason, "stop_reason": stop_reason}
         text = out.new_text
@@ -88,9 +127,14 @@ class Choices:
             text = self.echo[prompt_index] + text
         offset = self._offsets.get(index, 0)
         if new is not None:
-            entries, ids = self._echoed(out, new, out.new_token_ids) if first else (new, out.new_token_ids)
-            logprobs = completion_logprobs(entries, ids, self.decode, offset)
-            offset += sum(len(t) for t in logprobs["tokens"])
+            if first:
+                texts, entries, ids = self._echoed(out, new, out.new_token_ids)
+                self._texts[index] = texts
+            else:
+                texts, entries, ids = self._texts[index], new, out.new_token_ids
+            spelled, widths = self._spell(texts, entries, ids, out.finished)
+            logprobs = completion_logprobs(entries, ids, spelled, widths, offset)
+            offset += sum(widths)
         self._offsets[index] = offset
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason,
                 "stop_reason": stop_reason}

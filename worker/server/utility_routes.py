@@ -1,4 +1,4 @@
-"""vLLM's utility routes: /tokenize, /detokenize, /version.
+"""vLLM's utility routes: /tokenize, /detokenize, /version; and /reset_peaks.
 
 Their request and response bodies are vLLM's:
 
@@ -15,6 +15,12 @@ Their request and response bodies are vLLM's:
   (`allocator_service.attest`): `{"pool_id", "worker_id", "proof"}`, proving
   that this worker serves the pool the allocator lists at its address; 404
   `not_registered` when no shared allocator lists it with an address.
+- `POST /reset_peaks` (no body): starts the worker's high-water marks
+  (`pagedkv_worker_*_peak` on /metrics) again, as a benchmark or the demo
+  does before a run; answers the peaks until then, `{"kv_blocks_used",
+  "kv_slots_holding_tokens", "running_sequences"}`. An admin route in vLLM's
+  style (its `POST /reset_prefix_cache`): it changes only what /metrics
+  shows, so it is open like /metrics.
 
 Not under /v1, so an API key does not guard them (as in vLLM). Texts longer
 than `OFFLOAD_CHARS` are tokenized off the event loop.
@@ -123,6 +129,11 @@ async def detokenize(request: Request):
     _check_model(request, req.model)
     core = request.app.state.engine.engine
     return {"prompt": await off_loop(_detokenize, core, req.tokens, size=len(req.tokens))}
+
+
+@router.post("/reset_peaks")
+async def reset_peaks(request: Request):
+    return request.app.state.engine.engine.metrics.peaks.reset()._asdict()
 
 
 @router.get("/version")

@@ -12,8 +12,11 @@ whole workload at t=0 and steps until every request is done, then reports:
   allocated blocks vs slots holding a token, shared prefix blocks once). With
   a remote allocator that read is one more RPC per step on the loop being
   timed, so comparisons of allocators turn it off and those figures are None;
-- running sequences at most, preemptions and prefix-cache hits (local
-  counters and the pool's stats before and after: always measured).
+- peaks, always measured: the engine's high-water marks at every step
+  (`pagedkv_worker_*_peak`: the running sequences' blocks, shared ones once,
+  their slots holding a token, and running sequences), reset after warm-up;
+- preemptions and prefix-cache hits (local counters and the pool's stats
+  before and after: always measured).
 """
 
 from __future__ import annotations
@@ -58,12 +61,14 @@ class EngineSystem:
             engine.generate(warmup_prompts(loaded.config.vocab_size),
                             SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
             params = SamplingParams(max_tokens=serving.max_tokens, temperature=0.0, ignore_eos=True)
+            engine.metrics.peaks.reset()  # this run's high-water marks, raised at every step
             before = _Counters.read(engine)
             trace = _Trace(time.perf_counter())
             ids = [engine.add_request(p, params, f"req-{i}") for i, p in enumerate(prompts)]
             while engine.has_unfinished():
                 trace.step(engine, engine.step(), self.sample_kv)
             trace.wall = time.perf_counter() - trace.t0
+            trace.peaks = engine.metrics.peaks.values()
             used = _Counters.read(engine) - before
         finally:
             engine.close()
@@ -106,15 +111,18 @@ class EngineSystem:
             "num_lookahead_slots": self.lookahead,
             "kv_slots_reserved": serving.slots,
             **trace.kv_figures(),
+            "kv_slots_allocated_peak": trace.peaks.kv_blocks_used * serving.block_size,
+            "kv_slots_holding_tokens_peak": trace.peaks.kv_slots_holding_tokens,
             "preemptions": used.preemptions,
             "steps": steps,
-            "max_running_seqs": trace.max_running,
+            "max_running_seqs": trace.peaks.running_sequences,
             "prefix_cache": self.prefix_caching,
             "ttft_method": "time from t=0 (all requests submitted) until the step that sampled the first token "
                            "returned",
-            "kv_method": ("allocator pool stats after every step: slots in allocated blocks vs slots holding a "
-                          "token (shared prefix blocks once); logical = sum of the running sequences' stored "
-                          "tokens") if self.sample_kv else "not sampled (one more allocator call per step)",
+            "kv_method": "peaks: the engine's high-water marks at every step (pagedkv_worker_*_peak); " + (
+                "means: allocator pool stats after every step (slots in allocated blocks vs slots holding a "
+                "token, shared prefix blocks once); logical = sum of the running sequences' stored tokens"
+                if self.sample_kv else "means not sampled (one more allocator call per step)"),
             "prefix_hit_tokens": used.prefix_hit_tokens,
             "prefix_queried_tokens": used.prefix_queried_tokens,
             "_outputs": outputs,
@@ -163,7 +171,7 @@ class _Trace:
     t0: float
     wall: float = 0.0
     steps: int = 0
-    max_running: int = 0
+    peaks: Any = None  # the engine's high-water marks over the run (`WorkerMetrics.peaks.values()`)
     first: dict[str, float] = field(default_factory=dict)
     last: dict[str, float] = field(default_factory=dict)
     tokens: dict[str, list[int]] = field(default_factory=dict)
@@ -180,7 +188,6 @@ class _Trace:
                 self.tokens[out.request_id] = out.token_ids
                 self.last[out.request_id] = now
         running = engine.scheduler.running
-        self.max_running = max(self.max_running, len(running))
         if not sample_kv:
             return
         if self.allocated is None:
@@ -196,8 +203,6 @@ class _Trace:
         peak = max(allocated, default=None)
         util = [h / a for h, a in zip(held, allocated, strict=True)]
         return {
-            "kv_slots_allocated_peak": peak,
-            "kv_slots_holding_tokens_peak": max(held, default=None),
             "kv_tokens_logical_peak": max(self.logical, default=None),
             "kv_utilisation_mean": round(statistics.fmean(util), 4) if util else None,
             "kv_utilisation_peak_alloc": round(held[allocated.index(peak)] / peak, 4) if peak else None,
