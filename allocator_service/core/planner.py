@@ -56,6 +56,11 @@ def unreserve_keep(held: int, slots: int, block_size: int) -> int:
     return blocks_for(held - slots, block_size)
 
 
+def after_unreserve(held: int, reserved: int, slots: int) -> tuple[int, int]:
+    """(slots held, slots reserved) once `slots` reserved slots are given back."""
+    return held - slots, reserved - slots
+
+
 def reserve_for(held: int, reserved: int, num_tokens: int, target: int) -> int:
     """The slots an Append of `num_tokens` values reserves so that the
     sequence (holding `held`, `reserved` of them without values) holds
@@ -96,7 +101,7 @@ class PoolPlan:
     sequence the pool holds after the step's frees.
 
     Questions (nothing changes): `append`, `admit`, `unreserve`,
-    `blocks_for`, `short_of`, `completes_block`. Planned operations (the
+    `blocks_for`, `fit`, `short_of`, `completes_block`. Planned operations (the
     counts change as the allocator's will): `take` and `give_back` (an
     Append), `take_blocks` (an admission), `release` (a Free, an
     Unreserve) and `hold` (a Fork). Blocks an operation will take have no
@@ -117,6 +122,10 @@ class PoolPlan:
     def blocks_for(self, slots: int) -> int:
         """Blocks that hold `slots` slots (a table's length)."""
         return blocks_for(slots, self.block_size)
+
+    def fit(self, blocks: int, slots: int) -> int:
+        """The most of `slots` slots that `blocks` blocks hold."""
+        return min(slots, blocks * self.block_size)
 
     def short_of(self, blocks: int, slots: int) -> int:
         """Blocks a table of `blocks` lacks to hold `slots` slots (0 when it has them)."""

@@ -60,6 +60,7 @@ from allocator_service.core.limits import (
 from allocator_service.core.planner import (
     admit_blocks,
     after_append,
+    after_unreserve,
     append_blocks,
     append_slots,
     release,
@@ -494,8 +495,7 @@ class BlockPool:
         del table[keep:]
         if keep:
             self._fill[table[-1]] = n - (keep - 1) * B
-        seq.num_tokens = n
-        seq.reserved -= slots
+        seq.num_tokens, seq.reserved = after_unreserve(seq.num_tokens, seq.reserved, slots)
         return keep
 
     def _hash_full_tail(self, seq: Seq) -> None:
