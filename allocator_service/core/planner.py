@@ -134,7 +134,7 @@ class PoolPlan:
     def append(self, table: Sequence[int], held: int, slots: int) -> Taking:
         """An Append that makes a sequence holding `held` slots in `table`
         hold `slots` (no fewer than it holds)."""
-        new = max(0, slots - held)
+        new = slots - held if slots > held else 0
         need, cow = append_blocks(held, new, self.refs[table[-1]] if table else 0, self.block_size)
         return Taking(need, table[-1] if cow else -1, len(table) + need - cow)
 
