@@ -180,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         return serve(options)
     except CorruptState as exc:
-        print(f"pagedkv allocator: cannot start: {exc} (recovery: docs/RELIABILITY.md, "
+        print(f"pagedkv allocator: cannot start: {exc} (recovery: docs/operations.md, "
               "'A journal that cannot be replayed')", file=sys.stderr)
         return 1
     except (StoreUnavailable, OSError) as exc:

@@ -57,8 +57,17 @@ from allocator_service.core.limits import (
     max_sequences,
     max_table_entries,
 )
+from allocator_service.core.planner import (
+    admit_blocks,
+    after_append,
+    after_unreserve,
+    append_blocks,
+    append_slots,
+    release,
+    unreserve_keep,
+)
 from allocator_service.core.prefix_index import EventSink, PrefixIndex
-from allocator_service.core.sequence import Seq, blocks_for
+from allocator_service.core.sequence import Seq
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,8 +324,7 @@ class BlockPool:
                     break
                 hits.append(b)
         cached = len(hits) * B
-        stored = n if num_new_tokens is None else min(n, cached + num_new_tokens)
-        need = blocks_for(stored, B) - len(hits)
+        stored, need = admit_blocks(n, len(hits), num_new_tokens, B)
         free_hits = sum(1 for b in hits if self.ref_cnt[b] == 0)
         available = self.num_free_blocks - free_hits
         if need > available:
@@ -365,8 +373,7 @@ class BlockPool:
         if type(reserve) is not int or not 0 <= reserve <= MAX_RESERVE:
             raise InvalidArgument(f"reserve must be an integer in [0, {MAX_RESERVE}]")
         table = seq.table
-        fill = min(len(tokens), seq.reserved)  # values of slots held already
-        k = len(tokens) - fill + reserve  # new slots
+        fill, k = append_slots(len(tokens), seq.reserved, reserve)  # values of slots held already, new slots
         if k == 0 and not fill:
             return AppendResult(len(table), [], [])
         if not reserve and not seq.reserved and k == 1 and (keep := self.try_append_one(seq_id, tokens[0])) >= 0:
@@ -378,8 +385,7 @@ class BlockPool:
         # NOTE: a reserved slot is never in a shared block (a sequence with
         # reserved slots cannot be forked, and its partly known block has no
         # hash), so filling one never copies.
-        cow = k > 0 and offset != 0 and self.ref_cnt[table[-1]] > 1
-        need = (blocks_for(k - room, B) if k > room else 0) + cow
+        need, cow = append_blocks(n, k, self.ref_cnt[table[-1]] if table else 0, B)
         if need:
             available = self.num_free_blocks
             if need > available:
@@ -414,8 +420,7 @@ class BlockPool:
             table.append(b)
             new_blocks.append(b)
             left -= put
-        seq.num_tokens = n + k
-        seq.reserved += reserve - fill
+        seq.num_tokens, seq.reserved = after_append(n, seq.reserved, len(tokens), reserve)
 
         if self.enable_prefix_caching and tokens:
             seq.tail.extend(tokens)
@@ -481,7 +486,7 @@ class BlockPool:
                                   f"cannot give back {slots!r}")
         n = seq.num_tokens - slots
         B, table = self.block_size, seq.table
-        keep = blocks_for(n, B)
+        keep = unreserve_keep(seq.num_tokens, slots, B)
         for b in table[keep:]:
             self.ref_cnt[b] = 0
             self._fill[b] = 0
@@ -490,8 +495,7 @@ class BlockPool:
         del table[keep:]
         if keep:
             self._fill[table[-1]] = n - (keep - 1) * B
-        seq.num_tokens = n
-        seq.reserved -= slots
+        seq.num_tokens, seq.reserved = after_unreserve(seq.num_tokens, seq.reserved, slots)
         return keep
 
     def _hash_full_tail(self, seq: Seq) -> None:
@@ -546,13 +550,11 @@ class BlockPool:
         self.name_chars -= _name_chars(seq_id, seq.salt)
         cached: list[int] = []
         block_hash = self.index.block_hash
-        for b in seq.table:
-            self.ref_cnt[b] -= 1
-            if self.ref_cnt[b] == 0:
-                if block_hash[b] is None:
-                    self._uncached_free.append(b)
-                else:
-                    cached.append(b)
+        for b in release(self.ref_cnt, seq.table):
+            if block_hash[b] is None:
+                self._uncached_free.append(b)
+            else:
+                cached.append(b)
         for b in reversed(cached):
             self._clock += 1
             self._stamp[b] = self._clock

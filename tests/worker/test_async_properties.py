@@ -447,3 +447,20 @@ def test_lookahead_admits_no_later_and_preempts_no_more_than_a_call_per_step(w, 
     assert outputs == reference[0]
     assert all(admitted[rid] <= step for rid, step in reference[1].items()), (admitted, reference[1])
     assert preemptions <= reference[2]
+
+
+def test_a_parent_preempted_with_its_forks_frees_its_blocks_for_that_step():
+    """6 blocks of 4: A (12 tokens) and B (9, n = 2) fill the pool; the step
+    that forks B's sample has A, B and the sample each need a block. B is
+    preempted (its Free waits for its sample's Fork), then the sample (so
+    the Fork is not sent, and B is freed in this call): B's 3 blocks serve
+    A, which keeps running."""
+    w = {"block_size": 4, "slots": 24, "caching": False, "budget": 256, "requests": [
+        {"prompt": [0] * 12, "n": 1, "max_tokens": 2, "stops": False, "arrive": 2, "abort": None},
+        {"prompt": [0] * 9, "n": 2, "max_tokens": 2, "stops": False, "arrive": 2, "abort": None}]}
+    run = Run(w, async_scheduling=False)
+    run.sched.max_num_seqs = 3
+    preempted = []
+    run.sched.on_preempt = lambda seq, cause: preempted.append(seq.alloc_id)
+    run.run()
+    assert preempted == ["r1#1", "r1/1#1"]

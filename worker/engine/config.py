@@ -25,7 +25,7 @@ class EngineConfig:
     # Send step N+1's allocator call while step N computes (scheduler.py).
     async_scheduling: bool = True
     # A call holds a sampling sequence's slots this far past its next token,
-    # so the steps after it make no call until one runs out (scheduler.py).
+    # so the steps after it make no call until one runs out (lookahead.py).
     num_lookahead_slots: int = 8
     device: str = "cpu"
     dtype: str = "float32"

@@ -1,0 +1,214 @@
+"""The allocator side of a scheduler step: the call, sent until it is
+answered, and its answer applied to the sequences.
+
+The worker learns each sequence's block table from these answers (and its
+slots held and reserved from what it asked for once accepted): they are
+what the next step is planned from (`PoolPlan`).
+
+A step the allocator did not answer (AllocatorUnavailable: down,
+restarting, its Redis away) is sent again, the SAME operations, after
+pauses doubling from the first to the second value of `stall_backoff_s`,
+until it is answered: the plan of this step is made (preemptions,
+admissions), and the client reuses the step id, so the server applies it
+exactly once. `on_stall(seconds)` is told each pause. `health` is told
+whether each call was answered; any other error from the allocator is a
+refusal: it becomes AllocatorError (the step fails, nothing was applied).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from allocator_service.client import AllocatorClient, AllocatorUnavailable, PoolLost
+from allocator_service.core import Free, Op, OpResult, StepResults
+from allocator_service.core.planner import after_append, after_unreserve
+from worker.engine.health import AllocatorError, AllocatorHealth
+from worker.engine.sequence import Sequence, Status
+from worker.engine.step_plan import Batch, Planned, ScheduledSeq, StepPlan
+
+
+class StepExchange:
+    """The part of `Scheduler` that talks to the allocator and applies its
+    answers (the queues and policy are the scheduler's)."""
+
+    allocator: AllocatorClient
+    health: AllocatorHealth
+    running: list[Sequence]
+    waiting: list[Sequence]
+    _to_free: list[str]
+    _free_later: list[str]
+    _refused_frees: list[str]
+    _finishing: list[Sequence]
+    _flushed: list[Sequence]
+    stall_backoff_s: tuple[float, float] = (0.05, 1.0)
+    on_stall: Callable[[float], None] | None = None
+
+    # the scheduler's: end a sequence; send one back to wait (its blocks given back)
+    finish: Callable[[Sequence, str], None]
+    _preempt: Callable[..., None]
+
+    def _apply_results(self, plan: StepPlan, results: StepResults | list[OpResult], batch: Batch) -> None:
+        """Apply the allocator's answers: block tables, copies, admissions, refusals."""
+        # `ops`: frees, forks, the finished's last Appends, unreserves, the running's Appends, admits
+        ri = len(plan.ops) - len(plan.forks) - len(plan.flushes) - len(plan.unreserves) - len(plan.admitting)
+        ri -= sum(1 for p in plan.running.values() if p.op is not None)
+        for child in plan.forks:
+            r = results[ri]
+            ri += 1
+            if r.ok:  # (one finished while the call was out is in `_finishing` already)
+                child.block_table = list(r.append)
+            # else: its append fails too (unknown sequence), which sends it back to wait
+        for seq, op in plan.flushes:  # values of slots held: no table change
+            if results[ri].ok:
+                seq.num_held, seq.num_reserved = after_append(seq.num_held, seq.num_reserved, len(op.tokens), 0)
+            ri += 1
+        for seq, u in plan.unreserves.items():
+            r = results[ri]
+            ri += 1
+            if r.ok:  # (a new list: the step in flight keeps the table it was scheduled with)
+                seq.block_table = seq.block_table[: r.keep]
+                seq.num_held, seq.num_reserved = after_unreserve(seq.num_held, seq.num_reserved, u.slots)
+            elif (p := plan.running.get(seq)) is not None and p.op is not None:
+                # Refused (should not happen): nothing changed, it still
+                # holds them; its Append sent values only, which stands.
+                p.held, p.reserved = p.held + u.slots, p.reserved + u.slots
+        # NOTE: a decode step's appends mostly leave the table as it is (no
+        # error, no new block, no copy): read those from the result columns
+        # without making an OpResult each (`StepResults`).
+        cols = results.columns if isinstance(results, StepResults) else None
+        for seq, p in plan.running.items():
+            if p.op is None:  # computed in slots it holds: no call for it
+                if not seq.is_finished:  # (finished since: nothing sent, nothing to compute)
+                    self._computes(batch, seq, p)
+                continue
+            if (cols is not None and not seq.is_finished and not cols.errors[ri] and not cols.num_appended[ri]
+                    and not cols.num_copies[ri] and cols.keep[ri] == len(seq.block_table)):
+                self._computes(batch, seq, p)
+                ri += 1
+                continue
+            r = results[ri]
+            ri += 1
+            if seq.is_finished:
+                # Finished after the call was sent (async): its Free is queued;
+                # a slot reserved for it is never given a value, so never hashed.
+                if r.ok:
+                    self._finished_answer(batch, seq, p, r)
+                continue
+            if r.ok:
+                seq.block_table[r.keep :] = r.append
+                batch.copies.extend(r.copies)
+                self._computes(batch, seq, p)
+            else:
+                # Our free-block count was off (should not happen) or the
+                # allocator lost the sequence: the failed op changed nothing,
+                # so recompute this one from scratch.
+                self._preempt(batch, seq, r.error or "allocator_error")
+                if r.error != "unknown_sequence":
+                    self._to_free.append(seq.alloc_id)
+        for seq in plan.admitting:
+            r = results[ri]
+            ri += 1
+            if seq.is_finished:  # aborted while the call was out (async)
+                if r.ok:  # admitted all the same: computed now, freed next step
+                    self._to_free.append(seq.alloc_id)
+                    seq.block_table = list(r.append)
+                    self._finished_answer(batch, seq, None, r, r.cached_tokens, r.num_stored - r.cached_tokens)
+            elif r.ok:
+                self._admitted(batch, seq, r)
+            elif r.error != "out_of_blocks":
+                # Refused for good (e.g. invalid): waiting would wait forever.
+                seq.error = f"the allocator refused the request: {r.message or r.error}"
+                self.finish(seq, "error")
+                batch.failed.append(seq)
+
+    def _finished_answer(self, batch: Batch, seq: Sequence, p: Planned | None, r: OpResult,
+                         start: int = 0, known: int = 0) -> None:
+        """An accepted operation of a sequence that finished (an abort) after
+        its call was sent ahead: the tokens with known values it stored are
+        computed all the same (the allocator may have hashed their blocks, so
+        another sequence could find them: a findable block holds real K/V);
+        what the step samples for it is dropped (`LLMEngine._run`)."""
+        if r.keep or r.append:
+            seq.block_table[r.keep :] = r.append
+        batch.copies.extend(r.copies)
+        if p is not None:  # its Append (else an admission: `start`, `known`)
+            start, known = seq.num_stored, p.known
+            seq.num_stored += known
+            seq.num_held, seq.num_reserved = p.held, p.reserved
+        if known > 0:
+            batch.entries.append(ScheduledSeq(seq, start, known, seq.block_table))
+
+    def _call(self, ops: list[Op], batch: Batch):
+        return self._received(lambda: self._send(ops), batch, ops)
+
+    def _send(self, ops: list[Op]) -> list[OpResult]:
+        """Send the step until it is answered (on the call thread, with async
+        scheduling and a remote allocator)."""
+        pause = self.stall_backoff_s[0]
+        health = self.health
+        while True:
+            health.call_started()
+            try:
+                results = self.allocator.step(ops)
+            except AllocatorUnavailable:
+                health.unanswered()
+                time.sleep(pause)
+                if self.on_stall is not None:
+                    self.on_stall(pause)
+                pause = min(pause * 2, self.stall_backoff_s[1])
+                continue
+            health.answered()
+            return results
+
+    def _received(self, answer: Callable[[], list[OpResult]], batch: Batch, ops: list[Op]):
+        """The step's answer to `ops`, or None when the pool was lost (every
+        running sequence is then preempted); a refusal becomes AllocatorError.
+        A refused step applied nothing, so its Frees (sequences finished or
+        preempted, which the scheduler no longer tracks) go out again with
+        the next call made for other work: else the allocator would keep
+        their blocks for as long as the worker renews its lease."""
+        t0 = time.perf_counter()
+        health = self.health
+        try:
+            return answer()
+        except PoolLost:
+            # Every block is gone: all running sequences start over.
+            health.answered()  # the client registered a fresh pool
+            for seq in list(self.running):
+                self._preempt(batch, seq, "pool_lost")
+            self._to_free = []
+            self._free_later = []
+            self._refused_frees = []
+            self._finishing = []
+            self._flushed = []
+            return None
+        except Exception as exc:
+            health.refused(exc)
+            self._refused_frees.extend(op.seq for op in ops if isinstance(op, Free))
+            raise AllocatorError("allocator_refused", "the allocator refused this worker's step") from exc
+        finally:
+            batch.allocator_seconds += time.perf_counter() - t0
+
+    def _computes(self, batch: Batch, seq: Sequence, p: Planned) -> None:
+        """A running sequence whose Append was accepted, or that needed none:
+        this step computes its next `p.n` tokens with its table as it stands
+        now, in slots it holds."""
+        batch.entries.append(ScheduledSeq(seq, seq.num_stored, p.n, seq.block_table))
+        seq.num_stored += p.n
+        if p.op is not None:
+            seq.num_held, seq.num_reserved = p.held, p.reserved
+
+    def _admitted(self, batch: Batch, seq: Sequence, r: OpResult) -> None:
+        self.waiting.remove(seq)
+        self.running.append(seq)
+        seq.status = Status.RUNNING
+        seq.block_table = list(r.append)
+        seq.num_stored = seq.num_held = r.num_stored
+        seq.num_reserved = 0
+        if not seq.admitted_once:
+            seq.num_cached_tokens = r.cached_tokens
+            seq.admitted_once = True
+        batch.cached_tokens += r.cached_tokens
+        batch.queried_tokens += len(seq.token_ids)
+        batch.entries.append(ScheduledSeq(seq, r.cached_tokens, r.num_stored - r.cached_tokens, seq.block_table))

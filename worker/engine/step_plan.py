@@ -1,0 +1,107 @@
+"""A scheduler step: what the model computes (`Batch`) and the plan it is made from (`StepPlan`)."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from allocator_service.core import Admit, Append, Fork, Op
+from allocator_service.core.planner import PoolPlan, Taking
+from worker.engine.sequence import Sequence
+
+
+def priority_key(seq: Sequence) -> tuple[int, float]:
+    """The scheduler's order: lower first; preemption picks the greatest."""
+    return (seq.params.priority, seq.arrival_time)
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_computed: int  # tokens already in the cache before this step
+    num_new: int  # tokens whose K/V this step computes
+    # The block table this step computes with: the list as scheduled (async
+    # scheduling may preempt the sequence, which resets its table, while
+    # planning the next step, before this step's forward pass runs).
+    table: list[int]
+
+    @property
+    def samples(self) -> bool:
+        """This step computes the sequence's last known token, so its logits
+        give the next one."""
+        return self.num_computed + self.num_new == len(self.seq.token_ids)
+
+
+@dataclass(slots=True)
+class Batch:
+    entries: list[ScheduledSeq] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    failed: list[Sequence] = field(default_factory=list)  # finished with an error by the allocator's answer
+    allocator_seconds: float = 0.0
+    allocator_call: bool = False  # its operations went out in an allocator call (else computed in slots held)
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache this step
+    queried_tokens: int = 0
+
+
+@dataclass(slots=True)
+class Planned:
+    """A running sequence's part of a step in the making."""
+
+    n: int  # tokens this step computes
+    taking: Taking  # what its Append takes from the pool (the view's answer)
+    known: int  # of the `n` tokens, those whose values are known at planning
+    must_call: bool  # it needs slots it does not hold (or a copy): the step makes a call
+    op: Append | None = None  # None: computed in slots it holds, nothing sent for it
+    held: int = 0  # after its Append: the slots it holds, ...
+    reserved: int = 0  # ... the last of them without values
+
+
+@dataclass(slots=True)
+class Unreserved:
+    """A running sequence that gives back its slots ahead in this call."""
+
+    slots: int
+    keep: int  # the table entries it keeps (the blocks past them are free)
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """One step in the making: the operations to send, and the pool as they leave it."""
+
+    ops: list[Op]  # frees, forks, the last Appends of finished sequences; then the running
+    view: PoolPlan  # the free blocks and refcounts once the operations planned so far are applied
+    budget: int  # tokens left in this step
+    running: dict[Sequence, Planned] = field(default_factory=dict)
+    admitting: list[Sequence] = field(default_factory=list)
+    admits: list[Admit] = field(default_factory=list)  # their ops, sent after the running Appends
+    short: bool = False  # blocks ran short (a preemption, a request left waiting): no lookahead blocks
+    # blocks the first request left waiting for the token budget takes next step: no lookahead takes them
+    queued: int = 0
+    # parents preempted after their samples forked in this call: their
+    # blocks, held until their Free (next call)
+    deferred: dict[str, list[int]] = field(default_factory=dict)
+    # finished sequences and the Appends of their last values (sent after the forks)
+    flushes: list[tuple[Sequence, Append]] = field(default_factory=list)
+    forks: dict[Sequence, Fork] = field(default_factory=dict)  # child -> its Fork op
+    # running sequences that give back their slots ahead in this call (so a
+    # request is admitted, or nobody preempted)
+    unreserves: dict[Sequence, Unreserved] = field(default_factory=dict)
+    forked_parents: set[str] = field(default_factory=set)  # alloc ids forked from this step
+    # async scheduling: sequences the running step samples a token for (one
+    # more token each, its slot reserved)
+    ahead: frozenset = frozenset()
+
+    @property
+    def free(self) -> int:
+        """Blocks free for this step's appends and admits."""
+        return self.view.free
+
+
+@dataclass(slots=True)
+class InFlight:
+    """A call sent ahead: its plan, the batch it fills, its answer to come."""
+
+    plan: StepPlan
+    batch: Batch
+    future: Future
