@@ -272,6 +272,16 @@ class Router:
                                   not reachable(by_url[c.key].allocator)))
         return [(by_url[c.key], exact[c.key]) for c in order]
 
+    def place(self, workers: Sequence[Worker], matches: dict[tuple[int, str], tuple[int, int]],
+              tokens: list[int] | None, salt: str | None) -> tuple[int, list[tuple[Worker, int]]]:
+        """(the request's id, `ranked`), the first of the ranking recorded as computing the
+        prompt, with no await between: the next request sees it, however late the view."""
+        order = self.ranked(workers, matches, len(tokens or ()), self.being_computed(workers, tokens, salt))
+        rid = next(self._ids)
+        if tokens and order:
+            self.computing[rid] = (order[0][0].url, salt, tokens)
+        return rid, order
+
     # ------------------------------------------------------------ proxying
     async def forward(self, request: Request, kind: str, model_cls) -> Response:
         t0 = time.perf_counter()
@@ -284,10 +294,7 @@ class Router:
             size = sum(len(m.text()) for m in req.messages) if kind == "chat" else len(str(req.prompt))
             tokens = await off_loop(self.prompt_ids, kind, req, size=size)
         matches = await self.cached_tokens(workers, tokens, req.cache_salt)
-        order = self.ranked(workers, matches, len(tokens or ()), self.being_computed(workers, tokens, req.cache_salt))
-        rid = next(self._ids)
-        if tokens:  # placed with the ranking, no await between: the next request sees it
-            self.computing[rid] = (order[0][0].url, req.cache_salt, tokens)
+        rid, order = self.place(workers, matches, tokens, req.cache_salt)
         best = max((c for _, c in order), default=0)
         routing_s = time.perf_counter() - t0
         self.metrics.routing_seconds.labels(self.policy).observe(routing_s)
@@ -319,7 +326,7 @@ class Router:
             self.metrics.cached_best.labels(self.policy).inc(best)
             answer_headers = self._answer_headers(worker, upstream, cached, routing_s)
             if whole is not None:  # the whole answer is here: one response, the worker's connection free
-                self._placed(rid)
+                self.answered(rid)
                 return Response(whole, status_code=upstream.status, headers=answer_headers)
             return self._relay(worker, upstream, answer_headers, rid)
         self.metrics.failed.labels("no_worker_available").inc()
@@ -388,7 +395,7 @@ class Router:
             nonlocal done
             if not done:
                 done = True
-                self._placed(rid)
+                self.answered(rid)
                 upstream.close()
                 self._leave(worker)
 
@@ -410,7 +417,7 @@ class Router:
         return StreamingResponse(chunks(), status_code=upstream.status, headers=headers,
                                  background=BackgroundTask(close))
 
-    def _placed(self, rid: int) -> None:
+    def answered(self, rid: int) -> None:
         """Request `rid` answered: its prompt's blocks are cached on its worker, the view
         hears of them by events; its placement counts a while longer."""
         if rid in self.computing:

@@ -156,10 +156,10 @@ class PrefixView:
         pool = self._pools.get(pool_id)
         return leading_hits(hashes, pool.holders) if pool is not None else 0
 
-    def held_blocks(self, pool_id: str) -> int | None:
-        """How many of the pool's blocks hold a cached hash (in use or free), None if the pool is not known."""
+    def held_blocks(self, pool_id: str) -> int:
+        """How many of the pool's blocks hold a cached hash (in use or free)."""
         pool = self._pools.get(pool_id)
-        return len(pool.hash_of) if pool is not None else None
+        return len(pool.hash_of) if pool is not None else 0
 
     def blocks(self, pool_id: str) -> dict[int, bytes]:
         """block -> hash of one pool (tests and debugging)."""
