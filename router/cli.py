@@ -88,7 +88,7 @@ class RouterArgs:
         "as the workers load it: 'tiny-random', 'smollm2', a Hugging Face folder or repo id, a .gguf file "
         "(not loaded without --allocator)")
     policy: str = setting(
-        "kv", "kv: most cached prefix (less what the placement would evict), unless the worker's requests in "
+        "kv", "kv: most cached prefix (less what the placement would evict; at least CACHE_THRESHOLD of the prompt), unless the worker's requests in "
         "flight pass both balance thresholds over the least loaded's, then least load; least-load; round-robin", choices=POLICIES, stack=True)
     cache_view: str = setting(
         "events", "events: keep the pools' prefix caches in the router from the allocator's block events "
@@ -117,11 +117,17 @@ class RouterArgs:
     balance_rel_threshold: float = setting(
         Balance().rel_threshold, "kv: the relative balance threshold: a worker is overloaded only when its requests in flight are "
         "also more than this many times the least loaded worker's", flag=False)
+    cache_threshold: float = setting(
+        Balance().cache_threshold, "kv: the least share of a prompt (0 to 1) a worker's cached prefix must "
+        "cover to draw the request; a smaller match counts as none and the request goes by room and load",
+        flag=False)
     log_level: str = setting("INFO", "log level, any case", parse=log_level, choices=LOG_LEVELS)
 
     def __post_init__(self) -> None:
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1:
             raise ValueError("the balance thresholds are at least 0 (absolute) and 1 (relative)")
+        if not 0 <= self.cache_threshold <= 1:
+            raise ValueError("the cache threshold is a share of the prompt, from 0 to 1")
         if not self.allocator and not self.workers:
             raise ValueError("give --allocator HOST:PORT (workers found there) or --workers URL,...")
 
@@ -169,7 +175,8 @@ def build_router(args: argparse.Namespace):
     else:
         discovery = parts[0] if parts else Discovery(None, r.workers or (), refresh_s=r.refresh_interval)
     return Router(tokenizer, discovery, r.policy, allocators=clients, first_byte_timeout=r.first_byte_timeout,
-                  worker_api_key=r.api_key, balance=Balance(r.balance_abs_threshold, r.balance_rel_threshold))
+                  worker_api_key=r.api_key, balance=Balance(r.balance_abs_threshold, r.balance_rel_threshold,
+                                                                 r.cache_threshold))
 
 
 def run(args: argparse.Namespace) -> int:

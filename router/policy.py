@@ -8,14 +8,16 @@ only when it is not, as SGLang's cache-aware router does:
   AND are more than `Balance.rel_threshold` times them. Overloaded workers
   go last, least loaded first: a placement never goes to one while another
   is under the thresholds.
-- The others are ranked by what the placement gains in cache, in tokens:
-  the prompt's tokens the worker's pool holds (`cached_tokens`: its
-  `MatchPrefix` answer, or what a prompt being prefilled there shares with
-  it), less the cached tokens the placement would evict there. A prompt
-  needs `blocks(prompt) - cached_tokens / block_size` new blocks; those
-  beyond the pool's free blocks that hold no cached prefix (`clean_free`)
-  are taken from cached ones. Then the most cached, then the least loaded
-  (fewest in flight, then least usage), then in turn.
+- The others are ranked by the prompt's tokens the worker's pool holds
+  (`cached_tokens`: its `MatchPrefix` answer, or what a prompt being
+  prefilled there shares with it); a match under `Balance.cache_threshold`
+  of the prompt counts as none (a preamble every prompt shares must not
+  draw every new prefix to the one worker that holds it). Then a worker
+  where the placement evicts no cached prefix before one where it does: a
+  prompt needs `blocks(prompt) - cached_tokens / block_size` new blocks,
+  and those beyond the pool's free blocks that hold no cached prefix
+  (`clean_free`) are taken from cached ones. Then the least loaded (fewest
+  in flight, then least usage), then in turn.
 
 Short spikes of in-flight requests below the thresholds change no
 placement: a prefix stays where it is cached. With nothing cached anywhere
@@ -53,10 +55,20 @@ class Balance:
 
     abs_threshold: int = 8
     rel_threshold: float = 1.5
+    cache_threshold: float = 0.5  # the least share of the prompt a match needs to count
 
 
 def usage(c: Candidate) -> float:
     return 1.0 - c.free_blocks / c.num_blocks if c.num_blocks > 0 else 0.0
+
+
+def counted(c: Candidate, prompt_tokens: int, balance: Balance) -> Candidate:
+    """`c` with its match as the ranking counts it: none when under the cache threshold."""
+    cached = min(c.cached_tokens, max(prompt_tokens, 0))
+    if cached and cached < balance.cache_threshold * prompt_tokens:
+        cached = 0
+    return c if cached == c.cached_tokens else Candidate(c.key, cached, c.free_blocks, c.num_blocks, c.in_flight,
+                                                         c.block_size, c.clean_free)
 
 
 def evicted_blocks(c: Candidate, prompt_tokens: int) -> int:
@@ -66,11 +78,6 @@ def evicted_blocks(c: Candidate, prompt_tokens: int) -> int:
     new = math.ceil(prompt_tokens / c.block_size) - min(c.cached_tokens, prompt_tokens) // c.block_size
     clean = c.free_blocks if c.clean_free is None else min(c.clean_free, c.free_blocks)
     return min(max(new - clean, 0), max(c.free_blocks - clean, 0))
-
-
-def gain(c: Candidate, prompt_tokens: int) -> int:
-    """Tokens served from cache less cached tokens evicted, were the prompt placed on `c`."""
-    return min(c.cached_tokens, max(prompt_tokens, 0)) - evicted_blocks(c, prompt_tokens) * c.block_size
 
 
 def overloaded(c: Candidate, least_in_flight: int, balance: Balance) -> bool:
@@ -102,6 +109,7 @@ def rank(policy: str, candidates: Sequence[Candidate], prompt_tokens: int, turn:
     def kv(c: Candidate) -> tuple:
         if overloaded(c, least, balance):
             return (1, 0, 0, *load(c))
-        return (0, -gain(c, prompt_tokens), -min(c.cached_tokens, prompt_tokens), *load(c))
+        m = counted(c, prompt_tokens, balance)
+        return (0, -m.cached_tokens, evicted_blocks(m, prompt_tokens) > 0, *load(c))
 
     return sorted(candidates, key=kv)

@@ -10,7 +10,7 @@ import sys
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from router.policy import POLICIES, Balance, Candidate, evicted_blocks, gain, rank
+from router.policy import POLICIES, Balance, Candidate, counted, evicted_blocks, rank
 
 candidates = st.lists(
     st.builds(Candidate, key=st.sampled_from([f"http://w{i}" for i in range(6)]),
@@ -18,7 +18,8 @@ candidates = st.lists(
               in_flight=st.integers(0, 24), block_size=st.sampled_from([0, 16]),
               clean_free=st.one_of(st.none(), st.integers(0, 64))),
     min_size=1, max_size=6, unique_by=lambda c: c.key)
-balances = st.builds(Balance, abs_threshold=st.integers(0, 12), rel_threshold=st.floats(1.0, 4.0))
+balances = st.builds(Balance, abs_threshold=st.integers(0, 12), rel_threshold=st.floats(1.0, 4.0),
+                     cache_threshold=st.sampled_from([0.0, 0.3, 0.5, 1.0]))
 
 
 def with_(c: Candidate, **changes) -> Candidate:
@@ -48,11 +49,16 @@ def test_kv_never_places_on_a_worker_past_both_thresholds_while_another_is_under
 @given(candidates, st.integers(1, 512), st.integers(0, 100), balances)
 def test_with_a_balanced_load_the_longest_prefix_wins(cands, prompt, turn, balance):
     """Loads within the thresholds and room to spare everywhere (nothing evicted): the worker
-    holding the most of the prompt gets it, whatever the in-flight counts and pool usage."""
-    cands = [with_(c, in_flight=c.in_flight % (balance.abs_threshold + 1), free_blocks=64, clean_free=64)
-             for c in cands]
+    holding the most of the prompt gets it, whatever the in-flight counts, when that is at least
+    the cache threshold's share of the prompt; under it, no match counts: the least loaded."""
+    cands = [with_(c, in_flight=c.in_flight % (balance.abs_threshold + 1), free_blocks=free, clean_free=64)
+             for c, free in zip(cands, range(64, 0, -7), strict=False)]
     first = rank("kv", cands, prompt, turn, balance)[0]
-    assert min(first.cached_tokens, prompt) == max(min(c.cached_tokens, prompt) for c in cands)
+    best = max(min(c.cached_tokens, prompt) for c in cands)
+    if best >= balance.cache_threshold * prompt:
+        assert min(first.cached_tokens, prompt) == best
+    else:
+        assert first == rank("least-load", cands, prompt, turn)[0]
 
 
 @given(candidates, st.integers(1, 512), st.integers(0, 100), balances, st.data())
@@ -60,7 +66,11 @@ def test_loads_under_the_thresholds_move_no_placement(cands, prompt, turn, balan
     """Once the cache decided (one worker gains the most), any in-flight counts within the
     absolute threshold of each other leave the placement where it is."""
     first = rank("kv", cands, prompt, turn, balance)[0]
-    assume(all(gain(c, prompt) < gain(first, prompt) for c in cands if c.key != first.key))
+    def won(c: Candidate) -> tuple[int, bool]:
+        m = counted(c, prompt, balance)
+        return m.cached_tokens, evicted_blocks(m, prompt) == 0
+
+    assume(all(won(c) < won(first) for c in cands if c.key != first.key))  # not a tie broken by load
     base = data.draw(st.integers(0, 24))
     loads = data.draw(st.lists(st.integers(base, base + balance.abs_threshold), min_size=len(cands),
                                max_size=len(cands)))
@@ -82,13 +92,25 @@ def test_a_placement_evicts_only_cached_free_blocks_beyond_the_clean_ones(free, 
     assert evicted_blocks(c, prompt) == max(0, min(new - clean, free - clean))
 
 
-def test_a_worker_with_room_beats_one_whose_small_hit_would_evict_more():
-    """One block cached (a preamble every prompt shares) but a full pool of others' prefixes,
-    against an empty pool: the placement that evicts nothing wins; with room on both, the hit."""
-    preamble = Candidate("http://a", 16, 40, 64, 0, 16, clean_free=0)
-    empty = Candidate("http://b", 0, 64, 64, 0, 16, clean_free=64)
-    assert rank("kv", [preamble, empty], 160, 0)[0].key == "http://b"
-    assert rank("kv", [with_(preamble, clean_free=40), empty], 160, 0)[0].key == "http://a"
+@given(st.integers(0, 4), st.integers(0, 100))
+def test_with_the_same_match_a_worker_with_room_beats_one_that_would_evict(busier, turn):
+    """Equal matches: the worker whose free blocks hold no cached prefix and cover the prompt's
+    new blocks wins, though busier (within the thresholds); with room on both, the less loaded."""
+    full = Candidate("http://a", 96, 40, 64, 0, 16, clean_free=0)  # free blocks: all others' prefixes
+    roomy = Candidate("http://b", 96, 40, 64, 1 + busier, 16, clean_free=40)
+    assert rank("kv", [full, roomy], 160, turn)[0].key == "http://b"
+    assert rank("kv", [with_(full, clean_free=4), roomy], 160, turn)[0].key == "http://a"
+
+
+@given(st.integers(0, 4), st.integers(0, 100))
+def test_a_shared_preamble_under_the_cache_threshold_does_not_draw_a_new_prefix(busier, turn):
+    """Every prompt starts with the same block, which one worker holds: a new prefix
+    (one block of ten matched) goes by load, as if nothing were cached."""
+    holder = Candidate("http://a", 16, 64, 64, 1 + busier, 16, clean_free=64)
+    other = Candidate("http://b", 0, 64, 64, 0, 16, clean_free=64)
+    assert rank("kv", [holder, other], 160, turn)[0].key == "http://b"
+    # the prefix itself cached (past the threshold): it stays with its holder
+    assert rank("kv", [with_(holder, cached_tokens=144), other], 160, turn)[0].key == "http://a"
 
 
 @given(st.integers(0, 8), st.integers(0, 64))
