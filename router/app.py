@@ -68,11 +68,14 @@ from pagedkv_base.api.errors import (
 from pagedkv_base.api.protocol import ChatCompletionRequest, CompletionRequest, template_messages
 from router.discovery import Discovery, MergedDiscovery, Worker
 from router.metrics import RouterMetrics
-from router.policy import Candidate, rank
+from router.policy import Balance, Candidate, rank
 from router.prefix_view import PrefixView
 
 log = logging.getLogger(__name__)
 
+# Seconds a finished request's placement still counts as cached on its worker: the view
+# learns of its blocks by events that may arrive after the answer has ended.
+PLACED_LINGER_S = 2.0
 # A worker's answer with one of these statuses is retried elsewhere (nothing was sent yet).
 RETRY_STATUSES = frozenset((502, 503, 504))
 # Not forwarded either way (hop-by-hop, set anew by this hop, or the client's credentials).
@@ -87,7 +90,7 @@ class Router:
     def __init__(self, tokenizer, discovery: Discovery | MergedDiscovery, policy: str, *,
                  allocators: Sequence = (), metrics: RouterMetrics | None = None, first_byte_timeout: float = 60.0,
                  connect_timeout: float = 2.0, cooldown_s: float = 5.0, max_attempts: int = 3,
-                 worker_api_key: str | None = None) -> None:
+                 worker_api_key: str | None = None, balance: Balance | None = None) -> None:
         self.tokenizer = tokenizer
         # what the router presents to workers (never a client's own header)
         self.worker_auth: list[tuple[str, str]] = [("authorization", f"Bearer {worker_api_key}")] \
@@ -96,6 +99,7 @@ class Router:
         # RouterClients, in the order of `Worker.allocator`; none: routing by load alone
         self.allocators = list(allocators)
         self.policy = policy
+        self.balance = balance or Balance()  # kv: when the load decides instead of the cache
         self.metrics = metrics or RouterMetrics()
         self.first_byte_timeout = first_byte_timeout
         self.cooldown_s = cooldown_s
@@ -111,6 +115,9 @@ class Router:
         # computing it; else a tenant's first requests, arriving together, would be
         # spread by load over every worker, each caching the prefix again. Requests
         # in flight are this router's own (like `in_flight`): a restart loses none.
+        # A placement is recorded before the request is sent (the ranking and the record
+        # with no await between them), and kept PLACED_LINGER_S after its answer ends,
+        # until the view has heard of its blocks whatever the events' delay.
         self.computing: dict[int, tuple[str, str | None, list[int]]] = {}  # id -> (url, salt, prompt)
         self._ids = itertools.count()
 
@@ -245,18 +252,35 @@ class Router:
         `computing`: tokens being computed there, ranked as if cached."""
         now = time.monotonic()
         by_url = {w.url: w for w in workers}
+        views = {i: p.view for i, p in enumerate(self.discovery.parts) if p.view is not None and p.view.synced}
         exact = {}
         cands = []
         for w in workers:
             cached, free = matches.get((w.allocator, w.pool_id), (0, w.free_blocks))
             exact[w.url] = cached
             soon = max(cached, (computing or {}).get(w.url, 0))
-            cands.append(Candidate(w.url, soon, free, w.num_blocks, self.in_flight.get(w.url, 0)))
-        order = rank(self.policy, cands, prompt_tokens, next(self._turns))
+            # Free blocks holding no cached prefix: at least the free ones beyond every block
+            # holding a hash (exact on an idle pool); unknown without a view in step.
+            view = views.get(w.allocator)
+            held = view.held_blocks(w.pool_id) if view is not None and w.pool_id else None
+            clean = None if held is None else max(free - held, 0)
+            cands.append(Candidate(w.url, soon, free, w.num_blocks, self.in_flight.get(w.url, 0),
+                                   w.block_size, clean))
+        order = rank(self.policy, cands, prompt_tokens, next(self._turns), self.balance)
         reachable = self.discovery.allocator_answers
         order.sort(key=lambda c: (self.down_until.get(c.key, 0.0) > now,  # stable: keeps the ranking
                                   not reachable(by_url[c.key].allocator)))
         return [(by_url[c.key], exact[c.key]) for c in order]
+
+    def place(self, workers: Sequence[Worker], matches: dict[tuple[int, str], tuple[int, int]],
+              tokens: list[int] | None, salt: str | None) -> tuple[int, list[tuple[Worker, int]]]:
+        """(the request's id, `ranked`), the first of the ranking recorded as computing the
+        prompt, with no await between: the next request sees it, however late the view."""
+        order = self.ranked(workers, matches, len(tokens or ()), self.being_computed(workers, tokens, salt))
+        rid = next(self._ids)
+        if tokens and order:
+            self.computing[rid] = (order[0][0].url, salt, tokens)
+        return rid, order
 
     # ------------------------------------------------------------ proxying
     async def forward(self, request: Request, kind: str, model_cls) -> Response:
@@ -270,7 +294,7 @@ class Router:
             size = sum(len(m.text()) for m in req.messages) if kind == "chat" else len(str(req.prompt))
             tokens = await off_loop(self.prompt_ids, kind, req, size=size)
         matches = await self.cached_tokens(workers, tokens, req.cache_salt)
-        order = self.ranked(workers, matches, len(tokens or ()), self.being_computed(workers, tokens, req.cache_salt))
+        rid, order = self.place(workers, matches, tokens, req.cache_salt)
         best = max((c for _, c in order), default=0)
         routing_s = time.perf_counter() - t0
         self.metrics.routing_seconds.labels(self.policy).observe(routing_s)
@@ -278,9 +302,8 @@ class Router:
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw
                    if k.lower() not in _HOP] + self.worker_auth
         why = "no worker answered"
-        rid = next(self._ids)
         for worker, cached in order[: self.max_attempts]:
-            if tokens:  # from now on (no await before this): the next request sees it
+            if tokens:  # a retry: placed on the next in the ranking
                 self.computing[rid] = (worker.url, req.cache_salt, tokens)
             try:
                 upstream, whole = await unless_gone(
@@ -303,7 +326,7 @@ class Router:
             self.metrics.cached_best.labels(self.policy).inc(best)
             answer_headers = self._answer_headers(worker, upstream, cached, routing_s)
             if whole is not None:  # the whole answer is here: one response, the worker's connection free
-                self.computing.pop(rid, None)
+                self.answered(rid)
                 return Response(whole, status_code=upstream.status, headers=answer_headers)
             return self._relay(worker, upstream, answer_headers, rid)
         self.metrics.failed.labels("no_worker_available").inc()
@@ -372,7 +395,7 @@ class Router:
             nonlocal done
             if not done:
                 done = True
-                self.computing.pop(rid, None)
+                self.answered(rid)
                 upstream.close()
                 self._leave(worker)
 
@@ -393,6 +416,12 @@ class Router:
 
         return StreamingResponse(chunks(), status_code=upstream.status, headers=headers,
                                  background=BackgroundTask(close))
+
+    def answered(self, rid: int) -> None:
+        """Request `rid` answered: its prompt's blocks are cached on its worker, the view
+        hears of them by events; its placement counts a while longer."""
+        if rid in self.computing:
+            asyncio.get_running_loop().call_later(PLACED_LINGER_S, self.computing.pop, rid, None)
 
     def _enter(self, worker: Worker) -> None:
         self.in_flight[worker.url] = self.in_flight.get(worker.url, 0) + 1

@@ -3,7 +3,8 @@
 Learns the workers from the allocator (each worker registers its pool with
 --advertise-url; with pools sharded over several allocators, from each of
 them: --allocator A,B,...) and sends each request to the worker whose pool already
-holds the most of its prompt, weighed against load (--policy kv); or a
+holds the most of its prompt unless its load is too far above another's
+(--policy kv); or a
 static --workers list. Serves /v1/completions, /v1/chat/completions (server-
 sent events passed through as they come), /v1/models, /health and /metrics.
 """
@@ -17,7 +18,7 @@ from typing import ClassVar
 from pagedkv_base.config import add_arguments as add_setting_flags
 from pagedkv_base.config import from_args, setting
 from pagedkv_base.settings import LOG_LEVELS, CliError, log_level, read_secret, run_command, seconds
-from router.policy import POLICIES
+from router.policy import POLICIES, Balance
 
 CACHE_VIEWS = ("events", "match-prefix")
 
@@ -87,8 +88,8 @@ class RouterArgs:
         "as the workers load it: 'tiny-random', 'smollm2', a Hugging Face folder or repo id, a .gguf file "
         "(not loaded without --allocator)")
     policy: str = setting(
-        "kv", "kv: most cached prefix weighed against load (2*overlap - usage - waiting); least-load; "
-        "round-robin", choices=POLICIES, stack=True)
+        "kv", "kv: most cached prefix (less what the placement would evict; at least CACHE_THRESHOLD of the prompt), unless the worker's requests in "
+        "flight pass both balance thresholds over the least loaded's, then least load; least-load; round-robin", choices=POLICIES, stack=True)
     cache_view: str = setting(
         "events", "events: keep the pools' prefix caches in the router from the allocator's block events "
         "(a snapshot, then every change) and match prompts here, asking MatchPrefix only while that copy is "
@@ -109,9 +110,24 @@ class RouterArgs:
         1.0, "seconds: list the allocator's pools at least this often, besides on every pool event: their "
         "free blocks weigh in the kv policy's usage term (MatchPrefix, when asked, gives them fresh)",
         parse=seconds, flag=False)
+    balance_abs_threshold: int = setting(
+        Balance().abs_threshold, "kv: a worker is overloaded when its requests in flight exceed the least loaded "
+        "worker's by more than this AND by more than the relative threshold; an overloaded worker gets a request "
+        "only when every worker is (below both, a prefix stays where it is cached)", flag=False)
+    balance_rel_threshold: float = setting(
+        Balance().rel_threshold, "kv: the relative balance threshold: a worker is overloaded only when its requests in flight are "
+        "also more than this many times the least loaded worker's", flag=False)
+    cache_threshold: float = setting(
+        Balance().cache_threshold, "kv: the least share of a prompt (0 to 1) a worker's cached prefix must "
+        "cover to draw the request; a smaller match counts as none and the request goes by room and load",
+        flag=False)
     log_level: str = setting("INFO", "log level, any case", parse=log_level, choices=LOG_LEVELS)
 
     def __post_init__(self) -> None:
+        if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1:
+            raise ValueError("the balance thresholds are at least 0 (absolute) and 1 (relative)")
+        if not 0 <= self.cache_threshold <= 1:
+            raise ValueError("the cache threshold is a share of the prompt, from 0 to 1")
         if not self.allocator and not self.workers:
             raise ValueError("give --allocator HOST:PORT (workers found there) or --workers URL,...")
 
@@ -159,7 +175,8 @@ def build_router(args: argparse.Namespace):
     else:
         discovery = parts[0] if parts else Discovery(None, r.workers or (), refresh_s=r.refresh_interval)
     return Router(tokenizer, discovery, r.policy, allocators=clients, first_byte_timeout=r.first_byte_timeout,
-                  worker_api_key=r.api_key)
+                  worker_api_key=r.api_key, balance=Balance(r.balance_abs_threshold, r.balance_rel_threshold,
+                                                                 r.cache_threshold))
 
 
 def run(args: argparse.Namespace) -> int:

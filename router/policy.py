@@ -1,21 +1,27 @@
 """Which worker gets a request: the cost, pure (no I/O, no clock).
 
-`kv` (the default) scores every candidate worker as Dynamo's KV router does:
+`kv` (the default) routes by cache while the load is balanced and by load
+only when it is not, as SGLang's cache-aware router does:
 
-    score = 2 * overlap - usage - waiting
+- A worker is *overloaded* when its requests in flight through this router
+  exceed the least loaded candidate's by more than `Balance.abs_threshold`
+  AND are more than `Balance.rel_threshold` times them. Overloaded workers
+  go last, least loaded first: a placement never goes to one while another
+  is under the thresholds.
+- The others are ranked by the prompt's tokens the worker's pool holds
+  (`cached_tokens`: its `MatchPrefix` answer, or what a prompt being
+  prefilled there shares with it); a match under `Balance.cache_threshold`
+  of the prompt counts as none (a preamble every prompt shares must not
+  draw every new prefix to the one worker that holds it). Then a worker
+  where the placement evicts no cached prefix before one where it does: a
+  prompt needs `blocks(prompt) - cached_tokens / block_size` new blocks,
+  and those beyond the pool's free blocks that hold no cached prefix
+  (`clean_free`) are taken from cached ones. Then the least loaded (fewest
+  in flight, then least usage), then in turn.
 
-- `overlap`: the share of the prompt's tokens the worker's pool already holds
-  (`MatchPrefix`'s `cached_tokens` / prompt tokens; or, when more, what a
-  prompt being prefilled there shares with it): prefill it saves;
-- `usage`: the share of its pool's blocks in use (1 - free / total): memory
-  pressure, i.e. how soon it would have to evict or preempt;
-- `waiting`: its requests in flight through this router over the largest
-  such count of any candidate (0 when none has any): its queue.
-
-The highest score wins; ties go to the least loaded (fewest in flight, then
-least usage), then in turn. An overlap worth all of a prompt outweighs any
-load (2 > 1 + 1 only at full load both ways), so the cache is the stickiness;
-with nothing cached anywhere it is plain least-load.
+Short spikes of in-flight requests below the thresholds change no
+placement: a prefix stays where it is cached. With nothing cached anywhere
+(and nothing to evict) it is plain least-load.
 
 `least-load`: fewest in flight, then least usage, then in turn.
 `round-robin`: in turn, ignoring everything else (the baseline).
@@ -23,11 +29,11 @@ with nothing cached anywhere it is plain least-load.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 POLICIES = ("kv", "least-load", "round-robin")
-OVERLAP_WEIGHT = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,19 +45,48 @@ class Candidate:
     free_blocks: int = 0
     num_blocks: int = 0  # 0: unknown (no pool known): usage counts as 0
     in_flight: int = 0  # its requests through this router, not yet answered in full
+    block_size: int = 0  # 0: unknown: no eviction is counted
+    clean_free: int | None = None  # free blocks holding no cached prefix; None: unknown (all free ones)
+
+
+@dataclass(frozen=True, slots=True)
+class Balance:
+    """When the load is too uneven for the cache to decide (in requests in flight)."""
+
+    abs_threshold: int = 8
+    rel_threshold: float = 1.5
+    cache_threshold: float = 0.5  # the least share of the prompt a match needs to count
 
 
 def usage(c: Candidate) -> float:
     return 1.0 - c.free_blocks / c.num_blocks if c.num_blocks > 0 else 0.0
 
 
-def score(c: Candidate, prompt_tokens: int, most_in_flight: int) -> float:
-    overlap = min(c.cached_tokens / prompt_tokens, 1.0) if prompt_tokens > 0 else 0.0
-    waiting = c.in_flight / most_in_flight if most_in_flight > 0 else 0.0
-    return OVERLAP_WEIGHT * overlap - usage(c) - waiting
+def counted(c: Candidate, prompt_tokens: int, balance: Balance) -> Candidate:
+    """`c` with its match as the ranking counts it: none when under the cache threshold."""
+    cached = min(c.cached_tokens, max(prompt_tokens, 0))
+    if cached and cached < balance.cache_threshold * prompt_tokens:
+        cached = 0
+    return c if cached == c.cached_tokens else Candidate(c.key, cached, c.free_blocks, c.num_blocks, c.in_flight,
+                                                         c.block_size, c.clean_free)
 
 
-def rank(policy: str, candidates: Sequence[Candidate], prompt_tokens: int, turn: int) -> list[Candidate]:
+def evicted_blocks(c: Candidate, prompt_tokens: int) -> int:
+    """Cached blocks of the pool that placing the prompt there would reuse for its new blocks."""
+    if c.block_size <= 0 or prompt_tokens <= 0:
+        return 0
+    new = math.ceil(prompt_tokens / c.block_size) - min(c.cached_tokens, prompt_tokens) // c.block_size
+    clean = c.free_blocks if c.clean_free is None else min(c.clean_free, c.free_blocks)
+    return min(max(new - clean, 0), max(c.free_blocks - clean, 0))
+
+
+def overloaded(c: Candidate, least_in_flight: int, balance: Balance) -> bool:
+    return (c.in_flight - least_in_flight > balance.abs_threshold
+            and c.in_flight > balance.rel_threshold * least_in_flight)
+
+
+def rank(policy: str, candidates: Sequence[Candidate], prompt_tokens: int, turn: int,
+         balance: Balance = Balance()) -> list[Candidate]:
     """`candidates` best first under `policy` (the rest are the retry order).
     `turn`: a counter the caller advances per request (round-robin, ties)."""
     if policy not in POLICIES:
@@ -63,12 +98,18 @@ def rank(policy: str, candidates: Sequence[Candidate], prompt_tokens: int, turn:
     rotation = {c.key: (i - turn) % n for i, c in enumerate(sorted(candidates, key=lambda c: c.key))}
     if policy == "round-robin":
         return sorted(candidates, key=lambda c: rotation[c.key])
-    most = max(c.in_flight for c in candidates)
 
     def load(c: Candidate) -> tuple:
         return (c.in_flight, round(usage(c), 9), rotation[c.key])
 
     if policy == "least-load":
         return sorted(candidates, key=load)
-    # kv: the score, rounded so float noise never beats the tie-break.
-    return sorted(candidates, key=lambda c: (-round(score(c, prompt_tokens, most), 9), *load(c)))
+    least = min(c.in_flight for c in candidates)
+
+    def kv(c: Candidate) -> tuple:
+        if overloaded(c, least, balance):
+            return (1, 0, 0, *load(c))
+        m = counted(c, prompt_tokens, balance)
+        return (0, -m.cached_tokens, evicted_blocks(m, prompt_tokens) > 0, *load(c))
+
+    return sorted(candidates, key=kv)

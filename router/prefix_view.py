@@ -156,6 +156,11 @@ class PrefixView:
         pool = self._pools.get(pool_id)
         return leading_hits(hashes, pool.holders) if pool is not None else 0
 
+    def held_blocks(self, pool_id: str) -> int:
+        """How many of the pool's blocks hold a cached hash (in use or free)."""
+        pool = self._pools.get(pool_id)
+        return len(pool.hash_of) if pool is not None else 0
+
     def blocks(self, pool_id: str) -> dict[int, bytes]:
         """block -> hash of one pool (tests and debugging)."""
         pool = self._pools.get(pool_id)

@@ -11,6 +11,10 @@ conversations per tenant, all arrivals shuffled together and sent with
 `--concurrency` in flight, streamed, greedy, `--max-tokens` tokens each
 (EOS ignored, so every run does the same work).
 
+`--background-load N` runs N CPU-bound processes (each spinning on one core)
+beside the stack for the duration of the rounds: the machine as busy as a
+shared host, where routing decisions meet late views and queue spikes.
+
 Runs are interleaved: each of `--rounds` rounds runs every policy and the
 reference once, in a rotated order. Each run salts every request with its
 own `cache_salt`, so no run finds another's prefixes cached (their blocks
@@ -18,12 +22,15 @@ are junk it must evict, like any warm pool's).
 
 Figures per run, then the mean over rounds per policy:
 - hit rate: prompt tokens found in a prefix cache / prompt tokens admitted,
-  from the workers' own counters (deltas over the run);
+  from the workers' own counters (deltas over the run); also its lowest and
+  highest over the rounds, and each round's;
 - tokens/s: generated tokens / wall time of the run;
 - TTFT p50 / p95: request sent -> first streamed token, at the client;
 - routing ms p50: the router's time to choose (its `x-pagedkv-routing-ms`);
 - busiest worker's share: the most requests any one worker answered over all
   answered (0.5 is an even split over two; 1.0 for the reference);
+- per round, kv's hit rate over the reference's and kv's tokens/s over
+  round-robin's (the targets hold in every round: their worst round);
 - and once, the router's added latency end to end: `--probe-requests`
   sequential one-token completions in turn to a worker directly, to the kv
   router and to a kv router asking MatchPrefix per request (`--cache-view
@@ -38,10 +45,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import multiprocessing
 import statistics
 import time
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 from pagedkv.bench import harness
@@ -66,8 +76,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe-requests", type=harness.positive, default=40,
                    help="sequential requests for the router's added latency, each way (default 40)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    p.add_argument("--background-load", type=_count, default=0, metavar="N",
+                   help="N CPU-bound processes running beside the stack during the rounds (default 0)")
     harness.add_json_option(p)
 
+
+def _count(text: str) -> int:
+    """An argparse type: an integer of at least 0."""
+    return 0 if text.strip() == "0" else harness.positive(text)
+
+
+_count.__name__ = "count"
+
+
+def _spin() -> None:
+    """A CPU-bound process: spins until it is terminated."""
+    n = 0
+    while True:
+        n = (n * 1103515245 + 12345) & 0xFFFFFFFF
+
+
+@contextlib.contextmanager
+def background_load(n: int) -> Iterator[None]:
+    """`n` spinning processes while inside, ended on the way out."""
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process with event loops and threads
+    procs = [ctx.Process(target=_spin, name=f"background-load-{i}", daemon=True) for i in range(n)]
+    try:
+        for proc in procs:
+            proc.start()
+        yield
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()
+        for proc in procs:
+            proc.join(10)
 
 
 
@@ -207,8 +250,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     with topology(args.model, args.num_blocks, args.block_size, args.concurrency) as systems:
         for name, target in systems.targets.items():  # warm-up: each path once, its own salt
             asyncio.run(_run(target.url, workload[:2], args, f"warmup-{name}"))
-        for rnd, name in harness.interleaved(list(systems.targets), args.rounds):
-            runs[name].append(_one_run(systems.targets[name], workload, args, f"round{rnd}-{name}"))
+        with background_load(args.background_load):
+            for rnd, name in harness.interleaved(list(systems.targets), args.rounds):
+                runs[name].append(_one_run(systems.targets[name], workload, args, f"round{rnd}-{name}"))
         probe = _probes(systems.direct, {"kv": systems.targets["kv"].url, ASKING: systems.targets[ASKING].url},
                         args.model, args.probe_requests)
         probe |= _routing_split(systems.kv_router)
@@ -223,6 +267,28 @@ def _one_run(target: Target, workload: list[list[dict]], args: argparse.Namespac
     return _figures(results, wall, hit1 - hit0, queried1 - queried0)
 
 
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
+
+
+def _spread(rows: list[dict]) -> dict[str, Any]:
+    """The hit rate's lowest, highest and each round's, over a policy's runs."""
+    rates = [r["hit_rate"] for r in rows]
+    present = [r for r in rates if r is not None]
+    return {"hit_rate_min": min(present) if present else None, "hit_rate_max": max(present) if present else None,
+            "hit_rate_per_round": rates}
+
+
+def _per_round(runs: dict[str, list[dict]]) -> dict[str, list[float | None]]:
+    """The targets' ratios round by round (the runs of one round share the machine's conditions)."""
+    return {
+        "kv_hit_rate_of_one_worker_with_both_pools": [
+            _ratio(a["hit_rate"], b["hit_rate"]) for a, b in zip(runs["kv"], runs[REFERENCE], strict=True)],
+        "kv_tokens_per_s_over_round_robin": [
+            _ratio(a["tokens_per_s"], b["tokens_per_s"]) for a, b in zip(runs["kv"], runs["round-robin"], strict=True)],
+    }
+
+
 def _report(args, runs: dict[str, list[dict]], probe: dict) -> dict[str, Any]:
     def mean(rows: list[dict], key: str) -> float | None:
         value = harness.mean(r.get(key) for r in rows)
@@ -230,25 +296,32 @@ def _report(args, runs: dict[str, list[dict]], probe: dict) -> dict[str, Any]:
 
     summary = {name: {k: mean(rows, k) for k in ("hit_rate", "tokens_per_s", "ttft_p50_ms", "ttft_p95_ms",
                                                  "routing_ms_p50", "busiest_worker_share")}
-               | {"errors": sum(r["errors"] for r in rows)}
+               | _spread(rows) | {"errors": sum(r["errors"] for r in rows)}
                for name, rows in runs.items()}
     kv, rr, ref = summary["kv"], summary["round-robin"], summary[REFERENCE]
 
-    def ratio(a, b):
-        return round(a / b, 3) if a is not None and b else None
+    per_round = _per_round(runs)
+
+    def worst(values: list[float | None]) -> float | None:
+        return None if not values or None in values else min(values)
 
     return {
         "workload": {"model": args.model, "tenants": args.prompts, "prompt_tokens": args.prompt_tokens,
                      "conversations_per_tenant": args.conversations, "requests_per_run": args.prompts * args.conversations,
                      "concurrency": args.concurrency, "max_tokens": args.max_tokens, "workers": 2,
-                     "num_blocks_per_worker": args.num_blocks, "block_size": args.block_size, "rounds": args.rounds},
+                     "num_blocks_per_worker": args.num_blocks, "block_size": args.block_size, "rounds": args.rounds,
+                     "background_load": args.background_load},
         "summary": summary,
         "targets": {
-            "kv_hit_rate_of_one_worker_with_both_pools": ratio(kv["hit_rate"], ref["hit_rate"]),
-            "kv_tokens_per_s_over_round_robin": ratio(kv["tokens_per_s"], rr["tokens_per_s"]),
-            "kv_ttft_p50_of_round_robin": ratio(kv["ttft_p50_ms"], rr["ttft_p50_ms"]),
+            "kv_hit_rate_of_one_worker_with_both_pools": _ratio(kv["hit_rate"], ref["hit_rate"]),
+            "kv_tokens_per_s_over_round_robin": _ratio(kv["tokens_per_s"], rr["tokens_per_s"]),
+            "kv_ttft_p50_of_round_robin": _ratio(kv["ttft_p50_ms"], rr["ttft_p50_ms"]),
             "router_added_p50_ms": probe["added_p50_ms"],
+            "kv_hit_rate_of_one_worker_with_both_pools_worst_round":
+                worst(per_round["kv_hit_rate_of_one_worker_with_both_pools"]),
+            "kv_tokens_per_s_over_round_robin_worst_round": worst(per_round["kv_tokens_per_s_over_round_robin"]),
         },
+        "per_round": per_round,
         "probe": probe,
         "runs": runs,
     }
@@ -256,10 +329,19 @@ def _report(args, runs: dict[str, list[dict]], probe: dict) -> dict[str, Any]:
 
 def tables(report: dict) -> list[Table]:
     w, g, p = report["workload"], report["targets"], report["probe"]
-    rows = [[name, cell(s["hit_rate"], ".1%"), cell(s["tokens_per_s"], ".1f"), cell(s["ttft_p50_ms"]),
+    runs = report["runs"]
+    spreads = {name: _spread(rows) for name, rows in runs.items()}  # from the runs: reports of any age
+    per_round = _per_round(runs)
+    rows = [[name, cell(s["hit_rate"], ".1%"), cell(spreads[name]["hit_rate_min"], ".1%"),
+             cell(spreads[name]["hit_rate_max"], ".1%"), cell(s["tokens_per_s"], ".1f"), cell(s["ttft_p50_ms"]),
              cell(s["ttft_p95_ms"]), cell(s["routing_ms_p50"]), cell(s["busiest_worker_share"]), cell(s["errors"])]
             for name, s in report["summary"].items()]
     notes = [
+        "hit rate per round: " + "; ".join(f"{name} {cell(spreads[name]['hit_rate_per_round'], '.1%')}"
+                                           for name in report["summary"]),
+        f"per round, kv hit rate / one worker with both pools: "
+        f"{cell(per_round['kv_hit_rate_of_one_worker_with_both_pools'])} (target >= 0.9 in every round); "
+        f"kv tokens/s / round-robin: {cell(per_round['kv_tokens_per_s_over_round_robin'])} (target >= 1.5)",
         f"kv hit rate / one worker with both pools: {cell(g['kv_hit_rate_of_one_worker_with_both_pools'])} "
         f"(target >= 0.9); kv tokens/s / round-robin: {cell(g['kv_tokens_per_s_over_round_robin'])} (target >= 1.5); "
         f"kv TTFT p50 / round-robin: {cell(g['kv_ttft_p50_of_round_robin'])} (target <= 0.6)",
@@ -276,8 +358,9 @@ def tables(report: dict) -> list[Table]:
     return [Table(
         title=f"pagedkv bench route: {w['tenants']} tenants x {w['conversations_per_tenant']} conversations, "
               f"~{w['prompt_tokens']}-token system prompts, 2 workers x {w['num_blocks_per_worker']} blocks "
-              f"({w['model']}), mean of {w['rounds']} interleaved rounds",
-        columns=["policy", "hit rate", "tokens/s", "TTFT p50 ms", "TTFT p95 ms", "routing ms p50",
+              f"({w['model']}), mean of {w['rounds']} interleaved rounds"
+              + (f", {w['background_load']} CPU-bound processes beside the stack" if w.get("background_load") else ""),
+        columns=["policy", "hit rate", "hit rate min", "hit rate max", "tokens/s", "TTFT p50 ms", "TTFT p95 ms", "routing ms p50",
                  "busiest worker's share", "errors"],
         rows=rows, notes=notes)]
 

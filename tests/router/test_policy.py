@@ -3,19 +3,27 @@ usage errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from router.policy import POLICIES, Candidate, rank, score
+from router.policy import POLICIES, Balance, Candidate, counted, evicted_blocks, rank
 
 candidates = st.lists(
     st.builds(Candidate, key=st.sampled_from([f"http://w{i}" for i in range(6)]),
               cached_tokens=st.integers(0, 512), free_blocks=st.integers(0, 64), num_blocks=st.just(64),
-              in_flight=st.integers(0, 8)),
+              in_flight=st.integers(0, 24), block_size=st.sampled_from([0, 16]),
+              clean_free=st.one_of(st.none(), st.integers(0, 64))),
     min_size=1, max_size=6, unique_by=lambda c: c.key)
+balances = st.builds(Balance, abs_threshold=st.integers(0, 12), rel_threshold=st.floats(1.0, 4.0),
+                     cache_threshold=st.sampled_from([0.0, 0.3, 0.5, 1.0]))
+
+
+def with_(c: Candidate, **changes) -> Candidate:
+    return dataclasses.replace(c, **changes)
 
 
 @given(candidates, st.integers(1, 512), st.integers(0, 100), st.sampled_from(POLICIES))
@@ -23,29 +31,95 @@ def test_every_policy_orders_every_candidate_once(cands, prompt, turn, policy):
     assert sorted(c.key for c in rank(policy, cands, prompt, turn)) == sorted(c.key for c in cands)
 
 
-@given(candidates, st.integers(1, 512), st.integers(0, 100))
-def test_kv_with_nothing_cached_is_least_load(cands, prompt, turn):
-    cold = [Candidate(c.key, 0, c.free_blocks, c.num_blocks, c.in_flight) for c in cands]
-    first = rank("kv", cold, prompt, turn)[0]
-    most = max(c.in_flight for c in cold)
-    assert score(first, prompt, most) == max(score(c, prompt, most) for c in cold)
-    if all(c.free_blocks == cold[0].free_blocks for c in cold):  # same usage: the fewest in flight wins
-        assert first.in_flight == min(c.in_flight for c in cold)
+@given(candidates, st.integers(1, 512), st.integers(0, 100), balances, st.randoms())
+def test_kv_is_deterministic_whatever_order_the_workers_come_in(cands, prompt, turn, balance, rnd):
+    shuffled = list(cands)
+    rnd.shuffle(shuffled)
+    assert rank("kv", shuffled, prompt, turn, balance) == rank("kv", cands, prompt, turn, balance)
+
+
+@given(candidates, st.integers(1, 512), st.integers(0, 100), balances)
+def test_kv_never_places_on_a_worker_past_both_thresholds_while_another_is_under(cands, prompt, turn, balance):
+    least = min(c.in_flight for c in cands)
+    first = rank("kv", cands, prompt, turn, balance)[0]
+    # the least loaded is never past them, so one is always under
+    assert not (first.in_flight - least > balance.abs_threshold and first.in_flight > balance.rel_threshold * least)
+
+
+@given(candidates, st.integers(1, 512), st.integers(0, 100), balances)
+def test_with_a_balanced_load_the_longest_prefix_wins(cands, prompt, turn, balance):
+    """Loads within the thresholds and room to spare everywhere (nothing evicted): the worker
+    holding the most of the prompt gets it, whatever the in-flight counts, when that is at least
+    the cache threshold's share of the prompt; under it, no match counts: the least loaded."""
+    cands = [with_(c, in_flight=c.in_flight % (balance.abs_threshold + 1), free_blocks=free, clean_free=64)
+             for c, free in zip(cands, range(64, 0, -7), strict=False)]
+    first = rank("kv", cands, prompt, turn, balance)[0]
+    best = max(min(c.cached_tokens, prompt) for c in cands)
+    if best >= balance.cache_threshold * prompt:
+        assert min(first.cached_tokens, prompt) == best
+    else:
+        assert first == rank("least-load", cands, prompt, turn)[0]
+
+
+@given(candidates, st.integers(1, 512), st.integers(0, 100), balances, st.data())
+def test_loads_under_the_thresholds_move_no_placement(cands, prompt, turn, balance, data):
+    """Once the cache decided (one worker gains the most), any in-flight counts within the
+    absolute threshold of each other leave the placement where it is."""
+    first = rank("kv", cands, prompt, turn, balance)[0]
+    def won(c: Candidate) -> tuple[int, bool]:
+        m = counted(c, prompt, balance)
+        return m.cached_tokens, evicted_blocks(m, prompt) == 0
+
+    assume(all(won(c) < won(first) for c in cands if c.key != first.key))  # not a tie broken by load
+    base = data.draw(st.integers(0, 24))
+    loads = data.draw(st.lists(st.integers(base, base + balance.abs_threshold), min_size=len(cands),
+                               max_size=len(cands)))
+    spiked = [with_(c, in_flight=n) for c, n in zip(cands, loads, strict=True)]
+    assert rank("kv", spiked, prompt, turn, balance)[0].key == first.key
 
 
 @given(candidates, st.integers(1, 512), st.integers(0, 100))
-def test_with_equal_load_the_most_cached_wins(cands, prompt, turn):
-    even = [Candidate(c.key, min(c.cached_tokens, prompt), 32, 64, 2) for c in cands]
-    assert rank("kv", even, prompt, turn)[0].cached_tokens == max(c.cached_tokens for c in even)
+def test_kv_with_nothing_cached_and_nothing_to_evict_is_least_load(cands, prompt, turn):
+    cold = [with_(c, cached_tokens=0, block_size=0) for c in cands]
+    assert rank("kv", cold, prompt, turn) == rank("least-load", cold, prompt, turn)
+
+
+@given(st.integers(0, 64), st.integers(0, 64), st.integers(1, 512), st.integers(0, 512))
+def test_a_placement_evicts_only_cached_free_blocks_beyond_the_clean_ones(free, clean, prompt, cached):
+    c = Candidate("http://w", cached, free, 64, 0, 16, clean)
+    new = -(-prompt // 16) - min(cached, prompt) // 16
+    clean = min(clean, free)
+    assert evicted_blocks(c, prompt) == max(0, min(new - clean, free - clean))
+
+
+@given(st.integers(0, 4), st.integers(0, 100))
+def test_with_the_same_match_a_worker_with_room_beats_one_that_would_evict(busier, turn):
+    """Equal matches: the worker whose free blocks hold no cached prefix and cover the prompt's
+    new blocks wins, though busier (within the thresholds); with room on both, the less loaded."""
+    full = Candidate("http://a", 96, 40, 64, 0, 16, clean_free=0)  # free blocks: all others' prefixes
+    roomy = Candidate("http://b", 96, 40, 64, 1 + busier, 16, clean_free=40)
+    assert rank("kv", [full, roomy], 160, turn)[0].key == "http://b"
+    assert rank("kv", [with_(full, clean_free=4), roomy], 160, turn)[0].key == "http://a"
+
+
+@given(st.integers(0, 4), st.integers(0, 100))
+def test_a_shared_preamble_under_the_cache_threshold_does_not_draw_a_new_prefix(busier, turn):
+    """Every prompt starts with the same block, which one worker holds: a new prefix
+    (one block of ten matched) goes by load, as if nothing were cached."""
+    holder = Candidate("http://a", 16, 64, 64, 1 + busier, 16, clean_free=64)
+    other = Candidate("http://b", 0, 64, 64, 0, 16, clean_free=64)
+    assert rank("kv", [holder, other], 160, turn)[0].key == "http://b"
+    # the prefix itself cached (past the threshold): it stays with its holder
+    assert rank("kv", [with_(holder, cached_tokens=144), other], 160, turn)[0].key == "http://a"
 
 
 @given(st.integers(0, 8), st.integers(0, 64))
-def test_a_prompt_cached_whole_outweighs_any_load_short_of_full(in_flight, free):
+def test_a_prompt_cached_whole_outweighs_any_load_under_the_thresholds(in_flight, free):
     holder = Candidate("http://holder", 100, free, 64, in_flight)
     idle = Candidate("http://idle", 0, 64, 64, 0)
-    first = rank("kv", [holder, idle], 100, 0)[0]
-    full = free == 0 and in_flight > 0  # 2 - 1 - 1 = 0 ties with the idle one: least load wins
-    assert first.key == ("http://idle" if full else "http://holder")
+    assert rank("kv", [holder, idle], 100, 0, Balance(8, 1.5))[0].key == "http://holder"
+    # past both thresholds: the load decides
+    assert rank("kv", [with_(holder, in_flight=9), idle], 100, 0, Balance(8, 1.5))[0].key == "http://idle"
 
 
 @given(candidates)

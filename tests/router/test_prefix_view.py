@@ -101,6 +101,7 @@ def test_the_view_holds_what_the_allocator_holds(server, seed, block_size, snaps
         want = wait_for(view, pool, pool.pool_id)
         assert view.synced
         assert view.blocks(pool.pool_id) == want  # block for block
+        assert view.held_blocks(pool.pool_id) == len(want) and view.held_blocks("no such pool") == 0
         router = RouterClient(server.address)
         try:
             for _ in range(8):  # and the prefixes MatchPrefix finds for prompts like the workload's
