@@ -267,7 +267,7 @@ class Router:
             return self._no_model(req.model)
         tokens = None
         if self.policy == "kv" and self.allocators:
-            size = sum(len(m.text()) for m in req.messages) if kind == "chat" else len(str(req.prompt))
+            size = sum(len(m.text()) for m in req.messages) if kind == "chat" else _prompt_size(req.prompt)
             tokens = await off_loop(self.prompt_ids, kind, req, size=size)
         matches = await self.cached_tokens(workers, tokens, req.cache_salt)
         order = self.ranked(workers, matches, len(tokens or ()), self.being_computed(workers, tokens, req.cache_salt))
@@ -446,6 +446,15 @@ class Router:
             await self._http.close()
         for client in self.allocators:
             await client.aclose()
+
+
+def _prompt_size(prompt) -> int:
+    """How long the prompt that places a completion is (a batch's first), in
+    characters or ids, measured without copying it (`str` of a million ids
+    would take the loop ~0.1 s)."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    return len(prompt) if isinstance(prompt, (str, list)) else 0
 
 
 def _unreachable(exc: BaseException) -> bool:

@@ -1,6 +1,8 @@
 """Request bodies off the event loop: a big body is parsed and validated in a
-thread (`read_body`), a long text tokenized in one (`off_loop`), so /health
-answers under any input (worker/server/app.py says why)."""
+thread (`read_body`), a long text tokenized in one (`off_loop`), and a big
+answer serialized in one (`dumps`, a long list a slice at a time, so the
+thread lets the loop run between slices), so /health answers under any input
+(worker/server/app.py says why)."""
 
 from __future__ import annotations
 
@@ -9,11 +11,13 @@ from typing import TypeVar
 
 from fastapi import HTTPException, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 OFFLOAD_BYTES = 64 << 10  # bodies larger than this are parsed in a thread
 OFFLOAD_CHARS = 4096  # prompts longer than this are tokenized in a thread
+_SLICE = 1 << 14  # list items serialized at once (a few ms each, the GIL held)
 Req = TypeVar("Req", bound=BaseModel)
 
 
@@ -49,3 +53,31 @@ async def read_body(request: Request, model: type[Req]) -> Req:
 
 async def off_loop(fn, *args, size: int):
     return fn(*args) if size <= OFFLOAD_CHARS else await run_in_threadpool(fn, *args)
+
+
+def _dump(value, out: list[str]) -> None:
+    if isinstance(value, dict):
+        out.append("{")
+        for i, (key, item) in enumerate(value.items()):
+            out.append(("," if i else "") + json.dumps(str(key), ensure_ascii=False) + ":")
+            _dump(item, out)
+        out.append("}")
+    elif isinstance(value, list) and len(value) > _SLICE:
+        out.append("[")
+        for i in range(0, len(value), _SLICE):
+            part = json.dumps(value[i:i + _SLICE], ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+            out.append(("," if i else "") + part[1:-1])
+        out.append("]")
+    else:
+        out.append(json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":")))
+
+
+def dumps(content: dict) -> bytes:
+    """`content` (plain JSON values) as the bytes `JSONResponse` would send."""
+    out: list[str] = []
+    _dump(content, out)
+    return "".join(out).encode()
+
+
+def json_bytes(body: bytes, status_code: int = 200) -> Response:
+    return Response(body, status_code=status_code, media_type="application/json")
