@@ -36,6 +36,9 @@ def _parse(body: bytes, content_type: str | None, model: type[Req]) -> Req:
                                            "input": {}, "ctx": {"error": exc.msg}}]) from None
         except ValueError:  # not UTF-8 (or UTF-16/32) at all: FastAPI's words
             raise HTTPException(400, "There was an error parsing the body") from None
+        except RecursionError:  # nested deeper than the parser goes (FastAPI's own parse answers a 500)
+            raise RequestValidationError([{"type": "json_invalid", "loc": ("body", 0), "msg": "JSON decode error",
+                                           "input": {}, "ctx": {"error": "nested too deeply"}}]) from None
     try:
         return model.model_validate(data)
     except ValidationError as exc:

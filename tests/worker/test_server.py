@@ -143,6 +143,19 @@ def test_every_route_refuses_a_body_over_the_limit(server, path):
     assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
 
 
+DEEP = b'{"model": "tiny-random", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
+def test_json_nested_too_deep_is_an_openai_400(server, path):
+    r = httpx.post(f"{server}{path}", content=DEEP, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert "nested too deeply" in error["message"]
+    assert httpx.get(f"{server}/health").status_code == 200
+
+
 def test_disconnect_mid_stream_frees_the_sequence(server):
     labels = {"model": "tiny-random"}
     body = {"model": "tiny-random", "prompt": "a long one", "max_tokens": 400, "temperature": 0,
