@@ -126,6 +126,7 @@ async def models(request: Request):
 async def completions(request: Request):
     req = await read_body(request, CompletionRequest)
     _refuse_unsupported(req)
+    req.check_sequences()
     if req.best_of is not None and req.best_of != req.n:
         # vLLM v1's answer too: only best_of == n (every sample returned) is served.
         raise ApiError(400, f"best_of must equal n ({req.n}) when set: returning the best {req.n} of "
