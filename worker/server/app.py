@@ -199,6 +199,7 @@ def _chat_ids(core, messages: list[dict]) -> list[int]:
 async def chat(request: Request):
     req = await read_body(request, ChatCompletionRequest)
     _refuse_unsupported(req)
+    req.check_sequences()
     if req.echo:
         raise ApiError(400, "echo is not supported on chat completions", param="echo")
     for i, m in enumerate(req.messages):
