@@ -220,15 +220,16 @@ class Router:
                                            w.free_blocks if free is None else free)
         return out
 
-    def being_computed(self, workers: Sequence[Worker], tokens: list[int] | None,
-                       salt: str | None) -> dict[str, int]:
+    def being_computed(self, workers: Sequence[Worker], tokens: list[int] | None, salt: str | None,
+                       computing: Sequence[tuple[str, str | None, list[int]]] | None = None) -> dict[str, int]:
         """url -> the most leading tokens of `tokens` (whole blocks, never the
-        last token) that a prompt in flight there under the same salt shares."""
+        last token) that a prompt in flight there under the same salt shares.
+        `computing`: the prompts in flight (default `self.computing`'s)."""
         out: dict[str, int] = {}
         if not tokens or self.policy != "kv":
             return out
         sizes = {w.url: w.block_size for w in workers if w.block_size}
-        for url, other_salt, other in self.computing.values():
+        for url, other_salt, other in (self.computing.values() if computing is None else computing):
             size = sizes.get(url)
             if size is None or other_salt != salt:
                 continue
@@ -275,7 +276,10 @@ class Router:
             size = sum(len(m.text()) for m in req.messages) if kind == "chat" else _prompt_size(req.prompt)
             tokens = await off_loop(self.prompt_ids, kind, req, size=size)
         matches = await self.cached_tokens(workers, tokens, req.cache_salt)
-        order = self.ranked(workers, matches, len(tokens or ()), self.being_computed(workers, tokens, req.cache_salt))
+        # Compared with every prompt in flight a block at a time: a long prompt's off the loop.
+        computing = await off_loop(self.being_computed, workers, tokens, req.cache_salt,
+                                   list(self.computing.values()), size=len(tokens or ()))
+        order = self.ranked(workers, matches, len(tokens or ()), computing)
         best = max((c for _, c in order), default=0)
         routing_s = time.perf_counter() - t0
         self.metrics.routing_seconds.labels(self.policy).observe(routing_s)

@@ -6,19 +6,40 @@ thread lets the loop run between slices), so /health answers under any input
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import weakref
 from typing import TypeVar
 
+import anyio.to_thread
+from anyio import CapacityLimiter
 from fastapi import HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
-from starlette.concurrency import run_in_threadpool
 
 OFFLOAD_BYTES = 64 << 10  # bodies larger than this are parsed in a thread
 OFFLOAD_CHARS = 4096  # prompts longer than this are tokenized in a thread
 _SLICE = 1 << 14  # list items serialized at once (a few ms each, the GIL held)
 Req = TypeVar("Req", bound=BaseModel)
+# Threads doing this work at once, per event loop: more would only take turns
+# at the GIL with the loop itself (each turn the loop waits for is /health's too).
+HEAVY_THREADS = max(2, os.cpu_count() or 2)
+_limiters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _limiter() -> CapacityLimiter:
+    loop = asyncio.get_running_loop()
+    limiter = _limiters.get(loop)
+    if limiter is None:
+        limiter = _limiters[loop] = CapacityLimiter(HEAVY_THREADS)
+    return limiter
+
+
+async def in_thread(fn, *args):
+    """`fn(*args)` in a thread, at most `HEAVY_THREADS` at once."""
+    return await anyio.to_thread.run_sync(fn, *args, limiter=_limiter())
 
 
 def _parse(body: bytes, content_type: str | None, model: type[Req]) -> Req:
@@ -51,11 +72,11 @@ async def read_body(request: Request, model: type[Req]) -> Req:
     content_type = request.headers.get("content-type")
     if len(body) <= OFFLOAD_BYTES:
         return _parse(body, content_type, model)
-    return await run_in_threadpool(_parse, body, content_type, model)
+    return await in_thread(_parse, body, content_type, model)
 
 
 async def off_loop(fn, *args, size: int):
-    return fn(*args) if size <= OFFLOAD_CHARS else await run_in_threadpool(fn, *args)
+    return fn(*args) if size <= OFFLOAD_CHARS else await in_thread(fn, *args)
 
 
 def _dump(value, out: list[str]) -> None:
