@@ -41,8 +41,11 @@ class AllocatorArgs:
         "127.0.0.1:50051", "address to serve gRPC on; port 0 picks a free one, [::]:PORT or 0.0.0.0:PORT "
         "for every interface", metavar="HOST:PORT")
     metrics_port: int | None = setting(
-        None, "serve Prometheus metrics, /pools and /playground on this port (same host as --listen; "
-        "0 = any free port); off when not given", metavar="PORT")
+        None, "serve Prometheus metrics and /pools (and with --playground /playground) on this port (same "
+        "host as --listen; 0 = any free port); off when not given", metavar="PORT")
+    playground: bool = setting(
+        False, "also serve /playground, the teaching widget that runs a small allocator per call, on "
+        "--metrics-port (one run at a time); off on a production allocator")
     state: str = setting(
         "memory", "'memory' keeps state in this process only; a redis:// URL journals every accepted change "
         "in Redis before replying and rebuilds the exact state on start (append ?key_prefix=NAME: to share "
@@ -147,6 +150,7 @@ def options_from_args(args: argparse.Namespace):
         listen=a.listen,
         state=a.state,
         metrics_port=a.metrics_port,
+        playground=a.playground,
         auth_token=token,
         admin_token=admin,
         router_token=router,

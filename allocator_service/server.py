@@ -106,6 +106,7 @@ class ServeOptions:
     listen: str = "127.0.0.1:50051"
     state: str = "memory"
     metrics_port: int | None = None
+    playground: bool = False  # /playground on the metrics port
     auth_token: str | None = None
     admin_token: str | None = None
     router_token: str | None = None
@@ -160,10 +161,11 @@ def serve(opts: ServeOptions) -> int:
     httpd = None
     if opts.metrics_port is not None:
         metrics_host = host.strip("[]") if host not in ("", "[::]", "0.0.0.0") else "0.0.0.0"
-        # /metrics, the live /pools page and /playground (allocator_service/web/)
+        # /metrics, the live /pools page and, if asked for, /playground (allocator_service/web/)
         httpd, _ = start_web_server(opts.metrics_port, metrics_host, registry=registry, service=service,
                                     roles=Roles(opts.auth_token or None, opts.admin_token or None,
-                                                opts.router_token or None, opts.worker_tokens))
+                                                opts.router_token or None, opts.worker_tokens),
+                                    playground=opts.playground)
         print(f"pagedkv allocator: metrics on http://{metrics_host}:{httpd.server_port}/metrics",
               file=sys.stderr, flush=True)
     # Tests and operators read this line; keep its shape.

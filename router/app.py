@@ -16,15 +16,19 @@ answered, `x-pagedkv-cached-tokens` how much of the prompt its pool held
 (by the view or MatchPrefix) when it was chosen and `x-pagedkv-routing-ms` how long the
 choice took.
 
-Failure: a worker that refuses the connection, does not send its answer's
-status within `first_byte_timeout`, or answers 502/503/504 is skipped (and
-avoided for `cooldown_s`), and the request goes to the next in the ranking,
-before any byte has reached the client. An answer that is not a stream is
+Failure: a worker that refuses the connection (or cannot be connected to
+within `first_byte_timeout`) or answers 502/503/504 is skipped (and avoided
+for `cooldown_s`), and the request goes to the next in the ranking, before
+any byte has reached the client. A worker that took the request (its head
+was sent) but sent no answer's status within `first_byte_timeout` may be
+computing it: the client gets a 504 (code `worker_timeout`) and no other
+worker is asked to compute it again. An answer that is not a stream is
 read whole before it is passed on, so a worker failing during it is skipped
 the same way. After the first byte of a stream a failing worker ends it
 with an OpenAI-shaped `{"error": ...}` event and `[DONE]` (what a worker
 itself sends when it fails mid-stream). With no worker left: 503, code
-`no_worker_available`.
+`no_worker_available`. A request asking for more than `MAX_SEQUENCES`
+sequences (prompts times n) is refused with a 400, as a worker refuses it.
 
 `/v1/models`: every served model's card (from a worker serving it);
 `/health`: 200 while some worker is known (503 `no_workers` otherwise);
@@ -223,15 +227,16 @@ class Router:
                                            w.free_blocks if free is None else free)
         return out
 
-    def being_computed(self, workers: Sequence[Worker], tokens: list[int] | None,
-                       salt: str | None) -> dict[str, int]:
+    def being_computed(self, workers: Sequence[Worker], tokens: list[int] | None, salt: str | None,
+                       computing: Sequence[tuple[str, str | None, list[int]]] | None = None) -> dict[str, int]:
         """url -> the most leading tokens of `tokens` (whole blocks, never the
-        last token) that a prompt in flight there under the same salt shares."""
+        last token) that a prompt in flight there under the same salt shares.
+        `computing`: the prompts in flight (default `self.computing`'s)."""
         out: dict[str, int] = {}
         if not tokens or self.policy != "kv":
             return out
         sizes = {w.url: w.block_size for w in workers if w.block_size}
-        for url, other_salt, other in self.computing.values():
+        for url, other_salt, other in (self.computing.values() if computing is None else computing):
             size = sizes.get(url)
             if size is None or other_salt != salt:
                 continue
@@ -273,10 +278,19 @@ class Router:
         return [(by_url[c.key], exact[c.key]) for c in order]
 
     def place(self, workers: Sequence[Worker], matches: dict[tuple[int, str], tuple[int, int]],
-              tokens: list[int] | None, salt: str | None) -> tuple[int, list[tuple[Worker, int]]]:
+              tokens: list[int] | None, salt: str | None, computing: dict[str, int] | None = None,
+              seen: dict | None = None) -> tuple[int, list[tuple[Worker, int]]]:
         """(the request's id, `ranked`), the first of the ranking recorded as computing the
-        prompt, with no await between: the next request sees it, however late the view."""
-        order = self.ranked(workers, matches, len(tokens or ()), self.being_computed(workers, tokens, salt))
+        prompt, with no await between: the next request sees it, however late the view.
+        `computing`: `being_computed` against the prompts in flight `seen` (by id), taken
+        earlier; the prompts placed since are compared here."""
+        if computing is None:
+            computing = self.being_computed(workers, tokens, salt)
+        else:
+            newer = [v for k, v in self.computing.items() if seen is None or k not in seen]
+            for url, n in self.being_computed(workers, tokens, salt, newer).items():
+                computing[url] = max(n, computing.get(url, 0))
+        order = self.ranked(workers, matches, len(tokens or ()), computing)
         rid = next(self._ids)
         if tokens and order:
             self.computing[rid] = (order[0][0].url, salt, tokens)
@@ -286,15 +300,21 @@ class Router:
     async def forward(self, request: Request, kind: str, model_cls) -> Response:
         t0 = time.perf_counter()
         req = await read_body(request, model_cls)
+        req.check_sequences()
         workers = self.candidates_for(req.model)
         if not workers:
             return self._no_model(req.model)
         tokens = None
         if self.policy == "kv" and self.allocators:
-            size = sum(len(m.text()) for m in req.messages) if kind == "chat" else len(str(req.prompt))
+            size = sum(len(m.text()) for m in req.messages) if kind == "chat" else _prompt_size(req.prompt)
             tokens = await off_loop(self.prompt_ids, kind, req, size=size)
         matches = await self.cached_tokens(workers, tokens, req.cache_salt)
-        rid, order = self.place(workers, matches, tokens, req.cache_salt)
+        # Compared with every prompt in flight a block at a time: a long prompt's off the loop;
+        # `place` then adds the prompts placed meanwhile, and ranks and records with no await.
+        seen = dict(self.computing)
+        computing = await off_loop(self.being_computed, workers, tokens, req.cache_salt,
+                                   list(seen.values()), size=len(tokens or ()))
+        rid, order = self.place(workers, matches, tokens, req.cache_salt, computing, seen)
         best = max((c for _, c in order), default=0)
         routing_s = time.perf_counter() - t0
         self.metrics.routing_seconds.labels(self.policy).observe(routing_s)
@@ -311,6 +331,13 @@ class Router:
             except ClientGone:  # the worker's connection is closed: it aborts the request
                 self.computing.pop(rid, None)
                 return Response(status_code=499)  # nobody reads it
+            except _Started as started:  # the worker has the request: another would compute it again
+                self.computing.pop(rid, None)
+                self.metrics.failed.labels("worker_timeout").inc()
+                log.warning("worker %s at %s: %s; not retried", worker.name, worker.url, started)
+                raise ApiError(504, f"{worker.name} took the request but sent no answer within "
+                                    f"{self.first_byte_timeout:g} s; it is not sent to another worker, which "
+                                    "would compute it again", type_="server_error", code="worker_timeout") from None
             except _Skip as skip:
                 self.computing.pop(rid, None)
                 why = f"{worker.name}: {skip}"
@@ -342,6 +369,7 @@ class Router:
             self._http = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout),
+                trace_configs=[_HEADERS_SENT],
                 auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding"))
         return self._http
 
@@ -352,9 +380,11 @@ class Router:
         be used (nothing has reached the client)."""
         self._enter(worker)
         upstream = None
+        sent: dict[str, bool] = {}  # `_headers_sent` marks it once the request's head is on the wire
         try:
             upstream = await asyncio.wait_for(
-                self.http.post(worker.url + path, data=body, headers=headers), self.first_byte_timeout)
+                self.http.post(worker.url + path, data=body, headers=headers, trace_request_ctx=sent),
+                self.first_byte_timeout)
             if upstream.status in RETRY_STATUSES:
                 skip = _Skip("unavailable", f"it answered {upstream.status}")
             elif stream and upstream.content_type == "text/event-stream":
@@ -366,7 +396,10 @@ class Router:
         except aiohttp.ClientError as exc:  # before TimeoutError: a connect timeout is one of these
             skip = _Skip("unreachable", type(exc).__name__)
         except TimeoutError:
-            skip = _Skip("timeout", f"no answer within {self.first_byte_timeout:g} s")
+            if sent:
+                skip = _Started(f"no answer within {self.first_byte_timeout:g} s")
+            else:
+                skip = _Skip("timeout", f"no connection within {self.first_byte_timeout:g} s")
         except BaseException:
             if upstream is not None:
                 upstream.close()
@@ -477,10 +510,32 @@ class Router:
             await client.aclose()
 
 
+def _prompt_size(prompt) -> int:
+    """How long the prompt that places a completion is (a batch's first), in
+    characters or ids, measured without copying it (`str` of a million ids
+    would take the loop ~0.1 s)."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    return len(prompt) if isinstance(prompt, (str, list)) else 0
+
+
 def _unreachable(exc: BaseException) -> bool:
     """A gRPC error that says the allocator did not answer (as opposed to refusing)."""
     code = getattr(exc, "code", None)
     return callable(code) and code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+async def _headers_sent(_session, context, _params) -> None:
+    if isinstance(context.trace_request_ctx, dict):
+        context.trace_request_ctx["sent"] = True
+
+
+_HEADERS_SENT = aiohttp.TraceConfig()
+_HEADERS_SENT.on_request_headers_sent.append(_headers_sent)
+
+
+class _Started(Exception):
+    """The worker took the request (its head was sent) but did not answer in time."""
 
 
 class _Skip(Exception):

@@ -104,8 +104,19 @@ class RouterArgs:
         "to the workers (give them the same --api-key); a client's own header is never forwarded",
         fallback_env="VLLM_API_KEY")
     first_byte_timeout: float = setting(
-        60.0, "seconds: a worker that has not answered a request's status in this long is skipped and the "
-        "request sent to another", parse=seconds, flag=False)
+        60.0, "seconds: a worker that has not answered a request's status in this long is skipped, and the "
+        "request sent to another, if the request never reached it; if it did, the client gets a 504",
+        parse=seconds, flag=False)
+    header_timeout: float = setting(
+        10.0, "seconds: a client's request head (line and headers) must arrive within this long of its connection "
+        "opening, or of the last answer on a kept-alive one; else the connection is closed", parse=seconds,
+        flag=False)
+    body_timeout: float = setting(
+        60.0, "seconds: a request's body must arrive within this long after its head; else the connection is "
+        "closed", parse=seconds, flag=False)
+    max_connections: int = setting(
+        4096, "connections and requests in progress at once; past it a request is answered 503 at once",
+        flag=False)
     refresh_interval: float = setting(
         1.0, "seconds: list the allocator's pools at least this often, besides on every pool event: their "
         "free blocks weigh in the kv policy's usage term (MatchPrefix, when asked, gives them fresh)",
@@ -184,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from pagedkv_base.api.serving import serve_options
     from router.app import create_app
 
     r = from_args(RouterArgs, args)
@@ -193,7 +205,9 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(router, api_key=r.api_key)
     print(f"router: policy {r.policy}, workers from "
           f"{'the allocator at ' + ','.join(r.allocator) if r.allocator else 'the static list'}", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level=r.log_level.lower(), timeout_graceful_shutdown=5)
+    uvicorn.run(app, host=host, port=port, log_level=r.log_level.lower(), timeout_graceful_shutdown=5,
+                **serve_options(header_timeout=r.header_timeout, body_timeout=r.body_timeout,
+                                max_connections=r.max_connections))
     return 0
 
 

@@ -3,8 +3,18 @@
 live `/pools` page and its event stream, and `/playground`.
 
 A `ThreadingHTTPServer` of its own (a thread per connection, none of the
-gRPC threads). Pages are static files shipped in the package; the stream
-and the small JSON calls are the only dynamic answers.
+gRPC threads), bounded: at most `MAX_CONNECTIONS` connections are served at
+once (one more is answered 503 and closed at once, by the accepting thread),
+and a client that sends nothing for `IDLE_TIMEOUT_S` (mid-request or between
+requests) is closed, so idle or slow clients cannot pin threads, and the
+threads that serve them, competing with gRPC's for the interpreter, stay
+few. Pages are static files shipped in the package; the stream and the
+small JSON calls are the only dynamic answers.
+
+`/playground` (a teaching tool: it runs a simulation per call) answers only
+when asked for (`start_web_server(playground=True)`: the allocator's
+`--playground`, `pagedkv playground`), one run at a time (503 while another
+runs).
 
 Who may look: `/pools`, `/pools/stream` and `/pools/api/*` answer the
 caller the `roles.py` table lets call `WatchEvents` (the admin or router
@@ -36,6 +46,8 @@ _TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=
           ".css": "text/css; charset=utf-8", ".png": "image/png", ".svg": "image/svg+xml"}
 PAGES = {"/pools": "pools.html", "/playground": "playground.html"}
 MAX_BODY = 256 * 1024
+MAX_CONNECTIONS = 32  # served at once (the /pools streams among them)
+IDLE_TIMEOUT_S = 10.0  # a client silent this long is closed
 
 
 def _static(name: str) -> bytes | None:
@@ -52,7 +64,10 @@ class WebHandler(MetricsHandler):
     service = None  # AllocatorService, or None: playground only
     roles = Roles()
     stopping = threading.Event()
+    playground = False
+    playground_turn = threading.Semaphore(1)  # one simulation at a time
     protocol_version = "HTTP/1.1"
+    timeout = IDLE_TIMEOUT_S  # on the socket: every read (and write) of a silent client times out
 
     # ------------------------------------------------------------ helpers
     def _send(self, status: int, body: bytes, content_type: str, extra: dict | None = None) -> None:
@@ -95,7 +110,10 @@ class WebHandler(MetricsHandler):
     def do_GET(self) -> None:  # noqa: N802 (BaseHTTPRequestHandler's name)
         url = urlparse(self.path)
         path, query = url.path.rstrip("/") or "/", parse_qs(url.query)
-        if path in PAGES:
+        if path == "/playground" and not self.playground:
+            self._send(404, b"not found: /playground is off on this port (the allocator's --playground)\n",
+                       "text/plain")
+        elif path in PAGES:
             if path == "/pools" and (self.service is None or not self._allowed(query)):
                 if self.service is None:
                     self._send(404, b"no allocator in this process: /playground\n", "text/plain")
@@ -127,7 +145,7 @@ class WebHandler(MetricsHandler):
             super().do_GET()
 
     def do_POST(self) -> None:  # noqa: N802
-        if urlparse(self.path).path != "/playground/api/run":
+        if urlparse(self.path).path != "/playground/api/run" or not self.playground:
             self._send(404, b"not found\n", "text/plain")
             return
         try:
@@ -137,10 +155,18 @@ class WebHandler(MetricsHandler):
         if not 0 <= length <= MAX_BODY:
             self._json(413, {"error": f"the body is at most {MAX_BODY} bytes"})
             return
+        body = self.rfile.read(length)
+        if not self.playground_turn.acquire(blocking=False):
+            self._json(503, {"error": "another playground run is in progress: try again"})
+            return
         try:
-            self._json(200, playground.run(json.loads(self.rfile.read(length) or b"{}")))
+            answer = playground.run(json.loads(body or b"{}"))
         except (ValueError, playground.PlaygroundError) as exc:
             self._json(400, {"error": str(exc)})
+            return
+        finally:
+            self.playground_turn.release()
+        self._json(200, answer)
 
     def _stream(self) -> None:
         service = self.service
@@ -174,17 +200,44 @@ class WebHandler(MetricsHandler):
 class WebServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    max_connections = MAX_CONNECTIONS
+
+    def server_activate(self) -> None:
+        self.slots = threading.BoundedSemaphore(self.max_connections)
+        super().server_activate()
+
+    def process_request(self, request, client_address) -> None:
+        """A thread for the connection while one of `max_connections` slots is
+        free; else a 503 and the connection closed, without a thread."""
+        if not self.slots.acquire(blocking=False):
+            try:
+                request.settimeout(1.0)
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\n"
+                                b"content-length: 29\r\nretry-after: 1\r\nconnection: close\r\n\r\n"
+                                b"too many connections at once\n")
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
 
 
 def start_web_server(port: int, host: str = "0.0.0.0", *, registry=None, service=None,
-                     roles: Roles | None = None) -> tuple[WebServer, threading.Thread]:
+                     roles: Roles | None = None, playground: bool = False) -> tuple[WebServer, threading.Thread]:
     """Serve on `host:port` (0: any free port) in a daemon thread; stop with
     `stop_web_server`. Without `service` only `/playground` (and its
-    static files) answer."""
+    static files) answer; `/playground` only with `playground`."""
     import socket
 
     stopping = threading.Event()
-    attrs = {"service": service, "roles": roles or Roles(), "stopping": stopping}
+    attrs = {"service": service, "roles": roles or Roles(), "stopping": stopping, "playground": playground,
+             "playground_turn": threading.Semaphore(1)}
     if registry is not None:
         attrs["registry"] = registry
     handler = type("Handler", (WebHandler,), attrs)

@@ -1,7 +1,7 @@
 """`pagedkv playground`: the reference article's widget on the real allocator
 core, offline: a small web server (no allocator, no worker) serving
-`/playground` on loopback until interrupted. The allocator serves the same
-page on its `--metrics-port`, beside `/pools`.
+`/playground` on loopback until interrupted. An allocator started with
+`--playground` serves the same page on its `--metrics-port`, beside `/pools`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise CliError(f"--port must be 0 to 65535 (got {args.port})")
     try:
-        httpd, _ = start_web_server(args.port, args.host)
+        httpd, _ = start_web_server(args.port, args.host, playground=True)
     except OSError as exc:
         raise CliError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
     host = f"[{args.host}]" if ":" in args.host else args.host

@@ -16,6 +16,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pagedkv_base.api.errors import ApiError
+
+# The sequences one request may ask for (its prompts times n): the worker and
+# the router refuse more with a 400 before any is computed (vLLM serves at most
+# max_num_seqs, 256 to 1024, at once).
+MAX_SEQUENCES = 512
+
 # Fields of OpenAI's or vLLM's API that change what a request means and that
 # PagedKV does not implement: a request that sets one (to anything but null)
 # is refused with a 400 naming it.
@@ -75,6 +82,16 @@ class BaseRequest(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))
 
+    def prompts(self) -> int:
+        return 1
+
+    def check_sequences(self) -> None:
+        """A 400 when the request asks for more than `MAX_SEQUENCES` sequences."""
+        asked = self.prompts() * max(self.n, 1)
+        if asked > MAX_SEQUENCES:
+            raise ApiError(400, f"a request may ask for at most {MAX_SEQUENCES} sequences (prompts times n); "
+                                f"this one asks for {asked} ({self.prompts()} prompts, n={self.n})", param="n")
+
 
 class CompletionRequest(BaseRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
@@ -82,6 +99,11 @@ class CompletionRequest(BaseRequest):
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
+
+    def prompts(self) -> int:
+        """How many prompts: one text or id list, or a batch of them."""
+        p = self.prompt
+        return len(p) if isinstance(p, list) and p and isinstance(p[0], (str, list)) else 1
 
 
 class ContentPart(BaseModel):

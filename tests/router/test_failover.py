@@ -33,7 +33,7 @@ class BadWorker:
     """An HTTP server on 127.0.0.1 that fails every POST in one way:
     `503` (answers Service Unavailable), `drop-body` (sends a 200 whose
     declared body never fully arrives), `drop-stream` (sends one SSE event,
-    then closes). GETs (/v1/models) answer 404."""
+    then closes), `silent` (reads the request and never answers). GETs (/v1/models) answer 404."""
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
@@ -78,6 +78,8 @@ class BadWorker:
                 body = b'{"error": {"message": "overloaded"}}'
                 writer.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
                              b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+            elif self.mode == "silent":  # takes the request and computes "forever"
+                await reader.read()
             elif self.mode == "drop-body":
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 500\r\n\r\n"
                              b'{"id": "cmpl-cut", "choices": [')
@@ -105,10 +107,10 @@ def good_worker(worker_process):
         yield url
 
 
-def _router(*urls: str) -> RouterProcess:
+def _router(*urls: str, env: dict[str, str] | None = None) -> RouterProcess:
     # round-robin: each of two workers first in turn, whatever they hold
     return RouterProcess(model=MODEL, args=["--workers", ",".join(urls), "--policy", "round-robin",
-                                            "--log-level", "warning"]).start().wait_healthy(120)
+                                            "--log-level", "warning"], env=env).start().wait_healthy(120)
 
 
 def _complete(url: str, **kw):
@@ -174,5 +176,68 @@ def test_a_client_that_hangs_up_on_the_router_aborts_its_request_on_the_worker(g
 
         wait_for(aborted, 30, "the abort on the worker and its blocks freed", 0.05)
         assert metric(router.url, "pagedkv_router_in_flight_requests", {"worker": good_worker}) == 0
+    finally:
+        router.terminate()
+
+
+def test_a_worker_that_took_the_request_and_stays_silent_is_a_504_not_a_retry():
+    """Another worker would compute the whole request again (a batch of 100
+    prompts, n=64, made every worker compute it for a minute in turn)."""
+    with BadWorker("silent") as first, BadWorker("silent") as second:
+        router = _router(first.url, second.url, env={"PAGEDKV_ROUTER_FIRST_BYTE_TIMEOUT": "1.5"})
+        try:
+            t0 = time.monotonic()
+            r = httpx.post(f"{router.url}/v1/completions", timeout=60,
+                           json={"model": MODEL, "prompt": "Hello", "max_tokens": 6})
+            assert r.status_code == 504 and r.json()["error"]["code"] == "worker_timeout"
+            assert time.monotonic() - t0 < 20  # one first-byte timeout, not one per worker
+            assert first.posts + second.posts == 1
+        finally:
+            router.terminate()
+
+
+def test_a_request_asking_for_too_many_sequences_is_a_400_before_any_worker(good_worker):
+    router = _router(good_worker)
+    try:
+        body = {"model": MODEL, "prompt": ["Hello"] * 100, "n": 64, "max_tokens": 6}
+        for url in (router.url, good_worker):
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text[:300]
+            assert "at most 512 sequences" in r.json()["error"]["message"]
+        assert metric(router.url, "pagedkv_router_requests_total") is None  # no worker was sent it
+    finally:
+        router.terminate()
+
+
+def _connected(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def _read_to_close(sock: socket.socket) -> None:
+    """Returns once the other end closes; socket.timeout if it does not within 10 s."""
+    while sock.recv(65536):
+        pass
+
+
+def test_slow_clients_are_cut_off_and_health_answers(good_worker):
+    """A client that sends its head or its body a byte at a time is closed
+    after the deadline (21k of them exhausted the router's descriptors)."""
+    router = _router(good_worker, env={"PAGEDKV_ROUTER_HEADER_TIMEOUT": "1", "PAGEDKV_ROUTER_BODY_TIMEOUT": "2"})
+    try:
+        heads = [_connected(router.url) for _ in range(20)]
+        for sock in heads:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")  # never ends its head
+        bodies = [_connected(router.url) for _ in range(20)]
+        for sock in bodies:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                         b"content-length: 1000\r\n\r\n{")  # never ends its body
+        assert httpx.get(f"{router.url}/health", timeout=10).status_code == 200
+        t0 = time.monotonic()
+        for sock in heads + bodies:
+            _read_to_close(sock)  # closed by the router
+            sock.close()
+        assert time.monotonic() - t0 < 15  # deadlines of 1 s and 2 s, not the client's patience
+        assert httpx.get(f"{router.url}/health", timeout=10).status_code == 200
     finally:
         router.terminate()

@@ -211,3 +211,23 @@ def test_a_killed_worker_is_routed_around_without_a_failed_request(stack):
     assert metric(stack.router_url, "pagedkv_router_retries_total", {"reason": "unreachable"}) >= retries_before + 1
     assert metric(stack.router_url, "pagedkv_router_failed_requests_total", {"reason": "no_worker_available"}) is None
     assert metric(stack.router_url, "pagedkv_router_failed_requests_total", {"reason": "worker_failed_mid_answer"}) == 1
+
+
+def test_health_answers_while_big_prompts_are_tokenized(stack):
+    """Six 2 MB prompts at once: the router parses and tokenizes each in a
+    thread that lets go of the GIL, so /health keeps answering (the
+    tokenizer held it for the whole text: /health waited up to 7 s here)."""
+    body = {"model": MODEL, "prompt": "hello paged world, " * ((2 << 20) // 19), "max_tokens": 1}
+    with ThreadPoolExecutor(6) as pool:
+        posts = [pool.submit(httpx.post, f"{stack.router_url}/v1/completions", json=body, timeout=600)
+                 for _ in range(6)]
+        waits = []
+        while not all(p.done() for p in posts):
+            t0 = time.perf_counter()
+            assert httpx.get(f"{stack.router_url}/health", timeout=600).status_code == 200
+            waits.append(time.perf_counter() - t0)
+            time.sleep(0.05)
+        answers = [p.result() for p in posts]
+    # the worker refuses a prompt longer than its model takes, in OpenAI's shape
+    assert all(a.status_code == 400 and a.json()["error"]["param"] == "prompt" for a in answers)
+    assert len(waits) > 5 and max(waits) < 3.0, max(waits)

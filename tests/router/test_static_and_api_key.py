@@ -39,3 +39,16 @@ def test_the_api_key_is_checked_and_forwarded(routed):
     assert raw.parse().choices[0].text == direct.completions.create(
         model="tiny-random", prompt="Hello", max_tokens=5, temperature=0).choices[0].text
     assert raw.headers["x-pagedkv-worker"] == worker and raw.headers["x-pagedkv-cached-tokens"] == "0"
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_json_nested_too_deep_is_an_openai_400(routed, path):
+    url, _ = routed
+    deep = b'{"model": "tiny-random", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    r = httpx.post(f"{url}{path}", content=deep, timeout=60,
+                   headers={"content-type": "application/json", "authorization": f"Bearer {KEY}"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert "nested too deeply" in error["message"]
+    assert httpx.get(f"{url}/health").status_code == 200

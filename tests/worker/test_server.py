@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -113,6 +114,46 @@ def test_malformed_bodies(server):
     assert r.status_code == 400
     r = httpx.get(f"{server}/v1/nothing")
     assert r.status_code == 404 and "error" in r.json()
+
+
+def test_health_answers_while_a_multi_megabyte_tokenize_is_answered(server):
+    """Millions of ids and their strings are built and serialized off the
+    event loop: /health keeps answering (on the loop that took ~10 s here)."""
+    text = "hello paged world, " * ((3 << 20) // 19)
+    with ThreadPoolExecutor(1) as pool:
+        big = pool.submit(httpx.post, f"{server}/tokenize", json={"prompt": text, "return_token_strs": True},
+                          timeout=600)
+        waits = []
+        while not big.done():
+            t0 = time.perf_counter()
+            assert httpx.get(f"{server}/health", timeout=600).status_code == 200
+            waits.append(time.perf_counter() - t0)
+            time.sleep(0.05)
+        answer = big.result()
+    assert answer.status_code == 200
+    body = answer.json()
+    assert body["count"] == len(body["tokens"]) == len(body["token_strs"]) > 3_000_000 // 4
+    assert len(waits) > 5 and max(waits) < 3.0, max(waits)
+
+
+@pytest.mark.parametrize("path", ["/tokenize", "/detokenize", "/v1/completions"])
+def test_every_route_refuses_a_body_over_the_limit(server, path):
+    r = httpx.post(f"{server}{path}", content=b'{"prompt": "' + b"a" * (9 << 20) + b'"}',
+                   headers={"content-type": "application/json"}, timeout=120)
+    assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+DEEP = b'{"model": "tiny-random", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
+def test_json_nested_too_deep_is_an_openai_400(server, path):
+    r = httpx.post(f"{server}{path}", content=DEEP, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert "nested too deeply" in error["message"]
+    assert httpx.get(f"{server}/health").status_code == 200
 
 
 def test_disconnect_mid_stream_frees_the_sequence(server):

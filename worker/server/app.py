@@ -126,6 +126,7 @@ async def models(request: Request):
 async def completions(request: Request):
     req = await read_body(request, CompletionRequest)
     _refuse_unsupported(req)
+    req.check_sequences()
     if req.best_of is not None and req.best_of != req.n:
         # vLLM v1's answer too: only best_of == n (every sample returned) is served.
         raise ApiError(400, f"best_of must equal n ({req.n}) when set: returning the best {req.n} of "
@@ -198,6 +199,7 @@ def _chat_ids(core, messages: list[dict]) -> list[int]:
 async def chat(request: Request):
     req = await read_body(request, ChatCompletionRequest)
     _refuse_unsupported(req)
+    req.check_sequences()
     if req.echo:
         raise ApiError(400, "echo is not supported on chat completions", param="echo")
     for i, m in enumerate(req.messages):

@@ -22,8 +22,10 @@ Their request and response bodies are vLLM's:
   style (its `POST /reset_prefix_cache`): it changes only what /metrics
   shows, so it is open like /metrics.
 
-Not under /v1, so an API key does not guard them (as in vLLM). Texts longer
-than `OFFLOAD_CHARS` are tokenized off the event loop.
+Not under /v1, so an API key does not guard them (as in vLLM). A text
+longer than `OFFLOAD_CHARS` (or more ids than that) is tokenized
+(or decoded), and its answer built and serialized, off the event loop: a
+multi-megabyte prompt's answer is millions of ids and strings.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from allocator_service.attest import IDENTITY_PATH, valid_nonce
-from pagedkv_base.api.bodies import off_loop, read_body
+from pagedkv_base.api.bodies import dumps, json_bytes, off_loop, read_body
 from pagedkv_base.api.errors import ApiError
 from pagedkv_base.api.protocol import ChatMessage, template_messages
 
@@ -102,6 +104,12 @@ def _tokenize(core, req: TokenizeRequest) -> list[int]:
         raise ApiError(400, f"cannot tokenize: {exc}", param="prompt" if req.messages is None else "messages") from None
 
 
+def _tokenize_answer(core, req: TokenizeRequest) -> bytes:
+    ids = _tokenize(core, req)
+    strs = [core.tokenizer.backend.id_to_token(i) for i in ids] if req.return_token_strs else None
+    return dumps({"count": len(ids), "max_model_len": core.max_model_len, "tokens": ids, "token_strs": strs})
+
+
 @router.post("/tokenize")
 async def tokenize(request: Request):
     req = await read_body(request, TokenizeRequest)
@@ -110,17 +118,15 @@ async def tokenize(request: Request):
         raise ApiError(400, "continue_final_message is not supported", param="continue_final_message")
     core = request.app.state.engine.engine
     size = len(req.prompt) if req.prompt is not None else sum(len(m.text()) + 64 for m in req.messages)
-    ids = await off_loop(_tokenize, core, req, size=size)
-    strs = [core.tokenizer.backend.id_to_token(i) for i in ids] if req.return_token_strs else None
-    return {"count": len(ids), "max_model_len": core.max_model_len, "tokens": ids, "token_strs": strs}
+    return json_bytes(await off_loop(_tokenize_answer, core, req, size=size))
 
 
-def _detokenize(core, ids: list[int]) -> str:
+def _detokenize(core, ids: list[int]) -> bytes:
     vocab = core.loaded.config.vocab_size
     bad = next((t for t in ids if not 0 <= t < vocab), None)
     if bad is not None:
         raise ApiError(400, f"token id {bad} is out of range: ids are in [0, {vocab})", param="tokens")
-    return core.tokenizer.decode(ids, skip_special_tokens=False)  # as vLLM: every token comes back
+    return dumps({"prompt": core.tokenizer.decode(ids, skip_special_tokens=False)})  # as vLLM: every token
 
 
 @router.post("/detokenize")
@@ -128,7 +134,7 @@ async def detokenize(request: Request):
     req = await read_body(request, DetokenizeRequest)
     _check_model(request, req.model)
     core = request.app.state.engine.engine
-    return {"prompt": await off_loop(_detokenize, core, req.tokens, size=len(req.tokens))}
+    return json_bytes(await off_loop(_detokenize, core, req.tokens, size=len(req.tokens)))
 
 
 @router.post("/reset_peaks")
