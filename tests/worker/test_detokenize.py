@@ -150,9 +150,11 @@ def test_logprob_tokens_are_the_texts_parts(name, data, skip):
         part = texts.next(t)
         assert part == alternative
         parts.append(part)
-    parts[-1] += texts.flush()
+    # an incomplete character left at the end is shown by the last token, even a skipped
+    # special one (its width, as the server counts text_offset)
+    rest = texts.flush()
     hidden = tok.special_ids if skip else frozenset()
-    assert "".join(p for p, t in zip(parts, output, strict=True) if t not in hidden) == text
+    assert "".join(p for p, t in zip(parts, output, strict=True) if t not in hidden) + rest == text
     for p, t in zip(parts, output, strict=True):
         if t in hidden:
             assert p == tok.decode([t], skip_special_tokens=False)
