@@ -31,7 +31,8 @@ def worker_token_file(directory: Path, worker_id: str) -> Path:
     return Path(directory) / f"{worker_id}.token"
 
 
-def _write(path: Path, text: str) -> None:
+def write_secret(path: Path, text: str) -> None:
+    """`text` in file `path`, readable by its owner only (written whole, then renamed into place)."""
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -65,10 +66,10 @@ def write_credentials(directory: str | os.PathLike, workers: Sequence[tuple[str,
     for worker_id, url in want:
         token = secrets.token_urlsafe(32)
         table.append(f"{worker_id} {url} {token}\n")
-        _write(worker_token_file(d, worker_id), token + "\n")
-    _write(d / ROUTER_TOKEN, secrets.token_urlsafe(32) + "\n")
-    _write(d / ADMIN_TOKEN, secrets.token_urlsafe(32) + "\n")
-    _write(d / WORKER_TOKENS, "".join(table))  # last: it says the folder is complete
+        write_secret(worker_token_file(d, worker_id), token + "\n")
+    write_secret(d / ROUTER_TOKEN, secrets.token_urlsafe(32) + "\n")
+    write_secret(d / ADMIN_TOKEN, secrets.token_urlsafe(32) + "\n")
+    write_secret(d / WORKER_TOKENS, "".join(table))  # last: it says the folder is complete
     return True
 
 

@@ -75,6 +75,7 @@ from pagedkv.stack.credentials import (
     WORKER_TOKENS,
     worker_token_file,
     write_credentials,
+    write_secret,
 )
 from pagedkv.stack.probes import free_port, port_in_use
 from pagedkv.stack.process import Process, StackError, stop_processes, wait_healthy
@@ -234,10 +235,7 @@ class LocalStack:
     def _secret(self, name: str, value: str) -> Path:
         """A file of the log folder holding `value`, readable by this user only."""
         path = self.log_dir / name
-        path.unlink(missing_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(value + "\n")
+        write_secret(path, value + "\n")
         return path
 
     def _warn(self, message: str) -> None:
