@@ -39,9 +39,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "Other settings of the workers, the router and the allocators reach every process "
                     "through their variables (PAGEDKV_WORKER_*, PAGEDKV_ROUTER_*, PAGEDKV_ALLOCATOR_*).",
     )
-    add_arguments(p, UpArgs)
-    add_arguments(p.add_argument_group("worker settings, handed to every worker"), WorkerArgs, passthrough=True)
-    add_arguments(p.add_argument_group("router settings"), RouterArgs, passthrough=True)
+    add_arguments(p, UpArgs)  # its own, then the workers' and the router's it hands on
     return p
 
 

@@ -94,7 +94,7 @@ class RouterArgs:
         "events", "events: keep the pools' prefix caches in the router from the allocator's block events "
         "(a snapshot, then every change) and match prompts here, asking MatchPrefix only while that copy is "
         "not in step; match-prefix: ask MatchPrefix for every request (only --policy kv reads the cache)",
-        choices=CACHE_VIEWS)
+        choices=CACHE_VIEWS, flag=False)
     router_token_file: str | None = setting(
         None, "file holding the allocator's router bearer token (its --router-token-file)")
     allocator_tls_ca: str | None = setting(

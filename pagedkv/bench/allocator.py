@@ -97,8 +97,7 @@ def measure(args: argparse.Namespace) -> dict:
     for mode in args.modes:
         with contextlib.ExitStack() as stack:
             kind = "embedded" if mode == "in-process" else mode.replace("-unary", "")
-            address = deploy(stack, kind, redis_url=args.redis,
-                             allocator_args=["--snapshot-every", "1000"] if kind == "grpc+redis" else [])
+            address = deploy(stack, kind, redis_url=args.redis)
             for n in sizes:
                 for watcher in watchers if kind != "embedded" else ["none"]:
                     results.append({"mode": mode, "watcher": watcher,

@@ -267,8 +267,8 @@ def measure(args: argparse.Namespace, measure_steps) -> dict:
             victim.close()
         return {**timed, **_bucket_quantiles(before, _server_step_buckets(server.metrics_url))}
 
-    server = start_allocator(["--lease-ttl", "30", "--metrics-port", "0"])
-    own = start_allocator(["--lease-ttl", "30"]) if args.separate_neighbour else None
+    server = start_allocator(["--metrics-port", "0"])
+    own = start_allocator() if args.separate_neighbour else None
     try:
         quiet = victim_steps("victim-alone")
         with _running_neighbour((own or server).address, args) as neighbour:

@@ -33,8 +33,8 @@ Figures per run, then the mean over rounds per policy:
   round-robin's (the targets hold in every round: their worst round);
 - and once, the router's added latency end to end: `--probe-requests`
   sequential one-token completions in turn to a worker directly, to the kv
-  router and to a kv router asking MatchPrefix per request (`--cache-view
-  match-prefix`), p50 of each and the difference; with a prompt of a few
+  router and to a kv router asking MatchPrefix per request
+  (`PAGEDKV_ROUTER_CACHE_VIEW=match-prefix`), p50 of each and the difference; with a prompt of a few
   whole blocks (the prompt is matched: `added_p50_ms`,
   `match_prefix_added_p50_ms`) and with one under a block (nothing to
   match: `short_prompt_added_p50_ms`, ...).
@@ -348,7 +348,7 @@ def tables(report: dict) -> list[Table]:
         f"router added latency p50 (sequential 1-token requests, a prompt of whole blocks): "
         f"{cell(p['routed_p50_ms'])} ms routed vs {cell(p['direct_p50_ms'])} ms direct = +{cell(p['added_p50_ms'])} ms "
         f"(target <= 2); a prompt under one block (nothing to match): +{cell(p['short_prompt_added_p50_ms'])} ms",
-        f"the same, kv asking MatchPrefix per request (--cache-view match-prefix): "
+        f"the same, kv asking MatchPrefix per request (PAGEDKV_ROUTER_CACHE_VIEW=match-prefix): "
         f"+{cell(p['match_prefix_added_p50_ms'])} ms (under one block: "
         f"+{cell(p['short_prompt_match_prefix_added_p50_ms'])} ms)",
         f"kv routing time, mean over the bench: {cell(p['kv_routing_mean_ms'])} ms, of which matching in its view "
