@@ -46,7 +46,7 @@ def test_victim_never_waits_behind_a_whole_neighbour_call(allocator_server):
         ctx = mp.get_context("spawn")
         stop, ready = ctx.Event(), ctx.Event()
         counts = ctx.Manager().dict()
-        noisy = ctx.Process(target=_neighbour, args=(server.address, 16, 65536, 32768, False, stop, ready, counts),
+        noisy = ctx.Process(target=_neighbour, args=(server.address, 16, 65536, 32768, stop, ready, counts),
                             daemon=True)
         heavy = GrpcAllocator(server.address, PoolSpec("heavy", PoolConfig(65536, 16, True, "bench")),
                               deadline_s=60)

@@ -78,7 +78,8 @@ def test_simulate_sweep_and_plot(tmp_path):
 
 
 def test_bench_core_reports_every_op():
-    out = json.loads(pagedkv("bench", "core", "--json", "--sequences", "200", "--decode-rounds", "8").stdout)
+    out = json.loads(pagedkv("bench", "core", "--json", "--workload", "small").stdout)
+    assert (out["sequences"], out["decode_rounds"]) == (200, 8)
     assert [r["prefix_caching"] for r in out["results"]] == [False, True]
     for r in out["results"]:
         assert r["admits_per_s"] > 0 and r["appends_per_s"] > 0 and r["frees_per_s"] > 0
