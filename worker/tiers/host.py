@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch
 
 from worker.kv_pool import KVPool, bytes_per_block, free_memory_bytes
-from worker.tiers.blocks import check_ids, gather, runs, scatter
+from worker.tiers.blocks import check_ids, gather, read_blocks, runs, scatter, write_blocks
 from worker.tiers.meter import TierMeter
 
 __all__ = ["GIB", "HostTier", "Transfer", "host_slots_for_size"]
@@ -183,11 +183,10 @@ class HostTier:
             return Transfer(kind, 0, 0, seconds=0.0)
         if self._stream is None:
             t0 = time.perf_counter()
-            slots = torch.tensor(host_slots, dtype=torch.long)
             if kind == "save":
-                self._host.index_copy_(0, slots, gather(self.pool, kv_blocks))
+                read_blocks(self.pool, kv_blocks, self._host, host_slots)
             else:
-                scatter(self.pool, kv_blocks, self._host.index_select(0, slots))
+                write_blocks(self.pool, kv_blocks, self._host, host_slots)
             transfer = Transfer(kind, n, n * self.block_bytes, seconds=time.perf_counter() - t0)
             self._account(transfer)
             return transfer
