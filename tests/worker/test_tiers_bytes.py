@@ -30,7 +30,6 @@ from worker.kv_pool import KVPool
 from worker.metrics import WorkerMetrics
 from worker.tiers import (
     REFUSAL_REASONS,
-    FileStore,
     HostTier,
     KVLayout,
     LoadOutcome,
@@ -459,7 +458,7 @@ def test_a_redis_store_killed_mid_run_degrades_to_misses(caplog):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_host_tier_is_pinned_and_copies_on_a_side_stream():
+def test_cuda_host_tier_is_pinned_and_copies_on_a_side_stream(tmp_path):
     pool = make_pool(torch.bfloat16, device="cuda")
     metrics = new_metrics()
     host = HostTier(pool, 6, meter=metrics.tier("host"))
@@ -482,8 +481,7 @@ def test_cuda_host_tier_is_pinned_and_copies_on_a_side_stream():
     assert sample(metrics, "loaded_bytes_total", "host") == 4 * host.block_bytes
     assert sample(metrics, "load_seconds_total", "host") > 0
     # a store mover on a CUDA pool: device -> store -> device, bit for bit
-    mover = StoreMover(FileStore(Path(os.environ.get("TMPDIR", "/tmp")) / f"pagedkv-gpu-{uuid.uuid4().hex}"),
-                       KVLayout.of_pool(pool, fingerprint()), pool, host=host)
+    mover = StoreMover(open_store(f"file://{tmp_path / 'kv'}"), KVLayout.of_pool(pool, fingerprint()), pool, host=host)
     assert mover.save_slots([3, 4], hashes(2, "gpu")) == [True, True]
     assert mover.load_blocks(hashes(2, "gpu"), [0, 2]) == [LoadOutcome(True)] * 2
     assert [block_bytes(pool, b) for b in (0, 2)] == [saved[7], saved[2]]
