@@ -1,6 +1,6 @@
 """A pool's slow calls in flight: one worker cannot take every server thread.
 
-The server answers unary calls on a fixed pool of threads (`server.py`). A
+The server answers unary calls on a fixed pool of threads (`rpc/server.py`). A
 pool's reads can be long and are legal (integrity checks, dumps of a large
 pool), and the fair share (`fairshare.py`) even makes a heavy pool's calls
 wait while lighter pools run, each waiting call holding its thread. Without

@@ -14,7 +14,7 @@ Locks, always taken in this order:
    and event batch; registrations and drops are applied here whole, as they
    touch no pool's blocks. A Step's table work then runs after this lock is
    released, under its pool's lock only, and its events are numbered in
-   record order whenever it finishes (`events.py`);
+   record order whenever it finishes (`store/events.py`);
 3. small leaf locks: the lease table, the event log, the watcher count.
 
 So a long read of pool X delays only X's own changes, and the mutation lock
@@ -25,7 +25,7 @@ registry with a dict lookup and an HMAC and take only the lease table's
 lock. Cross-pool reads (MatchPrefix, metrics) visit the pools one at a time,
 each under its own lock: MatchPrefix hashes the prompt once per root,
 outside any lock. The durable side (load, journal, snapshots off the hot
-path, the store watch and health) is `durable.py`.
+path, the store watch and health) is `store/durable.py`.
 
 No lease expires because the allocator was not running: the reaper measures
 how late it woke (a pause, SIGSTOP, a stalled interpreter) and extends every
@@ -67,7 +67,6 @@ from allocator_service.core.limits import (
 from allocator_service.core.pacing import Unpaced
 from allocator_service.core.pool import check_tokens
 from allocator_service.core.step import ADMIT, APPEND, FORK, FREE, KINDS, UNRESERVE
-from allocator_service.durable import DurableState
 from allocator_service.errors import (
     BadRequest,
     CapacityExceeded,
@@ -81,12 +80,13 @@ from allocator_service.errors import (
     StoreUnavailable,
     Unauthenticated,
 )
-from allocator_service.events import EventLog
 from allocator_service.fairshare import FairShare
-from allocator_service.journal import MemoryJournal, RedisJournal
 from allocator_service.leases import LeaseTable
-from allocator_service.replay import StepRecord
-from allocator_service.state import PoolEntry, Registry, new_pool
+from allocator_service.store.durable import DurableState
+from allocator_service.store.events import EventLog
+from allocator_service.store.journal import MemoryJournal, RedisJournal
+from allocator_service.store.registry import PoolEntry, Registry, new_pool
+from allocator_service.store.replay import StepRecord
 from allocator_service.v1 import allocator_pb2 as pb
 from allocator_service.v1 import journal_pb2 as jpb
 

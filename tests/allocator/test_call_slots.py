@@ -22,7 +22,7 @@ from allocator_service.codec import encode_ops
 from allocator_service.config import Limits, ServiceConfig
 from allocator_service.core import Admit, PoolConfig
 from allocator_service.errors import TooManyCalls
-from allocator_service.server import create_server
+from allocator_service.rpc.server import create_server
 from allocator_service.service import AllocatorService
 from allocator_service.v1 import allocator_pb2 as pb
 from tests.support.allocator import register, stub
@@ -99,7 +99,7 @@ def test_a_pool_past_its_slow_calls_in_flight_is_refused_and_nothing_else_is():
         assert h.service.call_slots.in_flight(heavy.pool_id) == 0 and h.service.call_slots.refused == 1
         from prometheus_client import generate_latest
 
-        from allocator_service.metrics import make_registry
+        from allocator_service.rpc.metrics import make_registry
 
         text = generate_latest(make_registry(h.service)[0]).decode()
         assert "pagedkv_allocator_pool_calls_refused_total 1.0" in text

@@ -4,7 +4,7 @@ Redis journal with periodic snapshots.
 Redis layout, under a key prefix (default `pagedkv:allocator:`):
 
 - `journal`  list of framed `JournalRecord`s, oldest first: the records
-  after the snapshot (the frame and its chained digest: `state.py`);
+  after the snapshot (the frame and its chained digest: `replay.py`);
 - `snapshot` the registry snapshot including everything up to its `index`;
 - `head`     `<index>:<chain digest hex>` of the last record written (or of
   the snapshot when the journal is empty), set in the same atomic write as
@@ -24,7 +24,7 @@ restart without its data or a failover to a lagging replica. A write whose
 head already is the one it would set is a retried call that landed: it is
 not pushed twice.
 
-This module stores bytes; it does not interpret them (`state.py` does).
+This module stores bytes; it does not interpret them (`replay.py` and `registry.py` do).
 """
 
 from __future__ import annotations

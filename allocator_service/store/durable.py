@@ -47,10 +47,11 @@ from typing import Any
 from allocator_service.config import ServiceConfig
 from allocator_service.core.pacing import Unpaced
 from allocator_service.errors import StoreFenced, StoreLost, StoreUnavailable
-from allocator_service.events import Batch, EventLog
-from allocator_service.journal import MemoryJournal, RedisJournal
 from allocator_service.leases import LeaseTable
-from allocator_service.replay import (
+from allocator_service.store.events import Batch, EventLog
+from allocator_service.store.journal import MemoryJournal, RedisJournal
+from allocator_service.store.registry import CorruptState, PoolEntry, Registry, pool_snapshot_json
+from allocator_service.store.replay import (
     ZERO_CHAIN,
     StepRecord,
     encode_entry,
@@ -59,7 +60,6 @@ from allocator_service.replay import (
     head_marker,
     replay,
 )
-from allocator_service.state import CorruptState, PoolEntry, Registry, pool_snapshot_json
 from allocator_service.v1 import journal_pb2 as jpb
 
 log = logging.getLogger(__name__)

@@ -21,10 +21,10 @@ from allocator_service.core.prefix_index import BLOCK_REMOVED, BLOCK_STORED
 from allocator_service.core.snapshot import dumps_chunked
 from allocator_service.core.step import KINDS
 from allocator_service.errors import BadRequest
-from allocator_service.events import Event
 from allocator_service.fairshare import ROUTER
 from allocator_service.roles import ADMIN, caller_role
 from allocator_service.service import Advertised, AllocatorService
+from allocator_service.store.events import Event
 from allocator_service.v1 import allocator_pb2 as pb
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Allocator"].full_name

@@ -21,10 +21,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from allocator_service.config import ServiceConfig
-from allocator_service.interceptors import MetricsInterceptor, RoleInterceptor
 from allocator_service.roles import Roles, WorkerGrant
+from allocator_service.rpc.interceptors import MetricsInterceptor, RoleInterceptor
+from allocator_service.rpc.servicer import SERVICE_NAME, allocator_handler
 from allocator_service.service import AllocatorService
-from allocator_service.servicer import SERVICE_NAME, allocator_handler
 
 log = logging.getLogger("allocator_service")
 
@@ -122,8 +122,8 @@ class ServeOptions:
 
 def serve(opts: ServeOptions) -> int:
     """Run until SIGTERM/SIGINT; returns the exit status."""
-    from allocator_service.journal import open_journal
-    from allocator_service.metrics import make_registry
+    from allocator_service.rpc.metrics import make_registry
+    from allocator_service.store.journal import open_journal
     from allocator_service.web.app import start_web_server, stop_web_server
 
     journal = open_journal(opts.state, wait_replicas=opts.redis_wait_replicas,
@@ -192,9 +192,9 @@ def serve(opts: ServeOptions) -> int:
 def check(opts: ServeOptions, out=sys.stdout) -> int:
     """`--check`: verify the stored journal without serving or writing;
     print what was found; 0 if sound, 1 if not."""
-    from allocator_service.events import EventLog
-    from allocator_service.journal import open_journal
-    from allocator_service.replay import replay
+    from allocator_service.store.events import EventLog
+    from allocator_service.store.journal import open_journal
+    from allocator_service.store.replay import replay
 
     journal = open_journal(opts.state)
     if not journal.durable:

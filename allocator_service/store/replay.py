@@ -24,8 +24,8 @@ from typing import Any, NamedTuple
 
 from google.protobuf.message import DecodeError
 
-from allocator_service.events import EventLog
-from allocator_service.state import CorruptState, Registry
+from allocator_service.store.events import EventLog
+from allocator_service.store.registry import CorruptState, Registry
 from allocator_service.v1 import journal_pb2 as jpb
 
 # A stored record: ENTRY_MAGIC | previous chain (32) | chain (32) | record,
