@@ -47,7 +47,6 @@ from itertools import compress
 from typing import Any, NamedTuple
 
 from allocator_service.attest import attest_key, credential_digest
-from allocator_service.call_slots import CallSlots
 from allocator_service.codec import (
     canonical_ops,
     columns_from_proto,
@@ -80,8 +79,8 @@ from allocator_service.errors import (
     StoreUnavailable,
     Unauthenticated,
 )
-from allocator_service.fairshare import FairShare
 from allocator_service.leases import LeaseTable
+from allocator_service.sharing import CallSlots, FairShare
 from allocator_service.store.durable import DurableState
 from allocator_service.store.events import EventLog
 from allocator_service.store.journal import MemoryJournal, RedisJournal

@@ -21,9 +21,9 @@ from allocator_service.core.prefix_index import BLOCK_REMOVED, BLOCK_STORED
 from allocator_service.core.snapshot import dumps_chunked
 from allocator_service.core.step import KINDS
 from allocator_service.errors import BadRequest
-from allocator_service.fairshare import ROUTER
 from allocator_service.roles import ADMIN, caller_role
 from allocator_service.service import Advertised, AllocatorService
+from allocator_service.sharing import ROUTER
 from allocator_service.store.events import Event
 from allocator_service.v1 import allocator_pb2 as pb
 
@@ -237,7 +237,7 @@ def _safe_parser(cls) -> Callable[[bytes], Any]:
 
 def _tenant(method: str) -> Callable[[Any], tuple[str, bool]] | None:
     """Who a unary call of `method` is charged to in the CPU fair share
-    (`fairshare.py`), and whether it is a pool call; None: not scheduled.
+    (`sharing.py`), and whether it is a pool call; None: not scheduled.
     A call is charged to the pool it names: one naming a pool without its
     credential is refused before any long work, so it can charge that pool
     only the cost of a refusal."""
@@ -253,7 +253,7 @@ def _tenant(method: str) -> Callable[[Any], tuple[str, bool]] | None:
 
 # A pool's calls that can take long (an integrity check, a dump of a large
 # pool) and that a worker makes beside its steps: at most
-# `Limits.max_calls_per_pool` of them in flight per pool (`call_slots.py`).
+# `Limits.max_calls_per_pool` of them in flight per pool (`sharing.CallSlots`).
 # Not Step (ordered by step ids, and the step stream's fallback), Heartbeat,
 # RegisterPool or DeregisterPool (short, and a refusal would cost the worker
 # its pool or its lease), nor an admin's or a router's calls (trusted roles).
