@@ -171,13 +171,14 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
     from allocator_service.errors import StoreUnavailable
-    from allocator_service.rpc.server import check, serve
+    from allocator_service.rpc.server import serve
     from allocator_service.store.registry import CorruptState
+    from allocator_service.store.replay import check
 
     options = options_from_args(args)  # a CliError: exit 2, reported by run_command
     if args.check:
         try:
-            return check(options)
+            return check(options.state)
         except StoreUnavailable as exc:
             print(f"pagedkv allocator --check: cannot read the state: {exc}", file=sys.stderr)
             return 1

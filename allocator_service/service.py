@@ -83,9 +83,8 @@ from allocator_service.leases import LeaseTable
 from allocator_service.sharing import CallSlots, FairShare
 from allocator_service.store.durable import DurableState
 from allocator_service.store.events import EventLog
-from allocator_service.store.journal import MemoryJournal, RedisJournal
+from allocator_service.store.journal import MemoryJournal, RedisJournal, StepRecord
 from allocator_service.store.registry import PoolEntry, Registry, new_pool
-from allocator_service.store.replay import StepRecord
 from allocator_service.v1 import allocator_pb2 as pb
 from allocator_service.v1 import journal_pb2 as jpb
 
