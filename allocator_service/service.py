@@ -48,6 +48,7 @@ from typing import Any, NamedTuple
 
 from allocator_service.attest import attest_key, credential_digest
 from allocator_service.codec import (
+    PoolInfo,
     canonical_ops,
     columns_from_proto,
     config_from_proto,
@@ -106,14 +107,6 @@ class Registration(NamedTuple):
     lease_ttl_s: float
 
 
-class PoolView(NamedTuple):
-    """What the metrics collector reads of one pool."""
-
-    pool_id: str
-    worker_id: str
-    stats: PoolStats
-
-
 class Advertised(NamedTuple):
     """What a worker tells routers about itself when it registers its pool."""
 
@@ -132,20 +125,6 @@ class Advertised(NamedTuple):
 
 
 NOT_ADVERTISED = Advertised()
-
-
-class PoolListing(NamedTuple):
-    """One live pool as ListPools answers it."""
-
-    pool_id: str
-    worker_id: str
-    model_fingerprint: str
-    served_model_name: str
-    advertise_url: str
-    enable_prefix_caching: bool
-    stats: PoolStats
-    # proves the pool's identity answers (`attest.py`); derived from its credential
-    attest_key: bytes
 
 
 _KINDS = frozenset(KINDS)
@@ -611,7 +590,7 @@ class AllocatorService:
             self.durable.after_change()
         return dropped
 
-    def list_pools(self, fingerprint: str = "") -> list[PoolListing]:
+    def list_pools(self, fingerprint: str = "") -> list[PoolInfo]:
         """Every live pool (of `fingerprint`, when given), by pool id: what a
         router needs to reach its worker and weigh its load. Each pool is
         read under its own lock."""
@@ -621,10 +600,11 @@ class AllocatorService:
             if fingerprint and config.model_fingerprint != fingerprint:
                 continue
             with e.lock:
-                stats = e.pool.stats()
-            out.append(PoolListing(e.pool_id, e.worker_id, config.model_fingerprint, e.served_model_name,
-                                   e.advertise_url, e.pool.enable_prefix_caching, stats,
-                                   attest_key(e.credential_digest)))
+                s = e.pool.stats()
+            out.append(PoolInfo(e.pool_id, e.worker_id, config.model_fingerprint, e.served_model_name,
+                                e.advertise_url, s.block_size, s.num_blocks, s.free_blocks, s.used_blocks,
+                                s.cached_blocks, s.num_sequences, e.pool.enable_prefix_caching,
+                                attest_key(e.credential_digest)))
         return out
 
     def free_blocks(self, pool_id: str) -> int | None:
@@ -646,13 +626,14 @@ class AllocatorService:
                 held = [hashes[b] for b in ids]
             yield e.pool_id, ids, held
 
-    def pool_views(self) -> list[PoolView]:
-        """What the metrics collector reads: each pool under its own lock."""
-        views = []
+    def pool_stats(self) -> list[tuple[str, str, PoolStats]]:
+        """(pool id, worker id, stats) of every live pool, each read under its
+        own lock: what the metrics collector reads."""
+        out = []
         for e in list(self.registry.pools.values()):
             with e.lock:
-                views.append(PoolView(e.pool_id, e.worker_id, e.pool.stats()))
-        return views
+                out.append((e.pool_id, e.worker_id, e.pool.stats()))
+        return out
 
     # --------------------------------------------------------------- watchers
     def open_watcher(self) -> None:

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import grpc
 
 from allocator_service import errors
+from allocator_service.codec import pool_info_to_proto
 from allocator_service.core.prefix_index import BLOCK_REMOVED, BLOCK_STORED
 from allocator_service.core.snapshot import dumps_chunked
 from allocator_service.core.step import KINDS
@@ -169,17 +170,8 @@ class AllocatorServicer:
         return pb.MatchPrefixResponse(matches=matches)
 
     def ListPools(self, request: pb.ListPoolsRequest, context) -> pb.ListPoolsResponse:
-        return pb.ListPoolsResponse(pools=[
-            pb.PoolInfo(
-                pool_id=p.pool_id, worker_id=p.worker_id, model_fingerprint=p.model_fingerprint,
-                served_model_name=p.served_model_name, advertise_url=p.advertise_url,
-                block_size=p.stats.block_size, num_blocks=p.stats.num_blocks, free_blocks=p.stats.free_blocks,
-                used_blocks=p.stats.used_blocks, cached_blocks=p.stats.cached_blocks,
-                num_sequences=p.stats.num_sequences, enable_prefix_caching=p.enable_prefix_caching,
-                attest_key=p.attest_key,
-            )
-            for p in self.service.list_pools(request.model_fingerprint)
-        ])
+        pools = self.service.list_pools(request.model_fingerprint)
+        return pb.ListPoolsResponse(pools=[pool_info_to_proto(p) for p in pools])
 
     def DumpPool(self, request: pb.DumpPoolRequest, context) -> pb.DumpPoolResponse:
         state, last_step_id, problems = self.service.dump(request.pool, admin=caller_role() == ADMIN)
