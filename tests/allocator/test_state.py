@@ -26,8 +26,8 @@ from allocator_service.core import (
     step_columns,
 )
 from allocator_service.errors import BadRequest, StepConflict, StoreUnavailable
-from allocator_service.journal import Loaded
 from allocator_service.service import AllocatorService, check_step
+from allocator_service.store.journal import Loaded
 from allocator_service.v1 import allocator_pb2 as pb
 from tests.support.allocator import random_steps
 
