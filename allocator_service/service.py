@@ -662,9 +662,9 @@ class AllocatorService:
             self._step_streams.discard(end)
 
     def end_step_streams(self) -> None:
-        """At shutdown: end every open StepStream now (an idle one waits for
-        its worker's next step and would hold the shutdown for its grace)
-        and refuse new ones."""
+        """At shutdown: end every open StepStream (an idle one now: it waits
+        for its worker's next step and would hold the shutdown for its
+        grace; a busy one once its step is answered) and refuse new ones."""
         with self._watchers_lock:
             self._step_streams_ended = True
             ends = list(self._step_streams)

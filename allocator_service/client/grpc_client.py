@@ -3,9 +3,11 @@ service with others.
 
 Failure handling, in the order a worker meets it:
 
-- UNAVAILABLE or DEADLINE_EXCEEDED (server restarting, Redis blip): the SAME
-  request, with the same step id, is sent again after an exponential backoff
-  with jitter. The server applies a step id once and answers a retry of it
+- UNAVAILABLE or DEADLINE_EXCEEDED (server restarting, Redis blip), or a
+  call the transport cut with no answer from the allocator's code (`transient`:
+  CANCELLED, UNKNOWN or INTERNAL without the server's `pagedkv-error` reason):
+  the SAME request, with the same step id, is sent again after an
+  exponential backoff with jitter. The server applies a step id once and answers a retry of it
   with the first answer, so a step that did land is never applied twice.
   When every retry fails, `AllocatorUnavailable` is raised; calling `step`
   again with the same operations reuses the pending step id, so the worker
@@ -83,6 +85,12 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 OLDEST_OP_KINDS = frozenset((pb.OP_KIND_FREE, pb.OP_KIND_APPEND, pb.OP_KIND_ADMIT, pb.OP_KIND_FORK))
 # Refusals that mean "not now": retried the same way (the pool's slow calls in flight).
 RETRYABLE_REASONS = ("pool_calls",)
+# How gRPC ends a call that the allocator's code never answered (no
+# `pagedkv-error` reason): the connection, a proxy or the server's shutdown
+# cut it. Besides UNAVAILABLE, gRPC reports a transport torn down mid-call
+# as UNKNOWN ("Stream removed", grpc/grpc#34076) or INTERNAL (a peer's
+# RST_STREAM), and a call the stopping server cancelled as CANCELLED.
+TRANSPORT = frozenset((*RETRYABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL))
 
 # Reconnect quickly after the server restarts (grpc's default backoff grows
 # to two minutes, far longer than a restart takes).
@@ -101,6 +109,17 @@ def error_reason(err: grpc.RpcError) -> str:
         if key == ERROR_KEY:
             return value
     return ""
+
+
+def transient(err: grpc.RpcError) -> bool:
+    """Whether a failed call is to be sent again: the allocator said "not
+    now" (UNAVAILABLE, or a reason in RETRYABLE_REASONS), or gave no answer
+    at all (a TRANSPORT status without its reason). Every answer of the
+    allocator's own code names a reason, so a refusal is never retried."""
+    reason = error_reason(err)
+    if reason:
+        return err.code() in RETRYABLE or reason in RETRYABLE_REASONS
+    return err.code() in TRANSPORT
 
 
 def open_channel(target: str, tls_ca: str | bytes | None = None, options=(), *, aio: bool = False):
@@ -210,7 +229,7 @@ class _Caller:
                 else:
                     response = fn(request, timeout=self.deadline_s, metadata=self.metadata)
             except grpc.RpcError as err:
-                if not retry or (err.code() not in RETRYABLE and error_reason(err) not in RETRYABLE_REASONS):
+                if not retry or not transient(err):
                     if attempt:
                         self._unavailable(t0, 0)
                     raise

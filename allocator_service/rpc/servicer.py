@@ -11,6 +11,7 @@ INVALID_ARGUMENT in the same error path as everything else.
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
@@ -21,7 +22,7 @@ from allocator_service.codec import pool_info_to_proto
 from allocator_service.core.prefix_index import BLOCK_REMOVED, BLOCK_STORED
 from allocator_service.core.snapshot import dumps_chunked
 from allocator_service.core.step import KINDS
-from allocator_service.errors import BadRequest
+from allocator_service.errors import BadRequest, ShuttingDown
 from allocator_service.roles import ADMIN, caller_role
 from allocator_service.service import Advertised, AllocatorService
 from allocator_service.sharing import ROUTER
@@ -140,18 +141,26 @@ class AllocatorServicer:
 
     def StepStream(self, requests: Iterator[pb.StepRequest], context) -> Iterator[pb.StepResponse]:
         """Step, once per request on one long-lived call. The first failing
-        request ends the stream with Step's status for it (`_bidi`)."""
+        request ends the stream with Step's status for it (`_bidi`). Ended
+        at shutdown (`_StreamEnd`), a stream answers the step in flight
+        before it closes; a request read after that is refused, unapplied
+        (UNAVAILABLE: the worker sends it to the next server)."""
         service = self.service
-        end = context.cancel
-        service.open_step_stream(end)
+        end = _StreamEnd(context.cancel)
+        service.open_step_stream(end.end)
         try:
             for request in requests:
                 if type(request) is Malformed:
                     raise BadRequest(f"malformed StepStream request: {request.error}")
+                if not end.begin():
+                    raise ShuttingDown("the allocator is shutting down")
                 with service.fair.call(request.pool.pool_id):  # each step is a call of its own
-                    yield self.Step(request, context)
+                    response = self.Step(request, context)
+                yield response  # resumed once it is sent
+                if end.answered():
+                    return
         finally:
-            service.close_step_stream(end)
+            service.close_step_stream(end.end)
 
     def GetBlockTable(self, request: pb.GetBlockTableRequest, context) -> pb.GetBlockTableResponse:
         table, num_tokens = self.service.block_table(request.pool, request.seq_id)
@@ -208,6 +217,37 @@ class AllocatorServicer:
                 cursor = after
         finally:
             service.close_watcher()
+
+
+class _StreamEnd:
+    """How a StepStream ends at shutdown: at once while idle (it waits for
+    its worker's next step, which may never come), else right after the
+    answer to the step in flight has been sent, so no applied step loses
+    its answer to the shutdown."""
+
+    def __init__(self, cancel: Callable[[], Any]) -> None:
+        self._cancel = cancel
+        self._lock = threading.Lock()
+        self._busy = False
+        self._ended = False
+
+    def end(self) -> None:
+        with self._lock:
+            self._ended = True
+            if not self._busy:
+                self._cancel()
+
+    def begin(self) -> bool:
+        """A step arrived: False once ended (it must not be applied)."""
+        with self._lock:
+            self._busy = not self._ended
+            return self._busy
+
+    def answered(self) -> bool:
+        """Its answer was sent: whether the stream must end now."""
+        with self._lock:
+            self._busy = False
+            return self._ended
 
 
 # ------------------------------------------------------------- registration
