@@ -218,6 +218,7 @@ def build_engine(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     import logging
 
+    import grpc
     import uvicorn
 
     from pagedkv_base.api.tenants import api_keys
@@ -233,6 +234,9 @@ def run(args: argparse.Namespace) -> int:
         engine = build_engine(args)
     except (ValueError, ModelLoadError, OSError) as exc:  # a bad --model, size or file: the user's to fix
         raise CliError(str(exc)) from None
+    except grpc.RpcError as exc:  # the allocator refused the pool (after the client's retries): one line
+        raise CliError(f"the allocator at {w.allocator} did not register this worker's pool: "
+                       f"{exc.code().name}: {exc.details()}") from None
     log.info("model %s (fingerprint %s), %s", w.model, engine.loaded.fingerprint[:12], engine.kv_pool.describe())
     log.info("allocator: %s; prefix caching %s; async scheduling %s; %d compute threads", w.allocator,
              "on" if w.enable_prefix_caching else "off", "on" if w.async_scheduling else "off", threads)
