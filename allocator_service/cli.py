@@ -126,7 +126,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def options_from_args(args: argparse.Namespace):
     from allocator_service.config import ServiceConfig
-    from allocator_service.server import ServeOptions
+    from allocator_service.rpc.server import ServeOptions
 
     a = from_args(AllocatorArgs, args)
     token = read_secret(a.auth_token_file, "auth token file") if a.auth_token_file else None
@@ -178,13 +178,14 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
     from allocator_service.errors import StoreUnavailable
-    from allocator_service.server import check, serve
-    from allocator_service.state import CorruptState
+    from allocator_service.rpc.server import serve
+    from allocator_service.store.registry import CorruptState
+    from allocator_service.store.replay import check
 
     options = options_from_args(args)  # a CliError: exit 2, reported by run_command
     if args.check:
         try:
-            return check(options)
+            return check(options.state)
         except StoreUnavailable as exc:
             print(f"pagedkv allocator --check: cannot read the state: {exc}", file=sys.stderr)
             return 1

@@ -58,7 +58,14 @@ import grpc
 
 from allocator_service.attest import attest_key, credential_digest, proof
 from allocator_service.client.base import AllocatorClient, AllocatorUnavailable, PoolLost, PoolSpec
-from allocator_service.codec import decode_results, fill_ops, shape_to_proto, stats_from_proto
+from allocator_service.codec import (
+    PoolInfo,
+    decode_results,
+    fill_ops,
+    pool_info_from_proto,
+    shape_to_proto,
+    stats_from_proto,
+)
 from allocator_service.core import (
     InvalidArgument,
     Op,
@@ -449,24 +456,6 @@ class PrefixMatch(NamedTuple):
     block_size: int
 
 
-class PoolInfo(NamedTuple):
-    """One live pool as ListPools answers it."""
-
-    pool_id: str
-    worker_id: str
-    model_fingerprint: str
-    served_model_name: str
-    advertise_url: str
-    block_size: int
-    num_blocks: int
-    free_blocks: int
-    used_blocks: int
-    cached_blocks: int
-    num_sequences: int
-    enable_prefix_caching: bool
-    attest_key: bytes = b""  # proves the worker's identity answers (`attest.py`)
-
-
 class RouterClient:
     """The cross-pool calls a router makes: MatchPrefix, WatchEvents and ListPools."""
 
@@ -517,12 +506,7 @@ class RouterClient:
     def list_pools(self, model_fingerprint: str = "") -> list[PoolInfo]:
         """Every live pool (of `model_fingerprint`, when given), by pool id."""
         r = self._call("ListPools", pb.ListPoolsRequest(model_fingerprint=model_fingerprint))
-        return [
-            PoolInfo(p.pool_id, p.worker_id, p.model_fingerprint, p.served_model_name, p.advertise_url,
-                     p.block_size, p.num_blocks, p.free_blocks, p.used_blocks, p.cached_blocks,
-                     p.num_sequences, p.enable_prefix_caching, p.attest_key)
-            for p in r.pools
-        ]
+        return [pool_info_from_proto(p) for p in r.pools]
 
     def watch_events(self, from_sequence: int = 0, timeout_s: float | None = None,
                      kinds: Sequence[int] = (), snapshot: bool = False, packed: bool = False) -> Iterator[pb.KvEvent]:

@@ -475,6 +475,6 @@ def _shard_state(state: str, index: int) -> str:
     in the same Redis (the URL's rules are the journal's own)."""
     if index == 0 or not state.startswith(("redis://", "rediss://", "unix://")):
         return state
-    from allocator_service.journal import with_prefix
+    from allocator_service.store.journal import with_prefix
 
     return with_prefix(state, f"shard-{index + 1}:")

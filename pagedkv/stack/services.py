@@ -21,7 +21,7 @@ from pathlib import Path
 from pagedkv.stack.probes import free_port, grpc_health_ok, http_ok, redis_ping_ok
 from pagedkv.stack.process import Process, stop_processes, wait_healthy
 
-# What the allocator prints once it serves (allocator_service/server.py).
+# What the allocator prints once it serves (allocator_service/rpc/server.py).
 _LISTENING = re.compile(r"listening on (\S+):(\d+) ")
 _METRICS = re.compile(r"metrics on (http://\S+)")
 

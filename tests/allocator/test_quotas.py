@@ -18,7 +18,7 @@ import pytest
 from allocator_service.client.grpc_client import error_reason
 from allocator_service.config import Limits, ServiceConfig
 from allocator_service.roles import parse_worker_tokens
-from allocator_service.server import create_server
+from allocator_service.rpc.server import create_server
 from allocator_service.service import AllocatorService
 from allocator_service.v1 import allocator_pb2 as pb
 from pagedkv.stack import WorkerProcess

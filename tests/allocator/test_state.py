@@ -9,7 +9,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from allocator_service import state
 from allocator_service.codec import columns_from_proto, decode_results, encode_ops, result_to_proto
 from allocator_service.config import Limits, ServiceConfig
 from allocator_service.core import (
@@ -27,8 +26,9 @@ from allocator_service.core import (
     step_columns,
 )
 from allocator_service.errors import BadRequest, StepConflict, StoreUnavailable
-from allocator_service.journal import Loaded
 from allocator_service.service import AllocatorService, check_step
+from allocator_service.store import registry as state
+from allocator_service.store.journal import Loaded
 from allocator_service.v1 import allocator_pb2 as pb
 from tests.support.allocator import random_steps
 

@@ -28,7 +28,7 @@ from typing import Any
 from allocator_service.codec import columns_from_proto, config_from_proto, result_to_proto
 from allocator_service.core import BlockPool, PoolConfig, StepColumns, run_step
 from allocator_service.core.snapshot import dumps_chunked
-from allocator_service.events import POOL_DROPPED, POOL_REGISTERED, Batch, EventLog
+from allocator_service.store.events import POOL_DROPPED, POOL_REGISTERED, Batch, EventLog
 from allocator_service.v1 import allocator_pb2 as pb
 from allocator_service.v1 import journal_pb2 as jpb
 

@@ -47,19 +47,20 @@ from typing import Any
 from allocator_service.config import ServiceConfig
 from allocator_service.core.pacing import Unpaced
 from allocator_service.errors import StoreFenced, StoreLost, StoreUnavailable
-from allocator_service.events import Batch, EventLog
-from allocator_service.journal import MemoryJournal, RedisJournal
 from allocator_service.leases import LeaseTable
-from allocator_service.replay import (
+from allocator_service.store.events import Batch, EventLog
+from allocator_service.store.journal import (
     ZERO_CHAIN,
+    MemoryJournal,
+    RedisJournal,
     StepRecord,
     encode_entry,
     encode_snapshot,
     encode_step_record,
     head_marker,
-    replay,
 )
-from allocator_service.state import CorruptState, PoolEntry, Registry, pool_snapshot_json
+from allocator_service.store.registry import CorruptState, PoolEntry, Registry, pool_snapshot_json
+from allocator_service.store.replay import replay
 from allocator_service.v1 import journal_pb2 as jpb
 
 log = logging.getLogger(__name__)
