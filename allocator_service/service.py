@@ -74,6 +74,7 @@ from allocator_service.errors import (
     PoolInUse,
     PoolNotFound,
     PoolStateLost,
+    QuotaExceeded,
     ShuttingDown,
     StepConflict,
     StepStreamsExhausted,
@@ -360,6 +361,7 @@ class AllocatorService:
             raise BadRequest(f"worker_id must be 1 to {limit} printable characters without '/'")
         advertised.check()
         config = config_from_proto(shape)
+        self._check_quota(worker_id, config.num_blocks)  # before the pool is built: a refused one costs nothing
         credential = secrets.token_urlsafe(32)
         digest = credential_digest(credential)
         fresh = new_pool(config)  # O(blocks): before any lock
@@ -389,10 +391,14 @@ class AllocatorService:
         if pools >= self.limits.max_pools:
             raise CapacityExceeded(f"the server holds its maximum of {self.limits.max_pools} pools")
         blocks = sum(e.pool.num_blocks for e in reg.pools.values()) - (old.pool.num_blocks if old else 0)
-        if blocks + config.num_blocks > self.limits.max_total_blocks:
+        held = {e.worker_id: e.pool.num_blocks for e in reg.pools.values()}
+        # What the other workers' quotas keep for them beyond what they hold now (a restart included).
+        kept = sum(max(q - held.get(w, 0), 0) for w, q in self.config.reserved_blocks.items() if w != worker_id)
+        if blocks + kept + config.num_blocks > self.limits.max_total_blocks:
             raise CapacityExceeded(
                 f"{config.num_blocks} more blocks would exceed the server's "
-                f"{self.limits.max_total_blocks} (in use: {blocks})"
+                f"{self.limits.max_total_blocks} (in use: {blocks}"
+                + (f"; kept for other workers' quotas: {kept}" if kept else "") + ")"
             )
         epoch = reg.next_epoch(worker_id)
         self.durable.append(
@@ -416,6 +422,17 @@ class AllocatorService:
         self.leases.arm(entry.pool_id)
         self.durable.changed()
         return entry
+
+    def _check_quota(self, worker_id: str, num_blocks: int) -> None:
+        """QuotaExceeded past the worker's quota, or for a worker without
+        one past `max_pool_blocks`."""
+        quota = self.config.reserved_blocks.get(worker_id)
+        if quota is not None and num_blocks > quota:
+            raise QuotaExceeded(f"worker {worker_id!r} may register at most {quota} blocks (its quota in "
+                                f"--worker-tokens-file), not {num_blocks}")
+        if quota is None and self.config.max_pool_blocks is not None and num_blocks > self.config.max_pool_blocks:
+            raise QuotaExceeded(f"a pool may have at most {self.config.max_pool_blocks} blocks "
+                                f"(--max-pool-blocks), not {num_blocks}")
 
     def _check_replace(self, old: PoolEntry, credential: str) -> None:
         if not credential:

@@ -25,7 +25,8 @@ Failure handling, in the order a worker meets it:
 - The worker id still has a live pool when registering (a restarted worker
   process whose previous pool's lease has not yet run out): the server
   refuses (`pool_in_use`) unless given that pool's credential, so the client
-  waits, retrying, for the old lease to expire (`register_wait_s`), then
+  waits, retrying, for the old lease to expire (`register_wait_s`; as it
+  does while the server has no room for the pool, `capacity`), then
   raises the refusal.
 - Anything else is a bug on one side and surfaces as `grpc.RpcError`.
 
@@ -320,18 +321,20 @@ class GrpcAllocator(AllocatorClient):
             served_model_name=self.spec.served_model_name,
         )
         give_up = time.monotonic() + self.register_wait_s
-        waited = False
+        waited = 0
         while True:
             try:
                 r = self._call("RegisterPool", request)
                 break
             except grpc.RpcError as err:
-                if error_reason(err) != "pool_in_use" or time.monotonic() >= give_up:
+                # A live pool of this id (its lease runs out), or no room yet (a pool may go): wait.
+                if error_reason(err) not in ("pool_in_use", "capacity") or time.monotonic() >= give_up:
                     raise
                 if not waited:
-                    log.warning("waiting up to %.0f s to register: %s", self.register_wait_s, err.details())
-                    waited = True
-                time.sleep(0.5)
+                    log.warning("cannot register yet, retrying for up to %.0f s: %s", self.register_wait_s,
+                                err.details())
+                waited += 1
+                time.sleep(min(0.5 * 2 ** (waited - 1), 5.0, max(give_up - time.monotonic(), 0.0)))
         with self._register_lock:
             self._ref = pb.PoolRef(pool_id=r.pool_id, credential=r.credential)
             self.epoch = r.epoch

@@ -173,8 +173,8 @@ def replay(snapshot: bytes | None, entries: list[bytes], head: bytes | None,
                 # was lost or damaged: skip what follows for it.
                 problem(position, index, pool_id, f"names pool {pool_id}, lost with an earlier record: skipped")
                 owner = _epoch_of(pool_id)
-                if owner is not None and owner[1] > registry.epochs.get(owner[0], 0):
-                    registry.epochs[owner[0]] = owner[1]  # never reissue its id
+                if owner is not None:
+                    registry.remember_epoch(*owner)  # never reissue its id
                 registry.index = index
                 continue
             problem(position, index, pool_id, f"names unknown pool {pool_id}", fatal=True)
