@@ -10,6 +10,7 @@ import argparse
 from dataclasses import dataclass
 from typing import ClassVar
 
+from allocator_service.config import Limits
 from pagedkv_base.config import add_arguments as add_setting_flags
 from pagedkv_base.config import from_args, name_of, setting
 from pagedkv_base.settings import (
@@ -55,10 +56,14 @@ class AllocatorArgs:
         None, "file holding a bearer token every call must send as 'authorization: Bearer TOKEN' (health "
         "checks exempt); none = no server-wide token", metavar="PATH")
     worker_tokens_file: str | None = setting(
-        None, "file of worker tokens, one 'WORKER_ID URL TOKEN' per line: a worker sending TOKEN may register "
-        "only WORKER_ID advertising URL, and no other credential but the admin token may register that id or "
-        "advertise that address. With it and no --auth-token-file, every worker needs its own token",
-        metavar="PATH")
+        None, "file of worker tokens, one 'WORKER_ID URL TOKEN [BLOCKS]' per line: a worker sending TOKEN may "
+        "register only WORKER_ID advertising URL, and no other credential but the admin token may register that "
+        "id or advertise that address; BLOCKS, its quota: its pool has at most that many blocks, and they are "
+        "kept for it while it has no pool (a restart), so no other pool takes them. With it and no "
+        "--auth-token-file, every worker needs its own token", metavar="PATH")
+    max_pool_blocks: int | None = setting(
+        None, "the most blocks one pool may have, unless its worker token gives a quota (RESOURCE_EXHAUSTED "
+        f"past it); none: the server's total ({Limits().max_total_blocks:,} blocks)", metavar="N")
     admin_token_file: str | None = setting(
         None, "file holding the admin bearer token: every call, and GetPoolStats, ResetPrefixCache and "
         "DumpPool of ANY pool without its credential; none = no admin role", metavar="PATH")
@@ -125,7 +130,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def options_from_args(args: argparse.Namespace):
     from allocator_service.config import ServiceConfig
-    from allocator_service.server import ServeOptions
+    from allocator_service.rpc.server import ServeOptions
 
     a = from_args(AllocatorArgs, args)
     token = read_secret(a.auth_token_file, "auth token file") if a.auth_token_file else None
@@ -147,7 +152,9 @@ def options_from_args(args: argparse.Namespace):
     try:
         config = ServiceConfig(lease_ttl_s=a.lease_ttl, snapshot_every=a.snapshot_every,
                                max_snapshot_bytes=a.max_snapshot_mb << 20,
-                               fair_share_window_s=a.fair_share_window_ms / 1e3)
+                               fair_share_window_s=a.fair_share_window_ms / 1e3,
+                               reserved_blocks={g.worker_id: g.blocks for g in worker_tokens.values() if g.blocks},
+                               max_pool_blocks=a.max_pool_blocks)
     except ValueError as exc:
         raise CliError(str(exc)) from exc
     return ServeOptions(
@@ -175,13 +182,14 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
     from allocator_service.errors import StoreUnavailable
-    from allocator_service.server import check, serve
-    from allocator_service.state import CorruptState
+    from allocator_service.rpc.server import serve
+    from allocator_service.store.registry import CorruptState
+    from allocator_service.store.replay import check
 
     options = options_from_args(args)  # a CliError: exit 2, reported by run_command
     if args.check:
         try:
-            return check(options)
+            return check(options.state)
         except StoreUnavailable as exc:
             print(f"pagedkv allocator --check: cannot read the state: {exc}", file=sys.stderr)
             return 1

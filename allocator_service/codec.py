@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from allocator_service.core import (
     Op,
@@ -146,6 +147,34 @@ def config_from_proto(shape: pb.PoolShape) -> PoolConfig:
         enable_prefix_caching=shape.enable_prefix_caching,
         model_fingerprint=shape.model_fingerprint,
     )
+
+
+# ------------------------------------------------------------ the listing
+class PoolInfo(NamedTuple):
+    """One live pool as ListPools lists it: the service's answer, the wire's
+    `PoolInfo` (same fields) and what `RouterClient.list_pools` returns."""
+
+    pool_id: str
+    worker_id: str
+    model_fingerprint: str
+    served_model_name: str
+    advertise_url: str
+    block_size: int
+    num_blocks: int
+    free_blocks: int
+    used_blocks: int
+    cached_blocks: int
+    num_sequences: int
+    enable_prefix_caching: bool
+    attest_key: bytes = b""  # proves the worker's identity answers (`attest.py`)
+
+
+def pool_info_to_proto(info: PoolInfo) -> pb.PoolInfo:
+    return pb.PoolInfo(**info._asdict())
+
+
+def pool_info_from_proto(msg: pb.PoolInfo) -> PoolInfo:
+    return PoolInfo(*(getattr(msg, f) for f in PoolInfo._fields))
 
 
 # ------------------------------------------------------------------- stats

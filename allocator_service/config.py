@@ -3,6 +3,7 @@ bound what a single call can make the server do."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 
@@ -28,7 +29,7 @@ class Limits:
     max_step_streams: int = 16
     # Slow reads (servicer.SLOTTED: block tables, stats, dumps, cache resets)
     # one pool may have in flight at once, so that one worker cannot hold every
-    # thread of the server's pool (`call_slots.py`); past it RESOURCE_EXHAUSTED.
+    # thread of the server's pool (`sharing.CallSlots`); past it RESOURCE_EXHAUSTED.
     max_calls_per_pool: int = 4
     # Largest request or response on the wire (gRPC answers bigger ones with
     # RESOURCE_EXHAUSTED before any of our code runs).
@@ -53,12 +54,18 @@ class ServiceConfig:
     max_snapshot_bytes: int = 256 << 20
     # KV events kept for clients that reconnect to WatchEvents.
     event_retention: int = 65536
-    # The per-pool CPU fair share (fairshare.py): each pool's CPU use is
+    # The per-pool CPU fair share (`sharing.FairShare`): each pool's CPU use is
     # counted over about this long; 0 turns the fair share off.
     fair_share_window_s: float = 0.1
     # Longest a call waits at once for a lighter pool's call to finish.
     fair_share_max_wait_s: float = 0.05
     limits: Limits = field(default_factory=Limits)
+    # Capacity by the admin's policy: worker id -> the most blocks its pool
+    # may have, kept for it whether or not it holds a pool (a worker token's
+    # BLOCKS); and the most blocks any other pool may have (None: no bound
+    # but the server's total).
+    reserved_blocks: Mapping[str, int] = field(default_factory=dict)
+    max_pool_blocks: int | None = None
 
     def __post_init__(self) -> None:
         if not self.lease_ttl_s > 0:
@@ -71,3 +78,8 @@ class ServiceConfig:
             raise ValueError("event_retention must be at least 1")
         if self.fair_share_window_s < 0 or not self.fair_share_max_wait_s > 0:
             raise ValueError("fair_share_window_s must be >= 0 and fair_share_max_wait_s positive")
+        if self.max_pool_blocks is not None and self.max_pool_blocks < 1:
+            raise ValueError("max_pool_blocks must be positive")
+        if sum(self.reserved_blocks.values()) > self.limits.max_total_blocks:
+            raise ValueError(f"the workers' quotas add up to {sum(self.reserved_blocks.values())} blocks, more "
+                             f"than the server's {self.limits.max_total_blocks}")

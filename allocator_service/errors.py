@@ -81,6 +81,14 @@ class CapacityExceeded(ServiceError):
     code = "capacity"
 
 
+class QuotaExceeded(CapacityExceeded):
+    """A pool larger than the admin lets its worker have (a worker token's
+    quota, `--max-pool-blocks`): asking again cannot pass (RESOURCE_EXHAUSTED,
+    `quota`)."""
+
+    code = "quota"
+
+
 class StepStreamsExhausted(CapacityExceeded):
     """Every StepStream the server serves at once is open: the client sends
     unary Steps instead (RESOURCE_EXHAUSTED, `step_streams`)."""

@@ -60,27 +60,36 @@ def reset_caller_role(token: contextvars.Token) -> None:
 
 @dataclass(frozen=True, slots=True)
 class WorkerGrant:
-    """What one worker token may register: this worker id at this address."""
+    """What one worker token may register: this worker id at this address,
+    and with `blocks` a pool of at most that many blocks, which the server
+    keeps for it whether or not it holds a pool (None: no quota)."""
 
     worker_id: str
     advertise_url: str
+    blocks: int | None = None
 
 
 def parse_worker_tokens(text: str) -> dict[str, WorkerGrant]:
-    """A worker tokens file: one `WORKER_ID URL TOKEN` per line (blank lines
-    and `#` comments skipped) -> token -> grant. Raises ValueError, naming
+    """A worker tokens file: one `WORKER_ID URL TOKEN [BLOCKS]` per line
+    (blank lines and `#` comments skipped) -> token -> grant; BLOCKS: the
+    worker's quota, kept for it (`WorkerGrant`). Raises ValueError, naming
     the line, on a malformed line or a repeated id, address or token."""
     grants: dict[str, WorkerGrant] = {}
     for n, line in enumerate(text.splitlines(), 1):
         words = line.split("#", 1)[0].split()
         if not words:
             continue
-        if len(words) != 3:
-            raise ValueError(f"line {n}: want 'WORKER_ID URL TOKEN', got {len(words)} fields")
-        worker_id, url, token = words
+        if len(words) not in (3, 4):
+            raise ValueError(f"line {n}: want 'WORKER_ID URL TOKEN [BLOCKS]', got {len(words)} fields")
+        worker_id, url, token = words[:3]
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"line {n}: the address must be an http:// or https:// URL, not {url!r}")
-        grant = WorkerGrant(worker_id, normalise_url(url))
+        blocks = None
+        if len(words) == 4:
+            if not words[3].isdigit() or int(words[3]) < 1:
+                raise ValueError(f"line {n}: BLOCKS must be a positive whole number, not {words[3]!r}")
+            blocks = int(words[3])
+        grant = WorkerGrant(worker_id, normalise_url(url), blocks)
         for seen_token, seen in grants.items():
             if hmac.compare_digest(seen_token, token) or seen.worker_id == worker_id \
                     or seen.advertise_url == grant.advertise_url:

@@ -14,7 +14,7 @@ Locks, always taken in this order:
    and event batch; registrations and drops are applied here whole, as they
    touch no pool's blocks. A Step's table work then runs after this lock is
    released, under its pool's lock only, and its events are numbered in
-   record order whenever it finishes (`events.py`);
+   record order whenever it finishes (`store/events.py`);
 3. small leaf locks: the lease table, the event log, the watcher count.
 
 So a long read of pool X delays only X's own changes, and the mutation lock
@@ -25,7 +25,7 @@ registry with a dict lookup and an HMAC and take only the lease table's
 lock. Cross-pool reads (MatchPrefix, metrics) visit the pools one at a time,
 each under its own lock: MatchPrefix hashes the prompt once per root,
 outside any lock. The durable side (load, journal, snapshots off the hot
-path, the store watch and health) is `durable.py`.
+path, the store watch and health) is `store/durable.py`.
 
 No lease expires because the allocator was not running: the reaper measures
 how late it woke (a pause, SIGSTOP, a stalled interpreter) and extends every
@@ -47,8 +47,8 @@ from itertools import compress
 from typing import Any, NamedTuple
 
 from allocator_service.attest import attest_key, credential_digest
-from allocator_service.call_slots import CallSlots
 from allocator_service.codec import (
+    PoolInfo,
     canonical_ops,
     columns_from_proto,
     config_from_proto,
@@ -67,7 +67,6 @@ from allocator_service.core.limits import (
 from allocator_service.core.pacing import Unpaced
 from allocator_service.core.pool import check_tokens
 from allocator_service.core.step import ADMIT, APPEND, FORK, FREE, KINDS, UNRESERVE
-from allocator_service.durable import DurableState
 from allocator_service.errors import (
     BadRequest,
     CapacityExceeded,
@@ -75,18 +74,19 @@ from allocator_service.errors import (
     PoolInUse,
     PoolNotFound,
     PoolStateLost,
+    QuotaExceeded,
     ShuttingDown,
     StepConflict,
     StepStreamsExhausted,
     StoreUnavailable,
     Unauthenticated,
 )
-from allocator_service.events import EventLog
-from allocator_service.fairshare import FairShare
-from allocator_service.journal import MemoryJournal, RedisJournal
 from allocator_service.leases import LeaseTable
-from allocator_service.replay import StepRecord
-from allocator_service.state import PoolEntry, Registry, new_pool
+from allocator_service.sharing import CallSlots, FairShare
+from allocator_service.store.durable import DurableState
+from allocator_service.store.events import EventLog
+from allocator_service.store.journal import MemoryJournal, RedisJournal, StepRecord
+from allocator_service.store.registry import PoolEntry, Registry, new_pool
 from allocator_service.v1 import allocator_pb2 as pb
 from allocator_service.v1 import journal_pb2 as jpb
 
@@ -108,14 +108,6 @@ class Registration(NamedTuple):
     lease_ttl_s: float
 
 
-class PoolView(NamedTuple):
-    """What the metrics collector reads of one pool."""
-
-    pool_id: str
-    worker_id: str
-    stats: PoolStats
-
-
 class Advertised(NamedTuple):
     """What a worker tells routers about itself when it registers its pool."""
 
@@ -134,20 +126,6 @@ class Advertised(NamedTuple):
 
 
 NOT_ADVERTISED = Advertised()
-
-
-class PoolListing(NamedTuple):
-    """One live pool as ListPools answers it."""
-
-    pool_id: str
-    worker_id: str
-    model_fingerprint: str
-    served_model_name: str
-    advertise_url: str
-    enable_prefix_caching: bool
-    stats: PoolStats
-    # proves the pool's identity answers (`attest.py`); derived from its credential
-    attest_key: bytes
 
 
 _KINDS = frozenset(KINDS)
@@ -383,6 +361,7 @@ class AllocatorService:
             raise BadRequest(f"worker_id must be 1 to {limit} printable characters without '/'")
         advertised.check()
         config = config_from_proto(shape)
+        self._check_quota(worker_id, config.num_blocks)  # before the pool is built: a refused one costs nothing
         credential = secrets.token_urlsafe(32)
         digest = credential_digest(credential)
         fresh = new_pool(config)  # O(blocks): before any lock
@@ -412,10 +391,14 @@ class AllocatorService:
         if pools >= self.limits.max_pools:
             raise CapacityExceeded(f"the server holds its maximum of {self.limits.max_pools} pools")
         blocks = sum(e.pool.num_blocks for e in reg.pools.values()) - (old.pool.num_blocks if old else 0)
-        if blocks + config.num_blocks > self.limits.max_total_blocks:
+        held = {e.worker_id: e.pool.num_blocks for e in reg.pools.values()}
+        # What the other workers' quotas keep for them beyond what they hold now (a restart included).
+        kept = sum(max(q - held.get(w, 0), 0) for w, q in self.config.reserved_blocks.items() if w != worker_id)
+        if blocks + kept + config.num_blocks > self.limits.max_total_blocks:
             raise CapacityExceeded(
                 f"{config.num_blocks} more blocks would exceed the server's "
-                f"{self.limits.max_total_blocks} (in use: {blocks})"
+                f"{self.limits.max_total_blocks} (in use: {blocks}"
+                + (f"; kept for other workers' quotas: {kept}" if kept else "") + ")"
             )
         epoch = reg.next_epoch(worker_id)
         self.durable.append(
@@ -439,6 +422,17 @@ class AllocatorService:
         self.leases.arm(entry.pool_id)
         self.durable.changed()
         return entry
+
+    def _check_quota(self, worker_id: str, num_blocks: int) -> None:
+        """QuotaExceeded past the worker's quota, or for a worker without
+        one past `max_pool_blocks`."""
+        quota = self.config.reserved_blocks.get(worker_id)
+        if quota is not None and num_blocks > quota:
+            raise QuotaExceeded(f"worker {worker_id!r} may register at most {quota} blocks (its quota in "
+                                f"--worker-tokens-file), not {num_blocks}")
+        if quota is None and self.config.max_pool_blocks is not None and num_blocks > self.config.max_pool_blocks:
+            raise QuotaExceeded(f"a pool may have at most {self.config.max_pool_blocks} blocks "
+                                f"(--max-pool-blocks), not {num_blocks}")
 
     def _check_replace(self, old: PoolEntry, credential: str) -> None:
         if not credential:
@@ -613,7 +607,7 @@ class AllocatorService:
             self.durable.after_change()
         return dropped
 
-    def list_pools(self, fingerprint: str = "") -> list[PoolListing]:
+    def list_pools(self, fingerprint: str = "") -> list[PoolInfo]:
         """Every live pool (of `fingerprint`, when given), by pool id: what a
         router needs to reach its worker and weigh its load. Each pool is
         read under its own lock."""
@@ -623,10 +617,11 @@ class AllocatorService:
             if fingerprint and config.model_fingerprint != fingerprint:
                 continue
             with e.lock:
-                stats = e.pool.stats()
-            out.append(PoolListing(e.pool_id, e.worker_id, config.model_fingerprint, e.served_model_name,
-                                   e.advertise_url, e.pool.enable_prefix_caching, stats,
-                                   attest_key(e.credential_digest)))
+                s = e.pool.stats()
+            out.append(PoolInfo(e.pool_id, e.worker_id, config.model_fingerprint, e.served_model_name,
+                                e.advertise_url, s.block_size, s.num_blocks, s.free_blocks, s.used_blocks,
+                                s.cached_blocks, s.num_sequences, e.pool.enable_prefix_caching,
+                                attest_key(e.credential_digest)))
         return out
 
     def free_blocks(self, pool_id: str) -> int | None:
@@ -648,13 +643,14 @@ class AllocatorService:
                 held = [hashes[b] for b in ids]
             yield e.pool_id, ids, held
 
-    def pool_views(self) -> list[PoolView]:
-        """What the metrics collector reads: each pool under its own lock."""
-        views = []
+    def pool_stats(self) -> list[tuple[str, str, PoolStats]]:
+        """(pool id, worker id, stats) of every live pool, each read under its
+        own lock: what the metrics collector reads."""
+        out = []
         for e in list(self.registry.pools.values()):
             with e.lock:
-                views.append(PoolView(e.pool_id, e.worker_id, e.pool.stats()))
-        return views
+                out.append((e.pool_id, e.worker_id, e.pool.stats()))
+        return out
 
     # --------------------------------------------------------------- watchers
     def open_watcher(self) -> None:
@@ -683,9 +679,9 @@ class AllocatorService:
             self._step_streams.discard(end)
 
     def end_step_streams(self) -> None:
-        """At shutdown: end every open StepStream now (an idle one waits for
-        its worker's next step and would hold the shutdown for its grace)
-        and refuse new ones."""
+        """At shutdown: end every open StepStream (an idle one now: it waits
+        for its worker's next step and would hold the shutdown for its
+        grace; a busy one once its step is answered) and refuse new ones."""
         with self._watchers_lock:
             self._step_streams_ended = True
             ends = list(self._step_streams)

@@ -11,7 +11,11 @@ prefix (but for the access-log lines of /health and /metrics) and kept in
 `<log dir>/<name>.log`; `pagedkv up` returns when you press
 Ctrl-C (or send SIGTERM): the router and workers first, then Prometheus, the allocator and
 Redis get SIGTERM, and whatever is still alive after the grace period gets
-SIGKILL (a second Ctrl-C skips the grace period).
+SIGKILL (a second Ctrl-C skips the grace period). A process that exits
+meanwhile is restarted, as compose's `restart: unless-stopped` does
+(`LocalStack.supervise`: one line per restart, a growing delay, and a
+process that keeps exiting fast is given up on, which stops the stack);
+`PAGEDKV_UP_RESTART=0` stops the stack when any process exits.
 
 This module is the command line; the stack itself is `pagedkv.stack.LocalStack`.
 """
@@ -102,6 +106,12 @@ def run(args: argparse.Namespace) -> int:
                       "Ctrl-C stops everything")
         if up.ready_file:
             Path(up.ready_file).write_text(json.dumps(stack.describe(), indent=2))
+        if up.restart:
+            try:
+                stack.supervise()  # returns only by a StackError: a process given up on
+            except StackError:
+                stack.failed = True
+                raise
         dead = stack.wait()
         stopping = True
         stack.failed = True

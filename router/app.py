@@ -34,10 +34,13 @@ sequences (prompts times n) is refused with a 400, as a worker refuses it.
 `/health`: 200 while some worker is known (503 `no_workers` otherwise);
 `/metrics`: the router's series (`metrics.py`).
 
-Credentials: a client's `Authorization` header is never forwarded. With an
-API key the router checks it as a worker does (`ApiKeyCheck`) and presents
-that key, its own, to the workers (which check the same key); without one
-it presents none. A worker is sent anything at all only once it has proven
+Credentials: a client's `Authorization` header is never forwarded. With API
+keys the router checks the client's as a worker does (`ApiKeyCheck`) and
+presents the one of its own keys the client's matched to the workers (which
+have the same keys); without keys it presents none. Behind keys (with
+`cache_salt_per_api_key`) a request's prompt is matched under the salt the
+worker will cache it under (`pagedkv_base.api.tenants`): its key's, so one
+key's cached prefixes neither draw nor show in another key's requests. A worker is sent anything at all only once it has proven
 the pool it serves (`discovery.prove`), or when the operator listed it
 (`--workers`).
 """
@@ -70,6 +73,7 @@ from pagedkv_base.api.errors import (
     install_error_handlers,
 )
 from pagedkv_base.api.protocol import ChatCompletionRequest, CompletionRequest, template_messages
+from pagedkv_base.api.tenants import api_key_of, tenant_salt
 from router.discovery import Discovery, MergedDiscovery, Worker
 from router.metrics import RouterMetrics
 from router.policy import Balance, Candidate, rank
@@ -94,11 +98,12 @@ class Router:
     def __init__(self, tokenizer, discovery: Discovery | MergedDiscovery, policy: str, *,
                  allocators: Sequence = (), metrics: RouterMetrics | None = None, first_byte_timeout: float = 60.0,
                  connect_timeout: float = 2.0, cooldown_s: float = 5.0, max_attempts: int = 3,
-                 worker_api_key: str | None = None, balance: Balance | None = None) -> None:
+                 worker_api_key: str | None = None, cache_salt_per_api_key: bool = True,
+                 balance: Balance | None = None) -> None:
         self.tokenizer = tokenizer
-        # what the router presents to workers (never a client's own header)
-        self.worker_auth: list[tuple[str, str]] = [("authorization", f"Bearer {worker_api_key}")] \
-            if worker_api_key else []
+        # what the router presents to workers for a request let in without a key (never a client's own header)
+        self.worker_api_key = worker_api_key
+        self.cache_salt_per_api_key = cache_salt_per_api_key
         self.discovery = discovery
         # RouterClients, in the order of `Worker.allocator`; none: routing by load alone
         self.allocators = list(allocators)
@@ -124,6 +129,26 @@ class Router:
         # until the view has heard of its blocks whatever the events' delay.
         self.computing: dict[int, tuple[str, str | None, list[int]]] = {}  # id -> (url, salt, prompt)
         self._ids = itertools.count()
+
+    def worker_auth(self, request: Request) -> list[tuple[str, str]]:
+        """The header the router presents to workers for `request`: the router's
+        key that the client's matched (`ApiKeyCheck`), else `worker_api_key`."""
+        key = api_key_of(request) or self.worker_api_key
+        return [("authorization", f"Bearer {key}")] if key else []
+
+    def cache_salt(self, request: Request, salt: str | None) -> str | None:
+        """The salt the worker caches `request`'s blocks under (`tenant_salt` of
+        its key, behind keys with `cache_salt_per_api_key`), so the match is
+        made in the same namespace. A salt the allocator would refuse stays
+        as it is: it matches nothing, and the worker answers the error."""
+        key = api_key_of(request)
+        if key is None or not self.cache_salt_per_api_key:
+            return salt
+        try:
+            check_cache_salt(salt)
+        except InvalidArgument:
+            return salt
+        return tenant_salt(key, salt)
 
     # ------------------------------------------------------------ choosing
     def candidates_for(self, model: str) -> list[Worker]:
@@ -308,23 +333,24 @@ class Router:
         if self.policy == "kv" and self.allocators:
             size = sum(len(m.text()) for m in req.messages) if kind == "chat" else _prompt_size(req.prompt)
             tokens = await off_loop(self.prompt_ids, kind, req, size=size)
-        matches = await self.cached_tokens(workers, tokens, req.cache_salt)
+        salt = self.cache_salt(request, req.cache_salt)
+        matches = await self.cached_tokens(workers, tokens, salt)
         # Compared with every prompt in flight a block at a time: a long prompt's off the loop;
         # `place` then adds the prompts placed meanwhile, and ranks and records with no await.
         seen = dict(self.computing)
-        computing = await off_loop(self.being_computed, workers, tokens, req.cache_salt,
+        computing = await off_loop(self.being_computed, workers, tokens, salt,
                                    list(seen.values()), size=len(tokens or ()))
-        rid, order = self.place(workers, matches, tokens, req.cache_salt, computing, seen)
+        rid, order = self.place(workers, matches, tokens, salt, computing, seen)
         best = max((c for _, c in order), default=0)
         routing_s = time.perf_counter() - t0
         self.metrics.routing_seconds.labels(self.policy).observe(routing_s)
         body = await request.body()
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw
-                   if k.lower() not in _HOP] + self.worker_auth
+                   if k.lower() not in _HOP] + self.worker_auth(request)
         why = "no worker answered"
         for worker, cached in order[: self.max_attempts]:
             if tokens:  # a retry: placed on the next in the ranking
-                self.computing[rid] = (worker.url, req.cache_salt, tokens)
+                self.computing[rid] = (worker.url, salt, tokens)
             try:
                 upstream, whole = await unless_gone(
                     request, self._send(worker, request.url.path, body, headers, bool(req.stream)))
@@ -482,7 +508,7 @@ class Router:
         groups: dict[str, list[Worker]] = {}
         for w in self.discovery.workers.values():
             groups.setdefault(w.served_model_name or w.url, []).append(w)
-        headers = dict(self.worker_auth)
+        headers = dict(self.worker_auth(request))
 
         async def cards(ws: list[Worker]) -> list[dict]:
             for w in ws:
@@ -547,8 +573,9 @@ class _Skip(Exception):
         self.reason = reason
 
 
-def create_app(router: Router, api_key: str | None = None) -> FastAPI:
-    """The router's HTTP app; starts and stops `router.discovery` with the server."""
+def create_app(router: Router, api_key: str | Sequence[str] | None = None) -> FastAPI:
+    """The router's HTTP app; starts and stops `router.discovery` with the server.
+    `api_key`: one key or several, one of which every /v1/* request must carry."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -564,7 +591,7 @@ def create_app(router: Router, api_key: str | None = None) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
     if api_key:  # added last, so it runs first
-        app.add_middleware(ApiKeyCheck, api_key=api_key)
+        app.add_middleware(ApiKeyCheck, api_keys=api_key)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

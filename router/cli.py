@@ -103,6 +103,14 @@ class RouterArgs:
         None, "require `Authorization: Bearer KEY` on every /v1/* route, as a worker does, and present KEY "
         "to the workers (give them the same --api-key); a client's own header is never forwarded",
         fallback_env="VLLM_API_KEY")
+    api_keys_file: str | None = setting(
+        None, "file of API keys, one a line ('#' comments and blank lines skipped): each is accepted as "
+        "--api-key is, with or without it, and a request is sent on to a worker with the key it came with "
+        "(give the workers the same keys)")
+    cache_salt_per_api_key: bool = setting(
+        True, "behind API keys, match each key's prompts in its own cache, as the workers (with the same "
+        "setting) cache them: a request's cache salt is derived from its key and its own cache_salt; "
+        "0 matches in the cache all keys share", flag=False)
     first_byte_timeout: float = setting(
         60.0, "seconds: a worker that has not answered a request's status in this long is skipped, and the "
         "request sent to another, if the request never reached it; if it did, the client gets a 504",
@@ -186,7 +194,7 @@ def build_router(args: argparse.Namespace):
     else:
         discovery = parts[0] if parts else Discovery(None, r.workers or (), refresh_s=r.refresh_interval)
     return Router(tokenizer, discovery, r.policy, allocators=clients, first_byte_timeout=r.first_byte_timeout,
-                  worker_api_key=r.api_key, balance=Balance(r.balance_abs_threshold, r.balance_rel_threshold,
+                  worker_api_key=r.api_key, cache_salt_per_api_key=r.cache_salt_per_api_key, balance=Balance(r.balance_abs_threshold, r.balance_rel_threshold,
                                                                  r.cache_threshold))
 
 
@@ -196,13 +204,14 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from pagedkv_base.api.serving import serve_options
+    from pagedkv_base.api.tenants import api_keys
     from router.app import create_app
 
     r = from_args(RouterArgs, args)
     logging.basicConfig(level=r.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     router = build_router(args)
     host, port = r.listen
-    app = create_app(router, api_key=r.api_key)
+    app = create_app(router, api_key=api_keys(r.api_key, r.api_keys_file))
     print(f"router: policy {r.policy}, workers from "
           f"{'the allocator at ' + ','.join(r.allocator) if r.allocator else 'the static list'}", flush=True)
     uvicorn.run(app, host=host, port=port, log_level=r.log_level.lower(), timeout_graceful_shutdown=5,

@@ -35,7 +35,7 @@ CASES = {
     "router.app": ("import router.app", ("torch", "worker", "pagedkv")),
     "router.cli": ("import router.cli", ("torch", "worker", "pagedkv")),
     "the router, started": (_ROUTER_STARTED, ("torch", "worker", "pagedkv")),
-    "allocator_service.server": ("import allocator_service.server", ("torch", "worker", "router", "pagedkv")),
+    "allocator_service.rpc.server": ("import allocator_service.rpc.server", ("torch", "worker", "router", "pagedkv")),
     "allocator_service.cli": ("import allocator_service.cli", ("torch", "worker", "router", "pagedkv")),
     "the tokenizer of a GGUF file": (
         "from pagedkv_base.model_files import load_tokenizer\n"

@@ -118,6 +118,13 @@ class WorkerArgs:
     api_key: str | None = setting(
         None, "require `Authorization: Bearer KEY` on every /v1/* route (401 otherwise); /health, /metrics, "
         "/version, /tokenize and /detokenize stay open, as in vLLM", fallback_env="VLLM_API_KEY")
+    api_keys_file: str | None = setting(
+        None, "file of API keys, one a line ('#' comments and blank lines skipped): each is accepted as "
+        "--api-key is, with or without it")
+    cache_salt_per_api_key: bool = setting(
+        True, "behind API keys, cache each key's prompts apart: a request's cache salt is derived from its key "
+        "(and its own cache_salt), so no key learns from cached tokens what another key sent; "
+        "0 shares the cache between keys (give the router the same setting)", flag=False)
     log_level: str = setting("INFO", "log level, any case", parse=log_level, choices=LOG_LEVELS)
 
     def __post_init__(self) -> None:
@@ -212,8 +219,10 @@ def build_engine(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     import logging
 
+    import grpc
     import uvicorn
 
+    from pagedkv_base.api.tenants import api_keys
     from worker.engine import AsyncLLMEngine
     from worker.model.loader import ModelLoadError
     from worker.server.app import create_app
@@ -226,12 +235,17 @@ def run(args: argparse.Namespace) -> int:
         engine = build_engine(args)
     except (ValueError, ModelLoadError, OSError) as exc:  # a bad --model, size or file: the user's to fix
         raise CliError(str(exc)) from None
+    except grpc.RpcError as exc:  # the allocator refused the pool (after the client's retries): one line
+        raise CliError(f"the allocator at {w.allocator} did not register this worker's pool: "
+                       f"{exc.code().name}: {exc.details()}") from None
     log.info("model %s (fingerprint %s), %s", w.model, engine.loaded.fingerprint[:12], engine.kv_pool.describe())
     log.info("allocator: %s; prefix caching %s; async scheduling %s; %d compute threads", w.allocator,
              "on" if w.enable_prefix_caching else "off", "on" if w.async_scheduling else "off", threads)
     print(f"KV pool: {engine.kv_pool.describe()}", flush=True)
     async_engine = AsyncLLMEngine(engine)
-    app = create_app(async_engine, w.served_model_name or w.model, root=w.model, api_key=w.api_key)
+    keys = api_keys(w.api_key, w.api_keys_file)
+    app = create_app(async_engine, w.served_model_name or w.model, root=w.model, api_key=keys,
+                     cache_salt_per_api_key=w.cache_salt_per_api_key)
     # NOTE: at shutdown, not only in `finally`: uvicorn re-raises the SIGTERM it
     # caught once it has stopped, which ends the process before `finally` runs;
     # the engine's close deregisters the pool, so routers drop this worker now

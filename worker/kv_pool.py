@@ -25,7 +25,7 @@ import torch
 
 from worker.kv_bytes import kv_bytes_per_token
 
-__all__ = ["KVPool", "num_blocks_for_budget", "parse_memory"]
+__all__ = ["KVPool", "free_memory_bytes", "num_blocks_for_budget", "parse_memory"]
 
 _UNITS: dict[str, int] = {
     "": 1,
@@ -66,11 +66,13 @@ def parse_memory(text: str | int | float, device: str | torch.device | None = No
     if unit not in _UNITS:
         raise ValueError(f"unknown memory unit {match.group(2)!r} in {text!r}; known: {sorted(_UNITS)}")
     if unit == "" and 0 < number <= 1:
-        return int(number * _free_memory_bytes(device))
+        return int(number * free_memory_bytes(device))
     return int(number * _UNITS[unit])
 
 
-def _free_memory_bytes(device: str | torch.device | None) -> int:
+def free_memory_bytes(device: str | torch.device | None) -> int:
+    """Bytes free right now on `device`: on CUDA `torch.cuda.mem_get_info`, on the CPU
+    (or None) the kernel's MemAvailable."""
     dev = torch.device(device) if device is not None else None
     if dev is not None and dev.type == "cuda":
         free, _total = torch.cuda.mem_get_info(dev)
@@ -181,6 +183,17 @@ class KVPool:
     def v_cache(self, layer: int) -> torch.Tensor:
         """Layer `layer`'s values, same shape as `k_cache(layer)`."""
         return self._v_blocks[layer]
+
+    @property
+    def k_blocks(self) -> torch.Tensor:
+        """Every layer's keys, `[num_layers, num_blocks, block_size, num_kv_heads, head_dim]`
+        (a view: indexing dim 1 moves blocks in all layers at once)."""
+        return self._k_blocks
+
+    @property
+    def v_blocks(self) -> torch.Tensor:
+        """Every layer's values, same shape as `k_blocks`."""
+        return self._v_blocks
 
     @property
     def bytes_total(self) -> int:

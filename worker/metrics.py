@@ -76,7 +76,20 @@ METRIC_NAMES = (
     f"{PREFIX}_request_inference_time_seconds",
     f"{PREFIX}_request_prompt_tokens",
     f"{PREFIX}_request_generation_tokens",
+    f"{PREFIX}_kv_tier_capacity_bytes",
+    f"{PREFIX}_kv_tier_used_bytes",
+    f"{PREFIX}_kv_tier_hit_tokens_total",
+    f"{PREFIX}_kv_tier_saved_blocks_total",
+    f"{PREFIX}_kv_tier_saved_bytes_total",
+    f"{PREFIX}_kv_tier_save_seconds_total",
+    f"{PREFIX}_kv_tier_loaded_blocks_total",
+    f"{PREFIX}_kv_tier_loaded_bytes_total",
+    f"{PREFIX}_kv_tier_load_seconds_total",
+    f"{PREFIX}_kv_tier_refused_entries_total",
+    f"{PREFIX}_kv_tier_store_errors_total",
 )
+# The KV tiers below the KV pool, the `tier` label of the kv_tier_* series.
+KV_TIERS = ("host", "shared")
 
 
 class PeakValues(NamedTuple):
@@ -122,6 +135,50 @@ class Peaks:
             for gauge in self._gauges:
                 gauge.set(0)
         return old
+
+
+class TierMetrics:
+    """One KV tier's series (label `tier`): a worker.tiers.TierMeter. Its counters exist
+    from the first call of `WorkerMetrics.tier(name)`, so a worker without the tier
+    exports none of them; its gauges from their first `set_*`, so a size nobody
+    measured is absent, not 0."""
+
+    def __init__(self, families: dict[str, Counter | Gauge], labels: dict[str, str]) -> None:
+        self._labels = labels
+        self._families = families
+        self.hit_tokens = families["hit_tokens"].labels(**labels)
+        self.saved_blocks = families["saved_blocks"].labels(**labels)
+        self.saved_bytes = families["saved_bytes"].labels(**labels)
+        self.save_seconds = families["save_seconds"].labels(**labels)
+        self.loaded_blocks = families["loaded_blocks"].labels(**labels)
+        self.loaded_bytes = families["loaded_bytes"].labels(**labels)
+        self.load_seconds = families["load_seconds"].labels(**labels)
+        # a store's failed calls are a count from the start; other tiers have no store
+        self.store_errors = families["store_errors"].labels(**labels) if labels["tier"] == "shared" else None
+
+    def set_capacity(self, nbytes: int) -> None:
+        self._families["capacity_bytes"].labels(**self._labels).set(nbytes)
+
+    def set_used(self, nbytes: int) -> None:
+        self._families["used_bytes"].labels(**self._labels).set(nbytes)
+
+    def saved(self, blocks: int, nbytes: int, seconds: float) -> None:
+        self.saved_blocks.inc(blocks)
+        self.saved_bytes.inc(nbytes)
+        self.save_seconds.inc(seconds)
+
+    def loaded(self, blocks: int, nbytes: int, seconds: float) -> None:
+        self.loaded_blocks.inc(blocks)
+        self.loaded_bytes.inc(nbytes)
+        self.load_seconds.inc(seconds)
+
+    def refused(self, reason: str, blocks: int = 1) -> None:
+        self._families["refused_entries"].labels(**self._labels, reason=reason).inc(blocks)
+
+    def store_error(self) -> None:
+        if self.store_errors is None:
+            self.store_errors = self._families["store_errors"].labels(**self._labels)
+        self.store_errors.inc()
 
 
 class _PoolCollector(Collector):
@@ -216,6 +273,30 @@ class WorkerMetrics:
         self.inference_time = hist("request_inference_time_seconds", "First scheduled to last token (prefill + decode).", _REQUEST_BUCKETS).labels(**lv)
         self.request_prompt_tokens = hist("request_prompt_tokens", "Prompt tokens of a finished request.", _TOKEN_BUCKETS).labels(**lv)
         self.request_generation_tokens = hist("request_generation_tokens", "Generated tokens of a finished request.", _TOKEN_BUCKETS).labels(**lv)
+        # The KV tiers (worker/tiers/): families now, series from the first `tier(name)`.
+        tier = ("tier",)
+        self._tier_families: dict[str, Counter | Gauge] = {
+            "capacity_bytes": Gauge(f"{PREFIX}_kv_tier_capacity_bytes", "Bytes of K/V the tier can hold.", [*names, *tier], registry=r),
+            "used_bytes": Gauge(f"{PREFIX}_kv_tier_used_bytes", "Bytes of K/V the tier holds now.", [*names, *tier], registry=r),
+            "hit_tokens": counter("kv_tier_hit_tokens", "Prompt tokens loaded from the tier instead of computed.", tier),
+            "saved_blocks": counter("kv_tier_saved_blocks", "KV blocks written into the tier.", tier),
+            "saved_bytes": counter("kv_tier_saved_bytes", "Bytes written into the tier.", tier),
+            "save_seconds": counter("kv_tier_save_seconds", "Seconds the tier's writes took (copy time on the side stream on CUDA).", tier),
+            "loaded_blocks": counter("kv_tier_loaded_blocks", "KV blocks read from the tier into the KV pool.", tier),
+            "loaded_bytes": counter("kv_tier_loaded_bytes", "Bytes read from the tier into the KV pool.", tier),
+            "load_seconds": counter("kv_tier_load_seconds", "Seconds the tier's reads took (copy time on the side stream on CUDA).", tier),
+            "refused_entries": counter("kv_tier_refused_entries", "Entries found in the tier but not loaded, by reason (format, layout, checksum).", ("tier", "reason")),
+            "store_errors": counter("kv_tier_store_errors", "Calls to the shared store that failed (unreachable, I/O): their loads were misses, their saves failed.", tier),
+        }
+        self._tiers: dict[str, TierMetrics] = {}
+
+    def tier(self, name: str) -> TierMetrics:
+        """The series of KV tier `name` (one of KV_TIERS), created on the first call."""
+        if name not in KV_TIERS:
+            raise ValueError(f"unknown KV tier {name!r}; known: {', '.join(KV_TIERS)}")
+        if name not in self._tiers:
+            self._tiers[name] = TierMetrics(self._tier_families, {**self.labels, "tier": name})
+        return self._tiers[name]
 
     def preempted(self, cause: str) -> None:
         self._preemptions.labels(**self.labels, cause=cause).inc()

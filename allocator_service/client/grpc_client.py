@@ -3,9 +3,11 @@ service with others.
 
 Failure handling, in the order a worker meets it:
 
-- UNAVAILABLE or DEADLINE_EXCEEDED (server restarting, Redis blip): the SAME
-  request, with the same step id, is sent again after an exponential backoff
-  with jitter. The server applies a step id once and answers a retry of it
+- UNAVAILABLE or DEADLINE_EXCEEDED (server restarting, Redis blip), or a
+  call the transport cut with no answer from the allocator's code (`transient`:
+  CANCELLED, UNKNOWN or INTERNAL without the server's `pagedkv-error` reason):
+  the SAME request, with the same step id, is sent again after an
+  exponential backoff with jitter. The server applies a step id once and answers a retry of it
   with the first answer, so a step that did land is never applied twice.
   When every retry fails, `AllocatorUnavailable` is raised; calling `step`
   again with the same operations reuses the pending step id, so the worker
@@ -23,7 +25,8 @@ Failure handling, in the order a worker meets it:
 - The worker id still has a live pool when registering (a restarted worker
   process whose previous pool's lease has not yet run out): the server
   refuses (`pool_in_use`) unless given that pool's credential, so the client
-  waits, retrying, for the old lease to expire (`register_wait_s`), then
+  waits, retrying, for the old lease to expire (`register_wait_s`; as it
+  does while the server has no room for the pool, `capacity`), then
   raises the refusal.
 - Anything else is a bug on one side and surfaces as `grpc.RpcError`.
 
@@ -57,7 +60,14 @@ import grpc
 
 from allocator_service.attest import attest_key, credential_digest, proof
 from allocator_service.client.base import AllocatorClient, AllocatorUnavailable, PoolLost, PoolSpec
-from allocator_service.codec import decode_results, fill_ops, shape_to_proto, stats_from_proto
+from allocator_service.codec import (
+    PoolInfo,
+    decode_results,
+    fill_ops,
+    pool_info_from_proto,
+    shape_to_proto,
+    stats_from_proto,
+)
 from allocator_service.core import (
     InvalidArgument,
     Op,
@@ -76,6 +86,12 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 OLDEST_OP_KINDS = frozenset((pb.OP_KIND_FREE, pb.OP_KIND_APPEND, pb.OP_KIND_ADMIT, pb.OP_KIND_FORK))
 # Refusals that mean "not now": retried the same way (the pool's slow calls in flight).
 RETRYABLE_REASONS = ("pool_calls",)
+# How gRPC ends a call that the allocator's code never answered (no
+# `pagedkv-error` reason): the connection, a proxy or the server's shutdown
+# cut it. Besides UNAVAILABLE, gRPC reports a transport torn down mid-call
+# as UNKNOWN ("Stream removed", grpc/grpc#34076) or INTERNAL (a peer's
+# RST_STREAM), and a call the stopping server cancelled as CANCELLED.
+TRANSPORT = frozenset((*RETRYABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL))
 
 # Reconnect quickly after the server restarts (grpc's default backoff grows
 # to two minutes, far longer than a restart takes).
@@ -94,6 +110,17 @@ def error_reason(err: grpc.RpcError) -> str:
         if key == ERROR_KEY:
             return value
     return ""
+
+
+def transient(err: grpc.RpcError) -> bool:
+    """Whether a failed call is to be sent again: the allocator said "not
+    now" (UNAVAILABLE, or a reason in RETRYABLE_REASONS), or gave no answer
+    at all (a TRANSPORT status without its reason). Every answer of the
+    allocator's own code names a reason, so a refusal is never retried."""
+    reason = error_reason(err)
+    if reason:
+        return err.code() in RETRYABLE or reason in RETRYABLE_REASONS
+    return err.code() in TRANSPORT
 
 
 def open_channel(target: str, tls_ca: str | bytes | None = None, options=(), *, aio: bool = False):
@@ -203,7 +230,7 @@ class _Caller:
                 else:
                     response = fn(request, timeout=self.deadline_s, metadata=self.metadata)
             except grpc.RpcError as err:
-                if not retry or (err.code() not in RETRYABLE and error_reason(err) not in RETRYABLE_REASONS):
+                if not retry or not transient(err):
                     if attempt:
                         self._unavailable(t0, 0)
                     raise
@@ -294,18 +321,20 @@ class GrpcAllocator(AllocatorClient):
             served_model_name=self.spec.served_model_name,
         )
         give_up = time.monotonic() + self.register_wait_s
-        waited = False
+        waited = 0
         while True:
             try:
                 r = self._call("RegisterPool", request)
                 break
             except grpc.RpcError as err:
-                if error_reason(err) != "pool_in_use" or time.monotonic() >= give_up:
+                # A live pool of this id (its lease runs out), or no room yet (a pool may go): wait.
+                if error_reason(err) not in ("pool_in_use", "capacity") or time.monotonic() >= give_up:
                     raise
                 if not waited:
-                    log.warning("waiting up to %.0f s to register: %s", self.register_wait_s, err.details())
-                    waited = True
-                time.sleep(0.5)
+                    log.warning("cannot register yet, retrying for up to %.0f s: %s", self.register_wait_s,
+                                err.details())
+                waited += 1
+                time.sleep(min(0.5 * 2 ** (waited - 1), 5.0, max(give_up - time.monotonic(), 0.0)))
         with self._register_lock:
             self._ref = pb.PoolRef(pool_id=r.pool_id, credential=r.credential)
             self.epoch = r.epoch
@@ -446,24 +475,6 @@ class PrefixMatch(NamedTuple):
     block_size: int
 
 
-class PoolInfo(NamedTuple):
-    """One live pool as ListPools answers it."""
-
-    pool_id: str
-    worker_id: str
-    model_fingerprint: str
-    served_model_name: str
-    advertise_url: str
-    block_size: int
-    num_blocks: int
-    free_blocks: int
-    used_blocks: int
-    cached_blocks: int
-    num_sequences: int
-    enable_prefix_caching: bool
-    attest_key: bytes = b""  # proves the worker's identity answers (`attest.py`)
-
-
 class RouterClient:
     """The cross-pool calls a router makes: MatchPrefix, WatchEvents and ListPools."""
 
@@ -514,12 +525,7 @@ class RouterClient:
     def list_pools(self, model_fingerprint: str = "") -> list[PoolInfo]:
         """Every live pool (of `model_fingerprint`, when given), by pool id."""
         r = self._call("ListPools", pb.ListPoolsRequest(model_fingerprint=model_fingerprint))
-        return [
-            PoolInfo(p.pool_id, p.worker_id, p.model_fingerprint, p.served_model_name, p.advertise_url,
-                     p.block_size, p.num_blocks, p.free_blocks, p.used_blocks, p.cached_blocks,
-                     p.num_sequences, p.enable_prefix_caching, p.attest_key)
-            for p in r.pools
-        ]
+        return [pool_info_from_proto(p) for p in r.pools]
 
     def watch_events(self, from_sequence: int = 0, timeout_s: float | None = None,
                      kinds: Sequence[int] = (), snapshot: bool = False, packed: bool = False) -> Iterator[pb.KvEvent]:

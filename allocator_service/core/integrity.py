@@ -22,9 +22,10 @@ def integrity_problems(pool: BlockPool) -> list[str]:
     """Every broken invariant, as a readable line (empty when sound)."""
     problems: list[str] = []
     n, B = pool.num_blocks, pool.block_size
-    fill, ref_cnt, block_hash = pool._fill, pool.ref_cnt, pool.index.block_hash
+    p = pool.parts()
+    fill, ref_cnt, block_hash, seqs = p.fill, p.ref_cnt, p.block_hash, p.seqs
     named = [0] * n
-    for sid, seq in pool._seqs.items():
+    for sid, seq in seqs.items():
         pace()
         if len(seq.table) != blocks_for(seq.num_tokens, B):
             problems.append(f"{sid}: {len(seq.table)} blocks for {seq.num_tokens} tokens")
@@ -46,16 +47,16 @@ def integrity_problems(pool: BlockPool) -> list[str]:
         if pool.enable_prefix_caching and (len(seq.hashes) != known // B or len(seq.tail) != known % B):
             problems.append(f"{sid}: {len(seq.hashes)} chain hashes and {len(seq.tail)} tail tokens "
                             f"for {known} known tokens")
-    entries = sum(len(seq.table) for seq in pool._seqs.values())
+    entries = sum(len(seq.table) for seq in seqs.values())
     if pool.table_entries != entries:
         problems.append(f"the pool counts {pool.table_entries} table entries, its tables hold {entries}")
-    names = sum(len(s) + len(seq.salt or "") for s, seq in pool._seqs.items())
+    names = sum(len(s) + len(seq.salt or "") for s, seq in seqs.items())
     if pool.name_chars != names:
         problems.append(f"the pool counts {pool.name_chars} characters of names, its sequences hold {names}")
-    if entries > pool.max_table_entries or len(pool._seqs) > pool.max_sequences or names > pool.max_name_chars:
-        problems.append(f"{len(pool._seqs)} sequences, {entries} table entries and {names} characters "
+    if entries > pool.max_table_entries or len(seqs) > pool.max_sequences or names > pool.max_name_chars:
+        problems.append(f"{len(seqs)} sequences, {entries} table entries and {names} characters "
                         "of names exceed the pool's bounds")
-    uncached, cached = list(pool._uncached_free), list(pool._cached_free)
+    uncached, cached = list(p.uncached_free), list(p.cached_free)
     free = uncached + cached
     if len(set(free)) != len(free):
         problems.append("a block is listed twice in the free queue")

@@ -27,7 +27,7 @@ Every public mutating method either succeeds whole or raises an
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -128,6 +128,26 @@ class PoolStats:
     def prefix_hit_rate(self) -> float:
         q = self.prefix_queried_tokens
         return self.prefix_hit_tokens / q if q else 0.0
+
+
+class PoolParts(NamedTuple):
+    """What a pool holds beyond its config and counters, as its own
+    containers (`BlockPool.parts`: read them, never change them): what a
+    dump stores (`snapshot.py`) and the invariants are checked over
+    (`integrity.py`)."""
+
+    ref_cnt: list[int]  # per block: block tables naming it
+    fill: list[int]  # per block: slots holding a token
+    block_hash: list[bytes | None]  # per block: its prefix hash (None: none)
+    uncached_free: Sequence[int]  # free blocks holding nothing reusable, in hand-out order
+    cached_free: Iterable[int]  # free blocks holding a hash, least recently freed first
+    stamp: list[int]  # per block: when it last joined the free queue (`clock` then)
+    clock: int
+    seqs: Mapping[str, Seq]
+
+
+# The counters `stats()` reports, kept in a dump.
+_COUNTERS = ("prefix_queried_tokens", "prefix_hit_tokens", "evictions", "copies", "out_of_blocks")
 
 
 def _check_seq_id(seq_id: object) -> str:
@@ -608,6 +628,32 @@ class BlockPool:
         return b
 
     # ------------------------------------------- checks and dumps (own modules)
+    def parts(self) -> PoolParts:
+        """The pool's containers as they are (no copies: read only)."""
+        return PoolParts(self.ref_cnt, self._fill, self.index.block_hash, self._uncached_free,
+                         self._cached_free, self._stamp, self._clock, self._seqs)
+
+    @classmethod
+    def from_parts(cls, config: PoolConfig, parts: PoolParts, counters: Mapping[str, int],
+                   event_sink: EventSink | None = None) -> BlockPool:
+        """A pool holding `parts` (its lists taken over, not copied) and the
+        `stats()` counters given in `counters` (prefix_queried_tokens, ...)."""
+        pool = cls(config, event_sink)
+        pool.ref_cnt = parts.ref_cnt
+        pool._fill = parts.fill
+        pool.index = PrefixIndex(parts.block_hash, event_sink)
+        pool._uncached_free = deque(parts.uncached_free)
+        pool._cached_free = OrderedDict.fromkeys(parts.cached_free)
+        pool._stamp = parts.stamp
+        pool._clock = parts.clock
+        pool._seqs = dict(parts.seqs)
+        pool.table_entries = sum(len(q.table) for q in pool._seqs.values())
+        pool.name_chars = sum(len(s) + len(q.salt or "") for s, q in pool._seqs.items())
+        for name, value in counters.items():
+            if name in _COUNTERS:  # one a dump lacks stays 0
+                setattr(pool, name, value)
+        return pool
+
     def integrity_problems(self) -> list[str]:
         """Every broken invariant, as a readable line (empty when sound)."""
         return integrity.integrity_problems(self)
@@ -621,6 +667,5 @@ class BlockPool:
 
     @classmethod
     def from_state(cls, state: dict[str, Any], event_sink: EventSink | None = None) -> BlockPool:
-        pool = cls(PoolConfig(**state["config"]), event_sink)
-        snapshot.restore(pool, state)
-        return pool
+        parts, counters = snapshot.parts_of(state)
+        return cls.from_parts(PoolConfig(**state["config"]), PoolParts(*parts), counters, event_sink)

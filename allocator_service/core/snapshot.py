@@ -1,6 +1,8 @@
-"""A `BlockPool` as plain data: the full dump (`to_state`/`restore`: what
-the service's snapshots and DumpPool carry, JSON-able, rebuilt exactly) and
-the short view `pagedkv replay` prints after each operation (`pool_view`).
+"""A `BlockPool` as plain data: the full dump (`to_state`/`parts_of`: what
+the service's snapshots and DumpPool carry, JSON-able, rebuilt exactly by
+`BlockPool.from_state`) and the short view `pagedkv replay` prints after each
+operation (`pool_view`). Reads and builds the pool through its public
+`parts()` / `from_parts()`.
 
 NOTE: the dump's keys and encoding are a stored format (Redis snapshots,
 existing journals' snapshots): change them only with a new snapshot format.
@@ -9,19 +11,18 @@ existing journals' snapshots): change them only with a new snapshot format.
 from __future__ import annotations
 
 import json
-from collections import OrderedDict, deque
 from typing import TYPE_CHECKING, Any
 
 from allocator_service.core.pacing import chunks
-from allocator_service.core.prefix_index import PrefixIndex
 from allocator_service.core.sequence import Seq
 
-if TYPE_CHECKING:  # the pool calls in here; this module only reads and fills it
+if TYPE_CHECKING:  # the pool calls in here; this module only reads it
     from allocator_service.core.pool import BlockPool
 
 
 def to_state(pool: BlockPool) -> dict[str, Any]:
     """A JSON-able dump of the whole state of `pool`."""
+    p = pool.parts()
     return {
         "config": {
             "num_blocks": pool.num_blocks,
@@ -29,13 +30,13 @@ def to_state(pool: BlockPool) -> dict[str, Any]:
             "enable_prefix_caching": pool.enable_prefix_caching,
             "model_fingerprint": pool.config.model_fingerprint,
         },
-        "ref_cnt": list(pool.ref_cnt),
-        "fill": list(pool._fill),
-        "hash": [h.hex() if h else None for part in chunks(pool.index.block_hash) for h in part],
-        "uncached_free": list(pool._uncached_free),
-        "cached_free": list(pool._cached_free),
-        "stamp": list(pool._stamp),
-        "clock": pool._clock,
+        "ref_cnt": list(p.ref_cnt),
+        "fill": list(p.fill),
+        "hash": [h.hex() if h else None for part in chunks(p.block_hash) for h in part],
+        "uncached_free": list(p.uncached_free),
+        "cached_free": list(p.cached_free),
+        "stamp": list(p.stamp),
+        "clock": p.clock,
         "seqs": {
             s: {
                 "table": list(q.table),
@@ -47,7 +48,7 @@ def to_state(pool: BlockPool) -> dict[str, Any]:
                 # keys every stored snapshot has (older ones read as 0).
                 **({"reserved": q.reserved} if q.reserved else {}),
             }
-            for s, q in pool._seqs.items()
+            for s, q in p.seqs.items()
         },
         "counters": {
             "prefix_queried_tokens": pool.prefix_queried_tokens,
@@ -77,17 +78,11 @@ def dumps_chunked(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"))
 
 
-def restore(pool: BlockPool, state: dict[str, Any]) -> None:
-    """Fill a fresh pool of `state["config"]` with the dumped state."""
-    pool.ref_cnt = list(state["ref_cnt"])
-    pool._fill = list(state["fill"])
-    pool.index = PrefixIndex([bytes.fromhex(h) if h else None for h in state["hash"]], pool.index.event_sink)
-    pool._uncached_free = deque(state["uncached_free"])
-    pool._cached_free = OrderedDict((b, None) for b in state["cached_free"])
-    pool._stamp = list(state["stamp"])
-    pool._clock = state["clock"]
-    for s, q in state["seqs"].items():
-        pool._seqs[s] = Seq(
+def parts_of(state: dict[str, Any]) -> tuple[tuple, dict[str, int]]:
+    """The fields of a `PoolParts` (in its order) and the counters that a
+    dump holds: `BlockPool.from_state` builds the pool from them."""
+    seqs = {
+        s: Seq(
             table=list(q["table"]),
             num_tokens=q["num_tokens"],
             salt=q["salt"],
@@ -95,10 +90,19 @@ def restore(pool: BlockPool, state: dict[str, Any]) -> None:
             tail=list(q["tail"]),
             reserved=q.get("reserved", 0),
         )
-    pool.table_entries = sum(len(q.table) for q in pool._seqs.values())
-    pool.name_chars = sum(len(s) + len(q.salt or "") for s, q in pool._seqs.items())
-    for k, v in state["counters"].items():
-        setattr(pool, k, v)
+        for s, q in state["seqs"].items()
+    }
+    parts = (
+        list(state["ref_cnt"]),
+        list(state["fill"]),
+        [bytes.fromhex(h) if h else None for h in state["hash"]],
+        state["uncached_free"],
+        state["cached_free"],
+        list(state["stamp"]),
+        state["clock"],
+        seqs,
+    )
+    return parts, dict(state["counters"])
 
 
 def pool_view(pool: BlockPool) -> dict[str, Any]:

@@ -21,6 +21,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "attention": ("pagedkv.bench.attention", "paged vs contiguous attention time on the same data"),
     "serve": ("pagedkv.bench.serve", "this engine vs transformers generate on one workload"),
     "route": ("pagedkv.bench.route", "the router's policies (kv, least-load, round-robin) on a multi-tenant workload"),
+    "restart": ("pagedkv.bench.restart", "the allocator restarted under load: failed requests and wrong texts"),
 }
 REPORT = ("pagedkv.bench.report", "render the committed benchmark results (JSON) as Markdown")
 

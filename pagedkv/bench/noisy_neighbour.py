@@ -74,7 +74,7 @@ class _Prebuilt:
         import grpc
 
         from allocator_service.codec import encode_ops, shape_to_proto
-        from allocator_service.servicer import SERVICE_NAME
+        from allocator_service.rpc.servicer import SERVICE_NAME
         from allocator_service.v1 import allocator_pb2 as pb
 
         self._pb = pb

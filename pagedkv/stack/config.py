@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from pagedkv.stack.local import FAST_EXIT_S, GIVE_UP_AFTER, RESTART_DELAYS
 from pagedkv_base.config import setting
 from pagedkv_base.settings import seconds
 from router.cli import RouterArgs
@@ -50,5 +51,9 @@ class UpArgs:
     grace: float = setting(10.0, "seconds between SIGTERM and SIGKILL at shutdown", parse=seconds, flag=False)
     log_dir: str | None = setting(
         None, "keep each process's log as DIR/NAME.log", shown_default="a temporary folder, removed at exit")
+    restart: bool = setting(
+        True, "restart a process that exits, as compose's restart: unless-stopped (one line per restart, a delay "
+        f"doubling from {RESTART_DELAYS[0]:g} s while it keeps exiting within {FAST_EXIT_S:g} s of starting; after "
+        f"{GIVE_UP_AFTER} such exits in a row the stack stops); 0 stops the stack when any process exits", flag=False)
     ready_file: str | None = setting(None, "when everything is healthy, write the addresses and pids there as JSON")
     quiet: bool = setting(False, "do not echo the processes' output (it still goes to the log files)")

@@ -60,6 +60,16 @@ their binaries are on PATH::
   must name localhost), and the workers are given what they need to call it.
 - The processes die with the thread that started the stack (see
   `pagedkv.stack.process`): start it from one that outlives it.
+- `supervise()` (what `pagedkv up` runs once the stack is healthy) restarts
+  every process that exits, as compose's `restart: unless-stopped` does: on
+  the same address with the same arguments and log, after a delay that
+  doubles with each exit in a row within `FAST_EXIT_S` of its start
+  (`RESTART_DELAYS`), one line per restart (also kept in `restarts`). A
+  process that exits `GIVE_UP_AFTER` times in a row that fast is given up
+  on: StackError, with its last lines. An allocator with `--state memory`
+  comes back empty: each worker registers a new pool with it, recomputes
+  what it was computing, and the router proves the new pools before it
+  routes to them; with Redis state it comes back with every pool.
 """
 
 from __future__ import annotations
@@ -94,6 +104,11 @@ from pagedkv.stack.services import (
 from pagedkv_base.settings import env_name, thread_share
 
 THREADS_ENV = env_name("worker", "--threads")
+# Seconds before restarting a process that exited: the first, its second, ... exit in a row within
+# FAST_EXIT_S of its start (an exit after a longer run: the first's).
+RESTART_DELAYS = (0.5, 1.0, 2.0, 4.0, 8.0)
+FAST_EXIT_S = 30.0
+GIVE_UP_AFTER = 5  # exits in a row that fast: the process is given up on
 _COLOURS = ("cyan", "magenta", "green", "yellow", "blue", "bright_red", "bright_cyan", "bright_magenta")
 
 
@@ -188,7 +203,10 @@ class LocalStack:
         self.prometheus_url: str | None = None
         self.redis_url: str | None = None
         self.warnings: list[str] = []
+        self.restarts: list[str] = []  # one line per restart `supervise` made
         self._ports: dict[int, str] = {}  # fixed ports given out by this start, by whom
+        self._stopping = threading.Event()  # set by stop(): `supervise` restarts nothing more
+        self._lock = threading.Lock()  # a restart and stop() one at a time
 
     # -------------------------------------------------------------- lifecycle
 
@@ -203,6 +221,7 @@ class LocalStack:
         from rich.console import Console
 
         self.console = Console(highlight=False) if self.echo else None
+        self._stopping.clear()
         if self.log_dir is None:
             self.log_dir = Path(tempfile.mkdtemp(prefix="pagedkv-up-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -350,8 +369,49 @@ class LocalStack:
                 checks.append((self.prometheus.start().proc, self.prometheus.healthy))
         wait_healthy(checks, self.startup_timeout)
 
+    def supervise(self) -> None:
+        """Restart each process that exits, until `stop()` (see the module
+        docstring); StackError when one keeps exiting fast. Run it from the
+        thread that started the stack: restarted processes die with the
+        thread that starts them."""
+        in_a_row: dict[str, int] = {}  # exits within FAST_EXIT_S of their start, in a row
+        due: dict[str, float] = {}  # name -> when it is restarted
+        while not self._stopping.is_set():
+            now = time.monotonic()
+            for name, service in list(self.services.items()):
+                proc = service.proc
+                if proc is None or proc.alive():
+                    continue
+                if name not in due:
+                    fast = now - service.started_at < FAST_EXIT_S
+                    n = in_a_row[name] = in_a_row.get(name, 0) + 1 if fast else 0
+                    if n >= GIVE_UP_AFTER:
+                        raise StackError(proc.describe_failure(
+                            f"exited ({proc.exit_status()}) {n} times in a row within {FAST_EXIT_S:g} s of "
+                            "starting; given up on"))
+                    delay = RESTART_DELAYS[min(max(n - 1, 0), len(RESTART_DELAYS) - 1)]
+                    due[name] = now + delay
+                    self._say(f"{name} exited ({proc.exit_status()}); restarting it in {delay:g} s "
+                              f"(restart {service.starts}"
+                              + (f", {n} fast exits in a row" if n else "") + ")")
+                elif now >= due[name]:
+                    with self._lock:
+                        if self._stopping.is_set():
+                            return
+                        proc.finish()
+                        service.start()
+                    del due[name]
+            self._stopping.wait(0.1)
+
+    def _say(self, line: str) -> None:
+        self.restarts.append(line)
+        if self.console is not None:
+            self.console.print(f"[yellow]pagedkv up:[/] {line}", highlight=False)
+
     def stop(self) -> None:
         """Stop every process (the router, then workers and Prometheus, then the allocator, then Redis). Idempotent."""
+        with self._lock:
+            self._stopping.set()
         p = self.processes
         tiers = [
             [p[k] for k in ("router",) if k in p],
@@ -421,6 +481,6 @@ def _shard_state(state: str, index: int) -> str:
     in the same Redis (the URL's rules are the journal's own)."""
     if index == 0 or not state.startswith(("redis://", "rediss://", "unix://")):
         return state
-    from allocator_service.journal import with_prefix
+    from allocator_service.store.journal import with_prefix
 
     return with_prefix(state, f"shard-{index + 1}:")

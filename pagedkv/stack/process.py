@@ -119,6 +119,16 @@ class Process:
         self.popen.wait()
         self.finish()
 
+    def exit_status(self) -> str:
+        """How it ended, in words: `status 3`, `SIGKILL`."""
+        code = self.popen.returncode
+        if code is not None and code < 0:
+            try:
+                return signal.Signals(-code).name
+            except ValueError:
+                return f"signal {-code}"
+        return f"status {code}"
+
     def describe_failure(self, what: str) -> str:
         self._reader.join(timeout=1.0)  # let the last lines arrive
         lines = "\n".join(f"    {line}" for line in list(self.tail)[-20:]) or "    (no output)"

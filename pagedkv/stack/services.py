@@ -14,13 +14,14 @@ import shutil
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from pagedkv.stack.probes import free_port, grpc_health_ok, http_ok, redis_ping_ok
 from pagedkv.stack.process import Process, stop_processes, wait_healthy
 
-# What the allocator prints once it serves (allocator_service/server.py).
+# What the allocator prints once it serves (allocator_service/rpc/server.py).
 _LISTENING = re.compile(r"listening on (\S+):(\d+) ")
 _METRICS = re.compile(r"metrics on (http://\S+)")
 
@@ -40,6 +41,7 @@ class Service:
         self.tail_lines = tail_lines
         self.proc: Process | None = None
         self.starts = 0
+        self.started_at = 0.0  # time.monotonic() of the last start
 
     def argv(self) -> list[str]:
         raise NotImplementedError
@@ -59,6 +61,7 @@ class Service:
         self.proc = Process(self.name, argv, self.log_path, self.colour, console=self.console, env=self.env,
                             tail_lines=self.tail_lines, die_with_parent=self.die_with_parent,
                             append=self.starts > 1, on_line=self._on_line)
+        self.started_at = time.monotonic()
         return self
 
     def wait_healthy(self, timeout: float = 120.0) -> Service:

@@ -17,6 +17,7 @@ says it here). The official client reads either.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -64,20 +65,27 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 class ApiKeyCheck:
-    """Every request to /v1/* must carry `Authorization: Bearer <api_key>`
-    (compared in constant time); others get a 401 in the one error shape.
-    Other paths (/health, /metrics, /version, /tokenize, /detokenize) and
-    CORS preflights pass, as in vLLM."""
+    """Every request to /v1/* must carry `Authorization: Bearer KEY` for one of
+    `api_keys` (each compared in constant time); others get a 401 in the one
+    error shape. The key it came with is the request's `state.api_key`
+    (`tenants.api_key_of`). Other paths (/health, /metrics, /version,
+    /tokenize, /detokenize) and CORS preflights pass, as in vLLM."""
 
-    def __init__(self, app, api_key: str) -> None:
+    def __init__(self, app, api_keys: str | Sequence[str]) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        keys = (api_keys,) if isinstance(api_keys, str) else tuple(api_keys)
+        self._expected = [(f"Bearer {key}".encode(), key) for key in keys]
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope.get("method") == "OPTIONS" or not _is_api(scope.get("path", "")):
             return await self.app(scope, receive, send)
         given = dict(scope.get("headers") or ()).get(b"authorization", b"")
-        if secrets.compare_digest(given, self._expected):
+        found = None
+        for expected, key in self._expected:  # every key compared, whichever matches
+            if secrets.compare_digest(given, expected):
+                found = key
+        if found is not None:
+            scope.setdefault("state", {})["api_key"] = found
             return await self.app(scope, receive, send)
         response = error_response(401, "invalid or missing API key: send the header `Authorization: Bearer KEY`",
                                   code="invalid_api_key")

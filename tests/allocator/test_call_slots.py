@@ -1,5 +1,5 @@
 """One worker cannot hold every server thread: a pool may have at most
-`Limits.max_calls_per_pool` unary calls in flight (`call_slots.py`); one
+`Limits.max_calls_per_pool` unary calls in flight (`sharing.CallSlots`); one
 more is refused at once (RESOURCE_EXHAUSTED, `pool_calls`), while other
 pools, heartbeats and the pool's own step stream go on. A real gRPC server
 in this process, whose handling of one pool's GetPoolStats is held open."""
@@ -15,15 +15,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from allocator_service.call_slots import CallSlots
 from allocator_service.client import PoolSpec
 from allocator_service.client.grpc_client import GrpcAllocator, error_reason
 from allocator_service.codec import encode_ops
 from allocator_service.config import Limits, ServiceConfig
 from allocator_service.core import Admit, PoolConfig
 from allocator_service.errors import TooManyCalls
-from allocator_service.server import create_server
+from allocator_service.rpc.server import create_server
 from allocator_service.service import AllocatorService
+from allocator_service.sharing import CallSlots
 from allocator_service.v1 import allocator_pb2 as pb
 from tests.support.allocator import register, stub
 
@@ -99,7 +99,7 @@ def test_a_pool_past_its_slow_calls_in_flight_is_refused_and_nothing_else_is():
         assert h.service.call_slots.in_flight(heavy.pool_id) == 0 and h.service.call_slots.refused == 1
         from prometheus_client import generate_latest
 
-        from allocator_service.metrics import make_registry
+        from allocator_service.rpc.metrics import make_registry
 
         text = generate_latest(make_registry(h.service)[0]).decode()
         assert "pagedkv_allocator_pool_calls_refused_total 1.0" in text

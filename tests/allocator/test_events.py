@@ -8,7 +8,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from allocator_service.events import EventLog
+from allocator_service.store.events import EventLog
 
 batches = st.lists(st.integers(0, 7), min_size=1, max_size=30)  # events per record
 

@@ -17,7 +17,7 @@ from allocator_service.client import EmbeddedAllocator, PoolSpec
 from allocator_service.client.grpc_client import GrpcAllocator, RouterClient
 from allocator_service.codec import canonical_ops, encode_ops, ops_digest
 from allocator_service.core import PoolConfig, execute_step
-from allocator_service.replay import StepRecord, encode_step_record
+from allocator_service.store.journal import StepRecord, encode_step_record
 from allocator_service.v1 import allocator_pb2 as pb
 from allocator_service.v1 import journal_pb2 as jpb
 from tests.support.allocator import (

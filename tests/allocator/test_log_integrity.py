@@ -27,8 +27,7 @@ from allocator_service.client import EmbeddedAllocator, PoolLost, PoolSpec
 from allocator_service.client.grpc_client import GrpcAllocator
 from allocator_service.codec import encode_ops
 from allocator_service.core import PoolConfig
-from allocator_service.journal import split_prefix
-from allocator_service.replay import ENTRY_MAGIC, ZERO_CHAIN, encode_entry
+from allocator_service.store.journal import ENTRY_MAGIC, ZERO_CHAIN, encode_entry, split_prefix
 from allocator_service.v1 import allocator_pb2 as pb
 from allocator_service.v1 import journal_pb2 as jpb
 from pagedkv.stack.probes import free_port

@@ -26,8 +26,9 @@ from allocator_service.core import (
     step_columns,
 )
 from allocator_service.errors import BadRequest, StepConflict, StoreUnavailable
-from allocator_service.journal import Loaded
 from allocator_service.service import AllocatorService, check_step
+from allocator_service.store import registry as state
+from allocator_service.store.journal import Loaded
 from allocator_service.v1 import allocator_pb2 as pb
 from tests.support.allocator import random_steps
 
@@ -157,6 +158,8 @@ def full_state(svc: AllocatorService) -> dict:
         "index": reg.index,
         "events": svc.events.next_sequence,
         "epochs": reg.epochs,
+        "idle": list(reg.idle),
+        "epoch_floor": reg.epoch_floor,
         "pools": {
             p: (e.pool.to_state(), e.last_step_id, e.last_digest, e.last_response, e.credential_digest)
             for p, e in reg.pools.items()
@@ -193,6 +196,50 @@ def test_restart_from_journal_rebuilds_everything(snapshot_every):
         again.step(ref_a, 40, encode_ops([Free("nope")]))
     with pytest.raises(StepConflict):
         again.step(ref_a, 3, encode_ops([Free("nope")]))
+
+
+def _cycle(svc: AllocatorService, worker_id: str) -> str:
+    """Register a pool for `worker_id` and deregister it; its pool id."""
+    r = svc.register(worker_id, SHAPE)
+    svc.deregister(pb.PoolRef(pool_id=r.pool_id, credential=r.credential))
+    return r.pool_id
+
+
+def test_register_deregister_cycles_keep_the_epoch_map_bounded():
+    """Workers whose ids are fresh each start (the default HOSTNAME-PID-RANDOM)
+    register and go: the epochs remembered stay at IDLE_EPOCHS_KEPT, however
+    many cycles, and no pool id is ever issued twice, to a forgotten id
+    either; a restart from the journal issues the same next ids."""
+    journal = FakeJournal()
+    svc = AllocatorService(ServiceConfig(snapshot_every=997), journal)
+    live = svc.register("steady", SHAPE)
+    kept = state.IDLE_EPOCHS_KEPT
+    issued = [_cycle(svc, f"w-{i}") for i in range(kept + 3000)]
+    reg = svc.registry
+    assert len(reg.idle) == kept and len(reg.epochs) == kept + 1  # the idle ones kept, and the live one
+    assert reg.epoch_floor == 1 and "steady" in reg.epochs and "w-0" not in reg.epochs
+    # Once ids are forgotten, a fresh id starts above the floor.
+    last = f"w-{kept + 2999}"
+    assert issued[:2] == ["w-0/1", "w-1/1"] and issued[-1] == f"{last}/2"
+    # A forgotten id, a remembered one and the live one: new ids only.
+    issued += [_cycle(svc, "w-0"), _cycle(svc, last), _cycle(svc, last)]
+    again = svc.register("steady", SHAPE, live.credential).pool_id
+    issued.append(again)
+    assert issued[-4:] == ["w-0/2", f"{last}/3", f"{last}/4", "steady/2"]
+    assert len(set(issued)) == len(issued)
+    restarted = AllocatorService(ServiceConfig(snapshot_every=997), journal)
+    assert full_state(restarted) == full_state(svc)
+    assert [restarted.registry.next_epoch(w) for w in ("w-0", "w-1", last, "new")] == [3, 2, 5, 2]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.sampled_from("abcdefgh"), max_size=60))
+def test_no_pool_id_is_issued_twice_whatever_is_forgotten(monkeypatch, workers):
+    monkeypatch.setattr(state, "IDLE_EPOCHS_KEPT", 3)
+    svc = AllocatorService(ServiceConfig(), FakeJournal())
+    issued = [_cycle(svc, w) for w in workers]
+    assert len(set(issued)) == len(issued)
+    assert len(svc.registry.idle) <= 3 and len(svc.registry.epochs) <= 3
 
 
 def test_ambiguous_journal_failure_reloads_and_applies_once():

@@ -85,7 +85,8 @@ def test_a_worker_token_is_refused_the_router_calls(server):
 
 
 @pytest.mark.parametrize(("text", "error"), [
-    ("worker-1 http://a:1\n", "line 1: want 'WORKER_ID URL TOKEN', got 2 fields"),
+    ("worker-1 http://a:1\n", r"line 1: want 'WORKER_ID URL TOKEN \[BLOCKS\]', got 2 fields"),
+    ("w1 http://a:1 t1 many\n", "line 1: BLOCKS must be a positive whole number, not 'many'"),
     ("worker-1 a:1 tok\n", "line 1: the address must be an http:// or https:// URL"),
     ("w1 http://a:1 tok\nw2 http://b:1 tok\n", "line 2: worker id, address and token must each appear once"),
     ("w1 http://a:1 t1\nw1 http://b:1 t2\n", "line 2: worker id, address and token must each appear once"),
@@ -102,5 +103,5 @@ def test_the_allocator_will_not_start_on_a_bad_tokens_file(tmp_path):
     r = subprocess.run([sys.executable, "-m", "allocator_service", "--listen", "127.0.0.1:0",
                         "--worker-tokens-file", str(bad)], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0
-    assert f"--worker-tokens-file {bad}: line 1: want 'WORKER_ID URL TOKEN', got 2 fields" in r.stderr
+    assert f"--worker-tokens-file {bad}: line 1: want 'WORKER_ID URL TOKEN [BLOCKS]', got 2 fields" in r.stderr
     assert "Traceback" not in r.stderr

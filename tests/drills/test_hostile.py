@@ -317,8 +317,13 @@ def test_the_heaviest_legal_requests_are_bounded_and_replay(redis_store, allocat
 
     import redis
 
-    from allocator_service.journal import split_prefix
-    from allocator_service.replay import ENTRY_MAGIC, encode_entry, head_marker, record_bytes
+    from allocator_service.store.journal import (
+        ENTRY_MAGIC,
+        encode_entry,
+        head_marker,
+        record_bytes,
+        split_prefix,
+    )
     from allocator_service.v1 import journal_pb2 as jpb
     from tests.support.drills import rss_bytes
 

@@ -117,7 +117,7 @@ def test_fixed_ports_that_overlap_are_refused_before_anything_starts():
     ("redis://h:6379/0?key_prefix=teamA:", "teamA:shard-2:"),  # two stacks on one Redis stay apart
 ])
 def test_each_allocator_keeps_its_journal_under_its_own_key_prefix(state, second):
-    from allocator_service.journal import split_prefix
+    from allocator_service.store.journal import split_prefix
     from pagedkv.stack.local import _shard_state
 
     assert _shard_state(state, 0) == state

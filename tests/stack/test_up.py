@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -18,6 +22,7 @@ import pytest
 from pagedkv.stack import (
     LocalStack,
     Process,
+    Service,
     StackError,
     grpc_health_ok,
     http_ok,
@@ -64,6 +69,31 @@ def _descendants(pid: int) -> set[int]:
             found.add(child)
             todo.append(child)
     return found
+
+
+@contextlib.contextmanager
+def _up(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[tuple[subprocess.Popen, dict]]:
+    """`pagedkv up ARGS` on free ports with a ready file, `env` added to its environment:
+    (its process, the ready file's addresses and pids); its output in tmp_path/up.log;
+    killed at the end if still running."""
+    ready = tmp_path / "ready.json"
+    log = open(tmp_path / "up.log", "w")  # noqa: SIM115 - closed below
+    up = subprocess.Popen(
+        [sys.executable, "-m", "pagedkv", "up", *args, "--router-port", "0", "--ready-file", str(ready)],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **FREE_PORTS, **(env or {})},
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            assert up.poll() is None, (tmp_path / "up.log").read_text()
+            assert time.monotonic() < deadline, (tmp_path / "up.log").read_text()
+            time.sleep(0.2)
+        yield up, json.loads(ready.read_text())
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+        log.close()
 
 
 def test_every_flag_has_help_and_passes_through():
@@ -162,23 +192,10 @@ def test_a_killed_launcher_leaves_no_orphans(tmp_path):
 
 
 def test_up_starts_the_topology_and_stops_it_on_sigint(tmp_path):
-    ready = tmp_path / "ready.json"
-    log = open(tmp_path / "up.log", "w")  # noqa: SIM115 - closed below
     # --block-size is not a flag of `pagedkv up`: each worker reads its own variable
-    env = {**os.environ, **FREE_PORTS, "PAGEDKV_UP_GRACE": "10", "PAGEDKV_WORKER_BLOCK_SIZE": "4",
-           "PAGEDKV_WORKER_MAX_MODEL_LEN": "96"}
-    up = subprocess.Popen(
-        [sys.executable, "-m", "pagedkv", "up", "--workers", "2", *TINY[:4], "--router-port", "0",
-         "--ready-file", str(ready)],
-        stdout=log, stderr=subprocess.STDOUT, env=env,
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while not ready.exists():
-            assert up.poll() is None, (tmp_path / "up.log").read_text()
-            assert time.monotonic() < deadline, (tmp_path / "up.log").read_text()
-            time.sleep(0.2)
-        info = json.loads(ready.read_text())
+    with _up(tmp_path, "--workers", "2", *TINY[:4], env={
+            "PAGEDKV_UP_GRACE": "10", "PAGEDKV_WORKER_BLOCK_SIZE": "4", "PAGEDKV_WORKER_MAX_MODEL_LEN": "96"},
+             ) as (up, info):
         assert len(info["workers"]) == 2 and len(set(info["workers"])) == 2
         for url in info["workers"]:
             assert http_ok(f"{url}/health")
@@ -202,11 +219,6 @@ def test_up_starts_the_topology_and_stops_it_on_sigint(tmp_path):
 
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=30) == 0
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
-        log.close()
     out = (tmp_path / "up.log").read_text()
     assert "all healthy" in out and "worker-2 |" in out and "all processes stopped" in out
     deadline = time.monotonic() + 5
@@ -268,3 +280,85 @@ def test_local_stack_refuses_a_busy_port():
         busy = s.getsockname()[1]
         with pytest.raises(StackError, match=f"port {busy} for the allocator is already in use"):
             LocalStack(workers=1, allocator_port=busy).start()
+
+
+def _stream(url: str, prompt: str, started: threading.Event, killed: threading.Event) -> tuple[list[str], int]:
+    """(the `data:` payloads of a streamed completion through `url`, as they came;
+    how many came after `killed` was set)."""
+    import httpx
+
+    events, after = [], 0
+    body = {"model": "tiny-random", "prompt": prompt, "max_tokens": 400, "ignore_eos": True, "temperature": 0,
+            "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line.removeprefix("data: "))
+                after += killed.is_set()
+                started.set()
+    return events, after
+
+
+def test_up_restarts_a_killed_allocator_and_no_stream_is_cut(tmp_path):
+    """kill -9 of the allocator while streams pass through the router: `pagedkv up`
+    restarts it (one line says so), its workers register new pools with the empty
+    allocator (memory state) and finish every stream; the stack answers afterwards."""
+    import httpx
+
+    log_path = tmp_path / "up.log"
+    with _up(tmp_path, "--workers", "2", "--model", "tiny-random", "--num-blocks", "256",
+             "--log-dir", str(tmp_path / "logs"), env={"PAGEDKV_WORKER_BLOCK_SIZE": "4"}) as (up, info):
+        router = info["router"]
+        starts, killed = [threading.Event() for _ in range(4)], threading.Event()
+        with ThreadPoolExecutor(4) as pool:
+            streams = [pool.submit(_stream, router, f"Stream {i} says: " + "tell me more. " * 4, started, killed)
+                       for i, started in enumerate(starts)]
+            for started in starts:
+                assert started.wait(120), log_path.read_text()
+            os.kill(info["pids"]["allocator"], signal.SIGKILL)
+            killed.set()
+            results = [s.result(timeout=300) for s in streams]
+        for events, after_kill in results:
+            assert events[-1] == "[DONE]" and after_kill > 1  # it was in flight: the kill fell in the middle
+            chunks = [json.loads(e) for e in events[:-1]]
+            assert [c for c in chunks if "error" in c] == []
+            assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]] == ["length"]
+        assert up.poll() is None, log_path.read_text()
+        # The stack answers afterwards: once the restarted allocator lists the new pools and the router proved them.
+        deadline = time.monotonic() + 120
+        while True:
+            r = httpx.post(f"{router}/v1/completions", timeout=60,
+                           json={"model": "tiny-random", "prompt": "After the restart", "max_tokens": 4})
+            if r.status_code == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert r.status_code == 200, (r.text, log_path.read_text())
+        assert httpx.get(f"{router}/health", timeout=5).json()["workers"] == 2
+        out = log_path.read_text()
+        assert out.count("allocator exited (SIGKILL); restarting it") == 1, out
+        assert "---- start 2" in (tmp_path / "logs" / "allocator.log").read_text()
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=60) == 0
+
+
+def test_a_process_that_keeps_exiting_fast_is_given_up_on(monkeypatch):
+    import pagedkv.stack.local as local
+
+    monkeypatch.setattr(local, "RESTART_DELAYS", (0.0, 0.1))
+
+    class Crashing(Service):
+        def argv(self) -> list[str]:
+            return [sys.executable, "-c", "print('boom: no such model'); raise SystemExit(3)"]
+
+    stack = LocalStack(workers=1, model="tiny-random")
+    stack.services["worker-1"] = Crashing("worker-1").start()
+    with pytest.raises(StackError) as err:
+        stack.supervise()
+    assert str(err.value).startswith(
+        f"worker-1 exited (status 3) {local.GIVE_UP_AFTER} times in a row within 30 s of starting; given up on")
+    assert "boom: no such model" in str(err.value)
+    # one line per restart before it: the first GIVE_UP_AFTER - 1 exits
+    assert stack.restarts == [f"worker-1 exited (status 3); restarting it in {0.0 if n == 1 else 0.1:g} s "
+                              f"(restart {n}, {n} fast exits in a row)" for n in range(1, local.GIVE_UP_AFTER)]
+    stack.stop()

@@ -281,9 +281,9 @@ def journal_state(redis_url: str):
     journal must verify: every digest and chain sound."""
     import redis
 
-    from allocator_service.events import EventLog
-    from allocator_service.journal import split_prefix
-    from allocator_service.replay import record_bytes, replay
+    from allocator_service.store.events import EventLog
+    from allocator_service.store.journal import record_bytes, split_prefix
+    from allocator_service.store.replay import replay
     from allocator_service.v1 import journal_pb2 as jpb
 
     url, prefix = split_prefix(redis_url)

@@ -394,9 +394,9 @@ def test_an_allocator_from_before_unreserve_is_sent_none(tiny, monkeypatch):
     `op_kinds`, which applies FREE, APPEND, ADMIT and FORK only, and would
     refuse a whole step holding an UNRESERVE) gets none: slots ahead wait to
     be used up as before, and the tokens are the same."""
-    from allocator_service import servicer
     from allocator_service.core import UNRESERVE
-    from allocator_service.server import create_server
+    from allocator_service.rpc import servicer
+    from allocator_service.rpc.server import create_server
     from allocator_service.service import AllocatorService
 
     register = servicer.AllocatorServicer.RegisterPool

@@ -14,8 +14,10 @@ engine thread), and a text that must have too many tokens is refused before
 it is tokenized. A client that hangs up while its request waits or generates
 has the request aborted, streaming or not.
 
-With an API key every /v1/* route wants `Authorization: Bearer KEY` (401 in
-OpenAI's error shape otherwise); /health, /metrics, /version, /tokenize and
+With API keys every /v1/* route wants `Authorization: Bearer KEY` for one of
+them (401 in OpenAI's error shape otherwise), and each key's requests are
+cached under a salt of their own unless `cache_salt_per_api_key` is off
+(`pagedkv_base.api.tenants`); /health, /metrics, /version, /tokenize and
 /detokenize stay open, as in vLLM, and so does /reset_peaks.
 """
 
@@ -24,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import TypeVar
 
 from fastapi import APIRouter, FastAPI, Request
@@ -32,6 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
+from allocator_service.core import InvalidArgument, check_cache_salt
 from pagedkv_base.api.bodies import off_loop, read_body
 from pagedkv_base.api.disconnect import ClientGone, unless_gone
 from pagedkv_base.api.errors import MAX_BODY_BYTES, ApiError, ApiKeyCheck, BodyLimit
@@ -41,6 +44,7 @@ from pagedkv_base.api.protocol import (
     CompletionRequest,
     template_messages,
 )
+from pagedkv_base.api.tenants import api_key_of, tenant_salt
 from worker.engine import (
     AllocatorError,
     AsyncLLMEngine,
@@ -58,19 +62,22 @@ router = APIRouter()
 
 
 def create_app(engine: AsyncLLMEngine, served_model_name: str, root: str | None = None,
-               api_key: str | None = None) -> FastAPI:
+               api_key: str | Sequence[str] | None = None, cache_salt_per_api_key: bool = True) -> FastAPI:
     """The worker's HTTP app. `root`: what the model was loaded from (a path or
     repo id; /v1/models says it), default the served name. `api_key`: when
-    set, required on every /v1/* route."""
+    set (one key or several), one is required on every /v1/* route, and with
+    `cache_salt_per_api_key` each key's requests are cached under a salt of
+    their own (`pagedkv_base.api.tenants`)."""
     app = FastAPI(title="PagedKV worker", version=utility_routes.version())
     app.state.engine = engine
+    app.state.cache_salt_per_api_key = cache_salt_per_api_key
     app.state.served_model_name = served_model_name
     app.state.root = root or served_model_name
     app.state.created = int(time.time())
     install_worker_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
     if api_key:  # added last, so it runs first: a request without the key is not even read
-        app.add_middleware(ApiKeyCheck, api_key=api_key)
+        app.add_middleware(ApiKeyCheck, api_keys=api_key)
     app.include_router(router)
     app.include_router(utility_routes.router)
     return app
@@ -138,7 +145,7 @@ async def completions(request: Request):
     # vLLM: echo with logprobs asks for the prompt's logprobs (shown before the completion's)
     prompt_logprobs = req.prompt_logprobs if req.prompt_logprobs is not None or not req.echo else req.logprobs
     params = _sampling_params(req, req.max_tokens, request.app.state.served_model_name, core, req.logprobs,
-                              prompt_logprobs)
+                              prompt_logprobs, _cache_salt(request, req))
     echo = None
     if req.echo:  # a prompt's decode then the completion's text: the decode of prompt + output
         echo = await off_loop(_decode_all, core, ids, params.skip_special_tokens, size=4 * sum(map(len, ids)))
@@ -216,7 +223,7 @@ async def chat(request: Request):
     max_tokens = req.max_completion_tokens or req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = _sampling_params(req, max_tokens, request.app.state.served_model_name, core, logprobs,
-                              req.prompt_logprobs)
+                              req.prompt_logprobs, _cache_salt(request, req))
     return await _answer(request, req, [prompt_ids], params, f"chatcmpl-{uuid.uuid4().hex}", "chat")
 
 
@@ -261,10 +268,26 @@ async def _answer(request: Request, req: BaseRequest, prompts: list[list[int]], 
     return await run_in_threadpool(body) if spelled else body()
 
 
+def _cache_salt(request: Request, req: BaseRequest) -> str | None:
+    """The salt the request's blocks are cached under: behind API keys (with
+    `cache_salt_per_api_key`) one derived from its key and its own salt, else
+    its own salt. A salt the allocator would refuse is a 400."""
+    key = api_key_of(request)
+    if key is None or not request.app.state.cache_salt_per_api_key:
+        return req.cache_salt
+    try:
+        check_cache_salt(req.cache_salt)
+    except InvalidArgument as exc:
+        raise ApiError(400, str(exc), param="cache_salt") from None
+    return tenant_salt(key, req.cache_salt)
+
+
 def _sampling_params(req: BaseRequest, max_tokens: int | None, served_model_name: str, core,
-                     logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+                     logprobs: int | None, prompt_logprobs: int | None = None,
+                     cache_salt: str | None = None) -> SamplingParams:
     """The checks both endpoints share, then the engine's sampling parameters:
-    what the request sets, else the model's generation config, else the API's default."""
+    what the request sets, else the model's generation config, else the API's
+    default; `cache_salt` as `_cache_salt` gives it."""
     if req.model != served_model_name:
         raise ApiError(404, f"the model {req.model!r} does not exist; this worker serves {served_model_name!r}",
                        param="model", type_="not_found_error", code="model_not_found")
@@ -308,7 +331,7 @@ def _sampling_params(req: BaseRequest, max_tokens: int | None, served_model_name
             include_stop_str_in_output=req.include_stop_str_in_output,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
-            cache_salt=req.cache_salt,
+            cache_salt=cache_salt,
             priority=req.priority,
         )
     except SamplingError as exc:

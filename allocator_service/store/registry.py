@@ -28,7 +28,7 @@ from typing import Any
 from allocator_service.codec import columns_from_proto, config_from_proto, result_to_proto
 from allocator_service.core import BlockPool, PoolConfig, StepColumns, run_step
 from allocator_service.core.snapshot import dumps_chunked
-from allocator_service.events import POOL_DROPPED, POOL_REGISTERED, Batch, EventLog
+from allocator_service.store.events import POOL_DROPPED, POOL_REGISTERED, Batch, EventLog
 from allocator_service.v1 import allocator_pb2 as pb
 from allocator_service.v1 import journal_pb2 as jpb
 
@@ -78,16 +78,48 @@ class PoolEntry:
     served_model_name: str = ""
 
 
+# Worker ids without a live pool whose last epoch is remembered; past this many the one
+# idle longest is forgotten (its epoch goes into `Registry.epoch_floor`).
+IDLE_EPOCHS_KEPT = 4096
+
+
 class Registry:
+    """The pools, by id and by worker id, and the epochs issued.
+
+    NOTE: a pool id (`WORKER_ID/EPOCH`) is never issued twice, so a worker
+    id's next epoch is above every one it had. That takes no memory per
+    worker id that ever registered: the last epoch of every worker id with
+    a live pool is kept, and of at most IDLE_EPOCHS_KEPT without one (those
+    idle longest forgotten first); a forgotten id's epochs are all at most
+    `epoch_floor`, so an id not remembered gets `epoch_floor + 1`."""
+
     def __init__(self, events: EventLog) -> None:
         self.pools: dict[str, PoolEntry] = {}
         self.current: dict[str, str] = {}  # worker id -> its live pool id
-        self.epochs: dict[str, int] = {}  # worker id -> last epoch issued
+        self.epochs: dict[str, int] = {}  # worker id -> last epoch issued (remembered ones)
+        self.idle: dict[str, None] = {}  # remembered worker ids without a live pool, idle longest first
+        self.epoch_floor = 0  # at least every forgotten worker id's last epoch
         self.index = 0  # records applied (the journal index of the last one)
         self.events = events
 
     def next_epoch(self, worker_id: str) -> int:
-        return self.epochs.get(worker_id, 0) + 1
+        return self.epochs.get(worker_id, self.epoch_floor) + 1
+
+    def remember_epoch(self, worker_id: str, epoch: int) -> None:
+        """Issued `epoch` to `worker_id` (if above what it had): never again."""
+        if epoch <= self.next_epoch(worker_id) - 1:
+            return
+        self.epochs[worker_id] = epoch
+        if worker_id not in self.current:
+            self._idle(worker_id)
+
+    def _idle(self, worker_id: str) -> None:
+        self.idle.pop(worker_id, None)
+        self.idle[worker_id] = None
+        while len(self.idle) > IDLE_EPOCHS_KEPT:
+            oldest = next(iter(self.idle))
+            del self.idle[oldest]
+            self.epoch_floor = max(self.epoch_floor, self.epochs.pop(oldest))
 
     # ----------------------------------------------------------- changes
     def advance(self) -> Batch:
@@ -111,6 +143,7 @@ class Registry:
         self.pools[pool_id] = entry
         self.current[worker_id] = pool_id
         self.epochs[worker_id] = epoch
+        self.idle.pop(worker_id, None)
         batch.add(POOL_REGISTERED, pool_id, model_fingerprint=config.model_fingerprint, worker_id=worker_id,
                   advertise_url=advertise_url, served_model_name=served_model_name)
         return entry
@@ -144,6 +177,7 @@ class Registry:
         entry = self.pools.pop(pool_id)
         if self.current.get(entry.worker_id) == pool_id:
             del self.current[entry.worker_id]
+            self._idle(entry.worker_id)
         batch.add(POOL_DROPPED, pool_id, reason=reason)
 
     def apply_reset(self, entry: PoolEntry, batch: Batch) -> int:
@@ -212,6 +246,8 @@ class Registry:
             "chain": chain.hex(),
             "next_event": next_event,
             "epochs": dict(self.epochs),
+            "idle": list(self.idle),
+            "epoch_floor": self.epoch_floor,
         }
 
     def to_snapshot(self, chain: bytes, next_event: int | None = None) -> dict[str, Any]:
@@ -248,6 +284,10 @@ class Registry:
                 served_model_name=p.get("served_model_name", ""),
             )
             reg.current[p["worker_id"]] = pool_id
+        # absent in snapshots of older versions: every remembered id without a pool, in its order
+        reg.epoch_floor = snap.get("epoch_floor", 0)
+        for worker_id in snap.get("idle", [w for w in reg.epochs if w not in reg.current]):
+            reg._idle(worker_id)
         return reg
 
 

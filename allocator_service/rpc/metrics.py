@@ -68,9 +68,9 @@ class PoolCollector:
 
         fair = self.service.fair
         recent = fair.recent_cpu()
-        views = self.service.pool_views()
-        for v in views:
-            s, key = v.stats, [v.pool_id, v.worker_id]
+        views = self.service.pool_stats()
+        for pool_id, worker_id, s in views:
+            key = [pool_id, worker_id]
             capacity.add_metric(key, s.num_blocks)
             used.add_metric(key, s.used_blocks)
             cached.add_metric(key, s.cached_blocks)
@@ -82,7 +82,7 @@ class PoolCollector:
             evicted.add_metric(key, s.evictions)
             copied.add_metric(key, s.copies)
             oob.add_metric(key, s.out_of_blocks)
-            recent_cpu.add_metric(key, recent.get(v.pool_id, 0.0))
+            recent_cpu.add_metric(key, recent.get(pool_id, 0.0))
         pools = GaugeMetricFamily(PREFIX + "pools", "Registered pools.", value=len(views))
         events = GaugeMetricFamily(
             PREFIX + "event_sequence", "Sequence number of the last KV event.",

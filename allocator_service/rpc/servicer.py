@@ -11,20 +11,22 @@ INVALID_ARGUMENT in the same error path as everything else.
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 import grpc
 
 from allocator_service import errors
+from allocator_service.codec import pool_info_to_proto
 from allocator_service.core.prefix_index import BLOCK_REMOVED, BLOCK_STORED
 from allocator_service.core.snapshot import dumps_chunked
 from allocator_service.core.step import KINDS
-from allocator_service.errors import BadRequest
-from allocator_service.events import Event
-from allocator_service.fairshare import ROUTER
+from allocator_service.errors import BadRequest, ShuttingDown
 from allocator_service.roles import ADMIN, caller_role
 from allocator_service.service import Advertised, AllocatorService
+from allocator_service.sharing import ROUTER
+from allocator_service.store.events import Event
 from allocator_service.v1 import allocator_pb2 as pb
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Allocator"].full_name
@@ -139,18 +141,26 @@ class AllocatorServicer:
 
     def StepStream(self, requests: Iterator[pb.StepRequest], context) -> Iterator[pb.StepResponse]:
         """Step, once per request on one long-lived call. The first failing
-        request ends the stream with Step's status for it (`_bidi`)."""
+        request ends the stream with Step's status for it (`_bidi`). Ended
+        at shutdown (`_StreamEnd`), a stream answers the step in flight
+        before it closes; a request read after that is refused, unapplied
+        (UNAVAILABLE: the worker sends it to the next server)."""
         service = self.service
-        end = context.cancel
-        service.open_step_stream(end)
+        end = _StreamEnd(context.cancel)
+        service.open_step_stream(end.end)
         try:
             for request in requests:
                 if type(request) is Malformed:
                     raise BadRequest(f"malformed StepStream request: {request.error}")
+                if not end.begin():
+                    raise ShuttingDown("the allocator is shutting down")
                 with service.fair.call(request.pool.pool_id):  # each step is a call of its own
-                    yield self.Step(request, context)
+                    response = self.Step(request, context)
+                yield response  # resumed once it is sent
+                if end.answered():
+                    return
         finally:
-            service.close_step_stream(end)
+            service.close_step_stream(end.end)
 
     def GetBlockTable(self, request: pb.GetBlockTableRequest, context) -> pb.GetBlockTableResponse:
         table, num_tokens = self.service.block_table(request.pool, request.seq_id)
@@ -169,17 +179,8 @@ class AllocatorServicer:
         return pb.MatchPrefixResponse(matches=matches)
 
     def ListPools(self, request: pb.ListPoolsRequest, context) -> pb.ListPoolsResponse:
-        return pb.ListPoolsResponse(pools=[
-            pb.PoolInfo(
-                pool_id=p.pool_id, worker_id=p.worker_id, model_fingerprint=p.model_fingerprint,
-                served_model_name=p.served_model_name, advertise_url=p.advertise_url,
-                block_size=p.stats.block_size, num_blocks=p.stats.num_blocks, free_blocks=p.stats.free_blocks,
-                used_blocks=p.stats.used_blocks, cached_blocks=p.stats.cached_blocks,
-                num_sequences=p.stats.num_sequences, enable_prefix_caching=p.enable_prefix_caching,
-                attest_key=p.attest_key,
-            )
-            for p in self.service.list_pools(request.model_fingerprint)
-        ])
+        pools = self.service.list_pools(request.model_fingerprint)
+        return pb.ListPoolsResponse(pools=[pool_info_to_proto(p) for p in pools])
 
     def DumpPool(self, request: pb.DumpPoolRequest, context) -> pb.DumpPoolResponse:
         state, last_step_id, problems = self.service.dump(request.pool, admin=caller_role() == ADMIN)
@@ -218,6 +219,37 @@ class AllocatorServicer:
             service.close_watcher()
 
 
+class _StreamEnd:
+    """How a StepStream ends at shutdown: at once while idle (it waits for
+    its worker's next step, which may never come), else right after the
+    answer to the step in flight has been sent, so no applied step loses
+    its answer to the shutdown."""
+
+    def __init__(self, cancel: Callable[[], Any]) -> None:
+        self._cancel = cancel
+        self._lock = threading.Lock()
+        self._busy = False
+        self._ended = False
+
+    def end(self) -> None:
+        with self._lock:
+            self._ended = True
+            if not self._busy:
+                self._cancel()
+
+    def begin(self) -> bool:
+        """A step arrived: False once ended (it must not be applied)."""
+        with self._lock:
+            self._busy = not self._ended
+            return self._busy
+
+    def answered(self) -> bool:
+        """Its answer was sent: whether the stream must end now."""
+        with self._lock:
+            self._busy = False
+            return self._ended
+
+
 # ------------------------------------------------------------- registration
 class Malformed(NamedTuple):
     """Stands in for a request whose bytes did not parse."""
@@ -237,7 +269,7 @@ def _safe_parser(cls) -> Callable[[bytes], Any]:
 
 def _tenant(method: str) -> Callable[[Any], tuple[str, bool]] | None:
     """Who a unary call of `method` is charged to in the CPU fair share
-    (`fairshare.py`), and whether it is a pool call; None: not scheduled.
+    (`sharing.py`), and whether it is a pool call; None: not scheduled.
     A call is charged to the pool it names: one naming a pool without its
     credential is refused before any long work, so it can charge that pool
     only the cost of a refusal."""
@@ -253,7 +285,7 @@ def _tenant(method: str) -> Callable[[Any], tuple[str, bool]] | None:
 
 # A pool's calls that can take long (an integrity check, a dump of a large
 # pool) and that a worker makes beside its steps: at most
-# `Limits.max_calls_per_pool` of them in flight per pool (`call_slots.py`).
+# `Limits.max_calls_per_pool` of them in flight per pool (`sharing.CallSlots`).
 # Not Step (ordered by step ids, and the step stream's fallback), Heartbeat,
 # RegisterPool or DeregisterPool (short, and a refusal would cost the worker
 # its pool or its lease), nor an admin's or a router's calls (trusted roles).

@@ -47,19 +47,20 @@ from typing import Any
 from allocator_service.config import ServiceConfig
 from allocator_service.core.pacing import Unpaced
 from allocator_service.errors import StoreFenced, StoreLost, StoreUnavailable
-from allocator_service.events import Batch, EventLog
-from allocator_service.journal import MemoryJournal, RedisJournal
 from allocator_service.leases import LeaseTable
-from allocator_service.replay import (
+from allocator_service.store.events import Batch, EventLog
+from allocator_service.store.journal import (
     ZERO_CHAIN,
+    MemoryJournal,
+    RedisJournal,
     StepRecord,
     encode_entry,
     encode_snapshot,
     encode_step_record,
     head_marker,
-    replay,
 )
-from allocator_service.state import CorruptState, PoolEntry, Registry, pool_snapshot_json
+from allocator_service.store.registry import CorruptState, PoolEntry, Registry, pool_snapshot_json
+from allocator_service.store.replay import replay
 from allocator_service.v1 import journal_pb2 as jpb
 
 log = logging.getLogger(__name__)
@@ -316,7 +317,7 @@ class DurableState:
         if len(blob) > self.max_snapshot_bytes:
             self.snapshots_skipped += 1
             self._back_off(f"the snapshot at record {cut.index} would be {len(blob):,} bytes, over the "
-                           f"bound of {self.max_snapshot_bytes:,} (--max-snapshot-mb, at most Redis's "
+                           f"bound of {self.max_snapshot_bytes:,} (PAGEDKV_ALLOCATOR_MAX_SNAPSHOT_MB, at most Redis's "
                            "512 MB value limit): not written; the journal keeps every record")
             return
         try:

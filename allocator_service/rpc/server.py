@@ -21,10 +21,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from allocator_service.config import ServiceConfig
-from allocator_service.interceptors import MetricsInterceptor, RoleInterceptor
 from allocator_service.roles import Roles, WorkerGrant
+from allocator_service.rpc.interceptors import MetricsInterceptor, RoleInterceptor
+from allocator_service.rpc.servicer import SERVICE_NAME, allocator_handler
 from allocator_service.service import AllocatorService
-from allocator_service.servicer import SERVICE_NAME, allocator_handler
 
 log = logging.getLogger("allocator_service")
 
@@ -122,8 +122,8 @@ class ServeOptions:
 
 def serve(opts: ServeOptions) -> int:
     """Run until SIGTERM/SIGINT; returns the exit status."""
-    from allocator_service.journal import open_journal
-    from allocator_service.metrics import make_registry
+    from allocator_service.rpc.metrics import make_registry
+    from allocator_service.store.journal import open_journal
     from allocator_service.web.app import start_web_server, stop_web_server
 
     journal = open_journal(opts.state, wait_replicas=opts.redis_wait_replicas,
@@ -186,49 +186,4 @@ def serve(opts: ServeOptions) -> int:
     service.close()
     if httpd is not None:
         stop_web_server(httpd)
-    return 0
-
-
-def check(opts: ServeOptions, out=sys.stdout) -> int:
-    """`--check`: verify the stored journal without serving or writing;
-    print what was found; 0 if sound, 1 if not."""
-    from allocator_service.events import EventLog
-    from allocator_service.journal import open_journal
-    from allocator_service.replay import replay
-
-    journal = open_journal(opts.state)
-    if not journal.durable:
-        print("pagedkv allocator --check: --state memory keeps no journal to check", file=out)
-        return 1
-    try:
-        loaded = journal.load(take_ownership=False, check_owner=False)
-    finally:
-        journal.close()
-    registry, report = replay(loaded.snapshot, loaded.entries, loaded.head, EventLog(1))
-    p = lambda text: print(text, file=out)  # noqa: E731
-    p(f"state: {journal.describe()}")
-    if loaded.snapshot is None:
-        p("snapshot: none")
-    else:
-        p(f"snapshot: up to record {report.snapshot_index}"
-          f"{' (older format, no digest)' if report.snapshot_legacy else ', digest ok'}")
-    p(f"journal: {report.records} records after the snapshot"
-      f"{f' ({report.legacy_records} without digests: older format)' if report.legacy_records else ''}")
-    p(f"head: {report.head}")
-    p(f"last record: {registry.index}")
-    p(f"pools: {len(registry.pools)}")
-    for entry in registry.pools.values():
-        p(f"  {entry.pool_id}: {entry.pool.num_blocks} blocks, last step {entry.last_step_id}")
-    if report.problems:
-        p(f"problems: {len(report.problems)}")
-        for problem in report.problems:
-            p(f"  {'FATAL ' if problem.fatal else ''}{problem}")
-        if report.fatal is not None:
-            p("verdict: NOT sound; the allocator refuses to start on it "
-              "(see docs/operations.md, 'A journal that cannot be replayed')")
-        else:
-            p(f"verdict: NOT sound; a start drops {', '.join(report.dropped) or 'no pool'} and stores the repair")
-        return 1
-    p("problems: none")
-    p("verdict: sound")
     return 0

@@ -1,9 +1,10 @@
-"""The verified log: how journal records and snapshots are stored, and the
-replay that checks every one of them while rebuilding the registry.
+"""The verified replay that checks every stored record and snapshot while
+rebuilding the registry, and `pagedkv allocator --check`, which prints what
+it found.
 
-Each stored record is framed with a chained digest (`encode_entry`), each
-step record names the pool's previous step id, and a snapshot carries its
-own digest and the chain digest it includes up to. `replay` checks all
+Each stored record is framed with a chained digest (`journal.encode_entry`),
+each step record names the pool's previous step id, and a snapshot carries
+its own digest and the chain digest it includes up to. `replay` checks all
 three: a record whose digest fails but that names a live pool drops that
 pool (`journal_corrupt`); a gap in the indices (a record removed) is
 reported and every pool whose step chain then breaks is dropped
@@ -17,113 +18,23 @@ start-up stops with one line, never a guess.
 
 from __future__ import annotations
 
-import hashlib
-import json
+import sys
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from google.protobuf.message import DecodeError
 
-from allocator_service.events import EventLog
-from allocator_service.state import CorruptState, Registry
+from allocator_service.store.events import EventLog
+from allocator_service.store.journal import (
+    ENTRY_MAGIC,
+    FRAME,
+    ZERO_CHAIN,
+    chain_digest,
+    decode_snapshot,
+    open_journal,
+)
+from allocator_service.store.registry import CorruptState, Registry
 from allocator_service.v1 import journal_pb2 as jpb
-
-# A stored record: ENTRY_MAGIC | previous chain (32) | chain (32) | record,
-# chain = SHA-256(previous chain || record). A stored snapshot:
-# SNAPSHOT_MAGIC | SHA-256(json) (32) | json. Older versions stored the bare
-# record and the bare JSON: both still load (with a warning).
-ENTRY_MAGIC = b"PKJ2"
-SNAPSHOT_MAGIC = b"PKS2"
-ZERO_CHAIN = bytes(32)
-_FRAME = len(ENTRY_MAGIC) + 64
-
-
-def chain_digest(prev: bytes, record: bytes) -> bytes:
-    return hashlib.sha256(prev + record).digest()
-
-
-def encode_entry(prev: bytes, record: bytes) -> tuple[bytes, bytes]:
-    """(stored bytes, chain digest) of a record that follows `prev`."""
-    chain = chain_digest(prev, record)
-    return ENTRY_MAGIC + prev + chain + record, chain
-
-
-def record_bytes(raw: bytes) -> bytes:
-    """The JournalRecord bytes of a stored entry (framed or older bare)."""
-    return raw[_FRAME:] if raw.startswith(ENTRY_MAGIC) and len(raw) >= _FRAME else raw
-
-
-class StepRecord(NamedTuple):
-    """A step record before its place in the log is known: the operations
-    as the bytes the step's digest covers (`codec.canonical_ops`)."""
-
-    pool_id: str
-    step_id: int
-    digest: bytes
-    ops: bytes
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def _length_delimited(field_number: int, payload: bytes) -> bytes:
-    return _varint(field_number << 3 | 2) + _varint(len(payload)) + payload
-
-
-# Field numbers of JournalRecord.step and StepApplied.ops (journal.proto).
-_RECORD_STEP = jpb.JournalRecord.DESCRIPTOR.fields_by_name["step"].number
-_STEP_OPS = jpb.StepApplied.DESCRIPTOR.fields_by_name["ops"].number
-
-
-def encode_step_record(index: int, step: StepRecord, prev_step_id: int) -> bytes:
-    """The serialized `JournalRecord` of a step, byte for byte what
-    protobuf gives for `JournalRecord(index, step=StepApplied(pool_id,
-    step_id, digest, ops, prev_step_id))`, built around the operations'
-    bytes as they are: a 256-operation step is not parsed back into a
-    message and encoded again on the hot path. (Fields in number order, as
-    protobuf writes them: ops, field 4, sits between digest and
-    prev_step_id.)"""
-    head = jpb.StepApplied(pool_id=step.pool_id, step_id=step.step_id, digest=step.digest).SerializeToString()
-    tail = jpb.StepApplied(prev_step_id=prev_step_id).SerializeToString()
-    inner = head + _length_delimited(_STEP_OPS, step.ops) + tail
-    return jpb.JournalRecord(index=index).SerializeToString() + _length_delimited(_RECORD_STEP, inner)
-
-
-def head_marker(index: int, chain: bytes) -> bytes:
-    return f"{index}:{chain.hex()}".encode()
-
-
-def encode_snapshot(snap: dict[str, Any], pools_json: list[str] | None = None) -> bytes:
-    """The stored snapshot; `pools_json`: its pools already as JSON text
-    (`state.pool_snapshot_json`), else they are in `snap["pools"]`."""
-    if pools_json is None:
-        body = json.dumps(snap, separators=(",", ":")).encode()
-    else:
-        head = json.dumps({**snap, "pools": []}, separators=(",", ":"))
-        assert head.endswith("[]}")
-        body = (head[:-2] + ",".join(pools_json) + "]}").encode()
-    return SNAPSHOT_MAGIC + hashlib.sha256(body).digest() + body
-
-
-def decode_snapshot(raw: bytes) -> tuple[dict[str, Any], bool]:
-    """(snapshot, legacy); CorruptState if it fails its digest or parse."""
-    legacy = not raw.startswith(SNAPSHOT_MAGIC)
-    body = raw if legacy else raw[len(SNAPSHOT_MAGIC) + 32:]
-    if not legacy and hashlib.sha256(body).digest() != raw[len(SNAPSHOT_MAGIC):len(SNAPSHOT_MAGIC) + 32]:
-        raise CorruptState("the snapshot fails its digest")
-    try:
-        snap = json.loads(body)
-    except ValueError as exc:
-        raise CorruptState(f"the snapshot is not readable JSON ({exc})") from exc
-    if not isinstance(snap, dict):
-        raise CorruptState("the snapshot is not a JSON object")
-    return snap, legacy
 
 
 class Problem(NamedTuple):
@@ -213,8 +124,8 @@ def replay(snapshot: bytes | None, entries: list[bytes], head: bytes | None,
         expected = registry.index + 1
         intact = True
         prev = None
-        if raw.startswith(ENTRY_MAGIC) and len(raw) >= _FRAME:
-            prev, stored_chain, body = raw[4:36], raw[36:68], raw[_FRAME:]
+        if raw.startswith(ENTRY_MAGIC) and len(raw) >= FRAME:
+            prev, stored_chain, body = raw[4:36], raw[36:68], raw[FRAME:]
             intact = chain_digest(prev, body) == stored_chain
             framed = True
         elif framed:
@@ -262,8 +173,8 @@ def replay(snapshot: bytes | None, entries: list[bytes], head: bytes | None,
                 # was lost or damaged: skip what follows for it.
                 problem(position, index, pool_id, f"names pool {pool_id}, lost with an earlier record: skipped")
                 owner = _epoch_of(pool_id)
-                if owner is not None and owner[1] > registry.epochs.get(owner[0], 0):
-                    registry.epochs[owner[0]] = owner[1]  # never reissue its id
+                if owner is not None:
+                    registry.remember_epoch(*owner)  # never reissue its id
                 registry.index = index
                 continue
             problem(position, index, pool_id, f"names unknown pool {pool_id}", fatal=True)
@@ -305,3 +216,44 @@ def replay(snapshot: bytes | None, entries: list[bytes], head: bytes | None,
         elif chain is not None and hchain != chain.hex():
             problem(-1, int(hidx), None, "the head marker's digest differs from the last record's")
     return registry, report
+
+
+def check(state: str, out=sys.stdout) -> int:
+    """`--check`: verify the journal stored at `state` without serving or
+    writing; print what was found; 0 if sound, 1 if not."""
+    journal = open_journal(state)
+    if not journal.durable:
+        print("pagedkv allocator --check: --state memory keeps no journal to check", file=out)
+        return 1
+    try:
+        loaded = journal.load(take_ownership=False, check_owner=False)
+    finally:
+        journal.close()
+    registry, report = replay(loaded.snapshot, loaded.entries, loaded.head, EventLog(1))
+    p = lambda text: print(text, file=out)  # noqa: E731
+    p(f"state: {journal.describe()}")
+    if loaded.snapshot is None:
+        p("snapshot: none")
+    else:
+        p(f"snapshot: up to record {report.snapshot_index}"
+          f"{' (older format, no digest)' if report.snapshot_legacy else ', digest ok'}")
+    p(f"journal: {report.records} records after the snapshot"
+      f"{f' ({report.legacy_records} without digests: older format)' if report.legacy_records else ''}")
+    p(f"head: {report.head}")
+    p(f"last record: {registry.index}")
+    p(f"pools: {len(registry.pools)}")
+    for entry in registry.pools.values():
+        p(f"  {entry.pool_id}: {entry.pool.num_blocks} blocks, last step {entry.last_step_id}")
+    if report.problems:
+        p(f"problems: {len(report.problems)}")
+        for problem in report.problems:
+            p(f"  {'FATAL ' if problem.fatal else ''}{problem}")
+        if report.fatal is not None:
+            p("verdict: NOT sound; the allocator refuses to start on it "
+              "(see docs/operations.md, 'A journal that cannot be replayed')")
+        else:
+            p(f"verdict: NOT sound; a start drops {', '.join(report.dropped) or 'no pool'} and stores the repair")
+        return 1
+    p("problems: none")
+    p("verdict: sound")
+    return 0

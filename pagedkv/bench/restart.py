@@ -1,0 +1,305 @@
+"""`pagedkv bench restart`: the allocator restarted again and again under load.
+
+The topology `pagedkv up --redis` runs, as real processes
+(`pagedkv.stack.LocalStack`): a private Redis (append-only), the allocator
+with its state journaled there, and two tiny-random workers (pools small
+enough to preempt, prefix caching on). Client threads keep each worker
+busy with greedy requests (EOS ignored, `MAX_TOKENS` tokens each), streamed
+and not, completions and chat, while the allocator is restarted
+`--restarts` times at random moments (a seeded pause of 0 to 1 s after it is
+back, so restarts land mid-step, mid-stream and between steps): half of them
+SIGTERM (a graceful stop, as `docker-compose restart` and Kubernetes do),
+half SIGKILL (a crash), in a seeded order, each started again on the same
+port after a pause: half of them 0 to 0.3 s, half 2 to 9 s (longer than
+the client's own retries, as a container's restart can be).
+
+Every request must complete with the text a run with no restart gives
+(the reference: each prompt answered once before the first restart).
+Figures: restarts (each kind), requests, failed requests (any status but
+200, or a stream that ended without `[DONE]`), wrong texts, the workers'
+stall (allocator unanswered seconds), retries, step errors and preemptions
+over the run, the allocator's time from the signal to serving again, and
+the latency of the requests. The first failures are kept in the report.
+Not a timed test: the figures to read are the counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from pagedkv.bench import harness
+from pagedkv.bench.harness import Table, cell
+
+__all__ = ["add_arguments", "measure", "run", "tables"]
+
+PROMPTS = ["sys: hello", "sys: what is a page", "sys: blocks and tables", "sys: one two three",
+           "sys: quick brown fox", "sys: a paged kv cache", "sys: restart me", "sys: the journal"]
+MAX_TOKENS = 16
+# 24 blocks of 4 = 96 token slots per worker for CLIENTS_PER_WORKER requests of ~30 tokens
+# at once (and a pipelined step): the schedulers preempt.
+WORKER_ARGS = ["--num-blocks", "24", "--block-size", "4", "--enable-prefix-caching", "--max-model-len", "64",
+               "--log-level", "warning"]
+# the allocator's settings no command line sets: its variables
+ALLOCATOR_ENV = {"PAGEDKV_ALLOCATOR_LEASE_TTL": "10", "PAGEDKV_ALLOCATOR_SNAPSHOT_EVERY": "50"}
+MODEL = "tiny-random"
+CLIENTS_PER_WORKER = 4
+WORKERS = 2
+REQUEST_TIMEOUT_S = 300.0
+KEPT_FAILURES = 10
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--restarts", type=harness.positive, default=50,
+                   help="allocator restarts under load, half SIGTERM and half SIGKILL (default 50)")
+    harness.add_json_option(p)
+
+
+@dataclass(frozen=True, slots=True)
+class Kind:
+    """What a request is: which prompt, streamed or not, chat or completion."""
+
+    prompt: int
+    stream: bool
+    chat: bool
+
+
+@dataclass(slots=True)
+class Outcome:
+    kind: Kind
+    worker: int
+    status: int  # 0: no HTTP answer, or a stream cut before [DONE]
+    text: str
+    latency_s: float
+    error: str = ""
+    started: float = 0.0  # monotonic, for reading it against the restarts
+
+
+def _request(client, url: str, model: str, kind: Kind) -> tuple[int, str, str]:
+    """(status, text, error) of one greedy request; never raises."""
+    import httpx
+
+    body: dict[str, Any] = {"model": model, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+                            "stream": kind.stream}
+    prompt = PROMPTS[kind.prompt]
+    if kind.chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+        path = "/v1/chat/completions"
+    else:
+        body["prompt"] = prompt
+        path = "/v1/completions"
+    try:
+        if not kind.stream:
+            r = client.post(url + path, json=body, timeout=REQUEST_TIMEOUT_S)
+            if r.status_code != 200:
+                return r.status_code, "", r.text[:300]
+            choice = r.json()["choices"][0]
+            return 200, choice["message"]["content"] if kind.chat else choice["text"], ""
+        parts: list[str] = []
+        with client.stream("POST", url + path, json=body, timeout=REQUEST_TIMEOUT_S) as r:
+            if r.status_code != 200:
+                return r.status_code, "", r.read().decode(errors="replace")[:300]
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    return 200, "".join(parts), ""
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    return 0, "".join(parts), f"error event: {json.dumps(chunk['error'])[:300]}"
+                for c in chunk.get("choices", ()):
+                    parts.append((c.get("delta", {}).get("content") or "") if kind.chat else c.get("text", ""))
+        return 0, "".join(parts), "stream ended without [DONE]"
+    except (httpx.HTTPError, ValueError, KeyError) as exc:
+        return 0, "", repr(exc)[:300]
+
+
+KINDS = [Kind(p, s, c) for p in range(len(PROMPTS)) for s in (False, True) for c in (False, True)]
+
+
+def _reference(urls: list[str], model: str) -> dict[tuple[int, bool], str]:
+    """(prompt, chat) -> the text with no restart: each asked once, not streamed, of the first worker
+    (the workers serve the same model: the other must give the same)."""
+    import httpx
+
+    out = {}
+    with httpx.Client() as client:
+        for kind in KINDS:
+            if kind.stream:
+                continue
+            status, text, error = _request(client, urls[0], model, kind)
+            if status != 200:
+                raise RuntimeError(f"the reference request failed before any restart: {status} {error}")
+            out[(kind.prompt, kind.chat)] = text
+    return out
+
+
+class _Load:
+    """Client threads that keep the workers busy until `stop()`; every outcome kept."""
+
+    def __init__(self, urls: list[str], model: str, seed: int) -> None:
+        self.outcomes: list[Outcome] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._client, args=(urls, w, model, random.Random(seed * 1000 + i)),
+                             name=f"restart-load-{i}", daemon=True)
+            for i, w in enumerate(w for w in range(len(urls)) for _ in range(CLIENTS_PER_WORKER))
+        ]
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    def _client(self, urls: list[str], worker: int, model: str, rng: random.Random) -> None:
+        import httpx
+
+        with httpx.Client() as client:
+            while not self._stop.is_set():
+                kind = rng.choice(KINDS)
+                t0 = time.monotonic()
+                status, text, error = _request(client, urls[worker], model, kind)
+                with self._lock:
+                    self.outcomes.append(Outcome(kind, worker, status, text, time.monotonic() - t0, error, t0))
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self.outcomes)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(REQUEST_TIMEOUT_S + 10)
+
+
+def _worker_counters(urls: list[str]) -> list[dict[str, float]]:
+    names = {"pagedkv_worker_allocator_unavailable_seconds_total": "stall_s",
+             "pagedkv_worker_allocator_retries_total": "retries",
+             "pagedkv_worker_step_errors_total": "step_errors",
+             "pagedkv_worker_preemptions_total": "preemptions"}
+    out = []
+    for url in urls:
+        row = dict.fromkeys(names.values(), 0.0)
+        for s in harness.metric_samples(url):
+            if s.name in names:
+                row[names[s.name]] += s.value
+        out.append(row)
+    return out
+
+
+def restart_under_load(stack, restarts: int, model: str, seed: int = 0,
+                       on_restart=None) -> dict[str, Any]:
+    """The drill on a started stack (its allocator journaled in Redis):
+    the reference texts, then `restarts` restarts under load; the figures."""
+    urls = list(stack.worker_urls)
+    reference = _reference(urls, model)
+    rng = random.Random(seed)
+    kinds = ["term"] * (restarts // 2) + ["kill"] * (restarts - restarts // 2)
+    rng.shuffle(kinds)
+    before = _worker_counters(urls)
+    load = _Load(urls, model, seed)
+    load.start()
+    back_s: list[float] = []
+    t_start = time.monotonic()
+    allocator = stack.allocator
+    for i, how in enumerate(kinds):
+        # at least a request under way since the last restart, then a random moment
+        served = load.count()
+        _wait_until(lambda served=served: load.count() > served, 120, "a request to finish between restarts")
+        time.sleep(rng.uniform(0.0, 1.0))
+        t = time.monotonic()
+        if how == "term":
+            allocator.terminate(grace=30.0)
+        else:
+            allocator.kill()
+            allocator.proc.popen.wait()
+        # down briefly, or long enough that the client's own retries run out
+        time.sleep(rng.uniform(0.0, 0.3) if rng.random() < 0.5 else rng.uniform(2.0, 9.0))
+        allocator.start().wait_healthy(120)
+        back_s.append(time.monotonic() - t)
+        if on_restart is not None:
+            on_restart(i + 1, how)
+    load.stop()
+    wall = time.monotonic() - t_start
+    after = _worker_counters(urls)
+    outcomes = load.outcomes
+    failed = [o for o in outcomes if o.status != 200]
+    wrong = [o for o in outcomes if o.status == 200 and o.text != reference[(o.kind.prompt, o.kind.chat)]]
+    per_worker = [{k: round(a[k] - b[k], 3) for k in a} for a, b in zip(after, before, strict=True)]
+
+    def kept(rows: list[Outcome]) -> list[dict]:
+        return [{"worker": o.worker, "prompt": o.kind.prompt, "stream": o.kind.stream, "chat": o.kind.chat,
+                 "status": o.status, "error": o.error, "text": o.text,
+                 "expected": reference[(o.kind.prompt, o.kind.chat)],
+                 "at_s": round(o.started - t_start, 2)} for o in rows[:KEPT_FAILURES]]
+
+    latencies = [o.latency_s for o in outcomes]
+    return {
+        "restarts": restarts, "sigterm": kinds.count("term"), "sigkill": kinds.count("kill"),
+        "requests": len(outcomes), "streamed": sum(o.kind.stream for o in outcomes),
+        "failed_requests": len(failed), "wrong_texts": len(wrong),
+        "wall_s": round(wall, 1),
+        "back_s_p50": _round(harness.percentile(back_s, 0.5)), "back_s_max": _round(max(back_s, default=None)),
+        "latency_s_p50": _round(harness.percentile(latencies, 0.5)),
+        "latency_s_max": _round(max(latencies, default=None)),
+        "stall_s": round(sum(w["stall_s"] for w in per_worker), 2),
+        "retries": sum(w["retries"] for w in per_worker),
+        "step_errors": sum(w["step_errors"] for w in per_worker),
+        "preemptions": sum(w["preemptions"] for w in per_worker),
+        "per_worker": per_worker,
+        "failures": kept(failed), "wrong": kept(wrong),
+    }
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+def _wait_until(check, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {timeout_s:g} s waiting for {what}")
+        time.sleep(0.02)
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    from pagedkv.stack import LocalStack
+
+    def progress(i: int, how: str) -> None:
+        if i % 10 == 0 or i == args.restarts:
+            harness.log("restart", f"{i}/{args.restarts} restarts")
+
+    with LocalStack(WORKERS, MODEL, worker_args=WORKER_ARGS, env=ALLOCATOR_ENV, redis=True,
+                    startup_timeout=300.0, grace=15.0) as stack:
+        figures = restart_under_load(stack, args.restarts, MODEL, on_restart=progress)
+    return {"workload": {"model": MODEL, "workers": WORKERS, "clients_per_worker": CLIENTS_PER_WORKER,
+                         "prompts": len(PROMPTS), "max_tokens": MAX_TOKENS, "worker_args": WORKER_ARGS,
+                         "allocator_env": ALLOCATOR_ENV, "state": "redis (append-only)"},
+            **figures}
+
+
+def tables(report: dict) -> list[Table]:
+    r = report
+    rows = [[cell(r["restarts"]), cell(r["sigterm"]), cell(r["sigkill"]), cell(r["requests"]),
+             cell(r["failed_requests"]), cell(r["wrong_texts"]), cell(r["back_s_p50"]), cell(r["back_s_max"]),
+             cell(r["stall_s"]), cell(r["latency_s_max"]), cell(r["preemptions"])]]
+    w = r["workload"]
+    notes = [f"{w['workers']} workers ({w['model']}), {w['clients_per_worker']} clients each, greedy, "
+             f"{w['max_tokens']} tokens a request, streamed and not; the allocator's state in Redis.",
+             "failed: any answer but 200, or a stream cut before [DONE]; wrong: a text unlike the "
+             "answer before any restart; back: from the signal to serving again."]
+    notes += [f"failed: {json.dumps(f)}" for f in r["failures"]]
+    notes += [f"wrong: {json.dumps(f)}" for f in r["wrong"]]
+    return [Table("allocator restarts under load",
+                  ["restarts", "SIGTERM", "SIGKILL", "requests", "failed", "wrong texts", "back p50 s",
+                   "back max s", "stall s", "latency max s", "preemptions"], rows, notes)]
+
+
+def run(args: argparse.Namespace) -> int:
+    return harness.run("restart", args, measure, tables)

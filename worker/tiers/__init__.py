@@ -1,0 +1,52 @@
+"""KV tiers below the KV pool, the worker's half: moving the bytes.
+
+The allocator decides every move (which block goes to which host slot or store
+entry, and when) and indexes where each block lives; this package only moves
+bytes and says per block whether it could:
+
+- `KVLayout` (layout.py): the layout key and a block's bytes;
+- `HostTier` (host.py): tier 1, host memory (pinned, side-stream copies on CUDA);
+- `open_store` (store.py): tier 2's backends, `file://PATH` and `redis://HOST:PORT/DB`;
+- `encode_entry` / `decode_entry` (entry.py): a store entry's header and checks;
+- `StoreMover` (mover.py): KV blocks and host slots to the store and back.
+
+A step applies its moves in this order before the forward pass writes: store saves
+(`StoreMover.save_slots`), host saves (`HostTier.save`), copy-on-write copies after
+`HostTier.wait()`, loads (`HostTier.load`, `StoreMover.load_blocks`), then
+`HostTier.wait()` before the forward.
+"""
+
+from worker.tiers.entry import REFUSAL_REASONS, Refused, decode_entry, encode_entry, entry_key
+from worker.tiers.host import HostTier, Transfer, host_slots_for_size
+from worker.tiers.layout import KVLayout
+from worker.tiers.meter import TierMeter
+from worker.tiers.mover import LoadOutcome, StoreMover
+from worker.tiers.store import (
+    FileStore,
+    KVStore,
+    RedisStore,
+    StoreError,
+    StoreOpenError,
+    open_store,
+)
+
+__all__ = [
+    "REFUSAL_REASONS",
+    "FileStore",
+    "HostTier",
+    "KVLayout",
+    "KVStore",
+    "LoadOutcome",
+    "RedisStore",
+    "Refused",
+    "StoreError",
+    "StoreMover",
+    "StoreOpenError",
+    "TierMeter",
+    "Transfer",
+    "decode_entry",
+    "encode_entry",
+    "entry_key",
+    "host_slots_for_size",
+    "open_store",
+]

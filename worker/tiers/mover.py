@@ -1,0 +1,197 @@
+"""The worker's side of the shared store (tier 2): KV blocks and host slots to the
+store by block hash, and entries back into KV blocks.
+
+Every call answers per block and never raises for the store's sake: a store that
+stops answering makes its loads misses (`unavailable`) and its saves failures (the
+allocator then never indexes them), logs one warning per outage, and counts each
+failed call in the meter. While it is down, calls skip it for `retry_interval_s`
+between tries, so a step does not wait on a dead host every time.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from worker.kv_pool import KVPool
+from worker.tiers.blocks import check_ids, gather, scatter
+from worker.tiers.entry import REFUSAL_REASONS, Refused, decode_entry, encode_entry, entry_key
+from worker.tiers.host import HostTier
+from worker.tiers.layout import KVLayout
+from worker.tiers.meter import TierMeter
+from worker.tiers.store import KVStore, StoreError
+
+__all__ = ["LoadOutcome", "StoreMover"]
+
+log = logging.getLogger("worker.tiers")
+
+
+class LoadOutcome(NamedTuple):
+    """What became of one store load: `loaded`, or `reason` it was not:
+    `missing` (no entry under the key), `unavailable` (the store did not answer),
+    or a refusal (`format`, `layout`, `checksum`: found, not loaded, counted)."""
+
+    loaded: bool
+    reason: str | None = None
+
+    @property
+    def refused(self) -> bool:
+        return self.reason in REFUSAL_REASONS
+
+
+LOADED = LoadOutcome(True)
+MISSING = LoadOutcome(False, "missing")
+UNAVAILABLE = LoadOutcome(False, "unavailable")
+
+
+class StoreMover:
+    """Moves one worker's blocks between its KV pool (and host tier) and a shared store."""
+
+    def __init__(self, store: KVStore, layout: KVLayout, pool: KVPool, *, host: HostTier | None = None,
+                 meter: TierMeter | None = None, retry_interval_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        layout.check_pool(pool)
+        if host is not None and host.pool is not pool:
+            raise ValueError("the host tier belongs to another KV pool")
+        self.store = store
+        self.layout = layout
+        self.pool = pool
+        self.host = host
+        self._meter = meter
+        self._retry_interval_s = retry_interval_s
+        self._clock = clock
+        self._down_since: float | None = None
+        self._retry_at = 0.0
+
+    @property
+    def available(self) -> bool:
+        """False from a failed store call until one succeeds again."""
+        return self._down_since is None
+
+    # -- saves ------------------------------------------------------------------
+
+    def save_blocks(self, kv_blocks: Sequence[int], hashes: Sequence[bytes]) -> list[bool]:
+        """Write KV blocks `kv_blocks[i]` as the entries of `hashes[i]`; per block, whether
+        its bytes are in the store."""
+        self._check_pairs(kv_blocks, hashes)
+        check_ids("KV block", kv_blocks, self.pool.num_blocks, distinct=False)
+        if not kv_blocks or not self._may_try():
+            return [False] * len(kv_blocks)
+        t0 = time.perf_counter()
+        rows = gather(self.pool, kv_blocks).cpu().view(len(kv_blocks), -1).view(torch.uint8).numpy()
+        return self._put(hashes, [memoryview(row) for row in rows], t0)
+
+    def save_slots(self, host_slots: Sequence[int], hashes: Sequence[bytes]) -> list[bool]:
+        """Write host slots `host_slots[i]` as the entries of `hashes[i]` (falling down from
+        the host tier); per slot, whether its bytes are in the store."""
+        if self.host is None:
+            raise ValueError("this store mover has no host tier")
+        self._check_pairs(host_slots, hashes)
+        if not host_slots or not self._may_try():
+            return [False] * len(host_slots)
+        t0 = time.perf_counter()
+        return self._put(hashes, self.host.read_slots(host_slots), t0)
+
+    def delete(self, hashes: Sequence[bytes]) -> bool:
+        """Remove the entries of `hashes`, best effort (the allocator's index already dropped
+        them); whether the store did."""
+        if not hashes or not self._may_try():
+            return False
+        try:
+            self.store.delete_many([entry_key(self.layout, h) for h in hashes])
+        except StoreError as exc:
+            self._failed(exc)
+            return False
+        self._answered()
+        return True
+
+    # -- loads ------------------------------------------------------------------
+
+    def load_blocks(self, hashes: Sequence[bytes], kv_blocks: Sequence[int]) -> list[LoadOutcome]:
+        """Read the entries of `hashes` into KV blocks `kv_blocks[i]` (distinct); per block,
+        whether it was loaded. A block not loaded is untouched: its tokens are computed."""
+        self._check_pairs(kv_blocks, hashes)
+        check_ids("KV block", kv_blocks, self.pool.num_blocks, distinct=True)
+        if not kv_blocks:
+            return []
+        if not self._may_try():
+            return [UNAVAILABLE] * len(kv_blocks)
+        t0 = time.perf_counter()
+        try:
+            found = self.store.get_many([entry_key(self.layout, h) for h in hashes])
+        except StoreError as exc:
+            self._failed(exc)
+            return [UNAVAILABLE] * len(kv_blocks)
+        self._answered()
+        outcomes: list[LoadOutcome] = []
+        payloads: list[memoryview] = []
+        targets: list[int] = []
+        for h, block, data in zip(hashes, kv_blocks, found, strict=True):
+            if data is None:
+                outcomes.append(MISSING)
+                continue
+            payload = decode_entry(data, self.layout, h)
+            if isinstance(payload, Refused):
+                log.warning("shared store %s: entry of block %s refused (%s: %s)", self.store.url, h.hex()[:12],
+                            payload.reason, payload.detail)
+                if self._meter is not None:
+                    self._meter.refused(payload.reason)
+                outcomes.append(LoadOutcome(False, payload.reason))
+                continue
+            payloads.append(payload)
+            targets.append(block)
+            outcomes.append(LOADED)
+        if targets:
+            stage = np.empty((len(targets), self.layout.block_bytes), dtype=np.uint8)
+            for i, payload in enumerate(payloads):
+                stage[i] = np.frombuffer(payload, dtype=np.uint8)
+            data = torch.from_numpy(stage).view(self.pool.dtype).view(len(targets), *self.layout.block_shape)
+            if self.host is not None:
+                self.host.wait()  # a block loaded into may be one a host save is still reading
+            scatter(self.pool, targets, data.to(self.pool.device))
+            if self._meter is not None:
+                self._meter.loaded(len(targets), len(targets) * self.layout.block_bytes, time.perf_counter() - t0)
+        return outcomes
+
+    # -- inside -----------------------------------------------------------------
+
+    def _put(self, hashes: Sequence[bytes], payloads: Sequence[memoryview], t0: float) -> list[bool]:
+        items = [(entry_key(self.layout, h), encode_entry(self.layout, h, p))
+                 for h, p in zip(hashes, payloads, strict=True)]
+        try:
+            self.store.put_many(items)
+        except StoreError as exc:
+            self._failed(exc)
+            return [False] * len(items)
+        self._answered()
+        if self._meter is not None:
+            self._meter.saved(len(items), len(items) * self.layout.block_bytes, time.perf_counter() - t0)
+        return [True] * len(items)
+
+    @staticmethod
+    def _check_pairs(ids: Sequence[int], hashes: Sequence[bytes]) -> None:
+        if len(ids) != len(hashes):
+            raise ValueError(f"{len(ids)} blocks but {len(hashes)} hashes")
+
+    def _may_try(self) -> bool:
+        return self._down_since is None or self._clock() >= self._retry_at
+
+    def _failed(self, exc: StoreError) -> None:
+        if self._meter is not None:
+            self._meter.store_error()
+        now = self._clock()
+        if self._down_since is None:
+            self._down_since = now
+            log.warning("shared store unreachable, its blocks are misses until it answers: %s", exc)
+        self._retry_at = now + self._retry_interval_s
+
+    def _answered(self) -> None:
+        if self._down_since is not None:
+            log.warning("shared store %s answers again after %.1f s", self.store.url,
+                        self._clock() - self._down_since)
+            self._down_since = None
