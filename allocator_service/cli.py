@@ -12,7 +12,7 @@ from typing import ClassVar
 
 from allocator_service.config import Limits
 from pagedkv_base.config import add_arguments as add_setting_flags
-from pagedkv_base.config import from_args, setting
+from pagedkv_base.config import from_args, name_of, setting
 from pagedkv_base.settings import (
     LOG_LEVELS,
     CliError,
@@ -20,6 +20,7 @@ from pagedkv_base.settings import (
     read_file,
     read_secret,
     run_command,
+    seconds,
 )
 
 DESCRIPTION = """\
@@ -72,22 +73,24 @@ class AllocatorArgs:
         "any caller only when --auth-token-file is unset too (a development setup); with --auth-token-file "
         "alone they need the admin token", metavar="PATH")
     lease_ttl: float = setting(
-        30.0, "drop a pool (and free its blocks) when no call renewed it for this long", metavar="SECONDS")
+        30.0, "seconds: drop a pool (and free its blocks) when no call renewed it for this long", parse=seconds,
+        flag=False)
     tls_cert: str | None = setting(
         None, "serve TLS with this certificate chain (needs --tls-key)", metavar="PEM")
     tls_key: str | None = setting(None, "private key of --tls-cert", metavar="PEM")
     snapshot_every: int = setting(
         1000, "with --state redis: write a full snapshot every N journal records, so a restart replays at "
-        "most N", metavar="N")
+        "most N", flag=False)
     max_snapshot_mb: int = setting(
-        256, "with --state redis: a snapshot larger than this is not written (logged; tried again later; "
-        "the journal keeps every record); at most 512, Redis's value limit", metavar="MB")
+        256, "with --state redis: a snapshot larger than this many MB is not written (logged; tried again "
+        "later; the journal keeps every record); at most 512, Redis's value limit", flag=False)
     redis_wait_replicas: int = setting(
         0, "with --state redis: after every journal write wait (Redis WAIT) until N replicas hold it before "
         "replying; a write they do not acknowledge in time is UNAVAILABLE (the worker retries). For "
-        "durability across the loss of the Redis host", metavar="N")
+        "durability across the loss of the Redis host", flag=False)
     redis_wait_timeout: float = setting(
-        1.0, "how long --redis-wait-replicas waits", metavar="SECONDS")
+        1.0, "seconds the wait for replicas (PAGEDKV_ALLOCATOR_REDIS_WAIT_REPLICAS) lasts", parse=seconds,
+        flag=False)
     fair_share_window_ms: float = setting(
         100.0, "per-pool CPU fair share: while pools contend, the pool that used more CPU over about this "
         "long waits for a call of the one that used less (delayed, never refused); 0 = off", flag=False)
@@ -102,11 +105,12 @@ class AllocatorArgs:
         if ":" not in self.listen:
             raise ValueError(f"--listen wants HOST:PORT, not {self.listen!r}")
         if not 1 <= self.max_snapshot_mb <= 512:
-            raise ValueError("--max-snapshot-mb must be 1 to 512 (Redis's value limit)")
+            raise ValueError(f"{name_of(AllocatorArgs, 'max_snapshot_mb')} must be 1 to 512 (Redis's value limit)")
         if not (self.state == "memory" or self.state.startswith(_REDIS)):
             raise ValueError(f"--state must be 'memory' or a redis:// URL, not {self.state!r}")
         if self.redis_wait_replicas < 0 or not self.redis_wait_timeout > 0:
-            raise ValueError("--redis-wait-replicas must be >= 0 and --redis-wait-timeout positive")
+            raise ValueError(f"{name_of(AllocatorArgs, 'redis_wait_replicas')} must be >= 0 and "
+                             f"{name_of(AllocatorArgs, 'redis_wait_timeout')} positive")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

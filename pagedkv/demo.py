@@ -9,6 +9,11 @@ mixed lengths, some multi-turn) with a progress bar, and ends with a report
 each request went vs the best any worker had, routing time) and a PNG chart
 of KV utilisation over the run. Then it shuts everything down.
 
+The workload is `WORKLOAD` (16 conversations in flight, 35% of them
+with a second turn, replies of 24 to 72 tokens) on two workers of 80 blocks
+each, small enough to show the pool under pressure; `--conversations` sets
+how many run, `--policy` the router's policy.
+
 The report's peaks are the workers' own high-water marks, taken at every
 engine step (`pagedkv_worker_*_peak`, started again by `POST /reset_peaks`
 before the workload): each is the sum over the workers of each worker's peak.
@@ -59,6 +64,23 @@ FOLLOW_UPS = [
 ]
 
 
+@dataclass(frozen=True)
+class Workload:
+    """What the demo runs, besides the model, the router's policy and how many conversations."""
+
+    workers: int = 2  # behind the router
+    multi_turn: float = 0.35  # share of conversations with a second turn
+    concurrency: int = 16  # conversations in flight at once
+    num_blocks: int = 80  # KV blocks per worker: small enough to show pressure
+    block_size: int = 16
+    max_model_len: int = 1024  # context cap per conversation
+    max_tokens: tuple[int, int] = (24, 72)  # reply length range
+    seed: int = 0
+
+
+WORKLOAD = Workload()
+
+
 @dataclass
 class Stats:
     ttft: list[float] = field(default_factory=list)
@@ -73,17 +95,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="start the local stack, run a chat workload, print a report and a chart",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2", help="model of the workers (default smollm2)")
-    p.add_argument("--workers", type=int, default=2, help="worker processes behind the router (default 2)")
     p.add_argument("--policy", default="kv", choices=("kv", "least-load", "round-robin"),
                    help="the router's policy (default kv)")
     p.add_argument("--conversations", type=int, default=32, help="conversations to run (default 32)")
-    p.add_argument("--multi-turn", type=float, default=0.35, help="share of conversations with a second turn (default 0.35)")
-    p.add_argument("--concurrency", type=int, default=16, help="conversations in flight at once (default 16)")
-    p.add_argument("--num-blocks", type=int, default=80, help="KV blocks per worker (default 80: small enough to show pressure)")
-    p.add_argument("--block-size", type=int, default=16, help="token slots per block (default 16)")
-    p.add_argument("--max-model-len", type=int, default=1024, help="context cap per conversation (default 1024)")
-    p.add_argument("--max-tokens", default="24,72", help="reply length range MIN,MAX (default 24,72)")
-    p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     p.add_argument("--out", default="out", help="folder for the report JSON and the chart (default out/)")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
     return p
@@ -154,14 +168,16 @@ async def _conversation(client, model: str, rng: random.Random, turns: int, lo: 
                          {"role": "user", "content": rng.choice(FOLLOW_UPS)}]
 
 
-async def _workload(api: str, urls: list[str], args, lo: int, hi: int) -> tuple[Stats, list[dict], float]:
+async def _workload(api: str, urls: list[str], args) -> tuple[Stats, list[dict], float]:
     """The conversations through `api` (the router); KV samples polled from every worker at `urls`."""
     import httpx
     import openai
     from tqdm import tqdm
 
-    rng = random.Random(args.seed)
-    turns = [2 if rng.random() < args.multi_turn else 1 for _ in range(args.conversations)]
+    w = WORKLOAD
+    lo, hi = w.max_tokens
+    rng = random.Random(w.seed)
+    turns = [2 if rng.random() < w.multi_turn else 1 for _ in range(args.conversations)]
     stats, samples = Stats(), []
     async with httpx.AsyncClient(timeout=5) as http:  # the peaks count this workload alone
         for url in urls:
@@ -170,11 +186,11 @@ async def _workload(api: str, urls: list[str], args, lo: int, hi: int) -> tuple[
     t0 = time.monotonic()
     poller = asyncio.create_task(_poll(urls, samples, stop, t0))
     client = openai.AsyncOpenAI(base_url=f"{api}/v1", api_key="demo", max_retries=0, timeout=600)
-    sem = asyncio.Semaphore(args.concurrency)
+    sem = asyncio.Semaphore(w.concurrency)
     with tqdm(total=sum(turns), desc="chat requests", unit="req") as bar:
         async def one(i: int) -> None:
             async with sem:
-                await _conversation(client, args.model, random.Random(args.seed * 1000 + i),
+                await _conversation(client, args.model, random.Random(w.seed * 1000 + i),
                                     turns[i], lo, hi, stats, bar)
 
         await asyncio.gather(*(one(i) for i in range(args.conversations)))
@@ -258,26 +274,23 @@ def run(args: argparse.Namespace) -> int:
     from pagedkv.stack import LocalStack
     from pagedkv_base.settings import CliError
 
-    try:
-        lo, hi = (int(x) for x in args.max_tokens.split(","))
-    except ValueError:
-        raise CliError("--max-tokens takes MIN,MAX, e.g. 24,72") from None
-    if not 1 <= lo <= hi or args.conversations < 1 or args.concurrency < 1:
-        raise CliError("need 1 <= MIN <= MAX, and positive --conversations and --concurrency")
-    worker_args = ["--num-blocks", str(args.num_blocks), "--block-size", str(args.block_size),
-                   "--enable-prefix-caching", "--max-model-len", str(args.max_model_len),
-                   "--max-num-seqs", str(args.concurrency)]
-    print(f"starting the allocator, {args.workers} worker(s) on {args.model} (CPU) and the router "
+    w = WORKLOAD
+    if args.conversations < 1:
+        raise CliError("--conversations must be positive")
+    worker_args = ["--num-blocks", str(w.num_blocks), "--block-size", str(w.block_size),
+                   "--enable-prefix-caching", "--max-model-len", str(w.max_model_len),
+                   "--max-num-seqs", str(w.concurrency)]
+    print(f"starting the allocator, {w.workers} worker(s) on {args.model} (CPU) and the router "
           f"(policy {args.policy}) ...", flush=True)
-    with LocalStack(workers=args.workers, model=args.model, worker_args=worker_args, router=True,
+    with LocalStack(workers=w.workers, model=args.model, worker_args=worker_args, router=True,
                     router_args=["--policy", args.policy]) as stack:
-        stats, samples, wall = asyncio.run(_workload(stack.router_url, stack.worker_urls, args, lo, hi))
+        stats, samples, wall = asyncio.run(_workload(stack.router_url, stack.worker_urls, args))
         totals = _worker_totals(stack.worker_urls)
         routing = _routing(stack.router_url, args.policy)
     out_dir = Path(args.out)
     chart = out_dir / "demo_kv.png"
-    _chart(chart, samples, args.block_size)
-    report = _report(args, stats, samples, wall, totals)
+    _chart(chart, samples, w.block_size)
+    report = _report(w, stats, samples, wall, totals)
     report["routing"] = routing
     report["chart"] = str(chart)
     (out_dir / "demo_report.json").write_text(json.dumps(report, indent=2))
@@ -288,9 +301,9 @@ def run(args: argparse.Namespace) -> int:
     return 1 if stats.errors else 0
 
 
-def _report(args, stats: Stats, samples: list[dict], wall: float, totals: dict[str, float]) -> dict:
-    B = args.block_size
-    pool_tokens = args.num_blocks * B * args.workers
+def _report(w: Workload, stats: Stats, samples: list[dict], wall: float, totals: dict[str, float]) -> dict:
+    B = w.block_size
+    pool_tokens = w.num_blocks * B * w.workers
     busy = [s for s in samples if s.get("kv_blocks_used", 0) > 0]
     peak_blocks = int(totals.get("pagedkv_worker_kv_blocks_used_peak", 0))
     queried = totals.get("pagedkv_worker_prefix_cache_queried_tokens_total", 0)
@@ -315,8 +328,8 @@ def _report(args, stats: Stats, samples: list[dict], wall: float, totals: dict[s
         "mean_slot_utilisation": round(statistics.mean(s["kv_slot_utilisation_ratio"] for s in busy), 4) if busy else None,
         "peak_running_conversations": int(totals.get("pagedkv_worker_running_sequences_peak", 0)),
         "pool_tokens": pool_tokens,
-        "reserve_max_conversations_fit": pool_tokens // args.max_model_len,
-        "max_model_len": args.max_model_len,
+        "reserve_max_conversations_fit": pool_tokens // w.max_model_len,
+        "max_model_len": w.max_model_len,
         "error_samples": stats.errors[:3],
     }
 

@@ -15,7 +15,7 @@ SIGKILL (a second Ctrl-C skips the grace period). A process that exits
 meanwhile is restarted, as compose's `restart: unless-stopped` does
 (`LocalStack.supervise`: one line per restart, a growing delay, and a
 process that keeps exiting fast is given up on, which stops the stack);
-`--no-restart` stops the stack when any process exits.
+`PAGEDKV_UP_RESTART=0` stops the stack when any process exits.
 
 This module is the command line; the stack itself is `pagedkv.stack.LocalStack`.
 """
@@ -43,9 +43,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "Other settings of the workers, the router and the allocators reach every process "
                     "through their variables (PAGEDKV_WORKER_*, PAGEDKV_ROUTER_*, PAGEDKV_ALLOCATOR_*).",
     )
-    add_arguments(p, UpArgs)
-    add_arguments(p.add_argument_group("worker settings, handed to every worker"), WorkerArgs, passthrough=True)
-    add_arguments(p.add_argument_group("router settings"), RouterArgs, passthrough=True)
+    add_arguments(p, UpArgs)  # its own, then the workers' and the router's it hands on
     return p
 
 

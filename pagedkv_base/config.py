@@ -15,10 +15,16 @@ once, as a frozen dataclass whose fields are made with `setting(...)`: type
 - the values (`from_args`): the dataclass built from the parsed flags and the
   variables; its `__post_init__` checks them, and a bad one is a `CliError`.
 
-A launcher offers a component's `stack=True` fields as flags of its own
-(`add_arguments(..., passthrough=True)`) and hands the ones given on to each
-process (`to_argv`); what it does not offer reaches them through their
-variables, which child processes inherit.
+A setting that an operator may tune but no user gives on a command line is a
+field with `flag=False`: a variable only, in the reference like every other.
+
+A launcher's config names the components it starts in its `hands_on`
+(`UpArgs.hands_on`: the worker's and the router's configs). It offers their
+`stack=True` fields as flags of its own (`add_arguments` adds them,
+`passthrough`) and hands the ones given on to each process (`to_argv`); every
+other setting of theirs reaches them through their variables, which child
+processes inherit. Its reference lists the offered flags with the variables
+the processes read.
 """
 
 from __future__ import annotations
@@ -72,6 +78,11 @@ def component_of(cls: type) -> str:
     return cls.component  # type: ignore[attr-defined]
 
 
+def handed_on(cls: type) -> tuple[type, ...]:
+    """The configs of the components a launcher's config `cls` starts (its `hands_on`)."""
+    return tuple(getattr(cls, "hands_on", ()))
+
+
 def _settings(cls: type) -> Iterable[tuple[dataclasses.Field, Setting, Any]]:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
@@ -104,6 +115,13 @@ def flag_of(f: dataclasses.Field) -> str:
     return "--" + f.name.replace("_", "-")
 
 
+def name_of(cls: type, field: str) -> str:
+    """How a user gives the setting `field` of `cls`: its flag, or its variable when it
+    has none (for messages about it)."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == field)
+    return flag_of(f) if f.metadata[_KEY].flag else env_name(component_of(cls), flag_of(f))
+
+
 def _shown(default: Any) -> str:
     if default is None:
         return "none"
@@ -121,9 +139,19 @@ def _help(cls: type, f: dataclasses.Field, meta: Setting) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, *,
                   passthrough: bool = False) -> None:
-    """The flags of `cls`'s fields. `passthrough`: only its `stack=True` fields, for a
-    launcher that hands them on: absent unless given (the processes read their own
-    variables), kept as the text given (`to_argv`)."""
+    """The flags of `cls`'s fields, then (for a launcher) a group of each config it hands
+    on to. `passthrough`: only its `stack=True` fields, for a launcher that hands them
+    on: absent unless given (the processes read their own variables), kept as the text
+    given (`to_argv`)."""
+    _add_own(parser, cls, passthrough)
+    if not passthrough:
+        for other in handed_on(cls):
+            name = component_of(other)
+            group = parser.add_argument_group(f"{name} settings, handed to each {name} process")
+            _add_own(group, other, True)
+
+
+def _add_own(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, passthrough: bool) -> None:
     component = component_of(cls)
     for f, meta, hint in _settings(cls):
         if not meta.flag or (passthrough and not meta.stack):
@@ -176,9 +204,12 @@ def _from_environment(cls: type, f: dataclasses.Field, meta: Setting, hint: Any)
     if raw is None:
         return f.default
     try:
-        return from_env(_parser_of(meta, hint))(EnvValue(raw, name))
+        value = from_env(_parser_of(meta, hint))(EnvValue(raw, name))
     except argparse.ArgumentTypeError as exc:
         raise CliError(str(exc)) from None
+    if meta.choices and value not in meta.choices:
+        raise CliError(f"{name}={raw!r}: expected one of {', '.join(meta.choices)}")
+    return value
 
 
 def from_args(cls: type, args: argparse.Namespace, **overrides: Any):
@@ -199,22 +230,29 @@ def from_args(cls: type, args: argparse.Namespace, **overrides: Any):
 
 def reference_markdown(cls: type) -> str:
     """The configuration reference of one component: a Markdown table of every
-    setting, its flag (none: a variable only), variable, default and help."""
+    setting, its flag (none: a variable only), variable, default and help; for a
+    launcher, then the flags it hands on, with the variables its processes read."""
     rows = ["| flag | environment variable | default | what it sets |", "| --- | --- | --- | --- |"]
-    for f, meta, hint in _settings(cls):
-        switch = _base_type(hint) is bool
-        # an on-by-default switch has its --no- form (`env_switch`)
-        flag = (f"`{flag_of(f)}, --no-{flag_of(f)[2:]}`" if switch and f.default else f"`{flag_of(f)}`") \
-            if meta.flag else ""
-        var = f"`{env_name(component_of(cls), flag_of(f))}`"
-        if meta.fallback_env:
-            var += f", else `{meta.fallback_env}`"
-        if meta.shown_default:
-            default = meta.shown_default
-        elif f.default is None:
-            default = ""
-        else:
-            default = _shown(f.default) if switch else f"`{_shown(f.default)}`"
-        text = " ".join(meta.help.split()).replace("|", "\\|")
-        rows.append(f"| {flag} | {var} | {default} | {text} |")
+    rows += [_row(cls, f, meta, hint) for f, meta, hint in _settings(cls)]
+    for other in handed_on(cls):
+        to = f"each {component_of(other)}'s own: "
+        rows += [_row(other, f, meta, hint, to) for f, meta, hint in _settings(other) if meta.stack]
     return "\n".join(rows) + "\n"
+
+
+def _row(cls: type, f: dataclasses.Field, meta: Setting, hint: Any, prefix: str = "") -> str:
+    switch = _base_type(hint) is bool
+    # an on-by-default switch has its --no- form (`env_switch`)
+    flag = (f"`{flag_of(f)}, --no-{flag_of(f)[2:]}`" if switch and f.default else f"`{flag_of(f)}`") \
+        if meta.flag else ""
+    var = f"`{env_name(component_of(cls), flag_of(f))}`"
+    if meta.fallback_env:
+        var += f", else `{meta.fallback_env}`"
+    if meta.shown_default:
+        default = meta.shown_default
+    elif f.default is None:
+        default = ""
+    else:
+        default = _shown(f.default) if switch else f"`{_shown(f.default)}`"
+    text = prefix + " ".join(meta.help.split()).replace("|", "\\|")
+    return f"| {flag} | {var} | {default} | {text} |"

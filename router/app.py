@@ -7,7 +7,7 @@ prompt is tokenized once with the worker's tokenizer and chat template
 (`Tokenizer.encode_chat`); how much of it each pool holds is matched in
 the router's copy of the pools' caches, kept from the allocator's events
 (`prefix_view.py`), or, while that copy is not in step (or with
-`--cache-view match-prefix`), asked of the allocator's `MatchPrefix` (with
+`PAGEDKV_ROUTER_CACHE_VIEW=match-prefix`), asked of the allocator's `MatchPrefix` (with
 pools sharded over several allocators, each is asked about its own pools,
 all at once); `policy.rank` orders the workers. The body goes unchanged to
 the first; its answer (JSON or server-sent events) is passed through chunk

@@ -94,7 +94,7 @@ class RouterArgs:
         "events", "events: keep the pools' prefix caches in the router from the allocator's block events "
         "(a snapshot, then every change) and match prompts here, asking MatchPrefix only while that copy is "
         "not in step; match-prefix: ask MatchPrefix for every request (only --policy kv reads the cache)",
-        choices=CACHE_VIEWS)
+        choices=CACHE_VIEWS, flag=False)
     router_token_file: str | None = setting(
         None, "file holding the allocator's router bearer token (its --router-token-file)")
     allocator_tls_ca: str | None = setting(
@@ -110,7 +110,7 @@ class RouterArgs:
     cache_salt_per_api_key: bool = setting(
         True, "behind API keys, match each key's prompts in its own cache, as the workers (with the same "
         "setting) cache them: a request's cache salt is derived from its key and its own cache_salt; "
-        "--no-cache-salt-per-api-key matches in the cache all keys share")
+        "0 matches in the cache all keys share", flag=False)
     first_byte_timeout: float = setting(
         60.0, "seconds: a worker that has not answered a request's status in this long is skipped, and the "
         "request sent to another, if the request never reached it; if it did, the client gets a 504",

@@ -9,7 +9,7 @@ after the last one seen, and the listing is also refreshed every `refresh_s`
 seconds (a registration that lands between the first listing and the start
 of the first stream is found then at the latest).
 
-With a `PrefixView` (`--cache-view events`, the router's default) the
+With a `PrefixView` (`PAGEDKV_ROUTER_CACHE_VIEW=events`, the router's default) the
 stream carries every event instead, after a snapshot of every pool's cached
 blocks: the view applies them (`router.prefix_view`). Each connection takes
 a new snapshot, so a reconnect or a RESYNC_REQUIRED rebuilds the view

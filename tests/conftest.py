@@ -69,12 +69,12 @@ def redis_store():
 
 @pytest.fixture(scope="session")
 def worker_process():
-    """`with worker_process(*ARGS, timeout=90) as url`: `python -m worker ARGS` on a free
-    loopback port, healthy; its base URL."""
+    """`with worker_process(*ARGS, timeout=90, env=None) as url`: `python -m worker ARGS`
+    (with `env` added to its environment) on a free loopback port, healthy; its base URL."""
 
     @contextlib.contextmanager
-    def start(*args: str, timeout: float = 90.0) -> Iterator[str]:
-        worker = WorkerProcess("worker", args=["--log-level", "warning", *args])
+    def start(*args: str, timeout: float = 90.0, env: dict[str, str] | None = None) -> Iterator[str]:
+        worker = WorkerProcess("worker", args=["--log-level", "warning", *args], env=env)
         try:
             yield worker.start().wait_healthy(timeout).url
         finally:

@@ -11,7 +11,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pagedkv_base.config import add_arguments, from_args, reference_markdown, setting, to_argv
+from pagedkv_base.config import (
+    add_arguments,
+    from_args,
+    handed_on,
+    name_of,
+    reference_markdown,
+    setting,
+    to_argv,
+)
 from pagedkv_base.settings import CliError, seconds
 
 
@@ -24,6 +32,7 @@ class Toy:
     caching: bool = setting(True, "a toggle", stack=True)
     verbose: bool = setting(False, "a switch")
     wait: float = setting(1.0, "seconds to wait", parse=seconds, flag=False)
+    mode: str = setting("fast", "how to go", choices=("fast", "slow"), flag=False)
 
     def __post_init__(self) -> None:
         if self.size < 1:
@@ -63,6 +72,16 @@ def test_a_setting_without_a_flag_is_its_variable(monkeypatch, capsys):
     monkeypatch.setenv("PAGEDKV_TOY_WAIT", "-1")
     with pytest.raises(CliError, match="PAGEDKV_TOY_WAIT='-1'"):
         from_args(Toy, parser().parse_args([]))
+    monkeypatch.delenv("PAGEDKV_TOY_WAIT")
+    monkeypatch.setenv("PAGEDKV_TOY_MODE", "slow")
+    assert from_args(Toy, parser().parse_args([])).mode == "slow"
+    monkeypatch.setenv("PAGEDKV_TOY_MODE", "sideways")  # its choices hold for the variable too
+    with pytest.raises(CliError, match="PAGEDKV_TOY_MODE='sideways': expected one of fast, slow"):
+        from_args(Toy, parser().parse_args([]))
+
+
+def test_a_message_names_a_setting_as_a_user_gives_it():
+    assert name_of(Toy, "size") == "--size" and name_of(Toy, "wait") == "PAGEDKV_TOY_WAIT"
 
 
 @given(size=st.one_of(st.none(), st.integers(1, 10**6)), caching=st.one_of(st.none(), st.booleans()))
@@ -82,7 +101,7 @@ def test_a_launcher_offers_only_stack_settings():
 
 def test_reference_has_every_setting():
     table = reference_markdown(Toy).splitlines()
-    assert len(table) == 2 + 5
+    assert len(table) == 2 + 6
     assert "| `--size` | `PAGEDKV_TOY_SIZE` | `4` | blocks |" in table
     assert "|  | `PAGEDKV_TOY_WAIT` | `1.0` | seconds to wait |" in table
 
@@ -101,18 +120,17 @@ def test_each_component_is_its_dataclass(component):
     own = {a.dest: a for a in sub._actions if a.option_strings and a.dest != "help"}
     fields = dataclasses.fields(cls)
     flagged = {f.name for f in fields if f.metadata["pagedkv"].flag}
-    if component == "up":  # plus the workers' and the router's that it hands on
-        from router.cli import RouterArgs
-        from worker.cli import WorkerArgs
-
-        flagged |= {f.name for c in (WorkerArgs, RouterArgs) for f in dataclasses.fields(c)
-                    if f.metadata["pagedkv"].stack}
-    assert set(own) == flagged
+    handed = [(c, f) for c in handed_on(cls) for f in dataclasses.fields(c) if f.metadata["pagedkv"].stack]
+    assert bool(handed) is (component == "up")  # `up` hands the workers' and the router's on
+    assert set(own) == flagged | {f.name for _, f in handed}
     for name, action in own.items():
-        assert f"PAGEDKV_{component.upper()}_" in action.help or name in flagged - {f.name for f in fields}
+        assert f"PAGEDKV_{component.upper()}_" in action.help or name not in flagged
     table = reference_markdown(component)
     for f in fields:
         assert f"`PAGEDKV_{component.upper()}_{f.name.upper()}`" in table
+    for c, f in handed:  # with the variable that the process it is handed to reads
+        flag = "--" + f.name.replace("_", "-")
+        assert f"| `{flag}` | `PAGEDKV_{c.component.upper()}_{f.name.upper()}` |" in table
 
 
 def test_a_worker_refuses_two_pool_sizes():

@@ -29,8 +29,9 @@ from pagedkv_base.settings import (
 
 ENV_HELP = """\
 Every setting is also the environment variable PAGEDKV_WORKER_<SETTING> (shown
-in brackets); a flag wins over its variable. --api-key also reads VLLM_API_KEY
-when PAGEDKV_WORKER_API_KEY is not set.
+in brackets; some are variables only: see the configuration reference); a flag
+wins over its variable. --api-key also reads VLLM_API_KEY when
+PAGEDKV_WORKER_API_KEY is not set.
 """
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float", "half")
@@ -75,19 +76,19 @@ class WorkerArgs:
         None, "this worker's id at the allocator; a restart with the same id starts a new epoch",
         shown_default="HOSTNAME-PID-RANDOM (unique per host and process)")
     allocator_unhealthy_after: float = setting(
-        10.0, "GET /health answers 503 once the allocator has not answered for this long", parse=seconds,
-        metavar="SECONDS")
+        10.0, "seconds: GET /health answers 503 once the allocator has not answered for this long", parse=seconds,
+        flag=False)
     allocator_give_up_after: float = setting(
-        120.0, "requests waiting on an allocator that has not answered for this long fail with a 503, and new "
-        "ones are refused until it answers", parse=seconds, metavar="SECONDS")
+        120.0, "seconds: requests waiting on an allocator that has not answered for this long fail with a 503, "
+        "and new ones are refused until it answers", parse=seconds, flag=False)
     num_blocks: int | None = setting(None, "KV blocks in the pool", stack=True)
     kv_cache_memory: str | None = setting(
         None, "KV pool size instead of --num-blocks: '2GiB', '512MiB', or on CUDA a fraction of free memory "
         "such as '0.5'", shown_default="512MiB", stack=True)
-    block_size: int = setting(16, "token slots per block", stack=True)
+    block_size: int = setting(16, "token slots per block")
     enable_prefix_caching: bool = setting(
         True, "share identical prompt prefixes between requests (hash-chained blocks), as in vLLM; "
-        "--no-enable-prefix-caching turns it off", stack=True)
+        "--no-enable-prefix-caching turns it off")
     async_scheduling: bool = setting(
         True, "send each step's allocator call while the previous step computes, its token-dependent parts "
         "(hashes, frees) one step later; --no-async-scheduling turns it off")
@@ -97,17 +98,17 @@ class WorkerArgs:
     device: str = setting("cpu", "torch device: cpu or cuda", stack=True)
     dtype: str = setting(
         "auto", "weights and KV dtype; 'auto' is the model's own: float32 on the CPU, on CUDA its config's "
-        "torch_dtype (float32 models as bfloat16)", choices=DTYPES, stack=True)
-    max_num_seqs: int = setting(64, "most sequences running at once", stack=True)
+        "torch_dtype (float32 models as bfloat16)", choices=DTYPES)
+    max_num_seqs: int = setting(64, "most sequences running at once")
     max_num_batched_tokens: int = setting(
-        2048, "token budget of one step; longer prompts are prefilled in chunks", stack=True)
+        2048, "token budget of one step; longer prompts are prefilled in chunks")
     max_model_len: int | None = setting(
-        None, "cap on prompt + generated tokens", shown_default="the model's context length", stack=True)
+        None, "cap on prompt + generated tokens", shown_default="the model's context length")
     threads: int | None = setting(
         None, "torch compute threads (intra-op and inter-op; the CPU attention kernel follows): a count, or a "
         "share of the cores this process may use, '1/2' = half of them, at least one. Several workers on one "
         "host should split the cores: `pagedkv up` and the compose file pass 1/N to each of N workers",
-        parse=parse_threads, metavar="N|A/B", shown_default="torch's own, every core", stack=True)
+        parse=parse_threads, metavar="N|A/B", shown_default="torch's own, every core")
     host: str = setting("127.0.0.1", "HTTP listen address")
     port: int = setting(8000, "HTTP port")
     advertise_url: str = setting(
@@ -123,7 +124,7 @@ class WorkerArgs:
     cache_salt_per_api_key: bool = setting(
         True, "behind API keys, cache each key's prompts apart: a request's cache salt is derived from its key "
         "(and its own cache_salt), so no key learns from cached tokens what another key sent; "
-        "--no-cache-salt-per-api-key shares the cache between keys (give the router the same setting)")
+        "0 shares the cache between keys (give the router the same setting)", flag=False)
     log_level: str = setting("INFO", "log level, any case", parse=log_level, choices=LOG_LEVELS)
 
     def __post_init__(self) -> None:

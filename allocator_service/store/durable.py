@@ -317,7 +317,7 @@ class DurableState:
         if len(blob) > self.max_snapshot_bytes:
             self.snapshots_skipped += 1
             self._back_off(f"the snapshot at record {cut.index} would be {len(blob):,} bytes, over the "
-                           f"bound of {self.max_snapshot_bytes:,} (--max-snapshot-mb, at most Redis's "
+                           f"bound of {self.max_snapshot_bytes:,} (PAGEDKV_ALLOCATOR_MAX_SNAPSHOT_MB, at most Redis's "
                            "512 MB value limit): not written; the journal keeps every record")
             return
         try:

@@ -4,9 +4,10 @@ Each benchmark module exposes `add_arguments(parser)`, `measure(args)` (the
 report), `tables(report)` and `run(args)` (`harness.run`: the report with the
 command, machine and date of the run, printed as tables or written as JSON).
 `pagedkv bench report` renders the committed results (`docs/benchmarks/*.json`)
-as `docs/benchmarks.md`. Workloads are in `workloads`, the systems compared in
-`systems`. Benchmarks are never timed assertions: they report figures to
-compare side by side in one run.
+as `docs/benchmarks.md`. Workloads are in `workloads` (a benchmark runs one
+of its presets: `--workload NAME`), the systems compared in `systems` (a
+benchmark's few flags choose among them). Benchmarks are never timed
+assertions: they report figures to compare side by side in one run.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """`pagedkv bench allocator`: Step latency and operations per second of the
-allocator in-process, over gRPC, and over gRPC with the Redis journal, for
-1, 64 and 256 sequences per step, in one run.
+allocator in-process, over gRPC, and over gRPC with the Redis journal
+(`--modes`), for 1, 64 and 256 sequences per step (`workloads.STEPS`), in one
+run.
 
 `--watch-events none,plain,packed` times the gRPC steps again while another
 process follows every KV event of the server as a router with a cache view
@@ -16,7 +17,7 @@ caching on and 16-token blocks, as a vLLM-style worker would run. Latency is
 measured where the worker sees it: around `AllocatorClient.step`, request
 encoding and result decoding included. The servers are separate processes
 (`python -m allocator_service`), the Redis a private `redis-server` with
-append-only persistence (or --redis URL).
+append-only persistence.
 """
 
 from __future__ import annotations
@@ -31,18 +32,13 @@ from allocator_service.core import PoolConfig, blocks_for
 from pagedkv.bench import harness, noisy_neighbour
 from pagedkv.bench.harness import Table, cell
 from pagedkv.bench.systems.allocators import WATCHERS, EventFollower, connect, deploy
-from pagedkv.bench.workloads import MAX_GEN, PROMPT_LEN, decode_steps
+from pagedkv.bench.workloads import MAX_GEN, PROMPT_LEN, STEPS, StepWorkload, decode_steps
 
 MODES = ("in-process", "grpc", "grpc+redis", "grpc-unary", "grpc-unary+redis")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--sizes", type=harness.comma_list(low=1), default=[1, 64, 256],
-                        help="sequences per step, comma-separated [1,64,256]")
-    parser.add_argument("--steps", type=harness.positive, default=400, help="timed steps per case [%(default)s]")
-    parser.add_argument("--warmup", type=int, default=50, help="untimed steps first [%(default)s]")
-    parser.add_argument("--block-size", type=harness.positive, default=16, help="[%(default)s]")
-    parser.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    harness.add_workload_option(parser, STEPS)
     parser.add_argument(
         "--modes", type=harness.comma_list(MODES), default=["in-process", "grpc", "grpc+redis"],
         help="which of in-process, grpc, grpc+redis, grpc-unary, grpc-unary+redis to run (grpc: steps "
@@ -53,10 +49,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="for the gRPC modes, time each case with each of: none (no watcher), plain (a process following "
              "every KV event, one message each), packed (runs of block events per message, as the router's "
              "cache view asks) [none]",
-    )
-    parser.add_argument(
-        "--redis", default=None, metavar="URL",
-        help="journal to this Redis (a redis:// URL) instead of starting a private redis-server",
     )
     harness.add_json_option(parser)
     noisy_neighbour.add_arguments(parser)
@@ -90,22 +82,22 @@ def measure_steps(client, num_seqs: int, steps: int, warmup: int) -> dict:
 
 
 def measure(args: argparse.Namespace) -> dict:
+    w = STEPS[args.workload]
     if args.noisy_neighbour:
-        return noisy_neighbour.measure(args, measure_steps)
-    sizes, watchers = args.sizes, args.watch_events
+        return noisy_neighbour.measure(w, args.separate_neighbour, measure_steps)
+    sizes, watchers = w.sizes, args.watch_events
     results = []
     for mode in args.modes:
         with contextlib.ExitStack() as stack:
             kind = "embedded" if mode == "in-process" else mode.replace("-unary", "")
-            address = deploy(stack, kind, redis_url=args.redis,
-                             allocator_args=["--snapshot-every", "1000"] if kind == "grpc+redis" else [])
+            address = deploy(stack, kind)
             for n in sizes:
                 for watcher in watchers if kind != "embedded" else ["none"]:
                     results.append({"mode": mode, "watcher": watcher,
-                                    **_case(args, address, mode, watcher, n)})
+                                    **_case(w, address, mode, watcher, n)})
     out = {
-        "block_size": args.block_size,
-        "prefix_caching": not args.no_prefix_caching,
+        "block_size": w.block_size,
+        "prefix_caching": w.prefix_caching,
         "cpus": os.cpu_count(),
         "load_average_1m": harness.load_average(),
         "results": results,
@@ -119,20 +111,20 @@ def measure(args: argparse.Namespace) -> dict:
     return out
 
 
-def _case(args: argparse.Namespace, address: str, mode: str, watcher: str, n: int) -> dict:
+def _case(w: StepWorkload, address: str, mode: str, watcher: str, n: int) -> dict:
     """One (mode, watcher, sequences) case on a fresh pool."""
     from allocator_service.client import PoolSpec
 
-    blocks_per_seq = blocks_for(PROMPT_LEN + MAX_GEN, args.block_size) + 2
+    blocks_per_seq = blocks_for(PROMPT_LEN + MAX_GEN, w.block_size) + 2
     spec = PoolSpec(f"bench-{mode}-{watcher}-{n}", PoolConfig(
-        num_blocks=n * blocks_per_seq + 64, block_size=args.block_size,
-        enable_prefix_caching=not args.no_prefix_caching, model_fingerprint="bench"))
+        num_blocks=n * blocks_per_seq + 64, block_size=w.block_size,
+        enable_prefix_caching=w.prefix_caching, model_fingerprint="bench"))
     client = connect(address, spec, step_stream="unary" not in mode)
     follower = None
     try:
         if watcher != "none":
             follower = EventFollower(address, watcher == "packed")
-        row = measure_steps(client, n, args.steps, args.warmup)
+        row = measure_steps(client, n, w.steps, w.warmup)
         return row | (follower.stop() if follower is not None else {})
     finally:
         if follower is not None:

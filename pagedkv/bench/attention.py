@@ -8,8 +8,8 @@ median of the per-pair ratios paged / contiguous.
 The paged figure is per layer with the step's gather plan already built (as
 layers 2..N find it); `plan_ms_per_step` is the one-off cost of building it. Both sides
 use the same GQA grouping (query heads folded onto their kv head), so the
-ratio measures the cost of paging alone. Defaults are SmolLM2-135M's head
-shapes (9 query heads, 3 kv heads, head_dim 64).
+ratio measures the cost of paging alone. The workload (`workloads.ATTENTION`)
+has SmolLM2-135M's head shapes (9 query heads, 3 kv heads, head_dim 64).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from collections.abc import Callable
 from allocator_service.core import blocks_for
 from pagedkv.bench import harness
 from pagedkv.bench.harness import Table, cell
+from pagedkv.bench.workloads import ATTENTION, AttentionWorkload
 
 __all__ = ["add_arguments", "measure", "run", "tables"]
 
@@ -31,13 +32,7 @@ _BACKENDS = ("torch", "numba", "triton")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batch-sizes", type=harness.comma_list(low=1), default=[1, 16, 64], help="comma list (default 1,16,64)")
-    parser.add_argument("--contexts", type=harness.comma_list(low=1), default=[512, 2048], help="tokens per sequence (default 512,2048)")
-    parser.add_argument("--block-size", type=harness.positive, default=16, help="token slots per block (default 16)")
-    parser.add_argument("--q-heads", type=harness.positive, default=9, help="query heads (default 9, SmolLM2)")
-    parser.add_argument("--kv-heads", type=harness.positive, default=3, help="key/value heads (default 3, SmolLM2)")
-    parser.add_argument("--head-dim", type=harness.positive, default=64, help="head size (default 64, SmolLM2)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="K/V and query dtype (default float32)")
+    harness.add_workload_option(parser, ATTENTION)
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
     parser.add_argument(
         "--backend",
@@ -46,7 +41,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma list of torch, numba, triton, timed side by side (default: the device's, numba on the CPU)",
     )
     parser.add_argument("--repeats", type=harness.positive, default=10, help="timed calls per case (median reported)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed of the data (default 0)")
     parser.add_argument("--threads", type=harness.positive, default=None, help="torch CPU threads (default: torch's)")
     harness.add_json_option(parser)
 
@@ -81,37 +75,37 @@ def _paired_ms(a: Callable[[], object], b: Callable[[], object], repeats: int,
     return statistics.median(ta), statistics.median(tb), statistics.median(ratios)
 
 
-def _case(args: argparse.Namespace, names: list[str], batch: int, context: int) -> dict:
+def _case(args: argparse.Namespace, w: AttentionWorkload, names: list[str], batch: int, context: int) -> dict:
     import torch
     import torch.nn.functional as F
 
     from worker.attention import AttentionMetadata, get_backend
     from worker.kv_pool import KVPool
 
-    dtype = getattr(torch, args.dtype)
+    dtype = getattr(torch, w.dtype)
     device = torch.device(args.device)
-    gen = torch.Generator().manual_seed(args.seed)
-    block = args.block_size
+    gen = torch.Generator().manual_seed(w.seed)
+    block = w.block_size
     blocks_per_seq = blocks_for(context, block)
-    pool = KVPool(1, batch * blocks_per_seq, block, args.kv_heads, args.head_dim, dtype, device)
+    pool = KVPool(1, batch * blocks_per_seq, block, w.kv_heads, w.head_dim, dtype, device)
     order = torch.randperm(pool.num_blocks, generator=gen).tolist()
     tables = [order[s * blocks_per_seq : (s + 1) * blocks_per_seq] for s in range(batch)]
 
-    k = torch.randn(batch, context, args.kv_heads, args.head_dim, generator=gen).to(device, dtype)
-    v = torch.randn(batch, context, args.kv_heads, args.head_dim, generator=gen).to(device, dtype)
+    k = torch.randn(batch, context, w.kv_heads, w.head_dim, generator=gen).to(device, dtype)
+    v = torch.randn(batch, context, w.kv_heads, w.head_dim, generator=gen).to(device, dtype)
     fill = AttentionMetadata.build([(t, 0, context) for t in tables], block, device)
-    pool.write(0, fill.slot_mapping, k.reshape(-1, args.kv_heads, args.head_dim), v.reshape(-1, args.kv_heads, args.head_dim))
+    pool.write(0, fill.slot_mapping, k.reshape(-1, w.kv_heads, w.head_dim), v.reshape(-1, w.kv_heads, w.head_dim))
     meta = AttentionMetadata.build([(t, context - 1, 1) for t in tables], block, device)
     k_contig = k.transpose(1, 2).contiguous()  # [b, Hkv, ctx, D]
     v_contig = v.transpose(1, 2).contiguous()
-    q = torch.randn(batch, args.q_heads, args.head_dim, generator=gen).to(device, dtype)
-    scale = args.head_dim**-0.5
-    group = args.q_heads // args.kv_heads
+    q = torch.randn(batch, w.q_heads, w.head_dim, generator=gen).to(device, dtype)
+    scale = w.head_dim**-0.5
+    group = w.q_heads // w.kv_heads
 
     kc, vc = pool.k_cache(0), pool.v_cache(0)
 
     def contiguous() -> torch.Tensor:
-        qg = q.view(batch, args.kv_heads, group, args.head_dim)
+        qg = q.view(batch, w.kv_heads, group, w.head_dim)
         return F.scaled_dot_product_attention(qg, k_contig, v_contig, scale=scale).reshape(q.shape)
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -161,18 +155,19 @@ def measure(args: argparse.Namespace) -> dict:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    w = ATTENTION[args.workload]
     names = args.backend or [default_backend(args.device)]
     return {
         "benchmark": "paged decode attention vs contiguous SDPA",
         "device": str(args.device),
         "backends": names,
-        "dtype": args.dtype,
+        "dtype": w.dtype,
         "threads": torch.get_num_threads(),
-        "block_size": args.block_size,
-        "q_heads": args.q_heads,
-        "kv_heads": args.kv_heads,
-        "head_dim": args.head_dim,
-        "results": [_case(args, names, b, c) for c in args.contexts for b in args.batch_sizes],
+        "block_size": w.block_size,
+        "q_heads": w.q_heads,
+        "kv_heads": w.kv_heads,
+        "head_dim": w.head_dim,
+        "results": [_case(args, w, names, b, c) for c in w.contexts for b in w.batch_sizes],
     }
 
 

@@ -1,9 +1,10 @@
 """`pagedkv bench core`: operations per second of the allocator core.
 
-10,000 sequences (by default) are admitted with a prompt, decoded for a number
-of rounds (one token appended per sequence per round, the hot path of a
-serving step) and freed, with prefix caching off and on. With caching on,
-every prompt starts with the same system prompt, so admits hit the cache.
+The sequences of the workload (`workloads.CORE`: 10,000 by default) are
+admitted with a prompt, decoded for a number of rounds (one token appended
+per sequence per round, the hot path of a serving step) and freed, with
+prefix caching off and on. With caching on, every prompt starts with the same
+system prompt, so admits hit the cache.
 """
 
 from __future__ import annotations
@@ -15,35 +16,30 @@ import time
 from allocator_service.core import BlockPool, PoolConfig, blocks_for
 from pagedkv.bench import harness
 from pagedkv.bench.harness import Table, cell
-from pagedkv.bench.workloads import VOCAB, prompt_with_prefix
+from pagedkv.bench.workloads import CORE, VOCAB, CoreWorkload, prompt_with_prefix
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sequences", type=harness.positive, default=10_000, help="sequences (default 10,000)")
-    p.add_argument("--prompt-len", type=harness.positive, default=200, help="prompt tokens per sequence (default 200)")
-    p.add_argument("--shared-prefix", type=int, default=128, help="leading prompt tokens all sequences share (default 128)")
-    p.add_argument("--decode-rounds", type=harness.positive, default=64, help="tokens appended per sequence (default 64)")
-    p.add_argument("--block-size", type=harness.positive, default=16, help="block size (default 16)")
-    p.add_argument("--seed", type=int, default=0, help="random seed")
+    harness.add_workload_option(p, CORE)
     harness.add_json_option(p)
 
 
-def _run_once(args: argparse.Namespace, prefix_caching: bool) -> dict:
-    rng = random.Random(args.seed)
-    B = args.block_size
-    per_seq = blocks_for(args.prompt_len + args.decode_rounds, B) + 1
+def _run_once(w: CoreWorkload, prefix_caching: bool) -> dict:
+    rng = random.Random(w.seed)
+    B = w.block_size
+    per_seq = blocks_for(w.prompt_len + w.decode_rounds, B) + 1
     pool = BlockPool(
         PoolConfig(
-            num_blocks=args.sequences * per_seq,
+            num_blocks=w.sequences * per_seq,
             block_size=B,
             enable_prefix_caching=prefix_caching,
             model_fingerprint="bench",
         )
     )
-    shared = [rng.randrange(VOCAB) for _ in range(args.shared_prefix)]
-    prompts = [prompt_with_prefix(rng, shared, args.prompt_len) for _ in range(args.sequences)]
-    ids = [f"seq-{i}" for i in range(args.sequences)]
-    decode_tokens = [[rng.randrange(VOCAB)] for _ in range(args.decode_rounds)]
+    shared = [rng.randrange(VOCAB) for _ in range(w.shared_prefix)]
+    prompts = [prompt_with_prefix(rng, shared, w.prompt_len) for _ in range(w.sequences)]
+    ids = [f"seq-{i}" for i in range(w.sequences)]
+    decode_tokens = [[rng.randrange(VOCAB)] for _ in range(w.decode_rounds)]
 
     t0 = time.perf_counter()
     for sid, prompt in zip(ids, prompts, strict=True):
@@ -58,7 +54,7 @@ def _run_once(args: argparse.Namespace, prefix_caching: bool) -> dict:
         pool.free(sid)
     t3 = time.perf_counter()
     assert pool.check_integrity()
-    n, appends = args.sequences, args.sequences * args.decode_rounds
+    n, appends = w.sequences, w.sequences * w.decode_rounds
     s = pool.stats()
     return {
         "prefix_caching": prefix_caching,
@@ -73,14 +69,14 @@ def _run_once(args: argparse.Namespace, prefix_caching: bool) -> dict:
 
 
 def measure(args: argparse.Namespace) -> dict:
-    args.shared_prefix = min(args.shared_prefix, args.prompt_len)
+    w = CORE[args.workload]
     return {
-        "sequences": args.sequences,
-        "prompt_len": args.prompt_len,
-        "shared_prefix": args.shared_prefix,
-        "decode_rounds": args.decode_rounds,
-        "block_size": args.block_size,
-        "results": [_run_once(args, False), _run_once(args, True)],
+        "sequences": w.sequences,
+        "prompt_len": w.prompt_len,
+        "shared_prefix": w.shared_prefix,
+        "decode_rounds": w.decode_rounds,
+        "block_size": w.block_size,
+        "results": [_run_once(w, False), _run_once(w, True)],
     }
 
 

@@ -1,5 +1,5 @@
-"""What every benchmark shares: the `--json` option, the record of where and
-when a run happened, its tables, and the small statistics they all use.
+"""What every benchmark shares: the `--workload` and `--json` options, the record
+of where and when a run happened, its tables, and the small statistics they all use.
 
 A benchmark module provides `add_arguments(parser)`, `measure(args) -> dict`
 (the report: what `--json` writes) and `tables(report) -> list[Table]`. The
@@ -19,7 +19,7 @@ import shlex
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -60,6 +60,13 @@ def add_json_option(parser: argparse.ArgumentParser) -> None:
         help="write the report as one JSON object: to FILE (the table is still printed), or with no FILE "
              "to stdout instead of the table",
     )
+
+
+def add_workload_option(parser: argparse.ArgumentParser, presets: Mapping[str, Any]) -> None:
+    """`--workload NAME`: one of the benchmark's presets (`workloads`), `default` unless given."""
+    described = "; ".join(f"{name}: {w.what}" for name, w in presets.items())
+    parser.add_argument("--workload", choices=list(presets), default="default", metavar="NAME",
+                        help=f"the workload, one of: {described}")
 
 
 def positive(text: str) -> int:

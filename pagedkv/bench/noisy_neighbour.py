@@ -1,7 +1,7 @@
 """`pagedkv bench allocator --noisy-neighbour`: does one pool's work delay another's?
 
 A victim pool runs the decode loop of `pagedkv bench allocator` (64 sequences
-by default) against a real allocator process, first alone, then while a second
+in the default workload) against a real allocator process, first alone, then while a second
 pool, driven from another process, sends the heaviest requests the allocator
 accepts from a legitimate worker: whole-context admits, forks of long
 sequences, integrity checks, full dumps, and MatchPrefix calls with a long
@@ -16,8 +16,8 @@ The neighbour is a separate process so that it competes with the victim only
 inside the allocator (its lock, its CPU), not in the benchmark's own
 interpreter; its requests are serialized before timing starts and its answers
 are not parsed (`_Prebuilt`), so that on a small machine its own client takes
-as little of the victims' CPUs as it can (`--neighbour-parses`: a worker's own
-clients, building and parsing as they go).
+as little of the victims' CPUs as it can. With `--separate-neighbour` its pool
+is on an allocator process of its own.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from functools import partial
 from allocator_service.core import Admit, Fork, Free, PoolConfig, blocks_for
 from pagedkv.bench import harness
 from pagedkv.bench.harness import Table, cell
-from pagedkv.bench.workloads import MAX_GEN, PROMPT_LEN, prompt_with_prefix
+from pagedkv.bench.workloads import MAX_GEN, PROMPT_LEN, StepWorkload, prompt_with_prefix
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,21 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="measure a victim pool's Step latency alone and while another pool sends the heaviest "
              "legal requests (admits, forks, integrity checks, dumps, MatchPrefix)",
     )
-    parser.add_argument("--victim-seqs", type=harness.positive, default=64,
-                        help="with --noisy-neighbour: sequences per victim step [%(default)s]")
-    parser.add_argument("--neighbour-blocks", type=harness.positive, default=65536,
-                        help="with --noisy-neighbour: blocks in the neighbour's pool [%(default)s]")
-    parser.add_argument("--neighbour-prompt", type=harness.positive, default=32768,
-                        help="with --noisy-neighbour: tokens in each of the neighbour's admits [%(default)s]")
     parser.add_argument("--separate-neighbour", action="store_true",
                         help="with --noisy-neighbour: the neighbour's pool on an allocator process of its own "
                              "(pools sharded across allocator processes, as `pagedkv up --allocators 2` runs "
                              "them)")
-    parser.add_argument("--neighbour-parses", action="store_true",
-                        help="with --noisy-neighbour: the neighbour builds each request and parses each answer as it "
-                             "goes (as a worker's GrpcAllocator does); by default its "
-                             "requests are serialized before timing starts and its answers left unparsed, so that "
-                             "its client takes as little of the machine's CPU as it can")
 
 
 # Distinct prompts the prebuilt neighbour cycles through: more than its pool
@@ -75,7 +64,7 @@ class _Prebuilt:
     A worker that sends heavy requests runs on its own host. Here its client
     shares the benchmark machine's CPUs with the victim and the allocator;
     building 32k-token requests and parsing 65,536-block dumps as it goes
-    (`_Parsing`) takes a CPU the victim then waits for, which is the
+    (as a worker's `GrpcAllocator` does) takes a CPU the victim then waits for, which is the
     benchmark's doing, not the allocator's. A Step request is its step-less
     part (pool and operations) followed by the step id as a second
     serialized message (protobuf merges concatenated messages): the id is
@@ -132,49 +121,14 @@ class _Prebuilt:
         self._channel.close()
 
 
-class _Parsing:
-    """The neighbour as a worker's own clients send it (`GrpcAllocator`,
-    `RouterClient`): each request built and each answer parsed as it goes,
-    a fresh random prompt every round (`--neighbour-parses`)."""
-
-    def __init__(self, address: str, config: PoolConfig, prompt_len: int) -> None:
-        from allocator_service.client import PoolSpec
-        from allocator_service.client.grpc_client import GrpcAllocator, RouterClient
-
-        # unary Steps: only the victim streams, so the allocator's StepStream
-        # histogram is the victim's alone (`_server_step_buckets`)
-        self._client = GrpcAllocator(address, PoolSpec("noisy-neighbour", config), deadline_s=60.0,
-                                     step_stream=False)
-        self._router = RouterClient(address, deadline_s=60.0)
-        self._rng = random.Random(1)
-        self._config, self._prompt_len = config, prompt_len
-
-    def round(self, i: int) -> list[tuple[str, Callable[[], object]]]:
-        client = self._client
-        prompt, parent = prompt_with_prefix(self._rng, [], self._prompt_len), f"p{i}"
-        children = [f"{parent}-c{c}" for c in range(8)]
-        return [
-            ("admit", lambda: client.step([Admit(parent, prompt)])),
-            ("fork x8", lambda: client.step([Fork(parent, c) for c in children])),
-            ("integrity check", client.integrity_problems),
-            ("dump", client.dump),
-            ("match prefix", lambda: self._router.match_prefix(self._config.model_fingerprint, prompt)),
-            ("free", lambda: client.step([Free(parent), *(Free(c) for c in children)])),
-        ]
-
-    def close(self) -> None:
-        self._client.close()
-        self._router.close()
-
-
-def _neighbour(address: str, block_size: int, num_blocks: int, prompt_len: int, parsing: bool,
+def _neighbour(address: str, block_size: int, num_blocks: int, prompt_len: int,
                stop: mp.synchronize.Event, ready: mp.synchronize.Event, counts: dict) -> None:
     """The noisy pool's loop (runs in its own process until `stop`): rounds
     of the heaviest legal calls, `ready` once the first admit is answered."""
     import grpc
 
     config = PoolConfig(num_blocks, block_size, True, "bench")
-    client = (_Parsing if parsing else _Prebuilt)(address, config, prompt_len)
+    client = _Prebuilt(address, config, prompt_len)
     done: Counter[str] = Counter()
     try:
         i = 0
@@ -198,7 +152,7 @@ def _server_step_buckets(metrics_url: str) -> dict[float, float]:
     """The allocator's own histogram of the step messages it answered
     (`rpc_duration_seconds`, StepStream, OK): cumulative count by upper
     bound in seconds. Only the victim streams its steps (the neighbour sends
-    unary calls, prebuilt or parsing), so the difference over a phase is the
+    unary calls), so the difference over a phase is the
     victim's: its timed steps and its few warm-up steps."""
     return {
         float(sample.labels["le"]): sample.value
@@ -221,7 +175,7 @@ def _bucket_quantiles(before: dict[float, float], after: dict[float, float]) -> 
 
 
 @contextlib.contextmanager
-def _running_neighbour(address: str, args: argparse.Namespace) -> Iterator[dict[str, int]]:
+def _running_neighbour(address: str, w: StepWorkload) -> Iterator[dict[str, int]]:
     """The neighbour's process, sending from its first answered admit until
     the block exits; then the requests it sent, by kind (filled in on exit)."""
     ctx = mp.get_context("spawn")
@@ -231,8 +185,7 @@ def _running_neighbour(address: str, args: argparse.Namespace) -> Iterator[dict[
         stop, ready = ctx.Event(), ctx.Event()
         proc = ctx.Process(
             target=_neighbour,
-            args=(address, args.block_size, args.neighbour_blocks, args.neighbour_prompt, args.neighbour_parses,
-                  stop, ready, counts),
+            args=(address, w.block_size, w.neighbour_blocks, w.neighbour_prompt, stop, ready, counts),
             daemon=True,
         )
         proc.start()
@@ -245,16 +198,17 @@ def _running_neighbour(address: str, args: argparse.Namespace) -> Iterator[dict[
             sent.update(counts.items())
 
 
-def measure(args: argparse.Namespace, measure_steps) -> dict:
-    """Both phases against one allocator process; `measure_steps(client, n,
-    steps, warmup)` is the decode-loop timer of `pagedkv bench allocator`."""
+def measure(w: StepWorkload, separate: bool, measure_steps) -> dict:
+    """Both phases against one allocator process (the neighbour on its own with
+    `separate`); `measure_steps(client, n, steps, warmup)` is the decode-loop
+    timer of `pagedkv bench allocator`."""
     from allocator_service.client import PoolSpec
     from allocator_service.client.grpc_client import GrpcAllocator
     from pagedkv.stack import start_allocator
 
-    n = args.victim_seqs
-    blocks_per_seq = blocks_for(PROMPT_LEN + MAX_GEN, args.block_size) + 2
-    victim_config = PoolConfig(n * blocks_per_seq + 64, args.block_size, True, "bench")
+    n = w.victim_seqs
+    blocks_per_seq = blocks_for(PROMPT_LEN + MAX_GEN, w.block_size) + 2
+    victim_config = PoolConfig(n * blocks_per_seq + 64, w.block_size, True, "bench")
 
     def victim_steps(name: str) -> dict:
         """A fresh victim pool (the decode loop starts from its first admit),
@@ -262,16 +216,16 @@ def measure(args: argparse.Namespace, measure_steps) -> dict:
         victim = GrpcAllocator(server.address, PoolSpec(name, victim_config))
         before = _server_step_buckets(server.metrics_url)
         try:
-            timed = measure_steps(victim, n, args.steps, args.warmup)
+            timed = measure_steps(victim, n, w.steps, w.warmup)
         finally:
             victim.close()
         return {**timed, **_bucket_quantiles(before, _server_step_buckets(server.metrics_url))}
 
-    server = start_allocator(["--lease-ttl", "30", "--metrics-port", "0"])
-    own = start_allocator(["--lease-ttl", "30"]) if args.separate_neighbour else None
+    server = start_allocator(["--metrics-port", "0"])
+    own = start_allocator() if separate else None
     try:
         quiet = victim_steps("victim-alone")
-        with _running_neighbour((own or server).address, args) as neighbour:
+        with _running_neighbour((own or server).address, w) as neighbour:
             t0 = time.perf_counter()
             noisy = victim_steps("victim-with-neighbour")
             seconds = time.perf_counter() - t0
@@ -281,12 +235,12 @@ def measure(args: argparse.Namespace, measure_steps) -> dict:
             own.terminate()
     return {
         "benchmark": "noisy-neighbour",
-        "block_size": args.block_size,
+        "block_size": w.block_size,
         "victim_seqs": n,
-        "neighbour_blocks": args.neighbour_blocks,
-        "neighbour_prompt_tokens": args.neighbour_prompt,
+        "neighbour_blocks": w.neighbour_blocks,
+        "neighbour_prompt_tokens": w.neighbour_prompt,
         "neighbour_allocator": "own" if own is not None else "shared",
-        "neighbour_client": "parsing" if args.neighbour_parses else "prebuilt",
+        "neighbour_client": "prebuilt",
         "cpus": os.cpu_count(),
         "load_average_1m": harness.load_average(),
         "quiet": quiet,

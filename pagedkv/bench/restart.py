@@ -2,7 +2,7 @@
 
 The topology `pagedkv up --redis` runs, as real processes
 (`pagedkv.stack.LocalStack`): a private Redis (append-only), the allocator
-with its state journaled there, and two workers (`--model`, pools small
+with its state journaled there, and two tiny-random workers (pools small
 enough to preempt, prefix caching on). Client threads keep each worker
 busy with greedy requests (EOS ignored, `MAX_TOKENS` tokens each), streamed
 and not, completions and chat, while the allocator is restarted
@@ -45,7 +45,9 @@ MAX_TOKENS = 16
 # at once (and a pipelined step): the schedulers preempt.
 WORKER_ARGS = ["--num-blocks", "24", "--block-size", "4", "--enable-prefix-caching", "--max-model-len", "64",
                "--log-level", "warning"]
-ALLOCATOR_ARGS = ["--lease-ttl", "10", "--snapshot-every", "50"]
+# the allocator's settings no command line sets: its variables
+ALLOCATOR_ENV = {"PAGEDKV_ALLOCATOR_LEASE_TTL": "10", "PAGEDKV_ALLOCATOR_SNAPSHOT_EVERY": "50"}
+MODEL = "tiny-random"
 CLIENTS_PER_WORKER = 4
 WORKERS = 2
 REQUEST_TIMEOUT_S = 300.0
@@ -55,7 +57,6 @@ KEPT_FAILURES = 10
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--restarts", type=harness.positive, default=50,
                    help="allocator restarts under load, half SIGTERM and half SIGKILL (default 50)")
-    p.add_argument("--model", default="tiny-random", help="model of the workers (default tiny-random)")
     harness.add_json_option(p)
 
 
@@ -274,12 +275,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         if i % 10 == 0 or i == args.restarts:
             harness.log("restart", f"{i}/{args.restarts} restarts")
 
-    with LocalStack(WORKERS, args.model, worker_args=WORKER_ARGS, allocator_args=ALLOCATOR_ARGS, redis=True,
+    with LocalStack(WORKERS, MODEL, worker_args=WORKER_ARGS, env=ALLOCATOR_ENV, redis=True,
                     startup_timeout=300.0, grace=15.0) as stack:
-        figures = restart_under_load(stack, args.restarts, args.model, on_restart=progress)
-    return {"workload": {"model": args.model, "workers": WORKERS, "clients_per_worker": CLIENTS_PER_WORKER,
+        figures = restart_under_load(stack, args.restarts, MODEL, on_restart=progress)
+    return {"workload": {"model": MODEL, "workers": WORKERS, "clients_per_worker": CLIENTS_PER_WORKER,
                          "prompts": len(PROMPTS), "max_tokens": MAX_TOKENS, "worker_args": WORKER_ARGS,
-                         "allocator_args": ALLOCATOR_ARGS, "state": "redis (append-only)"},
+                         "allocator_env": ALLOCATOR_ENV, "state": "redis (append-only)"},
             **figures}
 
 

@@ -1,21 +1,23 @@
 """`pagedkv bench route`: the router's policies side by side on a multi-tenant workload.
 
-Systems (`systems.routers`): two workers of `--num-blocks` blocks each
+Systems (`systems.routers`): two workers of `num_blocks` blocks each
 behind one router per policy (`kv`, `least-load`, `round-robin`) and behind a
 `kv` router asking MatchPrefix per request (`kv-match-prefix`); and one
-worker with both pools' memory (2 x `--num-blocks`), behind no router.
+worker with both pools' memory (2 x `num_blocks`), behind no router.
 
-Workload (`workloads.tenant_conversations`): `--prompts` tenants, each with a
-system prompt of about `--prompt-tokens` tokens, and `--conversations`
-conversations per tenant, all arrivals shuffled together and sent with
-`--concurrency` in flight, streamed, greedy, `--max-tokens` tokens each
-(EOS ignored, so every run does the same work).
+Workload (`workloads.ROUTE`, `--workload`; `workloads.tenant_conversations`):
+`tenants` tenants, each with a system prompt of about `prompt_tokens` tokens,
+and `conversations` conversations per tenant, all arrivals shuffled together
+and sent with `concurrency` in flight, streamed, greedy, `max_tokens` tokens
+each (EOS ignored, so every run does the same work). `tight` is the setting
+where routing must hold under load: the pools hold exactly the working set
+when each worker keeps its own half of the prefixes.
 
 `--background-load N` runs N CPU-bound processes (each spinning on one core)
 beside the stack for the duration of the rounds: the machine as busy as a
 shared host, where routing decisions meet late views and queue spikes.
 
-Runs are interleaved: each of `--rounds` rounds runs every policy and the
+Runs are interleaved: each of `rounds` rounds runs every policy and the
 reference once, in a rotated order. Each run salts every request with its
 own `cache_salt`, so no run finds another's prefixes cached (their blocks
 are junk it must evict, like any warm pool's).
@@ -31,10 +33,10 @@ Figures per run, then the mean over rounds per policy:
   answered (0.5 is an even split over two; 1.0 for the reference);
 - per round, kv's hit rate over the reference's and kv's tokens/s over
   round-robin's (the targets hold in every round: their worst round);
-- and once, the router's added latency end to end: `--probe-requests`
+- and once, the router's added latency end to end: `probe_requests`
   sequential one-token completions in turn to a worker directly, to the kv
-  router and to a kv router asking MatchPrefix per request (`--cache-view
-  match-prefix`), p50 of each and the difference; with a prompt of a few
+  router and to a kv router asking MatchPrefix per request
+  (`PAGEDKV_ROUTER_CACHE_VIEW=match-prefix`), p50 of each and the difference; with a prompt of a few
   whole blocks (the prompt is matched: `added_p50_ms`,
   `match_prefix_added_p50_ms`) and with one under a block (nothing to
   match: `short_prompt_added_p50_ms`, ...).
@@ -57,25 +59,13 @@ from typing import Any
 from pagedkv.bench import harness
 from pagedkv.bench.harness import Table, cell
 from pagedkv.bench.systems.routers import ASKING, POLICIES, REFERENCE, Target, topology
-from pagedkv.bench.workloads import tenant_conversations
+from pagedkv.bench.workloads import ROUTE, RouteWorkload, tenant_conversations
 
 __all__ = ["ASKING", "POLICIES", "REFERENCE", "add_arguments", "measure", "run", "tables"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny-random", help="model of the workers and routers (default tiny-random)")
-    p.add_argument("--prompts", type=harness.positive, default=8, help="tenants, one system prompt each (default 8)")
-    p.add_argument("--prompt-tokens", type=harness.positive, default=400, help="tokens per system prompt (default 400)")
-    p.add_argument("--conversations", type=harness.positive, default=8, help="conversations per tenant (default 8)")
-    p.add_argument("--concurrency", type=harness.positive, default=8, help="requests in flight (default 8)")
-    p.add_argument("--max-tokens", type=harness.positive, default=16, help="tokens generated per request (default 16)")
-    p.add_argument("--num-blocks", type=harness.positive, default=128,
-                   help="KV blocks per worker: a part of the prefixes only (default 128 of 16 tokens)")
-    p.add_argument("--block-size", type=harness.positive, default=16, help="token slots per block (default 16)")
-    p.add_argument("--rounds", type=harness.positive, default=2, help="interleaved rounds (default 2)")
-    p.add_argument("--probe-requests", type=harness.positive, default=40,
-                   help="sequential requests for the router's added latency, each way (default 40)")
-    p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    harness.add_workload_option(p, ROUTE)
     p.add_argument("--background-load", type=_count, default=0, metavar="N",
                    help="N CPU-bound processes running beside the stack during the rounds (default 0)")
     harness.add_json_option(p)
@@ -137,14 +127,14 @@ async def _one(client, url: str, messages: list[dict], model: str, max_tokens: i
     return {"ttft": ttft, "tokens": tokens, "routing_ms": routing_ms, "worker": worker}
 
 
-async def _run(url: str, workload: list[list[dict]], args, salt: str) -> tuple[list[dict], float]:
+async def _run(url: str, workload: list[list[dict]], w: RouteWorkload, salt: str) -> tuple[list[dict], float]:
     import httpx
 
-    sem = asyncio.Semaphore(args.concurrency)
+    sem = asyncio.Semaphore(w.concurrency)
     async with httpx.AsyncClient(timeout=600) as client:
         async def one(messages):
             async with sem:
-                return await _one(client, url, messages, args.model, args.max_tokens, salt)
+                return await _one(client, url, messages, w.model, w.max_tokens, salt)
 
         t0 = time.perf_counter()
         results = await asyncio.gather(*(one(m) for m in workload))
@@ -244,25 +234,25 @@ def _probes(direct: str, routed: dict[str, str], model: str, n: int) -> dict[str
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     from pagedkv_base.model_files import load_tokenizer
 
-    workload = tenant_conversations(load_tokenizer(args.model), args.prompts, args.prompt_tokens,
-                                    args.conversations, args.seed)
+    w = ROUTE[args.workload]
+    workload = tenant_conversations(load_tokenizer(w.model), w.tenants, w.prompt_tokens, w.conversations, w.seed)
     runs: dict[str, list[dict]] = {name: [] for name in (*POLICIES, ASKING, REFERENCE)}
-    with topology(args.model, args.num_blocks, args.block_size, args.concurrency) as systems:
+    with topology(w.model, w.num_blocks, w.block_size, w.concurrency) as systems:
         for name, target in systems.targets.items():  # warm-up: each path once, its own salt
-            asyncio.run(_run(target.url, workload[:2], args, f"warmup-{name}"))
+            asyncio.run(_run(target.url, workload[:2], w, f"warmup-{name}"))
         with background_load(args.background_load):
-            for rnd, name in harness.interleaved(list(systems.targets), args.rounds):
-                runs[name].append(_one_run(systems.targets[name], workload, args, f"round{rnd}-{name}"))
+            for rnd, name in harness.interleaved(list(systems.targets), w.rounds):
+                runs[name].append(_one_run(systems.targets[name], workload, w, f"round{rnd}-{name}"))
         probe = _probes(systems.direct, {"kv": systems.targets["kv"].url, ASKING: systems.targets[ASKING].url},
-                        args.model, args.probe_requests)
+                        w.model, w.probe_requests)
         probe |= _routing_split(systems.kv_router)
-    return _report(args, runs, probe)
+    return _report(w, args.background_load, runs, probe)
 
 
-def _one_run(target: Target, workload: list[list[dict]], args: argparse.Namespace, salt: str) -> dict[str, Any]:
+def _one_run(target: Target, workload: list[list[dict]], w: RouteWorkload, salt: str) -> dict[str, Any]:
     """The whole workload through `target`, salted so that no other run's prefixes are cached for it."""
     hit0, queried0 = _prefix_counters(target.workers)
-    results, wall = asyncio.run(_run(target.url, workload, args, salt))
+    results, wall = asyncio.run(_run(target.url, workload, w, salt))
     hit1, queried1 = _prefix_counters(target.workers)
     return _figures(results, wall, hit1 - hit0, queried1 - queried0)
 
@@ -289,7 +279,7 @@ def _per_round(runs: dict[str, list[dict]]) -> dict[str, list[float | None]]:
     }
 
 
-def _report(args, runs: dict[str, list[dict]], probe: dict) -> dict[str, Any]:
+def _report(w: RouteWorkload, background_load: int, runs: dict[str, list[dict]], probe: dict) -> dict[str, Any]:
     def mean(rows: list[dict], key: str) -> float | None:
         value = harness.mean(r.get(key) for r in rows)
         return None if value is None else round(value, 4)
@@ -306,11 +296,11 @@ def _report(args, runs: dict[str, list[dict]], probe: dict) -> dict[str, Any]:
         return None if not values or None in values else min(values)
 
     return {
-        "workload": {"model": args.model, "tenants": args.prompts, "prompt_tokens": args.prompt_tokens,
-                     "conversations_per_tenant": args.conversations, "requests_per_run": args.prompts * args.conversations,
-                     "concurrency": args.concurrency, "max_tokens": args.max_tokens, "workers": 2,
-                     "num_blocks_per_worker": args.num_blocks, "block_size": args.block_size, "rounds": args.rounds,
-                     "background_load": args.background_load},
+        "workload": {"model": w.model, "tenants": w.tenants, "prompt_tokens": w.prompt_tokens,
+                     "conversations_per_tenant": w.conversations, "requests_per_run": w.tenants * w.conversations,
+                     "concurrency": w.concurrency, "max_tokens": w.max_tokens, "workers": 2,
+                     "num_blocks_per_worker": w.num_blocks, "block_size": w.block_size, "rounds": w.rounds,
+                     "background_load": background_load},
         "summary": summary,
         "targets": {
             "kv_hit_rate_of_one_worker_with_both_pools": _ratio(kv["hit_rate"], ref["hit_rate"]),
@@ -348,7 +338,7 @@ def tables(report: dict) -> list[Table]:
         f"router added latency p50 (sequential 1-token requests, a prompt of whole blocks): "
         f"{cell(p['routed_p50_ms'])} ms routed vs {cell(p['direct_p50_ms'])} ms direct = +{cell(p['added_p50_ms'])} ms "
         f"(target <= 2); a prompt under one block (nothing to match): +{cell(p['short_prompt_added_p50_ms'])} ms",
-        f"the same, kv asking MatchPrefix per request (--cache-view match-prefix): "
+        f"the same, kv asking MatchPrefix per request (PAGEDKV_ROUTER_CACHE_VIEW=match-prefix): "
         f"+{cell(p['match_prefix_added_p50_ms'])} ms (under one block: "
         f"+{cell(p['short_prompt_match_prefix_added_p50_ms'])} ms)",
         f"kv routing time, mean over the bench: {cell(p['kv_routing_mean_ms'])} ms, of which matching in its view "

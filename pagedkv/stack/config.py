@@ -1,5 +1,6 @@
 """`UpArgs`: the one definition of `pagedkv up`'s own settings (flags, variables
-PAGEDKV_UP_*, reference), as `pagedkv_base.config` makes them."""
+PAGEDKV_UP_*, reference), as `pagedkv_base.config` makes them, and of the
+components whose settings it hands on."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ from typing import ClassVar
 
 from pagedkv.stack.local import FAST_EXIT_S, GIVE_UP_AFTER, RESTART_DELAYS
 from pagedkv_base.config import setting
+from pagedkv_base.settings import seconds
+from router.cli import RouterArgs
+from worker.cli import WorkerArgs
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,6 +21,8 @@ class UpArgs:
     RouterArgs) are theirs, handed on as given."""
 
     component: ClassVar[str] = "up"
+    # offered as flags of `pagedkv up` (their `stack=True` settings) and handed to each process
+    hands_on: ClassVar[tuple[type, ...]] = (WorkerArgs, RouterArgs)
 
     workers: int = setting(2, "number of worker processes")
     model: str = setting("smollm2", "model every worker serves (and the router tokenizes with): smollm2, "
@@ -24,14 +30,15 @@ class UpArgs:
     host: str = setting("127.0.0.1", "address the allocator and the router bind (the workers too with --no-router)")
     router: bool = setting(True, "run the router in front of the workers; --no-router: clients use the workers")
     router_port: int = setting(8000, "HTTP port of the router; 0 picks a free one")
-    base_port: int = setting(8001, "HTTP port of worker 1; worker i gets base+i-1; 0 picks free ports")
+    base_port: int = setting(8001, "HTTP port of worker 1; worker i gets base+i-1; 0 picks free ports", flag=False)
     allocators: int = setting(
         1, "allocator processes the workers' pools are sharded over: worker i registers with allocator "
         "((i - 1) mod N), the router follows them all; at most --workers")
     allocator_port: int = setting(
-        50051, "gRPC port of the allocator (allocator i: this + i - 1); 0 picks a free one")
+        50051, "gRPC port of the allocator (allocator i: this + i - 1); 0 picks a free one", flag=False)
     allocator_metrics_port: int = setting(
-        9400, "Prometheus /metrics port of the allocator (allocator i: this + i - 1); 0 picks a free one")
+        9400, "Prometheus /metrics and /pools port of the allocator (allocator i: this + i - 1); 0 picks a free "
+        "one", flag=False)
     state: str = setting("memory", "allocator state: memory or redis://host:port/db")
     redis: bool = setting(
         False, "start a redis-server (append-only, on a free port) when the binary exists and keep the "
@@ -40,13 +47,13 @@ class UpArgs:
         False, "start a prometheus (when the binary exists) scraping the allocators, the router and every worker")
     prometheus_port: int = setting(9090, "Prometheus web port; 0 picks a free one", flag=False)
     scrape_interval: str = setting("2s", "Prometheus scrape interval", flag=False)
-    timeout: float = setting(300.0, "seconds each stage may take to become healthy")
-    grace: float = setting(10.0, "seconds between SIGTERM and SIGKILL at shutdown")
+    timeout: float = setting(300.0, "seconds each stage may take to become healthy", parse=seconds, flag=False)
+    grace: float = setting(10.0, "seconds between SIGTERM and SIGKILL at shutdown", parse=seconds, flag=False)
     log_dir: str | None = setting(
         None, "keep each process's log as DIR/NAME.log", shown_default="a temporary folder, removed at exit")
     restart: bool = setting(
         True, "restart a process that exits, as compose's restart: unless-stopped (one line per restart, a delay "
         f"doubling from {RESTART_DELAYS[0]:g} s while it keeps exiting within {FAST_EXIT_S:g} s of starting; after "
-        f"{GIVE_UP_AFTER} such exits in a row the stack stops); --no-restart stops the stack when any process exits")
+        f"{GIVE_UP_AFTER} such exits in a row the stack stops); 0 stops the stack when any process exits", flag=False)
     ready_file: str | None = setting(None, "when everything is healthy, write the addresses and pids there as JSON")
     quiet: bool = setting(False, "do not echo the processes' output (it still goes to the log files)")

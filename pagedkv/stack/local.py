@@ -32,6 +32,9 @@ their binaries are on PATH::
 - Workers divide the cores: each gets `--threads 1/N` (N workers), so
   max(1, cores // N) threads, unless `worker_args` or PAGEDKV_WORKER_THREADS
   say otherwise.
+- `env`: variables given to every process on top of this one's environment
+  (which they inherit): the settings that are variables only, such as
+  `PAGEDKV_ALLOCATOR_LEASE_TTL`, or any other (`PAGEDKV_WORKER_BLOCK_SIZE`).
 - `redis=True` / `prometheus=True` without the binary: a warning, and the
   stack runs without it (`redis_url` / `prometheus_url` are None).
 - `router=True`: the router (`python -m router`) in front of the workers, on
@@ -76,7 +79,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from pagedkv.stack.credentials import (
@@ -140,6 +143,7 @@ class LocalStack:
         router_port: int = 0,
         router_args: Sequence[str] = (),
         worker_host: str | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         if workers < 1:
             raise StackError("--workers must be at least 1")
@@ -148,8 +152,8 @@ class LocalStack:
         self.num_allocators = allocators
         if allocators > 1 and {"--state", "--listen", "--metrics-port"} & {a.split("=")[0] for a in allocator_args}:
             raise StackError("with --allocators > 1 each allocator gets its own --state key prefix, --listen and "
-                             "--metrics-port: give the state with --state, the ports with --allocator-port and "
-                             "--allocator-metrics-port")
+                             "--metrics-port: give the state with --state, the ports with PAGEDKV_UP_ALLOCATOR_PORT "
+                             "and PAGEDKV_UP_ALLOCATOR_METRICS_PORT")
         if redis and state != "memory":
             raise StackError(f"--redis starts its own Redis; it cannot be combined with --state {state}")
         self.num_workers = workers
@@ -176,6 +180,7 @@ class LocalStack:
         self.router_args = list(router_args)
         # where workers bind (default `host`): loopback keeps them internal behind the router
         self.worker_host = worker_host or host
+        self.env = dict(env or {})
         self._own_log_dir = log_dir is None
         self.failed = False  # a failed stack keeps even a temporary log folder
         self.log_dir = Path(log_dir) if log_dir is not None else None
@@ -236,7 +241,7 @@ class LocalStack:
     def _port(self, port: int, name: str) -> int:
         if port == 0:
             return free_port(self.connect_host)
-        if port in self._ports:  # e.g. --allocator-port P with --allocators 2 and metrics on P + 1
+        if port in self._ports:  # e.g. allocator port P with --allocators 2 and metrics on P + 1
             raise StackError(f"port {port} for {name} is also the port of {self._ports[port]}")
         if port_in_use(self.connect_host, port):
             raise StackError(f"port {port} for {name} is already in use (pass 0 to pick a free port)")
@@ -247,7 +252,8 @@ class LocalStack:
         """Make a service of this stack (its log file, colour, console; dies with the launcher)."""
         name = kw.get("name") or args[0]
         service = cls(*args, log_path=self.log_dir / f"{name}.log", console=self.console,
-                      colour=_COLOURS[len(self.services) % len(_COLOURS)], die_with_parent=True, **kw)
+                      colour=_COLOURS[len(self.services) % len(_COLOURS)], die_with_parent=True,
+                      env=self.env, **kw)
         self.services[service.name] = service
         return service
 
@@ -275,7 +281,7 @@ class LocalStack:
                 self.redis_url = state = self.redis.url
 
         # The workers are made (not started) first: their addresses go into their credentials.
-        share = [] if THREADS_ENV in os.environ else ["--threads", thread_share(self.num_workers)]
+        share = [] if THREADS_ENV in {**os.environ, **self.env} else ["--threads", thread_share(self.num_workers)]
         for i in range(1, self.num_workers + 1):
             name = f"worker-{i}"
             port = self._port(self.base_port + i - 1 if self.base_port else 0, name)

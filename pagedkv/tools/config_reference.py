@@ -1,9 +1,9 @@
 """The configuration reference in docs/operations.md, generated from the config dataclasses and parsers.
 
-The components (allocator, worker, router) are rendered from their config
-dataclasses (`pagedkv.configs`), which also make their flags and variables;
-every other command (`up` too: it hands on the worker's and the router's
-flags) from its parser, as below.
+The components (allocator, worker, router, up) are rendered from their config
+dataclasses (`pagedkv.configs`), which also make their flags and variables
+(variables-only settings included); every other command from its parser, as
+below.
 
 `python -m pagedkv.tools.config_reference` prints it; `--write FILE` puts it
 between the markers `<!-- BEGIN config-reference -->` and
@@ -126,9 +126,9 @@ def reference() -> str:
 
     for path, parser in commands:
         name = " ".join(("pagedkv", *path))
-        # a component: from its config dataclass, variables-only settings too (`up` hands on the
-        # worker's and router's flags besides its own: from its parser)
-        if len(path) == 1 and path[0] in CONFIGS and path[0] != "up":
+        # a component: from its config dataclass, variables-only settings too (and for `up`, the
+        # workers' and the router's flags it hands on)
+        if len(path) == 1 and path[0] in CONFIGS:
             lines += [f"### `{name}`", "", reference_markdown(path[0]).rstrip("\n"), ""]
             continue
         lines += [f"### `{name}`", "", "| flag | environment variable | default | what it sets |",

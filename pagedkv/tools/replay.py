@@ -132,9 +132,6 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--prefix-caching", action="store_true", help="enable hash-chained prefix caching"
     )
     p.add_argument(
-        "--model-fingerprint", default="", help="model fingerprint mixed into the root hash"
-    )
-    p.add_argument(
         "--allocator", default=None, metavar="HOST:PORT",
         help="run the trace against a running allocator service: register a fresh pool of "
         "this shape there (deregistered at the end) instead of using the core in-process",
@@ -179,7 +176,6 @@ def make_client(args: argparse.Namespace) -> AllocatorClient:
                 num_blocks=args.num_blocks,
                 block_size=args.block_size,
                 enable_prefix_caching=args.prefix_caching,
-                model_fingerprint=args.model_fingerprint,
             ),
         )
     except InvalidArgument as exc:

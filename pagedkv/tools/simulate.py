@@ -3,19 +3,20 @@ the real allocator core and the contiguous baseline.
 
 A KV pool of `--pool-gib` GiB at `--bytes-per-token` bytes per token holds
 pool_gib * 2^30 / bytes_per_token token slots. `--requests` request lengths are
-drawn uniformly from [--min-len, --max-len] inclusive with NumPy's
-`np.random.default_rng(seed).integers(min_len, max_len + 1, size=requests)`;
-each request is counted at its final length and admitted in arrival order until
-the next one does not fit.
+drawn uniformly from [100, 2000] inclusive with NumPy's
+`np.random.default_rng(0).integers(100, 2001, size=requests)`, the article's
+draw; each request is counted at its final length and admitted in arrival
+order until the next one does not fit.
 
 The defaults (16 GiB at 131,072 B/token, 8,192 reserved per request, 500
-requests of 100-2,000 tokens, seed 0) reproduce the article's figures exactly:
-16 contiguous admitted using 12.9% of 131,072 reserved slots, and 122 paged at
-block size 16 (8,175 blocks = 130,800 slots, 913 wasted). The lengths are an
-invented workload, not a measurement.
+requests) reproduce the article's figures exactly: 16 contiguous admitted
+using 12.9% of 131,072 reserved slots, and 122 paged at block size 16 (8,175
+blocks = 130,800 slots, 913 wasted). The lengths are an invented workload, not
+a measurement.
 
 - contiguous: each request reserves `--reserve` slots in a row (first fit);
-- paged: each request takes ceil(length / block_size) blocks from the core.
+- paged: each request takes ceil(length / block_size) blocks from the core, at
+  every block size from 1 to 16 (the headline, the JSON `paged` key: 16).
 
 This is a MEMORY effect (how many requests fit), not a speed benchmark.
 """
@@ -51,7 +52,10 @@ class PagedResult:
     used_fraction: float
 
 
-DEFAULT_BLOCK_SIZES = tuple(range(1, 17))
+# The article's workload and its sweep.
+MIN_LEN, MAX_LEN, SEED = 100, 2000, 0
+BLOCK_SIZES = tuple(range(1, 17))
+BLOCK_SIZE = 16  # the headline result
 
 
 def draw_lengths(n: int, lo: int, hi: int, seed: int) -> list[int]:
@@ -106,54 +110,32 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--bytes-per-token", type=int, default=131072, help="KV bytes per token (default 131,072: Llama 3 8B fp16)")
     p.add_argument("--reserve", type=int, default=8192, help="contiguous slots reserved per request (default 8,192)")
     p.add_argument("--requests", type=int, default=500, help="requests in the stream (default 500)")
-    p.add_argument("--min-len", type=int, default=100, help="shortest request in tokens (default 100)")
-    p.add_argument("--max-len", type=int, default=2000, help="longest request in tokens (default 2,000)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="seed of numpy.random.default_rng that draws the lengths (default 0: the article's draw)")
-    p.add_argument("--block-size", type=int, default=16,
-                   help="block size of the headline paged result, the JSON 'paged' key (default 16)")
-    p.add_argument("--block-sizes", help="comma-separated block sizes to sweep (default every size 1 to 16)")
     p.add_argument("--plot", metavar="FILE.png",
                    help="chart admitted requests and wasted slots per block size, with the contiguous baseline")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return p
 
 
-def _check(args: argparse.Namespace) -> list[int]:
+def _check(args: argparse.Namespace) -> None:
     if args.pool_gib <= 0 or args.bytes_per_token <= 0 or args.reserve <= 0 or args.requests <= 0:
         raise CliError("--pool-gib, --bytes-per-token, --reserve and --requests must be positive")
-    if not 1 <= args.min_len <= args.max_len:
-        raise CliError("need 1 <= --min-len <= --max-len")
-    if args.block_size < 1:
-        raise CliError("--block-size must be a positive integer")
-    sizes = list(DEFAULT_BLOCK_SIZES)
-    if args.block_sizes:
-        try:
-            sizes = [int(x) for x in args.block_sizes.split(",") if x.strip()]
-        except ValueError:
-            raise CliError(f"--block-sizes must be comma-separated integers, got {args.block_sizes!r}") from None
-    if not sizes or any(b < 1 for b in sizes):
-        raise CliError("block sizes must be positive integers")
-    return sizes
 
 
 def run(args: argparse.Namespace) -> int:
-    sizes = _check(args)
+    _check(args)
     num_slots = int(args.pool_gib * GIB) // args.bytes_per_token
-    lengths = draw_lengths(args.requests, args.min_len, args.max_len, args.seed)
+    lengths = draw_lengths(args.requests, MIN_LEN, MAX_LEN, SEED)
     contiguous = simulate_contiguous(num_slots, lengths, args.reserve)
-    sweep = [simulate_paged(num_slots, lengths, b) for b in sizes]
-    main = next((r for r in sweep if r.block_size == args.block_size), None)
-    if main is None:  # --block-size outside the sweep: run it on its own
-        main = simulate_paged(num_slots, lengths, args.block_size)
+    sweep = [simulate_paged(num_slots, lengths, b) for b in BLOCK_SIZES]
+    main = next(r for r in sweep if r.block_size == BLOCK_SIZE)
     out = {
         "pool_slots": num_slots,
         "requests": args.requests,
         "workload": {
             "generator": "numpy.random.default_rng(seed).integers(min_len, max_len + 1, size=requests)",
-            "seed": args.seed,
-            "min_len": args.min_len,
-            "max_len": args.max_len,
+            "seed": SEED,
+            "min_len": MIN_LEN,
+            "max_len": MAX_LEN,
         },
         "contiguous": asdict(contiguous),
         "paged": asdict(main),
@@ -175,7 +157,7 @@ def print_table(out: dict, num_slots: int, args: argparse.Namespace) -> None:
     from rich.table import Table
 
     table = Table(
-        title=f"{args.requests} requests of {args.min_len}-{args.max_len} tokens (seed {args.seed}), pool of "
+        title=f"{args.requests} requests of {MIN_LEN}-{MAX_LEN} tokens (seed {SEED}), pool of "
         f"{num_slots:,} slots ({args.pool_gib:g} GiB at {args.bytes_per_token:,} B/token)",
         caption="a memory effect, not a speed benchmark",
     )
@@ -230,8 +212,8 @@ def plot(path: str, contiguous: ContiguousResult, sweep: list[PagedResult], args
 
     fig.suptitle(
         "A memory effect, not a speed benchmark: "
-        f"{args.requests} invented requests of {args.min_len:,}-{args.max_len:,} tokens "
-        f"(numpy default_rng({args.seed})), {args.pool_gib:g} GiB pool at {args.bytes_per_token:,} B/token",
+        f"{args.requests} invented requests of {MIN_LEN:,}-{MAX_LEN:,} tokens "
+        f"(numpy default_rng({SEED})), {args.pool_gib:g} GiB pool at {args.bytes_per_token:,} B/token",
         fontsize=9,
     )
     fig.tight_layout()

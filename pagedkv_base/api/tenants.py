@@ -9,7 +9,7 @@ shared system prompt) falls to a few hundred probes. Blocks filled under one
 `cache_salt` never serve a request under another, so a salt per tenant
 closes that side channel.
 
-Behind API keys each key is a tenant by default (`--cache-salt-per-api-key`,
+Behind API keys each key is a tenant by default (`PAGEDKV_WORKER_CACHE_SALT_PER_API_KEY`,
 on): a request's salt is `tenant_salt(its key, its own cache_salt)`, an HMAC
 keyed by the API key, so requests under one key share cached blocks, requests
 under two keys never do, and no request can name another key's salt. The

@@ -5,6 +5,7 @@ MatchPrefix, the KV event stream, health, reflection and metrics."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -43,8 +44,8 @@ def server(tmp_path_factory, allocator_server):
     for name, value in (("token", TOKEN), ("admin", ADMIN_TOKEN), ("router", ROUTER_TOKEN)):
         (tokens / name).write_text(value + "\n")
     with allocator_server(
-        "--auth-token-file", str(tokens / "token"), "--metrics-port", "0", "--lease-ttl", "60",
-        env={"PAGEDKV_ALLOCATOR_ADMIN_TOKEN_FILE": str(tokens / "admin"),
+        "--auth-token-file", str(tokens / "token"), "--metrics-port", "0",
+        env={"PAGEDKV_ALLOCATOR_LEASE_TTL": "60", "PAGEDKV_ALLOCATOR_ADMIN_TOKEN_FILE": str(tokens / "admin"),
              "PAGEDKV_ALLOCATOR_ROUTER_TOKEN_FILE": str(tokens / "router")},
     ) as s:
         yield s
@@ -384,10 +385,15 @@ def test_tls(tmp_path, allocator_server):
 
 def test_bad_flags_fail_fast(tmp_path):
     run = [sys.executable, "-m", "allocator_service", "--listen", "127.0.0.1:0"]
-    for extra in (["--state", "mysql://x"], ["--tls-cert", "x.pem"], ["--auth-token-file", str(tmp_path / "none")],
-                  ["--lease-ttl", "0"]):
+    for extra in (["--state", "mysql://x"], ["--tls-cert", "x.pem"], ["--auth-token-file", str(tmp_path / "none")]):
         r = subprocess.run([*run, *extra], capture_output=True, text=True, timeout=60)
         assert r.returncode == 2, (extra, r.stderr)
+        assert "Traceback" not in r.stderr
+    # a setting that is a variable only: a bad value is named by its variable
+    for name, value in (("LEASE_TTL", "0"), ("MAX_SNAPSHOT_MB", "600"), ("SNAPSHOT_EVERY", "x")):
+        r = subprocess.run(run, capture_output=True, text=True, timeout=60,
+                           env={**os.environ, f"PAGEDKV_ALLOCATOR_{name}": value})
+        assert r.returncode == 2 and f"PAGEDKV_ALLOCATOR_{name}" in r.stderr, (name, r.stderr)
         assert "Traceback" not in r.stderr
     r = subprocess.run([*run, "--state", "redis://127.0.0.1:1/0"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "cannot start" in r.stderr and "Traceback" not in r.stderr

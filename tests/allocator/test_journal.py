@@ -40,8 +40,9 @@ def store(redis_store):
 
 def test_kill_between_steps_restores_everything(store, allocator_server):
     url, _ = store
-    args = ("--state", url, "--snapshot-every", "7")  # some steps in the snapshot, some replayed
-    with allocator_server(*args) as server:
+    args = ("--state", url)
+    every = {"PAGEDKV_ALLOCATOR_SNAPSHOT_EVERY": "7"}  # some steps in the snapshot, some replayed
+    with allocator_server(*args, env=every) as server:
         s, md, channel = stub(server.address)
         refs = [register(s, md, f"w{i}", num_blocks=24) for i in range(2)]
         workloads = [random_steps(seed=i, steps=30) for i in range(2)]
@@ -64,7 +65,7 @@ def test_kill_between_steps_restores_everything(store, allocator_server):
         server.kill()
         channel.close()
 
-    with allocator_server(*args, listen=f"127.0.0.1:{server.port}") as again:
+    with allocator_server(*args, env=every, listen=f"127.0.0.1:{server.port}") as again:
         assert "2 pools restored" in again.lines[-1]
         s, md, channel = stub(again.address)
         for r in refs:
@@ -92,13 +93,14 @@ def test_kill_during_steps_each_step_applied_once(store, allocator_server):
     restarted; its retries (same step ids) see every step applied exactly
     once: the answers and the final state equal an in-process run."""
     url, _ = store
-    args = ("--state", url, "--snapshot-every", "25")
+    args = ("--state", url)
+    every = {"PAGEDKV_ALLOCATOR_SNAPSHOT_EVERY": "25"}
     spec = PoolSpec("crashy", PoolConfig(32, 4, True, "m"))
     steps = random_steps(seed=11, steps=300)
     reference = EmbeddedAllocator(spec)
     expected = [reference.step(ops) for ops in steps]
 
-    with allocator_server(*args) as first:
+    with allocator_server(*args, env=every) as first:
         port = first.port
         worker = GrpcAllocator(first.address, spec, retries=30, backoff_s=0.02, deadline_s=2)
         got: list = []
@@ -120,7 +122,7 @@ def test_kill_during_steps_each_step_applied_once(store, allocator_server):
                     time.sleep(0.005)
                 time.sleep(rng.random() * 0.01)
                 servers[-1].kill()
-                servers.append(allocator_server(*args, listen=f"127.0.0.1:{port}"))
+                servers.append(allocator_server(*args, env=every, listen=f"127.0.0.1:{port}"))
             t.join(120)
             assert done.is_set(), "the worker did not get through the restarts"
             assert got == expected

@@ -17,7 +17,7 @@ TTL = 1.0
 
 
 def test_silent_pool_is_dropped_and_others_untouched(allocator_server):
-    with allocator_server("--lease-ttl", str(TTL)) as server:
+    with allocator_server(env={"PAGEDKV_ALLOCATOR_LEASE_TTL": str(TTL)}) as server:
         router = RouterClient(server.address)
         events = router.watch_events(from_sequence=1, timeout_s=10)
         alive = GrpcAllocator(server.address, PoolSpec("alive", PoolConfig(16, 4)))  # heart-beats every TTL/3
@@ -49,13 +49,13 @@ def test_leases_are_rearmed_after_a_restart(allocator_server, redis_store):
     pool (from the restart time), then silent pools expire as usual."""
     with redis_store() as (url, _):
         ttl = 3 * TTL  # room for a restart under load inside one lease
-        args = ("--lease-ttl", str(ttl), "--state", url)
-        with allocator_server(*args) as server:
+        args, env = ("--state", url), {"PAGEDKV_ALLOCATOR_LEASE_TTL": str(ttl)}
+        with allocator_server(*args, env=env) as server:
             worker = GrpcAllocator(server.address, PoolSpec("rearm", PoolConfig(16, 4)), heartbeat=False)
             worker.step([Admit("a", [1, 2, 3])])
             server.kill()
         time.sleep(ttl + 0.5)  # longer than the TTL: only a re-armed lease survives it
-        with allocator_server(*args, listen=f"127.0.0.1:{server.port}"):
+        with allocator_server(*args, env=env, listen=f"127.0.0.1:{server.port}"):
             assert worker.block_table("a") == [0]
             time.sleep(ttl * 1.5)
             with pytest.raises(PoolLost):

@@ -33,7 +33,7 @@ def server(tmp_path_factory, allocator_server):
     for name, value in (("pools", TOKEN), ("router", ROUTER_TOKEN), ("admin", ADMIN_TOKEN)):
         (d / name).write_text(value)
     with allocator_server("--auth-token-file", str(d / "pools"), "--router-token-file", str(d / "router"),
-                          "--admin-token-file", str(d / "admin"), "--lease-ttl", "60") as s:
+                          "--admin-token-file", str(d / "admin"), env={"PAGEDKV_ALLOCATOR_LEASE_TTL": "60"}) as s:
         yield s
 
 
@@ -138,8 +138,9 @@ def test_what_a_worker_advertises_is_bounded(server, field, value):
 
 def test_a_restart_from_redis_keeps_what_workers_advertised(redis_store, allocator_server):
     with redis_store() as (url, _):
-        args = ("--state", url, "--snapshot-every", "2", "--lease-ttl", "60")
-        with allocator_server(*args) as first:
+        args = ("--state", url)
+        env = {"PAGEDKV_ALLOCATOR_SNAPSHOT_EVERY": "2", "PAGEDKV_ALLOCATOR_LEASE_TTL": "60"}
+        with allocator_server(*args, env=env) as first:
             workers = [_client(first.address, f"w{i}", f"http://127.0.0.1:{9100 + i}", f"model-{i}")
                        for i in range(3)]
             for n, w in enumerate(workers):
@@ -147,7 +148,7 @@ def test_a_restart_from_redis_keeps_what_workers_advertised(redis_store, allocat
                     w.step([Admit(f"s{k}", [k, 1, 2, 3, 4])])
             before = RouterClient(first.address).list_pools()
             first.kill()
-        with allocator_server(*args, listen=f"127.0.0.1:{first.port}") as again:
+        with allocator_server(*args, env=env, listen=f"127.0.0.1:{first.port}") as again:
             router = RouterClient(again.address)
             assert router.list_pools() == before
             assert [(p.advertise_url, p.served_model_name) for p in before] == [

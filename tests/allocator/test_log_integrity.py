@@ -4,7 +4,7 @@ detected (by `--check` too) and never double-book a block; a record that
 cannot be pinned on one pool stops start-up with one line; Redis that loses
 its data while serving is detected (health NOT_SERVING, pools dropped
 loudly, workers recover with PoolLost, SERVING again); an evicting Redis is
-refused; `--redis-wait-replicas` waits for a real replica."""
+refused; `PAGEDKV_ALLOCATOR_REDIS_WAIT_REPLICAS` waits for a real replica."""
 
 from __future__ import annotations
 
@@ -261,7 +261,7 @@ def test_older_journal_without_digests_still_loads(store, allocator_server):
     client.close()
     code, out = run_check(url)
     assert code == 0 and f"{len(entries)} without digests" in out, out
-    with allocator_server("--state", url, "--snapshot-every", "1") as server:
+    with allocator_server("--state", url, env={"PAGEDKV_ALLOCATOR_SNAPSHOT_EVERY": "1"}) as server:
         s, md, channel = stub(server.address)
         for r in refs:
             assert dump(s, md, r) == before[r.pool_id]
@@ -374,7 +374,8 @@ def test_wait_for_a_replica(store, allocator_server):
                 pass
             assert time.monotonic() < deadline, "the replica did not sync"
             time.sleep(0.05)
-        with allocator_server("--state", url, "--redis-wait-replicas", "1", "--redis-wait-timeout", "0.5") as server:
+        wait = {"PAGEDKV_ALLOCATOR_REDIS_WAIT_REPLICAS": "1", "PAGEDKV_ALLOCATOR_REDIS_WAIT_TIMEOUT": "0.5"}
+        with allocator_server("--state", url, env=wait) as server:
             s, md, channel = stub(server.address)
             ref = register(s, md, "waited", num_blocks=24)
             s.Step(pb.StepRequest(pool=ref, step_id=1, ops=encode_ops(random_steps(1, 1)[0]), prev_step_id=0))

@@ -30,7 +30,7 @@ def server(tmp_path_factory, allocator_server):
     (d / "shared").write_text(SHARED)
     (d / "admin").write_text(ADMIN)
     with allocator_server("--worker-tokens-file", str(d / "workers"), "--auth-token-file", str(d / "shared"),
-                          "--admin-token-file", str(d / "admin"), "--lease-ttl", "60") as s:
+                          "--admin-token-file", str(d / "admin"), env={"PAGEDKV_ALLOCATOR_LEASE_TTL": "60"}) as s:
         yield s
 
 

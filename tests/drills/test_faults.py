@@ -49,7 +49,8 @@ MAX_TOKENS = 16
 # tokens at once: the schedulers must preempt.
 WORKER_ARGS = ["--num-blocks", "20", "--block-size", "4", "--enable-prefix-caching", "--max-model-len", "64"]
 LEASE_TTL = 3.0
-ALLOCATOR_ARGS = ["--lease-ttl", str(LEASE_TTL), "--snapshot-every", "25"]
+# settings of the allocator that are variables only (the reference in docs/operations.md)
+ALLOCATOR_ENV = {"PAGEDKV_ALLOCATOR_LEASE_TTL": str(LEASE_TTL), "PAGEDKV_ALLOCATOR_SNAPSHOT_EVERY": "25"}
 OUTAGE_S = 1.0  # how long the killed process stays down
 
 
@@ -60,7 +61,7 @@ def reference():
 
 @pytest.fixture(scope="module")
 def stack():
-    with Stack(2, worker_args=WORKER_ARGS, allocator_args=ALLOCATOR_ARGS, redis=True) as s:
+    with Stack(2, worker_args=WORKER_ARGS, env=ALLOCATOR_ENV, redis=True) as s:
         yield s
 
 
@@ -227,7 +228,7 @@ def test_allocator_restart_with_memory_state_recomputes():
     and every request still completes with the fault-free text."""
     prompts = PROMPTS[:4]
     reference = offline(prompts, MAX_TOKENS)
-    with Stack(1, worker_args=WORKER_ARGS, allocator_args=ALLOCATOR_ARGS, redis=False) as stack:
+    with Stack(1, worker_args=WORKER_ARGS, env=ALLOCATOR_ENV, redis=False) as stack:
         before = worker_samples(stack)
 
         def fault() -> dict:

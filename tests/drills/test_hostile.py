@@ -328,8 +328,9 @@ def test_the_heaviest_legal_requests_are_bounded_and_replay(redis_store, allocat
     from tests.support.drills import rss_bytes
 
     with redis_store() as (url, _):
-        args = ("--state", url, "--snapshot-every", "1000000")  # replay every record on restart
-        with allocator_server(*args) as server:
+        args = ("--state", url)
+        env = {"PAGEDKV_ALLOCATOR_SNAPSHOT_EVERY": "1000000"}  # replay every record on restart
+        with allocator_server(*args, env=env) as server:
             s, md, channel = stub(server.address)
             ref = register(s, md, "heavy", num_blocks=COST_BLOCKS, block_size=COST_B)
             base = rss_bytes(server.pid)
@@ -360,7 +361,7 @@ def test_the_heaviest_legal_requests_are_bounded_and_replay(redis_store, allocat
         assert growth <= COST_RSS_BOUND, figures
 
         t0 = time.monotonic()
-        with allocator_server(*args, listen=f"127.0.0.1:{server.port}") as again:
+        with allocator_server(*args, env=env, listen=f"127.0.0.1:{server.port}") as again:
             figures["restart_s"] = round(time.monotonic() - t0, 2)
             assert "1 pools restored" in again.lines[-1]
             s, md, channel = stub(again.address)

@@ -36,7 +36,7 @@ C = grpc.StatusCode
 TOKEN = "drill-token-7f3a"
 WORKER_ARGS = ["--num-blocks", "32", "--block-size", "4", "--enable-prefix-caching", "--max-model-len", "64"]
 # No snapshot during the drill: the journal keeps the whole history to replay.
-ALLOCATOR_ARGS = ["--snapshot-every", "1000000", "--lease-ttl", "30"]
+ALLOCATOR_ENV = {"PAGEDKV_ALLOCATOR_SNAPSHOT_EVERY": "1000000", "PAGEDKV_ALLOCATOR_LEASE_TTL": "30"}
 PROMPT = "a shared system prompt, then a question"
 MAX_TOKENS = 6
 
@@ -50,7 +50,7 @@ def certs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stack(certs):
-    with Stack(1, worker_args=WORKER_ARGS, allocator_args=ALLOCATOR_ARGS, redis=True, token=TOKEN,
+    with Stack(1, worker_args=WORKER_ARGS, env=ALLOCATOR_ENV, redis=True, token=TOKEN,
                tls=certs[0]) as s:
         yield s
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedkv.bench.restart import ALLOCATOR_ARGS, WORKER_ARGS, restart_under_load
+from pagedkv.bench.restart import ALLOCATOR_ENV, WORKER_ARGS, restart_under_load
 from tests.support.drills import MODEL, Stack, check_no_leak, report
 
 pytestmark = pytest.mark.slow
@@ -27,7 +27,7 @@ RESTARTS = 10
 
 
 def test_no_request_fails_or_changes_across_allocator_restarts():
-    with Stack(2, worker_args=WORKER_ARGS, allocator_args=ALLOCATOR_ARGS, redis=True) as stack:
+    with Stack(2, worker_args=WORKER_ARGS, env=ALLOCATOR_ENV, redis=True) as stack:
         pools = sorted(stack.allocator_metrics().labels("pagedkv_allocator_pool_capacity_blocks", "pool_id"))
         figures = restart_under_load(stack, RESTARTS, MODEL, seed=3)
         report("allocator_restarts", {k: v for k, v in figures.items() if k not in ("failures", "wrong")})

@@ -107,7 +107,8 @@ class Recording(GrpcAllocator):
 
 def test_frozen_then_killed_allocator_with_redis_state(tiny, prompts, reference, allocator_server, redis_store):
     with redis_store() as (url, _):
-        server = allocator_server("--state", url, "--lease-ttl", "30", "--snapshot-every", "7")
+        every = {"PAGEDKV_ALLOCATOR_SNAPSHOT_EVERY": "7"}
+        server = allocator_server("--state", url, env=every)
         spec = PoolSpec("stall", PoolConfig(CONFIG["num_blocks"], 4, True, tiny.fingerprint))
         holder: dict = {}
 
@@ -137,7 +138,7 @@ def test_frozen_then_killed_allocator_with_redis_state(tiny, prompts, reference,
                 time.sleep(0.01)
             server.kill()
             time.sleep(0.5)
-            holder["server"] = allocator_server("--state", url, "--lease-ttl", "30", "--snapshot-every", "7",
+            holder["server"] = allocator_server("--state", url, env=every,
                                                 listen=f"127.0.0.1:{server.port}")
             faults.append("kill")
 

@@ -42,11 +42,11 @@ def _timed(fn, *args) -> float:
 
 
 def test_victim_never_waits_behind_a_whole_neighbour_call(allocator_server):
-    with allocator_server("--lease-ttl", "30") as server:
+    with allocator_server() as server:
         ctx = mp.get_context("spawn")
         stop, ready = ctx.Event(), ctx.Event()
         counts = ctx.Manager().dict()
-        noisy = ctx.Process(target=_neighbour, args=(server.address, 16, 65536, 32768, False, stop, ready, counts),
+        noisy = ctx.Process(target=_neighbour, args=(server.address, 16, 65536, 32768, stop, ready, counts),
                             daemon=True)
         heavy = GrpcAllocator(server.address, PoolSpec("heavy", PoolConfig(65536, 16, True, "bench")),
                               deadline_s=60)
@@ -103,7 +103,7 @@ def test_victim_never_waits_behind_a_whole_neighbour_call(allocator_server):
 
 def test_sigstop_does_not_expire_pools_that_kept_renewing(allocator_server):
     ttl = 2.0
-    with allocator_server("--lease-ttl", str(ttl)) as server:
+    with allocator_server(env={"PAGEDKV_ALLOCATOR_LEASE_TTL": str(ttl)}) as server:
         alive = GrpcAllocator(server.address, PoolSpec("alive", PoolConfig(16, 4)), retries=50,
                               backoff_s=0.1, deadline_s=2)
         silent = GrpcAllocator(server.address, PoolSpec("silent", PoolConfig(16, 4)), heartbeat=False)
@@ -130,8 +130,9 @@ def test_sigstop_does_not_expire_pools_that_kept_renewing(allocator_server):
 
 def test_snapshot_over_its_bound_is_skipped_not_failed(allocator_server, redis_store):
     with redis_store() as (url, _):
-        args = ("--state", url, "--snapshot-every", "3", "--max-snapshot-mb", "1", "--lease-ttl", "30")
-        with allocator_server(*args) as server:
+        args = ("--state", url)
+        env = {"PAGEDKV_ALLOCATOR_SNAPSHOT_EVERY": "3", "PAGEDKV_ALLOCATOR_MAX_SNAPSHOT_MB": "1"}
+        with allocator_server(*args, env=env) as server:
             big = GrpcAllocator(server.address, PoolSpec("big", PoolConfig(65536, 16, True, "m")))
             big.step([Admit("a", prompt_with_prefix(random.Random(3), [], 4096))])
             for n in range(10):
@@ -143,6 +144,6 @@ def test_snapshot_over_its_bound_is_skipped_not_failed(allocator_server, redis_s
             skipped = [line for line in server.lines if "over the bound" in line]
             assert skipped and len(skipped) <= 3, server.log  # backed off: not once per change
             server.kill()
-        with allocator_server(*args, listen=f"127.0.0.1:{server.port}"):
+        with allocator_server(*args, env=env, listen=f"127.0.0.1:{server.port}"):
             assert big.dump() == before  # replayed from the journal: nothing lost
             big.close()

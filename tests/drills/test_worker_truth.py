@@ -113,9 +113,10 @@ def _no_leak(text: str) -> None:
 def test_allocator_unreachable_health_give_up_and_recovery():
     unhealthy_after, give_up_after = 1.0, 4.0
     prompt, max_tokens = "the allocator is gone", 6
-    with Stack(workers=1, redis=False, worker_args=["--num-blocks", "1024", "--block-size", "4",
-                                                     "--allocator-unhealthy-after", str(unhealthy_after),
-                                                     "--allocator-give-up-after", str(give_up_after)]) as stack:
+    timeouts = {"PAGEDKV_WORKER_ALLOCATOR_UNHEALTHY_AFTER": str(unhealthy_after),
+                "PAGEDKV_WORKER_ALLOCATOR_GIVE_UP_AFTER": str(give_up_after)}
+    with Stack(workers=1, redis=False, worker_args=["--num-blocks", "1024", "--block-size", "4"],
+               env=timeouts) as stack:
         url = stack.worker_urls[0]
         assert httpx.get(f"{url}/health").status_code == 200
         long = {"model": MODEL, "prompt": "a long one", "max_tokens": 1900, "temperature": 0, "ignore_eos": True}
@@ -136,7 +137,7 @@ def test_allocator_unreachable_health_give_up_and_recovery():
         stack.kill_allocator()
         killed = time.monotonic()
 
-        # /health says 503 with a reason once past --allocator-unhealthy-after.
+        # /health says 503 with a reason once past PAGEDKV_WORKER_ALLOCATOR_UNHEALTHY_AFTER.
         sick = wait_for(lambda: (r := httpx.get(f"{url}/health", timeout=5)).status_code == 503 and r, 30,
                         "/health to say 503")
         unhealthy_s = time.monotonic() - killed

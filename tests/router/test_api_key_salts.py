@@ -2,7 +2,7 @@
 one key sent never shows in another key's cached tokens, neither in the
 worker's `usage.prompt_tokens_details.cached_tokens` nor in the router's
 `x-pagedkv-cached-tokens`, while one key's repeats hit its own cache, and
-the router's match is the worker's. `--no-cache-salt-per-api-key` shares
+the router's match is the worker's. `PAGEDKV_WORKER_CACHE_SALT_PER_API_KEY=0` shares
 the cache between keys again. Real processes (an allocator with generated
 credentials, a worker, the router), driven by the official openai client."""
 
@@ -72,7 +72,7 @@ def test_the_router_matches_under_the_salt_the_worker_caches_under(stack):
 
 def test_one_key_still_shares_across_its_requests_and_the_setting_turns_salts_off(worker_process, keys_file):
     with worker_process("--model", MODEL, "--num-blocks", "128", "--block-size", str(BLOCK),
-                        "--api-keys-file", str(keys_file), "--no-cache-salt-per-api-key") as url:
+                        "--api-keys-file", str(keys_file), env={"PAGEDKV_WORKER_CACHE_SALT_PER_API_KEY": "0"}) as url:
         assert _cached(url, KEY_A, PROMPT) == (0, None)
         shared, _ = _cached(url, KEY_B, PROMPT)
         assert shared >= (len(PROMPT) // BLOCK - 1) * BLOCK  # one namespace for every key, as without keys

@@ -32,7 +32,7 @@ _ids = count()
 
 @pytest.fixture(scope="module")
 def server(allocator_server):
-    with allocator_server("--lease-ttl", "60") as s:
+    with allocator_server(env={"PAGEDKV_ALLOCATOR_LEASE_TTL": "60"}) as s:
         yield s
 
 
@@ -187,7 +187,7 @@ def test_discovery_rebuilds_the_view_after_the_allocator_restarts(allocator_serv
     from pagedkv.stack import free_port
 
     listen = f"127.0.0.1:{free_port('127.0.0.1')}"
-    first = allocator_server("--lease-ttl", "60", listen=listen)
+    first = allocator_server(env={"PAGEDKV_ALLOCATOR_LEASE_TTL": "60"}, listen=listen)
     pool = GrpcAllocator(first.address, PoolSpec(f"view-r-{next(_ids)}", PoolConfig(16, 2, model_fingerprint="m", enable_prefix_caching=True)),
                          retries=0)
     view = PrefixView()
@@ -205,7 +205,7 @@ def test_discovery_rebuilds_the_view_after_the_allocator_restarts(allocator_serv
         while view.synced and time.monotonic() < deadline:
             time.sleep(0.02)
         assert not view.synced
-        second = allocator_server("--lease-ttl", "60", listen=listen)
+        second = allocator_server(env={"PAGEDKV_ALLOCATOR_LEASE_TTL": "60"}, listen=listen)
         deadline = time.monotonic() + 20
         while (view.snapshots == snapshots or not view.synced) and time.monotonic() < deadline:
             time.sleep(0.05)

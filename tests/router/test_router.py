@@ -102,8 +102,8 @@ def test_the_view_from_events_routes_as_asking_match_prefix_does(stack):
     MatchPrefix per request places every request the same and sees the same
     cached tokens."""
     asking = RouterProcess("router-asking", allocator=stack.allocator_address, model=MODEL,
-                           args=["--cache-view", "match-prefix", "--log-level", "warning",
-                                 "--router-token-file", str(stack.log_dir / "router-token")])
+                           args=["--log-level", "warning", "--router-token-file", str(stack.log_dir / "router-token")],
+                           env={"PAGEDKV_ROUTER_CACHE_VIEW": "match-prefix"})
     prefixes = [f"View check {i}: " + "answer with care and cite the source. " * 8 for i in range(2)]
     try:
         for prefix, url in zip(prefixes, stack.worker_urls, strict=True):  # each pool holds one

@@ -354,9 +354,14 @@ def test_kustomize_renders_the_topology(k8s):
 
 
 def test_k8s_settings_are_read_by_the_clis(monkeypatch):
-    """Every key of deploy/k8s/settings.env is an environment default of the worker, allocator or router CLI."""
+    """Every key of deploy/k8s/settings.env is a setting of the worker, allocator or router (a flag's
+    variable, or a variable-only setting), and each process reads it."""
+    from allocator_service.cli import AllocatorArgs
     from allocator_service.cli import add_arguments as allocator_arguments
+    from pagedkv_base.config import from_args
+    from router.cli import RouterArgs
     from router.cli import add_arguments as router_arguments
+    from worker.cli import WorkerArgs
     from worker.cli import add_arguments as worker_arguments
 
     settings = dict(line.split("=", 1) for line in (DEPLOY / "k8s" / "settings.env").read_text().splitlines()
@@ -364,13 +369,14 @@ def test_k8s_settings_are_read_by_the_clis(monkeypatch):
     for key, value in settings.items():
         monkeypatch.setenv(key, value)
     parsed = {}
-    for name, add in (("worker", worker_arguments), ("allocator", allocator_arguments), ("router", router_arguments)):
+    for name, add, config in (("worker", worker_arguments, WorkerArgs), ("allocator", allocator_arguments, AllocatorArgs),
+                              ("router", router_arguments, RouterArgs)):
         parser = argparse.ArgumentParser()
         add(parser)
-        parsed[name] = vars(parser.parse_args([]))
+        parsed[name] = from_args(config, parser.parse_args([]))
     for key, value in settings.items():
-        component, flag = key.removeprefix("PAGEDKV_").split("_", 1)  # PAGEDKV_<COMPONENT>_<FLAG>
-        got = parsed[component.lower()][flag.lower()]
+        component, flag = key.removeprefix("PAGEDKV_").split("_", 1)  # PAGEDKV_<COMPONENT>_<SETTING>
+        got = getattr(parsed[component.lower()], flag.lower())
         if isinstance(got, bool):
             assert got is True, key
         elif isinstance(got, int | float):

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -36,6 +37,8 @@ from router.cli import RouterArgs
 from worker import cli as worker_cli
 
 TINY = ["--model", "tiny-random", "--num-blocks", "32", "--block-size", "4"]
+# `pagedkv up` on free ports: its settings that are variables only
+FREE_PORTS = {"PAGEDKV_UP_BASE_PORT": "0", "PAGEDKV_UP_ALLOCATOR_PORT": "0", "PAGEDKV_UP_ALLOCATOR_METRICS_PORT": "0"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -69,15 +72,15 @@ def _descendants(pid: int) -> set[int]:
 
 
 @contextlib.contextmanager
-def _up(tmp_path: Path, *args: str) -> Iterator[tuple[subprocess.Popen, dict]]:
-    """`pagedkv up ARGS` on free ports with a ready file: (its process, the ready file's
-    addresses and pids); its output in tmp_path/up.log; killed at the end if still running."""
+def _up(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[tuple[subprocess.Popen, dict]]:
+    """`pagedkv up ARGS` on free ports with a ready file, `env` added to its environment:
+    (its process, the ready file's addresses and pids); its output in tmp_path/up.log;
+    killed at the end if still running."""
     ready = tmp_path / "ready.json"
     log = open(tmp_path / "up.log", "w")  # noqa: SIM115 - closed below
     up = subprocess.Popen(
-        [sys.executable, "-m", "pagedkv", "up", *args, "--base-port", "0", "--allocator-port", "0",
-         "--allocator-metrics-port", "0", "--router-port", "0", "--ready-file", str(ready)],
-        stdout=log, stderr=subprocess.STDOUT,
+        [sys.executable, "-m", "pagedkv", "up", *args, "--router-port", "0", "--ready-file", str(ready)],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **FREE_PORTS, **(env or {})},
     )
     try:
         deadline = time.monotonic() + 120
@@ -96,10 +99,10 @@ def _up(tmp_path: Path, *args: str) -> Iterator[tuple[subprocess.Popen, dict]]:
 def test_every_flag_has_help_and_passes_through():
     p = _parser()
     assert [a.dest for a in p._actions if not a.help] == []
-    given = ["--num-blocks", "64", "--device", "cpu", "--no-enable-prefix-caching", "--max-model-len", "96"]
+    given = ["--device", "cpu", "--num-blocks", "64"]
     args = p.parse_args(given)
     handed = worker_args_from(args)
-    assert handed == ["--num-blocks", "64", "--no-enable-prefix-caching", "--device", "cpu", "--max-model-len", "96"]
+    assert handed == ["--num-blocks", "64", "--device", "cpu"]
     # what a worker makes of them is what `pagedkv worker` makes of the same flags
     worker = argparse.ArgumentParser()
     worker_cli.add_arguments(worker)
@@ -107,10 +110,14 @@ def test_every_flag_has_help_and_passes_through():
     # nothing given, nothing handed on: each worker's own defaults and PAGEDKV_WORKER_* decide;
     # no --threads: the stack gives each worker 1/N of the cores (tests/stack/test_e2e.py)
     assert worker_args_from(p.parse_args([])) == []
-    assert worker_args_from(p.parse_args(["--threads", "1/2"])) == ["--threads", "1/2"]
     assert to_argv(RouterArgs, p.parse_args(["--policy", "least-load"])) == ["--policy", "least-load"]
     with pytest.raises(SystemExit):
-        p.parse_args(["--threads", "0"])
+        p.parse_args(["--num-blocks", "many"])
+    # the workers' other settings are not flags of `pagedkv up`: their variables reach them
+    # (test_up_starts_the_topology_and_stops_it_on_sigint)
+    for flag in ("--threads", "--block-size", "--max-model-len"):
+        with pytest.raises(SystemExit):
+            p.parse_args([flag, "4"])
     proc = subprocess.run([sys.executable, "-m", "pagedkv", "up", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0 and "usage: pagedkv up" in proc.stdout
 
@@ -185,14 +192,18 @@ def test_a_killed_launcher_leaves_no_orphans(tmp_path):
 
 
 def test_up_starts_the_topology_and_stops_it_on_sigint(tmp_path):
-    with _up(tmp_path, "--workers", "2", *TINY, "--grace", "10") as (up, info):
+    # --block-size is not a flag of `pagedkv up`: each worker reads its own variable
+    with _up(tmp_path, "--workers", "2", *TINY[:4], env={
+            "PAGEDKV_UP_GRACE": "10", "PAGEDKV_WORKER_BLOCK_SIZE": "4", "PAGEDKV_WORKER_MAX_MODEL_LEN": "96"},
+             ) as (up, info):
         assert len(info["workers"]) == 2 and len(set(info["workers"])) == 2
         for url in info["workers"]:
             assert http_ok(f"{url}/health")
+            # the settings given as the workers' variables reached them
+            card = json.loads(urllib.request.urlopen(f"{url}/v1/models", timeout=5).read())["data"][0]
+            assert card["max_model_len"] == 96
         assert grpc_health_ok(info["allocator"])
         # both workers registered their pools with the one allocator
-        import urllib.request
-
         metrics = urllib.request.urlopen(info["allocator_metrics"], timeout=5).read().decode()
         assert "pagedkv_allocator_pools 2.0" in metrics
         assert {"allocator", "worker-1", "worker-2", "router"} == set(info["pids"])
@@ -220,9 +231,8 @@ def test_up_starts_the_topology_and_stops_it_on_sigint(tmp_path):
 def test_up_reports_the_worker_that_failed(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "pagedkv", "up", "--workers", "1", "--model", str(tmp_path / "no-such-model"),
-         "--base-port", "0", "--allocator-port", "0", "--allocator-metrics-port", "0", "--router-port", "0",
-         "--timeout", "60"],
-        capture_output=True, text=True, timeout=90,
+         "--router-port", "0"],
+        capture_output=True, text=True, timeout=90, env={**os.environ, **FREE_PORTS, "PAGEDKV_UP_TIMEOUT": "60"},
     )
     assert proc.returncode == 1
     out = proc.stdout + proc.stderr
@@ -246,8 +256,6 @@ def test_local_stack_with_redis_and_prometheus(tmp_path):
         if stack.prometheus_url is None:
             assert any("prometheus" in w for w in stack.warnings)
         else:
-            import urllib.request
-
             deadline = time.monotonic() + 20
             while True:
                 url = f"{stack.prometheus_url}/api/v1/targets"
@@ -299,8 +307,8 @@ def test_up_restarts_a_killed_allocator_and_no_stream_is_cut(tmp_path):
     import httpx
 
     log_path = tmp_path / "up.log"
-    with _up(tmp_path, "--workers", "2", "--model", "tiny-random", "--num-blocks", "256", "--block-size", "4",
-             "--log-dir", str(tmp_path / "logs")) as (up, info):
+    with _up(tmp_path, "--workers", "2", "--model", "tiny-random", "--num-blocks", "256",
+             "--log-dir", str(tmp_path / "logs"), env={"PAGEDKV_WORKER_BLOCK_SIZE": "4"}) as (up, info):
         router = info["router"]
         starts, killed = [threading.Event() for _ in range(4)], threading.Event()
         with ThreadPoolExecutor(4) as pool:

@@ -32,14 +32,25 @@ def test_committed_page_is_what_the_committed_results_render():
     assert page == report.render(results), "run: pagedkv bench report --write docs/benchmarks.md"
 
 
+def test_every_committed_result_names_a_command_that_runs_today():
+    """The command beside each committed figure is one today's `pagedkv` accepts."""
+    from pagedkv.cli import build_parser
+
+    parser = build_parser()
+    for file, result in report.load(ROOT / "docs" / "benchmarks"):
+        words = shlex.split(result["environment"]["command"])
+        assert words[:3] == ["pagedkv", "bench", result["environment"]["benchmark"]], file
+        parser.parse_args(words[1:])  # SystemExit (a usage error) fails the test
+
+
 def test_json_file_records_the_run_and_the_report_renders_it(tmp_path):
     out = tmp_path / "results"
     out.mkdir()
-    proc = pagedkv("bench", "core", "--sequences", "50", "--decode-rounds", "2", "--json", str(out / "core.json"))
-    assert "allocator core, 50 sequences" in proc.stdout  # the table is printed beside the file
+    proc = pagedkv("bench", "core", "--workload", "small", "--json", str(out / "core.json"))
+    assert "allocator core, 200 sequences" in proc.stdout  # the table is printed beside the file
     recorded = json.loads((out / "core.json").read_text())
     env = recorded["environment"]
-    assert env["command"] == f"pagedkv bench core --sequences 50 --decode-rounds 2 --json {out / 'core.json'}"
+    assert env["command"] == f"pagedkv bench core --workload small --json {out / 'core.json'}"
     assert env["machine"]["cpu_cores"] >= 1 and env["machine"]["cpu_model"]
     assert env["date"].endswith("Z") and env["load_average_1m_start"] >= 0
     page = pagedkv("bench", "report", str(out)).stdout
@@ -53,16 +64,15 @@ def test_a_figure_not_measured_is_a_dash_never_zero():
 
 
 @settings(max_examples=30, deadline=None)
-@given(requests=st.integers(1, 99), allocators=st.lists(st.sampled_from(["embedded", "grpc", "grpc+redis"]),
-                                                        min_size=1, max_size=3, unique=True),
-       async_on=st.booleans(), lookahead=st.lists(st.integers(0, 16), min_size=1, max_size=2, unique=True),
-       json_to=st.sampled_from([None, "-", "out dir/x.json"]))
-def test_recorded_command_parses_back_to_the_same_options(requests, allocators, async_on, lookahead, json_to):
+@given(workload=st.sampled_from(["default", "small"]), repeats=st.integers(1, 9),
+       allocators=st.lists(st.sampled_from(["embedded", "grpc", "grpc+redis"]), min_size=1, max_size=3, unique=True),
+       compare=st.booleans(), json_to=st.sampled_from([None, "-", "out dir/x.json"]))
+def test_recorded_command_parses_back_to_the_same_options(workload, repeats, allocators, compare, json_to):
     """The command a report records runs the benchmark with the options it ran with."""
     from pagedkv.cli import build_parser
 
-    argv = ["bench", "serve", "--requests", str(requests), "--allocator", ",".join(allocators),
-            "--num-lookahead-slots", ",".join(map(str, lookahead)), *([] if async_on else ["--no-async-scheduling"])]
+    argv = ["bench", "serve", "--workload", workload, "--repeats", str(repeats), "--allocator", ",".join(allocators),
+            *(["--compare-async-scheduling"] if compare else [])]
     argv += [] if json_to is None else ["--json"] if json_to == "-" else ["--json", json_to]
     parser = build_parser()
     args = parser.parse_args(argv)

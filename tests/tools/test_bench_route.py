@@ -12,18 +12,19 @@ import subprocess
 import sys
 
 from pagedkv.bench.route import ASKING, POLICIES, REFERENCE, background_load
+from pagedkv.bench.workloads import ROUTE
 
 
 def test_bench_route_json():
     proc = subprocess.run(
-        [sys.executable, "-m", "pagedkv", "bench", "route", "--json", "--prompts", "2", "--prompt-tokens", "40",
-         "--conversations", "2", "--max-tokens", "2", "--rounds", "2", "--probe-requests", "3",
-         "--background-load", "1"],
+        [sys.executable, "-m", "pagedkv", "bench", "route", "--json", "--workload", "small", "--background-load", "1"],
         capture_output=True, text=True, timeout=300, check=True,
     )
     out = json.loads(proc.stdout)
     assert set(out["summary"]) == {*POLICIES, ASKING, REFERENCE}
-    assert out["workload"]["background_load"] == 1 and out["workload"]["rounds"] == 2
+    small = ROUTE["small"]
+    assert out["workload"]["background_load"] == 1 and out["workload"]["rounds"] == small.rounds == 2
+    assert (out["workload"]["tenants"], out["workload"]["prompt_tokens"]) == (small.tenants, small.prompt_tokens)
     for name, s in out["summary"].items():
         assert s["errors"] == 0, name
         assert 0 <= s["hit_rate"] <= 1 and s["tokens_per_s"] > 0 and s["ttft_p50_ms"] > 0
@@ -39,7 +40,7 @@ def test_bench_route_json():
     assert len(per_round) == 2 and out["targets"]["kv_hit_rate_of_one_worker_with_both_pools_worst_round"] == min(
         per_round)
     probe = out["probe"]
-    assert probe["requests_each"] == 3
+    assert probe["requests_each"] == small.probe_requests
     for key in ("direct_p50_ms", "routed_p50_ms", "short_prompt_direct_p50_ms", "short_prompt_routed_p50_ms",
                 "match_prefix_routed_p50_ms", "short_prompt_match_prefix_routed_p50_ms"):
         assert probe[key] > 0, key

@@ -8,15 +8,18 @@ import sys
 
 import pytest
 
-REQUESTS, MAX_TOKENS = 4, 4
+from pagedkv.bench.workloads import SERVE
+
+# the small workload: what every test here runs
+REQUESTS, MAX_TOKENS = SERVE["small"].requests, SERVE["small"].max_tokens
 
 TIMING_KEYS = ("tokens_per_s", "wall_s", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s")
 KV_KEYS = ("kv_slots_reserved", "kv_slots_allocated_peak", "kv_slots_holding_tokens_peak", "kv_utilisation_mean")
 
 
 def bench(*extra: str) -> dict:
-    cmd = [sys.executable, "-m", "pagedkv", "bench", "serve", "--model", "tiny-random",
-           "--requests", str(REQUESTS), "--max-tokens", str(MAX_TOKENS), "--json", *extra]
+    cmd = [sys.executable, "-m", "pagedkv", "bench", "serve", "--model", "tiny-random", "--workload", "small",
+           "--json", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
@@ -37,7 +40,7 @@ def check_system(s: dict, pool_slots: int | None = None) -> None:
 
 def test_engine_only():
     # prefix caching off once per CPU attention backend: the gather path and the block-wise kernel
-    out = bench("--skip-hf", "--attention", "torch,numba")
+    out = bench("--systems", "engine_no_prefix_cache_torch,engine_no_prefix_cache_numba")
     assert out["benchmark"] == "serve" and out["model"] == "tiny-random"
     w = out["workload"]
     assert w["requests"] == REQUESTS and w["max_tokens"] == MAX_TOKENS
@@ -46,7 +49,7 @@ def test_engine_only():
     slots = out["kv_pool"]["slots"]
     assert slots == out["kv_pool"]["num_blocks"] * out["kv_pool"]["block_size"]
     assert set(out["systems"]) == {"engine", "engine_no_prefix_cache_torch", "engine_no_prefix_cache_numba"}
-    assert set(out["skipped"]) == {"hf_static", "hf_continuous"}
+    assert out["skipped"] == {}  # nothing asked for was left out
     on, off = out["systems"]["engine"], out["systems"]["engine_no_prefix_cache_torch"]
     for s in out["systems"].values():
         check_system(s, slots)
@@ -63,8 +66,9 @@ def test_engine_only():
 
 def test_against_transformers():
     pytest.importorskip("transformers")
-    out = bench("--skip-prefix-off", "--batch-size", "3")
-    assert "engine_no_prefix_cache" in out["skipped"]
+    out = bench("--systems", "hf_static,hf_continuous")
+    assert out["workload"]["hf_static_batch_size"] == SERVE["small"].batch_size < REQUESTS  # more than one batch
+    assert "engine_no_prefix_cache" not in out["systems"] and "engine_no_prefix_cache" not in out["skipped"]
     slots = out["kv_pool"]["slots"]
     check_system(out["systems"]["engine"], slots)
     hf = out["systems"]["hf_static"]
@@ -93,7 +97,7 @@ def test_through_each_allocator_async_on_and_off():
 
     allocators = "embedded,grpc,grpc+redis" if shutil.which("redis-server") else "embedded,grpc"
     names = allocators.split(",")
-    out = bench("--allocator", allocators, "--compare-async-scheduling", "--num-blocks", "64")
+    out = bench("--allocator", allocators, "--compare-async-scheduling")
     assert out["benchmark"] == "serve --allocator" and out["kv_pool"]["prefix_caching"] is True
     systems = out["systems"]
     assert list(systems) == names + [f"{n}_sync" for n in names]
@@ -120,7 +124,7 @@ def test_figures_the_allocator_comparison_does_not_measure_are_null():
     allocator call per step on the loop being timed): the figures made from
     those reads are null, never 0; the peaks are the engine's own high-water
     marks, raised at every step, so they are there."""
-    out = bench("--allocator", "embedded", "--num-blocks", "64")
+    out = bench("--allocator", "embedded")
     s = out["systems"]["embedded"]
     for key in ("kv_tokens_logical_peak", "kv_utilisation_mean", "kv_utilisation_peak_alloc"):
         assert s[key] is None, key
@@ -133,8 +137,10 @@ def test_figures_the_allocator_comparison_does_not_measure_are_null():
     (["--allocator", "embedded,mars"], "comma-separated list of embedded, grpc, grpc+redis"),
     (["--allocator", "grpc,grpc"], "named twice"),
     (["--compare-async-scheduling"], "give --allocator too"),
+    (["--allocator", "grpc", "--systems", "hf_static"], "give one of them"),
+    (["--systems", "hf_static,vllm"], "comma-separated list of engine_no_prefix_cache"),
 ])
 def test_bad_allocator_arguments(args, message):
-    cmd = [sys.executable, "-m", "pagedkv", "bench", "serve", "--model", "tiny-random", "--requests", "1", *args]
+    cmd = [sys.executable, "-m", "pagedkv", "bench", "serve", "--model", "tiny-random", "--workload", "small", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr

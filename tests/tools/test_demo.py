@@ -12,7 +12,7 @@ import sys
 def test_demo_runs_the_workload_and_writes_its_report(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "pagedkv", "demo", "--model", "tiny-random", "--conversations", "8",
-         "--concurrency", "4", "--out", str(tmp_path), "--json"],
+         "--out", str(tmp_path), "--json"],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -22,7 +22,7 @@ def test_demo_runs_the_workload_and_writes_its_report(tmp_path):
     assert report["errors"] == 0, report["error_samples"]
     # the workers' high-water marks (every engine step), not what a 0.25 s poll happened to see
     assert report["completion_tokens"] > 0 and 0 < report["peak_slots_holding_tokens"] <= report["peak_slots_allocated"]
-    assert 1 <= report["peak_running_conversations"] <= 2 * 4  # two workers, --concurrency 4
+    assert 1 <= report["peak_running_conversations"] <= 8  # at most the 8 conversations
     assert report["prefix_cache_hit_rate"] > 0  # every conversation shares the system prompt
     assert (tmp_path / "demo_kv.png").stat().st_size > 0
     routing = report["routing"]

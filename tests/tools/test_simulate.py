@@ -34,17 +34,20 @@ def test_default_is_the_articles_figures():
     assert {r["used_slots"] for r in out["sweep"]} == {p["used_slots"]}
 
 
-def test_workload_flags_still_change_the_draw():
-    base = simulate("--block-sizes", "16")
-    for flags in (["--seed", "1"], ["--requests", "50"], ["--min-len", "500"], ["--max-len", "1000"]):
-        out = simulate("--block-sizes", "16", *flags)
-        assert out["paged"] != base["paged"], flags
-    few = simulate("--block-sizes", "16", "--requests", "50", "--min-len", "100", "--max-len", "100")
-    assert few["paged"]["admitted"] == 50 and few["paged"]["used_slots"] == 5_000
-    assert few["paged"]["allocated_slots"] == 50 * 112  # 7 blocks of 16 per 100-token request
+def test_every_request_takes_its_own_blocks_when_all_fit():
+    """50 requests fit a pool of 16 GiB: each holds ceil(length / B) blocks of B,
+    at every block size, and the lengths are the article's draw."""
+    from pagedkv.tools.simulate import MAX_LEN, MIN_LEN, SEED, draw_lengths
 
-
-def test_block_size_outside_the_sweep_is_still_reported():
-    out = simulate("--block-sizes", "1,4", "--block-size", "32")
-    assert [r["block_size"] for r in out["sweep"]] == [1, 4]
-    assert out["paged"]["block_size"] == 32
+    lengths = draw_lengths(50, MIN_LEN, MAX_LEN, SEED)
+    assert lengths == draw_lengths(500, MIN_LEN, MAX_LEN, SEED)[:50]  # the first 50 of the article's 500
+    few = simulate("--requests", "50")
+    for r in few["sweep"]:
+        B = r["block_size"]
+        assert r["admitted"] == 50 and r["used_slots"] == sum(lengths)
+        assert r["allocated_slots"] == sum(-(-n // B) * B for n in lengths), B
+    # a smaller pool, a bigger model, a shorter reservation: fewer fit each way
+    base = simulate()
+    for flags in (["--pool-gib", "8"], ["--bytes-per-token", "262144"], ["--reserve", "4096"]):
+        out = simulate(*flags)
+        assert out["contiguous"] != base["contiguous"], flags

@@ -33,8 +33,8 @@ def allocator(tmp_path_factory, allocator_server):
     for name, value in (("token", TOKEN), ("admin", ADMIN), ("router", ROUTER)):
         (d / name).write_text(value + "\n")
     with allocator_server(
-        "--auth-token-file", str(d / "token"), "--metrics-port", "0", "--lease-ttl", "60",
-        env={"PAGEDKV_ALLOCATOR_ADMIN_TOKEN_FILE": str(d / "admin"),
+        "--auth-token-file", str(d / "token"), "--metrics-port", "0",
+        env={"PAGEDKV_ALLOCATOR_LEASE_TTL": "60", "PAGEDKV_ALLOCATOR_ADMIN_TOKEN_FILE": str(d / "admin"),
              "PAGEDKV_ALLOCATOR_ROUTER_TOKEN_FILE": str(d / "router")},
     ) as s:
         s.base = s.metrics_url.rsplit("/", 1)[0]

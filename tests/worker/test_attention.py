@@ -456,7 +456,7 @@ def test_bench_attention_smoke(capsys):
     parser = argparse.ArgumentParser()
     bench_attention.add_arguments(parser)
     args = parser.parse_args(
-        ["--batch-sizes", "1,3", "--contexts", "40", "--repeats", "1", "--backend", "torch,numba", "--json"]
+        ["--workload", "small", "--repeats", "1", "--backend", "torch,numba", "--json"]
     )
     assert bench_attention.run(args) == 0
     report = json.loads(capsys.readouterr().out)

@@ -29,7 +29,6 @@ def tiny():
 
 
 def test_default_worker_ids_are_unique_per_host_and_process():
-    import argparse
     import os
     import socket
 
@@ -40,21 +39,30 @@ def test_default_worker_ids_are_unique_per_host_and_process():
         assert re.fullmatch(r".+-\d+-[0-9a-f]{6}", wid)
         assert f"-{os.getpid()}-" in wid
         assert wid.startswith(socket.gethostname().replace("/", "-")[:100])
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    assert parser.parse_args([]).allocator_give_up_after == 120.0
-    assert parser.parse_args(["--allocator-unhealthy-after", "2.5"]).allocator_unhealthy_after == 2.5
 
 
-def test_flags_from_the_environment(monkeypatch):
+def test_the_allocator_timeouts_are_variables(monkeypatch, capsys):
+    """How long the worker waits on a silent allocator: settings an operator tunes
+    through PAGEDKV_WORKER_ALLOCATOR_* (no flags), carried into the engine's config."""
     import argparse
 
-    monkeypatch.setenv("PAGEDKV_WORKER_ALLOCATOR_GIVE_UP_AFTER", "30")
-    monkeypatch.setenv("PAGEDKV_WORKER_ALLOCATOR_UNHEALTHY_AFTER", "3")
+    from pagedkv_base.settings import CliError
+    from worker.cli import engine_config
+
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    args = parser.parse_args([])
-    assert (args.allocator_give_up_after, args.allocator_unhealthy_after) == (30.0, 3.0)
+    config = engine_config(parser.parse_args([]))
+    assert (config.allocator_give_up_after_s, config.allocator_unhealthy_after_s) == (120.0, 10.0)
+    monkeypatch.setenv("PAGEDKV_WORKER_ALLOCATOR_GIVE_UP_AFTER", "30")
+    monkeypatch.setenv("PAGEDKV_WORKER_ALLOCATOR_UNHEALTHY_AFTER", "3")
+    config = engine_config(parser.parse_args([]))
+    assert (config.allocator_give_up_after_s, config.allocator_unhealthy_after_s) == (30.0, 3.0)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--allocator-unhealthy-after", "2.5"])
+    assert "unrecognized arguments: --allocator-unhealthy-after" in capsys.readouterr().err
+    monkeypatch.setenv("PAGEDKV_WORKER_ALLOCATOR_UNHEALTHY_AFTER", "0")
+    with pytest.raises(CliError, match="PAGEDKV_WORKER_ALLOCATOR_UNHEALTHY_AFTER='0'"):
+        engine_config(parser.parse_args([]))
 
 
 def test_min_tokens_is_a_lower_bound_and_refuses_without_tokenizing(tiny):

@@ -56,7 +56,8 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("--max-model-len must be at least 2")
         if not self.allocator_unhealthy_after_s > 0 or not self.allocator_give_up_after_s > 0:
-            raise ValueError("--allocator-unhealthy-after and --allocator-give-up-after must be positive")
+            raise ValueError("PAGEDKV_WORKER_ALLOCATOR_UNHEALTHY_AFTER and PAGEDKV_WORKER_ALLOCATOR_GIVE_UP_AFTER "
+                             "must be positive")
         if self.advertise_url and not self.advertise_url.startswith(("http://", "https://")):
             raise ValueError(f"--advertise-url must be an http:// or https:// URL, got {self.advertise_url!r}")
         if self.dtype not in WORKER_DTYPES:

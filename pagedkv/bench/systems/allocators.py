@@ -3,7 +3,7 @@
 - `embedded`: the pool in the benchmark's own process (`EmbeddedAllocator`);
 - `grpc`: a real allocator process (`python -m allocator_service`), memory state;
 - `grpc+redis`: one journaling to a private `redis-server` with append-only
-  persistence (or to the Redis at a given URL, under a fresh key prefix).
+  persistence.
 
 `deploy` starts what a kind needs on an `ExitStack` (stopped when it closes,
 an allocator before its Redis) and gives the address a client or an engine
@@ -16,32 +16,26 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Sequence
 
 KINDS = ("embedded", "grpc", "grpc+redis")
 EMBEDDED = "embedded"
 
 
-def deploy(stack: contextlib.ExitStack, kind: str, *, redis_url: str | None = None,
-           allocator_args: Sequence[str] = ()) -> str:
+def deploy(stack: contextlib.ExitStack, kind: str) -> str:
     """Start the allocator of `kind` (one of KINDS) on `stack`; its address."""
     from pagedkv.stack import start_allocator, start_redis
     from pagedkv_base.settings import CliError
 
     if kind == EMBEDDED:
         return EMBEDDED
-    args = list(allocator_args)
+    args: list[str] = []
     if kind == "grpc+redis":
-        if redis_url:
-            url = redis_url + ("&" if "?" in redis_url else "?") + f"key_prefix=pagedkv-bench-{time.time_ns()}:"
-        else:
-            try:
-                redis = start_redis()
-            except FileNotFoundError:
-                raise CliError("grpc+redis needs redis-server on PATH, or a Redis URL") from None
-            stack.callback(redis.stop)  # registered first: stopped after its allocator
-            url = redis.url
-        args = ["--state", url, *args]
+        try:
+            redis = start_redis()
+        except FileNotFoundError:
+            raise CliError("grpc+redis needs redis-server on PATH") from None
+        stack.callback(redis.stop)  # registered first: stopped after its allocator
+        args = ["--state", redis.url]
     elif kind != "grpc":
         raise ValueError(f"unknown allocator kind {kind!r}")
     server = start_allocator(args)

@@ -47,10 +47,12 @@ def topology(model: str, num_blocks: int, block_size: int, max_num_seqs: int) ->
         try:
             single.start()
             router_args = {policy: ["--policy", policy] for policy in POLICIES}
-            router_args[ASKING] = ["--cache-view", "match-prefix"]
+            router_args[ASKING] = []
             for name, args in router_args.items():
+                view = {"PAGEDKV_ROUTER_CACHE_VIEW": "match-prefix"} if name == ASKING else None
                 routers[name] = RouterProcess(f"router-{name}", allocator=stack.allocator_address, model=model,
-                                              args=[*args, "--log-level", "warning", *stack.router_credentials])
+                                              args=[*args, "--log-level", "warning", *stack.router_credentials],
+                                              env=view)
                 routers[name].start()
             single.wait_healthy(300)
             for r in routers.values():
