@@ -28,6 +28,11 @@ def to_state(pool: BlockPool) -> dict[str, Any]:
             "block_size": pool.block_size,
             "enable_prefix_caching": pool.enable_prefix_caching,
             "model_fingerprint": pool.config.model_fingerprint,
+            # NOTE: only with tiers, so a dump without them has the keys
+            # every stored snapshot has.
+            **({"host_blocks": pool.config.host_blocks, "layout": pool.config.layout,
+                "block_bytes": pool.config.block_bytes, "use_shared_store": pool.config.use_shared_store}
+               if pool.config.tiered else {}),
         },
         "ref_cnt": list(pool.ref_cnt),
         "fill": list(pool._fill),
@@ -56,6 +61,7 @@ def to_state(pool: BlockPool) -> dict[str, Any]:
             "copies": pool.copies,
             "out_of_blocks": pool.out_of_blocks,
         },
+        **({"tiers": pool.tiers.to_state()} if pool.tiers is not None else {}),
     }
 
 
@@ -99,6 +105,8 @@ def restore(pool: BlockPool, state: dict[str, Any]) -> None:
     pool.name_chars = sum(len(s) + len(q.salt or "") for s, q in pool._seqs.items())
     for k, v in state["counters"].items():
         setattr(pool, k, v)
+    if pool.tiers is not None:
+        pool.tiers.restore(state["tiers"])
 
 
 def pool_view(pool: BlockPool) -> dict[str, Any]:
