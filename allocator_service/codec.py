@@ -114,8 +114,18 @@ def canonical_ops(msg: pb.StepOps) -> bytes:
 
 
 # --------------------------------------------------------------- responses
+# The result columns the wire carries. NOTE: the tier moves (`StepResult`'s
+# fields after `error_messages`) are not on the wire yet: a pool served over
+# it has no tiers (`config_from_proto` sets none), so its moves are empty.
+_WIRE_RESULT = tuple(f for f in StepResult._fields if f in pb.StepResponse.DESCRIPTOR.fields_by_name)
+_OFF_WIRE = len(_WIRE_RESULT)
+assert StepResult._fields[:_OFF_WIRE] == _WIRE_RESULT
+
+
 def result_to_proto(step_id: int, result: StepResult) -> pb.StepResponse:
-    return pb.StepResponse(step_id=step_id, **result._asdict())
+    if any(result[_OFF_WIRE:]):
+        raise ValueError("the step's answer carries KV tier moves the wire format cannot carry")
+    return pb.StepResponse(step_id=step_id, **dict(zip(_WIRE_RESULT, result, strict=False)))
 
 
 def decode_results(resp: pb.StepResponse, num_ops: int) -> StepResults:
@@ -126,7 +136,7 @@ def decode_results(resp: pb.StepResponse, num_ops: int) -> StepResults:
     copying all nine cost more than that (~60 us at 256 operations)."""
     if len(resp.errors) != num_ops:
         raise ValueError(f"the server answered {len(resp.errors)} results for {num_ops} operations")
-    return StepResults(StepResult(*(getattr(resp, f) for f in StepResult._fields)))
+    return StepResults(StepResult(*(getattr(resp, f) for f in _WIRE_RESULT)))
 
 
 # ------------------------------------------------------------ pool shape

@@ -90,4 +90,6 @@ def integrity_problems(pool: BlockPool) -> list[str]:
                 problems.append(f"cached block {b} is not full")
     if indexed != sum(1 for h in block_hash if h is not None):
         problems.append("a block holds a hash the cache index does not know")
+    if pool.tiers is not None:
+        problems.extend(pool.tiers.problems())
     return problems

@@ -28,6 +28,13 @@ MAX_RESERVE = 1 << 20
 # Characters of a model fingerprint (it enters the root hash).
 MAX_FINGERPRINT_LEN = 1024
 
+# A pool's KV tiers: slots of its host tier (blocks, as the KV pool), the
+# characters of its KV layout key (a digest the worker computes), and the
+# bytes of one block's K and V (what a store entry takes).
+MAX_HOST_BLOCKS = 1 << 24
+MAX_LAYOUT_LEN = 256
+MAX_BLOCK_BYTES = 1 << 40
+
 # Characters of what a worker advertises with its pool for routers: its HTTP
 # URL and its served model name (kept per pool and in every snapshot).
 MAX_ADVERTISE_URL_LEN = 2048

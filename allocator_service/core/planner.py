@@ -141,8 +141,9 @@ class PoolPlan:
     def admit(self, num_tokens: int, num_new_tokens: int | None = None, hits: Sequence[int] = ()) -> int:
         """Blocks an Admit of `num_tokens` takes from the free queue when it
         shares `hits` (the blocks it finds cached): new blocks for the rest,
-        and each hit that was free (it leaves the evictable queue). With
-        neither hits nor a bound, the most any admission of them takes."""
+        and each hit that was free (it leaves the evictable queue; a block
+        loaded from a KV tier is one: a fresh block). With neither hits nor
+        a bound, the most any admission of them takes."""
         need = admit_blocks(num_tokens, len(hits), num_new_tokens, self.block_size)[1]
         return need + sum(1 for b in hits if self.refs[b] == 0)
 

@@ -12,7 +12,9 @@ Invariants (checked by `integrity_problems()`):
   equals every sharer's count of tokens in that block: a shared block is never
   written (a write into a shared, not-full block copies it first);
 - every hash in the index names blocks that hold exactly that hash, and only
-  full blocks ever get a hash.
+  full blocks ever get a hash;
+- with tiers (`PoolConfig.host_blocks`, `use_shared_store`), the host tier's
+  and the store's invariants (`tiers.py`) hold for the pool's entries.
 
 Hand-out order (the free queue, first first): uncached free blocks in the
 order they were freed (table order within one free; 0..N-1 at start), then
@@ -40,8 +42,11 @@ from allocator_service.core.errors import (
     UnknownSequence,
 )
 from allocator_service.core.limits import (
+    MAX_BLOCK_BYTES,
     MAX_BLOCK_SIZE,
     MAX_FINGERPRINT_LEN,
+    MAX_HOST_BLOCKS,
+    MAX_LAYOUT_LEN,
     MAX_NUM_BLOCKS,
     MAX_RESERVE,
     MAX_SALT_LEN,
@@ -68,6 +73,7 @@ from allocator_service.core.planner import (
 )
 from allocator_service.core.prefix_index import EventSink, PrefixIndex
 from allocator_service.core.sequence import Seq
+from allocator_service.core.tiers import NO_MOVES, Moves, PoolTiers, SharedStore
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +82,12 @@ class PoolConfig:
     block_size: int
     enable_prefix_caching: bool = False
     model_fingerprint: str = ""
+    # KV tiers (docs/architecture.md, "Tiers"); all off by default. Tiers
+    # index blocks by hash, so they need prefix caching.
+    host_blocks: int = 0  # slots of the worker's host tier (0: none)
+    layout: str = ""  # the KV layout key: which store entries this pool's blocks can load
+    block_bytes: int = 0  # bytes of one block's K and V (a store entry's size)
+    use_shared_store: bool = False  # whether the pool saves to and loads from the shared store
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_blocks, int) or not 1 <= self.num_blocks <= MAX_NUM_BLOCKS:
@@ -84,12 +96,27 @@ class PoolConfig:
             raise InvalidArgument(f"block_size must be an integer in [1, {MAX_BLOCK_SIZE}]")
         if len(self.model_fingerprint) > MAX_FINGERPRINT_LEN:
             raise InvalidArgument(f"model_fingerprint is longer than {MAX_FINGERPRINT_LEN} characters")
+        if type(self.host_blocks) is not int or not 0 <= self.host_blocks <= MAX_HOST_BLOCKS:
+            raise InvalidArgument(f"host_blocks must be an integer in [0, {MAX_HOST_BLOCKS}]")
+        if not isinstance(self.layout, str) or len(self.layout) > MAX_LAYOUT_LEN:
+            raise InvalidArgument(f"layout must be a string of at most {MAX_LAYOUT_LEN} characters")
+        if type(self.block_bytes) is not int or not 0 <= self.block_bytes <= MAX_BLOCK_BYTES:
+            raise InvalidArgument(f"block_bytes must be an integer in [0, {MAX_BLOCK_BYTES}]")
+        if (self.host_blocks or self.use_shared_store) and not self.enable_prefix_caching:
+            raise InvalidArgument("KV tiers (host_blocks, use_shared_store) need prefix caching")
+        if self.use_shared_store and (not self.layout or not self.block_bytes):
+            raise InvalidArgument("a pool that uses the shared store needs its layout and block_bytes")
+
+    @property
+    def tiered(self) -> bool:
+        """Whether the pool has a tier below its KV pool."""
+        return bool(self.host_blocks or self.use_shared_store)
 
 
 class AdmitResult(NamedTuple):
-    cached_tokens: int  # leading prompt tokens found in the prefix cache
+    cached_tokens: int  # leading prompt tokens found cached (in the KV pool or loaded from a tier)
     num_stored: int  # tokens the sequence holds after the admit
-    new_blocks: list[int]  # blocks taken from the free queue, in table order
+    new_blocks: list[int]  # blocks taken for the tokens past the cached ones, in table order
     table: list[int]  # the whole new block table (cached hits first)
 
 
@@ -198,9 +225,16 @@ def check_tokens(tokens: Sequence[int]) -> None:
 
 class BlockPool:
     """Block allocator for one worker's KV pool. Pure Python, single-threaded:
-    callers serialise access (the service holds one lock per pool)."""
+    callers serialise access (the service holds one lock per pool).
 
-    def __init__(self, config: PoolConfig, event_sink: EventSink | None = None) -> None:
+    A pool that uses the shared store is given it here (`store`); several
+    pools share one `SharedStore`, and their steps must then be applied in
+    one order (the journal's). With tiers, the methods that evict or admit
+    issue moves (saves, loads, store deletes) that accumulate until
+    `take_moves` (what `run_step` returns in its answer)."""
+
+    def __init__(self, config: PoolConfig, event_sink: EventSink | None = None,
+                 store: SharedStore | None = None) -> None:
         self.config = config
         self.block_size = config.block_size
         self.num_blocks = config.num_blocks
@@ -234,6 +268,13 @@ class BlockPool:
         self.evictions = 0
         self.copies = 0
         self.out_of_blocks = 0
+
+        self.tiers: PoolTiers | None = None
+        if config.tiered:
+            if config.use_shared_store and store is None:
+                raise InvalidArgument("the pool uses the shared store, and none was given")
+            self.tiers = PoolTiers(config.host_blocks, store if config.use_shared_store else None,
+                                   config.layout, config.block_bytes)
 
     # ------------------------------------------------------------------ reads
     @property
@@ -321,6 +362,12 @@ class BlockPool:
         (never the block holding the last prompt token, which must be computed
         to get logits). `num_new_tokens` bounds how many tokens past the cached
         prefix are stored now (chunked prefill; the rest arrives by `append`).
+
+        With tiers, each block of the chain is looked up in the KV pool, then
+        the host tier, then the store, up to the first block in none: a tier
+        hit takes a fresh block (as a miss does), which gets the hash at once,
+        and issues its load; it counts in `cached_tokens` and in the prefix
+        `num_new_tokens` counts from.
         """
         _check_seq_id(seq_id)
         if seq_id in self._seqs:
@@ -335,28 +382,39 @@ class BlockPool:
         n = len(tokens)
 
         hashes: list[bytes] = []
+        # Per cached block of the prompt, first first: the KV block it shares,
+        # or -tier (tiers.HOST, tiers.STORE): loaded from that tier into a
+        # fresh block.
         hits: list[int] = []
+        loads = 0
         if self.enable_prefix_caching:
             hashes = hashing.chain_hashes(self.root_hash, tokens, B, cache_salt)
+            tiers = self.tiers
             for h in hashes[: max(n - 1, 0) // B]:
                 b = self.index.pick(h, self.ref_cnt, self._stamp)
                 if b is None:
-                    break
+                    if tiers is None or (t := tiers.find(h)) is None:
+                        break
+                    b = -t
+                    loads += 1
                 hits.append(b)
         cached = len(hits) * B
         stored, need = admit_blocks(n, len(hits), num_new_tokens, B)
-        free_hits = sum(1 for b in hits if self.ref_cnt[b] == 0)
+        free_hits = sum(1 for b in hits if b >= 0 and self.ref_cnt[b] == 0)
         available = self.num_free_blocks - free_hits
-        if need > available:
+        if need + loads > available:
             self.out_of_blocks += 1
-            raise OutOfBlocks(need, available)
+            raise OutOfBlocks(need + loads, available)
         self._check_new_entries(len(hits) + need)
 
         # Commit: nothing below can fail.
         for b in hits:
-            if self.ref_cnt[b] == 0:
-                del self._cached_free[b]
-            self.ref_cnt[b] += 1
+            if b >= 0:
+                if self.ref_cnt[b] == 0:
+                    del self._cached_free[b]
+                self.ref_cnt[b] += 1
+        if loads:
+            self._load(hits, hashes)
         new_blocks = [self._take() for _ in range(need)]
         for i, b in enumerate(new_blocks):
             self._fill[b] = min(B, stored - (len(hits) + i) * B)
@@ -581,11 +639,60 @@ class BlockPool:
             self._cached_free[b] = None
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached hash; cached free blocks become plain free
-        blocks (keeping their order). Returns how many hashes were dropped."""
+        """Forget every cached hash of the KV pool; cached free blocks become
+        plain free blocks (keeping their order). The tiers keep their entries.
+        Returns how many hashes were dropped."""
         self._uncached_free.extend(self._cached_free)
         self._cached_free.clear()
         return self.index.clear()
+
+    # ------------------------------------------------------------------ tiers
+    def confirm(self, saved: Sequence[int] = (), failed: Sequence[int] = (), store_saved: Sequence[bytes] = (),
+                store_failed: Sequence[bytes] = (), refused: Sequence[bytes] = ()) -> None:
+        """A worker's report on the moves it applied: host slots whose save
+        is written (`saved`) or could not be (`failed`), the same for store
+        saves by hash, and store loads it refused (layout, checksum or the
+        entry missing; it computed those tokens). Written saves become
+        findable; failed and refused entries leave the index (a store delete
+        is issued for them). InvalidArgument, changing nothing, for an id the
+        pool could not have issued; an id of nothing pending is ignored."""
+        tiers = self.tiers
+        if tiers is None:
+            if saved or failed or store_saved or store_failed or refused:
+                raise InvalidArgument("save or load confirmations for a pool without KV tiers")
+            return
+        args = (list(saved), list(failed), list(store_saved), list(store_failed), list(refused))
+        tiers.check_confirmations(*args)
+        tiers.confirm(*args)
+
+    def take_moves(self) -> Moves:
+        """The tier moves issued since the last call, in the order the worker
+        applies them (`tiers.Moves`), and the end of a step: entries loaded in
+        it may be reused again."""
+        return NO_MOVES if self.tiers is None else self.tiers.take_moves()
+
+    def drop_store_pending(self) -> int:
+        """The pool is dropped: its store saves not confirmed leave the
+        shared store's index (a killed worker never confirms them)."""
+        return 0 if self.tiers is None else self.tiers.drop_store_pending()
+
+    def tier_blocks(self, hashes: Sequence[bytes]) -> tuple[int, int, int]:
+        """How many of `hashes` (a prompt's chain, as `cached_blocks` takes)
+        an admit would find, from the first, in (the KV pool, the host
+        tier, the store), by the admission's rule: each block in the KV
+        pool, else the host tier, else the store."""
+        if not self.enable_prefix_caching:
+            return 0, 0, 0
+        found = [0, 0, 0]
+        index, tiers = self.index, self.tiers
+        for h in hashes:
+            if h in index:
+                found[0] += 1
+            elif tiers is not None and (t := tiers.find(h)) is not None:
+                found[t] += 1
+            else:
+                break
+        return found[0], found[1], found[2]
 
     # -------------------------------------------------------------- internals
     def _get(self, seq_id: str) -> Seq:
@@ -615,14 +722,34 @@ class BlockPool:
                 f"{MIN_TABLE_ENTRIES}; in use: {self.table_entries})"
             )
 
+    def _load(self, hits: list[int], hashes: list[bytes]) -> None:
+        """An admission's tier hits (`hits[i] < 0`): each takes a fresh block,
+        which gets its hash, and issues its load. The entries are pinned
+        first, so no save these takes cause reuses them."""
+        tiers = self.tiers
+        assert tiers is not None
+        tiers.pin((hashes[i], -b) for i, b in enumerate(hits) if b < 0)
+        B = self.block_size
+        for i, b in enumerate(hits):
+            if b < 0:
+                nb = self._take()
+                self._fill[nb] = B
+                self.index.register(nb, hashes[i])
+                tiers.load(hashes[i], -b, nb, B)
+                hits[i] = nb
+
     def _take(self) -> int:
-        """Pop the front of the free queue (caller checked there is one)."""
+        """Pop the front of the free queue (caller checked there is one). A
+        cached block whose hash no other block holds is saved a tier down."""
         if self._uncached_free:
             b = self._uncached_free.popleft()
         else:
             b, _ = self._cached_free.popitem(last=False)
+            h = self.index.block_hash[b]
             self.index.evict(b)
             self.evictions += 1
+            if self.tiers is not None and h not in self.index:
+                self.tiers.evicted(b, h)  # type: ignore[arg-type]
         self.ref_cnt[b] = 1
         self._fill[b] = 0
         return b
@@ -635,10 +762,11 @@ class BlockPool:
 
     @classmethod
     def from_parts(cls, config: PoolConfig, parts: PoolParts, counters: Mapping[str, int],
-                   event_sink: EventSink | None = None) -> BlockPool:
+                   event_sink: EventSink | None = None, store: SharedStore | None = None) -> BlockPool:
         """A pool holding `parts` (its lists taken over, not copied) and the
-        `stats()` counters given in `counters` (prefix_queried_tokens, ...)."""
-        pool = cls(config, event_sink)
+        `stats()` counters given in `counters` (prefix_queried_tokens, ...);
+        its tiers empty (`from_state` restores them)."""
+        pool = cls(config, event_sink, store)
         pool.ref_cnt = parts.ref_cnt
         pool._fill = parts.fill
         pool.index = PrefixIndex(parts.block_hash, event_sink)
@@ -662,10 +790,18 @@ class BlockPool:
         return not self.integrity_problems()
 
     def to_state(self) -> dict[str, Any]:
-        """A JSON-able dump of the whole state; `from_state` rebuilds it exactly."""
+        """A JSON-able dump of the whole state, its tiers included (taken
+        between steps: moves not yet taken are not in it); `from_state`
+        rebuilds it exactly. The shared store dumps itself (`SharedStore`)."""
         return snapshot.to_state(self)
 
     @classmethod
-    def from_state(cls, state: dict[str, Any], event_sink: EventSink | None = None) -> BlockPool:
+    def from_state(cls, state: dict[str, Any], event_sink: EventSink | None = None,
+                   store: SharedStore | None = None) -> BlockPool:
+        """The pool `state` dumps (the shared store it uses, restored from
+        its own dump, is given as at construction)."""
         parts, counters = snapshot.parts_of(state)
-        return cls.from_parts(PoolConfig(**state["config"]), PoolParts(*parts), counters, event_sink)
+        pool = cls.from_parts(PoolConfig(**state["config"]), PoolParts(*parts), counters, event_sink, store)
+        if pool.tiers is not None:
+            pool.tiers.restore(state["tiers"])
+        return pool

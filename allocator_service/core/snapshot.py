@@ -29,6 +29,11 @@ def to_state(pool: BlockPool) -> dict[str, Any]:
             "block_size": pool.block_size,
             "enable_prefix_caching": pool.enable_prefix_caching,
             "model_fingerprint": pool.config.model_fingerprint,
+            # NOTE: only with tiers, so a dump without them has the keys
+            # every stored snapshot has.
+            **({"host_blocks": pool.config.host_blocks, "layout": pool.config.layout,
+                "block_bytes": pool.config.block_bytes, "use_shared_store": pool.config.use_shared_store}
+               if pool.config.tiered else {}),
         },
         "ref_cnt": list(p.ref_cnt),
         "fill": list(p.fill),
@@ -57,6 +62,7 @@ def to_state(pool: BlockPool) -> dict[str, Any]:
             "copies": pool.copies,
             "out_of_blocks": pool.out_of_blocks,
         },
+        **({"tiers": pool.tiers.to_state()} if pool.tiers is not None else {}),
     }
 
 

@@ -67,6 +67,13 @@ class StepColumns(NamedTuple):
     # after its tokens for tokens not known yet (async scheduling), or an
     # UNRESERVE gives back (0 elsewhere).
     num_reserved: list[int] = []  # noqa: RUF012 - a NamedTuple default, never mutated
+    # KV tiers (docs/architecture.md, "Tiers"): the worker's report on the
+    # moves of earlier answers, applied before the operations (empty: none).
+    saved: list[int] = []  # noqa: RUF012 - host slots whose save (KV -> host) is written
+    failed: list[int] = []  # noqa: RUF012 - host slots whose save could not be written
+    store_saved: list[bytes] = []  # noqa: RUF012 - hashes whose store save is written
+    store_failed: list[bytes] = []  # noqa: RUF012 - hashes whose store save could not be written
+    refused: list[bytes] = []  # noqa: RUF012 - hashes of store loads refused (layout, checksum, missing)
 
 
 class StepResult(NamedTuple):
@@ -80,17 +87,37 @@ class StepResult(NamedTuple):
     appended: list[int]  # every operation's appended block ids, concatenated
     num_copies: list[int]  # one per operation: block copies to perform first
     copies: list[int]  # every operation's (src, dst) copies, flattened
-    cached_tokens: list[int]  # one per operation: prompt tokens found cached (ADMIT)
+    cached_tokens: list[int]  # one per operation: prompt tokens found cached (ADMIT; tier loads included)
     num_stored: list[int]  # one per operation: tokens held after an ADMIT
     error_messages: list[str]  # one per FAILED operation, in order
+    # KV tiers: the step's moves (`tiers.Moves`), applied by the worker in
+    # this order before the forward pass: (0) store deletes, (1) store saves,
+    # (2) host saves, then `copies`, then (4) host and store loads. Empty
+    # for a pool without tiers.
+    store_deletes: list[bytes] = []  # noqa: RUF012 - hashes to remove from the store, best effort ...
+    store_delete_layouts: list[str] = []  # noqa: RUF012 - ... each under this layout key
+    store_saves: list[bytes] = []  # noqa: RUF012 - hashes to write to the store ...
+    store_save_from: list[int] = []  # noqa: RUF012 - ... from this host slot (no host tier: KV block)
+    host_saves: list[int] = []  # noqa: RUF012 - (KV block, host slot) pairs, flattened
+    host_loads: list[int] = []  # noqa: RUF012 - (host slot, KV block) pairs, flattened
+    store_loads: list[bytes] = []  # noqa: RUF012 - hashes to read from the store ...
+    store_load_to: list[int] = []  # noqa: RUF012 - ... into this KV block
 
 
 def run_step(pool: BlockPool, step: StepColumns) -> StepResult:
     """Apply a step's operations (frees first) and return the results in
     the order the operations were given. The columns must fit together
     (one entry per operation, per ADMIT, per FORK; token counts adding up):
-    the service checks what it receives before calling this."""
-    kinds, seqs, counts, tokens, salts, budgets, children, reserved = step
+    the service checks what it receives before calling this.
+
+    With KV tiers the worker's confirmations are applied first (an id the
+    pool could not have issued raises InvalidArgument before anything
+    changes), and the answer carries the moves the operations issued
+    (`StepResult.store_deletes` ... `store_load_to`)."""
+    kinds, seqs, counts, tokens, salts, budgets, children, reserved, *report = step
+    tiered = pool.tiers is not None
+    if tiered or any(report):
+        pool.confirm(*report)
     n = len(kinds)
     if not reserved:
         reserved = [0] * n
@@ -173,6 +200,7 @@ def run_step(pool: BlockPool, step: StepColumns) -> StepResult:
         cached,
         stored,
         [messages[i] for i in sorted(messages)] if messages else [],
+        *(pool.take_moves() if tiered else ()),
     )
 
 

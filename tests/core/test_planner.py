@@ -2,7 +2,8 @@
 
 Random steps, each in the order a worker's scheduler sends them (frees,
 forks, unreserves, at most one append per sequence, admits), on pools tight
-enough to run out, prefix caching on and off. A `PoolPlan` is built from
+enough to run out, prefix caching on and off, KV tiers on and off (blocks
+loaded from a tier are among an admission's hits, fresh blocks it takes). A `PoolPlan` is built from
 what a caller learns from the answers (block tables, slots held and
 reserved), as a scheduler builds it, and predicts each operation before
 `BlockPool` applies it: the blocks it takes, copies on write or frees,
@@ -24,6 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from allocator_service.core import BLOCK_STORED, BlockPool, InvalidArgument, OutOfBlocks, PoolConfig
 from allocator_service.core.planner import PoolPlan, after_append, reserve_for
+from allocator_service.core.tiers import SharedStore
 
 tokens_st = st.lists(st.integers(0, 2), min_size=1, max_size=12)  # a tiny alphabet: shared prefixes
 
@@ -45,12 +47,17 @@ class PlannerMachine(RuleBasedStateMachine):
         self.stored: list[int] = []  # blocks the pool hashed (BLOCK_STORED events)
         self.counter = 0
 
-    @initialize(num_blocks=st.integers(1, 16), block_size=st.sampled_from([1, 2, 3, 4]), caching=st.booleans())
-    def setup(self, num_blocks: int, block_size: int, caching: bool) -> None:
+    @initialize(num_blocks=st.integers(1, 16), block_size=st.sampled_from([1, 2, 3, 4]), caching=st.booleans(),
+                host_blocks=st.sampled_from([0, 0, 2, 8]), use_store=st.booleans())
+    def setup(self, num_blocks: int, block_size: int, caching: bool, host_blocks: int, use_store: bool) -> None:
         self.B = block_size
         self.caching = caching
-        self.pool = BlockPool(PoolConfig(num_blocks, block_size, caching, "plan"),
-                              lambda kind, b, h: self.stored.append(b) if kind == BLOCK_STORED else None)
+        # KV tiers (with prefix caching): a tier hit takes a fresh block as a
+        # miss does, so every prediction below holds unchanged.
+        tiers = {"host_blocks": host_blocks, "layout": "L", "block_bytes": 1, "use_shared_store": use_store}
+        self.pool = BlockPool(PoolConfig(num_blocks, block_size, caching, "plan", **(tiers if caching else {})),
+                              lambda kind, b, h: self.stored.append(b) if kind == BLOCK_STORED else None,
+                              SharedStore(4))
 
     def _new_id(self) -> str:
         self.counter += 1
@@ -108,6 +115,9 @@ class PlannerMachine(RuleBasedStateMachine):
             self._admit(plan, data)
         assert plan.free == self.pool.num_free_blocks
         assert +plan.refs == Counter(self.pool.refcounts())
+        # The worker applies the step's tier moves; its saves land by the next step.
+        moves = self.pool.take_moves()
+        self.pool.confirm(moves.host_saves[1::2], [], moves.store_saves)
 
     def _append(self, plan: PoolPlan, data, sid: str) -> None:
         k = self.seqs[sid]

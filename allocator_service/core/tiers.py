@@ -1,0 +1,513 @@
+"""The KV tiers below a worker's KV pool: its host tier and the shared store.
+
+Tier 0 is the KV pool (`BlockPool`). Tier 1 is one worker's host tier
+(`HostTier`: slots `0..host_blocks-1` of its CPU memory). Tier 2 is the
+store shared by the workers of one allocator (`SharedStore`, keyed by
+(layout, hash), capacity in bytes). The allocator decides every move and
+indexes every location; the worker moves the bytes and confirms them.
+
+Both tiers are one structure, `LruTier`: entries key -> (location, size),
+each PENDING (a save was issued, its bytes are not confirmed) or PRESENT
+(confirmed, findable), present entries in LRU order, pinned entries (loaded
+in the current step) never chosen as victims. Invariants (checked by
+`problems()`):
+
+- a key is in at most one entry (pending or present, never both);
+- `used` is the sum of every entry's size and never exceeds `capacity`;
+- only present entries are findable (`find`); only present, unpinned ones
+  are victims (a pending entry is dropped only by its failure or its pool).
+
+`PoolTiers` is one pool's side: its host tier, the shared store it uses
+(or none), the store saves it has pending, and the moves issued since the
+last `take_moves`. The rules it applies (docs/architecture.md, "Tiers"):
+
+- a cached KV block that leaves the KV pool (evicted, its hash held by no
+  other block) is saved to the host tier unless the hash is there already;
+  with no host tier, to the store unless the hash is there already;
+- a host slot needed when the host tier is full takes its LRU present
+  entry's slot, saving that entry to the store first (when the pool uses
+  the store and the store lacks it); the store full drops its LRU present
+  entries, each a store delete;
+- a save that cannot find room (everything pending or pinned) is skipped:
+  the block leaves the tiers (`skipped`).
+
+Determinism: every decision reads only the tiers' state and the operations
+applied to them, in order; no set or dict is iterated whose order depends
+on hashing (insertion-ordered dicts only), so a replay rebuilds the same
+state exactly.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Hashable, Iterable
+from typing import Any, NamedTuple
+
+from allocator_service.core.errors import InvalidArgument
+
+HASH_LEN = 32  # bytes of a block hash (SHA-256)
+HOST, STORE = 1, 2  # the tiers below the KV pool (tier 0), as `PoolTiers.find` names them
+
+
+class LruTier:
+    """Entries key -> (location, size), pending or present; present ones in
+    LRU order (least recently used first). Capacity and sizes are in one
+    unit (host tier: slots, each entry 1; store: bytes)."""
+
+    __slots__ = ("capacity", "used", "_pending_used", "present", "pending", "_pinned")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.used = 0  # sizes of every entry, pending ones included
+        self._pending_used = 0
+        self.present: OrderedDict[Hashable, tuple[int, int]] = OrderedDict()
+        self.pending: dict[Hashable, tuple[int, int]] = {}
+        # Keys loaded in the current step: not victims until `unpin_all`.
+        self._pinned: dict[Hashable, None] = {}
+
+    def __contains__(self, key: Hashable) -> bool:
+        """Whether `key` has an entry (pending or present)."""
+        return key in self.present or key in self.pending
+
+    def __len__(self) -> int:
+        return len(self.present) + len(self.pending)
+
+    def find(self, key: Hashable) -> int | None:
+        """The location of a PRESENT entry (None: not findable)."""
+        e = self.present.get(key)
+        return None if e is None else e[0]
+
+    def touch(self, key: Hashable) -> int:
+        """A present entry is read (loaded) this step: most recent, pinned."""
+        self.present.move_to_end(key)
+        self._pinned[key] = None
+        return self.present[key][0]
+
+    def add_pending(self, key: Hashable, loc: int, size: int) -> None:
+        """A save was issued: a pending entry (the caller made room)."""
+        assert key not in self and self.used + size <= self.capacity
+        self.pending[key] = (loc, size)
+        self.used += size
+        self._pending_used += size
+
+    def confirm(self, key: Hashable) -> bool:
+        """A pending entry's bytes are written: it becomes present, most
+        recent. False (nothing changes) when `key` is not pending."""
+        e = self.pending.pop(key, None)
+        if e is None:
+            return False
+        self._pending_used -= e[1]
+        self.present[key] = e
+        return True
+
+    def drop(self, key: Hashable) -> tuple[int, int] | None:
+        """Forget an entry, pending or present: its (location, size)."""
+        e = self.present.pop(key, None)
+        if e is None:
+            e = self.pending.pop(key, None)
+            if e is None:
+                return None
+            self._pending_used -= e[1]
+        self._pinned.pop(key, None)
+        self.used -= e[1]
+        return e
+
+    def victim(self) -> Hashable | None:
+        """The least recently used present entry not pinned (None: none)."""
+        pinned = self._pinned
+        for key in self.present:  # pinned entries are most recent: few are passed
+            if key not in pinned:
+                return key
+        return None
+
+    def can_fit(self, size: int) -> bool:
+        """Whether `size` fits once every victim there is is dropped."""
+        pinned = sum(self.present[k][1] for k in self._pinned if k in self.present)
+        return self.capacity - self._pending_used - pinned >= size
+
+    def unpin_all(self) -> None:
+        self._pinned.clear()
+
+    def problems(self, name: str) -> list[str]:
+        out = []
+        both = [k for k in self.pending if k in self.present]
+        if both:
+            out.append(f"{name}: {len(both)} keys are both pending and present")
+        used = sum(s for _, s in self.present.values()) + sum(s for _, s in self.pending.values())
+        if used != self.used:
+            out.append(f"{name}: counts {self.used} used, its entries hold {used}")
+        if sum(s for _, s in self.pending.values()) != self._pending_used:
+            out.append(f"{name}: the pending count is off")
+        if self.used > self.capacity:
+            out.append(f"{name}: {self.used} used over a capacity of {self.capacity}")
+        return out
+
+
+def _hex(key: bytes) -> str:
+    return key.hex()
+
+
+class HostTier:
+    """One worker's host tier: slots 0..capacity-1, an `LruTier` of
+    hash -> slot, the free slots in hand-out order, and which hash each
+    slot holds (how a confirmation by slot finds its entry)."""
+
+    __slots__ = ("lru", "free_slots", "slot_hash")
+
+    def __init__(self, capacity: int) -> None:
+        self.lru = LruTier(capacity)
+        self.free_slots: deque[int] = deque(range(capacity))
+        self.slot_hash: list[bytes | None] = [None] * capacity
+
+    def to_state(self) -> dict[str, Any]:
+        return {
+            "capacity": self.lru.capacity,
+            "present": [[h.hex(), s] for h, (s, _) in self.lru.present.items()],
+            "pending": [[h.hex(), s] for h, (s, _) in self.lru.pending.items()],
+            "free_slots": list(self.free_slots),
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> HostTier:
+        t = cls(state["capacity"])
+        t.free_slots = deque(state["free_slots"])
+        for part, target in (("present", t.lru.present), ("pending", t.lru.pending)):
+            for h, s in state[part]:
+                key = bytes.fromhex(h)
+                target[key] = (s, 1)
+                t.slot_hash[s] = key
+        t.lru.used = len(t.lru.present) + len(t.lru.pending)
+        t.lru._pending_used = len(t.lru.pending)
+        return t
+
+    def problems(self) -> list[str]:
+        out = self.lru.problems("host tier")
+        n = self.lru.capacity
+        holders = [0] * n
+        for key, (s, size) in [*self.lru.present.items(), *self.lru.pending.items()]:
+            if not 0 <= s < n:
+                out.append(f"host tier: an entry names slot {s}, out of range")
+                continue
+            holders[s] += 1
+            if self.slot_hash[s] != key or size != 1:
+                out.append(f"host tier: slot {s} is named by an entry it does not hold")
+        for s in self.free_slots:
+            if 0 <= s < n:
+                holders[s] += 1
+        for s, c in enumerate(holders):
+            if c != 1:
+                out.append(f"host tier: slot {s} is in {c} places (entries and free slots)")
+        if len(set(self.free_slots)) != len(self.free_slots):
+            out.append("host tier: a slot is listed twice as free")
+        for s, h in enumerate(self.slot_hash):
+            if h is not None and self.lru.present.get(h, self.lru.pending.get(h, (None,)))[0] != s:
+                out.append(f"host tier: slot {s} says it holds a hash whose entry is elsewhere")
+        return out
+
+
+class SharedStore:
+    """The store index shared by an allocator's pools: (layout, hash) ->
+    entry of `size` bytes, `capacity_bytes` in all. It is given to each pool
+    that uses it (`BlockPool(config, store=...)`); the steps that touch it
+    must be applied in one global order (their journal's). Which pool awaits
+    a pending entry's confirmation is that pool's record (`PoolTiers`)."""
+
+    __slots__ = ("lru", "refused", "dropped")
+
+    def __init__(self, capacity_bytes: int) -> None:
+        if type(capacity_bytes) is not int or capacity_bytes < 0:
+            raise InvalidArgument("the shared store's capacity must be a non-negative integer of bytes")
+        self.lru = LruTier(capacity_bytes)
+        self.refused = 0  # entries a worker refused at load (layout, checksum, missing)
+        self.dropped = 0  # present entries dropped to make room (store deletes issued)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.lru.capacity
+
+    def to_state(self) -> dict[str, Any]:
+        """A JSON-able dump; `from_state` rebuilds it exactly."""
+        return {
+            "capacity_bytes": self.lru.capacity,
+            "present": [[lay, h.hex(), size] for (lay, h), (_, size) in self.lru.present.items()],
+            "pending": [[lay, h.hex(), size] for (lay, h), (_, size) in self.lru.pending.items()],
+            "counters": {"refused": self.refused, "dropped": self.dropped},
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> SharedStore:
+        st = cls(state["capacity_bytes"])
+        for lay, h, size in state["present"]:
+            st.lru.present[(lay, bytes.fromhex(h))] = (0, size)
+        for lay, h, size in state["pending"]:
+            st.lru.pending[(lay, bytes.fromhex(h))] = (0, size)
+        st.lru.used = sum(s for _, s in st.lru.present.values()) + sum(s for _, s in st.lru.pending.values())
+        st.lru._pending_used = sum(s for _, s in st.lru.pending.values())
+        st.refused = state["counters"]["refused"]
+        st.dropped = state["counters"]["dropped"]
+        return st
+
+    def integrity_problems(self) -> list[str]:
+        return self.lru.problems("shared store")
+
+
+class Moves(NamedTuple):
+    """The tier moves of one step, in the order the worker applies them,
+    before the step's forward pass (copy-on-write copies come between the
+    host saves and the loads). Every list is in issue order."""
+
+    store_deletes: list[bytes]  # (0) hashes to remove from the store, best effort ...
+    store_delete_layouts: list[str]  # ... each under this layout
+    store_saves: list[bytes]  # (1) hashes to write to the store (this pool's layout) ...
+    store_save_from: list[int]  # ... each from this host slot (a pool with no host tier: KV block)
+    host_saves: list[int]  # (2) (KV block, host slot) pairs, flattened
+    host_loads: list[int]  # (4) (host slot, KV block) pairs, flattened
+    store_loads: list[bytes]  # (4) hashes to read from the store (this pool's layout) ...
+    store_load_to: list[int]  # ... each into this KV block
+
+
+NO_MOVES = Moves([], [], [], [], [], [], [], [])  # NOTE: shared, never mutated
+
+
+TIER_COUNTERS = (
+    "host_hit_tokens",  # prompt tokens admissions loaded from the host tier
+    "store_hit_tokens",  # ... from the shared store
+    "host_saves",  # KV -> host saves issued
+    "store_saves",  # host (or KV) -> store saves issued
+    "host_loads",
+    "store_loads",
+    "saves_confirmed",  # host and store saves a worker confirmed written
+    "saves_failed",  # ... reported failed (the entry is dropped)
+    "saves_skipped",  # saves not issued: no room that is not pending or pinned
+    "refused",  # store loads the worker refused (layout, checksum, missing)
+    "host_evictions",  # host entries dropped for a new save
+    "stale_confirmations",  # confirmations of nothing pending (ignored)
+)
+
+
+class PoolTiers:
+    """One pool's tiers: its `HostTier` (None: no host tier), the
+    `SharedStore` it uses (None: none), the store saves it has pending, and
+    the moves issued since the last `take_moves`. `BlockPool` calls
+    `evicted` when a cached block leaves the KV pool, `find` and `load` at
+    admission, `confirm` at the start of a step, and `take_moves` at its end."""
+
+    __slots__ = ("host", "store", "layout", "block_bytes", "store_pending", "counters", "_moves")
+
+    def __init__(self, host_blocks: int, store: SharedStore | None, layout: str, block_bytes: int) -> None:
+        self.host = HostTier(host_blocks) if host_blocks else None
+        self.store = store
+        self.layout = layout
+        self.block_bytes = block_bytes
+        # Store saves this pool issued and its worker has not confirmed
+        # (dropped from the store with the pool: a killed worker never confirms).
+        self.store_pending: dict[bytes, None] = {}
+        self.counters = dict.fromkeys(TIER_COUNTERS, 0)
+        self._moves: Moves | None = None
+
+    # ---------------------------------------------------------------- moves
+    def _m(self) -> Moves:
+        if self._moves is None:
+            self._moves = Moves([], [], [], [], [], [], [], [])
+        return self._moves
+
+    def take_moves(self) -> Moves:
+        """The moves issued since the last call (the step's answer); ends
+        the step: entries loaded in it are no longer pinned."""
+        m = self._moves
+        self._moves = None
+        if self.host is not None:
+            self.host.lru.unpin_all()
+        if self.store is not None:
+            self.store.lru.unpin_all()
+        return NO_MOVES if m is None else m
+
+    # ------------------------------------------------------------ admission
+    def find(self, h: bytes) -> int | None:
+        """The tier where a prompt block's hash is findable, HOST before
+        STORE; None when in neither (pending entries are not found)."""
+        if self.host is not None and h in self.host.lru.present:
+            return HOST
+        if self.store is not None and (self.layout, h) in self.store.lru.present:
+            return STORE
+        return None
+
+    def pin(self, found: Iterable[tuple[bytes, int]]) -> None:
+        """The entries an admission will load (hash, tier): most recent and
+        pinned before it takes any block, so no save it causes reuses them."""
+        for h, tier in found:
+            if tier == HOST:
+                self.host.lru.touch(h)  # type: ignore[union-attr]
+            else:
+                self.store.lru.touch((self.layout, h))  # type: ignore[union-attr]
+
+    def load(self, h: bytes, tier: int, block: int, block_size: int) -> None:
+        """Issue the load of a pinned entry into a fresh KV block."""
+        m = self._m()
+        if tier == HOST:
+            m.host_loads.extend((self.host.lru.present[h][0], block))  # type: ignore[union-attr]
+            self.counters["host_loads"] += 1
+            self.counters["host_hit_tokens"] += block_size
+        else:
+            m.store_loads.append(h)
+            m.store_load_to.append(block)
+            self.counters["store_loads"] += 1
+            self.counters["store_hit_tokens"] += block_size
+
+    # ------------------------------------------------------------- eviction
+    def evicted(self, block: int, h: bytes) -> None:
+        """Cached KV block `block` is reused and no other block holds `h`:
+        save it one tier down unless that tier has it already."""
+        host = self.host
+        if host is not None:
+            if h in host.lru:
+                return
+            slot = self._host_slot()
+            if slot is None:
+                self.counters["saves_skipped"] += 1
+                return
+            host.lru.add_pending(h, slot, 1)
+            host.slot_hash[slot] = h
+            self._m().host_saves.extend((block, slot))
+            self.counters["host_saves"] += 1
+        elif self.store is not None:
+            self._store_save(h, block)
+
+    def _host_slot(self) -> int | None:
+        host = self.host
+        assert host is not None
+        if host.free_slots:
+            return host.free_slots.popleft()
+        v = host.lru.victim()
+        if v is None:
+            return None
+        slot = host.lru.drop(v)[0]  # type: ignore[index]
+        host.slot_hash[slot] = None
+        self.counters["host_evictions"] += 1
+        if self.store is not None:
+            self._store_save(v, slot)  # type: ignore[arg-type]
+        return slot
+
+    def _store_save(self, h: bytes, src: int) -> None:
+        st = self.store
+        assert st is not None
+        key = (self.layout, h)
+        if key in st.lru:
+            return
+        size = self.block_bytes
+        if not st.lru.can_fit(size):
+            self.counters["saves_skipped"] += 1
+            return
+        m = self._m()
+        while st.lru.used + size > st.lru.capacity:
+            v = st.lru.victim()
+            st.lru.drop(v)
+            st.dropped += 1
+            m.store_deletes.append(v[1])  # type: ignore[index]
+            m.store_delete_layouts.append(v[0])  # type: ignore[index]
+        st.lru.add_pending(key, 0, size)
+        self.store_pending[h] = None
+        m.store_saves.append(h)
+        m.store_save_from.append(src)
+        self.counters["store_saves"] += 1
+
+    # --------------------------------------------------------- confirmation
+    def check_confirmations(self, saved: list[int], failed: list[int], store_saved: list[bytes],
+                            store_failed: list[bytes], refused: list[bytes]) -> None:
+        """InvalidArgument unless every id is one this pool could have issued."""
+        n = self.host.lru.capacity if self.host is not None else 0
+        for s in (*saved, *failed):
+            if type(s) is not int or not 0 <= s < n:
+                raise InvalidArgument(f"a confirmed host save names slot {s!r}; the pool's host tier "
+                                      f"has {n} slots")
+        if (store_saved or store_failed or refused) and self.store is None:
+            raise InvalidArgument("store confirmations for a pool that does not use the shared store")
+        for h in (*store_saved, *store_failed, *refused):
+            if type(h) is not bytes or len(h) != HASH_LEN:
+                raise InvalidArgument(f"a store confirmation must name a {HASH_LEN}-byte block hash")
+
+    def confirm(self, saved: list[int], failed: list[int], store_saved: list[bytes],
+                store_failed: list[bytes], refused: list[bytes]) -> None:
+        """Apply a worker's report (checked by `check_confirmations` first):
+        saves written become present, failed ones are dropped, refused store
+        entries are dropped (and deleted). Ids of nothing pending are counted
+        and ignored."""
+        c = self.counters
+        host = self.host
+        for s in saved:
+            h = host.slot_hash[s]  # type: ignore[union-attr]
+            if h is not None and host.lru.confirm(h):  # type: ignore[union-attr]
+                c["saves_confirmed"] += 1
+            else:
+                c["stale_confirmations"] += 1
+        for s in failed:
+            h = host.slot_hash[s]  # type: ignore[union-attr]
+            if h is not None and h in host.lru.pending:  # type: ignore[union-attr]
+                host.lru.drop(h)  # type: ignore[union-attr]
+                host.slot_hash[s] = None  # type: ignore[union-attr]
+                host.free_slots.append(s)  # type: ignore[union-attr]
+                c["saves_failed"] += 1
+            else:
+                c["stale_confirmations"] += 1
+        st = self.store
+        pending = self.store_pending
+        for h in store_saved:
+            if h in pending:
+                del pending[h]
+                st.lru.confirm((self.layout, h))  # type: ignore[union-attr]
+                c["saves_confirmed"] += 1
+            else:
+                c["stale_confirmations"] += 1
+        for h in store_failed:
+            if h in pending:
+                del pending[h]
+                st.lru.drop((self.layout, h))  # type: ignore[union-attr]
+                self._m().store_deletes.append(h)  # a partial write, best effort
+                self._m().store_delete_layouts.append(self.layout)
+                c["saves_failed"] += 1
+            else:
+                c["stale_confirmations"] += 1
+        for h in refused:
+            key = (self.layout, h)
+            c["refused"] += 1
+            if key in st.lru.present:  # type: ignore[union-attr]
+                st.lru.drop(key)  # type: ignore[union-attr]
+                st.refused += 1  # type: ignore[union-attr]
+                self._m().store_deletes.append(h)
+                self._m().store_delete_layouts.append(self.layout)
+
+    def drop_store_pending(self) -> int:
+        """The pool is dropped: its unconfirmed store saves leave the store
+        index (they never become hits). Returns how many."""
+        n = 0
+        if self.store is not None:
+            for h in self.store_pending:
+                if self.store.lru.drop((self.layout, h)) is not None:
+                    n += 1
+        self.store_pending.clear()
+        return n
+
+    # ------------------------------------------------------------ snapshots
+    def to_state(self) -> dict[str, Any]:
+        return {
+            "host": self.host.to_state() if self.host is not None else None,
+            "store_pending": [h.hex() for h in self.store_pending],
+            "counters": dict(self.counters),
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        if state["host"] is not None:
+            self.host = HostTier.from_state(state["host"])
+        self.store_pending = {bytes.fromhex(h): None for h in state["store_pending"]}
+        self.counters.update(state["counters"])
+
+    def problems(self) -> list[str]:
+        out = self.host.problems() if self.host is not None else []
+        if self.store is not None:
+            out.extend(self.store.integrity_problems())
+            for h in self.store_pending:
+                if (self.layout, h) not in self.store.lru.pending:
+                    out.append(f"store save {h.hex()[:12]} is pending for the pool, not in the store")
+        elif self.store_pending:
+            out.append("store saves are pending for a pool without a store")
+        return out
