@@ -82,8 +82,9 @@ class AllocatorArgs:
         1000, "with --state redis: write a full snapshot every N journal records, so a restart replays at "
         "most N", flag=False)
     max_snapshot_mb: int = setting(
-        256, "with --state redis: a snapshot larger than this many MB is not written (logged; tried again "
-        "later; the journal keeps every record); at most 512, Redis's value limit", flag=False)
+        256, "with --state redis: the most a snapshot may take; the pools whose part is over their share "
+        "(in proportion to their blocks) of a snapshot that would be larger are dropped (snapshot_too_large) "
+        "and the snapshot is written without them; at most 512, Redis's value limit", flag=False)
     redis_wait_replicas: int = setting(
         0, "with --state redis: after every journal write wait (Redis WAIT) until N replicas hold it before "
         "replying; a write they do not acknowledge in time is UNAVAILABLE (the worker retries). For "

@@ -17,7 +17,8 @@ class Limits:
     max_ops_per_step: int = 16384
     max_tokens_per_call: int = 1 << 20
     # Live pools, and blocks summed over them: the metadata of one block costs
-    # the server ~50 bytes, so 4M blocks is ~200 MB of Python lists.
+    # the server ~72 bytes, ~300 once it holds a cached hash, so 4M blocks is
+    # 0.3 to 1.2 GB (core/limits.py).
     max_pools: int = 1024
     max_total_blocks: int = 1 << 22
     # Concurrent WatchEvents streams: each holds a server thread.
@@ -49,8 +50,9 @@ class ServiceConfig:
     # With a durable journal: write a snapshot every this many records, so a
     # restart replays at most that many.
     snapshot_every: int = 1000
-    # A snapshot larger than this is not written (logged, backed off; the
-    # journal keeps every record). Redis's own value limit is 512 MB.
+    # The most bytes a snapshot may take: the pools over their share of it are
+    # dropped rather than hold up every snapshot (store/durable.py). Redis's
+    # own value limit is 512 MB.
     max_snapshot_bytes: int = 256 << 20
     # KV events kept for clients that reconnect to WatchEvents.
     event_retention: int = 65536

@@ -208,6 +208,7 @@ class AllocatorService:
         # for the fair share (a pool waiting there would hold up every change).
         self._lock = Unpaced()
         self.durable = DurableState(self.config, self.journal, self.events, self.leases, self._lock, clock)
+        self.durable.drop_pools = self.drop_pools
         self._watchers = 0
         self._step_streams: set[Callable[[], Any]] = set()  # each open StepStream's end()
         self._step_streams_ended = False
@@ -607,6 +608,28 @@ class AllocatorService:
             self.durable.after_change()
         return dropped
 
+    def drop_pools(self, pool_ids: list[str], reason: str) -> list[str]:
+        """Drop these pools loudly (their workers get NOT_FOUND and register
+        again), each taking the locks as a change does: the snapshot
+        writer's way to keep one pool from holding up every snapshot.
+        Returns the pools dropped."""
+        dropped: list[str] = []
+        for pool_id in pool_ids:
+            entry = self.registry.pools.get(pool_id)
+            if entry is None:
+                continue
+            try:
+                with entry.lock, self._lock:
+                    if self.durable.fresh().pools.get(pool_id) is not entry:
+                        continue
+                    self._drop(pool_id, reason)
+            except StoreUnavailable as exc:
+                log.warning("pool %s is to be dropped (%s) but the drop cannot be journaled: %s",
+                            pool_id, reason, exc)
+                break
+            dropped.append(pool_id)
+        return dropped
+
     def list_pools(self, fingerprint: str = "") -> list[PoolInfo]:
         """Every live pool (of `fingerprint`, when given), by pool id: what a
         router needs to reach its worker and weigh its load. Each pool is
@@ -630,18 +653,26 @@ class AllocatorService:
         entry = self.registry.pools.get(pool_id)
         return entry.pool.num_free_blocks if entry is not None else None
 
-    def cached_blocks(self) -> Iterator[tuple[str, list[int], list[bytes]]]:
-        """(pool id, blocks, their hashes) for every live pool: each pool's
-        cached blocks as they are now, read under its own lock (the start
-        of a WatchEvents snapshot). A pool's events are numbered in the order
-        its records are applied, so the events numbered from before this
-        call, replayed onto it, give exactly the pool's view at their end."""
+    def cached_blocks(self, chunk: int) -> Iterator[tuple[str, list[int], list[bytes]]]:
+        """(pool id, blocks, their hashes), at most `chunk` blocks each, for
+        every live pool's cached blocks: the start of a WatchEvents snapshot.
+        Streamed: each piece is read under the pool's lock over `chunk` block
+        ids, and the lock is let go between pieces, so a watcher holds no
+        copy of a whole pool and a Step waits for one piece at most. A block
+        is then read as it is at some moment after this call started; every
+        event numbered from before the call (a block stored or removed, the
+        cache cleared), replayed onto the pieces, sets each block to what
+        its last event says, so the view at their end is exactly the pool's."""
         for e in list(self.registry.pools.values()):
-            with e.lock:
-                hashes = e.pool.index.block_hash
-                ids = [b for b, h in enumerate(hashes) if h is not None]
-                held = [hashes[b] for b in ids]
-            yield e.pool_id, ids, held
+            hashes = e.pool.index.block_hash
+            for lo in range(0, len(hashes), chunk):
+                with e.lock:
+                    if self.registry.pools.get(e.pool_id) is not e:
+                        break  # dropped meanwhile (its POOL_DROPPED event follows)
+                    part = hashes[lo:lo + chunk]
+                ids = [b for b, h in enumerate(part, lo) if h is not None]
+                if ids:
+                    yield e.pool_id, ids, [h for h in part if h is not None]
 
     def pool_stats(self) -> list[tuple[str, str, PoolStats]]:
         """(pool id, worker id, stats) of every live pool, each read under its

@@ -28,6 +28,7 @@ Every public mutating method either succeeds whole or raises an
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -168,7 +169,7 @@ class PoolParts(NamedTuple):
     block_hash: list[bytes | None]  # per block: its prefix hash (None: none)
     uncached_free: Sequence[int]  # free blocks holding nothing reusable, in hand-out order
     cached_free: Iterable[int]  # free blocks holding a hash, least recently freed first
-    stamp: list[int]  # per block: when it last joined the free queue (`clock` then)
+    stamp: Sequence[int]  # per block: when it last joined the free queue (`clock` then)
     clock: int
     seqs: Mapping[str, Seq]
 
@@ -250,8 +251,9 @@ class BlockPool:
         # pull a block out of the middle of the evictable queue in O(1).
         self._cached_free: OrderedDict[int, None] = OrderedDict()
         # When several blocks hold one hash, a hit prefers one in use, else the
-        # free one evicted last: `_stamp` records when a block joined the queue.
-        self._stamp: list[int] = [0] * n
+        # free one evicted last: `_stamp` records when a block joined the queue
+        # (an array: a list would hold an int object of 28 bytes per stamp).
+        self._stamp: array[int] = array("q", [0]) * n
         self._clock = 0
         self._seqs: dict[str, Seq] = {}
         # The bounded cost of a pool (limits.py): table entries summed over
@@ -772,7 +774,7 @@ class BlockPool:
         pool.index = PrefixIndex(parts.block_hash, event_sink)
         pool._uncached_free = deque(parts.uncached_free)
         pool._cached_free = OrderedDict.fromkeys(parts.cached_free)
-        pool._stamp = parts.stamp
+        pool._stamp = array("q", parts.stamp)
         pool._clock = parts.clock
         pool._seqs = dict(parts.seqs)
         pool.table_entries = sum(len(q.table) for q in pool._seqs.values())

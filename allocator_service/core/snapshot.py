@@ -1,8 +1,21 @@
 """A `BlockPool` as plain data: the full dump (`to_state`/`parts_of`: what
 the service's snapshots and DumpPool carry, JSON-able, rebuilt exactly by
-`BlockPool.from_state`) and the short view `pagedkv replay` prints after each
+`BlockPool.from_state`), the packed dump the service stores in its snapshots
+(`to_packed`: the same state in a size bounded by the pool's shape, read back
+by `parts_of` too), and the short view `pagedkv replay` prints after each
 operation (`pool_view`). Reads and builds the pool through its public
 `parts()` / `from_parts()`.
+
+The packed dump (`PACKED`) never repeats what forks and prefix hits share:
+a block table is a list of segments, each a run of consecutive block ids or
+a copy of the entries at the same positions of an earlier sequence's table
+(a block sits at the same position in every table that names it), and a
+sequence's hash chain is likewise copied from an earlier sequence, taken
+from the hashes its blocks hold, or given literally. Per-block columns are
+little-endian integer arrays, zlib-compressed and base64-encoded. So its
+size is O(blocks + sequences + the characters of their names + segments),
+never O(the sum of table lengths): 16 forks of a whole-pool sequence cost 16
+short segment lists, not 16 copies of its table and hashes (`packed_bound`).
 
 NOTE: the dump's keys and encoding are a stored format (Redis snapshots,
 existing journals' snapshots): change them only with a new snapshot format.
@@ -10,10 +23,14 @@ existing journals' snapshots): change them only with a new snapshot format.
 
 from __future__ import annotations
 
+import base64
 import json
+import sys
+import zlib
+from array import array
 from typing import TYPE_CHECKING, Any
 
-from allocator_service.core.pacing import chunks
+from allocator_service.core.pacing import chunks, pace
 from allocator_service.core.sequence import Seq
 
 if TYPE_CHECKING:  # the pool calls in here; this module only reads it
@@ -24,17 +41,7 @@ def to_state(pool: BlockPool) -> dict[str, Any]:
     """A JSON-able dump of the whole state of `pool`."""
     p = pool.parts()
     return {
-        "config": {
-            "num_blocks": pool.num_blocks,
-            "block_size": pool.block_size,
-            "enable_prefix_caching": pool.enable_prefix_caching,
-            "model_fingerprint": pool.config.model_fingerprint,
-            # NOTE: only with tiers, so a dump without them has the keys
-            # every stored snapshot has.
-            **({"host_blocks": pool.config.host_blocks, "layout": pool.config.layout,
-                "block_bytes": pool.config.block_bytes, "use_shared_store": pool.config.use_shared_store}
-               if pool.config.tiered else {}),
-        },
+        "config": _config(pool),
         "ref_cnt": list(p.ref_cnt),
         "fill": list(p.fill),
         "hash": [h.hex() if h else None for part in chunks(p.block_hash) for h in part],
@@ -55,14 +62,32 @@ def to_state(pool: BlockPool) -> dict[str, Any]:
             }
             for s, q in p.seqs.items()
         },
-        "counters": {
-            "prefix_queried_tokens": pool.prefix_queried_tokens,
-            "prefix_hit_tokens": pool.prefix_hit_tokens,
-            "evictions": pool.evictions,
-            "copies": pool.copies,
-            "out_of_blocks": pool.out_of_blocks,
-        },
+        "counters": _counters(pool),
         **({"tiers": pool.tiers.to_state()} if pool.tiers is not None else {}),
+    }
+
+
+def _config(pool: BlockPool) -> dict[str, Any]:
+    return {
+        "num_blocks": pool.num_blocks,
+        "block_size": pool.block_size,
+        "enable_prefix_caching": pool.enable_prefix_caching,
+        "model_fingerprint": pool.config.model_fingerprint,
+        # NOTE: only with tiers, so a dump without them has the keys
+        # every stored snapshot has.
+        **({"host_blocks": pool.config.host_blocks, "layout": pool.config.layout,
+            "block_bytes": pool.config.block_bytes, "use_shared_store": pool.config.use_shared_store}
+           if pool.config.tiered else {}),
+    }
+
+
+def _counters(pool: BlockPool) -> dict[str, int]:
+    return {
+        "prefix_queried_tokens": pool.prefix_queried_tokens,
+        "prefix_hit_tokens": pool.prefix_hit_tokens,
+        "evictions": pool.evictions,
+        "copies": pool.copies,
+        "out_of_blocks": pool.out_of_blocks,
     }
 
 
@@ -86,7 +111,10 @@ def dumps_chunked(value: Any) -> str:
 
 def parts_of(state: dict[str, Any]) -> tuple[tuple, dict[str, int]]:
     """The fields of a `PoolParts` (in its order) and the counters that a
-    dump holds: `BlockPool.from_state` builds the pool from them."""
+    dump holds (a full one or a packed one): `BlockPool.from_state` builds
+    the pool from them."""
+    if state.get("encoding") == PACKED:
+        return _parts_of_packed(state)
     seqs = {
         s: Seq(
             table=list(q["table"]),
@@ -105,6 +133,201 @@ def parts_of(state: dict[str, Any]) -> tuple[tuple, dict[str, int]]:
         state["uncached_free"],
         state["cached_free"],
         list(state["stamp"]),
+        state["clock"],
+        seqs,
+    )
+    return parts, dict(state["counters"])
+
+
+# ------------------------------------------------------------ the packed dump
+
+PACKED = "packed/1"
+# Bytes of one block hash (SHA-256).
+HASH_BYTES = 32
+# What `packed_bound` charges: per block of the pool (its five packed
+# columns before compression, worst case: ref_cnt, fill, stamp, one free
+# queue entry, a hash id, in base64; and its hash), per sequence (its fields
+# and brackets), per character of a name (JSON escapes a character outside
+# ASCII as up to 12 bytes), and per table or hash segment (two integers).
+PACKED_BYTES_PER_BLOCK = (4 + 4 + 8 + 4 + 4) * 4 // 3 + 8 + (HASH_BYTES * 4 // 3 + 4)
+PACKED_BYTES_PER_SEQUENCE = 96
+PACKED_BYTES_PER_NAME_CHAR = 12
+PACKED_BYTES_PER_SEGMENT = 2 * 21
+PACKED_BYTES_FIXED = 4096
+
+
+def packed_bound(num_blocks: int, sequences: int, name_chars: int, segments: int, tail_tokens: int) -> int:
+    """The most bytes `to_packed` of a pool of this shape can take (a formula
+    in its blocks, sequences, name characters, segments and the tokens of
+    its sequences' partly filled blocks, 11 bytes each)."""
+    return (PACKED_BYTES_FIXED + PACKED_BYTES_PER_BLOCK * num_blocks + PACKED_BYTES_PER_SEQUENCE * sequences
+            + PACKED_BYTES_PER_NAME_CHAR * name_chars + PACKED_BYTES_PER_SEGMENT * segments + 11 * tail_tokens)
+
+
+def _pack(values: Any, code: str = "q") -> str:
+    a = array(code, values)
+    if sys.byteorder != "little":
+        a.byteswap()
+    return base64.b64encode(zlib.compress(a.tobytes(), 1)).decode()
+
+
+def _unpack(text: str, code: str = "q") -> list[int]:
+    a = array(code)
+    a.frombytes(zlib.decompress(base64.b64decode(text)))
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a.tolist()
+
+
+def _common_run(a: list, b: list, i: int) -> int:
+    """The largest n with a[i:i+n] == b[i:i+n] (a[i] == b[i] is known):
+    galloping slice comparisons, in C, O(n log n) element compares."""
+    m = min(len(a), len(b)) - i
+    if a[i:i + m] == b[i:i + m]:
+        return m
+    lo, step = 1, 1  # a[i:i+lo] matches
+    while lo + step < m and a[i + lo:i + lo + step] == b[i + lo:i + lo + step]:
+        lo += step
+        step *= 2
+    hi = min(lo + step, m)  # a[i:i+hi] does not match
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[i + lo:i + mid] == b[i + lo:i + mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _table_segments(t: int, table: list[int], tables: list[list[int]], owner: array) -> list[int]:
+    """Sequence `t`'s table as (start, n) runs of ids start..start+n-1 and
+    (~s, n) copies of sequence s's entries at the same positions; `owner[b]`:
+    the first sequence naming block b (-1: none yet)."""
+    segs: list[int] = []
+    i, n = 0, len(table)
+    while i < n:
+        b = table[i]
+        s = owner[b]
+        if 0 <= s != t and i < len(tables[s]) and tables[s][i] == b:
+            k = _common_run(table, tables[s], i)
+            segs += (~s, k)
+            i += k
+            continue
+        if s < 0:
+            owner[b] = t
+        j = i + 1
+        while j < n and table[j] == table[j - 1] + 1 and owner[table[j]] < 0:
+            owner[table[j]] = t
+            j += 1
+        segs += (b, j - i)
+        i = j
+    return segs
+
+
+def _hash_segments(t: int, hashes: list[bytes], table: list[int], chains: list[list[bytes]], owner: array,
+                   block_hash: list[bytes | None], literal: list[bytes]) -> list[int]:
+    """Sequence `t`'s hash chain as (s, n) copies of sequence s's hashes at
+    the same positions, (-1, n) runs equal to the hashes the table's blocks
+    hold there, and (-2, n) literals (appended to `literal`)."""
+    segs: list[int] = []
+    i, n = 0, len(hashes)
+    while i < n:
+        s = owner[table[i]]
+        if 0 <= s != t and i < len(chains[s]) and chains[s][i] == hashes[i]:
+            k = _common_run(hashes, chains[s], i)
+            segs += (s, k)
+            i += k
+            continue
+        j = i
+        while j < n and block_hash[table[j]] == hashes[j]:
+            j += 1
+        if j > i:
+            segs += (-1, j - i)
+            i = j
+            continue
+        segs += (-2, 1)
+        literal.append(hashes[i])
+        i += 1
+    return segs
+
+
+def to_packed(pool: BlockPool) -> dict[str, Any]:
+    """The whole state of `pool` as the packed dump (see the module
+    docstring); `parts_of` reads it back exactly."""
+    p = pool.parts()
+    block_hash = p.block_hash
+    hashed = [b for part in chunks(range(len(block_hash))) for b in part if block_hash[b] is not None]
+    pace()
+    for b in hashed:
+        if len(block_hash[b]) != HASH_BYTES:
+            raise ValueError(f"block {b} holds a hash of {len(block_hash[b])} bytes, not {HASH_BYTES}")
+    owner = array("i", [-1]) * len(block_hash)
+    tables: list[list[int]] = []
+    chains: list[list[bytes]] = []
+    seqs = []
+    for t, (seq_id, q) in enumerate(p.seqs.items()):
+        literal: list[bytes] = []
+        table_segs = _table_segments(t, q.table, tables, owner)
+        hash_segs = _hash_segments(t, q.hashes, q.table, chains, owner, block_hash, literal)
+        tables.append(q.table)
+        chains.append(q.hashes)
+        seqs.append([seq_id, q.num_tokens, q.salt, q.reserved, table_segs, hash_segs,
+                     base64.b64encode(b"".join(literal)).decode(), list(q.tail)])
+        pace()
+    return {
+        "encoding": PACKED,
+        "config": _config(pool),
+        "ref_cnt": _pack(p.ref_cnt),
+        "fill": _pack(p.fill),
+        "hashed": _pack(hashed),
+        "hashes": base64.b64encode(b"".join(block_hash[b] for b in hashed)).decode(),
+        "uncached_free": _pack(p.uncached_free),
+        "cached_free": _pack(p.cached_free),
+        "stamp": _pack(p.stamp),
+        "clock": p.clock,
+        "seqs": seqs,
+        "counters": _counters(pool),
+        **({"tiers": pool.tiers.to_state()} if pool.tiers is not None else {}),
+    }
+
+
+def _parts_of_packed(state: dict[str, Any]) -> tuple[tuple, dict[str, int]]:
+    n = state["config"]["num_blocks"]
+    raw = base64.b64decode(state["hashes"])
+    block_hash: list[bytes | None] = [None] * n
+    for k, b in enumerate(_unpack(state["hashed"])):
+        block_hash[b] = raw[k * HASH_BYTES:(k + 1) * HASH_BYTES]
+    tables: list[list[int]] = []
+    chains: list[list[bytes]] = []
+    seqs = {}
+    for seq_id, num_tokens, salt, reserved, table_segs, hash_segs, literal, tail in state["seqs"]:
+        table: list[int] = []
+        for a, k in zip(table_segs[::2], table_segs[1::2], strict=True):
+            i = len(table)
+            table += tables[~a][i:i + k] if a < 0 else range(a, a + k)
+        lit = base64.b64decode(literal)
+        hashes: list[bytes] = []
+        used = 0
+        for s, k in zip(hash_segs[::2], hash_segs[1::2], strict=True):
+            i = len(hashes)
+            if s >= 0:
+                hashes += chains[s][i:i + k]
+            elif s == -1:
+                hashes += (block_hash[b] for b in table[i:i + k])
+            else:
+                hashes += (lit[j * HASH_BYTES:(j + 1) * HASH_BYTES] for j in range(used, used + k))
+                used += k
+        tables.append(table)
+        chains.append(hashes)
+        seqs[seq_id] = Seq(table=table, num_tokens=num_tokens, salt=salt, hashes=hashes, tail=list(tail),
+                           reserved=reserved)
+    parts = (
+        _unpack(state["ref_cnt"]),
+        _unpack(state["fill"]),
+        block_hash,
+        _unpack(state["uncached_free"]),
+        _unpack(state["cached_free"]),
+        _unpack(state["stamp"]),
         state["clock"],
         seqs,
     )

@@ -201,12 +201,9 @@ class AllocatorServicer:
             cursor = request.from_sequence or log.published
             if request.snapshot:  # the present first, then everything numbered from `cursor` on
                 blocks = wanted is None or BLOCK_STORED in wanted or pb.KV_EVENT_KIND_POOL_CACHED in request.kinds
-                for pool_id, ids, hashes in service.cached_blocks() if blocks else ():
-                    for i in range(0, len(ids), SNAPSHOT_BLOCKS):
-                        yield pb.KvEvent(kind=pb.KV_EVENT_KIND_POOL_CACHED, pool_id=pool_id,
-                                         block_ids=ids[i:i + SNAPSHOT_BLOCKS],
-                                         block_hashes=b"".join(hashes[i:i + SNAPSHOT_BLOCKS]),
-                                         free_blocks=service.free_blocks(pool_id))
+                for pool_id, ids, hashes in service.cached_blocks(SNAPSHOT_BLOCKS) if blocks else ():
+                    yield pb.KvEvent(kind=pb.KV_EVENT_KIND_POOL_CACHED, pool_id=pool_id, block_ids=ids,
+                                     block_hashes=b"".join(hashes), free_blocks=service.free_blocks(pool_id))
                 yield pb.KvEvent(sequence=cursor, kind=pb.KV_EVENT_KIND_SNAPSHOT_END)
             while context.is_active() and not service.stopping and not log.closed:
                 batch, after, gap = log.read(cursor, WATCH_BATCH, WATCH_POLL_S)

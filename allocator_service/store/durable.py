@@ -19,11 +19,18 @@ the hot path (`Cut`):
   (`RedisJournal.write_snapshot`), while records after the cut stay: replay
   from the new snapshot gives the same state, event numbers and answers.
 
-A snapshot over the size bound (`ServiceConfig.max_snapshot_bytes`, never
-more than Redis's 512 MB value limit) is not written: the reason is logged
-once per try and the next try backs off like a failed write, as does a
-snapshot whose cut the store no longer holds. Either way the journal still
-holds every record.
+A pool's part is its packed dump (`core.snapshot.to_packed`), whose size is
+bounded by the pool's shape (blocks, sequences, their names), never by the
+sum of its table lengths. A snapshot over the size bound
+(`ServiceConfig.max_snapshot_bytes`, never more than Redis's 512 MB value
+limit) cannot be written; then no pool may hold the others' snapshot up:
+each pool's share of the bound is in proportion to its blocks, and pools
+whose part is over their share are dropped loudly, largest excess first (reason
+`snapshot_too_large`: its worker gets NOT_FOUND, re-registers and
+recomputes), until what is left fits; the next cut follows at once, so the
+journal is trimmed as usual (`drop_pools`, set by the service). A snapshot
+whose cut the store no longer holds is not written either and the next try
+backs off like a failed write; the journal still holds every record.
 
 Health tells the truth: unhealthy (`healthy`, and every listener added with
 `add_health_listener`: the gRPC health status) while the state store is
@@ -70,6 +77,25 @@ SNAPSHOT_BACKOFF_S = 1.0
 SNAPSHOT_BACKOFF_CAP_S = 60.0
 # Redis refuses a value (and a script argument) over 512 MB.
 REDIS_MAX_VALUE_BYTES = 512 << 20
+# The reason a pool is dropped with when its part keeps a snapshot over the bound.
+SNAPSHOT_TOO_LARGE = "snapshot_too_large"
+
+
+def over_share(sizes: dict[str, int], blocks: dict[str, int], room: int) -> list[str]:
+    """The pools to drop so that their parts (`sizes`, bytes) fit in `room`:
+    none if they fit already, else pools whose part is over its share of
+    `room` (in proportion to its `blocks`), largest excess first, until what
+    is left fits (the shares sum to `room`, so it always does)."""
+    left = sum(sizes.values())
+    total = sum(blocks.values()) or 1
+    excess = {p: size - room * blocks[p] // total for p, size in sizes.items()}
+    drop = []
+    for p in sorted((p for p, x in excess.items() if x > 0), key=lambda p: -excess[p]):
+        if left <= room:
+            break
+        drop.append(p)
+        left -= sizes[p]
+    return drop
 
 
 @dataclass(eq=False)
@@ -119,6 +145,10 @@ class DurableState:
         self._wake = threading.Event()
         self.background = False  # a snapshot thread runs (`start`)
         self.max_snapshot_bytes = min(config.max_snapshot_bytes, REDIS_MAX_VALUE_BYTES)
+        # drop_pools(pool_ids, reason): journal and apply those drops, taking
+        # the locks as a change does (the service sets it; None: nothing is dropped).
+        self.drop_pools: Callable[[list[str], str], list[str]] | None = None
+        self.pools_dropped_for_size = 0
 
     # ------------------------------------------------------------- loading
     def load(self, take_ownership: bool) -> None:
@@ -246,16 +276,20 @@ class DurableState:
         self._since_snapshot += 1
         if (self._cut is None and self._since_snapshot >= self.config.snapshot_every
                 and self._clock() >= self._snapshot_not_before):
-            reg = self.registry
-            marker = self.events.begin()
-            self.events.finish(marker)
-            entries = list(reg.pools.values())
-            cut = Cut(reg.index, self._chain, reg.snapshot_header(self._chain, 0), marker, entries,
-                      self._generation, reg.index - self._snapshot_index)
-            for e in entries:
-                e.snapshot_due = cut
-            self._cut = cut
-            self._since_snapshot = 0
+            self._take_cut()
+
+    def _take_cut(self) -> None:
+        """Note a snapshot cut as of now (mutation lock held)."""
+        reg = self.registry
+        marker = self.events.begin()
+        self.events.finish(marker)
+        entries = list(reg.pools.values())
+        cut = Cut(reg.index, self._chain, reg.snapshot_header(self._chain, 0), marker, entries,
+                  self._generation, reg.index - self._snapshot_index)
+        for e in entries:
+            e.snapshot_due = cut
+        self._cut = cut
+        self._since_snapshot = 0
 
     def after_change(self) -> None:
         """After a change, no lock held: a snapshot cut goes to the
@@ -295,14 +329,21 @@ class DurableState:
         cut = self._cut
         if cut is None:
             return
+        recut = False
         try:
-            self._write(cut)
+            recut = self._write(cut)
         finally:
             with self.lock:
                 if self._cut is cut:
                     self._cut = None
+                    if recut and cut.generation == self._generation:
+                        self._take_cut()  # without the pools dropped for their size
+        if recut and not self.background:
+            self.write_cut()
 
-    def _write(self, cut: Cut) -> None:
+    def _write(self, cut: Cut) -> bool:
+        """Store `cut`; True when pools were dropped for their size instead
+        (the cut is void: a new one is to be taken at once)."""
         for e in cut.entries:
             if e.snapshot_due is cut:
                 with e.lock:
@@ -311,35 +352,47 @@ class DurableState:
                         e.snapshot_due = None
         next_event = self.events.numbered(cut.marker, timeout=30.0)
         if next_event is None or cut.generation != self._generation:
-            return  # the state was reloaded meanwhile: this cut is void
+            return False  # the state was reloaded meanwhile: this cut is void
         header = dict(cut.header, next_event=next_event)
-        blob = encode_snapshot(header, [cut.parts[e.pool_id] for e in cut.entries])
-        if len(blob) > self.max_snapshot_bytes:
+        # the blob is the header, the parts, a comma between two, the magic and its digest
+        room = self.max_snapshot_bytes - len(encode_snapshot(header, [])) - len(cut.entries)
+        sizes = {e.pool_id: len(cut.parts[e.pool_id]) for e in cut.entries}
+        drop = over_share(sizes, {e.pool_id: e.pool.num_blocks for e in cut.entries}, room)
+        if drop:
             self.snapshots_skipped += 1
-            self._back_off(f"the snapshot at record {cut.index} would be {len(blob):,} bytes, over the "
-                           f"bound of {self.max_snapshot_bytes:,} (PAGEDKV_ALLOCATOR_MAX_SNAPSHOT_MB, at most Redis's "
-                           "512 MB value limit): not written; the journal keeps every record")
-            return
+            log.error("the snapshot at record %d would be %s bytes, over the bound of %s (PAGEDKV_ALLOCATOR_MAX_SNAPSHOT_MB, "
+                      "at most Redis's 512 MB value limit); dropping the pools over their share of it "
+                      "(reason %s): %s", cut.index, f"{sum(sizes.values()):,}", f"{self.max_snapshot_bytes:,}",
+                      SNAPSHOT_TOO_LARGE, ", ".join(f"{p} ({sizes[p]:,} bytes)" for p in drop))
+            dropped = self.drop_pools(drop, SNAPSHOT_TOO_LARGE) if self.drop_pools is not None else []
+            self.pools_dropped_for_size += len(dropped)
+            if dropped:
+                return True
+            self._back_off(f"the snapshot at record {cut.index} is not written: no pool could be dropped; "
+                           "the journal keeps every record")
+            return False
+        blob = encode_snapshot(header, [cut.parts[e.pool_id] for e in cut.entries])
         try:
             written = self.journal.write_snapshot(blob, cut.hint, cut.chain)
         except StoreLost as exc:
             with self.lock:
                 if cut.generation == self._generation:
                     self._on_lost(str(exc))
-            return
+            return False
         except (StoreUnavailable, StoreFenced) as exc:
             # Harmless: the journal still holds every record.
             self.snapshot_failures += 1
             self._back_off(f"snapshot not written: {exc}")
-            return
+            return False
         if not written:
             self.snapshots_skipped += 1
             self._back_off(f"snapshot at record {cut.index} not written: the journal in the store no "
                            "longer holds that record (the store was reseeded or lost records)")
-            return
+            return False
         self._snapshot_index = cut.index
         self._snapshot_streak = 0
         self._snapshot_not_before = 0.0
+        return False
 
     def _back_off(self, why: str) -> None:
         delay = min(SNAPSHOT_BACKOFF_S * 2 ** self._snapshot_streak, SNAPSHOT_BACKOFF_CAP_S)

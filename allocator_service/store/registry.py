@@ -27,12 +27,15 @@ from typing import Any
 
 from allocator_service.codec import columns_from_proto, config_from_proto, result_to_proto
 from allocator_service.core import BlockPool, PoolConfig, StepColumns, run_step
-from allocator_service.core.snapshot import dumps_chunked
+from allocator_service.core.snapshot import dumps_chunked, to_packed
 from allocator_service.store.events import POOL_DROPPED, POOL_REGISTERED, Batch, EventLog
 from allocator_service.v1 import allocator_pb2 as pb
 from allocator_service.v1 import journal_pb2 as jpb
 
-SNAPSHOT_FORMAT = "pagedkv-allocator-snapshot/1"
+# /2: each pool's "state" is the packed dump (`core.snapshot.to_packed`); a
+# /1 snapshot (every pool's full `to_state` dump) is still read.
+SNAPSHOT_FORMAT = "pagedkv-allocator-snapshot/2"
+SNAPSHOT_FORMATS_READ = ("pagedkv-allocator-snapshot/1", SNAPSHOT_FORMAT)
 
 
 class _Sink:
@@ -258,7 +261,7 @@ class Registry:
 
     @classmethod
     def from_snapshot(cls, snap: dict[str, Any], events: EventLog) -> Registry:
-        if snap.get("format") != SNAPSHOT_FORMAT:
+        if snap.get("format") not in SNAPSHOT_FORMATS_READ:
             raise CorruptState(f"unknown snapshot format {snap.get('format')!r}")
         events.reset(snap["next_event"])
         reg = cls(events)
@@ -313,7 +316,7 @@ def pool_snapshot(entry: PoolEntry) -> dict[str, Any]:
         "last_response": base64.b64encode(e.last_response.SerializeToString()).decode()
         if e.last_response is not None
         else None,
-        "state": e.pool.to_state(),
+        "state": to_packed(e.pool),
     }
 
 
