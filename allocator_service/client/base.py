@@ -23,6 +23,7 @@ from allocator_service.core import (
     run_step,
     step_columns,
 )
+from allocator_service.core.tiers import NO_REPORT, TierReport
 
 
 class PoolLost(Exception):
@@ -59,12 +60,19 @@ class AllocatorClient(abc.ABC):
     # registration, `RegisterPoolResponse.op_kinds`): a worker sends no
     # other, since an allocator refuses a step with a kind it does not know.
     op_kinds: frozenset[int] = frozenset(KINDS)
+    # The shared KV store's URL (`file://...`, `redis://...`) this pool saves
+    # to and loads from, learned at registration; None: the pool uses none.
+    shared_store: str | None = None
 
     @abc.abstractmethod
-    def step(self, ops: Sequence[Op]) -> StepResults:
+    def step(self, ops: Sequence[Op], report: TierReport = NO_REPORT) -> StepResults:
         """Apply one scheduler step (frees first); results in the given order:
         a sequence of `OpResult`s read from columns (`StepResults`), so a
-        256-operation step builds no object per operation unless asked."""
+        256-operation step builds no object per operation unless asked.
+        With KV tiers, `report` confirms (or fails, or refuses) the moves of
+        earlier answers, and `StepResults.moves` are this step's moves, for
+        the worker to apply before its forward pass (docs/architecture.md,
+        "Tiers")."""
 
     @abc.abstractmethod
     def stats(self) -> PoolStats: ...
@@ -97,8 +105,8 @@ class EmbeddedAllocator(AllocatorClient):
         self.spec = spec
         self.pool = BlockPool(spec.config)
 
-    def step(self, ops: Sequence[Op]) -> StepResults:
-        return StepResults(run_step(self.pool, step_columns(ops)))
+    def step(self, ops: Sequence[Op], report: TierReport = NO_REPORT) -> StepResults:
+        return StepResults(run_step(self.pool, step_columns(ops, report)))
 
     def stats(self) -> PoolStats:
         return self.pool.stats()

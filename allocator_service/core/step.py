@@ -34,6 +34,7 @@ from typing import NamedTuple, overload
 
 from allocator_service.core.errors import AllocatorError
 from allocator_service.core.pool import BlockPool
+from allocator_service.core.tiers import NO_REPORT, Moves, TierReport
 
 # Operation kinds in `StepColumns.kinds`.
 # NOTE: the numbers of the wire enum `OpKind`, so the service passes the
@@ -258,8 +259,9 @@ class OpResult:
     num_stored: int = 0  # admit: tokens the sequence holds after this step
 
 
-def step_columns(ops: Sequence[Op]) -> StepColumns:
-    """The columns of `ops` (TypeError for anything that is not an operation)."""
+def step_columns(ops: Sequence[Op], report: TierReport = NO_REPORT) -> StepColumns:
+    """The columns of `ops`, with the worker's `report` on earlier moves
+    (TypeError for anything that is not an operation)."""
     # Bound methods in locals: this loop runs once per operation per step.
     kinds: list[int] = []
     seqs: list[str] = []
@@ -308,7 +310,7 @@ def step_columns(ops: Sequence[Op]) -> StepColumns:
             raise TypeError(f"not an operation: {op!r}")
     if reserved and len(reserved) < len(kinds):
         reserved.extend([0] * (len(kinds) - len(reserved)))
-    return StepColumns(kinds, seqs, counts, tokens, salts, budgets, children, reserved)
+    return StepColumns(kinds, seqs, counts, tokens, salts, budgets, children, reserved, *report)
 
 
 def op_results(result: StepResult) -> list[OpResult]:
@@ -357,6 +359,12 @@ class StepResults(Sequence[OpResult]):
         self._starts: list[int] | None = None  # where each operation's appended ids start
         self._copy_starts: list[int] | None = None
         self._messages: dict[int, str] | None = None  # failed operation -> its message
+
+    @property
+    def moves(self) -> Moves:
+        """The step's tier moves, in the order the worker applies them
+        (`tiers.Moves`; empty lists for a pool without tiers)."""
+        return Moves(*self.columns[len(StepResult._fields) - len(Moves._fields):])
 
     def __len__(self) -> int:
         return len(self.columns.errors)
