@@ -31,6 +31,11 @@ class Limits:
     # one pool may have in flight at once, so that one worker cannot hold every
     # thread of the server's pool (`sharing.CallSlots`); past it RESOURCE_EXHAUSTED.
     max_calls_per_pool: int = 4
+    # The same reads in flight over every pool together: the server's thread
+    # pool holds this many threads for them beside the ones for short calls
+    # (heartbeats, Steps, registrations: `rpc/server.py`), so no number of
+    # pools' reads can take those; past it RESOURCE_EXHAUSTED.
+    max_slow_calls: int = 8
     # Largest request or response on the wire (gRPC answers bigger ones with
     # RESOURCE_EXHAUSTED before any of our code runs).
     max_message_bytes: int = 16 << 20

@@ -203,7 +203,7 @@ class AllocatorService:
         window = self.config.fair_share_window_s
         self.fair = FairShare(window or 1.0, max_wait_s=self.config.fair_share_max_wait_s, enabled=window > 0)
         # Slow reads in flight per pool (the servicer takes a slot per call).
-        self.call_slots = CallSlots(self.limits.max_calls_per_pool)
+        self.call_slots = CallSlots(self.limits.max_calls_per_pool, self.limits.max_slow_calls)
         # The mutation lock (see the module docstring); its holder never waits
         # for the fair share (a pool waiting there would hold up every change).
         self._lock = Unpaced()

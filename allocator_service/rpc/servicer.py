@@ -285,7 +285,8 @@ def _tenant(method: str) -> Callable[[Any], tuple[str, bool]] | None:
 
 # A pool's calls that can take long (an integrity check, a dump of a large
 # pool) and that a worker makes beside its steps: at most
-# `Limits.max_calls_per_pool` of them in flight per pool (`sharing.CallSlots`).
+# `Limits.max_calls_per_pool` of them in flight per pool and `Limits.max_slow_calls`
+# over every pool (`sharing.CallSlots`).
 # Not Step (ordered by step ids, and the step stream's fallback), Heartbeat,
 # RegisterPool or DeregisterPool (short, and a refusal would cost the worker
 # its pool or its lease), nor an admin's or a router's calls (trusted roles).
