@@ -54,10 +54,11 @@ from allocator_service.codec import (
     config_from_proto,
     digest_of,
     stats_to_proto,
+    step_answer_bound,
 )
 from allocator_service.config import Limits, ServiceConfig
 from allocator_service.core import PoolStats, StepColumns
-from allocator_service.core.errors import InvalidArgument
+from allocator_service.core.errors import InvalidArgument, UnknownSequence
 from allocator_service.core.hashing import prompt_chain
 from allocator_service.core.limits import (
     MAX_ADVERTISE_URL_LEN,
@@ -68,6 +69,7 @@ from allocator_service.core.pacing import Unpaced
 from allocator_service.core.pool import check_tokens
 from allocator_service.core.step import ADMIT, APPEND, FORK, FREE, KINDS, UNRESERVE
 from allocator_service.errors import (
+    AnswerTooLarge,
     BadRequest,
     CapacityExceeded,
     PermissionDenied,
@@ -493,6 +495,7 @@ class AllocatorService:
                     raise StepConflict(f"step {step_id} is older than the pool's last step {entry.last_step_id}")
                 if prev_step_id is not None and prev_step_id != entry.last_step_id:
                     self._state_lost(entry, prev_step_id)
+                self._check_answer(entry, step)
                 record = StepRecord(entry.pool_id, step_id, digest, ops_bytes)
                 return self._apply(
                     entry, lambda reg, batch: reg.apply_step(entry, batch, step_id, digest, step), step=record
@@ -501,6 +504,24 @@ class AllocatorService:
         response = self._retrying(attempt)
         self.durable.after_change()
         return response
+
+    def _check_answer(self, entry: PoolEntry, step: StepColumns) -> None:
+        """Refuse (AnswerTooLarge) a step whose answer could be larger than
+        the wire carries, before it is journaled: a refused call changes
+        nothing (the pool's lock held)."""
+        pool = entry.pool
+
+        def held(seq_id: str) -> int | None:
+            try:
+                return pool.num_tokens(seq_id)
+            except UnknownSequence:
+                return None
+
+        bound = step_answer_bound(step, pool.num_blocks, pool.block_size, held)
+        if bound > self.limits.max_message_bytes:
+            raise AnswerTooLarge(
+                f"the answer to these {len(step.kinds)} operations could take up to {bound} bytes, more than the "
+                f"{self.limits.max_message_bytes} a message may; nothing was applied: send them in smaller steps")
 
     def _state_lost(self, entry: PoolEntry, prev_step_id: int) -> None:
         """The worker got an answer for a step this server does not have (its
