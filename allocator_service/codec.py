@@ -41,6 +41,12 @@ assert core_step.ERROR_NUMBER == {
 
 STATS_FIELDS = tuple(PoolStats.__slots__)
 
+# RegisterPoolRequest.protocol_version: what this version's gRPC client
+# sends, and from which version on the server refuses a Step of the pool
+# without prev_step_id (so a lost journal tail is always caught).
+PROTOCOL_VERSION = 2
+PREV_STEP_ID_REQUIRED = 2
+
 
 # ---------------------------------------------------------------- requests
 def columns_to_proto(step: StepColumns) -> pb.StepOps:

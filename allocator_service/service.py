@@ -48,6 +48,7 @@ from typing import Any, NamedTuple
 
 from allocator_service.attest import attest_key, credential_digest
 from allocator_service.codec import (
+    PREV_STEP_ID_REQUIRED,
     PoolInfo,
     canonical_ops,
     columns_from_proto,
@@ -353,11 +354,13 @@ class AllocatorService:
 
     # ------------------------------------------------------------ pool calls
     def register(self, worker_id: str, shape: pb.PoolShape, replace_credential: str = "",
-                 advertised: Advertised = NOT_ADVERTISED) -> Registration:
+                 advertised: Advertised = NOT_ADVERTISED, protocol_version: int = 0) -> Registration:
         """A new pool for `worker_id`. A live pool of the same worker id is
         replaced only with its credential; else PoolInUse until its lease
         expires (so nobody can drop another worker's pool by naming it).
-        `advertised`: its HTTP URL and served model name, for routers."""
+        `advertised`: its HTTP URL and served model name, for routers;
+        `protocol_version`: the client's (from `PREV_STEP_ID_REQUIRED` on,
+        each Step of the pool must carry prev_step_id)."""
         limit = self.limits.max_worker_id_len
         if not worker_id or len(worker_id) > limit or "/" in worker_id or not worker_id.isprintable():
             raise BadRequest(f"worker_id must be 1 to {limit} printable characters without '/'")
@@ -377,7 +380,7 @@ class AllocatorService:
                     if reg.pools.get(reg.current.get(worker_id, "")) is not old:
                         raise _Reloaded  # replaced or reloaded while we waited
                     return self._register(reg, worker_id, shape, config, digest, old, replace_credential,
-                                          fresh, advertised)
+                                          fresh, advertised, protocol_version)
 
         entry = self._retrying(attempt)
         self.durable.after_change()
@@ -386,7 +389,7 @@ class AllocatorService:
 
     def _register(self, reg: Registry, worker_id: str, shape: pb.PoolShape, config, digest: bytes,
                   old: PoolEntry | None, replace_credential: str, fresh,
-                  advertised: Advertised = NOT_ADVERTISED) -> PoolEntry:
+                  advertised: Advertised = NOT_ADVERTISED, protocol_version: int = 0) -> PoolEntry:
         if old is not None:
             self._check_replace(old, replace_credential)
         pools = len(reg.pools) - (old is not None)
@@ -412,11 +415,13 @@ class AllocatorService:
                 credential_digest=digest,
                 advertise_url=advertised.advertise_url,
                 served_model_name=advertised.served_model_name,
+                protocol_version=protocol_version,
             )
         )
         batch = reg.advance()
         try:
-            entry = reg.register(worker_id, epoch, config, digest, batch, fresh, **advertised._asdict())
+            entry = reg.register(worker_id, epoch, config, digest, batch, fresh, **advertised._asdict(),
+                                 protocol_version=protocol_version)
         finally:
             self.events.finish(batch)
         if old is not None:
@@ -486,6 +491,9 @@ class AllocatorService:
 
         def attempt() -> pb.StepResponse:
             entry = self._authorize(ref)
+            if prev_step_id is None and entry.protocol_version >= PREV_STEP_ID_REQUIRED:
+                raise BadRequest(f"pool {entry.pool_id} was registered with protocol_version "
+                                 f"{entry.protocol_version}: every Step must carry prev_step_id")
             with entry.lock:
                 if step_id <= entry.last_step_id:
                     if step_id == entry.last_step_id and digest == entry.last_digest:

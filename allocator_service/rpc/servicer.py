@@ -123,7 +123,8 @@ class AllocatorServicer:
 
     def RegisterPool(self, request: pb.RegisterPoolRequest, context) -> pb.RegisterPoolResponse:
         r = self.service.register(request.worker_id, request.shape, request.replace_credential,
-                                  Advertised(request.advertise_url, request.served_model_name))
+                                  Advertised(request.advertise_url, request.served_model_name),
+                                  request.protocol_version)
         return pb.RegisterPoolResponse(
             pool_id=r.pool_id, epoch=r.epoch, credential=r.credential, lease_ttl_s=r.lease_ttl_s, op_kinds=KINDS
         )

@@ -25,8 +25,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from allocator_service.client import EmbeddedAllocator, PoolLost, PoolSpec
 from allocator_service.client.grpc_client import GrpcAllocator
-from allocator_service.codec import encode_ops
-from allocator_service.core import PoolConfig
+from allocator_service.codec import PROTOCOL_VERSION, encode_ops
+from allocator_service.core import Admit, PoolConfig
 from allocator_service.store.journal import ENTRY_MAGIC, ZERO_CHAIN, encode_entry, split_prefix
 from allocator_service.v1 import allocator_pb2 as pb
 from allocator_service.v1 import journal_pb2 as jpb
@@ -214,6 +214,50 @@ def test_lost_tail_is_reported_and_the_worker_gets_pool_lost(store, allocator_se
         log = "\n".join(again.lines)
     assert "its worker follows step 8 but the allocator's last step for it is 7" in log
     assert "Traceback" not in log
+
+
+def test_a_client_of_this_version_cannot_omit_prev_step_id_and_double_book(store, allocator_server):
+    """A pool registered with this protocol version must name prev_step_id
+    in every Step: after Redis lost the journal's tail (the step that gave
+    `b` its blocks), a Step without it is refused (INVALID_ARGUMENT) and
+    changes nothing, so `c` is never handed `b`'s blocks; with it, the
+    lost tail is caught (NOT_FOUND, the pool dropped). A pool registered
+    without a version (older clients) is not held to it."""
+    url, _ = store
+    with allocator_server("--state", url) as server:
+        port = server.port
+        s, md, channel = stub(server.address)
+        r = s.RegisterPool(pb.RegisterPoolRequest(
+            worker_id="w", shape=pb.PoolShape(num_blocks=8, block_size=4, model_fingerprint="m"),
+            protocol_version=PROTOCOL_VERSION), timeout=10)
+        ref = pb.PoolRef(pool_id=r.pool_id, credential=r.credential)
+        s.Step(pb.StepRequest(pool=ref, step_id=1, ops=encode_ops([Admit("a", list(range(8)))]), prev_step_id=0))
+        b = s.Step(pb.StepRequest(pool=ref, step_id=2, ops=encode_ops([Admit("b", list(range(8)))]), prev_step_id=1))
+        held_by_b = set(b.appended)
+        channel.close()
+        server.kill()
+    client, prefix = keys(url)
+    assert record_of(client.rpop(prefix + "journal")).step.step_id == 2  # the tail is lost
+    with allocator_server("--state", url, listen=f"127.0.0.1:{port}") as again:
+        s, md, channel = stub(again.address)
+        journal = client.lrange(prefix + "journal", 0, -1)
+        admit_c = encode_ops([Admit("c", list(range(100, 108)))])
+        with pytest.raises(grpc.RpcError) as refused:
+            s.Step(pb.StepRequest(pool=ref, step_id=3, ops=admit_c))
+        assert refused.value.code() == C.INVALID_ARGUMENT and "prev_step_id" in refused.value.details()
+        assert client.lrange(prefix + "journal", 0, -1) == journal
+        stats = s.GetPoolStats(pb.GetPoolStatsRequest(pool=ref, check_integrity=True))
+        assert (stats.last_step_id, stats.num_sequences, stats.used_blocks) == (1, 1, 2)
+        assert code_of(s.GetBlockTable, pb.GetBlockTableRequest(pool=ref, seq_id="c")) == C.NOT_FOUND
+        assert not held_by_b & set(s.GetBlockTable(pb.GetBlockTableRequest(pool=ref, seq_id="a")).block_ids)
+        # named, the lost tail is caught: the pool is dropped, the worker re-registers
+        assert code_of(s.Step, pb.StepRequest(pool=ref, step_id=3, ops=admit_c, prev_step_id=2)) == C.NOT_FOUND
+        assert code_of(s.GetPoolStats, pb.GetPoolStatsRequest(pool=ref)) == C.NOT_FOUND
+        # an older client's pool: prev_step_id may be left out
+        old = register(s, md, "older")
+        assert code_of(s.Step, pb.StepRequest(pool=old, step_id=1, ops=admit_c)) == C.OK
+        channel.close()
+    client.close()
 
 
 def test_prev_step_id_keeps_retries_idempotent(store, allocator_server):
