@@ -71,6 +71,10 @@ class ServiceConfig:
     # but the server's total).
     reserved_blocks: Mapping[str, int] = field(default_factory=dict)
     max_pool_blocks: int | None = None
+    # The journal key: the record chain and the snapshot digest are
+    # HMAC-SHA256 under it (`store/journal.py`); None: plain SHA-256, and
+    # whoever can write to Redis is trusted with the state.
+    journal_key: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.lease_ttl_s > 0:

@@ -129,7 +129,7 @@ class DurableState:
         caller holds the mutation lock."""
         loaded = self.journal.load(take_ownership)
         self._quiesce()
-        registry, report = replay(loaded.snapshot, loaded.entries, loaded.head, self.events)
+        registry, report = replay(loaded.snapshot, loaded.entries, loaded.head, self.events, self.config.journal_key)
         fatal = report.fatal
         if fatal is not None:
             raise CorruptState(
@@ -178,7 +178,8 @@ class DurableState:
         journal, the head and the owner key)."""
         self._quiesce()
         self._head = head_marker(self.registry.index, self._chain)
-        self.journal.reseed(encode_snapshot(self.registry.to_snapshot(self._chain)), self._head)
+        self.journal.reseed(encode_snapshot(self.registry.to_snapshot(self._chain), key=self.config.journal_key),
+                            self._head)
         self._since_snapshot = 0
         self._snapshot_index = self.registry.index
 
@@ -221,7 +222,7 @@ class DurableState:
             data = encode_step_record(index, step, self.registry.pools[step.pool_id].last_step_id)
         else:
             data = jpb.JournalRecord(index=index, **change).SerializeToString()
-        entry, chain = encode_entry(self._chain, data)
+        entry, chain = encode_entry(self._chain, data, self.config.journal_key)
         head = head_marker(index, chain)
         with self.store_write():
             self.journal.append(entry, self._head, head)
@@ -313,7 +314,7 @@ class DurableState:
         if next_event is None or cut.generation != self._generation:
             return  # the state was reloaded meanwhile: this cut is void
         header = dict(cut.header, next_event=next_event)
-        blob = encode_snapshot(header, [cut.parts[e.pool_id] for e in cut.entries])
+        blob = encode_snapshot(header, [cut.parts[e.pool_id] for e in cut.entries], self.config.journal_key)
         if len(blob) > self.max_snapshot_bytes:
             self.snapshots_skipped += 1
             self._back_off(f"the snapshot at record {cut.index} would be {len(blob):,} bytes, over the "
