@@ -95,6 +95,12 @@ class AllocatorArgs:
     fair_share_window_ms: float = setting(
         100.0, "per-pool CPU fair share: while pools contend, the pool that used more CPU over about this "
         "long waits for a call of the one that used less (delayed, never refused); 0 = off", flag=False)
+    journal_key_file: str | None = setting(
+        None, "with --state redis: file holding the journal key (at least 32 bytes; `pagedkv credentials` "
+        "writes one): every record's chain digest and the snapshot's are HMAC-SHA256 under it, so whoever "
+        "can write to Redis without it cannot edit the state unnoticed (the allocator and --check refuse "
+        "it); none = Redis is trusted with the state. A journal written without a key is read only without "
+        "one", metavar="PATH", flag=False)
     check: bool = setting(
         False, "verify the journal in --state (digests, record chain, step chains, head) without serving or "
         "writing; print what was found; exit 0 if sound, 1 if not")
@@ -150,12 +156,15 @@ def options_from_args(args: argparse.Namespace):
             raise CliError(f"--worker-tokens-file {a.worker_tokens_file}: {exc}") from exc
         if set(worker_tokens) & set(tokens):
             raise CliError("a worker token must differ from the auth, admin and router tokens")
+    journal_key = read_file(a.journal_key_file, "journal key file").strip() if a.journal_key_file else None
+    if journal_key is not None and len(journal_key) < 32:
+        raise CliError(f"the journal key file {a.journal_key_file} holds {len(journal_key)} bytes; a key needs 32 or more")
     try:
         config = ServiceConfig(lease_ttl_s=a.lease_ttl, snapshot_every=a.snapshot_every,
                                max_snapshot_bytes=a.max_snapshot_mb << 20,
                                fair_share_window_s=a.fair_share_window_ms / 1e3,
                                reserved_blocks={g.worker_id: g.blocks for g in worker_tokens.values() if g.blocks},
-                               max_pool_blocks=a.max_pool_blocks)
+                               max_pool_blocks=a.max_pool_blocks, journal_key=journal_key)
     except ValueError as exc:
         raise CliError(str(exc)) from exc
     return ServeOptions(
@@ -190,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
     options = options_from_args(args)  # a CliError: exit 2, reported by run_command
     if args.check:
         try:
-            return check(options.state)
+            return check(options.state, key=options.config.journal_key)
         except StoreUnavailable as exc:
             print(f"pagedkv allocator --check: cannot read the state: {exc}", file=sys.stderr)
             return 1

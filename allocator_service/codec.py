@@ -11,7 +11,7 @@ copying lists; the one step semantics is the core's `run_step`.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from allocator_service.core import (
@@ -40,6 +40,12 @@ assert core_step.ERROR_NUMBER == {
 }
 
 STATS_FIELDS = tuple(PoolStats.__slots__)
+
+# RegisterPoolRequest.protocol_version: what this version's gRPC client
+# sends, and from which version on the server refuses a Step of the pool
+# without prev_step_id (so a lost journal tail is always caught).
+PROTOCOL_VERSION = 2
+PREV_STEP_ID_REQUIRED = 2
 
 
 # ---------------------------------------------------------------- requests
@@ -121,11 +127,61 @@ _WIRE_RESULT = tuple(f for f in StepResult._fields if f in pb.StepResponse.DESCR
 _OFF_WIRE = len(_WIRE_RESULT)
 assert StepResult._fields[:_OFF_WIRE] == _WIRE_RESULT
 
+# Bytes of one operation's readable reason in a StepResponse, at most (a
+# longer one is cut): what lets `step_answer_bound` bound a step's answer.
+MAX_ERROR_MESSAGE_BYTES = 320
+
 
 def result_to_proto(step_id: int, result: StepResult) -> pb.StepResponse:
     if any(result[_OFF_WIRE:]):
         raise ValueError("the step's answer carries KV tier moves the wire format cannot carry")
+    if result.error_messages and max(map(len, result.error_messages)) > MAX_ERROR_MESSAGE_BYTES // 4:
+        result = result._replace(error_messages=[_clip(m) for m in result.error_messages])
     return pb.StepResponse(step_id=step_id, **dict(zip(_WIRE_RESULT, result, strict=False)))
+
+
+def _clip(message: str) -> str:
+    raw = message.encode()
+    if len(raw) <= MAX_ERROR_MESSAGE_BYTES:
+        return message
+    return raw[:MAX_ERROR_MESSAGE_BYTES - 3].decode(errors="ignore") + "\u2026"
+
+
+def step_answer_bound(step: StepColumns, num_blocks: int, block_size: int,
+                      num_tokens: Callable[[str], int | None]) -> int:
+    """An upper bound of the encoded size of the StepResponse that `step`
+    can get from a pool of this shape, before it is applied (what the
+    service refuses a step for: the answer must fit the wire).
+    `num_tokens(seq)`: the tokens (reserved slots included) a live sequence
+    of the pool holds now, None for no such sequence.
+
+    Block ids: an ADMIT or APPEND appends at most its tokens and reserved
+    slots in blocks, one more for a partial block, and one more for a
+    copy-on-write (G over the step). A FORK appends its parent's whole
+    table: the parent's now (or its own parent's bound, for a child forked
+    in this step), grown by at most G."""
+    kinds, reserved = step.kinds, step.num_reserved
+    n = len(kinds)
+    id_bytes = max(1, ((num_blocks - 1).bit_length() + 6) // 7)
+    growth = (len(step.tokens) + (sum(reserved) if reserved else 0)) // block_size + 2 * n
+    ids = growth
+    if step.children:
+        lengths: dict[str, int] = {}  # children forked in this step -> their bound
+        forks = 0
+        for i, kind in enumerate(kinds):
+            if kind != core_step.FORK:
+                continue
+            parent = step.seq_ids[i]
+            bound = lengths.get(parent)
+            if bound is None:
+                held = num_tokens(parent)
+                bound = (-(-held // block_size) if held else 0) + growth
+            lengths[step.children[forks]] = bound
+            forks += 1
+            ids += bound
+    # Per operation: an error (1 byte), five uint32 columns (5 each), one
+    # copy's two ids, a reason; the ids; the fields' tags and lengths.
+    return 128 + n * (26 + 2 * id_bytes + MAX_ERROR_MESSAGE_BYTES + 3) + ids * id_bytes
 
 
 def decode_results(resp: pb.StepResponse, num_ops: int) -> StepResults:

@@ -32,6 +32,11 @@ class Limits:
     # one pool may have in flight at once, so that one worker cannot hold every
     # thread of the server's pool (`sharing.CallSlots`); past it RESOURCE_EXHAUSTED.
     max_calls_per_pool: int = 4
+    # The same reads in flight over every pool together: the server's thread
+    # pool holds this many threads for them beside the ones for short calls
+    # (heartbeats, Steps, registrations: `rpc/server.py`), so no number of
+    # pools' reads can take those; past it RESOURCE_EXHAUSTED.
+    max_slow_calls: int = 8
     # Largest request or response on the wire (gRPC answers bigger ones with
     # RESOURCE_EXHAUSTED before any of our code runs).
     max_message_bytes: int = 16 << 20
@@ -68,6 +73,10 @@ class ServiceConfig:
     # but the server's total).
     reserved_blocks: Mapping[str, int] = field(default_factory=dict)
     max_pool_blocks: int | None = None
+    # The journal key: the record chain and the snapshot digest are
+    # HMAC-SHA256 under it (`store/journal.py`); None: plain SHA-256, and
+    # whoever can write to Redis is trusted with the state.
+    journal_key: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.lease_ttl_s > 0:

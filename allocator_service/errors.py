@@ -103,6 +103,15 @@ class TooManyCalls(CapacityExceeded):
     code = "pool_calls"
 
 
+class AnswerTooLarge(CapacityExceeded):
+    """A Step whose answer could exceed the largest message on the wire
+    (`Limits.max_message_bytes`), refused before it is journaled or applied
+    (RESOURCE_EXHAUSTED, `answer_too_large`): send its operations in
+    smaller steps."""
+
+    code = "answer_too_large"
+
+
 class ShuttingDown(ServiceError):
     """The server is stopping: a step stream is ended (UNAVAILABLE, so the
     worker retries the step at the next server)."""

@@ -48,16 +48,18 @@ from typing import Any, NamedTuple
 
 from allocator_service.attest import attest_key, credential_digest
 from allocator_service.codec import (
+    PREV_STEP_ID_REQUIRED,
     PoolInfo,
     canonical_ops,
     columns_from_proto,
     config_from_proto,
     digest_of,
     stats_to_proto,
+    step_answer_bound,
 )
 from allocator_service.config import Limits, ServiceConfig
 from allocator_service.core import PoolStats, StepColumns
-from allocator_service.core.errors import InvalidArgument
+from allocator_service.core.errors import InvalidArgument, UnknownSequence
 from allocator_service.core.hashing import prompt_chain
 from allocator_service.core.limits import (
     MAX_ADVERTISE_URL_LEN,
@@ -68,6 +70,7 @@ from allocator_service.core.pacing import Unpaced
 from allocator_service.core.pool import check_tokens
 from allocator_service.core.step import ADMIT, APPEND, FORK, FREE, KINDS, UNRESERVE
 from allocator_service.errors import (
+    AnswerTooLarge,
     BadRequest,
     CapacityExceeded,
     PermissionDenied,
@@ -203,7 +206,7 @@ class AllocatorService:
         window = self.config.fair_share_window_s
         self.fair = FairShare(window or 1.0, max_wait_s=self.config.fair_share_max_wait_s, enabled=window > 0)
         # Slow reads in flight per pool (the servicer takes a slot per call).
-        self.call_slots = CallSlots(self.limits.max_calls_per_pool)
+        self.call_slots = CallSlots(self.limits.max_calls_per_pool, self.limits.max_slow_calls)
         # The mutation lock (see the module docstring); its holder never waits
         # for the fair share (a pool waiting there would hold up every change).
         self._lock = Unpaced()
@@ -352,11 +355,13 @@ class AllocatorService:
 
     # ------------------------------------------------------------ pool calls
     def register(self, worker_id: str, shape: pb.PoolShape, replace_credential: str = "",
-                 advertised: Advertised = NOT_ADVERTISED) -> Registration:
+                 advertised: Advertised = NOT_ADVERTISED, protocol_version: int = 0) -> Registration:
         """A new pool for `worker_id`. A live pool of the same worker id is
         replaced only with its credential; else PoolInUse until its lease
         expires (so nobody can drop another worker's pool by naming it).
-        `advertised`: its HTTP URL and served model name, for routers."""
+        `advertised`: its HTTP URL and served model name, for routers;
+        `protocol_version`: the client's (from `PREV_STEP_ID_REQUIRED` on,
+        each Step of the pool must carry prev_step_id)."""
         limit = self.limits.max_worker_id_len
         if not worker_id or len(worker_id) > limit or "/" in worker_id or not worker_id.isprintable():
             raise BadRequest(f"worker_id must be 1 to {limit} printable characters without '/'")
@@ -376,7 +381,7 @@ class AllocatorService:
                     if reg.pools.get(reg.current.get(worker_id, "")) is not old:
                         raise _Reloaded  # replaced or reloaded while we waited
                     return self._register(reg, worker_id, shape, config, digest, old, replace_credential,
-                                          fresh, advertised)
+                                          fresh, advertised, protocol_version)
 
         entry = self._retrying(attempt)
         self.durable.after_change()
@@ -385,7 +390,7 @@ class AllocatorService:
 
     def _register(self, reg: Registry, worker_id: str, shape: pb.PoolShape, config, digest: bytes,
                   old: PoolEntry | None, replace_credential: str, fresh,
-                  advertised: Advertised = NOT_ADVERTISED) -> PoolEntry:
+                  advertised: Advertised = NOT_ADVERTISED, protocol_version: int = 0) -> PoolEntry:
         if old is not None:
             self._check_replace(old, replace_credential)
         pools = len(reg.pools) - (old is not None)
@@ -411,11 +416,13 @@ class AllocatorService:
                 credential_digest=digest,
                 advertise_url=advertised.advertise_url,
                 served_model_name=advertised.served_model_name,
+                protocol_version=protocol_version,
             )
         )
         batch = reg.advance()
         try:
-            entry = reg.register(worker_id, epoch, config, digest, batch, fresh, **advertised._asdict())
+            entry = reg.register(worker_id, epoch, config, digest, batch, fresh, **advertised._asdict(),
+                                 protocol_version=protocol_version)
         finally:
             self.events.finish(batch)
         if old is not None:
@@ -485,6 +492,9 @@ class AllocatorService:
 
         def attempt() -> pb.StepResponse:
             entry = self._authorize(ref)
+            if prev_step_id is None and entry.protocol_version >= PREV_STEP_ID_REQUIRED:
+                raise BadRequest(f"pool {entry.pool_id} was registered with protocol_version "
+                                 f"{entry.protocol_version}: every Step must carry prev_step_id")
             with entry.lock:
                 if step_id <= entry.last_step_id:
                     if step_id == entry.last_step_id and digest == entry.last_digest:
@@ -494,6 +504,7 @@ class AllocatorService:
                     raise StepConflict(f"step {step_id} is older than the pool's last step {entry.last_step_id}")
                 if prev_step_id is not None and prev_step_id != entry.last_step_id:
                     self._state_lost(entry, prev_step_id)
+                self._check_answer(entry, step)
                 record = StepRecord(entry.pool_id, step_id, digest, ops_bytes)
                 return self._apply(
                     entry, lambda reg, batch: reg.apply_step(entry, batch, step_id, digest, step), step=record
@@ -502,6 +513,24 @@ class AllocatorService:
         response = self._retrying(attempt)
         self.durable.after_change()
         return response
+
+    def _check_answer(self, entry: PoolEntry, step: StepColumns) -> None:
+        """Refuse (AnswerTooLarge) a step whose answer could be larger than
+        the wire carries, before it is journaled: a refused call changes
+        nothing (the pool's lock held)."""
+        pool = entry.pool
+
+        def held(seq_id: str) -> int | None:
+            try:
+                return pool.num_tokens(seq_id)
+            except UnknownSequence:
+                return None
+
+        bound = step_answer_bound(step, pool.num_blocks, pool.block_size, held)
+        if bound > self.limits.max_message_bytes:
+            raise AnswerTooLarge(
+                f"the answer to these {len(step.kinds)} operations could take up to {bound} bytes, more than the "
+                f"{self.limits.max_message_bytes} a message may; nothing was applied: send them in smaller steps")
 
     def _state_lost(self, entry: PoolEntry, prev_step_id: int) -> None:
         """The worker got an answer for a step this server does not have (its

@@ -41,8 +41,11 @@ changes. Only calls with the pool's credential take a slot (it is checked
 first), so nobody can use up another pool's slots. The gRPC client backs
 off and retries a `pool_calls` refusal like an unreachable server, so a
 worker's own burst (its /metrics scraped by several at once) waits rather
-than fails. What this bounds is one pool: many pools' slow calls together
-can still fill the server's threads.
+than fails. Many pools' slow calls together are bounded too: at most
+`Limits.max_slow_calls` over every pool, refused the same way past it, and
+the server keeps its threads for short calls (heartbeats, lease renewals,
+Steps) apart from those (`rpc/server.py`), so however many pools send slow
+reads, none of them waits for a thread behind those reads.
 """
 
 from __future__ import annotations
@@ -209,12 +212,15 @@ class FairShare:
 
 
 class CallSlots:
-    def __init__(self, per_tenant: int) -> None:
-        if per_tenant < 1:
-            raise ValueError("per_tenant must be positive")
-        self.per_tenant = per_tenant
+    def __init__(self, per_tenant: int, total: int | None = None) -> None:
+        """At most `per_tenant` calls of one tenant in flight, and `total`
+        (None: no bound) of all tenants together."""
+        if per_tenant < 1 or (total is not None and total < 1):
+            raise ValueError("per_tenant and total must be positive")
+        self.per_tenant, self.total = per_tenant, total
         self._lock = threading.Lock()
         self._in_flight: dict[str, int] = {}
+        self._all = 0
         self.refused = 0  # calls refused so far (`pagedkv_allocator_pool_calls_refused_total`)
 
     @contextmanager
@@ -226,16 +232,23 @@ class CallSlots:
                 self.refused += 1
                 raise TooManyCalls(f"{n} calls of this pool are in flight, the most one pool may have "
                                    "at once: wait for one to be answered")
+            if self.total is not None and self._all >= self.total:
+                self.refused += 1
+                raise TooManyCalls(f"{self._all} slow calls are in flight over every pool, the most the server "
+                                   "serves at once: wait for one to be answered")
             self._in_flight[tenant] = n + 1
+            self._all += 1
         try:
             yield
         finally:
             with self._lock:
+                self._all -= 1
                 n = self._in_flight[tenant] - 1
                 if n:
                     self._in_flight[tenant] = n
                 else:
                     del self._in_flight[tenant]
 
-    def in_flight(self, tenant: str) -> int:
-        return self._in_flight.get(tenant, 0)
+    def in_flight(self, tenant: str | None = None) -> int:
+        """`tenant`'s calls in flight (None: every tenant's)."""
+        return self._all if tenant is None else self._in_flight.get(tenant, 0)

@@ -61,6 +61,7 @@ import grpc
 from allocator_service.attest import attest_key, credential_digest, proof
 from allocator_service.client.base import AllocatorClient, AllocatorUnavailable, PoolLost, PoolSpec
 from allocator_service.codec import (
+    PROTOCOL_VERSION,
     PoolInfo,
     decode_results,
     fill_ops,
@@ -319,6 +320,7 @@ class GrpcAllocator(AllocatorClient):
             replace_credential=replace_credential,
             advertise_url=self.spec.advertise_url,
             served_model_name=self.spec.served_model_name,
+            protocol_version=PROTOCOL_VERSION,  # every Step carries prev_step_id
         )
         give_up = time.monotonic() + self.register_wait_s
         waited = 0

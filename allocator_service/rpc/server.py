@@ -60,12 +60,16 @@ def create_server(
     roles = Roles(auth_token or None, admin_token or None, router_token or None, worker_tokens or {})
     if roles.any_token:  # with none, every caller is a pool and router calls are open
         interceptors.append(RoleInterceptor(roles))
-    size = service.limits.max_message_bytes
+    limits = service.limits
+    size = limits.max_message_bytes
     server = grpc.server(
-        # Each open StepStream holds a thread for its life: room for them
-        # beside `max_workers` threads for everything else.
-        futures.ThreadPoolExecutor(max_workers=max_workers + service.limits.max_step_streams,
-                                   thread_name_prefix="rpc"),
+        # Each open StepStream and WatchEvents stream holds a thread for its
+        # life, and each slow read (`servicer.SLOTTED`) for its length, each
+        # bounded in number: room for all of them beside `max_workers` threads
+        # that only short calls (heartbeats, Steps, registrations) can hold.
+        futures.ThreadPoolExecutor(
+            max_workers=max_workers + limits.max_step_streams + limits.max_watchers + limits.max_slow_calls,
+            thread_name_prefix="rpc"),
         interceptors=interceptors,
         options=[
             ("grpc.max_receive_message_length", size),

@@ -123,7 +123,8 @@ class AllocatorServicer:
 
     def RegisterPool(self, request: pb.RegisterPoolRequest, context) -> pb.RegisterPoolResponse:
         r = self.service.register(request.worker_id, request.shape, request.replace_credential,
-                                  Advertised(request.advertise_url, request.served_model_name))
+                                  Advertised(request.advertise_url, request.served_model_name),
+                                  request.protocol_version)
         return pb.RegisterPoolResponse(
             pool_id=r.pool_id, epoch=r.epoch, credential=r.credential, lease_ttl_s=r.lease_ttl_s, op_kinds=KINDS
         )
@@ -282,7 +283,8 @@ def _tenant(method: str) -> Callable[[Any], tuple[str, bool]] | None:
 
 # A pool's calls that can take long (an integrity check, a dump of a large
 # pool) and that a worker makes beside its steps: at most
-# `Limits.max_calls_per_pool` of them in flight per pool (`sharing.CallSlots`).
+# `Limits.max_calls_per_pool` of them in flight per pool and `Limits.max_slow_calls`
+# over every pool (`sharing.CallSlots`).
 # Not Step (ordered by step ids, and the step stream's fallback), Heartbeat,
 # RegisterPool or DeregisterPool (short, and a refusal would cost the worker
 # its pool or its lease), nor an admin's or a router's calls (trusted roles).

@@ -159,7 +159,7 @@ class DurableState:
         caller holds the mutation lock."""
         loaded = self.journal.load(take_ownership)
         self._quiesce()
-        registry, report = replay(loaded.snapshot, loaded.entries, loaded.head, self.events)
+        registry, report = replay(loaded.snapshot, loaded.entries, loaded.head, self.events, self.config.journal_key)
         fatal = report.fatal
         if fatal is not None:
             raise CorruptState(
@@ -208,7 +208,8 @@ class DurableState:
         journal, the head and the owner key)."""
         self._quiesce()
         self._head = head_marker(self.registry.index, self._chain)
-        self.journal.reseed(encode_snapshot(self.registry.to_snapshot(self._chain)), self._head)
+        self.journal.reseed(encode_snapshot(self.registry.to_snapshot(self._chain), key=self.config.journal_key),
+                            self._head)
         self._since_snapshot = 0
         self._snapshot_index = self.registry.index
 
@@ -251,7 +252,7 @@ class DurableState:
             data = encode_step_record(index, step, self.registry.pools[step.pool_id].last_step_id)
         else:
             data = jpb.JournalRecord(index=index, **change).SerializeToString()
-        entry, chain = encode_entry(self._chain, data)
+        entry, chain = encode_entry(self._chain, data, self.config.journal_key)
         head = head_marker(index, chain)
         with self.store_write():
             self.journal.append(entry, self._head, head)
@@ -355,7 +356,7 @@ class DurableState:
             return False  # the state was reloaded meanwhile: this cut is void
         header = dict(cut.header, next_event=next_event)
         # the blob is the header, the parts, a comma between two, the magic and its digest
-        room = self.max_snapshot_bytes - len(encode_snapshot(header, [])) - len(cut.entries)
+        room = self.max_snapshot_bytes - len(encode_snapshot(header, [], self.config.journal_key)) - len(cut.entries)
         sizes = {e.pool_id: len(cut.parts[e.pool_id]) for e in cut.entries}
         drop = over_share(sizes, {e.pool_id: e.pool.num_blocks for e in cut.entries}, room)
         if drop:
@@ -371,7 +372,7 @@ class DurableState:
             self._back_off(f"the snapshot at record {cut.index} is not written: no pool could be dropped; "
                            "the journal keeps every record")
             return False
-        blob = encode_snapshot(header, [cut.parts[e.pool_id] for e in cut.entries])
+        blob = encode_snapshot(header, [cut.parts[e.pool_id] for e in cut.entries], self.config.journal_key)
         try:
             written = self.journal.write_snapshot(blob, cut.hint, cut.chain)
         except StoreLost as exc:

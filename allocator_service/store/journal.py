@@ -31,6 +31,7 @@ they mean is `registry.py`.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import logging
 import secrets
@@ -51,26 +52,41 @@ DEFAULT_PREFIX = "pagedkv:allocator:"
 # chain = SHA-256(previous chain || record). A stored snapshot:
 # SNAPSHOT_MAGIC | SHA-256(json) (32) | json. Older versions stored the bare
 # record and the bare JSON: both still load (with a warning).
+#
+# With a journal key (the allocator's `journal_key_file`) the digests are
+# HMAC-SHA256 under it instead, and the magics say so (KEYED_*): whoever
+# can write to Redis but does not hold the key cannot edit a record and
+# recompute the chain. Without a key, Redis is trusted with the state.
 ENTRY_MAGIC = b"PKJ2"
 SNAPSHOT_MAGIC = b"PKS2"
+KEYED_ENTRY_MAGIC = b"PKJ3"
+KEYED_SNAPSHOT_MAGIC = b"PKS3"
 ZERO_CHAIN = bytes(32)
 # Bytes before a framed record: the magic and the two chain digests.
 FRAME = len(ENTRY_MAGIC) + 64
 
 
-def chain_digest(prev: bytes, record: bytes) -> bytes:
-    return hashlib.sha256(prev + record).digest()
+def _digest(data: bytes, key: bytes | None) -> bytes:
+    return hmac.new(key, data, hashlib.sha256).digest() if key else hashlib.sha256(data).digest()
 
 
-def encode_entry(prev: bytes, record: bytes) -> tuple[bytes, bytes]:
+def chain_digest(prev: bytes, record: bytes, key: bytes | None = None) -> bytes:
+    return _digest(prev + record, key)
+
+
+def encode_entry(prev: bytes, record: bytes, key: bytes | None = None) -> tuple[bytes, bytes]:
     """(stored bytes, chain digest) of a record that follows `prev`."""
-    chain = chain_digest(prev, record)
-    return ENTRY_MAGIC + prev + chain + record, chain
+    chain = chain_digest(prev, record, key)
+    return (KEYED_ENTRY_MAGIC if key else ENTRY_MAGIC) + prev + chain + record, chain
+
+
+def is_framed(raw: bytes) -> bool:
+    return raw.startswith((ENTRY_MAGIC, KEYED_ENTRY_MAGIC)) and len(raw) >= FRAME
 
 
 def record_bytes(raw: bytes) -> bytes:
     """The JournalRecord bytes of a stored entry (framed or older bare)."""
-    return raw[FRAME:] if raw.startswith(ENTRY_MAGIC) and len(raw) >= FRAME else raw
+    return raw[FRAME:] if is_framed(raw) else raw
 
 
 class StepRecord(NamedTuple):
@@ -119,23 +135,30 @@ def head_marker(index: int, chain: bytes) -> bytes:
     return f"{index}:{chain.hex()}".encode()
 
 
-def encode_snapshot(snap: dict[str, Any], pools_json: list[str] | None = None) -> bytes:
+def encode_snapshot(snap: dict[str, Any], pools_json: list[str] | None = None, key: bytes | None = None) -> bytes:
     """The stored snapshot; `pools_json`: its pools already as JSON text
-    (`registry.pool_snapshot_json`), else they are in `snap["pools"]`."""
+    (`registry.pool_snapshot_json`), else they are in `snap["pools"]`;
+    `key`: the journal key its digest is keyed with."""
     if pools_json is None:
         body = json.dumps(snap, separators=(",", ":")).encode()
     else:
         head = json.dumps({**snap, "pools": []}, separators=(",", ":"))
         assert head.endswith("[]}")
         body = (head[:-2] + ",".join(pools_json) + "]}").encode()
-    return SNAPSHOT_MAGIC + hashlib.sha256(body).digest() + body
+    return (KEYED_SNAPSHOT_MAGIC if key else SNAPSHOT_MAGIC) + _digest(body, key) + body
 
 
-def decode_snapshot(raw: bytes) -> tuple[dict[str, Any], bool]:
-    """(snapshot, legacy); CorruptState if it fails its digest or parse."""
-    legacy = not raw.startswith(SNAPSHOT_MAGIC)
+def decode_snapshot(raw: bytes, key: bytes | None = None) -> tuple[dict[str, Any], bool]:
+    """(snapshot, legacy); CorruptState if it fails its digest or parse, or
+    if it is not keyed with `key` (with a key, nothing else is trusted)."""
+    keyed = raw.startswith(KEYED_SNAPSHOT_MAGIC)
+    if keyed and not key:
+        raise CorruptState("the snapshot is keyed (written with a journal key) and no journal key is configured")
+    if key and not keyed:
+        raise CorruptState("the snapshot is not keyed with the journal key (written without it, or forged)")
+    legacy = not keyed and not raw.startswith(SNAPSHOT_MAGIC)
     body = raw if legacy else raw[len(SNAPSHOT_MAGIC) + 32:]
-    if not legacy and hashlib.sha256(body).digest() != raw[len(SNAPSHOT_MAGIC):len(SNAPSHOT_MAGIC) + 32]:
+    if not legacy and not hmac.compare_digest(_digest(body, key), raw[len(SNAPSHOT_MAGIC):len(SNAPSHOT_MAGIC) + 32]):
         raise CorruptState("the snapshot fails its digest")
     try:
         snap = json.loads(body)
@@ -177,7 +200,8 @@ return 1
 # KEYS owner head snapshot journal; ARGV instance snapshot position_hint chain
 _SNAPSHOT = _CHECK + """
 local function covers(e)
-  return e and string.sub(e, 1, 4) == 'PKJ2' and string.sub(e, 37, 68) == ARGV[4]
+  local magic = e and string.sub(e, 1, 4)
+  return (magic == 'PKJ2' or magic == 'PKJ3') and string.sub(e, 37, 68) == ARGV[4]
 end
 local pos = tonumber(ARGV[3])
 if pos < 1 or not covers(redis.call('LINDEX', KEYS[4], pos - 1)) then

@@ -79,6 +79,9 @@ class PoolEntry:
     # with the registration and kept in snapshots, so a restart keeps them.
     advertise_url: str = ""
     served_model_name: str = ""
+    # RegisterPoolRequest.protocol_version: from `PREV_STEP_ID_REQUIRED` on,
+    # every Step of the pool must carry prev_step_id (journaled, snapshotted).
+    protocol_version: int = 0
 
 
 # Worker ids without a live pool whose last epoch is remembered; past this many the one
@@ -133,7 +136,7 @@ class Registry:
 
     def register(self, worker_id: str, epoch: int, config: PoolConfig, credential_digest: bytes,
                  batch: Batch, pool: tuple[BlockPool, _Sink] | None = None, *,
-                 advertise_url: str = "", served_model_name: str = "") -> PoolEntry:
+                 advertise_url: str = "", served_model_name: str = "", protocol_version: int = 0) -> PoolEntry:
         """`pool`: built beforehand by `new_pool` (it may be large), else here."""
         old = self.current.get(worker_id)
         if old is not None:
@@ -142,7 +145,8 @@ class Registry:
         block_pool, sink = pool if pool is not None else new_pool(config)
         sink.pool_id = pool_id
         entry = PoolEntry(pool_id, worker_id, epoch, credential_digest, block_pool, sink=sink,
-                          advertise_url=advertise_url, served_model_name=served_model_name)
+                          advertise_url=advertise_url, served_model_name=served_model_name,
+                          protocol_version=protocol_version)
         self.pools[pool_id] = entry
         self.current[worker_id] = pool_id
         self.epochs[worker_id] = epoch
@@ -216,7 +220,8 @@ class Registry:
                 config = config_from_proto(r.shape)
                 batch = self.advance()
                 self.register(r.worker_id, r.epoch, config, r.credential_digest, batch,
-                              advertise_url=r.advertise_url, served_model_name=r.served_model_name)
+                              advertise_url=r.advertise_url, served_model_name=r.served_model_name,
+                              protocol_version=r.protocol_version)
             elif kind == "dropped":
                 if record.dropped.pool_id not in self.pools:
                     raise KeyError(record.dropped.pool_id)
@@ -285,6 +290,7 @@ class Registry:
                 # absent in snapshots of older versions
                 advertise_url=p.get("advertise_url", ""),
                 served_model_name=p.get("served_model_name", ""),
+                protocol_version=p.get("protocol_version", 0),
             )
             reg.current[p["worker_id"]] = pool_id
         # absent in snapshots of older versions: every remembered id without a pool, in its order
@@ -311,6 +317,7 @@ def pool_snapshot(entry: PoolEntry) -> dict[str, Any]:
         "credential_digest": e.credential_digest.hex(),
         "advertise_url": e.advertise_url,
         "served_model_name": e.served_model_name,
+        "protocol_version": e.protocol_version,
         "last_step_id": e.last_step_id,
         "last_digest": e.last_digest.hex(),
         "last_response": base64.b64encode(e.last_response.SerializeToString()).decode()

@@ -18,6 +18,7 @@ start-up stops with one line, never a guess.
 
 from __future__ import annotations
 
+import hmac
 import sys
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -26,11 +27,12 @@ from google.protobuf.message import DecodeError
 
 from allocator_service.store.events import EventLog
 from allocator_service.store.journal import (
-    ENTRY_MAGIC,
     FRAME,
+    KEYED_ENTRY_MAGIC,
     ZERO_CHAIN,
     chain_digest,
     decode_snapshot,
+    is_framed,
     open_journal,
 )
 from allocator_service.store.registry import CorruptState, Registry
@@ -86,10 +88,11 @@ def _pool_of(record: jpb.JournalRecord) -> str | None:
 
 
 def replay(snapshot: bytes | None, entries: list[bytes], head: bytes | None,
-           events: EventLog) -> tuple[Registry, ReplayReport]:
+           events: EventLog, key: bytes | None = None) -> tuple[Registry, ReplayReport]:
     """Rebuild the registry from a stored snapshot and journal, checking
-    every digest, the record indices, each pool's step chain and the head
-    marker. Never raises on bad data: a problem that cannot be pinned on one
+    every digest (keyed with `key`, the journal key, when given: then a
+    record or snapshot not keyed with it fails), the record indices, each
+    pool's step chain and the head marker. Never raises on bad data: a problem that cannot be pinned on one
     pool is `fatal` in the report and replay stops there (the registry is
     then incomplete and must not be served)."""
     report = ReplayReport()
@@ -104,7 +107,7 @@ def replay(snapshot: bytes | None, entries: list[bytes], head: bytes | None,
     framed = False
     if snapshot is not None:
         try:
-            snap, report.snapshot_legacy = decode_snapshot(snapshot)
+            snap, report.snapshot_legacy = decode_snapshot(snapshot, key)
             registry = Registry.from_snapshot(snap, events)
         except (CorruptState, KeyError, TypeError, ValueError) as exc:
             problem(-1, None, None, f"the snapshot cannot be used: {exc}", fatal=True)
@@ -124,11 +127,16 @@ def replay(snapshot: bytes | None, entries: list[bytes], head: bytes | None,
         expected = registry.index + 1
         intact = True
         prev = None
-        if raw.startswith(ENTRY_MAGIC) and len(raw) >= FRAME:
+        if is_framed(raw):
             prev, stored_chain, body = raw[4:36], raw[36:68], raw[FRAME:]
-            intact = chain_digest(prev, body) == stored_chain
+            keyed = raw.startswith(KEYED_ENTRY_MAGIC)
+            if keyed and not key:
+                problem(position, None, None, "is keyed (written with a journal key) and no journal key is "
+                        "configured: set the allocator's journal key file", fatal=True)
+                return registry, report
+            intact = keyed == bool(key) and hmac.compare_digest(chain_digest(prev, body, key), stored_chain)
             framed = True
-        elif framed:
+        elif framed or key:
             body, stored_chain, intact = raw, None, False  # a frame that lost its magic
         else:
             body, stored_chain = raw, None
@@ -218,9 +226,10 @@ def replay(snapshot: bytes | None, entries: list[bytes], head: bytes | None,
     return registry, report
 
 
-def check(state: str, out=sys.stdout) -> int:
-    """`--check`: verify the journal stored at `state` without serving or
-    writing; print what was found; 0 if sound, 1 if not."""
+def check(state: str, out=sys.stdout, key: bytes | None = None) -> int:
+    """`--check`: verify the journal stored at `state` (its digests keyed
+    with `key`, the journal key, when given) without serving or writing;
+    print what was found; 0 if sound, 1 if not."""
     journal = open_journal(state)
     if not journal.durable:
         print("pagedkv allocator --check: --state memory keeps no journal to check", file=out)
@@ -229,9 +238,10 @@ def check(state: str, out=sys.stdout) -> int:
         loaded = journal.load(take_ownership=False, check_owner=False)
     finally:
         journal.close()
-    registry, report = replay(loaded.snapshot, loaded.entries, loaded.head, EventLog(1))
+    registry, report = replay(loaded.snapshot, loaded.entries, loaded.head, EventLog(1), key)
     p = lambda text: print(text, file=out)  # noqa: E731
     p(f"state: {journal.describe()}")
+    p(f"journal key: {'yes (digests are HMAC-SHA256 under it)' if key else 'none (Redis is trusted)'}")
     if loaded.snapshot is None:
         p("snapshot: none")
     else:

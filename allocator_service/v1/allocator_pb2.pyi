@@ -81,18 +81,20 @@ class PoolShape(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ...) -> None: ...
 
 class RegisterPoolRequest(_message.Message):
-    __slots__ = ("worker_id", "shape", "replace_credential", "advertise_url", "served_model_name")
+    __slots__ = ("worker_id", "shape", "replace_credential", "advertise_url", "served_model_name", "protocol_version")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     REPLACE_CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
     ADVERTISE_URL_FIELD_NUMBER: _ClassVar[int]
     SERVED_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     shape: PoolShape
     replace_credential: str
     advertise_url: str
     served_model_name: str
-    def __init__(self, worker_id: _Optional[str] = ..., shape: _Optional[_Union[PoolShape, _Mapping]] = ..., replace_credential: _Optional[str] = ..., advertise_url: _Optional[str] = ..., served_model_name: _Optional[str] = ...) -> None: ...
+    protocol_version: int
+    def __init__(self, worker_id: _Optional[str] = ..., shape: _Optional[_Union[PoolShape, _Mapping]] = ..., replace_credential: _Optional[str] = ..., advertise_url: _Optional[str] = ..., served_model_name: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class RegisterPoolResponse(_message.Message):
     __slots__ = ("pool_id", "epoch", "credential", "lease_ttl_s", "op_kinds")

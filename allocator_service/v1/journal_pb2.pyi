@@ -21,7 +21,7 @@ class JournalRecord(_message.Message):
     def __init__(self, index: _Optional[int] = ..., registered: _Optional[_Union[PoolRegistered, _Mapping]] = ..., step: _Optional[_Union[StepApplied, _Mapping]] = ..., dropped: _Optional[_Union[PoolDropped, _Mapping]] = ..., reset: _Optional[_Union[PrefixCacheReset, _Mapping]] = ...) -> None: ...
 
 class PoolRegistered(_message.Message):
-    __slots__ = ("pool_id", "worker_id", "epoch", "shape", "credential_digest", "advertise_url", "served_model_name")
+    __slots__ = ("pool_id", "worker_id", "epoch", "shape", "credential_digest", "advertise_url", "served_model_name", "protocol_version")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class PoolRegistered(_message.Message):
     CREDENTIAL_DIGEST_FIELD_NUMBER: _ClassVar[int]
     ADVERTISE_URL_FIELD_NUMBER: _ClassVar[int]
     SERVED_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     worker_id: str
     epoch: int
@@ -36,7 +37,8 @@ class PoolRegistered(_message.Message):
     credential_digest: bytes
     advertise_url: str
     served_model_name: str
-    def __init__(self, pool_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., shape: _Optional[_Union[_allocator_pb2.PoolShape, _Mapping]] = ..., credential_digest: _Optional[bytes] = ..., advertise_url: _Optional[str] = ..., served_model_name: _Optional[str] = ...) -> None: ...
+    protocol_version: int
+    def __init__(self, pool_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., shape: _Optional[_Union[_allocator_pb2.PoolShape, _Mapping]] = ..., credential_digest: _Optional[bytes] = ..., advertise_url: _Optional[str] = ..., served_model_name: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class StepApplied(_message.Message):
     __slots__ = ("pool_id", "step_id", "digest", "ops", "prev_step_id")

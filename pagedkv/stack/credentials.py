@@ -10,10 +10,13 @@ readable by its owner only:
 - `<WORKER_ID>.token`: that worker's `--allocator-token-file`;
 - `router-token`: the router's token (the allocator's and the router's
   `--router-token-file`);
-- `admin-token`: the allocator's `--admin-token-file`, for an operator.
+- `admin-token`: the allocator's `--admin-token-file`, for an operator;
+- `journal-key`: the allocator's journal key (`PAGEDKV_ALLOCATOR_JOURNAL_KEY_FILE`),
+  which keys the chain of its Redis journal.
 
 Written again only when the workers (ids or addresses) differ from the
-folder's: a restarted container keeps its token.
+folder's: a restarted container keeps its token. The journal key is written
+once and never again (the journal written under it must stay readable).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 WORKER_TOKENS, ROUTER_TOKEN, ADMIN_TOKEN = "worker-tokens", "router-token", "admin-token"
+JOURNAL_KEY = "journal-key"
 
 
 def worker_token_file(directory: Path, worker_id: str) -> Path:
@@ -60,6 +64,8 @@ def write_credentials(directory: str | os.PathLike, workers: Sequence[tuple[str,
     want = [(w, u.rstrip("/")) for w, u in workers]
     if len({w for w, _ in want}) != len(want) or len({u for _, u in want}) != len(want):
         raise ValueError("each worker needs an id and an address of its own")
+    if not (d / JOURNAL_KEY).exists():
+        write_secret(d / JOURNAL_KEY, secrets.token_urlsafe(32) + "\n")
     if _current(d) == want:
         return False
     table = []

@@ -84,6 +84,7 @@ from pathlib import Path
 
 from pagedkv.stack.credentials import (
     ADMIN_TOKEN,
+    JOURNAL_KEY,
     ROUTER_TOKEN,
     WORKER_TOKENS,
     worker_token_file,
@@ -293,6 +294,7 @@ class LocalStack:
         allocator_args: list[str] = []
         to_allocator: list[str] = []  # what every worker needs to call it
         router_to_allocator: list[str] = []  # and the router
+        allocator_env: dict[str, str] | None = None
         if self.token is not None:  # one shared worker token
             token_file = self._secret("allocator-token", self.token)
             allocator_args += ["--auth-token-file", str(token_file)]
@@ -308,6 +310,7 @@ class LocalStack:
             allocator_args += ["--worker-tokens-file", str(self.log_dir / WORKER_TOKENS),
                                "--admin-token-file", str(self.log_dir / ADMIN_TOKEN),
                                "--router-token-file", str(self.log_dir / ROUTER_TOKEN)]
+            allocator_env = {"PAGEDKV_ALLOCATOR_JOURNAL_KEY_FILE": str(self.log_dir / JOURNAL_KEY)}
             router_to_allocator += ["--router-token-file", str(self.log_dir / ROUTER_TOKEN)]
         if self.tls is not None:
             cert, key = self.tls
@@ -324,6 +327,7 @@ class LocalStack:
                 AllocatorProcess, ["--metrics-port", str(mport), "--state", _shard_state(state, i),
                                    *allocator_args, *self.allocator_args],
                 name=name, listen=f"{self.host}:{aport}", connect_host=connect, probe_grpc=self.tls is None,
+                env=allocator_env,
             )
             self.allocators.append(allocator)
             self.allocator_addresses.append(f"{connect}:{aport}")

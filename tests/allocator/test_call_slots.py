@@ -134,16 +134,19 @@ def test_the_workers_client_waits_for_a_slot_instead_of_failing():
         h.close()
 
 
-@given(st.lists(st.tuples(st.sampled_from("abc"), st.booleans()), max_size=30), st.integers(1, 3))
-def test_slots_count_calls_in_flight_per_tenant(events, per_tenant):
+@given(st.lists(st.tuples(st.sampled_from("abc"), st.booleans()), max_size=30), st.integers(1, 3),
+       st.none() | st.integers(1, 5))
+def test_slots_count_calls_in_flight_per_tenant(events, per_tenant, total):
     """Take (True) or end the oldest call (False) of a tenant: a take is
-    refused exactly when the tenant already has `per_tenant` in flight."""
-    slots = CallSlots(per_tenant)
+    refused exactly when the tenant already has `per_tenant` in flight, or
+    all tenants together `total`."""
+    slots = CallSlots(per_tenant, total)
     open_calls: dict[str, list] = {"a": [], "b": [], "c": []}
     for tenant, take in events:
         if take:
             held = slots.take(tenant)
-            if len(open_calls[tenant]) >= per_tenant:
+            everyone = sum(map(len, open_calls.values()))
+            if len(open_calls[tenant]) >= per_tenant or (total is not None and everyone >= total):
                 with pytest.raises(TooManyCalls):
                     held.__enter__()
             else:
@@ -152,3 +155,4 @@ def test_slots_count_calls_in_flight_per_tenant(events, per_tenant):
         elif open_calls[tenant]:
             open_calls[tenant].pop(0).__exit__(None, None, None)
         assert all(slots.in_flight(t) == len(c) for t, c in open_calls.items())
+        assert slots.in_flight() == sum(map(len, open_calls.values()))

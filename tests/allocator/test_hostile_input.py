@@ -6,15 +6,36 @@ from __future__ import annotations
 
 import grpc
 import pytest
+import redis as redis_client
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from allocator_service.client.grpc_client import error_reason
-from allocator_service.codec import encode_ops
-from allocator_service.core import Admit, Append, Fork, Free, Unreserve
+from allocator_service.codec import (
+    MAX_ERROR_MESSAGE_BYTES,
+    encode_ops,
+    result_to_proto,
+    step_answer_bound,
+)
+from allocator_service.config import Limits, ServiceConfig
+from allocator_service.core import (
+    Admit,
+    Append,
+    BlockPool,
+    Fork,
+    Free,
+    PoolConfig,
+    UnknownSequence,
+    Unreserve,
+    run_step,
+    step_columns,
+)
 from allocator_service.core.limits import MAX_BLOCK_SIZE, MAX_FINGERPRINT_LEN
+from allocator_service.rpc.server import create_server
+from allocator_service.service import AllocatorService
+from allocator_service.store.journal import open_journal, split_prefix
 from allocator_service.v1 import allocator_pb2 as pb
-from tests.support.allocator import DOCUMENTED, code_of, dump, register, stub
+from tests.support.allocator import DOCUMENTED, code_of, dump, random_steps, register, stub
 
 C = grpc.StatusCode
 FUZZ = settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
@@ -176,3 +197,87 @@ def test_watch_from_anywhere(env):
         assert first.sequence >= 1
         if start == 10**12:
             assert first.kind == pb.KV_EVENT_KIND_RESYNC_REQUIRED
+
+
+def test_a_step_whose_answer_cannot_fit_the_wire_is_refused_before_it_is_applied(redis_store):
+    """FORK x 300 of a 2,000-block sequence: an answer of 600,000 block ids,
+    more than the largest message (lowered here to 1 MiB; 16 MiB by
+    default, as a 2^19-block pool would need). It is refused with
+    RESOURCE_EXHAUSTED before anything is journaled: the pool's state, its
+    last step and the journal in Redis are as before, and the step id is
+    still free. Fewer forks of the same sequence are applied."""
+    with redis_store() as (url, _):
+        limit = 1 << 20
+        service = AllocatorService(ServiceConfig(limits=Limits(max_message_bytes=limit), snapshot_every=1 << 20),
+                                   open_journal(url))
+        server, port = create_server("127.0.0.1:0", service)
+        server.start()
+        s, md, channel = stub(f"127.0.0.1:{port}")
+        plain, prefix = split_prefix(url)
+        r = redis_client.Redis.from_url(plain)
+        try:
+            ref = register(s, md, "forker", num_blocks=65536, block_size=1)
+            s.Step(pb.StepRequest(pool=ref, step_id=1, ops=encode_ops([Admit("p", list(range(2000)))])), timeout=30)
+            journal = r.lrange(prefix + "journal", 0, -1), r.get(prefix + "head")
+
+            def state():  # (the pool's dump would not fit the lowered limit either)
+                stats = s.GetPoolStats(pb.GetPoolStatsRequest(pool=ref, check_integrity=True), timeout=30)
+                table = s.GetBlockTable(pb.GetBlockTableRequest(pool=ref, seq_id="p"), timeout=10)
+                child = code_of(s.GetBlockTable, pb.GetBlockTableRequest(pool=ref, seq_id="c0"), timeout=10)
+                return stats, list(table.block_ids), child
+
+            before = state()
+            assert before[0].num_sequences == 1 and before[1] == list(range(2000)) and before[2] == C.NOT_FOUND
+            attack = encode_ops([Fork("p", f"c{i}") for i in range(300)])
+            with pytest.raises(grpc.RpcError) as refused:
+                s.Step(pb.StepRequest(pool=ref, step_id=2, ops=attack, prev_step_id=1), timeout=60)
+            assert refused.value.code() == C.RESOURCE_EXHAUSTED
+            assert (r.lrange(prefix + "journal", 0, -1), r.get(prefix + "head")) == journal
+            assert state() == before and before[0].last_step_id == 1
+            assert error_reason(refused.value) == "answer_too_large"
+            # the step id is free, and a step whose answer fits is applied
+            fits = encode_ops([Fork("p", f"c{i}") for i in range(100)])
+            answer = s.Step(pb.StepRequest(pool=ref, step_id=2, ops=fits, prev_step_id=1), timeout=60)
+            assert list(answer.num_appended) == [2000] * 100 and answer.ByteSize() <= limit
+            assert s.GetPoolStats(pb.GetPoolStatsRequest(pool=ref), timeout=10).num_sequences == 101
+        finally:
+            r.close()
+            channel.close()
+            server.stop(0).wait()
+            service.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), block_size=st.sampled_from([1, 2, 4]), forks=st.integers(0, 40),
+       long_ids=st.booleans())
+def test_the_answer_bound_holds_for_every_step(seed, block_size, forks, long_ids):
+    """`step_answer_bound` before a step is at least the encoded size of
+    the answer it gets: mixed workloads (admits, appends with reserved
+    slots, copy-on-write, unreserves, frees, failures), then a step of
+    forks of forks; failing operations named by long ids (their reasons
+    are cut to MAX_ERROR_MESSAGE_BYTES)."""
+    pool = BlockPool(PoolConfig(256, block_size, True, "m"))
+
+    def held(seq):
+        try:
+            return pool.num_tokens(seq)
+        except UnknownSequence:
+            return None
+
+    def check(ops) -> pb.StepResponse:
+        step = step_columns(ops)
+        bound = step_answer_bound(step, pool.num_blocks, pool.block_size, held)
+        answer = result_to_proto(1, run_step(pool, step))
+        assert answer.ByteSize() <= bound
+        assert all(len(m.encode()) <= MAX_ERROR_MESSAGE_BYTES for m in answer.error_messages)
+        return answer
+
+    steps = random_steps(seed, 12)
+    for ops in steps:
+        check(ops)
+    live = [seq for seq in pool.tables()] or ["none"]
+    chain = [Fork(live[i % len(live)] if i % 3 else f"k{i - 1}", f"k{i}") for i in range(forks)]
+    check([Append(live[0], [1, 2, 3]), *chain])
+    ghost = ("\u2603" * 256) if long_ids else "ghost"
+    answer = check([Free(ghost), Append(ghost, [1]), Unreserve(ghost, 1), Fork(ghost, "x")])
+    assert list(answer.errors) == [pb.OP_ERROR_UNKNOWN_SEQUENCE] * 4

@@ -8,6 +8,7 @@ refused; `PAGEDKV_ALLOCATOR_REDIS_WAIT_REPLICAS` waits for a real replica."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -25,9 +26,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from allocator_service.client import EmbeddedAllocator, PoolLost, PoolSpec
 from allocator_service.client.grpc_client import GrpcAllocator
-from allocator_service.codec import encode_ops
-from allocator_service.core import PoolConfig
-from allocator_service.store.journal import ENTRY_MAGIC, ZERO_CHAIN, encode_entry, split_prefix
+from allocator_service.codec import PROTOCOL_VERSION, encode_ops
+from allocator_service.core import Admit, PoolConfig
+from allocator_service.store.journal import (
+    ENTRY_MAGIC,
+    ZERO_CHAIN,
+    chain_digest,
+    encode_entry,
+    head_marker,
+    split_prefix,
+)
 from allocator_service.v1 import allocator_pb2 as pb
 from allocator_service.v1 import journal_pb2 as jpb
 from pagedkv.stack.probes import free_port
@@ -52,16 +60,16 @@ def keys(url: str):
     return redis_lib.Redis.from_url(base), prefix
 
 
-def run_check(url: str) -> tuple[int, str]:
-    env = dict(os.environ, PYTHONPATH=ROOT)
+def run_check(url: str, env: dict[str, str] | None = None) -> tuple[int, str]:
+    env = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
     p = subprocess.run([sys.executable, "-m", "allocator_service", "--state", url, "--check"],
                        capture_output=True, text=True, timeout=60, env=env)
     assert "Traceback" not in p.stdout + p.stderr
     return p.returncode, p.stdout + p.stderr
 
 
-def start_fails(url: str, *extra: str) -> tuple[int, str]:
-    env = dict(os.environ, PYTHONPATH=ROOT)
+def start_fails(url: str, env: dict[str, str] | None = None, *extra: str) -> tuple[int, str]:
+    env = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
     p = subprocess.run([sys.executable, "-m", "allocator_service", "--listen", "127.0.0.1:0",
                         "--state", url, *extra], capture_output=True, text=True, timeout=60, env=env)
     assert "Traceback" not in p.stdout + p.stderr
@@ -216,6 +224,50 @@ def test_lost_tail_is_reported_and_the_worker_gets_pool_lost(store, allocator_se
     assert "Traceback" not in log
 
 
+def test_a_client_of_this_version_cannot_omit_prev_step_id_and_double_book(store, allocator_server):
+    """A pool registered with this protocol version must name prev_step_id
+    in every Step: after Redis lost the journal's tail (the step that gave
+    `b` its blocks), a Step without it is refused (INVALID_ARGUMENT) and
+    changes nothing, so `c` is never handed `b`'s blocks; with it, the
+    lost tail is caught (NOT_FOUND, the pool dropped). A pool registered
+    without a version (older clients) is not held to it."""
+    url, _ = store
+    with allocator_server("--state", url) as server:
+        port = server.port
+        s, md, channel = stub(server.address)
+        r = s.RegisterPool(pb.RegisterPoolRequest(
+            worker_id="w", shape=pb.PoolShape(num_blocks=8, block_size=4, model_fingerprint="m"),
+            protocol_version=PROTOCOL_VERSION), timeout=10)
+        ref = pb.PoolRef(pool_id=r.pool_id, credential=r.credential)
+        s.Step(pb.StepRequest(pool=ref, step_id=1, ops=encode_ops([Admit("a", list(range(8)))]), prev_step_id=0))
+        b = s.Step(pb.StepRequest(pool=ref, step_id=2, ops=encode_ops([Admit("b", list(range(8)))]), prev_step_id=1))
+        held_by_b = set(b.appended)
+        channel.close()
+        server.kill()
+    client, prefix = keys(url)
+    assert record_of(client.rpop(prefix + "journal")).step.step_id == 2  # the tail is lost
+    with allocator_server("--state", url, listen=f"127.0.0.1:{port}") as again:
+        s, md, channel = stub(again.address)
+        journal = client.lrange(prefix + "journal", 0, -1)
+        admit_c = encode_ops([Admit("c", list(range(100, 108)))])
+        with pytest.raises(grpc.RpcError) as refused:
+            s.Step(pb.StepRequest(pool=ref, step_id=3, ops=admit_c))
+        assert refused.value.code() == C.INVALID_ARGUMENT and "prev_step_id" in refused.value.details()
+        assert client.lrange(prefix + "journal", 0, -1) == journal
+        stats = s.GetPoolStats(pb.GetPoolStatsRequest(pool=ref, check_integrity=True))
+        assert (stats.last_step_id, stats.num_sequences, stats.used_blocks) == (1, 1, 2)
+        assert code_of(s.GetBlockTable, pb.GetBlockTableRequest(pool=ref, seq_id="c")) == C.NOT_FOUND
+        assert not held_by_b & set(s.GetBlockTable(pb.GetBlockTableRequest(pool=ref, seq_id="a")).block_ids)
+        # named, the lost tail is caught: the pool is dropped, the worker re-registers
+        assert code_of(s.Step, pb.StepRequest(pool=ref, step_id=3, ops=admit_c, prev_step_id=2)) == C.NOT_FOUND
+        assert code_of(s.GetPoolStats, pb.GetPoolStatsRequest(pool=ref)) == C.NOT_FOUND
+        # an older client's pool: prev_step_id may be left out
+        old = register(s, md, "older")
+        assert code_of(s.Step, pb.StepRequest(pool=old, step_id=1, ops=admit_c)) == C.OK
+        channel.close()
+    client.close()
+
+
 def test_prev_step_id_keeps_retries_idempotent(store, allocator_server):
     url, _ = store
     with allocator_server("--state", url) as server:
@@ -272,6 +324,73 @@ def test_older_journal_without_digests_still_loads(store, allocator_server):
     assert "written by an older version" in log
     code, out = run_check(url)
     assert code == 0, out
+
+
+def test_with_a_journal_key_an_edited_record_with_a_recomputed_chain_is_caught(store, allocator_server, tmp_path):
+    """Someone who can write to Redis but has not the journal key edits a
+    step record (its operations), recomputes the SHA-256 chain over every
+    later record and the head: `--check` with the key finds it, and the
+    allocator drops that pool. A forged snapshot is refused too. The same
+    journal read without the key is refused in one line, not trusted."""
+    url, _ = store
+    key_file = tmp_path / "journal-key"
+    key_file.write_text("k" * 43 + "\n")
+    keyed = {"PAGEDKV_ALLOCATOR_JOURNAL_KEY_FILE": str(key_file)}
+    with allocator_server("--state", url, env=keyed) as server:
+        s, md, channel = stub(server.address)
+        refs = [register(s, md, f"w{i}", num_blocks=24) for i in range(2)]
+        for n in range(4):
+            for i, ref in enumerate(refs):
+                s.Step(pb.StepRequest(pool=ref, step_id=n + 1, ops=encode_ops(random_steps(seed=30 + i, steps=4)[n]),
+                                      prev_step_id=n))
+        channel.close()
+        server.kill()
+    code, out = run_check(url, keyed)
+    assert code == 0 and "verdict: sound" in out, out
+    client, prefix = keys(url)
+    entries = client.lrange(prefix + "journal", 0, -1)
+    # the forger's edit: step 1 of w0 admits other tokens; the chain recomputed from there on
+    target = next(i for i, e in enumerate(entries) if record_of(e).WhichOneof("change") == "step")
+    record = record_of(entries[target])
+    assert record.step.pool_id == refs[0].pool_id
+    record.step.ops.tokens[0] ^= 1
+    forged = list(entries)
+    chain = entries[target][4:36]
+    for i in range(target, len(entries)):
+        body = record.SerializeToString() if i == target else entries[i][68:]
+        chain_next = chain_digest(chain, body)
+        forged[i] = entries[i][:4] + chain + chain_next + body  # the stored magic kept
+        chain = chain_next
+    client.delete(prefix + "journal")
+    client.rpush(prefix + "journal", *forged)
+    client.set(prefix + "head", head_marker(len(entries), chain))
+    code, out = run_check(url, keyed)
+    assert code == 1 and "fails its digest" in out and refs[0].pool_id in out, out
+    assert "journal key: yes" in out
+    code, out = run_check(url)  # without the key: a keyed journal is not read as if Redis were trusted
+    assert code == 1 and "no journal key is configured" in out, out
+    code, out = start_fails(url, keyed)  # every record after the edit fails: nothing to trust, no start
+    assert code == 1 and "cannot start" in out and "fails its digest" in out, out
+    # a snapshot written without the key is refused too
+    client.delete(prefix + "journal", prefix + "head", prefix + "snapshot")
+    with allocator_server("--state", url, env={**keyed, "PAGEDKV_ALLOCATOR_SNAPSHOT_EVERY": "1"}) as server:
+        s, md, channel = stub(server.address)
+        ref = register(s, md, "w")
+        deadline = time.monotonic() + 30
+        n = 0
+        while client.get(prefix + "snapshot") is None and time.monotonic() < deadline:
+            n += 1  # written off the hot path, after later changes
+            s.Step(pb.StepRequest(pool=ref, step_id=n, ops=encode_ops([]), prev_step_id=n - 1))
+            time.sleep(0.05)
+        channel.close()
+        server.kill()
+    snapshot = client.get(prefix + "snapshot")
+    assert snapshot.startswith(b"PKS3") and run_check(url, keyed)[0] == 0
+    body = snapshot[36:]
+    client.set(prefix + "snapshot", b"PKS2" + hashlib.sha256(body).digest() + body)
+    code, out = run_check(url, keyed)
+    assert code == 1 and "not keyed with the journal key" in out, out
+    client.close()
 
 
 def test_new_record_links_to_snapshot_chain():

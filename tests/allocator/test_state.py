@@ -161,7 +161,8 @@ def full_state(svc: AllocatorService) -> dict:
         "idle": list(reg.idle),
         "epoch_floor": reg.epoch_floor,
         "pools": {
-            p: (e.pool.to_state(), e.last_step_id, e.last_digest, e.last_response, e.credential_digest)
+            p: (e.pool.to_state(), e.last_step_id, e.last_digest, e.last_response, e.credential_digest,
+                e.protocol_version)
             for p, e in reg.pools.items()
         },
     }
@@ -173,6 +174,7 @@ def test_restart_from_journal_rebuilds_everything(snapshot_every):
     svc = AllocatorService(ServiceConfig(snapshot_every=snapshot_every), journal)
     a = svc.register("wa", SHAPE)
     b = svc.register("wb", SHAPE)
+    d = svc.register("wd", SHAPE, protocol_version=2)  # its Steps must name prev_step_id, after a restart too
     ref_a = pb.PoolRef(pool_id=a.pool_id, credential=a.credential)
     ref_b = pb.PoolRef(pool_id=b.pool_id, credential=b.credential)
     for i, (sa, sb) in enumerate(zip(random_steps(1, 40), random_steps(2, 40), strict=True), 1):
@@ -188,6 +190,7 @@ def test_restart_from_journal_rebuilds_everything(snapshot_every):
     again = AllocatorService(ServiceConfig(snapshot_every=snapshot_every), journal)
     assert full_state(again) == full_state(svc)
     assert c.pool_id not in again.registry.pools
+    assert again.registry.pools[d.pool_id].protocol_version == 2
     # The last step's answer survives, and a retry of it is not applied again.
     last = svc.registry.pools[a.pool_id].last_response
     assert again.step(ref_a, 40, encode_ops(random_steps(1, 40)[-1])) == last

@@ -21,14 +21,15 @@ def _files(d) -> dict[str, str]:
 def test_each_worker_gets_a_token_bound_to_its_id_and_address(tmp_path):
     assert write_credentials(tmp_path, WORKERS)
     files = _files(tmp_path)
-    assert set(files) == {"worker-tokens", "worker-1.token", "worker-2.token", "router-token", "admin-token"}
+    assert set(files) == {"worker-tokens", "worker-1.token", "worker-2.token", "router-token", "admin-token",
+                          "journal-key"}
     for p in tmp_path.iterdir():
         assert stat.S_IMODE(p.stat().st_mode) == 0o600, p
     grants = parse_worker_tokens(files["worker-tokens"])
     assert grants == {files["worker-1.token"].strip(): WorkerGrant("worker-1", "http://worker-1:8000"),
                       files["worker-2.token"].strip(): WorkerGrant("worker-2", "http://worker-2:8000")}
     tokens = [v.strip() for v in files.values() if "\n" == v[-1] and " " not in v.strip()]
-    assert len(set(tokens)) == len(tokens) == 4 and all(len(t) >= 40 for t in tokens)
+    assert len(set(tokens)) == len(tokens) == 5 and all(len(t) >= 40 for t in tokens)
 
 
 def test_a_restart_keeps_them_and_other_workers_renew_them(tmp_path):
@@ -40,6 +41,8 @@ def test_a_restart_keeps_them_and_other_workers_renew_them(tmp_path):
     assert set(parse_worker_tokens(_files(tmp_path)["worker-tokens"]).values()) >= {
         WorkerGrant("worker-3", "http://worker-3:8000")}
     assert _files(tmp_path)["router-token"] != first["router-token"]
+    # the journal key is never written again: the journal keyed with it stays readable
+    assert _files(tmp_path)["journal-key"] == first["journal-key"]
 
 
 def test_the_command_says_what_it_did_and_refuses_a_bad_worker(tmp_path):
