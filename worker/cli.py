@@ -35,6 +35,20 @@ PAGEDKV_WORKER_API_KEY is not set.
 """
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float", "half")
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+def gib_or_none(text: str) -> float:
+    """A size in GiB >= 0 ('none': 0)."""
+    if text.strip().lower() == "none":
+        return 0.0
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of GiB >= 0 or 'none', got {text!r}")
+    return value
 
 
 def default_worker_id() -> str:
@@ -92,6 +106,19 @@ class WorkerArgs:
     async_scheduling: bool = setting(
         True, "send each step's allocator call while the previous step computes, its token-dependent parts "
         "(hashes, frees) one step later; --no-async-scheduling turns it off")
+    kv_offloading_size: float = setting(
+        0.0, "GiB of host (CPU) memory for this worker's KV tier below its KV pool, as vLLM's flag: cached "
+        "blocks evicted from the pool are saved there and loaded back instead of computed (pinned memory and "
+        "side-stream copies on CUDA); 0 or 'none': no host tier. Needs prefix caching",
+        parse=gib_or_none, metavar="GIB")
+    kv_shared_store: bool = setting(
+        True, "save to and load from the KV store the allocator shares between its workers (its "
+        "--kv-shared-store), when it has one; --no-kv-shared-store opts out")
+    preemption_mode: str = setting(
+        "recompute", "what a preempted sequence's K/V becomes: 'recompute' (given back; its cached blocks may "
+        "still come back from a tier) or 'swap' (its blocks are copied to the host tier, half of which is kept "
+        "for them, and back at resume, so it computes only what it never computed; needs --kv-offloading-size)",
+        choices=PREEMPTION_MODES)
     num_lookahead_slots: int = setting(
         8, "slots an allocator call holds for each decoding sequence past its next token, so the next N steps "
         "make no call unless one runs out or requests arrive (0: a call every step)", metavar="N")
@@ -178,6 +205,9 @@ def engine_config(args: argparse.Namespace, dtype: str | None = None):
         enable_prefix_caching=w.enable_prefix_caching,
         async_scheduling=w.async_scheduling,
         num_lookahead_slots=w.num_lookahead_slots,
+        kv_offloading_size=w.kv_offloading_size,
+        kv_shared_store=w.kv_shared_store,
+        preemption_mode=w.preemption_mode,
         device=w.device,
         dtype=dtype or ("float32" if w.dtype == "auto" else canonical_dtype(w.dtype)),
         max_num_seqs=w.max_num_seqs,

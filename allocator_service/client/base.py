@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from allocator_service.core import (
@@ -23,7 +23,7 @@ from allocator_service.core import (
     run_step,
     step_columns,
 )
-from allocator_service.core.tiers import NO_REPORT, TierReport
+from allocator_service.core.tiers import NO_REPORT, SharedStore, TierReport
 
 
 class PoolLost(Exception):
@@ -62,6 +62,9 @@ class AllocatorClient(abc.ABC):
     op_kinds: frozenset[int] = frozenset(KINDS)
     # The shared KV store's URL (`file://...`, `redis://...`) this pool saves
     # to and loads from, learned at registration; None: the pool uses none.
+    # A pool registered with `use_shared_store` at an allocator that has no
+    # store is registered without it (`spec.config.use_shared_store` then
+    # says False): the worker asks to use the store if there is one.
     shared_store: str | None = None
 
     @abc.abstractmethod
@@ -99,11 +102,22 @@ class AllocatorClient(abc.ABC):
 
 
 class EmbeddedAllocator(AllocatorClient):
-    """The allocator core in the worker's own process."""
+    """The allocator core in the worker's own process. `shared_store`: the
+    store's URL and its index (`SharedStore(capacity_bytes)`), for the pool
+    to save to and load from when its config asks; several embedded
+    allocators given one index share the store (their steps on one thread)."""
 
-    def __init__(self, spec: PoolSpec) -> None:
+    def __init__(self, spec: PoolSpec, shared_store: tuple[str, SharedStore] | None = None) -> None:
+        config = spec.config
+        store = None
+        if config.use_shared_store:
+            if shared_store is None:
+                config = replace(config, use_shared_store=False)
+                spec = replace(spec, config=config)
+            else:
+                self.shared_store, store = shared_store
         self.spec = spec
-        self.pool = BlockPool(spec.config)
+        self.pool = BlockPool(config, store=store)
 
     def step(self, ops: Sequence[Op], report: TierReport = NO_REPORT) -> StepResults:
         return StepResults(run_step(self.pool, step_columns(ops, report)))

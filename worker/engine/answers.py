@@ -23,9 +23,11 @@ from collections.abc import Callable
 from allocator_service.client import AllocatorClient, AllocatorUnavailable, PoolLost
 from allocator_service.core import Free, Op, OpResult, StepResults
 from allocator_service.core.planner import after_append, after_unreserve
+from allocator_service.core.tiers import NO_REPORT, TierReport
 from worker.engine.health import AllocatorError, AllocatorHealth
 from worker.engine.sequence import Sequence, Status
 from worker.engine.step_plan import Batch, Planned, ScheduledSeq, StepPlan
+from worker.engine.tiers import EngineTiers
 
 
 class StepExchange:
@@ -43,6 +45,7 @@ class StepExchange:
     _flushed: list[Sequence]
     stall_backoff_s: tuple[float, float] = (0.05, 1.0)
     on_stall: Callable[[float], None] | None = None
+    tiers: EngineTiers | None = None
 
     # the scheduler's: end a sequence; send one back to wait (its blocks given back)
     finish: Callable[[Sequence, str], None]
@@ -50,6 +53,10 @@ class StepExchange:
 
     def _apply_results(self, plan: StepPlan, results: StepResults | list[OpResult], batch: Batch) -> None:
         """Apply the allocator's answers: block tables, copies, admissions, refusals."""
+        if self.tiers is not None and isinstance(results, StepResults):
+            moves = results.moves
+            if any(moves):
+                batch.moves = moves
         # `ops`: frees, forks, the finished's last Appends, unreserves, the running's Appends, admits
         ri = len(plan.ops) - len(plan.forks) - len(plan.flushes) - len(plan.unreserves) - len(plan.admitting)
         ri -= sum(1 for p in plan.running.values() if p.op is not None)
@@ -140,17 +147,22 @@ class StepExchange:
             batch.entries.append(ScheduledSeq(seq, start, known, seq.block_table))
 
     def _call(self, ops: list[Op], batch: Batch):
-        return self._received(lambda: self._send(ops), batch, ops)
+        report = self._report()
+        return self._received(lambda: self._send(ops, report), batch, ops, report)
 
-    def _send(self, ops: list[Op]) -> list[OpResult]:
+    def _report(self) -> TierReport:
+        """The tier report the next call carries (engine thread)."""
+        return NO_REPORT if self.tiers is None else self.tiers.take_report()
+
+    def _send(self, ops: list[Op], report: TierReport = NO_REPORT) -> list[OpResult]:
         """Send the step until it is answered (on the call thread, with async
-        scheduling and a remote allocator)."""
+        scheduling and a remote allocator), with the tiers' `report`."""
         pause = self.stall_backoff_s[0]
         health = self.health
         while True:
             health.call_started()
             try:
-                results = self.allocator.step(ops)
+                results = self.allocator.step(ops) if report is NO_REPORT else self.allocator.step(ops, report)
             except AllocatorUnavailable:
                 health.unanswered()
                 time.sleep(pause)
@@ -161,7 +173,8 @@ class StepExchange:
             health.answered()
             return results
 
-    def _received(self, answer: Callable[[], list[OpResult]], batch: Batch, ops: list[Op]):
+    def _received(self, answer: Callable[[], list[OpResult]], batch: Batch, ops: list[Op],
+                  report: TierReport = NO_REPORT):
         """The step's answer to `ops`, or None when the pool was lost (every
         running sequence is then preempted); a refusal becomes AllocatorError.
         A refused step applied nothing, so its Frees (sequences finished or
@@ -175,6 +188,8 @@ class StepExchange:
         except PoolLost:
             # Every block is gone: all running sequences start over.
             health.answered()  # the client registered a fresh pool
+            if self.tiers is not None:
+                self.tiers.pool_lost()
             for seq in list(self.running):
                 self._preempt(batch, seq, "pool_lost")
             self._to_free = []
@@ -186,6 +201,8 @@ class StepExchange:
         except Exception as exc:
             health.refused(exc)
             self._refused_frees.extend(op.seq for op in ops if isinstance(op, Free))
+            if self.tiers is not None:
+                self.tiers.give_back(report)
             raise AllocatorError("allocator_refused", "the allocator refused this worker's step") from exc
         finally:
             batch.allocator_seconds += time.perf_counter() - t0
@@ -211,4 +228,7 @@ class StepExchange:
             seq.admitted_once = True
         batch.cached_tokens += r.cached_tokens
         batch.queried_tokens += len(seq.token_ids)
-        batch.entries.append(ScheduledSeq(seq, r.cached_tokens, r.num_stored - r.cached_tokens, seq.block_table))
+        start = r.cached_tokens
+        if seq.swap is not None:  # resumed, its tail swapped out: copied back, not computed
+            start = self.tiers.swap_in(batch, seq, start, r.num_stored)  # type: ignore[union-attr]
+        batch.entries.append(ScheduledSeq(seq, start, r.num_stored - start, seq.block_table, r.cached_tokens))

@@ -27,6 +27,12 @@ class EngineConfig:
     # A call holds a sampling sequence's slots this far past its next token,
     # so the steps after it make no call until one runs out (lookahead.py).
     num_lookahead_slots: int = 8
+    # KV tiers (worker/engine/tiers.py): GiB of host memory below the KV pool
+    # (0: none), whether to use the allocator's shared store when it has
+    # one, and what a preempted sequence's K/V becomes ("recompute", "swap").
+    kv_offloading_size: float = 0.0
+    kv_shared_store: bool = True
+    preemption_mode: str = "recompute"
     device: str = "cpu"
     dtype: str = "float32"
     max_num_seqs: int = 64
@@ -60,5 +66,11 @@ class EngineConfig:
                              "must be positive")
         if self.advertise_url and not self.advertise_url.startswith(("http://", "https://")):
             raise ValueError(f"--advertise-url must be an http:// or https:// URL, got {self.advertise_url!r}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"--preemption-mode must be recompute or swap, got {self.preemption_mode!r}")
+        if self.kv_offloading_size and not self.enable_prefix_caching:
+            raise ValueError("--kv-offloading-size needs prefix caching (the tiers keep blocks by their hash)")
+        if self.preemption_mode == "swap" and not self.kv_offloading_size:
+            raise ValueError("--preemption-mode swap needs a host tier (--kv-offloading-size GIB)")
         if self.dtype not in WORKER_DTYPES:
             raise ValueError("--dtype must be float32, float16 or bfloat16")

@@ -19,6 +19,7 @@ import itertools
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 import torch
@@ -37,7 +38,9 @@ from worker.engine.output_processor import OutputProcessor, RequestOutput
 from worker.engine.sampling import SamplingError, SamplingParams, make_generator
 from worker.engine.scheduler import Batch, Scheduler
 from worker.engine.sequence import Sequence, Status, kv_in_use
+from worker.engine.tiers import EngineTiers, swap_slots_for
 from worker.metrics import WorkerMetrics
+from worker.tiers import HostTier, KVLayout
 
 log = logging.getLogger("pagedkv.worker")
 
@@ -66,7 +69,7 @@ class LLMEngine:
         self,
         loaded,
         config: EngineConfig,
-        allocator: AllocatorClient | None = None,
+        allocator: AllocatorClient | Callable[[PoolSpec], AllocatorClient] | None = None,
         metrics: WorkerMetrics | None = None,
     ) -> None:
         self.config = config
@@ -78,6 +81,20 @@ class LLMEngine:
         self.device = self.runner.device
         self.block_size = config.block_size
         self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
+        self.metrics = metrics or WorkerMetrics(config.worker_id, config.model,
+                                                model_name=config.served_model_name)
+        host, swap_slots, layout = None, 0, None
+        if config.enable_prefix_caching:  # (the tiers keep blocks by their hash)
+            layout = KVLayout.of_pool(self.kv_pool, loaded.fingerprint)
+            if config.kv_offloading_size:
+                host = HostTier.from_size(self.kv_pool, config.kv_offloading_size, meter=self.metrics.tier("host"))
+        if host is not None and config.preemption_mode == "swap":
+            swap_slots = swap_slots_for(host.num_slots)
+            if not swap_slots:
+                raise ValueError(f"--kv-offloading-size {config.kv_offloading_size:g} GiB holds "
+                                 f"{host.num_slots} block(s): too few for --preemption-mode swap")
+        tiers = None if layout is None else EngineTiers(self.kv_pool, layout, host, self.metrics,
+                                                        swap_slots=swap_slots)
         spec = PoolSpec(
             config.worker_id,
             PoolConfig(
@@ -85,19 +102,34 @@ class LLMEngine:
                 block_size=config.block_size,
                 enable_prefix_caching=config.enable_prefix_caching,
                 model_fingerprint=loaded.fingerprint,
+                host_blocks=tiers.host_blocks if tiers is not None else 0,
+                layout=layout.key if layout is not None else "",
+                block_bytes=layout.block_bytes if layout is not None else 0,
+                use_shared_store=tiers is not None and config.kv_shared_store,
             ),
             advertise_url=config.advertise_url,
             served_model_name=config.served_model_name or config.model,
         )
-        self.metrics = metrics or WorkerMetrics(config.worker_id, config.model,
-                                                model_name=config.served_model_name)
         if allocator is None:
             options = {}
             if config.allocator != "embedded":
                 options = {"auth_token": config.allocator_token, "tls_ca": config.allocator_tls_ca,
                            "on_unavailable": self._allocator_unavailable}
             allocator = connect(config.allocator, spec, **options)
+        elif not isinstance(allocator, AllocatorClient):  # a factory of the client, given the pool's spec
+            allocator = allocator(spec)
         self.allocator = allocator
+        if tiers is not None:
+            if allocator.spec.config.use_shared_store and allocator.shared_store:
+                try:
+                    tiers.open_store(allocator.shared_store)
+                except ValueError:  # the store's URL cannot be used here: no pool left behind
+                    allocator.close()
+                    raise
+            if tiers.host is None and tiers.store is None:
+                tiers = None  # no tier below the pool: nothing to do per step
+        self.tiers = tiers
+        self.runner.tiers = tiers
         self.metrics.watch_pool(self.allocator.stats, self.kv_pool.bytes_total)
         self.metrics.threads.set_function(torch.get_num_threads)
         self.scheduler = Scheduler(
@@ -109,6 +141,7 @@ class LLMEngine:
         self.metrics.slots_ahead.set_function(self.scheduler.slots_ahead)  # summed at scrape time, not per step
         # The allocator away: the step is sent again until answered (a stall, not an error).
         self.scheduler.on_stall = self.metrics.allocator_unavailable_seconds.inc
+        self.scheduler.tiers = tiers
         self.output_processor = OutputProcessor(loaded.tokenizer, loaded.eos_token_ids, self.max_model_len)
         self._seqs: dict[str, list[Sequence]] = {}  # request id -> its samples
         self._ids = itertools.count()
@@ -269,6 +302,11 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
+        if batch.tiered:
+            # Its tier moves, now: the step before it has computed (its
+            # blocks hold what they save), and the call sent next (async)
+            # reports what they became.
+            self.runner.apply_tiers(batch)
         if batch.allocator_call:  # (a step computed in slots held already waited for nothing)
             self.metrics.allocator_step.observe(batch.allocator_seconds)
             self.metrics.allocator_calls.inc()
@@ -276,9 +314,6 @@ class LLMEngine:
             running = self.scheduler.running  # as this step computes them, their blocks from its call
             self.metrics.peaks.observe(*kv_in_use(running, self.block_size), len(running))
         self.num_preemptions += len(batch.preempted)
-        if batch.queried_tokens:
-            self.metrics.prefix_queried.inc(batch.queried_tokens)
-            self.metrics.prefix_hit.inc(batch.cached_tokens)
         outputs = [self._failed_output(seq) for seq in batch.failed]
         now = time.monotonic()
         for entry in batch.entries:  # the queue time ends at the first schedule
@@ -290,6 +325,9 @@ class LLMEngine:
                 self.metrics.allocator_steps_ahead.inc()
         if batch.entries:
             outputs += self._run(batch)
+        if batch.queried_tokens:  # (after it computed: a tier load refused is not a hit)
+            self.metrics.prefix_queried.inc(batch.queried_tokens)
+            self.metrics.prefix_hit.inc(batch.cached_tokens)
         self.metrics.running.set(len(self.scheduler.running))
         self.metrics.waiting.set(len(self.scheduler.waiting))
         self.metrics.step_time.observe(time.perf_counter() - t0)

@@ -1,6 +1,7 @@
 """The model runner: the model, its KV pool, one forward pass per step.
 
-`execute(batch)` applies the step's copy-on-write block copies, builds the
+`execute(batch)` applies the step's copy-on-write block copies (with KV
+tiers, `apply_tiers` applied them among the tiers' moves already), builds the
 flat input ids and the attention metadata of every scheduled token (prefill
 chunks and decodes mixed), runs the model once, and samples a token for each
 sequence whose last known token was computed this step. A sequence that
@@ -22,6 +23,7 @@ from worker.engine.config import EngineConfig
 from worker.engine.sampling import Logprobs, logprobs_of, sample
 from worker.engine.scheduler import Batch, ScheduledSeq
 from worker.engine.sequence import Sequence
+from worker.engine.tiers import EngineTiers
 from worker.kv_pool import KVPool
 from worker.model.loaded import LoadedModel
 from worker.model.loader import resolve_dtype
@@ -50,6 +52,14 @@ class ModelRunner:
             self.kv_pool = KVPool.from_budget(config.kv_cache_memory or "512MiB", mc.num_layers,
                                               config.block_size, mc.num_kv_heads, mc.head_dim,
                                               dtype, self.device)
+        self.tiers: EngineTiers | None = None  # the KV tiers below the pool (set by the engine)
+
+    @torch.inference_mode()
+    def apply_tiers(self, batch: Batch) -> None:
+        """Apply the step's tier moves, and its copy-on-write copies among
+        them (worker/engine/tiers.py), once the step before it computed."""
+        self.tiers.apply(batch, self.kv_pool.copy_blocks)  # type: ignore[union-attr]
+        batch.copies = []
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> list[SampledToken]:

@@ -40,6 +40,7 @@ from worker.engine.health import AllocatorHealth
 from worker.engine.lookahead import plan_appends, unreserve_ahead
 from worker.engine.sequence import Sequence, Status
 from worker.engine.step_plan import Batch, InFlight, Planned, ScheduledSeq, StepPlan, priority_key
+from worker.engine.tiers import EngineTiers
 
 __all__ = ["Batch", "ScheduledSeq", "Scheduler"]
 
@@ -83,6 +84,7 @@ class Scheduler(StepExchange):
             raise ValueError("lookahead slots must be >= 0")
         self.lookahead = lookahead
         self.caching = allocator.spec.config.enable_prefix_caching
+        self.tiers: EngineTiers | None = None  # the KV tiers below the pool (set by the engine)
         self._inflight: InFlight | None = None
         # A remote call waits on the network and the server: it runs on one
         # thread of its own while the forward pass runs. The embedded core is
@@ -118,6 +120,8 @@ class Scheduler(StepExchange):
             self.forking.remove(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
+        if seq.swap is not None:
+            self.tiers.drop_swap(seq)  # type: ignore[union-attr]
 
     def slots_ahead(self) -> int:
         """Token slots the allocator holds for this scheduler's sequences
@@ -178,23 +182,24 @@ class Scheduler(StepExchange):
             return False
         batch.allocator_call = True
         t0 = time.perf_counter()
+        report = self._report()
         if self._executor is None:
             future = Future()
             try:
-                future.set_result(self._send(plan.ops))
+                future.set_result(self._send(plan.ops, report))
             except BaseException as exc:  # noqa: BLE001 - raised where the answer is collected
                 future.set_exception(exc)
         else:
-            future = self._executor.submit(self._send, plan.ops)
+            future = self._executor.submit(self._send, plan.ops, report)
         batch.allocator_seconds += time.perf_counter() - t0
-        self._inflight = InFlight(plan, batch, future)
+        self._inflight = InFlight(plan, batch, future, report)
         return True
 
     def _collect(self, inflight: InFlight) -> None:
         """Wait for a call sent ahead and apply its answer (the time waited is
         what the step pays for the allocator)."""
         batch = inflight.batch
-        results = self._received(lambda: inflight.future.result(), batch, inflight.plan.ops)
+        results = self._received(lambda: inflight.future.result(), batch, inflight.plan.ops, inflight.report)
         if results is not None:
             self._apply_results(inflight.plan, results, batch)
 
@@ -409,6 +414,8 @@ class Scheduler(StepExchange):
         joins this step (`plan`)."""
         if plan is not None:
             self._plan_preempted(plan, seq)
+            if self.tiers is not None and self.tiers.swapping:
+                self.tiers.swap_out(batch, seq)
         self.running.remove(seq)
         seq.reset_for_recompute()
         self.add(seq)

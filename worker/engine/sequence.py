@@ -76,6 +76,8 @@ class Sequence:
     # sequence's old id can never collide with its readmission
     alloc_id: str = ""
     _admissions: int = 0
+    # swap mode, while preempted: its K/V tail kept in the host tier (worker.engine.tiers.SwapStash)
+    swap: object | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from allocator_service.core import Admit, Append, Fork, Op
 from allocator_service.core.planner import PoolPlan, Taking
+from allocator_service.core.tiers import NO_REPORT, Moves, TierReport
 from worker.engine.sequence import Sequence
 
 
@@ -24,6 +25,7 @@ class ScheduledSeq:
     # scheduling may preempt the sequence, which resets its table, while
     # planning the next step, before this step's forward pass runs).
     table: list[int]
+    cached: int = 0  # of `num_computed`, the tokens its admission found cached (this step's admission)
 
     @property
     def samples(self) -> bool:
@@ -42,6 +44,17 @@ class Batch:
     allocator_call: bool = False  # its operations went out in an allocator call (else computed in slots held)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache this step
     queried_tokens: int = 0
+    # KV tiers (worker/engine/tiers.py): the answer's moves (None: no tier
+    # moves), and swap mode's copies of preempted tails, (KV blocks, swap
+    # slots) out and (swap slots, KV blocks) back in
+    moves: Moves | None = None
+    swap_out: list[tuple[list[int], list[int]]] = field(default_factory=list)
+    swap_in: list[tuple[list[int], list[int]]] = field(default_factory=list)
+
+    @property
+    def tiered(self) -> bool:
+        """Whether computing it moves bytes between tiers."""
+        return self.moves is not None or bool(self.swap_out) or bool(self.swap_in)
 
 
 @dataclass(slots=True)
@@ -105,3 +118,4 @@ class InFlight:
     plan: StepPlan
     batch: Batch
     future: Future
+    report: TierReport = NO_REPORT  # the tier report it carries (given back if it is refused)

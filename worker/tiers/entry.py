@@ -58,10 +58,10 @@ def _check_hash(block_hash: bytes) -> None:
         raise ValueError(f"a block hash is {HASH_BYTES} bytes, got {len(block_hash)}")
 
 
-def entry_key(layout: KVLayout, block_hash: bytes) -> str:
-    """The store key of `block_hash`'s entry in `layout`: `LAYOUT-HASH` in hex."""
+def entry_key(layout: KVLayout | str, block_hash: bytes) -> str:
+    """The store key of `block_hash`'s entry in `layout` (or the layout key): `LAYOUT-HASH` in hex."""
     _check_hash(block_hash)
-    return f"{layout.key}-{block_hash.hex()}"
+    return f"{layout if isinstance(layout, str) else layout.key}-{block_hash.hex()}"
 
 
 def encode_entry(layout: KVLayout, block_hash: bytes, payload: bytes | memoryview) -> bytes:

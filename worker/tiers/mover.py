@@ -97,13 +97,16 @@ class StoreMover:
         t0 = time.perf_counter()
         return self._put(hashes, self.host.read_slots(host_slots), t0)
 
-    def delete(self, hashes: Sequence[bytes]) -> bool:
-        """Remove the entries of `hashes`, best effort (the allocator's index already dropped
-        them); whether the store did."""
+    def delete(self, hashes: Sequence[bytes], layouts: Sequence[str] | None = None) -> bool:
+        """Remove the entries of `hashes` (of this mover's layout, or of `layouts[i]`: the
+        store's LRU drops any layout's entries), best effort (the allocator's index already
+        dropped them); whether the store did."""
         if not hashes or not self._may_try():
             return False
+        keys = ([entry_key(self.layout, h) for h in hashes] if layouts is None
+                else [entry_key(lay, h) for lay, h in zip(layouts, hashes, strict=True)])
         try:
-            self.store.delete_many([entry_key(self.layout, h) for h in hashes])
+            self.store.delete_many(keys)
         except StoreError as exc:
             self._failed(exc)
             return False

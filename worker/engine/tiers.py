@@ -1,0 +1,268 @@
+"""The KV tiers in the engine: the tier moves of the allocator's answers
+applied around the forward pass, and what became of them reported in a
+later step (docs/architecture.md, "Tiers").
+
+A step's moves ride its `Batch` (`moves`) and are applied by the model
+runner when it computes that batch, before its forward pass writes anything:
+(0) store deletes, (1) store saves, (2) host saves, then copy-on-write
+copies, then (4) host and store loads. Why at compute time and not when the
+answer arrives: with async scheduling the answer of step N+1 arrives before
+step N computes, and step N may still write the blocks step N+1 saves (the
+last tokens of a sequence freed in step N+1); batches compute in order, so
+every move of step N+1 comes after step N's forward pass and before its own.
+
+Confirmations: a host save on the CPU is written when `HostTier.save`
+returns; on CUDA when its transfer's event is done (`take_report` polls).
+A store save or load answers at once (`StoreMover`). `take_report` hands
+the finished ones to the next allocator call (a later step: with async
+scheduling the call sent while a batch computes reports the batch before).
+
+A store load that is not loaded (refused: format, layout, checksum; or the
+entry missing) is computed by the same forward pass: every scheduled entry
+whose computed prefix holds that block computes from it (`_recompute`), its
+tokens are not counted as cached, and the hash is reported `refused` (the
+allocator drops the entry). A store that does not answer is a miss the same
+way, but its entries are not reported (the store may come back).
+
+Swap (`--preemption-mode swap`): half of the host tier's slots are the
+worker's own (the allocator is given the other half). A preempted sequence
+is freed as in recompute mode (its full hashed blocks become cached free
+blocks, saved to the host tier when evicted, found again at resume), and
+the worker copies the K/V of its blocks into its own slots: all of them
+when they fit, else the last ones, as long as they include every block the
+allocator cannot find (the partial last block, and full blocks whose token
+values no call carried yet); with less room nothing is kept. At resume the
+admission finds what it finds (KV pool, host tier, store), the kept blocks
+past it are copied back into the new blocks, and only the tokens never
+computed are computed. A resume that finds less than the kept blocks start
+from recomputes from what it found. (Why copies of blocks the allocator may
+also keep: a block evicted in the resume's own step is pending in the host
+tier, not findable, in that step.)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import NamedTuple
+
+from allocator_service.core.tiers import NO_REPORT, Moves, TierReport
+from worker.engine.step_plan import Batch
+from worker.kv_pool import KVPool
+from worker.metrics import TierMetrics, WorkerMetrics
+from worker.tiers import HostTier, KVLayout, StoreMover, Transfer, open_store
+
+__all__ = ["EngineTiers", "SwapStash", "swap_slots_for"]
+
+log = logging.getLogger("pagedkv.worker")
+
+
+class SwapStash(NamedTuple):
+    """A preempted sequence's tail in swap slots: slot i holds the block of
+    token positions `start + i * block_size ...`; K/V of positions up to `end`."""
+
+    slots: list[int]
+    start: int  # a block boundary: the first position the allocator cannot find
+    end: int  # positions [start, end) hold computed K/V
+
+
+def swap_slots_for(host_slots: int) -> int:
+    """Host slots kept for swapped-out sequences in swap mode: half of the host tier."""
+    return host_slots // 2
+
+
+class EngineTiers:
+    """One worker's tiers below its KV pool: its host tier (or None), its
+    store mover (`open_store`, or None), the swap slots, and the report of
+    moves done not yet sent."""
+
+    def __init__(self, pool: KVPool, layout: KVLayout, host: HostTier | None, metrics: WorkerMetrics, *,
+                 swap_slots: int = 0) -> None:
+        self.pool = pool
+        self.layout = layout
+        self.block_size = pool.block_size
+        self.host = host
+        self.metrics = metrics
+        self.store: StoreMover | None = None
+        n = host.num_slots if host is not None else 0
+        if swap_slots and (host is None or not 0 < swap_slots < n):
+            raise ValueError(f"{swap_slots} swap slots do not fit a host tier of {n} slots")
+        # The allocator's part of the host tier (slots 0..host_blocks-1); the rest is the swap stash's.
+        self.host_blocks = n - swap_slots
+        self.swapping = swap_slots > 0
+        self._swap_free: deque[int] = deque(range(self.host_blocks, n))
+        self._host_meter: TierMetrics | None = metrics.tier("host") if host is not None else None
+        self._store_meter: TierMetrics | None = None
+        self._report: TierReport = TierReport([], [], [], [], [])
+        self._saving: deque[tuple[Transfer, list[int]]] = deque()  # host saves in flight (CUDA)
+        self._written: set[int] = set()  # host slots of the allocator's part holding saved bytes
+
+    def open_store(self, url: str) -> None:
+        """Use the shared store at `url` (StoreOpenError, one line, when it cannot be used)."""
+        self._store_meter = self.metrics.tier("shared")
+        self.store = StoreMover(open_store(url), self.layout, self.pool, host=self.host, meter=self._store_meter)
+
+    # ------------------------------------------------------------ the report
+    def take_report(self) -> TierReport:
+        """What the moves applied so far became (since the last call): for
+        the next allocator call. NO_REPORT when nothing."""
+        saving = self._saving
+        while saving and saving[0][0].done():
+            self._report.saved.extend(saving.popleft()[1])
+        if self.host is not None:
+            self.host.poll()
+        report = self._report
+        if not any(report):
+            return NO_REPORT
+        self._report = TierReport([], [], [], [], [])
+        return report
+
+    def give_back(self, report: TierReport) -> None:
+        """The call that carried `report` was refused (it applied nothing): it rides the next one."""
+        if report is NO_REPORT:
+            return
+        for mine, theirs in zip(self._report, report, strict=True):
+            mine[:0] = theirs
+
+    def pool_lost(self) -> None:
+        """The allocator dropped the pool: a report names the old pool's moves, so none goes out."""
+        self._report = TierReport([], [], [], [], [])
+        self._saving.clear()
+        self._written.clear()
+        self._set_used()
+
+    # ------------------------------------------------------------- the moves
+    def apply(self, batch: Batch, copy_blocks) -> None:
+        """Apply `batch`'s tier moves and copy-on-write copies (`copy_blocks`)
+        in their order, before its forward pass (the module docstring)."""
+        host, store, report = self.host, self.store, self._report
+        for blocks, slots in batch.swap_out:  # before anything of this step writes a block
+            host.save(blocks, slots)  # type: ignore[union-attr]
+        m = batch.moves
+        if m is not None:
+            if m.store_deletes and store is not None:
+                store.delete(m.store_deletes, m.store_delete_layouts)
+            if m.store_saves:
+                self._store_saves(m)
+            if m.host_saves:
+                self._host_saves(m.host_saves[0::2], m.host_saves[1::2])
+        if batch.copies:
+            if host is not None:
+                host.wait()  # a copy may write a block a host save reads
+            copy_blocks(batch.copies)
+        if m is not None:
+            if m.host_loads:
+                host.load(m.host_loads[0::2], m.host_loads[1::2])  # type: ignore[union-attr]
+                self._host_meter.hit_tokens.inc(len(m.host_loads) // 2 * self.block_size)  # type: ignore[union-attr]
+            if m.store_loads:
+                missed = self._store_loads(m, report)
+                if missed:
+                    self._recompute(batch, missed)
+        for slots, blocks in batch.swap_in:
+            host.load(slots, blocks)  # type: ignore[union-attr]
+        if host is not None:
+            host.wait()  # the forward pass reads loaded blocks and writes saved ones
+            self._set_used()
+
+    def _store_saves(self, m: Moves) -> None:
+        store, hashes, src = self.store, m.store_saves, m.store_save_from
+        if store is None:
+            ok = [False] * len(hashes)
+        elif self.host is not None:
+            ok = store.save_slots(src, hashes)
+        else:
+            ok = store.save_blocks(src, hashes)
+        for h, good in zip(hashes, ok, strict=True):
+            (self._report.store_saved if good else self._report.store_failed).append(h)
+
+    def _host_saves(self, kv_blocks: list[int], slots: list[int]) -> None:
+        try:
+            transfer = self.host.save(kv_blocks, slots)  # type: ignore[union-attr]
+        except (ValueError, RuntimeError) as exc:  # ids out of range, a copy that failed: the saves failed
+            log.warning("host tier: %d saves failed: %s", len(slots), exc)
+            self._report.failed.extend(slots)
+            return
+        self._written.update(slots)
+        if transfer.done():
+            self._report.saved.extend(slots)
+        else:
+            self._saving.append((transfer, list(slots)))
+
+    def _store_loads(self, m: Moves, report: TierReport) -> set[int]:
+        """Load the store's entries; the KV blocks not loaded."""
+        hashes, blocks = m.store_loads, m.store_load_to
+        if self.store is None:
+            return set(blocks)
+        missed: set[int] = set()
+        loaded = 0
+        for h, block, outcome in zip(hashes, blocks, self.store.load_blocks(hashes, blocks), strict=True):
+            if outcome.loaded:
+                loaded += 1
+                continue
+            missed.add(block)
+            if outcome.reason != "unavailable":  # refused or missing: the allocator drops the entry
+                report.refused.append(h)
+        if loaded:
+            self._store_meter.hit_tokens.inc(loaded * self.block_size)  # type: ignore[union-attr]
+        return missed
+
+    def _recompute(self, batch: Batch, missed: set[int]) -> None:
+        """Entries whose computed prefix holds a block not loaded compute from
+        that block on (in this forward pass); those tokens are not cached."""
+        bs = self.block_size
+        for e in batch.entries:
+            table = e.table
+            for i in range(e.num_computed // bs):
+                if table[i] in missed:
+                    start = i * bs
+                    e.num_new += e.num_computed - start
+                    e.num_computed = start
+                    lost = max(0, e.cached - start)
+                    if lost:
+                        e.cached -= lost
+                        batch.cached_tokens -= lost
+                        if e.seq.num_preemptions == 0:  # its first admission: what usage reports
+                            e.seq.num_cached_tokens -= lost
+                    break
+
+    def _set_used(self) -> None:
+        if self._host_meter is not None and self.host is not None:
+            in_use = len(self._written) + (self.host.num_slots - self.host_blocks - len(self._swap_free))
+            self._host_meter.set_used(in_use * self.host.block_bytes)
+
+    # ------------------------------------------------------------------- swap
+    def swap_out(self, batch: Batch, seq) -> None:
+        """`seq` is preempted in the step `batch` computes: keep the tail of
+        its K/V the allocator cannot find in swap slots (`seq.swap`)."""
+        bs = self.block_size
+        end = seq.num_stored
+        last = -(-end // bs)  # blocks holding computed K/V
+        # every block it can keep, last ones first; at least those the allocator cannot find
+        first = max(0, last - len(self._swap_free))
+        if end <= 0 or first > seq.num_valued // bs or seq.prompt_logprobs is not None:
+            return  # no room for what only this worker holds: recomputed at resume
+        blocks = seq.block_table[first:last]
+        slots = [self._swap_free.popleft() for _ in blocks]
+        batch.swap_out.append((blocks, slots))
+        seq.swap = SwapStash(slots, first * bs, end)
+
+    def swap_in(self, batch: Batch, seq, cached: int, num_stored: int) -> int:
+        """`seq` (with a stash) is admitted in `batch` holding `num_stored`
+        tokens, `cached` found: where its computation starts (the stash
+        copied into its new blocks when it continues what was found)."""
+        stash, seq.swap = seq.swap, None
+        self._swap_free.extend(stash.slots)  # a later save into them comes after this load
+        bs = self.block_size
+        end = min(stash.end, num_stored - 1)  # at least the last token is computed
+        if cached < stash.start or num_stored != len(seq.token_ids) or end <= cached:
+            return cached
+        first = (cached - stash.start) // bs
+        count = -(-(end - cached) // bs)
+        batch.swap_in.append((stash.slots[first : first + count], seq.block_table[cached // bs : cached // bs + count]))
+        return end
+
+    def drop_swap(self, seq) -> None:
+        """`seq` finished while its tail was swapped out: the slots are free."""
+        if seq.swap is not None:
+            self._swap_free.extend(seq.swap.slots)
+            seq.swap = None
