@@ -252,9 +252,10 @@ class LocalStack:
     def _add(self, cls, *args, **kw):
         """Make a service of this stack (its log file, colour, console; dies with the launcher)."""
         name = kw.get("name") or args[0]
+        env = {**self.env, **(kw.pop("env", None) or {})}  # the stack's, then this service's own
         service = cls(*args, log_path=self.log_dir / f"{name}.log", console=self.console,
                       colour=_COLOURS[len(self.services) % len(_COLOURS)], die_with_parent=True,
-                      env=self.env, **kw)
+                      env=env, **kw)
         self.services[service.name] = service
         return service
 
