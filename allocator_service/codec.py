@@ -24,6 +24,7 @@ from allocator_service.core import (
     step_columns,
 )
 from allocator_service.core import step as core_step
+from allocator_service.core.limits import max_table_entries
 from allocator_service.v1 import allocator_pb2 as pb
 
 # NOTE: the core numbers kinds and per-operation errors as the wire enums do,
@@ -163,7 +164,9 @@ def step_answer_bound(step: StepColumns, num_blocks: int, block_size: int,
     kinds, reserved = step.kinds, step.num_reserved
     n = len(kinds)
     id_bytes = max(1, ((num_blocks - 1).bit_length() + 6) // 7)
-    growth = (len(step.tokens) + (sum(reserved) if reserved else 0)) // block_size + 2 * n
+    # only an ADMIT or APPEND takes blocks: a partial one and a copy each, at most
+    writers = sum(1 for k in kinds if k == core_step.APPEND or k == core_step.ADMIT)
+    growth = (len(step.tokens) + (sum(reserved) if reserved else 0)) // block_size + 2 * writers
     ids = growth
     if step.children:
         lengths: dict[str, int] = {}  # children forked in this step -> their bound
@@ -179,6 +182,10 @@ def step_answer_bound(step: StepColumns, num_blocks: int, block_size: int,
             lengths[step.children[forks]] = bound
             forks += 1
             ids += bound
+    # Appended ids become table entries (a copy-on-write replaces one, at most
+    # one per writer): past the pool's bound on entries an operation fails
+    # whole (`pool_limit`) and appends nothing.
+    ids = min(ids, max_table_entries(num_blocks) + writers)
     # Per operation: an error (1 byte), five uint32 columns (5 each), one
     # copy's two ids, a reason; the ids; the fields' tags and lengths.
     return 128 + n * (26 + 2 * id_bytes + MAX_ERROR_MESSAGE_BYTES + 3) + ids * id_bytes
