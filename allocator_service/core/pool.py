@@ -622,7 +622,8 @@ class BlockPool:
     def free(self, seq_id: str) -> None:
         """Drop a sequence. Blocks no other table names return to the free
         queue: uncached ones in table order, cached ones (still findable)
-        into the evictable queue tail first."""
+        into the evictable queue tail first; with a shared store, cached
+        ones the store lacks are written through to it."""
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             raise UnknownSequence(seq_id)
@@ -639,6 +640,9 @@ class BlockPool:
             self._clock += 1
             self._stamp[b] = self._clock
             self._cached_free[b] = None
+        if self.tiers is not None:
+            for b in reversed(cached):  # tail first: a full store drops a chain's tail before its head
+                self.tiers.released(b, block_hash[b])  # type: ignore[arg-type]
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached hash of the KV pool; cached free blocks become

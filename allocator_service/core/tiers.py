@@ -21,15 +21,22 @@ in the current step) never chosen as victims. Invariants (checked by
 (or none), the store saves it has pending, and the moves issued since the
 last `take_moves`. The rules it applies (docs/architecture.md, "Tiers"):
 
+- a cached KV block freed by its last sequence (its K/V computed and
+  hashed) is written through to the store, unless the store has its hash:
+  a prefix one worker computed is found by every other worker as soon as
+  its saves are confirmed, and not only once it falls out of a host tier;
 - a cached KV block that leaves the KV pool (evicted, its hash held by no
-  other block) is saved to the host tier unless the hash is there already;
-  with no host tier, to the store unless the hash is there already;
+  other block) is saved to the host tier unless the hash is there already,
+  and to the store when the store lacks it (its write-through was skipped);
 - a host slot needed when the host tier is full takes its LRU present
-  entry's slot, saving that entry to the store first (when the pool uses
-  the store and the store lacks it); the store full drops its LRU present
+  entry's slot; that entry leaves the host tier (its copy in the store, when
+  the store kept it, is found there); the store full drops its LRU present
   entries, each a store delete;
 - a save that cannot find room (everything pending or pinned) is skipped:
-  the block leaves the tiers (`skipped`).
+  the block leaves that tier (`skipped`).
+
+Every store save reads a KV block (`Moves.store_save_from`): a freed or
+evicted block keeps its bytes until the step's forward pass, after the moves.
 
 Determinism: every decision reads only the tiers' state and the operations
 applied to them, in order; no set or dict is iterated whose order depends
@@ -259,7 +266,7 @@ class Moves(NamedTuple):
     store_deletes: list[bytes]  # (0) hashes to remove from the store, best effort ...
     store_delete_layouts: list[str]  # ... each under this layout
     store_saves: list[bytes]  # (1) hashes to write to the store (this pool's layout) ...
-    store_save_from: list[int]  # ... each from this host slot (a pool with no host tier: KV block)
+    store_save_from: list[int]  # ... each from this KV block
     host_saves: list[int]  # (2) (KV block, host slot) pairs, flattened
     host_loads: list[int]  # (4) (host slot, KV block) pairs, flattened
     store_loads: list[bytes]  # (4) hashes to read from the store (this pool's layout) ...
@@ -288,7 +295,7 @@ TIER_COUNTERS = (
     "host_hit_tokens",  # prompt tokens admissions loaded from the host tier
     "store_hit_tokens",  # ... from the shared store
     "host_saves",  # KV -> host saves issued
-    "store_saves",  # host (or KV) -> store saves issued
+    "store_saves",  # KV -> store saves issued (at release or eviction)
     "host_loads",
     "store_loads",
     "saves_confirmed",  # host and store saves a worker confirmed written
@@ -304,7 +311,8 @@ class PoolTiers:
     """One pool's tiers: its `HostTier` (None: no host tier), the
     `SharedStore` it uses (None: none), the store saves it has pending, and
     the moves issued since the last `take_moves`. `BlockPool` calls
-    `evicted` when a cached block leaves the KV pool, `find` and `load` at
+    `released` when a cached block's last sequence frees it, `evicted` when
+    a cached block leaves the KV pool, `find` and `load` at
     admission, `confirm` at the start of a step, and `take_moves` at its end."""
 
     __slots__ = ("host", "store", "layout", "block_bytes", "store_pending", "counters", "_moves")
@@ -370,22 +378,26 @@ class PoolTiers:
             self.counters["store_hit_tokens"] += block_size
 
     # ------------------------------------------------------------- eviction
+    def released(self, block: int, h: bytes) -> None:
+        """Cached KV block `block` (hash `h`) is freed by its last sequence:
+        write it through to the store unless the store has it."""
+        if self.store is not None:
+            self._store_save(h, block)
+
     def evicted(self, block: int, h: bytes) -> None:
         """Cached KV block `block` is reused and no other block holds `h`:
-        save it one tier down unless that tier has it already."""
+        save it to each tier below that lacks it."""
         host = self.host
-        if host is not None:
-            if h in host.lru:
-                return
+        if host is not None and h not in host.lru:
             slot = self._host_slot()
             if slot is None:
                 self.counters["saves_skipped"] += 1
-                return
-            host.lru.add_pending(h, slot, 1)
-            host.slot_hash[slot] = h
-            self._m().host_saves.extend((block, slot))
-            self.counters["host_saves"] += 1
-        elif self.store is not None:
+            else:
+                host.lru.add_pending(h, slot, 1)
+                host.slot_hash[slot] = h
+                self._m().host_saves.extend((block, slot))
+                self.counters["host_saves"] += 1
+        if self.store is not None:
             self._store_save(h, block)
 
     def _host_slot(self) -> int | None:
@@ -399,8 +411,6 @@ class PoolTiers:
         slot = host.lru.drop(v)[0]  # type: ignore[index]
         host.slot_hash[slot] = None
         self.counters["host_evictions"] += 1
-        if self.store is not None:
-            self._store_save(v, slot)  # type: ignore[arg-type]
         return slot
 
     def _store_save(self, h: bytes, src: int) -> None:

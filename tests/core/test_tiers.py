@@ -154,11 +154,8 @@ class TiersMachine(RuleBasedStateMachine):
                 self.store_bytes.pop((layout, h), None)
         for h, src in zip(r.store_saves, r.store_save_from, strict=True):  # (1)
             assert h not in w.flight_store
-            w.flight_store[h] = w.host[src] if w.host else w.kv[src]
-            if not w.host:  # a KV block saved to the store: its bytes are its hash's
-                assert w.kv[src] == h
-            else:  # only a present entry is saved on: its bytes are there
-                assert w.host[src] == h
+            assert w.kv[src] == h  # a freed or evicted KV block: its bytes are its hash's until the forward pass
+            w.flight_store[h] = w.kv[src]
         saves = r.host_saves
         for i in range(0, len(saves), 2):  # (2)
             b, slot = saves[i], saves[i + 1]

@@ -1,8 +1,9 @@
 """KV tiers on a hand-worked case, and determinism.
 
 A 4-block pool of 2-token blocks, a host tier of 4 slots and a store of 8
-entries: which block is saved to which slot, what falls to the store, what
-an admission loads from where, and `cached_tokens`, step by step (the
+entries: what a free writes through to the store, which evicted block is
+saved to which slot, what an admission loads from where, and
+`cached_tokens`, step by step (the
 reasoning is in each step's comment). Then: the same steps replayed into a
 fresh pool and store, or through `to_state`/`from_state` half-way, give the
 same answers and the same tier state.
@@ -50,81 +51,83 @@ def moves(r: StepResult) -> dict:
 MOVES = StepResult._fields[StepResult._fields.index("error_messages") + 1 :]
 
 
-def test_saves_fall_down_and_loads_come_back() -> None:
+def test_freed_blocks_go_to_the_store_and_evicted_ones_to_the_host_tier() -> None:
     store = SharedStore(8 * 100)
     pool = BlockPool(CONFIG, store=store)
     hA, hB, hD = hashes(A), hashes(B), hashes(D)
+    counters = pool.tiers.counters
 
     # A's 7 tokens take blocks 0-3; its three full blocks are hashed.
     r = step(pool, [Admit("a", A)])
     assert r.appended == [0, 1, 2, 3] and moves(r) == {}
 
-    # A is freed: block 3 (no hash) is first out, then the cached ones tail
-    # first (2, 1, 0). B reuses all four: each evicted hash goes to the host
-    # tier, slots in order.
+    # A is freed: its cached blocks are written through to the store, tail
+    # first. B reuses all four blocks (block 3, unhashed, first, then the
+    # cached ones tail first): each evicted hash goes to a host slot, in
+    # order; the store has them (pending) already.
     r = step(pool, [Free("a"), Admit("b", B)])
     assert r.appended == [3, 2, 1, 0]
-    assert moves(r) == {"host_saves": [2, 0, 1, 1, 0, 2]}
-    # Not confirmed yet: nothing is findable in the host tier.
+    assert moves(r) == {"store_saves": [hA[2], hA[1], hA[0]], "store_save_from": [2, 1, 0],
+                        "host_saves": [2, 0, 1, 1, 0, 2]}
+    # Not confirmed yet: A is in no tier that finds it.
     assert pool.tier_blocks(hA[:3]) == (0, 0, 0)
 
-    # The worker confirms the three saves; B is freed.
-    r = step(pool, [Free("b")], saved=[0, 1, 2])
-    assert moves(r) == {}
-    assert pool.tier_blocks(hA[:3]) == (0, 3, 0)
+    # The worker confirms; B is freed and written through.
+    r = step(pool, [Free("b")], saved=[0, 1, 2], store_saved=[hA[2], hA[1], hA[0]])
+    assert moves(r) == {"store_saves": [hB[2], hB[1], hB[0]], "store_save_from": [1, 2, 3]}
+    assert pool.tier_blocks(hA[:3]) == (0, 3, 0)  # (KV pool, host tier, store): the host tier first
 
-    # A again: its 3 cached blocks are in the host tier. Each takes a fresh
-    # block and is loaded into it: block 0 (uncached), then 1 and 2 (B's
-    # cached blocks, tail first: B's last hash goes to the free slot 3; the
-    # next finds every other slot pinned by this admission's loads and is
-    # skipped), and block 3 computes A's last token.
-    r = step(pool, [Admit("c", A)])
+    # A again: its 3 blocks load from the host tier into fresh blocks:
+    # block 0 (unhashed), then 1 and 2 (B's, evicted tail first: B's last
+    # hash takes the free slot 3; the next finds every other slot pinned by
+    # this admission's loads and is skipped). Block 3 computes A's last token.
+    r = step(pool, [Admit("c", A)], store_saved=[hB[2], hB[1], hB[0]])
     assert r.appended == [0, 1, 2, 3] and r.cached_tokens == [6] and r.num_stored == [7]
     assert moves(r) == {"host_saves": [1, 3], "host_loads": [2, 0, 1, 1, 0, 2]}
-    assert pool.tiers.counters["saves_skipped"] == 2
+    assert counters["saves_skipped"] == 2
+    assert pool.tier_blocks(hB[:3]) == (0, 0, 3)  # the host save of B's last block is pending
 
-    # C is freed and D reuses its blocks: A's hashes are in the host tier
-    # already, so nothing is saved.
-    r = step(pool, [Free("c"), Admit("d", D)], saved=[3])
-    assert r.appended == [3, 2, 1, 0] and moves(r) == {}
-
-    # E reuses D's blocks. The host tier is full (LRU: A's three, loaded
-    # last step, then B's): each of D's hashes takes the LRU slot, whose
-    # entry is first saved to the store (store saves come before host saves).
-    r = step(pool, [Free("d"), Admit("e", E)])
-    assert r.appended == [0, 1, 2, 3]
-    assert moves(r) == {
-        "store_saves": [hA[0], hA[1], hA[2]], "store_save_from": [2, 1, 0],
-        "host_saves": [1, 2, 2, 1, 3, 0],
-    }
-    assert pool.tier_blocks(hA[:3]) == (0, 0, 0)  # pending in the store
-
-    # Confirmed; A again finds its blocks in the store, and loads them into
-    # blocks 3, 2, 1; the blocks it takes evict E's hashes into the host
-    # tier, whose LRU entries (B's, then D's) fall to the store first.
-    r = step(pool, [Free("e"), Admit("f", A)], saved=[2, 1, 0], store_saved=hA[:3])
+    # B again, once its last block's host save is confirmed: its head from
+    # the store, its last block from the host tier. C's blocks it evicts are
+    # in both tiers: nothing is saved.
+    r = step(pool, [Free("c"), Admit("d", B)], saved=[3])
     assert r.appended == [3, 2, 1, 0] and r.cached_tokens == [0, 6]
-    assert moves(r) == {
-        "store_saves": [hB[2], hD[2], hD[1]], "store_save_from": [3, 2, 1],
-        "host_saves": [2, 3, 1, 2, 0, 1],
-        "store_loads": [hA[0], hA[1], hA[2]], "store_load_to": [3, 2, 1],
-    }
-    assert pool.stats().prefix_hit_tokens == 12
-    assert pool.tiers.counters["host_hit_tokens"] == 6 and pool.tiers.counters["store_hit_tokens"] == 6
+    assert moves(r) == {"host_loads": [3, 1], "store_loads": [hB[0], hB[1]], "store_load_to": [3, 2]}
 
-    # The worker's report: one store save written, one failed, and one load
+    # D evicts B's blocks: B's last is in the host tier; the other two take
+    # the LRU host slots (A's head, then A's second): A leaves the host tier
+    # and is still found, in the store.
+    r = step(pool, [Free("d"), Admit("e", D)])
+    assert moves(r) == {"host_saves": [2, 2, 3, 1]}
+    assert pool.tier_blocks(hA[:3]) == (0, 1, 2) and counters["host_evictions"] == 2
+
+    # D is freed: written through, the third save dropping the store's LRU
+    # entry (A's last block: a chain's tail was saved, so dropped, first). E
+    # evicts D's blocks into the LRU host slots; the third finds only
+    # pending slots and is skipped.
+    r = step(pool, [Free("e"), Admit("f", E)])
+    assert moves(r) == {"store_deletes": [hA[2]], "store_delete_layouts": ["L"],
+                        "store_saves": [hD[2], hD[1], hD[0]], "store_save_from": [2, 1, 0],
+                        "host_saves": [2, 0, 1, 3]}
+    assert counters["saves_skipped"] == 3
+
+    # The worker's report: two store saves written, one failed, a store load
     # refused (a bad checksum): the failed and refused entries leave the
-    # index, and their keys are deleted, first of the answer's moves.
-    r = step(pool, [], store_saved=[hB[2], hD[1]], store_failed=[hD[2]], refused=[hA[1]])
-    assert moves(r) == {"store_deletes": [hD[2], hA[1]], "store_delete_layouts": ["L", "L"]}
-    assert list(store.lru.present) == [("L", hA[0]), ("L", hA[2]), ("L", hB[2]), ("L", hD[1])]
-    assert store.lru.used == 400 and not store.lru.pending
-    assert pool.tiers.counters["refused"] == 1 and pool.tiers.counters["saves_failed"] == 1
+    # index and their keys are deleted, first of the answer's moves. D's head
+    # is in no tier, so D is not found at all.
+    r = step(pool, [], saved=[0, 3], store_saved=[hD[2], hD[1]], store_failed=[hD[0]], refused=[hB[0]])
+    assert moves(r) == {"store_deletes": [hD[0], hB[0]], "store_delete_layouts": ["L", "L"]}
+    assert pool.tier_blocks(hD[:3]) == (0, 0, 0) and pool.tier_blocks(hB[:3]) == (0, 0, 0)
+    assert [h for _, h in store.lru.present] == [hA[1], hA[0], hB[2], hB[1], hD[2], hD[1]]
+    assert store.lru.used == 600 and not store.lru.pending
+    assert pool.stats().prefix_hit_tokens == 12
+    assert counters["host_hit_tokens"] == 8 and counters["store_hit_tokens"] == 4
+    assert counters["refused"] == 1 and counters["saves_failed"] == 1
 
 
 def test_a_full_store_drops_its_lru_entry() -> None:
-    """No host tier: KV -> store directly; a store of two entries drops the
-    least recently used present one (a store delete) for a third."""
+    """No host tier: KV -> store at release; a store of two entries drops
+    the least recently used present one (a store delete) for a third."""
     config = PoolConfig(2, 2, True, "m", layout="L", block_bytes=100, use_shared_store=True)
     store = SharedStore(200)
     pool = BlockPool(config, store=store)
@@ -135,18 +138,24 @@ def test_a_full_store_drops_its_lru_entry() -> None:
     r = step(pool, [Free("b"), Admit("c", [3, 3, 9])])
     assert moves(r) == {"store_saves": [h2], "store_save_from": [1]}
     # A pending entry is never a victim: with h1 and h2 pending the store
-    # has no room for h3, whose save is skipped.
-    r = step(pool, [Free("c"), Admit("d", [4, 4, 9])])
+    # has no room for h3, whose write-through is skipped.
+    r = step(pool, [Free("c")])
     assert moves(r) == {} and pool.tiers.counters["saves_skipped"] == 1
-    # Confirmed: C's prompt is in no tier (computed), and the next save (h4)
-    # drops h1, the least recently used entry: a store delete, before it.
-    r = step(pool, [Free("d"), Admit("e", [3, 3, 9])], store_saved=[h1, h2])
-    assert r.cached_tokens == [0, 0]
+    # Confirmed: when h3's block is evicted the store lacks it, so it is
+    # saved then, dropping h1, the least recently used entry: a store
+    # delete, before it.
+    r = step(pool, [Admit("d", [4, 4, 9])], store_saved=[h1, h2])
+    assert r.appended == [1, 0]
     assert moves(r) == {"store_deletes": [h1], "store_delete_layouts": ["L"],
+                        "store_saves": [h3], "store_save_from": [0]}
+    # A pending entry is not found: C's prompt is computed.
+    r = step(pool, [Free("d"), Admit("e", [3, 3, 9])])
+    assert r.cached_tokens == [0, 0]
+    assert moves(r) == {"store_deletes": [h2], "store_delete_layouts": ["L"],
                         "store_saves": [h4], "store_save_from": [1]}
     # A dropped pool's unconfirmed saves leave the store.
-    assert pool.drop_store_pending() == 1
-    assert list(store.lru.present) == [("L", h2)] and not store.lru.pending
+    assert pool.drop_store_pending() == 2
+    assert not store.lru.present and not store.lru.pending and store.lru.used == 0
 
 
 def test_confirmations_are_checked() -> None:

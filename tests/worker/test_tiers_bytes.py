@@ -278,9 +278,9 @@ def test_kv_to_store_to_kv_gives_the_same_bytes(store, dtype):
     mover = StoreMover(store, layout, pool, host=host, meter=metrics.tier("shared"))
     saved = {b: block_bytes(pool, b) for b in range(pool.num_blocks)}
     hs = hashes(6, layout.key)
-    assert mover.save_blocks([3, 1, 4], hs[:3]) == [True] * 3  # KV -> store (no host tier on the way)
-    host.save([5, 9, 2], [2, 0, 3])
-    assert mover.save_slots([2, 0, 3], hs[3:]) == [True] * 3  # host -> store (falling down)
+    assert mover.save_blocks([3, 1, 4], hs[:3]) == [True] * 3
+    host.save([5, 9, 2], [2, 0, 3])  # a host save beside the store's: the store reads KV blocks only
+    assert mover.save_blocks([5, 9, 2], hs[3:]) == [True] * 3
     fresh = make_pool(dtype, seed=1)
     pool.k_blocks.copy_(fresh.k_blocks)
     pool.v_blocks.copy_(fresh.v_blocks)

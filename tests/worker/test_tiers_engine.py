@@ -57,7 +57,9 @@ def tokens(engine: LLMEngine, ps, params=GREEDY) -> list[list[int]]:
 
 
 def settle(engine: LLMEngine) -> dict[str, int]:
-    """The last frees and confirmations sent; the pool intact; its tier counters."""
+    """The last frees sent, then the confirmations of the saves they caused;
+    the pool intact; its tier counters."""
+    engine.step()
     engine.step()
     pool = engine.allocator.pool
     assert pool.integrity_problems() == []
@@ -119,8 +121,8 @@ def test_no_tier_hits_less(tiny, reference):
 @pytest.mark.parametrize("host_blocks", [0, 16])
 def test_two_engines_share_the_store(tiny, reference, tmp_path, host_blocks):
     """Two workers on one store (one index, a `file://` directory): the second
-    loads what the first computed. With a small host tier, its evictions fall
-    down to the store."""
+    loads what the first computed, written through to the store when freed,
+    with a small host tier or none."""
     index = SharedStore(1000 * 2048)
     store = (f"file://{tmp_path}", index)
     size = gib(tiny, host_blocks)

@@ -154,6 +154,10 @@ class StepExchange:
         """The tier report the next call carries (engine thread)."""
         return NO_REPORT if self.tiers is None else self.tiers.take_report()
 
+    def _report_due(self) -> bool:
+        """Whether a tier report waits to be sent (a call is due for it alone)."""
+        return self.tiers is not None and self.tiers.report_due()
+
     def _send(self, ops: list[Op], report: TierReport = NO_REPORT) -> list[OpResult]:
         """Send the step until it is answered (on the call thread, with async
         scheduling and a remote allocator), with the tiers' `report`."""

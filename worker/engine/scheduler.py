@@ -135,9 +135,10 @@ class Scheduler(StepExchange):
         # collects it). Until answered it is work: the engine steps to collect
         # it, so nothing else (an idle probe) calls the client meanwhile; so
         # is a refused one, whose error must not fail the next request.
+        # A tier report due is work too: a step sends it alone.
         inflight = self._inflight
         return bool(self.waiting or self.running or self._to_free or self.forking or self._free_later
-                    or self._finishing or self._flushed
+                    or self._finishing or self._flushed or self._report_due()
                     or (inflight and (not inflight.future.done() or inflight.future.exception() is not None
                                       or inflight.plan.running or inflight.plan.admitting or inflight.plan.forks)))
 
@@ -152,7 +153,7 @@ class Scheduler(StepExchange):
             return inflight.batch
         batch = Batch()
         plan = self._plan(batch, frozenset())
-        if not plan.ops:  # nothing to send: computed in slots held already
+        if not plan.ops and not self._report_due():  # nothing to send: computed in slots held already
             self._apply_results(plan, [], batch)
             return batch
         batch.allocator_call = True
@@ -175,7 +176,7 @@ class Scheduler(StepExchange):
         ahead = [s for s in sampling if len(s.token_ids) < s.max_computed_tokens]
         batch = Batch()
         plan = self._plan(batch, frozenset(ahead))
-        if not plan.ops:  # nothing to send: computed in slots held already
+        if not plan.ops and not self._report_due():  # nothing to send: computed in slots held already
             future: Future = Future()
             future.set_result([])
             self._inflight = InFlight(plan, batch, future)

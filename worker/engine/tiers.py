@@ -117,6 +117,12 @@ class EngineTiers:
         self._report = TierReport([], [], [], [], [])
         return report
 
+    def report_due(self) -> bool:
+        """Whether moves applied are done and not reported yet: the engine
+        steps to report them even with nothing else to send (a save is found
+        by other workers only once reported)."""
+        return any(self._report) or bool(self._saving and self._saving[0][0].done())
+
     def give_back(self, report: TierReport) -> None:
         """The call that carried `report` was refused (it applied nothing): it rides the next one."""
         if report is NO_REPORT:
@@ -166,12 +172,7 @@ class EngineTiers:
 
     def _store_saves(self, m: Moves) -> None:
         store, hashes, src = self.store, m.store_saves, m.store_save_from
-        if store is None:
-            ok = [False] * len(hashes)
-        elif self.host is not None:
-            ok = store.save_slots(src, hashes)
-        else:
-            ok = store.save_blocks(src, hashes)
+        ok = [False] * len(hashes) if store is None else store.save_blocks(src, hashes)
         for h, good in zip(hashes, ok, strict=True):
             (self._report.store_saved if good else self._report.store_failed).append(h)
 

@@ -8,10 +8,10 @@ bytes and says per block whether it could:
 - `HostTier` (host.py): tier 1, host memory (pinned, side-stream copies on CUDA);
 - `open_store` (store.py): tier 2's backends, `file://PATH` and `redis://HOST:PORT/DB`;
 - `encode_entry` / `decode_entry` (entry.py): a store entry's header and checks;
-- `StoreMover` (mover.py): KV blocks and host slots to the store and back.
+- `StoreMover` (mover.py): KV blocks to the store and back.
 
 A step applies its moves in this order before the forward pass writes: store saves
-(`StoreMover.save_slots`), host saves (`HostTier.save`), copy-on-write copies after
+(`StoreMover.save_blocks`), host saves (`HostTier.save`), copy-on-write copies after
 `HostTier.wait()`, loads (`HostTier.load`, `StoreMover.load_blocks`), then
 `HostTier.wait()` before the forward.
 """

@@ -1,5 +1,5 @@
-"""The worker's side of the shared store (tier 2): KV blocks and host slots to the
-store by block hash, and entries back into KV blocks.
+"""The worker's side of the shared store (tier 2): KV blocks to the store by block
+hash, and entries back into KV blocks.
 
 Every call answers per block and never raises for the store's sake: a store that
 stops answering makes its loads misses (`unavailable`) and its saves failures (the
@@ -50,7 +50,7 @@ UNAVAILABLE = LoadOutcome(False, "unavailable")
 
 
 class StoreMover:
-    """Moves one worker's blocks between its KV pool (and host tier) and a shared store."""
+    """Moves one worker's blocks between its KV pool and a shared store."""
 
     def __init__(self, store: KVStore, layout: KVLayout, pool: KVPool, *, host: HostTier | None = None,
                  meter: TierMeter | None = None, retry_interval_s: float = 1.0,
@@ -85,17 +85,6 @@ class StoreMover:
         t0 = time.perf_counter()
         rows = gather(self.pool, kv_blocks).cpu().view(len(kv_blocks), -1).view(torch.uint8).numpy()
         return self._put(hashes, [memoryview(row) for row in rows], t0)
-
-    def save_slots(self, host_slots: Sequence[int], hashes: Sequence[bytes]) -> list[bool]:
-        """Write host slots `host_slots[i]` as the entries of `hashes[i]` (falling down from
-        the host tier); per slot, whether its bytes are in the store."""
-        if self.host is None:
-            raise ValueError("this store mover has no host tier")
-        self._check_pairs(host_slots, hashes)
-        if not host_slots or not self._may_try():
-            return [False] * len(host_slots)
-        t0 = time.perf_counter()
-        return self._put(hashes, self.host.read_slots(host_slots), t0)
 
     def delete(self, hashes: Sequence[bytes], layouts: Sequence[str] | None = None) -> bool:
         """Remove the entries of `hashes` (of this mover's layout, or of `layouts[i]`: the
