@@ -330,8 +330,9 @@ def tables(report: dict) -> list[Table]:
             for name, s in report["summary"].items()]
     other = (report["summary"].get(SHARED) or {}).get("other_worker") or {}
     notes = [
-        f"KV pool {w['kv_pool_blocks']} blocks of {w['block_size']} tokens ({w['block_bytes']} B each), about "
-        f"1/{KV_SHARE} of the working set ({w['working_set_blocks']} blocks planned, "
+        f"KV pool {w['kv_pool_blocks']} blocks of {w['block_size']} tokens ({w['block_bytes']} B each), "
+        f"{w['kv_pool_blocks'] / w['working_set_blocks']:.0%} of the working set (1/{KV_SHARE}, or one whole "
+        f"request where that is more; {w['working_set_blocks']} blocks planned, "
         f"{cell(w['working_set_blocks_measured'])} measured); host tier {w['host_tier_blocks']} blocks; shared store "
         f"{w['shared_store_blocks']} blocks; unbounded pool {w['unbounded_blocks']} blocks",
         f"host prefix-hit tokens / unbounded's: {cell(g['host_prefix_hits_of_unbounded'])} (target >= 0.9); "
