@@ -22,6 +22,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "serve": ("pagedkv.bench.serve", "this engine vs transformers generate on one workload"),
     "route": ("pagedkv.bench.route", "the router's policies (kv, least-load, round-robin) on a multi-tenant workload"),
     "restart": ("pagedkv.bench.restart", "the allocator restarted under load: failed requests and wrong texts"),
+    "tiers": ("pagedkv.bench.tiers", "the KV tiers (none, host, host + shared store) on multi-turn chats"),
 }
 REPORT = ("pagedkv.bench.report", "render the committed benchmark results (JSON) as Markdown")
 

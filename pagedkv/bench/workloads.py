@@ -15,6 +15,8 @@ it works (the test suite runs it); its figures compare nothing.
   messages of mixed lengths (`chat_prompts`).
 - `ROUTE` (`bench route`): several tenants, each with its own long system
   prompt and several conversations, shuffled together (`tenant_conversations`).
+- `TIERS` (`bench tiers`): multi-turn chats, each turn the whole history plus
+  a new user message (`multi_turn_chats`).
 - `warmup_prompts`: random ids that share no block with any of the above.
 """
 
@@ -273,3 +275,53 @@ def tenant_conversations(tokenizer, tenants: int, prompt_tokens: int, conversati
                 for i in range(tenants) for j in range(conversations)]
     rng.shuffle(requests)
     return requests
+
+
+# -- multi-turn chats (bench tiers) --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TiersWorkload:
+    what: str = field(compare=False)
+    model: str = "tiny-random"
+    conversations: int = 9  # odd: round-robin over two workers changes worker at every turn
+    turns: int = 8  # per conversation, each sending the whole history plus a new message
+    system_tokens: int = 64  # about, per conversation's own system prompt
+    user_tokens: int = 96  # about, per new user message
+    max_tokens: int = 32  # generated per turn, EOS ignored
+    block_size: int = 16
+    rounds: int = 2  # interleaved
+    seed: int = 0
+
+
+TIERS = {
+    "default": TiersWorkload("9 conversations x 8 turns, ~96 new tokens and 32 generated per turn, 2 rounds"),
+    "small": TiersWorkload("5 conversations x 3 turns, ~24 new tokens and 4 generated per turn, 1 round",
+                           conversations=5, turns=3, system_tokens=16, user_tokens=24, max_tokens=4,
+                           block_size=4, rounds=1),
+}
+
+
+@dataclass(frozen=True)
+class Chat:
+    """One conversation's system prompt and its user messages, one per turn."""
+
+    system: str
+    users: tuple[str, ...]
+
+
+def multi_turn_chats(tokenizer, conversations: int, turns: int, system_tokens: int, user_tokens: int,
+                     seed: int) -> list[Chat]:
+    """`conversations` chats, each with a system prompt of its own (about
+    `system_tokens` tokens) and `turns` user messages of about `user_tokens`."""
+    rng = random.Random(seed)
+
+    def text(head: str, tokens: int) -> str:
+        words = [head]
+        while len(tokenizer.encode(" ".join(words))) < tokens:
+            words.append(rng.choice(WORDS))
+        return " ".join(words)
+
+    return [Chat(text(f"You are the assistant of conversation {c}.", system_tokens),
+                 tuple(text(f"Turn {t} of conversation {c}:", user_tokens) for t in range(turns)))
+            for c in range(conversations)]
