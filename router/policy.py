@@ -8,15 +8,19 @@ only when it is not, as SGLang's cache-aware router does:
   AND are more than `Balance.rel_threshold` times them. Overloaded workers
   go last, least loaded first: a placement never goes to one while another
   is under the thresholds.
-- The others are ranked by the prompt's tokens the worker's pool holds
-  (`cached_tokens`: its `MatchPrefix` answer, or what a prompt being
-  prefilled there shares with it); a match under `Balance.cache_threshold`
-  of the prompt counts as none (a preamble every prompt shares must not
+- The others are ranked by the prompt's tokens the worker holds, weighed
+  by tier: its KV pool's (`cached_tokens`: its `MatchPrefix` answer, or what
+  a prompt being prefilled there shares with it) count whole, its host
+  tier's half (`host_tokens`, a copy to load) and the shared store's a
+  quarter (`store_tokens`, a read every worker of the store could make);
+  a match (all tiers) under `Balance.cache_threshold` of the prompt counts
+  as none (a preamble every prompt shares must not
   draw every new prefix to the one worker that holds it). Then a worker
   where the placement evicts no cached prefix before one where it does: a
   prompt needs `blocks(prompt) - cached_tokens / block_size` new blocks,
   and those beyond the pool's free blocks that hold no cached prefix
-  (`clean_free`) are taken from cached ones. Then the least loaded (fewest
+  (`clean_free`) are taken from cached ones (a tier hit takes a fresh
+  block, as a miss does). Then the least loaded (fewest
   in flight, then least usage), then in turn.
 
 Short spikes of in-flight requests below the thresholds change no
@@ -31,9 +35,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 POLICIES = ("kv", "least-load", "round-robin")
+TIER_WEIGHTS = (1.0, 0.5, 0.25)  # a cached token in the KV pool, the host tier, the shared store
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +52,8 @@ class Candidate:
     in_flight: int = 0  # its requests through this router, not yet answered in full
     block_size: int = 0  # 0: unknown: no eviction is counted
     clean_free: int | None = None  # free blocks holding no cached prefix; None: unknown (all free ones)
+    host_tokens: int = 0  # of this prompt past `cached_tokens`, in its host tier
+    store_tokens: int = 0  # ... past those, in the shared store
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,12 +70,22 @@ def usage(c: Candidate) -> float:
 
 
 def counted(c: Candidate, prompt_tokens: int, balance: Balance) -> Candidate:
-    """`c` with its match as the ranking counts it: none when under the cache threshold."""
+    """`c` with its match as the ranking counts it: none when its tiers
+    together hold less than the cache threshold of the prompt."""
     cached = min(c.cached_tokens, max(prompt_tokens, 0))
-    if cached and cached < balance.cache_threshold * prompt_tokens:
-        cached = 0
-    return c if cached == c.cached_tokens else Candidate(c.key, cached, c.free_blocks, c.num_blocks, c.in_flight,
-                                                         c.block_size, c.clean_free)
+    host = min(c.host_tokens, max(prompt_tokens - cached, 0))
+    store = min(c.store_tokens, max(prompt_tokens - cached - host, 0))
+    if cached + host + store < balance.cache_threshold * prompt_tokens:
+        cached = host = store = 0
+    if (cached, host, store) == (c.cached_tokens, c.host_tokens, c.store_tokens):
+        return c
+    return replace(c, cached_tokens=cached, host_tokens=host, store_tokens=store)
+
+
+def weighed(c: Candidate) -> float:
+    """The tokens `c` holds, each tier weighed (`TIER_WEIGHTS`)."""
+    kv, host, store = TIER_WEIGHTS
+    return kv * c.cached_tokens + host * c.host_tokens + store * c.store_tokens
 
 
 def evicted_blocks(c: Candidate, prompt_tokens: int) -> int:
@@ -110,6 +127,6 @@ def rank(policy: str, candidates: Sequence[Candidate], prompt_tokens: int, turn:
         if overloaded(c, least, balance):
             return (1, 0, 0, *load(c))
         m = counted(c, prompt_tokens, balance)
-        return (0, -m.cached_tokens, evicted_blocks(m, prompt_tokens) > 0, *load(c))
+        return (0, -weighed(m), evicted_blocks(m, prompt_tokens) > 0, *load(c))
 
     return sorted(candidates, key=kv)

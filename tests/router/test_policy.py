@@ -139,3 +139,28 @@ def test_usage_errors_are_one_line():
     out = subprocess.run(run, capture_output=True, text=True, timeout=60, env={"PAGEDKV_ROUTER_LISTEN": "nope",
                                                                                 "PATH": ""})
     assert out.returncode == 2 and "PAGEDKV_ROUTER_LISTEN='nope'" in out.stderr
+
+
+@given(st.integers(1, 9), st.integers(0, 3), st.integers(0, 100))
+def test_a_hit_in_the_kv_pool_outweighs_one_in_the_host_tier_and_that_one_in_the_store(blocks, busier, turn):
+    """The same prompt held whole by three workers, each in another tier: the
+    KV pool's holder first, then the host tier's, then the store's, whatever
+    their load under the thresholds; a worker holding part in its KV pool and
+    the rest in the store beats one holding it all in the store."""
+    n = blocks * 16
+    kv = Candidate("http://kv", n, 64, 64, 1 + busier, 16)
+    host = Candidate("http://host", 0, 64, 64, busier, 16, host_tokens=n)
+    store = Candidate("http://store", 0, 64, 64, 0, 16, store_tokens=n)
+    assert [c.key for c in rank("kv", [store, host, kv], n, turn)] == ["http://kv", "http://host", "http://store"]
+    part = Candidate("http://part", 16, 64, 64, 1 + busier, 16, store_tokens=n - 16)
+    assert rank("kv", [store, part], n, turn)[0].key == "http://part"
+
+
+@given(st.integers(0, 4), st.integers(0, 100))
+def test_tiers_count_toward_the_cache_threshold(busier, turn):
+    """A prompt of ten blocks, one in the KV pool and the rest in the host tier:
+    past the threshold together, so it stays with that worker though busier."""
+    holder = Candidate("http://a", 16, 64, 64, 1 + busier, 16, clean_free=64, host_tokens=144)
+    other = Candidate("http://b", 0, 64, 64, 0, 16, clean_free=64)
+    assert rank("kv", [holder, other], 160, turn)[0].key == "http://a"
+    assert rank("kv", [with_(holder, host_tokens=0), other], 160, turn)[0].key == "http://b"
