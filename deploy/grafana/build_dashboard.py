@@ -88,6 +88,26 @@ ROWS: list[tuple[str, list[tuple]]] = [
          quantiles("pagedkv_allocator_rpc_duration_seconds", by="le, method", sel="", qs=(0.5, 0.99),
                    prefix="{{method}} "), {}),
     ]),
+    ("KV tiers (host tier, shared store)", [
+        ("Tier used / capacity", "percentunit", [
+            (f"pagedkv_worker_kv_tier_used_bytes{{{W}}} / pagedkv_worker_kv_tier_capacity_bytes{{{W}}}",
+             "{{worker}} {{tier}}"),
+        ], {"max": 1}),
+        ("Prompt tokens loaded from a tier / s (cached, not computed)", "short",
+         [(rate("pagedkv_worker_kv_tier_hit_tokens_total", "worker, tier"), "{{worker}} {{tier}}")], {}),
+        ("Saves and loads (bytes / s)", "Bps", [
+            (rate("pagedkv_worker_kv_tier_saved_bytes_total", "worker, tier"), "{{worker}} {{tier}} saved"),
+            (rate("pagedkv_worker_kv_tier_loaded_bytes_total", "worker, tier"), "{{worker}} {{tier}} loaded"),
+        ], {}),
+        ("Time moving blocks (s / s)", "percentunit", [
+            (rate("pagedkv_worker_kv_tier_save_seconds_total", "worker, tier"), "{{worker}} {{tier}} saving"),
+            (rate("pagedkv_worker_kv_tier_load_seconds_total", "worker, tier"), "{{worker}} {{tier}} loading"),
+        ], {}),
+        ("Entries refused (layout, checksum) and store errors / s", "ops", [
+            (rate("pagedkv_worker_kv_tier_refused_entries_total", "worker, tier"), "{{worker}} {{tier}} refused"),
+            (rate("pagedkv_worker_kv_tier_store_errors_total", "worker, tier"), "{{worker}} {{tier}} store errors"),
+        ], {}),
+    ]),
     ("Allocator", [
         ("KV blocks in use per pool (allocator view)", "percentunit", [
             (f"pagedkv_allocator_pool_used_blocks{{{WID}}} / pagedkv_allocator_pool_capacity_blocks{{{WID}}}",
