@@ -17,6 +17,8 @@ it works (the test suite runs it); its figures compare nothing.
   prompt and several conversations, shuffled together (`tenant_conversations`).
 - `TIERS` (`bench tiers`): multi-turn chats, each turn the whole history plus
   a new user message (`multi_turn_chats`).
+- `ATTACKS` (`bench attacks`): the victim's load, each attack's size and how
+  long it runs.
 - `warmup_prompts`: random ids that share no block with any of the above.
 """
 
@@ -325,3 +327,42 @@ def multi_turn_chats(tokenizer, conversations: int, turns: int, system_tokens: i
     return [Chat(text(f"You are the assistant of conversation {c}.", system_tokens),
                  tuple(text(f"Turn {t} of conversation {c}:", user_tokens) for t in range(turns)))
             for c in range(conversations)]
+
+
+# -- attacks on a stack (bench attacks) ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttackWorkload:
+    what: str = field(compare=False)
+    baseline_s: float = 5.0  # the victim alone before each attack
+    attack_s: float = 12.0  # each attack running (its set-up and teardown besides)
+    victim_seqs: int = 16  # sequences per Step of the victim pool's decode loop
+    router_max_tokens: int = 2  # per request of the victim's router loop
+    idle_connections: int = 1000  # to the allocator's HTTP port
+    slow_clients: int = 200  # slow heads, and as many slow bodies, on the router
+    # the router's read deadlines in seconds (its settings' defaults: 10 and 60)
+    router_header_timeout_s: float = 10.0
+    router_body_timeout_s: float = 60.0
+    tokenize_bytes: int = 3 << 20  # the text of one /tokenize with its token strings
+    flood_pools: int = 12  # slow-read flood: pools, checks in flight of each, their blocks and tokens
+    flood_in_flight: int = 24
+    flood_blocks: int = 32768
+    flood_tokens: int = 16384
+    snapshot_steps: int = 8  # snapshot amplification: steps of forks (ids of 256 characters)
+    snapshot_forks: int = 500
+    watchers: int = 8  # WatchEvents snapshot watchers
+    watched_tokens: int = 262_144  # cached in a pool of their own for the watchers to read (blocks of 16)
+    snapshot_every: int = 100  # the allocator's journal records between snapshots
+
+
+ATTACKS = {
+    "default": AttackWorkload("5 s of the victim alone, then 12 s of each attack: 1,000 idle connections, 200 slow "
+                              "heads and 200 slow bodies, a 3 MiB /tokenize, 12 pools x 24 integrity checks, "
+                              "4,000 forks with 256-character ids, 8 watchers of 16,384 cached blocks"),
+    "small": AttackWorkload("1 s alone, 2 s of each attack, every attack smaller; the router's read deadlines "
+                            "1 s each", baseline_s=1.0, attack_s=2.0, victim_seqs=4, idle_connections=100,
+                            slow_clients=10, router_header_timeout_s=1.0, router_body_timeout_s=1.0,
+                            tokenize_bytes=256 << 10, flood_pools=3, flood_in_flight=12, flood_blocks=2048,
+                            flood_tokens=4096, snapshot_steps=2, snapshot_forks=200, watched_tokens=16_384),
+}

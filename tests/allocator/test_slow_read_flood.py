@@ -13,45 +13,14 @@ import time
 import grpc
 import pytest
 
-from allocator_service.codec import encode_ops
-from allocator_service.core import Admit
 from allocator_service.v1 import allocator_pb2 as pb
+from pagedkv.bench.attackers import slow_read_flood
 from tests.support.allocator import code_of, register, stub
 
 pytestmark = pytest.mark.slow
 
 TTL_S = 3.0
-POOLS = 12
-IN_FLIGHT = 24  # per pool, six times its slots
-BLOCKS = 32768
-TOKENS = 16384
-
-
-def _flood(address: str, stop, ready) -> None:
-    """Register POOLS large pools, fill each, then keep IN_FLIGHT integrity
-    checks of each in flight until `stop` (answers and refusals alike are
-    sent again at once)."""
-    s, md, channel = stub(address)
-    refs = []
-    for i in range(POOLS):
-        ref = register(s, md, f"flood-{i}", num_blocks=BLOCKS, block_size=16)
-        s.Step(pb.StepRequest(pool=ref, step_id=1, ops=encode_ops([Admit("a", list(range(1, TOKENS + 1)))])),
-               timeout=60)
-        refs.append(ref)
-
-    def again(ref):
-        def send(_=None):
-            if not stop.is_set():
-                s.GetPoolStats.future(pb.GetPoolStatsRequest(pool=ref, check_integrity=True),
-                                      timeout=60).add_done_callback(send)
-        return send
-
-    for ref in refs:
-        for _ in range(IN_FLIGHT):
-            again(ref)()
-    ready.set()
-    stop.wait(120)
-    channel.close()
+# The flood's defaults: 12 pools of 32,768 blocks, 24 integrity checks of each in flight (six times its slots).
 
 
 def test_a_flood_of_slow_reads_from_many_pools_starves_no_heartbeat(allocator_server):
@@ -59,7 +28,7 @@ def test_a_flood_of_slow_reads_from_many_pools_starves_no_heartbeat(allocator_se
         s, md, channel = stub(server.address)
         ctx = mp.get_context("spawn")
         stop, ready = ctx.Event(), ctx.Event()
-        flood = ctx.Process(target=_flood, args=(server.address, stop, ready), daemon=True)
+        flood = ctx.Process(target=slow_read_flood, args=(server.address, stop, ready), daemon=True)
         flood.start()
         codes: list[grpc.StatusCode] = []
         try:

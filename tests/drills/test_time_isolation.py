@@ -29,6 +29,7 @@ from allocator_service.client import PoolLost, PoolSpec
 from allocator_service.client.grpc_client import GrpcAllocator
 from allocator_service.core import Admit, Append, PoolConfig
 from allocator_service.v1 import allocator_pb2 as pb
+from pagedkv.bench.attackers import snapshot_amplifier
 from pagedkv.bench.noisy_neighbour import _neighbour
 from pagedkv.bench.workloads import prompt_with_prefix
 
@@ -134,19 +135,13 @@ def test_a_pool_over_its_snapshot_share_is_dropped_and_the_others_lose_nothing(a
     ids) is dropped loudly (its worker gets PoolLost), the other pool's calls
     are answered throughout, and after a kill -9 the restart from Redis gives
     that pool back exactly."""
-    from allocator_service.core import Fork
-
     with redis_store() as (url, _):
         args = ("--state", url)
         env = {"PAGEDKV_ALLOCATOR_SNAPSHOT_EVERY": "3", "PAGEDKV_ALLOCATOR_MAX_SNAPSHOT_MB": "1"}
         with allocator_server(*args, env=env) as server:
             victim = GrpcAllocator(server.address, PoolSpec("victim", PoolConfig(256, 16, True, "m")))
             victim.step([Admit("v", prompt_with_prefix(random.Random(3), [], 200))])
-            big = GrpcAllocator(server.address, PoolSpec("big", PoolConfig(2048, 4, True, "m")))
-            big.step([Admit("x" * 256, list(range(8)))])
-            names = random.Random(4)
-            for _ in range(8):  # in steps whose answers fit a message
-                big.step([Fork("x" * 256, names.randbytes(128).hex()) for _ in range(500)])
+            big, _ = snapshot_amplifier(server.address)  # 8 steps of 500 forks, ids of 256 characters
             for n in range(10):
                 assert victim.step([Append("v", [n + 1])]).all_ok
             deadline = time.monotonic() + 10

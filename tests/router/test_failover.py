@@ -22,6 +22,7 @@ import httpx
 import openai
 import pytest
 
+from pagedkv.bench.attackers import read_to_close, slow_clients
 from pagedkv.stack import RouterProcess
 from tests.support.drills import scrape, wait_for
 from tests.support.http import metric
@@ -209,33 +210,16 @@ def test_a_request_asking_for_too_many_sequences_is_a_400_before_any_worker(good
         router.terminate()
 
 
-def _connected(url: str) -> socket.socket:
-    host, port = url.removeprefix("http://").split(":")
-    return socket.create_connection((host, int(port)), timeout=10)
-
-
-def _read_to_close(sock: socket.socket) -> None:
-    """Returns once the other end closes; socket.timeout if it does not within 10 s."""
-    while sock.recv(65536):
-        pass
-
-
 def test_slow_clients_are_cut_off_and_health_answers(good_worker):
     """A client that sends its head or its body a byte at a time is closed
     after the deadline (21k of them exhausted the router's descriptors)."""
     router = _router(good_worker, env={"PAGEDKV_ROUTER_HEADER_TIMEOUT": "1", "PAGEDKV_ROUTER_BODY_TIMEOUT": "2"})
     try:
-        heads = [_connected(router.url) for _ in range(20)]
-        for sock in heads:
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")  # never ends its head
-        bodies = [_connected(router.url) for _ in range(20)]
-        for sock in bodies:
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                         b"content-length: 1000\r\n\r\n{")  # never ends its body
+        heads, bodies = slow_clients(router.url, 20, 20)
         assert httpx.get(f"{router.url}/health", timeout=10).status_code == 200
         t0 = time.monotonic()
         for sock in heads + bodies:
-            _read_to_close(sock)  # closed by the router
+            read_to_close(sock)  # closed by the router
             sock.close()
         assert time.monotonic() - t0 < 15  # deadlines of 1 s and 2 s, not the client's patience
         assert httpx.get(f"{router.url}/health", timeout=10).status_code == 200

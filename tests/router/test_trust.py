@@ -13,19 +13,14 @@ worker id."""
 
 from __future__ import annotations
 
-import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import grpc
 import httpx
 import pytest
 
-from allocator_service.client import PoolSpec
-from allocator_service.client.grpc_client import GrpcAllocator
-from allocator_service.core import PoolConfig
 from allocator_service.v1 import allocator_pb2 as pb
+from pagedkv.bench.attackers import Attacker, rogue_pool
 from pagedkv.stack import LocalStack
 from tests.support.allocator import code_of, stub
 from tests.support.http import metric, openai_client
@@ -33,70 +28,6 @@ from tests.support.http import metric, openai_client
 MODEL = "tiny-random"
 ARGS = ["--num-blocks", "64", "--block-size", "16", "--max-num-seqs", "4"]
 C = grpc.StatusCode
-
-
-class Attacker:
-    """An HTTP server that answers completions with its own text and records
-    every request and Authorization header it is sent. Its identity route
-    relays what the real worker at `relay` answers (a real proof, for the
-    real worker's pool), or, without `relay`, a forged proof for `pool_id`."""
-
-    def __init__(self, relay: str | None = None) -> None:
-        self.requests: list[tuple[str, str, str | None]] = []  # (method, path, authorization)
-        self.relay, self.pool_id = relay, ""
-        attacker = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args) -> None:
-                pass
-
-            def _answer(self, status: int, body: dict) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self) -> None:
-                attacker.requests.append(("GET", self.path, self.headers.get("authorization")))
-                if self.path.startswith("/pagedkv/identity"):
-                    if attacker.relay:
-                        r = httpx.get(attacker.relay + self.path, timeout=5)
-                        return self._answer(r.status_code, r.json())
-                    return self._answer(200, {"pool_id": attacker.pool_id, "worker_id": "evil", "proof": "0" * 64})
-                if self.path.startswith("/health"):
-                    return self._answer(200, {"status": "ok"})
-                self._answer(200, {"object": "list", "data": [{"id": MODEL, "object": "model"}]})
-
-            def do_POST(self) -> None:
-                self.rfile.read(int(self.headers.get("content-length", 0)))
-                attacker.requests.append(("POST", self.path, self.headers.get("authorization")))
-                self._answer(200, {"id": "cmpl-evil", "object": "text_completion", "created": 0, "model": MODEL,
-                                   "choices": [{"index": 0, "text": "pwned", "finish_reason": "stop",
-                                                "logprobs": None}],
-                                   "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self) -> Attacker:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-    @property
-    def posts(self) -> int:
-        return sum(m == "POST" for m, _, _ in self.requests)
-
-
-def _pool(address: str, worker_id: str, url: str, model: str, token: str | None) -> GrpcAllocator:
-    spec = PoolSpec(worker_id, PoolConfig(4096, 16, True, "attacker"), advertise_url=url, served_model_name=model)
-    return GrpcAllocator(address, spec, auth_token=token, retries=0, register_wait_s=0)
 
 
 def _wait_unproven(router_url: str, n: int) -> None:
@@ -139,16 +70,16 @@ def shared():
 def test_with_generated_credentials_nobody_else_registers_a_pool(generated):
     s, _, channel = stub(generated.allocator_address)
     worker_token = (generated.log_dir / "worker-1.token").read_text().strip()
-    with Attacker() as attacker:
+    with Attacker(MODEL) as attacker:
         for worker_id, token in (("evil", None), ("worker-1", None), ("evil", "guess")):
             with pytest.raises(grpc.RpcError) as refused:
-                _pool(generated.allocator_address, worker_id, attacker.url, MODEL, token)
+                rogue_pool(generated.allocator_address, worker_id, attacker.url, MODEL, token)
             assert refused.value.code() == C.UNAUTHENTICATED
         # worker-1's own token registers worker-1 at worker-1's address, nothing else
         for worker_id, url in (("evil", attacker.url), ("worker-1", attacker.url),
                                ("evil", generated.worker_urls[0])):
             with pytest.raises(grpc.RpcError) as refused:
-                _pool(generated.allocator_address, worker_id, url, MODEL, worker_token)
+                rogue_pool(generated.allocator_address, worker_id, url, MODEL, worker_token)
             assert refused.value.code() == C.PERMISSION_DENIED
             assert "registers worker 'worker-1'" in refused.value.details()
         _all_answered_by_the_worker(generated, attacker)
@@ -163,10 +94,10 @@ def test_a_shared_token_holder_cannot_steer_requests_off_the_real_worker(shared)
     sent anything, and the real model stays served."""
     token = "shared-pools-token"
     real = shared.worker_urls[0]
-    with Attacker(relay=real) as attacker:
-        pools = [_pool(shared.allocator_address, "evil-1", real, "other-model", token),
-                 _pool(shared.allocator_address, "evil-2", real, MODEL, token),
-                 _pool(shared.allocator_address, "evil-3", attacker.url, MODEL, token)]
+    with Attacker(MODEL, relay=real) as attacker:
+        pools = [rogue_pool(shared.allocator_address, "evil-1", real, "other-model", token),
+                 rogue_pool(shared.allocator_address, "evil-2", real, MODEL, token),
+                 rogue_pool(shared.allocator_address, "evil-3", attacker.url, MODEL, token)]
         try:
             _wait_unproven(shared.router_url, 3)
             assert httpx.get(f"{shared.router_url}/health").json()["workers"] == 1
@@ -178,8 +109,8 @@ def test_a_shared_token_holder_cannot_steer_requests_off_the_real_worker(shared)
 
 
 def test_a_forged_identity_answer_is_not_accepted(shared):
-    with Attacker() as attacker:
-        pool = _pool(shared.allocator_address, "evil-forger", attacker.url, MODEL, "shared-pools-token")
+    with Attacker(MODEL) as attacker:
+        pool = rogue_pool(shared.allocator_address, "evil-forger", attacker.url, MODEL, "shared-pools-token")
         attacker.pool_id = pool.pool_id
         try:
             _wait_unproven(shared.router_url, 1)

@@ -16,6 +16,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from allocator_service.web.app import IDLE_TIMEOUT_S, MAX_CONNECTIONS
+from pagedkv.bench.attackers import read_to_close
 
 
 def _threads(pid: int) -> int:
@@ -28,11 +29,6 @@ def _status(url: str) -> int:
             return r.status
     except urllib.error.HTTPError as e:
         return e.code
-
-
-def _read_to_close(sock: socket.socket) -> None:
-    while sock.recv(65536):
-        pass
 
 
 def test_idle_connections_pin_no_threads_and_grpc_answers(allocator_server):
@@ -51,7 +47,7 @@ def test_idle_connections_pin_no_threads_and_grpc_answers(allocator_server):
                 assert status == health_pb2.HealthCheckResponse.SERVING and time.monotonic() - t0 < 5
             t0 = time.monotonic()
             for sock in idle:  # each closed by the server: at once over the bound, after the idle timeout within
-                _read_to_close(sock)
+                read_to_close(sock)
             assert time.monotonic() - t0 < 3 * IDLE_TIMEOUT_S
         finally:
             for sock in idle:

@@ -1,0 +1,291 @@
+"""The attacks of the trust-boundary drills, each written once: the tests
+(tests/router/test_trust.py, tests/router/test_failover.py,
+tests/web/test_http_port_bounds.py, tests/allocator/test_slow_read_flood.py,
+tests/drills/test_time_isolation.py) and `pagedkv bench attacks` run them.
+
+- `Attacker`: an HTTP server that answers completions with its own text and
+  records every request (and Authorization header) it is sent; its identity
+  route relays a real worker's answer or forges one. `rogue_pool` registers
+  a pool advertising an address under a model's name.
+- `connect`, `read_to_close`, `slow_clients`: raw connections that send
+  nothing, or a request's head or body that never ends.
+- `big_text`: a text of about N bytes for /tokenize and prompts.
+- `slow_read_flood`: many large pools keeping far more integrity checks in
+  flight than their slots allow (run it in a process of its own).
+- `snapshot_amplifier`: a legal pool whose snapshot is as large as its shape
+  allows (forks with the longest ids).
+- `SnapshotWatchers`: `WatchEvents` streams that each ask for the snapshot
+  of every pool's cached blocks and read it slowly.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import threading
+import time
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import grpc
+import httpx
+
+from allocator_service.client import PoolSpec
+from allocator_service.client.grpc_client import GrpcAllocator
+from allocator_service.codec import encode_ops
+from allocator_service.core import Admit, Fork, PoolConfig
+from allocator_service.v1 import allocator_pb2 as pb
+from allocator_service.v1 import allocator_pb2_grpc as pb_grpc
+
+PWNED = "pwned"  # the text the attacker answers every completion with
+
+
+class Attacker:
+    """An HTTP server that answers completions with its own text and records
+    every request and Authorization header it is sent. Its identity route
+    relays what the real worker at `relay` answers (a real proof, for the
+    real worker's pool), or, without `relay`, a forged proof for `pool_id`."""
+
+    def __init__(self, model: str, relay: str | None = None) -> None:
+        self.requests: list[tuple[str, str, str | None]] = []  # (method, path, authorization)
+        self.relay, self.pool_id = relay, ""
+        attacker = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def _answer(self, status: int, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                attacker.requests.append(("GET", self.path, self.headers.get("authorization")))
+                if self.path.startswith("/pagedkv/identity"):
+                    if attacker.relay:
+                        r = httpx.get(attacker.relay + self.path, timeout=5)
+                        return self._answer(r.status_code, r.json())
+                    return self._answer(200, {"pool_id": attacker.pool_id, "worker_id": "evil", "proof": "0" * 64})
+                if self.path.startswith("/health"):
+                    return self._answer(200, {"status": "ok"})
+                self._answer(200, {"object": "list", "data": [{"id": model, "object": "model"}]})
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("content-length", 0)))
+                attacker.requests.append(("POST", self.path, self.headers.get("authorization")))
+                self._answer(200, {"id": "cmpl-evil", "object": "text_completion", "created": 0, "model": model,
+                                   "choices": [{"index": 0, "text": PWNED, "finish_reason": "stop",
+                                                "logprobs": None}],
+                                   "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> Attacker:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    @property
+    def posts(self) -> int:
+        return sum(m == "POST" for m, _, _ in self.requests)
+
+    @property
+    def credentials_seen(self) -> int:
+        """Requests that carried an Authorization header (a user's key, or the router's)."""
+        return sum(auth is not None for _, _, auth in self.requests)
+
+
+def rogue_pool(address: str, worker_id: str, url: str, model: str, token: str | None) -> GrpcAllocator:
+    """A pool registered as `worker_id`, advertising `url` under `model` (raises grpc.RpcError if refused)."""
+    spec = PoolSpec(worker_id, PoolConfig(4096, 16, True, "attacker"), advertise_url=url, served_model_name=model)
+    return GrpcAllocator(address, spec, auth_token=token, retries=0, register_wait_s=0)
+
+
+# -- connections that never finish --------------------------------------------------------
+
+SLOW_HEAD = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"  # never ends its head
+SLOW_BODY = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+             b"content-length: 1000\r\n\r\n{")  # never ends its body
+
+
+def connect(url: str, timeout: float = 10.0) -> socket.socket:
+    """A TCP connection to an http://HOST:PORT[/...] address."""
+    host, port = url.removeprefix("http://").split("/")[0].rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=timeout)
+
+
+def read_to_close(sock: socket.socket) -> None:
+    """Returns once the other end closes (socket.timeout if it does not within the socket's timeout)."""
+    while sock.recv(65536):
+        pass
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the other end has closed (or reset) the connection; never waits."""
+    sock.setblocking(False)
+    try:
+        while True:
+            if not sock.recv(65536):
+                return True
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+    finally:
+        sock.setblocking(True)
+
+
+def slow_clients(url: str, heads: int, bodies: int) -> tuple[list[socket.socket], list[socket.socket]]:
+    """`heads` connections that send part of a request's head and `bodies`
+    that send a head and part of its body, then nothing more."""
+    h = [connect(url) for _ in range(heads)]
+    for sock in h:
+        sock.sendall(SLOW_HEAD)
+    b = [connect(url) for _ in range(bodies)]
+    for sock in b:
+        sock.sendall(SLOW_BODY)
+    return h, b
+
+
+def big_text(nbytes: int) -> str:
+    """About `nbytes` of plain words."""
+    return "hello paged world, " * (nbytes // 19)
+
+
+# -- the allocator: many pools' slow reads --------------------------------------------------
+
+
+def slow_read_flood(address: str, stop, ready, *, pools: int = 12, in_flight: int = 24, blocks: int = 32768,
+                    tokens: int = 16384, token: str | None = None, outcome=None) -> None:
+    """Register `pools` large pools, fill each with `tokens` tokens, then keep
+    `in_flight` integrity checks of each in flight until `stop` (answers and
+    refusals alike are sent again at once); `ready` once they are. `outcome`
+    (a queue) gets {"registered": n, "codes": {code: n}} at the end: the
+    registrations refused and the checks' answers."""
+    channel = grpc.insecure_channel(address)
+    s = pb_grpc.AllocatorStub(channel)
+    md = (("authorization", f"Bearer {token}"),) if token else None
+    codes: Counter[str] = Counter()
+    lock = threading.Lock()
+    refs = []
+    try:
+        for i in range(pools):
+            shape = pb.PoolShape(num_blocks=blocks, block_size=16, model_fingerprint="m", enable_prefix_caching=True)
+            r = s.RegisterPool(pb.RegisterPoolRequest(worker_id=f"flood-{i}", shape=shape), metadata=md, timeout=10)
+            ref = pb.PoolRef(pool_id=r.pool_id, credential=r.credential)
+            s.Step(pb.StepRequest(pool=ref, step_id=1, ops=encode_ops([Admit("a", list(range(1, tokens + 1)))])),
+                   metadata=md, timeout=60)
+            refs.append(ref)
+    except grpc.RpcError as err:
+        codes[f"RegisterPool {err.code().name}"] += 1
+
+    def again(ref):
+        def send(done=None):
+            if done is not None:
+                code = done.code()
+                with lock:
+                    codes[code.name if code is not None else "CANCELLED"] += 1
+            if not stop.is_set():
+                s.GetPoolStats.future(pb.GetPoolStatsRequest(pool=ref, check_integrity=True), metadata=md,
+                                      timeout=60).add_done_callback(send)
+        return send
+
+    for ref in refs:
+        for _ in range(in_flight):
+            again(ref)()
+    ready.set()
+    stop.wait(600)
+    time.sleep(0.5)  # the last answers' callbacks
+    channel.close()
+    if outcome is not None:
+        with lock:
+            outcome.put({"registered": len(refs), "codes": dict(codes)})
+
+
+# -- the allocator: a pool whose snapshot is as large as it can be --------------------------
+
+
+def snapshot_amplifier(address: str, token: str | None = None, *, blocks: int = 2048, block_size: int = 4,
+                       prompt_tokens: int = 8, steps: int = 8, forks: int = 500, id_chars: int = 256,
+                       seed: int = 4) -> tuple[GrpcAllocator, Counter]:
+    """A legal pool of `blocks` blocks: one sequence with an id of `id_chars`
+    characters and `prompt_tokens` tokens, then `steps` steps of `forks` forks
+    of it, each with an id of `id_chars` characters (in steps whose answers
+    fit a message). The client, and its operations' outcomes ("ok" or the
+    error's name); grpc.RpcError if the pool is refused."""
+    pool = GrpcAllocator(address, PoolSpec("snapshot-amplifier", PoolConfig(blocks, block_size, True, "m")),
+                         auth_token=token)
+    parent = "x" * id_chars
+    outcomes: Counter[str] = Counter()
+    for r in pool.step([Admit(parent, list(range(prompt_tokens)))]):
+        outcomes["ok" if r.ok else str(r.error)] += 1
+    names = random.Random(seed)
+    for _ in range(steps):
+        for r in pool.step([Fork(parent, names.randbytes(id_chars // 2).hex()) for _ in range(forks)]):
+            outcomes["ok" if r.ok else str(r.error)] += 1
+    return pool, outcomes
+
+
+# -- the allocator: snapshot watchers ----------------------------------------------------------
+
+
+class SnapshotWatchers:
+    """`n` WatchEvents streams, each asking for the snapshot of every pool's
+    cached blocks and reading a message every `pause_s`, until `stop()`:
+    then their messages read and how each ended, by code."""
+
+    def __init__(self, address: str, n: int, token: str | None = None, pause_s: float = 0.05) -> None:
+        self._channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", -1)])
+        self._stub = pb_grpc.AllocatorStub(self._channel)
+        self._md = (("authorization", f"Bearer {token}"),) if token else None
+        self._pause_s = pause_s
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._streams: list = []
+        self.messages = 0
+        self.snapshots_ended = 0
+        self.codes: Counter[str] = Counter()
+        self._threads = [threading.Thread(target=self._watch, daemon=True, name=f"watcher-{i}") for i in range(n)]
+
+    def start(self) -> SnapshotWatchers:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def _watch(self) -> None:
+        stream = self._stub.WatchEvents(pb.WatchEventsRequest(snapshot=True), metadata=self._md, timeout=600)
+        with self._lock:
+            self._streams.append(stream)
+        code = "OK"
+        try:
+            for event in stream:
+                with self._lock:
+                    self.messages += 1
+                    self.snapshots_ended += event.kind == pb.KV_EVENT_KIND_SNAPSHOT_END
+                if self._stop.wait(self._pause_s):
+                    break
+        except grpc.RpcError as err:
+            code = err.code().name
+        with self._lock:
+            self.codes[code if not self._stop.is_set() or code != "CANCELLED" else "OK"] += 1
+
+    def stop(self) -> dict:
+        self._stop.set()
+        with self._lock:
+            streams = list(self._streams)
+        for stream in streams:
+            stream.cancel()
+        for t in self._threads:
+            t.join(30)
+        self._channel.close()
+        return {"messages": self.messages, "snapshots_ended": self.snapshots_ended, "codes": dict(self.codes)}

@@ -1,0 +1,592 @@
+"""`pagedkv bench attacks`: the trust-boundary attacks against a stack with
+credentials and one without, and what the victim and the allocator felt.
+
+Each stack is what `pagedkv up --redis` runs, as real processes
+(`pagedkv.stack.LocalStack`): a private Redis holding the allocator's
+journal, the allocator, one tiny-random worker and the router. One has the
+credentials `pagedkv up` generates (a token per worker bound to its id and
+address, the router's, an admin's, a journal key); the other none (any
+caller may register a pool: a development setup).
+
+The victim runs in a process of its own for the whole run: a pool's decode
+loop of Steps (`decode_steps`, one Step every 20 ms; with credentials it
+registers with the admin token, the operator's) and a loop of greedy
+completions through the router, each checked for the worker's text and the
+`x-pagedkv-worker` header naming the real worker. The attacks run one after
+the other (`pagedkv.bench.attackers`, the code the drills run), each after
+`baseline_s` of the victim alone, from a caller with no token (and, for the
+rogue pool, with worker-1's token too):
+
+- rogue pool: pools advertising an attacker's server (whose identity route
+  forges a proof, or relays the real worker's) and the real worker's
+  address (under the real model's name and another's). Succeeded: the
+  attacker's server was sent a completion or a credential.
+- idle connections: to the allocator's HTTP port, sending nothing.
+  Succeeded: they took a thread each.
+- slow clients: heads and bodies on the router that never end. Succeeded:
+  one was still open past its deadline (measured when the attack lasts that
+  long), or /health failed.
+- big /tokenize: one multi-megabyte text with its token strings at the
+  worker. Succeeded: /health failed while it was answered.
+- slow-read flood: many large pools keeping integrity checks in flight
+  (its own process).
+- snapshot amplification: one pool forked into thousands of sequences with
+  the longest ids, while the allocator snapshots every `snapshot_every`
+  records.
+- snapshot watchers: `WatchEvents` streams each asking for the snapshot of a
+  pool's cached blocks, read slowly.
+
+Every attack also succeeded if the victim lost a Step or a request while it
+ran, or a process of the stack exited. Figures per attack and stack: the
+victim's Step p99 and its router request p99 during the attack and in the
+baseline before it, the allocator's peak RSS and thread count (psutil, read
+every 50 ms), what was refused, and the attack's own details.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import multiprocessing as mp
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from pagedkv.bench import harness
+from pagedkv.bench.harness import Table, cell
+from pagedkv.bench.workloads import ATTACKS, AttackWorkload
+
+__all__ = ["add_arguments", "measure", "run", "tables"]
+
+MODEL = "tiny-random"
+WORKER_ARGS = ["--num-blocks", "64", "--block-size", "16", "--max-num-seqs", "4", "--log-level", "warning"]
+PROMPT = "Hello there"
+STEP_PAUSE_S = 0.02  # between the victim's Steps, as a worker's decode steps come
+REQUEST_PAUSE_S = 0.05  # between the victim's router requests
+SAMPLE_S = 0.05  # the allocator's RSS and threads read this often
+KEPT_ERRORS = 5
+STACKS = ("credentials", "none")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    harness.add_workload_option(p, ATTACKS)
+    p.add_argument("--attacks", type=harness.comma_list(list(ATTACK_NAMES)), default=list(ATTACK_NAMES),
+                   metavar="NAMES", help=f"the attacks to run, in this order (default all: "
+                                         f"{','.join(ATTACK_NAMES)})")
+    harness.add_json_option(p)
+
+
+# -- the target, as each attack sees it -----------------------------------------------------------
+
+
+@dataclass
+class Target:
+    stack: Any  # a started LocalStack
+    credentials: bool
+    worker_token: str | None  # worker-1's (with credentials)
+    admin_token: str | None
+
+    @property
+    def allocator(self) -> str:
+        return self.stack.allocator_address
+
+    @property
+    def router(self) -> str:
+        return self.stack.router_url
+
+    @property
+    def worker(self) -> str:
+        return self.stack.worker_urls[0]
+
+
+def _refused(err) -> str:
+    return err.code().name
+
+
+@contextlib.contextmanager
+def rogue_pool(t: Target, w: AttackWorkload) -> Iterator[dict]:
+    import grpc
+
+    from pagedkv.bench.attackers import Attacker, rogue_pool
+
+    out: dict[str, Any] = {}
+    refused: Counter[str] = Counter()
+    pools = []
+    with Attacker(MODEL, relay=t.worker) as relay, Attacker(MODEL) as forger:
+        if t.credentials:  # an outsider, then worker-1's token: every one must be refused
+            attempts = [("evil", forger.url, MODEL, None), ("worker-1", forger.url, MODEL, None),
+                        ("evil", relay.url, MODEL, t.worker_token), ("worker-1", forger.url, MODEL, t.worker_token),
+                        ("evil", t.worker, MODEL, t.worker_token)]
+        else:  # registered: the router must not route to any
+            attempts = [("evil-1", t.worker, "other-model", None), ("evil-2", t.worker, MODEL, None),
+                        ("evil-3", relay.url, MODEL, None), ("evil-4", forger.url, MODEL, None)]
+        for worker_id, url, model, token in attempts:
+            try:
+                pool = rogue_pool(t.allocator, worker_id, url, model, token)
+            except grpc.RpcError as err:
+                refused[_refused(err)] += 1
+                continue
+            pools.append(pool)
+            if url == forger.url:
+                forger.pool_id = pool.pool_id
+        try:
+            deadline = time.monotonic() + 30
+            while pools and _metric(t.router, "pagedkv_router_unproven_pools") < len(pools):
+                if time.monotonic() > deadline:
+                    out["note"] = "the router did not list every rogue pool within 30 s"
+                    break
+                time.sleep(0.1)
+            yield out
+            unproven = _metric(t.router, "pagedkv_router_unproven_pools")
+        finally:
+            for pool in pools:
+                pool.close()
+        sent = relay.posts + forger.posts
+        seen = relay.credentials_seen + forger.credentials_seen
+    out.update(refused=dict(refused), registered=len(pools), unproven_pools=unproven,
+               completions_sent_to_the_attacker=sent, credentials_sent_to_the_attacker=seen,
+               reached=sent > 0 or seen > 0)
+
+
+@contextlib.contextmanager
+def idle_connections(t: Target, w: AttackWorkload) -> Iterator[dict]:
+    import psutil
+
+    from allocator_service.web.app import MAX_CONNECTIONS
+    from pagedkv.bench.attackers import connect
+
+    proc = psutil.Process(t.stack.allocator.pid)
+    before = proc.num_threads()
+    socks = []
+    try:
+        for _ in range(w.idle_connections):
+            socks.append(connect(t.stack.allocator_metrics_url))
+        time.sleep(0.5)
+        during = proc.num_threads()
+        yield (out := {})
+    finally:
+        for sock in socks:
+            sock.close()
+    out.update(connections=len(socks), threads_before=before, threads_with_them=during,
+               reached=during - before > MAX_CONNECTIONS + 16)  # more than the bound's threads
+
+
+@contextlib.contextmanager
+def slow_clients(t: Target, w: AttackWorkload) -> Iterator[dict]:
+    from pagedkv.bench.attackers import closed_by_peer, slow_clients
+
+    t0 = time.monotonic()
+    heads, bodies = slow_clients(t.router, w.slow_clients, w.slow_clients)
+    out: dict[str, Any] = {}
+    health = _Prober(t.router + "/health").start()
+    try:
+        yield out
+        # the bodies' deadline checked too when it is near (each open past its deadline and a second)
+        body_check = w.router_header_timeout_s + w.router_body_timeout_s + 1.0
+        if body_check <= 3 * w.attack_s:
+            time.sleep(max(0.0, t0 + body_check + 0.1 - time.monotonic()))
+        waited = time.monotonic() - t0
+
+        def still_open(socks, deadline_s: float) -> int | None:  # None: the attack ended before the deadline
+            return sum(not closed_by_peer(s) for s in socks) if waited > deadline_s + 1.0 else None
+
+        open_heads = still_open(heads, w.router_header_timeout_s)
+        open_bodies = still_open(bodies, w.router_header_timeout_s + w.router_body_timeout_s)
+    finally:
+        probes = health.stop()
+        for sock in heads + bodies:
+            sock.close()
+    out.update(heads=len(heads), bodies=len(bodies), heads_open_past_deadline=open_heads,
+               bodies_open_past_deadline=open_bodies, **probes,
+               reached=bool(open_heads) or bool(open_bodies) or probes["health_failed"] > 0)
+
+
+@contextlib.contextmanager
+def big_tokenize(t: Target, w: AttackWorkload) -> Iterator[dict]:
+    import httpx
+
+    from pagedkv.bench.attackers import big_text
+
+    answer: dict[str, Any] = {}
+    text = big_text(w.tokenize_bytes)
+
+    def post() -> None:
+        try:
+            r = httpx.post(t.worker + "/tokenize", json={"prompt": text, "return_token_strs": True}, timeout=600)
+            answer.update(status=r.status_code, tokens=r.json().get("count") if r.status_code == 200 else None)
+        except httpx.HTTPError as exc:
+            answer.update(status=None, error=repr(exc)[:200])
+
+    health = _Prober(t.worker + "/health").start()
+    thread = threading.Thread(target=post, daemon=True)
+    thread.start()
+    out: dict[str, Any] = {}
+    try:
+        yield out
+    finally:
+        thread.join(600)
+        probes = health.stop()
+    out.update(text_bytes=len(text), tokenize_status=answer.get("status"), tokens=answer.get("tokens"),
+               **probes, reached=probes["health_failed"] > 0)
+
+
+@contextlib.contextmanager
+def slow_read_flood(t: Target, w: AttackWorkload) -> Iterator[dict]:
+    from pagedkv.bench.attackers import slow_read_flood
+
+    ctx = mp.get_context("spawn")
+    stop, ready, outcome = ctx.Event(), ctx.Event(), ctx.Queue()
+    proc = ctx.Process(target=slow_read_flood, args=(t.allocator, stop, ready), daemon=True,
+                       kwargs={"pools": w.flood_pools, "in_flight": w.flood_in_flight, "blocks": w.flood_blocks,
+                               "tokens": w.flood_tokens, "outcome": outcome})
+    proc.start()
+    out: dict[str, Any] = {}
+    try:
+        ready.wait(300)
+        yield out
+    finally:
+        stop.set()
+        try:
+            got = outcome.get(timeout=120)
+        except Exception:  # noqa: BLE001 - the flood's process died: say so
+            got = {"registered": None, "codes": {"no outcome": 1}}
+        proc.join(60)
+    codes = got["codes"]
+    out.update(pools=got["registered"], checks_answered=codes.get("OK", 0),
+               checks_refused=sum(v for k, v in codes.items() if k not in ("OK",) and " " not in k),
+               refused={k.removeprefix("RegisterPool "): v for k, v in codes.items() if k.startswith("RegisterPool")},
+               reached=False)
+
+
+@contextlib.contextmanager
+def snapshot_amplification(t: Target, w: AttackWorkload) -> Iterator[dict]:
+    import grpc
+
+    from allocator_service.client import PoolLost
+    from allocator_service.core import Append
+    from pagedkv.bench.attackers import snapshot_amplifier
+
+    out: dict[str, Any] = {}
+    refused: Counter[str] = Counter()
+    pool = None
+    try:
+        pool, outcomes = snapshot_amplifier(t.allocator, steps=w.snapshot_steps, forks=w.snapshot_forks)
+        out["operations"] = dict(outcomes)
+    except grpc.RpcError as err:
+        refused[_refused(err)] += 1
+    try:
+        yield out
+    finally:
+        if pool is not None:
+            try:  # a pool over its snapshot share is dropped: its next call finds it gone
+                pool.step([Append("x" * 256, [1])])
+                out["dropped"] = False
+            except PoolLost:
+                out["dropped"] = True
+            pool.close()
+    out.update(refused=dict(refused), reached=False)
+
+
+@contextlib.contextmanager
+def snapshot_watchers(t: Target, w: AttackWorkload) -> Iterator[dict]:
+    import grpc
+
+    from allocator_service.client import PoolSpec
+    from allocator_service.client.grpc_client import GrpcAllocator
+    from allocator_service.core import Admit, PoolConfig
+    from pagedkv.bench.attackers import SnapshotWatchers
+
+    out: dict[str, Any] = {}
+    bait = None
+    try:  # the cached blocks the watchers' snapshots carry
+        blocks = w.watched_tokens // 16 + 16
+        bait = GrpcAllocator(t.allocator, PoolSpec("watched", PoolConfig(blocks, 16, True, "m")), retries=0)
+        bait.step([Admit("w", list(range(1, w.watched_tokens + 1)))])
+        out["cached_blocks"] = w.watched_tokens // 16
+    except grpc.RpcError as err:
+        out["pool_refused"] = _refused(err)
+    watchers = SnapshotWatchers(t.allocator, w.watchers).start()
+    try:
+        yield out
+    finally:
+        got = watchers.stop()
+        if bait is not None:
+            bait.close()
+    codes = got["codes"]
+    out.update(watchers=w.watchers, messages=got["messages"], snapshots_read=got["snapshots_ended"],
+               refused={k: v for k, v in codes.items() if k != "OK"}, reached=False)
+
+
+ATTACK_NAMES: dict[str, Callable[[Target, AttackWorkload], contextlib.AbstractContextManager[dict]]] = {
+    "rogue-pool": rogue_pool,
+    "idle-connections": idle_connections,
+    "slow-clients": slow_clients,
+    "big-tokenize": big_tokenize,
+    "slow-read-flood": slow_read_flood,
+    "snapshot-amplification": snapshot_amplification,
+    "snapshot-watchers": snapshot_watchers,
+}
+
+
+# -- what every attack shares: probes, the victim, the allocator's figures -------------------------
+
+
+def _metric(url: str, name: str) -> float:
+    return sum(s.value for s in harness.metric_samples(url) if s.name == name)
+
+
+class _Prober:
+    """GET `url` every 50 ms in a thread: failures and the longest wait."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.waits: list[float] = []
+        self.failed = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> _Prober:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        import httpx
+
+        with httpx.Client() as client:
+            while not self._stop.is_set():
+                t0 = time.perf_counter()
+                try:
+                    ok = client.get(self.url, timeout=30).status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                self.waits.append(time.perf_counter() - t0)
+                self.failed += not ok
+                self._stop.wait(0.05)
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join(60)
+        return {"health_probes": len(self.waits), "health_failed": self.failed,
+                "health_max_wait_ms": _ms(max(self.waits, default=None))}
+
+
+def _victim(allocator: str, token: str | None, router: str, worker: str, seqs: int, max_tokens: int,
+            stop, ready, conn) -> None:
+    """The victim's process: a pool's decode loop of Steps and a loop of
+    router requests, until `stop`; then every sample through `conn`:
+    steps and requests as (start, seconds, error or "", and for requests
+    the worker that answered)."""
+    import httpx
+
+    from allocator_service.client import PoolSpec
+    from allocator_service.client.grpc_client import GrpcAllocator
+    from allocator_service.core import PoolConfig, blocks_for
+    from pagedkv.bench.workloads import MAX_GEN, PROMPT_LEN, decode_steps
+
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    want = httpx.post(worker + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+    steps: list[tuple[float, float, str]] = []
+    requests: list[tuple[float, float, str, str]] = []
+
+    def step_loop() -> None:
+        config = PoolConfig(seqs * (blocks_for(PROMPT_LEN + MAX_GEN, 16) + 2) + 64, 16, True, "bench")
+        pool = GrpcAllocator(allocator, PoolSpec("victim", config), auth_token=token)
+        gen = decode_steps(seqs, seed=1)
+        pool.step(next(gen))
+        ready.set()
+        while not stop.is_set():
+            ops = next(gen)
+            t0 = time.monotonic()
+            try:
+                results = pool.step(ops)
+                error = "" if results.all_ok else f"refused: {next(r for r in results if not r.ok)}"[:200]
+            except Exception as exc:  # noqa: BLE001 - a lost Step is a figure
+                error = repr(exc)[:200]
+                gen = decode_steps(seqs, seed=int(t0))  # the pool may be a fresh one: start over
+            steps.append((t0, time.monotonic() - t0, error))
+            time.sleep(STEP_PAUSE_S)
+        pool.close()
+
+    def request_loop() -> None:
+        with httpx.Client() as client:
+            while not stop.is_set():
+                t0 = time.monotonic()
+                answered_by, error = "", ""
+                try:
+                    r = client.post(router + "/v1/completions", json=body, timeout=60)
+                    answered_by = r.headers.get("x-pagedkv-worker", "")
+                    if r.status_code != 200:
+                        error = f"{r.status_code}: {r.text[:150]}"
+                    elif (text := r.json()["choices"][0]["text"]) != want:
+                        error = f"answered {text!r}, not the worker's {want!r}"
+                except (httpx.HTTPError, ValueError, KeyError) as exc:
+                    error = repr(exc)[:200]
+                requests.append((t0, time.monotonic() - t0, error, answered_by))
+                stop.wait(REQUEST_PAUSE_S)
+
+    threads = [threading.Thread(target=step_loop), threading.Thread(target=request_loop)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    conn.send({"steps": steps, "requests": requests})
+    conn.close()
+
+
+class _Sampler:
+    """The allocator's RSS and thread count every SAMPLE_S, as (time, MiB, threads)."""
+
+    def __init__(self, pid: int) -> None:
+        import psutil
+
+        self._proc = psutil.Process(pid)
+        self.samples: list[tuple[float, float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import psutil
+
+        while not self._stop.is_set():
+            try:
+                self.samples.append((time.monotonic(), self._proc.memory_info().rss / 2**20, self._proc.num_threads()))
+            except psutil.Error:
+                return
+            self._stop.wait(SAMPLE_S)
+
+    def peak(self, t0: float, t1: float) -> tuple[float | None, int | None]:
+        inside = [s for s in self.samples if t0 <= s[0] <= t1]
+        if not inside:
+            return None, None
+        return round(max(s[1] for s in inside), 1), max(s[2] for s in inside)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 2)
+
+
+def _window(samples: dict, t0: float, t1: float) -> dict:
+    steps = [s for s in samples["steps"] if t0 <= s[0] < t1]
+    requests = [r for r in samples["requests"] if t0 <= r[0] < t1]
+    return {
+        "steps": len(steps), "step_p99_ms": _ms(harness.percentile((s[1] for s in steps), 0.99)),
+        "requests": len(requests), "request_p99_ms": _ms(harness.percentile((r[1] for r in requests), 0.99)),
+        "errors": [s[2] for s in steps if s[2]] + [r[2] for r in requests if r[2]],
+        "answered_by_others": sum(r[3] != "worker-1" for r in requests if not r[2] or r[3]),
+    }
+
+
+def _stack_run(kind: str, w: AttackWorkload, names: list[str]) -> dict:
+    from pagedkv.stack import LocalStack
+
+    credentials = kind == "credentials"
+    env = {"PAGEDKV_ALLOCATOR_SNAPSHOT_EVERY": str(w.snapshot_every),
+           "PAGEDKV_ROUTER_HEADER_TIMEOUT": str(w.router_header_timeout_s),
+           "PAGEDKV_ROUTER_BODY_TIMEOUT": str(w.router_body_timeout_s)}
+    with LocalStack(1, MODEL, worker_args=WORKER_ARGS, router=True, redis=True, credentials=credentials,
+                    env=env, startup_timeout=300.0) as stack:
+        def secret(name: str) -> str | None:
+            return (Path(stack.log_dir) / name).read_text().strip() if credentials else None
+
+        target = Target(stack, credentials, secret("worker-1.token"), secret("admin-token"))
+        ctx = mp.get_context("spawn")
+        stop, ready = ctx.Event(), ctx.Event()
+        mine, theirs = ctx.Pipe(duplex=False)
+        victim = ctx.Process(target=_victim, daemon=True,
+                             args=(target.allocator, target.admin_token, target.router, target.worker,
+                                   w.victim_seqs, w.router_max_tokens, stop, ready, theirs))
+        victim.start()
+        sampler = _Sampler(stack.allocator.pid)
+        windows = []
+        try:
+            if not ready.wait(120):
+                raise RuntimeError("the victim did not start")
+            for name in names:
+                harness.log("attacks", f"{kind}: {name}")
+                b0 = time.monotonic()
+                time.sleep(w.baseline_s)
+                a0 = time.monotonic()
+                try:
+                    with ATTACK_NAMES[name](target, w) as details:
+                        time.sleep(w.attack_s)
+                except Exception as exc:  # noqa: BLE001 - an attack that broke is reported, the run goes on
+                    details = {"attack_error": repr(exc)[:300]}
+                a1 = time.monotonic()
+                alive = {n: p.alive() for n, p in stack.processes.items()}
+                windows.append((name, b0, a0, a1, details, alive))
+            time.sleep(w.baseline_s)  # the victim's last window after the last attack
+        finally:
+            stop.set()
+            samples = mine.recv() if mine.poll(120) else {"steps": [], "requests": []}
+            victim.join(60)
+            sampler.stop()
+    rows = []
+    for name, b0, a0, a1, details, alive in windows:
+        base, during = _window(samples, b0, a0), _window(samples, a0, a1)
+        rss_base, threads_base = sampler.peak(b0, a0)
+        rss, threads = sampler.peak(a0, a1)
+        reached = details.pop("reached", None)
+        refused = details.pop("refused", {})
+        died = sorted(n for n, up in alive.items() if not up)
+        errors = during["errors"]
+        rows.append({
+            "attack": name, "seconds": round(a1 - a0, 1),
+            "baseline": {k: v for k, v in base.items() if k != "errors"},
+            "during": {k: v for k, v in during.items() if k != "errors"},
+            "allocator_rss_mib_peak": rss, "allocator_threads_peak": threads,
+            "allocator_rss_mib_baseline": rss_base, "allocator_threads_baseline": threads_base,
+            "reached": reached, "victim_errors": len(errors), "errors": errors[:KEPT_ERRORS],
+            "exited": died, "refused": refused, "details": details,
+            "succeeded": bool(reached) or bool(errors) or bool(died) or during["answered_by_others"] > 0,
+        })
+    every = _window(samples, float("-inf"), float("inf"))
+    return {"attacks": rows, "victim": {"steps": every["steps"], "requests": every["requests"],
+                                        "errors": len(every["errors"]), "first_errors": every["errors"][:KEPT_ERRORS]}}
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    w = ATTACKS[args.workload]
+    stacks = {kind: _stack_run(kind, w, args.attacks) for kind in STACKS}
+    return {"workload": {"name": args.workload, **{k: v for k, v in asdict(w).items() if k != "what"},
+                         "what": w.what, "model": MODEL, "worker_args": WORKER_ARGS},
+            "stacks": stacks}
+
+
+def tables(report: dict) -> list[Table]:
+    rows, notes = [], []
+    for kind, run in report["stacks"].items():
+        for r in run["attacks"]:
+            b, d = r["baseline"], r["during"]
+            rows.append([kind, r["attack"], cell(b["step_p99_ms"], ".2f"), cell(d["step_p99_ms"], ".2f"),
+                         cell(b["request_p99_ms"], ".1f"), cell(d["request_p99_ms"], ".1f"),
+                         cell(r["allocator_rss_mib_peak"], ".1f"), cell(r["allocator_threads_peak"]),
+                         "yes" if r["succeeded"] else "no", cell(r["victim_errors"]), cell(sum(r["refused"].values()))])
+            said = [f"refused {k} {v}" for k, v in sorted(r["refused"].items())]
+            said += [f"{k} {v}" for k, v in r["details"].items()]
+            if said:
+                notes.append(f"{kind}, {r['attack']}: " + ", ".join(said))
+            notes += [f"{kind}, {r['attack']}: victim error: {e}" for e in r["errors"]]
+        v = run["victim"]
+        notes.append(f"{kind}: the victim sent {v['steps']} Steps and {v['requests']} router requests; "
+                     f"{v['errors']} failed")
+    w = report["workload"]
+    head = [f"workload {w['name']}: {w['what']}.",
+            "p99 before: the victim alone in the seconds before the attack; during: while it ran. Succeeded: the "
+            "attack's aim was reached, or the victim lost a Step or a request, or a process exited."]
+    return [Table("attacks on a stack with credentials and one without",
+                  ["stack", "attack", "Step p99 before ms", "during", "router p99 before ms", "during",
+                   "allocator RSS MiB", "threads", "succeeded", "victim errors", "refused"],
+                  rows, head + notes)]
+
+
+def run(args: argparse.Namespace) -> int:
+    return harness.run("attacks", args, measure, tables)
