@@ -16,6 +16,7 @@ from pagedkv_base.config import from_args, name_of, setting
 from pagedkv_base.settings import (
     LOG_LEVELS,
     CliError,
+    gib_or_none,
     log_level,
     read_file,
     read_secret,
@@ -101,6 +102,14 @@ class AllocatorArgs:
         "can write to Redis without it cannot edit the state unnoticed (the allocator and --check refuse "
         "it); none = Redis is trusted with the state. A journal written without a key is read only without "
         "one", metavar="PATH", flag=False)
+    kv_shared_store: str | None = setting(
+        None, "the KV store this allocator's workers share (tier 2 below their host tiers): file://PATH (a "
+        "directory every worker mounts) or redis://HOST:PORT/DB; the allocator indexes it, the workers move "
+        "the bytes (a worker opts out with --no-kv-shared-store). Checked at start: a path it cannot write "
+        "or a Redis that does not answer is an error. Needs --kv-shared-store-size", metavar="URL")
+    kv_shared_store_size: float = setting(
+        0.0, "GiB the shared store may hold (its index evicts least recently used entries past it)",
+        parse=gib_or_none, metavar="GIB")
     check: bool = setting(
         False, "verify the journal in --state (digests, record chain, step chains, head) without serving or "
         "writing; print what was found; exit 0 if sound, 1 if not")
@@ -115,6 +124,11 @@ class AllocatorArgs:
             raise ValueError(f"{name_of(AllocatorArgs, 'max_snapshot_mb')} must be 1 to 512 (Redis's value limit)")
         if not (self.state == "memory" or self.state.startswith(_REDIS)):
             raise ValueError(f"--state must be 'memory' or a redis:// URL, not {self.state!r}")
+        store, size = name_of(AllocatorArgs, "kv_shared_store"), name_of(AllocatorArgs, "kv_shared_store_size")
+        if self.kv_shared_store and not self.kv_shared_store_size:
+            raise ValueError(f"{store} needs {size} (GiB it may hold)")
+        if self.kv_shared_store_size and not self.kv_shared_store:
+            raise ValueError(f"{size} is for {store}, which is not given")
         if self.redis_wait_replicas < 0 or not self.redis_wait_timeout > 0:
             raise ValueError(f"{name_of(AllocatorArgs, 'redis_wait_replicas')} must be >= 0 and "
                              f"{name_of(AllocatorArgs, 'redis_wait_timeout')} positive")
@@ -156,6 +170,13 @@ def options_from_args(args: argparse.Namespace):
             raise CliError(f"--worker-tokens-file {a.worker_tokens_file}: {exc}") from exc
         if set(worker_tokens) & set(tokens):
             raise CliError("a worker token must differ from the auth, admin and router tokens")
+    if a.kv_shared_store:
+        from pagedkv_base.store_url import StoreOpenError, check_store_url
+
+        try:
+            check_store_url(a.kv_shared_store)
+        except StoreOpenError as exc:
+            raise CliError(f"--kv-shared-store: {exc}") from exc
     journal_key = read_file(a.journal_key_file, "journal key file").strip() if a.journal_key_file else None
     if journal_key is not None and len(journal_key) < 32:
         raise CliError(f"the journal key file {a.journal_key_file} holds {len(journal_key)} bytes; a key needs 32 or more")
@@ -164,7 +185,9 @@ def options_from_args(args: argparse.Namespace):
                                max_snapshot_bytes=a.max_snapshot_mb << 20,
                                fair_share_window_s=a.fair_share_window_ms / 1e3,
                                reserved_blocks={g.worker_id: g.blocks for g in worker_tokens.values() if g.blocks},
-                               max_pool_blocks=a.max_pool_blocks, journal_key=journal_key)
+                               max_pool_blocks=a.max_pool_blocks, journal_key=journal_key,
+                               shared_store=a.kv_shared_store or "",
+                               shared_store_bytes=int(a.kv_shared_store_size * 2**30))
     except ValueError as exc:
         raise CliError(str(exc)) from exc
     return ServeOptions(

@@ -24,7 +24,8 @@ from allocator_service.core import (
     step_columns,
 )
 from allocator_service.core import step as core_step
-from allocator_service.core.limits import max_table_entries
+from allocator_service.core.limits import MAX_LAYOUT_LEN, max_table_entries
+from allocator_service.core.tiers import HASH_LEN, Moves
 from allocator_service.v1 import allocator_pb2 as pb
 
 # NOTE: the core numbers kinds and per-operation errors as the wire enums do,
@@ -74,6 +75,12 @@ def fill_ops(msg: pb.StepOps, step: StepColumns) -> None:
         msg.fork_children.extend(step.children)
     if step.num_reserved:
         msg.num_reserved.extend(step.num_reserved)
+    saved, failed, store_saved, store_failed, refused = step[8:]
+    if saved or failed or store_saved or store_failed or refused:
+        r = msg.report
+        r.saved.extend(saved)
+        r.failed.extend(failed)
+        r.store_saved, r.store_failed, r.refused = b"".join(store_saved), b"".join(store_failed), b"".join(refused)
 
 
 def columns_from_proto(msg: pb.StepOps) -> StepColumns:
@@ -87,6 +94,11 @@ def columns_from_proto(msg: pb.StepOps) -> StepColumns:
     for o in msg.admit_options:
         salts.append(o.cache_salt if o.HasField("cache_salt") else None)
         budgets.append(o.num_new_tokens if o.HasField("num_new_tokens") else None)
+    report = ()
+    if msg.HasField("report"):
+        r = msg.report
+        report = (list(r.saved), list(r.failed), split_hashes(r.store_saved), split_hashes(r.store_failed),
+                  split_hashes(r.refused))
     return StepColumns(
         list(msg.kinds),
         list(msg.seq_ids),
@@ -96,7 +108,14 @@ def columns_from_proto(msg: pb.StepOps) -> StepColumns:
         budgets,
         list(msg.fork_children),
         list(msg.num_reserved),
+        *report,
     )
+
+
+def split_hashes(packed: bytes) -> list[bytes]:
+    """The hashes of a packed field (HASH_LEN bytes each, concatenated); a
+    short last one is kept short, for the core to refuse."""
+    return [packed[i:i + HASH_LEN] for i in range(0, len(packed), HASH_LEN)]
 
 
 def encode_ops(ops: Sequence[Op]) -> pb.StepOps:
@@ -121,12 +140,14 @@ def canonical_ops(msg: pb.StepOps) -> bytes:
 
 
 # --------------------------------------------------------------- responses
-# The result columns the wire carries. NOTE: the tier moves (`StepResult`'s
-# fields after `error_messages`) are not on the wire yet: a pool served over
-# it has no tiers (`config_from_proto` sets none), so its moves are empty.
+# The result columns the wire carries as StepResponse fields of their names;
+# the tier moves (`StepResult`'s fields after `error_messages`, a `Moves`)
+# ride its `moves` sub-message, hashes packed.
 _WIRE_RESULT = tuple(f for f in StepResult._fields if f in pb.StepResponse.DESCRIPTOR.fields_by_name)
 _OFF_WIRE = len(_WIRE_RESULT)
-assert StepResult._fields[:_OFF_WIRE] == _WIRE_RESULT
+assert StepResult._fields[:_OFF_WIRE] == _WIRE_RESULT and StepResult._fields[_OFF_WIRE:] == Moves._fields
+assert tuple(pb.TierMoves.DESCRIPTOR.fields_by_name) == Moves._fields
+_HASH_MOVES = frozenset(("store_deletes", "store_saves", "store_loads"))  # packed bytes on the wire
 
 # Bytes of one operation's readable reason in a StepResponse, at most (a
 # longer one is cut): what lets `step_answer_bound` bound a step's answer.
@@ -134,11 +155,19 @@ MAX_ERROR_MESSAGE_BYTES = 320
 
 
 def result_to_proto(step_id: int, result: StepResult) -> pb.StepResponse:
-    if any(result[_OFF_WIRE:]):
-        raise ValueError("the step's answer carries KV tier moves the wire format cannot carry")
     if result.error_messages and max(map(len, result.error_messages)) > MAX_ERROR_MESSAGE_BYTES // 4:
         result = result._replace(error_messages=[_clip(m) for m in result.error_messages])
-    return pb.StepResponse(step_id=step_id, **dict(zip(_WIRE_RESULT, result, strict=False)))
+    msg = pb.StepResponse(step_id=step_id, **dict(zip(_WIRE_RESULT, result, strict=False)))
+    moves = result[_OFF_WIRE:]
+    if any(moves):
+        msg.moves.CopyFrom(pb.TierMoves(**{f: b"".join(v) if f in _HASH_MOVES else v
+                                           for f, v in zip(Moves._fields, moves, strict=True) if v}))
+    return msg
+
+
+def _moves_from_proto(m: pb.TierMoves) -> Moves:
+    return Moves(*(split_hashes(getattr(m, f)) if f in _HASH_MOVES else list(getattr(m, f))
+                   for f in Moves._fields))
 
 
 def _clip(message: str) -> str:
@@ -148,8 +177,15 @@ def _clip(message: str) -> str:
     return raw[:MAX_ERROR_MESSAGE_BYTES - 3].decode(errors="ignore") + "\u2026"
 
 
+class TierBound(NamedTuple):
+    """What bounds a tiered pool's moves in one answer (`step_answer_bound`)."""
+
+    store_entries: int  # entries the shared store holds now (0: the pool uses none)
+    deletes_per_save: int  # store entries one save may delete to make room, at most
+
+
 def step_answer_bound(step: StepColumns, num_blocks: int, block_size: int,
-                      num_tokens: Callable[[str], int | None]) -> int:
+                      num_tokens: Callable[[str], int | None], tiers: TierBound | None = None) -> int:
     """An upper bound of the encoded size of the StepResponse that `step`
     can get from a pool of this shape, before it is applied (what the
     service refuses a step for: the answer must fit the wire).
@@ -160,7 +196,14 @@ def step_answer_bound(step: StepColumns, num_blocks: int, block_size: int,
     slots in blocks, one more for a partial block, and one more for a
     copy-on-write (G over the step). A FORK appends its parent's whole
     table: the parent's now (or its own parent's bound, for a child forked
-    in this step), grown by at most G."""
+    in this step), grown by at most G.
+
+    Tier moves (`tiers`, a tiered pool): every block the step takes (at most
+    G) is evicted at most once, which saves it one tier down (a host save, and
+    the host entry it displaces saved to the store) and is loaded into at
+    most once; each store save deletes at most `deletes_per_save` entries,
+    and every store confirmation that fails or a refused load one more,
+    never more than the store holds."""
     kinds, reserved = step.kinds, step.num_reserved
     n = len(kinds)
     id_bytes = max(1, ((num_blocks - 1).bit_length() + 6) // 7)
@@ -188,7 +231,15 @@ def step_answer_bound(step: StepColumns, num_blocks: int, block_size: int,
     ids = min(ids, max_table_entries(num_blocks) + writers)
     # Per operation: an error (1 byte), five uint32 columns (5 each), one
     # copy's two ids, a reason; the ids; the fields' tags and lengths.
-    return 128 + n * (26 + 2 * id_bytes + MAX_ERROR_MESSAGE_BYTES + 3) + ids * id_bytes
+    bound = 128 + n * (26 + 2 * id_bytes + MAX_ERROR_MESSAGE_BYTES + 3) + ids * id_bytes
+    if tiers is not None:
+        # per block taken: a host save (2 ids), a store save (a hash, 1 id), a load (a hash, 1 id)
+        bound += 64 + growth * (2 * HASH_LEN + 4 * id_bytes)
+        if tiers.store_entries:
+            deletes = min(tiers.store_entries, growth * tiers.deletes_per_save
+                          + len(step.store_failed) + len(step.refused))
+            bound += deletes * (HASH_LEN + MAX_LAYOUT_LEN + 3)  # a hash and a layout key with its tag
+    return bound
 
 
 def decode_results(resp: pb.StepResponse, num_ops: int) -> StepResults:
@@ -199,7 +250,10 @@ def decode_results(resp: pb.StepResponse, num_ops: int) -> StepResults:
     copying all nine cost more than that (~60 us at 256 operations)."""
     if len(resp.errors) != num_ops:
         raise ValueError(f"the server answered {len(resp.errors)} results for {num_ops} operations")
-    return StepResults(StepResult(*(getattr(resp, f) for f in _WIRE_RESULT)))
+    columns = (getattr(resp, f) for f in _WIRE_RESULT)
+    if resp.HasField("moves"):
+        return StepResults(StepResult(*columns, *_moves_from_proto(resp.moves)))
+    return StepResults(StepResult(*columns))
 
 
 # ------------------------------------------------------------ pool shape
@@ -209,6 +263,10 @@ def shape_to_proto(config: PoolConfig) -> pb.PoolShape:
         block_size=config.block_size,
         model_fingerprint=config.model_fingerprint,
         enable_prefix_caching=config.enable_prefix_caching,
+        host_blocks=config.host_blocks,
+        layout=config.layout,
+        block_bytes=config.block_bytes,
+        use_shared_store=config.use_shared_store,
     )
 
 
@@ -219,6 +277,10 @@ def config_from_proto(shape: pb.PoolShape) -> PoolConfig:
         block_size=shape.block_size,
         enable_prefix_caching=shape.enable_prefix_caching,
         model_fingerprint=shape.model_fingerprint,
+        host_blocks=shape.host_blocks,
+        layout=shape.layout,
+        block_bytes=shape.block_bytes,
+        use_shared_store=shape.use_shared_store,
     )
 
 
@@ -240,6 +302,13 @@ class PoolInfo(NamedTuple):
     num_sequences: int
     enable_prefix_caching: bool
     attest_key: bytes = b""  # proves the worker's identity answers (`attest.py`)
+    # KV tiers (0 / False: none)
+    host_blocks: int = 0  # host tier slots
+    host_used_blocks: int = 0  # of those, holding an entry (pending or present)
+    use_shared_store: bool = False
+    store_used_bytes: int = 0  # the shared store's bytes in use (every pool's)
+    host_hit_tokens: int = 0  # prompt tokens admissions loaded from the host tier
+    store_hit_tokens: int = 0  # ... from the shared store
 
 
 def pool_info_to_proto(info: PoolInfo) -> pb.PoolInfo:

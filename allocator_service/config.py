@@ -77,6 +77,10 @@ class ServiceConfig:
     # HMAC-SHA256 under it (`store/journal.py`); None: plain SHA-256, and
     # whoever can write to Redis is trusted with the state.
     journal_key: bytes | None = field(default=None, repr=False)
+    # The shared KV store (`--kv-shared-store`): its URL ("" for none) and
+    # the bytes its index may hold (`core.tiers.SharedStore`).
+    shared_store: str = ""
+    shared_store_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not self.lease_ttl_s > 0:
@@ -89,6 +93,8 @@ class ServiceConfig:
             raise ValueError("event_retention must be at least 1")
         if self.fair_share_window_s < 0 or not self.fair_share_max_wait_s > 0:
             raise ValueError("fair_share_window_s must be >= 0 and fair_share_max_wait_s positive")
+        if bool(self.shared_store) != (self.shared_store_bytes > 0):
+            raise ValueError("a shared store needs its capacity in bytes, and a capacity its store")
         if self.max_pool_blocks is not None and self.max_pool_blocks < 1:
             raise ValueError("max_pool_blocks must be positive")
         if sum(self.reserved_blocks.values()) > self.limits.max_total_blocks:

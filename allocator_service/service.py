@@ -19,7 +19,9 @@ Locks, always taken in this order:
 
 So a long read of pool X delays only X's own changes, and the mutation lock
 is held for a journal write and some bookkeeping, never for a pool's
-blocks. Conversion, validation and the digest of a request run before any
+blocks, with one exception: the steps of pools that use the shared KV store
+(`--kv-shared-store`) change its one index, so they are applied whole under
+the mutation lock, in the journal's order, which replay then reproduces. Conversion, validation and the digest of a request run before any
 lock; heartbeats and every call's lease renewal authenticate against the
 registry with a dict lookup and an HMAC and take only the lease table's
 lock. Cross-pool reads (MatchPrefix, metrics) visit the pools one at a time,
@@ -43,6 +45,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from itertools import compress
 from typing import Any, NamedTuple
 
@@ -50,10 +53,12 @@ from allocator_service.attest import attest_key, credential_digest
 from allocator_service.codec import (
     PREV_STEP_ID_REQUIRED,
     PoolInfo,
+    TierBound,
     canonical_ops,
     columns_from_proto,
     config_from_proto,
     digest_of,
+    shape_to_proto,
     stats_to_proto,
     step_answer_bound,
 )
@@ -109,6 +114,7 @@ class Registration(NamedTuple):
     epoch: int
     credential: str
     lease_ttl_s: float
+    shared_store: str = ""  # the store's URL, for a pool that uses it
 
 
 class Advertised(NamedTuple):
@@ -129,6 +135,20 @@ class Advertised(NamedTuple):
 
 
 NOT_ADVERTISED = Advertised()
+
+
+class TierView(NamedTuple):
+    """One pool's KV tiers as ListPools and the metrics read them."""
+
+    host_blocks: int  # host tier slots (0: none)
+    host_used_blocks: int  # holding an entry, pending or present
+    use_shared_store: bool
+    store_used_bytes: int  # the shared store's, every pool's entries
+    block_bytes: int
+    counters: dict[str, int]  # `core.tiers.TIER_COUNTERS`
+
+
+NO_TIERS = TierView(0, 0, False, 0, 0, {})
 
 
 _KINDS = frozenset(KINDS)
@@ -222,6 +242,8 @@ class AllocatorService:
         self.lease_extensions = 0  # times the reaper found the allocator had not run
         with self._lock:
             self.durable.load(take_ownership=True)
+            self._configure_store()
+        self.durable.after_change()
 
     @property
     def registry(self) -> Registry:
@@ -242,6 +264,27 @@ class AllocatorService:
 
     def check_store(self) -> None:
         self.durable.check_store()
+
+    def _configure_store(self) -> None:
+        """At start (mutation lock held): the shared store of the config,
+        journaled when it differs from the one recorded (`StoreConfigured`);
+        the pools that used that one are dropped first (`store_changed`:
+        their workers re-register and learn the new store)."""
+        url, size = self.config.shared_store, self.config.shared_store_bytes
+        reg = self.registry
+        if reg.store_url == url and (reg.store.capacity_bytes if reg.store is not None else 0) == size:
+            return
+        for e in [e for e in reg.pools.values() if reg.uses_store(e)]:
+            self._drop(e.pool_id, "store_changed")
+        self.durable.append(store=jpb.StoreConfigured(url=url, capacity_bytes=size))
+        batch = reg.advance()
+        try:
+            reg.configure_store(url, size)
+        finally:
+            self.events.finish(batch)
+        self.durable.changed()
+        if url:
+            log.info("shared KV store %s, %d bytes", url, size)
 
     # ----------------------------------------------------------- lifecycle
     def reaper_interval(self) -> float:
@@ -330,15 +373,27 @@ class AllocatorService:
                 continue
         return fn()
 
-    def _apply(self, entry: PoolEntry, work: Callable[[Registry, Any], Any], **change: Any) -> Any:
+    def _apply(self, entry: PoolEntry, work: Callable[[Registry, Any], Any], shared: bool = False,
+               **change: Any) -> Any:
         """Journal `change` to `entry`'s pool and apply it: its place in the
         order under the mutation lock, then `work(registry, batch)` under the
-        pool's lock only (the caller holds it). Returns what `work` returns."""
+        pool's lock only (the caller holds it); `shared`: the change touches
+        the shared store, and `work` runs under the mutation lock too.
+        Returns what `work` returns."""
         with self._lock:
             reg = self._live(entry)
             self.durable.append(**change)
             batch = reg.advance()
             index = reg.index
+            if shared:
+                try:
+                    self.durable.settle(entry, index)
+                    self.durable.settle_store()
+                    result = work(reg, batch)
+                finally:
+                    self.events.finish(batch)
+                self.durable.changed()
+                return result
             self.durable.begin_apply()
             try:
                 self.durable.changed()
@@ -367,10 +422,14 @@ class AllocatorService:
             raise BadRequest(f"worker_id must be 1 to {limit} printable characters without '/'")
         advertised.check()
         config = config_from_proto(shape)
+        if config.use_shared_store and self.registry.store is None:
+            # no store here: the pool is registered (and journaled) without it
+            config = replace(config, use_shared_store=False)
+            shape = shape_to_proto(config)
         self._check_quota(worker_id, config.num_blocks)  # before the pool is built: a refused one costs nothing
         credential = secrets.token_urlsafe(32)
         digest = credential_digest(credential)
-        fresh = new_pool(config)  # O(blocks): before any lock
+        fresh = new_pool(config, self.registry.store)  # O(blocks): before any lock
 
         def attempt() -> PoolEntry:
             reg = self.registry
@@ -386,13 +445,16 @@ class AllocatorService:
         entry = self._retrying(attempt)
         self.durable.after_change()
         log.info("registered pool %s (%d blocks of %d)", entry.pool_id, config.num_blocks, config.block_size)
-        return Registration(entry.pool_id, entry.epoch, credential, self.config.lease_ttl_s)
+        return Registration(entry.pool_id, entry.epoch, credential, self.config.lease_ttl_s,
+                            self.registry.store_url if config.use_shared_store else "")
 
     def _register(self, reg: Registry, worker_id: str, shape: pb.PoolShape, config, digest: bytes,
                   old: PoolEntry | None, replace_credential: str, fresh,
                   advertised: Advertised = NOT_ADVERTISED, protocol_version: int = 0) -> PoolEntry:
         if old is not None:
             self._check_replace(old, replace_credential)
+        if config.use_shared_store and fresh[0].tiers.store is not reg.store:
+            fresh = new_pool(config, reg.store)  # the registry was reloaded meanwhile: its store
         pools = len(reg.pools) - (old is not None)
         if pools >= self.limits.max_pools:
             raise CapacityExceeded(f"the server holds its maximum of {self.limits.max_pools} pools")
@@ -419,6 +481,8 @@ class AllocatorService:
                 protocol_version=protocol_version,
             )
         )
+        if old is not None and reg.uses_store(old):
+            self.durable.settle_store()  # dropping it drops its pending store saves
         batch = reg.advance()
         try:
             entry = reg.register(worker_id, epoch, config, digest, batch, fresh, **advertised._asdict(),
@@ -470,6 +534,8 @@ class AllocatorService:
         """Journal and apply a drop (the pool's lock and the mutation lock held)."""
         self.durable.append(dropped=jpb.PoolDropped(pool_id=pool_id, reason=reason))
         reg = self.registry
+        if reg.uses_store(reg.pools[pool_id]):
+            self.durable.settle_store()  # dropping it drops its pending store saves
         batch = reg.advance()
         try:
             reg.drop(pool_id, reason, batch)
@@ -504,15 +570,32 @@ class AllocatorService:
                     raise StepConflict(f"step {step_id} is older than the pool's last step {entry.last_step_id}")
                 if prev_step_id is not None and prev_step_id != entry.last_step_id:
                     self._state_lost(entry, prev_step_id)
+                self._check_report(entry, step)
                 self._check_answer(entry, step)
                 record = StepRecord(entry.pool_id, step_id, digest, ops_bytes)
                 return self._apply(
-                    entry, lambda reg, batch: reg.apply_step(entry, batch, step_id, digest, step), step=record
+                    entry, lambda reg, batch: reg.apply_step(entry, batch, step_id, digest, step),
+                    shared=self.registry.uses_store(entry), step=record,
                 )
 
         response = self._retrying(attempt)
         self.durable.after_change()
         return response
+
+    @staticmethod
+    def _check_report(entry: PoolEntry, step: StepColumns) -> None:
+        """Refuse (BadRequest) a tier report naming what the pool could not
+        have issued, before it is journaled (the pool's lock held)."""
+        report = step[8:]
+        if not any(report):
+            return
+        tiers = entry.pool.tiers
+        if tiers is None:
+            raise BadRequest("a tier report (StepOps.report) for a pool without KV tiers")
+        try:
+            tiers.check_confirmations(*report)
+        except InvalidArgument as exc:
+            raise BadRequest(str(exc)) from None
 
     def _check_answer(self, entry: PoolEntry, step: StepColumns) -> None:
         """Refuse (AnswerTooLarge) a step whose answer could be larger than
@@ -526,7 +609,13 @@ class AllocatorService:
             except UnknownSequence:
                 return None
 
-        bound = step_answer_bound(step, pool.num_blocks, pool.block_size, held)
+        tiers = None
+        if pool.tiers is not None:
+            store, smallest = pool.tiers.store, self.registry.store_min_bytes
+            # the most entries the store can hold, and deletes one save may take
+            most = store.capacity_bytes // smallest if store is not None and smallest else 0
+            tiers = TierBound(most, -(-pool.config.block_bytes // smallest) if most else 0)
+        bound = step_answer_bound(step, pool.num_blocks, pool.block_size, held, tiers)
         if bound > self.limits.max_message_bytes:
             raise AnswerTooLarge(
                 f"the answer to these {len(step.kinds)} operations could take up to {bound} bytes, more than the "
@@ -591,14 +680,20 @@ class AllocatorService:
         out = []
         for e in pools:
             pool = e.pool
-            cached = 0
+            cached = host = store = 0
             if pool.enable_prefix_caching and len(tokens) >= 2:
                 size = pool.block_size
                 hashes = chains.get(size)
                 if hashes is None:
                     hashes = chains[size] = prompt_chain(fingerprint, tokens, size, salt)
+                # NOTE: the store's index is read without the mutation lock
+                # (lookups only): a figure as of some moment of this call.
                 with e.lock:
-                    cached = pool.cached_blocks(hashes) * size
+                    if pool.tiers is None:
+                        cached = pool.cached_blocks(hashes)
+                    else:
+                        cached, host, store = pool.tier_blocks(hashes)
+                cached, host, store = cached * size, host * size, store * size
             out.append(
                 pb.PrefixMatch(
                     pool_id=e.pool_id,
@@ -606,6 +701,8 @@ class AllocatorService:
                     cached_tokens=cached,
                     free_blocks=pool.num_free_blocks,
                     block_size=pool.block_size,
+                    host_tokens=host,
+                    store_tokens=store,
                 )
             )
         out.sort(key=lambda m: (-m.cached_tokens, -m.free_blocks, m.pool_id))
@@ -669,12 +766,46 @@ class AllocatorService:
             if fingerprint and config.model_fingerprint != fingerprint:
                 continue
             with e.lock:
-                s = e.pool.stats()
+                s, t = e.pool.stats(), self._tier_view(e)
             out.append(PoolInfo(e.pool_id, e.worker_id, config.model_fingerprint, e.served_model_name,
                                 e.advertise_url, s.block_size, s.num_blocks, s.free_blocks, s.used_blocks,
                                 s.cached_blocks, s.num_sequences, e.pool.enable_prefix_caching,
-                                attest_key(e.credential_digest)))
+                                attest_key(e.credential_digest), t.host_blocks, t.host_used_blocks,
+                                t.use_shared_store, t.store_used_bytes, t.counters.get("host_hit_tokens", 0),
+                                t.counters.get("store_hit_tokens", 0)))
         return out
+
+    @staticmethod
+    def _tier_view(e: PoolEntry) -> TierView:
+        """A pool's tiers as the listing and the metrics read them (its lock held)."""
+        tiers = e.pool.tiers
+        if tiers is None:
+            return NO_TIERS
+        host = tiers.host
+        store = tiers.store
+        return TierView(host.lru.capacity if host is not None else 0, len(host.lru) if host is not None else 0,
+                        store is not None, store.lru.used if store is not None else 0,
+                        e.pool.config.block_bytes, dict(tiers.counters))
+
+    def tier_stats(self) -> list[tuple[str, str, TierView]]:
+        """(pool id, worker id, its tiers) of every live pool with KV tiers,
+        each read under its own lock: what the metrics collector reads."""
+        out = []
+        for e in list(self.registry.pools.values()):
+            if e.pool.tiers is not None:
+                with e.lock:
+                    out.append((e.pool_id, e.worker_id, self._tier_view(e)))
+        return out
+
+    def store_stats(self) -> dict[str, int] | None:
+        """The shared store's figures (None: no store): capacity and used
+        bytes, entries (pending ones included), entries refused at load and
+        dropped for room. Read without the mutation lock: a figure."""
+        store = self.registry.store
+        if store is None:
+            return None
+        return {"capacity_bytes": store.capacity_bytes, "used_bytes": store.lru.used, "entries": len(store.lru),
+                "pending": len(store.lru.pending), "refused": store.refused, "dropped": store.dropped}
 
     def free_blocks(self, pool_id: str) -> int | None:
         """A live pool's free blocks (None: no such pool), read without its

@@ -134,6 +134,19 @@ def log_level(text: str) -> str:
 log_level.__name__ = "log level"
 
 
+def gib_or_none(text: str) -> float:
+    """A size in GiB >= 0 ('none': 0)."""
+    if text.strip().lower() == "none":
+        return 0.0
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of GiB >= 0 or 'none', got {text!r}")
+    return value
+
+
 def seconds(text: str) -> float:
     """A positive, finite number of seconds (a timeout, an interval)."""
     try:

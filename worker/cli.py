@@ -20,6 +20,7 @@ from pagedkv_base.config import from_args, setting
 from pagedkv_base.settings import (
     LOG_LEVELS,
     CliError,
+    gib_or_none,
     log_level,
     parse_threads,
     read_secret,
@@ -36,19 +37,6 @@ PAGEDKV_WORKER_API_KEY is not set.
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float", "half")
 PREEMPTION_MODES = ("recompute", "swap")
-
-
-def gib_or_none(text: str) -> float:
-    """A size in GiB >= 0 ('none': 0)."""
-    if text.strip().lower() == "none":
-        return 0.0
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number of GiB >= 0 or 'none', got {text!r}")
-    return value
 
 
 def default_worker_id() -> str:

@@ -54,6 +54,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 import grpc
@@ -77,6 +78,7 @@ from allocator_service.core import (
     UnknownSequence,
     step_columns,
 )
+from allocator_service.core.tiers import NO_REPORT, TierReport
 from allocator_service.errors import ERROR_KEY
 from allocator_service.v1 import allocator_pb2 as pb
 from allocator_service.v1 import allocator_pb2_grpc as pb_grpc
@@ -271,8 +273,14 @@ class GrpcAllocator(AllocatorClient):
         step_stream: bool = True,
     ) -> None:
         """`step_stream`: send steps over one long-lived StepStream call
-        (see the module docstring) rather than one unary Step each."""
+        (see the module docstring) rather than one unary Step each.
+
+        KV tiers: the pool's shape asks for them (`spec.config`); the
+        allocator answers with its shared store's URL (`shared_store`), or
+        registers the pool without the store when it has none (`spec` then
+        says `use_shared_store` False), as `EmbeddedAllocator` does."""
         self.spec = spec
+        self._asked = spec  # what every registration asks for
         self.register_wait_s = register_wait_s
         self.block_size = spec.config.block_size
         self._channel = open_channel(target, tls_ca)
@@ -316,7 +324,7 @@ class GrpcAllocator(AllocatorClient):
         credential; else wait up to `register_wait_s` for that pool to go."""
         request = pb.RegisterPoolRequest(
             worker_id=self.spec.worker_id,
-            shape=shape_to_proto(self.spec.config),
+            shape=shape_to_proto(self._asked.config),
             replace_credential=replace_credential,
             advertise_url=self.spec.advertise_url,
             served_model_name=self.spec.served_model_name,
@@ -343,6 +351,12 @@ class GrpcAllocator(AllocatorClient):
             self.lease_ttl_s = r.lease_ttl_s
             # (an allocator from before `op_kinds` applies the first four kinds)
             self.op_kinds = frozenset(r.op_kinds) or OLDEST_OP_KINDS
+            self.shared_store = r.shared_store or None
+            config = self._asked.config
+            if config.use_shared_store and not r.shared_store:
+                self.spec = replace(self._asked, config=replace(config, use_shared_store=False))
+            else:
+                self.spec = self._asked
             self._step_id = 0
             self._answered = 0
             self._pending = None
@@ -370,10 +384,10 @@ class GrpcAllocator(AllocatorClient):
                 log.debug("heartbeat: %s", err.code().name)
 
     # ------------------------------------------------------ AllocatorClient
-    def step(self, ops: Sequence[Op]) -> StepResults:
+    def step(self, ops: Sequence[Op], report: TierReport = NO_REPORT) -> StepResults:
         request = pb.StepRequest(pool=self._ref, prev_step_id=self._answered)
         try:
-            fill_ops(request.ops, step_columns(ops))  # in place: no copy of the columns
+            fill_ops(request.ops, step_columns(ops, report))  # in place: no copy of the columns
         except (TypeError, ValueError) as exc:
             raise InvalidArgument(f"cannot encode the step: {exc}") from exc
         pending = self._pending
@@ -472,9 +486,11 @@ class GrpcAllocator(AllocatorClient):
 class PrefixMatch(NamedTuple):
     pool_id: str
     worker_id: str
-    cached_tokens: int
+    cached_tokens: int  # in the KV pool
     free_blocks: int
     block_size: int
+    host_tokens: int = 0  # past those, in the pool's host tier ...
+    store_tokens: int = 0  # ... and in the shared store
 
 
 class RouterClient:
@@ -522,7 +538,8 @@ class RouterClient:
 
     @staticmethod
     def _matches(r: pb.MatchPrefixResponse) -> list[PrefixMatch]:
-        return [PrefixMatch(m.pool_id, m.worker_id, m.cached_tokens, m.free_blocks, m.block_size) for m in r.matches]
+        return [PrefixMatch(m.pool_id, m.worker_id, m.cached_tokens, m.free_blocks, m.block_size, m.host_tokens,
+                            m.store_tokens) for m in r.matches]
 
     def list_pools(self, model_fingerprint: str = "") -> list[PoolInfo]:
         """Every live pool (of `model_fingerprint`, when given), by pool id."""

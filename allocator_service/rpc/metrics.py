@@ -120,6 +120,55 @@ class PoolCollector:
         )
         yield from (pools, events, snapshot_failures, serving, capacity, used, cached, free, seqs, util, queried, hit,
                     evicted, copied, oob, recent_cpu, waits, wait_seconds, waiting, cpu_seconds, calls_refused)
+        yield from self._tiers()
+
+    def _tiers(self):
+        """The KV tiers (docs/architecture.md, "Tiers"): per pool and tier
+        (`host`, `shared`) as the worker's `pagedkv_worker_kv_tier_*` name
+        them, and the shared store's own figures."""
+        labels = ["pool_id", "worker_id", "tier"]
+        hit = CounterMetricFamily(PREFIX + "kv_tier_hit_tokens", "Prompt tokens admissions loaded from the tier.",
+                                  labels=labels)
+        saved = CounterMetricFamily(PREFIX + "kv_tier_saved_blocks", "Blocks saves to the tier were issued for.",
+                                    labels=labels)
+        loaded = CounterMetricFamily(PREFIX + "kv_tier_loaded_blocks", "Blocks loads from the tier were issued for.",
+                                     labels=labels)
+        refused = CounterMetricFamily(
+            PREFIX + "kv_tier_refused_entries",
+            "Store loads the worker refused (layout, checksum or the entry missing): computed instead.",
+            labels=labels)
+        capacity = GaugeMetricFamily(PREFIX + "kv_tier_capacity_bytes", "Bytes the pool's host tier holds.",
+                                     labels=labels)
+        used = GaugeMetricFamily(PREFIX + "kv_tier_used_bytes",
+                                 "Bytes of the pool's host tier holding an entry (pending or present).", labels=labels)
+        for pool_id, worker_id, t in self.service.tier_stats():
+            c = t.counters
+            if t.host_blocks:
+                key = [pool_id, worker_id, "host"]
+                hit.add_metric(key, c["host_hit_tokens"])
+                saved.add_metric(key, c["host_saves"])
+                loaded.add_metric(key, c["host_loads"])
+                capacity.add_metric(key, t.host_blocks * t.block_bytes)
+                used.add_metric(key, t.host_used_blocks * t.block_bytes)
+            if t.use_shared_store:
+                key = [pool_id, worker_id, "shared"]
+                hit.add_metric(key, c["store_hit_tokens"])
+                saved.add_metric(key, c["store_saves"])
+                loaded.add_metric(key, c["store_loads"])
+                refused.add_metric(key, c["refused"])
+        yield from (hit, saved, loaded, refused, capacity, used)
+        store = self.service.store_stats()
+        if store is None:
+            return
+        yield GaugeMetricFamily(PREFIX + "shared_store_capacity_bytes", "Bytes the shared KV store may hold.",
+                                value=store["capacity_bytes"])
+        yield GaugeMetricFamily(PREFIX + "shared_store_used_bytes",
+                                "Bytes of the shared KV store's entries (pending ones included).",
+                                value=store["used_bytes"])
+        yield GaugeMetricFamily(PREFIX + "shared_store_entries", "Entries in the shared KV store's index.",
+                                value=store["entries"])
+        yield CounterMetricFamily(PREFIX + "shared_store_dropped_entries",
+                                  "Store entries dropped to make room (store deletes issued).", value=store["dropped"])
 
 
 def make_registry(service: AllocatorService) -> tuple[CollectorRegistry, Histogram]:

@@ -126,7 +126,8 @@ class AllocatorServicer:
                                   Advertised(request.advertise_url, request.served_model_name),
                                   request.protocol_version)
         return pb.RegisterPoolResponse(
-            pool_id=r.pool_id, epoch=r.epoch, credential=r.credential, lease_ttl_s=r.lease_ttl_s, op_kinds=KINDS
+            pool_id=r.pool_id, epoch=r.epoch, credential=r.credential, lease_ttl_s=r.lease_ttl_s, op_kinds=KINDS,
+            shared_store=r.shared_store,
         )
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:

@@ -14,6 +14,8 @@ the hot path (`Cut`):
   while other records are applied; whoever applies a record with a later
   index to a pool still due serialises it first (`settle`), so every pool
   is taken exactly as of the cut: a consistent cut without stopping the world;
+  the shared KV store's index likewise (`settle_store`: whoever changes it
+  first after the cut, under the mutation lock, takes it first);
 - the store then replaces the snapshot and trims exactly the journal
   records the snapshot includes, found by the cut record's chain digest
   (`RedisJournal.write_snapshot`), while records after the cut stay: replay
@@ -110,6 +112,8 @@ class Cut:
     generation: int
     hint: int  # journal entries the snapshot includes, if nothing was missed
     parts: dict[str, str] = field(default_factory=dict)  # pool id -> its JSON
+    store_due: bool = True  # the shared store's index is still to be taken
+    store: dict[str, Any] | None = None  # ... as of the cut (`Registry.store_state`)
 
 
 class DurableState:
@@ -302,6 +306,13 @@ class DurableState:
         else:
             self.write_cut()
 
+    def settle_store(self) -> None:
+        """Before a record changes the shared store's index (mutation lock
+        held): take it for the snapshot cut first, if it is still due."""
+        cut = self._cut
+        if cut is not None and cut.store_due:
+            cut.store, cut.store_due = self.registry.store_state(), False
+
     @staticmethod
     def settle(entry: PoolEntry, index: int) -> None:
         """Before record `index` is applied to `entry` (its lock held):
@@ -351,10 +362,13 @@ class DurableState:
                     if e.snapshot_due is cut:
                         cut.parts[e.pool_id] = pool_snapshot_json(e)
                         e.snapshot_due = None
+        with self.lock:
+            if cut.generation == self._generation and cut.store_due:
+                cut.store, cut.store_due = self.registry.store_state(), False
         next_event = self.events.numbered(cut.marker, timeout=30.0)
         if next_event is None or cut.generation != self._generation:
             return False  # the state was reloaded meanwhile: this cut is void
-        header = dict(cut.header, next_event=next_event)
+        header = dict(cut.header, next_event=next_event, store=cut.store)
         # the blob is the header, the parts, a comma between two, the magic and its digest
         room = self.max_snapshot_bytes - len(encode_snapshot(header, [], self.config.journal_key)) - len(cut.entries)
         sizes = {e.pool_id: len(cut.parts[e.pool_id]) for e in cut.entries}

@@ -1,7 +1,8 @@
 """The registry of pools: the allocator as a deterministic state machine.
 
-Every state change is one of four records (pool registered, step applied,
-pool dropped, prefix cache reset; `proto/pagedkv/v1/journal.proto`). Applying the
+Every state change is one of five records (pool registered, step applied,
+pool dropped, prefix cache reset, shared store configured;
+`proto/pagedkv/v1/journal.proto`). Applying the
 same records in the same order to the same snapshot gives the same pools,
 the same last-step answers and the same KV event numbers: that is what makes
 the Redis journal a complete backup. How stored records and snapshots are
@@ -13,7 +14,10 @@ its place (the next index and an event batch; the service calls it under its
 mutation lock, right after the journal write), and the pool's own work
 (`apply_step`, `apply_reset`) may then run under that pool's lock only,
 while another pool's record is applied. Registrations and drops touch no
-pool's blocks and are applied whole in the first part. Nothing here reads a
+pool's blocks and are applied whole in the first part. The shared KV store's
+index (`store`, one `SharedStore` the pools that use it share) is changed
+by their steps and drops: the service applies those whole under its mutation
+lock, so the journal's order is the order they changed it. Nothing here reads a
 clock or does I/O; each `PoolEntry` carries the lock the service takes for
 its pool.
 """
@@ -28,6 +32,7 @@ from typing import Any
 from allocator_service.codec import columns_from_proto, config_from_proto, result_to_proto
 from allocator_service.core import BlockPool, PoolConfig, StepColumns, run_step
 from allocator_service.core.snapshot import dumps_chunked, to_packed
+from allocator_service.core.tiers import SharedStore
 from allocator_service.store.events import POOL_DROPPED, POOL_REGISTERED, Batch, EventLog
 from allocator_service.v1 import allocator_pb2 as pb
 from allocator_service.v1 import journal_pb2 as jpb
@@ -107,6 +112,32 @@ class Registry:
         self.epoch_floor = 0  # at least every forgotten worker id's last epoch
         self.index = 0  # records applied (the journal index of the last one)
         self.events = events
+        # The shared KV store (the last StoreConfigured record): its URL and index.
+        self.store_url = ""
+        self.store: SharedStore | None = None
+        # The smallest block_bytes of a pool that used the store: at most any
+        # entry's size (what bounds the deletes one save causes).
+        self.store_min_bytes = 0
+
+    def uses_store(self, entry: PoolEntry) -> bool:
+        tiers = entry.pool.tiers
+        return tiers is not None and tiers.store is not None
+
+    def configure_store(self, url: str, capacity_bytes: int) -> None:
+        """From here on the shared store is `url` (empty: none), a fresh
+        index of `capacity_bytes` (every pool that used the old one is
+        dropped before: `StoreConfigured`)."""
+        if any(self.uses_store(e) for e in self.pools.values()):
+            raise CorruptState("the shared store is configured again while pools use it")
+        self.store_url = url
+        self.store = SharedStore(capacity_bytes) if url else None
+        self.store_min_bytes = 0
+
+    def store_state(self) -> dict[str, Any] | None:
+        """The shared store's part of a snapshot (None: no store)."""
+        if self.store is None:
+            return None
+        return {"url": self.store_url, "min_bytes": self.store_min_bytes, "index": self.store.to_state()}
 
     def next_epoch(self, worker_id: str) -> int:
         return self.epochs.get(worker_id, self.epoch_floor) + 1
@@ -142,7 +173,10 @@ class Registry:
         if old is not None:
             self._drop(old, "replaced", batch)
         pool_id = f"{worker_id}/{epoch}"
-        block_pool, sink = pool if pool is not None else new_pool(config)
+        block_pool, sink = pool if pool is not None else new_pool(config, self.store)
+        if config.use_shared_store:
+            b = config.block_bytes
+            self.store_min_bytes = min(self.store_min_bytes, b) if self.store_min_bytes else b
         sink.pool_id = pool_id
         entry = PoolEntry(pool_id, worker_id, epoch, credential_digest, block_pool, sink=sink,
                           advertise_url=advertise_url, served_model_name=served_model_name,
@@ -182,6 +216,7 @@ class Registry:
 
     def _drop(self, pool_id: str, reason: str, batch: Batch) -> None:
         entry = self.pools.pop(pool_id)
+        entry.pool.drop_store_pending()  # its worker will never confirm them
         if self.current.get(entry.worker_id) == pool_id:
             del self.current[entry.worker_id]
             self._idle(entry.worker_id)
@@ -227,6 +262,9 @@ class Registry:
                     raise KeyError(record.dropped.pool_id)
                 batch = self.advance()
                 self.drop(record.dropped.pool_id, record.dropped.reason, batch)
+            elif kind == "store":
+                batch = self.advance()
+                self.configure_store(record.store.url, record.store.capacity_bytes)
             else:
                 raise CorruptState(f"journal record {record.index} holds no change")
         except KeyError as exc:
@@ -245,7 +283,8 @@ class Registry:
 
     # --------------------------------------------------------- snapshots
     def snapshot_header(self, chain: bytes, next_event: int) -> dict[str, Any]:
-        """Everything of a snapshot but its pools (O(workers), not O(blocks))."""
+        """Everything of a snapshot but its pools and the shared store's
+        index (O(workers), not O(blocks): `store_state` adds the store)."""
         return {
             "format": SNAPSHOT_FORMAT,
             "index": self.index,
@@ -261,6 +300,7 @@ class Registry:
     def to_snapshot(self, chain: bytes, next_event: int | None = None) -> dict[str, Any]:
         """The whole registry at once (no record may be in flight)."""
         snap = self.snapshot_header(chain, self.events.next_sequence if next_event is None else next_event)
+        snap["store"] = self.store_state()
         snap["pools"] = [pool_snapshot(e) for e in self.pools.values()]
         return snap
 
@@ -272,10 +312,14 @@ class Registry:
         reg = cls(events)
         reg.index = snap["index"]
         reg.epochs = dict(snap["epochs"])
+        store = snap.get("store")  # absent in snapshots of older versions: no store
+        if store is not None:
+            reg.store_url, reg.store_min_bytes = store["url"], store["min_bytes"]
+            reg.store = SharedStore.from_state(store["index"])
         for p in snap["pools"]:
             pool_id = p["pool_id"]
             sink = _Sink(pool_id)
-            pool = BlockPool.from_state(p["state"], sink)
+            pool = BlockPool.from_state(p["state"], sink, reg.store)
             raw = p["last_response"]
             reg.pools[pool_id] = PoolEntry(
                 pool_id,
@@ -300,10 +344,11 @@ class Registry:
         return reg
 
 
-def new_pool(config: PoolConfig) -> tuple[BlockPool, _Sink]:
-    """A fresh pool and its event sink (named by `Registry.register`)."""
+def new_pool(config: PoolConfig, store: SharedStore | None = None) -> tuple[BlockPool, _Sink]:
+    """A fresh pool and its event sink (named by `Registry.register`);
+    `store`: the shared store's index, for a pool that uses it."""
     sink = _Sink("")
-    return BlockPool(config, sink), sink
+    return BlockPool(config, sink, store if config.use_shared_store else None), sink
 
 
 def pool_snapshot(entry: PoolEntry) -> dict[str, Any]:

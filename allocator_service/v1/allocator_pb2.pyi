@@ -69,16 +69,24 @@ class PoolRef(_message.Message):
     def __init__(self, pool_id: _Optional[str] = ..., credential: _Optional[str] = ...) -> None: ...
 
 class PoolShape(_message.Message):
-    __slots__ = ("num_blocks", "block_size", "model_fingerprint", "enable_prefix_caching")
+    __slots__ = ("num_blocks", "block_size", "model_fingerprint", "enable_prefix_caching", "host_blocks", "layout", "block_bytes", "use_shared_store")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     ENABLE_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USE_SHARED_STORE_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     block_size: int
     model_fingerprint: str
     enable_prefix_caching: bool
-    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ...) -> None: ...
+    host_blocks: int
+    layout: str
+    block_bytes: int
+    use_shared_store: bool
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., host_blocks: _Optional[int] = ..., layout: _Optional[str] = ..., block_bytes: _Optional[int] = ..., use_shared_store: _Optional[bool] = ...) -> None: ...
 
 class RegisterPoolRequest(_message.Message):
     __slots__ = ("worker_id", "shape", "replace_credential", "advertise_url", "served_model_name", "protocol_version")
@@ -97,18 +105,20 @@ class RegisterPoolRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., shape: _Optional[_Union[PoolShape, _Mapping]] = ..., replace_credential: _Optional[str] = ..., advertise_url: _Optional[str] = ..., served_model_name: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class RegisterPoolResponse(_message.Message):
-    __slots__ = ("pool_id", "epoch", "credential", "lease_ttl_s", "op_kinds")
+    __slots__ = ("pool_id", "epoch", "credential", "lease_ttl_s", "op_kinds", "shared_store")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     OP_KINDS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_STORE_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     epoch: int
     credential: str
     lease_ttl_s: float
     op_kinds: _containers.RepeatedScalarFieldContainer[OpKind]
-    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., credential: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ..., op_kinds: _Optional[_Iterable[_Union[OpKind, str]]] = ...) -> None: ...
+    shared_store: str
+    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., credential: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ..., op_kinds: _Optional[_Iterable[_Union[OpKind, str]]] = ..., shared_store: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("pool",)
@@ -141,7 +151,7 @@ class AdmitOptions(_message.Message):
     def __init__(self, cache_salt: _Optional[str] = ..., num_new_tokens: _Optional[int] = ...) -> None: ...
 
 class StepOps(_message.Message):
-    __slots__ = ("kinds", "seq_ids", "num_tokens", "tokens", "admit_options", "fork_children", "num_reserved")
+    __slots__ = ("kinds", "seq_ids", "num_tokens", "tokens", "admit_options", "fork_children", "num_reserved", "report")
     KINDS_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +159,7 @@ class StepOps(_message.Message):
     ADMIT_OPTIONS_FIELD_NUMBER: _ClassVar[int]
     FORK_CHILDREN_FIELD_NUMBER: _ClassVar[int]
     NUM_RESERVED_FIELD_NUMBER: _ClassVar[int]
+    REPORT_FIELD_NUMBER: _ClassVar[int]
     kinds: _containers.RepeatedScalarFieldContainer[OpKind]
     seq_ids: _containers.RepeatedScalarFieldContainer[str]
     num_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -156,7 +167,42 @@ class StepOps(_message.Message):
     admit_options: _containers.RepeatedCompositeFieldContainer[AdmitOptions]
     fork_children: _containers.RepeatedScalarFieldContainer[str]
     num_reserved: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, kinds: _Optional[_Iterable[_Union[OpKind, str]]] = ..., seq_ids: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., admit_options: _Optional[_Iterable[_Union[AdmitOptions, _Mapping]]] = ..., fork_children: _Optional[_Iterable[str]] = ..., num_reserved: _Optional[_Iterable[int]] = ...) -> None: ...
+    report: TierReport
+    def __init__(self, kinds: _Optional[_Iterable[_Union[OpKind, str]]] = ..., seq_ids: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., admit_options: _Optional[_Iterable[_Union[AdmitOptions, _Mapping]]] = ..., fork_children: _Optional[_Iterable[str]] = ..., num_reserved: _Optional[_Iterable[int]] = ..., report: _Optional[_Union[TierReport, _Mapping]] = ...) -> None: ...
+
+class TierReport(_message.Message):
+    __slots__ = ("saved", "failed", "store_saved", "store_failed", "refused")
+    SAVED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    STORE_SAVED_FIELD_NUMBER: _ClassVar[int]
+    STORE_FAILED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    saved: _containers.RepeatedScalarFieldContainer[int]
+    failed: _containers.RepeatedScalarFieldContainer[int]
+    store_saved: bytes
+    store_failed: bytes
+    refused: bytes
+    def __init__(self, saved: _Optional[_Iterable[int]] = ..., failed: _Optional[_Iterable[int]] = ..., store_saved: _Optional[bytes] = ..., store_failed: _Optional[bytes] = ..., refused: _Optional[bytes] = ...) -> None: ...
+
+class TierMoves(_message.Message):
+    __slots__ = ("store_deletes", "store_delete_layouts", "store_saves", "store_save_from", "host_saves", "host_loads", "store_loads", "store_load_to")
+    STORE_DELETES_FIELD_NUMBER: _ClassVar[int]
+    STORE_DELETE_LAYOUTS_FIELD_NUMBER: _ClassVar[int]
+    STORE_SAVES_FIELD_NUMBER: _ClassVar[int]
+    STORE_SAVE_FROM_FIELD_NUMBER: _ClassVar[int]
+    HOST_SAVES_FIELD_NUMBER: _ClassVar[int]
+    HOST_LOADS_FIELD_NUMBER: _ClassVar[int]
+    STORE_LOADS_FIELD_NUMBER: _ClassVar[int]
+    STORE_LOAD_TO_FIELD_NUMBER: _ClassVar[int]
+    store_deletes: bytes
+    store_delete_layouts: _containers.RepeatedScalarFieldContainer[str]
+    store_saves: bytes
+    store_save_from: _containers.RepeatedScalarFieldContainer[int]
+    host_saves: _containers.RepeatedScalarFieldContainer[int]
+    host_loads: _containers.RepeatedScalarFieldContainer[int]
+    store_loads: bytes
+    store_load_to: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, store_deletes: _Optional[bytes] = ..., store_delete_layouts: _Optional[_Iterable[str]] = ..., store_saves: _Optional[bytes] = ..., store_save_from: _Optional[_Iterable[int]] = ..., host_saves: _Optional[_Iterable[int]] = ..., host_loads: _Optional[_Iterable[int]] = ..., store_loads: _Optional[bytes] = ..., store_load_to: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("pool", "step_id", "ops", "prev_step_id")
@@ -171,7 +217,7 @@ class StepRequest(_message.Message):
     def __init__(self, pool: _Optional[_Union[PoolRef, _Mapping]] = ..., step_id: _Optional[int] = ..., ops: _Optional[_Union[StepOps, _Mapping]] = ..., prev_step_id: _Optional[int] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("step_id", "errors", "keep", "num_appended", "appended", "num_copies", "copies", "cached_tokens", "num_stored", "error_messages")
+    __slots__ = ("step_id", "errors", "keep", "num_appended", "appended", "num_copies", "copies", "cached_tokens", "num_stored", "error_messages", "moves")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     KEEP_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +228,7 @@ class StepResponse(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_STORED_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    MOVES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     errors: _containers.RepeatedScalarFieldContainer[OpError]
     keep: _containers.RepeatedScalarFieldContainer[int]
@@ -192,7 +239,8 @@ class StepResponse(_message.Message):
     cached_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_stored: _containers.RepeatedScalarFieldContainer[int]
     error_messages: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step_id: _Optional[int] = ..., errors: _Optional[_Iterable[_Union[OpError, str]]] = ..., keep: _Optional[_Iterable[int]] = ..., num_appended: _Optional[_Iterable[int]] = ..., appended: _Optional[_Iterable[int]] = ..., num_copies: _Optional[_Iterable[int]] = ..., copies: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[_Iterable[int]] = ..., num_stored: _Optional[_Iterable[int]] = ..., error_messages: _Optional[_Iterable[str]] = ...) -> None: ...
+    moves: TierMoves
+    def __init__(self, step_id: _Optional[int] = ..., errors: _Optional[_Iterable[_Union[OpError, str]]] = ..., keep: _Optional[_Iterable[int]] = ..., num_appended: _Optional[_Iterable[int]] = ..., appended: _Optional[_Iterable[int]] = ..., num_copies: _Optional[_Iterable[int]] = ..., copies: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[_Iterable[int]] = ..., num_stored: _Optional[_Iterable[int]] = ..., error_messages: _Optional[_Iterable[str]] = ..., moves: _Optional[_Union[TierMoves, _Mapping]] = ...) -> None: ...
 
 class GetBlockTableRequest(_message.Message):
     __slots__ = ("pool", "seq_id")
@@ -277,18 +325,22 @@ class MatchPrefixRequest(_message.Message):
     def __init__(self, model_fingerprint: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class PrefixMatch(_message.Message):
-    __slots__ = ("pool_id", "worker_id", "cached_tokens", "free_blocks", "block_size")
+    __slots__ = ("pool_id", "worker_id", "cached_tokens", "free_blocks", "block_size", "host_tokens", "store_tokens")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HOST_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STORE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     worker_id: str
     cached_tokens: int
     free_blocks: int
     block_size: int
-    def __init__(self, pool_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+    host_tokens: int
+    store_tokens: int
+    def __init__(self, pool_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., host_tokens: _Optional[int] = ..., store_tokens: _Optional[int] = ...) -> None: ...
 
 class MatchPrefixResponse(_message.Message):
     __slots__ = ("matches",)
@@ -363,7 +415,7 @@ class ListPoolsRequest(_message.Message):
     def __init__(self, model_fingerprint: _Optional[str] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
-    __slots__ = ("pool_id", "worker_id", "model_fingerprint", "served_model_name", "advertise_url", "block_size", "num_blocks", "free_blocks", "used_blocks", "cached_blocks", "num_sequences", "enable_prefix_caching", "attest_key")
+    __slots__ = ("pool_id", "worker_id", "model_fingerprint", "served_model_name", "advertise_url", "block_size", "num_blocks", "free_blocks", "used_blocks", "cached_blocks", "num_sequences", "enable_prefix_caching", "attest_key", "host_blocks", "host_used_blocks", "use_shared_store", "store_used_bytes", "host_hit_tokens", "store_hit_tokens")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -377,6 +429,12 @@ class PoolInfo(_message.Message):
     NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     ENABLE_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     ATTEST_KEY_FIELD_NUMBER: _ClassVar[int]
+    HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HOST_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    USE_SHARED_STORE_FIELD_NUMBER: _ClassVar[int]
+    STORE_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STORE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     worker_id: str
     model_fingerprint: str
@@ -390,7 +448,13 @@ class PoolInfo(_message.Message):
     num_sequences: int
     enable_prefix_caching: bool
     attest_key: bytes
-    def __init__(self, pool_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., served_model_name: _Optional[str] = ..., advertise_url: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., attest_key: _Optional[bytes] = ...) -> None: ...
+    host_blocks: int
+    host_used_blocks: int
+    use_shared_store: bool
+    store_used_bytes: int
+    host_hit_tokens: int
+    store_hit_tokens: int
+    def __init__(self, pool_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., served_model_name: _Optional[str] = ..., advertise_url: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., attest_key: _Optional[bytes] = ..., host_blocks: _Optional[int] = ..., host_used_blocks: _Optional[int] = ..., use_shared_store: _Optional[bool] = ..., store_used_bytes: _Optional[int] = ..., host_hit_tokens: _Optional[int] = ..., store_hit_tokens: _Optional[int] = ...) -> None: ...
 
 class ListPoolsResponse(_message.Message):
     __slots__ = ("pools",)

@@ -7,18 +7,28 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class JournalRecord(_message.Message):
-    __slots__ = ("index", "registered", "step", "dropped", "reset")
+    __slots__ = ("index", "registered", "step", "dropped", "reset", "store")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
     RESET_FIELD_NUMBER: _ClassVar[int]
+    STORE_FIELD_NUMBER: _ClassVar[int]
     index: int
     registered: PoolRegistered
     step: StepApplied
     dropped: PoolDropped
     reset: PrefixCacheReset
-    def __init__(self, index: _Optional[int] = ..., registered: _Optional[_Union[PoolRegistered, _Mapping]] = ..., step: _Optional[_Union[StepApplied, _Mapping]] = ..., dropped: _Optional[_Union[PoolDropped, _Mapping]] = ..., reset: _Optional[_Union[PrefixCacheReset, _Mapping]] = ...) -> None: ...
+    store: StoreConfigured
+    def __init__(self, index: _Optional[int] = ..., registered: _Optional[_Union[PoolRegistered, _Mapping]] = ..., step: _Optional[_Union[StepApplied, _Mapping]] = ..., dropped: _Optional[_Union[PoolDropped, _Mapping]] = ..., reset: _Optional[_Union[PrefixCacheReset, _Mapping]] = ..., store: _Optional[_Union[StoreConfigured, _Mapping]] = ...) -> None: ...
+
+class StoreConfigured(_message.Message):
+    __slots__ = ("url", "capacity_bytes")
+    URL_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    url: str
+    capacity_bytes: int
+    def __init__(self, url: _Optional[str] = ..., capacity_bytes: _Optional[int] = ...) -> None: ...
 
 class PoolRegistered(_message.Message):
     __slots__ = ("pool_id", "worker_id", "epoch", "shape", "credential_digest", "advertise_url", "served_model_name", "protocol_version")

@@ -63,6 +63,17 @@ def read_pool(entry) -> tuple[list[int], list[str | None], list[int], dict[str, 
             "sequences": len(tables),
             "tokens": sum(pool.num_tokens(s) for s in tables),
         }
+        tiers = pool.tiers
+        if tiers is not None:  # the KV tiers below the pool (docs/architecture.md, "Tiers")
+            host, store = tiers.host, tiers.store
+            counters["tiers"] = {
+                "host_blocks": host.lru.capacity if host is not None else 0,
+                "host_used": len(host.lru) if host is not None else 0,
+                "shared_store": store is not None,
+                "store_used_bytes": store.lru.used if store is not None else 0,
+                **{k: tiers.counters[k] for k in ("host_hit_tokens", "store_hit_tokens", "host_saves",
+                                                  "store_saves", "refused")},
+            }
     n = len(ref)
     state = [USED if r else FREE for r in ref]
     cached_order = [b for b in free if hashes[b] is not None]

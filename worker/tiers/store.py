@@ -14,7 +14,9 @@ are content-addressed) and deleted best effort when the index drops it.
 
 `open_store` checks at start that the store answers (a path it can write, a Redis
 that answers PING) and says what is wrong in one line (`StoreOpenError`, a
-ValueError). Later failures raise `StoreError`; the mover turns them into misses.
+ValueError): the one check of a store URL, `pagedkv_base.store_url`, which the
+allocator runs on its `--kv-shared-store` too. Later failures raise `StoreError`;
+the mover turns them into misses.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ import secrets
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from pagedkv_base.store_url import FILE, StoreOpenError, check_store_url, redis_target, store_kind
+from pagedkv_base.store_url import one_line as _one_line
 
 __all__ = ["FileStore", "KVStore", "RedisStore", "StoreError", "StoreOpenError", "open_store"]
 
@@ -37,15 +41,6 @@ DEFAULT_REDIS_PREFIX = "pagedkv:kv:"
 
 class StoreError(Exception):
     """The store did not answer or could not do what was asked (I/O, connection)."""
-
-
-class StoreOpenError(ValueError):
-    """A store URL that cannot be used: unknown kind, unwritable path, unreachable Redis."""
-
-
-def _one_line(exc: BaseException) -> str:
-    text = (getattr(exc, "strerror", None) or str(exc) or type(exc).__name__).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 class KVStore(ABC):
@@ -126,16 +121,6 @@ class FileStore(KVStore):
         except OSError as exc:
             raise StoreError(f"{self.url}: cannot delete {key[:24]}... ({_one_line(exc)})") from exc
 
-    def probe(self) -> None:
-        """StoreOpenError unless `root` is a directory this process can write entries into."""
-        probe = self.root / f".probe.{os.getpid()}.{secrets.token_hex(4)}"
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            probe.write_bytes(b"pagedkv")
-            probe.unlink()
-        except OSError as exc:
-            raise StoreOpenError(f"shared store {self.url}: cannot write to {self.root} ({_one_line(exc)})") from exc
-
 
 class RedisStore(KVStore):
     """Entries as Redis strings under `prefix`; the `*_many` calls are one pipeline each."""
@@ -146,10 +131,8 @@ class RedisStore(KVStore):
         from redis.retry import Retry
 
         self.url = url
-        parts = urlsplit(url)
-        query = parse_qsl(parts.query, keep_blank_values=True)
-        self.prefix = next((v for k, v in query if k == "key_prefix"), DEFAULT_REDIS_PREFIX)
-        rest = urlunsplit(parts._replace(query=urlencode([(k, v) for k, v in query if k != "key_prefix"])))
+        rest, prefix = redis_target(url)
+        self.prefix = prefix if prefix is not None else DEFAULT_REDIS_PREFIX
         self._errors = (redis.RedisError, OSError)
         try:
             # No retries: a store that does not answer is a miss now; the mover tries again later.
@@ -200,13 +183,6 @@ class RedisStore(KVStore):
         except self._errors as exc:
             raise self._fail("UNLINK", exc) from exc
 
-    def probe(self) -> None:
-        """StoreOpenError unless the Redis answers PING."""
-        try:
-            self._client.ping()
-        except self._errors as exc:
-            raise StoreOpenError(f"shared store {self.url}: unreachable ({_one_line(exc)})") from exc
-
     def close(self) -> None:
         self._client.close()
 
@@ -214,19 +190,6 @@ class RedisStore(KVStore):
 def open_store(url: str, timeout_s: float = 1.0) -> KVStore:
     """The store at `url` (`file://PATH` or `redis://HOST:PORT/DB`), checked to answer;
     StoreOpenError (one line) when it cannot be used."""
-    store: FileStore | RedisStore
-    if url.startswith("file://"):
-        path = url.removeprefix("file://")
-        if not path:
-            raise StoreOpenError(f"shared store {url!r}: give a directory, e.g. file:///dev/shm/pagedkv")
-        store = FileStore(path, url)
-    elif url.startswith(("redis://", "rediss://")):
-        store = RedisStore(url, timeout_s)
-    else:
-        raise StoreOpenError(f"shared store {url!r}: unknown kind; use file://PATH or redis://HOST:PORT/DB")
-    try:
-        store.probe()
-    except BaseException:
-        store.close()
-        raise
-    return store
+    check_store_url(url, timeout_s)
+    kind, target = store_kind(url)
+    return FileStore(target, url) if kind == FILE else RedisStore(url, timeout_s)

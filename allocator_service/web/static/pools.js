@@ -101,6 +101,21 @@ function cellHtml(p, b) {
          ` style="${style}">${text}</div>`;
 }
 
+// The KV tiers below the pool, when it has any: the host tier, the shared store.
+function tierStats(t) {
+  if (!t) return "";
+  let out = "";
+  if (t.host_blocks) {
+    out += `<span data-tier="host">host tier <b>${t.host_used}</b> of <b>${t.host_blocks}</b> slots, ` +
+           `<b>${t.host_hit_tokens}</b> tokens loaded, <b>${t.host_saves}</b> saves</span>`;
+  }
+  if (t.shared_store) {
+    out += `<span data-tier="shared">shared store <b>${(t.store_used_bytes / 2 ** 20).toFixed(1)}</b> MiB used, ` +
+           `<b>${t.store_hit_tokens}</b> tokens loaded, <b>${t.store_saves}</b> saves, <b>${t.refused}</b> refused</span>`;
+  }
+  return out;
+}
+
 function render(p) {
   p.dirty = false;
   const n = p.state.length, [free, cached, used] = counts(p), c = p.counters;
@@ -115,7 +130,7 @@ function render(p) {
     `<span><b>${c.sequences}</b> sequence${c.sequences === 1 ? "" : "s"}, <b>${c.tokens}</b> tokens</span>` +
     `<span>hit rate <b>${hit}</b>${c.prefix_caching ? "" : " (prefix caching off)"}</span>` +
     `<span><b>${c.evictions}</b> evictions</span><span><b>${c.copies}</b> copies</span>` +
-    `<span><b>${c.out_of_blocks}</b> out of blocks</span>`;
+    `<span><b>${c.out_of_blocks}</b> out of blocks</span>` + tierStats(c.tiers);
   // sequences, in order of their first block
   const seen = new Map();
   for (let b = 0; b < n && seen.size < 200; b++) if (p.state[b] === USED && p.owner[b] && !seen.has(p.owner[b])) seen.set(p.owner[b], 1);
