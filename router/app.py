@@ -84,6 +84,9 @@ log = logging.getLogger(__name__)
 # Seconds a finished request's placement still counts as cached on its worker: the view
 # learns of its blocks by events that may arrive after the answer has ended.
 PLACED_LINGER_S = 2.0
+# A pool's match: (tokens of the prompt in its KV pool, its free blocks, tokens past those in its
+# host tier, and past those in the shared store).
+Match = tuple[int, int, int, int]
 # A worker's answer with one of these statuses is retried elsewhere (nothing was sent yet).
 RETRY_STATUSES = frozenset((502, 503, 504))
 # Not forwarded either way (hop-by-hop, set anew by this hop, or the client's credentials).
@@ -172,10 +175,12 @@ class Router:
             return None
 
     async def cached_tokens(self, workers: Sequence[Worker], tokens: list[int] | None,
-                            salt: str | None) -> dict[tuple[int, str], tuple[int, int]]:
-        """(allocator, pool id) -> (cached tokens of this prompt, free
-        blocks): matched in the view of each allocator whose view is in step;
-        from MatchPrefix for the others, one call per allocator and model, all at once."""
+                            salt: str | None) -> dict[tuple[int, str], Match]:
+        """(allocator, pool id) -> `Match` (this prompt's tokens in the KV
+        pool, free blocks, tokens in the host tier, in the shared store):
+        matched in the view of each allocator whose view is in step, for
+        pools without tiers (the view holds KV pools only); from MatchPrefix
+        for the others, one call per allocator and model, all at once."""
         if not self.allocators or not tokens or salt == "" or self.policy != "kv":
             return {}
         if all(w.block_size and len(tokens) - 1 < w.block_size for w in workers):
@@ -189,15 +194,16 @@ class Router:
 
         # Matched here, in the pools' caches as the allocator's own events say: no call to wait for.
         views = {i: p.view for i, p in enumerate(self.discovery.parts) if p.view is not None and p.view.synced}
-        local = [(i, fp) for i, fp in asks if i in views]
-        found: dict[tuple[int, str], tuple[int, int]] = {}
+        tiered = {(w.allocator, w.model_fingerprint) for w in workers if w.tiered}
+        local = [(i, fp) for i, fp in asks if i in views and (i, fp) not in tiered]
+        found: dict[tuple[int, str], Match] = {}
         if local:
             with self.metrics.view_match_seconds.time():
                 # A long prompt's hash chain off the loop, as its tokenizing was (over 4,096
                 # tokens: ~0.5 ms of hashing per block size, more than the hop to a thread).
                 found = await off_loop(self._match_in_views, views, local, workers, tokens, salt,
                                        size=len(tokens))
-            asks = [(i, fp) for i, fp in asks if i not in views]
+            asks = [a for a in asks if a not in local]
             if not asks:
                 return found
 
@@ -210,7 +216,8 @@ class Router:
                 if _unreachable(exc):  # not asked again until it answers a listing (each request would wait)
                     self.discovery.not_answering(index)
                 return []
-            return [((index, m.pool_id), (m.cached_tokens, m.free_blocks)) for m in matches]
+            return [((index, m.pool_id), (m.cached_tokens, m.free_blocks, m.host_tokens, m.store_tokens))
+                    for m in matches]
 
         with self.metrics.match_seconds.time():
             if len(asks) == 1:
@@ -221,14 +228,14 @@ class Router:
 
     @staticmethod
     def _match_in_views(views: dict[int, PrefixView], asks: Sequence[tuple[int, str]], workers: Sequence[Worker],
-                        tokens: list[int], salt: str | None) -> dict[tuple[int, str], tuple[int, int]]:
+                        tokens: list[int], salt: str | None) -> dict[tuple[int, str], Match]:
         """What MatchPrefix would answer for the pools among `workers` of each
         (allocator, fingerprint) in `asks`, from that allocator's view: the
         prompt's hash chain per block size (`prompt_chain`), the leading hashes the
         pool holds; free blocks as the view last heard them (its events carry
         them, and listings), else from the last listing. A salt or token id the
         allocator would refuse matches nothing (the worker answers the error)."""
-        out: dict[tuple[int, str], tuple[int, int]] = {}
+        out: dict[tuple[int, str], Match] = {}
         try:
             check_cache_salt(salt)
         except InvalidArgument:
@@ -249,7 +256,7 @@ class Router:
                     chains[(fingerprint, size)] = hashes
                 free = view.free_blocks(w.pool_id)
                 out[(index, w.pool_id)] = (view.cached_blocks(w.pool_id, hashes) * size,
-                                           w.free_blocks if free is None else free)
+                                           w.free_blocks if free is None else free, 0, 0)
         return out
 
     def being_computed(self, workers: Sequence[Worker], tokens: list[int] | None, salt: str | None,
@@ -273,7 +280,7 @@ class Router:
                 out[url] = k
         return out
 
-    def ranked(self, workers: Sequence[Worker], matches: dict[tuple[int, str], tuple[int, int]],
+    def ranked(self, workers: Sequence[Worker], matches: dict[tuple[int, str], Match],
                prompt_tokens: int, computing: dict[str, int] | None = None) -> list[tuple[Worker, int]]:
         """(worker, its cached tokens by MatchPrefix), best first; workers
         whose allocator does not answer the router after the others (with
@@ -286,23 +293,24 @@ class Router:
         exact = {}
         cands = []
         for w in workers:
-            cached, free = matches.get((w.allocator, w.pool_id), (0, w.free_blocks))
-            exact[w.url] = cached
+            cached, free, host, store = matches.get((w.allocator, w.pool_id), (0, w.free_blocks, 0, 0))
+            exact[w.url] = cached + host + store  # what its usage will count as cached
             soon = max(cached, (computing or {}).get(w.url, 0))
             # Free blocks holding no cached prefix: at least the free ones beyond every block
             # holding a hash (exact on an idle pool); unknown without a view in step.
             view = views.get(w.allocator)
             held = view.held_blocks(w.pool_id) if view is not None and w.pool_id else None
             clean = None if held is None else max(free - held, 0)
+            tiers = (host, store) if soon == cached else (0, 0)  # a prompt being computed there: in its KV pool
             cands.append(Candidate(w.url, soon, free, w.num_blocks, self.in_flight.get(w.url, 0),
-                                   w.block_size, clean))
+                                   w.block_size, clean, *tiers))
         order = rank(self.policy, cands, prompt_tokens, next(self._turns), self.balance)
         reachable = self.discovery.allocator_answers
         order.sort(key=lambda c: (self.down_until.get(c.key, 0.0) > now,  # stable: keeps the ranking
                                   not reachable(by_url[c.key].allocator)))
         return [(by_url[c.key], exact[c.key]) for c in order]
 
-    def place(self, workers: Sequence[Worker], matches: dict[tuple[int, str], tuple[int, int]],
+    def place(self, workers: Sequence[Worker], matches: dict[tuple[int, str], Match],
               tokens: list[int] | None, salt: str | None, computing: dict[str, int] | None = None,
               seen: dict | None = None) -> tuple[int, list[tuple[Worker, int]]]:
         """(the request's id, `ranked`), the first of the ranking recorded as computing the

@@ -77,6 +77,7 @@ class Worker:
     block_size: int = 0
     free_blocks: int = 0
     allocator: int = 0  # which of the router's allocators holds its pool (their order on the command line)
+    tiered: bool = False  # its pool has a host tier or uses the shared store (the view holds KV pools only)
 
     @property
     def name(self) -> str:
@@ -175,7 +176,7 @@ class Discovery:
             if (p.pool_id, url) not in proven:
                 continue  # not advertised, not among the static URLs, or its worker did not prove it
             w = Worker(url, p.worker_id, p.pool_id, p.model_fingerprint, p.served_model_name, p.num_blocks,
-                       p.block_size, p.free_blocks, self.index)
+                       p.block_size, p.free_blocks, self.index, bool(p.host_blocks or p.use_shared_store))
             old = by_url.get(url)
             # Two live pools at one URL: a worker restarted under a new id while its
             # old pool's lease runs; the one with fewer blocks in use is the new one.

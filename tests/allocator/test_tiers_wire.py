@@ -11,6 +11,7 @@ unconfirmed save into a hit; a bad store flag a one-line error at start.
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,8 @@ from allocator_service.client.grpc_client import GrpcAllocator, RouterClient
 from allocator_service.core import Admit, Free, PoolConfig
 from allocator_service.core.hashing import prompt_chain
 from allocator_service.core.tiers import Moves, TierReport
+from router.app import Router
+from router.discovery import Discovery, MergedDiscovery, Worker
 from tests.worker.test_tiers_engine import BLOCK, GREEDY, gib, make, prompts, tokens
 from worker.model.loader import load_model
 
@@ -101,6 +104,21 @@ def test_two_pools_share_the_store(tiny, reference, tmp_path, allocator_server):
         mb = seen[b.allocator.pool_id]
         assert mb.cached_tokens == 0 and mb.host_tokens == 0 and mb.store_tokens > 0
         assert mb.store_tokens % BLOCK == 0
+        # The router asks MatchPrefix for pools with tiers (its view holds KV pools only) and
+        # ranks a's KV hit (and its store hit past it) above b's hit in the store alone.
+        listed = {p.pool_id: p for p in router.list_pools()}
+        workers = [Worker(f"http://{w.allocator.pool_id}", w.allocator.pool_id[0], w.allocator.pool_id, fingerprint,
+                          num_blocks=listed[w.allocator.pool_id].num_blocks, block_size=BLOCK,
+                          free_blocks=listed[w.allocator.pool_id].free_blocks,
+                          tiered=listed[w.allocator.pool_id].use_shared_store) for w in (a, b)]
+        discovery = Discovery(router, index=0)
+        discovery.allocator_ok = True
+        routing = Router(None, MergedDiscovery([discovery]), "kv", allocators=[router])
+        matches = asyncio.run(routing.cached_tokens(workers, prompts(1)[0], None))
+        assert matches[(0, b.allocator.pool_id)] == (0, mb.free_blocks, 0, mb.store_tokens)
+        ranked = routing.ranked(workers, matches, len(prompts(1)[0]))
+        assert [w.pool_id for w, _ in ranked] == [a.allocator.pool_id, b.allocator.pool_id]
+        assert dict((w.pool_id, n) for w, n in ranked)[b.allocator.pool_id] == mb.store_tokens
         outs = [b.generate([p], GREEDY)[0] for p in prompts(1)]  # one at a time: one admission each
         assert [o.token_ids for o in outs] == reference[1]
         cb = settle(b)

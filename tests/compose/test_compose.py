@@ -11,7 +11,8 @@ Docker engine and use the stack the way a user does (issue 16).
    images instead), then `docker-compose build` and `up -d`; wait until every
    health check passes. Grafana stays out (its profile is off): no image of it
    can be had here.
-3. Chat with each worker through its published port.
+3. Chat with each worker through its published port; one conversation whose
+   second turn, on the other worker, loads its history from the shared store.
 4. A workload on both workers with pools small enough to preempt, run twice:
    once undisturbed, once with `docker-compose restart allocator` in the
    middle. Every request completes, with the same text, and the allocator
@@ -164,6 +165,7 @@ def stack(docker_host, tmp_path_factory):
         "PAGEDKV_WORKER_MODEL": MODEL,
         "PAGEDKV_WORKER_KV_CACHE_MEMORY": KV_CACHE_MEMORY,
         "PAGEDKV_WORKER_THREADS": "1",  # two workers, two cores
+        "PAGEDKV_WORKER_KV_OFFLOADING_SIZE": "0.25",  # GiB of host tier each
         "COMPOSE_FILE": f"{ROOT / 'docker-compose.yml'}{os.pathsep}{override}",
         "PAGEDKV_ROUTER_PORT": f"127.0.0.1:{ports['router']}",
         "PROMETHEUS_PORT": f"127.0.0.1:{ports['prometheus']}",
@@ -293,6 +295,47 @@ def test_chat_with_each_worker_through_its_published_port(stack):
         assert answers[0]["text"] == answers[1]["text"]  # streamed or not, the same reply
         note("chat", worker=worker, port=stack.ports[worker], text=answers[0]["text"],
              seconds=round(time.monotonic() - t0, 2))
+
+
+def tier_total(base: str, name: str, tier: str) -> float:
+    return sum(v for (n, labels), v in scrape(base).items() if n == name and ("tier", tier) in labels)
+
+
+def test_one_conversation_across_both_workers_is_cached_on_the_second(stack):
+    """Turn 1 on worker-1, turn 2 (its whole history plus a question) on
+    worker-2: worker-2 loads the history worker-1 computed from the shared
+    store (the `kv-store` volume), and counts it in `cached_tokens`."""
+    messages = [{"role": "system", "content": "You are a tutor for the solar system. " * 8},
+                {"role": "user", "content": "Which planet is the largest? One sentence."}]
+
+    def turn(worker: str) -> dict:
+        r = httpx.post(f"{stack.url(worker)}/v1/chat/completions", timeout=300, json={
+            "model": MODEL, "messages": messages, "max_tokens": 16, "temperature": 0})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    saved_before = tier_total(stack.url("worker-1"), "pagedkv_worker_kv_tier_saved_blocks_total", "shared")
+    first = turn("worker-1")
+    # Freed, its blocks are written through to the store; the allocator finds them once
+    # worker-1 reports the saves, in the step it sends right after (the count then stays).
+    last = [None]
+
+    def saves_settled():
+        n = tier_total(stack.url("worker-1"), "pagedkv_worker_kv_tier_saved_blocks_total", "shared")
+        settled, last[0] = n > saved_before and n == last[0], n
+        return settled
+
+    wait_for(saves_settled, 60, "worker-1's store saves", interval_s=0.5)
+    messages += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                 {"role": "user", "content": "And the smallest?"}]
+    hits_before = tier_total(stack.url("worker-2"), "pagedkv_worker_kv_tier_hit_tokens_total", "shared")
+    second = turn("worker-2")
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    whole_blocks = first["usage"]["prompt_tokens"] // 16 * 16  # turn 1's prompt, whole blocks: a prefix of turn 2's
+    hits = tier_total(stack.url("worker-2"), "pagedkv_worker_kv_tier_hit_tokens_total", "shared") - hits_before
+    note("conversation across workers", first_prompt=first["usage"]["prompt_tokens"],
+         second_prompt=second["usage"]["prompt_tokens"], cached_on_second=cached, store_hit_tokens=hits)
+    assert cached >= whole_blocks > 0 and hits == cached
 
 
 def test_a_fresh_worker_container_finds_the_attention_kernel_compiled(stack):

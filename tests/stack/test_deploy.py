@@ -101,8 +101,9 @@ def test_compose_topology(compose):
     assert cred["command"] == ["credentials", "/credentials", "worker-1=http://worker-1:8000",
                                "worker-2=http://worker-2:8000"]
     assert cred["restart"] == "no" and cred["volumes"] == ["credentials:/credentials"]
-    for name in ("allocator", "worker-1", "worker-2", "router"):
-        assert s[name]["volumes"] == ["credentials:/credentials:ro"], name
+    assert s["router"]["volumes"] == ["credentials:/credentials:ro"]
+    for name in ("allocator", "worker-1", "worker-2"):  # and the KV tiers' shared store (a file:// volume)
+        assert s[name]["volumes"] == ["credentials:/credentials:ro", "kv-store:/kv-store"], name
     assert s["allocator"]["depends_on"]["credentials"]["condition"] == "service_completed_successfully"
     tokens = flags(s["allocator"]["command"])
     assert (tokens["--worker-tokens-file"], tokens["--router-token-file"], tokens["--admin-token-file"]) == (
@@ -120,6 +121,7 @@ def test_compose_topology(compose):
 
     alloc = flags(s["allocator"]["command"])
     assert alloc["--state"] == "redis://redis:6379/0"
+    assert alloc["--kv-shared-store"] == "file:///kv-store" and float(alloc["--kv-shared-store-size"]) > 0
     assert s["allocator"]["depends_on"]["redis"]["condition"] == "service_healthy"
     ids = set()
     for name in ("worker-1", "worker-2"):
@@ -129,6 +131,7 @@ def test_compose_topology(compose):
         assert w["command"][0] == "worker" and f["--model"] == "smollm2"
         assert f["--allocator"] == "allocator:50051" and alloc["--listen"].endswith(":50051")
         assert "--enable-prefix-caching" in f and f["--host"] == "0.0.0.0"
+        assert float(f["--kv-offloading-size"]) > 0 and "--no-kv-shared-store" not in f  # both tiers on
         # internal: reached by the router at the URL it registers with its pool
         assert "ports" not in w and w["expose"] == [f["--port"]]
         assert f["--advertise-url"] == f"http://{name}:{f['--port']}"
@@ -297,6 +300,14 @@ def k8s() -> list[dict]:
     return [d for d in yaml.safe_load_all(proc.stdout) if d]
 
 
+def parse_quantity(q: str) -> int:
+    """Bytes of a Kubernetes memory quantity (16Gi) or a Redis one (3gb)."""
+    for unit, scale in (("Ki", 2**10), ("Mi", 2**20), ("Gi", 2**30), ("kb", 2**10), ("mb", 2**20), ("gb", 2**30)):
+        if q.endswith(unit):
+            return int(float(q[: -len(unit)]) * scale)
+    return int(q)
+
+
 def _one(docs: list[dict], kind: str, name: str) -> dict:
     [doc] = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
     return doc
@@ -349,6 +360,14 @@ def test_kustomize_renders_the_topology(k8s):
     assert flags(rc["args"])["--appendonly"] == "yes"
     assert redis["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
     assert {"redis", "allocator", "worker", "router"} <= {d["metadata"]["name"] for d in k8s if d["kind"] == "Service"}
+    # KV tiers: a host tier per worker within its pod's memory, a shared store in its own Redis (no AOF)
+    data = settings["data"]
+    assert float(data["PAGEDKV_WORKER_KV_OFFLOADING_SIZE"]) * 2**30 < parse_quantity(wc["resources"]["limits"]["memory"])
+    assert data["PAGEDKV_ALLOCATOR_KV_SHARED_STORE"] == "redis://kv-store:6379/0"
+    [kc] = _one(k8s, "Deployment", "kv-store")["spec"]["template"]["spec"]["containers"]
+    assert flags(kc["args"])["--appendonly"] == "no" and "kv-store" in {
+        d["metadata"]["name"] for d in k8s if d["kind"] == "Service"}
+    assert float(data["PAGEDKV_ALLOCATOR_KV_SHARED_STORE_SIZE"]) * 2**30 < parse_quantity(flags(kc["args"])["--maxmemory"])
     state = settings["data"]["PAGEDKV_ALLOCATOR_STATE"]
     assert state == "redis://redis:6379/0" and settings["data"]["PAGEDKV_WORKER_ALLOCATOR"] == "allocator:50051"
 
