@@ -75,7 +75,7 @@ def fill_ops(msg: pb.StepOps, step: StepColumns) -> None:
         msg.fork_children.extend(step.children)
     if step.num_reserved:
         msg.num_reserved.extend(step.num_reserved)
-    saved, failed, store_saved, store_failed, refused = step[8:]
+    saved, failed, store_saved, store_failed, refused = step.report
     if saved or failed or store_saved or store_failed or refused:
         r = msg.report
         r.saved.extend(saved)

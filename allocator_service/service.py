@@ -586,14 +586,11 @@ class AllocatorService:
     def _check_report(entry: PoolEntry, step: StepColumns) -> None:
         """Refuse (BadRequest) a tier report naming what the pool could not
         have issued, before it is journaled (the pool's lock held)."""
-        report = step[8:]
+        report = step.report
         if not any(report):
             return
-        tiers = entry.pool.tiers
-        if tiers is None:
-            raise BadRequest("a tier report (StepOps.report) for a pool without KV tiers")
         try:
-            tiers.check_confirmations(*report)
+            entry.pool.check_report(*report)
         except InvalidArgument as exc:
             raise BadRequest(str(exc)) from None
 
@@ -689,10 +686,7 @@ class AllocatorService:
                 # NOTE: the store's index is read without the mutation lock
                 # (lookups only): a figure as of some moment of this call.
                 with e.lock:
-                    if pool.tiers is None:
-                        cached = pool.cached_blocks(hashes)
-                    else:
-                        cached, host, store = pool.tier_blocks(hashes)
+                    cached, host, store = pool.tier_blocks(hashes)
                 cached, host, store = cached * size, host * size, store * size
             out.append(
                 pb.PrefixMatch(

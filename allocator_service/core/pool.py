@@ -662,14 +662,22 @@ class BlockPool:
         findable; failed and refused entries leave the index (a store delete
         is issued for them). InvalidArgument, changing nothing, for an id the
         pool could not have issued; an id of nothing pending is ignored."""
-        tiers = self.tiers
-        if tiers is None:
+        args = (list(saved), list(failed), list(store_saved), list(store_failed), list(refused))
+        self.check_report(*args)
+        if self.tiers is not None:
+            self.tiers.confirm(*args)
+
+    def check_report(self, saved: Sequence[int] = (), failed: Sequence[int] = (), store_saved: Sequence[bytes] = (),
+                     store_failed: Sequence[bytes] = (), refused: Sequence[bytes] = ()) -> None:
+        """InvalidArgument unless `confirm` would take this report: every id
+        one the pool could have issued (lookups only: callers check a report
+        before they journal it)."""
+        if self.tiers is None:
             if saved or failed or store_saved or store_failed or refused:
                 raise InvalidArgument("save or load confirmations for a pool without KV tiers")
             return
-        args = (list(saved), list(failed), list(store_saved), list(store_failed), list(refused))
-        tiers.check_confirmations(*args)
-        tiers.confirm(*args)
+        self.tiers.check_confirmations(list(saved), list(failed), list(store_saved), list(store_failed),
+                                       list(refused))
 
     def take_moves(self) -> Moves:
         """The tier moves issued since the last call, in the order the worker
@@ -687,14 +695,15 @@ class BlockPool:
         an admit would find, from the first, in (the KV pool, the host
         tier, the store), by the admission's rule: each block in the KV
         pool, else the host tier, else the store."""
-        if not self.enable_prefix_caching:
-            return 0, 0, 0
+        tiers = self.tiers
+        if tiers is None:
+            return self.cached_blocks(hashes), 0, 0
         found = [0, 0, 0]
-        index, tiers = self.index, self.tiers
+        index = self.index
         for h in hashes:
             if h in index:
                 found[0] += 1
-            elif tiers is not None and (t := tiers.find(h)) is not None:
+            elif (t := tiers.find(h)) is not None:
                 found[t] += 1
             else:
                 break

@@ -76,6 +76,11 @@ class StepColumns(NamedTuple):
     store_failed: list[bytes] = []  # noqa: RUF012 - hashes whose store save could not be written
     refused: list[bytes] = []  # noqa: RUF012 - hashes of store loads refused (layout, checksum, missing)
 
+    @property
+    def report(self) -> tuple[list[int], list[int], list[bytes], list[bytes], list[bytes]]:
+        """The worker's report: (saved, failed, store_saved, store_failed, refused)."""
+        return self.saved, self.failed, self.store_saved, self.store_failed, self.refused
+
 
 class StepResult(NamedTuple):
     """A step's results as columns, named as the wire's `StepResponse` fields

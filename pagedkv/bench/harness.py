@@ -241,6 +241,11 @@ def mean(values: Iterable[float | None]) -> float | None:
     return statistics.fmean(present) if present else None
 
 
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b to 3 places; None when either is not measured (or b is 0)."""
+    return round(a / b, 3) if a is not None and b else None
+
+
 def interleaved(names: Sequence[str], rounds: int) -> Iterator[tuple[int, str]]:
     """(round, name) for `rounds` rounds of every name, each round starting one
     name later, so that no system always runs right after the same other."""

@@ -257,10 +257,6 @@ def _one_run(target: Target, workload: list[list[dict]], w: RouteWorkload, salt:
     return _figures(results, wall, hit1 - hit0, queried1 - queried0)
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return round(a / b, 3) if a is not None and b else None
-
-
 def _spread(rows: list[dict]) -> dict[str, Any]:
     """The hit rate's lowest, highest and each round's, over a policy's runs."""
     rates = [r["hit_rate"] for r in rows]
@@ -273,9 +269,9 @@ def _per_round(runs: dict[str, list[dict]]) -> dict[str, list[float | None]]:
     """The targets' ratios round by round (the runs of one round share the machine's conditions)."""
     return {
         "kv_hit_rate_of_one_worker_with_both_pools": [
-            _ratio(a["hit_rate"], b["hit_rate"]) for a, b in zip(runs["kv"], runs[REFERENCE], strict=True)],
+            harness.ratio(a["hit_rate"], b["hit_rate"]) for a, b in zip(runs["kv"], runs[REFERENCE], strict=True)],
         "kv_tokens_per_s_over_round_robin": [
-            _ratio(a["tokens_per_s"], b["tokens_per_s"]) for a, b in zip(runs["kv"], runs["round-robin"], strict=True)],
+            harness.ratio(a["tokens_per_s"], b["tokens_per_s"]) for a, b in zip(runs["kv"], runs["round-robin"], strict=True)],
     }
 
 
@@ -303,9 +299,9 @@ def _report(w: RouteWorkload, background_load: int, runs: dict[str, list[dict]],
                      "background_load": background_load},
         "summary": summary,
         "targets": {
-            "kv_hit_rate_of_one_worker_with_both_pools": _ratio(kv["hit_rate"], ref["hit_rate"]),
-            "kv_tokens_per_s_over_round_robin": _ratio(kv["tokens_per_s"], rr["tokens_per_s"]),
-            "kv_ttft_p50_of_round_robin": _ratio(kv["ttft_p50_ms"], rr["ttft_p50_ms"]),
+            "kv_hit_rate_of_one_worker_with_both_pools": harness.ratio(kv["hit_rate"], ref["hit_rate"]),
+            "kv_tokens_per_s_over_round_robin": harness.ratio(kv["tokens_per_s"], rr["tokens_per_s"]),
+            "kv_ttft_p50_of_round_robin": harness.ratio(kv["ttft_p50_ms"], rr["ttft_p50_ms"]),
             "router_added_p50_ms": probe["added_p50_ms"],
             "kv_hit_rate_of_one_worker_with_both_pools_worst_round":
                 worst(per_round["kv_hit_rate_of_one_worker_with_both_pools"]),

@@ -287,10 +287,6 @@ def _all_measured(values) -> bool | None:
     return all(measured) if measured else None
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return round(a / b, 3) if a is not None and b else None
-
-
 def _report(w: TiersWorkload, names: list[str], layout: dict[str, int], runs: dict[str, list[dict]],
             errors: dict[str, str]) -> dict[str, Any]:
     first = runs[names[0]]
@@ -312,9 +308,9 @@ def _report(w: TiersWorkload, names: list[str], layout: dict[str, int], runs: di
                      if measured else None},
         "summary": summary,
         "targets": {
-            "host_prefix_hits_of_unbounded": _ratio(fig("host", "prefix_hit_tokens"),
+            "host_prefix_hits_of_unbounded": harness.ratio(fig("host", "prefix_hit_tokens"),
                                                     fig("unbounded", "prefix_hit_tokens")),
-            "host_ttft_p50_of_no_tier": _ratio(fig("host", "ttft_p50_s"), fig("no-tier", "ttft_p50_s")),
+            "host_ttft_p50_of_no_tier": harness.ratio(fig("host", "ttft_p50_s"), fig("no-tier", "ttft_p50_s")),
             "other_worker_history_computed_fraction": shared.get("history_computed_fraction"),
             "outputs_identical": _all_measured(summary[n]["outputs_match_first"] for n in names),
         },
