@@ -25,6 +25,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "tiers": ("pagedkv.bench.tiers", "the KV tiers (none, host, host + shared store) on multi-turn chats"),
     "attacks": ("pagedkv.bench.attacks", "the trust-boundary attacks on a stack with credentials and one without: "
                 "the victim's p99, the allocator's RSS and threads"),
+    "compare": ("pagedkv.bench.compare", "one benchmark run by another checkout and by this one in turn: "
+                "each headline figure within noise, better or worse"),
 }
 REPORT = ("pagedkv.bench.report", "render the committed benchmark results (JSON) as Markdown")
 

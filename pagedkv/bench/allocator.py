@@ -156,5 +156,15 @@ def tables(report: dict) -> list[Table]:
         columns=columns, rows=rows, notes=notes)]
 
 
+def figures(report: dict) -> dict[str, tuple[float | None, bool]]:
+    """The headline figures (`bench compare`): each unwatched case's Step p50 and p99, lower is better."""
+    out: dict[str, tuple[float | None, bool]] = {}
+    for r in report.get("results", []):
+        if r.get("watcher", "none") == "none":
+            for q in ("p50", "p99"):
+                out[f"{r['mode']} {r['seqs']} seqs Step {q} ms"] = (r.get(f"{q}_ms"), True)
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     return harness.run("allocator", args, measure, tables)

@@ -174,9 +174,14 @@ def command_line(name: str, args: argparse.Namespace) -> str:
     parser: argparse.ArgumentParser | None = getattr(args, "_bench_parser", None)
     if parser is None:  # called without the `pagedkv` command: its own command line
         return shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]])
-    words = ["pagedkv", "bench", name]
+    words, positional = ["pagedkv", "bench", name], []
     for action in parser._actions:
-        if not action.option_strings or isinstance(action, argparse._HelpAction):
+        if isinstance(action, argparse._HelpAction):
+            continue
+        if not action.option_strings:  # after the options, as typed (a REMAINDER last)
+            value = getattr(args, action.dest, action.default)
+            if value != action.default:
+                positional += value if isinstance(value, list) else [str(value)]
             continue
         value = getattr(args, action.dest, action.default)
         if value == action.default:
@@ -188,7 +193,7 @@ def command_line(name: str, args: argparse.Namespace) -> str:
             words.append(flag)
         else:
             words += [flag, ",".join(map(str, value)) if isinstance(value, list | tuple) else str(value)]
-    return shlex.join(words)
+    return shlex.join(words + positional)
 
 
 # -- tables -------------------------------------------------------------------------------

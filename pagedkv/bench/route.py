@@ -351,5 +351,17 @@ def tables(report: dict) -> list[Table]:
         rows=rows, notes=notes)]
 
 
+def figures(report: dict) -> dict[str, tuple[float | None, bool]]:
+    """The headline figures (`bench compare`): each system's hit rate, tokens/s and TTFT p50, and the
+    router's added latency; (value, lower is better)."""
+    out: dict[str, tuple[float | None, bool]] = {}
+    for name, s in report["summary"].items():
+        out[f"{name} hit rate"] = (s.get("hit_rate"), False)
+        out[f"{name} tokens/s"] = (s.get("tokens_per_s"), False)
+        out[f"{name} TTFT p50 ms"] = (s.get("ttft_p50_ms"), True)
+    out["router added p50 ms"] = (report["probe"].get("added_p50_ms"), True)
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     return harness.run("route", args, measure, tables)
