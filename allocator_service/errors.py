@@ -104,10 +104,11 @@ class TooManyCalls(CapacityExceeded):
 
 
 class AnswerTooLarge(CapacityExceeded):
-    """A Step whose answer could exceed the largest message on the wire
-    (`Limits.max_message_bytes`), refused before it is journaled or applied
-    (RESOURCE_EXHAUSTED, `answer_too_large`): send its operations in
-    smaller steps."""
+    """An answer that could exceed the largest message on the wire
+    (`Limits.max_message_bytes`; RESOURCE_EXHAUSTED, `answer_too_large`): a
+    Step refused before it is journaled or applied (send its operations in
+    smaller steps), or a DumpPool of a pool too large to dump in one answer
+    (refused before it is built when its floor says so)."""
 
     code = "answer_too_large"
 

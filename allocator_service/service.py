@@ -63,7 +63,7 @@ from allocator_service.codec import (
     step_answer_bound,
 )
 from allocator_service.config import Limits, ServiceConfig
-from allocator_service.core import PoolStats, StepColumns
+from allocator_service.core import PoolStats, StepColumns, snapshot
 from allocator_service.core.errors import InvalidArgument, UnknownSequence
 from allocator_service.core.hashing import prompt_chain
 from allocator_service.core.limits import (
@@ -656,10 +656,27 @@ class AllocatorService:
         self.durable.after_change()
         return dropped
 
-    def dump(self, ref: pb.PoolRef, admin: bool = False) -> tuple[dict[str, Any], int, list[str]]:
+    def dump(self, ref: pb.PoolRef, admin: bool = False) -> tuple[str, int, list[str]]:
+        """The pool's full dump as JSON text, its last step id and its
+        integrity problems. A dump larger than an answer may be is refused
+        (AnswerTooLarge); one that certainly is (`snapshot.dump_floor`,
+        counted under the lock) is refused before it is built."""
         entry = self._authorize(ref, admin)
+        limit = self.limits.max_message_bytes
         with entry.lock:
-            return entry.pool.to_state(), entry.last_step_id, entry.pool.integrity_problems()
+            floor = snapshot.dump_floor(entry.pool)
+            if floor > limit:
+                raise AnswerTooLarge(self._dump_refusal(ref, floor, limit, "at least "))
+            state, last_step_id, problems = entry.pool.to_state(), entry.last_step_id, entry.pool.integrity_problems()
+        text = snapshot.dumps_chunked(state)  # outside the lock: the pool's steps go on
+        if len(text) + 4096 > limit:  # the answer's other fields and framing
+            raise AnswerTooLarge(self._dump_refusal(ref, len(text), limit, ""))
+        return text, last_step_id, problems
+
+    @staticmethod
+    def _dump_refusal(ref: pb.PoolRef, size: int, limit: int, how: str) -> str:
+        return (f"pool {ref.pool_id}'s dump takes {how}{size:,} bytes, more than the {limit:,} an answer may: "
+                f"read its block tables with GetBlockTable, or its stats and integrity with GetPoolStats")
 
     # ------------------------------------------------------- cross-pool calls
     def match_prefix(self, fingerprint: str, tokens: list[int], salt: str | None) -> list[pb.PrefixMatch]:

@@ -67,6 +67,21 @@ def to_state(pool: BlockPool) -> dict[str, Any]:
     }
 
 
+def dump_floor(pool: BlockPool) -> int:
+    """The fewest bytes the full dump of `pool` (`to_state`, as
+    `dumps_chunked` writes it) can take, counted without building it: per
+    block its ref count, fill and stamp (a digit and a comma each) and its
+    hash (`null,` or 64 hex digits in quotes and a comma); per table entry a
+    digit and a comma; per hash a sequence holds 67 bytes. Less a comma per
+    list for the last items, so never more than the dump (the tests check
+    it): a dump whose floor is over the answer limit is refused unbuilt."""
+    p = pool.parts()
+    hashed = len(p.block_hash) - p.block_hash.count(None)
+    seq_hashes = sum(len(q.hashes) for q in p.seqs.values())
+    lists = 8 + 3 * len(p.seqs)
+    return max(0, 11 * pool.num_blocks + 62 * hashed + 2 * pool.table_entries + 67 * seq_hashes - lists)
+
+
 def _config(pool: BlockPool) -> dict[str, Any]:
     return {
         "num_blocks": pool.num_blocks,

@@ -20,7 +20,6 @@ import grpc
 from allocator_service import errors
 from allocator_service.codec import pool_info_to_proto
 from allocator_service.core.prefix_index import BLOCK_REMOVED, BLOCK_STORED
-from allocator_service.core.snapshot import dumps_chunked
 from allocator_service.core.step import KINDS
 from allocator_service.errors import BadRequest, ShuttingDown
 from allocator_service.roles import ADMIN, caller_role
@@ -185,9 +184,9 @@ class AllocatorServicer:
         return pb.ListPoolsResponse(pools=[pool_info_to_proto(p) for p in pools])
 
     def DumpPool(self, request: pb.DumpPoolRequest, context) -> pb.DumpPoolResponse:
-        state, last_step_id, problems = self.service.dump(request.pool, admin=caller_role() == ADMIN)
+        state_json, last_step_id, problems = self.service.dump(request.pool, admin=caller_role() == ADMIN)
         return pb.DumpPoolResponse(
-            state_json=dumps_chunked(state),
+            state_json=state_json,
             last_step_id=last_step_id,
             integrity_problems=problems,
         )

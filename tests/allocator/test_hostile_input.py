@@ -228,6 +228,10 @@ def test_a_step_whose_answer_cannot_fit_the_wire_is_refused_before_it_is_applied
 
             before = state()
             assert before[0].num_sequences == 1 and before[1] == list(range(2000)) and before[2] == C.NOT_FOUND
+            with pytest.raises(grpc.RpcError) as too_big:  # refused by the allocator, in one line
+                s.DumpPool(pb.DumpPoolRequest(pool=ref), metadata=md, timeout=30)
+            assert too_big.value.code() == C.RESOURCE_EXHAUSTED and error_reason(too_big.value) == "answer_too_large"
+            assert "dump takes" in too_big.value.details() and "GetBlockTable" in too_big.value.details()
             attack = encode_ops([Fork("p", f"c{i}") for i in range(300)])
             with pytest.raises(grpc.RpcError) as refused:
                 s.Step(pb.StepRequest(pool=ref, step_id=2, ops=attack, prev_step_id=1), timeout=60)

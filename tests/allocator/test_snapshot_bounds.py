@@ -86,9 +86,48 @@ def test_packed_dump_restores_any_state_exactly(steps, caching, resets):
             pool.reset_prefix_cache()
         text = packed_json(pool)
         assert BlockPool.from_state(json.loads(text)).to_state() == pool.to_state()
+        assert snapshot.dump_floor(pool) <= len(snapshot.dumps_chunked(pool.to_state()))
         tails = sum(len(q.tail) for q in pool.parts().seqs.values())
         assert len(text) <= snapshot.packed_bound(pool.num_blocks, len(pool.parts().seqs), pool.name_chars,
                                                   2 * pool.table_entries, tails)
+
+
+def test_a_dump_over_the_answer_limit_is_refused_before_it_is_built():
+    """DumpPool of the issue's shape (one admit of every block, 15 forks):
+    its full dump would take about 40 MB, more than an answer may (16 MiB).
+    It is refused with answer_too_large, in under 1 MiB of allocations
+    (nothing built), the pool unchanged; the floor it is refused by is
+    within a factor of 2 of the dump's real size."""
+    import tracemalloc
+
+    from allocator_service.errors import AnswerTooLarge
+
+    svc = AllocatorService(ServiceConfig())
+    r = svc.register("w", pb.PoolShape(num_blocks=1 << 15, block_size=4, model_fingerprint="m",
+                                       enable_prefix_caching=True))
+    ref = pb.PoolRef(pool_id=r.pool_id, credential=r.credential)
+    svc.step(ref, 1, encode_ops([Admit("a", list(range(4 << 15)))]))
+    svc.step(ref, 2, encode_ops([Fork("a", f"f{i}") for i in range(15)]), prev_step_id=1)
+    pool = svc.registry.pools[r.pool_id].pool
+    size = len(snapshot.dumps_chunked(pool.to_state()))
+    assert size > svc.limits.max_message_bytes and snapshot.dump_floor(pool) > size // 2
+    before = pool.to_state()
+    tracemalloc.start()
+    try:
+        try:
+            svc.dump(ref)
+            raise AssertionError("the dump was answered")
+        except AnswerTooLarge as refused:
+            assert refused.code == "answer_too_large" and "takes at least" in str(refused)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
+    assert pool.to_state() == before
+    # with two forks it fits, and comes back whole
+    svc.step(ref, 3, encode_ops([Free(f"f{i}") for i in range(2, 15)]), prev_step_id=2)
+    text, last, problems = svc.dump(ref)
+    assert json.loads(text) == pool.to_state() and last == 3 and problems == []
 
 
 def test_a_snapshot_of_the_earlier_format_is_still_read():
