@@ -35,7 +35,11 @@ def test_bench_route_json():
     assert set(out["targets"]) == {"kv_hit_rate_of_one_worker_with_both_pools", "kv_tokens_per_s_over_round_robin",
                                    "kv_ttft_p50_of_round_robin", "router_added_p50_ms",
                                    "kv_hit_rate_of_one_worker_with_both_pools_worst_round",
-                                   "kv_tokens_per_s_over_round_robin_worst_round"}
+                                   "kv_tokens_per_s_over_round_robin_worst_round",
+                                   "kv_tokens_per_s_over_round_robin_bound"}
+    summary = out["summary"]
+    assert out["targets"]["kv_tokens_per_s_over_round_robin_bound"] == round(
+        (1 - summary["round-robin"]["hit_rate"]) / (1 - summary["one-worker-2x-memory"]["hit_rate"]), 3)
     per_round = out["per_round"]["kv_hit_rate_of_one_worker_with_both_pools"]
     assert len(per_round) == 2 and out["targets"]["kv_hit_rate_of_one_worker_with_both_pools_worst_round"] == min(
         per_round)
