@@ -251,6 +251,8 @@ ROUTE = {
     "tight": RouteWorkload("~128-token system prompts and 2 workers of 48 blocks: the pools hold exactly the "
                            "working set when each worker keeps its half of the prefixes; 6 rounds",
                            prompt_tokens=128, num_blocks=48, rounds=6, probe_requests=10),
+    "smollm2": RouteWorkload("the default on SmolLM2-135M (the demo model, a real one: a prompt's tokens cost "
+                             "what they cost there); 2 rounds", model="smollm2", probe_requests=10),
     "small": RouteWorkload("2 tenants x 2 conversations, ~40-token prompts, 2 tokens each", tenants=2,
                            prompt_tokens=40, conversations=2, max_tokens=2, probe_requests=3),
 }
