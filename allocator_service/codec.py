@@ -201,9 +201,14 @@ def step_answer_bound(step: StepColumns, num_blocks: int, block_size: int,
     Tier moves (`tiers`, a tiered pool): every block the step takes (at most
     G) is evicted at most once, which saves it one tier down (a host save, and
     the host entry it displaces saved to the store) and is loaded into at
-    most once; each store save deletes at most `deletes_per_save` entries,
-    and every store confirmation that fails or a refused load one more,
-    never more than the store holds."""
+    most once; with a store, a FREE writes the cached blocks it releases
+    through (at most its table: the sequence's full blocks now, or its fork
+    bound; G once over all frees; and no more than the pool's blocks and G,
+    a save per hash a block holds in the step); each store save deletes at
+    most `deletes_per_save` entries, and every store confirmation that
+    fails or a refused load one more, never more than the store holds. A
+    delete names its entry's layout, any pool's: at most MAX_LAYOUT_LEN
+    characters of up to 4 UTF-8 bytes."""
     kinds, reserved = step.kinds, step.num_reserved
     n = len(kinds)
     id_bytes = max(1, ((num_blocks - 1).bit_length() + 6) // 7)
@@ -211,11 +216,20 @@ def step_answer_bound(step: StepColumns, num_blocks: int, block_size: int,
     writers = sum(1 for k in kinds if k == core_step.APPEND or k == core_step.ADMIT)
     growth = (len(step.tokens) + (sum(reserved) if reserved else 0)) // block_size + 2 * writers
     ids = growth
-    if step.children:
+    # the blocks FREEs release, each a store save (write-through), at most
+    stores = tiers is not None and tiers.store_entries > 0
+    freed = frees = 0
+    if step.children or stores:
         lengths: dict[str, int] = {}  # children forked in this step -> their bound
         forks = 0
         for i, kind in enumerate(kinds):
-            if kind != core_step.FORK:
+            if kind == core_step.FREE and stores:
+                frees += 1
+                bound = lengths.get(step.seq_ids[i])
+                if bound is None:  # its cached blocks now: full ones
+                    bound = (num_tokens(step.seq_ids[i]) or 0) // block_size
+                freed += bound
+            if kind != core_step.FORK or forks >= len(step.children):
                 continue
             parent = step.seq_ids[i]
             bound = lengths.get(parent)
@@ -225,6 +239,8 @@ def step_answer_bound(step: StepColumns, num_blocks: int, block_size: int,
             lengths[step.children[forks]] = bound
             forks += 1
             ids += bound
+        if frees:  # what the step's writers add to the tables freed, G at most in all
+            freed = min(freed + growth, num_blocks + growth)
     # Appended ids become table entries (a copy-on-write replaces one, at most
     # one per writer): past the pool's bound on entries an operation fails
     # whole (`pool_limit`) and appends nothing.
@@ -236,9 +252,10 @@ def step_answer_bound(step: StepColumns, num_blocks: int, block_size: int,
         # per block taken: a host save (2 ids), a store save (a hash, 1 id), a load (a hash, 1 id)
         bound += 64 + growth * (2 * HASH_LEN + 4 * id_bytes)
         if tiers.store_entries:
-            deletes = min(tiers.store_entries, growth * tiers.deletes_per_save
+            bound += freed * (HASH_LEN + id_bytes)  # a write-through: a hash, 1 id
+            deletes = min(tiers.store_entries, (growth + freed) * tiers.deletes_per_save
                           + len(step.store_failed) + len(step.refused))
-            bound += deletes * (HASH_LEN + MAX_LAYOUT_LEN + 3)  # a hash and a layout key with its tag
+            bound += deletes * (HASH_LEN + 4 * MAX_LAYOUT_LEN + 3)  # a hash and a layout key with its tag
     return bound
 
 

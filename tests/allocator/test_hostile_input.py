@@ -4,6 +4,9 @@ a rejected call changes nothing, and the pool's invariants always hold."""
 
 from __future__ import annotations
 
+import random
+from unittest import mock
+
 import grpc
 import pytest
 import redis as redis_client
@@ -13,6 +16,8 @@ from hypothesis import strategies as st
 from allocator_service.client.grpc_client import error_reason
 from allocator_service.codec import (
     MAX_ERROR_MESSAGE_BYTES,
+    columns_to_proto,
+    decode_results,
     encode_ops,
     result_to_proto,
     step_answer_bound,
@@ -30,11 +35,18 @@ from allocator_service.core import (
     run_step,
     step_columns,
 )
-from allocator_service.core.limits import MAX_BLOCK_SIZE, MAX_FINGERPRINT_LEN
+from allocator_service.core.limits import (
+    MAX_BLOCK_SIZE,
+    MAX_FINGERPRINT_LEN,
+    MAX_LAYOUT_LEN,
+    MAX_SEQ_ID_LEN,
+)
+from allocator_service.core.tiers import NO_REPORT, TierReport
 from allocator_service.rpc.server import create_server
 from allocator_service.service import AllocatorService
 from allocator_service.store.journal import open_journal, split_prefix
 from allocator_service.v1 import allocator_pb2 as pb
+from tests.core.test_tiers import CONVERSATIONS, FATES
 from tests.support.allocator import DOCUMENTED, code_of, dump, random_steps, register, stub
 
 C = grpc.StatusCode
@@ -285,3 +297,178 @@ def test_the_answer_bound_holds_for_every_step(seed, block_size, forks, long_ids
     ghost = ("\u2603" * 256) if long_ids else "ghost"
     answer = check([Free(ghost), Append(ghost, [1]), Unreserve(ghost, 1), Fork(ghost, "x")])
     assert list(answer.errors) == [pb.OP_ERROR_UNKNOWN_SEQUENCE] * 4
+
+
+# ----------------------------------------------------- the bound, tiered pools
+# The worst cases: layout keys of MAX_LAYOUT_LEN characters, ASCII or of
+# 4-byte UTF-8 characters (a store delete names its entry's layout, which may
+# be the other pool's), and sequence ids of MAX_SEQ_ID_LEN characters.
+WIDE = "\U0001f600"
+LAYOUTS = [("a" * MAX_LAYOUT_LEN,) * 2, (WIDE * MAX_LAYOUT_LEN,) * 2, ("a", "a"),  # b loads what a saved
+           ("a" * MAX_LAYOUT_LEN, "b"), (WIDE * MAX_LAYOUT_LEN, "b")]
+SALTS = (None, "b")  # each pool's prompts' namespace
+STORE_BYTES = 10  # pool a's block_bytes: the smallest, so a save of pool b may delete several entries
+
+
+class ServiceBounds:
+    """An in-process service with a shared store; every Step's answer is
+    checked against the bound `AllocatorService._check_answer` computed for
+    it (the service's own code path: its TierBound from the store's capacity
+    and the smallest block_bytes)."""
+
+    def __init__(self, store_bytes: int) -> None:
+        self.svc = AllocatorService(ServiceConfig(shared_store="file:///nonexistent/kv",
+                                                  shared_store_bytes=store_bytes))
+        self.bounds: list[int] = []
+        self.step_ids: dict[str, int] = {}
+
+    def record(self, *args, **kwargs) -> int:
+        bound = step_answer_bound(*args, **kwargs)
+        assert kwargs.get("tiers", args[4] if len(args) > 4 else None) is not None  # a tiered pool's bound
+        self.bounds.append(bound)
+        return bound
+
+    def register(self, worker: str, **shape) -> pb.PoolRef:
+        r = self.svc.register(worker, pb.PoolShape(model_fingerprint="m", enable_prefix_caching=True,
+                                                   use_shared_store=True, **shape))
+        self.step_ids[r.pool_id] = 0
+        return pb.PoolRef(pool_id=r.pool_id, credential=r.credential)
+
+    def pool(self, ref: pb.PoolRef) -> BlockPool:
+        return self.svc.registry.pools[ref.pool_id].pool
+
+    def step(self, ref: pb.PoolRef, ops: list, report: TierReport = NO_REPORT) -> pb.StepResponse:
+        msg = columns_to_proto(step_columns(ops)._replace(**report._asdict()))
+        self.step_ids[ref.pool_id] += 1
+        before = len(self.bounds)
+        with mock.patch("allocator_service.service.step_answer_bound", self.record):
+            answer = self.svc.step(ref, self.step_ids[ref.pool_id], msg)
+        assert len(self.bounds) == before + 1
+        assert answer.ByteSize() <= self.bounds[-1], (answer.ByteSize(), self.bounds[-1], answer.moves)
+        assert all(len(m.encode()) <= MAX_ERROR_MESSAGE_BYTES for m in answer.error_messages)
+        return answer
+
+
+class InFlight:
+    """What one pool's worker has in flight, as tests/core/test_tiers.py's
+    reference worker: host and store saves not yet confirmed, and the store
+    loads of its last answer, which it may refuse (a bad checksum)."""
+
+    def __init__(self) -> None:
+        self.host: list[int] = []  # host slots whose save is in flight
+        self.store: list[bytes] = []  # hashes whose store save is in flight
+        self.loaded: list[bytes] = []  # hashes the last answer loaded from the store
+
+    def report(self, rng: random.Random, present: list[bytes]) -> TierReport:
+        """Which saves land now, fail, or stay in flight (`FATES`); which
+        loads are refused, and now and then (a worker may name any hash)
+        some of the `present` store entries of its layout, loaded or not."""
+        saved, failed, store_saved, store_failed = [], [], [], []
+        for slot in list(self.host):
+            fate = rng.choice(FATES)
+            if fate != "wait":
+                self.host.remove(slot)
+                (saved if fate == "land" else failed).append(slot)
+        for h in list(self.store):
+            fate = rng.choice(FATES)
+            if fate != "wait":
+                self.store.remove(h)
+                (store_saved if fate == "land" else store_failed).append(h)
+        refused = [h for h in self.loaded if rng.random() < 0.5]
+        if present and rng.random() < 0.2:
+            refused += rng.sample(present, min(len(present), rng.randint(1, 2)))
+        self.loaded = []
+        return TierReport(saved, failed, store_saved, store_failed, refused)
+
+    def took(self, answer: pb.StepResponse) -> None:
+        moves = decode_results(answer, len(answer.errors)).moves
+        self.host += moves.host_saves[1::2]
+        self.store += moves.store_saves
+        self.loaded = list(moves.store_loads)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 2**32 - 1), layouts=st.sampled_from(LAYOUTS),
+       store_entries=st.sampled_from([0, 3, 8, 24, 48]), store_extra=st.integers(1, 9),
+       num_blocks=st.tuples(st.integers(3, 8), st.integers(3, 8)), block_size=st.sampled_from([1, 2]),
+       host_blocks=st.tuples(st.sampled_from([0, 1, 2, 4]), st.sampled_from([0, 1, 2, 4])),
+       b_bytes=st.sampled_from([STORE_BYTES, 25]), long_ids=st.booleans())
+def test_the_answer_bound_holds_for_tiered_pools(seed, layouts, store_entries, store_extra, num_blocks,
+                                                  block_size, host_blocks, b_bytes, long_ids):
+    """As above, for two tiered pools (tiny KV pools, so blocks are evicted
+    all the time; host tiers of a few slots or none) sharing a store of a few
+    entries (so saves delete entries, often the other pool's; 0: smaller
+    than one entry): 40 random steps of frees (their blocks written through
+    to the store), forks, appends (reserved slots), unreserves, admissions
+    of prompts that share prefixes (so blocks are loaded from the tiers,
+    pool b's from what pool a saved) and failing operations, each with the
+    worker's report on the moves of earlier answers (saves confirmed or
+    failed, store entries refused). Before each step the bound the service
+    computes is at least the size of the answer the step gets."""
+    rng = random.Random(seed)
+    sb = ServiceBounds(store_entries * STORE_BYTES + store_extra)
+    refs = [sb.register(w, num_blocks=n, block_size=block_size, host_blocks=h, layout=lay, block_bytes=bb)
+            for w, n, h, lay, bb in zip("ab", num_blocks, host_blocks, layouts, (STORE_BYTES, b_bytes), strict=True)]
+    flight = [InFlight(), InFlight()]
+    prefix = "\u2603" * (MAX_SEQ_ID_LEN - 8) if long_ids else "s"
+    counter = iter(range(10**8))
+
+    def new_id() -> str:
+        return f"{prefix}{next(counter):08d}"
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randint(0, 1) for _ in range(n)]
+
+    B = block_size
+    seen: set[str] = set()
+    for _ in range(40):
+        i = rng.randint(0, 1)
+        live = sorted(sb.pool(refs[i]).tables())
+        frees = [s for s in live if rng.random() < 0.5]  # short lives: their blocks fall to the tiers
+        ops: list = [Free(s) for s in frees]
+        live = [s for s in live if s not in frees]
+        if live and rng.random() < 0.3:
+            ops.append(Fork(rng.choice(live), new_id()))
+        for s in rng.sample(live, min(len(live), rng.randint(0, 2))):
+            ops.append(Append(s, tokens(rng.randint(1, 2 * B)), rng.choice([0, 0, 0, 1, 2])))
+        if live and rng.random() < 0.2:
+            ops.append(Unreserve(rng.choice(live), rng.randint(1, 2)))
+        for _ in range(rng.randint(0, 2)):
+            # a turn of a conversation: its pool's own, or (found in the store) the other pool's
+            prompt = rng.choice(CONVERSATIONS)[: rng.randint(1, 4 * B)] + tokens(rng.randint(0, 2))
+            salt = SALTS[i ^ (rng.random() < 0.3)]
+            ops.append(Admit(new_id(), prompt, salt, rng.choice([None, None, 1, 2])))
+        if rng.random() < 0.2:  # failing operations: their reasons name a long id
+            ghost = new_id()
+            ops += [Free(ghost), Append(ghost, [1]), Fork(ghost, new_id())]
+        present = [h for lay, h in sb.svc.registry.store.lru.present if lay == layouts[i]]
+        report = flight[i].report(rng, present)
+        answer = sb.step(refs[i], ops, report)
+        flight[i].took(answer)
+        seen.update(f"reported {f}" for f, v in report._asdict().items() if v)
+        seen.update(f"moves {f.name}" for f, _ in answer.moves.ListFields())
+    for what in sorted(seen):  # (--hypothesis-show-statistics: how often each kind was exercised)
+        event(what)
+    for r in refs:
+        assert sb.pool(r).integrity_problems() == []
+
+
+@pytest.mark.parametrize("layout", ["a" * MAX_LAYOUT_LEN, WIDE * MAX_LAYOUT_LEN])
+def test_the_tiered_bound_counts_write_throughs_and_wide_layouts(layout):
+    """The property's failing examples, when the bound counted neither:
+    a FREE writes its sequence's cached blocks through to a full store, each
+    save deleting an entry of the other pool, under that pool's layout (pool
+    b's free below: 1,327 bytes against a bound of 543 with 256 ASCII
+    characters); a failed store save deletes its entry under a layout of
+    256 4-byte characters (pool a's report: 1,066 bytes against 483)."""
+    sb = ServiceBounds(4 * STORE_BYTES)
+    a = sb.register("a", num_blocks=16, block_size=1, layout=layout, block_bytes=STORE_BYTES)
+    b = sb.register("b", num_blocks=16, block_size=1, layout="b", block_bytes=STORE_BYTES)
+    sb.step(a, [Admit("x", [1, 2, 3, 4, 5])])
+    saves = decode_results(sb.step(a, [Free("x")]), 1).moves.store_saves  # write-throughs fill the store
+    assert len(saves) == 4
+    failed = decode_results(sb.step(a, [], TierReport([], [], saves[:3], saves[3:], [])), 0).moves
+    assert failed.store_deletes == saves[3:] and failed.store_delete_layouts == [layout]
+    sb.step(b, [Admit("y", [9, 8, 7, 6, 5])])
+    moves = decode_results(sb.step(b, [Free("y")]), 1).moves  # ServiceBounds.step checks each bound
+    assert len(moves.store_saves) == 4 and moves.store_delete_layouts == [layout] * 3
