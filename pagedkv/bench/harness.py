@@ -178,13 +178,11 @@ def command_line(name: str, args: argparse.Namespace) -> str:
     for action in parser._actions:
         if isinstance(action, argparse._HelpAction):
             continue
-        if not action.option_strings:  # after the options, as typed (a REMAINDER last)
-            value = getattr(args, action.dest, action.default)
-            if value != action.default:
-                positional += value if isinstance(value, list) else [str(value)]
-            continue
         value = getattr(args, action.dest, action.default)
         if value == action.default:
+            continue
+        if not action.option_strings:  # after the options, as typed (a REMAINDER last)
+            positional += value if isinstance(value, list) else [str(value)]
             continue
         flag = max(action.option_strings, key=len) if action.nargs != 0 else action.option_strings[0]
         if isinstance(action, argparse.BooleanOptionalAction):
