@@ -39,12 +39,11 @@ from allocator_service.core import (
 from allocator_service.core.hashing import chain_hashes
 from allocator_service.core.step import StepResult
 from allocator_service.core.tiers import SharedStore
+from tests.support.tiers import CONVERSATIONS, FATES
 
 GARBAGE = "garbage"  # what a failed save leaves in its location
-FATES = ["land", "land", "land", "fail", "wait", "wait"]  # of a save in flight, at each step
 BLOCK_BYTES = 10
 LAYOUT = "layout-a"
-CONVERSATIONS = [[0, 1, 1, 0, 1, 0, 0, 1, 1, 1, 0, 1], [1, 1, 0, 0, 1, 0, 1, 1, 0, 1, 0, 0], [0, 0, 0, 1, 1, 0, 1, 0, 1, 1, 1, 0]]
 
 
 class Worker:
