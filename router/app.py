@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import json
 import logging
@@ -78,6 +79,7 @@ from router.discovery import Discovery, MergedDiscovery, Worker
 from router.metrics import RouterMetrics
 from router.policy import Balance, Candidate, rank
 from router.prefix_view import PrefixView
+from router.recent import RecentBlocks
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +134,8 @@ class Router:
         # until the view has heard of its blocks whatever the events' delay.
         self.computing: dict[int, tuple[str, str | None, list[int]]] = {}  # id -> (url, salt, prompt)
         self._ids = itertools.count()
+        # The blocks of the prompts placed lately, per worker: where a new prefix goes (policy `kv`).
+        self.recent = RecentBlocks()
 
     def worker_auth(self, request: Request) -> list[tuple[str, str]]:
         """The header the router presents to workers for `request`: the router's
@@ -302,8 +306,9 @@ class Router:
             held = view.held_blocks(w.pool_id) if view is not None and w.pool_id else None
             clean = None if held is None else max(free - held, 0)
             tiers = (host, store) if soon == cached else (0, 0)  # a prompt being computed there: in its KV pool
+            held = functools.partial(view.holds, w.pool_id) if view is not None and w.pool_id else None
             cands.append(Candidate(w.url, soon, free, w.num_blocks, self.in_flight.get(w.url, 0),
-                                   w.block_size, clean, *tiers))
+                                   w.block_size, clean, *tiers, recent_blocks=self.recent.blocks(w.url, held, self.computing)))
         order = rank(self.policy, cands, prompt_tokens, next(self._turns), self.balance)
         reachable = self.discovery.allocator_answers
         order.sort(key=lambda c: (self.down_until.get(c.key, 0.0) > now,  # stable: keeps the ranking
@@ -326,8 +331,15 @@ class Router:
         order = self.ranked(workers, matches, len(tokens or ()), computing)
         rid = next(self._ids)
         if tokens and order:
-            self.computing[rid] = (order[0][0].url, salt, tokens)
+            self.placed(rid, order[0][0], tokens, salt)
         return rid, order
+
+    def placed(self, rid: int, worker: Worker, tokens: list[int], salt: str | None) -> None:
+        """Request `rid`'s prompt goes to `worker`: computing there, and its blocks the newest sent there."""
+        self.computing[rid] = (worker.url, salt, tokens)
+        if self.policy == "kv":
+            self.recent.record(worker.url, rid, worker.model_fingerprint, worker.block_size, worker.num_blocks,
+                               tokens, salt)
 
     # ------------------------------------------------------------ proxying
     async def forward(self, request: Request, kind: str, model_cls) -> Response:
@@ -357,8 +369,8 @@ class Router:
                    if k.lower() not in _HOP] + self.worker_auth(request)
         why = "no worker answered"
         for worker, cached in order[: self.max_attempts]:
-            if tokens:  # a retry: placed on the next in the ranking
-                self.computing[rid] = (worker.url, salt, tokens)
+            if tokens and worker is not order[0][0]:  # a retry: placed on the next in the ranking
+                self.placed(rid, worker, tokens, salt)
             try:
                 upstream, whole = await unless_gone(
                     request, self._send(worker, request.url.path, body, headers, bool(req.stream)))

@@ -88,8 +88,10 @@ class RouterArgs:
         "as the workers load it: 'tiny-random', 'smollm2', a Hugging Face folder or repo id, a .gguf file "
         "(not loaded without --allocator)")
     policy: str = setting(
-        "kv", "kv: most cached prefix (less what the placement would evict; at least CACHE_THRESHOLD of the prompt), unless the worker's requests in "
-        "flight pass both balance thresholds over the least loaded's, then least load; least-load; round-robin", choices=POLICIES, stack=True)
+        "kv", "kv: most cached prefix (less what the placement would evict; at least CACHE_THRESHOLD of the "
+        "prompt), else the worker sent the fewest blocks lately that its pool still holds, unless the worker's "
+        "requests in flight pass both balance thresholds over the least loaded's, then least load; least-load; "
+        "round-robin", choices=POLICIES, stack=True)
     cache_view: str = setting(
         "events", "events: keep the pools' prefix caches in the router from the allocator's block events "
         "(a snapshot, then every change) and match prompts here, asking MatchPrefix only while that copy is "

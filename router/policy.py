@@ -20,12 +20,16 @@ only when it is not, as SGLang's cache-aware router does:
   prompt needs `blocks(prompt) - cached_tokens / block_size` new blocks,
   and those beyond the pool's free blocks that hold no cached prefix
   (`clean_free`) are taken from cached ones (a tier hit takes a fresh
-  block, as a miss does). Then the least loaded (fewest
+  block, as a miss does). Then the worker this router sent the fewest
+  blocks lately (`recent_blocks`: `router.recent.RecentBlocks`), so that new
+  prefixes spread evenly over the workers whatever the load in flight
+  at the instant each first arrives. Then the least loaded (fewest
   in flight, then least usage), then in turn.
 
 Short spikes of in-flight requests below the thresholds change no
 placement: a prefix stays where it is cached. With nothing cached anywhere
-(and nothing to evict) it is plain least-load.
+(and nothing to evict) a prompt goes to the worker with the fewest recent
+blocks, then the least loaded.
 
 `least-load`: fewest in flight, then least usage, then in turn.
 `round-robin`: in turn, ignoring everything else (the baseline).
@@ -54,6 +58,7 @@ class Candidate:
     clean_free: int | None = None  # free blocks holding no cached prefix; None: unknown (all free ones)
     host_tokens: int = 0  # of this prompt past `cached_tokens`, in its host tier
     store_tokens: int = 0  # ... past those, in the shared store
+    recent_blocks: int = 0  # blocks of the prompts this router sent it lately (`RecentBlocks`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +132,6 @@ def rank(policy: str, candidates: Sequence[Candidate], prompt_tokens: int, turn:
         if overloaded(c, least, balance):
             return (1, 0, 0, *load(c))
         m = counted(c, prompt_tokens, balance)
-        return (0, -weighed(m), evicted_blocks(m, prompt_tokens) > 0, *load(c))
+        return (0, -weighed(m), evicted_blocks(m, prompt_tokens) > 0, c.recent_blocks, *load(c))
 
     return sorted(candidates, key=kv)

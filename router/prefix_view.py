@@ -156,6 +156,11 @@ class PrefixView:
         pool = self._pools.get(pool_id)
         return leading_hits(hashes, pool.holders) if pool is not None else 0
 
+    def holds(self, pool_id: str, h: bytes) -> bool:
+        """Whether some block of the pool holds the hash `h`."""
+        pool = self._pools.get(pool_id)
+        return pool is not None and h in pool.holders
+
     def held_blocks(self, pool_id: str) -> int:
         """How many of the pool's blocks hold a cached hash (in use or free)."""
         pool = self._pools.get(pool_id)

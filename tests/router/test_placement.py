@@ -57,4 +57,20 @@ def test_a_placement_counts_after_its_answer_until_the_view_can_have_heard(monke
 
     first, again, later, other = asyncio.run(scenario())
     assert again == first  # the finished request's placement still attracts its prefix
-    assert later == other  # the linger over, nothing is cached anywhere: by load
+    assert later == other  # the linger over, nothing is cached anywhere: the worker sent fewer blocks, less loaded
+
+
+def test_new_prefixes_spread_evenly_whatever_the_load_in_flight():
+    """Each new prefix goes to the worker sent the fewest blocks lately, not to the one
+    with fewer requests in flight at that instant: a long request in flight on one
+    worker does not draw every new tenant to the other."""
+    router = _router()
+    rid, order = router.place(WORKERS, {}, [*range(5000, 5040), 1], None)
+    busy = order[0][0]
+    router._enter(busy)  # in flight until the end: the other always has fewer
+    prefixes = {busy.url: 1}
+    for tenant in range(8):  # each answered at once (it leaves no request in flight)
+        prompt = [*range(100 * (tenant + 1), 100 * (tenant + 1) + 40), 1]
+        worker = router.place(WORKERS, {}, prompt, None)[1][0][0]
+        prefixes[worker.url] = prefixes.get(worker.url, 0) + 1
+    assert sorted(prefixes.values()) == [4, 5]  # 9 prefixes of ten blocks: 4 and 5

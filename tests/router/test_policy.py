@@ -4,6 +4,7 @@ usage errors."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import subprocess
 import sys
 
@@ -16,7 +17,7 @@ candidates = st.lists(
     st.builds(Candidate, key=st.sampled_from([f"http://w{i}" for i in range(6)]),
               cached_tokens=st.integers(0, 512), free_blocks=st.integers(0, 64), num_blocks=st.just(64),
               in_flight=st.integers(0, 24), block_size=st.sampled_from([0, 16]),
-              clean_free=st.one_of(st.none(), st.integers(0, 64))),
+              clean_free=st.one_of(st.none(), st.integers(0, 64)), recent_blocks=st.integers(0, 64)),
     min_size=1, max_size=6, unique_by=lambda c: c.key)
 balances = st.builds(Balance, abs_threshold=st.integers(0, 12), rel_threshold=st.floats(1.0, 4.0),
                      cache_threshold=st.sampled_from([0.0, 0.3, 0.5, 1.0]))
@@ -50,7 +51,8 @@ def test_kv_never_places_on_a_worker_past_both_thresholds_while_another_is_under
 def test_with_a_balanced_load_the_longest_prefix_wins(cands, prompt, turn, balance):
     """Loads within the thresholds and room to spare everywhere (nothing evicted): the worker
     holding the most of the prompt gets it, whatever the in-flight counts, when that is at least
-    the cache threshold's share of the prompt; under it, no match counts: the least loaded."""
+    the cache threshold's share of the prompt; under it, no match counts: the one sent the fewest
+    blocks lately, then the least loaded."""
     cands = [with_(c, in_flight=c.in_flight % (balance.abs_threshold + 1), free_blocks=free, clean_free=64)
              for c, free in zip(cands, range(64, 0, -7), strict=False)]
     first = rank("kv", cands, prompt, turn, balance)[0]
@@ -58,7 +60,8 @@ def test_with_a_balanced_load_the_longest_prefix_wins(cands, prompt, turn, balan
     if best >= balance.cache_threshold * prompt:
         assert min(first.cached_tokens, prompt) == best
     else:
-        assert first == rank("least-load", cands, prompt, turn)[0]
+        fewest = [c for c in cands if c.recent_blocks == min(d.recent_blocks for d in cands)]
+        assert first in fewest and first.in_flight == min(c.in_flight for c in fewest)
 
 
 @given(candidates, st.integers(1, 512), st.integers(0, 100), balances, st.data())
@@ -79,9 +82,21 @@ def test_loads_under_the_thresholds_move_no_placement(cands, prompt, turn, balan
 
 
 @given(candidates, st.integers(1, 512), st.integers(0, 100))
-def test_kv_with_nothing_cached_and_nothing_to_evict_is_least_load(cands, prompt, turn):
-    cold = [with_(c, cached_tokens=0, block_size=0) for c in cands]
+def test_kv_with_nothing_cached_to_evict_or_sent_lately_is_least_load(cands, prompt, turn):
+    cold = [with_(c, cached_tokens=0, block_size=0, recent_blocks=0) for c in cands]
     assert rank("kv", cold, prompt, turn) == rank("least-load", cold, prompt, turn)
+
+
+@given(candidates, st.integers(1, 512), st.integers(0, 100))
+def test_a_new_prefix_goes_to_the_worker_sent_the_fewest_blocks_lately(cands, prompt, turn):
+    """Nothing cached, nothing to evict, the load under the thresholds: fewest recent blocks
+    first, whatever the requests in flight; the load only among equals."""
+    cold = [with_(c, cached_tokens=0, block_size=0, in_flight=min(c.in_flight, 8)) for c in cands]
+    order = rank("kv", cold, prompt, turn)
+    assert [c.recent_blocks for c in order] == sorted(c.recent_blocks for c in cold)
+    for a, b in itertools.pairwise(order):
+        if a.recent_blocks == b.recent_blocks:
+            assert a.in_flight <= b.in_flight
 
 
 @given(st.integers(0, 64), st.integers(0, 64), st.integers(1, 512), st.integers(0, 512))
