@@ -307,8 +307,11 @@ class Router:
             clean = None if held is None else max(free - held, 0)
             tiers = (host, store) if soon == cached else (0, 0)  # a prompt being computed there: in its KV pool
             held = functools.partial(view.holds, w.pool_id) if view is not None and w.pool_id else None
+            recent = self.recent.blocks(w.url, held, self.computing)
+            if self.policy == "kv":
+                self.metrics.recent_blocks.labels(w.name).set(recent)
             cands.append(Candidate(w.url, soon, free, w.num_blocks, self.in_flight.get(w.url, 0),
-                                   w.block_size, clean, *tiers, recent_blocks=self.recent.blocks(w.url, held, self.computing)))
+                                   w.block_size, clean, *tiers, recent_blocks=recent))
         order = rank(self.policy, cands, prompt_tokens, next(self._turns), self.balance)
         reachable = self.discovery.allocator_answers
         order.sort(key=lambda c: (self.down_until.get(c.key, 0.0) > now,  # stable: keeps the ranking
@@ -340,6 +343,7 @@ class Router:
         if self.policy == "kv":
             self.recent.record(worker.url, rid, worker.model_fingerprint, worker.block_size, worker.num_blocks,
                                tokens, salt)
+            self.metrics.recent_blocks.labels(worker.name).set(self.recent.blocks(worker.url))
 
     # ------------------------------------------------------------ proxying
     async def forward(self, request: Request, kind: str, model_cls) -> Response:

@@ -53,6 +53,10 @@ class RouterMetrics:
             "MatchPrefix calls that failed (the request was routed by load alone).", registry=r)
         self.in_flight = Gauge("pagedkv_router_in_flight_requests",
                                "Requests a worker is answering through this router.", ["worker"], registry=r)
+        self.recent_blocks = Gauge(
+            "pagedkv_router_recent_blocks",
+            "Blocks of the prompts this router sent the worker lately that its pool still holds, as of the last "
+            "request ranked (kv: a prompt no pool holds goes to the worker with the fewest).", ["worker"], registry=r)
         self.workers = Gauge("pagedkv_router_workers", "Workers the router may send requests to.", registry=r)
         self.unproven_pools = Gauge(
             "pagedkv_router_unproven_pools",

@@ -140,6 +140,8 @@ ROWS: list[tuple[str, list[tuple]]] = [
          quantiles("pagedkv_router_routing_seconds", sel="")
          + quantiles("pagedkv_router_view_match_seconds", sel="", qs=(0.5, 0.99), prefix="view match ")
          + quantiles("pagedkv_router_match_prefix_seconds", sel="", qs=(0.5, 0.99), prefix="MatchPrefix "), {}),
+        ("Router: blocks sent lately that each pool still holds (kv: a new prefix goes to the fewest)", "short",
+         [(f"max by (worker) (pagedkv_router_recent_blocks{{{W}}})", "{{worker}}")], {}),
         ("Router: retries and failed requests / s", "ops", [
             (rate("pagedkv_router_retries_total", "reason", ""), "retry: {{reason}}"),
             (rate("pagedkv_router_failed_requests_total", "reason", ""), "failed: {{reason}}"),

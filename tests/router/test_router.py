@@ -140,6 +140,25 @@ def test_requests_arriving_together_with_a_new_prefix_land_on_one_worker(stack):
     assert len({worker for _, worker, _ in placed}) == 1, placed
 
 
+def test_new_prefixes_spread_over_the_workers_and_the_recent_blocks_read_back(stack):
+    """Through a router that has sent nothing yet, four prefixes no pool holds, one after
+    another: two on each worker; each worker's `pagedkv_router_recent_blocks` reads back the
+    whole blocks of the two sent there (each prompt's blocks before its last token)."""
+    fresh = RouterProcess("router-fresh", allocator=stack.allocator_address, model=MODEL,
+                          args=["--log-level", "warning", "--router-token-file", str(stack.log_dir / "router-token")])
+    prompts = [f"Spread check {i}: " + "reply in one short sentence, please. " * 8 + "Go." for i in range(4)]
+    try:
+        fresh.start().wait_healthy(120)
+        placed = [_complete(fresh.url, prompt)[1] for prompt in prompts]
+        assert sorted(placed.count(w.worker_id) for w in stack.workers) == [2, 2], placed
+        for w in stack.workers:
+            sent = [p for p, on in zip(prompts, placed, strict=True) if on == w.worker_id]
+            expected = sum((len(tiny_tokenizer().encode(p)) - 1) // BLOCK for p in sent)
+            assert metric(fresh.url, "pagedkv_router_recent_blocks", {"worker": w.worker_id}) == expected
+    finally:
+        fresh.terminate()
+
+
 def test_cache_salts_do_not_attract_each_other(stack):
     prefix = "Tenant-private instructions: " + "keep everything confidential. " * 10
     text_a, worker_a, cached = _complete(stack.router_url, prefix + "first", salt="tenant-a")
