@@ -46,8 +46,8 @@ from allocator_service.rpc.server import create_server
 from allocator_service.service import AllocatorService
 from allocator_service.store.journal import open_journal, split_prefix
 from allocator_service.v1 import allocator_pb2 as pb
-from tests.support.tiers import CONVERSATIONS, FATES
 from tests.support.allocator import DOCUMENTED, code_of, dump, random_steps, register, stub
+from tests.support.tiers import CONVERSATIONS, FATES
 
 C = grpc.StatusCode
 FUZZ = settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
