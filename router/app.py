@@ -306,8 +306,8 @@ class Router:
             held = view.held_blocks(w.pool_id) if view is not None and w.pool_id else None
             clean = None if held is None else max(free - held, 0)
             tiers = (host, store) if soon == cached else (0, 0)  # a prompt being computed there: in its KV pool
-            held = functools.partial(view.holds, w.pool_id) if view is not None and w.pool_id else None
-            recent = self.recent.blocks(w.url, held, self.computing)
+            holds = functools.partial(view.holds, w.pool_id) if view is not None and w.pool_id else None
+            recent = self.recent.blocks(w.url, holds, self.computing)
             if self.policy == "kv":
                 self.metrics.recent_blocks.labels(w.name).set(recent)
             cands.append(Candidate(w.url, soon, free, w.num_blocks, self.in_flight.get(w.url, 0),
