@@ -302,13 +302,14 @@ class Router:
             soon = max(cached, (computing or {}).get(w.url, 0))
             # Free blocks holding no cached prefix: at least the free ones beyond every block
             # holding a hash (exact on an idle pool); unknown without a view in step.
-            view = views.get(w.allocator)
-            held = view.held_blocks(w.pool_id) if view is not None and w.pool_id else None
+            view = views.get(w.allocator) if w.pool_id else None
+            held = view.held_blocks(w.pool_id) if view is not None else None
             clean = None if held is None else max(free - held, 0)
             tiers = (host, store) if soon == cached else (0, 0)  # a prompt being computed there: in its KV pool
-            holds = functools.partial(view.holds, w.pool_id) if view is not None and w.pool_id else None
-            recent = self.recent.blocks(w.url, holds, self.computing)
+            recent = 0  # only kv records what it sends
             if self.policy == "kv":
+                holds = functools.partial(view.holds, w.pool_id) if view is not None else None
+                recent = self.recent.blocks(w.url, holds, self.computing)
                 self.metrics.recent_blocks.labels(w.name).set(recent)
             cands.append(Candidate(w.url, soon, free, w.num_blocks, self.in_flight.get(w.url, 0),
                                    w.block_size, clean, *tiers, recent_blocks=recent))
