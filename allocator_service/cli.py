@@ -185,6 +185,7 @@ def options_from_args(args: argparse.Namespace):
                                max_snapshot_bytes=a.max_snapshot_mb << 20,
                                fair_share_window_s=a.fair_share_window_ms / 1e3,
                                reserved_blocks={g.worker_id: g.blocks for g in worker_tokens.values() if g.blocks},
+                               store_groups={g.worker_id: g.store_group for g in worker_tokens.values()},
                                max_pool_blocks=a.max_pool_blocks, journal_key=journal_key,
                                shared_store=a.kv_shared_store or "",
                                shared_store_bytes=int(a.kv_shared_store_size * 2**30))

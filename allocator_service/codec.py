@@ -24,7 +24,7 @@ from allocator_service.core import (
     step_columns,
 )
 from allocator_service.core import step as core_step
-from allocator_service.core.limits import MAX_LAYOUT_LEN, max_table_entries
+from allocator_service.core.limits import MAX_STORE_NAMESPACE_LEN, max_table_entries
 from allocator_service.core.tiers import HASH_LEN, Moves
 from allocator_service.v1 import allocator_pb2 as pb
 
@@ -207,8 +207,8 @@ def step_answer_bound(step: StepColumns, num_blocks: int, block_size: int,
     a save per hash a block holds in the step); each store save deletes at
     most `deletes_per_save` entries, and every store confirmation that
     fails or a refused load one more, never more than the store holds. A
-    delete names its entry's layout, any pool's: at most MAX_LAYOUT_LEN
-    characters of up to 4 UTF-8 bytes."""
+    delete names its entry's store namespace, any pool's: at most
+    MAX_STORE_NAMESPACE_LEN ASCII characters."""
     kinds, reserved = step.kinds, step.num_reserved
     n = len(kinds)
     id_bytes = max(1, ((num_blocks - 1).bit_length() + 6) // 7)
@@ -255,7 +255,7 @@ def step_answer_bound(step: StepColumns, num_blocks: int, block_size: int,
             bound += freed * (HASH_LEN + id_bytes)  # a write-through: a hash, 1 id
             deletes = min(tiers.store_entries, (growth + freed) * tiers.deletes_per_save
                           + len(step.store_failed) + len(step.refused))
-            bound += deletes * (HASH_LEN + 4 * MAX_LAYOUT_LEN + 3)  # a hash and a layout key with its tag
+            bound += deletes * (HASH_LEN + MAX_STORE_NAMESPACE_LEN + 3)  # a hash and a namespace with its tag
     return bound
 
 
@@ -284,6 +284,7 @@ def shape_to_proto(config: PoolConfig) -> pb.PoolShape:
         layout=config.layout,
         block_bytes=config.block_bytes,
         use_shared_store=config.use_shared_store,
+        store_group=config.store_group,
     )
 
 
@@ -298,6 +299,7 @@ def config_from_proto(shape: pb.PoolShape) -> PoolConfig:
         layout=shape.layout,
         block_bytes=shape.block_bytes,
         use_shared_store=shape.use_shared_store,
+        store_group=shape.store_group,
     )
 
 

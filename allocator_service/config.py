@@ -73,6 +73,11 @@ class ServiceConfig:
     # but the server's total).
     reserved_blocks: Mapping[str, int] = field(default_factory=dict)
     max_pool_blocks: int | None = None
+    # Trust in the shared store by the admin's policy: worker id -> its store
+    # group (a worker token's `group=`, or its worker id). A pool finds and
+    # loads only its own group's entries; a worker id not listed is in the
+    # unnamed group of every pool registered without a worker token.
+    store_groups: Mapping[str, str] = field(default_factory=dict)
     # The journal key: the record chain and the snapshot digest are
     # HMAC-SHA256 under it (`store/journal.py`); None: plain SHA-256, and
     # whoever can write to Redis is trusted with the state.

@@ -28,11 +28,16 @@ allow is PERMISSION_DENIED.
 from __future__ import annotations
 
 import contextvars
+import hashlib
 import hmac
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from allocator_service.attest import normalise_url
+from allocator_service.core.errors import InvalidArgument
+from allocator_service.core.limits import MAX_STORE_GROUP_LEN, STORE_NAME_CHARS
+from allocator_service.core.tiers import check_store_names
 from allocator_service.errors import PermissionDenied, Unauthenticated
 
 ADMIN, ROUTER, POOL = "admin", "router", "pool"
@@ -61,26 +66,64 @@ def reset_caller_role(token: contextvars.Token) -> None:
 @dataclass(frozen=True, slots=True)
 class WorkerGrant:
     """What one worker token may register: this worker id at this address,
-    and with `blocks` a pool of at most that many blocks, which the server
-    keeps for it whether or not it holds a pool (None: no quota)."""
+    with `blocks` a pool of at most that many blocks, which the server
+    keeps for it whether or not it holds a pool (None: no quota), in store
+    group `store_group`: the workers whose store entries it loads and that
+    load its entries (the operator's `group=`; the worker id when none is
+    given, so a worker trusts no other worker's entries unless told to)."""
 
     worker_id: str
     advertise_url: str
     blocks: int | None = None
+    store_group: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.store_group:
+            object.__setattr__(self, "store_group", own_store_group(self.worker_id))
+
+
+def own_store_group(worker_id: str) -> str:
+    """The store group of a bound worker that names none: its worker id when that
+    is a group's name, else the id's name-safe part and a digest of it (unique)."""
+    try:
+        check_store_group(worker_id)
+        return worker_id
+    except ValueError:
+        safe = re.sub(f"[^{STORE_NAME_CHARS}]", "_", worker_id)[:MAX_STORE_GROUP_LEN - 17]
+        return f"{safe}-{hashlib.sha256(worker_id.encode()).hexdigest()[:16]}"
+
+
+def check_store_group(name: str) -> None:
+    """ValueError unless `name` can name a store group."""
+    try:
+        check_store_names("", name)
+    except InvalidArgument:
+        ok = False
+    else:
+        ok = bool(name)
+    if not ok:
+        raise ValueError(f"the store group {name!r} must be 1 to {MAX_STORE_GROUP_LEN} characters of "
+                         f"[{STORE_NAME_CHARS}]")
 
 
 def parse_worker_tokens(text: str) -> dict[str, WorkerGrant]:
-    """A worker tokens file: one `WORKER_ID URL TOKEN [BLOCKS]` per line
-    (blank lines and `#` comments skipped) -> token -> grant; BLOCKS: the
-    worker's quota, kept for it (`WorkerGrant`). Raises ValueError, naming
-    the line, on a malformed line or a repeated id, address or token."""
+    """A worker tokens file: one `WORKER_ID URL TOKEN [BLOCKS] [group=NAME]`
+    per line (blank lines and `#` comments skipped) -> token -> grant;
+    BLOCKS: the worker's quota, kept for it; NAME: its store group
+    (`WorkerGrant`). Raises ValueError, naming the line, on a malformed line
+    or a repeated id, address or token."""
     grants: dict[str, WorkerGrant] = {}
     for n, line in enumerate(text.splitlines(), 1):
         words = line.split("#", 1)[0].split()
         if not words:
             continue
+        group = ""
+        if words and words[-1].startswith("group="):
+            group = words.pop()[len("group="):]
+            if not group:
+                raise ValueError(f"line {n}: group= needs a name")
         if len(words) not in (3, 4):
-            raise ValueError(f"line {n}: want 'WORKER_ID URL TOKEN [BLOCKS]', got {len(words)} fields")
+            raise ValueError(f"line {n}: want 'WORKER_ID URL TOKEN [BLOCKS] [group=NAME]', got {len(words)} fields")
         worker_id, url, token = words[:3]
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"line {n}: the address must be an http:// or https:// URL, not {url!r}")
@@ -89,7 +132,11 @@ def parse_worker_tokens(text: str) -> dict[str, WorkerGrant]:
             if not words[3].isdigit() or int(words[3]) < 1:
                 raise ValueError(f"line {n}: BLOCKS must be a positive whole number, not {words[3]!r}")
             blocks = int(words[3])
-        grant = WorkerGrant(worker_id, normalise_url(url), blocks)
+        grant = WorkerGrant(worker_id, normalise_url(url), blocks, group)
+        try:
+            check_store_group(grant.store_group)
+        except ValueError as exc:
+            raise ValueError(f"line {n}: {exc}") from None
         for seen_token, seen in grants.items():
             if hmac.compare_digest(seen_token, token) or seen.worker_id == worker_id \
                     or seen.advertise_url == grant.advertise_url:

@@ -115,6 +115,7 @@ class Registration(NamedTuple):
     credential: str
     lease_ttl_s: float
     shared_store: str = ""  # the store's URL, for a pool that uses it
+    store_namespace: str = ""  # where its blocks live in that store (`core.tiers.store_namespace`)
 
 
 class Advertised(NamedTuple):
@@ -421,11 +422,17 @@ class AllocatorService:
         if not worker_id or len(worker_id) > limit or "/" in worker_id or not worker_id.isprintable():
             raise BadRequest(f"worker_id must be 1 to {limit} printable characters without '/'")
         advertised.check()
+        if shape.store_group:
+            raise BadRequest("store_group is the allocator's to set, from the worker's credential "
+                             "(its group= in --worker-tokens-file)")
         config = config_from_proto(shape)
         if config.use_shared_store and self.registry.store is None:
             # no store here: the pool is registered (and journaled) without it
             config = replace(config, use_shared_store=False)
-            shape = shape_to_proto(config)
+        elif config.use_shared_store:
+            # its trust domain in the store, journaled with the pool (replays never ask the policy again)
+            config = replace(config, store_group=self.config.store_groups.get(worker_id, ""))
+        shape = shape_to_proto(config)
         self._check_quota(worker_id, config.num_blocks)  # before the pool is built: a refused one costs nothing
         credential = secrets.token_urlsafe(32)
         digest = credential_digest(credential)
@@ -446,7 +453,7 @@ class AllocatorService:
         self.durable.after_change()
         log.info("registered pool %s (%d blocks of %d)", entry.pool_id, config.num_blocks, config.block_size)
         return Registration(entry.pool_id, entry.epoch, credential, self.config.lease_ttl_s,
-                            self.registry.store_url if config.use_shared_store else "")
+                            self.registry.store_url if config.use_shared_store else "", config.store_namespace)
 
     def _register(self, reg: Registry, worker_id: str, shape: pb.PoolShape, config, digest: bytes,
                   old: PoolEntry | None, replace_credential: str, fresh,

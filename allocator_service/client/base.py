@@ -66,6 +66,9 @@ class AllocatorClient(abc.ABC):
     # store is registered without it (`spec.config.use_shared_store` then
     # says False): the worker asks to use the store if there is one.
     shared_store: str | None = None
+    # Where this pool's blocks live in that store (`RegisterPoolResponse.
+    # store_namespace`): the store keys of its own saves and loads.
+    store_namespace: str = ""
 
     @abc.abstractmethod
     def step(self, ops: Sequence[Op], report: TierReport = NO_REPORT) -> StepResults:
@@ -116,6 +119,7 @@ class EmbeddedAllocator(AllocatorClient):
                 spec = replace(spec, config=config)
             else:
                 self.shared_store, store = shared_store
+                self.store_namespace = config.store_namespace
         self.spec = spec
         self.pool = BlockPool(config, store=store)
 

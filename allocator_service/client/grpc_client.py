@@ -353,6 +353,8 @@ class GrpcAllocator(AllocatorClient):
             self.op_kinds = frozenset(r.op_kinds) or OLDEST_OP_KINDS
             self.shared_store = r.shared_store or None
             config = self._asked.config
+            # (an allocator from before store groups keys a pool's entries by its layout)
+            self.store_namespace = (r.store_namespace or config.layout) if r.shared_store else ""
             if config.use_shared_store and not r.shared_store:
                 self.spec = replace(self._asked, config=replace(config, use_shared_store=False))
             else:

@@ -30,10 +30,16 @@ MAX_RESERVE = 1 << 20
 MAX_FINGERPRINT_LEN = 1024
 
 # A pool's KV tiers: slots of its host tier (blocks, as the KV pool), the
-# characters of its KV layout key (a digest the worker computes), and the
-# bytes of one block's K and V (what a store entry takes).
+# characters of its KV layout key (a digest the worker computes: 64 hex
+# digits) and of its store group (a name the operator gives), and the bytes
+# of one block's K and V (what a store entry takes). Both names are of
+# STORE_NAME_CHARS, so a store namespace `GROUP.LAYOUT` is unambiguous and
+# every store key (namespace, '-', 64 hex digits) is one short ASCII word.
 MAX_HOST_BLOCKS = 1 << 24
-MAX_LAYOUT_LEN = 256
+MAX_LAYOUT_LEN = 64
+MAX_STORE_GROUP_LEN = 64
+MAX_STORE_NAMESPACE_LEN = MAX_STORE_GROUP_LEN + 1 + MAX_LAYOUT_LEN
+STORE_NAME_CHARS = "A-Za-z0-9_-"
 MAX_BLOCK_BYTES = 1 << 40
 
 # Characters of what a worker advertises with its pool for routers: its HTTP

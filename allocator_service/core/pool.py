@@ -47,7 +47,6 @@ from allocator_service.core.limits import (
     MAX_BLOCK_SIZE,
     MAX_FINGERPRINT_LEN,
     MAX_HOST_BLOCKS,
-    MAX_LAYOUT_LEN,
     MAX_NUM_BLOCKS,
     MAX_RESERVE,
     MAX_SALT_LEN,
@@ -74,7 +73,14 @@ from allocator_service.core.planner import (
 )
 from allocator_service.core.prefix_index import EventSink, PrefixIndex
 from allocator_service.core.sequence import Seq
-from allocator_service.core.tiers import NO_MOVES, Moves, PoolTiers, SharedStore
+from allocator_service.core.tiers import (
+    NO_MOVES,
+    Moves,
+    PoolTiers,
+    SharedStore,
+    check_store_names,
+    store_namespace,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +95,9 @@ class PoolConfig:
     layout: str = ""  # the KV layout key: which store entries this pool's blocks can load
     block_bytes: int = 0  # bytes of one block's K and V (a store entry's size)
     use_shared_store: bool = False  # whether the pool saves to and loads from the shared store
+    # The store group the allocator placed the pool in (its trust domain in
+    # the store: "" for none); never the worker's own say (service.register).
+    store_group: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_blocks, int) or not 1 <= self.num_blocks <= MAX_NUM_BLOCKS:
@@ -99,8 +108,7 @@ class PoolConfig:
             raise InvalidArgument(f"model_fingerprint is longer than {MAX_FINGERPRINT_LEN} characters")
         if type(self.host_blocks) is not int or not 0 <= self.host_blocks <= MAX_HOST_BLOCKS:
             raise InvalidArgument(f"host_blocks must be an integer in [0, {MAX_HOST_BLOCKS}]")
-        if not isinstance(self.layout, str) or len(self.layout) > MAX_LAYOUT_LEN:
-            raise InvalidArgument(f"layout must be a string of at most {MAX_LAYOUT_LEN} characters")
+        check_store_names(self.layout, self.store_group)
         if type(self.block_bytes) is not int or not 0 <= self.block_bytes <= MAX_BLOCK_BYTES:
             raise InvalidArgument(f"block_bytes must be an integer in [0, {MAX_BLOCK_BYTES}]")
         if (self.host_blocks or self.use_shared_store) and not self.enable_prefix_caching:
@@ -112,6 +120,11 @@ class PoolConfig:
     def tiered(self) -> bool:
         """Whether the pool has a tier below its KV pool."""
         return bool(self.host_blocks or self.use_shared_store)
+
+    @property
+    def store_namespace(self) -> str:
+        """Where the pool's blocks live in the shared store ("" without one)."""
+        return store_namespace(self.store_group, self.layout) if self.use_shared_store else ""
 
 
 class AdmitResult(NamedTuple):
@@ -276,7 +289,7 @@ class BlockPool:
             if config.use_shared_store and store is None:
                 raise InvalidArgument("the pool uses the shared store, and none was given")
             self.tiers = PoolTiers(config.host_blocks, store if config.use_shared_store else None,
-                                   config.layout, config.block_bytes)
+                                   config.store_namespace, config.block_bytes)
 
     # ------------------------------------------------------------------ reads
     @property

@@ -93,6 +93,7 @@ def _config(pool: BlockPool) -> dict[str, Any]:
         **({"host_blocks": pool.config.host_blocks, "layout": pool.config.layout,
             "block_bytes": pool.config.block_bytes, "use_shared_store": pool.config.use_shared_store}
            if pool.config.tiered else {}),
+        **({"store_group": pool.config.store_group} if pool.config.store_group else {}),
     }
 
 

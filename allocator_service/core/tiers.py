@@ -17,8 +17,12 @@ in the current step) never chosen as victims. Invariants (checked by
 - only present entries are findable (`find`); only present, unpinned ones
   are victims (a pending entry is dropped only by its failure or its pool).
 
+The store's entries are keyed by (namespace, hash): `store_namespace`
+puts a pool's layout under its store group, so a pool finds, confirms and
+skips saves only against entries of its own group.
+
 `PoolTiers` is one pool's side: its host tier, the shared store it uses
-(or none), the store saves it has pending, and the moves issued since the
+(or none), its store namespace, the store saves it has pending, and the moves issued since the
 last `take_moves`. The rules it applies (docs/architecture.md, "Tiers"):
 
 - a cached KV block freed by its last sequence (its K/V computed and
@@ -46,14 +50,35 @@ state exactly.
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable
 from typing import Any, NamedTuple
 
 from allocator_service.core.errors import InvalidArgument
+from allocator_service.core.limits import MAX_LAYOUT_LEN, MAX_STORE_GROUP_LEN, STORE_NAME_CHARS
 
 HASH_LEN = 32  # bytes of a block hash (SHA-256)
 HOST, STORE = 1, 2  # the tiers below the KV pool (tier 0), as `PoolTiers.find` names them
+_STORE_NAME = re.compile(f"[{STORE_NAME_CHARS}]*")
+
+
+def check_store_names(layout: str, group: str) -> None:
+    """InvalidArgument unless `layout` (a KV layout key) and `group` (a
+    store group, "" for none) are words of STORE_NAME_CHARS within their
+    bounds: then `store_namespace` can never make one group's namespace
+    from another's names."""
+    for what, value, bound in (("layout", layout, MAX_LAYOUT_LEN), ("store_group", group, MAX_STORE_GROUP_LEN)):
+        if not isinstance(value, str) or len(value) > bound or not _STORE_NAME.fullmatch(value):
+            raise InvalidArgument(f"{what} must be at most {bound} characters of [{STORE_NAME_CHARS}]")
+
+
+def store_namespace(group: str, layout: str) -> str:
+    """Where a pool's blocks live in the shared store: its KV layout key,
+    under its store group when it has one (`GROUP.LAYOUT`). Pools find each
+    other's entries only within one namespace: one group (one trust domain,
+    named by the operator) and one layout."""
+    return f"{group}.{layout}" if group else layout
 
 
 class LruTier:
@@ -213,7 +238,7 @@ class HostTier:
 
 
 class SharedStore:
-    """The store index shared by an allocator's pools: (layout, hash) ->
+    """The store index shared by an allocator's pools: (namespace, hash) ->
     entry of `size` bytes, `capacity_bytes` in all. It is given to each pool
     that uses it (`BlockPool(config, store=...)`); the steps that touch it
     must be applied in one global order (their journal's). Which pool awaits
@@ -264,12 +289,12 @@ class Moves(NamedTuple):
     host saves and the loads). Every list is in issue order."""
 
     store_deletes: list[bytes]  # (0) hashes to remove from the store, best effort ...
-    store_delete_layouts: list[str]  # ... each under this layout
-    store_saves: list[bytes]  # (1) hashes to write to the store (this pool's layout) ...
+    store_delete_layouts: list[str]  # ... each under this store namespace (any pool's)
+    store_saves: list[bytes]  # (1) hashes to write to the store (this pool's namespace) ...
     store_save_from: list[int]  # ... each from this KV block
     host_saves: list[int]  # (2) (KV block, host slot) pairs, flattened
     host_loads: list[int]  # (4) (host slot, KV block) pairs, flattened
-    store_loads: list[bytes]  # (4) hashes to read from the store (this pool's layout) ...
+    store_loads: list[bytes]  # (4) hashes to read from the store (this pool's namespace) ...
     store_load_to: list[int]  # ... each into this KV block
 
 
@@ -309,18 +334,19 @@ TIER_COUNTERS = (
 
 class PoolTiers:
     """One pool's tiers: its `HostTier` (None: no host tier), the
-    `SharedStore` it uses (None: none), the store saves it has pending, and
+    `SharedStore` it uses (None: none), its store `namespace`
+    (`store_namespace`), the store saves it has pending, and
     the moves issued since the last `take_moves`. `BlockPool` calls
     `released` when a cached block's last sequence frees it, `evicted` when
     a cached block leaves the KV pool, `find` and `load` at
     admission, `confirm` at the start of a step, and `take_moves` at its end."""
 
-    __slots__ = ("host", "store", "layout", "block_bytes", "store_pending", "counters", "_moves")
+    __slots__ = ("host", "store", "namespace", "block_bytes", "store_pending", "counters", "_moves")
 
-    def __init__(self, host_blocks: int, store: SharedStore | None, layout: str, block_bytes: int) -> None:
+    def __init__(self, host_blocks: int, store: SharedStore | None, namespace: str, block_bytes: int) -> None:
         self.host = HostTier(host_blocks) if host_blocks else None
         self.store = store
-        self.layout = layout
+        self.namespace = namespace
         self.block_bytes = block_bytes
         # Store saves this pool issued and its worker has not confirmed
         # (dropped from the store with the pool: a killed worker never confirms).
@@ -351,7 +377,7 @@ class PoolTiers:
         STORE; None when in neither (pending entries are not found)."""
         if self.host is not None and h in self.host.lru.present:
             return HOST
-        if self.store is not None and (self.layout, h) in self.store.lru.present:
+        if self.store is not None and (self.namespace, h) in self.store.lru.present:
             return STORE
         return None
 
@@ -362,7 +388,7 @@ class PoolTiers:
             if tier == HOST:
                 self.host.lru.touch(h)  # type: ignore[union-attr]
             else:
-                self.store.lru.touch((self.layout, h))  # type: ignore[union-attr]
+                self.store.lru.touch((self.namespace, h))  # type: ignore[union-attr]
 
     def load(self, h: bytes, tier: int, block: int, block_size: int) -> None:
         """Issue the load of a pinned entry into a fresh KV block."""
@@ -416,7 +442,7 @@ class PoolTiers:
     def _store_save(self, h: bytes, src: int) -> None:
         st = self.store
         assert st is not None
-        key = (self.layout, h)
+        key = (self.namespace, h)
         if key in st.lru:
             return
         size = self.block_bytes
@@ -479,27 +505,27 @@ class PoolTiers:
         for h in store_saved:
             if h in pending:
                 del pending[h]
-                st.lru.confirm((self.layout, h))  # type: ignore[union-attr]
+                st.lru.confirm((self.namespace, h))  # type: ignore[union-attr]
                 c["saves_confirmed"] += 1
             else:
                 c["stale_confirmations"] += 1
         for h in store_failed:
             if h in pending:
                 del pending[h]
-                st.lru.drop((self.layout, h))  # type: ignore[union-attr]
+                st.lru.drop((self.namespace, h))  # type: ignore[union-attr]
                 self._m().store_deletes.append(h)  # a partial write, best effort
-                self._m().store_delete_layouts.append(self.layout)
+                self._m().store_delete_layouts.append(self.namespace)
                 c["saves_failed"] += 1
             else:
                 c["stale_confirmations"] += 1
         for h in refused:
-            key = (self.layout, h)
+            key = (self.namespace, h)
             c["refused"] += 1
             if key in st.lru.present:  # type: ignore[union-attr]
                 st.lru.drop(key)  # type: ignore[union-attr]
                 st.refused += 1  # type: ignore[union-attr]
                 self._m().store_deletes.append(h)
-                self._m().store_delete_layouts.append(self.layout)
+                self._m().store_delete_layouts.append(self.namespace)
 
     def drop_store_pending(self) -> int:
         """The pool is dropped: its unconfirmed store saves leave the store
@@ -507,7 +533,7 @@ class PoolTiers:
         n = 0
         if self.store is not None:
             for h in self.store_pending:
-                if self.store.lru.drop((self.layout, h)) is not None:
+                if self.store.lru.drop((self.namespace, h)) is not None:
                     n += 1
         self.store_pending.clear()
         return n
@@ -531,7 +557,7 @@ class PoolTiers:
         if self.store is not None:
             out.extend(self.store.integrity_problems())
             for h in self.store_pending:
-                if (self.layout, h) not in self.store.lru.pending:
+                if (self.namespace, h) not in self.store.lru.pending:
                     out.append(f"store save {h.hex()[:12]} is pending for the pool, not in the store")
         elif self.store_pending:
             out.append("store saves are pending for a pool without a store")

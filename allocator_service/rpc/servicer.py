@@ -126,7 +126,7 @@ class AllocatorServicer:
                                   request.protocol_version)
         return pb.RegisterPoolResponse(
             pool_id=r.pool_id, epoch=r.epoch, credential=r.credential, lease_ttl_s=r.lease_ttl_s, op_kinds=KINDS,
-            shared_store=r.shared_store,
+            shared_store=r.shared_store, store_namespace=r.store_namespace,
         )
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:

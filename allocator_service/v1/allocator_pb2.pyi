@@ -69,7 +69,7 @@ class PoolRef(_message.Message):
     def __init__(self, pool_id: _Optional[str] = ..., credential: _Optional[str] = ...) -> None: ...
 
 class PoolShape(_message.Message):
-    __slots__ = ("num_blocks", "block_size", "model_fingerprint", "enable_prefix_caching", "host_blocks", "layout", "block_bytes", "use_shared_store")
+    __slots__ = ("num_blocks", "block_size", "model_fingerprint", "enable_prefix_caching", "host_blocks", "layout", "block_bytes", "use_shared_store", "store_group")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class PoolShape(_message.Message):
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     USE_SHARED_STORE_FIELD_NUMBER: _ClassVar[int]
+    STORE_GROUP_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     block_size: int
     model_fingerprint: str
@@ -86,7 +87,8 @@ class PoolShape(_message.Message):
     layout: str
     block_bytes: int
     use_shared_store: bool
-    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., host_blocks: _Optional[int] = ..., layout: _Optional[str] = ..., block_bytes: _Optional[int] = ..., use_shared_store: _Optional[bool] = ...) -> None: ...
+    store_group: str
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., host_blocks: _Optional[int] = ..., layout: _Optional[str] = ..., block_bytes: _Optional[int] = ..., use_shared_store: _Optional[bool] = ..., store_group: _Optional[str] = ...) -> None: ...
 
 class RegisterPoolRequest(_message.Message):
     __slots__ = ("worker_id", "shape", "replace_credential", "advertise_url", "served_model_name", "protocol_version")
@@ -105,20 +107,22 @@ class RegisterPoolRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., shape: _Optional[_Union[PoolShape, _Mapping]] = ..., replace_credential: _Optional[str] = ..., advertise_url: _Optional[str] = ..., served_model_name: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class RegisterPoolResponse(_message.Message):
-    __slots__ = ("pool_id", "epoch", "credential", "lease_ttl_s", "op_kinds", "shared_store")
+    __slots__ = ("pool_id", "epoch", "credential", "lease_ttl_s", "op_kinds", "shared_store", "store_namespace")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     OP_KINDS_FIELD_NUMBER: _ClassVar[int]
     SHARED_STORE_FIELD_NUMBER: _ClassVar[int]
+    STORE_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     epoch: int
     credential: str
     lease_ttl_s: float
     op_kinds: _containers.RepeatedScalarFieldContainer[OpKind]
     shared_store: str
-    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., credential: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ..., op_kinds: _Optional[_Iterable[_Union[OpKind, str]]] = ..., shared_store: _Optional[str] = ...) -> None: ...
+    store_namespace: str
+    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., credential: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ..., op_kinds: _Optional[_Iterable[_Union[OpKind, str]]] = ..., shared_store: _Optional[str] = ..., store_namespace: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("pool",)

@@ -40,6 +40,7 @@ from allocator_service.core.limits import (
     MAX_FINGERPRINT_LEN,
     MAX_LAYOUT_LEN,
     MAX_SEQ_ID_LEN,
+    MAX_STORE_GROUP_LEN,
 )
 from allocator_service.core.tiers import NO_REPORT, TierReport
 from allocator_service.rpc.server import create_server
@@ -300,12 +301,14 @@ def test_the_answer_bound_holds_for_every_step(seed, block_size, forks, long_ids
 
 
 # ----------------------------------------------------- the bound, tiered pools
-# The worst cases: layout keys of MAX_LAYOUT_LEN characters, ASCII or of
-# 4-byte UTF-8 characters (a store delete names its entry's layout, which may
-# be the other pool's), and sequence ids of MAX_SEQ_ID_LEN characters.
-WIDE = "\U0001f600"
-LAYOUTS = [("a" * MAX_LAYOUT_LEN,) * 2, (WIDE * MAX_LAYOUT_LEN,) * 2, ("a", "a"),  # b loads what a saved
-           ("a" * MAX_LAYOUT_LEN, "b"), (WIDE * MAX_LAYOUT_LEN, "b")]
+# The worst cases: store namespaces of MAX_STORE_NAMESPACE_LEN characters (a
+# layout key of MAX_LAYOUT_LEN under a group of MAX_STORE_GROUP_LEN: a store
+# delete names its entry's namespace, which may be the other pool's), and
+# sequence ids of MAX_SEQ_ID_LEN characters. Each case: the pools' layouts,
+# then their store groups ("": none).
+LONG, GROUP = "a" * MAX_LAYOUT_LEN, "g" * MAX_STORE_GROUP_LEN
+LAYOUTS = [(LONG, LONG, "", ""), (LONG, LONG, GROUP, GROUP), ("a", "a", "", ""),  # b loads what a saved
+           (LONG, "b", GROUP, ""), (LONG, LONG, GROUP, "h" * MAX_STORE_GROUP_LEN)]
 SALTS = (None, "b")  # each pool's prompts' namespace
 STORE_BYTES = 10  # pool a's block_bytes: the smallest, so a save of pool b may delete several entries
 
@@ -316,9 +319,9 @@ class ServiceBounds:
     it (the service's own code path: its TierBound from the store's capacity
     and the smallest block_bytes)."""
 
-    def __init__(self, store_bytes: int) -> None:
+    def __init__(self, store_bytes: int, groups: dict[str, str] | None = None) -> None:
         self.svc = AllocatorService(ServiceConfig(shared_store="file:///nonexistent/kv",
-                                                  shared_store_bytes=store_bytes))
+                                                  shared_store_bytes=store_bytes, store_groups=groups or {}))
         self.bounds: list[int] = []
         self.step_ids: dict[str, int] = {}
 
@@ -406,9 +409,11 @@ def test_the_answer_bound_holds_for_tiered_pools(seed, layouts, store_entries, s
     failed, store entries refused). Before each step the bound the service
     computes is at least the size of the answer the step gets."""
     rng = random.Random(seed)
-    sb = ServiceBounds(store_entries * STORE_BYTES + store_extra)
+    groups = {w: g for w, g in zip("ab", layouts[2:], strict=True) if g}
+    sb = ServiceBounds(store_entries * STORE_BYTES + store_extra, groups)
     refs = [sb.register(w, num_blocks=n, block_size=block_size, host_blocks=h, layout=lay, block_bytes=bb)
-            for w, n, h, lay, bb in zip("ab", num_blocks, host_blocks, layouts, (STORE_BYTES, b_bytes), strict=True)]
+            for w, n, h, lay, bb in zip("ab", num_blocks, host_blocks, layouts[:2], (STORE_BYTES, b_bytes),
+                                        strict=True)]
     flight = [InFlight(), InFlight()]
     prefix = "\u2603" * (MAX_SEQ_ID_LEN - 8) if long_ids else "s"
     counter = iter(range(10**8))
@@ -441,7 +446,8 @@ def test_the_answer_bound_holds_for_tiered_pools(seed, layouts, store_entries, s
         if rng.random() < 0.2:  # failing operations: their reasons name a long id
             ghost = new_id()
             ops += [Free(ghost), Append(ghost, [1]), Fork(ghost, new_id())]
-        present = [h for lay, h in sb.svc.registry.store.lru.present if lay == layouts[i]]
+        namespace = sb.pool(refs[i]).config.store_namespace
+        present = [h for ns, h in sb.svc.registry.store.lru.present if ns == namespace]
         report = flight[i].report(rng, present)
         answer = sb.step(refs[i], ops, report)
         flight[i].took(answer)
@@ -453,22 +459,25 @@ def test_the_answer_bound_holds_for_tiered_pools(seed, layouts, store_entries, s
         assert sb.pool(r).integrity_problems() == []
 
 
-@pytest.mark.parametrize("layout", ["a" * MAX_LAYOUT_LEN, WIDE * MAX_LAYOUT_LEN])
-def test_the_tiered_bound_counts_write_throughs_and_wide_layouts(layout):
+@pytest.mark.parametrize("group", ["", GROUP])
+def test_the_tiered_bound_counts_write_throughs_and_long_namespaces(group):
     """The property's failing examples, when the bound counted neither:
     a FREE writes its sequence's cached blocks through to a full store, each
-    save deleting an entry of the other pool, under that pool's layout (pool
-    b's free below: 1,327 bytes against a bound of 543 with 256 ASCII
-    characters); a failed store save deletes its entry under a layout of
-    256 4-byte characters (pool a's report: 1,066 bytes against 483)."""
-    sb = ServiceBounds(4 * STORE_BYTES)
-    a = sb.register("a", num_blocks=16, block_size=1, layout=layout, block_bytes=STORE_BYTES)
+    save deleting an entry of the other pool, under that pool's namespace
+    (pool b's free below: 1,327 bytes against a bound of 543 when layouts
+    had 256 characters); a failed store save deletes its entry under its
+    namespace (pool a's report: 1,066 bytes against 483 when a layout could
+    be 256 4-byte characters); here the longest namespace there is."""
+    sb = ServiceBounds(4 * STORE_BYTES, {"a": group} if group else None)
+    a = sb.register("a", num_blocks=16, block_size=1, layout=LONG, block_bytes=STORE_BYTES)
+    namespace = sb.pool(a).config.store_namespace
+    assert namespace == (f"{group}.{LONG}" if group else LONG)
     b = sb.register("b", num_blocks=16, block_size=1, layout="b", block_bytes=STORE_BYTES)
     sb.step(a, [Admit("x", [1, 2, 3, 4, 5])])
     saves = decode_results(sb.step(a, [Free("x")]), 1).moves.store_saves  # write-throughs fill the store
     assert len(saves) == 4
     failed = decode_results(sb.step(a, [], TierReport([], [], saves[:3], saves[3:], [])), 0).moves
-    assert failed.store_deletes == saves[3:] and failed.store_delete_layouts == [layout]
+    assert failed.store_deletes == saves[3:] and failed.store_delete_layouts == [namespace]
     sb.step(b, [Admit("y", [9, 8, 7, 6, 5])])
     moves = decode_results(sb.step(b, [Free("y")]), 1).moves  # ServiceBounds.step checks each bound
-    assert len(moves.store_saves) == 4 and moves.store_delete_layouts == [layout] * 3
+    assert len(moves.store_saves) == 4 and moves.store_delete_layouts == [namespace] * 3

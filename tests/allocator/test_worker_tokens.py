@@ -76,6 +76,13 @@ def test_a_worker_token_registers_its_own_worker_only(server, token, worker_id, 
         assert got == outcome
 
 
+def test_a_bound_worker_without_a_group_is_a_group_of_its_own():
+    grants = parse_worker_tokens("w-1 http://a:1 t1\nhost:gpu.0 http://b:1 t2\nw-3 http://c:1 t3 group=team\n")
+    groups = [g.store_group for g in grants.values()]
+    assert groups[0] == "w-1" and groups[2] == "team"
+    assert groups[1].startswith("host_gpu_0-") and len(groups[1]) == len("host_gpu_0-") + 16  # a name, unique
+
+
 def test_a_worker_token_is_refused_the_router_calls(server):
     s, md, channel = stub(server.address, "tok-one")
     with pytest.raises(grpc.RpcError) as refused:
@@ -85,7 +92,9 @@ def test_a_worker_token_is_refused_the_router_calls(server):
 
 
 @pytest.mark.parametrize(("text", "error"), [
-    ("worker-1 http://a:1\n", r"line 1: want 'WORKER_ID URL TOKEN \[BLOCKS\]', got 2 fields"),
+    ("worker-1 http://a:1\n", r"line 1: want 'WORKER_ID URL TOKEN \[BLOCKS\] \[group=NAME\]', got 2 fields"),
+    ("w1 http://a:1 t1 group=\n", "line 1: group= needs a name"),
+    ("w1 http://a:1 t1 group=a.b\n", r"line 1: the store group 'a.b' must be 1 to 64 characters of \[A-Za-z0-9_-\]"),
     ("w1 http://a:1 t1 many\n", "line 1: BLOCKS must be a positive whole number, not 'many'"),
     ("worker-1 a:1 tok\n", "line 1: the address must be an http:// or https:// URL"),
     ("w1 http://a:1 tok\nw2 http://b:1 tok\n", "line 2: worker id, address and token must each appear once"),
@@ -103,5 +112,6 @@ def test_the_allocator_will_not_start_on_a_bad_tokens_file(tmp_path):
     r = subprocess.run([sys.executable, "-m", "allocator_service", "--listen", "127.0.0.1:0",
                         "--worker-tokens-file", str(bad)], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0
-    assert f"--worker-tokens-file {bad}: line 1: want 'WORKER_ID URL TOKEN [BLOCKS]', got 2 fields" in r.stderr
+    assert f"--worker-tokens-file {bad}: line 1: want 'WORKER_ID URL TOKEN [BLOCKS] [group=NAME]', got 2 fields" \
+        in r.stderr
     assert "Traceback" not in r.stderr
