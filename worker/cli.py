@@ -102,6 +102,10 @@ class WorkerArgs:
     kv_shared_store: bool = setting(
         True, "save to and load from the KV store the allocator shares between its workers (its "
         "--kv-shared-store), when it has one; --no-kv-shared-store opts out")
+    kv_store_key_file: str | None = setting(
+        None, "file holding the secret of this worker's store group (32 bytes or more): the entries it writes to "
+        "the shared store are sealed with it (AES-256-GCM) and it loads only entries sealed with it, so no one "
+        "outside the group reads or forges them; without it entries are plain")
     preemption_mode: str = setting(
         "recompute", "what a preempted sequence's K/V becomes: 'recompute' (given back; its cached blocks may "
         "still come back from a tier) or 'swap' (its blocks are copied to the host tier, half of which is kept "
@@ -195,6 +199,7 @@ def engine_config(args: argparse.Namespace, dtype: str | None = None):
         num_lookahead_slots=w.num_lookahead_slots,
         kv_offloading_size=w.kv_offloading_size,
         kv_shared_store=w.kv_shared_store,
+        kv_store_key=_store_key(w.kv_store_key_file) if w.kv_store_key_file else None,
         preemption_mode=w.preemption_mode,
         device=w.device,
         dtype=dtype or ("float32" if w.dtype == "auto" else canonical_dtype(w.dtype)),
@@ -207,6 +212,15 @@ def engine_config(args: argparse.Namespace, dtype: str | None = None):
         allocator_give_up_after_s=w.allocator_give_up_after,
         advertise_url=w.advertise_url,
     )
+
+
+def _store_key(path: str) -> bytes:
+    from worker.tiers.seal import MIN_SECRET_BYTES
+
+    key = read_secret(path, "store key file").encode()
+    if len(key) < MIN_SECRET_BYTES:
+        raise CliError(f"the store key file {path} holds {len(key)} bytes; a key needs {MIN_SECRET_BYTES} or more")
+    return key
 
 
 def set_threads(threads: int | None) -> int:

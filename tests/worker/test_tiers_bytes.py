@@ -36,6 +36,7 @@ from worker.tiers import (
     Refused,
     StoreMover,
     StoreOpenError,
+    StoreSeal,
     decode_entry,
     encode_entry,
     entry_key,
@@ -231,9 +232,47 @@ def test_an_entry_decodes_to_its_payload_and_every_mismatch_is_refused():
     for name, (data, reason) in cases.items():
         got = decode_entry(data, layout, h)
         assert isinstance(got, Refused) and got.reason == reason, name
-    assert set(REFUSAL_REASONS) == {r for _, r in cases.values()}
+    assert set(REFUSAL_REASONS) - {"seal"} == {r for _, r in cases.values()}
     with pytest.raises(ValueError, match="block of layout"):
         encode_entry(layout, h, payload[:-1])
+
+
+GROUP_KEY, OTHER_KEY = b"k" * 32, b"o" * 32
+
+
+def test_a_sealed_entry_opens_only_under_its_key_and_store_key():
+    """A worker with its store group's key reads only entries sealed under that key for
+    the very store key it asked for; everything else (a plain entry with a valid
+    checksum, another group's entry, a byte changed anywhere, an entry moved to
+    another namespace) is refused as `seal` (or as its header's own mismatch)."""
+    layout = KVLayout("d" * 64, 4, "float32", 2, 8, 3)
+    h = hashes(1)[0]
+    payload = os.urandom(layout.block_bytes)
+    seal, other = StoreSeal(GROUP_KEY), StoreSeal(OTHER_KEY)
+    ns = f"g1.{layout.key}"
+    entry = encode_entry(layout, h, payload, seal=seal, namespace=ns)
+    assert bytes(decode_entry(entry, layout, h, seal=seal, namespace=ns)) == payload
+    assert payload not in entry and payload[:64] not in entry  # a reader without the key sees no K/V
+    assert bytes(decode_entry(encode_entry(layout, h, payload, seal=seal, namespace=ns), layout, h, seal=seal,
+                              namespace=ns)) == payload  # each sealing draws its own salt ...
+    assert encode_entry(layout, h, payload, seal=seal, namespace=ns) != entry  # ... so no two are alike
+
+    def refused(data, **kw) -> str:
+        got = decode_entry(data, layout, h, **{"seal": seal, "namespace": ns, **kw})
+        assert isinstance(got, Refused), kw
+        return got.reason
+
+    flipped = [bytearray(entry) for _ in range(3)]
+    for b, at in zip(flipped, (HEADER_BYTES - 1, HEADER_BYTES + 8 + 5, len(entry) - 1), strict=True):
+        b[at] ^= 0x01  # the salt, the ciphertext, the tag
+    assert [refused(bytes(b)) for b in flipped] == ["seal"] * 3
+    assert refused(encode_entry(layout, h, payload)) == "seal"  # plain, valid checksum: a forger's
+    assert refused(encode_entry(layout, h, payload, seal=other, namespace=ns)) == "seal"  # another group's key
+    assert refused(entry, namespace=f"g2.{layout.key}") == "seal"  # moved to another group's key
+    assert refused(entry, seal=None) == "seal"  # a worker without the key cannot read it
+    assert refused(entry[:-1]) == "checksum"
+    with pytest.raises(ValueError, match="32 bytes or more"):
+        StoreSeal(b"short")
 
 
 # ------------------------------------------------------------------ stores

@@ -15,6 +15,7 @@ import os
 import random
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from tests.support.http import metric, openai_client
 from worker.engine import EngineConfig, LLMEngine, SamplingParams
 from worker.kv_pool import bytes_per_block
 from worker.model.loader import load_model
+from worker.tiers import Refused, decode_entry, encode_entry
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 4
@@ -118,21 +120,29 @@ def test_no_tier_hits_less(tiny, reference):
     assert engine.tiers is None and tier_metric(engine, "pagedkv_worker_kv_tier_hit_tokens_total", "host") is None
 
 
-@pytest.mark.parametrize("host_blocks", [0, 16])
-def test_two_engines_share_the_store(tiny, reference, tmp_path, host_blocks):
+GROUP_KEY = b"a store group's secret, 32 bytes or more"
+
+
+def in_group(store, group: str = "g"):
+    """An embedded allocator placing its pool in store group `group` (what a remote
+    allocator does from the worker's credential)."""
+    return lambda spec: EmbeddedAllocator(replace(spec, config=replace(spec.config, store_group=group)),
+                                          shared_store=store)
+
+
+@pytest.mark.parametrize(("host_blocks", "key"), [(0, None), (16, None), (0, GROUP_KEY)])
+def test_two_engines_share_the_store(tiny, reference, tmp_path, host_blocks, key):
     """Two workers on one store (one index, a `file://` directory): the second
     loads what the first computed, written through to the store when freed,
-    with a small host tier or none."""
+    with a small host tier or none; sealed with their group's key or plain."""
     index = SharedStore(1000 * 2048)
     store = (f"file://{tmp_path}", index)
     size = gib(tiny, host_blocks)
-    a = make(tiny, lambda spec: EmbeddedAllocator(spec, shared_store=store), kv_offloading_size=size,
-             worker_id="a")
+    a = make(tiny, in_group(store), kv_offloading_size=size, worker_id="a", kv_store_key=key)
     assert tokens(a, prompts(1)) == reference[1]
     ca = settle(a)
     assert ca["store_saves"] > 20 and ca["saves_confirmed"] >= ca["store_saves"]
-    b = make(tiny, lambda spec: EmbeddedAllocator(spec, shared_store=store), kv_offloading_size=size,
-             worker_id="b")
+    b = make(tiny, in_group(store), kv_offloading_size=size, worker_id="b", kv_store_key=key)
     outs = [b.generate([p], GREEDY)[0] for p in prompts(1)]  # one at a time: no preemption, one admission each
     assert [o.token_ids for o in outs] == reference[1]
     cb = settle(b)
@@ -169,6 +179,41 @@ def test_refused_store_entries_are_computed(tiny, reference, tmp_path):
     # the loads that were not refused: entries b saved again itself (the refused ones it computed)
     loaded = cb["store_loads"] - cb["refused"]
     assert tier_metric(b, "pagedkv_worker_kv_tier_hit_tokens_total", "shared") == loaded * BLOCK
+
+
+def test_forged_entries_never_reach_a_worker_with_a_store_key(tiny, reference, tmp_path):
+    """Whoever can write the store but holds no group key (another group's worker, a
+    store reader) replaces every entry with forged K/V under a valid header and
+    checksum: a worker with the key refuses each (`seal`), computes instead and
+    answers the same tokens. The entries themselves are sealed: without the key
+    none decodes."""
+    index = SharedStore(1000 * 2048)
+    store = (f"file://{tmp_path}", index)
+    a = make(tiny, in_group(store), worker_id="a", kv_store_key=GROUP_KEY)
+    tokens(a, prompts(1))
+    settle(a)
+    layout, namespace = a.tiers.layout, a.allocator.store_namespace
+    assert namespace == f"g.{layout.key}"
+    forged = 0
+    for root, _, files in os.walk(tmp_path):
+        for f in files:
+            p = Path(root, f)
+            ns, _, hex_hash = f.rpartition("-")
+            assert ns == namespace
+            h = bytes.fromhex(hex_hash)
+            got = decode_entry(p.read_bytes(), layout, h)  # a reader without the key
+            assert isinstance(got, Refused) and got.reason == "seal"
+            p.write_bytes(encode_entry(layout, h, os.urandom(layout.block_bytes)))  # plain, checksum valid
+            forged += 1
+    assert forged == len(index.lru.present) > 20
+    b = make(tiny, in_group(store), worker_id="b", kv_store_key=GROUP_KEY)
+    alone = b.generate(prompts(1)[:1], GREEDY)[0]
+    outs = b.generate(prompts(1), GREEDY)
+    assert [o.token_ids for o in outs] == reference[1] and alone.token_ids == reference[1][0]
+    assert alone.num_cached_tokens == 0
+    cb = settle(b)
+    refused = tier_metric(b, "pagedkv_worker_kv_tier_refused_entries_total", "shared", reason="seal")
+    assert refused == cb["refused"] == index.refused > 20
 
 
 def test_without_store_opted_out(tiny, tmp_path):

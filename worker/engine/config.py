@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from allocator_service.core.limits import MAX_BLOCK_SIZE
 from worker.kv_bytes import WORKER_DTYPES
@@ -32,6 +32,10 @@ class EngineConfig:
     # one, and what a preempted sequence's K/V becomes ("recompute", "swap").
     kv_offloading_size: float = 0.0
     kv_shared_store: bool = True
+    # The store group's secret (--kv-store-key-file): entries this worker
+    # writes are sealed with it and it loads only entries sealed with it
+    # (worker/tiers/seal.py); None: plain entries.
+    kv_store_key: bytes | None = field(default=None, repr=False)
     preemption_mode: str = "recompute"
     device: str = "cpu"
     dtype: str = "float32"

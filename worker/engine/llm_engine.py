@@ -122,7 +122,7 @@ class LLMEngine:
         if tiers is not None:
             if allocator.spec.config.use_shared_store and allocator.shared_store:
                 try:
-                    tiers.open_store(allocator.shared_store)
+                    tiers.open_store(allocator.shared_store, allocator.store_namespace, config.kv_store_key)
                 except ValueError:  # the store's URL cannot be used here: no pool left behind
                     allocator.close()
                     raise

@@ -50,7 +50,7 @@ from allocator_service.core.tiers import NO_REPORT, Moves, TierReport
 from worker.engine.step_plan import Batch
 from worker.kv_pool import KVPool
 from worker.metrics import TierMetrics, WorkerMetrics
-from worker.tiers import HostTier, KVLayout, StoreMover, Transfer, open_store
+from worker.tiers import HostTier, KVLayout, StoreMover, StoreSeal, Transfer, open_store
 
 __all__ = ["EngineTiers", "SwapStash", "swap_slots_for"]
 
@@ -97,10 +97,13 @@ class EngineTiers:
         self._saving: deque[tuple[Transfer, list[int]]] = deque()  # host saves in flight (CUDA)
         self._written: set[int] = set()  # host slots of the allocator's part holding saved bytes
 
-    def open_store(self, url: str) -> None:
-        """Use the shared store at `url` (StoreOpenError, one line, when it cannot be used)."""
+    def open_store(self, url: str, namespace: str = "", key: bytes | None = None) -> None:
+        """Use the shared store at `url` (StoreOpenError, one line, when it cannot be used),
+        its entries under `namespace` (the allocator's), sealed with the store group's `key`."""
         self._store_meter = self.metrics.tier("shared")
-        self.store = StoreMover(open_store(url), self.layout, self.pool, host=self.host, meter=self._store_meter)
+        self.store = StoreMover(open_store(url), self.layout, self.pool, namespace=namespace,
+                                seal=StoreSeal(key) if key is not None else None, host=self.host,
+                                meter=self._store_meter)
 
     # ------------------------------------------------------------ the report
     def take_report(self) -> TierReport:

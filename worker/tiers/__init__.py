@@ -8,6 +8,7 @@ bytes and says per block whether it could:
 - `HostTier` (host.py): tier 1, host memory (pinned, side-stream copies on CUDA);
 - `open_store` (store.py): tier 2's backends, `file://PATH` and `redis://HOST:PORT/DB`;
 - `encode_entry` / `decode_entry` (entry.py): a store entry's header and checks;
+- `StoreSeal` (seal.py): a store group's key, sealing entries (AES-256-GCM);
 - `StoreMover` (mover.py): KV blocks to the store and back.
 
 A step applies its moves in this order before the forward pass writes: store saves
@@ -21,6 +22,7 @@ from worker.tiers.host import HostTier, Transfer, host_slots_for_size
 from worker.tiers.layout import KVLayout
 from worker.tiers.meter import TierMeter
 from worker.tiers.mover import LoadOutcome, StoreMover
+from worker.tiers.seal import StoreSeal
 from worker.tiers.store import (
     FileStore,
     KVStore,
@@ -42,6 +44,7 @@ __all__ = [
     "StoreError",
     "StoreMover",
     "StoreOpenError",
+    "StoreSeal",
     "TierMeter",
     "Transfer",
     "decode_entry",

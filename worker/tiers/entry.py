@@ -2,20 +2,32 @@
 
 Header (little-endian, 96 bytes):
 
-    magic b"PKVB" | format version u16 | flags u16 (0) | layout key (32 bytes) |
-    block hash (32 bytes) | payload length u64 | XXH3-128 of the payload (16 bytes)
+    magic b"PKVB" | format version u16 | flags u16 | layout key (32 bytes) |
+    block hash (32 bytes) | payload length u64 | 16 bytes: see below
 
-The entry's key is derived from (layout key, block hash) alone, so equal content
-has one key whoever writes it. `decode_entry` checks every header field against
-what the reader asked for; a mismatch is a `Refused` value with its reason, and
-the payload is then never handed out:
+- plain (flags 0): the 16 bytes are the XXH3-128 of the payload, which follows;
+- sealed (flags 1, a worker with its store group's key, `seal.StoreSeal`): the 16
+  bytes are the entry key's salt; then the key id (8 bytes) and the payload
+  sealed with AES-256-GCM (its length + a 16-byte tag), the header, key id and
+  store key as associated data.
+
+The entry's store key is `NAMESPACE-HASH` (the pool's store namespace, which the
+allocator gives at registration, and the block hash), so equal content has one
+key per group whoever of the group writes it. `decode_entry` checks every header
+field against what the reader asked for; a mismatch is a `Refused` value with its
+reason, and the payload is then never handed out:
 - `format`: not an entry of this format and version (short, wrong magic or version);
 - `layout`: written by a worker of another KV layout;
 - `checksum`: the bytes are not what was written (another hash in the header, a
-  length that disagrees, or the payload's checksum).
+  length that disagrees, or the payload's checksum);
+- `seal`: a worker with a key reads sealed entries only, and only those that open
+  under its key (a plain entry, another group's key, or a forged or altered
+  entry); a worker without one cannot read sealed entries.
 
 XXH3-128 (the xxhash package) is a checksum against corruption at ~20 GB/s a core,
-not a signature: who may write into the store is the store's access control.
+not a signature: without a key, whoever can write the store can change what
+workers load. With one, only a holder of the group's key can (AES-GCM at
+~8 GB/s a core here).
 """
 
 from __future__ import annotations
@@ -26,6 +38,7 @@ from typing import NamedTuple
 import xxhash
 
 from worker.tiers.layout import KVLayout
+from worker.tiers.seal import KEY_ID_BYTES, TAG_BYTES, StoreSeal
 
 __all__ = [
     "FORMAT_VERSION",
@@ -43,7 +56,8 @@ FORMAT_VERSION = 1
 HASH_BYTES = 32  # a block hash (allocator_service.core.hashing: SHA-256)
 _HEADER = struct.Struct(f"<4sHH32s{HASH_BYTES}sQ16s")
 HEADER_BYTES = _HEADER.size
-REFUSAL_REASONS = ("format", "layout", "checksum")
+REFUSAL_REASONS = ("format", "layout", "checksum", "seal")
+SEALED = 1  # the flags bit of a sealed entry
 
 
 class Refused(NamedTuple):
@@ -58,29 +72,42 @@ def _check_hash(block_hash: bytes) -> None:
         raise ValueError(f"a block hash is {HASH_BYTES} bytes, got {len(block_hash)}")
 
 
-def entry_key(layout: KVLayout | str, block_hash: bytes) -> str:
-    """The store key of `block_hash`'s entry in `layout` (or the layout key): `LAYOUT-HASH` in hex."""
+def entry_key(namespace: KVLayout | str, block_hash: bytes) -> str:
+    """The store key of `block_hash`'s entry in a store namespace (a layout's, or the
+    namespace the allocator gave: `GROUP.LAYOUT`): `NAMESPACE-HASH` in hex."""
     _check_hash(block_hash)
-    return f"{layout if isinstance(layout, str) else layout.key}-{block_hash.hex()}"
+    return f"{namespace if isinstance(namespace, str) else namespace.key}-{block_hash.hex()}"
 
 
-def encode_entry(layout: KVLayout, block_hash: bytes, payload: bytes | memoryview) -> bytes:
-    """Header + payload for the store; `payload` is one block's bytes in `layout`."""
+def encode_entry(layout: KVLayout, block_hash: bytes, payload: bytes | memoryview, *,
+                 seal: StoreSeal | None = None, namespace: str = "") -> bytes:
+    """Header + payload for the store; `payload` is one block's bytes in `layout`.
+    With `seal`, sealed and bound to its store key in `namespace` (the layout's when "")."""
     _check_hash(block_hash)
     view = memoryview(payload).cast("B")
     if view.nbytes != layout.block_bytes:
         raise ValueError(f"a block of layout {layout.key[:12]} is {layout.block_bytes} B, got {view.nbytes} B")
-    header = _HEADER.pack(MAGIC, FORMAT_VERSION, 0, bytes.fromhex(layout.key), block_hash, view.nbytes,
-                          xxhash.xxh3_128_digest(view))
-    return header + view
+    if seal is None:
+        return _HEADER.pack(MAGIC, FORMAT_VERSION, 0, bytes.fromhex(layout.key), block_hash, view.nbytes,
+                            xxhash.xxh3_128_digest(view)) + view
+    salt = seal.new_salt()
+    header = _HEADER.pack(MAGIC, FORMAT_VERSION, SEALED, bytes.fromhex(layout.key), block_hash, view.nbytes, salt)
+    return header + seal.key_id + seal.seal(salt, view, _bound(header, seal.key_id, namespace or layout, block_hash))
 
 
-def decode_entry(data: bytes | memoryview, layout: KVLayout, block_hash: bytes) -> memoryview | Refused:
-    """The payload of `data` if it is `block_hash`'s entry in `layout` and intact, else why not."""
+def _bound(header: bytes, key_id: bytes, namespace: KVLayout | str, block_hash: bytes) -> bytes:
+    """A sealed entry's associated data: its header, key id and store key."""
+    return header + key_id + entry_key(namespace, block_hash).encode()
+
+
+def decode_entry(data: bytes | memoryview, layout: KVLayout, block_hash: bytes, *,
+                 seal: StoreSeal | None = None, namespace: str = "") -> memoryview | Refused:
+    """The payload of `data` if it is `block_hash`'s entry in `layout` and intact (and, with
+    `seal`, sealed under its key for its store key in `namespace`), else why not."""
     view = memoryview(data).cast("B")
     if view.nbytes < HEADER_BYTES:
         return Refused("format", f"{view.nbytes} B is shorter than an entry header")
-    magic, version, _flags, layout_raw, hash_raw, length, checksum = _HEADER.unpack_from(view)
+    magic, version, flags, layout_raw, hash_raw, length, checksum = _HEADER.unpack_from(view)
     if magic != MAGIC:
         return Refused("format", f"magic {magic!r} is not {MAGIC!r}")
     if version != FORMAT_VERSION:
@@ -89,10 +116,26 @@ def decode_entry(data: bytes | memoryview, layout: KVLayout, block_hash: bytes) 
         return Refused("layout", f"layout {layout_raw.hex()[:12]}, this worker's is {layout.key[:12]}")
     if hash_raw != block_hash:
         return Refused("checksum", f"the header names block {hash_raw.hex()[:12]}, not {block_hash.hex()[:12]}")
-    payload = view[HEADER_BYTES:]
-    if length != layout.block_bytes or payload.nbytes != length:
-        return Refused("checksum", f"payload of {payload.nbytes} B, header says {length} B, "
+    if flags not in (0, SEALED):
+        return Refused("format", f"flags {flags:#x}, this worker reads 0 and {SEALED:#x}")
+    if (flags == SEALED) != (seal is not None):
+        return Refused("seal", "sealed, and this worker holds no store key (--kv-store-key-file)" if seal is None
+                       else "not sealed: a worker with a store key loads only entries sealed under it")
+    body = view[HEADER_BYTES:]
+    sealed_extra = KEY_ID_BYTES + TAG_BYTES if seal is not None else 0
+    if length != layout.block_bytes or body.nbytes != length + sealed_extra:
+        return Refused("checksum", f"payload of {body.nbytes - sealed_extra} B, header says {length} B, "
                                    f"the layout {layout.block_bytes} B")
-    if xxhash.xxh3_128_digest(payload) != checksum:
-        return Refused("checksum", "the payload's checksum does not match its header")
-    return payload
+    if seal is None:
+        if xxhash.xxh3_128_digest(body) != checksum:
+            return Refused("checksum", "the payload's checksum does not match its header")
+        return body
+    key_id = bytes(body[:KEY_ID_BYTES])
+    if key_id != seal.key_id:
+        return Refused("seal", f"sealed under store key {key_id.hex()}, this worker holds {seal.key_id.hex()}")
+    opened = seal.open(checksum, body[KEY_ID_BYTES:],
+                       _bound(bytes(view[:HEADER_BYTES]), key_id, namespace or layout, block_hash))
+    if opened is None:
+        return Refused("seal", "does not open under the store group's key (forged, altered, or moved from "
+                               "another store key)")
+    return memoryview(opened)

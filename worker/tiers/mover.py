@@ -24,6 +24,7 @@ from worker.tiers.entry import REFUSAL_REASONS, Refused, decode_entry, encode_en
 from worker.tiers.host import HostTier
 from worker.tiers.layout import KVLayout
 from worker.tiers.meter import TierMeter
+from worker.tiers.seal import StoreSeal
 from worker.tiers.store import KVStore, StoreError
 
 __all__ = ["LoadOutcome", "StoreMover"]
@@ -50,9 +51,13 @@ UNAVAILABLE = LoadOutcome(False, "unavailable")
 
 
 class StoreMover:
-    """Moves one worker's blocks between its KV pool and a shared store."""
+    """Moves one worker's blocks between its KV pool and a shared store, under the
+    pool's store `namespace` (the allocator's `store_namespace`; the layout key when
+    ""), sealing what it writes and opening what it reads with its group's `seal`
+    (None: plain entries, `entry.py`)."""
 
-    def __init__(self, store: KVStore, layout: KVLayout, pool: KVPool, *, host: HostTier | None = None,
+    def __init__(self, store: KVStore, layout: KVLayout, pool: KVPool, *, namespace: str = "",
+                 seal: StoreSeal | None = None, host: HostTier | None = None,
                  meter: TierMeter | None = None, retry_interval_s: float = 1.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         layout.check_pool(pool)
@@ -60,6 +65,8 @@ class StoreMover:
             raise ValueError("the host tier belongs to another KV pool")
         self.store = store
         self.layout = layout
+        self.namespace = namespace or layout.key
+        self.seal = seal
         self.pool = pool
         self.host = host
         self._meter = meter
@@ -87,12 +94,12 @@ class StoreMover:
         return self._put(hashes, [memoryview(row) for row in rows], t0)
 
     def delete(self, hashes: Sequence[bytes], layouts: Sequence[str] | None = None) -> bool:
-        """Remove the entries of `hashes` (of this mover's layout, or of `layouts[i]`: the
-        store's LRU drops any layout's entries), best effort (the allocator's index already
-        dropped them); whether the store did."""
+        """Remove the entries of `hashes` (of this mover's namespace, or of namespace
+        `layouts[i]`: the store's LRU drops any pool's entries), best effort (the
+        allocator's index already dropped them); whether the store did."""
         if not hashes or not self._may_try():
             return False
-        keys = ([entry_key(self.layout, h) for h in hashes] if layouts is None
+        keys = ([entry_key(self.namespace, h) for h in hashes] if layouts is None
                 else [entry_key(lay, h) for lay, h in zip(layouts, hashes, strict=True)])
         try:
             self.store.delete_many(keys)
@@ -115,7 +122,7 @@ class StoreMover:
             return [UNAVAILABLE] * len(kv_blocks)
         t0 = time.perf_counter()
         try:
-            found = self.store.get_many([entry_key(self.layout, h) for h in hashes])
+            found = self.store.get_many([entry_key(self.namespace, h) for h in hashes])
         except StoreError as exc:
             self._failed(exc)
             return [UNAVAILABLE] * len(kv_blocks)
@@ -127,7 +134,7 @@ class StoreMover:
             if data is None:
                 outcomes.append(MISSING)
                 continue
-            payload = decode_entry(data, self.layout, h)
+            payload = decode_entry(data, self.layout, h, seal=self.seal, namespace=self.namespace)
             if isinstance(payload, Refused):
                 log.warning("shared store %s: entry of block %s refused (%s: %s)", self.store.url, h.hex()[:12],
                             payload.reason, payload.detail)
@@ -153,7 +160,8 @@ class StoreMover:
     # -- inside -----------------------------------------------------------------
 
     def _put(self, hashes: Sequence[bytes], payloads: Sequence[memoryview], t0: float) -> list[bool]:
-        items = [(entry_key(self.layout, h), encode_entry(self.layout, h, p))
+        items = [(entry_key(self.namespace, h), encode_entry(self.layout, h, p, seal=self.seal,
+                                                             namespace=self.namespace))
                  for h, p in zip(hashes, payloads, strict=True)]
         try:
             self.store.put_many(items)
