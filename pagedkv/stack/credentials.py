@@ -5,18 +5,23 @@ service, `pagedkv credentials DIR ID=URL ...`) write the same files, each
 readable by its owner only:
 
 - `worker-tokens`: the allocator's `--worker-tokens-file`, one
-  `WORKER_ID URL TOKEN` per worker: each token registers its worker only,
-  at its address;
+  `WORKER_ID URL TOKEN [group=GROUP]` per worker: each token registers its
+  worker only, at its address, in its store group (`--store-group`: the
+  workers listed trust each other's entries in the shared store; without it
+  each worker is a group of its own);
 - `<WORKER_ID>.token`: that worker's `--allocator-token-file`;
+- `<WORKER_ID>.store-key`: that worker's `--kv-store-key-file`, the secret of
+  its store group (one for the workers of a group), which seals its entries;
 - `router-token`: the router's token (the allocator's and the router's
   `--router-token-file`);
 - `admin-token`: the allocator's `--admin-token-file`, for an operator;
 - `journal-key`: the allocator's journal key (`PAGEDKV_ALLOCATOR_JOURNAL_KEY_FILE`),
   which keys the chain of its Redis journal.
 
-Written again only when the workers (ids or addresses) differ from the
-folder's: a restarted container keeps its token. The journal key is written
-once and never again (the journal written under it must stay readable).
+Written again only when the workers (ids, addresses or group) differ from
+the folder's: a restarted container keeps its token. The journal key and the
+store keys are written once and never again (what was written under them
+must stay readable).
 """
 
 from __future__ import annotations
@@ -29,10 +34,15 @@ from pathlib import Path
 
 WORKER_TOKENS, ROUTER_TOKEN, ADMIN_TOKEN = "worker-tokens", "router-token", "admin-token"
 JOURNAL_KEY = "journal-key"
+STORE_GROUP = "stack"  # the store group of a stack's own workers (`pagedkv up`, docker-compose)
 
 
 def worker_token_file(directory: Path, worker_id: str) -> Path:
     return Path(directory) / f"{worker_id}.token"
+
+
+def store_key_file(directory: Path, worker_id: str) -> Path:
+    return Path(directory) / f"{worker_id}.store-key"
 
 
 def write_secret(path: Path, text: str) -> None:
@@ -44,34 +54,58 @@ def write_secret(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _current(directory: Path) -> list[tuple[str, str]] | None:
-    """The (worker id, address) pairs the folder holds tokens for, or None."""
+def _current(directory: Path) -> list[tuple[str, ...]] | None:
+    """The (worker id, address[, group=GROUP]) of each worker the folder holds
+    credentials for, or None."""
     try:
         lines = (directory / WORKER_TOKENS).read_text().splitlines()
     except OSError:
         return None
-    pairs = [tuple(line.split()[:2]) for line in lines if line.strip() and not line.startswith("#")]
+    rows = [(*line.split()[:2], *line.split()[3:]) for line in lines if line.strip() and not line.startswith("#")]
     complete = all((directory / n).exists() for n in (ROUTER_TOKEN, ADMIN_TOKEN)) and all(
-        worker_token_file(directory, w).exists() for w, _ in pairs)
-    return pairs if complete else None  # type: ignore[return-value]
+        worker_token_file(directory, r[0]).exists() and store_key_file(directory, r[0]).exists() for r in rows)
+    return rows if complete else None
 
 
-def write_credentials(directory: str | os.PathLike, workers: Sequence[tuple[str, str]]) -> bool:
-    """Make the folder's credentials for `workers` ((id, address) pairs);
-    True when they were written, False when the folder already held them."""
+def _store_keys(d: Path, workers: Sequence[str], store_group: str | None) -> None:
+    """Each worker's store key, kept when it has one: a shared group's, the same
+    for each of its workers (the key of a worker of the group, or a new one)."""
+    missing = [w for w in workers if not store_key_file(d, w).exists()]
+    if store_group is None:
+        for w in missing:
+            write_secret(store_key_file(d, w), secrets.token_urlsafe(32) + "\n")
+        return
+    held = [w for w in workers if w not in missing]
+    key = store_key_file(d, held[0]).read_text() if held else secrets.token_urlsafe(32) + "\n"
+    for w in workers:
+        if w in missing or store_key_file(d, w).read_text() != key:
+            write_secret(store_key_file(d, w), key)
+
+
+def write_credentials(directory: str | os.PathLike, workers: Sequence[tuple[str, str]],
+                      store_group: str | None = None) -> bool:
+    """Make the folder's credentials for `workers` ((id, address) pairs), all
+    in store group `store_group` (None: each its own); True when they were
+    written, False when the folder already held them."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     want = [(w, u.rstrip("/")) for w, u in workers]
     if len({w for w, _ in want}) != len(want) or len({u for _, u in want}) != len(want):
         raise ValueError("each worker needs an id and an address of its own")
+    group = [f"group={store_group}"] if store_group is not None else []
+    if store_group is not None:
+        from allocator_service.roles import check_store_group
+
+        check_store_group(store_group)
     if not (d / JOURNAL_KEY).exists():
         write_secret(d / JOURNAL_KEY, secrets.token_urlsafe(32) + "\n")
-    if _current(d) == want:
+    _store_keys(d, [w for w, _ in want], store_group)
+    if _current(d) == [(w, u, *group) for w, u in want]:
         return False
     table = []
     for worker_id, url in want:
         token = secrets.token_urlsafe(32)
-        table.append(f"{worker_id} {url} {token}\n")
+        table.append(" ".join((worker_id, url, token, *group)) + "\n")
         write_secret(worker_token_file(d, worker_id), token + "\n")
     write_secret(d / ROUTER_TOKEN, secrets.token_urlsafe(32) + "\n")
     write_secret(d / ADMIN_TOKEN, secrets.token_urlsafe(32) + "\n")
@@ -87,6 +121,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("directory", help="the folder to write them to (kept when it already holds them)")
     p.add_argument("workers", nargs="+", metavar="WORKER_ID=URL", help="each worker and the address it advertises")
+    p.add_argument("--store-group", metavar="NAME",
+                   help="put these workers in one store group: each loads the shared-store entries the others "
+                   "write (one trust domain); without it each worker is a group of its own")
     return p
 
 
@@ -100,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"want WORKER_ID=URL (an http:// or https:// URL), not {spec!r}")
         pairs.append((worker_id, url))
     try:
-        written = write_credentials(args.directory, pairs)
+        written = write_credentials(args.directory, pairs, args.store_group)
     except ValueError as exc:
         raise CliError(str(exc)) from exc
     print(f"credentials for {len(pairs)} workers in {args.directory} ({'written' if written else 'kept'})")

@@ -52,7 +52,7 @@ their binaries are on PATH::
 - Credentials (`credentials=True`, the default): generated for the stack, in
   files of the log folder readable by this user only: each worker its own
   token, bound to its id and address (`worker-tokens`, `worker-N.token`),
-  the router's token (`router-token`) and an admin token (`admin-token`).
+  the workers one store group with its key (`worker-N.store-key`), the router's token (`router-token`) and an admin token (`admin-token`).
   `token=T` instead: one shared worker token (`allocator-token`) and the
   router token `T-router`. `credentials=False` and no `token`: none at all
   (any caller may register a pool: a development setup).
@@ -86,7 +86,9 @@ from pagedkv.stack.credentials import (
     ADMIN_TOKEN,
     JOURNAL_KEY,
     ROUTER_TOKEN,
+    STORE_GROUP,
     WORKER_TOKENS,
+    store_key_file,
     worker_token_file,
     write_credentials,
     write_secret,
@@ -305,9 +307,11 @@ class LocalStack:
             allocator_args += ["--router-token-file", str(router_file)]
             router_to_allocator += ["--router-token-file", str(router_file)]
         elif self.credentials:  # generated for this stack: a token per worker, bound to its id and address
-            write_credentials(self.log_dir, [(w.worker_id, w.url) for w in self.workers])
+            # The stack's workers are one operator's: one store group, whose key seals their store entries.
+            write_credentials(self.log_dir, [(w.worker_id, w.url) for w in self.workers], STORE_GROUP)
             for worker in self.workers:
-                worker.args += ["--allocator-token-file", str(worker_token_file(self.log_dir, worker.worker_id))]
+                worker.args += ["--allocator-token-file", str(worker_token_file(self.log_dir, worker.worker_id)),
+                                "--kv-store-key-file", str(store_key_file(self.log_dir, worker.worker_id))]
             allocator_args += ["--worker-tokens-file", str(self.log_dir / WORKER_TOKENS),
                                "--admin-token-file", str(self.log_dir / ADMIN_TOKEN),
                                "--router-token-file", str(self.log_dir / ROUTER_TOKEN)]

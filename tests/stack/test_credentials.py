@@ -8,6 +8,8 @@ import stat
 import subprocess
 import sys
 
+import pytest
+
 from allocator_service.roles import WorkerGrant, parse_worker_tokens
 from pagedkv.stack.credentials import write_credentials
 
@@ -22,14 +24,14 @@ def test_each_worker_gets_a_token_bound_to_its_id_and_address(tmp_path):
     assert write_credentials(tmp_path, WORKERS)
     files = _files(tmp_path)
     assert set(files) == {"worker-tokens", "worker-1.token", "worker-2.token", "router-token", "admin-token",
-                          "journal-key"}
+                          "journal-key", "worker-1.store-key", "worker-2.store-key"}
     for p in tmp_path.iterdir():
         assert stat.S_IMODE(p.stat().st_mode) == 0o600, p
     grants = parse_worker_tokens(files["worker-tokens"])
     assert grants == {files["worker-1.token"].strip(): WorkerGrant("worker-1", "http://worker-1:8000"),
                       files["worker-2.token"].strip(): WorkerGrant("worker-2", "http://worker-2:8000")}
     tokens = [v.strip() for v in files.values() if "\n" == v[-1] and " " not in v.strip()]
-    assert len(set(tokens)) == len(tokens) == 5 and all(len(t) >= 40 for t in tokens)
+    assert len(set(tokens)) == len(tokens) == 7 and all(len(t) >= 40 for t in tokens)
 
 
 def test_a_restart_keeps_them_and_other_workers_renew_them(tmp_path):
@@ -53,3 +55,19 @@ def test_the_command_says_what_it_did_and_refuses_a_bad_worker(tmp_path):
     assert r.returncode == 0 and "(kept)" in r.stdout
     r = subprocess.run([*cmd[:-1], "worker-1"], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "want WORKER_ID=URL" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_each_worker_gets_its_store_groups_key(tmp_path):
+    """Without a group each worker is its own (its own key); with one, the workers
+    share one key and their tokens file lines name the group. Keys are kept."""
+    write_credentials(tmp_path / "own", WORKERS)
+    own = _files(tmp_path / "own")
+    assert own["worker-1.store-key"] != own["worker-2.store-key"] and len(own["worker-1.store-key"].strip()) >= 32
+    assert {g.store_group for g in parse_worker_tokens(own["worker-tokens"]).values()} == {"worker-1", "worker-2"}
+    assert write_credentials(tmp_path / "own", WORKERS, "team")  # the group changed: the tokens file too
+    grouped = _files(tmp_path / "own")
+    assert {g.store_group for g in parse_worker_tokens(grouped["worker-tokens"]).values()} == {"team"}
+    assert grouped["worker-1.store-key"] == grouped["worker-2.store-key"] == own["worker-1.store-key"]
+    assert not write_credentials(tmp_path / "own", WORKERS, "team")
+    with pytest.raises(ValueError, match=r"the store group 'a.b' must be 1 to 64 characters of \[A-Za-z0-9_-\]"):
+        write_credentials(tmp_path / "bad", WORKERS, "a.b")

@@ -99,7 +99,7 @@ def test_compose_topology(compose):
     # to its id and the address it advertises), the router's and an admin's.
     cred = s["credentials"]
     assert cred["command"] == ["credentials", "/credentials", "worker-1=http://worker-1:8000",
-                               "worker-2=http://worker-2:8000"]
+                               "worker-2=http://worker-2:8000", "--store-group", "stack"]
     assert cred["restart"] == "no" and cred["volumes"] == ["credentials:/credentials"]
     assert s["router"]["volumes"] == ["credentials:/credentials:ro"]
     for name in ("allocator", "worker-1", "worker-2"):  # and the KV tiers' shared store (a file:// volume)
@@ -111,6 +111,8 @@ def test_compose_topology(compose):
     assert flags(s["router"]["command"])["--router-token-file"] == "/credentials/router-token"
     for name in ("worker-1", "worker-2"):
         assert flags(s[name]["command"])["--allocator-token-file"] == f"/credentials/{name}.token"
+        # the key of the store group both are in: their store entries are sealed
+        assert flags(s[name]["command"])["--kv-store-key-file"] == f"/credentials/{name}.store-key"
     for name, svc in s.items():
         if name == "credentials":
             continue
