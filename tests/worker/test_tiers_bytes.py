@@ -519,8 +519,9 @@ def test_cuda_host_tier_is_pinned_and_copies_on_a_side_stream(tmp_path):
     assert sample(metrics, "saved_blocks_total", "host") == 4
     assert sample(metrics, "loaded_bytes_total", "host") == 4 * host.block_bytes
     assert sample(metrics, "load_seconds_total", "host") > 0
-    # a store mover on a CUDA pool: device -> store -> device, bit for bit
-    mover = StoreMover(open_store(f"file://{tmp_path / 'kv'}"), KVLayout.of_pool(pool, fingerprint()), pool, host=host)
-    assert mover.save_slots([3, 4], hashes(2, "gpu")) == [True, True]
+    # a store mover on a CUDA pool: device -> store -> device, bit for bit, sealed
+    mover = StoreMover(open_store(f"file://{tmp_path / 'kv'}"), KVLayout.of_pool(pool, fingerprint()), pool, host=host,
+                       seal=StoreSeal(GROUP_KEY))
+    assert mover.save_blocks([8, 3], hashes(2, "gpu")) == [True, True]  # (loaded above: blocks 7's and 2's bytes)
     assert mover.load_blocks(hashes(2, "gpu"), [0, 2]) == [LoadOutcome(True)] * 2
     assert [block_bytes(pool, b) for b in (0, 2)] == [saved[7], saved[2]]
