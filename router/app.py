@@ -23,10 +23,16 @@ any byte has reached the client. A worker that took the request (its head
 was sent) but sent no answer's status within `first_byte_timeout` may be
 computing it: the client gets a 504 (code `worker_timeout`) and no other
 worker is asked to compute it again. An answer that is not a stream is
-read whole before it is passed on, so a worker failing during it is skipped
-the same way. After the first byte of a stream a failing worker ends it
-with an OpenAI-shaped `{"error": ...}` event and `[DONE]` (what a worker
-itself sends when it fails mid-stream). With no worker left: 503, code
+read whole before it is passed on when it is at most 1 MiB, so a worker
+failing during it is skipped the same way; a longer one is passed on as it
+arrives. After the first byte of a stream a failing worker ends it with an
+OpenAI-shaped `{"error": ...}` event and `[DONE]` (what a worker itself
+sends when it fails mid-stream). Every worker is bounded, proven or not: an
+answer over `max_answer_bytes` is a 502 (`worker_answer_too_large`) when the
+worker says its size, else cut there; a worker that keeps the router waiting
+`first_byte_timeout` for the rest of a body, or between two events (a byte
+at a time counts as nothing), ends its answer: a 504 if nothing reached the
+client, else the error event (code `worker_timeout`) or a cut body. With no worker left: 503, code
 `no_worker_available`. A request asking for more than `MAX_SEQUENCES`
 sequences (prompts times n) is refused with a 400, as a worker refuses it.
 
@@ -91,6 +97,9 @@ PLACED_LINGER_S = 2.0
 Match = tuple[int, int, int, int]
 # A worker's answer with one of these statuses is retried elsewhere (nothing was sent yet).
 RETRY_STATUSES = frozenset((502, 503, 504))
+# A whole (non-stream) answer up to this size is read before it is passed on (a worker failing
+# during it is skipped); a longer one is passed on as it arrives, so the router holds a chunk of it.
+WHOLE_ANSWER_BYTES = 1 << 20
 # Not forwarded either way (hop-by-hop, set anew by this hop, or the client's credentials).
 _HOP = frozenset((b"host", b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"te",
                   b"upgrade", b"proxy-authorization", b"proxy-connection", b"authorization", b"cookie"))
@@ -103,6 +112,7 @@ class Router:
     def __init__(self, tokenizer, discovery: Discovery | MergedDiscovery, policy: str, *,
                  allocators: Sequence = (), metrics: RouterMetrics | None = None, first_byte_timeout: float = 60.0,
                  connect_timeout: float = 2.0, cooldown_s: float = 5.0, max_attempts: int = 3,
+                 max_answer_bytes: int = 1 << 30,
                  worker_api_key: str | None = None, cache_salt_per_api_key: bool = True,
                  balance: Balance | None = None) -> None:
         self.tokenizer = tokenizer
@@ -116,6 +126,7 @@ class Router:
         self.balance = balance or Balance()  # kv: when the load decides instead of the cache
         self.metrics = metrics or RouterMetrics()
         self.first_byte_timeout = first_byte_timeout
+        self.max_answer_bytes = max_answer_bytes
         self.cooldown_s = cooldown_s
         self.max_attempts = max_attempts
         self.connect_timeout = connect_timeout
@@ -377,7 +388,7 @@ class Router:
             if tokens and worker is not order[0][0]:  # a retry: placed on the next in the ranking
                 self.placed(rid, worker, tokens, salt)
             try:
-                upstream, whole = await unless_gone(
+                upstream, start, whole = await unless_gone(
                     request, self._send(worker, request.url.path, body, headers, bool(req.stream)))
             except ClientGone:  # the worker's connection is closed: it aborts the request
                 self.computing.pop(rid, None)
@@ -389,6 +400,13 @@ class Router:
                 raise ApiError(504, f"{worker.name} took the request but sent no answer within "
                                     f"{self.first_byte_timeout:g} s; it is not sent to another worker, which "
                                     "would compute it again", type_="server_error", code="worker_timeout") from None
+            except _TooLarge as large:  # computed: another worker would compute as much again
+                self.computing.pop(rid, None)
+                self.metrics.failed.labels("worker_answer_too_large").inc()
+                log.warning("worker %s at %s: %s; not retried", worker.name, worker.url, large)
+                raise ApiError(502, f"{worker.name}'s answer is larger than the router passes on "
+                                    f"({self.max_answer_bytes} bytes: PAGEDKV_ROUTER_MAX_ANSWER_MB): {large}",
+                               type_="server_error", code="worker_answer_too_large") from None
             except _Skip as skip:
                 self.computing.pop(rid, None)
                 why = f"{worker.name}: {skip}"
@@ -403,10 +421,10 @@ class Router:
             self.metrics.cached_chosen.labels(self.policy).inc(cached)
             self.metrics.cached_best.labels(self.policy).inc(best)
             answer_headers = self._answer_headers(worker, upstream, cached, routing_s)
-            if whole is not None:  # the whole answer is here: one response, the worker's connection free
+            if whole:  # the whole answer is here: one response, the worker's connection free
                 self.answered(rid)
-                return Response(whole, status_code=upstream.status, headers=answer_headers)
-            return self._relay(worker, upstream, answer_headers, rid)
+                return Response(start, status_code=upstream.status, headers=answer_headers)
+            return self._relay(worker, upstream, answer_headers, rid, start)
         self.metrics.failed.labels("no_worker_available").inc()
         raise ApiError(503, f"no worker could take the request ({why})", type_="server_error",
                        code="no_worker_available")
@@ -425,10 +443,14 @@ class Router:
         return self._http
 
     async def _send(self, worker: Worker, path: str, body: bytes, headers,
-                    stream: bool) -> tuple[aiohttp.ClientResponse, bytes | None]:
-        """The worker's answer, status and headers read, and for a request
-        that did not ask for a stream its whole body; _Skip when it is not to
-        be used (nothing has reached the client)."""
+                    stream: bool) -> tuple[aiohttp.ClientResponse, bytes, bool]:
+        """The worker's answer, status and headers read, with the start of its body and
+        whether that is all of it: a request that did not ask for a stream has its body
+        read whole when it is at most WHOLE_ANSWER_BYTES (the connection goes back to
+        the pool; a worker failing during it is skipped), else its first bytes (the rest
+        is passed on). _Skip when it is not to be used (nothing has reached the client);
+        _Started when the worker took the request and did not answer in time;
+        _TooLarge for an answer that says it is over `max_answer_bytes`."""
         self._enter(worker)
         upstream = None
         sent: dict[str, bool] = {}  # `_headers_sent` marks it once the request's head is on the wire
@@ -438,12 +460,16 @@ class Router:
                 self.first_byte_timeout)
             if upstream.status in RETRY_STATUSES:
                 skip = _Skip("unavailable", f"it answered {upstream.status}")
+            elif (upstream.content_length or 0) > self.max_answer_bytes:
+                skip = _TooLarge(f"it answered {upstream.content_length} bytes")
             elif stream and upstream.content_type == "text/event-stream":
-                return upstream, None  # still in flight: the relay ends it
+                return upstream, b"", False  # still in flight: the relay ends it
             else:
-                whole = await upstream.read()  # read whole: the connection goes back to the pool
-                self._leave(worker)
-                return upstream, whole
+                start = await asyncio.wait_for(_read_upto(upstream, WHOLE_ANSWER_BYTES + 1), self.first_byte_timeout)
+                if len(start) <= WHOLE_ANSWER_BYTES:
+                    self._leave(worker)  # read whole: the connection goes back to the pool
+                    return upstream, start, True
+                return upstream, start, False
         except aiohttp.ClientError as exc:  # before TimeoutError: a connect timeout is one of these
             skip = _Skip("unreachable", type(exc).__name__)
         except TimeoutError:
@@ -471,9 +497,16 @@ class Router:
         return headers
 
     def _relay(self, worker: Worker, upstream: aiohttp.ClientResponse, headers: dict[str, str],
-               rid: int) -> Response:
-        """A stream of events, passed on chunk by chunk as it arrives."""
+               rid: int, start: bytes = b"") -> Response:
+        """The rest of an answer passed on chunk by chunk as it arrives, after `start`:
+        a stream of events, or a body too long to hold whole. Bounded: at most
+        `max_answer_bytes` in all, and the worker may keep the router waiting at most
+        `first_byte_timeout` in all for a body, or between two events of a stream (a
+        worker sending a byte at a time is waited for as long as one sending nothing).
+        Past either bound the answer ends: a stream with an error event, a body with
+        the connection closed before its end (the client sees it cut)."""
         done = False
+        events = upstream.content_type == "text/event-stream"
 
         def close() -> None:
             nonlocal done
@@ -483,16 +516,41 @@ class Router:
                 upstream.close()
                 self._leave(worker)
 
+        def failed(reason: str, message: str, code: str | None = None) -> bytes:
+            self.metrics.failed.labels(reason).inc()
+            log.warning("worker %s: %s", worker.name, message)
+            if not events:
+                raise _Cut(message)  # the body ends unfinished: uvicorn closes the connection
+            error = {"error": {"message": message, "type": "server_error", "param": None, "code": code or reason}}
+            # (a blank line first ends any event the worker left unfinished)
+            return f"\n\ndata: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+
         async def chunks() -> AsyncIterator[bytes]:
+            total, waited = len(start), 0.0  # the worker's time so far: for a body, or since the last event
             try:
-                async for chunk in upstream.content.iter_any():
+                if start:
+                    yield start
+                while True:
+                    t0 = time.monotonic()
+                    try:
+                        chunk = await asyncio.wait_for(upstream.content.readany(),
+                                                       max(self.first_byte_timeout - waited, 0.0))
+                    except TimeoutError:
+                        yield failed("worker_timeout", f"the worker sent no {'event' if events else 'answer'} "
+                                                       f"within {self.first_byte_timeout:g} s")
+                        return
+                    if not chunk:
+                        return
+                    waited = 0.0 if events and b"\n\n" in chunk else waited + time.monotonic() - t0
+                    total += len(chunk)
+                    if total > self.max_answer_bytes:
+                        yield failed("worker_answer_too_large", f"the worker's answer passed "
+                                                                f"{self.max_answer_bytes} bytes")
+                        return
                     yield chunk
             except aiohttp.ClientError as exc:
-                self.metrics.failed.labels("worker_failed_mid_answer").inc()
-                log.warning("worker %s failed mid-answer: %s", worker.name, type(exc).__name__)
-                error = {"error": {"message": f"the worker failed mid-answer ({type(exc).__name__})",
-                                   "type": "server_error", "param": None, "code": "worker_failed"}}
-                yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+                yield failed("worker_failed_mid_answer", f"the worker failed mid-answer ({type(exc).__name__})",
+                             "worker_failed")
             finally:
                 close()
 
@@ -587,6 +645,27 @@ _HEADERS_SENT.on_request_headers_sent.append(_headers_sent)
 
 class _Started(Exception):
     """The worker took the request (its head was sent) but did not answer in time."""
+
+
+class _TooLarge(Exception):
+    """The worker's answer says it is over the router's bound: not passed on, not retried."""
+
+
+class _Cut(Exception):
+    """A body passed on ends unfinished (the worker broke a bound mid-answer)."""
+
+
+async def _read_upto(upstream: aiohttp.ClientResponse, n: int) -> bytes:
+    """The body's first `n` bytes, or all of it when shorter."""
+    parts: list[bytes] = []
+    size = 0
+    while size < n:
+        chunk = await upstream.content.read(n - size)
+        if not chunk:
+            break
+        parts.append(chunk)
+        size += len(chunk)
+    return b"".join(parts)
 
 
 class _Skip(Exception):

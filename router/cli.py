@@ -115,8 +115,13 @@ class RouterArgs:
         "0 matches in the cache all keys share", flag=False)
     first_byte_timeout: float = setting(
         60.0, "seconds: a worker that has not answered a request's status in this long is skipped, and the "
-        "request sent to another, if the request never reached it; if it did, the client gets a 504",
-        parse=seconds, flag=False)
+        "request sent to another, if the request never reached it; if it did, the client gets a 504. Also the "
+        "longest a worker may keep the router waiting for the rest of a whole answer, or between two events of a "
+        "stream: past it the answer ends (a 504 if nothing was passed on yet)", parse=seconds, flag=False)
+    max_answer_mb: int = setting(
+        1024, "MiB: the largest answer passed on from a worker (a larger one is a 502 when the worker says its "
+        "size, else cut there); whole answers over 1 MiB are passed on as they arrive, never held whole",
+        flag=False)
     header_timeout: float = setting(
         10.0, "seconds: a client's request head (line and headers) must arrive within this long of its connection "
         "opening, or of the last answer on a kept-alive one; else the connection is closed", parse=seconds,
@@ -196,6 +201,7 @@ def build_router(args: argparse.Namespace):
     else:
         discovery = parts[0] if parts else Discovery(None, r.workers or (), refresh_s=r.refresh_interval)
     return Router(tokenizer, discovery, r.policy, allocators=clients, first_byte_timeout=r.first_byte_timeout,
+                  max_answer_bytes=r.max_answer_mb << 20,
                   worker_api_key=r.api_key, cache_salt_per_api_key=r.cache_salt_per_api_key, balance=Balance(r.balance_abs_threshold, r.balance_rel_threshold,
                                                                  r.cache_threshold))
 

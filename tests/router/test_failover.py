@@ -13,6 +13,8 @@ tiny-random worker; the router is a real process with a static list."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import json
 import socket
 import threading
@@ -20,6 +22,7 @@ import time
 
 import httpx
 import openai
+import psutil
 import pytest
 
 from pagedkv.bench.attackers import read_to_close, slow_clients
@@ -28,13 +31,18 @@ from tests.support.drills import scrape, wait_for
 from tests.support.http import metric
 
 MODEL = "tiny-random"
+HUGE = 300 << 20
 
 
 class BadWorker:
     """An HTTP server on 127.0.0.1 that fails every POST in one way:
     `503` (answers Service Unavailable), `drop-body` (sends a 200 whose
     declared body never fully arrives), `drop-stream` (sends one SSE event,
-    then closes), `silent` (reads the request and never answers). GETs (/v1/models) answer 404."""
+    then closes), `silent` (reads the request and never answers), `huge` (a 200 whose
+    body goes on for 300 MB), `huge-declared` (a 200 that says its body is 300 MB),
+    `trickle` (a 200 whose body comes a byte at a time), `trickle-stream` (an event
+    stream that sends a byte at a time and never ends an event). GETs (/v1/models)
+    answer 404."""
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
@@ -81,6 +89,20 @@ class BadWorker:
                              b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
             elif self.mode == "silent":  # takes the request and computes "forever"
                 await reader.read()
+            elif self.mode in ("huge", "huge-declared"):
+                declared = b"content-length: %d\r\n" % HUGE if self.mode == "huge-declared" else b""
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n" + declared + b"\r\n")
+                block = b" " * (1 << 20)
+                for _ in range(HUGE >> 20):  # until the router stops reading (its bound) or it is all sent
+                    writer.write(block)
+                    await writer.drain()
+            elif self.mode in ("trickle", "trickle-stream"):
+                kind = b"text/event-stream" if self.mode == "trickle-stream" else b"application/json"
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ncontent-length: 100000\r\n\r\n" % kind)
+                for _ in range(100000):
+                    writer.write(b"d")
+                    await writer.drain()
+                    await asyncio.sleep(0.1)
             elif self.mode == "drop-body":
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 500\r\n\r\n"
                              b'{"id": "cmpl-cut", "choices": [')
@@ -195,6 +217,65 @@ def test_a_worker_that_took_the_request_and_stays_silent_is_a_504_not_a_retry():
             assert first.posts + second.posts == 1
         finally:
             router.terminate()
+
+
+def test_a_worker_that_trickles_its_answer_is_cut_off():
+    """A worker that sends its status, then a byte at a time: a whole answer is a 504
+    within the timeout; a stream that never completes an event ends with an error event."""
+    env = {"PAGEDKV_ROUTER_FIRST_BYTE_TIMEOUT": "1.5"}
+    with BadWorker("trickle") as whole, BadWorker("trickle-stream") as streaming:
+        first, second = _router(whole.url, env=env), _router(streaming.url, env=env)
+        try:
+            t0 = time.monotonic()
+            r = httpx.post(f"{first.url}/v1/completions", timeout=60, json={"model": MODEL, "prompt": "a"})
+            assert r.status_code == 504 and r.json()["error"]["code"] == "worker_timeout"
+            assert time.monotonic() - t0 < 20 and whole.posts == 1
+            with httpx.stream("POST", f"{second.url}/v1/completions", timeout=60,
+                              json={"model": MODEL, "prompt": "b", "stream": True}) as r:
+                assert r.status_code == 200
+                events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+            assert streaming.posts == 1 and time.monotonic() - t0 < 40
+            assert json.loads(events[-2])["error"]["code"] == "worker_timeout" and events[-1] == "[DONE]"
+            for router in (first, second):
+                assert metric(router.url, "pagedkv_router_failed_requests_total", {"reason": "worker_timeout"}) == 1
+        finally:
+            first.terminate()
+            second.terminate()
+
+
+def test_a_worker_answering_without_end_cannot_fill_the_routers_memory():
+    """Four 300 MB answers at once (one legal request can make a 112 MB one): the router
+    holds a chunk of each, not the whole, and cuts each at its bound; an answer that
+    declares its size over the bound is a 502 at once."""
+    env = {"PAGEDKV_ROUTER_MAX_ANSWER_MB": "64"}
+    with BadWorker("huge") as endless, BadWorker("huge-declared") as declared:
+        router, other = _router(endless.url, env=env), _router(declared.url, env=env)
+        try:
+            r = httpx.post(f"{other.url}/v1/completions", timeout=60, json={"model": MODEL, "prompt": "x"})
+            assert r.status_code == 502 and r.json()["error"]["code"] == "worker_answer_too_large"
+            assert declared.posts == 1
+            proc = psutil.Process(router.pid)
+            before = proc.memory_info().rss
+
+            def fetch() -> int:
+                got = 0
+                with contextlib.suppress(httpx.HTTPError), httpx.stream(
+                        "POST", f"{router.url}/v1/completions", timeout=60,
+                        json={"model": MODEL, "prompt": "x"}) as answer:
+                    for chunk in answer.iter_raw():
+                        got += len(chunk)
+                return got
+
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                got = list(pool.map(lambda _: fetch(), range(4)))
+            assert all(0 < g <= 65 << 20 for g in got), got  # cut at the bound, not passed on whole
+            assert proc.memory_info().rss - before < 200 << 20
+            assert endless.posts == 4
+            assert metric(router.url, "pagedkv_router_failed_requests_total",
+                          {"reason": "worker_answer_too_large"}) == 4
+        finally:
+            router.terminate()
+            other.terminate()
 
 
 def test_a_request_asking_for_too_many_sequences_is_a_400_before_any_worker(good_worker):
