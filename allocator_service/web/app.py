@@ -14,8 +14,10 @@ with `WatchEvents` streams (`Limits.max_watchers`; 503 past it).
 
 The event loop routes, checks tokens and copies bytes; what takes a pool's
 lock (the metrics' collectors read every pool, a stream reads the pools it
-shows, a block table) or runs a simulation runs in a worker thread. Pages
-are static files shipped in the package, read once.
+shows, a block table) or runs a simulation runs in a worker thread: a
+stream's in one of its own (there are at most `max_watchers`), the others in
+one of `WORK_THREADS`. Pages are static files shipped in the package, read
+once.
 
 `/playground` (a teaching tool: it runs a simulation per call) answers only
 when asked for (`start_web_server(playground=True)`: the allocator's
@@ -38,6 +40,7 @@ import threading
 from importlib import resources
 from urllib.parse import parse_qs
 
+import anyio
 from prometheus_client import REGISTRY
 
 # NOTE: prometheus_client's exposition itself (content negotiation, `name[]`,
@@ -59,6 +62,7 @@ _TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=
 PAGES = {"/pools": "pools.html", "/playground": "playground.html"}
 MAX_BODY = 256 * 1024
 MAX_CONNECTIONS = 2048  # open at once, the /pools streams among them
+WORK_THREADS = 4  # metrics, block tables and playground runs at once (more wait their turn)
 IDLE_TIMEOUT_S = 10.0  # a client that sends nothing, or takes nothing, this long is closed
 _NO_STORE = {"Cache-Control": "no-store"}
 
@@ -86,6 +90,7 @@ class WebApp:
         self.playground = playground
         self.stopping = threading.Event()  # open streams end at their next wake-up
         self._turn = threading.Lock()  # one simulation at a time
+        self._work = anyio.CapacityLimiter(WORK_THREADS)
         self._static = {f.name: f.read_bytes() for f in STATIC.iterdir() if f.is_file()}
 
     async def __call__(self, scope, receive, send) -> None:
@@ -118,7 +123,7 @@ class WebApp:
                 return _EventStream(self.service, self.stopping)
             if path == "/pools/api/table":
                 pool, seq = query.get("pool", [""])[0], query.get("seq", [""])[0]
-                table = await run_in_threadpool(live.sequence_table, self.service, pool, seq)
+                table = await self._off_loop(live.sequence_table, self.service, pool, seq)
                 if table is None:
                     return _json(404, {"error": f"no sequence {seq!r} in pool {pool!r}"})
                 return _json(200, table)
@@ -132,6 +137,11 @@ class WebApp:
         if self.service is None or path == "/favicon.ico":
             return _text(404, "not found\n")
         return await self._metrics(request, query)
+
+    async def _off_loop(self, fn, *args):
+        """`fn(*args)` in a worker thread, at most WORK_THREADS at once, so a
+        flood of scrapes holds a few threads that compete with gRPC's, not one each."""
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self._work)
 
     def _refused(self, request: Request, query: dict) -> Response | None:
         """The `roles.py` check of WatchEvents: None when allowed, else the 401/403."""
@@ -154,7 +164,7 @@ class WebApp:
         return None
 
     async def _metrics(self, request: Request, query: dict) -> Response:
-        status, headers, body = await run_in_threadpool(
+        status, headers, body = await self._off_loop(
             _bake_output, self.registry, request.headers.get("accept"), request.headers.get("accept-encoding"),
             query, False)
         return Response(body, int(status.split(" ", 1)[0]), dict(headers))
@@ -171,7 +181,7 @@ class WebApp:
         if not self._turn.acquire(blocking=False):
             return _json(503, {"error": "another playground run is in progress: try again"})
         try:
-            answer = await run_in_threadpool(_run_playground, bytes(body))
+            answer = await self._off_loop(_run_playground, bytes(body))
         except (ValueError, playground.PlaygroundError) as exc:
             return _json(400, {"error": str(exc)})
         finally:

@@ -189,3 +189,37 @@ def _status(req) -> int:
             return r.status
     except urllib.error.HTTPError as e:
         return e.code
+
+
+def test_a_flood_of_scrapes_holds_at_most_a_few_threads_and_every_one_is_answered():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.core import GaugeMetricFamily
+
+    from allocator_service.web.app import WORK_THREADS, start_web_server, stop_web_server
+
+    lock, inside, most = threading.Lock(), [0], [0]
+
+    class Slow:  # a collector that takes a while, as one reading every pool under its lock does
+        def collect(self):
+            with lock:
+                inside[0] += 1
+                most[0] = max(most[0], inside[0])
+            time.sleep(0.2)
+            with lock:
+                inside[0] -= 1
+            yield GaugeMetricFamily("pagedkv_test_slow", "A slow gauge.", value=1)
+
+    registry = CollectorRegistry()
+    registry.register(Slow())
+    most[0] = 0  # register() collected once
+    server = start_web_server(0, "127.0.0.1", registry=registry, service=object())
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/metrics"
+        with ThreadPoolExecutor(4 * WORK_THREADS) as pool:
+            answers = list(pool.map(lambda _: _get(url, timeout=30), range(4 * WORK_THREADS)))
+        assert all(status == 200 and b"pagedkv_test_slow 1.0" in body for status, body in answers)
+        assert 1 <= most[0] <= WORK_THREADS
+    finally:
+        stop_web_server(server)
