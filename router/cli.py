@@ -209,9 +209,7 @@ def build_router(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     import logging
 
-    import uvicorn
-
-    from pagedkv_base.api.serving import serve_options
+    from pagedkv_base.api.serving import serve, serve_options
     from pagedkv_base.api.tenants import api_keys
     from router.app import create_app
 
@@ -222,9 +220,9 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(router, api_key=api_keys(r.api_key, r.api_keys_file))
     print(f"router: policy {r.policy}, workers from "
           f"{'the allocator at ' + ','.join(r.allocator) if r.allocator else 'the static list'}", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level=r.log_level.lower(), timeout_graceful_shutdown=5,
-                **serve_options(header_timeout=r.header_timeout, body_timeout=r.body_timeout,
-                                max_connections=r.max_connections))
+    serve(app, host, port, log_level=r.log_level.lower(),
+          **serve_options(header_timeout=r.header_timeout, body_timeout=r.body_timeout,
+                          max_connections=r.max_connections))
     return 0
 
 

@@ -252,8 +252,8 @@ def run(args: argparse.Namespace) -> int:
     import logging
 
     import grpc
-    import uvicorn
 
+    from pagedkv_base.api.serving import serve
     from pagedkv_base.api.tenants import api_keys
     from worker.engine import AsyncLLMEngine
     from worker.model.loader import ModelLoadError
@@ -284,8 +284,7 @@ def run(args: argparse.Namespace) -> int:
     # rather than when its lease runs out.
     app.router.on_shutdown.append(async_engine.shutdown)
     try:
-        uvicorn.run(app, host=w.host, port=w.port, log_level=w.log_level.lower(),
-                    timeout_graceful_shutdown=5)
+        serve(app, w.host, w.port, log_level=w.log_level.lower())
     finally:
         async_engine.shutdown()
     return 0

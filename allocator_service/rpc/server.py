@@ -166,7 +166,7 @@ def serve(opts: ServeOptions) -> int:
     if opts.metrics_port is not None:
         metrics_host = host.strip("[]") if host not in ("", "[::]", "0.0.0.0") else "0.0.0.0"
         # /metrics, the live /pools page and, if asked for, /playground (allocator_service/web/)
-        httpd, _ = start_web_server(opts.metrics_port, metrics_host, registry=registry, service=service,
+        httpd = start_web_server(opts.metrics_port, metrics_host, registry=registry, service=service,
                                     roles=Roles(opts.auth_token or None, opts.admin_token or None,
                                                 opts.router_token or None, opts.worker_tokens),
                                     playground=opts.playground)

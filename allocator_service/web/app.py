@@ -1,15 +1,23 @@
-"""The allocator's HTTP port: `/metrics` (Prometheus, the same bytes as
-`prometheus_client.start_http_server`: its own handler serves them), the
-live `/pools` page and its event stream, and `/playground`.
+"""The allocator's HTTP port: `/metrics` (Prometheus: the bytes
+prometheus_client's own server gives), the live `/pools` page and its event
+stream, and `/playground`.
 
-A `ThreadingHTTPServer` of its own (a thread per connection, none of the
-gRPC threads), bounded: at most `MAX_CONNECTIONS` connections are served at
-once (one more is answered 503 and closed at once, by the accepting thread),
-and a client that sends nothing for `IDLE_TIMEOUT_S` (mid-request or between
-requests) is closed, so idle or slow clients cannot pin threads, and the
-threads that serve them, competing with gRPC's for the interpreter, stay
-few. Pages are static files shipped in the package; the stream and the
-small JSON calls are the only dynamic answers.
+An ASGI app served by uvicorn on a thread and event loop of its own
+(`pagedkv_base.api.serving.ServerThread`), none of the gRPC server's
+threads: an idle or slow client costs a socket, not a thread. Bounds
+(`serving.serve_options`): at most `MAX_CONNECTIONS` connections (one more
+is answered 503 and closed at once); a request's head within
+`IDLE_TIMEOUT_S` of the connection opening or of the previous answer, its
+body within `IDLE_TIMEOUT_S` after it; a client that takes nothing of an
+answer for `IDLE_TIMEOUT_S` is cut off. `/pools/stream` answers are counted
+with `WatchEvents` streams (`Limits.max_watchers`; 503 past it).
+
+The event loop routes, checks tokens and copies bytes; what takes a pool's
+lock (the metrics' collectors read every pool, a stream reads the pools it
+shows, a block table) or runs a simulation runs in a worker thread: a
+stream's in one of its own (there are at most `max_watchers`), the others in
+one of `WORK_THREADS`. Pages are static files shipped in the package, read
+once.
 
 `/playground` (a teaching tool: it runs a simulation per call) answers only
 when asked for (`start_web_server(playground=True)`: the allocator's
@@ -21,71 +29,123 @@ caller the `roles.py` table lets call `WatchEvents` (the admin or router
 token; anyone when no token is configured), as a bearer token in the
 `Authorization` header or, for the browser's `EventSource`, `?token=` in
 the URL. `/metrics` and `/playground` (which holds nothing of the
-service's pools) stay open, as `/metrics` was.
+service's pools) stay open.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-import logging
 import threading
-from http.server import ThreadingHTTPServer
 from importlib import resources
-from urllib.parse import parse_qs, urlparse
+from urllib.parse import parse_qs
 
-from prometheus_client.exposition import MetricsHandler
+import anyio
+from prometheus_client import REGISTRY
+
+# NOTE: prometheus_client's exposition itself (content negotiation, `name[]`,
+# gzip), which its MetricsHandler and make_asgi_app both call; make_asgi_app
+# would run it on the event loop, where the collectors' pool locks must not be.
+from prometheus_client.exposition import _bake_output
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import Response
 
 from allocator_service.errors import CapacityExceeded, PermissionDenied, Unauthenticated
 from allocator_service.roles import ADMIN, ROUTER, Roles
 from allocator_service.web import live, playground
-
-log = logging.getLogger(__name__)
+from pagedkv_base.api.serving import ServerThread, serve_options
 
 STATIC = resources.files("allocator_service.web") / "static"
 _TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
           ".css": "text/css; charset=utf-8", ".png": "image/png", ".svg": "image/svg+xml"}
 PAGES = {"/pools": "pools.html", "/playground": "playground.html"}
 MAX_BODY = 256 * 1024
-MAX_CONNECTIONS = 32  # served at once (the /pools streams among them)
-IDLE_TIMEOUT_S = 10.0  # a client silent this long is closed
+MAX_CONNECTIONS = 2048  # open at once, the /pools streams among them
+WORK_THREADS = 4  # metrics, block tables and playground runs at once (more wait their turn)
+IDLE_TIMEOUT_S = 10.0  # a client that sends nothing, or takes nothing, this long is closed
+_NO_STORE = {"Cache-Control": "no-store"}
 
 
-def _static(name: str) -> bytes | None:
-    if "/" in name or name.startswith("."):
-        return None
-    f = STATIC / name
-    return f.read_bytes() if f.is_file() else None
+def _text(status: int, body: str, extra: dict | None = None) -> Response:
+    return Response(body.encode(), status, {**_NO_STORE, **(extra or {})}, "text/plain; charset=utf-8")
 
 
-class WebHandler(MetricsHandler):
-    """Routes the pages, the stream and the JSON calls; anything else is
-    `/metrics`, as every path was before (`MetricsHandler.do_GET`)."""
+def _json(status: int, value) -> Response:
+    return Response(json.dumps(value, separators=(",", ":")).encode(), status, _NO_STORE, "application/json")
 
-    service = None  # AllocatorService, or None: playground only
-    roles = Roles()
-    stopping = threading.Event()
-    playground = False
-    playground_turn = threading.Semaphore(1)  # one simulation at a time
-    protocol_version = "HTTP/1.1"
-    timeout = IDLE_TIMEOUT_S  # on the socket: every read (and write) of a silent client times out
 
-    # ------------------------------------------------------------ helpers
-    def _send(self, status: int, body: bytes, content_type: str, extra: dict | None = None) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Cache-Control", "no-store")
-        for k, v in (extra or {}).items():
-            self.send_header(k, v)
-        self.end_headers()
-        self.wfile.write(body)
+def _run_playground(body: bytes) -> dict:
+    return playground.run(json.loads(body or b"{}"))
 
-    def _json(self, status: int, value) -> None:
-        self._send(status, json.dumps(value, separators=(",", ":")).encode(), "application/json")
 
-    def _allowed(self, query: dict) -> bool:
-        """The `roles.py` check of WatchEvents; answers 401/403 when refused."""
-        header = self.headers.get("Authorization")
+class WebApp:
+    """The ASGI app: routes the pages, the stream and the JSON calls; any
+    other GET path is `/metrics`, as with prometheus_client's own server."""
+
+    def __init__(self, *, registry=None, service=None, roles: Roles | None = None, playground: bool = False):
+        self.registry = registry if registry is not None else REGISTRY
+        self.service = service  # AllocatorService, or None: playground only
+        self.roles = roles or Roles()
+        self.playground = playground
+        self.stopping = threading.Event()  # open streams end at their next wake-up
+        self._turn = threading.Lock()  # one simulation at a time
+        self._work = anyio.CapacityLimiter(WORK_THREADS)
+        self._static = {f.name: f.read_bytes() for f in STATIC.iterdir() if f.is_file()}
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":  # lifespan is off; nothing else is served
+            return
+        request = Request(scope, receive)
+        answer = await self._route(request)
+        await answer(scope, receive, send)
+
+    async def _route(self, request: Request):
+        path = request.url.path.rstrip("/") or "/"
+        query = parse_qs(request.url.query)
+        if request.method == "POST":
+            if path == "/playground/api/run" and self.playground:
+                return await self._playground_run(request)
+            return _text(404, "not found\n")
+        if request.method != "GET":
+            return _text(405, "only GET, and POST to /playground/api/run\n", {"Allow": "GET, POST"})
+        if path == "/playground" and not self.playground:
+            return _text(404, "not found: /playground is off on this port (the allocator's --playground)\n")
+        if path in PAGES or path.startswith("/pools/"):
+            if path != "/playground" and self.service is None:
+                return _text(404, "no allocator in this process: /playground\n")
+            refused = None if path == "/playground" else self._refused(request, query)
+            if refused is not None:
+                return refused
+            if path in PAGES:
+                return Response(self._static[PAGES[path]], 200, _NO_STORE, _TYPES[".html"])
+            if path == "/pools/stream":
+                return _EventStream(self.service, self.stopping)
+            if path == "/pools/api/table":
+                pool, seq = query.get("pool", [""])[0], query.get("seq", [""])[0]
+                table = await self._off_loop(live.sequence_table, self.service, pool, seq)
+                if table is None:
+                    return _json(404, {"error": f"no sequence {seq!r} in pool {pool!r}"})
+                return _json(200, table)
+            return _text(404, "not found\n")
+        if path.startswith("/static/"):
+            name = path[len("/static/"):]
+            body = self._static.get(name)
+            if body is None:
+                return _text(404, "not found\n")
+            return Response(body, 200, _NO_STORE, _TYPES.get(name[name.rfind("."):], "application/octet-stream"))
+        if self.service is None or path == "/favicon.ico":
+            return _text(404, "not found\n")
+        return await self._metrics(request, query)
+
+    async def _off_loop(self, fn, *args):
+        """`fn(*args)` in a worker thread, at most WORK_THREADS at once, so a
+        flood of scrapes holds a few threads that compete with gRPC's, not one each."""
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self._work)
+
+    def _refused(self, request: Request, query: dict) -> Response | None:
+        """The `roles.py` check of WatchEvents: None when allowed, else the 401/403."""
+        header = request.headers.get("authorization")
         bearer = header.encode() if header else None
         if bearer is None and query.get("token"):
             bearer = f"Bearer {query['token'][0]}".encode()
@@ -98,160 +158,100 @@ class WebHandler(MetricsHandler):
                 raise (PermissionDenied if bearer is not None and role is not None else Unauthenticated)(
                     "the pools page needs the admin or router token")
         except Unauthenticated as exc:
-            self._send(401, f"{exc}\n".encode(), "text/plain; charset=utf-8",
-                       {"WWW-Authenticate": 'Bearer realm="pagedkv allocator"'})
-            return False
+            return _text(401, f"{exc}\n", {"WWW-Authenticate": 'Bearer realm="pagedkv allocator"'})
         except PermissionDenied as exc:
-            self._send(403, f"{exc}\n".encode(), "text/plain; charset=utf-8")
-            return False
-        return True
+            return _text(403, f"{exc}\n")
+        return None
 
-    # ------------------------------------------------------------ routes
-    def do_GET(self) -> None:  # noqa: N802 (BaseHTTPRequestHandler's name)
-        url = urlparse(self.path)
-        path, query = url.path.rstrip("/") or "/", parse_qs(url.query)
-        if path == "/playground" and not self.playground:
-            self._send(404, b"not found: /playground is off on this port (the allocator's --playground)\n",
-                       "text/plain")
-        elif path in PAGES:
-            if path == "/pools" and (self.service is None or not self._allowed(query)):
-                if self.service is None:
-                    self._send(404, b"no allocator in this process: /playground\n", "text/plain")
-                return
-            self._send(200, _static(PAGES[path]), _TYPES[".html"])
-        elif path.startswith("/static/"):
-            name = path[len("/static/"):]
-            body = _static(name)
-            if body is None:
-                self._send(404, b"not found\n", "text/plain")
-            else:
-                self._send(200, body, _TYPES.get(name[name.rfind("."):], "application/octet-stream"))
-        elif path == "/pools/stream":
-            if self.service is not None and self._allowed(query):
-                self._stream()
-        elif path == "/pools/api/table":
-            if self.service is not None and self._allowed(query):
-                pool, seq = query.get("pool", [""])[0], query.get("seq", [""])[0]
-                table = live.sequence_table(self.service, pool, seq)
-                if table is None:
-                    self._json(404, {"error": f"no sequence {seq!r} in pool {pool!r}"})
-                else:
-                    self._json(200, table)
-        elif self.service is None or path == "/favicon.ico":
-            self._send(404, b"not found\n", "text/plain")
-        else:
-            self.protocol_version = "HTTP/1.0"  # as before: the body ends with the connection
-            self.close_connection = True
-            super().do_GET()
+    async def _metrics(self, request: Request, query: dict) -> Response:
+        status, headers, body = await self._off_loop(
+            _bake_output, self.registry, request.headers.get("accept"), request.headers.get("accept-encoding"),
+            query, False)
+        return Response(body, int(status.split(" ", 1)[0]), dict(headers))
 
-    def do_POST(self) -> None:  # noqa: N802
-        if urlparse(self.path).path != "/playground/api/run" or not self.playground:
-            self._send(404, b"not found\n", "text/plain")
-            return
+    async def _playground_run(self, request: Request) -> Response:
+        declared = request.headers.get("content-length")
+        if declared is not None and not (declared.isdigit() and int(declared) <= MAX_BODY):
+            return _json(413, {"error": f"the body is at most {MAX_BODY} bytes"})
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_BODY:
+                return _json(413, {"error": f"the body is at most {MAX_BODY} bytes"})
+        if not self._turn.acquire(blocking=False):
+            return _json(503, {"error": "another playground run is in progress: try again"})
         try:
-            length = int(self.headers.get("Content-Length", "0"))
-        except ValueError:
-            length = -1
-        if not 0 <= length <= MAX_BODY:
-            self._json(413, {"error": f"the body is at most {MAX_BODY} bytes"})
-            return
-        body = self.rfile.read(length)
-        if not self.playground_turn.acquire(blocking=False):
-            self._json(503, {"error": "another playground run is in progress: try again"})
-            return
-        try:
-            answer = playground.run(json.loads(body or b"{}"))
+            answer = await self._off_loop(_run_playground, bytes(body))
         except (ValueError, playground.PlaygroundError) as exc:
-            self._json(400, {"error": str(exc)})
-            return
+            return _json(400, {"error": str(exc)})
         finally:
-            self.playground_turn.release()
-        self._json(200, answer)
+            self._turn.release()
+        return _json(200, answer)
 
-    def _stream(self) -> None:
+
+class _EventStream:
+    """`/pools/stream`: `live.stream`'s server-sent events, each produced in a
+    worker thread (it waits on the event log and reads pools under their
+    locks), until the client goes, the server stops or the service does."""
+
+    def __init__(self, service, stopping: threading.Event) -> None:
+        self.service, self.stopping = service, stopping
+
+    async def __call__(self, scope, receive, send) -> None:
         service = self.service
+        # NOTE: on the loop: the watcher count's lock is held for an increment only.
         try:
             service.open_watcher()  # the WatchEvents limit counts these too
         except CapacityExceeded as exc:
-            self._send(503, f"{exc}\n".encode(), "text/plain")
+            await _text(503, f"{exc}\n", {"Retry-After": "1"})(scope, receive, send)
             return
-        self.close_connection = True
+        gone = threading.Event()
+        stop = lambda: gone.is_set() or self.stopping.is_set() or service.stopping  # noqa: E731
+        events = live.stream(service, stop)
+        watcher = asyncio.ensure_future(_until_disconnect(receive, gone))
         try:
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Cache-Control", "no-store")
-            self.send_header("Connection", "close")
-            self.end_headers()
-            self.wfile.write(b"retry: 2000\n\n")
-            self.wfile.flush()
-            stop = lambda: self.stopping.is_set() or service.stopping  # noqa: E731
-            for chunk in live.stream(service, stop):
-                self.wfile.write(chunk)
-                self.wfile.flush()
-        except (BrokenPipeError, ConnectionResetError, TimeoutError):
-            pass  # the page went away
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-store"),
+                                    (b"connection", b"close")]})
+            chunk: bytes | None = b"retry: 2000\n\n"
+            while chunk is not None and not gone.is_set():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                chunk = await run_in_threadpool(next, events, None)
+            if not gone.is_set():
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
+            gone.set()  # the generator, if a thread is still in it, returns at its next wake-up
+            watcher.cancel()
             service.close_watcher()
 
-    def log_message(self, format: str, *args) -> None:  # noqa: A002
-        log.debug("%s %s", self.address_string(), format % args)
+
+async def _until_disconnect(receive, gone: threading.Event) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    gone.set()
 
 
-class WebServer(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-    max_connections = MAX_CONNECTIONS
+class WebServer:
+    """A started `WebApp` on uvicorn: `server_port`, and `stop_web_server`."""
 
-    def server_activate(self) -> None:
-        self.slots = threading.BoundedSemaphore(self.max_connections)
-        super().server_activate()
-
-    def process_request(self, request, client_address) -> None:
-        """A thread for the connection while one of `max_connections` slots is
-        free; else a 503 and the connection closed, without a thread."""
-        if not self.slots.acquire(blocking=False):
-            try:
-                request.settimeout(1.0)
-                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\n"
-                                b"content-length: 29\r\nretry-after: 1\r\nconnection: close\r\n\r\n"
-                                b"too many connections at once\n")
-            except OSError:
-                pass
-            self.shutdown_request(request)
-            return
-        super().process_request(request, client_address)
-
-    def process_request_thread(self, request, client_address) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self.slots.release()
+    def __init__(self, app: WebApp, server: ServerThread) -> None:
+        self.app, self.server = app, server
+        self.server_port = server.port
 
 
 def start_web_server(port: int, host: str = "0.0.0.0", *, registry=None, service=None,
-                     roles: Roles | None = None, playground: bool = False) -> tuple[WebServer, threading.Thread]:
-    """Serve on `host:port` (0: any free port) in a daemon thread; stop with
-    `stop_web_server`. Without `service` only `/playground` (and its
-    static files) answer; `/playground` only with `playground`."""
-    import socket
-
-    stopping = threading.Event()
-    attrs = {"service": service, "roles": roles or Roles(), "stopping": stopping, "playground": playground,
-             "playground_turn": threading.Semaphore(1)}
-    if registry is not None:
-        attrs["registry"] = registry
-    handler = type("Handler", (WebHandler,), attrs)
-    server_cls = WebServer
-    if ":" in host:
-        server_cls = type("WebServer6", (WebServer,), {"address_family": socket.AF_INET6})
-    httpd = server_cls((host, port), handler)
-    httpd.stopping = stopping
-    thread = threading.Thread(target=httpd.serve_forever, name="http", daemon=True)
-    thread.start()
-    return httpd, thread
+                     roles: Roles | None = None, playground: bool = False) -> WebServer:
+    """Serve on `host:port` (0: any free port) on a thread of its own; stop
+    with `stop_web_server`. Without `service` only `/playground` (and its
+    static files) answer; `/playground` only with `playground`. A port that
+    cannot be bound is an OSError here."""
+    app = WebApp(registry=registry, service=service, roles=roles, playground=playground)
+    options = serve_options(header_timeout=IDLE_TIMEOUT_S, body_timeout=IDLE_TIMEOUT_S,
+                            max_connections=MAX_CONNECTIONS, keep_alive_s=IDLE_TIMEOUT_S,
+                            send_timeout=IDLE_TIMEOUT_S)
+    return WebServer(app, ServerThread(app, host, port, **options).start())
 
 
 def stop_web_server(httpd: WebServer) -> None:
-    httpd.stopping.set()  # open streams end at their next wake-up
-    httpd.shutdown()
-    httpd.server_close()
+    httpd.app.stopping.set()  # open streams end at their next wake-up
+    httpd.server.stop()

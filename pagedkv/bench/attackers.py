@@ -7,8 +7,8 @@ tests/drills/test_time_isolation.py) and `pagedkv bench attacks` run them.
   records every request (and Authorization header) it is sent; its identity
   route relays a real worker's answer or forges one. `rogue_pool` registers
   a pool advertising an address under a model's name.
-- `connect`, `read_to_close`, `slow_clients`: raw connections that send
-  nothing, or a request's head or body that never ends.
+- `connect`, `idle_connections`, `read_to_close`, `slow_clients`: raw
+  connections that send nothing, or a request's head or body that never ends.
 - `big_text`: a text of about N bytes for /tokenize and prompts.
 - `slow_read_flood`: many large pools keeping far more integrity checks in
   flight than their slots allow (run it in a process of its own).
@@ -37,6 +37,7 @@ from allocator_service.codec import encode_ops
 from allocator_service.core import Admit, Fork, PoolConfig
 from allocator_service.v1 import allocator_pb2 as pb
 from allocator_service.v1 import allocator_pb2_grpc as pb_grpc
+from pagedkv_base.api.serving import raise_open_files_limit
 
 PWNED = "pwned"  # the text the attacker answers every completion with
 
@@ -122,6 +123,31 @@ def connect(url: str, timeout: float = 10.0) -> socket.socket:
     """A TCP connection to an http://HOST:PORT[/...] address."""
     host, port = url.removeprefix("http://").split("/")[0].rsplit(":", 1)
     return socket.create_connection((host, int(port)), timeout=timeout)
+
+
+FILES_BESIDE = 256  # descriptors this process keeps for everything but the idle connections
+
+
+class TooFewFiles(OSError):
+    """This process may not open that many connections (its open-file limit)."""
+
+
+def idle_connections(url: str, n: int, timeout: float = 10.0) -> list[socket.socket]:
+    """`n` connections to `url` that send nothing, this process's open-file
+    limit raised to hold them first (`TooFewFiles` if its hard limit is too low)."""
+    limit = raise_open_files_limit()
+    if limit < n + FILES_BESIDE:
+        raise TooFewFiles(f"{n} idle connections need an open-file limit of {n + FILES_BESIDE}; "
+                          f"this process's is {limit} (ulimit -n)")
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            socks.append(connect(url, timeout))
+    except BaseException:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks
 
 
 def read_to_close(sock: socket.socket) -> None:

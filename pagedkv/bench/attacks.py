@@ -21,8 +21,10 @@ rogue pool, with worker-1's token too):
   forges a proof, or relays the real worker's) and the real worker's
   address (under the real model's name and another's). Succeeded: the
   attacker's server was sent a completion or a credential.
-- idle connections: to the allocator's HTTP port, sending nothing.
-  Succeeded: they took a thread each.
+- idle connections: to the allocator's HTTP port, sending nothing; its
+  /metrics timed before they open and while they are open (`METRICS_PROBES`
+  GETs, a new connection each). Succeeded: they took a thread each, or a
+  /metrics GET failed or took over `METRICS_TARGET_S`.
 - slow clients: heads and bodies on the router that never end. Succeeded:
   one was still open past its deadline (measured when the attack lasts that
   long), or /health failed.
@@ -69,6 +71,9 @@ STEP_PAUSE_S = 0.02  # between the victim's Steps, as a worker's decode steps co
 REQUEST_PAUSE_S = 0.05  # between the victim's router requests
 SAMPLE_S = 0.05  # the allocator's RSS and threads read this often
 KEPT_ERRORS = 5
+METRICS_PROBES = 20  # GETs of the allocator's /metrics before the idle connections and with them
+METRICS_PAUSE_S = 0.05
+METRICS_TARGET_S = 1.0  # /metrics answers within this with the idle connections open
 STACKS = ("credentials", "none")
 
 
@@ -156,23 +161,53 @@ def rogue_pool(t: Target, w: AttackWorkload) -> Iterator[dict]:
 def idle_connections(t: Target, w: AttackWorkload) -> Iterator[dict]:
     import psutil
 
-    from allocator_service.web.app import MAX_CONNECTIONS
-    from pagedkv.bench.attackers import connect
+    from pagedkv.bench.attackers import TooFewFiles, idle_connections
 
     proc = psutil.Process(t.stack.allocator.pid)
+    url = t.stack.allocator_metrics_url
     before = proc.num_threads()
-    socks = []
+    metrics_before = _metrics_waits(url)
+    out: dict[str, Any] = {}
     try:
-        for _ in range(w.idle_connections):
-            socks.append(connect(t.stack.allocator_metrics_url))
+        socks = idle_connections(url, w.idle_connections)
+    except TooFewFiles as exc:
+        out["note"] = str(exc)
+        socks = []
+    try:
         time.sleep(0.5)
         during = proc.num_threads()
-        yield (out := {})
+        metrics_during = _metrics_waits(url)
+        yield out
     finally:
         for sock in socks:
             sock.close()
+    failed = metrics_during.count(None)
+    slowest = max((s for s in metrics_during if s is not None), default=None)
     out.update(connections=len(socks), threads_before=before, threads_with_them=during,
-               reached=during - before > MAX_CONNECTIONS + 16)  # more than the bound's threads
+               metrics_probes=len(metrics_during),
+               metrics_p50_ms_before=_ms(harness.percentile(metrics_before, 0.5)),
+               metrics_max_ms_before=_ms(max((s for s in metrics_before if s is not None), default=None)),
+               metrics_p50_ms_during=_ms(harness.percentile(metrics_during, 0.5)), metrics_max_ms_during=_ms(slowest),
+               metrics_failed_during=failed,
+               # a thread each, or /metrics not answered within METRICS_TARGET_S
+               reached=during - before > 16 or failed > 0 or slowest is None or slowest > METRICS_TARGET_S)
+
+
+def _metrics_waits(url: str, probes: int = METRICS_PROBES) -> list[float | None]:
+    """Seconds each of `probes` GETs of `url` took, a new connection each
+    (None: not a 200 within 10 s), METRICS_PAUSE_S apart."""
+    import httpx
+
+    waits: list[float | None] = []
+    for _ in range(probes):
+        t0 = time.perf_counter()
+        try:
+            ok = httpx.get(url, timeout=10).status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        waits.append(time.perf_counter() - t0 if ok else None)
+        time.sleep(METRICS_PAUSE_S)
+    return waits
 
 
 @contextlib.contextmanager
@@ -582,10 +617,25 @@ def tables(report: dict) -> list[Table]:
     head = [f"workload {w['name']}: {w['what']}.",
             "p99 before: the victim alone in the seconds before the attack; during: while it ran. Succeeded: the "
             "attack's aim was reached, or the victim lost a Step or a request, or a process exited."]
-    return [Table("attacks on a stack with credentials and one without",
-                  ["stack", "attack", "Step p99 before ms", "during", "router p99 before ms", "during",
-                   "allocator RSS MiB", "threads", "succeeded", "victim errors", "refused"],
-                  rows, head + notes)]
+    tables_ = [Table("attacks on a stack with credentials and one without",
+                     ["stack", "attack", "Step p99 before ms", "during", "router p99 before ms", "during",
+                      "allocator RSS MiB", "threads", "succeeded", "victim errors", "refused"],
+                     rows, head + notes)]
+    flood = [[kind, cell(d["connections"]), cell(d["metrics_p50_ms_before"], ".1f"),
+              cell(d["metrics_max_ms_before"], ".1f"), cell(d["metrics_p50_ms_during"], ".1f"),
+              cell(d["metrics_max_ms_during"], ".1f"), cell(d["metrics_failed_during"]), cell(d["threads_before"]),
+              cell(d["threads_with_them"])]
+             for kind, run in report["stacks"].items() for r in run["attacks"]
+             if r["attack"] == "idle-connections" and "metrics_probes" in (d := r["details"])]
+    if flood:
+        tables_.append(Table(
+            "the allocator's /metrics before and during the idle-connection flood on its HTTP port",
+            ["stack", "idle connections", "/metrics p50 before ms", "max before", "p50 during", "max during",
+             "failed", "allocator threads before", "with them"],
+            flood, [f"{METRICS_PROBES} GETs of /metrics before the connections open and {METRICS_PROBES} while they "
+                    f"are open, a new connection each; failed: not a 200 within 10 s; target: every one within "
+                    f"{METRICS_TARGET_S:g} s."]))
+    return tables_
 
 
 def run(args: argparse.Namespace) -> int:

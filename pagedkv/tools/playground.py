@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise CliError(f"--port must be 0 to 65535 (got {args.port})")
     try:
-        httpd, _ = start_web_server(args.port, args.host, playground=True)
+        httpd = start_web_server(args.port, args.host, playground=True)
     except OSError as exc:
         raise CliError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
     host = f"[{args.host}]" if ":" in args.host else args.host

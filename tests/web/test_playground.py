@@ -41,7 +41,7 @@ def test_api_matches_replay_and_refuses_bad_input():
 
 @pytest.fixture(scope="module")
 def site():
-    httpd, _ = start_web_server(0, "127.0.0.1", playground=True)
+    httpd = start_web_server(0, "127.0.0.1", playground=True)
     yield f"http://127.0.0.1:{httpd.server_port}"
     stop_web_server(httpd)
 

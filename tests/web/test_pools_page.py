@@ -83,7 +83,7 @@ def test_metrics_bytes_are_prometheus_clients_own():
 
     registry = CollectorRegistry()
     Counter("pagedkv_test_things", "Things.", ["kind"], registry=registry).labels("a").inc(3)
-    ours, _ = start_web_server(0, "127.0.0.1", registry=registry, service=object())
+    ours = start_web_server(0, "127.0.0.1", registry=registry, service=object())
     theirs, _ = start_http_server(0, addr="127.0.0.1", registry=registry)
     try:
         for path in ("/metrics", "/metrics?name[]=pagedkv_test_things_total"):
