@@ -23,6 +23,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "route": ("pagedkv.bench.route", "the router's policies (kv, least-load, round-robin) on a multi-tenant workload"),
     "restart": ("pagedkv.bench.restart", "the allocator restarted under load: failed requests and wrong texts"),
     "tiers": ("pagedkv.bench.tiers", "the KV tiers (none, host, host + shared store) on multi-turn chats"),
+    "host": ("pagedkv.bench.host", "the host's time per step against a simulated GPU (sim:h100): device busy ratio, "
+             "TPOT, host ms per step by part, in-process and gRPC allocator"),
     "attacks": ("pagedkv.bench.attacks", "the trust-boundary attacks on a stack with credentials and one without: "
                 "the victim's p99, the allocator's RSS and threads"),
     "compare": ("pagedkv.bench.compare", "one benchmark run by another checkout and by this one in turn: "

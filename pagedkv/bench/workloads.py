@@ -19,6 +19,8 @@ it works (the test suite runs it); its figures compare nothing.
   a new user message (`multi_turn_chats`).
 - `ATTACKS` (`bench attacks`): the victim's load, each attack's size and how
   long it runs.
+- `HOST` (`bench host`): decode-heavy chats on a simulated GPU, a fixed number
+  running at once (`decode_heavy_request`).
 - `warmup_prompts`: random ids that share no block with any of the above.
 """
 
@@ -82,6 +84,34 @@ STEPS = {
                           "1,024-token admits)", sizes=(1, 8), steps=20, warmup=2, victim_seqs=8,
                           neighbour_blocks=2048, neighbour_prompt=1024),
 }
+
+
+# -- the host's cost per step on a simulated GPU (bench host) ---------------------------------
+
+
+@dataclass(frozen=True)
+class HostWorkload:
+    what: str = field(compare=False)
+    sizes: tuple[int, ...] = (1, 64, 256)  # sequences running at once, one case each
+    steps: int = 200  # timed steps per case, once every first request has its first token
+    prompt_tokens: tuple[int, int] = (500, 1500)  # uniform, inclusive
+    output_tokens: tuple[int, int] = (200, 400)
+    max_num_batched_tokens: int = 8192
+    seed: int = 0
+
+
+HOST = {
+    "default": HostWorkload("1, 64 and 256 sequences running at once, prompts of 500-1,500 tokens, outputs of "
+                            "200-400 (ignore_eos), a new request as each finishes; 200 timed steps per case"),
+    "small": HostWorkload("1 and 4 sequences, prompts of 50-100 tokens, outputs of 20-40, 10 timed steps",
+                          sizes=(1, 4), steps=10, prompt_tokens=(50, 100), output_tokens=(20, 40)),
+}
+
+
+def decode_heavy_request(rng: random.Random, w: HostWorkload, vocab: int) -> tuple[list[int], int]:
+    """A prompt of random ids (no two share a block) and its output length."""
+    prompt = [rng.randrange(vocab) for _ in range(rng.randint(*w.prompt_tokens))]
+    return prompt, rng.randint(*w.output_tokens)
 
 
 # -- paged decode attention (bench attention) ------------------------------------------------
