@@ -24,8 +24,11 @@ from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
 
 from pagedkv_base.tokenizer import NoTokenizer, Tokenizer
 
-__all__ = ["CHAT_TEMPLATE", "ModelLoadError", "gguf_tokenizer", "hf_cache_dir", "hf_tokenizer", "load_tokenizer",
+__all__ = ["CHAT_TEMPLATE", "LOAD_FORMATS", "ModelLoadError", "gguf_tokenizer", "hf_cache_dir", "hf_tokenizer", "load_tokenizer",
            "read_json", "resolve_model", "resolve_repo", "smollm2_path", "tiny_tokenizer"]
+
+# How a worker fills its model: the checkpoint's weights, or random ones in its shape (vLLM's names).
+LOAD_FORMATS = ("auto", "dummy")
 
 log = logging.getLogger(__name__)
 

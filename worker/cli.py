@@ -17,6 +17,7 @@ from typing import ClassVar
 
 from pagedkv_base.config import add_arguments as add_setting_flags
 from pagedkv_base.config import from_args, setting
+from pagedkv_base.model_files import LOAD_FORMATS
 from pagedkv_base.settings import (
     LOG_LEVELS,
     CliError,
@@ -120,6 +121,10 @@ class WorkerArgs:
         "pass is timed by a roofline model, not computed; the model is then a folder with a config.json "
         "(Llama family or OPT; no weights needed), prompts come as token ids unless it has a tokenizer, and "
         "the KV pool is sized from the GPU's memory less the weights (docs/simulator.md)", stack=True)
+    load_format: str = setting(
+        "auto", "'auto' (the model's weights) or 'dummy' (as vLLM's: random weights in the shape of the folder's "
+        "config.json, no checkpoint needed, for measuring speed on a real device; prompts as token ids unless "
+        "the folder has a tokenizer)", choices=LOAD_FORMATS, stack=True)
     clock: str = setting(
         "wall", "the engine's clock on a sim: device: 'wall' (the device time really passes) or 'virtual' "
         "(the clock advances by device time only; latencies and metrics read it, host time is not counted)",
@@ -270,7 +275,7 @@ def build_engine(args: argparse.Namespace):
         gpu(w.device.removeprefix(SIM_PREFIX))  # an unknown name is refused before the model is read
         loaded = load_sim_model(w.model, dtype=None if w.dtype == "auto" else canonical_dtype(w.dtype))
         return LLMEngine(loaded, engine_config(args, loaded.config.dtype))
-    loaded = load_model(w.model, device=w.device, dtype=w.dtype)
+    loaded = load_model(w.model, device=w.device, dtype=w.dtype, load_format=w.load_format)
     dtype = str(loaded.model.dtype).removeprefix("torch.")
     return LLMEngine(loaded, engine_config(args, dtype))
 

@@ -1,8 +1,9 @@
-"""`pagedkv bench host`: what the host costs a GPU, on a simulated one.
+"""`pagedkv bench host`: what the host costs a GPU, on a simulated one or a real one.
 
-A worker engine with Llama-3-8B's public config (bf16; no weights: the
-simulated device's roofline times each step, worker/sim/) on `--device`
-(`sim:h100` by default), with the wall clock: the device's time really
+A worker engine with Llama-3-8B's public config (bf16) on `--device`:
+`sim:h100` by default (no weights: the simulated device's roofline times each
+step, worker/sim/), or `cuda` (random weights, `--load-format dummy`, half of
+the GPU's free memory for the KV pool), with the wall clock: the device's time really
 passes while the host plans the next step and calls the allocator, as
 against a GPU. For each allocator (`--allocators`: in-process, or a real
 allocator process over gRPC) and each number of sequences running at once,
@@ -29,7 +30,6 @@ import itertools
 import random
 import statistics
 import tempfile
-import time
 
 from pagedkv.bench import harness
 from pagedkv.bench.harness import Table, cell
@@ -44,8 +44,9 @@ _IDS = itertools.count(1)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     harness.add_workload_option(parser, HOST)
-    parser.add_argument("--device", default="sim:h100", metavar="sim:NAME",
-                        help="the simulated GPU (worker --device) [sim:h100]")
+    parser.add_argument("--device", default="sim:h100", metavar="sim:NAME|cuda",
+                        help="a simulated GPU, or cuda: a real one running the model with random weights "
+                             "(worker --device) [sim:h100]")
     parser.add_argument("--allocators", type=harness.comma_list(ALLOCATORS), default=list(ALLOCATORS),
                         help="which allocators: embedded (in the engine's process), grpc (an allocator process) "
                              "[embedded,grpc]")
@@ -54,34 +55,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def measure(args: argparse.Namespace) -> dict:
     from worker.engine import LLMEngine
-    from worker.model.sim import load_sim_model
     from worker.sim import is_sim, write_config
 
-    if not is_sim(args.device):
+    sim = is_sim(args.device)
+    if not sim and args.device != "cuda":
         from pagedkv_base.settings import CliError
 
-        raise CliError(f"--device must be a simulated GPU (sim:NAME), got {args.device!r}")
+        raise CliError(f"--device must be a simulated GPU (sim:NAME) or cuda, got {args.device!r}")
     w = HOST[args.workload]
-    cases, roofline = [], None
+    cases, roofline, device_name = [], None, args.device
     with tempfile.TemporaryDirectory(prefix="pagedkv-bench-host-") as folder:
         write_config("llama-3-8b", folder)
+        loaded = _load(folder, args.device)
+        if not sim:
+            import torch
+
+            device_name = f"cuda ({torch.cuda.get_device_name()}, torch {torch.__version__})"
         for kind in args.allocators:
             with contextlib.ExitStack() as stack:
                 address = deploy(stack, kind)
                 for n in w.sizes:
                     harness.log("host", f"{kind}, {n} sequences")
-                    engine = LLMEngine(load_sim_model(folder), _config(folder, args.device, address, n, w))
+                    engine = LLMEngine(loaded, _config(folder, args.device, address, n, w))
                     try:
-                        roofline = engine.runner.roofline
+                        roofline = getattr(engine.runner, "roofline", None)
                         cases.append({"allocator": kind, "seqs": n, **_case(engine, n, w)})
                     finally:
                         engine.close()
+                        del engine
+                        _free(args.device)
     summary = {f"{c['allocator']}/{c['seqs']}": {k: c[k] for k in (
         "device_busy_ratio", "tpot_p50_ms", "device_ms_per_step", "host_ms_per_step")} for c in cases}
     grpc_256 = summary.get("grpc/256", {}).get("device_busy_ratio")
     return {
-        "device": args.device,
-        "model": "llama-3-8b (public config.json, bfloat16)",
+        "device": device_name,
+        "simulated": sim,
+        "model": "llama-3-8b (public config.json, bfloat16" + (")" if sim else "; random weights)"),
         "roofline": None if roofline is None else {
             "gpu": roofline.gpu.description, "mfu": roofline.mfu, "mbu": roofline.mbu,
             "launch_ms": roofline.launch_s * 1e3},
@@ -93,12 +102,38 @@ def measure(args: argparse.Namespace) -> dict:
     }
 
 
+def _load(folder: str, device: str):
+    """The model once for every case: its shape on a simulated device, random weights on a real one."""
+    from worker.sim import is_sim
+
+    if is_sim(device):
+        from worker.model.sim import load_sim_model
+
+        return load_sim_model(folder)
+    from worker.model.loader import load_model
+
+    return load_model(folder, device, "bfloat16", load_format="dummy")
+
+
+def _free(device: str) -> None:
+    """A real device's KV pool goes with its engine before the next one takes its memory."""
+    if device == "cuda":
+        import gc
+
+        import torch
+
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 def _config(folder: str, device: str, address: str, n: int, w: HostWorkload):
     from worker.engine import EngineConfig
 
+    # on a real GPU half of its free memory (the weights loaded) for the KV pool; a simulated one sizes its own
+    memory = {"kv_cache_memory": "0.5"} if device == "cuda" else {}
     return EngineConfig(model=folder, device=device, dtype="bfloat16", allocator=address,
                         worker_id=f"bench-host-{next(_IDS)}", enable_prefix_caching=True, max_num_seqs=n,
-                        max_num_batched_tokens=w.max_num_batched_tokens)
+                        max_num_batched_tokens=w.max_num_batched_tokens, **memory)
 
 
 def _case(engine, n: int, w: HostWorkload) -> dict:
@@ -123,7 +158,7 @@ def _case(engine, n: int, w: HostWorkload) -> dict:
                 add()
     metrics, clock = engine.metrics, engine.clock
     host0 = _host_sums(metrics)
-    busy0, device0, t0 = engine.busy.busy_total, engine.runner.device_seconds, clock.now()
+    busy0, t0 = engine.busy.busy_total, clock.now()
     tokens, gaps = 0, []
     for _ in range(w.steps):
         outs = engine.step()
@@ -146,7 +181,7 @@ def _case(engine, n: int, w: HostWorkload) -> dict:
         "tpot_p50_ms": round(1e3 * harness.percentile(gaps, 0.5), 3) if gaps else None,
         "tpot_mean_ms": round(1e3 * statistics.fmean(gaps), 3) if gaps else None,
         "tokens_per_s": round(tokens / elapsed, 1),
-        "device_ms_per_step": round((engine.runner.device_seconds - device0) / w.steps * 1e3, 3),
+        "device_ms_per_step": round((engine.busy.busy_total - busy0) / w.steps * 1e3, 3),
         "host_ms_per_step": {p: round(v, 3) for p, v in host.items()},
         "host_ms_per_step_total": round(sum(host.values()), 3),
         "preemptions": engine.num_preemptions,
@@ -166,9 +201,13 @@ def tables(report: dict) -> list[Table]:
              *(cell(c["host_ms_per_step"][p], ".3f") for p in PARTS), cell(c["host_ms_per_step_total"], ".3f"),
              cell(c["tokens_per_s"], ",.0f")] for c in report["cases"]]
     t = report["targets"]
+    device = (f"Device: {report['device']} ({roof.get('gpu', '-')}), simulated: a roofline with MFU "
+              f"{roof.get('mfu')}, MBU {roof.get('mbu')}, launch {roof.get('launch_ms')} ms; the host's times are "
+              "this machine's, measured." if report.get("simulated", True) else
+              f"Device: {report['device']}, real: device time from CUDA events around each step's forward pass "
+              "and sampling; the host's times are this machine's.")
     notes = [
-        f"Device: {report['device']} ({roof.get('gpu', '-')}), simulated: a roofline with MFU {roof.get('mfu')}, "
-        f"MBU {roof.get('mbu')}, launch {roof.get('launch_ms')} ms; the host's times are this machine's, measured.",
+        device,
         f"Model: {report['model']}. Workload: {report['workload']}.",
         "device busy: device time / wall time over the timed steps. TPOT p50: the median gap between two tokens "
         "of a sequence. Host ms per step: pagedkv_worker_step_host_seconds by part, per timed step.",
@@ -176,7 +215,8 @@ def tables(report: dict) -> list[Table]:
         + ("not measured" if t["device_busy_ratio_grpc_256"] is None else
            f"{t['device_busy_ratio_grpc_256']:.3f} ({'met' if t['met'] else 'not met'})") + ".",
     ]
-    return [Table("Host time against a simulated GPU (allocator/sequences running)",
+    kind = "a simulated GPU" if report.get("simulated", True) else "a real GPU"
+    return [Table(f"Host time against {kind} (allocator/sequences running)",
                   ["case", "device busy", "TPOT p50 ms", "device ms/step", "schedule ms", "allocator wait ms",
                    "sample ms", "output ms", "host ms", "tokens/s"], rows, notes)]
 

@@ -9,6 +9,7 @@ cached prefixes; SmolLM2's GGUF must give the same greedy chat replies.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import random
 
@@ -176,6 +177,29 @@ def test_tiny_random_is_deterministic_and_complete(tiny):
     out2 = greedy_generate(again.model, [prompt], 12, tiny.eos_token_ids)
     assert out1 == out2 and len(out1[0]) >= 1
     assert tiny.max_model_len == 2048 and tiny.eos_token_ids
+
+
+def test_dummy_load_format_reads_the_config_alone(tmp_path):
+    """`--load-format dummy`: a folder holding only config.json gives a model of its shape with
+    random weights, the same on every load (so workers of one device share cached prefixes);
+    prompts are token ids. A folder with weights gets the same random ones, not its own."""
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "vocab_size": 300, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "eos_token_id": 2}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    one, two = (load_model(tmp_path, load_format="dummy") for _ in range(2))
+    assert one.fingerprint == two.fingerprint != load_model("tiny-random").fingerprint
+    assert one.model.config.num_layers == 2 and one.model.lm_head.weight.shape == (300, 64)
+    assert torch.equal(one.model.lm_head.weight, two.model.lm_head.weight)
+    assert 0.015 < one.model.lm_head.weight.std().item() < 0.025
+    assert one.eos_token_ids == (2,) and one.max_model_len == 256
+    assert type(one.tokenizer).__name__ == "NoTokenizer"
+    out = greedy_generate(one.model, [[5, 6, 7, 8]], 6, ())
+    assert out == greedy_generate(two.model, [[5, 6, 7, 8]], 6, ()) and len(out[0]) == 6
+    with pytest.raises(ModelLoadError, match="--load-format dummy needs a model folder with a config.json"):
+        load_model("tiny-random", load_format="dummy")
+    with pytest.raises(ValueError, match="load_format must be one of auto, dummy"):
+        load_model(tmp_path, load_format="zeros")
 
 
 def test_bfloat16_matches_float32_loosely(tiny):

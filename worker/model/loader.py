@@ -13,6 +13,12 @@
 - `tiny-random`: a 2-layer random-weight Llama with a byte-level tokenizer,
   built in memory in well under a second, for engine and HTTP tests.
 
+`load_format` "dummy" (vLLM's name) reads a Hugging Face folder's config.json
+alone and fills the model with random weights on the device (seeded: the same
+on every worker of one device type), for measuring a model's speed without
+its checkpoint; the folder's tokenizer is used when it has one, else prompts
+come as token ids.
+
 `dtype` "auto" (or None) is the model's own: float32 on the CPU (where
 bfloat16 and float16 are slow), on CUDA the `torch_dtype` of its config.json
 (float32 served as bfloat16, as vLLM does), else bfloat16.
@@ -30,16 +36,24 @@ from typing import Any
 
 import torch
 
-from pagedkv_base.model_files import ModelLoadError, hf_tokenizer, read_json, resolve_model
+from pagedkv_base.model_files import (
+    LOAD_FORMATS,
+    ModelLoadError,
+    hf_tokenizer,
+    read_json,
+    resolve_model,
+)
 from worker.kv_bytes import WORKER_DTYPES, canonical_dtype
 from worker.model.config import ModelConfig
 from worker.model.llama import LlamaForCausalLM
 from worker.model.loaded import LoadedModel
 from worker.model.tiny import build_tiny_random
 
-__all__ = ["ModelLoadError", "load_model", "resolve_dtype"]
+__all__ = ["LOAD_FORMATS", "ModelLoadError", "load_model", "resolve_dtype"]
 
 _FINGERPRINT_VERSION = "pagedkv-model-v1"
+_DUMMY_SEED = 0
+_DUMMY_STD = 0.02  # the usual initializer range of Llama-family configs
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device, declared: str | None = None) -> torch.dtype:
@@ -64,10 +78,18 @@ def load_model(
     spec: str | Path,
     device: str | torch.device = "cpu",
     dtype: str | torch.dtype | None = None,
+    load_format: str = "auto",
 ) -> LoadedModel:
-    """Load `spec` (see the module docstring) onto `device` in `dtype` ("auto": the model's own)."""
+    """Load `spec` (see the module docstring) onto `device` in `dtype` ("auto": the model's own);
+    `load_format` "dummy": random weights in the shape of its config.json."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, not {load_format!r}")
     dev = torch.device(device)
     kind, path, name = resolve_model(spec)
+    if load_format == "dummy":
+        if kind != "hf" or path is None:
+            raise ModelLoadError(f"--load-format dummy needs a model folder with a config.json, got {str(spec)!r}")
+        return _dummy_hf_folder(path, dev, dtype, name=name)
     if kind == "tiny":
         return build_tiny_random(dev, resolve_dtype(dtype, dev))
     if kind == "gguf":
@@ -141,6 +163,42 @@ def _load_hf_folder(folder: Path, device: torch.device, dtype: str | torch.dtype
         chat_template=template,
         name=name or folder.name,
         sampling_defaults=sampling_defaults(gen),
+    )
+
+
+def _dummy_hf_folder(folder: Path, device: torch.device, dtype: str | torch.dtype | None,
+                     name: str | None = None) -> LoadedModel:
+    """A folder's model with random weights (`load_format` "dummy")."""
+    from pagedkv_base.tokenizer import NoTokenizer
+
+    if not (folder / "config.json").is_file():
+        raise ModelLoadError(f"{folder} has no config.json")
+    raw = read_json(folder / "config.json")
+    config = ModelConfig.from_hf(raw)
+    dtype = resolve_dtype(dtype, device, declared=raw.get("torch_dtype") or raw.get("dtype"))
+    model = LlamaForCausalLM.create(config, device, dtype)
+    gen = torch.Generator(device=device).manual_seed(_DUMMY_SEED)
+    for pname, p in model.named_parameters():
+        if pname.endswith("norm.weight"):
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, _DUMMY_STD, generator=gen)
+    has_tokenizer = (folder / "tokenizer.json").is_file()
+    tokenizer, template = hf_tokenizer(folder) if has_tokenizer else (NoTokenizer(), None)
+    eos = raw.get("eos_token_id")
+    tok_files = [folder / n for n in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+                 if (folder / n).is_file()]
+    return LoadedModel(
+        model=model,
+        config=config,
+        tokenizer=tokenizer,
+        # random weights, the same for a device type: the folder's config and tokenizer, the seed, the device
+        fingerprint=fingerprint(config, tok_files, extra=f"dummy/{_DUMMY_SEED}/{device.type}"),
+        eos_token_ids=tuple(dict.fromkeys(int(e) for e in (eos if isinstance(eos, list) else [eos])
+                                          if e is not None)),
+        max_model_len=_max_model_len(config),
+        chat_template=template,
+        name=name or folder.name,
     )
 
 
