@@ -18,6 +18,15 @@ readable by its owner only:
 - `journal-key`: the allocator's journal key (`PAGEDKV_ALLOCATOR_JOURNAL_KEY_FILE`),
   which keys the chain of its Redis journal.
 
+With `--split` each process also gets a folder of its own holding only its
+files, under the same names, for a deployment that mounts each process its
+own folder (compose: a volume each), so a worker never sees the admin
+token or another worker's token:
+
+- `allocator/`: `worker-tokens`, `router-token`, `admin-token`, `journal-key`;
+- `router/`: `router-token`;
+- `<WORKER_ID>/`: `<WORKER_ID>.token`, `<WORKER_ID>.store-key`.
+
 Written again only when the workers (ids, addresses or group) differ from
 the folder's: a restarted container keeps its token. The journal key and the
 store keys are written once and never again (what was written under them
@@ -113,6 +122,24 @@ def write_credentials(directory: str | os.PathLike, workers: Sequence[tuple[str,
     return True
 
 
+ALLOCATOR_DIR, ROUTER_DIR = "allocator", "router"
+
+
+def processes_files(workers: Sequence[str]) -> dict[str, list[str]]:
+    """Each process's folder (`--split`) and the files it holds."""
+    return {ALLOCATOR_DIR: [WORKER_TOKENS, ROUTER_TOKEN, ADMIN_TOKEN, JOURNAL_KEY], ROUTER_DIR: [ROUTER_TOKEN],
+            **{w: [worker_token_file(Path(), w).name, store_key_file(Path(), w).name] for w in workers}}
+
+
+def split_credentials(directory: str | os.PathLike, workers: Sequence[str]) -> None:
+    """Copy each process's files from the folder into a folder of its own (`processes_files`)."""
+    d = Path(directory)
+    for folder, names in processes_files(workers).items():
+        (d / folder).mkdir(exist_ok=True)
+        for name in names:
+            write_secret(d / folder / name, (d / name).read_text())
+
+
 # ------------------------------------------------------------ the command
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -124,6 +151,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--store-group", metavar="NAME",
                    help="put these workers in one store group: each loads the shared-store entries the others "
                    "write (one trust domain); without it each worker is a group of its own")
+    p.add_argument("--split", action="store_true",
+                   help="also give each process a folder of its own files (DIR/allocator, DIR/router, "
+                   "DIR/WORKER_ID), to mount each process only its own")
     return p
 
 
@@ -138,6 +168,8 @@ def run(args: argparse.Namespace) -> int:
         pairs.append((worker_id, url))
     try:
         written = write_credentials(args.directory, pairs, args.store_group)
+        if args.split:
+            split_credentials(args.directory, [w for w, _ in pairs])
     except ValueError as exc:
         raise CliError(str(exc)) from exc
     print(f"credentials for {len(pairs)} workers in {args.directory} ({'written' if written else 'kept'})")

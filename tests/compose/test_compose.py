@@ -284,6 +284,17 @@ def test_every_service_is_healthy_and_grafana_stays_for_users(stack):
     assert "grafana" in stack.compose("config", "--services").stdout.split()
 
 
+def test_each_container_holds_its_own_credentials_only(stack):
+    """No worker or router container can read the admin token, or another worker's token."""
+    def held(service: str) -> set[str]:
+        return set(stack.docker("exec", stack.container(service), "ls", "/credentials").stdout.split())
+
+    assert held("worker-1") == {"worker-1.token", "worker-1.store-key"}
+    assert held("worker-2") == {"worker-2.token", "worker-2.store-key"}
+    assert held("router") == {"router-token"}
+    assert "admin-token" in held("allocator")
+
+
 def test_chat_with_each_worker_through_its_published_port(stack):
     for worker in (*WORKERS, "router"):  # the router: the one port published by docker-compose.yml
         t0 = time.monotonic()

@@ -17,7 +17,7 @@ WORKERS = [("worker-1", "http://worker-1:8000"), ("worker-2", "http://worker-2:8
 
 
 def _files(d) -> dict[str, str]:
-    return {p.name: p.read_text() for p in sorted(d.iterdir())}
+    return {p.name: p.read_text() for p in sorted(d.iterdir()) if p.is_file()}
 
 
 def test_each_worker_gets_a_token_bound_to_its_id_and_address(tmp_path):
@@ -71,3 +71,20 @@ def test_each_worker_gets_its_store_groups_key(tmp_path):
     assert not write_credentials(tmp_path / "own", WORKERS, "team")
     with pytest.raises(ValueError, match=r"the store group 'a.b' must be 1 to 64 characters of \[A-Za-z0-9_-\]"):
         write_credentials(tmp_path / "bad", WORKERS, "a.b")
+
+
+def test_split_gives_each_process_only_its_own_files(tmp_path):
+    """`--split`: a folder per process; no worker's or the router's holds the admin token
+    or another worker's token."""
+    r = subprocess.run([sys.executable, "-m", "pagedkv", "credentials", str(tmp_path), *(f"{w}={u}" for w, u in WORKERS),
+                        "--store-group", "stack", "--split"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    files = _files(tmp_path)
+    held = {d.name: {p.name: p.read_text() for p in d.iterdir()} for d in tmp_path.iterdir() if d.is_dir()}
+    assert held == {
+        "allocator": {n: files[n] for n in ("worker-tokens", "router-token", "admin-token", "journal-key")},
+        "router": {"router-token": files["router-token"]},
+        "worker-1": {n: files[n] for n in ("worker-1.token", "worker-1.store-key")},
+        "worker-2": {n: files[n] for n in ("worker-2.token", "worker-2.store-key")},
+    }
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for d in tmp_path.iterdir() if d.is_dir() for p in d.iterdir())

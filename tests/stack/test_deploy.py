@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pagedkv.stack.credentials import ADMIN_TOKEN, processes_files
 from pagedkv_base.settings import parse_threads
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -99,11 +100,17 @@ def test_compose_topology(compose):
     # to its id and the address it advertises), the router's and an admin's.
     cred = s["credentials"]
     assert cred["command"] == ["credentials", "/credentials", "worker-1=http://worker-1:8000",
-                               "worker-2=http://worker-2:8000", "--store-group", "stack"]
-    assert cred["restart"] == "no" and cred["volumes"] == ["credentials:/credentials"]
-    assert s["router"]["volumes"] == ["credentials:/credentials:ro"]
+                               "worker-2=http://worker-2:8000", "--store-group", "stack", "--split"]
+    # each process mounts only its own folder of them (`--split`): no worker reads the admin token
+    own = {"allocator": "credentials-allocator", "router": "credentials-router", "worker-1": "credentials-worker-1",
+           "worker-2": "credentials-worker-2"}
+    assert cred["restart"] == "no" and cred["volumes"] == ["credentials:/credentials", *(
+        f"{volume}:/credentials/{name}" for name, volume in own.items())]
+    assert s["router"]["volumes"] == ["credentials-router:/credentials:ro"]
     for name in ("allocator", "worker-1", "worker-2"):  # and the KV tiers' shared store (a file:// volume)
-        assert s[name]["volumes"] == ["credentials:/credentials:ro", "kv-store:/kv-store"], name
+        assert s[name]["volumes"] == [f"{own[name]}:/credentials:ro", "kv-store:/kv-store"], name
+    files = processes_files(["worker-1", "worker-2"])
+    assert ADMIN_TOKEN in files["allocator"] and all(ADMIN_TOKEN not in files[n] for n in own if n != "allocator")
     assert s["allocator"]["depends_on"]["credentials"]["condition"] == "service_completed_successfully"
     tokens = flags(s["allocator"]["command"])
     assert (tokens["--worker-tokens-file"], tokens["--router-token-file"], tokens["--admin-token-file"]) == (
@@ -113,6 +120,7 @@ def test_compose_topology(compose):
         assert flags(s[name]["command"])["--allocator-token-file"] == f"/credentials/{name}.token"
         # the key of the store group both are in: their store entries are sealed
         assert flags(s[name]["command"])["--kv-store-key-file"] == f"/credentials/{name}.store-key"
+        assert {f"{name}.token", f"{name}.store-key"} == set(files[name])  # in its own folder
     for name, svc in s.items():
         if name == "credentials":
             continue
