@@ -40,10 +40,12 @@ sequences (prompts times n) is refused with a 400, as a worker refuses it.
 `/health`: 200 while some worker is known (503 `no_workers` otherwise);
 `/metrics`: the router's series (`metrics.py`).
 
-Credentials: a client's `Authorization` header is never forwarded. With API
-keys the router checks the client's as a worker does (`ApiKeyCheck`) and
-presents the one of its own keys the client's matched to the workers (which
-have the same keys); without keys it presents none. Behind keys (with
+Credentials: a client's `Authorization` header (and any tenant header it
+sends) is never forwarded. With API keys the router checks the client's as a
+worker does (`ApiKeyCheck`) and presents its own key (`worker_api_key`, the
+first of its keys) to the workers, which have the same keys, with the
+client's tenant id (`x-pagedkv-tenant`: an HMAC of the client's key, never
+the key); without keys it presents none. Behind keys (with
 `cache_salt_per_api_key`) a request's prompt is matched under the salt the
 worker will cache it under (`pagedkv_base.api.tenants`): its key's, so one
 key's cached prefixes neither draw nor show in another key's requests. A worker is sent anything at all only once it has proven
@@ -80,7 +82,7 @@ from pagedkv_base.api.errors import (
     install_error_handlers,
 )
 from pagedkv_base.api.protocol import ChatCompletionRequest, CompletionRequest, template_messages
-from pagedkv_base.api.tenants import api_key_of, tenant_salt
+from pagedkv_base.api.tenants import TENANT_HEADER, api_key_of, tenant_of, tenant_salt
 from router.discovery import Discovery, MergedDiscovery, Worker
 from router.metrics import RouterMetrics
 from router.policy import Balance, Candidate, rank
@@ -102,7 +104,8 @@ RETRY_STATUSES = frozenset((502, 503, 504))
 WHOLE_ANSWER_BYTES = 1 << 20
 # Not forwarded either way (hop-by-hop, set anew by this hop, or the client's credentials).
 _HOP = frozenset((b"host", b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"te",
-                  b"upgrade", b"proxy-authorization", b"proxy-connection", b"authorization", b"cookie"))
+                  b"upgrade", b"proxy-authorization", b"proxy-connection", b"authorization", b"cookie",
+                  TENANT_HEADER.encode()))
 _HOP_OUT = frozenset(("connection", "keep-alive", "transfer-encoding", "date", "server", "content-length"))
 
 
@@ -149,10 +152,12 @@ class Router:
         self.recent = RecentBlocks()
 
     def worker_auth(self, request: Request) -> list[tuple[str, str]]:
-        """The header the router presents to workers for `request`: the router's
-        key that the client's matched (`ApiKeyCheck`), else `worker_api_key`."""
-        key = api_key_of(request) or self.worker_api_key
-        return [("authorization", f"Bearer {key}")] if key else []
+        """The headers the router presents to workers for `request`: its own key
+        (`worker_api_key`), never the client's, and behind keys the client's
+        tenant id (TENANT_HEADER), under which the worker caches its blocks."""
+        headers = [("authorization", f"Bearer {self.worker_api_key}")] if self.worker_api_key else []
+        key = api_key_of(request)
+        return headers + [(TENANT_HEADER, tenant_of(key))] if key is not None else headers
 
     def cache_salt(self, request: Request, salt: str | None) -> str | None:
         """The salt the worker caches `request`'s blocks under (`tenant_salt` of
@@ -166,7 +171,7 @@ class Router:
             check_cache_salt(salt)
         except InvalidArgument:
             return salt
-        return tenant_salt(key, salt)
+        return tenant_salt(tenant_of(key), salt)
 
     # ------------------------------------------------------------ choosing
     def candidates_for(self, model: str) -> list[Worker]:

@@ -107,8 +107,8 @@ class RouterArgs:
         fallback_env="VLLM_API_KEY")
     api_keys_file: str | None = setting(
         None, "file of API keys, one a line ('#' comments and blank lines skipped): each is accepted as "
-        "--api-key is, with or without it, and a request is sent on to a worker with the key it came with "
-        "(give the workers the same keys)")
+        "--api-key is, with or without it; the router presents its first key to the workers with the client's "
+        "tenant id (an HMAC of the client's key, never the key), so give the workers the same keys")
     cache_salt_per_api_key: bool = setting(
         True, "behind API keys, match each key's prompts in its own cache, as the workers (with the same "
         "setting) cache them: a request's cache salt is derived from its key and its own cache_salt; "
@@ -171,6 +171,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def build_router(args: argparse.Namespace):
     """The Router (tokenizer loaded, allocator client made), not started."""
+    from pagedkv_base.api.tenants import api_keys
     from pagedkv_base.model_files import ModelLoadError, load_tokenizer
     from router.app import Router
     from router.discovery import Discovery, MergedDiscovery
@@ -202,7 +203,8 @@ def build_router(args: argparse.Namespace):
         discovery = parts[0] if parts else Discovery(None, r.workers or (), refresh_s=r.refresh_interval)
     return Router(tokenizer, discovery, r.policy, allocators=clients, first_byte_timeout=r.first_byte_timeout,
                   max_answer_bytes=r.max_answer_mb << 20,
-                  worker_api_key=r.api_key, cache_salt_per_api_key=r.cache_salt_per_api_key, balance=Balance(r.balance_abs_threshold, r.balance_rel_threshold,
+                  worker_api_key=next(iter(api_keys(r.api_key, r.api_keys_file)), None),
+                  cache_salt_per_api_key=r.cache_salt_per_api_key, balance=Balance(r.balance_abs_threshold, r.balance_rel_threshold,
                                                                  r.cache_threshold))
 
 

@@ -70,6 +70,37 @@ def test_the_router_matches_under_the_salt_the_worker_caches_under(stack):
     assert _cached(router, KEY_B, prompt) == (0, 0)
 
 
+def test_the_router_never_passes_a_clients_key_on(keys_file):
+    """The worker sees the router's own key (its first) and the client's tenant id,
+    never the client's key, nor a tenant header the client sent."""
+    from pagedkv.stack import RouterProcess
+    from pagedkv_base.api.tenants import TENANT_HEADER, tenant_of
+    from tests.router.test_failover import BadWorker
+
+    with BadWorker("record") as worker:
+        router = RouterProcess(model=MODEL, args=["--workers", worker.url, "--api-keys-file", str(keys_file),
+                                                  "--log-level", "warning"]).start().wait_healthy(120)
+        try:
+            client = openai_client(router.url, api_key=KEY_B)
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=1,
+                                      extra_headers={TENANT_HEADER: tenant_of(KEY_A)})  # no: the router sets it
+            [head] = worker.heads
+            assert head["authorization"] == f"Bearer {KEY_A}" and head[TENANT_HEADER] == tenant_of(KEY_B)
+            assert not any(KEY_B in v for v in head.values())
+        finally:
+            router.terminate()
+
+
+def test_through_the_router_a_key_caches_under_its_own_tenant(stack):
+    """The router presents its own key, yet the worker caches a request under the
+    client's tenant: what key B sent through the router is cached for key B's direct
+    requests, and not for key A's (the key the router presents)."""
+    worker, prompt = stack.worker_urls[0], "tenant " + PROMPT
+    assert _cached(stack.router_url, KEY_B, prompt)[0] == 0
+    assert _cached(worker, KEY_B, prompt)[0] >= (len(prompt) // BLOCK - 1) * BLOCK
+    assert _cached(worker, KEY_A, prompt)[0] == 0
+
+
 def test_one_key_still_shares_across_its_requests_and_the_setting_turns_salts_off(worker_process, keys_file):
     with worker_process("--model", MODEL, "--num-blocks", "128", "--block-size", str(BLOCK),
                         "--api-keys-file", str(keys_file), env={"PAGEDKV_WORKER_CACHE_SALT_PER_API_KEY": "0"}) as url:

@@ -41,12 +41,14 @@ class BadWorker:
     then closes), `silent` (reads the request and never answers), `huge` (a 200 whose
     body goes on for 300 MB), `huge-declared` (a 200 that says its body is 300 MB),
     `trickle` (a 200 whose body comes a byte at a time), `trickle-stream` (an event
-    stream that sends a byte at a time and never ends an event). GETs (/v1/models)
+    stream that sends a byte at a time and never ends an event), `record` (answers a
+    completion and keeps each request's headers in `heads`). GETs (/v1/models)
     answer 404."""
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
         self.posts = 0
+        self.heads: list[dict[str, str]] = []
         self.loop = asyncio.new_event_loop()
         self.ready = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -83,7 +85,14 @@ class BadWorker:
                 writer.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
                 return
             self.posts += 1
-            if self.mode == "503":
+            self.heads.append({k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in lines[1:] if h)})
+            if self.mode == "record":
+                body = json.dumps({"id": "cmpl-rec", "object": "text_completion", "created": 0, "model": MODEL,
+                                   "choices": [{"index": 0, "text": "ok", "logprobs": None, "finish_reason": "stop"}],
+                                   "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}).encode()
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                             b"connection: close\r\n\r\n%s" % (len(body), body))
+            elif self.mode == "503":
                 body = b'{"error": {"message": "overloaded"}}'
                 writer.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
                              b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))

@@ -1,7 +1,7 @@
 """The router with a static --workers list (no allocator: routing by load
 alone) in front of a worker that wants an API key: the router checks the
-key as a worker does and forwards the client's header, so the worker's own
-check passes; /v1/models is the worker's card."""
+key as a worker does and presents its own (the same key here), so the
+worker's own check passes; /v1/models is the worker's card."""
 
 from __future__ import annotations
 

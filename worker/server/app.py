@@ -44,7 +44,7 @@ from pagedkv_base.api.protocol import (
     CompletionRequest,
     template_messages,
 )
-from pagedkv_base.api.tenants import api_key_of, tenant_salt
+from pagedkv_base.api.tenants import tenant_of_request, tenant_salt
 from worker.engine import (
     AllocatorError,
     AsyncLLMEngine,
@@ -271,16 +271,17 @@ async def _answer(request: Request, req: BaseRequest, prompts: list[list[int]], 
 
 def _cache_salt(request: Request, req: BaseRequest) -> str | None:
     """The salt the request's blocks are cached under: behind API keys (with
-    `cache_salt_per_api_key`) one derived from its key and its own salt, else
-    its own salt. A salt the allocator would refuse is a 400."""
-    key = api_key_of(request)
-    if key is None or not request.app.state.cache_salt_per_api_key:
+    `cache_salt_per_api_key`) one derived from its tenant (its key's, or the
+    one a router named) and its own salt, else its own salt. A salt the
+    allocator would refuse is a 400."""
+    tenant = tenant_of_request(request)
+    if tenant is None or not request.app.state.cache_salt_per_api_key:
         return req.cache_salt
     try:
         check_cache_salt(req.cache_salt)
     except InvalidArgument as exc:
         raise ApiError(400, str(exc), param="cache_salt") from None
-    return tenant_salt(key, req.cache_salt)
+    return tenant_salt(tenant, req.cache_salt)
 
 
 def _sampling_params(req: BaseRequest, max_tokens: int | None, served_model_name: str, core,
