@@ -239,3 +239,28 @@ def test_bad_store_flags_are_one_line_errors(tmp_path):
         assert p.returncode != 0, args
         lines = p.stderr.strip().splitlines()
         assert len(lines) == 1 and text in lines[0], (args, p.stderr)
+
+
+def test_a_worker_follows_the_store_when_the_allocator_changes_it(tiny, reference, redis_store, allocator_server,
+                                                                  tmp_path):
+    """The allocator restarted on another `--kv-shared-store` drops the pools of the old
+    one; their workers register again and write to the new store only."""
+    old, new = tmp_path / "old", tmp_path / "new"
+
+    def entries(folder: Path) -> int:
+        return sum(1 for p in folder.rglob("*") if p.is_file())
+
+    with redis_store() as (url, _):
+        args = ("--state", url, "--kv-shared-store-size", STORE_GIB)
+        with allocator_server(*args, "--kv-shared-store", f"file://{old}") as server:
+            engine = make(tiny, remote(server.address), worker_id="w")
+            assert tokens(engine, prompts(1)) == reference[1]
+            settle(engine)
+            written = entries(old)
+            assert written > 20 and engine.tiers.store.store.url == f"file://{old}"
+        with allocator_server(*args, "--kv-shared-store", f"file://{new}", listen=f"127.0.0.1:{server.port}"):
+            assert tokens(engine, prompts(1)) == reference[1]  # its pool dropped: registered anew, computed again
+            settle(engine)
+            assert engine.allocator.shared_store == f"file://{new}" and engine.tiers.store.store.url == f"file://{new}"
+            assert entries(new) > 20 and entries(old) == written  # nothing more went to the old store
+            engine.allocator.close()

@@ -194,7 +194,7 @@ class StepExchange:
             # Every block is gone: all running sequences start over.
             health.answered()  # the client registered a fresh pool
             if self.tiers is not None:
-                self.tiers.pool_lost()
+                self.tiers.pool_lost(self.allocator.shared_store, self.allocator.store_namespace)
             for seq in list(self.running):
                 self._preempt(batch, seq, "pool_lost")
             self._to_free = []

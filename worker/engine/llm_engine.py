@@ -174,8 +174,9 @@ class LLMEngine:
         except AllocatorUnavailable:
             health.unanswered()
             return
-        except PoolLost:
-            pass  # registered afresh; nothing is running, so nothing to recompute
+        except PoolLost:  # registered afresh; nothing is running, so nothing to recompute
+            if self.tiers is not None:
+                self.tiers.pool_lost(self.allocator.shared_store, self.allocator.store_namespace)
         except Exception as exc:  # noqa: BLE001 - a refusal: /health says so until an answer
             health.refused(exc)
             return

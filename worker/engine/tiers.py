@@ -84,6 +84,7 @@ class EngineTiers:
         self.host = host
         self.metrics = metrics
         self.store: StoreMover | None = None
+        self._store_key: bytes | None = None
         n = host.num_slots if host is not None else 0
         if swap_slots and (host is None or not 0 < swap_slots < n):
             raise ValueError(f"{swap_slots} swap slots do not fit a host tier of {n} slots")
@@ -100,6 +101,7 @@ class EngineTiers:
     def open_store(self, url: str, namespace: str = "", key: bytes | None = None) -> None:
         """Use the shared store at `url` (StoreOpenError, one line, when it cannot be used),
         its entries under `namespace` (the allocator's), sealed with the store group's `key`."""
+        self._store_key = key
         self._store_meter = self.metrics.tier("shared")
         self.store = StoreMover(open_store(url), self.layout, self.pool, namespace=namespace,
                                 seal=StoreSeal(key) if key is not None else None, host=self.host,
@@ -133,12 +135,27 @@ class EngineTiers:
         for mine, theirs in zip(self._report, report, strict=True):
             mine[:0] = theirs
 
-    def pool_lost(self) -> None:
-        """The allocator dropped the pool: a report names the old pool's moves, so none goes out."""
+    def pool_lost(self, shared_store: str | None = None, namespace: str = "") -> None:
+        """The allocator dropped the pool: a report names the old pool's moves, so none goes out.
+        The fresh pool uses the store the allocator names now (`shared_store`, its `namespace`):
+        an allocator restarted on another store drops the pools of the old one, whose workers
+        must not write there any more."""
         self._report = TierReport([], [], [], [], [])
         self._saving.clear()
         self._written.clear()
         self._set_used()
+        mover = self.store
+        now = (mover.store.url, mover.namespace) if mover is not None else None
+        if mover is None or now == (shared_store, namespace or self.layout.key):
+            return  # (a worker that opted out of the store, or the same store)
+        self.store = None
+        mover.store.close()
+        if shared_store:
+            try:
+                self.open_store(shared_store, namespace, self._store_key)
+            except ValueError as exc:  # the new store cannot be used here: no store, not a dead worker
+                log.warning("the allocator's shared store changed to one this worker cannot use: %s", exc)
+        log.warning("shared store: %s now (was %s)", shared_store or "none", now[0])
 
     # ------------------------------------------------------------- the moves
     def apply(self, batch: Batch, copy_blocks) -> None:
