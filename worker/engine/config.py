@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from allocator_service.core.limits import MAX_BLOCK_SIZE
+from worker.engine.reservation import RESERVATIONS
 from worker.kv_bytes import WORKER_DTYPES
 
 # more slots ahead would hold blocks for long without saving more calls
@@ -33,6 +34,10 @@ class EngineConfig:
     kv_offloading_size: float = 0.0
     kv_shared_store: bool = True
     preemption_mode: str = "recompute"
+    # KV slots a request holds from its admission (reservation.py): "paged"
+    # (none ahead: blocks as it grows), or a baseline of the servers before
+    # paging, "max", "pow2" or "oracle" (a benchmark setting, not a flag).
+    kv_reservation: str = "paged"
     device: str = "cpu"
     dtype: str = "float32"
     max_num_seqs: int = 64
@@ -72,5 +77,10 @@ class EngineConfig:
             raise ValueError("--kv-offloading-size needs prefix caching (the tiers keep blocks by their hash)")
         if self.preemption_mode == "swap" and not self.kv_offloading_size:
             raise ValueError("--preemption-mode swap needs a host tier (--kv-offloading-size GIB)")
+        if self.kv_reservation not in RESERVATIONS:
+            raise ValueError(f"kv_reservation must be one of {', '.join(RESERVATIONS)}, got {self.kv_reservation!r}")
+        if self.kv_reservation != "paged" and self.enable_prefix_caching:
+            raise ValueError(f"kv_reservation {self.kv_reservation!r} models a server without a prefix cache: "
+                             "turn prefix caching off")
         if self.dtype not in WORKER_DTYPES:
             raise ValueError("--dtype must be float32, float16 or bfloat16")
