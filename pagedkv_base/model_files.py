@@ -22,7 +22,7 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
 
-from pagedkv_base.tokenizer import Tokenizer
+from pagedkv_base.tokenizer import NoTokenizer, Tokenizer
 
 __all__ = ["CHAT_TEMPLATE", "ModelLoadError", "gguf_tokenizer", "hf_cache_dir", "hf_tokenizer", "load_tokenizer",
            "read_json", "resolve_model", "resolve_repo", "smollm2_path", "tiny_tokenizer"]
@@ -45,6 +45,8 @@ def load_tokenizer(spec: str | Path) -> Tokenizer:
         from gguf import GGUFReader
 
         return gguf_tokenizer(GGUFReader(path))[0]
+    if not (path / "tokenizer.json").is_file() and (path / "config.json").is_file():
+        return NoTokenizer()  # a config alone (a simulated model): prompts come as token ids
     return hf_tokenizer(path)[0]
 
 

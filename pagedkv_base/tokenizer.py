@@ -17,7 +17,7 @@ from typing import Any
 
 import tokenizers
 
-__all__ = ["ChatTemplateError", "IncrementalDetokenizer", "TokenTexts", "Tokenizer"]
+__all__ = ["ChatTemplateError", "IncrementalDetokenizer", "NoTokenizer", "TokenTexts", "Tokenizer"]
 
 _LONG = 4096  # characters (or ids) from which the GIL is let go while tokenizing
 
@@ -160,6 +160,35 @@ class Tokenizer:
         """A streaming decoder for one sequence, primed with its prompt: the
         generated text reads as it does after the prompt."""
         return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens)
+
+
+class NoTokenizer(Tokenizer):
+    """The tokenizer of a model folder that has none (a config.json alone):
+    prompts come as token ids, and the text of an answer is empty (its
+    tokens are in `choices[].token_ids`), as vLLM's `--skip-tokenizer-init`."""
+
+    def __init__(self) -> None:
+        super().__init__(None)  # type: ignore[arg-type]
+
+    @property
+    def vocab_size(self) -> int:
+        return 0
+
+    def token_to_id(self, token: str) -> int | None:
+        return None
+
+    def min_tokens(self, text: str) -> int:
+        return 0
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise ValueError("this model has no tokenizer: send the prompt as token ids")
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return ""
+
+    @cached_property
+    def special_ids(self) -> frozenset[int]:
+        return frozenset()
 
 
 class IncrementalDetokenizer:

@@ -27,6 +27,7 @@ from pagedkv_base.settings import (
     run_command,
     seconds,
 )
+from worker.sim import CLOCKS, DEFAULT_LAUNCH_S, DEFAULT_MBU, DEFAULT_MFU, SIM_PREFIX, gpu, is_sim
 
 ENV_HELP = """\
 Every setting is also the environment variable PAGEDKV_WORKER_<SETTING> (shown
@@ -85,8 +86,8 @@ class WorkerArgs:
         "and new ones are refused until it answers", parse=seconds, flag=False)
     num_blocks: int | None = setting(None, "KV blocks in the pool", stack=True)
     kv_cache_memory: str | None = setting(
-        None, "KV pool size instead of --num-blocks: '2GiB', '512MiB', or on CUDA a fraction of free memory "
-        "such as '0.5'", shown_default="512MiB", stack=True)
+        None, "KV pool size instead of --num-blocks: '2GiB', '512MiB', or on CUDA and sim: a fraction of free "
+        "memory (after the weights) such as '0.5'", shown_default="512MiB; 0.9 on sim:", stack=True)
     block_size: int = setting(16, "token slots per block")
     enable_prefix_caching: bool = setting(
         True, "share identical prompt prefixes between requests (hash-chained blocks), as in vLLM; "
@@ -110,7 +111,23 @@ class WorkerArgs:
     num_lookahead_slots: int = setting(
         8, "slots an allocator call holds for each decoding sequence past its next token, so the next N steps "
         "make no call unless one runs out or requests arrive (0: a call every step)", metavar="N")
-    device: str = setting("cpu", "torch device: cpu or cuda", stack=True)
+    device: str = setting(
+        "cpu", "cpu, cuda, or sim:NAME: a simulated GPU (h100, h200, a100-40gb, a100-80gb, l4) whose forward "
+        "pass is timed by a roofline model, not computed; the model is then a folder with a config.json "
+        "(Llama family or OPT; no weights needed), prompts come as token ids unless it has a tokenizer, and "
+        "the KV pool is sized from the GPU's memory less the weights (docs/simulator.md)", stack=True)
+    clock: str = setting(
+        "wall", "the engine's clock on a sim: device: 'wall' (the device time really passes) or 'virtual' "
+        "(the clock advances by device time only; latencies and metrics read it, host time is not counted)",
+        choices=CLOCKS, stack=True)
+    sim_mfu: float = setting(
+        DEFAULT_MFU, "sim: share of the GPU's peak FLOP/s a step reaches (model FLOPs utilisation)", stack=True)
+    sim_mbu: float = setting(
+        DEFAULT_MBU, "sim: share of the GPU's memory bandwidth a step reaches (model bandwidth utilisation)",
+        stack=True)
+    sim_launch_ms: float = setting(
+        DEFAULT_LAUNCH_S * 1e3, "sim: fixed cost of one step, milliseconds (kernel launches, synchronisation)",
+        stack=True)
     dtype: str = setting(
         "auto", "weights and KV dtype; 'auto' is the model's own: float32 on the CPU, on CUDA its config's "
         "torch_dtype (float32 models as bfloat16)", choices=DTYPES)
@@ -197,6 +214,10 @@ def engine_config(args: argparse.Namespace, dtype: str | None = None):
         kv_shared_store=w.kv_shared_store,
         preemption_mode=w.preemption_mode,
         device=w.device,
+        clock=w.clock,
+        sim_mfu=w.sim_mfu,
+        sim_mbu=w.sim_mbu,
+        sim_launch_ms=w.sim_launch_ms,
         dtype=dtype or ("float32" if w.dtype == "auto" else canonical_dtype(w.dtype)),
         max_num_seqs=w.max_num_seqs,
         max_num_batched_tokens=w.max_num_batched_tokens,
@@ -226,9 +247,15 @@ def set_threads(threads: int | None) -> int:
 def build_engine(args: argparse.Namespace):
     """Load the model and make the engine (also used by tests and benches)."""
     from worker.engine import LLMEngine
+    from worker.kv_bytes import canonical_dtype
     from worker.model.loader import load_model
+    from worker.model.sim import load_sim_model
 
     w = worker_args(args)
+    if is_sim(w.device):  # a config.json alone: its shape, no weights
+        gpu(w.device.removeprefix(SIM_PREFIX))  # an unknown name is refused before the model is read
+        loaded = load_sim_model(w.model, dtype=None if w.dtype == "auto" else canonical_dtype(w.dtype))
+        return LLMEngine(loaded, engine_config(args, loaded.config.dtype))
     loaded = load_model(w.model, device=w.device, dtype=w.dtype)
     dtype = str(loaded.model.dtype).removeprefix("torch.")
     return LLMEngine(loaded, engine_config(args, dtype))

@@ -8,13 +8,18 @@ purpose: `pagedkv kv-size` imports this and stays instant.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 __all__ = [
     "DTYPE_ALIASES",
     "DTYPE_BYTES",
     "ELEMENT_BYTES",
     "WORKER_DTYPES",
     "canonical_dtype",
+    "KVDims",
     "kv_bytes_per_token",
+    "kv_dims_from_config",
+    "positive_field",
 ]
 
 # Bytes per element of each element type, by its torch name.
@@ -55,3 +60,36 @@ def canonical_dtype(name: str) -> str | None:
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, bytes_per_element: int) -> int:
     """Bytes one token's K/V costs: K and V, in every layer, every KV head."""
     return 2 * num_layers * num_kv_heads * head_dim * bytes_per_element
+
+
+class KVDims(NamedTuple):
+    """What a token's K/V size depends on, read from a Hugging Face config.json."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def positive_field(cfg: dict, key: str) -> int:
+    """`cfg[key]`, a positive integer, or ValueError naming it."""
+    v = cfg.get(key)
+    if type(v) is not int or v <= 0:
+        raise ValueError(f"config.json: {key} must be a positive integer (got {v!r})")
+    return v
+
+
+def kv_dims_from_config(cfg: dict) -> KVDims:
+    """Layers, KV heads and head dim of a config.json (a multimodal one's `text_config`).
+    `num_key_value_heads` defaults to `num_attention_heads` (no grouped-query
+    attention); `head_dim` to hidden_size / num_attention_heads."""
+    if "text_config" in cfg and "num_hidden_layers" not in cfg:
+        cfg = cfg["text_config"]
+    layers = positive_field(cfg, "num_hidden_layers")
+    heads = positive_field(cfg, "num_attention_heads")
+    kv_heads = positive_field(cfg, "num_key_value_heads") if cfg.get("num_key_value_heads") is not None else heads
+    if cfg.get("head_dim") is not None:
+        return KVDims(layers, kv_heads, positive_field(cfg, "head_dim"))
+    hidden = positive_field(cfg, "hidden_size")
+    if hidden % heads:
+        raise ValueError(f"config.json: hidden_size {hidden} is not a multiple of {heads} heads")
+    return KVDims(layers, kv_heads, hidden // heads)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -46,14 +46,16 @@ _UNITS: dict[str, int] = {
 _MEMORY_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_memory(text: str | int | float, device: str | torch.device | None = None) -> int:
+def parse_memory(text: str | int | float, device: str | torch.device | None = None,
+                 free_bytes: Callable[[], int] | None = None) -> int:
     """Bytes meant by a memory size such as "2GiB", "512MiB", "1.5GB" or "1048576".
 
     Decimal units (KB, MB, GB, TB) are powers of 1000; binary units (KiB, MiB,
     GiB, TiB and the bare K, M, G, T) powers of 1024. A unitless number in
     (0, 1] is a fraction of the memory free right now on `device`: on CUDA
     `torch.cuda.mem_get_info`, on the CPU the kernel's MemAvailable. So "0.5"
-    is half the free memory, and "1" is all of it, not one byte.
+    is half the free memory, and "1" is all of it, not one byte. `free_bytes`
+    tells the free memory instead (a simulated device's).
     """
     if isinstance(text, int) and not isinstance(text, bool):
         if text < 0:
@@ -66,7 +68,7 @@ def parse_memory(text: str | int | float, device: str | torch.device | None = No
     if unit not in _UNITS:
         raise ValueError(f"unknown memory unit {match.group(2)!r} in {text!r}; known: {sorted(_UNITS)}")
     if unit == "" and 0 < number <= 1:
-        return int(number * free_memory_bytes(device))
+        return int(number * (free_bytes() if free_bytes is not None else free_memory_bytes(device)))
     return int(number * _UNITS[unit])
 
 

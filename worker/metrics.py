@@ -38,6 +38,11 @@ _REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5, 10
 # Tokens per request: 1, 2, 5, 10, ... 1,000,000 (vLLM's 1-2-5 series).
 _TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5) if m * 10**e <= 10**6)
 
+# Host time per engine step (seconds): from tens of microseconds (a decode step's bookkeeping) up.
+_HOST_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
+# The parts of a step's host time, the `part` label of step_host_seconds.
+HOST_PARTS = ("schedule", "allocator_wait", "sample", "output")
+
 # Every metric name a worker exports (the dashboard test checks against this).
 METRIC_NAMES = (
     f"{PREFIX}_kv_pool_blocks",
@@ -63,6 +68,8 @@ METRIC_NAMES = (
     f"{PREFIX}_time_to_first_token_seconds",
     f"{PREFIX}_inter_token_latency_seconds",
     f"{PREFIX}_step_duration_seconds",
+    f"{PREFIX}_step_host_seconds",
+    f"{PREFIX}_device_busy_ratio",
     f"{PREFIX}_allocator_step_seconds",
     f"{PREFIX}_allocator_steps_ahead_total",
     f"{PREFIX}_allocator_calls_total",
@@ -259,6 +266,15 @@ class WorkerMetrics:
         self.ttft = hist("time_to_first_token_seconds", "Arrival to first generated token.", _TTFT_BUCKETS).labels(**lv)
         self.itl = hist("inter_token_latency_seconds", "Time between two generated tokens of a request.", _ITL_BUCKETS).labels(**lv)
         self.step_time = hist("step_duration_seconds", "Wall time of one engine step (schedule + allocator + forward).", _STEP_BUCKETS).labels(**lv)
+        host = Histogram(f"{PREFIX}_step_host_seconds", "Host time of one engine step by part: schedule (planning the "
+                         "step and the next one's call), allocator_wait (in allocator calls, what async scheduling "
+                         "did not hide), sample (drawing tokens from the outputs), output (stop checks, detokenizing, "
+                         "streaming); the device's own time is not in it.", [*names, "part"], buckets=_HOST_BUCKETS,
+                         registry=r)
+        self.step_host = {part: host.labels(**lv, part=part) for part in HOST_PARTS}
+        self.device_busy = gauge("device_busy_ratio", "Share of the last 10 s (of the engine's clock) the device "
+                                 "computed: CUDA events on a GPU, the stream on a sim: device, the forward pass on "
+                                 "the CPU.").labels(**lv)
         self.allocator_step = hist("allocator_step_seconds", "Time a step waited for its allocator Step call (with async scheduling, what the previous forward pass did not hide).", _STEP_BUCKETS).labels(**lv)
         self.allocator_calls = counter("allocator_calls", "Allocator Step calls the engine's steps made; a step computed in slots its sequences hold already (lookahead slots) makes none.").labels(**lv)
         self.allocator_steps_ahead = counter("allocator_steps_ahead", "Allocator Step calls sent ahead, while the previous step computed (async scheduling).").labels(**lv)

@@ -13,7 +13,7 @@ import json
 from dataclasses import asdict, dataclass
 
 from pagedkv_base.settings import CliError
-from worker.kv_bytes import DTYPE_BYTES, kv_bytes_per_token
+from worker.kv_bytes import DTYPE_BYTES, kv_bytes_per_token, kv_dims_from_config
 
 GIB = 1 << 30
 
@@ -29,27 +29,13 @@ class KVSize:
     max_context: int | None
 
 
-def _positive_int(cfg: dict, key: str) -> int:
-    v = cfg.get(key)
-    if type(v) is not int or v <= 0:
-        raise CliError(f"config.json: {key} must be a positive integer (got {v!r})")
-    return v
-
-
 def kv_size_from_config(cfg: dict, dtype: str | None = None) -> KVSize:
-    # Multimodal configs nest the language model's config.
+    try:
+        layers, kv_heads, head_dim = kv_dims_from_config(cfg)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     if "text_config" in cfg and "num_hidden_layers" not in cfg:
         cfg = cfg["text_config"]
-    layers = _positive_int(cfg, "num_hidden_layers")
-    heads = _positive_int(cfg, "num_attention_heads")
-    kv_heads = _positive_int(cfg, "num_key_value_heads") if cfg.get("num_key_value_heads") is not None else heads
-    if cfg.get("head_dim") is not None:
-        head_dim = _positive_int(cfg, "head_dim")
-    else:
-        hidden = _positive_int(cfg, "hidden_size")
-        if hidden % heads:
-            raise CliError(f"config.json: hidden_size {hidden} is not a multiple of {heads} heads")
-        head_dim = hidden // heads
     name = (dtype or cfg.get("torch_dtype") or cfg.get("dtype") or "float16").lower()
     if name not in DTYPE_BYTES:
         raise CliError(f"unknown dtype {name!r} (known: {', '.join(sorted(DTYPE_BYTES))})")

@@ -67,6 +67,9 @@ class BaseRequest(BaseModel):
     priority: int = 0
     user: str | None = None
     prompt_logprobs: int | None = None  # vLLM's: top logprobs of every prompt token (not streamed)
+    # vLLM's: each choice carries its generated ids (`token_ids`; streamed: this chunk's); a
+    # completion's choice also its prompt's (`prompt_token_ids`)
+    return_token_ids: bool = False
 
     def unsupported_fields(self) -> list[str]:
         """The fields this request sets that PagedKV does not implement."""

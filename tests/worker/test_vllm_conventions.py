@@ -287,3 +287,19 @@ def test_health_is_503_once_the_engine_thread_dies():
             assert streamed.status_code == 503
     finally:
         engine.shutdown()
+
+
+def test_return_token_ids_gives_each_choice_its_ids(client):
+    # vLLM's `return_token_ids`, on a model with a tokenizer: the ids decode to the choice's text
+    kw = dict(model=SERVED, prompt="Hello there", max_tokens=6, temperature=0,
+              extra_body={"return_token_ids": True, "ignore_eos": True})
+    choice = client.completions.create(**kw).choices[0].model_dump()
+    assert len(choice["token_ids"]) == 6 and choice["prompt_token_ids"]
+    streamed = [c.choices[0].model_dump() for c in client.completions.create(stream=True, **kw) if c.choices]
+    assert [t for c in streamed for t in c["token_ids"]] == choice["token_ids"]
+    assert streamed[0]["prompt_token_ids"] == choice["prompt_token_ids"]
+    chat = client.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                          temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert len(chat.choices[0].model_dump()["token_ids"]) == 4
+    plain = client.completions.create(model=SERVED, prompt="Hello there", max_tokens=2).choices[0].model_dump()
+    assert plain.get("token_ids") is None

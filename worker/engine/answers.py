@@ -44,6 +44,7 @@ class StepExchange:
     _finishing: list[Sequence]
     _flushed: list[Sequence]
     stall_backoff_s: tuple[float, float] = (0.05, 1.0)
+    allocator_wait_total: float = 0.0  # seconds the engine thread spent in allocator calls, all steps
     on_stall: Callable[[float], None] | None = None
     tiers: EngineTiers | None = None
 
@@ -209,7 +210,9 @@ class StepExchange:
                 self.tiers.give_back(report)
             raise AllocatorError("allocator_refused", "the allocator refused this worker's step") from exc
         finally:
-            batch.allocator_seconds += time.perf_counter() - t0
+            waited = time.perf_counter() - t0
+            batch.allocator_seconds += waited
+            self.allocator_wait_total += waited
 
     def _computes(self, batch: Batch, seq: Sequence, p: Planned) -> None:
         """A running sequence whose Append was accepted, or that needed none:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from allocator_service.core.limits import MAX_BLOCK_SIZE
 from worker.engine.reservation import RESERVATIONS
 from worker.kv_bytes import WORKER_DTYPES
+from worker.sim import CLOCKS, DEFAULT_LAUNCH_S, DEFAULT_MBU, DEFAULT_MFU, is_sim
 
 # more slots ahead would hold blocks for long without saving more calls
 MAX_LOOKAHEAD_SLOTS = 1024
@@ -38,8 +39,15 @@ class EngineConfig:
     # (none ahead: blocks as it grows), or a baseline of the servers before
     # paging, "max", "pow2" or "oracle" (a benchmark setting, not a flag).
     kv_reservation: str = "paged"
-    device: str = "cpu"
+    device: str = "cpu"  # cpu, cuda[:N] or sim:NAME (a simulated GPU: worker/engine/sim_runner.py)
     dtype: str = "float32"
+    # The engine's clock: "wall", or on a simulated device "virtual" (only device time passes).
+    clock: str = "wall"
+    # The simulated device's roofline (worker/sim/roofline.py): shares of the peak FLOP/s and
+    # HBM bandwidth a step reaches, and the fixed cost of launching one.
+    sim_mfu: float = DEFAULT_MFU
+    sim_mbu: float = DEFAULT_MBU
+    sim_launch_ms: float = DEFAULT_LAUNCH_S * 1e3
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # default: the model's
@@ -82,5 +90,15 @@ class EngineConfig:
         if self.kv_reservation != "paged" and self.enable_prefix_caching:
             raise ValueError(f"kv_reservation {self.kv_reservation!r} models a server without a prefix cache: "
                              "turn prefix caching off")
+        if self.clock not in CLOCKS:
+            raise ValueError(f"--clock must be one of {', '.join(CLOCKS)}, got {self.clock!r}")
+        if self.clock == "virtual" and not is_sim(self.device):
+            raise ValueError("--clock virtual needs a simulated device (--device sim:NAME)")
+        if not 0 < self.sim_mfu <= 1 or not 0 < self.sim_mbu <= 1:
+            raise ValueError("--sim-mfu and --sim-mbu must be in (0, 1]")
+        if not 0 <= self.sim_launch_ms < float("inf"):
+            raise ValueError("--sim-launch-ms must be >= 0")
+        if is_sim(self.device) and self.kv_offloading_size:
+            raise ValueError("--kv-offloading-size: KV tiers are not simulated on a sim: device")
         if self.dtype not in WORKER_DTYPES:
             raise ValueError("--dtype must be float32, float16 or bfloat16")

@@ -32,14 +32,17 @@ from allocator_service.client import (
     connect,
 )
 from allocator_service.core import InvalidArgument, PoolConfig, check_cache_salt
+from worker.engine.busy import BusyMeter
 from worker.engine.config import EngineConfig
 from worker.engine.model_runner import ModelRunner, SampledToken
 from worker.engine.output_processor import OutputProcessor, RequestOutput
 from worker.engine.sampling import SamplingError, SamplingParams, make_generator
 from worker.engine.scheduler import Batch, Scheduler
 from worker.engine.sequence import Sequence, Status, kv_in_use
+from worker.engine.sim_runner import SimRunner
 from worker.engine.tiers import EngineTiers, swap_slots_for
 from worker.metrics import WorkerMetrics
+from worker.sim import is_sim
 from worker.tiers import HostTier, KVLayout
 
 log = logging.getLogger("pagedkv.worker")
@@ -76,8 +79,12 @@ class LLMEngine:
         self.loaded = loaded
         self._probing = False  # an idle probe of the allocator is in flight
         self.tokenizer = loaded.tokenizer
-        self.runner = ModelRunner(loaded, config)
+        self.simulated = is_sim(config.device)
+        self.runner = SimRunner(loaded, config) if self.simulated else ModelRunner(loaded, config)
         self.kv_pool = self.runner.kv_pool
+        # The engine's clock: arrivals, latencies and metrics read it (a virtual one on a sim: device).
+        self.clock = self.runner.clock
+        self.busy = self.runner.busy = BusyMeter(self.clock.now)
         self.device = self.runner.device
         self.block_size = config.block_size
         self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
@@ -105,7 +112,8 @@ class LLMEngine:
                 host_blocks=tiers.host_blocks if tiers is not None else 0,
                 layout=layout.key if layout is not None else "",
                 block_bytes=layout.block_bytes if layout is not None else 0,
-                use_shared_store=tiers is not None and config.kv_shared_store,
+                # (a simulated pool has no bytes to share)
+                use_shared_store=tiers is not None and config.kv_shared_store and not self.simulated,
             ),
             advertise_url=config.advertise_url,
             served_model_name=config.served_model_name or config.model,
@@ -132,6 +140,7 @@ class LLMEngine:
         self.runner.tiers = tiers
         self.metrics.watch_pool(self.allocator.stats, self.kv_pool.bytes_total)
         self.metrics.threads.set_function(torch.get_num_threads)
+        self.metrics.device_busy.set_function(self.busy.ratio)
         self.scheduler = Scheduler(
             allocator, config.max_num_seqs, config.max_num_batched_tokens,
             on_preempt=lambda seq, cause: self.metrics.preempted(cause),
@@ -203,6 +212,9 @@ class LLMEngine:
                 raise RequestError(f"prompt token ids must be integers in [0, {vocab})")
         if not prompt_ids:
             raise RequestError("the prompt is empty")
+        if self.simulated and (params.logprobs is not None or params.prompt_logprobs is not None):
+            raise RequestError("a simulated device computes no logits: logprobs are not available",
+                               param="logprobs" if params.logprobs is not None else "prompt_logprobs")
         limit = self.prompt_limit
         if len(prompt_ids) >= limit:
             raise self._too_long(f"{len(prompt_ids)}")
@@ -229,6 +241,7 @@ class LLMEngine:
             prompt_token_ids=prompt_ids,
             params=params,
             max_tokens=params.max_tokens or room,
+            arrival_time=self.clock.now(),
             generator=make_generator(params, self.device),
             prompt_logprobs=prompt_logprobs,
             cache_salt=salt,
@@ -301,8 +314,9 @@ class LLMEngine:
             raise
 
     def _step(self) -> list[RequestOutput]:
-        t0 = time.perf_counter()
-        batch = self.scheduler.schedule()
+        clock, scheduler = self.clock, self.scheduler
+        t0, c0, waited = time.perf_counter(), clock.now(), scheduler.allocator_wait_total
+        batch = scheduler.schedule()
         if batch.tiered:
             # Its tier moves, now: the step before it has computed (its
             # blocks hold what they save), and the call sent next (async)
@@ -312,37 +326,52 @@ class LLMEngine:
             self.metrics.allocator_step.observe(batch.allocator_seconds)
             self.metrics.allocator_calls.inc()
             # The high-water marks: without a call no block table grew and nobody was admitted.
-            running = self.scheduler.running  # as this step computes them, their blocks from its call
+            running = scheduler.running  # as this step computes them, their blocks from its call
             self.metrics.peaks.observe(*kv_in_use(running, self.block_size), len(running))
         self.num_preemptions += len(batch.preempted)
         outputs = [self._failed_output(seq) for seq in batch.failed]
-        now = time.monotonic()
+        now = clock.now()
         for entry in batch.entries:  # the queue time ends at the first schedule
             if entry.seq.first_scheduled_time is None:
                 entry.seq.first_scheduled_time = now
-        if self.scheduler.async_scheduling:
+        # A device whose launch returns at once (sim:) computes while the next step is planned.
+        launched = self.runner.launch(batch) if batch.entries and self.runner.asynchronous else None
+        if scheduler.async_scheduling:
             # The next step's allocator call runs while this one computes.
-            if self.scheduler.schedule_ahead(batch):
+            if scheduler.schedule_ahead(batch):
                 self.metrics.allocator_steps_ahead.inc()
+        waited = scheduler.allocator_wait_total - waited
+        host = self.metrics.step_host
+        host["schedule"].observe(max(0.0, time.perf_counter() - t0 - waited))
+        host["allocator_wait"].observe(waited)
         if batch.entries:
-            outputs += self._run(batch)
+            outputs += self._run(batch, launched)
         if batch.queried_tokens:  # (after it computed: a tier load refused is not a hit)
             self.metrics.prefix_queried.inc(batch.queried_tokens)
             self.metrics.prefix_hit.inc(batch.cached_tokens)
-        self.metrics.running.set(len(self.scheduler.running))
-        self.metrics.waiting.set(len(self.scheduler.waiting))
-        self.metrics.step_time.observe(time.perf_counter() - t0)
+        self.metrics.running.set(len(scheduler.running))
+        self.metrics.waiting.set(len(scheduler.waiting))
+        self.metrics.step_time.observe(clock.now() - c0)
         return outputs
 
-    def _run(self, batch: Batch) -> list[RequestOutput]:
-        sampled = self.runner.execute(batch)
-        now = time.monotonic()
+    def _run(self, batch: Batch, launched) -> list[RequestOutput]:
+        runner, host = self.runner, self.metrics.step_host
+        if launched is None:
+            launched = runner.launch(batch)
+        runner.wait(launched)
+        t0 = time.perf_counter()
+        sampled = runner.collect(launched)
+        t1 = time.perf_counter()
+        host["sample"].observe(t1 - t0)
+        now = self.clock.now()
         for s in sampled:
             if s.seq.fork_parent is not None:  # first token of a sample: forked next step
                 self.scheduler.add_fork(s.seq)
         # A sequence that finished (an abort) while its step was planned
         # ahead was computed all the same: what it sampled is dropped.
-        return [self._append_token(s, now) for s in sampled if not s.seq.is_finished]
+        outputs = [self._append_token(s, now) for s in sampled if not s.seq.is_finished]
+        host["output"].observe(time.perf_counter() - t1)
+        return outputs
 
     def _append_token(self, sampled: SampledToken, now: float) -> RequestOutput:
         seq, tok = sampled.seq, sampled.token_id

@@ -27,6 +27,7 @@ from worker.engine.tiers import EngineTiers
 from worker.kv_pool import KVPool
 from worker.model.loaded import LoadedModel
 from worker.model.loader import resolve_dtype
+from worker.sim import WallClock
 
 PROMPT_LOGITS_ROWS = 256  # prompt positions whose logits are computed at once (prompt logprobs)
 
@@ -38,7 +39,13 @@ class SampledToken(NamedTuple):
 
 
 class ModelRunner:
+    # The forward pass computes as it is called (on CUDA, `collect` would wait for it
+    # anyway): the engine sends the next step's allocator call before it.
+    asynchronous = False
+
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        self.clock = WallClock()
+        self.busy = None  # the engine's BusyMeter: each step's device time
         self.model = loaded.model
         self.stop_ids = frozenset(loaded.eos_token_ids)
         self.device = torch.device(config.device)
@@ -60,6 +67,30 @@ class ModelRunner:
         them (worker/engine/tiers.py), once the step before it computed."""
         self.tiers.apply(batch, self.kv_pool.copy_blocks)  # type: ignore[union-attr]
         batch.copies = []
+
+    def launch(self, batch: Batch) -> list[SampledToken]:
+        """Compute the step (`execute`); its device time goes to `busy`: on CUDA
+        between two events around it, elsewhere the call's own time."""
+        cuda = self.device.type == "cuda"
+        if cuda:
+            events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            events[0].record()
+        start = self.clock.now()
+        sampled = self.execute(batch)  # (sampling reads the tokens back: the step has finished)
+        end = self.clock.now()
+        if self.busy is not None:
+            if cuda:
+                events[1].record()
+                events[1].synchronize()
+                start = end - events[0].elapsed_time(events[1]) / 1e3
+            self.busy.record(start, end)
+        return sampled
+
+    def wait(self, launched: list[SampledToken]) -> None:
+        """Nothing: `launch` returned after the step computed."""
+
+    def collect(self, launched: list[SampledToken]) -> list[SampledToken]:
+        return launched
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> list[SampledToken]:

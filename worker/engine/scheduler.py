@@ -199,7 +199,9 @@ class Scheduler(StepExchange):
                 future.set_exception(exc)
         else:
             future = self._executor.submit(self._send, plan.ops, report)
-        batch.allocator_seconds += time.perf_counter() - t0
+        sent = time.perf_counter() - t0
+        batch.allocator_seconds += sent
+        self.allocator_wait_total += sent
         self._inflight = InFlight(plan, batch, future, report)
         return True
 

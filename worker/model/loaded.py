@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pagedkv_base.tokenizer import Tokenizer
 from worker.model.config import ModelConfig
 from worker.model.llama import LlamaForCausalLM
+from worker.sim import ModelShape
 
 __all__ = ["LoadedModel"]
 
@@ -24,14 +25,17 @@ class LoadedModel:
     (SHA-256 over the config and the weight files' names and sizes): it keys
     the prefix cache, so two workers share cached blocks only if it matches.
 
+    On a simulated device (`--device sim:NAME`) there is no `model` (None)
+    and `config` is the roofline's `ModelShape` (worker/model/sim.py).
+
     `sampling_defaults`: the sampling parameters the model's
     `generation_config.json` sets (temperature, top_p, top_k, min_p,
     repetition_penalty), used when a request leaves them out (vLLM's
     `--generation-config auto`); empty when there is none (GGUF, tiny-random).
     """
 
-    model: LlamaForCausalLM
-    config: ModelConfig
+    model: LlamaForCausalLM | None
+    config: ModelConfig | ModelShape
     tokenizer: Tokenizer
     fingerprint: str
     eos_token_ids: tuple[int, ...]

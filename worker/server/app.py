@@ -243,7 +243,8 @@ async def _answer(request: Request, req: BaseRequest, prompts: list[list[int]], 
         # Until the first outputs (and for a whole answer, the last), a client
         # that hangs up aborts the request; a stream then notices by itself.
         firsts = await _unless_gone(request, streams, _all(*(_first(s) for s in streams)))
-        choices = Choices(kind, params.n, engine.engine.tokenizer, params.skip_special_tokens, echo)
+        choices = Choices(kind, params.n, engine.engine.tokenizer, params.skip_special_tokens, echo,
+                          req.return_token_ids)
         if req.stream:
             return StreamingResponse(stream_events(firsts, streams, choices, rid, model, req.include_usage()),
                                      media_type="text/event-stream")

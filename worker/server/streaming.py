@@ -44,8 +44,9 @@ class Choices:
     and `text_offset` points into it."""
 
     def __init__(self, kind: str, n: int, tokenizer: Tokenizer, skip_special_tokens: bool = True,
-                 echo: list[str] | None = None) -> None:
+                 echo: list[str] | None = None, return_token_ids: bool = False) -> None:
         self.kind = kind  # "chat" or "text"
+        self.return_token_ids = return_token_ids
         self.n = n
         self.tokenizer = tokenizer
         self.skip = skip_special_tokens
@@ -97,6 +98,10 @@ class Choices:
                 texts, entries, ids = self._echoed(out, out.logprobs, out.token_ids[: len(out.logprobs)])
                 logprobs = completion_logprobs(entries, ids, *self._spell(texts, entries, ids, out.finished))
             choice = {"index": index, "text": text, "prompt_logprobs": self.prompt_logprobs(out)}
+        if self.return_token_ids:
+            choice["token_ids"] = list(out.token_ids)
+            if self.kind != "chat":
+                choice["prompt_token_ids"] = list(out.prompt_token_ids)
         return {**choice, "logprobs": logprobs, "finish_reason": finish_reason(out), "stop_reason": out.stop_reason}
 
     def _echoed(self, out: RequestOutput, entries: list, token_ids: list[int]) -> tuple[TokenTexts, list, list[int]]:
@@ -120,7 +125,8 @@ class Choices:
                 spelled, _ = self._spell(texts, new, out.new_token_ids, out.finished)
                 logprobs = chat_logprobs(new, spelled)
             return {"index": index, "delta": {"content": out.new_text} if out.new_text else {},
-                    "logprobs": logprobs, "finish_reason": reason, "stop_reason": stop_reason}
+                    "logprobs": logprobs, "finish_reason": reason, "stop_reason": stop_reason,
+                    **self._ids(out, first=False)}
         text = out.new_text
         first = index not in self._offsets
         if first and self.echo is not None:
@@ -137,7 +143,16 @@ class Choices:
             offset += sum(widths)
         self._offsets[index] = offset
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason,
-                "stop_reason": stop_reason}
+                "stop_reason": stop_reason, **self._ids(out, first)}
+
+    def _ids(self, out: RequestOutput, first: bool) -> dict:
+        """`return_token_ids` of a streamed chunk: its new ids (and a completion's prompt ids, first)."""
+        if not self.return_token_ids:
+            return {}
+        ids: dict = {"token_ids": list(out.new_token_ids)}
+        if first:
+            ids["prompt_token_ids"] = list(out.prompt_token_ids)
+        return ids
 
 
 async def merge(firsts: list[RequestOutput], streams: list[AsyncIterator[RequestOutput]]
