@@ -73,7 +73,7 @@ from allocator_service.core.limits import (
 )
 from allocator_service.core.pacing import Unpaced
 from allocator_service.core.pool import check_tokens
-from allocator_service.core.step import ADMIT, APPEND, FORK, FREE, KINDS, UNRESERVE
+from allocator_service.core.step import ADMIT, FORK, FREE, KINDS, UNRESERVE
 from allocator_service.errors import (
     AnswerTooLarge,
     BadRequest,
@@ -174,9 +174,9 @@ def check_step(step: StepColumns, limits: Limits) -> None:
     if reserved:
         if len(reserved) != n:
             raise BadRequest("num_reserved must be empty or have one entry per operation")
-        if any(r for k, r in zip(kinds, reserved, strict=True) if k != APPEND and k != UNRESERVE):
-            raise BadRequest("num_reserved is for APPEND and UNRESERVE operations only")
-        taken = sum(reserved)  # slots APPENDs take (at C speed: this runs on every async step)
+        if any(r for k, r in zip(kinds, reserved, strict=True) if k == FREE or k == FORK):
+            raise BadRequest("num_reserved is for APPEND, ADMIT and UNRESERVE operations only")
+        taken = sum(reserved)  # slots APPENDs and ADMITs take (at C speed: this runs on every async step)
         if UNRESERVE in kinds:
             taken -= sum(compress(reserved, map(UNRESERVE.__eq__, kinds)))
         if taken + len(step.tokens) > limits.max_tokens_per_call:

@@ -43,11 +43,13 @@ def append_blocks(held: int, new_slots: int, last_refs: int, block_size: int) ->
     return (blocks_for(new_slots - room, block_size) if new_slots > room else 0) + cow, cow
 
 
-def admit_blocks(num_tokens: int, hits: int, num_new_tokens: int | None, block_size: int) -> tuple[int, int]:
-    """An Admit of `num_tokens` whose first `hits` blocks are found cached:
-    (tokens stored, blocks taken from the free queue for the rest)."""
+def admit_blocks(num_tokens: int, hits: int, num_new_tokens: int | None, block_size: int,
+                 reserve: int = 0) -> tuple[int, int]:
+    """An Admit of `num_tokens` whose first `hits` blocks are found cached,
+    holding `reserve` slots after the tokens it stores: (tokens stored,
+    blocks taken from the free queue for the rest)."""
     stored = num_tokens if num_new_tokens is None else min(num_tokens, hits * block_size + num_new_tokens)
-    return stored, blocks_for(stored, block_size) - hits
+    return stored, blocks_for(stored + reserve, block_size) - hits
 
 
 def unreserve_keep(held: int, slots: int, block_size: int) -> int:
@@ -100,7 +102,7 @@ class PoolPlan:
     applied, in the allocator's order. Built from the tables of every
     sequence the pool holds after the step's frees.
 
-    Questions (nothing changes): `append`, `admit`, `unreserve`,
+    Questions (nothing changes): `append`, `admit`, `admit_reserve`, `unreserve`,
     `blocks_for`, `fit`, `short_of`, `completes_block`. Planned operations (the
     counts change as the allocator's will): `take` and `give_back` (an
     Append), `take_blocks` (an admission), `release` (a Free, an
@@ -138,14 +140,22 @@ class PoolPlan:
         need, cow = append_blocks(held, new, self.refs[table[-1]] if table else 0, self.block_size)
         return Taking(need, table[-1] if cow else -1, len(table) + need - cow)
 
-    def admit(self, num_tokens: int, num_new_tokens: int | None = None, hits: Sequence[int] = ()) -> int:
-        """Blocks an Admit of `num_tokens` takes from the free queue when it
-        shares `hits` (the blocks it finds cached): new blocks for the rest,
-        and each hit that was free (it leaves the evictable queue; a block
-        loaded from a KV tier is one: a fresh block). With neither hits nor
-        a bound, the most any admission of them takes."""
-        need = admit_blocks(num_tokens, len(hits), num_new_tokens, self.block_size)[1]
+    def admit(self, num_tokens: int, num_new_tokens: int | None = None, hits: Sequence[int] = (),
+              reserve: int = 0) -> int:
+        """Blocks an Admit of `num_tokens` (holding `reserve` slots after the
+        tokens it stores) takes from the free queue when it shares `hits`
+        (the blocks it finds cached): new blocks for the rest, and each hit
+        that was free (it leaves the evictable queue; a block loaded from a
+        KV tier is one: a fresh block). With neither hits nor a bound, the
+        most any admission of them takes."""
+        need = admit_blocks(num_tokens, len(hits), num_new_tokens, self.block_size, reserve)[1]
         return need + sum(1 for b in hits if self.refs[b] == 0)
+
+    def admit_reserve(self, num_tokens: int, num_new_tokens: int | None, slots: int) -> int:
+        """The slots an Admit of `num_tokens` (bounded by `num_new_tokens`)
+        that finds nothing cached reserves after the tokens it stores, so
+        that the sequence holds `slots` (no fewer than `num_tokens`)."""
+        return slots - admit_blocks(num_tokens, 0, num_new_tokens, self.block_size)[0]
 
     def unreserve(self, table: Sequence[int], held: int, end: int) -> tuple[int, int]:
         """Giving back a sequence's slots past the block that holds slot

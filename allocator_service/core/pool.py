@@ -129,8 +129,8 @@ class PoolConfig:
 
 class AdmitResult(NamedTuple):
     cached_tokens: int  # leading prompt tokens found cached (in the KV pool or loaded from a tier)
-    num_stored: int  # tokens the sequence holds after the admit
-    new_blocks: list[int]  # blocks taken for the tokens past the cached ones, in table order
+    num_stored: int  # tokens the sequence holds with their values after the admit (its reserved slots follow)
+    new_blocks: list[int]  # blocks taken for the tokens past the cached ones (and reserved slots), in table order
     table: list[int]  # the whole new block table (cached hits first)
 
 
@@ -370,8 +370,13 @@ class BlockPool:
         tokens: Sequence[int],
         cache_salt: str | None = None,
         num_new_tokens: int | None = None,
+        reserve: int = 0,
     ) -> AdmitResult:
-        """Create a sequence holding `tokens` (its prompt).
+        """Create a sequence holding `tokens` (its prompt), and `reserve`
+        slots after the tokens it stores, for tokens whose values are not
+        known yet (as an `append` reserves them: the next appends' values
+        fill them first). A server that reserves each request's slots up
+        front, as servers before paging did, admits with them.
 
         With prefix caching the longest chain of cached full blocks is shared
         (never the block holding the last prompt token, which must be computed
@@ -393,6 +398,8 @@ class BlockPool:
         self._check_new_sequence(names)
         if num_new_tokens is not None and (not isinstance(num_new_tokens, int) or num_new_tokens < 1):
             raise InvalidArgument("num_new_tokens must be a positive integer")
+        if type(reserve) is not int or not 0 <= reserve <= MAX_RESERVE:
+            raise InvalidArgument(f"reserve must be an integer in [0, {MAX_RESERVE}]")
         B = self.block_size
         n = len(tokens)
 
@@ -414,7 +421,7 @@ class BlockPool:
                     loads += 1
                 hits.append(b)
         cached = len(hits) * B
-        stored, need = admit_blocks(n, len(hits), num_new_tokens, B)
+        stored, need = admit_blocks(n, len(hits), num_new_tokens, B, reserve)
         free_hits = sum(1 for b in hits if b >= 0 and self.ref_cnt[b] == 0)
         available = self.num_free_blocks - free_hits
         if need + loads > available:
@@ -432,11 +439,11 @@ class BlockPool:
             self._load(hits, hashes)
         new_blocks = [self._take() for _ in range(need)]
         for i, b in enumerate(new_blocks):
-            self._fill[b] = min(B, stored - (len(hits) + i) * B)
+            self._fill[b] = min(B, stored + reserve - (len(hits) + i) * B)
         table = hits + new_blocks
         self.table_entries += len(table)
         self.name_chars += names
-        seq = Seq(table=table, num_tokens=stored, salt=cache_salt)
+        seq = Seq(table=table, num_tokens=stored + reserve, salt=cache_salt, reserved=reserve)
         if self.enable_prefix_caching:
             self.prefix_queried_tokens += n
             self.prefix_hit_tokens += cached

@@ -19,7 +19,9 @@ objects, and the service converts them to and from the wire's `StepOps` /
 
 An APPEND may also reserve slots for tokens not known yet (`num_reserved`,
 async scheduling): their values come first in the sequence's next APPEND
-(`BlockPool.append`; the rules: docs/architecture.md, "One step ahead").
+(`BlockPool.append`; the rules: docs/architecture.md, "One step ahead"). An
+ADMIT may reserve them too: a request's slots held from its admission, as
+servers before paging reserved them (`BlockPool.admit`).
 An UNRESERVE gives reserved slots back (`num_reserved` says how many; the
 worker's lookahead slots, when a request waits for their blocks or a running
 sequence would otherwise be preempted: `BlockPool.unreserve`).
@@ -64,8 +66,8 @@ class StepColumns(NamedTuple):
     salts: list[str | None]  # one per ADMIT: its cache_salt
     num_new_tokens: list[int | None]  # one per ADMIT: chunked prefill bound (None: all)
     children: list[str]  # one per FORK: the child's sequence id
-    # Empty (nothing reserved), or one per operation: slots an APPEND reserves
-    # after its tokens for tokens not known yet (async scheduling), or an
+    # Empty (nothing reserved), or one per operation: slots an APPEND or an
+    # ADMIT reserves after its tokens for tokens not known yet, or an
     # UNRESERVE gives back (0 elsewhere).
     num_reserved: list[int] = []  # noqa: RUF012 - a NamedTuple default, never mutated
     # KV tiers (docs/architecture.md, "Tiers"): the worker's report on the
@@ -176,7 +178,7 @@ def run_step(pool: BlockPool, step: StepColumns) -> StepResult:
                     copies.extend(chain.from_iterable(r.copies))
             elif kind == ADMIT:
                 admits += 1
-                a = pool.admit(seq, tokens[start:end], salts[admits - 1], budgets[admits - 1])
+                a = pool.admit(seq, tokens[start:end], salts[admits - 1], budgets[admits - 1], reserved[i])
                 appended += a.table
                 num_appended[i] = len(a.table)
                 cached[i] = a.cached_tokens
@@ -232,6 +234,9 @@ class Admit:
     salt: str | None = None
     # Tokens past the cached prefix to store now (chunked prefill); None = all.
     num_new_tokens: int | None = None
+    # Slots held after the tokens it stores, for tokens not known yet (a
+    # reservation made at admission: `BlockPool.admit`).
+    reserve: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,6 +304,10 @@ def step_columns(ops: Sequence[Op], report: TierReport = NO_REPORT) -> StepColum
             extend(op.tokens)
             salts.append(op.salt)
             budgets.append(op.num_new_tokens)
+            if op.reserve:
+                if len(reserved) < i:
+                    reserved.extend([0] * (i - len(reserved)))
+                reserved.append(op.reserve)
         elif t is Fork:
             kind(FORK)
             seq(op.parent)

@@ -20,6 +20,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "allocator": ("pagedkv.bench.allocator", "Step latency: in-process vs gRPC vs gRPC + Redis journal"),
     "attention": ("pagedkv.bench.attention", "paged vs contiguous attention time on the same data"),
     "serve": ("pagedkv.bench.serve", "this engine vs transformers generate on one workload"),
+    "reservation": ("pagedkv.bench.reservation", "paging vs reserving each request's KV slots up front (max, pow2, "
+                    "oracle) on a simulated GPU: the highest request rate under a latency bound"),
     "route": ("pagedkv.bench.route", "the router's policies (kv, least-load, round-robin) on a multi-tenant workload"),
     "restart": ("pagedkv.bench.restart", "the allocator restarted under load: failed requests and wrong texts"),
     "tiers": ("pagedkv.bench.tiers", "the KV tiers (none, host, host + shared store) on multi-turn chats"),

@@ -22,10 +22,14 @@ it works (the test suite runs it); its figures compare nothing.
 - `HOST` (`bench host`): decode-heavy chats on a simulated GPU, a fixed number
   running at once (`decode_heavy_request`).
 - `warmup_prompts`: random ids that share no block with any of the above.
+- `RESERVATION` (`bench reservation`): ShareGPT-like request lengths
+  (`sharegpt_like_lengths`) arriving as a Poisson process at increasing rates
+  (`poisson_arrivals`).
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -398,3 +402,66 @@ ATTACKS = {
                             tokenize_bytes=256 << 10, flood_pools=3, flood_in_flight=12, flood_blocks=2048,
                             flood_tokens=4096, snapshot_steps=2, snapshot_forks=200, watched_tokens=16_384),
 }
+
+
+# -- reservation baselines (bench reservation) ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReservationWorkload:
+    what: str = field(compare=False)
+    model: str = "opt-13b"  # a public config the simulated device serves (worker.sim.PUBLIC_CONFIGS)
+    requests: int = 400  # per rate: the same lengths at every rate, for every system
+    # requests per second, in increasing order; a system's sweep ends at its first rate over the bound
+    rates: tuple[float, ...] = tuple(k / 4 for k in range(2, 25))  # 0.5, 0.75, ..., 6.0
+    # ShareGPT's means in the vLLM paper's Figure 11 (input 161.31, output 337.99 tokens), each a
+    # log-normal of this sigma (a long tail; our choice, not a fit of the data set)
+    prompt_mean: float = 161.31
+    output_mean: float = 337.99
+    sigma: float = 0.8
+    max_len: int = 2048  # prompt + output at most (OPT's context); longer draws are drawn again
+    block_size: int = 16
+    max_num_seqs: int = 256
+    num_blocks: int | None = None  # None: as many as the simulated memory holds beside the weights
+    # The normalized latency a rate must stay under to count as served: 0.1 s per output token end
+    # to end (queueing included), 10 tokens/s, faster than anyone reads.
+    latency_bound_s: float = 0.1
+    seed: int = 0
+
+
+RESERVATION = {
+    "default": ReservationWorkload(
+        "400 ShareGPT-like requests per rate (log-normal lengths, prompt + output <= 2,048: prompts 161 tokens "
+        "and outputs 327 on average), Poisson arrivals at 0.5 to 6 requests/s in steps of 0.25, OPT-13B on the "
+        "simulated GPU"),
+    "small": ReservationWorkload("24 requests per rate at 1, 4 and 16 requests/s, lengths at most 256, a pool of "
+                                 "64 blocks, a bound of 0.05 s/token", requests=24, rates=(1.0, 4.0, 16.0),
+                                 max_len=256, num_blocks=64, latency_bound_s=0.05),
+}
+
+
+def sharegpt_like_lengths(n: int, w: ReservationWorkload, rng: random.Random) -> list[tuple[int, int]]:
+    """`n` (prompt tokens, output tokens) pairs: each a log-normal draw of
+    mean `w.prompt_mean` / `w.output_mean` and `w.sigma`, at least 1, the
+    pair drawn again while it exceeds `w.max_len` (so the means come out a
+    little lower than asked)."""
+
+    def draw(mean: float) -> int:
+        return max(1, round(rng.lognormvariate(math.log(mean) - w.sigma**2 / 2, w.sigma)))
+
+    out: list[tuple[int, int]] = []
+    while len(out) < n:
+        prompt, output = draw(w.prompt_mean), draw(w.output_mean)
+        if prompt + output <= w.max_len:
+            out.append((prompt, output))
+    return out
+
+
+def poisson_arrivals(n: int, rate: float, rng: random.Random) -> list[float]:
+    """Arrival times (seconds from 0) of `n` requests of a Poisson process of
+    `rate` per second: exponential gaps."""
+    t, out = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        out.append(t)
+    return out

@@ -1,7 +1,8 @@
 """Property-based (hypothesis) test of the planning view against the pool.
 
 Random steps, each in the order a worker's scheduler sends them (frees,
-forks, unreserves, at most one append per sequence, admits), on pools tight
+forks, unreserves, at most one append per sequence, admits, some of them
+reserving slots from admission), on pools tight
 enough to run out, prefix caching on and off, KV tiers on and off (blocks
 loaded from a tier are among an admission's hits, fresh blocks it takes). A `PoolPlan` is built from
 what a caller learns from the answers (block tables, slots held and
@@ -148,25 +149,27 @@ class PlannerMachine(RuleBasedStateMachine):
     def _admit(self, plan: PoolPlan, data) -> None:
         tokens = data.draw(tokens_st)
         budget = data.draw(st.sampled_from([None, None, 1, 3]))
-        most = plan.admit(len(tokens))
+        reserve = data.draw(st.sampled_from([0, 0, 1, 5]))  # slots held from admission (a reservation)
+        most = plan.admit(len(tokens), reserve=reserve)
         sid = self._new_id()
         before = self.pool.num_free_blocks
         try:
-            r = self.pool.admit(sid, tokens, None, budget)
+            r = self.pool.admit(sid, tokens, None, budget, reserve)
         except OutOfBlocks:
             assert most > plan.free
             if not self.caching:  # nothing is found cached: exactly when the plan says
-                assert plan.admit(len(tokens), budget) > plan.free
+                assert plan.admit(len(tokens), budget, reserve=reserve) > plan.free
             assert self.pool.num_free_blocks == before
             return
         hits = r.table[: r.cached_tokens // self.B]
         assert not self.caching and not hits or self.caching
-        taken = plan.admit(len(tokens), budget, hits)
+        taken = plan.admit(len(tokens), budget, hits, reserve)
         assert before - self.pool.num_free_blocks == taken <= most
         assert len(r.new_blocks) == len(r.table) - len(hits)
+        assert len(r.table) == plan.blocks_for(r.num_stored + reserve)
         plan.take_blocks(taken)
         plan.hold(r.table)
-        self.seqs[sid] = Known(list(r.table), r.num_stored, 0)
+        self.seqs[sid] = Known(list(r.table), r.num_stored + reserve, reserve)
 
     @invariant()
     def known_is_the_pool(self) -> None:

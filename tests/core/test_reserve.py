@@ -146,3 +146,45 @@ def test_unreserve_refuses_more_than_the_reserved_slots_and_changes_nothing():
     [r] = execute_step(p, [Unreserve("a", 2)])  # all of them: the prompt's block stays
     assert r.ok and r.keep == 1 and p.num_tokens("a") == 2
     assert p.integrity_problems() == []
+
+
+def test_an_admission_holds_its_reservation_from_the_start():
+    """The slots a request reserves at admission (a server that reserves up
+    front): its table holds them at once, their values fill them in order,
+    and nothing past them takes a block."""
+    p = pool(num_blocks=8, block_size=4)
+    r = p.admit("a", [1, 2, 3, 4, 5], reserve=7)  # 12 slots: blocks 0, 1, 2
+    assert (r.num_stored, r.new_blocks, r.table) == (5, [0, 1, 2], [0, 1, 2])
+    assert p.num_tokens("a") == 12 and p.to_state()["seqs"]["a"]["reserved"] == 7
+    assert p.index.block_hash[0] is not None and p.index.block_hash[1] is None  # only full blocks of values
+    r = p.append("a", [6, 7, 8, 9, 10, 11, 12])  # the values of all seven: no new block
+    assert (r.keep, r.new_blocks) == (3, [])
+    assert p.cached_prefix_tokens(list(range(1, 13)) + [0]) == 12
+    assert p.integrity_problems() == []
+    # A chunk of a prompt (num_new_tokens) holds its reservation after the chunk.
+    r = p.admit("b", [9] * 6, None, 2, reserve=6)  # stores 2, holds 8: blocks 3, 4
+    assert (r.num_stored, r.table, p.num_tokens("b")) == (2, [3, 4], 8)
+    assert p.integrity_problems() == []
+
+
+def test_a_reservation_that_does_not_fit_admits_nothing():
+    p = pool(num_blocks=3, block_size=4)
+    before = p.to_state()
+    del before["counters"]
+    with pytest.raises(OutOfBlocks):
+        p.admit("a", [1, 2], reserve=11)  # 13 slots: 4 blocks of 3
+    with pytest.raises(InvalidArgument):
+        p.admit("a", [1, 2], reserve=-1)
+    after = p.to_state()
+    assert after.pop("counters")["out_of_blocks"] == 1
+    assert after == before
+    assert p.admit("a", [1, 2], reserve=10).table == [0, 1, 2]  # 12 slots: all three
+
+
+def test_the_columns_carry_an_admission_reservation():
+    from allocator_service.core import step_columns
+
+    cols = step_columns([Free("x"), Admit("a", [1, 2], None, None, 6), Admit("b", [3])])
+    assert (cols.kinds, cols.num_reserved) == ([1, 3, 3], [0, 6, 0])
+    [res] = execute_step(pool(), [Admit("a", [1, 2], None, None, 6)])
+    assert res.ok and (res.append, res.num_stored) == ([0, 1], 2)

@@ -65,8 +65,8 @@ def as_json(state: dict) -> dict:
 
 
 def random_steps(seed: int, steps: int, max_ops: int = 6, vocab: int = 6) -> list[list[Op]]:
-    """A mixed workload that exercises admits with shared prefixes and salts,
-    appends (copy-on-write after forks; reserved slots filled later or given
+    """A mixed workload that exercises admits with shared prefixes and salts
+    (some reserving slots), appends (copy-on-write after forks; reserved slots filled later or given
     back), forks, frees, failures (unknown sequences, out of blocks, a fork
     of a sequence with reserved slots, giving back more slots than reserved)
     and eviction, for a small pool."""
@@ -82,9 +82,12 @@ def random_steps(seed: int, steps: int, max_ops: int = 6, vocab: int = 6) -> lis
             k = rng.random()
             if k < 0.3 or not live:
                 seq = f"s{n}"
+                # Every fifth holds slots reserved from its admission (a reservation).
+                reserve = 3 if n % 5 == 0 else 0
                 ops.append(Admit(seq, [rng.randrange(vocab) for _ in range(rng.randint(1, 14))],
-                                 rng.choice([None, None, "tenant"])))
+                                 rng.choice([None, None, "tenant"]), None, reserve))
                 live.append(seq)
+                reserved[seq] = reserve
             elif k < 0.65:
                 # Some reserve slots for tokens not known yet (async scheduling): the
                 # next Append of that sequence fills them first; a Fork of it is refused.

@@ -382,9 +382,9 @@ def test_lookahead_leaves_the_next_queued_request_its_blocks():
         now = [0]
         admit, step = run.sched._admitted, run.step
 
-        def record(batch, seq, r, admit=admit, steps=steps, now=now):
+        def record(batch, seq, *answer, admit=admit, steps=steps, now=now):
             steps.setdefault(seq.request_id, now[0])
-            return admit(batch, seq, r)
+            return admit(batch, seq, *answer)
 
         def numbered(number, step=step, now=now):
             now[0] = number
@@ -404,9 +404,9 @@ def _admissions_and_preemptions(w: dict, async_scheduling: bool, lookahead: int,
     now = [0]
     admit, step = run.sched._admitted, run.step
 
-    def record(batch, seq, r):
+    def record(batch, seq, *answer):
         admitted.setdefault(seq.request_id, now[0])
-        return admit(batch, seq, r)
+        return admit(batch, seq, *answer)
 
     def numbered(number):
         now[0] = number

@@ -114,7 +114,7 @@ class StepExchange:
                 self._preempt(batch, seq, r.error or "allocator_error")
                 if r.error != "unknown_sequence":
                     self._to_free.append(seq.alloc_id)
-        for seq in plan.admitting:
+        for seq, op in zip(plan.admitting, plan.admits, strict=True):
             r = results[ri]
             ri += 1
             if seq.is_finished:  # aborted while the call was out (async)
@@ -123,7 +123,7 @@ class StepExchange:
                     seq.block_table = list(r.append)
                     self._finished_answer(batch, seq, None, r, r.cached_tokens, r.num_stored - r.cached_tokens)
             elif r.ok:
-                self._admitted(batch, seq, r)
+                self._admitted(batch, seq, r, op.reserve)
             elif r.error != "out_of_blocks":
                 # Refused for good (e.g. invalid): waiting would wait forever.
                 seq.error = f"the allocator refused the request: {r.message or r.error}"
@@ -223,13 +223,15 @@ class StepExchange:
         if p.op is not None:
             seq.num_held, seq.num_reserved = p.held, p.reserved
 
-    def _admitted(self, batch: Batch, seq: Sequence, r: OpResult) -> None:
+    def _admitted(self, batch: Batch, seq: Sequence, r: OpResult, reserve: int) -> None:
+        """Admitted: it holds its stored tokens and the `reserve` slots after them."""
         self.waiting.remove(seq)
         self.running.append(seq)
         seq.status = Status.RUNNING
         seq.block_table = list(r.append)
-        seq.num_stored = seq.num_held = r.num_stored
-        seq.num_reserved = 0
+        seq.num_stored = r.num_stored
+        seq.num_held = r.num_stored + reserve
+        seq.num_reserved = reserve
         if not seq.admitted_once:
             seq.num_cached_tokens = r.cached_tokens
             seq.admitted_once = True

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from allocator_service.core.limits import MAX_BLOCK_SIZE
+from worker.engine.reservation import RESERVATIONS
 from worker.kv_bytes import WORKER_DTYPES
 from worker.sim import CLOCKS, DEFAULT_LAUNCH_S, DEFAULT_MBU, DEFAULT_MFU, is_sim
 
@@ -38,6 +39,10 @@ class EngineConfig:
     # (worker/tiers/seal.py); None: plain entries.
     kv_store_key: bytes | None = field(default=None, repr=False)
     preemption_mode: str = "recompute"
+    # KV slots a request holds from its admission (reservation.py): "paged"
+    # (none ahead: blocks as it grows), or a baseline of the servers before
+    # paging, "max", "pow2" or "oracle" (a benchmark setting, not a flag).
+    kv_reservation: str = "paged"
     device: str = "cpu"  # cpu, cuda[:N] or sim:NAME (a simulated GPU: worker/engine/sim_runner.py)
     dtype: str = "float32"
     # The engine's clock: "wall", or on a simulated device "virtual" (only device time passes).
@@ -84,6 +89,11 @@ class EngineConfig:
             raise ValueError("--kv-offloading-size needs prefix caching (the tiers keep blocks by their hash)")
         if self.preemption_mode == "swap" and not self.kv_offloading_size:
             raise ValueError("--preemption-mode swap needs a host tier (--kv-offloading-size GIB)")
+        if self.kv_reservation not in RESERVATIONS:
+            raise ValueError(f"kv_reservation must be one of {', '.join(RESERVATIONS)}, got {self.kv_reservation!r}")
+        if self.kv_reservation != "paged" and self.enable_prefix_caching:
+            raise ValueError(f"kv_reservation {self.kv_reservation!r} models a server without a prefix cache: "
+                             "turn prefix caching off")
         if self.clock not in CLOCKS:
             raise ValueError(f"--clock must be one of {', '.join(CLOCKS)}, got {self.clock!r}")
         if self.clock == "virtual" and not is_sim(self.device):

@@ -146,6 +146,7 @@ class LLMEngine:
             on_preempt=lambda seq, cause: self.metrics.preempted(cause),
             async_scheduling=config.async_scheduling,
             lookahead=config.num_lookahead_slots,
+            reservation=config.kv_reservation, most_slots=self.prompt_limit,
         )
         self.metrics.slots_ahead.set_function(self.scheduler.slots_ahead)  # summed at scrape time, not per step
         # The allocator away: the step is sent again until answered (a stall, not an error).

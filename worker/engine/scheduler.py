@@ -38,6 +38,7 @@ from allocator_service.core.planner import PoolPlan
 from worker.engine.answers import StepExchange
 from worker.engine.health import AllocatorHealth
 from worker.engine.lookahead import plan_appends, unreserve_ahead
+from worker.engine.reservation import reserved_slots
 from worker.engine.sequence import Sequence, Status
 from worker.engine.step_plan import Batch, InFlight, Planned, ScheduledSeq, StepPlan, priority_key
 from worker.engine.tiers import EngineTiers
@@ -54,6 +55,8 @@ class Scheduler(StepExchange):
         on_preempt: Callable[[Sequence, str], None] | None = None,
         async_scheduling: bool = False,
         lookahead: int = 0,
+        reservation: str = "paged",
+        most_slots: int = 0,
     ) -> None:
         self.allocator = allocator
         self.num_blocks = allocator.spec.config.num_blocks
@@ -83,6 +86,10 @@ class Scheduler(StepExchange):
         if lookahead < 0:
             raise ValueError("lookahead slots must be >= 0")
         self.lookahead = lookahead
+        # Slots a request holds from its admission (reservation.py); `most_slots`:
+        # the most a sequence can hold (the context length, or the pool when smaller).
+        self.reservation = reservation
+        self.most_slots = most_slots
         self.caching = allocator.spec.config.enable_prefix_caching
         self.tiers: EngineTiers | None = None  # the KV tiers below the pool (set by the engine)
         self._inflight: InFlight | None = None
@@ -380,8 +387,9 @@ class Scheduler(StepExchange):
 
     def _unreserve(self, plan: StepPlan, short: int) -> bool:
         """Slots ahead given back to make `short` blocks free (`unreserve_ahead`)."""
-        if not self.lookahead or UNRESERVE not in self.allocator.op_kinds:
-            return False  # no slots ahead, or an allocator from before UNRESERVE
+        if not self.lookahead or self.reservation != "paged" or UNRESERVE not in self.allocator.op_kinds:
+            # no slots ahead; a reservation, held to the end; or an allocator from before UNRESERVE
+            return False
         return unreserve_ahead(plan, self.running, short)
 
     def _plan_admissions(self, plan: StepPlan) -> None:
@@ -397,7 +405,10 @@ class Scheduler(StepExchange):
             family = 1 + sum(1 for c in seq.children if c.fork_parent is seq and not c.is_finished)
             if seqs + family > self.max_num_seqs:
                 break
-            worst = view.admit(len(seq.token_ids))  # the most it takes (whatever it finds cached)
+            # the most it takes: whatever it finds cached; with a reservation, all of its slots
+            n = len(seq.token_ids)
+            slots = reserved_slots(self.reservation, seq.num_prompt_tokens, seq.max_tokens, self.most_slots)
+            worst = view.admit(n, reserve=slots - n) if slots else view.admit(n)
             if plan.budget <= 0:  # admitted next step, if its blocks are still free
                 plan.queued = worst
                 break
@@ -406,7 +417,8 @@ class Scheduler(StepExchange):
             if worst > view.free - headroom and not self._unreserve(plan, worst - view.free + headroom):
                 plan.short = True
                 break
-            plan.admits.append(Admit(seq.next_alloc_id(), seq.token_ids, seq.cache_salt, plan.budget))
+            reserve = view.admit_reserve(n, plan.budget, slots) if slots else 0
+            plan.admits.append(Admit(seq.next_alloc_id(), seq.token_ids, seq.cache_salt, plan.budget, reserve))
             plan.admitting.append(seq)
             seqs += family
             view.take_blocks(worst)
