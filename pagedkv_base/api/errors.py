@@ -65,11 +65,13 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 class ApiKeyCheck:
-    """Every request to /v1/* must carry `Authorization: Bearer KEY` for one of
-    `api_keys` (each compared in constant time); others get a 401 in the one
-    error shape. The key it came with is the request's `state.api_key`
-    (`tenants.api_key_of`). Other paths (/health, /metrics, /version,
-    /tokenize, /detokenize) and CORS preflights pass, as in vLLM."""
+    """Every request to /v1/*, /tokenize and /detokenize must carry
+    `Authorization: Bearer KEY` for one of `api_keys` (each compared in
+    constant time); others get a 401 in the one error shape. The key it came
+    with is the request's `state.api_key` (`tenants.api_key_of`). /health,
+    /metrics, /version and CORS preflights pass, as in vLLM; unlike vLLM the
+    tokenizer routes want the key too, since a long text costs seconds of CPU
+    and an answer several times its size."""
 
     def __init__(self, app, api_keys: str | Sequence[str]) -> None:
         self.app = app
@@ -94,7 +96,7 @@ class ApiKeyCheck:
 
 
 def _is_api(path: str) -> bool:
-    return path == "/v1" or path.startswith("/v1/")
+    return path == "/v1" or path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
 
 
 class BodyLimit:

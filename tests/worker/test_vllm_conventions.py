@@ -3,7 +3,7 @@ through the official `openai` client (raw HTTP where the client has no call):
 
 - prefix caching on by default (`--no-enable-prefix-caching` turns it off);
 - `--api-key`: every /v1/* route wants the bearer key (401 in OpenAI's error
-  shape), /health, /metrics, /version, /tokenize and /detokenize stay open;
+  shape), and so do /tokenize and /detokenize; /health, /metrics, /version stay open;
 - `/tokenize`, `/detokenize`, `/version` in vLLM's shapes; `/v1/models` with
   `root` and `max_model_len`;
 - `/health` 503 once the engine thread is dead, and requests a prompt 503;
@@ -30,6 +30,7 @@ from worker.model.loader import load_model
 from worker.server.app import create_app
 
 KEY = "sk-test-0123456789"
+AUTH = {"authorization": f"Bearer {KEY}"}
 SERVED = "tiny-chat"
 SYSTEM = "You are a helpful assistant that answers briefly. " * 3
 
@@ -140,8 +141,10 @@ def test_api_key_guards_every_v1_route(server, client):
     # open, as in vLLM
     for path in ("/health", "/metrics", "/version"):
         assert httpx.get(f"{server}{path}").status_code == 200, path
-    assert httpx.post(f"{server}/tokenize", json={"prompt": "hi"}).status_code == 200
-    assert httpx.post(f"{server}/detokenize", json={"tokens": [104, 105]}).status_code == 200
+    # the tokenizer routes want the key (a long text costs seconds of CPU), unlike vLLM
+    for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [104, 105]})):
+        assert httpx.post(f"{server}{path}", json=body).status_code == 401, path
+        assert httpx.post(f"{server}{path}", json=body, headers=AUTH).status_code == 200, path
 
 
 # ------------------------------------------------------------------ utility routes
@@ -149,19 +152,19 @@ def test_api_key_guards_every_v1_route(server, client):
 
 def test_tokenize_and_detokenize_in_vllm_shapes(server, client):
     text = "hello paged world"
-    r = httpx.post(f"{server}/tokenize", json={"model": SERVED, "prompt": text, "add_special_tokens": False,
+    r = httpx.post(f"{server}/tokenize", headers=AUTH, json={"model": SERVED, "prompt": text, "add_special_tokens": False,
                                                "return_token_strs": True}).json()
     assert set(r) == {"count", "max_model_len", "tokens", "token_strs"}
     assert r["count"] == len(r["tokens"]) == len(r["token_strs"]) and r["max_model_len"] == 512
-    back = httpx.post(f"{server}/detokenize", json={"model": SERVED, "tokens": r["tokens"]}).json()
+    back = httpx.post(f"{server}/detokenize", headers=AUTH, json={"model": SERVED, "tokens": r["tokens"]}).json()
     assert back == {"prompt": text}
     # the counts the completions answer with
     completion = client.completions.create(model=SERVED, prompt=text, max_tokens=1)
-    plain = httpx.post(f"{server}/tokenize", json={"prompt": text}).json()
+    plain = httpx.post(f"{server}/tokenize", headers=AUTH, json={"prompt": text}).json()
     assert plain["count"] == completion.usage.prompt_tokens and plain["token_strs"] is None
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
     chat = client.chat.completions.create(model=SERVED, messages=msgs, max_tokens=1)
-    tokenized = httpx.post(f"{server}/tokenize", json={"messages": msgs}).json()
+    tokenized = httpx.post(f"{server}/tokenize", headers=AUTH, json={"messages": msgs}).json()
     assert tokenized["count"] == chat.usage.prompt_tokens
 
 
@@ -175,7 +178,7 @@ def test_tokenize_and_detokenize_in_vllm_shapes(server, client):
     ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
 ])
 def test_utility_routes_refuse_loudly(server, path, body, status, param):
-    r = httpx.post(f"{server}{path}", json=body)
+    r = httpx.post(f"{server}{path}", json=body, headers=AUTH)
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
