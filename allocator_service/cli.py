@@ -31,7 +31,6 @@ environment variable (shown in brackets; some are variables only: see the
 configuration reference); a flag wins over its variable.
 """
 
-_REDIS = ("redis://", "rediss://", "unix://")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +51,8 @@ class AllocatorArgs:
     state: str = setting(
         "memory", "'memory' keeps state in this process only; a redis:// URL journals every accepted change "
         "in Redis before replying and rebuilds the exact state on start (append ?key_prefix=NAME: to share "
-        "one Redis)", metavar="memory|redis://HOST:PORT/DB")
+        "one Redis); redis+sentinel://HOST:PORT[,HOST:PORT...]/MASTER_NAME/DB follows the primary those Redis "
+        "Sentinels name through a failover", metavar="memory|redis://HOST:PORT/DB")
     auth_token_file: str | None = setting(
         None, "file holding a bearer token every call must send as 'authorization: Bearer TOKEN' (health "
         "checks exempt); none = no server-wide token", metavar="PATH")
@@ -122,7 +122,9 @@ class AllocatorArgs:
             raise ValueError(f"--listen wants HOST:PORT, not {self.listen!r}")
         if not 1 <= self.max_snapshot_mb <= 512:
             raise ValueError(f"{name_of(AllocatorArgs, 'max_snapshot_mb')} must be 1 to 512 (Redis's value limit)")
-        if not (self.state == "memory" or self.state.startswith(_REDIS)):
+        from allocator_service.store.journal import REDIS_SCHEMES
+
+        if not (self.state == "memory" or self.state.startswith(REDIS_SCHEMES)):
             raise ValueError(f"--state must be 'memory' or a redis:// URL, not {self.state!r}")
         store, size = name_of(AllocatorArgs, "kv_shared_store"), name_of(AllocatorArgs, "kv_shared_store_size")
         if self.kv_shared_store and not self.kv_shared_store_size:

@@ -283,7 +283,7 @@ class RedisJournal:
         self.url = url
         # A couple of quick retries ride over a blip; a retried write that
         # had landed finds the head it would set and is not pushed twice.
-        self.client = redis.Redis.from_url(
+        self.client = redis_client(
             url,
             socket_timeout=timeout_s + wait_timeout_s if wait_replicas else timeout_s,
             socket_connect_timeout=timeout_s,
@@ -442,13 +442,44 @@ def split_prefix(url: str) -> tuple[str, str]:
     return urlunsplit(parts._replace(query=urlencode(rest))), prefix
 
 
+SENTINEL = "redis+sentinel://"
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://", SENTINEL)
+
+
+def redis_client(url: str, **options):
+    """A client of the Redis at `url` (its `redis.Redis` options given): `redis://`,
+    `rediss://`, `unix://`, or `redis+sentinel://HOST:PORT[,HOST:PORT...]/MASTER/DB`,
+    the primary that those Redis Sentinels name now (redis-py's `Sentinel`: a
+    connection lost to a failover is made again to the primary they promoted).
+    ValueError, one line, for a Sentinel URL that names no master."""
+    import redis
+
+    if not url.startswith(SENTINEL):
+        return redis.Redis.from_url(url, **options)
+    from redis.sentinel import Sentinel
+
+    parts = urlsplit(url)
+    path = [p for p in parts.path.split("/") if p]
+    hosts = []
+    for item in parts.netloc.rpartition("@")[2].split(","):
+        host, _, port = item.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"{url}: want {SENTINEL}HOST:PORT[,HOST:PORT...]/MASTER_NAME/DB")
+        hosts.append((host, int(port)))
+    if not 1 <= len(path) <= 2 or (len(path) == 2 and not path[1].isdigit()):
+        raise ValueError(f"{url}: want {SENTINEL}HOST:PORT[,HOST:PORT...]/MASTER_NAME/DB")
+    db = int(path[1]) if len(path) == 2 else 0
+    timeouts = {k: options[k] for k in ("socket_timeout", "socket_connect_timeout") if k in options}
+    return Sentinel(hosts, sentinel_kwargs=timeouts, **timeouts).master_for(path[0], db=db, **options)
+
+
 def open_journal(state: str, timeout_s: float = 2.0, wait_replicas: int = 0,
                  wait_timeout_s: float = 1.0) -> MemoryJournal | RedisJournal:
-    """`memory` or `redis://host:port/db[?key_prefix=...]`; with Redis,
-    `wait_replicas` > 0 makes every write wait (Redis WAIT, up to
+    """`memory` or `redis://host:port/db[?key_prefix=...]` (any of REDIS_SCHEMES);
+    with Redis, `wait_replicas` > 0 makes every write wait (Redis WAIT, up to
     `wait_timeout_s`) until that many replicas hold it."""
     if state == "memory":
         return MemoryJournal()
-    if state.startswith(("redis://", "rediss://", "unix://")):
+    if state.startswith(REDIS_SCHEMES):
         return RedisJournal(state, timeout_s, wait_replicas, wait_timeout_s)
     raise ValueError(f"--state must be 'memory' or a redis:// URL, not {state!r}")
