@@ -132,12 +132,20 @@ def processes_files(workers: Sequence[str]) -> dict[str, list[str]]:
 
 
 def split_credentials(directory: str | os.PathLike, workers: Sequence[str]) -> None:
-    """Copy each process's files from the folder into a folder of its own (`processes_files`)."""
+    """Copy each process's files from the folder into a folder of its own (`processes_files`),
+    owned as the folder is (compose runs this as root, to write into volumes of their own, for
+    services that run as the folder's owner)."""
     d = Path(directory)
+    owner = d.stat()
     for folder, names in processes_files(workers).items():
         (d / folder).mkdir(exist_ok=True)
+        paths = [d / folder]
         for name in names:
             write_secret(d / folder / name, (d / name).read_text())
+            paths.append(d / folder / name)
+        if (owner.st_uid, owner.st_gid) != (os.getuid(), os.getgid()):
+            for path in paths:
+                os.chown(path, owner.st_uid, owner.st_gid)
 
 
 # ------------------------------------------------------------ the command
