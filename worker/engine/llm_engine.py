@@ -156,6 +156,11 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_preemptions = 0
         self.remote_allocator = config.allocator != "embedded"
+        # A device whose launch returns at once (sim:), with async scheduling:
+        # each step is launched before the outputs of the one in flight are
+        # processed (`_step`); that step and its batch until then.
+        self.overlapped = self.runner.asynchronous and config.async_scheduling
+        self._launched: tuple[Batch, object] | None = None
 
     @property
     def health(self):
@@ -290,7 +295,7 @@ class LLMEngine:
                 self.metrics.finished("abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self._launched is not None or self.scheduler.has_work()
 
     def num_running(self) -> int:
         return len(self.scheduler.running)
@@ -313,14 +318,15 @@ class LLMEngine:
             raise
 
     def _step(self) -> list[RequestOutput]:
-        clock, scheduler = self.clock, self.scheduler
+        clock, scheduler, runner = self.clock, self.scheduler, self.runner
         t0, c0, waited = time.perf_counter(), clock.now(), scheduler.allocator_wait_total
         batch = scheduler.schedule()
         if batch.tiered:
             # Its tier moves, now: the step before it has computed (its
             # blocks hold what they save), and the call sent next (async)
-            # reports what they became.
-            self.runner.apply_tiers(batch)
+            # reports what they became. (Only a runner that computes as it
+            # is called has tiers: the step before it has computed.)
+            runner.apply_tiers(batch)
         if batch.allocator_call:  # (a step computed in slots held already waited for nothing)
             self.metrics.allocator_step.observe(batch.allocator_seconds)
             self.metrics.allocator_calls.inc()
@@ -333,41 +339,54 @@ class LLMEngine:
         for entry in batch.entries:  # the queue time ends at the first schedule
             if entry.seq.first_scheduled_time is None:
                 entry.seq.first_scheduled_time = now
-        # A device whose launch returns at once (sim:) computes while the next step is planned.
-        launched = self.runner.launch(batch) if batch.entries and self.runner.asynchronous else None
-        if scheduler.async_scheduling:
-            # The next step's allocator call runs while this one computes.
+        if self.overlapped:
+            # This step is queued on the device behind the one in flight,
+            # whose outputs are processed while both compute; then the next
+            # step is planned and its call sent, as if this one sampled.
+            launched = (batch, runner.launch(batch)) if batch.entries else None
+            previous, self._launched = self._launched, launched
+            planning = time.perf_counter() - t0
+            if previous is not None:
+                outputs += self._run(*previous)
+            t1 = time.perf_counter()
             if scheduler.schedule_ahead(batch):
                 self.metrics.allocator_steps_ahead.inc()
+            planning += time.perf_counter() - t1
+        else:
+            # A runner that computes as it is called: the next step's call
+            # (async) goes out first and runs while this one computes.
+            if scheduler.async_scheduling and scheduler.schedule_ahead(batch):
+                self.metrics.allocator_steps_ahead.inc()
+            planning = time.perf_counter() - t0
+            if batch.entries:
+                outputs += self._run(batch, runner.launch(batch))
         waited = scheduler.allocator_wait_total - waited
         host = self.metrics.step_host
-        host["schedule"].observe(max(0.0, time.perf_counter() - t0 - waited))
+        host["schedule"].observe(max(0.0, planning - waited))
         host["allocator_wait"].observe(waited)
-        if batch.entries:
-            outputs += self._run(batch, launched)
-        if batch.queried_tokens:  # (after it computed: a tier load refused is not a hit)
-            self.metrics.prefix_queried.inc(batch.queried_tokens)
-            self.metrics.prefix_hit.inc(batch.cached_tokens)
         self.metrics.running.set(len(scheduler.running))
         self.metrics.waiting.set(len(scheduler.waiting))
         self.metrics.step_time.observe(clock.now() - c0)
         return outputs
 
     def _run(self, batch: Batch, launched) -> list[RequestOutput]:
+        """Wait for a launched step's outputs, draw its tokens and turn them into outputs."""
         runner, host = self.runner, self.metrics.step_host
-        if launched is None:
-            launched = runner.launch(batch)
         runner.wait(launched)
         t0 = time.perf_counter()
         sampled = runner.collect(launched)
         t1 = time.perf_counter()
         host["sample"].observe(t1 - t0)
+        if batch.queried_tokens:  # (after it computed: a tier load refused is not a hit)
+            self.metrics.prefix_queried.inc(batch.queried_tokens)
+            self.metrics.prefix_hit.inc(batch.cached_tokens)
         now = self.clock.now()
         for s in sampled:
             if s.seq.fork_parent is not None:  # first token of a sample: forked next step
                 self.scheduler.add_fork(s.seq)
-        # A sequence that finished (an abort) while its step was planned
-        # ahead was computed all the same: what it sampled is dropped.
+        # A sequence that finished while its step was planned ahead or
+        # launched (an abort; overlapped, a stop found in the step before)
+        # was computed all the same: what it sampled is dropped.
         outputs = [self._append_token(s, now) for s in sampled if not s.seq.is_finished]
         host["output"].observe(time.perf_counter() - t1)
         return outputs
