@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from worker.engine import EngineConfig, LLMEngine, SamplingParams
+from worker.engine.busy import BusyMeter
 from worker.engine.llm_engine import RequestError
 from worker.model.sim import load_sim_model
 from worker.sim import GPUS, PUBLIC_CONFIGS, ModelShape, Roofline, SimConfigError, gpu, write_config
@@ -222,6 +223,19 @@ def test_virtual_latencies_are_the_sum_of_device_times(llama):
         assert busy == 1.0  # on the virtual clock only device time passes
     finally:
         engine.close()
+
+
+def test_busy_time_counts_a_queued_step_as_it_computes():
+    """A step launched behind another is recorded whole at its launch; the
+    device time up to now counts only what it has computed."""
+    now = [0.0]
+    meter = BusyMeter(lambda: now[0])
+    meter.record(0.0, 1.0)
+    meter.record(1.0, 3.0)  # queued behind the first
+    now[0] = 2.0
+    assert meter.computed() == 2.0 and meter.ratio() == 1.0
+    now[0] = 4.0
+    assert meter.computed() == 3.0 and meter.ratio() == 0.75
 
 
 def test_concurrent_requests_wait_for_each_others_steps(llama):
