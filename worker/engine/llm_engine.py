@@ -388,6 +388,7 @@ class LLMEngine:
         # launched (an abort; overlapped, a stop found in the step before)
         # was computed all the same: what it sampled is dropped.
         outputs = [self._append_token(s, now) for s in sampled if not s.seq.is_finished]
+        self.metrics.generation_tokens.inc(len(outputs))
         host["output"].observe(time.perf_counter() - t1)
         return outputs
 
@@ -396,7 +397,6 @@ class LLMEngine:
         seq.token_ids.append(tok)
         if seq.logprobs is not None and sampled.logprobs is not None:
             seq.logprobs.append(sampled.logprobs)
-        self.metrics.generation_tokens.inc()
         if seq.first_token_time is None:
             seq.first_token_time = now
             self.metrics.ttft.observe(now - seq.arrival_time)
