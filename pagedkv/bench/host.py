@@ -3,8 +3,8 @@
 A worker engine with Llama-3-8B's public config (bf16; no weights: the
 simulated device's roofline times each step, worker/sim/) on `--device`
 (`sim:h100` by default), with the wall clock: the device's time really
-passes while the host plans the next step and calls the allocator, as
-against a GPU. For each allocator (`--allocators`: in-process, or a real
+passes while the host processes the last step's tokens, plans the next
+step and calls the allocator, as against a GPU. For each allocator (`--allocators`: in-process, or a real
 allocator process over gRPC) and each number of sequences running at once,
 a closed loop of decode-heavy requests (a new one as each finishes) runs
 until every first request has its first token, then for the timed steps:
