@@ -149,8 +149,10 @@ def _served(engine, prompts, params, abort_at=None) -> dict[tuple[int, int], tup
             if steps == abort_at:
                 engine.abort(ids[0])
             for out in engine.step():
+                key = (ids.index(out.request_id), out.index)
+                assert key not in final, f"an output after the last one of {key}"
                 if out.finished:
-                    final[ids.index(out.request_id), out.index] = (out.token_ids, out.finish_reason)
+                    final[key] = (out.token_ids, out.finish_reason)
             steps += 1
         engine.step()  # the last frees go out ...
         engine.step()  # ... and are answered
