@@ -190,6 +190,10 @@ class NoTokenizer(Tokenizer):
     def special_ids(self) -> frozenset[int]:
         return frozenset()
 
+    def detokenizer(self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        """Every delta is empty (`decode` is): nothing to decode per token."""
+        return NoText(self)
+
 
 class IncrementalDetokenizer:
     """Turns a growing list of generated ids into text deltas, as the text
@@ -272,6 +276,22 @@ class IncrementalDetokenizer:
         self._prefix = self._read = len(self.ids)
         self._shown = ""
         return after[len(os.path.commonprefix((before, after))) :]
+
+
+class NoText(IncrementalDetokenizer):
+    """The detokenizer of a model without a tokenizer: the text is empty."""
+
+    def __init__(self, tokenizer: NoTokenizer) -> None:
+        super().__init__(tokenizer)
+
+    def step(self, new_ids: Iterable[int]) -> str:
+        return ""
+
+    def peek(self, token_id: int) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
 
 
 class TokenTexts:

@@ -3,9 +3,9 @@
 A worker engine with Llama-3-8B's public config (bf16) on `--device`:
 `sim:h100` by default (no weights: the simulated device's roofline times each
 step, worker/sim/), or `cuda` (random weights, `--load-format dummy`, half of
-the GPU's free memory for the KV pool), with the wall clock: the device's time really
-passes while the host plans the next step and calls the allocator, as
-against a GPU. For each allocator (`--allocators`: in-process, or a real
+the GPU's free memory for the KV pool), with the wall clock: the device's time
+really passes while the host processes the last step's tokens, plans the next
+step and calls the allocator, as against a GPU. For each allocator (`--allocators`: in-process, or a real
 allocator process over gRPC) and each number of sequences running at once,
 a closed loop of decode-heavy requests (a new one as each finishes) runs
 until every first request has its first token, then for the timed steps:
@@ -158,7 +158,8 @@ def _case(engine, n: int, w: HostWorkload) -> dict:
                 add()
     metrics, clock = engine.metrics, engine.clock
     host0 = _host_sums(metrics)
-    busy0, t0 = engine.busy.busy_total, clock.now()
+    t0 = clock.now()  # (then the device time up to it: a busy share over the span is never above 1)
+    busy0 = engine.busy.computed()
     tokens, gaps = 0, []
     for _ in range(w.steps):
         outs = engine.step()
@@ -172,16 +173,17 @@ def _case(engine, n: int, w: HostWorkload) -> dict:
             if out.finished:
                 last.pop(key, None)
                 add()
+    busy = engine.busy.computed() - busy0
     elapsed = clock.now() - t0
     host = {p: (s - host0[p]) / w.steps * 1e3 for p, s in _host_sums(metrics).items()}
     return {
         "steps": w.steps,
         "wall_s": round(elapsed, 3),
-        "device_busy_ratio": round((engine.busy.busy_total - busy0) / elapsed, 4),
+        "device_busy_ratio": round(busy / elapsed, 4),
         "tpot_p50_ms": round(1e3 * harness.percentile(gaps, 0.5), 3) if gaps else None,
         "tpot_mean_ms": round(1e3 * statistics.fmean(gaps), 3) if gaps else None,
         "tokens_per_s": round(tokens / elapsed, 1),
-        "device_ms_per_step": round((engine.busy.busy_total - busy0) / w.steps * 1e3, 3),
+        "device_ms_per_step": round(busy / w.steps * 1e3, 3),
         "host_ms_per_step": {p: round(v, 3) for p, v in host.items()},
         "host_ms_per_step_total": round(sum(host.values()), 3),
         "preemptions": engine.num_preemptions,

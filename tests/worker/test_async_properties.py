@@ -25,7 +25,9 @@ After every step:
   allocator has at least the free blocks the worker planned with (the free
   count is never over-estimated).
 Each workload runs synchronously with a call every step (the reference),
-and pipelined and with lookahead slots (steps that make no call).
+pipelined, overlapped (each step launched before the last one's tokens are
+processed: a stop is found a step late), and with lookahead slots (steps
+that make no call).
 At the end both runs give the same tokens, and every block is back.
 """
 
@@ -70,7 +72,7 @@ def draw(prefix: tuple[int, ...], sample: int) -> int:
 
 
 class Run:
-    def __init__(self, w: dict, async_scheduling: bool, lookahead: int = 0) -> None:
+    def __init__(self, w: dict, async_scheduling: bool, lookahead: int = 0, overlapped: bool = False) -> None:
         self.B = B = w["block_size"]
         self.caching = w["caching"]
         config = PoolConfig(w["slots"] // B, B, w["caching"], "prop")
@@ -80,6 +82,11 @@ class Run:
                                async_scheduling=async_scheduling, lookahead=lookahead)
         self.async_scheduling = async_scheduling
         self.lookahead = lookahead
+        # Overlapped (the engine on a device whose launch returns at once):
+        # step N+1 is scheduled and launched before step N's tokens are
+        # drawn and processed; the device computes N, then N+1, in order.
+        self.overlapped = overlapped
+        self.launched: tuple | None = None
         self.kv: dict[int, tuple[int, ...]] = {}  # flat slot -> the prefix its K/V was computed from
         self.requests = w["requests"]
         self.families: dict[str, list[Sequence]] = {}
@@ -130,8 +137,18 @@ class Run:
         findable = {b: h for b, h in enumerate(self.pool.index.block_hash) if h is not None}
         self.check_tables()
         self.check_sharing()
+        if self.overlapped:
+            previous, self.launched = self.launched, (batch, findable) if batch.entries else None
+            if previous is not None:
+                self.compute(*previous)
+            self.sched.schedule_ahead(batch)
+            return
         if self.async_scheduling:
             self.sched.schedule_ahead(batch)
+        self.compute(batch, findable)
+
+    def compute(self, batch, findable: dict[int, bytes]) -> None:
+        """The step's forward pass, its checks, and its tokens drawn and processed."""
         # The forward pass: copies first, then every layer writes every new
         # token's K/V before any attention reads (so a block shared in the
         # step it is computed is read after it is written).
@@ -165,9 +182,9 @@ class Run:
             if seq.fork_parent is not None:
                 self.sched.add_fork(seq)
         for seq, tok in sampled:
-            seq.token_ids.append(tok)
             if seq.is_finished:
-                continue  # aborted while in flight: the token is dropped
+                continue  # aborted while in flight (overlapped: or stopped a step before): the token is dropped
+            seq.token_ids.append(tok)
             if tok in seq.params.stop_token_ids:
                 self.finish(seq, "stop")
             elif seq.num_output_tokens >= seq.max_tokens:
@@ -196,7 +213,7 @@ class Run:
 
     def run(self) -> dict[str, list[list[int]]]:
         for number in itertools.count():
-            if number > 6 and not self.sched.has_work():
+            if number > 6 and not self.sched.has_work() and self.launched is None:
                 break
             assert number < 3000, "the workload does not finish"
             self.step(number)
@@ -225,8 +242,9 @@ def test_deferred_hashes_and_frees_keep_the_contract(w):
     # An abort lands on a step, and the pipelined engine admits a step later:
     # what an aborted request had produced may differ; everything else is equal.
     kept = {f"r{i}" for i, r in enumerate(w["requests"]) if r["abort"] is None}
-    for async_scheduling, lookahead in ((True, 0), (True, 3), (False, 2), (True, 8)):
-        other = Run(w, async_scheduling, lookahead).run()
+    for async_scheduling, lookahead, overlapped in ((True, 0, False), (True, 3, False), (False, 2, False),
+                                                    (True, 8, False), (True, 0, True), (True, 8, True)):
+        other = Run(w, async_scheduling, lookahead, overlapped).run()
         assert {k: v for k, v in other.items() if k in kept} == {k: v for k, v in synchronous.items() if k in kept}
         for rid in kept:
             assert all(other[rid]), "a request ended without a token"

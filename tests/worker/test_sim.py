@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from worker.engine import EngineConfig, LLMEngine, SamplingParams
+from worker.engine.busy import BusyMeter
 from worker.engine.llm_engine import RequestError
 from worker.model.sim import load_sim_model
 from worker.sim import GPUS, PUBLIC_CONFIGS, ModelShape, Roofline, SimConfigError, gpu, write_config
@@ -138,6 +139,60 @@ def test_outputs_are_a_function_of_the_tokens(llama):
     assert len({tuple(t) for t in together}) == 3
 
 
+def _served(engine, prompts, params, abort_at=None) -> dict[tuple[int, int], tuple[list[int], str]]:
+    """Every sample's tokens and finish reason (request 0 aborted at step
+    `abort_at`, and left out); then every block is back."""
+    try:
+        ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        final, steps = {}, 0
+        while engine.has_unfinished():
+            if steps == abort_at:
+                engine.abort(ids[0])
+            for out in engine.step():
+                key = (ids.index(out.request_id), out.index)
+                assert key not in final, f"an output after the last one of {key}"
+                if out.finished:
+                    final[key] = (out.token_ids, out.finish_reason)
+            steps += 1
+        engine.step()  # the last frees go out ...
+        engine.step()  # ... and are answered
+        assert engine.allocator.stats().used_blocks == 0
+        assert engine.allocator.pool.integrity_problems() == []
+        return {k: v for k, v in final.items() if abort_at is None or k[0] != 0}
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("caching", [False, True], ids=["no-cache", "cache"])
+def test_overlapped_steps_give_the_synchronous_outputs(llama, caching):
+    """On a sim: device each step is launched before the last one's tokens
+    are processed, so a stop is found a step late (its extra token dropped):
+    the same tokens and finish reasons as the synchronous engine, with
+    stop tokens, one-token requests, parallel samples (forks), a shared
+    prefix, an abort, and a pool small enough to preempt; with lookahead
+    slots and without."""
+    prompts = [list(range(1 + i, 20 + 8 * i)) for i in range(6)] + [list(range(1, 30)) + [5, 6]]
+    base = SamplingParams(max_tokens=24, ignore_eos=True)
+    first = sim_engine(llama, clock="virtual", async_scheduling=False)
+    reference = _served(first, prompts, [base] * len(prompts))
+    stops = [reference[0, 0][0][5], reference[2, 0][0][11]]  # tokens they sample: they stop there
+    params = [SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=stops)] * 3
+    params += [SamplingParams(max_tokens=1), SamplingParams(max_tokens=12, n=3, ignore_eos=True),
+               base, SamplingParams(max_tokens=20, n=2, stop_token_ids=stops[:1])]
+    small = {"num_blocks": 40, "block_size": 4, "enable_prefix_caching": caching, "clock": "virtual"}
+    synchronous = sim_engine(llama, async_scheduling=False, num_lookahead_slots=0, **small)
+    want = _served(synchronous, prompts, params)
+    assert synchronous.num_preemptions > 0
+    assert [want[k][1] for k in ((0, 0), (1, 0), (2, 0), (3, 0))] == ["stop", "length", "stop", "length"]
+    for lookahead in (0, 8):
+        overlapped = sim_engine(llama, num_lookahead_slots=lookahead, **small)
+        assert overlapped.overlapped
+        assert _served(overlapped, prompts, params) == want, lookahead
+        assert overlapped.num_preemptions > 0
+        aborted = sim_engine(llama, num_lookahead_slots=lookahead, **small)
+        assert _served(aborted, prompts, params, abort_at=4) == {k: v for k, v in want.items() if k[0] != 0}
+
+
 def test_no_eos_unless_the_length_rule_says_so(tmp_path):
     cfg = {**PUBLIC_CONFIGS["llama-3-8b"], "vocab_size": 4, "eos_token_id": [0, 1]}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
@@ -170,6 +225,19 @@ def test_virtual_latencies_are_the_sum_of_device_times(llama):
         assert busy == 1.0  # on the virtual clock only device time passes
     finally:
         engine.close()
+
+
+def test_busy_time_counts_a_queued_step_as_it_computes():
+    """A step launched behind another is recorded whole at its launch; the
+    device time up to now counts only what it has computed."""
+    now = [0.0]
+    meter = BusyMeter(lambda: now[0])
+    meter.record(0.0, 1.0)
+    meter.record(1.0, 3.0)  # queued behind the first
+    now[0] = 2.0
+    assert meter.computed() == 2.0 and meter.ratio() == 1.0
+    now[0] = 4.0
+    assert meter.computed() == 3.0 and meter.ratio() == 0.75
 
 
 def test_concurrent_requests_wait_for_each_others_steps(llama):

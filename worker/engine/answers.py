@@ -104,7 +104,8 @@ class StepExchange:
                     self._finished_answer(batch, seq, p, r)
                 continue
             if r.ok:
-                seq.block_table[r.keep :] = r.append
+                # (a new list: a step launched before this answer keeps the table it was scheduled with)
+                seq.block_table = [*seq.block_table[: r.keep], *r.append]
                 batch.copies.extend(r.copies)
                 self._computes(batch, seq, p)
             else:
@@ -138,13 +139,13 @@ class StepExchange:
         another sequence could find them: a findable block holds real K/V);
         what the step samples for it is dropped (`LLMEngine._run`)."""
         if r.keep or r.append:
-            seq.block_table[r.keep :] = r.append
+            seq.block_table = [*seq.block_table[: r.keep], *r.append]
         batch.copies.extend(r.copies)
         if p is not None:  # its Append (else an admission: `start`, `known`)
             start, known = seq.num_stored, p.known
             seq.num_stored += known
             seq.num_held, seq.num_reserved = p.held, p.reserved
-        if known > 0:
+        if known > 0:  # (nothing sampled: it would be dropped)
             batch.entries.append(ScheduledSeq(seq, start, known, seq.block_table))
 
     def _call(self, ops: list[Op], batch: Batch):
@@ -217,8 +218,10 @@ class StepExchange:
     def _computes(self, batch: Batch, seq: Sequence, p: Planned) -> None:
         """A running sequence whose Append was accepted, or that needed none:
         this step computes its next `p.n` tokens with its table as it stands
-        now, in slots it holds."""
-        batch.entries.append(ScheduledSeq(seq, seq.num_stored, p.n, seq.block_table))
+        now, in slots it holds. None when its tokens were all computed (its
+        last token is being sampled: it finishes with it)."""
+        if p.n:
+            batch.entries.append(ScheduledSeq(seq, seq.num_stored, p.n, seq.block_table, p.samples))
         seq.num_stored += p.n
         if p.op is not None:
             seq.num_held, seq.num_reserved = p.held, p.reserved
@@ -240,4 +243,5 @@ class StepExchange:
         start = r.cached_tokens
         if seq.swap is not None:  # resumed, its tail swapped out: copied back, not computed
             start = self.tiers.swap_in(batch, seq, start, r.num_stored)  # type: ignore[union-attr]
-        batch.entries.append(ScheduledSeq(seq, start, r.num_stored - start, seq.block_table, r.cached_tokens))
+        batch.entries.append(ScheduledSeq(seq, start, r.num_stored - start, seq.block_table,
+                                          r.num_stored == len(seq.token_ids), r.cached_tokens))

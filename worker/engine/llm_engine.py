@@ -5,8 +5,12 @@ an output processor.
 plans it (one allocator Step call), the model runner computes every scheduled
 token at once (prefill chunks and decodes mixed) and samples the sequences
 that reached their last token, the output processor checks stop conditions
-and detokenizes. `generate()` is the offline API on top; `AsyncLLMEngine`
-(async_engine.py) the streaming one.
+and detokenizes. With async scheduling the next step's call is planned and
+sent while a step computes; on a device whose launch returns at once (sim:)
+a step is launched behind the one computing, whose tokens are processed
+meanwhile (`_step`; docs/architecture.md, "Overlapped steps"). `generate()`
+is the offline API on top; `AsyncLLMEngine` (async_engine.py) the streaming
+one.
 
 A request with `n > 1` is n sequences under one request id (`index` 0..n-1):
 sample 0 computes the prompt, the others draw their first token from its
@@ -157,6 +161,11 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_preemptions = 0
         self.remote_allocator = config.allocator != "embedded"
+        # A device whose launch returns at once (sim:), with async scheduling:
+        # each step is launched before the outputs of the one in flight are
+        # processed (`_step`); that step and its batch until then.
+        self.overlapped = self.runner.asynchronous and config.async_scheduling
+        self._launched: tuple[Batch, object] | None = None
 
     @property
     def health(self):
@@ -292,7 +301,7 @@ class LLMEngine:
                 self.metrics.finished("abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self._launched is not None or self.scheduler.has_work()
 
     def num_running(self) -> int:
         return len(self.scheduler.running)
@@ -315,14 +324,15 @@ class LLMEngine:
             raise
 
     def _step(self) -> list[RequestOutput]:
-        clock, scheduler = self.clock, self.scheduler
+        clock, scheduler, runner = self.clock, self.scheduler, self.runner
         t0, c0, waited = time.perf_counter(), clock.now(), scheduler.allocator_wait_total
         batch = scheduler.schedule()
         if batch.tiered:
             # Its tier moves, now: the step before it has computed (its
             # blocks hold what they save), and the call sent next (async)
-            # reports what they became.
-            self.runner.apply_tiers(batch)
+            # reports what they became. (Only a runner that computes as it
+            # is called has tiers: the step before it has computed.)
+            runner.apply_tiers(batch)
         if batch.allocator_call:  # (a step computed in slots held already waited for nothing)
             self.metrics.allocator_step.observe(batch.allocator_seconds)
             self.metrics.allocator_calls.inc()
@@ -335,42 +345,56 @@ class LLMEngine:
         for entry in batch.entries:  # the queue time ends at the first schedule
             if entry.seq.first_scheduled_time is None:
                 entry.seq.first_scheduled_time = now
-        # A device whose launch returns at once (sim:) computes while the next step is planned.
-        launched = self.runner.launch(batch) if batch.entries and self.runner.asynchronous else None
-        if scheduler.async_scheduling:
-            # The next step's allocator call runs while this one computes.
+        if self.overlapped:
+            # This step is queued on the device behind the one in flight,
+            # whose outputs are processed while both compute; then the next
+            # step is planned and its call sent, as if this one sampled.
+            launched = (batch, runner.launch(batch)) if batch.entries else None
+            previous, self._launched = self._launched, launched
+            planning = time.perf_counter() - t0
+            if previous is not None:
+                outputs += self._run(*previous)
+            t1 = time.perf_counter()
             if scheduler.schedule_ahead(batch):
                 self.metrics.allocator_steps_ahead.inc()
+            planning += time.perf_counter() - t1
+        else:
+            # A runner that computes as it is called: the next step's call
+            # (async) goes out first and runs while this one computes.
+            if scheduler.async_scheduling and scheduler.schedule_ahead(batch):
+                self.metrics.allocator_steps_ahead.inc()
+            planning = time.perf_counter() - t0
+            if batch.entries:
+                outputs += self._run(batch, runner.launch(batch))
         waited = scheduler.allocator_wait_total - waited
         host = self.metrics.step_host
-        host["schedule"].observe(max(0.0, time.perf_counter() - t0 - waited))
+        host["schedule"].observe(max(0.0, planning - waited))
         host["allocator_wait"].observe(waited)
-        if batch.entries:
-            outputs += self._run(batch, launched)
-        if batch.queried_tokens:  # (after it computed: a tier load refused is not a hit)
-            self.metrics.prefix_queried.inc(batch.queried_tokens)
-            self.metrics.prefix_hit.inc(batch.cached_tokens)
         self.metrics.running.set(len(scheduler.running))
         self.metrics.waiting.set(len(scheduler.waiting))
         self.metrics.step_time.observe(clock.now() - c0)
         return outputs
 
     def _run(self, batch: Batch, launched) -> list[RequestOutput]:
+        """Wait for a launched step's outputs, draw its tokens and turn them into outputs."""
         runner, host = self.runner, self.metrics.step_host
-        if launched is None:
-            launched = runner.launch(batch)
         runner.wait(launched)
         t0 = time.perf_counter()
         sampled = runner.collect(launched)
         t1 = time.perf_counter()
         host["sample"].observe(t1 - t0)
+        if batch.queried_tokens:  # (after it computed: a tier load refused is not a hit)
+            self.metrics.prefix_queried.inc(batch.queried_tokens)
+            self.metrics.prefix_hit.inc(batch.cached_tokens)
         now = self.clock.now()
         for s in sampled:
             if s.seq.fork_parent is not None:  # first token of a sample: forked next step
                 self.scheduler.add_fork(s.seq)
-        # A sequence that finished (an abort) while its step was planned
-        # ahead was computed all the same: what it sampled is dropped.
+        # A sequence that finished while its step was planned ahead or
+        # launched (an abort; overlapped, a stop found in the step before)
+        # was computed all the same: what it sampled is dropped.
         outputs = [self._append_token(s, now) for s in sampled if not s.seq.is_finished]
+        self.metrics.generation_tokens.inc(len(outputs))
         host["output"].observe(time.perf_counter() - t1)
         return outputs
 
@@ -379,7 +403,6 @@ class LLMEngine:
         seq.token_ids.append(tok)
         if seq.logprobs is not None and sampled.logprobs is not None:
             seq.logprobs.append(sampled.logprobs)
-        self.metrics.generation_tokens.inc()
         if seq.first_token_time is None:
             seq.first_token_time = now
             self.metrics.ttft.observe(now - seq.arrival_time)

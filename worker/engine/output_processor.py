@@ -60,7 +60,7 @@ class OutputProcessor:
             request_id=seq.request_id,
             index=seq.index,
             prompt_token_ids=seq.prompt_token_ids,
-            token_ids=list(seq.output_token_ids),
+            token_ids=seq.output_token_ids,  # (a new list)
             text=seq.text[: seq.emitted],
             new_token_ids=[tok],
             new_text=new_text,
@@ -84,13 +84,15 @@ class OutputProcessor:
 
     def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params
-        if seq.num_output_tokens >= p.min_tokens:
+        tokens = len(seq.token_ids)
+        generated = tokens - len(seq.prompt_token_ids)
+        if generated >= p.min_tokens:
             if tok in p.stop_token_ids:
                 seq.stop_reason = tok
                 return "stop"
             if not p.ignore_eos and tok in self.eos_token_ids:
                 return "stop"
-        if seq.num_output_tokens >= seq.max_tokens or len(seq.token_ids) >= self.max_model_len:
+        if generated >= seq.max_tokens or tokens >= self.max_model_len:
             return "length"
         return None
 

@@ -178,7 +178,9 @@ class Scheduler(StepExchange):
         finishes with it: nothing is planned for that token, which is never
         computed (a sample finished so is never forked, as in the
         synchronous engine)."""
-        sampling = [e.seq for e in running.entries if e.samples]
+        # (a sequence that finished since `running` was launched computes
+        # all the same, overlapped: what it samples is dropped)
+        sampling = [e.seq for e in running.entries if e.samples and not e.seq.is_finished]
         sampling += [c for s in sampling for c in s.unforked_samples()]
         ahead = [s for s in sampling if len(s.token_ids) < s.max_computed_tokens]
         batch = Batch()
@@ -345,7 +347,8 @@ class Scheduler(StepExchange):
                 continue  # preempted as a victim earlier in this loop
             if plan.budget <= 0:
                 break
-            n = min(len(seq.token_ids) + (seq in plan.ahead) - seq.num_stored, plan.budget)
+            last = len(seq.token_ids) + (seq in plan.ahead)
+            n = min(last - seq.num_stored, plan.budget)
             end = seq.num_stored + n
             while True:
                 # (the allocator applies the appends in this order: a copy
@@ -369,7 +372,7 @@ class Scheduler(StepExchange):
                 continue
             view.take(taking)
             known = max(0, min(end, len(seq.token_ids)) - seq.num_stored)
-            plan.running[seq] = Planned(n, taking, known, end > seq.num_held or taking.cow >= 0)
+            plan.running[seq] = Planned(n, taking, known, end > seq.num_held or taking.cow >= 0, end == last)
             plan.budget -= n
 
     def _drop_flush(self, plan: StepPlan) -> bool:

@@ -25,13 +25,11 @@ class ScheduledSeq:
     # scheduling may preempt the sequence, which resets its table, while
     # planning the next step, before this step's forward pass runs).
     table: list[int]
+    # This step computes the sequence's last token, so its logits give the
+    # next one: decided when the step is planned (the token sampled by the
+    # step before it may not be on the host yet when this one launches).
+    samples: bool = False
     cached: int = 0  # of `num_computed`, the tokens its admission found cached (this step's admission)
-
-    @property
-    def samples(self) -> bool:
-        """This step computes the sequence's last known token, so its logits
-        give the next one."""
-        return self.num_computed + self.num_new == len(self.seq.token_ids)
 
 
 @dataclass(slots=True)
@@ -65,6 +63,7 @@ class Planned:
     taking: Taking  # what its Append takes from the pool (the view's answer)
     known: int  # of the `n` tokens, those whose values are known at planning
     must_call: bool  # it needs slots it does not hold (or a copy): the step makes a call
+    samples: bool  # the `n` tokens reach its last one (counting the token the running step samples)
     op: Append | None = None  # None: computed in slots it holds, nothing sent for it
     held: int = 0  # after its Append: the slots it holds, ...
     reserved: int = 0  # ... the last of them without values
