@@ -92,13 +92,16 @@ def _store_keys(d: Path, workers: Sequence[str], store_group: str | None) -> Non
 
 
 def write_credentials(directory: str | os.PathLike, workers: Sequence[tuple[str, str]],
-                      store_group: str | None = None) -> bool:
+                      store_group: str | None = None, guests: Sequence[tuple[str, str]] = ()) -> bool:
     """Make the folder's credentials for `workers` ((id, address) pairs), all
-    in store group `store_group` (None: each its own); True when they were
-    written, False when the folder already held them."""
+    in store group `store_group` (None: each its own), and for `guests` (the
+    same pairs), each a store group of its own whatever `store_group` is; True
+    when they were written, False when the folder already held them."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    want = [(w, u.rstrip("/")) for w, u in workers]
+    members = [(w, u.rstrip("/")) for w, u in workers]
+    others = [(w, u.rstrip("/")) for w, u in guests]
+    want = members + others
     if len({w for w, _ in want}) != len(want) or len({u for _, u in want}) != len(want):
         raise ValueError("each worker needs an id and an address of its own")
     group = [f"group={store_group}"] if store_group is not None else []
@@ -108,13 +111,15 @@ def write_credentials(directory: str | os.PathLike, workers: Sequence[tuple[str,
         check_store_group(store_group)
     if not (d / JOURNAL_KEY).exists():
         write_secret(d / JOURNAL_KEY, secrets.token_urlsafe(32) + "\n")
-    _store_keys(d, [w for w, _ in want], store_group)
-    if _current(d) == [(w, u, *group) for w, u in want]:
+    _store_keys(d, [w for w, _ in members], store_group)
+    _store_keys(d, [w for w, _ in others], None)
+    rows = [(w, u, *group) for w, u in members] + others
+    if _current(d) == rows:
         return False
     table = []
-    for worker_id, url in want:
+    for worker_id, url, *words in rows:
         token = secrets.token_urlsafe(32)
-        table.append(" ".join((worker_id, url, token, *group)) + "\n")
+        table.append(" ".join((worker_id, url, token, *words)) + "\n")
         write_secret(worker_token_file(d, worker_id), token + "\n")
     write_secret(d / ROUTER_TOKEN, secrets.token_urlsafe(32) + "\n")
     write_secret(d / ADMIN_TOKEN, secrets.token_urlsafe(32) + "\n")

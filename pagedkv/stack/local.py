@@ -53,6 +53,10 @@ their binaries are on PATH::
   files of the log folder readable by this user only: each worker its own
   token, bound to its id and address (`worker-tokens`, `worker-N.token`),
   the workers one store group with its key (`worker-N.store-key`), the router's token (`router-token`) and an admin token (`admin-token`).
+  `guest_workers=[(ID, URL), ...]`: workers the stack does not run, each
+  also given its token (`ID.token`, bound to that id and address) and a
+  store group of its own: another operator's worker beside the stack's on
+  its allocator and shared store, or an attacker holding one token.
   `token=T` instead: one shared worker token (`allocator-token`) and the
   router token `T-router`. `credentials=False` and no `token`: none at all
   (any caller may register a pool: a development setup).
@@ -147,6 +151,7 @@ class LocalStack:
         router_args: Sequence[str] = (),
         worker_host: str | None = None,
         env: Mapping[str, str] | None = None,
+        guest_workers: Sequence[tuple[str, str]] = (),
     ) -> None:
         if workers < 1:
             raise StackError("--workers must be at least 1")
@@ -177,6 +182,10 @@ class LocalStack:
         self.grace = grace
         self.token = token
         self.credentials = credentials
+        if guest_workers and (token is not None or not credentials):
+            raise StackError("guest workers get generated credentials: give them without a token and with "
+                             "credentials on")
+        self.guest_workers = list(guest_workers)
         self.tls = tls
         self.want_router = router
         self.router_port = router_port
@@ -308,7 +317,8 @@ class LocalStack:
             router_to_allocator += ["--router-token-file", str(router_file)]
         elif self.credentials:  # generated for this stack: a token per worker, bound to its id and address
             # The stack's workers are one operator's: one store group, whose key seals their store entries.
-            write_credentials(self.log_dir, [(w.worker_id, w.url) for w in self.workers], STORE_GROUP)
+            write_credentials(self.log_dir, [(w.worker_id, w.url) for w in self.workers], STORE_GROUP,
+                              self.guest_workers)
             for worker in self.workers:
                 worker.args += ["--allocator-token-file", str(worker_token_file(self.log_dir, worker.worker_id)),
                                 "--kv-store-key-file", str(store_key_file(self.log_dir, worker.worker_id))]

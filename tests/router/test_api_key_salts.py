@@ -73,9 +73,9 @@ def test_the_router_matches_under_the_salt_the_worker_caches_under(stack):
 def test_the_router_never_passes_a_clients_key_on(keys_file):
     """The worker sees the router's own key (its first) and the client's tenant id,
     never the client's key, nor a tenant header the client sent."""
+    from pagedkv.bench.attackers import BadWorker
     from pagedkv.stack import RouterProcess
     from pagedkv_base.api.tenants import TENANT_HEADER, tenant_of
-    from tests.router.test_failover import BadWorker
 
     with BadWorker("record") as worker:
         router = RouterProcess(model=MODEL, args=["--workers", worker.url, "--api-keys-file", str(keys_file),

@@ -12,12 +12,10 @@ tiny-random worker; the router is a real process with a static list."""
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import contextlib
 import json
 import socket
-import threading
 import time
 
 import httpx
@@ -25,112 +23,12 @@ import openai
 import psutil
 import pytest
 
-from pagedkv.bench.attackers import read_to_close, slow_clients
+from pagedkv.bench.attackers import BadWorker, read_to_close, slow_clients
 from pagedkv.stack import RouterProcess
 from tests.support.drills import scrape, wait_for
 from tests.support.http import metric
 
 MODEL = "tiny-random"
-HUGE = 300 << 20
-
-
-class BadWorker:
-    """An HTTP server on 127.0.0.1 that fails every POST in one way:
-    `503` (answers Service Unavailable), `drop-body` (sends a 200 whose
-    declared body never fully arrives), `drop-stream` (sends one SSE event,
-    then closes), `silent` (reads the request and never answers), `huge` (a 200 whose
-    body goes on for 300 MB), `huge-declared` (a 200 that says its body is 300 MB),
-    `trickle` (a 200 whose body comes a byte at a time), `trickle-stream` (an event
-    stream that sends a byte at a time and never ends an event), `record` (answers a
-    completion and keeps each request's headers in `heads`). GETs (/v1/models)
-    answer 404."""
-
-    def __init__(self, mode: str) -> None:
-        self.mode = mode
-        self.posts = 0
-        self.heads: list[dict[str, str]] = []
-        self.loop = asyncio.new_event_loop()
-        self.ready = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> BadWorker:
-        self.thread.start()
-        assert self.ready.wait(10)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        server = self.loop.run_until_complete(asyncio.start_server(self._serve, "127.0.0.1", 0))
-        self.port = server.sockets[0].getsockname()[1]
-        self.ready.set()
-        self.loop.run_forever()
-        server.close()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            head = await reader.readuntil(b"\r\n\r\n")
-            lines = head.decode("latin-1").split("\r\n")
-            length = next((int(v) for k, _, v in (h.partition(":") for h in lines[1:])
-                           if k.strip().lower() == "content-length"), 0)
-            await reader.readexactly(length)
-            if not lines[0].startswith("POST"):
-                writer.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
-                return
-            self.posts += 1
-            self.heads.append({k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in lines[1:] if h)})
-            if self.mode == "record":
-                body = json.dumps({"id": "cmpl-rec", "object": "text_completion", "created": 0, "model": MODEL,
-                                   "choices": [{"index": 0, "text": "ok", "logprobs": None, "finish_reason": "stop"}],
-                                   "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}).encode()
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-                             b"connection: close\r\n\r\n%s" % (len(body), body))
-            elif self.mode == "503":
-                body = b'{"error": {"message": "overloaded"}}'
-                writer.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
-                             b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
-            elif self.mode == "silent":  # takes the request and computes "forever"
-                await reader.read()
-            elif self.mode in ("huge", "huge-declared"):
-                declared = b"content-length: %d\r\n" % HUGE if self.mode == "huge-declared" else b""
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n" + declared + b"\r\n")
-                block = b" " * (1 << 20)
-                for _ in range(HUGE >> 20):  # until the router stops reading (its bound) or it is all sent
-                    writer.write(block)
-                    await writer.drain()
-            elif self.mode in ("trickle", "trickle-stream"):
-                kind = b"text/event-stream" if self.mode == "trickle-stream" else b"application/json"
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ncontent-length: 100000\r\n\r\n" % kind)
-                for _ in range(100000):
-                    writer.write(b"d")
-                    await writer.drain()
-                    await asyncio.sleep(0.1)
-            elif self.mode == "drop-body":
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 500\r\n\r\n"
-                             b'{"id": "cmpl-cut", "choices": [')
-            else:  # drop-stream
-                event = {"id": "cmpl-cut", "object": "text_completion", "model": MODEL,
-                         "choices": [{"index": 0, "text": "partial", "logprobs": None, "finish_reason": None}]}
-                chunk = f"data: {json.dumps(event)}\n\n".encode()
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                             b"transfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n" % (len(chunk), chunk))
-                # Dies a while after its first event, as a worker would; bytes that come
-                # in the same read as the loss of the connection are not passed on (the
-                # client library raises before it hands over what it buffered).
-                await writer.drain()
-                await asyncio.sleep(0.3)
-            await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
 
 
 @pytest.fixture(scope="module")

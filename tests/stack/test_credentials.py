@@ -73,6 +73,22 @@ def test_each_worker_gets_its_store_groups_key(tmp_path):
         write_credentials(tmp_path / "bad", WORKERS, "a.b")
 
 
+def test_a_guest_worker_is_a_store_group_of_its_own(tmp_path):
+    """A guest (a worker the stack does not run: `LocalStack(guest_workers=...)`) gets
+    a token bound to its id and address, outside the workers' group, with a key of its own."""
+    guest = ("guest", "http://guest:8000")
+    assert write_credentials(tmp_path, WORKERS, "team", [guest])
+    files = _files(tmp_path)
+    grants = {g.worker_id: g for g in parse_worker_tokens(files["worker-tokens"]).values()}
+    assert grants["guest"] == WorkerGrant("guest", "http://guest:8000") and grants["guest"].store_group == "guest"
+    assert {grants[w].store_group for w, _ in WORKERS} == {"team"}
+    assert files["guest.token"].strip() != files["worker-1.token"].strip()
+    assert files["guest.store-key"] != files["worker-1.store-key"] == files["worker-2.store-key"]
+    assert not write_credentials(tmp_path, WORKERS, "team", [guest])  # kept
+    with pytest.raises(ValueError, match="an id and an address of its own"):
+        write_credentials(tmp_path, WORKERS, "team", [("worker-1", "http://elsewhere:8000")])
+
+
 def test_split_gives_each_process_only_its_own_files(tmp_path):
     """`--split`: a folder per process; no worker's or the router's holds the admin token
     or another worker's token."""
