@@ -57,7 +57,7 @@ def test_simulated_workers_serve_the_same_tokens_everywhere_and_every_run(model)
     with start(model) as stack:
         again = run_all(stack, model)
     by_prompt: dict[int, set] = {}
-    for (url, i, stream), ids in [*first.items(), *again.items()]:
+    for (_url, i, _stream), ids in [*first.items(), *again.items()]:
         assert len(ids) == MAX_TOKENS
         by_prompt.setdefault(i, set()).add(tuple(ids))
     # one answer per prompt, whichever worker, router or run, streamed or not

@@ -24,7 +24,16 @@ from worker.engine.scheduler import Batch
 from worker.engine.sequence import Sequence
 from worker.kv_pool import parse_memory
 from worker.model.loaded import LoadedModel
-from worker.sim import SIM_PREFIX, DeviceStream, Roofline, StepCost, TokenDigest, gpu, make_clock, next_token
+from worker.sim import (
+    SIM_PREFIX,
+    DeviceStream,
+    Roofline,
+    StepCost,
+    TokenDigest,
+    gpu,
+    make_clock,
+    next_token,
+)
 
 # what `--kv-cache-memory` is on a simulated GPU when not given: vLLM's --gpu-memory-utilization default
 DEFAULT_SIM_KV_FRACTION = "0.9"

@@ -11,7 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from worker.kv_bytes import DTYPE_BYTES, canonical_dtype, kv_bytes_per_token, kv_dims_from_config, positive_field
+from worker.kv_bytes import (
+    DTYPE_BYTES,
+    canonical_dtype,
+    kv_bytes_per_token,
+    kv_dims_from_config,
+    positive_field,
+)
 
 __all__ = ["ARCHITECTURES", "ModelShape", "SimConfigError"]
 
