@@ -35,7 +35,7 @@ __all__ = ["GIB", "HostTier", "Transfer", "host_slots_for_size"]
 GIB = 1024**3
 
 
-def host_slots_for_size(size_gib: float, block_bytes: int, available_bytes: int | None = None) -> int:
+def host_slots_for_size(size_gib: float, block_bytes: int, available_bytes: float | None = None) -> int:
     """Slots `--kv-offloading-size GIB` holds (0: no host tier); ValueError (one line) when
     the size is more than the memory available (MemAvailable, or `available_bytes`) or
     holds no block."""
@@ -55,7 +55,8 @@ def host_slots_for_size(size_gib: float, block_bytes: int, available_bytes: int 
 
 
 class Transfer:
-    """One batch of copies: done at once on the CPU, in flight on the side stream on CUDA."""
+    """One batch of copies: done at once on the CPU, in flight on the side stream on CUDA (or,
+    timed on a simulated device, on its stream: `end` is then the stream's event, worker/tiers/timed.py)."""
 
     __slots__ = ("kind", "blocks", "nbytes", "seconds", "_start", "_end", "_keep")
 
@@ -99,23 +100,28 @@ class HostTier:
         self.block_shape = (2, pool.num_layers, pool.block_size, pool.num_kv_heads, pool.head_dim)
         self.block_bytes = bytes_per_block(pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.block_size,
                                            pool.dtype)
-        self.cuda = pool.device.type == "cuda"
-        # NOTE: not zeroed: a slot is only read after a save wrote it (the allocator loads present entries only).
-        self._host = torch.empty((num_slots, *self.block_shape), dtype=pool.dtype, pin_memory=self.cuda)
-        self._bytes = self._host.view(num_slots, -1).view(torch.uint8).numpy()
-        self._stream = torch.cuda.Stream(device=pool.device) if self.cuda else None
+        self._open()
         self._pending: deque[Transfer] = deque()
         self._meter = meter
         if meter is not None:
             meter.set_capacity(self.bytes_total)
 
+    def _open(self) -> None:
+        """The slots' memory, and on CUDA the side stream its copies run on."""
+        self.cuda = self.pool.device.type == "cuda"
+        # NOTE: not zeroed: a slot is only read after a save wrote it (the allocator loads present entries only).
+        self._host = torch.empty((self.num_slots, *self.block_shape), dtype=self.pool.dtype, pin_memory=self.cuda)
+        self._bytes = self._host.view(self.num_slots, -1).view(torch.uint8).numpy()
+        self._stream = torch.cuda.Stream(device=self.pool.device) if self.cuda else None
+
     @classmethod
     def from_size(cls, pool: KVPool, size_gib: float, *, meter: TierMeter | None = None,
-                  available_bytes: int | None = None) -> HostTier | None:
-        """The tier `--kv-offloading-size GIB` asks for, None for 0 (see `host_slots_for_size`)."""
+                  available_bytes: float | None = None, **kw) -> HostTier | None:
+        """The tier `--kv-offloading-size GIB` asks for, None for 0 (see `host_slots_for_size`);
+        `kw` goes to the class (a subclass's own arguments)."""
         block_bytes = bytes_per_block(pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.block_size, pool.dtype)
         slots = host_slots_for_size(size_gib, block_bytes, available_bytes)
-        return cls(pool, slots, meter=meter) if slots else None
+        return cls(pool, slots, meter=meter, **kw) if slots else None
 
     @property
     def bytes_total(self) -> int:
@@ -178,9 +184,13 @@ class HostTier:
         check_ids("host slot", host_slots, self.num_slots, distinct=distinct_slots)
 
     def _move(self, kind: str, kv_blocks: Sequence[int], host_slots: Sequence[int]) -> Transfer:
-        n = len(kv_blocks)
-        if n == 0:
+        if not kv_blocks:
             return Transfer(kind, 0, 0, seconds=0.0)
+        return self._issue(kind, kv_blocks, host_slots)
+
+    def _issue(self, kind: str, kv_blocks: Sequence[int], host_slots: Sequence[int]) -> Transfer:
+        """Copy the bytes (at once on the CPU, queued on the side stream on CUDA)."""
+        n = len(kv_blocks)
         if self._stream is None:
             t0 = time.perf_counter()
             if kind == "save":

@@ -87,7 +87,11 @@ class StoreMover:
         its bytes are in the store."""
         self._check_pairs(kv_blocks, hashes)
         check_ids("KV block", kv_blocks, self.pool.num_blocks, distinct=False)
-        if not kv_blocks or not self._may_try():
+        return self._save(kv_blocks, hashes) if kv_blocks else []
+
+    def _save(self, kv_blocks: Sequence[int], hashes: Sequence[bytes]) -> list[bool]:
+        """The bytes of checked, non-empty saves to the store."""
+        if not self._may_try():
             return [False] * len(kv_blocks)
         t0 = time.perf_counter()
         rows = gather(self.pool, kv_blocks).cpu().view(len(kv_blocks), -1).view(torch.uint8).numpy()
@@ -116,8 +120,10 @@ class StoreMover:
         whether it was loaded. A block not loaded is untouched: its tokens are computed."""
         self._check_pairs(kv_blocks, hashes)
         check_ids("KV block", kv_blocks, self.pool.num_blocks, distinct=True)
-        if not kv_blocks:
-            return []
+        return self._load(hashes, kv_blocks) if kv_blocks else []
+
+    def _load(self, hashes: Sequence[bytes], kv_blocks: Sequence[int]) -> list[LoadOutcome]:
+        """The bytes of checked, non-empty loads from the store."""
         if not self._may_try():
             return [UNAVAILABLE] * len(kv_blocks)
         t0 = time.perf_counter()
