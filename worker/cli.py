@@ -99,7 +99,8 @@ class WorkerArgs:
     kv_offloading_size: float = setting(
         0.0, "GiB of host (CPU) memory for this worker's KV tier below its KV pool, as vLLM's flag: cached "
         "blocks evicted from the pool are saved there and loaded back instead of computed (pinned memory and "
-        "side-stream copies on CUDA); 0 or 'none': no host tier. Needs prefix caching",
+        "side-stream copies on CUDA; on sim: no memory taken, each move timed at the GPU's host link); 0 or "
+        "'none': no host tier. Needs prefix caching",
         parse=gib_or_none, metavar="GIB")
     kv_shared_store: bool = setting(
         True, "save to and load from the KV store the allocator shares between its workers (its "

@@ -287,6 +287,12 @@ def _worker(*argv: str) -> subprocess.CompletedProcess:
     (None, ["--device", "sim:b200"], "unknown simulated GPU 'b200'; known: h100, h200, a100-40gb, a100-80gb, l4"),
     ("drop", ["--device", "sim:h100"], "config.json: num_attention_heads must be a positive integer"),
     (None, ["--device", "sim:l4", "--num-blocks", "100000"], "does not fit in sim:l4's 24 GiB"),
+    # the host tier's slots are counted as on CUDA: 2 MiB blocks (16 tokens of 131,072 B)
+    (None, ["--device", "sim:h100", "--kv-offloading-size", "0.001"],
+     "--kv-offloading-size 0.001 GiB holds no KV block (2097152 B each)"),
+    (None, ["--device", "sim:h100", "--kv-offloading-size", "0.001953125", "--preemption-mode", "swap"],
+     "holds 1 block(s): too few for --preemption-mode swap"),
+    (None, ["--device", "sim:h100", "--preemption-mode", "swap"], "--preemption-mode swap needs a host tier"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, make, args, message):
     cfg = dict(PUBLIC_CONFIGS["llama-3-8b"])

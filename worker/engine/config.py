@@ -102,7 +102,5 @@ class EngineConfig:
             raise ValueError("--sim-mfu and --sim-mbu must be in (0, 1]")
         if not 0 <= self.sim_launch_ms < float("inf"):
             raise ValueError("--sim-launch-ms must be >= 0")
-        if is_sim(self.device) and self.kv_offloading_size:
-            raise ValueError("--kv-offloading-size: KV tiers are not simulated on a sim: device")
         if self.dtype not in WORKER_DTYPES:
             raise ValueError("--dtype must be float32, float16 or bfloat16")

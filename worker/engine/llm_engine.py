@@ -47,7 +47,7 @@ from worker.engine.sim_runner import SimRunner
 from worker.engine.tiers import EngineTiers, swap_slots_for
 from worker.metrics import WorkerMetrics
 from worker.sim import is_sim
-from worker.tiers import HostTier, KVLayout
+from worker.tiers import KVLayout
 
 log = logging.getLogger("pagedkv.worker")
 
@@ -98,14 +98,14 @@ class LLMEngine:
         if config.enable_prefix_caching:  # (the tiers keep blocks by their hash)
             layout = KVLayout.of_pool(self.kv_pool, loaded.fingerprint)
             if config.kv_offloading_size:
-                host = HostTier.from_size(self.kv_pool, config.kv_offloading_size, meter=self.metrics.tier("host"))
+                host = self.runner.host_tier(config.kv_offloading_size, self.metrics.tier("host"))
         if host is not None and config.preemption_mode == "swap":
             swap_slots = swap_slots_for(host.num_slots)
             if not swap_slots:
                 raise ValueError(f"--kv-offloading-size {config.kv_offloading_size:g} GiB holds "
                                  f"{host.num_slots} block(s): too few for --preemption-mode swap")
         tiers = None if layout is None else EngineTiers(self.kv_pool, layout, host, self.metrics,
-                                                        swap_slots=swap_slots)
+                                                        swap_slots=swap_slots, store_mover=self.runner.store_mover)
         spec = PoolSpec(
             config.worker_id,
             PoolConfig(
@@ -116,8 +116,7 @@ class LLMEngine:
                 host_blocks=tiers.host_blocks if tiers is not None else 0,
                 layout=layout.key if layout is not None else "",
                 block_bytes=layout.block_bytes if layout is not None else 0,
-                # (a simulated pool has no bytes to share)
-                use_shared_store=tiers is not None and config.kv_shared_store and not self.simulated,
+                use_shared_store=tiers is not None and config.kv_shared_store,
             ),
             advertise_url=config.advertise_url,
             served_model_name=config.served_model_name or config.model,
@@ -330,8 +329,9 @@ class LLMEngine:
         if batch.tiered:
             # Its tier moves, now: the step before it has computed (its
             # blocks hold what they save), and the call sent next (async)
-            # reports what they became. (Only a runner that computes as it
-            # is called has tiers: the step before it has computed.)
+            # reports what they became. (The torch runner computes as it is
+            # called: the step before it has computed. On sim: the step before
+            # may be in flight: the moves are queued on the stream behind it.)
             runner.apply_tiers(batch)
         if batch.allocator_call:  # (a step computed in slots held already waited for nothing)
             self.metrics.allocator_step.observe(batch.allocator_seconds)

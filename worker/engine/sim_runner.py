@@ -8,10 +8,16 @@ sequence's tokens (worker/sim/tokens.py). The KV pool holds no tensor, only
 its shape: the allocator's block ids are all there is. It is sized from the
 simulated memory as on CUDA: a fraction of what the weights leave free, or a
 size, or a number of blocks, refused when it does not fit.
+
+KV tiers: the host tier and the store mover are the timed ones
+(worker/tiers/timed.py); each tier move, like each copy-on-write copy, is
+queued on the stream before the step's forward pass, a move between the
+device and host memory at the GPU's host link (`Roofline.host_seconds`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence as Seq
 from typing import NamedTuple
 
@@ -29,11 +35,13 @@ from worker.sim import (
     DeviceStream,
     Roofline,
     StepCost,
+    StreamEvent,
     TokenDigest,
     gpu,
     make_clock,
     next_token,
 )
+from worker.tiers import TierMeter, TimedHostTier, TimedStoreMover
 
 # what `--kv-cache-memory` is on a simulated GPU when not given: vLLM's --gpu-memory-utilization default
 DEFAULT_SIM_KV_FRACTION = "0.9"
@@ -95,7 +103,6 @@ class SimRunner:
         self.tiers = None
         self.device_seconds = 0.0  # every step's device time, launched so far
         self._digests: dict[int, tuple[Sequence, TokenDigest]] = {}
-        self._pending_copy_s = 0.0
 
     def _pool(self, shape, config: EngineConfig) -> SimKVPool:
         name, memory = config.device, self.gpu.memory_bytes
@@ -119,22 +126,48 @@ class SimRunner:
         return SimKVPool(shape.num_layers, blocks, config.block_size, shape.num_kv_heads, shape.head_dim, dtype,
                          name, block_bytes)
 
-    def apply_tiers(self, batch: Batch) -> None:
-        raise RuntimeError("KV tiers are not simulated")
+    # ------------------------------------------------------------- tiers
+    def host_tier(self, size_gib: float, meter: TierMeter) -> TimedHostTier | None:
+        """The host tier `--kv-offloading-size GIB` asks for (None for 0): its slots counted
+        as on CUDA, no memory taken, so not bounded by this machine's memory."""
+        return TimedHostTier.from_size(self.kv_pool, size_gib, meter=meter, available_bytes=math.inf,
+                                       time=self._host_move)
 
-    def launch(self, batch: Batch) -> Launched:
-        """Queue the step's time on the stream; returns at once."""
-        if batch.copies:  # copy-on-write: block copies on the device, before the step
-            self.kv_pool.copy_blocks(batch.copies)
-            self._pending_copy_s += self.roofline.copy_seconds(len(batch.copies) * self.kv_pool.block_bytes)
-        cost = self.roofline.step((e.num_computed, e.num_new, 1 if e.samples else 0) for e in batch.entries)
-        seconds = cost.seconds + self._pending_copy_s
-        self._pending_copy_s = 0.0
+    def store_mover(self, *args, **kw) -> TimedStoreMover:
+        """The mover of the allocator's shared store (`StoreMover`'s arguments), timed."""
+        return TimedStoreMover(*args, time=self._host_move, **kw)
+
+    def apply_tiers(self, batch: Batch) -> None:
+        """Queue the step's tier moves and copy-on-write copies on the stream, in their
+        order (worker/engine/tiers.py), before its forward pass."""
+        self.tiers.apply(batch, self._copy)  # type: ignore[union-attr]
+        batch.copies = []
+
+    def _host_move(self, nbytes: int) -> tuple[float, StreamEvent]:
+        """A move of `nbytes` between the device and host memory, queued: its seconds, its end."""
+        seconds = self.roofline.host_seconds(nbytes)
+        return seconds, StreamEvent(self.clock, self._queue(seconds))
+
+    def _copy(self, copies: Seq[tuple[int, int]]) -> None:
+        """Copy-on-write block copies on the device, queued."""
+        self.kv_pool.copy_blocks(copies)
+        self._queue(self.roofline.copy_seconds(len(copies) * self.kv_pool.block_bytes))
+
+    # ------------------------------------------------------------- steps
+    def _queue(self, seconds: float) -> float:
+        """Queue `seconds` of device work on the stream; when it is done."""
         start, done = self.stream.launch(seconds)
         self.device_seconds += seconds
         if self.busy is not None:
             self.busy.record(start, done)
-        return Launched(batch, done, cost)
+        return done
+
+    def launch(self, batch: Batch) -> Launched:
+        """Queue the step's time on the stream (after its copies); returns at once."""
+        if batch.copies:  # copy-on-write (without tiers: `apply_tiers` queued them among the moves)
+            self._copy(batch.copies)
+        cost = self.roofline.step((e.num_computed, e.num_new, 1 if e.samples else 0) for e in batch.entries)
+        return Launched(batch, self._queue(cost.seconds), cost)
 
     def wait(self, launched: Launched) -> None:
         """Until the step's outputs are ready (the wall clock sleeps; the virtual one jumps)."""

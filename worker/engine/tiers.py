@@ -11,8 +11,14 @@ step N computes, and step N may still write the blocks step N+1 saves (the
 last tokens of a sequence freed in step N+1); batches compute in order, so
 every move of step N+1 comes after step N's forward pass and before its own.
 
+On a simulated device (`sim:`) the byte movers are the runner's timed ones
+(worker/tiers/timed.py): each move is queued on the device stream in this
+order, behind the step in flight, so it comes after that step's forward pass
+and before its own just the same; no bytes move.
+
 Confirmations: a host save on the CPU is written when `HostTier.save`
-returns; on CUDA when its transfer's event is done (`take_report` polls).
+returns; on CUDA when its transfer's event is done (`take_report` polls); on
+`sim:` when the device stream has done it.
 A store save or load answers at once (`StoreMover`). `take_report` hands
 the finished ones to the next allocator call (a later step: with async
 scheduling the call sent while a batch computes reports the batch before).
@@ -44,6 +50,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from typing import NamedTuple
 
 from allocator_service.core.tiers import NO_REPORT, Moves, TierReport
@@ -77,8 +84,9 @@ class EngineTiers:
     moves done not yet sent."""
 
     def __init__(self, pool: KVPool, layout: KVLayout, host: HostTier | None, metrics: WorkerMetrics, *,
-                 swap_slots: int = 0) -> None:
+                 swap_slots: int = 0, store_mover: Callable[..., StoreMover] = StoreMover) -> None:
         self.pool = pool
+        self._store_mover = store_mover  # the runner's: StoreMover, or a simulated device's TimedStoreMover
         self.layout = layout
         self.block_size = pool.block_size
         self.host = host
@@ -103,9 +111,9 @@ class EngineTiers:
         its entries under `namespace` (the allocator's), sealed with the store group's `key`."""
         self._store_key = key
         self._store_meter = self.metrics.tier("shared")
-        self.store = StoreMover(open_store(url), self.layout, self.pool, namespace=namespace,
-                                seal=StoreSeal(key) if key is not None else None, host=self.host,
-                                meter=self._store_meter)
+        self.store = self._store_mover(open_store(url), self.layout, self.pool, namespace=namespace,
+                                       seal=StoreSeal(key) if key is not None else None, host=self.host,
+                                       meter=self._store_meter)
 
     # ------------------------------------------------------------ the report
     def take_report(self) -> TierReport:

@@ -9,6 +9,9 @@ as it does while a GPU computes.
 outputs are ready), so the host's own work is measured against it.
 `VirtualClock`: the clock advances only by device time (waiting jumps to the
 done time); host time is not counted, so a study runs as fast as the host.
+
+`StreamEvent`: a point on the stream, as a CUDA event recorded after some work:
+`query()` says whether the clock has passed it, `synchronize()` waits for it.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import threading
 import time
 
-__all__ = ["CLOCKS", "DeviceStream", "VirtualClock", "WallClock", "make_clock"]
+__all__ = ["CLOCKS", "DeviceStream", "StreamEvent", "VirtualClock", "WallClock", "make_clock"]
 
 CLOCKS = ("wall", "virtual")
 
@@ -58,6 +61,21 @@ def make_clock(name: str) -> WallClock | VirtualClock:
     if name == "virtual":
         return VirtualClock()
     raise ValueError(f"--clock must be one of {', '.join(CLOCKS)}, got {name!r}")
+
+
+class StreamEvent:
+    """Done once the clock reaches `at` (the interface of a CUDA event that `Transfer` uses)."""
+
+    __slots__ = ("at", "clock")
+
+    def __init__(self, clock: WallClock | VirtualClock, at: float) -> None:
+        self.clock, self.at = clock, at
+
+    def query(self) -> bool:
+        return self.clock.now() >= self.at
+
+    def synchronize(self) -> None:
+        self.clock.wait_until(self.at)
 
 
 class DeviceStream:

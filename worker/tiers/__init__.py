@@ -9,7 +9,9 @@ bytes and says per block whether it could:
 - `open_store` (store.py): tier 2's backends, `file://PATH` and `redis://HOST:PORT/DB`;
 - `encode_entry` / `decode_entry` (entry.py): a store entry's header and checks;
 - `StoreSeal` (seal.py): a store group's key, sealing entries (AES-256-GCM);
-- `StoreMover` (mover.py): KV blocks to the store and back.
+- `StoreMover` (mover.py): KV blocks to the store and back;
+- `TimedHostTier`, `TimedStoreMover` (timed.py): the same on a simulated device,
+  each move timed on its stream, no bytes moved.
 
 A step applies its moves in this order before the forward pass writes: store saves
 (`StoreMover.save_blocks`), host saves (`HostTier.save`), copy-on-write copies after
@@ -31,6 +33,7 @@ from worker.tiers.store import (
     StoreOpenError,
     open_store,
 )
+from worker.tiers.timed import MoveTimer, TimedHostTier, TimedStoreMover
 
 __all__ = [
     "REFUSAL_REASONS",
@@ -39,6 +42,7 @@ __all__ = [
     "KVLayout",
     "KVStore",
     "LoadOutcome",
+    "MoveTimer",
     "RedisStore",
     "Refused",
     "StoreError",
@@ -46,6 +50,8 @@ __all__ = [
     "StoreOpenError",
     "StoreSeal",
     "TierMeter",
+    "TimedHostTier",
+    "TimedStoreMover",
     "Transfer",
     "decode_entry",
     "encode_entry",
