@@ -175,3 +175,19 @@ def test_swap_preemption_resumes_without_recompute(llama):
         settle(engine)
         computed[mode] = sum(new)
     assert computed["swap"] < computed["recompute"], computed
+
+
+def test_a_host_save_is_done_once_the_stream_has_done_it(llama):
+    """A save queued behind the step in flight is done (so confirmed) only when
+    the device stream reaches its end, as a CUDA side-stream copy."""
+    engine = make(llama, kv_offloading_size=gib(8))
+    runner, host = engine.runner, engine.tiers.host
+    before = runner.device_seconds
+    _, step_done = runner.stream.launch(0.001)  # a step in flight
+    save = host.save([0, 1], [0, 1])
+    assert save.seconds == 2 * BLOCK_BYTES / H100_HOST
+    assert runner.device_seconds - before == save.seconds
+    runner.clock.wait_until(step_done)
+    assert not save.done()
+    runner.clock.wait_until(step_done + save.seconds)
+    assert save.done() and host.poll() == 0
