@@ -53,6 +53,18 @@ class AllocatorArgs:
         "in Redis before replying and rebuilds the exact state on start (append ?key_prefix=NAME: to share "
         "one Redis); redis+sentinel://HOST:PORT[,HOST:PORT...]/MASTER_NAME/DB follows the primary those Redis "
         "Sentinels name through a failover", metavar="memory|redis://HOST:PORT/DB")
+    standby: bool = setting(
+        False, "with --state redis: run as a hot standby: follow the journal as the leader writes it (the same "
+        "state in memory), answer calls with UNAVAILABLE not_leader and the leader's address, and take over "
+        "when the leader's lease runs out (it died or paused); a deposed leader becomes a standby. Without it "
+        "the allocator claims the state at start (fencing off any other)")
+    leader_lease: float = setting(
+        1.0, "with --state redis: seconds the leader's lease in Redis lasts unless renewed (5 times a lease); "
+        "a standby takes over this long after the leader stopped renewing it", parse=seconds, flag=False)
+    advertise_address: str | None = setting(
+        None, "HOST:PORT at which clients reach this allocator's gRPC port, which a standby names to them "
+        "when this one leads", metavar="HOST:PORT",
+        shown_default="--listen's (the host's name for 0.0.0.0 or [::])")
     auth_token_file: str | None = setting(
         None, "file holding a bearer token every call must send as 'authorization: Bearer TOKEN' (health "
         "checks exempt); none = no server-wide token", metavar="PATH")
@@ -131,6 +143,12 @@ class AllocatorArgs:
             raise ValueError(f"{store} needs {size} (GiB it may hold)")
         if self.kv_shared_store_size and not self.kv_shared_store:
             raise ValueError(f"{size} is for {store}, which is not given")
+        if not 0 < self.leader_lease <= 60:
+            raise ValueError(f"{name_of(AllocatorArgs, 'leader_lease')} must be more than 0 and at most 60 seconds")
+        if self.standby and self.state == "memory":
+            raise ValueError("--standby follows a journal: it needs --state redis://...")
+        if self.advertise_address is not None and ":" not in self.advertise_address:
+            raise ValueError(f"--advertise-address wants HOST:PORT, not {self.advertise_address!r}")
         if self.redis_wait_replicas < 0 or not self.redis_wait_timeout > 0:
             raise ValueError(f"{name_of(AllocatorArgs, 'redis_wait_replicas')} must be >= 0 and "
                              f"{name_of(AllocatorArgs, 'redis_wait_timeout')} positive")
@@ -190,7 +208,7 @@ def options_from_args(args: argparse.Namespace):
                                store_groups={g.worker_id: g.store_group for g in worker_tokens.values()},
                                max_pool_blocks=a.max_pool_blocks, journal_key=journal_key,
                                shared_store=a.kv_shared_store or "",
-                               shared_store_bytes=int(a.kv_shared_store_size * 2**30))
+                               shared_store_bytes=int(a.kv_shared_store_size * 2**30), standby=a.standby)
     except ValueError as exc:
         raise CliError(str(exc)) from exc
     return ServeOptions(
@@ -207,6 +225,8 @@ def options_from_args(args: argparse.Namespace):
         config=config,
         redis_wait_replicas=a.redis_wait_replicas,
         redis_wait_timeout_s=a.redis_wait_timeout,
+        leader_lease_s=a.leader_lease,
+        advertise_address=a.advertise_address,
     )
 
 

@@ -86,6 +86,9 @@ class ServiceConfig:
     # the bytes its index may hold (`core.tiers.SharedStore`).
     shared_store: str = ""
     shared_store_bytes: int = 0
+    # A hot standby (store/leader.py): follow the leader's journal and take
+    # over when its lease runs out, rather than claim the state at start.
+    standby: bool = False
 
     def __post_init__(self) -> None:
         if not self.lease_ttl_s > 0:

@@ -27,6 +27,8 @@ from allocator_service.core.errors import (
 log = logging.getLogger(__name__)
 
 ERROR_KEY = "pagedkv-error"
+# Trailing metadata of a `NotLeader` answer: where the leader serves (HOST:PORT).
+LEADER_KEY = "pagedkv-leader"
 
 
 class ServiceError(AllocatorError):
@@ -120,6 +122,18 @@ class ShuttingDown(ServiceError):
     code = "shutting_down"
 
 
+class NotLeader(ServiceError):
+    """This allocator is a standby (`store/leader.py`): UNAVAILABLE, so the
+    client retries, with the leader's address (`LEADER_KEY`, empty while no
+    lease is alive) for a client that knows several addresses to go there."""
+
+    code = "not_leader"
+
+    def __init__(self, leader: str) -> None:
+        super().__init__(f"this allocator is a standby; the leader is {leader or 'being elected'}")
+        self.leader = leader
+
+
 class StoreUnavailable(ServiceError):
     """The durable state store (Redis) did not answer; nothing was applied."""
 
@@ -168,6 +182,7 @@ STATUS: dict[type[Exception], grpc.StatusCode] = {
     OutOfBlocks: grpc.StatusCode.RESOURCE_EXHAUSTED,
     StoreUnavailable: grpc.StatusCode.UNAVAILABLE,
     ShuttingDown: grpc.StatusCode.UNAVAILABLE,
+    NotLeader: grpc.StatusCode.UNAVAILABLE,
 }
 
 
@@ -188,5 +203,8 @@ def abort(context: grpc.ServicerContext, exc: BaseException, method: str = "") -
         message = "internal error"
     else:
         message = str(exc)
-    context.set_trailing_metadata(((ERROR_KEY, code),))
+    trailer = ((ERROR_KEY, code),)
+    if isinstance(exc, NotLeader):
+        trailer += ((LEADER_KEY, exc.leader),)
+    context.set_trailing_metadata(trailer)
     context.abort(status, message)

@@ -94,6 +94,7 @@ from allocator_service.sharing import CallSlots, FairShare
 from allocator_service.store.durable import DurableState
 from allocator_service.store.events import EventLog
 from allocator_service.store.journal import MemoryJournal, RedisJournal, StepRecord
+from allocator_service.store.leader import Leadership
 from allocator_service.store.registry import PoolEntry, Registry, new_pool
 from allocator_service.v1 import allocator_pb2 as pb
 from allocator_service.v1 import journal_pb2 as jpb
@@ -241,9 +242,11 @@ class AllocatorService:
         self._threads: list[threading.Thread] = []
         self._clock = clock
         self.lease_extensions = 0  # times the reaper found the allocator had not run
+        # Who serves (store/leader.py): a standby follows the leader's journal until it takes over.
+        self.leadership = Leadership(self.durable, self._configure_store)
         with self._lock:
-            self.durable.load(take_ownership=True)
-            self._configure_store()
+            if self.durable.begin(standby=self.config.standby):
+                self._configure_store()
         self.durable.after_change()
 
     @property
@@ -307,10 +310,10 @@ class AllocatorService:
         if self.journal.durable:  # health follows the state store
             self._threads.append(_periodic(self._stop, self.durable.store_check_s, self.check_store, "store-watch"))
             self.durable.background = True
-            thread = threading.Thread(target=self.durable.snapshot_loop, args=(self._stop,),
-                                      name="snapshot", daemon=True)
-            thread.start()
-            self._threads.append(thread)
+            for target, name in ((self.durable.snapshot_loop, "snapshot"), (self.leadership.run, "leader-lease")):
+                thread = threading.Thread(target=target, args=(self._stop,), name=name, daemon=True)
+                thread.start()
+                self._threads.append(thread)
 
     def extend_if_late(self, late: float) -> None:
         """The reaper woke `late` seconds after it should have: the process
@@ -326,6 +329,7 @@ class AllocatorService:
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout=5)
+        self.leadership.release()
         self.events.close()
         self.journal.close()
 

@@ -19,6 +19,8 @@ from allocator_service.roles import Roles, reset_caller_role, set_caller_role
 
 # Health probes (kubelet, load balancers) carry no token.
 AUTH_EXEMPT = ("/grpc.health.v1.Health/",)
+# What a standby answers itself: health (its role shows there) and reflection.
+UNFENCED = (*AUTH_EXEMPT, "/grpc.reflection.")
 
 _KINDS = (
     ("unary_unary", grpc.unary_unary_rpc_method_handler),
@@ -112,6 +114,46 @@ class RoleInterceptor(grpc.ServerInterceptor):
             return stream if streams_out else call
 
         return _rewrap(handler, as_role)
+
+
+class StandbyInterceptor(grpc.ServerInterceptor):
+    """A standby answers every call but the health check (and reflection)
+    with UNAVAILABLE `not_leader` and the leader's address
+    (`errors.NotLeader`); on a step stream opened while this instance led,
+    each request is looked at as it arrives, so a deposed leader serves no
+    step on it either. `leader()`: (leading, the leader's address)."""
+
+    def __init__(self, leader: Callable[[], tuple[bool, str]]) -> None:
+        self._leader = leader
+
+    def _refusal(self) -> errors.NotLeader | None:
+        leading, address = self._leader()
+        return None if leading else errors.NotLeader(address)
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(UNFENCED):
+            return handler
+        refusal = self._refusal()
+        if refusal is not None:
+            return _rewrap(handler, _refusal(refusal))
+        if not handler.request_streaming:
+            return handler
+
+        def per_request(behaviour, streams_out):
+            def call(requests, context):
+                def arriving():
+                    for request in requests:
+                        refused = self._refusal()
+                        if refused is not None:
+                            raise refused  # ends the stream with its status, as the handler's own errors do
+                        yield request
+
+                return behaviour(arriving(), context)
+
+            return call
+
+        return _rewrap(handler, per_request)
 
 
 class MetricsInterceptor(grpc.ServerInterceptor):

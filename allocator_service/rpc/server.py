@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from allocator_service.config import ServiceConfig
 from allocator_service.roles import Roles, WorkerGrant
-from allocator_service.rpc.interceptors import MetricsInterceptor, RoleInterceptor
+from allocator_service.rpc.interceptors import MetricsInterceptor, RoleInterceptor, StandbyInterceptor
 from allocator_service.rpc.servicer import SERVICE_NAME, allocator_handler
 from allocator_service.service import AllocatorService
 
@@ -58,6 +58,9 @@ def create_server(
     if rpc_histogram is not None:
         interceptors.append(MetricsInterceptor(rpc_histogram))  # outermost: sees rejections too
     roles = Roles(auth_token or None, admin_token or None, router_token or None, worker_tokens or {})
+    # a standby answers with the leader's address, before anything else is looked at
+    leadership = service.leadership
+    interceptors.append(StandbyInterceptor(lambda: (leadership.durable.leading, leadership.leader_address)))
     if roles.any_token:  # with none, every caller is a pool and router calls are open
         interceptors.append(RoleInterceptor(roles))
     limits = service.limits
@@ -95,12 +98,16 @@ def create_server(
 
 def watch_health(service: AllocatorService, health_servicer: health.HealthServicer) -> None:
     """The gRPC health status follows the service's: NOT_SERVING while its
-    state store is unreachable, fenced or lost (`AllocatorService.healthy`)."""
+    state store is unreachable or lost (`AllocatorService.healthy`). The
+    server's ("") says the process is sound (a standby that follows its
+    leader is); the Allocator service's (`SERVICE_NAME`) says it serves
+    calls: the leader only (a readiness probe)."""
+    durable = service.leadership.durable
+    serving_status, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
     def follow(serving: bool, reason: str) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", SERVICE_NAME):
-            health_servicer.set(name, status)
+        health_servicer.set("", serving_status if serving else not_serving)
+        health_servicer.set(SERVICE_NAME, serving_status if serving and durable.leading else not_serving)
 
     service.add_health_listener(follow)
 
@@ -122,6 +129,33 @@ class ServeOptions:
     # Redis WAIT after every journal write: this many replicas, this long.
     redis_wait_replicas: int = 0
     redis_wait_timeout_s: float = 1.0
+    # The leader lease (store/leader.py): its length, and the address the
+    # leader names for clients a standby sends on (None: HOST:PORT of `listen`).
+    leader_lease_s: float = 1.0
+    advertise_address: str | None = None
+
+
+def resolve_port(listen: str) -> str:
+    """`listen` with port 0 replaced by a free port (the OS's pick)."""
+    host, _, port = listen.rpartition(":")
+    if port != "0":
+        return listen
+    import socket
+
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    with socket.socket(family) as s:
+        s.bind((host.strip("[]") or "", 0))
+        return f"{host}:{s.getsockname()[1]}"
+
+
+def advertised(listen: str) -> str:
+    """The address clients reach `listen` at: the host's name for every interface."""
+    host, _, port = listen.rpartition(":")
+    if host in ("", "0.0.0.0", "[::]"):
+        import socket
+
+        host = socket.gethostname()
+    return f"{host}:{port}"
 
 
 def serve(opts: ServeOptions) -> int:
@@ -130,8 +164,11 @@ def serve(opts: ServeOptions) -> int:
     from allocator_service.store.journal import open_journal
     from allocator_service.web.app import start_web_server, stop_web_server
 
+    listen = resolve_port(opts.listen)  # the leader lease names the port: known before the state is claimed
+    host = listen.rsplit(":", 1)[0]
     journal = open_journal(opts.state, wait_replicas=opts.redis_wait_replicas,
-                           wait_timeout_s=opts.redis_wait_timeout_s)
+                           wait_timeout_s=opts.redis_wait_timeout_s,
+                           address=opts.advertise_address or advertised(listen), lease_s=opts.leader_lease_s)
     # One pool's long Python work must not keep another pool's Step waiting
     # for the interpreter: hand it over every GIL_SWITCH_S instead of 5 ms.
     sys.setswitchinterval(GIL_SWITCH_S)
@@ -140,7 +177,7 @@ def serve(opts: ServeOptions) -> int:
     health_servicer = health.HealthServicer()
     tls = (opts.tls_cert, opts.tls_key) if opts.tls_cert and opts.tls_key else None
     server, port = create_server(
-        opts.listen,
+        listen,
         service,
         auth_token=opts.auth_token,
         admin_token=opts.admin_token,
@@ -155,7 +192,6 @@ def serve(opts: ServeOptions) -> int:
                     "a pool; use this only where nobody else reaches the allocator")
     if opts.auth_token and not opts.router_token:
         log.warning("no router token (--router-token-file): MatchPrefix, WatchEvents and ListPools answer the admin token only")
-    host = opts.listen.rsplit(":", 1)[0]
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -175,7 +211,8 @@ def serve(opts: ServeOptions) -> int:
     # Tests and operators read this line; keep its shape.
     print(
         f"pagedkv allocator: listening on {host}:{port} ({'TLS' if tls else 'plaintext'}, "
-        f"state {journal.describe()}, {len(service.registry.pools)} pools restored)",
+        f"state {journal.describe()}, {len(service.registry.pools)} pools restored)"
+        + ("" if service.leadership.durable.leading else f" as a standby of {service.leadership.leader_address}"),
         file=sys.stderr,
         flush=True,
     )

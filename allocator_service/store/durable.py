@@ -42,6 +42,14 @@ watch; then every pool is dropped loudly (reason `state_lost`: their workers
 get NOT_FOUND, re-register and recompute), the store is seeded again from
 what is left (epochs and event numbers carry on, so no pool id is reissued),
 and the service is healthy again.
+
+A standby (`--standby`, `store/leader.py`) holds the same registry without
+writing: `begin` claims the state or, while another instance leads, follows
+it (`follow`: each entry the leader writes goes through the same verified
+replay as a restart, `replay.Replayer`), and `takeover` makes it the leader
+once it has claimed the state (the rest of the journal applied, the head
+checked; anything unsound: the whole verified load). A leader whose write is
+fenced (another instance claimed the state) is `deposed`: it follows again.
 """
 
 from __future__ import annotations
@@ -60,6 +68,7 @@ from allocator_service.leases import LeaseTable
 from allocator_service.store.events import Batch, EventLog
 from allocator_service.store.journal import (
     ZERO_CHAIN,
+    Loaded,
     MemoryJournal,
     RedisJournal,
     StepRecord,
@@ -69,7 +78,7 @@ from allocator_service.store.journal import (
     head_marker,
 )
 from allocator_service.store.registry import CorruptState, PoolEntry, Registry, pool_snapshot_json
-from allocator_service.store.replay import replay
+from allocator_service.store.replay import Replayer, replay
 from allocator_service.v1 import journal_pb2 as jpb
 
 log = logging.getLogger(__name__)
@@ -153,6 +162,12 @@ class DurableState:
         # the locks as a change does (the service sets it; None: nothing is dropped).
         self.drop_pools: Callable[[list[str], str], list[str]] | None = None
         self.pools_dropped_for_size = 0
+        # The role (`store/leader.py`): leading (this instance writes and
+        # serves) or following as a standby (`_follower` replays what the
+        # leader writes); `deposed`: a write was fenced, step down.
+        self.leading = True
+        self._follower: Replayer | None = None
+        self.deposed = threading.Event()
 
     # ------------------------------------------------------------- loading
     def load(self, take_ownership: bool) -> None:
@@ -163,6 +178,10 @@ class DurableState:
         caller holds the mutation lock."""
         loaded = self.journal.load(take_ownership)
         self._quiesce()
+        self._restore(loaded)
+
+    def _restore(self, loaded: Loaded) -> None:
+        """`load` of what the store held (mutation lock held)."""
         registry, report = replay(loaded.snapshot, loaded.entries, loaded.head, self.events, self.config.journal_key)
         fatal = report.fatal
         if fatal is not None:
@@ -179,6 +198,10 @@ class DurableState:
         self._since_snapshot = len(loaded.entries)
         self._snapshot_index = report.snapshot_index
         self._stale = False
+        self._lost = None
+        self._follower = None
+        if not self.leading:
+            self._set_role(leading=True)
         if report.snapshot_legacy or report.legacy_records:
             log.warning("the journal was written by an older version (%d records without digests%s): "
                         "loaded on index continuity alone; the next snapshot converts it",
@@ -237,8 +260,8 @@ class DurableState:
         except StoreLost as exc:
             self._on_lost(str(exc))
             raise
-        except StoreFenced as exc:
-            self._set_health(False, str(exc))
+        except StoreFenced:
+            self.deposed.set()  # another instance claimed the state: this one follows it now
             raise
         except StoreUnavailable:
             self._stale = True
@@ -463,8 +486,8 @@ class DurableState:
         """Seed the store from memory after a loss (raises while it cannot)."""
         try:
             self._reseed()
-        except StoreFenced as exc:
-            self._set_health(False, str(exc))
+        except StoreFenced:
+            self.deposed.set()
             raise
         log.warning("the state store holds a fresh history from record %d; workers re-register",
                     self.registry.index)
@@ -474,8 +497,8 @@ class DurableState:
     def check_store(self) -> None:
         """One look at the state store (the store watch calls this): health
         follows what it finds, and a loss is acted on."""
-        if not self.journal.durable:
-            return
+        if not self.journal.durable or not self.leading:
+            return  # a standby's look at the store is `follow`
         with self.lock:
             try:
                 if self._lost is not None or self._stale:
@@ -489,3 +512,93 @@ class DurableState:
                 self._set_health(False, f"the state store is unreachable: {exc}")
                 return
             self._set_health(True, "")
+
+    # ---------------------------------------------------------- the standby
+    def begin(self, standby: bool) -> bool:
+        """At start (mutation lock held): claim the state and load it (True),
+        or, as a standby while another instance holds the leader lease,
+        follow it (False). Without `standby` the state is claimed at once."""
+        if self.journal.claim(force=not standby):
+            self.load(take_ownership=False)
+            return True
+        self.follow_from_start()
+        return False
+
+    def follow_from_start(self) -> None:
+        """Follow the leader from the stored snapshot and journal, as a
+        restart would load them (mutation lock held): at start as a
+        standby, after being deposed, or when the journal no longer holds
+        the next record this standby needs (a snapshot trimmed past it, a
+        reseed)."""
+        self._quiesce()
+        loaded = self.journal.load(take_ownership=False, check_owner=False)
+        follower = Replayer(loaded.snapshot, self.events, self.config.journal_key)
+        for raw in loaded.entries:
+            if not follower.feed(raw):
+                log.error("standby: the stored journal cannot be followed (%s); loading it again at the "
+                          "next look", follower.report.fatal)
+                break
+        self._follow(follower, loaded.head or b"")
+        self.leases.rearm([])  # a standby expires no lease: its leader does
+        self._stale, self._lost = False, None
+        self.deposed.clear()
+        self._set_role(leading=False)
+
+    def _follow(self, follower: Replayer, head: bytes) -> None:
+        self._follower = follower
+        self.registry = follower.registry
+        self._chain = follower.chain if follower.chain is not None else ZERO_CHAIN
+        self._head = head
+
+    def follow(self) -> str:
+        """One look at the store for a standby (mutation lock held): apply
+        the entries the leader wrote since the last look. Returns the leader
+        lease's value (empty: nobody holds it)."""
+        tail = self.journal.tail(self.registry.index)
+        follower = self._follower
+        if tail.entries is None or follower is None or follower.stopped:
+            self.follow_from_start()
+            return tail.leader
+        for raw in tail.entries:
+            if not follower.feed(raw):
+                log.error("standby: a journal entry cannot be followed (%s); loading the state again",
+                          follower.report.fatal)
+                self.follow_from_start()
+                return tail.leader
+        self._follow(follower, tail.head)
+        return tail.leader
+
+    def takeover(self) -> None:
+        """This standby claimed the state (mutation lock held): apply the
+        rest of the journal and check it ends at the stored head, then serve
+        from what it holds; a follower that met any problem loads the whole
+        state instead (the verified load, which stores its repair)."""
+        follower = self._follower
+        tail = self.journal.tail(self.registry.index)
+        sound = follower is not None and tail.entries is not None and not follower.report.problems
+        if sound:
+            for raw in tail.entries:
+                follower.feed(raw)
+            report = follower.finish(tail.head or None)
+            sound = not report.problems
+        if not sound:
+            log.warning("standby: the followed state is not sound; loading the whole state to take over")
+            self.load(take_ownership=False)
+            return
+        self._follow(follower, tail.head)
+        self._snapshot_index = tail.base
+        self._since_snapshot = self.registry.index - tail.base
+        self.leases.rearm(list(self.registry.pools))  # every worker gets a full lease to find this server
+        self._follower = None
+        self._stale, self._lost = False, None
+        self.deposed.clear()  # a fenced write while it followed is not this term's
+        self._set_role(leading=True)
+
+    def _set_role(self, leading: bool) -> None:
+        changed = leading != self.leading
+        self.leading = leading
+        self._set_health(True, "")
+        if changed:
+            log.warning("role: %s", "LEADER (serving)" if leading else "STANDBY (following the leader)")
+            for listener in self._health_listeners:
+                listener(*self._health)

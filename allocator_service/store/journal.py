@@ -9,16 +9,23 @@ Redis layout, under a key prefix (default `pagedkv:allocator:`):
 - `head`     `<index>:<chain digest hex>` of the last record written (or of
   the snapshot when the journal is empty), set in the same atomic write as
   the record: a journal shorter than its head lost its tail;
-- `owner`    the id of the server instance allowed to write. A starting
-  server takes ownership, so an old instance that is still running (a
-  network partition, a slow kill) is fenced off instead of interleaving
-  writes.
+- `owner`    the fencing token of the one instance allowed to write,
+  `EPOCH:INSTANCE`: a claim (`claim`) takes the next `epoch` and sets it,
+  so an old instance that is still running (a network partition, a slow
+  kill, a SIGSTOP past its lease) is fenced off instead of interleaving
+  writes;
+- `epoch`    the last fencing epoch issued (INCR by every claim);
+- `leader`   the leader lease: `TOKEN ADDRESS`, expiring after the lease
+  time (PX) unless its leader renews it (`renew`). A standby claims the
+  state when it is gone (`store/leader.py`); a start without `--standby`
+  claims it at once (`force`).
 
-Each write is ONE round trip: a Lua script that checks ownership and the
+Each write is ONE round trip: a Lua script that checks ownership (the
+writer's token, its fencing epoch included, must be the owner key's) and the
 head, then RPUSHes the record and moves the head (or stores the snapshot and
 empties the journal), which Redis runs atomically. The script tells apart
 "another instance owns this state" (FENCED: the owner key names another
-instance) from "Redis lost what we wrote" (LOST: the owner key is gone, or
+token: a later epoch claimed it) from "Redis lost what we wrote" (LOST: the owner key is gone, or
 the head is not the one this instance wrote last): a flush, evicted keys, a
 restart without its data or a failover to a lagging replica. A write whose
 head already is the one it would set is a retried call that landed: it is
@@ -233,6 +240,72 @@ return 1
 """
 
 
+# Take the state: the next fencing epoch, the owner key and the leader lease,
+# unless another leader's lease is alive (and not `force`).
+# KEYS owner leader epoch; ARGV instance address lease_ms force
+_CLAIM = """
+local current = redis.call('GET', KEYS[2])
+if current and ARGV[4] ~= '1' then return {0, current} end
+local token = redis.call('INCR', KEYS[3]) .. ':' .. ARGV[1]
+redis.call('SET', KEYS[1], token)
+redis.call('SET', KEYS[2], token .. ' ' .. ARGV[2], 'PX', ARGV[3])
+return {1, token}
+"""
+
+# Keep the lease: 1 renewed (or set again: it ran out but nobody claimed the
+# state since), 0 deposed (another token owns the state or holds the lease),
+# -1 the owner key is gone (Redis lost the state: the next write says LOST).
+# KEYS owner leader; ARGV token address lease_ms
+_RENEW = """
+local mine = ARGV[1] .. ' ' .. ARGV[2]
+local current = redis.call('GET', KEYS[2])
+if current == mine then
+  redis.call('PEXPIRE', KEYS[2], ARGV[3])
+  return 1
+end
+local owner = redis.call('GET', KEYS[1])
+if current then return 0 end
+if not owner then return -1 end
+if owner ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[2], mine, 'PX', ARGV[3])
+return 1
+"""
+
+# Give the lease up (a leader that stops): a standby takes over at once.
+# KEYS leader; ARGV token address
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] .. ' ' .. ARGV[2] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+# A standby's look at the store: the head, the leader lease, and the journal
+# entries after record ARGV[1], or false for them when the journal no longer
+# holds the next one (a snapshot trimmed past it, a reseed, a store that lost
+# records: the caller loads the whole state again).
+# KEYS head journal leader; ARGV index
+_TAIL = """
+local head = redis.call('GET', KEYS[1]) or ''
+local leader = redis.call('GET', KEYS[3]) or ''
+local last = tonumber(string.match(head, '^(%d+):')) or 0
+local n = redis.call('LLEN', KEYS[2])
+local after = tonumber(ARGV[1])
+local from = after - (last - n)
+if from < 0 or after > last then return {head, leader, last - n, false} end
+return {head, leader, last - n, redis.call('LRANGE', KEYS[2], from, -1)}
+"""
+
+
+class Tail(NamedTuple):
+    """What a standby reads (`RedisJournal.tail`): the head marker, the
+    leader lease's value (empty: nobody holds it) and the entries after the
+    standby's last record (None: load the whole state again)."""
+
+    head: bytes
+    leader: str
+    base: int  # the record the journal's first entry follows (the snapshot's)
+    entries: list[bytes] | None
+
+
 class Loaded(NamedTuple):
     """What a store holds: the snapshot blob, the journal's entries after
     it, and the head marker (None where absent)."""
@@ -246,6 +319,9 @@ class MemoryJournal:
     """No durability: the state lives and dies with the process."""
 
     durable = False
+    address = ""  # no leader lease: the one instance serves
+    lease_s = 0.0
+    token = ""
 
     def load(self, take_ownership: bool = True, check_owner: bool = True) -> Loaded:
         return Loaded(None, [], None)
@@ -262,6 +338,9 @@ class MemoryJournal:
     def probe(self, head: bytes) -> None:
         pass
 
+    def claim(self, force: bool) -> bool:
+        return True  # the only instance there is
+
     def close(self) -> None:
         pass
 
@@ -273,7 +352,9 @@ class RedisJournal:
     durable = True
 
     def __init__(self, url: str, timeout_s: float = 2.0, wait_replicas: int = 0,
-                 wait_timeout_s: float = 1.0) -> None:
+                 wait_timeout_s: float = 1.0, address: str = "", lease_s: float = 1.0) -> None:
+        """`address`: where this instance serves (the leader lease names it,
+        so a standby can send clients there); `lease_s`: the leader lease."""
         import redis
         from redis.backoff import ExponentialBackoff
         from redis.retry import Retry
@@ -290,10 +371,20 @@ class RedisJournal:
             retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 2),
         )
         self.instance = secrets.token_hex(8)
+        # The fencing token every write carries (`EPOCH:INSTANCE`, set by `claim`):
+        # until it claims the state, this instance writes nothing.
+        self.token = ""
+        self.address = address
+        self.lease_s = lease_s
+        self.leader = ""  # the leader lease's value as last read: `TOKEN ADDRESS`
         self.wait_replicas = wait_replicas
         self.wait_timeout_s = wait_timeout_s
-        self._keys = {k: self.prefix + k for k in ("journal", "snapshot", "owner", "head")}
+        self._keys = {k: self.prefix + k for k in ("journal", "snapshot", "owner", "head", "leader", "epoch")}
         self._append = self.client.register_script(_APPEND)
+        self._claim = self.client.register_script(_CLAIM)
+        self._renew = self.client.register_script(_RENEW)
+        self._tail = self.client.register_script(_TAIL)
+        self._release = self.client.register_script(_RELEASE)
         self._snapshot = self.client.register_script(_SNAPSHOT)
         self._reseed = self.client.register_script(_RESEED)
 
@@ -341,39 +432,77 @@ class RedisJournal:
                 "set it to noeviction (CONFIG SET maxmemory-policy noeviction) or use another Redis"
             )
 
+    def claim(self, force: bool) -> bool:
+        """Take the state (the next fencing epoch, the owner key and the
+        leader lease, naming this instance's address) unless another
+        leader's lease is alive and not `force`: then False, and `leader`
+        says who holds it. On success every later write carries the new
+        token."""
+        self.check_config()
+        keys = [self._keys["owner"], self._keys["leader"], self._keys["epoch"]]
+        took, value = self._call("claim", self._claim, keys=keys,
+                                 args=[self.instance, self.address, self._lease_ms(), int(force)])
+        if not took:
+            self.leader = value.decode(errors="replace")
+            return False
+        self.token = value.decode()
+        self.leader = f"{self.token} {self.address}"
+        return True
+
+    def renew(self) -> int:
+        """Keep the lease: 1 kept, 0 deposed (another instance claimed the
+        state), -1 the owner key is gone (a store that lost the state)."""
+        keys = [self._keys["owner"], self._keys["leader"]]
+        return int(self._call("lease renewal", self._renew, keys=keys,
+                              args=[self.token, self.address, self._lease_ms()]))
+
+    def release(self) -> None:
+        """Give the leader lease up, if this instance holds it (a leader that
+        stops): a standby claims the state at its next look, not after the lease."""
+        if self.token:
+            self._call("lease release", self._release, keys=[self._keys["leader"]], args=[self.token, self.address])
+
+    def _lease_ms(self) -> int:
+        return max(1, round(self.lease_s * 1000))
+
+    def tail(self, index: int) -> Tail:
+        """A standby's look at the store (one round trip): the head, the
+        leader lease and the entries after record `index`."""
+        keys = [self._keys["head"], self._keys["journal"], self._keys["leader"]]
+        head, leader, base, entries = self._call("journal tail", self._tail, keys=keys, args=[index])
+        return Tail(head or b"", (leader or b"").decode(errors="replace"), int(base),
+                    None if entries is None else list(entries))
+
     def load(self, take_ownership: bool = True, check_owner: bool = True) -> Loaded:
         """Read the snapshot, the journal after it and the head (one MULTI,
-        so all come from the same moment). At start-up the server takes
-        ownership; a reload after an error only checks it still has it, so
-        two instances never take the state back and forth; `check_owner`
-        False only reads (`--check`)."""
+        so all come from the same moment). At start-up the server claims
+        the state first (`claim`, forced: a start without a standby takes
+        it); a reload after an error only checks it still owns it, so two
+        instances never take the state back and forth; `check_owner` False
+        only reads (`--check`, a standby)."""
         if take_ownership:
-            self.check_config()
+            self.claim(force=True)
 
         def read():
             with self.client.pipeline(transaction=True) as p:
-                if take_ownership:
-                    p.set(self._keys["owner"], self.instance)
-                else:
-                    p.get(self._keys["owner"])
+                p.get(self._keys["owner"])
                 p.get(self._keys["snapshot"])
                 p.lrange(self._keys["journal"], 0, -1)
                 p.get(self._keys["head"])
                 return p.execute()
 
         owner, snap, records, head = self._call("load", read)
-        if not take_ownership and check_owner:
+        if check_owner:
             if owner is None:
                 raise StoreLost("during reload: the allocator state keys are gone from Redis")
-            if owner != self.instance.encode():
+            if owner != self.token.encode():
                 raise StoreFenced("another allocator instance owns this state now")
-        if check_owner:
             self._replicated("journal")
         return Loaded(snap, list(records), head)
 
     def append(self, entry: bytes, prev_head: bytes, new_head: bytes) -> None:
         keys = [self._keys["owner"], self._keys["head"], self._keys["journal"]]
-        self._call("journal append", self._append, keys=keys, args=[self.instance, entry, prev_head, new_head])
+        self._call("journal append", self._append, keys=keys, args=[self.token, entry, prev_head, new_head])
         self._replicated("journal record")
 
     def write_snapshot(self, snapshot: bytes, hint: int, chain: bytes) -> bool:
@@ -382,7 +511,7 @@ class RedisJournal:
         1) and drop those records; later ones stay. False (nothing written)
         if the journal no longer holds that record."""
         keys = [self._keys["owner"], self._keys["head"], self._keys["snapshot"], self._keys["journal"]]
-        done = self._call("snapshot", self._snapshot, keys=keys, args=[self.instance, snapshot, hint, chain])
+        done = self._call("snapshot", self._snapshot, keys=keys, args=[self.token, snapshot, hint, chain])
         if done:
             self._replicated("snapshot")
         return bool(done)
@@ -391,7 +520,7 @@ class RedisJournal:
         """Replace the whole stored state by this snapshot (and take the
         owner key back if it is gone)."""
         keys = [self._keys["owner"], self._keys["head"], self._keys["snapshot"], self._keys["journal"]]
-        self._call("reseed", self._reseed, keys=keys, args=[self.instance, snapshot, head])
+        self._call("reseed", self._reseed, keys=keys, args=[self.token, snapshot, head])
         self._replicated("snapshot")
 
     def probe(self, head: bytes) -> None:
@@ -407,7 +536,7 @@ class RedisJournal:
         owner, stored = self._call("health check", read)
         if owner is None:
             raise StoreLost("the allocator state keys are gone from Redis (flushed, evicted, or a Redis without its data)")
-        if owner != self.instance.encode():
+        if owner != self.token.encode():
             raise StoreFenced("another allocator instance owns this state")
         if (stored or b"") != head:
             raise StoreLost(
@@ -474,12 +603,13 @@ def redis_client(url: str, **options):
 
 
 def open_journal(state: str, timeout_s: float = 2.0, wait_replicas: int = 0,
-                 wait_timeout_s: float = 1.0) -> MemoryJournal | RedisJournal:
+                 wait_timeout_s: float = 1.0, address: str = "", lease_s: float = 1.0) -> MemoryJournal | RedisJournal:
     """`memory` or `redis://host:port/db[?key_prefix=...]` (any of REDIS_SCHEMES);
     with Redis, `wait_replicas` > 0 makes every write wait (Redis WAIT, up to
-    `wait_timeout_s`) until that many replicas hold it."""
+    `wait_timeout_s`) until that many replicas hold it; `address` and
+    `lease_s`: the leader lease's (`RedisJournal`)."""
     if state == "memory":
         return MemoryJournal()
     if state.startswith(REDIS_SCHEMES):
-        return RedisJournal(state, timeout_s, wait_replicas, wait_timeout_s)
+        return RedisJournal(state, timeout_s, wait_replicas, wait_timeout_s, address, lease_s)
     raise ValueError(f"--state must be 'memory' or a redis:// URL, not {state!r}")

@@ -87,43 +87,55 @@ def _pool_of(record: jpb.JournalRecord) -> str | None:
     return getattr(record, kind).pool_id if kind in ("step", "dropped", "reset") else None
 
 
-def replay(snapshot: bytes | None, entries: list[bytes], head: bytes | None,
-           events: EventLog, key: bytes | None = None) -> tuple[Registry, ReplayReport]:
-    """Rebuild the registry from a stored snapshot and journal, checking
-    every digest (keyed with `key`, the journal key, when given: then a
-    record or snapshot not keyed with it fails), the record indices, each
-    pool's step chain and the head marker. Never raises on bad data: a problem that cannot be pinned on one
-    pool is `fatal` in the report and replay stops there (the registry is
-    then incomplete and must not be served)."""
-    report = ReplayReport()
-    problems = report.problems
+class Replayer:
+    """The verified replay, one stored entry at a time: `replay` feeds it a
+    whole stored journal at start-up; a standby (`store/leader.py`) feeds
+    it each entry as the leader writes it, so its registry is the one a
+    restart would rebuild. Never raises on bad data: a problem that cannot
+    be pinned on one pool is `fatal` in the report, and `feed` refuses every
+    entry after it (the registry is then incomplete and must not be served)."""
 
-    def problem(position: int, index: int | None, pool_id: str | None, reason: str, fatal: bool = False):
-        problems.append(Problem(position, index, pool_id, reason, fatal))
+    def __init__(self, snapshot: bytes | None, events: EventLog, key: bytes | None = None) -> None:
+        self.report = ReplayReport()
+        self.key = key
+        self.registry = Registry(events)
+        events.reset(1)
+        self.chain: bytes | None = ZERO_CHAIN  # None: unknown (after a damaged entry or an older snapshot)
+        self.framed = False
+        self.damaged = False
+        self.last_raw = b""
+        self.position = 0  # of the next entry, counted from the first after the snapshot
+        self.stopped = False
+        if snapshot is not None:
+            try:
+                snap, self.report.snapshot_legacy = decode_snapshot(snapshot, key)
+                self.registry = Registry.from_snapshot(snap, events)
+            except (CorruptState, KeyError, TypeError, ValueError) as exc:
+                self._problem(-1, None, None, f"the snapshot cannot be used: {exc}", fatal=True)
+                return
+            self.report.snapshot_index = self.registry.index
+            self.framed = not self.report.snapshot_legacy
+            self.chain = bytes.fromhex(snap["chain"]) if "chain" in snap else None
 
-    registry = Registry(events)
-    events.reset(1)
-    chain: bytes | None = ZERO_CHAIN  # None: unknown (after a damaged entry or an older snapshot)
-    framed = False
-    if snapshot is not None:
-        try:
-            snap, report.snapshot_legacy = decode_snapshot(snapshot, key)
-            registry = Registry.from_snapshot(snap, events)
-        except (CorruptState, KeyError, TypeError, ValueError) as exc:
-            problem(-1, None, None, f"the snapshot cannot be used: {exc}", fatal=True)
-            return registry, report
-        report.snapshot_index = registry.index
-        framed = not report.snapshot_legacy
-        chain = bytes.fromhex(snap["chain"]) if "chain" in snap else None
-    damaged = False
-    last_raw = b""
+    def _problem(self, position: int, index: int | None, pool_id: str | None, reason: str,
+                 fatal: bool = False) -> None:
+        self.report.problems.append(Problem(position, index, pool_id, reason, fatal))
+        if fatal:
+            self.stopped = True
 
-    def drop(pool_id: str, reason: str) -> None:
-        registry.drop_record(pool_id, reason)
-        report.dropped.append(pool_id)
+    def _drop(self, pool_id: str, reason: str) -> None:
+        self.registry.drop_record(pool_id, reason)
+        self.report.dropped.append(pool_id)
 
-    for position, raw in enumerate(entries):
-        report.records += 1
+    def feed(self, raw: bytes) -> bool:
+        """Check and apply the next stored entry; False once replay stopped
+        at a fatal problem."""
+        if self.stopped:
+            return False
+        position = self.position
+        self.position += 1
+        self.report.records += 1
+        registry, key, problem = self.registry, self.key, self._problem
         expected = registry.index + 1
         intact = True
         prev = None
@@ -133,14 +145,14 @@ def replay(snapshot: bytes | None, entries: list[bytes], head: bytes | None,
             if keyed and not key:
                 problem(position, None, None, "is keyed (written with a journal key) and no journal key is "
                         "configured: set the allocator's journal key file", fatal=True)
-                return registry, report
+                return False
             intact = keyed == bool(key) and hmac.compare_digest(chain_digest(prev, body, key), stored_chain)
-            framed = True
-        elif framed or key:
+            self.framed = True
+        elif self.framed or key:
             body, stored_chain, intact = raw, None, False  # a frame that lost its magic
         else:
             body, stored_chain = raw, None
-            report.legacy_records += 1
+            self.report.legacy_records += 1
         try:
             record = jpb.JournalRecord.FromString(body)
         except DecodeError:
@@ -150,33 +162,33 @@ def replay(snapshot: bytes | None, entries: list[bytes], head: bytes | None,
             if record is not None and record.index == expected and pool_id in registry.pools:
                 problem(position, expected, pool_id,
                         f"fails its digest; pool {pool_id} dropped (its state cannot be trusted)")
-                drop(pool_id, "journal_corrupt")
-                damaged, chain, last_raw = True, None, raw
-                continue
+                self._drop(pool_id, "journal_corrupt")
+                self.damaged, self.chain, self.last_raw = True, None, raw
+                return True
             what = "cannot be parsed" if record is None else "fails its digest"
             problem(position, expected, None,
                     f"{what} and cannot be attributed to one live pool", fatal=True)
-            return registry, report
+            return False
         index = record.index
         if index < expected:
-            if raw == last_raw:
-                continue  # written twice by a retried call (older versions)
+            if raw == self.last_raw:
+                return True  # written twice by a retried call (older versions)
             problem(position, index, None, f"goes back to record {index} after record {expected - 1}", fatal=True)
-            return registry, report
+            return False
         if index > expected:
             problem(position, index, None, f"records {expected}..{index - 1} are missing")
-            damaged = True
+            self.damaged = True
             registry.index = index - 1
-        elif prev is not None and chain is not None and prev != chain:
+        elif prev is not None and self.chain is not None and prev != self.chain:
             problem(position, index, None, "does not follow the record before it (a different history)",
                     fatal=True)
-            return registry, report
-        last_raw = raw
-        chain = stored_chain if stored_chain is not None else (ZERO_CHAIN if not framed else None)
+            return False
+        self.last_raw = raw
+        self.chain = stored_chain if stored_chain is not None else (ZERO_CHAIN if not self.framed else None)
         kind = record.WhichOneof("change")
         pool_id = _pool_of(record)
         if pool_id is not None and pool_id not in registry.pools:
-            if damaged:
+            if self.damaged:
                 # Its registration, or the record that made replay drop it,
                 # was lost or damaged: skip what follows for it.
                 problem(position, index, pool_id, f"names pool {pool_id}, lost with an earlier record: skipped")
@@ -184,32 +196,36 @@ def replay(snapshot: bytes | None, entries: list[bytes], head: bytes | None,
                 if owner is not None:
                     registry.remember_epoch(*owner)  # never reissue its id
                 registry.index = index
-                continue
+                return True
             problem(position, index, pool_id, f"names unknown pool {pool_id}", fatal=True)
-            return registry, report
+            return False
         if kind == "step" and stored_chain is not None:
             entry = registry.pools[pool_id]
             if record.step.prev_step_id != entry.last_step_id:
                 problem(position, index, pool_id,
                         f"step {record.step.step_id} follows step {record.step.prev_step_id} but the "
                         f"pool's last step is {entry.last_step_id}; pool {pool_id} dropped")
-                drop(pool_id, "journal_gap")
+                self._drop(pool_id, "journal_gap")
                 registry.index = index
-                damaged = True
-                continue
+                self.damaged = True
+                return True
         try:
             registry.apply(record)
         except CorruptState as exc:
             problem(position, index, pool_id, str(exc), fatal=True)
-            return registry, report
+            return False
         except Exception as exc:  # a record the core refuses: name it, never a traceback
             problem(position, index, pool_id, f"cannot be applied ({type(exc).__name__}: {exc})", fatal=True)
-            return registry, report
+            return False
+        return True
 
-    report.chain = chain if chain is not None else ZERO_CHAIN
-    if head is None:
-        report.head = "none"
-    else:
+    def finish(self, head: bytes | None) -> ReplayReport:
+        """Check the head marker against what was replayed; the report."""
+        report, registry, chain, problem = self.report, self.registry, self.chain, self._problem
+        report.chain = chain if chain is not None else ZERO_CHAIN
+        if head is None:
+            report.head = "none"
+            return report
         report.head = head.decode(errors="replace")
         hidx, _, hchain = report.head.partition(":")
         if not hidx.isdigit():
@@ -223,7 +239,24 @@ def replay(snapshot: bytes | None, entries: list[bytes], head: bytes | None,
             problem(-1, int(hidx), None, f"the head says record {hidx} but the journal holds {registry.index}")
         elif chain is not None and hchain != chain.hex():
             problem(-1, int(hidx), None, "the head marker's digest differs from the last record's")
-    return registry, report
+        return report
+
+
+def replay(snapshot: bytes | None, entries: list[bytes], head: bytes | None,
+           events: EventLog, key: bytes | None = None) -> tuple[Registry, ReplayReport]:
+    """Rebuild the registry from a stored snapshot and journal, checking
+    every digest (keyed with `key`, the journal key, when given: then a
+    record or snapshot not keyed with it fails), the record indices, each
+    pool's step chain and the head marker. Never raises on bad data: a problem that cannot be pinned on one
+    pool is `fatal` in the report and replay stops there (the registry is
+    then incomplete and must not be served)."""
+    replayer = Replayer(snapshot, events, key)
+    if replayer.stopped:
+        return replayer.registry, replayer.report
+    for raw in entries:
+        if not replayer.feed(raw):
+            return replayer.registry, replayer.report
+    return replayer.registry, replayer.finish(head)
 
 
 def check(state: str, out=sys.stdout, key: bytes | None = None) -> int:

@@ -101,6 +101,17 @@ class FakeJournal:
     the write landed: the ambiguous case)."""
 
     durable = True
+    # the leader lease (store/leader.py): one instance, always the leader
+    address, lease_s, token, leader = "", 1.0, "", ""
+
+    def claim(self, force: bool) -> bool:
+        return True
+
+    def renew(self) -> int:
+        return 1
+
+    def release(self) -> None:
+        pass
 
     def __init__(self) -> None:
         self.records: list[bytes] = []

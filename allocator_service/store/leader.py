@@ -1,0 +1,132 @@
+"""Who serves: the leader lease, the standby that follows the journal, the
+takeover and the step-down.
+
+Every allocator with Redis state takes part (`RedisJournal.claim`, `renew`,
+`tail`, `release`): the one that claimed the state holds the leader lease
+(`<prefix>leader`, expiring after `lease_s`) and renews it every
+`lease_s / RENEWALS` seconds; each claim takes the next fencing epoch, and
+every journal write carries the claimant's token (`EPOCH:INSTANCE`), which
+the write's Lua script checks against the owner key, so a claim fences off
+every earlier leader at once. A start without `--standby` claims the state
+at once (as a restart always has); a standby claims it only once no lease
+is alive, and until then follows the journal every `FOLLOW_S`
+(`DurableState.follow`: the same verified replay as a restart, one entry at
+a time), so that taking over costs the records written since its last look.
+
+- The leader dies (SIGKILL) or stops renewing (SIGSTOP, a pause): its lease
+  runs out, the standby's next look finds no lease, claims the state (a new
+  epoch), applies the rest of the journal and serves (`takeover`), within
+  the lease time plus one look.
+- The leader stops (SIGTERM): it gives the lease up (`release`), so the
+  standby takes over at its next look.
+- A deposed leader wakes up: its next write is FENCED (nothing is written,
+  nothing changes in memory) and its next renewal finds the lease gone to
+  another; either way it steps down (`DurableState.deposed`) and follows
+  the new leader as a standby.
+
+The role decides what clients get: a standby answers every call but the
+health check with UNAVAILABLE `not_leader` and the leader's address
+(`errors.NotLeader`, from the interceptor in `rpc/interceptors.py`).
+Nothing here decides what the state is: that stays the journal's order.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from allocator_service.errors import StoreUnavailable
+from allocator_service.store.durable import DurableState
+
+log = logging.getLogger(__name__)
+
+# A standby looks at the journal (and the lease) this often, seconds.
+FOLLOW_S = 0.02
+# The leader renews its lease this many times per lease time.
+RENEWALS = 5
+
+
+def lease_holder(value: str) -> tuple[str, str]:
+    """(token, address) of a leader lease's value (`TOKEN ADDRESS`)."""
+    token, _, address = value.partition(" ")
+    return token, address
+
+
+class Leadership:
+    """The role loop of one allocator (a thread: `run`)."""
+
+    def __init__(self, durable: DurableState, on_takeover: Callable[[], None]) -> None:
+        """`on_takeover()`: run under the mutation lock right after this
+        instance took over (the service journals its start-up changes)."""
+        self.durable = durable
+        self.journal = durable.journal
+        self.on_takeover = on_takeover
+        self.lease_s = self.journal.lease_s
+        self.takeovers = 0
+        self.step_downs = 0
+        self._leader = ""  # the lease's value as last seen by a standby
+
+    @property
+    def leader_address(self) -> str:
+        """Where the leader serves (empty: unknown, no lease alive)."""
+        if self.durable.leading:
+            return self.journal.address
+        return lease_holder(self._leader or self.journal.leader)[1]
+
+    def run(self, stop: threading.Event) -> None:
+        if not self.journal.durable:
+            return
+        while not stop.is_set():
+            try:
+                if self.durable.leading:
+                    self._lead(stop)
+                else:
+                    self._follow(stop)
+            except StoreUnavailable as exc:
+                log.warning("leader lease: the state store failed: %s", exc)
+                stop.wait(FOLLOW_S)
+            except Exception:  # a bug must not stop the role loop
+                log.exception("leader lease")
+                stop.wait(FOLLOW_S)
+
+    def _lead(self, stop: threading.Event) -> None:
+        deposed = self.durable.deposed
+        if deposed.wait(self.lease_s / RENEWALS) or stop.is_set():
+            if deposed.is_set() and not stop.is_set():
+                self._step_down("a journal write was fenced")
+            return
+        kept = self.journal.renew()
+        if kept == 0:
+            self._step_down("another instance holds the leader lease")
+        elif kept < 0:
+            log.warning("leader lease: the owner key is gone from Redis; the next write finds the loss")
+
+    def _step_down(self, why: str) -> None:
+        log.warning("leader lease: deposed (%s): stepping down to follow the new leader", why)
+        with self.durable.lock:
+            self.durable.follow_from_start()
+        self.step_downs += 1
+
+    def _follow(self, stop: threading.Event) -> None:
+        if stop.wait(FOLLOW_S):
+            return
+        with self.durable.lock:
+            self._leader = self.durable.follow()
+        if self._leader or not self.journal.claim(force=False):
+            return
+        with self.durable.lock:
+            self.durable.takeover()
+            self.on_takeover()
+        self.durable.after_change()
+        self.takeovers += 1
+        log.warning("leader lease: took over as leader (%s, epoch %s), record %d",
+                    self.journal.address, self.journal.token.partition(":")[0], self.durable.registry.index)
+
+    def release(self) -> None:
+        """At a graceful stop: give the lease up so a standby takes over now."""
+        if self.journal.durable and self.durable.leading:
+            try:
+                self.journal.release()
+            except StoreUnavailable as exc:
+                log.warning("leader lease: could not give the lease up: %s", exc)
