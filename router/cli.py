@@ -41,10 +41,12 @@ _address.__name__ = "HOST:PORT"
 
 
 def _allocators(text: str) -> list[str]:
-    """`HOST:PORT[,HOST:PORT...]`: each allocator once."""
+    """`HOST:PORT[,HOST:PORT...]`: each allocator once; one with standbys
+    is its addresses joined by `|` (HOST:PORT|HOST:PORT)."""
     addresses = [a.strip() for a in text.split(",") if a.strip()]
     for a in addresses:
-        _address(a)
+        for replica in a.split("|"):
+            _address(replica.strip())
     if not addresses:
         raise argparse.ArgumentTypeError("expected HOST:PORT[,HOST:PORT...]")
     twice = sorted({a for a in addresses if addresses.count(a) > 1})
@@ -78,7 +80,8 @@ class RouterArgs:
     allocator: list[str] | None = setting(
         None, "HOST:PORT of the allocator service: where the live workers and the prefix each pool holds "
         "come from (without it, --workers is needed and routing uses load alone); pools sharded over several "
-        "allocators: HOST:PORT,HOST:PORT,... (each is followed and asked about its own pools)",
+        "allocators: HOST:PORT,HOST:PORT,... (each is followed and asked about its own pools); an allocator with a "
+        "hot standby: its addresses joined by |, HOST:PORT|HOST:PORT (the router follows its leader)",
         parse=_allocators)
     workers: list[str] | None = setting(
         None, "a static list of worker URLs (http://HOST:PORT,...), instead of or, with --allocator, "

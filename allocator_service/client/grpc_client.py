@@ -33,6 +33,19 @@ Failure handling, in the order a worker meets it:
 A daemon thread renews the lease at a third of its TTL while the worker is
 idle (every call renews it too).
 
+An allocator with a hot standby (`--standby`) has several addresses
+(`HOST:PORT,HOST:PORT`: `_Targets`); calls go to one at a time, and the
+client follows the leader: a standby answers UNAVAILABLE `not_leader` with
+the leader's address (`LEADER_KEY`), and the call is sent there at once; an
+address that does not answer at all (the leader died) sends the call to the
+next one, with a backoff capped at `FAILOVER_BACKOFF_CAP_S`; and a step that
+waits longer than `failover_after_s` on the step stream (a leader paused,
+SIGSTOP, whose lease a standby then takes) makes the watchdog ask the other
+addresses' health which one serves, and resend the step there. A step sent
+again to the new leader keeps its step id: the answer is the one already
+journaled if the old leader had journaled it, and the old leader can no
+longer write (its writes are fenced), so nothing is applied twice.
+
 Steps go over one long-lived `StepStream` call (`step_stream=True`, the
 default): the same requests and answers as unary `Step`, minus a call's
 setup per step. Everything above holds for it unchanged: a stream that
@@ -79,7 +92,7 @@ from allocator_service.core import (
     step_columns,
 )
 from allocator_service.core.tiers import NO_REPORT, TierReport
-from allocator_service.errors import ERROR_KEY
+from allocator_service.errors import ERROR_KEY, LEADER_KEY
 from allocator_service.v1 import allocator_pb2 as pb
 from allocator_service.v1 import allocator_pb2_grpc as pb_grpc
 
@@ -107,12 +120,37 @@ CHANNEL_OPTIONS = (
 )
 
 
-def error_reason(err: grpc.RpcError) -> str:
-    """The server's machine-readable reason (`pagedkv-error` trailer)."""
+# With several addresses, the longest pause between attempts (a failover
+# takes about the leader's lease: a longer backoff would only add to it).
+FAILOVER_BACKOFF_CAP_S = 0.25
+# A standby naming as leader an address that gave no answer this recently is
+# waited on rather than left: that leader is dead and the lease runs out.
+SUSPECT_S = 1.5
+# The answer to NotLeader (errors.py).
+NOT_LEADER = "not_leader"
+
+
+def _trailer(err: grpc.RpcError, name: str) -> str:
     for key, value in (err.trailing_metadata() or ()) if hasattr(err, "trailing_metadata") else ():
-        if key == ERROR_KEY:
+        if key == name:
             return value
     return ""
+
+
+def error_reason(err: grpc.RpcError) -> str:
+    """The server's machine-readable reason (`pagedkv-error` trailer)."""
+    return _trailer(err, ERROR_KEY)
+
+
+def split_addresses(target: str) -> list[str]:
+    """`HOST:PORT[,HOST:PORT...]` (or `|` between them, as a router's
+    `--allocator` writes one allocator among several): one allocator's
+    addresses (its leader and standbys, in any order), each once;
+    ValueError for an empty one."""
+    addresses = [a.strip() for a in target.replace("|", ",").split(",")]
+    if any(not a for a in addresses):
+        raise ValueError(f"an empty allocator address in {target!r}")
+    return list(dict.fromkeys(addresses))
 
 
 def transient(err: grpc.RpcError) -> bool:
@@ -137,6 +175,90 @@ def open_channel(target: str, tls_ca: str | bytes | None = None, options=(), *, 
         with open(tls_ca, "rb") as f:
             tls_ca = f.read()
     return kind.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=tls_ca), options=opts)
+
+
+class _Targets:
+    """The addresses of one allocator (a leader and its standbys): a channel
+    to each, opened on first use and kept, and the one calls go to now."""
+
+    def __init__(self, target: str, tls_ca: str | bytes | None) -> None:
+        self.addresses = split_addresses(target)
+        self._tls_ca = tls_ca
+        self._channels: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self.current = self.addresses[0]
+        self.switches = 0
+        self._unanswered: dict[str, float] = {}  # address -> when a call to it last got no answer
+
+    @property
+    def several(self) -> bool:
+        return len(self.addresses) > 1
+
+    def channel(self, address: str | None = None):
+        address = address or self.current
+        with self._lock:
+            channel = self._channels.get(address)
+            if channel is None:
+                channel = self._channels[address] = open_channel(address, self._tls_ca)
+            return channel
+
+    def use(self, address: str, why: str) -> None:
+        with self._lock:
+            if address == self.current:
+                return
+            log.warning("allocator: calls go to %s now (%s)", address, why)
+            self.current = address
+            self.switches += 1
+
+    def after_failure(self, address: str, err: grpc.RpcError) -> bool:
+        """A call to `address` failed with the transient `err`: follow the
+        leader. True when the next attempt should go at once (sent to the
+        leader a standby named, or already moved on by another thread)."""
+        if not self.several:
+            return False
+        if self.current != address:
+            return True  # moved on meanwhile (the watchdog found the leader)
+        if error_reason(err) == NOT_LEADER:
+            leader = _trailer(err, LEADER_KEY)
+            if leader in self.addresses and leader != address:
+                if time.monotonic() - self._unanswered.get(leader, -SUSPECT_S) < SUSPECT_S:
+                    return False  # it names a leader that just did not answer: its lease runs out; stay
+                self.use(leader, f"{address} is a standby")
+                return True
+            if leader == address:
+                return False  # it says it leads again: ask it again after the backoff
+            # no leader yet (the lease runs out), or one named otherwise: the next address
+        elif not error_reason(err):
+            self._unanswered[address] = time.monotonic()
+        i = self.addresses.index(address)
+        self.use(self.addresses[(i + 1) % len(self.addresses)], f"{address}: {err.code().name}")
+        return False
+
+    def serving_elsewhere(self, timeout_s: float) -> str | None:
+        """Another address whose health says it serves the Allocator service
+        (the leader), or None."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        from allocator_service.v1 import allocator_pb2 as _pb
+
+        name = _pb.DESCRIPTOR.services_by_name["Allocator"].full_name
+        for address in self.addresses:
+            if address == self.current:
+                continue
+            try:
+                reply = health_pb2_grpc.HealthStub(self.channel(address)).Check(
+                    health_pb2.HealthCheckRequest(service=name), timeout=timeout_s)
+            except grpc.RpcError:
+                continue
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                return address
+        return None
+
+    def close(self) -> None:
+        with self._lock:
+            channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            channel.close()
 
 
 class _StreamBroken(grpc.RpcError):
@@ -201,11 +323,13 @@ class _StepStream:
 
 
 class _Caller:
-    """Deadlines, metadata and retry-with-backoff around one stub."""
+    """Deadlines, metadata and retry-with-backoff around the stub of the
+    address calls go to now (`_Targets`), following the leader."""
 
-    def __init__(self, stub, auth_token: str | None, deadline_s: float, retries: int, backoff_s: float,
-                 on_unavailable: Callable[[float, int], None] | None = None) -> None:
-        self.stub = stub
+    def __init__(self, targets: _Targets, auth_token: str | None, deadline_s: float, retries: int,
+                 backoff_s: float, on_unavailable: Callable[[float, int], None] | None = None) -> None:
+        self.targets = targets
+        self._stubs: dict[str, Any] = {}
         self.metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else None
         self.deadline_s = deadline_s
         self.retries = retries
@@ -216,6 +340,15 @@ class _Caller:
         # them as its allocator stall.
         self.on_unavailable = on_unavailable
 
+    @property
+    def stub(self):
+        """The Allocator stub of the address calls go to now."""
+        address = self.targets.current
+        stub = self._stubs.get(address)
+        if stub is None:
+            stub = self._stubs[address] = pb_grpc.AllocatorStub(self.targets.channel(address))
+        return stub
+
     def _unavailable(self, t0: float, failed: int) -> None:
         if self.on_unavailable is not None:
             self.on_unavailable(time.monotonic() - t0, failed)
@@ -223,15 +356,15 @@ class _Caller:
     def __call__(self, method: str, request, *, retry: bool = True, via: Callable | None = None):
         """`via(request)`: send it this way instead of a unary call (the step
         stream); its failures take the same retry path."""
-        fn = getattr(self.stub, method)
         attempt = 0
         while True:
             t0 = time.monotonic()
+            address = self.targets.current
             try:
                 if via is not None:
                     response = via(request)
                 else:
-                    response = fn(request, timeout=self.deadline_s, metadata=self.metadata)
+                    response = getattr(self.stub, method)(request, timeout=self.deadline_s, metadata=self.metadata)
             except grpc.RpcError as err:
                 if not retry or not transient(err):
                     if attempt:
@@ -243,7 +376,9 @@ class _Caller:
                         f"{method}: allocator unreachable after {attempt + 1} attempts: "
                         f"{err.code().name} {err.details()}"
                     ) from err
-                delay = min(self.backoff_s * 2**attempt, 2.0) * (0.5 + random.random() / 2)
+                now = self.targets.after_failure(address, err)
+                cap = FAILOVER_BACKOFF_CAP_S if self.targets.several else 2.0
+                delay = 0.0 if now else min(self.backoff_s * 2**attempt, cap) * (0.5 + random.random() / 2)
                 attempt += 1
                 time.sleep(delay)
                 self._unavailable(t0, 1)
@@ -271,9 +406,14 @@ class GrpcAllocator(AllocatorClient):
         replace_credential: str = "",
         register_wait_s: float = 120.0,
         step_stream: bool = True,
+        failover_after_s: float = 0.3,
     ) -> None:
-        """`step_stream`: send steps over one long-lived StepStream call
-        (see the module docstring) rather than one unary Step each.
+        """`target`: the allocator's address, or its addresses
+        (`HOST:PORT,HOST:PORT`: a leader and its standbys, followed as the
+        module docstring says). `step_stream`: send steps over one long-lived StepStream call
+        (see the module docstring) rather than one unary Step each;
+        `failover_after_s`: with several addresses, a step unanswered this
+        long makes the client ask the others whether one leads now.
 
         KV tiers: the pool's shape asks for them (`spec.config`); the
         allocator answers with its shared store's URL (`shared_store`), or
@@ -283,9 +423,9 @@ class GrpcAllocator(AllocatorClient):
         self._asked = spec  # what every registration asks for
         self.register_wait_s = register_wait_s
         self.block_size = spec.config.block_size
-        self._channel = open_channel(target, tls_ca)
-        self._call = _Caller(pb_grpc.AllocatorStub(self._channel), auth_token, deadline_s, retries, backoff_s,
-                             on_unavailable)
+        self._targets = _Targets(target, tls_ca)
+        self._call = _Caller(self._targets, auth_token, deadline_s, retries, backoff_s, on_unavailable)
+        self.failover_after_s = failover_after_s
         self._register_lock = threading.Lock()
         self._ref = pb.PoolRef()
         self.epoch = 0
@@ -436,14 +576,27 @@ class GrpcAllocator(AllocatorClient):
 
     def _watch(self) -> None:
         """The step stream's deadline: cut a stream whose step has waited
-        longer than the deadline (its step is then retried)."""
+        longer than the deadline (its step is then retried). With several
+        addresses, a step waiting longer than `failover_after_s` makes it
+        ask the others whether one leads now: the stream is then cut and
+        the step retried there."""
         deadline = self._call.deadline_s
-        while not self._closed.wait(min(deadline / 4, 0.25)):
+        targets = self._targets
+        tick = min(deadline / 4, 0.25, self.failover_after_s / 3 if targets.several else 0.25)
+        while not self._closed.wait(tick):
             stream = self._stream
             sent = stream.sent_at if stream is not None else 0.0
-            if sent and time.monotonic() - sent > deadline:
+            if not sent:
+                continue
+            waited = time.monotonic() - sent
+            if waited > deadline:
                 log.warning("no answer on the step stream within %.1f s: retrying the step", deadline)
                 stream.cut()
+            elif targets.several and waited > self.failover_after_s:
+                leader = targets.serving_elsewhere(timeout_s=min(self.failover_after_s, 0.5))
+                if leader is not None and stream.sent_at == sent:
+                    targets.use(leader, f"no answer for {waited:.1f} s and {leader} leads")
+                    stream.cut()
 
     def stats(self) -> PoolStats:
         return stats_from_proto(self._pool_call("GetPoolStats", pb.GetPoolStatsRequest(pool=self._ref)))
@@ -474,7 +627,7 @@ class GrpcAllocator(AllocatorClient):
         for thread in (self._heartbeat, self._watchdog):
             if thread is not None:
                 thread.join(timeout=2)
-        self._channel.close()
+        self._targets.close()
 
     # -------------------------------------------------- beyond the interface
     def integrity_problems(self) -> list[str]:
@@ -512,11 +665,12 @@ class RouterClient:
         and ListPools need once the server has a router token; `auth_token` is
         sent when no router token is given (a server with no router token
         and no server-wide token answers anyone)."""
-        self._target, self._tls_ca = target, tls_ca
-        self._channel = open_channel(target, tls_ca)
-        self._stub = pb_grpc.AllocatorStub(self._channel)
-        self._call = _Caller(self._stub, router_token or auth_token, deadline_s, retries, 0.05)
-        self._aio: tuple[Any, Any] | None = None  # (grpc.aio channel, its stub): made in the loop that uses it
+        self._tls_ca = tls_ca
+        # `target`: one allocator's addresses, a leader and its standbys (followed as GrpcAllocator does)
+        self._targets = _Targets(target, tls_ca)
+        self._call = _Caller(self._targets, router_token or auth_token, deadline_s, retries, 0.05)
+        # (address, grpc.aio channel, its stub): made in the loop that uses it, for the address calls go to
+        self._aio: tuple[str, Any, Any] | None = None
 
     def match_prefix(self, model_fingerprint: str, tokens: Sequence[int], cache_salt: str | None = None) -> list[PrefixMatch]:
         r = self._call("MatchPrefix", self._match_request(model_fingerprint, tokens, cache_salt))
@@ -527,11 +681,18 @@ class RouterClient:
         """`match_prefix` from an event loop, on a `grpc.aio` channel: one
         attempt (a router routes by load rather than wait), no thread hop.
         Call `aclose` from the same loop when done."""
-        if self._aio is None:
-            channel = open_channel(self._target, self._tls_ca, aio=True)
-            self._aio = (channel, pb_grpc.AllocatorStub(channel))
-        r = await self._aio[1].MatchPrefix(self._match_request(model_fingerprint, tokens, cache_salt),
-                                           timeout=self._call.deadline_s, metadata=self._call.metadata)
+        address = self._targets.current
+        if self._aio is None or self._aio[0] != address:
+            await self.aclose()
+            channel = open_channel(address, self._tls_ca, aio=True)
+            self._aio = (address, channel, pb_grpc.AllocatorStub(channel))
+        try:
+            r = await self._aio[2].MatchPrefix(self._match_request(model_fingerprint, tokens, cache_salt),
+                                               timeout=self._call.deadline_s, metadata=self._call.metadata)
+        except grpc.RpcError as err:
+            if transient(err):
+                self._targets.after_failure(address, err)  # the next call goes to the leader
+            raise
         return self._matches(r)
 
     @staticmethod
@@ -556,17 +717,42 @@ class RouterClient:
         every pool's cached blocks (POOL_CACHED, sequence 0), then
         KV_EVENT_KIND_SNAPSHOT_END, then the events from now. `packed`: runs
         of one pool's block events as single BLOCKS_CHANGED events."""
-        return self._stub.WatchEvents(
+        address = self._targets.current
+        call = self._call.stub.WatchEvents(
             pb.WatchEventsRequest(from_sequence=from_sequence, kinds=kinds, snapshot=snapshot, packed=packed),
             timeout=timeout_s,
             metadata=self._call.metadata,
         )
+        return _Followed(call, self._targets, address) if self._targets.several else call
 
     async def aclose(self) -> None:
         """Closes the `grpc.aio` channel of `match_prefix_async` (from its loop)."""
         if self._aio is not None:
-            channel, self._aio = self._aio[0], None
+            channel, self._aio = self._aio[1], None
             await channel.close()
 
     def close(self) -> None:
-        self._channel.close()
+        self._targets.close()
+
+
+class _Followed:
+    """A WatchEvents stream of one of several addresses: a transient failure
+    moves the router's calls on to the leader (`_Targets.after_failure`)
+    before it reaches the caller, who opens the stream again."""
+
+    def __init__(self, call, targets: _Targets, address: str) -> None:
+        self._call, self._targets, self._address = call, targets, address
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return next(self._call)
+        except grpc.RpcError as err:
+            if transient(err):
+                self._targets.after_failure(self._address, err)
+            raise
+
+    def cancel(self) -> None:
+        self._call.cancel()
