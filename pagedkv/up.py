@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     up = from_args(UpArgs, args)
     stack = LocalStack(
         workers=up.workers, allocators=up.allocators, model=up.model, worker_args=worker_args_from(args),
-        state=up.state, redis=up.redis, prometheus=up.prometheus,
+        state=up.state, redis=up.redis, prometheus=up.prometheus, standby=up.standby,
         host=up.host, base_port=up.base_port, allocator_port=up.allocator_port,
         allocator_metrics_port=up.allocator_metrics_port, prometheus_port=up.prometheus_port,
         scrape_interval=up.scrape_interval, startup_timeout=up.timeout, grace=up.grace,
@@ -92,6 +92,9 @@ def run(args: argparse.Namespace) -> int:
         for alloc, address, metrics in zip(stack.allocators, stack.allocator_addresses, stack.allocator_metrics_urls,
                                            strict=True):
             table.add_row(alloc.name, str(procs[alloc.name].pid), f"grpc {address}  metrics {metrics}")
+        for alloc, address, metrics in zip(stack.standbys, stack.standby_addresses, stack.standby_metrics_urls,
+                                           strict=True):
+            table.add_row(alloc.name, str(procs[alloc.name].pid), f"grpc {address}  metrics {metrics}  (standby)")
         if stack.router_url:
             table.add_row("router", str(procs["router"].pid),
                           f"{stack.router_url}/v1  (the API)  {stack.router_url}/metrics")

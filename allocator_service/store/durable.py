@@ -260,7 +260,8 @@ class DurableState:
         except StoreLost as exc:
             self._on_lost(str(exc))
             raise
-        except StoreFenced:
+        except StoreFenced as exc:
+            log.warning("a write was fenced, nothing written (%s): stepping down", exc)
             self.deposed.set()  # another instance claimed the state: this one follows it now
             raise
         except StoreUnavailable:

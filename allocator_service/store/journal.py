@@ -399,7 +399,7 @@ class RedisJournal:
             if text.startswith("LOST "):
                 raise StoreLost(f"during {what}: {text[5:]}") from exc
             if text.startswith("FENCED "):
-                raise StoreFenced(f"during {what}: {text[7:]}") from exc
+                raise StoreFenced(f"fenced during {what}: {text[7:]}") from exc
             raise StoreUnavailable(f"the state store (Redis) failed during {what}: {exc}") from exc
 
     def _replicated(self, what: str) -> None:

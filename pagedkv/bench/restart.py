@@ -13,6 +13,20 @@ half SIGKILL (a crash), in a seeded order, each started again on the same
 port after a pause: half of them 0 to 0.3 s, half 2 to 9 s (longer than
 the client's own retries, as a container's restart can be).
 
+With `--standby` the same run first measures failover: the stack runs
+each allocator with a hot standby (`pagedkv up --standby`: both processes
+`--standby`, the workers given both addresses), and `--kills` times the
+LEADER is taken out under the same load, in a seeded order, half SIGKILL
+(then restarted, to follow the new leader as a standby) and half SIGSTOP
+(kept stopped until the standby serves, past its lease, then SIGCONT: it
+must step down and follow; its writes are fenced). "Back serving" is then
+measured as a client sees it: a probe pool with both addresses sends a
+step after the signal, and the time to its answer is the figure. Steps
+applied twice are counted from the journal itself (`_JournalTap` reads
+every record as it is written: a step id journaled twice for a pool, or a
+step that does not follow its pool's last one, is counted). The restarts
+without a standby follow in the same run, as before.
+
 Every request must complete with the text a run with no restart gives
 (the reference: each prompt answered once before the first restart).
 Figures: restarts (each kind), requests, failed requests (any status but
@@ -54,9 +68,18 @@ REQUEST_TIMEOUT_S = 300.0
 KEPT_FAILURES = 10
 
 
+# The leader lease of the standby run (the allocator's default).
+LEADER_LEASE_S = 1.0
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--restarts", type=harness.positive, default=50,
                    help="allocator restarts under load, half SIGTERM and half SIGKILL (default 50)")
+    p.add_argument("--standby", action="store_true",
+                   help="first run the allocator with a hot standby and take its leader out --kills times "
+                        "(SIGKILL and SIGSTOP past the lease), then the restarts without a standby")
+    p.add_argument("--kills", type=harness.positive, default=50,
+                   help="with --standby: leader kills under load, half SIGKILL, half SIGSTOP (default 50)")
     harness.add_json_option(p)
 
 
@@ -227,7 +250,166 @@ def restart_under_load(stack, restarts: int, model: str, seed: int = 0,
     load.stop()
     wall = time.monotonic() - t_start
     after = _worker_counters(urls)
-    outcomes = load.outcomes
+    return {
+        "restarts": restarts, "sigterm": kinds.count("term"), "sigkill": kinds.count("kill"),
+        "wall_s": round(wall, 1),
+        "back_s_p50": _round(harness.percentile(back_s, 0.5)), "back_s_max": _round(max(back_s, default=None)),
+        **_outcomes(load.outcomes, reference, before, after, t_start),
+    }
+
+
+class _JournalTap:
+    """Reads every journal record as the leader writes it (as a standby
+    does: `RedisJournal.tail`) and counts the step records that apply a
+    pool's step twice or do not follow its last one."""
+
+    def __init__(self, state: str) -> None:
+        from allocator_service.store.journal import RedisJournal
+
+        self._journal = RedisJournal(state)
+        self.index = self._journal.tail(0).base  # from the records stored now
+        self._last: dict[str, int] = {}
+        self.steps = self.twice = self.unchained = self.missed = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="journal-tap", daemon=True)
+
+    def start(self) -> _JournalTap:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        from allocator_service.errors import StoreUnavailable
+        from allocator_service.store.journal import record_bytes
+        from allocator_service.v1 import journal_pb2 as jpb
+
+        while not self._stop.wait(0.01):
+            try:
+                tail = self._journal.tail(self.index)
+            except StoreUnavailable:
+                continue
+            if tail.entries is None:  # trimmed by a snapshot before it was read: not checked
+                head = tail.head.split(b":", 1)[0]
+                index = int(head) if head.isdigit() else self.index
+                self.missed += max(index - self.index, 0)
+                self.index = index
+                self._last.clear()
+                continue
+            for raw in tail.entries:
+                record = jpb.JournalRecord.FromString(record_bytes(raw))
+                self.index = record.index
+                if record.WhichOneof("change") != "step":
+                    continue
+                step = record.step
+                last = self._last.get(step.pool_id)
+                self.steps += 1
+                if last is not None and step.step_id <= last:
+                    self.twice += 1
+                elif last is not None and step.prev_step_id != last:
+                    self.unchained += 1
+                self._last[step.pool_id] = step.step_id
+
+    def stop(self) -> dict[str, int]:
+        self._stop.set()
+        self._thread.join(5)
+        self._journal.close()
+        return {"steps_journaled": self.steps, "steps_applied_twice": self.twice,
+                "steps_not_following_their_last": self.unchained, "records_not_read": self.missed}
+
+
+def _leading(address: str) -> bool:
+    from allocator_service.rpc.servicer import SERVICE_NAME
+    from pagedkv.stack.probes import grpc_health_ok
+
+    return grpc_health_ok(address, timeout=1.0, service=SERVICE_NAME)
+
+
+def failover_under_load(stack, kills: int, model: str, seed: int = 0, on_kill=None) -> dict[str, Any]:
+    """The failover drill on a started stack with a standby (`standby=True`):
+    the reference texts, then `kills` leader kills under load (SIGKILL, or
+    SIGSTOP until the standby serves and then SIGCONT); the figures."""
+    import signal
+
+    from allocator_service.client import PoolSpec
+    from allocator_service.client.grpc_client import GrpcAllocator
+    from allocator_service.core import PoolConfig
+    from allocator_service.core.step import Admit, Free
+
+    urls = list(stack.worker_urls)
+    reference = _reference(urls, model)
+    processes = [stack.allocator, stack.standbys[0]]
+    addresses = [stack.allocator_address, stack.standby_addresses[0]]
+    probe = GrpcAllocator(",".join(addresses), PoolSpec("bench-probe", PoolConfig(num_blocks=8, block_size=4)),
+                          auth_token=stack.admin_token)
+    held = [False]
+
+    def probe_step() -> None:
+        from allocator_service.client import AllocatorUnavailable
+
+        ops = [Free("p")] if held[0] else [Admit("p", [1, 2, 3])]
+        while True:
+            try:
+                probe.step(ops)
+                held[0] = not held[0]
+                return
+            except AllocatorUnavailable:
+                continue
+
+    rng = random.Random(seed)
+    kinds = ["kill"] * (kills - kills // 2) + ["stop"] * (kills // 2)
+    rng.shuffle(kinds)
+    tap = _JournalTap(stack.redis_url).start()
+    before = _worker_counters(urls)
+    load = _Load(urls, model, seed)
+    load.start()
+    back: dict[str, list[float]] = {"kill": [], "stop": []}
+    t_start = time.monotonic()
+    for i, how in enumerate(kinds):
+        served = load.count()
+        _wait_until(lambda served=served: load.count() > served, 120, "a request to finish between kills")
+        time.sleep(rng.uniform(0.0, 1.0))
+        lead = next((j for j in (0, 1) if _leading(addresses[j])), None)
+        if lead is None:
+            _wait_until(lambda: any(_leading(a) for a in addresses), 60, "a leader")
+            lead = next(j for j in (0, 1) if _leading(addresses[j]))
+        leader, popen = processes[lead], processes[lead].proc.popen
+        t = time.monotonic()
+        if how == "kill":
+            leader.kill()
+            popen.wait()
+        else:
+            popen.send_signal(signal.SIGSTOP)
+        probe_step()  # answered by the standby once it took over
+        back[how].append(time.monotonic() - t)
+        if how == "kill":
+            leader.start().wait_healthy(120)  # it follows the new leader now
+        else:
+            time.sleep(rng.uniform(0.0, 0.5))
+            popen.send_signal(signal.SIGCONT)
+            _wait_until(lambda a=addresses[lead]: not _leading(a), 30, "the resumed leader to step down")
+        if on_kill is not None:
+            on_kill(i + 1, how)
+    load.stop()
+    wall = time.monotonic() - t_start
+    probe.close()
+    time.sleep(0.5)
+    journal = tap.stop()
+    after = _worker_counters(urls)
+    figures = _outcomes(load.outcomes, reference, before, after, t_start)
+    every = back["kill"] + back["stop"]
+    return {
+        "kills": kills, "sigkill": kinds.count("kill"), "sigstop": kinds.count("stop"),
+        "leader_lease_s": LEADER_LEASE_S, "wall_s": round(wall, 1),
+        "back_s_p50": _round(harness.percentile(every, 0.5)), "back_s_max": _round(max(every, default=None)),
+        "back_s_p50_sigkill": _round(harness.percentile(back["kill"], 0.5)),
+        "back_s_max_sigkill": _round(max(back["kill"], default=None)),
+        "back_s_p50_sigstop": _round(harness.percentile(back["stop"], 0.5)),
+        "back_s_max_sigstop": _round(max(back["stop"], default=None)),
+        **journal, **figures,
+    }
+
+
+def _outcomes(outcomes: list[Outcome], reference, before, after, t_start: float) -> dict[str, Any]:
+    """The request figures of a run: counts, failures and wrong texts, latency, the workers' counters."""
     failed = [o for o in outcomes if o.status != 200]
     wrong = [o for o in outcomes if o.status == 200 and o.text != reference[(o.kind.prompt, o.kind.chat)]]
     per_worker = [{k: round(a[k] - b[k], 3) for k in a} for a, b in zip(after, before, strict=True)]
@@ -240,11 +422,8 @@ def restart_under_load(stack, restarts: int, model: str, seed: int = 0,
 
     latencies = [o.latency_s for o in outcomes]
     return {
-        "restarts": restarts, "sigterm": kinds.count("term"), "sigkill": kinds.count("kill"),
         "requests": len(outcomes), "streamed": sum(o.kind.stream for o in outcomes),
         "failed_requests": len(failed), "wrong_texts": len(wrong),
-        "wall_s": round(wall, 1),
-        "back_s_p50": _round(harness.percentile(back_s, 0.5)), "back_s_max": _round(max(back_s, default=None)),
         "latency_s_p50": _round(harness.percentile(latencies, 0.5)),
         "latency_s_max": _round(max(latencies, default=None)),
         "stall_s": round(sum(w["stall_s"] for w in per_worker), 2),
@@ -275,12 +454,23 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         if i % 10 == 0 or i == args.restarts:
             harness.log("restart", f"{i}/{args.restarts} restarts")
 
+    standby = None
+    if args.standby:
+        def killed(i: int, how: str) -> None:
+            if i % 10 == 0 or i == args.kills:
+                harness.log("restart", f"{i}/{args.kills} leader kills (standby)")
+
+        env = {**ALLOCATOR_ENV, "PAGEDKV_ALLOCATOR_LEADER_LEASE": str(LEADER_LEASE_S)}
+        with LocalStack(WORKERS, MODEL, worker_args=WORKER_ARGS, env=env, redis=True, standby=True,
+                        startup_timeout=300.0, grace=15.0) as stack:
+            standby = failover_under_load(stack, args.kills, MODEL, on_kill=killed)
     with LocalStack(WORKERS, MODEL, worker_args=WORKER_ARGS, env=ALLOCATOR_ENV, redis=True,
                     startup_timeout=300.0, grace=15.0) as stack:
         figures = restart_under_load(stack, args.restarts, MODEL, on_restart=progress)
     return {"workload": {"model": MODEL, "workers": WORKERS, "clients_per_worker": CLIENTS_PER_WORKER,
                          "prompts": len(PROMPTS), "max_tokens": MAX_TOKENS, "worker_args": WORKER_ARGS,
                          "allocator_env": ALLOCATOR_ENV, "state": "redis (append-only)"},
+            **({"standby": standby} if standby is not None else {}),
             **figures}
 
 
@@ -296,7 +486,26 @@ def tables(report: dict) -> list[Table]:
              "answer before any restart; back: from the signal to serving again."]
     notes += [f"failed: {json.dumps(f)}" for f in r["failures"]]
     notes += [f"wrong: {json.dumps(f)}" for f in r["wrong"]]
-    return [Table("allocator restarts under load",
+    out = []
+    sb = r.get("standby")
+    if sb is not None:
+        out.append(Table(
+            "leader kills under load, with a hot standby",
+            ["kills", "SIGKILL", "SIGSTOP", "requests", "failed", "wrong texts", "steps applied twice",
+             "back p50 s", "back max s", "SIGKILL p50/max s", "SIGSTOP p50/max s", "latency max s"],
+            [[cell(sb["kills"]), cell(sb["sigkill"]), cell(sb["sigstop"]), cell(sb["requests"]),
+              cell(sb["failed_requests"]), cell(sb["wrong_texts"]), cell(sb["steps_applied_twice"]),
+              cell(sb["back_s_p50"]), cell(sb["back_s_max"]),
+              f"{cell(sb['back_s_p50_sigkill'])} / {cell(sb['back_s_max_sigkill'])}",
+              f"{cell(sb['back_s_p50_sigstop'])} / {cell(sb['back_s_max_sigstop'])}", cell(sb["latency_s_max"])]],
+            [f"leader lease {sb['leader_lease_s']:g} s; back: from the signal to the answer of a probe step "
+             "sent at once with both addresses (the client follows the leader); a SIGSTOPped leader is resumed "
+             "once the standby serves and must step down.",
+             f"journal: {sb['steps_journaled']} steps read as written, {sb['steps_applied_twice']} applied twice, "
+             f"{sb['steps_not_following_their_last']} not following their pool's last step, "
+             f"{sb['records_not_read']} records trimmed before they were read (not checked)."]
+            + [f"failed: {json.dumps(f)}" for f in sb["failures"]] + [f"wrong: {json.dumps(f)}" for f in sb["wrong"]]))
+    return out + [Table("allocator restarts under load, no standby",
                   ["restarts", "SIGTERM", "SIGKILL", "requests", "failed", "wrong texts", "back p50 s",
                    "back max s", "stall s", "latency max s", "preemptions"], rows, notes)]
 

@@ -43,6 +43,10 @@ class UpArgs:
     redis: bool = setting(
         False, "start a redis-server (append-only, on a free port) when the binary exists and keep the "
         "allocator's journal in it")
+    standby: bool = setting(
+        False, "give each allocator a hot standby (allocator --standby) that follows its journal and takes over "
+        "within the leader lease when it dies or pauses; needs --redis or --state redis://...; the workers and "
+        "the router follow the leader")
     prometheus: bool = setting(
         False, "start a prometheus (when the binary exists) scraping the allocators, the router and every worker")
     prometheus_port: int = setting(9090, "Prometheus web port; 0 picks a free one", flag=False)

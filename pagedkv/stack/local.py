@@ -40,6 +40,12 @@ their binaries are on PATH::
 - `router=True`: the router (`python -m router`) in front of the workers, on
   `router_port`, with `router_args`; `worker_host="127.0.0.1"` keeps the
   workers on loopback while the router (and the allocator) bind `host`.
+- `standby=True` (needs Redis state): each allocator gets a hot standby
+  ("allocator-standby", ...: the same state, the ports after every
+  allocator's when fixed; `standbys`, `standby_addresses`), started once
+  its leader serves; both run `--standby`, so either one, restarted,
+  follows whichever leads then; each worker is given `LEADER,STANDBY` and the
+  router `LEADER|STANDBY` per allocator, and they follow whichever leads.
 - `allocators=N`: pools sharded over N allocator processes ("allocator",
   "allocator-2", ...; ports `allocator_port + i` and `allocator_metrics_port
   + i` when fixed); worker i registers with allocator ((i - 1) mod N), the
@@ -152,6 +158,7 @@ class LocalStack:
         worker_host: str | None = None,
         env: Mapping[str, str] | None = None,
         guest_workers: Sequence[tuple[str, str]] = (),
+        standby: bool = False,
     ) -> None:
         if workers < 1:
             raise StackError("--workers must be at least 1")
@@ -164,6 +171,9 @@ class LocalStack:
                              "and PAGEDKV_UP_ALLOCATOR_METRICS_PORT")
         if redis and state != "memory":
             raise StackError(f"--redis starts its own Redis; it cannot be combined with --state {state}")
+        if standby and not redis and state == "memory":
+            raise StackError("--standby follows the allocator's journal: give --redis or --state redis://...")
+        self.want_standby = standby
         self.num_workers = workers
         self.model = model
         self.worker_args = list(worker_args)
@@ -202,6 +212,10 @@ class LocalStack:
         self.redis: RedisProcess | None = None
         self.allocator: AllocatorProcess | None = None  # the first of `allocators`
         self.allocators: list[AllocatorProcess] = []
+        # with `standby`: allocator i's hot standby ("allocator-standby", "allocator-2-standby", ...)
+        self.standbys: list[AllocatorProcess] = []
+        self.standby_addresses: list[str] = []
+        self.standby_metrics_urls: list[str] = []
         self.workers: list[WorkerProcess] = []
         self.prometheus: PrometheusProcess | None = None
         self.router: RouterProcess | None = None
@@ -292,6 +306,8 @@ class LocalStack:
                 self.redis = self._add(RedisProcess, name="redis", host=h, data_dir=self.log_dir / "redis")
                 self.redis.start().wait_healthy(self.startup_timeout)
                 self.redis_url = state = self.redis.url
+        if self.want_standby and state == "memory":
+            raise StackError("--standby: no redis-server on PATH for the journal it follows")
 
         # The workers are made (not started) first: their addresses go into their credentials.
         share = [] if THREADS_ENV in {**os.environ, **self.env} else ["--threads", thread_share(self.num_workers)]
@@ -340,6 +356,9 @@ class LocalStack:
                                f"the {name}'s metrics")
             allocator = self._add(
                 AllocatorProcess, ["--metrics-port", str(mport), "--state", _shard_state(state, i),
+                                   # with a standby both run --standby: the first to start leads, and
+                                   # either, restarted, follows whichever leads then
+                                   *(["--standby"] if self.want_standby else []),
                                    *allocator_args, *self.allocator_args],
                 name=name, listen=f"{self.host}:{aport}", connect_host=connect, probe_grpc=self.tls is None,
                 env=allocator_env,
@@ -351,19 +370,38 @@ class LocalStack:
         self.allocator_address = self.allocator_addresses[0]
         self.allocator_metrics_url = self.allocator_metrics_urls[0]
         wait_healthy([(a.start().proc, a.healthy) for a in self.allocators], self.startup_timeout)
+        # Each allocator's standby: the same state, started once its leader holds the lease.
+        groups = [[a] for a in self.allocator_addresses]
+        for i in range(self.num_allocators if self.want_standby else 0):
+            name = f"{self.allocators[i].name}-standby"
+            n = self.num_allocators + i
+            aport = self._port(self.allocator_port + n if self.allocator_port else 0, f"the {name}")
+            mport = self._port(self.allocator_metrics_port + n if self.allocator_metrics_port else 0,
+                               f"the {name}'s metrics")
+            self.standbys.append(self._add(
+                AllocatorProcess, ["--standby", "--metrics-port", str(mport), "--state", _shard_state(state, i),
+                                   *allocator_args, *self.allocator_args],
+                name=name, listen=f"{self.host}:{aport}", connect_host=connect, probe_grpc=self.tls is None,
+                env=allocator_env,
+            ))
+            self.standby_addresses.append(f"{connect}:{aport}")
+            self.standby_metrics_urls.append(f"http://{h}:{mport}/metrics")
+            groups[i].append(self.standby_addresses[-1])
+        wait_healthy([(a.start().proc, a.healthy) for a in self.standbys], self.startup_timeout)
 
         # The workers share this machine: each takes 1/N of the cores unless told
         # otherwise (a --threads in worker_args comes later and wins; so does the
         # environment's PAGEDKV_WORKER_THREADS). Each would take every core.
         checks = []
         for i, worker in enumerate(self.workers):
-            worker.allocator = self.allocator_addresses[i % self.num_allocators]
+            worker.allocator = ",".join(groups[i % self.num_allocators])  # a leader and its standby: it follows
             worker.args += to_allocator
             checks.append((worker.start().proc, worker.healthy))
 
         if self.want_router:
             rport = self._port(self.router_port, "the router")
-            self.router = self._add(RouterProcess, name="router", allocator=",".join(self.allocator_addresses),
+            # each allocator once; one with a standby as LEADER|STANDBY
+            self.router = self._add(RouterProcess, name="router", allocator=",".join("|".join(g) for g in groups),
                                     model=self.model, args=[*router_to_allocator, *self.router_args],
                                     host=self.host, port=rport, connect_host=h)
             self.router_url = self.router.url
@@ -379,7 +417,8 @@ class LocalStack:
                 pport = self._port(self.prometheus_port, "Prometheus")
                 config = self.log_dir / "prometheus.yml"
                 config.write_text(prometheus_config(
-                    [u.removeprefix("http://").removesuffix("/metrics") for u in self.allocator_metrics_urls],
+                    [u.removeprefix("http://").removesuffix("/metrics")
+                     for u in self.allocator_metrics_urls + self.standby_metrics_urls],
                     [u.removeprefix("http://") for u in self.worker_urls], self.scrape_interval,
                     [self.router_url.removeprefix("http://")] if self.router_url else ()))
                 self.prometheus = self._add(PrometheusProcess, prom_bin, config, self.log_dir / "prometheus-data",
@@ -485,6 +524,7 @@ class LocalStack:
             "allocator": self.allocator_address,
             "allocator_metrics": self.allocator_metrics_url,
             "allocators": list(self.allocator_addresses),
+            "standbys": list(self.standby_addresses),
             "workers": list(self.worker_urls),
             "router": self.router_url,
             "prometheus": self.prometheus_url,

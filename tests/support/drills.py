@@ -63,7 +63,7 @@ class Stack(LocalStack):
 
     def __init__(self, workers: int = 2, *, worker_args: Sequence[str] = (), allocator_args: Sequence[str] = (),
                  redis: bool = True, token: str | None = None, tls: tuple[Path, Path] | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, standby: bool = False) -> None:
         if redis and shutil.which("redis-server") is None:
             pytest.skip("skipped: needs redis-server on PATH (Debian package redis-server)")
         # "--threads 1/1": every core per worker, torch's default, not the stack's
@@ -72,7 +72,7 @@ class Stack(LocalStack):
         # them in 0.6 s, before the fault (the Redis kill drill then saw no retry).
         super().__init__(workers, MODEL, worker_args=["--log-level", "warning", "--threads", "1/1", *worker_args],
                          allocator_args=allocator_args, redis=redis, token=token or POOLS_TOKEN, tls=tls,
-                         startup_timeout=120.0, grace=15.0, env=env)
+                         startup_timeout=120.0, grace=15.0, env=env, standby=standby)
 
     # ------------------------------------------------------------ faults
     def kill_allocator(self) -> None:
