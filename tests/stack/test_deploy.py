@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "pagedkv.json"
 PROM_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
-SERVICES = {"credentials", "redis", "allocator", "worker-1", "worker-2", "router", "prometheus", "grafana"}
+SERVICES = {"credentials", "redis", "allocator", "allocator-standby", "worker-1", "worker-2", "router", "prometheus",
+            "grafana"}
 
 
 def need(binary: str, package: str) -> str:
@@ -82,7 +83,9 @@ def test_compose_settings_default_to_the_public_images():
     # which the committed .env turns on for `docker compose up`.
     assert raw["grafana"]["profiles"] == ["grafana"]
     assert "COMPOSE_PROFILES=grafana" in (ROOT / ".env").read_text().splitlines()
-    assert all("profiles" not in svc for name, svc in raw.items() if name != "grafana")
+    # and the allocator's hot standby in `standby`, off by default
+    assert raw["allocator-standby"]["profiles"] == ["standby"]
+    assert all("profiles" not in svc for name, svc in raw.items() if name not in ("grafana", "allocator-standby"))
 
 
 def test_docker_compose_config_validates():
@@ -342,8 +345,13 @@ def test_kustomize_renders_the_topology(k8s):
     alloc = _one(k8s, "Deployment", "allocator")
     at = alloc["spec"]["template"]
     [ac] = at["spec"]["containers"]
-    assert alloc["spec"]["replicas"] == 1 and alloc["spec"]["strategy"]["type"] == "Recreate"
+    # two replicas, both hot standbys of each other: the lease in Redis picks the leader, whom alone
+    # the readiness probe (the Allocator service's health) lets the Service send calls to
+    assert alloc["spec"]["replicas"] == 2
     af = flags(ac["args"])
+    assert "--standby" in af and af["--advertise-address"] == "$(POD_IP):50051"
+    assert ac["readinessProbe"]["grpc"]["service"] == "pagedkv.v1.Allocator"
+    assert {e["name"]: e for e in ac["env"]}["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     assert ac["image"] == "pagedkv:cpu" and ac["args"][0] == "allocator"
     for probe in ("readinessProbe", "livenessProbe"):
         assert ac[probe]["grpc"]["port"] == int(af["--listen"].rsplit(":", 1)[1]), probe
