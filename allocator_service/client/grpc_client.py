@@ -367,6 +367,8 @@ class _Caller:
                     response = getattr(self.stub, method)(request, timeout=self.deadline_s, metadata=self.metadata)
             except grpc.RpcError as err:
                 if not retry or not transient(err):
+                    if not retry and transient(err):
+                        self.targets.after_failure(address, err)  # the next call (a heartbeat's) goes to the leader
                     if attempt:
                         self._unavailable(t0, 0)
                     raise

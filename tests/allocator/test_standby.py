@@ -111,3 +111,19 @@ def test_the_standby_follows_takes_over_after_sigkill_and_answers_a_retry_with_t
         assert grpc_health_ok(standby.address, service=SERVICE)
         print(f"DRILL {{\"standby_took_over_s\": {took:.3f}, \"lease_s\": {LEASE_S}}}")
         client.close()
+
+
+def test_an_idle_workers_heartbeats_follow_the_new_leader(redis_store, allocator_server):
+    """A worker that sends no step through the failover still renews its
+    pool's lease at the new leader: its pool is not dropped."""
+    spec = PoolSpec("idle", PoolConfig(num_blocks=8, block_size=4))
+    env = {**ENV, "PAGEDKV_ALLOCATOR_LEASE_TTL": "2"}
+    with redis_store() as (url, _), allocator_server("--state", url, env=env) as leader, \
+            allocator_server("--state", url, "--standby", env=env) as standby:
+        client = GrpcAllocator(f"{leader.address},{standby.address}", spec)  # heart-beats every TTL / 3
+        client.step([Admit("a", [1, 2, 3])])
+        leader.kill()
+        time.sleep(LEASE_S + 2 * 2.0 + 1.0)  # the takeover, then past the pool's lease at the new leader
+        assert client.stats().num_sequences == 1  # no PoolLost: the same pool, renewed all along
+        assert client.pool_id == "idle/1"
+        client.close()
