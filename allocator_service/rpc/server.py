@@ -22,7 +22,11 @@ from grpc_reflection.v1alpha import reflection
 
 from allocator_service.config import ServiceConfig
 from allocator_service.roles import Roles, WorkerGrant
-from allocator_service.rpc.interceptors import MetricsInterceptor, RoleInterceptor, StandbyInterceptor
+from allocator_service.rpc.interceptors import (
+    MetricsInterceptor,
+    RoleInterceptor,
+    StandbyInterceptor,
+)
 from allocator_service.rpc.servicer import SERVICE_NAME, allocator_handler
 from allocator_service.service import AllocatorService
 

@@ -12,10 +12,10 @@ import grpc
 import pytest
 
 from allocator_service.client import EmbeddedAllocator, PoolSpec
-from allocator_service.client.grpc_client import LEADER_KEY, GrpcAllocator, error_reason, open_channel
+from allocator_service.client.grpc_client import GrpcAllocator, error_reason, open_channel
 from allocator_service.core import PoolConfig
 from allocator_service.core.step import Admit, Append, Free
-from allocator_service.errors import StoreFenced
+from allocator_service.errors import LEADER_KEY, StoreFenced
 from allocator_service.store.journal import RedisJournal, encode_entry, head_marker
 from allocator_service.v1 import allocator_pb2 as pb
 from allocator_service.v1 import allocator_pb2_grpc as pb_grpc

@@ -58,7 +58,7 @@ def test_a_leader_stopped_past_its_lease_is_replaced_and_never_writes_again():
     with Stack(2, worker_args=WORKER_ARGS, env=ENV, redis=True, standby=True) as stack:
         urls = list(stack.worker_urls)
         reference = _reference(urls, MODEL)
-        old, new = stack.allocator, stack.standbys[0]
+        old = stack.allocator
         assert _leading(stack.allocator_address) and not _leading(stack.standby_addresses[0])
         # a pool of the drill's own, to queue a step at the stopped leader
         probe = GrpcAllocator(f"{stack.allocator_address},{stack.standby_addresses[0]}",
