@@ -241,16 +241,20 @@ return 1
 
 
 # Take the state: the next fencing epoch, the owner key and the leader lease,
-# unless another leader's lease is alive (and not `force`).
-# KEYS owner leader epoch; ARGV instance address lease_ms force
+# unless another leader's lease is alive (and not `force`, nor the lease value
+# ARGV[5]: the one of a leader seen gone).
+# KEYS owner leader epoch; ARGV instance address lease_ms force gone
 _CLAIM = """
 local current = redis.call('GET', KEYS[2])
-if current and ARGV[4] ~= '1' then return {0, current} end
+if current and ARGV[4] ~= '1' and current ~= ARGV[5] then return {0, current} end
 local token = redis.call('INCR', KEYS[3]) .. ':' .. ARGV[1]
 redis.call('SET', KEYS[1], token)
 redis.call('SET', KEYS[2], token .. ' ' .. ARGV[2], 'PX', ARGV[3])
 return {1, token}
 """
+
+# What each instance's Redis connections are named: CLIENT_NAME + its instance id.
+CLIENT_NAME = "pagedkv-allocator-"
 
 # Keep the lease: 1 renewed (or set again: it ran out but nobody claimed the
 # state since), 0 deposed (another token owns the state or holds the lease),
@@ -364,13 +368,15 @@ class RedisJournal:
         self.url = url
         # A couple of quick retries ride over a blip; a retried write that
         # had landed finds the head it would set and is not pushed twice.
+        self.instance = secrets.token_hex(8)
         self.client = redis_client(
             url,
             socket_timeout=timeout_s + wait_timeout_s if wait_replicas else timeout_s,
             socket_connect_timeout=timeout_s,
             retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 2),
+            # named, so a standby can see that this instance's connections are gone (`connected`)
+            client_name=CLIENT_NAME + self.instance,
         )
-        self.instance = secrets.token_hex(8)
         # The fencing token every write carries (`EPOCH:INSTANCE`, set by `claim`):
         # until it claims the state, this instance writes nothing.
         self.token = ""
@@ -432,16 +438,17 @@ class RedisJournal:
                 "set it to noeviction (CONFIG SET maxmemory-policy noeviction) or use another Redis"
             )
 
-    def claim(self, force: bool) -> bool:
+    def claim(self, force: bool, gone: str = "") -> bool:
         """Take the state (the next fencing epoch, the owner key and the
         leader lease, naming this instance's address) unless another
-        leader's lease is alive and not `force`: then False, and `leader`
-        says who holds it. On success every later write carries the new
-        token."""
+        leader's lease is alive and not `force`, nor still `gone` (the lease
+        value of a leader whose connections are gone: `connected`): then
+        False, and `leader` says who holds it. On success every later write
+        carries the new token."""
         self.check_config()
         keys = [self._keys["owner"], self._keys["leader"], self._keys["epoch"]]
         took, value = self._call("claim", self._claim, keys=keys,
-                                 args=[self.instance, self.address, self._lease_ms(), int(force)])
+                                 args=[self.instance, self.address, self._lease_ms(), int(force), gone])
         if not took:
             self.leader = value.decode(errors="replace")
             return False
@@ -455,6 +462,19 @@ class RedisJournal:
         keys = [self._keys["owner"], self._keys["leader"]]
         return int(self._call("lease renewal", self._renew, keys=keys,
                               args=[self.token, self.address, self._lease_ms()]))
+
+    def connected(self, instance: str) -> bool | None:
+        """Whether the allocator `instance` has a connection to Redis open
+        (CLIENT LIST); None when Redis does not tell (CLIENT not allowed).
+        A process that died (SIGKILL, a crash) has none: its kernel closed
+        them. A stopped one (SIGSTOP) keeps them."""
+        try:
+            clients = self.client.client_list(_type="normal")
+        except self._redis_errors as exc:
+            if "unknown command" in str(exc).lower() or "permission" in str(exc).lower():
+                return None
+            raise StoreUnavailable(f"the state store (Redis) failed during client list: {exc}") from exc
+        return any(c.get("name") == CLIENT_NAME + instance for c in clients)
 
     def release(self) -> None:
         """Give the leader lease up, if this instance holds it (a leader that

@@ -13,10 +13,16 @@ is alive, and until then follows the journal every `FOLLOW_S`
 (`DurableState.follow`: the same verified replay as a restart, one entry at
 a time), so that taking over costs the records written since its last look.
 
-- The leader dies (SIGKILL) or stops renewing (SIGSTOP, a pause): its lease
-  runs out, the standby's next look finds no lease, claims the state (a new
-  epoch), applies the rest of the journal and serves (`takeover`), within
-  the lease time plus one look.
+- The leader dies (SIGKILL, a crash): its Redis connections close with it;
+  the standby, which looks every `GONE_CHECK_S` for the lease holder's named
+  connections (`RedisJournal.connected`), claims the state at once rather
+  than wait for the lease (safe: a leader that was only cut off from Redis
+  is fenced all the same). Where Redis does not list its clients, the lease
+  decides, as below.
+- The leader stops renewing (SIGSTOP, a pause): its lease runs out, the
+  standby's next look finds no lease, claims the state (a new epoch),
+  applies the rest of the journal and serves (`takeover`), within the lease
+  time plus one look.
 - The leader stops (SIGTERM): it gives the lease up (`release`), so the
   standby takes over at its next look.
 - A deposed leader wakes up: its next write is FENCED (nothing is written,
@@ -34,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from allocator_service.errors import StoreUnavailable
@@ -45,6 +52,8 @@ log = logging.getLogger(__name__)
 FOLLOW_S = 0.02
 # The leader renews its lease this many times per lease time.
 RENEWALS = 5
+# A standby looks this often whether the lease holder's connections to Redis are still open.
+GONE_CHECK_S = 0.1
 
 
 def lease_holder(value: str) -> tuple[str, str]:
@@ -66,6 +75,8 @@ class Leadership:
         self.takeovers = 0
         self.step_downs = 0
         self._leader = ""  # the lease's value as last seen by a standby
+        self._gone_checked = 0.0  # when a standby last looked for the leader's connections
+        self._lists_clients = True  # False once Redis refused CLIENT LIST
 
     @property
     def leader_address(self) -> str:
@@ -113,8 +124,12 @@ class Leadership:
             return
         with self.durable.lock:
             self._leader = self.durable.follow()
-        if self._leader or not self.journal.claim(force=False):
+        gone = self._leader_gone()
+        if (self._leader and not gone) or not self.journal.claim(force=False, gone=self._leader if gone else ""):
             return
+        if gone:
+            log.warning("leader lease: the leader's connections to Redis are gone (%s): taking over now",
+                        self._leader)
         with self.durable.lock:
             self.durable.takeover()
             self.on_takeover()
@@ -122,6 +137,21 @@ class Leadership:
         self.takeovers += 1
         log.warning("leader lease: took over as leader (%s, epoch %s), record %d",
                     self.journal.address, self.journal.token.partition(":")[0], self.durable.registry.index)
+
+    def _leader_gone(self) -> bool:
+        """Whether the lease holder's Redis connections are all gone (looked
+        at every GONE_CHECK_S; never where Redis does not list clients)."""
+        now = time.monotonic()
+        if not self._leader or not self._lists_clients or now - self._gone_checked < GONE_CHECK_S:
+            return False
+        self._gone_checked = now
+        instance = lease_holder(self._leader)[0].partition(":")[2]
+        connected = self.journal.connected(instance)
+        if connected is None:
+            log.info("leader lease: Redis does not list its clients; a dead leader is replaced when its lease runs out")
+            self._lists_clients = False
+            return False
+        return not connected
 
     def release(self) -> None:
         """At a graceful stop: give the lease up so a standby takes over now."""
