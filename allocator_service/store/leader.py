@@ -52,6 +52,9 @@ log = logging.getLogger(__name__)
 FOLLOW_S = 0.02
 # The leader renews its lease this many times per lease time.
 RENEWALS = 5
+# What the log says when an instance steps down and when it takes over (drills read it).
+DEPOSED = "leader lease: deposed"
+TOOK_OVER = "leader lease: took over"
 # A standby looks this often whether the lease holder's connections to Redis are still open.
 GONE_CHECK_S = 0.1
 
@@ -114,7 +117,7 @@ class Leadership:
             log.warning("leader lease: the owner key is gone from Redis; the next write finds the loss")
 
     def _step_down(self, why: str) -> None:
-        log.warning("leader lease: deposed (%s): stepping down to follow the new leader", why)
+        log.warning("%s (%s): stepping down to follow the new leader", DEPOSED, why)
         with self.durable.lock:
             self.durable.follow_from_start()
         self.step_downs += 1
@@ -135,8 +138,8 @@ class Leadership:
             self.on_takeover()
         self.durable.after_change()
         self.takeovers += 1
-        log.warning("leader lease: took over as leader (%s, epoch %s), record %d",
-                    self.journal.address, self.journal.token.partition(":")[0], self.durable.registry.index)
+        log.warning("%s as leader (%s, epoch %s), record %d", TOOK_OVER, self.journal.address,
+                    self.journal.token.partition(":")[0], self.durable.registry.index)
 
     def _leader_gone(self) -> bool:
         """Whether the lease holder's Redis connections are all gone (looked
