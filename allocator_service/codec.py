@@ -25,6 +25,7 @@ from allocator_service.core import (
 )
 from allocator_service.core import step as core_step
 from allocator_service.core.limits import MAX_STORE_NAMESPACE_LEN, max_table_entries
+from allocator_service.core.sequence import blocks_for
 from allocator_service.core.tiers import HASH_LEN, Moves
 from allocator_service.v1 import allocator_pb2 as pb
 
@@ -235,7 +236,7 @@ def step_answer_bound(step: StepColumns, num_blocks: int, block_size: int,
             bound = lengths.get(parent)
             if bound is None:
                 held = num_tokens(parent)
-                bound = (-(-held // block_size) if held else 0) + growth
+                bound = blocks_for(held or 0, block_size) + growth
             lengths[step.children[forks]] = bound
             forks += 1
             ids += bound

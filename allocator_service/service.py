@@ -66,14 +66,11 @@ from allocator_service.config import Limits, ServiceConfig
 from allocator_service.core import PoolStats, StepColumns, snapshot
 from allocator_service.core.errors import InvalidArgument, UnknownSequence
 from allocator_service.core.hashing import prompt_chain
-from allocator_service.core.limits import (
-    MAX_ADVERTISE_URL_LEN,
-    MAX_SALT_LEN,
-    MAX_SERVED_MODEL_NAME_LEN,
-)
+from allocator_service.core.limits import MAX_ADVERTISE_URL_LEN, MAX_SERVED_MODEL_NAME_LEN
 from allocator_service.core.pacing import Unpaced
-from allocator_service.core.pool import check_tokens
+from allocator_service.core.sequence import blocks_for
 from allocator_service.core.step import ADMIT, FORK, FREE, KINDS, UNRESERVE
+from allocator_service.core.validation import check_cache_salt, check_tokens
 from allocator_service.errors import (
     AnswerTooLarge,
     BadRequest,
@@ -618,7 +615,7 @@ class AllocatorService:
             store, smallest = pool.tiers.store, self.registry.store_min_bytes
             # the most entries the store can hold, and deletes one save may take
             most = store.capacity_bytes // smallest if store is not None and smallest else 0
-            tiers = TierBound(most, -(-pool.config.block_bytes // smallest) if most else 0)
+            tiers = TierBound(most, blocks_for(pool.config.block_bytes, smallest) if most else 0)
         bound = step_answer_bound(step, pool.num_blocks, pool.block_size, held, tiers)
         if bound > self.limits.max_message_bytes:
             raise AnswerTooLarge(
@@ -692,8 +689,7 @@ class AllocatorService:
         visited under its own lock for lookups only."""
         if len(tokens) > self.limits.max_tokens_per_call:
             raise BadRequest(f"{len(tokens)} tokens; the limit is {self.limits.max_tokens_per_call}")
-        if salt is not None and not 1 <= len(salt) <= MAX_SALT_LEN:
-            raise InvalidArgument(f"cache_salt must be 1 to {MAX_SALT_LEN} characters (unset for no salt)")
+        check_cache_salt(salt)
         pools = [e for e in list(self.registry.pools.values()) if e.pool.config.model_fingerprint == fingerprint]
         if len(tokens) >= 2 and any(e.pool.enable_prefix_caching for e in pools):
             check_tokens(tokens)

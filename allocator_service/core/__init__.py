@@ -19,7 +19,6 @@ from allocator_service.core.pool import (
     BlockPool,
     PoolConfig,
     PoolStats,
-    check_cache_salt,
 )
 from allocator_service.core.prefix_index import ALL_CLEARED, BLOCK_REMOVED, BLOCK_STORED
 from allocator_service.core.sequence import blocks_for
@@ -41,6 +40,7 @@ from allocator_service.core.step import (
     run_step,
     step_columns,
 )
+from allocator_service.core.validation import check_cache_salt
 
 __all__ = [
     "KINDS",

@@ -49,8 +49,6 @@ from allocator_service.core.limits import (
     MAX_HOST_BLOCKS,
     MAX_NUM_BLOCKS,
     MAX_RESERVE,
-    MAX_SALT_LEN,
-    MAX_SEQ_ID_LEN,
     MAX_TOKEN_ID,
     MIN_NAME_CHARS,
     MIN_SEQUENCES,
@@ -81,6 +79,7 @@ from allocator_service.core.tiers import (
     check_store_names,
     store_namespace,
 )
+from allocator_service.core.validation import check_cache_salt, check_seq_id, check_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,50 +190,9 @@ class PoolParts(NamedTuple):
 _COUNTERS = ("prefix_queried_tokens", "prefix_hit_tokens", "evictions", "copies", "out_of_blocks")
 
 
-def _check_seq_id(seq_id: object) -> str:
-    if not isinstance(seq_id, str) or not seq_id or len(seq_id) > MAX_SEQ_ID_LEN:
-        raise InvalidArgument(f"a sequence id must be a non-empty string of at most {MAX_SEQ_ID_LEN} characters")
-    return seq_id
-
-
-def check_cache_salt(cache_salt: object) -> None:
-    """None is "no salt" (the shared namespace); "" is refused: it would look
-    like a tenant's salt yet share the unsalted namespace. A salt is text
-    (valid Unicode), as every wire that carries it requires."""
-    if cache_salt is None:
-        return
-    if not isinstance(cache_salt, str) or not 1 <= len(cache_salt) <= MAX_SALT_LEN:
-        raise InvalidArgument(
-            f"cache_salt must be a non-empty string of at most {MAX_SALT_LEN} characters "
-            "(unset for no salt)"
-        )
-    try:
-        cache_salt.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidArgument("cache_salt must be valid Unicode text") from None
-
-
 def _name_chars(seq_id: str, salt: str | None) -> int:
     """What a sequence's names count against `max_name_chars`."""
     return len(seq_id) + (len(salt) if salt else 0)
-
-
-_INT_ONLY = {int}
-
-
-def check_tokens(tokens: Sequence[int]) -> None:
-    """InvalidArgument unless every token id is an int in [0, MAX_TOKEN_ID]."""
-    if not tokens:
-        return
-    if len(tokens) == 1:  # the decode hot path
-        t = tokens[0]
-        ok = type(t) is int and 0 <= t <= MAX_TOKEN_ID
-    else:
-        # type() is int, not isinstance: bools and floats are not token ids.
-        ok = set(map(type, tokens)) <= _INT_ONLY
-        ok = ok and 0 <= min(tokens) and max(tokens) <= MAX_TOKEN_ID
-    if not ok:
-        raise InvalidArgument(f"token ids must be integers in [0, {MAX_TOKEN_ID}]")
 
 
 class BlockPool:
@@ -389,7 +347,7 @@ class BlockPool:
         and issues its load; it counts in `cached_tokens` and in the prefix
         `num_new_tokens` counts from.
         """
-        _check_seq_id(seq_id)
+        check_seq_id(seq_id)
         if seq_id in self._seqs:
             raise SequenceExists(seq_id)
         check_tokens(tokens)
@@ -613,7 +571,7 @@ class BlockPool:
     def fork(self, parent_id: str, child_id: str) -> list[int]:
         """The child shares every block of the parent (refcount + 1 each);
         no data moves. Returns the child's table."""
-        _check_seq_id(child_id)
+        check_seq_id(child_id)
         parent = self._seqs.get(parent_id)
         if parent is None:
             raise UnknownSequence(parent_id)
