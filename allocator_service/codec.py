@@ -27,6 +27,13 @@ from allocator_service.core import step as core_step
 from allocator_service.core.limits import MAX_STORE_NAMESPACE_LEN, max_table_entries
 from allocator_service.core.sequence import blocks_for
 from allocator_service.core.tiers import HASH_LEN, Moves
+from allocator_service.errors import (
+    INVALID_ARGUMENT,
+    OUT_OF_BLOCKS,
+    POOL_LIMIT,
+    SEQUENCE_EXISTS,
+    UNKNOWN_SEQUENCE,
+)
 from allocator_service.v1 import allocator_pb2 as pb
 
 # NOTE: the core numbers kinds and per-operation errors as the wire enums do,
@@ -35,11 +42,11 @@ assert (core_step.FREE, core_step.APPEND, core_step.ADMIT, core_step.FORK, core_
     pb.OP_KIND_FREE, pb.OP_KIND_APPEND, pb.OP_KIND_ADMIT, pb.OP_KIND_FORK, pb.OP_KIND_UNRESERVE
 )
 assert core_step.ERROR_NUMBER == {
-    "out_of_blocks": pb.OP_ERROR_OUT_OF_BLOCKS,
-    "unknown_sequence": pb.OP_ERROR_UNKNOWN_SEQUENCE,
-    "sequence_exists": pb.OP_ERROR_SEQUENCE_EXISTS,
-    "invalid_argument": pb.OP_ERROR_INVALID_ARGUMENT,
-    "pool_limit": pb.OP_ERROR_POOL_LIMIT,
+    OUT_OF_BLOCKS: pb.OP_ERROR_OUT_OF_BLOCKS,
+    UNKNOWN_SEQUENCE: pb.OP_ERROR_UNKNOWN_SEQUENCE,
+    SEQUENCE_EXISTS: pb.OP_ERROR_SEQUENCE_EXISTS,
+    INVALID_ARGUMENT: pb.OP_ERROR_INVALID_ARGUMENT,
+    POOL_LIMIT: pb.OP_ERROR_POOL_LIMIT,
 }
 
 STATS_FIELDS = tuple(PoolStats.__slots__)

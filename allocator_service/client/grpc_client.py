@@ -79,7 +79,15 @@ from allocator_service.core import (
     step_columns,
 )
 from allocator_service.core.tiers import NO_REPORT, TierReport
-from allocator_service.errors import ERROR_KEY
+from allocator_service.errors import (
+    CAPACITY,
+    ERROR_KEY,
+    POOL_CALLS,
+    POOL_IN_USE,
+    POOL_NOT_FOUND,
+    STEP_STREAMS,
+    UNKNOWN_SEQUENCE,
+)
 from allocator_service.v1 import allocator_pb2 as pb
 from allocator_service.v1 import allocator_pb2_grpc as pb_grpc
 
@@ -88,7 +96,7 @@ log = logging.getLogger(__name__)
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 OLDEST_OP_KINDS = frozenset((pb.OP_KIND_FREE, pb.OP_KIND_APPEND, pb.OP_KIND_ADMIT, pb.OP_KIND_FORK))
 # Refusals that mean "not now": retried the same way (the pool's slow calls in flight).
-RETRYABLE_REASONS = ("pool_calls",)
+RETRYABLE_REASONS = (POOL_CALLS,)
 # How gRPC ends a call that the allocator's code never answered (no
 # `pagedkv-error` reason): the connection, a proxy or the server's shutdown
 # cut it. Besides UNAVAILABLE, gRPC reports a transport torn down mid-call
@@ -338,7 +346,7 @@ class GrpcAllocator(AllocatorClient):
                 break
             except grpc.RpcError as err:
                 # A live pool of this id (its lease runs out), or no room yet (a pool may go): wait.
-                if error_reason(err) not in ("pool_in_use", "capacity") or time.monotonic() >= give_up:
+                if error_reason(err) not in (POOL_IN_USE, CAPACITY) or time.monotonic() >= give_up:
                     raise
                 if not waited:
                     log.warning("cannot register yet, retrying for up to %.0f s: %s", self.register_wait_s,
@@ -369,7 +377,7 @@ class GrpcAllocator(AllocatorClient):
         try:
             return self._call(method, request, via=via)
         except grpc.RpcError as err:
-            if err.code() == grpc.StatusCode.NOT_FOUND and error_reason(err) == "pool_not_found":
+            if err.code() == grpc.StatusCode.NOT_FOUND and error_reason(err) == POOL_NOT_FOUND:
                 old = request.pool.pool_id
                 if old == self._ref.pool_id:  # else another thread registered a fresh pool already
                     self._register()
@@ -424,7 +432,7 @@ class GrpcAllocator(AllocatorClient):
             stream.close()
             code = err.code()
             if code == grpc.StatusCode.UNIMPLEMENTED or (
-                    code == grpc.StatusCode.RESOURCE_EXHAUSTED and error_reason(err) == "step_streams"):
+                    code == grpc.StatusCode.RESOURCE_EXHAUSTED and error_reason(err) == STEP_STREAMS):
                 # Refused before any request was read: nothing was applied.
                 log.info("the allocator refused a step stream (%s): sending unary Steps", err.details())
                 self._use_stream = False
@@ -452,7 +460,7 @@ class GrpcAllocator(AllocatorClient):
         try:
             r = self._pool_call("GetBlockTable", pb.GetBlockTableRequest(pool=self._ref, seq_id=seq_id))
         except grpc.RpcError as err:
-            if error_reason(err) == "unknown_sequence":
+            if error_reason(err) == UNKNOWN_SEQUENCE:
                 raise UnknownSequence(seq_id) from err
             raise
         return list(r.block_ids)

@@ -16,6 +16,7 @@ import grpc
 
 from allocator_service import errors
 from allocator_service.roles import Roles, reset_caller_role, set_caller_role
+from allocator_service.rpc import status
 
 # Health probes (kubelet, load balancers) carry no token.
 AUTH_EXEMPT = ("/grpc.health.v1.Health/",)
@@ -45,10 +46,10 @@ def _rewrap(handler: grpc.RpcMethodHandler, wrap: Callable[[Callable, bool], Cal
 def _refusal(exc: Exception):
     def refuse(behaviour, streams_out):
         def unary(request, context):
-            errors.abort(context, exc)
+            status.abort(context, exc)
 
         def stream(request, context):
-            errors.abort(context, exc)
+            status.abort(context, exc)
             yield  # pragma: no cover - makes this a generator
 
         return stream if streams_out else unary
@@ -87,7 +88,7 @@ class RoleInterceptor(grpc.ServerInterceptor):
                     try:
                         self._roles.check_registration(role, grant, request.worker_id, request.advertise_url)
                     except errors.ServiceError as exc:
-                        errors.abort(context, exc)
+                        status.abort(context, exc)
                 token = set_caller_role(role)
                 try:
                     return behaviour(request, context)

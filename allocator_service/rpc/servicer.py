@@ -17,12 +17,12 @@ from typing import Any, NamedTuple
 
 import grpc
 
-from allocator_service import errors
 from allocator_service.codec import pool_info_to_proto
 from allocator_service.core.prefix_index import BLOCK_REMOVED, BLOCK_STORED
 from allocator_service.core.step import KINDS
 from allocator_service.errors import BadRequest, ShuttingDown
 from allocator_service.roles import ADMIN, caller_role
+from allocator_service.rpc import status
 from allocator_service.service import Advertised, AllocatorService
 from allocator_service.sharing import ROUTER
 from allocator_service.store.events import Event
@@ -310,7 +310,7 @@ def _unary(name: str, fn: Callable, service: AllocatorService) -> Callable:
             with fair.call(who, pool_call=pool_call):
                 return fn(request, context)
         except Exception as exc:
-            errors.abort(context, exc, name)
+            status.abort(context, exc, name)
 
     return handle
 
@@ -322,7 +322,7 @@ def _stream(name: str, fn: Callable) -> Callable:
                 raise BadRequest(f"malformed {name} request: {request.error}")
             yield from fn(request, context)
         except Exception as exc:
-            errors.abort(context, exc, name)
+            status.abort(context, exc, name)
 
     return handle
 
@@ -334,7 +334,7 @@ def _bidi(name: str, fn: Callable) -> Callable:
         except grpc.RpcError:
             return  # the request iterator's: the call was cancelled (client gone, or shutdown)
         except Exception as exc:
-            errors.abort(context, exc, name)
+            status.abort(context, exc, name)
 
     return handle
 
