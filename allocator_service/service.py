@@ -49,29 +49,38 @@ from dataclasses import replace
 from itertools import compress
 from typing import Any, NamedTuple
 
-from allocator_service.attest import attest_key, credential_digest
-from allocator_service.codec import (
-    PREV_STEP_ID_REQUIRED,
-    PoolInfo,
-    TierBound,
-    canonical_ops,
-    columns_from_proto,
-    config_from_proto,
-    digest_of,
-    shape_to_proto,
-    stats_to_proto,
-    step_answer_bound,
-)
 from allocator_service.config import Limits, ServiceConfig
 from allocator_service.core import PoolStats, StepColumns, snapshot
 from allocator_service.core.errors import InvalidArgument, UnknownSequence
 from allocator_service.core.hashing import prompt_chain
 from allocator_service.core.limits import MAX_ADVERTISE_URL_LEN, MAX_SERVED_MODEL_NAME_LEN
 from allocator_service.core.pacing import Unpaced
-from allocator_service.core.sequence import blocks_for
 from allocator_service.core.step import ADMIT, FORK, FREE, KINDS, UNRESERVE
 from allocator_service.core.validation import check_cache_salt, check_tokens
-from allocator_service.errors import (
+from allocator_service.leases import LeaseTable
+from allocator_service.sharing import CallSlots, FairShare
+from allocator_service.store.durable import DurableState
+from allocator_service.store.events import EventLog
+from allocator_service.store.journal import MemoryJournal, RedisJournal, StepRecord
+from allocator_service.store.registry import PoolEntry, Registry, new_pool
+from allocator_service.wire.attest import attest_key, credential_digest
+from allocator_service.wire.bounds import (
+    DUMP_FRAME_BYTES,
+    dump_floor,
+    step_answer_bound,
+    tier_bound,
+)
+from allocator_service.wire.codec import (
+    PREV_STEP_ID_REQUIRED,
+    PoolInfo,
+    canonical_ops,
+    columns_from_proto,
+    config_from_proto,
+    digest_of,
+    shape_to_proto,
+    stats_to_proto,
+)
+from allocator_service.wire.errors import (
     AnswerTooLarge,
     BadRequest,
     CapacityExceeded,
@@ -86,14 +95,8 @@ from allocator_service.errors import (
     StoreUnavailable,
     Unauthenticated,
 )
-from allocator_service.leases import LeaseTable
-from allocator_service.sharing import CallSlots, FairShare
-from allocator_service.store.durable import DurableState
-from allocator_service.store.events import EventLog
-from allocator_service.store.journal import MemoryJournal, RedisJournal, StepRecord
-from allocator_service.store.registry import PoolEntry, Registry, new_pool
-from allocator_service.v1 import allocator_pb2 as pb
-from allocator_service.v1 import journal_pb2 as jpb
+from allocator_service.wire.v1 import allocator_pb2 as pb
+from allocator_service.wire.v1 import journal_pb2 as jpb
 
 log = logging.getLogger(__name__)
 
@@ -612,10 +615,9 @@ class AllocatorService:
 
         tiers = None
         if pool.tiers is not None:
-            store, smallest = pool.tiers.store, self.registry.store_min_bytes
-            # the most entries the store can hold, and deletes one save may take
-            most = store.capacity_bytes // smallest if store is not None and smallest else 0
-            tiers = TierBound(most, blocks_for(pool.config.block_bytes, smallest) if most else 0)
+            store = pool.tiers.store
+            tiers = tier_bound(store.capacity_bytes if store is not None else 0, self.registry.store_min_bytes,
+                               pool.config.block_bytes)
         bound = step_answer_bound(step, pool.num_blocks, pool.block_size, held, tiers)
         if bound > self.limits.max_message_bytes:
             raise AnswerTooLarge(
@@ -663,17 +665,17 @@ class AllocatorService:
     def dump(self, ref: pb.PoolRef, admin: bool = False) -> tuple[str, int, list[str]]:
         """The pool's full dump as JSON text, its last step id and its
         integrity problems. A dump larger than an answer may be is refused
-        (AnswerTooLarge); one that certainly is (`snapshot.dump_floor`,
+        (AnswerTooLarge); one that certainly is (`dump_floor`,
         counted under the lock) is refused before it is built."""
         entry = self._authorize(ref, admin)
         limit = self.limits.max_message_bytes
         with entry.lock:
-            floor = snapshot.dump_floor(entry.pool)
+            floor = dump_floor(entry.pool)
             if floor > limit:
                 raise AnswerTooLarge(self._dump_refusal(ref, floor, limit, "at least "))
             state, last_step_id, problems = entry.pool.to_state(), entry.last_step_id, entry.pool.integrity_problems()
         text = snapshot.dumps_chunked(state)  # outside the lock: the pool's steps go on
-        if len(text) + 4096 > limit:  # the answer's other fields and framing
+        if len(text) + DUMP_FRAME_BYTES > limit:
             raise AnswerTooLarge(self._dump_refusal(ref, len(text), limit, ""))
         return text, last_step_id, problems
 

@@ -59,17 +59,7 @@ from typing import Any, NamedTuple
 
 import grpc
 
-from allocator_service.attest import attest_key, credential_digest, proof
 from allocator_service.client.base import AllocatorClient, AllocatorUnavailable, PoolLost, PoolSpec
-from allocator_service.codec import (
-    PROTOCOL_VERSION,
-    PoolInfo,
-    decode_results,
-    fill_ops,
-    pool_info_from_proto,
-    shape_to_proto,
-    stats_from_proto,
-)
 from allocator_service.core import (
     InvalidArgument,
     Op,
@@ -79,7 +69,17 @@ from allocator_service.core import (
     step_columns,
 )
 from allocator_service.core.tiers import NO_REPORT, TierReport
-from allocator_service.errors import (
+from allocator_service.wire.attest import attest_key, credential_digest, proof
+from allocator_service.wire.codec import (
+    PROTOCOL_VERSION,
+    PoolInfo,
+    decode_results,
+    fill_ops,
+    pool_info_from_proto,
+    shape_to_proto,
+    stats_from_proto,
+)
+from allocator_service.wire.errors import (
     CAPACITY,
     ERROR_KEY,
     POOL_CALLS,
@@ -88,8 +88,8 @@ from allocator_service.errors import (
     STEP_STREAMS,
     UNKNOWN_SEQUENCE,
 )
-from allocator_service.v1 import allocator_pb2 as pb
-from allocator_service.v1 import allocator_pb2_grpc as pb_grpc
+from allocator_service.wire.v1 import allocator_pb2 as pb
+from allocator_service.wire.v1 import allocator_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ from collections.abc import Callable
 
 import grpc
 
-from allocator_service import errors
 from allocator_service.roles import Roles, reset_caller_role, set_caller_role
 from allocator_service.rpc import status
+from allocator_service.wire.errors import ServiceError
 
 # Health probes (kubelet, load balancers) carry no token.
 AUTH_EXEMPT = ("/grpc.health.v1.Health/",)
@@ -78,7 +78,7 @@ class RoleInterceptor(grpc.ServerInterceptor):
         method = full.rsplit("/", 1)[-1]
         try:
             role = self._roles.check(method, bearer)
-        except errors.ServiceError as exc:
+        except ServiceError as exc:
             return _rewrap(handler, _refusal(exc))
         grant = self._roles.grant_of(bearer) if method == "RegisterPool" else None
 
@@ -87,7 +87,7 @@ class RoleInterceptor(grpc.ServerInterceptor):
                 if method == "RegisterPool":  # a worker token registers its own worker only
                     try:
                         self._roles.check_registration(role, grant, request.worker_id, request.advertise_url)
-                    except errors.ServiceError as exc:
+                    except ServiceError as exc:
                         status.abort(context, exc)
                 token = set_caller_role(role)
                 try:

@@ -17,16 +17,16 @@ from typing import Any, NamedTuple
 
 import grpc
 
-from allocator_service.codec import pool_info_to_proto
 from allocator_service.core.prefix_index import BLOCK_REMOVED, BLOCK_STORED
 from allocator_service.core.step import KINDS
-from allocator_service.errors import BadRequest, ShuttingDown
 from allocator_service.roles import ADMIN, caller_role
 from allocator_service.rpc import status
 from allocator_service.service import Advertised, AllocatorService
 from allocator_service.sharing import ROUTER
 from allocator_service.store.events import Event
-from allocator_service.v1 import allocator_pb2 as pb
+from allocator_service.wire.codec import pool_info_to_proto
+from allocator_service.wire.errors import BadRequest, ShuttingDown
+from allocator_service.wire.v1 import allocator_pb2 as pb
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Allocator"].full_name
 

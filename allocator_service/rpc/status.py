@@ -18,7 +18,7 @@ from allocator_service.core.errors import (
     SequenceExists,
     UnknownSequence,
 )
-from allocator_service.errors import (
+from allocator_service.wire.errors import (
     ERROR_KEY,
     INTERNAL,
     BadRequest,

@@ -55,7 +55,6 @@ from typing import Any
 
 from allocator_service.config import ServiceConfig
 from allocator_service.core.pacing import Unpaced
-from allocator_service.errors import StoreFenced, StoreLost, StoreUnavailable
 from allocator_service.leases import LeaseTable
 from allocator_service.store.events import Batch, EventLog
 from allocator_service.store.journal import (
@@ -70,7 +69,8 @@ from allocator_service.store.journal import (
 )
 from allocator_service.store.registry import CorruptState, PoolEntry, Registry, pool_snapshot_json
 from allocator_service.store.replay import replay
-from allocator_service.v1 import journal_pb2 as jpb
+from allocator_service.wire.errors import StoreFenced, StoreLost, StoreUnavailable
+from allocator_service.wire.v1 import journal_pb2 as jpb
 
 log = logging.getLogger(__name__)
 

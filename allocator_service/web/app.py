@@ -51,9 +51,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
-from allocator_service.errors import CapacityExceeded, PermissionDenied, Unauthenticated
 from allocator_service.roles import ADMIN, ROUTER, Roles
 from allocator_service.web import live, playground
+from allocator_service.wire.errors import CapacityExceeded, PermissionDenied, Unauthenticated
 from pagedkv_base.api.serving import ServerThread, serve_options
 
 STATIC = resources.files("allocator_service.web") / "static"

@@ -12,7 +12,6 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from allocator_service.codec import encode_ops
 from allocator_service.config import ServiceConfig
 from allocator_service.core import (
     Admit,
@@ -29,7 +28,9 @@ from allocator_service.service import AllocatorService
 from allocator_service.store import registry as state
 from allocator_service.store.durable import SNAPSHOT_TOO_LARGE
 from allocator_service.store.journal import decode_snapshot, encode_snapshot, open_journal
-from allocator_service.v1 import allocator_pb2 as pb
+from allocator_service.wire.bounds import dump_floor, packed_bound
+from allocator_service.wire.codec import encode_ops
+from allocator_service.wire.v1 import allocator_pb2 as pb
 from router.prefix_view import PrefixView
 
 
@@ -52,7 +53,7 @@ def test_forked_pool_packs_in_a_size_bounded_by_its_shape_and_restores_exactly()
     text = packed_json(pool)
     # each sequence: one table segment and one hash segment
     seqs = 16
-    assert len(text) <= snapshot.packed_bound(n, seqs, pool.name_chars, 2 * seqs, 0)
+    assert len(text) <= packed_bound(n, seqs, pool.name_chars, 2 * seqs, 0)
     full = snapshot.dumps_chunked(pool.to_state())
     assert len(full) > 10 * len(text)  # what every fork's copied table and hashes cost the full dump
     restored = BlockPool.from_state(json.loads(text))
@@ -86,9 +87,9 @@ def test_packed_dump_restores_any_state_exactly(steps, caching, resets):
             pool.reset_prefix_cache()
         text = packed_json(pool)
         assert BlockPool.from_state(json.loads(text)).to_state() == pool.to_state()
-        assert snapshot.dump_floor(pool) <= len(snapshot.dumps_chunked(pool.to_state()))
+        assert dump_floor(pool) <= len(snapshot.dumps_chunked(pool.to_state()))
         tails = sum(len(q.tail) for q in pool.parts().seqs.values())
-        assert len(text) <= snapshot.packed_bound(pool.num_blocks, len(pool.parts().seqs), pool.name_chars,
+        assert len(text) <= packed_bound(pool.num_blocks, len(pool.parts().seqs), pool.name_chars,
                                                   2 * pool.table_entries, tails)
 
 
@@ -100,7 +101,7 @@ def test_a_dump_over_the_answer_limit_is_refused_before_it_is_built():
     within a factor of 2 of the dump's real size."""
     import tracemalloc
 
-    from allocator_service.errors import AnswerTooLarge
+    from allocator_service.wire.errors import AnswerTooLarge
 
     svc = AllocatorService(ServiceConfig())
     r = svc.register("w", pb.PoolShape(num_blocks=1 << 15, block_size=4, model_fingerprint="m",
@@ -110,7 +111,7 @@ def test_a_dump_over_the_answer_limit_is_refused_before_it_is_built():
     svc.step(ref, 2, encode_ops([Fork("a", f"f{i}") for i in range(15)]), prev_step_id=1)
     pool = svc.registry.pools[r.pool_id].pool
     size = len(snapshot.dumps_chunked(pool.to_state()))
-    assert size > svc.limits.max_message_bytes and snapshot.dump_floor(pool) > size // 2
+    assert size > svc.limits.max_message_bytes and dump_floor(pool) > size // 2
     before = pool.to_state()
     tracemalloc.start()
     try:

@@ -9,7 +9,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from allocator_service.codec import columns_from_proto, decode_results, encode_ops, result_to_proto
 from allocator_service.config import Limits, ServiceConfig
 from allocator_service.core import (
     Admit,
@@ -25,11 +24,17 @@ from allocator_service.core import (
     run_step,
     step_columns,
 )
-from allocator_service.errors import BadRequest, StepConflict, StoreUnavailable
 from allocator_service.service import AllocatorService, check_step
 from allocator_service.store import registry as state
 from allocator_service.store.journal import Loaded
-from allocator_service.v1 import allocator_pb2 as pb
+from allocator_service.wire.codec import (
+    columns_from_proto,
+    decode_results,
+    encode_ops,
+    result_to_proto,
+)
+from allocator_service.wire.errors import BadRequest, StepConflict, StoreUnavailable
+from allocator_service.wire.v1 import allocator_pb2 as pb
 from tests.support.allocator import random_steps
 
 SHAPE = pb.PoolShape(num_blocks=24, block_size=4, model_fingerprint="m", enable_prefix_caching=True)
@@ -330,7 +335,7 @@ def test_failed_snapshot_backs_off():
 
 
 def test_prev_step_id_mismatch_drops_the_pool():
-    from allocator_service.errors import PoolNotFound
+    from allocator_service.wire.errors import PoolNotFound
 
     journal = FakeJournal()
     svc = AllocatorService(ServiceConfig(), journal)

@@ -12,8 +12,8 @@ import time
 import grpc
 
 from allocator_service.core import Admit, Append, Fork, Free, Op, Unreserve
-from allocator_service.v1 import allocator_pb2 as pb
-from allocator_service.v1 import allocator_pb2_grpc as pb_grpc
+from allocator_service.wire.v1 import allocator_pb2 as pb
+from allocator_service.wire.v1 import allocator_pb2_grpc as pb_grpc
 
 _C = grpc.StatusCode
 # The status codes the allocator documents; never UNKNOWN or INTERNAL.
