@@ -55,7 +55,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
-from typing import Any, NamedTuple
+from typing import Any
 
 import grpc
 
@@ -73,8 +73,10 @@ from allocator_service.wire.attest import attest_key, credential_digest, proof
 from allocator_service.wire.codec import (
     PROTOCOL_VERSION,
     PoolInfo,
+    PrefixMatch,
     decode_results,
     fill_ops,
+    match_from_proto,
     pool_info_from_proto,
     shape_to_proto,
     stats_from_proto,
@@ -493,16 +495,6 @@ class GrpcAllocator(AllocatorClient):
         return json.loads(self._pool_call("DumpPool", pb.DumpPoolRequest(pool=self._ref)).state_json)
 
 
-class PrefixMatch(NamedTuple):
-    pool_id: str
-    worker_id: str
-    cached_tokens: int  # in the KV pool
-    free_blocks: int
-    block_size: int
-    host_tokens: int = 0  # past those, in the pool's host tier ...
-    store_tokens: int = 0  # ... and in the shared store
-
-
 class RouterClient:
     """The cross-pool calls a router makes: MatchPrefix, WatchEvents and ListPools."""
 
@@ -548,8 +540,7 @@ class RouterClient:
 
     @staticmethod
     def _matches(r: pb.MatchPrefixResponse) -> list[PrefixMatch]:
-        return [PrefixMatch(m.pool_id, m.worker_id, m.cached_tokens, m.free_blocks, m.block_size, m.host_tokens,
-                            m.store_tokens) for m in r.matches]
+        return [match_from_proto(m) for m in r.matches]
 
     def list_pools(self, model_fingerprint: str = "") -> list[PoolInfo]:
         """Every live pool (of `model_fingerprint`, when given), by pool id."""

@@ -95,7 +95,7 @@ class PoolConfig:
     block_bytes: int = 0  # bytes of one block's K and V (a store entry's size)
     use_shared_store: bool = False  # whether the pool saves to and loads from the shared store
     # The store group the allocator placed the pool in (its trust domain in
-    # the store: "" for none); never the worker's own say (service.register).
+    # the store: "" for none); never the worker's own say (service.pools).
     store_group: str = ""
 
     def __post_init__(self) -> None:

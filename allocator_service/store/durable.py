@@ -1,7 +1,7 @@
 """The durable side of the allocator service: load and verified replay, the
 journal write before each change, snapshots, the store watch and health.
 
-`AllocatorService` (service.py) calls in here with its mutation lock held
+The service (`service/changes.py`) calls in here with its mutation lock held
 (`lock`: the one global order of records) for everything that touches the
 order: `append` before a change, `changed` after it. Snapshots are taken off
 the hot path (`Cut`):

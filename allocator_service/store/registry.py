@@ -191,7 +191,7 @@ class Registry:
 
     def apply_step(self, entry: PoolEntry, batch: Batch, step_id: int, digest: bytes,
                    step: StepColumns) -> pb.StepResponse:
-        """Apply validated operations (`service.check_step`) to the pool."""
+        """Apply validated operations (`service.steps.check_step`) to the pool."""
         entry.sink.batch = batch
         try:
             response = result_to_proto(step_id, run_step(entry.pool, step))

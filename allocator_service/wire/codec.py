@@ -146,6 +146,12 @@ def canonical_ops(msg: pb.StepOps) -> bytes:
     return msg.SerializeToString(deterministic=True)
 
 
+def step_from_proto(msg: pb.StepOps) -> tuple[StepColumns, bytes]:
+    """A request's operations as the service takes them: their columns and
+    their canonical encoding."""
+    return columns_from_proto(msg), canonical_ops(msg)
+
+
 # --------------------------------------------------------------- responses
 # The result columns the wire carries as StepResponse fields of their names;
 # the tier moves (`StepResult`'s fields after `error_messages`, a `Moves`)
@@ -248,6 +254,28 @@ class PoolInfo(NamedTuple):
     store_used_bytes: int = 0  # the shared store's bytes in use (every pool's)
     host_hit_tokens: int = 0  # prompt tokens admissions loaded from the host tier
     store_hit_tokens: int = 0  # ... from the shared store
+
+
+class PrefixMatch(NamedTuple):
+    """How much of a prompt one pool holds, as MatchPrefix answers it: the
+    service's answer, the wire's `PrefixMatch` (same fields) and what
+    `RouterClient.match_prefix` returns."""
+
+    pool_id: str
+    worker_id: str
+    cached_tokens: int  # in the KV pool
+    free_blocks: int
+    block_size: int
+    host_tokens: int = 0  # past those, in the pool's host tier ...
+    store_tokens: int = 0  # ... and in the shared store
+
+
+def match_to_proto(match: PrefixMatch) -> pb.PrefixMatch:
+    return pb.PrefixMatch(**match._asdict())
+
+
+def match_from_proto(msg: pb.PrefixMatch) -> PrefixMatch:
+    return PrefixMatch(*(getattr(msg, f) for f in PrefixMatch._fields))
 
 
 def pool_info_to_proto(info: PoolInfo) -> pb.PoolInfo:

@@ -43,7 +43,7 @@ class HeldServer:
         self.release = threading.Event()
         self.held = threading.Semaphore(0)
         self.held_pool = ""
-        stats = self.service.stats
+        stats = self.service.reads.stats
 
         def slow_stats(ref, *args, **kw):
             if ref.pool_id == self.held_pool and not kw.get("admin"):
@@ -51,7 +51,7 @@ class HeldServer:
                 self.release.wait(10)
             return stats(ref, *args, **kw)
 
-        self.service.stats = slow_stats
+        self.service.reads.stats = slow_stats
 
     def close(self) -> None:
         self.release.set()

@@ -21,6 +21,7 @@ from allocator_service.core import (
     BlockPool,
     Fork,
     Free,
+    PoolConfig,
     Unreserve,
     step_columns,
 )
@@ -33,10 +34,15 @@ from allocator_service.core.limits import (
 )
 from allocator_service.core.tiers import NO_REPORT, TierReport
 from allocator_service.rpc.server import create_server
-from allocator_service.service import AllocatorService
+from allocator_service.service import AllocatorService, PoolRef
 from allocator_service.store.journal import open_journal, split_prefix
 from allocator_service.wire.bounds import MAX_ERROR_MESSAGE_BYTES, step_answer_bound
-from allocator_service.wire.codec import columns_to_proto, decode_results, encode_ops
+from allocator_service.wire.codec import (
+    columns_to_proto,
+    decode_results,
+    encode_ops,
+    step_from_proto,
+)
 from allocator_service.wire.v1 import allocator_pb2 as pb
 from tests.support.allocator import DOCUMENTED, code_of, dump, register, stub
 from tests.support.tiers import CONVERSATIONS, FATES
@@ -270,7 +276,7 @@ STORE_BYTES = 10  # pool a's block_bytes: the smallest, so a save of pool b may 
 
 class ServiceBounds:
     """An in-process service with a shared store; every Step's answer is
-    checked against the bound `AllocatorService._check_answer` computed for
+    checked against the bound `Steps._check_answer` computed for
     it (the service's own code path: its TierBound from the store's capacity
     and the smallest block_bytes)."""
 
@@ -287,10 +293,10 @@ class ServiceBounds:
         return bound
 
     def register(self, worker: str, **shape) -> pb.PoolRef:
-        r = self.svc.register(worker, pb.PoolShape(model_fingerprint="m", enable_prefix_caching=True,
+        r = self.svc.pools.register(worker, PoolConfig(model_fingerprint="m", enable_prefix_caching=True,
                                                    use_shared_store=True, **shape))
         self.step_ids[r.pool_id] = 0
-        return pb.PoolRef(pool_id=r.pool_id, credential=r.credential)
+        return PoolRef(r.pool_id, r.credential)
 
     def pool(self, ref: pb.PoolRef) -> BlockPool:
         return self.svc.registry.pools[ref.pool_id].pool
@@ -299,8 +305,8 @@ class ServiceBounds:
         msg = columns_to_proto(step_columns(ops)._replace(**report._asdict()))
         self.step_ids[ref.pool_id] += 1
         before = len(self.bounds)
-        with mock.patch("allocator_service.service.step_answer_bound", self.record):
-            answer = self.svc.step(ref, self.step_ids[ref.pool_id], msg)
+        with mock.patch("allocator_service.service.steps.step_answer_bound", self.record):
+            answer = self.svc.steps.step(ref, self.step_ids[ref.pool_id], *step_from_proto(msg))
         assert len(self.bounds) == before + 1
         assert answer.ByteSize() <= self.bounds[-1], (answer.ByteSize(), self.bounds[-1], answer.moves)
         assert all(len(m.encode()) <= MAX_ERROR_MESSAGE_BYTES for m in answer.error_messages)

@@ -166,7 +166,7 @@ def test_a_stream_ended_at_shutdown_answers_its_step_in_flight():
             t = threading.Thread(target=lambda: answer.update(r=worker.step(steps[1])))
             t.start()
             assert lock.waiting.wait(10)  # the step is in the server, waiting for its pool
-            service.end_step_streams()
+            service.streams.end_step_streams()
         t.join(10)
         assert answer["r"] == reference.step(steps[1])
         with pytest.raises(AllocatorUnavailable):
