@@ -13,15 +13,10 @@ from allocator_service.core.errors import (
     SequenceExists,
     UnknownSequence,
 )
-from allocator_service.core.pool import (
-    AdmitResult,
-    AppendResult,
-    BlockPool,
-    PoolConfig,
-    PoolStats,
-)
+from allocator_service.core.pool import AdmitResult, AppendResult, BlockPool
 from allocator_service.core.prefix_index import ALL_CLEARED, BLOCK_REMOVED, BLOCK_STORED
 from allocator_service.core.sequence import blocks_for
+from allocator_service.core.state import PoolConfig, PoolStats
 from allocator_service.core.step import (
     KINDS,
     UNRESERVE,

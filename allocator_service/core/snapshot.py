@@ -28,16 +28,14 @@ import json
 import sys
 import zlib
 from array import array
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from allocator_service.core.pacing import chunks, pace
 from allocator_service.core.sequence import Seq
-
-if TYPE_CHECKING:  # the pool calls in here; this module only reads it
-    from allocator_service.core.pool import BlockPool
+from allocator_service.core.state import PoolState
 
 
-def to_state(pool: BlockPool) -> dict[str, Any]:
+def to_state(pool: PoolState) -> dict[str, Any]:
     """A JSON-able dump of the whole state of `pool`."""
     p = pool.parts()
     return {
@@ -67,7 +65,7 @@ def to_state(pool: BlockPool) -> dict[str, Any]:
     }
 
 
-def _config(pool: BlockPool) -> dict[str, Any]:
+def _config(pool: PoolState) -> dict[str, Any]:
     return {
         "num_blocks": pool.num_blocks,
         "block_size": pool.block_size,
@@ -82,7 +80,7 @@ def _config(pool: BlockPool) -> dict[str, Any]:
     }
 
 
-def _counters(pool: BlockPool) -> dict[str, int]:
+def _counters(pool: PoolState) -> dict[str, int]:
     return {
         "prefix_queried_tokens": pool.prefix_queried_tokens,
         "prefix_hit_tokens": pool.prefix_hit_tokens,
@@ -232,7 +230,7 @@ def _hash_segments(t: int, hashes: list[bytes], table: list[int], chains: list[l
     return segs
 
 
-def to_packed(pool: BlockPool) -> dict[str, Any]:
+def to_packed(pool: PoolState) -> dict[str, Any]:
     """The whole state of `pool` as the packed dump (see the module
     docstring); `parts_of` reads it back exactly."""
     p = pool.parts()
@@ -315,7 +313,7 @@ def _parts_of_packed(state: dict[str, Any]) -> tuple[tuple, dict[str, int]]:
     return parts, dict(state["counters"])
 
 
-def pool_view(pool: BlockPool) -> dict[str, Any]:
+def pool_view(pool: PoolState) -> dict[str, Any]:
     """The state columns `pagedkv replay` prints after each operation
     (refcount keys as strings, as JSON has them)."""
     return {
