@@ -36,9 +36,9 @@ lint: install
 	$(BIN)/ruff check .
 
 # The proto path is the proto package (pagedkv/v1/), but the generated code
-# lives next to its only importers, in allocator_service/v1/, with its one
+# lives next to its only importers, in allocator_service/wire/v1/, with its one
 # cross-file import made relative. journal.proto has no service: no _grpc file.
-GEN := allocator_service/v1
+GEN := allocator_service/wire/v1
 proto: install
 	rm -rf $(GEN)/.gen && mkdir -p $(GEN)/.gen
 	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=$(GEN)/.gen --pyi_out=$(GEN)/.gen --grpc_python_out=$(GEN)/.gen proto/pagedkv/v1/allocator.proto

@@ -237,10 +237,10 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
-    from allocator_service.errors import StoreUnavailable
     from allocator_service.rpc.server import serve
     from allocator_service.store.registry import CorruptState
     from allocator_service.store.replay import check
+    from allocator_service.wire.errors import StoreUnavailable
 
     options = options_from_args(args)  # a CliError: exit 2, reported by run_command
     if args.check:

@@ -57,7 +57,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from allocator_service.core.pacing import pacing
-from allocator_service.errors import TooManyCalls
+from allocator_service.wire.errors import TooManyCalls
 
 ROUTER = "(router)"
 

@@ -17,7 +17,7 @@ rather than resuming it; the view says it is not in step from the moment a
 stream breaks until its new snapshot has ended.
 
 A listed pool is a candidate only once its worker has proven it
-(`allocator_service.attest`): the router asks the pool's address
+(`allocator_service.wire.attest`): the router asks the pool's address
 `GET /pagedkv/identity` with a fresh nonce, and the answer must name that
 pool and carry the proof keyed by the pool's attestation key from the
 listing. An address advertised by a pool whose worker is not there (another
@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from allocator_service.attest import IDENTITY_PATH, normalise_url, verify
+from allocator_service.wire.attest import IDENTITY_PATH, normalise_url, verify
 from router.prefix_view import PrefixView
 
 log = logging.getLogger(__name__)
@@ -250,7 +250,7 @@ class Discovery:
             return False
 
     def _follow(self) -> None:
-        from allocator_service.v1 import allocator_pb2 as pb
+        from allocator_service.wire.v1 import allocator_pb2 as pb
 
         pool_kinds = (pb.KV_EVENT_KIND_POOL_REGISTERED, pb.KV_EVENT_KIND_POOL_DROPPED)
         view = self.view

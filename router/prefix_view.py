@@ -39,7 +39,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from allocator_service.core.hashing import leading_hits
-from allocator_service.v1 import allocator_pb2 as pb
+from allocator_service.wire.v1 import allocator_pb2 as pb
 
 _STORED = pb.KV_EVENT_KIND_BLOCK_STORED
 _REMOVED = pb.KV_EVENT_KIND_BLOCK_REMOVED

@@ -68,21 +68,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
-from typing import Any, NamedTuple
+from typing import Any
 
 import grpc
 
-from allocator_service.attest import attest_key, credential_digest, proof
 from allocator_service.client.base import AllocatorClient, AllocatorUnavailable, PoolLost, PoolSpec
-from allocator_service.codec import (
-    PROTOCOL_VERSION,
-    PoolInfo,
-    decode_results,
-    fill_ops,
-    pool_info_from_proto,
-    shape_to_proto,
-    stats_from_proto,
-)
 from allocator_service.core import (
     InvalidArgument,
     Op,
@@ -92,16 +82,38 @@ from allocator_service.core import (
     step_columns,
 )
 from allocator_service.core.tiers import NO_REPORT, TierReport
-from allocator_service.errors import ERROR_KEY, LEADER_KEY
-from allocator_service.v1 import allocator_pb2 as pb
-from allocator_service.v1 import allocator_pb2_grpc as pb_grpc
+from allocator_service.wire.attest import attest_key, credential_digest, proof
+from allocator_service.wire.codec import (
+    PROTOCOL_VERSION,
+    PoolInfo,
+    PrefixMatch,
+    decode_results,
+    fill_ops,
+    match_from_proto,
+    pool_info_from_proto,
+    shape_to_proto,
+    stats_from_proto,
+)
+from allocator_service.wire.errors import (
+    CAPACITY,
+    ERROR_KEY,
+    LEADER_KEY,
+    NOT_LEADER,
+    POOL_CALLS,
+    POOL_IN_USE,
+    POOL_NOT_FOUND,
+    STEP_STREAMS,
+    UNKNOWN_SEQUENCE,
+)
+from allocator_service.wire.v1 import allocator_pb2 as pb
+from allocator_service.wire.v1 import allocator_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 OLDEST_OP_KINDS = frozenset((pb.OP_KIND_FREE, pb.OP_KIND_APPEND, pb.OP_KIND_ADMIT, pb.OP_KIND_FORK))
 # Refusals that mean "not now": retried the same way (the pool's slow calls in flight).
-RETRYABLE_REASONS = ("pool_calls",)
+RETRYABLE_REASONS = (POOL_CALLS,)
 # How gRPC ends a call that the allocator's code never answered (no
 # `pagedkv-error` reason): the connection, a proxy or the server's shutdown
 # cut it. Besides UNAVAILABLE, gRPC reports a transport torn down mid-call
@@ -126,8 +138,6 @@ FAILOVER_BACKOFF_CAP_S = 0.25
 # A standby naming as leader an address that gave no answer this recently is
 # waited on rather than left: that leader is dead and the lease runs out.
 SUSPECT_S = 1.5
-# The answer to NotLeader (errors.py).
-NOT_LEADER = "not_leader"
 
 
 def _trailer(err: grpc.RpcError, name: str) -> str:
@@ -239,9 +249,7 @@ class _Targets:
         (the leader), or None."""
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-        from allocator_service.v1 import allocator_pb2 as _pb
-
-        name = _pb.DESCRIPTOR.services_by_name["Allocator"].full_name
+        name = pb.DESCRIPTOR.services_by_name["Allocator"].full_name
         for address in self.addresses:
             if address == self.current:
                 continue
@@ -480,7 +488,7 @@ class GrpcAllocator(AllocatorClient):
                 break
             except grpc.RpcError as err:
                 # A live pool of this id (its lease runs out), or no room yet (a pool may go): wait.
-                if error_reason(err) not in ("pool_in_use", "capacity") or time.monotonic() >= give_up:
+                if error_reason(err) not in (POOL_IN_USE, CAPACITY) or time.monotonic() >= give_up:
                     raise
                 if not waited:
                     log.warning("cannot register yet, retrying for up to %.0f s: %s", self.register_wait_s,
@@ -511,7 +519,7 @@ class GrpcAllocator(AllocatorClient):
         try:
             return self._call(method, request, via=via)
         except grpc.RpcError as err:
-            if err.code() == grpc.StatusCode.NOT_FOUND and error_reason(err) == "pool_not_found":
+            if err.code() == grpc.StatusCode.NOT_FOUND and error_reason(err) == POOL_NOT_FOUND:
                 old = request.pool.pool_id
                 if old == self._ref.pool_id:  # else another thread registered a fresh pool already
                     self._register()
@@ -566,7 +574,7 @@ class GrpcAllocator(AllocatorClient):
             stream.close()
             code = err.code()
             if code == grpc.StatusCode.UNIMPLEMENTED or (
-                    code == grpc.StatusCode.RESOURCE_EXHAUSTED and error_reason(err) == "step_streams"):
+                    code == grpc.StatusCode.RESOURCE_EXHAUSTED and error_reason(err) == STEP_STREAMS):
                 # Refused before any request was read: nothing was applied.
                 log.info("the allocator refused a step stream (%s): sending unary Steps", err.details())
                 self._use_stream = False
@@ -607,7 +615,7 @@ class GrpcAllocator(AllocatorClient):
         try:
             r = self._pool_call("GetBlockTable", pb.GetBlockTableRequest(pool=self._ref, seq_id=seq_id))
         except grpc.RpcError as err:
-            if error_reason(err) == "unknown_sequence":
+            if error_reason(err) == UNKNOWN_SEQUENCE:
                 raise UnknownSequence(seq_id) from err
             raise
         return list(r.block_ids)
@@ -638,16 +646,6 @@ class GrpcAllocator(AllocatorClient):
 
     def dump(self) -> dict[str, Any]:
         return json.loads(self._pool_call("DumpPool", pb.DumpPoolRequest(pool=self._ref)).state_json)
-
-
-class PrefixMatch(NamedTuple):
-    pool_id: str
-    worker_id: str
-    cached_tokens: int  # in the KV pool
-    free_blocks: int
-    block_size: int
-    host_tokens: int = 0  # past those, in the pool's host tier ...
-    store_tokens: int = 0  # ... and in the shared store
 
 
 class RouterClient:
@@ -703,8 +701,7 @@ class RouterClient:
 
     @staticmethod
     def _matches(r: pb.MatchPrefixResponse) -> list[PrefixMatch]:
-        return [PrefixMatch(m.pool_id, m.worker_id, m.cached_tokens, m.free_blocks, m.block_size, m.host_tokens,
-                            m.store_tokens) for m in r.matches]
+        return [match_from_proto(m) for m in r.matches]
 
     def list_pools(self, model_fingerprint: str = "") -> list[PoolInfo]:
         """Every live pool (of `model_fingerprint`, when given), by pool id."""

@@ -13,16 +13,10 @@ from allocator_service.core.errors import (
     SequenceExists,
     UnknownSequence,
 )
-from allocator_service.core.pool import (
-    AdmitResult,
-    AppendResult,
-    BlockPool,
-    PoolConfig,
-    PoolStats,
-    check_cache_salt,
-)
+from allocator_service.core.pool import AdmitResult, AppendResult, BlockPool
 from allocator_service.core.prefix_index import ALL_CLEARED, BLOCK_REMOVED, BLOCK_STORED
 from allocator_service.core.sequence import blocks_for
+from allocator_service.core.state import PoolConfig, PoolStats
 from allocator_service.core.step import (
     KINDS,
     UNRESERVE,
@@ -41,6 +35,7 @@ from allocator_service.core.step import (
     run_step,
     step_columns,
 )
+from allocator_service.core.validation import check_cache_salt
 
 __all__ = [
     "KINDS",

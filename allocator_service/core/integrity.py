@@ -9,16 +9,12 @@ is reported as readable lines rather than raised.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from allocator_service.core.pacing import CHUNK, chunks, pace
 from allocator_service.core.sequence import blocks_for
-
-if TYPE_CHECKING:  # the pool calls in here; this module only reads it
-    from allocator_service.core.pool import BlockPool
+from allocator_service.core.state import PoolState
 
 
-def integrity_problems(pool: BlockPool) -> list[str]:
+def integrity_problems(pool: PoolState) -> list[str]:
     """Every broken invariant, as a readable line (empty when sound)."""
     problems: list[str] = []
     n, B = pool.num_blocks, pool.block_size

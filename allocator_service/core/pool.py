@@ -30,8 +30,7 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from allocator_service.core import hashing, integrity, snapshot
@@ -43,14 +42,7 @@ from allocator_service.core.errors import (
     UnknownSequence,
 )
 from allocator_service.core.limits import (
-    MAX_BLOCK_BYTES,
-    MAX_BLOCK_SIZE,
-    MAX_FINGERPRINT_LEN,
-    MAX_HOST_BLOCKS,
-    MAX_NUM_BLOCKS,
     MAX_RESERVE,
-    MAX_SALT_LEN,
-    MAX_SEQ_ID_LEN,
     MAX_TOKEN_ID,
     MIN_NAME_CHARS,
     MIN_SEQUENCES,
@@ -73,58 +65,14 @@ from allocator_service.core.planner import (
 )
 from allocator_service.core.prefix_index import EventSink, PrefixIndex
 from allocator_service.core.sequence import Seq
+from allocator_service.core.state import PoolConfig, PoolParts, PoolStats
 from allocator_service.core.tiers import (
     NO_MOVES,
     Moves,
     PoolTiers,
     SharedStore,
-    check_store_names,
-    store_namespace,
 )
-
-
-@dataclass(frozen=True, slots=True)
-class PoolConfig:
-    num_blocks: int
-    block_size: int
-    enable_prefix_caching: bool = False
-    model_fingerprint: str = ""
-    # KV tiers (docs/architecture.md, "Tiers"); all off by default. Tiers
-    # index blocks by hash, so they need prefix caching.
-    host_blocks: int = 0  # slots of the worker's host tier (0: none)
-    layout: str = ""  # the KV layout key: which store entries this pool's blocks can load
-    block_bytes: int = 0  # bytes of one block's K and V (a store entry's size)
-    use_shared_store: bool = False  # whether the pool saves to and loads from the shared store
-    # The store group the allocator placed the pool in (its trust domain in
-    # the store: "" for none); never the worker's own say (service.register).
-    store_group: str = ""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.num_blocks, int) or not 1 <= self.num_blocks <= MAX_NUM_BLOCKS:
-            raise InvalidArgument(f"num_blocks must be an integer in [1, {MAX_NUM_BLOCKS}]")
-        if not isinstance(self.block_size, int) or not 1 <= self.block_size <= MAX_BLOCK_SIZE:
-            raise InvalidArgument(f"block_size must be an integer in [1, {MAX_BLOCK_SIZE}]")
-        if len(self.model_fingerprint) > MAX_FINGERPRINT_LEN:
-            raise InvalidArgument(f"model_fingerprint is longer than {MAX_FINGERPRINT_LEN} characters")
-        if type(self.host_blocks) is not int or not 0 <= self.host_blocks <= MAX_HOST_BLOCKS:
-            raise InvalidArgument(f"host_blocks must be an integer in [0, {MAX_HOST_BLOCKS}]")
-        check_store_names(self.layout, self.store_group)
-        if type(self.block_bytes) is not int or not 0 <= self.block_bytes <= MAX_BLOCK_BYTES:
-            raise InvalidArgument(f"block_bytes must be an integer in [0, {MAX_BLOCK_BYTES}]")
-        if (self.host_blocks or self.use_shared_store) and not self.enable_prefix_caching:
-            raise InvalidArgument("KV tiers (host_blocks, use_shared_store) need prefix caching")
-        if self.use_shared_store and (not self.layout or not self.block_bytes):
-            raise InvalidArgument("a pool that uses the shared store needs its layout and block_bytes")
-
-    @property
-    def tiered(self) -> bool:
-        """Whether the pool has a tier below its KV pool."""
-        return bool(self.host_blocks or self.use_shared_store)
-
-    @property
-    def store_namespace(self) -> str:
-        """Where the pool's blocks live in the shared store ("" without one)."""
-        return store_namespace(self.store_group, self.layout) if self.use_shared_store else ""
+from allocator_service.core.validation import check_cache_salt, check_seq_id, check_tokens
 
 
 class AdmitResult(NamedTuple):
@@ -140,101 +88,13 @@ class AppendResult(NamedTuple):
     copies: list[tuple[int, int]]  # (src, dst) block copies to perform first
 
 
-@dataclass(slots=True)
-class PoolStats:
-    num_blocks: int
-    block_size: int
-    used_blocks: int
-    cached_blocks: int  # free blocks still holding a reusable hash
-    free_blocks: int  # all free blocks, cached ones included
-    num_sequences: int
-    tokens_stored: int  # token slots holding a token (shared blocks counted once)
-    slots_allocated: int  # used_blocks * block_size
-    prefix_queried_tokens: int
-    prefix_hit_tokens: int
-    evictions: int
-    copies: int
-    out_of_blocks: int
-
-    @property
-    def utilisation(self) -> float:
-        """Tokens stored over slots allocated (1.0 when nothing is allocated)."""
-        return self.tokens_stored / self.slots_allocated if self.slots_allocated else 1.0
-
-    @property
-    def wasted_slots(self) -> int:
-        return self.slots_allocated - self.tokens_stored
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        q = self.prefix_queried_tokens
-        return self.prefix_hit_tokens / q if q else 0.0
-
-
-class PoolParts(NamedTuple):
-    """What a pool holds beyond its config and counters, as its own
-    containers (`BlockPool.parts`: read them, never change them): what a
-    dump stores (`snapshot.py`) and the invariants are checked over
-    (`integrity.py`)."""
-
-    ref_cnt: list[int]  # per block: block tables naming it
-    fill: list[int]  # per block: slots holding a token
-    block_hash: list[bytes | None]  # per block: its prefix hash (None: none)
-    uncached_free: Sequence[int]  # free blocks holding nothing reusable, in hand-out order
-    cached_free: Iterable[int]  # free blocks holding a hash, least recently freed first
-    stamp: Sequence[int]  # per block: when it last joined the free queue (`clock` then)
-    clock: int
-    seqs: Mapping[str, Seq]
-
-
 # The counters `stats()` reports, kept in a dump.
 _COUNTERS = ("prefix_queried_tokens", "prefix_hit_tokens", "evictions", "copies", "out_of_blocks")
-
-
-def _check_seq_id(seq_id: object) -> str:
-    if not isinstance(seq_id, str) or not seq_id or len(seq_id) > MAX_SEQ_ID_LEN:
-        raise InvalidArgument(f"a sequence id must be a non-empty string of at most {MAX_SEQ_ID_LEN} characters")
-    return seq_id
-
-
-def check_cache_salt(cache_salt: object) -> None:
-    """None is "no salt" (the shared namespace); "" is refused: it would look
-    like a tenant's salt yet share the unsalted namespace. A salt is text
-    (valid Unicode), as every wire that carries it requires."""
-    if cache_salt is None:
-        return
-    if not isinstance(cache_salt, str) or not 1 <= len(cache_salt) <= MAX_SALT_LEN:
-        raise InvalidArgument(
-            f"cache_salt must be a non-empty string of at most {MAX_SALT_LEN} characters "
-            "(unset for no salt)"
-        )
-    try:
-        cache_salt.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidArgument("cache_salt must be valid Unicode text") from None
 
 
 def _name_chars(seq_id: str, salt: str | None) -> int:
     """What a sequence's names count against `max_name_chars`."""
     return len(seq_id) + (len(salt) if salt else 0)
-
-
-_INT_ONLY = {int}
-
-
-def check_tokens(tokens: Sequence[int]) -> None:
-    """InvalidArgument unless every token id is an int in [0, MAX_TOKEN_ID]."""
-    if not tokens:
-        return
-    if len(tokens) == 1:  # the decode hot path
-        t = tokens[0]
-        ok = type(t) is int and 0 <= t <= MAX_TOKEN_ID
-    else:
-        # type() is int, not isinstance: bools and floats are not token ids.
-        ok = set(map(type, tokens)) <= _INT_ONLY
-        ok = ok and 0 <= min(tokens) and max(tokens) <= MAX_TOKEN_ID
-    if not ok:
-        raise InvalidArgument(f"token ids must be integers in [0, {MAX_TOKEN_ID}]")
 
 
 class BlockPool:
@@ -389,7 +249,7 @@ class BlockPool:
         and issues its load; it counts in `cached_tokens` and in the prefix
         `num_new_tokens` counts from.
         """
-        _check_seq_id(seq_id)
+        check_seq_id(seq_id)
         if seq_id in self._seqs:
             raise SequenceExists(seq_id)
         check_tokens(tokens)
@@ -613,7 +473,7 @@ class BlockPool:
     def fork(self, parent_id: str, child_id: str) -> list[int]:
         """The child shares every block of the parent (refcount + 1 each);
         no data moves. Returns the child's table."""
-        _check_seq_id(child_id)
+        check_seq_id(child_id)
         parent = self._seqs.get(parent_id)
         if parent is None:
             raise UnknownSequence(parent_id)

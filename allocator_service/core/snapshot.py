@@ -15,7 +15,7 @@ from the hashes its blocks hold, or given literally. Per-block columns are
 little-endian integer arrays, zlib-compressed and base64-encoded. So its
 size is O(blocks + sequences + the characters of their names + segments),
 never O(the sum of table lengths): 16 forks of a whole-pool sequence cost 16
-short segment lists, not 16 copies of its table and hashes (`packed_bound`).
+short segment lists, not 16 copies of its table and hashes (`wire.bounds.packed_bound`).
 
 NOTE: the dump's keys and encoding are a stored format (Redis snapshots,
 existing journals' snapshots): change them only with a new snapshot format.
@@ -28,16 +28,14 @@ import json
 import sys
 import zlib
 from array import array
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from allocator_service.core.pacing import chunks, pace
 from allocator_service.core.sequence import Seq
-
-if TYPE_CHECKING:  # the pool calls in here; this module only reads it
-    from allocator_service.core.pool import BlockPool
+from allocator_service.core.state import PoolState
 
 
-def to_state(pool: BlockPool) -> dict[str, Any]:
+def to_state(pool: PoolState) -> dict[str, Any]:
     """A JSON-able dump of the whole state of `pool`."""
     p = pool.parts()
     return {
@@ -67,22 +65,7 @@ def to_state(pool: BlockPool) -> dict[str, Any]:
     }
 
 
-def dump_floor(pool: BlockPool) -> int:
-    """The fewest bytes the full dump of `pool` (`to_state`, as
-    `dumps_chunked` writes it) can take, counted without building it: per
-    block its ref count, fill and stamp (a digit and a comma each) and its
-    hash (`null,` or 64 hex digits in quotes and a comma); per table entry a
-    digit and a comma; per hash a sequence holds 67 bytes. Less a comma per
-    list for the last items, so never more than the dump (the tests check
-    it): a dump whose floor is over the answer limit is refused unbuilt."""
-    p = pool.parts()
-    hashed = len(p.block_hash) - p.block_hash.count(None)
-    seq_hashes = sum(len(q.hashes) for q in p.seqs.values())
-    lists = 8 + 3 * len(p.seqs)
-    return max(0, 11 * pool.num_blocks + 62 * hashed + 2 * pool.table_entries + 67 * seq_hashes - lists)
-
-
-def _config(pool: BlockPool) -> dict[str, Any]:
+def _config(pool: PoolState) -> dict[str, Any]:
     return {
         "num_blocks": pool.num_blocks,
         "block_size": pool.block_size,
@@ -97,7 +80,7 @@ def _config(pool: BlockPool) -> dict[str, Any]:
     }
 
 
-def _counters(pool: BlockPool) -> dict[str, int]:
+def _counters(pool: PoolState) -> dict[str, int]:
     return {
         "prefix_queried_tokens": pool.prefix_queried_tokens,
         "prefix_hit_tokens": pool.prefix_hit_tokens,
@@ -160,26 +143,6 @@ def parts_of(state: dict[str, Any]) -> tuple[tuple, dict[str, int]]:
 PACKED = "packed/1"
 # Bytes of one block hash (SHA-256).
 HASH_BYTES = 32
-# What `packed_bound` charges: per block of the pool (its five packed
-# columns before compression, worst case: ref_cnt, fill, stamp, one free
-# queue entry, a hash id, in base64; and its hash), per sequence (its fields
-# and brackets), per character of a name (JSON escapes a character outside
-# ASCII as up to 12 bytes), and per table or hash segment (two integers).
-PACKED_BYTES_PER_BLOCK = (4 + 4 + 8 + 4 + 4) * 4 // 3 + 8 + (HASH_BYTES * 4 // 3 + 4)
-PACKED_BYTES_PER_SEQUENCE = 96
-PACKED_BYTES_PER_NAME_CHAR = 12
-PACKED_BYTES_PER_SEGMENT = 2 * 21
-PACKED_BYTES_FIXED = 4096
-
-
-def packed_bound(num_blocks: int, sequences: int, name_chars: int, segments: int, tail_tokens: int) -> int:
-    """The most bytes `to_packed` of a pool of this shape can take (a formula
-    in its blocks, sequences, name characters, segments and the tokens of
-    its sequences' partly filled blocks, 11 bytes each)."""
-    return (PACKED_BYTES_FIXED + PACKED_BYTES_PER_BLOCK * num_blocks + PACKED_BYTES_PER_SEQUENCE * sequences
-            + PACKED_BYTES_PER_NAME_CHAR * name_chars + PACKED_BYTES_PER_SEGMENT * segments + 11 * tail_tokens)
-
-
 def _pack(values: Any, code: str = "q") -> str:
     a = array(code, values)
     if sys.byteorder != "little":
@@ -267,7 +230,7 @@ def _hash_segments(t: int, hashes: list[bytes], table: list[int], chains: list[l
     return segs
 
 
-def to_packed(pool: BlockPool) -> dict[str, Any]:
+def to_packed(pool: PoolState) -> dict[str, Any]:
     """The whole state of `pool` as the packed dump (see the module
     docstring); `parts_of` reads it back exactly."""
     p = pool.parts()
@@ -350,7 +313,7 @@ def _parts_of_packed(state: dict[str, Any]) -> tuple[tuple, dict[str, int]]:
     return parts, dict(state["counters"])
 
 
-def pool_view(pool: BlockPool) -> dict[str, Any]:
+def pool_view(pool: PoolState) -> dict[str, Any]:
     """The state columns `pagedkv replay` prints after each operation
     (refcount keys as strings, as JSON has them)."""
     return {

@@ -34,7 +34,14 @@ from dataclasses import dataclass, field
 from itertools import accumulate, chain
 from typing import NamedTuple, overload
 
-from allocator_service.core.errors import AllocatorError
+from allocator_service.core.errors import (
+    AllocatorError,
+    InvalidArgument,
+    OutOfBlocks,
+    PoolLimit,
+    SequenceExists,
+    UnknownSequence,
+)
 from allocator_service.core.pool import BlockPool
 from allocator_service.core.tiers import NO_REPORT, Moves, TierReport
 
@@ -47,11 +54,11 @@ KINDS = (FREE, APPEND, ADMIT, FORK, UNRESERVE)  # every kind `run_step` applies
 # `AllocatorError.code` -> its number in `StepResult.errors` (0: succeeded).
 # NOTE: the numbers of the wire enum `OpError`, as for the kinds.
 ERROR_NUMBER: dict[str, int] = {
-    "out_of_blocks": 1,
-    "unknown_sequence": 2,
-    "sequence_exists": 3,
-    "invalid_argument": 4,
-    "pool_limit": 5,
+    OutOfBlocks.code: 1,
+    UnknownSequence.code: 2,
+    SequenceExists.code: 3,
+    InvalidArgument.code: 4,
+    PoolLimit.code: 5,
 }
 ERROR_CODE: dict[int, str] = {v: k for k, v in ERROR_NUMBER.items()}
 

@@ -14,8 +14,9 @@ from collections.abc import Callable
 
 import grpc
 
-from allocator_service import errors
 from allocator_service.roles import Roles, reset_caller_role, set_caller_role
+from allocator_service.rpc import status
+from allocator_service.wire.errors import NotLeader, ServiceError
 
 # Health probes (kubelet, load balancers) carry no token.
 AUTH_EXEMPT = ("/grpc.health.v1.Health/",)
@@ -47,10 +48,10 @@ def _rewrap(handler: grpc.RpcMethodHandler, wrap: Callable[[Callable, bool], Cal
 def _refusal(exc: Exception):
     def refuse(behaviour, streams_out):
         def unary(request, context):
-            errors.abort(context, exc)
+            status.abort(context, exc)
 
         def stream(request, context):
-            errors.abort(context, exc)
+            status.abort(context, exc)
             yield  # pragma: no cover - makes this a generator
 
         return stream if streams_out else unary
@@ -79,7 +80,7 @@ class RoleInterceptor(grpc.ServerInterceptor):
         method = full.rsplit("/", 1)[-1]
         try:
             role = self._roles.check(method, bearer)
-        except errors.ServiceError as exc:
+        except ServiceError as exc:
             return _rewrap(handler, _refusal(exc))
         grant = self._roles.grant_of(bearer) if method == "RegisterPool" else None
 
@@ -88,8 +89,8 @@ class RoleInterceptor(grpc.ServerInterceptor):
                 if method == "RegisterPool":  # a worker token registers its own worker only
                     try:
                         self._roles.check_registration(role, grant, request.worker_id, request.advertise_url)
-                    except errors.ServiceError as exc:
-                        errors.abort(context, exc)
+                    except ServiceError as exc:
+                        status.abort(context, exc)
                 token = set_caller_role(role)
                 try:
                     return behaviour(request, context)
@@ -119,16 +120,16 @@ class RoleInterceptor(grpc.ServerInterceptor):
 class StandbyInterceptor(grpc.ServerInterceptor):
     """A standby answers every call but the health check (and reflection)
     with UNAVAILABLE `not_leader` and the leader's address
-    (`errors.NotLeader`); on a step stream opened while this instance led,
+    (`NotLeader`); on a step stream opened while this instance led,
     each request is looked at as it arrives, so a deposed leader serves no
     step on it either. `leader()`: (leading, the leader's address)."""
 
     def __init__(self, leader: Callable[[], tuple[bool, str]]) -> None:
         self._leader = leader
 
-    def _refusal(self) -> errors.NotLeader | None:
+    def _refusal(self) -> NotLeader | None:
         leading, address = self._leader()
-        return None if leading else errors.NotLeader(address)
+        return None if leading else NotLeader(address)
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)

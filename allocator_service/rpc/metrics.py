@@ -68,7 +68,7 @@ class PoolCollector:
 
         fair = self.service.fair
         recent = fair.recent_cpu()
-        views = self.service.pool_stats()
+        views = self.service.reads.pool_stats()
         for pool_id, worker_id, s in views:
             key = [pool_id, worker_id]
             capacity.add_metric(key, s.num_blocks)
@@ -141,7 +141,7 @@ class PoolCollector:
                                      labels=labels)
         used = GaugeMetricFamily(PREFIX + "kv_tier_used_bytes",
                                  "Bytes of the pool's host tier holding an entry (pending or present).", labels=labels)
-        for pool_id, worker_id, t in self.service.tier_stats():
+        for pool_id, worker_id, t in self.service.reads.tier_stats():
             c = t.counters
             if t.host_blocks:
                 key = [pool_id, worker_id, "host"]
@@ -157,7 +157,7 @@ class PoolCollector:
                 loaded.add_metric(key, c["store_loads"])
                 refused.add_metric(key, c["refused"])
         yield from (hit, saved, loaded, refused, capacity, used)
-        store = self.service.store_stats()
+        store = self.service.reads.store_stats()
         if store is None:
             return
         yield GaugeMetricFamily(PREFIX + "shared_store_capacity_bytes", "Bytes the shared KV store may hold.",

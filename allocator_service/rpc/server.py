@@ -226,7 +226,7 @@ def serve(opts: ServeOptions) -> int:
     health_servicer.enter_graceful_shutdown()
     service.events.close()  # end WatchEvents streams now rather than at the end of the grace
     stopped = server.stop(opts.grace_s)  # no new calls from here
-    service.end_step_streams()  # idle StepStreams too: their workers retry at the next server
+    service.streams.end_step_streams()  # idle StepStreams too: their workers retry at the next server
     stopped.wait()
     service.close()
     if httpd is not None:

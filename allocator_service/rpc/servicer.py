@@ -1,4 +1,5 @@
-"""The gRPC face of `AllocatorService`: unpack, call, pack. Nothing else.
+"""The gRPC face of `AllocatorService`: unpack, call, pack. Nothing else:
+the only place the service's requests and answers are protobuf.
 
 Handlers are built here rather than with the generated
 `add_AllocatorServicer_to_server` for one reason: the generated code parses
@@ -17,16 +18,22 @@ from typing import Any, NamedTuple
 
 import grpc
 
-from allocator_service import errors
-from allocator_service.codec import pool_info_to_proto
 from allocator_service.core.prefix_index import BLOCK_REMOVED, BLOCK_STORED
 from allocator_service.core.step import KINDS
-from allocator_service.errors import BadRequest, ShuttingDown
 from allocator_service.roles import ADMIN, caller_role
-from allocator_service.service import Advertised, AllocatorService
+from allocator_service.rpc import status
+from allocator_service.service import Advertised, AllocatorService, PoolRef
 from allocator_service.sharing import ROUTER
 from allocator_service.store.events import Event
-from allocator_service.v1 import allocator_pb2 as pb
+from allocator_service.wire.codec import (
+    config_from_proto,
+    match_to_proto,
+    pool_info_to_proto,
+    stats_to_proto,
+    step_from_proto,
+)
+from allocator_service.wire.errors import BadRequest, ShuttingDown
+from allocator_service.wire.v1 import allocator_pb2 as pb
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Allocator"].full_name
 
@@ -116,29 +123,35 @@ def packed_events(events: Iterable[Event], free_blocks: Callable[[str], int | No
     yield from flush()
 
 
+def pool_ref(msg: pb.PoolRef) -> PoolRef:
+    return PoolRef(msg.pool_id, msg.credential)
+
+
 class AllocatorServicer:
     def __init__(self, service: AllocatorService) -> None:
         self.service = service
 
     def RegisterPool(self, request: pb.RegisterPoolRequest, context) -> pb.RegisterPoolResponse:
-        r = self.service.register(request.worker_id, request.shape, request.replace_credential,
-                                  Advertised(request.advertise_url, request.served_model_name),
-                                  request.protocol_version)
+        r = self.service.pools.register(request.worker_id, config_from_proto(request.shape),
+                                        request.replace_credential,
+                                        Advertised(request.advertise_url, request.served_model_name),
+                                        request.protocol_version)
         return pb.RegisterPoolResponse(
             pool_id=r.pool_id, epoch=r.epoch, credential=r.credential, lease_ttl_s=r.lease_ttl_s, op_kinds=KINDS,
             shared_store=r.shared_store, store_namespace=r.store_namespace,
         )
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
-        return pb.HeartbeatResponse(lease_ttl_s=self.service.heartbeat(request.pool))
+        return pb.HeartbeatResponse(lease_ttl_s=self.service.pools.heartbeat(pool_ref(request.pool)))
 
     def DeregisterPool(self, request: pb.DeregisterPoolRequest, context) -> pb.DeregisterPoolResponse:
-        self.service.deregister(request.pool)
+        self.service.pools.deregister(pool_ref(request.pool))
         return pb.DeregisterPoolResponse()
 
     def Step(self, request: pb.StepRequest, context) -> pb.StepResponse:
         prev = request.prev_step_id if request.HasField("prev_step_id") else None
-        return self.service.step(request.pool, request.step_id, request.ops, prev)
+        return self.service.steps.step(pool_ref(request.pool), request.step_id,
+                                       *step_from_proto(request.ops), prev)
 
     def StepStream(self, requests: Iterator[pb.StepRequest], context) -> Iterator[pb.StepResponse]:
         """Step, once per request on one long-lived call. The first failing
@@ -148,7 +161,7 @@ class AllocatorServicer:
         (UNAVAILABLE: the worker sends it to the next server)."""
         service = self.service
         end = _StreamEnd(context.cancel)
-        service.open_step_stream(end.end)
+        service.streams.open_step_stream(end.end)
         try:
             for request in requests:
                 if type(request) is Malformed:
@@ -161,30 +174,36 @@ class AllocatorServicer:
                 if end.answered():
                     return
         finally:
-            service.close_step_stream(end.end)
+            service.streams.close_step_stream(end.end)
 
     def GetBlockTable(self, request: pb.GetBlockTableRequest, context) -> pb.GetBlockTableResponse:
-        table, num_tokens = self.service.block_table(request.pool, request.seq_id)
+        table, num_tokens = self.service.reads.block_table(pool_ref(request.pool), request.seq_id)
         return pb.GetBlockTableResponse(block_ids=table, num_tokens=num_tokens)
 
     def GetPoolStats(self, request: pb.GetPoolStatsRequest, context) -> pb.GetPoolStatsResponse:
-        return self.service.stats(request.pool, request.check_integrity, admin=caller_role() == ADMIN)
+        r = self.service.reads.stats(pool_ref(request.pool), request.check_integrity,
+                                     admin=caller_role() == ADMIN)
+        return stats_to_proto(r.stats, last_step_id=r.last_step_id,
+                              integrity_problems=r.integrity_problems,
+                              integrity_checked=r.integrity_checked)
 
     def ResetPrefixCache(self, request: pb.ResetPrefixCacheRequest, context) -> pb.ResetPrefixCacheResponse:
-        dropped = self.service.reset_prefix_cache(request.pool, admin=caller_role() == ADMIN)
+        dropped = self.service.steps.reset_prefix_cache(pool_ref(request.pool),
+                                                        admin=caller_role() == ADMIN)
         return pb.ResetPrefixCacheResponse(dropped=dropped)
 
     def MatchPrefix(self, request: pb.MatchPrefixRequest, context) -> pb.MatchPrefixResponse:
         salt = request.cache_salt if request.HasField("cache_salt") else None
-        matches = self.service.match_prefix(request.model_fingerprint, list(request.tokens), salt)
-        return pb.MatchPrefixResponse(matches=matches)
+        matches = self.service.reads.match_prefix(request.model_fingerprint, list(request.tokens), salt)
+        return pb.MatchPrefixResponse(matches=[match_to_proto(m) for m in matches])
 
     def ListPools(self, request: pb.ListPoolsRequest, context) -> pb.ListPoolsResponse:
-        pools = self.service.list_pools(request.model_fingerprint)
+        pools = self.service.reads.list_pools(request.model_fingerprint)
         return pb.ListPoolsResponse(pools=[pool_info_to_proto(p) for p in pools])
 
     def DumpPool(self, request: pb.DumpPoolRequest, context) -> pb.DumpPoolResponse:
-        state_json, last_step_id, problems = self.service.dump(request.pool, admin=caller_role() == ADMIN)
+        state_json, last_step_id, problems = self.service.reads.dump(pool_ref(request.pool),
+                                                                     admin=caller_role() == ADMIN)
         return pb.DumpPoolResponse(
             state_json=state_json,
             last_step_id=last_step_id,
@@ -197,24 +216,24 @@ class AllocatorServicer:
         wanted = watched_kinds(request.kinds)
         if request.snapshot and request.from_sequence:
             raise BadRequest("snapshot starts from the present: send from_sequence 0 with it")
-        service.open_watcher()
+        service.streams.open_watcher()
         try:
             cursor = request.from_sequence or log.published
             if request.snapshot:  # the present first, then everything numbered from `cursor` on
                 blocks = wanted is None or BLOCK_STORED in wanted or pb.KV_EVENT_KIND_POOL_CACHED in request.kinds
-                for pool_id, ids, hashes in service.cached_blocks(SNAPSHOT_BLOCKS) if blocks else ():
+                for pool_id, ids, hashes in service.reads.cached_blocks(SNAPSHOT_BLOCKS) if blocks else ():
                     yield pb.KvEvent(kind=pb.KV_EVENT_KIND_POOL_CACHED, pool_id=pool_id, block_ids=ids,
-                                     block_hashes=b"".join(hashes), free_blocks=service.free_blocks(pool_id))
+                                     block_hashes=b"".join(hashes), free_blocks=service.reads.free_blocks(pool_id))
                 yield pb.KvEvent(sequence=cursor, kind=pb.KV_EVENT_KIND_SNAPSHOT_END)
             while context.is_active() and not service.stopping and not log.closed:
                 batch, after, gap = log.read(cursor, WATCH_BATCH, WATCH_POLL_S)
                 if gap:
                     yield pb.KvEvent(sequence=after - len(batch), kind=pb.KV_EVENT_KIND_RESYNC_REQUIRED)
                 events = (e for e in batch if wanted is None or e.kind in wanted)
-                yield from packed_events(events, service.free_blocks) if request.packed else map(event_message, events)
+                yield from packed_events(events, service.reads.free_blocks) if request.packed else map(event_message, events)
                 cursor = after
         finally:
-            service.close_watcher()
+            service.streams.close_watcher()
 
 
 class _StreamEnd:
@@ -304,13 +323,13 @@ def _unary(name: str, fn: Callable, service: AllocatorService) -> Callable:
             who, pool_call = tenant(request)
             if slotted and caller_role() != ADMIN:
                 # the credential first: a caller without it must not take the pool's slots
-                service.authorize(request.pool)
+                service.changes.authorize(pool_ref(request.pool))
                 with slots.take(who), fair.call(who):
                     return fn(request, context)
             with fair.call(who, pool_call=pool_call):
                 return fn(request, context)
         except Exception as exc:
-            errors.abort(context, exc, name)
+            status.abort(context, exc, name)
 
     return handle
 
@@ -322,7 +341,7 @@ def _stream(name: str, fn: Callable) -> Callable:
                 raise BadRequest(f"malformed {name} request: {request.error}")
             yield from fn(request, context)
         except Exception as exc:
-            errors.abort(context, exc, name)
+            status.abort(context, exc, name)
 
     return handle
 
@@ -334,7 +353,7 @@ def _bidi(name: str, fn: Callable) -> Callable:
         except grpc.RpcError:
             return  # the request iterator's: the call was cancelled (client gone, or shutdown)
         except Exception as exc:
-            errors.abort(context, exc, name)
+            status.abort(context, exc, name)
 
     return handle
 

@@ -1,7 +1,7 @@
 """The durable side of the allocator service: load and verified replay, the
 journal write before each change, snapshots, the store watch and health.
 
-`AllocatorService` (service.py) calls in here with its mutation lock held
+The service (`service/changes.py`) calls in here with its mutation lock held
 (`lock`: the one global order of records) for everything that touches the
 order: `append` before a change, `changed` after it. Snapshots are taken off
 the hot path (`Cut`):
@@ -63,7 +63,6 @@ from typing import Any
 
 from allocator_service.config import ServiceConfig
 from allocator_service.core.pacing import Unpaced
-from allocator_service.errors import StoreFenced, StoreLost, StoreUnavailable
 from allocator_service.leases import LeaseTable
 from allocator_service.store.events import Batch, EventLog
 from allocator_service.store.journal import (
@@ -79,7 +78,8 @@ from allocator_service.store.journal import (
 )
 from allocator_service.store.registry import CorruptState, PoolEntry, Registry, pool_snapshot_json
 from allocator_service.store.replay import Replayer, replay
-from allocator_service.v1 import journal_pb2 as jpb
+from allocator_service.wire.errors import StoreFenced, StoreLost, StoreUnavailable
+from allocator_service.wire.v1 import journal_pb2 as jpb
 
 log = logging.getLogger(__name__)
 

@@ -45,9 +45,14 @@ import secrets
 from typing import Any, NamedTuple
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from allocator_service.errors import StoreFenced, StoreLost, StoreMisconfigured, StoreUnavailable
 from allocator_service.store.registry import CorruptState
-from allocator_service.v1 import journal_pb2 as jpb
+from allocator_service.wire.errors import (
+    StoreFenced,
+    StoreLost,
+    StoreMisconfigured,
+    StoreUnavailable,
+)
+from allocator_service.wire.v1 import journal_pb2 as jpb
 
 log = logging.getLogger(__name__)
 

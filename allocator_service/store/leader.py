@@ -43,8 +43,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from allocator_service.errors import StoreUnavailable
 from allocator_service.store.durable import DurableState
+from allocator_service.wire.errors import StoreUnavailable
 
 log = logging.getLogger(__name__)
 

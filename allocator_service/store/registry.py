@@ -29,13 +29,13 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from allocator_service.codec import columns_from_proto, config_from_proto, result_to_proto
 from allocator_service.core import BlockPool, PoolConfig, StepColumns, run_step
 from allocator_service.core.snapshot import dumps_chunked, to_packed
 from allocator_service.core.tiers import SharedStore
 from allocator_service.store.events import POOL_DROPPED, POOL_REGISTERED, Batch, EventLog
-from allocator_service.v1 import allocator_pb2 as pb
-from allocator_service.v1 import journal_pb2 as jpb
+from allocator_service.wire.codec import columns_from_proto, config_from_proto, result_to_proto
+from allocator_service.wire.v1 import allocator_pb2 as pb
+from allocator_service.wire.v1 import journal_pb2 as jpb
 
 # /2: each pool's "state" is the packed dump (`core.snapshot.to_packed`); a
 # /1 snapshot (every pool's full `to_state` dump) is still read.
@@ -191,7 +191,7 @@ class Registry:
 
     def apply_step(self, entry: PoolEntry, batch: Batch, step_id: int, digest: bytes,
                    step: StepColumns) -> pb.StepResponse:
-        """Apply validated operations (`service.check_step`) to the pool."""
+        """Apply validated operations (`service.steps.check_step`) to the pool."""
         entry.sink.batch = batch
         try:
             response = result_to_proto(step_id, run_step(entry.pool, step))

@@ -36,7 +36,7 @@ from allocator_service.store.journal import (
     open_journal,
 )
 from allocator_service.store.registry import CorruptState, Registry
-from allocator_service.v1 import journal_pb2 as jpb
+from allocator_service.wire.v1 import journal_pb2 as jpb
 
 
 class Problem(NamedTuple):

@@ -51,9 +51,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
-from allocator_service.errors import CapacityExceeded, PermissionDenied, Unauthenticated
 from allocator_service.roles import ADMIN, ROUTER, Roles
 from allocator_service.web import live, playground
+from allocator_service.wire.errors import CapacityExceeded, PermissionDenied, Unauthenticated
 from pagedkv_base.api.serving import ServerThread, serve_options
 
 STATIC = resources.files("allocator_service.web") / "static"
@@ -201,7 +201,7 @@ class _EventStream:
         service = self.service
         # NOTE: on the loop: the watcher count's lock is held for an increment only.
         try:
-            service.open_watcher()  # the WatchEvents limit counts these too
+            service.streams.open_watcher()  # the WatchEvents limit counts these too
         except CapacityExceeded as exc:
             await _text(503, f"{exc}\n", {"Retry-After": "1"})(scope, receive, send)
             return
@@ -222,7 +222,7 @@ class _EventStream:
         finally:
             gone.set()  # the generator, if a thread is still in it, returns at its next wake-up
             watcher.cancel()
-            service.close_watcher()
+            service.streams.close_watcher()
 
 
 async def _until_disconnect(receive, gone: threading.Event) -> None:

@@ -42,13 +42,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import grpc
 import httpx
 
-from allocator_service.attest import IDENTITY_PATH
 from allocator_service.client import PoolSpec
 from allocator_service.client.grpc_client import GrpcAllocator
-from allocator_service.codec import encode_ops
 from allocator_service.core import Admit, Fork, PoolConfig
-from allocator_service.v1 import allocator_pb2 as pb
-from allocator_service.v1 import allocator_pb2_grpc as pb_grpc
+from allocator_service.wire.attest import IDENTITY_PATH
+from allocator_service.wire.codec import encode_ops
+from allocator_service.wire.v1 import allocator_pb2 as pb
+from allocator_service.wire.v1 import allocator_pb2_grpc as pb_grpc
 from pagedkv_base.api.serving import raise_open_files_limit
 
 PWNED = "pwned"  # the text the attacker answers every completion with

@@ -35,7 +35,7 @@ from pagedkv.bench import BENCHMARKS, harness
 from pagedkv.bench.harness import Table, cell
 
 #: the benchmarks whose module says what their headline figures are
-COMPARABLE = ("allocator", "route")
+COMPARABLE = ("allocator", "core", "route")
 THIS = Path(__file__).resolve().parents[2]  # the checkout this code runs from
 
 

@@ -92,5 +92,16 @@ def tables(report: dict) -> list[Table]:
         rows=rows)]
 
 
+def figures(report: dict) -> dict[str, tuple[float | None, bool]]:
+    """The headline figures (`bench compare`): each operation's time, prefix caching off and on,
+    lower is better."""
+    out: dict[str, tuple[float | None, bool]] = {}
+    for r in report.get("results", []):
+        caching = "on" if r["prefix_caching"] else "off"
+        for op in ("admit", "append", "free"):
+            out[f"prefix caching {caching}: {op} us"] = (r.get(f"{op}_us"), True)
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     return harness.run("core", args, measure, tables)

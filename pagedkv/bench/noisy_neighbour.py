@@ -73,9 +73,9 @@ class _Prebuilt:
     def __init__(self, address: str, config: PoolConfig, prompt_len: int) -> None:
         import grpc
 
-        from allocator_service.codec import encode_ops, shape_to_proto
         from allocator_service.rpc.servicer import SERVICE_NAME
-        from allocator_service.v1 import allocator_pb2 as pb
+        from allocator_service.wire.codec import encode_ops, shape_to_proto
+        from allocator_service.wire.v1 import allocator_pb2 as pb
 
         self._pb = pb
         self._channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", -1),

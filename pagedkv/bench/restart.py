@@ -278,9 +278,9 @@ class _JournalTap:
         return self
 
     def _run(self) -> None:
-        from allocator_service.errors import StoreUnavailable
         from allocator_service.store.journal import record_bytes
-        from allocator_service.v1 import journal_pb2 as jpb
+        from allocator_service.wire.errors import StoreUnavailable
+        from allocator_service.wire.v1 import journal_pb2 as jpb
 
         while not self._stop.wait(0.01):
             try:

@@ -19,9 +19,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from allocator_service.client import EmbeddedAllocator, PoolLost, PoolSpec, connect
 from allocator_service.client.grpc_client import GrpcAllocator, RouterClient, error_reason
-from allocator_service.codec import encode_ops
 from allocator_service.core import Admit, Append, Free, PoolConfig, UnknownSequence
-from allocator_service.v1 import allocator_pb2 as pb
+from allocator_service.wire.codec import encode_ops
+from allocator_service.wire.v1 import allocator_pb2 as pb
 from tests.support.allocator import (
     as_json,
     code_of,

@@ -17,14 +17,14 @@ from hypothesis import strategies as st
 
 from allocator_service.client import PoolSpec
 from allocator_service.client.grpc_client import GrpcAllocator, error_reason
-from allocator_service.codec import encode_ops
 from allocator_service.config import Limits, ServiceConfig
 from allocator_service.core import Admit, PoolConfig
-from allocator_service.errors import TooManyCalls
 from allocator_service.rpc.server import create_server
 from allocator_service.service import AllocatorService
 from allocator_service.sharing import CallSlots
-from allocator_service.v1 import allocator_pb2 as pb
+from allocator_service.wire.codec import encode_ops
+from allocator_service.wire.errors import TooManyCalls
+from allocator_service.wire.v1 import allocator_pb2 as pb
 from tests.support.allocator import register, stub
 
 
@@ -43,7 +43,7 @@ class HeldServer:
         self.release = threading.Event()
         self.held = threading.Semaphore(0)
         self.held_pool = ""
-        stats = self.service.stats
+        stats = self.service.reads.stats
 
         def slow_stats(ref, *args, **kw):
             if ref.pool_id == self.held_pool and not kw.get("admin"):
@@ -51,7 +51,7 @@ class HeldServer:
                 self.release.wait(10)
             return stats(ref, *args, **kw)
 
-        self.service.stats = slow_stats
+        self.service.reads.stats = slow_stats
 
     def close(self) -> None:
         self.release.set()

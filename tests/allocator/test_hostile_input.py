@@ -14,14 +14,6 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from allocator_service.client.grpc_client import error_reason
-from allocator_service.codec import (
-    MAX_ERROR_MESSAGE_BYTES,
-    columns_to_proto,
-    decode_results,
-    encode_ops,
-    result_to_proto,
-    step_answer_bound,
-)
 from allocator_service.config import Limits, ServiceConfig
 from allocator_service.core import (
     Admit,
@@ -30,9 +22,7 @@ from allocator_service.core import (
     Fork,
     Free,
     PoolConfig,
-    UnknownSequence,
     Unreserve,
-    run_step,
     step_columns,
 )
 from allocator_service.core.limits import (
@@ -44,10 +34,17 @@ from allocator_service.core.limits import (
 )
 from allocator_service.core.tiers import NO_REPORT, TierReport
 from allocator_service.rpc.server import create_server
-from allocator_service.service import AllocatorService
+from allocator_service.service import AllocatorService, PoolRef
 from allocator_service.store.journal import open_journal, split_prefix
-from allocator_service.v1 import allocator_pb2 as pb
-from tests.support.allocator import DOCUMENTED, code_of, dump, random_steps, register, stub
+from allocator_service.wire.bounds import MAX_ERROR_MESSAGE_BYTES, step_answer_bound
+from allocator_service.wire.codec import (
+    columns_to_proto,
+    decode_results,
+    encode_ops,
+    step_from_proto,
+)
+from allocator_service.wire.v1 import allocator_pb2 as pb
+from tests.support.allocator import DOCUMENTED, code_of, dump, register, stub
 from tests.support.tiers import CONVERSATIONS, FATES
 
 C = grpc.StatusCode
@@ -264,42 +261,6 @@ def test_a_step_whose_answer_cannot_fit_the_wire_is_refused_before_it_is_applied
             service.close()
 
 
-@settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), block_size=st.sampled_from([1, 2, 4]), forks=st.integers(0, 40),
-       long_ids=st.booleans())
-def test_the_answer_bound_holds_for_every_step(seed, block_size, forks, long_ids):
-    """`step_answer_bound` before a step is at least the encoded size of
-    the answer it gets: mixed workloads (admits, appends with reserved
-    slots, copy-on-write, unreserves, frees, failures), then a step of
-    forks of forks; failing operations named by long ids (their reasons
-    are cut to MAX_ERROR_MESSAGE_BYTES)."""
-    pool = BlockPool(PoolConfig(256, block_size, True, "m"))
-
-    def held(seq):
-        try:
-            return pool.num_tokens(seq)
-        except UnknownSequence:
-            return None
-
-    def check(ops) -> pb.StepResponse:
-        step = step_columns(ops)
-        bound = step_answer_bound(step, pool.num_blocks, pool.block_size, held)
-        answer = result_to_proto(1, run_step(pool, step))
-        assert answer.ByteSize() <= bound
-        assert all(len(m.encode()) <= MAX_ERROR_MESSAGE_BYTES for m in answer.error_messages)
-        return answer
-
-    steps = random_steps(seed, 12)
-    for ops in steps:
-        check(ops)
-    live = [seq for seq in pool.tables()] or ["none"]
-    chain = [Fork(live[i % len(live)] if i % 3 else f"k{i - 1}", f"k{i}") for i in range(forks)]
-    check([Append(live[0], [1, 2, 3]), *chain])
-    ghost = ("\u2603" * 256) if long_ids else "ghost"
-    answer = check([Free(ghost), Append(ghost, [1]), Unreserve(ghost, 1), Fork(ghost, "x")])
-    assert list(answer.errors) == [pb.OP_ERROR_UNKNOWN_SEQUENCE] * 4
-
-
 # ----------------------------------------------------- the bound, tiered pools
 # The worst cases: store namespaces of MAX_STORE_NAMESPACE_LEN characters (a
 # layout key of MAX_LAYOUT_LEN under a group of MAX_STORE_GROUP_LEN: a store
@@ -315,7 +276,7 @@ STORE_BYTES = 10  # pool a's block_bytes: the smallest, so a save of pool b may 
 
 class ServiceBounds:
     """An in-process service with a shared store; every Step's answer is
-    checked against the bound `AllocatorService._check_answer` computed for
+    checked against the bound `Steps._check_answer` computed for
     it (the service's own code path: its TierBound from the store's capacity
     and the smallest block_bytes)."""
 
@@ -332,10 +293,10 @@ class ServiceBounds:
         return bound
 
     def register(self, worker: str, **shape) -> pb.PoolRef:
-        r = self.svc.register(worker, pb.PoolShape(model_fingerprint="m", enable_prefix_caching=True,
+        r = self.svc.pools.register(worker, PoolConfig(model_fingerprint="m", enable_prefix_caching=True,
                                                    use_shared_store=True, **shape))
         self.step_ids[r.pool_id] = 0
-        return pb.PoolRef(pool_id=r.pool_id, credential=r.credential)
+        return PoolRef(r.pool_id, r.credential)
 
     def pool(self, ref: pb.PoolRef) -> BlockPool:
         return self.svc.registry.pools[ref.pool_id].pool
@@ -344,8 +305,8 @@ class ServiceBounds:
         msg = columns_to_proto(step_columns(ops)._replace(**report._asdict()))
         self.step_ids[ref.pool_id] += 1
         before = len(self.bounds)
-        with mock.patch("allocator_service.service.step_answer_bound", self.record):
-            answer = self.svc.step(ref, self.step_ids[ref.pool_id], msg)
+        with mock.patch("allocator_service.service.steps.step_answer_bound", self.record):
+            answer = self.svc.steps.step(ref, self.step_ids[ref.pool_id], *step_from_proto(msg))
         assert len(self.bounds) == before + 1
         assert answer.ByteSize() <= self.bounds[-1], (answer.ByteSize(), self.bounds[-1], answer.moves)
         assert all(len(m.encode()) <= MAX_ERROR_MESSAGE_BYTES for m in answer.error_messages)

@@ -11,7 +11,7 @@ import pytest
 from allocator_service.client import PoolLost, PoolSpec
 from allocator_service.client.grpc_client import GrpcAllocator, RouterClient
 from allocator_service.core import Admit, Append, PoolConfig
-from allocator_service.v1 import allocator_pb2 as pb
+from allocator_service.wire.v1 import allocator_pb2 as pb
 
 TTL = 1.0
 

@@ -26,7 +26,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from allocator_service.client import EmbeddedAllocator, PoolLost, PoolSpec
 from allocator_service.client.grpc_client import GrpcAllocator
-from allocator_service.codec import PROTOCOL_VERSION, encode_ops
 from allocator_service.core import Admit, PoolConfig
 from allocator_service.store.journal import (
     ENTRY_MAGIC,
@@ -36,8 +35,9 @@ from allocator_service.store.journal import (
     head_marker,
     split_prefix,
 )
-from allocator_service.v1 import allocator_pb2 as pb
-from allocator_service.v1 import journal_pb2 as jpb
+from allocator_service.wire.codec import PROTOCOL_VERSION, encode_ops
+from allocator_service.wire.v1 import allocator_pb2 as pb
+from allocator_service.wire.v1 import journal_pb2 as jpb
 from pagedkv.stack.probes import free_port
 from tests.support.allocator import as_json, code_of, dump, random_steps, register, stub
 from tests.support.drills import report

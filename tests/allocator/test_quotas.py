@@ -20,7 +20,7 @@ from allocator_service.config import Limits, ServiceConfig
 from allocator_service.roles import parse_worker_tokens
 from allocator_service.rpc.server import create_server
 from allocator_service.service import AllocatorService
-from allocator_service.v1 import allocator_pb2 as pb
+from allocator_service.wire.v1 import allocator_pb2 as pb
 from pagedkv.stack import WorkerProcess
 from tests.support.allocator import stub
 

@@ -13,7 +13,7 @@ import time
 import grpc
 import pytest
 
-from allocator_service.v1 import allocator_pb2 as pb
+from allocator_service.wire.v1 import allocator_pb2 as pb
 from pagedkv.bench.attackers import slow_read_flood
 from tests.support.allocator import code_of, register, stub
 

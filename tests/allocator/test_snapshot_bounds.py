@@ -12,7 +12,6 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from allocator_service.codec import encode_ops
 from allocator_service.config import ServiceConfig
 from allocator_service.core import (
     Admit,
@@ -25,12 +24,14 @@ from allocator_service.core import (
     snapshot,
 )
 from allocator_service.rpc.servicer import event_message
-from allocator_service.service import AllocatorService
+from allocator_service.service import AllocatorService, PoolRef
 from allocator_service.store import registry as state
 from allocator_service.store.durable import SNAPSHOT_TOO_LARGE
 from allocator_service.store.journal import decode_snapshot, encode_snapshot, open_journal
-from allocator_service.v1 import allocator_pb2 as pb
+from allocator_service.wire.bounds import dump_floor, packed_bound
+from allocator_service.wire.v1 import allocator_pb2 as pb
 from router.prefix_view import PrefixView
+from tests.support.allocator import step_call
 
 
 def packed_json(pool: BlockPool) -> str:
@@ -52,7 +53,7 @@ def test_forked_pool_packs_in_a_size_bounded_by_its_shape_and_restores_exactly()
     text = packed_json(pool)
     # each sequence: one table segment and one hash segment
     seqs = 16
-    assert len(text) <= snapshot.packed_bound(n, seqs, pool.name_chars, 2 * seqs, 0)
+    assert len(text) <= packed_bound(n, seqs, pool.name_chars, 2 * seqs, 0)
     full = snapshot.dumps_chunked(pool.to_state())
     assert len(full) > 10 * len(text)  # what every fork's copied table and hashes cost the full dump
     restored = BlockPool.from_state(json.loads(text))
@@ -86,9 +87,9 @@ def test_packed_dump_restores_any_state_exactly(steps, caching, resets):
             pool.reset_prefix_cache()
         text = packed_json(pool)
         assert BlockPool.from_state(json.loads(text)).to_state() == pool.to_state()
-        assert snapshot.dump_floor(pool) <= len(snapshot.dumps_chunked(pool.to_state()))
+        assert dump_floor(pool) <= len(snapshot.dumps_chunked(pool.to_state()))
         tails = sum(len(q.tail) for q in pool.parts().seqs.values())
-        assert len(text) <= snapshot.packed_bound(pool.num_blocks, len(pool.parts().seqs), pool.name_chars,
+        assert len(text) <= packed_bound(pool.num_blocks, len(pool.parts().seqs), pool.name_chars,
                                                   2 * pool.table_entries, tails)
 
 
@@ -100,22 +101,22 @@ def test_a_dump_over_the_answer_limit_is_refused_before_it_is_built():
     within a factor of 2 of the dump's real size."""
     import tracemalloc
 
-    from allocator_service.errors import AnswerTooLarge
+    from allocator_service.wire.errors import AnswerTooLarge
 
     svc = AllocatorService(ServiceConfig())
-    r = svc.register("w", pb.PoolShape(num_blocks=1 << 15, block_size=4, model_fingerprint="m",
+    r = svc.pools.register("w", PoolConfig(num_blocks=1 << 15, block_size=4, model_fingerprint="m",
                                        enable_prefix_caching=True))
-    ref = pb.PoolRef(pool_id=r.pool_id, credential=r.credential)
-    svc.step(ref, 1, encode_ops([Admit("a", list(range(4 << 15)))]))
-    svc.step(ref, 2, encode_ops([Fork("a", f"f{i}") for i in range(15)]), prev_step_id=1)
+    ref = PoolRef(r.pool_id, r.credential)
+    svc.steps.step(ref, 1, *step_call([Admit("a", list(range(4 << 15)))]))
+    svc.steps.step(ref, 2, *step_call([Fork("a", f"f{i}") for i in range(15)]), prev_step_id=1)
     pool = svc.registry.pools[r.pool_id].pool
     size = len(snapshot.dumps_chunked(pool.to_state()))
-    assert size > svc.limits.max_message_bytes and snapshot.dump_floor(pool) > size // 2
+    assert size > svc.limits.max_message_bytes and dump_floor(pool) > size // 2
     before = pool.to_state()
     tracemalloc.start()
     try:
         try:
-            svc.dump(ref)
+            svc.reads.dump(ref)
             raise AssertionError("the dump was answered")
         except AnswerTooLarge as refused:
             assert refused.code == "answer_too_large" and "takes at least" in str(refused)
@@ -125,17 +126,17 @@ def test_a_dump_over_the_answer_limit_is_refused_before_it_is_built():
     assert peak < 1 << 20, peak
     assert pool.to_state() == before
     # with two forks it fits, and comes back whole
-    svc.step(ref, 3, encode_ops([Free(f"f{i}") for i in range(2, 15)]), prev_step_id=2)
-    text, last, problems = svc.dump(ref)
+    svc.steps.step(ref, 3, *step_call([Free(f"f{i}") for i in range(2, 15)]), prev_step_id=2)
+    text, last, problems = svc.reads.dump(ref)
     assert json.loads(text) == pool.to_state() and last == 3 and problems == []
 
 
 def test_a_snapshot_of_the_earlier_format_is_still_read():
     svc = AllocatorService(ServiceConfig())
-    r = svc.register("w", pb.PoolShape(num_blocks=16, block_size=2, model_fingerprint="m",
+    r = svc.pools.register("w", PoolConfig(num_blocks=16, block_size=2, model_fingerprint="m",
                                        enable_prefix_caching=True))
-    ref = pb.PoolRef(pool_id=r.pool_id, credential=r.credential)
-    svc.step(ref, 1, encode_ops([Admit("a", [1, 2, 3, 4, 5]), Fork("a", "b")]))
+    ref = PoolRef(r.pool_id, r.credential)
+    svc.steps.step(ref, 1, *step_call([Admit("a", [1, 2, 3, 4, 5]), Fork("a", "b")]))
     snap = svc.registry.to_snapshot(b"\0" * 32)
     snap["format"] = "pagedkv-allocator-snapshot/1"
     for p, e in zip(snap["pools"], svc.registry.pools.values(), strict=True):
@@ -150,18 +151,18 @@ def test_a_pool_too_big_to_snapshot_is_dropped_and_every_other_pool_is_snapshott
         config = ServiceConfig(snapshot_every=4, max_snapshot_bytes=96 << 10)
         journal = open_journal(url)
         svc = AllocatorService(config, journal)
-        victim = svc.register("victim", pb.PoolShape(num_blocks=64, block_size=4, model_fingerprint="m",
+        victim = svc.pools.register("victim", PoolConfig(num_blocks=64, block_size=4, model_fingerprint="m",
                                                      enable_prefix_caching=True))
-        victim_ref = pb.PoolRef(pool_id=victim.pool_id, credential=victim.credential)
-        hog = svc.register("hog", pb.PoolShape(num_blocks=2048, block_size=4, model_fingerprint="m",
+        victim_ref = PoolRef(victim.pool_id, victim.credential)
+        hog = svc.pools.register("hog", PoolConfig(num_blocks=2048, block_size=4, model_fingerprint="m",
                                                enable_prefix_caching=True))
-        hog_ref = pb.PoolRef(pool_id=hog.pool_id, credential=hog.credential)
+        hog_ref = PoolRef(hog.pool_id, hog.credential)
         # Legal: ids of 256 characters, two sequences per block at most.
-        svc.step(hog_ref, 1, encode_ops([Admit("x" * 256, list(range(2048 * 4)))]))
+        svc.steps.step(hog_ref, 1, *step_call([Admit("x" * 256, list(range(2048 * 4)))]))
         forks = [Fork("x" * 256, f"{i:0>256}") for i in range(400)]
-        svc.step(hog_ref, 2, encode_ops(forks))
+        svc.steps.step(hog_ref, 2, *step_call(forks))
         for i in range(3, 12):
-            svc.step(victim_ref, i, encode_ops([Admit(f"s{i}", [i, i + 1, i + 2, i + 3, i + 4])]))
+            svc.steps.step(victim_ref, i, *step_call([Admit(f"s{i}", [i, i + 1, i + 2, i + 3, i + 4])]))
         assert hog.pool_id not in svc.registry.pools
         assert svc.durable.pools_dropped_for_size == 1
         # The snapshot holds the victim; the journal was trimmed to it.
@@ -186,15 +187,15 @@ def test_a_watch_snapshot_streams_in_bounded_pieces_read_as_it_goes():
     pieces with the events numbered from the start replayed on them are
     exactly the pool's index."""
     svc = AllocatorService(ServiceConfig())
-    r = svc.register("w", pb.PoolShape(num_blocks=64, block_size=1, model_fingerprint="m",
+    r = svc.pools.register("w", PoolConfig(num_blocks=64, block_size=1, model_fingerprint="m",
                                        enable_prefix_caching=True))
-    ref = pb.PoolRef(pool_id=r.pool_id, credential=r.credential)
-    svc.step(ref, 1, encode_ops([Admit("a", list(range(41)))]))
+    ref = PoolRef(r.pool_id, r.credential)
+    svc.steps.step(ref, 1, *step_call([Admit("a", list(range(41)))]))
     cursor = svc.events.published
-    pieces = svc.cached_blocks(16)
+    pieces = svc.reads.cached_blocks(16)
     first = next(pieces)
     # Free "a", and let "b" evict its tail's blocks (the cached free queue's head).
-    svc.step(ref, 2, encode_ops([Free("a"), Admit("b", [7] * 40)]))
+    svc.steps.step(ref, 2, *step_call([Free("a"), Admit("b", [7] * 40)]))
     rest = list(pieces)
     index = svc.registry.pools[r.pool_id].pool.index.block_hash
     assert all(len(ids) <= 16 for _, ids, _ in [first, *rest])

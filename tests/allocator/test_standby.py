@@ -15,10 +15,10 @@ from allocator_service.client import EmbeddedAllocator, PoolSpec
 from allocator_service.client.grpc_client import GrpcAllocator, error_reason, open_channel
 from allocator_service.core import PoolConfig
 from allocator_service.core.step import Admit, Append, Free
-from allocator_service.errors import LEADER_KEY, StoreFenced
 from allocator_service.store.journal import RedisJournal, encode_entry, head_marker
-from allocator_service.v1 import allocator_pb2 as pb
-from allocator_service.v1 import allocator_pb2_grpc as pb_grpc
+from allocator_service.wire.errors import LEADER_KEY, StoreFenced
+from allocator_service.wire.v1 import allocator_pb2 as pb
+from allocator_service.wire.v1 import allocator_pb2_grpc as pb_grpc
 from pagedkv.stack.probes import grpc_health_ok
 
 LEASE_S = 0.5
@@ -85,8 +85,8 @@ def test_the_standby_follows_takes_over_after_sigkill_and_answers_a_retry_with_t
             assert list(client.step(ops)) == list(reference.step(ops))
         # the next step, sent by hand to the leader: answered (and journaled) ...
         request = pb.StepRequest(pool=client._ref, step_id=4, prev_step_id=3)
-        from allocator_service.codec import fill_ops
         from allocator_service.core import step_columns
+        from allocator_service.wire.codec import fill_ops
 
         fill_ops(request.ops, step_columns(OPS[3]))
         first = _stub(leader.address).Step(request, timeout=5)

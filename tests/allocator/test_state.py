@@ -9,7 +9,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from allocator_service.codec import columns_from_proto, decode_results, encode_ops, result_to_proto
 from allocator_service.config import Limits, ServiceConfig
 from allocator_service.core import (
     Admit,
@@ -25,14 +24,19 @@ from allocator_service.core import (
     run_step,
     step_columns,
 )
-from allocator_service.errors import BadRequest, StepConflict, StoreUnavailable
-from allocator_service.service import AllocatorService, check_step
+from allocator_service.service import AllocatorService, PoolRef, check_step
 from allocator_service.store import registry as state
 from allocator_service.store.journal import Loaded
-from allocator_service.v1 import allocator_pb2 as pb
-from tests.support.allocator import random_steps
+from allocator_service.wire.codec import (
+    columns_from_proto,
+    decode_results,
+    encode_ops,
+    result_to_proto,
+)
+from allocator_service.wire.errors import BadRequest, StepConflict, StoreUnavailable
+from tests.support.allocator import random_steps, step_call
 
-SHAPE = pb.PoolShape(num_blocks=24, block_size=4, model_fingerprint="m", enable_prefix_caching=True)
+SHAPE = PoolConfig(num_blocks=24, block_size=4, model_fingerprint="m", enable_prefix_caching=True)
 
 seq_ids = st.sampled_from(["a", "b", "c", "d", ""])
 tokens = st.lists(st.integers(0, 5), max_size=12)
@@ -183,19 +187,19 @@ def full_state(svc: AllocatorService) -> dict:
 def test_restart_from_journal_rebuilds_everything(snapshot_every):
     journal = FakeJournal()
     svc = AllocatorService(ServiceConfig(snapshot_every=snapshot_every), journal)
-    a = svc.register("wa", SHAPE)
-    b = svc.register("wb", SHAPE)
-    d = svc.register("wd", SHAPE, protocol_version=2)  # its Steps must name prev_step_id, after a restart too
-    ref_a = pb.PoolRef(pool_id=a.pool_id, credential=a.credential)
-    ref_b = pb.PoolRef(pool_id=b.pool_id, credential=b.credential)
+    a = svc.pools.register("wa", SHAPE)
+    b = svc.pools.register("wb", SHAPE)
+    d = svc.pools.register("wd", SHAPE, protocol_version=2)  # its Steps must name prev_step_id, after a restart too
+    ref_a = PoolRef(a.pool_id, a.credential)
+    ref_b = PoolRef(b.pool_id, b.credential)
     for i, (sa, sb) in enumerate(zip(random_steps(1, 40), random_steps(2, 40), strict=True), 1):
-        svc.step(ref_a, i, encode_ops(sa))
-        svc.step(ref_b, i, encode_ops(sb))
+        svc.steps.step(ref_a, i, *step_call(sa))
+        svc.steps.step(ref_b, i, *step_call(sb))
         if i == 20:
-            svc.reset_prefix_cache(ref_a)
-    c = svc.register("wc", SHAPE)
-    svc.register("wc", SHAPE, c.credential)  # a new epoch replaces c
-    svc.deregister(ref_b)
+            svc.steps.reset_prefix_cache(ref_a)
+    c = svc.pools.register("wc", SHAPE)
+    svc.pools.register("wc", SHAPE, c.credential)  # a new epoch replaces c
+    svc.pools.deregister(ref_b)
     assert (journal.snapshot is not None) == (snapshot_every < 1000)
 
     again = AllocatorService(ServiceConfig(snapshot_every=snapshot_every), journal)
@@ -204,18 +208,18 @@ def test_restart_from_journal_rebuilds_everything(snapshot_every):
     assert again.registry.pools[d.pool_id].protocol_version == 2
     # The last step's answer survives, and a retry of it is not applied again.
     last = svc.registry.pools[a.pool_id].last_response
-    assert again.step(ref_a, 40, encode_ops(random_steps(1, 40)[-1])) == last
+    assert again.steps.step(ref_a, 40, *step_call(random_steps(1, 40)[-1])) == last
     assert full_state(again) == full_state(svc)
     with pytest.raises(StepConflict):
-        again.step(ref_a, 40, encode_ops([Free("nope")]))
+        again.steps.step(ref_a, 40, *step_call([Free("nope")]))
     with pytest.raises(StepConflict):
-        again.step(ref_a, 3, encode_ops([Free("nope")]))
+        again.steps.step(ref_a, 3, *step_call([Free("nope")]))
 
 
 def _cycle(svc: AllocatorService, worker_id: str) -> str:
     """Register a pool for `worker_id` and deregister it; its pool id."""
-    r = svc.register(worker_id, SHAPE)
-    svc.deregister(pb.PoolRef(pool_id=r.pool_id, credential=r.credential))
+    r = svc.pools.register(worker_id, SHAPE)
+    svc.pools.deregister(PoolRef(r.pool_id, r.credential))
     return r.pool_id
 
 
@@ -226,7 +230,7 @@ def test_register_deregister_cycles_keep_the_epoch_map_bounded():
     either; a restart from the journal issues the same next ids."""
     journal = FakeJournal()
     svc = AllocatorService(ServiceConfig(snapshot_every=997), journal)
-    live = svc.register("steady", SHAPE)
+    live = svc.pools.register("steady", SHAPE)
     kept = state.IDLE_EPOCHS_KEPT
     issued = [_cycle(svc, f"w-{i}") for i in range(kept + 3000)]
     reg = svc.registry
@@ -237,7 +241,7 @@ def test_register_deregister_cycles_keep_the_epoch_map_bounded():
     assert issued[:2] == ["w-0/1", "w-1/1"] and issued[-1] == f"{last}/2"
     # A forgotten id, a remembered one and the live one: new ids only.
     issued += [_cycle(svc, "w-0"), _cycle(svc, last), _cycle(svc, last)]
-    again = svc.register("steady", SHAPE, live.credential).pool_id
+    again = svc.pools.register("steady", SHAPE, live.credential).pool_id
     issued.append(again)
     assert issued[-4:] == ["w-0/2", f"{last}/3", f"{last}/4", "steady/2"]
     assert len(set(issued)) == len(issued)
@@ -259,17 +263,17 @@ def test_no_pool_id_is_issued_twice_whatever_is_forgotten(monkeypatch, workers):
 def test_ambiguous_journal_failure_reloads_and_applies_once():
     journal = FakeJournal()
     svc = AllocatorService(ServiceConfig(), journal)
-    r = svc.register("w", SHAPE)
-    ref = pb.PoolRef(pool_id=r.pool_id, credential=r.credential)
+    r = svc.pools.register("w", SHAPE)
+    ref = PoolRef(r.pool_id, r.credential)
     steps = random_steps(3, 6)
     for i, s in enumerate(steps[:5], 1):
-        svc.step(ref, i, encode_ops(s))
+        svc.steps.step(ref, i, *step_call(s))
     journal.fail_after_write = True
     with pytest.raises(StoreUnavailable):
-        svc.step(ref, 6, encode_ops(steps[5]))
+        svc.steps.step(ref, 6, *step_call(steps[5]))
     # The record landed but memory did not apply it: the retry reloads from
     # the journal, finds step 6 applied, and answers it without applying again.
-    answer = svc.step(ref, 6, encode_ops(steps[5]))
+    answer = svc.steps.step(ref, 6, *step_call(steps[5]))
     reference = BlockPool(PoolConfig(24, 4, True, "m"))
     for s in steps[:5]:
         execute_step(reference, s)
@@ -280,36 +284,36 @@ def test_ambiguous_journal_failure_reloads_and_applies_once():
 def test_store_down_refuses_changes_and_keeps_reads():
     journal = FakeJournal()
     svc = AllocatorService(ServiceConfig(), journal)
-    r = svc.register("w", SHAPE)
-    ref = pb.PoolRef(pool_id=r.pool_id, credential=r.credential)
-    svc.step(ref, 1, encode_ops([Admit("a", [1, 2, 3, 4, 5])]))
+    r = svc.pools.register("w", SHAPE)
+    ref = PoolRef(r.pool_id, r.credential)
+    svc.steps.step(ref, 1, *step_call([Admit("a", [1, 2, 3, 4, 5])]))
     before = svc.registry.pools[r.pool_id].pool.to_state()
     journal.down = True
     with pytest.raises(StoreUnavailable):
-        svc.step(ref, 2, encode_ops([Append("a", [6])]))
+        svc.steps.step(ref, 2, *step_call([Append("a", [6])]))
     with pytest.raises(StoreUnavailable):
-        svc.register("w2", SHAPE)
-    assert svc.block_table(ref, "a") == ([0, 1], 5)  # reads still answer
-    assert svc.heartbeat(ref) > 0
+        svc.pools.register("w2", SHAPE)
+    assert svc.reads.block_table(ref, "a") == ([0, 1], 5)  # reads still answer
+    assert svc.pools.heartbeat(ref) > 0
     assert svc.registry.pools[r.pool_id].pool.to_state() == before
     journal.down = False
-    assert svc.step(ref, 2, encode_ops([Append("a", [6])])).errors == [0]
+    assert svc.steps.step(ref, 2, *step_call([Append("a", [6])])).errors == [0]
 
 
 def test_lease_expiry_drops_only_the_silent_pool():
     now = [0.0]
     svc = AllocatorService(ServiceConfig(lease_ttl_s=10), clock=lambda: now[0])
-    a = svc.register("a", SHAPE)
-    b = svc.register("b", SHAPE)
+    a = svc.pools.register("a", SHAPE)
+    b = svc.pools.register("b", SHAPE)
     now[0] = 8
-    svc.heartbeat(pb.PoolRef(pool_id=a.pool_id, credential=a.credential))
+    svc.pools.heartbeat(PoolRef(a.pool_id, a.credential))
     now[0] = 12
-    assert svc.expire_leases() == [b.pool_id]
+    assert svc.pools.expire_leases() == [b.pool_id]
     assert list(svc.registry.pools) == [a.pool_id]
     now[0] = 17.9
-    assert svc.expire_leases() == []
+    assert svc.pools.expire_leases() == []
     now[0] = 18.1
-    assert svc.expire_leases() == [a.pool_id]
+    assert svc.pools.expire_leases() == [a.pool_id]
 
 
 def test_failed_snapshot_backs_off():
@@ -318,15 +322,15 @@ def test_failed_snapshot_backs_off():
     now = [0.0]
     journal = FakeJournal()
     svc = AllocatorService(ServiceConfig(snapshot_every=1), journal, clock=lambda: now[0])
-    r = svc.register("w", SHAPE)  # first snapshot: fine
+    r = svc.pools.register("w", SHAPE)  # first snapshot: fine
     assert journal.snapshot_attempts == 1
-    ref = pb.PoolRef(pool_id=r.pool_id, credential=r.credential)
+    ref = PoolRef(r.pool_id, r.credential)
     journal.snapshot_down = True
     attempts_at = []
     for i in range(1, 41):
         now[0] = i * 0.25
         before = journal.snapshot_attempts
-        svc.step(ref, i, encode_ops([]))
+        svc.steps.step(ref, i, *step_call([]))
         if journal.snapshot_attempts > before:
             attempts_at.append(now[0])
     # tries at 0.25 s, then >= 1 s, >= 2 s, >= 4 s later
@@ -334,24 +338,24 @@ def test_failed_snapshot_backs_off():
     assert svc.snapshot_failures == 4
     journal.snapshot_down = False
     now[0] = 100.0
-    svc.step(ref, 41, encode_ops([]))
+    svc.steps.step(ref, 41, *step_call([]))
     assert journal.snapshot is not None and journal.records == []
-    svc.step(ref, 42, encode_ops([]))
+    svc.steps.step(ref, 42, *step_call([]))
     assert journal.snapshot_attempts == 7  # 1 + 4 failed + 2: no backoff after a success
 
 
 def test_prev_step_id_mismatch_drops_the_pool():
-    from allocator_service.errors import PoolNotFound
+    from allocator_service.wire.errors import PoolNotFound
 
     journal = FakeJournal()
     svc = AllocatorService(ServiceConfig(), journal)
-    r = svc.register("w", SHAPE)
-    ref = pb.PoolRef(pool_id=r.pool_id, credential=r.credential)
-    first = svc.step(ref, 1, encode_ops([Admit("a", [1, 2, 3])]), prev_step_id=0)
-    assert svc.step(ref, 1, encode_ops([Admit("a", [1, 2, 3])]), prev_step_id=0) == first
+    r = svc.pools.register("w", SHAPE)
+    ref = PoolRef(r.pool_id, r.credential)
+    first = svc.steps.step(ref, 1, *step_call([Admit("a", [1, 2, 3])]), prev_step_id=0)
+    assert svc.steps.step(ref, 1, *step_call([Admit("a", [1, 2, 3])]), prev_step_id=0) == first
     # The worker says it got an answer for step 2, which this server never had.
     with pytest.raises(PoolNotFound, match="follows step 2 but the allocator's last step for it is 1"):
-        svc.step(ref, 3, encode_ops([]), prev_step_id=2)
+        svc.steps.step(ref, 3, *step_call([]), prev_step_id=2)
     assert r.pool_id not in svc.registry.pools
     again = AllocatorService(ServiceConfig(), journal)  # the drop was journaled
     assert r.pool_id not in again.registry.pools

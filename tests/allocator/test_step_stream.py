@@ -15,12 +15,12 @@ import pytest
 
 from allocator_service.client import EmbeddedAllocator, PoolSpec
 from allocator_service.client.grpc_client import GrpcAllocator, error_reason
-from allocator_service.codec import encode_ops
 from allocator_service.config import Limits, ServiceConfig
 from allocator_service.core import Admit, Append, Free, PoolConfig
 from allocator_service.rpc.server import create_server
 from allocator_service.service import AllocatorService
-from allocator_service.v1 import allocator_pb2 as pb
+from allocator_service.wire.codec import encode_ops
+from allocator_service.wire.v1 import allocator_pb2 as pb
 from tests.support.allocator import as_json, random_steps, register, stub
 
 C = grpc.StatusCode

@@ -20,7 +20,7 @@ from allocator_service.client import PoolSpec
 from allocator_service.client.grpc_client import GrpcAllocator
 from allocator_service.core import Admit, Free, PoolConfig
 from allocator_service.core.tiers import TierReport
-from allocator_service.v1 import allocator_pb2 as pb
+from allocator_service.wire.v1 import allocator_pb2 as pb
 from tests.support.allocator import stub
 
 BLOCK = 4

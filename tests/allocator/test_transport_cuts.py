@@ -20,10 +20,10 @@ import pytest
 from allocator_service.client import EmbeddedAllocator, PoolSpec
 from allocator_service.client.grpc_client import GrpcAllocator
 from allocator_service.core import PoolConfig
-from allocator_service.errors import ERROR_KEY
 from allocator_service.rpc.servicer import SERVICE_NAME
-from allocator_service.v1 import allocator_pb2 as pb
-from allocator_service.v1 import allocator_pb2_grpc as pb_grpc
+from allocator_service.wire.errors import ERROR_KEY
+from allocator_service.wire.v1 import allocator_pb2 as pb
+from allocator_service.wire.v1 import allocator_pb2_grpc as pb_grpc
 from tests.support.allocator import as_json, random_steps
 
 SPEC = PoolSpec("cut-test", PoolConfig(32, 4, True, "m"))
@@ -166,7 +166,7 @@ def test_a_stream_ended_at_shutdown_answers_its_step_in_flight():
             t = threading.Thread(target=lambda: answer.update(r=worker.step(steps[1])))
             t.start()
             assert lock.waiting.wait(10)  # the step is in the server, waiting for its pool
-            service.end_step_streams()
+            service.streams.end_step_streams()
         t.join(10)
         assert answer["r"] == reference.step(steps[1])
         with pytest.raises(AllocatorUnavailable):

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from allocator_service.roles import parse_worker_tokens
-from allocator_service.v1 import allocator_pb2 as pb
+from allocator_service.wire.v1 import allocator_pb2 as pb
 from tests.support.allocator import stub
 
 C = grpc.StatusCode

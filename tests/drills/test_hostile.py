@@ -42,9 +42,9 @@ from hypothesis.stateful import (
 )
 
 from allocator_service.client import EmbeddedAllocator, PoolSpec
-from allocator_service.codec import decode_results, encode_ops
 from allocator_service.core import Admit, Append, Fork, Free, PoolConfig, UnknownSequence
-from allocator_service.v1 import allocator_pb2 as pb
+from allocator_service.wire.codec import decode_results, encode_ops
+from allocator_service.wire.v1 import allocator_pb2 as pb
 from tests.support.allocator import DOCUMENTED, as_json, register, stub
 from tests.support.drills import (
     MODEL,
@@ -324,7 +324,7 @@ def test_the_heaviest_legal_requests_are_bounded_and_replay(redis_store, allocat
         record_bytes,
         split_prefix,
     )
-    from allocator_service.v1 import journal_pb2 as jpb
+    from allocator_service.wire.v1 import journal_pb2 as jpb
     from tests.support.drills import rss_bytes
 
     with redis_store() as (url, _):

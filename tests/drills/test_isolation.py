@@ -23,12 +23,12 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from allocator_service.codec import encode_ops
 from allocator_service.core import Free
 from allocator_service.store.events import EventLog
 from allocator_service.store.registry import Registry
-from allocator_service.v1 import allocator_pb2 as pb
-from allocator_service.v1 import allocator_pb2_grpc as pb_grpc
+from allocator_service.wire.codec import encode_ops
+from allocator_service.wire.v1 import allocator_pb2 as pb
+from allocator_service.wire.v1 import allocator_pb2_grpc as pb_grpc
 from tests.support.drills import MODEL, Stack, complete, journal_state, report, self_signed_cert
 from tests.support.drills import reference_texts as offline
 

@@ -27,15 +27,15 @@ import pytest
 
 from allocator_service.client import EmbeddedAllocator, PoolSpec
 from allocator_service.client.grpc_client import GrpcAllocator, error_reason, open_channel
-from allocator_service.codec import decode_results, fill_ops
 from allocator_service.core import PoolConfig, step_columns
 from allocator_service.core.step import Admit, Append
 from allocator_service.store.events import EventLog
 from allocator_service.store.journal import RedisJournal
 from allocator_service.store.leader import DEPOSED
 from allocator_service.store.replay import replay
-from allocator_service.v1 import allocator_pb2 as pb
-from allocator_service.v1 import allocator_pb2_grpc as pb_grpc
+from allocator_service.wire.codec import decode_results, fill_ops
+from allocator_service.wire.v1 import allocator_pb2 as pb
+from allocator_service.wire.v1 import allocator_pb2_grpc as pb_grpc
 from pagedkv.bench.restart import (
     ALLOCATOR_ENV,
     WORKER_ARGS,

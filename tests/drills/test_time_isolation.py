@@ -28,7 +28,7 @@ import pytest
 from allocator_service.client import PoolLost, PoolSpec
 from allocator_service.client.grpc_client import GrpcAllocator
 from allocator_service.core import Admit, Append, PoolConfig
-from allocator_service.v1 import allocator_pb2 as pb
+from allocator_service.wire.v1 import allocator_pb2 as pb
 from pagedkv.bench.attackers import snapshot_amplifier
 from pagedkv.bench.noisy_neighbour import _neighbour
 from pagedkv.bench.workloads import prompt_with_prefix

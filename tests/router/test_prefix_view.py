@@ -22,7 +22,7 @@ from allocator_service.client.grpc_client import GrpcAllocator, RouterClient
 from allocator_service.core import Admit, Append, PoolConfig
 from allocator_service.core.hashing import prompt_chain
 from allocator_service.rpc.servicer import watched_kinds
-from allocator_service.v1 import allocator_pb2 as pb
+from allocator_service.wire.v1 import allocator_pb2 as pb
 from router.discovery import Discovery
 from router.prefix_view import PrefixView
 from tests.support.allocator import random_steps

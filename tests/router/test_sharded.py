@@ -19,7 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from allocator_service.client.grpc_client import RouterClient
-from allocator_service.v1 import allocator_pb2 as pb
+from allocator_service.wire.v1 import allocator_pb2 as pb
 from pagedkv.stack import LocalStack, StackError
 from router.app import Router
 from router.discovery import Discovery, MergedDiscovery, Worker

@@ -19,7 +19,7 @@ import grpc
 import httpx
 import pytest
 
-from allocator_service.v1 import allocator_pb2 as pb
+from allocator_service.wire.v1 import allocator_pb2 as pb
 from pagedkv.bench.attackers import Attacker, rogue_pool
 from pagedkv.stack import LocalStack
 from tests.support.allocator import code_of, stub

@@ -11,9 +11,10 @@ import time
 
 import grpc
 
-from allocator_service.core import Admit, Append, Fork, Free, Op, Unreserve
-from allocator_service.v1 import allocator_pb2 as pb
-from allocator_service.v1 import allocator_pb2_grpc as pb_grpc
+from allocator_service.core import Admit, Append, Fork, Free, Op, StepColumns, Unreserve
+from allocator_service.wire.codec import encode_ops, step_from_proto
+from allocator_service.wire.v1 import allocator_pb2 as pb
+from allocator_service.wire.v1 import allocator_pb2_grpc as pb_grpc
 
 _C = grpc.StatusCode
 # The status codes the allocator documents; never UNKNOWN or INTERNAL.
@@ -62,6 +63,11 @@ def dump(s: pb_grpc.AllocatorStub, metadata, ref: pb.PoolRef) -> dict:
 def as_json(state: dict) -> dict:
     """`to_state()` as it looks after a JSON round trip (what DumpPool sends)."""
     return json.loads(json.dumps(state))
+
+
+def step_call(ops: list[Op]) -> tuple[StepColumns, bytes]:
+    """`ops` as the service's Step takes them (what the servicer decodes)."""
+    return step_from_proto(encode_ops(ops))
 
 
 def random_steps(seed: int, steps: int, max_ops: int = 6, vocab: int = 6) -> list[list[Op]]:

@@ -284,7 +284,7 @@ def journal_state(redis_url: str):
     from allocator_service.store.events import EventLog
     from allocator_service.store.journal import record_bytes, split_prefix
     from allocator_service.store.replay import replay
-    from allocator_service.v1 import journal_pb2 as jpb
+    from allocator_service.wire.v1 import journal_pb2 as jpb
 
     url, prefix = split_prefix(redis_url)
     client = redis.Redis.from_url(url)

@@ -15,7 +15,7 @@ import pytest
 from allocator_service.client import PoolSpec
 from allocator_service.client.grpc_client import GrpcAllocator
 from allocator_service.core import Admit, Free, PoolConfig
-from allocator_service.v1 import allocator_pb2 as pb
+from allocator_service.wire.v1 import allocator_pb2 as pb
 from tests.support.allocator import stub
 from tests.web import cdp
 

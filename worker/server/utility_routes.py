@@ -12,7 +12,7 @@ Their request and response bodies are vLLM's:
 - `POST /detokenize` with `{"tokens": [ids]}`: `{"prompt": text}`.
 - `GET /version`: `{"version": "..."}` (this package's version).
 - `GET /pagedkv/identity?nonce=N`: the answer to a router's challenge
-  (`allocator_service.attest`): `{"pool_id", "worker_id", "proof"}`, proving
+  (`allocator_service.wire.attest`): `{"pool_id", "worker_id", "proof"}`, proving
   that this worker serves the pool the allocator lists at its address; 404
   `not_registered` when no shared allocator lists it with an address.
 - `POST /reset_peaks` (no body): starts the worker's high-water marks
@@ -35,7 +35,7 @@ import importlib.metadata
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from allocator_service.attest import IDENTITY_PATH, valid_nonce
+from allocator_service.wire.attest import IDENTITY_PATH, valid_nonce
 from pagedkv_base.api.bodies import dumps, json_bytes, off_loop, read_body
 from pagedkv_base.api.errors import ApiError
 from pagedkv_base.api.protocol import ChatMessage, template_messages

@@ -11,7 +11,7 @@ copying lists; the one step semantics is the core's `run_step`.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from allocator_service.core import (
@@ -24,9 +24,16 @@ from allocator_service.core import (
     step_columns,
 )
 from allocator_service.core import step as core_step
-from allocator_service.core.limits import MAX_STORE_NAMESPACE_LEN, max_table_entries
 from allocator_service.core.tiers import HASH_LEN, Moves
-from allocator_service.v1 import allocator_pb2 as pb
+from allocator_service.wire.bounds import MAX_ERROR_MESSAGE_BYTES
+from allocator_service.wire.errors import (
+    INVALID_ARGUMENT,
+    OUT_OF_BLOCKS,
+    POOL_LIMIT,
+    SEQUENCE_EXISTS,
+    UNKNOWN_SEQUENCE,
+)
+from allocator_service.wire.v1 import allocator_pb2 as pb
 
 # NOTE: the core numbers kinds and per-operation errors as the wire enums do,
 # so those columns cross the edge unmapped; this holds them equal.
@@ -34,11 +41,11 @@ assert (core_step.FREE, core_step.APPEND, core_step.ADMIT, core_step.FORK, core_
     pb.OP_KIND_FREE, pb.OP_KIND_APPEND, pb.OP_KIND_ADMIT, pb.OP_KIND_FORK, pb.OP_KIND_UNRESERVE
 )
 assert core_step.ERROR_NUMBER == {
-    "out_of_blocks": pb.OP_ERROR_OUT_OF_BLOCKS,
-    "unknown_sequence": pb.OP_ERROR_UNKNOWN_SEQUENCE,
-    "sequence_exists": pb.OP_ERROR_SEQUENCE_EXISTS,
-    "invalid_argument": pb.OP_ERROR_INVALID_ARGUMENT,
-    "pool_limit": pb.OP_ERROR_POOL_LIMIT,
+    OUT_OF_BLOCKS: pb.OP_ERROR_OUT_OF_BLOCKS,
+    UNKNOWN_SEQUENCE: pb.OP_ERROR_UNKNOWN_SEQUENCE,
+    SEQUENCE_EXISTS: pb.OP_ERROR_SEQUENCE_EXISTS,
+    INVALID_ARGUMENT: pb.OP_ERROR_INVALID_ARGUMENT,
+    POOL_LIMIT: pb.OP_ERROR_POOL_LIMIT,
 }
 
 STATS_FIELDS = tuple(PoolStats.__slots__)
@@ -139,6 +146,12 @@ def canonical_ops(msg: pb.StepOps) -> bytes:
     return msg.SerializeToString(deterministic=True)
 
 
+def step_from_proto(msg: pb.StepOps) -> tuple[StepColumns, bytes]:
+    """A request's operations as the service takes them: their columns and
+    their canonical encoding."""
+    return columns_from_proto(msg), canonical_ops(msg)
+
+
 # --------------------------------------------------------------- responses
 # The result columns the wire carries as StepResponse fields of their names;
 # the tier moves (`StepResult`'s fields after `error_messages`, a `Moves`)
@@ -148,11 +161,6 @@ _OFF_WIRE = len(_WIRE_RESULT)
 assert StepResult._fields[:_OFF_WIRE] == _WIRE_RESULT and StepResult._fields[_OFF_WIRE:] == Moves._fields
 assert tuple(pb.TierMoves.DESCRIPTOR.fields_by_name) == Moves._fields
 _HASH_MOVES = frozenset(("store_deletes", "store_saves", "store_loads"))  # packed bytes on the wire
-
-# Bytes of one operation's readable reason in a StepResponse, at most (a
-# longer one is cut): what lets `step_answer_bound` bound a step's answer.
-MAX_ERROR_MESSAGE_BYTES = 320
-
 
 def result_to_proto(step_id: int, result: StepResult) -> pb.StepResponse:
     if result.error_messages and max(map(len, result.error_messages)) > MAX_ERROR_MESSAGE_BYTES // 4:
@@ -175,88 +183,6 @@ def _clip(message: str) -> str:
     if len(raw) <= MAX_ERROR_MESSAGE_BYTES:
         return message
     return raw[:MAX_ERROR_MESSAGE_BYTES - 3].decode(errors="ignore") + "\u2026"
-
-
-class TierBound(NamedTuple):
-    """What bounds a tiered pool's moves in one answer (`step_answer_bound`)."""
-
-    store_entries: int  # entries the shared store holds now (0: the pool uses none)
-    deletes_per_save: int  # store entries one save may delete to make room, at most
-
-
-def step_answer_bound(step: StepColumns, num_blocks: int, block_size: int,
-                      num_tokens: Callable[[str], int | None], tiers: TierBound | None = None) -> int:
-    """An upper bound of the encoded size of the StepResponse that `step`
-    can get from a pool of this shape, before it is applied (what the
-    service refuses a step for: the answer must fit the wire).
-    `num_tokens(seq)`: the tokens (reserved slots included) a live sequence
-    of the pool holds now, None for no such sequence.
-
-    Block ids: an ADMIT or APPEND appends at most its tokens and reserved
-    slots in blocks, one more for a partial block, and one more for a
-    copy-on-write (G over the step). A FORK appends its parent's whole
-    table: the parent's now (or its own parent's bound, for a child forked
-    in this step), grown by at most G.
-
-    Tier moves (`tiers`, a tiered pool): every block the step takes (at most
-    G) is evicted at most once, which saves it one tier down (a host save, and
-    the host entry it displaces saved to the store) and is loaded into at
-    most once; with a store, a FREE writes the cached blocks it releases
-    through (at most its table: the sequence's full blocks now, or its fork
-    bound; G once over all frees; and no more than the pool's blocks and G,
-    a save per hash a block holds in the step); each store save deletes at
-    most `deletes_per_save` entries, and every store confirmation that
-    fails or a refused load one more, never more than the store holds. A
-    delete names its entry's store namespace, any pool's: at most
-    MAX_STORE_NAMESPACE_LEN ASCII characters."""
-    kinds, reserved = step.kinds, step.num_reserved
-    n = len(kinds)
-    id_bytes = max(1, ((num_blocks - 1).bit_length() + 6) // 7)
-    # only an ADMIT or APPEND takes blocks: a partial one and a copy each, at most
-    writers = sum(1 for k in kinds if k == core_step.APPEND or k == core_step.ADMIT)
-    growth = (len(step.tokens) + (sum(reserved) if reserved else 0)) // block_size + 2 * writers
-    ids = growth
-    # the blocks FREEs release, each a store save (write-through), at most
-    stores = tiers is not None and tiers.store_entries > 0
-    freed = frees = 0
-    if step.children or stores:
-        lengths: dict[str, int] = {}  # children forked in this step -> their bound
-        forks = 0
-        for i, kind in enumerate(kinds):
-            if kind == core_step.FREE and stores:
-                frees += 1
-                bound = lengths.get(step.seq_ids[i])
-                if bound is None:  # its cached blocks now: full ones
-                    bound = (num_tokens(step.seq_ids[i]) or 0) // block_size
-                freed += bound
-            if kind != core_step.FORK or forks >= len(step.children):
-                continue
-            parent = step.seq_ids[i]
-            bound = lengths.get(parent)
-            if bound is None:
-                held = num_tokens(parent)
-                bound = (-(-held // block_size) if held else 0) + growth
-            lengths[step.children[forks]] = bound
-            forks += 1
-            ids += bound
-        if frees:  # what the step's writers add to the tables freed, G at most in all
-            freed = min(freed + growth, num_blocks + growth)
-    # Appended ids become table entries (a copy-on-write replaces one, at most
-    # one per writer): past the pool's bound on entries an operation fails
-    # whole (`pool_limit`) and appends nothing.
-    ids = min(ids, max_table_entries(num_blocks) + writers)
-    # Per operation: an error (1 byte), five uint32 columns (5 each), one
-    # copy's two ids, a reason; the ids; the fields' tags and lengths.
-    bound = 128 + n * (26 + 2 * id_bytes + MAX_ERROR_MESSAGE_BYTES + 3) + ids * id_bytes
-    if tiers is not None:
-        # per block taken: a host save (2 ids), a store save (a hash, 1 id), a load (a hash, 1 id)
-        bound += 64 + growth * (2 * HASH_LEN + 4 * id_bytes)
-        if tiers.store_entries:
-            bound += freed * (HASH_LEN + id_bytes)  # a write-through: a hash, 1 id
-            deletes = min(tiers.store_entries, (growth + freed) * tiers.deletes_per_save
-                          + len(step.store_failed) + len(step.refused))
-            bound += deletes * (HASH_LEN + MAX_STORE_NAMESPACE_LEN + 3)  # a hash and a namespace with its tag
-    return bound
 
 
 def decode_results(resp: pb.StepResponse, num_ops: int) -> StepResults:
@@ -328,6 +254,28 @@ class PoolInfo(NamedTuple):
     store_used_bytes: int = 0  # the shared store's bytes in use (every pool's)
     host_hit_tokens: int = 0  # prompt tokens admissions loaded from the host tier
     store_hit_tokens: int = 0  # ... from the shared store
+
+
+class PrefixMatch(NamedTuple):
+    """How much of a prompt one pool holds, as MatchPrefix answers it: the
+    service's answer, the wire's `PrefixMatch` (same fields) and what
+    `RouterClient.match_prefix` returns."""
+
+    pool_id: str
+    worker_id: str
+    cached_tokens: int  # in the KV pool
+    free_blocks: int
+    block_size: int
+    host_tokens: int = 0  # past those, in the pool's host tier ...
+    store_tokens: int = 0  # ... and in the shared store
+
+
+def match_to_proto(match: PrefixMatch) -> pb.PrefixMatch:
+    return pb.PrefixMatch(**match._asdict())
+
+
+def match_from_proto(msg: pb.PrefixMatch) -> PrefixMatch:
+    return PrefixMatch(*(getattr(msg, f) for f in PrefixMatch._fields))
 
 
 def pool_info_to_proto(info: PoolInfo) -> pb.PoolInfo:

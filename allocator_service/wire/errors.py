@@ -1,19 +1,14 @@
-"""Every error the service can answer, and the ONE table mapping it to a
-gRPC status code.
+"""Every refusal the allocator answers, and the reason each carries.
 
-The service raises domain exceptions (these classes, and the core's
-`AllocatorError`s); only `abort()` turns them into a status. Each carries a
-stable machine-readable `code`, sent as the `pagedkv-error` trailing
-metadata so a client can tell "your pool is gone" from "unknown sequence"
-without parsing the message. Anything else reaching `abort()` is a bug: it is
-logged with its traceback and the client sees INTERNAL with no detail.
+The service raises these classes and the core's `AllocatorError`s; the gRPC
+servicer turns them into a status through ONE table (`rpc/status.py`), the
+HTTP port through its own. Each carries a stable machine-readable `code`,
+sent as the `ERROR_KEY` trailing metadata, so a client tells "your pool is
+gone" from "unknown sequence" without parsing the message: clients match
+the constants below, never a string.
 """
 
 from __future__ import annotations
-
-import logging
-
-import grpc
 
 from allocator_service.core.errors import (
     AllocatorError,
@@ -24,11 +19,33 @@ from allocator_service.core.errors import (
     UnknownSequence,
 )
 
-log = logging.getLogger(__name__)
-
+# The trailing metadata key of a refusal's reason.
 ERROR_KEY = "pagedkv-error"
 # Trailing metadata of a `NotLeader` answer: where the leader serves (HOST:PORT).
 LEADER_KEY = "pagedkv-leader"
+
+# The reasons (`code`) on the wire. The core's:
+INVALID_ARGUMENT = InvalidArgument.code
+OUT_OF_BLOCKS = OutOfBlocks.code
+POOL_LIMIT = PoolLimit.code
+SEQUENCE_EXISTS = SequenceExists.code
+UNKNOWN_SEQUENCE = UnknownSequence.code
+# ... and the service's:
+UNAUTHENTICATED = "unauthenticated"
+PERMISSION_DENIED = "permission_denied"
+POOL_NOT_FOUND = "pool_not_found"
+STEP_CONFLICT = "step_conflict"
+POOL_IN_USE = "pool_in_use"
+CAPACITY = "capacity"
+QUOTA = "quota"
+STEP_STREAMS = "step_streams"
+POOL_CALLS = "pool_calls"
+ANSWER_TOO_LARGE = "answer_too_large"
+SHUTTING_DOWN = "shutting_down"
+STORE_UNAVAILABLE = "store_unavailable"
+NOT_LEADER = "not_leader"
+# what `rpc/status.py` answers for an exception that is not a refusal (a bug)
+INTERNAL = "internal"
 
 
 class ServiceError(AllocatorError):
@@ -38,25 +55,25 @@ class ServiceError(AllocatorError):
 class BadRequest(ServiceError):
     """Malformed request or one over the documented limits."""
 
-    code = "invalid_argument"
+    code = INVALID_ARGUMENT
 
 
 class Unauthenticated(ServiceError):
     """Missing or wrong bearer token, or no pool credential presented."""
 
-    code = "unauthenticated"
+    code = UNAUTHENTICATED
 
 
 class PermissionDenied(ServiceError):
     """A pool credential that is not this pool's."""
 
-    code = "permission_denied"
+    code = PERMISSION_DENIED
 
 
 class PoolNotFound(ServiceError):
     """No such pool: never registered, deregistered, expired or replaced."""
 
-    code = "pool_not_found"
+    code = POOL_NOT_FOUND
 
     def __init__(self, pool_id: str) -> None:
         super().__init__(f"no pool {pool_id!r} (never registered, dropped, or its lease expired)")
@@ -67,20 +84,20 @@ class StepConflict(ServiceError):
     """A step id the pool's history cannot accept (reused with other
     operations, or older than the last step)."""
 
-    code = "step_conflict"
+    code = STEP_CONFLICT
 
 
 class PoolInUse(ServiceError):
     """RegisterPool of a worker id whose pool is live, without that pool's
     credential (`replace_credential`): wait for its lease to expire."""
 
-    code = "pool_in_use"
+    code = POOL_IN_USE
 
 
 class CapacityExceeded(ServiceError):
     """Server-wide capacity: pools, blocks, watchers."""
 
-    code = "capacity"
+    code = CAPACITY
 
 
 class QuotaExceeded(CapacityExceeded):
@@ -88,21 +105,21 @@ class QuotaExceeded(CapacityExceeded):
     quota, `--max-pool-blocks`): asking again cannot pass (RESOURCE_EXHAUSTED,
     `quota`)."""
 
-    code = "quota"
+    code = QUOTA
 
 
 class StepStreamsExhausted(CapacityExceeded):
     """Every StepStream the server serves at once is open: the client sends
     unary Steps instead (RESOURCE_EXHAUSTED, `step_streams`)."""
 
-    code = "step_streams"
+    code = STEP_STREAMS
 
 
 class TooManyCalls(CapacityExceeded):
     """A pool already has as many slow reads in flight as one pool may
     (`Limits.max_calls_per_pool`; RESOURCE_EXHAUSTED, `pool_calls`)."""
 
-    code = "pool_calls"
+    code = POOL_CALLS
 
 
 class AnswerTooLarge(CapacityExceeded):
@@ -112,14 +129,14 @@ class AnswerTooLarge(CapacityExceeded):
     smaller steps), or a DumpPool of a pool too large to dump in one answer
     (refused before it is built when its floor says so)."""
 
-    code = "answer_too_large"
+    code = ANSWER_TOO_LARGE
 
 
 class ShuttingDown(ServiceError):
     """The server is stopping: a step stream is ended (UNAVAILABLE, so the
     worker retries the step at the next server)."""
 
-    code = "shutting_down"
+    code = SHUTTING_DOWN
 
 
 class NotLeader(ServiceError):
@@ -127,7 +144,7 @@ class NotLeader(ServiceError):
     client retries, with the leader's address (`LEADER_KEY`, empty while no
     lease is alive) for a client that knows several addresses to go there."""
 
-    code = "not_leader"
+    code = NOT_LEADER
 
     def __init__(self, leader: str) -> None:
         super().__init__(f"this allocator is a standby; the leader is {leader or 'being elected'}")
@@ -137,7 +154,7 @@ class NotLeader(ServiceError):
 class StoreUnavailable(ServiceError):
     """The durable state store (Redis) did not answer; nothing was applied."""
 
-    code = "store_unavailable"
+    code = STORE_UNAVAILABLE
 
 
 class StoreLost(StoreUnavailable):
@@ -163,48 +180,3 @@ class PoolStateLost(PoolNotFound):
     def __init__(self, pool_id: str, message: str) -> None:
         ServiceError.__init__(self, message)
         self.pool_id = pool_id
-
-
-# The one mapping. Keyed by class; the most specific match wins (the MRO walk
-# in `status_for`), so a subclass of InvalidArgument is INVALID_ARGUMENT too.
-STATUS: dict[type[Exception], grpc.StatusCode] = {
-    BadRequest: grpc.StatusCode.INVALID_ARGUMENT,
-    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
-    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
-    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
-    PoolNotFound: grpc.StatusCode.NOT_FOUND,
-    UnknownSequence: grpc.StatusCode.NOT_FOUND,
-    StepConflict: grpc.StatusCode.FAILED_PRECONDITION,
-    PoolInUse: grpc.StatusCode.FAILED_PRECONDITION,
-    SequenceExists: grpc.StatusCode.FAILED_PRECONDITION,
-    CapacityExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    PoolLimit: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    OutOfBlocks: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    StoreUnavailable: grpc.StatusCode.UNAVAILABLE,
-    ShuttingDown: grpc.StatusCode.UNAVAILABLE,
-    NotLeader: grpc.StatusCode.UNAVAILABLE,
-}
-
-
-def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """(status code, machine-readable reason) for an exception."""
-    for cls in type(exc).__mro__:
-        status = STATUS.get(cls)
-        if status is not None:
-            return status, getattr(exc, "code", "error")
-    return grpc.StatusCode.INTERNAL, "internal"
-
-
-def abort(context: grpc.ServicerContext, exc: BaseException, method: str = "") -> None:
-    """End the call with the status `exc` maps to (raises, as context.abort does)."""
-    status, code = status_for(exc)
-    if status is grpc.StatusCode.INTERNAL:
-        log.error("internal error in %s", method or "a call", exc_info=exc)
-        message = "internal error"
-    else:
-        message = str(exc)
-    trailer = ((ERROR_KEY, code),)
-    if isinstance(exc, NotLeader):
-        trailer += ((LEADER_KEY, exc.leader),)
-    context.set_trailing_metadata(trailer)
-    context.abort(status, message)

@@ -1,0 +1,58 @@
+"""The long-lived calls the server counts: event watchers (WatchEvents and
+the HTTP port's live view) and StepStreams, each within its limit, and the
+end of every StepStream at shutdown."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from allocator_service.config import Limits
+from allocator_service.wire.errors import CapacityExceeded, ShuttingDown, StepStreamsExhausted
+
+
+class Streams:
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self._lock = threading.Lock()
+        self._watchers = 0
+        self._step_streams: set[Callable[[], Any]] = set()  # each open StepStream's end()
+        self._ended = False
+
+    def open_watcher(self) -> None:
+        with self._lock:
+            if self._watchers >= self.limits.max_watchers:
+                raise CapacityExceeded(f"the server serves at most {self.limits.max_watchers} "
+                                       "event streams")
+            self._watchers += 1
+
+    def close_watcher(self) -> None:
+        with self._lock:
+            self._watchers -= 1
+
+    def open_step_stream(self, end: Callable[[], Any]) -> None:
+        """Count a StepStream in (`end()` ends it: `end_step_streams`)."""
+        with self._lock:
+            if self._ended:
+                raise ShuttingDown("the allocator is shutting down")
+            if len(self._step_streams) >= self.limits.max_step_streams:
+                raise StepStreamsExhausted(
+                    f"the server serves at most {self.limits.max_step_streams} step streams: "
+                    "send unary Steps"
+                )
+            self._step_streams.add(end)
+
+    def close_step_stream(self, end: Callable[[], Any]) -> None:
+        with self._lock:
+            self._step_streams.discard(end)
+
+    def end_step_streams(self) -> None:
+        """At shutdown: end every open StepStream (an idle one now: it waits
+        for its worker's next step and would hold the shutdown for its
+        grace; a busy one once its step is answered) and refuse new ones."""
+        with self._lock:
+            self._ended = True
+            ends = list(self._step_streams)
+        for end in ends:
+            end()
