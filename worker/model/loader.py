@@ -89,7 +89,7 @@ def load_model(
     if load_format == "dummy":
         if kind != "hf" or path is None:
             raise ModelLoadError(f"--load-format dummy needs a model folder with a config.json, got {str(spec)!r}")
-        return _dummy_hf_folder(path, dev, dtype, name=name)
+        return _load_hf_folder(path, dev, dtype, name=name, dummy=True)
     if kind == "tiny":
         return build_tiny_random(dev, resolve_dtype(dtype, dev))
     if kind == "gguf":
@@ -124,18 +124,23 @@ def _max_model_len(config: ModelConfig) -> int:
 
 
 def _load_hf_folder(folder: Path, device: torch.device, dtype: str | torch.dtype | None,
-                    name: str | None = None) -> LoadedModel:
+                    name: str | None = None, dummy: bool = False) -> LoadedModel:
+    """A Hugging Face folder's model; `dummy` (`load_format` "dummy"): random weights in
+    its config's shape, seeded, and its tokenizer only when it has one."""
     from safetensors import safe_open
+
+    from pagedkv_base.tokenizer import NoTokenizer
 
     if not (folder / "config.json").is_file():
         raise ModelLoadError(f"{folder} has no config.json")
     raw = read_json(folder / "config.json")
     config = ModelConfig.from_hf(raw)
     dtype = resolve_dtype(dtype, device, declared=raw.get("torch_dtype") or raw.get("dtype"))
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
+    files = [] if dummy else sorted(folder.glob("*.safetensors"))
+    if not dummy and not files:
         raise ModelLoadError(f"{folder} has no *.safetensors weights (pickled .bin files are not loaded)")
-    if not (folder / "tokenizer.json").is_file():
+    has_tokenizer = (folder / "tokenizer.json").is_file()
+    if not dummy and not has_tokenizer:
         raise ModelLoadError(f"{folder} has no tokenizer.json")
 
     def weights():
@@ -144,20 +149,23 @@ def _load_hf_folder(folder: Path, device: torch.device, dtype: str | torch.dtype
                 for key in f.keys():
                     yield key, f.get_tensor(key)
 
-    model = _build(config, weights(), device, dtype)
-    tokenizer, template = hf_tokenizer(folder)
+    model = _random(config, device, dtype) if dummy else _build(config, weights(), device, dtype)
+    tokenizer, template = hf_tokenizer(folder) if has_tokenizer else (NoTokenizer(), None)
     eos: list[int] = []
     gen = read_json(folder / "generation_config.json") if (folder / "generation_config.json").is_file() else {}
     for source in (gen.get("eos_token_id"), raw.get("eos_token_id")):
         eos.extend(source if isinstance(source, list) else [source] if source is not None else [])
     if tokenizer.eos_token and tokenizer.token_to_id(tokenizer.eos_token) is not None:
         eos.append(tokenizer.token_to_id(tokenizer.eos_token))
-    tok_files = [folder / n for n in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja") if (folder / n).is_file()]
+    tok_files = [folder / n for n in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+                 if (folder / n).is_file()]
+    # random weights are the same for a device type: the config, tokenizer, seed and device name them
+    extra = f"dummy/{_DUMMY_SEED}/{device.type}" if dummy else ""
     return LoadedModel(
         model=model,
         config=config,
         tokenizer=tokenizer,
-        fingerprint=fingerprint(config, files + tok_files),
+        fingerprint=fingerprint(config, files + tok_files, extra=extra),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
         max_model_len=_max_model_len(config),
         chat_template=template,
@@ -166,16 +174,8 @@ def _load_hf_folder(folder: Path, device: torch.device, dtype: str | torch.dtype
     )
 
 
-def _dummy_hf_folder(folder: Path, device: torch.device, dtype: str | torch.dtype | None,
-                     name: str | None = None) -> LoadedModel:
-    """A folder's model with random weights (`load_format` "dummy")."""
-    from pagedkv_base.tokenizer import NoTokenizer
-
-    if not (folder / "config.json").is_file():
-        raise ModelLoadError(f"{folder} has no config.json")
-    raw = read_json(folder / "config.json")
-    config = ModelConfig.from_hf(raw)
-    dtype = resolve_dtype(dtype, device, declared=raw.get("torch_dtype") or raw.get("dtype"))
+def _random(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+    """The model with seeded random weights (norms 1) drawn on `device`."""
     model = LlamaForCausalLM.create(config, device, dtype)
     gen = torch.Generator(device=device).manual_seed(_DUMMY_SEED)
     for pname, p in model.named_parameters():
@@ -183,23 +183,7 @@ def _dummy_hf_folder(folder: Path, device: torch.device, dtype: str | torch.dtyp
             p.fill_(1.0)
         else:
             p.normal_(0.0, _DUMMY_STD, generator=gen)
-    has_tokenizer = (folder / "tokenizer.json").is_file()
-    tokenizer, template = hf_tokenizer(folder) if has_tokenizer else (NoTokenizer(), None)
-    eos = raw.get("eos_token_id")
-    tok_files = [folder / n for n in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-                 if (folder / n).is_file()]
-    return LoadedModel(
-        model=model,
-        config=config,
-        tokenizer=tokenizer,
-        # random weights, the same for a device type: the folder's config and tokenizer, the seed, the device
-        fingerprint=fingerprint(config, tok_files, extra=f"dummy/{_DUMMY_SEED}/{device.type}"),
-        eos_token_ids=tuple(dict.fromkeys(int(e) for e in (eos if isinstance(eos, list) else [eos])
-                                          if e is not None)),
-        max_model_len=_max_model_len(config),
-        chat_template=template,
-        name=name or folder.name,
-    )
+    return model
 
 
 # What vLLM's `--generation-config auto` takes from generation_config.json,
