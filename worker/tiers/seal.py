@@ -56,7 +56,7 @@ class StoreSeal:
         self._key = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=_INFO).derive(secret)
         self.key_id = hmac.digest(self._key, b"key id", hashlib.sha256)[:KEY_ID_BYTES]
 
-    def _aead(self, salt: bytes) -> AESGCM:
+    def _aead(self, salt: bytes | memoryview) -> AESGCM:
         return AESGCM(hmac.digest(self._key, salt, hashlib.sha256))
 
     @staticmethod
@@ -69,9 +69,9 @@ class StoreSeal:
         used for this one entry), bound to `aad`."""
         return self._aead(salt).encrypt(_NONCE, payload, aad)
 
-    def open(self, salt: bytes, sealed: bytes | memoryview, aad: bytes) -> bytes | None:
+    def open(self, salt: bytes | memoryview, sealed: bytes | memoryview, aad: bytes) -> bytes | None:
         """The payload, or None when `sealed` was not sealed under this key with `salt` and `aad`."""
         try:
-            return self._aead(bytes(salt)).decrypt(_NONCE, bytes(sealed), aad)
+            return self._aead(salt).decrypt(_NONCE, sealed, aad)
         except InvalidTag:
             return None
