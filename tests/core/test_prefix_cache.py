@@ -9,6 +9,8 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from allocator_service.core import BlockPool, OutOfBlocks, PoolConfig, hashing
 
@@ -208,3 +210,39 @@ def test_bad_input_is_rejected_without_change():
     with pytest.raises(UnknownSequence):
         pool.fork("nope", "Z")
     assert pool.to_state() == before
+
+
+def _spec_chain(root: bytes, tokens: list[int], block_size: int, salt: str | None) -> list[bytes]:
+    """The module docstring's definition, block by block, written out."""
+    import hashlib
+    import struct
+
+    out, parent = [], root
+    for i in range(len(tokens) // block_size):
+        keys = [f"salt:{salt}".encode()] if salt and i == 0 else []
+        h = hashlib.sha256(parent)
+        h.update(struct.pack("<I", block_size))
+        h.update(struct.pack(f"<{block_size}I", *tokens[i * block_size:(i + 1) * block_size]))
+        h.update(struct.pack("<I", len(keys)))
+        for k in keys:
+            h.update(struct.pack("<I", len(k)) + k)
+        parent = h.digest()
+        out.append(parent)
+    return out
+
+
+@given(st.lists(st.integers(0, 2**32 - 1), max_size=700), st.sampled_from([1, 3, 16]),
+       st.sampled_from([None, "", "tenant-ü"]))
+@settings(max_examples=60, deadline=None)
+def test_chain_hashes_are_the_block_by_block_definition(tokens, block_size, salt):
+    root = hashing.root_hash("model-x", block_size)
+    assert hashing.chain_hashes(root, tokens, block_size, salt) == _spec_chain(root, tokens, block_size, salt)
+
+
+PINNED_HASH = "7d4f87ec61107a1b0bf174f775766ff473eb938ed344dd29f706ab8477fcd49c"
+
+
+def test_chain_hashes_are_pinned():
+    """What journals and routers already hold: a change of the encoding is a new HASH_SCHEME."""
+    root = hashing.root_hash("model-x", 16)
+    assert hashing.chain_hashes(root, list(range(40)), 16, "salt")[-1].hex() == PINNED_HASH
