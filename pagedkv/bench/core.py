@@ -5,22 +5,54 @@ admitted with a prompt, decoded for a number of rounds (one token appended
 per sequence per round, the hot path of a serving step) and freed, with
 prefix caching off and on. With caching on, every prompt starts with the same
 system prompt, so admits hit the cache.
+
+`--against vllm` also runs the decode steps of `bench allocator`
+(`workloads.decode_steps`: 256 running sequences, each appending one token a
+step, a few finishing and as many arriving) through this core's `run_step`
+and through vLLM's `KVCacheManager` (`systems/vllm_kv.py`, run by
+`--vllm-python`, an interpreter where vLLM is installed), and reports the CPU
+time per step of each side by side. Without vLLM that comparison is skipped
+and says why.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
+import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 from allocator_service.core import BlockPool, PoolConfig, blocks_for
+from allocator_service.core.step import Append, Free, run_step, step_columns
 from pagedkv.bench import harness
 from pagedkv.bench.harness import Table, cell
-from pagedkv.bench.workloads import CORE, VOCAB, CoreWorkload, prompt_with_prefix
+from pagedkv.bench.workloads import (
+    CORE,
+    MAX_GEN,
+    PROMPT_LEN,
+    VOCAB,
+    CoreWorkload,
+    decode_steps,
+    prompt_with_prefix,
+)
+
+AGAINST = ("vllm",)
+DECODE_SEQS = 256  # running sequences of the side-by-side decode steps
+DECODE_STEPS, DECODE_WARMUP = 400, 50
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     harness.add_workload_option(p, CORE)
+    p.add_argument("--against", choices=AGAINST, default=None,
+                   help="also run 256-sequence decode steps through this core and through vLLM's "
+                        "KVCacheManager, CPU time per step side by side")
+    p.add_argument("--vllm-python", default=sys.executable, metavar="PATH",
+                   help="the Python interpreter where vLLM is installed [this one]")
     harness.add_json_option(p)
 
 
@@ -68,8 +100,68 @@ def _run_once(w: CoreWorkload, prefix_caching: bool) -> dict:
     }
 
 
+def _decode_stream(block_size: int) -> tuple[list[list], int]:
+    """The side-by-side decode steps (warmup first) and the blocks they need."""
+    gen = decode_steps(DECODE_SEQS, seed=DECODE_SEQS)
+    steps = [next(gen) for _ in range(1 + DECODE_WARMUP + DECODE_STEPS)]
+    return steps, DECODE_SEQS * (blocks_for(PROMPT_LEN + MAX_GEN, block_size) + 2) + 64
+
+
+def _pagedkv_decode(steps: list[list], num_blocks: int, block_size: int) -> list[float]:
+    pool = BlockPool(PoolConfig(num_blocks=num_blocks, block_size=block_size,
+                                enable_prefix_caching=True, model_fingerprint="bench"))
+    clock, cpu = time.process_time, []
+    for ops in steps:
+        t0 = clock()
+        result = run_step(pool, step_columns(ops))
+        cpu.append(clock() - t0)
+        if any(result.errors):
+            raise RuntimeError("the benchmark pool is too small")
+    return cpu
+
+
+def _vllm_decode(steps: list[list], num_blocks: int, block_size: int, python: str) -> dict:
+    """vLLM's CPU time per step, or {"skipped": why}."""
+    wire = [[["free", o.seq] if type(o) is Free else
+             ["append", o.seq, list(o.tokens)] if type(o) is Append else
+             ["admit", o.seq, list(o.tokens)] for o in ops] for ops in steps]
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
+    job = json.dumps({"block_size": block_size, "num_blocks": num_blocks, "steps": wire})
+    try:
+        done = subprocess.run([python, "-m", "pagedkv.bench.systems.vllm_kv"], input=job, env=env,
+                              capture_output=True, text=True, timeout=1800)
+    except OSError as exc:
+        return {"skipped": f"{python}: {exc.strerror}"}
+    if done.returncode:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        if "No module named 'vllm'" in last:
+            return {"skipped": f"vLLM is not installed for {python} (--vllm-python names one where it is)"}
+        return {"skipped": f"vLLM's side failed: {last}"}
+    return json.loads(done.stdout)
+
+
+def _against(system: str, python: str, block_size: int) -> dict:
+    steps, num_blocks = _decode_stream(block_size)
+    ops = sum(len(s) for s in steps[1 + DECODE_WARMUP:]) / DECODE_STEPS
+    mine = _pagedkv_decode(steps, num_blocks, block_size)[1 + DECODE_WARMUP:]
+    out = {"system": system, "seqs": DECODE_SEQS, "steps": DECODE_STEPS, "ops_per_step": ops,
+           "block_size": block_size, "pagedkv_step_ms_p50": 1e3 * statistics.median(mine),
+           "pagedkv_step_ms_mean": 1e3 * statistics.fmean(mine)}
+    theirs = _vllm_decode(steps, num_blocks, block_size, python)
+    if "skipped" in theirs:
+        return out | {"skipped": theirs["skipped"], "version": None, "vllm_step_ms_p50": None,
+                      "vllm_step_ms_mean": None, "ratio_p50": None, "ratio_mean": None}
+    cpu = theirs["step_cpu_s"][1 + DECODE_WARMUP:]
+    p50, mean = 1e3 * statistics.median(cpu), 1e3 * statistics.fmean(cpu)
+    return out | {"version": theirs["vllm"], "vllm_step_ms_p50": p50, "vllm_step_ms_mean": mean,
+                  "ratio_p50": out["pagedkv_step_ms_p50"] / p50,
+                  "ratio_mean": out["pagedkv_step_ms_mean"] / mean}
+
+
 def measure(args: argparse.Namespace) -> dict:
     w = CORE[args.workload]
+    against = [_against(args.against, args.vllm_python, w.block_size)] if args.against else []
     return {
         "sequences": w.sequences,
         "prompt_len": w.prompt_len,
@@ -77,6 +169,7 @@ def measure(args: argparse.Namespace) -> dict:
         "decode_rounds": w.decode_rounds,
         "block_size": w.block_size,
         "results": [_run_once(w, False), _run_once(w, True)],
+        "against": against,
     }
 
 
@@ -89,7 +182,21 @@ def tables(report: dict) -> list[Table]:
               f"({report.get('shared_prefix', '-')} shared), {report['decode_rounds']} decode rounds, "
               f"block size {report['block_size']}",
         columns=["prefix caching", "admit (us)", "append (us)", "free (us)", "appends/s", "hit rate"],
-        rows=rows)]
+        rows=rows)] + [_against_table(a) for a in report.get("against", [])]
+
+
+def _against_table(a: dict) -> Table:
+    vllm = f"vLLM {a['version']}" if a.get("version") else "vLLM"
+    rows = [["PagedKV run_step", cell(a["pagedkv_step_ms_p50"], ".3f"), cell(a["pagedkv_step_ms_mean"], ".3f")],
+            [f"{vllm} KVCacheManager", cell(a.get("vllm_step_ms_p50"), ".3f"),
+             cell(a.get("vllm_step_ms_mean"), ".3f")]]
+    notes = [f"vLLM skipped: {a['skipped']}"] if a.get("skipped") else [
+        f"PagedKV takes {a['ratio_p50']:.2f}x vLLM's CPU time per step (p50)"]
+    return Table(
+        title=f"one decode step of {a['seqs']} sequences ({a['ops_per_step']:.0f} operations: appends, "
+              f"a few frees and admits), block size {a['block_size']}, prefix caching on, "
+              f"CPU ms per step over {a['steps']} steps",
+        columns=["system", "p50 ms", "mean ms"], rows=rows, notes=notes)
 
 
 def figures(report: dict) -> dict[str, tuple[float | None, bool]]:
@@ -100,6 +207,8 @@ def figures(report: dict) -> dict[str, tuple[float | None, bool]]:
         caching = "on" if r["prefix_caching"] else "off"
         for op in ("admit", "append", "free"):
             out[f"prefix caching {caching}: {op} us"] = (r.get(f"{op}_us"), True)
+    for a in report.get("against", []):
+        out[f"{a['seqs']}-sequence decode step ms"] = (a.get("pagedkv_step_ms_p50"), True)
     return out
 
 

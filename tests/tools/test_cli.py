@@ -83,6 +83,21 @@ def test_bench_core_reports_every_op():
     for r in out["results"]:
         assert r["admits_per_s"] > 0 and r["appends_per_s"] > 0 and r["frees_per_s"] > 0
     assert out["results"][1]["prefix_hit_rate"] > 0.5
+    assert out["against"] == []
+
+
+def test_bench_core_against_vllm_says_why_it_skipped():
+    """Where vLLM is not installed the side-by-side decode steps still run
+    this core's side; vLLM's figures are null and the reason is given."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here: the comparison would run")
+    out = json.loads(pagedkv("bench", "core", "--json", "--workload", "small", "--against", "vllm").stdout)
+    (a,) = out["against"]
+    assert (a["system"], a["seqs"]) == ("vllm", 256) and a["pagedkv_step_ms_p50"] > 0
+    assert a["vllm_step_ms_p50"] is None and a["ratio_p50"] is None
+    assert "vLLM is not installed" in a["skipped"] and "--vllm-python" in a["skipped"]
 
 
 def _walk(parser, path=()):
