@@ -8,6 +8,8 @@
   continuous batching (`bench serve`).
 - `routers`: two workers behind one router per policy, and one worker with
   both pools' memory (`bench route`).
+- `vllm_kv`: vLLM's `KVCacheManager` given the same steps as the core
+  (`bench core --against vllm`), run by an interpreter where vLLM is installed.
 - `tiers`: a worker without KV tiers, with a host tier, two behind a router
   sharing a store, and one whose pool holds everything (`bench tiers`).
 
