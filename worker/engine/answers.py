@@ -21,9 +21,9 @@ import time
 from collections.abc import Callable
 
 from allocator_service.client import AllocatorClient, AllocatorUnavailable, PoolLost
-from allocator_service.core import Free, Op, OpResult, StepResults
+from allocator_service.core import Free, Op, OpResult, StepAnswer
 from allocator_service.core.planner import after_append, after_unreserve
-from allocator_service.core.tiers import NO_REPORT, TierReport
+from allocator_service.core.tiers import TierReport
 from worker.engine.health import AllocatorError, AllocatorHealth
 from worker.engine.sequence import Sequence, Status
 from worker.engine.step_plan import Batch, Planned, ScheduledSeq, StepPlan
@@ -52,9 +52,9 @@ class StepExchange:
     finish: Callable[[Sequence, str], None]
     _preempt: Callable[..., None]
 
-    def _apply_results(self, plan: StepPlan, results: StepResults | list[OpResult], batch: Batch) -> None:
+    def _apply_results(self, plan: StepPlan, results: StepAnswer | list[OpResult], batch: Batch) -> None:
         """Apply the allocator's answers: block tables, copies, admissions, refusals."""
-        if self.tiers is not None and isinstance(results, StepResults):
+        if self.tiers is not None and isinstance(results, StepAnswer):
             moves = results.moves
             if any(moves):
                 batch.moves = moves
@@ -83,8 +83,8 @@ class StepExchange:
                 p.held, p.reserved = p.held + u.slots, p.reserved + u.slots
         # NOTE: a decode step's appends mostly leave the table as it is (no
         # error, no new block, no copy): read those from the result columns
-        # without making an OpResult each (`StepResults`).
-        cols = results.columns if isinstance(results, StepResults) else None
+        # without making an OpResult each (`StepAnswer`).
+        cols = results if isinstance(results, StepAnswer) else None
         for seq, p in plan.running.items():
             if p.op is None:  # computed in slots it holds: no call for it
                 if not seq.is_finished:  # (finished since: nothing sent, nothing to compute)
@@ -152,15 +152,15 @@ class StepExchange:
         report = self._report()
         return self._received(lambda: self._send(ops, report), batch, ops, report)
 
-    def _report(self) -> TierReport:
-        """The tier report the next call carries (engine thread)."""
-        return NO_REPORT if self.tiers is None else self.tiers.take_report()
+    def _report(self) -> TierReport | None:
+        """The tier report the next call carries (engine thread; None: none)."""
+        return None if self.tiers is None else self.tiers.take_report()
 
     def _report_due(self) -> bool:
         """Whether a tier report waits to be sent (a call is due for it alone)."""
         return self.tiers is not None and self.tiers.report_due()
 
-    def _send(self, ops: list[Op], report: TierReport = NO_REPORT) -> list[OpResult]:
+    def _send(self, ops: list[Op], report: TierReport | None = None) -> StepAnswer | list[OpResult]:
         """Send the step until it is answered (on the call thread, with async
         scheduling and a remote allocator), with the tiers' `report`."""
         pause = self.stall_backoff_s[0]
@@ -168,7 +168,7 @@ class StepExchange:
         while True:
             health.call_started()
             try:
-                results = self.allocator.step(ops) if report is NO_REPORT else self.allocator.step(ops, report)
+                results = self.allocator.step(ops) if report is None else self.allocator.step(ops, report)
             except AllocatorUnavailable:
                 health.unanswered()
                 time.sleep(pause)
@@ -179,8 +179,8 @@ class StepExchange:
             health.answered()
             return results
 
-    def _received(self, answer: Callable[[], list[OpResult]], batch: Batch, ops: list[Op],
-                  report: TierReport = NO_REPORT):
+    def _received(self, answer: Callable[[], StepAnswer | list[OpResult]], batch: Batch, ops: list[Op],
+                  report: TierReport | None = None):
         """The step's answer to `ops`, or None when the pool was lost (every
         running sequence is then preempted); a refusal becomes AllocatorError.
         A refused step applied nothing, so its Frees (sequences finished or

@@ -53,7 +53,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import NamedTuple
 
-from allocator_service.core.tiers import NO_REPORT, Moves, TierReport
+from allocator_service.core.tiers import Moves, TierReport
 from worker.engine.step_plan import Batch
 from worker.kv_pool import KVPool
 from worker.metrics import TierMetrics, WorkerMetrics
@@ -116,9 +116,9 @@ class EngineTiers:
                                        meter=self._store_meter)
 
     # ------------------------------------------------------------ the report
-    def take_report(self) -> TierReport:
+    def take_report(self) -> TierReport | None:
         """What the moves applied so far became (since the last call): for
-        the next allocator call. NO_REPORT when nothing."""
+        the next allocator call. None when nothing."""
         saving = self._saving
         while saving and saving[0][0].done():
             self._report.saved.extend(saving.popleft()[1])
@@ -126,7 +126,7 @@ class EngineTiers:
             self.host.poll()
         report = self._report
         if not any(report):
-            return NO_REPORT
+            return None
         self._report = TierReport([], [], [], [], [])
         return report
 
@@ -136,9 +136,9 @@ class EngineTiers:
         by other workers only once reported)."""
         return any(self._report) or bool(self._saving and self._saving[0][0].done())
 
-    def give_back(self, report: TierReport) -> None:
+    def give_back(self, report: TierReport | None) -> None:
         """The call that carried `report` was refused (it applied nothing): it rides the next one."""
-        if report is NO_REPORT:
+        if report is None:
             return
         for mine, theirs in zip(self._report, report, strict=True):
             mine[:0] = theirs
