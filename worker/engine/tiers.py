@@ -53,6 +53,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import NamedTuple
 
+from allocator_service.core import blocks_for
 from allocator_service.core.tiers import Moves, TierReport
 from worker.engine.step_plan import Batch
 from worker.kv_pool import KVPool
@@ -265,7 +266,7 @@ class EngineTiers:
         its K/V the allocator cannot find in swap slots (`seq.swap`)."""
         bs = self.block_size
         end = seq.num_stored
-        last = -(-end // bs)  # blocks holding computed K/V
+        last = blocks_for(end, bs)  # blocks holding computed K/V
         # every block it can keep, last ones first; at least those the allocator cannot find
         first = max(0, last - len(self._swap_free))
         if end <= 0 or first > seq.num_valued // bs or seq.prompt_logprobs is not None:
@@ -286,7 +287,7 @@ class EngineTiers:
         if cached < stash.start or num_stored != len(seq.token_ids) or end <= cached:
             return cached
         first = (cached - stash.start) // bs
-        count = -(-(end - cached) // bs)
+        count = blocks_for(end - cached, bs)
         batch.swap_in.append((stash.slots[first : first + count], seq.block_table[cached // bs : cached // bs + count]))
         return end
 
