@@ -20,7 +20,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from allocator_service.client import AllocatorClient, AllocatorUnavailable, PoolLost
+from allocator_service.client import (
+    OUT_OF_BLOCKS,
+    UNKNOWN_SEQUENCE,
+    AllocatorClient,
+    AllocatorUnavailable,
+    PoolLost,
+)
 from allocator_service.core import Free, Op, OpResult, StepAnswer
 from allocator_service.core.planner import after_append, after_unreserve
 from allocator_service.core.tiers import TierReport
@@ -113,7 +119,7 @@ class StepExchange:
                 # allocator lost the sequence: the failed op changed nothing,
                 # so recompute this one from scratch.
                 self._preempt(batch, seq, r.error or "allocator_error")
-                if r.error != "unknown_sequence":
+                if r.error != UNKNOWN_SEQUENCE:
                     self._to_free.append(seq.alloc_id)
         for seq, op in zip(plan.admitting, plan.admits, strict=True):
             r = results[ri]
@@ -125,7 +131,7 @@ class StepExchange:
                     self._finished_answer(batch, seq, None, r, r.cached_tokens, r.num_stored - r.cached_tokens)
             elif r.ok:
                 self._admitted(batch, seq, r, op.reserve)
-            elif r.error != "out_of_blocks":
+            elif r.error != OUT_OF_BLOCKS:
                 # Refused for good (e.g. invalid): waiting would wait forever.
                 seq.error = f"the allocator refused the request: {r.message or r.error}"
                 self.finish(seq, "error")
