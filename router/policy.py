@@ -37,9 +37,10 @@ blocks, then the least loaded.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+
+from allocator_service.core import blocks_for
 
 POLICIES = ("kv", "least-load", "round-robin")
 TIER_WEIGHTS = (1.0, 0.5, 0.25)  # a cached token in the KV pool, the host tier, the shared store
@@ -97,7 +98,7 @@ def evicted_blocks(c: Candidate, prompt_tokens: int) -> int:
     """Cached blocks of the pool that placing the prompt there would reuse for its new blocks."""
     if c.block_size <= 0 or prompt_tokens <= 0:
         return 0
-    new = math.ceil(prompt_tokens / c.block_size) - min(c.cached_tokens, prompt_tokens) // c.block_size
+    new = blocks_for(prompt_tokens, c.block_size) - min(c.cached_tokens, prompt_tokens) // c.block_size
     clean = c.free_blocks if c.clean_free is None else min(c.clean_free, c.free_blocks)
     return min(max(new - clean, 0), max(c.free_blocks - clean, 0))
 

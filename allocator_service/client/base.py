@@ -19,11 +19,11 @@ from allocator_service.core import (
     Op,
     PoolConfig,
     PoolStats,
-    StepResults,
+    StepAnswer,
     run_step,
     step_columns,
 )
-from allocator_service.core.tiers import NO_REPORT, SharedStore, TierReport
+from allocator_service.core.tiers import SharedStore, TierReport
 
 
 class PoolLost(Exception):
@@ -71,12 +71,12 @@ class AllocatorClient(abc.ABC):
     store_namespace: str = ""
 
     @abc.abstractmethod
-    def step(self, ops: Sequence[Op], report: TierReport = NO_REPORT) -> StepResults:
-        """Apply one scheduler step (frees first); results in the given order:
-        a sequence of `OpResult`s read from columns (`StepResults`), so a
-        256-operation step builds no object per operation unless asked.
+    def step(self, ops: Sequence[Op], report: TierReport | None = None) -> StepAnswer:
+        """Apply one scheduler step (frees first); the answer in the given
+        order (`StepAnswer`: columns, read as `OpResult`s when asked, so a
+        256-operation step builds no object per operation unless asked).
         With KV tiers, `report` confirms (or fails, or refuses) the moves of
-        earlier answers, and `StepResults.moves` are this step's moves, for
+        earlier answers, and `StepAnswer.moves` are this step's moves, for
         the worker to apply before its forward pass (docs/architecture.md,
         "Tiers")."""
 
@@ -123,8 +123,8 @@ class EmbeddedAllocator(AllocatorClient):
         self.spec = spec
         self.pool = BlockPool(config, store=store)
 
-    def step(self, ops: Sequence[Op], report: TierReport = NO_REPORT) -> StepResults:
-        return StepResults(run_step(self.pool, step_columns(ops, report)))
+    def step(self, ops: Sequence[Op], report: TierReport | None = None) -> StepAnswer:
+        return run_step(self.pool, step_columns(ops, report))
 
     def stats(self) -> PoolStats:
         return self.pool.stats()

@@ -77,11 +77,11 @@ from allocator_service.core import (
     InvalidArgument,
     Op,
     PoolStats,
-    StepResults,
+    StepAnswer,
     UnknownSequence,
     step_columns,
 )
-from allocator_service.core.tiers import NO_REPORT, TierReport
+from allocator_service.core.tiers import TierReport
 from allocator_service.wire.attest import attest_key, credential_digest, proof
 from allocator_service.wire.codec import (
     PROTOCOL_VERSION,
@@ -536,7 +536,7 @@ class GrpcAllocator(AllocatorClient):
                 log.debug("heartbeat: %s", err.code().name)
 
     # ------------------------------------------------------ AllocatorClient
-    def step(self, ops: Sequence[Op], report: TierReport = NO_REPORT) -> StepResults:
+    def step(self, ops: Sequence[Op], report: TierReport | None = None) -> StepAnswer:
         request = pb.StepRequest(pool=self._ref, prev_step_id=self._answered)
         try:
             fill_ops(request.ops, step_columns(ops, report))  # in place: no copy of the columns

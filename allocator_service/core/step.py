@@ -11,11 +11,12 @@ copy-on-write (keep = len - 1), admission (keep = 0) and unreserve (keep <
 len, nothing appended).
 
 `run_step` is the one implementation, on columns (`StepColumns` in,
-`StepResult` out): a 256-sequence decode step is then a few lists, not 512
+`StepAnswer` out): a 256-sequence decode step is then a few lists, not 512
 objects, and the service converts them to and from the wire's `StepOps` /
 `StepResponse` with list operations. The operation objects (`Free`, `Append`,
-`Admit`, `Fork`, `Unreserve` -> `OpResult`) are the convenient form for a worker:
-`execute_step` turns them into columns and back around `run_step`.
+`Admit`, `Fork`, `Unreserve`) are the convenient form for a worker:
+`step_columns` turns them into columns; `StepAnswer[i]` is operation i's
+`OpResult`.
 
 An APPEND may also reserve slots for tokens not known yet (`num_reserved`,
 async scheduling): their values come first in the sequence's next APPEND
@@ -43,7 +44,7 @@ from allocator_service.core.errors import (
     UnknownSequence,
 )
 from allocator_service.core.pool import BlockPool
-from allocator_service.core.tiers import NO_REPORT, Moves, TierReport
+from allocator_service.core.tiers import NO_MOVES, Moves, TierReport
 
 # Operation kinds in `StepColumns.kinds`.
 # NOTE: the numbers of the wire enum `OpKind`, so the service passes the
@@ -51,7 +52,7 @@ from allocator_service.core.tiers import NO_REPORT, Moves, TierReport
 FREE, APPEND, ADMIT, FORK, UNRESERVE = 1, 2, 3, 4, 5
 KINDS = (FREE, APPEND, ADMIT, FORK, UNRESERVE)  # every kind `run_step` applies
 
-# `AllocatorError.code` -> its number in `StepResult.errors` (0: succeeded).
+# `AllocatorError.code` -> its number in `StepAnswer.errors` (0: succeeded).
 # NOTE: the numbers of the wire enum `OpError`, as for the kinds.
 ERROR_NUMBER: dict[str, int] = {
     OutOfBlocks.code: 1,
@@ -78,48 +79,128 @@ class StepColumns(NamedTuple):
     # UNRESERVE gives back (0 elsewhere).
     num_reserved: list[int] = []  # noqa: RUF012 - a NamedTuple default, never mutated
     # KV tiers (docs/architecture.md, "Tiers"): the worker's report on the
-    # moves of earlier answers, applied before the operations (empty: none).
-    saved: list[int] = []  # noqa: RUF012 - host slots whose save (KV -> host) is written
-    failed: list[int] = []  # noqa: RUF012 - host slots whose save could not be written
-    store_saved: list[bytes] = []  # noqa: RUF012 - hashes whose store save is written
-    store_failed: list[bytes] = []  # noqa: RUF012 - hashes whose store save could not be written
-    refused: list[bytes] = []  # noqa: RUF012 - hashes of store loads refused (layout, checksum, missing)
+    # moves of earlier answers, applied before the operations (None: none).
+    report: TierReport | None = None
+
+
+@dataclass(slots=True)
+class OpResult:
+    """One operation's answer (`StepAnswer[i]`)."""
+
+    ok: bool = True
+    error: str = ""  # AllocatorError.code when not ok
+    message: str = ""
+    keep: int = 0
+    append: list[int] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    cached_tokens: int = 0
+    num_stored: int = 0  # admit: tokens the sequence holds after this step
+
+
+@dataclass(slots=True, eq=False)
+class StepAnswer(Sequence[OpResult]):
+    """A step's answer: per-operation columns named as the wire's
+    `StepResponse` fields, and the step's tier `moves`. From `run_step` the
+    columns are lists; from a gRPC client they are the response's own
+    repeated fields, read in place (sequences that compare equal to lists).
+
+    Read as a sequence of `OpResult`s (`answer[i]`, iteration), each made
+    when asked; a consumer on the hot path reads the columns instead
+    (`errors[i]`, `keep[i]`, `num_appended[i]`, `num_copies[i]`,
+    `appended_of(i)`, `copies_of(i)`), so a decode step whose operations
+    changed nothing in their tables costs no object per operation. Compares
+    equal to an answer of equal columns and to a list of the same `OpResult`s."""
+
+    # The columns the wire's `StepResponse` carries under these names.
+    COLUMNS = ("errors", "keep", "num_appended", "appended", "num_copies", "copies", "cached_tokens",
+               "num_stored", "error_messages")
+
+    errors: Sequence[int]  # one per operation: 0, or ERROR_NUMBER of why it failed
+    keep: Sequence[int]  # one per operation: entries of the old table kept
+    num_appended: Sequence[int]  # one per operation: block ids it appends
+    appended: Sequence[int]  # every operation's appended block ids, concatenated
+    num_copies: Sequence[int]  # one per operation: block copies to perform first
+    copies: Sequence[int]  # every operation's (src, dst) copies, flattened
+    cached_tokens: Sequence[int]  # one per operation: prompt tokens found cached (ADMIT; tier loads included)
+    num_stored: Sequence[int]  # one per operation: tokens held after an ADMIT
+    error_messages: Sequence[str]  # one per FAILED operation, in order
+    # KV tiers: the step's moves, applied by the worker before the forward
+    # pass (`tiers.Moves` says in which order; NO_MOVES without tiers).
+    moves: Moves = NO_MOVES
+    _starts: list[int] | None = field(default=None, init=False, repr=False)  # where each operation's ids start
+    _copy_starts: list[int] | None = field(default=None, init=False, repr=False)
+    _messages: dict[int, str] | None = field(default=None, init=False, repr=False)  # failed op -> its message
+
+    def __len__(self) -> int:
+        return len(self.errors)
 
     @property
-    def report(self) -> tuple[list[int], list[int], list[bytes], list[bytes], list[bytes]]:
-        """The worker's report: (saved, failed, store_saved, store_failed, refused)."""
-        return self.saved, self.failed, self.store_saved, self.store_failed, self.refused
+    def all_ok(self) -> bool:
+        return not any(self.errors)
+
+    def appended_of(self, i: int) -> list[int]:
+        """The block ids operation i appends to its table (after `keep[i]`)."""
+        n = self.num_appended[i]
+        if not n:
+            return []
+        if self._starts is None:
+            self._starts = list(accumulate(self.num_appended, initial=0))
+        a = self._starts[i]
+        return self.appended[a : a + n]
+
+    def copies_of(self, i: int) -> list[tuple[int, int]]:
+        """The (src, dst) block copies operation i needs first."""
+        n = self.num_copies[i]
+        if not n:
+            return []
+        if self._copy_starts is None:
+            self._copy_starts = list(accumulate(self.num_copies, initial=0))
+        c, flat = 2 * self._copy_starts[i], self.copies
+        return [(flat[j], flat[j + 1]) for j in range(c, c + 2 * n, 2)]
+
+    def _op(self, i: int) -> OpResult:
+        """Operation i's `OpResult` (0 <= i < len): the one decoder of the columns."""
+        e = self.errors[i]
+        if e:
+            if self._messages is None:
+                failed = [j for j, x in enumerate(self.errors) if x]
+                self._messages = dict(zip(failed, self.error_messages, strict=False))
+            return OpResult(False, ERROR_CODE[e], self._messages.get(i, ""), self.keep[i], self.appended_of(i),
+                            self.copies_of(i), self.cached_tokens[i], self.num_stored[i])
+        return OpResult(True, "", "", self.keep[i], self.appended_of(i), self.copies_of(i),
+                        self.cached_tokens[i], self.num_stored[i])
+
+    @overload
+    def __getitem__(self, i: int) -> OpResult: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[OpResult]: ...
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self._op(j) for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError("step answer index out of range")
+        return self._op(i)
+
+    def __iter__(self) -> Iterator[OpResult]:
+        return map(self._op, range(len(self)))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, StepAnswer):
+            return all(getattr(self, f) == getattr(other, f) for f in self.COLUMNS) and self.moves == other.moves
+        if isinstance(other, list | tuple):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"StepAnswer({list(self)!r}, moves={self.moves!r})"
 
 
-class StepResult(NamedTuple):
-    """A step's results as columns, named as the wire's `StepResponse` fields
-    (lists from `run_step`; a gRPC client's are the response's own repeated
-    fields, read in place: sequences that compare equal to the lists)."""
-
-    errors: list[int]  # one per operation: 0, or ERROR_NUMBER of why it failed
-    keep: list[int]  # one per operation: entries of the old table kept
-    num_appended: list[int]  # one per operation: block ids it appends
-    appended: list[int]  # every operation's appended block ids, concatenated
-    num_copies: list[int]  # one per operation: block copies to perform first
-    copies: list[int]  # every operation's (src, dst) copies, flattened
-    cached_tokens: list[int]  # one per operation: prompt tokens found cached (ADMIT; tier loads included)
-    num_stored: list[int]  # one per operation: tokens held after an ADMIT
-    error_messages: list[str]  # one per FAILED operation, in order
-    # KV tiers: the step's moves (`tiers.Moves`), applied by the worker in
-    # this order before the forward pass: (0) store deletes, (1) store saves,
-    # (2) host saves, then `copies`, then (4) host and store loads. Empty
-    # for a pool without tiers.
-    store_deletes: list[bytes] = []  # noqa: RUF012 - hashes to remove from the store, best effort ...
-    store_delete_layouts: list[str] = []  # noqa: RUF012 - ... each under this layout key
-    store_saves: list[bytes] = []  # noqa: RUF012 - hashes to write to the store ...
-    store_save_from: list[int] = []  # noqa: RUF012 - ... each from this KV block
-    host_saves: list[int] = []  # noqa: RUF012 - (KV block, host slot) pairs, flattened
-    host_loads: list[int] = []  # noqa: RUF012 - (host slot, KV block) pairs, flattened
-    store_loads: list[bytes] = []  # noqa: RUF012 - hashes to read from the store ...
-    store_load_to: list[int] = []  # noqa: RUF012 - ... into this KV block
-
-
-def run_step(pool: BlockPool, step: StepColumns) -> StepResult:
+def run_step(pool: BlockPool, step: StepColumns) -> StepAnswer:
     """Apply a step's operations (frees first) and return the results in
     the order the operations were given. The columns must fit together
     (one entry per operation, per ADMIT, per FORK; token counts adding up):
@@ -128,11 +209,13 @@ def run_step(pool: BlockPool, step: StepColumns) -> StepResult:
     With KV tiers the worker's confirmations are applied first (an id the
     pool could not have issued raises InvalidArgument before anything
     changes), and the answer carries the moves the operations issued
-    (`StepResult.store_deletes` ... `store_load_to`)."""
-    kinds, seqs, counts, tokens, salts, budgets, children, reserved, *report = step
+    (`StepAnswer.moves`)."""
+    kinds, seqs, counts, tokens, salts, budgets, children, reserved, report = step
     tiered = pool.tiers is not None
-    if tiered or any(report):
+    if report is not None and any(report):
         pool.confirm(*report)
+    elif tiered:
+        pool.confirm()
     n = len(kinds)
     if not reserved:
         reserved = [0] * n
@@ -205,7 +288,7 @@ def run_step(pool: BlockPool, step: StepColumns) -> StepResult:
         except AllocatorError as exc:
             errors[i] = ERROR_NUMBER[exc.code]
             messages[i] = str(exc)
-    return StepResult(
+    return StepAnswer(
         errors,
         keep,
         num_appended,
@@ -215,7 +298,7 @@ def run_step(pool: BlockPool, step: StepColumns) -> StepResult:
         cached,
         stored,
         [messages[i] for i in sorted(messages)] if messages else [],
-        *(pool.take_moves() if tiered else ()),
+        pool.take_moves() if tiered else NO_MOVES,
     )
 
 
@@ -264,19 +347,7 @@ class Unreserve:
 Op = Free | Append | Admit | Fork | Unreserve
 
 
-@dataclass(slots=True)
-class OpResult:
-    ok: bool = True
-    error: str = ""  # AllocatorError.code when not ok
-    message: str = ""
-    keep: int = 0
-    append: list[int] = field(default_factory=list)
-    copies: list[tuple[int, int]] = field(default_factory=list)
-    cached_tokens: int = 0
-    num_stored: int = 0  # admit: tokens the sequence holds after this step
-
-
-def step_columns(ops: Sequence[Op], report: TierReport = NO_REPORT) -> StepColumns:
+def step_columns(ops: Sequence[Op], report: TierReport | None = None) -> StepColumns:
     """The columns of `ops`, with the worker's `report` on earlier moves
     (TypeError for anything that is not an operation)."""
     # Bound methods in locals: this loop runs once per operation per step.
@@ -331,131 +402,9 @@ def step_columns(ops: Sequence[Op], report: TierReport = NO_REPORT) -> StepColum
             raise TypeError(f"not an operation: {op!r}")
     if reserved and len(reserved) < len(kinds):
         reserved.extend([0] * (len(kinds) - len(reserved)))
-    return StepColumns(kinds, seqs, counts, tokens, salts, budgets, children, reserved, *report)
+    return StepColumns(kinds, seqs, counts, tokens, salts, budgets, children, reserved, report)
 
 
-def op_results(result: StepResult) -> list[OpResult]:
-    """One `OpResult` per operation. Built as if every operation succeeded
-    without copies (the common case, one cheap loop), then the few failures
-    and copy-on-write copies are patched in."""
-    appended = result.appended
-    out: list[OpResult] = []
-    push = out.append
-    a = 0
-    for k, na, c, s in zip(result.keep, result.num_appended, result.cached_tokens, result.num_stored, strict=True):
-        b = a + na
-        push(OpResult(True, "", "", k, appended[a:b], [], c, s))
-        a = b
-    if any(result.errors):
-        messages = iter(result.error_messages)
-        for r, e in zip(out, result.errors, strict=True):
-            if e:
-                r.ok = False
-                r.error = ERROR_CODE[e]
-                r.message = next(messages, "")
-    copies = result.copies
-    if copies:
-        c = 0
-        for r, nc in zip(out, result.num_copies, strict=True):
-            if nc:
-                r.copies = [(copies[j], copies[j + 1]) for j in range(c, c + 2 * nc, 2)]
-                c += 2 * nc
-    return out
-
-
-class StepResults(Sequence[OpResult]):
-    """A step's results as a client returns them: a read-only sequence of
-    `OpResult`s over the columns (`columns`, a `StepResult`), built without
-    a Python object per operation. `results[i]` makes operation i's
-    `OpResult` when asked; a consumer on the hot path reads the columns
-    instead (`columns.errors[i]`, `.keep[i]`, `.num_appended[i]`,
-    `.num_copies[i]`, and `appended(i)` / `copies(i)`), so a decode step
-    whose operations changed nothing in their tables costs no objects.
-    Compares equal to a list of the same `OpResult`s."""
-
-    __slots__ = ("columns", "_starts", "_copy_starts", "_messages")
-
-    def __init__(self, columns: StepResult) -> None:
-        self.columns = columns
-        self._starts: list[int] | None = None  # where each operation's appended ids start
-        self._copy_starts: list[int] | None = None
-        self._messages: dict[int, str] | None = None  # failed operation -> its message
-
-    @property
-    def moves(self) -> Moves:
-        """The step's tier moves, in the order the worker applies them
-        (`tiers.Moves`; empty lists for a pool without tiers)."""
-        return Moves(*self.columns[len(StepResult._fields) - len(Moves._fields):])
-
-    def __len__(self) -> int:
-        return len(self.columns.errors)
-
-    @property
-    def all_ok(self) -> bool:
-        return not any(self.columns.errors)
-
-    def appended(self, i: int) -> list[int]:
-        """The block ids operation i appends to its table (after `keep[i]`)."""
-        n = self.columns.num_appended[i]
-        if not n:
-            return []
-        if self._starts is None:
-            self._starts = list(accumulate(self.columns.num_appended, initial=0))
-        a = self._starts[i]
-        return self.columns.appended[a : a + n]
-
-    def copies(self, i: int) -> list[tuple[int, int]]:
-        """The (src, dst) block copies operation i needs first."""
-        n = self.columns.num_copies[i]
-        if not n:
-            return []
-        if self._copy_starts is None:
-            self._copy_starts = list(accumulate(self.columns.num_copies, initial=0))
-        c, flat = 2 * self._copy_starts[i], self.columns.copies
-        return [(flat[j], flat[j + 1]) for j in range(c, c + 2 * n, 2)]
-
-    def _message(self, i: int) -> str:
-        if self._messages is None:
-            failed = [j for j, e in enumerate(self.columns.errors) if e]
-            self._messages = dict(zip(failed, self.columns.error_messages, strict=False))
-        return self._messages.get(i, "")
-
-    def _result(self, i: int) -> OpResult:
-        c = self.columns
-        e = c.errors[i]
-        return OpResult(not e, ERROR_CODE[e] if e else "", self._message(i) if e else "", c.keep[i],
-                        self.appended(i), self.copies(i), c.cached_tokens[i], c.num_stored[i])
-
-    @overload
-    def __getitem__(self, i: int) -> OpResult: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[OpResult]: ...
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self._result(j) for j in range(*i.indices(len(self)))]
-        n = len(self)
-        if i < 0:
-            i += n
-        if not 0 <= i < n:
-            raise IndexError("step result index out of range")
-        return self._result(i)
-
-    def __iter__(self) -> Iterator[OpResult]:
-        return iter(op_results(self.columns))
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, StepResults):
-            return self.columns == other.columns
-        if isinstance(other, list | tuple):
-            return list(self) == list(other)
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return f"StepResults({list(self)!r})"
-
-
-def execute_step(pool: BlockPool, ops: Sequence[Op]) -> list[OpResult]:
-    """`run_step` on operation objects: results in the order given."""
-    return op_results(run_step(pool, step_columns(ops)))
+def execute_step(pool: BlockPool, ops: Sequence[Op]) -> StepAnswer:
+    """`run_step` on operation objects: the answer in the order given."""
+    return run_step(pool, step_columns(ops))

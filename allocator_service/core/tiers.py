@@ -303,17 +303,14 @@ NO_MOVES = Moves([], [], [], [], [], [], [], [])  # NOTE: shared, never mutated
 
 class TierReport(NamedTuple):
     """What a worker reports in a step on the moves of earlier answers
-    (`StepColumns.saved` ... `refused`, applied before the step's
-    operations): only a confirmed save makes an entry findable."""
+    (`StepColumns.report`, applied before the step's operations): only a
+    confirmed save makes an entry findable."""
 
     saved: list[int]  # host slots whose save (KV -> host) is written
     failed: list[int]  # host slots whose save could not be written
     store_saved: list[bytes]  # hashes whose store save is written
     store_failed: list[bytes]  # hashes whose store save could not be written
     refused: list[bytes]  # hashes of store loads refused (layout, checksum, missing)
-
-
-NO_REPORT = TierReport([], [], [], [], [])  # NOTE: shared, never mutated
 
 
 TIER_COUNTERS = (

@@ -136,7 +136,7 @@ class Steps:
         """Refuse (BadRequest) a tier report naming what the pool could not
         have issued, before it is journaled (the pool's lock held)."""
         report = step.report
-        if not any(report):
+        if report is None or not any(report):
             return
         try:
             entry.pool.check_report(*report)

@@ -18,12 +18,13 @@ from allocator_service.core import (
     ContiguousPool,
     Fork,
     Free,
+    InvalidArgument,
     Op,
     PoolConfig,
     execute_step,
 )
-from allocator_service.core.limits import MAX_TOKEN_ID
 from allocator_service.core.snapshot import pool_view
+from allocator_service.core.validation import check_tokens
 
 # Bounds on one request: a teaching pool, not a workload.
 MAX_BLOCKS = 64
@@ -45,8 +46,12 @@ def _name(obj: dict, key: str) -> str:
 
 def _tokens(obj: dict) -> list[int]:
     tokens = obj.get("tokens")
-    if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in tokens):
+    if not isinstance(tokens, list):
         raise PlaygroundError("tokens must be a list of token ids")
+    try:
+        check_tokens(tokens)
+    except InvalidArgument:
+        raise PlaygroundError("tokens must be a list of token ids") from None
     return tokens
 
 

@@ -106,8 +106,9 @@ def step_answer_bound(step: StepColumns, num_blocks: int, block_size: int,
         bound += 64 + growth * (2 * HASH_LEN + 4 * id_bytes)
         if tiers.store_entries:
             bound += freed * (HASH_LEN + id_bytes)  # a write-through: a hash, 1 id
-            deletes = min(tiers.store_entries, (growth + freed) * tiers.deletes_per_save
-                          + len(step.store_failed) + len(step.refused))
+            report = step.report
+            reported = len(report.store_failed) + len(report.refused) if report is not None else 0
+            deletes = min(tiers.store_entries, (growth + freed) * tiers.deletes_per_save + reported)
             # a hash and a namespace with its tag
             bound += deletes * (HASH_LEN + MAX_STORE_NAMESPACE_LEN + 3)
     return bound

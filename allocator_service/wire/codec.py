@@ -4,7 +4,7 @@
 Columns instead of one message per operation: a 256-sequence decode step is
 then a few packed arrays, and both ends convert them with list operations
 rather than 256 message objects (docs/benchmarks.md times the Step). The
-core's `StepColumns` and `StepResult` have the wire's shape, so converting is
+core's `StepColumns` and `StepAnswer` have the wire's shape, so converting is
 copying lists; the one step semantics is the core's `run_step`.
 """
 
@@ -18,13 +18,12 @@ from allocator_service.core import (
     Op,
     PoolConfig,
     PoolStats,
+    StepAnswer,
     StepColumns,
-    StepResult,
-    StepResults,
     step_columns,
 )
 from allocator_service.core import step as core_step
-from allocator_service.core.tiers import HASH_LEN, Moves
+from allocator_service.core.tiers import HASH_LEN, NO_MOVES, Moves, TierReport
 from allocator_service.wire.bounds import MAX_ERROR_MESSAGE_BYTES
 from allocator_service.wire.errors import (
     INVALID_ARGUMENT,
@@ -82,12 +81,14 @@ def fill_ops(msg: pb.StepOps, step: StepColumns) -> None:
         msg.fork_children.extend(step.children)
     if step.num_reserved:
         msg.num_reserved.extend(step.num_reserved)
-    saved, failed, store_saved, store_failed, refused = step.report
-    if saved or failed or store_saved or store_failed or refused:
+    report = step.report
+    if report is not None and any(report):
         r = msg.report
-        r.saved.extend(saved)
-        r.failed.extend(failed)
-        r.store_saved, r.store_failed, r.refused = b"".join(store_saved), b"".join(store_failed), b"".join(refused)
+        r.saved.extend(report.saved)
+        r.failed.extend(report.failed)
+        r.store_saved = b"".join(report.store_saved)
+        r.store_failed = b"".join(report.store_failed)
+        r.refused = b"".join(report.refused)
 
 
 def columns_from_proto(msg: pb.StepOps) -> StepColumns:
@@ -101,11 +102,11 @@ def columns_from_proto(msg: pb.StepOps) -> StepColumns:
     for o in msg.admit_options:
         salts.append(o.cache_salt if o.HasField("cache_salt") else None)
         budgets.append(o.num_new_tokens if o.HasField("num_new_tokens") else None)
-    report = ()
+    report = None
     if msg.HasField("report"):
         r = msg.report
-        report = (list(r.saved), list(r.failed), split_hashes(r.store_saved), split_hashes(r.store_failed),
-                  split_hashes(r.refused))
+        report = TierReport(list(r.saved), list(r.failed), split_hashes(r.store_saved),
+                            split_hashes(r.store_failed), split_hashes(r.refused))
     return StepColumns(
         list(msg.kinds),
         list(msg.seq_ids),
@@ -115,7 +116,7 @@ def columns_from_proto(msg: pb.StepOps) -> StepColumns:
         budgets,
         list(msg.fork_children),
         list(msg.num_reserved),
-        *report,
+        report,
     )
 
 
@@ -153,20 +154,20 @@ def step_from_proto(msg: pb.StepOps) -> tuple[StepColumns, bytes]:
 
 
 # --------------------------------------------------------------- responses
-# The result columns the wire carries as StepResponse fields of their names;
-# the tier moves (`StepResult`'s fields after `error_messages`, a `Moves`)
-# ride its `moves` sub-message, hashes packed.
-_WIRE_RESULT = tuple(f for f in StepResult._fields if f in pb.StepResponse.DESCRIPTOR.fields_by_name)
-_OFF_WIRE = len(_WIRE_RESULT)
-assert StepResult._fields[:_OFF_WIRE] == _WIRE_RESULT and StepResult._fields[_OFF_WIRE:] == Moves._fields
+# The answer's columns ride StepResponse fields of their names; its tier
+# moves ride the `moves` sub-message (`TierMoves`, the same fields), hashes packed.
+assert set(StepAnswer.COLUMNS) <= set(pb.StepResponse.DESCRIPTOR.fields_by_name)
 assert tuple(pb.TierMoves.DESCRIPTOR.fields_by_name) == Moves._fields
 _HASH_MOVES = frozenset(("store_deletes", "store_saves", "store_loads"))  # packed bytes on the wire
 
-def result_to_proto(step_id: int, result: StepResult) -> pb.StepResponse:
-    if result.error_messages and max(map(len, result.error_messages)) > MAX_ERROR_MESSAGE_BYTES // 4:
-        result = result._replace(error_messages=[_clip(m) for m in result.error_messages])
-    msg = pb.StepResponse(step_id=step_id, **dict(zip(_WIRE_RESULT, result, strict=False)))
-    moves = result[_OFF_WIRE:]
+
+def result_to_proto(step_id: int, answer: StepAnswer) -> pb.StepResponse:
+    columns = {f: getattr(answer, f) for f in StepAnswer.COLUMNS}
+    messages = answer.error_messages
+    if messages and max(map(len, messages)) > MAX_ERROR_MESSAGE_BYTES // 4:
+        columns["error_messages"] = [_clip(m) for m in messages]
+    msg = pb.StepResponse(step_id=step_id, **columns)
+    moves = answer.moves
     if any(moves):
         msg.moves.CopyFrom(pb.TierMoves(**{f: b"".join(v) if f in _HASH_MOVES else v
                                            for f, v in zip(Moves._fields, moves, strict=True) if v}))
@@ -185,18 +186,16 @@ def _clip(message: str) -> str:
     return raw[:MAX_ERROR_MESSAGE_BYTES - 3].decode(errors="ignore") + "\u2026"
 
 
-def decode_results(resp: pb.StepResponse, num_ops: int) -> StepResults:
-    """The results of a response to `num_ops` operations: no object per
-    operation (`StepResults`). NOTE: the columns are the message's own
-    repeated fields, read in place (indexing, slicing, iterating), not
-    copied: a consumer reads a few entries of a decode step's columns, and
-    copying all nine cost more than that (~60 us at 256 operations)."""
+def decode_results(resp: pb.StepResponse, num_ops: int) -> StepAnswer:
+    """The answer of a response to `num_ops` operations: no object per
+    operation. NOTE: the columns are the message's own repeated fields, read
+    in place (indexing, slicing, iterating), not copied: a consumer reads a
+    few entries of a decode step's columns, and copying all nine cost more
+    than that (~60 us at 256 operations)."""
     if len(resp.errors) != num_ops:
         raise ValueError(f"the server answered {len(resp.errors)} results for {num_ops} operations")
-    columns = (getattr(resp, f) for f in _WIRE_RESULT)
-    if resp.HasField("moves"):
-        return StepResults(StepResult(*columns, *_moves_from_proto(resp.moves)))
-    return StepResults(StepResult(*columns))
+    moves = _moves_from_proto(resp.moves) if resp.HasField("moves") else NO_MOVES
+    return StepAnswer(*[getattr(resp, f) for f in StepAnswer.COLUMNS], moves)
 
 
 # ------------------------------------------------------------ pool shape

@@ -50,6 +50,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from allocator_service.core import blocks_for
 from pagedkv.bench import harness
 from pagedkv.bench.harness import Table, cell
 from pagedkv.bench.systems.tiers import SHARED, SYSTEMS, Sizes, Target, started
@@ -96,8 +97,8 @@ def _final_history(tokenizer, chat: Chat, max_tokens: int) -> int:
 
 def sizes(w: TiersWorkload, chats: list[Chat], tokenizer, block_bytes: int) -> tuple[Sizes, dict[str, int]]:
     finals = [_final_history(tokenizer, chat, w.max_tokens) for chat in chats]
-    working_set = sum(math.ceil(n / w.block_size) for n in finals)
-    one_request = math.ceil((max(finals) + LOOKAHEAD) / w.block_size) + 1
+    working_set = sum(blocks_for(n, w.block_size) for n in finals)
+    one_request = blocks_for(max(finals) + LOOKAHEAD, w.block_size) + 1
     kv = max(math.ceil(working_set / KV_SHARE), one_request)
     gib = block_bytes / 2**30
     # half a block over: the tier's GiB -> blocks rounding never loses one
@@ -304,7 +305,7 @@ def _report(w: TiersWorkload, names: list[str], layout: dict[str, int], runs: di
         "workload": {"model": w.model, "conversations": w.conversations, "turns": w.turns,
                      "system_tokens": w.system_tokens, "user_tokens": w.user_tokens, "max_tokens": w.max_tokens,
                      "block_size": w.block_size, "rounds": w.rounds, "systems": names, **layout,
-                     "working_set_blocks_measured": sum(math.ceil(n / w.block_size) for n in measured)
+                     "working_set_blocks_measured": sum(blocks_for(n, w.block_size) for n in measured)
                      if measured else None},
         "summary": summary,
         "targets": {

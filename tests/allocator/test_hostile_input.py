@@ -32,7 +32,7 @@ from allocator_service.core.limits import (
     MAX_SEQ_ID_LEN,
     MAX_STORE_GROUP_LEN,
 )
-from allocator_service.core.tiers import NO_REPORT, TierReport
+from allocator_service.core.tiers import TierReport
 from allocator_service.rpc.server import create_server
 from allocator_service.service import AllocatorService, PoolRef
 from allocator_service.store.journal import open_journal, split_prefix
@@ -301,8 +301,8 @@ class ServiceBounds:
     def pool(self, ref: pb.PoolRef) -> BlockPool:
         return self.svc.registry.pools[ref.pool_id].pool
 
-    def step(self, ref: pb.PoolRef, ops: list, report: TierReport = NO_REPORT) -> pb.StepResponse:
-        msg = columns_to_proto(step_columns(ops)._replace(**report._asdict()))
+    def step(self, ref: pb.PoolRef, ops: list, report: TierReport | None = None) -> pb.StepResponse:
+        msg = columns_to_proto(step_columns(ops, report))
         self.step_ids[ref.pool_id] += 1
         before = len(self.bounds)
         with mock.patch("allocator_service.service.steps.step_answer_bound", self.record):

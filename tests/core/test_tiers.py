@@ -37,8 +37,9 @@ from allocator_service.core import (
     step_columns,
 )
 from allocator_service.core.hashing import chain_hashes
-from allocator_service.core.step import StepResult
+from allocator_service.core.step import StepAnswer
 from allocator_service.core.tiers import SharedStore
+from tests.support.allocator import tier_report
 from tests.support.tiers import CONVERSATIONS, FATES
 
 GARBAGE = "garbage"  # what a failed save leaves in its location
@@ -116,7 +117,7 @@ class TiersMachine(RuleBasedStateMachine):
             prompt = base + data.draw(st.lists(st.integers(0, 1), max_size=2))
             admits[sid] = (prompt, data.draw(st.sampled_from([None, None, 1, 2])))
             ops.append(Admit(sid, admits[sid][0], None, admits[sid][1]))
-        step = step_columns(ops)._replace(**self._report(w, data))
+        step = step_columns(ops, tier_report(**self._report(w, data)))
         result = run_step(w.pool, step)
         self._apply(w, data, ops, result)
 
@@ -145,29 +146,29 @@ class TiersMachine(RuleBasedStateMachine):
         return {"saved": saved, "failed": failed, "store_saved": store_saved, "store_failed": store_failed,
                 "refused": refused}
 
-    def _apply(self, w: Worker, data, ops: list, r: StepResult) -> None:
+    def _apply(self, w: Worker, data, ops: list, r: StepAnswer) -> None:
         """Apply the answer's moves in order, then the forward pass."""
-        B = w.B
-        for h, layout in zip(r.store_deletes, r.store_delete_layouts, strict=True):  # (0)
+        B, m = w.B, r.moves
+        for h, layout in zip(m.store_deletes, m.store_delete_layouts, strict=True):  # (0)
             if data.draw(st.booleans()):  # best effort: some are lost
                 self.store_bytes.pop((layout, h), None)
-        for h, src in zip(r.store_saves, r.store_save_from, strict=True):  # (1)
+        for h, src in zip(m.store_saves, m.store_save_from, strict=True):  # (1)
             assert h not in w.flight_store
             assert w.kv[src] == h  # a freed or evicted KV block: its bytes are its hash's until the forward pass
             w.flight_store[h] = w.kv[src]
-        saves = r.host_saves
+        saves = m.host_saves
         for i in range(0, len(saves), 2):  # (2)
             b, slot = saves[i], saves[i + 1]
             assert slot not in w.flight_host, "a slot was reused while its save is in flight"
             w.flight_host[slot] = w.kv[b]
         for i in range(0, len(r.copies), 2):  # (3)
             w.kv[r.copies[i + 1]] = w.kv[r.copies[i]]
-        loads = r.host_loads
+        loads = m.host_loads
         loaded = set()
         for i in range(0, len(loads), 2):  # (4)
             w.kv[loads[i + 1]] = w.host[loads[i]]
             loaded.add(loads[i + 1])
-        for h, b in zip(r.store_loads, r.store_load_to, strict=True):
+        for h, b in zip(m.store_loads, m.store_load_to, strict=True):
             loaded.add(b)
             key = (LAYOUT, h)
             if key in self._corrupt() or data.draw(st.integers(0, 3)) == 0:

@@ -26,8 +26,9 @@ from allocator_service.core import (
     step_columns,
 )
 from allocator_service.core.hashing import chain_hashes
-from allocator_service.core.step import StepResult
+from allocator_service.core.step import StepAnswer
 from allocator_service.core.tiers import SharedStore
+from tests.support.allocator import tier_report
 
 CONFIG = PoolConfig(4, 2, True, "m", host_blocks=4, layout="L", block_bytes=100, use_shared_store=True)
 A, B, D, E = ([base + i for i in range(7)] for base in (1, 11, 21, 31))
@@ -37,18 +38,15 @@ def hashes(tokens: list[int]) -> list[bytes]:
     return chain_hashes(BlockPool(CONFIG, store=SharedStore(0)).root_hash, tokens, 2)
 
 
-def step(pool: BlockPool, ops: list, **report) -> StepResult:
-    r = run_step(pool, step_columns(ops)._replace(**report))
+def step(pool: BlockPool, ops: list, **report) -> StepAnswer:
+    r = run_step(pool, step_columns(ops, tier_report(**report)))
     assert pool.integrity_problems() == []
     return r
 
 
-def moves(r: StepResult) -> dict:
+def moves(r: StepAnswer) -> dict:
     """The answer's non-empty tier move columns."""
-    return {f: v for f, v in r._asdict().items() if f in MOVES and v}
-
-
-MOVES = StepResult._fields[StepResult._fields.index("error_messages") + 1 :]
+    return {f: v for f, v in r.moves._asdict().items() if v}
 
 
 def test_freed_blocks_go_to_the_store_and_evicted_ones_to_the_host_tier() -> None:
@@ -166,7 +164,7 @@ def test_confirmations_are_checked() -> None:
         step(pool, [], refused=[b"short"])
     plain = BlockPool(PoolConfig(4, 2, True, "m"))
     with pytest.raises(InvalidArgument, match="without KV tiers"):
-        run_step(plain, step_columns([])._replace(saved=[0]))
+        run_step(plain, step_columns([], tier_report(saved=[0])))
     with pytest.raises(InvalidArgument, match="need prefix caching"):
         PoolConfig(4, 2, False, host_blocks=2)
     with pytest.raises(InvalidArgument, match="none was given"):
@@ -192,21 +190,22 @@ def _script(seed: int, steps: int) -> list[list]:
     return out
 
 
-def _run(pools: list[BlockPool], script: list[list], start: int, pending: list[dict]) -> list[StepResult]:
+def _run(pools: list[BlockPool], script: list[list], start: int, pending: list[dict]) -> list[StepAnswer]:
     """Steps `start:` of `script`, round robin over the two `pools`; each pool's
     worker confirms its last answer's saves (every third one failed) and
     refuses every fifth store load, in its next step."""
     results = []
     for i in range(start, len(script)):
         k = i % len(pools)
-        r = run_step(pools[k], step_columns(script[i])._replace(**pending[k]))
+        r = run_step(pools[k], step_columns(script[i], tier_report(**pending[k])))
         assert pools[k].integrity_problems() == []
-        slots = r.host_saves[1::2]
+        m = r.moves
+        slots = m.host_saves[1::2]
         pending[k] = {"saved": [s for j, s in enumerate(slots) if j % 3 != 2],
                       "failed": [s for j, s in enumerate(slots) if j % 3 == 2],
-                      "store_saved": [h for j, h in enumerate(r.store_saves) if j % 3 != 1],
-                      "store_failed": [h for j, h in enumerate(r.store_saves) if j % 3 == 1],
-                      "refused": r.store_loads[::5]}
+                      "store_saved": [h for j, h in enumerate(m.store_saves) if j % 3 != 1],
+                      "store_failed": [h for j, h in enumerate(m.store_saves) if j % 3 == 1],
+                      "refused": m.store_loads[::5]}
         results.append(r)
     return results
 
@@ -223,8 +222,8 @@ def test_a_replay_rebuilds_the_same_tiers(seed: int) -> None:
     script = _script(seed, 60)
     pools, store = _fresh()
     first = _run(pools, script, 0, [{}, {}])
-    assert any(r.host_loads for r in first) and any(r.store_loads for r in first)
-    assert any(r.store_deletes for r in first)
+    assert any(r.moves.host_loads for r in first) and any(r.moves.store_loads for r in first)
+    assert any(r.moves.store_deletes for r in first)
 
     again, store2 = _fresh()
     assert _run(again, script, 0, [{}, {}]) == first

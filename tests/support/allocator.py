@@ -12,6 +12,7 @@ import time
 import grpc
 
 from allocator_service.core import Admit, Append, Fork, Free, Op, StepColumns, Unreserve
+from allocator_service.core.tiers import TierReport
 from allocator_service.wire.codec import encode_ops, step_from_proto
 from allocator_service.wire.v1 import allocator_pb2 as pb
 from allocator_service.wire.v1 import allocator_pb2_grpc as pb_grpc
@@ -68,6 +69,11 @@ def as_json(state: dict) -> dict:
 def step_call(ops: list[Op]) -> tuple[StepColumns, bytes]:
     """`ops` as the service's Step takes them (what the servicer decodes)."""
     return step_from_proto(encode_ops(ops))
+
+
+def tier_report(**lists) -> TierReport | None:
+    """A `TierReport` of the lists named (the others empty); None for none."""
+    return TierReport([], [], [], [], [])._replace(**lists) if lists else None
 
 
 def random_steps(seed: int, steps: int, max_ops: int = 6, vocab: int = 6) -> list[list[Op]]:

@@ -39,6 +39,8 @@ import numba
 import numpy as np
 import torch
 
+from allocator_service.core import blocks_for
+
 __all__ = ["DTYPES", "compile_kernels", "numba_decode"]
 
 DTYPES = (torch.float32,)
@@ -54,6 +56,9 @@ _launch = threading.Lock()
 # here (64 x 2048 tokens, shuffled tables) 4 took 1.6x -> 1.3x of contiguous
 # SDPA, 8 and 16 did no better.
 CHUNK = 4
+
+# The core's `blocks_for`, compiled so the kernel can call it.
+_blocks_for = numba.njit(inline="always")(blocks_for)
 
 
 def _paged_decode(out, q, k_cache, v_cache, block_tables, context_lens, scale):  # pragma: no cover - compiled
@@ -71,7 +76,7 @@ def _paged_decode(out, q, k_cache, v_cache, block_tables, context_lens, scale): 
         acc = np.zeros((num_q_heads, head_dim), dtype=np.float32)
         scores = np.empty((CHUNK * block_size, num_q_heads), dtype=np.float32)  # [chunk position, head]
         blocks = np.empty(CHUNK, dtype=np.int64)
-        num_blocks = (context + block_size - 1) // block_size
+        num_blocks = _blocks_for(context, block_size)
         for first in range(0, num_blocks, CHUNK):
             width = min(CHUNK, num_blocks - first)
             for c in range(width):

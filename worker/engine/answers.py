@@ -20,10 +20,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from allocator_service.client import AllocatorClient, AllocatorUnavailable, PoolLost
-from allocator_service.core import Free, Op, OpResult, StepResults
+from allocator_service.client import (
+    OUT_OF_BLOCKS,
+    UNKNOWN_SEQUENCE,
+    AllocatorClient,
+    AllocatorUnavailable,
+    PoolLost,
+)
+from allocator_service.core import Free, Op, OpResult, StepAnswer
 from allocator_service.core.planner import after_append, after_unreserve
-from allocator_service.core.tiers import NO_REPORT, TierReport
+from allocator_service.core.tiers import TierReport
 from worker.engine.health import AllocatorError, AllocatorHealth
 from worker.engine.sequence import Sequence, Status
 from worker.engine.step_plan import Batch, Planned, ScheduledSeq, StepPlan
@@ -52,9 +58,9 @@ class StepExchange:
     finish: Callable[[Sequence, str], None]
     _preempt: Callable[..., None]
 
-    def _apply_results(self, plan: StepPlan, results: StepResults | list[OpResult], batch: Batch) -> None:
+    def _apply_results(self, plan: StepPlan, results: StepAnswer | list[OpResult], batch: Batch) -> None:
         """Apply the allocator's answers: block tables, copies, admissions, refusals."""
-        if self.tiers is not None and isinstance(results, StepResults):
+        if self.tiers is not None and isinstance(results, StepAnswer):
             moves = results.moves
             if any(moves):
                 batch.moves = moves
@@ -83,8 +89,8 @@ class StepExchange:
                 p.held, p.reserved = p.held + u.slots, p.reserved + u.slots
         # NOTE: a decode step's appends mostly leave the table as it is (no
         # error, no new block, no copy): read those from the result columns
-        # without making an OpResult each (`StepResults`).
-        cols = results.columns if isinstance(results, StepResults) else None
+        # without making an OpResult each (`StepAnswer`).
+        cols = results if isinstance(results, StepAnswer) else None
         for seq, p in plan.running.items():
             if p.op is None:  # computed in slots it holds: no call for it
                 if not seq.is_finished:  # (finished since: nothing sent, nothing to compute)
@@ -113,7 +119,7 @@ class StepExchange:
                 # allocator lost the sequence: the failed op changed nothing,
                 # so recompute this one from scratch.
                 self._preempt(batch, seq, r.error or "allocator_error")
-                if r.error != "unknown_sequence":
+                if r.error != UNKNOWN_SEQUENCE:
                     self._to_free.append(seq.alloc_id)
         for seq, op in zip(plan.admitting, plan.admits, strict=True):
             r = results[ri]
@@ -125,7 +131,7 @@ class StepExchange:
                     self._finished_answer(batch, seq, None, r, r.cached_tokens, r.num_stored - r.cached_tokens)
             elif r.ok:
                 self._admitted(batch, seq, r, op.reserve)
-            elif r.error != "out_of_blocks":
+            elif r.error != OUT_OF_BLOCKS:
                 # Refused for good (e.g. invalid): waiting would wait forever.
                 seq.error = f"the allocator refused the request: {r.message or r.error}"
                 self.finish(seq, "error")
@@ -152,15 +158,15 @@ class StepExchange:
         report = self._report()
         return self._received(lambda: self._send(ops, report), batch, ops, report)
 
-    def _report(self) -> TierReport:
-        """The tier report the next call carries (engine thread)."""
-        return NO_REPORT if self.tiers is None else self.tiers.take_report()
+    def _report(self) -> TierReport | None:
+        """The tier report the next call carries (engine thread; None: none)."""
+        return None if self.tiers is None else self.tiers.take_report()
 
     def _report_due(self) -> bool:
         """Whether a tier report waits to be sent (a call is due for it alone)."""
         return self.tiers is not None and self.tiers.report_due()
 
-    def _send(self, ops: list[Op], report: TierReport = NO_REPORT) -> list[OpResult]:
+    def _send(self, ops: list[Op], report: TierReport | None = None) -> StepAnswer | list[OpResult]:
         """Send the step until it is answered (on the call thread, with async
         scheduling and a remote allocator), with the tiers' `report`."""
         pause = self.stall_backoff_s[0]
@@ -168,7 +174,7 @@ class StepExchange:
         while True:
             health.call_started()
             try:
-                results = self.allocator.step(ops) if report is NO_REPORT else self.allocator.step(ops, report)
+                results = self.allocator.step(ops) if report is None else self.allocator.step(ops, report)
             except AllocatorUnavailable:
                 health.unanswered()
                 time.sleep(pause)
@@ -179,8 +185,8 @@ class StepExchange:
             health.answered()
             return results
 
-    def _received(self, answer: Callable[[], list[OpResult]], batch: Batch, ops: list[Op],
-                  report: TierReport = NO_REPORT):
+    def _received(self, answer: Callable[[], StepAnswer | list[OpResult]], batch: Batch, ops: list[Op],
+                  report: TierReport | None = None):
         """The step's answer to `ops`, or None when the pool was lost (every
         running sequence is then preempted); a refusal becomes AllocatorError.
         A refused step applied nothing, so its Frees (sequences finished or

@@ -30,6 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import chain
 
 from allocator_service.client import (
+    OUT_OF_BLOCKS,
     AllocatorClient,
     EmbeddedAllocator,
 )
@@ -365,7 +366,7 @@ class Scheduler(StepExchange):
                     given = plan.running.pop(victim)
                     plan.budget += given.n
                     view.give_back(given.taking)
-                self._preempt(batch, victim, "out_of_blocks", plan)
+                self._preempt(batch, victim, OUT_OF_BLOCKS, plan)
                 if victim is seq:
                     break
             if seq.status is not Status.RUNNING:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from allocator_service.core import Admit, Append, Fork, Op
 from allocator_service.core.planner import PoolPlan, Taking
-from allocator_service.core.tiers import NO_REPORT, Moves, TierReport
+from allocator_service.core.tiers import Moves, TierReport
 from worker.engine.sequence import Sequence
 
 
@@ -117,4 +117,4 @@ class InFlight:
     plan: StepPlan
     batch: Batch
     future: Future
-    report: TierReport = NO_REPORT  # the tier report it carries (given back if it is refused)
+    report: TierReport | None = None  # the tier report it carries (given back if it is refused)

@@ -53,7 +53,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import NamedTuple
 
-from allocator_service.core.tiers import NO_REPORT, Moves, TierReport
+from allocator_service.core import blocks_for
+from allocator_service.core.tiers import Moves, TierReport
 from worker.engine.step_plan import Batch
 from worker.kv_pool import KVPool
 from worker.metrics import TierMetrics, WorkerMetrics
@@ -116,9 +117,9 @@ class EngineTiers:
                                        meter=self._store_meter)
 
     # ------------------------------------------------------------ the report
-    def take_report(self) -> TierReport:
+    def take_report(self) -> TierReport | None:
         """What the moves applied so far became (since the last call): for
-        the next allocator call. NO_REPORT when nothing."""
+        the next allocator call. None when nothing."""
         saving = self._saving
         while saving and saving[0][0].done():
             self._report.saved.extend(saving.popleft()[1])
@@ -126,7 +127,7 @@ class EngineTiers:
             self.host.poll()
         report = self._report
         if not any(report):
-            return NO_REPORT
+            return None
         self._report = TierReport([], [], [], [], [])
         return report
 
@@ -136,9 +137,9 @@ class EngineTiers:
         by other workers only once reported)."""
         return any(self._report) or bool(self._saving and self._saving[0][0].done())
 
-    def give_back(self, report: TierReport) -> None:
+    def give_back(self, report: TierReport | None) -> None:
         """The call that carried `report` was refused (it applied nothing): it rides the next one."""
-        if report is NO_REPORT:
+        if report is None:
             return
         for mine, theirs in zip(self._report, report, strict=True):
             mine[:0] = theirs
@@ -265,7 +266,7 @@ class EngineTiers:
         its K/V the allocator cannot find in swap slots (`seq.swap`)."""
         bs = self.block_size
         end = seq.num_stored
-        last = -(-end // bs)  # blocks holding computed K/V
+        last = blocks_for(end, bs)  # blocks holding computed K/V
         # every block it can keep, last ones first; at least those the allocator cannot find
         first = max(0, last - len(self._swap_free))
         if end <= 0 or first > seq.num_valued // bs or seq.prompt_logprobs is not None:
@@ -286,7 +287,7 @@ class EngineTiers:
         if cached < stash.start or num_stored != len(seq.token_ids) or end <= cached:
             return cached
         first = (cached - stash.start) // bs
-        count = -(-(end - cached) // bs)
+        count = blocks_for(end - cached, bs)
         batch.swap_in.append((stash.slots[first : first + count], seq.block_table[cached // bs : cached // bs + count]))
         return end
 
