@@ -1,6 +1,6 @@
 """A pool's shape (`PoolConfig`), figures (`PoolStats`) and state as parts
 (`PoolParts`), and `PoolState`: what the checks (`integrity.py`) and the
-dumps (`snapshot.py`) read of a pool. They sit below `pool.py`, so the pool
+dumps (`snapshot.py`) read of a pool. They sit below `holdings.py`, so the pool
 calls them and they import nothing of it."""
 
 from __future__ import annotations

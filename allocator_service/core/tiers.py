@@ -22,22 +22,17 @@ puts a pool's layout under its store group, so a pool finds, confirms and
 skips saves only against entries of its own group.
 
 `PoolTiers` is one pool's side: its host tier, the shared store it uses
-(or none), its store namespace, the store saves it has pending, and the moves issued since the
-last `take_moves`. The rules it applies (docs/architecture.md, "Tiers"):
+(or none), its store namespace, the store saves it has pending, and the
+moves issued since the last `take_moves`. Its rules (the reasons:
+docs/architecture.md, "Tiers"):
 
-- a cached KV block freed by its last sequence (its K/V computed and
-  hashed) is written through to the store, unless the store has its hash:
-  a prefix one worker computed is found by every other worker as soon as
-  its saves are confirmed, and not only once it falls out of a host tier;
-- a cached KV block that leaves the KV pool (evicted, its hash held by no
-  other block) is saved to the host tier unless the hash is there already,
-  and to the store when the store lacks it (its write-through was skipped);
-- a host slot needed when the host tier is full takes its LRU present
-  entry's slot; that entry leaves the host tier (its copy in the store, when
-  the store kept it, is found there); the store full drops its LRU present
-  entries, each a store delete;
-- a save that cannot find room (everything pending or pinned) is skipped:
-  the block leaves that tier (`skipped`).
+- a cached block freed by its last sequence is written through to the
+  store unless the store has its hash;
+- a cached block leaving the KV pool (its hash held by no other block) is
+  saved to the host tier and to the store, each unless it has the hash;
+- a full host tier reuses its LRU present entry's slot; a full store drops
+  its LRU present entries, each a store delete;
+- a save that finds no room (everything pending or pinned) is skipped.
 
 Every store save reads a KV block (`Moves.store_save_from`): a freed or
 evicted block keeps its bytes until the step's forward pass, after the moves.
