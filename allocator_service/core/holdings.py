@@ -54,7 +54,7 @@ class PoolHoldings:
         self.max_sequences = max_sequences(n)
         self.max_table_entries = max_table_entries(n)
         self.table_entries = 0
-        # ... and characters of sequence ids plus salts (`_name_chars`).
+        # ... and characters of sequence ids plus salts (`pool._name_chars`).
         self.max_name_chars = max_name_chars(n)
         self.name_chars = 0
 
@@ -169,7 +169,7 @@ class PoolHoldings:
             raise UnknownSequence(seq_id)
         return seq
 
-    # ------------------------------------------------- checks and dumps (own modules)
+    # ---------------------------------------- checks and dumps (own modules)
     def parts(self) -> PoolParts:
         """The pool's containers as they are (no copies: read only)."""
         return PoolParts(self.ref_cnt, self._fill, self.index.block_hash, self._uncached_free,
