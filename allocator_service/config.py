@@ -56,7 +56,7 @@ class ServiceConfig:
     # restart replays at most that many.
     snapshot_every: int = 1000
     # The most bytes a snapshot may take: the pools over their share of it are
-    # dropped rather than hold up every snapshot (store/durable.py). Redis's
+    # dropped rather than hold up every snapshot (store/cut.py). Redis's
     # own value limit is 512 MB.
     max_snapshot_bytes: int = 256 << 20
     # KV events kept for clients that reconnect to WatchEvents.
@@ -79,7 +79,7 @@ class ServiceConfig:
     # unnamed group of every pool registered without a worker token.
     store_groups: Mapping[str, str] = field(default_factory=dict)
     # The journal key: the record chain and the snapshot digest are
-    # HMAC-SHA256 under it (`store/journal.py`); None: plain SHA-256, and
+    # HMAC-SHA256 under it (`store/framing.py`); None: plain SHA-256, and
     # whoever can write to Redis is trusted with the state.
     journal_key: bytes | None = field(default=None, repr=False)
     # The shared KV store (`--kv-shared-store`): its URL ("" for none) and

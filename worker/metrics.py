@@ -301,7 +301,7 @@ class WorkerMetrics:
             "loaded_blocks": counter("kv_tier_loaded_blocks", "KV blocks read from the tier into the KV pool.", tier),
             "loaded_bytes": counter("kv_tier_loaded_bytes", "Bytes read from the tier into the KV pool.", tier),
             "load_seconds": counter("kv_tier_load_seconds", "Seconds the tier's reads took (copy time on the side stream on CUDA).", tier),
-            "refused_entries": counter("kv_tier_refused_entries", "Entries found in the tier but not loaded, by reason (format, layout, checksum).", ("tier", "reason")),
+            "refused_entries": counter("kv_tier_refused_entries", "Loads from the tier not loaded and reported refused, by reason (format, layout, checksum, seal, missing): computed instead.", ("tier", "reason")),
             "store_errors": counter("kv_tier_store_errors", "Calls to the shared store that failed (unreachable, I/O): their loads were misses, their saves failed.", tier),
         }
         self._tiers: dict[str, TierMetrics] = {}

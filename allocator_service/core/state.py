@@ -1,6 +1,6 @@
 """A pool's shape (`PoolConfig`), figures (`PoolStats`) and state as parts
 (`PoolParts`), and `PoolState`: what the checks (`integrity.py`) and the
-dumps (`snapshot.py`) read of a pool. They sit below `pool.py`, so the pool
+dumps (`snapshot.py`) read of a pool. They sit below `holdings.py`, so the pool
 calls them and they import nothing of it."""
 
 from __future__ import annotations
@@ -78,8 +78,8 @@ class PoolStats:
     num_sequences: int
     tokens_stored: int  # token slots holding a token (shared blocks counted once)
     slots_allocated: int  # used_blocks * block_size
-    prefix_queried_tokens: int
-    prefix_hit_tokens: int
+    prefix_queried_tokens: int  # prompt tokens admissions looked up
+    prefix_hit_tokens: int  # ... found: in the KV pool, or a tier load issued (`TierStats`)
     evictions: int
     copies: int
     out_of_blocks: int
@@ -129,8 +129,8 @@ class PoolState(Protocol):
     max_table_entries: int
     max_sequences: int
     max_name_chars: int
-    prefix_queried_tokens: int
-    prefix_hit_tokens: int
+    prefix_queried_tokens: int  # prompt tokens admissions looked up
+    prefix_hit_tokens: int  # ... found: in the KV pool, or a tier load issued (`TierStats`)
     evictions: int
     copies: int
     out_of_blocks: int

@@ -22,22 +22,17 @@ puts a pool's layout under its store group, so a pool finds, confirms and
 skips saves only against entries of its own group.
 
 `PoolTiers` is one pool's side: its host tier, the shared store it uses
-(or none), its store namespace, the store saves it has pending, and the moves issued since the
-last `take_moves`. The rules it applies (docs/architecture.md, "Tiers"):
+(or none), its store namespace, the store saves it has pending, and the
+moves issued since the last `take_moves`. Its rules (the reasons:
+docs/architecture.md, "Tiers"):
 
-- a cached KV block freed by its last sequence (its K/V computed and
-  hashed) is written through to the store, unless the store has its hash:
-  a prefix one worker computed is found by every other worker as soon as
-  its saves are confirmed, and not only once it falls out of a host tier;
-- a cached KV block that leaves the KV pool (evicted, its hash held by no
-  other block) is saved to the host tier unless the hash is there already,
-  and to the store when the store lacks it (its write-through was skipped);
-- a host slot needed when the host tier is full takes its LRU present
-  entry's slot; that entry leaves the host tier (its copy in the store, when
-  the store kept it, is found there); the store full drops its LRU present
-  entries, each a store delete;
-- a save that cannot find room (everything pending or pinned) is skipped:
-  the block leaves that tier (`skipped`).
+- a cached block freed by its last sequence is written through to the
+  store unless the store has its hash;
+- a cached block leaving the KV pool (its hash held by no other block) is
+  saved to the host tier and to the store, each unless it has the hash;
+- a full host tier reuses its LRU present entry's slot; a full store drops
+  its LRU present entries, each a store delete;
+- a save that finds no room (everything pending or pinned) is skipped.
 
 Every store save reads a KV block (`Moves.store_save_from`): a freed or
 evicted block keeps its bytes until the step's forward pass, after the moves.
@@ -52,7 +47,8 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict, deque
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Mapping
+from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
 
 from allocator_service.core.errors import InvalidArgument
@@ -244,14 +240,13 @@ class SharedStore:
     must be applied in one global order (their journal's). Which pool awaits
     a pending entry's confirmation is that pool's record (`PoolTiers`)."""
 
-    __slots__ = ("lru", "refused", "dropped")
+    __slots__ = ("lru", "stats")
 
     def __init__(self, capacity_bytes: int) -> None:
         if type(capacity_bytes) is not int or capacity_bytes < 0:
             raise InvalidArgument("the shared store's capacity must be a non-negative integer of bytes")
         self.lru = LruTier(capacity_bytes)
-        self.refused = 0  # entries a worker refused at load (layout, checksum, missing)
-        self.dropped = 0  # present entries dropped to make room (store deletes issued)
+        self.stats = StoreStats()
 
     @property
     def capacity_bytes(self) -> int:
@@ -263,7 +258,7 @@ class SharedStore:
             "capacity_bytes": self.lru.capacity,
             "present": [[lay, h.hex(), size] for (lay, h), (_, size) in self.lru.present.items()],
             "pending": [[lay, h.hex(), size] for (lay, h), (_, size) in self.lru.pending.items()],
-            "counters": {"refused": self.refused, "dropped": self.dropped},
+            "counters": self.stats.to_state(),
         }
 
     @classmethod
@@ -275,8 +270,7 @@ class SharedStore:
             st.lru.pending[(lay, bytes.fromhex(h))] = (0, size)
         st.lru.used = sum(s for _, s in st.lru.present.values()) + sum(s for _, s in st.lru.pending.values())
         st.lru._pending_used = sum(s for _, s in st.lru.pending.values())
-        st.refused = state["counters"]["refused"]
-        st.dropped = state["counters"]["dropped"]
+        st.stats = StoreStats.from_state(state["counters"])
         return st
 
     def integrity_problems(self) -> list[str]:
@@ -313,20 +307,60 @@ class TierReport(NamedTuple):
     refused: list[bytes]  # hashes of store loads refused (layout, checksum, missing)
 
 
-TIER_COUNTERS = (
-    "host_hit_tokens",  # prompt tokens admissions loaded from the host tier
-    "store_hit_tokens",  # ... from the shared store
-    "host_saves",  # KV -> host saves issued
-    "store_saves",  # KV -> store saves issued (at release or eviction)
-    "host_loads",
-    "store_loads",
-    "saves_confirmed",  # host and store saves a worker confirmed written
-    "saves_failed",  # ... reported failed (the entry is dropped)
-    "saves_skipped",  # saves not issued: no room that is not pending or pinned
-    "refused",  # store loads the worker refused (layout, checksum, missing)
-    "host_evictions",  # host entries dropped for a new save
-    "stale_confirmations",  # confirmations of nothing pending (ignored)
-)
+@dataclass(slots=True)
+class TierStats:
+    """One pool's tier counts since its start, kept in its dumps. A hit is
+    counted when its load is issued: a store load the worker refuses later
+    stays counted here (the worker's own hit counts leave it out)."""
+
+    host_hit_tokens: int = 0  # prompt tokens whose loads from the host tier admissions issued
+    store_hit_tokens: int = 0  # ... from the shared store
+    host_saves: int = 0  # KV -> host saves issued
+    store_saves: int = 0  # KV -> store saves issued (at release or eviction)
+    host_loads: int = 0
+    store_loads: int = 0
+    saves_confirmed: int = 0  # host and store saves a worker confirmed written
+    saves_failed: int = 0  # ... reported failed (the entry is dropped)
+    saves_skipped: int = 0  # saves not issued: no room that is not pending or pinned
+    refused_loads: int = 0  # store loads the worker reported refused (format, layout, checksum, seal, missing)
+    host_evictions: int = 0  # host entries dropped for a new save
+    stale_confirmations: int = 0  # confirmations of nothing pending (ignored)
+
+    def to_state(self) -> dict[str, int]:
+        return _counts_state(self, _TIER_KEYS)
+
+    @classmethod
+    def from_state(cls, counts: Mapping[str, int]) -> TierStats:
+        return _counts_from_state(cls, counts, _TIER_KEYS)
+
+
+@dataclass(slots=True)
+class StoreStats:
+    """The shared store's counts since its start, kept in its dumps."""
+
+    refused_drops: int = 0  # present entries dropped because a worker refused their load
+    evictions: int = 0  # present entries dropped to make room (store deletes issued)
+
+    def to_state(self) -> dict[str, int]:
+        return _counts_state(self, _STORE_KEYS)
+
+    @classmethod
+    def from_state(cls, counts: Mapping[str, int]) -> StoreStats:
+        return _counts_from_state(cls, counts, _STORE_KEYS)
+
+
+# The key each count is stored under in a dump, where it is not the field's name.
+_TIER_KEYS = {"refused_loads": "refused"}
+_STORE_KEYS = {"refused_drops": "refused", "evictions": "dropped"}
+
+
+def _counts_state(stats: Any, keys: dict[str, str]) -> dict[str, int]:
+    return {keys.get(f.name, f.name): getattr(stats, f.name) for f in fields(stats)}
+
+
+def _counts_from_state(cls: Any, counts: Mapping[str, int], keys: dict[str, str]) -> Any:
+    """The counts of a dump; a count it lacks (an older dump) is 0."""
+    return cls(**{f.name: counts.get(keys.get(f.name, f.name), 0) for f in fields(cls)})
 
 
 class PoolTiers:
@@ -338,7 +372,7 @@ class PoolTiers:
     a cached block leaves the KV pool, `find` and `load` at
     admission, `confirm` at the start of a step, and `take_moves` at its end."""
 
-    __slots__ = ("host", "store", "namespace", "block_bytes", "store_pending", "counters", "_moves")
+    __slots__ = ("host", "store", "namespace", "block_bytes", "store_pending", "stats", "_moves")
 
     def __init__(self, host_blocks: int, store: SharedStore | None, namespace: str, block_bytes: int) -> None:
         self.host = HostTier(host_blocks) if host_blocks else None
@@ -348,7 +382,7 @@ class PoolTiers:
         # Store saves this pool issued and its worker has not confirmed
         # (dropped from the store with the pool: a killed worker never confirms).
         self.store_pending: dict[bytes, None] = {}
-        self.counters = dict.fromkeys(TIER_COUNTERS, 0)
+        self.stats = TierStats()
         self._moves: Moves | None = None
 
     # ---------------------------------------------------------------- moves
@@ -392,13 +426,13 @@ class PoolTiers:
         m = self._m()
         if tier == HOST:
             m.host_loads.extend((self.host.lru.present[h][0], block))  # type: ignore[union-attr]
-            self.counters["host_loads"] += 1
-            self.counters["host_hit_tokens"] += block_size
+            self.stats.host_loads += 1
+            self.stats.host_hit_tokens += block_size
         else:
             m.store_loads.append(h)
             m.store_load_to.append(block)
-            self.counters["store_loads"] += 1
-            self.counters["store_hit_tokens"] += block_size
+            self.stats.store_loads += 1
+            self.stats.store_hit_tokens += block_size
 
     # ------------------------------------------------------------- eviction
     def released(self, block: int, h: bytes) -> None:
@@ -414,12 +448,12 @@ class PoolTiers:
         if host is not None and h not in host.lru:
             slot = self._host_slot()
             if slot is None:
-                self.counters["saves_skipped"] += 1
+                self.stats.saves_skipped += 1
             else:
                 host.lru.add_pending(h, slot, 1)
                 host.slot_hash[slot] = h
                 self._m().host_saves.extend((block, slot))
-                self.counters["host_saves"] += 1
+                self.stats.host_saves += 1
         if self.store is not None:
             self._store_save(h, block)
 
@@ -433,7 +467,7 @@ class PoolTiers:
             return None
         slot = host.lru.drop(v)[0]  # type: ignore[index]
         host.slot_hash[slot] = None
-        self.counters["host_evictions"] += 1
+        self.stats.host_evictions += 1
         return slot
 
     def _store_save(self, h: bytes, src: int) -> None:
@@ -444,20 +478,20 @@ class PoolTiers:
             return
         size = self.block_bytes
         if not st.lru.can_fit(size):
-            self.counters["saves_skipped"] += 1
+            self.stats.saves_skipped += 1
             return
         m = self._m()
         while st.lru.used + size > st.lru.capacity:
             v = st.lru.victim()
             st.lru.drop(v)
-            st.dropped += 1
+            st.stats.evictions += 1
             m.store_deletes.append(v[1])  # type: ignore[index]
             m.store_delete_layouts.append(v[0])  # type: ignore[index]
         st.lru.add_pending(key, 0, size)
         self.store_pending[h] = None
         m.store_saves.append(h)
         m.store_save_from.append(src)
-        self.counters["store_saves"] += 1
+        self.stats.store_saves += 1
 
     # --------------------------------------------------------- confirmation
     def check_confirmations(self, saved: list[int], failed: list[int], store_saved: list[bytes],
@@ -480,47 +514,47 @@ class PoolTiers:
         saves written become present, failed ones are dropped, refused store
         entries are dropped (and deleted). Ids of nothing pending are counted
         and ignored."""
-        c = self.counters
+        c = self.stats
         host = self.host
         for s in saved:
             h = host.slot_hash[s]  # type: ignore[union-attr]
             if h is not None and host.lru.confirm(h):  # type: ignore[union-attr]
-                c["saves_confirmed"] += 1
+                c.saves_confirmed += 1
             else:
-                c["stale_confirmations"] += 1
+                c.stale_confirmations += 1
         for s in failed:
             h = host.slot_hash[s]  # type: ignore[union-attr]
             if h is not None and h in host.lru.pending:  # type: ignore[union-attr]
                 host.lru.drop(h)  # type: ignore[union-attr]
                 host.slot_hash[s] = None  # type: ignore[union-attr]
                 host.free_slots.append(s)  # type: ignore[union-attr]
-                c["saves_failed"] += 1
+                c.saves_failed += 1
             else:
-                c["stale_confirmations"] += 1
+                c.stale_confirmations += 1
         st = self.store
         pending = self.store_pending
         for h in store_saved:
             if h in pending:
                 del pending[h]
                 st.lru.confirm((self.namespace, h))  # type: ignore[union-attr]
-                c["saves_confirmed"] += 1
+                c.saves_confirmed += 1
             else:
-                c["stale_confirmations"] += 1
+                c.stale_confirmations += 1
         for h in store_failed:
             if h in pending:
                 del pending[h]
                 st.lru.drop((self.namespace, h))  # type: ignore[union-attr]
                 self._m().store_deletes.append(h)  # a partial write, best effort
                 self._m().store_delete_layouts.append(self.namespace)
-                c["saves_failed"] += 1
+                c.saves_failed += 1
             else:
-                c["stale_confirmations"] += 1
+                c.stale_confirmations += 1
         for h in refused:
             key = (self.namespace, h)
-            c["refused"] += 1
+            c.refused_loads += 1
             if key in st.lru.present:  # type: ignore[union-attr]
                 st.lru.drop(key)  # type: ignore[union-attr]
-                st.refused += 1  # type: ignore[union-attr]
+                st.stats.refused_drops += 1  # type: ignore[union-attr]
                 self._m().store_deletes.append(h)
                 self._m().store_delete_layouts.append(self.namespace)
 
@@ -540,14 +574,14 @@ class PoolTiers:
         return {
             "host": self.host.to_state() if self.host is not None else None,
             "store_pending": [h.hex() for h in self.store_pending],
-            "counters": dict(self.counters),
+            "counters": self.stats.to_state(),
         }
 
     def restore(self, state: dict[str, Any]) -> None:
         if state["host"] is not None:
             self.host = HostTier.from_state(state["host"])
         self.store_pending = {bytes.fromhex(h): None for h in state["store_pending"]}
-        self.counters.update(state["counters"])
+        self.stats = TierStats.from_state(state["counters"])
 
     def problems(self) -> list[str]:
         out = self.host.problems() if self.host is not None else []

@@ -127,48 +127,51 @@ class PoolCollector:
         (`host`, `shared`) as the worker's `pagedkv_worker_kv_tier_*` name
         them, and the shared store's own figures."""
         labels = ["pool_id", "worker_id", "tier"]
-        hit = CounterMetricFamily(PREFIX + "kv_tier_hit_tokens", "Prompt tokens admissions loaded from the tier.",
-                                  labels=labels)
+        hit = CounterMetricFamily(
+            PREFIX + "kv_tier_hit_tokens",
+            "Prompt tokens whose loads from the tier admissions issued (a load refused later included).",
+            labels=labels)
         saved = CounterMetricFamily(PREFIX + "kv_tier_saved_blocks", "Blocks saves to the tier were issued for.",
                                     labels=labels)
         loaded = CounterMetricFamily(PREFIX + "kv_tier_loaded_blocks", "Blocks loads from the tier were issued for.",
                                      labels=labels)
         refused = CounterMetricFamily(
             PREFIX + "kv_tier_refused_entries",
-            "Store loads the worker refused (layout, checksum or the entry missing): computed instead.",
+            "Store loads the worker reported refused (format, layout, checksum, seal or missing): computed "
+            "instead.",
             labels=labels)
         capacity = GaugeMetricFamily(PREFIX + "kv_tier_capacity_bytes", "Bytes the pool's host tier holds.",
                                      labels=labels)
         used = GaugeMetricFamily(PREFIX + "kv_tier_used_bytes",
                                  "Bytes of the pool's host tier holding an entry (pending or present).", labels=labels)
         for pool_id, worker_id, t in self.service.reads.tier_stats():
-            c = t.counters
+            c = t.stats
             if t.host_blocks:
                 key = [pool_id, worker_id, "host"]
-                hit.add_metric(key, c["host_hit_tokens"])
-                saved.add_metric(key, c["host_saves"])
-                loaded.add_metric(key, c["host_loads"])
+                hit.add_metric(key, c.host_hit_tokens)
+                saved.add_metric(key, c.host_saves)
+                loaded.add_metric(key, c.host_loads)
                 capacity.add_metric(key, t.host_blocks * t.block_bytes)
                 used.add_metric(key, t.host_used_blocks * t.block_bytes)
             if t.use_shared_store:
                 key = [pool_id, worker_id, "shared"]
-                hit.add_metric(key, c["store_hit_tokens"])
-                saved.add_metric(key, c["store_saves"])
-                loaded.add_metric(key, c["store_loads"])
-                refused.add_metric(key, c["refused"])
+                hit.add_metric(key, c.store_hit_tokens)
+                saved.add_metric(key, c.store_saves)
+                loaded.add_metric(key, c.store_loads)
+                refused.add_metric(key, c.refused_loads)
         yield from (hit, saved, loaded, refused, capacity, used)
         store = self.service.reads.store_stats()
         if store is None:
             return
         yield GaugeMetricFamily(PREFIX + "shared_store_capacity_bytes", "Bytes the shared KV store may hold.",
-                                value=store["capacity_bytes"])
+                                value=store.capacity_bytes)
         yield GaugeMetricFamily(PREFIX + "shared_store_used_bytes",
                                 "Bytes of the shared KV store's entries (pending ones included).",
-                                value=store["used_bytes"])
+                                value=store.used_bytes)
         yield GaugeMetricFamily(PREFIX + "shared_store_entries", "Entries in the shared KV store's index.",
-                                value=store["entries"])
+                                value=store.entries)
         yield CounterMetricFamily(PREFIX + "shared_store_dropped_entries",
-                                  "Store entries dropped to make room (store deletes issued).", value=store["dropped"])
+                                  "Store entries dropped to make room (store deletes issued).", value=store.stats.evictions)
 
 
 def make_registry(service: AllocatorService) -> tuple[CollectorRegistry, Histogram]:

@@ -9,11 +9,13 @@ lock (free blocks, the store's) are load figures, not promises.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import NamedTuple
 
 from allocator_service.config import Limits
 from allocator_service.core import PoolStats, snapshot
 from allocator_service.core.hashing import prompt_chain
+from allocator_service.core.tiers import StoreStats, TierStats
 from allocator_service.core.validation import check_cache_salt, check_tokens
 from allocator_service.service.changes import Changes, PoolRef
 from allocator_service.store.registry import PoolEntry
@@ -40,10 +42,20 @@ class TierView(NamedTuple):
     use_shared_store: bool
     store_used_bytes: int  # the shared store's, every pool's entries
     block_bytes: int
-    counters: dict[str, int]  # `core.tiers.TIER_COUNTERS`
+    stats: TierStats  # a copy
 
 
-NO_TIERS = TierView(0, 0, False, 0, 0, {})
+NO_TIERS = TierView(0, 0, False, 0, 0, TierStats())
+
+
+class StoreView(NamedTuple):
+    """The shared store's figures as the metrics read them."""
+
+    capacity_bytes: int
+    used_bytes: int
+    entries: int  # pending ones included
+    pending: int
+    stats: StoreStats  # a copy
 
 
 class Reads:
@@ -140,8 +152,8 @@ class Reads:
                                 s.free_blocks, s.used_blocks, s.cached_blocks, s.num_sequences,
                                 e.pool.enable_prefix_caching, attest_key(e.credential_digest),
                                 t.host_blocks, t.host_used_blocks, t.use_shared_store,
-                                t.store_used_bytes, t.counters.get("host_hit_tokens", 0),
-                                t.counters.get("store_hit_tokens", 0)))
+                                t.store_used_bytes, t.stats.host_hit_tokens,
+                                t.stats.store_hit_tokens))
         return out
 
     @staticmethod
@@ -155,7 +167,7 @@ class Reads:
         return TierView(host.lru.capacity if host is not None else 0,
                         len(host.lru) if host is not None else 0,
                         store is not None, store.lru.used if store is not None else 0,
-                        e.pool.config.block_bytes, dict(tiers.counters))
+                        e.pool.config.block_bytes, replace(tiers.stats))
 
     def tier_stats(self) -> list[tuple[str, str, TierView]]:
         """(pool id, worker id, its tiers) of every live pool with KV tiers,
@@ -167,16 +179,14 @@ class Reads:
                     out.append((e.pool_id, e.worker_id, self._tier_view(e)))
         return out
 
-    def store_stats(self) -> dict[str, int] | None:
-        """The shared store's figures (None: no store): capacity and used
-        bytes, entries (pending ones included), entries refused at load and
-        dropped for room. Read without the mutation lock: a figure."""
+    def store_stats(self) -> StoreView | None:
+        """The shared store's figures (None: no store), read without the
+        mutation lock: a figure."""
         store = self.changes.registry.store
         if store is None:
             return None
-        return {"capacity_bytes": store.capacity_bytes, "used_bytes": store.lru.used,
-                "entries": len(store.lru), "pending": len(store.lru.pending),
-                "refused": store.refused, "dropped": store.dropped}
+        return StoreView(store.capacity_bytes, store.lru.used, len(store.lru),
+                         len(store.lru.pending), replace(store.stats))
 
     def free_blocks(self, pool_id: str) -> int | None:
         """A live pool's free blocks (None: no such pool), read without its

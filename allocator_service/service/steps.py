@@ -16,7 +16,7 @@ from allocator_service.core import StepColumns
 from allocator_service.core.errors import InvalidArgument, UnknownSequence
 from allocator_service.core.step import ADMIT, FORK, FREE, KINDS, UNRESERVE
 from allocator_service.service.changes import Changes, PoolRef
-from allocator_service.store.journal import StepRecord
+from allocator_service.store.framing import StepRecord
 from allocator_service.store.registry import PoolEntry
 from allocator_service.wire.bounds import step_answer_bound, tier_bound
 from allocator_service.wire.codec import PREV_STEP_ID_REQUIRED, digest_of

@@ -4,35 +4,7 @@ journal write before each change, snapshots, the store watch and health.
 The service (`service/changes.py`) calls in here with its mutation lock held
 (`lock`: the one global order of records) for everything that touches the
 order: `append` before a change, `changed` after it. Snapshots are taken off
-the hot path (`Cut`):
-
-- under the mutation lock, `changed` only notes the cut: the record index
-  and chain digest it includes, an empty event batch whose number will be
-  the snapshot's `next_event`, and the pools present, each marked due;
-- a background thread (or, before `start`, the caller right after its
-  change) then serialises the pools one at a time, each under its own lock,
-  while other records are applied; whoever applies a record with a later
-  index to a pool still due serialises it first (`settle`), so every pool
-  is taken exactly as of the cut: a consistent cut without stopping the world;
-  the shared KV store's index likewise (`settle_store`: whoever changes it
-  first after the cut, under the mutation lock, takes it first);
-- the store then replaces the snapshot and trims exactly the journal
-  records the snapshot includes, found by the cut record's chain digest
-  (`RedisJournal.write_snapshot`), while records after the cut stay: replay
-  from the new snapshot gives the same state, event numbers and answers.
-
-A pool's part is its packed dump (`core.snapshot.to_packed`), whose size is
-bounded by the pool's shape (blocks, sequences, their names), never by the
-sum of its table lengths. A snapshot over the size bound
-(`ServiceConfig.max_snapshot_bytes`, never more than Redis's 512 MB value
-limit) cannot be written; then no pool may hold the others' snapshot up:
-each pool's share of the bound is in proportion to its blocks, and pools
-whose part is over their share are dropped loudly, largest excess first (reason
-`snapshot_too_large`: its worker gets NOT_FOUND, re-registers and
-recomputes), until what is left fits; the next cut follows at once, so the
-journal is trimmed as usual (`drop_pools`, set by the service). A snapshot
-whose cut the store no longer holds is not written either and the next try
-backs off like a failed write; the journal still holds every record.
+the hot path, at a cut (`cut.py`).
 
 Health tells the truth: unhealthy (`healthy`, and every listener added with
 `add_health_listener`: the gRPC health status) while the state store is
@@ -58,24 +30,22 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from allocator_service.config import ServiceConfig
 from allocator_service.core.pacing import Unpaced
 from allocator_service.leases import LeaseTable
-from allocator_service.store.events import Batch, EventLog
-from allocator_service.store.journal import (
+from allocator_service.store.cut import REDIS_MAX_VALUE_BYTES, SNAPSHOT_TOO_LARGE, Cut, over_share
+from allocator_service.store.events import EventLog
+from allocator_service.store.framing import (
     ZERO_CHAIN,
-    Loaded,
-    MemoryJournal,
-    RedisJournal,
     StepRecord,
     encode_entry,
     encode_snapshot,
     encode_step_record,
     head_marker,
 )
+from allocator_service.store.journal import Loaded, MemoryJournal, RedisJournal
 from allocator_service.store.registry import CorruptState, PoolEntry, Registry, pool_snapshot_json
 from allocator_service.store.replay import Replayer, replay
 from allocator_service.wire.errors import StoreFenced, StoreLost, StoreUnavailable
@@ -86,45 +56,6 @@ log = logging.getLogger(__name__)
 # A failed (or skipped) snapshot is tried again after this, doubling up to the cap.
 SNAPSHOT_BACKOFF_S = 1.0
 SNAPSHOT_BACKOFF_CAP_S = 60.0
-# Redis refuses a value (and a script argument) over 512 MB.
-REDIS_MAX_VALUE_BYTES = 512 << 20
-# The reason a pool is dropped with when its part keeps a snapshot over the bound.
-SNAPSHOT_TOO_LARGE = "snapshot_too_large"
-
-
-def over_share(sizes: dict[str, int], blocks: dict[str, int], room: int) -> list[str]:
-    """The pools to drop so that their parts (`sizes`, bytes) fit in `room`:
-    none if they fit already, else pools whose part is over its share of
-    `room` (in proportion to its `blocks`), largest excess first, until what
-    is left fits (the shares sum to `room`, so it always does)."""
-    left = sum(sizes.values())
-    total = sum(blocks.values()) or 1
-    excess = {p: size - room * blocks[p] // total for p, size in sizes.items()}
-    drop = []
-    for p in sorted((p for p, x in excess.items() if x > 0), key=lambda p: -excess[p]):
-        if left <= room:
-            break
-        drop.append(p)
-        left -= sizes[p]
-    return drop
-
-
-@dataclass(eq=False)
-class Cut:
-    """A snapshot being taken: the registry as of record `index`."""
-
-    index: int
-    chain: bytes
-    header: dict[str, Any]
-    marker: Batch  # numbered once every record up to `index` published its events
-    entries: list[PoolEntry]
-    generation: int
-    hint: int  # journal entries the snapshot includes, if nothing was missed
-    parts: dict[str, str] = field(default_factory=dict)  # pool id -> its JSON
-    store_due: bool = True  # the shared store's index is still to be taken
-    store: dict[str, Any] | None = None  # ... as of the cut (`Registry.store_state`)
-
-
 class DurableState:
     # How often the store watch looks at the state store (durable only).
     store_check_s = 1.0

@@ -2,7 +2,7 @@
 rebuilding the registry, and `pagedkv allocator --check`, which prints what
 it found.
 
-Each stored record is framed with a chained digest (`journal.encode_entry`),
+Each stored record is framed with a chained digest (`framing.encode_entry`),
 each step record names the pool's previous step id, and a snapshot carries
 its own digest and the chain digest it includes up to. `replay` checks all
 three: a record whose digest fails but that names a live pool drops that
@@ -26,15 +26,15 @@ from typing import NamedTuple
 from google.protobuf.message import DecodeError
 
 from allocator_service.store.events import EventLog
-from allocator_service.store.journal import (
+from allocator_service.store.framing import (
     FRAME,
     KEYED_ENTRY_MAGIC,
     ZERO_CHAIN,
     chain_digest,
     decode_snapshot,
     is_framed,
-    open_journal,
 )
+from allocator_service.store.journal import open_journal
 from allocator_service.store.registry import CorruptState, Registry
 from allocator_service.wire.v1 import journal_pb2 as jpb
 

@@ -71,8 +71,11 @@ def read_pool(entry) -> tuple[list[int], list[str | None], list[int], dict[str, 
                 "host_used": len(host.lru) if host is not None else 0,
                 "shared_store": store is not None,
                 "store_used_bytes": store.lru.used if store is not None else 0,
-                **{k: tiers.counters[k] for k in ("host_hit_tokens", "store_hit_tokens", "host_saves",
-                                                  "store_saves", "refused")},
+                "host_hit_tokens": tiers.stats.host_hit_tokens,
+                "store_hit_tokens": tiers.stats.store_hit_tokens,
+                "host_saves": tiers.stats.host_saves,
+                "store_saves": tiers.stats.store_saves,
+                "refused": tiers.stats.refused_loads,
             }
     n = len(ref)
     state = [USED if r else FREE for r in ref]

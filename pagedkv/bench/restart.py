@@ -278,7 +278,7 @@ class _JournalTap:
         return self
 
     def _run(self) -> None:
-        from allocator_service.store.journal import record_bytes
+        from allocator_service.store.framing import record_bytes
         from allocator_service.wire.errors import StoreUnavailable
         from allocator_service.wire.v1 import journal_pb2 as jpb
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from allocator_service.client import EmbeddedAllocator, PoolSpec
 from allocator_service.client.grpc_client import GrpcAllocator, RouterClient
 from allocator_service.core import PoolConfig, execute_step
-from allocator_service.store.journal import StepRecord, encode_step_record
+from allocator_service.store.framing import StepRecord, encode_step_record
 from allocator_service.wire.codec import canonical_ops, encode_ops, ops_digest
 from allocator_service.wire.v1 import allocator_pb2 as pb
 from allocator_service.wire.v1 import journal_pb2 as jpb

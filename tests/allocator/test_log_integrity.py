@@ -27,14 +27,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from allocator_service.client import EmbeddedAllocator, PoolLost, PoolSpec
 from allocator_service.client.grpc_client import GrpcAllocator
 from allocator_service.core import Admit, PoolConfig
-from allocator_service.store.journal import (
+from allocator_service.store.framing import (
     ENTRY_MAGIC,
     ZERO_CHAIN,
     chain_digest,
     encode_entry,
     head_marker,
-    split_prefix,
 )
+from allocator_service.store.journal import split_prefix
 from allocator_service.wire.codec import PROTOCOL_VERSION, encode_ops
 from allocator_service.wire.v1 import allocator_pb2 as pb
 from allocator_service.wire.v1 import journal_pb2 as jpb

@@ -26,8 +26,9 @@ from allocator_service.core import (
 from allocator_service.rpc.servicer import event_message
 from allocator_service.service import AllocatorService, PoolRef
 from allocator_service.store import registry as state
-from allocator_service.store.durable import SNAPSHOT_TOO_LARGE
-from allocator_service.store.journal import decode_snapshot, encode_snapshot, open_journal
+from allocator_service.store.cut import SNAPSHOT_TOO_LARGE
+from allocator_service.store.framing import decode_snapshot, encode_snapshot
+from allocator_service.store.journal import open_journal
 from allocator_service.wire.bounds import dump_floor, packed_bound
 from allocator_service.wire.v1 import allocator_pb2 as pb
 from router.prefix_view import PrefixView

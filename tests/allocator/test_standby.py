@@ -15,7 +15,8 @@ from allocator_service.client import EmbeddedAllocator, PoolSpec
 from allocator_service.client.grpc_client import GrpcAllocator, error_reason, open_channel
 from allocator_service.core import PoolConfig
 from allocator_service.core.step import Admit, Append, Free
-from allocator_service.store.journal import RedisJournal, encode_entry, head_marker
+from allocator_service.store.framing import encode_entry, head_marker
+from allocator_service.store.journal import RedisJournal
 from allocator_service.wire.errors import LEADER_KEY, StoreFenced
 from allocator_service.wire.v1 import allocator_pb2 as pb
 from allocator_service.wire.v1 import allocator_pb2_grpc as pb_grpc

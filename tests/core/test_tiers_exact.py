@@ -27,7 +27,7 @@ from allocator_service.core import (
 )
 from allocator_service.core.hashing import chain_hashes
 from allocator_service.core.step import StepAnswer
-from allocator_service.core.tiers import SharedStore
+from allocator_service.core.tiers import SharedStore, StoreStats, TierStats
 from tests.support.allocator import tier_report
 
 CONFIG = PoolConfig(4, 2, True, "m", host_blocks=4, layout="L", block_bytes=100, use_shared_store=True)
@@ -53,7 +53,7 @@ def test_freed_blocks_go_to_the_store_and_evicted_ones_to_the_host_tier() -> Non
     store = SharedStore(8 * 100)
     pool = BlockPool(CONFIG, store=store)
     hA, hB, hD = hashes(A), hashes(B), hashes(D)
-    counters = pool.tiers.counters
+    stats = pool.tiers.stats
 
     # A's 7 tokens take blocks 0-3; its three full blocks are hashed.
     r = step(pool, [Admit("a", A)])
@@ -82,7 +82,7 @@ def test_freed_blocks_go_to_the_store_and_evicted_ones_to_the_host_tier() -> Non
     r = step(pool, [Admit("c", A)], store_saved=[hB[2], hB[1], hB[0]])
     assert r.appended == [0, 1, 2, 3] and r.cached_tokens == [6] and r.num_stored == [7]
     assert moves(r) == {"host_saves": [1, 3], "host_loads": [2, 0, 1, 1, 0, 2]}
-    assert counters["saves_skipped"] == 2
+    assert stats.saves_skipped == 2
     assert pool.tier_blocks(hB[:3]) == (0, 0, 3)  # the host save of B's last block is pending
 
     # B again, once its last block's host save is confirmed: its head from
@@ -97,7 +97,7 @@ def test_freed_blocks_go_to_the_store_and_evicted_ones_to_the_host_tier() -> Non
     # and is still found, in the store.
     r = step(pool, [Free("d"), Admit("e", D)])
     assert moves(r) == {"host_saves": [2, 2, 3, 1]}
-    assert pool.tier_blocks(hA[:3]) == (0, 1, 2) and counters["host_evictions"] == 2
+    assert pool.tier_blocks(hA[:3]) == (0, 1, 2) and stats.host_evictions == 2
 
     # D is freed: written through, the third save dropping the store's LRU
     # entry (A's last block: a chain's tail was saved, so dropped, first). E
@@ -107,7 +107,7 @@ def test_freed_blocks_go_to_the_store_and_evicted_ones_to_the_host_tier() -> Non
     assert moves(r) == {"store_deletes": [hA[2]], "store_delete_layouts": ["L"],
                         "store_saves": [hD[2], hD[1], hD[0]], "store_save_from": [2, 1, 0],
                         "host_saves": [2, 0, 1, 3]}
-    assert counters["saves_skipped"] == 3
+    assert stats.saves_skipped == 3
 
     # The worker's report: two store saves written, one failed, a store load
     # refused (a bad checksum): the failed and refused entries leave the
@@ -119,8 +119,8 @@ def test_freed_blocks_go_to_the_store_and_evicted_ones_to_the_host_tier() -> Non
     assert [h for _, h in store.lru.present] == [hA[1], hA[0], hB[2], hB[1], hD[2], hD[1]]
     assert store.lru.used == 600 and not store.lru.pending
     assert pool.stats().prefix_hit_tokens == 12
-    assert counters["host_hit_tokens"] == 8 and counters["store_hit_tokens"] == 4
-    assert counters["refused"] == 1 and counters["saves_failed"] == 1
+    assert stats.host_hit_tokens == 8 and stats.store_hit_tokens == 4
+    assert stats.refused_loads == 1 and stats.saves_failed == 1
 
 
 def test_a_full_store_drops_its_lru_entry() -> None:
@@ -138,7 +138,7 @@ def test_a_full_store_drops_its_lru_entry() -> None:
     # A pending entry is never a victim: with h1 and h2 pending the store
     # has no room for h3, whose write-through is skipped.
     r = step(pool, [Free("c")])
-    assert moves(r) == {} and pool.tiers.counters["saves_skipped"] == 1
+    assert moves(r) == {} and pool.tiers.stats.saves_skipped == 1
     # Confirmed: when h3's block is evicted the store lacks it, so it is
     # saved then, dropping h1, the least recently used entry: a store
     # delete, before it.
@@ -242,3 +242,16 @@ def test_a_replay_rebuilds_the_same_tiers(seed: int) -> None:
     assert head + tail == first
     assert [p.to_state() for p in restored] == [p.to_state() for p in pools]
     assert restored_store.to_state() == store.to_state()
+
+
+def test_tier_counts_keep_their_dump_keys() -> None:
+    """A dump stores each count under the key it always had; a dump written
+    before a count existed reads it as 0."""
+    tiers = TierStats(refused_loads=3, host_evictions=1).to_state()
+    assert list(tiers) == ["host_hit_tokens", "store_hit_tokens", "host_saves", "store_saves",
+                           "host_loads", "store_loads", "saves_confirmed", "saves_failed",
+                           "saves_skipped", "refused", "host_evictions", "stale_confirmations"]
+    assert tiers["refused"] == 3 and TierStats.from_state(tiers) == TierStats(refused_loads=3, host_evictions=1)
+    assert TierStats.from_state({"refused": 2}) == TierStats(refused_loads=2)
+    assert StoreStats(refused_drops=2, evictions=5).to_state() == {"refused": 2, "dropped": 5}
+    assert StoreStats.from_state({"refused": 2, "dropped": 5}) == StoreStats(2, 5)

@@ -317,13 +317,8 @@ def test_the_heaviest_legal_requests_are_bounded_and_replay(redis_store, allocat
 
     import redis
 
-    from allocator_service.store.journal import (
-        ENTRY_MAGIC,
-        encode_entry,
-        head_marker,
-        record_bytes,
-        split_prefix,
-    )
+    from allocator_service.store.framing import ENTRY_MAGIC, encode_entry, head_marker, record_bytes
+    from allocator_service.store.journal import split_prefix
     from allocator_service.wire.v1 import journal_pb2 as jpb
     from tests.support.drills import rss_bytes
 

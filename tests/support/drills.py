@@ -282,7 +282,8 @@ def journal_state(redis_url: str):
     import redis
 
     from allocator_service.store.events import EventLog
-    from allocator_service.store.journal import record_bytes, split_prefix
+    from allocator_service.store.framing import record_bytes
+    from allocator_service.store.journal import split_prefix
     from allocator_service.store.replay import replay
     from allocator_service.wire.v1 import journal_pb2 as jpb
 

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from pagedkv.bench.attacks import ATTACK_NAMES, STACKS
+from pagedkv.bench.attacks.drill import ATTACK_NAMES, STACKS
 
 pytestmark = pytest.mark.slow
 

@@ -337,6 +337,7 @@ def test_kv_to_store_to_kv_gives_the_same_bytes(store, dtype):
     assert sample(metrics, "store_errors_total", "shared") == 0
     assert mover.delete(hs[:2])
     assert mover.load_blocks(hs[:2], [1, 2]) == [LoadOutcome(False, "missing")] * 2
+    assert sample(metrics, "refused_entries_total", "shared", reason="missing") == 3  # the miss above too
 
 
 def test_wrong_layout_and_wrong_checksum_entries_are_refused_and_counted(store, caplog):

@@ -15,7 +15,7 @@ import os
 import random
 import subprocess
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -66,7 +66,7 @@ def settle(engine: LLMEngine) -> dict[str, int]:
     pool = engine.allocator.pool
     assert pool.integrity_problems() == []
     assert engine.allocator.stats().used_blocks == 0
-    return dict(pool.tiers.counters)
+    return asdict(pool.tiers.stats)
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +89,7 @@ def test_host_tier_same_tokens_and_hits(tiny, reference, async_scheduling):
     engine = make(tiny, kv_offloading_size=gib(tiny, 256), async_scheduling=async_scheduling)
     assert tokens(engine, prompts(0)) == reference[0]  # 12 prompts at once on 40 blocks: evictions, preemptions
     pool = engine.allocator.pool
-    hits_before, host_before = pool.stats().prefix_hit_tokens, pool.tiers.counters["host_hit_tokens"]
+    hits_before, host_before = pool.stats().prefix_hit_tokens, pool.tiers.stats.host_hit_tokens
     # one at a time again: each finds its prompt in the KV pool or (mostly) the host tier
     again = [engine.generate([p], GREEDY)[0] for p in prompts(0)]
     assert [o.token_ids for o in again] == reference[0]
@@ -146,7 +146,7 @@ def test_two_engines_share_the_store(tiny, reference, tmp_path, host_blocks, key
     outs = [b.generate([p], GREEDY)[0] for p in prompts(1)]  # one at a time: no preemption, one admission each
     assert [o.token_ids for o in outs] == reference[1]
     cb = settle(b)
-    assert cb["store_loads"] > 20 and cb["refused"] == 0
+    assert cb["store_loads"] > 20 and cb["refused_loads"] == 0
     cached = sum(o.num_cached_tokens for o in outs)
     assert cached == b.allocator.stats().prefix_hit_tokens >= cb["store_hit_tokens"] > cached // 2
     assert tier_metric(b, "pagedkv_worker_kv_tier_hit_tokens_total", "shared") == cb["store_hit_tokens"]
@@ -175,9 +175,9 @@ def test_refused_store_entries_are_computed(tiny, reference, tmp_path):
     assert alone.num_cached_tokens == 0
     cb = settle(b)
     refused = tier_metric(b, "pagedkv_worker_kv_tier_refused_entries_total", "shared", reason="checksum")
-    assert refused == cb["refused"] == index.refused > 20  # reported, and the index dropped them
+    assert refused == cb["refused_loads"] == index.stats.refused_drops > 20  # reported, and the index dropped them
     # the loads that were not refused: entries b saved again itself (the refused ones it computed)
-    loaded = cb["store_loads"] - cb["refused"]
+    loaded = cb["store_loads"] - cb["refused_loads"]
     assert tier_metric(b, "pagedkv_worker_kv_tier_hit_tokens_total", "shared") == loaded * BLOCK
 
 
@@ -213,7 +213,7 @@ def test_forged_entries_never_reach_a_worker_with_a_store_key(tiny, reference, t
     assert alone.num_cached_tokens == 0
     cb = settle(b)
     refused = tier_metric(b, "pagedkv_worker_kv_tier_refused_entries_total", "shared", reason="seal")
-    assert refused == cb["refused"] == index.refused > 20
+    assert refused == cb["refused_loads"] == index.stats.refused_drops > 20
 
 
 def test_without_store_opted_out(tiny, tmp_path):

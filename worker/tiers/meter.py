@@ -19,7 +19,7 @@ class TierMeter(Protocol):
         """Blocks whose bytes were read from the tier into the KV pool, and the time it took."""
 
     def refused(self, reason: str, blocks: int = 1) -> None:
-        """Entries found but not loaded (reason: worker.tiers.entry.REFUSAL_REASONS)."""
+        """Loads not loaded and reported refused (reason: REFUSAL_REASONS, or `missing`)."""
 
     def store_error(self) -> None:
         """A store call that failed (unreachable, I/O): its blocks were misses or failed saves."""

@@ -35,7 +35,9 @@ log = logging.getLogger("worker.tiers")
 class LoadOutcome(NamedTuple):
     """What became of one store load: `loaded`, or `reason` it was not:
     `missing` (no entry under the key), `unavailable` (the store did not answer),
-    or a refusal (`format`, `layout`, `checksum`: found, not loaded, counted)."""
+    or a refusal (`format`, `layout`, `checksum`, `seal`: found, not loaded).
+    Every load not loaded but `unavailable` is counted by its reason and
+    reported `refused` to the allocator (its entry is dropped)."""
 
     loaded: bool
     reason: str | None = None
@@ -138,6 +140,8 @@ class StoreMover:
         targets: list[int] = []
         for h, block, data in zip(hashes, kv_blocks, found, strict=True):
             if data is None:
+                if self._meter is not None:
+                    self._meter.refused("missing")
                 outcomes.append(MISSING)
                 continue
             payload = decode_entry(data, self.layout, h, seal=self.seal, namespace=self.namespace)
