@@ -21,7 +21,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from allocator_service.client import PoolSpec
-from allocator_service.client.grpc_client import GrpcAllocator, RouterClient
+from allocator_service.client.grpc_client import GrpcAllocator
+from allocator_service.client.router_client import RouterClient
 from allocator_service.core import Admit, Free, PoolConfig
 from allocator_service.core.hashing import prompt_chain
 from allocator_service.core.tiers import Moves, TierReport

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from allocator_service.client.grpc_client import RouterClient
+from allocator_service.client.router_client import RouterClient
 from allocator_service.wire.v1 import allocator_pb2 as pb
 from pagedkv.stack import LocalStack, StackError
 from router.app import Router
