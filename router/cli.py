@@ -216,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
 
     from pagedkv_base.api.serving import serve, serve_options
     from pagedkv_base.api.tenants import api_keys
-    from router.app import create_app
+    from router.routes import create_app
 
     r = from_args(RouterArgs, args)
     logging.basicConfig(level=r.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
