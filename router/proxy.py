@@ -17,7 +17,8 @@ Failure rules, up to `max_attempts` workers:
   a longer one is passed on as it arrives;
 - over `max_answer_bytes`: 502 `worker_answer_too_large` when the worker
   says its size, else cut there; `first_byte_timeout` bounds the rest of a
-  body, and each gap between two events of a stream;
+  body, and each gap between two events of a stream (a byte at a time
+  counts as nothing): 504 `worker_timeout` while nothing reached the client;
 - past the first byte, a failure ends a stream with an OpenAI-shaped
   `{"error": ...}` event and `[DONE]`, and a body cut;
 - no worker left: 503 `no_worker_available`.
