@@ -191,7 +191,7 @@ def build_router(args: argparse.Namespace):
             tokenizer = load_tokenizer(r.model)
         except (ValueError, ModelLoadError, OSError) as exc:
             raise CliError(str(exc)) from None
-        from allocator_service.client.grpc_client import RouterClient
+        from allocator_service.client.router_client import RouterClient
 
         # No retries: a request routes by load alone rather than wait for an allocator that is away.
         clients = [RouterClient(a, router_token=token, tls_ca=r.allocator_tls_ca, deadline_s=2.0, retries=0)
@@ -216,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
 
     from pagedkv_base.api.serving import serve, serve_options
     from pagedkv_base.api.tenants import api_keys
-    from router.app import create_app
+    from router.routes import create_app
 
     r = from_args(RouterArgs, args)
     logging.basicConfig(level=r.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

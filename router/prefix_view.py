@@ -18,7 +18,7 @@ the snapshot leaves each block holding what its last event says, which is
 what the allocator holds once that event is applied, whatever the snapshot
 already reflected. The view lags the allocator by an event's trip (a
 prompt's blocks are hashed only once computed, so the router also counts
-prompts in flight as cached: `Router.being_computed`).
+prompts in flight as cached: `Placement.being_computed`).
 
 `synced` is false until the snapshot has ended, and again from the moment
 the stream breaks until a new snapshot ends; meanwhile the router asks

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # (no weights), make its allocator client and its app.
 _ROUTER_STARTED = """
 import argparse
-from router.app import create_app
+from router.routes import create_app
 from router.cli import add_arguments, build_router
 parser = argparse.ArgumentParser()
 add_arguments(parser)
@@ -32,7 +32,7 @@ assert router.tokenizer.encode("hello") and create_app(router) is not None
 """
 
 CASES = {
-    "router.app": ("import router.app", ("torch", "worker", "pagedkv")),
+    "router.routes": ("import router.routes", ("torch", "worker", "pagedkv")),
     "router.cli": ("import router.cli", ("torch", "worker", "pagedkv")),
     "the router, started": (_ROUTER_STARTED, ("torch", "worker", "pagedkv")),
     "allocator_service.rpc.server": ("import allocator_service.rpc.server", ("torch", "worker", "router", "pagedkv")),

@@ -18,7 +18,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from allocator_service.client import EmbeddedAllocator, PoolLost, PoolSpec, connect
-from allocator_service.client.grpc_client import GrpcAllocator, RouterClient, error_reason
+from allocator_service.client.grpc_client import GrpcAllocator
+from allocator_service.client.router_client import RouterClient
+from allocator_service.client.transport import error_reason
 from allocator_service.core import Admit, Append, Free, PoolConfig, UnknownSequence
 from allocator_service.wire.codec import encode_ops
 from allocator_service.wire.v1 import allocator_pb2 as pb

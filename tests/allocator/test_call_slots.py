@@ -16,7 +16,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from allocator_service.client import PoolSpec
-from allocator_service.client.grpc_client import GrpcAllocator, error_reason
+from allocator_service.client.grpc_client import GrpcAllocator
+from allocator_service.client.transport import error_reason
 from allocator_service.config import Limits, ServiceConfig
 from allocator_service.core import Admit, PoolConfig
 from allocator_service.rpc.server import create_server

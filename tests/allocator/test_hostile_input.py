@@ -13,7 +13,7 @@ import redis as redis_client
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from allocator_service.client.grpc_client import error_reason
+from allocator_service.client.transport import error_reason
 from allocator_service.config import Limits, ServiceConfig
 from allocator_service.core import (
     Admit,

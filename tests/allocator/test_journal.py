@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from allocator_service.client import EmbeddedAllocator, PoolSpec
-from allocator_service.client.grpc_client import GrpcAllocator, RouterClient
+from allocator_service.client.grpc_client import GrpcAllocator
+from allocator_service.client.router_client import RouterClient
 from allocator_service.core import PoolConfig, execute_step
 from allocator_service.store.framing import StepRecord, encode_step_record
 from allocator_service.wire.codec import canonical_ops, encode_ops, ops_digest

@@ -9,7 +9,8 @@ import time
 import pytest
 
 from allocator_service.client import PoolLost, PoolSpec
-from allocator_service.client.grpc_client import GrpcAllocator, RouterClient
+from allocator_service.client.grpc_client import GrpcAllocator
+from allocator_service.client.router_client import RouterClient
 from allocator_service.core import Admit, Append, PoolConfig
 from allocator_service.wire.v1 import allocator_pb2 as pb
 

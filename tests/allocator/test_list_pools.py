@@ -9,10 +9,12 @@ import grpc
 import pytest
 
 from allocator_service.client import PoolSpec
-from allocator_service.client.grpc_client import GrpcAllocator, PoolInfo, RouterClient
+from allocator_service.client.grpc_client import GrpcAllocator
+from allocator_service.client.router_client import RouterClient
 from allocator_service.core import Admit, PoolConfig
 from allocator_service.core.limits import MAX_ADVERTISE_URL_LEN, MAX_SERVED_MODEL_NAME_LEN
 from allocator_service.wire.attest import verify
+from allocator_service.wire.codec import PoolInfo
 from allocator_service.wire.v1 import allocator_pb2 as pb
 from tests.support.allocator import code_of, stub
 

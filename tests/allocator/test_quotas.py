@@ -15,7 +15,7 @@ import time
 import grpc
 import pytest
 
-from allocator_service.client.grpc_client import error_reason
+from allocator_service.client.transport import error_reason
 from allocator_service.config import Limits, ServiceConfig
 from allocator_service.roles import parse_worker_tokens
 from allocator_service.rpc.server import create_server

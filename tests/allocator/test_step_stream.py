@@ -14,7 +14,8 @@ import grpc
 import pytest
 
 from allocator_service.client import EmbeddedAllocator, PoolSpec
-from allocator_service.client.grpc_client import GrpcAllocator, error_reason
+from allocator_service.client.grpc_client import GrpcAllocator
+from allocator_service.client.transport import error_reason
 from allocator_service.config import Limits, ServiceConfig
 from allocator_service.core import Admit, Append, Free, PoolConfig
 from allocator_service.rpc.server import create_server

@@ -21,7 +21,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from allocator_service.client import PoolSpec
-from allocator_service.client.grpc_client import GrpcAllocator, RouterClient
+from allocator_service.client.grpc_client import GrpcAllocator
+from allocator_service.client.router_client import RouterClient
 from allocator_service.core import Admit, Free, PoolConfig
 from allocator_service.core.hashing import prompt_chain
 from allocator_service.core.tiers import Moves, TierReport
@@ -114,9 +115,9 @@ def test_two_pools_share_the_store(tiny, reference, tmp_path, allocator_server):
         discovery = Discovery(router, index=0)
         discovery.allocator_ok = True
         routing = Router(None, MergedDiscovery([discovery]), "kv", allocators=[router])
-        matches = asyncio.run(routing.cached_tokens(workers, prompts(1)[0], None))
+        matches = asyncio.run(routing.matching.cached_tokens(workers, prompts(1)[0], None))
         assert matches[(0, b.allocator.pool_id)] == (0, mb.free_blocks, 0, mb.store_tokens)
-        ranked = routing.ranked(workers, matches, len(prompts(1)[0]))
+        ranked = routing.placement.ranked(workers, matches, len(prompts(1)[0]))
         assert [w.pool_id for w, _ in ranked] == [a.allocator.pool_id, b.allocator.pool_id]
         assert dict((w.pool_id, n) for w, n in ranked)[b.allocator.pool_id] == mb.store_tokens
         outs = [b.generate([p], GREEDY)[0] for p in prompts(1)]  # one at a time: one admission each

@@ -26,7 +26,7 @@ import time
 
 import pytest
 
-from allocator_service.client.grpc_client import RouterClient
+from allocator_service.client.router_client import RouterClient
 from allocator_service.wire.v1 import allocator_pb2 as pb
 from tests.support.drills import (
     Job,

@@ -26,7 +26,8 @@ import grpc
 import pytest
 
 from allocator_service.client import EmbeddedAllocator, PoolSpec
-from allocator_service.client.grpc_client import GrpcAllocator, error_reason, open_channel
+from allocator_service.client.grpc_client import GrpcAllocator
+from allocator_service.client.transport import error_reason, open_channel
 from allocator_service.core import PoolConfig, step_columns
 from allocator_service.core.step import Admit, Append
 from allocator_service.store.events import EventLog

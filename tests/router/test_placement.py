@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
-from router import app
+from router import placement
 from router.app import Router
 from router.discovery import Discovery, Worker
 from router.policy import Balance
@@ -25,9 +25,9 @@ def _router() -> Router:
 
 def _send(router: Router, question: int, salt: str | None = None) -> tuple[int, str]:
     """One request placed and counted in flight on its worker, as `forward` does; nothing is cached."""
-    rid, order = router.place(WORKERS, {}, [*PREFIX, 1000 + question], salt)
+    rid, order = router.placement.place(WORKERS, {}, [*PREFIX, 1000 + question], salt)
     worker = order[0][0]
-    router._enter(worker)
+    router.placement.enter(worker)
     return rid, worker.url
 
 
@@ -42,17 +42,17 @@ def test_a_burst_for_a_new_prefix_lands_together_until_a_worker_is_overloaded():
 
 
 def test_a_placement_counts_after_its_answer_until_the_view_can_have_heard(monkeypatch):
-    monkeypatch.setattr(app, "PLACED_LINGER_S", 0.2)
+    monkeypatch.setattr(placement, "PLACED_LINGER_S", 0.2)
     router = _router()
 
     async def scenario() -> list[str]:
         rid, first = _send(router, 0)
-        router.answered(rid)  # answered; the view has not heard of its blocks
-        router._enter(BY_URL[first])  # and the worker is busier than the other (within the thresholds)
-        rid, order = router.place(WORKERS, {}, [*PREFIX, 2000], None)
-        router.answered(rid)
+        router.placement.answered(rid)  # answered; the view has not heard of its blocks
+        router.placement.enter(BY_URL[first])  # and the worker is busier than the other (within the thresholds)
+        rid, order = router.placement.place(WORKERS, {}, [*PREFIX, 2000], None)
+        router.placement.answered(rid)
         await asyncio.sleep(0.3)
-        later = router.place(WORKERS, {}, [*PREFIX, 3000], None)[1][0][0].url
+        later = router.placement.place(WORKERS, {}, [*PREFIX, 3000], None)[1][0][0].url
         return [first, order[0][0].url, later, next(w.url for w in WORKERS if w.url != first)]
 
     first, again, later, other = asyncio.run(scenario())
@@ -65,12 +65,12 @@ def test_new_prefixes_spread_evenly_whatever_the_load_in_flight():
     with fewer requests in flight at that instant: a long request in flight on one
     worker does not draw every new tenant to the other."""
     router = _router()
-    rid, order = router.place(WORKERS, {}, [*range(5000, 5040), 1], None)
+    rid, order = router.placement.place(WORKERS, {}, [*range(5000, 5040), 1], None)
     busy = order[0][0]
-    router._enter(busy)  # in flight until the end: the other always has fewer
+    router.placement.enter(busy)  # in flight until the end: the other always has fewer
     prefixes = {busy.url: 1}
     for tenant in range(8):  # each answered at once (it leaves no request in flight)
         prompt = [*range(100 * (tenant + 1), 100 * (tenant + 1) + 40), 1]
-        worker = router.place(WORKERS, {}, prompt, None)[1][0][0]
+        worker = router.placement.place(WORKERS, {}, prompt, None)[1][0][0]
         prefixes[worker.url] = prefixes.get(worker.url, 0) + 1
     assert sorted(prefixes.values()) == [4, 5]  # 9 prefixes of ten blocks: 4 and 5

@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from allocator_service.client import PoolSpec
-from allocator_service.client.grpc_client import GrpcAllocator, RouterClient
+from allocator_service.client.grpc_client import GrpcAllocator
+from allocator_service.client.router_client import RouterClient
 from allocator_service.core import Admit, Append, PoolConfig
 from allocator_service.core.hashing import prompt_chain
 from allocator_service.rpc.servicer import watched_kinds

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from allocator_service.client.grpc_client import RouterClient
+from allocator_service.client.router_client import RouterClient
 from pagedkv.stack import LocalStack, RouterProcess, WorkerProcess
 from pagedkv_base.model_files import tiny_tokenizer
 from tests.support.http import metric, openai_client

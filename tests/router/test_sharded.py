@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from allocator_service.client.grpc_client import RouterClient
+from allocator_service.client.router_client import RouterClient
 from allocator_service.wire.v1 import allocator_pb2 as pb
 from pagedkv.stack import LocalStack, StackError
 from router.app import Router
@@ -202,11 +202,11 @@ def test_an_allocator_that_does_not_answer_matchprefix_is_not_asked_again_until_
     workers = [Worker(f"http://w{i}", pool_id=f"p{i}", model_fingerprint="m", block_size=4, allocator=i)
                for i in range(2)]
     tokens = list(range(20))
-    first = asyncio.run(router.cached_tokens(workers, tokens, None))
+    first = asyncio.run(router.matching.cached_tokens(workers, tokens, None))
     assert first == {(0, "p0"): (32, 9, 0, 0)}  # the other's pools route by load
     assert not router.discovery.allocator_answers(1) and router.discovery.allocator_answers(0)
-    again = asyncio.run(router.cached_tokens(workers, tokens, None))
+    again = asyncio.run(router.matching.cached_tokens(workers, tokens, None))
     assert again == first and [c.calls for c in clients] == [2, 1]  # not asked the second time
     parts[1].allocator_ok = True  # its next listing succeeded
     clients[1].times_out = False
-    assert asyncio.run(router.cached_tokens(workers, tokens, None)) == {(0, "p0"): (32, 9, 0, 0), (1, "p1"): (48, 9, 0, 0)}
+    assert asyncio.run(router.matching.cached_tokens(workers, tokens, None)) == {(0, "p0"): (32, 9, 0, 0), (1, "p1"): (48, 9, 0, 0)}

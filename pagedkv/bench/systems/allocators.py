@@ -87,7 +87,7 @@ class EventFollower:
 
 
 def _follow_events(address: str, packed: bool, counts, ready) -> None:  # pragma: no cover - a child process
-    from allocator_service.client.grpc_client import RouterClient
+    from allocator_service.client.router_client import RouterClient
     from allocator_service.wire.v1 import allocator_pb2 as pb
 
     # As a router's view follows: a snapshot (whose end says the stream is live), then every event.
