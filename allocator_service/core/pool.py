@@ -41,7 +41,6 @@ from allocator_service.core.errors import (
 from allocator_service.core.holdings import PoolHoldings
 from allocator_service.core.limits import (
     MAX_RESERVE,
-    MAX_TOKEN_ID,
     MIN_NAME_CHARS,
     MIN_SEQUENCES,
     MIN_TABLE_ENTRIES,
@@ -60,7 +59,12 @@ from allocator_service.core.planner import (
 )
 from allocator_service.core.sequence import Seq
 from allocator_service.core.tiers import NO_MOVES, Moves
-from allocator_service.core.validation import check_cache_salt, check_seq_id, check_tokens
+from allocator_service.core.validation import (
+    check_cache_salt,
+    check_seq_id,
+    check_tokens,
+    tokens_ok,
+)
 
 
 class AdmitResult(NamedTuple):
@@ -201,12 +205,10 @@ class BlockPool(PoolHoldings):
         check_tokens(tokens)
         if type(reserve) is not int or not 0 <= reserve <= MAX_RESERVE:
             raise InvalidArgument(f"reserve must be an integer in [0, {MAX_RESERVE}]")
-        table = seq.table
-        fill, k = append_slots(len(tokens), seq.reserved, reserve)  # values of slots held already, new slots
-        if k == 0 and not fill:
-            return AppendResult(len(table), [], [])
-        if not reserve and not seq.reserved and k == 1 and (keep := self.try_append_one(seq_id, tokens[0])) >= 0:
+        if (keep := self.try_append(seq_id, tokens, reserve, checked=True)) >= 0:
             return AppendResult(keep, [], [])
+        table = seq.table
+        k = append_slots(len(tokens), seq.reserved, reserve)[1]  # the slots it adds
         B = self.block_size
         n = seq.num_tokens
         offset = n % B
@@ -256,46 +258,30 @@ class BlockPool(PoolHoldings):
             self._hash_full_tail(seq)
         return AppendResult(keep, new_blocks, copies)
 
-    def try_append_one(self, seq_id: str, token: int) -> int:
-        """The decode hot path: store one token in the sequence's last block
-        when that block is private and has room. Returns the table length
-        (nothing else changes in the table), or -1 when the general `append`
-        must handle it (a new block, copy-on-write, reserved slots, an unknown
-        sequence or a bad token); nothing was changed then."""
+    def try_append(self, seq_id: str, tokens: Sequence[int], reserve: int = 0, checked: bool = False) -> int:
+        """`append` where every slot it adds fits in the sequence's private,
+        not-full last block (a decode step's append: no block taken, none
+        copied): returns the table length, the answer's `keep`. -1 when
+        `append` must handle it (a block to take or copy, an unknown
+        sequence, bad input); nothing was changed then. `checked`: the
+        caller found every token valid (`tokens_ok`) already."""
         seq = self._seqs.get(seq_id)
-        if seq is None or seq.reserved or type(token) is not int or not 0 <= token <= MAX_TOKEN_ID:
+        if (seq is None or type(reserve) is not int or not 0 <= reserve <= MAX_RESERVE
+                or not (checked or tokens_ok(tokens))):
             return -1
-        n = seq.num_tokens
-        offset = n % self.block_size
-        table = seq.table
-        if not offset or self.ref_cnt[table[-1]] != 1:
-            return -1
-        self._fill[table[-1]] += 1
-        seq.num_tokens = n + 1
-        if self.enable_prefix_caching:
-            seq.tail.append(token)
-            if offset == self.block_size - 1:
-                self._hash_full_tail(seq)
-        return len(table)
-
-    def try_fill_and_reserve_one(self, seq_id: str, token: int) -> int:
-        """The async decode hot path: the value of the one reserved slot, and
-        one slot reserved after it in the same private, not-full last block.
-        Returns the table length, or -1 when the general `append` must handle
-        it; nothing was changed then."""
-        seq = self._seqs.get(seq_id)
-        if seq is None or seq.reserved != 1 or type(token) is not int or not 0 <= token <= MAX_TOKEN_ID:
-            return -1
-        n = seq.num_tokens
-        B = self.block_size
-        table = seq.table
-        if not n % B or self.ref_cnt[table[-1]] != 1:
-            return -1
-        self._fill[table[-1]] += 1
-        seq.num_tokens = n + 1
-        if self.enable_prefix_caching:
-            seq.tail.append(token)
-            if len(seq.tail) == B:  # the filled slot completed a block before the new one
+        n, table = seq.num_tokens, seq.table
+        held, reserved = after_append(n, seq.reserved, len(tokens), reserve)
+        if held != n:
+            B = self.block_size
+            offset = n % B
+            if not offset or held - n > B - offset or self.ref_cnt[last := table[-1]] != 1:
+                return -1
+            self._fill[last] += held - n
+        seq.num_tokens, seq.reserved = held, reserved
+        if tokens and self.enable_prefix_caching:
+            tail = seq.tail
+            tail.extend(tokens)
+            if len(tail) >= self.block_size:
                 self._hash_full_tail(seq)
         return len(table)
 

@@ -45,6 +45,7 @@ from allocator_service.core.errors import (
 )
 from allocator_service.core.pool import BlockPool
 from allocator_service.core.tiers import NO_MOVES, Moves, TierReport
+from allocator_service.core.validation import tokens_ok
 
 # Operation kinds in `StepColumns.kinds`.
 # NOTE: the numbers of the wire enum `OpKind`, so the service passes the
@@ -238,23 +239,18 @@ def run_step(pool: BlockPool, step: StepColumns) -> StepAnswer:
                     messages[i] = str(exc)
     end = 0  # where the next operation's tokens end
     admits = forks = 0  # ADMIT and FORK operations met so far
-    append_one = pool.try_append_one
-    fill_one = pool.try_fill_and_reserve_one
+    try_append = pool.try_append
+    checked = tokens_ok(tokens)  # every token of the step at once (C speed), not one operation at a time
     for i in range(n):
         kind = kinds[i]
         start = end
         end += counts[i]
-        # NOTE: a decode token goes straight to the pool's fast path: no
-        # slice, no AppendResult (this is the hot loop of a step). With async
-        # scheduling a decode fills its one reserved slot and reserves the next.
-        if kind == APPEND and end - start == 1:
-            r_i = reserved[i]
-            if r_i == 0 and (k := append_one(seqs[i], tokens[start])) >= 0:
-                keep[i] = k
-                continue
-            if r_i == 1 and (k := fill_one(seqs[i], tokens[start])) >= 0:
-                keep[i] = k
-                continue
+        # NOTE: a decode step's append (its slots in the sequence's private
+        # last block) takes the pool's fast path: no AppendResult, no copies
+        # (the hot loop of a step).
+        if kind == APPEND and (k := try_append(seqs[i], tokens[start:end], reserved[i], checked)) >= 0:
+            keep[i] = k
+            continue
         seq = seqs[i]
         try:
             if kind == APPEND:

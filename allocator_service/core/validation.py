@@ -41,16 +41,18 @@ def check_cache_salt(cache_salt: object) -> None:
 _INT_ONLY = {int}
 
 
-def check_tokens(tokens: Sequence[int]) -> None:
-    """InvalidArgument unless every token id is an int in [0, MAX_TOKEN_ID]."""
+def tokens_ok(tokens: Sequence[int]) -> bool:
+    """Whether every token id is an int in [0, MAX_TOKEN_ID] (`check_tokens`' rule)."""
     if not tokens:
-        return
+        return True
     if len(tokens) == 1:  # the decode hot path
         t = tokens[0]
-        ok = type(t) is int and 0 <= t <= MAX_TOKEN_ID
-    else:
-        # type() is int, not isinstance: bools and floats are not token ids.
-        ok = set(map(type, tokens)) <= _INT_ONLY
-        ok = ok and 0 <= min(tokens) and max(tokens) <= MAX_TOKEN_ID
-    if not ok:
+        return type(t) is int and 0 <= t <= MAX_TOKEN_ID
+    # type() is int, not isinstance: bools and floats are not token ids.
+    return set(map(type, tokens)) <= _INT_ONLY and 0 <= min(tokens) and max(tokens) <= MAX_TOKEN_ID
+
+
+def check_tokens(tokens: Sequence[int]) -> None:
+    """InvalidArgument unless every token id is an int in [0, MAX_TOKEN_ID]."""
+    if not tokens_ok(tokens):
         raise InvalidArgument(f"token ids must be integers in [0, {MAX_TOKEN_ID}]")
