@@ -27,8 +27,11 @@ Per (M, N), over the Steps past the recorded worker's warm-up:
 `knee_workers` (per M): the largest N at which that N and every smaller one
 kept device idle at or below 1%. Memory: an allocator's RSS per block of
 state, empty pools and pools filled with hashed blocks. `--profile PATH`: one
-more replay, at the knee, with the allocator's every thread under cProfile;
-its stats go to PATH (pstats) and its top lines to the report.
+more replay, at the knee, with the allocator's every thread under cProfile
+(`systems.profiled`: thread CPU time, so the profiler's own cost inflates
+every figure: read the shares); its stats go to PATH (pstats) and its top
+lines to the report, by cumulative time (this tree's functions) and by self
+time.
 """
 
 from __future__ import annotations
@@ -262,17 +265,24 @@ def _profiled(recording, n: int, cores: list[int], path: str) -> dict:
 
     case = _case(recording, 1, n, cores, profile=path)
     stats = pstats.Stats(path)
+    ours = ("allocator_service/", "pagedkv/", "pagedkv_base/")
     return {"device_idle": case["device_idle"], "total_s": round(stats.total_tt, 3),
-            "cumulative": _top(stats, "cumulative"), "self": _top(stats, "tottime")}
+            "cumulative": _top(stats, "cumulative", lambda where: where.startswith(ours)),
+            "self": _top(stats, "tottime")}
 
 
-def _top(stats, key: str) -> list[str]:
-    """The first TOP functions by `key`: cumulative s, self s, calls, where."""
+def _top(stats, key: str, keep=lambda where: True) -> list[str]:
+    """The first TOP functions by `key` whose place `keep` keeps: cumulative s, self s, calls, the
+    share of the profiled time (cumulative for one ordering, self for the other), where."""
     rows = []
-    for func in stats.sort_stats(key).fcn_list[:TOP]:
+    for func in stats.sort_stats(key).fcn_list:
         _, calls, tottime, cumtime, _ = stats.stats[func]
         where = f"{_short(func[0])}:{func[1]}({func[2]})"
-        rows.append(f"{cumtime:8.3f} {tottime:8.3f} {calls:9d}  {where}")
+        if keep(where):
+            share = (cumtime if key == "cumulative" else tottime) / stats.total_tt if stats.total_tt else 0.0
+            rows.append(f"{cumtime:8.3f} {tottime:8.3f} {calls:9d} {100 * share:5.1f}%  {where}")
+        if len(rows) == TOP:
+            break
     return rows
 
 
@@ -352,7 +362,7 @@ def tables(report: dict) -> list[Table]:
     if profile:
         for key in ("cumulative", "self"):
             out.append(Table(f"Allocator profile at {profile['workers']} workers, by {key} time "
-                             f"({profile['total_s']} s profiled)", ["cumulative s, self s, calls, function"],
+                             f"({profile['total_s']} s profiled)", ["cumulative s, self s, calls, share, function"],
                              [[line] for line in profile[key]]))
     return out
 

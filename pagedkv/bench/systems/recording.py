@@ -85,8 +85,10 @@ class WorkerRun:
 async def replay(addresses: list[str], recording: Recording, workers: int, *, seed: int = 0,
                  sample: Callable[[], Any] = time.monotonic) -> tuple[list[WorkerRun], Any, Any]:
     """`workers` pools of the recording's shape, worker i's on `addresses[i % len(addresses)]`,
-    each replaying the recording; every worker starts within one (longest) device step of the
-    others. The runs, and `sample()` taken as the first worker starts and as the last one ends."""
+    each replaying the recording, each from a random phase of the recorded worker's call period
+    (workers replaying one recording in step would send its large Steps at the same instants, as
+    independent workers do not). The runs, and `sample()` taken before the first starts and as
+    the last one ends."""
     from allocator_service.client.grpc_client import open_channel
     from allocator_service.wire.codec import PROTOCOL_VERSION
     from allocator_service.wire.v1 import allocator_pb2 as pb
@@ -107,9 +109,8 @@ async def replay(addresses: list[str], recording: Recording, workers: int, *, se
                 req.pool.CopyFrom(ref)
                 mine.append(req.SerializeToString())
             plans.append((channel, mine))
-        step_s = max((s.device_s for s in recording.steps), default=0.0)
         rng = random.Random(seed)
-        starts = [rng.uniform(0, step_s) for _ in plans]
+        starts = [rng.uniform(0, period(recording)) for _ in plans]
         await asyncio.sleep(0.1)
         start = asyncio.get_running_loop().time() + 0.01
         before = sample()
@@ -119,6 +120,14 @@ async def replay(addresses: list[str], recording: Recording, workers: int, *, se
     finally:
         for channel in channels:
             await channel.close()
+
+
+def period(recording: Recording) -> float:
+    """The mean time between two of the recording's timed Steps (its last Step's device time if one)."""
+    timed = recording.steps[recording.timed_from:]
+    if len(timed) < 2:
+        return recording.steps[-1].device_s if recording.steps else 0.0
+    return (timed[-1].offset_s - timed[0].offset_s) / (len(timed) - 1)
 
 
 async def _replay_one(channel, requests: list[bytes], recording: Recording, start: float) -> WorkerRun:
@@ -138,14 +147,14 @@ async def _replay_one(channel, requests: list[bytes], recording: Recording, star
         t0 = loop.time()
         try:
             answer = await _send(stream, req) if stream is not None else await unary(req)
-        except (grpc.aio.AioRpcError, EOFError) as err:
-            if isinstance(err, grpc.aio.AioRpcError) and stream is not None and k == 0 and (
-                    err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED):
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, EOFError) as err:
+            code = await stream.code() if stream is not None else err.code()
+            if k == 0 and stream is not None and code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 stream, run.unary = None, True  # refused before any request was read: nothing applied
                 answer = await unary(req)
             else:
-                run.errors.append(f"step {k}: {err.code().name}: {err.details()}"
-                                  if isinstance(err, grpc.aio.AioRpcError) else f"step {k}: {err}")
+                details = await stream.details() if stream is not None else err.details()
+                run.errors.append(f"step {k}: {code.name}: {details}")
                 break
         t1 = loop.time()
         run.calls += 1
