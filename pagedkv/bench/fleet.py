@@ -24,14 +24,13 @@ Per (M, N), over the Steps past the recorded worker's warm-up:
 - the load generator's CPU per call and how late it sent Steps (both from
   the first worker's start to the last one's end).
 
-`knee_workers` (per M): the largest N at which that N and every smaller one
-kept device idle at or below 1%. Memory: an allocator's RSS per block of
-state, empty pools and pools filled with hashed blocks. `--profile PATH`: one
-more replay, at the knee, with the allocator's every thread under cProfile
-(`systems.profiled`: thread CPU time, so the profiler's own cost inflates
-every figure: read the shares); its stats go to PATH (pstats) and its top
-lines to the report, by cumulative time (this tree's functions) and by self
-time.
+`knee_workers` (per M): the largest N that kept device idle at or below 1%.
+Memory: an allocator's RSS per block of state, empty pools and pools filled
+with hashed blocks. `--profile PATH`: one more replay, at the knee, with the
+allocator's every thread under cProfile (`systems.profiled`: thread CPU
+time, so the profiler's own cost inflates every figure: read the shares);
+its stats go to PATH (pstats) and its top lines to the report, by
+cumulative time (this tree's functions) and by self time.
 """
 
 from __future__ import annotations
@@ -62,8 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the recorded worker's lookahead slots (worker --num-lookahead-slots): 0 = a call "
                              "every step [the worker's default]")
     parser.add_argument("--profile", default=None, metavar="PATH",
-                        help="also replay once at the knee (one allocator) under cProfile, every thread, and "
-                             "write its stats to PATH (pstats); the top lines go in the report")
+                        help="also replay once with one allocator under cProfile, every thread, and write its "
+                             "stats to PATH (pstats); the top lines go in the report")
+    parser.add_argument("--profile-workers", type=harness.positive, default=None, metavar="N",
+                        help="the workers of the --profile replay [the knee of one allocator, else the fewest]")
     harness.add_json_option(parser)
 
 
@@ -84,7 +85,7 @@ def measure(args: argparse.Namespace) -> dict:
     knees = {str(m): _knee([c for c in cases if c["allocators"] == m]) for m in sorted(args.allocators)}
     profile = None
     if args.profile:
-        n = knees.get("1") or workers[0]
+        n = args.profile_workers or knees.get("1") or workers[0]
         harness.log("fleet", f"profiling one allocator at {n} workers")
         profile = {"workers": n, "path": args.profile, **_profiled(recording, n, cores, args.profile)}
     summary: dict[str, dict] = {}
@@ -213,9 +214,11 @@ def _case(recording, m: int, n: int, cores: list[int], profile: str | None = Non
         servers = _allocators(stack, m, cores, profile)
         procs = [psutil.Process(s.pid) for s in servers]
         with _pinned_after(cores, m):
+            machine = harness.OtherCpu()
             runs, (cpu0, me0, t0), (cpu1, me1, t1) = asyncio.run(replay(
                 [s.address for s in servers], recording, n,
                 sample=lambda: (_cpu(procs), time.process_time(), time.monotonic())))
+            busy = machine.share()  # everything but this process, the allocators included
         rss = sum(p.memory_info().rss for p in procs)
     latencies = [x for r in runs for x in r.latencies]
     wall = sum(r.wall_s for r in runs)
@@ -238,6 +241,7 @@ def _case(recording, m: int, n: int, cores: list[int], profile: str | None = Non
         "replay_s": round(t1 - t0, 2),
         "loadgen_cpu_us_per_call": round((me1 - me0) / calls * 1e6, 1) if calls else None,
         "loadgen_late_p99_ms": _ms(harness.percentile([x for r in runs for x in r.late], 0.99)),
+        "other_cpu_share": None if busy is None else round(max(0.0, busy - (cpu1 - cpu0) / (t1 - t0) / len(cores)), 3),
         "load_average_1m": harness.load_average(),
     }
 
@@ -251,13 +255,9 @@ def _ms(seconds: float | None) -> float | None:
 
 
 def _knee(cases: list[dict]) -> int | None:
-    """The largest N at which it and every smaller N kept device idle at or below the target, error-free."""
-    knee = None
-    for c in sorted(cases, key=lambda c: c["workers"]):
-        if c["device_idle"] is None or c["device_idle"] > IDLE_TARGET or c["errors"]:
-            break
-        knee = c["workers"]
-    return knee
+    """The largest N that kept device idle at or below the target, error-free."""
+    return max((c["workers"] for c in cases if c["device_idle"] is not None
+                and c["device_idle"] <= IDLE_TARGET and not c["errors"]), default=None)
 
 
 def _profiled(recording, n: int, cores: list[int], path: str) -> dict:
@@ -272,15 +272,16 @@ def _profiled(recording, n: int, cores: list[int], path: str) -> dict:
 
 
 def _top(stats, key: str, keep=lambda where: True) -> list[str]:
-    """The first TOP functions by `key` whose place `keep` keeps: cumulative s, self s, calls, the
-    share of the profiled time (cumulative for one ordering, self for the other), where."""
-    rows = []
+    """The first TOP functions by `key` whose place `keep` keeps: cumulative s, self s, calls, a
+    share, where. By cumulative time the share is of the first one's (the outermost handler: every
+    Step's time); by self time, of all the profiled time."""
+    rows, whole = [], None
     for func in stats.sort_stats(key).fcn_list:
         _, calls, tottime, cumtime, _ = stats.stats[func]
         where = f"{_short(func[0])}:{func[1]}({func[2]})"
         if keep(where):
-            share = (cumtime if key == "cumulative" else tottime) / stats.total_tt if stats.total_tt else 0.0
-            rows.append(f"{cumtime:8.3f} {tottime:8.3f} {calls:9d} {100 * share:5.1f}%  {where}")
+            mine, whole = (cumtime, whole or cumtime) if key == "cumulative" else (tottime, stats.total_tt)
+            rows.append(f"{cumtime:8.3f} {tottime:8.3f} {calls:9d} {100 * mine / whole if whole else 0:5.1f}%  {where}")
         if len(rows) == TOP:
             break
     return rows
@@ -335,7 +336,8 @@ def tables(report: dict) -> list[Table]:
     rows = [[cell(c["allocators"]), cell(c["workers"]), cell(c["step_p50_ms"], ".2f"), cell(c["step_p99_ms"], ".2f"),
              cell(None if c["device_idle"] is None else 100 * c["device_idle"], ".1f"),
              cell(c["allocator_cpu_per_s"], ".2f"), cell(c["allocator_rss_mib"], ".0f"), cell(c["errors"]),
-             cell(c["unary_workers"]), cell(c["loadgen_cpu_us_per_call"], ".0f"), cell(c["loadgen_late_p99_ms"], ".2f")]
+             cell(c["unary_workers"]), cell(c["loadgen_cpu_us_per_call"], ".0f"), cell(c["loadgen_late_p99_ms"], ".2f"),
+             cell(c.get("other_cpu_share"), ".0%")]
             for c in report["cases"]]
     rec, t, mem = report["recording"], report["targets"], report["memory"]
     knees = ", ".join(f"{m} allocator(s): {cell(k)}" for m, k in t["knee_workers"].items())
@@ -346,7 +348,8 @@ def tables(report: dict) -> list[Table]:
         "Step ms: where the load generator sees it. Idle %: sum of max(0, Step latency - device step time) over "
         "the workers' wall time. CPU s/s and RSS: the allocator processes', summed. Errors: failed calls and "
         "answers unlike the recording's. Unary: workers whose StepStream the server refused (its stream limit), "
-        "sending unary Steps as a worker does. Loadgen: its CPU per call, and how late it sent (p99).",
+        "sending unary Steps as a worker does. Loadgen: its CPU per call, and how late it sent (p99). Others' CPU: "
+        "the machine's CPU that processes other than the benchmark's took meanwhile (they share the pinned cores).",
         f"Knee (the most workers at <= {100 * t['idle_target']:.0f}% device idle): {knees}. "
         f"On {report['cores']} cores; allocator i pinned to core i, the load generator to the others.",
     ]
@@ -354,7 +357,7 @@ def tables(report: dict) -> list[Table]:
                  cell(mem["bytes_per_block_empty"], ".1f"), cell(mem["bytes_per_block_full"], ".1f")]]
     out = [Table("One allocator, many workers: Step stream replayed (allocators, workers)",
                  ["allocators", "workers", "Step p50 ms", "Step p99 ms", "idle %", "CPU s/s", "RSS MiB", "errors",
-                  "unary", "loadgen us/call", "late p99 ms"], rows, notes),
+                  "unary", "loadgen us/call", "late p99 ms", "others' CPU"], rows, notes),
            Table("Allocator memory per block of state",
                  ["blocks", "blocks filled", "base RSS MiB", "bytes/block empty", "bytes/block filled"], mem_rows,
                  ["Filled: sequences of 63 full blocks of distinct tokens (every block hashed, prefix caching on)."])]

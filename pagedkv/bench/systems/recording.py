@@ -79,7 +79,7 @@ class WorkerRun:
     calls: int = 0  # every Step sent, timed or not
     mismatches: int = 0  # answers that differ from the recording's
     errors: list[str] = field(default_factory=list)  # failed calls (the worker stops at the first)
-    unary: bool = False  # the server refused its StepStream: unary Steps, as a worker falls back
+    unary: bool = False  # its StepStream failed at the first Step (refused): unary Steps, as a worker falls back
 
 
 async def replay(addresses: list[str], recording: Recording, workers: int, *, seed: int = 0,
@@ -149,8 +149,10 @@ async def _replay_one(channel, requests: list[bytes], recording: Recording, star
             answer = await _send(stream, req) if stream is not None else await unary(req)
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError, EOFError) as err:
             code = await stream.code() if stream is not None else err.code()
-            if k == 0 and stream is not None and code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                stream, run.unary = None, True  # refused before any request was read: nothing applied
+            if k == 0 and stream is not None:
+                # Refused (the server's stream limit), or ended as it opened: unary Steps, as a worker
+                # falls back. The same step id again: applied once whether or not the stream's was.
+                stream, run.unary = None, True
                 answer = await unary(req)
             else:
                 details = await stream.details() if stream is not None else err.details()
