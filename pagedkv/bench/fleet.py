@@ -342,7 +342,8 @@ def tables(report: dict) -> list[Table]:
     rec, t, mem = report["recording"], report["targets"], report["memory"]
     knees = ", ".join(f"{m} allocator(s): {cell(k)}" for m, k in t["knee_workers"].items())
     notes = [
-        f"Workload: {report['workload']}. Recorded: {rec['steps']} Steps, {rec['timed_steps']} past the warm-up, "
+        f"Workload: {report['workload']}. Recorded with {cell(rec.get('lookahead'))} lookahead slots: "
+        f"{rec['steps']} Steps, {rec['timed_steps']} past the warm-up, "
         f"the device's step {cell(rec['device_ms_per_step'], '.2f')} ms (sim:h100 roofline), requests of "
         f"{cell(rec['request_bytes_mean'], ',')} bytes on average.",
         "Step ms: where the load generator sees it. Idle %: sum of max(0, Step latency - device step time) over "
