@@ -1,8 +1,8 @@
 """A worker's Step stream recorded once and replayed by many workers at once.
 
 A worker engine whose allocator client is a `recording_allocator` (the gRPC
-client as the engine uses it, `pagedkv.bench.fleet` runs one) keeps
-each Step it sends: the StepRequest and the StepResponse as serialized on the
+client as the engine uses it; `pagedkv.bench.fleet` runs one) keeps each
+Step it sends: the StepRequest and the StepResponse as serialized on the
 wire, when it was sent on the engine's virtual clock (only device time
 passes on it), and the device's time of the engine step that sent it: the
 time an answer has before the device waits for it (async scheduling sends
@@ -34,7 +34,7 @@ STEP = "/pagedkv.v1.Allocator/Step"
 @dataclass(frozen=True)
 class RecordedStep:
     offset_s: float  # sent this long after the recording's first Step (engine clock)
-    device_s: float  # the device's step time while this Step was in flight
+    device_s: float  # the device time of the engine step that sent it
     request: bytes  # the StepRequest as sent
     response: bytes  # the StepResponse as answered
 
@@ -48,7 +48,8 @@ class Recording:
 
 
 def recording_allocator(clock):
-    """A factory of `RecordingAllocator`s whose Steps are stamped with `clock()`; `.made` lists them."""
+    """The `GrpcAllocator` subclass that keeps each Step it sends in `sent`: (`clock()` when sent,
+    the request's bytes, the answer's bytes)."""
     from allocator_service.client.grpc_client import GrpcAllocator
 
     class RecordingAllocator(GrpcAllocator):
