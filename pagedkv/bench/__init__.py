@@ -27,6 +27,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "tiers": ("pagedkv.bench.tiers", "the KV tiers (none, host, host + shared store) on multi-turn chats"),
     "host": ("pagedkv.bench.host", "the host's time per step against a simulated GPU (sim:h100): device busy ratio, "
              "TPOT, host ms per step by part, in-process and gRPC allocator"),
+    "fleet": ("pagedkv.bench.fleet", "N workers' recorded Step streams replayed against one allocator process (or "
+              "M sharded): Step p50/p99, device idle from allocator waits, allocator CPU and RSS, the knee"),
     "attacks": ("pagedkv.bench.attacks", "the trust-boundary attacks on a stack with credentials and one without: "
                 "the victim's p99, the allocator's RSS and threads"),
     "compare": ("pagedkv.bench.compare", "one benchmark run by another checkout and by this one in turn: "

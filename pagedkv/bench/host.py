@@ -30,6 +30,7 @@ import itertools
 import random
 import statistics
 import tempfile
+from collections.abc import Callable
 
 from pagedkv.bench import harness
 from pagedkv.bench.harness import Table, cell
@@ -66,7 +67,7 @@ def measure(args: argparse.Namespace) -> dict:
     cases, roofline, device_name = [], None, args.device
     with tempfile.TemporaryDirectory(prefix="pagedkv-bench-host-") as folder:
         write_config("llama-3-8b", folder)
-        loaded = _load(folder, args.device)
+        loaded = model_for(folder, args.device)
         if not sim:
             import torch
 
@@ -76,7 +77,7 @@ def measure(args: argparse.Namespace) -> dict:
                 address = deploy(stack, kind)
                 for n in w.sizes:
                     harness.log("host", f"{kind}, {n} sequences")
-                    engine = LLMEngine(loaded, _config(folder, args.device, address, n, w))
+                    engine = LLMEngine(loaded, engine_config(folder, args.device, address, n, w))
                     try:
                         roofline = getattr(engine.runner, "roofline", None)
                         cases.append({"allocator": kind, "seqs": n, **_case(engine, n, w)})
@@ -102,7 +103,7 @@ def measure(args: argparse.Namespace) -> dict:
     }
 
 
-def _load(folder: str, device: str):
+def model_for(folder: str, device: str):
     """The model once for every case: its shape on a simulated device, random weights on a real one."""
     from worker.sim import is_sim
 
@@ -126,7 +127,7 @@ def _free(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def _config(folder: str, device: str, address: str, n: int, w: HostWorkload):
+def engine_config(folder: str, device: str, address: str, n: int, w: HostWorkload):
     from worker.engine import EngineConfig
 
     # on a real GPU half of its free memory (the weights loaded) for the KV pool; a simulated one sizes its own
@@ -136,7 +137,8 @@ def _config(folder: str, device: str, address: str, n: int, w: HostWorkload):
                         max_num_batched_tokens=w.max_num_batched_tokens, **memory)
 
 
-def _case(engine, n: int, w: HostWorkload) -> dict:
+def closed_loop(engine, n: int, w: HostWorkload) -> Callable[[], None]:
+    """`n` decode-heavy requests of `w` added to `engine`, and what adds one more (as one finishes)."""
     from worker.engine import SamplingParams
 
     rng = random.Random(w.seed + n)
@@ -148,14 +150,24 @@ def _case(engine, n: int, w: HostWorkload) -> dict:
 
     for _ in range(n):
         add()
-    last: dict[tuple[str, int], float] = {}
+    return add
+
+
+def warm_up(engine, n: int, add: Callable[[], None]) -> None:
+    """Steps until each of the first `n` requests has its first token (every prompt prefilled)."""
     firsts = 0
-    while firsts < n:  # warm-up: every first request prefilled and sampling
+    while firsts < n:
         for out in engine.step():
             if len(out.token_ids) == 1:
                 firsts += 1
             if out.finished:
                 add()
+
+
+def _case(engine, n: int, w: HostWorkload) -> dict:
+    add = closed_loop(engine, n, w)
+    last: dict[tuple[str, int], float] = {}
+    warm_up(engine, n, add)
     metrics, clock = engine.metrics, engine.clock
     host0 = _host_sums(metrics)
     t0 = clock.now()  # (then the device time up to it: a busy share over the span is never above 1)

@@ -21,6 +21,8 @@ it works (the test suite runs it); its figures compare nothing.
   long it runs.
 - `HOST` (`bench host`): decode-heavy chats on a simulated GPU, a fixed number
   running at once (`decode_heavy_request`).
+- `FLEET` (`bench fleet`): one `HOST` worker's Step stream recorded, then
+  replayed by many workers at once.
 - `warmup_prompts`: random ids that share no block with any of the above.
 - `RESERVATION` (`bench reservation`): ShareGPT-like request lengths
   (`sharegpt_like_lengths`) arriving as a Poisson process at increasing rates
@@ -116,6 +118,28 @@ def decode_heavy_request(rng: random.Random, w: HostWorkload, vocab: int) -> tup
     """A prompt of random ids (no two share a block) and its output length."""
     prompt = [rng.randrange(vocab) for _ in range(rng.randint(*w.prompt_tokens))]
     return prompt, rng.randint(*w.output_tokens)
+
+
+@dataclass(frozen=True)
+class FleetWorkload:
+    what: str = field(compare=False)
+    worker: HostWorkload  # the recorded worker: one size (sequences running at once), its timed steps
+    workers: tuple[int, ...] = (1, 4, 8, 12, 16, 20, 24, 32)  # replayed workers per allocator process, one case each
+    memory_blocks: int = 1 << 20  # blocks of state for the RSS per block
+    memory_pools: int = 16
+
+
+FLEET = {
+    "default": FleetWorkload(
+        "one Llama-3-8B worker on sim:h100 with 256 sequences running (prompts of 500-1,500 tokens, outputs of "
+        "200-400, a new request as each finishes) recorded for 400 steps past its warm-up, replayed by 1 to 32 "
+        "workers; 16 pools of 65,536 blocks for the memory figure",
+        HostWorkload("256 sequences", sizes=(256,), steps=400)),
+    "small": FleetWorkload(
+        "4 sequences of 50-100 prompt tokens recorded for 30 steps, replayed by 1 and 2 workers; 4,096 blocks",
+        HostWorkload("4 sequences", sizes=(4,), steps=30, prompt_tokens=(50, 100), output_tokens=(20, 40)),
+        workers=(1, 2), memory_blocks=4096, memory_pools=2),
+}
 
 
 # -- paged decode attention (bench attention) ------------------------------------------------
