@@ -24,10 +24,11 @@ class Limits:
     # Concurrent WatchEvents streams: each holds a server thread.
     max_watchers: int = 8
     # Concurrent StepStream calls (a worker's hot path as one long-lived
-    # call): each holds a server thread too, so the server's thread pool is
-    # this much larger than its unary concurrency; past it a worker is
-    # refused and sends unary Steps.
-    max_step_streams: int = 16
+    # call): each holds a server thread too (started when a stream opens,
+    # idle between its steps), so the server's thread pool is this much
+    # larger than its unary concurrency; past it a worker is refused and
+    # sends unary Steps. One allocator serves a fleet: one per worker.
+    max_step_streams: int = 256
     # Slow reads (servicer.SLOTTED: block tables, stats, dumps, cache resets)
     # one pool may have in flight at once, so that one worker cannot hold every
     # thread of the server's pool (`sharing.CallSlots`); past it RESOURCE_EXHAUSTED.
