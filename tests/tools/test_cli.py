@@ -42,6 +42,19 @@ def test_kv_size_text_and_dtype_override(tmp_path):
     assert "bytes per token" in text
 
 
+def test_kv_size_fp8_kv_cache_halves_bf16(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA3_8B))
+    for flag in ("fp8", "fp8_e4m3", "fp8_e5m2"):
+        out = json.loads(pagedkv("kv-size", str(path), "--json", "--kv-cache-dtype", flag).stdout)
+        assert out["bytes_per_token"] == 131_072 // 2 and out["bytes_per_element"] == 1
+    assert "65,536 bytes per token" in pagedkv("kv-size", str(path), "--kv-cache-dtype", "fp8").stdout
+    auto = json.loads(pagedkv("kv-size", str(path), "--json", "--kv-cache-dtype", "auto").stdout)
+    assert auto["bytes_per_token"] == 131_072
+    proc = pagedkv("kv-size", str(path), "--kv-cache-dtype", "int4", check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--kv-cache-dtype must be one of" in proc.stderr
+
+
 @pytest.mark.parametrize(
     "content,needle",
     [("{", "not valid JSON"), ('{"num_hidden_layers": 2}', "num_attention_heads must be a positive integer")],
