@@ -79,6 +79,16 @@ def test_simulate_lands_near_the_article():
     assert p["wasted_slots"] / p["allocated_slots"] < 0.01  # the article: 0.7%
 
 
+def test_simulate_fp8_fits_about_twice_the_requests():
+    auto = json.loads(pagedkv("simulate", "--json").stdout)
+    fp8 = json.loads(pagedkv("simulate", "--json", "--kv-cache-dtype", "fp8").stdout)
+    assert (fp8["bytes_per_token"], fp8["pool_slots"], fp8["kv_cache_dtype"]) == (65_536, 262_144, "fp8")
+    assert fp8["contiguous"]["admitted"] == 2 * auto["contiguous"]["admitted"] == 32
+    assert 1.9 <= fp8["paged"]["admitted"] / auto["paged"]["admitted"] <= 2.0
+    proc = pagedkv("simulate", "--kv-cache-dtype", "fp4", check=False)
+    assert proc.returncode == 2 and "--kv-cache-dtype must be one of" in proc.stderr
+
+
 def test_simulate_sweep_and_plot(tmp_path):
     png = tmp_path / "capacity.png"
     out = json.loads(pagedkv("simulate", "--json", "--requests", "200", "--plot", str(png)).stdout)
