@@ -300,5 +300,8 @@ class KVPool:
         dst = torch.tensor([c[1] for c in copies], dtype=torch.long, device=self.device)
         # Advanced indexing on the right makes a copy first: this is what gives
         # the read-all-then-write-all semantics documented above.
-        self._k_blocks[:, dst] = self._k_blocks[:, src]
-        self._v_blocks[:, dst] = self._v_blocks[:, src]
+        k, v = self._k_blocks, self._v_blocks
+        if self.fp8:  # the bytes: not every device's index_put takes fp8
+            k, v = k.view(torch.uint8), v.view(torch.uint8)
+        k[:, dst] = k[:, src]
+        v[:, dst] = v[:, src]
