@@ -263,9 +263,10 @@ def tables(report: dict) -> list[Table]:
                 cell(v["kv_utilisation"], ".1%"), cell(v["requests_running_mean"], ".1f")]
                for s, v in report["summary"].items()]
     t, pool, lengths, roof = report["targets"], report["pool"] or {}, report["lengths"], report["roofline"] or {}
+    kv = report.get("kv_cache_dtype", "auto")
+    fp8 = "" if kv == "auto" else f", --kv-cache-dtype {kv}"
     notes = [
-        f"Simulated: {report['model']} ({report['kv_bytes_per_token']:,} KV bytes per token, "
-        f"--kv-cache-dtype {report.get('kv_cache_dtype', 'auto')}) on {report['device']} "
+        f"Simulated: {report['model']} ({report['kv_bytes_per_token']:,} KV bytes per token{fp8}) on {report['device']} "
         f"({roof.get('gpu', '-')}; roofline MFU {roof.get('mfu', '-')}, MBU {roof.get('mbu', '-')}, launch "
         f"{roof.get('launch_ms', '-')} ms), {report['clock']} clock; KV pool {pool.get('num_blocks', '-')} blocks of "
         f"{pool.get('block_size', '-')} ({pool.get('tokens', '-')} tokens, {pool.get('gib', '-')} GiB).",
