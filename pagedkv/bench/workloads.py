@@ -445,6 +445,9 @@ RESERVATION = {
         "400 ShareGPT-like requests per rate (log-normal lengths, prompt + output <= 2,048: prompts 161 tokens "
         "and outputs 327 on average), Poisson arrivals at 0.5 to 6 requests/s in steps of 0.25, OPT-13B on the "
         "simulated GPU"),
+    "wide": ReservationWorkload(
+        "the default's requests and lengths at 0.5 to 24 requests/s in steps of 0.5: room above the default's 6 "
+        "for a pool that holds more (--kv-cache-dtype fp8)", rates=tuple(k / 2 for k in range(1, 49))),
     "small": ReservationWorkload("24 requests per rate at 1, 4 and 16 requests/s, lengths at most 256, a pool of "
                                  "64 blocks, a bound of 0.05 s/token", requests=24, rates=(1.0, 4.0, 16.0),
                                  max_len=256, num_blocks=64, latency_bound_s=0.05),
