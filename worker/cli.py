@@ -28,6 +28,7 @@ from pagedkv_base.settings import (
     run_command,
     seconds,
 )
+from worker.kv_bytes import KV_CACHE_DTYPES, check_kv_cache_dtype
 from worker.sim import CLOCKS, DEFAULT_LAUNCH_S, DEFAULT_MBU, DEFAULT_MFU, SIM_PREFIX, gpu, is_sim
 
 ENV_HELP = """\
@@ -142,6 +143,11 @@ class WorkerArgs:
     dtype: str = setting(
         "auto", "weights and KV dtype; 'auto' is the model's own: float32 on the CPU, on CUDA its config's "
         "torch_dtype (float32 models as bfloat16)", choices=DTYPES)
+    kv_cache_dtype: str = setting(
+        "auto", "the KV cache's element type, as vLLM's flag: 'auto' (the model's dtype, --dtype), or 8-bit "
+        "floats, 'fp8' (= 'fp8_e4m3') or 'fp8_e5m2': K/V are quantized with a per-layer scale as they are "
+        "written and dequantized as attention reads them, so the same --kv-cache-memory holds twice the "
+        "blocks of bfloat16 (four times float32)", metavar="|".join(KV_CACHE_DTYPES), stack=True)
     max_num_seqs: int = setting(64, "most sequences running at once")
     max_num_batched_tokens: int = setting(
         2048, "token budget of one step; longer prompts are prefilled in chunks")
@@ -173,6 +179,7 @@ class WorkerArgs:
     def __post_init__(self) -> None:
         if self.num_blocks is not None and self.kv_cache_memory is not None:
             raise ValueError("give --num-blocks or --kv-cache-memory, not both")
+        check_kv_cache_dtype(self.kv_cache_dtype)  # here, not argparse choices: one line, not the usage
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -231,6 +238,7 @@ def engine_config(args: argparse.Namespace, dtype: str | None = None):
         sim_mbu=w.sim_mbu,
         sim_launch_ms=w.sim_launch_ms,
         dtype=dtype or ("float32" if w.dtype == "auto" else canonical_dtype(w.dtype)),
+        kv_cache_dtype=w.kv_cache_dtype,
         max_num_seqs=w.max_num_seqs,
         max_num_batched_tokens=w.max_num_batched_tokens,
         max_model_len=w.max_model_len,

@@ -14,9 +14,13 @@ __all__ = [
     "DTYPE_ALIASES",
     "DTYPE_BYTES",
     "ELEMENT_BYTES",
+    "FP8_ELEMENTS",
+    "KV_CACHE_DTYPES",
     "WORKER_DTYPES",
     "canonical_dtype",
     "KVDims",
+    "check_kv_cache_dtype",
+    "kv_cache_element",
     "kv_bytes_per_token",
     "kv_dims_from_config",
     "positive_field",
@@ -48,6 +52,15 @@ DTYPE_BYTES: dict[str, int] = {
 }
 # The element types the worker computes in and keeps its K/V in.
 WORKER_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
+# `--kv-cache-dtype` (vLLM's names) -> the K/V element type; None: the model's own dtype.
+KV_CACHE_DTYPES: dict[str, str | None] = {
+    "auto": None,
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
+}
+# The 8-bit float element types a KV pool may hold (quantized with a scale: worker/kv_quant.py).
+FP8_ELEMENTS: tuple[str, ...] = ("float8_e4m3fn", "float8_e5m2")
 
 
 def canonical_dtype(name: str) -> str | None:
@@ -55,6 +68,19 @@ def canonical_dtype(name: str) -> str | None:
     if name in ELEMENT_BYTES:
         return name
     return DTYPE_ALIASES.get(name)
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
+    """ValueError (one line) unless `kv_cache_dtype` is a `--kv-cache-dtype` name."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+
+
+def kv_cache_element(kv_cache_dtype: str, model_dtype: str) -> str:
+    """The torch name of the element type a KV pool holds under `--kv-cache-dtype`
+    (`auto`: the model's dtype, itself a torch name); ValueError for an unknown name."""
+    check_kv_cache_dtype(kv_cache_dtype)
+    return KV_CACHE_DTYPES[kv_cache_dtype] or model_dtype
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, bytes_per_element: int) -> int:

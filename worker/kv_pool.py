@@ -13,6 +13,11 @@ Invariants:
 - Each layer's storage carries one hidden "trash" row after the last real slot.
   Writes with slot id -1 (padding tokens) land there, which keeps `write`
   free of host/device synchronisation (no boolean indexing on CUDA).
+- An fp8 pool (`dtype` float8_e4m3fn or float8_e5m2) holds K/V quantized with
+  one scale per layer for K and one for V (`k_scale(layer)`, `v_scale(layer)`,
+  worker/kv_quant.py), fixed at construction: a stored byte means the same
+  value for the pool's whole life, so block copies, swaps and tier moves copy
+  bytes and nothing else.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from worker.kv_bytes import kv_bytes_per_token
+from worker.kv_quant import is_fp8, quantize
 
 __all__ = ["KVPool", "free_memory_bytes", "num_blocks_for_budget", "parse_memory"]
 
@@ -119,6 +125,8 @@ class KVPool:
     `k_cache(layer)` / `v_cache(layer)` are views `[num_blocks, block_size,
     num_kv_heads, head_dim]` into one tensor per K and V holding all layers, so
     `copy_blocks` moves a block in every layer with a single indexing op.
+    `k_scales`/`v_scales` (one float per layer, default 1.0) are an fp8 pool's
+    quantization scales; other pools store K/V as given and take none.
     """
 
     def __init__(
@@ -130,6 +138,9 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        *,
+        k_scales: Sequence[float] | None = None,
+        v_scales: Sequence[float] | None = None,
     ) -> None:
         for name, value in (
             ("num_layers", num_layers),
@@ -149,13 +160,28 @@ class KVPool:
         self.device = torch.device(device)
         num_slots = num_blocks * block_size
         shape = (num_layers, num_slots + 1, num_kv_heads, head_dim)  # +1: the trash row
-        self._k = torch.zeros(shape, dtype=dtype, device=self.device)
-        self._v = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.fp8 = is_fp8(dtype)
+        self._k_scales = self._scales("k_scales", k_scales)
+        self._v_scales = self._scales("v_scales", v_scales)
+        # fp8: bytes viewed as fp8 (torch's CPU index_copy_ takes no fp8; `write` uses the bytes)
+        storage = torch.uint8 if self.fp8 else dtype
+        self._k = torch.zeros(shape, dtype=storage, device=self.device).view(dtype)
+        self._v = torch.zeros(shape, dtype=storage, device=self.device).view(dtype)
         block_shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         # Views without the trash row; splitting dim 1 keeps them views.
         self._k_blocks = self._k[:, :num_slots].view(block_shape)
         self._v_blocks = self._v[:, :num_slots].view(block_shape)
         self._trash_slot = num_slots
+
+    def _scales(self, what: str, scales: Sequence[float] | None) -> tuple[float, ...]:
+        if scales is None:
+            return (1.0,) * self.num_layers
+        if not self.fp8:
+            raise ValueError(f"{what} are for an fp8 pool, not {self.dtype}")
+        out = tuple(float(x) for x in scales)
+        if len(out) != self.num_layers or not all(0 < x < float("inf") for x in out):
+            raise ValueError(f"{what} must be {self.num_layers} positive finite floats, got {scales!r}")
+        return out
 
     @classmethod
     def from_budget(
@@ -185,6 +211,24 @@ class KVPool:
     def v_cache(self, layer: int) -> torch.Tensor:
         """Layer `layer`'s values, same shape as `k_cache(layer)`."""
         return self._v_blocks[layer]
+
+    def k_scale(self, layer: int) -> float:
+        """Layer `layer`'s K scale: a stored key reads as `float(k) * k_scale` (1.0 unless fp8)."""
+        return self._k_scales[layer]
+
+    def v_scale(self, layer: int) -> float:
+        """Layer `layer`'s V scale, as `k_scale`."""
+        return self._v_scales[layer]
+
+    @property
+    def k_scales(self) -> tuple[float, ...]:
+        """Every layer's K scale."""
+        return self._k_scales
+
+    @property
+    def v_scales(self) -> tuple[float, ...]:
+        """Every layer's V scale."""
+        return self._v_scales
 
     @property
     def k_blocks(self) -> torch.Tensor:
@@ -223,12 +267,20 @@ class KVPool:
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens' K/V: row `i` of `k`/`v` ([T, kv_heads, head_dim]) goes to slot
         `slot_mapping[i]`; slot -1 means skip (the row lands in the trash row).
+        An fp8 pool stores them quantized with the layer's scales.
 
         Slots must be distinct apart from -1 (two writes to one slot race on CUDA).
         """
         if k.shape != v.shape or k.shape[0] != slot_mapping.shape[0]:
             raise ValueError(f"write shapes disagree: k {tuple(k.shape)}, v {tuple(v.shape)}, slots {tuple(slot_mapping.shape)}")
         slots = torch.where(slot_mapping < 0, self._trash_slot, slot_mapping)
+        if self.fp8:
+            raw = torch.uint8
+            k = quantize(k, self._k_scales[layer], self.dtype)
+            v = quantize(v, self._v_scales[layer], self.dtype)
+            self._k[layer].view(raw).index_copy_(0, slots, k.view(raw))
+            self._v[layer].view(raw).index_copy_(0, slots, v.view(raw))
+            return
         self._k[layer].index_copy_(0, slots, k.to(self.dtype))
         self._v[layer].index_copy_(0, slots, v.to(self.dtype))
 
@@ -248,5 +300,8 @@ class KVPool:
         dst = torch.tensor([c[1] for c in copies], dtype=torch.long, device=self.device)
         # Advanced indexing on the right makes a copy first: this is what gives
         # the read-all-then-write-all semantics documented above.
-        self._k_blocks[:, dst] = self._k_blocks[:, src]
-        self._v_blocks[:, dst] = self._v_blocks[:, src]
+        k, v = self._k_blocks, self._v_blocks
+        if self.fp8:  # the bytes: not every device's index_put takes fp8
+            k, v = k.view(torch.uint8), v.view(torch.uint8)
+        k[:, dst] = k[:, src]
+        v[:, dst] = v[:, src]

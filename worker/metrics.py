@@ -50,6 +50,7 @@ METRIC_NAMES = (
     f"{PREFIX}_kv_blocks_cached",
     f"{PREFIX}_kv_blocks_free",
     f"{PREFIX}_kv_pool_bytes",
+    f"{PREFIX}_kv_cache_info",
     f"{PREFIX}_kv_usage_ratio",
     f"{PREFIX}_kv_slot_utilisation_ratio",
     f"{PREFIX}_threads",
@@ -191,10 +192,12 @@ class TierMetrics:
 class _PoolCollector(Collector):
     """Reads the pool's stats (via the allocator client) at scrape time."""
 
-    def __init__(self, read_stats: Callable[[], object], labels: dict[str, str], pool_bytes: int) -> None:
+    def __init__(self, read_stats: Callable[[], object], labels: dict[str, str], pool_bytes: int,
+                 kv_dtype: str) -> None:
         self._read = read_stats
         self._labels = labels
         self._pool_bytes = pool_bytes
+        self._kv_dtype = kv_dtype
 
     def describe(self):  # static description; avoids a collect() at registration
         return []
@@ -216,6 +219,11 @@ class _PoolCollector(Collector):
         yield gauge("kv_blocks_cached", "Free blocks still holding a reusable prefix.", s.cached_blocks)
         yield gauge("kv_blocks_free", "Free blocks (cached ones included).", s.free_blocks)
         yield gauge("kv_pool_bytes", "Bytes of K/V memory the pool holds.", self._pool_bytes)
+        info = GaugeMetricFamily(f"{PREFIX}_kv_cache_info", "1, labelled with the element type the KV pool "
+                                 "stores (kv_cache_dtype: float32, bfloat16, float8_e4m3fn, ...).",
+                                 labels=[*names, "kv_cache_dtype"])
+        info.add_metric([*values, self._kv_dtype], 1)
+        yield info
         yield gauge("kv_usage_ratio", "Used blocks over all blocks.", s.used_blocks / s.num_blocks)
         yield gauge(
             "kv_slot_utilisation_ratio",
@@ -331,6 +339,7 @@ class WorkerMetrics:
         self.request_prompt_tokens.observe(prompt_tokens)
         self.request_generation_tokens.observe(generation_tokens)
 
-    def watch_pool(self, read_stats: Callable[[], object], pool_bytes: int) -> None:
-        """Export the pool gauges, read from `read_stats()` at scrape time."""
-        self.registry.register(_PoolCollector(read_stats, self.labels, pool_bytes))
+    def watch_pool(self, read_stats: Callable[[], object], pool_bytes: int, kv_dtype: str = "") -> None:
+        """Export the pool gauges, read from `read_stats()` at scrape time; `kv_dtype`:
+        the torch name of the pool's element type."""
+        self.registry.register(_PoolCollector(read_stats, self.labels, pool_bytes, kv_dtype))

@@ -31,6 +31,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
               "M sharded): Step p50/p99, device idle from allocator waits, allocator CPU and RSS, the knee"),
     "attacks": ("pagedkv.bench.attacks", "the trust-boundary attacks on a stack with credentials and one without: "
                 "the victim's p99, the allocator's RSS and threads"),
+    "kv-dtype": ("pagedkv.bench.kv_dtype", "an fp8 KV cache against the model's dtype through /v1/completions: "
+                 "logprob differences, greedy agreement, multiple-choice accuracy, pool blocks"),
     "compare": ("pagedkv.bench.compare", "one benchmark run by another checkout and by this one in turn: "
                 "each headline figure within noise, better or worse"),
 }

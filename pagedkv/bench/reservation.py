@@ -54,6 +54,7 @@ from pagedkv.bench.workloads import (
     poisson_arrivals,
     sharegpt_like_lengths,
 )
+from worker.kv_bytes import KV_CACHE_DTYPES
 
 SYSTEMS = ("paged", "max", "pow2", "oracle")
 LABELS = {"paged": "paged (as vLLM)", "max": "max (Orca (Max), FasterTransformer)", "pow2": "pow2 (Orca (Pow2))",
@@ -68,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clock", choices=("virtual", "wall"), default="virtual",
                         help="the engine's clock: virtual (only device time passes: the run takes what the host "
                              "takes) or wall (device time really passes) [virtual]")
+    parser.add_argument("--kv-cache-dtype", choices=tuple(KV_CACHE_DTYPES), default="auto",
+                        help="the workers' --kv-cache-dtype: fp8 halves the KV bytes, so the simulated memory holds "
+                             "twice the blocks and a step reads half the KV [auto]")
     parser.add_argument("--systems", type=harness.comma_list(SYSTEMS), default=list(SYSTEMS),
                         help=f"which reservations [{','.join(SYSTEMS)}]")
     parser.add_argument("--plot", default=None, metavar="FILE",
@@ -117,7 +121,8 @@ def measure(args: argparse.Namespace) -> dict:
         "device": args.device,
         "clock": args.clock,
         "model": f"{w.model} (public config.json, {loaded.config.dtype})",
-        "kv_bytes_per_token": loaded.config.kv_bytes_per_token,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "kv_bytes_per_token": (roofline.model if roofline is not None else loaded.config).kv_bytes_per_token,
         "roofline": None if roofline is None else {
             "gpu": roofline.gpu.description, "mfu": roofline.mfu, "mbu": roofline.mbu,
             "launch_ms": roofline.launch_s * 1e3},
@@ -144,7 +149,7 @@ def _engine(loaded, folder: str, system: str, args: argparse.Namespace, w: Reser
     return LLMEngine(loaded, EngineConfig(
         model=folder, device=args.device, clock=args.clock, dtype=loaded.config.dtype, worker_id=f"bench-{system}",
         block_size=w.block_size, num_blocks=w.num_blocks, enable_prefix_caching=False, kv_reservation=system,
-        max_num_seqs=w.max_num_seqs, max_model_len=w.max_len))
+        max_num_seqs=w.max_num_seqs, max_model_len=w.max_len, kv_cache_dtype=args.kv_cache_dtype))
 
 
 def _pool(engine) -> dict:
@@ -258,8 +263,10 @@ def tables(report: dict) -> list[Table]:
                 cell(v["kv_utilisation"], ".1%"), cell(v["requests_running_mean"], ".1f")]
                for s, v in report["summary"].items()]
     t, pool, lengths, roof = report["targets"], report["pool"] or {}, report["lengths"], report["roofline"] or {}
+    kv = report.get("kv_cache_dtype", "auto")
+    fp8 = "" if kv == "auto" else f", --kv-cache-dtype {kv}"
     notes = [
-        f"Simulated: {report['model']} ({report['kv_bytes_per_token']:,} KV bytes per token) on {report['device']} "
+        f"Simulated: {report['model']} ({report['kv_bytes_per_token']:,} KV bytes per token{fp8}) on {report['device']} "
         f"({roof.get('gpu', '-')}; roofline MFU {roof.get('mfu', '-')}, MBU {roof.get('mbu', '-')}, launch "
         f"{roof.get('launch_ms', '-')} ms), {report['clock']} clock; KV pool {pool.get('num_blocks', '-')} blocks of "
         f"{pool.get('block_size', '-')} ({pool.get('tokens', '-')} tokens, {pool.get('gib', '-')} GiB).",

@@ -469,6 +469,9 @@ RESERVATION = {
         "400 ShareGPT-like requests per rate (log-normal lengths, prompt + output <= 2,048: prompts 161 tokens "
         "and outputs 327 on average), Poisson arrivals at 0.5 to 6 requests/s in steps of 0.25, OPT-13B on the "
         "simulated GPU"),
+    "wide": ReservationWorkload(
+        "the default's requests and lengths at 0.5 to 24 requests/s in steps of 0.5: room above the default's 6 "
+        "for a pool that holds more (--kv-cache-dtype fp8)", rates=tuple(k / 2 for k in range(1, 49))),
     "small": ReservationWorkload("24 requests per rate at 1, 4 and 16 requests/s, lengths at most 256, a pool of "
                                  "64 blocks, a bound of 0.05 s/token", requests=24, rates=(1.0, 4.0, 16.0),
                                  max_len=256, num_blocks=64, latency_bound_s=0.05),
@@ -500,3 +503,47 @@ def poisson_arrivals(n: int, rate: float, rng: random.Random) -> list[float]:
         t += rng.expovariate(rate)
         out.append(t)
     return out
+
+
+@dataclass(frozen=True)
+class KVDtypeWorkload:
+    what: str = field(compare=False)
+    model: str = "smollm2"
+    prompts: int = len(QUESTIONS)  # the first N of QUESTIONS, asked as plain completions
+    tokens: tuple[int, ...] = (16, 64)  # greedy continuations compared at these lengths (the last is generated)
+    questions: int = 20  # the first N of MULTIPLE_CHOICE
+    kv_cache_memory: str = "256MiB"
+
+
+KV_DTYPE = {
+    "default": KVDtypeWorkload(f"SmolLM2-135M: {len(QUESTIONS)} prompts continued for 64 tokens, 20 "
+                               "four-option questions"),
+    "small": KVDtypeWorkload("tiny-random: 3 prompts continued for 16 tokens, 4 questions", model="tiny-random",
+                             prompts=3, tokens=(4, 16), questions=4, kv_cache_memory="16MiB"),
+}
+
+# (question, four options, the index of the right one): general knowledge a small model may know,
+# scored as lm-eval scores a multiple-choice task (the options' log-likelihood after the question).
+MULTIPLE_CHOICE: tuple[tuple[str, tuple[str, str, str, str], int], ...] = (
+    ("The capital of France is", ("Paris", "Berlin", "Madrid", "Rome"), 0),
+    ("Water freezes at a temperature of", ("0 degrees Celsius", "50 degrees Celsius", "100 degrees Celsius",
+                                           "200 degrees Celsius"), 0),
+    ("The largest planet in the solar system is", ("Mercury", "Mars", "Jupiter", "Venus"), 2),
+    ("A week has", ("five days", "seven days", "ten days", "twelve days"), 1),
+    ("The opposite of hot is", ("cold", "loud", "tall", "fast"), 0),
+    ("Bees make", ("milk", "honey", "silk", "wool"), 1),
+    ("The sun rises in the", ("north", "south", "west", "east"), 3),
+    ("A triangle has", ("three sides", "four sides", "five sides", "six sides"), 0),
+    ("The chemical symbol for water is", ("CO2", "H2O", "NaCl", "O3"), 1),
+    ("The first month of the year is", ("March", "June", "January", "October"), 2),
+    ("Cows say", ("moo", "meow", "woof", "quack"), 0),
+    ("Two plus two equals", ("three", "four", "five", "six"), 1),
+    ("The colour of grass is", ("blue", "red", "purple", "green"), 3),
+    ("Fish live in", ("water", "sand", "trees", "clouds"), 0),
+    ("The planet we live on is", ("Mars", "Earth", "Saturn", "Neptune"), 1),
+    ("Ice is frozen", ("milk", "oil", "water", "juice"), 2),
+    ("A spider has", ("two legs", "four legs", "six legs", "eight legs"), 3),
+    ("The moon orbits the", ("Earth", "Sun", "Mars", "Venus"), 0),
+    ("Paper is made from", ("stone", "wood", "glass", "iron"), 1),
+    ("The language spoken in Spain is", ("German", "Japanese", "Spanish", "Russian"), 2),
+)

@@ -1,7 +1,8 @@
 """`pagedkv kv-size`: KV-cache bytes per token from a Hugging Face config.json.
 
 bytes/token = 2 (K and V) x num_hidden_layers x num_key_value_heads x head_dim
-x bytes per element. `num_key_value_heads` defaults to `num_attention_heads`
+x bytes per element (the model's dtype, or the worker's `--kv-cache-dtype`:
+one byte for fp8). `num_key_value_heads` defaults to `num_attention_heads`
 (no grouped-query attention); `head_dim` is taken when the config has it, else
 hidden_size / num_attention_heads.
 """
@@ -13,7 +14,7 @@ import json
 from dataclasses import asdict, dataclass
 
 from pagedkv_base.settings import CliError
-from worker.kv_bytes import DTYPE_BYTES, kv_bytes_per_token, kv_dims_from_config
+from worker.kv_bytes import DTYPE_BYTES, kv_bytes_per_token, kv_cache_element, kv_dims_from_config
 
 GIB = 1 << 30
 
@@ -29,7 +30,8 @@ class KVSize:
     max_context: int | None
 
 
-def kv_size_from_config(cfg: dict, dtype: str | None = None) -> KVSize:
+def kv_size_from_config(cfg: dict, dtype: str | None = None, kv_cache_dtype: str = "auto") -> KVSize:
+    """`dtype`: the model's (default: the config's); `kv_cache_dtype`: the worker's flag."""
     try:
         layers, kv_heads, head_dim = kv_dims_from_config(cfg)
     except ValueError as exc:
@@ -39,6 +41,10 @@ def kv_size_from_config(cfg: dict, dtype: str | None = None) -> KVSize:
     name = (dtype or cfg.get("torch_dtype") or cfg.get("dtype") or "float16").lower()
     if name not in DTYPE_BYTES:
         raise CliError(f"unknown dtype {name!r} (known: {', '.join(sorted(DTYPE_BYTES))})")
+    try:
+        name = kv_cache_element(kv_cache_dtype, name)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     per_elem = DTYPE_BYTES[name]
     max_ctx = cfg.get("max_position_embeddings")
     return KVSize(
@@ -69,6 +75,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     p.add_argument("config", metavar="CONFIG_JSON", help="a Hugging Face config.json")
     p.add_argument("--dtype", help="KV element type (default: the config's torch_dtype, else float16)")
+    p.add_argument("--kv-cache-dtype", default="auto", metavar="auto|fp8|fp8_e4m3|fp8_e5m2",
+                   help="the worker's --kv-cache-dtype: 'auto' (the dtype above) or an fp8 format (1 byte)")
     p.add_argument("--tokens", type=int, help="also print the cache size of this many tokens")
     p.add_argument("--gib", type=float, help="also print how many full-context sequences fit in this many GiB")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -89,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--tokens must be >= 0")
     if args.gib is not None and args.gib <= 0:
         raise CliError("--gib must be > 0")
-    size = kv_size_from_config(cfg, args.dtype)
+    size = kv_size_from_config(cfg, args.dtype, args.kv_cache_dtype)
     out = asdict(size)
     if args.tokens is not None:
         out["tokens"] = args.tokens

@@ -18,6 +18,10 @@ a measurement.
 - paged: each request takes ceil(length / block_size) blocks from the core, at
   every block size from 1 to 16 (the headline, the JSON `paged` key: 16).
 
+`--kv-cache-dtype fp8` (the worker's flag) stores K/V in one byte per element
+instead of the two `--bytes-per-token` is counted in: the same pool holds
+twice the token slots.
+
 This is a MEMORY effect (how many requests fit), not a speed benchmark.
 """
 
@@ -29,8 +33,10 @@ from dataclasses import asdict, dataclass
 
 from allocator_service.core import BlockPool, ContiguousPool, OutOfBlocks, PoolConfig
 from pagedkv_base.settings import CliError
+from worker.kv_bytes import DTYPE_BYTES, KV_CACHE_DTYPES, kv_cache_element
 
 GIB = 1 << 30
+BYTES_PER_ELEMENT = 2  # what --bytes-per-token is counted in (float16 / bfloat16)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +114,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     p.add_argument("--pool-gib", type=float, default=16.0, help="KV pool size in GiB (default 16)")
     p.add_argument("--bytes-per-token", type=int, default=131072, help="KV bytes per token (default 131,072: Llama 3 8B fp16)")
+    p.add_argument("--kv-cache-dtype", default="auto", metavar="|".join(KV_CACHE_DTYPES),
+                   help="the worker's --kv-cache-dtype: 'auto' (the 2-byte elements --bytes-per-token counts) or "
+                   "an fp8 format (1 byte: half the bytes per token)")
     p.add_argument("--reserve", type=int, default=8192, help="contiguous slots reserved per request (default 8,192)")
     p.add_argument("--requests", type=int, default=500, help="requests in the stream (default 500)")
     p.add_argument("--plot", metavar="FILE.png",
@@ -119,17 +128,30 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def _check(args: argparse.Namespace) -> None:
     if args.pool_gib <= 0 or args.bytes_per_token <= 0 or args.reserve <= 0 or args.requests <= 0:
         raise CliError("--pool-gib, --bytes-per-token, --reserve and --requests must be positive")
+    try:
+        kv_cache_element(args.kv_cache_dtype, "float16")
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+
+
+def bytes_per_token(args: argparse.Namespace) -> int:
+    """The pool's bytes per token under `--kv-cache-dtype`."""
+    element = DTYPE_BYTES[kv_cache_element(args.kv_cache_dtype, "float16")]
+    return args.bytes_per_token * element // BYTES_PER_ELEMENT
 
 
 def run(args: argparse.Namespace) -> int:
     _check(args)
-    num_slots = int(args.pool_gib * GIB) // args.bytes_per_token
+    per_token = bytes_per_token(args)
+    num_slots = int(args.pool_gib * GIB) // per_token
     lengths = draw_lengths(args.requests, MIN_LEN, MAX_LEN, SEED)
     contiguous = simulate_contiguous(num_slots, lengths, args.reserve)
     sweep = [simulate_paged(num_slots, lengths, b) for b in BLOCK_SIZES]
     main = next(r for r in sweep if r.block_size == BLOCK_SIZE)
     out = {
         "pool_slots": num_slots,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "bytes_per_token": per_token,
         "requests": args.requests,
         "workload": {
             "generator": "numpy.random.default_rng(seed).integers(min_len, max_len + 1, size=requests)",
@@ -158,7 +180,7 @@ def print_table(out: dict, num_slots: int, args: argparse.Namespace) -> None:
 
     table = Table(
         title=f"{args.requests} requests of {MIN_LEN}-{MAX_LEN} tokens (seed {SEED}), pool of "
-        f"{num_slots:,} slots ({args.pool_gib:g} GiB at {args.bytes_per_token:,} B/token)",
+        f"{num_slots:,} slots ({args.pool_gib:g} GiB at {out['bytes_per_token']:,} B/token)",
         caption="a memory effect, not a speed benchmark",
     )
     for col in ("layout", "admitted", "slots reserved/allocated", "slots holding tokens", "wasted", "used"):
@@ -213,7 +235,7 @@ def plot(path: str, contiguous: ContiguousResult, sweep: list[PagedResult], args
     fig.suptitle(
         "A memory effect, not a speed benchmark: "
         f"{args.requests} invented requests of {MIN_LEN:,}-{MAX_LEN:,} tokens "
-        f"(numpy default_rng({SEED})), {args.pool_gib:g} GiB pool at {args.bytes_per_token:,} B/token",
+        f"(numpy default_rng({SEED})), {args.pool_gib:g} GiB pool at {bytes_per_token(args):,} B/token",
         fontsize=9,
     )
     fig.tight_layout()

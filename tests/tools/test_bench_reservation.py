@@ -75,3 +75,13 @@ def test_a_reservation_never_preempts_and_caps_what_runs(run):
 def test_the_plot_is_a_png(run):
     _, png = run
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_an_fp8_kv_cache_halves_the_kv_bytes_per_token(tmp_path):
+    out = tmp_path / "reservation-fp8.json"
+    subprocess.run([sys.executable, "-m", "pagedkv", "bench", "reservation", "--workload", "small", "--systems",
+                    "paged", "--kv-cache-dtype", "fp8", "--json", str(out)],
+                   capture_output=True, text=True, timeout=300, check=True)
+    report = json.loads(out.read_text())
+    assert report["kv_cache_dtype"] == "fp8" and report["kv_bytes_per_token"] == 819_200 // 2
+    assert list(report["runs"]) == ["paged"] and report["summary"]["paged"]["max_rate_rps"] is not None

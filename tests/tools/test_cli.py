@@ -42,6 +42,19 @@ def test_kv_size_text_and_dtype_override(tmp_path):
     assert "bytes per token" in text
 
 
+def test_kv_size_fp8_kv_cache_halves_bf16(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA3_8B))
+    for flag in ("fp8", "fp8_e4m3", "fp8_e5m2"):
+        out = json.loads(pagedkv("kv-size", str(path), "--json", "--kv-cache-dtype", flag).stdout)
+        assert out["bytes_per_token"] == 131_072 // 2 and out["bytes_per_element"] == 1
+    assert "65,536 bytes per token" in pagedkv("kv-size", str(path), "--kv-cache-dtype", "fp8").stdout
+    auto = json.loads(pagedkv("kv-size", str(path), "--json", "--kv-cache-dtype", "auto").stdout)
+    assert auto["bytes_per_token"] == 131_072
+    proc = pagedkv("kv-size", str(path), "--kv-cache-dtype", "int4", check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--kv-cache-dtype must be one of" in proc.stderr
+
+
 @pytest.mark.parametrize(
     "content,needle",
     [("{", "not valid JSON"), ('{"num_hidden_layers": 2}', "num_attention_heads must be a positive integer")],
@@ -64,6 +77,16 @@ def test_simulate_lands_near_the_article():
     assert p["wasted_slots"] < 16 * p["admitted"]  # less than one block per request
     assert p["allocated_slots"] - p["used_slots"] == p["wasted_slots"]
     assert p["wasted_slots"] / p["allocated_slots"] < 0.01  # the article: 0.7%
+
+
+def test_simulate_fp8_fits_about_twice_the_requests():
+    auto = json.loads(pagedkv("simulate", "--json").stdout)
+    fp8 = json.loads(pagedkv("simulate", "--json", "--kv-cache-dtype", "fp8").stdout)
+    assert (fp8["bytes_per_token"], fp8["pool_slots"], fp8["kv_cache_dtype"]) == (65_536, 262_144, "fp8")
+    assert fp8["contiguous"]["admitted"] == 2 * auto["contiguous"]["admitted"] == 32
+    assert 1.9 <= fp8["paged"]["admitted"] / auto["paged"]["admitted"] <= 2.0
+    proc = pagedkv("simulate", "--kv-cache-dtype", "fp4", check=False)
+    assert proc.returncode == 2 and "--kv-cache-dtype must be one of" in proc.stderr
 
 
 def test_simulate_sweep_and_plot(tmp_path):

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from worker.attention import AttentionMetadata, get_backend, select_backend
 from worker.kv_pool import KVPool, num_blocks_for_budget, parse_memory
+from worker.kv_quant import dequantize, is_fp8, quantize
 
 try:
     import triton  # noqa: F401
@@ -33,6 +34,7 @@ except ImportError:
 TRITON_ON_CPU = HAVE_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
 needs_triton_cpu = pytest.mark.skipif(not TRITON_ON_CPU, reason="needs triton with TRITON_INTERPRET=1")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+FP8_NAN = 0x7F  # a NaN code in both fp8 formats: poisons an fp8 pool
 
 
 # -- a batch on a poisoned pool, and its contiguous ground truth ---------------------
@@ -59,14 +61,23 @@ def make_case(
     device: str = "cpu",
     spare_blocks: int = 3,
     data_seed: int | None = None,
+    kv_dtype: torch.dtype | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> Case:
+    """`kv_dtype` (fp8): the pool's element type, with `kv_scales`; the case's
+    contiguous K/V are then what the pool reads back (dequantized)."""
     rng = random.Random(seed)  # block layout
     gen = torch.Generator().manual_seed(seed if data_seed is None else data_seed)  # contents
     need = [-(-(c + n) // block_size) for c, n in seqs]
     num_blocks = sum(need) + spare_blocks
-    pool = KVPool(1, num_blocks, block_size, kv_heads, head_dim, dtype, device)
-    pool.k_cache(0).fill_(float("nan"))
-    pool.v_cache(0).fill_(float("nan"))
+    fp8 = kv_dtype is not None and is_fp8(kv_dtype)
+    scales = {"k_scales": [kv_scales[0]], "v_scales": [kv_scales[1]]} if fp8 else {}
+    pool = KVPool(1, num_blocks, block_size, kv_heads, head_dim, kv_dtype or dtype, device, **scales)
+    for cache in (pool.k_cache(0), pool.v_cache(0)):
+        if fp8:
+            cache.view(torch.uint8).fill_(FP8_NAN)
+        else:
+            cache.fill_(float("nan"))
     ids = list(range(num_blocks))
     rng.shuffle(ids)  # interleaved, non-adjacent tables
     poisoned_spare = ids[-1]
@@ -80,6 +91,9 @@ def make_case(
     # the model writes new tokens before attention, so by then all are present.
     everything = AttentionMetadata.build([(t, 0, c + n) for t, (c, n) in zip(tables, seqs, strict=True)], block_size, device)
     pool.write(0, everything.slot_mapping, torch.cat(keys), torch.cat(values))
+    if fp8:
+        keys = [dequantize(quantize(k, kv_scales[0], kv_dtype), kv_scales[0], dtype) for k in keys]
+        values = [dequantize(quantize(v, kv_scales[1], kv_dtype), kv_scales[1], dtype) for v in values]
     meta = AttentionMetadata.build(
         [(t, c, n) for t, (c, n) in zip(tables, seqs, strict=True)], block_size, device, pad_block_id=poisoned_spare
     )
@@ -106,7 +120,8 @@ def contiguous_attention(case: Case) -> torch.Tensor:
 
 def run_backend(name: str, case: Case) -> torch.Tensor:
     backend = get_backend(name)
-    return backend(case.q, case.pool.k_cache(0), case.pool.v_cache(0), case.meta, case.scale)
+    return backend(case.q, case.pool.k_cache(0), case.pool.v_cache(0), case.meta, case.scale,
+                   case.pool.k_scale(0), case.pool.v_scale(0))
 
 
 def assert_matches(out: torch.Tensor, case: Case, atol: float = 2e-5) -> None:
@@ -208,7 +223,8 @@ def test_numba_serial_and_parallel_builds_each_compute_and_cache_their_own(tmp_p
         "tables = np.array([[0, 1], [2, 3], [4, 5]], dtype=np.int32); lens = np.array([5, 8, 1], dtype=np.int32)\n"
         "outs = []\n"
         "for build in (cd._parallel, cd._serial):\n"
-        "    out = np.empty_like(q); build(out, q, k, v, tables, lens, 0.25); outs.append(out)\n"
+        "    out = np.empty_like(q); build(out, q, k, v, cd._NO_TABLE, cd._NO_TABLE, tables, lens, 0.25)\n"
+        "    outs.append(out)\n"
         "assert np.allclose(outs[0], outs[1], atol=1e-6)\n"
     )
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
@@ -221,9 +237,9 @@ def test_numba_serial_and_parallel_builds_each_compute_and_cache_their_own(tmp_p
     case = make_case([(40, 1), (7, 1), (0, 1)], 4, 6, 2, 16, seed=5)
     for build in (cpu_decode._serial, cpu_decode._parallel):
         out = torch.empty_like(case.q)
-        args = [t.contiguous().numpy() for t in (case.q, case.pool.k_cache(0), case.pool.v_cache(0),
-                                                  case.meta.block_tables, case.meta.context_lens)]
-        build(out.numpy(), *args, case.scale)
+        q, k, v, tables, lens = [t.contiguous().numpy() for t in (
+            case.q, case.pool.k_cache(0), case.pool.v_cache(0), case.meta.block_tables, case.meta.context_lens)]
+        build(out.numpy(), q, k, v, cpu_decode._NO_TABLE, cpu_decode._NO_TABLE, tables, lens, case.scale)
         assert_matches(out, case)
 
 
@@ -311,12 +327,17 @@ from triton.compiler import ASTSource
 from worker.attention import triton_decode as td
 
 fn = td.paged_decode_kernel
-for dtype, block_size, head_dim in (("fp16", 16, 64), ("bf16", 16, 128), ("fp32", 1, 64)):
+for dtype, kv_dtype, block_size, head_dim in (("fp16", "fp16", 16, 64), ("bf16", "bf16", 16, 128),
+                                              ("fp32", "fp32", 1, 64), ("bf16", "fp8e4nv", 16, 128),
+                                              ("fp16", "fp8e5", 16, 64)):
     signature = {name: "i32" for name in fn.arg_names}
-    for name in ("out_ptr", "q_ptr", "k_ptr", "v_ptr"):
+    for name in ("out_ptr", "q_ptr"):
         signature[name] = "*" + dtype
-    signature.update(block_tables_ptr="*i32", context_lens_ptr="*i32", scale="fp32")
-    constexprs = td.kernel_constexprs(9, 3, block_size, head_dim)
+    for name in ("k_ptr", "v_ptr"):
+        signature[name] = "*" + kv_dtype
+    signature.update(block_tables_ptr="*i32", context_lens_ptr="*i32", scale="fp32", k_scale="fp32",
+                     v_scale="fp32")
+    constexprs = td.kernel_constexprs(9, 3, block_size, head_dim, kv_dtype.startswith("fp8"))
     signature.update({name: "constexpr" for name in constexprs})
     kernel = triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32))
     assert kernel.asm["cubin"], "no cubin"

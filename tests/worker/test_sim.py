@@ -114,6 +114,19 @@ def test_the_pool_is_sized_from_the_simulated_memory(llama):
         engine.close()
 
 
+def test_an_fp8_pool_holds_twice_the_blocks_and_a_decode_reads_half_the_kv(llama):
+    engines = {kv: sim_engine(llama, kv_cache_memory="0.5", kv_cache_dtype=kv) for kv in ("auto", "fp8")}
+    try:
+        auto, fp8 = engines["auto"], engines["fp8"]
+        assert fp8.kv_pool.num_blocks == int(0.5 * (80 * GIB - 16_060_522_496)) // (65_536 * 16)
+        assert fp8.kv_pool.num_blocks in (2 * auto.kv_pool.num_blocks, 2 * auto.kv_pool.num_blocks + 1)
+        assert str(fp8.kv_pool.dtype) == "torch.float8_e4m3fn" and "float8_e4m3fn" in fp8.kv_pool.describe()
+        assert fp8.runner.roofline.model.kv_bytes_per_token == 65_536
+    finally:
+        for engine in engines.values():
+            engine.close()
+
+
 def test_a_pool_that_does_not_fit_is_refused(llama):
     # An L4 has 24 GiB; 14.96 GiB go to the weights, so 4,629 blocks of 2 MiB fit.
     with pytest.raises(ValueError, match="does not fit in sim:l4's 24 GiB beside 15.0 GiB of weights"):

@@ -46,7 +46,7 @@ from worker.tiers import (
 from worker.tiers.entry import HEADER_BYTES
 
 ROOT = Path(__file__).resolve().parents[2]
-DTYPES = (torch.float16, torch.float32, torch.bfloat16)
+DTYPES = (torch.float16, torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
 SHAPE = dict(num_layers=3, num_blocks=10, block_size=4, num_kv_heads=2, head_dim=8)
 
 
@@ -105,6 +105,27 @@ def test_a_pools_layout_has_its_blocks_bytes(dtype):
     assert layout.torch_dtype == dtype
     with pytest.raises(ValueError, match="does not have the layout"):
         KVLayout("f" * 64, 8, layout.dtype, 2, 8, 3).check_pool(pool)
+
+
+def test_fp8_layouts_differ_from_bf16_and_by_their_scales():
+    bf16 = KVLayout("a" * 64, 16, "bfloat16", 8, 128, 2)
+    e4m3 = KVLayout("a" * 64, 16, "float8_e4m3fn", 8, 128, 2)
+    assert e4m3.key == KVLayout("a" * 64, 16, "float8_e4m3fn", 8, 128, 2, (1.0, 1.0), (1.0, 1.0)).key
+    others = [KVLayout("a" * 64, 16, "float8_e5m2", 8, 128, 2),
+              KVLayout("a" * 64, 16, "float8_e4m3fn", 8, 128, 2, (1.0, 0.5)),
+              KVLayout("a" * 64, 16, "float8_e4m3fn", 8, 128, 2, (), (2.0, 1.0))]
+    assert len({bf16.key, e4m3.key, *(o.key for o in others)}) == 2 + len(others)
+    assert 2 * e4m3.block_bytes == bf16.block_bytes
+    pool = KVPool(2, 3, 16, 8, 128, torch.float8_e4m3fn, k_scales=(1.0, 0.5))
+    assert KVLayout.of_pool(pool, "a" * 64).key == others[1].key
+    with pytest.raises(ValueError, match="scales are for an fp8"):
+        KVLayout("a" * 64, 16, "bfloat16", 8, 128, 2, (1.0, 1.0))
+    with pytest.raises(ValueError, match="2 layers"):
+        KVLayout("a" * 64, 16, "float8_e5m2", 8, 128, 2, (1.0,))
+    # an entry an fp8 pool wrote is refused by a bfloat16 pool's reader, as of another layout
+    h = hashes(1)[0]
+    got = decode_entry(encode_entry(e4m3, h, os.urandom(e4m3.block_bytes)), bf16, h)
+    assert isinstance(got, Refused) and got.reason == "layout"
 
 
 def test_the_layout_key_is_the_same_in_another_process():

@@ -2,12 +2,15 @@
 
 Every backend has one signature::
 
-    backend(q [T, Hq, D], k_cache, v_cache, meta: AttentionMetadata, scale) -> [T, Hq, D]
+    backend(q [T, Hq, D], k_cache, v_cache, meta: AttentionMetadata, scale,
+            k_scale=1.0, v_scale=1.0) -> [T, Hq, D]
 
 where the caches are one layer's `[num_blocks, block_size, Hkv, D]` tensors
 (`KVPool.k_cache(layer)`) that ALREADY hold this step's new K/V (the model
 writes through `meta.slot_mapping` first). Each query attends causally to every
-token of its own sequence up to and including its own position.
+token of its own sequence up to and including its own position. An fp8 cache
+(worker/kv_quant.py) is read as `float(element) * k_scale` (`v_scale` for V),
+the layer's scales (`KVPool.k_scale(layer)`); every backend reads one.
 
 Backends: "reference" (per-sequence, float32, the ground truth), "torch"
 (vectorised gather decode + per-sequence SDPA prefill), "numba" (a compiled
@@ -33,11 +36,12 @@ __all__ = [
     "AttentionMetadata",
     "BACKEND_NAMES",
     "SeqSpec",
+    "check_kv_dtype",
     "get_backend",
     "select_backend",
 ]
 
-AttentionBackend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+AttentionBackend = Callable[..., torch.Tensor]  # the signature above
 
 BACKEND_NAMES = ("reference", "torch", "numba", "triton")
 
@@ -62,6 +66,22 @@ def get_backend(name: str) -> AttentionBackend:
 
         return PagedAttention(decode_fn=triton_decode)
     raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(BACKEND_NAMES)}")
+
+
+def check_kv_dtype(backend: AttentionBackend, kv_dtype: torch.dtype, device: str | torch.device,
+                   capability: tuple[int, int] | None = None) -> None:
+    """ValueError (one line) if `backend` cannot read a `kv_dtype` cache on `device`.
+    Every backend reads both fp8 formats, except the Triton kernel on a GPU
+    before compute capability 8.9, which has no e4m3 conversion (e5m2 has one
+    everywhere). `capability`: the GPU's (default: asked from torch)."""
+    if kv_dtype != torch.float8_e4m3fn or getattr(backend, "decode_fn", None) is None:
+        return
+    if backend.decode_fn.__name__ != "triton_decode" or torch.device(device).type != "cuda":  # type: ignore[attr-defined]
+        return
+    capability = capability or torch.cuda.get_device_capability(device)
+    if tuple(capability) < (8, 9):
+        raise ValueError(f"--kv-cache-dtype fp8_e4m3 needs a GPU of compute capability 8.9 or newer for the Triton "
+                         f"attention kernel; this one is {capability[0]}.{capability[1]}: use fp8_e5m2")
 
 
 def select_backend(device: str | torch.device) -> AttentionBackend:

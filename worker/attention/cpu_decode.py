@@ -13,8 +13,11 @@ GQA: query head h reads kv head h // (Hq // Hkv); K and V are never repeated.
 Only positions < context_len are read, so slots a sequence does not own (a
 freed block's stale keys, a padded table entry) never reach the result.
 
-float32 only (NumPy has no bfloat16): `PagedAttention` sends other dtypes to
-the torch path. Sequences run in parallel on as many threads as torch uses,
+float32 queries only (NumPy has no bfloat16): `PagedAttention` sends other
+dtypes to the torch path. The cache is float32, or fp8 (NumPy has no fp8
+either): its bytes are read as uint8 codes and decoded through a 256-entry
+table of `float(code) * scale` per K and V, built per call; one kernel source
+serves both, `_element` picks the read by the cache's element type. Sequences run in parallel on as many threads as torch uses,
 so `--threads` governs both. The first call compiles (a few seconds), and the
 machine code is cached on disk (`cache=True`; `NUMBA_CACHE_DIR` moves it).
 `compile_kernels` does that when a float32 model is built with this backend
@@ -38,12 +41,17 @@ import types
 import numba
 import numpy as np
 import torch
+from numba.core import types as nbtypes
+from numba.extending import overload
+
+from worker.kv_quant import is_fp8
 
 from allocator_service.core import blocks_for
 
 __all__ = ["DTYPES", "compile_kernels", "numba_decode"]
 
-DTYPES = (torch.float32,)
+DTYPES = (torch.float32,)  # the query dtypes; the cache is of the same dtype or fp8
+_CODES = torch.arange(256, dtype=torch.int32, device="cpu").to(torch.uint8)  # (imported under any default device)
 
 if "NUMBA_THREADING_LAYER" not in os.environ:
     numba.config.THREADING_LAYER = "workqueue"
@@ -61,7 +69,20 @@ CHUNK = 4
 _blocks_for = numba.njit(inline="always")(blocks_for)
 
 
-def _paged_decode(out, q, k_cache, v_cache, block_tables, context_lens, scale):  # pragma: no cover - compiled
+def _element(table, x):  # pragma: no cover - replaced by the overload below in compiled code
+    return table[x]
+
+
+@overload(_element, inline="always")
+def _element_impl(table, x):
+    """A cache element as float32: itself, or an fp8 code's entry in `table`."""
+    if isinstance(x, nbtypes.Float):
+        return lambda table, x: x
+    return lambda table, x: table[x]
+
+
+def _paged_decode(out, q, k_cache, v_cache, k_table, v_table, block_tables, context_lens,
+                  scale):  # pragma: no cover - compiled
     batch, num_q_heads, head_dim = q.shape
     block_size = k_cache.shape[1]
     group = num_q_heads // k_cache.shape[2]
@@ -92,7 +113,7 @@ def _paged_decode(out, q, k_cache, v_cache, block_tables, context_lens, scale): 
                             kv = h // group
                             dot = np.float32(0.0)
                             for d in range(head_dim):
-                                dot += qs[h, d] * k_cache[block, t, kv, d]
+                                dot += qs[h, d] * _element(k_table, k_cache[block, t, kv, d])
                             scores[i, h] = dot
             # online softmax: rescale what was summed under the old max
             for h in range(num_q_heads):
@@ -119,7 +140,7 @@ def _paged_decode(out, q, k_cache, v_cache, block_tables, context_lens, scale): 
                             kv = h // group
                             p = scores[i, h]
                             for d in range(head_dim):
-                                acc[h, d] += p * v_cache[block, t, kv, d]
+                                acc[h, d] += p * _element(v_table, v_cache[block, t, kv, d])
         for h in range(num_q_heads):
             inv = 1.0 / running_sum[h]
             for d in range(head_dim):
@@ -153,18 +174,30 @@ def numba_decode(
     context_lens: torch.Tensor,
     max_context_len: int,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """A `DecodeFn` (see `torch_paged`): q [b, Hq, D] -> [b, Hq, D]; float32 CPU tensors."""
+    """A `DecodeFn` (see `torch_paged`): q [b, Hq, D] -> [b, Hq, D]; float32 CPU tensors,
+    the caches float32 or fp8 (read as `float(element) * k_scale` / `v_scale`)."""
     del max_context_len  # each task reads its own sequence's length
-    if q.dtype not in DTYPES or k_cache.dtype not in DTYPES or q.device.type != "cpu":
-        raise ValueError(f"numba_decode takes float32 CPU tensors, got {q.dtype} on {q.device}")
+    fp8 = is_fp8(k_cache.dtype)
+    if q.dtype not in DTYPES or not (fp8 or k_cache.dtype in DTYPES) or q.device.type != "cpu":
+        raise ValueError(f"numba_decode takes float32 CPU queries over a float32 or fp8 cache, got {q.dtype} "
+                         f"over {k_cache.dtype} on {q.device}")
     q = q.contiguous()  # a view of the qkv projection; one specialisation (C order) serves all
     out = torch.empty_like(q)
+    if fp8:
+        k_table, v_table = _table(k_cache.dtype, k_scale), _table(v_cache.dtype, v_scale)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    else:
+        k_table = v_table = _NO_TABLE
     args = (
         out.numpy(),
         q.numpy(),
         k_cache.numpy(),
         v_cache.numpy(),
+        k_table,
+        v_table,
         block_tables.contiguous().numpy(),
         context_lens.contiguous().numpy(),
         scale,
@@ -179,18 +212,29 @@ def numba_decode(
     return out
 
 
-def compile_kernels(parallel: bool | None = None) -> None:
-    """Compile the builds calls will use now (or load them from numba's disk
-    cache, ~0.2 s), with the argument types of a real decode, rather than at
-    a request's first decode: cold, the serial build took ~2 s and the
-    parallel one ~4.6 s on the 2-CPU VM, a stall for every running request
-    at the first decode of two or more sequences. `parallel`: compile the
-    parallel build too (None: when calls can use it, more than one thread)."""
+_NO_TABLE = np.zeros(0, dtype=np.float32)  # a float32 cache reads its elements directly
+
+
+def _table(dtype: torch.dtype, scale: float) -> np.ndarray:
+    """float32 [256]: what each fp8 code of `dtype` reads as, times `scale`."""
+    return (_CODES.view(dtype).float() * scale).numpy()
+
+
+def compile_kernels(cache_dtype: torch.dtype = torch.float32, parallel: bool | None = None) -> None:
+    """Compile the builds calls over a `cache_dtype` cache (float32 or fp8) will
+    use now (or load them from numba's disk cache, ~0.2 s), with the argument
+    types of a real decode, rather than at a request's first decode: cold, the
+    serial build took ~2 s and the parallel one ~4.6 s on the 2-CPU VM, a stall
+    for every running request at the first decode of two or more sequences.
+    `parallel`: compile the parallel build too (None: when calls can use it,
+    more than one thread)."""
     if parallel is None:
         parallel = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS) > 1
     q = np.zeros((2, 1, 8), dtype=np.float32)
-    cache = np.zeros((2, 4, 1, 8), dtype=np.float32)
-    args = (np.empty_like(q), q, cache, cache, np.array([[0], [1]], dtype=np.int32),
+    fp8 = is_fp8(cache_dtype)
+    cache = np.zeros((2, 4, 1, 8), dtype=np.uint8 if fp8 else np.float32)
+    table = _table(cache_dtype, 1.0) if fp8 else _NO_TABLE
+    args = (np.empty_like(q), q, cache, cache, table, table, np.array([[0], [1]], dtype=np.int32),
             np.array([1, 1], dtype=np.int32), 1.0)
     _serial(*args)
     if parallel:

@@ -12,6 +12,10 @@ Decodes (one new token per sequence) are served together, in four ops:
 Prefills are served one sequence at a time: gather its context once, SDPA with
 a causal mask offset by the cached prefix.
 
+An fp8 cache is dequantized as it is gathered (the layer's `k_scale`/`v_scale`)
+into the query's dtype; its decodes gather V too and use a matmul, as
+`embedding_bag` cannot weigh fp8 rows.
+
 The gather indices depend only on the metadata and the head counts, so they
 are computed once per step (the first layer) and reused by every layer.
 
@@ -30,13 +34,14 @@ import torch
 import torch.nn.functional as F
 
 from worker.attention.metadata import AttentionMetadata
+from worker.kv_quant import dequantize, is_fp8
 
 __all__ = ["DecodeFn", "PagedAttention", "context_slots"]
 
 # decode_fn(q [b, Hq, D], k_cache, v_cache, block_tables [b, W], context_lens [b],
-#           max_context_len, scale) -> [b, Hq, D]: a drop-in for the torch decode path.
+#           max_context_len, scale, k_scale, v_scale) -> [b, Hq, D]: a drop-in for the torch decode path.
 DecodeFn = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float, float, float], torch.Tensor
 ]
 
 
@@ -120,21 +125,30 @@ class PagedAttention:
     """
 
     def __init__(self, decode_fn: DecodeFn | None = None, decode_dtypes: tuple[torch.dtype, ...] | None = None,
-                 compile_fn: Callable[[], None] | None = None) -> None:
+                 compile_fn: Callable[[torch.dtype], None] | None = None) -> None:
         self.decode_fn = decode_fn
-        # The cache dtypes `decode_fn` takes (None: all); other dtypes use the torch path.
+        # The query dtypes `decode_fn` takes, over a cache of that dtype or fp8 (None: all);
+        # other dtypes use the torch path.
         self.decode_dtypes = decode_dtypes
         self._compile_fn = compile_fn
         self._plan_key: tuple[AttentionMetadata, int, int, bool] | None = None
         self._plan: _StepPlan | None = None
         self._key_buffer: torch.Tensor | None = None
 
-    def prepare(self, dtype: torch.dtype) -> None:
-        """Compile now what decodes of a `dtype` cache will run (a kernel
-        compiled on first use would stall the first requests instead); a
-        dtype `decode_fn` does not take compiles nothing."""
-        if self._compile_fn is not None and (self.decode_dtypes is None or dtype in self.decode_dtypes):
-            self._compile_fn()
+    def prepare(self, dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> None:
+        """Compile now what decodes of a `dtype` model over a `cache_dtype` cache
+        (default: `dtype`) will run (a kernel compiled on first use would stall
+        the first requests instead); dtypes `decode_fn` does not take compile nothing."""
+        cache_dtype = cache_dtype or dtype
+        if self._compile_fn is not None and self._takes(dtype, cache_dtype):
+            self._compile_fn(cache_dtype)
+
+    def _takes(self, dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+        """Whether `decode_fn` serves queries of `dtype` over a `cache_dtype` cache."""
+        if self.decode_fn is None:
+            return False
+        return self.decode_dtypes is None or (
+            dtype in self.decode_dtypes and (cache_dtype == dtype or is_fp8(cache_dtype)))
 
     def __call__(
         self,
@@ -143,18 +157,22 @@ class PagedAttention:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         num_kv_heads = k_cache.shape[2]
-        use_fn = self.decode_fn is not None and (self.decode_dtypes is None or k_cache.dtype in self.decode_dtypes)
+        use_fn = self._takes(q.dtype, k_cache.dtype)
         plan = self._step_plan(meta, num_kv_heads, q.shape[1] // num_kv_heads, use_fn)
         decodes = plan.decodes
+        kv_scales = (k_scale, v_scale)
         if decodes is not None and decodes.rows is None:  # decode-only step: no scatter
-            return self._decode(q, k_cache, v_cache, decodes, scale)
+            return self._decode(q, k_cache, v_cache, decodes, scale, kv_scales)
         out = torch.empty_like(q)
         for p in plan.prefills:
-            out[p.start : p.start + p.new] = _prefill_one(q[p.start : p.start + p.new], k_cache, v_cache, p, scale)
+            out[p.start : p.start + p.new] = _prefill_one(q[p.start : p.start + p.new], k_cache, v_cache, p, scale,
+                                                          kv_scales)
         if decodes is not None:
-            out[decodes.rows] = self._decode(q[decodes.rows], k_cache, v_cache, decodes, scale)
+            out[decodes.rows] = self._decode(q[decodes.rows], k_cache, v_cache, decodes, scale, kv_scales)
         return out
 
     # -- planning (once per step) ---------------------------------------------
@@ -201,11 +219,13 @@ class PagedAttention:
         v_cache: torch.Tensor,
         decodes: _DecodeGroup,
         scale: float,
+        kv_scales: tuple[float, float],
     ) -> torch.Tensor:
         if decodes.plan is None:
             assert self.decode_fn is not None
             return self.decode_fn(
-                q, k_cache, v_cache, decodes.block_tables, decodes.context_lens, decodes.max_context_len, scale
+                q, k_cache, v_cache, decodes.block_tables, decodes.context_lens, decodes.max_context_len, scale,
+                *kv_scales,
             )
         dp = decodes.plan
         assert dp is not None
@@ -214,11 +234,19 @@ class PagedAttention:
         group = num_q_heads // num_kv_heads
         keys = self._buffer(dp.key_rows.shape[0], head_dim, k_cache)
         torch.index_select(k_cache.reshape(-1, head_dim), 0, dp.key_rows, out=keys)
+        fp8 = is_fp8(k_cache.dtype)
+        if fp8:
+            keys = dequantize(keys, kv_scales[0], q.dtype)
         keys = keys.view(batch, num_kv_heads, dp.length, head_dim)
         # GQA without repeating K: the `group` query heads sharing a kv head are
         # that kv head's query rows. Query head h reads kv head h // group.
         qg = q.view(batch, num_kv_heads, group, head_dim)
         scores = torch.matmul(qg, keys.transpose(-1, -2)).float().mul_(scale).add_(dp.bias)
+        if fp8:
+            values = dequantize(v_cache.reshape(-1, head_dim).index_select(0, dp.key_rows), kv_scales[1], q.dtype)
+            probs = torch.softmax(scores, dim=-1).to(q.dtype)  # [b, Hkv, G, L]
+            out = torch.matmul(probs, values.view(batch, num_kv_heads, dp.length, head_dim))
+            return out.view(batch, num_q_heads, head_dim)
         probs = torch.softmax(scores, dim=-1).to(v_cache.dtype).view(batch * num_q_heads, dp.length)
         out = F.embedding_bag(dp.value_bags, v_cache.reshape(-1, head_dim), per_sample_weights=probs, mode="sum")
         return out.view(batch, num_q_heads, head_dim).to(q.dtype)
@@ -243,14 +271,18 @@ def _prefill_plan(
 
 
 def _prefill_one(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _PrefillPlan, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _PrefillPlan, scale: float,
+    kv_scales: tuple[float, float],
 ) -> torch.Tensor:
     """One sequence's n new queries [n, Hq, D] over its whole context."""
     new, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    k = k_cache.reshape(-1, num_kv_heads, head_dim).index_select(0, plan.slots).transpose(0, 1)
-    v = v_cache.reshape(-1, num_kv_heads, head_dim).index_select(0, plan.slots).transpose(0, 1)
+    k = k_cache.reshape(-1, num_kv_heads, head_dim).index_select(0, plan.slots)
+    v = v_cache.reshape(-1, num_kv_heads, head_dim).index_select(0, plan.slots)
+    if is_fp8(k_cache.dtype):
+        k, v = dequantize(k, kv_scales[0], q.dtype), dequantize(v, kv_scales[1], q.dtype)
+    k, v = k.transpose(0, 1), v.transpose(0, 1)
     # [n, Hkv*G, D] -> [Hkv, G*n, D]: row g*n + i is query i of head kv*G + g.
     qg = q.view(new, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, group * new, head_dim)
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=plan.mask, scale=scale)

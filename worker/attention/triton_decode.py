@@ -4,7 +4,9 @@ Each program walks its sequence's block table, loads one K/V block at a time
 and keeps an online softmax (running max, running sum, rescaled accumulator),
 so nothing of size context is ever materialised. GQA: query head h reads kv
 head h // (Hq // Hkv). Only positions < context_len are loaded (masked loads
-with `other=0`), so slots a sequence does not own are never read.
+with `other=0`), so slots a sequence does not own are never read. An fp8
+cache (KV_FP8) is converted to float32 as it is loaded and multiplied by the
+layer's `k_scale` / `v_scale`.
 
 Importing this module decorates the kernel, which is when Triton reads
 TRITON_INTERPRET: set it before import to run the kernel on CPU tensors.
@@ -16,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from worker.kv_quant import is_fp8
+
 
 def _paged_decode_kernel(
     out_ptr,
@@ -25,6 +29,8 @@ def _paged_decode_kernel(
     block_tables_ptr,
     context_lens_ptr,
     scale,
+    k_scale,
+    v_scale,
     stride_q_seq,
     stride_q_head,
     stride_o_seq,
@@ -41,6 +47,7 @@ def _paged_decode_kernel(
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -64,6 +71,8 @@ def _paged_decode_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k_off = block * stride_k_block + offs_n[:, None] * stride_k_slot + kv_head * stride_k_head
         k = tl.load(k_ptr + k_off + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        if KV_FP8:
+            k = k * k_scale
         scores = tl.sum(k * q[None, :], axis=1) * scale
         scores = tl.where(n_mask, scores, float("-inf"))
         # Block 0 always holds position 0, so m_new is finite from the first step.
@@ -72,6 +81,8 @@ def _paged_decode_kernel(
         p = tl.exp(scores - m_new)
         v_off = block * stride_v_block + offs_n[:, None] * stride_v_slot + kv_head * stride_v_head
         v = tl.load(v_ptr + v_off + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        if KV_FP8:
+            v = v * v_scale
         acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
         l_i = l_i * alpha + tl.sum(p, axis=0)
         m_i = m_new
@@ -83,7 +94,8 @@ def _paged_decode_kernel(
 paged_decode_kernel = triton.jit(_paged_decode_kernel)
 
 
-def kernel_constexprs(num_q_heads: int, num_kv_heads: int, block_size: int, head_dim: int) -> dict[str, int]:
+def kernel_constexprs(num_q_heads: int, num_kv_heads: int, block_size: int, head_dim: int,
+                      kv_fp8: bool = False) -> dict[str, int]:
     """The compile-time constants of one kernel specialisation."""
     return {
         "QUERIES_PER_KV": num_q_heads // num_kv_heads,
@@ -91,6 +103,7 @@ def kernel_constexprs(num_q_heads: int, num_kv_heads: int, block_size: int, head
         "BLOCK_N": triton.next_power_of_2(block_size),
         "HEAD_DIM": head_dim,
         "BLOCK_D": triton.next_power_of_2(head_dim),
+        "KV_FP8": int(kv_fp8),
     }
 
 
@@ -102,9 +115,11 @@ def triton_decode(
     context_lens: torch.Tensor,
     max_context_len: int,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Same contract as `torch_paged.torch_decode`; `max_context_len` is unused (the
-    kernel reads each sequence's own length)."""
+    """A `DecodeFn` (see `torch_paged`); `max_context_len` is unused (the kernel reads
+    each sequence's own length), the scales only for an fp8 cache."""
     del max_context_len
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -119,6 +134,8 @@ def triton_decode(
         block_tables,
         context_lens,
         scale,
+        float(k_scale),
+        float(v_scale),
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -130,6 +147,6 @@ def triton_decode(
         v_cache.stride(1),
         v_cache.stride(2),
         block_tables.stride(0),
-        **kernel_constexprs(num_q_heads, num_kv_heads, block_size, head_dim),
+        **kernel_constexprs(num_q_heads, num_kv_heads, block_size, head_dim, is_fp8(k_cache.dtype)),
     )
     return out

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from allocator_service.core.limits import MAX_BLOCK_SIZE
 from worker.engine.reservation import RESERVATIONS
-from worker.kv_bytes import WORKER_DTYPES
+from worker.kv_bytes import WORKER_DTYPES, check_kv_cache_dtype
 from worker.sim import CLOCKS, DEFAULT_LAUNCH_S, DEFAULT_MBU, DEFAULT_MFU, is_sim
 
 # more slots ahead would hold blocks for long without saving more calls
@@ -45,6 +45,8 @@ class EngineConfig:
     kv_reservation: str = "paged"
     device: str = "cpu"  # cpu, cuda[:N] or sim:NAME (a simulated GPU: worker/engine/sim_runner.py)
     dtype: str = "float32"
+    # The KV pool's element type (`--kv-cache-dtype`): "auto" (`dtype`) or an fp8 format (worker/kv_quant.py).
+    kv_cache_dtype: str = "auto"
     # The engine's clock: "wall", or on a simulated device "virtual" (only device time passes).
     clock: str = "wall"
     # The simulated device's roofline (worker/sim/roofline.py): shares of the peak FLOP/s and
@@ -104,3 +106,4 @@ class EngineConfig:
             raise ValueError("--sim-launch-ms must be >= 0")
         if self.dtype not in WORKER_DTYPES:
             raise ValueError("--dtype must be float32, float16 or bfloat16")
+        check_kv_cache_dtype(self.kv_cache_dtype)

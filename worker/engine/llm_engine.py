@@ -141,7 +141,8 @@ class LLMEngine:
                 tiers = None  # no tier below the pool: nothing to do per step
         self.tiers = tiers
         self.runner.tiers = tiers
-        self.metrics.watch_pool(self.allocator.stats, self.kv_pool.bytes_total)
+        self.metrics.watch_pool(self.allocator.stats, self.kv_pool.bytes_total,
+                                str(self.kv_pool.dtype).removeprefix("torch."))
         self.metrics.threads.set_function(torch.get_num_threads)
         self.metrics.device_busy.set_function(self.busy.ratio)
         self.scheduler = Scheduler(

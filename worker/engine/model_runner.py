@@ -18,12 +18,13 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from worker.attention import AttentionMetadata
+from worker.attention import AttentionMetadata, check_kv_dtype
 from worker.engine.config import EngineConfig
 from worker.engine.sampling import Logprobs, logprobs_of, sample
 from worker.engine.scheduler import Batch, ScheduledSeq
 from worker.engine.sequence import Sequence
 from worker.engine.tiers import EngineTiers
+from worker.kv_bytes import kv_cache_element
 from worker.kv_pool import KVPool
 from worker.model.loaded import LoadedModel
 from worker.model.loader import resolve_dtype
@@ -52,7 +53,12 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.block_size = config.block_size
         mc = loaded.config
-        dtype = resolve_dtype(config.dtype, self.device)
+        model_dtype = resolve_dtype(config.dtype, self.device)
+        dtype = getattr(torch, kv_cache_element(config.kv_cache_dtype, str(model_dtype).removeprefix("torch.")))
+        check_kv_dtype(self.model.attn_backend, dtype, self.device)
+        prepare = getattr(self.model.attn_backend, "prepare", None)
+        if dtype != model_dtype and prepare is not None:  # the model's own dtype was prepared at load
+            prepare(model_dtype, dtype)
         if config.num_blocks is not None:
             self.kv_pool = KVPool(mc.num_layers, config.num_blocks, config.block_size,
                                   mc.num_kv_heads, mc.head_dim, dtype, self.device)

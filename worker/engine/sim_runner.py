@@ -17,6 +17,7 @@ device and host memory at the GPU's host link (`Roofline.host_seconds`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence as Seq
 from typing import NamedTuple
@@ -28,6 +29,7 @@ from worker.engine.config import EngineConfig
 from worker.engine.model_runner import SampledToken
 from worker.engine.scheduler import Batch
 from worker.engine.sequence import Sequence
+from worker.kv_bytes import kv_cache_element
 from worker.kv_pool import parse_memory
 from worker.model.loaded import LoadedModel
 from worker.sim import (
@@ -91,6 +93,8 @@ class SimRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         self.gpu = gpu(config.device.removeprefix(SIM_PREFIX))
         shape = loaded.config
+        if config.kv_cache_dtype != "auto":  # the pool's bytes, and the bytes a step reads, are fp8's
+            shape = dataclasses.replace(shape, kv_dtype=kv_cache_element(config.kv_cache_dtype, shape.dtype))
         self.roofline = Roofline(self.gpu, shape, config.sim_mfu, config.sim_mbu, config.sim_launch_ms / 1e3)
         self.clock = make_clock(config.clock)
         self.stream = DeviceStream(self.clock)
@@ -122,7 +126,7 @@ class SimRunner:
             raise ValueError(f"a KV pool of {blocks} blocks ({blocks * block_bytes / GIB:.1f} GiB) does not fit in "
                              f"{name}'s {memory / GIB:.0f} GiB beside {shape.weight_bytes / GIB:.1f} GiB of weights "
                              f"({free // block_bytes} blocks do)")
-        dtype = getattr(torch, shape.dtype)
+        dtype = getattr(torch, shape.kv_element)
         return SimKVPool(shape.num_layers, blocks, config.block_size, shape.num_kv_heads, shape.head_dim, dtype,
                          name, block_bytes)
 

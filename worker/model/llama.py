@@ -97,7 +97,8 @@ class Attention(nn.Module):
         k = apply_rope(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         kv_pool.write(self.layer, meta.slot_mapping, k, v)  # write first: queries read their own K/V
-        out = backend(q, kv_pool.k_cache(self.layer), kv_pool.v_cache(self.layer), meta, self.scale)
+        out = backend(q, kv_pool.k_cache(self.layer), kv_pool.v_cache(self.layer), meta, self.scale,
+                      kv_pool.k_scale(self.layer), kv_pool.v_scale(self.layer))
         return self.o_proj(out.reshape(tokens, -1))
 
 

@@ -45,6 +45,7 @@ class ModelShape:
     dtype: str  # weights and K/V element type (torch name)
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
+    kv_dtype: str | None = None  # the K/V element type when not `dtype` (an fp8 KV cache)
 
     @property
     def num_params(self) -> int:
@@ -59,8 +60,13 @@ class ModelShape:
         return self.num_params * self.dtype_bytes
 
     @property
+    def kv_element(self) -> str:
+        """The K/V element type (torch name)."""
+        return self.kv_dtype or self.dtype
+
+    @property
     def kv_bytes_per_token(self) -> int:
-        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype_bytes)
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, DTYPE_BYTES[self.kv_element])
 
     @classmethod
     def from_config(cls, cfg: dict, dtype: str | None = None) -> ModelShape:

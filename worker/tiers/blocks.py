@@ -5,6 +5,8 @@ On CUDA one indexing kernel per K and V covers a whole move. On the CPU a move i
 one strided copy per run of consecutive ids (at worst one per block): torch's CPU
 index_select over dim 1 of the pool's 5-d views ran ~10x slower than these copies
 (a 64-block move of 1 MiB blocks: 150 ms against 15 ms on one core).
+An fp8 pool's blocks move as their bytes (uint8 views: torch's index_copy_
+takes no fp8).
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ def read_blocks(pool: KVPool, blocks: Sequence[int], out: torch.Tensor, position
             out[p:p + r, 0].copy_(k[:, b:b + r].transpose(0, 1))
             out[p:p + r, 1].copy_(v[:, b:b + r].transpose(0, 1))
         return
+    if getattr(pool, "fp8", False):
+        k, v, out = k.view(torch.uint8), v.view(torch.uint8), out.view(torch.uint8)
     idx = torch.tensor(blocks, dtype=torch.long, device=pool.device)
     pos = torch.tensor(positions, dtype=torch.long, device=pool.device)
     out.index_copy_(0, pos, torch.stack((k.index_select(1, idx), v.index_select(1, idx))).permute(2, 0, 1, 3, 4, 5))
@@ -70,6 +74,8 @@ def write_blocks(pool: KVPool, blocks: Sequence[int], src: torch.Tensor, positio
             k[:, b:b + r].copy_(src[p:p + r, 0].transpose(0, 1))
             v[:, b:b + r].copy_(src[p:p + r, 1].transpose(0, 1))
         return
+    if getattr(pool, "fp8", False):
+        k, v, src = k.view(torch.uint8), v.view(torch.uint8), src.view(torch.uint8)
     idx = torch.tensor(blocks, dtype=torch.long, device=pool.device)
     data = src.index_select(0, torch.tensor(positions, dtype=torch.long, device=pool.device))
     k[:, idx] = data[:, 0].transpose(0, 1)

@@ -8,8 +8,11 @@ order (little-endian on every platform torch serves on):
 
 The layout key is a digest of everything that fixes those bytes' meaning: the
 model fingerprint (weights and config), block size, element type, KV heads,
-head dim, layers, byte order and the payload order above. Workers whose keys are
-equal can load each other's blocks; the allocator keeps store entries per key.
+head dim, layers, byte order and the payload order above; for an fp8 element
+type also every layer's K and V scale (a byte reads as `float(byte) * scale`).
+Workers whose keys are equal can load each other's blocks; the allocator keeps
+store entries per key, so an entry of an fp8 pool is never one of a bfloat16
+pool's, nor of an fp8 pool under other scales.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker.kv_bytes import canonical_dtype, kv_bytes_per_token
+from worker.kv_bytes import FP8_ELEMENTS, canonical_dtype, kv_bytes_per_token
 from worker.kv_pool import KVPool
 
 __all__ = ["LAYOUT_SCHEME", "KVLayout"]
@@ -38,10 +41,13 @@ class KVLayout:
 
     model_fingerprint: str
     block_size: int
-    dtype: str  # the torch name: "float16", "bfloat16", "float32"
+    dtype: str  # the torch name: "float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2"
     num_kv_heads: int
     head_dim: int
     num_layers: int
+    # an fp8 element type's scales, one per layer (default 1.0 each); none for other types
+    k_scales: tuple[float, ...] = ()
+    v_scales: tuple[float, ...] = ()
     key: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -54,10 +60,19 @@ class KVLayout:
         for what in ("block_size", "num_kv_heads", "head_dim", "num_layers"):
             if getattr(self, what) < 1:
                 raise ValueError(f"{what} must be >= 1, got {getattr(self, what)}")
-        h = hashlib.sha256()
-        parts = (LAYOUT_SCHEME, self.model_fingerprint.encode(), str(self.block_size).encode(), name.encode(),
+        parts = [LAYOUT_SCHEME, self.model_fingerprint.encode(), str(self.block_size).encode(), name.encode(),
                  str(self.num_kv_heads).encode(), str(self.head_dim).encode(), str(self.num_layers).encode(),
-                 sys.byteorder.encode(), _PAYLOAD_ORDER)
+                 sys.byteorder.encode(), _PAYLOAD_ORDER]
+        if name in FP8_ELEMENTS:
+            for what in ("k_scales", "v_scales"):
+                scales = tuple(float(x) for x in getattr(self, what)) or (1.0,) * self.num_layers
+                if len(scales) != self.num_layers:
+                    raise ValueError(f"{what}: {len(scales)} for {self.num_layers} layers")
+                object.__setattr__(self, what, scales)
+                parts.append(struct.pack(f"<{len(scales)}d", *scales))
+        elif self.k_scales or self.v_scales:
+            raise ValueError(f"scales are for an fp8 element type, not {name}")
+        h = hashlib.sha256()
         for part in parts:
             h.update(_U32.pack(len(part)))
             h.update(part)
@@ -66,8 +81,11 @@ class KVLayout:
     @classmethod
     def of_pool(cls, pool: KVPool, model_fingerprint: str) -> KVLayout:
         """The layout of `pool`'s blocks for the model with `model_fingerprint`."""
+        scales = getattr(pool, "k_scales", ()), getattr(pool, "v_scales", ())  # (the simulated pool has none)
+        if str(pool.dtype).removeprefix("torch.") not in FP8_ELEMENTS:
+            scales = (), ()
         return cls(model_fingerprint, pool.block_size, str(pool.dtype).removeprefix("torch."), pool.num_kv_heads,
-                   pool.head_dim, pool.num_layers)
+                   pool.head_dim, pool.num_layers, *scales)
 
     @property
     def torch_dtype(self) -> torch.dtype:
