@@ -44,9 +44,8 @@ import torch
 from numba.core import types as nbtypes
 from numba.extending import overload
 
-from worker.kv_quant import is_fp8
-
 from allocator_service.core import blocks_for
+from worker.kv_quant import is_fp8
 
 __all__ = ["DTYPES", "compile_kernels", "numba_decode"]
 
