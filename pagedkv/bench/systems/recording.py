@@ -90,7 +90,7 @@ async def replay(addresses: list[str], recording: Recording, workers: int, *, se
     (workers replaying one recording in step would send its large Steps at the same instants, as
     independent workers do not). The runs, and `sample()` taken before the first starts and as
     the last one ends."""
-    from allocator_service.client.grpc_client import open_channel
+    from allocator_service.client.transport import open_channel
     from allocator_service.wire.codec import PROTOCOL_VERSION
     from allocator_service.wire.v1 import allocator_pb2 as pb
     from allocator_service.wire.v1.allocator_pb2_grpc import AllocatorStub
