@@ -12,7 +12,7 @@ until it is answered: the plan of this step is made (preemptions,
 admissions), and the client reuses the step id, so the server applies it
 exactly once. `on_stall(seconds)` is told each pause. `health` is told
 whether each call was answered; any other error from the allocator is a
-refusal: it becomes AllocatorError (the step fails, nothing was applied).
+refusal: it becomes AllocatorFault (the step fails, nothing was applied).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from allocator_service.client import (
 from allocator_service.core import Free, Op, OpResult, StepAnswer
 from allocator_service.core.planner import after_append, after_unreserve
 from allocator_service.core.tiers import TierReport
-from worker.engine.health import AllocatorError, AllocatorHealth
+from worker.engine.health import AllocatorFault, AllocatorHealth
 from worker.engine.sequence import Sequence, Status
 from worker.engine.step_plan import Batch, Planned, ScheduledSeq, StepPlan
 from worker.engine.tiers import EngineTiers
@@ -188,7 +188,7 @@ class StepExchange:
     def _received(self, answer: Callable[[], StepAnswer | list[OpResult]], batch: Batch, ops: list[Op],
                   report: TierReport | None = None):
         """The step's answer to `ops`, or None when the pool was lost (every
-        running sequence is then preempted); a refusal becomes AllocatorError.
+        running sequence is then preempted); a refusal becomes AllocatorFault.
         A refused step applied nothing, so its Frees (sequences finished or
         preempted, which the scheduler no longer tracks) go out again with
         the next call made for other work: else the allocator would keep
@@ -215,7 +215,7 @@ class StepExchange:
             self._refused_frees.extend(op.seq for op in ops if isinstance(op, Free))
             if self.tiers is not None:
                 self.tiers.give_back(report)
-            raise AllocatorError("allocator_refused", "the allocator refused this worker's step") from exc
+            raise AllocatorFault("allocator_refused", "the allocator refused this worker's step") from exc
         finally:
             waited = time.perf_counter() - t0
             batch.allocator_seconds += waited
