@@ -28,7 +28,7 @@ from worker.kv_pool import KVPool
 from worker.model.loaded import LoadedModel
 from worker.model.loader import resolve_dtype
 from worker.sim import WallClock
-from worker.tiers import HostTier, StoreMover, TierMeter
+from worker.tiers import HostMemory, StoreMover, TierMeter
 
 PROMPT_LOGITS_ROWS = 256  # prompt positions whose logits are computed at once (prompt logprobs)
 
@@ -65,9 +65,9 @@ class ModelRunner:
     # The tiers' byte movers on this device (the engine builds its tiers with them).
     store_mover = StoreMover
 
-    def host_tier(self, size_gib: float, meter: TierMeter) -> HostTier | None:
+    def host_tier(self, size_gib: float, meter: TierMeter) -> HostMemory | None:
         """The host tier `--kv-offloading-size GIB` asks for (None for 0), in this machine's memory."""
-        return HostTier.from_size(self.kv_pool, size_gib, meter=meter)
+        return HostMemory.from_size(self.kv_pool, size_gib, meter=meter)
 
     @torch.inference_mode()
     def apply_tiers(self, batch: Batch) -> None:

@@ -41,7 +41,7 @@ from worker.sim import (
     make_clock,
     next_token,
 )
-from worker.tiers import TierMeter, TimedHostTier, TimedStoreMover
+from worker.tiers import TierMeter, TimedHostMemory, TimedStoreMover
 
 # what `--kv-cache-memory` is on a simulated GPU when not given: vLLM's --gpu-memory-utilization default
 DEFAULT_SIM_KV_FRACTION = "0.9"
@@ -127,10 +127,10 @@ class SimRunner:
                          name, block_bytes)
 
     # ------------------------------------------------------------- tiers
-    def host_tier(self, size_gib: float, meter: TierMeter) -> TimedHostTier | None:
+    def host_tier(self, size_gib: float, meter: TierMeter) -> TimedHostMemory | None:
         """The host tier `--kv-offloading-size GIB` asks for (None for 0): its slots counted
         as on CUDA, no memory taken, so not bounded by this machine's memory."""
-        return TimedHostTier.from_size(self.kv_pool, size_gib, meter=meter, available_bytes=math.inf,
+        return TimedHostMemory.from_size(self.kv_pool, size_gib, meter=meter, available_bytes=math.inf,
                                        time=self._host_move)
 
     def store_mover(self, *args, **kw) -> TimedStoreMover:

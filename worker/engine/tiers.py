@@ -16,7 +16,7 @@ On a simulated device (`sim:`) the byte movers are the runner's timed ones
 order, behind the step in flight, so it comes after that step's forward pass
 and before its own just the same; no bytes move.
 
-Confirmations: a host save on the CPU is written when `HostTier.save`
+Confirmations: a host save on the CPU is written when `HostMemory.save`
 returns; on CUDA when its transfer's event is done (`take_report` polls); on
 `sim:` when the device stream has done it.
 A store save or load answers at once (`StoreMover`). `take_report` hands
@@ -58,7 +58,7 @@ from allocator_service.core.tiers import Moves, TierReport
 from worker.engine.step_plan import Batch
 from worker.kv_pool import KVPool
 from worker.metrics import TierMetrics, WorkerMetrics
-from worker.tiers import HostTier, KVLayout, StoreMover, StoreSeal, Transfer, open_store
+from worker.tiers import HostMemory, KVLayout, StoreMover, StoreSeal, Transfer, open_store
 
 __all__ = ["EngineTiers", "SwapStash", "swap_slots_for"]
 
@@ -84,7 +84,7 @@ class EngineTiers:
     store mover (`open_store`, or None), the swap slots, and the report of
     moves done not yet sent."""
 
-    def __init__(self, pool: KVPool, layout: KVLayout, host: HostTier | None, metrics: WorkerMetrics, *,
+    def __init__(self, pool: KVPool, layout: KVLayout, host: HostMemory | None, metrics: WorkerMetrics, *,
                  swap_slots: int = 0, store_mover: Callable[..., StoreMover] = StoreMover) -> None:
         self.pool = pool
         self._store_mover = store_mover  # the runner's: StoreMover, or a simulated device's TimedStoreMover
