@@ -32,7 +32,7 @@ from allocator_service.core.planner import after_append, after_unreserve
 from allocator_service.core.tiers import TierReport
 from worker.engine.health import AllocatorFault, AllocatorHealth
 from worker.engine.sequence import Sequence, Status
-from worker.engine.step_plan import Batch, Planned, ScheduledSeq, StepPlan
+from worker.engine.step_plan import Planned, ScheduledSeq, StepBatch, StepPlan
 from worker.engine.tiers import EngineTiers
 
 
@@ -58,7 +58,7 @@ class StepExchange:
     finish: Callable[[Sequence, str], None]
     _preempt: Callable[..., None]
 
-    def _apply_results(self, plan: StepPlan, results: StepAnswer | list[OpResult], batch: Batch) -> None:
+    def _apply_results(self, plan: StepPlan, results: StepAnswer | list[OpResult], batch: StepBatch) -> None:
         """Apply the allocator's answers: block tables, copies, admissions, refusals."""
         if self.tiers is not None and isinstance(results, StepAnswer):
             moves = results.moves
@@ -137,7 +137,7 @@ class StepExchange:
                 self.finish(seq, "error")
                 batch.failed.append(seq)
 
-    def _finished_answer(self, batch: Batch, seq: Sequence, p: Planned | None, r: OpResult,
+    def _finished_answer(self, batch: StepBatch, seq: Sequence, p: Planned | None, r: OpResult,
                          start: int = 0, known: int = 0) -> None:
         """An accepted operation of a sequence that finished (an abort) after
         its call was sent ahead: the tokens with known values it stored are
@@ -154,7 +154,7 @@ class StepExchange:
         if known > 0:  # (nothing sampled: it would be dropped)
             batch.entries.append(ScheduledSeq(seq, start, known, seq.block_table))
 
-    def _call(self, ops: list[Op], batch: Batch):
+    def _call(self, ops: list[Op], batch: StepBatch):
         report = self._report()
         return self._received(lambda: self._send(ops, report), batch, ops, report)
 
@@ -185,7 +185,7 @@ class StepExchange:
             health.answered()
             return results
 
-    def _received(self, answer: Callable[[], StepAnswer | list[OpResult]], batch: Batch, ops: list[Op],
+    def _received(self, answer: Callable[[], StepAnswer | list[OpResult]], batch: StepBatch, ops: list[Op],
                   report: TierReport | None = None):
         """The step's answer to `ops`, or None when the pool was lost (every
         running sequence is then preempted); a refusal becomes AllocatorFault.
@@ -221,7 +221,7 @@ class StepExchange:
             batch.allocator_seconds += waited
             self.allocator_wait_total += waited
 
-    def _computes(self, batch: Batch, seq: Sequence, p: Planned) -> None:
+    def _computes(self, batch: StepBatch, seq: Sequence, p: Planned) -> None:
         """A running sequence whose Append was accepted, or that needed none:
         this step computes its next `p.n` tokens with its table as it stands
         now, in slots it holds. None when its tokens were all computed (its
@@ -232,7 +232,7 @@ class StepExchange:
         if p.op is not None:
             seq.num_held, seq.num_reserved = p.held, p.reserved
 
-    def _admitted(self, batch: Batch, seq: Sequence, r: OpResult, reserve: int) -> None:
+    def _admitted(self, batch: StepBatch, seq: Sequence, r: OpResult, reserve: int) -> None:
         """Admitted: it holds its stored tokens and the `reserve` slots after them."""
         self.waiting.remove(seq)
         self.running.append(seq)

@@ -41,7 +41,7 @@ from worker.engine.config import EngineConfig
 from worker.engine.model_runner import ModelRunner, SampledToken
 from worker.engine.output_processor import OutputProcessor, RequestOutput
 from worker.engine.sampling import SamplingError, SamplingParams, make_generator
-from worker.engine.scheduler import Batch, Scheduler
+from worker.engine.scheduler import Scheduler, StepBatch
 from worker.engine.sequence import Sequence, Status, kv_in_use
 from worker.engine.sim_runner import SimRunner
 from worker.engine.tiers import EngineTiers, swap_slots_for
@@ -164,7 +164,7 @@ class LLMEngine:
         # each step is launched before the outputs of the one in flight are
         # processed (`_step`); that step and its batch until then.
         self.overlapped = self.runner.asynchronous and config.async_scheduling
-        self._launched: tuple[Batch, object] | None = None
+        self._launched: tuple[StepBatch, object] | None = None
 
     @property
     def health(self):
@@ -375,7 +375,7 @@ class LLMEngine:
         self.metrics.step_time.observe(clock.now() - c0)
         return outputs
 
-    def _run(self, batch: Batch, launched) -> list[RequestOutput]:
+    def _run(self, batch: StepBatch, launched) -> list[RequestOutput]:
         """Wait for a launched step's outputs, draw its tokens and turn them into outputs."""
         runner, host = self.runner, self.metrics.step_host
         runner.wait(launched)

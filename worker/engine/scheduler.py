@@ -41,10 +41,17 @@ from worker.engine.health import AllocatorHealth
 from worker.engine.lookahead import plan_appends, unreserve_ahead
 from worker.engine.reservation import reserved_slots
 from worker.engine.sequence import Sequence, Status
-from worker.engine.step_plan import Batch, InFlight, Planned, ScheduledSeq, StepPlan, priority_key
+from worker.engine.step_plan import (
+    InFlight,
+    Planned,
+    ScheduledSeq,
+    StepBatch,
+    StepPlan,
+    priority_key,
+)
 from worker.engine.tiers import EngineTiers
 
-__all__ = ["Batch", "ScheduledSeq", "Scheduler"]
+__all__ = ["StepBatch", "ScheduledSeq", "Scheduler"]
 
 
 class Scheduler(StepExchange):
@@ -151,7 +158,7 @@ class Scheduler(StepExchange):
                                       or inflight.plan.running or inflight.plan.admitting or inflight.plan.forks)))
 
     # ------------------------------------------------------------------ step
-    def schedule(self) -> Batch:
+    def schedule(self) -> StepBatch:
         """The step to compute now: the answer of the call sent ahead, or
         (none in flight) the step planned, sent in one allocator call and
         answered now."""
@@ -159,7 +166,7 @@ class Scheduler(StepExchange):
             inflight, self._inflight = self._inflight, None
             self._collect(inflight)
             return inflight.batch
-        batch = Batch()
+        batch = StepBatch()
         plan = self._plan(batch, frozenset())
         if not plan.ops and not self._report_due():  # nothing to send: computed in slots held already
             self._apply_results(plan, [], batch)
@@ -170,7 +177,7 @@ class Scheduler(StepExchange):
             self._apply_results(plan, results, batch)
         return batch
 
-    def schedule_ahead(self, running: Batch) -> bool:
+    def schedule_ahead(self, running: StepBatch) -> bool:
         """Async scheduling: plan the step after `running` (about to be
         computed) as if each sequence it samples has one more token, and send
         its call; `schedule` collects the answer after `running` sampled.
@@ -184,7 +191,7 @@ class Scheduler(StepExchange):
         sampling = [e.seq for e in running.entries if e.samples and not e.seq.is_finished]
         sampling += [c for s in sampling for c in s.unforked_samples()]
         ahead = [s for s in sampling if len(s.token_ids) < s.max_computed_tokens]
-        batch = Batch()
+        batch = StepBatch()
         plan = self._plan(batch, frozenset(ahead))
         if not plan.ops and not self._report_due():  # nothing to send: computed in slots held already
             future: Future = Future()
@@ -227,7 +234,7 @@ class Scheduler(StepExchange):
         if self._executor is not None:
             self._executor.shutdown(wait=True)
 
-    def _plan(self, batch: Batch, ahead: frozenset) -> StepPlan:
+    def _plan(self, batch: StepBatch, ahead: frozenset) -> StepPlan:
         """One step's operations, against the pool as they leave it (`PoolPlan`)."""
         call = self._call_needed(ahead)
         # The pool holds the tables of the sequences tracked here (finished
@@ -339,7 +346,7 @@ class Scheduler(StepExchange):
             at = self.running.index(parent) + 1 if parent in self.running else len(self.running)
             self.running.insert(at, child)
 
-    def _plan_running(self, plan: StepPlan, batch: Batch) -> None:
+    def _plan_running(self, plan: StepPlan, batch: StepBatch) -> None:
         """Give each running sequence its next tokens while the budget lasts,
         preempting the lowest-priority ones when blocks run short."""
         view = plan.view
@@ -428,7 +435,7 @@ class Scheduler(StepExchange):
             view.take_blocks(worst)
             plan.budget -= min(len(seq.token_ids), plan.budget)
 
-    def _preempt(self, batch: Batch, seq: Sequence, cause: str, plan: StepPlan | None = None) -> None:
+    def _preempt(self, batch: StepBatch, seq: Sequence, cause: str, plan: StepPlan | None = None) -> None:
         """Send `seq` back to the waiting queue; while planning, its Free
         joins this step (`plan`)."""
         if plan is not None:

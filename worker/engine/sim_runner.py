@@ -26,7 +26,7 @@ import torch
 from worker.engine.busy import BusyMeter
 from worker.engine.config import EngineConfig
 from worker.engine.model_runner import SampledToken
-from worker.engine.scheduler import Batch
+from worker.engine.scheduler import StepBatch
 from worker.engine.sequence import Sequence
 from worker.kv_pool import parse_memory
 from worker.model.loaded import LoadedModel
@@ -78,7 +78,7 @@ class SimKVPool:
 
 
 class Launched(NamedTuple):
-    batch: Batch
+    batch: StepBatch
     done: float  # when its outputs are ready, on the engine's clock
     cost: StepCost
 
@@ -137,7 +137,7 @@ class SimRunner:
         """The mover of the allocator's shared store (`StoreMover`'s arguments), timed."""
         return TimedStoreMover(*args, time=self._host_move, **kw)
 
-    def apply_tiers(self, batch: Batch) -> None:
+    def apply_tiers(self, batch: StepBatch) -> None:
         """Queue the step's tier moves and copy-on-write copies on the stream, in their
         order (worker/engine/tiers.py), before its forward pass."""
         self.tiers.apply(batch, self._copy)  # type: ignore[union-attr]
@@ -162,7 +162,7 @@ class SimRunner:
             self.busy.record(start, done)
         return done
 
-    def launch(self, batch: Batch) -> Launched:
+    def launch(self, batch: StepBatch) -> Launched:
         """Queue the step's time on the stream (after its copies); returns at once."""
         if batch.copies:  # copy-on-write (without tiers: `apply_tiers` queued them among the moves)
             self._copy(batch.copies)

@@ -1,4 +1,4 @@
-"""A scheduler step: what the model computes (`Batch`) and the plan it is made from (`StepPlan`)."""
+"""A scheduler step: what the model computes (`StepBatch`) and the plan it is made from (`StepPlan`)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ class ScheduledSeq:
 
 
 @dataclass(slots=True)
-class Batch:
+class StepBatch:
     entries: list[ScheduledSeq] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
@@ -115,6 +115,6 @@ class InFlight:
     """A call sent ahead: its plan, the batch it fills, its answer to come."""
 
     plan: StepPlan
-    batch: Batch
+    batch: StepBatch
     future: Future
     report: TierReport | None = None  # the tier report it carries (given back if it is refused)
