@@ -25,8 +25,8 @@ import logging
 import queue
 import threading
 import time
+from collections import abc
 from collections.abc import AsyncIterator
-from collections.abc import Sequence as Seq
 
 from worker.engine.health import AllocatorFault, EngineDeadError
 from worker.engine.llm_engine import LLMEngine, RequestError
@@ -57,7 +57,7 @@ class AsyncLLMEngine:
     # ------------------------------------------------------------- public
     async def generate(
         self,
-        prompt: str | Seq[int],
+        prompt: str | abc.Sequence[int],
         params: SamplingParams,
         request_id: str,
     ) -> AsyncIterator[RequestOutput]:

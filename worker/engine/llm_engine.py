@@ -23,8 +23,8 @@ import itertools
 import logging
 import time
 import uuid
+from collections import abc
 from collections.abc import Callable
-from collections.abc import Sequence as Seq
 
 import torch
 
@@ -200,7 +200,7 @@ class LLMEngine:
 
     def add_request(
         self,
-        prompt: str | Seq[int],
+        prompt: str | abc.Sequence[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> str:
@@ -440,8 +440,8 @@ class LLMEngine:
     # --------------------------------------------------------------- offline
     def generate(
         self,
-        prompts: Seq[str | Seq[int]],
-        params: SamplingParams | Seq[SamplingParams] | None = None,
+        prompts: abc.Sequence[str | abc.Sequence[int]],
+        params: SamplingParams | abc.Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in prompt order (sample 0
         of each: `generate_samples` gives all n)."""
@@ -449,8 +449,8 @@ class LLMEngine:
 
     def generate_samples(
         self,
-        prompts: Seq[str | Seq[int]],
-        params: SamplingParams | Seq[SamplingParams] | None = None,
+        prompts: abc.Sequence[str | abc.Sequence[int]],
+        params: SamplingParams | abc.Sequence[SamplingParams] | None = None,
     ) -> list[list[RequestOutput]]:
         """Run every prompt to completion; per prompt, its n samples' outputs by index."""
         if params is None or isinstance(params, SamplingParams):

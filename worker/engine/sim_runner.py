@@ -18,7 +18,7 @@ device and host memory at the GPU's host link (`Roofline.host_seconds`).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence as Seq
+from collections import abc
 from typing import NamedTuple
 
 import torch
@@ -71,7 +71,7 @@ class SimKVPool:
                 f"{self.num_kv_heads} kv heads x {self.head_dim} dim, {str(self.dtype).removeprefix('torch.')} "
                 f"on {self.device} (simulated: no tensors)")
 
-    def copy_blocks(self, copies: Seq[tuple[int, int]]) -> None:
+    def copy_blocks(self, copies: abc.Sequence[tuple[int, int]]) -> None:
         for src, dst in copies:
             if not (0 <= src < self.num_blocks and 0 <= dst < self.num_blocks):
                 raise IndexError(f"block copy {src}->{dst} outside pool of {self.num_blocks} blocks")
@@ -148,7 +148,7 @@ class SimRunner:
         seconds = self.roofline.host_seconds(nbytes)
         return seconds, StreamEvent(self.clock, self._queue(seconds))
 
-    def _copy(self, copies: Seq[tuple[int, int]]) -> None:
+    def _copy(self, copies: abc.Sequence[tuple[int, int]]) -> None:
         """Copy-on-write block copies on the device, queued."""
         self.kv_pool.copy_blocks(copies)
         self._queue(self.roofline.copy_seconds(len(copies) * self.kv_pool.block_bytes))
