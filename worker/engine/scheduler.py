@@ -361,26 +361,26 @@ class Scheduler(StepExchange):
             while True:
                 # (the allocator applies the appends in this order: a copy
                 # on write is counted against what precedes it)
-                taking = view.append(seq.block_table, seq.num_held, max(end, seq.num_held))
-                if taking.need <= view.free:
+                cost = view.append(seq.block_table, seq.num_held, max(end, seq.num_held))
+                if cost.need <= view.free:
                     break
                 if self._drop_flush(plan):
                     continue
-                if self._unreserve(plan, taking.need - view.free):
+                if self._unreserve(plan, cost.need - view.free):
                     continue  # other sequences' slots ahead made the room
                 victim = max(self.running, key=priority_key)
                 if victim in plan.running:  # give back what it was promised
                     given = plan.running.pop(victim)
                     plan.budget += given.n
-                    view.give_back(given.taking)
+                    view.give_back(given.cost)
                 self._preempt(batch, victim, OUT_OF_BLOCKS, plan)
                 if victim is seq:
                     break
             if seq.status is not Status.RUNNING:
                 continue
-            view.take(taking)
+            view.take(cost)
             known = max(0, min(end, len(seq.token_ids)) - seq.num_stored)
-            plan.running[seq] = Planned(n, taking, known, end > seq.num_held or taking.cow >= 0, end == last)
+            plan.running[seq] = Planned(n, cost, known, end > seq.num_held or cost.cow >= 0, end == last)
             plan.budget -= n
 
     def _drop_flush(self, plan: StepPlan) -> bool:

@@ -6,7 +6,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from allocator_service.core import Admit, Append, Fork, Op
-from allocator_service.core.planner import PoolPlan, Taking
+from allocator_service.core.planner import AppendCost, PoolPlan
 from allocator_service.core.tiers import Moves, TierReport
 from worker.engine.sequence import Sequence
 
@@ -60,7 +60,7 @@ class Planned:
     """A running sequence's part of a step in the making."""
 
     n: int  # tokens this step computes
-    taking: Taking  # what its Append takes from the pool (the view's answer)
+    cost: AppendCost  # what its Append takes from the pool (the view's answer)
     known: int  # of the `n` tokens, those whose values are known at planning
     must_call: bool  # it needs slots it does not hold (or a copy): the step makes a call
     samples: bool  # the `n` tokens reach its last one (counting the token the running step samples)
