@@ -153,7 +153,7 @@ class LLMEngine:
         )
         self.metrics.slots_ahead.set_function(self.scheduler.slots_ahead)  # summed at scrape time, not per step
         # The allocator away: the step is sent again until answered (a stall, not an error).
-        self.scheduler.on_stall = self.metrics.allocator_unavailable_seconds.inc
+        self.scheduler.calls.on_stall = self.metrics.allocator_unavailable_seconds.inc
         self.scheduler.tiers = tiers
         self.output_processor = OutputProcessor(loaded.tokenizer, loaded.eos_token_ids, self.max_model_len)
         self._seqs: dict[str, list[Sequence]] = {}  # request id -> its samples
@@ -169,7 +169,7 @@ class LLMEngine:
     @property
     def health(self):
         """Whether the allocator answers (AllocatorHealth: read from any thread)."""
-        return self.scheduler.health
+        return self.scheduler.calls.health
 
     def probe_allocator(self) -> None:
         """Ask the allocator for the pool's stats, to learn while idle whether it
@@ -324,7 +324,7 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         clock, scheduler, runner = self.clock, self.scheduler, self.runner
-        t0, c0, waited = time.perf_counter(), clock.now(), scheduler.allocator_wait_total
+        t0, c0, waited = time.perf_counter(), clock.now(), scheduler.calls.wait_total
         batch = scheduler.schedule()
         if batch.tiered:
             # Its tier moves, now: the step before it has computed (its
@@ -366,7 +366,7 @@ class LLMEngine:
             planning = time.perf_counter() - t0
             if batch.entries:
                 outputs += self._run(batch, runner.launch(batch))
-        waited = scheduler.allocator_wait_total - waited
+        waited = scheduler.calls.wait_total - waited
         host = self.metrics.step_host
         host["schedule"].observe(max(0.0, planning - waited))
         host["allocator_wait"].observe(waited)

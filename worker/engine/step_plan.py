@@ -5,7 +5,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from allocator_service.core import Admit, Append, Fork, Op
+from allocator_service.core import Admit, Append, Fork, Op, OpResult
 from allocator_service.core.planner import AppendCost, PoolPlan
 from allocator_service.core.tiers import Moves, TierReport
 from worker.engine.sequence import Sequence
@@ -53,6 +53,34 @@ class StepBatch:
     def tiered(self) -> bool:
         """Whether computing it moves bytes between tiers."""
         return self.moves is not None or bool(self.swap_out) or bool(self.swap_in)
+
+    def add_running(self, seq: Sequence, p: Planned) -> None:
+        """A running sequence whose Append was accepted, or that needed none:
+        this step computes its next `p.n` tokens with its table as it stands
+        now, in slots it holds. None when its tokens were all computed (its
+        last token is being sampled: it finishes with it)."""
+        if p.n:
+            self.entries.append(ScheduledSeq(seq, seq.num_stored, p.n, seq.block_table, p.samples))
+        seq.num_stored += p.n
+        if p.op is not None:
+            seq.num_held, seq.num_reserved = p.held, p.reserved
+
+    def add_finished(self, seq: Sequence, p: Planned | None, r: OpResult,
+                     start: int = 0, known: int = 0) -> None:
+        """An accepted operation of a sequence that finished (an abort) after
+        its call was sent ahead: the tokens with known values it stored are
+        computed all the same (the allocator may have hashed their blocks, so
+        another sequence could find them: a findable block holds real K/V);
+        what the step samples for it is dropped (`LLMEngine._run`)."""
+        if r.keep or r.append:
+            seq.block_table = [*seq.block_table[: r.keep], *r.append]
+        self.copies.extend(r.copies)
+        if p is not None:  # its Append (else an admission: `start`, `known`)
+            start, known = seq.num_stored, p.known
+            seq.num_stored += known
+            seq.num_held, seq.num_reserved = p.held, p.reserved
+        if known > 0:  # (nothing sampled: it would be dropped)
+            self.entries.append(ScheduledSeq(seq, start, known, seq.block_table))
 
 
 @dataclass(slots=True)
