@@ -31,7 +31,7 @@ class Limits:
     max_step_streams: int = 256
     # Slow reads (servicer.SLOTTED: block tables, stats, dumps, cache resets)
     # one pool may have in flight at once, so that one worker cannot hold every
-    # thread of the server's pool (`sharing.CallSlots`); past it RESOURCE_EXHAUSTED.
+    # thread of the server's pool (`fair_share.CallSlots`); past it RESOURCE_EXHAUSTED.
     max_calls_per_pool: int = 4
     # The same reads in flight over every pool together: the server's thread
     # pool holds this many threads for them beside the ones for short calls
@@ -62,7 +62,7 @@ class ServiceConfig:
     max_snapshot_bytes: int = 256 << 20
     # KV events kept for clients that reconnect to WatchEvents.
     event_retention: int = 65536
-    # The per-pool CPU fair share (`sharing.FairShare`): each pool's CPU use is
+    # The per-pool CPU fair share (`fair_share.FairShare`): each pool's CPU use is
     # counted over about this long; 0 turns the fair share off.
     fair_share_window_s: float = 0.1
     # Longest a call waits at once for a lighter pool's call to finish.

@@ -20,7 +20,7 @@ from collections.abc import Container, Sequence
 
 from allocator_service.core.errors import InvalidArgument
 from allocator_service.core.limits import MAX_TOKEN_ID
-from allocator_service.core.pacing import pace
+from allocator_service.core.pause_points import pace
 
 HASH_SCHEME = b"pagedkv/prefix-cache/v1"
 

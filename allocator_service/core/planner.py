@@ -88,7 +88,7 @@ def release(ref_cnt: MutableSequence[int] | Counter, table: Iterable[int]) -> li
 
 
 # ------------------------------------------------------------------ the view
-class Taking(NamedTuple):
+class AppendCost(NamedTuple):
     """What an Append of a sequence takes (`PoolPlan.append`)."""
 
     need: int  # blocks from the free queue, a copy on write included
@@ -133,12 +133,12 @@ class PoolPlan:
         """Blocks a table of `blocks` lacks to hold `slots` slots (0 when it has them)."""
         return max(0, blocks_for(slots, self.block_size) - blocks)
 
-    def append(self, table: Sequence[int], held: int, slots: int) -> Taking:
+    def append(self, table: Sequence[int], held: int, slots: int) -> AppendCost:
         """An Append that makes a sequence holding `held` slots in `table`
         hold `slots` (no fewer than it holds)."""
         new = slots - held if slots > held else 0
         need, cow = append_blocks(held, new, self.refs[table[-1]] if table else 0, self.block_size)
-        return Taking(need, table[-1] if cow else -1, len(table) + need - cow)
+        return AppendCost(need, table[-1] if cow else -1, len(table) + need - cow)
 
     def admit(self, num_tokens: int, num_new_tokens: int | None = None, hits: Sequence[int] = (),
               reserve: int = 0) -> int:
@@ -169,17 +169,17 @@ class PoolPlan:
         return end // self.block_size > start // self.block_size
 
     # ----------------------------------------------------- planned operations
-    def take(self, taking: Taking) -> None:
+    def take(self, cost: AppendCost) -> None:
         """An Append is planned (`append`'s answer)."""
-        self.free -= taking.need
-        if taking.cow >= 0:
-            self.refs[taking.cow] -= 1  # the shared block loses this holder
+        self.free -= cost.need
+        if cost.cow >= 0:
+            self.refs[cost.cow] -= 1  # the shared block loses this holder
 
-    def give_back(self, taking: Taking) -> None:
+    def give_back(self, cost: AppendCost) -> None:
         """Undo `take`: that Append is not sent after all."""
-        self.free += taking.need
-        if taking.cow >= 0:
-            self.refs[taking.cow] += 1
+        self.free += cost.need
+        if cost.cow >= 0:
+            self.refs[cost.cow] += 1
 
     def take_blocks(self, blocks: int) -> None:
         """Blocks planned out of the free queue (an admission, slots ahead)."""

@@ -30,7 +30,7 @@ import zlib
 from array import array
 from typing import Any
 
-from allocator_service.core.pacing import chunks, pace
+from allocator_service.core.pause_points import chunks, pace
 from allocator_service.core.sequence import Seq
 from allocator_service.core.state import PoolState
 

@@ -1,7 +1,7 @@
 """The KV tiers below a worker's KV pool: its host tier and the shared store.
 
 Tier 0 is the KV pool (`BlockPool`). Tier 1 is one worker's host tier
-(`HostTier`: slots `0..host_blocks-1` of its CPU memory). Tier 2 is the
+(`HostSlotIndex`: slots `0..host_blocks-1` of its CPU memory). Tier 2 is the
 store shared by the workers of one allocator (`SharedStore`, keyed by
 (layout, hash), capacity in bytes). The allocator decides every move and
 indexes every location; the worker moves the bytes and confirms them.
@@ -175,7 +175,7 @@ def _hex(key: bytes) -> str:
     return key.hex()
 
 
-class HostTier:
+class HostSlotIndex:
     """One worker's host tier: slots 0..capacity-1, an `LruTier` of
     hash -> slot, the free slots in hand-out order, and which hash each
     slot holds (how a confirmation by slot finds its entry)."""
@@ -196,7 +196,7 @@ class HostTier:
         }
 
     @classmethod
-    def from_state(cls, state: dict[str, Any]) -> HostTier:
+    def from_state(cls, state: dict[str, Any]) -> HostSlotIndex:
         t = cls(state["capacity"])
         t.free_slots = deque(state["free_slots"])
         for part, target in (("present", t.lru.present), ("pending", t.lru.pending)):
@@ -364,7 +364,7 @@ def _counts_from_state(cls: Any, counts: Mapping[str, int], keys: dict[str, str]
 
 
 class PoolTiers:
-    """One pool's tiers: its `HostTier` (None: no host tier), the
+    """One pool's tiers: its `HostSlotIndex` (None: no host tier), the
     `SharedStore` it uses (None: none), its store `namespace`
     (`store_namespace`), the store saves it has pending, and
     the moves issued since the last `take_moves`. `BlockPool` calls
@@ -375,7 +375,7 @@ class PoolTiers:
     __slots__ = ("host", "store", "namespace", "block_bytes", "store_pending", "stats", "_moves")
 
     def __init__(self, host_blocks: int, store: SharedStore | None, namespace: str, block_bytes: int) -> None:
-        self.host = HostTier(host_blocks) if host_blocks else None
+        self.host = HostSlotIndex(host_blocks) if host_blocks else None
         self.store = store
         self.namespace = namespace
         self.block_bytes = block_bytes
@@ -579,7 +579,7 @@ class PoolTiers:
 
     def restore(self, state: dict[str, Any]) -> None:
         if state["host"] is not None:
-            self.host = HostTier.from_state(state["host"])
+            self.host = HostSlotIndex.from_state(state["host"])
         self.store_pending = {bytes.fromhex(h): None for h in state["store_pending"]}
         self.stats = TierStats.from_state(state["counters"])
 

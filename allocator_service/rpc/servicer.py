@@ -20,10 +20,10 @@ import grpc
 
 from allocator_service.core.prefix_index import BLOCK_REMOVED, BLOCK_STORED
 from allocator_service.core.step import KINDS
+from allocator_service.fair_share import ROUTER
 from allocator_service.roles import ADMIN, caller_role
 from allocator_service.rpc import status
 from allocator_service.service import Advertised, AllocatorService, PoolRef
-from allocator_service.sharing import ROUTER
 from allocator_service.store.events import Event
 from allocator_service.wire.codec import (
     config_from_proto,
@@ -286,7 +286,7 @@ def _safe_parser(cls) -> Callable[[bytes], Any]:
 
 def _tenant(method: str) -> Callable[[Any], tuple[str, bool]] | None:
     """Who a unary call of `method` is charged to in the CPU fair share
-    (`sharing.py`), and whether it is a pool call; None: not scheduled.
+    (`fair_share.py`), and whether it is a pool call; None: not scheduled.
     A call is charged to the pool it names: one naming a pool without its
     credential is refused before any long work, so it can charge that pool
     only the cost of a refusal."""
@@ -303,7 +303,7 @@ def _tenant(method: str) -> Callable[[Any], tuple[str, bool]] | None:
 # A pool's calls that can take long (an integrity check, a dump of a large
 # pool) and that a worker makes beside its steps: at most
 # `Limits.max_calls_per_pool` of them in flight per pool and `Limits.max_slow_calls`
-# over every pool (`sharing.CallSlots`).
+# over every pool (`fair_share.CallSlots`).
 # Not Step (ordered by step ids, and the step stream's fallback), Heartbeat,
 # RegisterPool or DeregisterPool (short, and a refusal would cost the worker
 # its pool or its lease), nor an admin's or a router's calls (trusted roles).

@@ -23,14 +23,14 @@ from collections.abc import Callable
 from typing import Any
 
 from allocator_service.config import ServiceConfig
-from allocator_service.core.pacing import Unpaced
+from allocator_service.core.pause_points import Unpaced
+from allocator_service.fair_share import CallSlots, FairShare
 from allocator_service.leases import LeaseTable
 from allocator_service.service.changes import Changes
 from allocator_service.service.pools import Pools
 from allocator_service.service.reads import Reads
 from allocator_service.service.steps import Steps
 from allocator_service.service.streams import Streams
-from allocator_service.sharing import CallSlots, FairShare
 from allocator_service.store.durable import DurableState
 from allocator_service.store.events import EventLog
 from allocator_service.store.journal import MemoryJournal, RedisJournal

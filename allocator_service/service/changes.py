@@ -30,7 +30,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from allocator_service.core.pacing import Unpaced
+from allocator_service.core.pause_points import Unpaced
 from allocator_service.leases import LeaseTable
 from allocator_service.store.durable import DurableState
 from allocator_service.store.events import EventLog

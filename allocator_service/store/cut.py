@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from allocator_service.store.events import Batch
+from allocator_service.store.events import RecordEvents
 from allocator_service.store.registry import PoolEntry
 
 # Redis refuses a value (and a script argument) over 512 MB.
@@ -69,7 +69,7 @@ class Cut:
     index: int
     chain: bytes
     header: dict[str, Any]
-    marker: Batch  # numbered once every record up to `index` published its events
+    marker: RecordEvents  # numbered once every record up to `index` published its events
     entries: list[PoolEntry]
     generation: int
     hint: int  # journal entries the snapshot includes, if nothing was missed

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 from allocator_service.config import ServiceConfig
-from allocator_service.core.pacing import Unpaced
+from allocator_service.core.pause_points import Unpaced
 from allocator_service.leases import LeaseTable
 from allocator_service.store.cut import REDIS_MAX_VALUE_BYTES, SNAPSHOT_TOO_LARGE, Cut, over_share
 from allocator_service.store.events import EventLog

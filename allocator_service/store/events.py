@@ -2,7 +2,7 @@
 
 Events are numbered in the order of the journal records that caused them,
 so the same journal gives the same numbers after a restart. Each record
-gets a `Batch` when it takes its place in the global order (`begin`, under
+gets a `RecordEvents` when it takes its place in the global order (`begin`, under
 the service's mutation lock); its events collect there without any locking
 while the record is applied, possibly under its pool's lock only and at the
 same time as another pool's record; `finish` numbers and publishes every
@@ -44,7 +44,7 @@ POOL_REGISTERED = "pool_registered"
 POOL_DROPPED = "pool_dropped"
 
 
-class Batch:
+class RecordEvents:
     """The events of one journal record, unnumbered until `EventLog.finish`."""
 
     __slots__ = ("events", "done", "end")
@@ -78,20 +78,20 @@ class EventLog:
         self._starts: deque[int] = deque()
         self._batches: deque[list[tuple]] = deque()
         self._first = 1  # the oldest retained event's number (= _published when none is)
-        self._queue: deque[Batch] = deque()  # begun, in record order, not yet numbered
+        self._queue: deque[RecordEvents] = deque()  # begun, in record order, not yet numbered
         self._cond = threading.Condition(threading.Lock())
         self.next_sequence = 1  # the number the next numbered event gets
         self._published = 1  # readers see events below this number
         self.closed = False
 
-    def begin(self) -> Batch:
+    def begin(self) -> RecordEvents:
         """The batch of the next record (the caller keeps records in order)."""
-        batch = Batch()
+        batch = RecordEvents()
         with self._cond:
             self._queue.append(batch)
         return batch
 
-    def finish(self, batch: Batch) -> None:
+    def finish(self, batch: RecordEvents) -> None:
         """`batch` is complete: number and publish every complete batch at the
         head of the queue (this one too once those before it are done)."""
         with self._cond:
@@ -120,7 +120,7 @@ class EventLog:
             starts.popleft()
             batches.popleft()
 
-    def numbered(self, batch: Batch, timeout: float) -> int | None:
+    def numbered(self, batch: RecordEvents, timeout: float) -> int | None:
         """The number after `batch`'s last event, once it is numbered (waits
         up to `timeout` s for the batches before it; None if they are not)."""
         with self._cond:

@@ -32,7 +32,7 @@ from typing import Any
 from allocator_service.core import BlockPool, PoolConfig, StepColumns, run_step
 from allocator_service.core.snapshot import dumps_chunked, to_packed
 from allocator_service.core.tiers import SharedStore
-from allocator_service.store.events import POOL_DROPPED, POOL_REGISTERED, Batch, EventLog
+from allocator_service.store.events import POOL_DROPPED, POOL_REGISTERED, EventLog, RecordEvents
 from allocator_service.wire.codec import columns_from_proto, config_from_proto, result_to_proto
 from allocator_service.wire.v1 import allocator_pb2 as pb
 from allocator_service.wire.v1 import journal_pb2 as jpb
@@ -51,7 +51,7 @@ class _Sink:
 
     def __init__(self, pool_id: str) -> None:
         self.pool_id = pool_id
-        self.batch: Batch | None = None
+        self.batch: RecordEvents | None = None
 
     def __call__(self, kind: str, block: int, block_hash: bytes | None) -> None:
         self.batch.add(kind, self.pool_id, block, block_hash)
@@ -159,14 +159,14 @@ class Registry:
             self.epoch_floor = max(self.epoch_floor, self.epochs.pop(oldest))
 
     # ----------------------------------------------------------- changes
-    def advance(self) -> Batch:
+    def advance(self) -> RecordEvents:
         """The next record's place in the global order: its index and the
         batch its events go to (finish it with `events.finish`)."""
         self.index += 1
         return self.events.begin()
 
     def register(self, worker_id: str, epoch: int, config: PoolConfig, credential_digest: bytes,
-                 batch: Batch, pool: tuple[BlockPool, _Sink] | None = None, *,
+                 batch: RecordEvents, pool: tuple[BlockPool, _Sink] | None = None, *,
                  advertise_url: str = "", served_model_name: str = "", protocol_version: int = 0) -> PoolEntry:
         """`pool`: built beforehand by `new_pool` (it may be large), else here."""
         old = self.current.get(worker_id)
@@ -189,7 +189,7 @@ class Registry:
                   advertise_url=advertise_url, served_model_name=served_model_name)
         return entry
 
-    def apply_step(self, entry: PoolEntry, batch: Batch, step_id: int, digest: bytes,
+    def apply_step(self, entry: PoolEntry, batch: RecordEvents, step_id: int, digest: bytes,
                    step: StepColumns) -> pb.StepResponse:
         """Apply validated operations (`service.steps.check_step`) to the pool."""
         entry.sink.batch = batch
@@ -202,7 +202,7 @@ class Registry:
         entry.last_response = response
         return response
 
-    def drop(self, pool_id: str, reason: str, batch: Batch) -> None:
+    def drop(self, pool_id: str, reason: str, batch: RecordEvents) -> None:
         self._drop(pool_id, reason, batch)
 
     def drop_record(self, pool_id: str, reason: str) -> None:
@@ -214,7 +214,7 @@ class Registry:
         finally:
             self.events.finish(batch)
 
-    def _drop(self, pool_id: str, reason: str, batch: Batch) -> None:
+    def _drop(self, pool_id: str, reason: str, batch: RecordEvents) -> None:
         entry = self.pools.pop(pool_id)
         entry.pool.drop_store_pending()  # its worker will never confirm them
         if self.current.get(entry.worker_id) == pool_id:
@@ -222,7 +222,7 @@ class Registry:
             self._idle(entry.worker_id)
         batch.add(POOL_DROPPED, pool_id, reason=reason)
 
-    def apply_reset(self, entry: PoolEntry, batch: Batch) -> int:
+    def apply_reset(self, entry: PoolEntry, batch: RecordEvents) -> int:
         entry.sink.batch = batch
         try:
             return entry.pool.reset_prefix_cache()

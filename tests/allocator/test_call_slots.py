@@ -1,5 +1,5 @@
 """One worker cannot hold every server thread: a pool may have at most
-`Limits.max_calls_per_pool` unary calls in flight (`sharing.CallSlots`); one
+`Limits.max_calls_per_pool` unary calls in flight (`fair_share.CallSlots`); one
 more is refused at once (RESOURCE_EXHAUSTED, `pool_calls`), while other
 pools, heartbeats and the pool's own step stream go on. A real gRPC server
 in this process, whose handling of one pool's GetPoolStats is held open."""
@@ -20,9 +20,9 @@ from allocator_service.client.grpc_client import GrpcAllocator
 from allocator_service.client.transport import error_reason
 from allocator_service.config import Limits, ServiceConfig
 from allocator_service.core import Admit, PoolConfig
+from allocator_service.fair_share import CallSlots
 from allocator_service.rpc.server import create_server
 from allocator_service.service import AllocatorService
-from allocator_service.sharing import CallSlots
 from allocator_service.wire.codec import encode_ops
 from allocator_service.wire.errors import TooManyCalls
 from allocator_service.wire.v1 import allocator_pb2 as pb

@@ -1,4 +1,4 @@
-"""The per-pool CPU fair share (`allocator_service/sharing.py`): a pool that
+"""The per-pool CPU fair share (`allocator_service/fair_share.py`): a pool that
 used more CPU waits for a lighter pool's call, and over its share while pools
 contend; it is delayed, never refused, and its answers do not change. The
 core's long loops reach their pause points and give the same results with a
@@ -18,9 +18,9 @@ from allocator_service.client import EmbeddedAllocator, PoolSpec
 from allocator_service.client.grpc_client import GrpcAllocator
 from allocator_service.core import Admit, BlockPool, Fork, Free, PoolConfig
 from allocator_service.core.hashing import chain_hashes, root_hash
-from allocator_service.core.pacing import Unpaced, pace, pacing
+from allocator_service.core.pause_points import Unpaced, pace, pacing
 from allocator_service.core.snapshot import dumps_chunked
-from allocator_service.sharing import FairShare
+from allocator_service.fair_share import FairShare
 from tests.support.allocator import as_json, random_steps
 
 

@@ -126,23 +126,23 @@ class PlannerMachine(RuleBasedStateMachine):
         reserve = data.draw(st.sampled_from([0, 0, 1, 2, 5]))
         target, reserved = after_append(k.held, k.reserved, len(values), reserve)
         assert reserve_for(k.held, k.reserved, len(values), target) == reserve
-        taking = plan.append(k.table, k.held, target)
+        cost = plan.append(k.table, k.held, target)
         valued = k.held - k.reserved
         self.stored.clear()
-        if taking.need > plan.free:
+        if cost.need > plan.free:
             with pytest.raises(OutOfBlocks):
                 self.pool.append(sid, values, reserve)
             assert self.pool.block_table(sid) == k.table and self.pool.num_tokens(sid) == k.held
             return
         r, freed = self._apply(self.pool.append, sid, values, reserve)
-        assert -freed == taking.need == len(r.new_blocks)
-        assert r.copies == ([(taking.cow, r.new_blocks[0])] if taking.cow >= 0 else [])
+        assert -freed == cost.need == len(r.new_blocks)
+        assert r.copies == ([(cost.cow, r.new_blocks[0])] if cost.cow >= 0 else [])
         table = self.pool.block_table(sid)
-        assert len(table) == taking.blocks and table[: r.keep] == k.table[: r.keep]
+        assert len(table) == cost.blocks and table[: r.keep] == k.table[: r.keep]
         assert self.pool.num_tokens(sid) == target
         if self.caching:  # a block whose last slot gets its value is hashed (findable)
             assert bool(self.stored) == plan.completes_block(valued, valued + len(values))
-        plan.take(taking)
+        plan.take(cost)
         plan.hold(r.new_blocks)
         k.table, k.held, k.reserved = table, target, reserved
 

@@ -1,6 +1,6 @@
 """The engine stalls, never fails, while the allocator does not answer.
 
-`Scheduler._call` sends a step that raised `AllocatorUnavailable` again, the
+`StepCalls.send` sends a step that raised `AllocatorUnavailable` again, the
 same operations, until it is answered, and `GrpcAllocator` reuses the step id
 of an unanswered step, so the server (which applies a step id once) never
 applies it twice. Here the engine runs in this process against a REAL
@@ -82,7 +82,7 @@ def test_scheduler_resends_the_same_step_until_answered(tiny, prompts, reference
     spec = PoolSpec("flaky", PoolConfig(CONFIG["num_blocks"], 4, True, tiny.fingerprint))
     flaky = Flaky(spec)
     engine = LLMEngine(tiny, EngineConfig(**CONFIG), allocator=flaky)
-    engine.scheduler.stall_backoff_s = (0.001, 0.002)
+    engine.scheduler.calls.stall_backoff_s = (0.001, 0.002)
     assert drain(engine, prompts) == reference
     assert engine.num_preemptions > 0
     # every failed attempt was followed by the very same operations
@@ -120,9 +120,9 @@ def test_frozen_then_killed_allocator_with_redis_state(tiny, prompts, reference,
         client.accepted = []
         engine = LLMEngine(tiny, EngineConfig(**CONFIG), allocator=client)
         holder["engine"] = engine
-        engine.scheduler.stall_backoff_s = (0.02, 0.2)
+        engine.scheduler.calls.stall_backoff_s = (0.02, 0.2)
         stalls: list[float] = []
-        engine.scheduler.on_stall = stalls.append  # the scheduler's own loop re-sent a step
+        engine.scheduler.calls.on_stall = stalls.append  # the scheduler's own loop re-sent a step
         done = threading.Event()
         faults: list[str] = []
 

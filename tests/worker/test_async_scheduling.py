@@ -13,7 +13,7 @@ import pytest
 from allocator_service.client import EmbeddedAllocator, PoolSpec
 from allocator_service.core import Free, PoolConfig
 from tests.worker.test_engine import make, prompts_mixed
-from worker.engine import AllocatorError, EngineConfig, LLMEngine, SamplingParams
+from worker.engine import AllocatorFault, EngineConfig, LLMEngine, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 
@@ -250,7 +250,7 @@ def test_a_refused_step_loses_none_of_its_frees(tiny, synchronous, nth, on, look
     while engine.has_unfinished():
         try:
             engine.step()
-        except AllocatorError:
+        except AllocatorFault:
             failed += 1
             for rid in ids:  # what the server's engine loop does (worker/engine/async_engine.py)
                 engine.abort(rid)
@@ -299,7 +299,7 @@ def test_an_allocator_that_keeps_refusing_leaves_the_engine_idle(tiny, synchrono
         assert steps < 50, "the engine keeps stepping against an allocator that refuses"
         try:
             engine.step()
-        except AllocatorError:
+        except AllocatorFault:
             for rid in ids:
                 engine.abort(rid)
     calls = allocator.calls

@@ -30,7 +30,7 @@ from worker.kv_pool import KVPool
 from worker.metrics import WorkerMetrics
 from worker.tiers import (
     REFUSAL_REASONS,
-    HostTier,
+    HostMemory,
     KVLayout,
     LoadOutcome,
     Refused,
@@ -143,7 +143,7 @@ def test_the_layout_key_is_the_same_in_another_process():
 def test_kv_to_host_to_kv_gives_the_same_bytes(dtype):
     pool = make_pool(dtype)
     metrics = new_metrics()
-    host = HostTier(pool, 6, meter=metrics.tier("host"))
+    host = HostMemory(pool, 6, meter=metrics.tier("host"))
     saved = {b: block_bytes(pool, b) for b in range(pool.num_blocks)}
     # one batch: a run of slots (3, 4, 5) and single ones, in any order
     host.save([7, 2, 9, 0, 5], [3, 4, 5, 0, 2]).synchronize()
@@ -174,7 +174,7 @@ def test_host_moves_match_a_model_of_slots_and_blocks(moves):
     """Any sequence of batched saves and loads leaves every KV block and every
     written slot holding what a dict of payloads says, and no other byte changes."""
     pool = make_pool(torch.float16, seed=3)
-    host = HostTier(pool, 5)
+    host = HostMemory(pool, 5)
     blocks = {b: block_bytes(pool, b) for b in range(pool.num_blocks)}
     slots: dict[int, bytes] = {}
     for is_save, pairs in moves:
@@ -192,7 +192,7 @@ def test_host_moves_match_a_model_of_slots_and_blocks(moves):
 
 def test_host_moves_refuse_bad_ids_and_touch_nothing():
     pool = make_pool()
-    host = HostTier(pool, 4)
+    host = HostMemory(pool, 4)
     before = [block_bytes(pool, b) for b in range(pool.num_blocks)]
     with pytest.raises(ValueError, match="host slot 4 outside 0..3"):
         host.save([1], [4])
@@ -218,10 +218,10 @@ def test_the_offloading_size_in_gib_gives_slots_or_a_one_line_error():
             host_slots_for_size(size, 1024**2, available_bytes=2 * 1024**3)
         assert "\n" not in str(err.value) and "--kv-offloading-size" in str(err.value)
     with pytest.raises(ValueError, match="more than the memory available"):  # the machine's MemAvailable
-        HostTier.from_size(make_pool(), 1e6)
+        HostMemory.from_size(make_pool(), 1e6)
     pool = make_pool()
-    assert HostTier.from_size(pool, 0) is None
-    tier = HostTier.from_size(pool, 1 / 1024, available_bytes=1024**3)  # 1 MiB
+    assert HostMemory.from_size(pool, 0) is None
+    tier = HostMemory.from_size(pool, 1 / 1024, available_bytes=1024**3)  # 1 MiB
     assert tier is not None and tier.num_slots == 1024**2 // tier.block_bytes
 
 
@@ -334,7 +334,7 @@ def test_kv_to_store_to_kv_gives_the_same_bytes(store, dtype):
     pool = make_pool(dtype)
     layout = KVLayout.of_pool(pool, fingerprint())
     metrics = new_metrics()
-    host = HostTier(pool, 4)
+    host = HostMemory(pool, 4)
     mover = StoreMover(store, layout, pool, host=host, meter=metrics.tier("shared"))
     saved = {b: block_bytes(pool, b) for b in range(pool.num_blocks)}
     hs = hashes(6, layout.key)
@@ -522,7 +522,7 @@ def test_a_redis_store_killed_mid_run_degrades_to_misses(caplog):
 def test_cuda_host_tier_is_pinned_and_copies_on_a_side_stream(tmp_path):
     pool = make_pool(torch.bfloat16, device="cuda")
     metrics = new_metrics()
-    host = HostTier(pool, 6, meter=metrics.tier("host"))
+    host = HostMemory(pool, 6, meter=metrics.tier("host"))
     assert host.pinned and host.cuda
     saved = {b: block_bytes(pool, b) for b in range(pool.num_blocks)}
     transfer = host.save([7, 2, 9, 0], [3, 4, 5, 0])

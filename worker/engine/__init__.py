@@ -2,9 +2,9 @@
 
 from worker.engine.async_engine import AsyncLLMEngine
 from worker.engine.config import EngineConfig
-from worker.engine.health import AllocatorError, EngineDeadError
+from worker.engine.health import AllocatorFault, EngineDeadError
 from worker.engine.llm_engine import LLMEngine, RequestError
 from worker.engine.output_processor import RequestOutput
 from worker.engine.sampling import SamplingError, SamplingParams
 
-__all__ = ["AllocatorError", "AsyncLLMEngine", "EngineConfig", "EngineDeadError", "LLMEngine", "RequestError", "RequestOutput", "SamplingError", "SamplingParams"]
+__all__ = ["AllocatorFault", "AsyncLLMEngine", "EngineConfig", "EngineDeadError", "LLMEngine", "RequestError", "RequestOutput", "SamplingError", "SamplingParams"]

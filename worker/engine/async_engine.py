@@ -9,7 +9,7 @@ next step.
 
 The allocator away: the engine thread keeps sending the same step until it is
 answered (so everything the allocator accepted is computed), while a watchdog
-thread fails every request in flight with `AllocatorError` once the allocator
+thread fails every request in flight with `AllocatorFault` once the allocator
 has not answered for `allocator_give_up_after_s`; new requests are refused the
 same way until it answers again. While idle, the engine thread probes a remote
 allocator, so `problem()` (GET /health) is true without traffic too.
@@ -25,10 +25,10 @@ import logging
 import queue
 import threading
 import time
+from collections import abc
 from collections.abc import AsyncIterator
-from collections.abc import Sequence as Seq
 
-from worker.engine.health import AllocatorError, EngineDeadError
+from worker.engine.health import AllocatorFault, EngineDeadError
 from worker.engine.llm_engine import LLMEngine, RequestError
 from worker.engine.output_processor import RequestOutput
 from worker.engine.sampling import SamplingParams
@@ -57,7 +57,7 @@ class AsyncLLMEngine:
     # ------------------------------------------------------------- public
     async def generate(
         self,
-        prompt: str | Seq[int],
+        prompt: str | abc.Sequence[int],
         params: SamplingParams,
         request_id: str,
     ) -> AsyncIterator[RequestOutput]:
@@ -77,7 +77,7 @@ class AsyncLLMEngine:
                 self._streams.pop(request_id, None)
             raise EngineDeadError(str(self._died))
         # A refusal (RequestError) comes through the queue like an output, as
-        # does AllocatorError if the watchdog gives up first.
+        # does AllocatorFault if the watchdog gives up first.
         self._inbox.put(("add", request_id, prompt, params))
         try:
             while True:
@@ -100,28 +100,28 @@ class AsyncLLMEngine:
         """Why the engine thread is gone (an error it could not survive), or None."""
         return self._died
 
-    def problem(self) -> AllocatorError | None:
+    def problem(self) -> AllocatorFault | None:
         """Why this worker cannot serve now (GET /health says 503), or None:
         the allocator refused its last call (the pool is lost to this worker)
         or has not answered for `unhealthy_after_s`."""
         health = self.engine.health
         refusal = health.refusal
         if refusal is not None:
-            error = AllocatorError("allocator_refused", "the KV-cache allocator refused this worker's pool")
+            error = AllocatorFault("allocator_refused", "the KV-cache allocator refused this worker's pool")
             error.__cause__ = refusal
             return error
         return self._unreachable(self.unhealthy_after_s)
 
-    def gave_up(self) -> AllocatorError | None:
+    def gave_up(self) -> AllocatorFault | None:
         """The error for requests while the allocator has not answered for
         `give_up_after_s`, else None."""
         return self._unreachable(self.give_up_after_s)
 
-    def _unreachable(self, after_s: float) -> AllocatorError | None:
+    def _unreachable(self, after_s: float) -> AllocatorFault | None:
         seconds = self.engine.health.unreachable_for()
         if seconds < after_s:
             return None
-        return AllocatorError("allocator_unreachable",
+        return AllocatorFault("allocator_unreachable",
                               f"the KV-cache allocator has not answered for {seconds:.0f} s", seconds)
 
     def shutdown(self) -> None:
@@ -208,7 +208,7 @@ class AsyncLLMEngine:
             except Exception as exc:  # noqa: BLE001 - fail the requests, keep serving
                 log.exception("engine step failed")
                 self.last_error = repr(exc)
-                error = exc if isinstance(exc, AllocatorError) else RuntimeError(f"engine step failed: {exc}")
+                error = exc if isinstance(exc, AllocatorFault) else RuntimeError(f"engine step failed: {exc}")
                 with self._lock:
                     rids = list(self._streams)
                 for rid in rids:

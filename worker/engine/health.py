@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 
 
-class AllocatorError(RuntimeError):
+class AllocatorFault(RuntimeError):
     """A request failed because of the allocator, not because of itself.
 
     `reason` is `"allocator_unreachable"` (no answer for `seconds`, past the

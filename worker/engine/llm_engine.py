@@ -23,8 +23,8 @@ import itertools
 import logging
 import time
 import uuid
+from collections import abc
 from collections.abc import Callable
-from collections.abc import Sequence as Seq
 
 import torch
 
@@ -41,7 +41,7 @@ from worker.engine.config import EngineConfig
 from worker.engine.model_runner import ModelRunner, SampledToken
 from worker.engine.output_processor import OutputProcessor, RequestOutput
 from worker.engine.sampling import SamplingError, SamplingParams, make_generator
-from worker.engine.scheduler import Batch, Scheduler
+from worker.engine.scheduler import Scheduler, StepBatch
 from worker.engine.sequence import Sequence, Status, kv_in_use
 from worker.engine.sim_runner import SimRunner
 from worker.engine.tiers import EngineTiers, swap_slots_for
@@ -154,7 +154,7 @@ class LLMEngine:
         )
         self.metrics.slots_ahead.set_function(self.scheduler.slots_ahead)  # summed at scrape time, not per step
         # The allocator away: the step is sent again until answered (a stall, not an error).
-        self.scheduler.on_stall = self.metrics.allocator_unavailable_seconds.inc
+        self.scheduler.calls.on_stall = self.metrics.allocator_unavailable_seconds.inc
         self.scheduler.tiers = tiers
         self.output_processor = OutputProcessor(loaded.tokenizer, loaded.eos_token_ids, self.max_model_len)
         self._seqs: dict[str, list[Sequence]] = {}  # request id -> its samples
@@ -165,12 +165,12 @@ class LLMEngine:
         # each step is launched before the outputs of the one in flight are
         # processed (`_step`); that step and its batch until then.
         self.overlapped = self.runner.asynchronous and config.async_scheduling
-        self._launched: tuple[Batch, object] | None = None
+        self._launched: tuple[StepBatch, object] | None = None
 
     @property
     def health(self):
         """Whether the allocator answers (AllocatorHealth: read from any thread)."""
-        return self.scheduler.health
+        return self.scheduler.calls.health
 
     def probe_allocator(self) -> None:
         """Ask the allocator for the pool's stats, to learn while idle whether it
@@ -201,7 +201,7 @@ class LLMEngine:
 
     def add_request(
         self,
-        prompt: str | Seq[int],
+        prompt: str | abc.Sequence[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> str:
@@ -325,7 +325,7 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         clock, scheduler, runner = self.clock, self.scheduler, self.runner
-        t0, c0, waited = time.perf_counter(), clock.now(), scheduler.allocator_wait_total
+        t0, c0, waited = time.perf_counter(), clock.now(), scheduler.calls.wait_total
         batch = scheduler.schedule()
         if batch.tiered:
             # Its tier moves, now: the step before it has computed (its
@@ -367,7 +367,7 @@ class LLMEngine:
             planning = time.perf_counter() - t0
             if batch.entries:
                 outputs += self._run(batch, runner.launch(batch))
-        waited = scheduler.allocator_wait_total - waited
+        waited = scheduler.calls.wait_total - waited
         host = self.metrics.step_host
         host["schedule"].observe(max(0.0, planning - waited))
         host["allocator_wait"].observe(waited)
@@ -376,7 +376,7 @@ class LLMEngine:
         self.metrics.step_time.observe(clock.now() - c0)
         return outputs
 
-    def _run(self, batch: Batch, launched) -> list[RequestOutput]:
+    def _run(self, batch: StepBatch, launched) -> list[RequestOutput]:
         """Wait for a launched step's outputs, draw its tokens and turn them into outputs."""
         runner, host = self.runner, self.metrics.step_host
         runner.wait(launched)
@@ -441,8 +441,8 @@ class LLMEngine:
     # --------------------------------------------------------------- offline
     def generate(
         self,
-        prompts: Seq[str | Seq[int]],
-        params: SamplingParams | Seq[SamplingParams] | None = None,
+        prompts: abc.Sequence[str | abc.Sequence[int]],
+        params: SamplingParams | abc.Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in prompt order (sample 0
         of each: `generate_samples` gives all n)."""
@@ -450,8 +450,8 @@ class LLMEngine:
 
     def generate_samples(
         self,
-        prompts: Seq[str | Seq[int]],
-        params: SamplingParams | Seq[SamplingParams] | None = None,
+        prompts: abc.Sequence[str | abc.Sequence[int]],
+        params: SamplingParams | abc.Sequence[SamplingParams] | None = None,
     ) -> list[list[RequestOutput]]:
         """Run every prompt to completion; per prompt, its n samples' outputs by index."""
         if params is None or isinstance(params, SamplingParams):

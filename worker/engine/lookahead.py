@@ -46,7 +46,7 @@ def plan_appends(plan: StepPlan, running: list[Sequence], lookahead: int, waterm
                 and not any(c.fork_parent is seq and not c.is_finished for c in seq.children)):
             # never past what the request can still compute
             wants[seq] = min(end + lookahead, seq.max_computed_tokens)
-    extra_total = sum(view.short_of(plan.running[seq].taking.blocks, want) for seq, want in wants.items())
+    extra_total = sum(view.short_of(plan.running[seq].cost.blocks, want) for seq, want in wants.items())
     fits = bool(wants) and not plan.short and extra_total <= (
         view.free - watermark - blocks_to_come(plan, running) - plan.queued)
     for seq, p in plan.running.items():
@@ -62,7 +62,7 @@ def plan_appends(plan: StepPlan, running: list[Sequence], lookahead: int, waterm
         else:
             target = max(end, held)
             if seq in wants:
-                want, blocks = wants[seq], p.taking.blocks
+                want, blocks = wants[seq], p.cost.blocks
                 if fits:
                     view.take_blocks(view.short_of(blocks, want))
                     target = max(target, want)
@@ -84,7 +84,7 @@ def blocks_to_come(plan: StepPlan, running: list[Sequence]) -> int:
     total = 0
     for seq in running:
         p = plan.running.get(seq)
-        blocks = p.taking.blocks if p is not None else len(seq.block_table)
+        blocks = p.cost.blocks if p is not None else len(seq.block_table)
         total += max(1, plan.view.short_of(blocks, len(seq.token_ids) + 1))
     return total
 

@@ -21,7 +21,7 @@ import torch
 from worker.attention import AttentionMetadata, check_kv_dtype
 from worker.engine.config import EngineConfig
 from worker.engine.sampling import Logprobs, logprobs_of, sample
-from worker.engine.scheduler import Batch, ScheduledSeq
+from worker.engine.scheduler import ScheduledSeq, StepBatch
 from worker.engine.sequence import Sequence
 from worker.engine.tiers import EngineTiers
 from worker.kv_bytes import kv_cache_element
@@ -29,7 +29,7 @@ from worker.kv_pool import KVPool
 from worker.model.loaded import LoadedModel
 from worker.model.loader import resolve_dtype
 from worker.sim import WallClock
-from worker.tiers import HostTier, StoreMover, TierMeter
+from worker.tiers import HostMemory, StoreMover, TierMeter
 
 PROMPT_LOGITS_ROWS = 256  # prompt positions whose logits are computed at once (prompt logprobs)
 
@@ -71,18 +71,18 @@ class ModelRunner:
     # The tiers' byte movers on this device (the engine builds its tiers with them).
     store_mover = StoreMover
 
-    def host_tier(self, size_gib: float, meter: TierMeter) -> HostTier | None:
+    def host_tier(self, size_gib: float, meter: TierMeter) -> HostMemory | None:
         """The host tier `--kv-offloading-size GIB` asks for (None for 0), in this machine's memory."""
-        return HostTier.from_size(self.kv_pool, size_gib, meter=meter)
+        return HostMemory.from_size(self.kv_pool, size_gib, meter=meter)
 
     @torch.inference_mode()
-    def apply_tiers(self, batch: Batch) -> None:
+    def apply_tiers(self, batch: StepBatch) -> None:
         """Apply the step's tier moves, and its copy-on-write copies among
         them (worker/engine/tiers.py), once the step before it computed."""
         self.tiers.apply(batch, self.kv_pool.copy_blocks)  # type: ignore[union-attr]
         batch.copies = []
 
-    def launch(self, batch: Batch) -> list[SampledToken]:
+    def launch(self, batch: StepBatch) -> list[SampledToken]:
         """Compute the step (`execute`); its device time goes to `busy`: on CUDA
         between two events around it, elsewhere the call's own time."""
         cuda = self.device.type == "cuda"
@@ -107,7 +107,7 @@ class ModelRunner:
         return launched
 
     @torch.inference_mode()
-    def execute(self, batch: Batch) -> list[SampledToken]:
+    def execute(self, batch: StepBatch) -> list[SampledToken]:
         """Compute the K/V of every scheduled token; one sampled token per
         sequence that reached its last known token."""
         if batch.copies:

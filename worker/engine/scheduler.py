@@ -18,36 +18,40 @@ the prefix cache can find always holds real K/V.
 Async scheduling plans step N+1 and sends its call (`schedule_ahead`)
 before step N's forward pass, reserving the slot of each token step N
 samples; its value rides the next Append. Slots ahead: lookahead.py. The
+call, sent until answered: step_calls.py; its answer is applied here. The
 contract's rules and reasons: docs/architecture.md, "The block contract".
 """
 
 from __future__ import annotations
 
 import bisect
-import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from itertools import chain
 
-from allocator_service.client import (
-    OUT_OF_BLOCKS,
-    AllocatorClient,
-    EmbeddedAllocator,
-)
-from allocator_service.core import UNRESERVE, Admit, Append, Fork, Free
-from allocator_service.core.planner import PoolPlan
-from worker.engine.answers import StepExchange
-from worker.engine.health import AllocatorHealth
+from allocator_service.client import OUT_OF_BLOCKS, UNKNOWN_SEQUENCE, AllocatorClient, PoolLost
+from allocator_service.core import UNRESERVE, Admit, Append, Fork, Free, Op, OpResult, StepAnswer
+from allocator_service.core.planner import PoolPlan, after_append, after_unreserve
+from allocator_service.core.tiers import TierReport
+from worker.engine.health import AllocatorFault
 from worker.engine.lookahead import plan_appends, unreserve_ahead
 from worker.engine.reservation import reserved_slots
 from worker.engine.sequence import Sequence, Status
-from worker.engine.step_plan import Batch, InFlight, Planned, ScheduledSeq, StepPlan, priority_key
+from worker.engine.step_calls import Answer, StepCalls
+from worker.engine.step_plan import (
+    InFlight,
+    Planned,
+    ScheduledSeq,
+    StepBatch,
+    StepPlan,
+    priority_key,
+)
 from worker.engine.tiers import EngineTiers
 
-__all__ = ["Batch", "ScheduledSeq", "Scheduler"]
+__all__ = ["StepBatch", "ScheduledSeq", "Scheduler"]
 
 
-class Scheduler(StepExchange):
+class Scheduler:
     def __init__(
         self,
         allocator: AllocatorClient,
@@ -82,7 +86,7 @@ class Scheduler(StepExchange):
         self._refused_frees: list[str] = []
         self.forking: list[Sequence] = []  # samples that drew their first token, to fork next step
         self.on_preempt = on_preempt
-        self.health = AllocatorHealth()
+        self.calls = StepCalls(allocator, ahead=async_scheduling)  # each sent until answered
         self.async_scheduling = async_scheduling
         if lookahead < 0:
             raise ValueError("lookahead slots must be >= 0")
@@ -94,14 +98,6 @@ class Scheduler(StepExchange):
         self.caching = allocator.spec.config.enable_prefix_caching
         self.tiers: EngineTiers | None = None  # the KV tiers below the pool (set by the engine)
         self._inflight: InFlight | None = None
-        # A remote call waits on the network and the server: it runs on one
-        # thread of its own while the forward pass runs. The embedded core is
-        # pure Python that holds the GIL throughout, so a thread would only
-        # interleave it with the forward pass: it runs inline, still planned
-        # and applied a step ahead (the same rules, whichever client).
-        self._executor: ThreadPoolExecutor | None = None
-        if async_scheduling and not isinstance(allocator, EmbeddedAllocator):
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="allocator-call")
 
     # ---------------------------------------------------------------- queues
     def add(self, seq: Sequence) -> None:
@@ -151,7 +147,7 @@ class Scheduler(StepExchange):
                                       or inflight.plan.running or inflight.plan.admitting or inflight.plan.forks)))
 
     # ------------------------------------------------------------------ step
-    def schedule(self) -> Batch:
+    def schedule(self) -> StepBatch:
         """The step to compute now: the answer of the call sent ahead, or
         (none in flight) the step planned, sent in one allocator call and
         answered now."""
@@ -159,7 +155,7 @@ class Scheduler(StepExchange):
             inflight, self._inflight = self._inflight, None
             self._collect(inflight)
             return inflight.batch
-        batch = Batch()
+        batch = StepBatch()
         plan = self._plan(batch, frozenset())
         if not plan.ops and not self._report_due():  # nothing to send: computed in slots held already
             self._apply_results(plan, [], batch)
@@ -170,7 +166,7 @@ class Scheduler(StepExchange):
             self._apply_results(plan, results, batch)
         return batch
 
-    def schedule_ahead(self, running: Batch) -> bool:
+    def schedule_ahead(self, running: StepBatch) -> bool:
         """Async scheduling: plan the step after `running` (about to be
         computed) as if each sequence it samples has one more token, and send
         its call; `schedule` collects the answer after `running` sampled.
@@ -184,7 +180,7 @@ class Scheduler(StepExchange):
         sampling = [e.seq for e in running.entries if e.samples and not e.seq.is_finished]
         sampling += [c for s in sampling for c in s.unforked_samples()]
         ahead = [s for s in sampling if len(s.token_ids) < s.max_computed_tokens]
-        batch = Batch()
+        batch = StepBatch()
         plan = self._plan(batch, frozenset(ahead))
         if not plan.ops and not self._report_due():  # nothing to send: computed in slots held already
             future: Future = Future()
@@ -192,20 +188,8 @@ class Scheduler(StepExchange):
             self._inflight = InFlight(plan, batch, future)
             return False
         batch.allocator_call = True
-        t0 = time.perf_counter()
         report = self._report()
-        if self._executor is None:
-            future = Future()
-            try:
-                future.set_result(self._send(plan.ops, report))
-            except BaseException as exc:  # noqa: BLE001 - raised where the answer is collected
-                future.set_exception(exc)
-        else:
-            future = self._executor.submit(self._send, plan.ops, report)
-        sent = time.perf_counter() - t0
-        batch.allocator_seconds += sent
-        self.allocator_wait_total += sent
-        self._inflight = InFlight(plan, batch, future, report)
+        self._inflight = InFlight(plan, batch, self.calls.send_ahead(plan.ops, report, batch), report)
         return True
 
     def _collect(self, inflight: InFlight) -> None:
@@ -224,10 +208,9 @@ class Scheduler(StepExchange):
                 inflight.future.result()
             except Exception:  # noqa: BLE001, S110 - closing: nothing more to compute
                 pass
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
+        self.calls.close()
 
-    def _plan(self, batch: Batch, ahead: frozenset) -> StepPlan:
+    def _plan(self, batch: StepBatch, ahead: frozenset) -> StepPlan:
         """One step's operations, against the pool as they leave it (`PoolPlan`)."""
         call = self._call_needed(ahead)
         # The pool holds the tables of the sequences tracked here (finished
@@ -339,7 +322,7 @@ class Scheduler(StepExchange):
             at = self.running.index(parent) + 1 if parent in self.running else len(self.running)
             self.running.insert(at, child)
 
-    def _plan_running(self, plan: StepPlan, batch: Batch) -> None:
+    def _plan_running(self, plan: StepPlan, batch: StepBatch) -> None:
         """Give each running sequence its next tokens while the budget lasts,
         preempting the lowest-priority ones when blocks run short."""
         view = plan.view
@@ -354,26 +337,26 @@ class Scheduler(StepExchange):
             while True:
                 # (the allocator applies the appends in this order: a copy
                 # on write is counted against what precedes it)
-                taking = view.append(seq.block_table, seq.num_held, max(end, seq.num_held))
-                if taking.need <= view.free:
+                cost = view.append(seq.block_table, seq.num_held, max(end, seq.num_held))
+                if cost.need <= view.free:
                     break
                 if self._drop_flush(plan):
                     continue
-                if self._unreserve(plan, taking.need - view.free):
+                if self._unreserve(plan, cost.need - view.free):
                     continue  # other sequences' slots ahead made the room
                 victim = max(self.running, key=priority_key)
                 if victim in plan.running:  # give back what it was promised
                     given = plan.running.pop(victim)
                     plan.budget += given.n
-                    view.give_back(given.taking)
+                    view.give_back(given.cost)
                 self._preempt(batch, victim, OUT_OF_BLOCKS, plan)
                 if victim is seq:
                     break
             if seq.status is not Status.RUNNING:
                 continue
-            view.take(taking)
+            view.take(cost)
             known = max(0, min(end, len(seq.token_ids)) - seq.num_stored)
-            plan.running[seq] = Planned(n, taking, known, end > seq.num_held or taking.cow >= 0, end == last)
+            plan.running[seq] = Planned(n, cost, known, end > seq.num_held or cost.cow >= 0, end == last)
             plan.budget -= n
 
     def _drop_flush(self, plan: StepPlan) -> bool:
@@ -428,7 +411,7 @@ class Scheduler(StepExchange):
             view.take_blocks(worst)
             plan.budget -= min(len(seq.token_ids), plan.budget)
 
-    def _preempt(self, batch: Batch, seq: Sequence, cause: str, plan: StepPlan | None = None) -> None:
+    def _preempt(self, batch: StepBatch, seq: Sequence, cause: str, plan: StepPlan | None = None) -> None:
         """Send `seq` back to the waiting queue; while planning, its Free
         joins this step (`plan`)."""
         if plan is not None:
@@ -467,3 +450,143 @@ class Scheduler(StepExchange):
             plan.deferred[seq.alloc_id] = list(seq.block_table)
         else:
             ops.insert(0, Free(seq.alloc_id))
+
+    # --------------------------------------------------------------- answers
+    def _apply_results(self, plan: StepPlan, results: Answer, batch: StepBatch) -> None:
+        """Apply the allocator's answers: block tables, copies, admissions, refusals."""
+        if self.tiers is not None and isinstance(results, StepAnswer):
+            moves = results.moves
+            if any(moves):
+                batch.moves = moves
+        # `ops`: frees, forks, the finished's last Appends, unreserves, the running's Appends, admits
+        ri = len(plan.ops) - len(plan.forks) - len(plan.flushes) - len(plan.unreserves) - len(plan.admitting)
+        ri -= sum(1 for p in plan.running.values() if p.op is not None)
+        for child in plan.forks:
+            r = results[ri]
+            ri += 1
+            if r.ok:  # (one finished while the call was out is in `_finishing` already)
+                child.block_table = list(r.append)
+            # else: its append fails too (unknown sequence), which sends it back to wait
+        for seq, op in plan.flushes:  # values of slots held: no table change
+            if results[ri].ok:
+                seq.num_held, seq.num_reserved = after_append(seq.num_held, seq.num_reserved, len(op.tokens), 0)
+            ri += 1
+        for seq, u in plan.unreserves.items():
+            r = results[ri]
+            ri += 1
+            if r.ok:  # (a new list: the step in flight keeps the table it was scheduled with)
+                seq.block_table = seq.block_table[: r.keep]
+                seq.num_held, seq.num_reserved = after_unreserve(seq.num_held, seq.num_reserved, u.slots)
+            elif (p := plan.running.get(seq)) is not None and p.op is not None:
+                # Refused (should not happen): nothing changed, it still
+                # holds them; its Append sent values only, which stands.
+                p.held, p.reserved = p.held + u.slots, p.reserved + u.slots
+        # NOTE: a decode step's appends mostly leave the table as it is (no
+        # error, no new block, no copy): read those from the result columns
+        # without making an OpResult each (`StepAnswer`).
+        cols = results if isinstance(results, StepAnswer) else None
+        for seq, p in plan.running.items():
+            if p.op is None:  # computed in slots it holds: no call for it
+                if not seq.is_finished:  # (finished since: nothing sent, nothing to compute)
+                    batch.add_running(seq, p)
+                continue
+            if (cols is not None and not seq.is_finished and not cols.errors[ri] and not cols.num_appended[ri]
+                    and not cols.num_copies[ri] and cols.keep[ri] == len(seq.block_table)):
+                batch.add_running(seq, p)
+                ri += 1
+                continue
+            r = results[ri]
+            ri += 1
+            if seq.is_finished:
+                # Finished after the call was sent (async): its Free is queued;
+                # a slot reserved for it is never given a value, so never hashed.
+                if r.ok:
+                    batch.add_finished(seq, p, r)
+                continue
+            if r.ok:
+                # (a new list: a step launched before this answer keeps the table it was scheduled with)
+                seq.block_table = [*seq.block_table[: r.keep], *r.append]
+                batch.copies.extend(r.copies)
+                batch.add_running(seq, p)
+            else:
+                # Our free-block count was off (should not happen) or the
+                # allocator lost the sequence: the failed op changed nothing,
+                # so recompute this one from scratch.
+                self._preempt(batch, seq, r.error or "allocator_error")
+                if r.error != UNKNOWN_SEQUENCE:
+                    self._to_free.append(seq.alloc_id)
+        for seq, op in zip(plan.admitting, plan.admits, strict=True):
+            r = results[ri]
+            ri += 1
+            if seq.is_finished:  # aborted while the call was out (async)
+                if r.ok:  # admitted all the same: computed now, freed next step
+                    self._to_free.append(seq.alloc_id)
+                    seq.block_table = list(r.append)
+                    batch.add_finished(seq, None, r, r.cached_tokens, r.num_stored - r.cached_tokens)
+            elif r.ok:
+                self._admitted(batch, seq, r, op.reserve)
+            elif r.error != OUT_OF_BLOCKS:
+                # Refused for good (e.g. invalid): waiting would wait forever.
+                seq.error = f"the allocator refused the request: {r.message or r.error}"
+                self.finish(seq, "error")
+                batch.failed.append(seq)
+
+    def _call(self, ops: list[Op], batch: StepBatch) -> Answer | None:
+        report = self._report()
+        return self._received(lambda: self.calls.send(ops, report), batch, ops, report)
+
+    def _report(self) -> TierReport | None:
+        """The tier report the next call carries (engine thread; None: none)."""
+        return None if self.tiers is None else self.tiers.take_report()
+
+    def _report_due(self) -> bool:
+        """Whether a tier report waits to be sent (a call is due for it alone)."""
+        return self.tiers is not None and self.tiers.report_due()
+
+    def _received(self, answer: Callable[[], Answer], batch: StepBatch, ops: list[Op],
+                  report: TierReport | None = None) -> Answer | None:
+        """The step's answer to `ops` (`StepCalls.answer`), or None when the
+        pool was lost (every running sequence is then preempted). A refused
+        step applied nothing, so its Frees (sequences finished or preempted,
+        which the scheduler no longer tracks) go out again with the next call
+        made for other work: else the allocator would keep their blocks for
+        as long as the worker renews its lease."""
+        try:
+            return self.calls.answer(answer, batch)
+        except PoolLost:
+            # Every block is gone: all running sequences start over.
+            if self.tiers is not None:
+                self.tiers.pool_lost(self.allocator.shared_store, self.allocator.store_namespace)
+            for seq in list(self.running):
+                self._preempt(batch, seq, "pool_lost")
+            self._to_free = []
+            self._free_later = []
+            self._refused_frees = []
+            self._finishing = []
+            self._flushed = []
+            return None
+        except AllocatorFault:
+            self._refused_frees.extend(op.seq for op in ops if isinstance(op, Free))
+            if self.tiers is not None:
+                self.tiers.give_back(report)
+            raise
+
+    def _admitted(self, batch: StepBatch, seq: Sequence, r: OpResult, reserve: int) -> None:
+        """Admitted: it holds its stored tokens and the `reserve` slots after them."""
+        self.waiting.remove(seq)
+        self.running.append(seq)
+        seq.status = Status.RUNNING
+        seq.block_table = list(r.append)
+        seq.num_stored = r.num_stored
+        seq.num_held = r.num_stored + reserve
+        seq.num_reserved = reserve
+        if not seq.admitted_once:
+            seq.num_cached_tokens = r.cached_tokens
+            seq.admitted_once = True
+        batch.cached_tokens += r.cached_tokens
+        batch.queried_tokens += len(seq.token_ids)
+        start = r.cached_tokens
+        if seq.swap is not None:  # resumed, its tail swapped out: copied back, not computed
+            start = self.tiers.swap_in(batch, seq, start, r.num_stored)  # type: ignore[union-attr]
+        batch.entries.append(ScheduledSeq(seq, start, r.num_stored - start, seq.block_table,
+                                          r.num_stored == len(seq.token_ids), r.cached_tokens))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence as Seq
+from collections import abc
 from typing import NamedTuple
 
 import torch
@@ -27,7 +27,7 @@ import torch
 from worker.engine.busy import BusyMeter
 from worker.engine.config import EngineConfig
 from worker.engine.model_runner import SampledToken
-from worker.engine.scheduler import Batch
+from worker.engine.scheduler import StepBatch
 from worker.engine.sequence import Sequence
 from worker.kv_bytes import kv_cache_element
 from worker.kv_pool import parse_memory
@@ -43,7 +43,7 @@ from worker.sim import (
     make_clock,
     next_token,
 )
-from worker.tiers import TierMeter, TimedHostTier, TimedStoreMover
+from worker.tiers import TierMeter, TimedHostMemory, TimedStoreMover
 
 # what `--kv-cache-memory` is on a simulated GPU when not given: vLLM's --gpu-memory-utilization default
 DEFAULT_SIM_KV_FRACTION = "0.9"
@@ -73,14 +73,14 @@ class SimKVPool:
                 f"{self.num_kv_heads} kv heads x {self.head_dim} dim, {str(self.dtype).removeprefix('torch.')} "
                 f"on {self.device} (simulated: no tensors)")
 
-    def copy_blocks(self, copies: Seq[tuple[int, int]]) -> None:
+    def copy_blocks(self, copies: abc.Sequence[tuple[int, int]]) -> None:
         for src, dst in copies:
             if not (0 <= src < self.num_blocks and 0 <= dst < self.num_blocks):
                 raise IndexError(f"block copy {src}->{dst} outside pool of {self.num_blocks} blocks")
 
 
 class Launched(NamedTuple):
-    batch: Batch
+    batch: StepBatch
     done: float  # when its outputs are ready, on the engine's clock
     cost: StepCost
 
@@ -131,17 +131,17 @@ class SimRunner:
                          name, block_bytes)
 
     # ------------------------------------------------------------- tiers
-    def host_tier(self, size_gib: float, meter: TierMeter) -> TimedHostTier | None:
+    def host_tier(self, size_gib: float, meter: TierMeter) -> TimedHostMemory | None:
         """The host tier `--kv-offloading-size GIB` asks for (None for 0): its slots counted
         as on CUDA, no memory taken, so not bounded by this machine's memory."""
-        return TimedHostTier.from_size(self.kv_pool, size_gib, meter=meter, available_bytes=math.inf,
+        return TimedHostMemory.from_size(self.kv_pool, size_gib, meter=meter, available_bytes=math.inf,
                                        time=self._host_move)
 
     def store_mover(self, *args, **kw) -> TimedStoreMover:
         """The mover of the allocator's shared store (`StoreMover`'s arguments), timed."""
         return TimedStoreMover(*args, time=self._host_move, **kw)
 
-    def apply_tiers(self, batch: Batch) -> None:
+    def apply_tiers(self, batch: StepBatch) -> None:
         """Queue the step's tier moves and copy-on-write copies on the stream, in their
         order (worker/engine/tiers.py), before its forward pass."""
         self.tiers.apply(batch, self._copy)  # type: ignore[union-attr]
@@ -152,7 +152,7 @@ class SimRunner:
         seconds = self.roofline.host_seconds(nbytes)
         return seconds, StreamEvent(self.clock, self._queue(seconds))
 
-    def _copy(self, copies: Seq[tuple[int, int]]) -> None:
+    def _copy(self, copies: abc.Sequence[tuple[int, int]]) -> None:
         """Copy-on-write block copies on the device, queued."""
         self.kv_pool.copy_blocks(copies)
         self._queue(self.roofline.copy_seconds(len(copies) * self.kv_pool.block_bytes))
@@ -166,7 +166,7 @@ class SimRunner:
             self.busy.record(start, done)
         return done
 
-    def launch(self, batch: Batch) -> Launched:
+    def launch(self, batch: StepBatch) -> Launched:
         """Queue the step's time on the stream (after its copies); returns at once."""
         if batch.copies:  # copy-on-write (without tiers: `apply_tiers` queued them among the moves)
             self._copy(batch.copies)

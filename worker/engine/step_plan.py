@@ -1,12 +1,12 @@
-"""A scheduler step: what the model computes (`Batch`) and the plan it is made from (`StepPlan`)."""
+"""A scheduler step: what the model computes (`StepBatch`) and the plan it is made from (`StepPlan`)."""
 
 from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from allocator_service.core import Admit, Append, Fork, Op
-from allocator_service.core.planner import PoolPlan, Taking
+from allocator_service.core import Admit, Append, Fork, Op, OpResult
+from allocator_service.core.planner import AppendCost, PoolPlan
 from allocator_service.core.tiers import Moves, TierReport
 from worker.engine.sequence import Sequence
 
@@ -33,7 +33,7 @@ class ScheduledSeq:
 
 
 @dataclass(slots=True)
-class Batch:
+class StepBatch:
     entries: list[ScheduledSeq] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
@@ -54,13 +54,41 @@ class Batch:
         """Whether computing it moves bytes between tiers."""
         return self.moves is not None or bool(self.swap_out) or bool(self.swap_in)
 
+    def add_running(self, seq: Sequence, p: Planned) -> None:
+        """A running sequence whose Append was accepted, or that needed none:
+        this step computes its next `p.n` tokens with its table as it stands
+        now, in slots it holds. None when its tokens were all computed (its
+        last token is being sampled: it finishes with it)."""
+        if p.n:
+            self.entries.append(ScheduledSeq(seq, seq.num_stored, p.n, seq.block_table, p.samples))
+        seq.num_stored += p.n
+        if p.op is not None:
+            seq.num_held, seq.num_reserved = p.held, p.reserved
+
+    def add_finished(self, seq: Sequence, p: Planned | None, r: OpResult,
+                     start: int = 0, known: int = 0) -> None:
+        """An accepted operation of a sequence that finished (an abort) after
+        its call was sent ahead: the tokens with known values it stored are
+        computed all the same (the allocator may have hashed their blocks, so
+        another sequence could find them: a findable block holds real K/V);
+        what the step samples for it is dropped (`LLMEngine._run`)."""
+        if r.keep or r.append:
+            seq.block_table = [*seq.block_table[: r.keep], *r.append]
+        self.copies.extend(r.copies)
+        if p is not None:  # its Append (else an admission: `start`, `known`)
+            start, known = seq.num_stored, p.known
+            seq.num_stored += known
+            seq.num_held, seq.num_reserved = p.held, p.reserved
+        if known > 0:  # (nothing sampled: it would be dropped)
+            self.entries.append(ScheduledSeq(seq, start, known, seq.block_table))
+
 
 @dataclass(slots=True)
 class Planned:
     """A running sequence's part of a step in the making."""
 
     n: int  # tokens this step computes
-    taking: Taking  # what its Append takes from the pool (the view's answer)
+    cost: AppendCost  # what its Append takes from the pool (the view's answer)
     known: int  # of the `n` tokens, those whose values are known at planning
     must_call: bool  # it needs slots it does not hold (or a copy): the step makes a call
     samples: bool  # the `n` tokens reach its last one (counting the token the running step samples)
@@ -115,6 +143,6 @@ class InFlight:
     """A call sent ahead: its plan, the batch it fills, its answer to come."""
 
     plan: StepPlan
-    batch: Batch
+    batch: StepBatch
     future: Future
     report: TierReport | None = None  # the tier report it carries (given back if it is refused)

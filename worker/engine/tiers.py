@@ -2,7 +2,7 @@
 applied around the forward pass, and what became of them reported in a
 later step (docs/architecture.md, "Tiers").
 
-A step's moves ride its `Batch` (`moves`) and are applied by the model
+A step's moves ride its `StepBatch` (`moves`) and are applied by the model
 runner when it computes that batch, before its forward pass writes anything:
 (0) store deletes, (1) store saves, (2) host saves, then copy-on-write
 copies, then (4) host and store loads. Why at compute time and not when the
@@ -16,7 +16,7 @@ On a simulated device (`sim:`) the byte movers are the runner's timed ones
 order, behind the step in flight, so it comes after that step's forward pass
 and before its own just the same; no bytes move.
 
-Confirmations: a host save on the CPU is written when `HostTier.save`
+Confirmations: a host save on the CPU is written when `HostMemory.save`
 returns; on CUDA when its transfer's event is done (`take_report` polls); on
 `sim:` when the device stream has done it.
 A store save or load answers at once (`StoreMover`). `take_report` hands
@@ -55,10 +55,10 @@ from typing import NamedTuple
 
 from allocator_service.core import blocks_for
 from allocator_service.core.tiers import Moves, TierReport
-from worker.engine.step_plan import Batch
+from worker.engine.step_plan import StepBatch
 from worker.kv_pool import KVPool
 from worker.metrics import TierMetrics, WorkerMetrics
-from worker.tiers import HostTier, KVLayout, StoreMover, StoreSeal, Transfer, open_store
+from worker.tiers import HostMemory, KVLayout, StoreMover, StoreSeal, Transfer, open_store
 
 __all__ = ["EngineTiers", "SwapStash", "swap_slots_for"]
 
@@ -84,7 +84,7 @@ class EngineTiers:
     store mover (`open_store`, or None), the swap slots, and the report of
     moves done not yet sent."""
 
-    def __init__(self, pool: KVPool, layout: KVLayout, host: HostTier | None, metrics: WorkerMetrics, *,
+    def __init__(self, pool: KVPool, layout: KVLayout, host: HostMemory | None, metrics: WorkerMetrics, *,
                  swap_slots: int = 0, store_mover: Callable[..., StoreMover] = StoreMover) -> None:
         self.pool = pool
         self._store_mover = store_mover  # the runner's: StoreMover, or a simulated device's TimedStoreMover
@@ -167,7 +167,7 @@ class EngineTiers:
         log.warning("shared store: %s now (was %s)", shared_store or "none", now[0])
 
     # ------------------------------------------------------------- the moves
-    def apply(self, batch: Batch, copy_blocks) -> None:
+    def apply(self, batch: StepBatch, copy_blocks) -> None:
         """Apply `batch`'s tier moves and copy-on-write copies (`copy_blocks`)
         in their order, before its forward pass (the module docstring)."""
         host, store, report = self.host, self.store, self._report
@@ -236,7 +236,7 @@ class EngineTiers:
             self._store_meter.hit_tokens.inc(loaded * self.block_size)  # type: ignore[union-attr]
         return missed
 
-    def _recompute(self, batch: Batch, missed: set[int]) -> None:
+    def _recompute(self, batch: StepBatch, missed: set[int]) -> None:
         """Entries whose computed prefix holds a block not loaded compute from
         that block on (in this forward pass); those tokens are not cached."""
         bs = self.block_size
@@ -261,7 +261,7 @@ class EngineTiers:
             self._host_meter.set_used(in_use * self.host.block_bytes)
 
     # ------------------------------------------------------------------- swap
-    def swap_out(self, batch: Batch, seq) -> None:
+    def swap_out(self, batch: StepBatch, seq) -> None:
         """`seq` is preempted in the step `batch` computes: keep the tail of
         its K/V the allocator cannot find in swap slots (`seq.swap`)."""
         bs = self.block_size
@@ -276,7 +276,7 @@ class EngineTiers:
         batch.swap_out.append((blocks, slots))
         seq.swap = SwapStash(slots, first * bs, end)
 
-    def swap_in(self, batch: Batch, seq, cached: int, num_stored: int) -> int:
+    def swap_in(self, batch: StepBatch, seq, cached: int, num_stored: int) -> int:
         """`seq` (with a stash) is admitted in `batch` holding `num_stored`
         tokens, `cached` found: where its computation starts (the stash
         copied into its new blocks when it continues what was found)."""

@@ -46,7 +46,7 @@ from pagedkv_base.api.protocol import (
 )
 from pagedkv_base.api.tenants import tenant_of_request, tenant_salt
 from worker.engine import (
-    AllocatorError,
+    AllocatorFault,
     AsyncLLMEngine,
     RequestError,
     RequestOutput,
@@ -372,7 +372,7 @@ async def _first(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
         first = await stream.__anext__()
     except RequestError as exc:
         raise ApiError(400, str(exc), param=exc.param) from None
-    except AllocatorError:
+    except AllocatorFault:
         raise
     except RuntimeError as exc:
         raise _server_error(exc) from None
@@ -393,7 +393,7 @@ async def _collect(stream: AsyncIterator[RequestOutput], first: RequestOutput) -
         try:
             async for out in stream:
                 last[out.index] = out
-        except AllocatorError:
+        except AllocatorFault:
             raise
         except RuntimeError as exc:  # the engine step failed
             raise _server_error(exc) from None

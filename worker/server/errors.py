@@ -13,7 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from pagedkv_base.api.errors import install_error_handlers
-from worker.engine import AllocatorError, EngineDeadError
+from worker.engine import AllocatorFault, EngineDeadError
 
 _DETAILS_CHARS = 200
 # What must never reach a client: gRPC's debug string, an RpcError's repr.
@@ -43,7 +43,7 @@ def _rpc_status(exc: BaseException | None) -> str | None:
 def public_message(exc: BaseException) -> str:
     """What a client may read about `exc`: the worker's own words, with the
     allocator's status (name and details) when it is an allocator failure."""
-    if isinstance(exc, AllocatorError):
+    if isinstance(exc, AllocatorFault):
         status = _rpc_status(exc.__cause__)
         return f"{exc} ({status})" if status else str(exc)
     if isinstance(exc, EngineDeadError):
@@ -60,14 +60,14 @@ def public_message(exc: BaseException) -> str:
 def failure(exc: BaseException) -> tuple[int, dict]:
     """The HTTP status and OpenAI-shaped body of a request the worker failed:
     503 for the allocator or a dead engine thread (the reason as the code), else 500."""
-    if isinstance(exc, AllocatorError | EngineDeadError):
+    if isinstance(exc, AllocatorFault | EngineDeadError):
         status, code = 503, exc.reason
     else:
         status, code = 500, None
     return status, {"error": {"message": public_message(exc), "type": "server_error", "param": None, "code": code}}
 
 
-async def _allocator_error(_: Request, exc: AllocatorError) -> JSONResponse:
+async def _allocator_fault(_: Request, exc: AllocatorFault) -> JSONResponse:
     status, body = failure(exc)
     return JSONResponse(status_code=status, content=body, headers={"Retry-After": "5"})
 
@@ -75,4 +75,4 @@ async def _allocator_error(_: Request, exc: AllocatorError) -> JSONResponse:
 def install_worker_error_handlers(app: FastAPI) -> None:
     """The shared handlers, and a 503 (with Retry-After) for an allocator failure."""
     install_error_handlers(app)
-    app.add_exception_handler(AllocatorError, _allocator_error)
+    app.add_exception_handler(AllocatorFault, _allocator_fault)

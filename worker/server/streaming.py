@@ -221,7 +221,7 @@ async def stream_events(
             async for i, out in merged:
                 finals[i, out.index] = out
                 yield chunk(choices.delta(i, out))
-        except RuntimeError as exc:  # AllocatorError too: the request failed, the stream did not
+        except RuntimeError as exc:  # AllocatorFault too: the request failed, the stream did not
             failed = exc
     finally:
         # Closing the streams before they finished aborts the request, which

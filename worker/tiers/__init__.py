@@ -5,22 +5,22 @@ entry, and when) and indexes where each block lives; this package only moves
 bytes and says per block whether it could:
 
 - `KVLayout` (layout.py): the layout key and a block's bytes;
-- `HostTier` (host.py): tier 1, host memory (pinned, side-stream copies on CUDA);
+- `HostMemory` (host.py): tier 1, host memory (pinned, side-stream copies on CUDA);
 - `open_store` (store.py): tier 2's backends, `file://PATH` and `redis://HOST:PORT/DB`;
 - `encode_entry` / `decode_entry` (entry.py): a store entry's header and checks;
 - `StoreSeal` (seal.py): a store group's key, sealing entries (AES-256-GCM);
 - `StoreMover` (mover.py): KV blocks to the store and back;
-- `TimedHostTier`, `TimedStoreMover` (timed.py): the same on a simulated device,
+- `TimedHostMemory`, `TimedStoreMover` (timed.py): the same on a simulated device,
   each move timed on its stream, no bytes moved.
 
 A step applies its moves in this order before the forward pass writes: store saves
-(`StoreMover.save_blocks`), host saves (`HostTier.save`), copy-on-write copies after
-`HostTier.wait()`, loads (`HostTier.load`, `StoreMover.load_blocks`), then
-`HostTier.wait()` before the forward.
+(`StoreMover.save_blocks`), host saves (`HostMemory.save`), copy-on-write copies after
+`HostMemory.wait()`, loads (`HostMemory.load`, `StoreMover.load_blocks`), then
+`HostMemory.wait()` before the forward.
 """
 
 from worker.tiers.entry import REFUSAL_REASONS, Refused, decode_entry, encode_entry, entry_key
-from worker.tiers.host import HostTier, Transfer, host_slots_for_size
+from worker.tiers.host import HostMemory, Transfer, host_slots_for_size
 from worker.tiers.layout import KVLayout
 from worker.tiers.meter import TierMeter
 from worker.tiers.mover import LoadOutcome, StoreMover
@@ -33,12 +33,12 @@ from worker.tiers.store import (
     StoreOpenError,
     open_store,
 )
-from worker.tiers.timed import MoveTimer, TimedHostTier, TimedStoreMover
+from worker.tiers.timed import MoveTimer, TimedHostMemory, TimedStoreMover
 
 __all__ = [
     "REFUSAL_REASONS",
     "FileStore",
-    "HostTier",
+    "HostMemory",
     "KVLayout",
     "KVStore",
     "LoadOutcome",
@@ -50,7 +50,7 @@ __all__ = [
     "StoreOpenError",
     "StoreSeal",
     "TierMeter",
-    "TimedHostTier",
+    "TimedHostMemory",
     "TimedStoreMover",
     "Transfer",
     "decode_entry",

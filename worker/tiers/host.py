@@ -30,7 +30,7 @@ from worker.kv_pool import KVPool, bytes_per_block, free_memory_bytes
 from worker.tiers.blocks import check_ids, gather, read_blocks, runs, scatter, write_blocks
 from worker.tiers.meter import TierMeter
 
-__all__ = ["GIB", "HostTier", "Transfer", "host_slots_for_size"]
+__all__ = ["GIB", "HostMemory", "Transfer", "host_slots_for_size"]
 
 GIB = 1024**3
 
@@ -89,7 +89,7 @@ class Transfer:
         self._keep = ()
 
 
-class HostTier:
+class HostMemory:
     """Host memory for `num_slots` blocks of `pool`'s layout; see the module docstring."""
 
     def __init__(self, pool: KVPool, num_slots: int, *, meter: TierMeter | None = None) -> None:
@@ -116,7 +116,7 @@ class HostTier:
 
     @classmethod
     def from_size(cls, pool: KVPool, size_gib: float, *, meter: TierMeter | None = None,
-                  available_bytes: float | None = None, **kw) -> HostTier | None:
+                  available_bytes: float | None = None, **kw) -> HostMemory | None:
         """The tier `--kv-offloading-size GIB` asks for, None for 0 (see `host_slots_for_size`);
         `kw` goes to the class (a subclass's own arguments)."""
         block_bytes = bytes_per_block(pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.block_size, pool.dtype)

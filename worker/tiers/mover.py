@@ -21,7 +21,7 @@ import torch
 from worker.kv_pool import KVPool
 from worker.tiers.blocks import check_ids, gather, scatter
 from worker.tiers.entry import REFUSAL_REASONS, Refused, decode_entry, encode_entry, entry_key
-from worker.tiers.host import HostTier
+from worker.tiers.host import HostMemory
 from worker.tiers.layout import KVLayout
 from worker.tiers.meter import TierMeter
 from worker.tiers.seal import StoreSeal
@@ -59,7 +59,7 @@ class StoreMover:
     (None: plain entries, `entry.py`)."""
 
     def __init__(self, store: KVStore, layout: KVLayout, pool: KVPool, *, namespace: str = "",
-                 seal: StoreSeal | None = None, host: HostTier | None = None,
+                 seal: StoreSeal | None = None, host: HostMemory | None = None,
                  meter: TierMeter | None = None, retry_interval_s: float = 1.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         layout.check_pool(pool)

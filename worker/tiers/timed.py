@@ -1,16 +1,16 @@
 """Tier moves on a simulated device (`--device sim:NAME`): timed, no bytes moved.
 
 A simulated KV pool holds no tensors, so a tier move has no bytes to copy. These
-movers keep everything else of the real ones (`HostTier`'s id checks, moves in
+movers keep everything else of the real ones (`HostMemory`'s id checks, moves in
 flight and meter; `StoreMover`'s checks, store deletes and outage handling) and
 replace only the copy: `time(nbytes)` (the simulated runner's) queues the move
 on the device stream and answers its seconds and an event done when the stream
 has done it.
 
-- `TimedHostTier`: host saves and loads. A save is done, so confirmed in the
+- `TimedHostMemory`: host saves and loads. A save is done, so confirmed in the
   next report, once the stream has done it, as a CUDA worker confirms a save
   when its side-stream copy is done. Its slots are counted as the real tier's
-  (`HostTier.from_size`, `host_slots_for_size`); no memory is taken.
+  (`HostMemory.from_size`, `host_slots_for_size`); no memory is taken.
 - `TimedStoreMover`: store saves and loads. A save writes nothing to the store
   and is confirmed at once (a real store save answers when its bytes are
   written); a load always loads. A simulated worker's entry is therefore an
@@ -27,12 +27,12 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from worker.kv_pool import KVPool
-from worker.tiers.host import GIB, HostTier, Transfer
+from worker.tiers.host import GIB, HostMemory, Transfer
 from worker.tiers.meter import TierMeter
 from worker.tiers.mover import LOADED, LoadOutcome, StoreMover
 from worker.tiers.store import KVStore
 
-__all__ = ["MoveTimer", "TimedHostTier", "TimedStoreMover"]
+__all__ = ["MoveTimer", "TimedHostMemory", "TimedStoreMover"]
 
 
 class Event(Protocol):
@@ -46,7 +46,7 @@ class Event(Protocol):
 MoveTimer = Callable[[int], tuple[float, Event]]
 
 
-class TimedHostTier(HostTier):
+class TimedHostMemory(HostMemory):
     """A host tier of `num_slots` slots whose moves are timed by `time` (module docstring)."""
 
     def __init__(self, pool: KVPool, num_slots: int, *, time: MoveTimer, meter: TierMeter | None = None) -> None:

@@ -14,7 +14,7 @@ time of the thread that serves it (`time.thread_time`), kept as a sum that
 decays with a time constant of `window_s` (the tenant's recent CPU use).
 When tenants contend, the one that used more waits for the one that used
 less: a call about to start, and a long call at each pause point of the
-core (`core/pacing.py`, between chunks of work), waits while a call of a
+core (`core/pause_points.py`, between chunks of work), waits while a call of a
 tenant whose recent use is at least `slack_s` lower is in flight, so the
 heavy pool yields the interpreter to the light one and runs again once that
 call is answered. Like a CPU scheduler's fair share, nothing is refused
@@ -56,7 +56,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from allocator_service.core.pacing import pacing
+from allocator_service.core.pause_points import pacing
 from allocator_service.wire.errors import TooManyCalls
 
 ROUTER = "(router)"

@@ -5,7 +5,7 @@ a whole pool (an integrity check, a dump, the hash chain of a long prompt)
 call `pace()` between chunks of work. By default that does nothing; a
 service that runs many pools in one process installs, for the thread doing
 the work, a function that may wait there (the allocator's per-pool CPU fair
-share, `allocator_service/sharing.py`), so one pool's long call can step
+share, `allocator_service/fair_share.py`), so one pool's long call can step
 aside while another pool's short one runs. A pause point is always between
 two whole pieces of work, so waiting there changes no result.
 """
