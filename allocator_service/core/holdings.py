@@ -13,7 +13,7 @@ from allocator_service.core import hashing, integrity, snapshot
 from allocator_service.core.errors import InvalidArgument, UnknownSequence
 from allocator_service.core.limits import max_name_chars, max_sequences, max_table_entries
 from allocator_service.core.prefix_index import EventSink, PrefixIndex
-from allocator_service.core.sequence import Seq
+from allocator_service.core.sequence import SeqEntry
 from allocator_service.core.state import PoolConfig, PoolParts, PoolStats
 from allocator_service.core.tiers import PoolTiers, SharedStore
 from allocator_service.core.validation import check_cache_salt, check_tokens
@@ -48,7 +48,7 @@ class PoolHoldings:
         # (an array: a list would hold an int object of 28 bytes per stamp).
         self._stamp: array[int] = array("q", [0]) * n
         self._clock = 0
-        self._seqs: dict[str, Seq] = {}
+        self._seqs: dict[str, SeqEntry] = {}
         # The bounded cost of a pool (limits.py): table entries summed over
         # every sequence, kept exact by admit/append/fork/free.
         self.max_sequences = max_sequences(n)
@@ -163,7 +163,7 @@ class PoolHoldings:
         return found[0], found[1], found[2]
 
     # -------------------------------------------------------------- internals
-    def _get(self, seq_id: str) -> Seq:
+    def _get(self, seq_id: str) -> SeqEntry:
         seq = self._seqs.get(seq_id)
         if seq is None:
             raise UnknownSequence(seq_id)

@@ -57,7 +57,7 @@ from allocator_service.core.planner import (
     release,
     unreserve_keep,
 )
-from allocator_service.core.sequence import Seq
+from allocator_service.core.sequence import SeqEntry
 from allocator_service.core.tiers import NO_MOVES, Moves
 from allocator_service.core.validation import (
     check_cache_salt,
@@ -176,7 +176,7 @@ class BlockPool(PoolHoldings):
         table = hits + new_blocks
         self.table_entries += len(table)
         self.name_chars += names
-        seq = Seq(table=table, num_tokens=stored + reserve, salt=cache_salt, reserved=reserve)
+        seq = SeqEntry(table=table, num_tokens=stored + reserve, salt=cache_salt, reserved=reserve)
         if self.enable_prefix_caching:
             self.prefix_queried_tokens += n
             self.prefix_hit_tokens += cached
@@ -313,7 +313,7 @@ class BlockPool(PoolHoldings):
         seq.num_tokens, seq.reserved = after_unreserve(seq.num_tokens, seq.reserved, slots)
         return keep
 
-    def _hash_full_tail(self, seq: Seq) -> None:
+    def _hash_full_tail(self, seq: SeqEntry) -> None:
         """Hash and register each block the sequence has just filled."""
         B, tail = self.block_size, seq.tail
         while len(tail) >= B:
@@ -345,7 +345,7 @@ class BlockPool(PoolHoldings):
         self.name_chars += names
         for b in parent.table:
             self.ref_cnt[b] += 1
-        self._seqs[child_id] = Seq(
+        self._seqs[child_id] = SeqEntry(
             table=list(parent.table),
             num_tokens=parent.num_tokens,
             salt=parent.salt,

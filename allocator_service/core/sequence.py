@@ -12,7 +12,9 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 @dataclass(slots=True)
-class Seq:
+class SeqEntry:
+    """A sequence as its pool holds it: its block table and token counts."""
+
     table: list[int]  # the block table, logical block i -> physical block
     num_tokens: int
     salt: str | None = None

@@ -31,7 +31,7 @@ from array import array
 from typing import Any
 
 from allocator_service.core.pause_points import chunks, pace
-from allocator_service.core.sequence import Seq
+from allocator_service.core.sequence import SeqEntry
 from allocator_service.core.state import PoolState
 
 
@@ -115,7 +115,7 @@ def parts_of(state: dict[str, Any]) -> tuple[tuple, dict[str, int]]:
     if state.get("encoding") == PACKED:
         return _parts_of_packed(state)
     seqs = {
-        s: Seq(
+        s: SeqEntry(
             table=list(q["table"]),
             num_tokens=q["num_tokens"],
             salt=q["salt"],
@@ -298,7 +298,7 @@ def _parts_of_packed(state: dict[str, Any]) -> tuple[tuple, dict[str, int]]:
                 used += k
         tables.append(table)
         chains.append(hashes)
-        seqs[seq_id] = Seq(table=table, num_tokens=num_tokens, salt=salt, hashes=hashes, tail=list(tail),
+        seqs[seq_id] = SeqEntry(table=table, num_tokens=num_tokens, salt=salt, hashes=hashes, tail=list(tail),
                            reserved=reserved)
     parts = (
         _unpack(state["ref_cnt"]),

@@ -18,7 +18,7 @@ from allocator_service.core.limits import (
     MAX_NUM_BLOCKS,
 )
 from allocator_service.core.prefix_index import PrefixIndex
-from allocator_service.core.sequence import Seq
+from allocator_service.core.sequence import SeqEntry
 from allocator_service.core.tiers import PoolTiers, check_store_names, store_namespace
 
 
@@ -112,7 +112,7 @@ class PoolParts(NamedTuple):
     cached_free: Iterable[int]  # free blocks holding a hash, least recently freed first
     stamp: Sequence[int]  # per block: when it last joined the free queue (`clock` then)
     clock: int
-    seqs: Mapping[str, Seq]
+    seqs: Mapping[str, SeqEntry]
 
 
 class PoolState(Protocol):
