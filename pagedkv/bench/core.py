@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--against", choices=AGAINST, default=None,
                    help="also run 256-sequence decode steps through this core and through vLLM's "
                         "KVCacheManager, CPU time per step side by side")
-    p.add_argument("--vllm-python", default=sys.executable, metavar="PATH",
+    p.add_argument("--vllm-python", default=None, metavar="PATH",
                    help="the Python interpreter where vLLM is installed [this one]")
     harness.add_json_option(p)
 
@@ -161,7 +161,8 @@ def _against(system: str, python: str, block_size: int) -> dict:
 
 def measure(args: argparse.Namespace) -> dict:
     w = CORE[args.workload]
-    against = [_against(args.against, args.vllm_python, w.block_size)] if args.against else []
+    python = args.vllm_python or sys.executable
+    against = [_against(args.against, python, w.block_size)] if args.against else []
     return {
         "sequences": w.sequences,
         "prompt_len": w.prompt_len,
