@@ -248,13 +248,15 @@ def run_step(pool: BlockPool, step: StepColumns) -> StepAnswer:
         # NOTE: a decode step's append (its slots in the sequence's private
         # last block) takes the pool's fast path: no AppendResult, no copies
         # (the hot loop of a step).
-        if kind == APPEND and (k := try_append(seqs[i], tokens[start:end], reserved[i], checked)) >= 0:
-            keep[i] = k
-            continue
+        if kind == APPEND:
+            values = tokens[start:end]
+            if (k := try_append(seqs[i], values, reserved[i], checked)) >= 0:
+                keep[i] = k
+                continue
         seq = seqs[i]
         try:
             if kind == APPEND:
-                r = pool.append(seq, tokens[start:end], reserved[i])
+                r = pool.append(seq, values, reserved[i])
                 keep[i] = r.keep
                 if r.new_blocks:
                     appended += r.new_blocks
