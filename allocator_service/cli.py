@@ -32,7 +32,6 @@ configuration reference); a flag wins over its variable.
 """
 
 
-
 @dataclass(frozen=True, slots=True)
 class AllocatorArgs:
     """Every setting of `pagedkv allocator`: its flags, variables and reference come from here."""
@@ -40,91 +39,157 @@ class AllocatorArgs:
     component: ClassVar[str] = "allocator"
 
     listen: str = setting(
-        "127.0.0.1:50051", "address to serve gRPC on; port 0 picks a free one, [::]:PORT or 0.0.0.0:PORT "
-        "for every interface", metavar="HOST:PORT")
+        "127.0.0.1:50051",
+        "address to serve gRPC on; port 0 picks a free one, [::]:PORT or 0.0.0.0:PORT "
+        "for every interface",
+        metavar="HOST:PORT",
+    )
     metrics_port: int | None = setting(
-        None, "serve Prometheus metrics and /pools (and with --playground /playground) on this port (same "
-        "host as --listen; 0 = any free port); off when not given", metavar="PORT")
+        None,
+        "serve Prometheus metrics and /pools (and with --playground /playground) on this port (same "
+        "host as --listen; 0 = any free port); off when not given",
+        metavar="PORT",
+    )
     playground: bool = setting(
-        False, "also serve /playground, the teaching widget that runs a small allocator per call, on "
-        "--metrics-port (one run at a time); off on a production allocator")
+        False,
+        "also serve /playground, the teaching widget that runs a small allocator per call, on "
+        "--metrics-port (one run at a time); off on a production allocator",
+    )
     state: str = setting(
-        "memory", "'memory' keeps state in this process only; a redis:// URL journals every accepted change "
+        "memory",
+        "'memory' keeps state in this process only; a redis:// URL journals every accepted change "
         "in Redis before replying and rebuilds the exact state on start (append ?key_prefix=NAME: to share "
         "one Redis); redis+sentinel://HOST:PORT[,HOST:PORT...]/MASTER_NAME/DB follows the primary those Redis "
-        "Sentinels name through a failover", metavar="memory|redis://HOST:PORT/DB")
+        "Sentinels name through a failover",
+        metavar="memory|redis://HOST:PORT/DB",
+    )
     standby: bool = setting(
-        False, "with --state redis: run as a hot standby: follow the journal as the leader writes it (the same "
+        False,
+        "with --state redis: run as a hot standby: follow the journal as the leader writes it (the same "
         "state in memory), answer calls with UNAVAILABLE not_leader and the leader's address, and take over "
         "when the leader's lease runs out (it died or paused); a deposed leader becomes a standby. Without it "
-        "the allocator claims the state at start (fencing off any other)")
+        "the allocator claims the state at start (fencing off any other)",
+    )
     leader_lease: float = setting(
-        1.0, "with --state redis: seconds the leader's lease in Redis lasts unless renewed (5 times a lease); "
-        "a standby takes over this long after the leader stopped renewing it", parse=seconds, flag=False)
+        1.0,
+        "with --state redis: seconds the leader's lease in Redis lasts unless renewed (5 times a lease); "
+        "a standby takes over this long after the leader stopped renewing it",
+        parse=seconds,
+        flag=False,
+    )
     advertise_address: str | None = setting(
-        None, "HOST:PORT at which clients reach this allocator's gRPC port, which a standby names to them "
-        "when this one leads", metavar="HOST:PORT",
-        shown_default="--listen's (the host's name for 0.0.0.0 or [::])")
+        None,
+        "HOST:PORT at which clients reach this allocator's gRPC port, which a standby names to them "
+        "when this one leads",
+        metavar="HOST:PORT",
+        shown_default="--listen's (the host's name for 0.0.0.0 or [::])",
+    )
     auth_token_file: str | None = setting(
-        None, "file holding a bearer token every call must send as 'authorization: Bearer TOKEN' (health "
-        "checks exempt); none = no server-wide token", metavar="PATH")
+        None,
+        "file holding a bearer token every call must send as 'authorization: Bearer TOKEN' (health "
+        "checks exempt); none = no server-wide token",
+        metavar="PATH",
+    )
     worker_tokens_file: str | None = setting(
-        None, "file of worker tokens, one 'WORKER_ID URL TOKEN [BLOCKS]' per line: a worker sending TOKEN may "
+        None,
+        "file of worker tokens, one 'WORKER_ID URL TOKEN [BLOCKS]' per line: a worker sending TOKEN may "
         "register only WORKER_ID advertising URL, and no other credential but the admin token may register that "
         "id or advertise that address; BLOCKS, its quota: its pool has at most that many blocks, and they are "
         "kept for it while it has no pool (a restart), so no other pool takes them. With it and no "
-        "--auth-token-file, every worker needs its own token", metavar="PATH")
+        "--auth-token-file, every worker needs its own token",
+        metavar="PATH",
+    )
     max_pool_blocks: int | None = setting(
-        None, "the most blocks one pool may have, unless its worker token gives a quota (RESOURCE_EXHAUSTED "
-        f"past it); none: the server's total ({Limits().max_total_blocks:,} blocks)", metavar="N")
+        None,
+        "the most blocks one pool may have, unless its worker token gives a quota (RESOURCE_EXHAUSTED "
+        f"past it); none: the server's total ({Limits().max_total_blocks:,} blocks)",
+        metavar="N",
+    )
     admin_token_file: str | None = setting(
-        None, "file holding the admin bearer token: every call, and GetPoolStats, ResetPrefixCache and "
-        "DumpPool of ANY pool without its credential; none = no admin role", metavar="PATH")
+        None,
+        "file holding the admin bearer token: every call, and GetPoolStats, ResetPrefixCache and "
+        "DumpPool of ANY pool without its credential; none = no admin role",
+        metavar="PATH",
+    )
     router_token_file: str | None = setting(
-        None, "file holding the router bearer token, which MatchPrefix, WatchEvents and ListPools then "
+        None,
+        "file holding the router bearer token, which MatchPrefix, WatchEvents and ListPools then "
         "require (or the admin token) and which may call nothing else. Without it those calls are open to "
         "any caller only when --auth-token-file is unset too (a development setup); with --auth-token-file "
-        "alone they need the admin token", metavar="PATH")
+        "alone they need the admin token",
+        metavar="PATH",
+    )
     lease_ttl: float = setting(
-        30.0, "seconds: drop a pool (and free its blocks) when no call renewed it for this long", parse=seconds,
-        flag=False)
+        30.0,
+        "seconds: drop a pool (and free its blocks) when no call renewed it for this long",
+        parse=seconds,
+        flag=False,
+    )
     tls_cert: str | None = setting(
-        None, "serve TLS with this certificate chain (needs --tls-key)", metavar="PEM")
+        None, "serve TLS with this certificate chain (needs --tls-key)", metavar="PEM"
+    )
     tls_key: str | None = setting(None, "private key of --tls-cert", metavar="PEM")
     snapshot_every: int = setting(
-        1000, "with --state redis: write a full snapshot every N journal records, so a restart replays at "
-        "most N", flag=False)
+        1000,
+        "with --state redis: write a full snapshot every N journal records, so a restart replays at "
+        "most N",
+        flag=False,
+    )
     max_snapshot_mb: int = setting(
-        256, "with --state redis: the most a snapshot may take; the pools whose part is over their share "
+        256,
+        "with --state redis: the most a snapshot may take; the pools whose part is over their share "
         "(in proportion to their blocks) of a snapshot that would be larger are dropped (snapshot_too_large) "
-        "and the snapshot is written without them; at most 512, Redis's value limit", flag=False)
+        "and the snapshot is written without them; at most 512, Redis's value limit",
+        flag=False,
+    )
     redis_wait_replicas: int = setting(
-        0, "with --state redis: after every journal write wait (Redis WAIT) until N replicas hold it before "
+        0,
+        "with --state redis: after every journal write wait (Redis WAIT) until N replicas hold it before "
         "replying; a write they do not acknowledge in time is UNAVAILABLE (the worker retries). For "
-        "durability across the loss of the Redis host", flag=False)
+        "durability across the loss of the Redis host",
+        flag=False,
+    )
     redis_wait_timeout: float = setting(
-        1.0, "seconds the wait for replicas (PAGEDKV_ALLOCATOR_REDIS_WAIT_REPLICAS) lasts", parse=seconds,
-        flag=False)
+        1.0,
+        "seconds the wait for replicas (PAGEDKV_ALLOCATOR_REDIS_WAIT_REPLICAS) lasts",
+        parse=seconds,
+        flag=False,
+    )
     fair_share_window_ms: float = setting(
-        100.0, "per-pool CPU fair share: while pools contend, the pool that used more CPU over about this "
-        "long waits for a call of the one that used less (delayed, never refused); 0 = off", flag=False)
+        100.0,
+        "per-pool CPU fair share: while pools contend, the pool that used more CPU over about this "
+        "long waits for a call of the one that used less (delayed, never refused); 0 = off",
+        flag=False,
+    )
     journal_key_file: str | None = setting(
-        None, "with --state redis: file holding the journal key (at least 32 bytes; `pagedkv credentials` "
+        None,
+        "with --state redis: file holding the journal key (at least 32 bytes; `pagedkv credentials` "
         "writes one): every record's chain digest and the snapshot's are HMAC-SHA256 under it, so whoever "
         "can write to Redis without it cannot edit the state unnoticed (the allocator and --check refuse "
         "it); none = Redis is trusted with the state. A journal written without a key is read only without "
-        "one", metavar="PATH", flag=False)
+        "one",
+        metavar="PATH",
+        flag=False,
+    )
     kv_shared_store: str | None = setting(
-        None, "the KV store this allocator's workers share (tier 2 below their host tiers): file://PATH (a "
+        None,
+        "the KV store this allocator's workers share (tier 2 below their host tiers): file://PATH (a "
         "directory every worker mounts) or redis://HOST:PORT/DB; the allocator indexes it, the workers move "
         "the bytes (a worker opts out with --no-kv-shared-store). Checked at start: a path it cannot write "
-        "or a Redis that does not answer is an error. Needs --kv-shared-store-size", metavar="URL")
+        "or a Redis that does not answer is an error. Needs --kv-shared-store-size",
+        metavar="URL",
+    )
     kv_shared_store_size: float = setting(
-        0.0, "GiB the shared store may hold (its index evicts least recently used entries past it)",
-        parse=gib_or_none, metavar="GIB")
+        0.0,
+        "GiB the shared store may hold (its index evicts least recently used entries past it)",
+        parse=gib_or_none,
+        metavar="GIB",
+    )
     check: bool = setting(
-        False, "verify the journal in --state (digests, record chain, step chains, head) without serving or "
-        "writing; print what was found; exit 0 if sound, 1 if not")
+        False,
+        "verify the journal in --state (digests, record chain, step chains, head) without serving or "
+        "writing; print what was found; exit 0 if sound, 1 if not",
+    )
     log_level: str = setting("INFO", "log level, any case", parse=log_level, choices=LOG_LEVELS)
 
     def __post_init__(self) -> None:
@@ -133,25 +198,34 @@ class AllocatorArgs:
         if ":" not in self.listen:
             raise ValueError(f"--listen wants HOST:PORT, not {self.listen!r}")
         if not 1 <= self.max_snapshot_mb <= 512:
-            raise ValueError(f"{name_of(AllocatorArgs, 'max_snapshot_mb')} must be 1 to 512 (Redis's value limit)")
+            raise ValueError(
+                f"{name_of(AllocatorArgs, 'max_snapshot_mb')} must be 1 to 512 (Redis's value limit)"
+            )
         from allocator_service.store.journal import REDIS_SCHEMES
 
         if not (self.state == "memory" or self.state.startswith(REDIS_SCHEMES)):
             raise ValueError(f"--state must be 'memory' or a redis:// URL, not {self.state!r}")
-        store, size = name_of(AllocatorArgs, "kv_shared_store"), name_of(AllocatorArgs, "kv_shared_store_size")
+        store, size = (
+            name_of(AllocatorArgs, "kv_shared_store"),
+            name_of(AllocatorArgs, "kv_shared_store_size"),
+        )
         if self.kv_shared_store and not self.kv_shared_store_size:
             raise ValueError(f"{store} needs {size} (GiB it may hold)")
         if self.kv_shared_store_size and not self.kv_shared_store:
             raise ValueError(f"{size} is for {store}, which is not given")
         if not 0 < self.leader_lease <= 60:
-            raise ValueError(f"{name_of(AllocatorArgs, 'leader_lease')} must be more than 0 and at most 60 seconds")
+            raise ValueError(
+                f"{name_of(AllocatorArgs, 'leader_lease')} must be more than 0 and at most 60 seconds"
+            )
         if self.standby and self.state == "memory":
             raise ValueError("--standby follows a journal: it needs --state redis://...")
         if self.advertise_address is not None and ":" not in self.advertise_address:
             raise ValueError(f"--advertise-address wants HOST:PORT, not {self.advertise_address!r}")
         if self.redis_wait_replicas < 0 or not self.redis_wait_timeout > 0:
-            raise ValueError(f"{name_of(AllocatorArgs, 'redis_wait_replicas')} must be >= 0 and "
-                             f"{name_of(AllocatorArgs, 'redis_wait_timeout')} positive")
+            raise ValueError(
+                f"{name_of(AllocatorArgs, 'redis_wait_replicas')} must be >= 0 and "
+                f"{name_of(AllocatorArgs, 'redis_wait_timeout')} positive"
+            )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -179,13 +253,17 @@ def options_from_args(args: argparse.Namespace):
     router = read_secret(a.router_token_file, "router token file") if a.router_token_file else None
     tokens = [t for t in (token, admin, router) if t]
     if len(set(tokens)) != len(tokens):
-        raise CliError("--auth-token-file, --admin-token-file and --router-token-file must hold different tokens")
+        raise CliError(
+            "--auth-token-file, --admin-token-file and --router-token-file must hold different tokens"
+        )
     worker_tokens = {}
     if a.worker_tokens_file:
         from allocator_service.roles import parse_worker_tokens
 
         try:
-            worker_tokens = parse_worker_tokens(read_file(a.worker_tokens_file, "worker tokens file").decode())
+            worker_tokens = parse_worker_tokens(
+                read_file(a.worker_tokens_file, "worker tokens file").decode()
+            )
         except ValueError as exc:
             raise CliError(f"--worker-tokens-file {a.worker_tokens_file}: {exc}") from exc
         if set(worker_tokens) & set(tokens):
@@ -197,18 +275,27 @@ def options_from_args(args: argparse.Namespace):
             check_store_url(a.kv_shared_store)
         except StoreOpenError as exc:
             raise CliError(f"--kv-shared-store: {exc}") from exc
-    journal_key = read_file(a.journal_key_file, "journal key file").strip() if a.journal_key_file else None
+    journal_key = (
+        read_file(a.journal_key_file, "journal key file").strip() if a.journal_key_file else None
+    )
     if journal_key is not None and len(journal_key) < 32:
-        raise CliError(f"the journal key file {a.journal_key_file} holds {len(journal_key)} bytes; a key needs 32 or more")
+        raise CliError(
+            f"the journal key file {a.journal_key_file} holds {len(journal_key)} bytes; a key needs 32 or more"
+        )
     try:
-        config = ServiceConfig(lease_ttl_s=a.lease_ttl, snapshot_every=a.snapshot_every,
-                               max_snapshot_bytes=a.max_snapshot_mb << 20,
-                               fair_share_window_s=a.fair_share_window_ms / 1e3,
-                               reserved_blocks={g.worker_id: g.blocks for g in worker_tokens.values() if g.blocks},
-                               store_groups={g.worker_id: g.store_group for g in worker_tokens.values()},
-                               max_pool_blocks=a.max_pool_blocks, journal_key=journal_key,
-                               shared_store=a.kv_shared_store or "",
-                               shared_store_bytes=int(a.kv_shared_store_size * 2**30), standby=a.standby)
+        config = ServiceConfig(
+            lease_ttl_s=a.lease_ttl,
+            snapshot_every=a.snapshot_every,
+            max_snapshot_bytes=a.max_snapshot_mb << 20,
+            fair_share_window_s=a.fair_share_window_ms / 1e3,
+            reserved_blocks={g.worker_id: g.blocks for g in worker_tokens.values() if g.blocks},
+            store_groups={g.worker_id: g.store_group for g in worker_tokens.values()},
+            max_pool_blocks=a.max_pool_blocks,
+            journal_key=journal_key,
+            shared_store=a.kv_shared_store or "",
+            shared_store_bytes=int(a.kv_shared_store_size * 2**30),
+            standby=a.standby,
+        )
     except ValueError as exc:
         raise CliError(str(exc)) from exc
     return ServeOptions(
@@ -235,7 +322,9 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+        level=args.log_level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
     )
     from allocator_service.rpc.server import serve
     from allocator_service.store.registry import CorruptState
@@ -252,8 +341,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         return serve(options)
     except CorruptState as exc:
-        print(f"pagedkv allocator: cannot start: {exc} (recovery: docs/operations.md, "
-              "'A journal that cannot be replayed')", file=sys.stderr)
+        print(
+            f"pagedkv allocator: cannot start: {exc} (recovery: docs/operations.md, "
+            "'A journal that cannot be replayed')",
+            file=sys.stderr,
+        )
         return 1
     except (StoreUnavailable, OSError) as exc:
         print(f"pagedkv allocator: cannot start: {exc}", file=sys.stderr)

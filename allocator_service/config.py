@@ -107,5 +107,7 @@ class ServiceConfig:
         if self.max_pool_blocks is not None and self.max_pool_blocks < 1:
             raise ValueError("max_pool_blocks must be positive")
         if sum(self.reserved_blocks.values()) > self.limits.max_total_blocks:
-            raise ValueError(f"the workers' quotas add up to {sum(self.reserved_blocks.values())} blocks, more "
-                             f"than the server's {self.limits.max_total_blocks}")
+            raise ValueError(
+                f"the workers' quotas add up to {sum(self.reserved_blocks.values())} blocks, more "
+                f"than the server's {self.limits.max_total_blocks}"
+            )

@@ -156,8 +156,11 @@ class FairShare:
         table holds recent tenants only and a lone busy pool's pause points
         take the fast path (lock held; at most once a window)."""
         now = self._pruned_at = self._clock()
-        for tenant in [t for t, (_, _, charged) in self._use.items()
-                       if now - charged > 10 * self.window_s and not self._running.get(t)]:
+        for tenant in [
+            t
+            for t, (_, _, charged) in self._use.items()
+            if now - charged > 10 * self.window_s and not self._running.get(t)
+        ]:
             del self._use[tenant]
 
     # ------------------------------------------------------------ the calls
@@ -230,12 +233,16 @@ class CallSlots:
             n = self._in_flight.get(tenant, 0)
             if n >= self.per_tenant:
                 self.refused += 1
-                raise TooManyCalls(f"{n} calls of this pool are in flight, the most one pool may have "
-                                   "at once: wait for one to be answered")
+                raise TooManyCalls(
+                    f"{n} calls of this pool are in flight, the most one pool may have "
+                    "at once: wait for one to be answered"
+                )
             if self.total is not None and self._all >= self.total:
                 self.refused += 1
-                raise TooManyCalls(f"{self._all} slow calls are in flight over every pool, the most the server "
-                                   "serves at once: wait for one to be answered")
+                raise TooManyCalls(
+                    f"{self._all} slow calls are in flight over every pool, the most the server "
+                    "serves at once: wait for one to be answered"
+                )
             self._in_flight[tenant] = n + 1
             self._all += 1
         try:

@@ -89,7 +89,7 @@ def own_store_group(worker_id: str) -> str:
         check_store_group(worker_id)
         return worker_id
     except ValueError:
-        safe = re.sub(f"[^{STORE_NAME_CHARS}]", "_", worker_id)[:MAX_STORE_GROUP_LEN - 17]
+        safe = re.sub(f"[^{STORE_NAME_CHARS}]", "_", worker_id)[: MAX_STORE_GROUP_LEN - 17]
         return f"{safe}-{hashlib.sha256(worker_id.encode()).hexdigest()[:16]}"
 
 
@@ -102,8 +102,10 @@ def check_store_group(name: str) -> None:
     else:
         ok = bool(name)
     if not ok:
-        raise ValueError(f"the store group {name!r} must be 1 to {MAX_STORE_GROUP_LEN} characters of "
-                         f"[{STORE_NAME_CHARS}]")
+        raise ValueError(
+            f"the store group {name!r} must be 1 to {MAX_STORE_GROUP_LEN} characters of "
+            f"[{STORE_NAME_CHARS}]"
+        )
 
 
 def parse_worker_tokens(text: str) -> dict[str, WorkerGrant]:
@@ -119,18 +121,24 @@ def parse_worker_tokens(text: str) -> dict[str, WorkerGrant]:
             continue
         group = ""
         if words and words[-1].startswith("group="):
-            group = words.pop()[len("group="):]
+            group = words.pop()[len("group=") :]
             if not group:
                 raise ValueError(f"line {n}: group= needs a name")
         if len(words) not in (3, 4):
-            raise ValueError(f"line {n}: want 'WORKER_ID URL TOKEN [BLOCKS] [group=NAME]', got {len(words)} fields")
+            raise ValueError(
+                f"line {n}: want 'WORKER_ID URL TOKEN [BLOCKS] [group=NAME]', got {len(words)} fields"
+            )
         worker_id, url, token = words[:3]
         if not url.startswith(("http://", "https://")):
-            raise ValueError(f"line {n}: the address must be an http:// or https:// URL, not {url!r}")
+            raise ValueError(
+                f"line {n}: the address must be an http:// or https:// URL, not {url!r}"
+            )
         blocks = None
         if len(words) == 4:
             if not words[3].isdigit() or int(words[3]) < 1:
-                raise ValueError(f"line {n}: BLOCKS must be a positive whole number, not {words[3]!r}")
+                raise ValueError(
+                    f"line {n}: BLOCKS must be a positive whole number, not {words[3]!r}"
+                )
             blocks = int(words[3])
         grant = WorkerGrant(worker_id, normalise_url(url), blocks, group)
         try:
@@ -138,8 +146,11 @@ def parse_worker_tokens(text: str) -> dict[str, WorkerGrant]:
         except ValueError as exc:
             raise ValueError(f"line {n}: {exc}") from None
         for seen_token, seen in grants.items():
-            if hmac.compare_digest(seen_token, token) or seen.worker_id == worker_id \
-                    or seen.advertise_url == grant.advertise_url:
+            if (
+                hmac.compare_digest(seen_token, token)
+                or seen.worker_id == worker_id
+                or seen.advertise_url == grant.advertise_url
+            ):
                 raise ValueError(f"line {n}: worker id, address and token must each appear once")
         grants[token] = grant
     return grants
@@ -156,11 +167,15 @@ class Roles:
     worker_tokens: Mapping[str, WorkerGrant] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        tokens = [t for t in (self.auth_token, self.admin_token, self.router_token) if t is not None]
+        tokens = [
+            t for t in (self.auth_token, self.admin_token, self.router_token) if t is not None
+        ]
         if any(not t for t in tokens) or any(not t for t in self.worker_tokens):
             raise ValueError("a configured token must not be empty")
         if len(set(tokens)) != len(tokens) or set(tokens) & set(self.worker_tokens):
-            raise ValueError("the auth, admin, router and worker tokens must differ from each other")
+            raise ValueError(
+                "the auth, admin, router and worker tokens must differ from each other"
+            )
 
     @property
     def any_token(self) -> bool:
@@ -178,8 +193,11 @@ class Roles:
 
     def _match(self, bearer: bytes | None) -> tuple[str | None, WorkerGrant | None]:
         if bearer is not None:
-            for token, role in ((self.admin_token, ADMIN), (self.router_token, ROUTER),
-                                (self.auth_token, POOL)):
+            for token, role in (
+                (self.admin_token, ADMIN),
+                (self.router_token, ROUTER),
+                (self.auth_token, POOL),
+            ):
                 if token is not None and hmac.compare_digest(bearer, f"Bearer {token}".encode()):
                     return role, None
             for token, grant in self.worker_tokens.items():
@@ -196,8 +214,9 @@ class Roles:
         """The worker a worker token binds (None: not a worker token)."""
         return self._match(bearer)[1]
 
-    def check_registration(self, role: str, grant: WorkerGrant | None, worker_id: str,
-                           advertise_url: str) -> None:
+    def check_registration(
+        self, role: str, grant: WorkerGrant | None, worker_id: str, advertise_url: str
+    ) -> None:
         """Raise PermissionDenied unless a caller of `role` (holding `grant`)
         may register `worker_id` advertising `advertise_url`."""
         if role == ADMIN:
@@ -207,15 +226,20 @@ class Roles:
             if worker_id != grant.worker_id or url != grant.advertise_url:
                 raise PermissionDenied(
                     f"this worker token registers worker {grant.worker_id!r} advertising "
-                    f"{grant.advertise_url!r} only, not {worker_id!r} advertising {url!r}")
+                    f"{grant.advertise_url!r} only, not {worker_id!r} advertising {url!r}"
+                )
             return
         for bound in self.worker_tokens.values():
             if worker_id == bound.worker_id:
-                raise PermissionDenied(f"worker id {worker_id!r} is bound to its own worker token "
-                                       "(--worker-tokens-file): register it with that token")
+                raise PermissionDenied(
+                    f"worker id {worker_id!r} is bound to its own worker token "
+                    "(--worker-tokens-file): register it with that token"
+                )
             if url and url == bound.advertise_url:
-                raise PermissionDenied(f"the address {url!r} is bound to worker {bound.worker_id!r} "
-                                       "(--worker-tokens-file): only its worker token may advertise it")
+                raise PermissionDenied(
+                    f"the address {url!r} is bound to worker {bound.worker_id!r} "
+                    "(--worker-tokens-file): only its worker token may advertise it"
+                )
 
     def check(self, method: str, bearer: bytes | None) -> str:
         """The caller's role, or raises Unauthenticated / PermissionDenied."""
@@ -228,11 +252,16 @@ class Roles:
             if role == ROUTER or self.open_router_calls:
                 return role
             if bearer is not None and self._known(bearer):  # the server-wide (pool) token
-                raise PermissionDenied(f"{method} needs the router or admin token, not the pools' token")
-            raise Unauthenticated(f"{method} needs the router or admin token (authorization metadata)")
+                raise PermissionDenied(
+                    f"{method} needs the router or admin token, not the pools' token"
+                )
+            raise Unauthenticated(
+                f"{method} needs the router or admin token (authorization metadata)"
+            )
         if role == ROUTER:
-            raise PermissionDenied(f"the router token may call {', '.join(sorted(ROUTER_METHODS))} only, "
-                                   f"not {method}")
+            raise PermissionDenied(
+                f"the router token may call {', '.join(sorted(ROUTER_METHODS))} only, not {method}"
+            )
         return role
 
     def _known(self, bearer: bytes) -> bool:

@@ -92,14 +92,28 @@ class Stats:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser("demo", help="start the local stack, run a chat workload, print a report and a chart",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "demo",
+        help="start the local stack, run a chat workload, print a report and a chart",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--model", default="smollm2", help="model of the workers (default smollm2)")
-    p.add_argument("--policy", default="kv", choices=("kv", "least-load", "round-robin"),
-                   help="the router's policy (default kv)")
-    p.add_argument("--conversations", type=int, default=32, help="conversations to run (default 32)")
-    p.add_argument("--out", default="out", help="folder for the report JSON and the chart (default out/)")
-    p.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
+    p.add_argument(
+        "--policy",
+        default="kv",
+        choices=("kv", "least-load", "round-robin"),
+        help="the router's policy (default kv)",
+    )
+    p.add_argument(
+        "--conversations", type=int, default=32, help="conversations to run (default 32)"
+    )
+    p.add_argument(
+        "--out", default="out", help="folder for the report JSON and the chart (default out/)"
+    )
+    p.add_argument(
+        "--json", action="store_true", help="print the report as JSON instead of a table"
+    )
     return p
 
 
@@ -107,9 +121,14 @@ async def _poll(urls: list[str], samples: list[dict], stop: asyncio.Event, t0: f
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    wanted = {"pagedkv_worker_kv_blocks_used", "pagedkv_worker_kv_blocks_cached", "pagedkv_worker_kv_pool_blocks",
-              "pagedkv_worker_kv_slot_utilisation_ratio", "pagedkv_worker_running_sequences",
-              "pagedkv_worker_waiting_sequences"}
+    wanted = {
+        "pagedkv_worker_kv_blocks_used",
+        "pagedkv_worker_kv_blocks_cached",
+        "pagedkv_worker_kv_pool_blocks",
+        "pagedkv_worker_kv_slot_utilisation_ratio",
+        "pagedkv_worker_running_sequences",
+        "pagedkv_worker_waiting_sequences",
+    }
     async with httpx.AsyncClient(timeout=5) as client:
         while not stop.is_set():
             row: dict = {"t": time.monotonic() - t0}
@@ -127,7 +146,9 @@ async def _poll(urls: list[str], samples: list[dict], stop: asyncio.Event, t0: f
                             else:
                                 row[key] = row.get(key, 0) + s.value
             if "kv_blocks_used" in row:
-                row["kv_slot_utilisation_ratio"] = min(row.get("kv_slot_utilisation_ratio") or [1.0])
+                row["kv_slot_utilisation_ratio"] = min(
+                    row.get("kv_slot_utilisation_ratio") or [1.0]
+                )
                 samples.append(row)
             try:
                 await asyncio.wait_for(stop.wait(), timeout=0.25)
@@ -135,16 +156,26 @@ async def _poll(urls: list[str], samples: list[dict], stop: asyncio.Event, t0: f
                 pass
 
 
-async def _conversation(client, model: str, rng: random.Random, turns: int, lo: int, hi: int, stats: Stats, bar) -> None:
-    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": rng.choice(QUESTIONS)}]
+async def _conversation(
+    client, model: str, rng: random.Random, turns: int, lo: int, hi: int, stats: Stats, bar
+) -> None:
+    messages = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": rng.choice(QUESTIONS)},
+    ]
     for turn in range(turns):
         t0 = time.monotonic()
         first = None
         reply = []
         try:
             stream = await client.chat.completions.create(
-                model=model, messages=messages, max_tokens=rng.randint(lo, hi), temperature=0,
-                stream=True, stream_options={"include_usage": True})
+                model=model,
+                messages=messages,
+                max_tokens=rng.randint(lo, hi),
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
             async for chunk in stream:
                 if chunk.choices and chunk.choices[0].delta.content:
                     if first is None:
@@ -164,8 +195,10 @@ async def _conversation(client, model: str, rng: random.Random, turns: int, lo: 
             stats.ttft.append(first)
         bar.update(1)
         if turn + 1 < turns:
-            messages += [{"role": "assistant", "content": "".join(reply)},
-                         {"role": "user", "content": rng.choice(FOLLOW_UPS)}]
+            messages += [
+                {"role": "assistant", "content": "".join(reply)},
+                {"role": "user", "content": rng.choice(FOLLOW_UPS)},
+            ]
 
 
 async def _workload(api: str, urls: list[str], args) -> tuple[Stats, list[dict], float]:
@@ -188,10 +221,19 @@ async def _workload(api: str, urls: list[str], args) -> tuple[Stats, list[dict],
     client = openai.AsyncOpenAI(base_url=f"{api}/v1", api_key="demo", max_retries=0, timeout=600)
     sem = asyncio.Semaphore(w.concurrency)
     with tqdm(total=sum(turns), desc="chat requests", unit="req") as bar:
+
         async def one(i: int) -> None:
             async with sem:
-                await _conversation(client, args.model, random.Random(w.seed * 1000 + i),
-                                    turns[i], lo, hi, stats, bar)
+                await _conversation(
+                    client,
+                    args.model,
+                    random.Random(w.seed * 1000 + i),
+                    turns[i],
+                    lo,
+                    hi,
+                    stats,
+                    bar,
+                )
 
         await asyncio.gather(*(one(i) for i in range(args.conversations)))
     wall = time.monotonic() - t0
@@ -225,7 +267,9 @@ def _routing(router_url: str, policy: str) -> dict:
         for s in fam.samples:
             if s.name == "pagedkv_router_requests_total":
                 per_worker[s.labels["worker"]] = int(s.value)
-            elif s.labels.get("policy", policy) == policy or s.name == "pagedkv_router_retries_total":
+            elif (
+                s.labels.get("policy", policy) == policy or s.name == "pagedkv_router_retries_total"
+            ):
                 sums[s.name] = sums.get(s.name, 0) + s.value
     chosen = sums.get("pagedkv_router_prefix_cached_tokens_total", 0)
     best = sums.get("pagedkv_router_prefix_best_cached_tokens_total", 0)
@@ -237,7 +281,11 @@ def _routing(router_url: str, policy: str) -> dict:
         "prefix_tokens_cached_where_sent": int(chosen),
         "prefix_tokens_cached_best_worker": int(best),
         "cached_where_sent_of_best": round(chosen / best, 3) if best else None,
-        "routing_ms_mean": round(1000 * sums.get("pagedkv_router_routing_seconds_sum", 0) / count, 3) if count else None,
+        "routing_ms_mean": round(
+            1000 * sums.get("pagedkv_router_routing_seconds_sum", 0) / count, 3
+        )
+        if count
+        else None,
         "retries": int(sums.get("pagedkv_router_retries_total", 0)),
     }
 
@@ -251,16 +299,32 @@ def _chart(path: Path, samples: list[dict], block_size: int) -> None:
     t = [s["t"] for s in samples]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True)
     total = samples[0].get("kv_pool_blocks", 0) if samples else 0
-    ax1.stackplot(t, [s.get("kv_blocks_used", 0) for s in samples], [s.get("kv_blocks_cached", 0) for s in samples],
-                  labels=["in use", "cached (free, reusable)"], colors=["#3b7dd8", "#9cc3f0"])
+    ax1.stackplot(
+        t,
+        [s.get("kv_blocks_used", 0) for s in samples],
+        [s.get("kv_blocks_cached", 0) for s in samples],
+        labels=["in use", "cached (free, reusable)"],
+        colors=["#3b7dd8", "#9cc3f0"],
+    )
     if total:
-        ax1.axhline(total, color="black", linewidth=0.8, linestyle="--", label=f"pool ({int(total)} blocks)")
+        ax1.axhline(
+            total, color="black", linewidth=0.8, linestyle="--", label=f"pool ({int(total)} blocks)"
+        )
     ax1.set_ylabel("KV blocks")
     ax1.legend(loc="upper right", fontsize=8)
     ax1.set_title("KV pool over the demo run")
-    ax2.plot(t, [100 * s.get("kv_slot_utilisation_ratio", 1.0) for s in samples], color="#2a9d5c",
-             label="slots holding tokens / slots allocated")
-    ax2.plot(t, [s.get("running_sequences", 0) for s in samples], color="#d8643b", label="running sequences")
+    ax2.plot(
+        t,
+        [100 * s.get("kv_slot_utilisation_ratio", 1.0) for s in samples],
+        color="#2a9d5c",
+        label="slots holding tokens / slots allocated",
+    )
+    ax2.plot(
+        t,
+        [s.get("running_sequences", 0) for s in samples],
+        color="#d8643b",
+        label="running sequences",
+    )
     ax2.set_xlabel("seconds")
     ax2.set_ylabel("% / count")
     ax2.legend(loc="lower right", fontsize=8)
@@ -277,13 +341,29 @@ def run(args: argparse.Namespace) -> int:
     w = WORKLOAD
     if args.conversations < 1:
         raise CliError("--conversations must be positive")
-    worker_args = ["--num-blocks", str(w.num_blocks), "--block-size", str(w.block_size),
-                   "--enable-prefix-caching", "--max-model-len", str(w.max_model_len),
-                   "--max-num-seqs", str(w.concurrency)]
-    print(f"starting the allocator, {w.workers} worker(s) on {args.model} (CPU) and the router "
-          f"(policy {args.policy}) ...", flush=True)
-    with LocalStack(workers=w.workers, model=args.model, worker_args=worker_args, router=True,
-                    router_args=["--policy", args.policy]) as stack:
+    worker_args = [
+        "--num-blocks",
+        str(w.num_blocks),
+        "--block-size",
+        str(w.block_size),
+        "--enable-prefix-caching",
+        "--max-model-len",
+        str(w.max_model_len),
+        "--max-num-seqs",
+        str(w.concurrency),
+    ]
+    print(
+        f"starting the allocator, {w.workers} worker(s) on {args.model} (CPU) and the router "
+        f"(policy {args.policy}) ...",
+        flush=True,
+    )
+    with LocalStack(
+        workers=w.workers,
+        model=args.model,
+        worker_args=worker_args,
+        router=True,
+        router_args=["--policy", args.policy],
+    ) as stack:
         stats, samples, wall = asyncio.run(_workload(stack.router_url, stack.worker_urls, args))
         totals = _worker_totals(stack.worker_urls)
         routing = _routing(stack.router_url, args.policy)
@@ -301,7 +381,9 @@ def run(args: argparse.Namespace) -> int:
     return 1 if stats.errors else 0
 
 
-def _report(w: Workload, stats: Stats, samples: list[dict], wall: float, totals: dict[str, float]) -> dict:
+def _report(
+    w: Workload, stats: Stats, samples: list[dict], wall: float, totals: dict[str, float]
+) -> dict:
     B = w.block_size
     pool_tokens = w.num_blocks * B * w.workers
     busy = [s for s in samples if s.get("kv_blocks_used", 0) > 0]
@@ -324,8 +406,14 @@ def _report(w: Workload, stats: Stats, samples: list[dict], wall: float, totals:
         "preemptions": int(totals.get("pagedkv_worker_preemptions_total", 0)),
         "peak_blocks_used": peak_blocks,
         "peak_slots_allocated": peak_blocks * B,
-        "peak_slots_holding_tokens": int(totals.get("pagedkv_worker_kv_slots_holding_tokens_peak", 0)),
-        "mean_slot_utilisation": round(statistics.mean(s["kv_slot_utilisation_ratio"] for s in busy), 4) if busy else None,
+        "peak_slots_holding_tokens": int(
+            totals.get("pagedkv_worker_kv_slots_holding_tokens_peak", 0)
+        ),
+        "mean_slot_utilisation": round(
+            statistics.mean(s["kv_slot_utilisation_ratio"] for s in busy), 4
+        )
+        if busy
+        else None,
         "peak_running_conversations": int(totals.get("pagedkv_worker_running_sequences_peak", 0)),
         "pool_tokens": pool_tokens,
         "reserve_max_conversations_fit": pool_tokens // w.max_model_len,
@@ -348,21 +436,33 @@ def _print_report(r: dict) -> None:
         ("time to first token p50 / p95", f"{r['ttft_p50_seconds']} s / {r['ttft_p95_seconds']} s"),
         ("prefix-cache hit rate (prompt tokens)", f"{r['prefix_cache_hit_rate']:.1%}"),
         ("preemptions", str(r["preemptions"])),
-        ("KV slots at peak: holding tokens / allocated", f"{r['peak_slots_holding_tokens']:,} / {r['peak_slots_allocated']:,}"),
+        (
+            "KV slots at peak: holding tokens / allocated",
+            f"{r['peak_slots_holding_tokens']:,} / {r['peak_slots_allocated']:,}",
+        ),
         ("mean slot utilisation while busy", f"{(r['mean_slot_utilisation'] or 0):.1%}"),
         ("conversations running at once (peak)", str(r["peak_running_conversations"])),
-        (f"reserve-the-maximum ({r['max_model_len']:,} tokens each) would fit",
-         f"{r['reserve_max_conversations_fit']} in {r['pool_tokens']:,} slots"),
+        (
+            f"reserve-the-maximum ({r['max_model_len']:,} tokens each) would fit",
+            f"{r['reserve_max_conversations_fit']} in {r['pool_tokens']:,} slots",
+        ),
         ("chart", r["chart"]),
     ]
     g = r.get("routing")
     if g:
         rows[-1:-1] = [
-            (f"router ({g['policy']}): requests per worker",
-             ", ".join(f"{w} {n}" for w, n in g["requests_per_worker"].items())),
-            ("router: prefix tokens cached where sent / best any worker had",
-             f"{g['prefix_tokens_cached_where_sent']:,} / {g['prefix_tokens_cached_best_worker']:,}"),
-            ("router: routing time (mean) / retries", f"{g['routing_ms_mean']} ms / {g['retries']}"),
+            (
+                f"router ({g['policy']}): requests per worker",
+                ", ".join(f"{w} {n}" for w, n in g["requests_per_worker"].items()),
+            ),
+            (
+                "router: prefix tokens cached where sent / best any worker had",
+                f"{g['prefix_tokens_cached_where_sent']:,} / {g['prefix_tokens_cached_best_worker']:,}",
+            ),
+            (
+                "router: routing time (mean) / retries",
+                f"{g['routing_ms_mean']} ms / {g['retries']}",
+            ),
         ]
     for a, b in rows:
         t.add_row(a, b)

@@ -38,10 +38,11 @@ from worker.cli import WorkerArgs
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "up", help="run the allocator and N workers (+ Redis, Prometheus) as local processes",
+        "up",
+        help="run the allocator and N workers (+ Redis, Prometheus) as local processes",
         description="The docker-compose topology as local processes, with prefixed logs; Ctrl-C stops it all. "
-                    "Other settings of the workers, the router and the allocators reach every process "
-                    "through their variables (PAGEDKV_WORKER_*, PAGEDKV_ROUTER_*, PAGEDKV_ALLOCATOR_*).",
+        "Other settings of the workers, the router and the allocators reach every process "
+        "through their variables (PAGEDKV_WORKER_*, PAGEDKV_ROUTER_*, PAGEDKV_ALLOCATOR_*).",
     )
     add_arguments(p, UpArgs)  # its own, then the workers' and the router's it hands on
     return p
@@ -60,13 +61,27 @@ def run(args: argparse.Namespace) -> int:
     console = Console(highlight=False)
     up = from_args(UpArgs, args)
     stack = LocalStack(
-        workers=up.workers, allocators=up.allocators, model=up.model, worker_args=worker_args_from(args),
-        state=up.state, redis=up.redis, prometheus=up.prometheus, standby=up.standby,
-        host=up.host, base_port=up.base_port, allocator_port=up.allocator_port,
-        allocator_metrics_port=up.allocator_metrics_port, prometheus_port=up.prometheus_port,
-        scrape_interval=up.scrape_interval, startup_timeout=up.timeout, grace=up.grace,
-        log_dir=up.log_dir, echo=not up.quiet,
-        router=up.router, router_port=up.router_port, router_args=to_argv(RouterArgs, args),
+        workers=up.workers,
+        allocators=up.allocators,
+        model=up.model,
+        worker_args=worker_args_from(args),
+        state=up.state,
+        redis=up.redis,
+        prometheus=up.prometheus,
+        standby=up.standby,
+        host=up.host,
+        base_port=up.base_port,
+        allocator_port=up.allocator_port,
+        allocator_metrics_port=up.allocator_metrics_port,
+        prometheus_port=up.prometheus_port,
+        scrape_interval=up.scrape_interval,
+        startup_timeout=up.timeout,
+        grace=up.grace,
+        log_dir=up.log_dir,
+        echo=not up.quiet,
+        router=up.router,
+        router_port=up.router_port,
+        router_args=to_argv(RouterArgs, args),
         # behind the router the workers are internal: loopback only
         worker_host="127.0.0.1" if up.router else None,
     )
@@ -89,15 +104,26 @@ def run(args: argparse.Namespace) -> int:
         for col in ("process", "pid", "address"):
             table.add_column(col)
         procs = stack.processes
-        for alloc, address, metrics in zip(stack.allocators, stack.allocator_addresses, stack.allocator_metrics_urls,
-                                           strict=True):
-            table.add_row(alloc.name, str(procs[alloc.name].pid), f"grpc {address}  metrics {metrics}")
-        for alloc, address, metrics in zip(stack.standbys, stack.standby_addresses, stack.standby_metrics_urls,
-                                           strict=True):
-            table.add_row(alloc.name, str(procs[alloc.name].pid), f"grpc {address}  metrics {metrics}  (standby)")
+        for alloc, address, metrics in zip(
+            stack.allocators, stack.allocator_addresses, stack.allocator_metrics_urls, strict=True
+        ):
+            table.add_row(
+                alloc.name, str(procs[alloc.name].pid), f"grpc {address}  metrics {metrics}"
+            )
+        for alloc, address, metrics in zip(
+            stack.standbys, stack.standby_addresses, stack.standby_metrics_urls, strict=True
+        ):
+            table.add_row(
+                alloc.name,
+                str(procs[alloc.name].pid),
+                f"grpc {address}  metrics {metrics}  (standby)",
+            )
         if stack.router_url:
-            table.add_row("router", str(procs["router"].pid),
-                          f"{stack.router_url}/v1  (the API)  {stack.router_url}/metrics")
+            table.add_row(
+                "router",
+                str(procs["router"].pid),
+                f"{stack.router_url}/v1  (the API)  {stack.router_url}/metrics",
+            )
         for i, url in enumerate(stack.worker_urls, 1):
             table.add_row(f"worker-{i}", str(procs[f"worker-{i}"].pid), f"{url}/v1  {url}/metrics")
         if stack.redis_url:
@@ -105,8 +131,10 @@ def run(args: argparse.Namespace) -> int:
         if stack.prometheus_url:
             table.add_row("prometheus", str(procs["prometheus"].pid), stack.prometheus_url)
         console.print(table)
-        console.print(f"logs and credentials (admin-token, router-token, worker tokens): {stack.log_dir}   "
-                      "Ctrl-C stops everything")
+        console.print(
+            f"logs and credentials (admin-token, router-token, worker tokens): {stack.log_dir}   "
+            "Ctrl-C stops everything"
+        )
         if up.ready_file:
             Path(up.ready_file).write_text(json.dumps(stack.describe(), indent=2))
         if up.restart:
@@ -129,5 +157,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         stopping = True
         stack.stop()
-    console.print("all processes stopped" + (f"; logs kept in {stack.log_dir}" if stack.failed else ""))
+    console.print(
+        "all processes stopped" + (f"; logs kept in {stack.log_dir}" if stack.failed else "")
+    )
     return status

@@ -137,8 +137,12 @@ def _help(cls: type, f: dataclasses.Field, meta: Setting) -> str:
     return f"{meta.help} [default: {default}] [{var}{also}]".replace("%", "%%")
 
 
-def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, *,
-                  passthrough: bool = False) -> None:
+def add_arguments(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    cls: type,
+    *,
+    passthrough: bool = False,
+) -> None:
     """The flags of `cls`'s fields, then (for a launcher) a group of each config it hands
     on to. `passthrough`: only its `stack=True` fields, for a launcher that hands them
     on: absent unless given (the processes read their own variables), kept as the text
@@ -151,7 +155,9 @@ def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls
             _add_own(group, other, True)
 
 
-def _add_own(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, passthrough: bool) -> None:
+def _add_own(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, passthrough: bool
+) -> None:
     component = component_of(cls)
     for f, meta, hint in _settings(cls):
         if not meta.flag or (passthrough and not meta.stack):
@@ -171,6 +177,7 @@ def _add_own(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: typ
             parser.add_argument(flag, **switch, **kwargs)
             continue
         if passthrough:
+
             def as_given(text: str, convert=convert) -> str:
                 convert(text)  # refused here, before any process starts, when it would be there
                 return text
@@ -179,7 +186,11 @@ def _add_own(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: typ
             parser.add_argument(flag, type=as_given, default=argparse.SUPPRESS, **kwargs)
             continue
         env = env_default(component, flag, f.default, convert)
-        if meta.fallback_env and not isinstance(env["default"], EnvValue) and os.environ.get(meta.fallback_env):
+        if (
+            meta.fallback_env
+            and not isinstance(env["default"], EnvValue)
+            and os.environ.get(meta.fallback_env)
+        ):
             env["default"] = EnvValue(os.environ[meta.fallback_env], meta.fallback_env)
         parser.add_argument(flag, **env, **kwargs)
 
@@ -243,8 +254,11 @@ def reference_markdown(cls: type) -> str:
 def _row(cls: type, f: dataclasses.Field, meta: Setting, hint: Any, prefix: str = "") -> str:
     switch = _base_type(hint) is bool
     # an on-by-default switch has its --no- form (`env_switch`)
-    flag = (f"`{flag_of(f)}, --no-{flag_of(f)[2:]}`" if switch and f.default else f"`{flag_of(f)}`") \
-        if meta.flag else ""
+    flag = (
+        (f"`{flag_of(f)}, --no-{flag_of(f)[2:]}`" if switch and f.default else f"`{flag_of(f)}`")
+        if meta.flag
+        else ""
+    )
     var = f"`{env_name(component_of(cls), flag_of(f))}`"
     if meta.fallback_env:
         var += f", else `{meta.fallback_env}`"

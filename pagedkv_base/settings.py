@@ -64,8 +64,14 @@ def from_env(convert: Callable[[str], Any]) -> Callable[[str], Any]:
             value = convert(str(text))
         except (ValueError, TypeError, argparse.ArgumentTypeError) as exc:
             if isinstance(text, EnvValue):
-                reason = str(exc) if isinstance(exc, argparse.ArgumentTypeError) else f"not a valid {convert.__name__}"
-                raise argparse.ArgumentTypeError(f"{text.variable}={str(text)!r}: {reason}") from None
+                reason = (
+                    str(exc)
+                    if isinstance(exc, argparse.ArgumentTypeError)
+                    else f"not a valid {convert.__name__}"
+                )
+                raise argparse.ArgumentTypeError(
+                    f"{text.variable}={str(text)!r}: {reason}"
+                ) from None
             raise
         return value
 
@@ -74,7 +80,9 @@ def from_env(convert: Callable[[str], Any]) -> Callable[[str], Any]:
     return parse
 
 
-def env_default(component: str, flag: str, default: Any = None, type: Callable[[str], Any] = str) -> dict[str, Any]:
+def env_default(
+    component: str, flag: str, default: Any = None, type: Callable[[str], Any] = str
+) -> dict[str, Any]:
     """argparse keywords (`default`, `type`) for `--FLAG`: `$PAGEDKV_<COMPONENT>_<FLAG>`
     when set, else `default`; either way parsed by `type`."""
     name = env_name(component, flag)
@@ -88,7 +96,9 @@ def parse_bool(text: str) -> bool:
         return True
     if word in FALSE_WORDS:
         return False
-    raise argparse.ArgumentTypeError(f"not a boolean (use {'/'.join(TRUE_WORDS)} or {'/'.join(FALSE_WORDS)})")
+    raise argparse.ArgumentTypeError(
+        f"not a boolean (use {'/'.join(TRUE_WORDS)} or {'/'.join(FALSE_WORDS)})"
+    )
 
 
 parse_bool.__name__ = "boolean"
@@ -98,7 +108,9 @@ class _Switch(argparse.Action):
     """`store_true` whose default may come from the environment (parsed strictly)."""
 
     def __init__(self, option_strings, dest, default=False, **kwargs) -> None:
-        super().__init__(option_strings, dest, nargs=0, default=default, type=from_env(parse_bool), **kwargs)
+        super().__init__(
+            option_strings, dest, nargs=0, default=default, type=from_env(parse_bool), **kwargs
+        )
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         setattr(namespace, self.dest, True)
@@ -127,7 +139,9 @@ def log_level(text: str) -> str:
     """A log level in any case ("info", "INFO"), as logging wants it (upper case)."""
     level = text.strip().upper()
     if level not in LOG_LEVELS:
-        raise argparse.ArgumentTypeError(f"not a log level (one of {', '.join(LOG_LEVELS)}, any case)")
+        raise argparse.ArgumentTypeError(
+            f"not a log level (one of {', '.join(LOG_LEVELS)}, any case)"
+        )
     return level
 
 
@@ -220,7 +234,9 @@ def read_secret(path: str, what: str = "token file") -> str:
     return secret
 
 
-def run_command(command: str, run: Callable[[argparse.Namespace], int | None], args: argparse.Namespace) -> int:
+def run_command(
+    command: str, run: Callable[[argparse.Namespace], int | None], args: argparse.Namespace
+) -> int:
     """`run(args)`, with the one error style of every command; returns the exit status."""
     try:
         status = int(run(args) or 0)

@@ -35,11 +35,15 @@ def store_kind(url: str) -> tuple[str, str]:
     if url.startswith("file://"):
         path = url.removeprefix("file://")
         if not path:
-            raise StoreOpenError(f"shared store {url!r}: give a directory, e.g. file:///dev/shm/pagedkv")
+            raise StoreOpenError(
+                f"shared store {url!r}: give a directory, e.g. file:///dev/shm/pagedkv"
+            )
         return FILE, path
     if url.startswith(_REDIS_SCHEMES):
         return REDIS, url
-    raise StoreOpenError(f"shared store {url!r}: unknown kind; use file://PATH or redis://HOST:PORT/DB")
+    raise StoreOpenError(
+        f"shared store {url!r}: unknown kind; use file://PATH or redis://HOST:PORT/DB"
+    )
 
 
 def redis_target(url: str) -> tuple[str, str | None]:
@@ -47,7 +51,9 @@ def redis_target(url: str) -> tuple[str, str | None]:
     parts = urlsplit(url)
     query = parse_qsl(parts.query, keep_blank_values=True)
     prefix = next((v for k, v in query if k == "key_prefix"), None)
-    return urlunsplit(parts._replace(query=urlencode([(k, v) for k, v in query if k != "key_prefix"]))), prefix
+    return urlunsplit(
+        parts._replace(query=urlencode([(k, v) for k, v in query if k != "key_prefix"]))
+    ), prefix
 
 
 def probe_directory(root: Path, url: str) -> None:
@@ -58,7 +64,9 @@ def probe_directory(root: Path, url: str) -> None:
         probe.write_bytes(b"pagedkv")
         probe.unlink()
     except OSError as exc:
-        raise StoreOpenError(f"shared store {url}: cannot write to {root} ({one_line(exc)})") from exc
+        raise StoreOpenError(
+            f"shared store {url}: cannot write to {root} ({one_line(exc)})"
+        ) from exc
 
 
 def check_store_url(url: str, timeout_s: float = 1.0) -> None:
@@ -70,8 +78,9 @@ def check_store_url(url: str, timeout_s: float = 1.0) -> None:
     import redis
 
     try:
-        client = redis.Redis.from_url(redis_target(url)[0], socket_timeout=timeout_s,
-                                      socket_connect_timeout=timeout_s)
+        client = redis.Redis.from_url(
+            redis_target(url)[0], socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+        )
     except ValueError as exc:
         raise StoreOpenError(f"shared store {url}: {one_line(exc)}") from exc
     try:

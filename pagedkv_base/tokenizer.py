@@ -30,9 +30,17 @@ def _raise_exception(message: str) -> None:
     raise ChatTemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators=None,
+    sort_keys: bool = False,
+) -> str:
     # Jinja's built-in tojson HTML-escapes <, >, & and ': chat templates want plain JSON.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(fmt: str) -> str:
@@ -87,7 +95,9 @@ class Tokenizer:
                 return True
             if pre.get("type") == "Sequence":
                 return all(keeps_text(p) for p in pre.get("pretokenizers", ()))
-            return pre.get("type") in splitters and str(pre.get("behavior", "")).lower() != "removed"
+            return (
+                pre.get("type") in splitters and str(pre.get("behavior", "")).lower() != "removed"
+            )
 
         if not keeps_text(spec.get("pre_tokenizer")):
             return None
@@ -111,7 +121,9 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         if len(ids) > _LONG:
-            return self.backend.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
+            return self.backend.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[
+                0
+            ]
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     # -- chat ---------------------------------------------------------------------
@@ -124,7 +136,9 @@ class Tokenizer:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         # Sandboxed: a template comes with the checkpoint and is untrusted code.
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+        )
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
@@ -143,12 +157,21 @@ class Tokenizer:
         context = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
         context.update(kwargs)
         return self._template.render(
-            messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt, **context
+            messages=[dict(m) for m in messages],
+            add_generation_prompt=add_generation_prompt,
+            **context,
         )
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        **kwargs: Any,
+    ) -> list[int]:
         """Prompt ids for `messages`: the rendered template, no extra special tokens."""
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        text = self.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, **kwargs
+        )
         return self.encode(text, add_special_tokens=False)
 
     @cached_property
@@ -156,7 +179,9 @@ class Tokenizer:
         """Ids of the special tokens: the ones `decode(skip_special_tokens=True)` leaves out."""
         return frozenset(i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
 
-    def detokenizer(self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+    def detokenizer(
+        self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
+    ) -> IncrementalDetokenizer:
         """A streaming decoder for one sequence, primed with its prompt: the
         generated text reads as it does after the prompt."""
         return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens)
@@ -190,7 +215,9 @@ class NoTokenizer(Tokenizer):
     def special_ids(self) -> frozenset[int]:
         return frozenset()
 
-    def detokenizer(self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+    def detokenizer(
+        self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
+    ) -> IncrementalDetokenizer:
         """Every delta is empty (`decode` is): nothing to decode per token."""
         return NoText(self)
 
@@ -218,7 +245,9 @@ class IncrementalDetokenizer:
 
     CONTEXT = 5  # prompt tokens the first window starts with (vLLM's)
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
+    ) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         self._hidden = tokenizer.special_ids if skip_special_tokens else frozenset()
@@ -305,7 +334,9 @@ class TokenTexts:
     alternative at a position gets the text it would have added there.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
+    ) -> None:
         self._tokenizer = tokenizer
         self._detok = tokenizer.detokenizer(prompt_ids, skip_special_tokens)
         self._hidden = tokenizer.special_ids if skip_special_tokens else frozenset()

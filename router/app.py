@@ -43,12 +43,23 @@ class Router:
     """What the routes share: the tokenizer, the workers, and the matching,
     placement and proxy over them."""
 
-    def __init__(self, tokenizer, discovery: Discovery | MergedDiscovery, policy: str, *,
-                 allocators: Sequence = (), metrics: RouterMetrics | None = None, first_byte_timeout: float = 60.0,
-                 connect_timeout: float = 2.0, cooldown_s: float = 5.0, max_attempts: int = 3,
-                 max_answer_bytes: int = 1 << 30,
-                 worker_api_key: str | None = None, cache_salt_per_api_key: bool = True,
-                 balance: Balance | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        discovery: Discovery | MergedDiscovery,
+        policy: str,
+        *,
+        allocators: Sequence = (),
+        metrics: RouterMetrics | None = None,
+        first_byte_timeout: float = 60.0,
+        connect_timeout: float = 2.0,
+        cooldown_s: float = 5.0,
+        max_attempts: int = 3,
+        max_answer_bytes: int = 1 << 30,
+        worker_api_key: str | None = None,
+        cache_salt_per_api_key: bool = True,
+        balance: Balance | None = None,
+    ) -> None:
         """`allocators`: RouterClients, in the order of `Worker.allocator`; none:
         routing by load alone."""
         self.tokenizer = tokenizer
@@ -59,16 +70,25 @@ class Router:
         self.policy = policy
         self.metrics = metrics or RouterMetrics()
         self.matching = Matcher(discovery, allocators, policy, self.metrics)
-        self.placement = Placement(discovery, policy, balance or Balance(), self.metrics, cooldown_s)
-        self.proxy = Proxy(self.placement, self.metrics, first_byte_timeout=first_byte_timeout,
-                           connect_timeout=connect_timeout, max_attempts=max_attempts,
-                           max_answer_bytes=max_answer_bytes)
+        self.placement = Placement(
+            discovery, policy, balance or Balance(), self.metrics, cooldown_s
+        )
+        self.proxy = Proxy(
+            self.placement,
+            self.metrics,
+            first_byte_timeout=first_byte_timeout,
+            connect_timeout=connect_timeout,
+            max_attempts=max_attempts,
+            max_answer_bytes=max_answer_bytes,
+        )
 
     def worker_auth(self, request: Request) -> list[tuple[str, str]]:
         """The headers the router presents to workers for `request`: its own key
         (`worker_api_key`), never the client's, and behind keys the client's
         tenant id (TENANT_HEADER), under which the worker caches its blocks."""
-        headers = [("authorization", f"Bearer {self.worker_api_key}")] if self.worker_api_key else []
+        headers = (
+            [("authorization", f"Bearer {self.worker_api_key}")] if self.worker_api_key else []
+        )
         key = api_key_of(request)
         return headers + [(TENANT_HEADER, tenant_of(key))] if key is not None else headers
 
@@ -97,28 +117,55 @@ class Router:
             return self._no_model(req.model)
         tokens = None
         if self.policy == "kv" and self.matching.allocators:
-            tokens = await off_loop(prompt_ids, self.tokenizer, kind, req, size=prompt_size(kind, req))
+            tokens = await off_loop(
+                prompt_ids, self.tokenizer, kind, req, size=prompt_size(kind, req)
+            )
         salt = self.cache_salt(request, req.cache_salt)
         matches = await self.matching.cached_tokens(workers, tokens, salt)
         # Compared with every prompt in flight a block at a time: a long prompt's off the loop;
         # `place` then adds the prompts placed meanwhile, and ranks and records with no await.
         seen = dict(placement.computing)
-        computing = await off_loop(placement.being_computed, workers, tokens, salt,
-                                   list(seen.values()), size=len(tokens or ()))
+        computing = await off_loop(
+            placement.being_computed,
+            workers,
+            tokens,
+            salt,
+            list(seen.values()),
+            size=len(tokens or ()),
+        )
         rid, order = placement.place(workers, matches, tokens, salt, computing, seen)
         routing_s = time.perf_counter() - t0
         self.metrics.routing_seconds.labels(self.policy).observe(routing_s)
-        return await self.proxy.forward(request, order, rid, tokens, salt, self.worker_auth(request),
-                                        bool(req.stream), routing_s)
+        return await self.proxy.forward(
+            request,
+            order,
+            rid,
+            tokens,
+            salt,
+            self.worker_auth(request),
+            bool(req.stream),
+            routing_s,
+        )
 
     def _no_model(self, model: str) -> Response:
-        served = sorted({w.served_model_name for w in self.discovery.workers.values() if w.served_model_name})
+        served = sorted(
+            {w.served_model_name for w in self.discovery.workers.values() if w.served_model_name}
+        )
         if not self.discovery.workers:
             self.metrics.failed.labels("no_workers").inc()
-            raise ApiError(503, "no worker is registered with the router's allocator yet", type_="server_error",
-                           code="no_workers")
-        raise ApiError(404, f"the model {model!r} does not exist; the workers serve {served}",
-                       param="model", type_="not_found_error", code="model_not_found")
+            raise ApiError(
+                503,
+                "no worker is registered with the router's allocator yet",
+                type_="server_error",
+                code="no_workers",
+            )
+        raise ApiError(
+            404,
+            f"the model {model!r} does not exist; the workers serve {served}",
+            param="model",
+            type_="not_found_error",
+            code="model_not_found",
+        )
 
     async def models(self, request: Request) -> dict:
         """Every served model's card, from a worker that serves it."""
@@ -130,17 +177,28 @@ class Router:
         async def cards(ws: list[Worker]) -> list[dict]:
             for w in ws:
                 with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError, KeyError):
-                    async with self.proxy.http.get(f"{w.url}/v1/models", headers=headers,
-                                                   timeout=aiohttp.ClientTimeout(total=5.0)) as r:
+                    async with self.proxy.http.get(
+                        f"{w.url}/v1/models",
+                        headers=headers,
+                        timeout=aiohttp.ClientTimeout(total=5.0),
+                    ) as r:
                         status = r.status
                         data = await r.json(content_type=None) if status == 200 else None
                     if status == 200:
                         return list(data["data"])
                     if status == 401:
-                        raise ApiError(401, "invalid or missing API key: send the header "
-                                            "`Authorization: Bearer KEY`", code="invalid_api_key")
+                        raise ApiError(
+                            401,
+                            "invalid or missing API key: send the header "
+                            "`Authorization: Bearer KEY`",
+                            code="invalid_api_key",
+                        )
             name = ws[0].served_model_name
-            return [{"id": name, "object": "model", "created": 0, "owned_by": "pagedkv"}] if name else []
+            return (
+                [{"id": name, "object": "model", "created": 0, "owned_by": "pagedkv"}]
+                if name
+                else []
+            )
 
         found = await asyncio.gather(*(cards(ws) for _, ws in sorted(groups.items())))
         data = {card["id"]: card for group in found for card in group}

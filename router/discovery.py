@@ -76,8 +76,12 @@ class Worker:
     num_blocks: int = 0
     block_size: int = 0
     free_blocks: int = 0
-    allocator: int = 0  # which of the router's allocators holds its pool (their order on the command line)
-    tiered: bool = False  # its pool has a host tier or uses the shared store (the view holds KV pools only)
+    allocator: int = (
+        0  # which of the router's allocators holds its pool (their order on the command line)
+    )
+    tiered: bool = (
+        False  # its pool has a host tier or uses the shared store (the view holds KV pools only)
+    )
 
     @property
     def name(self) -> str:
@@ -97,8 +101,13 @@ def prove(pool, timeout_s: float = PROOF_TIMEOUT_S) -> bool:
     nonce = secrets.token_hex(16)
     deadline = time.monotonic() + timeout_s
     try:
-        with httpx.stream("GET", f"{url}{IDENTITY_PATH}", params={"nonce": nonce}, timeout=timeout_s,
-                          follow_redirects=False) as r:
+        with httpx.stream(
+            "GET",
+            f"{url}{IDENTITY_PATH}",
+            params={"nonce": nonce},
+            timeout=timeout_s,
+            follow_redirects=False,
+        ) as r:
             if r.status_code != 200:
                 return False
             body = b""
@@ -115,9 +124,15 @@ def prove(pool, timeout_s: float = PROOF_TIMEOUT_S) -> bool:
 class Discovery:
     """The workers the router knows, kept current by a daemon thread."""
 
-    def __init__(self, client=None, static: Sequence[str] = (), refresh_s: float = 5.0,
-                 on_change: Callable[[dict[str, Worker]], None] | None = None, index: int = 0,
-                 view: PrefixView | None = None) -> None:
+    def __init__(
+        self,
+        client=None,
+        static: Sequence[str] = (),
+        refresh_s: float = 5.0,
+        on_change: Callable[[dict[str, Worker]], None] | None = None,
+        index: int = 0,
+        view: PrefixView | None = None,
+    ) -> None:
         self.client = client  # a RouterClient, or None (static list only)
         # The pools' prefix caches from every block event (None: the pools' events only,
         # and the router asks MatchPrefix per request).
@@ -168,15 +183,31 @@ class Discovery:
     def refresh(self) -> None:
         """List the allocator's pools now (raises what the client raises)."""
         pools = self.client.list_pools()
-        proven = self._prove_new([p for p in pools if normalise_url(p.advertise_url)
-                                  and (not self.static or normalise_url(p.advertise_url) in self.static)])
+        proven = self._prove_new(
+            [
+                p
+                for p in pools
+                if normalise_url(p.advertise_url)
+                and (not self.static or normalise_url(p.advertise_url) in self.static)
+            ]
+        )
         by_url: dict[str, Worker] = {}
         for p in pools:
             url = normalise_url(p.advertise_url)
             if (p.pool_id, url) not in proven:
                 continue  # not advertised, not among the static URLs, or its worker did not prove it
-            w = Worker(url, p.worker_id, p.pool_id, p.model_fingerprint, p.served_model_name, p.num_blocks,
-                       p.block_size, p.free_blocks, self.index, bool(p.host_blocks or p.use_shared_store))
+            w = Worker(
+                url,
+                p.worker_id,
+                p.pool_id,
+                p.model_fingerprint,
+                p.served_model_name,
+                p.num_blocks,
+                p.block_size,
+                p.free_blocks,
+                self.index,
+                bool(p.host_blocks or p.use_shared_store),
+            )
             old = by_url.get(url)
             # Two live pools at one URL: a worker restarted under a new id while its
             # old pool's lease runs; the one with fewer blocks in use is the new one.
@@ -184,7 +215,9 @@ class Discovery:
                 by_url[url] = w
         for url in self.static:
             by_url.setdefault(url, Worker(url, allocator=self.index))
-        if self.view is not None:  # a listing's free blocks, newer than the last event's for an idle pool
+        if (
+            self.view is not None
+        ):  # a listing's free blocks, newer than the last event's for an idle pool
             for p in pools:
                 self.view.note_free(p.pool_id, p.free_blocks)
         with self._lock:
@@ -194,7 +227,10 @@ class Discovery:
         self.allocator_ok = True
         self.listed.set()
         if changed:
-            log.info("workers: %s", ", ".join(f"{w.name} at {u}" for u, w in sorted(by_url.items())) or "none")
+            log.info(
+                "workers: %s",
+                ", ".join(f"{w.name} at {u}" for u, w in sorted(by_url.items())) or "none",
+            )
             if self.on_change is not None:
                 self.on_change(by_url)
 
@@ -207,9 +243,15 @@ class Discovery:
     def _prove_new_locked(self, pools: list) -> set[tuple[str, str]]:
         now = time.monotonic()
         keys = {(p.pool_id, normalise_url(p.advertise_url)): p for p in pools}
-        ask = [(k, p) for k, p in keys.items() if k not in self._proven and self._retry_at.get(k, 0.0) <= now]
+        ask = [
+            (k, p)
+            for k, p in keys.items()
+            if k not in self._proven and self._retry_at.get(k, 0.0) <= now
+        ]
         if ask:
-            with ThreadPoolExecutor(min(PROOF_THREADS, len(ask)), thread_name_prefix="router-prove") as ex:
+            with ThreadPoolExecutor(
+                min(PROOF_THREADS, len(ask)), thread_name_prefix="router-prove"
+            ) as ex:
                 results = list(ex.map(lambda kp: prove(kp[1]), ask))
             for (key, _), ok in zip(ask, results, strict=True):
                 if ok:
@@ -217,8 +259,11 @@ class Discovery:
                     self._retry_at.pop(key, None)
                 else:
                     if key not in self._retry_at:
-                        log.warning("pool %s at %s: its worker did not prove it serves that pool; "
-                                    "not routed to", *key)
+                        log.warning(
+                            "pool %s at %s: its worker did not prove it serves that pool; "
+                            "not routed to",
+                            *key,
+                        )
                     self._retry_at[key] = now + RETRY_PROOF_S
         # forget pools no longer listed
         self._proven &= set(keys)
@@ -233,7 +278,9 @@ class Discovery:
             return
         self._thread = threading.Thread(target=self._follow, name="router-events", daemon=True)
         self._thread.start()
-        self._refresher = threading.Thread(target=self._refresh_loop, name="router-refresh", daemon=True)
+        self._refresher = threading.Thread(
+            target=self._refresh_loop, name="router-refresh", daemon=True
+        )
         self._refresher.start()
 
     def _refresh_loop(self) -> None:
@@ -269,7 +316,9 @@ class Discovery:
                     # allocator CPU on every step for nothing this router uses. A
                     # reconnect follows on from the last event seen, so none is missed
                     # (too old: RESYNC_REQUIRED, answered by listing again).
-                    self._stream = self.client.watch_events(from_sequence=self._next_event, kinds=pool_kinds)
+                    self._stream = self.client.watch_events(
+                        from_sequence=self._next_event, kinds=pool_kinds
+                    )
                 if self._stop.is_set():
                     break
                 self._try_refresh()
@@ -292,12 +341,16 @@ class Discovery:
                             self._next_event = event.sequence + 1
                     self._try_refresh()  # a pool came or went, or events were missed
             except _Resync:
-                log.warning("allocator event stream: events were missed; a new snapshot in %.1f s", backoff)
+                log.warning(
+                    "allocator event stream: events were missed; a new snapshot in %.1f s", backoff
+                )
                 self._cancel_stream()
             except Exception as exc:  # noqa: BLE001 - reconnect after any failure
                 if self._stop.is_set():
                     break
-                log.warning("allocator event stream: %s; reconnecting in %.1f s", _short(exc), backoff)
+                log.warning(
+                    "allocator event stream: %s; reconnecting in %.1f s", _short(exc), backoff
+                )
             finally:
                 if view is not None:
                     view.lost()
@@ -342,8 +395,9 @@ class MergedDiscovery:
         # NOTE: each part replaces its whole dict when it lists again, so
         # identity says whether anything changed: a request merges only after a change.
         views = [(p.workers, p.allocator_ok) for p in self.parts]
-        if len(views) != len(self._views) or any(a is not b or ok != was for (a, ok), (b, was)
-                                                  in zip(views, self._views, strict=False)):
+        if len(views) != len(self._views) or any(
+            a is not b or ok != was for (a, ok), (b, was) in zip(views, self._views, strict=False)
+        ):
             merged: dict[str, Worker] = {}
             best: dict[str, tuple[bool, bool, int]] = {}
             for view, ok in views:

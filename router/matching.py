@@ -68,15 +68,21 @@ class Matcher:
     """Matches prompts against the pools of `discovery`'s workers; `allocators`:
     RouterClients in the order of `Worker.allocator` (none: nothing is matched)."""
 
-    def __init__(self, discovery: Discovery | MergedDiscovery, allocators: Sequence, policy: str,
-                 metrics: RouterMetrics) -> None:
+    def __init__(
+        self,
+        discovery: Discovery | MergedDiscovery,
+        allocators: Sequence,
+        policy: str,
+        metrics: RouterMetrics,
+    ) -> None:
         self.discovery = discovery
         self.allocators = list(allocators)
         self.policy = policy
         self.metrics = metrics
 
-    async def cached_tokens(self, workers: Sequence[Worker], tokens: list[int] | None,
-                            salt: str | None) -> dict[PoolKey, PoolMatch]:
+    async def cached_tokens(
+        self, workers: Sequence[Worker], tokens: list[int] | None, salt: str | None
+    ) -> dict[PoolKey, PoolMatch]:
         """Each pool of `workers` against the prompt: matched in the view of each
         allocator whose view is in step, for pools without tiers (the view holds
         KV pools only); from MatchPrefix for the others, one call per allocator
@@ -88,7 +94,13 @@ class Matcher:
         # Not an allocator that did not answer its last listing: its workers are
         # ranked last anyway, and a call to it could hold every request up to its deadline.
         answers = self.discovery.allocator_answers
-        asks = sorted({(w.allocator, w.model_fingerprint) for w in workers if w.pool_id and answers(w.allocator)})
+        asks = sorted(
+            {
+                (w.allocator, w.model_fingerprint)
+                for w in workers
+                if w.pool_id and answers(w.allocator)
+            }
+        )
         if not asks:
             return {}
 
@@ -101,7 +113,9 @@ class Matcher:
             with self.metrics.view_match_seconds.time():
                 # A long prompt's hash chain off the loop, as its tokenizing was (over 4,096
                 # tokens: ~0.5 ms of hashing per block size, more than the hop to a thread).
-                found = await off_loop(match_in_views, views, local, workers, tokens, salt, size=len(tokens))
+                found = await off_loop(
+                    match_in_views, views, local, workers, tokens, salt, size=len(tokens)
+                )
             asks = [a for a in asks if a not in local]
             if not asks:
                 return found
@@ -112,11 +126,18 @@ class Matcher:
             except Exception as exc:  # noqa: BLE001 - that allocator away: its pools route by load alone
                 self.metrics.match_errors.inc()
                 log.warning("MatchPrefix failed (%s): routing by load", type(exc).__name__)
-                if _unreachable(exc):  # not asked again until it answers a listing (each request would wait)
+                if _unreachable(
+                    exc
+                ):  # not asked again until it answers a listing (each request would wait)
                     self.discovery.not_answering(index)
                 return []
-            return [((index, m.pool_id), PoolMatch(m.cached_tokens, m.free_blocks, m.host_tokens, m.store_tokens))
-                    for m in matches]
+            return [
+                (
+                    (index, m.pool_id),
+                    PoolMatch(m.cached_tokens, m.free_blocks, m.host_tokens, m.store_tokens),
+                )
+                for m in matches
+            ]
 
         with self.metrics.match_seconds.time():
             if len(asks) == 1:
@@ -128,11 +149,18 @@ class Matcher:
 
 def synced_views(discovery: Discovery | MergedDiscovery) -> dict[int, PrefixView]:
     """Allocator index -> its view of the pools' caches, for the views in step."""
-    return {i: p.view for i, p in enumerate(discovery.parts) if p.view is not None and p.view.synced}
+    return {
+        i: p.view for i, p in enumerate(discovery.parts) if p.view is not None and p.view.synced
+    }
 
 
-def match_in_views(views: dict[int, PrefixView], asks: Sequence[tuple[int, str]], workers: Sequence[Worker],
-                   tokens: list[int], salt: str | None) -> dict[PoolKey, PoolMatch]:
+def match_in_views(
+    views: dict[int, PrefixView],
+    asks: Sequence[tuple[int, str]],
+    workers: Sequence[Worker],
+    tokens: list[int],
+    salt: str | None,
+) -> dict[PoolKey, PoolMatch]:
     """What MatchPrefix would answer for the pools among `workers` of each
     (allocator, fingerprint) in `asks`, from that allocator's view: the
     prompt's hash chain per block size (`prompt_chain`), the leading hashes the
@@ -148,7 +176,12 @@ def match_in_views(views: dict[int, PrefixView], asks: Sequence[tuple[int, str]]
     for index, fingerprint in asks:
         view = views[index]
         for w in workers:
-            if w.allocator != index or w.model_fingerprint != fingerprint or not w.pool_id or not w.block_size:
+            if (
+                w.allocator != index
+                or w.model_fingerprint != fingerprint
+                or not w.pool_id
+                or not w.block_size
+            ):
                 continue
             size = w.block_size
             hashes = chains.get((fingerprint, size))
@@ -159,12 +192,19 @@ def match_in_views(views: dict[int, PrefixView], asks: Sequence[tuple[int, str]]
                     hashes = []
                 chains[(fingerprint, size)] = hashes
             free = view.free_blocks(w.pool_id)
-            out[(index, w.pool_id)] = PoolMatch(view.cached_blocks(w.pool_id, hashes) * size,
-                                                w.free_blocks if free is None else free, 0, 0)
+            out[(index, w.pool_id)] = PoolMatch(
+                view.cached_blocks(w.pool_id, hashes) * size,
+                w.free_blocks if free is None else free,
+                0,
+                0,
+            )
     return out
 
 
 def _unreachable(exc: BaseException) -> bool:
     """A gRPC error that says the allocator did not answer (as opposed to refusing)."""
     code = getattr(exc, "code", None)
-    return callable(code) and code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    return callable(code) and code() in (
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+    )

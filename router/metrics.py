@@ -12,58 +12,102 @@ ROUTING_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.
 class RouterMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.routed = Counter("pagedkv_router_requests", "Requests sent to a worker (the one that answered).",
-                              ["worker", "policy"], registry=r)
-        self.prompt_tokens = Counter("pagedkv_router_prompt_tokens", "Prompt tokens of routed requests.",
-                                     ["policy"], registry=r)
+        self.routed = Counter(
+            "pagedkv_router_requests",
+            "Requests sent to a worker (the one that answered).",
+            ["worker", "policy"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "pagedkv_router_prompt_tokens",
+            "Prompt tokens of routed requests.",
+            ["policy"],
+            registry=r,
+        )
         self.cached_chosen = Counter(
             "pagedkv_router_prefix_cached_tokens",
             "Prompt tokens the chosen worker's pool held cached when the request was routed.",
-            ["policy"], registry=r)
+            ["policy"],
+            registry=r,
+        )
         self.cached_best = Counter(
             "pagedkv_router_prefix_best_cached_tokens",
             "Prompt tokens the best-placed worker's pool held cached when the request was routed.",
-            ["policy"], registry=r)
+            ["policy"],
+            registry=r,
+        )
         self.routing_seconds = Histogram(
             "pagedkv_router_routing_seconds",
             "Time to choose a worker: tokenize, match (view or MatchPrefix), rank.",
-            ["policy"], buckets=ROUTING_BUCKETS, registry=r)
+            ["policy"],
+            buckets=ROUTING_BUCKETS,
+            registry=r,
+        )
         self.match_seconds = Histogram(
             "pagedkv_router_match_prefix_seconds",
             "Time of the MatchPrefix call (the allocator's share of the routing time).",
-            buckets=ROUTING_BUCKETS, registry=r)
+            buckets=ROUTING_BUCKETS,
+            registry=r,
+        )
         self.view_match_seconds = Histogram(
             "pagedkv_router_view_match_seconds",
             "Time to match a prompt in the router's copy of the allocators' prefix caches, kept from their "
             "events (no call; what replaces MatchPrefix while the copy is in step).",
-            buckets=ROUTING_BUCKETS, registry=r)
+            buckets=ROUTING_BUCKETS,
+            registry=r,
+        )
         self.views_synced = Gauge(
             "pagedkv_router_prefix_views_synced",
             "Allocators whose prefix caches the router holds in step from their events (the rest are asked "
-            "MatchPrefix per request).", registry=r)
+            "MatchPrefix per request).",
+            registry=r,
+        )
         self.retries = Counter(
             "pagedkv_router_retries",
             "Requests sent again to another worker before any byte reached the client, by why.",
-            ["reason"], registry=r)
+            ["reason"],
+            registry=r,
+        )
         self.failed = Counter(
             "pagedkv_router_failed_requests",
-            "Requests the router answered with an error of its own, by why.", ["reason"], registry=r)
+            "Requests the router answered with an error of its own, by why.",
+            ["reason"],
+            registry=r,
+        )
         self.match_errors = Counter(
             "pagedkv_router_match_prefix_errors",
-            "MatchPrefix calls that failed (the request was routed by load alone).", registry=r)
-        self.in_flight = Gauge("pagedkv_router_in_flight_requests",
-                               "Requests a worker is answering through this router.", ["worker"], registry=r)
+            "MatchPrefix calls that failed (the request was routed by load alone).",
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "pagedkv_router_in_flight_requests",
+            "Requests a worker is answering through this router.",
+            ["worker"],
+            registry=r,
+        )
         self.recent_blocks = Gauge(
             "pagedkv_router_recent_blocks",
             "Blocks of the prompts this router sent the worker lately that its pool still holds, as of the last "
-            "request ranked (kv: a prompt no pool holds goes to the worker with the fewest).", ["worker"], registry=r)
-        self.workers = Gauge("pagedkv_router_workers", "Workers the router may send requests to.", registry=r)
+            "request ranked (kv: a prompt no pool holds goes to the worker with the fewest).",
+            ["worker"],
+            registry=r,
+        )
+        self.workers = Gauge(
+            "pagedkv_router_workers", "Workers the router may send requests to.", registry=r
+        )
         self.unproven_pools = Gauge(
             "pagedkv_router_unproven_pools",
             "Listed pools never sent a request: the worker at the advertised address has not proven it "
-            "serves that pool (GET /pagedkv/identity).", registry=r)
-        self.allocators = Gauge("pagedkv_router_allocators", "Allocators the router follows (pools sharded over them).",
-                                registry=r)
+            "serves that pool (GET /pagedkv/identity).",
+            registry=r,
+        )
+        self.allocators = Gauge(
+            "pagedkv_router_allocators",
+            "Allocators the router follows (pools sharded over them).",
+            registry=r,
+        )
         self.allocators_unreachable = Gauge(
             "pagedkv_router_allocators_unreachable",
-            "Allocators whose last listing or MatchPrefix went unanswered (their workers rank last).", registry=r)
+            "Allocators whose last listing or MatchPrefix went unanswered (their workers rank last).",
+            registry=r,
+        )

@@ -30,8 +30,14 @@ class Placement:
     being computed (`computing`: request id -> (url, salt, prompt)) and the
     blocks sent lately (`recent`). All of it this router's own: a restart loses none."""
 
-    def __init__(self, discovery: Discovery | MergedDiscovery, policy: str, balance: Balance,
-                 metrics: RouterMetrics, cooldown_s: float) -> None:
+    def __init__(
+        self,
+        discovery: Discovery | MergedDiscovery,
+        policy: str,
+        balance: Balance,
+        metrics: RouterMetrics,
+        cooldown_s: float,
+    ) -> None:
         self.discovery = discovery
         self.policy = policy
         self.balance = balance  # kv: when the load decides instead of the cache
@@ -49,8 +55,13 @@ class Placement:
         self.metrics.workers.set(len(workers))
         return [w for w in workers if w.served_model_name in ("", model)]
 
-    def being_computed(self, workers: Sequence[Worker], tokens: list[int] | None, salt: str | None,
-                       computing: Sequence[tuple[str, str | None, list[int]]] | None = None) -> dict[str, int]:
+    def being_computed(
+        self,
+        workers: Sequence[Worker],
+        tokens: list[int] | None,
+        salt: str | None,
+        computing: Sequence[tuple[str, str | None, list[int]]] | None = None,
+    ) -> dict[str, int]:
         """url -> the most leading tokens of `tokens` (whole blocks, never the
         last token) that a prompt in flight there under the same salt shares.
         `computing`: the prompts in flight (default `self.computing`'s)."""
@@ -58,20 +69,25 @@ class Placement:
         if not tokens or self.policy != "kv":
             return out
         sizes = {w.url: w.block_size for w in workers if w.block_size}
-        for url, other_salt, other in (self.computing.values() if computing is None else computing):
+        for url, other_salt, other in self.computing.values() if computing is None else computing:
             size = sizes.get(url)
             if size is None or other_salt != salt:
                 continue
             n = min(len(tokens) - 1, len(other)) // size * size
             k = 0
-            while k < n and tokens[k:k + size] == other[k:k + size]:
+            while k < n and tokens[k : k + size] == other[k : k + size]:
                 k += size
             if k > out.get(url, 0):
                 out[url] = k
         return out
 
-    def ranked(self, workers: Sequence[Worker], matches: dict[PoolKey, PoolMatch],
-               prompt_tokens: int, computing: dict[str, int] | None = None) -> list[tuple[Worker, int]]:
+    def ranked(
+        self,
+        workers: Sequence[Worker],
+        matches: dict[PoolKey, PoolMatch],
+        prompt_tokens: int,
+        computing: dict[str, int] | None = None,
+    ) -> list[tuple[Worker, int]]:
         """(worker, its cached tokens by MatchPrefix), best first; workers
         whose allocator does not answer the router after the others (with
         pools sharded over allocators: a worker cannot compute while its own
@@ -83,7 +99,9 @@ class Placement:
         exact = {}
         cands = []
         for w in workers:
-            cached, free, host, store = matches.get((w.allocator, w.pool_id), (0, w.free_blocks, 0, 0))
+            cached, free, host, store = matches.get(
+                (w.allocator, w.pool_id), (0, w.free_blocks, 0, 0)
+            )
             exact[w.url] = cached + host + store  # what its usage will count as cached
             soon = max(cached, (computing or {}).get(w.url, 0))
             # Free blocks holding no cached prefix: at least the free ones beyond every block
@@ -91,23 +109,46 @@ class Placement:
             view = views.get(w.allocator) if w.pool_id else None
             held = view.held_blocks(w.pool_id) if view is not None else None
             clean = None if held is None else max(free - held, 0)
-            tiers = (host, store) if soon == cached else (0, 0)  # a prompt being computed there: in its KV pool
+            tiers = (
+                (host, store) if soon == cached else (0, 0)
+            )  # a prompt being computed there: in its KV pool
             recent = 0  # only kv records what it sends
             if self.policy == "kv":
                 holds = functools.partial(view.holds, w.pool_id) if view is not None else None
                 recent = self.recent.blocks(w.url, holds, self.computing)
                 self.metrics.recent_blocks.labels(w.name).set(recent)
-            cands.append(Candidate(w.url, soon, free, w.num_blocks, self.in_flight.get(w.url, 0),
-                                   w.block_size, clean, *tiers, recent_blocks=recent))
+            cands.append(
+                Candidate(
+                    w.url,
+                    soon,
+                    free,
+                    w.num_blocks,
+                    self.in_flight.get(w.url, 0),
+                    w.block_size,
+                    clean,
+                    *tiers,
+                    recent_blocks=recent,
+                )
+            )
         order = rank(self.policy, cands, prompt_tokens, next(self._turns), self.balance)
         reachable = self.discovery.allocator_answers
-        order.sort(key=lambda c: (self.down_until.get(c.key, 0.0) > now,  # stable: keeps the ranking
-                                  not reachable(by_url[c.key].allocator)))
+        order.sort(
+            key=lambda c: (
+                self.down_until.get(c.key, 0.0) > now,  # stable: keeps the ranking
+                not reachable(by_url[c.key].allocator),
+            )
+        )
         return [(by_url[c.key], exact[c.key]) for c in order]
 
-    def place(self, workers: Sequence[Worker], matches: dict[PoolKey, PoolMatch],
-              tokens: list[int] | None, salt: str | None, computing: dict[str, int] | None = None,
-              seen: dict | None = None) -> tuple[int, list[tuple[Worker, int]]]:
+    def place(
+        self,
+        workers: Sequence[Worker],
+        matches: dict[PoolKey, PoolMatch],
+        tokens: list[int] | None,
+        salt: str | None,
+        computing: dict[str, int] | None = None,
+        seen: dict | None = None,
+    ) -> tuple[int, list[tuple[Worker, int]]]:
         """(the request's id, `ranked`), the first of the ranking recorded as computing the
         prompt, with no await between: the next request sees it, however late the view.
         `computing`: `being_computed` against the prompts in flight `seen` (by id), taken
@@ -128,8 +169,15 @@ class Placement:
         """Request `rid`'s prompt goes to `worker`: computing there, and its blocks the newest sent there."""
         self.computing[rid] = (worker.url, salt, tokens)
         if self.policy == "kv":
-            self.recent.record(worker.url, rid, worker.model_fingerprint, worker.block_size, worker.num_blocks,
-                               tokens, salt)
+            self.recent.record(
+                worker.url,
+                rid,
+                worker.model_fingerprint,
+                worker.block_size,
+                worker.num_blocks,
+                tokens,
+                salt,
+            )
             self.metrics.recent_blocks.labels(worker.name).set(self.recent.blocks(worker.url))
 
     def answered(self, rid: int) -> None:

@@ -56,7 +56,9 @@ class Candidate:
     num_blocks: int = 0  # 0: unknown (no pool known): usage counts as 0
     in_flight: int = 0  # its requests through this router, not yet answered in full
     block_size: int = 0  # 0: unknown: no eviction is counted
-    clean_free: int | None = None  # free blocks holding no cached prefix; None: unknown (all free ones)
+    clean_free: int | None = (
+        None  # free blocks holding no cached prefix; None: unknown (all free ones)
+    )
     host_tokens: int = 0  # of this prompt past `cached_tokens`, in its host tier
     store_tokens: int = 0  # ... past those, in the shared store
     recent_blocks: int = 0  # blocks of the prompts this router sent it lately (`RecentBlocks`)
@@ -98,18 +100,28 @@ def evicted_blocks(c: Candidate, prompt_tokens: int) -> int:
     """Cached blocks of the pool that placing the prompt there would reuse for its new blocks."""
     if c.block_size <= 0 or prompt_tokens <= 0:
         return 0
-    new = blocks_for(prompt_tokens, c.block_size) - min(c.cached_tokens, prompt_tokens) // c.block_size
+    new = (
+        blocks_for(prompt_tokens, c.block_size)
+        - min(c.cached_tokens, prompt_tokens) // c.block_size
+    )
     clean = c.free_blocks if c.clean_free is None else min(c.clean_free, c.free_blocks)
     return min(max(new - clean, 0), max(c.free_blocks - clean, 0))
 
 
 def overloaded(c: Candidate, least_in_flight: int, balance: Balance) -> bool:
-    return (c.in_flight - least_in_flight > balance.abs_threshold
-            and c.in_flight > balance.rel_threshold * least_in_flight)
+    return (
+        c.in_flight - least_in_flight > balance.abs_threshold
+        and c.in_flight > balance.rel_threshold * least_in_flight
+    )
 
 
-def rank(policy: str, candidates: Sequence[Candidate], prompt_tokens: int, turn: int,
-         balance: Balance = Balance()) -> list[Candidate]:
+def rank(
+    policy: str,
+    candidates: Sequence[Candidate],
+    prompt_tokens: int,
+    turn: int,
+    balance: Balance = Balance(),
+) -> list[Candidate]:
     """`candidates` best first under `policy` (the rest are the retry order).
     `turn`: a counter the caller advances per request (round-robin, ties)."""
     if policy not in POLICIES:
@@ -118,7 +130,9 @@ def rank(policy: str, candidates: Sequence[Candidate], prompt_tokens: int, turn:
     if n == 0:
         return []
     # In turn: candidate i's place in the rotation that starts at `turn`.
-    rotation = {c.key: (i - turn) % n for i, c in enumerate(sorted(candidates, key=lambda c: c.key))}
+    rotation = {
+        c.key: (i - turn) % n for i, c in enumerate(sorted(candidates, key=lambda c: c.key))
+    }
     if policy == "round-robin":
         return sorted(candidates, key=lambda c: rotation[c.key])
 

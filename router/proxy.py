@@ -52,18 +52,41 @@ RETRY_STATUSES = frozenset((502, 503, 504))
 # during it is skipped); a longer one is passed on as it arrives, so the router holds a chunk of it.
 WHOLE_ANSWER_BYTES = 1 << 20
 # Not forwarded either way (hop-by-hop, set anew by this hop, or the client's credentials).
-_HOP = frozenset((b"host", b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"te",
-                  b"upgrade", b"proxy-authorization", b"proxy-connection", b"authorization", b"cookie",
-                  TENANT_HEADER.encode()))
-_HOP_OUT = frozenset(("connection", "keep-alive", "transfer-encoding", "date", "server", "content-length"))
+_HOP = frozenset(
+    (
+        b"host",
+        b"content-length",
+        b"connection",
+        b"keep-alive",
+        b"transfer-encoding",
+        b"te",
+        b"upgrade",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"authorization",
+        b"cookie",
+        TENANT_HEADER.encode(),
+    )
+)
+_HOP_OUT = frozenset(
+    ("connection", "keep-alive", "transfer-encoding", "date", "server", "content-length")
+)
 
 
 class Proxy:
     """The connection pool to the workers and the failure rules; the load and
     the placements it changes are `placement`'s."""
 
-    def __init__(self, placement: Placement, metrics: RouterMetrics, *, first_byte_timeout: float,
-                 connect_timeout: float, max_attempts: int, max_answer_bytes: int) -> None:
+    def __init__(
+        self,
+        placement: Placement,
+        metrics: RouterMetrics,
+        *,
+        first_byte_timeout: float,
+        connect_timeout: float,
+        max_attempts: int,
+        max_answer_bytes: int,
+    ) -> None:
         self.placement = placement
         self.metrics = metrics
         self.first_byte_timeout = first_byte_timeout
@@ -82,44 +105,69 @@ class Proxy:
                 connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout),
                 trace_configs=[_HEADERS_SENT],
-                auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding"))
+                auto_decompress=False,
+                skip_auto_headers=("User-Agent", "Accept-Encoding"),
+            )
         return self._http
 
-    async def forward(self, request: Request, order: Sequence[tuple[Worker, int]], rid: int,
-                      tokens: list[int] | None, salt: str | None, auth: list[tuple[str, str]],
-                      stream: bool, routing_s: float) -> Response:
+    async def forward(
+        self,
+        request: Request,
+        order: Sequence[tuple[Worker, int]],
+        rid: int,
+        tokens: list[int] | None,
+        salt: str | None,
+        auth: list[tuple[str, str]],
+        stream: bool,
+        routing_s: float,
+    ) -> Response:
         """`request`'s body to the workers of `order` ((worker, its cached tokens), best
         first, the first placed as request `rid`), with `auth` for the client's credentials."""
         placement = self.placement
         policy = placement.policy
         best = max((c for _, c in order), default=0)
         body = await request.body()
-        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw
-                   if k.lower() not in _HOP] + auth
+        headers = [
+            (k.decode("latin-1"), v.decode("latin-1"))
+            for k, v in request.headers.raw
+            if k.lower() not in _HOP
+        ] + auth
         why = "no worker answered"
         for worker, cached in order[: self.max_attempts]:
             if tokens and worker is not order[0][0]:  # a retry: placed on the next in the ranking
                 placement.placed(rid, worker, tokens, salt)
             try:
                 upstream, start, whole = await unless_gone(
-                    request, self._send(worker, request.url.path, body, headers, stream))
+                    request, self._send(worker, request.url.path, body, headers, stream)
+                )
             except ClientGone:  # the worker's connection is closed: it aborts the request
                 placement.failed(rid)
                 return Response(status_code=499)  # nobody reads it
-            except _Started as started:  # the worker has the request: another would compute it again
+            except (
+                _Started
+            ) as started:  # the worker has the request: another would compute it again
                 placement.failed(rid)
                 self.metrics.failed.labels("worker_timeout").inc()
                 log.warning("worker %s at %s: %s; not retried", worker.name, worker.url, started)
-                raise ApiError(504, f"{worker.name} took the request but sent no answer within "
-                                    f"{self.first_byte_timeout:g} s; it is not sent to another worker, which "
-                                    "would compute it again", type_="server_error", code="worker_timeout") from None
+                raise ApiError(
+                    504,
+                    f"{worker.name} took the request but sent no answer within "
+                    f"{self.first_byte_timeout:g} s; it is not sent to another worker, which "
+                    "would compute it again",
+                    type_="server_error",
+                    code="worker_timeout",
+                ) from None
             except _TooLarge as large:  # computed: another worker would compute as much again
                 placement.failed(rid)
                 self.metrics.failed.labels("worker_answer_too_large").inc()
                 log.warning("worker %s at %s: %s; not retried", worker.name, worker.url, large)
-                raise ApiError(502, f"{worker.name}'s answer is larger than the router passes on "
-                                    f"({self.max_answer_bytes} bytes: PAGEDKV_ROUTER_MAX_ANSWER_MB): {large}",
-                               type_="server_error", code="worker_answer_too_large") from None
+                raise ApiError(
+                    502,
+                    f"{worker.name}'s answer is larger than the router passes on "
+                    f"({self.max_answer_bytes} bytes: PAGEDKV_ROUTER_MAX_ANSWER_MB): {large}",
+                    type_="server_error",
+                    code="worker_answer_too_large",
+                ) from None
             except _Skip as skip:
                 placement.failed(rid)
                 why = f"{worker.name}: {skip}"
@@ -139,11 +187,16 @@ class Proxy:
                 return Response(start, status_code=upstream.status, headers=answer_headers)
             return self._relay(worker, upstream, answer_headers, rid, start)
         self.metrics.failed.labels("no_worker_available").inc()
-        raise ApiError(503, f"no worker could take the request ({why})", type_="server_error",
-                       code="no_worker_available")
+        raise ApiError(
+            503,
+            f"no worker could take the request ({why})",
+            type_="server_error",
+            code="no_worker_available",
+        )
 
-    async def _send(self, worker: Worker, path: str, body: bytes, headers,
-                    stream: bool) -> tuple[aiohttp.ClientResponse, bytes, bool]:
+    async def _send(
+        self, worker: Worker, path: str, body: bytes, headers, stream: bool
+    ) -> tuple[aiohttp.ClientResponse, bytes, bool]:
         """The worker's answer, status and headers read, with the start of its body and
         whether that is all of it: a request that did not ask for a stream has its body
         read whole when it is at most WHOLE_ANSWER_BYTES (the connection goes back to
@@ -154,11 +207,16 @@ class Proxy:
         placement = self.placement
         placement.enter(worker)
         upstream = None
-        sent: dict[str, bool] = {}  # `_headers_sent` marks it once the request's head is on the wire
+        sent: dict[
+            str, bool
+        ] = {}  # `_headers_sent` marks it once the request's head is on the wire
         try:
             upstream = await asyncio.wait_for(
-                self.http.post(worker.url + path, data=body, headers=headers, trace_request_ctx=sent),
-                self.first_byte_timeout)
+                self.http.post(
+                    worker.url + path, data=body, headers=headers, trace_request_ctx=sent
+                ),
+                self.first_byte_timeout,
+            )
             if upstream.status in RETRY_STATUSES:
                 skip = _Skip("unavailable", f"it answered {upstream.status}")
             elif (upstream.content_length or 0) > self.max_answer_bytes:
@@ -166,7 +224,9 @@ class Proxy:
             elif stream and upstream.content_type == "text/event-stream":
                 return upstream, b"", False  # still in flight: the relay ends it
             else:
-                start = await asyncio.wait_for(_read_upto(upstream, WHOLE_ANSWER_BYTES + 1), self.first_byte_timeout)
+                start = await asyncio.wait_for(
+                    _read_upto(upstream, WHOLE_ANSWER_BYTES + 1), self.first_byte_timeout
+                )
                 if len(start) <= WHOLE_ANSWER_BYTES:
                     placement.leave(worker)  # read whole: the connection goes back to the pool
                     return upstream, start, True
@@ -189,16 +249,23 @@ class Proxy:
         raise skip
 
     @staticmethod
-    def _answer_headers(worker: Worker, upstream: aiohttp.ClientResponse, cached: int,
-                        routing_s: float) -> dict[str, str]:
+    def _answer_headers(
+        worker: Worker, upstream: aiohttp.ClientResponse, cached: int, routing_s: float
+    ) -> dict[str, str]:
         headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_OUT}
         headers["x-pagedkv-worker"] = worker.name
         headers["x-pagedkv-cached-tokens"] = str(cached)  # what MatchPrefix said the worker held
         headers["x-pagedkv-routing-ms"] = f"{routing_s * 1000:.3f}"  # choosing it took
         return headers
 
-    def _relay(self, worker: Worker, upstream: aiohttp.ClientResponse, headers: dict[str, str],
-               rid: int, start: bytes = b"") -> Response:
+    def _relay(
+        self,
+        worker: Worker,
+        upstream: aiohttp.ClientResponse,
+        headers: dict[str, str],
+        rid: int,
+        start: bytes = b"",
+    ) -> Response:
         """The rest of an answer passed on chunk by chunk as it arrives, after `start`:
         a stream of events, or a body too long to hold whole. Bounded: at most
         `max_answer_bytes` in all, and the worker may keep the router waiting at most
@@ -222,41 +289,61 @@ class Proxy:
             log.warning("worker %s: %s", worker.name, message)
             if not events:
                 raise _Cut(message)  # the body ends unfinished: uvicorn closes the connection
-            error = {"error": {"message": message, "type": "server_error", "param": None, "code": code or reason}}
+            error = {
+                "error": {
+                    "message": message,
+                    "type": "server_error",
+                    "param": None,
+                    "code": code or reason,
+                }
+            }
             # (a blank line first ends any event the worker left unfinished)
             return f"\n\ndata: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
 
         async def chunks() -> AsyncIterator[bytes]:
-            total, waited = len(start), 0.0  # the worker's time so far: for a body, or since the last event
+            total, waited = (
+                len(start),
+                0.0,
+            )  # the worker's time so far: for a body, or since the last event
             try:
                 if start:
                     yield start
                 while True:
                     t0 = time.monotonic()
                     try:
-                        chunk = await asyncio.wait_for(upstream.content.readany(),
-                                                       max(self.first_byte_timeout - waited, 0.0))
+                        chunk = await asyncio.wait_for(
+                            upstream.content.readany(), max(self.first_byte_timeout - waited, 0.0)
+                        )
                     except TimeoutError:
-                        yield failed("worker_timeout", f"the worker sent no {'event' if events else 'answer'} "
-                                                       f"within {self.first_byte_timeout:g} s")
+                        yield failed(
+                            "worker_timeout",
+                            f"the worker sent no {'event' if events else 'answer'} "
+                            f"within {self.first_byte_timeout:g} s",
+                        )
                         return
                     if not chunk:
                         return
                     waited = 0.0 if events and b"\n\n" in chunk else waited + time.monotonic() - t0
                     total += len(chunk)
                     if total > self.max_answer_bytes:
-                        yield failed("worker_answer_too_large", f"the worker's answer passed "
-                                                                f"{self.max_answer_bytes} bytes")
+                        yield failed(
+                            "worker_answer_too_large",
+                            f"the worker's answer passed {self.max_answer_bytes} bytes",
+                        )
                         return
                     yield chunk
             except aiohttp.ClientError as exc:
-                yield failed("worker_failed_mid_answer", f"the worker failed mid-answer ({type(exc).__name__})",
-                             "worker_failed")
+                yield failed(
+                    "worker_failed_mid_answer",
+                    f"the worker failed mid-answer ({type(exc).__name__})",
+                    "worker_failed",
+                )
             finally:
                 close()
 
-        return StreamingResponse(chunks(), status_code=upstream.status, headers=headers,
-                                 background=BackgroundTask(close))
+        return StreamingResponse(
+            chunks(), status_code=upstream.status, headers=headers, background=BackgroundTask(close)
+        )
 
     async def close(self) -> None:
         if self._http is not None:

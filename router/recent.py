@@ -44,8 +44,16 @@ class RecentBlocks:
     def __init__(self) -> None:
         self._sent: dict[str, OrderedDict[bytes, int]] = {}
 
-    def record(self, url: str, rid: int, fingerprint: str, block_size: int, num_blocks: int, tokens: list[int],
-               salt: str | None) -> None:
+    def record(
+        self,
+        url: str,
+        rid: int,
+        fingerprint: str,
+        block_size: int,
+        num_blocks: int,
+        tokens: list[int],
+        salt: str | None,
+    ) -> None:
         """Request `rid`'s prompt placed on the worker at `url` (a pool of `num_blocks` blocks
         of `block_size` tokens): its blocks are the newest; the oldest beyond `num_blocks` go."""
         if block_size <= 0 or num_blocks <= 0 or not tokens:
@@ -53,7 +61,9 @@ class RecentBlocks:
         try:
             check_cache_salt(salt)
             hashes = prompt_chain(fingerprint, tokens[: RECORDED_TOKENS + 1], block_size, salt)
-        except InvalidArgument:  # a salt or token id the allocator refuses: the worker answers the error
+        except (
+            InvalidArgument
+        ):  # a salt or token id the allocator refuses: the worker answers the error
             return
         sent = self._sent.setdefault(url, OrderedDict())
         for h in hashes:
@@ -62,7 +72,9 @@ class RecentBlocks:
         while len(sent) > num_blocks:
             sent.popitem(last=False)
 
-    def blocks(self, url: str, held: Callable[[bytes], bool] | None = None, pending: Container[int] = ()) -> int:
+    def blocks(
+        self, url: str, held: Callable[[bytes], bool] | None = None, pending: Container[int] = ()
+    ) -> int:
         """How many blocks sent to `url` lately its pool still holds: first the oldest that
         `held` (the view of its cache; None: unknown) says it does not hold go, up to the
         first whose latest request is in `pending` (its blocks may not be computed yet)."""

@@ -57,14 +57,20 @@ def create_app(router: Router, api_key: str | Sequence[str] | None = None) -> Fa
     async def health():
         d = router.discovery
         # several allocators: "ok" while every one answers, "unreachable" while one or more does not
-        body = {"workers": len(d.workers), "allocator": "ok" if d.allocator_ok else "unreachable",
-                "policy": router.policy}
+        body = {
+            "workers": len(d.workers),
+            "allocator": "ok" if d.allocator_ok else "unreachable",
+            "policy": router.policy,
+        }
         if len(d.parts) > 1:
             body["allocators"] = len(d.parts)
             body["allocators_unreachable"] = d.allocators_unreachable
         if not d.workers:
-            return JSONResponse(status_code=503, headers={"Retry-After": "5"},
-                                content={"status": "unavailable", "code": "no_workers", **body})
+            return JSONResponse(
+                status_code=503,
+                headers={"Retry-After": "5"},
+                content={"status": "unavailable", "code": "no_workers", **body},
+            )
         return {"status": "ok", **body}
 
     @app.get("/metrics")

@@ -73,7 +73,9 @@ def worker_process():
     (with `env` added to its environment) on a free loopback port, healthy; its base URL."""
 
     @contextlib.contextmanager
-    def start(*args: str, timeout: float = 90.0, env: dict[str, str] | None = None) -> Iterator[str]:
+    def start(
+        *args: str, timeout: float = 90.0, env: dict[str, str] | None = None
+    ) -> Iterator[str]:
         worker = WorkerProcess("worker", args=["--log-level", "warning", *args], env=env)
         try:
             yield worker.start().wait_healthy(timeout).url
@@ -81,4 +83,6 @@ def worker_process():
             worker.terminate()
 
     return start
+
+
 # --- end processes block ------------------------------------------------------------

@@ -84,10 +84,13 @@ def test_a_message_names_a_setting_as_a_user_gives_it():
     assert name_of(Toy, "size") == "--size" and name_of(Toy, "wait") == "PAGEDKV_TOY_WAIT"
 
 
-@given(size=st.one_of(st.none(), st.integers(1, 10**6)), caching=st.one_of(st.none(), st.booleans()))
+@given(
+    size=st.one_of(st.none(), st.integers(1, 10**6)), caching=st.one_of(st.none(), st.booleans())
+)
 def test_a_launcher_hands_on_what_it_was_given(size, caching):
-    argv = ([] if size is None else ["--size", str(size)]) + \
-        ([] if caching is None else ["--caching" if caching else "--no-caching"])
+    argv = ([] if size is None else ["--size", str(size)]) + (
+        [] if caching is None else ["--caching" if caching else "--no-caching"]
+    )
     handed = to_argv(Toy, parser(passthrough=True).parse_args(argv))
     assert set(handed) == set(argv)
     # the process makes of them what it would make of the flags themselves
@@ -116,11 +119,15 @@ def test_each_component_is_its_dataclass(component):
     from pagedkv.configs import CONFIGS, reference_markdown
 
     cls = CONFIGS[component]
-    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices[component]
+    sub = next(
+        a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)
+    ).choices[component]
     own = {a.dest: a for a in sub._actions if a.option_strings and a.dest != "help"}
     fields = dataclasses.fields(cls)
     flagged = {f.name for f in fields if f.metadata["pagedkv"].flag}
-    handed = [(c, f) for c in handed_on(cls) for f in dataclasses.fields(c) if f.metadata["pagedkv"].stack]
+    handed = [
+        (c, f) for c in handed_on(cls) for f in dataclasses.fields(c) if f.metadata["pagedkv"].stack
+    ]
     assert bool(handed) is (component == "up")  # `up` hands the workers' and the router's on
     assert set(own) == flagged | {f.name for _, f in handed}
     for name, action in own.items():

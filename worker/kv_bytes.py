@@ -73,7 +73,9 @@ def canonical_dtype(name: str) -> str | None:
 def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
     """ValueError (one line) unless `kv_cache_dtype` is a `--kv-cache-dtype` name."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+        raise ValueError(
+            f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}"
+        )
 
 
 def kv_cache_element(kv_cache_dtype: str, model_dtype: str) -> str:
@@ -83,7 +85,9 @@ def kv_cache_element(kv_cache_dtype: str, model_dtype: str) -> str:
     return KV_CACHE_DTYPES[kv_cache_dtype] or model_dtype
 
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, bytes_per_element: int) -> int:
+def kv_bytes_per_token(
+    num_layers: int, num_kv_heads: int, head_dim: int, bytes_per_element: int
+) -> int:
     """Bytes one token's K/V costs: K and V, in every layer, every KV head."""
     return 2 * num_layers * num_kv_heads * head_dim * bytes_per_element
 
@@ -112,7 +116,11 @@ def kv_dims_from_config(cfg: dict) -> KVDims:
         cfg = cfg["text_config"]
     layers = positive_field(cfg, "num_hidden_layers")
     heads = positive_field(cfg, "num_attention_heads")
-    kv_heads = positive_field(cfg, "num_key_value_heads") if cfg.get("num_key_value_heads") is not None else heads
+    kv_heads = (
+        positive_field(cfg, "num_key_value_heads")
+        if cfg.get("num_key_value_heads") is not None
+        else heads
+    )
     if cfg.get("head_dim") is not None:
         return KVDims(layers, kv_heads, positive_field(cfg, "head_dim"))
     hidden = positive_field(cfg, "hidden_size")

@@ -52,8 +52,11 @@ _UNITS: dict[str, int] = {
 _MEMORY_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_memory(text: str | int | float, device: str | torch.device | None = None,
-                 free_bytes: Callable[[], int] | None = None) -> int:
+def parse_memory(
+    text: str | int | float,
+    device: str | torch.device | None = None,
+    free_bytes: Callable[[], int] | None = None,
+) -> int:
     """Bytes meant by a memory size such as "2GiB", "512MiB", "1.5GB" or "1048576".
 
     Decimal units (KB, MB, GB, TB) are powers of 1000; binary units (KiB, MiB,
@@ -69,10 +72,14 @@ def parse_memory(text: str | int | float, device: str | torch.device | None = No
         return text
     match = _MEMORY_RE.match(str(text))
     if match is None:
-        raise ValueError(f"cannot read memory size {text!r}; use e.g. '2GiB', '512MiB', '1.5GB' or '0.5'")
+        raise ValueError(
+            f"cannot read memory size {text!r}; use e.g. '2GiB', '512MiB', '1.5GB' or '0.5'"
+        )
     number, unit = float(match.group(1)), match.group(2).lower()
     if unit not in _UNITS:
-        raise ValueError(f"unknown memory unit {match.group(2)!r} in {text!r}; known: {sorted(_UNITS)}")
+        raise ValueError(
+            f"unknown memory unit {match.group(2)!r} in {text!r}; known: {sorted(_UNITS)}"
+        )
     if unit == "" and 0 < number <= 1:
         return int(number * (free_bytes() if free_bytes is not None else free_memory_bytes(device)))
     return int(number * _UNITS[unit])
@@ -180,7 +187,9 @@ class KVPool:
             raise ValueError(f"{what} are for an fp8 pool, not {self.dtype}")
         out = tuple(float(x) for x in scales)
         if len(out) != self.num_layers or not all(0 < x < float("inf") for x in out):
-            raise ValueError(f"{what} must be {self.num_layers} positive finite floats, got {scales!r}")
+            raise ValueError(
+                f"{what} must be {self.num_layers} positive finite floats, got {scales!r}"
+            )
         return out
 
     @classmethod
@@ -196,7 +205,9 @@ class KVPool:
     ) -> KVPool:
         """A pool as large as `budget` allows ("2GiB", "0.5" of free memory, bytes)."""
         budget_bytes = parse_memory(budget, device)
-        blocks = num_blocks_for_budget(budget_bytes, num_layers, num_kv_heads, head_dim, block_size, dtype)
+        blocks = num_blocks_for_budget(
+            budget_bytes, num_layers, num_kv_heads, head_dim, block_size, dtype
+        )
         if blocks < 1:
             need = bytes_per_block(num_layers, num_kv_heads, head_dim, block_size, dtype)
             raise ValueError(f"KV budget {budget!r} ({budget_bytes} B) holds no block of {need} B")
@@ -264,7 +275,9 @@ class KVPool:
 
     # -- mutation ---------------------------------------------------------------
 
-    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(
+        self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
         """Store new tokens' K/V: row `i` of `k`/`v` ([T, kv_heads, head_dim]) goes to slot
         `slot_mapping[i]`; slot -1 means skip (the row lands in the trash row).
         An fp8 pool stores them quantized with the layer's scales.
@@ -272,7 +285,9 @@ class KVPool:
         Slots must be distinct apart from -1 (two writes to one slot race on CUDA).
         """
         if k.shape != v.shape or k.shape[0] != slot_mapping.shape[0]:
-            raise ValueError(f"write shapes disagree: k {tuple(k.shape)}, v {tuple(v.shape)}, slots {tuple(slot_mapping.shape)}")
+            raise ValueError(
+                f"write shapes disagree: k {tuple(k.shape)}, v {tuple(v.shape)}, slots {tuple(slot_mapping.shape)}"
+            )
         slots = torch.where(slot_mapping < 0, self._trash_slot, slot_mapping)
         if self.fp8:
             raw = torch.uint8
@@ -295,7 +310,9 @@ class KVPool:
             return
         for src, dst in copies:
             if not (0 <= src < self.num_blocks and 0 <= dst < self.num_blocks):
-                raise IndexError(f"block copy {src}->{dst} outside pool of {self.num_blocks} blocks")
+                raise IndexError(
+                    f"block copy {src}->{dst} outside pool of {self.num_blocks} blocks"
+                )
         src = torch.tensor([c[0] for c in copies], dtype=torch.long, device=self.device)
         dst = torch.tensor([c[1] for c in copies], dtype=torch.long, device=self.device)
         # Advanced indexing on the right makes a copy first: this is what gives

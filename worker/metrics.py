@@ -33,13 +33,52 @@ _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 _STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 # A request's phases (seconds): vLLM's request-latency buckets, with a finer low end for small models.
-_REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 50, 60,
-                    120, 240, 480, 960, 1920, 7680)
+_REQUEST_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.3,
+    0.5,
+    0.8,
+    1,
+    1.5,
+    2,
+    2.5,
+    5,
+    10,
+    15,
+    20,
+    30,
+    40,
+    50,
+    60,
+    120,
+    240,
+    480,
+    960,
+    1920,
+    7680,
+)
 # Tokens per request: 1, 2, 5, 10, ... 1,000,000 (vLLM's 1-2-5 series).
 _TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5) if m * 10**e <= 10**6)
 
 # Host time per engine step (seconds): from tens of microseconds (a decode step's bookkeeping) up.
-_HOST_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
+_HOST_BUCKETS = (
+    0.00005,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    1,
+)
 # The parts of a step's host time, the `part` label of step_host_seconds.
 HOST_PARTS = ("schedule", "allocator_wait", "sample", "output")
 
@@ -124,12 +163,19 @@ class Peaks:
 
     def observe(self, blocks: int, slots: int, running: int) -> None:
         old = self._values
-        if blocks <= old.kv_blocks_used and slots <= old.kv_slots_holding_tokens and running <= old.running_sequences:
+        if (
+            blocks <= old.kv_blocks_used
+            and slots <= old.kv_slots_holding_tokens
+            and running <= old.running_sequences
+        ):
             return  # the common case: nothing new, no lock
         with self._lock:
             old = self._values
-            self._values = PeakValues(max(old.kv_blocks_used, blocks), max(old.kv_slots_holding_tokens, slots),
-                                      max(old.running_sequences, running))
+            self._values = PeakValues(
+                max(old.kv_blocks_used, blocks),
+                max(old.kv_slots_holding_tokens, slots),
+                max(old.running_sequences, running),
+            )
             for gauge, value in zip(self._gauges, self._values, strict=True):
                 gauge.set(value)
 
@@ -162,7 +208,9 @@ class TierMetrics:
         self.loaded_bytes = families["loaded_bytes"].labels(**labels)
         self.load_seconds = families["load_seconds"].labels(**labels)
         # a store's failed calls are a count from the start; other tiers have no store
-        self.store_errors = families["store_errors"].labels(**labels) if labels["tier"] == "shared" else None
+        self.store_errors = (
+            families["store_errors"].labels(**labels) if labels["tier"] == "shared" else None
+        )
 
     def set_capacity(self, nbytes: int) -> None:
         self._families["capacity_bytes"].labels(**self._labels).set(nbytes)
@@ -192,8 +240,13 @@ class TierMetrics:
 class _PoolCollector(Collector):
     """Reads the pool's stats (via the allocator client) at scrape time."""
 
-    def __init__(self, read_stats: Callable[[], object], labels: dict[str, str], pool_bytes: int,
-                 kv_dtype: str) -> None:
+    def __init__(
+        self,
+        read_stats: Callable[[], object],
+        labels: dict[str, str],
+        pool_bytes: int,
+        kv_dtype: str,
+    ) -> None:
         self._read = read_stats
         self._labels = labels
         self._pool_bytes = pool_bytes
@@ -216,12 +269,17 @@ class _PoolCollector(Collector):
 
         yield gauge("kv_pool_blocks", "Blocks in this worker's KV pool.", s.num_blocks)
         yield gauge("kv_blocks_used", "Blocks named by at least one block table.", s.used_blocks)
-        yield gauge("kv_blocks_cached", "Free blocks still holding a reusable prefix.", s.cached_blocks)
+        yield gauge(
+            "kv_blocks_cached", "Free blocks still holding a reusable prefix.", s.cached_blocks
+        )
         yield gauge("kv_blocks_free", "Free blocks (cached ones included).", s.free_blocks)
         yield gauge("kv_pool_bytes", "Bytes of K/V memory the pool holds.", self._pool_bytes)
-        info = GaugeMetricFamily(f"{PREFIX}_kv_cache_info", "1, labelled with the element type the KV pool "
-                                 "stores (kv_cache_dtype: float32, bfloat16, float8_e4m3fn, ...).",
-                                 labels=[*names, "kv_cache_dtype"])
+        info = GaugeMetricFamily(
+            f"{PREFIX}_kv_cache_info",
+            "1, labelled with the element type the KV pool "
+            "stores (kv_cache_dtype: float32, bfloat16, float8_e4m3fn, ...).",
+            labels=[*names, "kv_cache_dtype"],
+        )
         info.add_metric([*values, self._kv_dtype], 1)
         yield info
         yield gauge("kv_usage_ratio", "Used blocks over all blocks.", s.used_blocks / s.num_blocks)
@@ -233,8 +291,13 @@ class _PoolCollector(Collector):
 
 
 class WorkerMetrics:
-    def __init__(self, worker_id: str, model: str, registry: CollectorRegistry | None = None,
-                 model_name: str | None = None) -> None:
+    def __init__(
+        self,
+        worker_id: str,
+        model: str,
+        registry: CollectorRegistry | None = None,
+        model_name: str | None = None,
+    ) -> None:
         self.registry = registry or CollectorRegistry()
         self.labels = {"worker": worker_id, "model": model, "model_name": model_name or model}
         names = list(self.labels)
@@ -251,66 +314,182 @@ class WorkerMetrics:
 
         lv = self.labels
         # --threads as torch applies it: read at scrape time, so it is what the process runs with
-        self.threads = gauge("threads", "Compute threads torch uses in this worker (--threads).").labels(**lv)
+        self.threads = gauge(
+            "threads", "Compute threads torch uses in this worker (--threads)."
+        ).labels(**lv)
         self.running = gauge("running_sequences", "Sequences in the running batch.").labels(**lv)
         self.waiting = gauge("waiting_sequences", "Requests waiting to be admitted.").labels(**lv)
-        self.slots_ahead = gauge("kv_slots_ahead", "Token slots the allocator holds for this worker's sequences past "
-                                 "what they computed: tokens being sampled, lookahead slots (--num-lookahead-slots), "
-                                 "finished sequences' until their Free goes out.").labels(**lv)
+        self.slots_ahead = gauge(
+            "kv_slots_ahead",
+            "Token slots the allocator holds for this worker's sequences past "
+            "what they computed: tokens being sampled, lookahead slots (--num-lookahead-slots), "
+            "finished sequences' until their Free goes out.",
+        ).labels(**lv)
         self.peaks = Peaks(
-            gauge("kv_blocks_used_peak", "Most KV blocks the running sequences' block tables named at once "
-                  "(a shared block once), at any engine step since the last POST /reset_peaks.").labels(**lv),
-            gauge("kv_slots_holding_tokens_peak", "Most token slots of those blocks holding a token at once "
-                  "(reserved slots included), at any engine step since the last POST /reset_peaks.").labels(**lv),
-            gauge("running_sequences_peak", "Most sequences in the running batch at once, at any engine step "
-                  "since the last POST /reset_peaks.").labels(**lv),
+            gauge(
+                "kv_blocks_used_peak",
+                "Most KV blocks the running sequences' block tables named at once "
+                "(a shared block once), at any engine step since the last POST /reset_peaks.",
+            ).labels(**lv),
+            gauge(
+                "kv_slots_holding_tokens_peak",
+                "Most token slots of those blocks holding a token at once "
+                "(reserved slots included), at any engine step since the last POST /reset_peaks.",
+            ).labels(**lv),
+            gauge(
+                "running_sequences_peak",
+                "Most sequences in the running batch at once, at any engine step "
+                "since the last POST /reset_peaks.",
+            ).labels(**lv),
         )
-        self._preemptions = counter("preemptions", "Running sequences preempted (blocks given back, recomputed later).", ("cause",))
+        self._preemptions = counter(
+            "preemptions",
+            "Running sequences preempted (blocks given back, recomputed later).",
+            ("cause",),
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens received.").labels(**lv)
         self.generation_tokens = counter("generation_tokens", "Tokens generated.").labels(**lv)
-        self.prefix_queried = counter("prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache.").labels(**lv)
-        self.prefix_hit = counter("prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache.").labels(**lv)
-        self._requests = counter("requests", "Requests finished, by finish reason.", ("finish_reason",))
-        self.ttft = hist("time_to_first_token_seconds", "Arrival to first generated token.", _TTFT_BUCKETS).labels(**lv)
-        self.itl = hist("inter_token_latency_seconds", "Time between two generated tokens of a request.", _ITL_BUCKETS).labels(**lv)
-        self.step_time = hist("step_duration_seconds", "Wall time of one engine step (schedule + allocator + forward).", _STEP_BUCKETS).labels(**lv)
-        host = Histogram(f"{PREFIX}_step_host_seconds", "Host time of one engine step by part: schedule (planning the "
-                         "step and the next one's call), allocator_wait (in allocator calls, what async scheduling "
-                         "did not hide), sample (drawing tokens from the outputs), output (stop checks, detokenizing, "
-                         "streaming); the device's own time is not in it.", [*names, "part"], buckets=_HOST_BUCKETS,
-                         registry=r)
+        self.prefix_queried = counter(
+            "prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache."
+        ).labels(**lv)
+        self.prefix_hit = counter(
+            "prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache."
+        ).labels(**lv)
+        self._requests = counter(
+            "requests", "Requests finished, by finish reason.", ("finish_reason",)
+        )
+        self.ttft = hist(
+            "time_to_first_token_seconds", "Arrival to first generated token.", _TTFT_BUCKETS
+        ).labels(**lv)
+        self.itl = hist(
+            "inter_token_latency_seconds",
+            "Time between two generated tokens of a request.",
+            _ITL_BUCKETS,
+        ).labels(**lv)
+        self.step_time = hist(
+            "step_duration_seconds",
+            "Wall time of one engine step (schedule + allocator + forward).",
+            _STEP_BUCKETS,
+        ).labels(**lv)
+        host = Histogram(
+            f"{PREFIX}_step_host_seconds",
+            "Host time of one engine step by part: schedule (planning the "
+            "step and the next one's call), allocator_wait (in allocator calls, what async scheduling "
+            "did not hide), sample (drawing tokens from the outputs), output (stop checks, detokenizing, "
+            "streaming); the device's own time is not in it.",
+            [*names, "part"],
+            buckets=_HOST_BUCKETS,
+            registry=r,
+        )
         self.step_host = {part: host.labels(**lv, part=part) for part in HOST_PARTS}
-        self.device_busy = gauge("device_busy_ratio", "Share of the last 10 s (of the engine's clock) the device "
-                                 "computed: CUDA events on a GPU, the stream on a sim: device, the forward pass on "
-                                 "the CPU.").labels(**lv)
-        self.allocator_step = hist("allocator_step_seconds", "Time a step waited for its allocator Step call (with async scheduling, what the previous forward pass did not hide).", _STEP_BUCKETS).labels(**lv)
-        self.allocator_calls = counter("allocator_calls", "Allocator Step calls the engine's steps made; a step computed in slots its sequences hold already (lookahead slots) makes none.").labels(**lv)
-        self.allocator_steps_ahead = counter("allocator_steps_ahead", "Allocator Step calls sent ahead, while the previous step computed (async scheduling).").labels(**lv)
-        self.allocator_retries = counter("allocator_retries", "Allocator calls that got no answer (UNAVAILABLE, deadline) and were sent again.").labels(**lv)
-        self.allocator_unavailable_seconds = counter("allocator_unavailable_seconds", "Seconds spent waiting for an unavailable allocator (failed attempts and backoff): the worker stalls.").labels(**lv)
-        self.step_errors = counter("step_errors", "Engine steps that raised: every request in flight failed.").labels(**lv)
+        self.device_busy = gauge(
+            "device_busy_ratio",
+            "Share of the last 10 s (of the engine's clock) the device "
+            "computed: CUDA events on a GPU, the stream on a sim: device, the forward pass on "
+            "the CPU.",
+        ).labels(**lv)
+        self.allocator_step = hist(
+            "allocator_step_seconds",
+            "Time a step waited for its allocator Step call (with async scheduling, what the previous forward pass did not hide).",
+            _STEP_BUCKETS,
+        ).labels(**lv)
+        self.allocator_calls = counter(
+            "allocator_calls",
+            "Allocator Step calls the engine's steps made; a step computed in slots its sequences hold already (lookahead slots) makes none.",
+        ).labels(**lv)
+        self.allocator_steps_ahead = counter(
+            "allocator_steps_ahead",
+            "Allocator Step calls sent ahead, while the previous step computed (async scheduling).",
+        ).labels(**lv)
+        self.allocator_retries = counter(
+            "allocator_retries",
+            "Allocator calls that got no answer (UNAVAILABLE, deadline) and were sent again.",
+        ).labels(**lv)
+        self.allocator_unavailable_seconds = counter(
+            "allocator_unavailable_seconds",
+            "Seconds spent waiting for an unavailable allocator (failed attempts and backoff): the worker stalls.",
+        ).labels(**lv)
+        self.step_errors = counter(
+            "step_errors", "Engine steps that raised: every request in flight failed."
+        ).labels(**lv)
         # Per request, observed when it finishes by itself (stop or length; vLLM's request histograms).
-        self.e2e = hist("e2e_request_latency_seconds", "Arrival to last token of a finished request.", _REQUEST_BUCKETS).labels(**lv)
-        self.queue_time = hist("request_queue_time_seconds", "Arrival to first scheduled (waiting).", _REQUEST_BUCKETS).labels(**lv)
-        self.prefill_time = hist("request_prefill_time_seconds", "First scheduled to first token (prefill).", _REQUEST_BUCKETS).labels(**lv)
-        self.decode_time = hist("request_decode_time_seconds", "First token to last token (decode).", _REQUEST_BUCKETS).labels(**lv)
-        self.inference_time = hist("request_inference_time_seconds", "First scheduled to last token (prefill + decode).", _REQUEST_BUCKETS).labels(**lv)
-        self.request_prompt_tokens = hist("request_prompt_tokens", "Prompt tokens of a finished request.", _TOKEN_BUCKETS).labels(**lv)
-        self.request_generation_tokens = hist("request_generation_tokens", "Generated tokens of a finished request.", _TOKEN_BUCKETS).labels(**lv)
+        self.e2e = hist(
+            "e2e_request_latency_seconds",
+            "Arrival to last token of a finished request.",
+            _REQUEST_BUCKETS,
+        ).labels(**lv)
+        self.queue_time = hist(
+            "request_queue_time_seconds", "Arrival to first scheduled (waiting).", _REQUEST_BUCKETS
+        ).labels(**lv)
+        self.prefill_time = hist(
+            "request_prefill_time_seconds",
+            "First scheduled to first token (prefill).",
+            _REQUEST_BUCKETS,
+        ).labels(**lv)
+        self.decode_time = hist(
+            "request_decode_time_seconds", "First token to last token (decode).", _REQUEST_BUCKETS
+        ).labels(**lv)
+        self.inference_time = hist(
+            "request_inference_time_seconds",
+            "First scheduled to last token (prefill + decode).",
+            _REQUEST_BUCKETS,
+        ).labels(**lv)
+        self.request_prompt_tokens = hist(
+            "request_prompt_tokens", "Prompt tokens of a finished request.", _TOKEN_BUCKETS
+        ).labels(**lv)
+        self.request_generation_tokens = hist(
+            "request_generation_tokens", "Generated tokens of a finished request.", _TOKEN_BUCKETS
+        ).labels(**lv)
         # The KV tiers (worker/tiers/): families now, series from the first `tier(name)`.
         tier = ("tier",)
         self._tier_families: dict[str, Counter | Gauge] = {
-            "capacity_bytes": Gauge(f"{PREFIX}_kv_tier_capacity_bytes", "Bytes of K/V the tier can hold.", [*names, *tier], registry=r),
-            "used_bytes": Gauge(f"{PREFIX}_kv_tier_used_bytes", "Bytes of K/V the tier holds now.", [*names, *tier], registry=r),
-            "hit_tokens": counter("kv_tier_hit_tokens", "Prompt tokens loaded from the tier instead of computed.", tier),
-            "saved_blocks": counter("kv_tier_saved_blocks", "KV blocks written into the tier.", tier),
+            "capacity_bytes": Gauge(
+                f"{PREFIX}_kv_tier_capacity_bytes",
+                "Bytes of K/V the tier can hold.",
+                [*names, *tier],
+                registry=r,
+            ),
+            "used_bytes": Gauge(
+                f"{PREFIX}_kv_tier_used_bytes",
+                "Bytes of K/V the tier holds now.",
+                [*names, *tier],
+                registry=r,
+            ),
+            "hit_tokens": counter(
+                "kv_tier_hit_tokens",
+                "Prompt tokens loaded from the tier instead of computed.",
+                tier,
+            ),
+            "saved_blocks": counter(
+                "kv_tier_saved_blocks", "KV blocks written into the tier.", tier
+            ),
             "saved_bytes": counter("kv_tier_saved_bytes", "Bytes written into the tier.", tier),
-            "save_seconds": counter("kv_tier_save_seconds", "Seconds the tier's writes took (copy time on the side stream on CUDA).", tier),
-            "loaded_blocks": counter("kv_tier_loaded_blocks", "KV blocks read from the tier into the KV pool.", tier),
-            "loaded_bytes": counter("kv_tier_loaded_bytes", "Bytes read from the tier into the KV pool.", tier),
-            "load_seconds": counter("kv_tier_load_seconds", "Seconds the tier's reads took (copy time on the side stream on CUDA).", tier),
-            "refused_entries": counter("kv_tier_refused_entries", "Loads from the tier not loaded and reported refused, by reason (format, layout, checksum, seal, missing): computed instead.", ("tier", "reason")),
-            "store_errors": counter("kv_tier_store_errors", "Calls to the shared store that failed (unreachable, I/O): their loads were misses, their saves failed.", tier),
+            "save_seconds": counter(
+                "kv_tier_save_seconds",
+                "Seconds the tier's writes took (copy time on the side stream on CUDA).",
+                tier,
+            ),
+            "loaded_blocks": counter(
+                "kv_tier_loaded_blocks", "KV blocks read from the tier into the KV pool.", tier
+            ),
+            "loaded_bytes": counter(
+                "kv_tier_loaded_bytes", "Bytes read from the tier into the KV pool.", tier
+            ),
+            "load_seconds": counter(
+                "kv_tier_load_seconds",
+                "Seconds the tier's reads took (copy time on the side stream on CUDA).",
+                tier,
+            ),
+            "refused_entries": counter(
+                "kv_tier_refused_entries",
+                "Loads from the tier not loaded and reported refused, by reason (format, layout, checksum, seal, missing): computed instead.",
+                ("tier", "reason"),
+            ),
+            "store_errors": counter(
+                "kv_tier_store_errors",
+                "Calls to the shared store that failed (unreachable, I/O): their loads were misses, their saves failed.",
+                tier,
+            ),
         }
         self._tiers: dict[str, TierMetrics] = {}
 
@@ -328,8 +507,15 @@ class WorkerMetrics:
     def finished(self, reason: str) -> None:
         self._requests.labels(**self.labels, finish_reason=reason).inc()
 
-    def request_done(self, prompt_tokens: int, generation_tokens: int, arrival: float, scheduled: float,
-                     first_token: float, last_token: float) -> None:
+    def request_done(
+        self,
+        prompt_tokens: int,
+        generation_tokens: int,
+        arrival: float,
+        scheduled: float,
+        first_token: float,
+        last_token: float,
+    ) -> None:
         """A request that finished by itself: its phases (monotonic times) and sizes."""
         self.e2e.observe(last_token - arrival)
         self.queue_time.observe(scheduled - arrival)
@@ -339,7 +525,9 @@ class WorkerMetrics:
         self.request_prompt_tokens.observe(prompt_tokens)
         self.request_generation_tokens.observe(generation_tokens)
 
-    def watch_pool(self, read_stats: Callable[[], object], pool_bytes: int, kv_dtype: str = "") -> None:
+    def watch_pool(
+        self, read_stats: Callable[[], object], pool_bytes: int, kv_dtype: str = ""
+    ) -> None:
         """Export the pool gauges, read from `read_stats()` at scrape time; `kv_dtype`:
         the torch name of the pool's element type."""
         self.registry.register(_PoolCollector(read_stats, self.labels, pool_bytes, kv_dtype))

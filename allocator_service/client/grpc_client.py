@@ -139,7 +139,9 @@ class GrpcAllocator(AllocatorClient):
         self.register_wait_s = register_wait_s
         self.block_size = spec.config.block_size
         self._targets = Targets(target, tls_ca)
-        self._call = Caller(self._targets, auth_token, deadline_s, retries, backoff_s, on_unavailable)
+        self._call = Caller(
+            self._targets, auth_token, deadline_s, retries, backoff_s, on_unavailable
+        )
         self.failover_after_s = failover_after_s
         self._register_lock = threading.Lock()
         self._ref = pb.PoolRef()
@@ -155,7 +157,9 @@ class GrpcAllocator(AllocatorClient):
         self._register(replace_credential)
         self._heartbeat: threading.Thread | None = None
         if heartbeat:
-            self._heartbeat = threading.Thread(target=self._beat, name="allocator-heartbeat", daemon=True)
+            self._heartbeat = threading.Thread(
+                target=self._beat, name="allocator-heartbeat", daemon=True
+            )
             self._heartbeat.start()
 
     @property
@@ -170,8 +174,11 @@ class GrpcAllocator(AllocatorClient):
         if not ref.pool_id:
             return None
         key = attest_key(credential_digest(ref.credential))
-        return {"pool_id": ref.pool_id, "worker_id": self.spec.worker_id,
-                "proof": proof(key, nonce, ref.pool_id, self.spec.advertise_url)}
+        return {
+            "pool_id": ref.pool_id,
+            "worker_id": self.spec.worker_id,
+            "proof": proof(key, nonce, ref.pool_id, self.spec.advertise_url),
+        }
 
     # ---------------------------------------------------------------- pool
     def _register(self, replace_credential: str = "") -> None:
@@ -196,8 +203,11 @@ class GrpcAllocator(AllocatorClient):
                 if error_reason(err) not in (POOL_IN_USE, CAPACITY) or time.monotonic() >= give_up:
                     raise
                 if not waited:
-                    log.warning("cannot register yet, retrying for up to %.0f s: %s", self.register_wait_s,
-                                err.details())
+                    log.warning(
+                        "cannot register yet, retrying for up to %.0f s: %s",
+                        self.register_wait_s,
+                        err.details(),
+                    )
                 waited += 1
                 time.sleep(min(0.5 * 2 ** (waited - 1), 5.0, max(give_up - time.monotonic(), 0.0)))
         with self._register_lock:
@@ -229,7 +239,9 @@ class GrpcAllocator(AllocatorClient):
                 if old == self._ref.pool_id:  # else another thread registered a fresh pool already
                     self._register()
                 log.warning("allocator pool %s was dropped; registered %s", old, self._ref.pool_id)
-                raise PoolLost(f"pool {old} was dropped by the allocator; now {self._ref.pool_id}") from err
+                raise PoolLost(
+                    f"pool {old} was dropped by the allocator; now {self._ref.pool_id}"
+                ) from err
             raise
 
     def _beat(self) -> None:
@@ -254,7 +266,9 @@ class GrpcAllocator(AllocatorClient):
             self._step_id += 1
             request.step_id = self._step_id
         self._pending = request
-        response = self._pool_call("Step", request, via=self._send_on_stream if self._use_stream else None)
+        response = self._pool_call(
+            "Step", request, via=self._send_on_stream if self._use_stream else None
+        )
         self._pending = None
         self._answered = request.step_id
         return decode_results(response, len(ops))
@@ -270,7 +284,9 @@ class GrpcAllocator(AllocatorClient):
         if stream is None:
             stream = self._stream = StepStream(self._call.stub, self._call.metadata)
             if self._watchdog is None:
-                self._watchdog = threading.Thread(target=self._watch, name="allocator-step-watchdog", daemon=True)
+                self._watchdog = threading.Thread(
+                    target=self._watch, name="allocator-step-watchdog", daemon=True
+                )
                 self._watchdog.start()
         try:
             return stream.send(request)
@@ -279,15 +295,20 @@ class GrpcAllocator(AllocatorClient):
             stream.close()
             code = err.code()
             if code == grpc.StatusCode.UNIMPLEMENTED or (
-                    code == grpc.StatusCode.RESOURCE_EXHAUSTED and error_reason(err) == STEP_STREAMS):
+                code == grpc.StatusCode.RESOURCE_EXHAUSTED and error_reason(err) == STEP_STREAMS
+            ):
                 # Refused before any request was read: nothing was applied.
-                log.info("the allocator refused a step stream (%s): sending unary Steps", err.details())
+                log.info(
+                    "the allocator refused a step stream (%s): sending unary Steps", err.details()
+                )
                 self._use_stream = False
                 return self._unary_step(request)
             raise
 
     def _unary_step(self, request: pb.StepRequest) -> pb.StepResponse:
-        return self._call.stub.Step(request, timeout=self._call.deadline_s, metadata=self._call.metadata)
+        return self._call.stub.Step(
+            request, timeout=self._call.deadline_s, metadata=self._call.metadata
+        )
 
     def _watch(self) -> None:
         """The step stream's deadline: cut a stream whose step has waited
@@ -305,7 +326,9 @@ class GrpcAllocator(AllocatorClient):
                 continue
             waited = time.monotonic() - sent
             if waited > deadline:
-                log.warning("no answer on the step stream within %.1f s: retrying the step", deadline)
+                log.warning(
+                    "no answer on the step stream within %.1f s: retrying the step", deadline
+                )
                 stream.cut()
             elif targets.several and waited > self.failover_after_s:
                 leader = targets.serving_elsewhere(timeout_s=min(self.failover_after_s, 0.5))
@@ -314,11 +337,15 @@ class GrpcAllocator(AllocatorClient):
                     stream.cut()
 
     def stats(self) -> PoolStats:
-        return stats_from_proto(self._pool_call("GetPoolStats", pb.GetPoolStatsRequest(pool=self._ref)))
+        return stats_from_proto(
+            self._pool_call("GetPoolStats", pb.GetPoolStatsRequest(pool=self._ref))
+        )
 
     def block_table(self, seq_id: str) -> list[int]:
         try:
-            r = self._pool_call("GetBlockTable", pb.GetBlockTableRequest(pool=self._ref, seq_id=seq_id))
+            r = self._pool_call(
+                "GetBlockTable", pb.GetBlockTableRequest(pool=self._ref, seq_id=seq_id)
+            )
         except grpc.RpcError as err:
             if error_reason(err) == UNKNOWN_SEQUENCE:
                 raise UnknownSequence(seq_id) from err
@@ -326,7 +353,9 @@ class GrpcAllocator(AllocatorClient):
         return list(r.block_ids)
 
     def reset_prefix_cache(self) -> int:
-        return self._pool_call("ResetPrefixCache", pb.ResetPrefixCacheRequest(pool=self._ref)).dropped
+        return self._pool_call(
+            "ResetPrefixCache", pb.ResetPrefixCacheRequest(pool=self._ref)
+        ).dropped
 
     def close(self) -> None:
         if self._closed.is_set():
@@ -346,8 +375,12 @@ class GrpcAllocator(AllocatorClient):
 
     # -------------------------------------------------- beyond the interface
     def integrity_problems(self) -> list[str]:
-        r = self._pool_call("GetPoolStats", pb.GetPoolStatsRequest(pool=self._ref, check_integrity=True))
+        r = self._pool_call(
+            "GetPoolStats", pb.GetPoolStatsRequest(pool=self._ref, check_integrity=True)
+        )
         return list(r.integrity_problems)
 
     def dump(self) -> dict[str, Any]:
-        return json.loads(self._pool_call("DumpPool", pb.DumpPoolRequest(pool=self._ref)).state_json)
+        return json.loads(
+            self._pool_call("DumpPool", pb.DumpPoolRequest(pool=self._ref)).state_json
+        )

@@ -44,12 +44,15 @@ class RouterClient:
         # (address, grpc.aio channel, its stub): made in the loop that uses it, for the address calls go to
         self._aio: tuple[str, Any, Any] | None = None
 
-    def match_prefix(self, model_fingerprint: str, tokens: Sequence[int], cache_salt: str | None = None) -> list[PrefixMatch]:
+    def match_prefix(
+        self, model_fingerprint: str, tokens: Sequence[int], cache_salt: str | None = None
+    ) -> list[PrefixMatch]:
         r = self._call("MatchPrefix", self._match_request(model_fingerprint, tokens, cache_salt))
         return self._matches(r)
 
-    async def match_prefix_async(self, model_fingerprint: str, tokens: Sequence[int],
-                                 cache_salt: str | None = None) -> list[PrefixMatch]:
+    async def match_prefix_async(
+        self, model_fingerprint: str, tokens: Sequence[int], cache_salt: str | None = None
+    ) -> list[PrefixMatch]:
         """`match_prefix` from an event loop, on a `grpc.aio` channel: one
         attempt (a router routes by load rather than wait), no thread hop.
         Call `aclose` from the same loop when done."""
@@ -59,8 +62,11 @@ class RouterClient:
             channel = open_channel(address, self._tls_ca, aio=True)
             self._aio = (address, channel, pb_grpc.AllocatorStub(channel))
         try:
-            r = await self._aio[2].MatchPrefix(self._match_request(model_fingerprint, tokens, cache_salt),
-                                               timeout=self._call.deadline_s, metadata=self._call.metadata)
+            r = await self._aio[2].MatchPrefix(
+                self._match_request(model_fingerprint, tokens, cache_salt),
+                timeout=self._call.deadline_s,
+                metadata=self._call.metadata,
+            )
         except grpc.RpcError as err:
             if transient(err):
                 self._targets.after_failure(address, err)  # the next call goes to the leader
@@ -68,8 +74,12 @@ class RouterClient:
         return self._matches(r)
 
     @staticmethod
-    def _match_request(model_fingerprint: str, tokens: Sequence[int], cache_salt: str | None) -> pb.MatchPrefixRequest:
-        return pb.MatchPrefixRequest(model_fingerprint=model_fingerprint, tokens=tokens, cache_salt=cache_salt)
+    def _match_request(
+        model_fingerprint: str, tokens: Sequence[int], cache_salt: str | None
+    ) -> pb.MatchPrefixRequest:
+        return pb.MatchPrefixRequest(
+            model_fingerprint=model_fingerprint, tokens=tokens, cache_salt=cache_salt
+        )
 
     @staticmethod
     def _matches(r: pb.MatchPrefixResponse) -> list[PrefixMatch]:
@@ -80,8 +90,14 @@ class RouterClient:
         r = self._call("ListPools", pb.ListPoolsRequest(model_fingerprint=model_fingerprint))
         return [pool_info_from_proto(p) for p in r.pools]
 
-    def watch_events(self, from_sequence: int = 0, timeout_s: float | None = None,
-                     kinds: Sequence[int] = (), snapshot: bool = False, packed: bool = False) -> Iterator[pb.KvEvent]:
+    def watch_events(
+        self,
+        from_sequence: int = 0,
+        timeout_s: float | None = None,
+        kinds: Sequence[int] = (),
+        snapshot: bool = False,
+        packed: bool = False,
+    ) -> Iterator[pb.KvEvent]:
         """KV events from `from_sequence` (0 = from now), only of `kinds` if
         given (KvEventKind values). A KV_EVENT_KIND_RESYNC_REQUIRED event says
         events were missed; the stream goes on after it. `snapshot`: first
@@ -90,7 +106,9 @@ class RouterClient:
         of one pool's block events as single BLOCKS_CHANGED events."""
         address = self._targets.current
         call = self._call.stub.WatchEvents(
-            pb.WatchEventsRequest(from_sequence=from_sequence, kinds=kinds, snapshot=snapshot, packed=packed),
+            pb.WatchEventsRequest(
+                from_sequence=from_sequence, kinds=kinds, snapshot=snapshot, packed=packed
+            ),
             timeout=timeout_s,
             metadata=self._call.metadata,
         )

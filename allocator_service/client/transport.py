@@ -30,7 +30,9 @@ RETRYABLE_REASONS = (POOL_CALLS,)
 # cut it. Besides UNAVAILABLE, gRPC reports a transport torn down mid-call
 # as UNKNOWN ("Stream removed", grpc/grpc#34076) or INTERNAL (a peer's
 # RST_STREAM), and a call the stopping server cancelled as CANCELLED.
-TRANSPORT = frozenset((*RETRYABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL))
+TRANSPORT = frozenset(
+    (*RETRYABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
+)
 
 # Reconnect quickly after the server restarts (grpc's default backoff grows
 # to two minutes, far longer than a restart takes).
@@ -95,7 +97,9 @@ def open_channel(target: str, tls_ca: str | bytes | None = None, options=(), *, 
     if isinstance(tls_ca, str):
         with open(tls_ca, "rb") as f:
             tls_ca = f.read()
-    return kind.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=tls_ca), options=opts)
+    return kind.secure_channel(
+        target, grpc.ssl_channel_credentials(root_certificates=tls_ca), options=opts
+    )
 
 
 class Targets:
@@ -166,7 +170,8 @@ class Targets:
                 continue
             try:
                 reply = health_pb2_grpc.HealthStub(self.channel(address)).Check(
-                    health_pb2.HealthCheckRequest(service=name), timeout=timeout_s)
+                    health_pb2.HealthCheckRequest(service=name), timeout=timeout_s
+                )
             except grpc.RpcError:
                 continue
             if reply.status == health_pb2.HealthCheckResponse.SERVING:
@@ -220,13 +225,21 @@ class StepStream:
         try:
             return next(self._call)
         except StopIteration:
-            raise _StreamBroken(grpc.StatusCode.UNAVAILABLE, "the step stream ended without an answer") from None
+            raise _StreamBroken(
+                grpc.StatusCode.UNAVAILABLE, "the step stream ended without an answer"
+            ) from None
         except grpc.RpcError as err:
             if self.timed_out:
-                raise _StreamBroken(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                    "no answer on the step stream within the deadline") from err
-            if err.code() == grpc.StatusCode.CANCELLED:  # not by us: the connection or the server went
-                raise _StreamBroken(grpc.StatusCode.UNAVAILABLE, f"the step stream was cut: {err.details()}") from err
+                raise _StreamBroken(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    "no answer on the step stream within the deadline",
+                ) from err
+            if (
+                err.code() == grpc.StatusCode.CANCELLED
+            ):  # not by us: the connection or the server went
+                raise _StreamBroken(
+                    grpc.StatusCode.UNAVAILABLE, f"the step stream was cut: {err.details()}"
+                ) from err
             raise
         finally:
             self.sent_at = 0.0
@@ -245,8 +258,15 @@ class Caller:
     """Deadlines, metadata and retry-with-backoff around the stub of the
     address calls go to now (`Targets`), following the leader."""
 
-    def __init__(self, targets: Targets, auth_token: str | None, deadline_s: float, retries: int,
-                 backoff_s: float, on_unavailable: Callable[[float, int], None] | None = None) -> None:
+    def __init__(
+        self,
+        targets: Targets,
+        auth_token: str | None,
+        deadline_s: float,
+        retries: int,
+        backoff_s: float,
+        on_unavailable: Callable[[float, int], None] | None = None,
+    ) -> None:
         self.targets = targets
         self._stubs: dict[str, Any] = {}
         self.metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else None
@@ -283,11 +303,15 @@ class Caller:
                 if via is not None:
                     response = via(request)
                 else:
-                    response = getattr(self.stub, method)(request, timeout=self.deadline_s, metadata=self.metadata)
+                    response = getattr(self.stub, method)(
+                        request, timeout=self.deadline_s, metadata=self.metadata
+                    )
             except grpc.RpcError as err:
                 if not retry or not transient(err):
                     if not retry and transient(err):
-                        self.targets.after_failure(address, err)  # the next call (a heartbeat's) goes to the leader
+                        self.targets.after_failure(
+                            address, err
+                        )  # the next call (a heartbeat's) goes to the leader
                     if attempt:
                         self._unavailable(t0, 0)
                     raise
@@ -299,7 +323,11 @@ class Caller:
                     ) from err
                 now = self.targets.after_failure(address, err)
                 cap = FAILOVER_BACKOFF_CAP_S if self.targets.several else 2.0
-                delay = 0.0 if now else min(self.backoff_s * 2**attempt, cap) * (0.5 + random.random() / 2)
+                delay = (
+                    0.0
+                    if now
+                    else min(self.backoff_s * 2**attempt, cap) * (0.5 + random.random() / 2)
+                )
                 attempt += 1
                 time.sleep(delay)
                 self._unavailable(t0, 1)

@@ -47,7 +47,6 @@ class InvalidArgument(AllocatorError):
     code = "invalid_argument"
 
 
-
 class PoolLimit(AllocatorError):
     """The operation would make the pool hold more sequences or table entries
     than its shape allows (`limits.max_sequences`, `limits.max_table_entries`).

@@ -52,7 +52,9 @@ def _pack(token_ids: Sequence[int]) -> bytes:
         raise InvalidArgument(f"token ids must be integers in [0, {MAX_TOKEN_ID}]") from exc
 
 
-def _digest(parent: bytes, packed: bytes | memoryview, count: int, extra_keys: Sequence[str]) -> bytes:
+def _digest(
+    parent: bytes, packed: bytes | memoryview, count: int, extra_keys: Sequence[str]
+) -> bytes:
     """The hash of a block whose `count` tokens `_pack` encoded as `packed`."""
     h = hashlib.sha256(parent)
     h.update(_U32.pack(count))
@@ -95,19 +97,27 @@ def chain_hashes(
         packed = memoryview(_pack(token_ids[first * block_size : last * block_size]))
         for i in range(first, last):
             at = (i - first) * width
-            parent = _digest(parent, packed[at : at + width], block_size, first_keys if i == 0 else ())
+            parent = _digest(
+                parent, packed[at : at + width], block_size, first_keys if i == 0 else ()
+            )
             out.append(parent)
     return out
 
 
-def prompt_chain(model_fingerprint: str, token_ids: Sequence[int], block_size: int,
-                 cache_salt: str | None = None) -> list[bytes]:
+def prompt_chain(
+    model_fingerprint: str, token_ids: Sequence[int], block_size: int, cache_salt: str | None = None
+) -> list[bytes]:
     """The hashes a prefix-cache lookup of a prompt compares: its full blocks
     before its last token (that token is always computed, so its block is
     never taken from the cache). What MatchPrefix hashes, and a router
     matching in its copy of the pools' indexes."""
-    return chain_hashes(root_hash(model_fingerprint, block_size), token_ids, block_size, cache_salt,
-                        limit_blocks=(len(token_ids) - 1) // block_size)
+    return chain_hashes(
+        root_hash(model_fingerprint, block_size),
+        token_ids,
+        block_size,
+        cache_salt,
+        limit_blocks=(len(token_ids) - 1) // block_size,
+    )
 
 
 def leading_hits(hashes: Sequence[bytes], cached: Container[bytes]) -> int:

@@ -27,8 +27,12 @@ class PoolHoldings:
     (`stats`, tables, prefix lookups), dumped and checked. Pure Python,
     single-threaded: callers serialise access."""
 
-    def __init__(self, config: PoolConfig, event_sink: EventSink | None = None,
-                 store: SharedStore | None = None) -> None:
+    def __init__(
+        self,
+        config: PoolConfig,
+        event_sink: EventSink | None = None,
+        store: SharedStore | None = None,
+    ) -> None:
         self.config = config
         self.block_size = config.block_size
         self.num_blocks = config.num_blocks
@@ -68,8 +72,12 @@ class PoolHoldings:
         if config.tiered:
             if config.use_shared_store and store is None:
                 raise InvalidArgument("the pool uses the shared store, and none was given")
-            self.tiers = PoolTiers(config.host_blocks, store if config.use_shared_store else None,
-                                   config.store_namespace, config.block_bytes)
+            self.tiers = PoolTiers(
+                config.host_blocks,
+                store if config.use_shared_store else None,
+                config.store_namespace,
+                config.block_bytes,
+            )
 
     # ------------------------------------------------------------------ reads
     @property
@@ -172,12 +180,26 @@ class PoolHoldings:
     # ---------------------------------------- checks and dumps (own modules)
     def parts(self) -> PoolParts:
         """The pool's containers as they are (no copies: read only)."""
-        return PoolParts(self.ref_cnt, self._fill, self.index.block_hash, self._uncached_free,
-                         self._cached_free, self._stamp, self._clock, self._seqs)
+        return PoolParts(
+            self.ref_cnt,
+            self._fill,
+            self.index.block_hash,
+            self._uncached_free,
+            self._cached_free,
+            self._stamp,
+            self._clock,
+            self._seqs,
+        )
 
     @classmethod
-    def from_parts(cls, config: PoolConfig, parts: PoolParts, counters: Mapping[str, int],
-                   event_sink: EventSink | None = None, store: SharedStore | None = None) -> Self:
+    def from_parts(
+        cls,
+        config: PoolConfig,
+        parts: PoolParts,
+        counters: Mapping[str, int],
+        event_sink: EventSink | None = None,
+        store: SharedStore | None = None,
+    ) -> Self:
         """A pool holding `parts` (its lists taken over, not copied) and the
         `stats()` counters given in `counters` (prefix_queried_tokens, ...);
         its tiers empty (`from_state` restores them)."""
@@ -211,12 +233,18 @@ class PoolHoldings:
         return snapshot.to_state(self)
 
     @classmethod
-    def from_state(cls, state: dict[str, Any], event_sink: EventSink | None = None,
-                   store: SharedStore | None = None) -> Self:
+    def from_state(
+        cls,
+        state: dict[str, Any],
+        event_sink: EventSink | None = None,
+        store: SharedStore | None = None,
+    ) -> Self:
         """The pool `state` dumps (the shared store it uses, restored from
         its own dump, is given as at construction)."""
         parts, counters = snapshot.parts_of(state)
-        pool = cls.from_parts(PoolConfig(**state["config"]), PoolParts(*parts), counters, event_sink, store)
+        pool = cls.from_parts(
+            PoolConfig(**state["config"]), PoolParts(*parts), counters, event_sink, store
+        )
         if pool.tiers is not None:
             pool.tiers.restore(state["tiers"])
         return pool

@@ -40,18 +40,32 @@ def integrity_problems(pool: PoolState) -> list[str]:
         if not 0 <= seq.reserved <= seq.num_tokens:
             problems.append(f"{sid}: {seq.reserved} reserved slots of {seq.num_tokens}")
         known = seq.num_tokens - seq.reserved  # slots whose token values the pool has
-        if pool.enable_prefix_caching and (len(seq.hashes) != known // B or len(seq.tail) != known % B):
-            problems.append(f"{sid}: {len(seq.hashes)} chain hashes and {len(seq.tail)} tail tokens "
-                            f"for {known} known tokens")
+        if pool.enable_prefix_caching and (
+            len(seq.hashes) != known // B or len(seq.tail) != known % B
+        ):
+            problems.append(
+                f"{sid}: {len(seq.hashes)} chain hashes and {len(seq.tail)} tail tokens "
+                f"for {known} known tokens"
+            )
     entries = sum(len(seq.table) for seq in seqs.values())
     if pool.table_entries != entries:
-        problems.append(f"the pool counts {pool.table_entries} table entries, its tables hold {entries}")
+        problems.append(
+            f"the pool counts {pool.table_entries} table entries, its tables hold {entries}"
+        )
     names = sum(len(s) + len(seq.salt or "") for s, seq in seqs.items())
     if pool.name_chars != names:
-        problems.append(f"the pool counts {pool.name_chars} characters of names, its sequences hold {names}")
-    if entries > pool.max_table_entries or len(seqs) > pool.max_sequences or names > pool.max_name_chars:
-        problems.append(f"{len(seqs)} sequences, {entries} table entries and {names} characters "
-                        "of names exceed the pool's bounds")
+        problems.append(
+            f"the pool counts {pool.name_chars} characters of names, its sequences hold {names}"
+        )
+    if (
+        entries > pool.max_table_entries
+        or len(seqs) > pool.max_sequences
+        or names > pool.max_name_chars
+    ):
+        problems.append(
+            f"{len(seqs)} sequences, {entries} table entries and {names} characters "
+            "of names exceed the pool's bounds"
+        )
     uncached, cached = list(p.uncached_free), list(p.cached_free)
     free = uncached + cached
     if len(set(free)) != len(free):

@@ -50,7 +50,7 @@ def chunks(items: Sequence[T], size: int = CHUNK) -> Iterator[Sequence[T]]:
     costs nothing; a generator per item would)."""
     for start in range(0, len(items), size):
         pace()
-        yield items[start:start + size]
+        yield items[start : start + size]
 
 
 class Unpaced:

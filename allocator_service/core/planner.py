@@ -43,12 +43,17 @@ def append_blocks(held: int, new_slots: int, last_refs: int, block_size: int) ->
     return (blocks_for(new_slots - room, block_size) if new_slots > room else 0) + cow, cow
 
 
-def admit_blocks(num_tokens: int, hits: int, num_new_tokens: int | None, block_size: int,
-                 reserve: int = 0) -> tuple[int, int]:
+def admit_blocks(
+    num_tokens: int, hits: int, num_new_tokens: int | None, block_size: int, reserve: int = 0
+) -> tuple[int, int]:
     """An Admit of `num_tokens` whose first `hits` blocks are found cached,
     holding `reserve` slots after the tokens it stores: (tokens stored,
     blocks taken from the free queue for the rest)."""
-    stored = num_tokens if num_new_tokens is None else min(num_tokens, hits * block_size + num_new_tokens)
+    stored = (
+        num_tokens
+        if num_new_tokens is None
+        else min(num_tokens, hits * block_size + num_new_tokens)
+    )
     return stored, blocks_for(stored + reserve, block_size) - hits
 
 
@@ -114,7 +119,9 @@ class PoolPlan:
 
     __slots__ = ("block_size", "refs", "free")
 
-    def __init__(self, num_blocks: int, block_size: int, tables: Iterable[Sequence[int]] = ()) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, tables: Iterable[Sequence[int]] = ()
+    ) -> None:
         self.block_size = block_size
         # NOTE: one C-speed update over every held block (30 -> 20 us for ~1,000).
         self.refs: Counter = Counter(chain.from_iterable(tables))
@@ -140,8 +147,13 @@ class PoolPlan:
         need, cow = append_blocks(held, new, self.refs[table[-1]] if table else 0, self.block_size)
         return AppendCost(need, table[-1] if cow else -1, len(table) + need - cow)
 
-    def admit(self, num_tokens: int, num_new_tokens: int | None = None, hits: Sequence[int] = (),
-              reserve: int = 0) -> int:
+    def admit(
+        self,
+        num_tokens: int,
+        num_new_tokens: int | None = None,
+        hits: Sequence[int] = (),
+        reserve: int = 0,
+    ) -> int:
         """Blocks an Admit of `num_tokens` (holding `reserve` slots after the
         tokens it stores) takes from the free queue when it shares `hits`
         (the blocks it finds cached): new blocks for the rest, and each hit
@@ -196,4 +208,3 @@ class PoolPlan:
         """A table names `blocks` once more (a Fork's child: its parent's
         table; an answer: the blocks an operation took or shares)."""
         self.refs.update(blocks)
-

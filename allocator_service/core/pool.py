@@ -70,7 +70,9 @@ from allocator_service.core.validation import (
 class AdmitResult(NamedTuple):
     cached_tokens: int  # leading prompt tokens found cached (in the KV pool or loaded from a tier)
     num_stored: int  # tokens the sequence holds with their values after the admit (its reserved slots follow)
-    new_blocks: list[int]  # blocks taken for the tokens past the cached ones (and reserved slots), in table order
+    new_blocks: list[
+        int
+    ]  # blocks taken for the tokens past the cached ones (and reserved slots), in table order
     table: list[int]  # the whole new block table (cached hits first)
 
 
@@ -129,7 +131,9 @@ class BlockPool(PoolHoldings):
         check_cache_salt(cache_salt)
         names = _name_chars(seq_id, cache_salt)
         self._check_new_sequence(names)
-        if num_new_tokens is not None and (not isinstance(num_new_tokens, int) or num_new_tokens < 1):
+        if num_new_tokens is not None and (
+            not isinstance(num_new_tokens, int) or num_new_tokens < 1
+        ):
             raise InvalidArgument("num_new_tokens must be a positive integer")
         if type(reserve) is not int or not 0 <= reserve <= MAX_RESERVE:
             raise InvalidArgument(f"reserve must be an integer in [0, {MAX_RESERVE}]")
@@ -258,7 +262,9 @@ class BlockPool(PoolHoldings):
             self._hash_full_tail(seq)
         return AppendResult(keep, new_blocks, copies)
 
-    def try_append(self, seq_id: str, tokens: Sequence[int], reserve: int = 0, checked: bool = False) -> int:
+    def try_append(
+        self, seq_id: str, tokens: Sequence[int], reserve: int = 0, checked: bool = False
+    ) -> int:
         """`append` where every slot it adds fits in the sequence's private,
         not-full last block (a decode step's append: no block taken, none
         copied): returns the table length, the answer's `keep`. -1 when
@@ -266,8 +272,12 @@ class BlockPool(PoolHoldings):
         sequence, bad input); nothing was changed then. `checked`: the
         caller found every token valid (`tokens_ok`) already."""
         seq = self._seqs.get(seq_id)
-        if (seq is None or type(reserve) is not int or not 0 <= reserve <= MAX_RESERVE
-                or not (checked or tokens_ok(tokens))):
+        if (
+            seq is None
+            or type(reserve) is not int
+            or not 0 <= reserve <= MAX_RESERVE
+            or not (checked or tokens_ok(tokens))
+        ):
             return -1
         n, table = seq.num_tokens, seq.table
         held, reserved = after_append(n, seq.reserved, len(tokens), reserve)
@@ -297,8 +307,10 @@ class BlockPool(PoolHoldings):
         if seq is None:
             raise UnknownSequence(seq_id)
         if type(slots) is not int or not 1 <= slots <= seq.reserved:
-            raise InvalidArgument(f"unreserve: {seq_id!r} holds {seq.reserved} reserved slots; "
-                                  f"cannot give back {slots!r}")
+            raise InvalidArgument(
+                f"unreserve: {seq_id!r} holds {seq.reserved} reserved slots; "
+                f"cannot give back {slots!r}"
+            )
         n = seq.num_tokens - slots
         B, table = self.block_size, seq.table
         keep = unreserve_keep(seq.num_tokens, slots, B)
@@ -336,8 +348,10 @@ class BlockPool(PoolHoldings):
             raise SequenceExists(child_id)
         if parent.reserved:
             # The child would hold slots whose values only the parent sends.
-            raise InvalidArgument(f"cannot fork {parent_id!r}: it has {parent.reserved} reserved slots "
-                                  "whose tokens are not known yet")
+            raise InvalidArgument(
+                f"cannot fork {parent_id!r}: it has {parent.reserved} reserved slots "
+                "whose tokens are not known yet"
+            )
         names = _name_chars(child_id, parent.salt)
         self._check_new_sequence(names)
         self._check_new_entries(len(parent.table))
@@ -376,7 +390,9 @@ class BlockPool(PoolHoldings):
             self._stamp[b] = self._clock
             self._cached_free[b] = None
         if self.tiers is not None:
-            for b in reversed(cached):  # tail first: a full store drops a chain's tail before its head
+            for b in reversed(
+                cached
+            ):  # tail first: a full store drops a chain's tail before its head
                 self.tiers.released(b, block_hash[b])  # type: ignore[arg-type]
 
     def reset_prefix_cache(self) -> int:
@@ -388,8 +404,14 @@ class BlockPool(PoolHoldings):
         return self.index.clear()
 
     # ------------------------------------------------------------------ tiers
-    def confirm(self, saved: Sequence[int] = (), failed: Sequence[int] = (), store_saved: Sequence[bytes] = (),
-                store_failed: Sequence[bytes] = (), refused: Sequence[bytes] = ()) -> None:
+    def confirm(
+        self,
+        saved: Sequence[int] = (),
+        failed: Sequence[int] = (),
+        store_saved: Sequence[bytes] = (),
+        store_failed: Sequence[bytes] = (),
+        refused: Sequence[bytes] = (),
+    ) -> None:
         """A worker's report on the moves it applied: host slots whose save
         is written (`saved`) or could not be (`failed`), the same for store
         saves by hash, and store loads it refused (layout, checksum or the
@@ -402,8 +424,14 @@ class BlockPool(PoolHoldings):
         if self.tiers is not None:
             self.tiers.confirm(*args)
 
-    def check_report(self, saved: Sequence[int] = (), failed: Sequence[int] = (), store_saved: Sequence[bytes] = (),
-                     store_failed: Sequence[bytes] = (), refused: Sequence[bytes] = ()) -> None:
+    def check_report(
+        self,
+        saved: Sequence[int] = (),
+        failed: Sequence[int] = (),
+        store_saved: Sequence[bytes] = (),
+        store_failed: Sequence[bytes] = (),
+        refused: Sequence[bytes] = (),
+    ) -> None:
         """InvalidArgument unless `confirm` would take this report: every id
         one the pool could have issued (lookups only: callers check a report
         before they journal it)."""
@@ -411,8 +439,9 @@ class BlockPool(PoolHoldings):
             if saved or failed or store_saved or store_failed or refused:
                 raise InvalidArgument("save or load confirmations for a pool without KV tiers")
             return
-        self.tiers.check_confirmations(list(saved), list(failed), list(store_saved), list(store_failed),
-                                       list(refused))
+        self.tiers.check_confirmations(
+            list(saved), list(failed), list(store_saved), list(store_failed), list(refused)
+        )
 
     def take_moves(self) -> Moves:
         """The tier moves issued since the last call, in the order the worker
@@ -478,4 +507,3 @@ class BlockPool(PoolHoldings):
         self.ref_cnt[b] = 1
         self._fill[b] = 0
         return b
-

@@ -73,9 +73,16 @@ def _config(pool: PoolState) -> dict[str, Any]:
         "model_fingerprint": pool.config.model_fingerprint,
         # NOTE: only with tiers, so a dump without them has the keys
         # every stored snapshot has.
-        **({"host_blocks": pool.config.host_blocks, "layout": pool.config.layout,
-            "block_bytes": pool.config.block_bytes, "use_shared_store": pool.config.use_shared_store}
-           if pool.config.tiered else {}),
+        **(
+            {
+                "host_blocks": pool.config.host_blocks,
+                "layout": pool.config.layout,
+                "block_bytes": pool.config.block_bytes,
+                "use_shared_store": pool.config.use_shared_store,
+            }
+            if pool.config.tiered
+            else {}
+        ),
         **({"store_group": pool.config.store_group} if pool.config.store_group else {}),
     }
 
@@ -101,7 +108,9 @@ def dumps_chunked(value: Any) -> str:
     milliseconds in C without letting another thread run (the service's
     other pools); list slices and dict entries let the interpreter switch."""
     if isinstance(value, dict) and len(value) > 1:
-        return "{" + ",".join(json.dumps(k) + ":" + dumps_chunked(v) for k, v in value.items()) + "}"
+        return (
+            "{" + ",".join(json.dumps(k) + ":" + dumps_chunked(v) for k, v in value.items()) + "}"
+        )
     if isinstance(value, list) and len(value) > _CHUNK:
         parts = (json.dumps(part, separators=(",", ":"))[1:-1] for part in chunks(value, _CHUNK))
         return "[" + ",".join(parts) + "]"
@@ -143,6 +152,8 @@ def parts_of(state: dict[str, Any]) -> tuple[tuple, dict[str, int]]:
 PACKED = "packed/1"
 # Bytes of one block hash (SHA-256).
 HASH_BYTES = 32
+
+
 def _pack(values: Any, code: str = "q") -> str:
     a = array(code, values)
     if sys.byteorder != "little":
@@ -162,16 +173,16 @@ def _common_run(a: list, b: list, i: int) -> int:
     """The largest n with a[i:i+n] == b[i:i+n] (a[i] == b[i] is known):
     galloping slice comparisons, in C, O(n log n) element compares."""
     m = min(len(a), len(b)) - i
-    if a[i:i + m] == b[i:i + m]:
+    if a[i : i + m] == b[i : i + m]:
         return m
     lo, step = 1, 1  # a[i:i+lo] matches
-    while lo + step < m and a[i + lo:i + lo + step] == b[i + lo:i + lo + step]:
+    while lo + step < m and a[i + lo : i + lo + step] == b[i + lo : i + lo + step]:
         lo += step
         step *= 2
     hi = min(lo + step, m)  # a[i:i+hi] does not match
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if a[i + lo:i + mid] == b[i + lo:i + mid]:
+        if a[i + lo : i + mid] == b[i + lo : i + mid]:
             lo = mid
         else:
             hi = mid
@@ -203,8 +214,15 @@ def _table_segments(t: int, table: list[int], tables: list[list[int]], owner: ar
     return segs
 
 
-def _hash_segments(t: int, hashes: list[bytes], table: list[int], chains: list[list[bytes]], owner: array,
-                   block_hash: list[bytes | None], literal: list[bytes]) -> list[int]:
+def _hash_segments(
+    t: int,
+    hashes: list[bytes],
+    table: list[int],
+    chains: list[list[bytes]],
+    owner: array,
+    block_hash: list[bytes | None],
+    literal: list[bytes],
+) -> list[int]:
     """Sequence `t`'s hash chain as (s, n) copies of sequence s's hashes at
     the same positions, (-1, n) runs equal to the hashes the table's blocks
     hold there, and (-2, n) literals (appended to `literal`)."""
@@ -235,11 +253,15 @@ def to_packed(pool: PoolState) -> dict[str, Any]:
     docstring); `parts_of` reads it back exactly."""
     p = pool.parts()
     block_hash = p.block_hash
-    hashed = [b for part in chunks(range(len(block_hash))) for b in part if block_hash[b] is not None]
+    hashed = [
+        b for part in chunks(range(len(block_hash))) for b in part if block_hash[b] is not None
+    ]
     pace()
     for b in hashed:
         if len(block_hash[b]) != HASH_BYTES:
-            raise ValueError(f"block {b} holds a hash of {len(block_hash[b])} bytes, not {HASH_BYTES}")
+            raise ValueError(
+                f"block {b} holds a hash of {len(block_hash[b])} bytes, not {HASH_BYTES}"
+            )
     owner = array("i", [-1]) * len(block_hash)
     tables: list[list[int]] = []
     chains: list[list[bytes]] = []
@@ -250,8 +272,18 @@ def to_packed(pool: PoolState) -> dict[str, Any]:
         hash_segs = _hash_segments(t, q.hashes, q.table, chains, owner, block_hash, literal)
         tables.append(q.table)
         chains.append(q.hashes)
-        seqs.append([seq_id, q.num_tokens, q.salt, q.reserved, table_segs, hash_segs,
-                     base64.b64encode(b"".join(literal)).decode(), list(q.tail)])
+        seqs.append(
+            [
+                seq_id,
+                q.num_tokens,
+                q.salt,
+                q.reserved,
+                table_segs,
+                hash_segs,
+                base64.b64encode(b"".join(literal)).decode(),
+                list(q.tail),
+            ]
+        )
         pace()
     return {
         "encoding": PACKED,
@@ -275,7 +307,7 @@ def _parts_of_packed(state: dict[str, Any]) -> tuple[tuple, dict[str, int]]:
     raw = base64.b64decode(state["hashes"])
     block_hash: list[bytes | None] = [None] * n
     for k, b in enumerate(_unpack(state["hashed"])):
-        block_hash[b] = raw[k * HASH_BYTES:(k + 1) * HASH_BYTES]
+        block_hash[b] = raw[k * HASH_BYTES : (k + 1) * HASH_BYTES]
     tables: list[list[int]] = []
     chains: list[list[bytes]] = []
     seqs = {}
@@ -283,23 +315,31 @@ def _parts_of_packed(state: dict[str, Any]) -> tuple[tuple, dict[str, int]]:
         table: list[int] = []
         for a, k in zip(table_segs[::2], table_segs[1::2], strict=True):
             i = len(table)
-            table += tables[~a][i:i + k] if a < 0 else range(a, a + k)
+            table += tables[~a][i : i + k] if a < 0 else range(a, a + k)
         lit = base64.b64decode(literal)
         hashes: list[bytes] = []
         used = 0
         for s, k in zip(hash_segs[::2], hash_segs[1::2], strict=True):
             i = len(hashes)
             if s >= 0:
-                hashes += chains[s][i:i + k]
+                hashes += chains[s][i : i + k]
             elif s == -1:
-                hashes += (block_hash[b] for b in table[i:i + k])
+                hashes += (block_hash[b] for b in table[i : i + k])
             else:
-                hashes += (lit[j * HASH_BYTES:(j + 1) * HASH_BYTES] for j in range(used, used + k))
+                hashes += (
+                    lit[j * HASH_BYTES : (j + 1) * HASH_BYTES] for j in range(used, used + k)
+                )
                 used += k
         tables.append(table)
         chains.append(hashes)
-        seqs[seq_id] = SeqEntry(table=table, num_tokens=num_tokens, salt=salt, hashes=hashes, tail=list(tail),
-                           reserved=reserved)
+        seqs[seq_id] = SeqEntry(
+            table=table,
+            num_tokens=num_tokens,
+            salt=salt,
+            hashes=hashes,
+            tail=list(tail),
+            reserved=reserved,
+        )
     parts = (
         _unpack(state["ref_cnt"]),
         _unpack(state["fill"]),

@@ -45,7 +45,8 @@ class PoolConfig:
             raise InvalidArgument(f"block_size must be an integer in [1, {MAX_BLOCK_SIZE}]")
         if len(self.model_fingerprint) > MAX_FINGERPRINT_LEN:
             raise InvalidArgument(
-                f"model_fingerprint is longer than {MAX_FINGERPRINT_LEN} characters")
+                f"model_fingerprint is longer than {MAX_FINGERPRINT_LEN} characters"
+            )
         if type(self.host_blocks) is not int or not 0 <= self.host_blocks <= MAX_HOST_BLOCKS:
             raise InvalidArgument(f"host_blocks must be an integer in [0, {MAX_HOST_BLOCKS}]")
         check_store_names(self.layout, self.store_group)
@@ -55,7 +56,8 @@ class PoolConfig:
             raise InvalidArgument("KV tiers (host_blocks, use_shared_store) need prefix caching")
         if self.use_shared_store and (not self.layout or not self.block_bytes):
             raise InvalidArgument(
-                "a pool that uses the shared store needs its layout and block_bytes")
+                "a pool that uses the shared store needs its layout and block_bytes"
+            )
 
     @property
     def tiered(self) -> bool:

@@ -71,7 +71,9 @@ class StepColumns(NamedTuple):
     kinds: list[int]  # one per operation: FREE, APPEND, ADMIT, FORK or UNRESERVE
     seq_ids: list[str]  # one per operation: the sequence (FORK: the parent)
     num_tokens: list[int]  # one per operation: its tokens (0 for FREE, FORK and UNRESERVE)
-    tokens: Sequence[int]  # every operation's tokens, concatenated in order (a list, or the wire's field)
+    tokens: Sequence[
+        int
+    ]  # every operation's tokens, concatenated in order (a list, or the wire's field)
     salts: list[str | None]  # one per ADMIT: its cache_salt
     num_new_tokens: list[int | None]  # one per ADMIT: chunked prefill bound (None: all)
     children: list[str]  # one per FORK: the child's sequence id
@@ -113,8 +115,17 @@ class StepAnswer(Sequence[OpResult]):
     equal to an answer of equal columns and to a list of the same `OpResult`s."""
 
     # The columns the wire's `StepResponse` carries under these names.
-    COLUMNS = ("errors", "keep", "num_appended", "appended", "num_copies", "copies", "cached_tokens",
-               "num_stored", "error_messages")
+    COLUMNS = (
+        "errors",
+        "keep",
+        "num_appended",
+        "appended",
+        "num_copies",
+        "copies",
+        "cached_tokens",
+        "num_stored",
+        "error_messages",
+    )
 
     errors: Sequence[int]  # one per operation: 0, or ERROR_NUMBER of why it failed
     keep: Sequence[int]  # one per operation: entries of the old table kept
@@ -122,15 +133,21 @@ class StepAnswer(Sequence[OpResult]):
     appended: Sequence[int]  # every operation's appended block ids, concatenated
     num_copies: Sequence[int]  # one per operation: block copies to perform first
     copies: Sequence[int]  # every operation's (src, dst) copies, flattened
-    cached_tokens: Sequence[int]  # one per operation: prompt tokens found cached (ADMIT; tier loads included)
+    cached_tokens: Sequence[
+        int
+    ]  # one per operation: prompt tokens found cached (ADMIT; tier loads included)
     num_stored: Sequence[int]  # one per operation: tokens held after an ADMIT
     error_messages: Sequence[str]  # one per FAILED operation, in order
     # KV tiers: the step's moves, applied by the worker before the forward
     # pass (`tiers.Moves` says in which order; NO_MOVES without tiers).
     moves: Moves = NO_MOVES
-    _starts: list[int] | None = field(default=None, init=False, repr=False)  # where each operation's ids start
+    _starts: list[int] | None = field(
+        default=None, init=False, repr=False
+    )  # where each operation's ids start
     _copy_starts: list[int] | None = field(default=None, init=False, repr=False)
-    _messages: dict[int, str] | None = field(default=None, init=False, repr=False)  # failed op -> its message
+    _messages: dict[int, str] | None = field(
+        default=None, init=False, repr=False
+    )  # failed op -> its message
 
     def __len__(self) -> int:
         return len(self.errors)
@@ -166,10 +183,26 @@ class StepAnswer(Sequence[OpResult]):
             if self._messages is None:
                 failed = [j for j, x in enumerate(self.errors) if x]
                 self._messages = dict(zip(failed, self.error_messages, strict=False))
-            return OpResult(False, ERROR_CODE[e], self._messages.get(i, ""), self.keep[i], self.appended_of(i),
-                            self.copies_of(i), self.cached_tokens[i], self.num_stored[i])
-        return OpResult(True, "", "", self.keep[i], self.appended_of(i), self.copies_of(i),
-                        self.cached_tokens[i], self.num_stored[i])
+            return OpResult(
+                False,
+                ERROR_CODE[e],
+                self._messages.get(i, ""),
+                self.keep[i],
+                self.appended_of(i),
+                self.copies_of(i),
+                self.cached_tokens[i],
+                self.num_stored[i],
+            )
+        return OpResult(
+            True,
+            "",
+            "",
+            self.keep[i],
+            self.appended_of(i),
+            self.copies_of(i),
+            self.cached_tokens[i],
+            self.num_stored[i],
+        )
 
     @overload
     def __getitem__(self, i: int) -> OpResult: ...
@@ -190,7 +223,10 @@ class StepAnswer(Sequence[OpResult]):
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, StepAnswer):
-            return all(getattr(self, f) == getattr(other, f) for f in self.COLUMNS) and self.moves == other.moves
+            return (
+                all(getattr(self, f) == getattr(other, f) for f in self.COLUMNS)
+                and self.moves == other.moves
+            )
         if isinstance(other, list | tuple):
             return list(self) == list(other)
         return NotImplemented
@@ -240,7 +276,9 @@ def run_step(pool: BlockPool, step: StepColumns) -> StepAnswer:
     end = 0  # where the next operation's tokens end
     admits = forks = 0  # ADMIT and FORK operations met so far
     try_append = pool.try_append
-    checked = tokens_ok(tokens)  # every token of the step at once (C speed), not one operation at a time
+    checked = tokens_ok(
+        tokens
+    )  # every token of the step at once (C speed), not one operation at a time
     for i in range(n):
         kind = kinds[i]
         start = end
@@ -266,7 +304,9 @@ def run_step(pool: BlockPool, step: StepColumns) -> StepAnswer:
                     copies.extend(chain.from_iterable(r.copies))
             elif kind == ADMIT:
                 admits += 1
-                a = pool.admit(seq, tokens[start:end], salts[admits - 1], budgets[admits - 1], reserved[i])
+                a = pool.admit(
+                    seq, tokens[start:end], salts[admits - 1], budgets[admits - 1], reserved[i]
+                )
                 appended += a.table
                 num_appended[i] = len(a.table)
                 cached[i] = a.cached_tokens

@@ -64,9 +64,14 @@ def check_store_names(layout: str, group: str) -> None:
     store group, "" for none) are words of STORE_NAME_CHARS within their
     bounds: then `store_namespace` can never make one group's namespace
     from another's names."""
-    for what, value, bound in (("layout", layout, MAX_LAYOUT_LEN), ("store_group", group, MAX_STORE_GROUP_LEN)):
+    for what, value, bound in (
+        ("layout", layout, MAX_LAYOUT_LEN),
+        ("store_group", group, MAX_STORE_GROUP_LEN),
+    ):
         if not isinstance(value, str) or len(value) > bound or not _STORE_NAME.fullmatch(value):
-            raise InvalidArgument(f"{what} must be at most {bound} characters of [{STORE_NAME_CHARS}]")
+            raise InvalidArgument(
+                f"{what} must be at most {bound} characters of [{STORE_NAME_CHARS}]"
+            )
 
 
 def store_namespace(group: str, layout: str) -> str:
@@ -244,7 +249,9 @@ class SharedStore:
 
     def __init__(self, capacity_bytes: int) -> None:
         if type(capacity_bytes) is not int or capacity_bytes < 0:
-            raise InvalidArgument("the shared store's capacity must be a non-negative integer of bytes")
+            raise InvalidArgument(
+                "the shared store's capacity must be a non-negative integer of bytes"
+            )
         self.lru = LruTier(capacity_bytes)
         self.stats = StoreStats()
 
@@ -268,7 +275,9 @@ class SharedStore:
             st.lru.present[(lay, bytes.fromhex(h))] = (0, size)
         for lay, h, size in state["pending"]:
             st.lru.pending[(lay, bytes.fromhex(h))] = (0, size)
-        st.lru.used = sum(s for _, s in st.lru.present.values()) + sum(s for _, s in st.lru.pending.values())
+        st.lru.used = sum(s for _, s in st.lru.present.values()) + sum(
+            s for _, s in st.lru.pending.values()
+        )
         st.lru._pending_used = sum(s for _, s in st.lru.pending.values())
         st.stats = StoreStats.from_state(state["counters"])
         return st
@@ -322,7 +331,9 @@ class TierStats:
     saves_confirmed: int = 0  # host and store saves a worker confirmed written
     saves_failed: int = 0  # ... reported failed (the entry is dropped)
     saves_skipped: int = 0  # saves not issued: no room that is not pending or pinned
-    refused_loads: int = 0  # store loads the worker reported refused (format, layout, checksum, seal, missing)
+    refused_loads: int = (
+        0  # store loads the worker reported refused (format, layout, checksum, seal, missing)
+    )
     host_evictions: int = 0  # host entries dropped for a new save
     stale_confirmations: int = 0  # confirmations of nothing pending (ignored)
 
@@ -374,7 +385,9 @@ class PoolTiers:
 
     __slots__ = ("host", "store", "namespace", "block_bytes", "store_pending", "stats", "_moves")
 
-    def __init__(self, host_blocks: int, store: SharedStore | None, namespace: str, block_bytes: int) -> None:
+    def __init__(
+        self, host_blocks: int, store: SharedStore | None, namespace: str, block_bytes: int
+    ) -> None:
         self.host = HostSlotIndex(host_blocks) if host_blocks else None
         self.store = store
         self.namespace = namespace
@@ -494,22 +507,39 @@ class PoolTiers:
         self.stats.store_saves += 1
 
     # --------------------------------------------------------- confirmation
-    def check_confirmations(self, saved: list[int], failed: list[int], store_saved: list[bytes],
-                            store_failed: list[bytes], refused: list[bytes]) -> None:
+    def check_confirmations(
+        self,
+        saved: list[int],
+        failed: list[int],
+        store_saved: list[bytes],
+        store_failed: list[bytes],
+        refused: list[bytes],
+    ) -> None:
         """InvalidArgument unless every id is one this pool could have issued."""
         n = self.host.lru.capacity if self.host is not None else 0
         for s in (*saved, *failed):
             if type(s) is not int or not 0 <= s < n:
-                raise InvalidArgument(f"a confirmed host save names slot {s!r}; the pool's host tier "
-                                      f"has {n} slots")
+                raise InvalidArgument(
+                    f"a confirmed host save names slot {s!r}; the pool's host tier has {n} slots"
+                )
         if (store_saved or store_failed or refused) and self.store is None:
-            raise InvalidArgument("store confirmations for a pool that does not use the shared store")
+            raise InvalidArgument(
+                "store confirmations for a pool that does not use the shared store"
+            )
         for h in (*store_saved, *store_failed, *refused):
             if type(h) is not bytes or len(h) != HASH_LEN:
-                raise InvalidArgument(f"a store confirmation must name a {HASH_LEN}-byte block hash")
+                raise InvalidArgument(
+                    f"a store confirmation must name a {HASH_LEN}-byte block hash"
+                )
 
-    def confirm(self, saved: list[int], failed: list[int], store_saved: list[bytes],
-                store_failed: list[bytes], refused: list[bytes]) -> None:
+    def confirm(
+        self,
+        saved: list[int],
+        failed: list[int],
+        store_saved: list[bytes],
+        store_failed: list[bytes],
+        refused: list[bytes],
+    ) -> None:
         """Apply a worker's report (checked by `check_confirmations` first):
         saves written become present, failed ones are dropped, refused store
         entries are dropped (and deleted). Ids of nothing pending are counted
@@ -589,7 +619,9 @@ class PoolTiers:
             out.extend(self.store.integrity_problems())
             for h in self.store_pending:
                 if (self.namespace, h) not in self.store.lru.pending:
-                    out.append(f"store save {h.hex()[:12]} is pending for the pool, not in the store")
+                    out.append(
+                        f"store save {h.hex()[:12]} is pending for the pool, not in the store"
+                    )
         elif self.store_pending:
             out.append("store saves are pending for a pool without a store")
         return out

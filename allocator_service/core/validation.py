@@ -17,7 +17,8 @@ def check_seq_id(seq_id: object) -> str:
     """The id, unless it is not a non-empty string of at most MAX_SEQ_ID_LEN characters."""
     if not isinstance(seq_id, str) or not seq_id or len(seq_id) > MAX_SEQ_ID_LEN:
         raise InvalidArgument(
-            f"a sequence id must be a non-empty string of at most {MAX_SEQ_ID_LEN} characters")
+            f"a sequence id must be a non-empty string of at most {MAX_SEQ_ID_LEN} characters"
+        )
     return seq_id
 
 

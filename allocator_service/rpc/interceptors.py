@@ -88,7 +88,9 @@ class RoleInterceptor(grpc.ServerInterceptor):
             def call(request, context):
                 if method == "RegisterPool":  # a worker token registers its own worker only
                     try:
-                        self._roles.check_registration(role, grant, request.worker_id, request.advertise_url)
+                        self._roles.check_registration(
+                            role, grant, request.worker_id, request.advertise_url
+                        )
                     except ServiceError as exc:
                         status.abort(context, exc)
                 token = set_caller_role(role)
@@ -222,8 +224,11 @@ class MetricsInterceptor(grpc.ServerInterceptor):
             except Exception:
                 if started:
                     status = context.code()
-                    self._observe(method, status.name if status is not None else "UNKNOWN",
-                                  time.perf_counter() - started.pop())
+                    self._observe(
+                        method,
+                        status.name if status is not None else "UNKNOWN",
+                        time.perf_counter() - started.pop(),
+                    )
                 raise
 
         return call

@@ -85,11 +85,13 @@ class PoolCollector:
             recent_cpu.add_metric(key, recent.get(pool_id, 0.0))
         pools = GaugeMetricFamily(PREFIX + "pools", "Registered pools.", value=len(views))
         events = GaugeMetricFamily(
-            PREFIX + "event_sequence", "Sequence number of the last KV event.",
+            PREFIX + "event_sequence",
+            "Sequence number of the last KV event.",
             value=self.service.events.published - 1,
         )
         snapshot_failures = CounterMetricFamily(
-            PREFIX + "snapshot_failures", "Snapshots that could not be written (each backs off).",
+            PREFIX + "snapshot_failures",
+            "Snapshots that could not be written (each backs off).",
             value=self.service.snapshot_failures,
         )
         serving = GaugeMetricFamily(
@@ -99,18 +101,23 @@ class PoolCollector:
             value=1 if self.service.healthy[0] else 0,
         )
         waits = CounterMetricFamily(
-            PREFIX + "fair_share_waits", "Times a call waited for a call of a pool that used less CPU.",
+            PREFIX + "fair_share_waits",
+            "Times a call waited for a call of a pool that used less CPU.",
             value=fair.waits,
         )
         wait_seconds = CounterMetricFamily(
-            PREFIX + "fair_share_wait_seconds", "Seconds calls spent waiting for the fair share.",
+            PREFIX + "fair_share_wait_seconds",
+            "Seconds calls spent waiting for the fair share.",
             value=fair.wait_seconds,
         )
         waiting = GaugeMetricFamily(
-            PREFIX + "fair_share_waiting", "Calls waiting for the fair share now.", value=fair.waiting,
+            PREFIX + "fair_share_waiting",
+            "Calls waiting for the fair share now.",
+            value=fair.waiting,
         )
         cpu_seconds = CounterMetricFamily(
-            PREFIX + "fair_share_cpu_seconds", "CPU seconds of the calls run under the fair share.",
+            PREFIX + "fair_share_cpu_seconds",
+            "CPU seconds of the calls run under the fair share.",
             value=fair.cpu_seconds,
         )
         calls_refused = CounterMetricFamily(
@@ -118,8 +125,29 @@ class PoolCollector:
             "Calls refused because their pool already had as many in flight as one pool may (pool_calls).",
             value=self.service.call_slots.refused,
         )
-        yield from (pools, events, snapshot_failures, serving, capacity, used, cached, free, seqs, util, queried, hit,
-                    evicted, copied, oob, recent_cpu, waits, wait_seconds, waiting, cpu_seconds, calls_refused)
+        yield from (
+            pools,
+            events,
+            snapshot_failures,
+            serving,
+            capacity,
+            used,
+            cached,
+            free,
+            seqs,
+            util,
+            queried,
+            hit,
+            evicted,
+            copied,
+            oob,
+            recent_cpu,
+            waits,
+            wait_seconds,
+            waiting,
+            cpu_seconds,
+            calls_refused,
+        )
         yield from self._tiers()
 
     def _tiers(self):
@@ -130,20 +158,32 @@ class PoolCollector:
         hit = CounterMetricFamily(
             PREFIX + "kv_tier_hit_tokens",
             "Prompt tokens whose loads from the tier admissions issued (a load refused later included).",
-            labels=labels)
-        saved = CounterMetricFamily(PREFIX + "kv_tier_saved_blocks", "Blocks saves to the tier were issued for.",
-                                    labels=labels)
-        loaded = CounterMetricFamily(PREFIX + "kv_tier_loaded_blocks", "Blocks loads from the tier were issued for.",
-                                     labels=labels)
+            labels=labels,
+        )
+        saved = CounterMetricFamily(
+            PREFIX + "kv_tier_saved_blocks",
+            "Blocks saves to the tier were issued for.",
+            labels=labels,
+        )
+        loaded = CounterMetricFamily(
+            PREFIX + "kv_tier_loaded_blocks",
+            "Blocks loads from the tier were issued for.",
+            labels=labels,
+        )
         refused = CounterMetricFamily(
             PREFIX + "kv_tier_refused_entries",
             "Store loads the worker reported refused (format, layout, checksum, seal or missing): computed "
             "instead.",
-            labels=labels)
-        capacity = GaugeMetricFamily(PREFIX + "kv_tier_capacity_bytes", "Bytes the pool's host tier holds.",
-                                     labels=labels)
-        used = GaugeMetricFamily(PREFIX + "kv_tier_used_bytes",
-                                 "Bytes of the pool's host tier holding an entry (pending or present).", labels=labels)
+            labels=labels,
+        )
+        capacity = GaugeMetricFamily(
+            PREFIX + "kv_tier_capacity_bytes", "Bytes the pool's host tier holds.", labels=labels
+        )
+        used = GaugeMetricFamily(
+            PREFIX + "kv_tier_used_bytes",
+            "Bytes of the pool's host tier holding an entry (pending or present).",
+            labels=labels,
+        )
         for pool_id, worker_id, t in self.service.reads.tier_stats():
             c = t.stats
             if t.host_blocks:
@@ -163,15 +203,26 @@ class PoolCollector:
         store = self.service.reads.store_stats()
         if store is None:
             return
-        yield GaugeMetricFamily(PREFIX + "shared_store_capacity_bytes", "Bytes the shared KV store may hold.",
-                                value=store.capacity_bytes)
-        yield GaugeMetricFamily(PREFIX + "shared_store_used_bytes",
-                                "Bytes of the shared KV store's entries (pending ones included).",
-                                value=store.used_bytes)
-        yield GaugeMetricFamily(PREFIX + "shared_store_entries", "Entries in the shared KV store's index.",
-                                value=store.entries)
-        yield CounterMetricFamily(PREFIX + "shared_store_dropped_entries",
-                                  "Store entries dropped to make room (store deletes issued).", value=store.stats.evictions)
+        yield GaugeMetricFamily(
+            PREFIX + "shared_store_capacity_bytes",
+            "Bytes the shared KV store may hold.",
+            value=store.capacity_bytes,
+        )
+        yield GaugeMetricFamily(
+            PREFIX + "shared_store_used_bytes",
+            "Bytes of the shared KV store's entries (pending ones included).",
+            value=store.used_bytes,
+        )
+        yield GaugeMetricFamily(
+            PREFIX + "shared_store_entries",
+            "Entries in the shared KV store's index.",
+            value=store.entries,
+        )
+        yield CounterMetricFamily(
+            PREFIX + "shared_store_dropped_entries",
+            "Store entries dropped to make room (store deletes issued).",
+            value=store.stats.evictions,
+        )
 
 
 def make_registry(service: AllocatorService) -> tuple[CollectorRegistry, Histogram]:

@@ -61,10 +61,14 @@ def create_server(
     interceptors: list[grpc.ServerInterceptor] = []
     if rpc_histogram is not None:
         interceptors.append(MetricsInterceptor(rpc_histogram))  # outermost: sees rejections too
-    roles = Roles(auth_token or None, admin_token or None, router_token or None, worker_tokens or {})
+    roles = Roles(
+        auth_token or None, admin_token or None, router_token or None, worker_tokens or {}
+    )
     # a standby answers with the leader's address, before anything else is looked at
     leadership = service.leadership
-    interceptors.append(StandbyInterceptor(lambda: (leadership.durable.leading, leadership.leader_address)))
+    interceptors.append(
+        StandbyInterceptor(lambda: (leadership.durable.leading, leadership.leader_address))
+    )
     if roles.any_token:  # with none, every caller is a pool and router calls are open
         interceptors.append(RoleInterceptor(roles))
     limits = service.limits
@@ -75,8 +79,12 @@ def create_server(
         # bounded in number: room for all of them beside `max_workers` threads
         # that only short calls (heartbeats, Steps, registrations) can hold.
         futures.ThreadPoolExecutor(
-            max_workers=max_workers + limits.max_step_streams + limits.max_watchers + limits.max_slow_calls,
-            thread_name_prefix="rpc"),
+            max_workers=max_workers
+            + limits.max_step_streams
+            + limits.max_watchers
+            + limits.max_slow_calls,
+            thread_name_prefix="rpc",
+        ),
         interceptors=interceptors,
         options=[
             ("grpc.max_receive_message_length", size),
@@ -89,7 +97,9 @@ def create_server(
     health_servicer = health_servicer or health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     watch_health(service, health_servicer)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
     if tls is not None:
         creds = grpc.ssl_server_credentials([(tls[1], tls[0])])
         port = server.add_secure_port(address, creds)
@@ -107,11 +117,16 @@ def watch_health(service: AllocatorService, health_servicer: health.HealthServic
     leader is); the Allocator service's (`SERVICE_NAME`) says it serves
     calls: the leader only (a readiness probe)."""
     durable = service.leadership.durable
-    serving_status, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    serving_status, not_serving = (
+        health_pb2.HealthCheckResponse.SERVING,
+        health_pb2.HealthCheckResponse.NOT_SERVING,
+    )
 
     def follow(serving: bool, reason: str) -> None:
         health_servicer.set("", serving_status if serving else not_serving)
-        health_servicer.set(SERVICE_NAME, serving_status if serving and durable.leading else not_serving)
+        health_servicer.set(
+            SERVICE_NAME, serving_status if serving and durable.leading else not_serving
+        )
 
     service.add_health_listener(follow)
 
@@ -168,11 +183,17 @@ def serve(opts: ServeOptions) -> int:
     from allocator_service.store.journal import open_journal
     from allocator_service.web.app import start_web_server, stop_web_server
 
-    listen = resolve_port(opts.listen)  # the leader lease names the port: known before the state is claimed
+    listen = resolve_port(
+        opts.listen
+    )  # the leader lease names the port: known before the state is claimed
     host = listen.rsplit(":", 1)[0]
-    journal = open_journal(opts.state, wait_replicas=opts.redis_wait_replicas,
-                           wait_timeout_s=opts.redis_wait_timeout_s,
-                           address=opts.advertise_address or advertised(listen), lease_s=opts.leader_lease_s)
+    journal = open_journal(
+        opts.state,
+        wait_replicas=opts.redis_wait_replicas,
+        wait_timeout_s=opts.redis_wait_timeout_s,
+        address=opts.advertise_address or advertised(listen),
+        lease_s=opts.leader_lease_s,
+    )
     # One pool's long Python work must not keep another pool's Step waiting
     # for the interpreter: hand it over every GIL_SWITCH_S instead of 5 ms.
     sys.setswitchinterval(GIL_SWITCH_S)
@@ -192,10 +213,14 @@ def serve(opts: ServeOptions) -> int:
         health_servicer=health_servicer,
     )
     if not opts.auth_token and not opts.worker_tokens:
-        log.warning("no worker credentials (--worker-tokens-file, --auth-token-file): any caller may register "
-                    "a pool; use this only where nobody else reaches the allocator")
+        log.warning(
+            "no worker credentials (--worker-tokens-file, --auth-token-file): any caller may register "
+            "a pool; use this only where nobody else reaches the allocator"
+        )
     if opts.auth_token and not opts.router_token:
-        log.warning("no router token (--router-token-file): MatchPrefix, WatchEvents and ListPools answer the admin token only")
+        log.warning(
+            "no router token (--router-token-file): MatchPrefix, WatchEvents and ListPools answer the admin token only"
+        )
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -206,17 +231,33 @@ def serve(opts: ServeOptions) -> int:
     if opts.metrics_port is not None:
         metrics_host = host.strip("[]") if host not in ("", "[::]", "0.0.0.0") else "0.0.0.0"
         # /metrics, the live /pools page and, if asked for, /playground (allocator_service/web/)
-        httpd = start_web_server(opts.metrics_port, metrics_host, registry=registry, service=service,
-                                    roles=Roles(opts.auth_token or None, opts.admin_token or None,
-                                                opts.router_token or None, opts.worker_tokens),
-                                    playground=opts.playground)
-        print(f"pagedkv allocator: metrics on http://{metrics_host}:{httpd.server_port}/metrics",
-              file=sys.stderr, flush=True)
+        httpd = start_web_server(
+            opts.metrics_port,
+            metrics_host,
+            registry=registry,
+            service=service,
+            roles=Roles(
+                opts.auth_token or None,
+                opts.admin_token or None,
+                opts.router_token or None,
+                opts.worker_tokens,
+            ),
+            playground=opts.playground,
+        )
+        print(
+            f"pagedkv allocator: metrics on http://{metrics_host}:{httpd.server_port}/metrics",
+            file=sys.stderr,
+            flush=True,
+        )
     # Tests and operators read this line; keep its shape.
     print(
         f"pagedkv allocator: listening on {host}:{port} ({'TLS' if tls else 'plaintext'}, "
         f"state {journal.describe()}, {len(service.registry.pools)} pools restored)"
-        + ("" if service.leadership.durable.leading else f" as a standby of {service.leadership.leader_address}"),
+        + (
+            ""
+            if service.leadership.durable.leading
+            else f" as a standby of {service.leadership.leader_address}"
+        ),
         file=sys.stderr,
         flush=True,
     )

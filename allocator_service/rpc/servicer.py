@@ -65,10 +65,14 @@ def watched_kinds(kinds) -> frozenset[str] | None:
     snapshot's blocks; anything else that is not an event kind is refused."""
     if not kinds:
         return None
-    unknown = [k for k in kinds if k not in _KIND_NAME and k not in ALWAYS_SENT and k not in _PACKED_KINDS]
+    unknown = [
+        k for k in kinds if k not in _KIND_NAME and k not in ALWAYS_SENT and k not in _PACKED_KINDS
+    ]
     if unknown:
-        raise BadRequest(f"kinds: {unknown} are not event kinds (one of "
-                         f"{sorted(k for k in pb.KvEventKind.values() if k != pb.KV_EVENT_KIND_UNSPECIFIED)})")
+        raise BadRequest(
+            f"kinds: {unknown} are not event kinds (one of "
+            f"{sorted(k for k in pb.KvEventKind.values() if k != pb.KV_EVENT_KIND_UNSPECIFIED)})"
+        )
     names = {_KIND_NAME[k] for k in kinds if k in _KIND_NAME}
     if pb.KV_EVENT_KIND_BLOCKS_CHANGED in kinds:  # what a packed run carries
         names |= _BLOCK_KINDS
@@ -90,7 +94,9 @@ def event_message(e: Event) -> pb.KvEvent:
     )
 
 
-def packed_events(events: Iterable[Event], free_blocks: Callable[[str], int | None]) -> Iterator[pb.KvEvent]:
+def packed_events(
+    events: Iterable[Event], free_blocks: Callable[[str], int | None]
+) -> Iterator[pb.KvEvent]:
     """`events` as messages, each run of consecutively numbered block events
     of one pool as one BLOCKS_CHANGED (a run of one stays a plain event),
     each with the pool's free blocks now (`free_blocks(pool_id)`)."""
@@ -102,10 +108,14 @@ def packed_events(events: Iterable[Event], free_blocks: Callable[[str], int | No
             if len(run) == 1:
                 message = event_message(first)
             else:
-                message = pb.KvEvent(sequence=first.sequence, kind=pb.KV_EVENT_KIND_BLOCKS_CHANGED,
-                                     pool_id=first.pool_id, block_ids=[e.block_id for e in run],
-                                     block_hashes=b"".join(e.block_hash for e in run),
-                                     removed=[e.kind == BLOCK_REMOVED for e in run])
+                message = pb.KvEvent(
+                    sequence=first.sequence,
+                    kind=pb.KV_EVENT_KIND_BLOCKS_CHANGED,
+                    pool_id=first.pool_id,
+                    block_ids=[e.block_id for e in run],
+                    block_hashes=b"".join(e.block_hash for e in run),
+                    removed=[e.kind == BLOCK_REMOVED for e in run],
+                )
             free = free_blocks(first.pool_id)
             if free is not None:
                 message.free_blocks = free
@@ -132,26 +142,39 @@ class AllocatorServicer:
         self.service = service
 
     def RegisterPool(self, request: pb.RegisterPoolRequest, context) -> pb.RegisterPoolResponse:
-        r = self.service.pools.register(request.worker_id, config_from_proto(request.shape),
-                                        request.replace_credential,
-                                        Advertised(request.advertise_url, request.served_model_name),
-                                        request.protocol_version)
+        r = self.service.pools.register(
+            request.worker_id,
+            config_from_proto(request.shape),
+            request.replace_credential,
+            Advertised(request.advertise_url, request.served_model_name),
+            request.protocol_version,
+        )
         return pb.RegisterPoolResponse(
-            pool_id=r.pool_id, epoch=r.epoch, credential=r.credential, lease_ttl_s=r.lease_ttl_s, op_kinds=KINDS,
-            shared_store=r.shared_store, store_namespace=r.store_namespace,
+            pool_id=r.pool_id,
+            epoch=r.epoch,
+            credential=r.credential,
+            lease_ttl_s=r.lease_ttl_s,
+            op_kinds=KINDS,
+            shared_store=r.shared_store,
+            store_namespace=r.store_namespace,
         )
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
-        return pb.HeartbeatResponse(lease_ttl_s=self.service.pools.heartbeat(pool_ref(request.pool)))
+        return pb.HeartbeatResponse(
+            lease_ttl_s=self.service.pools.heartbeat(pool_ref(request.pool))
+        )
 
-    def DeregisterPool(self, request: pb.DeregisterPoolRequest, context) -> pb.DeregisterPoolResponse:
+    def DeregisterPool(
+        self, request: pb.DeregisterPoolRequest, context
+    ) -> pb.DeregisterPoolResponse:
         self.service.pools.deregister(pool_ref(request.pool))
         return pb.DeregisterPoolResponse()
 
     def Step(self, request: pb.StepRequest, context) -> pb.StepResponse:
         prev = request.prev_step_id if request.HasField("prev_step_id") else None
-        return self.service.steps.step(pool_ref(request.pool), request.step_id,
-                                       *step_from_proto(request.ops), prev)
+        return self.service.steps.step(
+            pool_ref(request.pool), request.step_id, *step_from_proto(request.ops), prev
+        )
 
     def StepStream(self, requests: Iterator[pb.StepRequest], context) -> Iterator[pb.StepResponse]:
         """Step, once per request on one long-lived call. The first failing
@@ -181,20 +204,29 @@ class AllocatorServicer:
         return pb.GetBlockTableResponse(block_ids=table, num_tokens=num_tokens)
 
     def GetPoolStats(self, request: pb.GetPoolStatsRequest, context) -> pb.GetPoolStatsResponse:
-        r = self.service.reads.stats(pool_ref(request.pool), request.check_integrity,
-                                     admin=caller_role() == ADMIN)
-        return stats_to_proto(r.stats, last_step_id=r.last_step_id,
-                              integrity_problems=r.integrity_problems,
-                              integrity_checked=r.integrity_checked)
+        r = self.service.reads.stats(
+            pool_ref(request.pool), request.check_integrity, admin=caller_role() == ADMIN
+        )
+        return stats_to_proto(
+            r.stats,
+            last_step_id=r.last_step_id,
+            integrity_problems=r.integrity_problems,
+            integrity_checked=r.integrity_checked,
+        )
 
-    def ResetPrefixCache(self, request: pb.ResetPrefixCacheRequest, context) -> pb.ResetPrefixCacheResponse:
-        dropped = self.service.steps.reset_prefix_cache(pool_ref(request.pool),
-                                                        admin=caller_role() == ADMIN)
+    def ResetPrefixCache(
+        self, request: pb.ResetPrefixCacheRequest, context
+    ) -> pb.ResetPrefixCacheResponse:
+        dropped = self.service.steps.reset_prefix_cache(
+            pool_ref(request.pool), admin=caller_role() == ADMIN
+        )
         return pb.ResetPrefixCacheResponse(dropped=dropped)
 
     def MatchPrefix(self, request: pb.MatchPrefixRequest, context) -> pb.MatchPrefixResponse:
         salt = request.cache_salt if request.HasField("cache_salt") else None
-        matches = self.service.reads.match_prefix(request.model_fingerprint, list(request.tokens), salt)
+        matches = self.service.reads.match_prefix(
+            request.model_fingerprint, list(request.tokens), salt
+        )
         return pb.MatchPrefixResponse(matches=[match_to_proto(m) for m in matches])
 
     def ListPools(self, request: pb.ListPoolsRequest, context) -> pb.ListPoolsResponse:
@@ -202,8 +234,9 @@ class AllocatorServicer:
         return pb.ListPoolsResponse(pools=[pool_info_to_proto(p) for p in pools])
 
     def DumpPool(self, request: pb.DumpPoolRequest, context) -> pb.DumpPoolResponse:
-        state_json, last_step_id, problems = self.service.reads.dump(pool_ref(request.pool),
-                                                                     admin=caller_role() == ADMIN)
+        state_json, last_step_id, problems = self.service.reads.dump(
+            pool_ref(request.pool), admin=caller_role() == ADMIN
+        )
         return pb.DumpPoolResponse(
             state_json=state_json,
             last_step_id=last_step_id,
@@ -220,17 +253,34 @@ class AllocatorServicer:
         try:
             cursor = request.from_sequence or log.published
             if request.snapshot:  # the present first, then everything numbered from `cursor` on
-                blocks = wanted is None or BLOCK_STORED in wanted or pb.KV_EVENT_KIND_POOL_CACHED in request.kinds
-                for pool_id, ids, hashes in service.reads.cached_blocks(SNAPSHOT_BLOCKS) if blocks else ():
-                    yield pb.KvEvent(kind=pb.KV_EVENT_KIND_POOL_CACHED, pool_id=pool_id, block_ids=ids,
-                                     block_hashes=b"".join(hashes), free_blocks=service.reads.free_blocks(pool_id))
+                blocks = (
+                    wanted is None
+                    or BLOCK_STORED in wanted
+                    or pb.KV_EVENT_KIND_POOL_CACHED in request.kinds
+                )
+                for pool_id, ids, hashes in (
+                    service.reads.cached_blocks(SNAPSHOT_BLOCKS) if blocks else ()
+                ):
+                    yield pb.KvEvent(
+                        kind=pb.KV_EVENT_KIND_POOL_CACHED,
+                        pool_id=pool_id,
+                        block_ids=ids,
+                        block_hashes=b"".join(hashes),
+                        free_blocks=service.reads.free_blocks(pool_id),
+                    )
                 yield pb.KvEvent(sequence=cursor, kind=pb.KV_EVENT_KIND_SNAPSHOT_END)
             while context.is_active() and not service.stopping and not log.closed:
                 batch, after, gap = log.read(cursor, WATCH_BATCH, WATCH_POLL_S)
                 if gap:
-                    yield pb.KvEvent(sequence=after - len(batch), kind=pb.KV_EVENT_KIND_RESYNC_REQUIRED)
+                    yield pb.KvEvent(
+                        sequence=after - len(batch), kind=pb.KV_EVENT_KIND_RESYNC_REQUIRED
+                    )
                 events = (e for e in batch if wanted is None or e.kind in wanted)
-                yield from packed_events(events, service.reads.free_blocks) if request.packed else map(event_message, events)
+                yield from (
+                    packed_events(events, service.reads.free_blocks)
+                    if request.packed
+                    else map(event_message, events)
+                )
                 cursor = after
         finally:
             service.streams.close_watcher()
@@ -294,7 +344,9 @@ def _tenant(method: str) -> Callable[[Any], tuple[str, bool]] | None:
         return None  # a dict lookup and an HMAC: never made to wait
     if method == "RegisterPool":
         return lambda request: (f"worker {request.worker_id}", True)
-    fields = getattr(pb, pb.DESCRIPTOR.services_by_name["Allocator"].methods_by_name[method].input_type.name)
+    fields = getattr(
+        pb, pb.DESCRIPTOR.services_by_name["Allocator"].methods_by_name[method].input_type.name
+    )
     if "pool" in fields.DESCRIPTOR.fields_by_name:
         return lambda request: (request.pool.pool_id, True)
     return lambda request: (ROUTER, False)
@@ -371,7 +423,10 @@ def allocator_handler(service: AllocatorService) -> grpc.GenericRpcHandler:
         elif method.server_streaming:
             make, wrap = grpc.unary_stream_rpc_method_handler, _stream
         else:
-            make, wrap = grpc.unary_unary_rpc_method_handler, functools.partial(_unary, service=service)
+            make, wrap = (
+                grpc.unary_unary_rpc_method_handler,
+                functools.partial(_unary, service=service),
+            )
         handlers[method.name] = make(
             wrap(method.name, fn),
             request_deserializer=_safe_parser(request_cls),

@@ -7,5 +7,14 @@ from allocator_service.service.pools import NOT_ADVERTISED, Advertised, Registra
 from allocator_service.service.reads import NO_TIERS, PoolReport, TierView
 from allocator_service.service.steps import check_step
 
-__all__ = ["NOT_ADVERTISED", "NO_TIERS", "Advertised", "AllocatorService", "PoolRef", "PoolReport",
-           "Registration", "TierView", "check_step"]
+__all__ = [
+    "NOT_ADVERTISED",
+    "NO_TIERS",
+    "Advertised",
+    "AllocatorService",
+    "PoolRef",
+    "PoolReport",
+    "Registration",
+    "TierView",
+    "check_step",
+]

@@ -40,8 +40,9 @@ from allocator_service.store.registry import Registry
 log = logging.getLogger(__name__)
 
 
-def _periodic(stop: threading.Event, interval: float, fn: Callable[[], Any],
-              name: str) -> threading.Thread:
+def _periodic(
+    stop: threading.Event, interval: float, fn: Callable[[], Any], name: str
+) -> threading.Thread:
     """A daemon thread calling `fn` every `interval` until `stop`; an
     exception is logged and the next round comes (a bug must not stop it)."""
 
@@ -72,13 +73,15 @@ class AllocatorService:
         # Who runs next when pools contend for the interpreter (the servicer
         # runs each call under it).
         window = self.config.fair_share_window_s
-        self.fair = FairShare(window or 1.0, max_wait_s=self.config.fair_share_max_wait_s,
-                              enabled=window > 0)
+        self.fair = FairShare(
+            window or 1.0, max_wait_s=self.config.fair_share_max_wait_s, enabled=window > 0
+        )
         # Slow reads in flight per pool (the servicer takes a slot per call).
         self.call_slots = CallSlots(self.limits.max_calls_per_pool, self.limits.max_slow_calls)
         lock = Unpaced()  # the mutation lock (changes.py)
-        self.durable = DurableState(self.config, self.journal, self.events, self.leases, lock,
-                                    clock)
+        self.durable = DurableState(
+            self.config, self.journal, self.events, self.leases, lock, clock
+        )
         self.changes = Changes(self.durable, self.events, self.leases, lock)
         self.pools = Pools(self.changes, self.config)
         self.steps = Steps(self.changes, self.limits)
@@ -133,10 +136,14 @@ class AllocatorService:
 
         self._threads.append(_periodic(self._stop, interval, reap, "lease-reaper"))
         if self.journal.durable:  # health follows the state store
-            self._threads.append(_periodic(self._stop, self.durable.store_check_s, self.check_store,
-                                           "store-watch"))
+            self._threads.append(
+                _periodic(self._stop, self.durable.store_check_s, self.check_store, "store-watch")
+            )
             self.durable.background = True
-            for target, name in ((self.durable.snapshot_loop, "snapshot"), (self.leadership.run, "leader-lease")):
+            for target, name in (
+                (self.durable.snapshot_loop, "snapshot"),
+                (self.leadership.run, "leader-lease"),
+            ):
                 thread = threading.Thread(target=target, args=(self._stop,), name=name, daemon=True)
                 thread.start()
                 self._threads.append(thread)
@@ -148,8 +155,11 @@ class AllocatorService:
         if late > self.reaper_interval() / 2:
             self.leases.extend(late)
             self.lease_extensions += 1
-            log.warning("the allocator did not run for %.2f s (paused or stalled): every lease "
-                        "extended by that much", late)
+            log.warning(
+                "the allocator did not run for %.2f s (paused or stalled): every lease "
+                "extended by that much",
+                late,
+            )
 
     def close(self) -> None:
         self._stop.set()

@@ -67,8 +67,9 @@ class Changes:
     the pool a call may touch. Every part of the service changes the pools
     through here."""
 
-    def __init__(self, durable: DurableState, events: EventLog, leases: LeaseTable,
-                 lock: Unpaced) -> None:
+    def __init__(
+        self, durable: DurableState, events: EventLog, leases: LeaseTable, lock: Unpaced
+    ) -> None:
         self.durable = durable
         self.events = events
         self.leases = leases
@@ -119,8 +120,13 @@ class Changes:
                 continue
         return fn()
 
-    def apply(self, entry: PoolEntry, work: Callable[[Registry, Any], Any], shared: bool = False,
-              **change: Any) -> Any:
+    def apply(
+        self,
+        entry: PoolEntry,
+        work: Callable[[Registry, Any], Any],
+        shared: bool = False,
+        **change: Any,
+    ) -> Any:
         """Journal `change` to `entry`'s pool and apply it: its place in the
         order under the mutation lock, then `work(registry, batch)` under the
         pool's lock only (the caller holds it); `shared`: the change touches

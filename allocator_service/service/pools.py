@@ -53,14 +53,22 @@ class Advertised(NamedTuple):
     def check(self) -> None:
         """BadRequest unless both are within their bounds (empty = not given)."""
         url, name = self.advertise_url, self.served_model_name
-        if url and (len(url) > MAX_ADVERTISE_URL_LEN or not url.isprintable() or " " in url
-                    or not url.startswith(("http://", "https://"))
-                    or len(url.split("://", 1)[1]) == 0):
-            raise BadRequest(f"advertise_url must be an http:// or https:// URL of at most "
-                             f"{MAX_ADVERTISE_URL_LEN} printable characters without spaces")
+        if url and (
+            len(url) > MAX_ADVERTISE_URL_LEN
+            or not url.isprintable()
+            or " " in url
+            or not url.startswith(("http://", "https://"))
+            or len(url.split("://", 1)[1]) == 0
+        ):
+            raise BadRequest(
+                f"advertise_url must be an http:// or https:// URL of at most "
+                f"{MAX_ADVERTISE_URL_LEN} printable characters without spaces"
+            )
         if len(name) > MAX_SERVED_MODEL_NAME_LEN or not name.isprintable():
-            raise BadRequest(f"served_model_name must be at most {MAX_SERVED_MODEL_NAME_LEN} "
-                             "printable characters")
+            raise BadRequest(
+                f"served_model_name must be at most {MAX_SERVED_MODEL_NAME_LEN} "
+                "printable characters"
+            )
 
 
 NOT_ADVERTISED = Advertised()
@@ -75,9 +83,14 @@ class Pools:
         self.config = config
         self.limits = config.limits
 
-    def register(self, worker_id: str, config: PoolConfig, replace_credential: str = "",
-                 advertised: Advertised = NOT_ADVERTISED,
-                 protocol_version: int = 0) -> Registration:
+    def register(
+        self,
+        worker_id: str,
+        config: PoolConfig,
+        replace_credential: str = "",
+        advertised: Advertised = NOT_ADVERTISED,
+        protocol_version: int = 0,
+    ) -> Registration:
         """A new pool of shape `config` for `worker_id`. A live pool of the
         same worker id is replaced only with its credential; else PoolInUse
         until its lease expires (so nobody can drop another worker's pool by
@@ -86,13 +99,19 @@ class Pools:
         `PREV_STEP_ID_REQUIRED` on, each Step of the pool must carry
         prev_step_id)."""
         limit = self.limits.max_worker_id_len
-        if (not worker_id or len(worker_id) > limit or "/" in worker_id
-                or not worker_id.isprintable()):
+        if (
+            not worker_id
+            or len(worker_id) > limit
+            or "/" in worker_id
+            or not worker_id.isprintable()
+        ):
             raise BadRequest(f"worker_id must be 1 to {limit} printable characters without '/'")
         advertised.check()
         if config.store_group:
-            raise BadRequest("store_group is the allocator's to set, from the worker's credential "
-                             "(its group= in --worker-tokens-file)")
+            raise BadRequest(
+                "store_group is the allocator's to set, from the worker's credential "
+                "(its group= in --worker-tokens-file)"
+            )
         changes = self.changes
         if config.use_shared_store and changes.registry.store is None:
             # no store here: the pool is registered (and journaled) without it
@@ -115,20 +134,47 @@ class Pools:
                     reg = changes.durable.fresh()
                     if reg.pools.get(reg.current.get(worker_id, "")) is not old:
                         raise Reloaded  # replaced or reloaded while we waited
-                    return self._register(reg, worker_id, config, digest, old, replace_credential,
-                                          fresh, advertised, protocol_version)
+                    return self._register(
+                        reg,
+                        worker_id,
+                        config,
+                        digest,
+                        old,
+                        replace_credential,
+                        fresh,
+                        advertised,
+                        protocol_version,
+                    )
 
         entry = changes.retrying(attempt)
         changes.durable.after_change()
-        log.info("registered pool %s (%d blocks of %d)", entry.pool_id, config.num_blocks,
-                 config.block_size)
-        return Registration(entry.pool_id, entry.epoch, credential, self.config.lease_ttl_s,
-                            changes.registry.store_url if config.use_shared_store else "",
-                            config.store_namespace)
+        log.info(
+            "registered pool %s (%d blocks of %d)",
+            entry.pool_id,
+            config.num_blocks,
+            config.block_size,
+        )
+        return Registration(
+            entry.pool_id,
+            entry.epoch,
+            credential,
+            self.config.lease_ttl_s,
+            changes.registry.store_url if config.use_shared_store else "",
+            config.store_namespace,
+        )
 
-    def _register(self, reg: Registry, worker_id: str, config: PoolConfig, digest: bytes,
-                  old: PoolEntry | None, replace_credential: str, fresh,
-                  advertised: Advertised = NOT_ADVERTISED, protocol_version: int = 0) -> PoolEntry:
+    def _register(
+        self,
+        reg: Registry,
+        worker_id: str,
+        config: PoolConfig,
+        digest: bytes,
+        old: PoolEntry | None,
+        replace_credential: str,
+        fresh,
+        advertised: Advertised = NOT_ADVERTISED,
+        protocol_version: int = 0,
+    ) -> PoolEntry:
         changes = self.changes
         if old is not None:
             self._check_replace(old, replace_credential)
@@ -137,18 +183,23 @@ class Pools:
         pools = len(reg.pools) - (old is not None)
         if pools >= self.limits.max_pools:
             raise CapacityExceeded(f"the server holds its maximum of {self.limits.max_pools} pools")
-        blocks = (sum(e.pool.num_blocks for e in reg.pools.values())
-                  - (old.pool.num_blocks if old else 0))
+        blocks = sum(e.pool.num_blocks for e in reg.pools.values()) - (
+            old.pool.num_blocks if old else 0
+        )
         held = {e.worker_id: e.pool.num_blocks for e in reg.pools.values()}
         # What the other workers' quotas keep for them beyond what they hold now (a restart
         # included).
-        kept = sum(max(q - held.get(w, 0), 0) for w, q in self.config.reserved_blocks.items()
-                   if w != worker_id)
+        kept = sum(
+            max(q - held.get(w, 0), 0)
+            for w, q in self.config.reserved_blocks.items()
+            if w != worker_id
+        )
         if blocks + kept + config.num_blocks > self.limits.max_total_blocks:
             raise CapacityExceeded(
                 f"{config.num_blocks} more blocks would exceed the server's "
                 f"{self.limits.max_total_blocks} (in use: {blocks}"
-                + (f"; kept for other workers' quotas: {kept}" if kept else "") + ")"
+                + (f"; kept for other workers' quotas: {kept}" if kept else "")
+                + ")"
             )
         epoch = reg.next_epoch(worker_id)
         changes.durable.append(
@@ -167,8 +218,16 @@ class Pools:
             changes.durable.settle_store()  # dropping it drops its pending store saves
         batch = reg.advance()
         try:
-            entry = reg.register(worker_id, epoch, config, digest, batch, fresh,
-                                 **advertised._asdict(), protocol_version=protocol_version)
+            entry = reg.register(
+                worker_id,
+                epoch,
+                config,
+                digest,
+                batch,
+                fresh,
+                **advertised._asdict(),
+                protocol_version=protocol_version,
+            )
         finally:
             changes.events.finish(batch)
         if old is not None:
@@ -182,12 +241,15 @@ class Pools:
         one past `max_pool_blocks`."""
         quota = self.config.reserved_blocks.get(worker_id)
         if quota is not None and num_blocks > quota:
-            raise QuotaExceeded(f"worker {worker_id!r} may register at most {quota} blocks "
-                                f"(its quota in --worker-tokens-file), not {num_blocks}")
+            raise QuotaExceeded(
+                f"worker {worker_id!r} may register at most {quota} blocks "
+                f"(its quota in --worker-tokens-file), not {num_blocks}"
+            )
         most = self.config.max_pool_blocks
         if quota is None and most is not None and num_blocks > most:
-            raise QuotaExceeded(f"a pool may have at most {most} blocks "
-                                f"(--max-pool-blocks), not {num_blocks}")
+            raise QuotaExceeded(
+                f"a pool may have at most {most} blocks (--max-pool-blocks), not {num_blocks}"
+            )
 
     def _check_replace(self, old: PoolEntry, credential: str) -> None:
         if not credential:
@@ -197,8 +259,9 @@ class Pools:
                 "credential as replace_credential to replace it, or wait for the lease to expire"
             )
         if not hmac.compare_digest(credential_digest(credential), old.credential_digest):
-            raise PermissionDenied("replace_credential is not the credential of pool "
-                                   f"{old.pool_id!r}")
+            raise PermissionDenied(
+                f"replace_credential is not the credential of pool {old.pool_id!r}"
+            )
 
     def heartbeat(self, ref: PoolRef) -> float:
         """Renews the pool's lease (no pool's lock, no mutation lock); its TTL."""
@@ -260,8 +323,9 @@ class Pools:
                         continue  # renewed while we waited for the pool
                     changes.drop(pool_id, "lease_expired")
             except StoreUnavailable as exc:
-                log.warning("lease of %s expired but the drop cannot be journaled: %s", pool_id,
-                            exc)
+                log.warning(
+                    "lease of %s expired but the drop cannot be journaled: %s", pool_id, exc
+                )
                 break
             dropped.append(pool_id)
         if dropped:
@@ -285,8 +349,12 @@ class Pools:
                         continue
                     changes.drop(pool_id, reason)
             except StoreUnavailable as exc:
-                log.warning("pool %s is to be dropped (%s) but the drop cannot be journaled: %s",
-                            pool_id, reason, exc)
+                log.warning(
+                    "pool %s is to be dropped (%s) but the drop cannot be journaled: %s",
+                    pool_id,
+                    reason,
+                    exc,
+                )
                 break
             dropped.append(pool_id)
         return dropped

@@ -98,22 +98,29 @@ class Reads:
 
     @staticmethod
     def _dump_refusal(ref: PoolRef, size: int, limit: int, how: str) -> str:
-        return (f"pool {ref.pool_id}'s dump takes {how}{size:,} bytes, more than the {limit:,} an "
-                "answer may: read its block tables with GetBlockTable, or its stats and integrity "
-                "with GetPoolStats")
+        return (
+            f"pool {ref.pool_id}'s dump takes {how}{size:,} bytes, more than the {limit:,} an "
+            "answer may: read its block tables with GetBlockTable, or its stats and integrity "
+            "with GetPoolStats"
+        )
 
     # ---------------------------------------------------------- every pool
-    def match_prefix(self, fingerprint: str, tokens: list[int],
-                     salt: str | None) -> list[PrefixMatch]:
+    def match_prefix(
+        self, fingerprint: str, tokens: list[int], salt: str | None
+    ) -> list[PrefixMatch]:
         """Which pools hold how much of the prompt. The prompt's hash chain is
         computed once per block size, outside any lock; each pool is then
         visited under its own lock for lookups only."""
         if len(tokens) > self.limits.max_tokens_per_call:
-            raise BadRequest(f"{len(tokens)} tokens; "
-                             f"the limit is {self.limits.max_tokens_per_call}")
+            raise BadRequest(
+                f"{len(tokens)} tokens; the limit is {self.limits.max_tokens_per_call}"
+            )
         check_cache_salt(salt)
-        pools = [e for e in list(self.changes.registry.pools.values())
-                 if e.pool.config.model_fingerprint == fingerprint]
+        pools = [
+            e
+            for e in list(self.changes.registry.pools.values())
+            if e.pool.config.model_fingerprint == fingerprint
+        ]
         if len(tokens) >= 2 and any(e.pool.enable_prefix_caching for e in pools):
             check_tokens(tokens)
         chains: dict[int, list[bytes]] = {}
@@ -131,8 +138,17 @@ class Reads:
                 with e.lock:
                     cached, host, store = pool.tier_blocks(hashes)
                 cached, host, store = cached * size, host * size, store * size
-            out.append(PrefixMatch(e.pool_id, e.worker_id, cached, pool.num_free_blocks,
-                                   pool.block_size, host, store))
+            out.append(
+                PrefixMatch(
+                    e.pool_id,
+                    e.worker_id,
+                    cached,
+                    pool.num_free_blocks,
+                    pool.block_size,
+                    host,
+                    store,
+                )
+            )
         out.sort(key=lambda m: (-m.cached_tokens, -m.free_blocks, m.pool_id))
         return out
 
@@ -147,13 +163,29 @@ class Reads:
                 continue
             with e.lock:
                 s, t = e.pool.stats(), self._tier_view(e)
-            out.append(PoolInfo(e.pool_id, e.worker_id, config.model_fingerprint,
-                                e.served_model_name, e.advertise_url, s.block_size, s.num_blocks,
-                                s.free_blocks, s.used_blocks, s.cached_blocks, s.num_sequences,
-                                e.pool.enable_prefix_caching, attest_key(e.credential_digest),
-                                t.host_blocks, t.host_used_blocks, t.use_shared_store,
-                                t.store_used_bytes, t.stats.host_hit_tokens,
-                                t.stats.store_hit_tokens))
+            out.append(
+                PoolInfo(
+                    e.pool_id,
+                    e.worker_id,
+                    config.model_fingerprint,
+                    e.served_model_name,
+                    e.advertise_url,
+                    s.block_size,
+                    s.num_blocks,
+                    s.free_blocks,
+                    s.used_blocks,
+                    s.cached_blocks,
+                    s.num_sequences,
+                    e.pool.enable_prefix_caching,
+                    attest_key(e.credential_digest),
+                    t.host_blocks,
+                    t.host_used_blocks,
+                    t.use_shared_store,
+                    t.store_used_bytes,
+                    t.stats.host_hit_tokens,
+                    t.stats.store_hit_tokens,
+                )
+            )
         return out
 
     @staticmethod
@@ -164,10 +196,14 @@ class Reads:
             return NO_TIERS
         host = tiers.host
         store = tiers.store
-        return TierView(host.lru.capacity if host is not None else 0,
-                        len(host.lru) if host is not None else 0,
-                        store is not None, store.lru.used if store is not None else 0,
-                        e.pool.config.block_bytes, replace(tiers.stats))
+        return TierView(
+            host.lru.capacity if host is not None else 0,
+            len(host.lru) if host is not None else 0,
+            store is not None,
+            store.lru.used if store is not None else 0,
+            e.pool.config.block_bytes,
+            replace(tiers.stats),
+        )
 
     def tier_stats(self) -> list[tuple[str, str, TierView]]:
         """(pool id, worker id, its tiers) of every live pool with KV tiers,
@@ -185,8 +221,13 @@ class Reads:
         store = self.changes.registry.store
         if store is None:
             return None
-        return StoreView(store.capacity_bytes, store.lru.used, len(store.lru),
-                         len(store.lru.pending), replace(store.stats))
+        return StoreView(
+            store.capacity_bytes,
+            store.lru.used,
+            len(store.lru),
+            len(store.lru.pending),
+            replace(store.stats),
+        )
 
     def free_blocks(self, pool_id: str) -> int | None:
         """A live pool's free blocks (None: no such pool), read without its
@@ -211,7 +252,7 @@ class Reads:
                 with e.lock:
                     if self.changes.registry.pools.get(e.pool_id) is not e:
                         break  # dropped meanwhile (its POOL_DROPPED event follows)
-                    part = hashes[lo:lo + chunk]
+                    part = hashes[lo : lo + chunk]
                 ids = [b for b, h in enumerate(part, lo) if h is not None]
                 if ids:
                     yield e.pool_id, ids, [h for h in part if h is not None]

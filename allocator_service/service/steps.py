@@ -41,8 +41,9 @@ def check_step(step: StepColumns, limits: Limits) -> None:
     if len(step.seq_ids) != n or len(counts) != n:
         raise BadRequest("kinds, seq_ids and num_tokens must have one entry per operation")
     if len(step.tokens) > limits.max_tokens_per_call:
-        raise BadRequest(f"{len(step.tokens)} tokens in one step; "
-                         f"the limit is {limits.max_tokens_per_call}")
+        raise BadRequest(
+            f"{len(step.tokens)} tokens in one step; the limit is {limits.max_tokens_per_call}"
+        )
     if sum(counts) != len(step.tokens):
         raise BadRequest("num_tokens does not add up to the number of tokens sent")
     reserved = step.num_reserved
@@ -56,8 +57,10 @@ def check_step(step: StepColumns, limits: Limits) -> None:
         if UNRESERVE in kinds:
             taken -= sum(compress(reserved, map(UNRESERVE.__eq__, kinds)))
         if taken + len(step.tokens) > limits.max_tokens_per_call:
-            raise BadRequest(f"{taken} reserved slots and {len(step.tokens)} tokens in one step; "
-                             f"the limit is {limits.max_tokens_per_call}")
+            raise BadRequest(
+                f"{taken} reserved slots and {len(step.tokens)} tokens in one step; "
+                f"the limit is {limits.max_tokens_per_call}"
+            )
     if not set(kinds) <= _KINDS:
         raise BadRequest("an operation kind is not FREE, APPEND, ADMIT, FORK or UNRESERVE")
     if kinds.count(ADMIT) != len(step.salts):
@@ -66,7 +69,8 @@ def check_step(step: StepColumns, limits: Limits) -> None:
         raise BadRequest("fork_children must have one entry per FORK operation")
     # NOTE: compress/map rather than a generator: C speed over every operation.
     if (FREE in kinds or FORK in kinds or UNRESERVE in kinds) and any(
-            compress(counts, map(_TOKENLESS.__contains__, kinds))):
+        compress(counts, map(_TOKENLESS.__contains__, kinds))
+    ):
         raise BadRequest("FREE, FORK and UNRESERVE operations carry no tokens")
 
 
@@ -77,8 +81,14 @@ class Steps:
         self.changes = changes
         self.limits = limits
 
-    def step(self, ref: PoolRef, step_id: int, step: StepColumns, encoded: bytes,
-             prev_step_id: int | None = None) -> pb.StepResponse:
+    def step(
+        self,
+        ref: PoolRef,
+        step_id: int,
+        step: StepColumns,
+        encoded: bytes,
+        prev_step_id: int | None = None,
+    ) -> pb.StepResponse:
         """Apply `step` (its operations, `encoded` as `codec.canonical_ops`
         encodes them: what the journal stores and a retry's digest covers)
         as the pool's step `step_id`. The answer is the one the pool keeps
@@ -92,25 +102,31 @@ class Steps:
         def attempt() -> pb.StepResponse:
             entry = changes.authorize(ref)
             if prev_step_id is None and entry.protocol_version >= PREV_STEP_ID_REQUIRED:
-                raise BadRequest(f"pool {entry.pool_id} was registered with protocol_version "
-                                 f"{entry.protocol_version}: every Step must carry prev_step_id")
+                raise BadRequest(
+                    f"pool {entry.pool_id} was registered with protocol_version "
+                    f"{entry.protocol_version}: every Step must carry prev_step_id"
+                )
             with entry.lock:
                 if step_id <= entry.last_step_id:
                     if step_id == entry.last_step_id and digest == entry.last_digest:
                         return entry.last_response  # a retry: same answer, applied once
                     if step_id == entry.last_step_id:
-                        raise StepConflict(f"step {step_id} was already applied with other "
-                                           "operations")
-                    raise StepConflict(f"step {step_id} is older than the pool's last step "
-                                       f"{entry.last_step_id}")
+                        raise StepConflict(
+                            f"step {step_id} was already applied with other operations"
+                        )
+                    raise StepConflict(
+                        f"step {step_id} is older than the pool's last step {entry.last_step_id}"
+                    )
                 if prev_step_id is not None and prev_step_id != entry.last_step_id:
                     self._state_lost(entry, prev_step_id)
                 self._check_report(entry, step)
                 self._check_answer(entry, step)
                 record = StepRecord(entry.pool_id, step_id, digest, encoded)
                 return changes.apply(
-                    entry, lambda reg, batch: reg.apply_step(entry, batch, step_id, digest, step),
-                    shared=changes.registry.uses_store(entry), step=record,
+                    entry,
+                    lambda reg, batch: reg.apply_step(entry, batch, step_id, digest, step),
+                    shared=changes.registry.uses_store(entry),
+                    step=record,
                 )
 
         response = changes.retrying(attempt)
@@ -124,8 +140,11 @@ class Steps:
         def attempt() -> int:
             entry = changes.authorize(ref, admin)
             with entry.lock:
-                return changes.apply(entry, lambda reg, batch: reg.apply_reset(entry, batch),
-                                     reset=jpb.PrefixCacheReset(pool_id=entry.pool_id))
+                return changes.apply(
+                    entry,
+                    lambda reg, batch: reg.apply_reset(entry, batch),
+                    reset=jpb.PrefixCacheReset(pool_id=entry.pool_id),
+                )
 
         dropped = changes.retrying(attempt)
         changes.durable.after_change()
@@ -158,15 +177,19 @@ class Steps:
         tiers = None
         if pool.tiers is not None:
             store = pool.tiers.store
-            tiers = tier_bound(store.capacity_bytes if store is not None else 0,
-                               self.changes.registry.store_min_bytes, pool.config.block_bytes)
+            tiers = tier_bound(
+                store.capacity_bytes if store is not None else 0,
+                self.changes.registry.store_min_bytes,
+                pool.config.block_bytes,
+            )
         bound = step_answer_bound(step, pool.num_blocks, pool.block_size, held, tiers)
         limit = self.limits.max_message_bytes
         if bound > limit:
             raise AnswerTooLarge(
                 f"the answer to these {len(step.kinds)} operations could take up to {bound} bytes, "
                 f"more than the {limit} a message may; nothing was applied: "
-                "send them in smaller steps")
+                "send them in smaller steps"
+            )
 
     def _state_lost(self, entry: PoolEntry, prev_step_id: int) -> None:
         """The worker got an answer for a step this server does not have (its

@@ -23,8 +23,9 @@ class Streams:
     def open_watcher(self) -> None:
         with self._lock:
             if self._watchers >= self.limits.max_watchers:
-                raise CapacityExceeded(f"the server serves at most {self.limits.max_watchers} "
-                                       "event streams")
+                raise CapacityExceeded(
+                    f"the server serves at most {self.limits.max_watchers} event streams"
+                )
             self._watchers += 1
 
     def close_watcher(self) -> None:

@@ -56,12 +56,21 @@ log = logging.getLogger(__name__)
 # A failed (or skipped) snapshot is tried again after this, doubling up to the cap.
 SNAPSHOT_BACKOFF_S = 1.0
 SNAPSHOT_BACKOFF_CAP_S = 60.0
+
+
 class DurableState:
     # How often the store watch looks at the state store (durable only).
     store_check_s = 1.0
 
-    def __init__(self, config: ServiceConfig, journal: MemoryJournal | RedisJournal, events: EventLog,
-                 leases: LeaseTable, lock: Unpaced, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        config: ServiceConfig,
+        journal: MemoryJournal | RedisJournal,
+        events: EventLog,
+        leases: LeaseTable,
+        lock: Unpaced,
+        clock: Callable[[], float],
+    ) -> None:
         self.config = config
         self.journal = journal
         self.events = events
@@ -113,7 +122,9 @@ class DurableState:
 
     def _restore(self, loaded: Loaded) -> None:
         """`load` of what the store held (mutation lock held)."""
-        registry, report = replay(loaded.snapshot, loaded.entries, loaded.head, self.events, self.config.journal_key)
+        registry, report = replay(
+            loaded.snapshot, loaded.entries, loaded.head, self.events, self.config.journal_key
+        )
         fatal = report.fatal
         if fatal is not None:
             raise CorruptState(
@@ -134,14 +145,20 @@ class DurableState:
         if not self.leading:
             self._set_role(leading=True)
         if report.snapshot_legacy or report.legacy_records:
-            log.warning("the journal was written by an older version (%d records without digests%s): "
-                        "loaded on index continuity alone; the next snapshot converts it",
-                        report.legacy_records, ", an undigested snapshot" if report.snapshot_legacy else "")
+            log.warning(
+                "the journal was written by an older version (%d records without digests%s): "
+                "loaded on index continuity alone; the next snapshot converts it",
+                report.legacy_records,
+                ", an undigested snapshot" if report.snapshot_legacy else "",
+            )
         for problem in report.problems:
             log.error("journal check: %s", problem)
         if report.problems:
-            log.error("journal check: %d problem(s); pools dropped: %s; storing the repaired state",
-                      len(report.problems), ", ".join(report.dropped) or "none")
+            log.error(
+                "journal check: %d problem(s); pools dropped: %s; storing the repaired state",
+                len(report.problems),
+                ", ".join(report.dropped) or "none",
+            )
             self._reseed()
         if loaded.snapshot is not None or loaded.entries:
             log.info(
@@ -166,8 +183,10 @@ class DurableState:
         journal, the head and the owner key)."""
         self._quiesce()
         self._head = head_marker(self.registry.index, self._chain)
-        self.journal.reseed(encode_snapshot(self.registry.to_snapshot(self._chain), key=self.config.journal_key),
-                            self._head)
+        self.journal.reseed(
+            encode_snapshot(self.registry.to_snapshot(self._chain), key=self.config.journal_key),
+            self._head,
+        )
         self._since_snapshot = 0
         self._snapshot_index = self.registry.index
 
@@ -234,8 +253,11 @@ class DurableState:
         if not self.journal.durable:
             return
         self._since_snapshot += 1
-        if (self._cut is None and self._since_snapshot >= self.config.snapshot_every
-                and self._clock() >= self._snapshot_not_before):
+        if (
+            self._cut is None
+            and self._since_snapshot >= self.config.snapshot_every
+            and self._clock() >= self._snapshot_not_before
+        ):
             self._take_cut()
 
     def _take_cut(self) -> None:
@@ -244,8 +266,15 @@ class DurableState:
         marker = self.events.begin()
         self.events.finish(marker)
         entries = list(reg.pools.values())
-        cut = Cut(reg.index, self._chain, reg.snapshot_header(self._chain, 0), marker, entries,
-                  self._generation, reg.index - self._snapshot_index)
+        cut = Cut(
+            reg.index,
+            self._chain,
+            reg.snapshot_header(self._chain, 0),
+            marker,
+            entries,
+            self._generation,
+            reg.index - self._snapshot_index,
+        )
         for e in entries:
             e.snapshot_due = cut
         self._cut = cut
@@ -325,23 +354,39 @@ class DurableState:
             return False  # the state was reloaded meanwhile: this cut is void
         header = dict(cut.header, next_event=next_event, store=cut.store)
         # the blob is the header, the parts, a comma between two, the magic and its digest
-        room = self.max_snapshot_bytes - len(encode_snapshot(header, [], self.config.journal_key)) - len(cut.entries)
+        room = (
+            self.max_snapshot_bytes
+            - len(encode_snapshot(header, [], self.config.journal_key))
+            - len(cut.entries)
+        )
         sizes = {e.pool_id: len(cut.parts[e.pool_id]) for e in cut.entries}
         drop = over_share(sizes, {e.pool_id: e.pool.num_blocks for e in cut.entries}, room)
         if drop:
             self.snapshots_skipped += 1
-            log.error("the snapshot at record %d would be %s bytes, over the bound of %s (PAGEDKV_ALLOCATOR_MAX_SNAPSHOT_MB, "
-                      "at most Redis's 512 MB value limit); dropping the pools over their share of it "
-                      "(reason %s): %s", cut.index, f"{sum(sizes.values()):,}", f"{self.max_snapshot_bytes:,}",
-                      SNAPSHOT_TOO_LARGE, ", ".join(f"{p} ({sizes[p]:,} bytes)" for p in drop))
-            dropped = self.drop_pools(drop, SNAPSHOT_TOO_LARGE) if self.drop_pools is not None else []
+            log.error(
+                "the snapshot at record %d would be %s bytes, over the bound of %s (PAGEDKV_ALLOCATOR_MAX_SNAPSHOT_MB, "
+                "at most Redis's 512 MB value limit); dropping the pools over their share of it "
+                "(reason %s): %s",
+                cut.index,
+                f"{sum(sizes.values()):,}",
+                f"{self.max_snapshot_bytes:,}",
+                SNAPSHOT_TOO_LARGE,
+                ", ".join(f"{p} ({sizes[p]:,} bytes)" for p in drop),
+            )
+            dropped = (
+                self.drop_pools(drop, SNAPSHOT_TOO_LARGE) if self.drop_pools is not None else []
+            )
             self.pools_dropped_for_size += len(dropped)
             if dropped:
                 return True
-            self._back_off(f"the snapshot at record {cut.index} is not written: no pool could be dropped; "
-                           "the journal keeps every record")
+            self._back_off(
+                f"the snapshot at record {cut.index} is not written: no pool could be dropped; "
+                "the journal keeps every record"
+            )
             return False
-        blob = encode_snapshot(header, [cut.parts[e.pool_id] for e in cut.entries], self.config.journal_key)
+        blob = encode_snapshot(
+            header, [cut.parts[e.pool_id] for e in cut.entries], self.config.journal_key
+        )
         try:
             written = self.journal.write_snapshot(blob, cut.hint, cut.chain)
         except StoreLost as exc:
@@ -356,8 +401,10 @@ class DurableState:
             return False
         if not written:
             self.snapshots_skipped += 1
-            self._back_off(f"snapshot at record {cut.index} not written: the journal in the store no "
-                           "longer holds that record (the store was reseeded or lost records)")
+            self._back_off(
+                f"snapshot at record {cut.index} not written: the journal in the store no "
+                "longer holds that record (the store was reseeded or lost records)"
+            )
             return False
         self._snapshot_index = cut.index
         self._snapshot_streak = 0
@@ -365,7 +412,7 @@ class DurableState:
         return False
 
     def _back_off(self, why: str) -> None:
-        delay = min(SNAPSHOT_BACKOFF_S * 2 ** self._snapshot_streak, SNAPSHOT_BACKOFF_CAP_S)
+        delay = min(SNAPSHOT_BACKOFF_S * 2**self._snapshot_streak, SNAPSHOT_BACKOFF_CAP_S)
         self._snapshot_streak += 1
         self._snapshot_not_before = self._clock() + delay
         log.warning("%s (next try in %.1f s at the earliest)", why, delay)
@@ -403,8 +450,12 @@ class DurableState:
             self._lost = reason
             self._quiesce()
             pools = list(self.registry.pools)
-            log.error("the state store lost the allocator's state (%s); dropping all %d pools: %s",
-                      reason, len(pools), ", ".join(pools) or "none")
+            log.error(
+                "the state store lost the allocator's state (%s); dropping all %d pools: %s",
+                reason,
+                len(pools),
+                ", ".join(pools) or "none",
+            )
             for pool_id in pools:
                 self.registry.drop_record(pool_id, "state_lost")
                 self.leases.forget(pool_id)
@@ -421,8 +472,10 @@ class DurableState:
         except StoreFenced:
             self.deposed.set()
             raise
-        log.warning("the state store holds a fresh history from record %d; workers re-register",
-                    self.registry.index)
+        log.warning(
+            "the state store holds a fresh history from record %d; workers re-register",
+            self.registry.index,
+        )
         self._lost = None
         self._set_health(True, "")
 
@@ -467,8 +520,11 @@ class DurableState:
         follower = Replayer(loaded.snapshot, self.events, self.config.journal_key)
         for raw in loaded.entries:
             if not follower.feed(raw):
-                log.error("standby: the stored journal cannot be followed (%s); loading it again at the "
-                          "next look", follower.report.fatal)
+                log.error(
+                    "standby: the stored journal cannot be followed (%s); loading it again at the "
+                    "next look",
+                    follower.report.fatal,
+                )
                 break
         self._follow(follower, loaded.head or b"")
         self.leases.rearm([])  # a standby expires no lease: its leader does
@@ -493,8 +549,10 @@ class DurableState:
             return tail.leader
         for raw in tail.entries:
             if not follower.feed(raw):
-                log.error("standby: a journal entry cannot be followed (%s); loading the state again",
-                          follower.report.fatal)
+                log.error(
+                    "standby: a journal entry cannot be followed (%s); loading the state again",
+                    follower.report.fatal,
+                )
                 self.follow_from_start()
                 return tail.leader
         self._follow(follower, tail.head)
@@ -514,13 +572,17 @@ class DurableState:
             report = follower.finish(tail.head or None)
             sound = not report.problems
         if not sound:
-            log.warning("standby: the followed state is not sound; loading the whole state to take over")
+            log.warning(
+                "standby: the followed state is not sound; loading the whole state to take over"
+            )
             self.load(take_ownership=False)
             return
         self._follow(follower, tail.head)
         self._snapshot_index = tail.base
         self._since_snapshot = self.registry.index - tail.base
-        self.leases.rearm(list(self.registry.pools))  # every worker gets a full lease to find this server
+        self.leases.rearm(
+            list(self.registry.pools)
+        )  # every worker gets a full lease to find this server
         self._follower = None
         self._stale, self._lost = False, None
         self.deposed.clear()  # a fenced write while it followed is not this term's
@@ -531,6 +593,8 @@ class DurableState:
         self.leading = leading
         self._set_health(True, "")
         if changed:
-            log.warning("role: %s", "LEADER (serving)" if leading else "STANDBY (following the leader)")
+            log.warning(
+                "role: %s", "LEADER (serving)" if leading else "STANDBY (following the leader)"
+            )
             for listener in self._health_listeners:
                 listener(*self._health)

@@ -65,9 +65,19 @@ class RecordEvents:
         **registered: str,
     ) -> None:
         """`registered`: a POOL_REGISTERED event's worker_id, advertise_url, served_model_name."""
-        self.events.append((kind, pool_id, max(block_id, 0), block_hash or b"", model_fingerprint, reason,
-                            registered.get("worker_id", ""), registered.get("advertise_url", ""),
-                            registered.get("served_model_name", "")))
+        self.events.append(
+            (
+                kind,
+                pool_id,
+                max(block_id, 0),
+                block_hash or b"",
+                model_fingerprint,
+                reason,
+                registered.get("worker_id", ""),
+                registered.get("advertise_url", ""),
+                registered.get("served_model_name", ""),
+            )
+        )
 
 
 class EventLog:
@@ -175,5 +185,7 @@ class EventLog:
                     at += hi - lo
                     left -= hi - lo
                 i += 1
-        out = [Event(start + j, *events[j]) for start, events, lo, hi in pieces for j in range(lo, hi)]
+        out = [
+            Event(start + j, *events[j]) for start, events, lo, hi in pieces for j in range(lo, hi)
+        ]
         return out, cursor + len(out), gap

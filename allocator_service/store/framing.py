@@ -92,17 +92,23 @@ def encode_step_record(index: int, step: StepRecord, prev_step_id: int) -> bytes
     message and encoded again on the hot path. (Fields in number order, as
     protobuf writes them: ops, field 4, sits between digest and
     prev_step_id.)"""
-    head = jpb.StepApplied(pool_id=step.pool_id, step_id=step.step_id, digest=step.digest).SerializeToString()
+    head = jpb.StepApplied(
+        pool_id=step.pool_id, step_id=step.step_id, digest=step.digest
+    ).SerializeToString()
     tail = jpb.StepApplied(prev_step_id=prev_step_id).SerializeToString()
     inner = head + _length_delimited(_STEP_OPS, step.ops) + tail
-    return jpb.JournalRecord(index=index).SerializeToString() + _length_delimited(_RECORD_STEP, inner)
+    return jpb.JournalRecord(index=index).SerializeToString() + _length_delimited(
+        _RECORD_STEP, inner
+    )
 
 
 def head_marker(index: int, chain: bytes) -> bytes:
     return f"{index}:{chain.hex()}".encode()
 
 
-def encode_snapshot(snap: dict[str, Any], pools_json: list[str] | None = None, key: bytes | None = None) -> bytes:
+def encode_snapshot(
+    snap: dict[str, Any], pools_json: list[str] | None = None, key: bytes | None = None
+) -> bytes:
     """The stored snapshot; `pools_json`: its pools already as JSON text
     (`registry.pool_snapshot_json`), else they are in `snap["pools"]`;
     `key`: the journal key its digest is keyed with."""
@@ -120,12 +126,18 @@ def decode_snapshot(raw: bytes, key: bytes | None = None) -> tuple[dict[str, Any
     if it is not keyed with `key` (with a key, nothing else is trusted)."""
     keyed = raw.startswith(KEYED_SNAPSHOT_MAGIC)
     if keyed and not key:
-        raise CorruptState("the snapshot is keyed (written with a journal key) and no journal key is configured")
+        raise CorruptState(
+            "the snapshot is keyed (written with a journal key) and no journal key is configured"
+        )
     if key and not keyed:
-        raise CorruptState("the snapshot is not keyed with the journal key (written without it, or forged)")
+        raise CorruptState(
+            "the snapshot is not keyed with the journal key (written without it, or forged)"
+        )
     legacy = not keyed and not raw.startswith(SNAPSHOT_MAGIC)
-    body = raw if legacy else raw[len(SNAPSHOT_MAGIC) + 32:]
-    if not legacy and not hmac.compare_digest(_digest(body, key), raw[len(SNAPSHOT_MAGIC):len(SNAPSHOT_MAGIC) + 32]):
+    body = raw if legacy else raw[len(SNAPSHOT_MAGIC) + 32 :]
+    if not legacy and not hmac.compare_digest(
+        _digest(body, key), raw[len(SNAPSHOT_MAGIC) : len(SNAPSHOT_MAGIC) + 32]
+    ):
         raise CorruptState("the snapshot fails its digest")
     try:
         snap = json.loads(body)

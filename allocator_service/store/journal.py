@@ -68,7 +68,9 @@ local head = redis.call('GET', KEYS[2]) or ''
 """
 
 # KEYS owner head journal; ARGV instance entry prev_head new_head
-_APPEND = _CHECK + """
+_APPEND = (
+    _CHECK
+    + """
 if head == ARGV[4] then return 0 end
 if head ~= ARGV[3] then
   return redis.error_reply('LOST the journal head in Redis is ' .. head .. ', this instance wrote ' .. ARGV[3] .. ' last (Redis lost records)')
@@ -77,13 +79,16 @@ redis.call('RPUSH', KEYS[3], ARGV[2])
 redis.call('SET', KEYS[2], ARGV[4])
 return 1
 """
+)
 
 # A snapshot taken off the hot path includes the records up to one whose
 # chain digest it names; records appended meanwhile stay. Find that record
 # (at the expected position, else by a scan), store the snapshot and trim the
 # journal up to it, in one step; 0 if the journal no longer holds it.
 # KEYS owner head snapshot journal; ARGV instance snapshot position_hint chain
-_SNAPSHOT = _CHECK + """
+_SNAPSHOT = (
+    _CHECK
+    + """
 local function covers(e)
   local magic = e and string.sub(e, 1, 4)
   return (magic == 'PKJ2' or magic == 'PKJ3') and string.sub(e, 37, 68) == ARGV[4]
@@ -101,6 +106,7 @@ redis.call('SET', KEYS[3], ARGV[2])
 redis.call('LTRIM', KEYS[4], pos, -1)
 return 1
 """
+)
 
 # A new history from a snapshot: after a replay that repaired damage, or
 # after Redis lost the state. Takes the owner key back only if it is this
@@ -233,8 +239,15 @@ class MemoryJournal:
 class RedisJournal:
     durable = True
 
-    def __init__(self, url: str, timeout_s: float = 2.0, wait_replicas: int = 0,
-                 wait_timeout_s: float = 1.0, address: str = "", lease_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        timeout_s: float = 2.0,
+        wait_replicas: int = 0,
+        wait_timeout_s: float = 1.0,
+        address: str = "",
+        lease_s: float = 1.0,
+    ) -> None:
         """`address`: where this instance serves (the leader lease names it,
         so a standby can send clients there); `lease_s`: the leader lease."""
         import redis
@@ -263,7 +276,9 @@ class RedisJournal:
         self.leader = ""  # the leader lease's value as last read: `TOKEN ADDRESS`
         self.wait_replicas = wait_replicas
         self.wait_timeout_s = wait_timeout_s
-        self._keys = {k: self.prefix + k for k in ("journal", "snapshot", "owner", "head", "leader", "epoch")}
+        self._keys = {
+            k: self.prefix + k for k in ("journal", "snapshot", "owner", "head", "leader", "epoch")
+        }
         self._append = self.client.register_script(_APPEND)
         self._claim = self.client.register_script(_CLAIM)
         self._renew = self.client.register_script(_RENEW)
@@ -307,7 +322,9 @@ class RedisJournal:
             policy = self.client.config_get("maxmemory-policy").get("maxmemory-policy")
         except self._redis_errors as exc:
             if "unknown command" in str(exc).lower() or "no permission" in str(exc).lower():
-                log.warning("cannot read Redis maxmemory-policy (%s); make sure it is noeviction", exc)
+                log.warning(
+                    "cannot read Redis maxmemory-policy (%s); make sure it is noeviction", exc
+                )
                 return
             raise StoreUnavailable(f"the state store (Redis) failed during start: {exc}") from exc
         if policy is not None and policy != "noeviction":
@@ -325,8 +342,12 @@ class RedisJournal:
         carries the new token."""
         self.check_config()
         keys = [self._keys["owner"], self._keys["leader"], self._keys["epoch"]]
-        took, value = self._call("claim", self._claim, keys=keys,
-                                 args=[self.instance, self.address, self._lease_ms(), int(force), gone])
+        took, value = self._call(
+            "claim",
+            self._claim,
+            keys=keys,
+            args=[self.instance, self.address, self._lease_ms(), int(force), gone],
+        )
         if not took:
             self.leader = value.decode(errors="replace")
             return False
@@ -338,8 +359,14 @@ class RedisJournal:
         """Keep the lease: 1 kept, 0 deposed (another instance claimed the
         state), -1 the owner key is gone (a store that lost the state)."""
         keys = [self._keys["owner"], self._keys["leader"]]
-        return int(self._call("lease renewal", self._renew, keys=keys,
-                              args=[self.token, self.address, self._lease_ms()]))
+        return int(
+            self._call(
+                "lease renewal",
+                self._renew,
+                keys=keys,
+                args=[self.token, self.address, self._lease_ms()],
+            )
+        )
 
     def connected(self, instance: str) -> bool | None:
         """Whether the allocator `instance` has a connection to Redis open
@@ -351,14 +378,21 @@ class RedisJournal:
         except self._redis_errors as exc:
             if "unknown command" in str(exc).lower() or "permission" in str(exc).lower():
                 return None
-            raise StoreUnavailable(f"the state store (Redis) failed during client list: {exc}") from exc
+            raise StoreUnavailable(
+                f"the state store (Redis) failed during client list: {exc}"
+            ) from exc
         return any(c.get("name") == CLIENT_NAME + instance for c in clients)
 
     def release(self) -> None:
         """Give the leader lease up, if this instance holds it (a leader that
         stops): a standby claims the state at its next look, not after the lease."""
         if self.token:
-            self._call("lease release", self._release, keys=[self._keys["leader"]], args=[self.token, self.address])
+            self._call(
+                "lease release",
+                self._release,
+                keys=[self._keys["leader"]],
+                args=[self.token, self.address],
+            )
 
     def _lease_ms(self) -> int:
         return max(1, round(self.lease_s * 1000))
@@ -367,9 +401,15 @@ class RedisJournal:
         """A standby's look at the store (one round trip): the head, the
         leader lease and the entries after record `index`."""
         keys = [self._keys["head"], self._keys["journal"], self._keys["leader"]]
-        head, leader, base, entries = self._call("journal tail", self._tail, keys=keys, args=[index])
-        return Tail(head or b"", (leader or b"").decode(errors="replace"), int(base),
-                    None if entries is None else list(entries))
+        head, leader, base, entries = self._call(
+            "journal tail", self._tail, keys=keys, args=[index]
+        )
+        return Tail(
+            head or b"",
+            (leader or b"").decode(errors="replace"),
+            int(base),
+            None if entries is None else list(entries),
+        )
 
     def load(self, take_ownership: bool = True, check_owner: bool = True) -> Loaded:
         """Read the snapshot, the journal after it and the head (one MULTI,
@@ -400,7 +440,9 @@ class RedisJournal:
 
     def append(self, entry: bytes, prev_head: bytes, new_head: bytes) -> None:
         keys = [self._keys["owner"], self._keys["head"], self._keys["journal"]]
-        self._call("journal append", self._append, keys=keys, args=[self.token, entry, prev_head, new_head])
+        self._call(
+            "journal append", self._append, keys=keys, args=[self.token, entry, prev_head, new_head]
+        )
         self._replicated("journal record")
 
     def write_snapshot(self, snapshot: bytes, hint: int, chain: bytes) -> bool:
@@ -408,8 +450,15 @@ class RedisJournal:
         chain digest is `chain` (expected at position `hint`, counting from
         1) and drop those records; later ones stay. False (nothing written)
         if the journal no longer holds that record."""
-        keys = [self._keys["owner"], self._keys["head"], self._keys["snapshot"], self._keys["journal"]]
-        done = self._call("snapshot", self._snapshot, keys=keys, args=[self.token, snapshot, hint, chain])
+        keys = [
+            self._keys["owner"],
+            self._keys["head"],
+            self._keys["snapshot"],
+            self._keys["journal"],
+        ]
+        done = self._call(
+            "snapshot", self._snapshot, keys=keys, args=[self.token, snapshot, hint, chain]
+        )
         if done:
             self._replicated("snapshot")
         return bool(done)
@@ -417,7 +466,12 @@ class RedisJournal:
     def reseed(self, snapshot: bytes, head: bytes) -> None:
         """Replace the whole stored state by this snapshot (and take the
         owner key back if it is gone)."""
-        keys = [self._keys["owner"], self._keys["head"], self._keys["snapshot"], self._keys["journal"]]
+        keys = [
+            self._keys["owner"],
+            self._keys["head"],
+            self._keys["snapshot"],
+            self._keys["journal"],
+        ]
         self._call("reseed", self._reseed, keys=keys, args=[self.token, snapshot, head])
         self._replicated("snapshot")
 
@@ -433,7 +487,9 @@ class RedisJournal:
 
         owner, stored = self._call("health check", read)
         if owner is None:
-            raise StoreLost("the allocator state keys are gone from Redis (flushed, evicted, or a Redis without its data)")
+            raise StoreLost(
+                "the allocator state keys are gone from Redis (flushed, evicted, or a Redis without its data)"
+            )
         if owner != self.token.encode():
             raise StoreFenced("another allocator instance owns this state")
         if (stored or b"") != head:
@@ -497,11 +553,19 @@ def redis_client(url: str, **options):
         raise ValueError(f"{url}: want {SENTINEL}HOST:PORT[,HOST:PORT...]/MASTER_NAME/DB")
     db = int(path[1]) if len(path) == 2 else 0
     timeouts = {k: options[k] for k in ("socket_timeout", "socket_connect_timeout") if k in options}
-    return Sentinel(hosts, sentinel_kwargs=timeouts, **timeouts).master_for(path[0], db=db, **options)
+    return Sentinel(hosts, sentinel_kwargs=timeouts, **timeouts).master_for(
+        path[0], db=db, **options
+    )
 
 
-def open_journal(state: str, timeout_s: float = 2.0, wait_replicas: int = 0,
-                 wait_timeout_s: float = 1.0, address: str = "", lease_s: float = 1.0) -> MemoryJournal | RedisJournal:
+def open_journal(
+    state: str,
+    timeout_s: float = 2.0,
+    wait_replicas: int = 0,
+    wait_timeout_s: float = 1.0,
+    address: str = "",
+    lease_s: float = 1.0,
+) -> MemoryJournal | RedisJournal:
     """`memory` or `redis://host:port/db[?key_prefix=...]` (any of REDIS_SCHEMES);
     with Redis, `wait_replicas` > 0 makes every write wait (Redis WAIT, up to
     `wait_timeout_s`) until that many replicas hold it; `address` and

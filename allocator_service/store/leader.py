@@ -114,7 +114,9 @@ class Leadership:
         if kept == 0:
             self._step_down("another instance holds the leader lease")
         elif kept < 0:
-            log.warning("leader lease: the owner key is gone from Redis; the next write finds the loss")
+            log.warning(
+                "leader lease: the owner key is gone from Redis; the next write finds the loss"
+            )
 
     def _step_down(self, why: str) -> None:
         log.warning("%s (%s): stepping down to follow the new leader", DEPOSED, why)
@@ -128,18 +130,27 @@ class Leadership:
         with self.durable.lock:
             self._leader = self.durable.follow()
         gone = self._leader_gone()
-        if (self._leader and not gone) or not self.journal.claim(force=False, gone=self._leader if gone else ""):
+        if (self._leader and not gone) or not self.journal.claim(
+            force=False, gone=self._leader if gone else ""
+        ):
             return
         if gone:
-            log.warning("leader lease: the leader's connections to Redis are gone (%s): taking over now",
-                        self._leader)
+            log.warning(
+                "leader lease: the leader's connections to Redis are gone (%s): taking over now",
+                self._leader,
+            )
         with self.durable.lock:
             self.durable.takeover()
             self.on_takeover()
         self.durable.after_change()
         self.takeovers += 1
-        log.warning("%s as leader (%s, epoch %s), record %d", TOOK_OVER, self.journal.address,
-                    self.journal.token.partition(":")[0], self.durable.registry.index)
+        log.warning(
+            "%s as leader (%s, epoch %s), record %d",
+            TOOK_OVER,
+            self.journal.address,
+            self.journal.token.partition(":")[0],
+            self.durable.registry.index,
+        )
 
     def _leader_gone(self) -> bool:
         """Whether the lease holder's Redis connections are all gone (looked
@@ -151,7 +162,9 @@ class Leadership:
         instance = lease_holder(self._leader)[0].partition(":")[2]
         connected = self.journal.connected(instance)
         if connected is None:
-            log.info("leader lease: Redis does not list its clients; a dead leader is replaced when its lease runs out")
+            log.info(
+                "leader lease: Redis does not list its clients; a dead leader is replaced when its lease runs out"
+            )
             self._lists_clients = False
             return False
         return not connected

@@ -108,7 +108,9 @@ class Registry:
         self.pools: dict[str, PoolEntry] = {}
         self.current: dict[str, str] = {}  # worker id -> its live pool id
         self.epochs: dict[str, int] = {}  # worker id -> last epoch issued (remembered ones)
-        self.idle: dict[str, None] = {}  # remembered worker ids without a live pool, idle longest first
+        self.idle: dict[
+            str, None
+        ] = {}  # remembered worker ids without a live pool, idle longest first
         self.epoch_floor = 0  # at least every forgotten worker id's last epoch
         self.index = 0  # records applied (the journal index of the last one)
         self.events = events
@@ -137,7 +139,11 @@ class Registry:
         """The shared store's part of a snapshot (None: no store)."""
         if self.store is None:
             return None
-        return {"url": self.store_url, "min_bytes": self.store_min_bytes, "index": self.store.to_state()}
+        return {
+            "url": self.store_url,
+            "min_bytes": self.store_min_bytes,
+            "index": self.store.to_state(),
+        }
 
     def next_epoch(self, worker_id: str) -> int:
         return self.epochs.get(worker_id, self.epoch_floor) + 1
@@ -165,9 +171,19 @@ class Registry:
         self.index += 1
         return self.events.begin()
 
-    def register(self, worker_id: str, epoch: int, config: PoolConfig, credential_digest: bytes,
-                 batch: RecordEvents, pool: tuple[BlockPool, _Sink] | None = None, *,
-                 advertise_url: str = "", served_model_name: str = "", protocol_version: int = 0) -> PoolEntry:
+    def register(
+        self,
+        worker_id: str,
+        epoch: int,
+        config: PoolConfig,
+        credential_digest: bytes,
+        batch: RecordEvents,
+        pool: tuple[BlockPool, _Sink] | None = None,
+        *,
+        advertise_url: str = "",
+        served_model_name: str = "",
+        protocol_version: int = 0,
+    ) -> PoolEntry:
         """`pool`: built beforehand by `new_pool` (it may be large), else here."""
         old = self.current.get(worker_id)
         if old is not None:
@@ -178,19 +194,34 @@ class Registry:
             b = config.block_bytes
             self.store_min_bytes = min(self.store_min_bytes, b) if self.store_min_bytes else b
         sink.pool_id = pool_id
-        entry = PoolEntry(pool_id, worker_id, epoch, credential_digest, block_pool, sink=sink,
-                          advertise_url=advertise_url, served_model_name=served_model_name,
-                          protocol_version=protocol_version)
+        entry = PoolEntry(
+            pool_id,
+            worker_id,
+            epoch,
+            credential_digest,
+            block_pool,
+            sink=sink,
+            advertise_url=advertise_url,
+            served_model_name=served_model_name,
+            protocol_version=protocol_version,
+        )
         self.pools[pool_id] = entry
         self.current[worker_id] = pool_id
         self.epochs[worker_id] = epoch
         self.idle.pop(worker_id, None)
-        batch.add(POOL_REGISTERED, pool_id, model_fingerprint=config.model_fingerprint, worker_id=worker_id,
-                  advertise_url=advertise_url, served_model_name=served_model_name)
+        batch.add(
+            POOL_REGISTERED,
+            pool_id,
+            model_fingerprint=config.model_fingerprint,
+            worker_id=worker_id,
+            advertise_url=advertise_url,
+            served_model_name=served_model_name,
+        )
         return entry
 
-    def apply_step(self, entry: PoolEntry, batch: RecordEvents, step_id: int, digest: bytes,
-                   step: StepColumns) -> pb.StepResponse:
+    def apply_step(
+        self, entry: PoolEntry, batch: RecordEvents, step_id: int, digest: bytes, step: StepColumns
+    ) -> pb.StepResponse:
         """Apply validated operations (`service.steps.check_step`) to the pool."""
         entry.sink.batch = batch
         try:
@@ -254,9 +285,16 @@ class Registry:
                 r = record.registered
                 config = config_from_proto(r.shape)
                 batch = self.advance()
-                self.register(r.worker_id, r.epoch, config, r.credential_digest, batch,
-                              advertise_url=r.advertise_url, served_model_name=r.served_model_name,
-                              protocol_version=r.protocol_version)
+                self.register(
+                    r.worker_id,
+                    r.epoch,
+                    config,
+                    r.credential_digest,
+                    batch,
+                    advertise_url=r.advertise_url,
+                    served_model_name=r.served_model_name,
+                    protocol_version=r.protocol_version,
+                )
             elif kind == "dropped":
                 if record.dropped.pool_id not in self.pools:
                     raise KeyError(record.dropped.pool_id)
@@ -268,7 +306,9 @@ class Registry:
             else:
                 raise CorruptState(f"journal record {record.index} holds no change")
         except KeyError as exc:
-            raise CorruptState(f"journal record {record.index} names an unknown pool {exc}") from exc
+            raise CorruptState(
+                f"journal record {record.index} names an unknown pool {exc}"
+            ) from exc
         except CorruptState:
             raise
         except Exception as exc:  # a record that cannot be re-applied: name it, never a traceback
@@ -299,7 +339,9 @@ class Registry:
 
     def to_snapshot(self, chain: bytes, next_event: int | None = None) -> dict[str, Any]:
         """The whole registry at once (no record may be in flight)."""
-        snap = self.snapshot_header(chain, self.events.next_sequence if next_event is None else next_event)
+        snap = self.snapshot_header(
+            chain, self.events.next_sequence if next_event is None else next_event
+        )
         snap["store"] = self.store_state()
         snap["pools"] = [pool_snapshot(e) for e in self.pools.values()]
         return snap

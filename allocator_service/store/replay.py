@@ -100,7 +100,9 @@ class Replayer:
         self.key = key
         self.registry = Registry(events)
         events.reset(1)
-        self.chain: bytes | None = ZERO_CHAIN  # None: unknown (after a damaged entry or an older snapshot)
+        self.chain: bytes | None = (
+            ZERO_CHAIN  # None: unknown (after a damaged entry or an older snapshot)
+        )
         self.framed = False
         self.damaged = False
         self.last_raw = b""
@@ -117,8 +119,14 @@ class Replayer:
             self.framed = not self.report.snapshot_legacy
             self.chain = bytes.fromhex(snap["chain"]) if "chain" in snap else None
 
-    def _problem(self, position: int, index: int | None, pool_id: str | None, reason: str,
-                 fatal: bool = False) -> None:
+    def _problem(
+        self,
+        position: int,
+        index: int | None,
+        pool_id: str | None,
+        reason: str,
+        fatal: bool = False,
+    ) -> None:
         self.report.problems.append(Problem(position, index, pool_id, reason, fatal))
         if fatal:
             self.stopped = True
@@ -143,10 +151,18 @@ class Replayer:
             prev, stored_chain, body = raw[4:36], raw[36:68], raw[FRAME:]
             keyed = raw.startswith(KEYED_ENTRY_MAGIC)
             if keyed and not key:
-                problem(position, None, None, "is keyed (written with a journal key) and no journal key is "
-                        "configured: set the allocator's journal key file", fatal=True)
+                problem(
+                    position,
+                    None,
+                    None,
+                    "is keyed (written with a journal key) and no journal key is "
+                    "configured: set the allocator's journal key file",
+                    fatal=True,
+                )
                 return False
-            intact = keyed == bool(key) and hmac.compare_digest(chain_digest(prev, body, key), stored_chain)
+            intact = keyed == bool(key) and hmac.compare_digest(
+                chain_digest(prev, body, key), stored_chain
+            )
             self.framed = True
         elif self.framed or key:
             body, stored_chain, intact = raw, None, False  # a frame that lost its magic
@@ -160,38 +176,65 @@ class Replayer:
         if record is None or not intact:
             pool_id = _pool_of(record) if record is not None else None
             if record is not None and record.index == expected and pool_id in registry.pools:
-                problem(position, expected, pool_id,
-                        f"fails its digest; pool {pool_id} dropped (its state cannot be trusted)")
+                problem(
+                    position,
+                    expected,
+                    pool_id,
+                    f"fails its digest; pool {pool_id} dropped (its state cannot be trusted)",
+                )
                 self._drop(pool_id, "journal_corrupt")
                 self.damaged, self.chain, self.last_raw = True, None, raw
                 return True
             what = "cannot be parsed" if record is None else "fails its digest"
-            problem(position, expected, None,
-                    f"{what} and cannot be attributed to one live pool", fatal=True)
+            problem(
+                position,
+                expected,
+                None,
+                f"{what} and cannot be attributed to one live pool",
+                fatal=True,
+            )
             return False
         index = record.index
         if index < expected:
             if raw == self.last_raw:
                 return True  # written twice by a retried call (older versions)
-            problem(position, index, None, f"goes back to record {index} after record {expected - 1}", fatal=True)
+            problem(
+                position,
+                index,
+                None,
+                f"goes back to record {index} after record {expected - 1}",
+                fatal=True,
+            )
             return False
         if index > expected:
             problem(position, index, None, f"records {expected}..{index - 1} are missing")
             self.damaged = True
             registry.index = index - 1
         elif prev is not None and self.chain is not None and prev != self.chain:
-            problem(position, index, None, "does not follow the record before it (a different history)",
-                    fatal=True)
+            problem(
+                position,
+                index,
+                None,
+                "does not follow the record before it (a different history)",
+                fatal=True,
+            )
             return False
         self.last_raw = raw
-        self.chain = stored_chain if stored_chain is not None else (ZERO_CHAIN if not self.framed else None)
+        self.chain = (
+            stored_chain if stored_chain is not None else (ZERO_CHAIN if not self.framed else None)
+        )
         kind = record.WhichOneof("change")
         pool_id = _pool_of(record)
         if pool_id is not None and pool_id not in registry.pools:
             if self.damaged:
                 # Its registration, or the record that made replay drop it,
                 # was lost or damaged: skip what follows for it.
-                problem(position, index, pool_id, f"names pool {pool_id}, lost with an earlier record: skipped")
+                problem(
+                    position,
+                    index,
+                    pool_id,
+                    f"names pool {pool_id}, lost with an earlier record: skipped",
+                )
                 owner = _epoch_of(pool_id)
                 if owner is not None:
                     registry.remember_epoch(*owner)  # never reissue its id
@@ -202,9 +245,13 @@ class Replayer:
         if kind == "step" and stored_chain is not None:
             entry = registry.pools[pool_id]
             if record.step.prev_step_id != entry.last_step_id:
-                problem(position, index, pool_id,
-                        f"step {record.step.step_id} follows step {record.step.prev_step_id} but the "
-                        f"pool's last step is {entry.last_step_id}; pool {pool_id} dropped")
+                problem(
+                    position,
+                    index,
+                    pool_id,
+                    f"step {record.step.step_id} follows step {record.step.prev_step_id} but the "
+                    f"pool's last step is {entry.last_step_id}; pool {pool_id} dropped",
+                )
                 self._drop(pool_id, "journal_gap")
                 registry.index = index
                 self.damaged = True
@@ -215,7 +262,13 @@ class Replayer:
             problem(position, index, pool_id, str(exc), fatal=True)
             return False
         except Exception as exc:  # a record the core refuses: name it, never a traceback
-            problem(position, index, pool_id, f"cannot be applied ({type(exc).__name__}: {exc})", fatal=True)
+            problem(
+                position,
+                index,
+                pool_id,
+                f"cannot be applied ({type(exc).__name__}: {exc})",
+                fatal=True,
+            )
             return False
         return True
 
@@ -231,19 +284,33 @@ class Replayer:
         if not hidx.isdigit():
             problem(-1, None, None, f"the head marker {report.head!r} is unreadable")
         elif int(hidx) > registry.index:
-            problem(-1, int(hidx), None,
-                    f"the journal ends at record {registry.index} but its head says {hidx}: the last "
-                    f"{int(hidx) - registry.index} record(s) were lost (a pool whose last step was "
-                    "lost is dropped at its worker's next step)")
+            problem(
+                -1,
+                int(hidx),
+                None,
+                f"the journal ends at record {registry.index} but its head says {hidx}: the last "
+                f"{int(hidx) - registry.index} record(s) were lost (a pool whose last step was "
+                "lost is dropped at its worker's next step)",
+            )
         elif int(hidx) < registry.index:
-            problem(-1, int(hidx), None, f"the head says record {hidx} but the journal holds {registry.index}")
+            problem(
+                -1,
+                int(hidx),
+                None,
+                f"the head says record {hidx} but the journal holds {registry.index}",
+            )
         elif chain is not None and hchain != chain.hex():
             problem(-1, int(hidx), None, "the head marker's digest differs from the last record's")
         return report
 
 
-def replay(snapshot: bytes | None, entries: list[bytes], head: bytes | None,
-           events: EventLog, key: bytes | None = None) -> tuple[Registry, ReplayReport]:
+def replay(
+    snapshot: bytes | None,
+    entries: list[bytes],
+    head: bytes | None,
+    events: EventLog,
+    key: bytes | None = None,
+) -> tuple[Registry, ReplayReport]:
     """Rebuild the registry from a stored snapshot and journal, checking
     every digest (keyed with `key`, the journal key, when given: then a
     record or snapshot not keyed with it fails), the record indices, each
@@ -274,14 +341,20 @@ def check(state: str, out=sys.stdout, key: bytes | None = None) -> int:
     registry, report = replay(loaded.snapshot, loaded.entries, loaded.head, EventLog(1), key)
     p = lambda text: print(text, file=out)  # noqa: E731
     p(f"state: {journal.describe()}")
-    p(f"journal key: {'yes (digests are HMAC-SHA256 under it)' if key else 'none (Redis is trusted)'}")
+    p(
+        f"journal key: {'yes (digests are HMAC-SHA256 under it)' if key else 'none (Redis is trusted)'}"
+    )
     if loaded.snapshot is None:
         p("snapshot: none")
     else:
-        p(f"snapshot: up to record {report.snapshot_index}"
-          f"{' (older format, no digest)' if report.snapshot_legacy else ', digest ok'}")
-    p(f"journal: {report.records} records after the snapshot"
-      f"{f' ({report.legacy_records} without digests: older format)' if report.legacy_records else ''}")
+        p(
+            f"snapshot: up to record {report.snapshot_index}"
+            f"{' (older format, no digest)' if report.snapshot_legacy else ', digest ok'}"
+        )
+    p(
+        f"journal: {report.records} records after the snapshot"
+        f"{f' ({report.legacy_records} without digests: older format)' if report.legacy_records else ''}"
+    )
     p(f"head: {report.head}")
     p(f"last record: {registry.index}")
     p(f"pools: {len(registry.pools)}")
@@ -292,10 +365,14 @@ def check(state: str, out=sys.stdout, key: bytes | None = None) -> int:
         for problem in report.problems:
             p(f"  {'FATAL ' if problem.fatal else ''}{problem}")
         if report.fatal is not None:
-            p("verdict: NOT sound; the allocator refuses to start on it "
-              "(see docs/operations.md, 'A journal that cannot be replayed')")
+            p(
+                "verdict: NOT sound; the allocator refuses to start on it "
+                "(see docs/operations.md, 'A journal that cannot be replayed')"
+            )
         else:
-            p(f"verdict: NOT sound; a start drops {', '.join(report.dropped) or 'no pool'} and stores the repair")
+            p(
+                f"verdict: NOT sound; a start drops {', '.join(report.dropped) or 'no pool'} and stores the repair"
+            )
         return 1
     p("problems: none")
     p("verdict: sound")

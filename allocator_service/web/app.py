@@ -57,8 +57,13 @@ from allocator_service.wire.errors import CapacityExceeded, PermissionDenied, Un
 from pagedkv_base.api.serving import ServerThread, serve_options
 
 STATIC = resources.files("allocator_service.web") / "static"
-_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
-          ".css": "text/css; charset=utf-8", ".png": "image/png", ".svg": "image/svg+xml"}
+_TYPES = {
+    ".html": "text/html; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    ".png": "image/png",
+    ".svg": "image/svg+xml",
+}
 PAGES = {"/pools": "pools.html", "/playground": "playground.html"}
 MAX_BODY = 256 * 1024
 MAX_CONNECTIONS = 2048  # open at once, the /pools streams among them
@@ -68,11 +73,15 @@ _NO_STORE = {"Cache-Control": "no-store"}
 
 
 def _text(status: int, body: str, extra: dict | None = None) -> Response:
-    return Response(body.encode(), status, {**_NO_STORE, **(extra or {})}, "text/plain; charset=utf-8")
+    return Response(
+        body.encode(), status, {**_NO_STORE, **(extra or {})}, "text/plain; charset=utf-8"
+    )
 
 
 def _json(status: int, value) -> Response:
-    return Response(json.dumps(value, separators=(",", ":")).encode(), status, _NO_STORE, "application/json")
+    return Response(
+        json.dumps(value, separators=(",", ":")).encode(), status, _NO_STORE, "application/json"
+    )
 
 
 def _run_playground(body: bytes) -> dict:
@@ -83,7 +92,9 @@ class WebApp:
     """The ASGI app: routes the pages, the stream and the JSON calls; any
     other GET path is `/metrics`, as with prometheus_client's own server."""
 
-    def __init__(self, *, registry=None, service=None, roles: Roles | None = None, playground: bool = False):
+    def __init__(
+        self, *, registry=None, service=None, roles: Roles | None = None, playground: bool = False
+    ):
         self.registry = registry if registry is not None else REGISTRY
         self.service = service  # AllocatorService, or None: playground only
         self.roles = roles or Roles()
@@ -110,7 +121,9 @@ class WebApp:
         if request.method != "GET":
             return _text(405, "only GET, and POST to /playground/api/run\n", {"Allow": "GET, POST"})
         if path == "/playground" and not self.playground:
-            return _text(404, "not found: /playground is off on this port (the allocator's --playground)\n")
+            return _text(
+                404, "not found: /playground is off on this port (the allocator's --playground)\n"
+            )
         if path in PAGES or path.startswith("/pools/"):
             if path != "/playground" and self.service is None:
                 return _text(404, "no allocator in this process: /playground\n")
@@ -129,11 +142,16 @@ class WebApp:
                 return _json(200, table)
             return _text(404, "not found\n")
         if path.startswith("/static/"):
-            name = path[len("/static/"):]
+            name = path[len("/static/") :]
             body = self._static.get(name)
             if body is None:
                 return _text(404, "not found\n")
-            return Response(body, 200, _NO_STORE, _TYPES.get(name[name.rfind("."):], "application/octet-stream"))
+            return Response(
+                body,
+                200,
+                _NO_STORE,
+                _TYPES.get(name[name.rfind(".") :], "application/octet-stream"),
+            )
         if self.service is None or path == "/favicon.ico":
             return _text(404, "not found\n")
         return await self._metrics(request, query)
@@ -155,8 +173,9 @@ class WebApp:
             # With an admin or router token configured, only they may look,
             # even where the table leaves WatchEvents open to pools.
             if (roles.admin_token or roles.router_token) and role not in (ADMIN, ROUTER):
-                raise (PermissionDenied if bearer is not None and role is not None else Unauthenticated)(
-                    "the pools page needs the admin or router token")
+                raise (
+                    PermissionDenied if bearer is not None and role is not None else Unauthenticated
+                )("the pools page needs the admin or router token")
         except Unauthenticated as exc:
             return _text(401, f"{exc}\n", {"WWW-Authenticate": 'Bearer realm="pagedkv allocator"'})
         except PermissionDenied as exc:
@@ -165,8 +184,13 @@ class WebApp:
 
     async def _metrics(self, request: Request, query: dict) -> Response:
         status, headers, body = await self._off_loop(
-            _bake_output, self.registry, request.headers.get("accept"), request.headers.get("accept-encoding"),
-            query, False)
+            _bake_output,
+            self.registry,
+            request.headers.get("accept"),
+            request.headers.get("accept-encoding"),
+            query,
+            False,
+        )
         return Response(body, int(status.split(" ", 1)[0]), dict(headers))
 
     async def _playground_run(self, request: Request) -> Response:
@@ -210,9 +234,17 @@ class _EventStream:
         events = live.stream(service, stop)
         watcher = asyncio.ensure_future(_until_disconnect(receive, gone))
         try:
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-store"),
-                                    (b"connection", b"close")]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [
+                        (b"content-type", b"text/event-stream"),
+                        (b"cache-control", b"no-store"),
+                        (b"connection", b"close"),
+                    ],
+                }
+            )
             chunk: bytes | None = b"retry: 2000\n\n"
             while chunk is not None and not gone.is_set():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -239,16 +271,27 @@ class WebServer:
         self.server_port = server.port
 
 
-def start_web_server(port: int, host: str = "0.0.0.0", *, registry=None, service=None,
-                     roles: Roles | None = None, playground: bool = False) -> WebServer:
+def start_web_server(
+    port: int,
+    host: str = "0.0.0.0",
+    *,
+    registry=None,
+    service=None,
+    roles: Roles | None = None,
+    playground: bool = False,
+) -> WebServer:
     """Serve on `host:port` (0: any free port) on a thread of its own; stop
     with `stop_web_server`. Without `service` only `/playground` (and its
     static files) answer; `/playground` only with `playground`. A port that
     cannot be bound is an OSError here."""
     app = WebApp(registry=registry, service=service, roles=roles, playground=playground)
-    options = serve_options(header_timeout=IDLE_TIMEOUT_S, body_timeout=IDLE_TIMEOUT_S,
-                            max_connections=MAX_CONNECTIONS, keep_alive_s=IDLE_TIMEOUT_S,
-                            send_timeout=IDLE_TIMEOUT_S)
+    options = serve_options(
+        header_timeout=IDLE_TIMEOUT_S,
+        body_timeout=IDLE_TIMEOUT_S,
+        max_connections=MAX_CONNECTIONS,
+        keep_alive_s=IDLE_TIMEOUT_S,
+        send_timeout=IDLE_TIMEOUT_S,
+    )
     return WebServer(app, ServerThread(app, host, port, **options).start())
 
 

@@ -166,7 +166,13 @@ def stream(service, stopping: Callable[[], bool], keepalive_s: float = 10.0) -> 
                 yield sse("init", init_message(entry, frame))
             else:
                 blocks = diff(frame, state, owner, ref)
-                frame.state, frame.owner, frame.ref, frame.step, frame.read_at = state, owner, ref, step, now
+                frame.state, frame.owner, frame.ref, frame.step, frame.read_at = (
+                    state,
+                    owner,
+                    ref,
+                    step,
+                    now,
+                )
                 if not blocks and counters == frame.counters:
                     continue
                 frame.counters = counters
@@ -191,5 +197,11 @@ def sequence_table(service, pool_id: str, seq_id: str) -> dict[str, Any] | None:
             return None
         table, tokens = pool.block_table(seq_id), pool.num_tokens(seq_id)
         refs = [pool.ref_cnt[b] for b in table]
-    return {"pool": pool_id, "seq": seq_id, "table": table, "tokens": tokens, "refcounts": refs,
-            "block_size": pool.block_size}
+    return {
+        "pool": pool_id,
+        "seq": seq_id,
+        "table": table,
+        "tokens": tokens,
+        "refcounts": refs,
+        "block_size": pool.block_size,
+    }

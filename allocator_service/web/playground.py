@@ -122,8 +122,15 @@ class Contiguous:
         return {
             "slots": p.num_slots,
             "reserve": self.reserve,
-            "requests": {rid: {"start": r.start, "reserved": r.reserved, "used": r.used,
-                               "tokens": self.tokens[rid]} for rid, r in p.requests.items()},
+            "requests": {
+                rid: {
+                    "start": r.start,
+                    "reserved": r.reserved,
+                    "used": r.used,
+                    "tokens": self.tokens[rid],
+                }
+                for rid, r in p.requests.items()
+            },
             "waiting": list(self.waiting),
             "used": p.used_slots,
             "wasted": p.reserved_slots - p.used_slots,
@@ -157,7 +164,9 @@ def run(body: Any) -> dict[str, Any]:
         if r.ok:
             contiguous.apply(op)
             cached = r.cached_tokens if isinstance(op, Admit) else 0
-            out["new_blocks"] = [] if isinstance(op, Fork) else list(r.append[cached // block_size:])
+            out["new_blocks"] = (
+                [] if isinstance(op, Fork) else list(r.append[cached // block_size :])
+            )
             out["copies"] = [list(c) for c in r.copies]
             out["cached_tokens"] = cached
         else:
@@ -184,9 +193,16 @@ def paged_view(pool: BlockPool) -> dict[str, Any]:
     for b in range(pool.num_blocks):
         owners = [s for s, t in tables.items() if b in t]
         state = "used" if owners else ("cached" if hashes[b] is not None else "free")
-        blocks.append({"id": b, "state": state, "owners": owners, "ref": pool.ref_cnt[b],
-                       "fill": fill.get(b, 0),
-                       "evict_rank": free.index(b) if state == "cached" else None})
+        blocks.append(
+            {
+                "id": b,
+                "state": state,
+                "owners": owners,
+                "ref": pool.ref_cnt[b],
+                "fill": fill.get(b, 0),
+                "evict_rank": free.index(b) if state == "cached" else None,
+            }
+        )
     return {
         **view,
         "tokens": {s: pool.num_tokens(s) for s in tables},

@@ -36,9 +36,13 @@ class TierBound(NamedTuple):
     deletes_per_save: int  # store entries one save may delete to make room, at most
 
 
-def step_answer_bound(step: StepColumns, num_blocks: int, block_size: int,
-                      num_tokens: Callable[[str], int | None],
-                      tiers: TierBound | None = None) -> int:
+def step_answer_bound(
+    step: StepColumns,
+    num_blocks: int,
+    block_size: int,
+    num_tokens: Callable[[str], int | None],
+    tiers: TierBound | None = None,
+) -> int:
     """An upper bound of the encoded size of the StepResponse that `step`
     can get from a pool of this shape, before it is applied (what the
     service refuses a step for: the answer must fit the wire).
@@ -133,8 +137,9 @@ def dump_floor(pool: BlockPool) -> int:
     hashed = len(p.block_hash) - p.block_hash.count(None)
     seq_hashes = sum(len(q.hashes) for q in p.seqs.values())
     lists = 8 + 3 * len(p.seqs)
-    return max(0, 11 * pool.num_blocks + 62 * hashed + 2 * pool.table_entries + 67 * seq_hashes
-               - lists)
+    return max(
+        0, 11 * pool.num_blocks + 62 * hashed + 2 * pool.table_entries + 67 * seq_hashes - lists
+    )
 
 
 # What `packed_bound` charges: per block of the pool (its five packed
@@ -149,11 +154,17 @@ PACKED_BYTES_PER_SEGMENT = 2 * 21
 PACKED_BYTES_FIXED = 4096
 
 
-def packed_bound(num_blocks: int, sequences: int, name_chars: int, segments: int,
-                 tail_tokens: int) -> int:
+def packed_bound(
+    num_blocks: int, sequences: int, name_chars: int, segments: int, tail_tokens: int
+) -> int:
     """The most bytes `to_packed` of a pool of this shape can take (a formula
     in its blocks, sequences, name characters, segments and the tokens of
     its sequences' partly filled blocks, 11 bytes each)."""
-    return (PACKED_BYTES_FIXED + PACKED_BYTES_PER_BLOCK * num_blocks
-            + PACKED_BYTES_PER_SEQUENCE * sequences + PACKED_BYTES_PER_NAME_CHAR * name_chars
-            + PACKED_BYTES_PER_SEGMENT * segments + 11 * tail_tokens)
+    return (
+        PACKED_BYTES_FIXED
+        + PACKED_BYTES_PER_BLOCK * num_blocks
+        + PACKED_BYTES_PER_SEQUENCE * sequences
+        + PACKED_BYTES_PER_NAME_CHAR * name_chars
+        + PACKED_BYTES_PER_SEGMENT * segments
+        + 11 * tail_tokens
+    )

@@ -37,7 +37,11 @@ from allocator_service.wire.v1 import allocator_pb2 as pb
 # NOTE: the core numbers kinds and per-operation errors as the wire enums do,
 # so those columns cross the edge unmapped; this holds them equal.
 assert (core_step.FREE, core_step.APPEND, core_step.ADMIT, core_step.FORK, core_step.UNRESERVE) == (
-    pb.OP_KIND_FREE, pb.OP_KIND_APPEND, pb.OP_KIND_ADMIT, pb.OP_KIND_FORK, pb.OP_KIND_UNRESERVE
+    pb.OP_KIND_FREE,
+    pb.OP_KIND_APPEND,
+    pb.OP_KIND_ADMIT,
+    pb.OP_KIND_FORK,
+    pb.OP_KIND_UNRESERVE,
 )
 assert core_step.ERROR_NUMBER == {
     OUT_OF_BLOCKS: pb.OP_ERROR_OUT_OF_BLOCKS,
@@ -105,8 +109,13 @@ def columns_from_proto(msg: pb.StepOps) -> StepColumns:
     report = None
     if msg.HasField("report"):
         r = msg.report
-        report = TierReport(list(r.saved), list(r.failed), split_hashes(r.store_saved),
-                            split_hashes(r.store_failed), split_hashes(r.refused))
+        report = TierReport(
+            list(r.saved),
+            list(r.failed),
+            split_hashes(r.store_saved),
+            split_hashes(r.store_failed),
+            split_hashes(r.refused),
+        )
     return StepColumns(
         list(msg.kinds),
         list(msg.seq_ids),
@@ -123,7 +132,7 @@ def columns_from_proto(msg: pb.StepOps) -> StepColumns:
 def split_hashes(packed: bytes) -> list[bytes]:
     """The hashes of a packed field (HASH_LEN bytes each, concatenated); a
     short last one is kept short, for the core to refuse."""
-    return [packed[i:i + HASH_LEN] for i in range(0, len(packed), HASH_LEN)]
+    return [packed[i : i + HASH_LEN] for i in range(0, len(packed), HASH_LEN)]
 
 
 def encode_ops(ops: Sequence[Op]) -> pb.StepOps:
@@ -169,21 +178,32 @@ def result_to_proto(step_id: int, answer: StepAnswer) -> pb.StepResponse:
     msg = pb.StepResponse(step_id=step_id, **columns)
     moves = answer.moves
     if any(moves):
-        msg.moves.CopyFrom(pb.TierMoves(**{f: b"".join(v) if f in _HASH_MOVES else v
-                                           for f, v in zip(Moves._fields, moves, strict=True) if v}))
+        msg.moves.CopyFrom(
+            pb.TierMoves(
+                **{
+                    f: b"".join(v) if f in _HASH_MOVES else v
+                    for f, v in zip(Moves._fields, moves, strict=True)
+                    if v
+                }
+            )
+        )
     return msg
 
 
 def _moves_from_proto(m: pb.TierMoves) -> Moves:
-    return Moves(*(split_hashes(getattr(m, f)) if f in _HASH_MOVES else list(getattr(m, f))
-                   for f in Moves._fields))
+    return Moves(
+        *(
+            split_hashes(getattr(m, f)) if f in _HASH_MOVES else list(getattr(m, f))
+            for f in Moves._fields
+        )
+    )
 
 
 def _clip(message: str) -> str:
     raw = message.encode()
     if len(raw) <= MAX_ERROR_MESSAGE_BYTES:
         return message
-    return raw[:MAX_ERROR_MESSAGE_BYTES - 3].decode(errors="ignore") + "\u2026"
+    return raw[: MAX_ERROR_MESSAGE_BYTES - 3].decode(errors="ignore") + "\u2026"
 
 
 def decode_results(resp: pb.StepResponse, num_ops: int) -> StepAnswer:

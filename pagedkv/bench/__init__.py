@@ -17,24 +17,54 @@ import importlib
 
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "core": ("pagedkv.bench.core", "allocator core operations per second (in-process)"),
-    "allocator": ("pagedkv.bench.allocator", "Step latency: in-process vs gRPC vs gRPC + Redis journal"),
+    "allocator": (
+        "pagedkv.bench.allocator",
+        "Step latency: in-process vs gRPC vs gRPC + Redis journal",
+    ),
     "attention": ("pagedkv.bench.attention", "paged vs contiguous attention time on the same data"),
     "serve": ("pagedkv.bench.serve", "this engine vs transformers generate on one workload"),
-    "reservation": ("pagedkv.bench.reservation", "paging vs reserving each request's KV slots up front (max, pow2, "
-                    "oracle) on a simulated GPU: the highest request rate under a latency bound"),
-    "route": ("pagedkv.bench.route", "the router's policies (kv, least-load, round-robin) on a multi-tenant workload"),
-    "restart": ("pagedkv.bench.restart", "the allocator restarted under load: failed requests and wrong texts"),
-    "tiers": ("pagedkv.bench.tiers", "the KV tiers (none, host, host + shared store) on multi-turn chats"),
-    "host": ("pagedkv.bench.host", "the host's time per step against a simulated GPU (sim:h100): device busy ratio, "
-             "TPOT, host ms per step by part, in-process and gRPC allocator"),
-    "fleet": ("pagedkv.bench.fleet", "N workers' recorded Step streams replayed against one allocator process (or "
-              "M sharded): Step p50/p99, device idle from allocator waits, allocator CPU and RSS, the knee"),
-    "attacks": ("pagedkv.bench.attacks", "the trust-boundary attacks on a stack with credentials and one without: "
-                "the victim's p99, the allocator's RSS and threads"),
-    "kv-dtype": ("pagedkv.bench.kv_dtype", "an fp8 KV cache against the model's dtype through /v1/completions: "
-                 "logprob differences, greedy agreement, multiple-choice accuracy, pool blocks"),
-    "compare": ("pagedkv.bench.compare", "one benchmark run by another checkout and by this one in turn: "
-                "each headline figure within noise, better or worse"),
+    "reservation": (
+        "pagedkv.bench.reservation",
+        "paging vs reserving each request's KV slots up front (max, pow2, "
+        "oracle) on a simulated GPU: the highest request rate under a latency bound",
+    ),
+    "route": (
+        "pagedkv.bench.route",
+        "the router's policies (kv, least-load, round-robin) on a multi-tenant workload",
+    ),
+    "restart": (
+        "pagedkv.bench.restart",
+        "the allocator restarted under load: failed requests and wrong texts",
+    ),
+    "tiers": (
+        "pagedkv.bench.tiers",
+        "the KV tiers (none, host, host + shared store) on multi-turn chats",
+    ),
+    "host": (
+        "pagedkv.bench.host",
+        "the host's time per step against a simulated GPU (sim:h100): device busy ratio, "
+        "TPOT, host ms per step by part, in-process and gRPC allocator",
+    ),
+    "fleet": (
+        "pagedkv.bench.fleet",
+        "N workers' recorded Step streams replayed against one allocator process (or "
+        "M sharded): Step p50/p99, device idle from allocator waits, allocator CPU and RSS, the knee",
+    ),
+    "attacks": (
+        "pagedkv.bench.attacks",
+        "the trust-boundary attacks on a stack with credentials and one without: "
+        "the victim's p99, the allocator's RSS and threads",
+    ),
+    "kv-dtype": (
+        "pagedkv.bench.kv_dtype",
+        "an fp8 KV cache against the model's dtype through /v1/completions: "
+        "logprob differences, greedy agreement, multiple-choice accuracy, pool blocks",
+    ),
+    "compare": (
+        "pagedkv.bench.compare",
+        "one benchmark run by another checkout and by this one in turn: "
+        "each headline figure within noise, better or worse",
+    ),
 }
 REPORT = ("pagedkv.bench.report", "render the committed benchmark results (JSON) as Markdown")
 

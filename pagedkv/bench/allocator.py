@@ -40,15 +40,20 @@ MODES = ("in-process", "grpc", "grpc+redis", "grpc-unary", "grpc-unary+redis")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     harness.add_workload_option(parser, STEPS)
     parser.add_argument(
-        "--modes", type=harness.comma_list(MODES), default=["in-process", "grpc", "grpc+redis"],
+        "--modes",
+        type=harness.comma_list(MODES),
+        default=["in-process", "grpc", "grpc+redis"],
         help="which of in-process, grpc, grpc+redis, grpc-unary, grpc-unary+redis to run (grpc: steps "
-             "over the StepStream call, as workers send them; grpc-unary: one unary Step each) [in-process,grpc,grpc+redis]",
+        "over the StepStream call, as workers send them; grpc-unary: one unary Step each) [in-process,grpc,grpc+redis]",
     )
     parser.add_argument(
-        "--watch-events", type=harness.comma_list(WATCHERS), default=["none"], metavar="LIST",
+        "--watch-events",
+        type=harness.comma_list(WATCHERS),
+        default=["none"],
+        metavar="LIST",
         help="for the gRPC modes, time each case with each of: none (no watcher), plain (a process following "
-             "every KV event, one message each), packed (runs of block events per message, as the router's "
-             "cache view asks) [none]",
+        "every KV event, one message each), packed (runs of block events per message, as the router's "
+        "cache view asks) [none]",
     )
     harness.add_json_option(parser)
     noisy_neighbour.add_arguments(parser)
@@ -93,8 +98,9 @@ def measure(args: argparse.Namespace) -> dict:
             address = deploy(stack, kind)
             for n in sizes:
                 for watcher in watchers if kind != "embedded" else ["none"]:
-                    results.append({"mode": mode, "watcher": watcher,
-                                    **_case(w, address, mode, watcher, n)})
+                    results.append(
+                        {"mode": mode, "watcher": watcher, **_case(w, address, mode, watcher, n)}
+                    )
     out = {
         "block_size": w.block_size,
         "prefix_caching": w.prefix_caching,
@@ -116,9 +122,15 @@ def _case(w: StepWorkload, address: str, mode: str, watcher: str, n: int) -> dic
     from allocator_service.client import PoolSpec
 
     blocks_per_seq = blocks_for(PROMPT_LEN + MAX_GEN, w.block_size) + 2
-    spec = PoolSpec(f"bench-{mode}-{watcher}-{n}", PoolConfig(
-        num_blocks=n * blocks_per_seq + 64, block_size=w.block_size,
-        enable_prefix_caching=w.prefix_caching, model_fingerprint="bench"))
+    spec = PoolSpec(
+        f"bench-{mode}-{watcher}-{n}",
+        PoolConfig(
+            num_blocks=n * blocks_per_seq + 64,
+            block_size=w.block_size,
+            enable_prefix_caching=w.prefix_caching,
+            model_fingerprint="bench",
+        ),
+    )
     client = connect(address, spec, step_stream="unary" not in mode)
     follower = None
     try:
@@ -142,18 +154,35 @@ def tables(report: dict) -> list[Table]:
         columns += ["watcher", "messages", "events"]
     rows = []
     for r in results:
-        row = [r["mode"], cell(r["seqs"]), cell(r["ops_per_step"], ".1f"), cell(r["p50_ms"], ".3f"),
-               cell(r["p99_ms"], ".3f"), cell(r["ops_per_s"], ",.0f")]
+        row = [
+            r["mode"],
+            cell(r["seqs"]),
+            cell(r["ops_per_step"], ".1f"),
+            cell(r["p50_ms"], ".3f"),
+            cell(r["p99_ms"], ".3f"),
+            cell(r["ops_per_s"], ",.0f"),
+        ]
         if watched:
-            row += [r["watcher"], cell(r.get("watcher_messages"), ","), cell(r.get("watcher_events"), ",")]
+            row += [
+                r["watcher"],
+                cell(r.get("watcher_messages"), ","),
+                cell(r.get("watcher_events"), ","),
+            ]
         rows.append(row)
     steps = results[0]["steps"] if results else None
-    notes = [f"Redis journal adds {100 * v:.0f}% to the p50 at {n} sequences per step"
-             for n, v in report.get("redis_overhead_p50", {}).items()]
-    return [Table(
-        title=f"Step latency, block size {report['block_size']}, prefix caching "
-              f"{cell(report['prefix_caching'])}, {cell(steps)} steps per case",
-        columns=columns, rows=rows, notes=notes)]
+    notes = [
+        f"Redis journal adds {100 * v:.0f}% to the p50 at {n} sequences per step"
+        for n, v in report.get("redis_overhead_p50", {}).items()
+    ]
+    return [
+        Table(
+            title=f"Step latency, block size {report['block_size']}, prefix caching "
+            f"{cell(report['prefix_caching'])}, {cell(steps)} steps per case",
+            columns=columns,
+            rows=rows,
+            notes=notes,
+        )
+    ]
 
 
 def figures(report: dict) -> dict[str, tuple[float | None, bool]]:

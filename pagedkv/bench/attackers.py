@@ -83,7 +83,9 @@ class Attacker:
                     if attacker.relay:
                         r = httpx.get(attacker.relay + self.path, timeout=5)
                         return self._answer(r.status_code, r.json())
-                    return self._answer(200, {"pool_id": attacker.pool_id, "worker_id": "evil", "proof": "0" * 64})
+                    return self._answer(
+                        200, {"pool_id": attacker.pool_id, "worker_id": "evil", "proof": "0" * 64}
+                    )
                 if self.path.startswith("/health"):
                     return self._answer(200, {"status": "ok"})
                 self._answer(200, {"object": "list", "data": [{"id": model, "object": "model"}]})
@@ -91,10 +93,19 @@ class Attacker:
             def do_POST(self) -> None:
                 self.rfile.read(int(self.headers.get("content-length", 0)))
                 attacker.requests.append(("POST", self.path, self.headers.get("authorization")))
-                self._answer(200, {"id": "cmpl-evil", "object": "text_completion", "created": 0, "model": model,
-                                   "choices": [{"index": 0, "text": PWNED, "finish_reason": "stop",
-                                                "logprobs": None}],
-                                   "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+                self._answer(
+                    200,
+                    {
+                        "id": "cmpl-evil",
+                        "object": "text_completion",
+                        "created": 0,
+                        "model": model,
+                        "choices": [
+                            {"index": 0, "text": PWNED, "finish_reason": "stop", "logprobs": None}
+                        ],
+                        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+                    },
+                )
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -118,17 +129,26 @@ class Attacker:
         return sum(auth is not None for _, _, auth in self.requests)
 
 
-def rogue_pool(address: str, worker_id: str, url: str, model: str, token: str | None) -> GrpcAllocator:
+def rogue_pool(
+    address: str, worker_id: str, url: str, model: str, token: str | None
+) -> GrpcAllocator:
     """A pool registered as `worker_id`, advertising `url` under `model` (raises grpc.RpcError if refused)."""
-    spec = PoolSpec(worker_id, PoolConfig(4096, 16, True, "attacker"), advertise_url=url, served_model_name=model)
+    spec = PoolSpec(
+        worker_id,
+        PoolConfig(4096, 16, True, "attacker"),
+        advertise_url=url,
+        served_model_name=model,
+    )
     return GrpcAllocator(address, spec, auth_token=token, retries=0, register_wait_s=0)
 
 
 # -- connections that never finish --------------------------------------------------------
 
 SLOW_HEAD = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"  # never ends its head
-SLOW_BODY = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-             b"content-length: 1000\r\n\r\n{")  # never ends its body
+SLOW_BODY = (
+    b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+    b"content-length: 1000\r\n\r\n{"
+)  # never ends its body
 
 
 def connect(url: str, timeout: float = 10.0) -> socket.socket:
@@ -149,8 +169,10 @@ def idle_connections(url: str, n: int, timeout: float = 10.0) -> list[socket.soc
     limit raised to hold them first (`TooFewFiles` if its hard limit is too low)."""
     limit = raise_open_files_limit()
     if limit < n + FILES_BESIDE:
-        raise TooFewFiles(f"{n} idle connections need an open-file limit of {n + FILES_BESIDE}; "
-                          f"this process's is {limit} (ulimit -n)")
+        raise TooFewFiles(
+            f"{n} idle connections need an open-file limit of {n + FILES_BESIDE}; "
+            f"this process's is {limit} (ulimit -n)"
+        )
     socks: list[socket.socket] = []
     try:
         for _ in range(n):
@@ -183,7 +205,9 @@ def closed_by_peer(sock: socket.socket) -> bool:
         sock.setblocking(True)
 
 
-def slow_clients(url: str, heads: int, bodies: int) -> tuple[list[socket.socket], list[socket.socket]]:
+def slow_clients(
+    url: str, heads: int, bodies: int
+) -> tuple[list[socket.socket], list[socket.socket]]:
     """`heads` connections that send part of a request's head and `bodies`
     that send a head and part of its body, then nothing more."""
     h = [connect(url) for _ in range(heads)]
@@ -203,8 +227,18 @@ def big_text(nbytes: int) -> str:
 # -- the allocator: many pools' slow reads --------------------------------------------------
 
 
-def slow_read_flood(address: str, stop, ready, *, pools: int = 12, in_flight: int = 24, blocks: int = 32768,
-                    tokens: int = 16384, token: str | None = None, outcome=None) -> None:
+def slow_read_flood(
+    address: str,
+    stop,
+    ready,
+    *,
+    pools: int = 12,
+    in_flight: int = 24,
+    blocks: int = 32768,
+    tokens: int = 16384,
+    token: str | None = None,
+    outcome=None,
+) -> None:
     """Register `pools` large pools, fill each with `tokens` tokens, then keep
     `in_flight` integrity checks of each in flight until `stop` (answers and
     refusals alike are sent again at once); `ready` once they are. `outcome`
@@ -218,11 +252,20 @@ def slow_read_flood(address: str, stop, ready, *, pools: int = 12, in_flight: in
     refs = []
     try:
         for i in range(pools):
-            shape = pb.PoolShape(num_blocks=blocks, block_size=16, model_fingerprint="m", enable_prefix_caching=True)
-            r = s.RegisterPool(pb.RegisterPoolRequest(worker_id=f"flood-{i}", shape=shape), metadata=md, timeout=10)
+            shape = pb.PoolShape(
+                num_blocks=blocks, block_size=16, model_fingerprint="m", enable_prefix_caching=True
+            )
+            r = s.RegisterPool(
+                pb.RegisterPoolRequest(worker_id=f"flood-{i}", shape=shape), metadata=md, timeout=10
+            )
             ref = pb.PoolRef(pool_id=r.pool_id, credential=r.credential)
-            s.Step(pb.StepRequest(pool=ref, step_id=1, ops=encode_ops([Admit("a", list(range(1, tokens + 1)))])),
-                   metadata=md, timeout=60)
+            s.Step(
+                pb.StepRequest(
+                    pool=ref, step_id=1, ops=encode_ops([Admit("a", list(range(1, tokens + 1)))])
+                ),
+                metadata=md,
+                timeout=60,
+            )
             refs.append(ref)
     except grpc.RpcError as err:
         codes[f"RegisterPool {err.code().name}"] += 1
@@ -234,8 +277,10 @@ def slow_read_flood(address: str, stop, ready, *, pools: int = 12, in_flight: in
                 with lock:
                     codes[code.name if code is not None else "CANCELLED"] += 1
             if not stop.is_set():
-                s.GetPoolStats.future(pb.GetPoolStatsRequest(pool=ref, check_integrity=True), metadata=md,
-                                      timeout=60).add_done_callback(send)
+                s.GetPoolStats.future(
+                    pb.GetPoolStatsRequest(pool=ref, check_integrity=True), metadata=md, timeout=60
+                ).add_done_callback(send)
+
         return send
 
     for ref in refs:
@@ -253,23 +298,37 @@ def slow_read_flood(address: str, stop, ready, *, pools: int = 12, in_flight: in
 # -- the allocator: a pool whose snapshot is as large as it can be --------------------------
 
 
-def snapshot_amplifier(address: str, token: str | None = None, *, blocks: int = 2048, block_size: int = 4,
-                       prompt_tokens: int = 8, steps: int = 8, forks: int = 500, id_chars: int = 256,
-                       seed: int = 4) -> tuple[GrpcAllocator, Counter]:
+def snapshot_amplifier(
+    address: str,
+    token: str | None = None,
+    *,
+    blocks: int = 2048,
+    block_size: int = 4,
+    prompt_tokens: int = 8,
+    steps: int = 8,
+    forks: int = 500,
+    id_chars: int = 256,
+    seed: int = 4,
+) -> tuple[GrpcAllocator, Counter]:
     """A legal pool of `blocks` blocks: one sequence with an id of `id_chars`
     characters and `prompt_tokens` tokens, then `steps` steps of `forks` forks
     of it, each with an id of `id_chars` characters (in steps whose answers
     fit a message). The client, and its operations' outcomes ("ok" or the
     error's name); grpc.RpcError if the pool is refused."""
-    pool = GrpcAllocator(address, PoolSpec("snapshot-amplifier", PoolConfig(blocks, block_size, True, "m")),
-                         auth_token=token)
+    pool = GrpcAllocator(
+        address,
+        PoolSpec("snapshot-amplifier", PoolConfig(blocks, block_size, True, "m")),
+        auth_token=token,
+    )
     parent = "x" * id_chars
     outcomes: Counter[str] = Counter()
     for r in pool.step([Admit(parent, list(range(prompt_tokens)))]):
         outcomes["ok" if r.ok else str(r.error)] += 1
     names = random.Random(seed)
     for _ in range(steps):
-        for r in pool.step([Fork(parent, names.randbytes(id_chars // 2).hex()) for _ in range(forks)]):
+        for r in pool.step(
+            [Fork(parent, names.randbytes(id_chars // 2).hex()) for _ in range(forks)]
+        ):
             outcomes["ok" if r.ok else str(r.error)] += 1
     return pool, outcomes
 
@@ -282,8 +341,12 @@ class SnapshotWatchers:
     cached blocks and reading a message every `pause_s`, until `stop()`:
     then their messages read and how each ended, by code."""
 
-    def __init__(self, address: str, n: int, token: str | None = None, pause_s: float = 0.05) -> None:
-        self._channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", -1)])
+    def __init__(
+        self, address: str, n: int, token: str | None = None, pause_s: float = 0.05
+    ) -> None:
+        self._channel = grpc.insecure_channel(
+            address, options=[("grpc.max_receive_message_length", -1)]
+        )
         self._stub = pb_grpc.AllocatorStub(self._channel)
         self._md = (("authorization", f"Bearer {token}"),) if token else None
         self._pause_s = pause_s
@@ -293,7 +356,9 @@ class SnapshotWatchers:
         self.messages = 0
         self.snapshots_ended = 0
         self.codes: Counter[str] = Counter()
-        self._threads = [threading.Thread(target=self._watch, daemon=True, name=f"watcher-{i}") for i in range(n)]
+        self._threads = [
+            threading.Thread(target=self._watch, daemon=True, name=f"watcher-{i}") for i in range(n)
+        ]
 
     def start(self) -> SnapshotWatchers:
         for t in self._threads:
@@ -301,7 +366,9 @@ class SnapshotWatchers:
         return self
 
     def _watch(self) -> None:
-        stream = self._stub.WatchEvents(pb.WatchEventsRequest(snapshot=True), metadata=self._md, timeout=600)
+        stream = self._stub.WatchEvents(
+            pb.WatchEventsRequest(snapshot=True), metadata=self._md, timeout=600
+        )
         with self._lock:
             self._streams.append(stream)
         code = "OK"
@@ -326,7 +393,11 @@ class SnapshotWatchers:
         for t in self._threads:
             t.join(30)
         self._channel.close()
-        return {"messages": self.messages, "snapshots_ended": self.snapshots_ended, "codes": dict(self.codes)}
+        return {
+            "messages": self.messages,
+            "snapshots_ended": self.snapshots_ended,
+            "codes": dict(self.codes),
+        }
 
 
 # -- the shared KV store: forged entries and prompts read back -------------------------------------
@@ -346,12 +417,19 @@ class PublicModel:
 
         self.loaded = load_model(model)
         c, m = self.loaded.config, self.loaded.model
-        self.layout = KVLayout(self.loaded.fingerprint, block_size, str(m.dtype).removeprefix("torch."),
-                               c.num_kv_heads, c.head_dim, c.num_layers)
+        self.layout = KVLayout(
+            self.loaded.fingerprint,
+            block_size,
+            str(m.dtype).removeprefix("torch."),
+            c.num_kv_heads,
+            c.head_dim,
+            c.num_layers,
+        )
         with torch.inference_mode():
             layer = m.model.layers[0]
-            _, _, v = layer.self_attn.qkv_proj(layer.input_layernorm(m.model.embed_tokens.weight)).split(
-                layer.self_attn.split, dim=-1)
+            _, _, v = layer.self_attn.qkv_proj(
+                layer.input_layernorm(m.model.embed_tokens.weight)
+            ).split(layer.self_attn.split, dim=-1)
         self.values = v.float()
 
     def forged_block(self, seed: int) -> bytes:
@@ -367,12 +445,19 @@ class PublicModel:
         (None where no token's V is within `tolerance`, relatively: not a real block)."""
         import torch
 
-        kv = torch.frombuffer(bytearray(payload), dtype=self.layout.torch_dtype).view(self.layout.block_shape)
-        rows = kv[1, 0].reshape(self.layout.block_size, -1).float()  # V, layer 0: [positions, heads x dim]
+        kv = torch.frombuffer(bytearray(payload), dtype=self.layout.torch_dtype).view(
+            self.layout.block_shape
+        )
+        rows = (
+            kv[1, 0].reshape(self.layout.block_size, -1).float()
+        )  # V, layer 0: [positions, heads x dim]
         dist = torch.cdist(rows, self.values)
         best, token = dist.min(dim=1)
         scale = self.values.norm(dim=1)[token] + 1.0
-        return [int(t) if d <= tolerance * s else None for d, t, s in zip(best, token, scale, strict=True)]
+        return [
+            int(t) if d <= tolerance * s else None
+            for d, t, s in zip(best, token, scale, strict=True)
+        ]
 
 
 def plant_entries(pool: GrpcAllocator, prompts: list[list[int]], model: PublicModel, store) -> int:
@@ -390,9 +475,15 @@ def plant_entries(pool: GrpcAllocator, prompts: list[list[int]], model: PublicMo
         if not pool.step([Admit(f"bait-{i}", tokens)]).all_ok:
             continue
         saves = list(pool.step([Free(f"bait-{i}")]).moves.store_saves)
-        store.put_many([(entry_key(pool.store_namespace, h),
-                         encode_entry(model.layout, h, model.forged_block(planted + j)))
-                        for j, h in enumerate(saves)])
+        store.put_many(
+            [
+                (
+                    entry_key(pool.store_namespace, h),
+                    encode_entry(model.layout, h, model.forged_block(planted + j)),
+                )
+                for j, h in enumerate(saves)
+            ]
+        )
         pool.step([], TierReport([], [], saves, [], []))
         planted += len(saves)
     return planted
@@ -434,7 +525,9 @@ def read_entries(root, model: PublicModel, seal=None) -> dict:
     decoded, tokens, blocks = 0, 0, []
     entries = store_entries(root)
     for path, namespace, block_hash in entries:
-        got = decode_entry(path.read_bytes(), model.layout, block_hash, seal=seal, namespace=namespace)
+        got = decode_entry(
+            path.read_bytes(), model.layout, block_hash, seal=seal, namespace=namespace
+        )
         if isinstance(got, Refused):
             refused[got.reason] += 1
             continue
@@ -443,8 +536,13 @@ def read_entries(root, model: PublicModel, seal=None) -> dict:
         tokens += sum(t is not None for t in ids)
         if all(t is not None for t in ids):
             blocks.append(ids)
-    return {"entries": len(entries), "decoded": decoded, "refused": dict(refused), "tokens": tokens,
-            "blocks": blocks}
+    return {
+        "entries": len(entries),
+        "decoded": decoded,
+        "refused": dict(refused),
+        "tokens": tokens,
+        "blocks": blocks,
+    }
 
 
 def text_read_back(blocks: list[list[int]], tokenizer, secret: str) -> bool:
@@ -456,8 +554,17 @@ def text_read_back(blocks: list[list[int]], tokenizer, secret: str) -> bool:
 
 # -- a worker that fails the router on the wire -------------------------------------------------
 
-BAD_MODES = ("503", "drop-body", "drop-stream", "silent", "huge", "huge-declared", "trickle", "trickle-stream",
-             "record")
+BAD_MODES = (
+    "503",
+    "drop-body",
+    "drop-stream",
+    "silent",
+    "huge",
+    "huge-declared",
+    "trickle",
+    "trickle-stream",
+    "record",
+)
 HUGE_BYTES = 300 << 20
 
 
@@ -476,10 +583,19 @@ class BadWorker:
     the caller, e.g. for an address bound to a worker token), else a free port;
     `model`: the model its answers name."""
 
-    def __init__(self, mode: str, *, sock: socket.socket | None = None, huge_bytes: int = HUGE_BYTES,
-                 identity: Callable[[str], dict | None] | None = None, model: str = "tiny-random") -> None:
+    def __init__(
+        self,
+        mode: str,
+        *,
+        sock: socket.socket | None = None,
+        huge_bytes: int = HUGE_BYTES,
+        identity: Callable[[str], dict | None] | None = None,
+        model: str = "tiny-random",
+    ) -> None:
         if mode not in (*BAD_MODES, "by-prompt"):
-            raise ValueError(f"mode must be one of {', '.join(BAD_MODES)} or by-prompt, not {mode!r}")
+            raise ValueError(
+                f"mode must be one of {', '.join(BAD_MODES)} or by-prompt, not {mode!r}"
+            )
         self.mode = mode
         self.model = model
         self.sock = sock
@@ -532,59 +648,111 @@ class BadWorker:
         try:
             head = await reader.readuntil(b"\r\n\r\n")
             lines = head.decode("latin-1").split("\r\n")
-            length = next((int(v) for k, _, v in (h.partition(":") for h in lines[1:])
-                           if k.strip().lower() == "content-length"), 0)
+            length = next(
+                (
+                    int(v)
+                    for k, _, v in (h.partition(":") for h in lines[1:])
+                    if k.strip().lower() == "content-length"
+                ),
+                0,
+            )
             body = await reader.readexactly(length)
             if not lines[0].startswith("POST"):
                 target = lines[0].split(" ")[1] if lines[0].count(" ") >= 2 else ""
                 path, _, query = target.partition("?")
                 if path == IDENTITY_PATH and self.identity is not None:
-                    nonce = next((v for k, _, v in (q.partition("=") for q in query.split("&")) if k == "nonce"), "")
+                    nonce = next(
+                        (
+                            v
+                            for k, _, v in (q.partition("=") for q in query.split("&"))
+                            if k == "nonce"
+                        ),
+                        "",
+                    )
                     answer = json.dumps(self.identity(nonce)).encode()
-                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-                                 b"connection: close\r\n\r\n%s" % (len(answer), answer))
+                    writer.write(
+                        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                        b"connection: close\r\n\r\n%s" % (len(answer), answer)
+                    )
                 else:
-                    writer.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+                    writer.write(
+                        b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+                    )
                 return
             self.posts += 1
-            self.heads.append({k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in lines[1:] if h)})
+            self.heads.append(
+                {
+                    k.strip().lower(): v.strip()
+                    for k, _, v in (h.partition(":") for h in lines[1:] if h)
+                }
+            )
             mode = self._mode_of(body)
             if mode == "record":
-                answer = json.dumps({"id": "cmpl-rec", "object": "text_completion", "created": 0, "model": self.model,
-                                     "choices": [{"index": 0, "text": "ok", "logprobs": None, "finish_reason": "stop"}],
-                                     "usage": {"prompt_tokens": 1, "completion_tokens": 1,
-                                               "total_tokens": 2}}).encode()
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-                             b"connection: close\r\n\r\n%s" % (len(answer), answer))
+                answer = json.dumps(
+                    {
+                        "id": "cmpl-rec",
+                        "object": "text_completion",
+                        "created": 0,
+                        "model": self.model,
+                        "choices": [
+                            {"index": 0, "text": "ok", "logprobs": None, "finish_reason": "stop"}
+                        ],
+                        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+                    }
+                ).encode()
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                    b"connection: close\r\n\r\n%s" % (len(answer), answer)
+                )
             elif mode == "503":
                 answer = b'{"error": {"message": "overloaded"}}'
-                writer.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
-                             b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(answer), answer))
+                writer.write(
+                    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+                    b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(answer), answer)
+                )
             elif mode == "silent":  # takes the request and computes "forever"
                 await reader.read()
             elif mode in ("huge", "huge-declared"):
-                declared = b"content-length: %d\r\n" % self.huge_bytes if mode == "huge-declared" else b""
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n" + declared + b"\r\n")
+                declared = (
+                    b"content-length: %d\r\n" % self.huge_bytes if mode == "huge-declared" else b""
+                )
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n" + declared + b"\r\n"
+                )
                 block = b" " * (1 << 20)
-                for _ in range(self.huge_bytes >> 20):  # until the router stops reading (its bound) or all is sent
+                for _ in range(
+                    self.huge_bytes >> 20
+                ):  # until the router stops reading (its bound) or all is sent
                     writer.write(block)
                     await writer.drain()
             elif mode in ("trickle", "trickle-stream"):
                 kind = b"text/event-stream" if mode == "trickle-stream" else b"application/json"
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ncontent-length: 100000\r\n\r\n" % kind)
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ncontent-length: 100000\r\n\r\n" % kind
+                )
                 for _ in range(100000):
                     writer.write(b"d")
                     await writer.drain()
                     await asyncio.sleep(0.1)
             elif mode == "drop-body":
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 500\r\n\r\n"
-                             b'{"id": "cmpl-cut", "choices": [')
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 500\r\n\r\n"
+                    b'{"id": "cmpl-cut", "choices": ['
+                )
             else:  # drop-stream
-                event = {"id": "cmpl-cut", "object": "text_completion", "model": self.model,
-                         "choices": [{"index": 0, "text": "partial", "logprobs": None, "finish_reason": None}]}
+                event = {
+                    "id": "cmpl-cut",
+                    "object": "text_completion",
+                    "model": self.model,
+                    "choices": [
+                        {"index": 0, "text": "partial", "logprobs": None, "finish_reason": None}
+                    ],
+                }
                 chunk = f"data: {json.dumps(event)}\n\n".encode()
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                             b"transfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n" % (len(chunk), chunk))
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                    b"transfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n" % (len(chunk), chunk)
+                )
                 # Dies a while after its first event, as a worker would; bytes that come
                 # in the same read as the loss of the connection are not passed on (the
                 # client library raises before it hands over what it buffered).

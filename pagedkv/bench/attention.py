@@ -40,8 +40,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="comma list of torch, numba, triton, timed side by side (default: the device's, numba on the CPU)",
     )
-    parser.add_argument("--repeats", type=harness.positive, default=10, help="timed calls per case (median reported)")
-    parser.add_argument("--threads", type=harness.positive, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument(
+        "--repeats",
+        type=harness.positive,
+        default=10,
+        help="timed calls per case (median reported)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=harness.positive,
+        default=None,
+        help="torch CPU threads (default: torch's)",
+    )
     harness.add_json_option(parser)
 
 
@@ -57,8 +67,9 @@ def _median_ms(fn: Callable[[], object], repeats: int, sync: Callable[[], None])
     return statistics.median(times)
 
 
-def _paired_ms(a: Callable[[], object], b: Callable[[], object], repeats: int,
-               sync: Callable[[], None]) -> tuple[float, float, float]:
+def _paired_ms(
+    a: Callable[[], object], b: Callable[[], object], repeats: int, sync: Callable[[], None]
+) -> tuple[float, float, float]:
     """Median ms of `a` and of `b`, timed alternately, and the median of the
     per-pair ratios b / a: on a shared machine a burst of load hits both sides
     of a pair, so the ratio is steadier than either time."""
@@ -75,7 +86,9 @@ def _paired_ms(a: Callable[[], object], b: Callable[[], object], repeats: int,
     return statistics.median(ta), statistics.median(tb), statistics.median(ratios)
 
 
-def _case(args: argparse.Namespace, w: AttentionWorkload, names: list[str], batch: int, context: int) -> dict:
+def _case(
+    args: argparse.Namespace, w: AttentionWorkload, names: list[str], batch: int, context: int
+) -> dict:
     import torch
     import torch.nn.functional as F
 
@@ -94,7 +107,12 @@ def _case(args: argparse.Namespace, w: AttentionWorkload, names: list[str], batc
     k = torch.randn(batch, context, w.kv_heads, w.head_dim, generator=gen).to(device, dtype)
     v = torch.randn(batch, context, w.kv_heads, w.head_dim, generator=gen).to(device, dtype)
     fill = AttentionMetadata.build([(t, 0, context) for t in tables], block, device)
-    pool.write(0, fill.slot_mapping, k.reshape(-1, w.kv_heads, w.head_dim), v.reshape(-1, w.kv_heads, w.head_dim))
+    pool.write(
+        0,
+        fill.slot_mapping,
+        k.reshape(-1, w.kv_heads, w.head_dim),
+        v.reshape(-1, w.kv_heads, w.head_dim),
+    )
     meta = AttentionMetadata.build([(t, context - 1, 1) for t in tables], block, device)
     k_contig = k.transpose(1, 2).contiguous()  # [b, Hkv, ctx, D]
     v_contig = v.transpose(1, 2).contiguous()
@@ -172,15 +190,35 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def tables(report: dict) -> list[Table]:
-    rows = [[name, cell(r["batch"]), cell(r["context"]), cell(r[name]["paged_ms"], ".3f"),
-             cell(r[name]["contiguous_ms"], ".3f"), cell(r[name]["ratio"], ".2f"),
-             cell(r[name]["plan_ms_per_step"], ".3f")]
-            for r in report["results"] for name in report["backends"]]
-    return [Table(
-        title=f"{report['benchmark']} ({report['dtype']}, {report['device']}, {report['threads']} threads, "
-              f"block {report['block_size']}, {report['q_heads']}q/{report['kv_heads']}kv x {report['head_dim']})",
-        columns=["backend", "batch", "context", "paged ms", "contig ms", "ratio", "plan ms/step"],
-        rows=rows)]
+    rows = [
+        [
+            name,
+            cell(r["batch"]),
+            cell(r["context"]),
+            cell(r[name]["paged_ms"], ".3f"),
+            cell(r[name]["contiguous_ms"], ".3f"),
+            cell(r[name]["ratio"], ".2f"),
+            cell(r[name]["plan_ms_per_step"], ".3f"),
+        ]
+        for r in report["results"]
+        for name in report["backends"]
+    ]
+    return [
+        Table(
+            title=f"{report['benchmark']} ({report['dtype']}, {report['device']}, {report['threads']} threads, "
+            f"block {report['block_size']}, {report['q_heads']}q/{report['kv_heads']}kv x {report['head_dim']})",
+            columns=[
+                "backend",
+                "batch",
+                "context",
+                "paged ms",
+                "contig ms",
+                "ratio",
+                "plan ms/step",
+            ],
+            rows=rows,
+        )
+    ]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -40,20 +40,34 @@ THIS = Path(__file__).resolve().parents[2]  # the checkout this code runs from
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--baseline", required=True, metavar="DIR",
-                        help="the other checkout (with its .venv from `make install`) to run the benchmark in")
-    parser.add_argument("--rounds", type=_rounds, default=3,
-                        help="rounds; each runs the benchmark once in each checkout, at least 2 [3]")
+    parser.add_argument(
+        "--baseline",
+        required=True,
+        metavar="DIR",
+        help="the other checkout (with its .venv from `make install`) to run the benchmark in",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=_rounds,
+        default=3,
+        help="rounds; each runs the benchmark once in each checkout, at least 2 [3]",
+    )
     harness.add_json_option(parser)
     parser.add_argument("benchmark", choices=COMPARABLE, help="the benchmark both checkouts run")
-    parser.add_argument("arguments", nargs=argparse.REMAINDER, metavar="ARGS",
-                        help="its arguments, given to both (no --json: each run's report is collected)")
+    parser.add_argument(
+        "arguments",
+        nargs=argparse.REMAINDER,
+        metavar="ARGS",
+        help="its arguments, given to both (no --json: each run's report is collected)",
+    )
 
 
 def _rounds(text: str) -> int:
     n = harness.positive(text)
     if n < 2:
-        raise argparse.ArgumentTypeError("at least 2 rounds: noise is read from the spread over rounds")
+        raise argparse.ArgumentTypeError(
+            "at least 2 rounds: noise is read from the spread over rounds"
+        )
     return n
 
 
@@ -63,28 +77,44 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     baseline = Path(args.baseline).expanduser().resolve()
     python = baseline / ".venv" / "bin" / "python"
     if not python.is_file():
-        raise CliError(f"--baseline {args.baseline}: no {python} (run `make install` in that checkout)")
+        raise CliError(
+            f"--baseline {args.baseline}: no {python} (run `make install` in that checkout)"
+        )
     if baseline == THIS:
         raise CliError(f"--baseline {args.baseline} is this checkout")
     if any(a == "--json" or a.startswith("--json=") for a in args.arguments):
-        raise CliError("give --json to `bench compare`, not to the benchmark: each run's report is collected")
+        raise CliError(
+            "give --json to `bench compare`, not to the benchmark: each run's report is collected"
+        )
     sides = {"baseline": (python, baseline), "this": (Path(sys.executable), THIS)}
     reports: dict[str, list[dict]] = {"baseline": [], "this": []}
     for rnd in range(args.rounds):
         for side in ("baseline", "this") if rnd % 2 == 0 else ("this", "baseline"):
             exe, root = sides[side]
             # `--json` alone prints the report on stdout, in every version of the benchmarks
-            command = [str(exe), "-m", "pagedkv", "bench", args.benchmark, *args.arguments, "--json"]
+            command = [
+                str(exe),
+                "-m",
+                "pagedkv",
+                "bench",
+                args.benchmark,
+                *args.arguments,
+                "--json",
+            ]
             harness.log("compare", f"round {rnd + 1}/{args.rounds}: {side} ({root})")
             done = subprocess.run(command, cwd=root, capture_output=True, text=True, check=False)
             if done.returncode != 0:
-                raise CliError(f"{side} ({root}): `{' '.join(command[1:])}` exited {done.returncode}: "
-                               f"{done.stderr.strip()[-2000:]}")
+                raise CliError(
+                    f"{side} ({root}): `{' '.join(command[1:])}` exited {done.returncode}: "
+                    f"{done.stderr.strip()[-2000:]}"
+                )
             try:
                 reports[side].append(json.loads(done.stdout))
             except ValueError:
-                raise CliError(f"{side} ({root}): `{' '.join(command[1:])}` printed no JSON report: "
-                               f"{done.stdout.strip()[:500]!r}") from None
+                raise CliError(
+                    f"{side} ({root}): `{' '.join(command[1:])}` printed no JSON report: "
+                    f"{done.stdout.strip()[:500]!r}"
+                ) from None
     figures = importlib.import_module(BENCHMARKS[args.benchmark][0]).figures
     values: dict[str, dict[str, list[float | None]]] = {}
     lower: dict[str, bool] = {}
@@ -99,12 +129,19 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "rounds": args.rounds,
         "baseline": _checkout(baseline),
         "this": _checkout(THIS),
-        "figures": [_figure(name, v["baseline"], v["this"], lower[name]) for name, v in values.items()],
-        "runs": {side: [r.get("environment") for r in side_reports] for side, side_reports in reports.items()},
+        "figures": [
+            _figure(name, v["baseline"], v["this"], lower[name]) for name, v in values.items()
+        ],
+        "runs": {
+            side: [r.get("environment") for r in side_reports]
+            for side, side_reports in reports.items()
+        },
     }
 
 
-def _figure(name: str, base: list[float | None], this: list[float | None], lower_is_better: bool) -> dict:
+def _figure(
+    name: str, base: list[float | None], this: list[float | None], lower_is_better: bool
+) -> dict:
     """One figure's values from both checkouts, their medians' ratio and the verdict."""
     b = [v for v in base if v is not None]
     t = [v for v in this if v is not None]
@@ -117,21 +154,32 @@ def _figure(name: str, base: list[float | None], this: list[float | None], lower
             verdict = "worse" if lower_is_better else "better"
         else:
             verdict = "within noise"
-    return {"figure": name, "lower_is_better": lower_is_better, "baseline": base, "this": this,
-            "ratio": harness.ratio(statistics.median(t), statistics.median(b)) if b and t else None,
-            "verdict": verdict}
+    return {
+        "figure": name,
+        "lower_is_better": lower_is_better,
+        "baseline": base,
+        "this": this,
+        "ratio": harness.ratio(statistics.median(t), statistics.median(b)) if b and t else None,
+        "verdict": verdict,
+    }
 
 
 def _checkout(root: Path) -> dict[str, Any]:
     """Where a checkout is and which commit it holds (None outside git)."""
 
     def git(*words: str) -> str | None:
-        done = subprocess.run(["git", "-C", str(root), *words], capture_output=True, text=True, check=False)
+        done = subprocess.run(
+            ["git", "-C", str(root), *words], capture_output=True, text=True, check=False
+        )
         return done.stdout.strip() if done.returncode == 0 else None
 
     status = git("status", "--porcelain", "--untracked-files=no")
-    return {"path": str(root), "commit": git("rev-parse", "--short=12", "HEAD"),
-            "subject": git("log", "-1", "--format=%s"), "modified": None if status is None else bool(status)}
+    return {
+        "path": str(root),
+        "commit": git("rev-parse", "--short=12", "HEAD"),
+        "subject": git("log", "-1", "--format=%s"),
+        "modified": None if status is None else bool(status),
+    }
 
 
 def tables(report: dict) -> list[Table]:
@@ -142,25 +190,53 @@ def tables(report: dict) -> list[Table]:
     for f in report["figures"]:
         b = [v for v in f["baseline"] if v is not None]
         t = [v for v in f["this"] if v is not None]
-        rows.append([f["figure"], "lower" if f["lower_is_better"] else "higher",
-                     cell(statistics.median(b) if b else None), cell(statistics.median(t) if t else None),
-                     cell(f["ratio"]), f"{cell(min(b))}-{cell(max(b))}" if b else "-",
-                     f"{cell(min(t))}-{cell(max(t))}" if t else "-", f["verdict"] or "-"])
+        rows.append(
+            [
+                f["figure"],
+                "lower" if f["lower_is_better"] else "higher",
+                cell(statistics.median(b) if b else None),
+                cell(statistics.median(t) if t else None),
+                cell(f["ratio"]),
+                f"{cell(min(b))}-{cell(max(b))}" if b else "-",
+                f"{cell(min(t))}-{cell(max(t))}" if t else "-",
+                f["verdict"] or "-",
+            ]
+        )
     verdicts = [f["verdict"] for f in report["figures"]]
-    notes = [f"baseline {checkout(report['baseline'])}: {report['baseline']['subject']}",
-             f"this {checkout(report['this'])}: {report['this']['subject']}",
-             f"{verdicts.count('within noise')} of {len(verdicts)} figures within noise, "
-             f"{verdicts.count('better')} better, {verdicts.count('worse')} worse"
-             + "".join(f"; worse: {f['figure']} ({cell(f['ratio'])}x)" for f in report["figures"]
-                       if f["verdict"] == "worse")]
+    notes = [
+        f"baseline {checkout(report['baseline'])}: {report['baseline']['subject']}",
+        f"this {checkout(report['this'])}: {report['this']['subject']}",
+        f"{verdicts.count('within noise')} of {len(verdicts)} figures within noise, "
+        f"{verdicts.count('better')} better, {verdicts.count('worse')} worse"
+        + "".join(
+            f"; worse: {f['figure']} ({cell(f['ratio'])}x)"
+            for f in report["figures"]
+            if f["verdict"] == "worse"
+        ),
+    ]
     args = " ".join(report["arguments"])
-    return [Table(
-        title=f"pagedkv bench {report['benchmark']}{' ' + args if args else ''}: this checkout against the "
-              f"baseline, {report['rounds']} interleaved rounds (median; range over the rounds)",
-        columns=["figure", "better", "baseline", "this", "this / baseline", "baseline range", "this range",
-                 "verdict"],
-        rows=rows, notes=notes + ["a verdict other than within noise: the ranges are apart by more than the "
-                                  "wider of the two"])]
+    return [
+        Table(
+            title=f"pagedkv bench {report['benchmark']}{' ' + args if args else ''}: this checkout against the "
+            f"baseline, {report['rounds']} interleaved rounds (median; range over the rounds)",
+            columns=[
+                "figure",
+                "better",
+                "baseline",
+                "this",
+                "this / baseline",
+                "baseline range",
+                "this range",
+                "verdict",
+            ],
+            rows=rows,
+            notes=notes
+            + [
+                "a verdict other than within noise: the ranges are apart by more than the "
+                "wider of the two"
+            ],
+        )
+    ]
 
 
 def run(args: argparse.Namespace) -> int:

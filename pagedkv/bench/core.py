@@ -48,11 +48,19 @@ DECODE_STEPS, DECODE_WARMUP = 400, 50
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     harness.add_workload_option(p, CORE)
-    p.add_argument("--against", choices=AGAINST, default=None,
-                   help="also run 256-sequence decode steps through this core and through vLLM's "
-                        "KVCacheManager, CPU time per step side by side")
-    p.add_argument("--vllm-python", default=None, metavar="PATH",
-                   help="the Python interpreter where vLLM is installed [this one]")
+    p.add_argument(
+        "--against",
+        choices=AGAINST,
+        default=None,
+        help="also run 256-sequence decode steps through this core and through vLLM's "
+        "KVCacheManager, CPU time per step side by side",
+    )
+    p.add_argument(
+        "--vllm-python",
+        default=None,
+        metavar="PATH",
+        help="the Python interpreter where vLLM is installed [this one]",
+    )
     harness.add_json_option(p)
 
 
@@ -108,8 +116,14 @@ def _decode_stream(block_size: int) -> tuple[list[list], int]:
 
 
 def _pagedkv_decode(steps: list[list], num_blocks: int, block_size: int) -> list[float]:
-    pool = BlockPool(PoolConfig(num_blocks=num_blocks, block_size=block_size,
-                                enable_prefix_caching=True, model_fingerprint="bench"))
+    pool = BlockPool(
+        PoolConfig(
+            num_blocks=num_blocks,
+            block_size=block_size,
+            enable_prefix_caching=True,
+            model_fingerprint="bench",
+        )
+    )
     clock, cpu = time.process_time, []
     for ops in steps:
         t0 = clock()
@@ -122,41 +136,76 @@ def _pagedkv_decode(steps: list[list], num_blocks: int, block_size: int) -> list
 
 def _vllm_decode(steps: list[list], num_blocks: int, block_size: int, python: str) -> dict:
     """vLLM's CPU time per step, or {"skipped": why}."""
-    wire = [[["free", o.seq] if type(o) is Free else
-             ["append", o.seq, list(o.tokens)] if type(o) is Append else
-             ["admit", o.seq, list(o.tokens)] for o in ops] for ops in steps]
+    wire = [
+        [
+            ["free", o.seq]
+            if type(o) is Free
+            else ["append", o.seq, list(o.tokens)]
+            if type(o) is Append
+            else ["admit", o.seq, list(o.tokens)]
+            for o in ops
+        ]
+        for ops in steps
+    ]
     root = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH")))),
+    }
     job = json.dumps({"block_size": block_size, "num_blocks": num_blocks, "steps": wire})
     try:
-        done = subprocess.run([python, "-m", "pagedkv.bench.systems.vllm_kv"], input=job, env=env,
-                              capture_output=True, text=True, timeout=1800)
+        done = subprocess.run(
+            [python, "-m", "pagedkv.bench.systems.vllm_kv"],
+            input=job,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
     except OSError as exc:
         return {"skipped": f"{python}: {exc.strerror}"}
     if done.returncode:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         if "No module named 'vllm'" in last:
-            return {"skipped": f"vLLM is not installed for {python} (--vllm-python names one where it is)"}
+            return {
+                "skipped": f"vLLM is not installed for {python} (--vllm-python names one where it is)"
+            }
         return {"skipped": f"vLLM's side failed: {last}"}
     return json.loads(done.stdout)
 
 
 def _against(system: str, python: str, block_size: int) -> dict:
     steps, num_blocks = _decode_stream(block_size)
-    ops = sum(len(s) for s in steps[1 + DECODE_WARMUP:]) / DECODE_STEPS
-    mine = _pagedkv_decode(steps, num_blocks, block_size)[1 + DECODE_WARMUP:]
-    out = {"system": system, "seqs": DECODE_SEQS, "steps": DECODE_STEPS, "ops_per_step": ops,
-           "block_size": block_size, "pagedkv_step_ms_p50": 1e3 * statistics.median(mine),
-           "pagedkv_step_ms_mean": 1e3 * statistics.fmean(mine)}
+    ops = sum(len(s) for s in steps[1 + DECODE_WARMUP :]) / DECODE_STEPS
+    mine = _pagedkv_decode(steps, num_blocks, block_size)[1 + DECODE_WARMUP :]
+    out = {
+        "system": system,
+        "seqs": DECODE_SEQS,
+        "steps": DECODE_STEPS,
+        "ops_per_step": ops,
+        "block_size": block_size,
+        "pagedkv_step_ms_p50": 1e3 * statistics.median(mine),
+        "pagedkv_step_ms_mean": 1e3 * statistics.fmean(mine),
+    }
     theirs = _vllm_decode(steps, num_blocks, block_size, python)
     if "skipped" in theirs:
-        return out | {"skipped": theirs["skipped"], "version": None, "vllm_step_ms_p50": None,
-                      "vllm_step_ms_mean": None, "ratio_p50": None, "ratio_mean": None}
-    cpu = theirs["step_cpu_s"][1 + DECODE_WARMUP:]
+        return out | {
+            "skipped": theirs["skipped"],
+            "version": None,
+            "vllm_step_ms_p50": None,
+            "vllm_step_ms_mean": None,
+            "ratio_p50": None,
+            "ratio_mean": None,
+        }
+    cpu = theirs["step_cpu_s"][1 + DECODE_WARMUP :]
     p50, mean = 1e3 * statistics.median(cpu), 1e3 * statistics.fmean(cpu)
-    return out | {"version": theirs["vllm"], "vllm_step_ms_p50": p50, "vllm_step_ms_mean": mean,
-                  "ratio_p50": out["pagedkv_step_ms_p50"] / p50,
-                  "ratio_mean": out["pagedkv_step_ms_mean"] / mean}
+    return out | {
+        "version": theirs["vllm"],
+        "vllm_step_ms_p50": p50,
+        "vllm_step_ms_mean": mean,
+        "ratio_p50": out["pagedkv_step_ms_p50"] / p50,
+        "ratio_mean": out["pagedkv_step_ms_mean"] / mean,
+    }
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -175,29 +224,62 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def tables(report: dict) -> list[Table]:
-    rows = [[cell(r["prefix_caching"]), cell(r["admit_us"], ".2f"), cell(r["append_us"], ".3f"),
-             cell(r["free_us"], ".2f"), cell(r["appends_per_s"], ",.0f"), cell(r["prefix_hit_rate"], ".1%")]
-            for r in report["results"]]
-    return [Table(
-        title=f"allocator core, {report['sequences']:,} sequences of {report['prompt_len']} prompt tokens "
-              f"({report.get('shared_prefix', '-')} shared), {report['decode_rounds']} decode rounds, "
-              f"block size {report['block_size']}",
-        columns=["prefix caching", "admit (us)", "append (us)", "free (us)", "appends/s", "hit rate"],
-        rows=rows)] + [_against_table(a) for a in report.get("against", [])]
+    rows = [
+        [
+            cell(r["prefix_caching"]),
+            cell(r["admit_us"], ".2f"),
+            cell(r["append_us"], ".3f"),
+            cell(r["free_us"], ".2f"),
+            cell(r["appends_per_s"], ",.0f"),
+            cell(r["prefix_hit_rate"], ".1%"),
+        ]
+        for r in report["results"]
+    ]
+    return [
+        Table(
+            title=f"allocator core, {report['sequences']:,} sequences of {report['prompt_len']} prompt tokens "
+            f"({report.get('shared_prefix', '-')} shared), {report['decode_rounds']} decode rounds, "
+            f"block size {report['block_size']}",
+            columns=[
+                "prefix caching",
+                "admit (us)",
+                "append (us)",
+                "free (us)",
+                "appends/s",
+                "hit rate",
+            ],
+            rows=rows,
+        )
+    ] + [_against_table(a) for a in report.get("against", [])]
 
 
 def _against_table(a: dict) -> Table:
     vllm = f"vLLM {a['version']}" if a.get("version") else "vLLM"
-    rows = [["PagedKV run_step", cell(a["pagedkv_step_ms_p50"], ".3f"), cell(a["pagedkv_step_ms_mean"], ".3f")],
-            [f"{vllm} KVCacheManager", cell(a.get("vllm_step_ms_p50"), ".3f"),
-             cell(a.get("vllm_step_ms_mean"), ".3f")]]
-    notes = [f"vLLM skipped: {a['skipped']}"] if a.get("skipped") else [
-        f"PagedKV takes {a['ratio_p50']:.2f}x vLLM's CPU time per step (p50)"]
+    rows = [
+        [
+            "PagedKV run_step",
+            cell(a["pagedkv_step_ms_p50"], ".3f"),
+            cell(a["pagedkv_step_ms_mean"], ".3f"),
+        ],
+        [
+            f"{vllm} KVCacheManager",
+            cell(a.get("vllm_step_ms_p50"), ".3f"),
+            cell(a.get("vllm_step_ms_mean"), ".3f"),
+        ],
+    ]
+    notes = (
+        [f"vLLM skipped: {a['skipped']}"]
+        if a.get("skipped")
+        else [f"PagedKV takes {a['ratio_p50']:.2f}x vLLM's CPU time per step (p50)"]
+    )
     return Table(
         title=f"one decode step of {a['seqs']} sequences ({a['ops_per_step']:.0f} operations: appends, "
-              f"a few frees and admits), block size {a['block_size']}, prefix caching on, "
-              f"CPU ms per step over {a['steps']} steps",
-        columns=["system", "p50 ms", "mean ms"], rows=rows, notes=notes)
+        f"a few frees and admits), block size {a['block_size']}, prefix caching on, "
+        f"CPU ms per step over {a['steps']} steps",
+        columns=["system", "p50 ms", "mean ms"],
+        rows=rows,
+        notes=notes,
+    )
 
 
 def figures(report: dict) -> dict[str, tuple[float | None, bool]]:

@@ -53,18 +53,42 @@ TOP = 15  # profile lines kept per ordering
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     harness.add_workload_option(parser, FLEET)
-    parser.add_argument("--workers", type=harness.comma_list(low=1), default=None, metavar="LIST",
-                        help="numbers of replayed workers, one case each [the workload's]")
-    parser.add_argument("--allocators", type=harness.comma_list(low=1, high=64), default=[1], metavar="LIST",
-                        help="numbers of allocator processes the pools are sharded over, each a series [1]")
-    parser.add_argument("--lookahead", type=int, default=None, metavar="SLOTS",
-                        help="the recorded worker's lookahead slots (worker --num-lookahead-slots): 0 = a call "
-                             "every step [the worker's default]")
-    parser.add_argument("--profile", default=None, metavar="PATH",
-                        help="also replay once with one allocator under cProfile, every thread, and write its "
-                             "stats to PATH (pstats); the top lines go in the report")
-    parser.add_argument("--profile-workers", type=harness.positive, default=None, metavar="N",
-                        help="the workers of the --profile replay [the knee of one allocator, else the fewest]")
+    parser.add_argument(
+        "--workers",
+        type=harness.comma_list(low=1),
+        default=None,
+        metavar="LIST",
+        help="numbers of replayed workers, one case each [the workload's]",
+    )
+    parser.add_argument(
+        "--allocators",
+        type=harness.comma_list(low=1, high=64),
+        default=[1],
+        metavar="LIST",
+        help="numbers of allocator processes the pools are sharded over, each a series [1]",
+    )
+    parser.add_argument(
+        "--lookahead",
+        type=int,
+        default=None,
+        metavar="SLOTS",
+        help="the recorded worker's lookahead slots (worker --num-lookahead-slots): 0 = a call "
+        "every step [the worker's default]",
+    )
+    parser.add_argument(
+        "--profile",
+        default=None,
+        metavar="PATH",
+        help="also replay once with one allocator under cProfile, every thread, and write its "
+        "stats to PATH (pstats); the top lines go in the report",
+    )
+    parser.add_argument(
+        "--profile-workers",
+        type=harness.positive,
+        default=None,
+        metavar="N",
+        help="the workers of the --profile replay [the knee of one allocator, else the fewest]",
+    )
     harness.add_json_option(parser)
 
 
@@ -76,22 +100,37 @@ def measure(args: argparse.Namespace) -> dict:
         harness.log("fleet", f"recording one worker ({w.worker.sizes[0]} sequences)")
         server = _allocators(stack, 1, cores)[0]
         recording = record(server.address, w.worker, lookahead=args.lookahead)
-    timed = recording.steps[recording.timed_from:]
+    timed = recording.steps[recording.timed_from :]
     cases = []
     for m in sorted(args.allocators):
         for n in workers:
             harness.log("fleet", f"{m} allocator(s), {n} workers")
             cases.append({"allocators": m, "workers": n, **_case(recording, m, n, cores)})
-    knees = {str(m): _knee([c for c in cases if c["allocators"] == m]) for m in sorted(args.allocators)}
+    knees = {
+        str(m): _knee([c for c in cases if c["allocators"] == m]) for m in sorted(args.allocators)
+    }
     profile = None
     if args.profile:
         n = args.profile_workers or knees.get("1") or workers[0]
         harness.log("fleet", f"profiling one allocator at {n} workers")
-        profile = {"workers": n, "path": args.profile, **_profiled(recording, n, cores, args.profile)}
+        profile = {
+            "workers": n,
+            "path": args.profile,
+            **_profiled(recording, n, cores, args.profile),
+        }
     summary: dict[str, dict] = {}
     for c in cases:
-        summary.setdefault(str(c["workers"]), {})[str(c["allocators"])] = {k: c[k] for k in (
-            "step_p50_ms", "step_p99_ms", "device_idle", "allocator_cpu_per_s", "allocator_rss_mib", "errors")}
+        summary.setdefault(str(c["workers"]), {})[str(c["allocators"])] = {
+            k: c[k]
+            for k in (
+                "step_p50_ms",
+                "step_p99_ms",
+                "device_idle",
+                "allocator_cpu_per_s",
+                "allocator_rss_mib",
+                "errors",
+            )
+        }
     return {
         "device": "sim:h100",
         "model": "llama-3-8b (public config.json, bfloat16)",
@@ -101,9 +140,15 @@ def measure(args: argparse.Namespace) -> dict:
             "lookahead": recording.lookahead,
             "steps": len(recording.steps),
             "timed_steps": len(timed),
-            "device_ms_per_step": _ms(sum(s.device_s for s in timed) / len(timed)) if timed else None,
-            "request_bytes_mean": round(sum(len(s.request) for s in timed) / len(timed)) if timed else None,
-            "response_bytes_mean": round(sum(len(s.response) for s in timed) / len(timed)) if timed else None,
+            "device_ms_per_step": _ms(sum(s.device_s for s in timed) / len(timed))
+            if timed
+            else None,
+            "request_bytes_mean": round(sum(len(s.request) for s in timed) / len(timed))
+            if timed
+            else None,
+            "response_bytes_mean": round(sum(len(s.response) for s in timed) / len(timed))
+            if timed
+            else None,
         },
         "summary": summary,
         "cases": cases,
@@ -113,8 +158,13 @@ def measure(args: argparse.Namespace) -> dict:
     }
 
 
-def record(address: str, w: HostWorkload, device: str = "sim:h100", model: str = "llama-3-8b",
-           lookahead: int | None = None) -> Recording:
+def record(
+    address: str,
+    w: HostWorkload,
+    device: str = "sim:h100",
+    model: str = "llama-3-8b",
+    lookahead: int | None = None,
+) -> Recording:
     """One engine running `w.sizes[0]` of `w`'s requests at once on `device`, virtual clock, against
     the allocator at `address`: its Steps through the warm-up and `w.steps` engine steps more.
     `lookahead`: the engine's lookahead slots (None: its default)."""
@@ -140,7 +190,9 @@ def record(address: str, w: HostWorkload, device: str = "sim:h100", model: str =
         config = replace(engine_config(folder, device, address, n, w), clock="virtual")
         if lookahead is not None:
             config = replace(config, num_lookahead_slots=lookahead)
-        engine = _DeviceTimed(LLMEngine(model_for(folder, device), config, allocator=connect), made[-1])
+        engine = _DeviceTimed(
+            LLMEngine(model_for(folder, device), config, allocator=connect), made[-1]
+        )
         try:
             now[0] = engine.clock.now
             add = closed_loop(engine, n, w)
@@ -155,7 +207,9 @@ def record(address: str, w: HostWorkload, device: str = "sim:h100", model: str =
         finally:
             engine.close()
     t0 = sent[0][0] if sent else 0.0
-    steps = [RecordedStep(t - t0, d, req, resp) for (t, req, resp), d in zip(sent, device_s, strict=True)]
+    steps = [
+        RecordedStep(t - t0, d, req, resp) for (t, req, resp), d in zip(sent, device_s, strict=True)
+    ]
     return Recording(shape, steps, timed_from, config.num_lookahead_slots)
 
 
@@ -173,11 +227,15 @@ class _DeviceTimed:
     def step(self):
         c0 = self.engine.clock.now()
         outs = self.engine.step()
-        self.device_s += [self.engine.clock.now() - c0] * (len(self.client.sent) - len(self.device_s))
+        self.device_s += [self.engine.clock.now() - c0] * (
+            len(self.client.sent) - len(self.device_s)
+        )
         return outs
 
 
-def _allocators(stack: contextlib.ExitStack, m: int, cores: list[int], profile: str | None = None) -> list:
+def _allocators(
+    stack: contextlib.ExitStack, m: int, cores: list[int], profile: str | None = None
+) -> list:
     """M allocator processes, allocator i pinned to core i (mod the cores), stopped with `stack`."""
     from pagedkv.bench.systems.profiled import ProfiledAllocator
     from pagedkv.stack.services import AllocatorProcess
@@ -215,9 +273,14 @@ def _case(recording, m: int, n: int, cores: list[int], profile: str | None = Non
         procs = [psutil.Process(s.pid) for s in servers]
         with _pinned_after(cores, m):
             machine = harness.OtherCpu()
-            runs, (cpu0, me0, t0), (cpu1, me1, t1) = asyncio.run(replay(
-                [s.address for s in servers], recording, n,
-                sample=lambda: (_cpu(procs), time.process_time(), time.monotonic())))
+            runs, (cpu0, me0, t0), (cpu1, me1, t1) = asyncio.run(
+                replay(
+                    [s.address for s in servers],
+                    recording,
+                    n,
+                    sample=lambda: (_cpu(procs), time.process_time(), time.monotonic()),
+                )
+            )
             busy = machine.share()  # everything but this process, the allocators included
         rss = sum(p.memory_info().rss for p in procs)
     latencies = [x for r in runs for x in r.latencies]
@@ -229,7 +292,9 @@ def _case(recording, m: int, n: int, cores: list[int], profile: str | None = Non
         "step_p50_ms": _ms(harness.percentile(latencies, 0.5)),
         "step_p99_ms": _ms(harness.percentile(latencies, 0.99)),
         "device_idle": round(sum(r.idle_s for r in runs) / wall, 4) if wall > 0 else None,
-        "device_idle_worst": max((round(r.idle_s / r.wall_s, 4) for r in runs if r.wall_s > 0), default=None),
+        "device_idle_worst": max(
+            (round(r.idle_s / r.wall_s, 4) for r in runs if r.wall_s > 0), default=None
+        ),
         "allocator_cpu_per_s": round((cpu1 - cpu0) / (t1 - t0), 3),
         "allocator_rss_mib": round(rss / 2**20, 1),
         "errors": len(failed) + mismatches,
@@ -241,7 +306,9 @@ def _case(recording, m: int, n: int, cores: list[int], profile: str | None = Non
         "replay_s": round(t1 - t0, 2),
         "loadgen_cpu_us_per_call": round((me1 - me0) / calls * 1e6, 1) if calls else None,
         "loadgen_late_p99_ms": _ms(harness.percentile([x for r in runs for x in r.late], 0.99)),
-        "other_cpu_share": None if busy is None else round(max(0.0, busy - (cpu1 - cpu0) / (t1 - t0) / len(cores)), 3),
+        "other_cpu_share": None
+        if busy is None
+        else round(max(0.0, busy - (cpu1 - cpu0) / (t1 - t0) / len(cores)), 3),
         "load_average_1m": harness.load_average(),
     }
 
@@ -256,8 +323,14 @@ def _ms(seconds: float | None) -> float | None:
 
 def _knee(cases: list[dict]) -> int | None:
     """The largest N that kept device idle at or below the target, error-free."""
-    return max((c["workers"] for c in cases if c["device_idle"] is not None
-                and c["device_idle"] <= IDLE_TARGET and not c["errors"]), default=None)
+    return max(
+        (
+            c["workers"]
+            for c in cases
+            if c["device_idle"] is not None and c["device_idle"] <= IDLE_TARGET and not c["errors"]
+        ),
+        default=None,
+    )
 
 
 def _profiled(recording, n: int, cores: list[int], path: str) -> dict:
@@ -266,9 +339,12 @@ def _profiled(recording, n: int, cores: list[int], path: str) -> dict:
     case = _case(recording, 1, n, cores, profile=path)
     stats = pstats.Stats(path)
     ours = ("allocator_service/", "pagedkv/", "pagedkv_base/")
-    return {"device_idle": case["device_idle"], "total_s": round(stats.total_tt, 3),
-            "cumulative": _top(stats, "cumulative", lambda where: where.startswith(ours)),
-            "self": _top(stats, "tottime")}
+    return {
+        "device_idle": case["device_idle"],
+        "total_s": round(stats.total_tt, 3),
+        "cumulative": _top(stats, "cumulative", lambda where: where.startswith(ours)),
+        "self": _top(stats, "tottime"),
+    }
 
 
 def _top(stats, key: str, keep=lambda where: True) -> list[str]:
@@ -280,8 +356,12 @@ def _top(stats, key: str, keep=lambda where: True) -> list[str]:
         _, calls, tottime, cumtime, _ = stats.stats[func]
         where = f"{_short(func[0])}:{func[1]}({func[2]})"
         if keep(where):
-            mine, whole = (cumtime, whole or cumtime) if key == "cumulative" else (tottime, stats.total_tt)
-            rows.append(f"{cumtime:8.3f} {tottime:8.3f} {calls:9d} {100 * mine / whole if whole else 0:5.1f}%  {where}")
+            mine, whole = (
+                (cumtime, whole or cumtime) if key == "cumulative" else (tottime, stats.total_tt)
+            )
+            rows.append(
+                f"{cumtime:8.3f} {tottime:8.3f} {calls:9d} {100 * mine / whole if whole else 0:5.1f}%  {where}"
+            )
         if len(rows) == TOP:
             break
     return rows
@@ -310,14 +390,29 @@ def _memory(w: FleetWorkload, cores: list[int]) -> dict:
         server = _allocators(stack, 1, cores)[0]
         proc = psutil.Process(server.pid)
         base = proc.memory_info().rss
-        pools = [GrpcAllocator(server.address, PoolSpec(f"memory-{i}", PoolConfig(
-            num_blocks=per_pool, block_size=block_size, enable_prefix_caching=True, model_fingerprint="bench")),
-            heartbeat=False) for i in range(w.memory_pools)]
+        pools = [
+            GrpcAllocator(
+                server.address,
+                PoolSpec(
+                    f"memory-{i}",
+                    PoolConfig(
+                        num_blocks=per_pool,
+                        block_size=block_size,
+                        enable_prefix_caching=True,
+                        model_fingerprint="bench",
+                    ),
+                ),
+                heartbeat=False,
+            )
+            for i in range(w.memory_pools)
+        ]
         stack.callback(lambda: [p.close() for p in pools])
         empty = proc.memory_info().rss
         first = 0
         for pool in pools:
-            for s in range(0, per_pool // seq_blocks, 16):  # 16 admits of 1,008 distinct tokens per Step
+            for s in range(
+                0, per_pool // seq_blocks, 16
+            ):  # 16 admits of 1,008 distinct tokens per Step
                 ops = []
                 for j in range(s, min(s + 16, per_pool // seq_blocks)):
                     ops.append(Admit(f"s{j}", range(first, first + seq_blocks * block_size)))
@@ -327,18 +422,33 @@ def _memory(w: FleetWorkload, cores: list[int]) -> dict:
         full = proc.memory_info().rss
     blocks = per_pool * w.memory_pools
     used = (per_pool // seq_blocks) * seq_blocks * w.memory_pools
-    return {"blocks": blocks, "blocks_filled": used, "rss_mib_base": round(base / 2**20, 1),
-            "bytes_per_block_empty": round((empty - base) / blocks, 1),
-            "bytes_per_block_full": round((full - base) / blocks, 1)}
+    return {
+        "blocks": blocks,
+        "blocks_filled": used,
+        "rss_mib_base": round(base / 2**20, 1),
+        "bytes_per_block_empty": round((empty - base) / blocks, 1),
+        "bytes_per_block_full": round((full - base) / blocks, 1),
+    }
 
 
 def tables(report: dict) -> list[Table]:
-    rows = [[cell(c["allocators"]), cell(c["workers"]), cell(c["step_p50_ms"], ".2f"), cell(c["step_p99_ms"], ".2f"),
-             cell(None if c["device_idle"] is None else 100 * c["device_idle"], ".1f"),
-             cell(c["allocator_cpu_per_s"], ".2f"), cell(c["allocator_rss_mib"], ".0f"), cell(c["errors"]),
-             cell(c["unary_workers"]), cell(c["loadgen_cpu_us_per_call"], ".0f"), cell(c["loadgen_late_p99_ms"], ".2f"),
-             cell(c.get("other_cpu_share"), ".0%")]
-            for c in report["cases"]]
+    rows = [
+        [
+            cell(c["allocators"]),
+            cell(c["workers"]),
+            cell(c["step_p50_ms"], ".2f"),
+            cell(c["step_p99_ms"], ".2f"),
+            cell(None if c["device_idle"] is None else 100 * c["device_idle"], ".1f"),
+            cell(c["allocator_cpu_per_s"], ".2f"),
+            cell(c["allocator_rss_mib"], ".0f"),
+            cell(c["errors"]),
+            cell(c["unary_workers"]),
+            cell(c["loadgen_cpu_us_per_call"], ".0f"),
+            cell(c["loadgen_late_p99_ms"], ".2f"),
+            cell(c.get("other_cpu_share"), ".0%"),
+        ]
+        for c in report["cases"]
+    ]
     rec, t, mem = report["recording"], report["targets"], report["memory"]
     knees = ", ".join(f"{m} allocator(s): {cell(k)}" for m, k in t["knee_workers"].items())
     notes = [
@@ -354,20 +464,55 @@ def tables(report: dict) -> list[Table]:
         f"Knee (the most workers at <= {100 * t['idle_target']:.0f}% device idle): {knees}. "
         f"On {report['cores']} cores; allocator i pinned to core i, the load generator to the others.",
     ]
-    mem_rows = [[cell(mem["blocks"], ","), cell(mem["blocks_filled"], ","), cell(mem["rss_mib_base"], ".1f"),
-                 cell(mem["bytes_per_block_empty"], ".1f"), cell(mem["bytes_per_block_full"], ".1f")]]
-    out = [Table("One allocator, many workers: Step stream replayed (allocators, workers)",
-                 ["allocators", "workers", "Step p50 ms", "Step p99 ms", "idle %", "CPU s/s", "RSS MiB", "errors",
-                  "unary", "loadgen us/call", "late p99 ms", "others' CPU"], rows, notes),
-           Table("Allocator memory per block of state",
-                 ["blocks", "blocks filled", "base RSS MiB", "bytes/block empty", "bytes/block filled"], mem_rows,
-                 ["Filled: sequences of 63 full blocks of distinct tokens (every block hashed, prefix caching on)."])]
+    mem_rows = [
+        [
+            cell(mem["blocks"], ","),
+            cell(mem["blocks_filled"], ","),
+            cell(mem["rss_mib_base"], ".1f"),
+            cell(mem["bytes_per_block_empty"], ".1f"),
+            cell(mem["bytes_per_block_full"], ".1f"),
+        ]
+    ]
+    out = [
+        Table(
+            "One allocator, many workers: Step stream replayed (allocators, workers)",
+            [
+                "allocators",
+                "workers",
+                "Step p50 ms",
+                "Step p99 ms",
+                "idle %",
+                "CPU s/s",
+                "RSS MiB",
+                "errors",
+                "unary",
+                "loadgen us/call",
+                "late p99 ms",
+                "others' CPU",
+            ],
+            rows,
+            notes,
+        ),
+        Table(
+            "Allocator memory per block of state",
+            ["blocks", "blocks filled", "base RSS MiB", "bytes/block empty", "bytes/block filled"],
+            mem_rows,
+            [
+                "Filled: sequences of 63 full blocks of distinct tokens (every block hashed, prefix caching on)."
+            ],
+        ),
+    ]
     profile = report.get("profile")
     if profile:
         for key in ("cumulative", "self"):
-            out.append(Table(f"Allocator profile at {profile['workers']} workers, by {key} time "
-                             f"({profile['total_s']} s profiled)", ["cumulative s, self s, calls, share, function"],
-                             [[line] for line in profile[key]]))
+            out.append(
+                Table(
+                    f"Allocator profile at {profile['workers']} workers, by {key} time "
+                    f"({profile['total_s']} s profiled)",
+                    ["cumulative s, self s, calls, share, function"],
+                    [[line] for line in profile[key]],
+                )
+            )
     return out
 
 

@@ -56,17 +56,26 @@ def cell(value: Any, spec: str = "") -> str:
 
 def add_json_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--json", nargs="?", const=STDOUT, default=None, metavar="FILE",
+        "--json",
+        nargs="?",
+        const=STDOUT,
+        default=None,
+        metavar="FILE",
         help="write the report as one JSON object: to FILE (the table is still printed), or with no FILE "
-             "to stdout instead of the table",
+        "to stdout instead of the table",
     )
 
 
 def add_workload_option(parser: argparse.ArgumentParser, presets: Mapping[str, Any]) -> None:
     """`--workload NAME`: one of the benchmark's presets (`workloads`), `default` unless given."""
     described = "; ".join(f"{name}: {w.what}" for name, w in presets.items())
-    parser.add_argument("--workload", choices=list(presets), default="default", metavar="NAME",
-                        help=f"the workload, one of: {described}")
+    parser.add_argument(
+        "--workload",
+        choices=list(presets),
+        default="default",
+        metavar="NAME",
+        help=f"the workload, one of: {described}",
+    )
 
 
 def positive(text: str) -> int:
@@ -80,16 +89,21 @@ def positive(text: str) -> int:
     return value
 
 
-def comma_list(choices: Sequence[str] | None = None, *, low: int | None = None,
-               high: int | None = None) -> Callable[[str], list]:
+def comma_list(
+    choices: Sequence[str] | None = None, *, low: int | None = None, high: int | None = None
+) -> Callable[[str], list]:
     """An argparse type: a comma-separated list of distinct items, each one of
     `choices`, or (without choices) an integer in [low, high]."""
     if choices is not None:
         what = f"a comma-separated list of {', '.join(choices)}"
     else:
         what = "a comma-separated list of integers" + (
-            f" in [{low}, {high}]" if low is not None and high is not None
-            else f" of at least {low}" if low is not None else "")
+            f" in [{low}, {high}]"
+            if low is not None and high is not None
+            else f" of at least {low}"
+            if low is not None
+            else ""
+        )
 
     def parse(text: str) -> list:
         items: list = [x.strip() for x in text.split(",") if x.strip()]
@@ -110,8 +124,12 @@ def comma_list(choices: Sequence[str] | None = None, *, low: int | None = None,
     return parse
 
 
-def run(name: str, args: argparse.Namespace, measure: Callable[[argparse.Namespace], dict],
-        tables: Callable[[dict], list[Table]]) -> int:
+def run(
+    name: str,
+    args: argparse.Namespace,
+    measure: Callable[[argparse.Namespace], dict],
+    tables: Callable[[dict], list[Table]],
+) -> int:
     """Measure, record where and when, then print the tables and/or write the JSON."""
     destination = getattr(args, "json", None)
     if destination not in (None, STDOUT) and not Path(destination).resolve().parent.is_dir():
@@ -148,7 +166,10 @@ def machine() -> dict[str, Any]:
     model = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+            model = next(
+                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                model,
+            )
     except OSError:
         pass
     memory = None
@@ -158,7 +179,12 @@ def machine() -> dict[str, Any]:
         memory = round(kib / 2**20, 1)
     except (OSError, StopIteration, ValueError):
         pass
-    return {"cpu_model": model, "cpu_cores": os.cpu_count(), "memory_gib": memory, "os": platform.system()}
+    return {
+        "cpu_model": model,
+        "cpu_cores": os.cpu_count(),
+        "memory_gib": memory,
+        "os": platform.system(),
+    }
 
 
 def load_average() -> float | None:
@@ -184,13 +210,18 @@ def command_line(name: str, args: argparse.Namespace) -> str:
         if not action.option_strings:  # after the options, as typed (a REMAINDER last)
             positional += value if isinstance(value, list) else [str(value)]
             continue
-        flag = max(action.option_strings, key=len) if action.nargs != 0 else action.option_strings[0]
+        flag = (
+            max(action.option_strings, key=len) if action.nargs != 0 else action.option_strings[0]
+        )
         if isinstance(action, argparse.BooleanOptionalAction):
             words.append(action.option_strings[0] if value else action.option_strings[1])
         elif action.nargs == 0 or (action.nargs == "?" and value == action.const):
             words.append(flag)
         else:
-            words += [flag, ",".join(map(str, value)) if isinstance(value, list | tuple) else str(value)]
+            words += [
+                flag,
+                ",".join(map(str, value)) if isinstance(value, list | tuple) else str(value),
+            ]
     return shlex.join(words + positional)
 
 
@@ -219,8 +250,12 @@ def markdown(table: Table) -> str:
     def line(cells: Iterable[str]) -> str:
         return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
 
-    out = [f"**{table.title}**", "", line(table.columns),
-           "| " + " | ".join("---" if i == 0 else "---:" for i in range(len(table.columns))) + " |"]
+    out = [
+        f"**{table.title}**",
+        "",
+        line(table.columns),
+        "| " + " | ".join("---" if i == 0 else "---:" for i in range(len(table.columns))) + " |",
+    ]
     out += [line(row) for row in table.rows]
     if table.notes:
         out += ["", *(f"- {note}" for note in table.notes)]

@@ -45,12 +45,20 @@ _IDS = itertools.count(1)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     harness.add_workload_option(parser, HOST)
-    parser.add_argument("--device", default="sim:h100", metavar="sim:NAME|cuda",
-                        help="a simulated GPU, or cuda: a real one running the model with random weights "
-                             "(worker --device) [sim:h100]")
-    parser.add_argument("--allocators", type=harness.comma_list(ALLOCATORS), default=list(ALLOCATORS),
-                        help="which allocators: embedded (in the engine's process), grpc (an allocator process) "
-                             "[embedded,grpc]")
+    parser.add_argument(
+        "--device",
+        default="sim:h100",
+        metavar="sim:NAME|cuda",
+        help="a simulated GPU, or cuda: a real one running the model with random weights "
+        "(worker --device) [sim:h100]",
+    )
+    parser.add_argument(
+        "--allocators",
+        type=harness.comma_list(ALLOCATORS),
+        default=list(ALLOCATORS),
+        help="which allocators: embedded (in the engine's process), grpc (an allocator process) "
+        "[embedded,grpc]",
+    )
     harness.add_json_option(parser)
 
 
@@ -85,21 +93,34 @@ def measure(args: argparse.Namespace) -> dict:
                         engine.close()
                         del engine
                         _free(args.device)
-    summary = {f"{c['allocator']}/{c['seqs']}": {k: c[k] for k in (
-        "device_busy_ratio", "tpot_p50_ms", "device_ms_per_step", "host_ms_per_step")} for c in cases}
+    summary = {
+        f"{c['allocator']}/{c['seqs']}": {
+            k: c[k]
+            for k in ("device_busy_ratio", "tpot_p50_ms", "device_ms_per_step", "host_ms_per_step")
+        }
+        for c in cases
+    }
     grpc_256 = summary.get("grpc/256", {}).get("device_busy_ratio")
     return {
         "device": device_name,
         "simulated": sim,
         "model": "llama-3-8b (public config.json, bfloat16" + (")" if sim else "; random weights)"),
-        "roofline": None if roofline is None else {
-            "gpu": roofline.gpu.description, "mfu": roofline.mfu, "mbu": roofline.mbu,
-            "launch_ms": roofline.launch_s * 1e3},
+        "roofline": None
+        if roofline is None
+        else {
+            "gpu": roofline.gpu.description,
+            "mfu": roofline.mfu,
+            "mbu": roofline.mbu,
+            "launch_ms": roofline.launch_s * 1e3,
+        },
         "workload": w.what,
         "summary": summary,
         "cases": cases,
-        "targets": {"device_busy_ratio_grpc_256": grpc_256, "target": TARGET_BUSY,
-                    "met": None if grpc_256 is None else grpc_256 >= TARGET_BUSY},
+        "targets": {
+            "device_busy_ratio_grpc_256": grpc_256,
+            "target": TARGET_BUSY,
+            "met": None if grpc_256 is None else grpc_256 >= TARGET_BUSY,
+        },
     }
 
 
@@ -132,9 +153,17 @@ def engine_config(folder: str, device: str, address: str, n: int, w: HostWorkloa
 
     # on a real GPU half of its free memory (the weights loaded) for the KV pool; a simulated one sizes its own
     memory = {"kv_cache_memory": "0.5"} if device == "cuda" else {}
-    return EngineConfig(model=folder, device=device, dtype="bfloat16", allocator=address,
-                        worker_id=f"bench-host-{next(_IDS)}", enable_prefix_caching=True, max_num_seqs=n,
-                        max_num_batched_tokens=w.max_num_batched_tokens, **memory)
+    return EngineConfig(
+        model=folder,
+        device=device,
+        dtype="bfloat16",
+        allocator=address,
+        worker_id=f"bench-host-{next(_IDS)}",
+        enable_prefix_caching=True,
+        max_num_seqs=n,
+        max_num_batched_tokens=w.max_num_batched_tokens,
+        **memory,
+    )
 
 
 def closed_loop(engine, n: int, w: HostWorkload) -> Callable[[], None]:
@@ -205,34 +234,68 @@ def _case(engine, n: int, w: HostWorkload) -> dict:
 
 def _host_sums(metrics) -> dict[str, float]:
     get = metrics.registry.get_sample_value
-    return {p: get("pagedkv_worker_step_host_seconds_sum", {**metrics.labels, "part": p}) or 0.0 for p in PARTS}
+    return {
+        p: get("pagedkv_worker_step_host_seconds_sum", {**metrics.labels, "part": p}) or 0.0
+        for p in PARTS
+    }
 
 
 def tables(report: dict) -> list[Table]:
     roof = report.get("roofline") or {}
-    rows = [[f"{c['allocator']}/{c['seqs']}", cell(c["device_busy_ratio"], ".3f"), cell(c["tpot_p50_ms"], ".2f"),
-             cell(c["device_ms_per_step"], ".2f"),
-             *(cell(c["host_ms_per_step"][p], ".3f") for p in PARTS), cell(c["host_ms_per_step_total"], ".3f"),
-             cell(c["tokens_per_s"], ",.0f")] for c in report["cases"]]
+    rows = [
+        [
+            f"{c['allocator']}/{c['seqs']}",
+            cell(c["device_busy_ratio"], ".3f"),
+            cell(c["tpot_p50_ms"], ".2f"),
+            cell(c["device_ms_per_step"], ".2f"),
+            *(cell(c["host_ms_per_step"][p], ".3f") for p in PARTS),
+            cell(c["host_ms_per_step_total"], ".3f"),
+            cell(c["tokens_per_s"], ",.0f"),
+        ]
+        for c in report["cases"]
+    ]
     t = report["targets"]
-    device = (f"Device: {report['device']} ({roof.get('gpu', '-')}), simulated: a roofline with MFU "
-              f"{roof.get('mfu')}, MBU {roof.get('mbu')}, launch {roof.get('launch_ms')} ms; the host's times are "
-              "this machine's, measured." if report.get("simulated", True) else
-              f"Device: {report['device']}, real: device time from CUDA events around each step's forward pass "
-              "and sampling; the host's times are this machine's.")
+    device = (
+        f"Device: {report['device']} ({roof.get('gpu', '-')}), simulated: a roofline with MFU "
+        f"{roof.get('mfu')}, MBU {roof.get('mbu')}, launch {roof.get('launch_ms')} ms; the host's times are "
+        "this machine's, measured."
+        if report.get("simulated", True)
+        else f"Device: {report['device']}, real: device time from CUDA events around each step's forward pass "
+        "and sampling; the host's times are this machine's."
+    )
     notes = [
         device,
         f"Model: {report['model']}. Workload: {report['workload']}.",
         "device busy: device time / wall time over the timed steps. TPOT p50: the median gap between two tokens "
         "of a sequence. Host ms per step: pagedkv_worker_step_host_seconds by part, per timed step.",
         f"Target: device busy >= {t['target']} at grpc/256: "
-        + ("not measured" if t["device_busy_ratio_grpc_256"] is None else
-           f"{t['device_busy_ratio_grpc_256']:.3f} ({'met' if t['met'] else 'not met'})") + ".",
+        + (
+            "not measured"
+            if t["device_busy_ratio_grpc_256"] is None
+            else f"{t['device_busy_ratio_grpc_256']:.3f} ({'met' if t['met'] else 'not met'})"
+        )
+        + ".",
     ]
     kind = "a simulated GPU" if report.get("simulated", True) else "a real GPU"
-    return [Table(f"Host time against {kind} (allocator/sequences running)",
-                  ["case", "device busy", "TPOT p50 ms", "device ms/step", "schedule ms", "allocator wait ms",
-                   "sample ms", "output ms", "host ms", "tokens/s"], rows, notes)]
+    return [
+        Table(
+            f"Host time against {kind} (allocator/sequences running)",
+            [
+                "case",
+                "device busy",
+                "TPOT p50 ms",
+                "device ms/step",
+                "schedule ms",
+                "allocator wait ms",
+                "sample ms",
+                "output ms",
+                "host ms",
+                "tokens/s",
+            ],
+            rows,
+            notes,
+        )
+    ]
 
 
 def run(args: argparse.Namespace) -> int:

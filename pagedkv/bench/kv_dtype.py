@@ -38,8 +38,13 @@ REFERENCE = "auto"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     harness.add_workload_option(parser, KV_DTYPE)
     parser.add_argument("--model", default=None, help="the model (default: the workload's)")
-    parser.add_argument("--kv-cache-dtype", type=harness.comma_list(DTYPES), default="fp8", metavar="LIST",
-                        help="comma list of fp8 formats compared with auto")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        type=harness.comma_list(DTYPES),
+        default="fp8",
+        metavar="LIST",
+        help="comma list of fp8 formats compared with auto",
+    )
     harness.add_json_option(parser)
 
 
@@ -49,8 +54,18 @@ class _Worker:
     def __init__(self, model: str, kv: str, w: KVDtypeWorkload) -> None:
         from pagedkv.stack import WorkerProcess
 
-        self.proc = WorkerProcess(f"kv-{kv}", model=model, args=[
-            "--kv-cache-dtype", kv, "--kv-cache-memory", w.kv_cache_memory, "--log-level", "warning"])
+        self.proc = WorkerProcess(
+            f"kv-{kv}",
+            model=model,
+            args=[
+                "--kv-cache-dtype",
+                kv,
+                "--kv-cache-memory",
+                w.kv_cache_memory,
+                "--log-level",
+                "warning",
+            ],
+        )
 
     def __enter__(self) -> _Worker:
         import httpx
@@ -65,8 +80,15 @@ class _Worker:
         self.proc.terminate()
 
     def complete(self, prompt: list[int], max_tokens: int, **kw: Any) -> dict:
-        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                "ignore_eos": True, "return_token_ids": True, **kw}
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            **kw,
+        }
         r = self.http.post("/v1/completions", json=body)
         r.raise_for_status()
         return r.json()["choices"][0]
@@ -77,8 +99,13 @@ class _Worker:
         return r.json()["tokens"]
 
     def pool_blocks(self) -> int:
-        return int(next(s.value for s in harness.metric_samples(self.proc.url)
-                        if s.name == "pagedkv_worker_kv_pool_blocks"))
+        return int(
+            next(
+                s.value
+                for s in harness.metric_samples(self.proc.url)
+                if s.name == "pagedkv_worker_kv_pool_blocks"
+            )
+        )
 
     def scores(self, prompt: list[int], continuation: list[int]) -> list[float]:
         """The logprob of each token of `continuation` after `prompt`."""
@@ -87,8 +114,9 @@ class _Worker:
         return [entries[i][str(ids[i])]["logprob"] for i in range(len(prompt), len(ids))]
 
 
-def _run_worker(model: str, kv: str, w: KVDtypeWorkload, prompts: list[str],
-                reference: dict | None) -> dict[str, Any]:
+def _run_worker(
+    model: str, kv: str, w: KVDtypeWorkload, prompts: list[str], reference: dict | None
+) -> dict[str, Any]:
     """One worker's answers: token ids, continuations, their scores, the choices."""
     with _Worker(model, kv, w) as worker:
         ids = [worker.tokenize(p) for p in prompts]
@@ -101,23 +129,40 @@ def _run_worker(model: str, kv: str, w: KVDtypeWorkload, prompts: list[str],
             totals = []
             for option in options:
                 full = worker.tokenize(f"{question} {option}")
-                cut = len(context) if full[: len(context)] == context else len(full) - len(worker.tokenize(option))
+                cut = (
+                    len(context)
+                    if full[: len(context)] == context
+                    else len(full) - len(worker.tokenize(option))
+                )
                 totals.append(sum(worker.scores(full[:cut], full[cut:])))
             picks.append(max(range(len(options)), key=totals.__getitem__))
-        return {"greedy": greedy, "scores": scored, "picks": picks, "kv_pool_blocks": worker.pool_blocks()}
+        return {
+            "greedy": greedy,
+            "scores": scored,
+            "picks": picks,
+            "kv_pool_blocks": worker.pool_blocks(),
+        }
 
 
 def _summary(run: dict, reference: dict, w: KVDtypeWorkload) -> dict[str, Any]:
-    diffs = [abs(a - b) for s, r in zip(run["scores"], reference["scores"], strict=True)
-             for a, b in zip(s, r, strict=True)]
+    diffs = [
+        abs(a - b)
+        for s, r in zip(run["scores"], reference["scores"], strict=True)
+        for a, b in zip(s, r, strict=True)
+    ]
     answers = [a for _, _, a in MULTIPLE_CHOICE[: w.questions]]
     return {
         "logprob_diff_mean_nats": sum(diffs) / len(diffs) if diffs else None,
         "logprob_diff_max_nats": max(diffs) if diffs else None,
-        "greedy_identical": {str(n): sum(g[:n] == r[:n] for g, r in zip(run["greedy"], reference["greedy"],
-                                                                       strict=True)) / len(run["greedy"])
-                             for n in w.tokens},
-        "multiple_choice_accuracy": sum(p == a for p, a in zip(run["picks"], answers, strict=True)) / len(answers),
+        "greedy_identical": {
+            str(n): sum(
+                g[:n] == r[:n] for g, r in zip(run["greedy"], reference["greedy"], strict=True)
+            )
+            / len(run["greedy"])
+            for n in w.tokens
+        },
+        "multiple_choice_accuracy": sum(p == a for p, a in zip(run["picks"], answers, strict=True))
+        / len(answers),
         "kv_pool_blocks": run["kv_pool_blocks"],
     }
 
@@ -135,8 +180,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "benchmark": "fp8 KV cache against the model's dtype",
         "model": model,
-        "workload": {"name": args.workload, "prompts": len(prompts), "tokens": list(w.tokens),
-                     "questions": w.questions, "kv_cache_memory": w.kv_cache_memory},
+        "workload": {
+            "name": args.workload,
+            "prompts": len(prompts),
+            "tokens": list(w.tokens),
+            "questions": w.questions,
+            "kv_cache_memory": w.kv_cache_memory,
+        },
         "results": {kv: _summary(r, reference, w) for kv, r in runs.items()},
     }
 
@@ -144,18 +194,36 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 def tables(report: dict[str, Any]) -> list[Table]:
     w = report["workload"]
     tokens = [str(n) for n in w["tokens"]]
-    rows = [[kv, cell(r["logprob_diff_mean_nats"], ".4f"), cell(r["logprob_diff_max_nats"], ".3f"),
-             *(cell(r["greedy_identical"][n], ".0%") for n in tokens), cell(r["multiple_choice_accuracy"], ".0%"),
-             cell(r["kv_pool_blocks"], ",")]
-            for kv, r in report["results"].items()]
-    return [Table(
-        title=f"{report['benchmark']}: {report['model']}, {w['prompts']} prompts, {w['questions']} questions, "
-              f"{w['kv_cache_memory']} of KV",
-        columns=["kv-cache-dtype", "mean |dlogprob|", "max |dlogprob|",
-                 *(f"greedy = auto, {n} tok" for n in tokens), "multiple choice", "pool blocks"],
-        rows=rows,
-        notes=["dlogprob: nats per token of auto's greedy continuation; targets: mean <= 0.05, multiple choice "
-               "within 2 points of auto"])]
+    rows = [
+        [
+            kv,
+            cell(r["logprob_diff_mean_nats"], ".4f"),
+            cell(r["logprob_diff_max_nats"], ".3f"),
+            *(cell(r["greedy_identical"][n], ".0%") for n in tokens),
+            cell(r["multiple_choice_accuracy"], ".0%"),
+            cell(r["kv_pool_blocks"], ","),
+        ]
+        for kv, r in report["results"].items()
+    ]
+    return [
+        Table(
+            title=f"{report['benchmark']}: {report['model']}, {w['prompts']} prompts, {w['questions']} questions, "
+            f"{w['kv_cache_memory']} of KV",
+            columns=[
+                "kv-cache-dtype",
+                "mean |dlogprob|",
+                "max |dlogprob|",
+                *(f"greedy = auto, {n} tok" for n in tokens),
+                "multiple choice",
+                "pool blocks",
+            ],
+            rows=rows,
+            notes=[
+                "dlogprob: nats per token of auto's greedy continuation; targets: mean <= 0.05, multiple choice "
+                "within 2 points of auto"
+            ],
+        )
+    ]
 
 
 def run(args: argparse.Namespace) -> int:

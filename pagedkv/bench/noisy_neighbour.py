@@ -41,14 +41,18 @@ from pagedkv.bench.workloads import MAX_GEN, PROMPT_LEN, StepWorkload, prompt_wi
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--noisy-neighbour", action="store_true",
+        "--noisy-neighbour",
+        action="store_true",
         help="measure a victim pool's Step latency alone and while another pool sends the heaviest "
-             "legal requests (admits, forks, integrity checks, dumps, MatchPrefix)",
+        "legal requests (admits, forks, integrity checks, dumps, MatchPrefix)",
     )
-    parser.add_argument("--separate-neighbour", action="store_true",
-                        help="with --noisy-neighbour: the neighbour's pool on an allocator process of its own "
-                             "(pools sharded across allocator processes, as `pagedkv up --allocators 2` runs "
-                             "them)")
+    parser.add_argument(
+        "--separate-neighbour",
+        action="store_true",
+        help="with --noisy-neighbour: the neighbour's pool on an allocator process of its own "
+        "(pools sharded across allocator processes, as `pagedkv up --allocators 2` runs "
+        "them)",
+    )
 
 
 # Distinct prompts the prebuilt neighbour cycles through: more than its pool
@@ -78,14 +82,19 @@ class _Prebuilt:
         from allocator_service.wire.v1 import allocator_pb2 as pb
 
         self._pb = pb
-        self._channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", -1),
-                                                                ("grpc.max_send_message_length", -1)])
+        self._channel = grpc.insecure_channel(
+            address,
+            options=[("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)],
+        )
         # bytes in, bytes out: with no serializers, no answer is parsed
-        self._method = {name: self._channel.unary_unary(f"/{SERVICE_NAME}/{name}")
-                        for name in ("RegisterPool", "Step", "GetPoolStats", "DumpPool", "MatchPrefix")}
+        self._method = {
+            name: self._channel.unary_unary(f"/{SERVICE_NAME}/{name}")
+            for name in ("RegisterPool", "Step", "GetPoolStats", "DumpPool", "MatchPrefix")
+        }
         register = pb.RegisterPoolRequest(worker_id="noisy-neighbour", shape=shape_to_proto(config))
-        answer = pb.RegisterPoolResponse.FromString(self._method["RegisterPool"](register.SerializeToString(),
-                                                                                 timeout=60))
+        answer = pb.RegisterPoolResponse.FromString(
+            self._method["RegisterPool"](register.SerializeToString(), timeout=60)
+        )
         ref = pb.PoolRef(pool_id=answer.pool_id, credential=answer.credential)
 
         def step(ops) -> bytes:
@@ -96,16 +105,26 @@ class _Prebuilt:
         for i in range(_ROUNDS):
             prompt, parent = prompt_with_prefix(rng, [], prompt_len), f"p{i}"
             children = [f"{parent}-c{c}" for c in range(8)]
-            self._rounds.append([
-                ("admit", "Step", step([Admit(parent, prompt)])),
-                ("fork x8", "Step", step([Fork(parent, c) for c in children])),
-                ("integrity check", "GetPoolStats",
-                 pb.GetPoolStatsRequest(pool=ref, check_integrity=True).SerializeToString()),
-                ("dump", "DumpPool", pb.DumpPoolRequest(pool=ref).SerializeToString()),
-                ("match prefix", "MatchPrefix",
-                 pb.MatchPrefixRequest(model_fingerprint=config.model_fingerprint, tokens=prompt).SerializeToString()),
-                ("free", "Step", step([Free(parent), *(Free(c) for c in children)])),
-            ])
+            self._rounds.append(
+                [
+                    ("admit", "Step", step([Admit(parent, prompt)])),
+                    ("fork x8", "Step", step([Fork(parent, c) for c in children])),
+                    (
+                        "integrity check",
+                        "GetPoolStats",
+                        pb.GetPoolStatsRequest(pool=ref, check_integrity=True).SerializeToString(),
+                    ),
+                    ("dump", "DumpPool", pb.DumpPoolRequest(pool=ref).SerializeToString()),
+                    (
+                        "match prefix",
+                        "MatchPrefix",
+                        pb.MatchPrefixRequest(
+                            model_fingerprint=config.model_fingerprint, tokens=prompt
+                        ).SerializeToString(),
+                    ),
+                    ("free", "Step", step([Free(parent), *(Free(c) for c in children)])),
+                ]
+            )
         self._step_id = 0
 
     def _send(self, name: str, request: bytes) -> None:
@@ -115,14 +134,24 @@ class _Prebuilt:
         self._method[name](request, timeout=60)
 
     def round(self, i: int) -> list[tuple[str, Callable[[], object]]]:
-        return [(kind, partial(self._send, name, request)) for kind, name, request in self._rounds[i % _ROUNDS]]
+        return [
+            (kind, partial(self._send, name, request))
+            for kind, name, request in self._rounds[i % _ROUNDS]
+        ]
 
     def close(self) -> None:
         self._channel.close()
 
 
-def _neighbour(address: str, block_size: int, num_blocks: int, prompt_len: int,
-               stop: mp.synchronize.Event, ready: mp.synchronize.Event, counts: dict) -> None:
+def _neighbour(
+    address: str,
+    block_size: int,
+    num_blocks: int,
+    prompt_len: int,
+    stop: mp.synchronize.Event,
+    ready: mp.synchronize.Event,
+    counts: dict,
+) -> None:
     """The noisy pool's loop (runs in its own process until `stop`): rounds
     of the heaviest legal calls, `ready` once the first admit is answered."""
     import grpc
@@ -158,11 +187,14 @@ def _server_step_buckets(metrics_url: str) -> dict[float, float]:
         float(sample.labels["le"]): sample.value
         for sample in harness.metric_samples(metrics_url)
         if sample.name.endswith("rpc_duration_seconds_bucket")
-        and sample.labels.get("method") == "StepStream" and sample.labels.get("code") == "OK"
+        and sample.labels.get("method") == "StepStream"
+        and sample.labels.get("code") == "OK"
     }
 
 
-def _bucket_quantiles(before: dict[float, float], after: dict[float, float]) -> dict[str, float | None]:
+def _bucket_quantiles(
+    before: dict[float, float], after: dict[float, float]
+) -> dict[str, float | None]:
     """p50 and p99 of the histogram's growth between two readings, each as
     the upper bound of its bucket in ms (None: no step answered)."""
     grown = sorted((le, after[le] - before.get(le, 0.0)) for le in after)
@@ -185,7 +217,15 @@ def _running_neighbour(address: str, w: StepWorkload) -> Iterator[dict[str, int]
         stop, ready = ctx.Event(), ctx.Event()
         proc = ctx.Process(
             target=_neighbour,
-            args=(address, w.block_size, w.neighbour_blocks, w.neighbour_prompt, stop, ready, counts),
+            args=(
+                address,
+                w.block_size,
+                w.neighbour_blocks,
+                w.neighbour_prompt,
+                stop,
+                ready,
+                counts,
+            ),
             daemon=True,
         )
         proc.start()
@@ -257,16 +297,35 @@ def tables(out: dict) -> list[Table]:
     rows = []
     for name, label in (("quiet", "alone"), ("noisy", "with the noisy neighbour")):
         r = out[name]
-        rows.append([label, cell(r["p50_ms"], ".3f"), cell(r["p99_ms"], ".3f"), cell(r["mean_ms"], ".3f"),
-                     f"<= {cell(r['server_p50_le_ms'], 'g')}", f"<= {cell(r['server_p99_le_ms'], 'g')}"])
+        rows.append(
+            [
+                label,
+                cell(r["p50_ms"], ".3f"),
+                cell(r["p99_ms"], ".3f"),
+                cell(r["mean_ms"], ".3f"),
+                f"<= {cell(r['server_p50_le_ms'], 'g')}",
+                f"<= {cell(r['server_p99_le_ms'], 'g')}",
+            ]
+        )
     done = ", ".join(f"{k} {v}" for k, v in out["neighbour_requests"].items())
-    return [Table(
-        title=f"Victim pool: {out['victim_seqs']} sequences per step, block size {out['block_size']}; "
-              f"neighbour: {out['neighbour_blocks']:,} blocks, {out['neighbour_prompt_tokens']:,}-token admits "
-              f"({out['neighbour_allocator']} allocator process, {out['neighbour_client']} client)",
-        columns=["victim step latency", "p50 ms", "p99 ms", "mean ms", "in the handler: p50 ms", "p99 ms"],
-        rows=rows,
-        notes=[f"p99 with the neighbour / alone: {out['p99_ratio']:.1f}x (target at most "
-               f"{out['target_p99_ratio']:.0f}x); p50: {out['p50_ratio']:.1f}x",
-               f"neighbour requests in {out['noisy_seconds']} s: {done}"],
-    )]
+    return [
+        Table(
+            title=f"Victim pool: {out['victim_seqs']} sequences per step, block size {out['block_size']}; "
+            f"neighbour: {out['neighbour_blocks']:,} blocks, {out['neighbour_prompt_tokens']:,}-token admits "
+            f"({out['neighbour_allocator']} allocator process, {out['neighbour_client']} client)",
+            columns=[
+                "victim step latency",
+                "p50 ms",
+                "p99 ms",
+                "mean ms",
+                "in the handler: p50 ms",
+                "p99 ms",
+            ],
+            rows=rows,
+            notes=[
+                f"p99 with the neighbour / alone: {out['p99_ratio']:.1f}x (target at most "
+                f"{out['target_p99_ratio']:.0f}x); p50: {out['p50_ratio']:.1f}x",
+                f"neighbour requests in {out['noisy_seconds']} s: {done}",
+            ],
+        )
+    ]

@@ -33,10 +33,19 @@ A "-" is a figure the benchmark did not measure.
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("results", nargs="?", default=DEFAULT_RESULTS, metavar="DIR",
-                        help="the folder of benchmark JSON files [%(default)s]")
-    parser.add_argument("--write", default=None, metavar="FILE",
-                        help="write the page to FILE (e.g. docs/benchmarks.md) instead of printing it")
+    parser.add_argument(
+        "results",
+        nargs="?",
+        default=DEFAULT_RESULTS,
+        metavar="DIR",
+        help="the folder of benchmark JSON files [%(default)s]",
+    )
+    parser.add_argument(
+        "--write",
+        default=None,
+        metavar="FILE",
+        help="write the page to FILE (e.g. docs/benchmarks.md) instead of printing it",
+    )
 
 
 def load(results: str | Path) -> list[tuple[str, dict]]:
@@ -59,7 +68,9 @@ def load(results: str | Path) -> list[tuple[str, dict]]:
 
 def render(results: list[tuple[str, dict]], folder: str = DEFAULT_RESULTS) -> str:
     """The page: the header, then a section per result (`folder`: where the results are, as the page names it)."""
-    return "\n".join([HEADER, *(_section(f"{folder.rstrip('/')}/{file}", report) for file, report in results)])
+    return "\n".join(
+        [HEADER, *(_section(f"{folder.rstrip('/')}/{file}", report) for file, report in results)]
+    )
 
 
 def _section(path: str, report: dict) -> str:
@@ -67,14 +78,22 @@ def _section(path: str, report: dict) -> str:
     tables = importlib.import_module(BENCHMARKS[env["benchmark"]][0]).tables(report)
     m = env["machine"]
     machine = f"{m['cpu_model']}, {m['cpu_cores']} cores" + (
-        f", {m['memory_gib']} GiB" if m.get("memory_gib") else "")
+        f", {m['memory_gib']} GiB" if m.get("memory_gib") else ""
+    )
     load = env.get("load_average_1m_start"), env.get("load_average_1m_end")
     if all(v is not None for v in load):
         machine += f"; load average {load[0]} at the start, {load[1]} at the end"
     date = env["date"].replace("T", " ").removesuffix("Z")[:16] + " UTC"
-    lines = [f"## {Path(path).stem}", "",
-             "```", env["command"], "```", "",
-             f"Machine: {machine}. Date: {date}. Result: `{path}`.", ""]
+    lines = [
+        f"## {Path(path).stem}",
+        "",
+        "```",
+        env["command"],
+        "```",
+        "",
+        f"Machine: {machine}. Date: {date}. Result: `{path}`.",
+        "",
+    ]
     lines += ["\n\n".join(markdown(t) for t in tables), ""]
     return "\n".join(lines)
 

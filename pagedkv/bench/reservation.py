@@ -57,25 +57,49 @@ from pagedkv.bench.workloads import (
 from worker.kv_bytes import KV_CACHE_DTYPES
 
 SYSTEMS = ("paged", "max", "pow2", "oracle")
-LABELS = {"paged": "paged (as vLLM)", "max": "max (Orca (Max), FasterTransformer)", "pow2": "pow2 (Orca (Pow2))",
-          "oracle": "oracle (Orca (Oracle))"}
+LABELS = {
+    "paged": "paged (as vLLM)",
+    "max": "max (Orca (Max), FasterTransformer)",
+    "pow2": "pow2 (Orca (Pow2))",
+    "oracle": "oracle (Orca (Oracle))",
+}
 TARGETS = {"paged_over_max": 2.0, "paged_over_oracle": 1.3}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     harness.add_workload_option(parser, RESERVATION)
-    parser.add_argument("--device", default="sim:a100-40gb", metavar="sim:NAME",
-                        help="the simulated GPU (worker --device) [sim:a100-40gb]")
-    parser.add_argument("--clock", choices=("virtual", "wall"), default="virtual",
-                        help="the engine's clock: virtual (only device time passes: the run takes what the host "
-                             "takes) or wall (device time really passes) [virtual]")
-    parser.add_argument("--kv-cache-dtype", choices=tuple(KV_CACHE_DTYPES), default="auto",
-                        help="the workers' --kv-cache-dtype: fp8 halves the KV bytes, so the simulated memory holds "
-                             "twice the blocks and a step reads half the KV [auto]")
-    parser.add_argument("--systems", type=harness.comma_list(SYSTEMS), default=list(SYSTEMS),
-                        help=f"which reservations [{','.join(SYSTEMS)}]")
-    parser.add_argument("--plot", default=None, metavar="FILE",
-                        help="also draw normalized latency against rate for every system as a PNG")
+    parser.add_argument(
+        "--device",
+        default="sim:a100-40gb",
+        metavar="sim:NAME",
+        help="the simulated GPU (worker --device) [sim:a100-40gb]",
+    )
+    parser.add_argument(
+        "--clock",
+        choices=("virtual", "wall"),
+        default="virtual",
+        help="the engine's clock: virtual (only device time passes: the run takes what the host "
+        "takes) or wall (device time really passes) [virtual]",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=tuple(KV_CACHE_DTYPES),
+        default="auto",
+        help="the workers' --kv-cache-dtype: fp8 halves the KV bytes, so the simulated memory holds "
+        "twice the blocks and a step reads half the KV [auto]",
+    )
+    parser.add_argument(
+        "--systems",
+        type=harness.comma_list(SYSTEMS),
+        default=list(SYSTEMS),
+        help=f"which reservations [{','.join(SYSTEMS)}]",
+    )
+    parser.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE",
+        help="also draw normalized latency against rate for every system as a PNG",
+    )
     harness.add_json_option(parser)
 
 
@@ -89,7 +113,9 @@ def measure(args: argparse.Namespace) -> dict:
         raise CliError(f"--device must be a simulated GPU (sim:NAME), got {args.device!r}")
     w = RESERVATION[args.workload]
     lengths = sharegpt_like_lengths(w.requests, w, random.Random(w.seed))
-    gaps = poisson_arrivals(w.requests, 1.0, random.Random(w.seed + 1))  # at 1 request/s; scaled per rate
+    gaps = poisson_arrivals(
+        w.requests, 1.0, random.Random(w.seed + 1)
+    )  # at 1 request/s; scaled per rate
     runs: dict[str, list[dict]] = {}
     pool = roofline = None
     with tempfile.TemporaryDirectory(prefix="pagedkv-bench-reservation-") as folder:
@@ -103,7 +129,9 @@ def measure(args: argparse.Namespace) -> dict:
                 try:
                     pool = pool or _pool(engine)
                     roofline = engine.runner.roofline
-                    runs[system].append({"rate_rps": rate, **_run(engine, lengths, [t / rate for t in gaps])})
+                    runs[system].append(
+                        {"rate_rps": rate, **_run(engine, lengths, [t / rate for t in gaps])}
+                    )
                 finally:
                     engine.close()
                 if runs[system][-1]["normalized_latency_s"] >= w.latency_bound_s:
@@ -122,16 +150,26 @@ def measure(args: argparse.Namespace) -> dict:
         "clock": args.clock,
         "model": f"{w.model} (public config.json, {loaded.config.dtype})",
         "kv_cache_dtype": args.kv_cache_dtype,
-        "kv_bytes_per_token": (roofline.model if roofline is not None else loaded.config).kv_bytes_per_token,
-        "roofline": None if roofline is None else {
-            "gpu": roofline.gpu.description, "mfu": roofline.mfu, "mbu": roofline.mbu,
-            "launch_ms": roofline.launch_s * 1e3},
+        "kv_bytes_per_token": (
+            roofline.model if roofline is not None else loaded.config
+        ).kv_bytes_per_token,
+        "roofline": None
+        if roofline is None
+        else {
+            "gpu": roofline.gpu.description,
+            "mfu": roofline.mfu,
+            "mbu": roofline.mbu,
+            "launch_ms": roofline.launch_s * 1e3,
+        },
         "pool": pool,
         "workload": w.what,
-        "lengths": {"requests": w.requests,
-                    "prompt_mean": round(sum(p for p, _ in lengths) / len(lengths), 1),
-                    "output_mean": round(sum(o for _, o in lengths) / len(lengths), 1),
-                    "prompt_max": max(p for p, _ in lengths), "output_max": max(o for _, o in lengths)},
+        "lengths": {
+            "requests": w.requests,
+            "prompt_mean": round(sum(p for p, _ in lengths) / len(lengths), 1),
+            "output_mean": round(sum(o for _, o in lengths) / len(lengths), 1),
+            "prompt_max": max(p for p, _ in lengths),
+            "output_max": max(o for _, o in lengths),
+        },
         "latency_bound_s": w.latency_bound_s,
         "summary": summary,
         "targets": targets,
@@ -146,16 +184,33 @@ def measure(args: argparse.Namespace) -> dict:
 def _engine(loaded, folder: str, system: str, args: argparse.Namespace, w: ReservationWorkload):
     from worker.engine import EngineConfig, LLMEngine
 
-    return LLMEngine(loaded, EngineConfig(
-        model=folder, device=args.device, clock=args.clock, dtype=loaded.config.dtype, worker_id=f"bench-{system}",
-        block_size=w.block_size, num_blocks=w.num_blocks, enable_prefix_caching=False, kv_reservation=system,
-        max_num_seqs=w.max_num_seqs, max_model_len=w.max_len, kv_cache_dtype=args.kv_cache_dtype))
+    return LLMEngine(
+        loaded,
+        EngineConfig(
+            model=folder,
+            device=args.device,
+            clock=args.clock,
+            dtype=loaded.config.dtype,
+            worker_id=f"bench-{system}",
+            block_size=w.block_size,
+            num_blocks=w.num_blocks,
+            enable_prefix_caching=False,
+            kv_reservation=system,
+            max_num_seqs=w.max_num_seqs,
+            max_model_len=w.max_len,
+            kv_cache_dtype=args.kv_cache_dtype,
+        ),
+    )
 
 
 def _pool(engine) -> dict:
     pool = engine.kv_pool
-    return {"num_blocks": pool.num_blocks, "block_size": pool.block_size, "tokens": pool.tokens_capacity,
-            "gib": round(pool.bytes_total / 2**30, 2)}
+    return {
+        "num_blocks": pool.num_blocks,
+        "block_size": pool.block_size,
+        "tokens": pool.tokens_capacity,
+        "gib": round(pool.bytes_total / 2**30, 2),
+    }
 
 
 def _run(engine, lengths: list[tuple[int, int]], arrivals: list[float]) -> dict:
@@ -177,8 +232,11 @@ def _run(engine, lengths: list[tuple[int, int]], arrivals: list[float]) -> dict:
         now = clock.now() - start
         while nxt < len(arrivals) and arrivals[nxt] <= now:
             rid = f"r{nxt}"
-            engine.add_request(prompts[nxt], SamplingParams(max_tokens=lengths[nxt][1], ignore_eos=True),
-                               request_id=rid)
+            engine.add_request(
+                prompts[nxt],
+                SamplingParams(max_tokens=lengths[nxt][1], ignore_eos=True),
+                request_id=rid,
+            )
             arrived[rid] = arrivals[nxt]
             nxt += 1
         if not engine.has_unfinished():  # idle until the next arrival
@@ -191,7 +249,11 @@ def _run(engine, lengths: list[tuple[int, int]], arrivals: list[float]) -> dict:
         dt = t - last_t
         stored, held, batch = stored + last[0] * dt, held + last[1] * dt, batch + last[2] * dt
         running = scheduler.running
-        last = (sum(s.num_stored for s in running), sum(len(s.block_table) for s in running) * B, len(running))
+        last = (
+            sum(s.num_stored for s in running),
+            sum(len(s.block_table) for s in running) * B,
+            len(running),
+        )
         last_t = t
     elapsed = clock.now() - start
     outputs = {f"r{i}": o for i, (_, o) in enumerate(lengths)}
@@ -215,10 +277,12 @@ def _summary(runs: list[dict], bound: float) -> dict:
         if r["normalized_latency_s"] >= bound:
             break
         best = r
-    return {"max_rate_rps": None if best is None else best["rate_rps"],
-            "normalized_latency_s": None if best is None else best["normalized_latency_s"],
-            "kv_utilisation": None if best is None else best["kv_utilisation"],
-            "requests_running_mean": None if best is None else best["requests_running_mean"]}
+    return {
+        "max_rate_rps": None if best is None else best["rate_rps"],
+        "normalized_latency_s": None if best is None else best["normalized_latency_s"],
+        "kv_utilisation": None if best is None else best["kv_utilisation"],
+        "requests_running_mean": None if best is None else best["requests_running_mean"],
+    }
 
 
 def plot(report: dict, path: str | Path) -> None:
@@ -230,16 +294,27 @@ def plot(report: dict, path: str | Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
     for system, runs in report["runs"].items():
-        ax.plot([r["rate_rps"] for r in runs], [r["normalized_latency_s"] for r in runs], marker="o",
-                label=LABELS.get(system, system))
-    ax.axhline(report["latency_bound_s"], color="grey", linestyle="--", linewidth=1,
-               label=f"bound {report['latency_bound_s']:g} s/token")
+        ax.plot(
+            [r["rate_rps"] for r in runs],
+            [r["normalized_latency_s"] for r in runs],
+            marker="o",
+            label=LABELS.get(system, system),
+        )
+    ax.axhline(
+        report["latency_bound_s"],
+        color="grey",
+        linestyle="--",
+        linewidth=1,
+        label=f"bound {report['latency_bound_s']:g} s/token",
+    )
     top = report["latency_bound_s"] * 2.5
     ax.set_ylim(0, top)
     ax.set_xlabel("request rate (requests/s)")
     ax.set_ylabel("normalized latency (s/token)")
-    ax.set_title(f"{report['model'].split(' ')[0]} on {report['device']} ({report['clock']} clock, simulated)",
-                 fontsize=10)
+    ax.set_title(
+        f"{report['model'].split(' ')[0]} on {report['device']} ({report['clock']} clock, simulated)",
+        fontsize=10,
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -255,14 +330,34 @@ def tables(report: dict) -> list[Table]:
     def figure(s: str, rate: float, key: str):
         return at[s].get(rate, {}).get(key)
 
-    by_rate = [[cell(rate, "g"), *(cell(figure(s, rate, "normalized_latency_s"), ".3f") for s in systems)]
-               for rate in rates]
-    utilisation = [[cell(rate, "g"), *(cell(figure(s, rate, "kv_utilisation"), ".1%") for s in systems),
-                    *(cell(figure(s, rate, "requests_running_mean"), ".1f") for s in systems)] for rate in rates]
-    summary = [[s, cell(v["max_rate_rps"], "g"), cell(v["normalized_latency_s"], ".3f"),
-                cell(v["kv_utilisation"], ".1%"), cell(v["requests_running_mean"], ".1f")]
-               for s, v in report["summary"].items()]
-    t, pool, lengths, roof = report["targets"], report["pool"] or {}, report["lengths"], report["roofline"] or {}
+    by_rate = [
+        [cell(rate, "g"), *(cell(figure(s, rate, "normalized_latency_s"), ".3f") for s in systems)]
+        for rate in rates
+    ]
+    utilisation = [
+        [
+            cell(rate, "g"),
+            *(cell(figure(s, rate, "kv_utilisation"), ".1%") for s in systems),
+            *(cell(figure(s, rate, "requests_running_mean"), ".1f") for s in systems),
+        ]
+        for rate in rates
+    ]
+    summary = [
+        [
+            s,
+            cell(v["max_rate_rps"], "g"),
+            cell(v["normalized_latency_s"], ".3f"),
+            cell(v["kv_utilisation"], ".1%"),
+            cell(v["requests_running_mean"], ".1f"),
+        ]
+        for s, v in report["summary"].items()
+    ]
+    t, pool, lengths, roof = (
+        report["targets"],
+        report["pool"] or {},
+        report["lengths"],
+        report["roofline"] or {},
+    )
     kv = report.get("kv_cache_dtype", "auto")
     fp8 = "" if kv == "auto" else f", --kv-cache-dtype {kv}"
     notes = [
@@ -275,17 +370,36 @@ def tables(report: dict) -> list[Table]:
         f"max rate: the highest rate whose normalized latency (mean of latency / output tokens) is under "
         f"{report['latency_bound_s']:g} s/token, every lower rate too; a system's higher rates are not run once "
         "one is over it (-).",
-        *(f"{key}: {cell(t[key], '.2f')} (target >= {t[f'{key}_target']:g}: "
-          f"{'not measured' if t[f'{key}_met'] is None else 'met' if t[f'{key}_met'] else 'not met'})"
-          for key in TARGETS),
-        *([f"Plot of normalized latency against rate: {report['plot']}."] if report.get("plot") else []),
+        *(
+            f"{key}: {cell(t[key], '.2f')} (target >= {t[f'{key}_target']:g}: "
+            f"{'not measured' if t[f'{key}_met'] is None else 'met' if t[f'{key}_met'] else 'not met'})"
+            for key in TARGETS
+        ),
+        *(
+            [f"Plot of normalized latency against rate: {report['plot']}."]
+            if report.get("plot")
+            else []
+        ),
     ]
     return [
-        Table("Reservation baselines: the highest rate under the latency bound", ["system", "max rate (req/s)",
-              "normalized latency (s/token)", "KV utilisation", "requests running"], summary, notes),
+        Table(
+            "Reservation baselines: the highest rate under the latency bound",
+            [
+                "system",
+                "max rate (req/s)",
+                "normalized latency (s/token)",
+                "KV utilisation",
+                "requests running",
+            ],
+            summary,
+            notes,
+        ),
         Table("Normalized latency (s/token) by request rate (req/s)", ["rate", *systems], by_rate),
-        Table("KV utilisation (stored tokens / slots held) and requests running, by rate",
-              ["rate", *(f"{s} util." for s in systems), *(f"{s} running" for s in systems)], utilisation),
+        Table(
+            "KV utilisation (stored tokens / slots held) and requests running, by rate",
+            ["rate", *(f"{s} util." for s in systems), *(f"{s} running" for s in systems)],
+            utilisation,
+        ),
     ]
 
 

@@ -52,13 +52,30 @@ from pagedkv.bench.harness import Table, cell
 
 __all__ = ["add_arguments", "measure", "run", "tables"]
 
-PROMPTS = ["sys: hello", "sys: what is a page", "sys: blocks and tables", "sys: one two three",
-           "sys: quick brown fox", "sys: a paged kv cache", "sys: restart me", "sys: the journal"]
+PROMPTS = [
+    "sys: hello",
+    "sys: what is a page",
+    "sys: blocks and tables",
+    "sys: one two three",
+    "sys: quick brown fox",
+    "sys: a paged kv cache",
+    "sys: restart me",
+    "sys: the journal",
+]
 MAX_TOKENS = 16
 # 24 blocks of 4 = 96 token slots per worker for CLIENTS_PER_WORKER requests of ~30 tokens
 # at once (and a pipelined step): the schedulers preempt.
-WORKER_ARGS = ["--num-blocks", "24", "--block-size", "4", "--enable-prefix-caching", "--max-model-len", "64",
-               "--log-level", "warning"]
+WORKER_ARGS = [
+    "--num-blocks",
+    "24",
+    "--block-size",
+    "4",
+    "--enable-prefix-caching",
+    "--max-model-len",
+    "64",
+    "--log-level",
+    "warning",
+]
 # the allocator's settings no command line sets: its variables
 ALLOCATOR_ENV = {"PAGEDKV_ALLOCATOR_LEASE_TTL": "10", "PAGEDKV_ALLOCATOR_SNAPSHOT_EVERY": "50"}
 MODEL = "tiny-random"
@@ -73,13 +90,24 @@ LEADER_LEASE_S = 1.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--restarts", type=harness.positive, default=50,
-                   help="allocator restarts under load, half SIGTERM and half SIGKILL (default 50)")
-    p.add_argument("--standby", action="store_true",
-                   help="first run the allocator with a hot standby and take its leader out --kills times "
-                        "(SIGKILL and SIGSTOP past the lease), then the restarts without a standby")
-    p.add_argument("--kills", type=harness.positive, default=50,
-                   help="with --standby: leader kills under load, half SIGKILL, half SIGSTOP (default 50)")
+    p.add_argument(
+        "--restarts",
+        type=harness.positive,
+        default=50,
+        help="allocator restarts under load, half SIGTERM and half SIGKILL (default 50)",
+    )
+    p.add_argument(
+        "--standby",
+        action="store_true",
+        help="first run the allocator with a hot standby and take its leader out --kills times "
+        "(SIGKILL and SIGSTOP past the lease), then the restarts without a standby",
+    )
+    p.add_argument(
+        "--kills",
+        type=harness.positive,
+        default=50,
+        help="with --standby: leader kills under load, half SIGKILL, half SIGSTOP (default 50)",
+    )
     harness.add_json_option(p)
 
 
@@ -107,8 +135,13 @@ def _request(client, url: str, model: str, kind: Kind) -> tuple[int, str, str]:
     """(status, text, error) of one greedy request; never raises."""
     import httpx
 
-    body: dict[str, Any] = {"model": model, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-                            "stream": kind.stream}
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": kind.stream,
+    }
     prompt = PROMPTS[kind.prompt]
     if kind.chat:
         body["messages"] = [{"role": "user", "content": prompt}]
@@ -136,7 +169,11 @@ def _request(client, url: str, model: str, kind: Kind) -> tuple[int, str, str]:
                 if "error" in chunk:
                     return 0, "".join(parts), f"error event: {json.dumps(chunk['error'])[:300]}"
                 for c in chunk.get("choices", ()):
-                    parts.append((c.get("delta", {}).get("content") or "") if kind.chat else c.get("text", ""))
+                    parts.append(
+                        (c.get("delta", {}).get("content") or "")
+                        if kind.chat
+                        else c.get("text", "")
+                    )
         return 0, "".join(parts), "stream ended without [DONE]"
     except (httpx.HTTPError, ValueError, KeyError) as exc:
         return 0, "", repr(exc)[:300]
@@ -157,7 +194,9 @@ def _reference(urls: list[str], model: str) -> dict[tuple[int, bool], str]:
                 continue
             status, text, error = _request(client, urls[0], model, kind)
             if status != 200:
-                raise RuntimeError(f"the reference request failed before any restart: {status} {error}")
+                raise RuntimeError(
+                    f"the reference request failed before any restart: {status} {error}"
+                )
             out[(kind.prompt, kind.chat)] = text
     return out
 
@@ -170,8 +209,12 @@ class _Load:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads = [
-            threading.Thread(target=self._client, args=(urls, w, model, random.Random(seed * 1000 + i)),
-                             name=f"restart-load-{i}", daemon=True)
+            threading.Thread(
+                target=self._client,
+                args=(urls, w, model, random.Random(seed * 1000 + i)),
+                name=f"restart-load-{i}",
+                daemon=True,
+            )
             for i, w in enumerate(w for w in range(len(urls)) for _ in range(CLIENTS_PER_WORKER))
         ]
 
@@ -188,7 +231,9 @@ class _Load:
                 t0 = time.monotonic()
                 status, text, error = _request(client, urls[worker], model, kind)
                 with self._lock:
-                    self.outcomes.append(Outcome(kind, worker, status, text, time.monotonic() - t0, error, t0))
+                    self.outcomes.append(
+                        Outcome(kind, worker, status, text, time.monotonic() - t0, error, t0)
+                    )
 
     def count(self) -> int:
         with self._lock:
@@ -201,10 +246,12 @@ class _Load:
 
 
 def _worker_counters(urls: list[str]) -> list[dict[str, float]]:
-    names = {"pagedkv_worker_allocator_unavailable_seconds_total": "stall_s",
-             "pagedkv_worker_allocator_retries_total": "retries",
-             "pagedkv_worker_step_errors_total": "step_errors",
-             "pagedkv_worker_preemptions_total": "preemptions"}
+    names = {
+        "pagedkv_worker_allocator_unavailable_seconds_total": "stall_s",
+        "pagedkv_worker_allocator_retries_total": "retries",
+        "pagedkv_worker_step_errors_total": "step_errors",
+        "pagedkv_worker_preemptions_total": "preemptions",
+    }
     out = []
     for url in urls:
         row = dict.fromkeys(names.values(), 0.0)
@@ -215,8 +262,9 @@ def _worker_counters(urls: list[str]) -> list[dict[str, float]]:
     return out
 
 
-def restart_under_load(stack, restarts: int, model: str, seed: int = 0,
-                       on_restart=None) -> dict[str, Any]:
+def restart_under_load(
+    stack, restarts: int, model: str, seed: int = 0, on_restart=None
+) -> dict[str, Any]:
     """The drill on a started stack (its allocator journaled in Redis):
     the reference texts, then `restarts` restarts under load; the figures."""
     urls = list(stack.worker_urls)
@@ -233,7 +281,9 @@ def restart_under_load(stack, restarts: int, model: str, seed: int = 0,
     for i, how in enumerate(kinds):
         # at least a request under way since the last restart, then a random moment
         served = load.count()
-        _wait_until(lambda served=served: load.count() > served, 120, "a request to finish between restarts")
+        _wait_until(
+            lambda served=served: load.count() > served, 120, "a request to finish between restarts"
+        )
         time.sleep(rng.uniform(0.0, 1.0))
         t = time.monotonic()
         if how == "term":
@@ -251,9 +301,12 @@ def restart_under_load(stack, restarts: int, model: str, seed: int = 0,
     wall = time.monotonic() - t_start
     after = _worker_counters(urls)
     return {
-        "restarts": restarts, "sigterm": kinds.count("term"), "sigkill": kinds.count("kill"),
+        "restarts": restarts,
+        "sigterm": kinds.count("term"),
+        "sigkill": kinds.count("kill"),
         "wall_s": round(wall, 1),
-        "back_s_p50": _round(harness.percentile(back_s, 0.5)), "back_s_max": _round(max(back_s, default=None)),
+        "back_s_p50": _round(harness.percentile(back_s, 0.5)),
+        "back_s_max": _round(max(back_s, default=None)),
         **_outcomes(load.outcomes, reference, before, after, t_start),
     }
 
@@ -312,8 +365,12 @@ class _JournalTap:
         self._stop.set()
         self._thread.join(5)
         self._journal.close()
-        return {"steps_journaled": self.steps, "steps_applied_twice": self.twice,
-                "steps_not_following_their_last": self.unchained, "records_not_read": self.missed}
+        return {
+            "steps_journaled": self.steps,
+            "steps_applied_twice": self.twice,
+            "steps_not_following_their_last": self.unchained,
+            "records_not_read": self.missed,
+        }
 
 
 def _leading(address: str) -> bool:
@@ -323,7 +380,9 @@ def _leading(address: str) -> bool:
     return grpc_health_ok(address, timeout=1.0, service=SERVICE_NAME)
 
 
-def failover_under_load(stack, kills: int, model: str, seed: int = 0, on_kill=None) -> dict[str, Any]:
+def failover_under_load(
+    stack, kills: int, model: str, seed: int = 0, on_kill=None
+) -> dict[str, Any]:
     """The failover drill on a started stack with a standby (`standby=True`):
     the reference texts, then `kills` leader kills under load (SIGKILL, or
     SIGSTOP until the standby serves and then SIGCONT); the figures."""
@@ -339,8 +398,11 @@ def failover_under_load(stack, kills: int, model: str, seed: int = 0, on_kill=No
     reference = _reference(urls, model)
     processes = [stack.allocator, stack.standbys[0]]
     addresses = [stack.allocator_address, stack.standby_addresses[0]]
-    probe = GrpcAllocator(",".join(addresses), PoolSpec("bench-probe", PoolConfig(num_blocks=8, block_size=4)),
-                          auth_token=stack.admin_token)
+    probe = GrpcAllocator(
+        ",".join(addresses),
+        PoolSpec("bench-probe", PoolConfig(num_blocks=8, block_size=4)),
+        auth_token=stack.admin_token,
+    )
     held = [False]
 
     def probe_step() -> None:
@@ -366,7 +428,9 @@ def failover_under_load(stack, kills: int, model: str, seed: int = 0, on_kill=No
     t_start = time.monotonic()
     for i, how in enumerate(kinds):
         served = load.count()
-        _wait_until(lambda served=served: load.count() > served, 120, "a request to finish between kills")
+        _wait_until(
+            lambda served=served: load.count() > served, 120, "a request to finish between kills"
+        )
         time.sleep(rng.uniform(0.0, 1.0))
         lead = next((j for j in (0, 1) if _leading(addresses[j])), None)
         if lead is None:
@@ -388,7 +452,11 @@ def failover_under_load(stack, kills: int, model: str, seed: int = 0, on_kill=No
             deposed = leader.log().count(DEPOSED)
             popen.send_signal(signal.SIGCONT)
             # (it may lead again later: a leader that cannot renew in time on a loaded machine is replaced)
-            _wait_until(lambda p=leader, n=deposed: p.log().count(DEPOSED) > n, 30, "the resumed leader to step down")
+            _wait_until(
+                lambda p=leader, n=deposed: p.log().count(DEPOSED) > n,
+                30,
+                "the resumed leader to step down",
+            )
         if on_kill is not None:
             on_kill(i + 1, how)
     load.stop()
@@ -401,35 +469,55 @@ def failover_under_load(stack, kills: int, model: str, seed: int = 0, on_kill=No
     figures = _outcomes(load.outcomes, reference, before, after, t_start)
     every = back["kill"] + back["stop"]
     return {
-        "kills": kills, "sigkill": kinds.count("kill"), "sigstop": kinds.count("stop"),
-        "leader_lease_s": LEADER_LEASE_S, "wall_s": round(wall, 1),
+        "kills": kills,
+        "sigkill": kinds.count("kill"),
+        "sigstop": kinds.count("stop"),
+        "leader_lease_s": LEADER_LEASE_S,
+        "wall_s": round(wall, 1),
         # takeovers beyond one per kill: a leader replaced because it did not renew its lease in time
-        "takeovers": takeovers, "unforced_takeovers": max(takeovers - kills, 0),
-        "back_s_p50": _round(harness.percentile(every, 0.5)), "back_s_max": _round(max(every, default=None)),
+        "takeovers": takeovers,
+        "unforced_takeovers": max(takeovers - kills, 0),
+        "back_s_p50": _round(harness.percentile(every, 0.5)),
+        "back_s_max": _round(max(every, default=None)),
         "back_s_p50_sigkill": _round(harness.percentile(back["kill"], 0.5)),
         "back_s_max_sigkill": _round(max(back["kill"], default=None)),
         "back_s_p50_sigstop": _round(harness.percentile(back["stop"], 0.5)),
         "back_s_max_sigstop": _round(max(back["stop"], default=None)),
-        **journal, **figures,
+        **journal,
+        **figures,
     }
 
 
 def _outcomes(outcomes: list[Outcome], reference, before, after, t_start: float) -> dict[str, Any]:
     """The request figures of a run: counts, failures and wrong texts, latency, the workers' counters."""
     failed = [o for o in outcomes if o.status != 200]
-    wrong = [o for o in outcomes if o.status == 200 and o.text != reference[(o.kind.prompt, o.kind.chat)]]
+    wrong = [
+        o for o in outcomes if o.status == 200 and o.text != reference[(o.kind.prompt, o.kind.chat)]
+    ]
     per_worker = [{k: round(a[k] - b[k], 3) for k in a} for a, b in zip(after, before, strict=True)]
 
     def kept(rows: list[Outcome]) -> list[dict]:
-        return [{"worker": o.worker, "prompt": o.kind.prompt, "stream": o.kind.stream, "chat": o.kind.chat,
-                 "status": o.status, "error": o.error, "text": o.text,
-                 "expected": reference[(o.kind.prompt, o.kind.chat)],
-                 "at_s": round(o.started - t_start, 2)} for o in rows[:KEPT_FAILURES]]
+        return [
+            {
+                "worker": o.worker,
+                "prompt": o.kind.prompt,
+                "stream": o.kind.stream,
+                "chat": o.kind.chat,
+                "status": o.status,
+                "error": o.error,
+                "text": o.text,
+                "expected": reference[(o.kind.prompt, o.kind.chat)],
+                "at_s": round(o.started - t_start, 2),
+            }
+            for o in rows[:KEPT_FAILURES]
+        ]
 
     latencies = [o.latency_s for o in outcomes]
     return {
-        "requests": len(outcomes), "streamed": sum(o.kind.stream for o in outcomes),
-        "failed_requests": len(failed), "wrong_texts": len(wrong),
+        "requests": len(outcomes),
+        "streamed": sum(o.kind.stream for o in outcomes),
+        "failed_requests": len(failed),
+        "wrong_texts": len(wrong),
         "latency_s_p50": _round(harness.percentile(latencies, 0.5)),
         "latency_s_max": _round(max(latencies, default=None)),
         "stall_s": round(sum(w["stall_s"] for w in per_worker), 2),
@@ -437,7 +525,8 @@ def _outcomes(outcomes: list[Outcome], reference, before, after, t_start: float)
         "step_errors": sum(w["step_errors"] for w in per_worker),
         "preemptions": sum(w["preemptions"] for w in per_worker),
         "per_worker": per_worker,
-        "failures": kept(failed), "wrong": kept(wrong),
+        "failures": kept(failed),
+        "wrong": kept(wrong),
     }
 
 
@@ -462,60 +551,145 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     standby = None
     if args.standby:
+
         def killed(i: int, how: str) -> None:
             if i % 10 == 0 or i == args.kills:
                 harness.log("restart", f"{i}/{args.kills} leader kills (standby)")
 
         env = {**ALLOCATOR_ENV, "PAGEDKV_ALLOCATOR_LEADER_LEASE": str(LEADER_LEASE_S)}
-        with LocalStack(WORKERS, MODEL, worker_args=WORKER_ARGS, env=env, redis=True, standby=True,
-                        startup_timeout=300.0, grace=15.0) as stack:
+        with LocalStack(
+            WORKERS,
+            MODEL,
+            worker_args=WORKER_ARGS,
+            env=env,
+            redis=True,
+            standby=True,
+            startup_timeout=300.0,
+            grace=15.0,
+        ) as stack:
             standby = failover_under_load(stack, args.kills, MODEL, on_kill=killed)
-    with LocalStack(WORKERS, MODEL, worker_args=WORKER_ARGS, env=ALLOCATOR_ENV, redis=True,
-                    startup_timeout=300.0, grace=15.0) as stack:
+    with LocalStack(
+        WORKERS,
+        MODEL,
+        worker_args=WORKER_ARGS,
+        env=ALLOCATOR_ENV,
+        redis=True,
+        startup_timeout=300.0,
+        grace=15.0,
+    ) as stack:
         figures = restart_under_load(stack, args.restarts, MODEL, on_restart=progress)
-    return {"workload": {"model": MODEL, "workers": WORKERS, "clients_per_worker": CLIENTS_PER_WORKER,
-                         "prompts": len(PROMPTS), "max_tokens": MAX_TOKENS, "worker_args": WORKER_ARGS,
-                         "allocator_env": ALLOCATOR_ENV, "state": "redis (append-only)"},
-            **({"standby": standby} if standby is not None else {}),
-            **figures}
+    return {
+        "workload": {
+            "model": MODEL,
+            "workers": WORKERS,
+            "clients_per_worker": CLIENTS_PER_WORKER,
+            "prompts": len(PROMPTS),
+            "max_tokens": MAX_TOKENS,
+            "worker_args": WORKER_ARGS,
+            "allocator_env": ALLOCATOR_ENV,
+            "state": "redis (append-only)",
+        },
+        **({"standby": standby} if standby is not None else {}),
+        **figures,
+    }
 
 
 def tables(report: dict) -> list[Table]:
     r = report
-    rows = [[cell(r["restarts"]), cell(r["sigterm"]), cell(r["sigkill"]), cell(r["requests"]),
-             cell(r["failed_requests"]), cell(r["wrong_texts"]), cell(r["back_s_p50"]), cell(r["back_s_max"]),
-             cell(r["stall_s"]), cell(r["latency_s_max"]), cell(r["preemptions"])]]
+    rows = [
+        [
+            cell(r["restarts"]),
+            cell(r["sigterm"]),
+            cell(r["sigkill"]),
+            cell(r["requests"]),
+            cell(r["failed_requests"]),
+            cell(r["wrong_texts"]),
+            cell(r["back_s_p50"]),
+            cell(r["back_s_max"]),
+            cell(r["stall_s"]),
+            cell(r["latency_s_max"]),
+            cell(r["preemptions"]),
+        ]
+    ]
     w = r["workload"]
-    notes = [f"{w['workers']} workers ({w['model']}), {w['clients_per_worker']} clients each, greedy, "
-             f"{w['max_tokens']} tokens a request, streamed and not; the allocator's state in Redis.",
-             "failed: any answer but 200, or a stream cut before [DONE]; wrong: a text unlike the "
-             "answer before any restart; back: from the signal to serving again."]
+    notes = [
+        f"{w['workers']} workers ({w['model']}), {w['clients_per_worker']} clients each, greedy, "
+        f"{w['max_tokens']} tokens a request, streamed and not; the allocator's state in Redis.",
+        "failed: any answer but 200, or a stream cut before [DONE]; wrong: a text unlike the "
+        "answer before any restart; back: from the signal to serving again.",
+    ]
     notes += [f"failed: {json.dumps(f)}" for f in r["failures"]]
     notes += [f"wrong: {json.dumps(f)}" for f in r["wrong"]]
     out = []
     sb = r.get("standby")
     if sb is not None:
-        out.append(Table(
-            "leader kills under load, with a hot standby",
-            ["kills", "SIGKILL", "SIGSTOP", "requests", "failed", "wrong texts", "steps applied twice",
-             "back p50 s", "back max s", "SIGKILL p50/max s", "SIGSTOP p50/max s", "latency max s"],
-            [[cell(sb["kills"]), cell(sb["sigkill"]), cell(sb["sigstop"]), cell(sb["requests"]),
-              cell(sb["failed_requests"]), cell(sb["wrong_texts"]), cell(sb["steps_applied_twice"]),
-              cell(sb["back_s_p50"]), cell(sb["back_s_max"]),
-              f"{cell(sb['back_s_p50_sigkill'])} / {cell(sb['back_s_max_sigkill'])}",
-              f"{cell(sb['back_s_p50_sigstop'])} / {cell(sb['back_s_max_sigstop'])}", cell(sb["latency_s_max"])]],
-            [f"leader lease {sb['leader_lease_s']:g} s; back: from the signal to the answer of a probe step "
-             "sent at once with both addresses (the client follows the leader); a SIGSTOPped leader is resumed "
-             "once the standby serves and must step down.",
-             f"takeovers: {sb['takeovers']} ({sb['unforced_takeovers']} beyond one per kill: a leader that did "
-             "not renew its lease in time, replaced and fenced).",
-             f"journal: {sb['steps_journaled']} steps read as written, {sb['steps_applied_twice']} applied twice, "
-             f"{sb['steps_not_following_their_last']} not following their pool's last step, "
-             f"{sb['records_not_read']} records trimmed before they were read (not checked)."]
-            + [f"failed: {json.dumps(f)}" for f in sb["failures"]] + [f"wrong: {json.dumps(f)}" for f in sb["wrong"]]))
-    return out + [Table("allocator restarts under load, no standby",
-                  ["restarts", "SIGTERM", "SIGKILL", "requests", "failed", "wrong texts", "back p50 s",
-                   "back max s", "stall s", "latency max s", "preemptions"], rows, notes)]
+        out.append(
+            Table(
+                "leader kills under load, with a hot standby",
+                [
+                    "kills",
+                    "SIGKILL",
+                    "SIGSTOP",
+                    "requests",
+                    "failed",
+                    "wrong texts",
+                    "steps applied twice",
+                    "back p50 s",
+                    "back max s",
+                    "SIGKILL p50/max s",
+                    "SIGSTOP p50/max s",
+                    "latency max s",
+                ],
+                [
+                    [
+                        cell(sb["kills"]),
+                        cell(sb["sigkill"]),
+                        cell(sb["sigstop"]),
+                        cell(sb["requests"]),
+                        cell(sb["failed_requests"]),
+                        cell(sb["wrong_texts"]),
+                        cell(sb["steps_applied_twice"]),
+                        cell(sb["back_s_p50"]),
+                        cell(sb["back_s_max"]),
+                        f"{cell(sb['back_s_p50_sigkill'])} / {cell(sb['back_s_max_sigkill'])}",
+                        f"{cell(sb['back_s_p50_sigstop'])} / {cell(sb['back_s_max_sigstop'])}",
+                        cell(sb["latency_s_max"]),
+                    ]
+                ],
+                [
+                    f"leader lease {sb['leader_lease_s']:g} s; back: from the signal to the answer of a probe step "
+                    "sent at once with both addresses (the client follows the leader); a SIGSTOPped leader is resumed "
+                    "once the standby serves and must step down.",
+                    f"takeovers: {sb['takeovers']} ({sb['unforced_takeovers']} beyond one per kill: a leader that did "
+                    "not renew its lease in time, replaced and fenced).",
+                    f"journal: {sb['steps_journaled']} steps read as written, {sb['steps_applied_twice']} applied twice, "
+                    f"{sb['steps_not_following_their_last']} not following their pool's last step, "
+                    f"{sb['records_not_read']} records trimmed before they were read (not checked).",
+                ]
+                + [f"failed: {json.dumps(f)}" for f in sb["failures"]]
+                + [f"wrong: {json.dumps(f)}" for f in sb["wrong"]],
+            )
+        )
+    return out + [
+        Table(
+            "allocator restarts under load, no standby",
+            [
+                "restarts",
+                "SIGTERM",
+                "SIGKILL",
+                "requests",
+                "failed",
+                "wrong texts",
+                "back p50 s",
+                "back max s",
+                "stall s",
+                "latency max s",
+                "preemptions",
+            ],
+            rows,
+            notes,
+        )
+    ]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -70,8 +70,13 @@ __all__ = ["ASKING", "POLICIES", "REFERENCE", "add_arguments", "measure", "run",
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     harness.add_workload_option(p, ROUTE)
-    p.add_argument("--background-load", type=_count, default=0, metavar="N",
-                   help="N CPU-bound processes running beside the stack during the rounds (default 0)")
+    p.add_argument(
+        "--background-load",
+        type=_count,
+        default=0,
+        metavar="N",
+        help="N CPU-bound processes running beside the stack during the rounds (default 0)",
+    )
     harness.add_json_option(p)
 
 
@@ -107,10 +112,19 @@ def background_load(n: int) -> Iterator[None]:
             proc.join(10)
 
 
-
-async def _one(client, url: str, messages: list[dict], model: str, max_tokens: int, salt: str) -> dict:
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}, "cache_salt": salt}
+async def _one(
+    client, url: str, messages: list[dict], model: str, max_tokens: int, salt: str
+) -> dict:
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "cache_salt": salt,
+    }
     t0 = time.perf_counter()
     ttft, tokens = None, 0
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
@@ -124,18 +138,25 @@ async def _one(client, url: str, messages: list[dict], model: str, max_tokens: i
             chunk = json.loads(line[6:])
             if "error" in chunk:
                 return {"error": chunk["error"].get("message", "")}
-            if ttft is None and chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+            if (
+                ttft is None
+                and chunk.get("choices")
+                and chunk["choices"][0]["delta"].get("content")
+            ):
                 ttft = time.perf_counter() - t0
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
     return {"ttft": ttft, "tokens": tokens, "routing_ms": routing_ms, "worker": worker}
 
 
-async def _run(url: str, workload: list[list[dict]], w: RouteWorkload, salt: str) -> tuple[list[dict], float]:
+async def _run(
+    url: str, workload: list[list[dict]], w: RouteWorkload, salt: str
+) -> tuple[list[dict], float]:
     import httpx
 
     sem = asyncio.Semaphore(w.concurrency)
     async with httpx.AsyncClient(timeout=600) as client:
+
         async def one(messages):
             async with sem:
                 return await _one(client, url, messages, w.model, w.max_tokens, salt)
@@ -169,9 +190,11 @@ def _routing_split(url: str) -> dict[str, float | None]:
         n = got.get(f"{name}_count", 0.0)
         return round(1000 * got.get(f"{name}_sum", 0.0) / n, 3) if n else None
 
-    return {"kv_routing_mean_ms": mean("pagedkv_router_routing_seconds"),
-            "kv_view_match_mean_ms": mean("pagedkv_router_view_match_seconds"),
-            "kv_match_prefix_mean_ms": mean("pagedkv_router_match_prefix_seconds")}
+    return {
+        "kv_routing_mean_ms": mean("pagedkv_router_routing_seconds"),
+        "kv_view_match_mean_ms": mean("pagedkv_router_view_match_seconds"),
+        "kv_match_prefix_mean_ms": mean("pagedkv_router_match_prefix_seconds"),
+    }
 
 
 def _rounded(value: float | None, digits: int, scale: float = 1.0) -> float | None:
@@ -199,11 +222,15 @@ def _figures(results: list[dict], wall: float, hit: float, queried: float) -> di
 # The probe's prompts: one of several whole blocks (the router asks MatchPrefix:
 # the figure the target is about), and one shorter than a block (no pool can
 # hold any of it, so the router does not ask).
-PROBE_PROMPT = "Latency probe: the same prompt every time, long enough to fill a few whole blocks. " * 3
+PROBE_PROMPT = (
+    "Latency probe: the same prompt every time, long enough to fill a few whole blocks. " * 3
+)
 PROBE_SHORT_PROMPT = "Latency probe."
 
 
-async def _probe(direct: str, routed: dict[str, str], model: str, n: int, prompt: str) -> dict[str, Any]:
+async def _probe(
+    direct: str, routed: dict[str, str], model: str, n: int, prompt: str
+) -> dict[str, Any]:
     """Sequential one-token completions, in turn to `direct` and to each of
     `routed` (name -> router URL); each router's p50 less direct's."""
     import httpx
@@ -239,21 +266,31 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from pagedkv_base.model_files import load_tokenizer
 
     w = ROUTE[args.workload]
-    workload = tenant_conversations(load_tokenizer(w.model), w.tenants, w.prompt_tokens, w.conversations, w.seed)
+    workload = tenant_conversations(
+        load_tokenizer(w.model), w.tenants, w.prompt_tokens, w.conversations, w.seed
+    )
     runs: dict[str, list[dict]] = {name: [] for name in (*POLICIES, ASKING, REFERENCE)}
     with topology(w.model, w.num_blocks, w.block_size, w.concurrency) as systems:
         for name, target in systems.targets.items():  # warm-up: each path once, its own salt
             asyncio.run(_run(target.url, workload[:2], w, f"warmup-{name}"))
         with background_load(args.background_load):
             for rnd, name in harness.interleaved(list(systems.targets), w.rounds):
-                runs[name].append(_one_run(systems.targets[name], workload, w, f"round{rnd}-{name}"))
-        probe = _probes(systems.direct, {"kv": systems.targets["kv"].url, ASKING: systems.targets[ASKING].url},
-                        w.model, w.probe_requests)
+                runs[name].append(
+                    _one_run(systems.targets[name], workload, w, f"round{rnd}-{name}")
+                )
+        probe = _probes(
+            systems.direct,
+            {"kv": systems.targets["kv"].url, ASKING: systems.targets[ASKING].url},
+            w.model,
+            w.probe_requests,
+        )
         probe |= _routing_split(systems.kv_router)
     return _report(w, args.background_load, runs, probe)
 
 
-def _one_run(target: Target, workload: list[list[dict]], w: RouteWorkload, salt: str) -> dict[str, Any]:
+def _one_run(
+    target: Target, workload: list[list[dict]], w: RouteWorkload, salt: str
+) -> dict[str, Any]:
     """The whole workload through `target`, salted so that no other run's prefixes are cached for it."""
     hit0, queried0 = _prefix_counters(target.workers)
     results, wall = asyncio.run(_run(target.url, workload, w, salt))
@@ -265,17 +302,24 @@ def _spread(rows: list[dict]) -> dict[str, Any]:
     """The hit rate's lowest, highest and each round's, over a policy's runs."""
     rates = [r["hit_rate"] for r in rows]
     present = [r for r in rates if r is not None]
-    return {"hit_rate_min": min(present) if present else None, "hit_rate_max": max(present) if present else None,
-            "hit_rate_per_round": rates}
+    return {
+        "hit_rate_min": min(present) if present else None,
+        "hit_rate_max": max(present) if present else None,
+        "hit_rate_per_round": rates,
+    }
 
 
 def _per_round(runs: dict[str, list[dict]]) -> dict[str, list[float | None]]:
     """The targets' ratios round by round (the runs of one round share the machine's conditions)."""
     return {
         "kv_hit_rate_of_one_worker_with_both_pools": [
-            harness.ratio(a["hit_rate"], b["hit_rate"]) for a, b in zip(runs["kv"], runs[REFERENCE], strict=True)],
+            harness.ratio(a["hit_rate"], b["hit_rate"])
+            for a, b in zip(runs["kv"], runs[REFERENCE], strict=True)
+        ],
         "kv_tokens_per_s_over_round_robin": [
-            harness.ratio(a["tokens_per_s"], b["tokens_per_s"]) for a, b in zip(runs["kv"], runs["round-robin"], strict=True)],
+            harness.ratio(a["tokens_per_s"], b["tokens_per_s"])
+            for a, b in zip(runs["kv"], runs["round-robin"], strict=True)
+        ],
     }
 
 
@@ -288,15 +332,29 @@ def _prefill_bound(summary: dict) -> float | None:
     return None if rr is None or ref is None else harness.ratio(1 - rr, 1 - ref)
 
 
-def _report(w: RouteWorkload, background_load: int, runs: dict[str, list[dict]], probe: dict) -> dict[str, Any]:
+def _report(
+    w: RouteWorkload, background_load: int, runs: dict[str, list[dict]], probe: dict
+) -> dict[str, Any]:
     def mean(rows: list[dict], key: str) -> float | None:
         value = harness.mean(r.get(key) for r in rows)
         return None if value is None else round(value, 4)
 
-    summary = {name: {k: mean(rows, k) for k in ("hit_rate", "tokens_per_s", "ttft_p50_ms", "ttft_p95_ms",
-                                                 "routing_ms_p50", "busiest_worker_share")}
-               | _spread(rows) | {"errors": sum(r["errors"] for r in rows)}
-               for name, rows in runs.items()}
+    summary = {
+        name: {
+            k: mean(rows, k)
+            for k in (
+                "hit_rate",
+                "tokens_per_s",
+                "ttft_p50_ms",
+                "ttft_p95_ms",
+                "routing_ms_p50",
+                "busiest_worker_share",
+            )
+        }
+        | _spread(rows)
+        | {"errors": sum(r["errors"] for r in rows)}
+        for name, rows in runs.items()
+    }
     kv, rr, ref = summary["kv"], summary["round-robin"], summary[REFERENCE]
 
     per_round = _per_round(runs)
@@ -305,20 +363,36 @@ def _report(w: RouteWorkload, background_load: int, runs: dict[str, list[dict]],
         return None if not values or None in values else min(values)
 
     return {
-        "workload": {"model": w.model, "tenants": w.tenants, "prompt_tokens": w.prompt_tokens,
-                     "conversations_per_tenant": w.conversations, "requests_per_run": w.tenants * w.conversations,
-                     "concurrency": w.concurrency, "max_tokens": w.max_tokens, "workers": 2,
-                     "num_blocks_per_worker": w.num_blocks, "block_size": w.block_size, "rounds": w.rounds,
-                     "background_load": background_load},
+        "workload": {
+            "model": w.model,
+            "tenants": w.tenants,
+            "prompt_tokens": w.prompt_tokens,
+            "conversations_per_tenant": w.conversations,
+            "requests_per_run": w.tenants * w.conversations,
+            "concurrency": w.concurrency,
+            "max_tokens": w.max_tokens,
+            "workers": 2,
+            "num_blocks_per_worker": w.num_blocks,
+            "block_size": w.block_size,
+            "rounds": w.rounds,
+            "background_load": background_load,
+        },
         "summary": summary,
         "targets": {
-            "kv_hit_rate_of_one_worker_with_both_pools": harness.ratio(kv["hit_rate"], ref["hit_rate"]),
-            "kv_tokens_per_s_over_round_robin": harness.ratio(kv["tokens_per_s"], rr["tokens_per_s"]),
+            "kv_hit_rate_of_one_worker_with_both_pools": harness.ratio(
+                kv["hit_rate"], ref["hit_rate"]
+            ),
+            "kv_tokens_per_s_over_round_robin": harness.ratio(
+                kv["tokens_per_s"], rr["tokens_per_s"]
+            ),
             "kv_ttft_p50_of_round_robin": harness.ratio(kv["ttft_p50_ms"], rr["ttft_p50_ms"]),
             "router_added_p50_ms": probe["added_p50_ms"],
-            "kv_hit_rate_of_one_worker_with_both_pools_worst_round":
-                worst(per_round["kv_hit_rate_of_one_worker_with_both_pools"]),
-            "kv_tokens_per_s_over_round_robin_worst_round": worst(per_round["kv_tokens_per_s_over_round_robin"]),
+            "kv_hit_rate_of_one_worker_with_both_pools_worst_round": worst(
+                per_round["kv_hit_rate_of_one_worker_with_both_pools"]
+            ),
+            "kv_tokens_per_s_over_round_robin_worst_round": worst(
+                per_round["kv_tokens_per_s_over_round_robin"]
+            ),
             "kv_tokens_per_s_over_round_robin_bound": _prefill_bound(summary),
         },
         "per_round": per_round,
@@ -330,15 +404,31 @@ def _report(w: RouteWorkload, background_load: int, runs: dict[str, list[dict]],
 def tables(report: dict) -> list[Table]:
     w, g, p = report["workload"], report["targets"], report["probe"]
     runs = report["runs"]
-    spreads = {name: _spread(rows) for name, rows in runs.items()}  # from the runs: reports of any age
+    spreads = {
+        name: _spread(rows) for name, rows in runs.items()
+    }  # from the runs: reports of any age
     per_round = _per_round(runs)
-    rows = [[name, cell(s["hit_rate"], ".1%"), cell(spreads[name]["hit_rate_min"], ".1%"),
-             cell(spreads[name]["hit_rate_max"], ".1%"), cell(s["tokens_per_s"], ".1f"), cell(s["ttft_p50_ms"]),
-             cell(s["ttft_p95_ms"]), cell(s["routing_ms_p50"]), cell(s["busiest_worker_share"]), cell(s["errors"])]
-            for name, s in report["summary"].items()]
+    rows = [
+        [
+            name,
+            cell(s["hit_rate"], ".1%"),
+            cell(spreads[name]["hit_rate_min"], ".1%"),
+            cell(spreads[name]["hit_rate_max"], ".1%"),
+            cell(s["tokens_per_s"], ".1f"),
+            cell(s["ttft_p50_ms"]),
+            cell(s["ttft_p95_ms"]),
+            cell(s["routing_ms_p50"]),
+            cell(s["busiest_worker_share"]),
+            cell(s["errors"]),
+        ]
+        for name, s in report["summary"].items()
+    ]
     notes = [
-        "hit rate per round: " + "; ".join(f"{name} {cell(spreads[name]['hit_rate_per_round'], '.1%')}"
-                                           for name in report["summary"]),
+        "hit rate per round: "
+        + "; ".join(
+            f"{name} {cell(spreads[name]['hit_rate_per_round'], '.1%')}"
+            for name in report["summary"]
+        ),
         f"per round, kv hit rate / one worker with both pools: "
         f"{cell(per_round['kv_hit_rate_of_one_worker_with_both_pools'])} (target >= 0.9 in every round); "
         f"kv tokens/s / round-robin: {cell(per_round['kv_tokens_per_s_over_round_robin'])} (target >= 1.5)",
@@ -357,14 +447,32 @@ def tables(report: dict) -> list[Table]:
         f"{cell(p['kv_view_match_mean_ms'])} ms (MatchPrefix, while the view was not in step: "
         f"{cell(p['kv_match_prefix_mean_ms'])} ms)",
     ]
-    return [Table(
-        title=f"pagedkv bench route: {w['tenants']} tenants x {w['conversations_per_tenant']} conversations, "
-              f"~{w['prompt_tokens']}-token system prompts, 2 workers x {w['num_blocks_per_worker']} blocks "
-              f"({w['model']}), mean of {w['rounds']} interleaved rounds"
-              + (f", {w['background_load']} CPU-bound processes beside the stack" if w.get("background_load") else ""),
-        columns=["policy", "hit rate", "hit rate min", "hit rate max", "tokens/s", "TTFT p50 ms", "TTFT p95 ms", "routing ms p50",
-                 "busiest worker's share", "errors"],
-        rows=rows, notes=notes)]
+    return [
+        Table(
+            title=f"pagedkv bench route: {w['tenants']} tenants x {w['conversations_per_tenant']} conversations, "
+            f"~{w['prompt_tokens']}-token system prompts, 2 workers x {w['num_blocks_per_worker']} blocks "
+            f"({w['model']}), mean of {w['rounds']} interleaved rounds"
+            + (
+                f", {w['background_load']} CPU-bound processes beside the stack"
+                if w.get("background_load")
+                else ""
+            ),
+            columns=[
+                "policy",
+                "hit rate",
+                "hit rate min",
+                "hit rate max",
+                "tokens/s",
+                "TTFT p50 ms",
+                "TTFT p95 ms",
+                "routing ms p50",
+                "busiest worker's share",
+                "errors",
+            ],
+            rows=rows,
+            notes=notes,
+        )
+    ]
 
 
 def figures(report: dict) -> dict[str, tuple[float | None, bool]]:

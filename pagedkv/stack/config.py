@@ -25,39 +25,76 @@ class UpArgs:
     hands_on: ClassVar[tuple[type, ...]] = (WorkerArgs, RouterArgs)
 
     workers: int = setting(2, "number of worker processes")
-    model: str = setting("smollm2", "model every worker serves (and the router tokenizes with): smollm2, "
-                         "tiny-random, a path or a Hugging Face repo id")
-    host: str = setting("127.0.0.1", "address the allocator and the router bind (the workers too with --no-router)")
-    router: bool = setting(True, "run the router in front of the workers; --no-router: clients use the workers")
+    model: str = setting(
+        "smollm2",
+        "model every worker serves (and the router tokenizes with): smollm2, "
+        "tiny-random, a path or a Hugging Face repo id",
+    )
+    host: str = setting(
+        "127.0.0.1", "address the allocator and the router bind (the workers too with --no-router)"
+    )
+    router: bool = setting(
+        True, "run the router in front of the workers; --no-router: clients use the workers"
+    )
     router_port: int = setting(8000, "HTTP port of the router; 0 picks a free one")
-    base_port: int = setting(8001, "HTTP port of worker 1; worker i gets base+i-1; 0 picks free ports", flag=False)
+    base_port: int = setting(
+        8001, "HTTP port of worker 1; worker i gets base+i-1; 0 picks free ports", flag=False
+    )
     allocators: int = setting(
-        1, "allocator processes the workers' pools are sharded over: worker i registers with allocator "
-        "((i - 1) mod N), the router follows them all; at most --workers")
+        1,
+        "allocator processes the workers' pools are sharded over: worker i registers with allocator "
+        "((i - 1) mod N), the router follows them all; at most --workers",
+    )
     allocator_port: int = setting(
-        50051, "gRPC port of the allocator (allocator i: this + i - 1); 0 picks a free one", flag=False)
+        50051,
+        "gRPC port of the allocator (allocator i: this + i - 1); 0 picks a free one",
+        flag=False,
+    )
     allocator_metrics_port: int = setting(
-        9400, "Prometheus /metrics and /pools port of the allocator (allocator i: this + i - 1); 0 picks a free "
-        "one", flag=False)
+        9400,
+        "Prometheus /metrics and /pools port of the allocator (allocator i: this + i - 1); 0 picks a free "
+        "one",
+        flag=False,
+    )
     state: str = setting("memory", "allocator state: memory or redis://host:port/db")
     redis: bool = setting(
-        False, "start a redis-server (append-only, on a free port) when the binary exists and keep the "
-        "allocator's journal in it")
+        False,
+        "start a redis-server (append-only, on a free port) when the binary exists and keep the "
+        "allocator's journal in it",
+    )
     standby: bool = setting(
-        False, "give each allocator a hot standby (allocator --standby) that follows its journal and takes over "
+        False,
+        "give each allocator a hot standby (allocator --standby) that follows its journal and takes over "
         "within the leader lease when it dies or pauses; needs --redis or --state redis://...; the workers and "
-        "the router follow the leader")
+        "the router follow the leader",
+    )
     prometheus: bool = setting(
-        False, "start a prometheus (when the binary exists) scraping the allocators, the router and every worker")
+        False,
+        "start a prometheus (when the binary exists) scraping the allocators, the router and every worker",
+    )
     prometheus_port: int = setting(9090, "Prometheus web port; 0 picks a free one", flag=False)
     scrape_interval: str = setting("2s", "Prometheus scrape interval", flag=False)
-    timeout: float = setting(300.0, "seconds each stage may take to become healthy", parse=seconds, flag=False)
-    grace: float = setting(10.0, "seconds between SIGTERM and SIGKILL at shutdown", parse=seconds, flag=False)
+    timeout: float = setting(
+        300.0, "seconds each stage may take to become healthy", parse=seconds, flag=False
+    )
+    grace: float = setting(
+        10.0, "seconds between SIGTERM and SIGKILL at shutdown", parse=seconds, flag=False
+    )
     log_dir: str | None = setting(
-        None, "keep each process's log as DIR/NAME.log", shown_default="a temporary folder, removed at exit")
+        None,
+        "keep each process's log as DIR/NAME.log",
+        shown_default="a temporary folder, removed at exit",
+    )
     restart: bool = setting(
-        True, "restart a process that exits, as compose's restart: unless-stopped (one line per restart, a delay "
+        True,
+        "restart a process that exits, as compose's restart: unless-stopped (one line per restart, a delay "
         f"doubling from {RESTART_DELAYS[0]:g} s while it keeps exiting within {FAST_EXIT_S:g} s of starting; after "
-        f"{GIVE_UP_AFTER} such exits in a row the stack stops); 0 stops the stack when any process exits", flag=False)
-    ready_file: str | None = setting(None, "when everything is healthy, write the addresses and pids there as JSON")
-    quiet: bool = setting(False, "do not echo the processes' output (it still goes to the log files)")
+        f"{GIVE_UP_AFTER} such exits in a row the stack stops); 0 stops the stack when any process exits",
+        flag=False,
+    )
+    ready_file: str | None = setting(
+        None, "when everything is healthy, write the addresses and pids there as JSON"
+    )
+    quiet: bool = setting(
+        False, "do not echo the processes' output (it still goes to the log files)"
+    )

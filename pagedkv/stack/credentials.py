@@ -70,9 +70,15 @@ def _current(directory: Path) -> list[tuple[str, ...]] | None:
         lines = (directory / WORKER_TOKENS).read_text().splitlines()
     except OSError:
         return None
-    rows = [(*line.split()[:2], *line.split()[3:]) for line in lines if line.strip() and not line.startswith("#")]
+    rows = [
+        (*line.split()[:2], *line.split()[3:])
+        for line in lines
+        if line.strip() and not line.startswith("#")
+    ]
     complete = all((directory / n).exists() for n in (ROUTER_TOKEN, ADMIN_TOKEN)) and all(
-        worker_token_file(directory, r[0]).exists() and store_key_file(directory, r[0]).exists() for r in rows)
+        worker_token_file(directory, r[0]).exists() and store_key_file(directory, r[0]).exists()
+        for r in rows
+    )
     return rows if complete else None
 
 
@@ -91,8 +97,12 @@ def _store_keys(d: Path, workers: Sequence[str], store_group: str | None) -> Non
             write_secret(store_key_file(d, w), key)
 
 
-def write_credentials(directory: str | os.PathLike, workers: Sequence[tuple[str, str]],
-                      store_group: str | None = None, guests: Sequence[tuple[str, str]] = ()) -> bool:
+def write_credentials(
+    directory: str | os.PathLike,
+    workers: Sequence[tuple[str, str]],
+    store_group: str | None = None,
+    guests: Sequence[tuple[str, str]] = (),
+) -> bool:
     """Make the folder's credentials for `workers` ((id, address) pairs), all
     in store group `store_group` (None: each its own), and for `guests` (the
     same pairs), each a store group of its own whatever `store_group` is; True
@@ -132,8 +142,11 @@ ALLOCATOR_DIR, ROUTER_DIR = "allocator", "router"
 
 def processes_files(workers: Sequence[str]) -> dict[str, list[str]]:
     """Each process's folder (`--split`) and the files it holds."""
-    return {ALLOCATOR_DIR: [WORKER_TOKENS, ROUTER_TOKEN, ADMIN_TOKEN, JOURNAL_KEY], ROUTER_DIR: [ROUTER_TOKEN],
-            **{w: [worker_token_file(Path(), w).name, store_key_file(Path(), w).name] for w in workers}}
+    return {
+        ALLOCATOR_DIR: [WORKER_TOKENS, ROUTER_TOKEN, ADMIN_TOKEN, JOURNAL_KEY],
+        ROUTER_DIR: [ROUTER_TOKEN],
+        **{w: [worker_token_file(Path(), w).name, store_key_file(Path(), w).name] for w in workers},
+    }
 
 
 def split_credentials(directory: str | os.PathLike, workers: Sequence[str]) -> None:
@@ -155,18 +168,35 @@ def split_credentials(directory: str | os.PathLike, workers: Sequence[str]) -> N
 
 # ------------------------------------------------------------ the command
 
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "credentials", help="generate a stack's credentials (what docker-compose's credentials service runs)",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("directory", help="the folder to write them to (kept when it already holds them)")
-    p.add_argument("workers", nargs="+", metavar="WORKER_ID=URL", help="each worker and the address it advertises")
-    p.add_argument("--store-group", metavar="NAME",
-                   help="put these workers in one store group: each loads the shared-store entries the others "
-                   "write (one trust domain); without it each worker is a group of its own")
-    p.add_argument("--split", action="store_true",
-                   help="also give each process a folder of its own files (DIR/allocator, DIR/router, "
-                   "DIR/WORKER_ID), to mount each process only its own")
+        "credentials",
+        help="generate a stack's credentials (what docker-compose's credentials service runs)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "directory", help="the folder to write them to (kept when it already holds them)"
+    )
+    p.add_argument(
+        "workers",
+        nargs="+",
+        metavar="WORKER_ID=URL",
+        help="each worker and the address it advertises",
+    )
+    p.add_argument(
+        "--store-group",
+        metavar="NAME",
+        help="put these workers in one store group: each loads the shared-store entries the others "
+        "write (one trust domain); without it each worker is a group of its own",
+    )
+    p.add_argument(
+        "--split",
+        action="store_true",
+        help="also give each process a folder of its own files (DIR/allocator, DIR/router, "
+        "DIR/WORKER_ID), to mount each process only its own",
+    )
     return p
 
 
@@ -185,5 +215,7 @@ def run(args: argparse.Namespace) -> int:
             split_credentials(args.directory, [w for w, _ in pairs])
     except ValueError as exc:
         raise CliError(str(exc)) from exc
-    print(f"credentials for {len(pairs)} workers in {args.directory} ({'written' if written else 'kept'})")
+    print(
+        f"credentials for {len(pairs)} workers in {args.directory} ({'written' if written else 'kept'})"
+    )
     return 0

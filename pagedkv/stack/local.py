@@ -122,7 +122,16 @@ THREADS_ENV = env_name("worker", "--threads")
 RESTART_DELAYS = (0.5, 1.0, 2.0, 4.0, 8.0)
 FAST_EXIT_S = 30.0
 GIVE_UP_AFTER = 5  # exits in a row that fast: the process is given up on
-_COLOURS = ("cyan", "magenta", "green", "yellow", "blue", "bright_red", "bright_cyan", "bright_magenta")
+_COLOURS = (
+    "cyan",
+    "magenta",
+    "green",
+    "yellow",
+    "blue",
+    "bright_red",
+    "bright_cyan",
+    "bright_magenta",
+)
 
 
 class LocalStack:
@@ -163,16 +172,26 @@ class LocalStack:
         if workers < 1:
             raise StackError("--workers must be at least 1")
         if not 1 <= allocators <= workers:
-            raise StackError("--allocators must be at least 1 and at most --workers (each holds some workers' pools)")
+            raise StackError(
+                "--allocators must be at least 1 and at most --workers (each holds some workers' pools)"
+            )
         self.num_allocators = allocators
-        if allocators > 1 and {"--state", "--listen", "--metrics-port"} & {a.split("=")[0] for a in allocator_args}:
-            raise StackError("with --allocators > 1 each allocator gets its own --state key prefix, --listen and "
-                             "--metrics-port: give the state with --state, the ports with PAGEDKV_UP_ALLOCATOR_PORT "
-                             "and PAGEDKV_UP_ALLOCATOR_METRICS_PORT")
+        if allocators > 1 and {"--state", "--listen", "--metrics-port"} & {
+            a.split("=")[0] for a in allocator_args
+        }:
+            raise StackError(
+                "with --allocators > 1 each allocator gets its own --state key prefix, --listen and "
+                "--metrics-port: give the state with --state, the ports with PAGEDKV_UP_ALLOCATOR_PORT "
+                "and PAGEDKV_UP_ALLOCATOR_METRICS_PORT"
+            )
         if redis and state != "memory":
-            raise StackError(f"--redis starts its own Redis; it cannot be combined with --state {state}")
+            raise StackError(
+                f"--redis starts its own Redis; it cannot be combined with --state {state}"
+            )
         if standby and not redis and state == "memory":
-            raise StackError("--standby follows the allocator's journal: give --redis or --state redis://...")
+            raise StackError(
+                "--standby follows the allocator's journal: give --redis or --state redis://..."
+            )
         self.want_standby = standby
         self.num_workers = workers
         self.model = model
@@ -193,8 +212,10 @@ class LocalStack:
         self.token = token
         self.credentials = credentials
         if guest_workers and (token is not None or not credentials):
-            raise StackError("guest workers get generated credentials: give them without a token and with "
-                             "credentials on")
+            raise StackError(
+                "guest workers get generated credentials: give them without a token and with "
+                "credentials on"
+            )
         self.guest_workers = list(guest_workers)
         self.tls = tls
         self.want_router = router
@@ -270,7 +291,9 @@ class LocalStack:
         if port in self._ports:  # e.g. allocator port P with --allocators 2 and metrics on P + 1
             raise StackError(f"port {port} for {name} is also the port of {self._ports[port]}")
         if port_in_use(self.connect_host, port):
-            raise StackError(f"port {port} for {name} is already in use (pass 0 to pick a free port)")
+            raise StackError(
+                f"port {port} for {name} is already in use (pass 0 to pick a free port)"
+            )
         self._ports[port] = name
         return port
 
@@ -278,9 +301,15 @@ class LocalStack:
         """Make a service of this stack (its log file, colour, console; dies with the launcher)."""
         name = kw.get("name") or args[0]
         env = {**self.env, **(kw.pop("env", None) or {})}  # the stack's, then this service's own
-        service = cls(*args, log_path=self.log_dir / f"{name}.log", console=self.console,
-                      colour=_COLOURS[len(self.services) % len(_COLOURS)], die_with_parent=True,
-                      env=env, **kw)
+        service = cls(
+            *args,
+            log_path=self.log_dir / f"{name}.log",
+            console=self.console,
+            colour=_COLOURS[len(self.services) % len(_COLOURS)],
+            die_with_parent=True,
+            env=env,
+            **kw,
+        )
         self.services[service.name] = service
         return service
 
@@ -301,22 +330,39 @@ class LocalStack:
         state = self.state
         if self.want_redis:
             if shutil.which("redis-server") is None:
-                self._warn("--redis: no redis-server on PATH; the allocator keeps its state in memory")
+                self._warn(
+                    "--redis: no redis-server on PATH; the allocator keeps its state in memory"
+                )
             else:
-                self.redis = self._add(RedisProcess, name="redis", host=h, data_dir=self.log_dir / "redis")
+                self.redis = self._add(
+                    RedisProcess, name="redis", host=h, data_dir=self.log_dir / "redis"
+                )
                 self.redis.start().wait_healthy(self.startup_timeout)
                 self.redis_url = state = self.redis.url
         if self.want_standby and state == "memory":
             raise StackError("--standby: no redis-server on PATH for the journal it follows")
 
         # The workers are made (not started) first: their addresses go into their credentials.
-        share = [] if THREADS_ENV in {**os.environ, **self.env} else ["--threads", thread_share(self.num_workers)]
+        share = (
+            []
+            if THREADS_ENV in {**os.environ, **self.env}
+            else ["--threads", thread_share(self.num_workers)]
+        )
         for i in range(1, self.num_workers + 1):
             name = f"worker-{i}"
             port = self._port(self.base_port + i - 1 if self.base_port else 0, name)
-            self.workers.append(self._add(
-                WorkerProcess, name, model=self.model, allocator="", args=[*share, *self.worker_args],
-                host=self.worker_host, port=port, connect_host=h))
+            self.workers.append(
+                self._add(
+                    WorkerProcess,
+                    name,
+                    model=self.model,
+                    allocator="",
+                    args=[*share, *self.worker_args],
+                    host=self.worker_host,
+                    port=port,
+                    connect_host=h,
+                )
+            )
             self.worker_urls.append(self.workers[-1].url)
 
         allocator_args: list[str] = []
@@ -331,16 +377,31 @@ class LocalStack:
             router_file = self._secret("router-token", self.token + "-router")
             allocator_args += ["--router-token-file", str(router_file)]
             router_to_allocator += ["--router-token-file", str(router_file)]
-        elif self.credentials:  # generated for this stack: a token per worker, bound to its id and address
+        elif (
+            self.credentials
+        ):  # generated for this stack: a token per worker, bound to its id and address
             # The stack's workers are one operator's: one store group, whose key seals their store entries.
-            write_credentials(self.log_dir, [(w.worker_id, w.url) for w in self.workers], STORE_GROUP,
-                              self.guest_workers)
+            write_credentials(
+                self.log_dir,
+                [(w.worker_id, w.url) for w in self.workers],
+                STORE_GROUP,
+                self.guest_workers,
+            )
             for worker in self.workers:
-                worker.args += ["--allocator-token-file", str(worker_token_file(self.log_dir, worker.worker_id)),
-                                "--kv-store-key-file", str(store_key_file(self.log_dir, worker.worker_id))]
-            allocator_args += ["--worker-tokens-file", str(self.log_dir / WORKER_TOKENS),
-                               "--admin-token-file", str(self.log_dir / ADMIN_TOKEN),
-                               "--router-token-file", str(self.log_dir / ROUTER_TOKEN)]
+                worker.args += [
+                    "--allocator-token-file",
+                    str(worker_token_file(self.log_dir, worker.worker_id)),
+                    "--kv-store-key-file",
+                    str(store_key_file(self.log_dir, worker.worker_id)),
+                ]
+            allocator_args += [
+                "--worker-tokens-file",
+                str(self.log_dir / WORKER_TOKENS),
+                "--admin-token-file",
+                str(self.log_dir / ADMIN_TOKEN),
+                "--router-token-file",
+                str(self.log_dir / ROUTER_TOKEN),
+            ]
             allocator_env = {"PAGEDKV_ALLOCATOR_JOURNAL_KEY_FILE": str(self.log_dir / JOURNAL_KEY)}
             router_to_allocator += ["--router-token-file", str(self.log_dir / ROUTER_TOKEN)]
         if self.tls is not None:
@@ -352,15 +413,27 @@ class LocalStack:
         for i in range(self.num_allocators):
             name = "allocator" if i == 0 else f"allocator-{i + 1}"
             aport = self._port(self.allocator_port + i if self.allocator_port else 0, f"the {name}")
-            mport = self._port(self.allocator_metrics_port + i if self.allocator_metrics_port else 0,
-                               f"the {name}'s metrics")
+            mport = self._port(
+                self.allocator_metrics_port + i if self.allocator_metrics_port else 0,
+                f"the {name}'s metrics",
+            )
             allocator = self._add(
-                AllocatorProcess, ["--metrics-port", str(mport), "--state", _shard_state(state, i),
-                                   # with a standby both run --standby: the first to start leads, and
-                                   # either, restarted, follows whichever leads then
-                                   *(["--standby"] if self.want_standby else []),
-                                   *allocator_args, *self.allocator_args],
-                name=name, listen=f"{self.host}:{aport}", connect_host=connect, probe_grpc=self.tls is None,
+                AllocatorProcess,
+                [
+                    "--metrics-port",
+                    str(mport),
+                    "--state",
+                    _shard_state(state, i),
+                    # with a standby both run --standby: the first to start leads, and
+                    # either, restarted, follows whichever leads then
+                    *(["--standby"] if self.want_standby else []),
+                    *allocator_args,
+                    *self.allocator_args,
+                ],
+                name=name,
+                listen=f"{self.host}:{aport}",
+                connect_host=connect,
+                probe_grpc=self.tls is None,
                 env=allocator_env,
             )
             self.allocators.append(allocator)
@@ -376,14 +449,29 @@ class LocalStack:
             name = f"{self.allocators[i].name}-standby"
             n = self.num_allocators + i
             aport = self._port(self.allocator_port + n if self.allocator_port else 0, f"the {name}")
-            mport = self._port(self.allocator_metrics_port + n if self.allocator_metrics_port else 0,
-                               f"the {name}'s metrics")
-            self.standbys.append(self._add(
-                AllocatorProcess, ["--standby", "--metrics-port", str(mport), "--state", _shard_state(state, i),
-                                   *allocator_args, *self.allocator_args],
-                name=name, listen=f"{self.host}:{aport}", connect_host=connect, probe_grpc=self.tls is None,
-                env=allocator_env,
-            ))
+            mport = self._port(
+                self.allocator_metrics_port + n if self.allocator_metrics_port else 0,
+                f"the {name}'s metrics",
+            )
+            self.standbys.append(
+                self._add(
+                    AllocatorProcess,
+                    [
+                        "--standby",
+                        "--metrics-port",
+                        str(mport),
+                        "--state",
+                        _shard_state(state, i),
+                        *allocator_args,
+                        *self.allocator_args,
+                    ],
+                    name=name,
+                    listen=f"{self.host}:{aport}",
+                    connect_host=connect,
+                    probe_grpc=self.tls is None,
+                    env=allocator_env,
+                )
+            )
             self.standby_addresses.append(f"{connect}:{aport}")
             self.standby_metrics_urls.append(f"http://{h}:{mport}/metrics")
             groups[i].append(self.standby_addresses[-1])
@@ -394,16 +482,25 @@ class LocalStack:
         # environment's PAGEDKV_WORKER_THREADS). Each would take every core.
         checks = []
         for i, worker in enumerate(self.workers):
-            worker.allocator = ",".join(groups[i % self.num_allocators])  # a leader and its standby: it follows
+            worker.allocator = ",".join(
+                groups[i % self.num_allocators]
+            )  # a leader and its standby: it follows
             worker.args += to_allocator
             checks.append((worker.start().proc, worker.healthy))
 
         if self.want_router:
             rport = self._port(self.router_port, "the router")
             # each allocator once; one with a standby as LEADER|STANDBY
-            self.router = self._add(RouterProcess, name="router", allocator=",".join("|".join(g) for g in groups),
-                                    model=self.model, args=[*router_to_allocator, *self.router_args],
-                                    host=self.host, port=rport, connect_host=h)
+            self.router = self._add(
+                RouterProcess,
+                name="router",
+                allocator=",".join("|".join(g) for g in groups),
+                model=self.model,
+                args=[*router_to_allocator, *self.router_args],
+                host=self.host,
+                port=rport,
+                connect_host=h,
+            )
             self.router_url = self.router.url
             # after the workers: its /health waits for one it can reach
             wait_healthy(checks, self.startup_timeout)
@@ -416,13 +513,26 @@ class LocalStack:
             else:
                 pport = self._port(self.prometheus_port, "Prometheus")
                 config = self.log_dir / "prometheus.yml"
-                config.write_text(prometheus_config(
-                    [u.removeprefix("http://").removesuffix("/metrics")
-                     for u in self.allocator_metrics_urls + self.standby_metrics_urls],
-                    [u.removeprefix("http://") for u in self.worker_urls], self.scrape_interval,
-                    [self.router_url.removeprefix("http://")] if self.router_url else ()))
-                self.prometheus = self._add(PrometheusProcess, prom_bin, config, self.log_dir / "prometheus-data",
-                                            name="prometheus", host=h, port=pport)
+                config.write_text(
+                    prometheus_config(
+                        [
+                            u.removeprefix("http://").removesuffix("/metrics")
+                            for u in self.allocator_metrics_urls + self.standby_metrics_urls
+                        ],
+                        [u.removeprefix("http://") for u in self.worker_urls],
+                        self.scrape_interval,
+                        [self.router_url.removeprefix("http://")] if self.router_url else (),
+                    )
+                )
+                self.prometheus = self._add(
+                    PrometheusProcess,
+                    prom_bin,
+                    config,
+                    self.log_dir / "prometheus-data",
+                    name="prometheus",
+                    host=h,
+                    port=pport,
+                )
                 self.prometheus_url = self.prometheus.url
                 checks.append((self.prometheus.start().proc, self.prometheus.healthy))
         wait_healthy(checks, self.startup_timeout)
@@ -444,14 +554,20 @@ class LocalStack:
                     fast = now - service.started_at < FAST_EXIT_S
                     n = in_a_row[name] = in_a_row.get(name, 0) + 1 if fast else 0
                     if n >= GIVE_UP_AFTER:
-                        raise StackError(proc.describe_failure(
-                            f"exited ({proc.exit_status()}) {n} times in a row within {FAST_EXIT_S:g} s of "
-                            "starting; given up on"))
+                        raise StackError(
+                            proc.describe_failure(
+                                f"exited ({proc.exit_status()}) {n} times in a row within {FAST_EXIT_S:g} s of "
+                                "starting; given up on"
+                            )
+                        )
                     delay = RESTART_DELAYS[min(max(n - 1, 0), len(RESTART_DELAYS) - 1)]
                     due[name] = now + delay
-                    self._say(f"{name} exited ({proc.exit_status()}); restarting it in {delay:g} s "
-                              f"(restart {service.starts}"
-                              + (f", {n} fast exits in a row" if n else "") + ")")
+                    self._say(
+                        f"{name} exited ({proc.exit_status()}); restarting it in {delay:g} s "
+                        f"(restart {service.starts}"
+                        + (f", {n} fast exits in a row" if n else "")
+                        + ")"
+                    )
                 elif now >= due[name]:
                     with self._lock:
                         if self._stopping.is_set():

@@ -44,10 +44,20 @@ class StackError(CliError):
 class Process:
     """One child process: own session, output kept (tail + log file) and optionally echoed."""
 
-    def __init__(self, name: str, argv: Sequence[str], log_path: Path | None, colour: str = "cyan",
-                 console=None, env: dict[str, str] | None = None, tail_lines: int = 40, *,
-                 die_with_parent: bool = True, append: bool = False,
-                 on_line: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        log_path: Path | None,
+        colour: str = "cyan",
+        console=None,
+        env: dict[str, str] | None = None,
+        tail_lines: int = 40,
+        *,
+        die_with_parent: bool = True,
+        append: bool = False,
+        on_line: Callable[[str], None] | None = None,
+    ) -> None:
         self.name = name
         self.argv = list(argv)
         self.log_path = log_path
@@ -64,8 +74,12 @@ class Process:
             self._log = open(log_path, "a" if append else "w", encoding="utf-8", buffering=1)  # noqa: SIM115 - closed by the reader
         try:
             self.popen = subprocess.Popen(
-                launch, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                start_new_session=True, env=full_env,
+                launch,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=full_env,
             )
         except OSError:
             if self._log is not None:
@@ -94,7 +108,9 @@ class Process:
 
                     self._console.print(
                         Text.assemble((f"{self.name:>10} | ", self._colour), line),
-                        markup=False, highlight=False, soft_wrap=True,
+                        markup=False,
+                        highlight=False,
+                        soft_wrap=True,
                     )
         finally:
             self.popen.stdout.close()
@@ -139,7 +155,9 @@ class Process:
         self._reader.join(timeout=2.0)
 
 
-def stop_processes(tiers: Sequence[Sequence[Process]], grace: float, hurry: threading.Event | None = None) -> None:
+def stop_processes(
+    tiers: Sequence[Sequence[Process]], grace: float, hurry: threading.Event | None = None
+) -> None:
     """SIGTERM each tier's process groups, SIGKILL what outlives `grace` seconds, tier by tier."""
     hurry = hurry or threading.Event()
     for tier in tiers:
@@ -148,7 +166,9 @@ def stop_processes(tiers: Sequence[Sequence[Process]], grace: float, hurry: thre
                 p.signal_group(signal.SIGTERM)
         deadline = time.monotonic() + grace
         try:
-            while any(p.alive() for p in tier) and time.monotonic() < deadline and not hurry.is_set():
+            while (
+                any(p.alive() for p in tier) and time.monotonic() < deadline and not hurry.is_set()
+            ):
                 time.sleep(0.05)
         except KeyboardInterrupt:
             hurry.set()
@@ -158,21 +178,28 @@ def stop_processes(tiers: Sequence[Sequence[Process]], grace: float, hurry: thre
             p.finish()
 
 
-def wait_healthy(checks: Sequence[tuple[Process, Callable[[], bool]]], timeout: float,
-                 interval: float = 0.2) -> None:
+def wait_healthy(
+    checks: Sequence[tuple[Process, Callable[[], bool]]], timeout: float, interval: float = 0.2
+) -> None:
     """Wait until every check passes; StackError names a process that died or never got healthy."""
     pending = list(checks)
     deadline = time.monotonic() + timeout
     while pending:
         for proc, check in list(pending):
             if not proc.alive():
-                raise StackError(proc.describe_failure(
-                    f"exited with status {proc.popen.returncode} before it was healthy"))
+                raise StackError(
+                    proc.describe_failure(
+                        f"exited with status {proc.popen.returncode} before it was healthy"
+                    )
+                )
             if check():
                 pending.remove((proc, check))
         if not pending:
             return
         if time.monotonic() > deadline:
-            raise StackError("\n".join(
-                p.describe_failure(f"was not healthy after {timeout:g} s") for p, _ in pending))
+            raise StackError(
+                "\n".join(
+                    p.describe_failure(f"was not healthy after {timeout:g} s") for p, _ in pending
+                )
+            )
         time.sleep(interval)

@@ -29,8 +29,17 @@ _METRICS = re.compile(r"metrics on (http://\S+)")
 class Service:
     """A named process that can be started, probed, stopped and started again in place."""
 
-    def __init__(self, name: str, *, log_path: Path | None = None, console=None, colour: str = "cyan",
-                 env: dict[str, str] | None = None, die_with_parent: bool = False, tail_lines: int = 500) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        log_path: Path | None = None,
+        console=None,
+        colour: str = "cyan",
+        env: dict[str, str] | None = None,
+        die_with_parent: bool = False,
+        tail_lines: int = 500,
+    ) -> None:
         self.name = name
         self.log_path = log_path
         self.console = console
@@ -58,9 +67,18 @@ class Service:
         if self.starts > 1 and self.log_path is not None:
             with open(self.log_path, "a", encoding="utf-8") as f:
                 f.write(f"---- start {self.starts}\n")
-        self.proc = Process(self.name, argv, self.log_path, self.colour, console=self.console, env=self.env,
-                            tail_lines=self.tail_lines, die_with_parent=self.die_with_parent,
-                            append=self.starts > 1, on_line=self._on_line)
+        self.proc = Process(
+            self.name,
+            argv,
+            self.log_path,
+            self.colour,
+            console=self.console,
+            env=self.env,
+            tail_lines=self.tail_lines,
+            die_with_parent=self.die_with_parent,
+            append=self.starts > 1,
+            on_line=self._on_line,
+        )
         self.started_at = time.monotonic()
         return self
 
@@ -110,8 +128,16 @@ class AllocatorProcess(Service):
     """`python -m allocator_service --listen LISTEN ARGS...`; healthy once it says it listens
     (and, for a plaintext one asked to `probe_grpc`, once gRPC health says SERVING)."""
 
-    def __init__(self, args: Sequence[str] = (), *, listen: str = "127.0.0.1:0", connect_host: str | None = None,
-                 probe_grpc: bool = False, name: str = "allocator", **kw) -> None:
+    def __init__(
+        self,
+        args: Sequence[str] = (),
+        *,
+        listen: str = "127.0.0.1:0",
+        connect_host: str | None = None,
+        probe_grpc: bool = False,
+        name: str = "allocator",
+        **kw,
+    ) -> None:
         super().__init__(name, **kw)
         self.args = list(args)
         self.listen = listen
@@ -148,13 +174,22 @@ class RedisProcess(Service):
     """A private `redis-server` with append-only persistence (as a production journal store
     runs), in `data_dir` (default: a temporary one, removed by `stop()`)."""
 
-    def __init__(self, *, host: str = "127.0.0.1", port: int = 0, data_dir: Path | None = None,
-                 name: str = "redis", **kw) -> None:
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        data_dir: Path | None = None,
+        name: str = "redis",
+        **kw,
+    ) -> None:
         super().__init__(name, **kw)
         self.host = host
         self.port = port or free_port(host)
         self._own_dir = data_dir is None
-        self.dir = Path(tempfile.mkdtemp(prefix="pagedkv-redis-")) if data_dir is None else Path(data_dir)
+        self.dir = (
+            Path(tempfile.mkdtemp(prefix="pagedkv-redis-")) if data_dir is None else Path(data_dir)
+        )
         self.url = f"redis://{host}:{self.port}/0"
 
     def argv(self) -> list[str]:
@@ -162,8 +197,21 @@ class RedisProcess(Service):
         if exe is None:
             raise FileNotFoundError("redis-server is not installed")
         self.dir.mkdir(parents=True, exist_ok=True)
-        return [exe, "--port", str(self.port), "--bind", self.host, "--dir", str(self.dir),
-                "--save", "", "--appendonly", "yes", "--daemonize", "no"]
+        return [
+            exe,
+            "--port",
+            str(self.port),
+            "--bind",
+            self.host,
+            "--dir",
+            str(self.dir),
+            "--save",
+            "",
+            "--appendonly",
+            "yes",
+            "--daemonize",
+            "no",
+        ]
 
     def healthy(self) -> bool:
         return redis_ping_ok(self.host, self.port)
@@ -188,9 +236,18 @@ class HttpService(Service):
 
     module = ""
 
-    def __init__(self, name: str, *, model: str | None = None, allocator: str | None = None,
-                 args: Sequence[str] = (), host: str = "127.0.0.1", port: int = 0,
-                 connect_host: str | None = None, **kw) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        model: str | None = None,
+        allocator: str | None = None,
+        args: Sequence[str] = (),
+        host: str = "127.0.0.1",
+        port: int = 0,
+        connect_host: str | None = None,
+        **kw,
+    ) -> None:
         super().__init__(name, **kw)
         self.model = model
         self.allocator = allocator
@@ -244,9 +301,14 @@ class RouterProcess(HttpService):
         return ["--listen", f"{self.host}:{self.port}"]
 
 
-def prometheus_config(allocator_targets: Sequence[str], worker_targets: Sequence[str],
-                      scrape_interval: str = "5s", router_targets: Sequence[str] = ()) -> str:
+def prometheus_config(
+    allocator_targets: Sequence[str],
+    worker_targets: Sequence[str],
+    scrape_interval: str = "5s",
+    router_targets: Sequence[str] = (),
+) -> str:
     """A Prometheus config with the job names docker-compose and the dashboard use."""
+
     def job(name: str, targets: Sequence[str]) -> str:
         listed = ", ".join(f'"{t}"' for t in targets)
         return f"  - job_name: {name}\n    static_configs:\n      - targets: [{listed}]\n"
@@ -263,8 +325,17 @@ def prometheus_config(allocator_targets: Sequence[str], worker_targets: Sequence
 class PrometheusProcess(Service):
     """`prometheus` with a generated config scraping the allocator and the workers; healthy at /-/ready."""
 
-    def __init__(self, exe: str, config: Path, data_dir: Path, *, host: str = "127.0.0.1", port: int = 0,
-                 name: str = "prometheus", **kw) -> None:
+    def __init__(
+        self,
+        exe: str,
+        config: Path,
+        data_dir: Path,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        name: str = "prometheus",
+        **kw,
+    ) -> None:
         super().__init__(name, **kw)
         self.exe = exe
         self.config = config
@@ -274,15 +345,25 @@ class PrometheusProcess(Service):
         self.url = f"http://{host}:{self.port}"
 
     def argv(self) -> list[str]:
-        return [self.exe, f"--config.file={self.config}", f"--storage.tsdb.path={self.data_dir}",
-                f"--web.listen-address={self.host}:{self.port}", "--log.level=warn"]
+        return [
+            self.exe,
+            f"--config.file={self.config}",
+            f"--storage.tsdb.path={self.data_dir}",
+            f"--web.listen-address={self.host}:{self.port}",
+            "--log.level=warn",
+        ]
 
     def healthy(self) -> bool:
         return http_ok(f"{self.url}/-/ready")
 
 
-def start_allocator(args: Sequence[str] = (), *, listen: str = "127.0.0.1:0", env: dict[str, str] | None = None,
-                    timeout: float = 30.0) -> AllocatorProcess:
+def start_allocator(
+    args: Sequence[str] = (),
+    *,
+    listen: str = "127.0.0.1:0",
+    env: dict[str, str] | None = None,
+    timeout: float = 30.0,
+) -> AllocatorProcess:
     """An allocator of its own on `listen` (port 0: a free one), serving when this returns."""
     server = AllocatorProcess(args, listen=listen, env=env)
     try:
@@ -301,4 +382,3 @@ def start_redis(timeout: float = 15.0) -> RedisProcess:
     except BaseException:
         redis.stop()
         raise
-

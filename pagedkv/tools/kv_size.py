@@ -30,7 +30,9 @@ class KVSize:
     max_context: int | None
 
 
-def kv_size_from_config(cfg: dict, dtype: str | None = None, kv_cache_dtype: str = "auto") -> KVSize:
+def kv_size_from_config(
+    cfg: dict, dtype: str | None = None, kv_cache_dtype: str = "auto"
+) -> KVSize:
     """`dtype`: the model's (default: the config's); `kv_cache_dtype`: the worker's flag."""
     try:
         layers, kv_heads, head_dim = kv_dims_from_config(cfg)
@@ -74,11 +76,19 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("config", metavar="CONFIG_JSON", help="a Hugging Face config.json")
-    p.add_argument("--dtype", help="KV element type (default: the config's torch_dtype, else float16)")
-    p.add_argument("--kv-cache-dtype", default="auto", metavar="auto|fp8|fp8_e4m3|fp8_e5m2",
-                   help="the worker's --kv-cache-dtype: 'auto' (the dtype above) or an fp8 format (1 byte)")
+    p.add_argument(
+        "--dtype", help="KV element type (default: the config's torch_dtype, else float16)"
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        metavar="auto|fp8|fp8_e4m3|fp8_e5m2",
+        help="the worker's --kv-cache-dtype: 'auto' (the dtype above) or an fp8 format (1 byte)",
+    )
     p.add_argument("--tokens", type=int, help="also print the cache size of this many tokens")
-    p.add_argument("--gib", type=float, help="also print how many full-context sequences fit in this many GiB")
+    p.add_argument(
+        "--gib", type=float, help="also print how many full-context sequences fit in this many GiB"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     return p
 

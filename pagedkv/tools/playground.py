@@ -22,7 +22,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: loopback only)"
+    )
     p.add_argument("--port", type=int, default=8765, help="port to listen on (0: any free port)")
     return p
 
@@ -35,8 +37,11 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise CliError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
     host = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"pagedkv playground: open http://{host}:{httpd.server_port}/playground (Ctrl-C to stop)",
-          file=sys.stderr, flush=True)
+    print(
+        f"pagedkv playground: open http://{host}:{httpd.server_port}/playground (Ctrl-C to stop)",
+        file=sys.stderr,
+        flush=True,
+    )
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

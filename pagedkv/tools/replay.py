@@ -64,7 +64,9 @@ def parse_op(line: str, lineno: int) -> Op:
         raise TraceError(f"line {lineno}: expected a JSON object")
     kind = obj.get("op")
     if kind not in _FIELDS:
-        raise TraceError(f"line {lineno}: unknown op {kind!r} (expected one of {', '.join(_FIELDS)})")
+        raise TraceError(
+            f"line {lineno}: unknown op {kind!r} (expected one of {', '.join(_FIELDS)})"
+        )
     required, optional = _FIELDS[kind]
     keys = set(obj) - {"op"}
     if missing := required - keys:
@@ -132,16 +134,22 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--prefix-caching", action="store_true", help="enable hash-chained prefix caching"
     )
     p.add_argument(
-        "--allocator", default=None, metavar="HOST:PORT",
+        "--allocator",
+        default=None,
+        metavar="HOST:PORT",
         help="run the trace against a running allocator service: register a fresh pool of "
         "this shape there (deregistered at the end) instead of using the core in-process",
     )
     p.add_argument(
-        "--allocator-token-file", default=None, metavar="PATH",
+        "--allocator-token-file",
+        default=None,
+        metavar="PATH",
         help="file holding the allocator's bearer token, when it requires one",
     )
     p.add_argument(
-        "--allocator-tls-ca", default=None, metavar="PEM",
+        "--allocator-tls-ca",
+        default=None,
+        metavar="PEM",
         help="CA certificate to verify the allocator's TLS certificate",
     )
     return p
@@ -187,10 +195,18 @@ def make_client(args: argparse.Namespace) -> AllocatorClient:
 
     from allocator_service.client import AllocatorUnavailable
 
-    token = read_secret(args.allocator_token_file, "allocator token file") if args.allocator_token_file else None
+    token = (
+        read_secret(args.allocator_token_file, "allocator token file")
+        if args.allocator_token_file
+        else None
+    )
     try:
-        return connect(args.allocator, spec, auth_token=token, tls_ca=args.allocator_tls_ca, retries=3)
+        return connect(
+            args.allocator, spec, auth_token=token, tls_ca=args.allocator_tls_ca, retries=3
+        )
     except AllocatorUnavailable as exc:
         raise CliError(f"cannot reach the allocator at {args.allocator}: {exc}") from None
     except grpc.RpcError as exc:
-        raise CliError(f"the allocator refused the pool: {exc.code().name}: {exc.details()}") from None
+        raise CliError(
+            f"the allocator refused the pool: {exc.code().name}: {exc.details()}"
+        ) from None

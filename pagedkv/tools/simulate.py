@@ -81,7 +81,9 @@ def simulate_contiguous(num_slots: int, lengths: list[int], reserve: int) -> Con
             break
         admitted += 1
     reserved, used = pool.reserved_slots, pool.used_slots
-    return ContiguousResult(admitted, reserved, used, reserved - used, used / reserved if reserved else 0.0)
+    return ContiguousResult(
+        admitted, reserved, used, reserved - used, used / reserved if reserved else 0.0
+    )
 
 
 def simulate_paged(num_slots: int, lengths: list[int], block_size: int) -> PagedResult:
@@ -113,14 +115,31 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--pool-gib", type=float, default=16.0, help="KV pool size in GiB (default 16)")
-    p.add_argument("--bytes-per-token", type=int, default=131072, help="KV bytes per token (default 131,072: Llama 3 8B fp16)")
-    p.add_argument("--kv-cache-dtype", default="auto", metavar="|".join(KV_CACHE_DTYPES),
-                   help="the worker's --kv-cache-dtype: 'auto' (the 2-byte elements --bytes-per-token counts) or "
-                   "an fp8 format (1 byte: half the bytes per token)")
-    p.add_argument("--reserve", type=int, default=8192, help="contiguous slots reserved per request (default 8,192)")
+    p.add_argument(
+        "--bytes-per-token",
+        type=int,
+        default=131072,
+        help="KV bytes per token (default 131,072: Llama 3 8B fp16)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        metavar="|".join(KV_CACHE_DTYPES),
+        help="the worker's --kv-cache-dtype: 'auto' (the 2-byte elements --bytes-per-token counts) or "
+        "an fp8 format (1 byte: half the bytes per token)",
+    )
+    p.add_argument(
+        "--reserve",
+        type=int,
+        default=8192,
+        help="contiguous slots reserved per request (default 8,192)",
+    )
     p.add_argument("--requests", type=int, default=500, help="requests in the stream (default 500)")
-    p.add_argument("--plot", metavar="FILE.png",
-                   help="chart admitted requests and wasted slots per block size, with the contiguous baseline")
+    p.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="chart admitted requests and wasted slots per block size, with the contiguous baseline",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return p
 
@@ -183,27 +202,46 @@ def print_table(out: dict, num_slots: int, args: argparse.Namespace) -> None:
         f"{num_slots:,} slots ({args.pool_gib:g} GiB at {out['bytes_per_token']:,} B/token)",
         caption="a memory effect, not a speed benchmark",
     )
-    for col in ("layout", "admitted", "slots reserved/allocated", "slots holding tokens", "wasted", "used"):
+    for col in (
+        "layout",
+        "admitted",
+        "slots reserved/allocated",
+        "slots holding tokens",
+        "wasted",
+        "used",
+    ):
         table.add_column(col, justify="right")
     c = out["contiguous"]
     table.add_row(
-        f"contiguous ({args.reserve:,}/request)", str(c["admitted"]), f"{c['reserved_slots']:,}",
-        f"{c['used_slots']:,}", f"{c['wasted_slots']:,}", f"{c['used_fraction']:.1%}",
+        f"contiguous ({args.reserve:,}/request)",
+        str(c["admitted"]),
+        f"{c['reserved_slots']:,}",
+        f"{c['used_slots']:,}",
+        f"{c['wasted_slots']:,}",
+        f"{c['used_fraction']:.1%}",
     )
     for r in out["sweep"]:
         table.add_row(
-            f"paged, block {r['block_size']}", str(r["admitted"]), f"{r['allocated_slots']:,}",
-            f"{r['used_slots']:,}", f"{r['wasted_slots']:,}", f"{r['used_fraction']:.1%}",
+            f"paged, block {r['block_size']}",
+            str(r["admitted"]),
+            f"{r['allocated_slots']:,}",
+            f"{r['used_slots']:,}",
+            f"{r['wasted_slots']:,}",
+            f"{r['used_fraction']:.1%}",
         )
     Console(width=120).print(table)
     if out["ratio_admitted"] is not None:
-        print(f"paged at block {out['paged']['block_size']} admits {out['ratio_admitted']:.1f}x as many requests "
-              f"as contiguous")
+        print(
+            f"paged at block {out['paged']['block_size']} admits {out['ratio_admitted']:.1f}x as many requests "
+            f"as contiguous"
+        )
     if out.get("plot"):
         print(f"chart: {out['plot']}")
 
 
-def plot(path: str, contiguous: ContiguousResult, sweep: list[PagedResult], args: argparse.Namespace) -> None:
+def plot(
+    path: str, contiguous: ContiguousResult, sweep: list[PagedResult], args: argparse.Namespace
+) -> None:
     import os
 
     import matplotlib
@@ -215,8 +253,14 @@ def plot(path: str, contiguous: ContiguousResult, sweep: list[PagedResult], args
     xs = [r.block_size for r in sweep]
     bars = ax.bar(xs, [r.admitted for r in sweep], color="#3b7dd8", label="paged (blocks)")
     ax.bar_label(bars, fontsize=7)
-    ax.axhline(contiguous.admitted, color="#d8643b", linestyle="--", linewidth=2, zorder=3,
-               label=f"contiguous baseline: {args.reserve:,} slots reserved each ({contiguous.admitted} admitted)")
+    ax.axhline(
+        contiguous.admitted,
+        color="#d8643b",
+        linestyle="--",
+        linewidth=2,
+        zorder=3,
+        label=f"contiguous baseline: {args.reserve:,} slots reserved each ({contiguous.admitted} admitted)",
+    )
     ax.set_xticks(xs)
     ax.set_xlabel("block size (token slots per block)")
     ax.set_ylabel("requests admitted")
@@ -224,12 +268,20 @@ def plot(path: str, contiguous: ContiguousResult, sweep: list[PagedResult], args
     ax.set_title("Requests that fit in the KV pool", fontsize=10)
     ax.legend(loc="upper left", fontsize=8)
 
-    ax_w.plot(xs, [r.wasted_slots for r in sweep], marker="o", color="#3b7dd8", label="paged: empty tail slots")
+    ax_w.plot(
+        xs,
+        [r.wasted_slots for r in sweep],
+        marker="o",
+        color="#3b7dd8",
+        label="paged: empty tail slots",
+    )
     ax_w.set_xticks(xs)
     ax_w.tick_params(axis="x", labelsize=7)
     ax_w.set_xlabel("block size (token slots per block)")
     ax_w.set_ylabel("wasted slots (allocated, holding no token)")
-    ax_w.set_title(f"Wasted slots (contiguous wastes {contiguous.wasted_slots:,}, off scale)", fontsize=10)
+    ax_w.set_title(
+        f"Wasted slots (contiguous wastes {contiguous.wasted_slots:,}, off scale)", fontsize=10
+    )
     ax_w.legend(loc="upper left", fontsize=8)
 
     fig.suptitle(

@@ -47,24 +47,47 @@ def _parse(body: bytes, content_type: str | None, model: type[Req]) -> Req:
     content type says otherwise), with the same validation errors."""
     data: object = body
     if not body:
-        raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
+        raise RequestValidationError(
+            [{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}]
+        )
     main, _, sub = (content_type or "application/json").split(";")[0].strip().lower().partition("/")
     if main == "application" and (sub == "json" or sub.endswith("+json")):
         try:
             data = json.loads(body)
         except json.JSONDecodeError as exc:
-            raise RequestValidationError([{"type": "json_invalid", "loc": ("body", exc.pos), "msg": "JSON decode error",
-                                           "input": {}, "ctx": {"error": exc.msg}}]) from None
+            raise RequestValidationError(
+                [
+                    {
+                        "type": "json_invalid",
+                        "loc": ("body", exc.pos),
+                        "msg": "JSON decode error",
+                        "input": {},
+                        "ctx": {"error": exc.msg},
+                    }
+                ]
+            ) from None
         except ValueError:  # not UTF-8 (or UTF-16/32) at all: FastAPI's words
             raise HTTPException(400, "There was an error parsing the body") from None
-        except RecursionError:  # nested deeper than the parser goes (FastAPI's own parse answers a 500)
-            raise RequestValidationError([{"type": "json_invalid", "loc": ("body", 0), "msg": "JSON decode error",
-                                           "input": {}, "ctx": {"error": "nested too deeply"}}]) from None
+        except (
+            RecursionError
+        ):  # nested deeper than the parser goes (FastAPI's own parse answers a 500)
+            raise RequestValidationError(
+                [
+                    {
+                        "type": "json_invalid",
+                        "loc": ("body", 0),
+                        "msg": "JSON decode error",
+                        "input": {},
+                        "ctx": {"error": "nested too deeply"},
+                    }
+                ]
+            ) from None
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         raise RequestValidationError(
-            [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]) from None
+            [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
+        ) from None
 
 
 async def read_body(request: Request, model: type[Req]) -> Req:
@@ -89,7 +112,9 @@ def _dump(value, out: list[str]) -> None:
     elif isinstance(value, list) and len(value) > _SLICE:
         out.append("[")
         for i in range(0, len(value), _SLICE):
-            part = json.dumps(value[i:i + _SLICE], ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+            part = json.dumps(
+                value[i : i + _SLICE], ensure_ascii=False, allow_nan=False, separators=(",", ":")
+            )
             out.append(("," if i else "") + part[1:-1])
         out.append("]")
     else:

@@ -28,13 +28,27 @@ MAX_BODY_BYTES = 8 << 20
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 type_: str = "invalid_request_error", code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        type_: str = "invalid_request_error",
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
-        self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
+        self.status, self.message, self.param, self.type, self.code = (
+            status,
+            message,
+            param,
+            type_,
+            code,
+        )
 
 
-def error_response(status: int, message: str, param=None, type_="invalid_request_error", code=None) -> JSONResponse:
+def error_response(
+    status: int, message: str, param=None, type_="invalid_request_error", code=None
+) -> JSONResponse:
     return JSONResponse(
         status_code=status,
         content={"error": {"message": message, "type": type_, "param": param, "code": code}},
@@ -49,13 +63,19 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
     errs = exc.errors()
     first = errs[0] if errs else {}
     if first.get("type") == "json_invalid":
-        return error_response(400, f"invalid JSON body: {first.get('ctx', {}).get('error', '')}".strip())
+        return error_response(
+            400, f"invalid JSON body: {first.get('ctx', {}).get('error', '')}".strip()
+        )
     loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
     return error_response(400, f"{loc}: {first.get('msg', 'invalid value')}", param=loc or None)
 
 
 async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-    return error_response(exc.status_code, str(exc.detail), type_="not_found_error" if exc.status_code == 404 else "invalid_request_error")
+    return error_response(
+        exc.status_code,
+        str(exc.detail),
+        type_="not_found_error" if exc.status_code == 404 else "invalid_request_error",
+    )
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -79,7 +99,11 @@ class ApiKeyCheck:
         self._expected = [(f"Bearer {key}".encode(), key) for key in keys]
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope.get("method") == "OPTIONS" or not _is_api(scope.get("path", "")):
+        if (
+            scope["type"] != "http"
+            or scope.get("method") == "OPTIONS"
+            or not _is_api(scope.get("path", ""))
+        ):
             return await self.app(scope, receive, send)
         given = dict(scope.get("headers") or ()).get(b"authorization", b"")
         found = None
@@ -89,8 +113,11 @@ class ApiKeyCheck:
         if found is not None:
             scope.setdefault("state", {})["api_key"] = found
             return await self.app(scope, receive, send)
-        response = error_response(401, "invalid or missing API key: send the header `Authorization: Bearer KEY`",
-                                  code="invalid_api_key")
+        response = error_response(
+            401,
+            "invalid or missing API key: send the header `Authorization: Bearer KEY`",
+            code="invalid_api_key",
+        )
         response.headers["WWW-Authenticate"] = "Bearer"
         return await response(scope, receive, send)
 

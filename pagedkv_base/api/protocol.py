@@ -27,14 +27,43 @@ MAX_SEQUENCES = 512
 # PagedKV does not implement: a request that sets one (to anything but null)
 # is refused with a 400 naming it.
 UNSUPPORTED_FIELDS = (
-    "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format",
-    "suffix", "audio", "modalities", "prediction", "web_search_options", "reasoning_effort",
-    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-    "guided_whitespace_pattern", "structured_outputs", "use_beam_search", "length_penalty",
-    "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "prompt_embeds", "logits_processors",
-    "return_tokens_as_token_ids", "chat_template", "chat_template_kwargs", "documents",
-    "continue_final_message", "mm_processor_kwargs", "kv_transfer_params",
-    "vllm_xargs", "spaces_between_special_tokens", "add_special_tokens", "add_generation_prompt",
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "parallel_tool_calls",
+    "response_format",
+    "suffix",
+    "audio",
+    "modalities",
+    "prediction",
+    "web_search_options",
+    "reasoning_effort",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_decoding_backend",
+    "guided_whitespace_pattern",
+    "structured_outputs",
+    "use_beam_search",
+    "length_penalty",
+    "allowed_token_ids",
+    "bad_words",
+    "truncate_prompt_tokens",
+    "prompt_embeds",
+    "logits_processors",
+    "return_tokens_as_token_ids",
+    "chat_template",
+    "chat_template_kwargs",
+    "documents",
+    "continue_final_message",
+    "mm_processor_kwargs",
+    "kv_transfer_params",
+    "vllm_xargs",
+    "spaces_between_special_tokens",
+    "add_special_tokens",
+    "add_generation_prompt",
 )
 
 
@@ -74,8 +103,14 @@ class BaseRequest(BaseModel):
     def unsupported_fields(self) -> list[str]:
         """The fields this request sets that PagedKV does not implement."""
         extra = self.model_extra or {}
-        return [name for name in UNSUPPORTED_FIELDS
-                if extra.get(name, getattr(self, name, None) if name in type(self).model_fields else None) is not None]
+        return [
+            name
+            for name in UNSUPPORTED_FIELDS
+            if extra.get(
+                name, getattr(self, name, None) if name in type(self).model_fields else None
+            )
+            is not None
+        ]
 
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -92,8 +127,12 @@ class BaseRequest(BaseModel):
         """A 400 when the request asks for more than `MAX_SEQUENCES` sequences."""
         asked = self.prompts() * max(self.n, 1)
         if asked > MAX_SEQUENCES:
-            raise ApiError(400, f"a request may ask for at most {MAX_SEQUENCES} sequences (prompts times n); "
-                                f"this one asks for {asked} ({self.prompts()} prompts, n={self.n})", param="n")
+            raise ApiError(
+                400,
+                f"a request may ask for at most {MAX_SEQUENCES} sequences (prompts times n); "
+                f"this one asks for {asked} ({self.prompts()} prompts, n={self.n})",
+                param="n",
+            )
 
 
 class CompletionRequest(BaseRequest):

@@ -44,8 +44,10 @@ log = logging.getLogger(__name__)
 
 HEAD_BYTES = 64 << 10  # the largest request line and headers read
 GRACE_S = 5.0  # at shutdown, answers in progress get this long to finish
-_OVER_CAPACITY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\ncontent-length: 29\r\n"
-                  b"retry-after: 1\r\nconnection: close\r\n\r\ntoo many connections at once\n")
+_OVER_CAPACITY = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\ncontent-length: 29\r\n"
+    b"retry-after: 1\r\nconnection: close\r\n\r\ntoo many connections at once\n"
+)
 
 
 class _ReadDeadlines(H11Protocol):
@@ -94,7 +96,9 @@ class _ReadDeadlines(H11Protocol):
     def on_response_complete(self) -> None:
         if not self.transport.is_closing():
             self._reading_body = False
-            self._arm(self.header_timeout)  # the next request's head (a pipelined one is read below)
+            self._arm(
+                self.header_timeout
+            )  # the next request's head (a pipelined one is read below)
         super().on_response_complete()
 
     def pause_writing(self) -> None:
@@ -120,11 +124,23 @@ class _ReadDeadlines(H11Protocol):
         super().connection_lost(exc)
 
 
-def read_deadline_protocol(header_timeout: float, body_timeout: float, *, send_timeout: float | None = None,
-                           max_connections: int | None = None) -> type[H11Protocol]:
-    return type("ReadDeadlines", (_ReadDeadlines,),
-                {"header_timeout": header_timeout, "body_timeout": body_timeout, "send_timeout": send_timeout,
-                 "max_connections": max_connections})
+def read_deadline_protocol(
+    header_timeout: float,
+    body_timeout: float,
+    *,
+    send_timeout: float | None = None,
+    max_connections: int | None = None,
+) -> type[H11Protocol]:
+    return type(
+        "ReadDeadlines",
+        (_ReadDeadlines,),
+        {
+            "header_timeout": header_timeout,
+            "body_timeout": body_timeout,
+            "send_timeout": send_timeout,
+            "max_connections": max_connections,
+        },
+    )
 
 
 def raise_open_files_limit() -> int:
@@ -147,25 +163,42 @@ def connection_bound(wanted: int) -> int:
     if limit == resource.RLIM_INFINITY or wanted <= limit // 2:
         return wanted
     bound = max(1, limit // 2)
-    log.warning("at most %d connections at once, not %d: the open-file limit is %d (raise ulimit -n)",
-                bound, wanted, limit)
+    log.warning(
+        "at most %d connections at once, not %d: the open-file limit is %d (raise ulimit -n)",
+        bound,
+        wanted,
+        limit,
+    )
     return bound
 
 
-def serve_options(*, header_timeout: float, body_timeout: float, max_connections: int,
-                  keep_alive_s: float = 5.0, send_timeout: float | None = None) -> dict:
+def serve_options(
+    *,
+    header_timeout: float,
+    body_timeout: float,
+    max_connections: int,
+    keep_alive_s: float = 5.0,
+    send_timeout: float | None = None,
+) -> dict:
     """Keyword arguments for `serve` or `ServerThread` (see the module's docstring)."""
     bound = connection_bound(max_connections)
-    protocol = read_deadline_protocol(header_timeout, body_timeout, send_timeout=send_timeout,
-                                      max_connections=bound)
+    protocol = read_deadline_protocol(
+        header_timeout, body_timeout, send_timeout=send_timeout, max_connections=bound
+    )
     # limit_concurrency counts the connection asking too: one more, so every connection let in is served
-    return {"http": protocol, "limit_concurrency": bound + 1, "timeout_keep_alive": keep_alive_s,
-            "h11_max_incomplete_event_size": HEAD_BYTES}
+    return {
+        "http": protocol,
+        "limit_concurrency": bound + 1,
+        "timeout_keep_alive": keep_alive_s,
+        "h11_max_incomplete_event_size": HEAD_BYTES,
+    }
 
 
 def serve(app, host: str, port: int, *, log_level: str, **options) -> None:
     """Serve `app` in this thread until SIGTERM or SIGINT."""
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=GRACE_S, **options)
+    uvicorn.run(
+        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=GRACE_S, **options
+    )
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -184,16 +217,32 @@ class ServerThread:
     socket is bound here, so a port in use is an OSError to the caller and
     port 0's choice is `port` at once; `start` returns once it serves."""
 
-    def __init__(self, app, host: str, port: int, *, name: str = "http", log_level: str = "warning",
-                 **options) -> None:
+    def __init__(
+        self,
+        app,
+        host: str,
+        port: int,
+        *,
+        name: str = "http",
+        log_level: str = "warning",
+        **options,
+    ) -> None:
         self._sock = _listen(host, port)
         self.port: int = self._sock.getsockname()[1]
         # log_config=None: the process's logging stays its own; uvicorn's loggers propagate to it
-        config = uvicorn.Config(app, lifespan="off", log_config=None, log_level=log_level, access_log=False,
-                                timeout_graceful_shutdown=GRACE_S, **options)
+        config = uvicorn.Config(
+            app,
+            lifespan="off",
+            log_config=None,
+            log_level=log_level,
+            access_log=False,
+            timeout_graceful_shutdown=GRACE_S,
+            **options,
+        )
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, name=name,
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._sock]}, name=name, daemon=True
+        )
 
     def start(self, timeout: float = 30.0) -> ServerThread:
         self._thread.start()

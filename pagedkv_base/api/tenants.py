@@ -42,7 +42,10 @@ TENANT_HEADER = "x-pagedkv-tenant"
 
 def tenant_of(api_key: str) -> str:
     """The tenant id of an API key: an HMAC keyed by it (the key cannot be read back)."""
-    return _TENANT_PREFIX + hmac.new(api_key.encode("utf-8"), _TENANT_LABEL, hashlib.sha256).hexdigest()
+    return (
+        _TENANT_PREFIX
+        + hmac.new(api_key.encode("utf-8"), _TENANT_LABEL, hashlib.sha256).hexdigest()
+    )
 
 
 def tenant_salt(tenant: str, cache_salt: str | None) -> str:
@@ -66,8 +69,12 @@ def tenant_of_request(request: Request) -> str | None:
     if key is None:
         return None
     named = request.headers.get(TENANT_HEADER)
-    if named is not None and named.startswith(_TENANT_PREFIX) and len(named) == len(_TENANT_PREFIX) + 64 \
-            and all(c in "0123456789abcdef" for c in named[len(_TENANT_PREFIX):]):
+    if (
+        named is not None
+        and named.startswith(_TENANT_PREFIX)
+        and len(named) == len(_TENANT_PREFIX) + 64
+        and all(c in "0123456789abcdef" for c in named[len(_TENANT_PREFIX) :])
+    ):
         return named
     return tenant_of(key)
 
@@ -78,7 +85,11 @@ def read_api_keys(path: str) -> list[str]:
         text = read_file(path, "API keys file").decode("utf-8")
     except UnicodeDecodeError:
         raise CliError(f"API keys file {path} is not UTF-8 text") from None
-    keys = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    keys = [
+        line.strip()
+        for line in text.splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
     if not keys:
         raise CliError(f"API keys file {path} holds no key")
     return keys
@@ -90,4 +101,3 @@ def api_keys(api_key: str | None, api_keys_file: str | None) -> tuple[str, ...]:
     if api_keys_file:
         keys += read_api_keys(api_keys_file)
     return tuple(dict.fromkeys(keys))
-

@@ -31,8 +31,12 @@ from tests.support.allocator import random_steps
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), block_size=st.sampled_from([1, 2, 4]),
-       forks=st.integers(0, 40), long_ids=st.booleans())
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    block_size=st.sampled_from([1, 2, 4]),
+    forks=st.integers(0, 40),
+    long_ids=st.booleans(),
+)
 def test_the_answer_bound_holds_for_every_step(seed, block_size, forks, long_ids):
     """`step_answer_bound` before a step is at least the encoded size of
     the answer it gets: mixed workloads (admits, appends with reserved
@@ -82,8 +86,9 @@ def test_a_dump_answer_is_within_its_floor_and_frame():
     carries it at most the text and `DUMP_FRAME_BYTES`."""
     pool = forked_pool()
     text = snapshot.dumps_chunked(pool.to_state())
-    answer = pb.DumpPoolResponse(state_json=text, last_step_id=2**63 - 1,
-                                 integrity_problems=pool.integrity_problems())
+    answer = pb.DumpPoolResponse(
+        state_json=text, last_step_id=2**63 - 1, integrity_problems=pool.integrity_problems()
+    )
     assert dump_floor(pool) <= len(text) < answer.ByteSize() <= len(text) + DUMP_FRAME_BYTES
     assert dump_floor(pool) > len(text) // 2
 
@@ -93,5 +98,6 @@ def test_a_packed_snapshot_is_within_its_bound():
     parts = pool.parts()
     tails = sum(len(q.tail) for q in parts.seqs.values())
     text = snapshot.dumps_chunked(snapshot.to_packed(pool))
-    assert len(text) <= packed_bound(pool.num_blocks, len(parts.seqs), pool.name_chars,
-                                     2 * pool.table_entries, tails)
+    assert len(text) <= packed_bound(
+        pool.num_blocks, len(parts.seqs), pool.name_chars, 2 * pool.table_entries, tails
+    )

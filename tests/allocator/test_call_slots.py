@@ -35,8 +35,9 @@ class HeldServer:
 
     def __init__(self) -> None:
         self.service = AllocatorService(ServiceConfig(limits=Limits(max_calls_per_pool=2)))
-        self.server, port = create_server("127.0.0.1:0", self.service, auth_token="pool-token",
-                                          admin_token="admin-token")
+        self.server, port = create_server(
+            "127.0.0.1:0", self.service, auth_token="pool-token", admin_token="admin-token"
+        )
         self.server.start()
         self.address = f"127.0.0.1:{port}"
         self.stub, self.md, self.channel = stub(self.address, "pool-token")
@@ -69,8 +70,12 @@ def test_a_pool_past_its_slow_calls_in_flight_is_refused_and_nothing_else_is():
         heavy, light = register(s, md, "heavy"), register(s, md, "light")
         h.held_pool = heavy.pool_id
         with ThreadPoolExecutor(2) as pool:
-            calls = [pool.submit(s.GetPoolStats, pb.GetPoolStatsRequest(pool=heavy), metadata=md, timeout=10)
-                     for _ in range(2)]
+            calls = [
+                pool.submit(
+                    s.GetPoolStats, pb.GetPoolStatsRequest(pool=heavy), metadata=md, timeout=10
+                )
+                for _ in range(2)
+            ]
             for _ in range(2):
                 assert h.held.acquire(timeout=10)  # both in the handler now
             with pytest.raises(grpc.RpcError) as refused:
@@ -84,20 +89,33 @@ def test_a_pool_past_its_slow_calls_in_flight_is_refused_and_nothing_else_is():
             assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
             # meanwhile, answered: another pool's calls; the heavy pool's heartbeat
             # and its unary steps (not slow calls: never refused for its slots)
-            assert s.GetPoolStats(pb.GetPoolStatsRequest(pool=light), metadata=md, timeout=10).num_blocks == 64
+            assert (
+                s.GetPoolStats(
+                    pb.GetPoolStatsRequest(pool=light), metadata=md, timeout=10
+                ).num_blocks
+                == 64
+            )
             s.Heartbeat(pb.HeartbeatRequest(pool=heavy), metadata=md, timeout=10)
             step = pb.StepRequest(pool=heavy, step_id=1, ops=encode_ops([Admit("a", [1, 2, 3])]))
             answer = s.Step(step, metadata=md, timeout=10)
             assert list(answer.errors) == [pb.OP_ERROR_NONE] and list(answer.num_stored) == [3]
             # an admin's read of the pool takes none of its slots
-            r = h.admin.GetPoolStats(pb.GetPoolStatsRequest(pool=pb.PoolRef(pool_id=heavy.pool_id)),
-                                     metadata=h.admin_md, timeout=10)
+            r = h.admin.GetPoolStats(
+                pb.GetPoolStatsRequest(pool=pb.PoolRef(pool_id=heavy.pool_id)),
+                metadata=h.admin_md,
+                timeout=10,
+            )
             assert r.num_sequences == 1
             h.release.set()
             assert all(c.result().num_blocks == 64 for c in calls)
         # its calls answered, the pool has its slots back
-        assert s.GetPoolStats(pb.GetPoolStatsRequest(pool=heavy), metadata=md, timeout=10).num_blocks == 64
-        assert h.service.call_slots.in_flight(heavy.pool_id) == 0 and h.service.call_slots.refused == 1
+        assert (
+            s.GetPoolStats(pb.GetPoolStatsRequest(pool=heavy), metadata=md, timeout=10).num_blocks
+            == 64
+        )
+        assert (
+            h.service.call_slots.in_flight(heavy.pool_id) == 0 and h.service.call_slots.refused == 1
+        )
         from prometheus_client import generate_latest
 
         from allocator_service.rpc.metrics import make_registry
@@ -112,8 +130,12 @@ def test_the_workers_client_waits_for_a_slot_instead_of_failing():
     """GrpcAllocator retries a `pool_calls` refusal with its backoff: a
     worker whose stats are read while two are in flight gets its answer."""
     h = HeldServer()
-    worker = GrpcAllocator(h.address, PoolSpec("w", PoolConfig(64, 4, True, "m")), auth_token="pool-token",
-                           backoff_s=0.02)
+    worker = GrpcAllocator(
+        h.address,
+        PoolSpec("w", PoolConfig(64, 4, True, "m")),
+        auth_token="pool-token",
+        backoff_s=0.02,
+    )
     try:
         h.held_pool = worker.pool_id
         with ThreadPoolExecutor(3) as pool:
@@ -135,8 +157,11 @@ def test_the_workers_client_waits_for_a_slot_instead_of_failing():
         h.close()
 
 
-@given(st.lists(st.tuples(st.sampled_from("abc"), st.booleans()), max_size=30), st.integers(1, 3),
-       st.none() | st.integers(1, 5))
+@given(
+    st.lists(st.tuples(st.sampled_from("abc"), st.booleans()), max_size=30),
+    st.integers(1, 3),
+    st.none() | st.integers(1, 5),
+)
 def test_slots_count_calls_in_flight_per_tenant(events, per_tenant, total):
     """Take (True) or end the oldest call (False) of a tenant: a take is
     refused exactly when the tenant already has `per_tenant` in flight, or

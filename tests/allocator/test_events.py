@@ -15,7 +15,9 @@ batches = st.lists(st.integers(0, 7), min_size=1, max_size=30)  # events per rec
 
 @settings(max_examples=150, deadline=None)
 @given(sizes=batches, retention=st.integers(0, 40), data=st.data())
-def test_events_are_numbered_in_record_order_and_the_window_is_the_last_retention(sizes, retention, data):
+def test_events_are_numbered_in_record_order_and_the_window_is_the_last_retention(
+    sizes, retention, data
+):
     log = EventLog(retention)
     begun = [log.begin() for _ in sizes]
     for i, (b, n) in enumerate(zip(begun, sizes, strict=True)):
@@ -30,7 +32,7 @@ def test_events_are_numbered_in_record_order_and_the_window_is_the_last_retentio
     assert log.published == log.next_sequence == total + 1
     ends = [b.end for b in begun]
     assert ends == [1 + sum(sizes[: i + 1]) for i in range(len(sizes))]
-    retained = expected[max(total - retention, 0):]
+    retained = expected[max(total - retention, 0) :]
     first = total + 1 - len(retained)
     # Read everything from every cursor, in pieces of every size.
     for cursor in range(0, total + 3):
@@ -38,7 +40,7 @@ def test_events_are_numbered_in_record_order_and_the_window_is_the_last_retentio
         events, after, gap = log.read(cursor, limit, timeout=0)
         assert gap == (cursor < first or cursor > total + 1)
         start = first if gap else cursor
-        want = retained[start - first:start - first + limit]
+        want = retained[start - first : start - first + limit]
         assert [(e.pool_id, e.block_id) for e in events] == want
         assert [e.sequence for e in events] == list(range(start, start + len(want)))
         assert after == start + len(want)

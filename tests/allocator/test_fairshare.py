@@ -130,8 +130,11 @@ def _busy_pool() -> BlockPool:
 
 def test_the_cores_long_loops_pause_and_give_the_same_results():
     pool = _busy_pool()
-    plain = (pool.integrity_problems(), dumps_chunked(pool.to_state()),
-             chain_hashes(root_hash("m", 16), list(range(16 * 2048)), 16))
+    plain = (
+        pool.integrity_problems(),
+        dumps_chunked(pool.to_state()),
+        chain_hashes(root_hash("m", 16), list(range(16 * 2048)), 16),
+    )
     paused = []
     with pacing(lambda: paused.append(1)):
         integrity = pool.integrity_problems()
@@ -180,7 +183,10 @@ def test_a_heavy_pool_beside_a_light_one_gets_the_same_answers(server):
     server charged both pools' CPU (metrics)."""
     heavy_spec = PoolSpec("fair-heavy", PoolConfig(8192, 16, True, "m"))
     light_spec = PoolSpec("fair-light", PoolConfig(64, 4, True, "m"))
-    heavy, light = GrpcAllocator(server.address, heavy_spec), GrpcAllocator(server.address, light_spec)
+    heavy, light = (
+        GrpcAllocator(server.address, heavy_spec),
+        GrpcAllocator(server.address, light_spec),
+    )
     heavy_core, light_core = EmbeddedAllocator(heavy_spec), EmbeddedAllocator(light_spec)
     done = threading.Event()
     light_steps = []
@@ -209,11 +215,24 @@ def test_a_heavy_pool_beside_a_light_one_gets_the_same_answers(server):
     text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
     assert _metric(text, "fair_share_cpu_seconds_total") > 0
     assert _metric(text, "fair_share_waiting") == 0
-    recent = {m.group(1): float(m.group(2)) for m in re.finditer(
-        r'^pagedkv_allocator_pool_recent_cpu_seconds\{pool_id="([^"]+)",worker_id="[^"]+"\} (\S+)$', text, re.M)}
+    recent = {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(
+            r'^pagedkv_allocator_pool_recent_cpu_seconds\{pool_id="([^"]+)",worker_id="[^"]+"\} (\S+)$',
+            text,
+            re.M,
+        )
+    }
     assert set(recent) >= {heavy.pool_id, light.pool_id}
-    print("DRILL", json.dumps({"fair_share_waits": _metric(text, "fair_share_waits_total"),
-                               "fair_share_wait_seconds": _metric(text, "fair_share_wait_seconds_total"),
-                               "light_steps": len(light_steps)}))
+    print(
+        "DRILL",
+        json.dumps(
+            {
+                "fair_share_waits": _metric(text, "fair_share_waits_total"),
+                "fair_share_wait_seconds": _metric(text, "fair_share_wait_seconds_total"),
+                "light_steps": len(light_steps),
+            }
+        ),
+    )
     heavy.close()
     light.close()

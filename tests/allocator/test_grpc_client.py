@@ -32,8 +32,9 @@ def test_stalled_server_retried_steps_apply_once(allocator_server, step_stream):
     steps = random_steps(seed=21, steps=12)
     reference = EmbeddedAllocator(SPEC)
     with allocator_server() as server:
-        worker = GrpcAllocator(server.address, SPEC, deadline_s=0.3, retries=2, backoff_s=0.01,
-                               step_stream=step_stream)
+        worker = GrpcAllocator(
+            server.address, SPEC, deadline_s=0.3, retries=2, backoff_s=0.01, step_stream=step_stream
+        )
         for ops in steps[:6]:
             assert worker.step(ops) == reference.step(ops)
         freeze(server.proc.pid)

@@ -70,8 +70,16 @@ def check_pool(s, ref) -> dict:
 
 
 raw_methods = st.sampled_from(
-    ["Heartbeat", "DeregisterPool", "Step", "GetBlockTable", "GetPoolStats", "ResetPrefixCache",
-     "MatchPrefix", "DumpPool"]
+    [
+        "Heartbeat",
+        "DeregisterPool",
+        "Step",
+        "GetBlockTable",
+        "GetPoolStats",
+        "ResetPrefixCache",
+        "MatchPrefix",
+        "DumpPool",
+    ]
 )
 
 
@@ -93,9 +101,16 @@ kinds = st.lists(st.integers(0, 6), max_size=12)
 
 hostile_ops = st.lists(
     st.one_of(
-        st.builds(Admit, texts, st.lists(st.integers(0, 2**32 - 1), max_size=12),
-                  st.one_of(st.none(), texts), st.one_of(st.none(), st.integers(0, 9))),
-        st.builds(Append, texts, st.lists(st.integers(0, 2**32 - 1), max_size=9), st.integers(0, 3)),
+        st.builds(
+            Admit,
+            texts,
+            st.lists(st.integers(0, 2**32 - 1), max_size=12),
+            st.one_of(st.none(), texts),
+            st.one_of(st.none(), st.integers(0, 9)),
+        ),
+        st.builds(
+            Append, texts, st.lists(st.integers(0, 2**32 - 1), max_size=9), st.integers(0, 3)
+        ),
         st.builds(Free, texts),
         st.builds(Fork, texts, texts),
         st.builds(Unreserve, texts, st.integers(0, 3)),
@@ -116,17 +131,31 @@ def step_requests(draw):
         ks += draw(kinds)
     seqs = draw(st.lists(texts, min_size=n, max_size=n + draw(st.integers(0, 1))))
     counts = draw(st.lists(st.integers(0, 5), min_size=len(ks), max_size=len(ks)))
-    tokens = draw(st.lists(st.integers(0, 2**32 - 1), max_size=sum(counts) + draw(st.integers(0, 1))))
+    tokens = draw(
+        st.lists(st.integers(0, 2**32 - 1), max_size=sum(counts) + draw(st.integers(0, 1)))
+    )
     admits = [
-        pb.AdmitOptions(cache_salt=draw(st.one_of(st.none(), texts)), num_new_tokens=draw(st.one_of(st.none(), st.integers(0, 9))))
+        pb.AdmitOptions(
+            cache_salt=draw(st.one_of(st.none(), texts)),
+            num_new_tokens=draw(st.one_of(st.none(), st.integers(0, 9))),
+        )
         for _ in range(draw(st.integers(0, 3)))
     ]
     children = draw(st.lists(texts, max_size=3))
     # reservations: none, one per operation, or a column that does not fit
-    reserved = draw(st.lists(st.integers(0, 2**32 - 1), min_size=len(ks), max_size=len(ks))
-                    | st.lists(st.integers(0, 3), max_size=len(ks) + 1))
-    ops = pb.StepOps(kinds=ks, seq_ids=seqs, num_tokens=counts, tokens=tokens, admit_options=admits,
-                     fork_children=children, num_reserved=reserved)
+    reserved = draw(
+        st.lists(st.integers(0, 2**32 - 1), min_size=len(ks), max_size=len(ks))
+        | st.lists(st.integers(0, 3), max_size=len(ks) + 1)
+    )
+    ops = pb.StepOps(
+        kinds=ks,
+        seq_ids=seqs,
+        num_tokens=counts,
+        tokens=tokens,
+        admit_options=admits,
+        fork_children=children,
+        num_reserved=reserved,
+    )
     return draw(st.integers(0, 2**64 - 1)), ops
 
 
@@ -155,7 +184,12 @@ refs = st.builds(
 
 
 @FUZZ
-@given(r=refs, seq=texts, tokens=st.lists(st.integers(0, 2**32 - 1), max_size=40), salt=st.one_of(st.none(), texts))
+@given(
+    r=refs,
+    seq=texts,
+    tokens=st.lists(st.integers(0, 2**32 - 1), max_size=40),
+    salt=st.one_of(st.none(), texts),
+)
 def test_hostile_refs_and_reads(env, r, seq, tokens, salt):
     server, s, channel, ref = env
     before = check_pool(s, ref)
@@ -166,7 +200,10 @@ def test_hostile_refs_and_reads(env, r, seq, tokens, salt):
         (s.ResetPrefixCache, pb.ResetPrefixCacheRequest(pool=r)),
         (s.DumpPool, pb.DumpPoolRequest(pool=r)),
         (s.DeregisterPool, pb.DeregisterPoolRequest(pool=r)),
-        (s.MatchPrefix, pb.MatchPrefixRequest(model_fingerprint=seq, tokens=tokens, cache_salt=salt)),
+        (
+            s.MatchPrefix,
+            pb.MatchPrefixRequest(model_fingerprint=seq, tokens=tokens, cache_salt=salt),
+        ),
         (s.Step, pb.StepRequest(pool=r, step_id=1, ops=pb.StepOps())),
     ]:
         assert code_of(call, req, timeout=10) in DOCUMENTED
@@ -182,7 +219,9 @@ def test_hostile_refs_and_reads(env, r, seq, tokens, salt):
 )
 def test_hostile_registrations(env, worker, num_blocks, block_size, fingerprint):
     server, s, channel, ref = env
-    shape = pb.PoolShape(num_blocks=num_blocks, block_size=block_size, model_fingerprint=fingerprint)
+    shape = pb.PoolShape(
+        num_blocks=num_blocks, block_size=block_size, model_fingerprint=fingerprint
+    )
     if worker == "victim":
         worker = "not-the-victim"
     try:
@@ -191,7 +230,11 @@ def test_hostile_registrations(env, worker, num_blocks, block_size, fingerprint)
     except grpc.RpcError as err:
         code, reason = err.code(), error_reason(err)
     assert code in DOCUMENTED
-    valid = 1 <= num_blocks and 1 <= block_size <= MAX_BLOCK_SIZE and len(fingerprint) <= MAX_FINGERPRINT_LEN
+    valid = (
+        1 <= num_blocks
+        and 1 <= block_size <= MAX_BLOCK_SIZE
+        and len(fingerprint) <= MAX_FINGERPRINT_LEN
+    )
     valid = valid and 1 <= len(worker) <= 128 and "/" not in worker and worker.isprintable()
     # A worker id registered by an earlier example is live: refused without its credential.
     assert (code == C.OK or reason == "pool_in_use") == valid
@@ -218,8 +261,10 @@ def test_a_step_whose_answer_cannot_fit_the_wire_is_refused_before_it_is_applied
     still free. Fewer forks of the same sequence are applied."""
     with redis_store() as (url, _):
         limit = 1 << 20
-        service = AllocatorService(ServiceConfig(limits=Limits(max_message_bytes=limit), snapshot_every=1 << 20),
-                                   open_journal(url))
+        service = AllocatorService(
+            ServiceConfig(limits=Limits(max_message_bytes=limit), snapshot_every=1 << 20),
+            open_journal(url),
+        )
         server, port = create_server("127.0.0.1:0", service)
         server.start()
         s, md, channel = stub(f"127.0.0.1:{port}")
@@ -227,21 +272,40 @@ def test_a_step_whose_answer_cannot_fit_the_wire_is_refused_before_it_is_applied
         r = redis_client.Redis.from_url(plain)
         try:
             ref = register(s, md, "forker", num_blocks=65536, block_size=1)
-            s.Step(pb.StepRequest(pool=ref, step_id=1, ops=encode_ops([Admit("p", list(range(2000)))])), timeout=30)
+            s.Step(
+                pb.StepRequest(
+                    pool=ref, step_id=1, ops=encode_ops([Admit("p", list(range(2000)))])
+                ),
+                timeout=30,
+            )
             journal = r.lrange(prefix + "journal", 0, -1), r.get(prefix + "head")
 
             def state():  # (the pool's dump would not fit the lowered limit either)
-                stats = s.GetPoolStats(pb.GetPoolStatsRequest(pool=ref, check_integrity=True), timeout=30)
+                stats = s.GetPoolStats(
+                    pb.GetPoolStatsRequest(pool=ref, check_integrity=True), timeout=30
+                )
                 table = s.GetBlockTable(pb.GetBlockTableRequest(pool=ref, seq_id="p"), timeout=10)
-                child = code_of(s.GetBlockTable, pb.GetBlockTableRequest(pool=ref, seq_id="c0"), timeout=10)
+                child = code_of(
+                    s.GetBlockTable, pb.GetBlockTableRequest(pool=ref, seq_id="c0"), timeout=10
+                )
                 return stats, list(table.block_ids), child
 
             before = state()
-            assert before[0].num_sequences == 1 and before[1] == list(range(2000)) and before[2] == C.NOT_FOUND
+            assert (
+                before[0].num_sequences == 1
+                and before[1] == list(range(2000))
+                and before[2] == C.NOT_FOUND
+            )
             with pytest.raises(grpc.RpcError) as too_big:  # refused by the allocator, in one line
                 s.DumpPool(pb.DumpPoolRequest(pool=ref), metadata=md, timeout=30)
-            assert too_big.value.code() == C.RESOURCE_EXHAUSTED and error_reason(too_big.value) == "answer_too_large"
-            assert "dump takes" in too_big.value.details() and "GetBlockTable" in too_big.value.details()
+            assert (
+                too_big.value.code() == C.RESOURCE_EXHAUSTED
+                and error_reason(too_big.value) == "answer_too_large"
+            )
+            assert (
+                "dump takes" in too_big.value.details()
+                and "GetBlockTable" in too_big.value.details()
+            )
             attack = encode_ops([Fork("p", f"c{i}") for i in range(300)])
             with pytest.raises(grpc.RpcError) as refused:
                 s.Step(pb.StepRequest(pool=ref, step_id=2, ops=attack, prev_step_id=1), timeout=60)
@@ -251,7 +315,9 @@ def test_a_step_whose_answer_cannot_fit_the_wire_is_refused_before_it_is_applied
             assert error_reason(refused.value) == "answer_too_large"
             # the step id is free, and a step whose answer fits is applied
             fits = encode_ops([Fork("p", f"c{i}") for i in range(100)])
-            answer = s.Step(pb.StepRequest(pool=ref, step_id=2, ops=fits, prev_step_id=1), timeout=60)
+            answer = s.Step(
+                pb.StepRequest(pool=ref, step_id=2, ops=fits, prev_step_id=1), timeout=60
+            )
             assert list(answer.num_appended) == [2000] * 100 and answer.ByteSize() <= limit
             assert s.GetPoolStats(pb.GetPoolStatsRequest(pool=ref), timeout=10).num_sequences == 101
         finally:
@@ -268,10 +334,17 @@ def test_a_step_whose_answer_cannot_fit_the_wire_is_refused_before_it_is_applied
 # sequence ids of MAX_SEQ_ID_LEN characters. Each case: the pools' layouts,
 # then their store groups ("": none).
 LONG, GROUP = "a" * MAX_LAYOUT_LEN, "g" * MAX_STORE_GROUP_LEN
-LAYOUTS = [(LONG, LONG, "", ""), (LONG, LONG, GROUP, GROUP), ("a", "a", "", ""),  # b loads what a saved
-           (LONG, "b", GROUP, ""), (LONG, LONG, GROUP, "h" * MAX_STORE_GROUP_LEN)]
+LAYOUTS = [
+    (LONG, LONG, "", ""),
+    (LONG, LONG, GROUP, GROUP),
+    ("a", "a", "", ""),  # b loads what a saved
+    (LONG, "b", GROUP, ""),
+    (LONG, LONG, GROUP, "h" * MAX_STORE_GROUP_LEN),
+]
 SALTS = (None, "b")  # each pool's prompts' namespace
-STORE_BYTES = 10  # pool a's block_bytes: the smallest, so a save of pool b may delete several entries
+STORE_BYTES = (
+    10  # pool a's block_bytes: the smallest, so a save of pool b may delete several entries
+)
 
 
 class ServiceBounds:
@@ -281,20 +354,31 @@ class ServiceBounds:
     and the smallest block_bytes)."""
 
     def __init__(self, store_bytes: int, groups: dict[str, str] | None = None) -> None:
-        self.svc = AllocatorService(ServiceConfig(shared_store="file:///nonexistent/kv",
-                                                  shared_store_bytes=store_bytes, store_groups=groups or {}))
+        self.svc = AllocatorService(
+            ServiceConfig(
+                shared_store="file:///nonexistent/kv",
+                shared_store_bytes=store_bytes,
+                store_groups=groups or {},
+            )
+        )
         self.bounds: list[int] = []
         self.step_ids: dict[str, int] = {}
 
     def record(self, *args, **kwargs) -> int:
         bound = step_answer_bound(*args, **kwargs)
-        assert kwargs.get("tiers", args[4] if len(args) > 4 else None) is not None  # a tiered pool's bound
+        assert (
+            kwargs.get("tiers", args[4] if len(args) > 4 else None) is not None
+        )  # a tiered pool's bound
         self.bounds.append(bound)
         return bound
 
     def register(self, worker: str, **shape) -> pb.PoolRef:
-        r = self.svc.pools.register(worker, PoolConfig(model_fingerprint="m", enable_prefix_caching=True,
-                                                   use_shared_store=True, **shape))
+        r = self.svc.pools.register(
+            worker,
+            PoolConfig(
+                model_fingerprint="m", enable_prefix_caching=True, use_shared_store=True, **shape
+            ),
+        )
         self.step_ids[r.pool_id] = 0
         return PoolRef(r.pool_id, r.credential)
 
@@ -308,7 +392,11 @@ class ServiceBounds:
         with mock.patch("allocator_service.service.steps.step_answer_bound", self.record):
             answer = self.svc.steps.step(ref, self.step_ids[ref.pool_id], *step_from_proto(msg))
         assert len(self.bounds) == before + 1
-        assert answer.ByteSize() <= self.bounds[-1], (answer.ByteSize(), self.bounds[-1], answer.moves)
+        assert answer.ByteSize() <= self.bounds[-1], (
+            answer.ByteSize(),
+            self.bounds[-1],
+            answer.moves,
+        )
         assert all(len(m.encode()) <= MAX_ERROR_MESSAGE_BYTES for m in answer.error_messages)
         return answer
 
@@ -352,13 +440,28 @@ class InFlight:
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
-@given(seed=st.integers(0, 2**32 - 1), layouts=st.sampled_from(LAYOUTS),
-       store_entries=st.sampled_from([0, 3, 8, 24, 48]), store_extra=st.integers(1, 9),
-       num_blocks=st.tuples(st.integers(3, 8), st.integers(3, 8)), block_size=st.sampled_from([1, 2]),
-       host_blocks=st.tuples(st.sampled_from([0, 1, 2, 4]), st.sampled_from([0, 1, 2, 4])),
-       b_bytes=st.sampled_from([STORE_BYTES, 25]), long_ids=st.booleans())
-def test_the_answer_bound_holds_for_tiered_pools(seed, layouts, store_entries, store_extra, num_blocks,
-                                                  block_size, host_blocks, b_bytes, long_ids):
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    layouts=st.sampled_from(LAYOUTS),
+    store_entries=st.sampled_from([0, 3, 8, 24, 48]),
+    store_extra=st.integers(1, 9),
+    num_blocks=st.tuples(st.integers(3, 8), st.integers(3, 8)),
+    block_size=st.sampled_from([1, 2]),
+    host_blocks=st.tuples(st.sampled_from([0, 1, 2, 4]), st.sampled_from([0, 1, 2, 4])),
+    b_bytes=st.sampled_from([STORE_BYTES, 25]),
+    long_ids=st.booleans(),
+)
+def test_the_answer_bound_holds_for_tiered_pools(
+    seed,
+    layouts,
+    store_entries,
+    store_extra,
+    num_blocks,
+    block_size,
+    host_blocks,
+    b_bytes,
+    long_ids,
+):
     """As above, for two tiered pools (tiny KV pools, so blocks are evicted
     all the time; host tiers of a few slots or none) sharing a store of a few
     entries (so saves delete entries, often the other pool's; 0: smaller
@@ -372,9 +475,14 @@ def test_the_answer_bound_holds_for_tiered_pools(seed, layouts, store_entries, s
     rng = random.Random(seed)
     groups = {w: g for w, g in zip("ab", layouts[2:], strict=True) if g}
     sb = ServiceBounds(store_entries * STORE_BYTES + store_extra, groups)
-    refs = [sb.register(w, num_blocks=n, block_size=block_size, host_blocks=h, layout=lay, block_bytes=bb)
-            for w, n, h, lay, bb in zip("ab", num_blocks, host_blocks, layouts[:2], (STORE_BYTES, b_bytes),
-                                        strict=True)]
+    refs = [
+        sb.register(
+            w, num_blocks=n, block_size=block_size, host_blocks=h, layout=lay, block_bytes=bb
+        )
+        for w, n, h, lay, bb in zip(
+            "ab", num_blocks, host_blocks, layouts[:2], (STORE_BYTES, b_bytes), strict=True
+        )
+    ]
     flight = [InFlight(), InFlight()]
     prefix = "\u2603" * (MAX_SEQ_ID_LEN - 8) if long_ids else "s"
     counter = iter(range(10**8))
@@ -390,7 +498,9 @@ def test_the_answer_bound_holds_for_tiered_pools(seed, layouts, store_entries, s
     for _ in range(40):
         i = rng.randint(0, 1)
         live = sorted(sb.pool(refs[i]).tables())
-        frees = [s for s in live if rng.random() < 0.5]  # short lives: their blocks fall to the tiers
+        frees = [
+            s for s in live if rng.random() < 0.5
+        ]  # short lives: their blocks fall to the tiers
         ops: list = [Free(s) for s in frees]
         live = [s for s in live if s not in frees]
         if live and rng.random() < 0.3:
@@ -435,7 +545,9 @@ def test_the_tiered_bound_counts_write_throughs_and_long_namespaces(group):
     assert namespace == (f"{group}.{LONG}" if group else LONG)
     b = sb.register("b", num_blocks=16, block_size=1, layout="b", block_bytes=STORE_BYTES)
     sb.step(a, [Admit("x", [1, 2, 3, 4, 5])])
-    saves = decode_results(sb.step(a, [Free("x")]), 1).moves.store_saves  # write-throughs fill the store
+    saves = decode_results(
+        sb.step(a, [Free("x")]), 1
+    ).moves.store_saves  # write-throughs fill the store
     assert len(saves) == 4
     failed = decode_results(sb.step(a, [], TierReport([], [], saves[:3], saves[3:], [])), 0).moves
     assert failed.store_deletes == saves[3:] and failed.store_delete_layouts == [namespace]

@@ -50,7 +50,9 @@ def test_kill_between_steps_restores_everything(store, allocator_server):
         answers = {}
         for n in range(30):
             for ref, steps in zip(refs, workloads, strict=True):
-                answers[ref.pool_id] = s.Step(pb.StepRequest(pool=ref, step_id=n + 1, ops=encode_ops(steps[n])))
+                answers[ref.pool_id] = s.Step(
+                    pb.StepRequest(pool=ref, step_id=n + 1, ops=encode_ops(steps[n]))
+                )
         s.ResetPrefixCache(pb.ResetPrefixCacheRequest(pool=refs[0]))
         gone = register(s, md, "short-lived")
         s.DeregisterPool(pb.DeregisterPoolRequest(pool=gone))
@@ -80,7 +82,9 @@ def test_kill_between_steps_restores_everything(store, allocator_server):
         assert code_of(s.DumpPool, pb.DumpPoolRequest(pool=gone)) == C.NOT_FOUND
         # Event numbers and epochs carry on where they were.
         fresh = register(s, md, "w0", replace_credential=refs[0].credential)
-        stream = RouterClient(again.address).watch_events(from_sequence=events_before[-1].sequence + 1, timeout_s=5)
+        stream = RouterClient(again.address).watch_events(
+            from_sequence=events_before[-1].sequence + 1, timeout_s=5
+        )
         first, second = next(stream), next(stream)
         stream.cancel()
         assert fresh.pool_id == "w0/2"
@@ -150,8 +154,19 @@ def test_redis_outage_is_unavailable_then_recovers(store, allocator_server):
         redis.halt()
         request = pb.StepRequest(pool=ref, step_id=4, ops=encode_ops(steps[3]))
         assert code_of(s.Step, request, timeout=10) == C.UNAVAILABLE
-        assert code_of(s.RegisterPool, pb.RegisterPoolRequest(worker_id="late", shape=pb.PoolShape(num_blocks=4, block_size=4)), timeout=10) == C.UNAVAILABLE
-        assert code_of(s.Heartbeat, pb.HeartbeatRequest(pool=ref), timeout=10) == C.OK  # reads still work
+        assert (
+            code_of(
+                s.RegisterPool,
+                pb.RegisterPoolRequest(
+                    worker_id="late", shape=pb.PoolShape(num_blocks=4, block_size=4)
+                ),
+                timeout=10,
+            )
+            == C.UNAVAILABLE
+        )
+        assert (
+            code_of(s.Heartbeat, pb.HeartbeatRequest(pool=ref), timeout=10) == C.OK
+        )  # reads still work
         assert dump(s, md, ref) == as_json(reference.to_state())
         assert server.proc.poll() is None
         redis.start()
@@ -168,8 +183,13 @@ def test_redis_outage_is_unavailable_then_recovers(store, allocator_server):
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 10_000), index=st.integers(1, 2**64 - 1), step_id=st.integers(1, 2**64 - 1),
-       prev=st.integers(0, 2**64 - 1), pool_id=st.text(min_size=1, max_size=40))
+@given(
+    seed=st.integers(0, 10_000),
+    index=st.integers(1, 2**64 - 1),
+    step_id=st.integers(1, 2**64 - 1),
+    prev=st.integers(0, 2**64 - 1),
+    pool_id=st.text(min_size=1, max_size=40),
+)
 def test_step_record_is_protobufs_encoding(seed, index, step_id, prev, pool_id):
     """The journal's step record is spliced around the bytes the step's
     digest covers instead of re-encoding the operations; it must be byte for
@@ -177,7 +197,11 @@ def test_step_record_is_protobufs_encoding(seed, index, step_id, prev, pool_id):
     ops = encode_ops(random_steps(seed=seed, steps=1, max_ops=12)[0] if seed % 7 else [])
     digest = ops_digest(ops)
     got = encode_step_record(index, StepRecord(pool_id, step_id, digest, canonical_ops(ops)), prev)
-    record = jpb.JournalRecord(index=index, step=jpb.StepApplied(pool_id=pool_id, step_id=step_id, digest=digest,
-                                                                 ops=ops, prev_step_id=prev))
+    record = jpb.JournalRecord(
+        index=index,
+        step=jpb.StepApplied(
+            pool_id=pool_id, step_id=step_id, digest=digest, ops=ops, prev_step_id=prev
+        ),
+    )
     assert got == record.SerializeToString()
     assert jpb.JournalRecord.FromString(got) == record

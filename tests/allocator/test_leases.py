@@ -21,8 +21,12 @@ def test_silent_pool_is_dropped_and_others_untouched(allocator_server):
     with allocator_server(env={"PAGEDKV_ALLOCATOR_LEASE_TTL": str(TTL)}) as server:
         router = RouterClient(server.address)
         events = router.watch_events(from_sequence=1, timeout_s=10)
-        alive = GrpcAllocator(server.address, PoolSpec("alive", PoolConfig(16, 4)))  # heart-beats every TTL/3
-        silent = GrpcAllocator(server.address, PoolSpec("silent", PoolConfig(16, 4)), heartbeat=False)
+        alive = GrpcAllocator(
+            server.address, PoolSpec("alive", PoolConfig(16, 4))
+        )  # heart-beats every TTL/3
+        silent = GrpcAllocator(
+            server.address, PoolSpec("silent", PoolConfig(16, 4)), heartbeat=False
+        )
         assert alive.lease_ttl_s == TTL
         alive.step([Admit("a", [1, 2, 3, 4, 5])])
         silent.step([Admit("a", [1, 2, 3, 4, 5])])
@@ -52,7 +56,9 @@ def test_leases_are_rearmed_after_a_restart(allocator_server, redis_store):
         ttl = 3 * TTL  # room for a restart under load inside one lease
         args, env = ("--state", url), {"PAGEDKV_ALLOCATOR_LEASE_TTL": str(ttl)}
         with allocator_server(*args, env=env) as server:
-            worker = GrpcAllocator(server.address, PoolSpec("rearm", PoolConfig(16, 4)), heartbeat=False)
+            worker = GrpcAllocator(
+                server.address, PoolSpec("rearm", PoolConfig(16, 4)), heartbeat=False
+            )
             worker.step([Admit("a", [1, 2, 3])])
             server.kill()
         time.sleep(ttl + 0.5)  # longer than the TTL: only a re-armed lease survives it

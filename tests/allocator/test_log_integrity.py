@@ -62,16 +62,35 @@ def keys(url: str):
 
 def run_check(url: str, env: dict[str, str] | None = None) -> tuple[int, str]:
     env = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
-    p = subprocess.run([sys.executable, "-m", "allocator_service", "--state", url, "--check"],
-                       capture_output=True, text=True, timeout=60, env=env)
+    p = subprocess.run(
+        [sys.executable, "-m", "allocator_service", "--state", url, "--check"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert "Traceback" not in p.stdout + p.stderr
     return p.returncode, p.stdout + p.stderr
 
 
 def start_fails(url: str, env: dict[str, str] | None = None, *extra: str) -> tuple[int, str]:
     env = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
-    p = subprocess.run([sys.executable, "-m", "allocator_service", "--listen", "127.0.0.1:0",
-                        "--state", url, *extra], capture_output=True, text=True, timeout=60, env=env)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "allocator_service",
+            "--listen",
+            "127.0.0.1:0",
+            "--state",
+            url,
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert "Traceback" not in p.stdout + p.stderr
     return p.returncode, p.stdout + p.stderr
 
@@ -85,7 +104,11 @@ def two_pools(url: str, allocator_server):
         workloads = [random_steps(seed=20 + i, steps=STEPS) for i in range(2)]
         for n in range(STEPS):
             for ref, steps in zip(refs, workloads, strict=True):
-                s.Step(pb.StepRequest(pool=ref, step_id=n + 1, ops=encode_ops(steps[n]), prev_step_id=n))
+                s.Step(
+                    pb.StepRequest(
+                        pool=ref, step_id=n + 1, ops=encode_ops(steps[n]), prev_step_id=n
+                    )
+                )
         before = {r.pool_id: dump(s, md, r) for r in refs}
         channel.close()
         server.kill()
@@ -112,7 +135,10 @@ def flip_an_operation_bit(entry: bytes) -> bytes:
         except DecodeError:
             continue
         same = (step.pool_id, step.step_id, step.digest, step.prev_step_id)
-        if same == (good.pool_id, good.step_id, good.digest, good.prev_step_id) and step.ops != good.ops:
+        if (
+            same == (good.pool_id, good.step_id, good.digest, good.prev_step_id)
+            and step.ops != good.ops
+        ):
             return bytes(bad)
     raise AssertionError("no bit of the operations can flip with the record still parsing")
 
@@ -120,7 +146,11 @@ def flip_an_operation_bit(entry: bytes) -> bytes:
 def position_of_step(entries, pool_id: str, step_id: int) -> int:
     for i, e in enumerate(entries):
         r = record_of(e)
-        if r.WhichOneof("change") == "step" and r.step.pool_id == pool_id and r.step.step_id == step_id:
+        if (
+            r.WhichOneof("change") == "step"
+            and r.step.pool_id == pool_id
+            and r.step.step_id == step_id
+        ):
             return i
     raise AssertionError((pool_id, step_id))
 
@@ -194,7 +224,9 @@ def test_lost_tail_is_reported_and_the_worker_gets_pool_lost(store, allocator_se
     steps = random_steps(seed=9, steps=12)
     with allocator_server("--state", url) as server:
         port = server.port
-        worker = GrpcAllocator(server.address, spec, retries=30, backoff_s=0.02, deadline_s=2, heartbeat=False)
+        worker = GrpcAllocator(
+            server.address, spec, retries=30, backoff_s=0.02, deadline_s=2, heartbeat=False
+        )
         for ops in steps[:8]:
             worker.step(ops)
         server.kill()
@@ -235,12 +267,25 @@ def test_a_client_of_this_version_cannot_omit_prev_step_id_and_double_book(store
     with allocator_server("--state", url) as server:
         port = server.port
         s, md, channel = stub(server.address)
-        r = s.RegisterPool(pb.RegisterPoolRequest(
-            worker_id="w", shape=pb.PoolShape(num_blocks=8, block_size=4, model_fingerprint="m"),
-            protocol_version=PROTOCOL_VERSION), timeout=10)
+        r = s.RegisterPool(
+            pb.RegisterPoolRequest(
+                worker_id="w",
+                shape=pb.PoolShape(num_blocks=8, block_size=4, model_fingerprint="m"),
+                protocol_version=PROTOCOL_VERSION,
+            ),
+            timeout=10,
+        )
         ref = pb.PoolRef(pool_id=r.pool_id, credential=r.credential)
-        s.Step(pb.StepRequest(pool=ref, step_id=1, ops=encode_ops([Admit("a", list(range(8)))]), prev_step_id=0))
-        b = s.Step(pb.StepRequest(pool=ref, step_id=2, ops=encode_ops([Admit("b", list(range(8)))]), prev_step_id=1))
+        s.Step(
+            pb.StepRequest(
+                pool=ref, step_id=1, ops=encode_ops([Admit("a", list(range(8)))]), prev_step_id=0
+            )
+        )
+        b = s.Step(
+            pb.StepRequest(
+                pool=ref, step_id=2, ops=encode_ops([Admit("b", list(range(8)))]), prev_step_id=1
+            )
+        )
         held_by_b = set(b.appended)
         channel.close()
         server.kill()
@@ -252,14 +297,23 @@ def test_a_client_of_this_version_cannot_omit_prev_step_id_and_double_book(store
         admit_c = encode_ops([Admit("c", list(range(100, 108)))])
         with pytest.raises(grpc.RpcError) as refused:
             s.Step(pb.StepRequest(pool=ref, step_id=3, ops=admit_c))
-        assert refused.value.code() == C.INVALID_ARGUMENT and "prev_step_id" in refused.value.details()
+        assert (
+            refused.value.code() == C.INVALID_ARGUMENT and "prev_step_id" in refused.value.details()
+        )
         assert client.lrange(prefix + "journal", 0, -1) == journal
         stats = s.GetPoolStats(pb.GetPoolStatsRequest(pool=ref, check_integrity=True))
         assert (stats.last_step_id, stats.num_sequences, stats.used_blocks) == (1, 1, 2)
-        assert code_of(s.GetBlockTable, pb.GetBlockTableRequest(pool=ref, seq_id="c")) == C.NOT_FOUND
-        assert not held_by_b & set(s.GetBlockTable(pb.GetBlockTableRequest(pool=ref, seq_id="a")).block_ids)
+        assert (
+            code_of(s.GetBlockTable, pb.GetBlockTableRequest(pool=ref, seq_id="c")) == C.NOT_FOUND
+        )
+        assert not held_by_b & set(
+            s.GetBlockTable(pb.GetBlockTableRequest(pool=ref, seq_id="a")).block_ids
+        )
         # named, the lost tail is caught: the pool is dropped, the worker re-registers
-        assert code_of(s.Step, pb.StepRequest(pool=ref, step_id=3, ops=admit_c, prev_step_id=2)) == C.NOT_FOUND
+        assert (
+            code_of(s.Step, pb.StepRequest(pool=ref, step_id=3, ops=admit_c, prev_step_id=2))
+            == C.NOT_FOUND
+        )
         assert code_of(s.GetPoolStats, pb.GetPoolStatsRequest(pool=ref)) == C.NOT_FOUND
         # an older client's pool: prev_step_id may be left out
         old = register(s, md, "older")
@@ -293,7 +347,10 @@ def test_unattributable_damage_stops_start_with_one_line(store, allocator_server
     client.lset(prefix + "journal", 0, bytes(bad))
     client.close()
     code, out = run_check(url)
-    assert code == 1 and "FATAL journal entry 0 (record 1): fails its digest and cannot be attributed" in out
+    assert (
+        code == 1
+        and "FATAL journal entry 0 (record 1): fails its digest and cannot be attributed" in out
+    )
     code, out = start_fails(url)
     assert code == 1, out
     lines = [line for line in out.splitlines() if "cannot start" in line]
@@ -301,7 +358,10 @@ def test_unattributable_damage_stops_start_with_one_line(store, allocator_server
     # the recovery the line points at is there
     section = "A journal that cannot be replayed"
     assert section in lines[0]
-    assert f"### {section}" in (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
+    assert (
+        f"### {section}"
+        in (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
+    )
 
 
 def test_older_journal_without_digests_still_loads(store, allocator_server):
@@ -318,7 +378,9 @@ def test_older_journal_without_digests_still_loads(store, allocator_server):
         for r in refs:
             assert dump(s, md, r) == before[r.pool_id]
         # New records are framed and chained after the old ones.
-        s.Step(pb.StepRequest(pool=refs[0], step_id=STEPS + 1, ops=encode_ops([]), prev_step_id=STEPS))
+        s.Step(
+            pb.StepRequest(pool=refs[0], step_id=STEPS + 1, ops=encode_ops([]), prev_step_id=STEPS)
+        )
         channel.close()
         log = "\n".join(server.lines)
     assert "written by an older version" in log
@@ -326,7 +388,9 @@ def test_older_journal_without_digests_still_loads(store, allocator_server):
     assert code == 0, out
 
 
-def test_with_a_journal_key_an_edited_record_with_a_recomputed_chain_is_caught(store, allocator_server, tmp_path):
+def test_with_a_journal_key_an_edited_record_with_a_recomputed_chain_is_caught(
+    store, allocator_server, tmp_path
+):
     """Someone who can write to Redis but has not the journal key edits a
     step record (its operations), recomputes the SHA-256 chain over every
     later record and the head: `--check` with the key finds it, and the
@@ -341,8 +405,14 @@ def test_with_a_journal_key_an_edited_record_with_a_recomputed_chain_is_caught(s
         refs = [register(s, md, f"w{i}", num_blocks=24) for i in range(2)]
         for n in range(4):
             for i, ref in enumerate(refs):
-                s.Step(pb.StepRequest(pool=ref, step_id=n + 1, ops=encode_ops(random_steps(seed=30 + i, steps=4)[n]),
-                                      prev_step_id=n))
+                s.Step(
+                    pb.StepRequest(
+                        pool=ref,
+                        step_id=n + 1,
+                        ops=encode_ops(random_steps(seed=30 + i, steps=4)[n]),
+                        prev_step_id=n,
+                    )
+                )
         channel.close()
         server.kill()
     code, out = run_check(url, keyed)
@@ -367,13 +437,19 @@ def test_with_a_journal_key_an_edited_record_with_a_recomputed_chain_is_caught(s
     code, out = run_check(url, keyed)
     assert code == 1 and "fails its digest" in out and refs[0].pool_id in out, out
     assert "journal key: yes" in out
-    code, out = run_check(url)  # without the key: a keyed journal is not read as if Redis were trusted
+    code, out = run_check(
+        url
+    )  # without the key: a keyed journal is not read as if Redis were trusted
     assert code == 1 and "no journal key is configured" in out, out
-    code, out = start_fails(url, keyed)  # every record after the edit fails: nothing to trust, no start
+    code, out = start_fails(
+        url, keyed
+    )  # every record after the edit fails: nothing to trust, no start
     assert code == 1 and "cannot start" in out and "fails its digest" in out, out
     # a snapshot written without the key is refused too
     client.delete(prefix + "journal", prefix + "head", prefix + "snapshot")
-    with allocator_server("--state", url, env={**keyed, "PAGEDKV_ALLOCATOR_SNAPSHOT_EVERY": "1"}) as server:
+    with allocator_server(
+        "--state", url, env={**keyed, "PAGEDKV_ALLOCATOR_SNAPSHOT_EVERY": "1"}
+    ) as server:
         s, md, channel = stub(server.address)
         ref = register(s, md, "w")
         deadline = time.monotonic() + 30
@@ -402,7 +478,9 @@ def test_new_record_links_to_snapshot_chain():
 
 def _health_watch(address: str):
     channel = grpc.insecure_channel(address)
-    stream = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=60)
+    stream = health_pb2_grpc.HealthStub(channel).Watch(
+        health_pb2.HealthCheckRequest(service=""), timeout=60
+    )
     seen: list[int] = []
 
     def read():
@@ -433,7 +511,10 @@ def test_flushall_while_serving(store, allocator_server):
         t0 = time.monotonic()
         client.flushall()
         deadline = time.monotonic() + 10
-        while health_pb2.HealthCheckResponse.NOT_SERVING not in seen or seen[-1] != health_pb2.HealthCheckResponse.SERVING:
+        while (
+            health_pb2.HealthCheckResponse.NOT_SERVING not in seen
+            or seen[-1] != health_pb2.HealthCheckResponse.SERVING
+        ):
             assert time.monotonic() < deadline, seen
             time.sleep(0.01)
         recovered_s = time.monotonic() - t0
@@ -452,9 +533,15 @@ def test_flushall_while_serving(store, allocator_server):
         channel.close()
         worker.close()
         log = "\n".join(server.lines)
-    assert "the state store lost the allocator's state" in log and "dropping all 1 pools: flushed/1" in log
+    assert (
+        "the state store lost the allocator's state" in log
+        and "dropping all 1 pools: flushed/1" in log
+    )
     assert "Traceback" not in log
-    report("redis_flushall", {"flush_to_serving_again_s": round(recovered_s, 2), "health": [int(x) for x in seen]})
+    report(
+        "redis_flushall",
+        {"flush_to_serving_again_s": round(recovered_s, 2), "health": [int(x) for x in seen]},
+    )
 
 
 def test_evicting_redis_is_refused(store):
@@ -473,9 +560,26 @@ def _replica(primary_port: int):
     exe = shutil.which("redis-server")
     port = free_port("127.0.0.1")
     directory = tempfile.mkdtemp(prefix="pagedkv-replica-")
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", directory, "--save", "",
-                             "--appendonly", "no", "--replicaof", "127.0.0.1", str(primary_port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            exe,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            directory,
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--replicaof",
+            "127.0.0.1",
+            str(primary_port),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     return proc, port, directory
 
 
@@ -493,11 +597,18 @@ def test_wait_for_a_replica(store, allocator_server):
                 pass
             assert time.monotonic() < deadline, "the replica did not sync"
             time.sleep(0.05)
-        wait = {"PAGEDKV_ALLOCATOR_REDIS_WAIT_REPLICAS": "1", "PAGEDKV_ALLOCATOR_REDIS_WAIT_TIMEOUT": "0.5"}
+        wait = {
+            "PAGEDKV_ALLOCATOR_REDIS_WAIT_REPLICAS": "1",
+            "PAGEDKV_ALLOCATOR_REDIS_WAIT_TIMEOUT": "0.5",
+        }
         with allocator_server("--state", url, env=wait) as server:
             s, md, channel = stub(server.address)
             ref = register(s, md, "waited", num_blocks=24)
-            s.Step(pb.StepRequest(pool=ref, step_id=1, ops=encode_ops(random_steps(1, 1)[0]), prev_step_id=0))
+            s.Step(
+                pb.StepRequest(
+                    pool=ref, step_id=1, ops=encode_ops(random_steps(1, 1)[0]), prev_step_id=0
+                )
+            )
             _, prefix = split_prefix(url)
             # Acknowledged means on the replica already.
             assert rc.llen(prefix + "journal") == 2

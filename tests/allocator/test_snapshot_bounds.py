@@ -56,7 +56,9 @@ def test_forked_pool_packs_in_a_size_bounded_by_its_shape_and_restores_exactly()
     seqs = 16
     assert len(text) <= packed_bound(n, seqs, pool.name_chars, 2 * seqs, 0)
     full = snapshot.dumps_chunked(pool.to_state())
-    assert len(full) > 10 * len(text)  # what every fork's copied table and hashes cost the full dump
+    assert len(full) > 10 * len(
+        text
+    )  # what every fork's copied table and hashes cost the full dump
     restored = BlockPool.from_state(json.loads(text))
     assert restored.to_state() == pool.to_state()
     assert restored.integrity_problems() == []
@@ -65,8 +67,13 @@ def test_forked_pool_packs_in_a_size_bounded_by_its_shape_and_restores_exactly()
 seq_ids = st.sampled_from(["a", "b", "c", "d", "e"])
 ops = st.lists(
     st.one_of(
-        st.builds(Admit, seq_ids, st.lists(st.integers(0, 3), max_size=14), st.sampled_from([None, "t"]),
-                  st.sampled_from([None, 1, 3])),
+        st.builds(
+            Admit,
+            seq_ids,
+            st.lists(st.integers(0, 3), max_size=14),
+            st.sampled_from([None, "t"]),
+            st.sampled_from([None, 1, 3]),
+        ),
         st.builds(Append, seq_ids, st.lists(st.integers(0, 3), max_size=6)),
         st.builds(Free, seq_ids),
         st.builds(Fork, seq_ids, seq_ids),
@@ -90,8 +97,9 @@ def test_packed_dump_restores_any_state_exactly(steps, caching, resets):
         assert BlockPool.from_state(json.loads(text)).to_state() == pool.to_state()
         assert dump_floor(pool) <= len(snapshot.dumps_chunked(pool.to_state()))
         tails = sum(len(q.tail) for q in pool.parts().seqs.values())
-        assert len(text) <= packed_bound(pool.num_blocks, len(pool.parts().seqs), pool.name_chars,
-                                                  2 * pool.table_entries, tails)
+        assert len(text) <= packed_bound(
+            pool.num_blocks, len(pool.parts().seqs), pool.name_chars, 2 * pool.table_entries, tails
+        )
 
 
 def test_a_dump_over_the_answer_limit_is_refused_before_it_is_built():
@@ -105,8 +113,12 @@ def test_a_dump_over_the_answer_limit_is_refused_before_it_is_built():
     from allocator_service.wire.errors import AnswerTooLarge
 
     svc = AllocatorService(ServiceConfig())
-    r = svc.pools.register("w", PoolConfig(num_blocks=1 << 15, block_size=4, model_fingerprint="m",
-                                       enable_prefix_caching=True))
+    r = svc.pools.register(
+        "w",
+        PoolConfig(
+            num_blocks=1 << 15, block_size=4, model_fingerprint="m", enable_prefix_caching=True
+        ),
+    )
     ref = PoolRef(r.pool_id, r.credential)
     svc.steps.step(ref, 1, *step_call([Admit("a", list(range(4 << 15)))]))
     svc.steps.step(ref, 2, *step_call([Fork("a", f"f{i}") for i in range(15)]), prev_step_id=1)
@@ -134,8 +146,10 @@ def test_a_dump_over_the_answer_limit_is_refused_before_it_is_built():
 
 def test_a_snapshot_of_the_earlier_format_is_still_read():
     svc = AllocatorService(ServiceConfig())
-    r = svc.pools.register("w", PoolConfig(num_blocks=16, block_size=2, model_fingerprint="m",
-                                       enable_prefix_caching=True))
+    r = svc.pools.register(
+        "w",
+        PoolConfig(num_blocks=16, block_size=2, model_fingerprint="m", enable_prefix_caching=True),
+    )
     ref = PoolRef(r.pool_id, r.credential)
     svc.steps.step(ref, 1, *step_call([Admit("a", [1, 2, 3, 4, 5]), Fork("a", "b")]))
     snap = svc.registry.to_snapshot(b"\0" * 32)
@@ -152,18 +166,28 @@ def test_a_pool_too_big_to_snapshot_is_dropped_and_every_other_pool_is_snapshott
         config = ServiceConfig(snapshot_every=4, max_snapshot_bytes=96 << 10)
         journal = open_journal(url)
         svc = AllocatorService(config, journal)
-        victim = svc.pools.register("victim", PoolConfig(num_blocks=64, block_size=4, model_fingerprint="m",
-                                                     enable_prefix_caching=True))
+        victim = svc.pools.register(
+            "victim",
+            PoolConfig(
+                num_blocks=64, block_size=4, model_fingerprint="m", enable_prefix_caching=True
+            ),
+        )
         victim_ref = PoolRef(victim.pool_id, victim.credential)
-        hog = svc.pools.register("hog", PoolConfig(num_blocks=2048, block_size=4, model_fingerprint="m",
-                                               enable_prefix_caching=True))
+        hog = svc.pools.register(
+            "hog",
+            PoolConfig(
+                num_blocks=2048, block_size=4, model_fingerprint="m", enable_prefix_caching=True
+            ),
+        )
         hog_ref = PoolRef(hog.pool_id, hog.credential)
         # Legal: ids of 256 characters, two sequences per block at most.
         svc.steps.step(hog_ref, 1, *step_call([Admit("x" * 256, list(range(2048 * 4)))]))
         forks = [Fork("x" * 256, f"{i:0>256}") for i in range(400)]
         svc.steps.step(hog_ref, 2, *step_call(forks))
         for i in range(3, 12):
-            svc.steps.step(victim_ref, i, *step_call([Admit(f"s{i}", [i, i + 1, i + 2, i + 3, i + 4])]))
+            svc.steps.step(
+                victim_ref, i, *step_call([Admit(f"s{i}", [i, i + 1, i + 2, i + 3, i + 4])])
+            )
         assert hog.pool_id not in svc.registry.pools
         assert svc.durable.pools_dropped_for_size == 1
         # The snapshot holds the victim; the journal was trimmed to it.
@@ -188,8 +212,10 @@ def test_a_watch_snapshot_streams_in_bounded_pieces_read_as_it_goes():
     pieces with the events numbered from the start replayed on them are
     exactly the pool's index."""
     svc = AllocatorService(ServiceConfig())
-    r = svc.pools.register("w", PoolConfig(num_blocks=64, block_size=1, model_fingerprint="m",
-                                       enable_prefix_caching=True))
+    r = svc.pools.register(
+        "w",
+        PoolConfig(num_blocks=64, block_size=1, model_fingerprint="m", enable_prefix_caching=True),
+    )
     ref = PoolRef(r.pool_id, r.credential)
     svc.steps.step(ref, 1, *step_call([Admit("a", list(range(41)))]))
     cursor = svc.events.published
@@ -205,8 +231,14 @@ def test_a_watch_snapshot_streams_in_bounded_pieces_read_as_it_goes():
     view = PrefixView()
     view.begin()
     for pool_id, ids, hashes in [first, *rest]:
-        view.apply(pb.KvEvent(kind=pb.KV_EVENT_KIND_POOL_CACHED, pool_id=pool_id, block_ids=ids,
-                              block_hashes=b"".join(hashes)))
+        view.apply(
+            pb.KvEvent(
+                kind=pb.KV_EVENT_KIND_POOL_CACHED,
+                pool_id=pool_id,
+                block_ids=ids,
+                block_hashes=b"".join(hashes),
+            )
+        )
     for e in svc.events.read(cursor, 10_000, 0)[0]:
         view.apply(event_message(e))
     view.apply(pb.KvEvent(kind=pb.KV_EVENT_KIND_SNAPSHOT_END))

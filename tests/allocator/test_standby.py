@@ -40,12 +40,20 @@ def test_a_claim_fences_the_earlier_leader_and_its_refused_write_changes_nothing
             assert new.leader.endswith(" old:1")
             time.sleep(LEASE_S + 0.2)  # the old leader stops renewing (a pause)
             assert new.claim(force=False)
-            assert int(new.token.split(":")[0]) == int(old.token.split(":")[0]) + 1  # the next fencing epoch
-            before = (old.client.lrange(old._keys["journal"], 0, -1), old.client.get(old._keys["head"]))
+            assert (
+                int(new.token.split(":")[0]) == int(old.token.split(":")[0]) + 1
+            )  # the next fencing epoch
+            before = (
+                old.client.lrange(old._keys["journal"], 0, -1),
+                old.client.get(old._keys["head"]),
+            )
             entry2, chain2 = encode_entry(chain, b"record 2")
             with pytest.raises(StoreFenced):
                 old.append(entry2, head_marker(1, chain), head_marker(2, chain2))
-            assert (old.client.lrange(old._keys["journal"], 0, -1), old.client.get(old._keys["head"])) == before
+            assert (
+                old.client.lrange(old._keys["journal"], 0, -1),
+                old.client.get(old._keys["head"]),
+            ) == before
             assert old.renew() == 0, "the deposed leader's renewal says so"
             assert new.renew() == 1
             new.release()
@@ -69,10 +77,14 @@ def _stub(address: str):
 
 
 def test_the_standby_follows_takes_over_after_sigkill_and_answers_a_retry_with_the_journaled_answer(
-        redis_store, allocator_server):
+    redis_store, allocator_server
+):
     spec = PoolSpec("w", PoolConfig(num_blocks=24, block_size=4, enable_prefix_caching=True))
-    with redis_store() as (url, _), allocator_server("--state", url, env=ENV) as leader, \
-            allocator_server("--state", url, "--standby", env=ENV) as standby:
+    with (
+        redis_store() as (url, _),
+        allocator_server("--state", url, env=ENV) as leader,
+        allocator_server("--state", url, "--standby", env=ENV) as standby,
+    ):
         assert grpc_health_ok(standby.address)  # the process is sound ...
         assert not grpc_health_ok(standby.address, service=SERVICE)  # ... and serves no call
         with pytest.raises(grpc.RpcError) as refused:
@@ -99,11 +111,15 @@ def test_the_standby_follows_takes_over_after_sigkill_and_answers_a_retry_with_t
                 again = _stub(standby.address).Step(request, timeout=5)
                 break
             except grpc.RpcError as err:
-                assert err.code() == grpc.StatusCode.UNAVAILABLE and error_reason(err) == "not_leader"
+                assert (
+                    err.code() == grpc.StatusCode.UNAVAILABLE and error_reason(err) == "not_leader"
+                )
                 assert time.monotonic() - t0 < 30
                 time.sleep(0.02)
         took = time.monotonic() - t0
-        assert again.SerializeToString() == first.SerializeToString(), "the same step id, the same answer"
+        assert again.SerializeToString() == first.SerializeToString(), (
+            "the same step id, the same answer"
+        )
         reference.step(OPS[3])
         client._step_id = client._answered = 4  # what the worker knows once it has the answer
         assert list(client.step(OPS[4])) == list(reference.step(OPS[4]))
@@ -111,7 +127,7 @@ def test_the_standby_follows_takes_over_after_sigkill_and_answers_a_retry_with_t
         assert stats == reference.stats()
         assert client.integrity_problems() == []
         assert grpc_health_ok(standby.address, service=SERVICE)
-        print(f"DRILL {{\"standby_took_over_s\": {took:.3f}, \"lease_s\": {LEASE_S}}}")
+        print(f'DRILL {{"standby_took_over_s": {took:.3f}, "lease_s": {LEASE_S}}}')
         client.close()
 
 
@@ -120,12 +136,19 @@ def test_an_idle_workers_heartbeats_follow_the_new_leader(redis_store, allocator
     pool's lease at the new leader: its pool is not dropped."""
     spec = PoolSpec("idle", PoolConfig(num_blocks=8, block_size=4))
     env = {**ENV, "PAGEDKV_ALLOCATOR_LEASE_TTL": "2"}
-    with redis_store() as (url, _), allocator_server("--state", url, env=env) as leader, \
-            allocator_server("--state", url, "--standby", env=env) as standby:
-        client = GrpcAllocator(f"{leader.address},{standby.address}", spec)  # heart-beats every TTL / 3
+    with (
+        redis_store() as (url, _),
+        allocator_server("--state", url, env=env) as leader,
+        allocator_server("--state", url, "--standby", env=env) as standby,
+    ):
+        client = GrpcAllocator(
+            f"{leader.address},{standby.address}", spec
+        )  # heart-beats every TTL / 3
         client.step([Admit("a", [1, 2, 3])])
         leader.kill()
-        time.sleep(LEASE_S + 2 * 2.0 + 1.0)  # the takeover, then past the pool's lease at the new leader
+        time.sleep(
+            LEASE_S + 2 * 2.0 + 1.0
+        )  # the takeover, then past the pool's lease at the new leader
         assert client.stats().num_sequences == 1  # no PoolLost: the same pool, renewed all along
         assert client.pool_id == "idle/1"
         client.close()

@@ -41,7 +41,13 @@ seq_ids = st.sampled_from(["a", "b", "c", "d", ""])
 tokens = st.lists(st.integers(0, 5), max_size=12)
 ops = st.lists(
     st.one_of(
-        st.builds(Admit, seq_ids, tokens, st.sampled_from([None, "", "t"]), st.sampled_from([None, 0, 1, 3])),
+        st.builds(
+            Admit,
+            seq_ids,
+            tokens,
+            st.sampled_from([None, "", "t"]),
+            st.sampled_from([None, 0, 1, 3]),
+        ),
         st.builds(Append, seq_ids, tokens),
         st.builds(Free, seq_ids),
         st.builds(Fork, seq_ids, seq_ids),
@@ -68,12 +74,16 @@ def reference_step(pool: BlockPool, step: list) -> list[OpResult]:
                 results[i] = OpResult(keep=r.keep, append=r.new_blocks, copies=r.copies)
             elif isinstance(op, Admit):
                 a = pool.admit(op.seq, op.tokens, op.salt, op.num_new_tokens)
-                results[i] = OpResult(append=a.table, cached_tokens=a.cached_tokens, num_stored=a.num_stored)
+                results[i] = OpResult(
+                    append=a.table, cached_tokens=a.cached_tokens, num_stored=a.num_stored
+                )
             else:
                 results[i] = OpResult(append=pool.fork(op.parent, op.child))
         except AllocatorError as exc:
             after = pool.to_state()
-            after["counters"]["out_of_blocks"] = before["counters"]["out_of_blocks"]  # counts the refusal
+            after["counters"]["out_of_blocks"] = before["counters"][
+                "out_of_blocks"
+            ]  # counts the refusal
             assert after == before, f"{op} failed ({exc.code}) but changed the pool"
             results[i] = OpResult(ok=False, error=exc.code, message=str(exc))
     return results  # type: ignore[return-value]
@@ -82,7 +92,9 @@ def reference_step(pool: BlockPool, step: list) -> list[OpResult]:
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(ops, min_size=1, max_size=10), st.booleans(), st.integers(1, 4))
 def test_run_step_follows_the_step_semantics(steps, prefix, block_size):
-    config = PoolConfig(num_blocks=12, block_size=block_size, enable_prefix_caching=prefix, model_fingerprint="m")
+    config = PoolConfig(
+        num_blocks=12, block_size=block_size, enable_prefix_caching=prefix, model_fingerprint="m"
+    )
     ref, pool, objects = BlockPool(config), BlockPool(config), BlockPool(config)
     for i, step in enumerate(steps, 1):
         expected = reference_step(ref, step)
@@ -175,8 +187,14 @@ def full_state(svc: AllocatorService) -> dict:
         "idle": list(reg.idle),
         "epoch_floor": reg.epoch_floor,
         "pools": {
-            p: (e.pool.to_state(), e.last_step_id, e.last_digest, e.last_response, e.credential_digest,
-                e.protocol_version)
+            p: (
+                e.pool.to_state(),
+                e.last_step_id,
+                e.last_digest,
+                e.last_response,
+                e.credential_digest,
+                e.protocol_version,
+            )
             for p, e in reg.pools.items()
         },
     }
@@ -188,7 +206,9 @@ def test_restart_from_journal_rebuilds_everything(snapshot_every):
     svc = AllocatorService(ServiceConfig(snapshot_every=snapshot_every), journal)
     a = svc.pools.register("wa", SHAPE)
     b = svc.pools.register("wb", SHAPE)
-    d = svc.pools.register("wd", SHAPE, protocol_version=2)  # its Steps must name prev_step_id, after a restart too
+    d = svc.pools.register(
+        "wd", SHAPE, protocol_version=2
+    )  # its Steps must name prev_step_id, after a restart too
     ref_a = PoolRef(a.pool_id, a.credential)
     ref_b = PoolRef(b.pool_id, b.credential)
     for i, (sa, sb) in enumerate(zip(random_steps(1, 40), random_steps(2, 40), strict=True), 1):
@@ -233,7 +253,9 @@ def test_register_deregister_cycles_keep_the_epoch_map_bounded():
     kept = state.IDLE_EPOCHS_KEPT
     issued = [_cycle(svc, f"w-{i}") for i in range(kept + 3000)]
     reg = svc.registry
-    assert len(reg.idle) == kept and len(reg.epochs) == kept + 1  # the idle ones kept, and the live one
+    assert (
+        len(reg.idle) == kept and len(reg.epochs) == kept + 1
+    )  # the idle ones kept, and the live one
     assert reg.epoch_floor == 1 and "steady" in reg.epochs and "w-0" not in reg.epochs
     # Once ids are forgotten, a fresh id starts above the floor.
     last = f"w-{kept + 2999}"
@@ -249,7 +271,9 @@ def test_register_deregister_cycles_keep_the_epoch_map_bounded():
     assert [restarted.registry.next_epoch(w) for w in ("w-0", "w-1", last, "new")] == [3, 2, 5, 2]
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(st.lists(st.sampled_from("abcdefgh"), max_size=60))
 def test_no_pool_id_is_issued_twice_whatever_is_forgotten(monkeypatch, workers):
     monkeypatch.setattr(state, "IDLE_EPOCHS_KEPT", 3)
@@ -353,7 +377,9 @@ def test_prev_step_id_mismatch_drops_the_pool():
     first = svc.steps.step(ref, 1, *step_call([Admit("a", [1, 2, 3])]), prev_step_id=0)
     assert svc.steps.step(ref, 1, *step_call([Admit("a", [1, 2, 3])]), prev_step_id=0) == first
     # The worker says it got an answer for step 2, which this server never had.
-    with pytest.raises(PoolNotFound, match="follows step 2 but the allocator's last step for it is 1"):
+    with pytest.raises(
+        PoolNotFound, match="follows step 2 but the allocator's last step for it is 1"
+    ):
         svc.steps.step(ref, 3, *step_call([]), prev_step_id=2)
     assert r.pool_id not in svc.registry.pools
     again = AllocatorService(ServiceConfig(), journal)  # the drop was journaled

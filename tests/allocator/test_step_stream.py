@@ -33,8 +33,13 @@ def server(tmp_path_factory, allocator_server):
     tokens = tmp_path_factory.mktemp("stream-auth")
     (tokens / "token").write_text(TOKEN + "\n")
     (tokens / "router").write_text(ROUTER_TOKEN + "\n")
-    with allocator_server("--auth-token-file", str(tokens / "token"), "--metrics-port", "0",
-                          env={"PAGEDKV_ALLOCATOR_ROUTER_TOKEN_FILE": str(tokens / "router")}) as s:
+    with allocator_server(
+        "--auth-token-file",
+        str(tokens / "token"),
+        "--metrics-port",
+        "0",
+        env={"PAGEDKV_ALLOCATOR_ROUTER_TOKEN_FILE": str(tokens / "router")},
+    ) as s:
         yield s
 
 
@@ -45,7 +50,9 @@ def spec(worker: str, prefix: bool = True) -> PoolSpec:
 def stream_count(server) -> int:
     """Steps the server answered on StepStream with OK, from /metrics."""
     text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
-    m = re.search(r'pagedkv_allocator_rpc_duration_seconds_count\{code="OK",method="StepStream"\} (\S+)', text)
+    m = re.search(
+        r'pagedkv_allocator_rpc_duration_seconds_count\{code="OK",method="StepStream"\} (\S+)', text
+    )
     return int(float(m.group(1))) if m else 0
 
 
@@ -55,7 +62,9 @@ def test_stream_answers_as_unary_and_the_core(server, prefix):
     Every answer and the final state agree, and each streamed step shows in
     the RPC metrics under StepStream."""
     streamed = GrpcAllocator(server.address, spec(f"stream-{prefix}", prefix), auth_token=TOKEN)
-    unary = GrpcAllocator(server.address, spec(f"unary-{prefix}", prefix), auth_token=TOKEN, step_stream=False)
+    unary = GrpcAllocator(
+        server.address, spec(f"unary-{prefix}", prefix), auth_token=TOKEN, step_stream=False
+    )
     local = EmbeddedAllocator(spec("local", prefix))
     before = stream_count(server)
     steps = random_steps(seed=31 + prefix, steps=80)
@@ -78,19 +87,26 @@ def test_stream_roles(server):
     s, md, channel = stub(server.address, TOKEN)
     ref = register(s, md, "stream-roles")
     request = pb.StepRequest(pool=ref, step_id=1, ops=encode_ops([Admit("a", [1, 2, 3])]))
-    for token, code in ((None, C.UNAUTHENTICATED), ("wrong", C.UNAUTHENTICATED),
-                        (ROUTER_TOKEN, C.PERMISSION_DENIED)):
+    for token, code in (
+        (None, C.UNAUTHENTICATED),
+        ("wrong", C.UNAUTHENTICATED),
+        (ROUTER_TOKEN, C.PERMISSION_DENIED),
+    ):
         metadata = (("authorization", f"Bearer {token}"),) if token else None
         with pytest.raises(grpc.RpcError) as err:
             next(s.StepStream(iter([request]), metadata=metadata, timeout=10))
         assert err.value.code() == code
-    stolen = pb.StepRequest(pool=pb.PoolRef(pool_id=ref.pool_id, credential="not-it"), step_id=1,
-                            ops=request.ops)
+    stolen = pb.StepRequest(
+        pool=pb.PoolRef(pool_id=ref.pool_id, credential="not-it"), step_id=1, ops=request.ops
+    )
     with pytest.raises(grpc.RpcError) as err:
         next(s.StepStream(iter([stolen]), metadata=md, timeout=10))
     assert err.value.code() == C.PERMISSION_DENIED
     answers = list(s.StepStream(iter([request, request]), metadata=md, timeout=10))
-    assert [list(a.appended) for a in answers] == [[0], [0]]  # the retry: the first answer, applied once
+    assert [list(a.appended) for a in answers] == [
+        [0],
+        [0],
+    ]  # the retry: the first answer, applied once
     channel.close()
 
 

@@ -38,15 +38,31 @@ peer-2 http://peer-2:8000 tok-peer-2 group=team
 def server(tmp_path_factory, allocator_server):
     d = tmp_path_factory.mktemp("groups")
     (d / "workers").write_text(TOKENS)
-    with allocator_server("--worker-tokens-file", str(d / "workers"), "--kv-shared-store", f"file://{d / 'kv'}",
-                          "--kv-shared-store-size", "0.01") as s:
+    with allocator_server(
+        "--worker-tokens-file",
+        str(d / "workers"),
+        "--kv-shared-store",
+        f"file://{d / 'kv'}",
+        "--kv-shared-store-size",
+        "0.01",
+    ) as s:
         yield s
 
 
 def pool(server, worker: str) -> GrpcAllocator:
-    spec = PoolSpec(worker, PoolConfig(num_blocks=16, block_size=BLOCK, enable_prefix_caching=True,
-                                       model_fingerprint="fp", layout=LAYOUT, block_bytes=2048,
-                                       use_shared_store=True), advertise_url=f"http://{worker}:8000")
+    spec = PoolSpec(
+        worker,
+        PoolConfig(
+            num_blocks=16,
+            block_size=BLOCK,
+            enable_prefix_caching=True,
+            model_fingerprint="fp",
+            layout=LAYOUT,
+            block_bytes=2048,
+            use_shared_store=True,
+        ),
+        advertise_url=f"http://{worker}:8000",
+    )
     return GrpcAllocator(server.address, spec, auth_token=f"tok-{worker}", heartbeat=False)
 
 
@@ -62,7 +78,10 @@ def save_and_confirm(client: GrpcAllocator, seq: str) -> list[bytes]:
 def test_a_worker_cannot_plant_entries_for_another_group(server):
     evil, honest = pool(server, "evil"), pool(server, "honest")
     try:
-        assert evil.store_namespace == f"evil.{LAYOUT}" and honest.store_namespace == f"honest.{LAYOUT}"
+        assert (
+            evil.store_namespace == f"evil.{LAYOUT}"
+            and honest.store_namespace == f"honest.{LAYOUT}"
+        )
         planted = save_and_confirm(evil, "bait")
         assert len(planted) == 3
         victim = honest.step([Admit("v", PROMPT)])
@@ -92,19 +111,46 @@ def test_a_worker_cannot_name_its_own_group(server):
     s, md, channel = stub(server.address, "tok-evil")
     try:
         with pytest.raises(grpc.RpcError) as refused:
-            s.RegisterPool(pb.RegisterPoolRequest(
-                worker_id="evil", advertise_url="http://evil:8000",
-                shape=pb.PoolShape(num_blocks=8, block_size=BLOCK, model_fingerprint="fp", enable_prefix_caching=True,
-                                   layout=LAYOUT, block_bytes=2048, use_shared_store=True, store_group="team")),
-                metadata=md, timeout=10)
+            s.RegisterPool(
+                pb.RegisterPoolRequest(
+                    worker_id="evil",
+                    advertise_url="http://evil:8000",
+                    shape=pb.PoolShape(
+                        num_blocks=8,
+                        block_size=BLOCK,
+                        model_fingerprint="fp",
+                        enable_prefix_caching=True,
+                        layout=LAYOUT,
+                        block_bytes=2048,
+                        use_shared_store=True,
+                        store_group="team",
+                    ),
+                ),
+                metadata=md,
+                timeout=10,
+            )
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "store_group is the allocator's to set" in refused.value.details()
-        with pytest.raises(grpc.RpcError) as refused:  # nor reach into a group through its layout key
-            s.RegisterPool(pb.RegisterPoolRequest(
-                worker_id="evil", advertise_url="http://evil:8000",
-                shape=pb.PoolShape(num_blocks=8, block_size=BLOCK, model_fingerprint="fp", enable_prefix_caching=True,
-                                   layout=f"team.{LAYOUT}", block_bytes=2048, use_shared_store=True)),
-                metadata=md, timeout=10)
+        with pytest.raises(
+            grpc.RpcError
+        ) as refused:  # nor reach into a group through its layout key
+            s.RegisterPool(
+                pb.RegisterPoolRequest(
+                    worker_id="evil",
+                    advertise_url="http://evil:8000",
+                    shape=pb.PoolShape(
+                        num_blocks=8,
+                        block_size=BLOCK,
+                        model_fingerprint="fp",
+                        enable_prefix_caching=True,
+                        layout=f"team.{LAYOUT}",
+                        block_bytes=2048,
+                        use_shared_store=True,
+                    ),
+                ),
+                metadata=md,
+                timeout=10,
+            )
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "layout must be at most 64 characters of [A-Za-z0-9_-]" in refused.value.details()
     finally:

@@ -61,17 +61,26 @@ def settle(engine) -> dict[str, int]:
 
 def metrics(url: str) -> dict[tuple[str, frozenset], float]:
     text = httpx.get(f"{url}/metrics", timeout=5).text
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
 
 
-def test_engine_on_a_remote_allocator_with_host_tier_and_store(tiny, reference, tmp_path, allocator_server):
+def test_engine_on_a_remote_allocator_with_host_tier_and_store(
+    tiny, reference, tmp_path, allocator_server
+):
     """A host tier smaller than the workload: its evictions fall down to the store."""
     store = f"file://{tmp_path / 'kv'}"
-    with allocator_server("--kv-shared-store", store, "--kv-shared-store-size", STORE_GIB) as server:
+    with allocator_server(
+        "--kv-shared-store", store, "--kv-shared-store-size", STORE_GIB
+    ) as server:
         engine = make(tiny, remote(server.address), kv_offloading_size=gib(tiny, 16), worker_id="w")
         assert engine.allocator.shared_store == store and engine.tiers.store is not None
-        assert tokens(engine, prompts(0)) == reference[0]  # 12 prompts at once on 40 blocks: evictions
+        assert (
+            tokens(engine, prompts(0)) == reference[0]
+        )  # 12 prompts at once on 40 blocks: evictions
         settle(engine)
         hits_before = engine.allocator.stats().prefix_hit_tokens
         c0 = engine.allocator.dump()["tiers"]["counters"]
@@ -79,10 +88,17 @@ def test_engine_on_a_remote_allocator_with_host_tier_and_store(tiny, reference, 
         again = [engine.generate([p], GREEDY)[0] for p in prompts(0)]
         assert [o.token_ids for o in again] == reference[0]
         c = settle(engine)
-        assert c["host_saves"] > 40 and c["store_saves"] > 10 and c["host_loads"] > 0 and c["store_loads"] > 10
+        assert (
+            c["host_saves"] > 40
+            and c["store_saves"] > 10
+            and c["host_loads"] > 0
+            and c["store_loads"] > 10
+        )
         assert c["saves_confirmed"] == c["host_saves"] + c["store_saves"] and c["refused"] == 0
         cached = sum(o.num_cached_tokens for o in again)
-        assert cached == engine.allocator.stats().prefix_hit_tokens - hits_before  # every tier's hits
+        assert (
+            cached == engine.allocator.stats().prefix_hit_tokens - hits_before
+        )  # every tier's hits
         host, shared = (c[k] - c0[k] for k in ("host_hit_tokens", "store_hit_tokens"))
         assert 0 < host + shared <= cached and shared > 0
         assert c["host_hit_tokens"] > 0  # (in the first run, 12 prompts at once)
@@ -92,8 +108,14 @@ def test_engine_on_a_remote_allocator_with_host_tier_and_store(tiny, reference, 
 
 def test_two_pools_share_the_store(tiny, reference, tmp_path, allocator_server):
     """Pool b loads what pool a computed; MatchPrefix and /metrics say so."""
-    with allocator_server("--kv-shared-store", f"file://{tmp_path}", "--kv-shared-store-size", STORE_GIB,
-                          "--metrics-port", "0") as server:
+    with allocator_server(
+        "--kv-shared-store",
+        f"file://{tmp_path}",
+        "--kv-shared-store-size",
+        STORE_GIB,
+        "--metrics-port",
+        "0",
+    ) as server:
         a = make(tiny, remote(server.address), worker_id="a")
         assert tokens(a, prompts(1)) == reference[1]
         ca = settle(a)
@@ -108,10 +130,19 @@ def test_two_pools_share_the_store(tiny, reference, tmp_path, allocator_server):
         # The router asks MatchPrefix for pools with tiers (its view holds KV pools only) and
         # ranks a's KV hit (and its store hit past it) above b's hit in the store alone.
         listed = {p.pool_id: p for p in router.list_pools()}
-        workers = [Worker(f"http://{w.allocator.pool_id}", w.allocator.pool_id[0], w.allocator.pool_id, fingerprint,
-                          num_blocks=listed[w.allocator.pool_id].num_blocks, block_size=BLOCK,
-                          free_blocks=listed[w.allocator.pool_id].free_blocks,
-                          tiered=listed[w.allocator.pool_id].use_shared_store) for w in (a, b)]
+        workers = [
+            Worker(
+                f"http://{w.allocator.pool_id}",
+                w.allocator.pool_id[0],
+                w.allocator.pool_id,
+                fingerprint,
+                num_blocks=listed[w.allocator.pool_id].num_blocks,
+                block_size=BLOCK,
+                free_blocks=listed[w.allocator.pool_id].free_blocks,
+                tiered=listed[w.allocator.pool_id].use_shared_store,
+            )
+            for w in (a, b)
+        ]
         discovery = Discovery(router, index=0)
         discovery.allocator_ok = True
         routing = Router(None, MergedDiscovery([discovery]), "kv", allocators=[router])
@@ -125,16 +156,26 @@ def test_two_pools_share_the_store(tiny, reference, tmp_path, allocator_server):
         cb = settle(b)
         assert cb["store_loads"] > 20 and cb["refused"] == 0
         cached = sum(o.num_cached_tokens for o in outs)
-        assert cached == b.allocator.stats().prefix_hit_tokens >= cb["store_hit_tokens"] > cached // 2
+        assert (
+            cached == b.allocator.stats().prefix_hit_tokens >= cb["store_hit_tokens"] > cached // 2
+        )
         m = metrics(server.metrics_url)
-        key = frozenset({"pool_id": b.allocator.pool_id, "worker_id": "b", "tier": "shared"}.items())
+        key = frozenset(
+            {"pool_id": b.allocator.pool_id, "worker_id": "b", "tier": "shared"}.items()
+        )
         assert m[("pagedkv_allocator_kv_tier_hit_tokens_total", key)] == cb["store_hit_tokens"]
         assert m[("pagedkv_allocator_kv_tier_loaded_blocks_total", key)] == cb["store_loads"]
-        assert m[("pagedkv_allocator_shared_store_capacity_bytes", frozenset())] == int(float(STORE_GIB) * 2**30)
+        assert m[("pagedkv_allocator_shared_store_capacity_bytes", frozenset())] == int(
+            float(STORE_GIB) * 2**30
+        )
         listed = {p.pool_id: p for p in router.list_pools()}
         assert listed[b.allocator.pool_id].use_shared_store
         assert listed[b.allocator.pool_id].store_hit_tokens == cb["store_hit_tokens"]
-        assert m[("pagedkv_allocator_shared_store_used_bytes", frozenset())] == listed["a/1"].store_used_bytes > 0
+        assert (
+            m[("pagedkv_allocator_shared_store_used_bytes", frozenset())]
+            == listed["a/1"].store_used_bytes
+            > 0
+        )
         router.close()
         a.allocator.close()
         b.allocator.close()
@@ -145,16 +186,28 @@ def _prompt(i: int) -> list[int]:
     return [(7 * i + j) % 250 + 3 for j in range(3 * BLOCK + 1)]
 
 
-def test_kill_9_keeps_the_tier_index_and_no_pending_save_becomes_a_hit(redis_store, allocator_server, tmp_path):
+def test_kill_9_keeps_the_tier_index_and_no_pending_save_becomes_a_hit(
+    redis_store, allocator_server, tmp_path
+):
     """Pools without workers behind them (their moves confirmed by hand): pool
     s saves to the store; pool h to its host tier of two slots, whose entries
     fall down to the store. Some saves are confirmed, the last ones pending
     when the allocator is killed."""
 
     def spec(worker: str, host_blocks: int) -> PoolSpec:
-        return PoolSpec(worker, PoolConfig(num_blocks=4, block_size=BLOCK, enable_prefix_caching=True,
-                                           model_fingerprint="fp", host_blocks=host_blocks, layout="L",
-                                           block_bytes=2048, use_shared_store=True))
+        return PoolSpec(
+            worker,
+            PoolConfig(
+                num_blocks=4,
+                block_size=BLOCK,
+                enable_prefix_caching=True,
+                model_fingerprint="fp",
+                host_blocks=host_blocks,
+                layout="L",
+                block_bytes=2048,
+                use_shared_store=True,
+            ),
+        )
 
     def cycle(client: GrpcAllocator, i: int, report: TierReport | None = None) -> Moves:
         """Admit prompt i (evicting the cached blocks of the one before) and free it: the moves of both."""
@@ -170,20 +223,37 @@ def test_kill_9_keeps_the_tier_index_and_no_pending_save_becomes_a_hit(redis_sto
     def seen(address: str) -> dict:
         router = RouterClient(address)
         try:
-            return {i: {x.pool_id: (x.cached_tokens, x.host_tokens, x.store_tokens)
-                        for x in router.match_prefix("fp", _prompt(i))} for i in range(4)}
+            return {
+                i: {
+                    x.pool_id: (x.cached_tokens, x.host_tokens, x.store_tokens)
+                    for x in router.match_prefix("fp", _prompt(i))
+                }
+                for i in range(4)
+            }
         finally:
             router.close()
 
     def store_figures(server) -> tuple[float, float]:
         m = metrics(server.metrics_url)
-        return (m[("pagedkv_allocator_shared_store_entries", frozenset())],
-                m[("pagedkv_allocator_shared_store_used_bytes", frozenset())])
+        return (
+            m[("pagedkv_allocator_shared_store_entries", frozenset())],
+            m[("pagedkv_allocator_shared_store_used_bytes", frozenset())],
+        )
 
     with redis_store() as (url, _):
-        args = ("--state", url, "--kv-shared-store", f"file://{tmp_path}", "--kv-shared-store-size", STORE_GIB,
-                "--metrics-port", "0")
-        env = {"PAGEDKV_ALLOCATOR_SNAPSHOT_EVERY": "5"}  # the index goes through snapshots and replay
+        args = (
+            "--state",
+            url,
+            "--kv-shared-store",
+            f"file://{tmp_path}",
+            "--kv-shared-store-size",
+            STORE_GIB,
+            "--metrics-port",
+            "0",
+        )
+        env = {
+            "PAGEDKV_ALLOCATOR_SNAPSHOT_EVERY": "5"
+        }  # the index goes through snapshots and replay
         with allocator_server(*args, env=env) as server:
             s = GrpcAllocator(server.address, spec("s", 0), heartbeat=False)
             h = GrpcAllocator(server.address, spec("h", 2), heartbeat=False)
@@ -206,8 +276,15 @@ def test_kill_9_keeps_the_tier_index_and_no_pending_save_becomes_a_hit(redis_sto
             for i in range(4):
                 if heads[i] in pending:
                     assert found[i]["s/1"][2] == 0
-            assert before["s/1"]["tiers"]["store_pending"] and before["h/1"]["tiers"]["host"]["pending"]
-            assert found[0]["h/1"] == (0, 0, 3 * BLOCK)  # what pool s saved, h finds (and loaded) too
+            assert (
+                before["s/1"]["tiers"]["store_pending"]
+                and before["h/1"]["tiers"]["host"]["pending"]
+            )
+            assert found[0]["h/1"] == (
+                0,
+                0,
+                3 * BLOCK,
+            )  # what pool s saved, h finds (and loaded) too
             assert before["h/1"]["tiers"]["counters"]["store_loads"] > 0
             server.kill()
 
@@ -231,19 +308,28 @@ def test_bad_store_flags_are_one_line_errors(tmp_path):
     plain.write_text("")
     for args, text in (
         (["--kv-shared-store", "s3://bucket/kv", "--kv-shared-store-size", "1"], "unknown kind"),
-        (["--kv-shared-store", f"file://{plain}/kv", "--kv-shared-store-size", "1"], "cannot write to"),
+        (
+            ["--kv-shared-store", f"file://{plain}/kv", "--kv-shared-store-size", "1"],
+            "cannot write to",
+        ),
         (["--kv-shared-store", f"file://{tmp_path}"], "needs --kv-shared-store-size"),
         (["--kv-shared-store-size", "1"], "is for --kv-shared-store"),
     ):
-        p = subprocess.run([sys.executable, "-m", "allocator_service", "--listen", "127.0.0.1:0", *args],
-                           capture_output=True, text=True, cwd=ROOT, timeout=60)
+        p = subprocess.run(
+            [sys.executable, "-m", "allocator_service", "--listen", "127.0.0.1:0", *args],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=60,
+        )
         assert p.returncode != 0, args
         lines = p.stderr.strip().splitlines()
         assert len(lines) == 1 and text in lines[0], (args, p.stderr)
 
 
-def test_a_worker_follows_the_store_when_the_allocator_changes_it(tiny, reference, redis_store, allocator_server,
-                                                                  tmp_path):
+def test_a_worker_follows_the_store_when_the_allocator_changes_it(
+    tiny, reference, redis_store, allocator_server, tmp_path
+):
     """The allocator restarted on another `--kv-shared-store` drops the pools of the old
     one; their workers register again and write to the new store only."""
     old, new = tmp_path / "old", tmp_path / "new"
@@ -259,9 +345,18 @@ def test_a_worker_follows_the_store_when_the_allocator_changes_it(tiny, referenc
             settle(engine)
             written = entries(old)
             assert written > 20 and engine.tiers.store.store.url == f"file://{old}"
-        with allocator_server(*args, "--kv-shared-store", f"file://{new}", listen=f"127.0.0.1:{server.port}"):
-            assert tokens(engine, prompts(1)) == reference[1]  # its pool dropped: registered anew, computed again
+        with allocator_server(
+            *args, "--kv-shared-store", f"file://{new}", listen=f"127.0.0.1:{server.port}"
+        ):
+            assert (
+                tokens(engine, prompts(1)) == reference[1]
+            )  # its pool dropped: registered anew, computed again
             settle(engine)
-            assert engine.allocator.shared_store == f"file://{new}" and engine.tiers.store.store.url == f"file://{new}"
-            assert entries(new) > 20 and entries(old) == written  # nothing more went to the old store
+            assert (
+                engine.allocator.shared_store == f"file://{new}"
+                and engine.tiers.store.store.url == f"file://{new}"
+            )
+            assert (
+                entries(new) > 20 and entries(old) == written
+            )  # nothing more went to the old store
             engine.allocator.close()

@@ -35,7 +35,9 @@ class CuttingProxy(grpc.GenericRpcHandler):
     forwarded, answered upstream, then ended with `code` (and `trailer`, if
     given) instead of the answer."""
 
-    def __init__(self, upstream: str, cut: set[int], code: grpc.StatusCode, trailer: tuple = ()) -> None:
+    def __init__(
+        self, upstream: str, cut: set[int], code: grpc.StatusCode, trailer: tuple = ()
+    ) -> None:
         self.channel = grpc.insecure_channel(upstream)
         self.stub = pb_grpc.AllocatorStub(self.channel)
         self.cut, self.code, self.trailer = cut, code, trailer
@@ -60,11 +62,13 @@ class CuttingProxy(grpc.GenericRpcHandler):
     def service(self, details):
         method = details.method
         if method == f"/{SERVICE_NAME}/Step":
-            return grpc.unary_unary_rpc_method_handler(self._step, pb.StepRequest.FromString,
-                                                       pb.StepResponse.SerializeToString)
+            return grpc.unary_unary_rpc_method_handler(
+                self._step, pb.StepRequest.FromString, pb.StepResponse.SerializeToString
+            )
         if method == f"/{SERVICE_NAME}/StepStream":
-            return grpc.stream_stream_rpc_method_handler(self._stream, pb.StepRequest.FromString,
-                                                         pb.StepResponse.SerializeToString)
+            return grpc.stream_stream_rpc_method_handler(
+                self._stream, pb.StepRequest.FromString, pb.StepResponse.SerializeToString
+            )
         forward = self.channel.unary_unary(method)  # bytes in, bytes out
 
         def unary(request: bytes, context) -> bytes:
@@ -82,8 +86,16 @@ def start_proxy(handler: CuttingProxy) -> tuple[grpc.Server, str]:
 
 
 @pytest.mark.parametrize("step_stream", [True, False], ids=["stream", "unary"])
-@pytest.mark.parametrize("code", [grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
-                                  grpc.StatusCode.UNAVAILABLE], ids=lambda c: c.name)
+@pytest.mark.parametrize(
+    "code",
+    [
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNAVAILABLE,
+    ],
+    ids=lambda c: c.name,
+)
 def test_a_step_cut_after_it_was_applied_is_answered_once(allocator_server, code, step_stream):
     steps = random_steps(seed=7, steps=15)
     reference = EmbeddedAllocator(SPEC)
@@ -102,8 +114,9 @@ def test_a_step_cut_after_it_was_applied_is_answered_once(allocator_server, code
             proxy.channel.close()
 
 
-@pytest.mark.parametrize("code", [grpc.StatusCode.INTERNAL, grpc.StatusCode.FAILED_PRECONDITION],
-                         ids=lambda c: c.name)
+@pytest.mark.parametrize(
+    "code", [grpc.StatusCode.INTERNAL, grpc.StatusCode.FAILED_PRECONDITION], ids=lambda c: c.name
+)
 def test_an_answer_of_the_allocators_code_is_not_sent_again(allocator_server, code):
     """A status that names the allocator's reason came from its code: the
     step fails at once (the worker reports it), with no second attempt."""
@@ -122,7 +135,6 @@ def test_an_answer_of_the_allocators_code_is_not_sent_again(allocator_server, co
         finally:
             front.stop(0)
             proxy.channel.close()
-
 
 
 class SeenLock:
@@ -171,7 +183,9 @@ def test_a_stream_ended_at_shutdown_answers_its_step_in_flight():
         assert answer["r"] == reference.step(steps[1])
         with pytest.raises(AllocatorUnavailable):
             worker.step(steps[2])
-        assert service.registry.pools[worker.pool_id].last_step_id == 2  # the refused step was not applied
+        assert (
+            service.registry.pools[worker.pool_id].last_step_id == 2
+        )  # the refused step was not applied
         worker.close()
     finally:
         server.stop(0)

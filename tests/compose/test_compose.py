@@ -48,7 +48,14 @@ ROOT = Path(__file__).resolve().parents[2]
 ENGINE = ROOT / "deploy" / "local-engine.sh"
 LOCAL_IMAGES = ROOT / "deploy" / "local-images.sh"
 PROJECT = "pagedkv-compose-test"
-SERVICES = {"redis", "allocator", "worker-1", "worker-2", "router", "prometheus"}  # grafana: profile off
+SERVICES = {
+    "redis",
+    "allocator",
+    "worker-1",
+    "worker-2",
+    "router",
+    "prometheus",
+}  # grafana: profile off
 WORKERS = ("worker-1", "worker-2")
 MODEL = os.environ.get("PAGEDKV_COMPOSE_MODEL", "smollm2")
 # SmolLM2-135M in fp32 keeps 45 KiB of K/V per token: 8 MiB is 11 blocks of 16
@@ -57,8 +64,14 @@ KV_CACHE_MEMORY = os.environ.get("PAGEDKV_COMPOSE_KV_CACHE_MEMORY", "8MiB")
 HEALTHY_TIMEOUT_S = 420.0
 
 FRANCE = "What is the capital of France? Answer in one sentence."
-PROMPTS = ["Name three colours of the rainbow.", "What is a paged KV cache?", "Write one sentence about the sea.",
-           "Count from one to ten in words.", "Why is the sky blue?", "Give me a word that rhymes with cat."]
+PROMPTS = [
+    "Name three colours of the rainbow.",
+    "What is a paged KV cache?",
+    "Write one sentence about the sea.",
+    "Count from one to ten in words.",
+    "Why is the sky blue?",
+    "Give me a word that rhymes with cat.",
+]
 MAX_TOKENS = 40
 
 
@@ -66,10 +79,14 @@ def note(step: str, **figures) -> None:
     print(f"COMPOSE {json.dumps({'step': step, **figures})}", flush=True)
 
 
-def run(cmd: list[str], *, env: dict[str, str], timeout: float, check: bool = True) -> subprocess.CompletedProcess:
+def run(
+    cmd: list[str], *, env: dict[str, str], timeout: float, check: bool = True
+) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise AssertionError(
+            f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
     return proc
 
 
@@ -83,20 +100,31 @@ def docker_host():
     given = os.environ.get("PAGEDKV_COMPOSE_DOCKER_HOST")
     for tool, package in (("docker", "docker.io"), ("docker-compose", "docker-compose")):
         if shutil.which(tool) is None:
-            pytest.skip(f"skipped: no `{tool}` on PATH (Debian package {package}; .ci/run installs it)")
+            pytest.skip(
+                f"skipped: no `{tool}` on PATH (Debian package {package}; .ci/run installs it)"
+            )
     if given:
         yield given
         return
     if os.geteuid() != 0:
-        pytest.skip("skipped: starting a Docker engine needs root (or set PAGEDKV_COMPOSE_DOCKER_HOST)")
+        pytest.skip(
+            "skipped: starting a Docker engine needs root (or set PAGEDKV_COMPOSE_DOCKER_HOST)"
+        )
     if shutil.which("dockerd") is None:
         pytest.skip("skipped: no `dockerd` on PATH (Debian package docker.io; .ci/run installs it)")
     env = os.environ.copy()
-    already = subprocess.run([str(ENGINE), "status"], env=env, capture_output=True, timeout=30).returncode == 0
+    already = (
+        subprocess.run([str(ENGINE), "status"], env=env, capture_output=True, timeout=30).returncode
+        == 0
+    )
     t0 = time.monotonic()
-    proc = subprocess.run([str(ENGINE), "start"], env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [str(ENGINE), "start"], env=env, capture_output=True, text=True, timeout=120
+    )
     if proc.returncode != 0:
-        pytest.skip(f"skipped: no Docker engine could start on this machine: {proc.stderr.strip()[-800:]}")
+        pytest.skip(
+            f"skipped: no Docker engine could start on this machine: {proc.stderr.strip()[-800:]}"
+        )
     [host] = re.findall(r"^DOCKER_HOST=(\S+)$", proc.stdout, re.M)
     note("engine", started=not already, docker_host=host, start_s=round(time.monotonic() - t0, 1))
     try:
@@ -118,11 +146,19 @@ class Stack:
     timings: dict[str, float] = field(default_factory=dict)
     down: bool = False
 
-    def compose(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
-        head = ["docker-compose", "--env-file", str(self.env_file)] if self.env_file else ["docker-compose"]
+    def compose(
+        self, *args: str, timeout: float = 300, check: bool = True
+    ) -> subprocess.CompletedProcess:
+        head = (
+            ["docker-compose", "--env-file", str(self.env_file)]
+            if self.env_file
+            else ["docker-compose"]
+        )
         return run([*head, *args], env=self.env, timeout=timeout, check=check)
 
-    def docker(self, *args: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess:
+    def docker(
+        self, *args: str, timeout: float = 60, check: bool = True
+    ) -> subprocess.CompletedProcess:
         return run(["docker", *args], env=self.env, timeout=timeout, check=check)
 
     def container(self, service: str) -> str:
@@ -132,8 +168,12 @@ class Stack:
         cid = self.container(service)
         if not cid:
             return "absent"
-        return self.docker("inspect", "-f", "{{.State.Status}}/{{if .State.Health}}{{.State.Health.Status}}{{end}}",
-                           cid).stdout.strip()
+        return self.docker(
+            "inspect",
+            "-f",
+            "{{.State.Status}}/{{if .State.Health}}{{.State.Health.Status}}{{end}}",
+            cid,
+        ).stdout.strip()
 
     def logs(self, service: str) -> str:
         proc = self.docker("logs", self.container(service), timeout=60)
@@ -144,9 +184,14 @@ class Stack:
 
     def left_behind(self) -> dict[str, list[str]]:
         label = f"label=com.docker.compose.project={PROJECT}"
-        return {kind: self.docker(*cmd, "--filter", label, "-q").stdout.split()
-                for kind, cmd in (("containers", ("ps", "-a")), ("networks", ("network", "ls")),
-                                  ("volumes", ("volume", "ls")))}
+        return {
+            kind: self.docker(*cmd, "--filter", label, "-q").stdout.split()
+            for kind, cmd in (
+                ("containers", ("ps", "-a")),
+                ("networks", ("network", "ls")),
+                ("volumes", ("volume", "ls")),
+            )
+        }
 
 
 @pytest.fixture(scope="module")
@@ -155,8 +200,10 @@ def stack(docker_host, tmp_path_factory):
     # Workers are internal in docker-compose.yml (clients use the router); this
     # test also talks to each directly, so an override publishes them on loopback.
     override = tmp_path_factory.mktemp("override") / "publish-workers.yml"
-    override.write_text("services:\n" + "".join(
-        f"  {w}:\n    ports: [\"127.0.0.1:{ports[w]}:8000\"]\n" for w in WORKERS))
+    override.write_text(
+        "services:\n"
+        + "".join(f'  {w}:\n    ports: ["127.0.0.1:{ports[w]}:8000"]\n' for w in WORKERS)
+    )
     env = {
         **os.environ,
         "DOCKER_HOST": docker_host,
@@ -177,12 +224,20 @@ def stack(docker_host, tmp_path_factory):
     if os.environ.get("PAGEDKV_COMPOSE_IMAGES") != "public":
         env_file = tmp_path_factory.mktemp("compose") / "local.env"
         # its progress lines go to our stdout (pytest -s shows them as they come)
-        proc = subprocess.run([str(LOCAL_IMAGES)], env={**env, "PAGEDKV_LOCAL_ENV": str(env_file)}, cwd=ROOT,
-                              stdout=sys.stdout, stderr=sys.stderr, timeout=1500)
+        proc = subprocess.run(
+            [str(LOCAL_IMAGES)],
+            env={**env, "PAGEDKV_LOCAL_ENV": str(env_file)},
+            cwd=ROOT,
+            stdout=sys.stdout,
+            stderr=sys.stderr,
+            timeout=1500,
+        )
         assert proc.returncode == 0, "deploy/local-images.sh failed (its output is above)"
         s.env_file = env_file
     s.timings["images_s"] = round(time.monotonic() - t0, 1)
-    s.compose("down", "-v", "--remove-orphans", timeout=180)  # what an interrupted run may have left
+    s.compose(
+        "down", "-v", "--remove-orphans", timeout=180
+    )  # what an interrupted run may have left
 
     t0 = time.monotonic()
     s.compose("build", timeout=1500)
@@ -195,9 +250,14 @@ def stack(docker_host, tmp_path_factory):
 
         def all_healthy():
             states = {svc: s.health(svc) for svc in SERVICES}
-            bad = {k: v for k, v in states.items() if v.startswith(("exited", "dead")) or v.endswith("unhealthy")}
+            bad = {
+                k: v
+                for k, v in states.items()
+                if v.startswith(("exited", "dead")) or v.endswith("unhealthy")
+            }
             assert not bad, f"services failed: {bad}\n" + "\n".join(
-                f"--- {k}\n{s.logs(k)[-2000:]}" for k in bad)
+                f"--- {k}\n{s.logs(k)[-2000:]}" for k in bad
+            )
             return all(v == "running/healthy" for v in states.values())
 
         wait_for(all_healthy, HEALTHY_TIMEOUT_S, "every health check to pass", interval_s=2)
@@ -218,10 +278,23 @@ def stack(docker_host, tmp_path_factory):
 # ------------------------------------------------------------------ talking to it
 
 
-def chat(base: str, prompt: str, *, max_tokens: int, stream: bool = False, ignore_eos: bool = False,
-         timeout: float = 300) -> dict:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": stream, "ignore_eos": ignore_eos}
+def chat(
+    base: str,
+    prompt: str,
+    *,
+    max_tokens: int,
+    stream: bool = False,
+    ignore_eos: bool = False,
+    timeout: float = 300,
+) -> dict:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": stream,
+        "ignore_eos": ignore_eos,
+    }
     t0 = time.monotonic()
     try:
         return _chat(base, body, stream, timeout, t0)
@@ -234,33 +307,54 @@ def _chat(base: str, body: dict, stream: bool, timeout: float, t0: float) -> dic
         if not stream:
             r = client.post(f"{base}/v1/chat/completions", json=body)
             if r.status_code != 200:
-                return {"status": r.status_code, "error": r.text, "latency_s": time.monotonic() - t0}
+                return {
+                    "status": r.status_code,
+                    "error": r.text,
+                    "latency_s": time.monotonic() - t0,
+                }
             out = r.json()
             choice = out["choices"][0]
-            return {"status": 200, "text": choice["message"]["content"], "finish": choice["finish_reason"],
-                    "tokens": out["usage"]["completion_tokens"], "latency_s": time.monotonic() - t0}
+            return {
+                "status": 200,
+                "text": choice["message"]["content"],
+                "finish": choice["finish_reason"],
+                "tokens": out["usage"]["completion_tokens"],
+                "latency_s": time.monotonic() - t0,
+            }
         text, finish = [], None
         with client.stream("POST", f"{base}/v1/chat/completions", json=body) as r:
             if r.status_code != 200:
-                return {"status": r.status_code, "error": r.read().decode(), "latency_s": time.monotonic() - t0}
+                return {
+                    "status": r.status_code,
+                    "error": r.read().decode(),
+                    "latency_s": time.monotonic() - t0,
+                }
             for line in r.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                event = json.loads(line[len("data: "):])
+                event = json.loads(line[len("data: ") :])
                 if "error" in event:
                     return {"status": 500, "error": event, "latency_s": time.monotonic() - t0}
                 for c in event["choices"]:
                     text.append(c["delta"].get("content") or "")
                     finish = c.get("finish_reason") or finish
-        return {"status": 200, "text": "".join(text), "finish": finish, "latency_s": time.monotonic() - t0}
+        return {
+            "status": 200,
+            "text": "".join(text),
+            "finish": finish,
+            "latency_s": time.monotonic() - t0,
+        }
 
 
 def scrape(base: str) -> dict[tuple[str, tuple], float]:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"{base}/metrics", timeout=10).text
-    return {(smp.name, tuple(sorted(smp.labels.items()))): smp.value
-            for fam in text_string_to_metric_families(text) for smp in fam.samples}
+    return {
+        (smp.name, tuple(sorted(smp.labels.items()))): smp.value
+        for fam in text_string_to_metric_families(text)
+        for smp in fam.samples
+    }
 
 
 def total(samples: dict, name: str) -> float:
@@ -279,15 +373,20 @@ def prom_query(stack: Stack, expr: str) -> list[dict]:
 def test_every_service_is_healthy_and_grafana_stays_for_users(stack):
     running = set(stack.compose("ps", "--services", "--filter", "status=running").stdout.split())
     assert running == SERVICES
-    assert {svc: stack.health(svc) for svc in SERVICES} == {svc: "running/healthy" for svc in SERVICES}
+    assert {svc: stack.health(svc) for svc in SERVICES} == {
+        svc: "running/healthy" for svc in SERVICES
+    }
     # Grafana is left out of this run by its profile only: it is still there for users.
     assert "grafana" in stack.compose("config", "--services").stdout.split()
 
 
 def test_each_container_holds_its_own_credentials_only(stack):
     """No worker or router container can read the admin token, or another worker's token."""
+
     def held(service: str) -> set[str]:
-        return set(stack.docker("exec", stack.container(service), "ls", "/credentials").stdout.split())
+        return set(
+            stack.docker("exec", stack.container(service), "ls", "/credentials").stdout.split()
+        )
 
     assert held("worker-1") == {"worker-1.token", "worker-1.store-key"}
     assert held("worker-2") == {"worker-2.token", "worker-2.store-key"}
@@ -298,34 +397,51 @@ def test_each_container_holds_its_own_credentials_only(stack):
 def test_chat_with_each_worker_through_its_published_port(stack):
     for worker in (*WORKERS, "router"):  # the router: the one port published by docker-compose.yml
         t0 = time.monotonic()
-        answers = [chat(stack.url(worker), FRANCE, max_tokens=24, stream=stream) for stream in (False, True)]
+        answers = [
+            chat(stack.url(worker), FRANCE, max_tokens=24, stream=stream)
+            for stream in (False, True)
+        ]
         for a in answers:
             assert a["status"] == 200 and a["text"].strip(), a
             if MODEL == "smollm2":  # the reference pair (/work/shared/ENVIRONMENT.md): greedy, fp32
                 assert (a["text"], a["finish"]) == ("The capital of France is Paris.", "stop"), a
         assert answers[0]["text"] == answers[1]["text"]  # streamed or not, the same reply
-        note("chat", worker=worker, port=stack.ports[worker], text=answers[0]["text"],
-             seconds=round(time.monotonic() - t0, 2))
+        note(
+            "chat",
+            worker=worker,
+            port=stack.ports[worker],
+            text=answers[0]["text"],
+            seconds=round(time.monotonic() - t0, 2),
+        )
 
 
 def tier_total(base: str, name: str, tier: str) -> float:
-    return sum(v for (n, labels), v in scrape(base).items() if n == name and ("tier", tier) in labels)
+    return sum(
+        v for (n, labels), v in scrape(base).items() if n == name and ("tier", tier) in labels
+    )
 
 
 def test_one_conversation_across_both_workers_is_cached_on_the_second(stack):
     """Turn 1 on worker-1, turn 2 (its whole history plus a question) on
     worker-2: worker-2 loads the history worker-1 computed from the shared
     store (the `kv-store` volume), and counts it in `cached_tokens`."""
-    messages = [{"role": "system", "content": "You are a tutor for the solar system. " * 8},
-                {"role": "user", "content": "Which planet is the largest? One sentence."}]
+    messages = [
+        {"role": "system", "content": "You are a tutor for the solar system. " * 8},
+        {"role": "user", "content": "Which planet is the largest? One sentence."},
+    ]
 
     def turn(worker: str) -> dict:
-        r = httpx.post(f"{stack.url(worker)}/v1/chat/completions", timeout=300, json={
-            "model": MODEL, "messages": messages, "max_tokens": 16, "temperature": 0})
+        r = httpx.post(
+            f"{stack.url(worker)}/v1/chat/completions",
+            timeout=300,
+            json={"model": MODEL, "messages": messages, "max_tokens": 16, "temperature": 0},
+        )
         assert r.status_code == 200, r.text
         return r.json()
 
-    saved_before = tier_total(stack.url("worker-1"), "pagedkv_worker_kv_tier_saved_blocks_total", "shared")
+    saved_before = tier_total(
+        stack.url("worker-1"), "pagedkv_worker_kv_tier_saved_blocks_total", "shared"
+    )
     first = turn("worker-1")
     # Freed, its blocks are written through to the store; the allocator finds them once
     # worker-1 reports the saves, in the step it sends right after (the count then stays).
@@ -337,15 +453,29 @@ def test_one_conversation_across_both_workers_is_cached_on_the_second(stack):
         return settled
 
     wait_for(saves_settled, 60, "worker-1's store saves", interval_s=0.5)
-    messages += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
-                 {"role": "user", "content": "And the smallest?"}]
-    hits_before = tier_total(stack.url("worker-2"), "pagedkv_worker_kv_tier_hit_tokens_total", "shared")
+    messages += [
+        {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "And the smallest?"},
+    ]
+    hits_before = tier_total(
+        stack.url("worker-2"), "pagedkv_worker_kv_tier_hit_tokens_total", "shared"
+    )
     second = turn("worker-2")
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
-    whole_blocks = first["usage"]["prompt_tokens"] // 16 * 16  # turn 1's prompt, whole blocks: a prefix of turn 2's
-    hits = tier_total(stack.url("worker-2"), "pagedkv_worker_kv_tier_hit_tokens_total", "shared") - hits_before
-    note("conversation across workers", first_prompt=first["usage"]["prompt_tokens"],
-         second_prompt=second["usage"]["prompt_tokens"], cached_on_second=cached, store_hit_tokens=hits)
+    whole_blocks = (
+        first["usage"]["prompt_tokens"] // 16 * 16
+    )  # turn 1's prompt, whole blocks: a prefix of turn 2's
+    hits = (
+        tier_total(stack.url("worker-2"), "pagedkv_worker_kv_tier_hit_tokens_total", "shared")
+        - hits_before
+    )
+    note(
+        "conversation across workers",
+        first_prompt=first["usage"]["prompt_tokens"],
+        second_prompt=second["usage"]["prompt_tokens"],
+        cached_on_second=cached,
+        store_hit_tokens=hits,
+    )
     assert cached >= whole_blocks > 0 and hits == cached
 
 
@@ -353,12 +483,18 @@ def test_a_fresh_worker_container_finds_the_attention_kernel_compiled(stack):
     """The image carries the CPU attention kernel compiled (deploy/Dockerfile):
     a new container from it loads both builds from numba's cache and
     compiles neither (cold, that is ~6 s at every container's start)."""
-    image = stack.docker("inspect", "-f", "{{.Config.Image}}", stack.container(WORKERS[0])).stdout.strip()
-    code = ("from worker.attention import cpu_decode as cd\n"
-            "cd.compile_kernels(parallel=True)\n"
-            "print(*(sum(getattr(b.stats, c).values()) for c in ('cache_misses', 'cache_hits')"
-            " for b in (cd._serial, cd._parallel)))\n")
-    out = stack.docker("run", "--rm", "--entrypoint", "python", image, "-c", code, timeout=180).stdout.split()
+    image = stack.docker(
+        "inspect", "-f", "{{.Config.Image}}", stack.container(WORKERS[0])
+    ).stdout.strip()
+    code = (
+        "from worker.attention import cpu_decode as cd\n"
+        "cd.compile_kernels(parallel=True)\n"
+        "print(*(sum(getattr(b.stats, c).values()) for c in ('cache_misses', 'cache_hits')"
+        " for b in (cd._serial, cd._parallel)))\n"
+    )
+    out = stack.docker(
+        "run", "--rm", "--entrypoint", "python", image, "-c", code, timeout=180
+    ).stdout.split()
     assert out == ["0", "0", "1", "1"], f"cache misses (serial, parallel), then hits: {out}"
 
 
@@ -368,15 +504,26 @@ def run_workload(stack: Stack, during=None) -> tuple[list[dict], object]:
     `during` returned."""
     jobs = [(w, p) for w in WORKERS for p in range(len(PROMPTS))]
     with concurrent.futures.ThreadPoolExecutor(len(jobs) + 1) as pool:
-        futures = [pool.submit(chat, stack.url(w), PROMPTS[p], max_tokens=MAX_TOKENS, stream=p % 2 == 1,
-                               ignore_eos=True) for w, p in jobs]
+        futures = [
+            pool.submit(
+                chat,
+                stack.url(w),
+                PROMPTS[p],
+                max_tokens=MAX_TOKENS,
+                stream=p % 2 == 1,
+                ignore_eos=True,
+            )
+            for w, p in jobs
+        ]
         extra = pool.submit(during) if during else None
         results = [f.result() for f in futures]
         return results, (extra.result() if extra else None)
 
 
 def generated(stack: Stack) -> float:
-    return sum(total(scrape(stack.url(w)), "pagedkv_worker_generation_tokens_total") for w in WORKERS)
+    return sum(
+        total(scrape(stack.url(w)), "pagedkv_worker_generation_tokens_total") for w in WORKERS
+    )
 
 
 @pytest.fixture(scope="module")
@@ -392,13 +539,25 @@ def workload(stack):
     def restart() -> dict:
         # (counted from before the workload was sent, not from now: it is under way already)
         start = sum(total(mid[w], "pagedkv_worker_generation_tokens_total") for w in WORKERS)
-        wait_for(lambda: generated(stack) >= start + 16, 120, "the workload to be under way", interval_s=0.2)
+        wait_for(
+            lambda: generated(stack) >= start + 16,
+            120,
+            "the workload to be under way",
+            interval_s=0.2,
+        )
         t = time.monotonic()
         stack.compose("restart", "allocator", timeout=180)
         restart_s = time.monotonic() - t
-        wait_for(lambda: stack.health("allocator") == "running/healthy", 120, "the allocator to be healthy again",
-                 interval_s=1)
-        return {"restart_s": round(restart_s, 2), "restart_to_healthy_s": round(time.monotonic() - t, 2)}
+        wait_for(
+            lambda: stack.health("allocator") == "running/healthy",
+            120,
+            "the allocator to be healthy again",
+            interval_s=1,
+        )
+        return {
+            "restart_s": round(restart_s, 2),
+            "restart_to_healthy_s": round(time.monotonic() - t, 2),
+        }
 
     t0 = time.monotonic()
     results, fault = run_workload(stack, during=restart)
@@ -409,13 +568,19 @@ def workload(stack):
         return {w: total(a[w], name) - total(b[w], name) for w in WORKERS}
 
     figures = {
-        "requests": len(results), "reference_s": round(reference_s, 1), "fault_run_s": round(fault_run_s, 1),
+        "requests": len(results),
+        "reference_s": round(reference_s, 1),
+        "fault_run_s": round(fault_run_s, 1),
         **fault,
         "preemptions_reference": delta("pagedkv_worker_preemptions_total", mid, before),
         "preemptions_fault_run": delta("pagedkv_worker_preemptions_total", after, mid),
         "allocator_retries": delta("pagedkv_worker_allocator_retries_total", after, mid),
-        "stall_s": {w: round(v, 2) for w, v in
-                    delta("pagedkv_worker_allocator_unavailable_seconds_total", after, mid).items()},
+        "stall_s": {
+            w: round(v, 2)
+            for w, v in delta(
+                "pagedkv_worker_allocator_unavailable_seconds_total", after, mid
+            ).items()
+        },
         "step_errors": delta("pagedkv_worker_step_errors_total", after, mid),
         "max_latency_s": round(max(r["latency_s"] for r in results), 2),
     }
@@ -446,7 +611,9 @@ def test_allocator_restart_mid_workload_completes_every_request_from_the_journal
     # ... the same ones: no worker lost its pool and recomputed.
     for w in WORKERS:
         assert "was dropped" not in stack.logs(w)
-    pools = {r["metric"]["pool_id"] for r in prom_query(stack, "pagedkv_allocator_pool_capacity_blocks")}
+    pools = {
+        r["metric"]["pool_id"] for r in prom_query(stack, "pagedkv_allocator_pool_capacity_blocks")
+    }
     assert pools == {"worker-1/1", "worker-2/1"}
 
 
@@ -469,7 +636,12 @@ def test_prometheus_scrapes_utilisation_and_preemption_series_from_every_target(
 
     t0 = time.monotonic()
     try:
-        wait_for(scraped, 60, "Prometheus to scrape every target and the workload's preemptions", interval_s=1)
+        wait_for(
+            scraped,
+            60,
+            "Prometheus to scrape every target and the workload's preemptions",
+            interval_s=1,
+        )
     except AssertionError as exc:
         raise AssertionError(f"{exc}; last seen: {seen}") from None
     # utilisation: the allocator's per pool, each worker's of its own pool
@@ -482,11 +654,19 @@ def test_prometheus_scrapes_utilisation_and_preemption_series_from_every_target(
     # blocks and gives blocks back first); its side is the "out of blocks"
     # answers, a series for each pool.
     oob = series("pagedkv_allocator_out_of_blocks_total")
-    assert set(oob) == {allocator} and {r["metric"]["worker_id"] for r in oob[allocator]} == set(WORKERS)
+    assert set(oob) == {allocator} and {r["metric"]["worker_id"] for r in oob[allocator]} == set(
+        WORKERS
+    )
     # the router: the chat test's request through it is counted, by the worker it chose
     routed = series("pagedkv_router_requests_total")
-    assert set(routed) == {router} and {r["metric"]["worker"] for r in routed[router]} <= set(WORKERS)
-    note("prometheus", targets=sorted([allocator, router, *workers]), wait_s=round(time.monotonic() - t0, 1))
+    assert set(routed) == {router} and {r["metric"]["worker"] for r in routed[router]} <= set(
+        WORKERS
+    )
+    note(
+        "prometheus",
+        targets=sorted([allocator, router, *workers]),
+        wait_s=round(time.monotonic() - t0, 1),
+    )
 
 
 def test_down_leaves_no_container_network_or_volume(stack):

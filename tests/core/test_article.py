@@ -18,7 +18,9 @@ TRACES = Path(__file__).parents[1] / "traces"
 def replay(trace: Path, *flags: str) -> list[dict]:
     proc = subprocess.run(
         [sys.executable, "-m", "pagedkv", "replay", str(trace), *flags],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     return [json.loads(line) for line in proc.stdout.splitlines()]
 
@@ -92,7 +94,9 @@ def test_failed_op_prints_unchanged_state(tmp_path):
     )
     out = replay(trace, "--num-blocks", "3", "--block-size", "4")
     assert out[1]["ok"] is False and out[1]["error"] == "out_of_blocks"
-    assert out[1]["tables"] == {"A": [0, 1]} and out[1]["free"] == [2] and out[1]["new_blocks"] == []
+    assert (
+        out[1]["tables"] == {"A": [0, 1]} and out[1]["free"] == [2] and out[1]["new_blocks"] == []
+    )
     assert out[2]["error"] == "unknown_sequence"
     assert out[3]["error"] == "sequence_exists"
     assert out[3]["tables"] == out[0]["tables"]
@@ -107,7 +111,7 @@ def test_failed_op_prints_unchanged_state(tmp_path):
         ('{"op": "append", "seq": "A", "tokens": [1.5]}', "line 2: tokens must be a list"),
         ('{"op": "append", "seq": "A", "tokens": [-1]}', "line 2: tokens must be a list"),
         ('{"op": "free", "seq": "A", "x": 1}', "line 2: free does not take x"),
-        ('[1, 2]', "line 2: expected a JSON object"),
+        ("[1, 2]", "line 2: expected a JSON object"),
         ('{"op": "fork", "parent": 3, "child": "B"}', "line 2: parent must be a non-empty string"),
     ],
 )
@@ -115,8 +119,19 @@ def test_malformed_line_is_named_without_traceback(tmp_path, line, needle):
     trace = tmp_path / "t.jsonl"
     trace.write_text('{"op": "admit", "seq": "A", "tokens": [1]}\n' + line + "\n")
     proc = subprocess.run(
-        [sys.executable, "-m", "pagedkv", "replay", str(trace), "--num-blocks", "4", "--block-size", "4"],
-        capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "pagedkv",
+            "replay",
+            str(trace),
+            "--num-blocks",
+            "4",
+            "--block-size",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == 2
     assert needle in proc.stderr

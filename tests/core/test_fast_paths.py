@@ -34,8 +34,13 @@ def _ops(rng, live: list[str], serial: list[int]) -> list:
             serial[0] += 1
             seq = f"s{serial[0]}"
             live.append(seq)
-            ops.append(Admit(seq, [rng.randrange(3) for _ in range(rng.randrange(0, 12))],
-                             reserve=rng.choice([0, 0, 1, 3])))
+            ops.append(
+                Admit(
+                    seq,
+                    [rng.randrange(3) for _ in range(rng.randrange(0, 12))],
+                    reserve=rng.choice([0, 0, 1, 3]),
+                )
+            )
         elif r < 0.7:
             tokens = [rng.randrange(3) for _ in range(rng.choice([1, 1, 1, 2, 3, 8]))]
             if rng.random() < 0.03:
@@ -55,8 +60,12 @@ def _ops(rng, live: list[str], serial: list[int]) -> list:
     return ops
 
 
-@given(seed=st.integers(0, 2**32 - 1), num_blocks=st.integers(2, 40), block_size=st.sampled_from([1, 2, 4, 16]),
-       caching=st.booleans())
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    num_blocks=st.integers(2, 40),
+    block_size=st.sampled_from([1, 2, 4, 16]),
+    caching=st.booleans(),
+)
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_fast_append_answers_and_state_are_the_plain_rules(seed, num_blocks, block_size, caching):
     import random

@@ -133,7 +133,10 @@ def test_names_are_bounded_in_characters():
 
     pool = BlockPool(PoolConfig(num_blocks=100, block_size=4))  # 200 sequences, MIN_NAME_CHARS
     each = MAX_SEQ_ID_LEN + MAX_SALT_LEN
-    ops = [Admit(f"{i}".ljust(MAX_SEQ_ID_LEN, "x"), [], "s" * MAX_SALT_LEN) for i in range(MIN_SEQUENCES + 1)]
+    ops = [
+        Admit(f"{i}".ljust(MAX_SEQ_ID_LEN, "x"), [], "s" * MAX_SALT_LEN)
+        for i in range(MIN_SEQUENCES + 1)
+    ]
     results = execute_step(pool, ops)
     assert sum(r.ok for r in results) == MIN_NAME_CHARS // each == MIN_SEQUENCES
     assert results[-1].error == "pool_limit" and "characters" in results[-1].message

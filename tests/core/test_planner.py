@@ -48,17 +48,31 @@ class PlannerMachine(RuleBasedStateMachine):
         self.stored: list[int] = []  # blocks the pool hashed (BLOCK_STORED events)
         self.counter = 0
 
-    @initialize(num_blocks=st.integers(1, 16), block_size=st.sampled_from([1, 2, 3, 4]), caching=st.booleans(),
-                host_blocks=st.sampled_from([0, 0, 2, 8]), use_store=st.booleans())
-    def setup(self, num_blocks: int, block_size: int, caching: bool, host_blocks: int, use_store: bool) -> None:
+    @initialize(
+        num_blocks=st.integers(1, 16),
+        block_size=st.sampled_from([1, 2, 3, 4]),
+        caching=st.booleans(),
+        host_blocks=st.sampled_from([0, 0, 2, 8]),
+        use_store=st.booleans(),
+    )
+    def setup(
+        self, num_blocks: int, block_size: int, caching: bool, host_blocks: int, use_store: bool
+    ) -> None:
         self.B = block_size
         self.caching = caching
         # KV tiers (with prefix caching): a tier hit takes a fresh block as a
         # miss does, so every prediction below holds unchanged.
-        tiers = {"host_blocks": host_blocks, "layout": "L", "block_bytes": 1, "use_shared_store": use_store}
-        self.pool = BlockPool(PoolConfig(num_blocks, block_size, caching, "plan", **(tiers if caching else {})),
-                              lambda kind, b, h: self.stored.append(b) if kind == BLOCK_STORED else None,
-                              SharedStore(4))
+        tiers = {
+            "host_blocks": host_blocks,
+            "layout": "L",
+            "block_bytes": 1,
+            "use_shared_store": use_store,
+        }
+        self.pool = BlockPool(
+            PoolConfig(num_blocks, block_size, caching, "plan", **(tiers if caching else {})),
+            lambda kind, b, h: self.stored.append(b) if kind == BLOCK_STORED else None,
+            SharedStore(4),
+        )
 
     def _new_id(self) -> str:
         self.counter += 1
@@ -79,12 +93,16 @@ class PlannerMachine(RuleBasedStateMachine):
         assert plan.free == self.pool.num_free_blocks
         ids = sorted(self.seqs)
         # frees first
-        for sid in data.draw(st.lists(st.sampled_from(ids), unique=True, max_size=2)) if ids else []:
+        for sid in (
+            data.draw(st.lists(st.sampled_from(ids), unique=True, max_size=2)) if ids else []
+        ):
             predicted = plan.release(self.seqs.pop(sid).table)
             assert self._apply(self.pool.free, sid)[1] == predicted
         # forks: the child names every block of its parent, taking none
         ids = sorted(self.seqs)
-        for parent in data.draw(st.lists(st.sampled_from(ids), unique=True, max_size=2)) if ids else []:
+        for parent in (
+            data.draw(st.lists(st.sampled_from(ids), unique=True, max_size=2)) if ids else []
+        ):
             p, child = self.seqs[parent], self._new_id()
             if p.reserved:  # refused: the child would hold slots whose values only the parent sends
                 with pytest.raises(InvalidArgument):
@@ -149,7 +167,9 @@ class PlannerMachine(RuleBasedStateMachine):
     def _admit(self, plan: PoolPlan, data) -> None:
         tokens = data.draw(tokens_st)
         budget = data.draw(st.sampled_from([None, None, 1, 3]))
-        reserve = data.draw(st.sampled_from([0, 0, 1, 5]))  # slots held from admission (a reservation)
+        reserve = data.draw(
+            st.sampled_from([0, 0, 1, 5])
+        )  # slots held from admission (a reservation)
         most = plan.admit(len(tokens), reserve=reserve)
         sid = self._new_id()
         before = self.pool.num_free_blocks

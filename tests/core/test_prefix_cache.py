@@ -18,7 +18,9 @@ B = 4
 
 
 def make(num_blocks: int = 10, fingerprint: str = "m") -> BlockPool:
-    return BlockPool(PoolConfig(num_blocks, B, enable_prefix_caching=True, model_fingerprint=fingerprint))
+    return BlockPool(
+        PoolConfig(num_blocks, B, enable_prefix_caching=True, model_fingerprint=fingerprint)
+    )
 
 
 def test_hit_after_free_and_miss_on_other_tokens():
@@ -177,9 +179,19 @@ def test_hashes_identical_across_processes():
     outs = set()
     for seed in ("1", "2"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
-        outs.add(subprocess.run([sys.executable, "-c", _HASH_SNIPPET], env=env,
-                                capture_output=True, text=True, check=True).stdout.strip())
-    mine = ",".join(h.hex() for h in hashing.chain_hashes(hashing.root_hash("model-x", 16), list(range(40)), 16, "salt"))
+        outs.add(
+            subprocess.run(
+                [sys.executable, "-c", _HASH_SNIPPET],
+                env=env,
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.strip()
+        )
+    mine = ",".join(
+        h.hex()
+        for h in hashing.chain_hashes(hashing.root_hash("model-x", 16), list(range(40)), 16, "salt")
+    )
     assert outs == {mine}
     # The root depends on the model and the block size.
     assert hashing.root_hash("model-x", 16) != hashing.root_hash("model-y", 16)
@@ -222,7 +234,7 @@ def _spec_chain(root: bytes, tokens: list[int], block_size: int, salt: str | Non
         keys = [f"salt:{salt}".encode()] if salt and i == 0 else []
         h = hashlib.sha256(parent)
         h.update(struct.pack("<I", block_size))
-        h.update(struct.pack(f"<{block_size}I", *tokens[i * block_size:(i + 1) * block_size]))
+        h.update(struct.pack(f"<{block_size}I", *tokens[i * block_size : (i + 1) * block_size]))
         h.update(struct.pack("<I", len(keys)))
         for k in keys:
             h.update(struct.pack("<I", len(k)) + k)
@@ -231,12 +243,17 @@ def _spec_chain(root: bytes, tokens: list[int], block_size: int, salt: str | Non
     return out
 
 
-@given(st.lists(st.integers(0, 2**32 - 1), max_size=700), st.sampled_from([1, 3, 16]),
-       st.sampled_from([None, "", "tenant-ü"]))
+@given(
+    st.lists(st.integers(0, 2**32 - 1), max_size=700),
+    st.sampled_from([1, 3, 16]),
+    st.sampled_from([None, "", "tenant-ü"]),
+)
 @settings(max_examples=60, deadline=None)
 def test_chain_hashes_are_the_block_by_block_definition(tokens, block_size, salt):
     root = hashing.root_hash("model-x", block_size)
-    assert hashing.chain_hashes(root, tokens, block_size, salt) == _spec_chain(root, tokens, block_size, salt)
+    assert hashing.chain_hashes(root, tokens, block_size, salt) == _spec_chain(
+        root, tokens, block_size, salt
+    )
 
 
 PINNED_HASH = "7d4f87ec61107a1b0bf174f775766ff473eb938ed344dd29f706ab8477fcd49c"

@@ -81,7 +81,11 @@ class PoolMachine(RuleBasedStateMachine):
             return None
 
     # -- rules -------------------------------------------------------------
-    @rule(toks=tokens_st, salt=st.sampled_from([None, None, "t1"]), budget=st.sampled_from([None, None, 1, 3]))
+    @rule(
+        toks=tokens_st,
+        salt=st.sampled_from([None, None, "t1"]),
+        budget=st.sampled_from([None, None, 1, 3]),
+    )
     def admit(self, toks, salt, budget) -> None:
         sid = self._new_id()
         r = self._unchanged_on_failure(lambda: self.pool.admit(sid, toks, salt, budget))
@@ -96,8 +100,11 @@ class PoolMachine(RuleBasedStateMachine):
         self.reserved[sid] = 0
 
     @precondition(lambda self: self.tokens)
-    @rule(data=st.data(), toks=st.lists(st.integers(0, 2), min_size=0, max_size=9),
-          reserve=st.sampled_from([0, 0, 0, 1, 2, 5]))
+    @rule(
+        data=st.data(),
+        toks=st.lists(st.integers(0, 2), min_size=0, max_size=9),
+        reserve=st.sampled_from([0, 0, 0, 1, 2, 5]),
+    )
     def append(self, data, toks, reserve) -> None:
         """Values first fill the reserved slots (same positions), then new ones."""
         sid = data.draw(st.sampled_from(sorted(self.tokens)))
@@ -168,7 +175,7 @@ class PoolMachine(RuleBasedStateMachine):
         del self.tokens[victim], self.reserved[victim]
         if results[0].ok:
             r = results[0]
-            self._write(sid, r.cached_tokens, toks[r.cached_tokens:])
+            self._write(sid, r.cached_tokens, toks[r.cached_tokens :])
             self.tokens[sid] = list(toks)
             self.reserved[sid] = 0
         else:

@@ -112,7 +112,9 @@ def test_the_columns_carry_reservations_only_when_some_op_reserves():
     from allocator_service.core import step_columns
 
     assert step_columns([Admit("a", [1]), Append("a", [2])]).num_reserved == []
-    cols = step_columns([Free("x"), Append("a", [2], 1), Append("b", [3]), Append("c", [], 2), Free("y")])
+    cols = step_columns(
+        [Free("x"), Append("a", [2], 1), Append("b", [3]), Append("c", [], 2), Free("y")]
+    )
     assert cols.num_reserved == [0, 1, 0, 2, 0]
     cols = step_columns([Free("x"), Unreserve("a", 3)])  # the count an UNRESERVE gives back
     assert (cols.kinds, cols.num_tokens, cols.num_reserved) == ([1, 5], [0, 0], [0, 3])
@@ -141,7 +143,11 @@ def test_unreserve_refuses_more_than_the_reserved_slots_and_changes_nothing():
     p.append("a", [], reserve=2)
     before = p.to_state()
     results = execute_step(p, [Unreserve("a", 3), Unreserve("a", 0), Unreserve("ghost", 1)])
-    assert [r.error for r in results] == ["invalid_argument", "invalid_argument", "unknown_sequence"]
+    assert [r.error for r in results] == [
+        "invalid_argument",
+        "invalid_argument",
+        "unknown_sequence",
+    ]
     assert p.to_state() == before
     [r] = execute_step(p, [Unreserve("a", 2)])  # all of them: the prompt's block stays
     assert r.ok and r.keep == 1 and p.num_tokens("a") == 2
@@ -156,7 +162,9 @@ def test_an_admission_holds_its_reservation_from_the_start():
     r = p.admit("a", [1, 2, 3, 4, 5], reserve=7)  # 12 slots: blocks 0, 1, 2
     assert (r.num_stored, r.new_blocks, r.table) == (5, [0, 1, 2], [0, 1, 2])
     assert p.num_tokens("a") == 12 and p.to_state()["seqs"]["a"]["reserved"] == 7
-    assert p.index.block_hash[0] is not None and p.index.block_hash[1] is None  # only full blocks of values
+    assert (
+        p.index.block_hash[0] is not None and p.index.block_hash[1] is None
+    )  # only full blocks of values
     r = p.append("a", [6, 7, 8, 9, 10, 11, 12])  # the values of all seven: no new block
     assert (r.keep, r.new_blocks) == (3, [])
     assert p.cached_prefix_tokens(list(range(1, 13)) + [0]) == 12

@@ -35,7 +35,11 @@ def test_a_step_answer_reads_its_columns(seed, caching, block_size):
             assert got.appended_of(i) == r.append and len(r.append) == got.num_appended[i]
             assert got.copies_of(i) == r.copies and len(r.copies) == got.num_copies[i]
             assert (r.ok, r.keep, r.cached_tokens, r.num_stored) == (
-                got.errors[i] == 0, got.keep[i], got.cached_tokens[i], got.num_stored[i])
+                got.errors[i] == 0,
+                got.keep[i],
+                got.cached_tokens[i],
+                got.num_stored[i],
+            )
             assert r.error == (ERROR_CODE[got.errors[i]] if got.errors[i] else "")
         with pytest.raises(IndexError):
             got[len(want)]

@@ -85,8 +85,16 @@ class TiersMachine(RuleBasedStateMachine):
             use_store = True
         self.store = SharedStore(store_entries * BLOCK_BYTES)
         for i in range(pools):
-            config = PoolConfig(num_blocks, block_size, True, "tiers", host_blocks=host_blocks, layout=LAYOUT,
-                                block_bytes=BLOCK_BYTES, use_shared_store=use_store or i == 1)
+            config = PoolConfig(
+                num_blocks,
+                block_size,
+                True,
+                "tiers",
+                host_blocks=host_blocks,
+                layout=LAYOUT,
+                block_bytes=BLOCK_BYTES,
+                use_shared_store=use_store or i == 1,
+            )
             self.workers.append(Worker(BlockPool(config, store=self.store)))
 
     def _new_id(self) -> str:
@@ -102,11 +110,15 @@ class TiersMachine(RuleBasedStateMachine):
         ops += [Free(s) for s in frees]
         live = [s for s in ids if s not in frees]
         forks = {}
-        for parent in data.draw(st.lists(st.sampled_from(live), unique=True, max_size=1)) if live else []:
+        for parent in (
+            data.draw(st.lists(st.sampled_from(live), unique=True, max_size=1)) if live else []
+        ):
             forks[self._new_id()] = parent
             ops.append(Fork(parent, next(reversed(forks))))
         appends = {}
-        for s in data.draw(st.lists(st.sampled_from(live), unique=True, max_size=2)) if live else []:
+        for s in (
+            data.draw(st.lists(st.sampled_from(live), unique=True, max_size=2)) if live else []
+        ):
             appends[s] = data.draw(st.lists(st.integers(0, 1), min_size=1, max_size=2 * w.B))
             ops.append(Append(s, appends[s]))
         admits = {}
@@ -143,8 +155,13 @@ class TiersMachine(RuleBasedStateMachine):
                 self.store_bytes[(LAYOUT, h)] = GARBAGE
                 store_failed.append(h)
         refused, w.refused = w.refused, []
-        return {"saved": saved, "failed": failed, "store_saved": store_saved, "store_failed": store_failed,
-                "refused": refused}
+        return {
+            "saved": saved,
+            "failed": failed,
+            "store_saved": store_saved,
+            "store_failed": store_failed,
+            "refused": refused,
+        }
 
     def _apply(self, w: Worker, data, ops: list, r: StepAnswer) -> None:
         """Apply the answer's moves in order, then the forward pass."""
@@ -154,7 +171,9 @@ class TiersMachine(RuleBasedStateMachine):
                 self.store_bytes.pop((layout, h), None)
         for h, src in zip(m.store_saves, m.store_save_from, strict=True):  # (1)
             assert h not in w.flight_store
-            assert w.kv[src] == h  # a freed or evicted KV block: its bytes are its hash's until the forward pass
+            assert (
+                w.kv[src] == h
+            )  # a freed or evicted KV block: its bytes are its hash's until the forward pass
             w.flight_store[h] = w.kv[src]
         saves = m.host_saves
         for i in range(0, len(saves), 2):  # (2)
@@ -180,7 +199,9 @@ class TiersMachine(RuleBasedStateMachine):
             else:
                 w.kv[b] = self.store_bytes.get((LAYOUT, h), "missing")
         # The forward pass: the blocks each operation computes.
-        results = iter(zip(r.errors, r.keep, r.num_appended, r.cached_tokens, r.num_stored, strict=True))
+        results = iter(
+            zip(r.errors, r.keep, r.num_appended, r.cached_tokens, r.num_stored, strict=True)
+        )
         a = 0
         for op in ops:
             err, keep, na, cached, stored = next(results)
@@ -226,7 +247,9 @@ class TiersMachine(RuleBasedStateMachine):
         corrupt = self._corrupt()  # the allocator learns of these with the next step
         for (layout, h), (_, size) in lru.present.items():
             assert size == BLOCK_BYTES
-            assert (layout, h) in corrupt or self.store_bytes.get((layout, h)) == h, "a store entry without its bytes"
+            assert (layout, h) in corrupt or self.store_bytes.get((layout, h)) == h, (
+                "a store entry without its bytes"
+            )
         for w in self.workers:
             pool = w.pool
             assert pool.integrity_problems() == []
@@ -241,7 +264,9 @@ class TiersMachine(RuleBasedStateMachine):
                 table, chain = pool.block_table(sid), w.chain(sid)
                 assert pool.num_tokens(sid) == len(w.tokens[sid])
                 for i, h in enumerate(chain):
-                    assert w.kv[table[i]] == h, f"{sid}: block {i} holds other bytes than its prompt's"
+                    assert w.kv[table[i]] == h, (
+                        f"{sid}: block {i} holds other bytes than its prompt's"
+                    )
             for h, holders in pool.index.entries():
                 for b in holders:
                     assert w.kv[b] == h, "the prefix cache finds a block without its bytes"
@@ -260,4 +285,3 @@ TiersMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_tiers_machine = TiersMachine.TestCase
-

@@ -30,7 +30,9 @@ from allocator_service.core.step import StepAnswer
 from allocator_service.core.tiers import SharedStore, StoreStats, TierStats
 from tests.support.allocator import tier_report
 
-CONFIG = PoolConfig(4, 2, True, "m", host_blocks=4, layout="L", block_bytes=100, use_shared_store=True)
+CONFIG = PoolConfig(
+    4, 2, True, "m", host_blocks=4, layout="L", block_bytes=100, use_shared_store=True
+)
 A, B, D, E = ([base + i for i in range(7)] for base in (1, 11, 21, 31))
 
 
@@ -65,8 +67,11 @@ def test_freed_blocks_go_to_the_store_and_evicted_ones_to_the_host_tier() -> Non
     # order; the store has them (pending) already.
     r = step(pool, [Free("a"), Admit("b", B)])
     assert r.appended == [3, 2, 1, 0]
-    assert moves(r) == {"store_saves": [hA[2], hA[1], hA[0]], "store_save_from": [2, 1, 0],
-                        "host_saves": [2, 0, 1, 1, 0, 2]}
+    assert moves(r) == {
+        "store_saves": [hA[2], hA[1], hA[0]],
+        "store_save_from": [2, 1, 0],
+        "host_saves": [2, 0, 1, 1, 0, 2],
+    }
     # Not confirmed yet: A is in no tier that finds it.
     assert pool.tier_blocks(hA[:3]) == (0, 0, 0)
 
@@ -90,7 +95,11 @@ def test_freed_blocks_go_to_the_store_and_evicted_ones_to_the_host_tier() -> Non
     # in both tiers: nothing is saved.
     r = step(pool, [Free("c"), Admit("d", B)], saved=[3])
     assert r.appended == [3, 2, 1, 0] and r.cached_tokens == [0, 6]
-    assert moves(r) == {"host_loads": [3, 1], "store_loads": [hB[0], hB[1]], "store_load_to": [3, 2]}
+    assert moves(r) == {
+        "host_loads": [3, 1],
+        "store_loads": [hB[0], hB[1]],
+        "store_load_to": [3, 2],
+    }
 
     # D evicts B's blocks: B's last is in the host tier; the other two take
     # the LRU host slots (A's head, then A's second): A leaves the host tier
@@ -104,16 +113,22 @@ def test_freed_blocks_go_to_the_store_and_evicted_ones_to_the_host_tier() -> Non
     # evicts D's blocks into the LRU host slots; the third finds only
     # pending slots and is skipped.
     r = step(pool, [Free("e"), Admit("f", E)])
-    assert moves(r) == {"store_deletes": [hA[2]], "store_delete_layouts": ["L"],
-                        "store_saves": [hD[2], hD[1], hD[0]], "store_save_from": [2, 1, 0],
-                        "host_saves": [2, 0, 1, 3]}
+    assert moves(r) == {
+        "store_deletes": [hA[2]],
+        "store_delete_layouts": ["L"],
+        "store_saves": [hD[2], hD[1], hD[0]],
+        "store_save_from": [2, 1, 0],
+        "host_saves": [2, 0, 1, 3],
+    }
     assert stats.saves_skipped == 3
 
     # The worker's report: two store saves written, one failed, a store load
     # refused (a bad checksum): the failed and refused entries leave the
     # index and their keys are deleted, first of the answer's moves. D's head
     # is in no tier, so D is not found at all.
-    r = step(pool, [], saved=[0, 3], store_saved=[hD[2], hD[1]], store_failed=[hD[0]], refused=[hB[0]])
+    r = step(
+        pool, [], saved=[0, 3], store_saved=[hD[2], hD[1]], store_failed=[hD[0]], refused=[hB[0]]
+    )
     assert moves(r) == {"store_deletes": [hD[0], hB[0]], "store_delete_layouts": ["L", "L"]}
     assert pool.tier_blocks(hD[:3]) == (0, 0, 0) and pool.tier_blocks(hB[:3]) == (0, 0, 0)
     assert [h for _, h in store.lru.present] == [hA[1], hA[0], hB[2], hB[1], hD[2], hD[1]]
@@ -144,13 +159,21 @@ def test_a_full_store_drops_its_lru_entry() -> None:
     # delete, before it.
     r = step(pool, [Admit("d", [4, 4, 9])], store_saved=[h1, h2])
     assert r.appended == [1, 0]
-    assert moves(r) == {"store_deletes": [h1], "store_delete_layouts": ["L"],
-                        "store_saves": [h3], "store_save_from": [0]}
+    assert moves(r) == {
+        "store_deletes": [h1],
+        "store_delete_layouts": ["L"],
+        "store_saves": [h3],
+        "store_save_from": [0],
+    }
     # A pending entry is not found: C's prompt is computed.
     r = step(pool, [Free("d"), Admit("e", [3, 3, 9])])
     assert r.cached_tokens == [0, 0]
-    assert moves(r) == {"store_deletes": [h2], "store_delete_layouts": ["L"],
-                        "store_saves": [h4], "store_save_from": [1]}
+    assert moves(r) == {
+        "store_deletes": [h2],
+        "store_delete_layouts": ["L"],
+        "store_saves": [h4],
+        "store_save_from": [1],
+    }
     # A dropped pool's unconfirmed saves leave the store.
     assert pool.drop_store_pending() == 2
     assert not store.lru.present and not store.lru.pending and store.lru.used == 0
@@ -185,12 +208,18 @@ def _script(seed: int, steps: int) -> list[list]:
         for _ in range(rng.randrange(1, 3)):
             n += 1
             live.append(f"s{n}")
-            ops.append(Admit(f"s{n}", rng.choice(convs)[: rng.randrange(2, 10)], None, rng.choice([None, 2])))
+            ops.append(
+                Admit(
+                    f"s{n}", rng.choice(convs)[: rng.randrange(2, 10)], None, rng.choice([None, 2])
+                )
+            )
         out.append(ops)
     return out
 
 
-def _run(pools: list[BlockPool], script: list[list], start: int, pending: list[dict]) -> list[StepAnswer]:
+def _run(
+    pools: list[BlockPool], script: list[list], start: int, pending: list[dict]
+) -> list[StepAnswer]:
     """Steps `start:` of `script`, round robin over the two `pools`; each pool's
     worker confirms its last answer's saves (every third one failed) and
     refuses every fifth store load, in its next step."""
@@ -201,19 +230,28 @@ def _run(pools: list[BlockPool], script: list[list], start: int, pending: list[d
         assert pools[k].integrity_problems() == []
         m = r.moves
         slots = m.host_saves[1::2]
-        pending[k] = {"saved": [s for j, s in enumerate(slots) if j % 3 != 2],
-                      "failed": [s for j, s in enumerate(slots) if j % 3 == 2],
-                      "store_saved": [h for j, h in enumerate(m.store_saves) if j % 3 != 1],
-                      "store_failed": [h for j, h in enumerate(m.store_saves) if j % 3 == 1],
-                      "refused": m.store_loads[::5]}
+        pending[k] = {
+            "saved": [s for j, s in enumerate(slots) if j % 3 != 2],
+            "failed": [s for j, s in enumerate(slots) if j % 3 == 2],
+            "store_saved": [h for j, h in enumerate(m.store_saves) if j % 3 != 1],
+            "store_failed": [h for j, h in enumerate(m.store_saves) if j % 3 == 1],
+            "refused": m.store_loads[::5],
+        }
         results.append(r)
     return results
 
 
 def _fresh() -> tuple[list[BlockPool], SharedStore]:
     store = SharedStore(6 * 100)
-    pools = [BlockPool(PoolConfig(5, 2, True, "m", host_blocks=hb, layout="L", block_bytes=100,
-                                  use_shared_store=True), store=store) for hb in (3, 0)]
+    pools = [
+        BlockPool(
+            PoolConfig(
+                5, 2, True, "m", host_blocks=hb, layout="L", block_bytes=100, use_shared_store=True
+            ),
+            store=store,
+        )
+        for hb in (3, 0)
+    ]
     return pools, store
 
 
@@ -235,7 +273,9 @@ def test_a_replay_rebuilds_the_same_tiers(seed: int) -> None:
     mid, _ = _fresh()
     pending: list[dict] = [{}, {}]
     head = _run(mid, script[:half], 0, pending)
-    dumps = json.loads(json.dumps({"store": mid[0].tiers.store.to_state(), "pools": [p.to_state() for p in mid]}))
+    dumps = json.loads(
+        json.dumps({"store": mid[0].tiers.store.to_state(), "pools": [p.to_state() for p in mid]})
+    )
     restored_store = SharedStore.from_state(dumps["store"])
     restored = [BlockPool.from_state(s, store=restored_store) for s in dumps["pools"]]
     tail = _run(restored, script, half, pending)
@@ -248,10 +288,23 @@ def test_tier_counts_keep_their_dump_keys() -> None:
     """A dump stores each count under the key it always had; a dump written
     before a count existed reads it as 0."""
     tiers = TierStats(refused_loads=3, host_evictions=1).to_state()
-    assert list(tiers) == ["host_hit_tokens", "store_hit_tokens", "host_saves", "store_saves",
-                           "host_loads", "store_loads", "saves_confirmed", "saves_failed",
-                           "saves_skipped", "refused", "host_evictions", "stale_confirmations"]
-    assert tiers["refused"] == 3 and TierStats.from_state(tiers) == TierStats(refused_loads=3, host_evictions=1)
+    assert list(tiers) == [
+        "host_hit_tokens",
+        "store_hit_tokens",
+        "host_saves",
+        "store_saves",
+        "host_loads",
+        "store_loads",
+        "saves_confirmed",
+        "saves_failed",
+        "saves_skipped",
+        "refused",
+        "host_evictions",
+        "stale_confirmations",
+    ]
+    assert tiers["refused"] == 3 and TierStats.from_state(tiers) == TierStats(
+        refused_loads=3, host_evictions=1
+    )
     assert TierStats.from_state({"refused": 2}) == TierStats(refused_loads=2)
     assert StoreStats(refused_drops=2, evictions=5).to_state() == {"refused": 2, "dropped": 5}
     assert StoreStats.from_state({"refused": 2, "dropped": 5}) == StoreStats(2, 5)

@@ -42,15 +42,35 @@ from tests.support.drills import (
 from tests.support.drills import reference_texts as offline
 
 SYSTEM = "sys: "  # a shared prefix (the tokenizer is byte-level: one token a byte)
-PROMPTS = [SYSTEM + p for p in ("hello", "what is a page", "blocks and tables", "one two three",
-                                 "quick brown fox", "a paged kv cache")]
+PROMPTS = [
+    SYSTEM + p
+    for p in (
+        "hello",
+        "what is a page",
+        "blocks and tables",
+        "one two three",
+        "quick brown fox",
+        "a paged kv cache",
+    )
+]
 MAX_TOKENS = 16
 # 20 blocks of 4 = 80 token slots per worker, for 6 requests of 25 to 37
 # tokens at once: the schedulers must preempt.
-WORKER_ARGS = ["--num-blocks", "20", "--block-size", "4", "--enable-prefix-caching", "--max-model-len", "64"]
+WORKER_ARGS = [
+    "--num-blocks",
+    "20",
+    "--block-size",
+    "4",
+    "--enable-prefix-caching",
+    "--max-model-len",
+    "64",
+]
 LEASE_TTL = 3.0
 # settings of the allocator that are variables only (the reference in docs/operations.md)
-ALLOCATOR_ENV = {"PAGEDKV_ALLOCATOR_LEASE_TTL": str(LEASE_TTL), "PAGEDKV_ALLOCATOR_SNAPSHOT_EVERY": "25"}
+ALLOCATOR_ENV = {
+    "PAGEDKV_ALLOCATOR_LEASE_TTL": str(LEASE_TTL),
+    "PAGEDKV_ALLOCATOR_SNAPSHOT_EVERY": "25",
+}
 OUTAGE_S = 1.0  # how long the killed process stays down
 
 
@@ -74,8 +94,10 @@ def worker_samples(stack: Stack) -> list:
 
 
 def generated(stack: Stack, workers=None) -> float:
-    return sum(scrape(f"{stack.workers[i].url}/metrics").value("pagedkv_worker_generation_tokens_total")
-               for i in (workers if workers is not None else range(len(stack.workers))))
+    return sum(
+        scrape(f"{stack.workers[i].url}/metrics").value("pagedkv_worker_generation_tokens_total")
+        for i in (workers if workers is not None else range(len(stack.workers)))
+    )
 
 
 def after_some_tokens(stack: Stack, before: list, n: int = 8, workers=None) -> None:
@@ -95,19 +117,29 @@ def stall_figures(stack: Stack, before: list) -> dict:
     for w, b in zip(stack.workers, before, strict=True):
         a = scrape(f"{w.url}/metrics")
         out[w.worker_id] = {
-            "stall_s": round(a.value("pagedkv_worker_allocator_unavailable_seconds_total")
-                             - b.value("pagedkv_worker_allocator_unavailable_seconds_total"), 3),
+            "stall_s": round(
+                a.value("pagedkv_worker_allocator_unavailable_seconds_total")
+                - b.value("pagedkv_worker_allocator_unavailable_seconds_total"),
+                3,
+            ),
             "retries": a.value("pagedkv_worker_allocator_retries_total")
             - b.value("pagedkv_worker_allocator_retries_total"),
-            "step_errors": a.value("pagedkv_worker_step_errors_total") - b.value("pagedkv_worker_step_errors_total"),
+            "step_errors": a.value("pagedkv_worker_step_errors_total")
+            - b.value("pagedkv_worker_step_errors_total"),
             "failed_requests": error_requests(a) - error_requests(b),
-            "preemptions": a.value("pagedkv_worker_preemptions_total") - b.value("pagedkv_worker_preemptions_total"),
+            "preemptions": a.value("pagedkv_worker_preemptions_total")
+            - b.value("pagedkv_worker_preemptions_total"),
         }
     return out
 
 
 def assert_same_pools_no_recompute(stack: Stack, pools: list[str]) -> None:
-    assert sorted(stack.allocator_metrics().labels("pagedkv_allocator_pool_capacity_blocks", "pool_id")) == pools
+    assert (
+        sorted(
+            stack.allocator_metrics().labels("pagedkv_allocator_pool_capacity_blocks", "pool_id")
+        )
+        == pools
+    )
     for w in stack.workers:
         assert "was dropped" not in w.log()  # no PoolLost: nothing was recomputed for it
 
@@ -128,7 +160,9 @@ def restart_drill(stack: Stack, reference: list[str], name: str, kill, start) ->
         t0 = time.monotonic()
         kill()
         sending = threading.Thread(
-            target=lambda: late.extend(run_jobs(stack, PROMPTS, late_jobs, MAX_TOKENS)[0]), daemon=True)
+            target=lambda: late.extend(run_jobs(stack, PROMPTS, late_jobs, MAX_TOKENS)[0]),
+            daemon=True,
+        )
         sending.start()
         time.sleep(OUTAGE_S)
         start()
@@ -139,7 +173,9 @@ def restart_drill(stack: Stack, reference: list[str], name: str, kill, start) ->
     results, fault_figures = run_jobs(stack, PROMPTS, jobs, MAX_TOKENS, during=fault)
     results, jobs = results + late, jobs + late_jobs
     assert len(late) == len(late_jobs), "the requests sent during the outage did not finish"
-    assert [r.status for r in results] == [200] * len(results), [r.error for r in results if r.status != 200]
+    assert [r.status for r in results] == [200] * len(results), [
+        r.error for r in results if r.status != 200
+    ]
     assert [r.text for r in results] == [reference[j.prompt] for j in jobs]
     stack.wait_idle()
     figures = stall_figures(stack, before)
@@ -149,15 +185,26 @@ def restart_drill(stack: Stack, reference: list[str], name: str, kill, start) ->
     for w in stack.workers:  # the steps were pipelined (async scheduling)
         assert scrape(f"{w.url}/metrics").value("pagedkv_worker_allocator_steps_ahead_total") > 0
     pools = check_no_leak(stack.redis.url, ["worker-1/1", "worker-2/1"])
-    report(name, {"requests": len(results), "errors": 0, **fault_figures, "workers": figures, "pools": pools,
-                  "max_latency_s": round(max(r.latency_s for r in results), 3)})
+    report(
+        name,
+        {
+            "requests": len(results),
+            "errors": 0,
+            **fault_figures,
+            "workers": figures,
+            "pools": pools,
+            "max_latency_s": round(max(r.latency_s for r in results), 3),
+        },
+    )
     return figures
 
 
 def test_allocator_kill9_and_restart(stack, reference):
     """kill -9 the allocator mid-workload, restart it on the same port: it
     rebuilds its state from the journal and re-arms every lease."""
-    figures = restart_drill(stack, reference, "allocator_kill9", stack.kill_allocator, stack.start_allocator)
+    figures = restart_drill(
+        stack, reference, "allocator_kill9", stack.kill_allocator, stack.start_allocator
+    )
     # Every worker had a request to start while the allocator was down: it
     # stalled (it never fails: restart_drill checks) and says so.
     for f in figures.values():
@@ -203,23 +250,36 @@ def test_worker_kill9_lease_expires_and_restart(stack, reference):
     assert [r.text for _, r in survivors] == [reference[j.prompt] for j, _ in survivors]
     lost = sum(r.status != 200 for j, r in zip(jobs, results, strict=True) if j.worker == 1)
     w1_before, w1_after = before[0], scrape(f"{stack.workers[0].url}/metrics")
-    assert w1_after.value("pagedkv_worker_step_errors_total") == w1_before.value("pagedkv_worker_step_errors_total")
+    assert w1_after.value("pagedkv_worker_step_errors_total") == w1_before.value(
+        "pagedkv_worker_step_errors_total"
+    )
     assert error_requests(w1_after) == error_requests(w1_before)
-    assert sorted(stack.allocator_metrics().labels("pagedkv_allocator_pool_capacity_blocks", "pool_id")) == \
-        ["worker-1/1"]
+    assert sorted(
+        stack.allocator_metrics().labels("pagedkv_allocator_pool_capacity_blocks", "pool_id")
+    ) == ["worker-1/1"]
 
     t0 = time.monotonic()
     victim.start().wait_healthy()
     restart_s = time.monotonic() - t0
-    assert sorted(stack.allocator_metrics().labels("pagedkv_allocator_pool_capacity_blocks", "pool_id")) == \
-        ["worker-1/1", "worker-2/2"]
+    assert sorted(
+        stack.allocator_metrics().labels("pagedkv_allocator_pool_capacity_blocks", "pool_id")
+    ) == ["worker-1/1", "worker-2/2"]
     again = [complete(victim.url, PROMPTS[i], MAX_TOKENS, stream=bool(i % 2)) for i in (0, 3)]
     assert [r.text for r in again] == [reference[0], reference[3]]
     stack.wait_idle()
     pools = check_no_leak(stack.redis.url, ["worker-1/1", "worker-2/2"])
-    report("worker_kill9", {"requests_on_survivor": len(survivors), "errors_on_survivor": 0,
-                            "requests_lost_with_killed_worker": lost, **fault_figures,
-                            "lease_ttl_s": LEASE_TTL, "restart_to_healthy_s": round(restart_s, 3), "pools": pools})
+    report(
+        "worker_kill9",
+        {
+            "requests_on_survivor": len(survivors),
+            "errors_on_survivor": 0,
+            "requests_lost_with_killed_worker": lost,
+            **fault_figures,
+            "lease_ttl_s": LEASE_TTL,
+            "restart_to_healthy_s": round(restart_s, 3),
+            "pools": pools,
+        },
+    )
 
 
 def test_allocator_restart_with_memory_state_recomputes():
@@ -245,7 +305,13 @@ def test_allocator_restart_with_memory_state_recomputes():
         stack.wait_idle()
         figures = stall_figures(stack, before)["worker-1"]
         assert figures["step_errors"] == 0 and figures["failed_requests"] == 0
-        assert "was dropped" in stack.workers[0].log()  # PoolLost: a fresh pool, everything recomputed
-        assert stack.allocator_metrics().labels("pagedkv_allocator_pool_capacity_blocks", "pool_id") == \
-            {"worker-1/1"}  # a new server: epochs start over
-        report("allocator_restart_memory_state", {"requests": len(results), "errors": 0, "worker": figures})
+        assert (
+            "was dropped" in stack.workers[0].log()
+        )  # PoolLost: a fresh pool, everything recomputed
+        assert stack.allocator_metrics().labels(
+            "pagedkv_allocator_pool_capacity_blocks", "pool_id"
+        ) == {"worker-1/1"}  # a new server: epochs start over
+        report(
+            "allocator_restart_memory_state",
+            {"requests": len(results), "errors": 0, "worker": figures},
+        )

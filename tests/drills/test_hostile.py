@@ -99,8 +99,12 @@ class PoolMachine(RuleBasedStateMachine):
         self._fresh_pool()
 
     def _fresh_pool(self, replace_credential: str = "") -> None:
-        self.ref = register(self.stub, None, self.worker, replace_credential=replace_credential, **SHAPE)
-        self.core = EmbeddedAllocator(PoolSpec(self.worker, PoolConfig(SHAPE["num_blocks"], SHAPE["block_size"], True, "m")))
+        self.ref = register(
+            self.stub, None, self.worker, replace_credential=replace_credential, **SHAPE
+        )
+        self.core = EmbeddedAllocator(
+            PoolSpec(self.worker, PoolConfig(SHAPE["num_blocks"], SHAPE["block_size"], True, "m"))
+        )
         self.step_id = 0
         self.last: tuple[int, pb.StepOps, pb.StepResponse] | None = None
 
@@ -117,7 +121,9 @@ class PoolMachine(RuleBasedStateMachine):
         return response
 
     def send(self, step_id: int, ops: pb.StepOps, expect=None, ref=None):
-        return self.call("Step", pb.StepRequest(pool=ref or self.ref, step_id=step_id, ops=ops), expect)
+        return self.call(
+            "Step", pb.StepRequest(pool=ref or self.ref, step_id=step_id, ops=ops), expect
+        )
 
     # ------------------------------------------------------------- steps
     @rule(ops=operations, jump=st.sampled_from([1, 1, 1, 2, 1000]))
@@ -153,16 +159,22 @@ class PoolMachine(RuleBasedStateMachine):
 
     @rule(n=st.sampled_from([16385, 40000]))
     def too_many_operations(self, n):
-        self.send(self.step_id + 1, pb.StepOps(kinds=[pb.OP_KIND_FREE] * n, seq_ids=["a"] * n, num_tokens=[0] * n),
-                  C.INVALID_ARGUMENT)
+        self.send(
+            self.step_id + 1,
+            pb.StepOps(kinds=[pb.OP_KIND_FREE] * n, seq_ids=["a"] * n, num_tokens=[0] * n),
+            C.INVALID_ARGUMENT,
+        )
 
     @rule()
     def too_many_tokens(self):
         if not self.big_request_allowed():
             return
         n = (1 << 20) + 1
-        self.send(self.step_id + 1, pb.StepOps(kinds=[pb.OP_KIND_APPEND], seq_ids=["a"], num_tokens=[n],
-                                               tokens=[1] * n), C.INVALID_ARGUMENT)
+        self.send(
+            self.step_id + 1,
+            pb.StepOps(kinds=[pb.OP_KIND_APPEND], seq_ids=["a"], num_tokens=[n], tokens=[1] * n),
+            C.INVALID_ARGUMENT,
+        )
 
     @rule()
     def oversized_message(self):
@@ -172,7 +184,11 @@ class PoolMachine(RuleBasedStateMachine):
 
     @rule(kinds=st.lists(st.integers(-3, 9), min_size=1, max_size=4))
     def columns_that_do_not_fit(self, kinds):
-        self.send(self.step_id + 1, pb.StepOps(kinds=kinds, seq_ids=["a"], num_tokens=[1, 2]), C.INVALID_ARGUMENT)
+        self.send(
+            self.step_id + 1,
+            pb.StepOps(kinds=kinds, seq_ids=["a"], num_tokens=[1, 2]),
+            C.INVALID_ARGUMENT,
+        )
 
     # ------------------------------------------------------------- reads
     @rule(seq=ids)
@@ -181,8 +197,11 @@ class PoolMachine(RuleBasedStateMachine):
             expected = (self.core.block_table(seq), self.core.pool.num_tokens(seq))
         except UnknownSequence:
             expected = None
-        r = self.call("GetBlockTable", pb.GetBlockTableRequest(pool=self.ref, seq_id=seq),
-                      C.OK if expected is not None else C.NOT_FOUND)
+        r = self.call(
+            "GetBlockTable",
+            pb.GetBlockTableRequest(pool=self.ref, seq_id=seq),
+            C.OK if expected is not None else C.NOT_FOUND,
+        )
         if expected is not None:
             assert (list(r.block_ids), r.num_tokens) == expected
 
@@ -191,13 +210,19 @@ class PoolMachine(RuleBasedStateMachine):
         r = self.call("ResetPrefixCache", pb.ResetPrefixCacheRequest(pool=self.ref), C.OK)
         assert r.dropped == self.core.reset_prefix_cache()
 
-    @rule(tokens=st.one_of(small_tokens, st.just([1] * ((1 << 20) + 1))), salt=st.sampled_from([None, "t", "s" * 1025]))
+    @rule(
+        tokens=st.one_of(small_tokens, st.just([1] * ((1 << 20) + 1))),
+        salt=st.sampled_from([None, "t", "s" * 1025]),
+    )
     def match_prefix(self, tokens, salt):
         if len(tokens) > 1 << 20 and not self.big_request_allowed():
             return
         huge = len(tokens) > 1 << 20 or (salt is not None and len(salt) > 1024)
-        r = self.call("MatchPrefix", pb.MatchPrefixRequest(model_fingerprint="m", tokens=tokens, cache_salt=salt),
-                      C.INVALID_ARGUMENT if huge else C.OK)
+        r = self.call(
+            "MatchPrefix",
+            pb.MatchPrefixRequest(model_fingerprint="m", tokens=tokens, cache_salt=salt),
+            C.INVALID_ARGUMENT if huge else C.OK,
+        )
         if not huge:
             ours = [m.cached_tokens for m in r.matches if m.pool_id == self.ref.pool_id]
             assert ours == [self.core.pool.cached_prefix_tokens(tokens, salt)]
@@ -205,7 +230,9 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(start=st.one_of(st.integers(1, 20), st.integers(1, 2**64 - 1)))
     def watch_events_from_anywhere(self, start):
         """A stream from any sequence number: events, or a resync marker first."""
-        if start > 20:  # a future cursor waits a poll (0.5 s) before its resync marker: a few suffice
+        if (
+            start > 20
+        ):  # a future cursor waits a poll (0.5 s) before its resync marker: a few suffice
             if PoolMachine.future_watches >= 6:
                 return
             PoolMachine.future_watches += 1
@@ -224,19 +251,43 @@ class PoolMachine(RuleBasedStateMachine):
         self.call("Heartbeat", pb.HeartbeatRequest(pool=self.ref), C.OK)
 
     # ------------------------------------------------------------- identity
-    @rule(method=st.sampled_from(["Step", "GetBlockTable", "DumpPool", "GetPoolStats", "ResetPrefixCache",
-                                  "Heartbeat", "DeregisterPool"]),
-          credential=st.sampled_from(["", "wrong", "x" * 5000]), unknown_pool=st.booleans())
+    @rule(
+        method=st.sampled_from(
+            [
+                "Step",
+                "GetBlockTable",
+                "DumpPool",
+                "GetPoolStats",
+                "ResetPrefixCache",
+                "Heartbeat",
+                "DeregisterPool",
+            ]
+        ),
+        credential=st.sampled_from(["", "wrong", "x" * 5000]),
+        unknown_pool=st.booleans(),
+    )
     def someone_elses_call(self, method, credential, unknown_pool):
-        ref = pb.PoolRef(pool_id="nobody/1" if unknown_pool else self.ref.pool_id, credential=credential)
-        expect = C.NOT_FOUND if unknown_pool else C.UNAUTHENTICATED if not credential else C.PERMISSION_DENIED
-        request = {"Step": lambda: pb.StepRequest(pool=ref, step_id=self.step_id + 1, ops=encode_ops([Free("a")])),
-                   "GetBlockTable": lambda: pb.GetBlockTableRequest(pool=ref, seq_id="a"),
-                   "DumpPool": lambda: pb.DumpPoolRequest(pool=ref),
-                   "GetPoolStats": lambda: pb.GetPoolStatsRequest(pool=ref, check_integrity=True),
-                   "ResetPrefixCache": lambda: pb.ResetPrefixCacheRequest(pool=ref),
-                   "Heartbeat": lambda: pb.HeartbeatRequest(pool=ref),
-                   "DeregisterPool": lambda: pb.DeregisterPoolRequest(pool=ref)}[method]()
+        ref = pb.PoolRef(
+            pool_id="nobody/1" if unknown_pool else self.ref.pool_id, credential=credential
+        )
+        expect = (
+            C.NOT_FOUND
+            if unknown_pool
+            else C.UNAUTHENTICATED
+            if not credential
+            else C.PERMISSION_DENIED
+        )
+        request = {
+            "Step": lambda: pb.StepRequest(
+                pool=ref, step_id=self.step_id + 1, ops=encode_ops([Free("a")])
+            ),
+            "GetBlockTable": lambda: pb.GetBlockTableRequest(pool=ref, seq_id="a"),
+            "DumpPool": lambda: pb.DumpPoolRequest(pool=ref),
+            "GetPoolStats": lambda: pb.GetPoolStatsRequest(pool=ref, check_integrity=True),
+            "ResetPrefixCache": lambda: pb.ResetPrefixCacheRequest(pool=ref),
+            "Heartbeat": lambda: pb.HeartbeatRequest(pool=ref),
+            "DeregisterPool": lambda: pb.DeregisterPoolRequest(pool=ref),
+        }[method]()
         self.call(method, request, expect)
 
     @rule()
@@ -246,7 +297,11 @@ class PoolMachine(RuleBasedStateMachine):
         pool and its credential are gone."""
         old = self.ref
         shape = pb.PoolShape(num_blocks=SHAPE["num_blocks"], block_size=SHAPE["block_size"])
-        self.call("RegisterPool", pb.RegisterPoolRequest(worker_id=self.worker, shape=shape), C.FAILED_PRECONDITION)
+        self.call(
+            "RegisterPool",
+            pb.RegisterPoolRequest(worker_id=self.worker, shape=shape),
+            C.FAILED_PRECONDITION,
+        )
         self._fresh_pool(replace_credential=old.credential)
         assert self.ref.pool_id != old.pool_id
         self.send(1, encode_ops([Free("a")]), C.NOT_FOUND, ref=old)
@@ -254,7 +309,9 @@ class PoolMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------- checks
     @invariant()
     def intact_and_equal_to_the_core(self):
-        stats = self.call("GetPoolStats", pb.GetPoolStatsRequest(pool=self.ref, check_integrity=True), C.OK)
+        stats = self.call(
+            "GetPoolStats", pb.GetPoolStatsRequest(pool=self.ref, check_integrity=True), C.OK
+        )
         assert list(stats.integrity_problems) == []
         assert stats.last_step_id == self.step_id
         dumped = self.call("DumpPool", pb.DumpPoolRequest(pool=self.ref), C.OK)
@@ -262,7 +319,9 @@ class PoolMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         self.call("DeregisterPool", pb.DeregisterPoolRequest(pool=self.ref), C.OK)
-        self.call("DeregisterPool", pb.DeregisterPoolRequest(pool=self.ref), C.NOT_FOUND)  # a double free of a pool
+        self.call(
+            "DeregisterPool", pb.DeregisterPoolRequest(pool=self.ref), C.NOT_FOUND
+        )  # a double free of a pool
         self.channel.close()
 
 
@@ -271,11 +330,18 @@ def test_allocator_model_based_fuzzer(allocator_server):
         PoolMachine.address = server.address
         run_state_machine_as_test(
             PoolMachine,
-            settings=settings(max_examples=30, stateful_step_count=30, deadline=None,
-                              suppress_health_check=list(HealthCheck)),
+            settings=settings(
+                max_examples=30,
+                stateful_step_count=30,
+                deadline=None,
+                suppress_health_check=list(HealthCheck),
+            ),
         )
         assert server.proc.poll() is None  # still serving
-    report("hostile_allocator", {"calls_by_code": {k: v for k, v in sorted(CODES.items()) if k.startswith("grpc")}})
+    report(
+        "hostile_allocator",
+        {"calls_by_code": {k: v for k, v in sorted(CODES.items()) if k.startswith("grpc")}},
+    )
 
 
 # ============================================================ bounded cost
@@ -298,10 +364,13 @@ def heaviest_legal_steps():
         yield "forks", encode_ops([Fork("p", f"f{k}-{i}") for i in range(16384)])
     yield "sequences", encode_ops([Admit(f"e{i}", []) for i in range(16384)])
     yield "free", encode_ops([Free(f"e{i}") for i in range(16384)])
-    pad = "\U0001F600"
+    pad = "\U0001f600"
     for k in range(2):
-        yield "names", encode_ops(
-            [Admit(f"{k}-{i}-".ljust(256, pad)[:256], [], pad * 1024) for i in range(1800)]
+        yield (
+            "names",
+            encode_ops(
+                [Admit(f"{k}-{i}-".ljust(256, pad)[:256], [], pad * 1024) for i in range(1800)]
+            ),
         )
     yield "huge admit", encode_ops([Admit("huge", [7] * (1 << 20))])
 
@@ -332,27 +401,42 @@ def test_the_heaviest_legal_requests_are_bounded_and_replay(redis_store, allocat
             figures: dict = {"rss_start_mib": round(base / 2**20, 1)}
             refused: Counter = Counter()
             for step_id, (what, ops) in enumerate(heaviest_legal_steps(), 1):
-                r = s.Step(pb.StepRequest(pool=ref, step_id=step_id, ops=ops), metadata=md, timeout=120)
+                r = s.Step(
+                    pb.StepRequest(pool=ref, step_id=step_id, ops=ops), metadata=md, timeout=120
+                )
                 for e in r.errors:
                     refused[f"{what}:{pb.OpError.Name(e)}"] += 1
                 figures[f"rss_after_{what}_mib"] = round((rss_bytes(server.pid) - base) / 2**20, 1)
-            stats = s.GetPoolStats(pb.GetPoolStatsRequest(pool=ref, check_integrity=True), metadata=md)
+            stats = s.GetPoolStats(
+                pb.GetPoolStatsRequest(pool=ref, check_integrity=True), metadata=md
+            )
             assert list(stats.integrity_problems) == []
             growth = rss_bytes(server.pid) - base
             # (no DumpPool: the dump of a pool this full is ~130 MB, over the message limit)
-            tables = {q: s.GetBlockTable(pb.GetBlockTableRequest(pool=ref, seq_id=q), metadata=md).block_ids
-                      for q in ("p", "f0-0", "f0-14")}
+            tables = {
+                q: s.GetBlockTable(
+                    pb.GetBlockTableRequest(pool=ref, seq_id=q), metadata=md
+                ).block_ids
+                for q in ("p", "f0-0", "f0-14")
+            }
             names = (512 * COST_BLOCKS - 1 - 10 * 4 - 5 * 5) // 1280  # after "p", "f0-0".."f0-14"
             assert stats.num_sequences == 16 + names and stats.used_blocks == COST_BLOCKS
             entries = 16 * len(tables["p"])  # the parent and its 15 forks; the rest are empty
-            assert refused["forks:OP_ERROR_POOL_LIMIT"] == 3 * 16384 - 15  # 16 x 4096 entries in all
+            assert (
+                refused["forks:OP_ERROR_POOL_LIMIT"] == 3 * 16384 - 15
+            )  # 16 x 4096 entries in all
             assert refused["sequences:OP_ERROR_POOL_LIMIT"] == 16384 - (2 * COST_BLOCKS - 16)
             assert refused["names:OP_ERROR_POOL_LIMIT"] == 2 * 1800 - names
             assert refused["huge admit:OP_ERROR_OUT_OF_BLOCKS"] == 1
             server.kill()
             channel.close()
-        figures.update(rss_growth_mib=round(growth / 2**20, 1), bound_mib=round(COST_RSS_BOUND / 2**20, 1),
-                       table_entries=entries, sequences=stats.num_sequences, refused=dict(refused))
+        figures.update(
+            rss_growth_mib=round(growth / 2**20, 1),
+            bound_mib=round(COST_RSS_BOUND / 2**20, 1),
+            table_entries=entries,
+            sequences=stats.num_sequences,
+            refused=dict(refused),
+        )
         assert growth <= COST_RSS_BOUND, figures
 
         t0 = time.monotonic()
@@ -360,10 +444,17 @@ def test_the_heaviest_legal_requests_are_bounded_and_replay(redis_store, allocat
             figures["restart_s"] = round(time.monotonic() - t0, 2)
             assert "1 pools restored" in again.lines[-1]
             s, md, channel = stub(again.address)
-            again_stats = s.GetPoolStats(pb.GetPoolStatsRequest(pool=ref, check_integrity=True), metadata=md)
+            again_stats = s.GetPoolStats(
+                pb.GetPoolStatsRequest(pool=ref, check_integrity=True), metadata=md
+            )
             assert again_stats == stats
             for q, table in tables.items():
-                assert s.GetBlockTable(pb.GetBlockTableRequest(pool=ref, seq_id=q), metadata=md).block_ids == table
+                assert (
+                    s.GetBlockTable(
+                        pb.GetBlockTableRequest(pool=ref, seq_id=q), metadata=md
+                    ).block_ids
+                    == table
+                )
             channel.close()
             again.kill()
 
@@ -373,14 +464,22 @@ def test_the_heaviest_legal_requests_are_bounded_and_replay(redis_store, allocat
         client = redis.Redis.from_url(base_url)
         stored = client.lindex(prefix + "journal", -1)
         last = jpb.JournalRecord.FromString(record_bytes(stored))
-        bad = jpb.JournalRecord(index=last.index + 1, step=jpb.StepApplied(pool_id="ghost/1", step_id=1))
+        bad = jpb.JournalRecord(
+            index=last.index + 1, step=jpb.StepApplied(pool_id="ghost/1", step_id=1)
+        )
         # Framed and chained like a real record, so only its content is wrong.
-        entry, chain = encode_entry(stored[len(ENTRY_MAGIC) + 32:len(ENTRY_MAGIC) + 64], bad.SerializeToString())
+        entry, chain = encode_entry(
+            stored[len(ENTRY_MAGIC) + 32 : len(ENTRY_MAGIC) + 64], bad.SerializeToString()
+        )
         client.rpush(prefix + "journal", entry)
         client.set(prefix + "head", head_marker(bad.index, chain))
         client.close()
-        out = subprocess.run([sys.executable, "-m", "allocator_service", "--listen", "127.0.0.1:0", *args],
-                             capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-m", "allocator_service", "--listen", "127.0.0.1:0", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert out.returncode == 1, out.stderr
         lines = [line for line in out.stderr.splitlines() if "cannot start" in line]
         assert len(lines) == 1 and f"record {bad.index}" in lines[0] and "ghost/1" in lines[0]
@@ -391,28 +490,48 @@ def test_the_heaviest_legal_requests_are_bounded_and_replay(redis_store, allocat
 
 # ====================================================================== HTTP
 ALLOWED_HTTP = {200, 400, 404, 405, 413, 422}
-HTTP_WORKER_ARGS = ["--num-blocks", "16", "--block-size", "4", "--enable-prefix-caching", "--max-model-len", "16"]
+HTTP_WORKER_ARGS = [
+    "--num-blocks",
+    "16",
+    "--block-size",
+    "4",
+    "--enable-prefix-caching",
+    "--max-model-len",
+    "16",
+]
 ROUTES = ["/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"]
 
 # Inputs that once answered 500; pinned by the tests at the end.
 ONCE_500 = {
     "temperature_underflow": {"temperature": 1e-300},  # sampling: logits / 0 -> NaN probabilities
-    "top_p_underflow": {"top_p": 1e-300, "temperature": 1.0},  # sampling: 1e-300 -> 0.0 in float32, no token kept
+    "top_p_underflow": {
+        "top_p": 1e-300,
+        "temperature": 1.0,
+    },  # sampling: 1e-300 -> 0.0 in float32, no token kept
 }
-ONCE_500_CHAT = {"text_part_not_a_string": [{"type": "text", "text": 5}]}  # protocol: "".join over a non-str
+ONCE_500_CHAT = {
+    "text_part_not_a_string": [{"type": "text", "text": 5}]
+}  # protocol: "".join over a non-str
 
 
 json_scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**70), 2**70),
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
     st.floats(allow_nan=True, allow_infinity=True),
     st.text(max_size=12),
 )
-json_values = st.recursive(json_scalars, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=6), c, max_size=3),
-                           max_leaves=8)
+json_values = st.recursive(
+    json_scalars,
+    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=6), c, max_size=3),
+    max_leaves=8,
+)
 texts = st.one_of(st.text(max_size=12), st.sampled_from(["", "\ud800", "hé🙂", "\x00", "a" * 3000]))
 small_ints = st.one_of(st.integers(-3, 20), st.sampled_from([2**31, 2**63, 2**70, -(2**70)]))
-floats = st.one_of(st.sampled_from([0, 0.5, 1, 1.5, 100, 101, -1, 1e-30, 1e-300, float("nan"), float("inf")]),
-                   st.floats(0, 2))
+floats = st.one_of(
+    st.sampled_from([0, 0.5, 1, 1.5, 100, 101, -1, 1e-30, 1e-300, float("nan"), float("inf")]),
+    st.floats(0, 2),
+)
 FIELD_VALUES = {
     "model": st.one_of(st.just(MODEL), texts, json_values),
     "max_tokens": st.one_of(small_ints, json_values),
@@ -432,25 +551,68 @@ FIELD_VALUES = {
     "user": st.one_of(texts, json_values),
     "echo": json_values,
     "logprobs": st.one_of(st.none(), st.booleans(), small_ints),
-    "prompt": st.one_of(texts, st.lists(st.one_of(st.integers(0, 319), small_ints), max_size=6),
-                        st.just([1] * 5000), st.lists(texts, max_size=2), st.lists(st.lists(small_ints, max_size=3), max_size=2),
-                        json_values),
+    "prompt": st.one_of(
+        texts,
+        st.lists(st.one_of(st.integers(0, 319), small_ints), max_size=6),
+        st.just([1] * 5000),
+        st.lists(texts, max_size=2),
+        st.lists(st.lists(small_ints, max_size=3), max_size=2),
+        json_values,
+    ),
     "messages": st.one_of(
-        st.lists(st.fixed_dictionaries({
-            "role": st.sampled_from(["user", "system", "assistant", "developer", "tool", "robot", ""]),
-            "content": st.one_of(st.none(), texts, st.lists(st.fixed_dictionaries(
-                {"type": st.sampled_from(["text", "image_url"]), "text": texts}), max_size=2)),
-        }), max_size=3),
+        st.lists(
+            st.fixed_dictionaries(
+                {
+                    "role": st.sampled_from(
+                        ["user", "system", "assistant", "developer", "tool", "robot", ""]
+                    ),
+                    "content": st.one_of(
+                        st.none(),
+                        texts,
+                        st.lists(
+                            st.fixed_dictionaries(
+                                {"type": st.sampled_from(["text", "image_url"]), "text": texts}
+                            ),
+                            max_size=2,
+                        ),
+                    ),
+                }
+            ),
+            max_size=3,
+        ),
         json_values.filter(lambda v: not isinstance(v, list)),
     ),
 }
-COMMON = ["model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
-          "stream", "stream_options", "n", "cache_salt", "priority", "user"]
-FIELDS = {"/v1/completions": [*COMMON, "prompt", "echo", "logprobs"],
-          "/v1/chat/completions": [*COMMON, "messages", "max_completion_tokens", "logprobs"]}
-BASE = {"/v1/completions": {"model": MODEL, "prompt": "hi", "max_tokens": 2, "temperature": 0},
-        "/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-                                 "temperature": 0}}
+COMMON = [
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "stream",
+    "stream_options",
+    "n",
+    "cache_salt",
+    "priority",
+    "user",
+]
+FIELDS = {
+    "/v1/completions": [*COMMON, "prompt", "echo", "logprobs"],
+    "/v1/chat/completions": [*COMMON, "messages", "max_completion_tokens", "logprobs"],
+}
+BASE = {
+    "/v1/completions": {"model": MODEL, "prompt": "hi", "max_tokens": 2, "temperature": 0},
+    "/v1/chat/completions": {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+        "temperature": 0,
+    },
+}
 
 
 @st.composite
@@ -473,7 +635,9 @@ def http_stack():
 
 def check_answer(r: httpx.Response, route: str) -> None:
     CODES[f"http {r.status_code}"] += 1
-    if r.status_code == 307 and route.endswith("/") and route != "/":  # the route without its trailing slash
+    if (
+        r.status_code == 307 and route.endswith("/") and route != "/"
+    ):  # the route without its trailing slash
         assert r.headers["location"].split("?")[0].endswith(route.rstrip("/"))
         return
     assert r.status_code in ALLOWED_HTTP, (r.status_code, r.text[:300])
@@ -489,8 +653,12 @@ def check_answer(r: httpx.Response, route: str) -> None:
 
 
 def post(stack: Stack, route: str, content: bytes, headers=None) -> httpx.Response:
-    return httpx.post(stack.workers[0].url + route, content=content, timeout=60,
-                      headers=headers or {"content-type": "application/json"})
+    return httpx.post(
+        stack.workers[0].url + route,
+        content=content,
+        timeout=60,
+        headers=headers or {"content-type": "application/json"},
+    )
 
 
 HTTP_FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
@@ -504,21 +672,53 @@ def test_http_json_bodies(http_stack, data, route):
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
-@given(route=st.sampled_from(list(FIELDS)),
-       raw=st.one_of(st.binary(max_size=64), json_values.map(lambda v: json.dumps(v).encode()),
-                     st.sampled_from([b"", b"{", b"null", b"[]", b'{"model": "tiny-random", "prompt": "hi"',
-                                      b'{"model": "tiny-random", "prompt": "\\ud800", "max_tokens": 1}'])),
-       content_type=st.sampled_from(["application/json", "text/plain", "", "application/x-www-form-urlencoded"]))
+@given(
+    route=st.sampled_from(list(FIELDS)),
+    raw=st.one_of(
+        st.binary(max_size=64),
+        json_values.map(lambda v: json.dumps(v).encode()),
+        st.sampled_from(
+            [
+                b"",
+                b"{",
+                b"null",
+                b"[]",
+                b'{"model": "tiny-random", "prompt": "hi"',
+                b'{"model": "tiny-random", "prompt": "\\ud800", "max_tokens": 1}',
+            ]
+        ),
+    ),
+    content_type=st.sampled_from(
+        ["application/json", "text/plain", "", "application/x-www-form-urlencoded"]
+    ),
+)
 def test_http_raw_bodies(http_stack, route, raw, content_type):
-    check_answer(post(http_stack, route, raw, {"content-type": content_type} if content_type else {}), route)
+    check_answer(
+        post(http_stack, route, raw, {"content-type": content_type} if content_type else {}), route
+    )
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
-@given(method=st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"]),
-       path=st.one_of(st.sampled_from(ROUTES), st.sampled_from(["/", "/v1", "/v1/models/x", "/v1/completions/",
-                                                                "/docs", "/v1/embeddings", "/%00", "/..%2f"]),
-                      st.text(alphabet="abc/%.-_", max_size=12).map(lambda p: "/" + p)),
-       query=st.sampled_from(["", "?x=1", "?model=" + "m" * 3000]))
+@given(
+    method=st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"]),
+    path=st.one_of(
+        st.sampled_from(ROUTES),
+        st.sampled_from(
+            [
+                "/",
+                "/v1",
+                "/v1/models/x",
+                "/v1/completions/",
+                "/docs",
+                "/v1/embeddings",
+                "/%00",
+                "/..%2f",
+            ]
+        ),
+        st.text(alphabet="abc/%.-_", max_size=12).map(lambda p: "/" + p),
+    ),
+    query=st.sampled_from(["", "?x=1", "?model=" + "m" * 3000]),
+)
 def test_http_every_method_on_every_route(http_stack, method, path, query):
     r = httpx.request(method, http_stack.workers[0].url + path + query, timeout=30)
     check_answer(r, path)
@@ -533,12 +733,20 @@ def test_http_huge_bodies(http_stack):
 
     def chunks():  # no content-length: the size limit cannot be checked up front
         yield big[: 1 << 20]
-        yield big[1 << 20:]
+        yield big[1 << 20 :]
 
-    r = httpx.post(http_stack.workers[0].url + "/v1/completions", content=chunks(), timeout=60,
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        http_stack.workers[0].url + "/v1/completions",
+        content=chunks(),
+        timeout=60,
+        headers={"content-type": "application/json"},
+    )
     check_answer(r, "/v1/completions")
-    ids = {"model": MODEL, "prompt": list(range(1, 300)) * 700, "max_tokens": 1}  # 209,300 token ids
+    ids = {
+        "model": MODEL,
+        "prompt": list(range(1, 300)) * 700,
+        "max_tokens": 1,
+    }  # 209,300 token ids
     check_answer(post(http_stack, "/v1/completions", json.dumps(ids).encode()), "/v1/completions")
 
 
@@ -549,15 +757,27 @@ def test_hostile_requests_do_not_hurt_a_request_in_flight(http_stack):
     each, while another request streams on to the fault-free text."""
     url = http_stack.workers[0].url
     ref = offline(["bye"], 8)[0]
-    with httpx.Client(timeout=60) as client, \
-            client.stream("POST", url + "/v1/completions", json={**BASE["/v1/completions"], "prompt": "bye",
-                                                                 "max_tokens": 8, "ignore_eos": True,
-                                                                 "stream": True}) as stream:
+    with (
+        httpx.Client(timeout=60) as client,
+        client.stream(
+            "POST",
+            url + "/v1/completions",
+            json={
+                **BASE["/v1/completions"],
+                "prompt": "bye",
+                "max_tokens": 8,
+                "ignore_eos": True,
+                "stream": True,
+            },
+        ) as stream,
+    ):
         lines = stream.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
-        for raw in (b'{"model": "tiny-random", "prompt": "hi", "max_tokens": 2, "cache_salt": "\\ud800"}',
-                    json.dumps({**BASE["/v1/completions"], "cache_salt": "s" * 1025}).encode(),
-                    b'{"model": "tiny-random", "prompt": "hi\\udc00", "max_tokens": 2}'):
+        for raw in (
+            b'{"model": "tiny-random", "prompt": "hi", "max_tokens": 2, "cache_salt": "\\ud800"}',
+            json.dumps({**BASE["/v1/completions"], "cache_salt": "s" * 1025}).encode(),
+            b'{"model": "tiny-random", "prompt": "hi\\udc00", "max_tokens": 2}',
+        ):
             r = post(http_stack, "/v1/completions", raw)
             assert r.status_code == 400, r.text
         rest = [line for line in lines if line.startswith("data: ")]
@@ -578,8 +798,14 @@ def test_after_the_fuzzers_the_worker_is_sound(http_stack):
     assert complete(http_stack.workers[0].url, "hello", 8).text == ref[0]
     http_stack.wait_idle()
     pools = check_no_leak(http_stack.redis.url, ["worker-1/1"])
-    report("hostile_http", {"answers_by_status": {k: v for k, v in sorted(CODES.items()) if k.startswith("http")},
-                            "aborted_requests": error_requests(samples), "pools": pools})
+    report(
+        "hostile_http",
+        {
+            "answers_by_status": {k: v for k, v in sorted(CODES.items()) if k.startswith("http")},
+            "aborted_requests": error_requests(samples),
+            "pools": pools,
+        },
+    )
 
 
 # Once answered 500 (and failed every request in flight): now a vanishing
@@ -593,7 +819,10 @@ def test_sampling_underflow_is_served(http_stack, case):
 
 
 def test_chat_text_part_not_a_string_is_a_400(http_stack):
-    body = {**BASE["/v1/chat/completions"], "messages": [{"role": "user", "content": ONCE_500_CHAT["text_part_not_a_string"]}]}
+    body = {
+        **BASE["/v1/chat/completions"],
+        "messages": [{"role": "user", "content": ONCE_500_CHAT["text_part_not_a_string"]}],
+    }
     r = post(http_stack, "/v1/chat/completions", json.dumps(body).encode())
     assert r.status_code == 400 and "error" in r.json()
 

@@ -34,7 +34,15 @@ from tests.support.drills import reference_texts as offline
 
 C = grpc.StatusCode
 TOKEN = "drill-token-7f3a"
-WORKER_ARGS = ["--num-blocks", "32", "--block-size", "4", "--enable-prefix-caching", "--max-model-len", "64"]
+WORKER_ARGS = [
+    "--num-blocks",
+    "32",
+    "--block-size",
+    "4",
+    "--enable-prefix-caching",
+    "--max-model-len",
+    "64",
+]
 # No snapshot during the drill: the journal keeps the whole history to replay.
 ALLOCATOR_ENV = {"PAGEDKV_ALLOCATOR_SNAPSHOT_EVERY": "1000000", "PAGEDKV_ALLOCATOR_LEASE_TTL": "30"}
 PROMPT = "a shared system prompt, then a question"
@@ -50,13 +58,16 @@ def certs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stack(certs):
-    with Stack(1, worker_args=WORKER_ARGS, env=ALLOCATOR_ENV, redis=True, token=TOKEN,
-               tls=certs[0]) as s:
+    with Stack(
+        1, worker_args=WORKER_ARGS, env=ALLOCATOR_ENV, redis=True, token=TOKEN, tls=certs[0]
+    ) as s:
         yield s
 
 
 def tls_channel(stack: Stack, ca) -> grpc.Channel:
-    return grpc.secure_channel(stack.allocator_address, grpc.ssl_channel_credentials(root_certificates=ca.read_bytes()))
+    return grpc.secure_channel(
+        stack.allocator_address, grpc.ssl_channel_credentials(root_certificates=ca.read_bytes())
+    )
 
 
 def code(fn, request, metadata=None) -> grpc.StatusCode:
@@ -79,17 +90,27 @@ def test_tls_and_the_bearer_token(stack, certs):
     shape = pb.PoolShape(num_blocks=4, block_size=4)
     register = pb.RegisterPoolRequest(worker_id="probe", shape=shape)
     with grpc.insecure_channel(stack.allocator_address) as plain:
-        assert code(pb_grpc.AllocatorStub(plain).RegisterPool, register, bearer(TOKEN)) == C.UNAVAILABLE
+        assert (
+            code(pb_grpc.AllocatorStub(plain).RegisterPool, register, bearer(TOKEN))
+            == C.UNAVAILABLE
+        )
     with tls_channel(stack, other_cert) as wrong_ca:
-        assert code(pb_grpc.AllocatorStub(wrong_ca).RegisterPool, register, bearer(TOKEN)) == C.UNAVAILABLE
+        assert (
+            code(pb_grpc.AllocatorStub(wrong_ca).RegisterPool, register, bearer(TOKEN))
+            == C.UNAVAILABLE
+        )
     with tls_channel(stack, cert) as ch:
         s = pb_grpc.AllocatorStub(ch)
         refused = {
             "RegisterPool": code(s.RegisterPool, register),
             "Step": code(s.Step, pb.StepRequest(pool=pb.PoolRef(pool_id="worker-1/1"), step_id=1)),
-            "MatchPrefix": code(s.MatchPrefix, pb.MatchPrefixRequest(model_fingerprint="m", tokens=[1])),
+            "MatchPrefix": code(
+                s.MatchPrefix, pb.MatchPrefixRequest(model_fingerprint="m", tokens=[1])
+            ),
             "wrong token": code(s.RegisterPool, register, bearer("not-" + TOKEN)),
-            "WatchEvents": code(lambda r, **kw: next(s.WatchEvents(r, **kw)), pb.WatchEventsRequest(from_sequence=1)),
+            "WatchEvents": code(
+                lambda r, **kw: next(s.WatchEvents(r, **kw)), pb.WatchEventsRequest(from_sequence=1)
+            ),
         }
         assert set(refused.values()) == {C.UNAUTHENTICATED}, refused
         health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
@@ -102,13 +123,24 @@ def test_another_pools_credential_is_refused(stack, certs):
     with tls_channel(stack, cert) as ch:
         s = pb_grpc.AllocatorStub(ch)
         md = bearer(TOKEN)
-        mine = s.RegisterPool(pb.RegisterPoolRequest(worker_id="intruder", shape=pb.PoolShape(num_blocks=4, block_size=4)),
-                              metadata=md, timeout=10)
+        mine = s.RegisterPool(
+            pb.RegisterPoolRequest(
+                worker_id="intruder", shape=pb.PoolShape(num_blocks=4, block_size=4)
+            ),
+            metadata=md,
+            timeout=10,
+        )
         stolen = pb.PoolRef(pool_id="worker-1/1", credential=mine.credential)
         calls = {
-            "Step": (s.Step, pb.StepRequest(pool=stolen, step_id=10**9, ops=encode_ops([Free("x")]))),
+            "Step": (
+                s.Step,
+                pb.StepRequest(pool=stolen, step_id=10**9, ops=encode_ops([Free("x")])),
+            ),
             "GetBlockTable": (s.GetBlockTable, pb.GetBlockTableRequest(pool=stolen, seq_id="x")),
-            "GetPoolStats": (s.GetPoolStats, pb.GetPoolStatsRequest(pool=stolen, check_integrity=True)),
+            "GetPoolStats": (
+                s.GetPoolStats,
+                pb.GetPoolStatsRequest(pool=stolen, check_integrity=True),
+            ),
             "DumpPool": (s.DumpPool, pb.DumpPoolRequest(pool=stolen)),
             "ResetPrefixCache": (s.ResetPrefixCache, pb.ResetPrefixCacheRequest(pool=stolen)),
             "Heartbeat": (s.Heartbeat, pb.HeartbeatRequest(pool=stolen)),
@@ -116,21 +148,36 @@ def test_another_pools_credential_is_refused(stack, certs):
         }
         codes = {name: code(fn, req, md) for name, (fn, req) in calls.items()}
         assert set(codes.values()) == {C.PERMISSION_DENIED}, codes
-        s.DeregisterPool(pb.DeregisterPoolRequest(pool=pb.PoolRef(pool_id=mine.pool_id, credential=mine.credential)),
-                         metadata=md, timeout=10)
+        s.DeregisterPool(
+            pb.DeregisterPoolRequest(
+                pool=pb.PoolRef(pool_id=mine.pool_id, credential=mine.credential)
+            ),
+            metadata=md,
+            timeout=10,
+        )
     _, records_after = journal_state(stack.redis.url)
     # Only the intruder's own registration and deregistration were journaled.
-    added = [r.WhichOneof("change") for r in records_after[len(records_before):]]
-    assert added == ["registered", "dropped"] and records_after[: len(records_before)] == records_before
+    added = [r.WhichOneof("change") for r in records_after[len(records_before) :]]
+    assert (
+        added == ["registered", "dropped"]
+        and records_after[: len(records_before)] == records_before
+    )
     ref = offline([PROMPT], MAX_TOKENS)[0]
-    assert complete(stack.workers[0].url, PROMPT, MAX_TOKENS).text == ref  # the worker's pool is untouched
+    assert (
+        complete(stack.workers[0].url, PROMPT, MAX_TOKENS).text == ref
+    )  # the worker's pool is untouched
 
 
 def test_different_cache_salts_never_share_a_block(stack):
     url = stack.workers[0].url
     # One after another: a salt only ever finds its own prefix.
-    first = {salt: complete(url, PROMPT, MAX_TOKENS, salt=salt) for salt in ("tenant-a", "tenant-b", None)}
-    again = {salt: complete(url, PROMPT, MAX_TOKENS, salt=salt) for salt in ("tenant-a", "tenant-b")}
+    first = {
+        salt: complete(url, PROMPT, MAX_TOKENS, salt=salt)
+        for salt in ("tenant-a", "tenant-b", None)
+    }
+    again = {
+        salt: complete(url, PROMPT, MAX_TOKENS, salt=salt) for salt in ("tenant-a", "tenant-b")
+    }
     # (the unsalted request ran in the earlier tests: its prefix was cached)
     assert first["tenant-a"].cached_tokens == 0 and first["tenant-b"].cached_tokens == 0
     assert again["tenant-a"].cached_tokens > 0 and again["tenant-b"].cached_tokens > 0
@@ -155,9 +202,19 @@ def test_different_cache_salts_never_share_a_block(stack):
     # forks the prompt's blocks (the concurrent requests share only when
     # they happen to overlap).
     for salt in ("tenant-a", "tenant-b"):
-        r = httpx.post(f"{url}/v1/completions", timeout=120, json={
-            "model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-            "n": 2, "cache_salt": salt})
+        r = httpx.post(
+            f"{url}/v1/completions",
+            timeout=120,
+            json={
+                "model": MODEL,
+                "prompt": PROMPT,
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0,
+                "ignore_eos": True,
+                "n": 2,
+                "cache_salt": salt,
+            },
+        )
         assert r.status_code == 200 and {c["text"] for c in r.json()["choices"]} == texts
     stack.wait_idle()
 
@@ -185,9 +242,15 @@ def test_different_cache_salts_never_share_a_block(stack):
         assert all(len(set(s)) == 1 for s in holders.values()), rec.index
         shared_within_a_salt += sum(len(s) > 1 for s in holders.values())
     assert shared_within_a_salt > 0  # sharing did happen, within each salt
-    report("isolation", {"journal_records_replayed": len(records), "cached_blocks_checked": len(owner),
-                         "shared_block_observations_within_a_salt": shared_within_a_salt,
-                         "cached_tokens_second_time": {k: v.cached_tokens for k, v in again.items()}})
+    report(
+        "isolation",
+        {
+            "journal_records_replayed": len(records),
+            "cached_blocks_checked": len(owner),
+            "shared_block_observations_within_a_salt": shared_within_a_salt,
+            "cached_tokens_second_time": {k: v.cached_tokens for k, v in again.items()},
+        },
+    )
 
 
 def test_a_live_workers_id_cannot_be_taken_and_router_calls_need_a_router_token(stack, certs):
@@ -202,16 +265,33 @@ def test_a_live_workers_id_cannot_be_taken_and_router_calls_need_a_router_token(
         s = pb_grpc.AllocatorStub(ch)
         md = bearer(TOKEN)
         codes = {
-            "no credential": code(s.RegisterPool, pb.RegisterPoolRequest(worker_id="worker-1", shape=shape), md),
+            "no credential": code(
+                s.RegisterPool, pb.RegisterPoolRequest(worker_id="worker-1", shape=shape), md
+            ),
             "a made-up credential": code(
-                s.RegisterPool, pb.RegisterPoolRequest(worker_id="worker-1", shape=shape, replace_credential="x"), md),
-            "MatchPrefix": code(s.MatchPrefix, pb.MatchPrefixRequest(model_fingerprint="m", tokens=[1, 2]), md),
-            "WatchEvents": code(lambda r, **kw: next(s.WatchEvents(r, **kw)), pb.WatchEventsRequest(from_sequence=1), md),
+                s.RegisterPool,
+                pb.RegisterPoolRequest(worker_id="worker-1", shape=shape, replace_credential="x"),
+                md,
+            ),
+            "MatchPrefix": code(
+                s.MatchPrefix, pb.MatchPrefixRequest(model_fingerprint="m", tokens=[1, 2]), md
+            ),
+            "WatchEvents": code(
+                lambda r, **kw: next(s.WatchEvents(r, **kw)),
+                pb.WatchEventsRequest(from_sequence=1),
+                md,
+            ),
         }
-    assert codes == {"no credential": C.FAILED_PRECONDITION, "a made-up credential": C.PERMISSION_DENIED,
-                     "MatchPrefix": C.PERMISSION_DENIED, "WatchEvents": C.PERMISSION_DENIED}, codes
+    assert codes == {
+        "no credential": C.FAILED_PRECONDITION,
+        "a made-up credential": C.PERMISSION_DENIED,
+        "MatchPrefix": C.PERMISSION_DENIED,
+        "WatchEvents": C.PERMISSION_DENIED,
+    }, codes
     _, records_after = journal_state(stack.redis.url)
     assert records_after == records_before  # nothing journaled, nothing dropped
     ref = offline([PROMPT], MAX_TOKENS)[0]
-    assert complete(stack.workers[0].url, PROMPT, MAX_TOKENS).text == ref  # still worker-1/1, unharmed
+    assert (
+        complete(stack.workers[0].url, PROMPT, MAX_TOKENS).text == ref
+    )  # still worker-1/1, unharmed
     report("hijacks_refused", {k: v.name for k, v in codes.items()})

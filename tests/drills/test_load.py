@@ -44,9 +44,20 @@ WARMUP_S = 6.0  # before the first memory reading
 HTTP_CLIENTS = 8
 POOL_CLIENTS = 12
 STEPS_PER_POOL = 40  # then the pool is deregistered and a new one registered
-PROMPTS = [f"q{i}: " + w for i, w in enumerate(["hello", "paged kv", "blocks", "a b c d e f", "tables", "fox"])]
+PROMPTS = [
+    f"q{i}: " + w
+    for i, w in enumerate(["hello", "paged kv", "blocks", "a b c d e f", "tables", "fox"])
+]
 MAX_TOKENS = 8
-WORKER_ARGS = ["--num-blocks", "24", "--block-size", "4", "--enable-prefix-caching", "--max-model-len", "64"]
+WORKER_ARGS = [
+    "--num-blocks",
+    "24",
+    "--block-size",
+    "4",
+    "--enable-prefix-caching",
+    "--max-model-len",
+    "64",
+]
 MIB = 1 << 20
 # Growth allowed once warm. Generous on purpose (allocator pages, glibc
 # arenas, torch's caching); a leak per request or per pool exceeds it fast.
@@ -55,7 +66,10 @@ RSS_BOUND = {"worker": 64 * MIB, "allocator": 48 * MIB, "redis": 32 * MIB}
 
 @pytest.fixture(scope="module")
 def references():
-    return {False: reference_texts(PROMPTS, MAX_TOKENS), True: reference_texts(PROMPTS, MAX_TOKENS, chat=True)}
+    return {
+        False: reference_texts(PROMPTS, MAX_TOKENS),
+        True: reference_texts(PROMPTS, MAX_TOKENS, chat=True),
+    }
 
 
 class Tally:
@@ -68,7 +82,9 @@ class Tally:
         self.streamed = 0
         self.pools = 0
 
-    def add(self, latency: float, error: str = "", mismatch: bool = False, streamed: bool = False) -> None:
+    def add(
+        self, latency: float, error: str = "", mismatch: bool = False, streamed: bool = False
+    ) -> None:
         with self.lock:
             self.count += 1
             self.latencies.append(latency)
@@ -78,21 +94,31 @@ class Tally:
                 self.errors.append(error)
 
     def figures(self, unit: float = 1.0) -> dict:
-        return {"requests": self.count, "errors": len(self.errors), "p50": round(percentile(self.latencies, 50) * unit, 3),
-                "p99": round(percentile(self.latencies, 99) * unit, 3)}
+        return {
+            "requests": self.count,
+            "errors": len(self.errors),
+            "p50": round(percentile(self.latencies, 50) * unit, 3),
+            "p99": round(percentile(self.latencies, 99) * unit, 3),
+        }
 
 
 def http_client(stack: Stack, i: int, stop: threading.Event, tally: Tally, references) -> None:
     rng = random.Random(i)
-    kinds = itertools.cycle([(False, False), (True, False), (False, True), (True, True)][i % 4:] * 2)
+    kinds = itertools.cycle(
+        [(False, False), (True, False), (False, True), (True, True)][i % 4 :] * 2
+    )
     with httpx.Client(timeout=120) as client:
         while not stop.is_set():
             stream, chat = next(kinds)
             p = rng.randrange(len(PROMPTS))
             url = stack.workers[rng.randrange(len(stack.workers))].url
             r = complete(url, PROMPTS[p], MAX_TOKENS, stream=stream, chat=chat, client=client)
-            tally.add(r.latency_s, r.error if r.status != 200 else "",
-                      mismatch=r.status == 200 and r.text != references[chat][p], streamed=stream)
+            tally.add(
+                r.latency_s,
+                r.error if r.status != 200 else "",
+                mismatch=r.status == 200 and r.text != references[chat][p],
+                streamed=stream,
+            )
 
 
 def pool_client(address: str, i: int, stop: threading.Event, tally: Tally) -> None:
@@ -127,13 +153,21 @@ def pool_client(address: str, i: int, stop: threading.Event, tally: Tally) -> No
         remote.close()
 
 
-def run_phase(stack: Stack, seconds: float, http: Tally, pools: Tally, references) -> list[dict[str, int]]:
+def run_phase(
+    stack: Stack, seconds: float, http: Tally, pools: Tally, references
+) -> list[dict[str, int]]:
     """Run the load for `seconds`; the RSS of every process every 5 s."""
     stop = threading.Event()
-    threads = [threading.Thread(target=http_client, args=(stack, i, stop, http, references), daemon=True)
-               for i in range(HTTP_CLIENTS)]
-    threads += [threading.Thread(target=pool_client, args=(stack.allocator_address, i, stop, pools), daemon=True)
-                for i in range(POOL_CLIENTS)]
+    threads = [
+        threading.Thread(target=http_client, args=(stack, i, stop, http, references), daemon=True)
+        for i in range(HTTP_CLIENTS)
+    ]
+    threads += [
+        threading.Thread(
+            target=pool_client, args=(stack.allocator_address, i, stop, pools), daemon=True
+        )
+        for i in range(POOL_CLIENTS)
+    ]
     for t in threads:
         t.start()
     timeline = []
@@ -150,7 +184,9 @@ def run_phase(stack: Stack, seconds: float, http: Tally, pools: Tally, reference
 
 def test_load_no_errors_and_flat_memory(references):
     with Stack(2, worker_args=WORKER_ARGS, redis=True) as stack:
-        run_phase(stack, WARMUP_S, Tally(), Tally(), references)  # warm: caches, arenas, connections
+        run_phase(
+            stack, WARMUP_S, Tally(), Tally(), references
+        )  # warm: caches, arenas, connections
         warm = stack.rss()
         http, pools = Tally(), Tally()
         t0 = time.monotonic()
@@ -165,13 +201,29 @@ def test_load_no_errors_and_flat_memory(references):
         growth = {name: end[name] - warm[name] for name in warm}
         figures = {
             "seconds": round(elapsed, 1),
-            "http": {**http.figures(), "streamed": http.streamed, "mismatches": http.mismatches,
-                     "unit": "s", "clients": HTTP_CLIENTS},
-            "allocator_steps": {**pools.figures(1000), "mismatches": pools.mismatches, "unit": "ms",
-                                "pools_registered": pools.pools, "concurrent_pools": POOL_CLIENTS},
+            "http": {
+                **http.figures(),
+                "streamed": http.streamed,
+                "mismatches": http.mismatches,
+                "unit": "s",
+                "clients": HTTP_CLIENTS,
+            },
+            "allocator_steps": {
+                **pools.figures(1000),
+                "mismatches": pools.mismatches,
+                "unit": "ms",
+                "pools_registered": pools.pools,
+                "concurrent_pools": POOL_CLIENTS,
+            },
             "preemptions": sum(s.value("pagedkv_worker_preemptions_total") for s in samples),
-            "rss_mib": {name: {"warm": round(warm[name] / MIB, 1), "end": round(end[name] / MIB, 1),
-                               "growth": round(growth[name] / MIB, 1)} for name in warm},
+            "rss_mib": {
+                name: {
+                    "warm": round(warm[name] / MIB, 1),
+                    "end": round(end[name] / MIB, 1),
+                    "growth": round(growth[name] / MIB, 1),
+                }
+                for name in warm
+            },
             # the allocator keeps the last 65,536 KV events for WatchEvents: it grows until then
             "allocator_kv_events": int(events),
             "allocator_rss_every_5s_mib": [round(r["allocator"] / MIB, 1) for r in timeline],
@@ -181,7 +233,12 @@ def test_load_no_errors_and_flat_memory(references):
         assert http.count > 0 and pools.count > 0
         assert http.errors == [] and pools.errors == []
         assert http.mismatches == 0 and pools.mismatches == 0
-        assert all(s.value("pagedkv_worker_step_errors_total") == 0 and error_requests(s) == 0 for s in samples)
+        assert all(
+            s.value("pagedkv_worker_step_errors_total") == 0 and error_requests(s) == 0
+            for s in samples
+        )
         for name, g in growth.items():
             bound = RSS_BOUND["worker" if name.startswith("worker") else name]
-            assert g <= bound, f"{name} grew {g / MIB:.1f} MiB once warm (bound {bound / MIB:.0f} MiB)"
+            assert g <= bound, (
+                f"{name} grew {g / MIB:.1f} MiB once warm (bound {bound / MIB:.0f} MiB)"
+            )

@@ -28,9 +28,14 @@ RESTARTS = 10
 
 def test_no_request_fails_or_changes_across_allocator_restarts():
     with Stack(2, worker_args=WORKER_ARGS, env=ALLOCATOR_ENV, redis=True) as stack:
-        pools = sorted(stack.allocator_metrics().labels("pagedkv_allocator_pool_capacity_blocks", "pool_id"))
+        pools = sorted(
+            stack.allocator_metrics().labels("pagedkv_allocator_pool_capacity_blocks", "pool_id")
+        )
         figures = restart_under_load(stack, RESTARTS, MODEL, seed=3)
-        report("allocator_restarts", {k: v for k, v in figures.items() if k not in ("failures", "wrong")})
+        report(
+            "allocator_restarts",
+            {k: v for k, v in figures.items() if k not in ("failures", "wrong")},
+        )
         assert figures["restarts"] == RESTARTS and figures["sigterm"] > 0 and figures["sigkill"] > 0
         assert figures["failures"] == [] and figures["failed_requests"] == 0
         assert figures["wrong"] == [] and figures["wrong_texts"] == 0

@@ -41,18 +41,31 @@ class Redises:
     def _start(self, name: str, *args: str) -> None:
         d = self.root / name
         d.mkdir()
-        self.procs[name] = subprocess.Popen([shutil.which("redis-server"), *args, "--dir", str(d)],
-                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.procs[name] = subprocess.Popen(
+            [shutil.which("redis-server"), *args, "--dir", str(d)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
 
     def __enter__(self) -> Redises:
         common = ("--bind", "127.0.0.1", "--save", "", "--appendonly", "yes")
         self._start("primary", "--port", str(self.primary), *common)
-        self._start("replica", "--port", str(self.replica), *common, "--replicaof", "127.0.0.1", str(self.primary))
+        self._start(
+            "replica",
+            "--port",
+            str(self.replica),
+            *common,
+            "--replicaof",
+            "127.0.0.1",
+            str(self.primary),
+        )
         conf = self.root / "sentinel.conf"
-        conf.write_text(f"port {self.sentinel}\nbind 127.0.0.1\n"
-                        f"sentinel monitor {MASTER} 127.0.0.1 {self.primary} 1\n"
-                        f"sentinel down-after-milliseconds {MASTER} 500\n"
-                        f"sentinel failover-timeout {MASTER} 5000\n")
+        conf.write_text(
+            f"port {self.sentinel}\nbind 127.0.0.1\n"
+            f"sentinel monitor {MASTER} 127.0.0.1 {self.primary} 1\n"
+            f"sentinel down-after-milliseconds {MASTER} 500\n"
+            f"sentinel failover-timeout {MASTER} 5000\n"
+        )
         self._start("sentinel", str(conf), "--sentinel")
         replica = redis_lib.Redis(port=self.replica)
         wait_for(lambda: self._up(replica), 30, "the replica to sync")
@@ -70,7 +83,9 @@ class Redises:
             return False
 
     def master_port(self) -> int:
-        addr = redis_lib.Redis(port=self.sentinel).execute_command("SENTINEL", "get-master-addr-by-name", MASTER)
+        addr = redis_lib.Redis(port=self.sentinel).execute_command(
+            "SENTINEL", "get-master-addr-by-name", MASTER
+        )
         return int(addr[1])
 
     def __exit__(self, *exc) -> None:
@@ -81,9 +96,14 @@ class Redises:
 
 
 def test_the_journal_follows_the_primary_sentinel_promotes(allocator_server, tmp_path):
-    with Redises(tmp_path) as r, allocator_server(
-            "--state", f"redis+sentinel://127.0.0.1:{r.sentinel}/{MASTER}/0",
-            env={"PAGEDKV_ALLOCATOR_LEASE_TTL": "60"}) as server:
+    with (
+        Redises(tmp_path) as r,
+        allocator_server(
+            "--state",
+            f"redis+sentinel://127.0.0.1:{r.sentinel}/{MASTER}/0",
+            env={"PAGEDKV_ALLOCATOR_LEASE_TTL": "60"},
+        ) as server,
+    ):
         spec = PoolSpec("w", PoolConfig(num_blocks=256, block_size=4))
         client = GrpcAllocator(server.address, spec, retries=60, backoff_s=0.2)
         tables: dict[str, list[int]] = {}
@@ -104,20 +124,34 @@ def test_the_journal_follows_the_primary_sentinel_promotes(allocator_server, tmp
         r.procs["primary"].send_signal(signal.SIGKILL)
         t0 = time.monotonic()
         lost = False
-        for i in range(20, 60):  # under load through the failover: each step retried until it is answered
+        for i in range(
+            20, 60
+        ):  # under load through the failover: each step retried until it is answered
             try:
                 step(i)
-            except PoolLost:  # a step acknowledged before the kill was not on the replica: dropped loudly
+            except (
+                PoolLost
+            ):  # a step acknowledged before the kill was not on the replica: dropped loudly
                 lost = True
                 tables.clear()
         served_again_s = time.monotonic() - t0
-        assert r.master_port() == r.replica  # the Sentinel promoted the replica, and the allocator followed it
-        assert {seq: client.block_table(seq) for seq in tables} == tables  # what the worker was told is the state
+        assert (
+            r.master_port() == r.replica
+        )  # the Sentinel promoted the replica, and the allocator followed it
+        assert {
+            seq: client.block_table(seq) for seq in tables
+        } == tables  # what the worker was told is the state
         assert client.integrity_problems() == []
         log = "\n".join(server.lines)
         assert "Traceback" not in log
         if lost:
             assert "dropping" in log or "dropped" in log, log[-2000:]
         client.close()
-    report("redis_sentinel_failover", {"steps_through_failover": 40, "pool_lost": lost,
-                                       "served_again_s": round(served_again_s, 2)})
+    report(
+        "redis_sentinel_failover",
+        {
+            "steps_through_failover": 40,
+            "pool_lost": lost,
+            "served_again_s": round(served_again_s, 2),
+        },
+    )

@@ -105,7 +105,9 @@ class Recording(GrpcAllocator):
         return results
 
 
-def test_frozen_then_killed_allocator_with_redis_state(tiny, prompts, reference, allocator_server, redis_store):
+def test_frozen_then_killed_allocator_with_redis_state(
+    tiny, prompts, reference, allocator_server, redis_store
+):
     with redis_store() as (url, _):
         every = {"PAGEDKV_ALLOCATOR_SNAPSHOT_EVERY": "7"}
         server = allocator_server("--state", url, env=every)
@@ -115,8 +117,14 @@ def test_frozen_then_killed_allocator_with_redis_state(tiny, prompts, reference,
         def on_unavailable(seconds: float, failed: int) -> None:
             holder["engine"]._allocator_unavailable(seconds, failed)
 
-        client = Recording(server.address, spec, deadline_s=0.3, retries=1, backoff_s=0.01,
-                           on_unavailable=on_unavailable)
+        client = Recording(
+            server.address,
+            spec,
+            deadline_s=0.3,
+            retries=1,
+            backoff_s=0.01,
+            on_unavailable=on_unavailable,
+        )
         client.accepted = []
         engine = LLMEngine(tiny, EngineConfig(**CONFIG), allocator=client)
         holder["engine"] = engine
@@ -128,18 +136,23 @@ def test_frozen_then_killed_allocator_with_redis_state(tiny, prompts, reference,
 
         def fault() -> None:
             """Freeze the allocator, thaw it; later kill -9 it and restart it."""
-            while sample(engine, "pagedkv_worker_generation_tokens_total") < 6 and not done.is_set():
+            while (
+                sample(engine, "pagedkv_worker_generation_tokens_total") < 6 and not done.is_set()
+            ):
                 time.sleep(0.01)
             os.kill(server.proc.pid, signal.SIGSTOP)
             time.sleep(1.0)
             os.kill(server.proc.pid, signal.SIGCONT)
             faults.append("stop")
-            while sample(engine, "pagedkv_worker_generation_tokens_total") < 30 and not done.is_set():
+            while (
+                sample(engine, "pagedkv_worker_generation_tokens_total") < 30 and not done.is_set()
+            ):
                 time.sleep(0.01)
             server.kill()
             time.sleep(0.5)
-            holder["server"] = allocator_server("--state", url, env=every,
-                                                listen=f"127.0.0.1:{server.port}")
+            holder["server"] = allocator_server(
+                "--state", url, env=every, listen=f"127.0.0.1:{server.port}"
+            )
             faults.append("kill")
 
         t = threading.Thread(target=fault, daemon=True)
@@ -152,7 +165,9 @@ def test_frozen_then_killed_allocator_with_redis_state(tiny, prompts, reference,
             assert outputs == reference
             assert client.pool_id == "stall/1"  # the pool survived both faults: nothing recomputed
             assert client.stats().used_blocks == 0 and client.integrity_problems() == []
-            assert stalls, "the client's retries covered the faults: the scheduler's loop was not exercised"
+            assert stalls, (
+                "the client's retries covered the faults: the scheduler's loop was not exercised"
+            )
             # Each answered step was applied exactly once, in order: the same
             # answers and the same final state as the in-process core.
             core = EmbeddedAllocator(spec)
@@ -160,7 +175,9 @@ def test_frozen_then_killed_allocator_with_redis_state(tiny, prompts, reference,
                 assert core.step(ops) == results
             assert client.dump() == as_json(core.pool.to_state())
             assert sample(engine, "pagedkv_worker_allocator_retries_total") > 0
-            assert sample(engine, "pagedkv_worker_allocator_unavailable_seconds_total") > 0.5  # frozen 1 s
+            assert (
+                sample(engine, "pagedkv_worker_allocator_unavailable_seconds_total") > 0.5
+            )  # frozen 1 s
             assert sample(engine, "pagedkv_worker_step_errors_total") == 0
         finally:
             done.set()

@@ -52,8 +52,11 @@ from tests.support.drills import MODEL, Stack, report, wait_for
 pytestmark = pytest.mark.slow
 
 LEASE_S = 1.0
-ENV = {**ALLOCATOR_ENV, "PAGEDKV_ALLOCATOR_LEADER_LEASE": str(LEASE_S),
-       "PAGEDKV_ALLOCATOR_SNAPSHOT_EVERY": "100000"}  # the whole journal kept: replayed at the end
+ENV = {
+    **ALLOCATOR_ENV,
+    "PAGEDKV_ALLOCATOR_LEADER_LEASE": str(LEASE_S),
+    "PAGEDKV_ALLOCATOR_SNAPSHOT_EVERY": "100000",
+}  # the whole journal kept: replayed at the end
 
 
 def test_a_leader_stopped_past_its_lease_is_replaced_and_never_writes_again():
@@ -63,12 +66,20 @@ def test_a_leader_stopped_past_its_lease_is_replaced_and_never_writes_again():
         old = stack.allocator
         assert _leading(stack.allocator_address) and not _leading(stack.standby_addresses[0])
         # a pool of the drill's own, to queue a step at the stopped leader
-        probe = GrpcAllocator(f"{stack.allocator_address},{stack.standby_addresses[0]}",
-                              PoolSpec("drill-probe", PoolConfig(num_blocks=8, block_size=4)),
-                              auth_token=stack.token, heartbeat=True)
+        probe = GrpcAllocator(
+            f"{stack.allocator_address},{stack.standby_addresses[0]}",
+            PoolSpec("drill-probe", PoolConfig(num_blocks=8, block_size=4)),
+            auth_token=stack.token,
+            heartbeat=True,
+        )
         reference_pool = EmbeddedAllocator(probe.spec)
-        first_ops, second_ops = [Admit("q", [1, 2, 3, 4, 5])], [Append("q", [6, 7]), Admit("r", [9, 8, 7, 6, 5])]
-        assert list(probe.step(first_ops)) == list(reference_pool.step(first_ops))  # step 1, at the leader
+        first_ops, second_ops = (
+            [Admit("q", [1, 2, 3, 4, 5])],
+            [Append("q", [6, 7]), Admit("r", [9, 8, 7, 6, 5])],
+        )
+        assert list(probe.step(first_ops)) == list(
+            reference_pool.step(first_ops)
+        )  # step 1, at the leader
         second = pb.StepRequest(pool=probe._ref, step_id=2, prev_step_id=1)
         fill_ops(second.ops, step_columns(second_ops))
         metadata = (("authorization", f"Bearer {stack.token}"),)
@@ -82,13 +93,16 @@ def test_a_leader_stopped_past_its_lease_is_replaced_and_never_writes_again():
         t0 = time.monotonic()
         # step 2 of the drill's pool waits in the stopped leader's socket
         queued = pb_grpc.AllocatorStub(open_channel(stack.allocator_address)).Step.future(
-            second, timeout=120, metadata=metadata)
+            second, timeout=120, metadata=metadata
+        )
         wait_for(lambda: _leading(stack.standby_addresses[0]), 30, "the standby to take over")
         took_over_s = time.monotonic() - t0
         served = load.count()
         wait_for(lambda: load.count() > served + 4, 120, "requests served by the new leader")
 
-        old.proc.popen.send_signal(signal.SIGCONT)  # it wakes up believing it leads, with step 2 to apply
+        old.proc.popen.send_signal(
+            signal.SIGCONT
+        )  # it wakes up believing it leads, with step 2 to apply
         with pytest.raises(grpc.RpcError) as refused:
             queued.result(timeout=60)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
@@ -97,8 +111,11 @@ def test_a_leader_stopped_past_its_lease_is_replaced_and_never_writes_again():
         outcome = f"{error_reason(refused.value)}{' (its journal append fenced)' if fenced else ''}"
         # nothing of it was written: the new leader applies step 2 now, once, as the core does
         answer = pb_grpc.AllocatorStub(open_channel(stack.standby_addresses[0])).Step(
-            second, timeout=10, metadata=metadata)
-        assert list(decode_results(answer, len(second_ops))) == list(reference_pool.step(second_ops))
+            second, timeout=10, metadata=metadata
+        )
+        assert list(decode_results(answer, len(second_ops))) == list(
+            reference_pool.step(second_ops)
+        )
         wait_for(lambda: DEPOSED in old.log(), 30, "the resumed leader to step down and follow")
         served = load.count()
         wait_for(lambda: load.count() > served + 4, 120, "requests after the old leader resumed")
@@ -108,12 +125,22 @@ def test_a_leader_stopped_past_its_lease_is_replaced_and_never_writes_again():
         probe.close()
         figures = _outcomes(load.outcomes, reference, before, after, t0)
         fenced_lines = [line for line in old.proc.tail if "fenced" in line.lower()]
-        report("standby_sigstop", {"lease_s": LEASE_S, "standby_took_over_s": round(took_over_s, 3),
-                                   "resumed_leaders_step": outcome, "fenced_log_lines": len(fenced_lines), **journal,
-                                   **{k: v for k, v in figures.items() if k not in ("failures", "wrong")}})
+        report(
+            "standby_sigstop",
+            {
+                "lease_s": LEASE_S,
+                "standby_took_over_s": round(took_over_s, 3),
+                "resumed_leaders_step": outcome,
+                "fenced_log_lines": len(fenced_lines),
+                **journal,
+                **{k: v for k, v in figures.items() if k not in ("failures", "wrong")},
+            },
+        )
         assert figures["failures"] == [] and figures["failed_requests"] == 0
         assert figures["wrong"] == [] and figures["wrong_texts"] == 0
-        assert journal["steps_applied_twice"] == 0 and journal["steps_not_following_their_last"] == 0
+        assert (
+            journal["steps_applied_twice"] == 0 and journal["steps_not_following_their_last"] == 0
+        )
         # the journal the two leaders wrote replays soundly: every record chained, every step once
         stored = RedisJournal(stack.redis_url)
         try:

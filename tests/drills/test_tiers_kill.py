@@ -24,13 +24,28 @@ from tests.support.http import metric
 
 pytestmark = pytest.mark.slow
 
-WORKER_ARGS = ["--num-blocks", "64", "--block-size", "4", "--enable-prefix-caching", "--max-model-len", "256",
-               "--kv-offloading-size", "0.0001"]
+WORKER_ARGS = [
+    "--num-blocks",
+    "64",
+    "--block-size",
+    "4",
+    "--enable-prefix-caching",
+    "--max-model-len",
+    "256",
+    "--kv-offloading-size",
+    "0.0001",
+]
 PROMPTS = [" ".join(f"conversation {c} line {i} says hello" for i in range(3)) for c in range(12)]
 
 
 def complete(url: str, prompt: str, salt: str | None = None) -> str | None:
-    body = {"model": "tiny-random", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": "tiny-random",
+        "prompt": prompt,
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     if salt is not None:
         body["cache_salt"] = salt
     try:
@@ -43,7 +58,9 @@ def complete(url: str, prompt: str, salt: str | None = None) -> str | None:
 def test_a_worker_killed_mid_saves_leaves_no_entry_that_is_not_whole(tmp_path):
     store = tmp_path / "kv"
     args = ["--kv-shared-store", f"file://{store}", "--kv-shared-store-size", "0.01"]
-    with Stack(2, worker_args=WORKER_ARGS, allocator_args=args, env={"PAGEDKV_ALLOCATOR_LEASE_TTL": "3"}) as stack:
+    with Stack(
+        2, worker_args=WORKER_ARGS, allocator_args=args, env={"PAGEDKV_ALLOCATOR_LEASE_TTL": "3"}
+    ) as stack:
         one, two = (w.url for w in stack.workers)
         # The texts with no store to share: each under a salt of its own on worker 2.
         reference = [complete(two, p, salt=f"reference-{i}") for i, p in enumerate(PROMPTS)]
@@ -77,7 +94,9 @@ def test_a_worker_killed_mid_saves_leaves_no_entry_that_is_not_whole(tmp_path):
         wait_for(dropped, 60, "the killed worker's pool to be dropped")
         texts = [complete(two, p) for p in PROMPTS]
         assert texts == reference
-        assert (metric(two, "pagedkv_worker_kv_tier_refused_entries_total", {"tier": "shared"}) or 0) == 0
+        assert (
+            metric(two, "pagedkv_worker_kv_tier_refused_entries_total", {"tier": "shared"}) or 0
+        ) == 0
         assert (metric(two, "pagedkv_worker_kv_tier_hit_tokens_total", {"tier": "shared"}) or 0) > 0
         entries = stack.allocator_metrics().value("pagedkv_allocator_shared_store_entries")
         files = [p for p in Path(store).rglob("*") if p.is_file() and not p.name.startswith(".")]

@@ -47,12 +47,17 @@ def test_victim_never_waits_behind_a_whole_neighbour_call(allocator_server):
         ctx = mp.get_context("spawn")
         stop, ready = ctx.Event(), ctx.Event()
         counts = ctx.Manager().dict()
-        noisy = ctx.Process(target=_neighbour, args=(server.address, 16, 65536, 32768, stop, ready, counts),
-                            daemon=True)
-        heavy = GrpcAllocator(server.address, PoolSpec("heavy", PoolConfig(65536, 16, True, "bench")),
-                              deadline_s=60)
-        victim = GrpcAllocator(server.address, PoolSpec("victim", PoolConfig(2048, 16, True, "bench")),
-                               heartbeat=False)
+        noisy = ctx.Process(
+            target=_neighbour,
+            args=(server.address, 16, 65536, 32768, stop, ready, counts),
+            daemon=True,
+        )
+        heavy = GrpcAllocator(
+            server.address, PoolSpec("heavy", PoolConfig(65536, 16, True, "bench")), deadline_s=60
+        )
+        victim = GrpcAllocator(
+            server.address, PoolSpec("victim", PoolConfig(2048, 16, True, "bench")), heartbeat=False
+        )
         try:
             rng = random.Random(7)
             heavy.step([Admit("h", prompt_with_prefix(rng, [], 32768))])
@@ -95,9 +100,11 @@ def test_victim_never_waits_behind_a_whole_neighbour_call(allocator_server):
             victim.close()
     slowest = max(heavy_calls)
     q = statistics.quantiles(steps, n=100)
-    print(f"\nvictim step: p50 {q[49] * 1e3:.2f} ms, p99 {q[98] * 1e3:.2f} ms, max {max(steps) * 1e3:.2f} ms; "
-          f"heartbeat max {max(beats) * 1e3:.2f} ms; heavy pool's calls: {len(heavy_calls)}, slowest "
-          f"{slowest * 1e3:.1f} ms; neighbour: {dict(counts)}")
+    print(
+        f"\nvictim step: p50 {q[49] * 1e3:.2f} ms, p99 {q[98] * 1e3:.2f} ms, max {max(steps) * 1e3:.2f} ms; "
+        f"heartbeat max {max(beats) * 1e3:.2f} ms; heavy pool's calls: {len(heavy_calls)}, slowest "
+        f"{slowest * 1e3:.1f} ms; neighbour: {dict(counts)}"
+    )
     assert max(steps) < slowest, "a victim Step waited behind a whole call of another pool"
     assert max(beats) < slowest, "a heartbeat waited behind a whole call of another pool"
 
@@ -105,9 +112,16 @@ def test_victim_never_waits_behind_a_whole_neighbour_call(allocator_server):
 def test_sigstop_does_not_expire_pools_that_kept_renewing(allocator_server):
     ttl = 2.0
     with allocator_server(env={"PAGEDKV_ALLOCATOR_LEASE_TTL": str(ttl)}) as server:
-        alive = GrpcAllocator(server.address, PoolSpec("alive", PoolConfig(16, 4)), retries=50,
-                              backoff_s=0.1, deadline_s=2)
-        silent = GrpcAllocator(server.address, PoolSpec("silent", PoolConfig(16, 4)), heartbeat=False)
+        alive = GrpcAllocator(
+            server.address,
+            PoolSpec("alive", PoolConfig(16, 4)),
+            retries=50,
+            backoff_s=0.1,
+            deadline_s=2,
+        )
+        silent = GrpcAllocator(
+            server.address, PoolSpec("silent", PoolConfig(16, 4)), heartbeat=False
+        )
         try:
             alive.step([Admit("a", [1, 2, 3])])
             silent.step([Admit("a", [1, 2, 3])])
@@ -118,7 +132,9 @@ def test_sigstop_does_not_expire_pools_that_kept_renewing(allocator_server):
                 os.kill(server.pid, signal.SIGCONT)
             time.sleep(ttl / 2)
             assert alive.block_table("a") == [0]
-            assert alive.pool_id == "alive/1", "the allocator dropped a pool while it was itself stopped"
+            assert alive.pool_id == "alive/1", (
+                "the allocator dropped a pool while it was itself stopped"
+            )
             time.sleep(ttl * 1.5)  # the silent pool's extended lease runs out now
             with pytest.raises(PoolLost):
                 silent.block_table("a")
@@ -129,7 +145,9 @@ def test_sigstop_does_not_expire_pools_that_kept_renewing(allocator_server):
             silent.close()
 
 
-def test_a_pool_over_its_snapshot_share_is_dropped_and_the_others_lose_nothing(allocator_server, redis_store):
+def test_a_pool_over_its_snapshot_share_is_dropped_and_the_others_lose_nothing(
+    allocator_server, redis_store
+):
     """A real server whose snapshots are bounded (1 MB): a legal pool whose
     part of the snapshot is over its share (4,000 forks with 256-character
     ids) is dropped loudly (its worker gets PoolLost), the other pool's calls
@@ -139,13 +157,19 @@ def test_a_pool_over_its_snapshot_share_is_dropped_and_the_others_lose_nothing(a
         args = ("--state", url)
         env = {"PAGEDKV_ALLOCATOR_SNAPSHOT_EVERY": "3", "PAGEDKV_ALLOCATOR_MAX_SNAPSHOT_MB": "1"}
         with allocator_server(*args, env=env) as server:
-            victim = GrpcAllocator(server.address, PoolSpec("victim", PoolConfig(256, 16, True, "m")))
+            victim = GrpcAllocator(
+                server.address, PoolSpec("victim", PoolConfig(256, 16, True, "m"))
+            )
             victim.step([Admit("v", prompt_with_prefix(random.Random(3), [], 200))])
-            big, _ = snapshot_amplifier(server.address)  # 8 steps of 500 forks, ids of 256 characters
+            big, _ = snapshot_amplifier(
+                server.address
+            )  # 8 steps of 500 forks, ids of 256 characters
             for n in range(10):
                 assert victim.step([Append("v", [n + 1])]).all_ok
             deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and not any("over the bound" in line for line in server.lines):
+            while time.monotonic() < deadline and not any(
+                "over the bound" in line for line in server.lines
+            ):
                 time.sleep(0.05)
             assert any("over the bound" in line for line in server.lines), server.log
             with pytest.raises(PoolLost):

@@ -47,14 +47,23 @@ def _worst_health_while(url: str, send) -> tuple[float, int, object]:
 
 
 def test_health_answers_under_multi_megabyte_bodies(worker_process):
-    with worker_process("--model", MODEL, "--num-blocks", "256", "--block-size", "4", "--max-model-len", "512") as url:
+    with worker_process(
+        "--model", MODEL, "--num-blocks", "256", "--block-size", "4", "--max-model-len", "512"
+    ) as url:
         words = "word " * ((LIMIT - 300) // 5)
         bodies = {
-            "completion, 8 MiB text prompt": ("completions", {"model": MODEL, "prompt": words, "max_tokens": 4}),
-            "chat, 8 MiB message": ("chat/completions", {"model": MODEL, "max_tokens": 4,
-                                                         "messages": [{"role": "user", "content": words}]}),
-            "completion, 4.2 M token ids": ("completions", {"model": MODEL, "max_tokens": 4,
-                                                           "prompt": [7] * ((LIMIT - 300) // 2)}),
+            "completion, 8 MiB text prompt": (
+                "completions",
+                {"model": MODEL, "prompt": words, "max_tokens": 4},
+            ),
+            "chat, 8 MiB message": (
+                "chat/completions",
+                {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": words}]},
+            ),
+            "completion, 4.2 M token ids": (
+                "completions",
+                {"model": MODEL, "max_tokens": 4, "prompt": [7] * ((LIMIT - 300) // 2)},
+            ),
         }
         figures = {}
         for name, (route, body) in bodies.items():
@@ -63,46 +72,87 @@ def test_health_answers_under_multi_megabyte_bodies(worker_process):
             t0 = time.monotonic()
 
             def send(route=route, raw=raw):
-                return httpx.post(f"{url}/v1/{route}", content=raw, timeout=120,
-                                  headers={"content-type": "application/json"})
+                return httpx.post(
+                    f"{url}/v1/{route}",
+                    content=raw,
+                    timeout=120,
+                    headers={"content-type": "application/json"},
+                )
 
             worst, probes, r = _worst_health_while(url, send)
             assert r.status_code == 400, r.text[:300]
             assert "leaving no room to generate" in r.json()["error"]["message"]
-            figures[name] = {"bytes": len(raw), "answered_s": round(time.monotonic() - t0, 3),
-                             "health_probes": probes, "health_worst_ms": round(worst * 1000, 1)}
+            figures[name] = {
+                "bytes": len(raw),
+                "answered_s": round(time.monotonic() - t0, 3),
+                "health_probes": probes,
+                "health_worst_ms": round(worst * 1000, 1),
+            }
             assert worst < 1.0, figures[name]
         # And the worker still serves.
-        ok = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "still here", "max_tokens": 3,
-                                                       "temperature": 0, "ignore_eos": True}, timeout=60)
+        ok = httpx.post(
+            f"{url}/v1/completions",
+            json={
+                "model": MODEL,
+                "prompt": "still here",
+                "max_tokens": 3,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+            timeout=60,
+        )
         assert ok.status_code == 200
         report("worker_health_under_big_bodies", figures)
 
 
 def test_disconnected_non_streaming_request_is_aborted(worker_process):
-    with worker_process("--model", MODEL, "--num-blocks", "512", "--block-size", "4", "--max-model-len", "2048") as url:
+    with worker_process(
+        "--model", MODEL, "--num-blocks", "512", "--block-size", "4", "--max-model-len", "2048"
+    ) as url:
         host, port = url.removeprefix("http://").split(":")
-        body = json.dumps({"model": MODEL, "prompt": "a very long answer", "max_tokens": 2000, "temperature": 0,
-                           "ignore_eos": True}).encode()
+        body = json.dumps(
+            {
+                "model": MODEL,
+                "prompt": "a very long answer",
+                "max_tokens": 2000,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+        ).encode()
         sock = socket.create_connection((host, int(port)))
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
-        wait_for(lambda: httpx.get(f"{url}/health").json()["running"] == 1, 60, "the request to run", 0.01)
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body) + body
+        )
+        wait_for(
+            lambda: httpx.get(f"{url}/health").json()["running"] == 1,
+            60,
+            "the request to run",
+            0.01,
+        )
         t0 = time.monotonic()
         sock.close()  # the client hangs up while its request generates
 
         def aborted():
             m = scrape(f"{url}/metrics")
-            return (m.value("pagedkv_worker_requests_total", finish_reason="abort") == 1
-                    and m.value("pagedkv_worker_running_sequences") == 0
-                    and m.value("pagedkv_worker_kv_blocks_used") == 0) and m
+            return (
+                m.value("pagedkv_worker_requests_total", finish_reason="abort") == 1
+                and m.value("pagedkv_worker_running_sequences") == 0
+                and m.value("pagedkv_worker_kv_blocks_used") == 0
+            ) and m
 
         m = wait_for(aborted, 30, "the abort and the blocks freed", 0.05)
         seconds = time.monotonic() - t0
         assert m.value("pagedkv_worker_requests_total", finish_reason="length") == 0
         assert m.value("pagedkv_worker_generation_tokens_total") < 2000
-        report("worker_disconnect_aborts", {"abort_seen_after_hangup_s": round(seconds, 3), "max_tokens": 2000,
-                                            "tokens_generated": m.value("pagedkv_worker_generation_tokens_total")})
+        report(
+            "worker_disconnect_aborts",
+            {
+                "abort_seen_after_hangup_s": round(seconds, 3),
+                "max_tokens": 2000,
+                "tokens_generated": m.value("pagedkv_worker_generation_tokens_total"),
+            },
+        )
 
 
 def _no_leak(text: str) -> None:
@@ -113,33 +163,52 @@ def _no_leak(text: str) -> None:
 def test_allocator_unreachable_health_give_up_and_recovery():
     unhealthy_after, give_up_after = 1.0, 4.0
     prompt, max_tokens = "the allocator is gone", 6
-    timeouts = {"PAGEDKV_WORKER_ALLOCATOR_UNHEALTHY_AFTER": str(unhealthy_after),
-                "PAGEDKV_WORKER_ALLOCATOR_GIVE_UP_AFTER": str(give_up_after)}
-    with Stack(workers=1, redis=False, worker_args=["--num-blocks", "1024", "--block-size", "4"],
-               env=timeouts) as stack:
+    timeouts = {
+        "PAGEDKV_WORKER_ALLOCATOR_UNHEALTHY_AFTER": str(unhealthy_after),
+        "PAGEDKV_WORKER_ALLOCATOR_GIVE_UP_AFTER": str(give_up_after),
+    }
+    with Stack(
+        workers=1,
+        redis=False,
+        worker_args=["--num-blocks", "1024", "--block-size", "4"],
+        env=timeouts,
+    ) as stack:
         url = stack.worker_urls[0]
         assert httpx.get(f"{url}/health").status_code == 200
-        long = {"model": MODEL, "prompt": "a long one", "max_tokens": 1900, "temperature": 0, "ignore_eos": True}
+        long = {
+            "model": MODEL,
+            "prompt": "a long one",
+            "max_tokens": 1900,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         answers: dict = {}
 
         def whole():
             answers["whole"] = httpx.post(f"{url}/v1/completions", json=long, timeout=120)
 
         def streamed():
-            with httpx.stream("POST", f"{url}/v1/completions", json={**long, "stream": True}, timeout=120) as r:
+            with httpx.stream(
+                "POST", f"{url}/v1/completions", json={**long, "stream": True}, timeout=120
+            ) as r:
                 answers["stream_status"] = r.status_code
                 answers["events"] = [line for line in r.iter_lines() if line.startswith("data: ")]
 
         threads = [threading.Thread(target=whole), threading.Thread(target=streamed)]
         for t in threads:
             t.start()
-        wait_for(lambda: httpx.get(f"{url}/health").json()["running"] == 2, 60, "both requests to run")
+        wait_for(
+            lambda: httpx.get(f"{url}/health").json()["running"] == 2, 60, "both requests to run"
+        )
         stack.kill_allocator()
         killed = time.monotonic()
 
         # /health says 503 with a reason once past PAGEDKV_WORKER_ALLOCATOR_UNHEALTHY_AFTER.
-        sick = wait_for(lambda: (r := httpx.get(f"{url}/health", timeout=5)).status_code == 503 and r, 30,
-                        "/health to say 503")
+        sick = wait_for(
+            lambda: (r := httpx.get(f"{url}/health", timeout=5)).status_code == 503 and r,
+            30,
+            "/health to say 503",
+        )
         unhealthy_s = time.monotonic() - killed
         reason = sick.json()
         assert reason["status"] == "unavailable" and reason["code"] == "allocator_unreachable"
@@ -162,18 +231,38 @@ def test_allocator_unreachable_health_give_up_and_recovery():
 
         # New requests are refused at once while the allocator stays away.
         t0 = time.monotonic()
-        refused = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}, timeout=30)
+        refused = httpx.post(
+            f"{url}/v1/completions",
+            json={"model": MODEL, "prompt": "x", "max_tokens": 2},
+            timeout=30,
+        )
         refused_s = time.monotonic() - t0
-        assert refused.status_code == 503 and refused.json()["error"]["code"] == "allocator_unreachable"
+        assert (
+            refused.status_code == 503
+            and refused.json()["error"]["code"] == "allocator_unreachable"
+        )
         _no_leak(refused.text)
 
         # Back: /health 200 again (the pool was in memory: a new epoch), and the fault-free text.
         stack.start_allocator()
         back = time.monotonic()
-        wait_for(lambda: httpx.get(f"{url}/health", timeout=5).status_code == 200, 60, "/health to say 200")
+        wait_for(
+            lambda: httpx.get(f"{url}/health", timeout=5).status_code == 200,
+            60,
+            "/health to say 200",
+        )
         recovered_s = time.monotonic() - back
-        ok = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
-                                                       "temperature": 0, "ignore_eos": True}, timeout=60)
+        ok = httpx.post(
+            f"{url}/v1/completions",
+            json={
+                "model": MODEL,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+            timeout=60,
+        )
         assert ok.status_code == 200, ok.text
         assert ok.json()["choices"][0]["text"] == offline([prompt], max_tokens)[0]
 
@@ -181,16 +270,30 @@ def test_allocator_unreachable_health_give_up_and_recovery():
         stack.wait_idle()
         stack.kill_allocator()
         idle_killed = time.monotonic()
-        wait_for(lambda: httpx.get(f"{url}/health", timeout=5).status_code == 503, 30, "idle /health to say 503")
+        wait_for(
+            lambda: httpx.get(f"{url}/health", timeout=5).status_code == 503,
+            30,
+            "idle /health to say 503",
+        )
         idle_unhealthy_s = time.monotonic() - idle_killed
         stack.start_allocator()
-        wait_for(lambda: httpx.get(f"{url}/health", timeout=5).status_code == 200, 60, "idle /health to say 200")
+        wait_for(
+            lambda: httpx.get(f"{url}/health", timeout=5).status_code == 200,
+            60,
+            "idle /health to say 200",
+        )
 
         m = scrape(f"{url}/metrics")
-        report("worker_allocator_unreachable", {
-            "unhealthy_after_flag_s": unhealthy_after, "give_up_after_flag_s": give_up_after,
-            "kill_to_503_s": round(unhealthy_s, 2), "kill_to_requests_failed_s": round(gave_up_s, 2),
-            "new_request_refused_in_s": round(refused_s, 3), "restart_to_200_s": round(recovered_s, 2),
-            "idle_kill_to_503_s": round(idle_unhealthy_s, 2),
-            "requests_aborted": m.value("pagedkv_worker_requests_total", finish_reason="abort"),
-        })
+        report(
+            "worker_allocator_unreachable",
+            {
+                "unhealthy_after_flag_s": unhealthy_after,
+                "give_up_after_flag_s": give_up_after,
+                "kill_to_503_s": round(unhealthy_s, 2),
+                "kill_to_requests_failed_s": round(gave_up_s, 2),
+                "new_request_refused_in_s": round(refused_s, 3),
+                "restart_to_200_s": round(recovered_s, 2),
+                "idle_kill_to_503_s": round(idle_unhealthy_s, 2),
+                "requests_aborted": m.value("pagedkv_worker_requests_total", finish_reason="abort"),
+            },
+        )

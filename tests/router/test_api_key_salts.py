@@ -30,18 +30,30 @@ def keys_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def stack(keys_file):
     args = ["--num-blocks", "256", "--block-size", str(BLOCK), "--api-keys-file", str(keys_file)]
-    with LocalStack(workers=1, model=MODEL, worker_args=args, router=True, startup_timeout=180,
-                    router_args=["--api-keys-file", str(keys_file)]) as s:
+    with LocalStack(
+        workers=1,
+        model=MODEL,
+        worker_args=args,
+        router=True,
+        startup_timeout=180,
+        router_args=["--api-keys-file", str(keys_file)],
+    ) as s:
         yield s
 
 
 def _cached(url: str, key: str, prompt: str, salt: str | None = None) -> tuple[int, int | None]:
     """(the usage's cached tokens, the router's x-pagedkv-cached-tokens or None at a worker)."""
     raw = openai_client(url, api_key=key).completions.with_raw_response.create(
-        model=MODEL, prompt=prompt, max_tokens=2, temperature=0,
-        extra_body={"cache_salt": salt} if salt is not None else None)
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=2,
+        temperature=0,
+        extra_body={"cache_salt": salt} if salt is not None else None,
+    )
     header = raw.headers.get("x-pagedkv-cached-tokens")
-    return raw.parse().usage.prompt_tokens_details.cached_tokens, None if header is None else int(header)
+    return raw.parse().usage.prompt_tokens_details.cached_tokens, None if header is None else int(
+        header
+    )
 
 
 def test_two_keys_do_not_share_cached_tokens_at_the_worker_and_one_key_does(stack):
@@ -49,7 +61,9 @@ def test_two_keys_do_not_share_cached_tokens_at_the_worker_and_one_key_does(stac
     prompt = "worker " + PROMPT
     assert _cached(worker, KEY_A, prompt) == (0, None)
     own, _ = _cached(worker, KEY_A, prompt)
-    assert own >= (len(prompt) // BLOCK - 1) * BLOCK  # the key's own repeat: every whole block but the last
+    assert (
+        own >= (len(prompt) // BLOCK - 1) * BLOCK
+    )  # the key's own repeat: every whole block but the last
     assert _cached(worker, KEY_B, prompt) == (0, None)  # another key: nothing of A's shows
     # A request's own salt is combined with its key's, never a way into another key's cache.
     assert _cached(worker, KEY_B, prompt, salt="shared") == (0, None)
@@ -78,14 +92,33 @@ def test_the_router_never_passes_a_clients_key_on(keys_file):
     from pagedkv_base.api.tenants import TENANT_HEADER, tenant_of
 
     with BadWorker("record") as worker:
-        router = RouterProcess(model=MODEL, args=["--workers", worker.url, "--api-keys-file", str(keys_file),
-                                                  "--log-level", "warning"]).start().wait_healthy(120)
+        router = (
+            RouterProcess(
+                model=MODEL,
+                args=[
+                    "--workers",
+                    worker.url,
+                    "--api-keys-file",
+                    str(keys_file),
+                    "--log-level",
+                    "warning",
+                ],
+            )
+            .start()
+            .wait_healthy(120)
+        )
         try:
             client = openai_client(router.url, api_key=KEY_B)
-            client.completions.create(model=MODEL, prompt="hi", max_tokens=1,
-                                      extra_headers={TENANT_HEADER: tenant_of(KEY_A)})  # no: the router sets it
+            client.completions.create(
+                model=MODEL,
+                prompt="hi",
+                max_tokens=1,
+                extra_headers={TENANT_HEADER: tenant_of(KEY_A)},
+            )  # no: the router sets it
             [head] = worker.heads
-            assert head["authorization"] == f"Bearer {KEY_A}" and head[TENANT_HEADER] == tenant_of(KEY_B)
+            assert head["authorization"] == f"Bearer {KEY_A}" and head[TENANT_HEADER] == tenant_of(
+                KEY_B
+            )
             assert not any(KEY_B in v for v in head.values())
         finally:
             router.terminate()
@@ -101,9 +134,22 @@ def test_through_the_router_a_key_caches_under_its_own_tenant(stack):
     assert _cached(worker, KEY_A, prompt)[0] == 0
 
 
-def test_one_key_still_shares_across_its_requests_and_the_setting_turns_salts_off(worker_process, keys_file):
-    with worker_process("--model", MODEL, "--num-blocks", "128", "--block-size", str(BLOCK),
-                        "--api-keys-file", str(keys_file), env={"PAGEDKV_WORKER_CACHE_SALT_PER_API_KEY": "0"}) as url:
+def test_one_key_still_shares_across_its_requests_and_the_setting_turns_salts_off(
+    worker_process, keys_file
+):
+    with worker_process(
+        "--model",
+        MODEL,
+        "--num-blocks",
+        "128",
+        "--block-size",
+        str(BLOCK),
+        "--api-keys-file",
+        str(keys_file),
+        env={"PAGEDKV_WORKER_CACHE_SALT_PER_API_KEY": "0"},
+    ) as url:
         assert _cached(url, KEY_A, PROMPT) == (0, None)
         shared, _ = _cached(url, KEY_B, PROMPT)
-        assert shared >= (len(PROMPT) // BLOCK - 1) * BLOCK  # one namespace for every key, as without keys
+        assert (
+            shared >= (len(PROMPT) // BLOCK - 1) * BLOCK
+        )  # one namespace for every key, as without keys

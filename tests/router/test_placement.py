@@ -13,8 +13,17 @@ from router.app import Router
 from router.discovery import Discovery, Worker
 from router.policy import Balance
 
-WORKERS = [Worker(f"http://w{i}", pool_id=f"p{i}", model_fingerprint="m", num_blocks=64, block_size=4,
-                  free_blocks=64) for i in range(2)]
+WORKERS = [
+    Worker(
+        f"http://w{i}",
+        pool_id=f"p{i}",
+        model_fingerprint="m",
+        num_blocks=64,
+        block_size=4,
+        free_blocks=64,
+    )
+    for i in range(2)
+]
 BY_URL = {w.url: w for w in WORKERS}
 PREFIX = list(range(40))  # ten whole blocks
 
@@ -48,7 +57,9 @@ def test_a_placement_counts_after_its_answer_until_the_view_can_have_heard(monke
     async def scenario() -> list[str]:
         rid, first = _send(router, 0)
         router.placement.answered(rid)  # answered; the view has not heard of its blocks
-        router.placement.enter(BY_URL[first])  # and the worker is busier than the other (within the thresholds)
+        router.placement.enter(
+            BY_URL[first]
+        )  # and the worker is busier than the other (within the thresholds)
         rid, order = router.placement.place(WORKERS, {}, [*PREFIX, 2000], None)
         router.placement.answered(rid)
         await asyncio.sleep(0.3)
@@ -57,7 +68,9 @@ def test_a_placement_counts_after_its_answer_until_the_view_can_have_heard(monke
 
     first, again, later, other = asyncio.run(scenario())
     assert again == first  # the finished request's placement still attracts its prefix
-    assert later == other  # the linger over, nothing is cached anywhere: the worker sent fewer blocks, less loaded
+    assert (
+        later == other
+    )  # the linger over, nothing is cached anywhere: the worker sent fewer blocks, less loaded
 
 
 def test_new_prefixes_spread_evenly_whatever_the_load_in_flight():

@@ -64,7 +64,9 @@ def dumped_hashes(pool: GrpcAllocator) -> dict[int, bytes]:
     return {b: bytes.fromhex(h) for b, h in enumerate(pool.dump()["hash"]) if h}
 
 
-def wait_for(view: PrefixView, pool: GrpcAllocator, pool_id: str, timeout: float = 10.0) -> dict[int, bytes]:
+def wait_for(
+    view: PrefixView, pool: GrpcAllocator, pool_id: str, timeout: float = 10.0
+) -> dict[int, bytes]:
     """The pool's hashes once the view shows the same (events arrive a moment
     after the step that caused them), else what DumpPool says at the end."""
     deadline = time.monotonic() + timeout
@@ -74,17 +76,33 @@ def wait_for(view: PrefixView, pool: GrpcAllocator, pool_id: str, timeout: float
     return want
 
 
-def matched_tokens(view: PrefixView, pool_id: str, tokens: list[int], size: int, salt: str | None) -> int:
+def matched_tokens(
+    view: PrefixView, pool_id: str, tokens: list[int], size: int, salt: str | None
+) -> int:
     hashes = prompt_chain("m", tokens, size, salt)
     return view.cached_blocks(pool_id, hashes) * size
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(seed=st.integers(0, 10_000), block_size=st.sampled_from([1, 2, 4]), snapshot_at=st.floats(0, 1),
-       resets=st.booleans(), packed=st.booleans())
-def test_the_view_holds_what_the_allocator_holds(server, seed, block_size, snapshot_at, resets, packed):
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    seed=st.integers(0, 10_000),
+    block_size=st.sampled_from([1, 2, 4]),
+    snapshot_at=st.floats(0, 1),
+    resets=st.booleans(),
+    packed=st.booleans(),
+)
+def test_the_view_holds_what_the_allocator_holds(
+    server, seed, block_size, snapshot_at, resets, packed
+):
     worker_id = f"view-{next(_ids)}"
-    pool = GrpcAllocator(server.address, PoolSpec(worker_id, PoolConfig(12, block_size, model_fingerprint="m", enable_prefix_caching=True)))
+    pool = GrpcAllocator(
+        server.address,
+        PoolSpec(
+            worker_id, PoolConfig(12, block_size, model_fingerprint="m", enable_prefix_caching=True)
+        ),
+    )
     steps = random_steps(seed, 30)
     start = int(snapshot_at * len(steps))
     rng = random.Random(seed)
@@ -109,7 +127,10 @@ def test_the_view_holds_what_the_allocator_holds(server, seed, block_size, snaps
                 tokens = [rng.randrange(6) for _ in range(rng.randint(2, 16))]
                 salt = rng.choice([None, "tenant"])
                 held = {m.pool_id: m.cached_tokens for m in router.match_prefix("m", tokens, salt)}
-                assert matched_tokens(view, pool.pool_id, tokens, block_size, salt) == held[pool.pool_id]
+                assert (
+                    matched_tokens(view, pool.pool_id, tokens, block_size, salt)
+                    == held[pool.pool_id]
+                )
         finally:
             router.close()
     finally:
@@ -122,10 +143,16 @@ def test_pools_stepped_at_once_while_the_snapshot_is_read(server):
     """Three pools' workloads in three threads, the snapshot taken while they
     run: each pool's events interleave with the others' (and with batches
     published out of their pools' order), and every pool's view is exact."""
-    pools = [GrpcAllocator(server.address, PoolSpec(f"view-c{i}-{next(_ids)}",
-                                                    PoolConfig(16, 2, model_fingerprint="m",
-                                                               enable_prefix_caching=True)))
-             for i in range(3)]
+    pools = [
+        GrpcAllocator(
+            server.address,
+            PoolSpec(
+                f"view-c{i}-{next(_ids)}",
+                PoolConfig(16, 2, model_fingerprint="m", enable_prefix_caching=True),
+            ),
+        )
+        for i in range(3)
+    ]
     view = PrefixView()
     half = threading.Barrier(4)
 
@@ -157,8 +184,20 @@ def test_pools_stepped_at_once_while_the_snapshot_is_read(server):
 
 
 def test_a_dropped_pool_leaves_the_view_and_a_snapshot_sees_every_pool(server):
-    a = GrpcAllocator(server.address, PoolSpec(f"view-a-{next(_ids)}", PoolConfig(16, 2, model_fingerprint="m", enable_prefix_caching=True)))
-    b = GrpcAllocator(server.address, PoolSpec(f"view-b-{next(_ids)}", PoolConfig(16, 2, model_fingerprint="m", enable_prefix_caching=True)))
+    a = GrpcAllocator(
+        server.address,
+        PoolSpec(
+            f"view-a-{next(_ids)}",
+            PoolConfig(16, 2, model_fingerprint="m", enable_prefix_caching=True),
+        ),
+    )
+    b = GrpcAllocator(
+        server.address,
+        PoolSpec(
+            f"view-b-{next(_ids)}",
+            PoolConfig(16, 2, model_fingerprint="m", enable_prefix_caching=True),
+        ),
+    )
     view = PrefixView()
     follower = None
     try:
@@ -189,8 +228,14 @@ def test_discovery_rebuilds_the_view_after_the_allocator_restarts(allocator_serv
 
     listen = f"127.0.0.1:{free_port('127.0.0.1')}"
     first = allocator_server(env={"PAGEDKV_ALLOCATOR_LEASE_TTL": "60"}, listen=listen)
-    pool = GrpcAllocator(first.address, PoolSpec(f"view-r-{next(_ids)}", PoolConfig(16, 2, model_fingerprint="m", enable_prefix_caching=True)),
-                         retries=0)
+    pool = GrpcAllocator(
+        first.address,
+        PoolSpec(
+            f"view-r-{next(_ids)}",
+            PoolConfig(16, 2, model_fingerprint="m", enable_prefix_caching=True),
+        ),
+        retries=0,
+    )
     view = PrefixView()
     discovery = Discovery(RouterClient(first.address), refresh_s=0.2, view=view)
     discovery.start()
@@ -224,9 +269,13 @@ def test_discovery_rebuilds_the_view_after_the_allocator_restarts(allocator_serv
 def test_a_big_pools_snapshot_comes_packed(server):
     """20,010 cached blocks: three POOL_CACHED events (8,192 blocks at most
     each), not one message per block, and the view built from them exact."""
-    pool = GrpcAllocator(server.address, PoolSpec(f"view-big-{next(_ids)}",
-                                                  PoolConfig(20_480, 1, model_fingerprint="m",
-                                                             enable_prefix_caching=True)))
+    pool = GrpcAllocator(
+        server.address,
+        PoolSpec(
+            f"view-big-{next(_ids)}",
+            PoolConfig(20_480, 1, model_fingerprint="m", enable_prefix_caching=True),
+        ),
+    )
     rng = random.Random(7)
     client = RouterClient(server.address)
     try:
@@ -235,7 +284,9 @@ def test_a_big_pools_snapshot_comes_packed(server):
             pool.step([Append(f"s{i}", [1])])
         want = dumped_hashes(pool)
         assert len(want) == 20_010
-        stream = client.watch_events(snapshot=True, kinds=[pb.KV_EVENT_KIND_POOL_CACHED], timeout_s=10)
+        stream = client.watch_events(
+            snapshot=True, kinds=[pb.KV_EVENT_KIND_POOL_CACHED], timeout_s=10
+        )
         view, mine = PrefixView(), []
         view.begin()
         for event in stream:
@@ -265,8 +316,13 @@ def test_a_packed_stream_sends_a_run_of_block_events_as_one(server):
     probe.cancel()
     plain = client.watch_events(from_sequence=head, timeout_s=10)
     packed = client.watch_events(from_sequence=head, packed=True, timeout_s=10)
-    pool = GrpcAllocator(server.address, PoolSpec(f"view-p-{next(_ids)}",
-                                                  PoolConfig(16, 2, model_fingerprint="m", enable_prefix_caching=True)))
+    pool = GrpcAllocator(
+        server.address,
+        PoolSpec(
+            f"view-p-{next(_ids)}",
+            PoolConfig(16, 2, model_fingerprint="m", enable_prefix_caching=True),
+        ),
+    )
     try:
         pool.step([Admit("x", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11])])
         pool.step([Append("x", [12])])
@@ -290,8 +346,12 @@ def test_a_packed_stream_sends_a_run_of_block_events_as_one(server):
                     out.append((e.sequence, e.kind, e.block_id, e.block_hash))
                     continue
                 for i, block in enumerate(e.block_ids):
-                    kind = pb.KV_EVENT_KIND_BLOCK_REMOVED if e.removed[i] else pb.KV_EVENT_KIND_BLOCK_STORED
-                    out.append((e.sequence + i, kind, block, e.block_hashes[32 * i:32 * i + 32]))
+                    kind = (
+                        pb.KV_EVENT_KIND_BLOCK_REMOVED
+                        if e.removed[i]
+                        else pb.KV_EVENT_KIND_BLOCK_STORED
+                    )
+                    out.append((e.sequence + i, kind, block, e.block_hashes[32 * i : 32 * i + 32]))
             return out
 
         # The admit's 5 blocks are one run (with the append's sixth when one read took both).
@@ -312,7 +372,9 @@ def test_a_packed_stream_sends_a_run_of_block_events_as_one(server):
 def test_a_snapshot_follows_the_kinds_filter_and_refuses_a_starting_number(server):
     client = RouterClient(server.address)
     try:
-        only_pools = client.watch_events(snapshot=True, kinds=[pb.KV_EVENT_KIND_POOL_DROPPED], timeout_s=3)
+        only_pools = client.watch_events(
+            snapshot=True, kinds=[pb.KV_EVENT_KIND_POOL_DROPPED], timeout_s=3
+        )
         first = next(only_pools)
         assert first.kind == pb.KV_EVENT_KIND_SNAPSHOT_END and first.sequence > 0
         only_pools.cancel()
@@ -321,6 +383,9 @@ def test_a_snapshot_follows_the_kinds_filter_and_refuses_a_starting_number(serve
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         # The packed kinds stand for what they pack.
         assert watched_kinds([pb.KV_EVENT_KIND_BLOCKS_CHANGED]) == {"block_stored", "block_removed"}
-        assert watched_kinds([pb.KV_EVENT_KIND_POOL_CACHED, pb.KV_EVENT_KIND_SNAPSHOT_END]) == frozenset()
+        assert (
+            watched_kinds([pb.KV_EVENT_KIND_POOL_CACHED, pb.KV_EVENT_KIND_SNAPSHOT_END])
+            == frozenset()
+        )
     finally:
         client.close()

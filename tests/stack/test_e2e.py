@@ -18,31 +18,59 @@ from tests.support.http import metric
 from worker.engine import EngineConfig, LLMEngine, SamplingParams
 from worker.model.loader import load_model
 
-PROMPTS = ["the first prompt", "a second, somewhat longer prompt for the pool", "three", "four words go here"]
+PROMPTS = [
+    "the first prompt",
+    "a second, somewhat longer prompt for the pool",
+    "three",
+    "four words go here",
+]
 MAX_TOKENS = 40
 
 
 @pytest.fixture(scope="module")
 def stack():
     # A small pool (24 blocks of 4 = 96 slots) so concurrent requests preempt.
-    args = ["--num-blocks", "24", "--block-size", "4", "--enable-prefix-caching", "--max-model-len", "96"]
-    with LocalStack(workers=2, model="tiny-random", worker_args=args,
-                    prometheus=shutil.which("prometheus") is not None, scrape_interval="1s") as s:
+    args = [
+        "--num-blocks",
+        "24",
+        "--block-size",
+        "4",
+        "--enable-prefix-caching",
+        "--max-model-len",
+        "96",
+    ]
+    with LocalStack(
+        workers=2,
+        model="tiny-random",
+        worker_args=args,
+        prometheus=shutil.which("prometheus") is not None,
+        scrape_interval="1s",
+    ) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def offline():
     engine = LLMEngine(load_model("tiny-random"), EngineConfig(num_blocks=256, block_size=4))
-    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+    outs = engine.generate(
+        PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    )
     return [o.text for o in outs]
 
 
 def ask(url: str, prompt: str, stream: bool) -> str:
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
-    kw = dict(model="tiny-random", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})
+    kw = dict(
+        model="tiny-random",
+        prompt=prompt,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     if stream:
-        return "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices)
+        return "".join(
+            c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices
+        )
     return client.completions.create(**kw).choices[0].text
 
 
@@ -56,7 +84,12 @@ def test_the_workers_divide_the_cores(stack):
 
 
 def test_two_workers_match_the_offline_engine_under_preemption(stack, offline):
-    jobs = [(url, i, stream) for url in stack.worker_urls for i in range(len(PROMPTS)) for stream in (False, True)]
+    jobs = [
+        (url, i, stream)
+        for url in stack.worker_urls
+        for i in range(len(PROMPTS))
+        for stream in (False, True)
+    ]
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
         results = list(pool.map(lambda j: (j[1], ask(j[0], PROMPTS[j[1]], j[2])), jobs))
     for i, text in results:
@@ -84,7 +117,12 @@ def test_prometheus_scrapes_utilisation_and_preemptions(stack, offline):
         preempt = _prom(stack.prometheus_url, "sum by (worker) (pagedkv_worker_preemptions_total)")
         util = _prom(stack.prometheus_url, "pagedkv_worker_kv_slot_utilisation_ratio")
         alloc = _prom(stack.prometheus_url, "pagedkv_allocator_pool_capacity_blocks")
-        if len(preempt) == 2 and len(util) == 2 and all(float(p["value"][1]) > 0 for p in preempt) and alloc:
+        if (
+            len(preempt) == 2
+            and len(util) == 2
+            and all(float(p["value"][1]) > 0 for p in preempt)
+            and alloc
+        ):
             break
         time.sleep(1)
     assert len(preempt) == 2 and all(float(p["value"][1]) > 0 for p in preempt)

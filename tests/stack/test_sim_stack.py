@@ -28,18 +28,28 @@ def start(model: str) -> LocalStack:
 
 def ask(url: str, model: str, prompt: list[int], stream: bool = False) -> list[int]:
     client = openai_client(url)
-    kw = dict(model=model, prompt=prompt, max_tokens=MAX_TOKENS, extra_body={"return_token_ids": True})
+    kw = dict(
+        model=model, prompt=prompt, max_tokens=MAX_TOKENS, extra_body={"return_token_ids": True}
+    )
     if stream:
-        return [t for c in client.completions.create(stream=True, **kw) for ch in c.choices
-                for t in ch.model_dump().get("token_ids") or []]
+        return [
+            t
+            for c in client.completions.create(stream=True, **kw)
+            for ch in c.choices
+            for t in ch.model_dump().get("token_ids") or []
+        ]
     choice = client.completions.create(**kw).choices[0]
-    assert choice.text == "" and choice.finish_reason == "length"  # no tokenizer: ids only, never an eos
+    assert (
+        choice.text == "" and choice.finish_reason == "length"
+    )  # no tokenizer: ids only, never an eos
     return choice.model_dump()["token_ids"]
 
 
 def run_all(stack: LocalStack, model: str) -> dict:
     urls = [stack.router_url, *stack.worker_urls]
-    jobs = [(url, i, stream) for url in urls for i in range(len(PROMPTS)) for stream in (False, True)]
+    jobs = [
+        (url, i, stream) for url in urls for i in range(len(PROMPTS)) for stream in (False, True)
+    ]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(lambda j: (j, ask(j[0], model, PROMPTS[j[1]], j[2])), jobs))
     return {job: ids for job, ids in answers}
@@ -53,7 +63,10 @@ def test_simulated_workers_serve_the_same_tokens_everywhere_and_every_run(model)
             assert 0 < metric(url, "pagedkv_worker_device_busy_ratio", labels) <= 1
             for part in ("schedule", "allocator_wait", "sample", "output"):
                 assert metric(url, "pagedkv_worker_step_host_seconds_count", {"part": part}) > 0
-            assert metric(url, "pagedkv_worker_generation_tokens_total") >= len(PROMPTS) * 2 * MAX_TOKENS
+            assert (
+                metric(url, "pagedkv_worker_generation_tokens_total")
+                >= len(PROMPTS) * 2 * MAX_TOKENS
+            )
     with start(model) as stack:
         again = run_all(stack, model)
     by_prompt: dict[int, set] = {}

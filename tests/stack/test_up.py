@@ -38,7 +38,11 @@ from worker import cli as worker_cli
 
 TINY = ["--model", "tiny-random", "--num-blocks", "32", "--block-size", "4"]
 # `pagedkv up` on free ports: its settings that are variables only
-FREE_PORTS = {"PAGEDKV_UP_BASE_PORT": "0", "PAGEDKV_UP_ALLOCATOR_PORT": "0", "PAGEDKV_UP_ALLOCATOR_METRICS_PORT": "0"}
+FREE_PORTS = {
+    "PAGEDKV_UP_BASE_PORT": "0",
+    "PAGEDKV_UP_ALLOCATOR_PORT": "0",
+    "PAGEDKV_UP_ALLOCATOR_METRICS_PORT": "0",
+}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -72,15 +76,29 @@ def _descendants(pid: int) -> set[int]:
 
 
 @contextlib.contextmanager
-def _up(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[tuple[subprocess.Popen, dict]]:
+def _up(
+    tmp_path: Path, *args: str, env: dict[str, str] | None = None
+) -> Iterator[tuple[subprocess.Popen, dict]]:
     """`pagedkv up ARGS` on free ports with a ready file, `env` added to its environment:
     (its process, the ready file's addresses and pids); its output in tmp_path/up.log;
     killed at the end if still running."""
     ready = tmp_path / "ready.json"
     log = open(tmp_path / "up.log", "w")  # noqa: SIM115 - closed below
     up = subprocess.Popen(
-        [sys.executable, "-m", "pagedkv", "up", *args, "--router-port", "0", "--ready-file", str(ready)],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **FREE_PORTS, **(env or {})},
+        [
+            sys.executable,
+            "-m",
+            "pagedkv",
+            "up",
+            *args,
+            "--router-port",
+            "0",
+            "--ready-file",
+            str(ready),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **FREE_PORTS, **(env or {})},
     )
     try:
         deadline = time.monotonic() + 120
@@ -106,11 +124,16 @@ def test_every_flag_has_help_and_passes_through():
     # what a worker makes of them is what `pagedkv worker` makes of the same flags
     worker = argparse.ArgumentParser()
     worker_cli.add_arguments(worker)
-    assert worker_cli.worker_args(worker.parse_args(handed)) == worker_cli.worker_args(worker.parse_args(given))
+    assert worker_cli.worker_args(worker.parse_args(handed)) == worker_cli.worker_args(
+        worker.parse_args(given)
+    )
     # nothing given, nothing handed on: each worker's own defaults and PAGEDKV_WORKER_* decide;
     # no --threads: the stack gives each worker 1/N of the cores (tests/stack/test_e2e.py)
     assert worker_args_from(p.parse_args([])) == []
-    assert to_argv(RouterArgs, p.parse_args(["--policy", "least-load"])) == ["--policy", "least-load"]
+    assert to_argv(RouterArgs, p.parse_args(["--policy", "least-load"])) == [
+        "--policy",
+        "least-load",
+    ]
     with pytest.raises(SystemExit):
         p.parse_args(["--num-blocks", "many"])
     # the workers' other settings are not flags of `pagedkv up`: their variables reach them
@@ -118,17 +141,25 @@ def test_every_flag_has_help_and_passes_through():
     for flag in ("--threads", "--block-size", "--max-model-len"):
         with pytest.raises(SystemExit):
             p.parse_args([flag, "4"])
-    proc = subprocess.run([sys.executable, "-m", "pagedkv", "up", "--help"], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagedkv", "up", "--help"], capture_output=True, text=True
+    )
     assert proc.returncode == 0 and "usage: pagedkv up" in proc.stdout
 
 
 def test_generated_prometheus_config_passes_promtool(tmp_path):
     exe = shutil.which("promtool")
     if exe is None:
-        pytest.skip("skipped: no `promtool` on PATH (Debian package `prometheus`; .ci/run installs it)")
+        pytest.skip(
+            "skipped: no `promtool` on PATH (Debian package `prometheus`; .ci/run installs it)"
+        )
     path = tmp_path / "prometheus.yml"
-    path.write_text(prometheus_config(["127.0.0.1:9400"], ["127.0.0.1:8001", "127.0.0.1:8002"], "1s"))
-    proc = subprocess.run([exe, "check", "config", str(path)], capture_output=True, text=True, timeout=30)
+    path.write_text(
+        prometheus_config(["127.0.0.1:9400"], ["127.0.0.1:8001", "127.0.0.1:8002"], "1s")
+    )
+    proc = subprocess.run(
+        [exe, "check", "config", str(path)], capture_output=True, text=True, timeout=30
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -193,14 +224,24 @@ def test_a_killed_launcher_leaves_no_orphans(tmp_path):
 
 def test_up_starts_the_topology_and_stops_it_on_sigint(tmp_path):
     # --block-size is not a flag of `pagedkv up`: each worker reads its own variable
-    with _up(tmp_path, "--workers", "2", *TINY[:4], env={
-            "PAGEDKV_UP_GRACE": "10", "PAGEDKV_WORKER_BLOCK_SIZE": "4", "PAGEDKV_WORKER_MAX_MODEL_LEN": "96"},
-             ) as (up, info):
+    with _up(
+        tmp_path,
+        "--workers",
+        "2",
+        *TINY[:4],
+        env={
+            "PAGEDKV_UP_GRACE": "10",
+            "PAGEDKV_WORKER_BLOCK_SIZE": "4",
+            "PAGEDKV_WORKER_MAX_MODEL_LEN": "96",
+        },
+    ) as (up, info):
         assert len(info["workers"]) == 2 and len(set(info["workers"])) == 2
         for url in info["workers"]:
             assert http_ok(f"{url}/health")
             # the settings given as the workers' variables reached them
-            card = json.loads(urllib.request.urlopen(f"{url}/v1/models", timeout=5).read())["data"][0]
+            card = json.loads(urllib.request.urlopen(f"{url}/v1/models", timeout=5).read())["data"][
+                0
+            ]
             assert card["max_model_len"] == 96
         assert grpc_health_ok(info["allocator"])
         # both workers registered their pools with the one allocator
@@ -230,9 +271,22 @@ def test_up_starts_the_topology_and_stops_it_on_sigint(tmp_path):
 
 def test_up_reports_the_worker_that_failed(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "pagedkv", "up", "--workers", "1", "--model", str(tmp_path / "no-such-model"),
-         "--router-port", "0"],
-        capture_output=True, text=True, timeout=90, env={**os.environ, **FREE_PORTS, "PAGEDKV_UP_TIMEOUT": "60"},
+        [
+            sys.executable,
+            "-m",
+            "pagedkv",
+            "up",
+            "--workers",
+            "1",
+            "--model",
+            str(tmp_path / "no-such-model"),
+            "--router-port",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env={**os.environ, **FREE_PORTS, "PAGEDKV_UP_TIMEOUT": "60"},
     )
     assert proc.returncode == 1
     out = proc.stdout + proc.stderr
@@ -243,8 +297,15 @@ def test_up_reports_the_worker_that_failed(tmp_path):
 
 
 def test_local_stack_with_redis_and_prometheus(tmp_path):
-    with LocalStack(workers=1, model="tiny-random", worker_args=TINY[2:], redis=True, prometheus=True,
-                    scrape_interval="1s", log_dir=tmp_path / "logs") as stack:
+    with LocalStack(
+        workers=1,
+        model="tiny-random",
+        worker_args=TINY[2:],
+        redis=True,
+        prometheus=True,
+        scrape_interval="1s",
+        log_dir=tmp_path / "logs",
+    ) as stack:
         assert stack.worker_urls and http_ok(f"{stack.worker_urls[0]}/health")
         pids = [p.pid for p in stack.processes.values()]
         if stack.redis_url is None:
@@ -259,9 +320,14 @@ def test_local_stack_with_redis_and_prometheus(tmp_path):
             deadline = time.monotonic() + 20
             while True:
                 url = f"{stack.prometheus_url}/api/v1/targets"
-                targets = json.loads(urllib.request.urlopen(url, timeout=5).read())["data"]["activeTargets"]
+                targets = json.loads(urllib.request.urlopen(url, timeout=5).read())["data"][
+                    "activeTargets"
+                ]
                 health = {t["labels"]["job"]: t["health"] for t in targets}
-                if health == {"pagedkv-allocator": "up", "pagedkv-worker": "up"} or time.monotonic() > deadline:
+                if (
+                    health == {"pagedkv-allocator": "up", "pagedkv-worker": "up"}
+                    or time.monotonic() > deadline
+                ):
                     break
                 time.sleep(0.5)
             assert health == {"pagedkv-allocator": "up", "pagedkv-worker": "up"}
@@ -282,14 +348,22 @@ def test_local_stack_refuses_a_busy_port():
             LocalStack(workers=1, allocator_port=busy).start()
 
 
-def _stream(url: str, prompt: str, started: threading.Event, killed: threading.Event) -> tuple[list[str], int]:
+def _stream(
+    url: str, prompt: str, started: threading.Event, killed: threading.Event
+) -> tuple[list[str], int]:
     """(the `data:` payloads of a streamed completion through `url`, as they came;
     how many came after `killed` was set)."""
     import httpx
 
     events, after = [], 0
-    body = {"model": "tiny-random", "prompt": prompt, "max_tokens": 400, "ignore_eos": True, "temperature": 0,
-            "stream": True}
+    body = {
+        "model": "tiny-random",
+        "prompt": prompt,
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
@@ -307,29 +381,50 @@ def test_up_restarts_a_killed_allocator_and_no_stream_is_cut(tmp_path):
     import httpx
 
     log_path = tmp_path / "up.log"
-    with _up(tmp_path, "--workers", "2", "--model", "tiny-random", "--num-blocks", "256",
-             "--log-dir", str(tmp_path / "logs"), env={"PAGEDKV_WORKER_BLOCK_SIZE": "4"}) as (up, info):
+    with _up(
+        tmp_path,
+        "--workers",
+        "2",
+        "--model",
+        "tiny-random",
+        "--num-blocks",
+        "256",
+        "--log-dir",
+        str(tmp_path / "logs"),
+        env={"PAGEDKV_WORKER_BLOCK_SIZE": "4"},
+    ) as (up, info):
         router = info["router"]
         starts, killed = [threading.Event() for _ in range(4)], threading.Event()
         with ThreadPoolExecutor(4) as pool:
-            streams = [pool.submit(_stream, router, f"Stream {i} says: " + "tell me more. " * 4, started, killed)
-                       for i, started in enumerate(starts)]
+            streams = [
+                pool.submit(
+                    _stream, router, f"Stream {i} says: " + "tell me more. " * 4, started, killed
+                )
+                for i, started in enumerate(starts)
+            ]
             for started in starts:
                 assert started.wait(120), log_path.read_text()
             os.kill(info["pids"]["allocator"], signal.SIGKILL)
             killed.set()
             results = [s.result(timeout=300) for s in streams]
         for events, after_kill in results:
-            assert events[-1] == "[DONE]" and after_kill > 1  # it was in flight: the kill fell in the middle
+            assert (
+                events[-1] == "[DONE]" and after_kill > 1
+            )  # it was in flight: the kill fell in the middle
             chunks = [json.loads(e) for e in events[:-1]]
             assert [c for c in chunks if "error" in c] == []
-            assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]] == ["length"]
+            assert [
+                c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]
+            ] == ["length"]
         assert up.poll() is None, log_path.read_text()
         # The stack answers afterwards: once the restarted allocator lists the new pools and the router proved them.
         deadline = time.monotonic() + 120
         while True:
-            r = httpx.post(f"{router}/v1/completions", timeout=60,
-                           json={"model": "tiny-random", "prompt": "After the restart", "max_tokens": 4})
+            r = httpx.post(
+                f"{router}/v1/completions",
+                timeout=60,
+                json={"model": "tiny-random", "prompt": "After the restart", "max_tokens": 4},
+            )
             if r.status_code == 200 or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
@@ -356,9 +451,13 @@ def test_a_process_that_keeps_exiting_fast_is_given_up_on(monkeypatch):
     with pytest.raises(StackError) as err:
         stack.supervise()
     assert str(err.value).startswith(
-        f"worker-1 exited (status 3) {local.GIVE_UP_AFTER} times in a row within 30 s of starting; given up on")
+        f"worker-1 exited (status 3) {local.GIVE_UP_AFTER} times in a row within 30 s of starting; given up on"
+    )
     assert "boom: no such model" in str(err.value)
     # one line per restart before it: the first GIVE_UP_AFTER - 1 exits
-    assert stack.restarts == [f"worker-1 exited (status 3); restarting it in {0.0 if n == 1 else 0.1:g} s "
-                              f"(restart {n}, {n} fast exits in a row)" for n in range(1, local.GIVE_UP_AFTER)]
+    assert stack.restarts == [
+        f"worker-1 exited (status 3); restarting it in {0.0 if n == 1 else 0.1:g} s "
+        f"(restart {n}, {n} fast exits in a row)"
+        for n in range(1, local.GIVE_UP_AFTER)
+    ]
     stack.stop()

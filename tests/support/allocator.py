@@ -20,12 +20,19 @@ from allocator_service.wire.v1 import allocator_pb2_grpc as pb_grpc
 _C = grpc.StatusCode
 # The status codes the allocator documents; never UNKNOWN or INTERNAL.
 DOCUMENTED = {
-    _C.OK, _C.INVALID_ARGUMENT, _C.NOT_FOUND, _C.FAILED_PRECONDITION, _C.RESOURCE_EXHAUSTED,
-    _C.UNAUTHENTICATED, _C.PERMISSION_DENIED,
+    _C.OK,
+    _C.INVALID_ARGUMENT,
+    _C.NOT_FOUND,
+    _C.FAILED_PRECONDITION,
+    _C.RESOURCE_EXHAUSTED,
+    _C.UNAUTHENTICATED,
+    _C.PERMISSION_DENIED,
 }
 
 
-def stub(address: str, token: str | None = None) -> tuple[pb_grpc.AllocatorStub, tuple | None, grpc.Channel]:
+def stub(
+    address: str, token: str | None = None
+) -> tuple[pb_grpc.AllocatorStub, tuple | None, grpc.Channel]:
     channel = grpc.insecure_channel(address)
     metadata = (("authorization", f"Bearer {token}"),) if token else None
     return pb_grpc.AllocatorStub(channel), metadata, channel
@@ -40,14 +47,26 @@ def code_of(fn, *args, **kwargs) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
-def register(s: pb_grpc.AllocatorStub, metadata, worker_id: str, num_blocks: int = 64, block_size: int = 4,
-             prefix: bool = True, fingerprint: str = "m", replace_credential: str = "") -> pb.PoolRef:
+def register(
+    s: pb_grpc.AllocatorStub,
+    metadata,
+    worker_id: str,
+    num_blocks: int = 64,
+    block_size: int = 4,
+    prefix: bool = True,
+    fingerprint: str = "m",
+    replace_credential: str = "",
+) -> pb.PoolRef:
     r = s.RegisterPool(
         pb.RegisterPoolRequest(
             worker_id=worker_id,
             replace_credential=replace_credential,
-            shape=pb.PoolShape(num_blocks=num_blocks, block_size=block_size, model_fingerprint=fingerprint,
-                               enable_prefix_caching=prefix),
+            shape=pb.PoolShape(
+                num_blocks=num_blocks,
+                block_size=block_size,
+                model_fingerprint=fingerprint,
+                enable_prefix_caching=prefix,
+            ),
         ),
         metadata=metadata,
         timeout=10,
@@ -96,16 +115,28 @@ def random_steps(seed: int, steps: int, max_ops: int = 6, vocab: int = 6) -> lis
                 seq = f"s{n}"
                 # Every fifth holds slots reserved from its admission (a reservation).
                 reserve = 3 if n % 5 == 0 else 0
-                ops.append(Admit(seq, [rng.randrange(vocab) for _ in range(rng.randint(1, 14))],
-                                 rng.choice([None, None, "tenant"]), None, reserve))
+                ops.append(
+                    Admit(
+                        seq,
+                        [rng.randrange(vocab) for _ in range(rng.randint(1, 14))],
+                        rng.choice([None, None, "tenant"]),
+                        None,
+                        reserve,
+                    )
+                )
                 live.append(seq)
                 reserved[seq] = reserve
             elif k < 0.65:
                 # Some reserve slots for tokens not known yet (async scheduling): the
                 # next Append of that sequence fills them first; a Fork of it is refused.
-                seq, toks = rng.choice(live), [rng.randrange(vocab) for _ in range(rng.randint(0, 6))]
+                seq, toks = (
+                    rng.choice(live),
+                    [rng.randrange(vocab) for _ in range(rng.randint(0, 6))],
+                )
                 ops.append(Append(seq, toks, rng.choice((0, 0, 0, 1, 2, 5))))
-                reserved[seq] = max(0, reserved.get(seq, 0) - len(toks)) + ops[-1].reserve  # if it succeeds
+                reserved[seq] = (
+                    max(0, reserved.get(seq, 0) - len(toks)) + ops[-1].reserve
+                )  # if it succeeds
             elif k < 0.7:
                 # Reserved slots given back (refused for more than the sequence holds).
                 seq = rng.choice([s for s in live if reserved.get(s)] or live)

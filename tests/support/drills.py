@@ -61,18 +61,37 @@ class Stack(LocalStack):
     workers, a private Redis by default (the drill is skipped without
     redis-server), and the readings the drills report."""
 
-    def __init__(self, workers: int = 2, *, worker_args: Sequence[str] = (), allocator_args: Sequence[str] = (),
-                 redis: bool = True, token: str | None = None, tls: tuple[Path, Path] | None = None,
-                 env: dict[str, str] | None = None, standby: bool = False) -> None:
+    def __init__(
+        self,
+        workers: int = 2,
+        *,
+        worker_args: Sequence[str] = (),
+        allocator_args: Sequence[str] = (),
+        redis: bool = True,
+        token: str | None = None,
+        tls: tuple[Path, Path] | None = None,
+        env: dict[str, str] | None = None,
+        standby: bool = False,
+    ) -> None:
         if redis and shutil.which("redis-server") is None:
             pytest.skip("skipped: needs redis-server on PATH (Debian package redis-server)")
         # "--threads 1/1": every core per worker, torch's default, not the stack's
         # share. The drills' faults must land mid-workload and their workloads
         # are sized for that pace; with the cores divided a worker got through
         # them in 0.6 s, before the fault (the Redis kill drill then saw no retry).
-        super().__init__(workers, MODEL, worker_args=["--log-level", "warning", "--threads", "1/1", *worker_args],
-                         allocator_args=allocator_args, redis=redis, token=token or POOLS_TOKEN, tls=tls,
-                         startup_timeout=120.0, grace=15.0, env=env, standby=standby)
+        super().__init__(
+            workers,
+            MODEL,
+            worker_args=["--log-level", "warning", "--threads", "1/1", *worker_args],
+            allocator_args=allocator_args,
+            redis=redis,
+            token=token or POOLS_TOKEN,
+            tls=tls,
+            startup_timeout=120.0,
+            grace=15.0,
+            env=env,
+            standby=standby,
+        )
 
     # ------------------------------------------------------------ faults
     def kill_allocator(self) -> None:
@@ -102,6 +121,7 @@ class Stack(LocalStack):
     def wait_idle(self, timeout_s: float = 60.0) -> None:
         """Until every worker runs nothing and holds no block (the frees of
         the last requests go out with one more engine step)."""
+
         def idle():
             return all(
                 (m := scrape(f"{w.url}/metrics")).value("pagedkv_worker_kv_blocks_used") == 0
@@ -125,7 +145,11 @@ class Samples:
 
     def value(self, name: str, **labels: str) -> float:
         """Sum of the samples of `name` whose labels include `labels` (0 if none)."""
-        return sum(v for n, lab, v in self.items if n == name and all(lab.get(k) == x for k, x in labels.items()))
+        return sum(
+            v
+            for n, lab, v in self.items
+            if n == name and all(lab.get(k) == x for k, x in labels.items())
+        )
 
     def labels(self, name: str, key: str) -> set[str]:
         return {lab[key] for n, lab, _ in self.items if n == name and key in lab}
@@ -135,14 +159,20 @@ def scrape(url: str) -> Samples:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(url, timeout=30).text
-    return Samples([(s.name, dict(s.labels), s.value) for fam in text_string_to_metric_families(text)
-                    for s in fam.samples])
+    return Samples(
+        [
+            (s.name, dict(s.labels), s.value)
+            for fam in text_string_to_metric_families(text)
+            for s in fam.samples
+        ]
+    )
 
 
 def error_requests(samples: Samples) -> float:
     """Requests a worker ended other than normally ("abort": failed or dropped; "error")."""
-    return (samples.value("pagedkv_worker_requests_total", finish_reason="abort")
-            + samples.value("pagedkv_worker_requests_total", finish_reason="error"))
+    return samples.value("pagedkv_worker_requests_total", finish_reason="abort") + samples.value(
+        "pagedkv_worker_requests_total", finish_reason="error"
+    )
 
 
 # ------------------------------------------------------------------ requests
@@ -156,11 +186,26 @@ class Result:
     error: str = ""
 
 
-def complete(url: str, prompt: str, max_tokens: int, *, stream: bool = False, chat: bool = False,
-             salt: str | None = None, timeout_s: float = 120.0, client: httpx.Client | None = None) -> Result:
+def complete(
+    url: str,
+    prompt: str,
+    max_tokens: int,
+    *,
+    stream: bool = False,
+    chat: bool = False,
+    salt: str | None = None,
+    timeout_s: float = 120.0,
+    client: httpx.Client | None = None,
+) -> Result:
     """One greedy request (ignore_eos, so exactly `max_tokens` tokens); its
     outcome, never an exception (a transport failure is status 0)."""
-    body: dict = {"model": MODEL, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": stream}
+    body: dict = {
+        "model": MODEL,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
     if chat:
         body["messages"] = [{"role": "user", "content": prompt}]
         path = "/v1/chat/completions"
@@ -188,7 +233,9 @@ def complete(url: str, prompt: str, max_tokens: int, *, stream: bool = False, ch
         cached, reason, done = 0, None, False
         with client.stream("POST", url + path, json=body, timeout=timeout_s) as r:
             if r.status_code != 200:
-                return Result(r.status_code, latency_s=time.monotonic() - t0, error=r.read().decode()[:500])
+                return Result(
+                    r.status_code, latency_s=time.monotonic() - t0, error=r.read().decode()[:500]
+                )
             for line in r.iter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -200,10 +247,14 @@ def complete(url: str, prompt: str, max_tokens: int, *, stream: bool = False, ch
                 if chunk.get("usage"):
                     cached = chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
                 for c in chunk.get("choices", ()):
-                    parts.append((c.get("delta", {}).get("content") or "") if chat else c.get("text", ""))
+                    parts.append(
+                        (c.get("delta", {}).get("content") or "") if chat else c.get("text", "")
+                    )
                     reason = c.get("finish_reason") or reason
         if not done:
-            return Result(0, "".join(parts), time.monotonic() - t0, error="stream ended without [DONE]")
+            return Result(
+                0, "".join(parts), time.monotonic() - t0, error="stream ended without [DONE]"
+            )
         return Result(200, "".join(parts), time.monotonic() - t0, cached, reason)
     except (httpx.HTTPError, ValueError, KeyError) as exc:
         return Result(0, latency_s=time.monotonic() - t0, error=repr(exc))
@@ -220,15 +271,18 @@ class Job:
     chat: bool = False
 
 
-def run_jobs(stack: Stack, prompts: Sequence[str], jobs: Sequence[Job], max_tokens: int,
-             during=None) -> tuple[list[Result], dict]:
+def run_jobs(
+    stack: Stack, prompts: Sequence[str], jobs: Sequence[Job], max_tokens: int, during=None
+) -> tuple[list[Result], dict]:
     """Send every job at once (one thread each); `during()` runs meanwhile
     (the fault) and its return value is handed back."""
     results: list[Result | None] = [None] * len(jobs)
 
     def one(i: int) -> None:
         j = jobs[i]
-        results[i] = complete(stack.workers[j.worker].url, prompts[j.prompt], max_tokens, stream=j.stream, chat=j.chat)
+        results[i] = complete(
+            stack.workers[j.worker].url, prompts[j.prompt], max_tokens, stream=j.stream, chat=j.chat
+        )
 
     threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(jobs))]
     for t in threads:
@@ -250,11 +304,17 @@ def reference_texts(prompts: Sequence[str], max_tokens: int, chat: bool = False)
     loaded = load_model(MODEL)
     engine = LLMEngine(loaded, EngineConfig(num_blocks=1024, block_size=4, async_scheduling=False))
     if chat:
-        inputs = [loaded.tokenizer.encode_chat([{"role": "user", "content": p}], add_generation_prompt=True)
-                  for p in prompts]
+        inputs = [
+            loaded.tokenizer.encode_chat(
+                [{"role": "user", "content": p}], add_generation_prompt=True
+            )
+            for p in prompts
+        ]
     else:
         inputs = list(prompts)
-    outs = engine.generate(inputs, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    outs = engine.generate(
+        inputs, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    )
     engine.close()
     return [o.text for o in outs]
 
@@ -315,7 +375,11 @@ def check_no_leak(redis_url: str, live_pools: Sequence[str]) -> dict[str, dict]:
         s = pool.stats()
         assert s.used_blocks == 0 and s.num_sequences == 0, (pool_id, s)
         assert s.free_blocks == s.num_blocks, (pool_id, s)
-        out[pool_id] = {"blocks": s.num_blocks, "cached": s.cached_blocks, "last_step_id": entry.last_step_id}
+        out[pool_id] = {
+            "blocks": s.num_blocks,
+            "cached": s.cached_blocks,
+            "last_step_id": entry.last_step_id,
+        }
     return out
 
 
@@ -335,27 +399,60 @@ def self_signed_cert(directory: Path) -> tuple[Path, Path]:
         from cryptography.x509.oid import NameOID
     except ImportError:
         if shutil.which("openssl") is None:
-            pytest.skip("skipped: making a TLS certificate needs the `cryptography` package or the openssl CLI")
+            pytest.skip(
+                "skipped: making a TLS certificate needs the `cryptography` package or the openssl CLI"
+            )
         subprocess.run(
-            ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
-             "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-            check=True, capture_output=True,
+            [
+                "openssl",
+                "req",
+                "-x509",
+                "-newkey",
+                "ec",
+                "-pkeyopt",
+                "ec_paramgen_curve:prime256v1",
+                "-nodes",
+                "-keyout",
+                str(key),
+                "-out",
+                str(cert),
+                "-days",
+                "1",
+                "-subj",
+                "/CN=localhost",
+                "-addext",
+                "subjectAltName=DNS:localhost,IP:127.0.0.1",
+            ],
+            check=True,
+            capture_output=True,
         )
         return cert, key
     pk = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
     now = datetime.datetime.now(datetime.UTC)
     crt = (
-        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(pk.public_key())
-        .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(pk.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                    x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            ),
+            False,
+        )
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
         .sign(pk, hashes.SHA256())
     )
     cert.write_bytes(crt.public_bytes(serialization.Encoding.PEM))
-    key.write_bytes(pk.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                     serialization.NoEncryption()))
+    key.write_bytes(
+        pk.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
     return cert, key

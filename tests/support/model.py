@@ -17,7 +17,9 @@ from worker.model.llama import LlamaForCausalLM
 
 def make_pool(model: LlamaForCausalLM, num_blocks: int, block_size: int) -> KVPool:
     c = model.config
-    return KVPool(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, model.dtype, model.device)
+    return KVPool(
+        c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, model.dtype, model.device
+    )
 
 
 def run_step(
@@ -27,8 +29,12 @@ def run_step(
 ) -> torch.Tensor:
     """One forward step. seqs: (block_table, num_computed, new_token_ids).
     Returns float32 logits [T, vocab] for every new token."""
-    meta = AttentionMetadata.build([(t, c, len(ids)) for t, c, ids in seqs], pool.block_size, model.device)
-    ids = torch.tensor([i for _, _, new in seqs for i in new], dtype=torch.long, device=model.device)
+    meta = AttentionMetadata.build(
+        [(t, c, len(ids)) for t, c, ids in seqs], pool.block_size, model.device
+    )
+    ids = torch.tensor(
+        [i for _, _, new in seqs for i in new], dtype=torch.long, device=model.device
+    )
     hidden = model(ids, meta.positions(), pool, meta)
     return model.compute_logits(hidden)
 
@@ -48,7 +54,9 @@ def greedy_generate(
     lengths = [len(p) for p in prompts]
     out: list[list[int]] = [[] for _ in prompts]
     # Prefill: logits only at each prompt's last token.
-    meta = AttentionMetadata.build([(tables[s], 0, lengths[s]) for s in range(len(prompts))], block_size, model.device)
+    meta = AttentionMetadata.build(
+        [(tables[s], 0, lengths[s]) for s in range(len(prompts))], block_size, model.device
+    )
     ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=model.device)
     hidden = model(ids, meta.positions(), pool, meta)
     next_ids = model.compute_logits(hidden[meta.last_token_indices()]).argmax(-1).tolist()
@@ -62,7 +70,9 @@ def greedy_generate(
         active = still
         if not active:
             return out
-        meta = AttentionMetadata.build([(tables[s], lengths[s], 1) for s in active], block_size, model.device)
+        meta = AttentionMetadata.build(
+            [(tables[s], lengths[s], 1) for s in active], block_size, model.device
+        )
         ids = torch.tensor([out[s][-1] for s in active], dtype=torch.long, device=model.device)
         hidden = model(ids, meta.positions(), pool, meta)
         next_ids = model.compute_logits(hidden).argmax(-1).tolist()

@@ -20,8 +20,22 @@ pytestmark = pytest.mark.slow
 
 def test_bench_attacks_small(tmp_path):
     out_file = tmp_path / "attacks.json"
-    proc = subprocess.run([sys.executable, "-m", "pagedkv", "bench", "attacks", "--workload", "small",
-                           "--json", str(out_file)], capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pagedkv",
+            "bench",
+            "attacks",
+            "--workload",
+            "small",
+            "--json",
+            str(out_file),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "attacks on a stack with credentials and one without" in proc.stdout
     report = json.loads(out_file.read_text())
@@ -31,7 +45,11 @@ def test_bench_attacks_small(tmp_path):
         rows = {r["attack"]: r for r in run["attacks"]}
         assert list(rows) == list(ATTACK_NAMES), kind
         # the victim answered every Step and every request, on both stacks
-        assert run["victim"]["errors"] == 0 and run["victim"]["steps"] > 0 and run["victim"]["requests"] > 0, run
+        assert (
+            run["victim"]["errors"] == 0
+            and run["victim"]["steps"] > 0
+            and run["victim"]["requests"] > 0
+        ), run
         for name, r in rows.items():
             assert r["victim_errors"] == 0 and r["exited"] == [], (kind, name, r)
             assert "attack_error" not in r["details"], (kind, name, r["details"])
@@ -49,7 +67,9 @@ def test_bench_attacks_small(tmp_path):
         evil = rows["evil-worker"]
         assert not evil["succeeded"], evil
         passed = evil["details"]["mb_passed_each"]
-        assert len(passed) == evil["details"]["answers"] and all(0 < mb <= evil["details"]["answer_mb"] for mb in passed)
+        assert len(passed) == evil["details"]["answers"] and all(
+            0 < mb <= evil["details"]["answer_mb"] for mb in passed
+        )
         assert evil["details"]["trickled_whole"]["ended"] == "504 worker_timeout"
         assert evil["details"]["trickled_stream"]["ended"] == "worker_timeout"
     with_credentials = {r["attack"]: r for r in report["stacks"]["credentials"]["attacks"]}
@@ -70,7 +90,9 @@ def test_bench_attacks_small(tmp_path):
     assert d["answers_changed_planted"] == d["answers_changed_overwritten"] == 0, d
     assert poisoning["refused"].get("seal", 0) > 0, poisoning["refused"]
     d = reading["details"]
-    assert d["entries_read"] > 0 and d["entries_decoded"] == d["decoded_with_its_own_groups_key"] == 0, d
+    assert (
+        d["entries_read"] > 0 and d["entries_decoded"] == d["decoded_with_its_own_groups_key"] == 0
+    ), d
     assert d["tokens_recovered"] == 0 and not d["secret_read_back"], d
     assert reading["refused"] == {"seal": d["entries_read"]}, reading["refused"]
     # without credentials every pool is one trust domain with an unsealed store (the documented

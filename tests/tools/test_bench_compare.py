@@ -18,8 +18,14 @@ SLOWER = "time.sleep(0.004)  # the baseline's planted slowdown\n        results 
 
 
 def pagedkv(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pagedkv", *args], capture_output=True, text=True, timeout=300,
-                          check=check, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "pagedkv", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=check,
+        cwd=ROOT,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -38,16 +44,32 @@ def slower_baseline(tmp_path_factory) -> Path:
 
 def test_this_checkout_is_better_than_a_baseline_made_slower(slower_baseline, tmp_path):
     out = tmp_path / "compare.json"
-    pagedkv("bench", "compare", "--baseline", str(slower_baseline), "--rounds", "2", "--json", str(out),
-            "allocator", "--workload", "small", "--modes", "in-process")
+    pagedkv(
+        "bench",
+        "compare",
+        "--baseline",
+        str(slower_baseline),
+        "--rounds",
+        "2",
+        "--json",
+        str(out),
+        "allocator",
+        "--workload",
+        "small",
+        "--modes",
+        "in-process",
+    )
     report = json.loads(out.read_text(encoding="utf-8"))
     assert report["environment"]["command"] == (
         f"pagedkv bench compare --baseline {slower_baseline} --rounds 2 --json {out} "
-        "allocator --workload small --modes in-process")
+        "allocator --workload small --modes in-process"
+    )
     assert report["baseline"]["path"] == str(slower_baseline.resolve())
     assert report["baseline"]["commit"] is None  # not a git checkout
     figures = {f["figure"]: f for f in report["figures"]}
-    assert set(figures) == {f"in-process {n} seqs Step {q} ms" for n in (1, 8) for q in ("p50", "p99")}
+    assert set(figures) == {
+        f"in-process {n} seqs Step {q} ms" for n in (1, 8) for q in ("p50", "p99")
+    }
     for f in figures.values():
         assert len(f["baseline"]) == len(f["this"]) == 2 and f["lower_is_better"]
     # every baseline Step took 4 ms more; in-process steps take microseconds here
@@ -66,8 +88,13 @@ def test_the_verdict_reads_the_ranges_of_the_rounds():
     assert _figure("x", [1.0, 1.2], [1.5, 1.6], True)["verdict"] == "worse"
     assert _figure("x", [1.0, 1.2], [1.5, 1.6], False)["verdict"] == "better"
     assert _figure("x", [1.0, 1.2], [0.5, 0.7], True) | {"baseline": 0} == {
-        "figure": "x", "lower_is_better": True, "baseline": 0, "this": [0.5, 0.7], "ratio": 0.545,
-        "verdict": "better"}
+        "figure": "x",
+        "lower_is_better": True,
+        "baseline": 0,
+        "this": [0.5, 0.7],
+        "ratio": 0.545,
+        "verdict": "better",
+    }
     unmeasured = _figure("x", [None, None], [1.0, 1.0], True)
     assert unmeasured["verdict"] is None and unmeasured["ratio"] is None
 
@@ -80,7 +107,16 @@ def test_bad_baselines_and_arguments_get_one_clear_line(tmp_path):
     done = pagedkv("bench", "compare", "--baseline", "x", "--rounds", "1", "allocator", check=False)
     assert done.returncode == 2 and "at least 2 rounds" in done.stderr
     (tmp_path / ".venv").symlink_to(sys.prefix)
-    done = pagedkv("bench", "compare", "--baseline", str(tmp_path), "allocator", "--json", "x.json", check=False)
+    done = pagedkv(
+        "bench",
+        "compare",
+        "--baseline",
+        str(tmp_path),
+        "allocator",
+        "--json",
+        "x.json",
+        check=False,
+    )
     assert done.returncode == 2 and "give --json to `bench compare`" in done.stderr
 
 
@@ -93,6 +129,10 @@ def test_a_verdict_by_chance_is_rare():
 
     rng = random.Random(7)
     trials = 20_000
-    verdicts = [_figure("x", [rng.gauss(10, 1) for _ in range(3)], [rng.gauss(10, 1) for _ in range(3)],
-                        True)["verdict"] for _ in range(trials)]
+    verdicts = [
+        _figure(
+            "x", [rng.gauss(10, 1) for _ in range(3)], [rng.gauss(10, 1) for _ in range(3)], True
+        )["verdict"]
+        for _ in range(trials)
+    ]
     assert verdicts.count("within noise") / trials > 0.985

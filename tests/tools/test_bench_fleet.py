@@ -35,8 +35,11 @@ def test_replayed_answers_equal_the_recording(recording, allocator_server):
 
 def test_a_different_answer_is_a_mismatch(recording, allocator_server):
     last = recording.steps[-1]
-    tampered = Recording(recording.shape, [*recording.steps[:-1], dataclasses.replace(last, response=b"")],
-                         recording.timed_from)
+    tampered = Recording(
+        recording.shape,
+        [*recording.steps[:-1], dataclasses.replace(last, response=b"")],
+        recording.timed_from,
+    )
     with allocator_server() as server:
         (run,), _, _ = asyncio.run(replay([server.address], tampered, 1))
     assert run.errors == [] and run.mismatches == 1
@@ -44,8 +47,24 @@ def test_a_different_answer_is_a_mismatch(recording, allocator_server):
 
 def test_bench_fleet_json():
     w = FLEET["small"]
-    proc = subprocess.run([sys.executable, "-m", "pagedkv", "bench", "fleet", "--json", "--workload", "small",
-                           "--allocators", "1,2"], capture_output=True, text=True, timeout=300, check=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pagedkv",
+            "bench",
+            "fleet",
+            "--json",
+            "--workload",
+            "small",
+            "--allocators",
+            "1,2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     out = json.loads(proc.stdout)
     assert set(out["summary"]) == {str(n) for n in w.workers}
     for by_allocators in out["summary"].values():

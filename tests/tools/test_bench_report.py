@@ -21,8 +21,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def pagedkv(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pagedkv", *args], capture_output=True, text=True, timeout=120,
-                          check=True, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "pagedkv", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        cwd=cwd,
+    )
 
 
 def test_committed_page_is_what_the_committed_results_render():
@@ -59,20 +65,43 @@ def test_json_file_records_the_run_and_the_report_renders_it(tmp_path):
 
 
 def test_a_figure_not_measured_is_a_dash_never_zero():
-    table = Table("t", ["system", "peak", "share"], [["a", cell(None), cell(None, ".1%")], ["b", cell(0), cell(0.5, ".1%")]])
-    assert "| a | - | - |" in harness.markdown(table) and "| b | 0 | 50.0% |" in harness.markdown(table)
+    table = Table(
+        "t",
+        ["system", "peak", "share"],
+        [["a", cell(None), cell(None, ".1%")], ["b", cell(0), cell(0.5, ".1%")]],
+    )
+    assert "| a | - | - |" in harness.markdown(table) and "| b | 0 | 50.0% |" in harness.markdown(
+        table
+    )
 
 
 @settings(max_examples=30, deadline=None)
-@given(workload=st.sampled_from(["default", "small"]), repeats=st.integers(1, 9),
-       allocators=st.lists(st.sampled_from(["embedded", "grpc", "grpc+redis"]), min_size=1, max_size=3, unique=True),
-       compare=st.booleans(), json_to=st.sampled_from([None, "-", "out dir/x.json"]))
-def test_recorded_command_parses_back_to_the_same_options(workload, repeats, allocators, compare, json_to):
+@given(
+    workload=st.sampled_from(["default", "small"]),
+    repeats=st.integers(1, 9),
+    allocators=st.lists(
+        st.sampled_from(["embedded", "grpc", "grpc+redis"]), min_size=1, max_size=3, unique=True
+    ),
+    compare=st.booleans(),
+    json_to=st.sampled_from([None, "-", "out dir/x.json"]),
+)
+def test_recorded_command_parses_back_to_the_same_options(
+    workload, repeats, allocators, compare, json_to
+):
     """The command a report records runs the benchmark with the options it ran with."""
     from pagedkv.cli import build_parser
 
-    argv = ["bench", "serve", "--workload", workload, "--repeats", str(repeats), "--allocator", ",".join(allocators),
-            *(["--compare-async-scheduling"] if compare else [])]
+    argv = [
+        "bench",
+        "serve",
+        "--workload",
+        workload,
+        "--repeats",
+        str(repeats),
+        "--allocator",
+        ",".join(allocators),
+        *(["--compare-async-scheduling"] if compare else []),
+    ]
     argv += [] if json_to is None else ["--json"] if json_to == "-" else ["--json", json_to]
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -80,4 +109,5 @@ def test_recorded_command_parses_back_to_the_same_options(workload, repeats, all
     assert words[0] == "pagedkv"
     again = parser.parse_args(words[1:])
     assert {k: v for k, v in vars(again).items() if k != "_bench_parser"} == {
-        k: v for k, v in vars(args).items() if k != "_bench_parser"}
+        k: v for k, v in vars(args).items() if k != "_bench_parser"
+    }

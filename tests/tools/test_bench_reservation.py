@@ -22,9 +22,25 @@ SMALL = RESERVATION["small"]
 def run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("bench")
     out, png = folder / "reservation.json", folder / "reservation.png"
-    proc = subprocess.run([sys.executable, "-m", "pagedkv", "bench", "reservation", "--workload", "small",
-                           "--json", str(out), "--plot", str(png)],
-                          capture_output=True, text=True, timeout=300, check=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pagedkv",
+            "bench",
+            "reservation",
+            "--workload",
+            "small",
+            "--json",
+            str(out),
+            "--plot",
+            str(png),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     assert "Reservation baselines" in proc.stdout  # the table is printed beside the file
     return json.loads(out.read_text()), png
 
@@ -79,9 +95,29 @@ def test_the_plot_is_a_png(run):
 
 def test_an_fp8_kv_cache_halves_the_kv_bytes_per_token(tmp_path):
     out = tmp_path / "reservation-fp8.json"
-    subprocess.run([sys.executable, "-m", "pagedkv", "bench", "reservation", "--workload", "small", "--systems",
-                    "paged", "--kv-cache-dtype", "fp8", "--json", str(out)],
-                   capture_output=True, text=True, timeout=300, check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pagedkv",
+            "bench",
+            "reservation",
+            "--workload",
+            "small",
+            "--systems",
+            "paged",
+            "--kv-cache-dtype",
+            "fp8",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     report = json.loads(out.read_text())
     assert report["kv_cache_dtype"] == "fp8" and report["kv_bytes_per_token"] == 819_200 // 2
-    assert list(report["runs"]) == ["paged"] and report["summary"]["paged"]["max_rate_rps"] is not None
+    assert (
+        list(report["runs"]) == ["paged"] and report["summary"]["paged"]["max_rate_rps"] is not None
+    )

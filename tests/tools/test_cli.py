@@ -20,17 +20,23 @@ OPT_13B = {
 
 
 def pagedkv(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pagedkv", *args], capture_output=True, text=True, check=check)
+    return subprocess.run(
+        [sys.executable, "-m", "pagedkv", *args], capture_output=True, text=True, check=check
+    )
 
 
 @pytest.mark.parametrize("cfg,expected", [(LLAMA3_8B, 131_072), (OPT_13B, 819_200)])
 def test_kv_size_bytes_per_token(tmp_path, cfg, expected):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
-    out = json.loads(pagedkv("kv-size", str(path), "--json", "--tokens", "1000", "--gib", "16").stdout)
+    out = json.loads(
+        pagedkv("kv-size", str(path), "--json", "--tokens", "1000", "--gib", "16").stdout
+    )
     assert out["bytes_per_token"] == expected
     assert out["bytes_for_tokens"] == 1000 * expected
-    assert out["full_sequences_in_budget"] == (16 << 30) // expected // cfg["max_position_embeddings"]
+    assert (
+        out["full_sequences_in_budget"] == (16 << 30) // expected // cfg["max_position_embeddings"]
+    )
 
 
 def test_kv_size_text_and_dtype_override(tmp_path):
@@ -48,16 +54,25 @@ def test_kv_size_fp8_kv_cache_halves_bf16(tmp_path):
     for flag in ("fp8", "fp8_e4m3", "fp8_e5m2"):
         out = json.loads(pagedkv("kv-size", str(path), "--json", "--kv-cache-dtype", flag).stdout)
         assert out["bytes_per_token"] == 131_072 // 2 and out["bytes_per_element"] == 1
-    assert "65,536 bytes per token" in pagedkv("kv-size", str(path), "--kv-cache-dtype", "fp8").stdout
+    assert (
+        "65,536 bytes per token" in pagedkv("kv-size", str(path), "--kv-cache-dtype", "fp8").stdout
+    )
     auto = json.loads(pagedkv("kv-size", str(path), "--json", "--kv-cache-dtype", "auto").stdout)
     assert auto["bytes_per_token"] == 131_072
     proc = pagedkv("kv-size", str(path), "--kv-cache-dtype", "int4", check=False)
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--kv-cache-dtype must be one of" in proc.stderr
+    assert (
+        proc.returncode == 2
+        and proc.stderr.count("\n") == 1
+        and "--kv-cache-dtype must be one of" in proc.stderr
+    )
 
 
 @pytest.mark.parametrize(
     "content,needle",
-    [("{", "not valid JSON"), ('{"num_hidden_layers": 2}', "num_attention_heads must be a positive integer")],
+    [
+        ("{", "not valid JSON"),
+        ('{"num_hidden_layers": 2}', "num_attention_heads must be a positive integer"),
+    ],
 )
 def test_kv_size_bad_config(tmp_path, content, needle):
     path = tmp_path / "config.json"
@@ -82,7 +97,11 @@ def test_simulate_lands_near_the_article():
 def test_simulate_fp8_fits_about_twice_the_requests():
     auto = json.loads(pagedkv("simulate", "--json").stdout)
     fp8 = json.loads(pagedkv("simulate", "--json", "--kv-cache-dtype", "fp8").stdout)
-    assert (fp8["bytes_per_token"], fp8["pool_slots"], fp8["kv_cache_dtype"]) == (65_536, 262_144, "fp8")
+    assert (fp8["bytes_per_token"], fp8["pool_slots"], fp8["kv_cache_dtype"]) == (
+        65_536,
+        262_144,
+        "fp8",
+    )
     assert fp8["contiguous"]["admitted"] == 2 * auto["contiguous"]["admitted"] == 32
     assert 1.9 <= fp8["paged"]["admitted"] / auto["paged"]["admitted"] <= 2.0
     proc = pagedkv("simulate", "--kv-cache-dtype", "fp4", check=False)
@@ -95,7 +114,9 @@ def test_simulate_sweep_and_plot(tmp_path):
     sweep = out["sweep"]
     assert [r["block_size"] for r in sweep] == list(range(1, 17))
     assert sweep[0]["wasted_slots"] == 0  # block size 1 wastes nothing
-    assert all(r["wasted_slots"] < r["block_size"] * r["admitted"] for r in sweep)  # under a block a request
+    assert all(
+        r["wasted_slots"] < r["block_size"] * r["admitted"] for r in sweep
+    )  # under a block a request
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -116,7 +137,9 @@ def test_bench_core_against_vllm_says_why_it_skipped():
 
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed here: the comparison would run")
-    out = json.loads(pagedkv("bench", "core", "--json", "--workload", "small", "--against", "vllm").stdout)
+    out = json.loads(
+        pagedkv("bench", "core", "--json", "--workload", "small", "--against", "vllm").stdout
+    )
     (a,) = out["against"]
     assert (a["system"], a["seqs"]) == ("vllm", 256) and a["pagedkv_step_ms_p50"] > 0
     assert a["vllm_step_ms_p50"] is None and a["ratio_p50"] is None

@@ -18,8 +18,13 @@ OPERATIONS = ROOT / "docs" / "operations.md"
 
 
 def tool(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pagedkv.tools.config_reference", *args], capture_output=True,
-                          text=True, cwd=ROOT, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "pagedkv.tools.config_reference", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def sections(text: str) -> dict[str, str]:
@@ -35,7 +40,9 @@ def row(section: str, flag: str) -> list[str]:
 
 def test_the_reference_in_operations_md_is_current():
     # whatever the caller's environment says, the reference shows the built-in defaults
-    done = tool("--check", str(OPERATIONS), env={"PAGEDKV_WORKER_MODEL": "elsewhere", "VLLM_API_KEY": "k"})
+    done = tool(
+        "--check", str(OPERATIONS), env={"PAGEDKV_WORKER_MODEL": "elsewhere", "VLLM_API_KEY": "k"}
+    )
     assert done.returncode == 0, done.stderr
 
 
@@ -71,25 +78,49 @@ def test_every_flag_of_every_command_has_a_row():
         if subs:
             return
         commands += 1
-        flags = [s for a in parser._actions if not isinstance(a, argparse._HelpAction) for s in a.option_strings]
+        flags = [
+            s
+            for a in parser._actions
+            if not isinstance(a, argparse._HelpAction)
+            for s in a.option_strings
+        ]
         for flag in flags:
-            assert re.search(rf"^\| `[^`]*{re.escape(flag)}\b", tables[name], flags=re.M), (name, flag)
+            assert re.search(rf"^\| `[^`]*{re.escape(flag)}\b", tables[name], flags=re.M), (
+                name,
+                flag,
+            )
 
     walk(build_parser(), "pagedkv")
-    assert commands == len(tables) and {"pagedkv allocator", "pagedkv worker", "pagedkv router", "pagedkv up"} <= set(tables)
+    assert commands == len(tables) and {
+        "pagedkv allocator",
+        "pagedkv worker",
+        "pagedkv router",
+        "pagedkv up",
+    } <= set(tables)
 
 
 def test_rows_give_the_variable_and_the_default_a_user_gets():
     text = reference()
     tables = sections(text)
-    assert row(tables["pagedkv allocator"], "--metrics-port")[1:3] == ["`PAGEDKV_ALLOCATOR_METRICS_PORT`", ""]
-    assert row(tables["pagedkv allocator"], "--state")[1:3] == ["`PAGEDKV_ALLOCATOR_STATE`", "`memory`"]
+    assert row(tables["pagedkv allocator"], "--metrics-port")[1:3] == [
+        "`PAGEDKV_ALLOCATOR_METRICS_PORT`",
+        "",
+    ]
+    assert row(tables["pagedkv allocator"], "--state")[1:3] == [
+        "`PAGEDKV_ALLOCATOR_STATE`",
+        "`memory`",
+    ]
     assert row(tables["pagedkv worker"], "--enable-prefix-caching")[1:3] == [
-        "`PAGEDKV_WORKER_ENABLE_PREFIX_CACHING`", "on"]
+        "`PAGEDKV_WORKER_ENABLE_PREFIX_CACHING`",
+        "on",
+    ]
     assert row(tables["pagedkv router"], "--policy")[1:3] == ["`PAGEDKV_ROUTER_POLICY`", "`kv`"]
     assert row(tables["pagedkv up"], "--workers")[1:3] == ["`PAGEDKV_UP_WORKERS`", "`2`"]
     # a setting that is a variable only has a row too
     assert "`PAGEDKV_ALLOCATOR_FAIR_SHARE_WINDOW_MS`" in tables["pagedkv allocator"]
     # the worker's default id is made per process: the reference names no host or pid
-    assert row(tables["pagedkv worker"], "--worker-id")[2] == "HOSTNAME-PID-RANDOM (unique per host and process)"
+    assert (
+        row(tables["pagedkv worker"], "--worker-id")[2]
+        == "HOSTNAME-PID-RANDOM (unique per host and process)"
+    )
     assert not re.search(rf"{re.escape(socket.gethostname()[:100])}-\d+-[0-9a-f]{{6}}", text)

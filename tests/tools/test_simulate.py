@@ -9,8 +9,12 @@ import sys
 
 
 def simulate(*args: str) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "pagedkv", "simulate", "--json", *args],
-                          capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagedkv", "simulate", "--json", *args],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(proc.stdout)
 
 
@@ -40,7 +44,9 @@ def test_every_request_takes_its_own_blocks_when_all_fit():
     from pagedkv.tools.simulate import MAX_LEN, MIN_LEN, SEED, draw_lengths
 
     lengths = draw_lengths(50, MIN_LEN, MAX_LEN, SEED)
-    assert lengths == draw_lengths(500, MIN_LEN, MAX_LEN, SEED)[:50]  # the first 50 of the article's 500
+    assert (
+        lengths == draw_lengths(500, MIN_LEN, MAX_LEN, SEED)[:50]
+    )  # the first 50 of the article's 500
     few = simulate("--requests", "50")
     for r in few["sweep"]:
         B = r["block_size"]

@@ -37,19 +37,26 @@ class Browser:
         for attempt in range(1, self.START_ATTEMPTS + 1):
             self._start(width, height)
             try:
-                target = self.send("Target.createTarget", {"url": "about:blank"}, session=False)["targetId"]
+                target = self.send("Target.createTarget", {"url": "about:blank"}, session=False)[
+                    "targetId"
+                ]
                 break
             except (BrokenPipeError, ChromiumGone) as exc:
                 log = self._stderr_tail()
                 self.close()
                 if attempt == self.START_ATTEMPTS:
-                    raise ChromiumGone(f"chromium did not start ({attempt} attempts): {exc}; it said: {log}") from exc
+                    raise ChromiumGone(
+                        f"chromium did not start ({attempt} attempts): {exc}; it said: {log}"
+                    ) from exc
                 time.sleep(1.0)
-        self.session = self.send("Target.attachToTarget", {"targetId": target, "flatten": True},
-                                 session=False)["sessionId"]
+        self.session = self.send(
+            "Target.attachToTarget", {"targetId": target, "flatten": True}, session=False
+        )["sessionId"]
         self.send("Page.enable")
-        self.send("Emulation.setDeviceMetricsOverride",
-                  {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False})
+        self.send(
+            "Emulation.setDeviceMetricsOverride",
+            {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False},
+        )
 
     def _start(self, width: int, height: int) -> None:
         self._dir = tempfile.mkdtemp(prefix="pagedkv-chromium-")
@@ -67,11 +74,24 @@ class Browser:
         self._stderr = os.path.join(self._dir, "stderr.log")
         with open(self._stderr, "wb") as err:
             self.proc = subprocess.Popen(
-                [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-dev-shm-usage", "--no-first-run", "--remote-debugging-pipe",
-                 f"--user-data-dir={self._dir}", f"--window-size={width},{height}", "about:blank"],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
-                preexec_fn=child_fds, pass_fds=(3, 4),
+                [
+                    CHROMIUM,
+                    "--headless",
+                    "--no-sandbox",
+                    "--disable-gpu",
+                    "--disable-background-networking",
+                    "--disable-dev-shm-usage",
+                    "--no-first-run",
+                    "--remote-debugging-pipe",
+                    f"--user-data-dir={self._dir}",
+                    f"--window-size={width},{height}",
+                    "about:blank",
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                preexec_fn=child_fds,
+                pass_fds=(3, 4),
             )
         for fd in hi:
             os.close(fd)
@@ -87,8 +107,9 @@ class Browser:
         except OSError:
             return "(no log)"
 
-    def send(self, method: str, params: dict | None = None, session: bool = True,
-             timeout: float = 30.0) -> dict[str, Any]:
+    def send(
+        self, method: str, params: dict | None = None, session: bool = True, timeout: float = 30.0
+    ) -> dict[str, Any]:
         self._id += 1
         msg: dict[str, Any] = {"id": self._id, "method": method, "params": params or {}}
         if session and self.session:
@@ -115,7 +136,10 @@ class Browser:
         self.wait_for("document.readyState === 'complete'")
 
     def eval(self, expression: str) -> Any:
-        r = self.send("Runtime.evaluate", {"expression": expression, "returnByValue": True, "awaitPromise": True})
+        r = self.send(
+            "Runtime.evaluate",
+            {"expression": expression, "returnByValue": True, "awaitPromise": True},
+        )
         if "exceptionDetails" in r:
             raise RuntimeError(f"{expression}: {r['exceptionDetails']}")
         return r["result"].get("value")

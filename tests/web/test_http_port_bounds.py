@@ -54,11 +54,15 @@ def _base(server) -> str:
 def enough_files():
     # the allocator inherits this limit; it keeps half of it for connections
     if raise_open_files_limit() < 2 * (IDLE + FILES_BESIDE):
-        pytest.skip(f"needs an open-file limit (ulimit -n) of {2 * (IDLE + FILES_BESIDE)} for {IDLE} idle "
-                    f"connections; the hard limit here is lower")
+        pytest.skip(
+            f"needs an open-file limit (ulimit -n) of {2 * (IDLE + FILES_BESIDE)} for {IDLE} idle "
+            f"connections; the hard limit here is lower"
+        )
 
 
-def test_a_thousand_idle_connections_cost_no_thread_and_metrics_and_grpc_answer(allocator_server, enough_files):
+def test_a_thousand_idle_connections_cost_no_thread_and_metrics_and_grpc_answer(
+    allocator_server, enough_files
+):
     with allocator_server("--metrics-port", "0") as server:
         assert _get(server.metrics_url)[0] == 200
         before = _threads(server.pid)
@@ -69,7 +73,9 @@ def test_a_thousand_idle_connections_cost_no_thread_and_metrics_and_grpc_answer(
         try:
             time.sleep(1.0)
             assert _threads(server.pid) <= before + 4  # a socket each, not a thread
-            status, body = _get(server.metrics_url, timeout=10)  # answers at all: the figure is the bench's
+            status, body = _get(
+                server.metrics_url, timeout=10
+            )  # answers at all: the figure is the bench's
             assert status == 200 and b"pagedkv_allocator_pools" in body
             status, first = _get(_base(server) + "/pools/stream", timeout=10)
             assert status == 200 and first == b"retry: 2000\n"
@@ -93,8 +99,12 @@ def test_a_connection_past_the_bound_is_answered_503_at_once():
 
     bound = 5
     app = WebApp(service=object())
-    server = ServerThread(app, "127.0.0.1", 0, **serve_options(
-        header_timeout=30, body_timeout=30, max_connections=bound)).start()
+    server = ServerThread(
+        app,
+        "127.0.0.1",
+        0,
+        **serve_options(header_timeout=30, body_timeout=30, max_connections=bound),
+    ).start()
     url = f"http://127.0.0.1:{server.port}/metrics"
     try:
         held = [connect(url) for _ in range(bound)]
@@ -102,7 +112,9 @@ def test_a_connection_past_the_bound_is_answered_503_at_once():
         extra = connect(url, timeout=5)
         extra.settimeout(5)
         answer = extra.recv(4096)
-        assert answer.startswith(b"HTTP/1.1 503 ") and answer.endswith(b"too many connections at once\n")
+        assert answer.startswith(b"HTTP/1.1 503 ") and answer.endswith(
+            b"too many connections at once\n"
+        )
         read_to_close(extra)  # and closed
         extra.close()
         held.pop().close()
@@ -114,7 +126,9 @@ def test_a_connection_past_the_bound_is_answered_503_at_once():
         server.stop()
 
 
-def test_pools_streams_past_their_bound_are_answered_503_and_a_gone_client_frees_its_place(allocator_server):
+def test_pools_streams_past_their_bound_are_answered_503_and_a_gone_client_frees_its_place(
+    allocator_server,
+):
     streams = Limits().max_watchers
     with allocator_server("--metrics-port", "0") as server:
         url = _base(server) + "/pools/stream"
@@ -153,8 +167,12 @@ def test_a_client_that_takes_nothing_of_an_answer_is_cut_off():
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         ended.set()
 
-    server = ServerThread(endless, "127.0.0.1", 0, **serve_options(
-        header_timeout=30, body_timeout=30, max_connections=8, send_timeout=1.0)).start()
+    server = ServerThread(
+        endless,
+        "127.0.0.1",
+        0,
+        **serve_options(header_timeout=30, body_timeout=30, max_connections=8, send_timeout=1.0),
+    ).start()
     try:
         sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
         sock.sendall(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
@@ -178,8 +196,12 @@ def test_playground_is_off_on_the_allocator_port_unless_asked_for(allocator_serv
     with allocator_server("--metrics-port", "0", "--playground") as teaching:
         base = _base(teaching)
         assert _get(f"{base}/playground")[0] == 200
-        run = urllib.request.Request(f"{base}/playground/api/run", data=b"{}", method="POST",
-                                     headers={"content-type": "application/json"})
+        run = urllib.request.Request(
+            f"{base}/playground/api/run",
+            data=b"{}",
+            method="POST",
+            headers={"content-type": "application/json"},
+        )
         assert _status(run) == 200
 
 

@@ -22,8 +22,23 @@ OUT = ROOT / "out"
 
 
 def replay() -> list[dict]:
-    out = subprocess.run([sys.executable, "-m", "pagedkv.cli", "replay", "--num-blocks", "8", "--block-size", "4",
-                          str(TRACE)], capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pagedkv.cli",
+            "replay",
+            "--num-blocks",
+            "8",
+            "--block-size",
+            "4",
+            str(TRACE),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    ).stdout
     return [json.loads(line) for line in out.splitlines()]
 
 
@@ -31,10 +46,19 @@ def test_api_matches_replay_and_refuses_bad_input():
     ops = [json.loads(line) for line in TRACE.read_text().splitlines() if line.strip()]
     answer = run({"num_blocks": 8, "block_size": 4, "ops": ops})
     for got, want in zip(answer["results"], replay(), strict=True):
-        assert {k: got[k] for k in ("ok", "tables", "free", "refcounts", "wasted_slots", "new_blocks")} == \
-               {k: want[k] for k in ("ok", "tables", "free", "refcounts", "wasted_slots", "new_blocks")}
-    for bad in ({"num_blocks": 0}, {"block_size": 99}, {"ops": [{"op": "drop"}]}, {"ops": "x"},
-                {"ops": [{"op": "admit", "seq": "A", "tokens": [-1]}]}, {"prefix_caching": "yes"}):
+        assert {
+            k: got[k] for k in ("ok", "tables", "free", "refcounts", "wasted_slots", "new_blocks")
+        } == {
+            k: want[k] for k in ("ok", "tables", "free", "refcounts", "wasted_slots", "new_blocks")
+        }
+    for bad in (
+        {"num_blocks": 0},
+        {"block_size": 99},
+        {"ops": [{"op": "drop"}]},
+        {"ops": "x"},
+        {"ops": [{"op": "admit", "seq": "A", "tokens": [-1]}]},
+        {"prefix_caching": "yes"},
+    ):
         with pytest.raises(PlaygroundError):
             run(bad)
 
@@ -57,28 +81,44 @@ def test_offline_server_has_no_pools(site):
 
 
 def test_pagedkv_playground_command():
-    proc = subprocess.Popen([sys.executable, "-m", "pagedkv.cli", "playground", "--port", "0"], cwd=ROOT,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pagedkv.cli", "playground", "--port", "0"],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = proc.stderr.readline()
         url = line.split("open ", 1)[1].split()[0]
         page = urllib.request.urlopen(url, timeout=5).read().decode()
         assert "PagedKV playground" in page
-        assert b"pools.html" not in urllib.request.urlopen(url.replace("/playground", "/static/playground.js"),
-                                                           timeout=5).read()
+        assert (
+            b"pools.html"
+            not in urllib.request.urlopen(
+                url.replace("/playground", "/static/playground.js"), timeout=5
+            ).read()
+        )
     finally:
         proc.terminate()
         assert proc.wait(10) == 0
 
 
-@pytest.mark.skipif(not cdp.available(), reason="needs Debian's chromium (/usr/bin/chromium); .ci/run installs it")
+@pytest.mark.skipif(
+    not cdp.available(), reason="needs Debian's chromium (/usr/bin/chromium); .ci/run installs it"
+)
 def test_clicking_the_article_table(site):
     want = replay()
     # The article's steps as clicks: (control, value, button)
-    clicks = [("#prompt", 6, "#add"), ("#prompt", 3, "#add"), ("#prompt", 5, "#add"),
-              ("#n", 2, '[data-act="growN"][data-seq="A"]'), ("#n", 1, '[data-act="growN"][data-seq="A"]'),
-              ("#n", 2, '[data-act="growN"][data-seq="B"]'), (None, None, '[data-act="free"][data-seq="B"]'),
-              ("#n", 4, '[data-act="growN"][data-seq="C"]')]
+    clicks = [
+        ("#prompt", 6, "#add"),
+        ("#prompt", 3, "#add"),
+        ("#prompt", 5, "#add"),
+        ("#n", 2, '[data-act="growN"][data-seq="A"]'),
+        ("#n", 1, '[data-act="growN"][data-seq="A"]'),
+        ("#n", 2, '[data-act="growN"][data-seq="B"]'),
+        (None, None, '[data-act="free"][data-seq="B"]'),
+        ("#n", 4, '[data-act="growN"][data-seq="C"]'),
+    ]
     OUT.mkdir(exist_ok=True)
     with cdp.Browser(1280, 900) as b:
         b.goto(f"{site}/playground")
@@ -93,11 +133,15 @@ def test_clicking_the_article_table(site):
             assert json.loads(shown["free"]) == want[i]["free"], i
             assert json.loads(shown["refcounts"]) == want[i]["refcounts"], i
             assert int(shown["wasted"]) == want[i]["wasted_slots"], i
-            cells = b.eval("[...document.querySelectorAll('#paged-blocks .blk')].map(x => x.dataset.state)")
+            cells = b.eval(
+                "[...document.querySelectorAll('#paged-blocks .blk')].map(x => x.dataset.state)"
+            )
             assert cells.count("used") == int(shown["usedBlocks"]) == 8 - len(want[i]["free"])
         # every row of the steps table, as replay prints it
-        rows = b.eval("[...document.querySelectorAll('#log tr[data-step]')]"
-                      ".map(r => [JSON.parse(r.dataset.tables), JSON.parse(r.dataset.free), +r.dataset.wasted])")
+        rows = b.eval(
+            "[...document.querySelectorAll('#log tr[data-step]')]"
+            ".map(r => [JSON.parse(r.dataset.tables), JSON.parse(r.dataset.free), +r.dataset.wasted])"
+        )
         assert rows == [[w["tables"], w["free"], w["wasted_slots"]] for w in want]
         # the contiguous layout beside it: 32 slots, 16 reserved a chat shuts C out; 8 a chat fits all
         contig = b.eval("({...document.getElementById('contig').dataset})")
@@ -110,8 +154,13 @@ def test_clicking_the_article_table(site):
         for i in range(len(want)):
             b.eval("document.getElementById('article').click()")
             b.wait_for(f"document.body.dataset.steps === '{i + 1}'")
-        assert b.eval("[...document.querySelectorAll('#log tr[data-step]')]"
-                      ".map(r => [JSON.parse(r.dataset.tables), JSON.parse(r.dataset.free), +r.dataset.wasted])") == rows
+        assert (
+            b.eval(
+                "[...document.querySelectorAll('#log tr[data-step]')]"
+                ".map(r => [JSON.parse(r.dataset.tables), JSON.parse(r.dataset.free), +r.dataset.wasted])"
+            )
+            == rows
+        )
 
         # The slider: 16 slots a chat fit two of three chats in 32 slots; 8 fit all three.
         b.eval("document.getElementById('reset').click()")
@@ -120,7 +169,9 @@ def test_clicking_the_article_table(site):
             b.eval("document.getElementById('article').click()")
             b.wait_for(f"document.body.dataset.steps === '{i + 1}'")
         assert json.loads(b.eval("document.getElementById('contig').dataset.waiting")) == ["C"]
-        b.eval("const r = document.getElementById('reserve'); r.value = '8'; r.dispatchEvent(new Event('change'))")
+        b.eval(
+            "const r = document.getElementById('reserve'); r.value = '8'; r.dispatchEvent(new Event('change'))"
+        )
         b.wait_for("document.getElementById('contig').dataset.waiting === '[]'")
         assert b.eval("+document.getElementById('contig').dataset.wasted") == 24 - 14
 
@@ -129,8 +180,12 @@ def test_clicking_the_article_table(site):
         b.wait_for("document.body.dataset.steps === '4'")
         refs = json.loads(b.eval("document.getElementById('paged').dataset.refcounts"))
         assert refs == {"0": 2, "1": 2, "2": 1, "3": 1, "4": 1}
-        b.eval("const s = document.getElementById('block-size'); s.value = '2'; s.dispatchEvent(new Event('change'))")
+        b.eval(
+            "const s = document.getElementById('block-size'); s.value = '2'; s.dispatchEvent(new Event('change'))"
+        )
         b.wait_for("JSON.parse(document.getElementById('paged').dataset.tables).A?.length === 3")
-        b.eval("const c = document.getElementById('prefix'); c.checked = true; c.dispatchEvent(new Event('change'))")
+        b.eval(
+            "const c = document.getElementById('prefix'); c.checked = true; c.dispatchEvent(new Event('change'))"
+        )
         b.wait_for("document.getElementById('paged-stats').textContent.includes('hit rate')")
         b.screenshot(str(OUT / "playground-fork.png"))

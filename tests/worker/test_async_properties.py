@@ -48,22 +48,26 @@ from worker.engine.sequence import Sequence
 
 STOP = 3  # a sampled 3 ends a request that stops on it
 
-request_st = st.fixed_dictionaries({
-    "prompt": st.lists(st.integers(0, 3), min_size=1, max_size=12),
-    "n": st.integers(1, 3),
-    "max_tokens": st.integers(1, 8),
-    "stops": st.booleans(),
-    "arrive": st.integers(0, 6),  # the step it arrives at
-    "abort": st.one_of(st.none(), st.integers(1, 12)),  # the step it is aborted at
-})
+request_st = st.fixed_dictionaries(
+    {
+        "prompt": st.lists(st.integers(0, 3), min_size=1, max_size=12),
+        "n": st.integers(1, 3),
+        "max_tokens": st.integers(1, 8),
+        "stops": st.booleans(),
+        "arrive": st.integers(0, 6),  # the step it arrives at
+        "abort": st.one_of(st.none(), st.integers(1, 12)),  # the step it is aborted at
+    }
+)
 
-workload_st = st.fixed_dictionaries({
-    "block_size": st.sampled_from([1, 2, 4]),
-    "slots": st.integers(24, 64),  # token slots of the pool
-    "caching": st.booleans(),
-    "budget": st.sampled_from([3, 8, 256]),  # max_num_batched_tokens: 3 and 8 chunk prefills
-    "requests": st.lists(request_st, min_size=1, max_size=7),
-})
+workload_st = st.fixed_dictionaries(
+    {
+        "block_size": st.sampled_from([1, 2, 4]),
+        "slots": st.integers(24, 64),  # token slots of the pool
+        "caching": st.booleans(),
+        "budget": st.sampled_from([3, 8, 256]),  # max_num_batched_tokens: 3 and 8 chunk prefills
+        "requests": st.lists(request_st, min_size=1, max_size=7),
+    }
+)
 
 
 def draw(prefix: tuple[int, ...], sample: int) -> int:
@@ -72,14 +76,21 @@ def draw(prefix: tuple[int, ...], sample: int) -> int:
 
 
 class Run:
-    def __init__(self, w: dict, async_scheduling: bool, lookahead: int = 0, overlapped: bool = False) -> None:
+    def __init__(
+        self, w: dict, async_scheduling: bool, lookahead: int = 0, overlapped: bool = False
+    ) -> None:
         self.B = B = w["block_size"]
         self.caching = w["caching"]
         config = PoolConfig(w["slots"] // B, B, w["caching"], "prop")
         self.alloc = EmbeddedAllocator(PoolSpec("w", config))
         self.pool = self.alloc.pool
-        self.sched = Scheduler(self.alloc, max_num_seqs=8, max_num_batched_tokens=w["budget"],
-                               async_scheduling=async_scheduling, lookahead=lookahead)
+        self.sched = Scheduler(
+            self.alloc,
+            max_num_seqs=8,
+            max_num_batched_tokens=w["budget"],
+            async_scheduling=async_scheduling,
+            lookahead=lookahead,
+        )
         self.async_scheduling = async_scheduling
         self.lookahead = lookahead
         # Overlapped (the engine on a device whose launch returns at once):
@@ -87,7 +98,9 @@ class Run:
         # drawn and processed; the device computes N, then N+1, in order.
         self.overlapped = overlapped
         self.launched: tuple | None = None
-        self.kv: dict[int, tuple[int, ...]] = {}  # flat slot -> the prefix its K/V was computed from
+        self.kv: dict[
+            int, tuple[int, ...]
+        ] = {}  # flat slot -> the prefix its K/V was computed from
         self.requests = w["requests"]
         self.families: dict[str, list[Sequence]] = {}
         plan, step = self.sched._plan, self.alloc.step
@@ -101,21 +114,41 @@ class Run:
             results = step(ops)
             refused = [(op, r.error) for op, r in zip(ops, results, strict=True) if not r.ok]
             assert not refused, f"the allocator refused {refused}"
-            assert self.pool.num_free_blocks >= planned[-1].free, "the worker over-estimated the free blocks"
+            assert self.pool.num_free_blocks >= planned[-1].free, (
+                "the worker over-estimated the free blocks"
+            )
             return results
 
         self.sched._plan = recording_plan
         self.alloc.step = checked_step
 
     def add(self, rid: str, r: dict) -> None:
-        params = SamplingParams(max_tokens=r["max_tokens"], n=r["n"], temperature=1.0, seed=1,
-                                stop_token_ids=[STOP] if r["stops"] else [])
-        seq = Sequence(request_id=rid, prompt_token_ids=list(r["prompt"]), params=params,
-                       max_tokens=r["max_tokens"], arrival_time=float(len(self.families)))
+        params = SamplingParams(
+            max_tokens=r["max_tokens"],
+            n=r["n"],
+            temperature=1.0,
+            seed=1,
+            stop_token_ids=[STOP] if r["stops"] else [],
+        )
+        seq = Sequence(
+            request_id=rid,
+            prompt_token_ids=list(r["prompt"]),
+            params=params,
+            max_tokens=r["max_tokens"],
+            arrival_time=float(len(self.families)),
+        )
         for i in range(1, r["n"]):
-            seq.children.append(Sequence(request_id=rid, prompt_token_ids=list(r["prompt"]),
-                                         params=params.for_sample(i), max_tokens=r["max_tokens"],
-                                         arrival_time=seq.arrival_time, index=i, fork_parent=seq))
+            seq.children.append(
+                Sequence(
+                    request_id=rid,
+                    prompt_token_ids=list(r["prompt"]),
+                    params=params.for_sample(i),
+                    max_tokens=r["max_tokens"],
+                    arrival_time=seq.arrival_time,
+                    index=i,
+                    fork_parent=seq,
+                )
+            )
         self.families[rid] = [seq, *seq.children]
         self.sched.add(seq)
 
@@ -162,15 +195,19 @@ class Run:
         for e in batch.entries:
             for p in range(e.num_computed):
                 got = self.kv.get(self.slot(e.table, p))
-                assert got == tuple(e.seq.token_ids[: p + 1]), f"{e.seq.alloc_id} reads wrong K/V at {p}"
+                assert got == tuple(e.seq.token_ids[: p + 1]), (
+                    f"{e.seq.alloc_id} reads wrong K/V at {p}"
+                )
         for b, h in findable.items():
             if self.pool.index.block_hash[b] != h:
                 continue  # evicted and reused since: no longer findable
             prefix = self.kv.get(b * self.B + self.B - 1)
-            assert prefix is not None and all(b * self.B + o in self.kv for o in range(self.B)), \
+            assert prefix is not None and all(b * self.B + o in self.kv for o in range(self.B)), (
                 f"findable block {b} lacks K/V"
-            assert chain_hashes(self.pool.root_hash, list(prefix), self.B, None)[-1] == h, \
+            )
+            assert chain_hashes(self.pool.root_hash, list(prefix), self.B, None)[-1] == h, (
                 f"findable block {b} holds other K/V than its hash names"
+            )
         # Sampling, as the model runner and the engine do it.
         sampled = []
         for e in batch.entries:
@@ -200,7 +237,9 @@ class Run:
             assert held.reserved == s.num_reserved <= self.async_scheduling + self.lookahead
             assert held.num_tokens == s.num_held >= s.num_stored >= s.num_valued
         pending = {*(s.alloc_id for s in known), *sched._to_free, *sched._free_later}
-        assert set(self.pool.tables()) <= pending, "the allocator holds a sequence the worker forgot"
+        assert set(self.pool.tables()) <= pending, (
+            "the allocator holds a sequence the worker forgot"
+        )
 
     def check_sharing(self) -> None:
         holders: dict[int, set[str]] = {}
@@ -226,26 +265,49 @@ class Run:
 
 def fits(w: dict) -> bool:
     """Every request fits the pool alone (the engine refuses one that cannot)."""
-    return all(len(r["prompt"]) + r["max_tokens"] <= w["slots"] // w["block_size"] * w["block_size"]
-               for r in w["requests"])
+    return all(
+        len(r["prompt"]) + r["max_tokens"] <= w["slots"] // w["block_size"] * w["block_size"]
+        for r in w["requests"]
+    )
 
 
 # An admission answered for a request aborted while its call was out (its
 # one block hashed at once): computed all the same, then freed.
-@example({"block_size": 1, "slots": 24, "caching": True, "budget": 3, "requests": [
-    {"prompt": [0], "n": 1, "max_tokens": 1, "stops": False, "arrive": 0, "abort": None},
-    {"prompt": [0], "n": 1, "max_tokens": 1, "stops": False, "arrive": 1, "abort": 2}]})
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@example(
+    {
+        "block_size": 1,
+        "slots": 24,
+        "caching": True,
+        "budget": 3,
+        "requests": [
+            {"prompt": [0], "n": 1, "max_tokens": 1, "stops": False, "arrive": 0, "abort": None},
+            {"prompt": [0], "n": 1, "max_tokens": 1, "stops": False, "arrive": 1, "abort": 2},
+        ],
+    }
+)
+@settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
 @given(workload_st.filter(fits))
 def test_deferred_hashes_and_frees_keep_the_contract(w):
     synchronous = Run(w, async_scheduling=False).run()
     # An abort lands on a step, and the pipelined engine admits a step later:
     # what an aborted request had produced may differ; everything else is equal.
     kept = {f"r{i}" for i, r in enumerate(w["requests"]) if r["abort"] is None}
-    for async_scheduling, lookahead, overlapped in ((True, 0, False), (True, 3, False), (False, 2, False),
-                                                    (True, 8, False), (True, 0, True), (True, 8, True)):
+    for async_scheduling, lookahead, overlapped in (
+        (True, 0, False),
+        (True, 3, False),
+        (False, 2, False),
+        (True, 8, False),
+        (True, 0, True),
+        (True, 8, True),
+    ):
         other = Run(w, async_scheduling, lookahead, overlapped).run()
-        assert {k: v for k, v in other.items() if k in kept} == {k: v for k, v in synchronous.items() if k in kept}
+        assert {k: v for k, v in other.items() if k in kept} == {
+            k: v for k, v in synchronous.items() if k in kept
+        }
         for rid in kept:
             assert all(other[rid]), "a request ended without a token"
 
@@ -253,19 +315,40 @@ def test_deferred_hashes_and_frees_keep_the_contract(w):
 # -- lookahead slots cost nothing a call per step would not: scheduler-level cases -------------
 
 
-def _scheduler(num_blocks: int, budget: int, lookahead: int, async_scheduling: bool = False) -> Scheduler:
+def _scheduler(
+    num_blocks: int, budget: int, lookahead: int, async_scheduling: bool = False
+) -> Scheduler:
     alloc = EmbeddedAllocator(PoolSpec("w", PoolConfig(num_blocks, 1, False, "prop")))
-    return Scheduler(alloc, max_num_seqs=8, max_num_batched_tokens=budget, async_scheduling=async_scheduling,
-                     lookahead=lookahead)
+    return Scheduler(
+        alloc,
+        max_num_seqs=8,
+        max_num_batched_tokens=budget,
+        async_scheduling=async_scheduling,
+        lookahead=lookahead,
+    )
 
 
 def _request(rid: str, prompt: list[int], max_tokens: int, arrival: float, n: int = 1) -> Sequence:
     params = SamplingParams(max_tokens=max_tokens, n=n, temperature=1.0, seed=1)
-    seq = Sequence(request_id=rid, prompt_token_ids=prompt, params=params, max_tokens=max_tokens,
-                   arrival_time=arrival)
+    seq = Sequence(
+        request_id=rid,
+        prompt_token_ids=prompt,
+        params=params,
+        max_tokens=max_tokens,
+        arrival_time=arrival,
+    )
     for i in range(1, n):
-        seq.children.append(Sequence(request_id=rid, prompt_token_ids=prompt, params=params.for_sample(i),
-                                     max_tokens=max_tokens, arrival_time=arrival, index=i, fork_parent=seq))
+        seq.children.append(
+            Sequence(
+                request_id=rid,
+                prompt_token_ids=prompt,
+                params=params.for_sample(i),
+                max_tokens=max_tokens,
+                arrival_time=arrival,
+                index=i,
+                fork_parent=seq,
+            )
+        )
     return seq
 
 
@@ -325,7 +408,10 @@ def test_samples_of_a_chunked_prompt_still_fork_with_lookahead():
             seq = _request("r", [1, 2, 0] * 4, 4, 0.0, n=3)
             sent = _drive(_scheduler(64, 8, lookahead, async_scheduling), [seq])[1]
             kinds = [type(op).__name__ for op in sent]
-            assert (kinds.count("Fork"), kinds.count("Admit")) == (2, 1), (async_scheduling, lookahead)
+            assert (kinds.count("Fork"), kinds.count("Admit")) == (2, 1), (
+                async_scheduling,
+                lookahead,
+            )
 
 
 def test_lookahead_holds_no_slot_for_the_last_token():
@@ -348,21 +434,62 @@ def test_lookahead_holds_no_slot_for_the_last_token():
 
 
 def _request_spec(prompt_len: int, n: int, max_tokens: int, arrive: int) -> dict:
-    return {"prompt": [0] * prompt_len, "n": n, "max_tokens": max_tokens, "stops": False, "arrive": arrive,
-            "abort": None}
+    return {
+        "prompt": [0] * prompt_len,
+        "n": n,
+        "max_tokens": max_tokens,
+        "stops": False,
+        "arrive": arrive,
+        "abort": None,
+    }
 
 
-@pytest.mark.parametrize(("w", "max_num_seqs", "lookahead"), [
-    # the last token's slot (blocks of 1): one block too many held by a sample
-    ({"block_size": 1, "slots": 19, "caching": False, "budget": 2,
-      "requests": [_request_spec(1, 1, 1, 0), _request_spec(4, 4, 9, 0)]}, 4, 5),
-    # a finished sequence kept its blocks for its last Append while a running one was preempted
-    ({"block_size": 2, "slots": 16, "caching": True, "budget": 8,
-      "requests": [_request_spec(1, 1, 1, 0), _request_spec(1, 3, 12, 0)]}, 3, 1),
-    # one sequence's lookahead starved the others over the next steps
-    ({"block_size": 1, "slots": 39, "caching": False, "budget": 256,
-      "requests": [_request_spec(1, 1, 1, 0), _request_spec(1, 2, 7, 4), _request_spec(11, 3, 7, 5)]}, 5, 5),
-], ids=["last-token-slot", "flush-before-preempting", "all-or-none"])
+@pytest.mark.parametrize(
+    ("w", "max_num_seqs", "lookahead"),
+    [
+        # the last token's slot (blocks of 1): one block too many held by a sample
+        (
+            {
+                "block_size": 1,
+                "slots": 19,
+                "caching": False,
+                "budget": 2,
+                "requests": [_request_spec(1, 1, 1, 0), _request_spec(4, 4, 9, 0)],
+            },
+            4,
+            5,
+        ),
+        # a finished sequence kept its blocks for its last Append while a running one was preempted
+        (
+            {
+                "block_size": 2,
+                "slots": 16,
+                "caching": True,
+                "budget": 8,
+                "requests": [_request_spec(1, 1, 1, 0), _request_spec(1, 3, 12, 0)],
+            },
+            3,
+            1,
+        ),
+        # one sequence's lookahead starved the others over the next steps
+        (
+            {
+                "block_size": 1,
+                "slots": 39,
+                "caching": False,
+                "budget": 256,
+                "requests": [
+                    _request_spec(1, 1, 1, 0),
+                    _request_spec(1, 2, 7, 4),
+                    _request_spec(11, 3, 7, 5),
+                ],
+            },
+            5,
+            5,
+        ),
+    ],
+    ids=["last-token-slot", "flush-before-preempting", "all-or-none"],
+)
 def test_lookahead_preempts_no_more_than_a_call_per_step(w, max_num_seqs, lookahead):
     """Workloads (found by a wider fuzz of these rules) where lookahead slots
     used to cost a preemption that a call per step does not make; the
@@ -372,7 +499,9 @@ def test_lookahead_preempts_no_more_than_a_call_per_step(w, max_num_seqs, lookah
         run = Run(w, async_scheduling=False, lookahead=slots)
         run.sched.max_num_seqs = max_num_seqs
         preempted = []
-        run.sched.on_preempt = lambda seq, cause, preempted=preempted: preempted.append(seq.alloc_id)
+        run.sched.on_preempt = lambda seq, cause, preempted=preempted: preempted.append(
+            seq.alloc_id
+        )
         results[slots] = (run.run(), preempted)
     assert results[lookahead][0] == results[0][0]
     assert len(results[lookahead][1]) <= len(results[0][1]), results
@@ -386,12 +515,38 @@ def test_lookahead_leaves_the_next_queued_request_its_blocks():
     request later with 8 lookahead slots, 58 once this was fixed; the rest
     arrived after slots were reserved, which are now given back:
     `test_lookahead_admits_no_later_and_preempts_no_more_than_a_call_per_step`)."""
-    w = {"block_size": 1, "slots": 26, "caching": False, "budget": 5, "requests": [
-        {"prompt": [3, 0, 1, 0, 0, 0, 2, 2, 3, 0, 2, 1, 3, 0, 3, 3], "n": 2, "max_tokens": 4, "stops": False,
-         "arrive": 4, "abort": None},
-        {"prompt": [2, 1, 0, 3, 1], "n": 2, "max_tokens": 16, "stops": False, "arrive": 6, "abort": None},
-        {"prompt": [3, 2, 1, 2, 1, 2, 1, 1, 2, 0, 3, 0, 0], "n": 1, "max_tokens": 7, "stops": False, "arrive": 6,
-         "abort": None}]}
+    w = {
+        "block_size": 1,
+        "slots": 26,
+        "caching": False,
+        "budget": 5,
+        "requests": [
+            {
+                "prompt": [3, 0, 1, 0, 0, 0, 2, 2, 3, 0, 2, 1, 3, 0, 3, 3],
+                "n": 2,
+                "max_tokens": 4,
+                "stops": False,
+                "arrive": 4,
+                "abort": None,
+            },
+            {
+                "prompt": [2, 1, 0, 3, 1],
+                "n": 2,
+                "max_tokens": 16,
+                "stops": False,
+                "arrive": 6,
+                "abort": None,
+            },
+            {
+                "prompt": [3, 2, 1, 2, 1, 2, 1, 1, 2, 0, 3, 0, 0],
+                "n": 1,
+                "max_tokens": 7,
+                "stops": False,
+                "arrive": 6,
+                "abort": None,
+            },
+        ],
+    }
     admitted = {}
     for lookahead in (0, 8):
         run = Run(w, async_scheduling=False, lookahead=lookahead)
@@ -436,17 +591,57 @@ def _admissions_and_preemptions(w: dict, async_scheduling: bool, lookahead: int,
 
 
 # Before UNRESERVE: r2 admitted at step 3 with 2 slots ahead, at step 2 with a call per step.
-@example(w={"block_size": 1, "slots": 20, "caching": False, "budget": 3, "requests": [
-    {"prompt": [0, 0], "n": 1, "max_tokens": 2, "stops": False, "arrive": 1, "abort": None},
-    {"prompt": [0, 0, 0, 0], "n": 1, "max_tokens": 3, "stops": False, "arrive": 0, "abort": None},
-    {"prompt": [0] * 11, "n": 1, "max_tokens": 1, "stops": False, "arrive": 2, "abort": None}]},
-    async_scheduling=False, lookahead=2, max_num_seqs=3)
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-@given(w=workload_st.map(lambda w: {**w, "slots": w["slots"] // 2 + 8, "caching": False,
-                                    "requests": [{**r, "abort": None} for r in w["requests"]]}).filter(fits),
-       async_scheduling=st.booleans(), lookahead=st.sampled_from([2, 8, 32]), max_num_seqs=st.integers(3, 5))
-def test_lookahead_admits_no_later_and_preempts_no_more_than_a_call_per_step(w, async_scheduling, lookahead,
-                                                                             max_num_seqs):
+@example(
+    w={
+        "block_size": 1,
+        "slots": 20,
+        "caching": False,
+        "budget": 3,
+        "requests": [
+            {"prompt": [0, 0], "n": 1, "max_tokens": 2, "stops": False, "arrive": 1, "abort": None},
+            {
+                "prompt": [0, 0, 0, 0],
+                "n": 1,
+                "max_tokens": 3,
+                "stops": False,
+                "arrive": 0,
+                "abort": None,
+            },
+            {
+                "prompt": [0] * 11,
+                "n": 1,
+                "max_tokens": 1,
+                "stops": False,
+                "arrive": 2,
+                "abort": None,
+            },
+        ],
+    },
+    async_scheduling=False,
+    lookahead=2,
+    max_num_seqs=3,
+)
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+@given(
+    w=workload_st.map(
+        lambda w: {
+            **w,
+            "slots": w["slots"] // 2 + 8,
+            "caching": False,
+            "requests": [{**r, "abort": None} for r in w["requests"]],
+        }
+    ).filter(fits),
+    async_scheduling=st.booleans(),
+    lookahead=st.sampled_from([2, 8, 32]),
+    max_num_seqs=st.integers(3, 5),
+)
+def test_lookahead_admits_no_later_and_preempts_no_more_than_a_call_per_step(
+    w, async_scheduling, lookahead, max_num_seqs
+):
     """Tight pools (16 to 40 slots): slots held ahead never cost a request
     its admission nor a running sequence its blocks. A step short of blocks
     first frees finished sequences whose last values were still to go out,
@@ -461,9 +656,14 @@ def test_lookahead_admits_no_later_and_preempts_no_more_than_a_call_per_step(w, 
     call per step, and that moves later admissions either way (a review
     found one in ~600 such workloads admitted a step later)."""
     reference = _admissions_and_preemptions(w, async_scheduling, 0, max_num_seqs)
-    outputs, admitted, preemptions = _admissions_and_preemptions(w, async_scheduling, lookahead, max_num_seqs)
+    outputs, admitted, preemptions = _admissions_and_preemptions(
+        w, async_scheduling, lookahead, max_num_seqs
+    )
     assert outputs == reference[0]
-    assert all(admitted[rid] <= step for rid, step in reference[1].items()), (admitted, reference[1])
+    assert all(admitted[rid] <= step for rid, step in reference[1].items()), (
+        admitted,
+        reference[1],
+    )
     assert preemptions <= reference[2]
 
 
@@ -473,9 +673,30 @@ def test_a_parent_preempted_with_its_forks_frees_its_blocks_for_that_step():
     preempted (its Free waits for its sample's Fork), then the sample (so
     the Fork is not sent, and B is freed in this call): B's 3 blocks serve
     A, which keeps running."""
-    w = {"block_size": 4, "slots": 24, "caching": False, "budget": 256, "requests": [
-        {"prompt": [0] * 12, "n": 1, "max_tokens": 2, "stops": False, "arrive": 2, "abort": None},
-        {"prompt": [0] * 9, "n": 2, "max_tokens": 2, "stops": False, "arrive": 2, "abort": None}]}
+    w = {
+        "block_size": 4,
+        "slots": 24,
+        "caching": False,
+        "budget": 256,
+        "requests": [
+            {
+                "prompt": [0] * 12,
+                "n": 1,
+                "max_tokens": 2,
+                "stops": False,
+                "arrive": 2,
+                "abort": None,
+            },
+            {
+                "prompt": [0] * 9,
+                "n": 2,
+                "max_tokens": 2,
+                "stops": False,
+                "arrive": 2,
+                "abort": None,
+            },
+        ],
+    }
     run = Run(w, async_scheduling=False)
     run.sched.max_num_seqs = 3
     preempted = []

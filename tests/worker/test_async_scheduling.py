@@ -25,7 +25,9 @@ def workload() -> tuple[list[list[int]], list[SamplingParams]]:
     params = [GREEDY] * len(prompts)
     params[1] = SamplingParams(max_tokens=12, temperature=0.8, seed=7, n=3, ignore_eos=True)
     params[4] = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    params[6] = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop_token_ids=[5, 17, 101, 260])
+    params[6] = SamplingParams(
+        max_tokens=16, temperature=0, ignore_eos=True, stop_token_ids=[5, 17, 101, 260]
+    )
     params[8] = SamplingParams(max_tokens=9, temperature=0.9, seed=11, n=2, ignore_eos=True)
     return prompts, params
 
@@ -42,7 +44,11 @@ def outcome(engine) -> list[list[tuple[list[int], str | None]]]:
         st = engine.allocator.stats()
         assert st.used_blocks == 0, "blocks held after every request finished"
         alloc = engine.allocator
-        problems = alloc.pool.integrity_problems() if hasattr(alloc, "pool") else alloc.integrity_problems()
+        problems = (
+            alloc.pool.integrity_problems()
+            if hasattr(alloc, "pool")
+            else alloc.integrity_problems()
+        )
         assert problems == []
         return [[(o.token_ids, o.finish_reason) for o in samples] for samples in outs]
     finally:
@@ -52,7 +58,9 @@ def outcome(engine) -> list[list[tuple[list[int], str | None]]]:
 @pytest.fixture(scope="module")
 def synchronous(tiny):
     """The synchronous engine, one request at a time with a big pool."""
-    return outcome(make(tiny, max_num_seqs=3, num_blocks=4096, block_size=4, async_scheduling=False))
+    return outcome(
+        make(tiny, max_num_seqs=3, num_blocks=4096, block_size=4, async_scheduling=False)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +81,11 @@ def test_async_equals_sync_under_preemption(tiny, synchronous, block_size, cachi
     with a call every step (no lookahead slots) and with the default 8
     lookahead slots (steps that make no call), all preempt and all give the
     synchronous outputs."""
-    small = {"num_blocks": PREEMPTING_SLOTS[block_size] // block_size, "block_size": block_size,
-             "enable_prefix_caching": caching}
+    small = {
+        "num_blocks": PREEMPTING_SLOTS[block_size] // block_size,
+        "block_size": block_size,
+        "enable_prefix_caching": caching,
+    }
     for on, lookahead in ((False, 0), (True, 0), (True, 8), (False, 8)):
         engine = make(tiny, async_scheduling=on, num_lookahead_slots=lookahead, **small)
         assert outcome(engine) == synchronous, (on, lookahead)
@@ -94,11 +105,19 @@ def test_lookahead_slots_skip_calls_and_keep_every_block_cached(tiny, on):
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     runs = {}
     for lookahead in (0, 8):
-        engine = make(tiny, block_size=4, enable_prefix_caching=True, async_scheduling=on,
-                      num_lookahead_slots=lookahead)
+        engine = make(
+            tiny,
+            block_size=4,
+            enable_prefix_caching=True,
+            async_scheduling=on,
+            num_lookahead_slots=lookahead,
+        )
         calls = []
         step = engine.allocator.step
-        engine.allocator.step = lambda ops, step=step, calls=calls: (calls.append(len(ops)), step(ops))[1]
+        engine.allocator.step = lambda ops, step=step, calls=calls: (
+            calls.append(len(ops)),
+            step(ops),
+        )[1]
         try:
             outs = engine.generate(prompts, params)
             while engine.has_unfinished():
@@ -132,9 +151,14 @@ def test_slots_held_ahead_are_exported(tiny):
             readings = []
             while engine.has_unfinished():
                 engine.step()
-                readings.append(engine.metrics.registry.get_sample_value("pagedkv_worker_kv_slots_ahead",
-                                                                         engine.metrics.labels))
-            expected = [0] * len(readings) if not lookahead else [0, 32, 28, 24, 20, 16, 12, 8, 4, 0, 32]
+                readings.append(
+                    engine.metrics.registry.get_sample_value(
+                        "pagedkv_worker_kv_slots_ahead", engine.metrics.labels
+                    )
+                )
+            expected = (
+                [0] * len(readings) if not lookahead else [0, 32, 28, 24, 20, 16, 12, 8, 4, 0, 32]
+            )
             assert readings[: len(expected)] == expected, (lookahead, readings)
             assert readings[-1] == 0 and max(readings) == 4 * lookahead
         finally:
@@ -154,11 +178,18 @@ def test_async_through_a_real_allocator(tiny, synchronous, allocator_server, red
     async scheduling off."""
     import contextlib
 
-    with (redis_store() if redis else contextlib.nullcontext(("", None))) as (url, _):
+    with redis_store() if redis else contextlib.nullcontext(("", None)) as (url, _):
         with allocator_server(*(("--state", url) if redis else ())) as server:
             for on in (True, False):
-                engine = make(tiny, num_blocks=40, block_size=4, enable_prefix_caching=True,
-                              allocator=server.address, worker_id=f"w-{on}", async_scheduling=on)
+                engine = make(
+                    tiny,
+                    num_blocks=40,
+                    block_size=4,
+                    enable_prefix_caching=True,
+                    allocator=server.address,
+                    worker_id=f"w-{on}",
+                    async_scheduling=on,
+                )
                 assert outcome(engine) == synchronous
                 assert engine.num_preemptions > 0
 
@@ -232,7 +263,9 @@ class RefusesAStepWithFrees(EmbeddedAllocator):
 
 
 @pytest.mark.parametrize("nth", [1, 2, 4])
-@pytest.mark.parametrize(("on", "lookahead"), [(False, 0), (True, 0), (True, 8)], ids=["sync", "async", "async-la8"])
+@pytest.mark.parametrize(
+    ("on", "lookahead"), [(False, 0), (True, 0), (True, 8)], ids=["sync", "async", "async-la8"]
+)
 def test_a_refused_step_loses_none_of_its_frees(tiny, synchronous, nth, on, lookahead):
     """The allocator refuses a step that frees sequences (finished,
     preempted): the step's requests fail, as the server's engine loop fails
@@ -240,10 +273,18 @@ def test_a_refused_step_loses_none_of_its_frees(tiny, synchronous, nth, on, look
     later call: once the engine is idle the allocator holds no sequence and
     no block, and the engine then serves the workload as before."""
     small = {"num_blocks": PREEMPTING_SLOTS[4] // 4, "block_size": 4, "enable_prefix_caching": True}
-    spec = PoolSpec("w", PoolConfig(num_blocks=small["num_blocks"], block_size=4, model_fingerprint=tiny.fingerprint))
+    spec = PoolSpec(
+        "w",
+        PoolConfig(
+            num_blocks=small["num_blocks"], block_size=4, model_fingerprint=tiny.fingerprint
+        ),
+    )
     allocator = RefusesAStepWithFrees(spec, nth)
-    engine = LLMEngine(tiny, EngineConfig(async_scheduling=on, num_lookahead_slots=lookahead, **small),
-                       allocator=allocator)
+    engine = LLMEngine(
+        tiny,
+        EngineConfig(async_scheduling=on, num_lookahead_slots=lookahead, **small),
+        allocator=allocator,
+    )
     prompts, params = workload()
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
     failed = 0
@@ -258,7 +299,9 @@ def test_a_refused_step_loses_none_of_its_frees(tiny, synchronous, nth, on, look
     for _ in range(2):  # the frees of the aborted requests, sent and (async) collected
         engine.step()
     st = allocator.stats()
-    assert (st.num_sequences, st.used_blocks) == (0, 0), f"the refused step's frees {allocator.refused} were lost"
+    assert (st.num_sequences, st.used_blocks) == (0, 0), (
+        f"the refused step's frees {allocator.refused} were lost"
+    )
     assert allocator.pool.integrity_problems() == []
     assert outcome(engine) == synchronous
 
@@ -288,11 +331,19 @@ def test_an_allocator_that_keeps_refusing_leaves_the_engine_idle(tiny, synchrono
     request has failed, the engine goes idle (no allocator call at all)
     however long the allocator keeps refusing; the Frees go out with the
     first call made for new work once it answers again."""
-    spec = PoolSpec("w", PoolConfig(num_blocks=64, block_size=4, model_fingerprint=tiny.fingerprint))
+    spec = PoolSpec(
+        "w", PoolConfig(num_blocks=64, block_size=4, model_fingerprint=tiny.fingerprint)
+    )
     allocator = RefusesFromTheFirstFree(spec)
-    engine = LLMEngine(tiny, EngineConfig(num_blocks=64, block_size=4, async_scheduling=on), allocator=allocator)
-    ids = [engine.add_request([1, 2, 3], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)),
-           engine.add_request([4, 5, 6, 7], SamplingParams(max_tokens=9, temperature=0, ignore_eos=True))]
+    engine = LLMEngine(
+        tiny, EngineConfig(num_blocks=64, block_size=4, async_scheduling=on), allocator=allocator
+    )
+    ids = [
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)),
+        engine.add_request(
+            [4, 5, 6, 7], SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)
+        ),
+    ]
     steps = 0
     while engine.has_unfinished():
         steps += 1
@@ -370,7 +421,9 @@ LATE_POOL = {"num_blocks": 70, "block_size": 4, "enable_prefix_caching": False}
 
 
 @pytest.mark.parametrize("on", [True, False], ids=["async", "sync"])
-def test_slots_ahead_are_given_back_to_requests_that_arrive_later(tiny, allocator_server, redis_store, on):
+def test_slots_ahead_are_given_back_to_requests_that_arrive_later(
+    tiny, allocator_server, redis_store, on
+):
     """Four requests decode holding 8 slots ahead when four more arrive at
     step 5 into a pool of 70 blocks of 4, through a real allocator process
     with a Redis journal: the blocks held ahead are given back (UNRESERVE)
@@ -380,9 +433,18 @@ def test_slots_ahead_are_given_back_to_requests_that_arrive_later(tiny, allocato
     token came at step 24 instead of 5, 25 instead of 6 with async
     scheduling.)"""
     with redis_store() as (url, _), allocator_server("--state", url) as server:
+
         def run(lookahead: int):
-            return _late_arrivals(make(tiny, async_scheduling=on, num_lookahead_slots=lookahead,
-                                       allocator=server.address, worker_id=f"w-{on}-{lookahead}", **LATE_POOL))
+            return _late_arrivals(
+                make(
+                    tiny,
+                    async_scheduling=on,
+                    num_lookahead_slots=lookahead,
+                    allocator=server.address,
+                    worker_id=f"w-{on}-{lookahead}",
+                    **LATE_POOL,
+                )
+            )
 
         tokens, first, preemptions, given_back = run(8)
         assert given_back > 0
@@ -411,13 +473,21 @@ def test_an_allocator_from_before_unreserve_is_sent_none(tiny, monkeypatch):
     server, port = create_server("127.0.0.1:0", service)
     server.start()
     try:
-        engine = make(tiny, num_lookahead_slots=8, allocator=f"127.0.0.1:{port}", worker_id="w-older", **LATE_POOL)
+        engine = make(
+            tiny,
+            num_lookahead_slots=8,
+            allocator=f"127.0.0.1:{port}",
+            worker_id="w-older",
+            **LATE_POOL,
+        )
         assert UNRESERVE not in engine.allocator.op_kinds and len(engine.allocator.op_kinds) == 4
         tokens, first, _, given_back = _late_arrivals(engine)
         assert given_back == 0
         reference = _late_arrivals(make(tiny, num_lookahead_slots=0, **LATE_POOL))
         assert tokens == reference[0]
-        assert first["r5"] > reference[1]["r5"]  # it waited for the slots ahead, as before UNRESERVE
+        assert (
+            first["r5"] > reference[1]["r5"]
+        )  # it waited for the slots ahead, as before UNRESERVE
     finally:
         server.stop(0).wait()
         service.close()

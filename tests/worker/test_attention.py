@@ -32,7 +32,9 @@ except ImportError:
 # The interpreter runs the kernel on CPU tensors (tests/conftest.py turns it on
 # when there is no GPU); it must be on before the kernel module is imported.
 TRITON_ON_CPU = HAVE_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
-needs_triton_cpu = pytest.mark.skipif(not TRITON_ON_CPU, reason="needs triton with TRITON_INTERPRET=1")
+needs_triton_cpu = pytest.mark.skipif(
+    not TRITON_ON_CPU, reason="needs triton with TRITON_INTERPRET=1"
+)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 FP8_NAN = 0x7F  # a NaN code in both fp8 formats: poisons an fp8 pool
 
@@ -72,7 +74,9 @@ def make_case(
     num_blocks = sum(need) + spare_blocks
     fp8 = kv_dtype is not None and is_fp8(kv_dtype)
     scales = {"k_scales": [kv_scales[0]], "v_scales": [kv_scales[1]]} if fp8 else {}
-    pool = KVPool(1, num_blocks, block_size, kv_heads, head_dim, kv_dtype or dtype, device, **scales)
+    pool = KVPool(
+        1, num_blocks, block_size, kv_heads, head_dim, kv_dtype or dtype, device, **scales
+    )
     for cache in (pool.k_cache(0), pool.v_cache(0)):
         if fp8:
             cache.view(torch.uint8).fill_(FP8_NAN)
@@ -85,17 +89,28 @@ def make_case(
     for n in need:
         tables.append(ids[at : at + n])
         at += n
-    keys = [torch.randn(c + n, kv_heads, head_dim, generator=gen).to(device, dtype) for c, n in seqs]
-    values = [torch.randn(c + n, kv_heads, head_dim, generator=gen).to(device, dtype) for c, n in seqs]
+    keys = [
+        torch.randn(c + n, kv_heads, head_dim, generator=gen).to(device, dtype) for c, n in seqs
+    ]
+    values = [
+        torch.randn(c + n, kv_heads, head_dim, generator=gen).to(device, dtype) for c, n in seqs
+    ]
     # Write every owned position (the cached prefix and this step's tokens):
     # the model writes new tokens before attention, so by then all are present.
-    everything = AttentionMetadata.build([(t, 0, c + n) for t, (c, n) in zip(tables, seqs, strict=True)], block_size, device)
+    everything = AttentionMetadata.build(
+        [(t, 0, c + n) for t, (c, n) in zip(tables, seqs, strict=True)], block_size, device
+    )
     pool.write(0, everything.slot_mapping, torch.cat(keys), torch.cat(values))
     if fp8:
         keys = [dequantize(quantize(k, kv_scales[0], kv_dtype), kv_scales[0], dtype) for k in keys]
-        values = [dequantize(quantize(v, kv_scales[1], kv_dtype), kv_scales[1], dtype) for v in values]
+        values = [
+            dequantize(quantize(v, kv_scales[1], kv_dtype), kv_scales[1], dtype) for v in values
+        ]
     meta = AttentionMetadata.build(
-        [(t, c, n) for t, (c, n) in zip(tables, seqs, strict=True)], block_size, device, pad_block_id=poisoned_spare
+        [(t, c, n) for t, (c, n) in zip(tables, seqs, strict=True)],
+        block_size,
+        device,
+        pad_block_id=poisoned_spare,
     )
     q = torch.randn(meta.num_tokens, q_heads, head_dim, generator=gen).to(device, dtype)
     return Case(pool, meta, q, keys, values, head_dim**-0.5)
@@ -120,8 +135,15 @@ def contiguous_attention(case: Case) -> torch.Tensor:
 
 def run_backend(name: str, case: Case) -> torch.Tensor:
     backend = get_backend(name)
-    return backend(case.q, case.pool.k_cache(0), case.pool.v_cache(0), case.meta, case.scale,
-                   case.pool.k_scale(0), case.pool.v_scale(0))
+    return backend(
+        case.q,
+        case.pool.k_cache(0),
+        case.pool.v_cache(0),
+        case.meta,
+        case.scale,
+        case.pool.k_scale(0),
+        case.pool.v_scale(0),
+    )
 
 
 def assert_matches(out: torch.Tensor, case: Case, atol: float = 2e-5) -> None:
@@ -184,7 +206,14 @@ def decode_batches(draw):
     q_heads, kv_heads = draw(st.sampled_from([(9, 3), (4, 4), (8, 1), (6, 2)]))
     head_dim = draw(st.sampled_from([8, 64]))
     contexts = draw(st.lists(st.integers(1, 200), min_size=1, max_size=6))
-    return [(c - 1, 1) for c in contexts], block_size, q_heads, kv_heads, head_dim, draw(st.integers(0, 2**16))
+    return (
+        [(c - 1, 1) for c in contexts],
+        block_size,
+        q_heads,
+        kv_heads,
+        head_dim,
+        draw(st.integers(0, 2**16)),
+    )
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -204,7 +233,9 @@ def test_numba_decode_reads_a_strided_query():
     case = make_case([(40, 1), (7, 1)], 4, 6, 2, 16, seed=11)
     wide = torch.cat([case.q, torch.zeros_like(case.q)], dim=-1)[..., : case.q.shape[-1]]
     assert not wide.is_contiguous()
-    out = get_backend("numba")(wide, case.pool.k_cache(0), case.pool.v_cache(0), case.meta, case.scale)
+    out = get_backend("numba")(
+        wide, case.pool.k_cache(0), case.pool.v_cache(0), case.meta, case.scale
+    )
     assert_matches(out, case)
 
 
@@ -228,18 +259,43 @@ def test_numba_serial_and_parallel_builds_each_compute_and_cache_their_own(tmp_p
         "assert np.allclose(outs[0], outs[1], atol=1e-6)\n"
     )
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
-    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=os.path.dirname(os.path.dirname(
-        os.path.dirname(os.path.abspath(__file__)))), timeout=300)
+    subprocess.run(
+        [sys.executable, "-c", code],
+        check=True,
+        env=env,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+        timeout=300,
+    )
     indexes = sorted(p.name.split("-")[0] for p in tmp_path.rglob("*.nbi"))
-    assert indexes == ["cpu_decode._paged_decode_parallel", "cpu_decode._paged_decode_serial"], indexes
+    assert indexes == ["cpu_decode._paged_decode_parallel", "cpu_decode._paged_decode_serial"], (
+        indexes
+    )
     from worker.attention import cpu_decode
 
     case = make_case([(40, 1), (7, 1), (0, 1)], 4, 6, 2, 16, seed=5)
     for build in (cpu_decode._serial, cpu_decode._parallel):
         out = torch.empty_like(case.q)
-        q, k, v, tables, lens = [t.contiguous().numpy() for t in (
-            case.q, case.pool.k_cache(0), case.pool.v_cache(0), case.meta.block_tables, case.meta.context_lens)]
-        build(out.numpy(), q, k, v, cpu_decode._NO_TABLE, cpu_decode._NO_TABLE, tables, lens, case.scale)
+        q, k, v, tables, lens = [
+            t.contiguous().numpy()
+            for t in (
+                case.q,
+                case.pool.k_cache(0),
+                case.pool.v_cache(0),
+                case.meta.block_tables,
+                case.meta.context_lens,
+            )
+        ]
+        build(
+            out.numpy(),
+            q,
+            k,
+            v,
+            cpu_decode._NO_TABLE,
+            cpu_decode._NO_TABLE,
+            tables,
+            lens,
+            case.scale,
+        )
         assert_matches(out, case)
 
 
@@ -269,8 +325,13 @@ def test_a_float32_cpu_model_compiles_its_kernel_at_load_and_others_do_not():
         "assert built() == at_load\n"
     )
     env = {**os.environ, "NUMBA_NUM_THREADS": "2"}
-    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=os.path.dirname(os.path.dirname(
-        os.path.dirname(os.path.abspath(__file__)))), timeout=300)
+    subprocess.run(
+        [sys.executable, "-c", code],
+        check=True,
+        env=env,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+        timeout=300,
+    )
 
 
 def test_one_backend_serves_many_layers_and_steps():
@@ -283,7 +344,10 @@ def test_one_backend_serves_many_layers_and_steps():
         b = make_case(seqs, 4, 4, 2, 8, seed=step, data_seed=100 + step)  # same layout, other data
         b.meta = a.meta  # one metadata object per step, as the model passes it to every layer
         for case in (a, b):
-            assert_matches(backend(case.q, case.pool.k_cache(0), case.pool.v_cache(0), a.meta, case.scale), case)
+            assert_matches(
+                backend(case.q, case.pool.k_cache(0), case.pool.v_cache(0), a.meta, case.scale),
+                case,
+            )
 
 
 def test_select_backend():
@@ -354,7 +418,9 @@ def test_triton_kernel_compiles_for_sm90():
     """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    proc = subprocess.run([sys.executable, "-c", SM90_COMPILE], env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", SM90_COMPILE], env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
 
@@ -362,7 +428,16 @@ def test_triton_kernel_compiles_for_sm90():
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_triton_on_cuda(dtype):
-    case = make_case([(100, 1), (5, 1), (33, 1), (0, 17), (40, 9)], 16, 9, 3, 64, seed=1, dtype=dtype, device="cuda")
+    case = make_case(
+        [(100, 1), (5, 1), (33, 1), (0, 17), (40, 9)],
+        16,
+        9,
+        3,
+        64,
+        seed=1,
+        dtype=dtype,
+        device="cuda",
+    )
     atol = 2e-5 if dtype == torch.float32 else 3e-2
     assert_matches(run_backend("triton", case), case, atol=atol)
     assert select_backend("cuda").decode_fn is not None
@@ -407,7 +482,9 @@ def test_copy_blocks_then_attention_reads_the_copy():
 
 def test_copy_blocks_reads_all_sources_first():
     pool = KVPool(1, 3, 2, 1, 2)
-    pool.write(0, torch.arange(6), torch.arange(6.0)[:, None, None].expand(6, 1, 2), torch.zeros(6, 1, 2))
+    pool.write(
+        0, torch.arange(6), torch.arange(6.0)[:, None, None].expand(6, 1, 2), torch.zeros(6, 1, 2)
+    )
     pool.copy_blocks([(0, 1), (1, 2)])  # block 2 gets the OLD block 1
     assert pool.k_cache(0)[:, :, 0, 0].tolist() == [[0, 1], [0, 1], [2, 3]]
 
@@ -427,8 +504,16 @@ def test_pool_sizes_and_budget():
 
 @pytest.mark.parametrize(
     "text,expected",
-    [("2GiB", 2 * 1024**3), ("512MiB", 512 * 1024**2), ("1.5GB", 1_500_000_000), ("100 MB", 100_000_000),
-     ("64k", 65536), ("1048576", 1048576), (4096, 4096), ("3B", 3)],
+    [
+        ("2GiB", 2 * 1024**3),
+        ("512MiB", 512 * 1024**2),
+        ("1.5GB", 1_500_000_000),
+        ("100 MB", 100_000_000),
+        ("64k", 65536),
+        ("1048576", 1048576),
+        (4096, 4096),
+        ("3B", 3),
+    ],
 )
 def test_parse_memory(text, expected):
     assert parse_memory(text) == expected
@@ -436,7 +521,9 @@ def test_parse_memory(text, expected):
 
 def test_parse_memory_fraction_and_errors():
     half = parse_memory("0.5", "cpu")
-    assert 0 < half and abs(parse_memory("1", "cpu") / 2 - half) < 0.2 * half + 2**26  # memory moves a bit
+    assert (
+        0 < half and abs(parse_memory("1", "cpu") / 2 - half) < 0.2 * half + 2**26
+    )  # memory moves a bit
     for bad in ("lots", "2 parsecs", "-1GiB", ""):
         with pytest.raises(ValueError):
             parse_memory(bad)
@@ -484,6 +571,8 @@ def test_bench_attention_smoke(capsys):
     assert report["backends"] == ["torch", "numba"]
     assert [r["batch"] for r in report["results"]] == [1, 3]
     for name in ("torch", "numba"):
-        assert all(r[name]["max_abs_diff"] < 1e-4 and r[name]["ratio"] > 0 for r in report["results"])
+        assert all(
+            r[name]["max_abs_diff"] < 1e-4 and r[name]["ratio"] > 0 for r in report["results"]
+        )
     with pytest.raises(SystemExit):
         parser.parse_args(["--backend", "flash"])

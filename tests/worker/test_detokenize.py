@@ -20,7 +20,10 @@ from worker.engine.sequence import Sequence
 transformers = pytest.importorskip("transformers")
 
 TOKENIZERS = {name: family_tokenizer(name) for name in FAMILIES}
-HF = {name: transformers.PreTrainedTokenizerFast(tokenizer_object=t.backend) for name, t in TOKENIZERS.items()}
+HF = {
+    name: transformers.PreTrainedTokenizerFast(tokenizer_object=t.backend)
+    for name, t in TOKENIZERS.items()
+}
 
 
 def _rule(name: str, prompt: list[int], output: list[int], skip: bool = True) -> str | None:
@@ -37,12 +40,16 @@ def _rule(name: str, prompt: list[int], output: list[int], skip: bool = True) ->
     before, full = decode(prompt), decode(prompt + output)
     if not full.startswith(before):
         return None
-    if not all(full.startswith(decode(prompt + output[:i]).rstrip("\ufffd")) for i in range(1, len(output))):
+    if not all(
+        full.startswith(decode(prompt + output[:i]).rstrip("\ufffd")) for i in range(1, len(output))
+    ):
         return None
-    return full[len(before):]
+    return full[len(before) :]
 
 
-def _run(name: str, prompt: list[int], output: list[int], **params) -> tuple[str, list[str], Sequence]:
+def _run(
+    name: str, prompt: list[int], output: list[int], **params
+) -> tuple[str, list[str], Sequence]:
     """Feed `output` through the output processor as the engine does; the
     final text and the streamed deltas."""
     tok = TOKENIZERS[name]
@@ -67,9 +74,13 @@ def test_the_first_word_keeps_its_space(name):
     """The issue's example: "The capital of France is" + " Paris" is not "Paris"."""
     tok = TOKENIZERS[name]
     prompt = tok.encode(PROMPT)
-    output = tok.encode(PROMPT + COMPLETION, add_special_tokens=False)[len(tok.encode(PROMPT, add_special_tokens=False)):]
+    output = tok.encode(PROMPT + COMPLETION, add_special_tokens=False)[
+        len(tok.encode(PROMPT, add_special_tokens=False)) :
+    ]
     text, deltas, _ = _run(name, prompt, output)
-    expected = " paris , of course" if name == "wordpiece" else COMPLETION  # (lowercased, words spaced)
+    expected = (
+        " paris , of course" if name == "wordpiece" else COMPLETION
+    )  # (lowercased, words spaced)
     assert text == "".join(deltas) == expected == _rule(name, prompt, output)
 
 
@@ -82,7 +93,11 @@ def _ids(name: str):
 # reproduce. Their cases come from text (the runs a model writes); the others'
 # from any ids too.
 BYTE_FALLBACK = {"llama", "metaspace"}
-TEXT = st.text(st.sampled_from(sorted(set("".join(CORPUS)) | set("éü☃🙂語 \n\t'.,?-"))), min_size=2, max_size=40)
+TEXT = st.text(
+    st.sampled_from(sorted(set("".join(CORPUS)) | set("éü☃🙂語 \n\t'.,?-"))),
+    min_size=2,
+    max_size=40,
+)
 
 
 @st.composite
@@ -112,7 +127,9 @@ def test_text_is_decode_of_prompt_and_output_minus_the_prompts(name, data, skip)
     assert "".join(deltas) == text == expected
     # echoed: the prompt's decode, then the completion: the decode of both
     tok = TOKENIZERS[name]
-    assert tok.decode(prompt, skip_special_tokens=skip) + text == tok.decode(prompt + output, skip_special_tokens=skip)
+    assert tok.decode(prompt, skip_special_tokens=skip) + text == tok.decode(
+        prompt + output, skip_special_tokens=skip
+    )
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
@@ -171,4 +188,7 @@ def test_a_prompt_ending_mid_character_completes_it():
         pytest.skip("the trained vocabulary holds the snowman in one token")
     k = assume_split[0]
     text, deltas, _ = _run("byte_level", ids[:k], ids[k:])
-    assert text.startswith("☃") and "".join(deltas) == text == tok.decode(ids)[len(tok.decode(ids[:k]).rstrip("\ufffd")):]
+    assert (
+        text.startswith("☃")
+        and "".join(deltas) == text == tok.decode(ids)[len(tok.decode(ids[:k]).rstrip("\ufffd")) :]
+    )

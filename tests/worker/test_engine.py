@@ -25,7 +25,9 @@ def prompts_mixed(seed: int = 0, n: int = 8, system: int = 24) -> list[list[int]
     """Mixed lengths, all starting with one shared 'system prompt'."""
     rng = random.Random(seed)
     sys_prompt = [rng.randrange(3, 300) for _ in range(system)]
-    return [sys_prompt + [rng.randrange(3, 300) for _ in range(rng.randint(1, 40))] for _ in range(n)]
+    return [
+        sys_prompt + [rng.randrange(3, 300) for _ in range(rng.randint(1, 40))] for _ in range(n)
+    ]
 
 
 def make(tiny, **kw) -> LLMEngine:
@@ -39,7 +41,9 @@ def run(engine: LLMEngine, prompts, params=GREEDY) -> list[list[int]]:
     st = engine.allocator.stats()
     assert st.used_blocks == 0, "blocks held after every request finished"
     alloc = engine.allocator
-    problems = alloc.pool.integrity_problems() if hasattr(alloc, "pool") else alloc.integrity_problems()
+    problems = (
+        alloc.pool.integrity_problems() if hasattr(alloc, "pool") else alloc.integrity_problems()
+    )
     assert problems == []
     return [o.token_ids for o in outs]
 
@@ -61,13 +65,21 @@ def test_tiny_pool_preempts_and_matches(tiny, reference):
     assert engine.num_preemptions > 0
     text = engine.metrics.registry.get_sample_value(
         "pagedkv_worker_preemptions_total",
-        {"worker": "worker-0", "model": "tiny-random", "model_name": "tiny-random", "cause": "out_of_blocks"})
+        {
+            "worker": "worker-0",
+            "model": "tiny-random",
+            "model_name": "tiny-random",
+            "cause": "out_of_blocks",
+        },
+    )
     assert text == engine.num_preemptions
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_prefix_caching_matches_and_hits(tiny, reference, block_size):
-    engine = make(tiny, enable_prefix_caching=True, block_size=block_size, num_blocks=2048 // block_size)
+    engine = make(
+        tiny, enable_prefix_caching=True, block_size=block_size, num_blocks=2048 // block_size
+    )
     assert run(engine, prompts_mixed()) == reference
     st = engine.allocator.stats()
     assert st.prefix_hit_tokens > 0  # the shared system prompt was reused
@@ -130,7 +142,10 @@ def test_sampling_seed_top_k_stop(tiny, reference):
     assert [o.token_ids for o in engine.generate(p, topk1)] == reference[:3]
     # stop token: the reference's 5th token ends the reply
     stop_tok = reference[0][4]
-    out = engine.generate(p[:1], SamplingParams(max_tokens=20, temperature=0, stop_token_ids=(stop_tok,), ignore_eos=True))[0]
+    out = engine.generate(
+        p[:1],
+        SamplingParams(max_tokens=20, temperature=0, stop_token_ids=(stop_tok,), ignore_eos=True),
+    )[0]
     first = reference[0].index(stop_tok)
     assert out.finish_reason == "stop" and out.token_ids == reference[0][: first + 1]
     out = engine.generate(p[:1], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
@@ -139,17 +154,23 @@ def test_sampling_seed_top_k_stop(tiny, reference):
 
 def test_stop_string_cuts_text(tiny):
     engine = make(tiny)
-    full = engine.generate(["hello"], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    full = engine.generate(
+        ["hello"], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    )[0]
     assert len(full.text) > 4
     needle = full.text[2:4]
-    out = engine.generate(["hello"], SamplingParams(max_tokens=12, temperature=0, stop=(needle,), ignore_eos=True))[0]
+    out = engine.generate(
+        ["hello"], SamplingParams(max_tokens=12, temperature=0, stop=(needle,), ignore_eos=True)
+    )[0]
     assert out.finish_reason == "stop"
     assert out.text == full.text[: full.text.find(needle)]
 
 
 def test_engine_with_an_explicit_allocator_client(tiny, reference):
     spec = PoolSpec("w", PoolConfig(512, 4, False, tiny.fingerprint))
-    engine = LLMEngine(tiny, EngineConfig(num_blocks=512, block_size=4), allocator=EmbeddedAllocator(spec))
+    engine = LLMEngine(
+        tiny, EngineConfig(num_blocks=512, block_size=4), allocator=EmbeddedAllocator(spec)
+    )
     assert run(engine, prompts_mixed()) == reference
 
 
@@ -173,9 +194,13 @@ def test_streamed_deltas_never_take_text_back(tiny):
     """With a stop string, text that might start it is held back, so the
     streamed deltas always add up to the final text."""
     engine = make(tiny)
-    full = engine.generate(["hello"], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0].text
+    full = engine.generate(
+        ["hello"], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    )[0].text
     needle = full[5:8]
-    params = SamplingParams(max_tokens=16, temperature=0, stop=(needle, "never-there"), ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=16, temperature=0, stop=(needle, "never-there"), ignore_eos=True
+    )
     engine.add_request("hello", params, request_id="r")
     deltas, last = [], None
     while engine.has_unfinished():

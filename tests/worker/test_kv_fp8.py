@@ -32,19 +32,42 @@ def roundtrip(values: list[float], dtype: torch.dtype, scale: float = 1.0) -> li
 
 def test_e4m3_values_by_hand():
     # 3 mantissa bits, largest finite 448 = 1.75 * 2**8, smallest subnormal 2**-9, no inf
-    assert roundtrip([1.0, 0.3, 250.0, 1000.0, -1e30, float("inf")], E4M3) == [1.0, 0.3125, 256.0, 448.0, -448.0,
-                                                                               448.0]
+    assert roundtrip([1.0, 0.3, 250.0, 1000.0, -1e30, float("inf")], E4M3) == [
+        1.0,
+        0.3125,
+        256.0,
+        448.0,
+        -448.0,
+        448.0,
+    ]
     # subnormals: multiples of 2**-9; halfway cases round to even
     ulp = 2.0**-9
-    assert roundtrip([ulp, ulp / 2, 1.5 * ulp, 2.5 * ulp, ulp / 4], E4M3) == [ulp, 0.0, 2 * ulp, 2 * ulp, 0.0]
+    assert roundtrip([ulp, ulp / 2, 1.5 * ulp, 2.5 * ulp, ulp / 4], E4M3) == [
+        ulp,
+        0.0,
+        2 * ulp,
+        2 * ulp,
+        0.0,
+    ]
 
 
 def test_e5m2_values_by_hand():
     # 2 mantissa bits, largest finite 57344 = 1.75 * 2**15, smallest subnormal 2**-16
-    assert roundtrip([1.0, 0.3, 1000.0, 1e6, -1e30, float("inf")], E5M2) == [1.0, 0.3125, 1024.0, 57344.0,
-                                                                             -57344.0, 57344.0]
+    assert roundtrip([1.0, 0.3, 1000.0, 1e6, -1e30, float("inf")], E5M2) == [
+        1.0,
+        0.3125,
+        1024.0,
+        57344.0,
+        -57344.0,
+        57344.0,
+    ]
     ulp = 2.0**-16
-    assert roundtrip([ulp, ulp / 2, 1.5 * ulp, 3 * 2.0**-10], E5M2) == [ulp, 0.0, 2 * ulp, 3 * 2.0**-10]
+    assert roundtrip([ulp, ulp / 2, 1.5 * ulp, 3 * 2.0**-10], E5M2) == [
+        ulp,
+        0.0,
+        2 * ulp,
+        3 * 2.0**-10,
+    ]
 
 
 def test_scales_divide_on_write_and_multiply_on_read():
@@ -58,7 +81,14 @@ def test_scales_divide_on_write_and_multiply_on_read():
 def test_no_nan_or_inf_from_finite_input(dtype):
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(4096, generator=gen) * torch.logspace(-40, 38, 4096)
-    x = torch.cat([x, torch.tensor([torch.finfo(torch.float32).max, -torch.finfo(torch.float32).max, 0.0, -0.0])])
+    x = torch.cat(
+        [
+            x,
+            torch.tensor(
+                [torch.finfo(torch.float32).max, -torch.finfo(torch.float32).max, 0.0, -0.0]
+            ),
+        ]
+    )
     for scale in (1.0, 1e-30, 1e30):
         q = quantize(x, scale, dtype)
         assert torch.isfinite(q.float()).all()
@@ -79,7 +109,9 @@ def test_kv_cache_element_names():
     assert kv_cache_element("fp8", "bfloat16") == "float8_e4m3fn"
     assert kv_cache_element("fp8_e4m3", "float32") == "float8_e4m3fn"
     assert kv_cache_element("fp8_e5m2", "float16") == "float8_e5m2"
-    with pytest.raises(ValueError, match="--kv-cache-dtype must be one of auto, fp8, fp8_e4m3, fp8_e5m2"):
+    with pytest.raises(
+        ValueError, match="--kv-cache-dtype must be one of auto, fp8, fp8_e4m3, fp8_e5m2"
+    ):
         kv_cache_element("int8", "float32")
 
 
@@ -88,8 +120,10 @@ def test_kv_cache_element_names():
 
 def test_fp8_pool_holds_twice_bf16_and_four_times_float32():
     dims = dict(num_layers=4, block_size=16, num_kv_heads=2, head_dim=64)
-    blocks = {dt: KVPool.from_budget("8MiB", dtype=dt, **dims).num_blocks
-              for dt in (torch.float32, torch.bfloat16, E4M3, E5M2)}
+    blocks = {
+        dt: KVPool.from_budget("8MiB", dtype=dt, **dims).num_blocks
+        for dt in (torch.float32, torch.bfloat16, E4M3, E5M2)
+    }
     assert blocks[E4M3] == blocks[E5M2] == 2 * blocks[torch.bfloat16] == 4 * blocks[torch.float32]
 
 
@@ -131,7 +165,9 @@ SEQS = [(5, 7), (0, 9), (17, 1), (0, 1), (30, 1)]
 @pytest.mark.parametrize("name", ["reference", "torch", "numba"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_paged_fp8_equals_contiguous_on_dequantized_kv(name, dtype, block_size):
-    case = make_case(SEQS, block_size, 6, 2, 16, seed=block_size, kv_dtype=dtype, kv_scales=(0.05, 3.0))
+    case = make_case(
+        SEQS, block_size, 6, 2, 16, seed=block_size, kv_dtype=dtype, kv_scales=(0.05, 3.0)
+    )
     assert case.pool.k_cache(0).view(torch.uint8).eq(FP8_NAN).any(), "the free slots are poisoned"
     assert_matches(run_backend(name, case), case)
 
@@ -139,8 +175,17 @@ def test_paged_fp8_equals_contiguous_on_dequantized_kv(name, dtype, block_size):
 @pytest.mark.parametrize("name", ["torch", "numba"])
 def test_decode_only_fp8_cache_under_bf16_queries(name):
     # the numba backend hands bf16 queries to the torch path, fp8 cache and all
-    case = make_case([(30, 1), (3, 1), (64, 1)], 16, 6, 2, 32, seed=3, dtype=torch.bfloat16, kv_dtype=E4M3,
-                     kv_scales=(0.5, 0.25))
+    case = make_case(
+        [(30, 1), (3, 1), (64, 1)],
+        16,
+        6,
+        2,
+        32,
+        seed=3,
+        dtype=torch.bfloat16,
+        kv_dtype=E4M3,
+        kv_scales=(0.5, 0.25),
+    )
     out = run_backend(name, case)
     assert out.dtype == torch.bfloat16
     assert_matches(out, case, atol=3e-2)
@@ -150,7 +195,9 @@ def test_decode_only_fp8_cache_under_bf16_queries(name):
 @pytest.mark.parametrize("dtype", FP8)
 def test_triton_fp8_interpreted(dtype):
     # decodes by the kernel, the prefill by the torch path beside it; odd block size
-    case = make_case([(9, 1), (2, 1), (5, 6), (0, 1)], 3, 6, 2, 16, seed=4, kv_dtype=dtype, kv_scales=(0.05, 3.0))
+    case = make_case(
+        [(9, 1), (2, 1), (5, 6), (0, 1)], 3, 6, 2, 16, seed=4, kv_dtype=dtype, kv_scales=(0.05, 3.0)
+    )
     assert_matches(run_backend("triton", case), case)
 
 

@@ -52,12 +52,18 @@ def _hf_config(kind: str):
         return transformers.LlamaConfig(
             **common,
             rope_theta=50000.0,
-            rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
-                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 4.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
         )
     if kind == "llama-linear":
-        return transformers.LlamaConfig(**common, rope_scaling={"rope_type": "linear", "factor": 2.0},
-                                        tie_word_embeddings=True)
+        return transformers.LlamaConfig(
+            **common, rope_scaling={"rope_type": "linear", "factor": 2.0}, tie_word_embeddings=True
+        )
     return transformers.Qwen2Config(**common, tie_word_embeddings=True)
 
 
@@ -67,7 +73,9 @@ def _save_checkpoint(kind: str, folder) -> torch.nn.Module:
     torch.manual_seed(1234)
     hf = transformers.AutoModelForCausalLM.from_config(_hf_config(kind), torch_dtype=torch.float32)
     with torch.no_grad():
-        for p in hf.parameters():  # also randomises biases and norm weights (zeros / ones by default)
+        for (
+            p
+        ) in hf.parameters():  # also randomises biases and norm weights (zeros / ones by default)
             p.normal_(0.0, 0.15)
     hf.eval()
     hf.save_pretrained(folder)
@@ -172,7 +180,10 @@ def test_tiny_random_is_deterministic_and_complete(tiny):
     assert torch.equal(tiny.model.lm_head.weight, again.model.lm_head.weight)
     tok = tiny.tokenizer
     prompt = tok.encode_chat([{"role": "user", "content": "hi"}])
-    assert tok.decode(prompt, skip_special_tokens=False) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        tok.decode(prompt, skip_special_tokens=False)
+        == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
     out1 = greedy_generate(tiny.model, [prompt], 12, tiny.eos_token_ids)
     out2 = greedy_generate(again.model, [prompt], 12, tiny.eos_token_ids)
     assert out1 == out2 and len(out1[0]) >= 1
@@ -183,9 +194,19 @@ def test_dummy_load_format_reads_the_config_alone(tmp_path):
     """`--load-format dummy`: a folder holding only config.json gives a model of its shape with
     random weights, the same on every load (so workers of one device share cached prefixes);
     prompts are token ids. A folder with weights gets the same random ones, not its own."""
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "vocab_size": 300, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "eos_token_id": 2}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 300,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-5,
+        "eos_token_id": 2,
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))
     one, two = (load_model(tmp_path, load_format="dummy") for _ in range(2))
     assert one.fingerprint == two.fingerprint != load_model("tiny-random").fingerprint
@@ -196,7 +217,9 @@ def test_dummy_load_format_reads_the_config_alone(tmp_path):
     assert type(one.tokenizer).__name__ == "NoTokenizer"
     out = greedy_generate(one.model, [[5, 6, 7, 8]], 6, ())
     assert out == greedy_generate(two.model, [[5, 6, 7, 8]], 6, ()) and len(out[0]) == 6
-    with pytest.raises(ModelLoadError, match="--load-format dummy needs a model folder with a config.json"):
+    with pytest.raises(
+        ModelLoadError, match="--load-format dummy needs a model folder with a config.json"
+    ):
         load_model("tiny-random", load_format="dummy")
     with pytest.raises(ValueError, match="load_format must be one of auto, dummy"):
         load_model(tmp_path, load_format="zeros")
@@ -231,7 +254,9 @@ def test_chat_template_is_sandboxed_and_can_refuse(tiny):
     evil = Tokenizer(tiny.tokenizer.backend, chat_template="{{ messages.__class__.__mro__ }}")
     with pytest.raises(Exception, match="unsafe|not safely|access"):
         evil.apply_chat_template([{"role": "user", "content": "x"}])
-    strict = Tokenizer(tiny.tokenizer.backend, chat_template="{{ raise_exception('no system role') }}")
+    strict = Tokenizer(
+        tiny.tokenizer.backend, chat_template="{{ raise_exception('no system role') }}"
+    )
     with pytest.raises(ChatTemplateError, match="no system role"):
         strict.apply_chat_template([])
     with pytest.raises(ChatTemplateError, match="no chat template"):
@@ -279,18 +304,27 @@ def smollm2():
     path = smollm2_path()
     ours = load_model("smollm2")
     hf_tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, torch_dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, torch_dtype=torch.float32
+    )
     return ours, hf.eval(), hf_tok
 
 
 @pytest.mark.slow
 def test_smollm2_tokenizer_matches_transformers(smollm2):
     ours, _, hf_tok = smollm2
-    for text in CHATS + ["  Spaces,\ttabs\nand newlines — ünïcödé 🙂", "<|im_start|>user\nhi<|im_end|>"]:
+    for text in CHATS + [
+        "  Spaces,\ttabs\nand newlines — ünïcödé 🙂",
+        "<|im_start|>user\nhi<|im_end|>",
+    ]:
         assert ours.tokenizer.encode(text) == hf_tok.encode(text, add_special_tokens=True), text
     msgs = [{"role": "user", "content": CHATS[0]}]
     expected = hf_tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-    expected = expected["input_ids"] if isinstance(expected, dict) or hasattr(expected, "keys") else expected
+    expected = (
+        expected["input_ids"]
+        if isinstance(expected, dict) or hasattr(expected, "keys")
+        else expected
+    )
     assert ours.tokenizer.encode_chat(msgs) == list(expected)
     assert ours.eos_token_ids == (hf_tok.eos_token_id,)
 
@@ -304,6 +338,11 @@ def test_smollm2_greedy_chat_matches_transformers(smollm2):
     assert ours.tokenizer.decode(got[0]) == "The capital of France is Paris."
     for prompt, mine in zip(prompts, got, strict=True):
         with torch.no_grad():
-            out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False,
-                              eos_token_id=list(ours.eos_token_ids), pad_token_id=ours.eos_token_ids[0])
-        assert mine == out[0, len(prompt):].tolist(), ours.tokenizer.decode(mine)
+            out = hf.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=max_new,
+                do_sample=False,
+                eos_token_id=list(ours.eos_token_ids),
+                pad_token_id=ours.eos_token_ids[0],
+            )
+        assert mine == out[0, len(prompt) :].tolist(), ours.tokenizer.decode(mine)

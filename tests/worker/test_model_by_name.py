@@ -36,14 +36,23 @@ def _save_checkpoint(folder: Path) -> None:
     import tokenizers
 
     torch.manual_seed(7)
-    config = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    config = transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     hf = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     with torch.no_grad():
         for p in hf.parameters():
             p.normal_(0.0, 0.15)
     hf.to(torch.bfloat16).save_pretrained(folder)  # config.json says bfloat16
-    tk = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"t{i}": i for i in range(96)}, unk_token="t0"))
+    tk = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel({f"t{i}": i for i in range(96)}, unk_token="t0")
+    )
     tk.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tk.decoder = tokenizers.decoders.WordPiece()
     tk.save(str(folder / "tokenizer.json"))
@@ -107,7 +116,9 @@ def test_dtype_auto_is_float32_on_cpu_and_the_config_dtype_on_cuda(offline_cache
     cuda = torch.device("cuda")
     assert resolve_dtype("auto", cuda, declared="bfloat16") == torch.bfloat16
     assert resolve_dtype("auto", cuda, declared="float16") == torch.float16
-    assert resolve_dtype("auto", cuda, declared="float32") == torch.bfloat16  # as vLLM serves float32 models
+    assert (
+        resolve_dtype("auto", cuda, declared="float32") == torch.bfloat16
+    )  # as vLLM serves float32 models
     assert resolve_dtype("half", torch.device("cpu")) == torch.float16
 
 
@@ -146,17 +157,23 @@ def test_worker_serves_a_repo_id_given_positionally(hub):
     """`python -m worker ORG/NAME` with an offline cache: answers as the folder does offline."""
     folder, cache = hub
     env = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
-    worker = WorkerProcess("by-name", args=[REPO, "--num-blocks", "64", "--block-size", "4",
-                                            "--log-level", "warning"], env=env)
+    worker = WorkerProcess(
+        "by-name",
+        args=[REPO, "--num-blocks", "64", "--block-size", "4", "--log-level", "warning"],
+        env=env,
+    )
     try:
         url = worker.start().wait_healthy(90).url
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         [card] = client.models.list().data
         assert card.id == REPO and card.model_extra["root"] == REPO
-        r = client.completions.create(model=REPO, prompt=PROMPT, max_tokens=12, temperature=0,
-                                      extra_body={"ignore_eos": True})
+        r = client.completions.create(
+            model=REPO, prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+        )
         engine = LLMEngine(load_model(folder), EngineConfig(num_blocks=64, block_size=4))
-        offline = engine.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+        offline = engine.generate(
+            [PROMPT], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        )[0]
         assert r.choices[0].text == offline.text
         assert httpx.get(f"{url}/health").json()["status"] == "ok"
     finally:

@@ -14,8 +14,11 @@ from worker.engine import EngineConfig, LLMEngine, SamplingParams
 from worker.engine.sequence import kv_in_use
 from worker.model.loader import load_model
 
-PEAKS = ("pagedkv_worker_kv_blocks_used_peak", "pagedkv_worker_kv_slots_holding_tokens_peak",
-         "pagedkv_worker_running_sequences_peak")
+PEAKS = (
+    "pagedkv_worker_kv_blocks_used_peak",
+    "pagedkv_worker_kv_slots_holding_tokens_peak",
+    "pagedkv_worker_running_sequences_peak",
+)
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +33,13 @@ def _gauges(engine: LLMEngine) -> tuple[float, ...]:
 
 
 @settings(max_examples=8, deadline=None)
-@given(lengths=st.lists(st.tuples(st.integers(3, 30), st.integers(1, 12), st.integers(1, 2)), min_size=1, max_size=6),
-       num_blocks=st.integers(12, 40), caching=st.booleans())
+@given(
+    lengths=st.lists(
+        st.tuples(st.integers(3, 30), st.integers(1, 12), st.integers(1, 2)), min_size=1, max_size=6
+    ),
+    num_blocks=st.integers(12, 40),
+    caching=st.booleans(),
+)
 def test_peaks_are_the_pools_most_at_any_step(tiny, lengths, num_blocks, caching):
     """Synchronous steps with no lookahead: after each step the allocator holds
     exactly the blocks of the sequences that step ran (the finished ones are
@@ -40,12 +48,22 @@ def test_peaks_are_the_pools_most_at_any_step(tiny, lengths, num_blocks, caching
     The running peak lies between the most running at the end of a step and
     the most sequences the allocator held (a parent whose samples forked is
     held one call longer)."""
-    engine = LLMEngine(tiny, EngineConfig(num_blocks=num_blocks, block_size=4, async_scheduling=False,
-                                          num_lookahead_slots=0, enable_prefix_caching=caching))
+    engine = LLMEngine(
+        tiny,
+        EngineConfig(
+            num_blocks=num_blocks,
+            block_size=4,
+            async_scheduling=False,
+            num_lookahead_slots=0,
+            enable_prefix_caching=caching,
+        ),
+    )
     system = list(range(10, 18))  # a shared prefix: blocks shared, counted once
     for i, (prompt, out, n) in enumerate(lengths):
-        engine.add_request(system + [(7 * i + j) % 250 + 3 for j in range(prompt)],
-                           SamplingParams(max_tokens=out, n=n, temperature=1.0, seed=i, ignore_eos=True))
+        engine.add_request(
+            system + [(7 * i + j) % 250 + 3 for j in range(prompt)],
+            SamplingParams(max_tokens=out, n=n, temperature=1.0, seed=i, ignore_eos=True),
+        )
     blocks = slots = held = running = 0
     while engine.has_unfinished():
         engine.step()
@@ -71,7 +89,9 @@ def test_a_reset_peak_rises_with_the_next_run_only(tiny):
     small = engine.metrics.peaks.values()
     assert 0 < small.kv_blocks_used < big.kv_blocks_used and small.running_sequences == 1
     # at least every token the sequence computed, in blocks of 4
-    assert small.kv_slots_holding_tokens >= 3 + 20 - 1 and small.kv_blocks_used >= -(-(3 + 20 - 1) // 4)
+    assert small.kv_slots_holding_tokens >= 3 + 20 - 1 and small.kv_blocks_used >= -(
+        -(3 + 20 - 1) // 4
+    )
     engine.close()
 
 

@@ -39,15 +39,24 @@ def tiny():
 
 
 def make(tiny, mode: str, **kw) -> LLMEngine:
-    cfg = {"num_blocks": 256, "block_size": B, "max_model_len": MAX_LEN, "enable_prefix_caching": False,
-           "kv_reservation": mode, **kw}
+    cfg = {
+        "num_blocks": 256,
+        "block_size": B,
+        "max_model_len": MAX_LEN,
+        "enable_prefix_caching": False,
+        "kv_reservation": mode,
+        **kw,
+    }
     return LLMEngine(tiny, EngineConfig(**cfg))
 
 
 def submit(engine: LLMEngine, requests) -> list:
     for i, (prompt, out) in enumerate(requests):
-        engine.add_request([10 + i] * prompt, SamplingParams(max_tokens=out, temperature=0, ignore_eos=True),
-                           request_id=f"r{i}")
+        engine.add_request(
+            [10 + i] * prompt,
+            SamplingParams(max_tokens=out, temperature=0, ignore_eos=True),
+            request_id=f"r{i}",
+        )
     return list(engine.scheduler.waiting)
 
 
@@ -74,7 +83,9 @@ def test_admission_holds_the_reserved_slots_exactly(tiny, mode, allocator, alloc
     server = allocator_server() if allocator == "grpc" else None
     try:
         # (no call sent ahead: the allocator's state is the admission's)
-        engine = make(tiny, mode, allocator=server.address if server else "embedded", async_scheduling=False)
+        engine = make(
+            tiny, mode, allocator=server.address if server else "embedded", async_scheduling=False
+        )
         try:
             seqs = submit(engine, REQUESTS)
             engine.step()  # admits all three, in order
@@ -138,9 +149,14 @@ def test_every_mode_holds_what_the_request_can_compute(prompt, out, most):
     assert pow2 == most or pow2 & (pow2 - 1) == 0
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(requests=st.lists(st.tuples(st.integers(1, 20), st.integers(1, 12)), min_size=1, max_size=5),
-       mode=st.sampled_from(RESERVATIONS[1:]), budget=st.sampled_from([4, 16, 2048]))
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    requests=st.lists(st.tuples(st.integers(1, 20), st.integers(1, 12)), min_size=1, max_size=5),
+    mode=st.sampled_from(RESERVATIONS[1:]),
+    budget=st.sampled_from([4, 16, 2048]),
+)
 def test_tables_at_admission_are_the_reservation(tiny, requests, mode, budget):
     """Any requests, any token budget (chunked admissions): each admitted
     table holds the blocks of its reservation, held slots are exactly it,

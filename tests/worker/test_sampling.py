@@ -27,7 +27,9 @@ def engine_of(loaded, **kw) -> LLMEngine:
     return LLMEngine(loaded, EngineConfig(**{"num_blocks": 128, "block_size": 4, **kw}))
 
 
-def hf_greedy(hf, prompt: list[int], steps: int, processors=(), stop: int | None = None) -> list[int]:
+def hf_greedy(
+    hf, prompt: list[int], steps: int, processors=(), stop: int | None = None
+) -> list[int]:
     """Greedy decoding with transformers' logits processors, token by token."""
     ids = torch.tensor([prompt])
     out: list[int] = []
@@ -50,7 +52,7 @@ class OpenAIPenalties(transformers.LogitsProcessor):
         self.prompt_len, self.frequency, self.presence = prompt_len, frequency, presence
 
     def __call__(self, input_ids, scores):
-        counts = torch.bincount(input_ids[0, self.prompt_len:], minlength=scores.shape[-1]).float()
+        counts = torch.bincount(input_ids[0, self.prompt_len :], minlength=scores.shape[-1]).float()
         return scores - self.frequency * counts - self.presence * (counts > 0).float()
 
 
@@ -77,21 +79,28 @@ def test_sampled_logprobs_are_of_the_raw_logits(checkpoint):
     _, loaded = checkpoint
     engine = engine_of(loaded)
     plain = engine.generate([PROMPT], SamplingParams(**GREEDY, logprobs=0))[0]
-    hot = engine.generate([PROMPT], SamplingParams(max_tokens=1, temperature=5.0, seed=1, logprobs=0,
-                                                   repetition_penalty=1.5))[0]
+    hot = engine.generate(
+        [PROMPT],
+        SamplingParams(max_tokens=1, temperature=5.0, seed=1, logprobs=0, repetition_penalty=1.5),
+    )[0]
     first = hot.logprobs[0]
     assert first.token_id == hot.token_ids[0] and first.top == []
     if hot.token_ids[0] == plain.token_ids[0]:
         assert abs(first.logprob - plain.logprobs[0].logprob) < 1e-5
 
 
-@pytest.mark.parametrize("case", ["repetition", "frequency", "presence", "logit_bias", "min_tokens"])
+@pytest.mark.parametrize(
+    "case", ["repetition", "frequency", "presence", "logit_bias", "min_tokens"]
+)
 def test_processors_match_transformers_greedy(checkpoint, case):
     hf, loaded = checkpoint
     plain = hf_greedy(hf, PROMPT, 12)
     stop = None
     if case == "repetition":
-        kw, procs = {"repetition_penalty": 1.8}, [transformers.RepetitionPenaltyLogitsProcessor(1.8)]
+        kw, procs = (
+            {"repetition_penalty": 1.8},
+            [transformers.RepetitionPenaltyLogitsProcessor(1.8)],
+        )
     elif case == "frequency":
         kw, procs = {"frequency_penalty": 1.5}, [OpenAIPenalties(len(PROMPT), 1.5, 0.0)]
     elif case == "presence":
@@ -151,14 +160,18 @@ def test_n4_shares_prompt_blocks_and_copies_the_partial_one(checkpoint, ahead):
     assert all(t[:2] == full for t in tables.values())
     lasts = {t[2] for t in tables.values()}
     assert len(lasts) == 4  # each sample writes its own copy of the partial block...
-    assert pool.copies - copies_before == 3  # ...3 copies on write, the last writer keeps the original
+    assert (
+        pool.copies - copies_before == 3
+    )  # ...3 copies on write, the last writer keeps the original
     assert parent_table[2] in lasts
     # memory: the prompt's full blocks once plus each sample's own tail
     for _ in range(5):
         engine.step()
     seqs = engine._seqs["r"]
     # stored: all but the last token (async: the last one's slot too, reserved ahead)
-    own = sum(-(-(len(s.token_ids) - (0 if ahead else 1) - 8) // 4) for s in seqs)  # past the 8 shared
+    own = sum(
+        -(-(len(s.token_ids) - (0 if ahead else 1) - 8) // 4) for s in seqs
+    )  # past the 8 shared
     assert engine.allocator.stats().used_blocks == 2 + own
     while engine.has_unfinished():
         engine.step()
@@ -177,7 +190,9 @@ def test_n4_greedy_equals_n1_and_seeded_samples_reproduce(checkpoint):
     b = [o.token_ids for o in engine_of(loaded).generate_samples([PROMPT], seeded)[0]]
     assert a == b and len({tuple(t) for t in a}) > 1
     # sample i is seeded seed + i (vLLM): sample 1 of seed 5 is sample 0 of seed 6
-    six = engine.generate([PROMPT], SamplingParams(max_tokens=8, temperature=1.0, seed=6, ignore_eos=True))[0]
+    six = engine.generate(
+        [PROMPT], SamplingParams(max_tokens=8, temperature=1.0, seed=6, ignore_eos=True)
+    )[0]
     assert a[1] == six.token_ids
 
 
@@ -191,8 +206,9 @@ def test_forked_families_survive_preemption(checkpoint, max_tokens):
     ref = [o.token_ids for o in engine_of(loaded).generate(prompts, params)]
     for caching in (False, True):
         engine = engine_of(loaded, num_blocks=14, enable_prefix_caching=caching)
-        outs = engine.generate_samples(prompts, SamplingParams(temperature=0, ignore_eos=True,
-                                                               max_tokens=max_tokens, n=4))
+        outs = engine.generate_samples(
+            prompts, SamplingParams(temperature=0, ignore_eos=True, max_tokens=max_tokens, n=4)
+        )
         assert [[o.token_ids for o in per] for per in outs] == [[r] * 4 for r in ref]
         engine.step()
         assert engine.allocator.stats().used_blocks == 0
@@ -222,9 +238,18 @@ def test_generation_config_gives_sampling_defaults(tmp_path):
     from worker.server.app import _sampling_params
 
     _save_checkpoint("llama", tmp_path)
-    (tmp_path / "generation_config.json").write_text(json.dumps(
-        {"temperature": 0.6, "top_p": 0.9, "top_k": 50, "repetition_penalty": 1.1, "do_sample": True,
-         "eos_token_id": 2}))
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps(
+            {
+                "temperature": 0.6,
+                "top_p": 0.9,
+                "top_k": 50,
+                "repetition_penalty": 1.1,
+                "do_sample": True,
+                "eos_token_id": 2,
+            }
+        )
+    )
     loaded = load_model(tmp_path)
     assert loaded.sampling_defaults == {"temperature": 0.6, "top_p": 0.9, "repetition_penalty": 1.1}
     core = SimpleNamespace(loaded=loaded)
@@ -243,7 +268,9 @@ def _assert_prompt_logprobs(hf, prompt: list[int], lps, k: int) -> None:
     """`lps` equal log_softmax of transformers' logits at each prompt position."""
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
-    assert len(lps) == len(prompt) and lps[0] is None  # the first token has no logprob (OpenAI, vLLM)
+    assert (
+        len(lps) == len(prompt) and lps[0] is None
+    )  # the first token has no logprob (OpenAI, vLLM)
     for pos in range(1, len(prompt)):
         lp, row = lps[pos], ref[pos - 1]
         assert lp.token_id == prompt[pos]
@@ -251,13 +278,18 @@ def _assert_prompt_logprobs(hf, prompt: list[int], lps, k: int) -> None:
         assert lp.rank == int((row > row[prompt[pos]]).sum()) + 1
         top_v, top_i = row.topk(k)
         assert [t for t, _ in lp.top] == top_i.tolist()
-        assert max((abs(a - b) for (_, a), b in zip(lp.top, top_v.tolist(), strict=True)), default=0) < 1e-4
+        assert (
+            max((abs(a - b) for (_, a), b in zip(lp.top, top_v.tolist(), strict=True)), default=0)
+            < 1e-4
+        )
 
 
 LONG = [(7 * i + 3) % 97 for i in range(23)]  # 23 tokens: 5 full blocks of 4 and a partial one
 
 
-@pytest.mark.parametrize("batched_tokens", [2048, 5, 4])  # whole prompts; chunks across and on block edges
+@pytest.mark.parametrize(
+    "batched_tokens", [2048, 5, 4]
+)  # whole prompts; chunks across and on block edges
 def test_prompt_logprobs_are_log_softmax_at_every_position(checkpoint, batched_tokens, monkeypatch):
     hf, loaded = checkpoint
     if batched_tokens > len(LONG):  # whole prompts: their logits in slices of 3 rows
@@ -280,7 +312,9 @@ def test_prompt_logprobs_ignore_the_prefix_cache(checkpoint):
     first = engine.generate([LONG], SamplingParams(**GREEDY))[0]
     again = engine.generate([LONG], SamplingParams(**GREEDY))[0]
     assert again.num_cached_tokens == 20  # the cache is on and holds the prompt
-    out = engine.generate([LONG], SamplingParams(**GREEDY, prompt_logprobs=2, cache_salt="tenant"))[0]
+    out = engine.generate([LONG], SamplingParams(**GREEDY, prompt_logprobs=2, cache_salt="tenant"))[
+        0
+    ]
     assert out.num_cached_tokens == 0 and out.token_ids == first.token_ids
     _assert_prompt_logprobs(hf, LONG, out.prompt_logprobs, 2)
     both = engine.generate([LONG, LONG], SamplingParams(**GREEDY, prompt_logprobs=0, n=2))
@@ -296,9 +330,14 @@ def test_prompt_logprobs_survive_preemption_and_n(checkpoint):
     hf, loaded = checkpoint
     prompts = [LONG, PROMPT, LONG[:9]]
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=9, prompt_logprobs=1, n=3)
-    ref = [o.token_ids for o in engine_of(loaded).generate(prompts, SamplingParams(**{**GREEDY, "max_tokens": 9}))]
+    ref = [
+        o.token_ids
+        for o in engine_of(loaded).generate(prompts, SamplingParams(**{**GREEDY, "max_tokens": 9}))
+    ]
     for caching in (False, True):
-        engine = engine_of(loaded, num_blocks=12, max_num_batched_tokens=8, enable_prefix_caching=caching)
+        engine = engine_of(
+            loaded, num_blocks=12, max_num_batched_tokens=8, enable_prefix_caching=caching
+        )
         outs = engine.generate_samples(prompts, params)
         assert engine.num_preemptions > 0
         for prompt, per, r in zip(prompts, outs, ref, strict=True):

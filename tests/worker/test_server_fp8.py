@@ -13,8 +13,17 @@ import openai
 import pytest
 
 SYSTEM = "You are a helpful assistant that answers briefly. " * 3
-ARGS = ("--model", "tiny-random", "--num-blocks", "256", "--block-size", "4", "--enable-prefix-caching",
-        "--max-model-len", "512")
+ARGS = (
+    "--model",
+    "tiny-random",
+    "--num-blocks",
+    "256",
+    "--block-size",
+    "4",
+    "--enable-prefix-caching",
+    "--max-model-len",
+    "512",
+)
 
 
 @pytest.fixture(scope="module")
@@ -32,12 +41,34 @@ def usages(url: str) -> list[tuple[int, int, int]]:
     c, out = client(url), []
     for question in ("first question", "another question"):
         msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
-        r = c.chat.completions.create(model="tiny-random", messages=msgs, max_tokens=6, temperature=0,
-                                      extra_body={"ignore_eos": True})
-        out.append((r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.prompt_tokens_details.cached_tokens))
-    r = c.completions.create(model="tiny-random", prompt="hello paged world", max_tokens=10, temperature=0,
-                             extra_body={"ignore_eos": True})
-    out.append((r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.prompt_tokens_details.cached_tokens))
+        r = c.chat.completions.create(
+            model="tiny-random",
+            messages=msgs,
+            max_tokens=6,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        out.append(
+            (
+                r.usage.prompt_tokens,
+                r.usage.completion_tokens,
+                r.usage.prompt_tokens_details.cached_tokens,
+            )
+        )
+    r = c.completions.create(
+        model="tiny-random",
+        prompt="hello paged world",
+        max_tokens=10,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    out.append(
+        (
+            r.usage.prompt_tokens,
+            r.usage.completion_tokens,
+            r.usage.prompt_tokens_details.cached_tokens,
+        )
+    )
     return out
 
 
@@ -53,15 +84,24 @@ def test_a_prefix_hit_reuses_the_fp8_blocks(servers):
     msgs = [{"role": "system", "content": SYSTEM + " hit"}, {"role": "user", "content": "q"}]
 
     def ask(salt: str):
-        return c.chat.completions.create(model="tiny-random", messages=msgs, max_tokens=8, temperature=0,
-                                         extra_body={"cache_salt": salt, "ignore_eos": True})
+        return c.chat.completions.create(
+            model="tiny-random",
+            messages=msgs,
+            max_tokens=8,
+            temperature=0,
+            extra_body={"cache_salt": salt, "ignore_eos": True},
+        )
 
     cold, hit, other = ask("a"), ask("a"), ask("b")
     assert cold.usage.prompt_tokens_details.cached_tokens == 0
     assert hit.usage.prompt_tokens_details.cached_tokens >= 40
     assert other.usage.prompt_tokens_details.cached_tokens == 0
     # read back from fp8 blocks with their (fixed) scales, the prefix gives the tokens computing it gave
-    assert hit.choices[0].message.content == cold.choices[0].message.content == other.choices[0].message.content
+    assert (
+        hit.choices[0].message.content
+        == cold.choices[0].message.content
+        == other.choices[0].message.content
+    )
 
 
 def test_the_pool_and_metrics_say_fp8(servers):
@@ -69,18 +109,34 @@ def test_the_pool_and_metrics_say_fp8(servers):
     assert 'kv_cache_dtype="float8_e4m3fn"' in text
     assert 'kv_cache_dtype="float32"' in httpx.get(f"{servers['auto']}/metrics").text
     # same blocks (--num-blocks), a quarter of float32's bytes
-    pool_bytes = {name: next(float(line.split()[-1]) for line in httpx.get(f"{url}/metrics").text.splitlines()
-                             if line.startswith("pagedkv_worker_kv_pool_bytes{"))
-                  for name, url in servers.items()}
+    pool_bytes = {
+        name: next(
+            float(line.split()[-1])
+            for line in httpx.get(f"{url}/metrics").text.splitlines()
+            if line.startswith("pagedkv_worker_kv_pool_bytes{")
+        )
+        for name, url in servers.items()
+    }
     assert pool_bytes["auto"] == 4 * pool_bytes["fp8"]
 
 
-@pytest.mark.parametrize("args,env", [
-    (["--kv-cache-dtype", "fp9"], {}),
-    ([], {"PAGEDKV_WORKER_KV_CACHE_DTYPE": "int8"}),
-])
+@pytest.mark.parametrize(
+    "args,env",
+    [
+        (["--kv-cache-dtype", "fp9"], {}),
+        ([], {"PAGEDKV_WORKER_KV_CACHE_DTYPE": "int8"}),
+    ],
+)
 def test_an_unknown_kv_cache_dtype_is_one_line_and_exit_2(args, env):
-    proc = subprocess.run([sys.executable, "-m", "worker", "--model", "tiny-random", *args],
-                          env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "worker", "--model", "tiny-random", *args],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.count("\n") == 1 and "--kv-cache-dtype must be one of auto, fp8, fp8_e4m3, fp8_e5m2" in proc.stderr
+    assert (
+        proc.stderr.count("\n") == 1
+        and "--kv-cache-dtype must be one of auto, fp8, fp8_e4m3, fp8_e5m2" in proc.stderr
+    )

@@ -26,15 +26,19 @@ def llama(tmp_path_factory):
 
 def sim_engine(folder, device="sim:h100", **kw) -> LLMEngine:
     loaded = load_sim_model(folder)
-    return LLMEngine(loaded, EngineConfig(model=str(folder), device=device, dtype=loaded.config.dtype, **kw))
+    return LLMEngine(
+        loaded, EngineConfig(model=str(folder), device=device, dtype=loaded.config.dtype, **kw)
+    )
 
 
 # -- the table -------------------------------------------------------------------------
 
 
 def test_the_gpu_table_holds_the_datasheet_figures():
-    figures = {name: (g.peak_flops, g.hbm_bytes_per_s, g.memory_bytes // GIB, g.host_bytes_per_s)
-               for name, g in GPUS.items()}
+    figures = {
+        name: (g.peak_flops, g.hbm_bytes_per_s, g.memory_bytes // GIB, g.host_bytes_per_s)
+        for name, g in GPUS.items()
+    }
     assert figures == {
         "h100": (989.4e12, 3.35e12, 80, 64e9),
         "h200": (989.4e12, 4.8e12, 141, 64e9),
@@ -42,17 +46,27 @@ def test_the_gpu_table_holds_the_datasheet_figures():
         "a100-80gb": (312e12, 2.039e12, 80, 32e9),
         "l4": (121e12, 300e9, 24, 32e9),
     }
-    with pytest.raises(ValueError, match="unknown simulated GPU 'b200'; known: h100, h200, a100-40gb"):
+    with pytest.raises(
+        ValueError, match="unknown simulated GPU 'b200'; known: h100, h200, a100-40gb"
+    ):
         gpu("b200")
 
 
 def test_public_configs_give_their_published_sizes():
     llama = ModelShape.from_config(PUBLIC_CONFIGS["llama-3-8b"])
     assert (llama.num_params, llama.dtype, llama.weight_bytes, llama.kv_bytes_per_token) == (
-        8_030_261_248, "bfloat16", 16_060_522_496, 131_072)
+        8_030_261_248,
+        "bfloat16",
+        16_060_522_496,
+        131_072,
+    )
     opt = ModelShape.from_config(PUBLIC_CONFIGS["opt-13b"])
     # the reference article's figure: 819,200 KV bytes per token
-    assert (opt.num_params, opt.dtype, opt.kv_bytes_per_token) == (12_853_473_280, "float16", 819_200)
+    assert (opt.num_params, opt.dtype, opt.kv_bytes_per_token) == (
+        12_853_473_280,
+        "float16",
+        819_200,
+    )
 
 
 # -- the roofline ------------------------------------------------------------------------
@@ -115,12 +129,20 @@ def test_the_pool_is_sized_from_the_simulated_memory(llama):
 
 
 def test_an_fp8_pool_holds_twice_the_blocks_and_a_decode_reads_half_the_kv(llama):
-    engines = {kv: sim_engine(llama, kv_cache_memory="0.5", kv_cache_dtype=kv) for kv in ("auto", "fp8")}
+    engines = {
+        kv: sim_engine(llama, kv_cache_memory="0.5", kv_cache_dtype=kv) for kv in ("auto", "fp8")
+    }
     try:
         auto, fp8 = engines["auto"], engines["fp8"]
         assert fp8.kv_pool.num_blocks == int(0.5 * (80 * GIB - 16_060_522_496)) // (65_536 * 16)
-        assert fp8.kv_pool.num_blocks in (2 * auto.kv_pool.num_blocks, 2 * auto.kv_pool.num_blocks + 1)
-        assert str(fp8.kv_pool.dtype) == "torch.float8_e4m3fn" and "float8_e4m3fn" in fp8.kv_pool.describe()
+        assert fp8.kv_pool.num_blocks in (
+            2 * auto.kv_pool.num_blocks,
+            2 * auto.kv_pool.num_blocks + 1,
+        )
+        assert (
+            str(fp8.kv_pool.dtype) == "torch.float8_e4m3fn"
+            and "float8_e4m3fn" in fp8.kv_pool.describe()
+        )
         assert fp8.runner.roofline.model.kv_bytes_per_token == 65_536
     finally:
         for engine in engines.values():
@@ -129,7 +151,9 @@ def test_an_fp8_pool_holds_twice_the_blocks_and_a_decode_reads_half_the_kv(llama
 
 def test_a_pool_that_does_not_fit_is_refused(llama):
     # An L4 has 24 GiB; 14.96 GiB go to the weights, so 4,629 blocks of 2 MiB fit.
-    with pytest.raises(ValueError, match="does not fit in sim:l4's 24 GiB beside 15.0 GiB of weights"):
+    with pytest.raises(
+        ValueError, match="does not fit in sim:l4's 24 GiB beside 15.0 GiB of weights"
+    ):
         sim_engine(llama, device="sim:l4", num_blocks=10_000)
 
 
@@ -190,20 +214,36 @@ def test_overlapped_steps_give_the_synchronous_outputs(llama, caching):
     reference = _served(first, prompts, [base] * len(prompts))
     stops = [reference[0, 0][0][5], reference[2, 0][0][11]]  # tokens they sample: they stop there
     params = [SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=stops)] * 3
-    params += [SamplingParams(max_tokens=1), SamplingParams(max_tokens=12, n=3, ignore_eos=True),
-               base, SamplingParams(max_tokens=20, n=2, stop_token_ids=stops[:1])]
-    small = {"num_blocks": 40, "block_size": 4, "enable_prefix_caching": caching, "clock": "virtual"}
+    params += [
+        SamplingParams(max_tokens=1),
+        SamplingParams(max_tokens=12, n=3, ignore_eos=True),
+        base,
+        SamplingParams(max_tokens=20, n=2, stop_token_ids=stops[:1]),
+    ]
+    small = {
+        "num_blocks": 40,
+        "block_size": 4,
+        "enable_prefix_caching": caching,
+        "clock": "virtual",
+    }
     synchronous = sim_engine(llama, async_scheduling=False, num_lookahead_slots=0, **small)
     want = _served(synchronous, prompts, params)
     assert synchronous.num_preemptions > 0
-    assert [want[k][1] for k in ((0, 0), (1, 0), (2, 0), (3, 0))] == ["stop", "length", "stop", "length"]
+    assert [want[k][1] for k in ((0, 0), (1, 0), (2, 0), (3, 0))] == [
+        "stop",
+        "length",
+        "stop",
+        "length",
+    ]
     for lookahead in (0, 8):
         overlapped = sim_engine(llama, num_lookahead_slots=lookahead, **small)
         assert overlapped.overlapped
         assert _served(overlapped, prompts, params) == want, lookahead
         assert overlapped.num_preemptions > 0
         aborted = sim_engine(llama, num_lookahead_slots=lookahead, **small)
-        assert _served(aborted, prompts, params, abort_at=4) == {k: v for k, v in want.items() if k[0] != 0}
+        assert _served(aborted, prompts, params, abort_at=4) == {
+            k: v for k, v in want.items() if k[0] != 0
+        }
 
 
 def test_no_eos_unless_the_length_rule_says_so(tmp_path):
@@ -224,17 +264,21 @@ def test_virtual_latencies_are_the_sum_of_device_times(llama):
     try:
         out = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=32, ignore_eos=True))[0]
         device = engine.runner.device_seconds
-        e2e = engine.metrics.registry.get_sample_value("pagedkv_worker_e2e_request_latency_seconds_sum",
-                                                       engine.metrics.labels)
+        e2e = engine.metrics.registry.get_sample_value(
+            "pagedkv_worker_e2e_request_latency_seconds_sum", engine.metrics.labels
+        )
         launch = engine.runner.roofline.launch_s
         assert len(out.token_ids) == 32
         assert abs(e2e - device) <= launch
         assert engine.clock.now() == pytest.approx(device)
         # 32 steps: a prefill of 699 tokens, then 31 decodes of about 6.5 ms each
-        assert device == pytest.approx(sum(engine.runner.roofline.step([(0, 699, 1)]).seconds for _ in [0])
-                                       + sum(engine.runner.roofline.step([(699 + i, 1, 1)]).seconds
-                                             for i in range(31)))
-        busy = engine.metrics.registry.get_sample_value("pagedkv_worker_device_busy_ratio", engine.metrics.labels)
+        assert device == pytest.approx(
+            sum(engine.runner.roofline.step([(0, 699, 1)]).seconds for _ in [0])
+            + sum(engine.runner.roofline.step([(699 + i, 1, 1)]).seconds for i in range(31))
+        )
+        busy = engine.metrics.registry.get_sample_value(
+            "pagedkv_worker_device_busy_ratio", engine.metrics.labels
+        )
         assert busy == 1.0  # on the virtual clock only device time passes
     finally:
         engine.close()
@@ -259,7 +303,9 @@ def test_concurrent_requests_wait_for_each_others_steps(llama):
         engine.generate(PROMPTS, SamplingParams(max_tokens=16, ignore_eos=True))
         device = engine.runner.device_seconds
         labels = engine.metrics.labels
-        e2e_sum = engine.metrics.registry.get_sample_value("pagedkv_worker_e2e_request_latency_seconds_sum", labels)
+        e2e_sum = engine.metrics.registry.get_sample_value(
+            "pagedkv_worker_e2e_request_latency_seconds_sum", labels
+        )
         # each request lived through at most every step, and the last one through all of them
         assert device - engine.runner.roofline.launch_s <= e2e_sum <= 3 * device
     finally:
@@ -272,7 +318,13 @@ def test_host_time_is_measured_by_part(llama):
         engine.generate(PROMPTS[:2], SamplingParams(max_tokens=8, ignore_eos=True))
         get = engine.metrics.registry.get_sample_value
         for part in ("schedule", "allocator_wait", "sample", "output"):
-            assert get("pagedkv_worker_step_host_seconds_count", {**engine.metrics.labels, "part": part}) >= 8
+            assert (
+                get(
+                    "pagedkv_worker_step_host_seconds_count",
+                    {**engine.metrics.labels, "part": part},
+                )
+                >= 8
+            )
         assert 0 < get("pagedkv_worker_device_busy_ratio", engine.metrics.labels) <= 1
     finally:
         engine.close()
@@ -293,20 +345,50 @@ def test_logprobs_are_refused_on_a_simulated_device(llama):
 
 
 def _worker(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "worker", *argv], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "worker", *argv], capture_output=True, text=True, timeout=120
+    )
 
 
-@pytest.mark.parametrize(("make", "args", "message"), [
-    (None, ["--device", "sim:b200"], "unknown simulated GPU 'b200'; known: h100, h200, a100-40gb, a100-80gb, l4"),
-    ("drop", ["--device", "sim:h100"], "config.json: num_attention_heads must be a positive integer"),
-    (None, ["--device", "sim:l4", "--num-blocks", "100000"], "does not fit in sim:l4's 24 GiB"),
-    # the host tier's slots are counted as on CUDA: 2 MiB blocks (16 tokens of 131,072 B)
-    (None, ["--device", "sim:h100", "--kv-offloading-size", "0.001"],
-     "--kv-offloading-size 0.001 GiB holds no KV block (2097152 B each)"),
-    (None, ["--device", "sim:h100", "--kv-offloading-size", "0.001953125", "--preemption-mode", "swap"],
-     "holds 1 block(s): too few for --preemption-mode swap"),
-    (None, ["--device", "sim:h100", "--preemption-mode", "swap"], "--preemption-mode swap needs a host tier"),
-])
+@pytest.mark.parametrize(
+    ("make", "args", "message"),
+    [
+        (
+            None,
+            ["--device", "sim:b200"],
+            "unknown simulated GPU 'b200'; known: h100, h200, a100-40gb, a100-80gb, l4",
+        ),
+        (
+            "drop",
+            ["--device", "sim:h100"],
+            "config.json: num_attention_heads must be a positive integer",
+        ),
+        (None, ["--device", "sim:l4", "--num-blocks", "100000"], "does not fit in sim:l4's 24 GiB"),
+        # the host tier's slots are counted as on CUDA: 2 MiB blocks (16 tokens of 131,072 B)
+        (
+            None,
+            ["--device", "sim:h100", "--kv-offloading-size", "0.001"],
+            "--kv-offloading-size 0.001 GiB holds no KV block (2097152 B each)",
+        ),
+        (
+            None,
+            [
+                "--device",
+                "sim:h100",
+                "--kv-offloading-size",
+                "0.001953125",
+                "--preemption-mode",
+                "swap",
+            ],
+            "holds 1 block(s): too few for --preemption-mode swap",
+        ),
+        (
+            None,
+            ["--device", "sim:h100", "--preemption-mode", "swap"],
+            "--preemption-mode swap needs a host tier",
+        ),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(tmp_path, make, args, message):
     cfg = dict(PUBLIC_CONFIGS["llama-3-8b"])
     if make == "drop":

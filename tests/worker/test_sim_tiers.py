@@ -45,9 +45,18 @@ def prompts(seed: int = 0, n: int = 12) -> list[list[int]]:
 
 
 def make(llama, allocator=None, **kw) -> LLMEngine:
-    cfg = {"num_blocks": 40, "block_size": BLOCK, "enable_prefix_caching": True, "clock": "virtual", **kw}
-    engine = LLMEngine(llama, EngineConfig(model="llama-3-8b", device="sim:h100", dtype="bfloat16", **cfg),
-                       allocator=allocator)
+    cfg = {
+        "num_blocks": 40,
+        "block_size": BLOCK,
+        "enable_prefix_caching": True,
+        "clock": "virtual",
+        **kw,
+    }
+    engine = LLMEngine(
+        llama,
+        EngineConfig(model="llama-3-8b", device="sim:h100", dtype="bfloat16", **cfg),
+        allocator=allocator,
+    )
     engine.step_seconds = []  # each step's roofline time, as launched (its moves not included)
     launch = engine.runner.launch
 
@@ -90,10 +99,14 @@ def test_host_tier_same_tokens_hits_and_time(llama, reference, async_scheduling)
     assert engine.overlapped == async_scheduling
     host = engine.tiers.host
     assert host.num_slots == 256 and not host.pinned  # counted as on CUDA; no memory taken
-    assert tokens(engine, prompts(0)) == reference[0]  # 12 prompts on 40 blocks: evictions, preemptions
+    assert (
+        tokens(engine, prompts(0)) == reference[0]
+    )  # 12 prompts on 40 blocks: evictions, preemptions
     pool = engine.allocator.pool
     hits_before = pool.stats().prefix_hit_tokens
-    again = [engine.generate([p], PARAMS)[0] for p in prompts(0)]  # one at a time: found in the host tier
+    again = [
+        engine.generate([p], PARAMS)[0] for p in prompts(0)
+    ]  # one at a time: found in the host tier
     assert [o.token_ids for o in again] == reference[0]
     c = settle(engine)
     assert c["host_saves"] > 40 and c["saves_confirmed"] == c["host_saves"] and c["host_loads"] > 40
@@ -101,8 +114,12 @@ def test_host_tier_same_tokens_hits_and_time(llama, reference, async_scheduling)
     assert cached == pool.stats().prefix_hit_tokens - hits_before
     assert cached > c["host_hit_tokens"] // 2 > 0
     # every block moved: 524,288 B over 64 GB/s = 8.192 us of device time, no more, no less
-    assert moved_seconds(engine) == pytest.approx((c["host_saves"] + c["host_loads"]) * 8.192e-6, rel=1e-9)
-    assert engine.clock.now() == pytest.approx(engine.runner.device_seconds)  # the virtual clock: device time
+    assert moved_seconds(engine) == pytest.approx(
+        (c["host_saves"] + c["host_loads"]) * 8.192e-6, rel=1e-9
+    )
+    assert engine.clock.now() == pytest.approx(
+        engine.runner.device_seconds
+    )  # the virtual clock: device time
 
 
 def test_a_prompt_back_from_the_host_tier_costs_its_loads(llama):
@@ -121,12 +138,15 @@ def test_a_prompt_back_from_the_host_tier_costs_its_loads(llama):
     assert again.token_ids == first.token_ids and again.num_cached_tokens == 36
     loads, saves = c1["host_loads"] - c0["host_loads"], c1["host_saves"] - c0["host_saves"]
     assert loads == 9
-    assert moved_seconds(engine) - moved0 == pytest.approx((loads + saves) * BLOCK_BYTES / H100_HOST, rel=1e-9)
+    assert moved_seconds(engine) - moved0 == pytest.approx(
+        (loads + saves) * BLOCK_BYTES / H100_HOST, rel=1e-9
+    )
 
 
 def in_group(store, group: str = "g"):
-    return lambda spec: EmbeddedAllocator(replace(spec, config=replace(spec.config, store_group=group)),
-                                          shared_store=store)
+    return lambda spec: EmbeddedAllocator(
+        replace(spec, config=replace(spec.config, store_group=group)), shared_store=store
+    )
 
 
 @pytest.mark.parametrize("host_blocks", [0, 16])
@@ -140,7 +160,11 @@ def test_two_simulated_workers_share_the_store(llama, reference, tmp_path, host_
     a = make(llama, in_group(store), kv_offloading_size=size, worker_id="a")
     assert tokens(a, prompts(1)) == reference[1]
     ca = settle(a)
-    assert ca["store_saves"] > 20 and ca["saves_confirmed"] >= ca["store_saves"] and ca["saves_failed"] == 0
+    assert (
+        ca["store_saves"] > 20
+        and ca["saves_confirmed"] >= ca["store_saves"]
+        and ca["saves_failed"] == 0
+    )
     b = make(llama, in_group(store), kv_offloading_size=size, worker_id="b")
     outs = [b.generate([p], PARAMS)[0] for p in prompts(1)]
     assert [o.token_ids for o in outs] == reference[1]

@@ -34,10 +34,32 @@ def family(request, tmp_path_factory, worker_process):
     # are not UTF-8, which ByteFallback renders differently once a later byte
     # arrives (test_detokenize.py's note); words are what this is about.
     tok = engine.tokenizer
-    bias = {str(i): -100 for i in range(tok.vocab_size) if (tok.backend.id_to_token(i) or "").startswith("<0x")}
-    with worker_process("--model", str(folder), "--served-model-name", MODEL, "--num-blocks", "128",
-                        "--block-size", "4", "--max-model-len", "256", "--threads", "1") as url:
-        yield name, openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0), engine, hf, bias
+    bias = {
+        str(i): -100
+        for i in range(tok.vocab_size)
+        if (tok.backend.id_to_token(i) or "").startswith("<0x")
+    }
+    with worker_process(
+        "--model",
+        str(folder),
+        "--served-model-name",
+        MODEL,
+        "--num-blocks",
+        "128",
+        "--block-size",
+        "4",
+        "--max-model-len",
+        "256",
+        "--threads",
+        "1",
+    ) as url:
+        yield (
+            name,
+            openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0),
+            engine,
+            hf,
+            bias,
+        )
 
 
 def _decode(hf, ids: list[int]) -> str:
@@ -47,11 +69,13 @@ def _decode(hf, ids: list[int]) -> str:
 def _rule(hf, prompt: list[int], output: list[int]) -> str:
     before, full = _decode(hf, prompt), _decode(hf, prompt + output)
     assert full.startswith(before)
-    return full[len(before):]
+    return full[len(before) :]
 
 
 def _offline(engine, prompt: list[int], bias: dict, **kw) -> list[list[int]]:
-    params = SamplingParams(ignore_eos=True, logit_bias=tuple((int(k), float(v)) for k, v in bias.items()), **kw)
+    params = SamplingParams(
+        ignore_eos=True, logit_bias=tuple((int(k), float(v)) for k, v in bias.items()), **kw
+    )
     return [o.token_ids for o in engine.generate_samples([prompt], params)[0]]
 
 
@@ -70,13 +94,22 @@ def test_completion_text_echo_and_logprobs(family):
         prompt_ids = tok.encode(prompt) if isinstance(prompt, str) else prompt
         [ids] = _offline(engine, prompt_ids, bias, max_tokens=10, temperature=0)
         expected = _rule(hf, prompt_ids, ids)
-        kw = dict(model=MODEL, prompt=prompt, max_tokens=10, temperature=0, logprobs=2,
-                  extra_body={"ignore_eos": True}, logit_bias=bias)
+        kw = dict(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=10,
+            temperature=0,
+            logprobs=2,
+            extra_body={"ignore_eos": True},
+            logit_bias=bias,
+        )
         whole = client.completions.create(**kw).choices[0]
         assert whole.text == expected
         shown = [t not in tok.special_ids for t in ids]
         _pieces_agree(whole.text, whole.logprobs.tokens, whole.logprobs.text_offset, shown)
-        for i, t in enumerate(whole.logprobs.tokens):  # the chosen token among the top ones, spelled alike
+        for i, t in enumerate(
+            whole.logprobs.tokens
+        ):  # the chosen token among the top ones, spelled alike
             # (the likeliest of the tokens sharing its spelling; logprobs are taken before logit_bias)
             assert whole.logprobs.top_logprobs[i][t] >= whole.logprobs.token_logprobs[i]
         text, tokens, offsets = "", [], []
@@ -85,7 +118,11 @@ def test_completion_text_echo_and_logprobs(family):
                 text += ch.text
                 tokens += ch.logprobs.tokens
                 offsets += ch.logprobs.text_offset
-        assert text == expected and tokens == whole.logprobs.tokens and offsets == whole.logprobs.text_offset
+        assert (
+            text == expected
+            and tokens == whole.logprobs.tokens
+            and offsets == whole.logprobs.text_offset
+        )
         # echoed: the prompt's decode, then the completion: the decode of both
         echo = client.completions.create(echo=True, **kw).choices[0]
         assert echo.text == _decode(hf, prompt_ids + ids)
@@ -99,8 +136,16 @@ def test_chat_text_and_logprobs(family):
     prompt_ids = engine.tokenizer.encode_chat(msgs)
     [ids] = _offline(engine, prompt_ids, bias, max_tokens=10, temperature=0)
     expected = _rule(hf, prompt_ids, ids)
-    kw = dict(model=MODEL, messages=msgs, max_tokens=10, temperature=0, logprobs=True, top_logprobs=2,
-              extra_body={"ignore_eos": True}, logit_bias=bias)
+    kw = dict(
+        model=MODEL,
+        messages=msgs,
+        max_tokens=10,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+        logit_bias=bias,
+    )
     whole = client.chat.completions.create(**kw).choices[0]
     assert whole.message.content == expected
     shown = [t not in engine.tokenizer.special_ids for t in ids]
@@ -123,8 +168,17 @@ def test_samples_and_stop_strings(family, include):
     full = [_rule(hf, prompt_ids, ids) for ids in samples]
     words = full[0].split()
     stop = words[min(2, len(words) - 1)][:3]
-    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=1.0, seed=11, n=2, stop=[stop],
-              extra_body={"ignore_eos": True, "include_stop_str_in_output": include}, logit_bias=bias)
+    kw = dict(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=1.0,
+        seed=11,
+        n=2,
+        stop=[stop],
+        extra_body={"ignore_eos": True, "include_stop_str_in_output": include},
+        logit_bias=bias,
+    )
 
     def cut(text: str) -> str:
         at = text.find(stop)

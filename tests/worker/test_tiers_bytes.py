@@ -75,8 +75,9 @@ def fingerprint() -> str:
 
 
 def sample(metrics: WorkerMetrics, name: str, tier: str, **labels: str) -> float | None:
-    return metrics.registry.get_sample_value(f"pagedkv_worker_kv_tier_{name}",
-                                             {**metrics.labels, "tier": tier, **labels})
+    return metrics.registry.get_sample_value(
+        f"pagedkv_worker_kv_tier_{name}", {**metrics.labels, "tier": tier, **labels}
+    )
 
 
 def new_metrics() -> WorkerMetrics:
@@ -90,9 +91,14 @@ def test_the_layout_key_names_every_part_of_the_layout():
     base = KVLayout("a" * 64, 16, "float16", 8, 128, 32)
     assert base.key == KVLayout("a" * 64, 16, "fp16", 8, 128, 32).key  # a spelling is not a layout
     assert len(base.key) == 64 and int(base.key, 16) >= 0
-    others = [KVLayout("b" * 64, 16, "float16", 8, 128, 32), KVLayout("a" * 64, 32, "float16", 8, 128, 32),
-              KVLayout("a" * 64, 16, "bfloat16", 8, 128, 32), KVLayout("a" * 64, 16, "float16", 4, 128, 32),
-              KVLayout("a" * 64, 16, "float16", 8, 64, 32), KVLayout("a" * 64, 16, "float16", 8, 128, 28)]
+    others = [
+        KVLayout("b" * 64, 16, "float16", 8, 128, 32),
+        KVLayout("a" * 64, 32, "float16", 8, 128, 32),
+        KVLayout("a" * 64, 16, "bfloat16", 8, 128, 32),
+        KVLayout("a" * 64, 16, "float16", 4, 128, 32),
+        KVLayout("a" * 64, 16, "float16", 8, 64, 32),
+        KVLayout("a" * 64, 16, "float16", 8, 128, 28),
+    ]
     assert len({base.key, *(o.key for o in others)}) == 1 + len(others)
     assert base.block_bytes == 16 * 2 * 32 * 8 * 128 * 2
 
@@ -110,10 +116,14 @@ def test_a_pools_layout_has_its_blocks_bytes(dtype):
 def test_fp8_layouts_differ_from_bf16_and_by_their_scales():
     bf16 = KVLayout("a" * 64, 16, "bfloat16", 8, 128, 2)
     e4m3 = KVLayout("a" * 64, 16, "float8_e4m3fn", 8, 128, 2)
-    assert e4m3.key == KVLayout("a" * 64, 16, "float8_e4m3fn", 8, 128, 2, (1.0, 1.0), (1.0, 1.0)).key
-    others = [KVLayout("a" * 64, 16, "float8_e5m2", 8, 128, 2),
-              KVLayout("a" * 64, 16, "float8_e4m3fn", 8, 128, 2, (1.0, 0.5)),
-              KVLayout("a" * 64, 16, "float8_e4m3fn", 8, 128, 2, (), (2.0, 1.0))]
+    assert (
+        e4m3.key == KVLayout("a" * 64, 16, "float8_e4m3fn", 8, 128, 2, (1.0, 1.0), (1.0, 1.0)).key
+    )
+    others = [
+        KVLayout("a" * 64, 16, "float8_e5m2", 8, 128, 2),
+        KVLayout("a" * 64, 16, "float8_e4m3fn", 8, 128, 2, (1.0, 0.5)),
+        KVLayout("a" * 64, 16, "float8_e4m3fn", 8, 128, 2, (), (2.0, 1.0)),
+    ]
     assert len({bf16.key, e4m3.key, *(o.key for o in others)}) == 2 + len(others)
     assert 2 * e4m3.block_bytes == bf16.block_bytes
     pool = KVPool(2, 3, 16, 8, 128, torch.float8_e4m3fn, k_scales=(1.0, 0.5))
@@ -129,10 +139,19 @@ def test_fp8_layouts_differ_from_bf16_and_by_their_scales():
 
 
 def test_the_layout_key_is_the_same_in_another_process():
-    code = ("from worker.tiers import KVLayout;"
-            "print(KVLayout('c' * 64, 16, 'bfloat16', 8, 128, 32).key)")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                         capture_output=True, text=True, timeout=120, check=True).stdout.strip()
+    code = (
+        "from worker.tiers import KVLayout;"
+        "print(KVLayout('c' * 64, 16, 'bfloat16', 8, 128, 32).key)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout.strip()
     assert out == KVLayout("c" * 64, 16, "bfloat16", 8, 128, 32).key
 
 
@@ -147,7 +166,9 @@ def test_kv_to_host_to_kv_gives_the_same_bytes(dtype):
     saved = {b: block_bytes(pool, b) for b in range(pool.num_blocks)}
     # one batch: a run of slots (3, 4, 5) and single ones, in any order
     host.save([7, 2, 9, 0, 5], [3, 4, 5, 0, 2]).synchronize()
-    assert [bytes(m) for m in host.read_slots([3, 4, 5, 0, 2])] == [saved[b] for b in (7, 2, 9, 0, 5)]
+    assert [bytes(m) for m in host.read_slots([3, 4, 5, 0, 2])] == [
+        saved[b] for b in (7, 2, 9, 0, 5)
+    ]
     fresh = make_pool(dtype, seed=1)
     pool.k_blocks.copy_(fresh.k_blocks)
     pool.v_blocks.copy_(fresh.v_blocks)  # every block reused by other sequences
@@ -168,8 +189,15 @@ def test_kv_to_host_to_kv_gives_the_same_bytes(dtype):
 
 
 @settings(max_examples=40, deadline=None)
-@given(moves=st.lists(st.tuples(st.booleans(), st.lists(st.tuples(st.integers(0, 9), st.integers(0, 4)),
-                                                          min_size=0, max_size=6)), max_size=8))
+@given(
+    moves=st.lists(
+        st.tuples(
+            st.booleans(),
+            st.lists(st.tuples(st.integers(0, 9), st.integers(0, 4)), min_size=0, max_size=6),
+        ),
+        max_size=8,
+    )
+)
 def test_host_moves_match_a_model_of_slots_and_blocks(moves):
     """Any sequence of batched saves and loads leaves every KV block and every
     written slot holding what a dict of payloads says, and no other byte changes."""
@@ -183,7 +211,9 @@ def test_host_moves_match_a_model_of_slots_and_blocks(moves):
             host.save([b for b, _ in pairs], [s for _, s in pairs])
             slots.update({s: blocks[b] for b, s in pairs})
         else:
-            pairs = list({b: (b, s) for b, s in pairs if s in slots}.values())  # written slots, distinct blocks
+            pairs = list(
+                {b: (b, s) for b, s in pairs if s in slots}.values()
+            )  # written slots, distinct blocks
             host.load([s for _, s in pairs], [b for b, _ in pairs])
             blocks.update({b: slots[s] for b, s in pairs})
         assert {b: block_bytes(pool, b) for b in range(pool.num_blocks)} == blocks
@@ -211,13 +241,18 @@ def test_the_offloading_size_in_gib_gives_slots_or_a_one_line_error():
     assert host_slots_for_size(0, 1024) == 0
     assert host_slots_for_size(1, 1024**2, available_bytes=2 * 1024**3) == 1024
     assert host_slots_for_size(0.5, 3 * 1024**2, available_bytes=2 * 1024**3) == 170
-    for size, pattern in ((4, r"more than the memory available \(2.00 GiB\)"),
-                          (1e-9, r"holds no KV block \(1048576 B each\)"),
-                          (-1, "a number of GiB >= 0"), (float("nan"), "a number of GiB >= 0")):
+    for size, pattern in (
+        (4, r"more than the memory available \(2.00 GiB\)"),
+        (1e-9, r"holds no KV block \(1048576 B each\)"),
+        (-1, "a number of GiB >= 0"),
+        (float("nan"), "a number of GiB >= 0"),
+    ):
         with pytest.raises(ValueError, match=pattern) as err:
             host_slots_for_size(size, 1024**2, available_bytes=2 * 1024**3)
         assert "\n" not in str(err.value) and "--kv-offloading-size" in str(err.value)
-    with pytest.raises(ValueError, match="more than the memory available"):  # the machine's MemAvailable
+    with pytest.raises(
+        ValueError, match="more than the memory available"
+    ):  # the machine's MemAvailable
         HostMemory.from_size(make_pool(), 1e6)
     pool = make_pool()
     assert HostMemory.from_size(pool, 0) is None
@@ -233,7 +268,10 @@ def test_an_entry_decodes_to_its_payload_and_every_mismatch_is_refused():
     h = hashes(1)[0]
     payload = os.urandom(layout.block_bytes)
     entry = encode_entry(layout, h, payload)
-    assert len(entry) == HEADER_BYTES + layout.block_bytes and entry_key(layout, h) == f"{layout.key}-{h.hex()}"
+    assert (
+        len(entry) == HEADER_BYTES + layout.block_bytes
+        and entry_key(layout, h) == f"{layout.key}-{h.hex()}"
+    )
     assert bytes(decode_entry(entry, layout, h)) == payload
 
     def flip(at: int) -> bytes:
@@ -243,12 +281,16 @@ def test_an_entry_decodes_to_its_payload_and_every_mismatch_is_refused():
 
     other = KVLayout("e" * 64, 4, "float32", 2, 8, 3)
     cases = {
-        "empty": (b"", "format"), "short": (entry[:HEADER_BYTES - 1], "format"),
-        "magic": (flip(0), "format"), "version": (flip(4), "format"),
+        "empty": (b"", "format"),
+        "short": (entry[: HEADER_BYTES - 1], "format"),
+        "magic": (flip(0), "format"),
+        "version": (flip(4), "format"),
         "layout": (encode_entry(other, h, payload), "layout"),
         "hash": (encode_entry(layout, hashes(2)[1], payload), "checksum"),
-        "truncated": (entry[:-1], "checksum"), "longer": (entry + b"\0", "checksum"),
-        "payload": (flip(HEADER_BYTES + 17), "checksum"), "checksum": (flip(HEADER_BYTES - 1), "checksum"),
+        "truncated": (entry[:-1], "checksum"),
+        "longer": (entry + b"\0", "checksum"),
+        "payload": (flip(HEADER_BYTES + 17), "checksum"),
+        "checksum": (flip(HEADER_BYTES - 1), "checksum"),
     }
     for name, (data, reason) in cases.items():
         got = decode_entry(data, layout, h)
@@ -273,10 +315,24 @@ def test_a_sealed_entry_opens_only_under_its_key_and_store_key():
     ns = f"g1.{layout.key}"
     entry = encode_entry(layout, h, payload, seal=seal, namespace=ns)
     assert bytes(decode_entry(entry, layout, h, seal=seal, namespace=ns)) == payload
-    assert payload not in entry and payload[:64] not in entry  # a reader without the key sees no K/V
-    assert bytes(decode_entry(encode_entry(layout, h, payload, seal=seal, namespace=ns), layout, h, seal=seal,
-                              namespace=ns)) == payload  # each sealing draws its own salt ...
-    assert encode_entry(layout, h, payload, seal=seal, namespace=ns) != entry  # ... so no two are alike
+    assert (
+        payload not in entry and payload[:64] not in entry
+    )  # a reader without the key sees no K/V
+    assert (
+        bytes(
+            decode_entry(
+                encode_entry(layout, h, payload, seal=seal, namespace=ns),
+                layout,
+                h,
+                seal=seal,
+                namespace=ns,
+            )
+        )
+        == payload
+    )  # each sealing draws its own salt ...
+    assert (
+        encode_entry(layout, h, payload, seal=seal, namespace=ns) != entry
+    )  # ... so no two are alike
 
     def refused(data, **kw) -> str:
         got = decode_entry(data, layout, h, **{"seal": seal, "namespace": ns, **kw})
@@ -284,11 +340,15 @@ def test_a_sealed_entry_opens_only_under_its_key_and_store_key():
         return got.reason
 
     flipped = [bytearray(entry) for _ in range(3)]
-    for b, at in zip(flipped, (HEADER_BYTES - 1, HEADER_BYTES + 8 + 5, len(entry) - 1), strict=True):
+    for b, at in zip(
+        flipped, (HEADER_BYTES - 1, HEADER_BYTES + 8 + 5, len(entry) - 1), strict=True
+    ):
         b[at] ^= 0x01  # the salt, the ciphertext, the tag
     assert [refused(bytes(b)) for b in flipped] == ["seal"] * 3
     assert refused(encode_entry(layout, h, payload)) == "seal"  # plain, valid checksum: a forger's
-    assert refused(encode_entry(layout, h, payload, seal=other, namespace=ns)) == "seal"  # another group's key
+    assert (
+        refused(encode_entry(layout, h, payload, seal=other, namespace=ns)) == "seal"
+    )  # another group's key
     assert refused(entry, namespace=f"g2.{layout.key}") == "seal"  # moved to another group's key
     assert refused(entry, seal=None) == "seal"  # a worker without the key cannot read it
     assert refused(entry[:-1]) == "checksum"
@@ -339,7 +399,9 @@ def test_kv_to_store_to_kv_gives_the_same_bytes(store, dtype):
     saved = {b: block_bytes(pool, b) for b in range(pool.num_blocks)}
     hs = hashes(6, layout.key)
     assert mover.save_blocks([3, 1, 4], hs[:3]) == [True] * 3
-    host.save([5, 9, 2], [2, 0, 3])  # a host save beside the store's: the store reads KV blocks only
+    host.save(
+        [5, 9, 2], [2, 0, 3]
+    )  # a host save beside the store's: the store reads KV blocks only
     assert mover.save_blocks([5, 9, 2], hs[3:]) == [True] * 3
     fresh = make_pool(dtype, seed=1)
     pool.k_blocks.copy_(fresh.k_blocks)
@@ -347,8 +409,13 @@ def test_kv_to_store_to_kv_gives_the_same_bytes(store, dtype):
     overwritten = {b: block_bytes(pool, b) for b in range(pool.num_blocks)}
     unknown = hashes(1, "never saved")
     got = mover.load_blocks([hs[5], hs[0], *unknown, hs[3], hs[1]], [0, 6, 7, 8, 9])
-    assert got == [LoadOutcome(True), LoadOutcome(True), LoadOutcome(False, "missing"), LoadOutcome(True),
-                   LoadOutcome(True)]
+    assert got == [
+        LoadOutcome(True),
+        LoadOutcome(True),
+        LoadOutcome(False, "missing"),
+        LoadOutcome(True),
+        LoadOutcome(True),
+    ]
     want = overwritten | {0: saved[2], 6: saved[3], 8: saved[5], 9: saved[1]}
     assert {b: block_bytes(pool, b) for b in range(pool.num_blocks)} == want  # 7 untouched: a miss
     assert sample(metrics, "saved_blocks_total", "shared") == 6
@@ -358,7 +425,9 @@ def test_kv_to_store_to_kv_gives_the_same_bytes(store, dtype):
     assert sample(metrics, "store_errors_total", "shared") == 0
     assert mover.delete(hs[:2])
     assert mover.load_blocks(hs[:2], [1, 2]) == [LoadOutcome(False, "missing")] * 2
-    assert sample(metrics, "refused_entries_total", "shared", reason="missing") == 3  # the miss above too
+    assert (
+        sample(metrics, "refused_entries_total", "shared", reason="missing") == 3
+    )  # the miss above too
 
 
 def test_wrong_layout_and_wrong_checksum_entries_are_refused_and_counted(store, caplog):
@@ -378,10 +447,16 @@ def test_wrong_layout_and_wrong_checksum_entries_are_refused_and_counted(store, 
     before = {b: block_bytes(pool, b) for b in range(pool.num_blocks)}
     with caplog.at_level(logging.WARNING, logger="worker.tiers"):
         got = mover.load_blocks(hs, [5, 6, 7, 8])
-    assert got == [LoadOutcome(False, "checksum"), LoadOutcome(False, "layout"), LoadOutcome(False, "format"),
-                   LoadOutcome(True)]
+    assert got == [
+        LoadOutcome(False, "checksum"),
+        LoadOutcome(False, "layout"),
+        LoadOutcome(False, "format"),
+        LoadOutcome(True),
+    ]
     assert [o.refused for o in got] == [True, True, True, False]
-    assert {b: block_bytes(pool, b) for b in range(pool.num_blocks)} == before | {8: before[3]}  # never loaded
+    assert {b: block_bytes(pool, b) for b in range(pool.num_blocks)} == before | {
+        8: before[3]
+    }  # never loaded
     for reason in ("checksum", "layout", "format"):
         assert sample(metrics, "refused_entries_total", "shared", reason=reason) == 1
     assert sample(metrics, "loaded_blocks_total", "shared") == 1
@@ -395,11 +470,13 @@ def test_a_store_that_cannot_be_used_is_a_one_line_error_at_start(tmp_path):
     plain = tmp_path / "a-file"
     plain.write_text("")
     port = free_port("127.0.0.1")
-    for url, pattern in (("s3://bucket/kv", "unknown kind; use file://PATH or redis://HOST:PORT/DB"),
-                         ("file://", "give a directory"),
-                         (f"file://{plain}/kv", f"cannot write to {plain}/kv"),
-                         (f"redis://127.0.0.1:{port}/0", "unreachable"),
-                         ("redis://127.0.0.1:notaport/0", "shared store redis://127.0.0.1:notaport/0")):
+    for url, pattern in (
+        ("s3://bucket/kv", "unknown kind; use file://PATH or redis://HOST:PORT/DB"),
+        ("file://", "give a directory"),
+        (f"file://{plain}/kv", f"cannot write to {plain}/kv"),
+        (f"redis://127.0.0.1:{port}/0", "unreachable"),
+        ("redis://127.0.0.1:notaport/0", "shared store redis://127.0.0.1:notaport/0"),
+    ):
         with pytest.raises(StoreOpenError, match=pattern) as err:
             open_store(url)
         assert "\n" not in str(err.value), url
@@ -434,8 +511,13 @@ def test_the_file_store_is_shared_by_two_processes(tmp_path):
     hs = hashes(3, "first")
     assert mover.save_blocks([8, 3, 6], hs) == [True] * 3
     args = json.dumps({"url": url, "fingerprint": fp, "load": [h.hex() for h in hs]})
-    done = subprocess.run([sys.executable, "-c", _OTHER_WORKER.format(root=str(ROOT)), args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", _OTHER_WORKER.format(root=str(ROOT)), args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     other = json.loads(done.stdout.strip().splitlines()[-1])
     assert other["got"] == [None, None, None]  # all three loaded
@@ -453,8 +535,13 @@ def test_a_file_store_write_that_fails_leaves_no_entry(tmp_path):
     store = open_store(f"file://{tmp_path / 'kv'}")
     pool = make_pool()
     metrics = new_metrics()
-    mover = StoreMover(store, KVLayout.of_pool(pool, fingerprint()), pool, meter=metrics.tier("shared"),
-                       retry_interval_s=0)
+    mover = StoreMover(
+        store,
+        KVLayout.of_pool(pool, fingerprint()),
+        pool,
+        meter=metrics.tier("shared"),
+        retry_interval_s=0,
+    )
     good, bad = b"\0" * 32, b"\1" * 32
     assert mover.save_blocks([0], [good]) == [True]
     path = store._path(entry_key(mover.layout, bad))
@@ -478,8 +565,14 @@ def test_a_redis_store_killed_mid_run_degrades_to_misses(caplog):
         layout = KVLayout.of_pool(pool, fingerprint())
         metrics = new_metrics()
         now = [0.0]
-        mover = StoreMover(open_store(redis.url), layout, pool, meter=metrics.tier("shared"),
-                           retry_interval_s=5.0, clock=lambda: now[0])
+        mover = StoreMover(
+            open_store(redis.url),
+            layout,
+            pool,
+            meter=metrics.tier("shared"),
+            retry_interval_s=5.0,
+            clock=lambda: now[0],
+        )
         hs = hashes(4, "killed")
         assert mover.save_blocks([0, 1], hs[:2]) == [True, True]
         redis.kill()
@@ -497,7 +590,9 @@ def test_a_redis_store_killed_mid_run_degrades_to_misses(caplog):
             now[0] += 5.0
             assert mover.load_blocks(hs[:1], [7]) == [LoadOutcome(False, "unavailable")]
             assert sample(metrics, "store_errors_total", "shared") == 3
-            assert sum("unreachable" in r.getMessage() for r in caplog.records) == 1  # once per outage
+            assert (
+                sum("unreachable" in r.getMessage() for r in caplog.records) == 1
+            )  # once per outage
             assert {b: block_bytes(pool, b) for b in range(pool.num_blocks)} == before
             redis.start().wait_healthy(15)
             now[0] += 5.0
@@ -534,7 +629,12 @@ def test_cuda_host_tier_is_pinned_and_copies_on_a_side_stream(tmp_path):
     torch.cuda.current_stream().synchronize()
     assert transfer.done()
     zero = block_bytes(pool, 0)
-    want = {b: zero for b in range(pool.num_blocks)} | {1: saved[0], 8: saved[7], 6: saved[9], 3: saved[2]}
+    want = {b: zero for b in range(pool.num_blocks)} | {
+        1: saved[0],
+        8: saved[7],
+        6: saved[9],
+        3: saved[2],
+    }
     assert {b: block_bytes(pool, b) for b in range(pool.num_blocks)} == want
     host.synchronize()
     assert host.poll() == 0
@@ -542,8 +642,16 @@ def test_cuda_host_tier_is_pinned_and_copies_on_a_side_stream(tmp_path):
     assert sample(metrics, "loaded_bytes_total", "host") == 4 * host.block_bytes
     assert sample(metrics, "load_seconds_total", "host") > 0
     # a store mover on a CUDA pool: device -> store -> device, bit for bit, sealed
-    mover = StoreMover(open_store(f"file://{tmp_path / 'kv'}"), KVLayout.of_pool(pool, fingerprint()), pool, host=host,
-                       seal=StoreSeal(GROUP_KEY))
-    assert mover.save_blocks([8, 3], hashes(2, "gpu")) == [True, True]  # (loaded above: blocks 7's and 2's bytes)
+    mover = StoreMover(
+        open_store(f"file://{tmp_path / 'kv'}"),
+        KVLayout.of_pool(pool, fingerprint()),
+        pool,
+        host=host,
+        seal=StoreSeal(GROUP_KEY),
+    )
+    assert mover.save_blocks([8, 3], hashes(2, "gpu")) == [
+        True,
+        True,
+    ]  # (loaded above: blocks 7's and 2's bytes)
     assert mover.load_blocks(hashes(2, "gpu"), [0, 2]) == [LoadOutcome(True)] * 2
     assert [block_bytes(pool, b) for b in (0, 2)] == [saved[7], saved[2]]

@@ -41,7 +41,11 @@ def tiny():
 def gib(tiny, blocks: int) -> float:
     """--kv-offloading-size for a host tier of `blocks` blocks of the tiny model."""
     c = tiny.config
-    return blocks * bytes_per_block(c.num_layers, c.num_kv_heads, c.head_dim, BLOCK, tiny.model.dtype) / 2**30
+    return (
+        blocks
+        * bytes_per_block(c.num_layers, c.num_kv_heads, c.head_dim, BLOCK, tiny.model.dtype)
+        / 2**30
+    )
 
 
 def prompts(seed: int = 0, n: int = 12) -> list[list[int]]:
@@ -79,7 +83,11 @@ def reference(tiny):
 def tier_metric(engine: LLMEngine, name: str, tier: str, **labels) -> float | None:
     for fam in engine.metrics.registry.collect():
         for s in fam.samples:
-            if s.name == name and s.labels.get("tier") == tier and all(s.labels.get(k) == v for k, v in labels.items()):
+            if (
+                s.name == name
+                and s.labels.get("tier") == tier
+                and all(s.labels.get(k) == v for k, v in labels.items())
+            ):
                 return s.value
     return None
 
@@ -87,7 +95,9 @@ def tier_metric(engine: LLMEngine, name: str, tier: str, **labels) -> float | No
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_host_tier_same_tokens_and_hits(tiny, reference, async_scheduling):
     engine = make(tiny, kv_offloading_size=gib(tiny, 256), async_scheduling=async_scheduling)
-    assert tokens(engine, prompts(0)) == reference[0]  # 12 prompts at once on 40 blocks: evictions, preemptions
+    assert (
+        tokens(engine, prompts(0)) == reference[0]
+    )  # 12 prompts at once on 40 blocks: evictions, preemptions
     pool = engine.allocator.pool
     hits_before, host_before = pool.stats().prefix_hit_tokens, pool.tiers.stats.host_hit_tokens
     # one at a time again: each finds its prompt in the KV pool or (mostly) the host tier
@@ -97,12 +107,24 @@ def test_host_tier_same_tokens_and_hits(tiny, reference, async_scheduling):
     assert c["host_saves"] > 40 and c["saves_confirmed"] == c["host_saves"] and c["host_loads"] > 40
     host_hits = c["host_hit_tokens"] - host_before
     cached = sum(o.num_cached_tokens for o in again)
-    assert cached == pool.stats().prefix_hit_tokens - hits_before  # every tier's hits, as the usage says
+    assert (
+        cached == pool.stats().prefix_hit_tokens - hits_before
+    )  # every tier's hits, as the usage says
     assert cached >= host_hits > cached // 2
-    assert tier_metric(engine, "pagedkv_worker_kv_tier_hit_tokens_total", "host") == c["host_hit_tokens"]
-    assert tier_metric(engine, "pagedkv_worker_kv_tier_loaded_blocks_total", "host") == c["host_loads"]
-    assert tier_metric(engine, "pagedkv_worker_kv_tier_saved_blocks_total", "host") == c["host_saves"]
-    assert tier_metric(engine, "pagedkv_worker_kv_tier_capacity_bytes", "host") == engine.tiers.host.bytes_total
+    assert (
+        tier_metric(engine, "pagedkv_worker_kv_tier_hit_tokens_total", "host")
+        == c["host_hit_tokens"]
+    )
+    assert (
+        tier_metric(engine, "pagedkv_worker_kv_tier_loaded_blocks_total", "host") == c["host_loads"]
+    )
+    assert (
+        tier_metric(engine, "pagedkv_worker_kv_tier_saved_blocks_total", "host") == c["host_saves"]
+    )
+    assert (
+        tier_metric(engine, "pagedkv_worker_kv_tier_capacity_bytes", "host")
+        == engine.tiers.host.bytes_total
+    )
     used = tier_metric(engine, "pagedkv_worker_kv_tier_used_bytes", "host")
     assert used == min(256, c["host_saves"]) * engine.tiers.host.block_bytes
 
@@ -117,7 +139,10 @@ def test_no_tier_hits_less(tiny, reference):
     tiered_again = tiered.generate(prompts(0), GREEDY)
     assert [o.token_ids for o in again] == reference[0]
     assert sum(o.num_cached_tokens for o in again) < sum(o.num_cached_tokens for o in tiered_again)
-    assert engine.tiers is None and tier_metric(engine, "pagedkv_worker_kv_tier_hit_tokens_total", "host") is None
+    assert (
+        engine.tiers is None
+        and tier_metric(engine, "pagedkv_worker_kv_tier_hit_tokens_total", "host") is None
+    )
 
 
 GROUP_KEY = b"a store group's secret, 32 bytes or more"
@@ -126,8 +151,9 @@ GROUP_KEY = b"a store group's secret, 32 bytes or more"
 def in_group(store, group: str = "g"):
     """An embedded allocator placing its pool in store group `group` (what a remote
     allocator does from the worker's credential)."""
-    return lambda spec: EmbeddedAllocator(replace(spec, config=replace(spec.config, store_group=group)),
-                                          shared_store=store)
+    return lambda spec: EmbeddedAllocator(
+        replace(spec, config=replace(spec.config, store_group=group)), shared_store=store
+    )
 
 
 @pytest.mark.parametrize(("host_blocks", "key"), [(0, None), (16, None), (0, GROUP_KEY)])
@@ -143,13 +169,18 @@ def test_two_engines_share_the_store(tiny, reference, tmp_path, host_blocks, key
     ca = settle(a)
     assert ca["store_saves"] > 20 and ca["saves_confirmed"] >= ca["store_saves"]
     b = make(tiny, in_group(store), kv_offloading_size=size, worker_id="b", kv_store_key=key)
-    outs = [b.generate([p], GREEDY)[0] for p in prompts(1)]  # one at a time: no preemption, one admission each
+    outs = [
+        b.generate([p], GREEDY)[0] for p in prompts(1)
+    ]  # one at a time: no preemption, one admission each
     assert [o.token_ids for o in outs] == reference[1]
     cb = settle(b)
     assert cb["store_loads"] > 20 and cb["refused_loads"] == 0
     cached = sum(o.num_cached_tokens for o in outs)
     assert cached == b.allocator.stats().prefix_hit_tokens >= cb["store_hit_tokens"] > cached // 2
-    assert tier_metric(b, "pagedkv_worker_kv_tier_hit_tokens_total", "shared") == cb["store_hit_tokens"]
+    assert (
+        tier_metric(b, "pagedkv_worker_kv_tier_hit_tokens_total", "shared")
+        == cb["store_hit_tokens"]
+    )
     assert index.integrity_problems() == []
 
 
@@ -169,13 +200,19 @@ def test_refused_store_entries_are_computed(tiny, reference, tmp_path):
             broken += 1
     assert broken == len(index.lru.present) > 20
     b = make(tiny, lambda spec: EmbeddedAllocator(spec, shared_store=store), worker_id="b")
-    alone = b.generate(prompts(1)[:1], GREEDY)[0]  # its prompt was in the store: every block refused
+    alone = b.generate(prompts(1)[:1], GREEDY)[
+        0
+    ]  # its prompt was in the store: every block refused
     outs = b.generate(prompts(1), GREEDY)
     assert [o.token_ids for o in outs] == reference[1] and alone.token_ids == reference[1][0]
     assert alone.num_cached_tokens == 0
     cb = settle(b)
-    refused = tier_metric(b, "pagedkv_worker_kv_tier_refused_entries_total", "shared", reason="checksum")
-    assert refused == cb["refused_loads"] == index.stats.refused_drops > 20  # reported, and the index dropped them
+    refused = tier_metric(
+        b, "pagedkv_worker_kv_tier_refused_entries_total", "shared", reason="checksum"
+    )
+    assert (
+        refused == cb["refused_loads"] == index.stats.refused_drops > 20
+    )  # reported, and the index dropped them
     # the loads that were not refused: entries b saved again itself (the refused ones it computed)
     loaded = cb["store_loads"] - cb["refused_loads"]
     assert tier_metric(b, "pagedkv_worker_kv_tier_hit_tokens_total", "shared") == loaded * BLOCK
@@ -203,7 +240,9 @@ def test_forged_entries_never_reach_a_worker_with_a_store_key(tiny, reference, t
             h = bytes.fromhex(hex_hash)
             got = decode_entry(p.read_bytes(), layout, h)  # a reader without the key
             assert isinstance(got, Refused) and got.reason == "seal"
-            p.write_bytes(encode_entry(layout, h, os.urandom(layout.block_bytes)))  # plain, checksum valid
+            p.write_bytes(
+                encode_entry(layout, h, os.urandom(layout.block_bytes))
+            )  # plain, checksum valid
             forged += 1
     assert forged == len(index.lru.present) > 20
     b = make(tiny, in_group(store), worker_id="b", kv_store_key=GROUP_KEY)
@@ -212,15 +251,20 @@ def test_forged_entries_never_reach_a_worker_with_a_store_key(tiny, reference, t
     assert [o.token_ids for o in outs] == reference[1] and alone.token_ids == reference[1][0]
     assert alone.num_cached_tokens == 0
     cb = settle(b)
-    refused = tier_metric(b, "pagedkv_worker_kv_tier_refused_entries_total", "shared", reason="seal")
+    refused = tier_metric(
+        b, "pagedkv_worker_kv_tier_refused_entries_total", "shared", reason="seal"
+    )
     assert refused == cb["refused_loads"] == index.stats.refused_drops > 20
 
 
 def test_without_store_opted_out(tiny, tmp_path):
     """`--no-kv-shared-store`: the pool registers without the store, nothing is saved there."""
     index = SharedStore(1000 * 2048)
-    e = make(tiny, lambda spec: EmbeddedAllocator(spec, shared_store=(f"file://{tmp_path}", index)),
-             kv_shared_store=False)
+    e = make(
+        tiny,
+        lambda spec: EmbeddedAllocator(spec, shared_store=(f"file://{tmp_path}", index)),
+        kv_shared_store=False,
+    )
     tokens(e, prompts(1))
     assert e.tiers is None and e.allocator.pool.tiers is None and not any(tmp_path.iterdir())
 
@@ -252,8 +296,13 @@ def test_swap_resumes_without_recompute(tiny, async_scheduling):
     ref = tokens(make(tiny, num_blocks=2048), ps, params)
     runs = {}
     for mode in ("recompute", "swap"):
-        e = make(tiny, kv_offloading_size=gib(tiny, 512), preemption_mode=mode, max_num_seqs=8,
-                 async_scheduling=async_scheduling)
+        e = make(
+            tiny,
+            kv_offloading_size=gib(tiny, 512),
+            preemption_mode=mode,
+            max_num_seqs=8,
+            async_scheduling=async_scheduling,
+        )
         seen = resumes(e)
         assert tokens(e, ps, params) == ref
         assert e.num_preemptions >= 4 and len(seen) == e.num_preemptions
@@ -268,33 +317,64 @@ def test_cached_tokens_over_http(worker_process, tiny):
     """A real worker: a prompt evicted from its 16-block pool comes back from
     the host tier, and the API's cached_tokens says so."""
     size = f"{gib(tiny, 128):.9f}"
-    with worker_process("tiny-random", "--num-blocks", "16", "--block-size", str(BLOCK),
-                        "--kv-offloading-size", size) as url:
+    with worker_process(
+        "tiny-random",
+        "--num-blocks",
+        "16",
+        "--block-size",
+        str(BLOCK),
+        "--kv-offloading-size",
+        size,
+    ) as url:
         client = openai_client(url)
         target = list(range(5, 45))  # 40 tokens: 10 blocks
-        first = client.completions.create(model="tiny-random", prompt=target, max_tokens=4, temperature=0)
+        first = client.completions.create(
+            model="tiny-random", prompt=target, max_tokens=4, temperature=0
+        )
         assert first.usage.prompt_tokens_details.cached_tokens == 0
         for k in range(4):  # others fill the pool: the target's blocks are evicted to the host tier
-            client.completions.create(model="tiny-random", prompt=[50 + 40 * k + i for i in range(40)], max_tokens=2)
-        again = client.completions.create(model="tiny-random", prompt=target, max_tokens=4, temperature=0)
+            client.completions.create(
+                model="tiny-random", prompt=[50 + 40 * k + i for i in range(40)], max_tokens=2
+            )
+        again = client.completions.create(
+            model="tiny-random", prompt=target, max_tokens=4, temperature=0
+        )
         assert again.choices[0].text == first.choices[0].text
         hits = metric(url, "pagedkv_worker_kv_tier_hit_tokens_total", {"tier": "host"})
         assert hits and hits > 0
         assert again.usage.prompt_tokens_details.cached_tokens >= hits
-        assert again.usage.prompt_tokens_details.cached_tokens == 36  # every block but the last token's
+        assert (
+            again.usage.prompt_tokens_details.cached_tokens == 36
+        )  # every block but the last token's
 
 
-@pytest.mark.parametrize(("args", "needle"), [
-    (["--kv-offloading-size", "100000"], "--kv-offloading-size 100000 GiB is more than the memory available"),
-    (["--kv-offloading-size", "-1"], "argument --kv-offloading-size: expected a number of GiB >= 0 or 'none'"),
-    (["--preemption-mode", "swap"], "--preemption-mode swap needs a host tier"),
-    (["--kv-offloading-size", "0.001", "--no-enable-prefix-caching"], "needs prefix caching"),
-])
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (
+            ["--kv-offloading-size", "100000"],
+            "--kv-offloading-size 100000 GiB is more than the memory available",
+        ),
+        (
+            ["--kv-offloading-size", "-1"],
+            "argument --kv-offloading-size: expected a number of GiB >= 0 or 'none'",
+        ),
+        (["--preemption-mode", "swap"], "--preemption-mode swap needs a host tier"),
+        (["--kv-offloading-size", "0.001", "--no-enable-prefix-caching"], "needs prefix caching"),
+    ],
+)
 def test_bad_tier_settings_are_one_line_errors(args, needle):
-    proc = subprocess.run([sys.executable, "-m", "worker", "tiny-random", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "worker", "tiny-random", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    if not lines[0].startswith("usage:"):  # (a flag's own parse error comes after the usage, as argparse has it)
+    if not lines[0].startswith(
+        "usage:"
+    ):  # (a flag's own parse error comes after the usage, as argparse has it)
         assert len(lines) == 1, proc.stderr
     assert needle in lines[-1] and "Traceback" not in proc.stderr, proc.stderr

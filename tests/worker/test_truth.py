@@ -68,9 +68,13 @@ def test_the_allocator_timeouts_are_variables(monkeypatch, capsys):
 def test_min_tokens_is_a_lower_bound_and_refuses_without_tokenizing(tiny):
     tok = tiny.tokenizer
     rng = random.Random(1)
-    alphabet = " \n\tabcXYZ0123456789éü✓😀<|>[]{}=" + "".join(tok.backend.get_vocab(with_added_tokens=True))
+    alphabet = " \n\tabcXYZ0123456789éü✓😀<|>[]{}=" + "".join(
+        tok.backend.get_vocab(with_added_tokens=True)
+    )
     for _ in range(200):
-        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 300))) + rng.choice(["", "=" * 90, " " * 90])
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 300))) + rng.choice(
+            ["", "=" * 90, " " * 90]
+        )
         assert tok.min_tokens(text) <= len(tok.encode(text, add_special_tokens=False))
     engine = LLMEngine(tiny, EngineConfig(num_blocks=64, block_size=4, max_model_len=128))
     with pytest.raises(ValueError, match="at least .* tokens; the context length holds 128"):
@@ -109,10 +113,18 @@ class Refusing(EmbeddedAllocator):
 
 def test_allocator_refusal_is_a_short_503_and_health_says_so(tiny):
     config = EngineConfig(num_blocks=64, block_size=4)
-    spec = PoolSpec("w", PoolConfig(num_blocks=64, block_size=4, model_fingerprint=tiny.fingerprint))
+    spec = PoolSpec(
+        "w", PoolConfig(num_blocks=64, block_size=4, model_fingerprint=tiny.fingerprint)
+    )
     allocator = Refusing(spec, _real_rpc_error())
     engine = AsyncLLMEngine(LLMEngine(tiny, config, allocator=allocator))
-    body = {"model": "tiny-random", "prompt": "hello", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": "tiny-random",
+        "prompt": "hello",
+        "max_tokens": 3,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     try:
         with TestClient(create_app(engine, "tiny-random")) as client:
             r = client.post("/v1/completions", json=body)
@@ -121,7 +133,10 @@ def test_allocator_refusal_is_a_short_503_and_health_says_so(tiny):
             assert error["code"] == "allocator_refused" and error["type"] == "server_error"
             assert "UNAVAILABLE" in error["message"] and len(error["message"]) < 400
             streamed = client.post("/v1/completions", json={**body, "stream": True})
-            assert streamed.status_code == 503 and streamed.json()["error"]["code"] == "allocator_refused"
+            assert (
+                streamed.status_code == 503
+                and streamed.json()["error"]["code"] == "allocator_refused"
+            )
             health = client.get("/health")
             assert health.status_code == 503 and health.json()["code"] == "allocator_refused"
             for text in (r.text, streamed.text, health.text):
@@ -129,8 +144,9 @@ def test_allocator_refusal_is_a_short_503_and_health_says_so(tiny):
             allocator.refuse = False  # the allocator takes the pool again
             r = client.post("/v1/completions", json=body)
             assert r.status_code == 200
-            offline = LLMEngine(tiny, config).generate(["hello"], SamplingParams(max_tokens=3, temperature=0,
-                                                                                 ignore_eos=True))[0]
+            offline = LLMEngine(tiny, config).generate(
+                ["hello"], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+            )[0]
             assert r.json()["choices"][0]["text"] == offline.text
             assert client.get("/health").json()["status"] == "ok"
     finally:

@@ -38,9 +38,22 @@ SYSTEM = "You are a helpful assistant that answers briefly. " * 3
 @pytest.fixture(scope="module")
 def server(worker_process):
     # no --enable-prefix-caching: on by default
-    with worker_process("--model", "tiny-random", "--served-model-name", SERVED, "--api-key", KEY,
-                        "--num-blocks", "256", "--block-size", "4", "--max-model-len", "512",
-                        "--threads", "1") as url:
+    with worker_process(
+        "--model",
+        "tiny-random",
+        "--served-model-name",
+        SERVED,
+        "--api-key",
+        KEY,
+        "--num-blocks",
+        "256",
+        "--block-size",
+        "4",
+        "--max-model-len",
+        "512",
+        "--threads",
+        "1",
+    ) as url:
         yield url
 
 
@@ -55,8 +68,11 @@ def _samples(url: str) -> list:
 
 
 def _value(url: str, name: str, **labels) -> float:
-    return sum(s.value for s in _samples(url)
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+    return sum(
+        s.value
+        for s in _samples(url)
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 # ------------------------------------------------------------------ flags
@@ -75,7 +91,9 @@ def test_prefix_caching_flag_defaults_on_and_turns_off(monkeypatch):
     assert _parse("--no-enable-prefix-caching").enable_prefix_caching is False
     monkeypatch.setenv("PAGEDKV_WORKER_ENABLE_PREFIX_CACHING", "false")
     assert _parse().enable_prefix_caching is False
-    assert _parse("--enable-prefix-caching").enable_prefix_caching is True  # a flag wins over its variable
+    assert (
+        _parse("--enable-prefix-caching").enable_prefix_caching is True
+    )  # a flag wins over its variable
     monkeypatch.setenv("PAGEDKV_WORKER_ENABLE_PREFIX_CACHING", "maybe")
     with pytest.raises(SystemExit):
         _parse()
@@ -125,19 +143,28 @@ def test_prefix_caching_is_on_without_the_flag(client):
 
 def test_api_key_guards_every_v1_route(server, client):
     anonymous = openai.OpenAI(base_url=f"{server}/v1", api_key="wrong", max_retries=0)
-    for call in (lambda c: c.models.list(),
-                 lambda c: c.completions.create(model=SERVED, prompt="hi", max_tokens=2),
-                 lambda c: c.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": "hi"}],
-                                                     max_tokens=2)):
+    for call in (
+        lambda c: c.models.list(),
+        lambda c: c.completions.create(model=SERVED, prompt="hi", max_tokens=2),
+        lambda c: c.chat.completions.create(
+            model=SERVED, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        ),
+    ):
         with pytest.raises(openai.AuthenticationError) as exc:
             call(anonymous)
         assert exc.value.status_code == 401
-        assert exc.value.body["code"] == "invalid_api_key" and "API key" in exc.value.body["message"]
+        assert (
+            exc.value.body["code"] == "invalid_api_key" and "API key" in exc.value.body["message"]
+        )
         call(client)  # the right key passes
-    r = httpx.post(f"{server}/v1/completions", json={"model": SERVED, "prompt": "hi"})  # no header at all
+    r = httpx.post(
+        f"{server}/v1/completions", json={"model": SERVED, "prompt": "hi"}
+    )  # no header at all
     assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
-    assert httpx.get(f"{server}/v1/nothing").status_code == 401  # unknown /v1 routes too: nothing leaks
+    assert (
+        httpx.get(f"{server}/v1/nothing").status_code == 401
+    )  # unknown /v1 routes too: nothing leaks
     # open, as in vLLM
     for path in ("/health", "/metrics", "/version"):
         assert httpx.get(f"{server}{path}").status_code == 200, path
@@ -152,11 +179,21 @@ def test_api_key_guards_every_v1_route(server, client):
 
 def test_tokenize_and_detokenize_in_vllm_shapes(server, client):
     text = "hello paged world"
-    r = httpx.post(f"{server}/tokenize", headers=AUTH, json={"model": SERVED, "prompt": text, "add_special_tokens": False,
-                                               "return_token_strs": True}).json()
+    r = httpx.post(
+        f"{server}/tokenize",
+        headers=AUTH,
+        json={
+            "model": SERVED,
+            "prompt": text,
+            "add_special_tokens": False,
+            "return_token_strs": True,
+        },
+    ).json()
     assert set(r) == {"count", "max_model_len", "tokens", "token_strs"}
     assert r["count"] == len(r["tokens"]) == len(r["token_strs"]) and r["max_model_len"] == 512
-    back = httpx.post(f"{server}/detokenize", headers=AUTH, json={"model": SERVED, "tokens": r["tokens"]}).json()
+    back = httpx.post(
+        f"{server}/detokenize", headers=AUTH, json={"model": SERVED, "tokens": r["tokens"]}
+    ).json()
     assert back == {"prompt": text}
     # the counts the completions answer with
     completion = client.completions.create(model=SERVED, prompt=text, max_tokens=1)
@@ -168,15 +205,22 @@ def test_tokenize_and_detokenize_in_vllm_shapes(server, client):
     assert tokenized["count"] == chat.usage.prompt_tokens
 
 
-@pytest.mark.parametrize("path,body,status,param", [
-    ("/tokenize", {"prompt": "x", "model": "other"}, 404, "model"),
-    ("/tokenize", {}, 400, None),
-    ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, 400, None),
-    ("/tokenize", {"messages": [{"role": "user", "content": "y"}], "continue_final_message": True}, 400,
-     "continue_final_message"),
-    ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
-    ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
-])
+@pytest.mark.parametrize(
+    "path,body,status,param",
+    [
+        ("/tokenize", {"prompt": "x", "model": "other"}, 404, "model"),
+        ("/tokenize", {}, 400, None),
+        ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, 400, None),
+        (
+            "/tokenize",
+            {"messages": [{"role": "user", "content": "y"}], "continue_final_message": True},
+            400,
+            "continue_final_message",
+        ),
+        ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
+        ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+    ],
+)
 def test_utility_routes_refuse_loudly(server, path, body, status, param):
     r = httpx.post(f"{server}{path}", json=body, headers=AUTH)
     assert r.status_code == status, r.text
@@ -208,15 +252,27 @@ def test_every_worker_series_carries_model_name(server, client):
 
 def test_request_histograms_count_what_the_client_saw(server, client):
     hist = "pagedkv_worker_request_{}"
-    before = {n: _value(server, n, model_name=SERVED) for n in (
-        hist.format("prompt_tokens_sum"), hist.format("generation_tokens_sum"),
-        hist.format("generation_tokens_count"), "pagedkv_worker_e2e_request_latency_seconds_count",
-        "pagedkv_worker_request_queue_time_seconds_count", "pagedkv_worker_requests_total")}
+    before = {
+        n: _value(server, n, model_name=SERVED)
+        for n in (
+            hist.format("prompt_tokens_sum"),
+            hist.format("generation_tokens_sum"),
+            hist.format("generation_tokens_count"),
+            "pagedkv_worker_e2e_request_latency_seconds_count",
+            "pagedkv_worker_request_queue_time_seconds_count",
+            "pagedkv_worker_requests_total",
+        )
+    }
     t0 = time.monotonic()
     prompts = []
     for i, n in enumerate((3, 5, 7)):
-        r = client.completions.create(model=SERVED, prompt=f"request {i} " * (i + 1), max_tokens=n, temperature=0,
-                                      extra_body={"ignore_eos": True})
+        r = client.completions.create(
+            model=SERVED,
+            prompt=f"request {i} " * (i + 1),
+            max_tokens=n,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
         assert r.usage.completion_tokens == n
         prompts.append(r.usage.prompt_tokens)
     wall = time.monotonic() - t0
@@ -230,19 +286,28 @@ def test_request_histograms_count_what_the_client_saw(server, client):
     assert grew("pagedkv_worker_e2e_request_latency_seconds_count") == 3
     assert grew("pagedkv_worker_request_queue_time_seconds_count") == 3
     # the phases add up: queue + prefill + decode = e2e (within rounding), all within the wall time
-    parts = [_value(server, f"pagedkv_worker_request_{p}_time_seconds_sum", model_name=SERVED)
-             for p in ("queue", "prefill", "decode")]
+    parts = [
+        _value(server, f"pagedkv_worker_request_{p}_time_seconds_sum", model_name=SERVED)
+        for p in ("queue", "prefill", "decode")
+    ]
     e2e = _value(server, "pagedkv_worker_e2e_request_latency_seconds_sum", model_name=SERVED)
     assert abs(sum(parts) - e2e) < 1e-6 and 0 < e2e
-    inference = _value(server, "pagedkv_worker_request_inference_time_seconds_sum", model_name=SERVED)
+    inference = _value(
+        server, "pagedkv_worker_request_inference_time_seconds_sum", model_name=SERVED
+    )
     assert abs(inference - parts[1] - parts[2]) < 1e-6
-    assert _value(server, "pagedkv_worker_requests_total", model_name=SERVED, finish_reason="length") >= 3
+    assert (
+        _value(server, "pagedkv_worker_requests_total", model_name=SERVED, finish_reason="length")
+        >= 3
+    )
     assert wall > 0
 
 
-PEAKS = {"kv_blocks_used": "pagedkv_worker_kv_blocks_used_peak",
-         "kv_slots_holding_tokens": "pagedkv_worker_kv_slots_holding_tokens_peak",
-         "running_sequences": "pagedkv_worker_running_sequences_peak"}
+PEAKS = {
+    "kv_blocks_used": "pagedkv_worker_kv_blocks_used_peak",
+    "kv_slots_holding_tokens": "pagedkv_worker_kv_slots_holding_tokens_peak",
+    "running_sequences": "pagedkv_worker_running_sequences_peak",
+}
 
 
 def test_peaks_outlast_the_run_and_reset(server, client):
@@ -250,8 +315,13 @@ def test_peaks_outlast_the_run_and_reset(server, client):
     again: no poll has to land on the right moment. POST /reset_peaks answers
     them and starts them again; like /metrics it wants no API key."""
     assert httpx.post(f"{server}/reset_peaks").status_code == 200
-    client.completions.create(model=SERVED, prompt=[5, 6, 7], max_tokens=20, temperature=0,
-                              extra_body={"ignore_eos": True})
+    client.completions.create(
+        model=SERVED,
+        prompt=[5, 6, 7],
+        max_tokens=20,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     peaks = {key: _value(server, name) for key, name in PEAKS.items()}
     # one sequence; it held at least the 22 tokens it computed, in blocks of 4
     assert peaks["running_sequences"] == 1
@@ -264,7 +334,9 @@ def test_peaks_outlast_the_run_and_reset(server, client):
 
 
 def test_health_is_503_once_the_engine_thread_dies():
-    engine = AsyncLLMEngine(LLMEngine(load_model("tiny-random"), EngineConfig(num_blocks=64, block_size=4)))
+    engine = AsyncLLMEngine(
+        LLMEngine(load_model("tiny-random"), EngineConfig(num_blocks=64, block_size=4))
+    )
     body = {"model": "tiny-random", "prompt": "hello", "max_tokens": 3}
     try:
         with TestClient(create_app(engine, "tiny-random")) as http:
@@ -294,15 +366,31 @@ def test_health_is_503_once_the_engine_thread_dies():
 
 def test_return_token_ids_gives_each_choice_its_ids(client):
     # vLLM's `return_token_ids`, on a model with a tokenizer: the ids decode to the choice's text
-    kw = dict(model=SERVED, prompt="Hello there", max_tokens=6, temperature=0,
-              extra_body={"return_token_ids": True, "ignore_eos": True})
+    kw = dict(
+        model=SERVED,
+        prompt="Hello there",
+        max_tokens=6,
+        temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
     choice = client.completions.create(**kw).choices[0].model_dump()
     assert len(choice["token_ids"]) == 6 and choice["prompt_token_ids"]
-    streamed = [c.choices[0].model_dump() for c in client.completions.create(stream=True, **kw) if c.choices]
+    streamed = [
+        c.choices[0].model_dump() for c in client.completions.create(stream=True, **kw) if c.choices
+    ]
     assert [t for c in streamed for t in c["token_ids"]] == choice["token_ids"]
     assert streamed[0]["prompt_token_ids"] == choice["prompt_token_ids"]
-    chat = client.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
-                                          temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True})
+    chat = client.chat.completions.create(
+        model=SERVED,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
     assert len(chat.choices[0].model_dump()["token_ids"]) == 4
-    plain = client.completions.create(model=SERVED, prompt="Hello there", max_tokens=2).choices[0].model_dump()
+    plain = (
+        client.completions.create(model=SERVED, prompt="Hello there", max_tokens=2)
+        .choices[0]
+        .model_dump()
+    )
     assert plain.get("token_ids") is None

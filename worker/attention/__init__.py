@@ -60,7 +60,9 @@ def get_backend(name: str) -> AttentionBackend:
     if name == "numba":
         from worker.attention.cpu_decode import DTYPES, compile_kernels, numba_decode
 
-        return PagedAttention(decode_fn=numba_decode, decode_dtypes=DTYPES, compile_fn=compile_kernels)
+        return PagedAttention(
+            decode_fn=numba_decode, decode_dtypes=DTYPES, compile_fn=compile_kernels
+        )
     if name == "triton":
         from worker.attention.triton_decode import triton_decode
 
@@ -68,8 +70,12 @@ def get_backend(name: str) -> AttentionBackend:
     raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(BACKEND_NAMES)}")
 
 
-def check_kv_dtype(backend: AttentionBackend, kv_dtype: torch.dtype, device: str | torch.device,
-                   capability: tuple[int, int] | None = None) -> None:
+def check_kv_dtype(
+    backend: AttentionBackend,
+    kv_dtype: torch.dtype,
+    device: str | torch.device,
+    capability: tuple[int, int] | None = None,
+) -> None:
     """ValueError (one line) if `backend` cannot read a `kv_dtype` cache on `device`.
     Every backend reads both fp8 formats, except the Triton kernel on a GPU
     before compute capability 8.9, which has no e4m3 conversion (e5m2 has one
@@ -80,8 +86,10 @@ def check_kv_dtype(backend: AttentionBackend, kv_dtype: torch.dtype, device: str
         return
     capability = capability or torch.cuda.get_device_capability(device)
     if tuple(capability) < (8, 9):
-        raise ValueError(f"--kv-cache-dtype fp8_e4m3 needs a GPU of compute capability 8.9 or newer for the Triton "
-                         f"attention kernel; this one is {capability[0]}.{capability[1]}: use fp8_e5m2")
+        raise ValueError(
+            f"--kv-cache-dtype fp8_e4m3 needs a GPU of compute capability 8.9 or newer for the Triton "
+            f"attention kernel; this one is {capability[0]}.{capability[1]}: use fp8_e5m2"
+        )
 
 
 def select_backend(device: str | torch.device) -> AttentionBackend:

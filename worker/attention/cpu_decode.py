@@ -50,7 +50,9 @@ from worker.kv_quant import is_fp8
 __all__ = ["DTYPES", "compile_kernels", "numba_decode"]
 
 DTYPES = (torch.float32,)  # the query dtypes; the cache is of the same dtype or fp8
-_CODES = torch.arange(256, dtype=torch.int32, device="cpu").to(torch.uint8)  # (imported under any default device)
+_CODES = torch.arange(256, dtype=torch.int32, device="cpu").to(
+    torch.uint8
+)  # (imported under any default device)
 
 if "NUMBA_THREADING_LAYER" not in os.environ:
     numba.config.THREADING_LAYER = "workqueue"
@@ -80,8 +82,9 @@ def _element_impl(table, x):
     return lambda table, x: table[x]
 
 
-def _paged_decode(out, q, k_cache, v_cache, k_table, v_table, block_tables, context_lens,
-                  scale):  # pragma: no cover - compiled
+def _paged_decode(
+    out, q, k_cache, v_cache, k_table, v_table, block_tables, context_lens, scale
+):  # pragma: no cover - compiled
     batch, num_q_heads, head_dim = q.shape
     block_size = k_cache.shape[1]
     group = num_q_heads // k_cache.shape[2]
@@ -94,7 +97,9 @@ def _paged_decode(out, q, k_cache, v_cache, k_table, v_table, block_tables, cont
         running_max = np.full(num_q_heads, -np.inf, dtype=np.float32)
         running_sum = np.zeros(num_q_heads, dtype=np.float32)
         acc = np.zeros((num_q_heads, head_dim), dtype=np.float32)
-        scores = np.empty((CHUNK * block_size, num_q_heads), dtype=np.float32)  # [chunk position, head]
+        scores = np.empty(
+            (CHUNK * block_size, num_q_heads), dtype=np.float32
+        )  # [chunk position, head]
         blocks = np.empty(CHUNK, dtype=np.int64)
         num_blocks = _blocks_for(context, block_size)
         for first in range(0, num_blocks, CHUNK):
@@ -160,9 +165,12 @@ def _named(fn, name: str):
 
 # One source, two builds: prange is a plain range in the serial one, which skips
 # the thread pool's dispatch (a one-sequence batch or one thread gains nothing from it).
-_serial = numba.njit(fastmath=True, cache=True, nogil=True)(_named(_paged_decode, "_paged_decode_serial"))
+_serial = numba.njit(fastmath=True, cache=True, nogil=True)(
+    _named(_paged_decode, "_paged_decode_serial")
+)
 _parallel = numba.njit(parallel=True, fastmath=True, cache=True, nogil=True)(
-    _named(_paged_decode, "_paged_decode_parallel"))
+    _named(_paged_decode, "_paged_decode_parallel")
+)
 
 
 def numba_decode(
@@ -181,8 +189,10 @@ def numba_decode(
     del max_context_len  # each task reads its own sequence's length
     fp8 = is_fp8(k_cache.dtype)
     if q.dtype not in DTYPES or not (fp8 or k_cache.dtype in DTYPES) or q.device.type != "cpu":
-        raise ValueError(f"numba_decode takes float32 CPU queries over a float32 or fp8 cache, got {q.dtype} "
-                         f"over {k_cache.dtype} on {q.device}")
+        raise ValueError(
+            f"numba_decode takes float32 CPU queries over a float32 or fp8 cache, got {q.dtype} "
+            f"over {k_cache.dtype} on {q.device}"
+        )
     q = q.contiguous()  # a view of the qkv projection; one specialisation (C order) serves all
     out = torch.empty_like(q)
     if fp8:
@@ -206,7 +216,9 @@ def numba_decode(
         _serial(*args)
         return out
     with _launch:
-        numba.set_num_threads(threads)  # per calling thread in numba; torch's is the one --threads sets
+        numba.set_num_threads(
+            threads
+        )  # per calling thread in numba; torch's is the one --threads sets
         _parallel(*args)
     return out
 
@@ -233,8 +245,17 @@ def compile_kernels(cache_dtype: torch.dtype = torch.float32, parallel: bool | N
     fp8 = is_fp8(cache_dtype)
     cache = np.zeros((2, 4, 1, 8), dtype=np.uint8 if fp8 else np.float32)
     table = _table(cache_dtype, 1.0) if fp8 else _NO_TABLE
-    args = (np.empty_like(q), q, cache, cache, table, table, np.array([[0], [1]], dtype=np.int32),
-            np.array([1, 1], dtype=np.int32), 1.0)
+    args = (
+        np.empty_like(q),
+        q,
+        cache,
+        cache,
+        table,
+        table,
+        np.array([[0], [1]], dtype=np.int32),
+        np.array([1, 1], dtype=np.int32),
+        1.0,
+    )
     _serial(*args)
     if parallel:
         with _launch:

@@ -68,10 +68,14 @@ class AttentionMetadata:
         for name, (shape, dtype) in expected.items():
             t = getattr(self, name)
             if tuple(t.shape) != shape or t.dtype != dtype:
-                raise ValueError(f"{name}: expected {dtype} {shape}, got {t.dtype} {tuple(t.shape)}")
+                raise ValueError(
+                    f"{name}: expected {dtype} {shape}, got {t.dtype} {tuple(t.shape)}"
+                )
         bt = self.block_tables
         if bt.dim() != 2 or bt.shape[0] != batch or bt.dtype != torch.int32:
-            raise ValueError(f"block_tables: expected int32 [{batch}, max_blocks], got {bt.dtype} {tuple(bt.shape)}")
+            raise ValueError(
+                f"block_tables: expected int32 [{batch}, max_blocks], got {bt.dtype} {tuple(bt.shape)}"
+            )
         if blocks_for(max(self.host_context_lens), self.block_size) > bt.shape[1]:
             raise ValueError("block_tables has fewer columns than the longest context needs")
 
@@ -140,7 +144,9 @@ class AttentionMetadata:
         for s, (table, computed, new) in enumerate(seqs):
             total = computed + new
             if computed < 0 or new < 1:
-                raise ValueError(f"sequence {s}: need num_computed >= 0 and num_new >= 1, got {computed}, {new}")
+                raise ValueError(
+                    f"sequence {s}: need num_computed >= 0 and num_new >= 1, got {computed}, {new}"
+                )
             if len(table) * block_size < total:
                 raise ValueError(
                     f"sequence {s}: block table of {len(table)} blocks x {block_size} "

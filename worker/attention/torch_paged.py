@@ -41,7 +41,18 @@ __all__ = ["DecodeFn", "PagedAttention", "context_slots"]
 # decode_fn(q [b, Hq, D], k_cache, v_cache, block_tables [b, W], context_lens [b],
 #           max_context_len, scale, k_scale, v_scale) -> [b, Hq, D]: a drop-in for the torch decode path.
 DecodeFn = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float, float, float], torch.Tensor
+    [
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        int,
+        float,
+        float,
+        float,
+    ],
+    torch.Tensor,
 ]
 
 
@@ -124,8 +135,12 @@ class PagedAttention:
     it, and keeps a key buffer that grows to the largest batch seen.
     """
 
-    def __init__(self, decode_fn: DecodeFn | None = None, decode_dtypes: tuple[torch.dtype, ...] | None = None,
-                 compile_fn: Callable[[torch.dtype], None] | None = None) -> None:
+    def __init__(
+        self,
+        decode_fn: DecodeFn | None = None,
+        decode_dtypes: tuple[torch.dtype, ...] | None = None,
+        compile_fn: Callable[[torch.dtype], None] | None = None,
+    ) -> None:
         self.decode_fn = decode_fn
         # The query dtypes `decode_fn` takes, over a cache of that dtype or fp8 (None: all);
         # other dtypes use the torch path.
@@ -148,7 +163,8 @@ class PagedAttention:
         if self.decode_fn is None:
             return False
         return self.decode_dtypes is None or (
-            dtype in self.decode_dtypes and (cache_dtype == dtype or is_fp8(cache_dtype)))
+            dtype in self.decode_dtypes and (cache_dtype == dtype or is_fp8(cache_dtype))
+        )
 
     def __call__(
         self,
@@ -169,29 +185,43 @@ class PagedAttention:
             return self._decode(q, k_cache, v_cache, decodes, scale, kv_scales)
         out = torch.empty_like(q)
         for p in plan.prefills:
-            out[p.start : p.start + p.new] = _prefill_one(q[p.start : p.start + p.new], k_cache, v_cache, p, scale,
-                                                          kv_scales)
+            out[p.start : p.start + p.new] = _prefill_one(
+                q[p.start : p.start + p.new], k_cache, v_cache, p, scale, kv_scales
+            )
         if decodes is not None:
-            out[decodes.rows] = self._decode(q[decodes.rows], k_cache, v_cache, decodes, scale, kv_scales)
+            out[decodes.rows] = self._decode(
+                q[decodes.rows], k_cache, v_cache, decodes, scale, kv_scales
+            )
         return out
 
     # -- planning (once per step) ---------------------------------------------
 
-    def _step_plan(self, meta: AttentionMetadata, num_kv_heads: int, group: int, use_fn: bool) -> _StepPlan:
+    def _step_plan(
+        self, meta: AttentionMetadata, num_kv_heads: int, group: int, use_fn: bool
+    ) -> _StepPlan:
         last = self._plan_key
-        if self._plan is not None and last is not None and last[0] is meta and last[1:] == (num_kv_heads, group, use_fn):
+        if (
+            self._plan is not None
+            and last is not None
+            and last[0] is meta
+            and last[1:] == (num_kv_heads, group, use_fn)
+        ):
             return self._plan
         device = meta.slot_mapping.device
         decode_seqs: list[int] = []
         decode_rows: list[int] = []
         prefills: list[_PrefillPlan] = []
         start = 0
-        for s, (new, ctx) in enumerate(zip(meta.host_query_lens, meta.host_context_lens, strict=True)):
+        for s, (new, ctx) in enumerate(
+            zip(meta.host_query_lens, meta.host_context_lens, strict=True)
+        ):
             if new == 1:
                 decode_seqs.append(s)
                 decode_rows.append(start)
             else:
-                prefills.append(_prefill_plan(meta.block_tables[s], start, new, ctx, meta.block_size, group))
+                prefills.append(
+                    _prefill_plan(meta.block_tables[s], start, new, ctx, meta.block_size, group)
+                )
             start += new
         decodes = None
         if decode_seqs:
@@ -224,7 +254,13 @@ class PagedAttention:
         if decodes.plan is None:
             assert self.decode_fn is not None
             return self.decode_fn(
-                q, k_cache, v_cache, decodes.block_tables, decodes.context_lens, decodes.max_context_len, scale,
+                q,
+                k_cache,
+                v_cache,
+                decodes.block_tables,
+                decodes.context_lens,
+                decodes.max_context_len,
+                scale,
                 *kv_scales,
             )
         dp = decodes.plan
@@ -243,19 +279,28 @@ class PagedAttention:
         qg = q.view(batch, num_kv_heads, group, head_dim)
         scores = torch.matmul(qg, keys.transpose(-1, -2)).float().mul_(scale).add_(dp.bias)
         if fp8:
-            values = dequantize(v_cache.reshape(-1, head_dim).index_select(0, dp.key_rows), kv_scales[1], q.dtype)
+            values = dequantize(
+                v_cache.reshape(-1, head_dim).index_select(0, dp.key_rows), kv_scales[1], q.dtype
+            )
             probs = torch.softmax(scores, dim=-1).to(q.dtype)  # [b, Hkv, G, L]
             out = torch.matmul(probs, values.view(batch, num_kv_heads, dp.length, head_dim))
             return out.view(batch, num_q_heads, head_dim)
         probs = torch.softmax(scores, dim=-1).to(v_cache.dtype).view(batch * num_q_heads, dp.length)
-        out = F.embedding_bag(dp.value_bags, v_cache.reshape(-1, head_dim), per_sample_weights=probs, mode="sum")
+        out = F.embedding_bag(
+            dp.value_bags, v_cache.reshape(-1, head_dim), per_sample_weights=probs, mode="sum"
+        )
         return out.view(batch, num_q_heads, head_dim).to(q.dtype)
 
     def _buffer(self, rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
         # A reused buffer: fresh multi-MB allocations each layer cost page faults
         # that, in VMs especially, take longer than the gather itself.
         buf = self._key_buffer
-        if buf is None or buf.dtype != like.dtype or buf.device != like.device or buf.numel() < rows * cols:
+        if (
+            buf is None
+            or buf.dtype != like.dtype
+            or buf.device != like.device
+            or buf.numel() < rows * cols
+        ):
             buf = self._key_buffer = torch.empty(rows * cols, dtype=like.dtype, device=like.device)
         return buf[: rows * cols].view(rows, cols)
 
@@ -271,7 +316,11 @@ def _prefill_plan(
 
 
 def _prefill_one(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _PrefillPlan, scale: float,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: _PrefillPlan,
+    scale: float,
     kv_scales: tuple[float, float],
 ) -> torch.Tensor:
     """One sequence's n new queries [n, Hq, D] over its whole context."""
@@ -284,6 +333,14 @@ def _prefill_one(
         k, v = dequantize(k, kv_scales[0], q.dtype), dequantize(v, kv_scales[1], q.dtype)
     k, v = k.transpose(0, 1), v.transpose(0, 1)
     # [n, Hkv*G, D] -> [Hkv, G*n, D]: row g*n + i is query i of head kv*G + g.
-    qg = q.view(new, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, group * new, head_dim)
+    qg = (
+        q.view(new, num_kv_heads, group, head_dim)
+        .permute(1, 2, 0, 3)
+        .reshape(num_kv_heads, group * new, head_dim)
+    )
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=plan.mask, scale=scale)
-    return out.view(num_kv_heads, group, new, head_dim).permute(2, 0, 1, 3).reshape(new, num_q_heads, head_dim)
+    return (
+        out.view(num_kv_heads, group, new, head_dim)
+        .permute(2, 0, 1, 3)
+        .reshape(new, num_q_heads, head_dim)
+    )

@@ -94,8 +94,9 @@ def _paged_decode_kernel(
 paged_decode_kernel = triton.jit(_paged_decode_kernel)
 
 
-def kernel_constexprs(num_q_heads: int, num_kv_heads: int, block_size: int, head_dim: int,
-                      kv_fp8: bool = False) -> dict[str, int]:
+def kernel_constexprs(
+    num_q_heads: int, num_kv_heads: int, block_size: int, head_dim: int, kv_fp8: bool = False
+) -> dict[str, int]:
     """The compile-time constants of one kernel specialisation."""
     return {
         "QUERIES_PER_KV": num_q_heads // num_kv_heads,

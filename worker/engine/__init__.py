@@ -7,4 +7,14 @@ from worker.engine.llm_engine import LLMEngine, RequestError
 from worker.engine.output_processor import RequestOutput
 from worker.engine.sampling import SamplingError, SamplingParams
 
-__all__ = ["AllocatorFault", "AsyncLLMEngine", "EngineConfig", "EngineDeadError", "LLMEngine", "RequestError", "RequestOutput", "SamplingError", "SamplingParams"]
+__all__ = [
+    "AllocatorFault",
+    "AsyncLLMEngine",
+    "EngineConfig",
+    "EngineDeadError",
+    "LLMEngine",
+    "RequestError",
+    "RequestOutput",
+    "SamplingError",
+    "SamplingParams",
+]

@@ -107,7 +107,9 @@ class AsyncLLMEngine:
         health = self.engine.health
         refusal = health.refusal
         if refusal is not None:
-            error = AllocatorFault("allocator_refused", "the KV-cache allocator refused this worker's pool")
+            error = AllocatorFault(
+                "allocator_refused", "the KV-cache allocator refused this worker's pool"
+            )
             error.__cause__ = refusal
             return error
         return self._unreachable(self.unhealthy_after_s)
@@ -121,8 +123,11 @@ class AsyncLLMEngine:
         seconds = self.engine.health.unreachable_for()
         if seconds < after_s:
             return None
-        return AllocatorFault("allocator_unreachable",
-                              f"the KV-cache allocator has not answered for {seconds:.0f} s", seconds)
+        return AllocatorFault(
+            "allocator_unreachable",
+            f"the KV-cache allocator has not answered for {seconds:.0f} s",
+            seconds,
+        )
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -145,7 +150,11 @@ class AsyncLLMEngine:
                 self._deliver(rid, error)
                 self._inbox.put(("abort", rid))
             if rids:
-                log.warning("allocator unreachable for %.0f s: failed %d request(s)", error.seconds, len(rids))
+                log.warning(
+                    "allocator unreachable for %.0f s: failed %d request(s)",
+                    error.seconds,
+                    len(rids),
+                )
 
     # ------------------------------------------------------------- engine thread
     def _deliver(self, request_id: str, item) -> None:
@@ -181,8 +190,13 @@ class AsyncLLMEngine:
         try:
             self._loop()
         except BaseException as exc:
-            log.critical("the engine thread died; this worker serves nothing until it restarts", exc_info=True)
-            self._died = EngineDeadError(f"the engine thread died ({type(exc).__name__}: {exc})"[:300])
+            log.critical(
+                "the engine thread died; this worker serves nothing until it restarts",
+                exc_info=True,
+            )
+            self._died = EngineDeadError(
+                f"the engine thread died ({type(exc).__name__}: {exc})"[:300]
+            )
             with self._lock:
                 rids = list(self._streams)
             for rid in rids:
@@ -193,14 +207,19 @@ class AsyncLLMEngine:
         while not self._stop.is_set():
             block = not engine.has_unfinished()
             try:
-                msg = self._inbox.get(block=block, timeout=min(0.5, self.probe_every_s) if block else None)
+                msg = self._inbox.get(
+                    block=block, timeout=min(0.5, self.probe_every_s) if block else None
+                )
                 self._handle(msg)
                 while True:  # drain everything that arrived meanwhile
                     self._handle(self._inbox.get_nowait())
             except queue.Empty:
                 pass
             if not engine.has_unfinished():
-                if engine.remote_allocator and time.monotonic() - engine.health.last_answer >= self.probe_every_s:
+                if (
+                    engine.remote_allocator
+                    and time.monotonic() - engine.health.last_answer >= self.probe_every_s
+                ):
                     engine.probe_allocator()
                 continue
             try:
@@ -208,7 +227,11 @@ class AsyncLLMEngine:
             except Exception as exc:  # noqa: BLE001 - fail the requests, keep serving
                 log.exception("engine step failed")
                 self.last_error = repr(exc)
-                error = exc if isinstance(exc, AllocatorFault) else RuntimeError(f"engine step failed: {exc}")
+                error = (
+                    exc
+                    if isinstance(exc, AllocatorFault)
+                    else RuntimeError(f"engine step failed: {exc}")
+                )
                 with self._lock:
                     rids = list(self._streams)
                 for rid in rids:
@@ -217,4 +240,3 @@ class AsyncLLMEngine:
                 continue
             for out in outputs:
                 self._deliver(out.request_id, out)
-

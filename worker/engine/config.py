@@ -81,21 +81,33 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("--max-model-len must be at least 2")
         if not self.allocator_unhealthy_after_s > 0 or not self.allocator_give_up_after_s > 0:
-            raise ValueError("PAGEDKV_WORKER_ALLOCATOR_UNHEALTHY_AFTER and PAGEDKV_WORKER_ALLOCATOR_GIVE_UP_AFTER "
-                             "must be positive")
+            raise ValueError(
+                "PAGEDKV_WORKER_ALLOCATOR_UNHEALTHY_AFTER and PAGEDKV_WORKER_ALLOCATOR_GIVE_UP_AFTER "
+                "must be positive"
+            )
         if self.advertise_url and not self.advertise_url.startswith(("http://", "https://")):
-            raise ValueError(f"--advertise-url must be an http:// or https:// URL, got {self.advertise_url!r}")
+            raise ValueError(
+                f"--advertise-url must be an http:// or https:// URL, got {self.advertise_url!r}"
+            )
         if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"--preemption-mode must be recompute or swap, got {self.preemption_mode!r}")
+            raise ValueError(
+                f"--preemption-mode must be recompute or swap, got {self.preemption_mode!r}"
+            )
         if self.kv_offloading_size and not self.enable_prefix_caching:
-            raise ValueError("--kv-offloading-size needs prefix caching (the tiers keep blocks by their hash)")
+            raise ValueError(
+                "--kv-offloading-size needs prefix caching (the tiers keep blocks by their hash)"
+            )
         if self.preemption_mode == "swap" and not self.kv_offloading_size:
             raise ValueError("--preemption-mode swap needs a host tier (--kv-offloading-size GIB)")
         if self.kv_reservation not in RESERVATIONS:
-            raise ValueError(f"kv_reservation must be one of {', '.join(RESERVATIONS)}, got {self.kv_reservation!r}")
+            raise ValueError(
+                f"kv_reservation must be one of {', '.join(RESERVATIONS)}, got {self.kv_reservation!r}"
+            )
         if self.kv_reservation != "paged" and self.enable_prefix_caching:
-            raise ValueError(f"kv_reservation {self.kv_reservation!r} models a server without a prefix cache: "
-                             "turn prefix caching off")
+            raise ValueError(
+                f"kv_reservation {self.kv_reservation!r} models a server without a prefix cache: "
+                "turn prefix caching off"
+            )
         if self.clock not in CLOCKS:
             raise ValueError(f"--clock must be one of {', '.join(CLOCKS)}, got {self.clock!r}")
         if self.clock == "virtual" and not is_sim(self.device):

@@ -60,7 +60,9 @@ class AllocatorHealth:
 
     def unanswered(self) -> None:
         if self._failing_since is None:
-            self._failing_since = self._call_since if self._call_since is not None else self._clock()
+            self._failing_since = (
+                self._call_since if self._call_since is not None else self._clock()
+            )
         self._call_since = None
 
     def refused(self, exc: BaseException) -> None:

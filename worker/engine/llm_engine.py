@@ -92,8 +92,9 @@ class LLMEngine:
         self.device = self.runner.device
         self.block_size = config.block_size
         self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
-        self.metrics = metrics or WorkerMetrics(config.worker_id, config.model,
-                                                model_name=config.served_model_name)
+        self.metrics = metrics or WorkerMetrics(
+            config.worker_id, config.model, model_name=config.served_model_name
+        )
         host, swap_slots, layout = None, 0, None
         if config.enable_prefix_caching:  # (the tiers keep blocks by their hash)
             layout = KVLayout.of_pool(self.kv_pool, loaded.fingerprint)
@@ -102,10 +103,22 @@ class LLMEngine:
         if host is not None and config.preemption_mode == "swap":
             swap_slots = swap_slots_for(host.num_slots)
             if not swap_slots:
-                raise ValueError(f"--kv-offloading-size {config.kv_offloading_size:g} GiB holds "
-                                 f"{host.num_slots} block(s): too few for --preemption-mode swap")
-        tiers = None if layout is None else EngineTiers(self.kv_pool, layout, host, self.metrics,
-                                                        swap_slots=swap_slots, store_mover=self.runner.store_mover)
+                raise ValueError(
+                    f"--kv-offloading-size {config.kv_offloading_size:g} GiB holds "
+                    f"{host.num_slots} block(s): too few for --preemption-mode swap"
+                )
+        tiers = (
+            None
+            if layout is None
+            else EngineTiers(
+                self.kv_pool,
+                layout,
+                host,
+                self.metrics,
+                swap_slots=swap_slots,
+                store_mover=self.runner.store_mover,
+            )
+        )
         spec = PoolSpec(
             config.worker_id,
             PoolConfig(
@@ -124,16 +137,23 @@ class LLMEngine:
         if allocator is None:
             options = {}
             if config.allocator != "embedded":
-                options = {"auth_token": config.allocator_token, "tls_ca": config.allocator_tls_ca,
-                           "on_unavailable": self._allocator_unavailable}
+                options = {
+                    "auth_token": config.allocator_token,
+                    "tls_ca": config.allocator_tls_ca,
+                    "on_unavailable": self._allocator_unavailable,
+                }
             allocator = connect(config.allocator, spec, **options)
-        elif not isinstance(allocator, AllocatorClient):  # a factory of the client, given the pool's spec
+        elif not isinstance(
+            allocator, AllocatorClient
+        ):  # a factory of the client, given the pool's spec
             allocator = allocator(spec)
         self.allocator = allocator
         if tiers is not None:
             if allocator.spec.config.use_shared_store and allocator.shared_store:
                 try:
-                    tiers.open_store(allocator.shared_store, allocator.store_namespace, config.kv_store_key)
+                    tiers.open_store(
+                        allocator.shared_store, allocator.store_namespace, config.kv_store_key
+                    )
                 except ValueError:  # the store's URL cannot be used here: no pool left behind
                     allocator.close()
                     raise
@@ -141,22 +161,32 @@ class LLMEngine:
                 tiers = None  # no tier below the pool: nothing to do per step
         self.tiers = tiers
         self.runner.tiers = tiers
-        self.metrics.watch_pool(self.allocator.stats, self.kv_pool.bytes_total,
-                                str(self.kv_pool.dtype).removeprefix("torch."))
+        self.metrics.watch_pool(
+            self.allocator.stats,
+            self.kv_pool.bytes_total,
+            str(self.kv_pool.dtype).removeprefix("torch."),
+        )
         self.metrics.threads.set_function(torch.get_num_threads)
         self.metrics.device_busy.set_function(self.busy.ratio)
         self.scheduler = Scheduler(
-            allocator, config.max_num_seqs, config.max_num_batched_tokens,
+            allocator,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
             on_preempt=lambda seq, cause: self.metrics.preempted(cause),
             async_scheduling=config.async_scheduling,
             lookahead=config.num_lookahead_slots,
-            reservation=config.kv_reservation, most_slots=self.prompt_limit,
+            reservation=config.kv_reservation,
+            most_slots=self.prompt_limit,
         )
-        self.metrics.slots_ahead.set_function(self.scheduler.slots_ahead)  # summed at scrape time, not per step
+        self.metrics.slots_ahead.set_function(
+            self.scheduler.slots_ahead
+        )  # summed at scrape time, not per step
         # The allocator away: the step is sent again until answered (a stall, not an error).
         self.scheduler.calls.on_stall = self.metrics.allocator_unavailable_seconds.inc
         self.scheduler.tiers = tiers
-        self.output_processor = OutputProcessor(loaded.tokenizer, loaded.eos_token_ids, self.max_model_len)
+        self.output_processor = OutputProcessor(
+            loaded.tokenizer, loaded.eos_token_ids, self.max_model_len
+        )
         self._seqs: dict[str, list[Sequence]] = {}  # request id -> its samples
         self._ids = itertools.count()
         self.num_preemptions = 0
@@ -223,8 +253,10 @@ class LLMEngine:
         if not prompt_ids:
             raise RequestError("the prompt is empty")
         if self.simulated and (params.logprobs is not None or params.prompt_logprobs is not None):
-            raise RequestError("a simulated device computes no logits: logprobs are not available",
-                               param="logprobs" if params.logprobs is not None else "prompt_logprobs")
+            raise RequestError(
+                "a simulated device computes no logits: logprobs are not available",
+                param="logprobs" if params.logprobs is not None else "prompt_logprobs",
+            )
         limit = self.prompt_limit
         if len(prompt_ids) >= limit:
             raise self._too_long(f"{len(prompt_ids)}")
@@ -238,8 +270,10 @@ class LLMEngine:
         if rid in self._seqs:
             raise RequestError(f"request id {rid!r} is already in use")
         if params.n > self.config.max_num_seqs:
-            raise RequestError(f"n ({params.n}) exceeds max_num_seqs ({self.config.max_num_seqs}): "
-                               "the samples of a request run together")
+            raise RequestError(
+                f"n ({params.n}) exceeds max_num_seqs ({self.config.max_num_seqs}): "
+                "the samples of a request run together"
+            )
         prompt_logprobs = None
         if params.prompt_logprobs is not None:
             # Every prompt position's logits are needed, so no prefix-cache hit
@@ -258,11 +292,20 @@ class LLMEngine:
         )
         for i in range(1, params.n):
             child_params = params.for_sample(i)
-            seq.children.append(Sequence(
-                request_id=rid, prompt_token_ids=prompt_ids, params=child_params, max_tokens=seq.max_tokens,
-                arrival_time=seq.arrival_time, generator=make_generator(child_params, self.device),
-                index=i, fork_parent=seq, prompt_logprobs=prompt_logprobs, cache_salt=salt,
-            ))
+            seq.children.append(
+                Sequence(
+                    request_id=rid,
+                    prompt_token_ids=prompt_ids,
+                    params=child_params,
+                    max_tokens=seq.max_tokens,
+                    arrival_time=seq.arrival_time,
+                    generator=make_generator(child_params, self.device),
+                    index=i,
+                    fork_parent=seq,
+                    prompt_logprobs=prompt_logprobs,
+                    cache_salt=salt,
+                )
+            )
         self._seqs[rid] = [seq, *seq.children]
         self.scheduler.add(seq)
         self.metrics.prompt_tokens.inc(len(prompt_ids))
@@ -415,8 +458,14 @@ class LLMEngine:
             self.scheduler.finish(seq, out.finish_reason)
             self.metrics.finished(out.finish_reason)
             if out.finish_reason in ("stop", "length") and seq.first_scheduled_time is not None:
-                self.metrics.request_done(seq.num_prompt_tokens, seq.num_output_tokens, seq.arrival_time,
-                                          seq.first_scheduled_time, seq.first_token_time, now)
+                self.metrics.request_done(
+                    seq.num_prompt_tokens,
+                    seq.num_output_tokens,
+                    seq.arrival_time,
+                    seq.first_scheduled_time,
+                    seq.first_token_time,
+                    now,
+                )
             out.request_finished = self._all_finished(seq.request_id)
         return out
 
@@ -469,4 +518,12 @@ class LLMEngine:
         self.allocator.close()
 
 
-__all__ = ["EngineConfig", "LLMEngine", "RequestError", "RequestOutput", "SamplingError", "SamplingParams", "Status"]
+__all__ = [
+    "EngineConfig",
+    "LLMEngine",
+    "RequestError",
+    "RequestOutput",
+    "SamplingError",
+    "SamplingParams",
+    "Status",
+]

@@ -41,14 +41,22 @@ def plan_appends(plan: StepPlan, running: list[Sequence], lookahead: int, waterm
         end = seq.num_stored + p.n
         # (not while samples wait to fork from it: a parent forks holding
         # exactly its prompt)
-        if (lookahead and end >= len(seq.token_ids)  # this step samples it
-                and seq not in plan.unreserves
-                and not any(c.fork_parent is seq and not c.is_finished for c in seq.children)):
+        if (
+            lookahead
+            and end >= len(seq.token_ids)  # this step samples it
+            and seq not in plan.unreserves
+            and not any(c.fork_parent is seq and not c.is_finished for c in seq.children)
+        ):
             # never past what the request can still compute
             wants[seq] = min(end + lookahead, seq.max_computed_tokens)
-    extra_total = sum(view.short_of(plan.running[seq].cost.blocks, want) for seq, want in wants.items())
-    fits = bool(wants) and not plan.short and extra_total <= (
-        view.free - watermark - blocks_to_come(plan, running) - plan.queued)
+    extra_total = sum(
+        view.short_of(plan.running[seq].cost.blocks, want) for seq, want in wants.items()
+    )
+    fits = (
+        bool(wants)
+        and not plan.short
+        and extra_total <= (view.free - watermark - blocks_to_come(plan, running) - plan.queued)
+    )
     for seq, p in plan.running.items():
         end = seq.num_stored + p.n
         held, reserved = seq.num_held, seq.num_reserved
@@ -115,7 +123,7 @@ def unreserve_ahead(plan: StepPlan, running: list[Sequence], short: int) -> bool
         return False
     for seq, u in picked:
         plan.unreserves[seq] = u
-        view.release(seq.block_table[u.keep:])
+        view.release(seq.block_table[u.keep :])
     plan.short = True  # blocks ran short: this step takes no lookahead back
     return True
 
@@ -130,4 +138,6 @@ def append_op(seq: Sequence, end: int, target: int) -> Append:
     token the running step samples for it, with async scheduling, and the
     lookahead slots)."""
     tokens = seq.token_ids[seq.num_valued : min(end, len(seq.token_ids))]
-    return Append(seq.alloc_id, tokens, reserve_for(seq.num_held, seq.num_reserved, len(tokens), target))
+    return Append(
+        seq.alloc_id, tokens, reserve_for(seq.num_held, seq.num_reserved, len(tokens), target)
+    )

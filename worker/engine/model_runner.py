@@ -54,18 +54,35 @@ class ModelRunner:
         self.block_size = config.block_size
         mc = loaded.config
         model_dtype = resolve_dtype(config.dtype, self.device)
-        dtype = getattr(torch, kv_cache_element(config.kv_cache_dtype, str(model_dtype).removeprefix("torch.")))
+        dtype = getattr(
+            torch, kv_cache_element(config.kv_cache_dtype, str(model_dtype).removeprefix("torch."))
+        )
         check_kv_dtype(self.model.attn_backend, dtype, self.device)
         prepare = getattr(self.model.attn_backend, "prepare", None)
-        if dtype != model_dtype and prepare is not None:  # the model's own dtype was prepared at load
+        if (
+            dtype != model_dtype and prepare is not None
+        ):  # the model's own dtype was prepared at load
             prepare(model_dtype, dtype)
         if config.num_blocks is not None:
-            self.kv_pool = KVPool(mc.num_layers, config.num_blocks, config.block_size,
-                                  mc.num_kv_heads, mc.head_dim, dtype, self.device)
+            self.kv_pool = KVPool(
+                mc.num_layers,
+                config.num_blocks,
+                config.block_size,
+                mc.num_kv_heads,
+                mc.head_dim,
+                dtype,
+                self.device,
+            )
         else:
-            self.kv_pool = KVPool.from_budget(config.kv_cache_memory or "512MiB", mc.num_layers,
-                                              config.block_size, mc.num_kv_heads, mc.head_dim,
-                                              dtype, self.device)
+            self.kv_pool = KVPool.from_budget(
+                config.kv_cache_memory or "512MiB",
+                mc.num_layers,
+                config.block_size,
+                mc.num_kv_heads,
+                mc.head_dim,
+                dtype,
+                self.device,
+            )
         self.tiers: EngineTiers | None = None  # the KV tiers below the pool (set by the engine)
 
     # The tiers' byte movers on this device (the engine builds its tiers with them).
@@ -114,11 +131,14 @@ class ModelRunner:
             self.kv_pool.copy_blocks(batch.copies)
         entries = batch.entries
         # via NumPy: torch.tensor(list) costs about 3x as much per element, every step
-        ids = [t for e in entries for t in e.seq.token_ids[e.num_computed : e.num_computed + e.num_new]]
+        ids = [
+            t for e in entries for t in e.seq.token_ids[e.num_computed : e.num_computed + e.num_new]
+        ]
         input_ids = torch.from_numpy(np.array(ids, dtype=np.int64)).to(self.device)
         meta = AttentionMetadata.build(
             [(e.table, e.num_computed, e.num_new) for e in entries],
-            self.block_size, self.device,
+            self.block_size,
+            self.device,
         )
         hidden = self.model(input_ids, meta.positions(), self.kv_pool, meta)
         self._prompt_logprobs(entries, hidden)
@@ -149,7 +169,9 @@ class ModelRunner:
             if lps is None:
                 continue
             lo = max(first, len(lps) - 1)  # the next position whose logprobs are missing
-            hi = min(first + e.num_new, seq.num_prompt_tokens - 1)  # the last prompt position samples
+            hi = min(
+                first + e.num_new, seq.num_prompt_tokens - 1
+            )  # the last prompt position samples
             if lo >= hi:
                 continue
             # A cache hit past the known positions would leave a gap (the salt prevents it).
@@ -159,4 +181,8 @@ class ModelRunner:
                 b = min(a + PROMPT_LOGITS_ROWS, hi)
                 rows = hidden[offset + a - first : offset + b - first]
                 logprobs = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
-                lps.extend(logprobs_of(logprobs, seq.prompt_token_ids[a + 1 : b + 1], seq.params.prompt_logprobs))
+                lps.extend(
+                    logprobs_of(
+                        logprobs, seq.prompt_token_ids[a + 1 : b + 1], seq.params.prompt_logprobs
+                    )
+                )

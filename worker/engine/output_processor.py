@@ -37,7 +37,9 @@ class RequestOutput:
     num_preemptions: int = 0
     error: str | None = None
     stop_reason: str | int | None = None
-    logprobs: list[Logprobs] | None = None  # every generated token's, when asked for (on the last output)
+    logprobs: list[Logprobs] | None = (
+        None  # every generated token's, when asked for (on the last output)
+    )
     new_logprobs: list[Logprobs] | None = None  # this step's delta, when asked for
     prompt_logprobs: list[Logprobs | None] | None = None
     index: int = 0  # which sample of the request (n > 1)
@@ -45,7 +47,9 @@ class RequestOutput:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer, eos_token_ids: Iterable[int], max_model_len: int) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, eos_token_ids: Iterable[int], max_model_len: int
+    ) -> None:
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = max_model_len
@@ -69,7 +73,9 @@ class OutputProcessor:
             num_cached_tokens=seq.num_cached_tokens,
             num_preemptions=seq.num_preemptions,
             stop_reason=seq.stop_reason,
-            logprobs=list(seq.logprobs) if seq.logprobs is not None and reason is not None else None,
+            logprobs=list(seq.logprobs)
+            if seq.logprobs is not None and reason is not None
+            else None,
             new_logprobs=seq.logprobs[-1:] if seq.logprobs is not None else None,
             prompt_logprobs=seq.prompt_logprobs,
         )
@@ -77,9 +83,16 @@ class OutputProcessor:
     def failed(self, seq: Sequence) -> RequestOutput:
         """The last output of a sequence that ended in `seq.error`."""
         return RequestOutput(
-            request_id=seq.request_id, index=seq.index, prompt_token_ids=seq.prompt_token_ids,
-            token_ids=list(seq.output_token_ids), text=seq.text[: seq.emitted], finished=True, finish_reason="error",
-            num_cached_tokens=seq.num_cached_tokens, num_preemptions=seq.num_preemptions, error=seq.error,
+            request_id=seq.request_id,
+            index=seq.index,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=list(seq.output_token_ids),
+            text=seq.text[: seq.emitted],
+            finished=True,
+            finish_reason="error",
+            num_cached_tokens=seq.num_cached_tokens,
+            num_preemptions=seq.num_preemptions,
+            error=seq.error,
         )
 
     def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
@@ -107,7 +120,9 @@ class OutputProcessor:
         if seq.detokenizer is None:
             # Primed with the prompt, so the text reads as it does after it
             # (vLLM's rule: decode(prompt + output) minus decode(prompt)).
-            seq.detokenizer = self.tokenizer.detokenizer(seq.prompt_token_ids, p.skip_special_tokens)
+            seq.detokenizer = self.tokenizer.detokenizer(
+                seq.prompt_token_ids, p.skip_special_tokens
+            )
         if reason != "stop" or p.include_stop_str_in_output:
             seq.text += seq.detokenizer.step([tok])
         if reason is not None:
@@ -120,7 +135,9 @@ class OutputProcessor:
             found = [(i, x) for x in stops if (i := seq.text.find(x, start)) >= 0]
             if found:
                 cut, stop = min(found, key=lambda f: f[0])
-                seq.text = seq.text[: cut + len(stop)] if p.include_stop_str_in_output else seq.text[:cut]
+                seq.text = (
+                    seq.text[: cut + len(stop)] if p.include_stop_str_in_output else seq.text[:cut]
+                )
                 seq.stopped_by_string = True
                 seq.stop_reason = stop
             elif reason is None:

@@ -35,7 +35,9 @@ class SamplingError(ValueError):
 
 
 def _number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and value == value  # not NaN
+    return (
+        isinstance(value, int | float) and not isinstance(value, bool) and value == value
+    )  # not NaN
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +68,9 @@ class SamplingParams:
         def bad(param: str, why: str) -> SamplingError:
             return SamplingError(f"{param} {why}", param)
 
-        if self.max_tokens is not None and (type(self.max_tokens) is not int or self.max_tokens < 1):
+        if self.max_tokens is not None and (
+            type(self.max_tokens) is not int or self.max_tokens < 1
+        ):
             raise bad("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
         if type(self.n) is not int or not 1 <= self.n <= MAX_N:
             raise bad("n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
@@ -85,12 +89,19 @@ class SamplingParams:
         if not _number(self.repetition_penalty) or not 0 < self.repetition_penalty <= 100:
             raise bad("repetition_penalty", f"must be in (0, 100], got {self.repetition_penalty!r}")
         if len(self.logit_bias) > MAX_LOGIT_BIAS or any(
-                type(t) is not int or t < 0 or not _number(b) or not -100 <= b <= 100 for t, b in self.logit_bias):
-            raise bad("logit_bias", f"must map at most {MAX_LOGIT_BIAS} token ids to biases in [-100, 100]")
+            type(t) is not int or t < 0 or not _number(b) or not -100 <= b <= 100
+            for t, b in self.logit_bias
+        ):
+            raise bad(
+                "logit_bias",
+                f"must map at most {MAX_LOGIT_BIAS} token ids to biases in [-100, 100]",
+            )
         if type(self.min_tokens) is not int or self.min_tokens < 0:
             raise bad("min_tokens", f"must be a non-negative integer, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise bad("min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+            raise bad(
+                "min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            )
         if self.seed is not None and type(self.seed) is not int:
             raise bad("seed", "must be an integer")
         if len(self.stop) > MAX_STOP or any(not isinstance(s, str) or not s for s in self.stop):
@@ -110,8 +121,13 @@ class SamplingParams:
 
     @property
     def penalised(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens)
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+        )
 
     def for_sample(self, index: int) -> SamplingParams:
         """The parameters of sample `index` of n: vLLM's `seed + index`, so
@@ -154,15 +170,22 @@ class Logprobs(NamedTuple):
 
 def logprobs_of(logprobs: torch.Tensor, chosen: Sequence[int], k: int) -> list[Logprobs]:
     """Logprobs rows [N, vocab] (already log_softmax) -> one `Logprobs` per row."""
-    picked = logprobs.gather(1, torch.tensor(chosen, device=logprobs.device).unsqueeze(1)).squeeze(1)
+    picked = logprobs.gather(1, torch.tensor(chosen, device=logprobs.device).unsqueeze(1)).squeeze(
+        1
+    )
     ranks = (logprobs > picked.unsqueeze(1)).sum(dim=1) + 1
     if k:
         top_v, top_i = logprobs.topk(k, dim=-1)
-        tops = [list(zip(i, v, strict=True)) for i, v in zip(top_i.tolist(), top_v.tolist(), strict=True)]
+        tops = [
+            list(zip(i, v, strict=True))
+            for i, v in zip(top_i.tolist(), top_v.tolist(), strict=True)
+        ]
     else:
         tops = [[] for _ in chosen]
-    return [Logprobs(t, lp, r, top) for t, lp, r, top in
-            zip(chosen, picked.tolist(), ranks.tolist(), tops, strict=True)]
+    return [
+        Logprobs(t, lp, r, top)
+        for t, lp, r, top in zip(chosen, picked.tolist(), ranks.tolist(), tops, strict=True)
+    ]
 
 
 def _process(row: torch.Tensor, seq: Row, stop_ids: frozenset[int]) -> torch.Tensor:
@@ -171,8 +194,12 @@ def _process(row: torch.Tensor, seq: Row, stop_ids: frozenset[int]) -> torch.Ten
     row = row.clone()
     vocab = row.numel()
     if p.logit_bias:
-        ids = torch.tensor([t for t, _ in p.logit_bias if t < vocab], dtype=torch.long, device=row.device)
-        bias = torch.tensor([b for t, b in p.logit_bias if t < vocab], dtype=row.dtype, device=row.device)
+        ids = torch.tensor(
+            [t for t, _ in p.logit_bias if t < vocab], dtype=torch.long, device=row.device
+        )
+        bias = torch.tensor(
+            [b for t, b in p.logit_bias if t < vocab], dtype=row.dtype, device=row.device
+        )
         row.index_add_(0, ids, bias)
     out_ids = seq.output_token_ids
     if p.min_tokens and len(out_ids) < p.min_tokens:
@@ -181,12 +208,18 @@ def _process(row: torch.Tensor, seq: Row, stop_ids: frozenset[int]) -> torch.Ten
         if banned:
             row[torch.tensor(banned, dtype=torch.long, device=row.device)] = float("-inf")
     if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(seq.prompt_token_ids) | set(out_ids)), dtype=torch.long, device=row.device)
+        seen = torch.tensor(
+            sorted(set(seq.prompt_token_ids) | set(out_ids)), dtype=torch.long, device=row.device
+        )
         vals = row[seen]
         row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
     if (p.frequency_penalty or p.presence_penalty) and out_ids:
-        counts = torch.bincount(torch.tensor(out_ids, dtype=torch.long, device=row.device), minlength=vocab)[:vocab]
-        row -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty * (counts > 0).to(row.dtype)
+        counts = torch.bincount(
+            torch.tensor(out_ids, dtype=torch.long, device=row.device), minlength=vocab
+        )[:vocab]
+        row -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty * (counts > 0).to(
+            row.dtype
+        )
     return row
 
 

@@ -79,7 +79,9 @@ class Scheduler:
         # until then: they ride the next call (`_plan_finishing`).
         self._finishing: list[Sequence] = []
         self._flushed: list[Sequence] = []
-        self._free_later: list[str] = []  # parents preempted in the call their samples fork in: freed next
+        self._free_later: list[
+            str
+        ] = []  # parents preempted in the call their samples fork in: freed next
         # Frees of a step the allocator refused: they ride the next call, but
         # are not work by themselves (an allocator that keeps refusing would
         # otherwise be called again at once, forever).
@@ -131,7 +133,10 @@ class Scheduler:
         """Token slots the allocator holds for this scheduler's sequences
         past what they computed: the slot of a token being sampled, lookahead
         slots, and those of finished sequences whose Free has not gone out."""
-        return sum(seq.num_held - seq.num_stored for seq in chain(self.running, self._finishing, self._flushed))
+        return sum(
+            seq.num_held - seq.num_stored
+            for seq in chain(self.running, self._finishing, self._flushed)
+        )
 
     def has_work(self) -> bool:
         # NOTE: a call in flight that only frees, once answered, leaves nothing
@@ -141,10 +146,26 @@ class Scheduler:
         # is a refused one, whose error must not fail the next request.
         # A tier report due is work too: a step sends it alone.
         inflight = self._inflight
-        return bool(self.waiting or self.running or self._to_free or self.forking or self._free_later
-                    or self._finishing or self._flushed or self._report_due()
-                    or (inflight and (not inflight.future.done() or inflight.future.exception() is not None
-                                      or inflight.plan.running or inflight.plan.admitting or inflight.plan.forks)))
+        return bool(
+            self.waiting
+            or self.running
+            or self._to_free
+            or self.forking
+            or self._free_later
+            or self._finishing
+            or self._flushed
+            or self._report_due()
+            or (
+                inflight
+                and (
+                    not inflight.future.done()
+                    or inflight.future.exception() is not None
+                    or inflight.plan.running
+                    or inflight.plan.admitting
+                    or inflight.plan.forks
+                )
+            )
+        )
 
     # ------------------------------------------------------------------ step
     def schedule(self) -> StepBatch:
@@ -157,7 +178,9 @@ class Scheduler:
             return inflight.batch
         batch = StepBatch()
         plan = self._plan(batch, frozenset())
-        if not plan.ops and not self._report_due():  # nothing to send: computed in slots held already
+        if (
+            not plan.ops and not self._report_due()
+        ):  # nothing to send: computed in slots held already
             self._apply_results(plan, [], batch)
             return batch
         batch.allocator_call = True
@@ -182,21 +205,27 @@ class Scheduler:
         ahead = [s for s in sampling if len(s.token_ids) < s.max_computed_tokens]
         batch = StepBatch()
         plan = self._plan(batch, frozenset(ahead))
-        if not plan.ops and not self._report_due():  # nothing to send: computed in slots held already
+        if (
+            not plan.ops and not self._report_due()
+        ):  # nothing to send: computed in slots held already
             future: Future = Future()
             future.set_result([])
             self._inflight = InFlight(plan, batch, future)
             return False
         batch.allocator_call = True
         report = self._report()
-        self._inflight = InFlight(plan, batch, self.calls.send_ahead(plan.ops, report, batch), report)
+        self._inflight = InFlight(
+            plan, batch, self.calls.send_ahead(plan.ops, report, batch), report
+        )
         return True
 
     def _collect(self, inflight: InFlight) -> None:
         """Wait for a call sent ahead and apply its answer (the time waited is
         what the step pays for the allocator)."""
         batch = inflight.batch
-        results = self._received(lambda: inflight.future.result(), batch, inflight.plan.ops, inflight.report)
+        results = self._received(
+            lambda: inflight.future.result(), batch, inflight.plan.ops, inflight.report
+        )
         if results is not None:
             self._apply_results(inflight.plan, results, batch)
 
@@ -218,8 +247,12 @@ class Scheduler:
         # (a parent freed after the forks of the last call: first in this one).
         holders = chain(self.running, self._finishing, self._flushed)
         view = PoolPlan(self.num_blocks, self.block_size, (seq.block_table for seq in holders))
-        plan = StepPlan([Free(a) for a in chain(self._to_free, self._free_later, self._refused_frees)], view,
-                        self.max_num_batched_tokens, ahead=ahead)
+        plan = StepPlan(
+            [Free(a) for a in chain(self._to_free, self._free_later, self._refused_frees)],
+            view,
+            self.max_num_batched_tokens,
+            ahead=ahead,
+        )
         self._to_free = []
         self._free_later = []
         self._refused_frees = []
@@ -244,8 +277,13 @@ class Scheduler:
         freed. Finished sequences alone make one only when requests wait for
         room or nothing else runs (else they ride the next call). Admissions
         make one too (`_plan`); they wait only while requests do."""
-        if (self._to_free or self._free_later or self._refused_frees or self.forking
-                or any(c.fork_parent is not None for c in ahead)):
+        if (
+            self._to_free
+            or self._free_later
+            or self._refused_frees
+            or self.forking
+            or any(c.fork_parent is not None for c in ahead)
+        ):
             return True
         if (self._finishing or self._flushed) and (self.waiting or not self.running):
             return True
@@ -271,7 +309,9 @@ class Scheduler:
             if seq in parents:
                 self._flushed.append(seq)
             elif self.caching and plan.view.completes_block(valued, seq.num_stored):
-                plan.flushes.append((seq, Append(seq.alloc_id, seq.token_ids[valued : seq.num_stored])))
+                plan.flushes.append(
+                    (seq, Append(seq.alloc_id, seq.token_ids[valued : seq.num_stored]))
+                )
                 self._flushed.append(seq)
             else:
                 self._plan_free(plan, seq)
@@ -299,10 +339,17 @@ class Scheduler:
             if not predicted:
                 child.fork_parent = None
             # (a finished parent is kept until its samples forked: `_plan_finishing`)
-            alive = parent is not None and (parent.status is Status.RUNNING or parent in self._finishing
-                                            or parent in self._flushed)
-            if (not alive or parent.num_stored != child.num_prompt_tokens or parent.num_held != parent.num_stored
-                    or parent.num_reserved):
+            alive = parent is not None and (
+                parent.status is Status.RUNNING
+                or parent in self._finishing
+                or parent in self._flushed
+            )
+            if (
+                not alive
+                or parent.num_stored != child.num_prompt_tokens
+                or parent.num_held != parent.num_stored
+                or parent.num_reserved
+            ):
                 if not predicted:
                     self.add(child)  # recompute: admitted like any request
                 # else: left to its first token (`add_fork` then)
@@ -356,7 +403,9 @@ class Scheduler:
                 continue
             view.take(cost)
             known = max(0, min(end, len(seq.token_ids)) - seq.num_stored)
-            plan.running[seq] = Planned(n, cost, known, end > seq.num_held or cost.cow >= 0, end == last)
+            plan.running[seq] = Planned(
+                n, cost, known, end > seq.num_held or cost.cow >= 0, end == last
+            )
             plan.budget -= n
 
     def _drop_flush(self, plan: StepPlan) -> bool:
@@ -374,7 +423,11 @@ class Scheduler:
 
     def _unreserve(self, plan: StepPlan, short: int) -> bool:
         """Slots ahead given back to make `short` blocks free (`unreserve_ahead`)."""
-        if not self.lookahead or self.reservation != "paged" or UNRESERVE not in self.allocator.op_kinds:
+        if (
+            not self.lookahead
+            or self.reservation != "paged"
+            or UNRESERVE not in self.allocator.op_kinds
+        ):
             # no slots ahead; a reservation, held to the end; or an allocator from before UNRESERVE
             return False
         return unreserve_ahead(plan, self.running, short)
@@ -394,24 +447,32 @@ class Scheduler:
                 break
             # the most it takes: whatever it finds cached; with a reservation, all of its slots
             n = len(seq.token_ids)
-            slots = reserved_slots(self.reservation, seq.num_prompt_tokens, seq.max_tokens, self.most_slots)
+            slots = reserved_slots(
+                self.reservation, seq.num_prompt_tokens, seq.max_tokens, self.most_slots
+            )
             worst = view.admit(n, reserve=slots - n) if slots else view.admit(n)
             if plan.budget <= 0:  # admitted next step, if its blocks are still free
                 plan.queued = worst
                 break
             while worst > view.free - headroom and self._drop_flush(plan):
                 pass
-            if worst > view.free - headroom and not self._unreserve(plan, worst - view.free + headroom):
+            if worst > view.free - headroom and not self._unreserve(
+                plan, worst - view.free + headroom
+            ):
                 plan.short = True
                 break
             reserve = view.admit_reserve(n, plan.budget, slots) if slots else 0
-            plan.admits.append(Admit(seq.next_alloc_id(), seq.token_ids, seq.cache_salt, plan.budget, reserve))
+            plan.admits.append(
+                Admit(seq.next_alloc_id(), seq.token_ids, seq.cache_salt, plan.budget, reserve)
+            )
             plan.admitting.append(seq)
             seqs += family
             view.take_blocks(worst)
             plan.budget -= min(len(seq.token_ids), plan.budget)
 
-    def _preempt(self, batch: StepBatch, seq: Sequence, cause: str, plan: StepPlan | None = None) -> None:
+    def _preempt(
+        self, batch: StepBatch, seq: Sequence, cause: str, plan: StepPlan | None = None
+    ) -> None:
         """Send `seq` back to the waiting queue; while planning, its Free
         joins this step (`plan`)."""
         if plan is not None:
@@ -439,7 +500,9 @@ class Scheduler:
         if seq in plan.forks:
             fork = plan.forks.pop(seq)
             ops.remove(fork)
-            if all(f.parent != fork.parent for f in plan.forks.values()):  # nothing forks from it now
+            if all(
+                f.parent != fork.parent for f in plan.forks.values()
+            ):  # nothing forks from it now
                 plan.forked_parents.discard(fork.parent)
                 if fork.parent in self._free_later:  # preempted: free it now
                     self._free_later.remove(fork.parent)
@@ -459,7 +522,13 @@ class Scheduler:
             if any(moves):
                 batch.moves = moves
         # `ops`: frees, forks, the finished's last Appends, unreserves, the running's Appends, admits
-        ri = len(plan.ops) - len(plan.forks) - len(plan.flushes) - len(plan.unreserves) - len(plan.admitting)
+        ri = (
+            len(plan.ops)
+            - len(plan.forks)
+            - len(plan.flushes)
+            - len(plan.unreserves)
+            - len(plan.admitting)
+        )
         ri -= sum(1 for p in plan.running.values() if p.op is not None)
         for child in plan.forks:
             r = results[ri]
@@ -469,14 +538,18 @@ class Scheduler:
             # else: its append fails too (unknown sequence), which sends it back to wait
         for seq, op in plan.flushes:  # values of slots held: no table change
             if results[ri].ok:
-                seq.num_held, seq.num_reserved = after_append(seq.num_held, seq.num_reserved, len(op.tokens), 0)
+                seq.num_held, seq.num_reserved = after_append(
+                    seq.num_held, seq.num_reserved, len(op.tokens), 0
+                )
             ri += 1
         for seq, u in plan.unreserves.items():
             r = results[ri]
             ri += 1
             if r.ok:  # (a new list: the step in flight keeps the table it was scheduled with)
                 seq.block_table = seq.block_table[: r.keep]
-                seq.num_held, seq.num_reserved = after_unreserve(seq.num_held, seq.num_reserved, u.slots)
+                seq.num_held, seq.num_reserved = after_unreserve(
+                    seq.num_held, seq.num_reserved, u.slots
+                )
             elif (p := plan.running.get(seq)) is not None and p.op is not None:
                 # Refused (should not happen): nothing changed, it still
                 # holds them; its Append sent values only, which stands.
@@ -490,8 +563,14 @@ class Scheduler:
                 if not seq.is_finished:  # (finished since: nothing sent, nothing to compute)
                     batch.add_running(seq, p)
                 continue
-            if (cols is not None and not seq.is_finished and not cols.errors[ri] and not cols.num_appended[ri]
-                    and not cols.num_copies[ri] and cols.keep[ri] == len(seq.block_table)):
+            if (
+                cols is not None
+                and not seq.is_finished
+                and not cols.errors[ri]
+                and not cols.num_appended[ri]
+                and not cols.num_copies[ri]
+                and cols.keep[ri] == len(seq.block_table)
+            ):
                 batch.add_running(seq, p)
                 ri += 1
                 continue
@@ -522,7 +601,9 @@ class Scheduler:
                 if r.ok:  # admitted all the same: computed now, freed next step
                     self._to_free.append(seq.alloc_id)
                     seq.block_table = list(r.append)
-                    batch.add_finished(seq, None, r, r.cached_tokens, r.num_stored - r.cached_tokens)
+                    batch.add_finished(
+                        seq, None, r, r.cached_tokens, r.num_stored - r.cached_tokens
+                    )
             elif r.ok:
                 self._admitted(batch, seq, r, op.reserve)
             elif r.error != OUT_OF_BLOCKS:
@@ -543,8 +624,13 @@ class Scheduler:
         """Whether a tier report waits to be sent (a call is due for it alone)."""
         return self.tiers is not None and self.tiers.report_due()
 
-    def _received(self, answer: Callable[[], Answer], batch: StepBatch, ops: list[Op],
-                  report: TierReport | None = None) -> Answer | None:
+    def _received(
+        self,
+        answer: Callable[[], Answer],
+        batch: StepBatch,
+        ops: list[Op],
+        report: TierReport | None = None,
+    ) -> Answer | None:
         """The step's answer to `ops` (`StepCalls.answer`), or None when the
         pool was lost (every running sequence is then preempted). A refused
         step applied nothing, so its Frees (sequences finished or preempted,
@@ -588,5 +674,13 @@ class Scheduler:
         start = r.cached_tokens
         if seq.swap is not None:  # resumed, its tail swapped out: copied back, not computed
             start = self.tiers.swap_in(batch, seq, start, r.num_stored)  # type: ignore[union-attr]
-        batch.entries.append(ScheduledSeq(seq, start, r.num_stored - start, seq.block_table,
-                                          r.num_stored == len(seq.token_ids), r.cached_tokens))
+        batch.entries.append(
+            ScheduledSeq(
+                seq,
+                start,
+                r.num_stored - start,
+                seq.block_table,
+                r.num_stored == len(seq.token_ids),
+                r.cached_tokens,
+            )
+        )

@@ -119,7 +119,11 @@ class Sequence:
         runner samples each of them from the same row (n > 1)."""
         if not self.children or self.num_output_tokens:
             return []
-        return [c for c in self.children if c.fork_parent is self and not c.is_finished and c.num_output_tokens == 0]
+        return [
+            c
+            for c in self.children
+            if c.fork_parent is self and not c.is_finished and c.num_output_tokens == 0
+        ]
 
     def next_alloc_id(self) -> str:
         self._admissions += 1

@@ -53,10 +53,24 @@ GIB = 1 << 30
 class SimKVPool:
     """A KV pool's shape without its tensors (the interface `KVPool` gives the engine)."""
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: str, block_bytes: int) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: str,
+        block_bytes: int,
+    ) -> None:
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
-        self.num_kv_heads, self.head_dim, self.dtype, self.device = num_kv_heads, head_dim, dtype, device
+        self.num_kv_heads, self.head_dim, self.dtype, self.device = (
+            num_kv_heads,
+            head_dim,
+            dtype,
+            device,
+        )
         self.block_bytes = block_bytes
 
     @property
@@ -68,15 +82,19 @@ class SimKVPool:
         return self.num_blocks * self.block_size
 
     def describe(self) -> str:
-        return (f"{self.num_blocks} blocks x {self.block_size} tokens = {self.tokens_capacity} tokens, "
-                f"{self.bytes_total} B ({self.bytes_total / GIB:.3f} GiB), {self.num_layers} layers x "
-                f"{self.num_kv_heads} kv heads x {self.head_dim} dim, {str(self.dtype).removeprefix('torch.')} "
-                f"on {self.device} (simulated: no tensors)")
+        return (
+            f"{self.num_blocks} blocks x {self.block_size} tokens = {self.tokens_capacity} tokens, "
+            f"{self.bytes_total} B ({self.bytes_total / GIB:.3f} GiB), {self.num_layers} layers x "
+            f"{self.num_kv_heads} kv heads x {self.head_dim} dim, {str(self.dtype).removeprefix('torch.')} "
+            f"on {self.device} (simulated: no tensors)"
+        )
 
     def copy_blocks(self, copies: abc.Sequence[tuple[int, int]]) -> None:
         for src, dst in copies:
             if not (0 <= src < self.num_blocks and 0 <= dst < self.num_blocks):
-                raise IndexError(f"block copy {src}->{dst} outside pool of {self.num_blocks} blocks")
+                raise IndexError(
+                    f"block copy {src}->{dst} outside pool of {self.num_blocks} blocks"
+                )
 
 
 class Launched(NamedTuple):
@@ -93,9 +111,15 @@ class SimRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         self.gpu = gpu(config.device.removeprefix(SIM_PREFIX))
         shape = loaded.config
-        if config.kv_cache_dtype != "auto":  # the pool's bytes, and the bytes a step reads, are fp8's
-            shape = dataclasses.replace(shape, kv_dtype=kv_cache_element(config.kv_cache_dtype, shape.dtype))
-        self.roofline = Roofline(self.gpu, shape, config.sim_mfu, config.sim_mbu, config.sim_launch_ms / 1e3)
+        if (
+            config.kv_cache_dtype != "auto"
+        ):  # the pool's bytes, and the bytes a step reads, are fp8's
+            shape = dataclasses.replace(
+                shape, kv_dtype=kv_cache_element(config.kv_cache_dtype, shape.dtype)
+            )
+        self.roofline = Roofline(
+            self.gpu, shape, config.sim_mfu, config.sim_mbu, config.sim_launch_ms / 1e3
+        )
         self.clock = make_clock(config.clock)
         self.stream = DeviceStream(self.clock)
         self.busy: BusyMeter | None = None  # set by the engine
@@ -112,30 +136,47 @@ class SimRunner:
         name, memory = config.device, self.gpu.memory_bytes
         free = memory - shape.weight_bytes
         if free <= 0:
-            raise ValueError(f"{shape.weight_bytes / GIB:.1f} GiB of weights do not fit in {name}'s "
-                             f"{memory / GIB:.0f} GiB")
+            raise ValueError(
+                f"{shape.weight_bytes / GIB:.1f} GiB of weights do not fit in {name}'s "
+                f"{memory / GIB:.0f} GiB"
+            )
         block_bytes = shape.kv_bytes_per_token * config.block_size
         if config.num_blocks is not None:
             blocks = config.num_blocks
         else:
-            budget = parse_memory(config.kv_cache_memory or DEFAULT_SIM_KV_FRACTION, free_bytes=lambda: free)
+            budget = parse_memory(
+                config.kv_cache_memory or DEFAULT_SIM_KV_FRACTION, free_bytes=lambda: free
+            )
             blocks = budget // block_bytes
             if blocks < 1:
-                raise ValueError(f"--kv-cache-memory {config.kv_cache_memory!r} holds no KV block of {block_bytes} B")
+                raise ValueError(
+                    f"--kv-cache-memory {config.kv_cache_memory!r} holds no KV block of {block_bytes} B"
+                )
         if blocks * block_bytes > free:
-            raise ValueError(f"a KV pool of {blocks} blocks ({blocks * block_bytes / GIB:.1f} GiB) does not fit in "
-                             f"{name}'s {memory / GIB:.0f} GiB beside {shape.weight_bytes / GIB:.1f} GiB of weights "
-                             f"({free // block_bytes} blocks do)")
+            raise ValueError(
+                f"a KV pool of {blocks} blocks ({blocks * block_bytes / GIB:.1f} GiB) does not fit in "
+                f"{name}'s {memory / GIB:.0f} GiB beside {shape.weight_bytes / GIB:.1f} GiB of weights "
+                f"({free // block_bytes} blocks do)"
+            )
         dtype = getattr(torch, shape.kv_element)
-        return SimKVPool(shape.num_layers, blocks, config.block_size, shape.num_kv_heads, shape.head_dim, dtype,
-                         name, block_bytes)
+        return SimKVPool(
+            shape.num_layers,
+            blocks,
+            config.block_size,
+            shape.num_kv_heads,
+            shape.head_dim,
+            dtype,
+            name,
+            block_bytes,
+        )
 
     # ------------------------------------------------------------- tiers
     def host_tier(self, size_gib: float, meter: TierMeter) -> TimedHostMemory | None:
         """The host tier `--kv-offloading-size GIB` asks for (None for 0): its slots counted
         as on CUDA, no memory taken, so not bounded by this machine's memory."""
-        return TimedHostMemory.from_size(self.kv_pool, size_gib, meter=meter, available_bytes=math.inf,
-                                       time=self._host_move)
+        return TimedHostMemory.from_size(
+            self.kv_pool, size_gib, meter=meter, available_bytes=math.inf, time=self._host_move
+        )
 
     def store_mover(self, *args, **kw) -> TimedStoreMover:
         """The mover of the allocator's shared store (`StoreMover`'s arguments), timed."""
@@ -170,7 +211,9 @@ class SimRunner:
         """Queue the step's time on the stream (after its copies); returns at once."""
         if batch.copies:  # copy-on-write (without tiers: `apply_tiers` queued them among the moves)
             self._copy(batch.copies)
-        cost = self.roofline.step((e.num_computed, e.num_new, 1 if e.samples else 0) for e in batch.entries)
+        cost = self.roofline.step(
+            (e.num_computed, e.num_new, 1 if e.samples else 0) for e in batch.entries
+        )
         return Launched(batch, self._queue(cost.seconds), cost)
 
     def wait(self, launched: Launched) -> None:

@@ -58,7 +58,9 @@ class StepCalls:
         while True:
             health.call_started()
             try:
-                results = self.allocator.step(ops) if report is None else self.allocator.step(ops, report)
+                results = (
+                    self.allocator.step(ops) if report is None else self.allocator.step(ops, report)
+                )
             except AllocatorUnavailable:
                 health.unanswered()
                 time.sleep(pause)
@@ -96,7 +98,9 @@ class StepCalls:
             raise
         except Exception as exc:
             self.health.refused(exc)
-            raise AllocatorFault("allocator_refused", "the allocator refused this worker's step") from exc
+            raise AllocatorFault(
+                "allocator_refused", "the allocator refused this worker's step"
+            ) from exc
         finally:
             self._waited(batch, time.perf_counter() - t0)
 

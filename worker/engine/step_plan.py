@@ -29,7 +29,9 @@ class ScheduledSeq:
     # next one: decided when the step is planned (the token sampled by the
     # step before it may not be on the host yet when this one launches).
     samples: bool = False
-    cached: int = 0  # of `num_computed`, the tokens its admission found cached (this step's admission)
+    cached: int = (
+        0  # of `num_computed`, the tokens its admission found cached (this step's admission)
+    )
 
 
 @dataclass(slots=True)
@@ -37,9 +39,13 @@ class StepBatch:
     entries: list[ScheduledSeq] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    failed: list[Sequence] = field(default_factory=list)  # finished with an error by the allocator's answer
+    failed: list[Sequence] = field(
+        default_factory=list
+    )  # finished with an error by the allocator's answer
     allocator_seconds: float = 0.0
-    allocator_call: bool = False  # its operations went out in an allocator call (else computed in slots held)
+    allocator_call: bool = (
+        False  # its operations went out in an allocator call (else computed in slots held)
+    )
     cached_tokens: int = 0  # prompt tokens served from the prefix cache this step
     queried_tokens: int = 0
     # KV tiers (worker/engine/tiers.py): the answer's moves (None: no tier
@@ -65,8 +71,9 @@ class StepBatch:
         if p.op is not None:
             seq.num_held, seq.num_reserved = p.held, p.reserved
 
-    def add_finished(self, seq: Sequence, p: Planned | None, r: OpResult,
-                     start: int = 0, known: int = 0) -> None:
+    def add_finished(
+        self, seq: Sequence, p: Planned | None, r: OpResult, start: int = 0, known: int = 0
+    ) -> None:
         """An accepted operation of a sequence that finished (an abort) after
         its call was sent ahead: the tokens with known values it stored are
         computed all the same (the allocator may have hashed their blocks, so
@@ -115,7 +122,9 @@ class StepPlan:
     running: dict[Sequence, Planned] = field(default_factory=dict)
     admitting: list[Sequence] = field(default_factory=list)
     admits: list[Admit] = field(default_factory=list)  # their ops, sent after the running Appends
-    short: bool = False  # blocks ran short (a preemption, a request left waiting): no lookahead blocks
+    short: bool = (
+        False  # blocks ran short (a preemption, a request left waiting): no lookahead blocks
+    )
     # blocks the first request left waiting for the token budget takes next step: no lookahead takes them
     queued: int = 0
     # parents preempted after their samples forked in this call: their

@@ -84,10 +84,20 @@ class EngineTiers:
     store mover (`open_store`, or None), the swap slots, and the report of
     moves done not yet sent."""
 
-    def __init__(self, pool: KVPool, layout: KVLayout, host: HostMemory | None, metrics: WorkerMetrics, *,
-                 swap_slots: int = 0, store_mover: Callable[..., StoreMover] = StoreMover) -> None:
+    def __init__(
+        self,
+        pool: KVPool,
+        layout: KVLayout,
+        host: HostMemory | None,
+        metrics: WorkerMetrics,
+        *,
+        swap_slots: int = 0,
+        store_mover: Callable[..., StoreMover] = StoreMover,
+    ) -> None:
         self.pool = pool
-        self._store_mover = store_mover  # the runner's: StoreMover, or a simulated device's TimedStoreMover
+        self._store_mover = (
+            store_mover  # the runner's: StoreMover, or a simulated device's TimedStoreMover
+        )
         self.layout = layout
         self.block_size = pool.block_size
         self.host = host
@@ -112,9 +122,15 @@ class EngineTiers:
         its entries under `namespace` (the allocator's), sealed with the store group's `key`."""
         self._store_key = key
         self._store_meter = self.metrics.tier("shared")
-        self.store = self._store_mover(open_store(url), self.layout, self.pool, namespace=namespace,
-                                       seal=StoreSeal(key) if key is not None else None, host=self.host,
-                                       meter=self._store_meter)
+        self.store = self._store_mover(
+            open_store(url),
+            self.layout,
+            self.pool,
+            namespace=namespace,
+            seal=StoreSeal(key) if key is not None else None,
+            host=self.host,
+            meter=self._store_meter,
+        )
 
     # ------------------------------------------------------------ the report
     def take_report(self) -> TierReport | None:
@@ -162,8 +178,12 @@ class EngineTiers:
         if shared_store:
             try:
                 self.open_store(shared_store, namespace, self._store_key)
-            except ValueError as exc:  # the new store cannot be used here: no store, not a dead worker
-                log.warning("the allocator's shared store changed to one this worker cannot use: %s", exc)
+            except (
+                ValueError
+            ) as exc:  # the new store cannot be used here: no store, not a dead worker
+                log.warning(
+                    "the allocator's shared store changed to one this worker cannot use: %s", exc
+                )
         log.warning("shared store: %s now (was %s)", shared_store or "none", now[0])
 
     # ------------------------------------------------------------- the moves
@@ -208,7 +228,10 @@ class EngineTiers:
     def _host_saves(self, kv_blocks: list[int], slots: list[int]) -> None:
         try:
             transfer = self.host.save(kv_blocks, slots)  # type: ignore[union-attr]
-        except (ValueError, RuntimeError) as exc:  # ids out of range, a copy that failed: the saves failed
+        except (
+            ValueError,
+            RuntimeError,
+        ) as exc:  # ids out of range, a copy that failed: the saves failed
             log.warning("host tier: %d saves failed: %s", len(slots), exc)
             self._report.failed.extend(slots)
             return
@@ -225,7 +248,9 @@ class EngineTiers:
             return set(blocks)
         missed: set[int] = set()
         loaded = 0
-        for h, block, outcome in zip(hashes, blocks, self.store.load_blocks(hashes, blocks), strict=True):
+        for h, block, outcome in zip(
+            hashes, blocks, self.store.load_blocks(hashes, blocks), strict=True
+        ):
             if outcome.loaded:
                 loaded += 1
                 continue
@@ -257,7 +282,9 @@ class EngineTiers:
 
     def _set_used(self) -> None:
         if self._host_meter is not None and self.host is not None:
-            in_use = len(self._written) + (self.host.num_slots - self.host_blocks - len(self._swap_free))
+            in_use = len(self._written) + (
+                self.host.num_slots - self.host_blocks - len(self._swap_free)
+            )
             self._host_meter.set_used(in_use * self.host.block_bytes)
 
     # ------------------------------------------------------------------- swap
@@ -288,7 +315,12 @@ class EngineTiers:
             return cached
         first = (cached - stash.start) // bs
         count = blocks_for(end - cached, bs)
-        batch.swap_in.append((stash.slots[first : first + count], seq.block_table[cached // bs : cached // bs + count]))
+        batch.swap_in.append(
+            (
+                stash.slots[first : first + count],
+                seq.block_table[cached // bs : cached // bs + count],
+            )
+        )
         return end
 
     def drop_swap(self, seq) -> None:

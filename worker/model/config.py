@@ -65,7 +65,9 @@ class RopeScaling:
                 float(d.get("high_freq_factor", 4.0)),
                 int(d.get("original_max_position_embeddings", 8192)),
             )
-        raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported (supported: linear, llama3)")
+        raise UnsupportedModelError(
+            f"rope scaling type {kind!r} is not supported (supported: linear, llama3)"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,12 +103,22 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"architecture {self.architecture!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
 

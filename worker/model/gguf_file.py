@@ -45,6 +45,7 @@ _GLOBAL_NAMES = {
 }
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
+
 def _undo_rope_permutation(w: np.ndarray, heads: int) -> np.ndarray:
     """Inverse of llama.cpp's Q/K row permutation: per head, rows were reordered
     from [half0 | half1] to interleaved pairs (half0[0], half1[0], half0[1], ...)."""
@@ -61,7 +62,8 @@ class GGUFModelFile:
         self.path = Path(path)
         self._reader = GGUFReader(self.path)
         self.metadata: dict[str, Any] = {
-            name: field.contents() for name, field in self._reader.fields.items()
+            name: field.contents()
+            for name, field in self._reader.fields.items()
             if not name.startswith("tokenizer.ggml.")  # the big arrays are read on demand
         }
         self.architecture: str = self.metadata["general.architecture"]
@@ -85,7 +87,9 @@ class GGUFModelFile:
         scaling = None
         kind = self._arch("rope.scaling.type")
         if kind not in (None, "none"):
-            scaling = RopeScaling.from_dict({"type": kind, "factor": self._arch("rope.scaling.factor")})
+            scaling = RopeScaling.from_dict(
+                {"type": kind, "factor": self._arch("rope.scaling.factor")}
+            )
         names = {t.name for t in self._reader.tensors}
         vocab = self._arch("vocab_size") or len(self._field("tokenizer.ggml.tokens"))
         return ModelConfig(
@@ -97,7 +101,11 @@ class GGUFModelFile:
             num_layers=int(self._arch("block_count")),
             num_heads=heads,
             num_kv_heads=int(self._arch("attention.head_count_kv", heads)),
-            head_dim=int(self._arch("attention.key_length") or self._arch("rope.dimension_count") or hidden // heads),
+            head_dim=int(
+                self._arch("attention.key_length")
+                or self._arch("rope.dimension_count")
+                or hidden // heads
+            ),
             rms_norm_eps=float(self._arch("attention.layer_norm_rms_epsilon", 1e-6)),
             rope_theta=float(self._arch("rope.freq_base", 10000.0)),
             rope_scaling=scaling,

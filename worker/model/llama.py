@@ -42,7 +42,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
     low_wavelen = context / scaling.low_freq_factor
     high_wavelen = context / scaling.high_freq_factor
     scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-    smooth = (context / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smooth = (context / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
     blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     middle = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(middle, blended, scaled)
@@ -96,17 +98,30 @@ class Attention(nn.Module):
         q = apply_rope(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        kv_pool.write(self.layer, meta.slot_mapping, k, v)  # write first: queries read their own K/V
-        out = backend(q, kv_pool.k_cache(self.layer), kv_pool.v_cache(self.layer), meta, self.scale,
-                      kv_pool.k_scale(self.layer), kv_pool.v_scale(self.layer))
+        kv_pool.write(
+            self.layer, meta.slot_mapping, k, v
+        )  # write first: queries read their own K/V
+        out = backend(
+            q,
+            kv_pool.k_cache(self.layer),
+            kv_pool.v_cache(self.layer),
+            meta,
+            self.scale,
+            kv_pool.k_scale(self.layer),
+            kv_pool.v_scale(self.layer),
+        )
         return self.o_proj(out.reshape(tokens, -1))
 
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up_proj = nn.Linear(
+            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
+        )
+        self.down_proj = nn.Linear(
+            config.intermediate_size, config.hidden_size, bias=config.mlp_bias
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -148,12 +163,16 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer(
-            "inv_freq", rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling), persistent=False
+            "inv_freq",
+            rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling),
+            persistent=False,
         )
         self.attn_backend: AttentionBackend = select_backend("cpu")
 
     @classmethod
-    def create(cls, config: ModelConfig, device: str | torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+    def create(
+        cls, config: ModelConfig, device: str | torch.device, dtype: torch.dtype
+    ) -> LlamaForCausalLM:
         """An UNINITIALISED model on `device` (no time spent on random init); fill it
         with `load_weights`."""
         with torch.device("meta"):
@@ -162,7 +181,9 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:  # to_empty made two tensors of the tied one
             model.lm_head.weight = model.model.embed_tokens.weight
         # Buffers are not weights: recompute them (to_empty left garbage), in float32.
-        model.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling).to(device)
+        model.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling).to(
+            device
+        )
         model.attn_backend = select_backend(device)
         prepare = getattr(model.attn_backend, "prepare", None)
         if prepare is not None:  # e.g. the CPU kernel compiled at load, not at the first requests
@@ -187,7 +208,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions [T] -> final-normed hidden states [T, hidden]."""
         if kv_pool.block_size != meta.block_size:
-            raise ValueError(f"pool block size {kv_pool.block_size} != metadata block size {meta.block_size}")
+            raise ValueError(
+                f"pool block size {kv_pool.block_size} != metadata block size {meta.block_size}"
+            )
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         cos = freqs.cos().to(self.dtype)[:, None, :]  # [T, 1, D/2]: shared by all heads and layers
         sin = freqs.sin().to(self.dtype)[:, None, :]
@@ -241,9 +264,13 @@ class LlamaForCausalLM(nn.Module):
                 param = params[target]
                 dest = param if rows is None else param[start : start + rows]
                 if tuple(dest.shape) != tuple(tensor.shape):
-                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dest.shape)}")
+                    raise ValueError(
+                        f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dest.shape)}"
+                    )
                 dest.copy_(tensor)
                 filled[target] = filled.get(target, 0) + dest.shape[0]
         missing = [n for n, rows in expected.items() if filled.get(n, 0) != rows]
         if missing:
-            raise ValueError(f"checkpoint leaves parameters unset: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+            raise ValueError(
+                f"checkpoint leaves parameters unset: {missing[:5]}{' ...' if len(missing) > 5 else ''}"
+            )

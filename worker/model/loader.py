@@ -56,7 +56,9 @@ _DUMMY_SEED = 0
 _DUMMY_STD = 0.02  # the usual initializer range of Llama-family configs
 
 
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device, declared: str | None = None) -> torch.dtype:
+def resolve_dtype(
+    dtype: str | torch.dtype | None, device: torch.device, declared: str | None = None
+) -> torch.dtype:
     """None or "auto" -> float32 on the CPU; on CUDA the model's `declared`
     dtype (its config's `torch_dtype`) when it is bfloat16 or float16, else
     bfloat16. Names like "bfloat16" or "half" are taken as they are."""
@@ -83,12 +85,16 @@ def load_model(
     """Load `spec` (see the module docstring) onto `device` in `dtype` ("auto": the model's own);
     `load_format` "dummy": random weights in the shape of its config.json."""
     if load_format not in LOAD_FORMATS:
-        raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, not {load_format!r}")
+        raise ValueError(
+            f"load_format must be one of {', '.join(LOAD_FORMATS)}, not {load_format!r}"
+        )
     dev = torch.device(device)
     kind, path, name = resolve_model(spec)
     if load_format == "dummy":
         if kind != "hf" or path is None:
-            raise ModelLoadError(f"--load-format dummy needs a model folder with a config.json, got {str(spec)!r}")
+            raise ModelLoadError(
+                f"--load-format dummy needs a model folder with a config.json, got {str(spec)!r}"
+            )
         return _load_hf_folder(path, dev, dtype, name=name, dummy=True)
     if kind == "tiny":
         return build_tiny_random(dev, resolve_dtype(dtype, dev))
@@ -107,7 +113,9 @@ def fingerprint(config: ModelConfig, files: list[Path], extra: str = "") -> str:
     return h.hexdigest()
 
 
-def _build(config: ModelConfig, weights, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+def _build(
+    config: ModelConfig, weights, device: torch.device, dtype: torch.dtype
+) -> LlamaForCausalLM:
     model = LlamaForCausalLM.create(config, device, dtype)
     model.load_weights(weights)
     return model
@@ -123,8 +131,13 @@ def _max_model_len(config: ModelConfig) -> int:
 # -- Hugging Face folder ------------------------------------------------------------
 
 
-def _load_hf_folder(folder: Path, device: torch.device, dtype: str | torch.dtype | None,
-                    name: str | None = None, dummy: bool = False) -> LoadedModel:
+def _load_hf_folder(
+    folder: Path,
+    device: torch.device,
+    dtype: str | torch.dtype | None,
+    name: str | None = None,
+    dummy: bool = False,
+) -> LoadedModel:
     """A Hugging Face folder's model; `dummy` (`load_format` "dummy"): random weights in
     its config's shape, seeded, and its tokenizer only when it has one."""
     from safetensors import safe_open
@@ -138,7 +151,9 @@ def _load_hf_folder(folder: Path, device: torch.device, dtype: str | torch.dtype
     dtype = resolve_dtype(dtype, device, declared=raw.get("torch_dtype") or raw.get("dtype"))
     files = [] if dummy else sorted(folder.glob("*.safetensors"))
     if not dummy and not files:
-        raise ModelLoadError(f"{folder} has no *.safetensors weights (pickled .bin files are not loaded)")
+        raise ModelLoadError(
+            f"{folder} has no *.safetensors weights (pickled .bin files are not loaded)"
+        )
     has_tokenizer = (folder / "tokenizer.json").is_file()
     if not dummy and not has_tokenizer:
         raise ModelLoadError(f"{folder} has no tokenizer.json")
@@ -152,13 +167,20 @@ def _load_hf_folder(folder: Path, device: torch.device, dtype: str | torch.dtype
     model = _random(config, device, dtype) if dummy else _build(config, weights(), device, dtype)
     tokenizer, template = hf_tokenizer(folder) if has_tokenizer else (NoTokenizer(), None)
     eos: list[int] = []
-    gen = read_json(folder / "generation_config.json") if (folder / "generation_config.json").is_file() else {}
+    gen = (
+        read_json(folder / "generation_config.json")
+        if (folder / "generation_config.json").is_file()
+        else {}
+    )
     for source in (gen.get("eos_token_id"), raw.get("eos_token_id")):
         eos.extend(source if isinstance(source, list) else [source] if source is not None else [])
     if tokenizer.eos_token and tokenizer.token_to_id(tokenizer.eos_token) is not None:
         eos.append(tokenizer.token_to_id(tokenizer.eos_token))
-    tok_files = [folder / n for n in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-                 if (folder / n).is_file()]
+    tok_files = [
+        folder / n
+        for n in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+        if (folder / n).is_file()
+    ]
     # random weights are the same for a device type: the config, tokenizer, seed and device name them
     extra = f"dummy/{_DUMMY_SEED}/{device.type}" if dummy else ""
     return LoadedModel(
@@ -191,7 +213,11 @@ def _random(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> Ll
 # (vLLM reads the config's difference from the defaults, so a file's
 # `top_k: 50` is not a default).
 _GENERATION_DEFAULTS: dict[str, float | int | None] = {
-    "temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 50,
+    "min_p": None,
+    "repetition_penalty": 1.0,
 }
 
 

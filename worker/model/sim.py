@@ -27,7 +27,9 @@ def load_sim_model(spec: str | Path, dtype: str | None = None) -> LoadedModel:
     name, or None / "auto" for the config's own (float32 ones as bfloat16)."""
     kind, path, name = resolve_model(spec)
     if kind != "hf" or path is None or not (path / "config.json").is_file():
-        raise ModelLoadError(f"a simulated device needs a model folder holding a config.json, got {str(spec)!r}")
+        raise ModelLoadError(
+            f"a simulated device needs a model folder holding a config.json, got {str(spec)!r}"
+        )
     raw = read_json(path / "config.json")
     shape = ModelShape.from_config(raw, None if dtype in (None, "auto") else dtype)
     h = hashlib.sha256(_FINGERPRINT_VERSION.encode())
@@ -38,7 +40,11 @@ def load_sim_model(spec: str | Path, dtype: str | None = None) -> LoadedModel:
     else:
         tokenizer, template = NoTokenizer(), None
     eos = list(shape.eos_token_ids)
-    gen = read_json(path / "generation_config.json") if (path / "generation_config.json").is_file() else {}
+    gen = (
+        read_json(path / "generation_config.json")
+        if (path / "generation_config.json").is_file()
+        else {}
+    )
     extra = gen.get("eos_token_id")
     eos += extra if isinstance(extra, list) else [extra] if extra is not None else []
     return LoadedModel(

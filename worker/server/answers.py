@@ -19,8 +19,12 @@ def usage(outs: list[RequestOutput]) -> dict:
     p = sum(len(o.prompt_token_ids) for o in seen.values())
     c = sum(len(o.token_ids) for o in outs)
     cached = sum(o.num_cached_tokens for o in seen.values())
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    return {
+        "prompt_tokens": p,
+        "completion_tokens": c,
+        "total_tokens": p + c,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def finish_reason(out: RequestOutput) -> str | None:
@@ -30,8 +34,13 @@ def finish_reason(out: RequestOutput) -> str | None:
     return out.finish_reason
 
 
-def completion_logprobs(entries: list[Logprobs | None], token_ids: list[int], texts: list[dict[int, str]],
-                        widths: list[int], offset: int = 0) -> dict:
+def completion_logprobs(
+    entries: list[Logprobs | None],
+    token_ids: list[int],
+    texts: list[dict[int, str]],
+    widths: list[int],
+    offset: int = 0,
+) -> dict:
     """The completions shape: `tokens`, `token_logprobs`, `top_logprobs`
     (the top ones plus the chosen token, as vLLM), `text_offset`. Per
     position, `texts` spells the chosen and top tokens as they read there and
@@ -50,11 +59,17 @@ def completion_logprobs(entries: list[Logprobs | None], token_ids: list[int], te
         for t, v in [*lp.top, (tok, lp.logprob)]:  # tokens that share a spelling: the likeliest
             top.setdefault(spelled[t], max(v, -9999.0))
         tops.append(top)
-    return {"text_offset": offsets, "token_logprobs": token_lps, "tokens": tokens, "top_logprobs": tops}
+    return {
+        "text_offset": offsets,
+        "token_logprobs": token_lps,
+        "tokens": tokens,
+        "top_logprobs": tops,
+    }
 
 
-def prompt_logprobs_json(entries: list[Logprobs | None] | None, texts: list[dict[int, str]] | None
-                         ) -> list[dict | None] | None:
+def prompt_logprobs_json(
+    entries: list[Logprobs | None] | None, texts: list[dict[int, str]] | None
+) -> list[dict | None] | None:
     """vLLM's `prompt_logprobs`: per prompt token, None for the first, else
     token id -> {logprob, rank, decoded_token} for the prompt token and the
     top ones (ranks 1, 2, ...); `texts` spells them per position."""
@@ -79,9 +94,17 @@ def prompt_logprobs_json(entries: list[Logprobs | None] | None, texts: list[dict
 def chat_logprobs(entries: list[Logprobs], texts: list[dict[int, str]]) -> dict:
     """The chat shape: `{"content": [{token, logprob, bytes, top_logprobs}]}`;
     `texts` spells the tokens per position."""
+
     def item(tok: int, lp: float, spelled: dict[int, str]) -> dict:
         text = spelled[tok]
         return {"token": text, "logprob": max(lp, -9999.0), "bytes": list(text.encode("utf-8"))}
 
-    return {"content": [{**item(e.token_id, e.logprob, spelled), "top_logprobs": [item(t, v, spelled) for t, v in e.top]}
-                        for e, spelled in zip(entries, texts, strict=True)]}
+    return {
+        "content": [
+            {
+                **item(e.token_id, e.logprob, spelled),
+                "top_logprobs": [item(t, v, spelled) for t, v in e.top],
+            }
+            for e, spelled in zip(entries, texts, strict=True)
+        ]
+    }

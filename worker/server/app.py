@@ -61,8 +61,13 @@ from worker.server.streaming import Choices, stream_events
 router = APIRouter()
 
 
-def create_app(engine: AsyncLLMEngine, served_model_name: str, root: str | None = None,
-               api_key: str | Sequence[str] | None = None, cache_salt_per_api_key: bool = True) -> FastAPI:
+def create_app(
+    engine: AsyncLLMEngine,
+    served_model_name: str,
+    root: str | None = None,
+    api_key: str | Sequence[str] | None = None,
+    cache_salt_per_api_key: bool = True,
+) -> FastAPI:
     """The worker's HTTP app. `root`: what the model was loaded from (a path or
     repo id; /v1/models says it), default the served name. `api_key`: when
     set (one key or several), one is required on every /v1/* route, and with
@@ -97,7 +102,12 @@ async def health(request: Request):
     counts = {"running": core.num_running(), "waiting": core.num_waiting()}
     problem = engine.dead() or engine.problem()
     if problem is not None:
-        body = {"status": "unavailable", "reason": public_message(problem), "code": problem.reason, **counts}
+        body = {
+            "status": "unavailable",
+            "reason": public_message(problem),
+            "code": problem.reason,
+            **counts,
+        }
         return JSONResponse(status_code=503, content=body, headers={"Retry-After": "5"})
     return {"status": "ok", **counts}
 
@@ -106,7 +116,9 @@ async def health(request: Request):
 async def metrics(request: Request):
     # In a thread: the pool gauges ask the allocator, which may be slow or
     # away, and /health and the API must not wait behind a scrape.
-    body = await run_in_threadpool(generate_latest, request.app.state.engine.engine.metrics.registry)
+    body = await run_in_threadpool(
+        generate_latest, request.app.state.engine.engine.metrics.registry
+    )
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
@@ -116,16 +128,33 @@ async def models(request: Request):
     state = request.app.state
     return {
         "object": "list",
-        "data": [{
-            "id": state.served_model_name, "object": "model", "created": state.created, "owned_by": "pagedkv",
-            "root": state.root, "parent": None, "max_model_len": state.engine.engine.max_model_len,
-            "permission": [{
-                "id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": state.created,
-                "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
-                "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
-                "organization": "*", "group": None, "is_blocking": False,
-            }],
-        }],
+        "data": [
+            {
+                "id": state.served_model_name,
+                "object": "model",
+                "created": state.created,
+                "owned_by": "pagedkv",
+                "root": state.root,
+                "parent": None,
+                "max_model_len": state.engine.engine.max_model_len,
+                "permission": [
+                    {
+                        "id": f"modelperm-{uuid.uuid4().hex}",
+                        "object": "model_permission",
+                        "created": state.created,
+                        "allow_create_engine": False,
+                        "allow_sampling": True,
+                        "allow_logprobs": True,
+                        "allow_search_indices": False,
+                        "allow_view": True,
+                        "allow_fine_tuning": False,
+                        "organization": "*",
+                        "group": None,
+                        "is_blocking": False,
+                    }
+                ],
+            }
+        ],
     }
 
 
@@ -136,19 +165,37 @@ async def completions(request: Request):
     req.check_sequences()
     if req.best_of is not None and req.best_of != req.n:
         # vLLM v1's answer too: only best_of == n (every sample returned) is served.
-        raise ApiError(400, f"best_of must equal n ({req.n}) when set: returning the best {req.n} of "
-                            f"{req.best_of} samples is not supported", param="best_of")
+        raise ApiError(
+            400,
+            f"best_of must equal n ({req.n}) when set: returning the best {req.n} of "
+            f"{req.best_of} samples is not supported",
+            param="best_of",
+        )
     _check_prompt_logprobs(req)
     core = request.app.state.engine.engine
     prompts = _prompt_list(req.prompt)
-    ids = [await off_loop(_prompt_ids, core, p, size=len(p)) if isinstance(p, str) else p for p in prompts]
+    ids = [
+        await off_loop(_prompt_ids, core, p, size=len(p)) if isinstance(p, str) else p
+        for p in prompts
+    ]
     # vLLM: echo with logprobs asks for the prompt's logprobs (shown before the completion's)
-    prompt_logprobs = req.prompt_logprobs if req.prompt_logprobs is not None or not req.echo else req.logprobs
-    params = _sampling_params(req, req.max_tokens, request.app.state.served_model_name, core, req.logprobs,
-                              prompt_logprobs, _cache_salt(request, req))
+    prompt_logprobs = (
+        req.prompt_logprobs if req.prompt_logprobs is not None or not req.echo else req.logprobs
+    )
+    params = _sampling_params(
+        req,
+        req.max_tokens,
+        request.app.state.served_model_name,
+        core,
+        req.logprobs,
+        prompt_logprobs,
+        _cache_salt(request, req),
+    )
     echo = None
     if req.echo:  # a prompt's decode then the completion's text: the decode of prompt + output
-        echo = await off_loop(_decode_all, core, ids, params.skip_special_tokens, size=4 * sum(map(len, ids)))
+        echo = await off_loop(
+            _decode_all, core, ids, params.skip_special_tokens, size=4 * sum(map(len, ids))
+        )
     return await _answer(request, req, ids, params, f"cmpl-{uuid.uuid4().hex}", "text", echo)
 
 
@@ -179,7 +226,9 @@ def _check_prompt_logprobs(req: BaseRequest) -> None:
     """vLLM's rule: the `prompt_logprobs` field is not streamed (echo with
     logprobs is: the first chunk of each choice carries the prompt's)."""
     if req.stream and req.prompt_logprobs is not None:
-        raise ApiError(400, "prompt_logprobs are not available when stream is enabled", param="prompt_logprobs")
+        raise ApiError(
+            400, "prompt_logprobs are not available when stream is enabled", param="prompt_logprobs"
+        )
 
 
 def _prompt_ids(core, text: str) -> list[int]:
@@ -212,7 +261,9 @@ async def chat(request: Request):
     for i, m in enumerate(req.messages):
         what = m.unsupported()
         if what is not None:
-            raise ApiError(400, f"messages[{i}].{what} is not supported by this server", param=f"messages[{i}]")
+            raise ApiError(
+                400, f"messages[{i}].{what} is not supported by this server", param=f"messages[{i}]"
+            )
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
     _check_prompt_logprobs(req)
@@ -222,42 +273,72 @@ async def chat(request: Request):
     prompt_ids = await off_loop(_chat_ids, core, messages, size=size)
     max_tokens = req.max_completion_tokens or req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = _sampling_params(req, max_tokens, request.app.state.served_model_name, core, logprobs,
-                              req.prompt_logprobs, _cache_salt(request, req))
+    params = _sampling_params(
+        req,
+        max_tokens,
+        request.app.state.served_model_name,
+        core,
+        logprobs,
+        req.prompt_logprobs,
+        _cache_salt(request, req),
+    )
     return await _answer(request, req, [prompt_ids], params, f"chatcmpl-{uuid.uuid4().hex}", "chat")
 
 
-async def _answer(request: Request, req: BaseRequest, prompts: list[list[int]], params: SamplingParams, rid: str,
-                  kind: str, echo: list[str] | None = None):
+async def _answer(
+    request: Request,
+    req: BaseRequest,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    rid: str,
+    kind: str,
+    echo: list[str] | None = None,
+):
     """Run the request (one engine request per prompt, n samples each);
     answer with one body, or a stream of events if asked."""
     model = request.app.state.served_model_name
     engine: AsyncLLMEngine = request.app.state.engine
     limit = engine.engine.config.max_num_seqs
     if params.n > limit:  # the engine's rule (add_request), named for the client
-        raise ApiError(400, f"n ({params.n}) exceeds max_num_seqs ({limit}): the samples of a request run together",
-                       param="n")
+        raise ApiError(
+            400,
+            f"n ({params.n}) exceeds max_num_seqs ({limit}): the samples of a request run together",
+            param="n",
+        )
     rids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
     streams = [engine.generate(p, params, r) for p, r in zip(prompts, rids, strict=True)]
     try:
         # Until the first outputs (and for a whole answer, the last), a client
         # that hangs up aborts the request; a stream then notices by itself.
         firsts = await _unless_gone(request, streams, _all(*(_first(s) for s in streams)))
-        choices = Choices(kind, params.n, engine.engine.tokenizer, params.skip_special_tokens, echo,
-                          req.return_token_ids)
+        choices = Choices(
+            kind,
+            params.n,
+            engine.engine.tokenizer,
+            params.skip_special_tokens,
+            echo,
+            req.return_token_ids,
+        )
         if req.stream:
-            return StreamingResponse(stream_events(firsts, streams, choices, rid, model, req.include_usage()),
-                                     media_type="text/event-stream")
-        finals = await _unless_gone(request, streams,
-                                    _all(*(_collect(s, f) for s, f in zip(streams, firsts, strict=True))))
+            return StreamingResponse(
+                stream_events(firsts, streams, choices, rid, model, req.include_usage()),
+                media_type="text/event-stream",
+            )
+        finals = await _unless_gone(
+            request, streams, _all(*(_collect(s, f) for s, f in zip(streams, firsts, strict=True)))
+        )
     except ClientGone:
         return Response(status_code=499)  # nobody reads it
 
     def body() -> dict:
         answer = {
-            "id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
-            "created": int(time.time()), "model": model,
-            "choices": [choices.whole(i, out) for i, per_prompt in enumerate(finals) for out in per_prompt],
+            "id": rid,
+            "object": "chat.completion" if kind == "chat" else "text_completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": [
+                choices.whole(i, out) for i, per_prompt in enumerate(finals) for out in per_prompt
+            ],
             "usage": usage([out for per_prompt in finals for out in per_prompt]),
         }
         if kind == "chat":  # vLLM: on the response for chat, on each choice for completions
@@ -284,15 +365,26 @@ def _cache_salt(request: Request, req: BaseRequest) -> str | None:
     return tenant_salt(tenant, req.cache_salt)
 
 
-def _sampling_params(req: BaseRequest, max_tokens: int | None, served_model_name: str, core,
-                     logprobs: int | None, prompt_logprobs: int | None = None,
-                     cache_salt: str | None = None) -> SamplingParams:
+def _sampling_params(
+    req: BaseRequest,
+    max_tokens: int | None,
+    served_model_name: str,
+    core,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
+    cache_salt: str | None = None,
+) -> SamplingParams:
     """The checks both endpoints share, then the engine's sampling parameters:
     what the request sets, else the model's generation config, else the API's
     default; `cache_salt` as `_cache_salt` gives it."""
     if req.model != served_model_name:
-        raise ApiError(404, f"the model {req.model!r} does not exist; this worker serves {served_model_name!r}",
-                       param="model", type_="not_found_error", code="model_not_found")
+        raise ApiError(
+            404,
+            f"the model {req.model!r} does not exist; this worker serves {served_model_name!r}",
+            param="model",
+            type_="not_found_error",
+            code="model_not_found",
+        )
     if max_tokens is not None and max_tokens < 1:
         raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
     defaults = core.loaded.sampling_defaults
@@ -307,10 +399,15 @@ def _sampling_params(req: BaseRequest, max_tokens: int | None, served_model_name
         try:
             tok = int(key)
         except ValueError:
-            raise ApiError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+            raise ApiError(
+                400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
+            ) from None
         if not 0 <= tok < vocab:
-            raise ApiError(400, f"logit_bias token id {tok} is outside the vocabulary [0, {vocab})",
-                           param="logit_bias")
+            raise ApiError(
+                400,
+                f"logit_bias token id {tok} is outside the vocabulary [0, {vocab})",
+                param="logit_bias",
+            )
         bias.append((tok, value))
     try:
         return SamplingParams(
@@ -340,7 +437,9 @@ def _sampling_params(req: BaseRequest, max_tokens: int | None, served_model_name
         raise ApiError(400, str(exc), param=exc.param) from None
 
 
-async def _unless_gone(request: Request, streams: list[AsyncIterator[RequestOutput]], work: Awaitable[T]) -> T:
+async def _unless_gone(
+    request: Request, streams: list[AsyncIterator[RequestOutput]], work: Awaitable[T]
+) -> T:
     """`await work`, unless the client hangs up first: then the request is
     aborted (closing `streams` frees its sequences) and ClientGone raised.
     Work that fails closes the streams too (the other prompts of a batch)."""
@@ -383,10 +482,14 @@ async def _first(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
 
 def _server_error(exc: BaseException) -> ApiError:
     status, body = failure(exc)
-    return ApiError(status, body["error"]["message"], type_="server_error", code=body["error"]["code"])
+    return ApiError(
+        status, body["error"]["message"], type_="server_error", code=body["error"]["code"]
+    )
 
 
-async def _collect(stream: AsyncIterator[RequestOutput], first: RequestOutput) -> list[RequestOutput]:
+async def _collect(
+    stream: AsyncIterator[RequestOutput], first: RequestOutput
+) -> list[RequestOutput]:
     """Every sample's last output, by index."""
     last = {first.index: first}
     if not first.request_finished:

@@ -17,7 +17,9 @@ from worker.engine import AllocatorFault, EngineDeadError
 
 _DETAILS_CHARS = 200
 # What must never reach a client: gRPC's debug string, an RpcError's repr.
-_LEAK = re.compile(r"debug_error_string|_InactiveRpcError|_MultiThreadedRendezvous|<grpc\.|StatusCode\.")
+_LEAK = re.compile(
+    r"debug_error_string|_InactiveRpcError|_MultiThreadedRendezvous|<grpc\.|StatusCode\."
+)
 
 
 def _rpc_status(exc: BaseException | None) -> str | None:
@@ -64,7 +66,14 @@ def failure(exc: BaseException) -> tuple[int, dict]:
         status, code = 503, exc.reason
     else:
         status, code = 500, None
-    return status, {"error": {"message": public_message(exc), "type": "server_error", "param": None, "code": code}}
+    return status, {
+        "error": {
+            "message": public_message(exc),
+            "type": "server_error",
+            "param": None,
+            "code": code,
+        }
+    }
 
 
 async def _allocator_fault(_: Request, exc: AllocatorFault) -> JSONResponse:

@@ -43,8 +43,15 @@ class Choices:
     to the text (a special token the text skips is spelled and adds nothing)
     and `text_offset` points into it."""
 
-    def __init__(self, kind: str, n: int, tokenizer: Tokenizer, skip_special_tokens: bool = True,
-                 echo: list[str] | None = None, return_token_ids: bool = False) -> None:
+    def __init__(
+        self,
+        kind: str,
+        n: int,
+        tokenizer: Tokenizer,
+        skip_special_tokens: bool = True,
+        echo: list[str] | None = None,
+        return_token_ids: bool = False,
+    ) -> None:
         self.kind = kind  # "chat" or "text"
         self.return_token_ids = return_token_ids
         self.n = n
@@ -57,8 +64,9 @@ class Choices:
     def index(self, prompt_index: int, out: RequestOutput) -> int:
         return prompt_index * self.n + out.index
 
-    def _spell(self, texts: TokenTexts, entries: list, token_ids: list[int], finished: bool
-               ) -> tuple[list[dict[int, str]], list[int]]:
+    def _spell(
+        self, texts: TokenTexts, entries: list, token_ids: list[int], finished: bool
+    ) -> tuple[list[dict[int, str]], list[int]]:
         """Per position, the chosen and top tokens' texts there; and how much
         of the text the chosen token adds. Takes the positions from `texts`."""
         spelled, widths = [], []
@@ -78,7 +86,9 @@ class Choices:
         if out.prompt_logprobs is None:
             return None
         texts = TokenTexts(self.tokenizer, (), self.skip)
-        spelled, _ = self._spell(texts, out.prompt_logprobs, out.prompt_token_ids[: len(out.prompt_logprobs)], False)
+        spelled, _ = self._spell(
+            texts, out.prompt_logprobs, out.prompt_token_ids[: len(out.prompt_logprobs)], False
+        )
         return prompt_logprobs_json(out.prompt_logprobs, spelled)
 
     def whole(self, prompt_index: int, out: RequestOutput) -> dict:
@@ -87,7 +97,9 @@ class Choices:
         if self.kind == "chat":
             if out.logprobs is not None:
                 texts = TokenTexts(self.tokenizer, out.prompt_token_ids, self.skip)
-                spelled, _ = self._spell(texts, out.logprobs, out.token_ids[: len(out.logprobs)], out.finished)
+                spelled, _ = self._spell(
+                    texts, out.logprobs, out.token_ids[: len(out.logprobs)], out.finished
+                )
                 logprobs = chat_logprobs(out.logprobs, spelled)
             choice = {"index": index, "message": {"role": "assistant", "content": out.text}}
         else:
@@ -95,23 +107,37 @@ class Choices:
             if self.echo is not None:
                 text = self.echo[prompt_index] + text
             if out.logprobs is not None:
-                texts, entries, ids = self._echoed(out, out.logprobs, out.token_ids[: len(out.logprobs)])
-                logprobs = completion_logprobs(entries, ids, *self._spell(texts, entries, ids, out.finished))
+                texts, entries, ids = self._echoed(
+                    out, out.logprobs, out.token_ids[: len(out.logprobs)]
+                )
+                logprobs = completion_logprobs(
+                    entries, ids, *self._spell(texts, entries, ids, out.finished)
+                )
             choice = {"index": index, "text": text, "prompt_logprobs": self.prompt_logprobs(out)}
         if self.return_token_ids:
             choice["token_ids"] = list(out.token_ids)
             if self.kind != "chat":
                 choice["prompt_token_ids"] = list(out.prompt_token_ids)
-        return {**choice, "logprobs": logprobs, "finish_reason": finish_reason(out), "stop_reason": out.stop_reason}
+        return {
+            **choice,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason(out),
+            "stop_reason": out.stop_reason,
+        }
 
-    def _echoed(self, out: RequestOutput, entries: list, token_ids: list[int]) -> tuple[TokenTexts, list, list[int]]:
+    def _echoed(
+        self, out: RequestOutput, entries: list, token_ids: list[int]
+    ) -> tuple[TokenTexts, list, list[int]]:
         """With echo, the prompt's logprobs and tokens before the completion's
         (its first token's logprob None), as vLLM answers echo with logprobs;
         and the `TokenTexts` to spell them from their first position."""
         if self.echo is None or out.prompt_logprobs is None:
             return TokenTexts(self.tokenizer, out.prompt_token_ids, self.skip), entries, token_ids
-        return (TokenTexts(self.tokenizer, (), self.skip), [*out.prompt_logprobs, *entries],
-                [*out.prompt_token_ids, *token_ids])
+        return (
+            TokenTexts(self.tokenizer, (), self.skip),
+            [*out.prompt_logprobs, *entries],
+            [*out.prompt_token_ids, *token_ids],
+        )
 
     def delta(self, prompt_index: int, out: RequestOutput) -> dict:
         index = self.index(prompt_index, out)
@@ -121,12 +147,19 @@ class Choices:
         logprobs = None
         if self.kind == "chat":
             if new is not None:
-                texts = self._texts.setdefault(index, TokenTexts(self.tokenizer, out.prompt_token_ids, self.skip))
+                texts = self._texts.setdefault(
+                    index, TokenTexts(self.tokenizer, out.prompt_token_ids, self.skip)
+                )
                 spelled, _ = self._spell(texts, new, out.new_token_ids, out.finished)
                 logprobs = chat_logprobs(new, spelled)
-            return {"index": index, "delta": {"content": out.new_text} if out.new_text else {},
-                    "logprobs": logprobs, "finish_reason": reason, "stop_reason": stop_reason,
-                    **self._ids(out, first=False)}
+            return {
+                "index": index,
+                "delta": {"content": out.new_text} if out.new_text else {},
+                "logprobs": logprobs,
+                "finish_reason": reason,
+                "stop_reason": stop_reason,
+                **self._ids(out, first=False),
+            }
         text = out.new_text
         first = index not in self._offsets
         if first and self.echo is not None:
@@ -142,8 +175,14 @@ class Choices:
             logprobs = completion_logprobs(entries, ids, spelled, widths, offset)
             offset += sum(widths)
         self._offsets[index] = offset
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason,
-                "stop_reason": stop_reason, **self._ids(out, first)}
+        return {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": reason,
+            "stop_reason": stop_reason,
+            **self._ids(out, first),
+        }
 
     def _ids(self, out: RequestOutput, first: bool) -> dict:
         """`return_token_ids` of a streamed chunk: its new ids (and a completion's prompt ids, first)."""
@@ -155,8 +194,9 @@ class Choices:
         return ids
 
 
-async def merge(firsts: list[RequestOutput], streams: list[AsyncIterator[RequestOutput]]
-                ) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def merge(
+    firsts: list[RequestOutput], streams: list[AsyncIterator[RequestOutput]]
+) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, output) from every prompt's stream, as they come."""
     for i, first in enumerate(firsts):
         yield i, first
@@ -176,7 +216,11 @@ async def merge(firsts: list[RequestOutput], streams: list[AsyncIterator[Request
             await q.put((i, exc))
         await q.put((i, done))
 
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams) if not firsts[i].request_finished]
+    tasks = [
+        asyncio.ensure_future(pump(i, s))
+        for i, s in enumerate(streams)
+        if not firsts[i].request_finished
+    ]
     try:
         left = len(tasks)
         while left:
@@ -206,8 +250,16 @@ async def stream_events(
     obj = "chat.completion.chunk" if choices.kind == "chat" else "text_completion"
 
     def chunk(choice: dict, **extra) -> bytes:
-        return sse({"id": rid, "object": obj, "created": int(time.time()), "model": model,
-                    "choices": [choice] if choice else [], **extra})
+        return sse(
+            {
+                "id": rid,
+                "object": obj,
+                "created": int(time.time()),
+                "model": model,
+                "choices": [choice] if choice else [],
+                **extra,
+            }
+        )
 
     finals: dict[tuple[int, int], RequestOutput] = {}
     failed: Exception | None = None
@@ -215,8 +267,14 @@ async def stream_events(
     try:
         if choices.kind == "chat":
             for i in range(len(firsts) * choices.n):
-                yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None})
+                yield chunk(
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                )
         try:
             async for i, out in merged:
                 finals[i, out.index] = out

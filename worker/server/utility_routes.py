@@ -46,7 +46,9 @@ router = APIRouter()
 def version() -> str:
     try:
         return importlib.metadata.version("pagedkv")
-    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+    except (
+        importlib.metadata.PackageNotFoundError
+    ):  # run from a source tree that was never installed
         return "0.0.0+unknown"
 
 
@@ -82,8 +84,13 @@ class DetokenizeRequest(BaseModel):
 def _check_model(request: Request, model: str | None) -> None:
     served = request.app.state.served_model_name
     if model is not None and model != served:
-        raise ApiError(404, f"the model {model!r} does not exist; this worker serves {served!r}",
-                       param="model", type_="not_found_error", code="model_not_found")
+        raise ApiError(
+            404,
+            f"the model {model!r} does not exist; this worker serves {served!r}",
+            param="model",
+            type_="not_found_error",
+            code="model_not_found",
+        )
 
 
 def _tokenize(core, req: TokenizeRequest) -> list[int]:
@@ -95,19 +102,27 @@ def _tokenize(core, req: TokenizeRequest) -> list[int]:
         special = bool(req.add_special_tokens)
         messages = template_messages(req.messages)
         try:
-            text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+            text = tok.apply_chat_template(
+                messages, add_generation_prompt=req.add_generation_prompt
+            )
         except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
-            raise ApiError(400, f"cannot apply the chat template: {exc}", param="messages") from None
+            raise ApiError(
+                400, f"cannot apply the chat template: {exc}", param="messages"
+            ) from None
     try:
         return tok.encode(text, add_special_tokens=special)
     except Exception as exc:  # noqa: BLE001 - e.g. a lone surrogate
-        raise ApiError(400, f"cannot tokenize: {exc}", param="prompt" if req.messages is None else "messages") from None
+        raise ApiError(
+            400, f"cannot tokenize: {exc}", param="prompt" if req.messages is None else "messages"
+        ) from None
 
 
 def _tokenize_answer(core, req: TokenizeRequest) -> bytes:
     ids = _tokenize(core, req)
     strs = [core.tokenizer.backend.id_to_token(i) for i in ids] if req.return_token_strs else None
-    return dumps({"count": len(ids), "max_model_len": core.max_model_len, "tokens": ids, "token_strs": strs})
+    return dumps(
+        {"count": len(ids), "max_model_len": core.max_model_len, "tokens": ids, "token_strs": strs}
+    )
 
 
 @router.post("/tokenize")
@@ -115,9 +130,13 @@ async def tokenize(request: Request):
     req = await read_body(request, TokenizeRequest)
     _check_model(request, req.model)
     if req.continue_final_message:
-        raise ApiError(400, "continue_final_message is not supported", param="continue_final_message")
+        raise ApiError(
+            400, "continue_final_message is not supported", param="continue_final_message"
+        )
     core = request.app.state.engine.engine
-    size = len(req.prompt) if req.prompt is not None else sum(len(m.text()) + 64 for m in req.messages)
+    size = (
+        len(req.prompt) if req.prompt is not None else sum(len(m.text()) + 64 for m in req.messages)
+    )
     return json_bytes(await off_loop(_tokenize_answer, core, req, size=size))
 
 
@@ -125,8 +144,12 @@ def _detokenize(core, ids: list[int]) -> bytes:
     vocab = core.loaded.config.vocab_size
     bad = next((t for t in ids if not 0 <= t < vocab), None)
     if bad is not None:
-        raise ApiError(400, f"token id {bad} is out of range: ids are in [0, {vocab})", param="tokens")
-    return dumps({"prompt": core.tokenizer.decode(ids, skip_special_tokens=False)})  # as vLLM: every token
+        raise ApiError(
+            400, f"token id {bad} is out of range: ids are in [0, {vocab})", param="tokens"
+        )
+    return dumps(
+        {"prompt": core.tokenizer.decode(ids, skip_special_tokens=False)}
+    )  # as vLLM: every token
 
 
 @router.post("/detokenize")
@@ -153,6 +176,10 @@ async def identity(request: Request, nonce: str = ""):
         raise ApiError(400, "nonce must be 32 to 128 lowercase hex digits", param="nonce")
     answer = request.app.state.engine.engine.allocator.identity(nonce)
     if answer is None:
-        raise ApiError(404, "this worker's pool is not listed with an address by a shared allocator",
-                       type_="not_found_error", code="not_registered")
+        raise ApiError(
+            404,
+            "this worker's pool is not listed with an address by a shared allocator",
+            type_="not_found_error",
+            code="not_registered",
+        )
     return answer

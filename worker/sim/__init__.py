@@ -12,9 +12,28 @@ from worker.sim.tokens import TokenDigest, next_token
 SIM_PREFIX = "sim:"
 
 __all__ = [
-    "CLOCKS", "DEFAULT_LAUNCH_S", "DEFAULT_MBU", "DEFAULT_MFU", "GPUS", "PUBLIC_CONFIGS", "SIM_PREFIX",
-    "DeviceStream", "GpuSpec", "ModelShape", "Roofline", "SimConfigError", "StepCost", "StreamEvent",
-    "TokenDigest", "VirtualClock", "WallClock", "gpu", "is_sim", "make_clock", "next_token", "write_config",
+    "CLOCKS",
+    "DEFAULT_LAUNCH_S",
+    "DEFAULT_MBU",
+    "DEFAULT_MFU",
+    "GPUS",
+    "PUBLIC_CONFIGS",
+    "SIM_PREFIX",
+    "DeviceStream",
+    "GpuSpec",
+    "ModelShape",
+    "Roofline",
+    "SimConfigError",
+    "StepCost",
+    "StreamEvent",
+    "TokenDigest",
+    "VirtualClock",
+    "WallClock",
+    "gpu",
+    "is_sim",
+    "make_clock",
+    "next_token",
+    "write_config",
 ]
 
 

@@ -27,20 +27,58 @@ class GpuSpec:
     datasheet: str
 
 
-GPUS: dict[str, GpuSpec] = {g.name: g for g in (
-    GpuSpec("h100", "NVIDIA H100 SXM5 80GB", 989.4e12, 3.35e12, 80 * GIB, 64e9,
-            "https://www.nvidia.com/en-us/data-center/h100/"),
-    GpuSpec("h200", "NVIDIA H200 SXM 141GB", 989.4e12, 4.8e12, 141 * GIB, 64e9,
-            "https://www.nvidia.com/en-us/data-center/h200/"),
-    GpuSpec("a100-40gb", "NVIDIA A100 SXM4 40GB", 312e12, 1.555e12, 40 * GIB, 32e9,
+GPUS: dict[str, GpuSpec] = {
+    g.name: g
+    for g in (
+        GpuSpec(
+            "h100",
+            "NVIDIA H100 SXM5 80GB",
+            989.4e12,
+            3.35e12,
+            80 * GIB,
+            64e9,
+            "https://www.nvidia.com/en-us/data-center/h100/",
+        ),
+        GpuSpec(
+            "h200",
+            "NVIDIA H200 SXM 141GB",
+            989.4e12,
+            4.8e12,
+            141 * GIB,
+            64e9,
+            "https://www.nvidia.com/en-us/data-center/h200/",
+        ),
+        GpuSpec(
+            "a100-40gb",
+            "NVIDIA A100 SXM4 40GB",
+            312e12,
+            1.555e12,
+            40 * GIB,
+            32e9,
             "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
-            "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf"),
-    GpuSpec("a100-80gb", "NVIDIA A100 SXM4 80GB", 312e12, 2.039e12, 80 * GIB, 32e9,
+            "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf",
+        ),
+        GpuSpec(
+            "a100-80gb",
+            "NVIDIA A100 SXM4 80GB",
+            312e12,
+            2.039e12,
+            80 * GIB,
+            32e9,
             "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
-            "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf"),
-    GpuSpec("l4", "NVIDIA L4 24GB", 121e12, 300e9, 24 * GIB, 32e9,
-            "https://www.nvidia.com/en-us/data-center/l4/"),
-)}
+            "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf",
+        ),
+        GpuSpec(
+            "l4",
+            "NVIDIA L4 24GB",
+            121e12,
+            300e9,
+            24 * GIB,
+            32e9,
+            "https://www.nvidia.com/en-us/data-center/l4/",
+        ),
+    )
+}
 
 
 def gpu(name: str) -> GpuSpec:

@@ -68,12 +68,17 @@ class Roofline:
             # positions computed .. computed + new - 1 attend to computed + 1 .. computed + new keys
             context += new * computed + new * (new + 1) // 2
             kv_read += computed + new
-        flops = (2.0 * m.layer_params * m.num_layers * tokens + 2.0 * m.head_params * sampled
-                 + 4.0 * m.num_heads * m.head_dim * m.num_layers * context)
+        flops = (
+            2.0 * m.layer_params * m.num_layers * tokens
+            + 2.0 * m.head_params * sampled
+            + 4.0 * m.num_heads * m.head_dim * m.num_layers * context
+        )
         nbytes = float(m.weight_bytes) + m.kv_bytes_per_token * (kv_read + tokens)
         compute_s = flops / (self.gpu.peak_flops * self.mfu)
         memory_s = nbytes / (self.gpu.hbm_bytes_per_s * self.mbu)
-        return StepCost(flops, nbytes, compute_s, memory_s, max(compute_s, memory_s) + self.launch_s)
+        return StepCost(
+            flops, nbytes, compute_s, memory_s, max(compute_s, memory_s) + self.launch_s
+        )
 
     def copy_seconds(self, nbytes: float) -> float:
         """A device-to-device copy (read and write) of `nbytes`."""

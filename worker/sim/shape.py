@@ -39,7 +39,9 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     layer_params: int  # the parameters of one decoder layer
-    embedding_params: int  # input embeddings (and OPT's learned positions): looked up, not multiplied
+    embedding_params: (
+        int  # input embeddings (and OPT's learned positions): looked up, not multiplied
+    )
     head_params: int  # the LM head's matrix (tied or not): multiplied only for the rows sampled
     other_params: int  # final norm, an untied head's own copy, OPT's projections
     dtype: str  # weights and K/V element type (torch name)
@@ -66,7 +68,9 @@ class ModelShape:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, DTYPE_BYTES[self.kv_element])
+        return kv_bytes_per_token(
+            self.num_layers, self.num_kv_heads, self.head_dim, DTYPE_BYTES[self.kv_element]
+        )
 
     @classmethod
     def from_config(cls, cfg: dict, dtype: str | None = None) -> ModelShape:
@@ -74,8 +78,10 @@ class ModelShape:
         (a float32 model is timed in bfloat16, as CUDA serves it)."""
         kind = cfg.get("model_type")
         if kind not in ARCHITECTURES:
-            raise SimConfigError(f"config.json: model_type {kind!r} cannot be simulated "
-                                 f"(known: {', '.join(ARCHITECTURES)})")
+            raise SimConfigError(
+                f"config.json: model_type {kind!r} cannot be simulated "
+                f"(known: {', '.join(ARCHITECTURES)})"
+            )
         try:
             layers, kv_heads, head_dim = kv_dims_from_config(cfg)
             vocab, hidden = positive_field(cfg, "vocab_size"), positive_field(cfg, "hidden_size")
@@ -88,9 +94,13 @@ class ModelShape:
         if kind == "opt":
             proj = cfg.get("word_embed_proj_dim") or hidden
             # q, k, v, out with biases; two layer norms (weight + bias); fc1 and fc2 with biases
-            layer = 4 * (hidden * hidden + hidden) + 2 * inter * hidden + inter + hidden + 4 * hidden
+            layer = (
+                4 * (hidden * hidden + hidden) + 2 * inter * hidden + inter + hidden + 4 * hidden
+            )
             embedding = vocab * proj + (max_pos + 2) * hidden  # OPT's positions start at offset 2
-            other = 2 * hidden + (2 * proj * hidden if proj != hidden else 0)  # final norm; projections
+            other = 2 * hidden + (
+                2 * proj * hidden if proj != hidden else 0
+            )  # final norm; projections
             head = vocab * proj  # tied to the input embeddings
         else:
             bias = q + 2 * kv if kind == "qwen2" or cfg.get("attention_bias") else 0
@@ -103,8 +113,26 @@ class ModelShape:
         if name == "float32" and dtype is None:
             name = "bfloat16"
         if name not in ("float16", "bfloat16", "float32"):
-            raise SimConfigError(f"config.json: dtype {name!r} cannot be simulated (float16, bfloat16, float32)")
+            raise SimConfigError(
+                f"config.json: dtype {name!r} cannot be simulated (float16, bfloat16, float32)"
+            )
         eos = cfg.get("eos_token_id")
-        eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
-        return cls(kind, vocab, hidden, layers, heads, kv_heads, head_dim, layer, embedding, head, other,
-                   name, max_pos, eos_ids)
+        eos_ids = tuple(
+            int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        )
+        return cls(
+            kind,
+            vocab,
+            hidden,
+            layers,
+            heads,
+            kv_heads,
+            head_dim,
+            layer,
+            embedding,
+            head,
+            other,
+            name,
+            max_pos,
+            eos_ids,
+        )

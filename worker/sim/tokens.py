@@ -28,7 +28,7 @@ class TokenDigest:
     def extend(self, tokens: Sequence[int]) -> int:
         """The digest of `tokens`, whose first `count` were seen before."""
         h = self.value
-        for t in tokens[self.count:]:
+        for t in tokens[self.count :]:
             h = (h * _P + t + 1) & _MASK
         self.value, self.count = h, len(tokens)
         return h

@@ -51,28 +51,36 @@ def pair_runs(a: Sequence[int], b: Sequence[int]) -> Iterator[tuple[int, int, in
         i = j
 
 
-def read_blocks(pool: KVPool, blocks: Sequence[int], out: torch.Tensor, positions: Sequence[int]) -> None:
+def read_blocks(
+    pool: KVPool, blocks: Sequence[int], out: torch.Tensor, positions: Sequence[int]
+) -> None:
     """`out[positions[i]]` = the payload of block `blocks[i]` (`out` on the pool's device)."""
     k, v = pool.k_blocks, pool.v_blocks
     if pool.device.type == "cpu":
         for b, p, r in pair_runs(blocks, positions):
-            out[p:p + r, 0].copy_(k[:, b:b + r].transpose(0, 1))
-            out[p:p + r, 1].copy_(v[:, b:b + r].transpose(0, 1))
+            out[p : p + r, 0].copy_(k[:, b : b + r].transpose(0, 1))
+            out[p : p + r, 1].copy_(v[:, b : b + r].transpose(0, 1))
         return
     if getattr(pool, "fp8", False):
         k, v, out = k.view(torch.uint8), v.view(torch.uint8), out.view(torch.uint8)
     idx = torch.tensor(blocks, dtype=torch.long, device=pool.device)
     pos = torch.tensor(positions, dtype=torch.long, device=pool.device)
-    out.index_copy_(0, pos, torch.stack((k.index_select(1, idx), v.index_select(1, idx))).permute(2, 0, 1, 3, 4, 5))
+    out.index_copy_(
+        0,
+        pos,
+        torch.stack((k.index_select(1, idx), v.index_select(1, idx))).permute(2, 0, 1, 3, 4, 5),
+    )
 
 
-def write_blocks(pool: KVPool, blocks: Sequence[int], src: torch.Tensor, positions: Sequence[int]) -> None:
+def write_blocks(
+    pool: KVPool, blocks: Sequence[int], src: torch.Tensor, positions: Sequence[int]
+) -> None:
     """Block `blocks[i]` (distinct) = the payload `src[positions[i]]` (`src` on the pool's device)."""
     k, v = pool.k_blocks, pool.v_blocks
     if pool.device.type == "cpu":
         for b, p, r in pair_runs(blocks, positions):
-            k[:, b:b + r].copy_(src[p:p + r, 0].transpose(0, 1))
-            v[:, b:b + r].copy_(src[p:p + r, 1].transpose(0, 1))
+            k[:, b : b + r].copy_(src[p : p + r, 0].transpose(0, 1))
+            v[:, b : b + r].copy_(src[p : p + r, 1].transpose(0, 1))
         return
     if getattr(pool, "fp8", False):
         k, v, src = k.view(torch.uint8), v.view(torch.uint8), src.view(torch.uint8)

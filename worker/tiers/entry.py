@@ -79,20 +79,44 @@ def entry_key(namespace: KVLayout | str, block_hash: bytes) -> str:
     return f"{namespace if isinstance(namespace, str) else namespace.key}-{block_hash.hex()}"
 
 
-def encode_entry(layout: KVLayout, block_hash: bytes, payload: bytes | memoryview, *,
-                 seal: StoreSeal | None = None, namespace: str = "") -> bytes:
+def encode_entry(
+    layout: KVLayout,
+    block_hash: bytes,
+    payload: bytes | memoryview,
+    *,
+    seal: StoreSeal | None = None,
+    namespace: str = "",
+) -> bytes:
     """Header + payload for the store; `payload` is one block's bytes in `layout`.
     With `seal`, sealed and bound to its store key in `namespace` (the layout's when "")."""
     _check_hash(block_hash)
     view = memoryview(payload).cast("B")
     if view.nbytes != layout.block_bytes:
-        raise ValueError(f"a block of layout {layout.key[:12]} is {layout.block_bytes} B, got {view.nbytes} B")
+        raise ValueError(
+            f"a block of layout {layout.key[:12]} is {layout.block_bytes} B, got {view.nbytes} B"
+        )
     if seal is None:
-        return _HEADER.pack(MAGIC, FORMAT_VERSION, 0, bytes.fromhex(layout.key), block_hash, view.nbytes,
-                            xxhash.xxh3_128_digest(view)) + view
+        return (
+            _HEADER.pack(
+                MAGIC,
+                FORMAT_VERSION,
+                0,
+                bytes.fromhex(layout.key),
+                block_hash,
+                view.nbytes,
+                xxhash.xxh3_128_digest(view),
+            )
+            + view
+        )
     salt = seal.new_salt()
-    header = _HEADER.pack(MAGIC, FORMAT_VERSION, SEALED, bytes.fromhex(layout.key), block_hash, view.nbytes, salt)
-    return header + seal.key_id + seal.seal(salt, view, _bound(header, seal.key_id, namespace or layout, block_hash))
+    header = _HEADER.pack(
+        MAGIC, FORMAT_VERSION, SEALED, bytes.fromhex(layout.key), block_hash, view.nbytes, salt
+    )
+    return (
+        header
+        + seal.key_id
+        + seal.seal(salt, view, _bound(header, seal.key_id, namespace or layout, block_hash))
+    )
 
 
 def _bound(header: bytes, key_id: bytes, namespace: KVLayout | str, block_hash: bytes) -> bytes:
@@ -100,8 +124,14 @@ def _bound(header: bytes, key_id: bytes, namespace: KVLayout | str, block_hash: 
     return header + key_id + entry_key(namespace, block_hash).encode()
 
 
-def decode_entry(data: bytes | memoryview, layout: KVLayout, block_hash: bytes, *,
-                 seal: StoreSeal | None = None, namespace: str = "") -> memoryview | Refused:
+def decode_entry(
+    data: bytes | memoryview,
+    layout: KVLayout,
+    block_hash: bytes,
+    *,
+    seal: StoreSeal | None = None,
+    namespace: str = "",
+) -> memoryview | Refused:
     """The payload of `data` if it is `block_hash`'s entry in `layout` and intact (and, with
     `seal`, sealed under its key for its store key in `namespace`), else why not."""
     view = memoryview(data).cast("B")
@@ -113,29 +143,48 @@ def decode_entry(data: bytes | memoryview, layout: KVLayout, block_hash: bytes, 
     if version != FORMAT_VERSION:
         return Refused("format", f"format version {version}, this worker reads {FORMAT_VERSION}")
     if layout_raw.hex() != layout.key:
-        return Refused("layout", f"layout {layout_raw.hex()[:12]}, this worker's is {layout.key[:12]}")
+        return Refused(
+            "layout", f"layout {layout_raw.hex()[:12]}, this worker's is {layout.key[:12]}"
+        )
     if hash_raw != block_hash:
-        return Refused("checksum", f"the header names block {hash_raw.hex()[:12]}, not {block_hash.hex()[:12]}")
+        return Refused(
+            "checksum", f"the header names block {hash_raw.hex()[:12]}, not {block_hash.hex()[:12]}"
+        )
     if flags not in (0, SEALED):
         return Refused("format", f"flags {flags:#x}, this worker reads 0 and {SEALED:#x}")
     if (flags == SEALED) != (seal is not None):
-        return Refused("seal", "sealed, and this worker holds no store key (--kv-store-key-file)" if seal is None
-                       else "not sealed: a worker with a store key loads only entries sealed under it")
+        return Refused(
+            "seal",
+            "sealed, and this worker holds no store key (--kv-store-key-file)"
+            if seal is None
+            else "not sealed: a worker with a store key loads only entries sealed under it",
+        )
     body = view[HEADER_BYTES:]
     sealed_extra = KEY_ID_BYTES + TAG_BYTES if seal is not None else 0
     if length != layout.block_bytes or body.nbytes != length + sealed_extra:
-        return Refused("checksum", f"payload of {body.nbytes - sealed_extra} B, header says {length} B, "
-                                   f"the layout {layout.block_bytes} B")
+        return Refused(
+            "checksum",
+            f"payload of {body.nbytes - sealed_extra} B, header says {length} B, "
+            f"the layout {layout.block_bytes} B",
+        )
     if seal is None:
         if xxhash.xxh3_128_digest(body) != checksum:
             return Refused("checksum", "the payload's checksum does not match its header")
         return body
     key_id = bytes(body[:KEY_ID_BYTES])
     if key_id != seal.key_id:
-        return Refused("seal", f"sealed under store key {key_id.hex()}, this worker holds {seal.key_id.hex()}")
-    opened = seal.open(checksum, body[KEY_ID_BYTES:],
-                       _bound(bytes(view[:HEADER_BYTES]), key_id, namespace or layout, block_hash))
+        return Refused(
+            "seal", f"sealed under store key {key_id.hex()}, this worker holds {seal.key_id.hex()}"
+        )
+    opened = seal.open(
+        checksum,
+        body[KEY_ID_BYTES:],
+        _bound(bytes(view[:HEADER_BYTES]), key_id, namespace or layout, block_hash),
+    )
     if opened is None:
-        return Refused("seal", "does not open under the store group's key (forged, altered, or moved from "
-                               "another store key)")
+        return Refused(
+            "seal",
+            "does not open under the store group's key (forged, altered, or moved from "
+            "another store key)",
+        )
     return memoryview(opened)

@@ -35,7 +35,9 @@ __all__ = ["GIB", "HostMemory", "Transfer", "host_slots_for_size"]
 GIB = 1024**3
 
 
-def host_slots_for_size(size_gib: float, block_bytes: int, available_bytes: float | None = None) -> int:
+def host_slots_for_size(
+    size_gib: float, block_bytes: int, available_bytes: float | None = None
+) -> int:
     """Slots `--kv-offloading-size GIB` holds (0: no host tier); ValueError (one line) when
     the size is more than the memory available (MemAvailable, or `available_bytes`) or
     holds no block."""
@@ -46,11 +48,15 @@ def host_slots_for_size(size_gib: float, block_bytes: int, available_bytes: floa
     want = int(size_gib * GIB)
     available = free_memory_bytes("cpu") if available_bytes is None else available_bytes
     if want > available:
-        raise ValueError(f"--kv-offloading-size {size_gib:g} GiB is more than the memory available "
-                         f"({available / GIB:.2f} GiB)")
+        raise ValueError(
+            f"--kv-offloading-size {size_gib:g} GiB is more than the memory available "
+            f"({available / GIB:.2f} GiB)"
+        )
     slots = want // block_bytes
     if slots < 1:
-        raise ValueError(f"--kv-offloading-size {size_gib:g} GiB holds no KV block ({block_bytes} B each)")
+        raise ValueError(
+            f"--kv-offloading-size {size_gib:g} GiB holds no KV block ({block_bytes} B each)"
+        )
     return slots
 
 
@@ -60,9 +66,17 @@ class Transfer:
 
     __slots__ = ("kind", "blocks", "nbytes", "seconds", "_start", "_end", "_keep")
 
-    def __init__(self, kind: str, blocks: int, nbytes: int, *, seconds: float | None = None,
-                 start: torch.cuda.Event | None = None, end: torch.cuda.Event | None = None,
-                 keep: tuple[torch.Tensor, ...] = ()) -> None:
+    def __init__(
+        self,
+        kind: str,
+        blocks: int,
+        nbytes: int,
+        *,
+        seconds: float | None = None,
+        start: torch.cuda.Event | None = None,
+        end: torch.cuda.Event | None = None,
+        keep: tuple[torch.Tensor, ...] = (),
+    ) -> None:
         self.kind = kind  # "save" (KV -> host) or "load" (host -> KV)
         self.blocks = blocks
         self.nbytes = nbytes
@@ -98,8 +112,9 @@ class HostMemory:
         self.pool = pool
         self.num_slots = num_slots
         self.block_shape = (2, pool.num_layers, pool.block_size, pool.num_kv_heads, pool.head_dim)
-        self.block_bytes = bytes_per_block(pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.block_size,
-                                           pool.dtype)
+        self.block_bytes = bytes_per_block(
+            pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.block_size, pool.dtype
+        )
         self._open()
         self._pending: deque[Transfer] = deque()
         self._meter = meter
@@ -110,16 +125,27 @@ class HostMemory:
         """The slots' memory, and on CUDA the side stream its copies run on."""
         self.cuda = self.pool.device.type == "cuda"
         # NOTE: not zeroed: a slot is only read after a save wrote it (the allocator loads present entries only).
-        self._host = torch.empty((self.num_slots, *self.block_shape), dtype=self.pool.dtype, pin_memory=self.cuda)
+        self._host = torch.empty(
+            (self.num_slots, *self.block_shape), dtype=self.pool.dtype, pin_memory=self.cuda
+        )
         self._bytes = self._host.view(self.num_slots, -1).view(torch.uint8).numpy()
         self._stream = torch.cuda.Stream(device=self.pool.device) if self.cuda else None
 
     @classmethod
-    def from_size(cls, pool: KVPool, size_gib: float, *, meter: TierMeter | None = None,
-                  available_bytes: float | None = None, **kw) -> HostMemory | None:
+    def from_size(
+        cls,
+        pool: KVPool,
+        size_gib: float,
+        *,
+        meter: TierMeter | None = None,
+        available_bytes: float | None = None,
+        **kw,
+    ) -> HostMemory | None:
         """The tier `--kv-offloading-size GIB` asks for, None for 0 (see `host_slots_for_size`);
         `kw` goes to the class (a subclass's own arguments)."""
-        block_bytes = bytes_per_block(pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.block_size, pool.dtype)
+        block_bytes = bytes_per_block(
+            pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.block_size, pool.dtype
+        )
         slots = host_slots_for_size(size_gib, block_bytes, available_bytes)
         return cls(pool, slots, meter=meter, **kw) if slots else None
 
@@ -176,8 +202,14 @@ class HostMemory:
 
     # -- inside -----------------------------------------------------------------
 
-    def _check(self, kv_blocks: Sequence[int], host_slots: Sequence[int], *, distinct_slots: bool,
-               distinct_blocks: bool) -> None:
+    def _check(
+        self,
+        kv_blocks: Sequence[int],
+        host_slots: Sequence[int],
+        *,
+        distinct_slots: bool,
+        distinct_blocks: bool,
+    ) -> None:
         if len(kv_blocks) != len(host_slots):
             raise ValueError(f"{len(kv_blocks)} KV blocks but {len(host_slots)} host slots")
         check_ids("KV block", kv_blocks, self.pool.num_blocks, distinct=distinct_blocks)
@@ -202,7 +234,9 @@ class HostMemory:
             return transfer
         return self._move_cuda(kind, kv_blocks, host_slots)
 
-    def _move_cuda(self, kind: str, kv_blocks: Sequence[int], host_slots: Sequence[int]) -> Transfer:
+    def _move_cuda(
+        self, kind: str, kv_blocks: Sequence[int], host_slots: Sequence[int]
+    ) -> Transfer:
         self.poll()
         side = self._stream
         assert side is not None
@@ -213,16 +247,25 @@ class HostMemory:
             if kind == "save":
                 stage = gather(self.pool, kv_blocks)
                 for i, s, r in runs(host_slots):
-                    self._host[s:s + r].copy_(stage[i:i + r], non_blocking=True)
+                    self._host[s : s + r].copy_(stage[i : i + r], non_blocking=True)
             else:
-                stage = torch.empty((len(kv_blocks), *self.block_shape), dtype=self.pool.dtype,
-                                    device=self.pool.device)
+                stage = torch.empty(
+                    (len(kv_blocks), *self.block_shape),
+                    dtype=self.pool.dtype,
+                    device=self.pool.device,
+                )
                 for i, s, r in runs(host_slots):
-                    stage[i:i + r].copy_(self._host[s:s + r], non_blocking=True)
+                    stage[i : i + r].copy_(self._host[s : s + r], non_blocking=True)
                 scatter(self.pool, kv_blocks, stage)
             end.record(side)
-        transfer = Transfer(kind, len(kv_blocks), len(kv_blocks) * self.block_bytes, start=start, end=end,
-                            keep=(stage,))
+        transfer = Transfer(
+            kind,
+            len(kv_blocks),
+            len(kv_blocks) * self.block_bytes,
+            start=start,
+            end=end,
+            keep=(stage,),
+        )
         self._pending.append(transfer)
         return transfer
 

@@ -60,9 +60,17 @@ class KVLayout:
         for what in ("block_size", "num_kv_heads", "head_dim", "num_layers"):
             if getattr(self, what) < 1:
                 raise ValueError(f"{what} must be >= 1, got {getattr(self, what)}")
-        parts = [LAYOUT_SCHEME, self.model_fingerprint.encode(), str(self.block_size).encode(), name.encode(),
-                 str(self.num_kv_heads).encode(), str(self.head_dim).encode(), str(self.num_layers).encode(),
-                 sys.byteorder.encode(), _PAYLOAD_ORDER]
+        parts = [
+            LAYOUT_SCHEME,
+            self.model_fingerprint.encode(),
+            str(self.block_size).encode(),
+            name.encode(),
+            str(self.num_kv_heads).encode(),
+            str(self.head_dim).encode(),
+            str(self.num_layers).encode(),
+            sys.byteorder.encode(),
+            _PAYLOAD_ORDER,
+        ]
         if name in FP8_ELEMENTS:
             for what in ("k_scales", "v_scales"):
                 scales = tuple(float(x) for x in getattr(self, what)) or (1.0,) * self.num_layers
@@ -81,11 +89,21 @@ class KVLayout:
     @classmethod
     def of_pool(cls, pool: KVPool, model_fingerprint: str) -> KVLayout:
         """The layout of `pool`'s blocks for the model with `model_fingerprint`."""
-        scales = getattr(pool, "k_scales", ()), getattr(pool, "v_scales", ())  # (the simulated pool has none)
+        scales = (
+            getattr(pool, "k_scales", ()),
+            getattr(pool, "v_scales", ()),
+        )  # (the simulated pool has none)
         if str(pool.dtype).removeprefix("torch.") not in FP8_ELEMENTS:
             scales = (), ()
-        return cls(model_fingerprint, pool.block_size, str(pool.dtype).removeprefix("torch."), pool.num_kv_heads,
-                   pool.head_dim, pool.num_layers, *scales)
+        return cls(
+            model_fingerprint,
+            pool.block_size,
+            str(pool.dtype).removeprefix("torch."),
+            pool.num_kv_heads,
+            pool.head_dim,
+            pool.num_layers,
+            *scales,
+        )
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -100,11 +118,19 @@ class KVLayout:
     def block_bytes(self) -> int:
         """Bytes of one block's payload: K and V of every layer (the KV pool's per-block cost)."""
         itemsize = self.torch_dtype.itemsize
-        return self.block_size * kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, itemsize)
+        return self.block_size * kv_bytes_per_token(
+            self.num_layers, self.num_kv_heads, self.head_dim, itemsize
+        )
 
     def check_pool(self, pool: KVPool) -> None:
         """ValueError unless `pool`'s blocks have this layout's shape and element type."""
         got = (pool.block_size, pool.dtype, pool.num_kv_heads, pool.head_dim, pool.num_layers)
-        want = (self.block_size, self.torch_dtype, self.num_kv_heads, self.head_dim, self.num_layers)
+        want = (
+            self.block_size,
+            self.torch_dtype,
+            self.num_kv_heads,
+            self.head_dim,
+            self.num_layers,
+        )
         if got != want:
             raise ValueError(f"KV pool {pool.describe()} does not have the layout {self}")

@@ -58,10 +58,19 @@ class StoreMover:
     ""), sealing what it writes and opening what it reads with its group's `seal`
     (None: plain entries, `entry.py`)."""
 
-    def __init__(self, store: KVStore, layout: KVLayout, pool: KVPool, *, namespace: str = "",
-                 seal: StoreSeal | None = None, host: HostMemory | None = None,
-                 meter: TierMeter | None = None, retry_interval_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        store: KVStore,
+        layout: KVLayout,
+        pool: KVPool,
+        *,
+        namespace: str = "",
+        seal: StoreSeal | None = None,
+        host: HostMemory | None = None,
+        meter: TierMeter | None = None,
+        retry_interval_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         layout.check_pool(pool)
         if host is not None and host.pool is not pool:
             raise ValueError("the host tier belongs to another KV pool")
@@ -105,8 +114,11 @@ class StoreMover:
         allocator's index already dropped them); whether the store did."""
         if not hashes or not self._may_try():
             return False
-        keys = ([entry_key(self.namespace, h) for h in hashes] if layouts is None
-                else [entry_key(lay, h) for lay, h in zip(layouts, hashes, strict=True)])
+        keys = (
+            [entry_key(self.namespace, h) for h in hashes]
+            if layouts is None
+            else [entry_key(lay, h) for lay, h in zip(layouts, hashes, strict=True)]
+        )
         try:
             self.store.delete_many(keys)
         except StoreError as exc:
@@ -146,8 +158,13 @@ class StoreMover:
                 continue
             payload = decode_entry(data, self.layout, h, seal=self.seal, namespace=self.namespace)
             if isinstance(payload, Refused):
-                log.warning("shared store %s: entry of block %s refused (%s: %s)", self.store.url, h.hex()[:12],
-                            payload.reason, payload.detail)
+                log.warning(
+                    "shared store %s: entry of block %s refused (%s: %s)",
+                    self.store.url,
+                    h.hex()[:12],
+                    payload.reason,
+                    payload.detail,
+                )
                 if self._meter is not None:
                     self._meter.refused(payload.reason)
                 outcomes.append(LoadOutcome(False, payload.reason))
@@ -159,20 +176,32 @@ class StoreMover:
             stage = np.empty((len(targets), self.layout.block_bytes), dtype=np.uint8)
             for i, payload in enumerate(payloads):
                 stage[i] = np.frombuffer(payload, dtype=np.uint8)
-            data = torch.from_numpy(stage).view(self.pool.dtype).view(len(targets), *self.layout.block_shape)
+            data = (
+                torch.from_numpy(stage)
+                .view(self.pool.dtype)
+                .view(len(targets), *self.layout.block_shape)
+            )
             if self.host is not None:
                 self.host.wait()  # a block loaded into may be one a host save is still reading
             scatter(self.pool, targets, data.to(self.pool.device))
             if self._meter is not None:
-                self._meter.loaded(len(targets), len(targets) * self.layout.block_bytes, time.perf_counter() - t0)
+                self._meter.loaded(
+                    len(targets), len(targets) * self.layout.block_bytes, time.perf_counter() - t0
+                )
         return outcomes
 
     # -- inside -----------------------------------------------------------------
 
-    def _put(self, hashes: Sequence[bytes], payloads: Sequence[memoryview], t0: float) -> list[bool]:
-        items = [(entry_key(self.namespace, h), encode_entry(self.layout, h, p, seal=self.seal,
-                                                             namespace=self.namespace))
-                 for h, p in zip(hashes, payloads, strict=True)]
+    def _put(
+        self, hashes: Sequence[bytes], payloads: Sequence[memoryview], t0: float
+    ) -> list[bool]:
+        items = [
+            (
+                entry_key(self.namespace, h),
+                encode_entry(self.layout, h, p, seal=self.seal, namespace=self.namespace),
+            )
+            for h, p in zip(hashes, payloads, strict=True)
+        ]
         try:
             self.store.put_many(items)
         except StoreError as exc:
@@ -180,7 +209,9 @@ class StoreMover:
             return [False] * len(items)
         self._answered()
         if self._meter is not None:
-            self._meter.saved(len(items), len(items) * self.layout.block_bytes, time.perf_counter() - t0)
+            self._meter.saved(
+                len(items), len(items) * self.layout.block_bytes, time.perf_counter() - t0
+            )
         return [True] * len(items)
 
     @staticmethod
@@ -202,6 +233,9 @@ class StoreMover:
 
     def _answered(self) -> None:
         if self._down_since is not None:
-            log.warning("shared store %s answers again after %.1f s", self.store.url,
-                        self._clock() - self._down_since)
+            log.warning(
+                "shared store %s answers again after %.1f s",
+                self.store.url,
+                self._clock() - self._down_since,
+            )
             self._down_since = None

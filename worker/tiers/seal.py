@@ -52,7 +52,9 @@ class StoreSeal:
 
     def __init__(self, secret: bytes) -> None:
         if len(secret) < MIN_SECRET_BYTES:
-            raise ValueError(f"a store key needs {MIN_SECRET_BYTES} bytes or more, got {len(secret)}")
+            raise ValueError(
+                f"a store key needs {MIN_SECRET_BYTES} bytes or more, got {len(secret)}"
+            )
         self._key = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=_INFO).derive(secret)
         self.key_id = hmac.digest(self._key, b"key id", hashlib.sha256)[:KEY_ID_BYTES]
 
@@ -69,7 +71,9 @@ class StoreSeal:
         used for this one entry), bound to `aad`."""
         return self._aead(salt).encrypt(_NONCE, payload, aad)
 
-    def open(self, salt: bytes | memoryview, sealed: bytes | memoryview, aad: bytes) -> bytes | None:
+    def open(
+        self, salt: bytes | memoryview, sealed: bytes | memoryview, aad: bytes
+    ) -> bytes | None:
         """The payload, or None when `sealed` was not sealed under this key with `salt` and `aad`."""
         try:
             return self._aead(salt).decrypt(_NONCE, sealed, aad)

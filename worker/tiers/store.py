@@ -136,8 +136,12 @@ class RedisStore(KVStore):
         self._errors = (redis.RedisError, OSError)
         try:
             # No retries: a store that does not answer is a miss now; the mover tries again later.
-            self._client = redis.Redis.from_url(rest, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                                retry=Retry(NoBackoff(), 0))
+            self._client = redis.Redis.from_url(
+                rest,
+                socket_timeout=timeout_s,
+                socket_connect_timeout=timeout_s,
+                retry=Retry(NoBackoff(), 0),
+            )
         except ValueError as exc:
             raise StoreOpenError(f"shared store {url}: {_one_line(exc)}") from exc
 

@@ -49,7 +49,9 @@ MoveTimer = Callable[[int], tuple[float, Event]]
 class TimedHostMemory(HostMemory):
     """A host tier of `num_slots` slots whose moves are timed by `time` (module docstring)."""
 
-    def __init__(self, pool: KVPool, num_slots: int, *, time: MoveTimer, meter: TierMeter | None = None) -> None:
+    def __init__(
+        self, pool: KVPool, num_slots: int, *, time: MoveTimer, meter: TierMeter | None = None
+    ) -> None:
         self._time = time
         super().__init__(pool, num_slots, meter=meter)
 
@@ -62,8 +64,10 @@ class TimedHostMemory(HostMemory):
         return False
 
     def describe(self) -> str:
-        return (f"host tier: {self.num_slots} blocks, {self.bytes_total} B ({self.bytes_total / GIB:.3f} GiB), "
-                "simulated: no memory, moves timed on the device stream")
+        return (
+            f"host tier: {self.num_slots} blocks, {self.bytes_total} B ({self.bytes_total / GIB:.3f} GiB), "
+            "simulated: no memory, moves timed on the device stream"
+        )
 
     def wait(self, stream=None) -> None:
         """Nothing to do: what comes after a move on the device stream starts after it."""
@@ -89,7 +93,9 @@ class TimedStoreMover(StoreMover):
 
     def _save(self, kv_blocks: Sequence[int], hashes: Sequence[bytes]) -> list[bool]:
         n = len(kv_blocks)
-        seconds, _ = self._time(n * self.layout.block_bytes)  # device -> host, as a real save's gather
+        seconds, _ = self._time(
+            n * self.layout.block_bytes
+        )  # device -> host, as a real save's gather
         if self._meter is not None:
             self._meter.saved(n, n * self.layout.block_bytes, seconds)
         return [True] * n

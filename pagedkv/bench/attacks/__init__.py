@@ -82,9 +82,13 @@ __all__ = ["add_arguments", "measure", "run", "tables"]
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     harness.add_workload_option(p, ATTACKS)
-    p.add_argument("--attacks", type=harness.comma_list(list(ATTACK_NAMES)), default=list(ATTACK_NAMES),
-                   metavar="NAMES", help=f"the attacks to run, in this order (default all: "
-                                         f"{','.join(ATTACK_NAMES)})")
+    p.add_argument(
+        "--attacks",
+        type=harness.comma_list(list(ATTACK_NAMES)),
+        default=list(ATTACK_NAMES),
+        metavar="NAMES",
+        help=f"the attacks to run, in this order (default all: {','.join(ATTACK_NAMES)})",
+    )
     harness.add_json_option(p)
 
 

@@ -46,7 +46,9 @@ from pagedkv.bench.workloads import ATTACKS, AttackWorkload
 STACKS = ("credentials", "none")
 
 
-ATTACK_NAMES: dict[str, Callable[[Target, AttackWorkload], contextlib.AbstractContextManager[dict]]] = {
+ATTACK_NAMES: dict[
+    str, Callable[[Target, AttackWorkload], contextlib.AbstractContextManager[dict]]
+] = {
     "rogue-pool": rogue_pool,
     "idle-connections": idle_connections,
     "slow-clients": slow_clients,
@@ -60,8 +62,17 @@ ATTACK_NAMES: dict[str, Callable[[Target, AttackWorkload], contextlib.AbstractCo
 }
 
 
-def _victim(allocator: str, token: str | None, router: str, worker: str, seqs: int, max_tokens: int,
-            stop, ready, conn) -> None:
+def _victim(
+    allocator: str,
+    token: str | None,
+    router: str,
+    worker: str,
+    seqs: int,
+    max_tokens: int,
+    stop,
+    ready,
+    conn,
+) -> None:
     """The victim's process: a pool's decode loop of Steps and a loop of
     router requests, until `stop`; then every sample through `conn`:
     steps and requests as (start, seconds, error or "", and for requests
@@ -73,13 +84,23 @@ def _victim(allocator: str, token: str | None, router: str, worker: str, seqs: i
     from allocator_service.core import PoolConfig, blocks_for
     from pagedkv.bench.workloads import MAX_GEN, PROMPT_LEN, decode_steps
 
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-    want = httpx.post(worker + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+    body = {
+        "model": MODEL,
+        "prompt": PROMPT,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    want = httpx.post(worker + "/v1/completions", json=body, timeout=120).json()["choices"][0][
+        "text"
+    ]
     steps: list[tuple[float, float, str]] = []
     requests: list[tuple[float, float, str, str]] = []
 
     def step_loop() -> None:
-        config = PoolConfig(seqs * (blocks_for(PROMPT_LEN + MAX_GEN, 16) + 2) + 64, 16, True, "bench")
+        config = PoolConfig(
+            seqs * (blocks_for(PROMPT_LEN + MAX_GEN, 16) + 2) + 64, 16, True, "bench"
+        )
         pool = GrpcAllocator(allocator, PoolSpec("victim", config), auth_token=token)
         gen = decode_steps(seqs, seed=1)
         pool.step(next(gen))
@@ -89,7 +110,11 @@ def _victim(allocator: str, token: str | None, router: str, worker: str, seqs: i
             t0 = time.monotonic()
             try:
                 results = pool.step(ops)
-                error = "" if results.all_ok else f"refused: {next(r for r in results if not r.ok)}"[:200]
+                error = (
+                    ""
+                    if results.all_ok
+                    else f"refused: {next(r for r in results if not r.ok)}"[:200]
+                )
             except Exception as exc:  # noqa: BLE001 - a lost Step is a figure
                 error = repr(exc)[:200]
                 gen = decode_steps(seqs, seed=int(t0))  # the pool may be a fresh one: start over
@@ -127,8 +152,10 @@ def _window(samples: dict, t0: float, t1: float, workers: set[str]) -> dict:
     steps = [s for s in samples["steps"] if t0 <= s[0] < t1]
     requests = [r for r in samples["requests"] if t0 <= r[0] < t1]
     return {
-        "steps": len(steps), "step_p99_ms": ms(harness.percentile((s[1] for s in steps), 0.99)),
-        "requests": len(requests), "request_p99_ms": ms(harness.percentile((r[1] for r in requests), 0.99)),
+        "steps": len(steps),
+        "step_p99_ms": ms(harness.percentile((s[1] for s in steps), 0.99)),
+        "requests": len(requests),
+        "request_p99_ms": ms(harness.percentile((r[1] for r in requests), 0.99)),
         "errors": [s[2] for s in steps if s[2]] + [r[2] for r in requests if r[2]],
         "answered_by_others": sum(r[3] not in workers for r in requests if not r[2] or r[3]),
     }
@@ -138,27 +165,43 @@ def _stack_run(kind: str, w: AttackWorkload, names: list[str]) -> dict:
     from pagedkv.stack import LocalStack
 
     credentials = kind == "credentials"
-    env = {"PAGEDKV_ALLOCATOR_SNAPSHOT_EVERY": str(w.snapshot_every),
-           "PAGEDKV_ROUTER_HEADER_TIMEOUT": str(w.router_header_timeout_s),
-           "PAGEDKV_ROUTER_BODY_TIMEOUT": str(w.router_body_timeout_s),
-           "PAGEDKV_ROUTER_FIRST_BYTE_TIMEOUT": str(w.router_first_byte_timeout_s)}
+    env = {
+        "PAGEDKV_ALLOCATOR_SNAPSHOT_EVERY": str(w.snapshot_every),
+        "PAGEDKV_ROUTER_HEADER_TIMEOUT": str(w.router_header_timeout_s),
+        "PAGEDKV_ROUTER_BODY_TIMEOUT": str(w.router_body_timeout_s),
+        "PAGEDKV_ROUTER_FIRST_BYTE_TIMEOUT": str(w.router_first_byte_timeout_s),
+    }
     # the attacker's address, held from now on (its token is bound to it), and the store's folder
     attacker = socket.create_server(("127.0.0.1", 0))
     store_dir = Path(tempfile.mkdtemp(prefix="pagedkv-attacks-store-"))
     attacker_url = f"http://127.0.0.1:{attacker.getsockname()[1]}"
     try:
-        with LocalStack(2, MODEL, worker_args=WORKER_ARGS, router=True, redis=True, credentials=credentials,
-                        guest_workers=[(ATTACKER, attacker_url)] if credentials else (), env=env,
-                        allocator_args=["--kv-shared-store", f"file://{store_dir}", "--kv-shared-store-size",
-                                        STORE_GIB], startup_timeout=300.0) as stack:
+        with LocalStack(
+            2,
+            MODEL,
+            worker_args=WORKER_ARGS,
+            router=True,
+            redis=True,
+            credentials=credentials,
+            guest_workers=[(ATTACKER, attacker_url)] if credentials else (),
+            env=env,
+            allocator_args=[
+                "--kv-shared-store",
+                f"file://{store_dir}",
+                "--kv-shared-store-size",
+                STORE_GIB,
+            ],
+            startup_timeout=300.0,
+        ) as stack:
             return _run_attacks(stack, kind, attacker, store_dir, w, names)
     finally:
         attacker.close()
         shutil.rmtree(store_dir, ignore_errors=True)
 
 
-def _run_attacks(stack, kind: str, attacker: socket.socket, store_dir: Path, w: AttackWorkload,
-                 names: list[str]) -> dict:
+def _run_attacks(
+    stack, kind: str, attacker: socket.socket, store_dir: Path, w: AttackWorkload, names: list[str]
+) -> dict:
     """The victim and each attack in turn against a started stack; its rows and the victim's totals."""
     credentials = kind == "credentials"
 
@@ -166,14 +209,34 @@ def _run_attacks(stack, kind: str, attacker: socket.socket, store_dir: Path, w: 
         return (Path(stack.log_dir) / name).read_text().strip() if credentials else None
 
     attacker_key = secret(f"{ATTACKER}.store-key")
-    target = Target(stack, credentials, secret("worker-1.token"), secret("admin-token"),
-                    secret(f"{ATTACKER}.token"), attacker_key.encode() if attacker_key else None, attacker, store_dir)
+    target = Target(
+        stack,
+        credentials,
+        secret("worker-1.token"),
+        secret("admin-token"),
+        secret(f"{ATTACKER}.token"),
+        attacker_key.encode() if attacker_key else None,
+        attacker,
+        store_dir,
+    )
     ctx = mp.get_context("spawn")
     stop, ready = ctx.Event(), ctx.Event()
     mine, theirs = ctx.Pipe(duplex=False)
-    victim = ctx.Process(target=_victim, daemon=True,
-                         args=(target.allocator, target.admin_token, target.router, target.worker,
-                               w.victim_seqs, w.router_max_tokens, stop, ready, theirs))
+    victim = ctx.Process(
+        target=_victim,
+        daemon=True,
+        args=(
+            target.allocator,
+            target.admin_token,
+            target.router,
+            target.worker,
+            w.victim_seqs,
+            w.router_max_tokens,
+            stop,
+            ready,
+            theirs,
+        ),
+    )
     victim.start()
     sampler = Sampler(stack.allocator.pid)
     windows = []
@@ -209,24 +272,50 @@ def _run_attacks(stack, kind: str, attacker: socket.socket, store_dir: Path, w: 
         refused = details.pop("refused", {})
         died = sorted(n for n, up in alive.items() if not up)
         errors = during["errors"]
-        rows.append({
-            "attack": name, "seconds": round(a1 - a0, 1),
-            "baseline": {k: v for k, v in base.items() if k != "errors"},
-            "during": {k: v for k, v in during.items() if k != "errors"},
-            "allocator_rss_mib_peak": rss, "allocator_threads_peak": threads,
-            "allocator_rss_mib_baseline": rss_base, "allocator_threads_baseline": threads_base,
-            "reached": reached, "victim_errors": len(errors), "errors": errors[:KEPT_ERRORS],
-            "exited": died, "refused": refused, "details": details,
-            "succeeded": bool(reached) or bool(errors) or bool(died) or during["answered_by_others"] > 0,
-        })
+        rows.append(
+            {
+                "attack": name,
+                "seconds": round(a1 - a0, 1),
+                "baseline": {k: v for k, v in base.items() if k != "errors"},
+                "during": {k: v for k, v in during.items() if k != "errors"},
+                "allocator_rss_mib_peak": rss,
+                "allocator_threads_peak": threads,
+                "allocator_rss_mib_baseline": rss_base,
+                "allocator_threads_baseline": threads_base,
+                "reached": reached,
+                "victim_errors": len(errors),
+                "errors": errors[:KEPT_ERRORS],
+                "exited": died,
+                "refused": refused,
+                "details": details,
+                "succeeded": bool(reached)
+                or bool(errors)
+                or bool(died)
+                or during["answered_by_others"] > 0,
+            }
+        )
     every = _window(samples, float("-inf"), float("inf"), ours)
-    return {"attacks": rows, "victim": {"steps": every["steps"], "requests": every["requests"],
-                                        "errors": len(every["errors"]), "first_errors": every["errors"][:KEPT_ERRORS]}}
+    return {
+        "attacks": rows,
+        "victim": {
+            "steps": every["steps"],
+            "requests": every["requests"],
+            "errors": len(every["errors"]),
+            "first_errors": every["errors"][:KEPT_ERRORS],
+        },
+    }
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     w = ATTACKS[args.workload]
     stacks = {kind: _stack_run(kind, w, args.attacks) for kind in STACKS}
-    return {"workload": {"name": args.workload, **{k: v for k, v in asdict(w).items() if k != "what"},
-                         "what": w.what, "model": MODEL, "worker_args": WORKER_ARGS},
-            "stacks": stacks}
+    return {
+        "workload": {
+            "name": args.workload,
+            **{k: v for k, v in asdict(w).items() if k != "what"},
+            "what": w.what,
+            "model": MODEL,
+            "worker_args": WORKER_ARGS,
+        },
+        "stacks": stacks,
+    }

@@ -41,12 +41,20 @@ def rogue_pool(t: Target, w: AttackWorkload) -> Iterator[dict]:
     pools = []
     with Attacker(MODEL, relay=t.worker) as relay, Attacker(MODEL) as forger:
         if t.credentials:  # an outsider, then worker-1's token: every one must be refused
-            attempts = [("evil", forger.url, MODEL, None), ("worker-1", forger.url, MODEL, None),
-                        ("evil", relay.url, MODEL, t.worker_token), ("worker-1", forger.url, MODEL, t.worker_token),
-                        ("evil", t.worker, MODEL, t.worker_token)]
+            attempts = [
+                ("evil", forger.url, MODEL, None),
+                ("worker-1", forger.url, MODEL, None),
+                ("evil", relay.url, MODEL, t.worker_token),
+                ("worker-1", forger.url, MODEL, t.worker_token),
+                ("evil", t.worker, MODEL, t.worker_token),
+            ]
         else:  # registered: the router must not route to any
-            attempts = [("evil-1", t.worker, "other-model", None), ("evil-2", t.worker, MODEL, None),
-                        ("evil-3", relay.url, MODEL, None), ("evil-4", forger.url, MODEL, None)]
+            attempts = [
+                ("evil-1", t.worker, "other-model", None),
+                ("evil-2", t.worker, MODEL, None),
+                ("evil-3", relay.url, MODEL, None),
+                ("evil-4", forger.url, MODEL, None),
+            ]
         for worker_id, url, model, token in attempts:
             try:
                 pool = rogue_pool(t.allocator, worker_id, url, model, token)
@@ -70,9 +78,14 @@ def rogue_pool(t: Target, w: AttackWorkload) -> Iterator[dict]:
                 pool.close()
         sent = relay.posts + forger.posts
         seen = relay.credentials_seen + forger.credentials_seen
-    out.update(refused=dict(refused), registered=len(pools), unproven_pools=unproven,
-               completions_sent_to_the_attacker=sent, credentials_sent_to_the_attacker=seen,
-               reached=sent > 0 or seen > 0)
+    out.update(
+        refused=dict(refused),
+        registered=len(pools),
+        unproven_pools=unproven,
+        completions_sent_to_the_attacker=sent,
+        credentials_sent_to_the_attacker=seen,
+        reached=sent > 0 or seen > 0,
+    )
 
 
 @contextlib.contextmanager
@@ -101,14 +114,19 @@ def idle_connections(t: Target, w: AttackWorkload) -> Iterator[dict]:
             sock.close()
     failed = metrics_during.count(None)
     slowest = max((s for s in metrics_during if s is not None), default=None)
-    out.update(connections=len(socks), threads_before=before, threads_with_them=during,
-               metrics_probes=len(metrics_during),
-               metrics_p50_ms_before=ms(harness.percentile(metrics_before, 0.5)),
-               metrics_max_ms_before=ms(max((s for s in metrics_before if s is not None), default=None)),
-               metrics_p50_ms_during=ms(harness.percentile(metrics_during, 0.5)), metrics_max_ms_during=ms(slowest),
-               metrics_failed_during=failed,
-               # a thread each, or /metrics not answered within METRICS_TARGET_S
-               reached=during - before > 16 or failed > 0 or slowest is None or slowest > METRICS_TARGET_S)
+    out.update(
+        connections=len(socks),
+        threads_before=before,
+        threads_with_them=during,
+        metrics_probes=len(metrics_during),
+        metrics_p50_ms_before=ms(harness.percentile(metrics_before, 0.5)),
+        metrics_max_ms_before=ms(max((s for s in metrics_before if s is not None), default=None)),
+        metrics_p50_ms_during=ms(harness.percentile(metrics_during, 0.5)),
+        metrics_max_ms_during=ms(slowest),
+        metrics_failed_during=failed,
+        # a thread each, or /metrics not answered within METRICS_TARGET_S
+        reached=during - before > 16 or failed > 0 or slowest is None or slowest > METRICS_TARGET_S,
+    )
 
 
 def _metrics_waits(url: str, probes: int = METRICS_PROBES) -> list[float | None]:
@@ -144,7 +162,9 @@ def slow_clients(t: Target, w: AttackWorkload) -> Iterator[dict]:
             time.sleep(max(0.0, t0 + body_check + 0.1 - time.monotonic()))
         waited = time.monotonic() - t0
 
-        def still_open(socks, deadline_s: float) -> int | None:  # None: the attack ended before the deadline
+        def still_open(
+            socks, deadline_s: float
+        ) -> int | None:  # None: the attack ended before the deadline
             return sum(not closed_by_peer(s) for s in socks) if waited > deadline_s + 1.0 else None
 
         open_heads = still_open(heads, w.router_header_timeout_s)
@@ -153,9 +173,14 @@ def slow_clients(t: Target, w: AttackWorkload) -> Iterator[dict]:
         probes = health.stop()
         for sock in heads + bodies:
             sock.close()
-    out.update(heads=len(heads), bodies=len(bodies), heads_open_past_deadline=open_heads,
-               bodies_open_past_deadline=open_bodies, **probes,
-               reached=bool(open_heads) or bool(open_bodies) or probes["health_failed"] > 0)
+    out.update(
+        heads=len(heads),
+        bodies=len(bodies),
+        heads_open_past_deadline=open_heads,
+        bodies_open_past_deadline=open_bodies,
+        **probes,
+        reached=bool(open_heads) or bool(open_bodies) or probes["health_failed"] > 0,
+    )
 
 
 @contextlib.contextmanager
@@ -169,8 +194,14 @@ def big_tokenize(t: Target, w: AttackWorkload) -> Iterator[dict]:
 
     def post() -> None:
         try:
-            r = httpx.post(t.worker + "/tokenize", json={"prompt": text, "return_token_strs": True}, timeout=600)
-            answer.update(status=r.status_code, tokens=r.json().get("count") if r.status_code == 200 else None)
+            r = httpx.post(
+                t.worker + "/tokenize",
+                json={"prompt": text, "return_token_strs": True},
+                timeout=600,
+            )
+            answer.update(
+                status=r.status_code, tokens=r.json().get("count") if r.status_code == 200 else None
+            )
         except httpx.HTTPError as exc:
             answer.update(status=None, error=repr(exc)[:200])
 
@@ -183,8 +214,13 @@ def big_tokenize(t: Target, w: AttackWorkload) -> Iterator[dict]:
     finally:
         thread.join(600)
         probes = health.stop()
-    out.update(text_bytes=len(text), tokenize_status=answer.get("status"), tokens=answer.get("tokens"),
-               **probes, reached=probes["health_failed"] > 0)
+    out.update(
+        text_bytes=len(text),
+        tokenize_status=answer.get("status"),
+        tokens=answer.get("tokens"),
+        **probes,
+        reached=probes["health_failed"] > 0,
+    )
 
 
 @contextlib.contextmanager
@@ -193,9 +229,18 @@ def slow_read_flood(t: Target, w: AttackWorkload) -> Iterator[dict]:
 
     ctx = mp.get_context("spawn")
     stop, ready, outcome = ctx.Event(), ctx.Event(), ctx.Queue()
-    proc = ctx.Process(target=slow_read_flood, args=(t.allocator, stop, ready), daemon=True,
-                       kwargs={"pools": w.flood_pools, "in_flight": w.flood_in_flight, "blocks": w.flood_blocks,
-                               "tokens": w.flood_tokens, "outcome": outcome})
+    proc = ctx.Process(
+        target=slow_read_flood,
+        args=(t.allocator, stop, ready),
+        daemon=True,
+        kwargs={
+            "pools": w.flood_pools,
+            "in_flight": w.flood_in_flight,
+            "blocks": w.flood_blocks,
+            "tokens": w.flood_tokens,
+            "outcome": outcome,
+        },
+    )
     proc.start()
     out: dict[str, Any] = {}
     try:
@@ -209,10 +254,17 @@ def slow_read_flood(t: Target, w: AttackWorkload) -> Iterator[dict]:
             got = {"registered": None, "codes": {"no outcome": 1}}
         proc.join(60)
     codes = got["codes"]
-    out.update(pools=got["registered"], checks_answered=codes.get("OK", 0),
-               checks_refused=sum(v for k, v in codes.items() if k not in ("OK",) and " " not in k),
-               refused={k.removeprefix("RegisterPool "): v for k, v in codes.items() if k.startswith("RegisterPool")},
-               reached=False)
+    out.update(
+        pools=got["registered"],
+        checks_answered=codes.get("OK", 0),
+        checks_refused=sum(v for k, v in codes.items() if k not in ("OK",) and " " not in k),
+        refused={
+            k.removeprefix("RegisterPool "): v
+            for k, v in codes.items()
+            if k.startswith("RegisterPool")
+        },
+        reached=False,
+    )
 
 
 @contextlib.contextmanager
@@ -227,7 +279,9 @@ def snapshot_amplification(t: Target, w: AttackWorkload) -> Iterator[dict]:
     refused: Counter[str] = Counter()
     pool = None
     try:
-        pool, outcomes = snapshot_amplifier(t.allocator, steps=w.snapshot_steps, forks=w.snapshot_forks)
+        pool, outcomes = snapshot_amplifier(
+            t.allocator, steps=w.snapshot_steps, forks=w.snapshot_forks
+        )
         out["operations"] = dict(outcomes)
     except grpc.RpcError as err:
         refused[_refused(err)] += 1
@@ -257,7 +311,9 @@ def snapshot_watchers(t: Target, w: AttackWorkload) -> Iterator[dict]:
     bait = None
     try:  # the cached blocks the watchers' snapshots carry
         blocks = w.watched_tokens // 16 + 16
-        bait = GrpcAllocator(t.allocator, PoolSpec("watched", PoolConfig(blocks, 16, True, "m")), retries=0)
+        bait = GrpcAllocator(
+            t.allocator, PoolSpec("watched", PoolConfig(blocks, 16, True, "m")), retries=0
+        )
         bait.step([Admit("w", list(range(1, w.watched_tokens + 1)))])
         out["cached_blocks"] = w.watched_tokens // 16
     except grpc.RpcError as err:
@@ -270,5 +326,10 @@ def snapshot_watchers(t: Target, w: AttackWorkload) -> Iterator[dict]:
         if bait is not None:
             bait.close()
     codes = got["codes"]
-    out.update(watchers=w.watchers, messages=got["messages"], snapshots_read=got["snapshots_ended"],
-               refused={k: v for k, v in codes.items() if k != "OK"}, reached=False)
+    out.update(
+        watchers=w.watchers,
+        messages=got["messages"],
+        snapshots_read=got["snapshots_ended"],
+        refused={k: v for k, v in codes.items() if k != "OK"},
+        reached=False,
+    )

@@ -27,12 +27,23 @@ def _public_model():
     return PublicModel(MODEL, BLOCK_SIZE)
 
 
-def _complete(url: str, prompt: str | list[int], *, salt: str | None = None,
-              max_tokens: int = STORE_MAX_TOKENS) -> str:
+def _complete(
+    url: str,
+    prompt: str | list[int],
+    *,
+    salt: str | None = None,
+    max_tokens: int = STORE_MAX_TOKENS,
+) -> str:
     """A greedy completion's text from the worker at `url` (under `salt`)."""
     import httpx
 
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     if salt is not None:
         body["cache_salt"] = salt
     r = httpx.post(url + "/v1/completions", json=body, timeout=120)
@@ -67,17 +78,28 @@ def prompt_reading(t: Target, w: AttackWorkload) -> contextlib.AbstractContextMa
 
         model = _public_model()
         secret = f"{random.Random().randrange(10**8):08d}"
-        head = f"The vault code is {secret}: tenant A's notes, for nobody else. "  # (a token a byte)
-        text = (head + "Nothing more to say here. " * w.prompt_blocks)[:max(w.prompt_blocks * BLOCK_SIZE, len(head))]
+        head = (
+            f"The vault code is {secret}: tenant A's notes, for nobody else. "  # (a token a byte)
+        )
+        text = (head + "Nothing more to say here. " * w.prompt_blocks)[
+            : max(w.prompt_blocks * BLOCK_SIZE, len(head))
+        ]
         _complete(t.worker, text, salt="tenant-a", max_tokens=1)
         _settle(t.worker)
         plain = read_entries(t.store_dir, model)
-        own_key = read_entries(t.store_dir, model, StoreSeal(t.attacker_key)) if t.attacker_key else None
+        own_key = (
+            read_entries(t.store_dir, model, StoreSeal(t.attacker_key)) if t.attacker_key else None
+        )
         read_back = text_read_back(plain["blocks"], model.loaded.tokenizer, secret)
-        return {"entries_read": plain["entries"], "entries_decoded": plain["decoded"],
-                "tokens_recovered": plain["tokens"], "secret_read_back": read_back,
-                "decoded_with_its_own_groups_key": own_key["decoded"] if own_key is not None else None,
-                "refused": plain["refused"], "reached": plain["tokens"] > 0 or read_back}
+        return {
+            "entries_read": plain["entries"],
+            "entries_decoded": plain["decoded"],
+            "tokens_recovered": plain["tokens"],
+            "secret_read_back": read_back,
+            "decoded_with_its_own_groups_key": own_key["decoded"] if own_key is not None else None,
+            "refused": plain["refused"],
+            "reached": plain["tokens"] > 0 or read_back,
+        }
 
     return running(work)
 
@@ -93,18 +115,31 @@ def store_poisoning(t: Target, w: AttackWorkload) -> contextlib.AbstractContextM
         model = _public_model()
         rng = random.Random(44)
         n = w.poison_prompts
-        prompts = [[rng.randrange(3, 259) for _ in range(w.prompt_blocks * BLOCK_SIZE + 1)] for _ in range(2 * n)]
+        prompts = [
+            [rng.randrange(3, 259) for _ in range(w.prompt_blocks * BLOCK_SIZE + 1)]
+            for _ in range(2 * n)
+        ]
         planted_for, written_for = prompts[:n], prompts[n:]
         # what worker-1 answers each prompt when it computes it all (a fresh salt: nothing cached)
         want = [_complete(t.worker, p, salt=uuid.uuid4().hex) for p in prompts]
         hits0, refused0 = _shared_tier(t.worker)
         # (a) through the protocol: the attacker's own pool, with its own token
-        config = PoolConfig(num_blocks=256, block_size=BLOCK_SIZE, enable_prefix_caching=True,
-                            model_fingerprint=model.loaded.fingerprint, layout=model.layout.key,
-                            block_bytes=model.layout.block_bytes, use_shared_store=True)
-        pool = GrpcAllocator(t.allocator, PoolSpec(ATTACKER, config, advertise_url=t.attacker_url,
-                                                   served_model_name=ATTACKER),
-                             auth_token=t.attacker_token, retries=0, register_wait_s=0)
+        config = PoolConfig(
+            num_blocks=256,
+            block_size=BLOCK_SIZE,
+            enable_prefix_caching=True,
+            model_fingerprint=model.loaded.fingerprint,
+            layout=model.layout.key,
+            block_bytes=model.layout.block_bytes,
+            use_shared_store=True,
+        )
+        pool = GrpcAllocator(
+            t.allocator,
+            PoolSpec(ATTACKER, config, advertise_url=t.attacker_url, served_model_name=ATTACKER),
+            auth_token=t.attacker_token,
+            retries=0,
+            register_wait_s=0,
+        )
         try:
             with open_store(pool.shared_store) as store:
                 planted = plant_entries(pool, planted_for, model, store)
@@ -121,10 +156,16 @@ def store_poisoning(t: Target, w: AttackWorkload) -> contextlib.AbstractContextM
         hits2, refused2 = _shared_tier(t.worker)
         changed = [a != b for a, b in zip(got, want, strict=True)]
         loaded = (hits1 - hits0, hits2 - hits1)
-        return {"entries_planted": planted, "victim_tokens_from_planted": int(loaded[0]),
-                "answers_changed_planted": sum(changed[:n]), "entries_overwritten": overwritten,
-                "victim_tokens_from_overwritten": int(loaded[1]), "answers_changed_overwritten": sum(changed[n:]),
-                "victim_prompts": 2 * n, "refused": dict(refused2 - refused0),
-                "reached": any(loaded) or any(changed)}
+        return {
+            "entries_planted": planted,
+            "victim_tokens_from_planted": int(loaded[0]),
+            "answers_changed_planted": sum(changed[:n]),
+            "entries_overwritten": overwritten,
+            "victim_tokens_from_overwritten": int(loaded[1]),
+            "answers_changed_overwritten": sum(changed[n:]),
+            "victim_prompts": 2 * n,
+            "refused": dict(refused2 - refused0),
+            "reached": any(loaded) or any(changed),
+        }
 
     return running(work)

@@ -15,7 +15,16 @@ from typing import Any
 from pagedkv.bench import harness
 
 MODEL = "tiny-random"
-WORKER_ARGS = ["--num-blocks", "64", "--block-size", "16", "--max-num-seqs", "4", "--log-level", "warning"]
+WORKER_ARGS = [
+    "--num-blocks",
+    "64",
+    "--block-size",
+    "16",
+    "--max-num-seqs",
+    "4",
+    "--log-level",
+    "warning",
+]
 PROMPT = "Hello there"
 STEP_PAUSE_S = 0.02  # between the victim's Steps, as a worker's decode steps come
 REQUEST_PAUSE_S = 0.05  # between the victim's router requests
@@ -26,8 +35,12 @@ METRICS_PAUSE_S = 0.05
 METRICS_TARGET_S = 1.0  # /metrics answers within this with the idle connections open
 BLOCK_SIZE = 16  # WORKER_ARGS'
 STORE_GIB = "0.0625"  # the stack's shared store (64 MiB; an entry of the tiny model is 8 KiB)
-ATTACKER = "attacker"  # the attacker's worker id: with credentials its own token, a store group of its own
-EVIL_MODEL = "evil-model"  # the model the evil worker serves: only the attack's requests are routed to it
+ATTACKER = (
+    "attacker"  # the attacker's worker id: with credentials its own token, a store group of its own
+)
+EVIL_MODEL = (
+    "evil-model"  # the model the evil worker serves: only the attack's requests are routed to it
+)
 STORE_MAX_TOKENS = 8  # per completion of the store attacks
 TRICKLE_SLACK_S = 5.0  # a trickled answer ended within the router's first-byte timeout and this
 
@@ -123,8 +136,11 @@ class Prober:
     def stop(self) -> dict:
         self._stop.set()
         self._thread.join(60)
-        return {"health_probes": len(self.waits), "health_failed": self.failed,
-                "health_max_wait_ms": ms(max(self.waits, default=None))}
+        return {
+            "health_probes": len(self.waits),
+            "health_failed": self.failed,
+            "health_max_wait_ms": ms(max(self.waits, default=None)),
+        }
 
 
 class Sampler:
@@ -144,7 +160,13 @@ class Sampler:
 
         while not self._stop.is_set():
             try:
-                self.samples.append((time.monotonic(), self._proc.memory_info().rss / 2**20, self._proc.num_threads()))
+                self.samples.append(
+                    (
+                        time.monotonic(),
+                        self._proc.memory_info().rss / 2**20,
+                        self._proc.num_threads(),
+                    )
+                )
             except psutil.Error:
                 return
             self._stop.wait(SAMPLE_S)

@@ -69,14 +69,18 @@ class EventFollower:
         # No lock: one writer, read after it is stopped (a child killed holding a lock would hang the reader).
         self._counts = ctx.Array("q", 2, lock=False)
         self._ready = ctx.Event()
-        self._proc = ctx.Process(target=_follow_events, args=(address, packed, self._counts, self._ready), daemon=True)
+        self._proc = ctx.Process(
+            target=_follow_events, args=(address, packed, self._counts, self._ready), daemon=True
+        )
         self._proc.start()
         self._result: dict | None = None
         deadline = time.monotonic() + 60
         while not self._ready.wait(0.1):
             if not self._proc.is_alive() or time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"the event follower did not start (exit code {self._proc.exitcode})")
+                raise RuntimeError(
+                    f"the event follower did not start (exit code {self._proc.exitcode})"
+                )
 
     def stop(self) -> dict:
         if self._result is None:
@@ -86,7 +90,9 @@ class EventFollower:
         return self._result
 
 
-def _follow_events(address: str, packed: bool, counts, ready) -> None:  # pragma: no cover - a child process
+def _follow_events(
+    address: str, packed: bool, counts, ready
+) -> None:  # pragma: no cover - a child process
     from allocator_service.client.router_client import RouterClient
     from allocator_service.wire.v1 import allocator_pb2 as pb
 
@@ -97,4 +103,6 @@ def _follow_events(address: str, packed: bool, counts, ready) -> None:  # pragma
             continue
         if ready.is_set():  # counted in place: the parent reads them when it stops this process
             counts[0] += 1
-            counts[1] += max(1, len(event.block_ids)) if event.kind == pb.KV_EVENT_KIND_BLOCKS_CHANGED else 1
+            counts[1] += (
+                max(1, len(event.block_ids)) if event.kind == pb.KV_EVENT_KIND_BLOCKS_CHANGED else 1
+            )

@@ -46,8 +46,11 @@ class EngineSystem:
 
     @property
     def label(self) -> str:
-        return ("engine" + ("" if self.prefix_caching else " (prefix caching off)")
-                + (f" [{self.attention} attention]" if self.attention else ""))
+        return (
+            "engine"
+            + ("" if self.prefix_caching else " (prefix caching off)")
+            + (f" [{self.attention} attention]" if self.attention else "")
+        )
 
     def run(self, loaded, prompts: list[list[int]], serving: Serving) -> dict[str, Any]:
         """One run of the workload on a fresh pool; the figures, and `_outputs` (every request's tokens)."""
@@ -55,11 +58,15 @@ class EngineSystem:
         from worker.engine import LLMEngine, SamplingParams
 
         # every run sets it: the systems share one loaded model
-        loaded.model.attn_backend = get_backend(self.attention) if self.attention else select_backend("cpu")
+        loaded.model.attn_backend = (
+            get_backend(self.attention) if self.attention else select_backend("cpu")
+        )
         engine = LLMEngine(loaded, self._config(serving))
         try:
-            engine.generate(warmup_prompts(loaded.config.vocab_size),
-                            SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+            engine.generate(
+                warmup_prompts(loaded.config.vocab_size),
+                SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+            )
             params = SamplingParams(max_tokens=serving.max_tokens, temperature=0.0, ignore_eos=True)
             engine.metrics.peaks.reset()  # this run's high-water marks, raised at every step
             before = _Counters.read(engine)
@@ -90,12 +97,17 @@ class EngineSystem:
             max_num_batched_tokens=serving.max_num_batched_tokens,
         )
 
-    def _figures(self, ids: list[str], trace: _Trace, used: _Counters, serving: Serving) -> dict[str, Any]:
+    def _figures(
+        self, ids: list[str], trace: _Trace, used: _Counters, serving: Serving
+    ) -> dict[str, Any]:
         outputs = [trace.tokens[i] for i in ids]
         generated = sum(len(t) for t in outputs)
         steps, wall = trace.steps, trace.wall
-        tpot = [(trace.last[i] - trace.first[i]) / (len(t) - 1) for i, t in zip(ids, outputs, strict=True)
-                if len(t) > 1]
+        tpot = [
+            (trace.last[i] - trace.first[i]) / (len(t) - 1)
+            for i, t in zip(ids, outputs, strict=True)
+            if len(t) > 1
+        ]
         return {
             "system": self.label,
             "tokens_generated": generated,
@@ -118,11 +130,14 @@ class EngineSystem:
             "max_running_seqs": trace.peaks.running_sequences,
             "prefix_cache": self.prefix_caching,
             "ttft_method": "time from t=0 (all requests submitted) until the step that sampled the first token "
-                           "returned",
-            "kv_method": "peaks: the engine's high-water marks at every step (pagedkv_worker_*_peak); " + (
+            "returned",
+            "kv_method": "peaks: the engine's high-water marks at every step (pagedkv_worker_*_peak); "
+            + (
                 "means: allocator pool stats after every step (slots in allocated blocks vs slots holding a "
                 "token, shared prefix blocks once); logical = sum of the running sequences' stored tokens"
-                if self.sample_kv else "means not sampled (one more allocator call per step)"),
+                if self.sample_kv
+                else "means not sampled (one more allocator call per step)"
+            ),
             "prefix_hit_tokens": used.prefix_hit_tokens,
             "prefix_queried_tokens": used.prefix_queried_tokens,
             "_outputs": outputs,
@@ -135,8 +150,11 @@ def ttft_stats(values: list[float]) -> dict[str, float | None]:
     def rounded(v: float | None) -> float | None:
         return None if v is None else round(v, 4)
 
-    return {"ttft_mean_s": rounded(harness.mean(values)), "ttft_p50_s": rounded(harness.percentile(values, 0.5)),
-            "ttft_p90_s": rounded(harness.percentile(values, 0.9))}
+    return {
+        "ttft_mean_s": rounded(harness.mean(values)),
+        "ttft_p50_s": rounded(harness.percentile(values, 0.5)),
+        "ttft_p90_s": rounded(harness.percentile(values, 0.9)),
+    }
 
 
 @dataclass
@@ -152,15 +170,28 @@ class _Counters:
     @classmethod
     def read(cls, engine) -> _Counters:
         stats = engine.allocator.stats()
-        waited = next(s.value for m in engine.metrics.allocator_step.collect() for s in m.samples
-                      if s.name.endswith("_sum"))
-        return cls(engine.num_preemptions, waited, engine.metrics.allocator_calls._value.get(),
-                   stats.prefix_hit_tokens, stats.prefix_queried_tokens)
+        waited = next(
+            s.value
+            for m in engine.metrics.allocator_step.collect()
+            for s in m.samples
+            if s.name.endswith("_sum")
+        )
+        return cls(
+            engine.num_preemptions,
+            waited,
+            engine.metrics.allocator_calls._value.get(),
+            stats.prefix_hit_tokens,
+            stats.prefix_queried_tokens,
+        )
 
     def __sub__(self, other: _Counters) -> _Counters:
-        return _Counters(self.preemptions - other.preemptions, self.waited_s - other.waited_s,
-                         self.calls - other.calls, self.prefix_hit_tokens - other.prefix_hit_tokens,
-                         self.prefix_queried_tokens - other.prefix_queried_tokens)
+        return _Counters(
+            self.preemptions - other.preemptions,
+            self.waited_s - other.waited_s,
+            self.calls - other.calls,
+            self.prefix_hit_tokens - other.prefix_hit_tokens,
+            self.prefix_queried_tokens - other.prefix_queried_tokens,
+        )
 
 
 @dataclass
@@ -177,7 +208,9 @@ class _Trace:
     tokens: dict[str, list[int]] = field(default_factory=dict)
     allocated: list[int] | None = None  # slots in allocated blocks, per step; None: not sampled
     held: list[int] = field(default_factory=list)  # slots holding a token
-    logical: list[int] = field(default_factory=list)  # tokens the running sequences store, shared or not
+    logical: list[int] = field(
+        default_factory=list
+    )  # tokens the running sequences store, shared or not
 
     def step(self, engine, outputs, sample_kv: bool) -> None:
         now = time.perf_counter()
@@ -205,5 +238,7 @@ class _Trace:
         return {
             "kv_tokens_logical_peak": max(self.logical, default=None),
             "kv_utilisation_mean": round(statistics.fmean(util), 4) if util else None,
-            "kv_utilisation_peak_alloc": round(held[allocated.index(peak)] / peak, 4) if peak else None,
+            "kv_utilisation_peak_alloc": round(held[allocated.index(peak)] / peak, 4)
+            if peak
+            else None,
         }

@@ -55,7 +55,9 @@ def load(spec: str):
         gguf_utils.tqdm = lambda iterable, **_: iterable
     except (ImportError, AttributeError):
         pass
-    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
 
 
 def _tiny_random():
@@ -66,16 +68,25 @@ def _tiny_random():
 
     c = TINY_CONFIG
     config = transformers.LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
-        head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
-        max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings,
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        rms_norm_eps=c.rms_norm_eps,
+        rope_theta=c.rope_theta,
+        max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=c.tie_word_embeddings,
     )
     assert SEED == 0
     model = transformers.LlamaForCausalLM(config).to(torch.float32)
     missing, unexpected = model.load_state_dict(dict(random_weights(c)), strict=False)
     if unexpected or any(not k.startswith("lm_head") for k in missing):
-        raise RuntimeError(f"tiny-random weights do not fit transformers' Llama: {missing} {unexpected}")
+        raise RuntimeError(
+            f"tiny-random weights do not fit transformers' Llama: {missing} {unexpected}"
+        )
     model.tie_weights()
     return model
 
@@ -90,9 +101,13 @@ def _static_generate(model, batch: list[list[int]], max_tokens: int, pad_id: int
     width = max(len(p) for p in batch)
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-    config = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=pad_id)
+    config = GenerationConfig(
+        max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=pad_id
+    )
     with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, streamer=streamer)
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, generation_config=config, streamer=streamer
+        )
     return out[:, width:].tolist()
 
 
@@ -152,9 +167,9 @@ def run_static(model, prompts: list[list[int]], serving: Serving, pad_id: int) -
         "kv_utilisation_peak_alloc": round(held_peak / reserved_peak, 4),
         "preemptions": 0,
         "ttft_method": "batches run one after another from t=0; a streamer's 2nd put() (1st generated token of "
-                       "every row, i.e. end of the batch's prefill) is each member's first-token time",
+        "every row, i.e. end of the batch's prefill) is each member's first-token time",
         "kv_method": "contiguous reservation rows x (longest prompt + max_tokens) per batch vs the real tokens "
-                     "held after each generated token",
+        "held after each generated token",
         "_outputs": outputs,
     }
 
@@ -181,7 +196,10 @@ class _OffloadCounter(logging.Handler):
 def _counting_offloads() -> Iterator[_OffloadCounter]:
     """Its log says how many requests it offloads: count them, hide everything else it says."""
     counter = _OffloadCounter()
-    loggers = [logging.getLogger(n) for n in ("ContinuousBatchingLogger", "transformers.generation.continuous_batching")]
+    loggers = [
+        logging.getLogger(n)
+        for n in ("ContinuousBatchingLogger", "transformers.generation.continuous_batching")
+    ]
     saved = [(lg, lg.level) for lg in loggers]
     quiet = [(h, h.level) for lg in loggers for h in lg.handlers]
     for h, _ in quiet:
@@ -203,23 +221,35 @@ def run_continuous(model, prompts: list[list[int]], serving: Serving) -> dict[st
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     def cb_config() -> ContinuousBatchingConfig:
-        return ContinuousBatchingConfig(page_size=serving.block_size, num_blocks=serving.num_blocks,
-                                        max_batch_tokens=serving.max_num_batched_tokens,
-                                        max_requests_per_batch=serving.max_num_seqs)
+        return ContinuousBatchingConfig(
+            page_size=serving.block_size,
+            num_blocks=serving.num_blocks,
+            max_batch_tokens=serving.max_num_batched_tokens,
+            max_requests_per_batch=serving.max_num_seqs,
+        )
 
     gen = GenerationConfig(max_new_tokens=serving.max_tokens, do_sample=False, eos_token_id=None)
     warm = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=None)
     with _counting_offloads() as counter:
-        model.generate_batch(warmup_prompts(model.config.vocab_size), generation_config=warm,
-                             continuous_batching_config=cb_config())
+        model.generate_batch(
+            warmup_prompts(model.config.vocab_size),
+            generation_config=warm,
+            continuous_batching_config=cb_config(),
+        )
         counter.count = 0
         t0 = time.perf_counter()
-        results = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb_config(),
-                                       record_timestamps=True)
+        results = model.generate_batch(
+            prompts,
+            generation_config=gen,
+            continuous_batching_config=cb_config(),
+            record_timestamps=True,
+        )
         wall = time.perf_counter() - t0
     ordered = list(results.values())
     if len(ordered) != len(prompts) or any(r.error for r in ordered):
-        raise RuntimeError(f"generate_batch returned {len(ordered)} results for {len(prompts)} prompts")
+        raise RuntimeError(
+            f"generate_batch returned {len(ordered)} results for {len(prompts)} prompts"
+        )
     outputs = [list(r.generated_tokens) for r in ordered]
     generated = sum(len(o) for o in outputs)
     ttft = [(r.timestamps[0] if r.timestamps else r.lifespan[1]) - t0 for r in ordered]

@@ -27,7 +27,16 @@ class ProfiledAllocator(AllocatorProcess):
         self.out = out
 
     def argv(self) -> list[str]:
-        return [sys.executable, "-m", __name__, self.out, "allocator_service", "--listen", self.listen, *self.args]
+        return [
+            sys.executable,
+            "-m",
+            __name__,
+            self.out,
+            "allocator_service",
+            "--listen",
+            self.listen,
+            *self.args,
+        ]
 
 
 def main(argv: list[str]) -> int:

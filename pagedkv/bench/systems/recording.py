@@ -83,8 +83,14 @@ class WorkerRun:
     unary: bool = False  # its StepStream failed at the first Step (refused): unary Steps, as a worker falls back
 
 
-async def replay(addresses: list[str], recording: Recording, workers: int, *, seed: int = 0,
-                 sample: Callable[[], Any] = time.monotonic) -> tuple[list[WorkerRun], Any, Any]:
+async def replay(
+    addresses: list[str],
+    recording: Recording,
+    workers: int,
+    *,
+    seed: int = 0,
+    sample: Callable[[], Any] = time.monotonic,
+) -> tuple[list[WorkerRun], Any, Any]:
     """`workers` pools of the recording's shape, worker i's on `addresses[i % len(addresses)]`,
     each replaying the recording, each from a random phase of the recorded worker's call period
     (workers replaying one recording in step would send its large Steps at the same instants, as
@@ -102,8 +108,11 @@ async def replay(addresses: list[str], recording: Recording, workers: int, *, se
         plans = []
         for i in range(workers):
             channel = channels[i % len(channels)]
-            r = await AllocatorStub(channel).RegisterPool(pb.RegisterPoolRequest(
-                worker_id=f"fleet-{i}", shape=shape, protocol_version=PROTOCOL_VERSION))
+            r = await AllocatorStub(channel).RegisterPool(
+                pb.RegisterPoolRequest(
+                    worker_id=f"fleet-{i}", shape=shape, protocol_version=PROTOCOL_VERSION
+                )
+            )
             ref = pb.PoolRef(pool_id=r.pool_id, credential=r.credential)
             mine = []
             for req in requests:  # serialized now: the load generator only sends bytes
@@ -115,8 +124,12 @@ async def replay(addresses: list[str], recording: Recording, workers: int, *, se
         await asyncio.sleep(0.1)
         start = asyncio.get_running_loop().time() + 0.01
         before = sample()
-        runs = await asyncio.gather(*(
-            _replay_one(channel, mine, recording, start + t) for (channel, mine), t in zip(plans, starts, strict=True)))
+        runs = await asyncio.gather(
+            *(
+                _replay_one(channel, mine, recording, start + t)
+                for (channel, mine), t in zip(plans, starts, strict=True)
+            )
+        )
         return runs, before, sample()
     finally:
         for channel in channels:
@@ -125,13 +138,15 @@ async def replay(addresses: list[str], recording: Recording, workers: int, *, se
 
 def period(recording: Recording) -> float:
     """The mean time between two of the recording's timed Steps (its last Step's device time if one)."""
-    timed = recording.steps[recording.timed_from:]
+    timed = recording.steps[recording.timed_from :]
     if len(timed) < 2:
         return recording.steps[-1].device_s if recording.steps else 0.0
     return (timed[-1].offset_s - timed[0].offset_s) / (len(timed) - 1)
 
 
-async def _replay_one(channel, requests: list[bytes], recording: Recording, start: float) -> WorkerRun:
+async def _replay_one(
+    channel, requests: list[bytes], recording: Recording, start: float
+) -> WorkerRun:
     import grpc
 
     loop = asyncio.get_running_loop()

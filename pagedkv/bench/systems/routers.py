@@ -37,22 +37,40 @@ def topology(model: str, num_blocks: int, block_size: int, max_num_seqs: int) ->
     """Start every system (healthy on entry), stop them all on exit."""
     from pagedkv.stack import LocalStack, RouterProcess, WorkerProcess, stop_processes
 
-    worker_args = ["--log-level", "warning", "--block-size", str(block_size), "--enable-prefix-caching",
-                   "--max-num-seqs", str(max_num_seqs)]
+    worker_args = [
+        "--log-level",
+        "warning",
+        "--block-size",
+        str(block_size),
+        "--enable-prefix-caching",
+        "--max-num-seqs",
+        str(max_num_seqs),
+    ]
     routers: dict[str, RouterProcess] = {}
-    with LocalStack(workers=2, model=model, worker_args=[*worker_args, "--num-blocks", str(num_blocks)],
-                    startup_timeout=300) as stack:
-        single = WorkerProcess("reference", model=model,  # embedded allocator: no router sees it
-                               args=[*worker_args, "--num-blocks", str(2 * num_blocks)])
+    with LocalStack(
+        workers=2,
+        model=model,
+        worker_args=[*worker_args, "--num-blocks", str(num_blocks)],
+        startup_timeout=300,
+    ) as stack:
+        single = WorkerProcess(
+            "reference",
+            model=model,  # embedded allocator: no router sees it
+            args=[*worker_args, "--num-blocks", str(2 * num_blocks)],
+        )
         try:
             single.start()
             router_args = {policy: ["--policy", policy] for policy in POLICIES}
             router_args[ASKING] = []
             for name, args in router_args.items():
                 view = {"PAGEDKV_ROUTER_CACHE_VIEW": "match-prefix"} if name == ASKING else None
-                routers[name] = RouterProcess(f"router-{name}", allocator=stack.allocator_address, model=model,
-                                              args=[*args, "--log-level", "warning", *stack.router_credentials],
-                                              env=view)
+                routers[name] = RouterProcess(
+                    f"router-{name}",
+                    allocator=stack.allocator_address,
+                    model=model,
+                    args=[*args, "--log-level", "warning", *stack.router_credentials],
+                    env=view,
+                )
                 routers[name].start()
             single.wait_healthy(300)
             for r in routers.values():
@@ -61,5 +79,10 @@ def topology(model: str, num_blocks: int, block_size: int, max_num_seqs: int) ->
             targets[REFERENCE] = Target(single.url, (single.url,))
             yield Topology(targets, direct=stack.worker_urls[0], kv_router=routers["kv"].url)
         finally:
-            stop_processes([[r.proc for r in routers.values() if r.proc is not None]
-                            + ([single.proc] if single.proc is not None else [])], 10.0)
+            stop_processes(
+                [
+                    [r.proc for r in routers.values() if r.proc is not None]
+                    + ([single.proc] if single.proc is not None else [])
+                ],
+                10.0,
+            )

@@ -55,28 +55,52 @@ def started(names: Sequence[str], model: str, block_size: int, sizes: Sizes) -> 
     """Start the systems `names` (healthy on entry, or in `errors`), stop them all on exit."""
     from pagedkv.stack import LocalStack, StackError, WorkerProcess, stop_processes
 
-    common = ["--log-level", "warning", "--block-size", str(block_size), "--enable-prefix-caching",
-              "--max-num-seqs", "4", "--threads", "1"]
+    common = [
+        "--log-level",
+        "warning",
+        "--block-size",
+        str(block_size),
+        "--enable-prefix-caching",
+        "--max-num-seqs",
+        "4",
+        "--threads",
+        "1",
+    ]
     host = ["--kv-offloading-size", _gib(sizes.host_gib)]
-    alone = {"no-tier": ["--num-blocks", str(sizes.kv_blocks)],
-             "host": ["--num-blocks", str(sizes.kv_blocks), *host],
-             "unbounded": ["--num-blocks", str(sizes.unbounded_blocks)]}
+    alone = {
+        "no-tier": ["--num-blocks", str(sizes.kv_blocks)],
+        "host": ["--num-blocks", str(sizes.kv_blocks), *host],
+        "unbounded": ["--num-blocks", str(sizes.unbounded_blocks)],
+    }
     systems = Systems()
-    workers = {name: WorkerProcess(f"bench-tiers-{name}", model=model, args=[*common, *alone[name]])
-               for name in names if name in alone}
+    workers = {
+        name: WorkerProcess(f"bench-tiers-{name}", model=model, args=[*common, *alone[name]])
+        for name in names
+        if name in alone
+    }
     store_dir = tempfile.mkdtemp(prefix="pagedkv-bench-tiers-store-")
     with contextlib.ExitStack() as cleanup:
         cleanup.callback(shutil.rmtree, store_dir, True)
-        cleanup.callback(lambda: stop_processes([[w.proc for w in workers.values() if w.proc is not None]], 10.0))
+        cleanup.callback(
+            lambda: stop_processes([[w.proc for w in workers.values() if w.proc is not None]], 10.0)
+        )
         for w in workers.values():
             w.start()
         if SHARED in names:
             stack = LocalStack(
-                workers=2, model=model, worker_args=[*common, "--num-blocks", str(sizes.kv_blocks), *host],
-                allocator_args=["--kv-shared-store", f"file://{store_dir}",
-                                "--kv-shared-store-size", _gib(sizes.store_gib)],
-                router=True, router_args=["--policy", "round-robin", "--log-level", "warning"],
-                startup_timeout=300)
+                workers=2,
+                model=model,
+                worker_args=[*common, "--num-blocks", str(sizes.kv_blocks), *host],
+                allocator_args=[
+                    "--kv-shared-store",
+                    f"file://{store_dir}",
+                    "--kv-shared-store-size",
+                    _gib(sizes.store_gib),
+                ],
+                router=True,
+                router_args=["--policy", "round-robin", "--log-level", "warning"],
+                startup_timeout=300,
+            )
             try:
                 cleanup.enter_context(stack)
                 systems.targets[SHARED] = Target(stack.router_url, tuple(stack.worker_urls))

@@ -31,11 +31,21 @@ def drive(block_size: int, num_blocks: int, steps: list[list[list]]) -> dict:
     from vllm.v1.request import Request
 
     init_none_hash(sha256)
-    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
-    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                           kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
-    manager = KVCacheManager(config, max_model_len=1 << 16, scheduler_block_size=block_size,
-                             hash_block_size=block_size, enable_caching=True)
+    spec = FullAttentionSpec(
+        block_size=block_size, num_kv_heads=8, head_size=128, dtype=torch.bfloat16
+    )
+    config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
+    )
+    manager = KVCacheManager(
+        config,
+        max_model_len=1 << 16,
+        scheduler_block_size=block_size,
+        hash_block_size=block_size,
+        enable_caching=True,
+    )
     hasher = get_request_block_hasher(block_size, sha256)
     params = SamplingParams(max_tokens=1 << 16)
     running: dict[str, Request] = {}
