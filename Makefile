@@ -28,12 +28,13 @@ demo: install
 simulate: install  ## the capacity simulation of the reference article
 	$(BIN)/pagedkv simulate
 
-test: install
+test: lint
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q
 
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 # The proto path is the proto package (pagedkv/v1/), but the generated code
 # lives next to its only importers, in allocator_service/wire/v1/, with its one

@@ -46,8 +46,8 @@ class AllocatorArgs:
     )
     metrics_port: int | None = setting(
         None,
-        "serve Prometheus metrics and /pools (and with --playground /playground) on this port (same "
-        "host as --listen; 0 = any free port); off when not given",
+        "serve Prometheus metrics and /pools (and with --playground /playground) on this port "
+        "(same host as --listen; 0 = any free port); off when not given",
         metavar="PORT",
     )
     playground: bool = setting(
@@ -58,29 +58,30 @@ class AllocatorArgs:
     state: str = setting(
         "memory",
         "'memory' keeps state in this process only; a redis:// URL journals every accepted change "
-        "in Redis before replying and rebuilds the exact state on start (append ?key_prefix=NAME: to share "
-        "one Redis); redis+sentinel://HOST:PORT[,HOST:PORT...]/MASTER_NAME/DB follows the primary those Redis "
-        "Sentinels name through a failover",
+        "in Redis before replying and rebuilds the exact state on start (append ?key_prefix=NAME: "
+        "to share one Redis); redis+sentinel://HOST:PORT[,HOST:PORT...]/MASTER_NAME/DB follows the "
+        "primary those Redis Sentinels name through a failover",
         metavar="memory|redis://HOST:PORT/DB",
     )
     standby: bool = setting(
         False,
-        "with --state redis: run as a hot standby: follow the journal as the leader writes it (the same "
-        "state in memory), answer calls with UNAVAILABLE not_leader and the leader's address, and take over "
-        "when the leader's lease runs out (it died or paused); a deposed leader becomes a standby. Without it "
-        "the allocator claims the state at start (fencing off any other)",
+        "with --state redis: run as a hot standby: follow the journal as the leader writes it (the "
+        "same state in memory), answer calls with UNAVAILABLE not_leader and the leader's address, "
+        "and take over when the leader's lease runs out (it died or paused); a deposed leader "
+        "becomes a standby. Without it the allocator "
+        "claims the state at start (fencing off any other)",
     )
     leader_lease: float = setting(
         1.0,
-        "with --state redis: seconds the leader's lease in Redis lasts unless renewed (5 times a lease); "
-        "a standby takes over this long after the leader stopped renewing it",
+        "with --state redis: seconds the leader's lease in Redis lasts unless renewed (5 times a "
+        "lease); a standby takes over this long after the leader stopped renewing it",
         parse=seconds,
         flag=False,
     )
     advertise_address: str | None = setting(
         None,
-        "HOST:PORT at which clients reach this allocator's gRPC port, which a standby names to them "
-        "when this one leads",
+        "HOST:PORT at which clients reach this allocator's gRPC port, which a standby names to "
+        "them when this one leads",
         metavar="HOST:PORT",
         shown_default="--listen's (the host's name for 0.0.0.0 or [::])",
     )
@@ -92,17 +93,18 @@ class AllocatorArgs:
     )
     worker_tokens_file: str | None = setting(
         None,
-        "file of worker tokens, one 'WORKER_ID URL TOKEN [BLOCKS]' per line: a worker sending TOKEN may "
-        "register only WORKER_ID advertising URL, and no other credential but the admin token may register that "
-        "id or advertise that address; BLOCKS, its quota: its pool has at most that many blocks, and they are "
-        "kept for it while it has no pool (a restart), so no other pool takes them. With it and no "
-        "--auth-token-file, every worker needs its own token",
+        "file of worker tokens, one 'WORKER_ID URL TOKEN [BLOCKS]' per line: a worker sending "
+        "TOKEN may register only WORKER_ID advertising URL, and no other credential but the admin "
+        "token may register that id or advertise that address; BLOCKS, its quota: its pool has at "
+        "most that many blocks, and they are kept for it while it has no pool (a restart), so no "
+        "other pool takes them. With it and no --auth-token-file, every worker needs its own token",
         metavar="PATH",
     )
     max_pool_blocks: int | None = setting(
         None,
-        "the most blocks one pool may have, unless its worker token gives a quota (RESOURCE_EXHAUSTED "
-        f"past it); none: the server's total ({Limits().max_total_blocks:,} blocks)",
+        "the most blocks one pool may have, unless its worker token gives a quota "
+        "(RESOURCE_EXHAUSTED past it); none: the server's "
+        f"total ({Limits().max_total_blocks:,} blocks)",
         metavar="N",
     )
     admin_token_file: str | None = setting(
@@ -114,9 +116,9 @@ class AllocatorArgs:
     router_token_file: str | None = setting(
         None,
         "file holding the router bearer token, which MatchPrefix, WatchEvents and ListPools then "
-        "require (or the admin token) and which may call nothing else. Without it those calls are open to "
-        "any caller only when --auth-token-file is unset too (a development setup); with --auth-token-file "
-        "alone they need the admin token",
+        "require (or the admin token) and which may call nothing else. Without it those calls are "
+        "open to any caller only when --auth-token-file is unset too (a development setup); with "
+        "--auth-token-file alone they need the admin token",
         metavar="PATH",
     )
     lease_ttl: float = setting(
@@ -131,22 +133,23 @@ class AllocatorArgs:
     tls_key: str | None = setting(None, "private key of --tls-cert", metavar="PEM")
     snapshot_every: int = setting(
         1000,
-        "with --state redis: write a full snapshot every N journal records, so a restart replays at "
-        "most N",
+        "with --state redis: write a full snapshot every N journal records, so a restart replays "
+        "at most N",
         flag=False,
     )
     max_snapshot_mb: int = setting(
         256,
-        "with --state redis: the most a snapshot may take; the pools whose part is over their share "
-        "(in proportion to their blocks) of a snapshot that would be larger are dropped (snapshot_too_large) "
-        "and the snapshot is written without them; at most 512, Redis's value limit",
+        "with --state redis: the most a snapshot may take; the pools whose part is over their "
+        "share (in proportion to their blocks) of a snapshot that would be larger are dropped "
+        "(snapshot_too_large) and the snapshot is written "
+        "without them; at most 512, Redis's value limit",
         flag=False,
     )
     redis_wait_replicas: int = setting(
         0,
-        "with --state redis: after every journal write wait (Redis WAIT) until N replicas hold it before "
-        "replying; a write they do not acknowledge in time is UNAVAILABLE (the worker retries). For "
-        "durability across the loss of the Redis host",
+        "with --state redis: after every journal write wait (Redis WAIT) until N replicas hold it "
+        "before replying; a write they do not acknowledge in time is UNAVAILABLE (the worker "
+        "retries). For durability across the loss of the Redis host",
         flag=False,
     )
     redis_wait_timeout: float = setting(
@@ -163,20 +166,21 @@ class AllocatorArgs:
     )
     journal_key_file: str | None = setting(
         None,
-        "with --state redis: file holding the journal key (at least 32 bytes; `pagedkv credentials` "
-        "writes one): every record's chain digest and the snapshot's are HMAC-SHA256 under it, so whoever "
-        "can write to Redis without it cannot edit the state unnoticed (the allocator and --check refuse "
-        "it); none = Redis is trusted with the state. A journal written without a key is read only without "
-        "one",
+        "with --state redis: file holding the journal key (at least 32 bytes; `pagedkv "
+        "credentials` writes one): every record's chain digest and the snapshot's are HMAC-SHA256 "
+        "under it, so whoever can write to Redis without it cannot edit the state unnoticed (the "
+        "allocator and --check refuse it); none = Redis is trusted with the state. A journal "
+        "written without a key is read only without one",
         metavar="PATH",
         flag=False,
     )
     kv_shared_store: str | None = setting(
         None,
-        "the KV store this allocator's workers share (tier 2 below their host tiers): file://PATH (a "
-        "directory every worker mounts) or redis://HOST:PORT/DB; the allocator indexes it, the workers move "
-        "the bytes (a worker opts out with --no-kv-shared-store). Checked at start: a path it cannot write "
-        "or a Redis that does not answer is an error. Needs --kv-shared-store-size",
+        "the KV store this allocator's workers share (tier 2 below their host tiers): file://PATH "
+        "(a directory every worker mounts) or redis://HOST:PORT/DB; the allocator indexes it, the "
+        "workers move the bytes (a worker opts out with --no-kv-shared-store). Checked at start: a "
+        "path it cannot write or a Redis that does not "
+        "answer is an error. Needs --kv-shared-store-size",
         metavar="URL",
     )
     kv_shared_store_size: float = setting(
@@ -187,8 +191,8 @@ class AllocatorArgs:
     )
     check: bool = setting(
         False,
-        "verify the journal in --state (digests, record chain, step chains, head) without serving or "
-        "writing; print what was found; exit 0 if sound, 1 if not",
+        "verify the journal in --state (digests, record chain, step chains, head) without serving "
+        "or writing; print what was found; exit 0 if sound, 1 if not",
     )
     log_level: str = setting("INFO", "log level, any case", parse=log_level, choices=LOG_LEVELS)
 
@@ -199,7 +203,8 @@ class AllocatorArgs:
             raise ValueError(f"--listen wants HOST:PORT, not {self.listen!r}")
         if not 1 <= self.max_snapshot_mb <= 512:
             raise ValueError(
-                f"{name_of(AllocatorArgs, 'max_snapshot_mb')} must be 1 to 512 (Redis's value limit)"
+                f"{name_of(AllocatorArgs, 'max_snapshot_mb')} "
+                "must be 1 to 512 (Redis's value limit)"
             )
         from allocator_service.store.journal import REDIS_SCHEMES
 
@@ -215,7 +220,8 @@ class AllocatorArgs:
             raise ValueError(f"{size} is for {store}, which is not given")
         if not 0 < self.leader_lease <= 60:
             raise ValueError(
-                f"{name_of(AllocatorArgs, 'leader_lease')} must be more than 0 and at most 60 seconds"
+                f"{name_of(AllocatorArgs, 'leader_lease')} "
+                "must be more than 0 and at most 60 seconds"
             )
         if self.standby and self.state == "memory":
             raise ValueError("--standby follows a journal: it needs --state redis://...")
@@ -254,7 +260,8 @@ def options_from_args(args: argparse.Namespace):
     tokens = [t for t in (token, admin, router) if t]
     if len(set(tokens)) != len(tokens):
         raise CliError(
-            "--auth-token-file, --admin-token-file and --router-token-file must hold different tokens"
+            "--auth-token-file, --admin-token-file and "
+            "--router-token-file must hold different tokens"
         )
     worker_tokens = {}
     if a.worker_tokens_file:
@@ -280,7 +287,8 @@ def options_from_args(args: argparse.Namespace):
     )
     if journal_key is not None and len(journal_key) < 32:
         raise CliError(
-            f"the journal key file {a.journal_key_file} holds {len(journal_key)} bytes; a key needs 32 or more"
+            f"the journal key file {a.journal_key_file} holds "
+            f"{len(journal_key)} bytes; a key needs 32 or more"
         )
     try:
         config = ServiceConfig(

@@ -126,7 +126,8 @@ def parse_worker_tokens(text: str) -> dict[str, WorkerGrant]:
                 raise ValueError(f"line {n}: group= needs a name")
         if len(words) not in (3, 4):
             raise ValueError(
-                f"line {n}: want 'WORKER_ID URL TOKEN [BLOCKS] [group=NAME]', got {len(words)} fields"
+                f"line {n}: want 'WORKER_ID URL TOKEN [BLOCKS] "
+                f"[group=NAME]', got {len(words)} fields"
             )
         worker_id, url, token = words[:3]
         if not url.startswith(("http://", "https://")):

@@ -202,7 +202,8 @@ async def _conversation(
 
 
 async def _workload(api: str, urls: list[str], args) -> tuple[Stats, list[dict], float]:
-    """The conversations through `api` (the router); KV samples polled from every worker at `urls`."""
+    """The conversations through `api` (the router); KV
+    samples polled from every worker at `urls`."""
     import httpx
     import openai
     from tqdm import tqdm
@@ -457,7 +458,8 @@ def _print_report(r: dict) -> None:
             ),
             (
                 "router: prefix tokens cached where sent / best any worker had",
-                f"{g['prefix_tokens_cached_where_sent']:,} / {g['prefix_tokens_cached_best_worker']:,}",
+                f"{g['prefix_tokens_cached_where_sent']:,} / "
+                f"{g['prefix_tokens_cached_best_worker']:,}",
             ),
             (
                 "router: routing time (mean) / retries",

@@ -40,9 +40,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "up",
         help="run the allocator and N workers (+ Redis, Prometheus) as local processes",
-        description="The docker-compose topology as local processes, with prefixed logs; Ctrl-C stops it all. "
-        "Other settings of the workers, the router and the allocators reach every process "
-        "through their variables (PAGEDKV_WORKER_*, PAGEDKV_ROUTER_*, PAGEDKV_ALLOCATOR_*).",
+        description="The docker-compose topology as local processes, with prefixed logs; Ctrl-C "
+        "stops it all. Other settings of the workers, the router and the allocators reach every "
+        "process through their variables (PAGEDKV_WORKER_*, "
+        "PAGEDKV_ROUTER_*, PAGEDKV_ALLOCATOR_*).",
     )
     add_arguments(p, UpArgs)  # its own, then the workers' and the router's it hands on
     return p

@@ -65,7 +65,8 @@ class Setting:
     stack: bool = False
     # the default as the reference shows it, when it is computed (a fresh id, the model's length)
     shown_default: str | None = None
-    # an argparse store action of the component's own (e.g. one that records that the flag was given)
+    # an argparse store action of the component's own
+    # (e.g. one that records that the flag was given)
     action: type[argparse.Action] | None = None
 
 

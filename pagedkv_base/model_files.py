@@ -39,7 +39,8 @@ __all__ = [
     "tiny_tokenizer",
 ]
 
-# How a worker fills its model: the checkpoint's weights, or random ones in its shape (vLLM's names).
+# How a worker fills its model: the checkpoint's
+# weights, or random ones in its shape (vLLM's names).
 LOAD_FORMATS = ("auto", "dummy")
 
 log = logging.getLogger(__name__)

@@ -357,5 +357,6 @@ class TokenTexts:
         return self._spelled(token_id) if token_id in self._hidden else self._detok.step([token_id])
 
     def flush(self) -> str:
-        """What the last tokens left pending (an incomplete character), at the end of the sequence."""
+        """What the last tokens left pending (an incomplete
+        character), at the end of the sequence."""
         return self._detok.flush()

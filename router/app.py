@@ -63,7 +63,8 @@ class Router:
         """`allocators`: RouterClients, in the order of `Worker.allocator`; none:
         routing by load alone."""
         self.tokenizer = tokenizer
-        # what the router presents to workers for a request let in without a key (never a client's own header)
+        # what the router presents to workers for a request
+        # let in without a key (never a client's own header)
         self.worker_api_key = worker_api_key
         self.cache_salt_per_api_key = cache_salt_per_api_key
         self.discovery = discovery
@@ -107,7 +108,8 @@ class Router:
         return tenant_salt(tenant_of(key), salt)
 
     async def forward(self, request: Request, kind: str, model_cls) -> Response:
-        """A completion (`kind` "text") or chat completion ("chat") request, answered by a worker."""
+        """A completion (`kind` "text") or chat completion
+        ("chat") request, answered by a worker."""
         t0 = time.perf_counter()
         req = await read_body(request, model_cls)
         req.check_sequences()

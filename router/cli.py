@@ -86,9 +86,10 @@ class RouterArgs:
     allocator: list[str] | None = setting(
         None,
         "HOST:PORT of the allocator service: where the live workers and the prefix each pool holds "
-        "come from (without it, --workers is needed and routing uses load alone); pools sharded over several "
-        "allocators: HOST:PORT,HOST:PORT,... (each is followed and asked about its own pools); an allocator with a "
-        "hot standby: its addresses joined by |, HOST:PORT|HOST:PORT (the router follows its leader)",
+        "come from (without it, --workers is needed and routing uses load alone); pools sharded "
+        "over several allocators: HOST:PORT,HOST:PORT,... (each is followed and asked about its "
+        "own pools); an allocator with a hot standby: its addresses joined by |, "
+        "HOST:PORT|HOST:PORT (the router follows its leader)",
         parse=_allocators,
     )
     workers: list[str] | None = setting(
@@ -100,23 +101,24 @@ class RouterArgs:
     model: str = setting(
         "smollm2",
         "the model whose tokenizer and chat template prompts are tokenized with for MatchPrefix, "
-        "as the workers load it: 'tiny-random', 'smollm2', a Hugging Face folder or repo id, a .gguf file "
-        "(not loaded without --allocator)",
+        "as the workers load it: 'tiny-random', 'smollm2', a Hugging Face folder or repo id, a "
+        ".gguf file (not loaded without --allocator)",
     )
     policy: str = setting(
         "kv",
-        "kv: most cached prefix (less what the placement would evict; at least CACHE_THRESHOLD of the "
-        "prompt), else the worker sent the fewest blocks lately that its pool still holds, unless the worker's "
-        "requests in flight pass both balance thresholds over the least loaded's, then least load; least-load; "
-        "round-robin",
+        "kv: most cached prefix (less what the placement would evict; at least CACHE_THRESHOLD of "
+        "the prompt), else the worker sent the fewest blocks lately that its pool still holds, "
+        "unless the worker's requests in flight pass both balance thresholds over the least "
+        "loaded's, then least load; least-load; round-robin",
         choices=POLICIES,
         stack=True,
     )
     cache_view: str = setting(
         "events",
         "events: keep the pools' prefix caches in the router from the allocator's block events "
-        "(a snapshot, then every change) and match prompts here, asking MatchPrefix only while that copy is "
-        "not in step; match-prefix: ask MatchPrefix for every request (only --policy kv reads the cache)",
+        "(a snapshot, then every change) and match prompts here, asking MatchPrefix only while "
+        "that copy is not in step; match-prefix: ask MatchPrefix for "
+        "every request (only --policy kv reads the cache)",
         choices=CACHE_VIEWS,
         flag=False,
     )
@@ -128,49 +130,54 @@ class RouterArgs:
     )
     api_key: str | None = setting(
         None,
-        "require `Authorization: Bearer KEY` on every /v1/* route, as a worker does, and present KEY "
-        "to the workers (give them the same --api-key); a client's own header is never forwarded",
+        "require `Authorization: Bearer KEY` on every /v1/* route, as a worker does, and present "
+        "KEY to the workers (give them the same --api-key); "
+        "a client's own header is never forwarded",
         fallback_env="VLLM_API_KEY",
     )
     api_keys_file: str | None = setting(
         None,
         "file of API keys, one a line ('#' comments and blank lines skipped): each is accepted as "
-        "--api-key is, with or without it; the router presents its first key to the workers with the client's "
-        "tenant id (an HMAC of the client's key, never the key), so give the workers the same keys",
+        "--api-key is, with or without it; the router presents its first key to the workers with "
+        "the client's tenant id (an HMAC of the client's key, "
+        "never the key), so give the workers the same keys",
     )
     cache_salt_per_api_key: bool = setting(
         True,
         "behind API keys, match each key's prompts in its own cache, as the workers (with the same "
-        "setting) cache them: a request's cache salt is derived from its key and its own cache_salt; "
-        "0 matches in the cache all keys share",
+        "setting) cache them: a request's cache salt is derived from its key and its own "
+        "cache_salt; 0 matches in the cache all keys share",
         flag=False,
     )
     first_byte_timeout: float = setting(
         60.0,
-        "seconds: a worker that has not answered a request's status in this long is skipped, and the "
-        "request sent to another, if the request never reached it; if it did, the client gets a 504. Also the "
-        "longest a worker may keep the router waiting for the rest of a whole answer, or between two events of a "
-        "stream: past it the answer ends (a 504 if nothing was passed on yet)",
+        "seconds: a worker that has not answered a request's status in this long is skipped, and "
+        "the request sent to another, if the request never reached it; if it did, the client gets "
+        "a 504. Also the longest a worker may keep the router waiting for the rest of a whole "
+        "answer, or between two events of a stream: past it "
+        "the answer ends (a 504 if nothing was passed on yet)",
         parse=seconds,
         flag=False,
     )
     max_answer_mb: int = setting(
         1024,
-        "MiB: the largest answer passed on from a worker (a larger one is a 502 when the worker says its "
-        "size, else cut there); whole answers over 1 MiB are passed on as they arrive, never held whole",
+        "MiB: the largest answer passed on from a worker (a larger one is a 502 when the worker "
+        "says its size, else cut there); whole answers over 1 MiB "
+        "are passed on as they arrive, never held whole",
         flag=False,
     )
     header_timeout: float = setting(
         10.0,
-        "seconds: a client's request head (line and headers) must arrive within this long of its connection "
-        "opening, or of the last answer on a kept-alive one; else the connection is closed",
+        "seconds: a client's request head (line and headers) must arrive within this long of its "
+        "connection opening, or of the last answer on a "
+        "kept-alive one; else the connection is closed",
         parse=seconds,
         flag=False,
     )
     body_timeout: float = setting(
         60.0,
-        "seconds: a request's body must arrive within this long after its head; else the connection is "
-        "closed",
+        "seconds: a request's body must arrive within this long after its head; else the "
+        "connection is closed",
         parse=seconds,
         flag=False,
     )
@@ -181,28 +188,30 @@ class RouterArgs:
     )
     refresh_interval: float = setting(
         1.0,
-        "seconds: list the allocator's pools at least this often, besides on every pool event: their "
-        "free blocks weigh in the kv policy's usage term (MatchPrefix, when asked, gives them fresh)",
+        "seconds: list the allocator's pools at least this often, besides on every pool event: "
+        "their free blocks weigh in the kv policy's usage term "
+        "(MatchPrefix, when asked, gives them fresh)",
         parse=seconds,
         flag=False,
     )
     balance_abs_threshold: int = setting(
         Balance().abs_threshold,
         "kv: a worker is overloaded when its requests in flight exceed the least loaded "
-        "worker's by more than this AND by more than the relative threshold; an overloaded worker gets a request "
-        "only when every worker is (below both, a prefix stays where it is cached)",
+        "worker's by more than this AND by more than the relative threshold; an overloaded worker "
+        "gets a request only when every worker is (below both, a prefix stays where it is cached)",
         flag=False,
     )
     balance_rel_threshold: float = setting(
         Balance().rel_threshold,
-        "kv: the relative balance threshold: a worker is overloaded only when its requests in flight are "
-        "also more than this many times the least loaded worker's",
+        "kv: the relative balance threshold: a worker is overloaded only when its requests in "
+        "flight are also more than this many times the least loaded worker's",
         flag=False,
     )
     cache_threshold: float = setting(
         Balance().cache_threshold,
         "kv: the least share of a prompt (0 to 1) a worker's cached prefix must "
-        "cover to draw the request; a smaller match counts as none and the request goes by room and load",
+        "cover to draw the request; a smaller match counts "
+        "as none and the request goes by room and load",
         flag=False,
     )
     log_level: str = setting("INFO", "log level, any case", parse=log_level, choices=LOG_LEVELS)

@@ -76,12 +76,10 @@ class Worker:
     num_blocks: int = 0
     block_size: int = 0
     free_blocks: int = 0
-    allocator: int = (
-        0  # which of the router's allocators holds its pool (their order on the command line)
-    )
-    tiered: bool = (
-        False  # its pool has a host tier or uses the shared store (the view holds KV pools only)
-    )
+    # which of the router's allocators holds its pool (their order on the command line)
+    allocator: int = 0
+    # its pool has a host tier or uses the shared store (the view holds KV pools only)
+    tiered: bool = False
 
     @property
     def name(self) -> str:
@@ -195,7 +193,8 @@ class Discovery:
         for p in pools:
             url = normalise_url(p.advertise_url)
             if (p.pool_id, url) not in proven:
-                continue  # not advertised, not among the static URLs, or its worker did not prove it
+                # not advertised, not among the static URLs, or its worker did not prove it
+                continue
             w = Worker(
                 url,
                 p.worker_id,

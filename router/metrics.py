@@ -51,15 +51,15 @@ class RouterMetrics:
         )
         self.view_match_seconds = Histogram(
             "pagedkv_router_view_match_seconds",
-            "Time to match a prompt in the router's copy of the allocators' prefix caches, kept from their "
-            "events (no call; what replaces MatchPrefix while the copy is in step).",
+            "Time to match a prompt in the router's copy of the allocators' prefix caches, kept "
+            "from their events (no call; what replaces MatchPrefix while the copy is in step).",
             buckets=ROUTING_BUCKETS,
             registry=r,
         )
         self.views_synced = Gauge(
             "pagedkv_router_prefix_views_synced",
-            "Allocators whose prefix caches the router holds in step from their events (the rest are asked "
-            "MatchPrefix per request).",
+            "Allocators whose prefix caches the router holds in step from their events (the rest "
+            "are asked MatchPrefix per request).",
             registry=r,
         )
         self.retries = Counter(
@@ -87,8 +87,9 @@ class RouterMetrics:
         )
         self.recent_blocks = Gauge(
             "pagedkv_router_recent_blocks",
-            "Blocks of the prompts this router sent the worker lately that its pool still holds, as of the last "
-            "request ranked (kv: a prompt no pool holds goes to the worker with the fewest).",
+            "Blocks of the prompts this router sent the worker lately that its pool still holds, "
+            "as of the last request ranked (kv: a prompt no "
+            "pool holds goes to the worker with the fewest).",
             ["worker"],
             registry=r,
         )
@@ -97,8 +98,8 @@ class RouterMetrics:
         )
         self.unproven_pools = Gauge(
             "pagedkv_router_unproven_pools",
-            "Listed pools never sent a request: the worker at the advertised address has not proven it "
-            "serves that pool (GET /pagedkv/identity).",
+            "Listed pools never sent a request: the worker at the advertised address has not "
+            "proven it serves that pool (GET /pagedkv/identity).",
             registry=r,
         )
         self.allocators = Gauge(
@@ -108,6 +109,7 @@ class RouterMetrics:
         )
         self.allocators_unreachable = Gauge(
             "pagedkv_router_allocators_unreachable",
-            "Allocators whose last listing or MatchPrefix went unanswered (their workers rank last).",
+            "Allocators whose last listing or MatchPrefix "
+            "went unanswered (their workers rank last).",
             registry=r,
         )

@@ -166,7 +166,8 @@ class Placement:
         return rid, order
 
     def placed(self, rid: int, worker: Worker, tokens: list[int], salt: str | None) -> None:
-        """Request `rid`'s prompt goes to `worker`: computing there, and its blocks the newest sent there."""
+        """Request `rid`'s prompt goes to `worker`: computing
+        there, and its blocks the newest sent there."""
         self.computing[rid] = (worker.url, salt, tokens)
         if self.policy == "kv":
             self.recent.record(

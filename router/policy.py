@@ -56,9 +56,8 @@ class Candidate:
     num_blocks: int = 0  # 0: unknown (no pool known): usage counts as 0
     in_flight: int = 0  # its requests through this router, not yet answered in full
     block_size: int = 0  # 0: unknown: no eviction is counted
-    clean_free: int | None = (
-        None  # free blocks holding no cached prefix; None: unknown (all free ones)
-    )
+    # free blocks holding no cached prefix; None: unknown (all free ones)
+    clean_free: int | None = None
     host_tokens: int = 0  # of this prompt past `cached_tokens`, in its host tier
     store_tokens: int = 0  # ... past those, in the shared store
     recent_blocks: int = 0  # blocks of the prompts this router sent it lately (`RecentBlocks`)

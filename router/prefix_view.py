@@ -11,8 +11,8 @@ the same hash chain (`allocator_service.core.hashing`), the same rule as
 
 Exact, not approximate: the stream starts with a snapshot of every pool's
 cached blocks (POOL_CACHED events, many blocks each), then carries every
-event numbered from before that snapshot was read. Each event sets one block's hash (stored: `h`; removed: none) or
-every block of a pool (cleared, registered, dropped), and a pool's events
+event numbered from before that snapshot was read. Each event sets one block's hash (stored: `h`;
+removed: none) or every block of a pool (cleared, registered, dropped), and a pool's events
 are numbered in the order they happened; so replaying them in order onto
 the snapshot leaves each block holding what its last event says, which is
 what the allocator holds once that event is applied, whatever the snapshot

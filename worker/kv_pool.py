@@ -2,7 +2,8 @@
 
 Layout: per layer, K and V each look like `[num_blocks, block_size, num_kv_heads,
 head_dim]`, so token position `p` of a sequence with block table `t` lives at
-`[t[p // B], p % B]`, flat slot id `t[p // B] * B + p % B` (docs/architecture.md, "The block contract").
+`[t[p // B], p % B]`, flat slot id `t[p // B] * B +
+p % B` (docs/architecture.md, "The block contract").
 
 Invariants:
 - The pool never allocates after construction; block ids are `0..num_blocks-1`
@@ -286,7 +287,8 @@ class KVPool:
         """
         if k.shape != v.shape or k.shape[0] != slot_mapping.shape[0]:
             raise ValueError(
-                f"write shapes disagree: k {tuple(k.shape)}, v {tuple(v.shape)}, slots {tuple(slot_mapping.shape)}"
+                f"write shapes disagree: k {tuple(k.shape)}, v "
+                f"{tuple(v.shape)}, slots {tuple(slot_mapping.shape)}"
             )
         slots = torch.where(slot_mapping < 0, self._trash_slot, slot_mapping)
         if self.fp8:

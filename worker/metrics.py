@@ -32,7 +32,8 @@ PREFIX = "pagedkv_worker"
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 _STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
-# A request's phases (seconds): vLLM's request-latency buckets, with a finer low end for small models.
+# A request's phases (seconds): vLLM's request-latency
+# buckets, with a finer low end for small models.
 _REQUEST_BUCKETS = (
     0.01,
     0.025,
@@ -374,9 +375,9 @@ class WorkerMetrics:
         host = Histogram(
             f"{PREFIX}_step_host_seconds",
             "Host time of one engine step by part: schedule (planning the "
-            "step and the next one's call), allocator_wait (in allocator calls, what async scheduling "
-            "did not hide), sample (drawing tokens from the outputs), output (stop checks, detokenizing, "
-            "streaming); the device's own time is not in it.",
+            "step and the next one's call), allocator_wait (in allocator calls, what async "
+            "scheduling did not hide), sample (drawing tokens from the outputs), output (stop "
+            "checks, detokenizing, streaming); the device's own time is not in it.",
             [*names, "part"],
             buckets=_HOST_BUCKETS,
             registry=r,
@@ -390,12 +391,14 @@ class WorkerMetrics:
         ).labels(**lv)
         self.allocator_step = hist(
             "allocator_step_seconds",
-            "Time a step waited for its allocator Step call (with async scheduling, what the previous forward pass did not hide).",
+            "Time a step waited for its allocator Step call (with async "
+            "scheduling, what the previous forward pass did not hide).",
             _STEP_BUCKETS,
         ).labels(**lv)
         self.allocator_calls = counter(
             "allocator_calls",
-            "Allocator Step calls the engine's steps made; a step computed in slots its sequences hold already (lookahead slots) makes none.",
+            "Allocator Step calls the engine's steps made; a step computed in "
+            "slots its sequences hold already (lookahead slots) makes none.",
         ).labels(**lv)
         self.allocator_steps_ahead = counter(
             "allocator_steps_ahead",
@@ -407,12 +410,14 @@ class WorkerMetrics:
         ).labels(**lv)
         self.allocator_unavailable_seconds = counter(
             "allocator_unavailable_seconds",
-            "Seconds spent waiting for an unavailable allocator (failed attempts and backoff): the worker stalls.",
+            "Seconds spent waiting for an unavailable allocator "
+            "(failed attempts and backoff): the worker stalls.",
         ).labels(**lv)
         self.step_errors = counter(
             "step_errors", "Engine steps that raised: every request in flight failed."
         ).labels(**lv)
-        # Per request, observed when it finishes by itself (stop or length; vLLM's request histograms).
+        # Per request, observed when it finishes by itself
+        # (stop or length; vLLM's request histograms).
         self.e2e = hist(
             "e2e_request_latency_seconds",
             "Arrival to last token of a finished request.",
@@ -482,12 +487,14 @@ class WorkerMetrics:
             ),
             "refused_entries": counter(
                 "kv_tier_refused_entries",
-                "Loads from the tier not loaded and reported refused, by reason (format, layout, checksum, seal, missing): computed instead.",
+                "Loads from the tier not loaded and reported refused, by reason "
+                "(format, layout, checksum, seal, missing): computed instead.",
                 ("tier", "reason"),
             ),
             "store_errors": counter(
                 "kv_tier_store_errors",
-                "Calls to the shared store that failed (unreachable, I/O): their loads were misses, their saves failed.",
+                "Calls to the shared store that failed (unreachable, "
+                "I/O): their loads were misses, their saves failed.",
                 tier,
             ),
         }

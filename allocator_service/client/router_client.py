@@ -38,10 +38,12 @@ class RouterClient:
         sent when no router token is given (a server with no router token
         and no server-wide token answers anyone)."""
         self._tls_ca = tls_ca
-        # `target`: one allocator's addresses, a leader and its standbys (followed as GrpcAllocator does)
+        # `target`: one allocator's addresses, a leader and
+        # its standbys (followed as GrpcAllocator does)
         self._targets = Targets(target, tls_ca)
         self._call = Caller(self._targets, router_token or auth_token, deadline_s, retries, 0.05)
-        # (address, grpc.aio channel, its stub): made in the loop that uses it, for the address calls go to
+        # (address, grpc.aio channel, its stub): made in the
+        # loop that uses it, for the address calls go to
         self._aio: tuple[str, Any, Any] | None = None
 
     def match_prefix(

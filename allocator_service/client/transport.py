@@ -147,7 +147,8 @@ class Targets:
             leader = _trailer(err, LEADER_KEY)
             if leader in self.addresses and leader != address:
                 if time.monotonic() - self._unanswered.get(leader, -SUSPECT_S) < SUSPECT_S:
-                    return False  # it names a leader that just did not answer: its lease runs out; stay
+                    # it names a leader that just did not answer: its lease runs out; stay
+                    return False
                 self.use(leader, f"{address} is a standby")
                 return True
             if leader == address:

@@ -69,7 +69,8 @@ from allocator_service.core.validation import (
 
 class AdmitResult(NamedTuple):
     cached_tokens: int  # leading prompt tokens found cached (in the KV pool or loaded from a tier)
-    num_stored: int  # tokens the sequence holds with their values after the admit (its reserved slots follow)
+    # tokens the sequence holds with their values after the admit (its reserved slots follow)
+    num_stored: int
     new_blocks: list[
         int
     ]  # blocks taken for the tokens past the cached ones (and reserved slots), in table order
@@ -463,9 +464,9 @@ class BlockPool(PoolHoldings):
             )
         if self.name_chars + names > self.max_name_chars:
             raise PoolLimit(
-                f"{names} more characters of sequence id and salt would exceed the pool's maximum of "
-                f"{self.max_name_chars} ({NAME_CHARS_PER_BLOCK} per block, at least {MIN_NAME_CHARS}; "
-                f"in use: {self.name_chars})"
+                f"{names} more characters of sequence id and salt would exceed the pool's maximum "
+                f"of {self.max_name_chars} ({NAME_CHARS_PER_BLOCK} per block, at least "
+                f"{MIN_NAME_CHARS}; in use: {self.name_chars})"
             )
 
     def _check_new_entries(self, added: int) -> None:

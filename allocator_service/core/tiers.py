@@ -331,9 +331,8 @@ class TierStats:
     saves_confirmed: int = 0  # host and store saves a worker confirmed written
     saves_failed: int = 0  # ... reported failed (the entry is dropped)
     saves_skipped: int = 0  # saves not issued: no room that is not pending or pinned
-    refused_loads: int = (
-        0  # store loads the worker reported refused (format, layout, checksum, seal, missing)
-    )
+    # store loads the worker reported refused (format, layout, checksum, seal, missing)
+    refused_loads: int = 0
     host_evictions: int = 0  # host entries dropped for a new save
     stale_confirmations: int = 0  # confirmations of nothing pending (ignored)
 

@@ -149,7 +149,8 @@ class StandbyInterceptor(grpc.ServerInterceptor):
                     for request in requests:
                         refused = self._refusal()
                         if refused is not None:
-                            raise refused  # ends the stream with its status, as the handler's own errors do
+                            # ends the stream with its status, as the handler's own errors do
+                            raise refused
                         yield request
 
                 return behaviour(arriving(), context)

@@ -122,7 +122,8 @@ class PoolCollector:
         )
         calls_refused = CounterMetricFamily(
             PREFIX + "pool_calls_refused",
-            "Calls refused because their pool already had as many in flight as one pool may (pool_calls).",
+            "Calls refused because their pool already had "
+            "as many in flight as one pool may (pool_calls).",
             value=self.service.call_slots.refused,
         )
         yield from (
@@ -157,7 +158,8 @@ class PoolCollector:
         labels = ["pool_id", "worker_id", "tier"]
         hit = CounterMetricFamily(
             PREFIX + "kv_tier_hit_tokens",
-            "Prompt tokens whose loads from the tier admissions issued (a load refused later included).",
+            "Prompt tokens whose loads from the tier "
+            "admissions issued (a load refused later included).",
             labels=labels,
         )
         saved = CounterMetricFamily(
@@ -172,8 +174,8 @@ class PoolCollector:
         )
         refused = CounterMetricFamily(
             PREFIX + "kv_tier_refused_entries",
-            "Store loads the worker reported refused (format, layout, checksum, seal or missing): computed "
-            "instead.",
+            "Store loads the worker reported refused (format, layout, checksum, seal or missing): "
+            "computed instead.",
             labels=labels,
         )
         capacity = GaugeMetricFamily(

@@ -55,7 +55,8 @@ def create_server(
 
     `tls` is (certificate chain PEM, private key PEM); `auth_token` (pools),
     `admin_token`, `router_token` and `worker_tokens` (token -> the worker
-    it may register) turn on the bearer-token roles (`roles.py`); `rpc_histogram` (prometheus Histogram with labels
+    it may register) turn on the bearer-token roles (`roles.py`);
+    `rpc_histogram` (prometheus Histogram with labels
     method, code) turns on RPC latency metrics."""
     service = service if service is not None else AllocatorService()
     interceptors: list[grpc.ServerInterceptor] = []
@@ -214,12 +215,13 @@ def serve(opts: ServeOptions) -> int:
     )
     if not opts.auth_token and not opts.worker_tokens:
         log.warning(
-            "no worker credentials (--worker-tokens-file, --auth-token-file): any caller may register "
-            "a pool; use this only where nobody else reaches the allocator"
+            "no worker credentials (--worker-tokens-file, --auth-token-file): any caller may "
+            "register a pool; use this only where nobody else reaches the allocator"
         )
     if opts.auth_token and not opts.router_token:
         log.warning(
-            "no router token (--router-token-file): MatchPrefix, WatchEvents and ListPools answer the admin token only"
+            "no router token (--router-token-file): MatchPrefix, "
+            "WatchEvents and ListPools answer the admin token only"
         )
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -267,7 +269,8 @@ def serve(opts: ServeOptions) -> int:
     health_servicer.enter_graceful_shutdown()
     service.events.close()  # end WatchEvents streams now rather than at the end of the grace
     stopped = server.stop(opts.grace_s)  # no new calls from here
-    service.streams.end_step_streams()  # idle StepStreams too: their workers retry at the next server
+    # idle StepStreams too: their workers retry at the next server
+    service.streams.end_step_streams()
     stopped.wait()
     service.close()
     if httpd is not None:

@@ -130,8 +130,9 @@ class DurableState:
             raise CorruptState(
                 f"the journal in {self.journal.describe()} is damaged at {fatal}. Inspect it with "
                 "`pagedkv allocator --state URL --check`; to start over, delete the keys "
-                "<prefix>journal, <prefix>snapshot and <prefix>head (every worker then re-registers "
-                "and recomputes once): see docs/operations.md, 'A journal that cannot be replayed'"
+                "<prefix>journal, <prefix>snapshot and <prefix>head (every worker then "
+                "re-registers and recomputes once): see "
+                "docs/operations.md, 'A journal that cannot be replayed'"
             )
         self.registry = registry
         self._chain = report.chain
@@ -364,9 +365,9 @@ class DurableState:
         if drop:
             self.snapshots_skipped += 1
             log.error(
-                "the snapshot at record %d would be %s bytes, over the bound of %s (PAGEDKV_ALLOCATOR_MAX_SNAPSHOT_MB, "
-                "at most Redis's 512 MB value limit); dropping the pools over their share of it "
-                "(reason %s): %s",
+                "the snapshot at record %d would be %s bytes, over the bound of %s "
+                "(PAGEDKV_ALLOCATOR_MAX_SNAPSHOT_MB, at most Redis's 512 MB value limit); dropping "
+                "the pools over their share of it (reason %s): %s",
                 cut.index,
                 f"{sum(sizes.values()):,}",
                 f"{self.max_snapshot_bytes:,}",

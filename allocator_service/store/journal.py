@@ -59,7 +59,8 @@ DEFAULT_PREFIX = "pagedkv:allocator:"
 _CHECK = """
 local owner = redis.call('GET', KEYS[1])
 if not owner then
-  return redis.error_reply('LOST the allocator state keys are gone from Redis (flushed, evicted, or a Redis without its data)')
+  return redis.error_reply('LOST the allocator state keys are gone from Redis '
+    .. '(flushed, evicted, or a Redis without its data)')
 end
 if owner ~= ARGV[1] then
   return redis.error_reply('FENCED another allocator instance owns this state')
@@ -73,7 +74,8 @@ _APPEND = (
     + """
 if head == ARGV[4] then return 0 end
 if head ~= ARGV[3] then
-  return redis.error_reply('LOST the journal head in Redis is ' .. head .. ', this instance wrote ' .. ARGV[3] .. ' last (Redis lost records)')
+  return redis.error_reply('LOST the journal head in Redis is ' .. head
+    .. ', this instance wrote ' .. ARGV[3] .. ' last (Redis lost records)')
 end
 redis.call('RPUSH', KEYS[3], ARGV[2])
 redis.call('SET', KEYS[2], ARGV[4])
@@ -162,7 +164,9 @@ return 1
 # Give the lease up (a leader that stops): a standby takes over at once.
 # KEYS leader; ARGV token address
 _RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] .. ' ' .. ARGV[2] then return redis.call('DEL', KEYS[1]) end
+if redis.call('GET', KEYS[1]) == ARGV[1] .. ' ' .. ARGV[2] then
+  return redis.call('DEL', KEYS[1])
+end
 return 0
 """
 
@@ -329,8 +333,9 @@ class RedisJournal:
             raise StoreUnavailable(f"the state store (Redis) failed during start: {exc}") from exc
         if policy is not None and policy != "noeviction":
             raise StoreMisconfigured(
-                f"Redis at {self.url} has maxmemory-policy {policy!r}: it may evict journal records; "
-                "set it to noeviction (CONFIG SET maxmemory-policy noeviction) or use another Redis"
+                f"Redis at {self.url} has maxmemory-policy {policy!r}: it may evict journal "
+                "records; set it to noeviction (CONFIG SET "
+                "maxmemory-policy noeviction) or use another Redis"
             )
 
     def claim(self, force: bool, gone: str = "") -> bool:
@@ -488,7 +493,8 @@ class RedisJournal:
         owner, stored = self._call("health check", read)
         if owner is None:
             raise StoreLost(
-                "the allocator state keys are gone from Redis (flushed, evicted, or a Redis without its data)"
+                "the allocator state keys are gone from Redis "
+                "(flushed, evicted, or a Redis without its data)"
             )
         if owner != self.token.encode():
             raise StoreFenced("another allocator instance owns this state")

@@ -163,7 +163,8 @@ class Leadership:
         connected = self.journal.connected(instance)
         if connected is None:
             log.info(
-                "leader lease: Redis does not list its clients; a dead leader is replaced when its lease runs out"
+                "leader lease: Redis does not list its clients; "
+                "a dead leader is replaced when its lease runs out"
             )
             self._lists_clients = False
             return False

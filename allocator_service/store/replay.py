@@ -100,9 +100,8 @@ class Replayer:
         self.key = key
         self.registry = Registry(events)
         events.reset(1)
-        self.chain: bytes | None = (
-            ZERO_CHAIN  # None: unknown (after a damaged entry or an older snapshot)
-        )
+        # None: unknown (after a damaged entry or an older snapshot)
+        self.chain: bytes | None = ZERO_CHAIN
         self.framed = False
         self.damaged = False
         self.last_raw = b""
@@ -314,8 +313,8 @@ def replay(
     """Rebuild the registry from a stored snapshot and journal, checking
     every digest (keyed with `key`, the journal key, when given: then a
     record or snapshot not keyed with it fails), the record indices, each
-    pool's step chain and the head marker. Never raises on bad data: a problem that cannot be pinned on one
-    pool is `fatal` in the report and replay stops there (the registry is
+    pool's step chain and the head marker. Never raises on bad data: a problem that cannot be pinned
+    on one pool is `fatal` in the report and replay stops there (the registry is
     then incomplete and must not be served)."""
     replayer = Replayer(snapshot, events, key)
     if replayer.stopped:
@@ -342,7 +341,8 @@ def check(state: str, out=sys.stdout, key: bytes | None = None) -> int:
     p = lambda text: print(text, file=out)  # noqa: E731
     p(f"state: {journal.describe()}")
     p(
-        f"journal key: {'yes (digests are HMAC-SHA256 under it)' if key else 'none (Redis is trusted)'}"
+        "journal key: "
+        f"{'yes (digests are HMAC-SHA256 under it)' if key else 'none (Redis is trusted)'}"
     )
     if loaded.snapshot is None:
         p("snapshot: none")
@@ -351,9 +351,10 @@ def check(state: str, out=sys.stdout, key: bytes | None = None) -> int:
             f"snapshot: up to record {report.snapshot_index}"
             f"{' (older format, no digest)' if report.snapshot_legacy else ', digest ok'}"
         )
+    legacy = report.legacy_records
     p(
         f"journal: {report.records} records after the snapshot"
-        f"{f' ({report.legacy_records} without digests: older format)' if report.legacy_records else ''}"
+        f"{f' ({legacy} without digests: older format)' if legacy else ''}"
     )
     p(f"head: {report.head}")
     p(f"last record: {registry.index}")
@@ -371,7 +372,8 @@ def check(state: str, out=sys.stdout, key: bytes | None = None) -> int:
             )
         else:
             p(
-                f"verdict: NOT sound; a start drops {', '.join(report.dropped) or 'no pool'} and stores the repair"
+                "verdict: NOT sound; a start drops "
+                f"{', '.join(report.dropped) or 'no pool'} and stores the repair"
             )
         return 1
     p("problems: none")

@@ -68,7 +68,8 @@ ROWS: list[tuple[str, list[tuple]]] = [
                         "{{worker}} cached (reusable prefix)",
                     ),
                     (
-                        f"sum by (worker) (pagedkv_worker_kv_blocks_free{{{W}}}) - sum by (worker) (pagedkv_worker_kv_blocks_cached{{{W}}})",
+                        f"sum by (worker) (pagedkv_worker_kv_blocks_free{{{W}}})"
+                        f" - sum by (worker) (pagedkv_worker_kv_blocks_cached{{{W}}})",
                         "{{worker}} free (empty)",
                     ),
                 ],
@@ -228,7 +229,8 @@ ROWS: list[tuple[str, list[tuple]]] = [
                 "percentunit",
                 [
                     (
-                        f"pagedkv_worker_kv_tier_used_bytes{{{W}}} / pagedkv_worker_kv_tier_capacity_bytes{{{W}}}",
+                        f"pagedkv_worker_kv_tier_used_bytes{{{W}}}"
+                        f" / pagedkv_worker_kv_tier_capacity_bytes{{{W}}}",
                         "{{worker}} {{tier}}",
                     ),
                 ],
@@ -300,7 +302,8 @@ ROWS: list[tuple[str, list[tuple]]] = [
                 "percentunit",
                 [
                     (
-                        f"pagedkv_allocator_pool_used_blocks{{{WID}}} / pagedkv_allocator_pool_capacity_blocks{{{WID}}}",
+                        f"pagedkv_allocator_pool_used_blocks{{{WID}}}"
+                        f" / pagedkv_allocator_pool_capacity_blocks{{{WID}}}",
                         "{{worker_id}} pool {{pool_id}}",
                     ),
                 ],
@@ -367,7 +370,8 @@ ROWS: list[tuple[str, list[tuple]]] = [
                 {},
             ),
             (
-                "Router: prefix tokens cached where sent (of the best any worker had, of the prompt)",
+                "Router: prefix tokens cached where sent "
+                "(of the best any worker had, of the prompt)",
                 "percentunit",
                 [
                     (
@@ -384,7 +388,8 @@ ROWS: list[tuple[str, list[tuple]]] = [
                 {"max": 1},
             ),
             (
-                "Router: routing latency (tokenize + match in the cache view, or MatchPrefix + rank)",
+                "Router: routing latency (tokenize + match "
+                "in the cache view, or MatchPrefix + rank)",
                 "s",
                 quantiles("pagedkv_router_routing_seconds", sel="")
                 + quantiles(
@@ -402,7 +407,8 @@ ROWS: list[tuple[str, list[tuple]]] = [
                 {},
             ),
             (
-                "Router: blocks sent lately that each pool still holds (kv: a new prefix goes to the fewest)",
+                "Router: blocks sent lately that each pool still "
+                "holds (kv: a new prefix goes to the fewest)",
                 "short",
                 [(f"max by (worker) (pagedkv_router_recent_blocks{{{W}}})", "{{worker}}")],
                 {},

@@ -48,7 +48,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "fleet": (
         "pagedkv.bench.fleet",
         "N workers' recorded Step streams replayed against one allocator process (or "
-        "M sharded): Step p50/p99, device idle from allocator waits, allocator CPU and RSS, the knee",
+        "M sharded): Step p50/p99, device idle from "
+        "allocator waits, allocator CPU and RSS, the knee",
     ),
     "attacks": (
         "pagedkv.bench.attacks",

@@ -43,24 +43,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--modes",
         type=harness.comma_list(MODES),
         default=["in-process", "grpc", "grpc+redis"],
-        help="which of in-process, grpc, grpc+redis, grpc-unary, grpc-unary+redis to run (grpc: steps "
-        "over the StepStream call, as workers send them; grpc-unary: one unary Step each) [in-process,grpc,grpc+redis]",
+        help="which of in-process, grpc, grpc+redis, grpc-unary, grpc-unary+redis to run (grpc: "
+        "steps over the StepStream call, as workers send them; grpc-unary: "
+        "one unary Step each) [in-process,grpc,grpc+redis]",
     )
     parser.add_argument(
         "--watch-events",
         type=harness.comma_list(WATCHERS),
         default=["none"],
         metavar="LIST",
-        help="for the gRPC modes, time each case with each of: none (no watcher), plain (a process following "
-        "every KV event, one message each), packed (runs of block events per message, as the router's "
-        "cache view asks) [none]",
+        help="for the gRPC modes, time each case with each of: none (no watcher), plain (a process "
+        "following every KV event, one message each), packed (runs of block events per message, as "
+        "the router's cache view asks) [none]",
     )
     harness.add_json_option(parser)
     noisy_neighbour.add_arguments(parser)
 
 
 def measure_steps(client, num_seqs: int, steps: int, warmup: int) -> dict:
-    """The decode loop of `num_seqs` sequences through `client`: each Step timed where the worker sees it."""
+    """The decode loop of `num_seqs` sequences through `client`:
+    each Step timed where the worker sees it."""
     gen = decode_steps(num_seqs, seed=num_seqs)
     client.step(next(gen))
     for _ in range(warmup):
@@ -186,7 +188,8 @@ def tables(report: dict) -> list[Table]:
 
 
 def figures(report: dict) -> dict[str, tuple[float | None, bool]]:
-    """The headline figures (`bench compare`): each unwatched case's Step p50 and p99, lower is better."""
+    """The headline figures (`bench compare`): each unwatched
+    case's Step p50 and p99, lower is better."""
     out: dict[str, tuple[float | None, bool]] = {}
     for r in report.get("results", []):
         if r.get("watcher", "none") == "none":

@@ -132,7 +132,8 @@ class Attacker:
 def rogue_pool(
     address: str, worker_id: str, url: str, model: str, token: str | None
 ) -> GrpcAllocator:
-    """A pool registered as `worker_id`, advertising `url` under `model` (raises grpc.RpcError if refused)."""
+    """A pool registered as `worker_id`, advertising `url` under
+    `model` (raises grpc.RpcError if refused)."""
     spec = PoolSpec(
         worker_id,
         PoolConfig(4096, 16, True, "attacker"),
@@ -185,7 +186,8 @@ def idle_connections(url: str, n: int, timeout: float = 10.0) -> list[socket.soc
 
 
 def read_to_close(sock: socket.socket) -> None:
-    """Returns once the other end closes (socket.timeout if it does not within the socket's timeout)."""
+    """Returns once the other end closes (socket.timeout if it
+    does not within the socket's timeout)."""
     while sock.recv(65536):
         pass
 
@@ -671,8 +673,8 @@ class BadWorker:
                     )
                     answer = json.dumps(self.identity(nonce)).encode()
                     writer.write(
-                        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-                        b"connection: close\r\n\r\n%s" % (len(answer), answer)
+                        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                        b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(answer), answer)
                     )
                 else:
                     writer.write(
@@ -736,7 +738,8 @@ class BadWorker:
                     await asyncio.sleep(0.1)
             elif mode == "drop-body":
                 writer.write(
-                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 500\r\n\r\n"
+                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                    b"content-length: 500\r\n\r\n"
                     b'{"id": "cmpl-cut", "choices": ['
                 )
             else:  # drop-stream
@@ -760,6 +763,7 @@ class BadWorker:
                 await asyncio.sleep(0.3)
             await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
-            pass  # (cancelled: the server stops; Python 3.11's stream callback fails on a cancelled task)
+            # (cancelled: the server stops; Python 3.11's stream callback fails on a cancelled task)
+            pass
         finally:
             writer.close()

@@ -38,7 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--backend",
         type=harness.comma_list(_BACKENDS),
         default=None,
-        help="comma list of torch, numba, triton, timed side by side (default: the device's, numba on the CPU)",
+        help="comma list of torch, numba, triton, timed side "
+        "by side (default: the device's, numba on the CPU)",
     )
     parser.add_argument(
         "--repeats",
@@ -205,8 +206,9 @@ def tables(report: dict) -> list[Table]:
     ]
     return [
         Table(
-            title=f"{report['benchmark']} ({report['dtype']}, {report['device']}, {report['threads']} threads, "
-            f"block {report['block_size']}, {report['q_heads']}q/{report['kv_heads']}kv x {report['head_dim']})",
+            title=f"{report['benchmark']} ({report['dtype']}, {report['device']}, "
+            f"{report['threads']} threads, block {report['block_size']}, "
+            f"{report['q_heads']}q/{report['kv_heads']}kv x {report['head_dim']})",
             columns=[
                 "backend",
                 "batch",

@@ -217,8 +217,9 @@ def tables(report: dict) -> list[Table]:
     args = " ".join(report["arguments"])
     return [
         Table(
-            title=f"pagedkv bench {report['benchmark']}{' ' + args if args else ''}: this checkout against the "
-            f"baseline, {report['rounds']} interleaved rounds (median; range over the rounds)",
+            title=f"pagedkv bench {report['benchmark']}{' ' + args if args else ''}: this checkout "
+            f"against the baseline, {report['rounds']} "
+            "interleaved rounds (median; range over the rounds)",
             columns=[
                 "figure",
                 "better",

@@ -168,7 +168,8 @@ def _vllm_decode(steps: list[list], num_blocks: int, block_size: int, python: st
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         if "No module named 'vllm'" in last:
             return {
-                "skipped": f"vLLM is not installed for {python} (--vllm-python names one where it is)"
+                "skipped": f"vLLM is not installed for {python} "
+                "(--vllm-python names one where it is)"
             }
         return {"skipped": f"vLLM's side failed: {last}"}
     return json.loads(done.stdout)
@@ -237,9 +238,9 @@ def tables(report: dict) -> list[Table]:
     ]
     return [
         Table(
-            title=f"allocator core, {report['sequences']:,} sequences of {report['prompt_len']} prompt tokens "
-            f"({report.get('shared_prefix', '-')} shared), {report['decode_rounds']} decode rounds, "
-            f"block size {report['block_size']}",
+            title=f"allocator core, {report['sequences']:,} sequences of {report['prompt_len']} "
+            f"prompt tokens ({report.get('shared_prefix', '-')} shared), {report['decode_rounds']} "
+            f"decode rounds, block size {report['block_size']}",
             columns=[
                 "prefix caching",
                 "admit (us)",
@@ -273,8 +274,8 @@ def _against_table(a: dict) -> Table:
         else [f"PagedKV takes {a['ratio_p50']:.2f}x vLLM's CPU time per step (p50)"]
     )
     return Table(
-        title=f"one decode step of {a['seqs']} sequences ({a['ops_per_step']:.0f} operations: appends, "
-        f"a few frees and admits), block size {a['block_size']}, prefix caching on, "
+        title=f"one decode step of {a['seqs']} sequences ({a['ops_per_step']:.0f} operations: "
+        f"appends, a few frees and admits), block size {a['block_size']}, prefix caching on, "
         f"CPU ms per step over {a['steps']} steps",
         columns=["system", "p50 ms", "mean ms"],
         rows=rows,

@@ -215,7 +215,8 @@ def record(
 
 class _DeviceTimed:
     """An engine whose every step's device time is noted for each Step its client sent in it:
-    on the virtual clock, which moves only while the host waits for the device, by one step of it."""
+    on the virtual clock, which moves only while the
+    host waits for the device, by one step of it."""
 
     def __init__(self, engine, client) -> None:
         self.engine, self.client = engine, client
@@ -360,7 +361,8 @@ def _top(stats, key: str, keep=lambda where: True) -> list[str]:
                 (cumtime, whole or cumtime) if key == "cumulative" else (tottime, stats.total_tt)
             )
             rows.append(
-                f"{cumtime:8.3f} {tottime:8.3f} {calls:9d} {100 * mine / whole if whole else 0:5.1f}%  {where}"
+                f"{cumtime:8.3f} {tottime:8.3f} {calls:9d} "
+                f"{100 * mine / whole if whole else 0:5.1f}%  {where}"
             )
         if len(rows) == TOP:
             break
@@ -368,7 +370,8 @@ def _top(stats, key: str, keep=lambda where: True) -> list[str]:
 
 
 def _short(path: str) -> str:
-    """A profiled function's file: from its package down (this tree's, an installed one's, the standard library's)."""
+    """A profiled function's file: from its package down (this
+    tree's, an installed one's, the standard library's)."""
     for marker in ("site-packages/", f"python{sys.version_info[0]}.{sys.version_info[1]}/"):
         if marker in path:
             return path.split(marker, 1)[1]
@@ -452,17 +455,19 @@ def tables(report: dict) -> list[Table]:
     rec, t, mem = report["recording"], report["targets"], report["memory"]
     knees = ", ".join(f"{m} allocator(s): {cell(k)}" for m, k in t["knee_workers"].items())
     notes = [
-        f"Workload: {report['workload']}. Recorded with {cell(rec.get('lookahead'))} lookahead slots: "
-        f"{rec['steps']} Steps, {rec['timed_steps']} past the warm-up, "
-        f"the device's step {cell(rec['device_ms_per_step'], '.2f')} ms (sim:h100 roofline), requests of "
-        f"{cell(rec['request_bytes_mean'], ',')} bytes on average.",
-        "Step ms: where the load generator sees it. Idle %: sum of max(0, Step latency - device step time) over "
-        "the workers' wall time. CPU s/s and RSS: the allocator processes', summed. Errors: failed calls and "
-        "answers unlike the recording's. Unary: workers whose StepStream the server refused (its stream limit), "
-        "sending unary Steps as a worker does. Loadgen: its CPU per call, and how late it sent (p99). Others' CPU: "
-        "the machine's CPU that processes other than the benchmark's took meanwhile (they share the pinned cores).",
+        f"Workload: {report['workload']}. Recorded with {cell(rec.get('lookahead'))} lookahead "
+        f"slots: {rec['steps']} Steps, {rec['timed_steps']} past the warm-up, "
+        f"the device's step {cell(rec['device_ms_per_step'], '.2f')} ms (sim:h100 roofline), "
+        f"requests of {cell(rec['request_bytes_mean'], ',')} bytes on average.",
+        "Step ms: where the load generator sees it. Idle %: sum of max(0, Step latency - device "
+        "step time) over the workers' wall time. CPU s/s and RSS: the allocator processes', "
+        "summed. Errors: failed calls and answers unlike the recording's. Unary: workers whose "
+        "StepStream the server refused (its stream limit), sending unary Steps as a worker does. "
+        "Loadgen: its CPU per call, and how late it sent (p99). Others' CPU: the machine's CPU "
+        "that processes other than the benchmark's took meanwhile (they share the pinned cores).",
         f"Knee (the most workers at <= {100 * t['idle_target']:.0f}% device idle): {knees}. "
-        f"On {report['cores']} cores; allocator i pinned to core i, the load generator to the others.",
+        f"On {report['cores']} cores; allocator i pinned "
+        "to core i, the load generator to the others.",
     ]
     mem_rows = [
         [
@@ -498,7 +503,8 @@ def tables(report: dict) -> list[Table]:
             ["blocks", "blocks filled", "base RSS MiB", "bytes/block empty", "bytes/block filled"],
             mem_rows,
             [
-                "Filled: sequences of 63 full blocks of distinct tokens (every block hashed, prefix caching on)."
+                "Filled: sequences of 63 full blocks of distinct "
+                "tokens (every block hashed, prefix caching on)."
             ],
         ),
     ]

@@ -51,6 +51,11 @@ def cell(value: Any, spec: str = "") -> str:
     return format(value, spec)
 
 
+def verdict(met: bool | None) -> str:
+    """A target's outcome in a table: met, not met, or not measured (None)."""
+    return "not measured" if met is None else "met" if met else "not met"
+
+
 # -- running one benchmark --------------------------------------------------------------
 
 
@@ -61,8 +66,8 @@ def add_json_option(parser: argparse.ArgumentParser) -> None:
         const=STDOUT,
         default=None,
         metavar="FILE",
-        help="write the report as one JSON object: to FILE (the table is still printed), or with no FILE "
-        "to stdout instead of the table",
+        help="write the report as one JSON object: to FILE (the table is still printed), or with "
+        "no FILE to stdout instead of the table",
     )
 
 
@@ -266,7 +271,8 @@ def markdown(table: Table) -> str:
 
 
 def percentile(values: Iterable[float | None], q: float) -> float | None:
-    """The nearest-rank `q` quantile (0 < q <= 1) of the values that are numbers; None if none are."""
+    """The nearest-rank `q` quantile (0 < q <= 1) of the
+    values that are numbers; None if none are."""
     ordered = sorted(v for v in values if v is not None and v == v)
     if not ordered:
         return None

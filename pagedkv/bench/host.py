@@ -5,8 +5,8 @@ A worker engine with Llama-3-8B's public config (bf16) on `--device`:
 step, worker/sim/), or `cuda` (random weights, `--load-format dummy`, half of
 the GPU's free memory for the KV pool), with the wall clock: the device's time
 really passes while the host processes the last step's tokens, plans the next
-step and calls the allocator, as against a GPU. For each allocator (`--allocators`: in-process, or a real
-allocator process over gRPC) and each number of sequences running at once,
+step and calls the allocator, as against a GPU. For each allocator (`--allocators`: in-process, or a
+real allocator process over gRPC) and each number of sequences running at once,
 a closed loop of decode-heavy requests (a new one as each finishes) runs
 until every first request has its first token, then for the timed steps:
 
@@ -33,7 +33,7 @@ import tempfile
 from collections.abc import Callable
 
 from pagedkv.bench import harness
-from pagedkv.bench.harness import Table, cell
+from pagedkv.bench.harness import Table, cell, verdict
 from pagedkv.bench.systems.allocators import deploy
 from pagedkv.bench.workloads import HOST, HostWorkload, decode_heavy_request
 
@@ -125,7 +125,8 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def model_for(folder: str, device: str):
-    """The model once for every case: its shape on a simulated device, random weights on a real one."""
+    """The model once for every case: its shape on a simulated
+    device, random weights on a real one."""
     from worker.sim import is_sim
 
     if is_sim(device):
@@ -151,7 +152,8 @@ def _free(device: str) -> None:
 def engine_config(folder: str, device: str, address: str, n: int, w: HostWorkload):
     from worker.engine import EngineConfig
 
-    # on a real GPU half of its free memory (the weights loaded) for the KV pool; a simulated one sizes its own
+    # on a real GPU half of its free memory (the weights
+    # loaded) for the KV pool; a simulated one sizes its own
     memory = {"kv_cache_memory": "0.5"} if device == "cuda" else {}
     return EngineConfig(
         model=folder,
@@ -167,7 +169,8 @@ def engine_config(folder: str, device: str, address: str, n: int, w: HostWorkloa
 
 
 def closed_loop(engine, n: int, w: HostWorkload) -> Callable[[], None]:
-    """`n` decode-heavy requests of `w` added to `engine`, and what adds one more (as one finishes)."""
+    """`n` decode-heavy requests of `w` added to `engine`, and
+    what adds one more (as one finishes)."""
     from worker.engine import SamplingParams
 
     rng = random.Random(w.seed + n)
@@ -257,22 +260,23 @@ def tables(report: dict) -> list[Table]:
     t = report["targets"]
     device = (
         f"Device: {report['device']} ({roof.get('gpu', '-')}), simulated: a roofline with MFU "
-        f"{roof.get('mfu')}, MBU {roof.get('mbu')}, launch {roof.get('launch_ms')} ms; the host's times are "
-        "this machine's, measured."
+        f"{roof.get('mfu')}, MBU {roof.get('mbu')}, launch {roof.get('launch_ms')} ms; the host's "
+        "times are this machine's, measured."
         if report.get("simulated", True)
-        else f"Device: {report['device']}, real: device time from CUDA events around each step's forward pass "
-        "and sampling; the host's times are this machine's."
+        else f"Device: {report['device']}, real: device time from CUDA events around each step's "
+        "forward pass and sampling; the host's times are this machine's."
     )
     notes = [
         device,
         f"Model: {report['model']}. Workload: {report['workload']}.",
-        "device busy: device time / wall time over the timed steps. TPOT p50: the median gap between two tokens "
-        "of a sequence. Host ms per step: pagedkv_worker_step_host_seconds by part, per timed step.",
+        "device busy: device time / wall time over the timed steps. TPOT p50: the median gap "
+        "between two tokens of a sequence. Host ms per step: "
+        "pagedkv_worker_step_host_seconds by part, per timed step.",
         f"Target: device busy >= {t['target']} at grpc/256: "
         + (
             "not measured"
             if t["device_busy_ratio_grpc_256"] is None
-            else f"{t['device_busy_ratio_grpc_256']:.3f} ({'met' if t['met'] else 'not met'})"
+            else f"{t['device_busy_ratio_grpc_256']:.3f} ({verdict(t['met'])})"
         )
         + ".",
     ]

@@ -207,8 +207,8 @@ def tables(report: dict[str, Any]) -> list[Table]:
     ]
     return [
         Table(
-            title=f"{report['benchmark']}: {report['model']}, {w['prompts']} prompts, {w['questions']} questions, "
-            f"{w['kv_cache_memory']} of KV",
+            title=f"{report['benchmark']}: {report['model']}, {w['prompts']} prompts, "
+            f"{w['questions']} questions, {w['kv_cache_memory']} of KV",
             columns=[
                 "kv-cache-dtype",
                 "mean |dlogprob|",
@@ -219,8 +219,8 @@ def tables(report: dict[str, Any]) -> list[Table]:
             ],
             rows=rows,
             notes=[
-                "dlogprob: nats per token of auto's greedy continuation; targets: mean <= 0.05, multiple choice "
-                "within 2 points of auto"
+                "dlogprob: nats per token of auto's greedy continuation; targets: mean <= 0.05, "
+                "multiple choice within 2 points of auto"
             ],
         )
     ]

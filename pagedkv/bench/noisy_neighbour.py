@@ -310,9 +310,10 @@ def tables(out: dict) -> list[Table]:
     done = ", ".join(f"{k} {v}" for k, v in out["neighbour_requests"].items())
     return [
         Table(
-            title=f"Victim pool: {out['victim_seqs']} sequences per step, block size {out['block_size']}; "
-            f"neighbour: {out['neighbour_blocks']:,} blocks, {out['neighbour_prompt_tokens']:,}-token admits "
-            f"({out['neighbour_allocator']} allocator process, {out['neighbour_client']} client)",
+            title=f"Victim pool: {out['victim_seqs']} sequences per step, block size "
+            f"{out['block_size']}; neighbour: {out['neighbour_blocks']:,} blocks, "
+            f"{out['neighbour_prompt_tokens']:,}-token admits ({out['neighbour_allocator']} "
+            f"allocator process, {out['neighbour_client']} client)",
             columns=[
                 "victim step latency",
                 "p50 ms",

@@ -49,7 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load(results: str | Path) -> list[tuple[str, dict]]:
-    """(file name, report) of every JSON result in `results`, in the benchmarks' order, then by name."""
+    """(file name, report) of every JSON result in `results`,
+    in the benchmarks' order, then by name."""
     from pagedkv_base.settings import CliError
 
     order = list(BENCHMARKS)
@@ -67,7 +68,8 @@ def load(results: str | Path) -> list[tuple[str, dict]]:
 
 
 def render(results: list[tuple[str, dict]], folder: str = DEFAULT_RESULTS) -> str:
-    """The page: the header, then a section per result (`folder`: where the results are, as the page names it)."""
+    """The page: the header, then a section per result (`folder`:
+    where the results are, as the page names it)."""
     return "\n".join(
         [HEADER, *(_section(f"{folder.rstrip('/')}/{file}", report) for file, report in results)]
     )

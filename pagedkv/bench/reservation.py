@@ -47,7 +47,7 @@ import tempfile
 from pathlib import Path
 
 from pagedkv.bench import harness
-from pagedkv.bench.harness import Table, cell
+from pagedkv.bench.harness import Table, cell, verdict
 from pagedkv.bench.workloads import (
     RESERVATION,
     ReservationWorkload,
@@ -85,8 +85,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-dtype",
         choices=tuple(KV_CACHE_DTYPES),
         default="auto",
-        help="the workers' --kv-cache-dtype: fp8 halves the KV bytes, so the simulated memory holds "
-        "twice the blocks and a step reads half the KV [auto]",
+        help="the workers' --kv-cache-dtype: fp8 halves the KV bytes, so the simulated memory "
+        "holds twice the blocks and a step reads half the KV [auto]",
     )
     parser.add_argument(
         "--systems",
@@ -286,7 +286,8 @@ def _summary(runs: list[dict], bound: float) -> dict:
 
 
 def plot(report: dict, path: str | Path) -> None:
-    """Normalized latency against rate, a line per system, the bound dashed (the paper's Figure 12)."""
+    """Normalized latency against rate, a line per system, the
+    bound dashed (the paper's Figure 12)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -312,7 +313,8 @@ def plot(report: dict, path: str | Path) -> None:
     ax.set_xlabel("request rate (requests/s)")
     ax.set_ylabel("normalized latency (s/token)")
     ax.set_title(
-        f"{report['model'].split(' ')[0]} on {report['device']} ({report['clock']} clock, simulated)",
+        f"{report['model'].split(' ')[0]} on {report['device']} "
+        f"({report['clock']} clock, simulated)",
         fontsize=10,
     )
     ax.grid(alpha=0.3)
@@ -361,18 +363,20 @@ def tables(report: dict) -> list[Table]:
     kv = report.get("kv_cache_dtype", "auto")
     fp8 = "" if kv == "auto" else f", --kv-cache-dtype {kv}"
     notes = [
-        f"Simulated: {report['model']} ({report['kv_bytes_per_token']:,} KV bytes per token{fp8}) on {report['device']} "
-        f"({roof.get('gpu', '-')}; roofline MFU {roof.get('mfu', '-')}, MBU {roof.get('mbu', '-')}, launch "
-        f"{roof.get('launch_ms', '-')} ms), {report['clock']} clock; KV pool {pool.get('num_blocks', '-')} blocks of "
-        f"{pool.get('block_size', '-')} ({pool.get('tokens', '-')} tokens, {pool.get('gib', '-')} GiB).",
-        f"Workload: {report['workload']}; drawn: prompts {lengths['prompt_mean']} tokens on average "
-        f"(at most {lengths['prompt_max']}), outputs {lengths['output_mean']} (at most {lengths['output_max']}).",
-        f"max rate: the highest rate whose normalized latency (mean of latency / output tokens) is under "
-        f"{report['latency_bound_s']:g} s/token, every lower rate too; a system's higher rates are not run once "
-        "one is over it (-).",
+        f"Simulated: {report['model']} ({report['kv_bytes_per_token']:,} KV bytes per token{fp8}) "
+        f"on {report['device']} ({roof.get('gpu', '-')}; roofline MFU {roof.get('mfu', '-')}, MBU "
+        f"{roof.get('mbu', '-')}, launch {roof.get('launch_ms', '-')} ms), {report['clock']} "
+        f"clock; KV pool {pool.get('num_blocks', '-')} blocks of {pool.get('block_size', '-')} "
+        f"({pool.get('tokens', '-')} tokens, {pool.get('gib', '-')} GiB).",
+        f"Workload: {report['workload']}; drawn: prompts {lengths['prompt_mean']} tokens on "
+        f"average (at most {lengths['prompt_max']}), outputs "
+        f"{lengths['output_mean']} (at most {lengths['output_max']}).",
+        "max rate: the highest rate whose normalized latency (mean of latency / output tokens) is "
+        f"under {report['latency_bound_s']:g} s/token, every lower rate too; a system's higher "
+        "rates are not run once one is over it (-).",
         *(
             f"{key}: {cell(t[key], '.2f')} (target >= {t[f'{key}_target']:g}: "
-            f"{'not measured' if t[f'{key}_met'] is None else 'met' if t[f'{key}_met'] else 'not met'})"
+            f"{verdict(t[f'{key}_met'])})"
             for key in TARGETS
         ),
         *(

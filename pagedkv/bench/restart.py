@@ -183,8 +183,8 @@ KINDS = [Kind(p, s, c) for p in range(len(PROMPTS)) for s in (False, True) for c
 
 
 def _reference(urls: list[str], model: str) -> dict[tuple[int, bool], str]:
-    """(prompt, chat) -> the text with no restart: each asked once, not streamed, of the first worker
-    (the workers serve the same model: the other must give the same)."""
+    """(prompt, chat) -> the text with no restart: each asked once, not streamed, of the first
+    worker (the workers serve the same model: the other must give the same)."""
     import httpx
 
     out = {}
@@ -451,7 +451,8 @@ def failover_under_load(
             time.sleep(rng.uniform(0.0, 0.5))
             deposed = leader.log().count(DEPOSED)
             popen.send_signal(signal.SIGCONT)
-            # (it may lead again later: a leader that cannot renew in time on a loaded machine is replaced)
+            # (it may lead again later: a leader that cannot
+            # renew in time on a loaded machine is replaced)
             _wait_until(
                 lambda p=leader, n=deposed: p.log().count(DEPOSED) > n,
                 30,
@@ -474,7 +475,8 @@ def failover_under_load(
         "sigstop": kinds.count("stop"),
         "leader_lease_s": LEADER_LEASE_S,
         "wall_s": round(wall, 1),
-        # takeovers beyond one per kill: a leader replaced because it did not renew its lease in time
+        # takeovers beyond one per kill: a leader replaced
+        # because it did not renew its lease in time
         "takeovers": takeovers,
         "unforced_takeovers": max(takeovers - kills, 0),
         "back_s_p50": _round(harness.percentile(every, 0.5)),
@@ -489,7 +491,8 @@ def failover_under_load(
 
 
 def _outcomes(outcomes: list[Outcome], reference, before, after, t_start: float) -> dict[str, Any]:
-    """The request figures of a run: counts, failures and wrong texts, latency, the workers' counters."""
+    """The request figures of a run: counts, failures and wrong
+    texts, latency, the workers' counters."""
     failed = [o for o in outcomes if o.status != 200]
     wrong = [
         o for o in outcomes if o.status == 200 and o.text != reference[(o.kind.prompt, o.kind.chat)]
@@ -657,14 +660,17 @@ def tables(report: dict) -> list[Table]:
                     ]
                 ],
                 [
-                    f"leader lease {sb['leader_lease_s']:g} s; back: from the signal to the answer of a probe step "
-                    "sent at once with both addresses (the client follows the leader); a SIGSTOPped leader is resumed "
+                    f"leader lease {sb['leader_lease_s']:g} s; back: from the signal to the answer "
+                    "of a probe step sent at once with both addresses (the client follows the "
+                    "leader); a SIGSTOPped leader is resumed "
                     "once the standby serves and must step down.",
-                    f"takeovers: {sb['takeovers']} ({sb['unforced_takeovers']} beyond one per kill: a leader that did "
-                    "not renew its lease in time, replaced and fenced).",
-                    f"journal: {sb['steps_journaled']} steps read as written, {sb['steps_applied_twice']} applied twice, "
+                    f"takeovers: {sb['takeovers']} ({sb['unforced_takeovers']} beyond one per "
+                    "kill: a leader that did not renew its lease in time, replaced and fenced).",
+                    f"journal: {sb['steps_journaled']} steps read as written, "
+                    f"{sb['steps_applied_twice']} applied twice, "
                     f"{sb['steps_not_following_their_last']} not following their pool's last step, "
-                    f"{sb['records_not_read']} records trimmed before they were read (not checked).",
+                    f"{sb['records_not_read']} records trimmed "
+                    "before they were read (not checked).",
                 ]
                 + [f"failed: {json.dumps(f)}" for f in sb["failures"]]
                 + [f"wrong: {json.dumps(f)}" for f in sb["wrong"]],

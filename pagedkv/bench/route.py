@@ -291,7 +291,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 def _one_run(
     target: Target, workload: list[list[dict]], w: RouteWorkload, salt: str
 ) -> dict[str, Any]:
-    """The whole workload through `target`, salted so that no other run's prefixes are cached for it."""
+    """The whole workload through `target`, salted so that no
+    other run's prefixes are cached for it."""
     hit0, queried0 = _prefix_counters(target.workers)
     results, wall = asyncio.run(_run(target.url, workload, w, salt))
     hit1, queried1 = _prefix_counters(target.workers)
@@ -430,28 +431,32 @@ def tables(report: dict) -> list[Table]:
             for name in report["summary"]
         ),
         f"per round, kv hit rate / one worker with both pools: "
-        f"{cell(per_round['kv_hit_rate_of_one_worker_with_both_pools'])} (target >= 0.9 in every round); "
-        f"kv tokens/s / round-robin: {cell(per_round['kv_tokens_per_s_over_round_robin'])} (target >= 1.5)",
-        f"kv hit rate / one worker with both pools: {cell(g['kv_hit_rate_of_one_worker_with_both_pools'])} "
-        f"(target >= 0.9); kv tokens/s / round-robin: {cell(g['kv_tokens_per_s_over_round_robin'])} (target >= 1.5; "
-        f"at most {cell(_prefill_bound(report['summary']))} on this workload, were prompt tokens all the work: "
-        f"(1 - round-robin's hit rate) / (1 - the one worker's)); "
-        f"kv TTFT p50 / round-robin: {cell(g['kv_ttft_p50_of_round_robin'])} (target <= 0.6)",
+        f"{cell(per_round['kv_hit_rate_of_one_worker_with_both_pools'])} (target >= 0.9 in every "
+        "round); kv tokens/s / round-robin: "
+        f"{cell(per_round['kv_tokens_per_s_over_round_robin'])} (target >= 1.5)",
+        "kv hit rate / one worker with both pools: "
+        f"{cell(g['kv_hit_rate_of_one_worker_with_both_pools'])} (target >= 0.9); kv tokens/s / "
+        f"round-robin: {cell(g['kv_tokens_per_s_over_round_robin'])} (target >= 1.5; at most "
+        f"{cell(_prefill_bound(report['summary']))} on this workload, were prompt tokens all the "
+        "work: (1 - round-robin's hit rate) / (1 - the one worker's)); kv TTFT p50 "
+        f"/ round-robin: {cell(g['kv_ttft_p50_of_round_robin'])} (target <= 0.6)",
         f"router added latency p50 (sequential 1-token requests, a prompt of whole blocks): "
-        f"{cell(p['routed_p50_ms'])} ms routed vs {cell(p['direct_p50_ms'])} ms direct = +{cell(p['added_p50_ms'])} ms "
-        f"(target <= 2); a prompt under one block (nothing to match): +{cell(p['short_prompt_added_p50_ms'])} ms",
+        f"{cell(p['routed_p50_ms'])} ms routed vs {cell(p['direct_p50_ms'])} ms direct = "
+        f"+{cell(p['added_p50_ms'])} ms (target <= 2); a prompt under one block (nothing to "
+        f"match): +{cell(p['short_prompt_added_p50_ms'])} ms",
         f"the same, kv asking MatchPrefix per request (PAGEDKV_ROUTER_CACHE_VIEW=match-prefix): "
         f"+{cell(p['match_prefix_added_p50_ms'])} ms (under one block: "
         f"+{cell(p['short_prompt_match_prefix_added_p50_ms'])} ms)",
-        f"kv routing time, mean over the bench: {cell(p['kv_routing_mean_ms'])} ms, of which matching in its view "
-        f"{cell(p['kv_view_match_mean_ms'])} ms (MatchPrefix, while the view was not in step: "
-        f"{cell(p['kv_match_prefix_mean_ms'])} ms)",
+        f"kv routing time, mean over the bench: {cell(p['kv_routing_mean_ms'])} ms, of which "
+        f"matching in its view {cell(p['kv_view_match_mean_ms'])} ms (MatchPrefix, while the view "
+        f"was not in step: {cell(p['kv_match_prefix_mean_ms'])} ms)",
     ]
     return [
         Table(
-            title=f"pagedkv bench route: {w['tenants']} tenants x {w['conversations_per_tenant']} conversations, "
-            f"~{w['prompt_tokens']}-token system prompts, 2 workers x {w['num_blocks_per_worker']} blocks "
-            f"({w['model']}), mean of {w['rounds']} interleaved rounds"
+            title=f"pagedkv bench route: {w['tenants']} tenants x {w['conversations_per_tenant']} "
+            f"conversations, ~{w['prompt_tokens']}-token system prompts, 2 workers x "
+            f"{w['num_blocks_per_worker']} blocks ({w['model']}), "
+            f"mean of {w['rounds']} interleaved rounds"
             + (
                 f", {w['background_load']} CPU-bound processes beside the stack"
                 if w.get("background_load")
@@ -476,8 +481,8 @@ def tables(report: dict) -> list[Table]:
 
 
 def figures(report: dict) -> dict[str, tuple[float | None, bool]]:
-    """The headline figures (`bench compare`): each system's hit rate, tokens/s and TTFT p50, and the
-    router's added latency; (value, lower is better)."""
+    """The headline figures (`bench compare`): each system's hit rate, tokens/s and TTFT p50,
+    and the router's added latency; (value, lower is better)."""
     out: dict[str, tuple[float | None, bool]] = {}
     for name, s in report["summary"].items():
         out[f"{name} hit rate"] = (s.get("hit_rate"), False)

@@ -235,9 +235,10 @@ def _rounds(
         result["other_cpu_share"] = cpu.share()
         rounds[name].append(result)
         _log(
-            f"round {r + 1}: {result['system']}: {result['tokens_per_s']} tok/s, {result['wall_s']} s, "
-            f"{cell(result.get('mean_step_ms'))} ms/step, {cell(result.get('allocator_calls_per_step'))} "
-            f"allocator calls/step, waited {cell(result.get('allocator_wait_ms_per_step'))} ms/step for it "
+            f"round {r + 1}: {result['system']}: {result['tokens_per_s']} tok/s, "
+            f"{result['wall_s']} s, {cell(result.get('mean_step_ms'))} ms/step, "
+            f"{cell(result.get('allocator_calls_per_step'))} allocator calls/step, waited "
+            f"{cell(result.get('allocator_wait_ms_per_step'))} ms/step for it "
             f"(other processes took {cell(result['other_cpu_share'])} of the CPU)"
         )
     systems: dict[str, dict[str, Any]] = {}
@@ -264,8 +265,8 @@ def _compare_systems(
 
     runners, skipped = _systems(args, loaded, prompts, serving)
     _log(
-        f"{len(prompts)} requests x {serving.max_tokens} tokens, pool {serving.num_blocks} blocks of "
-        f"{serving.block_size}, {torch.get_num_threads()} threads, {args.repeats} round(s)"
+        f"{len(prompts)} requests x {serving.max_tokens} tokens, pool {serving.num_blocks} blocks "
+        f"of {serving.block_size}, {torch.get_num_threads()} threads, {args.repeats} round(s)"
     )
     systems = _rounds(runners, args.repeats, skipped)
     _matches(systems, "engine", "outputs_match_engine")
@@ -362,8 +363,8 @@ def _compare_allocators(
             for name in args.allocator
         }
         _log(
-            f"{len(prompts)} requests x {serving.max_tokens} tokens, pool {serving.num_blocks} blocks of "
-            f"{serving.block_size}, prefix caching on, "
+            f"{len(prompts)} requests x {serving.max_tokens} tokens, pool {serving.num_blocks} "
+            f"blocks of {serving.block_size}, prefix caching on, "
             f"{torch.get_num_threads()} threads, {args.repeats} round(s) of {', '.join(runners)}"
         )
         systems = _rounds(runners, args.repeats)
@@ -399,7 +400,8 @@ def _allocator_runner(
 
 
 def _allocator_ratios(result: dict, systems: dict[str, dict]) -> dict[str, float | None]:
-    """`result`'s tokens/s against embedded's with the same scheduling, and against its own without async."""
+    """`result`'s tokens/s against embedded's with the same
+    scheduling, and against its own without async."""
     base = systems.get(_allocator_key("embedded", result["async_scheduling"]))
     sync = systems.get(_allocator_key(result["allocator"], False))
     return {
@@ -470,9 +472,10 @@ def _systems_table(report: dict[str, Any]) -> Table:
     ]
     notes += [f"skipped {name}: {why}" for name, why in report["skipped"].items()]
     return Table(
-        title=f"bench serve: {report['model']} fp32, {report['threads']} threads; {w['requests']} requests x "
-        f"{w['max_tokens']} tokens, prompts {w['prompt_tokens_min']}-{w['prompt_tokens_max']} tokens "
-        f"(shared prefix {w['shared_prefix_tokens']}); pool {pool['num_blocks']} x {pool['block_size']} slots",
+        title=f"bench serve: {report['model']} fp32, {report['threads']} threads; {w['requests']} "
+        f"requests x {w['max_tokens']} tokens, prompts "
+        f"{w['prompt_tokens_min']}-{w['prompt_tokens_max']} tokens (shared prefix "
+        f"{w['shared_prefix_tokens']}); pool {pool['num_blocks']} x {pool['block_size']} slots",
         columns=["", *(s["system"] for s in systems.values())],
         rows=[[label, *(cell(s.get(key)) for s in systems.values())] for label, key in _ROWS],
         notes=notes,
@@ -500,20 +503,21 @@ def _allocators_table(report: dict[str, Any]) -> Table:
         for s in report["systems"].values()
     ]
     notes = [
-        "ahead: lookahead slots; / embedded: best round over embedded's best (same async and lookahead); "
-        "paired: the median over rounds of each round's ratio to embedded's round; calls/step: allocator "
-        "calls per engine step; wait: the time a step waited for the allocator's answer; running: most "
-        f"sequences running at once; outputs: requests whose greedy tokens equal {report['first_system']}'s"
+        "ahead: lookahead slots; / embedded: best round over embedded's best (same async and "
+        "lookahead); paired: the median over rounds of each round's ratio to embedded's round; "
+        "calls/step: allocator calls per engine step; wait: the time a step waited for the "
+        "allocator's answer; running: most sequences running at once; outputs: requests whose "
+        f"greedy tokens equal {report['first_system']}'s"
     ]
     notes += [
-        f"{s['system']}: tokens/s of every round {cell(s['tokens_per_s_rounds'])}, other processes took "
-        f"{cell(s['other_cpu_share'])} of the CPU in the best"
+        f"{s['system']}: tokens/s of every round {cell(s['tokens_per_s_rounds'])}, other processes "
+        f"took {cell(s['other_cpu_share'])} of the CPU in the best"
         for s in report["systems"].values()
     ]
     return Table(
-        title=f"bench serve --allocator: {report['model']} fp32, {report['threads']} threads; {w['requests']} "
-        f"requests x {w['max_tokens']} tokens; pool {pool['num_blocks']} x {pool['block_size']} slots, "
-        f"prefix caching {cell(pool['prefix_caching'])}",
+        title=f"bench serve --allocator: {report['model']} fp32, {report['threads']} threads; "
+        f"{w['requests']} requests x {w['max_tokens']} tokens; pool {pool['num_blocks']} x "
+        f"{pool['block_size']} slots, prefix caching {cell(pool['prefix_caching'])}",
         columns=[
             "allocator",
             "async",

@@ -84,7 +84,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _block_bytes(model: str, block_size: int) -> int:
-    """One KV block's bytes for `model`, from its KV layout (the model built in-process, on the CPU)."""
+    """One KV block's bytes for `model`, from its KV layout
+    (the model built in-process, on the CPU)."""
     import torch
 
     from worker.model.loader import load_model
@@ -178,7 +179,8 @@ def _turn(client, url: str, messages: list[dict], w: TiersWorkload, salt: str) -
 
 
 def _tier_bytes(urls: tuple[str, ...]) -> dict[str, float]:
-    """The tiers' saved and loaded bytes so far, by tier, summed over the workers (absent: not exported)."""
+    """The tiers' saved and loaded bytes so far, by tier, summed
+    over the workers (absent: not exported)."""
     got: dict[str, float] = {}
     for url in urls:
         for s in harness.metric_samples(url):
@@ -420,16 +422,20 @@ def tables(report: dict) -> list[Table]:
     ]
     other = (report["summary"].get(SHARED) or {}).get("other_worker") or {}
     notes = [
-        f"KV pool {w['kv_pool_blocks']} blocks of {w['block_size']} tokens ({w['block_bytes']} B each), "
-        f"{w['kv_pool_blocks'] / w['working_set_blocks']:.0%} of the working set (1/{KV_SHARE}, or one whole "
-        f"request where that is more; {w['working_set_blocks']} blocks planned, "
-        f"{cell(w['working_set_blocks_measured'])} measured); host tier {w['host_tier_blocks']} blocks; shared store "
-        f"{w['shared_store_blocks']} blocks; unbounded pool {w['unbounded_blocks']} blocks",
-        f"host prefix-hit tokens / unbounded's: {cell(g['host_prefix_hits_of_unbounded'])} (target >= 0.9); "
-        f"host TTFT p50 / no-tier's: {cell(g['host_ttft_p50_of_no_tier'])} (target <= 0.35)",
-        f"{SHARED}: turns on the other worker than their conversation's previous turn: {cell(other.get('turns'))}, "
-        f"computing {cell(g['other_worker_history_computed_fraction'], '.1%')} of their history (target <= 10%; "
-        f"without the store a worker finds only what it computed itself, two turns before at best)",
+        f"KV pool {w['kv_pool_blocks']} blocks of {w['block_size']} tokens ({w['block_bytes']} B "
+        f"each), {w['kv_pool_blocks'] / w['working_set_blocks']:.0%} of the working set "
+        f"(1/{KV_SHARE}, or one whole request where that is more; {w['working_set_blocks']} blocks "
+        f"planned, {cell(w['working_set_blocks_measured'])} measured); host tier "
+        f"{w['host_tier_blocks']} blocks; shared store {w['shared_store_blocks']} "
+        f"blocks; unbounded pool {w['unbounded_blocks']} blocks",
+        f"host prefix-hit tokens / unbounded's: {cell(g['host_prefix_hits_of_unbounded'])} (target "
+        ">= 0.9); host TTFT p50 / no-tier's: "
+        f"{cell(g['host_ttft_p50_of_no_tier'])} (target <= 0.35)",
+        f"{SHARED}: turns on the other worker than their conversation's previous turn: "
+        f"{cell(other.get('turns'))}, computing "
+        f"{cell(g['other_worker_history_computed_fraction'], '.1%')} of their history (target <= "
+        "10%; without the store a worker finds only what "
+        "it computed itself, two turns before at best)",
         f"outputs identical to the first system's (greedy), over the systems measured: "
         f"{cell(g['outputs_identical'])} (target: on)",
     ]
@@ -446,7 +452,8 @@ def tables(report: dict) -> list[Table]:
     return [
         Table(
             title=f"pagedkv bench tiers: {w['conversations']} conversations x {w['turns']} turns, "
-            f"{w['max_tokens']} tokens generated per turn ({w['model']}), {w['rounds']} interleaved round(s)",
+            f"{w['max_tokens']} tokens generated per turn "
+            f"({w['model']}), {w['rounds']} interleaved round(s)",
             columns=[
                 "system",
                 "prompt tokens",

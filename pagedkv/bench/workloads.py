@@ -76,7 +76,8 @@ class StepWorkload:
     warmup: int = 50  # untimed steps first
     block_size: int = 16
     prefix_caching: bool = True
-    # --noisy-neighbour: the victim's sequences per step, the neighbour's pool and its admits' length
+    # --noisy-neighbour: the victim's sequences per
+    # step, the neighbour's pool and its admits' length
     victim_seqs: int = 64
     neighbour_blocks: int = 65_536
     neighbour_prompt: int = 32_768
@@ -160,13 +161,14 @@ class FleetWorkload:
 
 FLEET = {
     "default": FleetWorkload(
-        "one Llama-3-8B worker on sim:h100 with 256 sequences running (prompts of 500-1,500 tokens, outputs of "
-        "200-400, a new request as each finishes) recorded for 400 steps past its warm-up, replayed by 1 to 32 "
-        "workers; 16 pools of 65,536 blocks for the memory figure",
+        "one Llama-3-8B worker on sim:h100 with 256 sequences running (prompts of 500-1,500 "
+        "tokens, outputs of 200-400, a new request as each finishes) recorded for 400 steps past "
+        "its warm-up, replayed by 1 to 32 workers; 16 pools of 65,536 blocks for the memory figure",
         HostWorkload("256 sequences", sizes=(256,), steps=400),
     ),
     "small": FleetWorkload(
-        "4 sequences of 50-100 prompt tokens recorded for 30 steps, replayed by 1 and 2 workers; 4,096 blocks",
+        "4 sequences of 50-100 prompt tokens recorded for "
+        "30 steps, replayed by 1 and 2 workers; 4,096 blocks",
         HostWorkload(
             "4 sequences", sizes=(4,), steps=30, prompt_tokens=(50, 100), output_tokens=(20, 40)
         ),
@@ -267,8 +269,8 @@ SERVE = {
 CHAT_SYSTEM_PROMPT = (
     "You are a careful, friendly assistant for a small engineering team. Answer in plain English, "
     "keep answers short and concrete, and say so when you are not sure. Prefer numbered steps for "
-    "procedures and short paragraphs otherwise. Never invent facts, links or numbers; when a question "
-    "is ambiguous, state the reading you chose before you answer."
+    "procedures and short paragraphs otherwise. Never invent facts, links or numbers; when a "
+    "question is ambiguous, state the reading you chose before you answer."
 )
 
 QUESTIONS = (
@@ -517,18 +519,16 @@ class AttackWorkload:
     router_header_timeout_s: float = 10.0
     router_body_timeout_s: float = 60.0
     tokenize_bytes: int = 3 << 20  # the text of one /tokenize with its token strings
-    flood_pools: int = (
-        12  # slow-read flood: pools, checks in flight of each, their blocks and tokens
-    )
+    # slow-read flood: pools, checks in flight of each, their blocks and tokens
+    flood_pools: int = 12
     flood_in_flight: int = 24
     flood_blocks: int = 32768
     flood_tokens: int = 16384
     snapshot_steps: int = 8  # snapshot amplification: steps of forks (ids of 256 characters)
     snapshot_forks: int = 500
     watchers: int = 8  # WatchEvents snapshot watchers
-    watched_tokens: int = (
-        262_144  # cached in a pool of their own for the watchers to read (blocks of 16)
-    )
+    # cached in a pool of their own for the watchers to read (blocks of 16)
+    watched_tokens: int = 262_144
     snapshot_every: int = 100  # the allocator's journal records between snapshots
     # store poisoning: prompts of each way (planted through the protocol, written over existing
     # entries) and their full blocks; prompt reading: the full blocks of the prompt with the secret
@@ -579,11 +579,11 @@ ATTACKS = {
 @dataclass(frozen=True)
 class ReservationWorkload:
     what: str = field(compare=False)
-    model: str = (
-        "opt-13b"  # a public config the simulated device serves (worker.sim.PUBLIC_CONFIGS)
-    )
+    # a public config the simulated device serves (worker.sim.PUBLIC_CONFIGS)
+    model: str = "opt-13b"
     requests: int = 400  # per rate: the same lengths at every rate, for every system
-    # requests per second, in increasing order; a system's sweep ends at its first rate over the bound
+    # requests per second, in increasing order; a system's
+    # sweep ends at its first rate over the bound
     rates: tuple[float, ...] = tuple(k / 4 for k in range(2, 25))  # 0.5, 0.75, ..., 6.0
     # ShareGPT's means in the vLLM paper's Figure 11 (input 161.31, output 337.99 tokens), each a
     # log-normal of this sigma (a long tail; our choice, not a fit of the data set)
@@ -602,13 +602,13 @@ class ReservationWorkload:
 
 RESERVATION = {
     "default": ReservationWorkload(
-        "400 ShareGPT-like requests per rate (log-normal lengths, prompt + output <= 2,048: prompts 161 tokens "
-        "and outputs 327 on average), Poisson arrivals at 0.5 to 6 requests/s in steps of 0.25, OPT-13B on the "
-        "simulated GPU"
+        "400 ShareGPT-like requests per rate (log-normal lengths, prompt + output <= 2,048: "
+        "prompts 161 tokens and outputs 327 on average), Poisson arrivals at 0.5 to 6 requests/s "
+        "in steps of 0.25, OPT-13B on the simulated GPU"
     ),
     "wide": ReservationWorkload(
-        "the default's requests and lengths at 0.5 to 24 requests/s in steps of 0.5: room above the default's 6 "
-        "for a pool that holds more (--kv-cache-dtype fp8)",
+        "the default's requests and lengths at 0.5 to 24 requests/s in steps of 0.5: room above "
+        "the default's 6 for a pool that holds more (--kv-cache-dtype fp8)",
         rates=tuple(k / 2 for k in range(1, 49)),
     ),
     "small": ReservationWorkload(

@@ -42,8 +42,8 @@ class UpArgs:
     )
     allocators: int = setting(
         1,
-        "allocator processes the workers' pools are sharded over: worker i registers with allocator "
-        "((i - 1) mod N), the router follows them all; at most --workers",
+        "allocator processes the workers' pools are sharded over: worker i registers with "
+        "allocator ((i - 1) mod N), the router follows them all; at most --workers",
     )
     allocator_port: int = setting(
         50051,
@@ -52,8 +52,8 @@ class UpArgs:
     )
     allocator_metrics_port: int = setting(
         9400,
-        "Prometheus /metrics and /pools port of the allocator (allocator i: this + i - 1); 0 picks a free "
-        "one",
+        "Prometheus /metrics and /pools port of the allocator (allocator i: this + i - 1); 0 picks "
+        "a free one",
         flag=False,
     )
     state: str = setting("memory", "allocator state: memory or redis://host:port/db")
@@ -64,13 +64,14 @@ class UpArgs:
     )
     standby: bool = setting(
         False,
-        "give each allocator a hot standby (allocator --standby) that follows its journal and takes over "
-        "within the leader lease when it dies or pauses; needs --redis or --state redis://...; the workers and "
-        "the router follow the leader",
+        "give each allocator a hot standby (allocator --standby) that follows its journal and "
+        "takes over within the leader lease when it dies or pauses; needs --redis or --state "
+        "redis://...; the workers and the router follow the leader",
     )
     prometheus: bool = setting(
         False,
-        "start a prometheus (when the binary exists) scraping the allocators, the router and every worker",
+        "start a prometheus (when the binary exists) "
+        "scraping the allocators, the router and every worker",
     )
     prometheus_port: int = setting(9090, "Prometheus web port; 0 picks a free one", flag=False)
     scrape_interval: str = setting("2s", "Prometheus scrape interval", flag=False)
@@ -87,9 +88,10 @@ class UpArgs:
     )
     restart: bool = setting(
         True,
-        "restart a process that exits, as compose's restart: unless-stopped (one line per restart, a delay "
-        f"doubling from {RESTART_DELAYS[0]:g} s while it keeps exiting within {FAST_EXIT_S:g} s of starting; after "
-        f"{GIVE_UP_AFTER} such exits in a row the stack stops); 0 stops the stack when any process exits",
+        "restart a process that exits, as compose's restart: unless-stopped (one line per restart, "
+        f"a delay doubling from {RESTART_DELAYS[0]:g} s while it keeps exiting within "
+        f"{FAST_EXIT_S:g} s of starting; after {GIVE_UP_AFTER} such exits in a row the stack "
+        "stops); 0 stops the stack when any process exits",
         flag=False,
     )
     ready_file: str | None = setting(

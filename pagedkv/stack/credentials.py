@@ -55,7 +55,8 @@ def store_key_file(directory: Path, worker_id: str) -> Path:
 
 
 def write_secret(path: Path, text: str) -> None:
-    """`text` in file `path`, readable by its owner only (written whole, then renamed into place)."""
+    """`text` in file `path`, readable by its owner only
+    (written whole, then renamed into place)."""
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -216,6 +217,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise CliError(str(exc)) from exc
     print(
-        f"credentials for {len(pairs)} workers in {args.directory} ({'written' if written else 'kept'})"
+        f"credentials for {len(pairs)} workers in "
+        f"{args.directory} ({'written' if written else 'kept'})"
     )
     return 0

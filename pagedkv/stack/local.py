@@ -16,7 +16,8 @@ their binaries are on PATH::
         stack.prometheus_url         # "http://127.0.0.1:PORT", or None (not asked for / no binary)
         stack.redis_url              # "redis://127.0.0.1:PORT/0", or None
         stack.logs("worker-1")       # that process's last output lines
-        stack.allocator.kill(); stack.allocator.start().wait_healthy()  # a crash and a restart in place
+        stack.allocator.kill(); stack.allocator.start().wait_healthy()
+        # a crash and a restart in place
 
 - Every port defaults to a free one (0); `pagedkv up` defaults to fixed ports
   (router 8000; workers 8001, 8002, ...; allocator 50051) like docker-compose.
@@ -53,14 +54,14 @@ their binaries are on PATH::
   keeps its journal under a key prefix of its own (the first the state
   URL's `key_prefix`, default `pagedkv:allocator:`; allocator i that prefix
   plus `shard-i:`). Their `--state`, `--listen` and `--metrics-port` are
-  the stack's to set: `allocator_args` may not give them then. `allocator` / `allocator_address` are the first one's;
-  `allocator_addresses` lists all.
+  the stack's to set: `allocator_args` may not give them then. `allocator` / `allocator_address` are
+  the first one's; `allocator_addresses` lists all.
 - Credentials (`credentials=True`, the default): generated for the stack, in
   files of the log folder readable by this user only: each worker its own
   token, bound to its id and address (`worker-tokens`, `worker-N.token`),
-  the workers one store group with its key (`worker-N.store-key`), the router's token (`router-token`) and an admin token (`admin-token`).
-  `guest_workers=[(ID, URL), ...]`: workers the stack does not run, each
-  also given its token (`ID.token`, bound to that id and address) and a
+  the workers one store group with its key (`worker-N.store-key`), the router's token
+  (`router-token`) and an admin token (`admin-token`). `guest_workers=[(ID, URL), ...]`: workers the
+  stack does not run, each also given its token (`ID.token`, bound to that id and address) and a
   store group of its own: another operator's worker beside the stack's on
   its allocator and shared store, or an attacker holding one token.
   `token=T` instead: one shared worker token (`allocator-token`) and the
@@ -135,7 +136,8 @@ _COLOURS = (
 
 
 class LocalStack:
-    """Allocator + N workers (+ Redis, + Prometheus) as local processes; see the module docstring."""
+    """Allocator + N workers (+ Redis, + Prometheus) as local
+    processes; see the module docstring."""
 
     def __init__(
         self,
@@ -173,16 +175,17 @@ class LocalStack:
             raise StackError("--workers must be at least 1")
         if not 1 <= allocators <= workers:
             raise StackError(
-                "--allocators must be at least 1 and at most --workers (each holds some workers' pools)"
+                "--allocators must be at least 1 and at most "
+                "--workers (each holds some workers' pools)"
             )
         self.num_allocators = allocators
         if allocators > 1 and {"--state", "--listen", "--metrics-port"} & {
             a.split("=")[0] for a in allocator_args
         }:
             raise StackError(
-                "with --allocators > 1 each allocator gets its own --state key prefix, --listen and "
-                "--metrics-port: give the state with --state, the ports with PAGEDKV_UP_ALLOCATOR_PORT "
-                "and PAGEDKV_UP_ALLOCATOR_METRICS_PORT"
+                "with --allocators > 1 each allocator gets its own --state key prefix, --listen "
+                "and --metrics-port: give the state with --state, the ports with "
+                "PAGEDKV_UP_ALLOCATOR_PORT and PAGEDKV_UP_ALLOCATOR_METRICS_PORT"
             )
         if redis and state != "memory":
             raise StackError(
@@ -233,7 +236,8 @@ class LocalStack:
         self.redis: RedisProcess | None = None
         self.allocator: AllocatorProcess | None = None  # the first of `allocators`
         self.allocators: list[AllocatorProcess] = []
-        # with `standby`: allocator i's hot standby ("allocator-standby", "allocator-2-standby", ...)
+        # with `standby`: allocator i's hot standby
+        # ("allocator-standby", "allocator-2-standby", ...)
         self.standbys: list[AllocatorProcess] = []
         self.standby_addresses: list[str] = []
         self.standby_metrics_urls: list[str] = []
@@ -380,7 +384,8 @@ class LocalStack:
         elif (
             self.credentials
         ):  # generated for this stack: a token per worker, bound to its id and address
-            # The stack's workers are one operator's: one store group, whose key seals their store entries.
+            # The stack's workers are one operator's: one store
+            # group, whose key seals their store entries.
             write_credentials(
                 self.log_dir,
                 [(w.worker_id, w.url) for w in self.workers],
@@ -556,8 +561,8 @@ class LocalStack:
                     if n >= GIVE_UP_AFTER:
                         raise StackError(
                             proc.describe_failure(
-                                f"exited ({proc.exit_status()}) {n} times in a row within {FAST_EXIT_S:g} s of "
-                                "starting; given up on"
+                                f"exited ({proc.exit_status()}) {n} times in a row within "
+                                f"{FAST_EXIT_S:g} s of starting; given up on"
                             )
                         )
                     delay = RESTART_DELAYS[min(max(n - 1, 0), len(RESTART_DELAYS) - 1)]
@@ -583,7 +588,8 @@ class LocalStack:
             self.console.print(f"[yellow]pagedkv up:[/] {line}", highlight=False)
 
     def stop(self) -> None:
-        """Stop every process (the router, then workers and Prometheus, then the allocator, then Redis). Idempotent."""
+        """Stop every process (the router, then workers and Prometheus,
+        then the allocator, then Redis). Idempotent."""
         with self._lock:
             self._stopping.set()
         p = self.processes
@@ -604,7 +610,8 @@ class LocalStack:
     # -------------------------------------------------------------- inspection
 
     def logs(self, name: str) -> list[str]:
-        """The last output lines of process `name` ("allocator", "worker-1", "redis", "prometheus")."""
+        """The last output lines of process `name` ("allocator",
+        "worker-1", "redis", "prometheus")."""
         return list(self.processes[name].tail)
 
     def wait(self) -> Process:

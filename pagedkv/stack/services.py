@@ -232,7 +232,8 @@ class RedisProcess(Service):
 
 class HttpService(Service):
     """A process of ours serving HTTP (a worker, the router): `python -m MODULE` with its model,
-    allocator and ARGS, on `host:port` (a free port when 0); healthy when GET /health answers 2xx."""
+    allocator and ARGS, on `host:port` (a free port
+    when 0); healthy when GET /health answers 2xx."""
 
     module = ""
 
@@ -323,7 +324,8 @@ def prometheus_config(
 
 
 class PrometheusProcess(Service):
-    """`prometheus` with a generated config scraping the allocator and the workers; healthy at /-/ready."""
+    """`prometheus` with a generated config scraping the
+    allocator and the workers; healthy at /-/ready."""
 
     def __init__(
         self,

@@ -1,4 +1,5 @@
-"""The configuration reference in docs/operations.md, generated from the config dataclasses and parsers.
+"""The configuration reference in docs/operations.md, generated from the config dataclasses and
+parsers.
 
 The components (allocator, worker, router, up) are rendered from their config
 dataclasses (`pagedkv.configs`), which also make their flags and variables
@@ -101,7 +102,8 @@ def _default(action: argparse.Action, again: argparse.Action) -> str:
 
 def _help(action: argparse.Action, prog: str) -> str:
     text = action.help or ""
-    # The bracketed default and variable that some commands' --help shows: columns of their own here.
+    # The bracketed default and variable that some
+    # commands' --help shows: columns of their own here.
     text = re.sub(r"\s*\[(%\(default\)s|PAGEDKV_[A-Z0-9_]+)\]", "", text)
     params = dict(vars(action), prog=prog)
     if params.get("choices") is not None:

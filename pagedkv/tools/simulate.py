@@ -125,8 +125,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--kv-cache-dtype",
         default="auto",
         metavar="|".join(KV_CACHE_DTYPES),
-        help="the worker's --kv-cache-dtype: 'auto' (the 2-byte elements --bytes-per-token counts) or "
-        "an fp8 format (1 byte: half the bytes per token)",
+        help="the worker's --kv-cache-dtype: 'auto' (the 2-byte elements --bytes-per-token counts) "
+        "or an fp8 format (1 byte: half the bytes per token)",
     )
     p.add_argument(
         "--reserve",
@@ -138,7 +138,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument(
         "--plot",
         metavar="FILE.png",
-        help="chart admitted requests and wasted slots per block size, with the contiguous baseline",
+        help="chart admitted requests and wasted slots "
+        "per block size, with the contiguous baseline",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return p
@@ -173,7 +174,8 @@ def run(args: argparse.Namespace) -> int:
         "bytes_per_token": per_token,
         "requests": args.requests,
         "workload": {
-            "generator": "numpy.random.default_rng(seed).integers(min_len, max_len + 1, size=requests)",
+            "generator": "numpy.random.default_rng(seed).integers(min_len, "
+            "max_len + 1, size=requests)",
             "seed": SEED,
             "min_len": MIN_LEN,
             "max_len": MAX_LEN,
@@ -232,8 +234,8 @@ def print_table(out: dict, num_slots: int, args: argparse.Namespace) -> None:
     Console(width=120).print(table)
     if out["ratio_admitted"] is not None:
         print(
-            f"paged at block {out['paged']['block_size']} admits {out['ratio_admitted']:.1f}x as many requests "
-            f"as contiguous"
+            f"paged at block {out['paged']['block_size']} admits {out['ratio_admitted']:.1f}x as "
+            f"many requests as contiguous"
         )
     if out.get("plot"):
         print(f"chart: {out['plot']}")
@@ -259,7 +261,8 @@ def plot(
         linestyle="--",
         linewidth=2,
         zorder=3,
-        label=f"contiguous baseline: {args.reserve:,} slots reserved each ({contiguous.admitted} admitted)",
+        label=f"contiguous baseline: {args.reserve:,} slots "
+        f"reserved each ({contiguous.admitted} admitted)",
     )
     ax.set_xticks(xs)
     ax.set_xlabel("block size (token slots per block)")
@@ -287,7 +290,8 @@ def plot(
     fig.suptitle(
         "A memory effect, not a speed benchmark: "
         f"{args.requests} invented requests of {MIN_LEN:,}-{MAX_LEN:,} tokens "
-        f"(numpy default_rng({SEED})), {args.pool_gib:g} GiB pool at {bytes_per_token(args):,} B/token",
+        f"(numpy default_rng({SEED})), {args.pool_gib:g} "
+        f"GiB pool at {bytes_per_token(args):,} B/token",
         fontsize=9,
     )
     fig.tight_layout()

@@ -114,7 +114,8 @@ class _ReadDeadlines(H11Protocol):
 
     def _send_expired(self) -> None:
         self._send_deadline = None
-        self.transport.abort()  # not close(): that would wait for the buffer the client does not read
+        # not close(): that would wait for the buffer the client does not read
+        self.transport.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -185,7 +186,8 @@ def serve_options(
     protocol = read_deadline_protocol(
         header_timeout, body_timeout, send_timeout=send_timeout, max_connections=bound
     )
-    # limit_concurrency counts the connection asking too: one more, so every connection let in is served
+    # limit_concurrency counts the connection asking too:
+    # one more, so every connection let in is served
     return {
         "http": protocol,
         "limit_concurrency": bound + 1,

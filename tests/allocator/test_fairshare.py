@@ -218,7 +218,8 @@ def test_a_heavy_pool_beside_a_light_one_gets_the_same_answers(server):
     recent = {
         m.group(1): float(m.group(2))
         for m in re.finditer(
-            r'^pagedkv_allocator_pool_recent_cpu_seconds\{pool_id="([^"]+)",worker_id="[^"]+"\} (\S+)$',
+            r"^pagedkv_allocator_pool_recent_cpu_seconds"
+            r'\{pool_id="([^"]+)",worker_id="[^"]+"\} (\S+)$',
             text,
             re.M,
         )

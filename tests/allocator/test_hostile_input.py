@@ -342,9 +342,8 @@ LAYOUTS = [
     (LONG, LONG, GROUP, "h" * MAX_STORE_GROUP_LEN),
 ]
 SALTS = (None, "b")  # each pool's prompts' namespace
-STORE_BYTES = (
-    10  # pool a's block_bytes: the smallest, so a save of pool b may delete several entries
-)
+# pool a's block_bytes: the smallest, so a save of pool b may delete several entries
+STORE_BYTES = 10
 
 
 class ServiceBounds:

@@ -32,8 +32,8 @@ victim http://victim:8000 tok-victim 64
 
 
 class Server:
-    """An allocator of TOTAL blocks with the worker tokens TABLE (their quotas kept), the shared token and
-    `max_pool_blocks`."""
+    """An allocator of TOTAL blocks with the worker tokens TABLE (their quotas kept), the shared
+    token and `max_pool_blocks`."""
 
     def __init__(self, max_pool_blocks: int | None = None, total: int = TOTAL) -> None:
         grants = parse_worker_tokens(TABLE)
@@ -91,7 +91,8 @@ def server():
 def test_a_hog_cannot_take_a_restarting_workers_blocks(server):
     victim = server.register("tok-victim", "victim", 64, "http://victim:8000")
     assert isinstance(victim, pb.PoolRef)
-    # The hog takes every other block; more is refused, and so is any pool while the victim restarts.
+    # The hog takes every other block; more is refused,
+    # and so is any pool while the victim restarts.
     hog = server.register(SHARED, "hog", TOTAL - 64)
     assert isinstance(hog, pb.PoolRef)
     server.deregister(

@@ -20,7 +20,8 @@ from tests.support.allocator import code_of, register, stub
 pytestmark = pytest.mark.slow
 
 TTL_S = 3.0
-# The flood's defaults: 12 pools of 32,768 blocks, 24 integrity checks of each in flight (six times its slots).
+# The flood's defaults: 12 pools of 32,768 blocks, 24
+# integrity checks of each in flight (six times its slots).
 
 
 def test_a_flood_of_slow_reads_from_many_pools_starves_no_heartbeat(allocator_server):
@@ -36,7 +37,8 @@ def test_a_flood_of_slow_reads_from_many_pools_starves_no_heartbeat(allocator_se
             bystander = register(s, md, "bystander")
             end = time.monotonic() + 6 * TTL_S
             while time.monotonic() < end:
-                try:  # a heartbeat answered later than the lease's half-life is one the worker cannot use
+                # a heartbeat answered later than the lease's half-life is one the worker cannot use
+                try:
                     s.Heartbeat(pb.HeartbeatRequest(pool=bystander), timeout=TTL_S / 2)
                     codes.append(grpc.StatusCode.OK)
                 except grpc.RpcError as err:

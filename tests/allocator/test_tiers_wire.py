@@ -210,7 +210,8 @@ def test_kill_9_keeps_the_tier_index_and_no_pending_save_becomes_a_hit(
         )
 
     def cycle(client: GrpcAllocator, i: int, report: TierReport | None = None) -> Moves:
-        """Admit prompt i (evicting the cached blocks of the one before) and free it: the moves of both."""
+        """Admit prompt i (evicting the cached blocks of the one
+        before) and free it: the moves of both."""
         r = client.step([Admit(f"s{i}", _prompt(i))], *([report] if report else []))
         assert r.all_ok
         f = client.step([Free(f"s{i}")])

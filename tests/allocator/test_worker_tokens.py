@@ -166,7 +166,7 @@ def test_the_allocator_will_not_start_on_a_bad_tokens_file(tmp_path):
     )
     assert r.returncode != 0
     assert (
-        f"--worker-tokens-file {bad}: line 1: want 'WORKER_ID URL TOKEN [BLOCKS] [group=NAME]', got 2 fields"
-        in r.stderr
+        f"--worker-tokens-file {bad}: line 1: want 'WORKER_ID "
+        "URL TOKEN [BLOCKS] [group=NAME]', got 2 fields" in r.stderr
     )
     assert "Traceback" not in r.stderr

@@ -85,7 +85,8 @@ def run(
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(
-            f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+            f"{' '.join(cmd)} exited "
+            f"{proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         )
     return proc
 
@@ -208,7 +209,8 @@ def stack(docker_host, tmp_path_factory):
         **os.environ,
         "DOCKER_HOST": docker_host,
         "COMPOSE_PROJECT_NAME": PROJECT,
-        "COMPOSE_PROFILES": "",  # Grafana out: no image of it here (its profile, not removed for users)
+        # Grafana out: no image of it here (its profile, not removed for users)
+        "COMPOSE_PROFILES": "",
         "PAGEDKV_WORKER_MODEL": MODEL,
         "PAGEDKV_WORKER_KV_CACHE_MEMORY": KV_CACHE_MEMORY,
         "PAGEDKV_WORKER_THREADS": "1",  # two workers, two cores

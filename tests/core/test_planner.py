@@ -82,7 +82,8 @@ class PlannerMachine(RuleBasedStateMachine):
         return PoolPlan(self.pool.num_blocks, self.B, (k.table for k in self.seqs.values()))
 
     def _apply(self, method, *args):
-        """`method(*args)` on the pool: its answer, and how many blocks it freed (taken: negative)."""
+        """`method(*args)` on the pool: its answer, and how
+        many blocks it freed (taken: negative)."""
         before = self.pool.num_free_blocks
         answer = method(*args)
         return answer, self.pool.num_free_blocks - before

@@ -101,9 +101,9 @@ def test_victim_never_waits_behind_a_whole_neighbour_call(allocator_server):
     slowest = max(heavy_calls)
     q = statistics.quantiles(steps, n=100)
     print(
-        f"\nvictim step: p50 {q[49] * 1e3:.2f} ms, p99 {q[98] * 1e3:.2f} ms, max {max(steps) * 1e3:.2f} ms; "
-        f"heartbeat max {max(beats) * 1e3:.2f} ms; heavy pool's calls: {len(heavy_calls)}, slowest "
-        f"{slowest * 1e3:.1f} ms; neighbour: {dict(counts)}"
+        f"\nvictim step: p50 {q[49] * 1e3:.2f} ms, p99 {q[98] * 1e3:.2f} ms, max "
+        f"{max(steps) * 1e3:.2f} ms; heartbeat max {max(beats) * 1e3:.2f} ms; heavy pool's calls: "
+        f"{len(heavy_calls)}, slowest {slowest * 1e3:.1f} ms; neighbour: {dict(counts)}"
     )
     assert max(steps) < slowest, "a victim Step waited behind a whole call of another pool"
     assert max(beats) < slowest, "a heartbeat waited behind a whole call of another pool"

@@ -31,7 +31,8 @@ LEAKS = ("debug_error_string", "_InactiveRpcError", "StatusCode.", "grpc_status"
 
 
 def _worst_health_while(url: str, send) -> tuple[float, int, object]:
-    """Run `send()` in a thread and GET /health meanwhile; (worst latency, probes, send's result)."""
+    """Run `send()` in a thread and GET /health meanwhile;
+    (worst latency, probes, send's result)."""
     result: dict = {}
     thread = threading.Thread(target=lambda: result.setdefault("r", send()))
     thread.start()

@@ -33,7 +33,8 @@ def _router() -> Router:
 
 
 def _send(router: Router, question: int, salt: str | None = None) -> tuple[int, str]:
-    """One request placed and counted in flight on its worker, as `forward` does; nothing is cached."""
+    """One request placed and counted in flight on its worker,
+    as `forward` does; nothing is cached."""
     rid, order = router.placement.place(WORKERS, {}, [*PREFIX, 1000 + question], salt)
     worker = order[0][0]
     router.placement.enter(worker)

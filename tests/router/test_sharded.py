@@ -66,7 +66,8 @@ def test_each_worker_registers_with_its_own_allocator(stack):
 
 
 def test_requests_land_on_the_worker_holding_their_prefix_whichever_allocator_holds_its_pool(stack):
-    # Each prefix goes straight to one worker, so only that worker's pool (on its own allocator) holds it.
+    # Each prefix goes straight to one worker, so only
+    # that worker's pool (on its own allocator) holds it.
     for url, prefix in zip(stack.worker_urls, PREFIXES, strict=True):
         openai_client(url).completions.create(
             model=MODEL, prompt=prefix + "warm up", max_tokens=1, temperature=0
@@ -196,7 +197,7 @@ _workers = st.lists(
 
 
 @given(st.lists(st.tuples(_workers, st.booleans()), min_size=1, max_size=3))
-def test_merged_view_keeps_every_url_and_prefers_an_answering_allocator_then_a_pool_then_free_blocks(
+def test_merged_view_keeps_every_url_prefers_answering_allocator_then_pool_then_free_blocks(
     parts,
 ):
     views = []

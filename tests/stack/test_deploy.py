@@ -324,12 +324,12 @@ def test_dashboard_has_the_panels_the_issue_asks_for():
         assert words in titles
     text = "\n".join(_exprs())
     assert (
-        "histogram_quantile(0.99, sum by (le) (rate(pagedkv_worker_time_to_first_token_seconds_bucket"
-        in text
+        "histogram_quantile(0.99, sum by (le) "
+        "(rate(pagedkv_worker_time_to_first_token_seconds_bucket" in text
     )
     assert (
-        "histogram_quantile(0.99, sum by (le, method) (rate(pagedkv_allocator_rpc_duration_seconds_bucket"
-        in text
+        "histogram_quantile(0.99, sum by (le, method) "
+        "(rate(pagedkv_allocator_rpc_duration_seconds_bucket" in text
     )
 
 
@@ -518,7 +518,8 @@ def test_kustomize_renders_the_topology(k8s):
     assert {"redis", "allocator", "worker", "router"} <= {
         d["metadata"]["name"] for d in k8s if d["kind"] == "Service"
     }
-    # KV tiers: a host tier per worker within its pod's memory, a shared store in its own Redis (no AOF)
+    # KV tiers: a host tier per worker within its pod's
+    # memory, a shared store in its own Redis (no AOF)
     data = settings["data"]
     assert float(data["PAGEDKV_WORKER_KV_OFFLOADING_SIZE"]) * 2**30 < parse_quantity(
         wc["resources"]["limits"]["memory"]
@@ -539,8 +540,8 @@ def test_kustomize_renders_the_topology(k8s):
 
 
 def test_k8s_settings_are_read_by_the_clis(monkeypatch):
-    """Every key of deploy/k8s/settings.env is a setting of the worker, allocator or router (a flag's
-    variable, or a variable-only setting), and each process reads it."""
+    """Every key of deploy/k8s/settings.env is a setting of the worker, allocator or router (a
+    flag's variable, or a variable-only setting), and each process reads it."""
     from allocator_service.cli import AllocatorArgs
     from allocator_service.cli import add_arguments as allocator_arguments
     from pagedkv_base.config import from_args

@@ -417,7 +417,8 @@ def test_up_restarts_a_killed_allocator_and_no_stream_is_cut(tmp_path):
                 c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]
             ] == ["length"]
         assert up.poll() is None, log_path.read_text()
-        # The stack answers afterwards: once the restarted allocator lists the new pools and the router proved them.
+        # The stack answers afterwards: once the restarted
+        # allocator lists the new pools and the router proved them.
         deadline = time.monotonic() + 120
         while True:
             r = httpx.post(
@@ -451,7 +452,8 @@ def test_a_process_that_keeps_exiting_fast_is_given_up_on(monkeypatch):
     with pytest.raises(StackError) as err:
         stack.supervise()
     assert str(err.value).startswith(
-        f"worker-1 exited (status 3) {local.GIVE_UP_AFTER} times in a row within 30 s of starting; given up on"
+        f"worker-1 exited (status 3) {local.GIVE_UP_AFTER} "
+        "times in a row within 30 s of starting; given up on"
     )
     assert "boom: no such model" in str(err.value)
     # one line per restart before it: the first GIVE_UP_AFTER - 1 exits

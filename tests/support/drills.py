@@ -400,7 +400,8 @@ def self_signed_cert(directory: Path) -> tuple[Path, Path]:
     except ImportError:
         if shutil.which("openssl") is None:
             pytest.skip(
-                "skipped: making a TLS certificate needs the `cryptography` package or the openssl CLI"
+                "skipped: making a TLS certificate needs the "
+                "`cryptography` package or the openssl CLI"
             )
         subprocess.run(
             [

@@ -61,9 +61,9 @@ def test_bench_attacks_small(tmp_path):
         assert rogue["details"]["completions_sent_to_the_attacker"] == 0
         assert rogue["details"]["credentials_sent_to_the_attacker"] == 0
         assert rogue["during"]["answered_by_others"] == 0
-        # an evil worker the router proved is bounded on either stack: its answers pass through (whole,
-        # or cut where the router's bounds say) without the router holding one whole, and a trickled
-        # answer is ended at the router's first-byte timeout
+        # an evil worker the router proved is bounded on either stack: its answers pass through
+        # (whole, or cut where the router's bounds say) without the router holding one whole, and a
+        # trickled answer is ended at the router's first-byte timeout
         evil = rows["evil-worker"]
         assert not evil["succeeded"], evil
         passed = evil["details"]["mb_passed_each"]
@@ -81,8 +81,10 @@ def test_bench_attacks_small(tmp_path):
     without = {r["attack"]: r for r in report["stacks"]["none"]["attacks"]}
     assert without["rogue-pool"]["details"]["registered"] == 4
     assert without["slow-read-flood"]["details"]["pools"] >= 1
-    # a worker of another store group, and whoever reads or writes the store's files, got nothing: entries
-    # of another group are never found, forged ones are refused as `seal`, sealed ones open to no one else
+    # a worker of another store group, and whoever reads
+    # or writes the store's files, got nothing: entries
+    # of another group are never found, forged ones are
+    # refused as `seal`, sealed ones open to no one else
     poisoning, reading = with_credentials["store-poisoning"], with_credentials["prompt-reading"]
     d = poisoning["details"]
     assert d["entries_planted"] > 0 and d["entries_overwritten"] > 0, d

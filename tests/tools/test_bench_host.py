@@ -30,7 +30,8 @@ def test_bench_host_json():
         assert set(case["host_ms_per_step"]) == set(PARTS) and all(
             v >= 0 for v in case["host_ms_per_step"].values()
         )
-    # 256 sequences over gRPC is not in the small workload: the target's figure is not measured, so null
+    # 256 sequences over gRPC is not in the small workload:
+    # the target's figure is not measured, so null
     assert out["targets"]["device_busy_ratio_grpc_256"] is None and out["targets"]["met"] is None
 
 

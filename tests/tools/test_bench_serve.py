@@ -1,4 +1,5 @@
-"""`pagedkv bench serve` on the tiny random model: the report's shape and sane values, never timings."""
+"""`pagedkv bench serve` on the tiny random model: the
+report's shape and sane values, never timings."""
 
 from __future__ import annotations
 
@@ -108,7 +109,8 @@ def test_against_transformers():
     check_system(out["systems"]["engine"], slots)
     hf = out["systems"]["hf_static"]
     check_system(hf)
-    # A contiguous cache reserves rows x (longest prompt + max_tokens); mixed lengths leave some unused.
+    # A contiguous cache reserves rows x (longest prompt
+    # + max_tokens); mixed lengths leave some unused.
     assert hf["kv_slots_allocated_peak"] == hf["kv_slots_reserved"] <= slots
     assert 0 < hf["kv_utilisation_mean"] < 1 and hf["preemptions"] == 0
     assert 0 <= hf["outputs_match_engine"] <= REQUESTS

@@ -1,6 +1,7 @@
 """`pagedkv demo`, the main job, end to end on the tiny model: the real stack
 (allocator + two worker processes + the router), the chat workload through
-the router's HTTP API, the report with its routing figures and the chart (the same code path as `make demo`, seconds not a minute)."""
+the router's HTTP API, the report with its routing figures and the
+chart (the same code path as `make demo`, seconds not a minute)."""
 
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ def test_demo_runs_the_workload_and_writes_its_report(tmp_path):
         routing["policy"] == "kv"
         and sum(routing["requests_per_worker"].values()) == report["requests"]
     )
-    # the shared system prompt was found cached where requests were sent (never more than the best had)
+    # the shared system prompt was found cached where
+    # requests were sent (never more than the best had)
     assert (
         0
         < routing["prefix_tokens_cached_where_sent"]

@@ -140,10 +140,12 @@ def test_clicking_the_article_table(site):
         # every row of the steps table, as replay prints it
         rows = b.eval(
             "[...document.querySelectorAll('#log tr[data-step]')]"
-            ".map(r => [JSON.parse(r.dataset.tables), JSON.parse(r.dataset.free), +r.dataset.wasted])"
+            ".map(r => [JSON.parse(r.dataset.tables), "
+            "JSON.parse(r.dataset.free), +r.dataset.wasted])"
         )
         assert rows == [[w["tables"], w["free"], w["wasted_slots"]] for w in want]
-        # the contiguous layout beside it: 32 slots, 16 reserved a chat shuts C out; 8 a chat fits all
+        # the contiguous layout beside it: 32 slots, 16
+        # reserved a chat shuts C out; 8 a chat fits all
         contig = b.eval("({...document.getElementById('contig').dataset})")
         assert json.loads(contig["waiting"]) == []  # B finished: C got its place
         b.screenshot(str(OUT / "playground.png"))
@@ -157,7 +159,8 @@ def test_clicking_the_article_table(site):
         assert (
             b.eval(
                 "[...document.querySelectorAll('#log tr[data-step]')]"
-                ".map(r => [JSON.parse(r.dataset.tables), JSON.parse(r.dataset.free), +r.dataset.wasted])"
+                ".map(r => [JSON.parse(r.dataset.tables), "
+                "JSON.parse(r.dataset.free), +r.dataset.wasted])"
             )
             == rows
         )
@@ -170,7 +173,8 @@ def test_clicking_the_article_table(site):
             b.wait_for(f"document.body.dataset.steps === '{i + 1}'")
         assert json.loads(b.eval("document.getElementById('contig').dataset.waiting")) == ["C"]
         b.eval(
-            "const r = document.getElementById('reserve'); r.value = '8'; r.dispatchEvent(new Event('change'))"
+            "const r = document.getElementById('reserve'); "
+            "r.value = '8'; r.dispatchEvent(new Event('change'))"
         )
         b.wait_for("document.getElementById('contig').dataset.waiting === '[]'")
         assert b.eval("+document.getElementById('contig').dataset.wasted") == 24 - 14
@@ -181,11 +185,13 @@ def test_clicking_the_article_table(site):
         refs = json.loads(b.eval("document.getElementById('paged').dataset.refcounts"))
         assert refs == {"0": 2, "1": 2, "2": 1, "3": 1, "4": 1}
         b.eval(
-            "const s = document.getElementById('block-size'); s.value = '2'; s.dispatchEvent(new Event('change'))"
+            "const s = document.getElementById('block-size'); "
+            "s.value = '2'; s.dispatchEvent(new Event('change'))"
         )
         b.wait_for("JSON.parse(document.getElementById('paged').dataset.tables).A?.length === 3")
         b.eval(
-            "const c = document.getElementById('prefix'); c.checked = true; c.dispatchEvent(new Event('change'))"
+            "const c = document.getElementById('prefix'); "
+            "c.checked = true; c.dispatchEvent(new Event('change'))"
         )
         b.wait_for("document.getElementById('paged-stats').textContent.includes('hit rate')")
         b.screenshot(str(OUT / "playground-fork.png"))

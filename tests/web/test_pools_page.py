@@ -152,7 +152,8 @@ def dom_counts(browser, pool_id: str) -> dict:
         return {{used: +el.dataset.used, cached: +el.dataset.cached, free: +el.dataset.free,
                  blocks: +el.dataset.blocks, sequences: +el.dataset.sequences,
                  cells: {{used: cells('used'), cached: cells('cached'), free: cells('free')}},
-                 shown: [...el.querySelectorAll('[data-count]')].map(b => b.dataset.count + '=' + b.textContent)}};
+                 shown: [...el.querySelectorAll('[data-count]')]
+                        .map(b => b.dataset.count + '=' + b.textContent)}};
     }})()""")
 
 
@@ -238,7 +239,8 @@ def test_live_page_follows_a_worker(allocator, worker):
             browser.eval(f"document.querySelector('{sel} .seq').click()")
             browser.wait_for(f"document.querySelector('{sel} .b.hl')", 3.0)
             order = browser.eval(
-                f"[...document.querySelectorAll('{sel} .b.hl')].map(b => [+b.dataset.b, +b.textContent])"
+                f"[...document.querySelectorAll('{sel} "
+                ".b.hl')].map(b => [+b.dataset.b, +b.textContent])"
             )
             line = browser.eval(f"document.querySelector('{sel} .table-line').textContent")
             table = json.loads(line[line.index("[") : line.index("]") + 1])
@@ -250,7 +252,8 @@ def test_live_page_follows_a_worker(allocator, worker):
             for e in done:
                 e.wait(60)
         browser.eval(
-            f"""document.querySelector('section.pool[data-pool="{pool_id}"] .seq[aria-pressed="true"]')?.click()"""
+            f'document.querySelector(\'section.pool[data-pool="{pool_id}"] '
+            '.seq[aria-pressed="true"]\')?.click()'
         )
         # Finished: its blocks turn cached or free, and the page agrees again.
         got = settle(browser, allocator, pool_id)
@@ -259,7 +262,8 @@ def test_live_page_follows_a_worker(allocator, worker):
         time.sleep(1.2)  # one more sparkline sample
         browser.screenshot(str(OUT / "pools.png"))
     print(
-        f"\n/pools: a new request's blocks shown {1000 * seen['appear_s']:.0f} ms after its first token"
+        "\n/pools: a new request's blocks shown "
+        f"{1000 * seen['appear_s']:.0f} ms after its first token"
     )
     assert seen["appear_s"] < 3.0
 

@@ -220,7 +220,9 @@ class Run:
                 self.sched.add_fork(seq)
         for seq, tok in sampled:
             if seq.is_finished:
-                continue  # aborted while in flight (overlapped: or stopped a step before): the token is dropped
+                # aborted while in flight (overlapped: or stopped a step before): the token is
+                # dropped
+                continue
             seq.token_ids.append(tok)
             if tok in seq.params.stop_token_ids:
                 self.finish(seq, "stop")
@@ -232,7 +234,8 @@ class Run:
         known = [*sched.running, *sched._finishing, *sched._flushed]
         for s in known:
             assert self.pool.block_table(s.alloc_id) == s.block_table
-            # the allocator waits for the values of the same slots (so it hashes every block that fills)
+            # the allocator waits for the values of the same
+            # slots (so it hashes every block that fills)
             held = self.pool._seqs[s.alloc_id]
             assert held.reserved == s.num_reserved <= self.async_scheduling + self.lookahead
             assert held.num_tokens == s.num_held >= s.num_stored >= s.num_valued

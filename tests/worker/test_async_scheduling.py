@@ -70,7 +70,8 @@ def tiny():
     return load_model("tiny-random")
 
 
-# token slots small enough that every engine below preempts (10 requests, 17 samples, up to 84 tokens)
+# token slots small enough that every engine below
+# preempts (10 requests, 17 samples, up to 84 tokens)
 PREEMPTING_SLOTS = {1: 160, 4: 160, 16: 128}
 
 

@@ -201,7 +201,8 @@ def test_decode_only_fast_path_bf16(name):
 
 @st.composite
 def decode_batches(draw):
-    """Decode-only batches with contexts spanning many blocks, partial last blocks and GQA ratios."""
+    """Decode-only batches with contexts spanning many
+    blocks, partial last blocks and GQA ratios."""
     block_size = draw(st.sampled_from([1, 4, 16]))
     q_heads, kv_heads = draw(st.sampled_from([(9, 3), (4, 4), (8, 1), (6, 2)]))
     head_dim = draw(st.sampled_from([8, 64]))
@@ -251,11 +252,11 @@ def test_numba_serial_and_parallel_builds_each_compute_and_cache_their_own(tmp_p
         "rng = np.random.default_rng(0)\n"
         "k = rng.standard_normal((8, 4, 2, 8), dtype=np.float32); v = k[::-1].copy()\n"
         "q = rng.standard_normal((3, 4, 8), dtype=np.float32)\n"
-        "tables = np.array([[0, 1], [2, 3], [4, 5]], dtype=np.int32); lens = np.array([5, 8, 1], dtype=np.int32)\n"
-        "outs = []\n"
+        "tables = np.array([[0, 1], [2, 3], [4, 5]], dtype=np.int32); lens = np.array([5, 8, 1], "
+        "dtype=np.int32)\nouts = []\n"
         "for build in (cd._parallel, cd._serial):\n"
-        "    out = np.empty_like(q); build(out, q, k, v, cd._NO_TABLE, cd._NO_TABLE, tables, lens, 0.25)\n"
-        "    outs.append(out)\n"
+        "    out = np.empty_like(q); build(out, q, k, v, cd._NO_TABLE, cd._NO_TABLE, tables, lens, "
+        "0.25)\n    outs.append(out)\n"
         "assert np.allclose(outs[0], outs[1], atol=1e-6)\n"
     )
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
@@ -403,7 +404,8 @@ for dtype, kv_dtype, block_size, head_dim in (("fp16", "fp16", 16, 64), ("bf16",
                      v_scale="fp32")
     constexprs = td.kernel_constexprs(9, 3, block_size, head_dim, kv_dtype.startswith("fp8"))
     signature.update({name: "constexpr" for name in constexprs})
-    kernel = triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32))
+    source = ASTSource(fn, signature, constexprs=constexprs)
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32))
     assert kernel.asm["cubin"], "no cubin"
 print("ok")
 """

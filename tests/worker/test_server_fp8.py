@@ -37,7 +37,8 @@ def client(url: str) -> openai.OpenAI:
 
 
 def usages(url: str) -> list[tuple[int, int, int]]:
-    """(prompt, completion, cached) tokens of a fixed run: two chats sharing a system prompt, a completion."""
+    """(prompt, completion, cached) tokens of a fixed run: two
+    chats sharing a system prompt, a completion."""
     c, out = client(url), []
     for question in ("first question", "another question"):
         msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
@@ -96,7 +97,8 @@ def test_a_prefix_hit_reuses_the_fp8_blocks(servers):
     assert cold.usage.prompt_tokens_details.cached_tokens == 0
     assert hit.usage.prompt_tokens_details.cached_tokens >= 40
     assert other.usage.prompt_tokens_details.cached_tokens == 0
-    # read back from fp8 blocks with their (fixed) scales, the prefix gives the tokens computing it gave
+    # read back from fp8 blocks with their (fixed) scales,
+    # the prefix gives the tokens computing it gave
     assert (
         hit.choices[0].message.content
         == cold.choices[0].message.content

@@ -73,9 +73,10 @@ def test_public_configs_give_their_published_sizes():
 
 
 def test_a_decode_step_is_bandwidth_bound():
-    # Llama-3-8B on an H100, one sequence decoding its token 1025 (1,024 cached; it attends to 1,025 keys):
-    # FLOPs = 2 x 6,979,584,000 (layers) + 2 x 525,336,576 (LM head) + 4 x 32 x 128 x 32 x 1,025 (attention)
-    #       = 15,547,236,352; bytes = 16,060,522,496 (weights) + 131,072 x (1,025 read + 1 written)
+    # Llama-3-8B on an H100, one sequence decoding its token 1025 (1,024 cached; it attends to 1,025
+    # keys): FLOPs = 2 x 6,979,584,000 (layers) + 2 x 525,336,576 (LM head) + 4 x 32 x 128 x 32 x
+    # 1,025 (attention)       = 15,547,236,352; bytes = 16,060,522,496
+    # (weights) + 131,072 x (1,025 read + 1 written)
     r = Roofline(gpu("h100"), ModelShape.from_config(PUBLIC_CONFIGS["llama-3-8b"]))
     cost = r.step([(1024, 1, 1)])
     assert cost.flops == 15_547_236_352

@@ -110,7 +110,8 @@ def test_completion_text_echo_and_logprobs(family):
         for i, t in enumerate(
             whole.logprobs.tokens
         ):  # the chosen token among the top ones, spelled alike
-            # (the likeliest of the tokens sharing its spelling; logprobs are taken before logit_bias)
+            # (the likeliest of the tokens sharing its
+            # spelling; logprobs are taken before logit_bias)
             assert whole.logprobs.top_logprobs[i][t] >= whole.logprobs.token_logprobs[i]
         text, tokens, offsets = "", [], []
         for chunk in client.completions.create(stream=True, **kw):

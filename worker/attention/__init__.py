@@ -87,8 +87,8 @@ def check_kv_dtype(
     capability = capability or torch.cuda.get_device_capability(device)
     if tuple(capability) < (8, 9):
         raise ValueError(
-            f"--kv-cache-dtype fp8_e4m3 needs a GPU of compute capability 8.9 or newer for the Triton "
-            f"attention kernel; this one is {capability[0]}.{capability[1]}: use fp8_e5m2"
+            "--kv-cache-dtype fp8_e4m3 needs a GPU of compute capability 8.9 or newer for the "
+            f"Triton attention kernel; this one is {capability[0]}.{capability[1]}: use fp8_e5m2"
         )
 
 

@@ -17,9 +17,9 @@ float32 queries only (NumPy has no bfloat16): `PagedAttention` sends other
 dtypes to the torch path. The cache is float32, or fp8 (NumPy has no fp8
 either): its bytes are read as uint8 codes and decoded through a 256-entry
 table of `float(code) * scale` per K and V, built per call; one kernel source
-serves both, `_element` picks the read by the cache's element type. Sequences run in parallel on as many threads as torch uses,
-so `--threads` governs both. The first call compiles (a few seconds), and the
-machine code is cached on disk (`cache=True`; `NUMBA_CACHE_DIR` moves it).
+serves both, `_element` picks the read by the cache's element type. Sequences run in parallel on as
+many threads as torch uses, so `--threads` governs both. The first call compiles (a few seconds),
+and the machine code is cached on disk (`cache=True`; `NUMBA_CACHE_DIR` moves it).
 `compile_kernels` does that when a float32 model is built with this backend
 (`PagedAttention.prepare`), so no request waits for it; the CPU image runs it
 at build time.

@@ -74,7 +74,8 @@ class AttentionMetadata:
         bt = self.block_tables
         if bt.dim() != 2 or bt.shape[0] != batch or bt.dtype != torch.int32:
             raise ValueError(
-                f"block_tables: expected int32 [{batch}, max_blocks], got {bt.dtype} {tuple(bt.shape)}"
+                f"block_tables: expected int32 [{batch}, "
+                f"max_blocks], got {bt.dtype} {tuple(bt.shape)}"
             )
         if blocks_for(max(self.host_context_lens), self.block_size) > bt.shape[1]:
             raise ValueError("block_tables has fewer columns than the longest context needs")

@@ -39,7 +39,7 @@ from worker.kv_quant import dequantize, is_fp8
 __all__ = ["DecodeFn", "PagedAttention", "context_slots"]
 
 # decode_fn(q [b, Hq, D], k_cache, v_cache, block_tables [b, W], context_lens [b],
-#           max_context_len, scale, k_scale, v_scale) -> [b, Hq, D]: a drop-in for the torch decode path.
+# max_context_len, scale, k_scale, v_scale) -> [b, Hq, D]: a drop-in for the torch decode path.
 DecodeFn = Callable[
     [
         torch.Tensor,

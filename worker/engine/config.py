@@ -45,7 +45,8 @@ class EngineConfig:
     kv_reservation: str = "paged"
     device: str = "cpu"  # cpu, cuda[:N] or sim:NAME (a simulated GPU: worker/engine/sim_runner.py)
     dtype: str = "float32"
-    # The KV pool's element type (`--kv-cache-dtype`): "auto" (`dtype`) or an fp8 format (worker/kv_quant.py).
+    # The KV pool's element type (`--kv-cache-dtype`): "auto"
+    # (`dtype`) or an fp8 format (worker/kv_quant.py).
     kv_cache_dtype: str = "auto"
     # The engine's clock: "wall", or on a simulated device "virtual" (only device time passes).
     clock: str = "wall"
@@ -82,8 +83,8 @@ class EngineConfig:
             raise ValueError("--max-model-len must be at least 2")
         if not self.allocator_unhealthy_after_s > 0 or not self.allocator_give_up_after_s > 0:
             raise ValueError(
-                "PAGEDKV_WORKER_ALLOCATOR_UNHEALTHY_AFTER and PAGEDKV_WORKER_ALLOCATOR_GIVE_UP_AFTER "
-                "must be positive"
+                "PAGEDKV_WORKER_ALLOCATOR_UNHEALTHY_AFTER and "
+                "PAGEDKV_WORKER_ALLOCATOR_GIVE_UP_AFTER must be positive"
             )
         if self.advertise_url and not self.advertise_url.startswith(("http://", "https://")):
             raise ValueError(
@@ -101,7 +102,8 @@ class EngineConfig:
             raise ValueError("--preemption-mode swap needs a host tier (--kv-offloading-size GIB)")
         if self.kv_reservation not in RESERVATIONS:
             raise ValueError(
-                f"kv_reservation must be one of {', '.join(RESERVATIONS)}, got {self.kv_reservation!r}"
+                "kv_reservation must be one of "
+                f"{', '.join(RESERVATIONS)}, got {self.kv_reservation!r}"
             )
         if self.kv_reservation != "paged" and self.enable_prefix_caching:
             raise ValueError(

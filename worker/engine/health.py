@@ -72,6 +72,7 @@ class AllocatorHealth:
 
     # ----------------------------------------------------------- any thread
     def unreachable_for(self) -> float:
-        """Seconds since the allocator last failed to answer a call still unanswered (0: answering)."""
+        """Seconds since the allocator last failed to answer a
+        call still unanswered (0: answering)."""
         since = self._failing_since if self._failing_since is not None else self._call_since
         return 0.0 if since is None else max(0.0, self._clock() - since)

@@ -86,7 +86,8 @@ class LLMEngine:
         self.simulated = is_sim(config.device)
         self.runner = SimRunner(loaded, config) if self.simulated else ModelRunner(loaded, config)
         self.kv_pool = self.runner.kv_pool
-        # The engine's clock: arrivals, latencies and metrics read it (a virtual one on a sim: device).
+        # The engine's clock: arrivals, latencies and
+        # metrics read it (a virtual one on a sim: device).
         self.clock = self.runner.clock
         self.busy = self.runner.busy = BusyMeter(self.clock.now)
         self.device = self.runner.device
@@ -319,7 +320,8 @@ class LLMEngine:
     def _too_long(self, count: str) -> RequestError:
         which = "context length" if self.max_model_len <= self.pool_tokens else "KV pool"
         return RequestError(
-            f"the prompt has {count} tokens; the {which} holds {self.prompt_limit}, leaving no room to generate"
+            f"the prompt has {count} tokens; the {which} holds "
+            f"{self.prompt_limit}, leaving no room to generate"
         )
 
     def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:

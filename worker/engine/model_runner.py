@@ -89,7 +89,8 @@ class ModelRunner:
     store_mover = StoreMover
 
     def host_tier(self, size_gib: float, meter: TierMeter) -> HostMemory | None:
-        """The host tier `--kv-offloading-size GIB` asks for (None for 0), in this machine's memory."""
+        """The host tier `--kv-offloading-size GIB` asks for
+        (None for 0), in this machine's memory."""
         return HostMemory.from_size(self.kv_pool, size_gib, meter=meter)
 
     @torch.inference_mode()

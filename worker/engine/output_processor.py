@@ -37,9 +37,8 @@ class RequestOutput:
     num_preemptions: int = 0
     error: str | None = None
     stop_reason: str | int | None = None
-    logprobs: list[Logprobs] | None = (
-        None  # every generated token's, when asked for (on the last output)
-    )
+    # every generated token's, when asked for (on the last output)
+    logprobs: list[Logprobs] | None = None
     new_logprobs: list[Logprobs] | None = None  # this step's delta, when asked for
     prompt_logprobs: list[Logprobs | None] | None = None
     index: int = 0  # which sample of the request (n > 1)

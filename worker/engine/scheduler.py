@@ -521,7 +521,8 @@ class Scheduler:
             moves = results.moves
             if any(moves):
                 batch.moves = moves
-        # `ops`: frees, forks, the finished's last Appends, unreserves, the running's Appends, admits
+        # `ops`: frees, forks, the finished's last Appends,
+        # unreserves, the running's Appends, admits
         ri = (
             len(plan.ops)
             - len(plan.forks)
@@ -583,7 +584,8 @@ class Scheduler:
                     batch.add_finished(seq, p, r)
                 continue
             if r.ok:
-                # (a new list: a step launched before this answer keeps the table it was scheduled with)
+                # (a new list: a step launched before this
+                # answer keeps the table it was scheduled with)
                 seq.block_table = [*seq.block_table[: r.keep], *r.append]
                 batch.copies.extend(r.copies)
                 batch.add_running(seq, p)

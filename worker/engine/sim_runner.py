@@ -45,7 +45,8 @@ from worker.sim import (
 )
 from worker.tiers import TierMeter, TimedHostMemory, TimedStoreMover
 
-# what `--kv-cache-memory` is on a simulated GPU when not given: vLLM's --gpu-memory-utilization default
+# what `--kv-cache-memory` is on a simulated GPU when
+# not given: vLLM's --gpu-memory-utilization default
 DEFAULT_SIM_KV_FRACTION = "0.9"
 GIB = 1 << 30
 
@@ -85,8 +86,8 @@ class SimKVPool:
         return (
             f"{self.num_blocks} blocks x {self.block_size} tokens = {self.tokens_capacity} tokens, "
             f"{self.bytes_total} B ({self.bytes_total / GIB:.3f} GiB), {self.num_layers} layers x "
-            f"{self.num_kv_heads} kv heads x {self.head_dim} dim, {str(self.dtype).removeprefix('torch.')} "
-            f"on {self.device} (simulated: no tensors)"
+            f"{self.num_kv_heads} kv heads x {self.head_dim} dim, "
+            f"{str(self.dtype).removeprefix('torch.')} on {self.device} (simulated: no tensors)"
         )
 
     def copy_blocks(self, copies: abc.Sequence[tuple[int, int]]) -> None:
@@ -150,13 +151,14 @@ class SimRunner:
             blocks = budget // block_bytes
             if blocks < 1:
                 raise ValueError(
-                    f"--kv-cache-memory {config.kv_cache_memory!r} holds no KV block of {block_bytes} B"
+                    f"--kv-cache-memory {config.kv_cache_memory!r} "
+                    f"holds no KV block of {block_bytes} B"
                 )
         if blocks * block_bytes > free:
             raise ValueError(
-                f"a KV pool of {blocks} blocks ({blocks * block_bytes / GIB:.1f} GiB) does not fit in "
-                f"{name}'s {memory / GIB:.0f} GiB beside {shape.weight_bytes / GIB:.1f} GiB of weights "
-                f"({free // block_bytes} blocks do)"
+                f"a KV pool of {blocks} blocks ({blocks * block_bytes / GIB:.1f} GiB) does not fit "
+                f"in {name}'s {memory / GIB:.0f} GiB beside {shape.weight_bytes / GIB:.1f} GiB of "
+                f"weights ({free // block_bytes} blocks do)"
             )
         dtype = getattr(torch, shape.kv_element)
         return SimKVPool(

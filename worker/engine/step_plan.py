@@ -1,4 +1,5 @@
-"""A scheduler step: what the model computes (`StepBatch`) and the plan it is made from (`StepPlan`)."""
+"""A scheduler step: what the model computes (`StepBatch`)
+and the plan it is made from (`StepPlan`)."""
 
 from __future__ import annotations
 
@@ -29,9 +30,8 @@ class ScheduledSeq:
     # next one: decided when the step is planned (the token sampled by the
     # step before it may not be on the host yet when this one launches).
     samples: bool = False
-    cached: int = (
-        0  # of `num_computed`, the tokens its admission found cached (this step's admission)
-    )
+    # of `num_computed`, the tokens its admission found cached (this step's admission)
+    cached: int = 0
 
 
 @dataclass(slots=True)
@@ -43,9 +43,8 @@ class StepBatch:
         default_factory=list
     )  # finished with an error by the allocator's answer
     allocator_seconds: float = 0.0
-    allocator_call: bool = (
-        False  # its operations went out in an allocator call (else computed in slots held)
-    )
+    # its operations went out in an allocator call (else computed in slots held)
+    allocator_call: bool = False
     cached_tokens: int = 0  # prompt tokens served from the prefix cache this step
     queried_tokens: int = 0
     # KV tiers (worker/engine/tiers.py): the answer's moves (None: no tier
@@ -122,10 +121,10 @@ class StepPlan:
     running: dict[Sequence, Planned] = field(default_factory=dict)
     admitting: list[Sequence] = field(default_factory=list)
     admits: list[Admit] = field(default_factory=list)  # their ops, sent after the running Appends
-    short: bool = (
-        False  # blocks ran short (a preemption, a request left waiting): no lookahead blocks
-    )
-    # blocks the first request left waiting for the token budget takes next step: no lookahead takes them
+    # blocks ran short (a preemption, a request left waiting): no lookahead blocks
+    short: bool = False
+    # blocks the first request left waiting for the token
+    # budget takes next step: no lookahead takes them
     queued: int = 0
     # parents preempted after their samples forked in this call: their
     # blocks, held until their Free (next call)

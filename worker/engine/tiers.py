@@ -95,9 +95,8 @@ class EngineTiers:
         store_mover: Callable[..., StoreMover] = StoreMover,
     ) -> None:
         self.pool = pool
-        self._store_mover = (
-            store_mover  # the runner's: StoreMover, or a simulated device's TimedStoreMover
-        )
+        # the runner's: StoreMover, or a simulated device's TimedStoreMover
+        self._store_mover = store_mover
         self.layout = layout
         self.block_size = pool.block_size
         self.host = host
@@ -107,7 +106,8 @@ class EngineTiers:
         n = host.num_slots if host is not None else 0
         if swap_slots and (host is None or not 0 < swap_slots < n):
             raise ValueError(f"{swap_slots} swap slots do not fit a host tier of {n} slots")
-        # The allocator's part of the host tier (slots 0..host_blocks-1); the rest is the swap stash's.
+        # The allocator's part of the host tier (slots
+        # 0..host_blocks-1); the rest is the swap stash's.
         self.host_blocks = n - swap_slots
         self.swapping = swap_slots > 0
         self._swap_free: deque[int] = deque(range(self.host_blocks, n))
@@ -154,7 +154,8 @@ class EngineTiers:
         return any(self._report) or bool(self._saving and self._saving[0][0].done())
 
     def give_back(self, report: TierReport | None) -> None:
-        """The call that carried `report` was refused (it applied nothing): it rides the next one."""
+        """The call that carried `report` was refused (it
+        applied nothing): it rides the next one."""
         if report is None:
             return
         for mine, theirs in zip(self._report, report, strict=True):

@@ -101,7 +101,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
-                f"architecture {self.architecture!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+                f"architecture {self.architecture!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
         for name in (
             "vocab_size",
@@ -117,7 +118,8 @@ class ModelConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
-                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+                f"num_heads ({self.num_heads}) must be a "
+                f"multiple of num_kv_heads ({self.num_kv_heads})"
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
@@ -140,7 +142,8 @@ class ModelConfig:
         model_type = d.get("model_type")
         if model_type not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
-                f"model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+                f"model_type {model_type!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
         act = d.get("hidden_act", "silu")
         if act != "silu":

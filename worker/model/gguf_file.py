@@ -69,7 +69,8 @@ class GGUFModelFile:
         self.architecture: str = self.metadata["general.architecture"]
         if self.architecture not in ("llama", "qwen2"):
             raise UnsupportedModelError(
-                f"GGUF architecture {self.architecture!r} is not supported (supported: llama, qwen2)"
+                f"GGUF architecture {self.architecture!r} "
+                "is not supported (supported: llama, qwen2)"
             )
 
     def _field(self, name: str, default: Any = None) -> Any:
@@ -120,7 +121,8 @@ class GGUFModelFile:
         """(Hugging Face name, float32 tensor) for every tensor in the file."""
         from gguf.quants import dequantize
 
-        # Only llama-architecture files carry the permutation (qwen2 uses NeoX-style RoPE in llama.cpp).
+        # Only llama-architecture files carry the permutation
+        # (qwen2 uses NeoX-style RoPE in llama.cpp).
         permute = self.architecture == "llama"
         for t in self._reader.tensors:
             name = self._hf_name(t.name)
@@ -139,8 +141,9 @@ class GGUFModelFile:
             return _GLOBAL_NAMES[name]
         if name == "rope_freqs.weight":
             raise UnsupportedModelError(
-                "this GGUF stores llama3 rope scaling as per-frequency factors (rope_freqs.weight), "
-                "which is not supported; load the model's Hugging Face folder instead"
+                "this GGUF stores llama3 rope scaling as per-frequency factors "
+                "(rope_freqs.weight), which is not supported; "
+                "load the model's Hugging Face folder instead"
             )
         m = _LAYER_RE.match(name)
         if m and m.group(2) in _LAYER_NAMES:

@@ -265,12 +265,14 @@ class LlamaForCausalLM(nn.Module):
                 dest = param if rows is None else param[start : start + rows]
                 if tuple(dest.shape) != tuple(tensor.shape):
                     raise ValueError(
-                        f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dest.shape)}"
+                        f"{name}: checkpoint shape {tuple(tensor.shape)} "
+                        f"!= model {tuple(dest.shape)}"
                     )
                 dest.copy_(tensor)
                 filled[target] = filled.get(target, 0) + dest.shape[0]
         missing = [n for n, rows in expected.items() if filled.get(n, 0) != rows]
         if missing:
             raise ValueError(
-                f"checkpoint leaves parameters unset: {missing[:5]}{' ...' if len(missing) > 5 else ''}"
+                "checkpoint leaves parameters unset: "
+                f"{missing[:5]}{' ...' if len(missing) > 5 else ''}"
             )

@@ -181,7 +181,8 @@ def _load_hf_folder(
         for n in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
         if (folder / n).is_file()
     ]
-    # random weights are the same for a device type: the config, tokenizer, seed and device name them
+    # random weights are the same for a device type:
+    # the config, tokenizer, seed and device name them
     extra = f"dummy/{_DUMMY_SEED}/{device.type}" if dummy else ""
     return LoadedModel(
         model=model,

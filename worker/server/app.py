@@ -124,7 +124,8 @@ async def metrics(request: Request):
 
 @router.get("/v1/models")
 async def models(request: Request):
-    """vLLM's model card: `root` is what the model was loaded from, `max_model_len` the context limit."""
+    """vLLM's model card: `root` is what the model was loaded
+    from, `max_model_len` the context limit."""
     state = request.app.state
     return {
         "object": "list",

@@ -185,7 +185,8 @@ class Choices:
         }
 
     def _ids(self, out: RequestOutput, first: bool) -> dict:
-        """`return_token_ids` of a streamed chunk: its new ids (and a completion's prompt ids, first)."""
+        """`return_token_ids` of a streamed chunk: its new ids
+        (and a completion's prompt ids, first)."""
         if not self.return_token_ids:
             return {}
         ids: dict = {"token_ids": list(out.new_token_ids)}

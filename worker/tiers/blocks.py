@@ -75,7 +75,8 @@ def read_blocks(
 def write_blocks(
     pool: KVPool, blocks: Sequence[int], src: torch.Tensor, positions: Sequence[int]
 ) -> None:
-    """Block `blocks[i]` (distinct) = the payload `src[positions[i]]` (`src` on the pool's device)."""
+    """Block `blocks[i]` (distinct) = the payload
+    `src[positions[i]]` (`src` on the pool's device)."""
     k, v = pool.k_blocks, pool.v_blocks
     if pool.device.type == "cpu":
         for b, p, r in pair_runs(blocks, positions):

@@ -62,7 +62,8 @@ def host_slots_for_size(
 
 class Transfer:
     """One batch of copies: done at once on the CPU, in flight on the side stream on CUDA (or,
-    timed on a simulated device, on its stream: `end` is then the stream's event, worker/tiers/timed.py)."""
+    timed on a simulated device, on its stream: `end` is
+    then the stream's event, worker/tiers/timed.py)."""
 
     __slots__ = ("kind", "blocks", "nbytes", "seconds", "_start", "_end", "_keep")
 
@@ -124,7 +125,8 @@ class HostMemory:
     def _open(self) -> None:
         """The slots' memory, and on CUDA the side stream its copies run on."""
         self.cuda = self.pool.device.type == "cuda"
-        # NOTE: not zeroed: a slot is only read after a save wrote it (the allocator loads present entries only).
+        # NOTE: not zeroed: a slot is only read after a save
+        # wrote it (the allocator loads present entries only).
         self._host = torch.empty(
             (self.num_slots, *self.block_shape), dtype=self.pool.dtype, pin_memory=self.cuda
         )
@@ -159,7 +161,10 @@ class HostMemory:
 
     def describe(self) -> str:
         where = "pinned host memory, side-stream copies" if self.cuda else "CPU memory"
-        return f"host tier: {self.num_slots} blocks, {self.bytes_total} B ({self.bytes_total / GIB:.3f} GiB) in {where}"
+        gib = self.bytes_total / GIB
+        return (
+            f"host tier: {self.num_slots} blocks, {self.bytes_total} B ({gib:.3f} GiB) in {where}"
+        )
 
     # -- moves ------------------------------------------------------------------
 

@@ -74,7 +74,8 @@ class StoreSeal:
     def open(
         self, salt: bytes | memoryview, sealed: bytes | memoryview, aad: bytes
     ) -> bytes | None:
-        """The payload, or None when `sealed` was not sealed under this key with `salt` and `aad`."""
+        """The payload, or None when `sealed` was not sealed
+        under this key with `salt` and `aad`."""
         try:
             return self._aead(salt).decrypt(_NONCE, sealed, aad)
         except InvalidTag:

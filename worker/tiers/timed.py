@@ -65,8 +65,9 @@ class TimedHostMemory(HostMemory):
 
     def describe(self) -> str:
         return (
-            f"host tier: {self.num_slots} blocks, {self.bytes_total} B ({self.bytes_total / GIB:.3f} GiB), "
-            "simulated: no memory, moves timed on the device stream"
+            f"host tier: {self.num_slots} blocks, {self.bytes_total} B "
+            f"({self.bytes_total / GIB:.3f} GiB), simulated: "
+            "no memory, moves timed on the device stream"
         )
 
     def wait(self, stream=None) -> None:

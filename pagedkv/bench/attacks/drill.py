@@ -202,7 +202,8 @@ def _stack_run(kind: str, w: AttackWorkload, names: list[str]) -> dict:
 def _run_attacks(
     stack, kind: str, attacker: socket.socket, store_dir: Path, w: AttackWorkload, names: list[str]
 ) -> dict:
-    """The victim and each attack in turn against a started stack; its rows and the victim's totals."""
+    """The victim and each attack in turn against a started
+    stack; its rows and the victim's totals."""
     credentials = kind == "credentials"
 
     def secret(name: str) -> str | None:

@@ -46,8 +46,9 @@ def tables(report: dict) -> list[Table]:
     w = report["workload"]
     head = [
         f"workload {w['name']}: {w['what']}.",
-        "p99 before: the victim alone in the seconds before the attack; during: while it ran. Succeeded: the "
-        "attack's aim was reached, or the victim lost a Step or a request, or a process exited.",
+        "p99 before: the victim alone in the seconds before the attack; during: while it ran. "
+        "Succeeded: the attack's aim was reached, or the "
+        "victim lost a Step or a request, or a process exited.",
     ]
     tables_ = [
         Table(
@@ -88,7 +89,8 @@ def tables(report: dict) -> list[Table]:
     if flood:
         tables_.append(
             Table(
-                "the allocator's /metrics before and during the idle-connection flood on its HTTP port",
+                "the allocator's /metrics before and during "
+                "the idle-connection flood on its HTTP port",
                 [
                     "stack",
                     "idle connections",
@@ -102,9 +104,9 @@ def tables(report: dict) -> list[Table]:
                 ],
                 flood,
                 [
-                    f"{METRICS_PROBES} GETs of /metrics before the connections open and {METRICS_PROBES} while they "
-                    f"are open, a new connection each; failed: not a 200 within 10 s; target: every one within "
-                    f"{METRICS_TARGET_S:g} s."
+                    f"{METRICS_PROBES} GETs of /metrics before the connections open and "
+                    f"{METRICS_PROBES} while they are open, a new connection each; failed: not a "
+                    f"200 within 10 s; target: every one within {METRICS_TARGET_S:g} s."
                 ],
             )
         )
@@ -119,7 +121,8 @@ def tables(report: dict) -> list[Table]:
         pd, dd = (p or {}).get("details", {}), (d or {}).get("details", {})
         refused = ", ".join(f"{k} {v}" for k, v in sorted(p["refused"].items())) if p else None
         changed = (
-            f"{pd['answers_changed_planted'] + pd['answers_changed_overwritten']} of {pd['victim_prompts']}"
+            f"{pd['answers_changed_planted'] + pd['answers_changed_overwritten']} "
+            f"of {pd['victim_prompts']}"
             if "victim_prompts" in pd
             else None
         )
@@ -147,7 +150,8 @@ def tables(report: dict) -> list[Table]:
     if rows:
         tables_.append(
             Table(
-                "the shared store against a worker of another group and whoever reads or writes its files",
+                "the shared store against a worker of another "
+                "group and whoever reads or writes its files",
                 [
                     "stack",
                     "entries planted",
@@ -163,17 +167,19 @@ def tables(report: dict) -> list[Table]:
                 ],
                 rows,
                 [
-                    "Store poisoning: the attacker's pool plants forged entries for prompts worker-1 is then sent "
-                    "(admit, free, forged K/V under a valid header and checksum, the save confirmed); then it "
-                    "writes forged entries over every entry file once worker-2 has computed other prompts, and "
-                    "worker-1 is sent those. Victim tokens: worker-1's prompt tokens loaded from the shared store; "
-                    "answers changed: its greedy answers that differ from the same prompt computed under a fresh "
-                    "salt; entries refused: what worker-1 refused to load, by reason.",
-                    "Prompt reading: worker-1 is sent a salted tenant's prompt holding a secret; every entry "
-                    "file of the store is decoded without a key and each decoded block's layer-0 V rows mapped "
-                    "back to tokens with the public weights.",
-                    "With credentials the attacker is a worker of another store group (its own worker token and "
-                    "store key); without, every pool shares one unsealed namespace (the documented trust domain).",
+                    "Store poisoning: the attacker's pool plants forged entries for prompts "
+                    "worker-1 is then sent (admit, free, forged K/V under a valid header and "
+                    "checksum, the save confirmed); then it writes forged entries over every entry "
+                    "file once worker-2 has computed other prompts, and worker-1 is sent those. "
+                    "Victim tokens: worker-1's prompt tokens loaded from the shared store; answers "
+                    "changed: its greedy answers that differ from the same prompt computed under a "
+                    "fresh salt; entries refused: what worker-1 refused to load, by reason.",
+                    "Prompt reading: worker-1 is sent a salted tenant's prompt holding a secret; "
+                    "every entry file of the store is decoded without a key and each decoded "
+                    "block's layer-0 V rows mapped back to tokens with the public weights.",
+                    "With credentials the attacker is a worker of another store group (its own "
+                    "worker token and store key); without, every pool shares one "
+                    "unsealed namespace (the documented trust domain).",
                 ],
             )
         )
@@ -214,11 +220,12 @@ def tables(report: dict) -> list[Table]:
                 ],
                 rows,
                 [
-                    "The attacker's pool, proven to the router by a server of its own at its address: answers "
-                    "with no end of body (the router passes them on as they come; it cuts one at "
-                    "PAGEDKV_ROUTER_MAX_ANSWER_MB, or once it has waited its first-byte timeout in all for the "
-                    "body), and a whole answer and a stream trickled a byte every 0.1 s after their status (ended "
-                    "by the router's first-byte timeout: 504 worker_timeout, or an error event)."
+                    "The attacker's pool, proven to the router by a server of its own at its "
+                    "address: answers with no end of body (the router passes them on as they come; "
+                    "it cuts one at PAGEDKV_ROUTER_MAX_ANSWER_MB, or once it has waited its "
+                    "first-byte timeout in all for the body), and a whole answer and a stream "
+                    "trickled a byte every 0.1 s after their status (ended by the router's "
+                    "first-byte timeout: 504 worker_timeout, or an error event)."
                 ],
             )
         )

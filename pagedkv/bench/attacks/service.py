@@ -156,7 +156,8 @@ def slow_clients(t: Target, w: AttackWorkload) -> Iterator[dict]:
     health = Prober(t.router + "/health").start()
     try:
         yield out
-        # the bodies' deadline checked too when it is near (each open past its deadline and a second)
+        # the bodies' deadline checked too when it is
+        # near (each open past its deadline and a second)
         body_check = w.router_header_timeout_s + w.router_body_timeout_s + 1.0
         if body_check <= 3 * w.attack_s:
             time.sleep(max(0.0, t0 + body_check + 0.1 - time.monotonic()))

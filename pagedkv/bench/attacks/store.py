@@ -78,9 +78,8 @@ def prompt_reading(t: Target, w: AttackWorkload) -> contextlib.AbstractContextMa
 
         model = _public_model()
         secret = f"{random.Random().randrange(10**8):08d}"
-        head = (
-            f"The vault code is {secret}: tenant A's notes, for nobody else. "  # (a token a byte)
-        )
+        # (a token a byte)
+        head = f"The vault code is {secret}: tenant A's notes, for nobody else. "
         text = (head + "Nothing more to say here. " * w.prompt_blocks)[
             : max(w.prompt_blocks * BLOCK_SIZE, len(head))
         ]

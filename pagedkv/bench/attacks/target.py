@@ -35,12 +35,10 @@ METRICS_PAUSE_S = 0.05
 METRICS_TARGET_S = 1.0  # /metrics answers within this with the idle connections open
 BLOCK_SIZE = 16  # WORKER_ARGS'
 STORE_GIB = "0.0625"  # the stack's shared store (64 MiB; an entry of the tiny model is 8 KiB)
-ATTACKER = (
-    "attacker"  # the attacker's worker id: with credentials its own token, a store group of its own
-)
-EVIL_MODEL = (
-    "evil-model"  # the model the evil worker serves: only the attack's requests are routed to it
-)
+# the attacker's worker id: with credentials its own token, a store group of its own
+ATTACKER = "attacker"
+# the model the evil worker serves: only the attack's requests are routed to it
+EVIL_MODEL = "evil-model"
 STORE_MAX_TOKENS = 8  # per completion of the store attacks
 TRICKLE_SLACK_S = 5.0  # a trickled answer ended within the router's first-byte timeout and this
 

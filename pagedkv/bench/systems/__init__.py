@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Serving:
-    """The model, the KV pool and the limits that every system of one `bench serve` comparison uses."""
+    """The model, the KV pool and the limits that every system
+    of one `bench serve` comparison uses."""
 
     model: str
     num_blocks: int

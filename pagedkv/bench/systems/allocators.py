@@ -66,7 +66,8 @@ class EventFollower:
         import multiprocessing
 
         ctx = multiprocessing.get_context("spawn")  # no fork of a process with grpc threads
-        # No lock: one writer, read after it is stopped (a child killed holding a lock would hang the reader).
+        # No lock: one writer, read after it is stopped (a
+        # child killed holding a lock would hang the reader).
         self._counts = ctx.Array("q", 2, lock=False)
         self._ready = ctx.Event()
         self._proc = ctx.Process(

@@ -53,7 +53,8 @@ class EngineSystem:
         )
 
     def run(self, loaded, prompts: list[list[int]], serving: Serving) -> dict[str, Any]:
-        """One run of the workload on a fresh pool; the figures, and `_outputs` (every request's tokens)."""
+        """One run of the workload on a fresh pool; the figures,
+        and `_outputs` (every request's tokens)."""
         from worker.attention import get_backend, select_backend
         from worker.engine import LLMEngine, SamplingParams
 
@@ -129,12 +130,15 @@ class EngineSystem:
             "steps": steps,
             "max_running_seqs": trace.peaks.running_sequences,
             "prefix_cache": self.prefix_caching,
-            "ttft_method": "time from t=0 (all requests submitted) until the step that sampled the first token "
+            "ttft_method": "time from t=0 (all requests submitted) "
+            "until the step that sampled the first token "
             "returned",
-            "kv_method": "peaks: the engine's high-water marks at every step (pagedkv_worker_*_peak); "
+            "kv_method": "peaks: the engine's high-water "
+            "marks at every step (pagedkv_worker_*_peak); "
             + (
-                "means: allocator pool stats after every step (slots in allocated blocks vs slots holding a "
-                "token, shared prefix blocks once); logical = sum of the running sequences' stored tokens"
+                "means: allocator pool stats after every step (slots in allocated blocks vs slots "
+                "holding a token, shared prefix blocks once); logical "
+                "= sum of the running sequences' stored tokens"
                 if self.sample_kv
                 else "means not sampled (one more allocator call per step)"
             ),

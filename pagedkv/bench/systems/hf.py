@@ -31,7 +31,8 @@ from pagedkv.bench.workloads import warmup_prompts
 
 
 def load(spec: str):
-    """The transformers model of `spec` ('tiny-random', 'smollm2', a .gguf file or a folder), fp32, eval mode."""
+    """The transformers model of `spec` ('tiny-random', 'smollm2',
+    a .gguf file or a folder), fp32, eval mode."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -166,9 +167,11 @@ def run_static(model, prompts: list[list[int]], serving: Serving, pad_id: int) -
         "kv_utilisation_mean": round(statistics.fmean(util), 4),
         "kv_utilisation_peak_alloc": round(held_peak / reserved_peak, 4),
         "preemptions": 0,
-        "ttft_method": "batches run one after another from t=0; a streamer's 2nd put() (1st generated token of "
+        "ttft_method": "batches run one after another from t=0; "
+        "a streamer's 2nd put() (1st generated token of "
         "every row, i.e. end of the batch's prefill) is each member's first-token time",
-        "kv_method": "contiguous reservation rows x (longest prompt + max_tokens) per batch vs the real tokens "
+        "kv_method": "contiguous reservation rows x (longest "
+        "prompt + max_tokens) per batch vs the real tokens "
         "held after each generated token",
         "_outputs": outputs,
     }

@@ -80,7 +80,8 @@ class WorkerRun:
     calls: int = 0  # every Step sent, timed or not
     mismatches: int = 0  # answers that differ from the recording's
     errors: list[str] = field(default_factory=list)  # failed calls (the worker stops at the first)
-    unary: bool = False  # its StepStream failed at the first Step (refused): unary Steps, as a worker falls back
+    # its StepStream failed at the first Step (refused): unary Steps, as a worker falls back
+    unary: bool = False
 
 
 async def replay(
@@ -137,7 +138,8 @@ async def replay(
 
 
 def period(recording: Recording) -> float:
-    """The mean time between two of the recording's timed Steps (its last Step's device time if one)."""
+    """The mean time between two of the recording's timed
+    Steps (its last Step's device time if one)."""
     timed = recording.steps[recording.timed_from :]
     if len(timed) < 2:
         return recording.steps[-1].device_s if recording.steps else 0.0
@@ -166,8 +168,9 @@ async def _replay_one(
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError, EOFError) as err:
             code = await stream.code() if stream is not None else err.code()
             if k == 0 and stream is not None:
-                # Refused (the server's stream limit), or ended as it opened: unary Steps, as a worker
-                # falls back. The same step id again: applied once whether or not the stream's was.
+                # Refused (the server's stream limit), or ended as it opened: unary Steps, as a
+                # worker falls back. The same step id again:
+                # applied once whether or not the stream's was.
                 stream, run.unary = None, True
                 answer = await unary(req)
             else:

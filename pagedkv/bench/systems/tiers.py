@@ -116,7 +116,8 @@ def started(names: Sequence[str], model: str, block_size: int, sizes: Sizes) -> 
 
 
 def _reason(text: str) -> str:
-    """A failure's message without the whole log: its first line, then the error its process printed."""
+    """A failure's message without the whole log: its first
+    line, then the error its process printed."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     told = [line for line in lines[1:] if "error" in line.lower()]
     return "\n".join(lines[:1] + told[-1:])
