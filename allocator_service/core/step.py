@@ -1,31 +1,20 @@
 """A scheduler step: an ordered batch of operations on one pool.
 
-A worker sends ONE step per scheduler iteration. Frees run first (so the
-blocks they release serve the same step's admits and appends), then the other
-operations in the order given. Each operation is all-or-nothing and one
-failing operation does not fail the others: its result says why.
+- Frees run first (their blocks serve the same step), then the other
+  operations in the order given; each is all-or-nothing, and one failing
+  fails no other: its result says why.
+- An operation's table change is `keep` (the old table's prefix that stays)
+  plus `append` (new block ids): growth, copy-on-write (keep = len - 1),
+  admission (keep = 0) and unreserve (keep < len, nothing appended).
+- `run_step` is the one implementation, on columns (`StepColumns` in,
+  `StepAnswer` out, `StepAnswer[i]` operation i's `OpResult`); `step_columns`
+  builds columns from the operation objects (`Free`, `Append`, `Admit`,
+  `Fork`, `Unreserve`).
+- An APPEND or ADMIT may reserve slots (`num_reserved`) whose values come
+  first in the sequence's next APPEND; an UNRESERVE gives them back
+  (`BlockPool.append`, `.admit`, `.unreserve`).
 
-The table change of an operation is `keep` (a prefix of the old table that
-stays) plus `append` (new block ids after it); this one shape expresses growth,
-copy-on-write (keep = len - 1), admission (keep = 0) and unreserve (keep <
-len, nothing appended).
-
-`run_step` is the one implementation, on columns (`StepColumns` in,
-`StepAnswer` out): a 256-sequence decode step is then a few lists, not 512
-objects, and the service converts them to and from the wire's `StepOps` /
-`StepResponse` with list operations. The operation objects (`Free`, `Append`,
-`Admit`, `Fork`, `Unreserve`) are the convenient form for a worker:
-`step_columns` turns them into columns; `StepAnswer[i]` is operation i's
-`OpResult`.
-
-An APPEND may also reserve slots for tokens not known yet (`num_reserved`,
-async scheduling): their values come first in the sequence's next APPEND
-(`BlockPool.append`; the rules: docs/architecture.md, "One step ahead"). An
-ADMIT may reserve them too: a request's slots held from its admission, as
-servers before paging reserved them (`BlockPool.admit`).
-An UNRESERVE gives reserved slots back (`num_reserved` says how many; the
-worker's lookahead slots, when a request waits for their blocks or a running
-sequence would otherwise be preempted: `BlockPool.unreserve`).
+The rules and reasons: docs/architecture.md, "The block contract".
 """
 
 from __future__ import annotations
