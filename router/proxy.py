@@ -254,7 +254,7 @@ class Proxy:
     ) -> dict[str, str]:
         headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_OUT}
         headers["x-pagedkv-worker"] = worker.name
-        headers["x-pagedkv-cached-tokens"] = str(cached)  # what MatchPrefix said the worker held
+        headers["x-pagedkv-cached-tokens"] = str(cached)  # its pool and tiers, when routed
         headers["x-pagedkv-routing-ms"] = f"{routing_s * 1000:.3f}"  # choosing it took
         return headers
 
