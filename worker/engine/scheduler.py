@@ -1,25 +1,16 @@
 """Continuous batching over the allocator: one Step call per engine step.
 
-Order and policy live here: who runs, who is admitted, who waits, who is
-preempted. What an operation takes from the pool or gives back is the
-pool's own arithmetic, asked of its planning view (`PoolPlan`, in the
-allocator core), built from the block tables the allocator's answers gave.
-
-Each call sends: frees (finished, aborted, this step's preemption
-victims); forks of parallel samples from the sample that computed their
-prompt; the running sequences in admission order, each with its next
-tokens (one for a decode, a chunk of a prefill); then waiting requests
-admitted while the token budget, `max_num_seqs` and the free blocks allow.
-The step is planned against the pool BEFORE the call and preempts then
-(the newest lowest-priority sequence, recomputed later): every operation
-the allocator accepts is computed by this step's forward pass, so a block
-the prefix cache can find always holds real K/V.
-
-Async scheduling plans step N+1 and sends its call (`schedule_ahead`)
-before step N's forward pass, reserving the slot of each token step N
-samples; its value rides the next Append. Slots ahead: lookahead.py. The
-call, sent until answered: step_calls.py; its answer is applied here. The
-contract's rules and reasons: docs/architecture.md, "The block contract".
+`Scheduler` owns order and policy (who runs, is admitted, waits, is
+preempted) and every write to its queues, answers applied included. What an
+operation takes or frees is asked of the core's planning view (`PoolPlan`).
+A call carries, in order: frees (finished, aborted, this step's victims);
+forks of parallel samples; the running sequences in admission order, each
+with its next tokens; then admissions while the token budget, `max_num_seqs`
+and the free blocks allow. Preemption (newest lowest-priority first) is
+planned BEFORE the call, so the step computes every operation the allocator
+accepts. `schedule_ahead` plans step N+1 while step N computes (async).
+Slots ahead: lookahead.py; the call: step_calls.py. The rules and reasons:
+docs/architecture.md, "A request, end to end" (3) and "The block contract".
 """
 
 from __future__ import annotations
