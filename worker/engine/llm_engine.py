@@ -2,19 +2,15 @@
 an output processor.
 
 `LLMEngine.step()` is one iteration of continuous batching: the scheduler
-plans it (one allocator Step call), the model runner computes every scheduled
-token at once (prefill chunks and decodes mixed) and samples the sequences
-that reached their last token, the output processor checks stop conditions
-and detokenizes. With async scheduling the next step's call is planned and
-sent while a step computes; on a device whose launch returns at once (sim:)
-a step is launched behind the one computing, whose tokens are processed
-meanwhile (`_step`; docs/architecture.md, "Overlapped steps"). `generate()`
-is the offline API on top; `AsyncLLMEngine` (async_engine.py) the streaming
-one.
-
-A request with `n > 1` is n sequences under one request id (`index` 0..n-1):
-sample 0 computes the prompt, the others draw their first token from its
-logits and are forked from it in the allocator (scheduler.py).
+plans it (one allocator Step call), the model runner computes every
+scheduled token at once and samples the sequences that reached their last
+token, the output processor checks stops and detokenizes. With async
+scheduling the next call is planned and sent while a step computes; on a
+device whose launch returns at once (`sim:`) steps overlap (`_step`;
+docs/architecture.md, "Overlapped steps"). `generate()` is the offline API;
+`AsyncLLMEngine` (async_engine.py) the streaming one. A request with `n > 1`
+is n sequences under one request id (`index` 0..n-1): sample 0 computes the
+prompt, the others are forked from it (scheduler.py).
 """
 
 from __future__ import annotations
