@@ -83,7 +83,7 @@ def plan(workers: Sequence[Worker]) -> list[Worker] | Split:
     whole = [w for w in workers if w.kv_role == "both"]
     if whole:
         return whole
-    have = ", ".join(f"{r} workers" for r in sorted(roles))
+    have = " and ".join(sorted(roles)) + " workers"
     if "prefill" in roles and "decode" in roles:
         reason = (
             "the prefill and decode workers share no shared store namespace (one store group "
