@@ -293,13 +293,26 @@ def test_a_bad_role_is_one_line_and_exit_2():
 
 
 def test_a_role_without_the_shared_store_is_one_line_and_exit_2():
-    r = _worker_cli("--kv-role", "prefill", "--no-kv-shared-store", "--port", "0")
+    r = _worker_cli(
+        "--allocator", "127.0.0.1:9", "--kv-role", "prefill", "--no-kv-shared-store", "--port", "0"
+    )
     assert r.returncode == 2
     (line,) = r.stderr.strip().splitlines()
     assert line == (
         "pagedkv worker: error: --kv-role prefill needs the allocator's shared store and prefix "
         "caching (the prompt's blocks move through the store): drop --no-kv-shared-store and "
         "--no-enable-prefix-caching"
+    )
+
+
+def test_a_role_on_the_embedded_allocator_is_one_line_and_exit_2():
+    r = _worker_cli("--kv-role", "decode", "--port", "0")
+    assert r.returncode == 2
+    (line,) = r.stderr.strip().splitlines()
+    assert line == (
+        "pagedkv worker: error: --kv-role decode needs an allocator service with a shared store "
+        "(--allocator HOST:PORT of an allocator run with --kv-shared-store): the embedded one "
+        "has none"
     )
 
 
