@@ -663,7 +663,8 @@ class Scheduler:
             seq.num_cached_tokens = r.cached_tokens
             seq.admitted_once = True
         batch.cached_tokens += r.cached_tokens
-        batch.queried_tokens += len(seq.token_ids)
+        if self.caching:  # looked up only with prefix caching on, as the allocator counts it
+            batch.queried_tokens += len(seq.token_ids)
         start = r.cached_tokens
         if seq.swap is not None:  # resumed, its tail swapped out: copied back, not computed
             start = self.tiers.swap_in(batch, seq, start, r.num_stored)  # type: ignore[union-attr]
