@@ -201,9 +201,8 @@ class Discovery:
                 by_url[url] = w
         for url in self.static:
             by_url.setdefault(url, Worker(url, allocator=self.index))
-        if (
-            self.view is not None
-        ):  # a listing's free blocks, newer than the last event's for an idle pool
+        if self.view is not None:
+            # a listing's free blocks, newer than the last event's for an idle pool
             for p in pools:
                 self.view.note_free(p.pool_id, p.free_blocks)
         with self._lock:

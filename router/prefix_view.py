@@ -97,9 +97,8 @@ class PrefixView:
         elif kind == _REGISTERED:  # a registered pool starts with nothing cached
             pools[event.pool_id] = _Pool()
             return
-        elif (
-            kind == _BLOCKS_CHANGED
-        ):  # a run of stored/removed events of one pool (a packed stream)
+        elif kind == _BLOCKS_CHANGED:
+            # a run of stored/removed events of one pool (a packed stream)
             pool = _pool(pools, event.pool_id)
             hashes, removed = event.block_hashes, event.removed
             for i, block in enumerate(event.block_ids):
@@ -119,9 +118,8 @@ class PrefixView:
             return
         else:
             return
-        if event.HasField(
-            "free_blocks"
-        ):  # a packed stream's and a snapshot's block events carry it
+        if event.HasField("free_blocks"):
+            # a packed stream's and a snapshot's block events carry it
             pool.free = event.free_blocks
 
     def note_free(self, pool_id: str, free: int) -> None:

@@ -143,9 +143,8 @@ class Proxy:
             except ClientGone:  # the worker's connection is closed: it aborts the request
                 placement.failed(rid)
                 return Response(status_code=499)  # nobody reads it
-            except (
-                _Started
-            ) as started:  # the worker has the request: another would compute it again
+            except _Started as started:
+                # the worker has the request: another would compute it again
                 placement.failed(rid)
                 self.metrics.failed.labels("worker_timeout").inc()
                 log.warning("worker %s at %s: %s; not retried", worker.name, worker.url, started)
@@ -302,10 +301,8 @@ class Proxy:
             return f"\n\ndata: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
 
         async def chunks() -> AsyncIterator[bytes]:
-            total, waited = (
-                len(start),
-                0.0,
-            )  # the worker's time so far: for a body, or since the last event
+            # the worker's time so far: for a body, or since the last event
+            total, waited = (len(start), 0.0)
             try:
                 if start:
                     yield start

@@ -49,9 +49,8 @@ class RecentBlocks:
         try:
             check_cache_salt(salt)
             hashes = prompt_chain(fingerprint, tokens[: RECORDED_TOKENS + 1], block_size, salt)
-        except (
-            InvalidArgument
-        ):  # a salt or token id the allocator refuses: the worker answers the error
+        except InvalidArgument:
+            # a salt or token id the allocator refuses: the worker answers the error
             return
         sent = self._sent.setdefault(url, OrderedDict())
         for h in hashes:

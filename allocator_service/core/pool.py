@@ -65,9 +65,8 @@ class AdmitResult(NamedTuple):
     cached_tokens: int  # leading prompt tokens found cached (in the KV pool or loaded from a tier)
     # tokens the sequence holds with their values after the admit (its reserved slots follow)
     num_stored: int
-    new_blocks: list[
-        int
-    ]  # blocks taken for the tokens past the cached ones (and reserved slots), in table order
+    # blocks taken for the tokens past the cached ones (and reserved slots), in table order
+    new_blocks: list[int]
     table: list[int]  # the whole new block table (cached hits first)
 
 
@@ -379,9 +378,8 @@ class BlockPool(PoolHoldings):
             self._stamp[b] = self._clock
             self._cached_free[b] = None
         if self.tiers is not None:
-            for b in reversed(
-                cached
-            ):  # tail first: a full store drops a chain's tail before its head
+            for b in reversed(cached):
+                # tail first: a full store drops a chain's tail before its head
                 self.tiers.released(b, block_hash[b])  # type: ignore[arg-type]
 
     def reset_prefix_cache(self) -> int:

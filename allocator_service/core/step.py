@@ -60,9 +60,8 @@ class StepColumns(NamedTuple):
     kinds: list[int]  # one per operation: FREE, APPEND, ADMIT, FORK or UNRESERVE
     seq_ids: list[str]  # one per operation: the sequence (FORK: the parent)
     num_tokens: list[int]  # one per operation: its tokens (0 for FREE, FORK and UNRESERVE)
-    tokens: Sequence[
-        int
-    ]  # every operation's tokens, concatenated in order (a list, or the wire's field)
+    # every operation's tokens, concatenated in order (a list, or the wire's field)
+    tokens: Sequence[int]
     salts: list[str | None]  # one per ADMIT: its cache_salt
     num_new_tokens: list[int | None]  # one per ADMIT: chunked prefill bound (None: all)
     children: list[str]  # one per FORK: the child's sequence id
@@ -122,21 +121,18 @@ class StepAnswer(Sequence[OpResult]):
     appended: Sequence[int]  # every operation's appended block ids, concatenated
     num_copies: Sequence[int]  # one per operation: block copies to perform first
     copies: Sequence[int]  # every operation's (src, dst) copies, flattened
-    cached_tokens: Sequence[
-        int
-    ]  # one per operation: prompt tokens found cached (ADMIT; tier loads included)
+    # one per operation: prompt tokens found cached (ADMIT; tier loads included)
+    cached_tokens: Sequence[int]
     num_stored: Sequence[int]  # one per operation: tokens held after an ADMIT
     error_messages: Sequence[str]  # one per FAILED operation, in order
     # KV tiers: the step's moves, applied by the worker before the forward
     # pass (`tiers.Moves` says in which order; NO_MOVES without tiers).
     moves: Moves = NO_MOVES
-    _starts: list[int] | None = field(
-        default=None, init=False, repr=False
-    )  # where each operation's ids start
+    # where each operation's ids start
+    _starts: list[int] | None = field(default=None, init=False, repr=False)
     _copy_starts: list[int] | None = field(default=None, init=False, repr=False)
-    _messages: dict[int, str] | None = field(
-        default=None, init=False, repr=False
-    )  # failed op -> its message
+    # failed op -> its message
+    _messages: dict[int, str] | None = field(default=None, init=False, repr=False)
 
     def __len__(self) -> int:
         return len(self.errors)
@@ -265,9 +261,8 @@ def run_step(pool: BlockPool, step: StepColumns) -> StepAnswer:
     end = 0  # where the next operation's tokens end
     admits = forks = 0  # ADMIT and FORK operations met so far
     try_append = pool.try_append
-    checked = tokens_ok(
-        tokens
-    )  # every token of the step at once (C speed), not one operation at a time
+    # every token of the step at once (C speed), not one operation at a time
+    checked = tokens_ok(tokens)
     for i in range(n):
         kind = kinds[i]
         start = end

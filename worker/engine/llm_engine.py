@@ -141,9 +141,8 @@ class LLMEngine:
                     "on_unavailable": self._allocator_unavailable,
                 }
             allocator = connect(config.allocator, spec, **options)
-        elif not isinstance(
-            allocator, AllocatorClient
-        ):  # a factory of the client, given the pool's spec
+        elif not isinstance(allocator, AllocatorClient):
+            # a factory of the client, given the pool's spec
             allocator = allocator(spec)
         self.allocator = allocator
         if tiers is not None:
@@ -177,9 +176,8 @@ class LLMEngine:
             reservation=config.kv_reservation,
             most_slots=self.prompt_limit,
         )
-        self.metrics.slots_ahead.set_function(
-            self.scheduler.slots_ahead
-        )  # summed at scrape time, not per step
+        # summed at scrape time, not per step
+        self.metrics.slots_ahead.set_function(self.scheduler.slots_ahead)
         # The allocator away: the step is sent again until answered (a stall, not an error).
         self.scheduler.calls.on_stall = self.metrics.allocator_unavailable_seconds.inc
         self.scheduler.tiers = tiers

@@ -169,9 +169,8 @@ class Scheduler:
             return inflight.batch
         batch = StepBatch()
         plan = self._plan(batch, frozenset())
-        if (
-            not plan.ops and not self._report_due()
-        ):  # nothing to send: computed in slots held already
+        if not plan.ops and not self._report_due():
+            # nothing to send: computed in slots held already
             self._apply_results(plan, [], batch)
             return batch
         batch.allocator_call = True
@@ -196,9 +195,8 @@ class Scheduler:
         ahead = [s for s in sampling if len(s.token_ids) < s.max_computed_tokens]
         batch = StepBatch()
         plan = self._plan(batch, frozenset(ahead))
-        if (
-            not plan.ops and not self._report_due()
-        ):  # nothing to send: computed in slots held already
+        if not plan.ops and not self._report_due():
+            # nothing to send: computed in slots held already
             future: Future = Future()
             future.set_result([])
             self._inflight = InFlight(plan, batch, future)
@@ -491,9 +489,8 @@ class Scheduler:
         if seq in plan.forks:
             fork = plan.forks.pop(seq)
             ops.remove(fork)
-            if all(
-                f.parent != fork.parent for f in plan.forks.values()
-            ):  # nothing forks from it now
+            if all(f.parent != fork.parent for f in plan.forks.values()):
+                # nothing forks from it now
                 plan.forked_parents.discard(fork.parent)
                 if fork.parent in self._free_later:  # preempted: free it now
                     self._free_later.remove(fork.parent)

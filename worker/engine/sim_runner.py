@@ -107,9 +107,8 @@ class SimRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         self.gpu = gpu(config.device.removeprefix(SIM_PREFIX))
         shape = loaded.config
-        if (
-            config.kv_cache_dtype != "auto"
-        ):  # the pool's bytes, and the bytes a step reads, are fp8's
+        if config.kv_cache_dtype != "auto":
+            # the pool's bytes, and the bytes a step reads, are fp8's
             shape = dataclasses.replace(
                 shape, kv_dtype=kv_cache_element(config.kv_cache_dtype, shape.dtype)
             )

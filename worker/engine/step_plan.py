@@ -39,9 +39,8 @@ class StepBatch:
     entries: list[ScheduledSeq] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    failed: list[Sequence] = field(
-        default_factory=list
-    )  # finished with an error by the allocator's answer
+    # finished with an error by the allocator's answer
+    failed: list[Sequence] = field(default_factory=list)
     allocator_seconds: float = 0.0
     # its operations went out in an allocator call (else computed in slots held)
     allocator_call: bool = False

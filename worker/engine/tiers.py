@@ -154,9 +154,8 @@ class EngineTiers:
         if shared_store:
             try:
                 self.open_store(shared_store, namespace, self._store_key)
-            except (
-                ValueError
-            ) as exc:  # the new store cannot be used here: no store, not a dead worker
+            except ValueError as exc:
+                # the new store cannot be used here: no store, not a dead worker
                 log.warning(
                     "the allocator's shared store changed to one this worker cannot use: %s", exc
                 )
@@ -204,10 +203,8 @@ class EngineTiers:
     def _host_saves(self, kv_blocks: list[int], slots: list[int]) -> None:
         try:
             transfer = self.host.save(kv_blocks, slots)  # type: ignore[union-attr]
-        except (
-            ValueError,
-            RuntimeError,
-        ) as exc:  # ids out of range, a copy that failed: the saves failed
+        except (ValueError, RuntimeError) as exc:
+            # ids out of range, a copy that failed: the saves failed
             log.warning("host tier: %d saves failed: %s", len(slots), exc)
             self._report.failed.extend(slots)
             return

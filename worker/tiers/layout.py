@@ -86,10 +86,8 @@ class KVLayout:
     @classmethod
     def of_pool(cls, pool: KVPool, model_fingerprint: str) -> KVLayout:
         """The layout of `pool`'s blocks for the model with `model_fingerprint`."""
-        scales = (
-            getattr(pool, "k_scales", ()),
-            getattr(pool, "v_scales", ()),
-        )  # (the simulated pool has none)
+        # (the simulated pool has none)
+        scales = (getattr(pool, "k_scales", ()), getattr(pool, "v_scales", ()))
         if str(pool.dtype).removeprefix("torch.") not in FP8_ELEMENTS:
             scales = (), ()
         return cls(

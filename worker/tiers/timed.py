@@ -86,9 +86,8 @@ class TimedStoreMover(StoreMover):
 
     def _save(self, kv_blocks: Sequence[int], hashes: Sequence[bytes]) -> list[bool]:
         n = len(kv_blocks)
-        seconds, _ = self._time(
-            n * self.layout.block_bytes
-        )  # device -> host, as a real save's gather
+        # device -> host, as a real save's gather
+        seconds, _ = self._time(n * self.layout.block_bytes)
         if self._meter is not None:
             self._meter.saved(n, n * self.layout.block_bytes, seconds)
         return [True] * n
