@@ -2,7 +2,10 @@
 store (`--kv-shared-store`) and the worker that opens it.
 
 - `file://PATH`: a directory this process can write entries into;
-- `redis://HOST:PORT/DB[?key_prefix=P]` (or rediss://): a Redis that answers PING.
+- `redis://HOST:PORT/DB[?key_prefix=P]` (or rediss://): a Redis that answers PING;
+- `peer://`: no shared place: each entry stays in the memory of the worker
+  that wrote it, and readers pull it from that worker (docs/architecture.md,
+  "Prefill and decode on separate workers").
 
 `check_store_url` says what is wrong in one line (`StoreOpenError`, a
 ValueError): an unknown kind, no path, a path it cannot write, a Redis that
@@ -16,7 +19,8 @@ import secrets
 from pathlib import Path
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-FILE, REDIS = "file", "redis"
+FILE, REDIS, PEER = "file", "redis", "peer"
+PEER_URL = "peer://"
 _REDIS_SCHEMES = ("redis://", "rediss://")
 
 
@@ -31,7 +35,7 @@ def one_line(exc: BaseException) -> str:
 
 
 def store_kind(url: str) -> tuple[str, str]:
-    """(FILE, directory) or (REDIS, url); StoreOpenError for anything else."""
+    """(FILE, directory), (REDIS, url) or (PEER, ""); StoreOpenError for anything else."""
     if url.startswith("file://"):
         path = url.removeprefix("file://")
         if not path:
@@ -41,9 +45,21 @@ def store_kind(url: str) -> tuple[str, str]:
         return FILE, path
     if url.startswith(_REDIS_SCHEMES):
         return REDIS, url
+    if url.startswith(PEER_URL):
+        if url != PEER_URL:
+            raise StoreOpenError(
+                f"shared store {url!r}: peer:// takes nothing after it (entries stay with "
+                "their writer, readers pull them from its advertised URL)"
+            )
+        return PEER, ""
     raise StoreOpenError(
-        f"shared store {url!r}: unknown kind; use file://PATH or redis://HOST:PORT/DB"
+        f"shared store {url!r}: unknown kind; use file://PATH, redis://HOST:PORT/DB or peer://"
     )
+
+
+def is_peer(url: str) -> bool:
+    """Whether `url` names the peer store (entries pulled from their writer)."""
+    return url == PEER_URL
 
 
 def redis_target(url: str) -> tuple[str, str | None]:
@@ -72,6 +88,8 @@ def probe_directory(root: Path, url: str) -> None:
 def check_store_url(url: str, timeout_s: float = 1.0) -> None:
     """StoreOpenError (one line) unless the store at `url` can be used now."""
     kind, target = store_kind(url)
+    if kind == PEER:
+        return  # nothing to reach: each worker holds its own entries
     if kind == FILE:
         probe_directory(Path(target), url)
         return

@@ -134,6 +134,8 @@ METRIC_NAMES = (
     f"{PREFIX}_kv_tier_loaded_bytes_total",
     f"{PREFIX}_kv_tier_load_seconds_total",
     f"{PREFIX}_kv_tier_refused_entries_total",
+    f"{PREFIX}_kv_tier_served_blocks_total",
+    f"{PREFIX}_kv_tier_served_bytes_total",
     f"{PREFIX}_kv_tier_store_errors_total",
 )
 # The KV tiers below the KV pool, the `tier` label of the kv_tier_* series.
@@ -231,6 +233,11 @@ class TierMetrics:
 
     def refused(self, reason: str, blocks: int = 1) -> None:
         self._families["refused_entries"].labels(**self._labels, reason=reason).inc(blocks)
+
+    def served(self, blocks: int, nbytes: int) -> None:
+        """A `peer://` store: entries this worker served to another's pull."""
+        self._families["served_blocks"].labels(**self._labels).inc(blocks)
+        self._families["served_bytes"].labels(**self._labels).inc(nbytes)
 
     def store_error(self) -> None:
         if self.store_errors is None:
@@ -495,6 +502,16 @@ class WorkerMetrics:
                 "Loads from the tier not loaded and reported refused, by reason "
                 "(format, layout, checksum, seal, missing): computed instead.",
                 ("tier", "reason"),
+            ),
+            "served_blocks": counter(
+                "kv_tier_served_blocks",
+                "Entries of a peer:// store this worker sent to other workers' pulls.",
+                tier,
+            ),
+            "served_bytes": counter(
+                "kv_tier_served_bytes",
+                "Bytes of entries of a peer:// store this worker sent to other workers' pulls.",
+                tier,
             ),
             "store_errors": counter(
                 "kv_tier_store_errors",

@@ -69,6 +69,10 @@ class AllocatorClient(abc.ABC):
     # Where this pool's blocks live in that store (`RegisterPoolResponse.
     # store_namespace`): the store keys of its own saves and loads.
     store_namespace: str = ""
+    # A `peer://` store: the key this pool's store group presents to its
+    # workers' peer routes (`RegisterPoolResponse.peer_key`).
+    peer_key: str = ""
+    peer_store_bytes: int = 0  # ... and the store's capacity in bytes
 
     @abc.abstractmethod
     def step(self, ops: Sequence[Op], report: TierReport | None = None) -> StepAnswer:

@@ -220,6 +220,8 @@ class GrpcAllocator(AllocatorClient):
             config = self._asked.config
             # (an allocator from before store groups keys a pool's entries by its layout)
             self.store_namespace = (r.store_namespace or config.layout) if r.shared_store else ""
+            self.peer_key = r.peer_key  # a peer:// store: the key of this pool's group ...
+            self.peer_store_bytes = r.shared_store_bytes  # ... and its capacity
             if config.use_shared_store and not r.shared_store:
                 self.spec = replace(self._asked, config=replace(config, use_shared_store=False))
             else:

@@ -18,6 +18,12 @@ A store save reads its KV block (`Moves.store_save_from`), whose bytes stay
 until the step's forward pass, after the moves. A pool finds, confirms and
 skips saves only against its own namespace (`store_namespace`).
 
+A peer store (`SharedStore(peer=True)`, `--kv-shared-store peer://`) keeps
+no bytes anywhere shared: an entry stays with the worker that wrote it, so
+its location is its writer's pool id (`PoolTiers.writer`), each store load
+names it (`Moves.store_load_from`), and the writer's pool takes its entries
+with it when it is dropped.
+
 Determinism: decisions read only the tiers' state and the operations applied,
 in order; no iteration depends on hashing, so a replay rebuilds the same state.
 The reasons: docs/architecture.md, "Tiers".
@@ -223,44 +229,70 @@ class SharedStore:
     entry of `size` bytes, `capacity_bytes` in all. It is given to each pool
     that uses it (`BlockPool(config, store=...)`); the steps that touch it
     must be applied in one global order (their journal's). Which pool awaits
-    a pending entry's confirmation is that pool's record (`PoolTiers`)."""
+    a pending entry's confirmation is that pool's record (`PoolTiers`).
+    `peer`: each entry's location is the pool id of its writer, which holds
+    its bytes (else 0: the store holds them)."""
 
-    __slots__ = ("lru", "stats")
+    __slots__ = ("lru", "stats", "peer")
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, peer: bool = False) -> None:
         if type(capacity_bytes) is not int or capacity_bytes < 0:
             raise InvalidArgument(
                 "the shared store's capacity must be a non-negative integer of bytes"
             )
         self.lru = LruTier(capacity_bytes)
         self.stats = StoreStats()
+        self.peer = peer
 
     @property
     def capacity_bytes(self) -> int:
         return self.lru.capacity
 
     def to_state(self) -> dict[str, Any]:
-        """A JSON-able dump; `from_state` rebuilds it exactly."""
-        return {
+        """A JSON-able dump; `from_state` rebuilds it exactly. A peer store's
+        entries carry their writer's pool id (and the dump says `peer`)."""
+        if self.peer:
+
+            def entries(part):
+                return [[lay, h.hex(), size, loc] for (lay, h), (loc, size) in part.items()]
+        else:
+
+            def entries(part):
+                return [[lay, h.hex(), size] for (lay, h), (_, size) in part.items()]
+
+        state = {
             "capacity_bytes": self.lru.capacity,
-            "present": [[lay, h.hex(), size] for (lay, h), (_, size) in self.lru.present.items()],
-            "pending": [[lay, h.hex(), size] for (lay, h), (_, size) in self.lru.pending.items()],
+            "present": entries(self.lru.present),
+            "pending": entries(self.lru.pending),
             "counters": self.stats.to_state(),
         }
+        if self.peer:
+            state["peer"] = True
+        return state
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> SharedStore:
-        st = cls(state["capacity_bytes"])
-        for lay, h, size in state["present"]:
-            st.lru.present[(lay, bytes.fromhex(h))] = (0, size)
-        for lay, h, size in state["pending"]:
-            st.lru.pending[(lay, bytes.fromhex(h))] = (0, size)
+        # (absent in dumps of stores that are not peer stores, and of older versions)
+        st = cls(state["capacity_bytes"], peer=state.get("peer", False))
+        for part, target in (("present", st.lru.present), ("pending", st.lru.pending)):
+            for lay, h, size, *writer in state[part]:
+                target[(lay, bytes.fromhex(h))] = (writer[0] if writer else 0, size)
         st.lru.used = sum(s for _, s in st.lru.present.values()) + sum(
             s for _, s in st.lru.pending.values()
         )
         st.lru._pending_used = sum(s for _, s in st.lru.pending.values())
         st.stats = StoreStats.from_state(state["counters"])
         return st
+
+    def drop_writer(self, writer: str) -> int:
+        """A peer store's writer `writer` (a pool id) is gone, and its
+        entries' bytes with it: they leave the index (no store deletes: no
+        one holds them). Returns how many."""
+        lru = self.lru
+        gone = [k for part in (lru.present, lru.pending) for k, e in part.items() if e[0] == writer]
+        for key in gone:
+            lru.drop(key)
+        return len(gone)
 
     def integrity_problems(self) -> list[str]:
         return self.lru.problems("shared store")
@@ -278,10 +310,12 @@ class Moves(NamedTuple):
     host_saves: list[int]  # (2) (KV block, host slot) pairs, flattened
     host_loads: list[int]  # (4) (host slot, KV block) pairs, flattened
     store_loads: list[bytes]  # (4) hashes to read from the store (this pool's namespace) ...
-    store_load_to: list[int]  # ... each into this KV block
+    store_load_to: list[int]  # ... each into this KV block ...
+    # ... each pulled from this writer (a peer store: its pool id; on the wire its URL); else []
+    store_load_from: list[str]
 
 
-NO_MOVES = Moves([], [], [], [], [], [], [], [])  # NOTE: shared, never mutated
+NO_MOVES = Moves([], [], [], [], [], [], [], [], [])  # NOTE: shared, never mutated
 
 
 class TierReport(NamedTuple):
@@ -357,12 +391,22 @@ class PoolTiers:
     """One pool's tiers: its `HostSlotIndex` (None: no host tier), the
     `SharedStore` it uses (None: none), its store `namespace`
     (`store_namespace`), the store saves it has pending, and
-    the moves issued since the last `take_moves`. `BlockPool` calls
+    the moves issued since the last `take_moves`; `writer`: its pool id, the
+    location of the entries it writes to a peer store (set by the registry). `BlockPool` calls
     `released` when a cached block's last sequence frees it, `evicted` when
     a cached block leaves the KV pool, `find` and `load` at
     admission, `confirm` at the start of a step, and `take_moves` at its end."""
 
-    __slots__ = ("host", "store", "namespace", "block_bytes", "store_pending", "stats", "_moves")
+    __slots__ = (
+        "host",
+        "store",
+        "namespace",
+        "block_bytes",
+        "store_pending",
+        "stats",
+        "_moves",
+        "writer",
+    )
 
     def __init__(
         self, host_blocks: int, store: SharedStore | None, namespace: str, block_bytes: int
@@ -376,11 +420,12 @@ class PoolTiers:
         self.store_pending: dict[bytes, None] = {}
         self.stats = TierStats()
         self._moves: Moves | None = None
+        self.writer = ""
 
     # ---------------------------------------------------------------- moves
     def _m(self) -> Moves:
         if self._moves is None:
-            self._moves = Moves([], [], [], [], [], [], [], [])
+            self._moves = Moves([], [], [], [], [], [], [], [], [])
         return self._moves
 
     def take_moves(self) -> Moves:
@@ -423,6 +468,9 @@ class PoolTiers:
         else:
             m.store_loads.append(h)
             m.store_load_to.append(block)
+            store = self.store
+            if store.peer:  # type: ignore[union-attr]
+                m.store_load_from.append(store.lru.present[(self.namespace, h)][0])  # type: ignore[union-attr]
             self.stats.store_loads += 1
             self.stats.store_hit_tokens += block_size
 
@@ -479,7 +527,7 @@ class PoolTiers:
             st.stats.evictions += 1
             m.store_deletes.append(v[1])  # type: ignore[index]
             m.store_delete_layouts.append(v[0])  # type: ignore[index]
-        st.lru.add_pending(key, 0, size)
+        st.lru.add_pending(key, self.writer if st.peer else 0, size)
         self.store_pending[h] = None
         m.store_saves.append(h)
         m.store_save_from.append(src)
@@ -569,12 +617,15 @@ class PoolTiers:
 
     def drop_store_pending(self) -> int:
         """The pool is dropped: its unconfirmed store saves leave the store
-        index (they never become hits). Returns how many."""
+        index (they never become hits), and in a peer store every entry it
+        wrote (their bytes were its worker's). Returns how many."""
         n = 0
         if self.store is not None:
             for h in self.store_pending:
                 if self.store.lru.drop((self.namespace, h)) is not None:
                     n += 1
+            if self.store.peer:
+                n += self.store.drop_writer(self.writer)
         self.store_pending.clear()
         return n
 

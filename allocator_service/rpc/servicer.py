@@ -157,6 +157,8 @@ class AllocatorServicer:
             op_kinds=KINDS,
             shared_store=r.shared_store,
             store_namespace=r.store_namespace,
+            peer_key=r.peer_key,
+            shared_store_bytes=r.peer_store_bytes,
         )
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:

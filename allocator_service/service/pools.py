@@ -31,6 +31,7 @@ from allocator_service.wire.errors import (
     StoreUnavailable,
 )
 from allocator_service.wire.v1 import journal_pb2 as jpb
+from pagedkv_base.store_url import is_peer
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,8 @@ class Registration(NamedTuple):
     lease_ttl_s: float
     shared_store: str = ""  # the store's URL, for a pool that uses it
     store_namespace: str = ""  # where its blocks live in that store (`core.tiers.store_namespace`)
+    peer_key: str = ""  # a peer store: its group's key to the workers' peer route
+    peer_store_bytes: int = 0  # a peer store: its capacity (what one worker may hold of it)
 
 
 class Advertised(NamedTuple):
@@ -120,6 +123,11 @@ class Pools:
             # its trust domain in the store, journaled with the pool (replays never ask the
             # policy again)
             config = replace(config, store_group=self.config.store_groups.get(worker_id, ""))
+            if changes.registry.store.peer and not advertised.advertise_url:
+                raise BadRequest(
+                    "the allocator's shared store is peer://: a pool that uses it must advertise "
+                    "its worker's URL (--advertise-url), where the others pull its entries from"
+                )
         # before the pool is built: a refused one costs nothing
         self._check_quota(worker_id, config.num_blocks)
         credential = secrets.token_urlsafe(32)
@@ -161,6 +169,10 @@ class Pools:
             self.config.lease_ttl_s,
             changes.registry.store_url if config.use_shared_store else "",
             config.store_namespace,
+            changes.registry.peer_key(config.store_group) if config.use_shared_store else "",
+            changes.registry.store.capacity_bytes
+            if config.use_shared_store and changes.registry.store.peer
+            else 0,
         )
 
     def _register(
@@ -293,10 +305,14 @@ class Pools:
             return
         for e in [e for e in reg.pools.values() if reg.uses_store(e)]:
             changes.drop(e.pool_id, "store_changed")
-        changes.durable.append(store=jpb.StoreConfigured(url=url, capacity_bytes=size))
+        # a peer store: the secret its groups' peer keys derive from, journaled with it
+        secret = secrets.token_bytes(32) if is_peer(url) else b""
+        changes.durable.append(
+            store=jpb.StoreConfigured(url=url, capacity_bytes=size, peer_secret=secret)
+        )
         batch = reg.advance()
         try:
-            reg.configure_store(url, size)
+            reg.configure_store(url, size, secret)
         finally:
             changes.events.finish(batch)
         changes.durable.changed()

@@ -181,6 +181,7 @@ class Steps:
                 store.capacity_bytes if store is not None else 0,
                 self.changes.registry.store_min_bytes,
                 pool.config.block_bytes,
+                store is not None and store.peer,
             )
         bound = step_answer_bound(step, pool.num_blocks, pool.block_size, held, tiers)
         limit = self.limits.max_message_bytes

@@ -25,6 +25,7 @@ its pool.
 from __future__ import annotations
 
 import base64
+import hmac
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +37,7 @@ from allocator_service.store.events import POOL_DROPPED, POOL_REGISTERED, EventL
 from allocator_service.wire.codec import columns_from_proto, config_from_proto, result_to_proto
 from allocator_service.wire.v1 import allocator_pb2 as pb
 from allocator_service.wire.v1 import journal_pb2 as jpb
+from pagedkv_base.store_url import is_peer
 
 # /2: each pool's "state" is the packed dump (`core.snapshot.to_packed`); a
 # /1 snapshot (every pool's full `to_state` dump) is still read.
@@ -114,9 +116,11 @@ class Registry:
         self.epoch_floor = 0  # at least every forgotten worker id's last epoch
         self.index = 0  # records applied (the journal index of the last one)
         self.events = events
-        # The shared KV store (the last StoreConfigured record): its URL and index.
+        # The shared KV store (the last StoreConfigured record): its URL and index, and for a
+        # peer store the secret its groups' peer keys derive from (`peer_key`).
         self.store_url = ""
         self.store: SharedStore | None = None
+        self.peer_secret = b""
         # The smallest block_bytes of a pool that used the store: at most any
         # entry's size (what bounds the deletes one save causes).
         self.store_min_bytes = 0
@@ -125,25 +129,43 @@ class Registry:
         tiers = entry.pool.tiers
         return tiers is not None and tiers.store is not None
 
-    def configure_store(self, url: str, capacity_bytes: int) -> None:
+    def configure_store(self, url: str, capacity_bytes: int, peer_secret: bytes = b"") -> None:
         """From here on the shared store is `url` (empty: none), a fresh
         index of `capacity_bytes` (every pool that used the old one is
-        dropped before: `StoreConfigured`)."""
+        dropped before: `StoreConfigured`); `peer_secret` for a peer store."""
         if any(self.uses_store(e) for e in self.pools.values()):
             raise CorruptState("the shared store is configured again while pools use it")
         self.store_url = url
-        self.store = SharedStore(capacity_bytes) if url else None
+        self.store = SharedStore(capacity_bytes, peer=is_peer(url)) if url else None
+        self.peer_secret = peer_secret
         self.store_min_bytes = 0
+
+    def peer_key(self, group: str) -> str:
+        """The key the workers of store group `group` present to each
+        other's peer route (a peer store; "" otherwise): only they hold it."""
+        if not self.peer_secret:
+            return ""
+        return hmac.new(
+            self.peer_secret, b"pagedkv peer route\n" + group.encode(), "sha256"
+        ).hexdigest()
+
+    def writer_url(self, pool_id: str) -> str:
+        """Where a peer store's entries of pool `pool_id` are pulled from."""
+        entry = self.pools.get(pool_id)
+        return entry.advertise_url if entry is not None else ""
 
     def store_state(self) -> dict[str, Any] | None:
         """The shared store's part of a snapshot (None: no store)."""
         if self.store is None:
             return None
-        return {
+        state = {
             "url": self.store_url,
             "min_bytes": self.store_min_bytes,
             "index": self.store.to_state(),
         }
+        if self.peer_secret:
+            state["peer_secret"] = self.peer_secret.hex()
+        return state
 
     def next_epoch(self, worker_id: str) -> int:
         return self.epochs.get(worker_id, self.epoch_floor) + 1
@@ -194,6 +216,8 @@ class Registry:
             b = config.block_bytes
             self.store_min_bytes = min(self.store_min_bytes, b) if self.store_min_bytes else b
         sink.pool_id = pool_id
+        if block_pool.tiers is not None:
+            block_pool.tiers.writer = pool_id
         entry = PoolEntry(
             pool_id,
             worker_id,
@@ -225,7 +249,7 @@ class Registry:
         """Apply validated operations (`service.steps.check_step`) to the pool."""
         entry.sink.batch = batch
         try:
-            response = result_to_proto(step_id, run_step(entry.pool, step))
+            response = result_to_proto(step_id, run_step(entry.pool, step), self.writer_url)
         finally:
             entry.sink.batch = None
         entry.last_step_id = step_id
@@ -302,7 +326,8 @@ class Registry:
                 self.drop(record.dropped.pool_id, record.dropped.reason, batch)
             elif kind == "store":
                 batch = self.advance()
-                self.configure_store(record.store.url, record.store.capacity_bytes)
+                st = record.store
+                self.configure_store(st.url, st.capacity_bytes, st.peer_secret)
             else:
                 raise CorruptState(f"journal record {record.index} holds no change")
         except KeyError as exc:
@@ -358,10 +383,13 @@ class Registry:
         if store is not None:
             reg.store_url, reg.store_min_bytes = store["url"], store["min_bytes"]
             reg.store = SharedStore.from_state(store["index"])
+            reg.peer_secret = bytes.fromhex(store.get("peer_secret", ""))  # (peer stores only)
         for p in snap["pools"]:
             pool_id = p["pool_id"]
             sink = _Sink(pool_id)
             pool = BlockPool.from_state(p["state"], sink, reg.store)
+            if pool.tiers is not None:
+                pool.tiers.writer = pool_id
             raw = p["last_response"]
             reg.pools[pool_id] = PoolEntry(
                 pool_id,

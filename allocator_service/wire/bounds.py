@@ -15,7 +15,11 @@ from typing import NamedTuple
 
 from allocator_service.core import BlockPool, StepColumns
 from allocator_service.core import step as core_step
-from allocator_service.core.limits import MAX_STORE_NAMESPACE_LEN, max_table_entries
+from allocator_service.core.limits import (
+    MAX_ADVERTISE_URL_LEN,
+    MAX_STORE_NAMESPACE_LEN,
+    max_table_entries,
+)
 from allocator_service.core.sequence import blocks_for
 from allocator_service.core.snapshot import HASH_BYTES
 from allocator_service.core.tiers import HASH_LEN
@@ -34,6 +38,7 @@ class TierBound(NamedTuple):
 
     store_entries: int  # entries the shared store holds now (0: the pool uses none)
     deletes_per_save: int  # store entries one save may delete to make room, at most
+    load_source_bytes: int = 0  # a peer store: what names one load's writer (its URL), at most
 
 
 def step_answer_bound(
@@ -65,7 +70,8 @@ def step_answer_bound(
     most `deletes_per_save` entries, and every store confirmation that
     fails or a refused load one more, never more than the store holds. A
     delete names its entry's store namespace, any pool's: at most
-    MAX_STORE_NAMESPACE_LEN ASCII characters."""
+    MAX_STORE_NAMESPACE_LEN ASCII characters. A load from a peer store
+    names its writer's URL (`load_source_bytes`)."""
     kinds, reserved = step.kinds, step.num_reserved
     n = len(kinds)
     id_bytes = max(1, ((num_blocks - 1).bit_length() + 6) // 7)
@@ -107,7 +113,7 @@ def step_answer_bound(
     bound = 128 + n * (26 + 2 * id_bytes + MAX_ERROR_MESSAGE_BYTES + 3) + ids * id_bytes
     if tiers is not None:
         # per block taken: a host save (2 ids), a store save (a hash, 1 id), a load (a hash, 1 id)
-        bound += 64 + growth * (2 * HASH_LEN + 4 * id_bytes)
+        bound += 64 + growth * (2 * HASH_LEN + 4 * id_bytes + tiers.load_source_bytes)
         if tiers.store_entries:
             bound += freed * (HASH_LEN + id_bytes)  # a write-through: a hash, 1 id
             report = step.report
@@ -118,11 +124,18 @@ def step_answer_bound(
     return bound
 
 
-def tier_bound(store_capacity_bytes: int, smallest_entry_bytes: int, block_bytes: int) -> TierBound:
+def tier_bound(
+    store_capacity_bytes: int, smallest_entry_bytes: int, block_bytes: int, peer: bool = False
+) -> TierBound:
     """A tiered pool's `TierBound` in a store of this capacity whose smallest
-    entry takes `smallest_entry_bytes` (0: no pool uses the store yet)."""
+    entry takes `smallest_entry_bytes` (0: no pool uses the store yet);
+    `peer`: a peer store, whose loads name their writer's URL."""
     most = store_capacity_bytes // smallest_entry_bytes if smallest_entry_bytes else 0
-    return TierBound(most, blocks_for(block_bytes, smallest_entry_bytes) if most else 0)
+    return TierBound(
+        most,
+        blocks_for(block_bytes, smallest_entry_bytes) if most else 0,
+        MAX_ADVERTISE_URL_LEN + 4 if peer else 0,  # the URL, its tag and length
+    )
 
 
 def dump_floor(pool: BlockPool) -> int:

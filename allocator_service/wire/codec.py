@@ -11,7 +11,7 @@ copying lists; the one step semantics is the core's `run_step`.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from allocator_service.core import (
@@ -170,13 +170,19 @@ assert tuple(pb.TierMoves.DESCRIPTOR.fields_by_name) == Moves._fields
 _HASH_MOVES = frozenset(("store_deletes", "store_saves", "store_loads"))  # packed bytes on the wire
 
 
-def result_to_proto(step_id: int, answer: StepAnswer) -> pb.StepResponse:
+def result_to_proto(
+    step_id: int, answer: StepAnswer, writer_url: Callable[[str], str] | None = None
+) -> pb.StepResponse:
+    """`writer_url`: a peer store's writer (pool id) -> its URL, what a load
+    names on the wire (`TierMoves.store_load_from`)."""
     columns = {f: getattr(answer, f) for f in StepAnswer.COLUMNS}
     messages = answer.error_messages
     if messages and max(map(len, messages)) > MAX_ERROR_MESSAGE_BYTES // 4:
         columns["error_messages"] = [_clip(m) for m in messages]
     msg = pb.StepResponse(step_id=step_id, **columns)
     moves = answer.moves
+    if moves.store_load_from and writer_url is not None:
+        moves = moves._replace(store_load_from=[writer_url(w) for w in moves.store_load_from])
     if any(moves):
         msg.moves.CopyFrom(
             pb.TierMoves(

@@ -149,7 +149,12 @@ class LLMEngine:
             if allocator.spec.config.use_shared_store and allocator.shared_store:
                 try:
                     tiers.open_store(
-                        allocator.shared_store, allocator.store_namespace, config.kv_store_key
+                        allocator.shared_store,
+                        allocator.store_namespace,
+                        config.kv_store_key,
+                        own_url=config.advertise_url,
+                        peer_key=allocator.peer_key,
+                        capacity=allocator.peer_store_bytes,
                     )
                 except ValueError:  # the store's URL cannot be used here: no pool left behind
                     allocator.close()
@@ -213,7 +218,11 @@ class LLMEngine:
             return
         except PoolLost:  # registered afresh; nothing is running, so nothing to recompute
             if self.tiers is not None:
-                self.tiers.pool_lost(self.allocator.shared_store, self.allocator.store_namespace)
+                self.tiers.pool_lost(
+                    self.allocator.shared_store,
+                    self.allocator.store_namespace,
+                    self.allocator.peer_key,
+                )
         except Exception as exc:  # noqa: BLE001 - a refusal: /health says so until an answer
             health.refused(exc)
             return

@@ -33,7 +33,15 @@ from allocator_service.core.tiers import Moves, TierReport
 from worker.engine.step_plan import StepBatch
 from worker.kv_pool import KVPool
 from worker.metrics import TierMetrics, WorkerMetrics
-from worker.tiers import HostMemory, KVLayout, StoreMover, StoreSeal, Transfer, open_store
+from worker.tiers import (
+    HostMemory,
+    KVLayout,
+    PeerStore,
+    StoreMover,
+    StoreSeal,
+    Transfer,
+    open_store,
+)
 
 __all__ = ["EngineTiers", "SwapStash", "swap_slots_for"]
 
@@ -78,6 +86,7 @@ class EngineTiers:
         self.metrics = metrics
         self.store: StoreMover | None = None
         self._store_key: bytes | None = None
+        self._peer: dict[str, object] = {}
         n = host.num_slots if host is not None else 0
         if swap_slots and (host is None or not 0 < swap_slots < n):
             raise ValueError(f"{swap_slots} swap slots do not fit a host tier of {n} slots")
@@ -92,13 +101,19 @@ class EngineTiers:
         self._saving: deque[tuple[Transfer, list[int]]] = deque()  # host saves in flight (CUDA)
         self._written: set[int] = set()  # host slots of the allocator's part holding saved bytes
 
-    def open_store(self, url: str, namespace: str = "", key: bytes | None = None) -> None:
+    def open_store(
+        self, url: str, namespace: str = "", key: bytes | None = None, **peer: object
+    ) -> None:
         """Use the shared store at `url` (StoreOpenError, one line, when it cannot be used),
-        its entries under `namespace` (the allocator's), sealed with the store group's `key`."""
-        self._store_key = key
+        its entries under `namespace` (the allocator's), sealed with the store group's `key`.
+        `peer`: a peer store's `own_url`, `peer_key` and `capacity` (`open_store`)."""
+        self._store_key, self._peer = key, peer
         self._store_meter = self.metrics.tier("shared")
+        store = open_store(url, **peer)  # type: ignore[arg-type]
+        if isinstance(store, PeerStore):
+            store.on_served = self._store_meter.served
         self.store = self._store_mover(
-            open_store(url),
+            store,
             self.layout,
             self.pool,
             namespace=namespace,
@@ -136,7 +151,9 @@ class EngineTiers:
         for mine, theirs in zip(self._report, report, strict=True):
             mine[:0] = theirs
 
-    def pool_lost(self, shared_store: str | None = None, namespace: str = "") -> None:
+    def pool_lost(
+        self, shared_store: str | None = None, namespace: str = "", peer_key: str = ""
+    ) -> None:
         """The allocator dropped the pool: a report names the old pool's moves, so none goes out.
         The fresh pool uses the store the allocator names now (`shared_store`, its `namespace`):
         an allocator restarted on another store drops the pools of the old one, whose workers
@@ -146,6 +163,8 @@ class EngineTiers:
         self._written.clear()
         self._set_used()
         mover = self.store
+        if mover is not None and isinstance(mover.store, PeerStore) and peer_key:
+            mover.store.peer_key = peer_key  # the allocator's, for the fresh pool's group
         now = (mover.store.url, mover.namespace) if mover is not None else None
         if mover is None or now == (shared_store, namespace or self.layout.key):
             return  # (a worker that opted out of the store, or the same store)
@@ -153,7 +172,7 @@ class EngineTiers:
         mover.store.close()
         if shared_store:
             try:
-                self.open_store(shared_store, namespace, self._store_key)
+                self.open_store(shared_store, namespace, self._store_key, **self._peer)
             except ValueError as exc:
                 # the new store cannot be used here: no store, not a dead worker
                 log.warning(
@@ -221,9 +240,8 @@ class EngineTiers:
             return set(blocks)
         missed: set[int] = set()
         loaded = 0
-        for h, block, outcome in zip(
-            hashes, blocks, self.store.load_blocks(hashes, blocks), strict=True
-        ):
+        outcomes = self.store.load_blocks(hashes, blocks, m.store_load_from or None)
+        for h, block, outcome in zip(hashes, blocks, outcomes, strict=True):
             if outcome.loaded:
                 loaded += 1
                 continue

@@ -19,6 +19,12 @@ them (401 in OpenAI's error shape otherwise), and each key's requests are
 cached under a salt of their own unless `cache_salt_per_api_key` is off
 (`pagedkv_base.api.tenants`); /health, /metrics, /version, /tokenize and
 /detokenize stay open, as in vLLM, and so does /reset_peaks.
+
+With a `peer://` shared store the worker serves the entries it wrote on its
+peer route (`POST /internal/kv/entries`, `worker.tiers.store.PeerStore`) to
+callers presenting its store group's peer key, which the allocator gives only
+to that group's pools; anyone else gets a 401, and a worker without a peer
+store answers 404.
 """
 
 from __future__ import annotations
@@ -57,6 +63,8 @@ from worker.server import utility_routes
 from worker.server.answers import usage
 from worker.server.errors import failure, install_worker_error_handlers, public_message
 from worker.server.streaming import Choices, stream_events
+from worker.tiers import PeerStore
+from worker.tiers.store import PEER_ROUTE
 
 router = APIRouter()
 
@@ -110,6 +118,28 @@ async def health(request: Request):
         }
         return JSONResponse(status_code=503, content=body, headers={"Retry-After": "5"})
     return {"status": "ok", **counts}
+
+
+@router.post(PEER_ROUTE)
+async def peer_entries(request: Request):
+    """Entries of this worker's peer store, for another worker of its store
+    group (module docstring): the body names the keys, one a line; the answer
+    frames each entry or its absence (`store.frame_entries`)."""
+    tiers = request.app.state.engine.engine.tiers
+    mover = tiers.store if tiers is not None else None
+    store = mover.store if mover is not None else None
+    if not isinstance(store, PeerStore):
+        return JSONResponse(status_code=404, content={"error": "no peer:// store here"})
+    if not store.authorized(request.headers.get("authorization")):
+        return JSONResponse(
+            status_code=401, content={"error": "the peer route wants its store group's peer key"}
+        )
+    keys = (await request.body()).decode(errors="replace").split("\n")
+    try:
+        body = await run_in_threadpool(store.serve, keys)
+    except ValueError as exc:
+        return JSONResponse(status_code=400, content={"error": str(exc)})
+    return Response(body, media_type="application/octet-stream")
 
 
 @router.get("/metrics")

@@ -22,6 +22,7 @@ from worker.tiers.seal import StoreSeal
 from worker.tiers.store import (
     FileStore,
     KVStore,
+    PeerStore,
     RedisStore,
     StoreError,
     StoreOpenError,
@@ -37,6 +38,7 @@ __all__ = [
     "KVStore",
     "LoadOutcome",
     "MoveTimer",
+    "PeerStore",
     "RedisStore",
     "Refused",
     "StoreError",

@@ -5,7 +5,9 @@ Every call answers per block and never raises for the store's sake: a store that
 stops answering makes its loads misses (`unavailable`) and its saves failures (the
 allocator then never indexes them), logs one warning per outage, and counts each
 failed call in the meter. While it is down, calls skip it for `retry_interval_s`
-between tries, so a step does not wait on a dead host every time.
+between tries, so a step does not wait on a dead host every time. A peer store's
+loads name their writers (`load_blocks(sources=...)`): each writer is asked apart,
+and one that does not answer makes its own loads misses, not the others'.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class LoadOutcome(NamedTuple):
 LOADED = LoadOutcome(True)
 MISSING = LoadOutcome(False, "missing")
 UNAVAILABLE = LoadOutcome(False, "unavailable")
+_NO_ANSWER = object()  # a pulled entry whose writer did not answer
 
 
 class StoreMover:
@@ -129,28 +132,48 @@ class StoreMover:
 
     # -- loads ------------------------------------------------------------------
 
-    def load_blocks(self, hashes: Sequence[bytes], kv_blocks: Sequence[int]) -> list[LoadOutcome]:
+    def load_blocks(
+        self,
+        hashes: Sequence[bytes],
+        kv_blocks: Sequence[int],
+        sources: Sequence[str] | None = None,
+    ) -> list[LoadOutcome]:
         """Read the entries of `hashes` into KV blocks `kv_blocks[i]` (distinct); per block,
-        whether it was loaded. A block not loaded is untouched: its tokens are computed."""
+        whether it was loaded. A block not loaded is untouched: its tokens are computed.
+        `sources`: a peer store's, each entry's writer (`TierMoves.store_load_from`)."""
         self._check_pairs(kv_blocks, hashes)
         check_ids("KV block", kv_blocks, self.pool.num_blocks, distinct=True)
-        return self._load(hashes, kv_blocks) if kv_blocks else []
+        if sources and len(sources) != len(hashes):
+            raise ValueError(f"{len(hashes)} loads but {len(sources)} sources")
+        return self._load(hashes, kv_blocks, sources) if kv_blocks else []
 
-    def _load(self, hashes: Sequence[bytes], kv_blocks: Sequence[int]) -> list[LoadOutcome]:
+    def _load(
+        self,
+        hashes: Sequence[bytes],
+        kv_blocks: Sequence[int],
+        sources: Sequence[str] | None = None,
+    ) -> list[LoadOutcome]:
         """The bytes of checked, non-empty loads from the store."""
-        if not self._may_try():
-            return [UNAVAILABLE] * len(kv_blocks)
         t0 = time.perf_counter()
-        try:
-            found = self.store.get_many([entry_key(self.namespace, h) for h in hashes])
-        except StoreError as exc:
-            self._failed(exc)
-            return [UNAVAILABLE] * len(kv_blocks)
-        self._answered()
+        keys = [entry_key(self.namespace, h) for h in hashes]
+        if sources:
+            found = self._pull(keys, sources)
+        else:
+            if not self._may_try():
+                return [UNAVAILABLE] * len(kv_blocks)
+            try:
+                found = self.store.get_many(keys)
+            except StoreError as exc:
+                self._failed(exc)
+                return [UNAVAILABLE] * len(kv_blocks)
+            self._answered()
         outcomes: list[LoadOutcome] = []
         payloads: list[memoryview] = []
         targets: list[int] = []
         for h, block, data in zip(hashes, kv_blocks, found, strict=True):
+            if data is _NO_ANSWER:
+                outcomes.append(UNAVAILABLE)
+                continue
             if data is None:
                 if self._meter is not None:
                     self._meter.refused("missing")
@@ -191,6 +214,26 @@ class StoreMover:
         return outcomes
 
     # -- inside -----------------------------------------------------------------
+
+    def _pull(self, keys: Sequence[str], sources: Sequence[str]) -> list:
+        """A peer store's entries of `keys`, one call per writer `sources[i]`: per
+        key its bytes, None (the writer does not hold it) or `_NO_ANSWER`."""
+        found: list = [None] * len(keys)
+        by_source: dict[str, list[int]] = {}
+        for i, source in enumerate(sources):
+            by_source.setdefault(source, []).append(i)
+        for source, at in by_source.items():
+            try:
+                got = self.store.fetch(source, [keys[i] for i in at])  # type: ignore[attr-defined]
+            except StoreError as exc:
+                # the writer may be gone or slow: its entries may still be fine, a miss now
+                if self._meter is not None:
+                    self._meter.store_error()
+                log.warning("shared store peer://: %d loads are misses: %s", len(at), exc)
+                got = [_NO_ANSWER] * len(at)
+            for i, data in zip(at, got, strict=True):
+                found[i] = data
+        return found
 
     def _put(
         self, hashes: Sequence[bytes], payloads: Sequence[memoryview], t0: float

@@ -8,6 +8,12 @@ locking: a key is written once per content and deleted best effort.
   levels of 256 subdirectories (no directory past a few thousand entries).
 - `redis://HOST:PORT/DB[?key_prefix=P]` (or rediss://): one string per entry
   under the prefix (default `pagedkv:kv:`); a batch is one pipeline.
+- `peer://`: no shared place (`PeerStore`). A worker keeps the entries it
+  writes in its own memory (at most the store's capacity, least recently
+  used dropped first) and serves them on its peer route; a reader pulls an
+  entry from the worker the allocator names as its writer (`fetch`), one
+  POST per writer and step. The bytes are the same entries (`entry.py`), so
+  a reader checks them as it checks any store's.
 `open_store` checks at start that the store answers (`pagedkv_base.store_url`,
 the allocator's check too) and says what is wrong in one line
 (`StoreOpenError`, a ValueError). Later failures raise `StoreError`; the mover
@@ -17,17 +23,36 @@ turns them into misses.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import os
 import re
 import secrets
+import struct
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from pagedkv_base.store_url import FILE, StoreOpenError, check_store_url, redis_target, store_kind
+from pagedkv_base.store_url import (
+    FILE,
+    PEER,
+    StoreOpenError,
+    check_store_url,
+    redis_target,
+    store_kind,
+)
 from pagedkv_base.store_url import one_line as _one_line
 
-__all__ = ["FileStore", "KVStore", "RedisStore", "StoreError", "StoreOpenError", "open_store"]
+__all__ = [
+    "FileStore",
+    "KVStore",
+    "PeerStore",
+    "RedisStore",
+    "StoreError",
+    "StoreOpenError",
+    "open_store",
+]
 
 Buffer = bytes | bytearray | memoryview
 _KEY_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
@@ -186,9 +211,154 @@ class RedisStore(KVStore):
         self._client.close()
 
 
-def open_store(url: str, timeout_s: float = 1.0) -> KVStore:
-    """The store at `url` (`file://PATH` or `redis://HOST:PORT/DB`), checked to answer;
-    StoreOpenError (one line) when it cannot be used."""
+PEER_ROUTE = "/internal/kv/entries"  # the worker's route that serves its peer store's entries
+MAX_PEER_KEYS = 4096  # keys in one pull
+_ABSENT = 0  # a pulled entry's frame: a u64 of its length + 1, 0 for absent
+
+
+def frame_entries(entries: Sequence[bytes | None]) -> bytes:
+    """A peer route's answer: per key asked, in order, its entry or nothing."""
+    out = bytearray()
+    for data in entries:
+        out += struct.pack(">Q", _ABSENT if data is None else len(data) + 1)
+        if data is not None:
+            out += data
+    return bytes(out)
+
+
+def unframe_entries(body: bytes, count: int) -> list[bytes | None]:
+    """The entries of a peer route's answer to `count` keys; StoreError when
+    it is not `count` frames exactly."""
+    out: list[bytes | None] = []
+    view, at = memoryview(body), 0
+    for _ in range(count):
+        if at + 8 > len(view):
+            raise StoreError("a peer's answer is cut short")
+        (n,) = struct.unpack_from(">Q", view, at)
+        at += 8
+        if n == _ABSENT:
+            out.append(None)
+            continue
+        if at + n - 1 > len(view):
+            raise StoreError("a peer's answer is cut short")
+        out.append(bytes(view[at : at + n - 1]))
+        at += n - 1
+    if at != len(view):
+        raise StoreError("a peer's answer has bytes past its entries")
+    return out
+
+
+class PeerStore(KVStore):
+    """A `peer://` store (module docstring): this worker's entries in memory, at
+    most `capacity_bytes` (least recently written or read dropped first), served
+    to whoever presents `peer_key` (`serve`), and other workers' entries pulled
+    from them (`fetch`). `own_url`: where others reach this worker (its
+    advertised URL); a load naming it is read here. `on_served(entries, bytes)`:
+    told of each answer served."""
+
+    url = "peer://"
+
+    def __init__(
+        self, own_url: str, peer_key: str, capacity_bytes: int, timeout_s: float = 1.0
+    ) -> None:
+        import httpx
+
+        self.own_url = own_url.rstrip("/")
+        self.peer_key = peer_key
+        self.capacity_bytes = capacity_bytes
+        self.on_served: Callable[[int, int], None] | None = None
+        self._entries: OrderedDict[str, bytes] = OrderedDict()
+        self._used = 0
+        self._lock = threading.Lock()
+        self._errors = (httpx.HTTPError, OSError)
+        self._client = httpx.Client(timeout=timeout_s)
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def put(self, key: str, data: Buffer) -> None:
+        entry = bytes(data)
+        with self._lock:
+            old = self._entries.pop(_check_key(key), None)
+            if old is not None:
+                self._used -= len(old)
+            if len(entry) > self.capacity_bytes:
+                return  # never held: a reader's pull finds it missing
+            self._entries[key] = entry
+            self._used += len(entry)
+            while self._used > self.capacity_bytes:
+                self._used -= len(self._entries.popitem(last=False)[1])
+
+    def get(self, key: str) -> bytes | None:
+        with self._lock:
+            data = self._entries.get(key)
+            if data is not None:
+                self._entries.move_to_end(key)
+            return data
+
+    def delete(self, key: str) -> None:
+        with self._lock:
+            data = self._entries.pop(key, None)
+            if data is not None:
+                self._used -= len(data)
+
+    def authorized(self, authorization: str | None) -> bool:
+        """Whether a peer route's caller presented this store group's key."""
+        token = (authorization or "").removeprefix("Bearer ")
+        return bool(self.peer_key) and hmac.compare_digest(token.encode(), self.peer_key.encode())
+
+    def serve(self, keys: Sequence[str]) -> bytes:
+        """The answer to a pull of `keys`; ValueError for a key that is not
+        one, or more than MAX_PEER_KEYS of them."""
+        if not 0 < len(keys) <= MAX_PEER_KEYS:
+            raise ValueError(f"a pull asks for 1 to {MAX_PEER_KEYS} keys, one a line")
+        for key in keys:
+            _check_key(key)
+        entries = self.get_many(keys)
+        body = frame_entries(entries)
+        if self.on_served is not None:
+            self.on_served(sum(e is not None for e in entries), len(body) - 8 * len(keys))
+        return body
+
+    def fetch(self, source: str, keys: Sequence[str]) -> list[bytes | None]:
+        """The entries of `keys` from the worker at `source` (this one's own
+        memory when it is this worker): None for one it does not hold;
+        StoreError when it does not answer in time or answers anything but
+        the entries asked for."""
+        source = source.rstrip("/")
+        if not source or source == self.own_url:
+            return self.get_many(keys)
+        try:
+            r = self._client.post(
+                source + PEER_ROUTE,
+                content="\n".join(keys).encode(),
+                headers={"Authorization": f"Bearer {self.peer_key}"},
+            )
+        except self._errors as exc:
+            raise StoreError(f"peer {source}: no answer ({_one_line(exc)})") from exc
+        if r.status_code != 200:
+            raise StoreError(f"peer {source}: answered {r.status_code}")
+        return unframe_entries(r.content, len(keys))
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def open_store(
+    url: str, timeout_s: float = 1.0, *, own_url: str = "", peer_key: str = "", capacity: int = 0
+) -> KVStore:
+    """The store at `url` (`file://PATH`, `redis://HOST:PORT/DB` or `peer://`),
+    checked to answer; StoreOpenError (one line) when it cannot be used. A peer
+    store: this worker's `own_url`, its group's `peer_key` and the store's
+    `capacity` in bytes, from the allocator."""
     check_store_url(url, timeout_s)
     kind, target = store_kind(url)
+    if kind == PEER:
+        if not own_url or not peer_key or capacity <= 0:
+            raise StoreOpenError(
+                "shared store peer://: this worker needs an advertised URL (--advertise-url) "
+                "and the allocator's peer key and store size"
+            )
+        return PeerStore(own_url, peer_key, capacity, timeout_s)
     return FileStore(target, url) if kind == FILE else RedisStore(url, timeout_s)

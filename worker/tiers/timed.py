@@ -92,7 +92,9 @@ class TimedStoreMover(StoreMover):
             self._meter.saved(n, n * self.layout.block_bytes, seconds)
         return [True] * n
 
-    def _load(self, hashes: Sequence[bytes], kv_blocks: Sequence[int]) -> list[LoadOutcome]:
+    def _load(
+        self, hashes: Sequence[bytes], kv_blocks: Sequence[int], sources=None
+    ) -> list[LoadOutcome]:
         n = len(kv_blocks)
         seconds, _ = self._time(n * self.layout.block_bytes)  # host -> device
         if self._meter is not None:

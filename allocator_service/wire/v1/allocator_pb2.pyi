@@ -109,7 +109,7 @@ class RegisterPoolRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., shape: _Optional[_Union[PoolShape, _Mapping]] = ..., replace_credential: _Optional[str] = ..., advertise_url: _Optional[str] = ..., served_model_name: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class RegisterPoolResponse(_message.Message):
-    __slots__ = ("pool_id", "epoch", "credential", "lease_ttl_s", "op_kinds", "shared_store", "store_namespace")
+    __slots__ = ("pool_id", "epoch", "credential", "lease_ttl_s", "op_kinds", "shared_store", "store_namespace", "peer_key", "shared_store_bytes")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +117,8 @@ class RegisterPoolResponse(_message.Message):
     OP_KINDS_FIELD_NUMBER: _ClassVar[int]
     SHARED_STORE_FIELD_NUMBER: _ClassVar[int]
     STORE_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    PEER_KEY_FIELD_NUMBER: _ClassVar[int]
+    SHARED_STORE_BYTES_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     epoch: int
     credential: str
@@ -124,7 +126,9 @@ class RegisterPoolResponse(_message.Message):
     op_kinds: _containers.RepeatedScalarFieldContainer[OpKind]
     shared_store: str
     store_namespace: str
-    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., credential: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ..., op_kinds: _Optional[_Iterable[_Union[OpKind, str]]] = ..., shared_store: _Optional[str] = ..., store_namespace: _Optional[str] = ...) -> None: ...
+    peer_key: str
+    shared_store_bytes: int
+    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., credential: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ..., op_kinds: _Optional[_Iterable[_Union[OpKind, str]]] = ..., shared_store: _Optional[str] = ..., store_namespace: _Optional[str] = ..., peer_key: _Optional[str] = ..., shared_store_bytes: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("pool",)
@@ -191,7 +195,7 @@ class TierReport(_message.Message):
     def __init__(self, saved: _Optional[_Iterable[int]] = ..., failed: _Optional[_Iterable[int]] = ..., store_saved: _Optional[bytes] = ..., store_failed: _Optional[bytes] = ..., refused: _Optional[bytes] = ...) -> None: ...
 
 class TierMoves(_message.Message):
-    __slots__ = ("store_deletes", "store_delete_layouts", "store_saves", "store_save_from", "host_saves", "host_loads", "store_loads", "store_load_to")
+    __slots__ = ("store_deletes", "store_delete_layouts", "store_saves", "store_save_from", "host_saves", "host_loads", "store_loads", "store_load_to", "store_load_from")
     STORE_DELETES_FIELD_NUMBER: _ClassVar[int]
     STORE_DELETE_LAYOUTS_FIELD_NUMBER: _ClassVar[int]
     STORE_SAVES_FIELD_NUMBER: _ClassVar[int]
@@ -200,6 +204,7 @@ class TierMoves(_message.Message):
     HOST_LOADS_FIELD_NUMBER: _ClassVar[int]
     STORE_LOADS_FIELD_NUMBER: _ClassVar[int]
     STORE_LOAD_TO_FIELD_NUMBER: _ClassVar[int]
+    STORE_LOAD_FROM_FIELD_NUMBER: _ClassVar[int]
     store_deletes: bytes
     store_delete_layouts: _containers.RepeatedScalarFieldContainer[str]
     store_saves: bytes
@@ -208,7 +213,8 @@ class TierMoves(_message.Message):
     host_loads: _containers.RepeatedScalarFieldContainer[int]
     store_loads: bytes
     store_load_to: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, store_deletes: _Optional[bytes] = ..., store_delete_layouts: _Optional[_Iterable[str]] = ..., store_saves: _Optional[bytes] = ..., store_save_from: _Optional[_Iterable[int]] = ..., host_saves: _Optional[_Iterable[int]] = ..., host_loads: _Optional[_Iterable[int]] = ..., store_loads: _Optional[bytes] = ..., store_load_to: _Optional[_Iterable[int]] = ...) -> None: ...
+    store_load_from: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, store_deletes: _Optional[bytes] = ..., store_delete_layouts: _Optional[_Iterable[str]] = ..., store_saves: _Optional[bytes] = ..., store_save_from: _Optional[_Iterable[int]] = ..., host_saves: _Optional[_Iterable[int]] = ..., host_loads: _Optional[_Iterable[int]] = ..., store_loads: _Optional[bytes] = ..., store_load_to: _Optional[_Iterable[int]] = ..., store_load_from: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("pool", "step_id", "ops", "prev_step_id")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import allocator_pb2 as pagedkv_dot_v1_dot_allocator__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pagedkv/v1/journal.proto\x12\npagedkv.v1\x1a\x1apagedkv/v1/allocator.proto\"\x8c\x02\n\rJournalRecord\x12\r\n\x05index\x18\x01 \x01(\x04\x12\x30\n\nregistered\x18\x02 \x01(\x0b\x32\x1a.pagedkv.v1.PoolRegisteredH\x00\x12\'\n\x04step\x18\x03 \x01(\x0b\x32\x17.pagedkv.v1.StepAppliedH\x00\x12*\n\x07\x64ropped\x18\x04 \x01(\x0b\x32\x17.pagedkv.v1.PoolDroppedH\x00\x12-\n\x05reset\x18\x05 \x01(\x0b\x32\x1c.pagedkv.v1.PrefixCacheResetH\x00\x12,\n\x05store\x18\x06 \x01(\x0b\x32\x1b.pagedkv.v1.StoreConfiguredH\x00\x42\x08\n\x06\x63hange\"6\n\x0fStoreConfigured\x12\x0b\n\x03url\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\"\xd0\x01\n\x0ePoolRegistered\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12$\n\x05shape\x18\x04 \x01(\x0b\x32\x15.pagedkv.v1.PoolShape\x12\x19\n\x11\x63redential_digest\x18\x05 \x01(\x0c\x12\x15\n\radvertise_url\x18\x06 \x01(\t\x12\x19\n\x11served_model_name\x18\x07 \x01(\t\x12\x18\n\x10protocol_version\x18\x08 \x01(\r\"w\n\x0bStepApplied\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x03 \x01(\x0c\x12 \n\x03ops\x18\x04 \x01(\x0b\x32\x13.pagedkv.v1.StepOps\x12\x14\n\x0cprev_step_id\x18\x05 \x01(\x04\".\n\x0bPoolDropped\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"#\n\x10PrefixCacheReset\x12\x0f\n\x07pool_id\x18\x01 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pagedkv/v1/journal.proto\x12\npagedkv.v1\x1a\x1apagedkv/v1/allocator.proto\"\x8c\x02\n\rJournalRecord\x12\r\n\x05index\x18\x01 \x01(\x04\x12\x30\n\nregistered\x18\x02 \x01(\x0b\x32\x1a.pagedkv.v1.PoolRegisteredH\x00\x12\'\n\x04step\x18\x03 \x01(\x0b\x32\x17.pagedkv.v1.StepAppliedH\x00\x12*\n\x07\x64ropped\x18\x04 \x01(\x0b\x32\x17.pagedkv.v1.PoolDroppedH\x00\x12-\n\x05reset\x18\x05 \x01(\x0b\x32\x1c.pagedkv.v1.PrefixCacheResetH\x00\x12,\n\x05store\x18\x06 \x01(\x0b\x32\x1b.pagedkv.v1.StoreConfiguredH\x00\x42\x08\n\x06\x63hange\"K\n\x0fStoreConfigured\x12\x0b\n\x03url\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x13\n\x0bpeer_secret\x18\x03 \x01(\x0c\"\xd0\x01\n\x0ePoolRegistered\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12$\n\x05shape\x18\x04 \x01(\x0b\x32\x15.pagedkv.v1.PoolShape\x12\x19\n\x11\x63redential_digest\x18\x05 \x01(\x0c\x12\x15\n\radvertise_url\x18\x06 \x01(\t\x12\x19\n\x11served_model_name\x18\x07 \x01(\t\x12\x18\n\x10protocol_version\x18\x08 \x01(\r\"w\n\x0bStepApplied\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x03 \x01(\x0c\x12 \n\x03ops\x18\x04 \x01(\x0b\x32\x13.pagedkv.v1.StepOps\x12\x14\n\x0cprev_step_id\x18\x05 \x01(\x04\".\n\x0bPoolDropped\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"#\n\x10PrefixCacheReset\x12\x0f\n\x07pool_id\x18\x01 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,13 +35,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_JOURNALRECORD']._serialized_start=69
   _globals['_JOURNALRECORD']._serialized_end=337
   _globals['_STORECONFIGURED']._serialized_start=339
-  _globals['_STORECONFIGURED']._serialized_end=393
-  _globals['_POOLREGISTERED']._serialized_start=396
-  _globals['_POOLREGISTERED']._serialized_end=604
-  _globals['_STEPAPPLIED']._serialized_start=606
-  _globals['_STEPAPPLIED']._serialized_end=725
-  _globals['_POOLDROPPED']._serialized_start=727
-  _globals['_POOLDROPPED']._serialized_end=773
-  _globals['_PREFIXCACHERESET']._serialized_start=775
-  _globals['_PREFIXCACHERESET']._serialized_end=810
+  _globals['_STORECONFIGURED']._serialized_end=414
+  _globals['_POOLREGISTERED']._serialized_start=417
+  _globals['_POOLREGISTERED']._serialized_end=625
+  _globals['_STEPAPPLIED']._serialized_start=627
+  _globals['_STEPAPPLIED']._serialized_end=746
+  _globals['_POOLDROPPED']._serialized_start=748
+  _globals['_POOLDROPPED']._serialized_end=794
+  _globals['_PREFIXCACHERESET']._serialized_start=796
+  _globals['_PREFIXCACHERESET']._serialized_end=831
 # @@protoc_insertion_point(module_scope)

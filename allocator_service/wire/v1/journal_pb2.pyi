@@ -23,12 +23,14 @@ class JournalRecord(_message.Message):
     def __init__(self, index: _Optional[int] = ..., registered: _Optional[_Union[PoolRegistered, _Mapping]] = ..., step: _Optional[_Union[StepApplied, _Mapping]] = ..., dropped: _Optional[_Union[PoolDropped, _Mapping]] = ..., reset: _Optional[_Union[PrefixCacheReset, _Mapping]] = ..., store: _Optional[_Union[StoreConfigured, _Mapping]] = ...) -> None: ...
 
 class StoreConfigured(_message.Message):
-    __slots__ = ("url", "capacity_bytes")
+    __slots__ = ("url", "capacity_bytes", "peer_secret")
     URL_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PEER_SECRET_FIELD_NUMBER: _ClassVar[int]
     url: str
     capacity_bytes: int
-    def __init__(self, url: _Optional[str] = ..., capacity_bytes: _Optional[int] = ...) -> None: ...
+    peer_secret: bytes
+    def __init__(self, url: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., peer_secret: _Optional[bytes] = ...) -> None: ...
 
 class PoolRegistered(_message.Message):
     __slots__ = ("pool_id", "worker_id", "epoch", "shape", "credential_digest", "advertise_url", "served_model_name", "protocol_version")
