@@ -1,0 +1,146 @@
+"""Prefill/decode disaggregation over the direct path (`--kv-shared-store
+peer://`), with real processes: no store anywhere; the decode worker pulls the
+prompt's blocks from the prefill worker's memory over its peer route.
+
+Through the router a request answers as a `both` worker does, the decode side
+counts the transferred blocks as cached tokens, and the blocks it loaded are
+the blocks the prefill worker served. The peer route answers no one without
+the store group's key. A prefill worker killed after its entries are indexed
+leaves the decode worker to compute them (the same answer, nothing leaked),
+and its entries leave the index with its pool.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from allocator_service.client.router_client import RouterClient
+from tests.router.test_pd import BLOCK, MODEL, PROMPT, _no_blocks_held, _outcome, _pools, _texts
+from tests.router.test_pd import _router as _start_router
+from tests.router.test_pd import _worker as _start_worker
+from tests.support.drills import wait_for
+from tests.support.http import metric
+from worker.tiers.store import PEER_ROUTE
+
+
+def _tier(url: str, name: str) -> float:
+    return metric(url, f"pagedkv_worker_kv_tier_{name}_total", {"tier": "shared"}) or 0.0
+
+
+@pytest.fixture(scope="module")
+def reference(worker_process):
+    """A `both` worker of its own (embedded allocator, no store): the texts to match."""
+    from tests.router.test_pd import WORKER_ARGS
+
+    with worker_process("--model", MODEL, *WORKER_ARGS) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def fleet(allocator_server):
+    with allocator_server(
+        "--kv-shared-store",
+        "peer://",
+        "--kv-shared-store-size",
+        "0.05",
+        "--metrics-port",
+        "0",
+        env={"PAGEDKV_ALLOCATOR_LEASE_TTL": "5"},
+    ) as alloc:
+        prefill = _start_worker("prefill-1", alloc.address, "--kv-role", "prefill").start()
+        decode = _start_worker("decode-1", alloc.address, "--kv-role", "decode").start()
+        router = None
+        try:
+            prefill.wait_healthy(120)
+            decode.wait_healthy(120)
+            router = _start_router(alloc.address).start()
+            router.wait_healthy(60)
+            wait_for(
+                lambda: httpx.get(f"{router.url}/health").json()["workers"] == 2,
+                30,
+                "the router to know both workers",
+            )
+            yield {"allocator": alloc, "prefill": prefill, "decode": decode, "router": router}
+        finally:
+            for p in (router, prefill, decode):
+                if p is not None:
+                    p.terminate()
+
+
+@pytest.mark.parametrize(
+    "n, stream, chat", [(1, False, False), (2, False, False), (1, True, False), (2, True, True)]
+)
+def test_a_split_request_over_the_direct_path_answers_as_a_both_worker(
+    fleet, reference, n, stream, chat
+):
+    prompt = PROMPT.format(f"{n}-{stream}-{chat} over the direct path")
+    expected, ref_usage, _ = _texts(reference, prompt, n=n, chat=chat)
+    prefill, decode = fleet["prefill"].url, fleet["decode"].url
+    served, loaded = _tier(prefill, "served_blocks"), _tier(decode, "loaded_blocks")
+    before = _outcome(fleet, "transferred")
+    texts, usage, headers = _texts(fleet["router"].url, prompt, n=n, stream=stream, chat=chat)
+    assert texts == expected
+    assert _outcome(fleet, "transferred") == before + 1
+    assert headers["x-pagedkv-prefill-worker"] == "prefill-1"
+    assert headers["x-pagedkv-worker"] == "decode-1"
+    assert usage.prompt_tokens == ref_usage.prompt_tokens
+    want = (usage.prompt_tokens - 1) // BLOCK * BLOCK
+    assert want > 0
+    assert usage.prompt_tokens_details.cached_tokens == want
+    # every block the decode worker loaded, the prefill worker served it
+    assert _tier(decode, "loaded_blocks") - loaded == want // BLOCK
+    assert _tier(prefill, "served_blocks") - served == want // BLOCK
+    _no_blocks_held(fleet["allocator"])
+
+
+def test_the_peer_route_answers_only_the_store_groups_key(fleet):
+    url = fleet["prefill"].url + PEER_ROUTE
+    for headers in ({}, {"Authorization": "Bearer not-the-key"}):
+        r = httpx.post(url, content=b"somekey", headers=headers, timeout=10)
+        assert r.status_code == 401
+    assert httpx.get(url, timeout=10).status_code == 405
+
+
+def test_a_killed_prefill_worker_leaves_the_decode_worker_to_compute(fleet, reference):
+    """Last in the module: the prefill worker stays dead."""
+    prompt = PROMPT.format("the prefill worker dies after its leg, peer")
+    expected, _, _ = _texts(reference, prompt)
+    prefill, decode, alloc = fleet["prefill"], fleet["decode"], fleet["allocator"]
+    # the prefill worker computes the prompt; its blocks are indexed as its entries
+    assert _texts(prefill.url, prompt)[0] == expected
+    tokens = httpx.post(
+        f"{prefill.url}/tokenize", json={"model": MODEL, "prompt": prompt}, timeout=10
+    ).json()["tokens"]
+    want = (len(tokens) - 1) // BLOCK * BLOCK
+    pools = _pools(alloc)
+    router_client = RouterClient(alloc.address)
+
+    def decode_finds_them() -> bool:
+        matches = router_client.match_prefix(pools["decode-1"].model_fingerprint, tokens)
+        return any(m.worker_id == "decode-1" and m.store_tokens == want for m in matches)
+
+    wait_for(decode_finds_them, 30, "the prefill worker's entries to be present")
+    errors = _tier(decode.url, "store_errors")
+    prefill.kill()  # SIGKILL, reaped
+    # asked while the dead worker's entries are still indexed: the pull fails, it computes
+    texts, usage, _ = _texts(decode.url, prompt)
+    assert texts == expected
+    assert usage.prompt_tokens_details.cached_tokens == 0
+    assert _tier(decode.url, "store_errors") == errors + 1
+    assert (
+        metric(decode.url, "pagedkv_worker_kv_tier_refused_entries_total", {"tier": "shared"})
+        is None
+    )  # a writer that does not answer is a miss, not a refusal
+    # the dead pool goes at its lease's end, and every entry it wrote with it: those left
+    # are the decode worker's own (the blocks its answers filled)
+    wait_for(lambda: "prefill-1" not in _pools(alloc), 30, "the dead pool to go")
+    page = alloc.metrics_url.removesuffix("/metrics")
+    assert metric(page, "pagedkv_allocator_shared_store_entries") == _tier(
+        decode.url, "saved_blocks"
+    )
+    _no_blocks_held(alloc)
+    # the decode worker still answers it, from its own KV pool now
+    texts, usage, _ = _texts(decode.url, prompt)
+    assert texts == expected and usage.prompt_tokens_details.cached_tokens == want
+    router_client.close()
