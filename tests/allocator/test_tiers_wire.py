@@ -309,6 +309,11 @@ def test_bad_store_flags_are_one_line_errors(tmp_path):
         ),
         (["--kv-shared-store", f"file://{tmp_path}"], "needs --kv-shared-store-size"),
         (["--kv-shared-store-size", "1"], "is for --kv-shared-store"),
+        (
+            ["--kv-shared-store", "peer://something-extra", "--kv-shared-store-size", "1"],
+            "peer:// takes nothing after it",
+        ),
+        (["--kv-shared-store", "peer:/", "--kv-shared-store-size", "1"], "unknown kind"),
     ):
         p = subprocess.run(
             [sys.executable, "-m", "allocator_service", "--listen", "127.0.0.1:0", *args],
@@ -317,7 +322,7 @@ def test_bad_store_flags_are_one_line_errors(tmp_path):
             cwd=ROOT,
             timeout=60,
         )
-        assert p.returncode != 0, args
+        assert p.returncode == 2, args
         lines = p.stderr.strip().splitlines()
         assert len(lines) == 1 and text in lines[0], (args, p.stderr)
 

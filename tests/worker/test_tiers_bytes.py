@@ -464,7 +464,7 @@ def test_a_store_that_cannot_be_used_is_a_one_line_error_at_start(tmp_path):
     plain.write_text("")
     port = free_port("127.0.0.1")
     for url, pattern in (
-        ("s3://bucket/kv", "unknown kind; use file://PATH or redis://HOST:PORT/DB"),
+        ("s3://bucket/kv", "unknown kind; use file://PATH, redis://HOST:PORT/DB or peer://"),
         ("file://", "give a directory"),
         (f"file://{plain}/kv", f"cannot write to {plain}/kv"),
         (f"redis://127.0.0.1:{port}/0", "unreachable"),
