@@ -177,7 +177,9 @@ class AllocatorArgs:
     kv_shared_store: str | None = setting(
         None,
         "the KV store this allocator's workers share (tier 2 below their host tiers): file://PATH "
-        "(a directory every worker mounts) or redis://HOST:PORT/DB; the allocator indexes it, the "
+        "(a directory every worker mounts), redis://HOST:PORT/DB, or peer:// (no shared place: "
+        "each entry stays in the memory of the worker that wrote it, which serves it to the "
+        "others; every worker needs --advertise-url); the allocator indexes it, the "
         "workers move the bytes (a worker opts out with --no-kv-shared-store). Checked at start: a "
         "path it cannot write or a Redis that does not "
         "answer is an error. Needs --kv-shared-store-size",
@@ -185,7 +187,8 @@ class AllocatorArgs:
     )
     kv_shared_store_size: float = setting(
         0.0,
-        "GiB the shared store may hold (its index evicts least recently used entries past it)",
+        "GiB the shared store may hold (its index evicts least recently used entries past it); "
+        "with peer://, also what each worker may keep of it in its memory",
         parse=gib_or_none,
         metavar="GIB",
     )
