@@ -26,6 +26,7 @@ from allocator_service.core import (
     step_columns,
 )
 from allocator_service.core.limits import (
+    MAX_ADVERTISE_URL_LEN,
     MAX_BLOCK_SIZE,
     MAX_FINGERPRINT_LEN,
     MAX_LAYOUT_LEN,
@@ -35,6 +36,7 @@ from allocator_service.core.limits import (
 from allocator_service.core.tiers import TierReport
 from allocator_service.rpc.server import create_server
 from allocator_service.service import AllocatorService, PoolRef
+from allocator_service.service.pools import Advertised
 from allocator_service.store.journal import open_journal, split_prefix
 from allocator_service.wire.bounds import MAX_ERROR_MESSAGE_BYTES, step_answer_bound
 from allocator_service.wire.codec import (
@@ -350,12 +352,16 @@ class ServiceBounds:
     """An in-process service with a shared store; every Step's answer is
     checked against the bound `Steps._check_answer` computed for
     it (the service's own code path: its TierBound from the store's capacity
-    and the smallest block_bytes)."""
+    and the smallest block_bytes). `peer`: a peer:// store, whose loads name
+    their writer's URL (each pool advertises one of the longest allowed)."""
 
-    def __init__(self, store_bytes: int, groups: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, store_bytes: int, groups: dict[str, str] | None = None, peer: bool = False
+    ) -> None:
+        self.peer = peer
         self.svc = AllocatorService(
             ServiceConfig(
-                shared_store="file:///nonexistent/kv",
+                shared_store="peer://" if peer else "file:///nonexistent/kv",
                 shared_store_bytes=store_bytes,
                 store_groups=groups or {},
             )
@@ -375,6 +381,9 @@ class ServiceBounds:
             worker,
             PoolConfig(
                 model_fingerprint="m", enable_prefix_caching=True, use_shared_store=True, **shape
+            ),
+            advertised=Advertised(
+                f"http://{worker}.".ljust(MAX_ADVERTISE_URL_LEN, "w") if self.peer else "", "m"
             ),
         )
         self.step_ids[r.pool_id] = 0
@@ -448,6 +457,7 @@ class InFlight:
     host_blocks=st.tuples(st.sampled_from([0, 1, 2, 4]), st.sampled_from([0, 1, 2, 4])),
     b_bytes=st.sampled_from([STORE_BYTES, 25]),
     long_ids=st.booleans(),
+    peer=st.booleans(),
 )
 def test_the_answer_bound_holds_for_tiered_pools(
     seed,
@@ -459,6 +469,7 @@ def test_the_answer_bound_holds_for_tiered_pools(
     host_blocks,
     b_bytes,
     long_ids,
+    peer,
 ):
     """As above, for two tiered pools (tiny KV pools, so blocks are evicted
     all the time; host tiers of a few slots or none) sharing a store of a few
@@ -469,10 +480,11 @@ def test_the_answer_bound_holds_for_tiered_pools(
     pool b's from what pool a saved) and failing operations, each with the
     worker's report on the moves of earlier answers (saves confirmed or
     failed, store entries refused). Before each step the bound the service
-    computes is at least the size of the answer the step gets."""
+    computes is at least the size of the answer the step gets; with a peer
+    store too, whose loads name their writer's URL (of the longest length)."""
     rng = random.Random(seed)
     groups = {w: g for w, g in zip("ab", layouts[2:], strict=True) if g}
-    sb = ServiceBounds(store_entries * STORE_BYTES + store_extra, groups)
+    sb = ServiceBounds(store_entries * STORE_BYTES + store_extra, groups, peer)
     refs = [
         sb.register(
             w, num_blocks=n, block_size=block_size, host_blocks=h, layout=lay, block_bytes=bb
