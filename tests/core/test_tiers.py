@@ -18,13 +18,18 @@ host or store entry names a location holding its hash's bytes, every block
 of every sequence holds the bytes of its own prompt's hash chain (so a load
 brought the right bytes and a pending entry was never a hit), every block the
 prefix cache can find holds its hash's bytes, and the capacities hold.
+
+With a peer store (`peer://`) an entry's bytes are its writer's: each worker
+keeps what it saved, deletes only in its own memory, every load names the
+writer it reads from, and a pool dropped mid-run (its worker's memory gone)
+takes its entries out of the index, so no present entry lacks its bytes.
 """
 
 from __future__ import annotations
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from allocator_service.core import (
     Admit,
@@ -51,8 +56,10 @@ class Worker:
     """What one pool's worker knows and holds: its sequences' tokens, the
     bytes of its KV blocks and host slots, and its saves in flight."""
 
-    def __init__(self, pool: BlockPool) -> None:
+    def __init__(self, pool: BlockPool, writer: str = "") -> None:
         self.pool = pool
+        self.writer = writer
+        pool.tiers.writer = writer
         self.B = pool.block_size
         self.kv: list[object] = [None] * pool.num_blocks
         self.host: list[object] = [None] * pool.config.host_blocks
@@ -69,7 +76,8 @@ class TiersMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.workers: list[Worker] = []
-        self.store_bytes: dict[tuple[str, bytes], object] = {}
+        # (layout, hash) -> bytes; a peer store: (writer, layout, hash) -> bytes
+        self.store_bytes: dict[tuple, object] = {}
         self.counter = 0
 
     @initialize(
@@ -79,11 +87,14 @@ class TiersMachine(RuleBasedStateMachine):
         host_blocks=st.sampled_from([0, 0, 1, 2, 4]),
         use_store=st.booleans(),
         store_entries=st.integers(0, 8),
+        peer=st.booleans(),
     )
-    def setup(self, pools, num_blocks, block_size, host_blocks, use_store, store_entries) -> None:
+    def setup(
+        self, pools, num_blocks, block_size, host_blocks, use_store, store_entries, peer
+    ) -> None:
         if not host_blocks:
             use_store = True
-        self.store = SharedStore(store_entries * BLOCK_BYTES)
+        self.store = SharedStore(store_entries * BLOCK_BYTES, peer=peer)
         for i in range(pools):
             config = PoolConfig(
                 num_blocks,
@@ -95,7 +106,11 @@ class TiersMachine(RuleBasedStateMachine):
                 block_bytes=BLOCK_BYTES,
                 use_shared_store=use_store or i == 1,
             )
-            self.workers.append(Worker(BlockPool(config, store=self.store)))
+            self.workers.append(Worker(BlockPool(config, store=self.store), f"w{i}"))
+
+    def _at(self, writer: str, layout: str, h: bytes) -> tuple:
+        """Where an entry's bytes are: the store's, or in a peer store its writer's."""
+        return (writer, layout, h) if self.store.peer else (layout, h)
 
     def _new_id(self) -> str:
         self.counter += 1
@@ -148,11 +163,11 @@ class TiersMachine(RuleBasedStateMachine):
         for h in list(w.flight_store):
             fate = data.draw(st.sampled_from(FATES))
             if fate == "land":
-                self.store_bytes[(LAYOUT, h)] = w.flight_store.pop(h)
+                self.store_bytes[self._at(w.writer, LAYOUT, h)] = w.flight_store.pop(h)
                 store_saved.append(h)
             elif fate == "fail":
                 del w.flight_store[h]
-                self.store_bytes[(LAYOUT, h)] = GARBAGE
+                self.store_bytes[self._at(w.writer, LAYOUT, h)] = GARBAGE
                 store_failed.append(h)
         refused, w.refused = w.refused, []
         return {
@@ -168,7 +183,7 @@ class TiersMachine(RuleBasedStateMachine):
         B, m = w.B, r.moves
         for h, layout in zip(m.store_deletes, m.store_delete_layouts, strict=True):  # (0)
             if data.draw(st.booleans()):  # best effort: some are lost
-                self.store_bytes.pop((layout, h), None)
+                self.store_bytes.pop(self._at(w.writer, layout, h), None)
         for h, src in zip(m.store_saves, m.store_save_from, strict=True):  # (1)
             assert h not in w.flight_store
             # a freed or evicted KV block: its bytes are its hash's until the forward pass
@@ -186,17 +201,21 @@ class TiersMachine(RuleBasedStateMachine):
         for i in range(0, len(loads), 2):  # (4)
             w.kv[loads[i + 1]] = w.host[loads[i]]
             loaded.add(loads[i + 1])
-        for h, b in zip(m.store_loads, m.store_load_to, strict=True):
+        sources = m.store_load_from or [""] * len(m.store_loads)
+        assert len(sources) == len(m.store_loads) and (m.store_load_from != []) == (
+            self.store.peer and m.store_loads != []
+        )
+        for h, b, src in zip(m.store_loads, m.store_load_to, sources, strict=True):
             loaded.add(b)
-            key = (LAYOUT, h)
-            if key in self._corrupt() or data.draw(st.integers(0, 3)) == 0:
+            key = self._at(src, LAYOUT, h)
+            if (LAYOUT, h) in self._corrupt() or data.draw(st.integers(0, 3)) == 0:
                 # Corrupt (a bad checksum): refused, computed in the forward pass.
                 self.store_bytes[key] = GARBAGE
                 if h not in w.refused:
                     w.refused.append(h)
                 w.kv[b] = h
             else:
-                w.kv[b] = self.store_bytes.get((LAYOUT, h), "missing")
+                w.kv[b] = self.store_bytes.get(key, "missing")
         # The forward pass: the blocks each operation computes.
         results = iter(
             zip(r.errors, r.keep, r.num_appended, r.cached_tokens, r.num_stored, strict=True)
@@ -244,9 +263,9 @@ class TiersMachine(RuleBasedStateMachine):
         lru = self.store.lru
         assert lru.used <= lru.capacity
         corrupt = self._corrupt()  # the allocator learns of these with the next step
-        for (layout, h), (_, size) in lru.present.items():
+        for (layout, h), (loc, size) in lru.present.items():
             assert size == BLOCK_BYTES
-            assert (layout, h) in corrupt or self.store_bytes.get((layout, h)) == h, (
+            assert (layout, h) in corrupt or self.store_bytes.get(self._at(loc, layout, h)) == h, (
                 "a store entry without its bytes"
             )
         for w in self.workers:
@@ -269,6 +288,21 @@ class TiersMachine(RuleBasedStateMachine):
             for h, holders in pool.index.entries():
                 for b in holders:
                     assert w.kv[b] == h, "the prefix cache finds a block without its bytes"
+
+    @precondition(lambda self: len(self.workers) == 2 and self.counter >= 12)
+    @rule(now=st.integers(0, 3))
+    def drop_a_pool(self, now: int) -> None:
+        """A second pool's worker dies (late in a run: once the tiers hold
+        something): its pool is dropped, and in a peer store the bytes it
+        held with it."""
+        if now:
+            return
+        w = self.workers.pop()
+        w.pool.drop_store_pending()
+        if self.store.peer:
+            self.store_bytes = {k: v for k, v in self.store_bytes.items() if k[0] != w.writer}
+            lru = self.store.lru
+            assert all(loc != w.writer for loc, _ in [*lru.present.values(), *lru.pending.values()])
 
     def teardown(self) -> None:
         # A dropped pool's unconfirmed store saves leave the store index.
