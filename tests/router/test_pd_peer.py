@@ -91,6 +91,9 @@ def test_a_split_request_over_the_direct_path_answers_as_a_both_worker(
     # every block the decode worker loaded, the prefill worker served it
     assert _tier(decode, "loaded_blocks") - loaded == want // BLOCK
     assert _tier(prefill, "served_blocks") - served == want // BLOCK
+    # what the prefill worker holds of the store is in its memory, within the store's size
+    held = metric(prefill, "pagedkv_worker_kv_tier_used_bytes", {"tier": "shared"})
+    assert 0 < held <= metric(prefill, "pagedkv_worker_kv_tier_capacity_bytes", {"tier": "shared"})
     _no_blocks_held(fleet["allocator"])
 
 

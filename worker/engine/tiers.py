@@ -110,8 +110,10 @@ class EngineTiers:
         self._store_key, self._peer = key, peer
         self._store_meter = self.metrics.tier("shared")
         store = open_store(url, **peer)  # type: ignore[arg-type]
-        if isinstance(store, PeerStore):
+        if isinstance(store, PeerStore):  # what this worker holds of it is its memory
             store.on_served = self._store_meter.served
+            self._store_meter.set_capacity(store.capacity_bytes)
+            self._store_meter.set_used(store.used_bytes)
         self.store = self._store_mover(
             store,
             self.layout,
@@ -193,6 +195,10 @@ class EngineTiers:
                 store.delete(m.store_deletes, m.store_delete_layouts)
             if m.store_saves:
                 self._store_saves(m)
+            if (m.store_deletes or m.store_saves) and isinstance(
+                getattr(store, "store", None), PeerStore
+            ):
+                self._store_meter.set_used(store.store.used_bytes)  # type: ignore[union-attr]
             if m.host_saves:
                 self._host_saves(m.host_saves[0::2], m.host_saves[1::2])
         if batch.copies:
