@@ -7,15 +7,22 @@ counts the transferred blocks as cached tokens, and the blocks it loaded are
 the blocks the prefill worker served. The peer route answers no one without
 the store group's key. A prefill worker killed after its entries are indexed
 leaves the decode worker to compute them (the same answer, nothing leaked),
-and its entries leave the index with its pool.
+and its entries leave the index with its pool. A worker that advertises no
+URL cannot use the peer store.
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import httpx
 import pytest
 
+from allocator_service.client import PoolSpec
+from allocator_service.client.grpc_client import GrpcAllocator
 from allocator_service.client.router_client import RouterClient
+from allocator_service.core import PoolConfig
 from tests.router.test_pd import BLOCK, MODEL, PROMPT, _no_blocks_held, _outcome, _pools, _texts
 from tests.router.test_pd import _router as _start_router
 from tests.router.test_pd import _worker as _start_worker
@@ -103,6 +110,28 @@ def test_the_peer_route_answers_only_the_store_groups_key(fleet):
         r = httpx.post(url, content=b"somekey", headers=headers, timeout=10)
         assert r.status_code == 401
     assert httpx.get(url, timeout=10).status_code == 405
+    # a pool of the store group gets the key at registration, and the route answers it
+    spec = PoolSpec(
+        "probe",
+        PoolConfig(
+            num_blocks=8,
+            block_size=BLOCK,
+            enable_prefix_caching=True,
+            model_fingerprint="probe",
+            layout="probe",
+            block_bytes=64,
+            use_shared_store=True,
+        ),
+        advertise_url="http://127.0.0.1:9",
+    )
+    probe = GrpcAllocator(fleet["allocator"].address, spec, heartbeat=False)
+    try:
+        key = {"Authorization": f"Bearer {probe.peer_key}"}
+        r = httpx.post(url, content=b"never-saved", headers=key, timeout=10)
+        assert r.status_code == 200 and r.content == bytes(8)  # one frame: absent
+        assert httpx.post(url, content=b"../x", headers=key, timeout=10).status_code == 400
+    finally:
+        probe.close()
 
 
 def test_a_killed_prefill_worker_leaves_the_decode_worker_to_compute(fleet, reference):
@@ -147,3 +176,16 @@ def test_a_killed_prefill_worker_leaves_the_decode_worker_to_compute(fleet, refe
     texts, usage, _ = _texts(decode.url, prompt)
     assert texts == expected and usage.prompt_tokens_details.cached_tokens == want
     router_client.close()
+
+
+def test_a_worker_without_an_advertised_url_is_refused_in_one_line(allocator_server):
+    with allocator_server("--kv-shared-store", "peer://", "--kv-shared-store-size", "0.01") as a:
+        r = subprocess.run(
+            [sys.executable, "-m", "worker", "--model", MODEL, "--allocator", a.address]
+            + ["--port", "0", "--block-size", str(BLOCK)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert r.returncode == 2, r.stderr
+    assert "must advertise its worker's URL (--advertise-url)" in r.stderr.strip().splitlines()[-1]
