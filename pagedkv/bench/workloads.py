@@ -27,6 +27,8 @@ it works (the test suite runs it); its figures compare nothing.
 - `RESERVATION` (`bench reservation`): ShareGPT-like request lengths
   (`sharegpt_like_lengths`) arriving as a Poisson process at increasing rates
   (`poisson_arrivals`).
+- `PD` (`bench pd`): chats mixed with long documents, arriving as a Poisson
+  process (`chats_and_documents`).
 """
 
 from __future__ import annotations
@@ -707,3 +709,70 @@ MULTIPLE_CHOICE: tuple[tuple[str, tuple[str, str, str, str], int], ...] = (
     ("Paper is made from", ("stone", "wood", "glass", "iron"), 1),
     ("The language spoken in Spain is", ("German", "Japanese", "Spanish", "Russian"), 2),
 )
+
+
+# -- prefill/decode disaggregation (bench pd) -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PDWorkload:
+    what: str = field(compare=False)
+    device: str = "sim:h100"  # the workers' --device (a sim: one serves `model`'s public config)
+    model: str = "llama-3-8b"  # sim: a public config (worker/sim/configs.py); cpu: a model name
+    requests: int = 160
+    rate_rps: float = 6.0  # the Poisson stream's mean arrival rate
+    chat_tokens: tuple[int, int] = (200, 1000)  # a chat's prompt, uniform, inclusive
+    document_tokens: tuple[int, int] = (4000, 8000)  # a long document's prompt
+    document_share: float = 0.2  # the chance that a request is a long document
+    output_tokens: int = 128  # every request's max_tokens (EOS ignored)
+    vocab: tuple[int, int] = (1000, 32_000)  # prompt token ids, uniform in [low, high)
+    max_num_seqs: int = 64
+    ttft_slo_s: float = 2.0  # goodput: requests with TTFT <= this and TPOT <= tpot_slo_s
+    tpot_slo_s: float = 0.05
+    seed: int = 0
+
+
+PD = {
+    "default": PDWorkload(
+        "160 requests in a Poisson stream of 6 requests/s: chats of 200-1,000 prompt tokens, "
+        "1 in 5 a long document of 4,000-8,000, 128 output tokens each (EOS ignored); "
+        "Llama-3-8B's config on sim:h100"
+    ),
+    "small": PDWorkload(
+        "12 requests at 4 requests/s: chats of 40-120 prompt tokens, 1 in 4 a document of "
+        "300-600, 12 output tokens; Llama-3-8B's config on sim:h100",
+        requests=12,
+        rate_rps=4.0,
+        chat_tokens=(40, 120),
+        document_tokens=(300, 600),
+        document_share=0.25,
+        output_tokens=12,
+        max_num_seqs=16,
+    ),
+    "cpu": PDWorkload(
+        "6 requests at 1 request/s on real CPU workers (--model tiny-random, or smollm2): "
+        "prompts of 20-60 token ids, 1 in 3 of 100-200, 16 output tokens",
+        device="cpu",
+        model="tiny-random",
+        requests=6,
+        rate_rps=1.0,
+        chat_tokens=(20, 60),
+        document_tokens=(100, 200),
+        document_share=0.34,
+        output_tokens=16,
+        vocab=(3, 259),  # within tiny-random's byte vocabulary and every real model's
+        max_num_seqs=8,
+    ),
+}
+
+
+def chats_and_documents(w: PDWorkload) -> list[tuple[float, list[int]]]:
+    """`w.requests` (arrival second, prompt token ids): a Poisson stream of `w.rate_rps`, each
+    prompt a chat's or (with chance `w.document_share`) a long document's, of random ids."""
+    rng = random.Random(w.seed)
+    arrivals = poisson_arrivals(w.requests, w.rate_rps, random.Random(w.seed + 1))
+    out = []
+    for at in arrivals:
+        low, high = w.document_tokens if rng.random() < w.document_share else w.chat_tokens
+        out.append((at, [rng.randrange(*w.vocab) for _ in range(rng.randint(low, high))]))
+    return out
