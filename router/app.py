@@ -20,23 +20,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Sequence
 
 import aiohttp
 from fastapi import Request
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 
 from allocator_service.core import InvalidArgument, check_cache_salt
 from pagedkv_base.api.bodies import off_loop, read_body
 from pagedkv_base.api.errors import ApiError
 from pagedkv_base.api.tenants import TENANT_HEADER, api_key_of, tenant_of, tenant_salt
+from router import pd
 from router.discovery import Discovery, MergedDiscovery, Worker
 from router.matching import Matcher, prompt_ids, prompt_size
 from router.metrics import RouterMetrics
 from router.placement import Placement
 from router.policy import Balance
 from router.proxy import Proxy
+
+log = logging.getLogger(__name__)
 
 
 class Router:
@@ -59,10 +63,13 @@ class Router:
         worker_api_key: str | None = None,
         cache_salt_per_api_key: bool = True,
         balance: Balance | None = None,
+        transfer_timeout: float = 5.0,
     ) -> None:
         """`allocators`: RouterClients, in the order of `Worker.allocator`; none:
-        routing by load alone."""
+        routing by load alone. `transfer_timeout`: the longest a split request waits
+        for its prompt's blocks in the store after its prefill leg (seconds)."""
         self.tokenizer = tokenizer
+        self.transfer_timeout = transfer_timeout
         # what the router presents to workers for a request
         # let in without a key (never a client's own header)
         self.worker_api_key = worker_api_key
@@ -108,22 +115,49 @@ class Router:
         return tenant_salt(tenant_of(key), salt)
 
     async def forward(self, request: Request, kind: str, model_cls) -> Response:
-        """A completion (`kind` "text") or chat completion
-        ("chat") request, answered by a worker."""
+        """A completion (`kind` "text") or chat completion ("chat") request, answered by a
+        worker, or split between a prefill and a decode worker (`router.pd`)."""
         t0 = time.perf_counter()
         req = await read_body(request, model_cls)
         req.check_sequences()
-        placement = self.placement
-        workers = placement.candidates_for(req.model)
+        workers = self.placement.candidates_for(req.model)
         if not workers:
             return self._no_model(req.model)
+        try:
+            route = pd.plan(workers)
+        except ApiError:
+            self.metrics.failed.labels("no_worker_for_role").inc()
+            raise
+        salt = self.cache_salt(request, req.cache_salt)
+        if isinstance(route, pd.Split):
+            return await self._split(request, kind, req, route, salt, t0)
         tokens = None
         if self.policy == "kv" and self.matching.allocators:
-            tokens = await off_loop(
-                prompt_ids, self.tokenizer, kind, req, size=prompt_size(kind, req)
-            )
-        salt = self.cache_salt(request, req.cache_salt)
-        matches = await self.matching.cached_tokens(workers, tokens, salt)
+            tokens = await self._prompt(kind, req)
+        return await self._send(request, route, tokens, salt, bool(req.stream), t0)
+
+    async def _prompt(self, kind: str, req) -> list[int] | None:
+        return await off_loop(prompt_ids, self.tokenizer, kind, req, size=prompt_size(kind, req))
+
+    async def _send(
+        self,
+        request: Request,
+        workers: Sequence[Worker],
+        tokens: list[int] | None,
+        salt: str | None,
+        stream: bool,
+        t0: float,
+        *,
+        matches: dict | None = None,
+        body: bytes | None = None,
+        extra: Sequence[tuple[str, str]] = (),
+        answer_headers: dict[str, str] | None = None,
+    ) -> Response:
+        """The request (or `body`) placed among `workers` and sent to the first that takes
+        it; `matches`: the pools' matches when already asked."""
+        placement = self.placement
+        if matches is None:
+            matches = await self.matching.cached_tokens(workers, tokens, salt)
         # Compared with every prompt in flight a block at a time: a long prompt's off the loop;
         # `place` then adds the prompts placed meanwhile, and ranks and records with no await.
         seen = dict(placement.computing)
@@ -144,10 +178,84 @@ class Router:
             rid,
             tokens,
             salt,
-            self.worker_auth(request),
-            bool(req.stream),
+            self.worker_auth(request) + list(extra),
+            stream,
             routing_s,
+            body=body,
+            answer_headers=answer_headers,
         )
+
+    async def _split(
+        self, request: Request, kind: str, req, split: pd.Split, salt: str | None, t0: float
+    ) -> Response:
+        """The prefill leg, the wait for its blocks in the store, then the decode leg
+        (`router.pd`). A prefill leg that fails or a transfer not done in time: the
+        decode worker computes what it does not find."""
+        stream = bool(req.stream)
+        tokens = await self._prompt(kind, req)
+        decode = [w for ws in split.decode.values() for w in ws]
+        if not tokens:  # no prompt to move: the worker answers (the error, if one)
+            return await self._send(request, decode, None, salt, stream, t0)
+        sent = time.perf_counter()
+        prefill = await self._prefill(request, split.prefill, tokens, salt, t0)
+        if isinstance(prefill, Response):
+            return prefill  # the client left
+        self.metrics.pd_prefill_seconds.observe(time.perf_counter() - sent)
+        matches = None
+        if prefill is None:
+            outcome = "prefill_failed"
+        else:
+            decode = split.decode[prefill.store_namespace]
+            waited = time.perf_counter()
+            done, matches = await pd.wait_for_transfer(
+                lambda ws: self.matching.cached_tokens(ws, tokens, salt, any_policy=True),
+                decode,
+                pd.wanted_tokens(tokens, decode[0].block_size),
+                self.transfer_timeout,
+            )
+            self.metrics.pd_transfer_wait_seconds.observe(time.perf_counter() - waited)
+            outcome = "transferred" if done else "incomplete"
+        self.metrics.pd_requests.labels(outcome).inc()
+        name = prefill.name if prefill is not None else ""
+        return await self._send(
+            request,
+            decode,
+            tokens,
+            salt,
+            stream,
+            time.perf_counter(),
+            matches=matches if self.policy == "kv" else None,
+            answer_headers={pd.PREFILL_WORKER_HEADER: name},
+        )
+
+    async def _prefill(
+        self, request: Request, workers: Sequence[Worker], tokens, salt, t0: float
+    ) -> Worker | Response | None:
+        """The prefill leg: the worker that computed the prompt, None when none did,
+        or the answer to give when the client left."""
+        try:
+            answer = await self._send(
+                request,
+                workers,
+                tokens,
+                salt,
+                False,
+                t0,
+                body=pd.prefill_body(await request.body()),
+                extra=[(pd.TRANSFER_HEADER, "prefill")],
+            )
+        except ApiError as exc:  # no prefill worker answered: the decode worker computes it
+            log.warning("prefill leg: %s; the decode worker computes the prompt", exc.message)
+            return None
+        if answer.status_code == 499:
+            return answer
+        if isinstance(answer, StreamingResponse):  # a long answer: read to its end, dropped
+            async for _ in answer.body_iterator:
+                pass
+        if answer.status_code != 200:
+            return None
+        name = answer.headers.get("x-pagedkv-worker")
+        return next((w for w in workers if w.name == name), None)
 
     def _no_model(self, model: str) -> Response:
         served = sorted(

@@ -159,6 +159,14 @@ class RouterArgs:
         parse=seconds,
         flag=False,
     )
+    pd_transfer_timeout: float = setting(
+        5.0,
+        "seconds: a request split between a prefill and a decode worker waits at most this long, "
+        "after its prefill leg, for its prompt's blocks to be found in the shared store; past it "
+        "the decode worker computes what it does not find",
+        parse=seconds,
+        flag=False,
+    )
     max_answer_mb: int = setting(
         1024,
         "MiB: the largest answer passed on from a worker (a larger one is a 502 when the worker "
@@ -294,6 +302,7 @@ def build_router(args: argparse.Namespace):
         r.policy,
         allocators=clients,
         first_byte_timeout=r.first_byte_timeout,
+        transfer_timeout=r.pd_transfer_timeout,
         max_answer_bytes=r.max_answer_mb << 20,
         worker_api_key=next(iter(api_keys(r.api_key, r.api_keys_file)), None),
         cache_salt_per_api_key=r.cache_salt_per_api_key,

@@ -80,6 +80,8 @@ class Worker:
     allocator: int = 0
     # its pool has a host tier or uses the shared store (the view holds KV pools only)
     tiered: bool = False
+    kv_role: str = "both"  # its part in prefill/decode disaggregation (router/pd.py)
+    store_namespace: str = ""  # where its blocks live in the shared store ("" without it)
 
     @property
     def name(self) -> str:
@@ -206,6 +208,8 @@ class Discovery:
                 p.free_blocks,
                 self.index,
                 bool(p.host_blocks or p.use_shared_store),
+                p.kv_role or "both",
+                p.store_namespace,
             )
             old = by_url.get(url)
             # Two live pools at one URL: a worker restarted under a new id while its

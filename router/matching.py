@@ -81,13 +81,20 @@ class Matcher:
         self.metrics = metrics
 
     async def cached_tokens(
-        self, workers: Sequence[Worker], tokens: list[int] | None, salt: str | None
+        self,
+        workers: Sequence[Worker],
+        tokens: list[int] | None,
+        salt: str | None,
+        any_policy: bool = False,
     ) -> dict[PoolKey, PoolMatch]:
         """Each pool of `workers` against the prompt: matched in the view of each
         allocator whose view is in step, for pools without tiers (the view holds
         KV pools only); from MatchPrefix for the others, one call per allocator
-        and model, all at once. Only policy `kv` matches."""
-        if not self.allocators or not tokens or salt == "" or self.policy != "kv":
+        and model, all at once. Only policy `kv` matches, unless `any_policy`
+        (a split request's transfer is waited for under every policy)."""
+        if not self.allocators or not tokens or salt == "":
+            return {}
+        if self.policy != "kv" and not any_policy:
             return {}
         if all(w.block_size and len(tokens) - 1 < w.block_size for w in workers):
             return {}  # not one whole block before the last token: no pool can hold any of it

@@ -9,6 +9,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 ROUTING_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
+# A prefill leg computes a prompt and one token, its transfer a few steps: ms to tens of seconds.
+PD_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# The outcomes of a split request's transfer (router/pd.py), the `outcome` label.
+PD_OUTCOMES = ("transferred", "incomplete", "prefill_failed")
+
+
 class RouterMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
@@ -93,6 +99,30 @@ class RouterMetrics:
             ["worker"],
             registry=r,
         )
+        self.pd_requests = Counter(
+            "pagedkv_router_pd_requests",
+            "Requests split between a prefill and a decode worker, by what the transfer became: "
+            "transferred (the decode worker finds the prompt's whole blocks), incomplete (not "
+            "all found within PAGEDKV_ROUTER_PD_TRANSFER_TIMEOUT: it computes the rest), "
+            "prefill_failed (no prefill worker answered: it computes the prompt).",
+            ["outcome"],
+            registry=r,
+        )
+        self.pd_prefill_seconds = Histogram(
+            "pagedkv_router_pd_prefill_seconds",
+            "A split request's prefill leg: from sending it until its answer.",
+            buckets=PD_BUCKETS,
+            registry=r,
+        )
+        self.pd_transfer_wait_seconds = Histogram(
+            "pagedkv_router_pd_transfer_wait_seconds",
+            "A split request's wait, after its prefill leg, until a decode worker finds its "
+            "blocks in the shared store (or the wait ends).",
+            buckets=PD_BUCKETS,
+            registry=r,
+        )
+        for outcome in PD_OUTCOMES:
+            self.pd_requests.labels(outcome)
         self.workers = Gauge(
             "pagedkv_router_workers", "Workers the router may send requests to.", registry=r
         )

@@ -120,13 +120,18 @@ class Proxy:
         auth: list[tuple[str, str]],
         stream: bool,
         routing_s: float,
+        *,
+        body: bytes | None = None,
+        answer_headers: dict[str, str] | None = None,
     ) -> Response:
-        """`request`'s body to the workers of `order` ((worker, its cached tokens), best
-        first, the first placed as request `rid`), with `auth` for the client's credentials."""
+        """`request`'s body (or `body`) to the workers of `order` ((worker, its cached
+        tokens), best first, the first placed as request `rid`), with `auth` for the
+        client's credentials; `answer_headers` added to the answer's."""
         placement = self.placement
         policy = placement.policy
         best = max((c for _, c in order), default=0)
-        body = await request.body()
+        if body is None:
+            body = await request.body()
         headers = [
             (k.decode("latin-1"), v.decode("latin-1"))
             for k, v in request.headers.raw
@@ -181,11 +186,12 @@ class Proxy:
             self.metrics.prompt_tokens.labels(policy).inc(len(tokens or ()))
             self.metrics.cached_chosen.labels(policy).inc(cached)
             self.metrics.cached_best.labels(policy).inc(best)
-            answer_headers = self._answer_headers(worker, upstream, cached, routing_s)
+            headers_out = self._answer_headers(worker, upstream, cached, routing_s)
+            headers_out.update(answer_headers or {})
             if whole:  # the whole answer is here: one response, the worker's connection free
                 placement.answered(rid)
-                return Response(start, status_code=upstream.status, headers=answer_headers)
-            return self._relay(worker, upstream, answer_headers, rid, start)
+                return Response(start, status_code=upstream.status, headers=headers_out)
+            return self._relay(worker, upstream, headers_out, rid, start)
         self.metrics.failed.labels("no_worker_available").inc()
         raise ApiError(
             503,

@@ -15,6 +15,7 @@ import socket
 from dataclasses import dataclass
 from typing import ClassVar
 
+from allocator_service.core.state import KV_ROLES
 from pagedkv_base.config import add_arguments as add_setting_flags
 from pagedkv_base.config import from_args, setting
 from pagedkv_base.model_files import LOAD_FORMATS
@@ -148,6 +149,14 @@ class WorkerArgs:
         "writes to the shared store are sealed with it (AES-256-GCM) and it loads only entries "
         "sealed with it, so no one outside the group reads "
         "or forges them; without it entries are plain",
+    )
+    kv_role: str = setting(
+        "both",
+        "this worker's part in prefill/decode disaggregation: 'both' (whole requests), 'prefill' "
+        "(a router sends it prompts to compute; their blocks go to the shared store) or 'decode' "
+        "(a router sends it requests whose prompt a prefill worker computed, loaded from the "
+        "store); prefill and decode need the allocator's shared store",
+        choices=KV_ROLES,
     )
     preemption_mode: str = setting(
         "recompute",
@@ -332,6 +341,7 @@ def engine_config(args: argparse.Namespace, dtype: str | None = None):
         kv_offloading_size=w.kv_offloading_size,
         kv_shared_store=w.kv_shared_store,
         kv_store_key=_store_key(w.kv_store_key_file) if w.kv_store_key_file else None,
+        kv_role=w.kv_role,
         preemption_mode=w.preemption_mode,
         device=w.device,
         clock=w.clock,

@@ -247,11 +247,13 @@ class _PoolCollector(Collector):
         labels: dict[str, str],
         pool_bytes: int,
         kv_dtype: str,
+        kv_role: str,
     ) -> None:
         self._read = read_stats
         self._labels = labels
         self._pool_bytes = pool_bytes
         self._kv_dtype = kv_dtype
+        self._kv_role = kv_role
 
     def describe(self):  # static description; avoids a collect() at registration
         return []
@@ -278,10 +280,11 @@ class _PoolCollector(Collector):
         info = GaugeMetricFamily(
             f"{PREFIX}_kv_cache_info",
             "1, labelled with the element type the KV pool "
-            "stores (kv_cache_dtype: float32, bfloat16, float8_e4m3fn, ...).",
-            labels=[*names, "kv_cache_dtype"],
+            "stores (kv_cache_dtype: float32, bfloat16, float8_e4m3fn, ...) and the worker's "
+            "part in prefill/decode disaggregation (kv_role: both, prefill, decode).",
+            labels=[*names, "kv_cache_dtype", "kv_role"],
         )
-        info.add_metric([*values, self._kv_dtype], 1)
+        info.add_metric([*values, self._kv_dtype, self._kv_role], 1)
         yield info
         yield gauge("kv_usage_ratio", "Used blocks over all blocks.", s.used_blocks / s.num_blocks)
         yield gauge(
@@ -533,8 +536,14 @@ class WorkerMetrics:
         self.request_generation_tokens.observe(generation_tokens)
 
     def watch_pool(
-        self, read_stats: Callable[[], object], pool_bytes: int, kv_dtype: str = ""
+        self,
+        read_stats: Callable[[], object],
+        pool_bytes: int,
+        kv_dtype: str = "",
+        kv_role: str = "both",
     ) -> None:
         """Export the pool gauges, read from `read_stats()` at scrape time; `kv_dtype`:
-        the torch name of the pool's element type."""
-        self.registry.register(_PoolCollector(read_stats, self.labels, pool_bytes, kv_dtype))
+        the torch name of the pool's element type; `kv_role`: the worker's `--kv-role`."""
+        self.registry.register(
+            _PoolCollector(read_stats, self.labels, pool_bytes, kv_dtype, kv_role)
+        )

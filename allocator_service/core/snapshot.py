@@ -84,6 +84,7 @@ def _config(pool: PoolState) -> dict[str, Any]:
             else {}
         ),
         **({"store_group": pool.config.store_group} if pool.config.store_group else {}),
+        **({"kv_role": pool.config.kv_role} if pool.config.kv_role != "both" else {}),
     }
 
 

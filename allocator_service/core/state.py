@@ -21,6 +21,9 @@ from allocator_service.core.prefix_index import PrefixIndex
 from allocator_service.core.sequence import SeqEntry
 from allocator_service.core.tiers import PoolTiers, check_store_names, store_namespace
 
+# A pool's parts in prefill/decode disaggregation (docs/architecture.md).
+KV_ROLES = ("both", "prefill", "decode")
+
 
 @dataclass(frozen=True, slots=True)
 class PoolConfig:
@@ -37,6 +40,9 @@ class PoolConfig:
     # The store group the allocator placed the pool in (its trust domain in
     # the store: "" for none); never the worker's own say (service.pools).
     store_group: str = ""
+    # Its part in prefill/decode disaggregation (KV_ROLES): "both" computes and answers
+    # whole requests; "prefill" and "decode" pools move blocks through the shared store.
+    kv_role: str = "both"
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_blocks, int) or not 1 <= self.num_blocks <= MAX_NUM_BLOCKS:
@@ -54,6 +60,13 @@ class PoolConfig:
             raise InvalidArgument(f"block_bytes must be an integer in [0, {MAX_BLOCK_BYTES}]")
         if (self.host_blocks or self.use_shared_store) and not self.enable_prefix_caching:
             raise InvalidArgument("KV tiers (host_blocks, use_shared_store) need prefix caching")
+        if self.kv_role not in KV_ROLES:
+            raise InvalidArgument(f"kv_role must be one of {', '.join(KV_ROLES)}")
+        if self.kv_role != "both" and not self.use_shared_store:
+            raise InvalidArgument(
+                f"a {self.kv_role} pool needs the shared store (the blocks move through it): "
+                "the allocator has no --kv-shared-store, or the worker opted out of it"
+            )
         if self.use_shared_store and (not self.layout or not self.block_bytes):
             raise InvalidArgument(
                 "a pool that uses the shared store needs its layout and block_bytes"

@@ -184,6 +184,8 @@ class Reads:
                     t.store_used_bytes,
                     t.stats.host_hit_tokens,
                     t.stats.store_hit_tokens,
+                    config.kv_role,
+                    config.store_namespace,
                 )
             )
         return out

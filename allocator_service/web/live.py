@@ -96,6 +96,7 @@ def init_message(entry, frame: PoolFrame) -> dict[str, Any]:
     return {
         "pool": entry.pool_id,
         "worker": entry.worker_id,
+        "kv_role": entry.pool.config.kv_role,  # its part in prefill/decode disaggregation
         "state": frame.state,
         "owner": frame.owner,
         "ref": frame.ref,

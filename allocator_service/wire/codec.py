@@ -230,6 +230,7 @@ def shape_to_proto(config: PoolConfig) -> pb.PoolShape:
         block_bytes=config.block_bytes,
         use_shared_store=config.use_shared_store,
         store_group=config.store_group,
+        kv_role=config.kv_role,
     )
 
 
@@ -245,6 +246,7 @@ def config_from_proto(shape: pb.PoolShape) -> PoolConfig:
         block_bytes=shape.block_bytes,
         use_shared_store=shape.use_shared_store,
         store_group=shape.store_group,
+        kv_role=shape.kv_role or "both",  # (unset: a worker or journal older than roles)
     )
 
 
@@ -273,6 +275,8 @@ class PoolInfo(NamedTuple):
     store_used_bytes: int = 0  # the shared store's bytes in use (every pool's)
     host_hit_tokens: int = 0  # prompt tokens admissions loaded from the host tier
     store_hit_tokens: int = 0  # ... from the shared store
+    kv_role: str = "both"  # its part in prefill/decode disaggregation
+    store_namespace: str = ""  # where its blocks live in the shared store ("" without it)
 
 
 class PrefixMatch(NamedTuple):

@@ -39,6 +39,9 @@ class EngineConfig:
     # (worker/tiers/seal.py); None: plain entries.
     kv_store_key: bytes | None = field(default=None, repr=False)
     preemption_mode: str = "recompute"
+    # Its part in prefill/decode disaggregation (`--kv-role`: both, prefill, decode),
+    # registered with the pool; prefill and decode move blocks through the shared store.
+    kv_role: str = "both"
     # KV slots a request holds from its admission (reservation.py): "paged"
     # (none ahead: blocks as it grows), or a baseline of the servers before
     # paging, "max", "pow2" or "oracle" (a benchmark setting, not a flag).
@@ -100,6 +103,12 @@ class EngineConfig:
             )
         if self.preemption_mode == "swap" and not self.kv_offloading_size:
             raise ValueError("--preemption-mode swap needs a host tier (--kv-offloading-size GIB)")
+        if self.kv_role != "both" and not (self.kv_shared_store and self.enable_prefix_caching):
+            raise ValueError(
+                f"--kv-role {self.kv_role} needs the allocator's shared store and prefix caching "
+                "(the prompt's blocks move through the store): drop --no-kv-shared-store and "
+                "--no-enable-prefix-caching"
+            )
         if self.kv_reservation not in RESERVATIONS:
             raise ValueError(
                 "kv_reservation must be one of "

@@ -131,6 +131,7 @@ class LLMEngine:
                 layout=layout.key if layout is not None else "",
                 block_bytes=layout.block_bytes if layout is not None else 0,
                 use_shared_store=tiers is not None and config.kv_shared_store,
+                kv_role=config.kv_role,
             ),
             advertise_url=config.advertise_url,
             served_model_name=config.served_model_name or config.model,
@@ -166,6 +167,7 @@ class LLMEngine:
             self.allocator.stats,
             self.kv_pool.bytes_total,
             str(self.kv_pool.dtype).removeprefix("torch."),
+            config.kv_role,
         )
         self.metrics.threads.set_function(torch.get_num_threads)
         self.metrics.device_busy.set_function(self.busy.ratio)

@@ -23,8 +23,10 @@ function newPool(msg) {
   const el = document.createElement("section");
   el.className = "pool";
   el.dataset.pool = msg.pool;
+  const role = esc(msg.kv_role || "both");  // its part in prefill/decode disaggregation
   el.innerHTML =
-    `<header><h2>${esc(msg.pool)}</h2><span class="stats"></span>` +
+    `<header><h2>${esc(msg.pool)}</h2><span class="role" data-kv-role="${role}">${role}</span>` +
+    `<span class="stats"></span>` +
     `<span class="status">in use, last minute</span><svg class="spark" width="120" height="24" role="img" aria-label="blocks in use, last minute">` +
     `<rect x="0" y="0" width="120" height="24" fill="#f6f8fa" stroke="#d0d7de"/>` +
     `<polyline fill="none" stroke="#0b5cad" stroke-width="1.5" points=""/></svg>` +

@@ -4,99 +4,96 @@
 # source: pagedkv/v1/allocator.proto
 # Protobuf Python Version: 7.35.1
 """Generated protocol buffer code."""
+
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import descriptor_pool as _descriptor_pool
 from google.protobuf import runtime_version as _runtime_version
 from google.protobuf import symbol_database as _symbol_database
 from google.protobuf.internal import builder as _builder
+
 _runtime_version.ValidateProtobufRuntimeVersion(
-    _runtime_version.Domain.PUBLIC,
-    7,
-    35,
-    1,
-    '',
-    'pagedkv/v1/allocator.proto'
+    _runtime_version.Domain.PUBLIC, 7, 35, 1, "", "pagedkv/v1/allocator.proto"
 )
 # @@protoc_insertion_point(imports)
 
 _sym_db = _symbol_database.Default()
 
 
-
-
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apagedkv/v1/allocator.proto\x12\npagedkv.v1\".\n\x07PoolRef\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x12\n\ncredential\x18\x02 \x01(\t\"\xd6\x01\n\tPoolShape\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x1d\n\x15\x65nable_prefix_caching\x18\x04 \x01(\x08\x12\x13\n\x0bhost_blocks\x18\x05 \x01(\r\x12\x0e\n\x06layout\x18\x06 \x01(\t\x12\x13\n\x0b\x62lock_bytes\x18\x07 \x01(\x04\x12\x18\n\x10use_shared_store\x18\x08 \x01(\x08\x12\x13\n\x0bstore_group\x18\t \x01(\t\"\xb6\x01\n\x13RegisterPoolRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x05shape\x18\x02 \x01(\x0b\x32\x15.pagedkv.v1.PoolShape\x12\x1a\n\x12replace_credential\x18\x03 \x01(\t\x12\x15\n\radvertise_url\x18\x04 \x01(\t\x12\x19\n\x11served_model_name\x18\x05 \x01(\t\x12\x18\n\x10protocol_version\x18\x06 \x01(\r\"\xb4\x01\n\x14RegisterPoolResponse\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x12\n\ncredential\x18\x03 \x01(\t\x12\x13\n\x0blease_ttl_s\x18\x04 \x01(\x01\x12$\n\x08op_kinds\x18\x05 \x03(\x0e\x32\x12.pagedkv.v1.OpKind\x12\x14\n\x0cshared_store\x18\x06 \x01(\t\x12\x17\n\x0fstore_namespace\x18\x07 \x01(\t\"5\n\x10HeartbeatRequest\x12!\n\x04pool\x18\x01 \x01(\x0b\x32\x13.pagedkv.v1.PoolRef\"(\n\x11HeartbeatResponse\x12\x13\n\x0blease_ttl_s\x18\x01 \x01(\x01\":\n\x15\x44\x65registerPoolRequest\x12!\n\x04pool\x18\x01 \x01(\x0b\x32\x13.pagedkv.v1.PoolRef\"\x18\n\x16\x44\x65registerPoolResponse\"f\n\x0c\x41\x64mitOptions\x12\x17\n\ncache_salt\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x1b\n\x0enum_new_tokens\x18\x02 \x01(\rH\x01\x88\x01\x01\x42\r\n\x0b_cache_saltB\x11\n\x0f_num_new_tokens\"\xe7\x01\n\x07StepOps\x12!\n\x05kinds\x18\x01 \x03(\x0e\x32\x12.pagedkv.v1.OpKind\x12\x0f\n\x07seq_ids\x18\x02 \x03(\t\x12\x12\n\nnum_tokens\x18\x03 \x03(\r\x12\x0e\n\x06tokens\x18\x04 \x03(\r\x12/\n\radmit_options\x18\x05 \x03(\x0b\x32\x18.pagedkv.v1.AdmitOptions\x12\x15\n\rfork_children\x18\x06 \x03(\t\x12\x14\n\x0cnum_reserved\x18\x07 \x03(\r\x12&\n\x06report\x18\x08 \x01(\x0b\x32\x16.pagedkv.v1.TierReport\"g\n\nTierReport\x12\r\n\x05saved\x18\x01 \x03(\r\x12\x0e\n\x06\x66\x61iled\x18\x02 \x03(\r\x12\x13\n\x0bstore_saved\x18\x03 \x01(\x0c\x12\x14\n\x0cstore_failed\x18\x04 \x01(\x0c\x12\x0f\n\x07refused\x18\x05 \x01(\x0c\"\xc2\x01\n\tTierMoves\x12\x15\n\rstore_deletes\x18\x01 \x01(\x0c\x12\x1c\n\x14store_delete_layouts\x18\x02 \x03(\t\x12\x13\n\x0bstore_saves\x18\x03 \x01(\x0c\x12\x17\n\x0fstore_save_from\x18\x04 \x03(\r\x12\x12\n\nhost_saves\x18\x05 \x03(\r\x12\x12\n\nhost_loads\x18\x06 \x03(\r\x12\x13\n\x0bstore_loads\x18\x07 \x01(\x0c\x12\x15\n\rstore_load_to\x18\x08 \x03(\r\"\x8f\x01\n\x0bStepRequest\x12!\n\x04pool\x18\x01 \x01(\x0b\x32\x13.pagedkv.v1.PoolRef\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12 \n\x03ops\x18\x03 \x01(\x0b\x32\x13.pagedkv.v1.StepOps\x12\x19\n\x0cprev_step_id\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x0f\n\r_prev_step_id\"\x87\x02\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12#\n\x06\x65rrors\x18\x02 \x03(\x0e\x32\x13.pagedkv.v1.OpError\x12\x0c\n\x04keep\x18\x03 \x03(\r\x12\x14\n\x0cnum_appended\x18\x04 \x03(\r\x12\x10\n\x08\x61ppended\x18\x05 \x03(\r\x12\x12\n\nnum_copies\x18\x06 \x03(\r\x12\x0e\n\x06\x63opies\x18\x07 \x03(\r\x12\x15\n\rcached_tokens\x18\x08 \x03(\r\x12\x12\n\nnum_stored\x18\t \x03(\r\x12\x16\n\x0e\x65rror_messages\x18\n \x03(\t\x12$\n\x05moves\x18\x0b \x01(\x0b\x32\x15.pagedkv.v1.TierMoves\"I\n\x14GetBlockTableRequest\x12!\n\x04pool\x18\x01 \x01(\x0b\x32\x13.pagedkv.v1.PoolRef\x12\x0e\n\x06seq_id\x18\x02 \x01(\t\">\n\x15GetBlockTableResponse\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\"Q\n\x13GetPoolStatsRequest\x12!\n\x04pool\x18\x01 \x01(\x0b\x32\x13.pagedkv.v1.PoolRef\x12\x17\n\x0f\x63heck_integrity\x18\x02 \x01(\x08\"\x87\x03\n\x14GetPoolStatsResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x13\n\x0bused_blocks\x18\x03 \x01(\r\x12\x15\n\rcached_blocks\x18\x04 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\r\x12\x15\n\rnum_sequences\x18\x06 \x01(\r\x12\x15\n\rtokens_stored\x18\x07 \x01(\x04\x12\x17\n\x0fslots_allocated\x18\x08 \x01(\x04\x12\x1d\n\x15prefix_queried_tokens\x18\t \x01(\x04\x12\x19\n\x11prefix_hit_tokens\x18\n \x01(\x04\x12\x11\n\tevictions\x18\x0b \x01(\x04\x12\x0e\n\x06\x63opies\x18\x0c \x01(\x04\x12\x15\n\rout_of_blocks\x18\r \x01(\x04\x12\x14\n\x0clast_step_id\x18\x0e \x01(\x04\x12\x1a\n\x12integrity_problems\x18\x0f \x03(\t\x12\x19\n\x11integrity_checked\x18\x10 \x01(\x08\"<\n\x17ResetPrefixCacheRequest\x12!\n\x04pool\x18\x01 \x01(\x0b\x32\x13.pagedkv.v1.PoolRef\"+\n\x18ResetPrefixCacheResponse\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\x04\"g\n\x12MatchPrefixRequest\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x17\n\ncache_salt\x18\x03 \x01(\tH\x00\x88\x01\x01\x42\r\n\x0b_cache_salt\"\x9c\x01\n\x0bPrefixMatch\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x13\n\x0bhost_tokens\x18\x06 \x01(\r\x12\x14\n\x0cstore_tokens\x18\x07 \x01(\r\"?\n\x13MatchPrefixResponse\x12(\n\x07matches\x18\x01 \x03(\x0b\x32\x17.pagedkv.v1.PrefixMatch\"u\n\x12WatchEventsRequest\x12\x15\n\rfrom_sequence\x18\x01 \x01(\x04\x12&\n\x05kinds\x18\x02 \x03(\x0e\x32\x17.pagedkv.v1.KvEventKind\x12\x10\n\x08snapshot\x18\x03 \x01(\x08\x12\x0e\n\x06packed\x18\x04 \x01(\x08\"\xcd\x02\n\x07KvEvent\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12%\n\x04kind\x18\x02 \x01(\x0e\x32\x17.pagedkv.v1.KvEventKind\x12\x0f\n\x07pool_id\x18\x03 \x01(\t\x12\x10\n\x08\x62lock_id\x18\x04 \x01(\r\x12\x12\n\nblock_hash\x18\x05 \x01(\x0c\x12\x19\n\x11model_fingerprint\x18\x06 \x01(\t\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12\x11\n\tworker_id\x18\x08 \x01(\t\x12\x15\n\radvertise_url\x18\t \x01(\t\x12\x19\n\x11served_model_name\x18\n \x01(\t\x12\x11\n\tblock_ids\x18\x0b \x03(\r\x12\x14\n\x0c\x62lock_hashes\x18\x0c \x01(\x0c\x12\x0f\n\x07removed\x18\r \x03(\x08\x12\x18\n\x0b\x66ree_blocks\x18\x0e \x01(\rH\x00\x88\x01\x01\x42\x0e\n\x0c_free_blocks\"4\n\x0f\x44umpPoolRequest\x12!\n\x04pool\x18\x01 \x01(\x0b\x32\x13.pagedkv.v1.PoolRef\"X\n\x10\x44umpPoolResponse\x12\x12\n\nstate_json\x18\x01 \x01(\t\x12\x14\n\x0clast_step_id\x18\x02 \x01(\x04\x12\x1a\n\x12integrity_problems\x18\x03 \x03(\t\"-\n\x10ListPoolsRequest\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\"\xc4\x03\n\x08PoolInfo\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x19\n\x11served_model_name\x18\x04 \x01(\t\x12\x15\n\radvertise_url\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x08 \x01(\r\x12\x13\n\x0bused_blocks\x18\t \x01(\r\x12\x15\n\rcached_blocks\x18\n \x01(\r\x12\x15\n\rnum_sequences\x18\x0b \x01(\r\x12\x1d\n\x15\x65nable_prefix_caching\x18\x0c \x01(\x08\x12\x12\n\nattest_key\x18\r \x01(\x0c\x12\x13\n\x0bhost_blocks\x18\x0e \x01(\r\x12\x18\n\x10host_used_blocks\x18\x0f \x01(\r\x12\x18\n\x10use_shared_store\x18\x10 \x01(\x08\x12\x18\n\x10store_used_bytes\x18\x11 \x01(\x04\x12\x17\n\x0fhost_hit_tokens\x18\x12 \x01(\x04\x12\x18\n\x10store_hit_tokens\x18\x13 \x01(\x04\"8\n\x11ListPoolsResponse\x12#\n\x05pools\x18\x01 \x03(\x0b\x32\x14.pagedkv.v1.PoolInfo*\x83\x01\n\x06OpKind\x12\x17\n\x13OP_KIND_UNSPECIFIED\x10\x00\x12\x10\n\x0cOP_KIND_FREE\x10\x01\x12\x12\n\x0eOP_KIND_APPEND\x10\x02\x12\x11\n\rOP_KIND_ADMIT\x10\x03\x12\x10\n\x0cOP_KIND_FORK\x10\x04\x12\x15\n\x11OP_KIND_UNRESERVE\x10\x05*\xad\x01\n\x07OpError\x12\x11\n\rOP_ERROR_NONE\x10\x00\x12\x1a\n\x16OP_ERROR_OUT_OF_BLOCKS\x10\x01\x12\x1d\n\x19OP_ERROR_UNKNOWN_SEQUENCE\x10\x02\x12\x1c\n\x18OP_ERROR_SEQUENCE_EXISTS\x10\x03\x12\x1d\n\x19OP_ERROR_INVALID_ARGUMENT\x10\x04\x12\x17\n\x13OP_ERROR_POOL_LIMIT\x10\x05*\xd3\x02\n\x0bKvEventKind\x12\x1d\n\x19KV_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x1e\n\x1aKV_EVENT_KIND_BLOCK_STORED\x10\x01\x12\x1f\n\x1bKV_EVENT_KIND_BLOCK_REMOVED\x10\x02\x12\x1d\n\x19KV_EVENT_KIND_ALL_CLEARED\x10\x03\x12!\n\x1dKV_EVENT_KIND_POOL_REGISTERED\x10\x04\x12\x1e\n\x1aKV_EVENT_KIND_POOL_DROPPED\x10\x05\x12!\n\x1dKV_EVENT_KIND_RESYNC_REQUIRED\x10\x06\x12\x1e\n\x1aKV_EVENT_KIND_SNAPSHOT_END\x10\x07\x12\x1d\n\x19KV_EVENT_KIND_POOL_CACHED\x10\x08\x12 \n\x1cKV_EVENT_KIND_BLOCKS_CHANGED\x10\t2\xb0\x07\n\tAllocator\x12Q\n\x0cRegisterPool\x12\x1f.pagedkv.v1.RegisterPoolRequest\x1a .pagedkv.v1.RegisterPoolResponse\x12H\n\tHeartbeat\x12\x1c.pagedkv.v1.HeartbeatRequest\x1a\x1d.pagedkv.v1.HeartbeatResponse\x12W\n\x0e\x44\x65registerPool\x12!.pagedkv.v1.DeregisterPoolRequest\x1a\".pagedkv.v1.DeregisterPoolResponse\x12\x39\n\x04Step\x12\x17.pagedkv.v1.StepRequest\x1a\x18.pagedkv.v1.StepResponse\x12\x43\n\nStepStream\x12\x17.pagedkv.v1.StepRequest\x1a\x18.pagedkv.v1.StepResponse(\x01\x30\x01\x12T\n\rGetBlockTable\x12 .pagedkv.v1.GetBlockTableRequest\x1a!.pagedkv.v1.GetBlockTableResponse\x12Q\n\x0cGetPoolStats\x12\x1f.pagedkv.v1.GetPoolStatsRequest\x1a .pagedkv.v1.GetPoolStatsResponse\x12]\n\x10ResetPrefixCache\x12#.pagedkv.v1.ResetPrefixCacheRequest\x1a$.pagedkv.v1.ResetPrefixCacheResponse\x12N\n\x0bMatchPrefix\x12\x1e.pagedkv.v1.MatchPrefixRequest\x1a\x1f.pagedkv.v1.MatchPrefixResponse\x12\x44\n\x0bWatchEvents\x12\x1e.pagedkv.v1.WatchEventsRequest\x1a\x13.pagedkv.v1.KvEvent0\x01\x12\x45\n\x08\x44umpPool\x12\x1b.pagedkv.v1.DumpPoolRequest\x1a\x1c.pagedkv.v1.DumpPoolResponse\x12H\n\tListPools\x12\x1c.pagedkv.v1.ListPoolsRequest\x1a\x1d.pagedkv.v1.ListPoolsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(
+    b'\n\x1apagedkv/v1/allocator.proto\x12\npagedkv.v1".\n\x07PoolRef\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x12\n\ncredential\x18\x02 \x01(\t"\xe7\x01\n\tPoolShape\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x1d\n\x15\x65nable_prefix_caching\x18\x04 \x01(\x08\x12\x13\n\x0bhost_blocks\x18\x05 \x01(\r\x12\x0e\n\x06layout\x18\x06 \x01(\t\x12\x13\n\x0b\x62lock_bytes\x18\x07 \x01(\x04\x12\x18\n\x10use_shared_store\x18\x08 \x01(\x08\x12\x13\n\x0bstore_group\x18\t \x01(\t\x12\x0f\n\x07kv_role\x18\n \x01(\t"\xb6\x01\n\x13RegisterPoolRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x05shape\x18\x02 \x01(\x0b\x32\x15.pagedkv.v1.PoolShape\x12\x1a\n\x12replace_credential\x18\x03 \x01(\t\x12\x15\n\radvertise_url\x18\x04 \x01(\t\x12\x19\n\x11served_model_name\x18\x05 \x01(\t\x12\x18\n\x10protocol_version\x18\x06 \x01(\r"\xb4\x01\n\x14RegisterPoolResponse\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x12\n\ncredential\x18\x03 \x01(\t\x12\x13\n\x0blease_ttl_s\x18\x04 \x01(\x01\x12$\n\x08op_kinds\x18\x05 \x03(\x0e\x32\x12.pagedkv.v1.OpKind\x12\x14\n\x0cshared_store\x18\x06 \x01(\t\x12\x17\n\x0fstore_namespace\x18\x07 \x01(\t"5\n\x10HeartbeatRequest\x12!\n\x04pool\x18\x01 \x01(\x0b\x32\x13.pagedkv.v1.PoolRef"(\n\x11HeartbeatResponse\x12\x13\n\x0blease_ttl_s\x18\x01 \x01(\x01":\n\x15\x44\x65registerPoolRequest\x12!\n\x04pool\x18\x01 \x01(\x0b\x32\x13.pagedkv.v1.PoolRef"\x18\n\x16\x44\x65registerPoolResponse"f\n\x0c\x41\x64mitOptions\x12\x17\n\ncache_salt\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x1b\n\x0enum_new_tokens\x18\x02 \x01(\rH\x01\x88\x01\x01\x42\r\n\x0b_cache_saltB\x11\n\x0f_num_new_tokens"\xe7\x01\n\x07StepOps\x12!\n\x05kinds\x18\x01 \x03(\x0e\x32\x12.pagedkv.v1.OpKind\x12\x0f\n\x07seq_ids\x18\x02 \x03(\t\x12\x12\n\nnum_tokens\x18\x03 \x03(\r\x12\x0e\n\x06tokens\x18\x04 \x03(\r\x12/\n\radmit_options\x18\x05 \x03(\x0b\x32\x18.pagedkv.v1.AdmitOptions\x12\x15\n\rfork_children\x18\x06 \x03(\t\x12\x14\n\x0cnum_reserved\x18\x07 \x03(\r\x12&\n\x06report\x18\x08 \x01(\x0b\x32\x16.pagedkv.v1.TierReport"g\n\nTierReport\x12\r\n\x05saved\x18\x01 \x03(\r\x12\x0e\n\x06\x66\x61iled\x18\x02 \x03(\r\x12\x13\n\x0bstore_saved\x18\x03 \x01(\x0c\x12\x14\n\x0cstore_failed\x18\x04 \x01(\x0c\x12\x0f\n\x07refused\x18\x05 \x01(\x0c"\xc2\x01\n\tTierMoves\x12\x15\n\rstore_deletes\x18\x01 \x01(\x0c\x12\x1c\n\x14store_delete_layouts\x18\x02 \x03(\t\x12\x13\n\x0bstore_saves\x18\x03 \x01(\x0c\x12\x17\n\x0fstore_save_from\x18\x04 \x03(\r\x12\x12\n\nhost_saves\x18\x05 \x03(\r\x12\x12\n\nhost_loads\x18\x06 \x03(\r\x12\x13\n\x0bstore_loads\x18\x07 \x01(\x0c\x12\x15\n\rstore_load_to\x18\x08 \x03(\r"\x8f\x01\n\x0bStepRequest\x12!\n\x04pool\x18\x01 \x01(\x0b\x32\x13.pagedkv.v1.PoolRef\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12 \n\x03ops\x18\x03 \x01(\x0b\x32\x13.pagedkv.v1.StepOps\x12\x19\n\x0cprev_step_id\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x0f\n\r_prev_step_id"\x87\x02\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12#\n\x06\x65rrors\x18\x02 \x03(\x0e\x32\x13.pagedkv.v1.OpError\x12\x0c\n\x04keep\x18\x03 \x03(\r\x12\x14\n\x0cnum_appended\x18\x04 \x03(\r\x12\x10\n\x08\x61ppended\x18\x05 \x03(\r\x12\x12\n\nnum_copies\x18\x06 \x03(\r\x12\x0e\n\x06\x63opies\x18\x07 \x03(\r\x12\x15\n\rcached_tokens\x18\x08 \x03(\r\x12\x12\n\nnum_stored\x18\t \x03(\r\x12\x16\n\x0e\x65rror_messages\x18\n \x03(\t\x12$\n\x05moves\x18\x0b \x01(\x0b\x32\x15.pagedkv.v1.TierMoves"I\n\x14GetBlockTableRequest\x12!\n\x04pool\x18\x01 \x01(\x0b\x32\x13.pagedkv.v1.PoolRef\x12\x0e\n\x06seq_id\x18\x02 \x01(\t">\n\x15GetBlockTableResponse\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r"Q\n\x13GetPoolStatsRequest\x12!\n\x04pool\x18\x01 \x01(\x0b\x32\x13.pagedkv.v1.PoolRef\x12\x17\n\x0f\x63heck_integrity\x18\x02 \x01(\x08"\x87\x03\n\x14GetPoolStatsResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x13\n\x0bused_blocks\x18\x03 \x01(\r\x12\x15\n\rcached_blocks\x18\x04 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\r\x12\x15\n\rnum_sequences\x18\x06 \x01(\r\x12\x15\n\rtokens_stored\x18\x07 \x01(\x04\x12\x17\n\x0fslots_allocated\x18\x08 \x01(\x04\x12\x1d\n\x15prefix_queried_tokens\x18\t \x01(\x04\x12\x19\n\x11prefix_hit_tokens\x18\n \x01(\x04\x12\x11\n\tevictions\x18\x0b \x01(\x04\x12\x0e\n\x06\x63opies\x18\x0c \x01(\x04\x12\x15\n\rout_of_blocks\x18\r \x01(\x04\x12\x14\n\x0clast_step_id\x18\x0e \x01(\x04\x12\x1a\n\x12integrity_problems\x18\x0f \x03(\t\x12\x19\n\x11integrity_checked\x18\x10 \x01(\x08"<\n\x17ResetPrefixCacheRequest\x12!\n\x04pool\x18\x01 \x01(\x0b\x32\x13.pagedkv.v1.PoolRef"+\n\x18ResetPrefixCacheResponse\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\x04"g\n\x12MatchPrefixRequest\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x17\n\ncache_salt\x18\x03 \x01(\tH\x00\x88\x01\x01\x42\r\n\x0b_cache_salt"\x9c\x01\n\x0bPrefixMatch\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x13\n\x0bhost_tokens\x18\x06 \x01(\r\x12\x14\n\x0cstore_tokens\x18\x07 \x01(\r"?\n\x13MatchPrefixResponse\x12(\n\x07matches\x18\x01 \x03(\x0b\x32\x17.pagedkv.v1.PrefixMatch"u\n\x12WatchEventsRequest\x12\x15\n\rfrom_sequence\x18\x01 \x01(\x04\x12&\n\x05kinds\x18\x02 \x03(\x0e\x32\x17.pagedkv.v1.KvEventKind\x12\x10\n\x08snapshot\x18\x03 \x01(\x08\x12\x0e\n\x06packed\x18\x04 \x01(\x08"\xcd\x02\n\x07KvEvent\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12%\n\x04kind\x18\x02 \x01(\x0e\x32\x17.pagedkv.v1.KvEventKind\x12\x0f\n\x07pool_id\x18\x03 \x01(\t\x12\x10\n\x08\x62lock_id\x18\x04 \x01(\r\x12\x12\n\nblock_hash\x18\x05 \x01(\x0c\x12\x19\n\x11model_fingerprint\x18\x06 \x01(\t\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12\x11\n\tworker_id\x18\x08 \x01(\t\x12\x15\n\radvertise_url\x18\t \x01(\t\x12\x19\n\x11served_model_name\x18\n \x01(\t\x12\x11\n\tblock_ids\x18\x0b \x03(\r\x12\x14\n\x0c\x62lock_hashes\x18\x0c \x01(\x0c\x12\x0f\n\x07removed\x18\r \x03(\x08\x12\x18\n\x0b\x66ree_blocks\x18\x0e \x01(\rH\x00\x88\x01\x01\x42\x0e\n\x0c_free_blocks"4\n\x0f\x44umpPoolRequest\x12!\n\x04pool\x18\x01 \x01(\x0b\x32\x13.pagedkv.v1.PoolRef"X\n\x10\x44umpPoolResponse\x12\x12\n\nstate_json\x18\x01 \x01(\t\x12\x14\n\x0clast_step_id\x18\x02 \x01(\x04\x12\x1a\n\x12integrity_problems\x18\x03 \x03(\t"-\n\x10ListPoolsRequest\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t"\xee\x03\n\x08PoolInfo\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x19\n\x11served_model_name\x18\x04 \x01(\t\x12\x15\n\radvertise_url\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x08 \x01(\r\x12\x13\n\x0bused_blocks\x18\t \x01(\r\x12\x15\n\rcached_blocks\x18\n \x01(\r\x12\x15\n\rnum_sequences\x18\x0b \x01(\r\x12\x1d\n\x15\x65nable_prefix_caching\x18\x0c \x01(\x08\x12\x12\n\nattest_key\x18\r \x01(\x0c\x12\x13\n\x0bhost_blocks\x18\x0e \x01(\r\x12\x18\n\x10host_used_blocks\x18\x0f \x01(\r\x12\x18\n\x10use_shared_store\x18\x10 \x01(\x08\x12\x18\n\x10store_used_bytes\x18\x11 \x01(\x04\x12\x17\n\x0fhost_hit_tokens\x18\x12 \x01(\x04\x12\x18\n\x10store_hit_tokens\x18\x13 \x01(\x04\x12\x0f\n\x07kv_role\x18\x14 \x01(\t\x12\x17\n\x0fstore_namespace\x18\x15 \x01(\t"8\n\x11ListPoolsResponse\x12#\n\x05pools\x18\x01 \x03(\x0b\x32\x14.pagedkv.v1.PoolInfo*\x83\x01\n\x06OpKind\x12\x17\n\x13OP_KIND_UNSPECIFIED\x10\x00\x12\x10\n\x0cOP_KIND_FREE\x10\x01\x12\x12\n\x0eOP_KIND_APPEND\x10\x02\x12\x11\n\rOP_KIND_ADMIT\x10\x03\x12\x10\n\x0cOP_KIND_FORK\x10\x04\x12\x15\n\x11OP_KIND_UNRESERVE\x10\x05*\xad\x01\n\x07OpError\x12\x11\n\rOP_ERROR_NONE\x10\x00\x12\x1a\n\x16OP_ERROR_OUT_OF_BLOCKS\x10\x01\x12\x1d\n\x19OP_ERROR_UNKNOWN_SEQUENCE\x10\x02\x12\x1c\n\x18OP_ERROR_SEQUENCE_EXISTS\x10\x03\x12\x1d\n\x19OP_ERROR_INVALID_ARGUMENT\x10\x04\x12\x17\n\x13OP_ERROR_POOL_LIMIT\x10\x05*\xd3\x02\n\x0bKvEventKind\x12\x1d\n\x19KV_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x1e\n\x1aKV_EVENT_KIND_BLOCK_STORED\x10\x01\x12\x1f\n\x1bKV_EVENT_KIND_BLOCK_REMOVED\x10\x02\x12\x1d\n\x19KV_EVENT_KIND_ALL_CLEARED\x10\x03\x12!\n\x1dKV_EVENT_KIND_POOL_REGISTERED\x10\x04\x12\x1e\n\x1aKV_EVENT_KIND_POOL_DROPPED\x10\x05\x12!\n\x1dKV_EVENT_KIND_RESYNC_REQUIRED\x10\x06\x12\x1e\n\x1aKV_EVENT_KIND_SNAPSHOT_END\x10\x07\x12\x1d\n\x19KV_EVENT_KIND_POOL_CACHED\x10\x08\x12 \n\x1cKV_EVENT_KIND_BLOCKS_CHANGED\x10\t2\xb0\x07\n\tAllocator\x12Q\n\x0cRegisterPool\x12\x1f.pagedkv.v1.RegisterPoolRequest\x1a .pagedkv.v1.RegisterPoolResponse\x12H\n\tHeartbeat\x12\x1c.pagedkv.v1.HeartbeatRequest\x1a\x1d.pagedkv.v1.HeartbeatResponse\x12W\n\x0e\x44\x65registerPool\x12!.pagedkv.v1.DeregisterPoolRequest\x1a".pagedkv.v1.DeregisterPoolResponse\x12\x39\n\x04Step\x12\x17.pagedkv.v1.StepRequest\x1a\x18.pagedkv.v1.StepResponse\x12\x43\n\nStepStream\x12\x17.pagedkv.v1.StepRequest\x1a\x18.pagedkv.v1.StepResponse(\x01\x30\x01\x12T\n\rGetBlockTable\x12 .pagedkv.v1.GetBlockTableRequest\x1a!.pagedkv.v1.GetBlockTableResponse\x12Q\n\x0cGetPoolStats\x12\x1f.pagedkv.v1.GetPoolStatsRequest\x1a .pagedkv.v1.GetPoolStatsResponse\x12]\n\x10ResetPrefixCache\x12#.pagedkv.v1.ResetPrefixCacheRequest\x1a$.pagedkv.v1.ResetPrefixCacheResponse\x12N\n\x0bMatchPrefix\x12\x1e.pagedkv.v1.MatchPrefixRequest\x1a\x1f.pagedkv.v1.MatchPrefixResponse\x12\x44\n\x0bWatchEvents\x12\x1e.pagedkv.v1.WatchEventsRequest\x1a\x13.pagedkv.v1.KvEvent0\x01\x12\x45\n\x08\x44umpPool\x12\x1b.pagedkv.v1.DumpPoolRequest\x1a\x1c.pagedkv.v1.DumpPoolResponse\x12H\n\tListPools\x12\x1c.pagedkv.v1.ListPoolsRequest\x1a\x1d.pagedkv.v1.ListPoolsResponseb\x06proto3'
+)
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
-_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pagedkv.v1.allocator_pb2', _globals)
+_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, "pagedkv.v1.allocator_pb2", _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
-  DESCRIPTOR._loaded_options = None
-  _globals['_OPKIND']._serialized_start=4122
-  _globals['_OPKIND']._serialized_end=4253
-  _globals['_OPERROR']._serialized_start=4256
-  _globals['_OPERROR']._serialized_end=4429
-  _globals['_KVEVENTKIND']._serialized_start=4432
-  _globals['_KVEVENTKIND']._serialized_end=4771
-  _globals['_POOLREF']._serialized_start=42
-  _globals['_POOLREF']._serialized_end=88
-  _globals['_POOLSHAPE']._serialized_start=91
-  _globals['_POOLSHAPE']._serialized_end=305
-  _globals['_REGISTERPOOLREQUEST']._serialized_start=308
-  _globals['_REGISTERPOOLREQUEST']._serialized_end=490
-  _globals['_REGISTERPOOLRESPONSE']._serialized_start=493
-  _globals['_REGISTERPOOLRESPONSE']._serialized_end=673
-  _globals['_HEARTBEATREQUEST']._serialized_start=675
-  _globals['_HEARTBEATREQUEST']._serialized_end=728
-  _globals['_HEARTBEATRESPONSE']._serialized_start=730
-  _globals['_HEARTBEATRESPONSE']._serialized_end=770
-  _globals['_DEREGISTERPOOLREQUEST']._serialized_start=772
-  _globals['_DEREGISTERPOOLREQUEST']._serialized_end=830
-  _globals['_DEREGISTERPOOLRESPONSE']._serialized_start=832
-  _globals['_DEREGISTERPOOLRESPONSE']._serialized_end=856
-  _globals['_ADMITOPTIONS']._serialized_start=858
-  _globals['_ADMITOPTIONS']._serialized_end=960
-  _globals['_STEPOPS']._serialized_start=963
-  _globals['_STEPOPS']._serialized_end=1194
-  _globals['_TIERREPORT']._serialized_start=1196
-  _globals['_TIERREPORT']._serialized_end=1299
-  _globals['_TIERMOVES']._serialized_start=1302
-  _globals['_TIERMOVES']._serialized_end=1496
-  _globals['_STEPREQUEST']._serialized_start=1499
-  _globals['_STEPREQUEST']._serialized_end=1642
-  _globals['_STEPRESPONSE']._serialized_start=1645
-  _globals['_STEPRESPONSE']._serialized_end=1908
-  _globals['_GETBLOCKTABLEREQUEST']._serialized_start=1910
-  _globals['_GETBLOCKTABLEREQUEST']._serialized_end=1983
-  _globals['_GETBLOCKTABLERESPONSE']._serialized_start=1985
-  _globals['_GETBLOCKTABLERESPONSE']._serialized_end=2047
-  _globals['_GETPOOLSTATSREQUEST']._serialized_start=2049
-  _globals['_GETPOOLSTATSREQUEST']._serialized_end=2130
-  _globals['_GETPOOLSTATSRESPONSE']._serialized_start=2133
-  _globals['_GETPOOLSTATSRESPONSE']._serialized_end=2524
-  _globals['_RESETPREFIXCACHEREQUEST']._serialized_start=2526
-  _globals['_RESETPREFIXCACHEREQUEST']._serialized_end=2586
-  _globals['_RESETPREFIXCACHERESPONSE']._serialized_start=2588
-  _globals['_RESETPREFIXCACHERESPONSE']._serialized_end=2631
-  _globals['_MATCHPREFIXREQUEST']._serialized_start=2633
-  _globals['_MATCHPREFIXREQUEST']._serialized_end=2736
-  _globals['_PREFIXMATCH']._serialized_start=2739
-  _globals['_PREFIXMATCH']._serialized_end=2895
-  _globals['_MATCHPREFIXRESPONSE']._serialized_start=2897
-  _globals['_MATCHPREFIXRESPONSE']._serialized_end=2960
-  _globals['_WATCHEVENTSREQUEST']._serialized_start=2962
-  _globals['_WATCHEVENTSREQUEST']._serialized_end=3079
-  _globals['_KVEVENT']._serialized_start=3082
-  _globals['_KVEVENT']._serialized_end=3415
-  _globals['_DUMPPOOLREQUEST']._serialized_start=3417
-  _globals['_DUMPPOOLREQUEST']._serialized_end=3469
-  _globals['_DUMPPOOLRESPONSE']._serialized_start=3471
-  _globals['_DUMPPOOLRESPONSE']._serialized_end=3559
-  _globals['_LISTPOOLSREQUEST']._serialized_start=3561
-  _globals['_LISTPOOLSREQUEST']._serialized_end=3606
-  _globals['_POOLINFO']._serialized_start=3609
-  _globals['_POOLINFO']._serialized_end=4061
-  _globals['_LISTPOOLSRESPONSE']._serialized_start=4063
-  _globals['_LISTPOOLSRESPONSE']._serialized_end=4119
-  _globals['_ALLOCATOR']._serialized_start=4774
-  _globals['_ALLOCATOR']._serialized_end=5718
+    DESCRIPTOR._loaded_options = None
+    _globals["_OPKIND"]._serialized_start = 4181
+    _globals["_OPKIND"]._serialized_end = 4312
+    _globals["_OPERROR"]._serialized_start = 4315
+    _globals["_OPERROR"]._serialized_end = 4488
+    _globals["_KVEVENTKIND"]._serialized_start = 4491
+    _globals["_KVEVENTKIND"]._serialized_end = 4830
+    _globals["_POOLREF"]._serialized_start = 42
+    _globals["_POOLREF"]._serialized_end = 88
+    _globals["_POOLSHAPE"]._serialized_start = 91
+    _globals["_POOLSHAPE"]._serialized_end = 322
+    _globals["_REGISTERPOOLREQUEST"]._serialized_start = 325
+    _globals["_REGISTERPOOLREQUEST"]._serialized_end = 507
+    _globals["_REGISTERPOOLRESPONSE"]._serialized_start = 510
+    _globals["_REGISTERPOOLRESPONSE"]._serialized_end = 690
+    _globals["_HEARTBEATREQUEST"]._serialized_start = 692
+    _globals["_HEARTBEATREQUEST"]._serialized_end = 745
+    _globals["_HEARTBEATRESPONSE"]._serialized_start = 747
+    _globals["_HEARTBEATRESPONSE"]._serialized_end = 787
+    _globals["_DEREGISTERPOOLREQUEST"]._serialized_start = 789
+    _globals["_DEREGISTERPOOLREQUEST"]._serialized_end = 847
+    _globals["_DEREGISTERPOOLRESPONSE"]._serialized_start = 849
+    _globals["_DEREGISTERPOOLRESPONSE"]._serialized_end = 873
+    _globals["_ADMITOPTIONS"]._serialized_start = 875
+    _globals["_ADMITOPTIONS"]._serialized_end = 977
+    _globals["_STEPOPS"]._serialized_start = 980
+    _globals["_STEPOPS"]._serialized_end = 1211
+    _globals["_TIERREPORT"]._serialized_start = 1213
+    _globals["_TIERREPORT"]._serialized_end = 1316
+    _globals["_TIERMOVES"]._serialized_start = 1319
+    _globals["_TIERMOVES"]._serialized_end = 1513
+    _globals["_STEPREQUEST"]._serialized_start = 1516
+    _globals["_STEPREQUEST"]._serialized_end = 1659
+    _globals["_STEPRESPONSE"]._serialized_start = 1662
+    _globals["_STEPRESPONSE"]._serialized_end = 1925
+    _globals["_GETBLOCKTABLEREQUEST"]._serialized_start = 1927
+    _globals["_GETBLOCKTABLEREQUEST"]._serialized_end = 2000
+    _globals["_GETBLOCKTABLERESPONSE"]._serialized_start = 2002
+    _globals["_GETBLOCKTABLERESPONSE"]._serialized_end = 2064
+    _globals["_GETPOOLSTATSREQUEST"]._serialized_start = 2066
+    _globals["_GETPOOLSTATSREQUEST"]._serialized_end = 2147
+    _globals["_GETPOOLSTATSRESPONSE"]._serialized_start = 2150
+    _globals["_GETPOOLSTATSRESPONSE"]._serialized_end = 2541
+    _globals["_RESETPREFIXCACHEREQUEST"]._serialized_start = 2543
+    _globals["_RESETPREFIXCACHEREQUEST"]._serialized_end = 2603
+    _globals["_RESETPREFIXCACHERESPONSE"]._serialized_start = 2605
+    _globals["_RESETPREFIXCACHERESPONSE"]._serialized_end = 2648
+    _globals["_MATCHPREFIXREQUEST"]._serialized_start = 2650
+    _globals["_MATCHPREFIXREQUEST"]._serialized_end = 2753
+    _globals["_PREFIXMATCH"]._serialized_start = 2756
+    _globals["_PREFIXMATCH"]._serialized_end = 2912
+    _globals["_MATCHPREFIXRESPONSE"]._serialized_start = 2914
+    _globals["_MATCHPREFIXRESPONSE"]._serialized_end = 2977
+    _globals["_WATCHEVENTSREQUEST"]._serialized_start = 2979
+    _globals["_WATCHEVENTSREQUEST"]._serialized_end = 3096
+    _globals["_KVEVENT"]._serialized_start = 3099
+    _globals["_KVEVENT"]._serialized_end = 3432
+    _globals["_DUMPPOOLREQUEST"]._serialized_start = 3434
+    _globals["_DUMPPOOLREQUEST"]._serialized_end = 3486
+    _globals["_DUMPPOOLRESPONSE"]._serialized_start = 3488
+    _globals["_DUMPPOOLRESPONSE"]._serialized_end = 3576
+    _globals["_LISTPOOLSREQUEST"]._serialized_start = 3578
+    _globals["_LISTPOOLSREQUEST"]._serialized_end = 3623
+    _globals["_POOLINFO"]._serialized_start = 3626
+    _globals["_POOLINFO"]._serialized_end = 4120
+    _globals["_LISTPOOLSRESPONSE"]._serialized_start = 4122
+    _globals["_LISTPOOLSRESPONSE"]._serialized_end = 4178
+    _globals["_ALLOCATOR"]._serialized_start = 4833
+    _globals["_ALLOCATOR"]._serialized_end = 5777
 # @@protoc_insertion_point(module_scope)

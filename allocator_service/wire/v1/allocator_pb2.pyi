@@ -69,7 +69,7 @@ class PoolRef(_message.Message):
     def __init__(self, pool_id: _Optional[str] = ..., credential: _Optional[str] = ...) -> None: ...
 
 class PoolShape(_message.Message):
-    __slots__ = ("num_blocks", "block_size", "model_fingerprint", "enable_prefix_caching", "host_blocks", "layout", "block_bytes", "use_shared_store", "store_group")
+    __slots__ = ("num_blocks", "block_size", "model_fingerprint", "enable_prefix_caching", "host_blocks", "layout", "block_bytes", "use_shared_store", "store_group", "kv_role")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,7 @@ class PoolShape(_message.Message):
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     USE_SHARED_STORE_FIELD_NUMBER: _ClassVar[int]
     STORE_GROUP_FIELD_NUMBER: _ClassVar[int]
+    KV_ROLE_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     block_size: int
     model_fingerprint: str
@@ -88,7 +89,8 @@ class PoolShape(_message.Message):
     block_bytes: int
     use_shared_store: bool
     store_group: str
-    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., host_blocks: _Optional[int] = ..., layout: _Optional[str] = ..., block_bytes: _Optional[int] = ..., use_shared_store: _Optional[bool] = ..., store_group: _Optional[str] = ...) -> None: ...
+    kv_role: str
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., host_blocks: _Optional[int] = ..., layout: _Optional[str] = ..., block_bytes: _Optional[int] = ..., use_shared_store: _Optional[bool] = ..., store_group: _Optional[str] = ..., kv_role: _Optional[str] = ...) -> None: ...
 
 class RegisterPoolRequest(_message.Message):
     __slots__ = ("worker_id", "shape", "replace_credential", "advertise_url", "served_model_name", "protocol_version")
@@ -419,7 +421,7 @@ class ListPoolsRequest(_message.Message):
     def __init__(self, model_fingerprint: _Optional[str] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
-    __slots__ = ("pool_id", "worker_id", "model_fingerprint", "served_model_name", "advertise_url", "block_size", "num_blocks", "free_blocks", "used_blocks", "cached_blocks", "num_sequences", "enable_prefix_caching", "attest_key", "host_blocks", "host_used_blocks", "use_shared_store", "store_used_bytes", "host_hit_tokens", "store_hit_tokens")
+    __slots__ = ("pool_id", "worker_id", "model_fingerprint", "served_model_name", "advertise_url", "block_size", "num_blocks", "free_blocks", "used_blocks", "cached_blocks", "num_sequences", "enable_prefix_caching", "attest_key", "host_blocks", "host_used_blocks", "use_shared_store", "store_used_bytes", "host_hit_tokens", "store_hit_tokens", "kv_role", "store_namespace")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -439,6 +441,8 @@ class PoolInfo(_message.Message):
     STORE_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     HOST_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STORE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_ROLE_FIELD_NUMBER: _ClassVar[int]
+    STORE_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     worker_id: str
     model_fingerprint: str
@@ -458,7 +462,9 @@ class PoolInfo(_message.Message):
     store_used_bytes: int
     host_hit_tokens: int
     store_hit_tokens: int
-    def __init__(self, pool_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., served_model_name: _Optional[str] = ..., advertise_url: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., attest_key: _Optional[bytes] = ..., host_blocks: _Optional[int] = ..., host_used_blocks: _Optional[int] = ..., use_shared_store: _Optional[bool] = ..., store_used_bytes: _Optional[int] = ..., host_hit_tokens: _Optional[int] = ..., store_hit_tokens: _Optional[int] = ...) -> None: ...
+    kv_role: str
+    store_namespace: str
+    def __init__(self, pool_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., served_model_name: _Optional[str] = ..., advertise_url: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., attest_key: _Optional[bytes] = ..., host_blocks: _Optional[int] = ..., host_used_blocks: _Optional[int] = ..., use_shared_store: _Optional[bool] = ..., store_used_bytes: _Optional[int] = ..., host_hit_tokens: _Optional[int] = ..., store_hit_tokens: _Optional[int] = ..., kv_role: _Optional[str] = ..., store_namespace: _Optional[str] = ...) -> None: ...
 
 class ListPoolsResponse(_message.Message):
     __slots__ = ("pools",)
