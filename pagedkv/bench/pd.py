@@ -199,8 +199,11 @@ def _figures(results, wall: float, tiers: dict, router: dict, w: PDWorkload) -> 
         if r["ttft_s"] <= w.ttft_slo_s and r["tpot_s"] is not None and r["tpot_s"] <= w.tpot_slo_s
     ]
     tokens = sum(len(r["token_ids"]) for r in ok)
-    store = [v for k, v in tiers.items() if k.endswith(":store")]
-    every = list(tiers.values())
+    saved = [v for k, v in tiers.items() if k.startswith("saved:")]
+    loaded = [v for k, v in tiers.items() if k.startswith("loaded:")]
+
+    def per_request(values: list[float]) -> int | None:
+        return round(sum(values) / n) if values and n else None
 
     def leg(name: str) -> float | None:
         count = router.get(f"pagedkv_router_pd_{name}_seconds_count")
@@ -224,15 +227,17 @@ def _figures(results, wall: float, tiers: dict, router: dict, w: PDWorkload) -> 
         "slo_met": len(good),
         "wall_s": round(wall, 3),
         # None: no worker exports the tiers' bytes (it has no tier below its pool)
-        "bytes_moved_per_request": round(sum(every) / n) if every and n else None,
-        "store_bytes_per_request": round(sum(store) / n) if store and n else None,
+        "bytes_moved_per_request": per_request(saved + loaded),
+        "bytes_saved_per_request": per_request(saved),
+        "bytes_loaded_per_request": per_request(loaded),
+        "bytes_by_tier": {k: round(v) for k, v in sorted(tiers.items())},
         "split_requests": round(split) if router else None,
         "transfers": {o: round(router[o]) for o in PD_OUTCOMES if o in router} or None,
         "prefill_leg_s_per_request": leg("prefill"),
         "transfer_s_per_request": leg("transfer_wait"),
         "cached_tokens_per_request": round(sum(cached) / len(cached), 1) if cached else None,
         "prefill_workers": sorted({r["prefill_worker"] for r in ok if r["prefill_worker"]}),
-        "decode_workers": sorted({r["worker"] for r in ok if r["worker"]}),
+        "answering_workers": sorted({r["worker"] for r in ok if r["worker"]}),
         "_token_ids": [r.get("token_ids") for r in results],
     }
 
@@ -246,9 +251,10 @@ def _targets(summary: dict[str, dict]) -> dict[str, Any]:
     itl = harness.ratio(pd.get("itl_p99_ms"), co.get("itl_p99_ms"))
     goodput = harness.ratio(pd.get("goodput_rps"), co.get("goodput_rps"))
     a, b = co.get("_token_ids"), pd.get("_token_ids")
-    differ = None
+    differ = compared = None
     if a is not None and b is not None:  # the same requests, in the same order
-        differ = sum(x != y or x is None for x, y in zip(a, b, strict=True))
+        both = [(x, y) for x, y in zip(a, b, strict=True) if x is not None and y is not None]
+        compared, differ = len(both), sum(x != y for x, y in both)
     return {
         "itl_p99_ratio": itl,
         "itl_p99_ratio_target": TARGETS["itl_p99_ratio"],
@@ -256,8 +262,9 @@ def _targets(summary: dict[str, dict]) -> dict[str, Any]:
         "goodput_ratio": goodput,
         "goodput_ratio_target": TARGETS["goodput_ratio"],
         "goodput_ratio_met": None if goodput is None else goodput >= TARGETS["goodput_ratio"],
+        "outputs_compared": compared,  # the requests both systems answered
         "outputs_differing": differ,
-        "outputs_identical": None if differ is None else differ == 0,
+        "outputs_identical": None if not compared else differ == 0,
     }
 
 
@@ -266,10 +273,18 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     requests = chats_and_documents(w)
     with tempfile.TemporaryDirectory(prefix="pagedkv-bench-pd-") as folder:
         model = args.model or w.model
-        label = model
+        label, kv_bytes_per_token = model, None
         if w.device.startswith("sim:"):
-            from worker.sim import write_config
+            from worker.sim import PUBLIC_CONFIGS, write_config
+            from worker.sim.shape import ModelShape
 
+            if model not in PUBLIC_CONFIGS:
+                from pagedkv_base.settings import CliError
+
+                raise CliError(
+                    f"--model on {w.device}: one of {', '.join(PUBLIC_CONFIGS)}, not {model!r}"
+                )
+            kv_bytes_per_token = ModelShape.from_config(PUBLIC_CONFIGS[model]).kv_bytes_per_token
             model = str(write_config(model, folder))
             label = f"{label} (public config.json)"
         summary = {}
@@ -284,6 +299,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "device": w.device,
         "clock": "wall",
         "model": label,
+        "kv_bytes_per_token": kv_bytes_per_token,  # None: not computed here (a real model)
         "workload": w.what,
         "stream": {
             "requests": w.requests,
@@ -357,7 +373,8 @@ def tables(report: dict) -> list[Table]:
             verdict(t["goodput_ratio_met"]),
         ],
         [
-            "requests whose greedy token ids differ",
+            f"requests whose greedy token ids differ (of {cell(t['outputs_compared'])} both "
+            "answered)",
             cell(t["outputs_differing"]),
             "0",
             verdict(t["outputs_identical"]),
