@@ -173,13 +173,16 @@ def _router_pd(url: str) -> dict[str, float]:
 
 def _one_run(system: str, model: str, requests, w: PDWorkload) -> dict[str, Any]:
     with _stack(system, model, w) as stack:
-        workers = tuple(stack.worker_urls)
-        tiers_before = harness.tier_bytes(workers)
+        names = [worker.worker_id for worker in stack.workers]
+        before = [harness.tier_bytes([url]) for url in stack.worker_urls]
         router_before = _router_pd(stack.router_url)
         results, wall = asyncio.run(_stream(stack.router_url, model, requests, w))
-        tiers = {k: v - tiers_before.get(k, 0.0) for k, v in harness.tier_bytes(workers).items()}
+        by_worker = {
+            name: {k: v - was.get(k, 0.0) for k, v in harness.tier_bytes([url]).items()}
+            for name, url, was in zip(names, stack.worker_urls, before, strict=True)
+        }
         router = {k: v - router_before.get(k, 0.0) for k, v in _router_pd(stack.router_url).items()}
-    return _figures(results, wall, tiers, router, w)
+    return _figures(results, wall, by_worker, router, w)
 
 
 # -- figures ----------------------------------------------------------------------------------
@@ -189,7 +192,12 @@ def _ms(value: float | None) -> float | None:
     return None if value is None else round(1000 * value, 2)
 
 
-def _figures(results, wall: float, tiers: dict, router: dict, w: PDWorkload) -> dict[str, Any]:
+def _figures(results, wall: float, by_worker: dict, router: dict, w: PDWorkload) -> dict[str, Any]:
+    """A run's figures; `by_worker`: each worker's tier bytes over the run ("saved:TIER", ...)."""
+    tiers: dict[str, float] = {}
+    for got in by_worker.values():
+        for k, v in got.items():
+            tiers[k] = tiers.get(k, 0.0) + v
     ok = [r for r in results if "error" not in r]
     n = len(results)
     itl = [g for r in ok for g in r["itl_s"]]
@@ -230,7 +238,10 @@ def _figures(results, wall: float, tiers: dict, router: dict, w: PDWorkload) -> 
         "bytes_moved_per_request": per_request(saved + loaded),
         "bytes_saved_per_request": per_request(saved),
         "bytes_loaded_per_request": per_request(loaded),
-        "bytes_by_tier": {k: round(v) for k, v in sorted(tiers.items())},
+        # each worker's, in all: who saved and who loaded them
+        "bytes_by_worker": {
+            name: {k: round(v) for k, v in sorted(got.items())} for name, got in by_worker.items()
+        },
         "split_requests": round(split) if router else None,
         "transfers": {o: round(router[o]) for o in PD_OUTCOMES if o in router} or None,
         "prefill_leg_s_per_request": leg("prefill"),
@@ -356,6 +367,14 @@ def tables(report: dict) -> list[Table]:
                 f"{cell(s['prefill_leg_s_per_request'], '.4f')} s per request, "
                 f"{cell(s['cached_tokens_per_request'])} cached prompt tokens per request."
             )
+        moved = [
+            f"{worker} {k.split(':')[0]} {v / s['requests']:,.0f} ({k.split(':')[1]} tier)"
+            for worker, got in (s.get("bytes_by_worker") or {}).items()
+            for k, v in got.items()
+            if v
+        ]
+        if moved and s["requests"]:
+            notes.append(f"{name}: bytes per request, by worker: " + "; ".join(moved) + ".")
         if s.get("first_error"):
             notes.append(f"{name}: first error: {s['first_error']}")
     t = report["targets"]
