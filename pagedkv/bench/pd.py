@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import tempfile
 import time
 from typing import Any
@@ -47,6 +48,7 @@ SYSTEMS = ("colocated", "pd")
 ROLES = {"colocated": (), "pd": ("prefill", "decode")}
 TARGETS = {"itl_p99_ratio": 0.5, "goodput_ratio": 1.3}
 PD_OUTCOMES = ("transferred", "incomplete", "prefill_failed")
+STORE_GIB = 4.0  # the shared store of real workers (their prompts are short)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -64,13 +66,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # -- one system -------------------------------------------------------------------------------
 
 
-def _stack(system: str, model: str, w: PDWorkload):
+def _stack(system: str, model: str, w: PDWorkload, store_gib: float):
     from pagedkv.stack import LocalStack
 
     return LocalStack(
         workers=2,
         model=model,
         kv_roles=ROLES[system],
+        shared_store_gib=store_gib,
         worker_args=[
             "--device",
             w.device,
@@ -171,8 +174,8 @@ def _router_pd(url: str) -> dict[str, float]:
     return got
 
 
-def _one_run(system: str, model: str, requests, w: PDWorkload) -> dict[str, Any]:
-    with _stack(system, model, w) as stack:
+def _one_run(system: str, model: str, requests, w: PDWorkload, store_gib: float) -> dict:
+    with _stack(system, model, w, store_gib) as stack:
         names = [worker.worker_id for worker in stack.workers]
         before = [harness.tier_bytes([url]) for url in stack.worker_urls]
         router_before = _router_pd(stack.router_url)
@@ -279,6 +282,16 @@ def _targets(summary: dict[str, dict]) -> dict[str, Any]:
     }
 
 
+def _store_gib(requests, w: PDWorkload, kv_bytes_per_token: int | None) -> float:
+    """The shared store's size: twice every token of the stream (prompts and outputs), so that
+    its LRU drops no prompt before the decode worker loads it (a simulated store holds no bytes:
+    only the allocator's index); on real workers `pagedkv up`'s default."""
+    if kv_bytes_per_token is None:
+        return STORE_GIB
+    tokens = sum(len(prompt) + w.output_tokens for _, prompt in requests)
+    return float(math.ceil(2 * tokens * kv_bytes_per_token / 2**30))
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     w = PD[args.workload]
     requests = chats_and_documents(w)
@@ -298,10 +311,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             kv_bytes_per_token = ModelShape.from_config(PUBLIC_CONFIGS[model]).kv_bytes_per_token
             model = str(write_config(model, folder))
             label = f"{label} (public config.json)"
+        store_gib = _store_gib(requests, w, kv_bytes_per_token)
         summary = {}
         for system in SYSTEMS:
             harness.log("pd", f"{system}: {w.requests} requests at {w.rate_rps:g} requests/s")
-            summary[system] = _one_run(system, model, requests, w)
+            summary[system] = _one_run(system, model, requests, w, store_gib)
     targets = _targets(summary)
     for figures in summary.values():
         del figures["_token_ids"]
@@ -311,6 +325,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "clock": "wall",
         "model": label,
         "kv_bytes_per_token": kv_bytes_per_token,  # None: not computed here (a real model)
+        "shared_store_gib": store_gib,
         "workload": w.what,
         "stream": {
             "requests": w.requests,
@@ -360,7 +375,20 @@ def tables(report: dict) -> list[Table]:
         "and loaded bytes (the workers' /metrics); transfer: the router's wait after a split "
         "request's prefill leg until the decode worker finds its blocks.",
     ]
+    if not report["device"].startswith("sim:"):
+        notes.append(
+            "Real workers on this machine's CPU: the outputs and the bytes moved are the point "
+            "here; the times are a CPU's, not a GPU's, and the targets on them compare nothing."
+        )
+    notes.append(
+        f"The shared store holds {cell(report.get('shared_store_gib'), 'g')} GiB (pd's allocator)."
+    )
     for name, s in report["summary"].items():
+        if s.get("bytes_moved_per_request") is None:
+            notes.append(
+                f"{name}: bytes moved '-': its workers have no tier below their pools (no shared "
+                "store, no host tier), so they export no tier bytes; none move between them."
+            )
         if s.get("split_requests"):
             notes.append(
                 f"{name}: {s['split_requests']} requests split ({s['transfers']}), prefill leg "
