@@ -233,6 +233,8 @@ class Router:
     ) -> Worker | Response | None:
         """The prefill leg: the worker that computed the prompt, None when none did,
         or the answer to give when the client left."""
+        body = await request.body()
+        body = await off_loop(pd.prefill_body, body, size=len(body))  # a long one off the loop
         try:
             answer = await self._send(
                 request,
@@ -241,7 +243,7 @@ class Router:
                 salt,
                 False,
                 t0,
-                body=pd.prefill_body(await request.body()),
+                body=body,
                 extra=[(pd.TRANSFER_HEADER, "prefill")],
             )
         except ApiError as exc:  # no prefill worker answered: the decode worker computes it

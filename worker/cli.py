@@ -422,6 +422,11 @@ def run(args: argparse.Namespace) -> int:
     w = worker_args(args)
     logging.basicConfig(level=w.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("pagedkv.worker")
+    if w.kv_role != "both" and w.allocator == "embedded":
+        raise CliError(
+            f"--kv-role {w.kv_role} needs an allocator service with a shared store (--allocator "
+            "HOST:PORT of an allocator run with --kv-shared-store): the embedded one has none"
+        )
     threads = set_threads(w.threads)
     try:
         engine = build_engine(args)

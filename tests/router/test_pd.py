@@ -147,8 +147,10 @@ def test_a_split_request_answers_as_a_both_worker_does(fleet, reference, n, stre
     prompt = PROMPT.format(f"{n}-{stream}-{chat}")
     expected, ref_usage, _ = _texts(reference, prompt, n=n, chat=chat)
     before = _outcome(fleet, "transferred")
+    legs = metric(fleet["router"].url, "pagedkv_router_pd_prefill_seconds_count")
     texts, usage, headers = _texts(fleet["router"].url, prompt, n=n, stream=stream, chat=chat)
     assert _outcome(fleet, "transferred") == before + 1
+    assert metric(fleet["router"].url, "pagedkv_router_pd_prefill_seconds_count") == legs + 1
     assert texts == expected
     assert headers["x-pagedkv-prefill-worker"] == "prefill-1"
     assert headers["x-pagedkv-worker"] == "decode-1"
@@ -158,6 +160,11 @@ def test_a_split_request_answers_as_a_both_worker_does(fleet, reference, n, stre
     assert want > 0
     assert usage.prompt_tokens_details.cached_tokens == want
     _no_blocks_held(fleet["allocator"])
+
+
+def test_a_prefill_worker_asked_directly_answers_as_any_worker(fleet, reference):
+    prompt = PROMPT.format("asked directly")
+    assert _texts(fleet["prefill"].url, prompt)[0] == _texts(reference, prompt)[0]
 
 
 def test_the_roles_show_in_the_listing_the_pools_page_and_metrics(fleet):
@@ -293,13 +300,26 @@ def test_a_bad_role_is_one_line_and_exit_2():
 
 
 def test_a_role_without_the_shared_store_is_one_line_and_exit_2():
-    r = _worker_cli("--kv-role", "prefill", "--no-kv-shared-store", "--port", "0")
+    r = _worker_cli(
+        "--allocator", "127.0.0.1:9", "--kv-role", "prefill", "--no-kv-shared-store", "--port", "0"
+    )
     assert r.returncode == 2
     (line,) = r.stderr.strip().splitlines()
     assert line == (
         "pagedkv worker: error: --kv-role prefill needs the allocator's shared store and prefix "
         "caching (the prompt's blocks move through the store): drop --no-kv-shared-store and "
         "--no-enable-prefix-caching"
+    )
+
+
+def test_a_role_on_the_embedded_allocator_is_one_line_and_exit_2():
+    r = _worker_cli("--kv-role", "decode", "--port", "0")
+    assert r.returncode == 2
+    (line,) = r.stderr.strip().splitlines()
+    assert line == (
+        "pagedkv worker: error: --kv-role decode needs an allocator service with a shared store "
+        "(--allocator HOST:PORT of an allocator run with --kv-shared-store): the embedded one "
+        "has none"
     )
 
 
