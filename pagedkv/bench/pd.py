@@ -5,7 +5,9 @@ processes, the allocator service, credentials): `colocated` (both workers `--kv-
 prefills and decodes its own requests) and `pd` (one `--kv-role prefill`, one `--kv-role
 decode`, the allocator holding a file:// shared store: the router sends a request's prompt to
 the prefill worker, then the request to the decode worker, whose admission loads the prompt's
-blocks from the store). They run one after the other, each on fresh processes.
+blocks from the store). They run one after the other, each on fresh processes. On `sim:` the
+store holds twice the stream's KV bytes (only the allocator's index: a simulated worker writes
+no bytes), so its LRU drops no prompt before the decode worker loads it.
 
 Workload (`workloads.PD`, `chats_and_documents`): one request stream, seeded, arriving as a
 Poisson process: chats (prompts of 200-1,000 tokens) mixed with long documents (4,000-8,000),

@@ -720,8 +720,8 @@ class PDWorkload:
     device: str = "sim:h100"  # the workers' --device (a sim: one serves `model`'s public config)
     model: str = "llama-3-8b"  # sim: a public config (worker/sim/configs.py); cpu: a model name
     requests: int = 480
-    # the Poisson stream's mean arrival rate: near the colocated pair's capacity (at 24/s its
-    # TTFT p99 passed 2 s on a 2-core host, at 14/s it was under 0.4 s)
+    # the Poisson stream's mean arrival rate: near the colocated pair's capacity, the rate where
+    # its TTFT p99 approaches the 2 s bound
     rate_rps: float = 18.0
     chat_tokens: tuple[int, int] = (200, 1000)  # a chat's prompt, uniform, inclusive
     document_tokens: tuple[int, int] = (4000, 8000)  # a long document's prompt
