@@ -180,6 +180,11 @@ class LocalStack:
         self.kv_roles = list(kv_roles)
         self.shared_store_gib = shared_store_gib
         workers = len(self.kv_roles) or workers
+        if self.kv_roles and allocators > 1:
+            raise StackError(
+                "a prefill/decode fleet moves its blocks through one allocator's shared store: "
+                "--allocators must be 1"
+            )
         if workers < 1:
             raise StackError("--workers must be at least 1")
         if not 1 <= allocators <= workers:

@@ -65,3 +65,6 @@ def test_workers_and_a_prefill_decode_fleet_are_one_or_the_other():
     half = _pagedkv_up("--prefill-workers", "1")
     assert half.returncode == 2
     assert "needs --prefill-workers and --decode-workers" in half.stdout + half.stderr
+    sharded = _pagedkv_up("--prefill-workers", "1", "--decode-workers", "1", "--allocators", "2")
+    assert sharded.returncode == 2
+    assert "one allocator's shared store: --allocators must be 1" in sharded.stderr
