@@ -1,19 +1,15 @@
 """The router: an OpenAI-style request answered by one of many workers.
 
 `Router.forward`: the body is parsed and validated with the worker's own
-request models (`pagedkv_base.api.bodies`), so a bad request, or one asking
-for more than `MAX_SEQUENCES` sequences, gets the worker's exact 400; the
-prompt is tokenized once with the worker's tokenizer and chat template;
-`matching` says how much of it each pool holds, `placement` ranks the
-workers, `proxy` sends the body to the first that takes it.
-
-Credentials: the router presents its own key (`worker_api_key`, the first of
-its keys) to the workers, never the client's, and behind keys the client's
-tenant id (`x-pagedkv-tenant`: an HMAC of its key, never the key); with
-`cache_salt_per_api_key` the prompt is matched under the salt the worker
-caches it under (its key's, `pagedkv_base.api.tenants`). A worker is sent
-anything only once it has proven the pool it serves (`discovery.prove`), or
-when the operator listed it (`--workers`).
+request models (`pagedkv_base.api.bodies`: a bad request gets the worker's
+exact 400), the prompt tokenized once with the worker's tokenizer and chat
+template; `matching` says how much of it each pool holds, `placement` ranks
+the workers, `proxy` sends the body to the first that takes it. The router
+presents its own key (`worker_api_key`) and the client's tenant id
+(`x-pagedkv-tenant`, an HMAC of its key), never the client's key; with
+`cache_salt_per_api_key` a prompt is matched under its key's salt. Only
+proven workers (`discovery.prove`) or listed ones (`--workers`) are sent
+anything. Why: docs/architecture.md, "The router's rules, and why".
 """
 
 from __future__ import annotations
@@ -70,8 +66,8 @@ class Router:
         for its prompt's blocks in the store after its prefill leg (seconds)."""
         self.tokenizer = tokenizer
         self.transfer_timeout = transfer_timeout
-        # what the router presents to workers for a request
-        # let in without a key (never a client's own header)
+        # what the router presents to workers for a request let in without a key (never a
+        # client's own header)
         self.worker_api_key = worker_api_key
         self.cache_salt_per_api_key = cache_salt_per_api_key
         self.discovery = discovery

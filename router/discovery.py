@@ -1,39 +1,22 @@
 """The live set of workers: learned from the allocator, or a static list.
 
-From the allocator: `ListPools` gives every live pool with the URL its worker
-advertised and the model it serves; the `WatchEvents` stream says when a pool
-is registered or dropped, and each such event (and a resync) is answered by
-listing again, so the view is the allocator's, not a copy kept in step by
-hand. The stream is reopened after any failure (with backoff) from the event
-after the last one seen, and the listing is also refreshed every `refresh_s`
-seconds (a registration that lands between the first listing and the start
-of the first stream is found then at the latest).
+- From the allocator: `ListPools` (every live pool, its advertised URL and
+  model), listed again on every pool registered or dropped event, on a resync
+  and every `refresh_s` seconds. The `WatchEvents` stream is reopened after
+  any failure, with backoff, from the event after the last one seen.
+- With a `PrefixView` the stream carries every event after a snapshot of every
+  pool's cached blocks; each connection takes a new snapshot, and the view is
+  not in step from a break until that snapshot ends (`router.prefix_view`).
+- A listed pool is a candidate only once its worker has proven it
+  (`prove`, `allocator_service.wire.attest`: `GET /pagedkv/identity` with a
+  fresh nonce, answered with that pool and a proof under its attestation key),
+  asked once per (pool, address) and again `RETRY_PROOF_S` after a failure.
+- Static (`--workers`): exactly those URLs, trusted; with an allocator too,
+  each is matched to the pool advertising it, for its cache view.
+- Several allocators: one `Discovery` each; `MergedDiscovery` shows one set,
+  each worker marked with the allocator holding its pool (`Worker.allocator`).
 
-With a `PrefixView` (`PAGEDKV_ROUTER_CACHE_VIEW=events`, the router's default) the
-stream carries every event instead, after a snapshot of every pool's cached
-blocks: the view applies them (`router.prefix_view`). Each connection takes
-a new snapshot, so a reconnect or a RESYNC_REQUIRED rebuilds the view
-rather than resuming it; the view says it is not in step from the moment a
-stream breaks until its new snapshot has ended.
-
-A listed pool is a candidate only once its worker has proven it
-(`allocator_service.wire.attest`): the router asks the pool's address
-`GET /pagedkv/identity` with a fresh nonce, and the answer must name that
-pool and carry the proof keyed by the pool's attestation key from the
-listing. An address advertised by a pool whose worker is not there (another
-worker's address, re-advertised; a worker that restarted under a new pool)
-is never sent a request. A proof is asked once per (pool, address); one
-that fails is asked again after `RETRY_PROOF_S`.
-
-Static (`--workers URL,...`): exactly those URLs, trusted as the operator
-gave them. With an allocator as well,
-a static URL is matched to the pool that advertises it, for its cache view.
-
-Several allocators (pools sharded across allocator processes, each worker
-registered with one of them): one `Discovery` follows each, and
-`MergedDiscovery` shows their workers as one set, each worker marked with
-the allocator that holds its pool (`Worker.allocator`), which is the one
-the router asks about that pool's cache.
+The reasons: docs/architecture.md, "A request, end to end".
 """
 
 from __future__ import annotations
@@ -218,9 +201,8 @@ class Discovery:
                 by_url[url] = w
         for url in self.static:
             by_url.setdefault(url, Worker(url, allocator=self.index))
-        if (
-            self.view is not None
-        ):  # a listing's free blocks, newer than the last event's for an idle pool
+        if self.view is not None:
+            # a listing's free blocks, newer than the last event's for an idle pool
             for p in pools:
                 self.view.note_free(p.pool_id, p.free_blocks)
         with self._lock:

@@ -133,9 +133,8 @@ class Matcher:
             except Exception as exc:  # noqa: BLE001 - that allocator away: its pools route by load alone
                 self.metrics.match_errors.inc()
                 log.warning("MatchPrefix failed (%s): routing by load", type(exc).__name__)
-                if _unreachable(
-                    exc
-                ):  # not asked again until it answers a listing (each request would wait)
+                if _unreachable(exc):
+                    # not asked again until it answers a listing (each request would wait)
                     self.discovery.not_answering(index)
                 return []
             return [

@@ -32,13 +32,15 @@ class RouterMetrics:
         )
         self.cached_chosen = Counter(
             "pagedkv_router_prefix_cached_tokens",
-            "Prompt tokens the chosen worker's pool held cached when the request was routed.",
+            "Prompt tokens the chosen worker's pool and tiers held cached when the request "
+            'was routed: a forecast (docs/architecture.md, "Counts").',
             ["policy"],
             registry=r,
         )
         self.cached_best = Counter(
             "pagedkv_router_prefix_best_cached_tokens",
-            "Prompt tokens the best-placed worker's pool held cached when the request was routed.",
+            "Prompt tokens the best-placed worker's pool and tiers held cached when the "
+            "request was routed.",
             ["policy"],
             registry=r,
         )

@@ -109,9 +109,8 @@ class Placement:
             view = views.get(w.allocator) if w.pool_id else None
             held = view.held_blocks(w.pool_id) if view is not None else None
             clean = None if held is None else max(free - held, 0)
-            tiers = (
-                (host, store) if soon == cached else (0, 0)
-            )  # a prompt being computed there: in its KV pool
+            # a prompt being computed there: in its KV pool
+            tiers = (host, store) if soon == cached else (0, 0)
             recent = 0  # only kv records what it sends
             if self.policy == "kv":
                 holds = functools.partial(view.holds, w.pool_id) if view is not None else None

@@ -1,38 +1,22 @@
 """Which worker gets a request: the cost, pure (no I/O, no clock).
 
-`kv` (the default) routes by cache while the load is balanced and by load
-only when it is not, as SGLang's cache-aware router does:
-
-- A worker is *overloaded* when its requests in flight through this router
-  exceed the least loaded candidate's by more than `Balance.abs_threshold`
-  AND are more than `Balance.rel_threshold` times them. Overloaded workers
-  go last, least loaded first: a placement never goes to one while another
-  is under the thresholds.
-- The others are ranked by the prompt's tokens the worker holds, weighed
-  by tier: its KV pool's (`cached_tokens`: its `MatchPrefix` answer, or what
-  a prompt being prefilled there shares with it) count whole, its host
-  tier's half (`host_tokens`, a copy to load) and the shared store's a
-  quarter (`store_tokens`, a read every worker of the store could make);
-  a match (all tiers) under `Balance.cache_threshold` of the prompt counts
-  as none (a preamble every prompt shares must not
-  draw every new prefix to the one worker that holds it). Then a worker
-  where the placement evicts no cached prefix before one where it does: a
-  prompt needs `blocks(prompt) - cached_tokens / block_size` new blocks,
-  and those beyond the pool's free blocks that hold no cached prefix
-  (`clean_free`) are taken from cached ones (a tier hit takes a fresh
-  block, as a miss does). Then the worker this router sent the fewest
-  blocks lately (`recent_blocks`: `router.recent.RecentBlocks`), so that new
-  prefixes spread evenly over the workers whatever the load in flight
-  at the instant each first arrives. Then the least loaded (fewest
-  in flight, then least usage), then in turn.
-
-Short spikes of in-flight requests below the thresholds change no
-placement: a prefix stays where it is cached. With nothing cached anywhere
-(and nothing to evict) a prompt goes to the worker with the fewest recent
-blocks, then the least loaded.
-
+`kv` (the default) ranks, in this order:
+1. a worker is overloaded when its requests in flight exceed the least loaded
+   candidate's by more than `Balance.abs_threshold` AND are more than
+   `Balance.rel_threshold` times them; overloaded workers go last, least
+   loaded first;
+2. the most prompt tokens held, weighed by tier: KV pool (`cached_tokens`)
+   1, host tier (`host_tokens`) 0.5, store (`store_tokens`) 0.25; a match
+   under `Balance.cache_threshold` of the prompt counts as none;
+3. a worker whose clean free blocks (`clean_free`) cover the prompt's new
+   blocks (`blocks(prompt) - cached_tokens // block_size`; a tier hit takes a
+   fresh block) before one where the placement evicts a cached prefix;
+4. the fewest blocks this router sent lately (`recent_blocks`, `router.recent`);
+5. the least loaded (fewest in flight, then least usage), then in turn.
 `least-load`: fewest in flight, then least usage, then in turn.
 `round-robin`: in turn, ignoring everything else (the baseline).
+
+The reasons: docs/architecture.md, "The router's rules, and why".
 """
 
 from __future__ import annotations

@@ -1,37 +1,19 @@
 """The allocator's prefix-cache index, kept in the router from its events.
 
-Why: asking `MatchPrefix` costs each request a round trip to the allocator
-before its worker is chosen. On an idle host that is two process wake-ups,
-about a millisecond, as much as the rest of the router's hop. The allocator
-already publishes every change to every pool's prefix cache (`WatchEvents`:
-block stored, block removed, all cleared, pool registered or dropped), so
-the router follows them, keeps the same index and matches a prompt itself:
-the same hash chain (`allocator_service.core.hashing`), the same rule as
-`BlockPool.cached_blocks` (the leading hashes some block of the pool holds).
+Built from a `WatchEvents` snapshot of every pool's cached blocks
+(POOL_CACHED) and then every event numbered from before it: a block stored
+(`h`) or removed, a pool cleared, registered or dropped. A prompt matches by
+the allocator's own rule (`BlockPool.cached_blocks`: the leading hashes of
+its chain some block of the pool holds).
 
-Exact, not approximate: the stream starts with a snapshot of every pool's
-cached blocks (POOL_CACHED events, many blocks each), then carries every
-event numbered from before that snapshot was read. Each event sets one block's hash (stored: `h`;
-removed: none) or every block of a pool (cleared, registered, dropped), and a pool's events
-are numbered in the order they happened; so replaying them in order onto
-the snapshot leaves each block holding what its last event says, which is
-what the allocator holds once that event is applied, whatever the snapshot
-already reflected. The view lags the allocator by an event's trip (a
-prompt's blocks are hashed only once computed, so the router also counts
-prompts in flight as cached: `Placement.being_computed`).
+- `synced` is false until a snapshot has ended, and from a stream break
+  until the next one ends; meanwhile the router asks `MatchPrefix`.
+- One thread (the discovery's) applies events; the event loop's reads. A
+  snapshot is built aside and put in place whole, so a reader that saw
+  `synced` reads a complete view, and readers see only whole dict
+  operations (atomic under the GIL).
 
-`synced` is false until the snapshot has ended, and again from the moment
-the stream breaks until a new snapshot ends; meanwhile the router asks
-`MatchPrefix` as before. One thread (the discovery's) applies events; the
-event loop's thread reads. A snapshot is built aside and put in place whole
-when it ends, so a reader that saw `synced` reads a complete view (at worst
-the one a new snapshot is about to replace), never a half-built one; and
-readers see whole dict operations only (each is atomic under the GIL).
-
-How late the view is: by the time its events take to reach the router and
-be applied (the discovery thread does nothing else). A router so busy that
-it falls a whole event window (the allocator's `event_retention`) behind
-gets RESYNC_REQUIRED and takes a new snapshot.
+Why, and why it is exact: docs/architecture.md, "The router's rules, and why".
 """
 
 from __future__ import annotations
@@ -115,9 +97,8 @@ class PrefixView:
         elif kind == _REGISTERED:  # a registered pool starts with nothing cached
             pools[event.pool_id] = _Pool()
             return
-        elif (
-            kind == _BLOCKS_CHANGED
-        ):  # a run of stored/removed events of one pool (a packed stream)
+        elif kind == _BLOCKS_CHANGED:
+            # a run of stored/removed events of one pool (a packed stream)
             pool = _pool(pools, event.pool_id)
             hashes, removed = event.block_hashes, event.removed
             for i, block in enumerate(event.block_ids):
@@ -137,9 +118,8 @@ class PrefixView:
             return
         else:
             return
-        if event.HasField(
-            "free_blocks"
-        ):  # a packed stream's and a snapshot's block events carry it
+        if event.HasField("free_blocks"):
+            # a packed stream's and a snapshot's block events carry it
             pool.free = event.free_blocks
 
     def note_free(self, pool_id: str, free: int) -> None:

@@ -1,27 +1,22 @@
 """One request forwarded to the ranked workers, its answer passed on.
 
-The body goes unchanged to the first worker; its answer (JSON or server-sent
-events) is passed on chunk by chunk as it arrives, with `x-pagedkv-worker`
-(who answered), `x-pagedkv-cached-tokens` (how much of the prompt its pool
-held when it was chosen) and `x-pagedkv-routing-ms` (how long the choice
-took). Hop-by-hop headers and the client's credentials are not forwarded.
-
-Failure rules, up to `max_attempts` workers:
-- refused connection, none within `first_byte_timeout`, or 502/503/504: the
-  worker is skipped (avoided `cooldown_s`) and the next one asked, before any
-  byte reached the client;
-- the head sent but no status within `first_byte_timeout`: 504
-  `worker_timeout`, not retried;
-- an answer not a stream is read whole when at most 1 MiB
-  (`WHOLE_ANSWER_BYTES`), so a failure during it is skipped the same way;
-  a longer one is passed on as it arrives;
-- over `max_answer_bytes`: 502 `worker_answer_too_large` when the worker
-  says its size, else cut there; `first_byte_timeout` bounds the rest of a
-  body, and each gap between two events of a stream (a byte at a time
-  counts as nothing): 504 `worker_timeout` while nothing reached the client;
-- past the first byte, a failure ends a stream with an OpenAI-shaped
-  `{"error": ...}` event and `[DONE]`, and a body cut;
+The body goes unchanged to the first worker; the answer (JSON or server-sent
+events) is passed on chunk by chunk, with `x-pagedkv-worker`,
+`x-pagedkv-cached-tokens` (what its pool and tiers held of the prompt when it
+was routed) and `x-pagedkv-routing-ms`; hop-by-hop headers and the client's
+credentials are not forwarded. Up to `max_attempts` workers:
+- refused, no status within `first_byte_timeout`, or 502/503/504 before any
+  byte reached the client: skipped (cooling down `cooldown_s`), the next asked;
+- the head sent but no status in time: 504 `worker_timeout`, not retried;
+- an answer not a stream, up to `WHOLE_ANSWER_BYTES`, is read whole (a failure
+  during it is skipped the same way); a longer one is passed on as it comes;
+- past `max_answer_bytes`: 502 `worker_answer_too_large` when the worker says
+  its size, else cut; `first_byte_timeout` also bounds the rest of a body and
+  each gap between events: 504 `worker_timeout` while nothing was passed on;
+- past the first byte, a failure ends a stream with an `{"error": ...}` event
+  and `[DONE]`, and cuts a body;
 - no worker left: 503 `no_worker_available`.
+The reasons: docs/architecture.md, "The router's rules, and why".
 """
 
 from __future__ import annotations
@@ -148,9 +143,8 @@ class Proxy:
             except ClientGone:  # the worker's connection is closed: it aborts the request
                 placement.failed(rid)
                 return Response(status_code=499)  # nobody reads it
-            except (
-                _Started
-            ) as started:  # the worker has the request: another would compute it again
+            except _Started as started:
+                # the worker has the request: another would compute it again
                 placement.failed(rid)
                 self.metrics.failed.labels("worker_timeout").inc()
                 log.warning("worker %s at %s: %s; not retried", worker.name, worker.url, started)
@@ -260,7 +254,7 @@ class Proxy:
     ) -> dict[str, str]:
         headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_OUT}
         headers["x-pagedkv-worker"] = worker.name
-        headers["x-pagedkv-cached-tokens"] = str(cached)  # what MatchPrefix said the worker held
+        headers["x-pagedkv-cached-tokens"] = str(cached)  # its pool and tiers, when routed
         headers["x-pagedkv-routing-ms"] = f"{routing_s * 1000:.3f}"  # choosing it took
         return headers
 
@@ -307,10 +301,8 @@ class Proxy:
             return f"\n\ndata: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
 
         async def chunks() -> AsyncIterator[bytes]:
-            total, waited = (
-                len(start),
-                0.0,
-            )  # the worker's time so far: for a body, or since the last event
+            # the worker's time so far: for a body, or since the last event
+            total, waited = (len(start), 0.0)
             try:
                 if start:
                     yield start

@@ -1,27 +1,15 @@
-"""The blocks of the prompts this router sent each worker lately that its
-pool still holds: how much of each pool the traffic it routes keeps warm.
+"""The blocks of the prompts this router sent each worker lately that its pool
+still holds: how much of each pool the traffic it routes keeps warm.
 
-Why: a prefix no pool holds goes to the worker with the least of it, so new
-prefixes spread evenly over the workers (SGLang's router sends a request it
-cannot match to the worker with the smallest tree, for the same reason).
-The pools' own caches cannot tell this: a pool that has run for a while is
-full of cached blocks, warm or long cold alike; and the load in flight at
-the instant a prefix first arrives is a coin toss (8 tenants over two
-workers split 5 to 3 about as often as 4 to 4, and the busier worker then
-takes 5/8 of the work).
+Per worker: each placement's whole-block hashes (`prompt_chain` of its first
+`RECORDED_TOKENS` tokens, under the request's salt), oldest first; a block
+sent again moves to the end, one two requests share counts once, and at most
+the pool's own number are kept. Before counting, the oldest go up to the
+first that the view says the pool holds or whose latest request is pending
+(still computed, or just answered: the view hears of its blocks later);
+without a view in step only the pool's size trims.
 
-What it counts, per worker: each placement's whole-block hashes
-(`prompt_chain` of the worker's model and block size, under the request's
-salt), oldest first; a block sent again moves to the end, and a block two
-requests share counts once, as in a pool. At most the pool's own blocks.
-Before counting, the oldest that the pool no longer holds (as the router's
-view of its cache says) go: a pool evicts the least recently used first, so
-blocks sent before one it evicted are cold too. A block whose latest
-request is still being computed (or has just been answered: the view hears
-of its blocks later) is kept and stops the trimming. Without a view in
-step, nothing is trimmed but by the pool's size. Exact for this router's own
-traffic; another router's placements are not seen (each router balances
-what it sends).
+Why: docs/architecture.md, "The router's rules, and why".
 """
 
 from __future__ import annotations
@@ -61,9 +49,8 @@ class RecentBlocks:
         try:
             check_cache_salt(salt)
             hashes = prompt_chain(fingerprint, tokens[: RECORDED_TOKENS + 1], block_size, salt)
-        except (
-            InvalidArgument
-        ):  # a salt or token id the allocator refuses: the worker answers the error
+        except InvalidArgument:
+            # a salt or token id the allocator refuses: the worker answers the error
             return
         sent = self._sent.setdefault(url, OrderedDict())
         for h in hashes:

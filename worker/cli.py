@@ -275,9 +275,8 @@ class WorkerArgs:
     def __post_init__(self) -> None:
         if self.num_blocks is not None and self.kv_cache_memory is not None:
             raise ValueError("give --num-blocks or --kv-cache-memory, not both")
-        check_kv_cache_dtype(
-            self.kv_cache_dtype
-        )  # here, not argparse choices: one line, not the usage
+        # here, not argparse choices: one line, not the usage
+        check_kv_cache_dtype(self.kv_cache_dtype)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -396,9 +395,8 @@ def build_engine(args: argparse.Namespace):
 
     w = worker_args(args)
     if is_sim(w.device):  # a config.json alone: its shape, no weights
-        gpu(
-            w.device.removeprefix(SIM_PREFIX)
-        )  # an unknown name is refused before the model is read
+        # an unknown name is refused before the model is read
+        gpu(w.device.removeprefix(SIM_PREFIX))
         loaded = load_sim_model(
             w.model, dtype=None if w.dtype == "auto" else canonical_dtype(w.dtype)
         )
@@ -430,15 +428,11 @@ def run(args: argparse.Namespace) -> int:
     threads = set_threads(w.threads)
     try:
         engine = build_engine(args)
-    except (
-        ValueError,
-        ModelLoadError,
-        OSError,
-    ) as exc:  # a bad --model, size or file: the user's to fix
+    except (ValueError, ModelLoadError, OSError) as exc:
+        # a bad --model, size or file: the user's to fix
         raise CliError(str(exc)) from None
-    except (
-        grpc.RpcError
-    ) as exc:  # the allocator refused the pool (after the client's retries): one line
+    except grpc.RpcError as exc:
+        # the allocator refused the pool (after the client's retries): one line
         raise CliError(
             f"the allocator at {w.allocator} did not register this worker's pool: "
             f"{exc.code().name}: {exc.details()}"

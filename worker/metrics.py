@@ -354,10 +354,12 @@ class WorkerMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens received.").labels(**lv)
         self.generation_tokens = counter("generation_tokens", "Tokens generated.").labels(**lv)
         self.prefix_queried = counter(
-            "prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache."
+            "prefix_cache_queried_tokens", "Prompt tokens admissions looked up in the prefix cache."
         ).labels(**lv)
         self.prefix_hit = counter(
-            "prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache."
+            "prefix_cache_hit_tokens",
+            "Prompt tokens admissions did not compute: shared from the KV pool or loaded "
+            'from a tier (docs/architecture.md, "Tiers", "Counts").',
         ).labels(**lv)
         self._requests = counter(
             "requests", "Requests finished, by finish reason.", ("finish_reason",)
@@ -465,7 +467,7 @@ class WorkerMetrics:
             ),
             "hit_tokens": counter(
                 "kv_tier_hit_tokens",
-                "Prompt tokens loaded from the tier instead of computed.",
+                'Prompt tokens of the blocks the tier loaded (docs/architecture.md, "Counts").',
                 tier,
             ),
             "saved_blocks": counter(

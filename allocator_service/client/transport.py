@@ -235,9 +235,8 @@ class StepStream:
                     grpc.StatusCode.DEADLINE_EXCEEDED,
                     "no answer on the step stream within the deadline",
                 ) from err
-            if (
-                err.code() == grpc.StatusCode.CANCELLED
-            ):  # not by us: the connection or the server went
+            if err.code() == grpc.StatusCode.CANCELLED:
+                # not by us: the connection or the server went
                 raise _StreamBroken(
                     grpc.StatusCode.UNAVAILABLE, f"the step stream was cut: {err.details()}"
                 ) from err
@@ -310,9 +309,8 @@ class Caller:
             except grpc.RpcError as err:
                 if not retry or not transient(err):
                     if not retry and transient(err):
-                        self.targets.after_failure(
-                            address, err
-                        )  # the next call (a heartbeat's) goes to the leader
+                        # the next call (a heartbeat's) goes to the leader
+                        self.targets.after_failure(address, err)
                     if attempt:
                         self._unavailable(t0, 0)
                     raise

@@ -1,16 +1,11 @@
 """The planning view of a pool: what an operation would take or free.
 
-A worker's scheduler plans a step before it sends it (who runs, who is
-admitted, who is preempted), so it must know what each operation will cost
-the pool. `PoolPlan` answers from the block tables the worker learned from
-the allocator's answers, by the same rules `BlockPool` applies: the
-functions below are the one statement of each rule, and `BlockPool` calls
-them too.
-
-Counts, not ids: a plan knows which blocks each table names and how many
-tables name each (refcounts), so it knows which blocks a release frees and
-which appends copy on write; it does not know which free block the pool
-hands out next. Free counts include cached free blocks (evictable).
+A worker's scheduler plans a step before it sends it, so it asks `PoolPlan`,
+built from the block tables the allocator's answers gave. The functions below
+are the one statement of each rule; `BlockPool` calls them too. A plan knows
+which blocks each table names and their refcounts (so which blocks a release
+frees and which appends copy on write), not which free block comes next;
+free counts include cached free blocks (evictable).
 """
 
 from __future__ import annotations

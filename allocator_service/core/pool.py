@@ -1,28 +1,22 @@
 """One worker's block pool: free queue, block tables, refcounts, prefix cache.
 
 Invariants (checked by `integrity_problems()`):
-
-- every block is in exactly one place: in use (refcount > 0, named by one or
-  more block tables), in the uncached free queue, or in the cached free queue;
+- every block is in exactly one place: in use (refcount > 0), in the uncached
+  free queue, or in the cached free queue;
 - a block's refcount equals the number of block tables that name it;
-- block tables are append-only except for copy-on-write, which replaces only
-  the LAST entry (the only block that can be partly filled), and `unreserve`,
-  which drops trailing blocks that hold nothing but reserved slots;
-- `_fill[b]` is the number of token slots of block `b` holding a token, and it
-  equals every sharer's count of tokens in that block: a shared block is never
-  written (a write into a shared, not-full block copies it first);
-- every hash in the index names blocks that hold exactly that hash, and only
-  full blocks ever get a hash;
-- with tiers (`PoolConfig.host_blocks`, `use_shared_store`), the host tier's
-  and the store's invariants (`tiers.py`) hold for the pool's entries.
+- tables only grow, except that copy-on-write replaces the LAST entry and
+  `unreserve` drops trailing blocks holding only reserved slots;
+- `_fill[b]` (token slots of block `b` holding a token) equals every sharer's
+  count of tokens in it: a shared block is never written (copied first);
+- every hash in the index names blocks that hold exactly it; only full blocks
+  get a hash;
+- with tiers, the host tier's and the store's invariants (`tiers.py`) hold.
 
-Hand-out order (the free queue, first first): uncached free blocks in the
-order they were freed (table order within one free; 0..N-1 at start), then
-cached free blocks in eviction order: least recently freed first, and within
-one free a sequence's tail before its head.
-
-Every public mutating method either succeeds whole or raises an
-`AllocatorError` having changed nothing.
+Hand-out order: uncached free blocks as freed (table order within one free;
+0..N-1 at start), then cached ones least recently freed first, a sequence's
+tail before its head. Every public mutating method succeeds whole or raises
+an `AllocatorError` having changed nothing. The reasons: docs/architecture.md,
+"The block contract".
 """
 
 from __future__ import annotations
@@ -71,9 +65,8 @@ class AdmitResult(NamedTuple):
     cached_tokens: int  # leading prompt tokens found cached (in the KV pool or loaded from a tier)
     # tokens the sequence holds with their values after the admit (its reserved slots follow)
     num_stored: int
-    new_blocks: list[
-        int
-    ]  # blocks taken for the tokens past the cached ones (and reserved slots), in table order
+    # blocks taken for the tokens past the cached ones (and reserved slots), in table order
+    new_blocks: list[int]
     table: list[int]  # the whole new block table (cached hits first)
 
 
@@ -108,22 +101,16 @@ class BlockPool(PoolHoldings):
         num_new_tokens: int | None = None,
         reserve: int = 0,
     ) -> AdmitResult:
-        """Create a sequence holding `tokens` (its prompt), and `reserve`
-        slots after the tokens it stores, for tokens whose values are not
-        known yet (as an `append` reserves them: the next appends' values
-        fill them first). A server that reserves each request's slots up
-        front, as servers before paging did, admits with them.
+        """Create a sequence holding `tokens` (its prompt) and `reserve` slots
+        after the tokens it stores, filled first by its next appends.
 
-        With prefix caching the longest chain of cached full blocks is shared
-        (never the block holding the last prompt token, which must be computed
-        to get logits). `num_new_tokens` bounds how many tokens past the cached
-        prefix are stored now (chunked prefill; the rest arrives by `append`).
-
-        With tiers, each block of the chain is looked up in the KV pool, then
-        the host tier, then the store, up to the first block in none: a tier
-        hit takes a fresh block (as a miss does), which gets the hash at once,
-        and issues its load; it counts in `cached_tokens` and in the prefix
-        `num_new_tokens` counts from.
+        With prefix caching the longest chain of cached full blocks is shared,
+        never the block of the last prompt token. Each block of the chain is
+        looked up in the KV pool, then the host tier, then the store, up to
+        the first in none; a tier hit takes a fresh block, hashed at once, and
+        issues its load. `cached_tokens` counts every block of the chain
+        (shared or loaded: docs/architecture.md, "Tiers", "Counts");
+        `num_new_tokens` bounds the tokens stored past it (chunked prefill).
         """
         check_seq_id(seq_id)
         if seq_id in self._seqs:
@@ -391,9 +378,8 @@ class BlockPool(PoolHoldings):
             self._stamp[b] = self._clock
             self._cached_free[b] = None
         if self.tiers is not None:
-            for b in reversed(
-                cached
-            ):  # tail first: a full store drops a chain's tail before its head
+            for b in reversed(cached):
+                # tail first: a full store drops a chain's tail before its head
                 self.tiers.released(b, block_hash[b])  # type: ignore[arg-type]
 
     def reset_prefix_cache(self) -> int:

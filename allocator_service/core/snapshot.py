@@ -1,24 +1,20 @@
-"""A `BlockPool` as plain data: the full dump (`to_state`/`parts_of`: what
-the service's snapshots and DumpPool carry, JSON-able, rebuilt exactly by
-`BlockPool.from_state`), the packed dump the service stores in its snapshots
-(`to_packed`: the same state in a size bounded by the pool's shape, read back
-by `parts_of` too), and the short view `pagedkv replay` prints after each
-operation (`pool_view`). Reads and builds the pool through its public
-`parts()` / `from_parts()`.
+"""A `BlockPool` as plain data, through its public `parts()` / `from_parts()`:
+the full dump (`to_state`, JSON-able: DumpPool and snapshots; rebuilt exactly
+by `BlockPool.from_state`), the packed dump snapshots store (`to_packed`, read
+back by `parts_of` too) and the short view `pagedkv replay` prints
+(`pool_view`).
 
-The packed dump (`PACKED`) never repeats what forks and prefix hits share:
-a block table is a list of segments, each a run of consecutive block ids or
-a copy of the entries at the same positions of an earlier sequence's table
-(a block sits at the same position in every table that names it), and a
-sequence's hash chain is likewise copied from an earlier sequence, taken
-from the hashes its blocks hold, or given literally. Per-block columns are
-little-endian integer arrays, zlib-compressed and base64-encoded. So its
-size is O(blocks + sequences + the characters of their names + segments),
-never O(the sum of table lengths): 16 forks of a whole-pool sequence cost 16
-short segment lists, not 16 copies of its table and hashes (`wire.bounds.packed_bound`).
+The packed dump (`PACKED`) never repeats what forks and prefix hits share: a
+block table is a list of segments, each a run of consecutive block ids or a
+copy of the entries at the same positions of an earlier sequence's table; a
+hash chain is copied from an earlier sequence, taken from its blocks' hashes,
+or given literally. Per-block columns are little-endian integer arrays,
+zlib-compressed, base64-encoded. Its size is O(blocks + sequences + their
+names' characters + segments), never O(the sum of table lengths)
+(`wire.bounds.packed_bound`).
 
 NOTE: the dump's keys and encoding are a stored format (Redis snapshots,
-existing journals' snapshots): change them only with a new snapshot format.
+existing journals): change them only with a new snapshot format.
 """
 
 from __future__ import annotations

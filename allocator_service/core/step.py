@@ -1,31 +1,20 @@
 """A scheduler step: an ordered batch of operations on one pool.
 
-A worker sends ONE step per scheduler iteration. Frees run first (so the
-blocks they release serve the same step's admits and appends), then the other
-operations in the order given. Each operation is all-or-nothing and one
-failing operation does not fail the others: its result says why.
+- Frees run first (their blocks serve the same step), then the other
+  operations in the order given; each is all-or-nothing, and one failing
+  fails no other: its result says why.
+- An operation's table change is `keep` (the old table's prefix that stays)
+  plus `append` (new block ids): growth, copy-on-write (keep = len - 1),
+  admission (keep = 0) and unreserve (keep < len, nothing appended).
+- `run_step` is the one implementation, on columns (`StepColumns` in,
+  `StepAnswer` out, `StepAnswer[i]` operation i's `OpResult`); `step_columns`
+  builds columns from the operation objects (`Free`, `Append`, `Admit`,
+  `Fork`, `Unreserve`).
+- An APPEND or ADMIT may reserve slots (`num_reserved`) whose values come
+  first in the sequence's next APPEND; an UNRESERVE gives them back
+  (`BlockPool.append`, `.admit`, `.unreserve`).
 
-The table change of an operation is `keep` (a prefix of the old table that
-stays) plus `append` (new block ids after it); this one shape expresses growth,
-copy-on-write (keep = len - 1), admission (keep = 0) and unreserve (keep <
-len, nothing appended).
-
-`run_step` is the one implementation, on columns (`StepColumns` in,
-`StepAnswer` out): a 256-sequence decode step is then a few lists, not 512
-objects, and the service converts them to and from the wire's `StepOps` /
-`StepResponse` with list operations. The operation objects (`Free`, `Append`,
-`Admit`, `Fork`, `Unreserve`) are the convenient form for a worker:
-`step_columns` turns them into columns; `StepAnswer[i]` is operation i's
-`OpResult`.
-
-An APPEND may also reserve slots for tokens not known yet (`num_reserved`,
-async scheduling): their values come first in the sequence's next APPEND
-(`BlockPool.append`; the rules: docs/architecture.md, "One step ahead"). An
-ADMIT may reserve them too: a request's slots held from its admission, as
-servers before paging reserved them (`BlockPool.admit`).
-An UNRESERVE gives reserved slots back (`num_reserved` says how many; the
-worker's lookahead slots, when a request waits for their blocks or a running
-sequence would otherwise be preempted: `BlockPool.unreserve`).
+The rules and reasons: docs/architecture.md, "The block contract".
 """
 
 from __future__ import annotations
@@ -71,9 +60,8 @@ class StepColumns(NamedTuple):
     kinds: list[int]  # one per operation: FREE, APPEND, ADMIT, FORK or UNRESERVE
     seq_ids: list[str]  # one per operation: the sequence (FORK: the parent)
     num_tokens: list[int]  # one per operation: its tokens (0 for FREE, FORK and UNRESERVE)
-    tokens: Sequence[
-        int
-    ]  # every operation's tokens, concatenated in order (a list, or the wire's field)
+    # every operation's tokens, concatenated in order (a list, or the wire's field)
+    tokens: Sequence[int]
     salts: list[str | None]  # one per ADMIT: its cache_salt
     num_new_tokens: list[int | None]  # one per ADMIT: chunked prefill bound (None: all)
     children: list[str]  # one per FORK: the child's sequence id
@@ -133,21 +121,18 @@ class StepAnswer(Sequence[OpResult]):
     appended: Sequence[int]  # every operation's appended block ids, concatenated
     num_copies: Sequence[int]  # one per operation: block copies to perform first
     copies: Sequence[int]  # every operation's (src, dst) copies, flattened
-    cached_tokens: Sequence[
-        int
-    ]  # one per operation: prompt tokens found cached (ADMIT; tier loads included)
+    # one per operation: prompt tokens found cached (ADMIT; tier loads included)
+    cached_tokens: Sequence[int]
     num_stored: Sequence[int]  # one per operation: tokens held after an ADMIT
     error_messages: Sequence[str]  # one per FAILED operation, in order
     # KV tiers: the step's moves, applied by the worker before the forward
     # pass (`tiers.Moves` says in which order; NO_MOVES without tiers).
     moves: Moves = NO_MOVES
-    _starts: list[int] | None = field(
-        default=None, init=False, repr=False
-    )  # where each operation's ids start
+    # where each operation's ids start
+    _starts: list[int] | None = field(default=None, init=False, repr=False)
     _copy_starts: list[int] | None = field(default=None, init=False, repr=False)
-    _messages: dict[int, str] | None = field(
-        default=None, init=False, repr=False
-    )  # failed op -> its message
+    # failed op -> its message
+    _messages: dict[int, str] | None = field(default=None, init=False, repr=False)
 
     def __len__(self) -> int:
         return len(self.errors)
@@ -276,9 +261,8 @@ def run_step(pool: BlockPool, step: StepColumns) -> StepAnswer:
     end = 0  # where the next operation's tokens end
     admits = forks = 0  # ADMIT and FORK operations met so far
     try_append = pool.try_append
-    checked = tokens_ok(
-        tokens
-    )  # every token of the step at once (C speed), not one operation at a time
+    # every token of the step at once (C speed), not one operation at a time
+    checked = tokens_ok(tokens)
     for i in range(n):
         kind = kinds[i]
         start = end

@@ -1,46 +1,26 @@
-"""The KV tiers below a worker's KV pool: its host tier and the shared store.
+"""The KV tiers below a worker's KV pool: its host tier (`HostSlotIndex`, slots
+`0..host_blocks-1`) and the store its allocator's pools share (`SharedStore`,
+keyed by (store namespace, hash), capacity in bytes). This module decides every
+move and indexes every location; the worker moves the bytes and confirms them.
 
-Tier 0 is the KV pool (`BlockPool`). Tier 1 is one worker's host tier
-(`HostSlotIndex`: slots `0..host_blocks-1` of its CPU memory). Tier 2 is the
-store shared by the workers of one allocator (`SharedStore`, keyed by
-(layout, hash), capacity in bytes). The allocator decides every move and
-indexes every location; the worker moves the bytes and confirms them.
+Both are one `LruTier`: key -> (location, size), each entry PENDING (save
+issued) or PRESENT (confirmed). Invariants (`problems()`):
+- a key is in at most one entry;
+- `used` is the sum of the entries' sizes and never exceeds `capacity`;
+- only present entries are found; only present, unpinned ones are victims (a
+  pending entry goes only by its failure or its pool's drop).
 
-Both tiers are one structure, `LruTier`: entries key -> (location, size),
-each PENDING (a save was issued, its bytes are not confirmed) or PRESENT
-(confirmed, findable), present entries in LRU order, pinned entries (loaded
-in the current step) never chosen as victims. Invariants (checked by
-`problems()`):
+`PoolTiers`, one pool's side, saves a cached block to the store when its last
+sequence frees it, and to each tier that lacks its hash when it leaves the KV
+pool; a full host tier reuses its LRU slot, a full store drops LRU entries
+(store deletes); a save that finds no room (all pending or pinned) is skipped.
+A store save reads its KV block (`Moves.store_save_from`), whose bytes stay
+until the step's forward pass, after the moves. A pool finds, confirms and
+skips saves only against its own namespace (`store_namespace`).
 
-- a key is in at most one entry (pending or present, never both);
-- `used` is the sum of every entry's size and never exceeds `capacity`;
-- only present entries are findable (`find`); only present, unpinned ones
-  are victims (a pending entry is dropped only by its failure or its pool).
-
-The store's entries are keyed by (namespace, hash): `store_namespace`
-puts a pool's layout under its store group, so a pool finds, confirms and
-skips saves only against entries of its own group.
-
-`PoolTiers` is one pool's side: its host tier, the shared store it uses
-(or none), its store namespace, the store saves it has pending, and the
-moves issued since the last `take_moves`. Its rules (the reasons:
-docs/architecture.md, "Tiers"):
-
-- a cached block freed by its last sequence is written through to the
-  store unless the store has its hash;
-- a cached block leaving the KV pool (its hash held by no other block) is
-  saved to the host tier and to the store, each unless it has the hash;
-- a full host tier reuses its LRU present entry's slot; a full store drops
-  its LRU present entries, each a store delete;
-- a save that finds no room (everything pending or pinned) is skipped.
-
-Every store save reads a KV block (`Moves.store_save_from`): a freed or
-evicted block keeps its bytes until the step's forward pass, after the moves.
-
-Determinism: every decision reads only the tiers' state and the operations
-applied to them, in order; no set or dict is iterated whose order depends
-on hashing (insertion-ordered dicts only), so a replay rebuilds the same
-state exactly.
+Determinism: decisions read only the tiers' state and the operations applied,
+in order; no iteration depends on hashing, so a replay rebuilds the same state.
+The reasons: docs/architecture.md, "Tiers".
 """
 
 from __future__ import annotations

@@ -55,8 +55,14 @@ class PoolCollector:
             "pool_slot_utilisation_ratio",
             "Token slots holding a token over token slots allocated (1 when none allocated).",
         )
-        queried = counter("prefix_queried_tokens", "Prompt tokens looked up in the prefix cache.")
-        hit = counter("prefix_hit_tokens", "Prompt tokens found in the prefix cache.")
+        queried = counter(
+            "prefix_queried_tokens", "Prompt tokens admissions looked up in the prefix cache."
+        )
+        hit = counter(
+            "prefix_hit_tokens",
+            "Prompt tokens admissions found cached: shared from the KV pool or a tier load "
+            'issued (docs/architecture.md, "Tiers", "Counts").',
+        )
         evicted = counter("evicted_blocks", "Cached blocks whose hash was dropped to reuse them.")
         copied = counter("cow_copied_blocks", "Copy-on-write block copies ordered.")
         oob = counter("out_of_blocks", "Operations answered 'out of blocks'.")
@@ -158,8 +164,8 @@ class PoolCollector:
         labels = ["pool_id", "worker_id", "tier"]
         hit = CounterMetricFamily(
             PREFIX + "kv_tier_hit_tokens",
-            "Prompt tokens whose loads from the tier "
-            "admissions issued (a load refused later included).",
+            "Prompt tokens whose loads from the tier admissions issued (a load refused "
+            'later included; docs/architecture.md, "Tiers", "Counts").',
             labels=labels,
         )
         saved = CounterMetricFamily(

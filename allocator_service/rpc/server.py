@@ -184,9 +184,8 @@ def serve(opts: ServeOptions) -> int:
     from allocator_service.store.journal import open_journal
     from allocator_service.web.app import start_web_server, stop_web_server
 
-    listen = resolve_port(
-        opts.listen
-    )  # the leader lease names the port: known before the state is claimed
+    # the leader lease names the port: known before the state is claimed
+    listen = resolve_port(opts.listen)
     host = listen.rsplit(":", 1)[0]
     journal = open_journal(
         opts.state,

@@ -1,17 +1,13 @@
 """`AllocatorService`: the allocator as a transport-free object, composed of
 its rooms, and its lifecycle (the lease reaper, the durable store's threads).
 
-Its parts: `changes` (authorization, the journal before memory, the locks:
-changes.py), `pools` (registration, leases, quotas: pools.py), `steps` (the
-Step path: steps.py), `reads` (one pool's and cross-pool reads: reads.py)
-and `streams` (watchers and StepStreams: streams.py). Each takes and returns
-domain values; the gRPC servicer and the HTTP port convert.
-
-No lease expires because the allocator was not running: the reaper measures
-how late it woke (a pause, SIGSTOP, a stalled interpreter) and extends every
-lease by that much, and a pool is dropped for its lease only after the
-reaper holds that pool's lock and the mutation lock and finds the lease
-still expired.
+Rooms: `changes` (authorization, the journal before memory, the locks),
+`pools` (registration, leases, quotas), `steps` (the Step path), `reads`
+(one pool's and cross-pool reads) and `streams` (watchers, StepStreams); each
+takes and returns domain values, the gRPC servicer and the HTTP port convert.
+The reaper extends every lease by how late it woke (a pause, SIGSTOP), and
+drops a pool for its lease only once it holds that pool's lock and the
+mutation lock and finds the lease still expired.
 """
 
 from __future__ import annotations

@@ -2,25 +2,18 @@
 order, and the locks that keep one pool's work from delaying another's.
 
 Locks, always taken in this order:
-
 1. a pool's own lock (`PoolEntry.lock`): every read of that pool and the
    application of its records;
-2. the mutation lock (`Changes.lock`): the one global order of records. The
-   journal and the KV event numbers are a single order that replay must
-   reproduce exactly, so every change takes its place here: the journal
-   write (Redis: before anything changes in memory) and the record's index
-   and event batch; registrations and drops are applied here whole, as they
-   touch no pool's blocks. A Step's table work then runs after this lock is
-   released, under its pool's lock only, and its events are numbered in
-   record order whenever it finishes (`store/events.py`);
+2. the mutation lock (`Changes.lock`): the one order of records that replay
+   reproduces. Under it: the journal write (Redis: before memory changes), the
+   record's index and event batch, and registrations and drops, whole. A
+   Step's table work runs after it is released, under its pool's lock only,
+   its events numbered in record order (`store/events.py`); except that steps
+   of pools using the shared KV store, which change its one index, are
+   applied whole under it, in the journal's order;
 3. small leaf locks: the lease table, the event log, the stream counts.
-
-So a long read of pool X delays only X's own changes, and the mutation lock
-is held for a journal write and some bookkeeping, never for a pool's
-blocks, with one exception: the steps of pools that use the shared KV store
-change its one index, so they are applied whole under the mutation lock, in
-the journal's order, which replay then reproduces. Authentication is a dict
-lookup and an HMAC and takes only the lease table's lock.
+So a long read of pool X delays only X's changes. Authentication is a dict
+lookup and an HMAC, under the lease table's lock only.
 """
 
 from __future__ import annotations

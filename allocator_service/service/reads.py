@@ -240,13 +240,10 @@ class Reads:
     def cached_blocks(self, chunk: int) -> Iterator[tuple[str, list[int], list[bytes]]]:
         """(pool id, blocks, their hashes), at most `chunk` blocks each, for
         every live pool's cached blocks: the start of a WatchEvents snapshot.
-        Streamed: each piece is read under the pool's lock over `chunk` block
-        ids, and the lock is let go between pieces, so a watcher holds no
-        copy of a whole pool and a Step waits for one piece at most. A block
-        is then read as it is at some moment after this call started; every
-        event numbered from before the call (a block stored or removed, the
-        cache cleared), replayed onto the pieces, sets each block to what
-        its last event says, so the view at their end is exactly the pool's."""
+        Each piece is read under the pool's lock, let go between pieces, so a
+        Step waits for one piece at most; the events numbered from before the
+        call, replayed onto the pieces, make the view exact (why:
+        docs/architecture.md, "The router's rules, and why")."""
         registry = self.changes.registry
         for e in list(registry.pools.values()):
             hashes = e.pool.index.block_hash

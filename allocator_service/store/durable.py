@@ -581,9 +581,8 @@ class DurableState:
         self._follow(follower, tail.head)
         self._snapshot_index = tail.base
         self._since_snapshot = self.registry.index - tail.base
-        self.leases.rearm(
-            list(self.registry.pools)
-        )  # every worker gets a full lease to find this server
+        # every worker gets a full lease to find this server
+        self.leases.rearm(list(self.registry.pools))
         self._follower = None
         self._stale, self._lost = False, None
         self.deposed.clear()  # a fenced write while it followed is not this term's

@@ -273,7 +273,7 @@ class PoolInfo(NamedTuple):
     host_used_blocks: int = 0  # of those, holding an entry (pending or present)
     use_shared_store: bool = False
     store_used_bytes: int = 0  # the shared store's bytes in use (every pool's)
-    host_hit_tokens: int = 0  # prompt tokens admissions loaded from the host tier
+    host_hit_tokens: int = 0  # prompt tokens whose loads from the host tier admissions issued
     store_hit_tokens: int = 0  # ... from the shared store
     kv_role: str = "both"  # its part in prefill/decode disaggregation
     store_namespace: str = ""  # where its blocks live in the shared store ("" without it)

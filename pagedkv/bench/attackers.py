@@ -146,10 +146,11 @@ def rogue_pool(
 # -- connections that never finish --------------------------------------------------------
 
 SLOW_HEAD = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"  # never ends its head
+# never ends its body
 SLOW_BODY = (
     b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
     b"content-length: 1000\r\n\r\n{"
-)  # never ends its body
+)
 
 
 def connect(url: str, timeout: float = 10.0) -> socket.socket:
@@ -450,9 +451,8 @@ class PublicModel:
         kv = torch.frombuffer(bytearray(payload), dtype=self.layout.torch_dtype).view(
             self.layout.block_shape
         )
-        rows = (
-            kv[1, 0].reshape(self.layout.block_size, -1).float()
-        )  # V, layer 0: [positions, heads x dim]
+        # V, layer 0: [positions, heads x dim]
+        rows = kv[1, 0].reshape(self.layout.block_size, -1).float()
         dist = torch.cdist(rows, self.values)
         best, token = dist.min(dim=1)
         scale = self.values.norm(dim=1)[token] + 1.0
@@ -722,9 +722,8 @@ class BadWorker:
                     b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n" + declared + b"\r\n"
                 )
                 block = b" " * (1 << 20)
-                for _ in range(
-                    self.huge_bytes >> 20
-                ):  # until the router stops reading (its bound) or all is sent
+                for _ in range(self.huge_bytes >> 20):
+                    # until the router stops reading (its bound) or all is sent
                     writer.write(block)
                     await writer.drain()
             elif mode in ("trickle", "trickle-stream"):

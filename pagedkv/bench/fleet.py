@@ -413,9 +413,8 @@ def _memory(w: FleetWorkload, cores: list[int]) -> dict:
         empty = proc.memory_info().rss
         first = 0
         for pool in pools:
-            for s in range(
-                0, per_pool // seq_blocks, 16
-            ):  # 16 admits of 1,008 distinct tokens per Step
+            for s in range(0, per_pool // seq_blocks, 16):
+                # 16 admits of 1,008 distinct tokens per Step
                 ops = []
                 for j in range(s, min(s + 16, per_pool // seq_blocks)):
                     ops.append(Admit(f"s{j}", range(first, first + seq_blocks * block_size)))

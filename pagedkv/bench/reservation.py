@@ -113,9 +113,8 @@ def measure(args: argparse.Namespace) -> dict:
         raise CliError(f"--device must be a simulated GPU (sim:NAME), got {args.device!r}")
     w = RESERVATION[args.workload]
     lengths = sharegpt_like_lengths(w.requests, w, random.Random(w.seed))
-    gaps = poisson_arrivals(
-        w.requests, 1.0, random.Random(w.seed + 1)
-    )  # at 1 request/s; scaled per rate
+    # at 1 request/s; scaled per rate
+    gaps = poisson_arrivals(w.requests, 1.0, random.Random(w.seed + 1))
     runs: dict[str, list[dict]] = {}
     pool = roofline = None
     with tempfile.TemporaryDirectory(prefix="pagedkv-bench-reservation-") as folder:

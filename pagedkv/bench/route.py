@@ -405,9 +405,8 @@ def _report(
 def tables(report: dict) -> list[Table]:
     w, g, p = report["workload"], report["targets"], report["probe"]
     runs = report["runs"]
-    spreads = {
-        name: _spread(rows) for name, rows in runs.items()
-    }  # from the runs: reports of any age
+    # from the runs: reports of any age
+    spreads = {name: _spread(rows) for name, rows in runs.items()}
     per_round = _per_round(runs)
     rows = [
         [

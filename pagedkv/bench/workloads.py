@@ -147,16 +147,8 @@ class FleetWorkload:
     worker: (
         HostWorkload  # the recorded worker: one size (sequences running at once), its timed steps
     )
-    workers: tuple[int, ...] = (
-        1,
-        4,
-        8,
-        12,
-        16,
-        20,
-        24,
-        32,
-    )  # replayed workers per allocator process, one case each
+    # replayed workers per allocator process, one case each
+    workers: tuple[int, ...] = (1, 4, 8, 12, 16, 20, 24, 32)
     memory_blocks: int = 1 << 20  # blocks of state for the RSS per block
     memory_pools: int = 16
 
@@ -659,10 +651,8 @@ class KVDtypeWorkload:
     what: str = field(compare=False)
     model: str = "smollm2"
     prompts: int = len(QUESTIONS)  # the first N of QUESTIONS, asked as plain completions
-    tokens: tuple[int, ...] = (
-        16,
-        64,
-    )  # greedy continuations compared at these lengths (the last is generated)
+    # greedy continuations compared at these lengths (the last is generated)
+    tokens: tuple[int, ...] = (16, 64)
     questions: int = 20  # the first N of MULTIPLE_CHOICE
     kv_cache_memory: str = "256MiB"
 

@@ -399,9 +399,8 @@ class LocalStack:
             router_file = self._secret("router-token", self.token + "-router")
             allocator_args += ["--router-token-file", str(router_file)]
             router_to_allocator += ["--router-token-file", str(router_file)]
-        elif (
-            self.credentials
-        ):  # generated for this stack: a token per worker, bound to its id and address
+        elif self.credentials:
+            # generated for this stack: a token per worker, bound to its id and address
             # The stack's workers are one operator's: one store
             # group, whose key seals their store entries.
             write_credentials(
@@ -505,9 +504,8 @@ class LocalStack:
         # environment's PAGEDKV_WORKER_THREADS). Each would take every core.
         checks = []
         for i, worker in enumerate(self.workers):
-            worker.allocator = ",".join(
-                groups[i % self.num_allocators]
-            )  # a leader and its standby: it follows
+            # a leader and its standby: it follows
+            worker.allocator = ",".join(groups[i % self.num_allocators])
             worker.args += to_allocator
             checks.append((worker.start().proc, worker.healthy))
 

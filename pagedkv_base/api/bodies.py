@@ -68,9 +68,8 @@ def _parse(body: bytes, content_type: str | None, model: type[Req]) -> Req:
             ) from None
         except ValueError:  # not UTF-8 (or UTF-16/32) at all: FastAPI's words
             raise HTTPException(400, "There was an error parsing the body") from None
-        except (
-            RecursionError
-        ):  # nested deeper than the parser goes (FastAPI's own parse answers a 500)
+        except RecursionError:
+            # nested deeper than the parser goes (FastAPI's own parse answers a 500)
             raise RequestValidationError(
                 [
                     {

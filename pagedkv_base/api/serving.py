@@ -96,9 +96,8 @@ class _ReadDeadlines(H11Protocol):
     def on_response_complete(self) -> None:
         if not self.transport.is_closing():
             self._reading_body = False
-            self._arm(
-                self.header_timeout
-            )  # the next request's head (a pipelined one is read below)
+            # the next request's head (a pipelined one is read below)
+            self._arm(self.header_timeout)
         super().on_response_complete()
 
     def pause_writing(self) -> None:

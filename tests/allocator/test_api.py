@@ -268,9 +268,8 @@ def test_register_again_is_a_new_epoch_and_the_old_pool_is_gone(server):
     second = client(server, "epoch-worker", replace_credential=first._ref.credential)
     assert second.epoch == 2 and second.pool_id == "epoch-worker/2"
     assert second.stats().num_sequences == 0
-    with pytest.raises(
-        grpc.RpcError
-    ) as refused:  # the id is second's now: first may not take it back
+    with pytest.raises(grpc.RpcError) as refused:
+        # the id is second's now: first may not take it back
         first.step([Append("a", [6])])
     assert (
         refused.value.code() == C.FAILED_PRECONDITION
@@ -404,9 +403,8 @@ def test_watch_events_numbers_and_resync(server):
     c = client(server, "ev-worker", num_blocks=4)
     c.step([Admit("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])])  # 2 full blocks -> 2 stored
     c.step([Free("a")])
-    c.step(
-        [Admit("b", [9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9])]
-    )  # reuses cached blocks -> removals
+    # reuses cached blocks -> removals
+    c.step([Admit("b", [9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9])])
     c.close()
     got: list[pb.KvEvent] = []
     stream = router.watch_events(from_sequence=1, timeout_s=20)  # everything retained

@@ -365,9 +365,8 @@ class ServiceBounds:
 
     def record(self, *args, **kwargs) -> int:
         bound = step_answer_bound(*args, **kwargs)
-        assert (
-            kwargs.get("tiers", args[4] if len(args) > 4 else None) is not None
-        )  # a tiered pool's bound
+        # a tiered pool's bound
+        assert kwargs.get("tiers", args[4] if len(args) > 4 else None) is not None
         self.bounds.append(bound)
         return bound
 
@@ -497,9 +496,8 @@ def test_the_answer_bound_holds_for_tiered_pools(
     for _ in range(40):
         i = rng.randint(0, 1)
         live = sorted(sb.pool(refs[i]).tables())
-        frees = [
-            s for s in live if rng.random() < 0.5
-        ]  # short lives: their blocks fall to the tiers
+        # short lives: their blocks fall to the tiers
+        frees = [s for s in live if rng.random() < 0.5]
         ops: list = [Free(s) for s in frees]
         live = [s for s in live if s not in frees]
         if live and rng.random() < 0.3:

@@ -164,9 +164,8 @@ def test_redis_outage_is_unavailable_then_recovers(store, allocator_server):
             )
             == C.UNAVAILABLE
         )
-        assert (
-            code_of(s.Heartbeat, pb.HeartbeatRequest(pool=ref), timeout=10) == C.OK
-        )  # reads still work
+        # reads still work
+        assert code_of(s.Heartbeat, pb.HeartbeatRequest(pool=ref), timeout=10) == C.OK
         assert dump(s, md, ref) == as_json(reference.to_state())
         assert server.proc.poll() is None
         redis.start()

@@ -21,9 +21,8 @@ def test_silent_pool_is_dropped_and_others_untouched(allocator_server):
     with allocator_server(env={"PAGEDKV_ALLOCATOR_LEASE_TTL": str(TTL)}) as server:
         router = RouterClient(server.address)
         events = router.watch_events(from_sequence=1, timeout_s=10)
-        alive = GrpcAllocator(
-            server.address, PoolSpec("alive", PoolConfig(16, 4))
-        )  # heart-beats every TTL/3
+        # heart-beats every TTL/3
+        alive = GrpcAllocator(server.address, PoolSpec("alive", PoolConfig(16, 4)))
         silent = GrpcAllocator(
             server.address, PoolSpec("silent", PoolConfig(16, 4)), heartbeat=False
         )

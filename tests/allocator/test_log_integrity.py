@@ -437,13 +437,11 @@ def test_with_a_journal_key_an_edited_record_with_a_recomputed_chain_is_caught(
     code, out = run_check(url, keyed)
     assert code == 1 and "fails its digest" in out and refs[0].pool_id in out, out
     assert "journal key: yes" in out
-    code, out = run_check(
-        url
-    )  # without the key: a keyed journal is not read as if Redis were trusted
+    # without the key: a keyed journal is not read as if Redis were trusted
+    code, out = run_check(url)
     assert code == 1 and "no journal key is configured" in out, out
-    code, out = start_fails(
-        url, keyed
-    )  # every record after the edit fails: nothing to trust, no start
+    # every record after the edit fails: nothing to trust, no start
+    code, out = start_fails(url, keyed)
     assert code == 1 and "cannot start" in out and "fails its digest" in out, out
     # a snapshot written without the key is refused too
     client.delete(prefix + "journal", prefix + "head", prefix + "snapshot")

@@ -95,9 +95,8 @@ def test_a_hog_cannot_take_a_restarting_workers_blocks(server):
     # and so is any pool while the victim restarts.
     hog = server.register(SHARED, "hog", TOTAL - 64)
     assert isinstance(hog, pb.PoolRef)
-    server.deregister(
-        "tok-victim", victim
-    )  # the victim's process restarts: its pool is gone a moment
+    # the victim's process restarts: its pool is gone a moment
+    server.deregister("tok-victim", victim)
     assert server.register(SHARED, "hog-2", 64) == "capacity"  # its 64 blocks are kept for it
     assert server.register(SHARED, "hog-2", 1) == "capacity"
     again = server.register("tok-victim", "victim", 64, "http://victim:8000")
@@ -106,9 +105,8 @@ def test_a_hog_cannot_take_a_restarting_workers_blocks(server):
     server.deregister(SHARED, hog)
     assert server.register("tok-victim", "victim", 65, "http://victim:8000") == "quota"
     assert server.register(SHARED, "big", 201) == "quota"
-    assert isinstance(
-        server.register(SHARED, "big", 192), pb.PoolRef
-    )  # what is left beside the victim's
+    # what is left beside the victim's
+    assert isinstance(server.register(SHARED, "big", 192), pb.PoolRef)
 
 
 def test_quotas_in_the_worker_tokens_file(tmp_path, allocator_server):

@@ -56,9 +56,8 @@ def test_forked_pool_packs_in_a_size_bounded_by_its_shape_and_restores_exactly()
     seqs = 16
     assert len(text) <= packed_bound(n, seqs, pool.name_chars, 2 * seqs, 0)
     full = snapshot.dumps_chunked(pool.to_state())
-    assert len(full) > 10 * len(
-        text
-    )  # what every fork's copied table and hashes cost the full dump
+    # what every fork's copied table and hashes cost the full dump
+    assert len(full) > 10 * len(text)
     restored = BlockPool.from_state(json.loads(text))
     assert restored.to_state() == pool.to_state()
     assert restored.integrity_problems() == []

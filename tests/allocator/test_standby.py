@@ -40,9 +40,8 @@ def test_a_claim_fences_the_earlier_leader_and_its_refused_write_changes_nothing
             assert new.leader.endswith(" old:1")
             time.sleep(LEASE_S + 0.2)  # the old leader stops renewing (a pause)
             assert new.claim(force=False)
-            assert (
-                int(new.token.split(":")[0]) == int(old.token.split(":")[0]) + 1
-            )  # the next fencing epoch
+            # the next fencing epoch
+            assert int(new.token.split(":")[0]) == int(old.token.split(":")[0]) + 1
             before = (
                 old.client.lrange(old._keys["journal"], 0, -1),
                 old.client.get(old._keys["head"]),
@@ -141,14 +140,12 @@ def test_an_idle_workers_heartbeats_follow_the_new_leader(redis_store, allocator
         allocator_server("--state", url, env=env) as leader,
         allocator_server("--state", url, "--standby", env=env) as standby,
     ):
-        client = GrpcAllocator(
-            f"{leader.address},{standby.address}", spec
-        )  # heart-beats every TTL / 3
+        # heart-beats every TTL / 3
+        client = GrpcAllocator(f"{leader.address},{standby.address}", spec)
         client.step([Admit("a", [1, 2, 3])])
         leader.kill()
-        time.sleep(
-            LEASE_S + 2 * 2.0 + 1.0
-        )  # the takeover, then past the pool's lease at the new leader
+        # the takeover, then past the pool's lease at the new leader
+        time.sleep(LEASE_S + 2 * 2.0 + 1.0)
         assert client.stats().num_sequences == 1  # no PoolLost: the same pool, renewed all along
         assert client.pool_id == "idle/1"
         client.close()

@@ -81,9 +81,8 @@ def reference_step(pool: BlockPool, step: list) -> list[OpResult]:
                 results[i] = OpResult(append=pool.fork(op.parent, op.child))
         except AllocatorError as exc:
             after = pool.to_state()
-            after["counters"]["out_of_blocks"] = before["counters"][
-                "out_of_blocks"
-            ]  # counts the refusal
+            # counts the refusal
+            after["counters"]["out_of_blocks"] = before["counters"]["out_of_blocks"]
             assert after == before, f"{op} failed ({exc.code}) but changed the pool"
             results[i] = OpResult(ok=False, error=exc.code, message=str(exc))
     return results  # type: ignore[return-value]
@@ -206,9 +205,8 @@ def test_restart_from_journal_rebuilds_everything(snapshot_every):
     svc = AllocatorService(ServiceConfig(snapshot_every=snapshot_every), journal)
     a = svc.pools.register("wa", SHAPE)
     b = svc.pools.register("wb", SHAPE)
-    d = svc.pools.register(
-        "wd", SHAPE, protocol_version=2
-    )  # its Steps must name prev_step_id, after a restart too
+    # its Steps must name prev_step_id, after a restart too
+    d = svc.pools.register("wd", SHAPE, protocol_version=2)
     ref_a = PoolRef(a.pool_id, a.credential)
     ref_b = PoolRef(b.pool_id, b.credential)
     for i, (sa, sb) in enumerate(zip(random_steps(1, 40), random_steps(2, 40), strict=True), 1):
@@ -253,9 +251,8 @@ def test_register_deregister_cycles_keep_the_epoch_map_bounded():
     kept = state.IDLE_EPOCHS_KEPT
     issued = [_cycle(svc, f"w-{i}") for i in range(kept + 3000)]
     reg = svc.registry
-    assert (
-        len(reg.idle) == kept and len(reg.epochs) == kept + 1
-    )  # the idle ones kept, and the live one
+    # the idle ones kept, and the live one
+    assert len(reg.idle) == kept and len(reg.epochs) == kept + 1
     assert reg.epoch_floor == 1 and "steady" in reg.epochs and "w-0" not in reg.epochs
     # Once ids are forgotten, a fresh id starts above the floor.
     last = f"w-{kept + 2999}"

@@ -103,10 +103,8 @@ def test_stream_roles(server):
         next(s.StepStream(iter([stolen]), metadata=md, timeout=10))
     assert err.value.code() == C.PERMISSION_DENIED
     answers = list(s.StepStream(iter([request, request]), metadata=md, timeout=10))
-    assert [list(a.appended) for a in answers] == [
-        [0],
-        [0],
-    ]  # the retry: the first answer, applied once
+    # the retry: the first answer, applied once
+    assert [list(a.appended) for a in answers] == [[0], [0]]
     channel.close()
 
 

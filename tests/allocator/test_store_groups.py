@@ -131,9 +131,8 @@ def test_a_worker_cannot_name_its_own_group(server):
             )
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "store_group is the allocator's to set" in refused.value.details()
-        with pytest.raises(
-            grpc.RpcError
-        ) as refused:  # nor reach into a group through its layout key
+        with pytest.raises(grpc.RpcError) as refused:
+            # nor reach into a group through its layout key
             s.RegisterPool(
                 pb.RegisterPoolRequest(
                     worker_id="evil",

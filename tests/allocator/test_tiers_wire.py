@@ -78,9 +78,8 @@ def test_engine_on_a_remote_allocator_with_host_tier_and_store(
     ) as server:
         engine = make(tiny, remote(server.address), kv_offloading_size=gib(tiny, 16), worker_id="w")
         assert engine.allocator.shared_store == store and engine.tiers.store is not None
-        assert (
-            tokens(engine, prompts(0)) == reference[0]
-        )  # 12 prompts at once on 40 blocks: evictions
+        # 12 prompts at once on 40 blocks: evictions
+        assert tokens(engine, prompts(0)) == reference[0]
         settle(engine)
         hits_before = engine.allocator.stats().prefix_hit_tokens
         c0 = engine.allocator.dump()["tiers"]["counters"]
@@ -96,9 +95,8 @@ def test_engine_on_a_remote_allocator_with_host_tier_and_store(
         )
         assert c["saves_confirmed"] == c["host_saves"] + c["store_saves"] and c["refused"] == 0
         cached = sum(o.num_cached_tokens for o in again)
-        assert (
-            cached == engine.allocator.stats().prefix_hit_tokens - hits_before
-        )  # every tier's hits
+        # every tier's hits
+        assert cached == engine.allocator.stats().prefix_hit_tokens - hits_before
         host, shared = (c[k] - c0[k] for k in ("host_hit_tokens", "store_hit_tokens"))
         assert 0 < host + shared <= cached and shared > 0
         assert c["host_hit_tokens"] > 0  # (in the first run, 12 prompts at once)
@@ -252,9 +250,8 @@ def test_kill_9_keeps_the_tier_index_and_no_pending_save_becomes_a_hit(
             "--metrics-port",
             "0",
         )
-        env = {
-            "PAGEDKV_ALLOCATOR_SNAPSHOT_EVERY": "5"
-        }  # the index goes through snapshots and replay
+        # the index goes through snapshots and replay
+        env = {"PAGEDKV_ALLOCATOR_SNAPSHOT_EVERY": "5"}
         with allocator_server(*args, env=env) as server:
             s = GrpcAllocator(server.address, spec("s", 0), heartbeat=False)
             h = GrpcAllocator(server.address, spec("h", 2), heartbeat=False)
@@ -281,11 +278,8 @@ def test_kill_9_keeps_the_tier_index_and_no_pending_save_becomes_a_hit(
                 before["s/1"]["tiers"]["store_pending"]
                 and before["h/1"]["tiers"]["host"]["pending"]
             )
-            assert found[0]["h/1"] == (
-                0,
-                0,
-                3 * BLOCK,
-            )  # what pool s saved, h finds (and loaded) too
+            # what pool s saved, h finds (and loaded) too
+            assert found[0]["h/1"] == (0, 0, 3 * BLOCK)
             assert before["h/1"]["tiers"]["counters"]["store_loads"] > 0
             server.kill()
 
@@ -349,15 +343,13 @@ def test_a_worker_follows_the_store_when_the_allocator_changes_it(
         with allocator_server(
             *args, "--kv-shared-store", f"file://{new}", listen=f"127.0.0.1:{server.port}"
         ):
-            assert (
-                tokens(engine, prompts(1)) == reference[1]
-            )  # its pool dropped: registered anew, computed again
+            # its pool dropped: registered anew, computed again
+            assert tokens(engine, prompts(1)) == reference[1]
             settle(engine)
             assert (
                 engine.allocator.shared_store == f"file://{new}"
                 and engine.tiers.store.store.url == f"file://{new}"
             )
-            assert (
-                entries(new) > 20 and entries(old) == written
-            )  # nothing more went to the old store
+            # nothing more went to the old store
+            assert entries(new) > 20 and entries(old) == written
             engine.allocator.close()

@@ -183,9 +183,8 @@ def test_a_stream_ended_at_shutdown_answers_its_step_in_flight():
         assert answer["r"] == reference.step(steps[1])
         with pytest.raises(AllocatorUnavailable):
             worker.step(steps[2])
-        assert (
-            service.registry.pools[worker.pool_id].last_step_id == 2
-        )  # the refused step was not applied
+        # the refused step was not applied
+        assert service.registry.pools[worker.pool_id].last_step_id == 2
         worker.close()
     finally:
         server.stop(0)

@@ -101,9 +101,8 @@ def test_a_bound_worker_without_a_group_is_a_group_of_its_own():
     )
     groups = [g.store_group for g in grants.values()]
     assert groups[0] == "w-1" and groups[2] == "team"
-    assert (
-        groups[1].startswith("host_gpu_0-") and len(groups[1]) == len("host_gpu_0-") + 16
-    )  # a name, unique
+    # a name, unique
+    assert groups[1].startswith("host_gpu_0-") and len(groups[1]) == len("host_gpu_0-") + 16
 
 
 def test_a_worker_token_is_refused_the_router_calls(server):

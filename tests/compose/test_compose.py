@@ -48,14 +48,8 @@ ROOT = Path(__file__).resolve().parents[2]
 ENGINE = ROOT / "deploy" / "local-engine.sh"
 LOCAL_IMAGES = ROOT / "deploy" / "local-images.sh"
 PROJECT = "pagedkv-compose-test"
-SERVICES = {
-    "redis",
-    "allocator",
-    "worker-1",
-    "worker-2",
-    "router",
-    "prometheus",
-}  # grafana: profile off
+# grafana: profile off
+SERVICES = {"redis", "allocator", "worker-1", "worker-2", "router", "prometheus"}
 WORKERS = ("worker-1", "worker-2")
 MODEL = os.environ.get("PAGEDKV_COMPOSE_MODEL", "smollm2")
 # SmolLM2-135M in fp32 keeps 45 KiB of K/V per token: 8 MiB is 11 blocks of 16
@@ -237,9 +231,8 @@ def stack(docker_host, tmp_path_factory):
         assert proc.returncode == 0, "deploy/local-images.sh failed (its output is above)"
         s.env_file = env_file
     s.timings["images_s"] = round(time.monotonic() - t0, 1)
-    s.compose(
-        "down", "-v", "--remove-orphans", timeout=180
-    )  # what an interrupted run may have left
+    # what an interrupted run may have left
+    s.compose("down", "-v", "--remove-orphans", timeout=180)
 
     t0 = time.monotonic()
     s.compose("build", timeout=1500)
@@ -464,9 +457,8 @@ def test_one_conversation_across_both_workers_is_cached_on_the_second(stack):
     )
     second = turn("worker-2")
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
-    whole_blocks = (
-        first["usage"]["prompt_tokens"] // 16 * 16
-    )  # turn 1's prompt, whole blocks: a prefix of turn 2's
+    # turn 1's prompt, whole blocks: a prefix of turn 2's
+    whole_blocks = first["usage"]["prompt_tokens"] // 16 * 16
     hits = (
         tier_total(stack.url("worker-2"), "pagedkv_worker_kv_tier_hit_tokens_total", "shared")
         - hits_before

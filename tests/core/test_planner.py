@@ -168,9 +168,8 @@ class PlannerMachine(RuleBasedStateMachine):
     def _admit(self, plan: PoolPlan, data) -> None:
         tokens = data.draw(tokens_st)
         budget = data.draw(st.sampled_from([None, None, 1, 3]))
-        reserve = data.draw(
-            st.sampled_from([0, 0, 1, 5])
-        )  # slots held from admission (a reservation)
+        # slots held from admission (a reservation)
+        reserve = data.draw(st.sampled_from([0, 0, 1, 5]))
         most = plan.admit(len(tokens), reserve=reserve)
         sid = self._new_id()
         before = self.pool.num_free_blocks

@@ -162,9 +162,8 @@ def test_an_admission_holds_its_reservation_from_the_start():
     r = p.admit("a", [1, 2, 3, 4, 5], reserve=7)  # 12 slots: blocks 0, 1, 2
     assert (r.num_stored, r.new_blocks, r.table) == (5, [0, 1, 2], [0, 1, 2])
     assert p.num_tokens("a") == 12 and p.to_state()["seqs"]["a"]["reserved"] == 7
-    assert (
-        p.index.block_hash[0] is not None and p.index.block_hash[1] is None
-    )  # only full blocks of values
+    # only full blocks of values
+    assert p.index.block_hash[0] is not None and p.index.block_hash[1] is None
     r = p.append("a", [6, 7, 8, 9, 10, 11, 12])  # the values of all seven: no new block
     assert (r.keep, r.new_blocks) == (3, [])
     assert p.cached_prefix_tokens(list(range(1, 13)) + [0]) == 12

@@ -171,9 +171,8 @@ class TiersMachine(RuleBasedStateMachine):
                 self.store_bytes.pop((layout, h), None)
         for h, src in zip(m.store_saves, m.store_save_from, strict=True):  # (1)
             assert h not in w.flight_store
-            assert (
-                w.kv[src] == h
-            )  # a freed or evicted KV block: its bytes are its hash's until the forward pass
+            # a freed or evicted KV block: its bytes are its hash's until the forward pass
+            assert w.kv[src] == h
             w.flight_store[h] = w.kv[src]
         saves = m.host_saves
         for i in range(0, len(saves), 2):  # (2)

@@ -305,9 +305,8 @@ def test_allocator_restart_with_memory_state_recomputes():
         stack.wait_idle()
         figures = stall_figures(stack, before)["worker-1"]
         assert figures["step_errors"] == 0 and figures["failed_requests"] == 0
-        assert (
-            "was dropped" in stack.workers[0].log()
-        )  # PoolLost: a fresh pool, everything recomputed
+        # PoolLost: a fresh pool, everything recomputed
+        assert "was dropped" in stack.workers[0].log()
         assert stack.allocator_metrics().labels(
             "pagedkv_allocator_pool_capacity_blocks", "pool_id"
         ) == {"worker-1/1"}  # a new server: epochs start over

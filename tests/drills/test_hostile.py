@@ -230,9 +230,8 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(start=st.one_of(st.integers(1, 20), st.integers(1, 2**64 - 1)))
     def watch_events_from_anywhere(self, start):
         """A stream from any sequence number: events, or a resync marker first."""
-        if (
-            start > 20
-        ):  # a future cursor waits a poll (0.5 s) before its resync marker: a few suffice
+        if start > 20:
+            # a future cursor waits a poll (0.5 s) before its resync marker: a few suffice
             if PoolMachine.future_watches >= 6:
                 return
             PoolMachine.future_watches += 1
@@ -319,9 +318,8 @@ class PoolMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         self.call("DeregisterPool", pb.DeregisterPoolRequest(pool=self.ref), C.OK)
-        self.call(
-            "DeregisterPool", pb.DeregisterPoolRequest(pool=self.ref), C.NOT_FOUND
-        )  # a double free of a pool
+        # a double free of a pool
+        self.call("DeregisterPool", pb.DeregisterPoolRequest(pool=self.ref), C.NOT_FOUND)
         self.channel.close()
 
 
@@ -422,9 +420,8 @@ def test_the_heaviest_legal_requests_are_bounded_and_replay(redis_store, allocat
             names = (512 * COST_BLOCKS - 1 - 10 * 4 - 5 * 5) // 1280  # after "p", "f0-0".."f0-14"
             assert stats.num_sequences == 16 + names and stats.used_blocks == COST_BLOCKS
             entries = 16 * len(tables["p"])  # the parent and its 15 forks; the rest are empty
-            assert (
-                refused["forks:OP_ERROR_POOL_LIMIT"] == 3 * 16384 - 15
-            )  # 16 x 4096 entries in all
+            # 16 x 4096 entries in all
+            assert refused["forks:OP_ERROR_POOL_LIMIT"] == 3 * 16384 - 15
             assert refused["sequences:OP_ERROR_POOL_LIMIT"] == 16384 - (2 * COST_BLOCKS - 16)
             assert refused["names:OP_ERROR_POOL_LIMIT"] == 2 * 1800 - names
             assert refused["huge admit:OP_ERROR_OUT_OF_BLOCKS"] == 1
@@ -509,9 +506,8 @@ ONCE_500 = {
         "temperature": 1.0,
     },  # sampling: 1e-300 -> 0.0 in float32, no token kept
 }
-ONCE_500_CHAT = {
-    "text_part_not_a_string": [{"type": "text", "text": 5}]
-}  # protocol: "".join over a non-str
+# protocol: "".join over a non-str
+ONCE_500_CHAT = {"text_part_not_a_string": [{"type": "text", "text": 5}]}
 
 
 json_scalars = st.one_of(
@@ -635,9 +631,8 @@ def http_stack():
 
 def check_answer(r: httpx.Response, route: str) -> None:
     CODES[f"http {r.status_code}"] += 1
-    if (
-        r.status_code == 307 and route.endswith("/") and route != "/"
-    ):  # the route without its trailing slash
+    if r.status_code == 307 and route.endswith("/") and route != "/":
+        # the route without its trailing slash
         assert r.headers["location"].split("?")[0].endswith(route.rstrip("/"))
         return
     assert r.status_code in ALLOWED_HTTP, (r.status_code, r.text[:300])
@@ -742,11 +737,8 @@ def test_http_huge_bodies(http_stack):
         headers={"content-type": "application/json"},
     )
     check_answer(r, "/v1/completions")
-    ids = {
-        "model": MODEL,
-        "prompt": list(range(1, 300)) * 700,
-        "max_tokens": 1,
-    }  # 209,300 token ids
+    # 209,300 token ids
+    ids = {"model": MODEL, "prompt": list(range(1, 300)) * 700, "max_tokens": 1}
     check_answer(post(http_stack, "/v1/completions", json.dumps(ids).encode()), "/v1/completions")
 
 

@@ -163,9 +163,8 @@ def test_another_pools_credential_is_refused(stack, certs):
         and records_after[: len(records_before)] == records_before
     )
     ref = offline([PROMPT], MAX_TOKENS)[0]
-    assert (
-        complete(stack.workers[0].url, PROMPT, MAX_TOKENS).text == ref
-    )  # the worker's pool is untouched
+    # the worker's pool is untouched
+    assert complete(stack.workers[0].url, PROMPT, MAX_TOKENS).text == ref
 
 
 def test_different_cache_salts_never_share_a_block(stack):
@@ -291,7 +290,6 @@ def test_a_live_workers_id_cannot_be_taken_and_router_calls_need_a_router_token(
     _, records_after = journal_state(stack.redis.url)
     assert records_after == records_before  # nothing journaled, nothing dropped
     ref = offline([PROMPT], MAX_TOKENS)[0]
-    assert (
-        complete(stack.workers[0].url, PROMPT, MAX_TOKENS).text == ref
-    )  # still worker-1/1, unharmed
+    # still worker-1/1, unharmed
+    assert complete(stack.workers[0].url, PROMPT, MAX_TOKENS).text == ref
     report("hijacks_refused", {k: v.name for k, v in codes.items()})

@@ -184,9 +184,8 @@ def run_phase(
 
 def test_load_no_errors_and_flat_memory(references):
     with Stack(2, worker_args=WORKER_ARGS, redis=True) as stack:
-        run_phase(
-            stack, WARMUP_S, Tally(), Tally(), references
-        )  # warm: caches, arenas, connections
+        # warm: caches, arenas, connections
+        run_phase(stack, WARMUP_S, Tally(), Tally(), references)
         warm = stack.rss()
         http, pools = Tally(), Tally()
         t0 = time.monotonic()

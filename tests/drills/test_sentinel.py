@@ -124,20 +124,17 @@ def test_the_journal_follows_the_primary_sentinel_promotes(allocator_server, tmp
         r.procs["primary"].send_signal(signal.SIGKILL)
         t0 = time.monotonic()
         lost = False
-        for i in range(
-            20, 60
-        ):  # under load through the failover: each step retried until it is answered
+        for i in range(20, 60):
+            # under load through the failover: each step retried until it is answered
             try:
                 step(i)
-            except (
-                PoolLost
-            ):  # a step acknowledged before the kill was not on the replica: dropped loudly
+            except PoolLost:
+                # a step acknowledged before the kill was not on the replica: dropped loudly
                 lost = True
                 tables.clear()
         served_again_s = time.monotonic() - t0
-        assert (
-            r.master_port() == r.replica
-        )  # the Sentinel promoted the replica, and the allocator followed it
+        # the Sentinel promoted the replica, and the allocator followed it
+        assert r.master_port() == r.replica
         assert {
             seq: client.block_table(seq) for seq in tables
         } == tables  # what the worker was told is the state

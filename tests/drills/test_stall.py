@@ -175,9 +175,8 @@ def test_frozen_then_killed_allocator_with_redis_state(
                 assert core.step(ops) == results
             assert client.dump() == as_json(core.pool.to_state())
             assert sample(engine, "pagedkv_worker_allocator_retries_total") > 0
-            assert (
-                sample(engine, "pagedkv_worker_allocator_unavailable_seconds_total") > 0.5
-            )  # frozen 1 s
+            # frozen 1 s
+            assert sample(engine, "pagedkv_worker_allocator_unavailable_seconds_total") > 0.5
             assert sample(engine, "pagedkv_worker_step_errors_total") == 0
         finally:
             done.set()

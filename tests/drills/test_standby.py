@@ -52,11 +52,12 @@ from tests.support.drills import MODEL, Stack, report, wait_for
 pytestmark = pytest.mark.slow
 
 LEASE_S = 1.0
+# the whole journal kept: replayed at the end
 ENV = {
     **ALLOCATOR_ENV,
     "PAGEDKV_ALLOCATOR_LEADER_LEASE": str(LEASE_S),
     "PAGEDKV_ALLOCATOR_SNAPSHOT_EVERY": "100000",
-}  # the whole journal kept: replayed at the end
+}
 
 
 def test_a_leader_stopped_past_its_lease_is_replaced_and_never_writes_again():
@@ -77,9 +78,8 @@ def test_a_leader_stopped_past_its_lease_is_replaced_and_never_writes_again():
             [Admit("q", [1, 2, 3, 4, 5])],
             [Append("q", [6, 7]), Admit("r", [9, 8, 7, 6, 5])],
         )
-        assert list(probe.step(first_ops)) == list(
-            reference_pool.step(first_ops)
-        )  # step 1, at the leader
+        # step 1, at the leader
+        assert list(probe.step(first_ops)) == list(reference_pool.step(first_ops))
         second = pb.StepRequest(pool=probe._ref, step_id=2, prev_step_id=1)
         fill_ops(second.ops, step_columns(second_ops))
         metadata = (("authorization", f"Bearer {stack.token}"),)
@@ -100,9 +100,8 @@ def test_a_leader_stopped_past_its_lease_is_replaced_and_never_writes_again():
         served = load.count()
         wait_for(lambda: load.count() > served + 4, 120, "requests served by the new leader")
 
-        old.proc.popen.send_signal(
-            signal.SIGCONT
-        )  # it wakes up believing it leads, with step 2 to apply
+        # it wakes up believing it leads, with step 2 to apply
+        old.proc.popen.send_signal(signal.SIGCONT)
         with pytest.raises(grpc.RpcError) as refused:
             queued.result(timeout=60)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value

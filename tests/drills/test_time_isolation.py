@@ -161,9 +161,8 @@ def test_a_pool_over_its_snapshot_share_is_dropped_and_the_others_lose_nothing(
                 server.address, PoolSpec("victim", PoolConfig(256, 16, True, "m"))
             )
             victim.step([Admit("v", prompt_with_prefix(random.Random(3), [], 200))])
-            big, _ = snapshot_amplifier(
-                server.address
-            )  # 8 steps of 500 forks, ids of 256 characters
+            # 8 steps of 500 forks, ids of 256 characters
+            big, _ = snapshot_amplifier(server.address)
             for n in range(10):
                 assert victim.step([Append("v", [n + 1])]).all_ok
             deadline = time.monotonic() + 10

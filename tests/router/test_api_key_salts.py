@@ -61,9 +61,8 @@ def test_two_keys_do_not_share_cached_tokens_at_the_worker_and_one_key_does(stac
     prompt = "worker " + PROMPT
     assert _cached(worker, KEY_A, prompt) == (0, None)
     own, _ = _cached(worker, KEY_A, prompt)
-    assert (
-        own >= (len(prompt) // BLOCK - 1) * BLOCK
-    )  # the key's own repeat: every whole block but the last
+    # the key's own repeat: every whole block but the last
+    assert own >= (len(prompt) // BLOCK - 1) * BLOCK
     assert _cached(worker, KEY_B, prompt) == (0, None)  # another key: nothing of A's shows
     # A request's own salt is combined with its key's, never a way into another key's cache.
     assert _cached(worker, KEY_B, prompt, salt="shared") == (0, None)
@@ -109,12 +108,13 @@ def test_the_router_never_passes_a_clients_key_on(keys_file):
         )
         try:
             client = openai_client(router.url, api_key=KEY_B)
+            # no: the router sets it
             client.completions.create(
                 model=MODEL,
                 prompt="hi",
                 max_tokens=1,
                 extra_headers={TENANT_HEADER: tenant_of(KEY_A)},
-            )  # no: the router sets it
+            )
             [head] = worker.heads
             assert head["authorization"] == f"Bearer {KEY_A}" and head[TENANT_HEADER] == tenant_of(
                 KEY_B
@@ -150,6 +150,5 @@ def test_one_key_still_shares_across_its_requests_and_the_setting_turns_salts_of
     ) as url:
         assert _cached(url, KEY_A, PROMPT) == (0, None)
         shared, _ = _cached(url, KEY_B, PROMPT)
-        assert (
-            shared >= (len(PROMPT) // BLOCK - 1) * BLOCK
-        )  # one namespace for every key, as without keys
+        # one namespace for every key, as without keys
+        assert shared >= (len(PROMPT) // BLOCK - 1) * BLOCK

@@ -58,9 +58,8 @@ def test_a_placement_counts_after_its_answer_until_the_view_can_have_heard(monke
     async def scenario() -> list[str]:
         rid, first = _send(router, 0)
         router.placement.answered(rid)  # answered; the view has not heard of its blocks
-        router.placement.enter(
-            BY_URL[first]
-        )  # and the worker is busier than the other (within the thresholds)
+        # and the worker is busier than the other (within the thresholds)
+        router.placement.enter(BY_URL[first])
         rid, order = router.placement.place(WORKERS, {}, [*PREFIX, 2000], None)
         router.placement.answered(rid)
         await asyncio.sleep(0.3)
@@ -69,9 +68,8 @@ def test_a_placement_counts_after_its_answer_until_the_view_can_have_heard(monke
 
     first, again, later, other = asyncio.run(scenario())
     assert again == first  # the finished request's placement still attracts its prefix
-    assert (
-        later == other
-    )  # the linger over, nothing is cached anywhere: the worker sent fewer blocks, less loaded
+    # the linger over, nothing is cached anywhere: the worker sent fewer blocks, less loaded
+    assert later == other
 
 
 def test_new_prefixes_spread_evenly_whatever_the_load_in_flight():

@@ -97,9 +97,8 @@ def test_loads_under_the_thresholds_move_no_placement(cands, prompt, turn, balan
         m = counted(c, prompt, balance)
         return m.cached_tokens, evicted_blocks(m, prompt) == 0
 
-    assume(
-        all(won(c) < won(first) for c in cands if c.key != first.key)
-    )  # not a tie broken by load
+    # not a tie broken by load
+    assume(all(won(c) < won(first) for c in cands if c.key != first.key))
     base = data.draw(st.integers(0, 24))
     loads = data.draw(
         st.lists(
@@ -144,9 +143,8 @@ def test_a_placement_evicts_only_cached_free_blocks_beyond_the_clean_ones(
 def test_with_the_same_match_a_worker_with_room_beats_one_that_would_evict(busier, turn):
     """Equal matches: the worker whose free blocks hold no cached prefix and cover the prompt's
     new blocks wins, though busier (within the thresholds); with room on both, the less loaded."""
-    full = Candidate(
-        "http://a", 96, 40, 64, 0, 16, clean_free=0
-    )  # free blocks: all others' prefixes
+    # free blocks: all others' prefixes
+    full = Candidate("http://a", 96, 40, 64, 0, 16, clean_free=0)
     roomy = Candidate("http://b", 96, 40, 64, 1 + busier, 16, clean_free=40)
     assert rank("kv", [full, roomy], 160, turn)[0].key == "http://b"
     assert rank("kv", [with_(full, clean_free=4), roomy], 160, turn)[0].key == "http://a"

@@ -19,9 +19,8 @@ def chain(tokens: list[int], salt: str | None = None) -> list[bytes]:
 
 def test_a_block_sent_twice_counts_once_and_is_the_newest():
     recent = RecentBlocks()
-    recent.record(
-        "w", 1, FP, BLOCK, 64, [*range(12), 99], None
-    )  # three whole blocks before the last token
+    # three whole blocks before the last token
+    recent.record("w", 1, FP, BLOCK, 64, [*range(12), 99], None)
     recent.record("w", 2, FP, BLOCK, 64, [*range(8), 7, 7, 7, 7, 99], None)  # shares the first two
     assert recent.blocks("w") == 4
     assert recent.blocks("other") == 0
@@ -46,12 +45,10 @@ def test_trimming_stops_at_a_request_still_computing():
     recent.record("w", 1, FP, BLOCK, 64, [*range(8), 99], None)
     recent.record("w", 2, FP, BLOCK, 64, [*range(100, 108), 99], None)
     nothing_held = lambda h: False  # noqa: E731 - the view has heard of no block yet
-    assert (
-        recent.blocks("w", nothing_held, pending={1}) == 4
-    )  # request 1's blocks may not be computed yet
-    assert (
-        recent.blocks("w", nothing_held, pending={2}) == 2
-    )  # request 1's went; 2's stop the trimming
+    # request 1's blocks may not be computed yet
+    assert recent.blocks("w", nothing_held, pending={1}) == 4
+    # request 1's went; 2's stop the trimming
+    assert recent.blocks("w", nothing_held, pending={2}) == 2
     assert recent.blocks("w", nothing_held, pending=()) == 0
 
 

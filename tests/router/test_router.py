@@ -119,9 +119,8 @@ def test_requests_land_on_the_worker_that_holds_their_prefix(stack):
             assert worker == wid
             # what the router saw is what the allocator says that pool holds
             fp = pools[wid].model_fingerprint
-            ids = tiny_tokenizer().encode(
-                prefix + question
-            )  # as the worker and the router tokenize
+            # as the worker and the router tokenize
+            ids = tiny_tokenizer().encode(prefix + question)
             held = {m.worker_id: m.cached_tokens for m in allocator.match_prefix(fp, ids)}
             assert cached == held[wid] >= (len(prefix) // BLOCK - 1) * BLOCK
     allocator.close()
@@ -228,7 +227,8 @@ def test_cache_salts_do_not_attract_each_other(stack):
     for bad in (
         "\ud800",
         "s" * 1025,
-    ):  # JSON-escaped: a lone surrogate is valid JSON, not valid text
+    ):
+        # JSON-escaped: a lone surrogate is valid JSON, not valid text
         body = json.dumps(
             {"model": MODEL, "prompt": prefix + "third", "max_tokens": 1, "cache_salt": bad}
         )
@@ -244,9 +244,8 @@ def test_cache_salts_do_not_attract_each_other(stack):
 def test_a_restarted_router_routes_as_before(stack):
     prefix = PREFIXES[2]  # held by worker-1 (test above)
     stack.router.terminate()
-    stack.router.start().wait_healthy(
-        120
-    )  # the same port: it learns everything from the allocator again
+    # the same port: it learns everything from the allocator again
+    stack.router.start().wait_healthy(120)
     _, worker, cached = _complete(stack.router_url, prefix + "after a restart")
     assert worker == "worker-1" and cached > 0
 
@@ -283,9 +282,8 @@ def test_a_worker_that_joins_is_used_without_restarting_the_router(stack):
     finally:
         joined.terminate()
     deadline = time.monotonic() + 30
-    while (
-        httpx.get(f"{stack.router_url}/health").json()["workers"] != 2
-    ):  # deregistered: dropped at once
+    while httpx.get(f"{stack.router_url}/health").json()["workers"] != 2:
+        # deregistered: dropped at once
         assert time.monotonic() < deadline, "the router kept a worker whose pool was dropped"
         time.sleep(0.1)
 

@@ -115,9 +115,8 @@ def test_while_an_allocator_is_away_its_workers_are_ranked_after_the_others(stac
 def test_more_allocators_than_workers_is_refused():
     with pytest.raises(StackError, match="--allocators"):
         LocalStack(workers=1, allocators=2, model=MODEL)
-    with pytest.raises(
-        StackError, match="its own --state"
-    ):  # each shard's state and ports are the stack's
+    with pytest.raises(StackError, match="its own --state"):
+        # each shard's state and ports are the stack's
         LocalStack(workers=2, allocators=2, model=MODEL, allocator_args=["--state=redis://h:1/0"])
 
 
@@ -226,9 +225,8 @@ def test_merged_view_follows_a_part_that_lists_again():
     merged = MergedDiscovery([one, two])  # type: ignore[list-item]
     assert list(merged.workers) == ["http://a"]
     assert not merged.allocator_ok and merged.allocators_unreachable == 1
-    two.workers = {
-        "http://b": Worker("http://b", pool_id="q", allocator=1)
-    }  # a new listing: a new dict
+    # a new listing: a new dict
+    two.workers = {"http://b": Worker("http://b", pool_id="q", allocator=1)}
     two.allocator_ok = True
     assert (
         sorted(merged.workers) == ["http://a", "http://b"]

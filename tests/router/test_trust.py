@@ -54,9 +54,8 @@ def _all_answered_by_the_worker(stack: LocalStack, attacker: Attacker, n: int = 
         assert raw.parse().choices[0].text == want
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert attacker.posts == 0
-    assert not any(
-        auth for _, _, auth in attacker.requests
-    )  # no user's (or the router's) credentials
+    # no user's (or the router's) credentials
+    assert not any(auth for _, _, auth in attacker.requests)
 
 
 @pytest.fixture(scope="module")
@@ -101,9 +100,8 @@ def test_with_generated_credentials_nobody_else_registers_a_pool(generated):
             assert refused.value.code() == C.PERMISSION_DENIED
             assert "registers worker 'worker-1'" in refused.value.details()
         _all_answered_by_the_worker(generated, attacker)
-    assert (
-        code_of(s.ListPools, pb.ListPoolsRequest()) == C.UNAUTHENTICATED
-    )  # the router's token is its own
+    # the router's token is its own
+    assert code_of(s.ListPools, pb.ListPoolsRequest()) == C.UNAUTHENTICATED
     channel.close()
 
 
@@ -124,9 +122,8 @@ def test_a_shared_token_holder_cannot_steer_requests_off_the_real_worker(shared)
             _wait_unproven(shared.router_url, 3)
             assert httpx.get(f"{shared.router_url}/health").json()["workers"] == 1
             _all_answered_by_the_worker(shared, attacker)
-            assert any(
-                path.startswith("/pagedkv/identity") for _, path, _ in attacker.requests
-            )  # it was asked
+            # it was asked
+            assert any(path.startswith("/pagedkv/identity") for _, path, _ in attacker.requests)
         finally:
             for p in pools:
                 p.close()

@@ -88,9 +88,8 @@ def test_each_worker_gets_its_store_groups_key(tmp_path):
         "worker-1",
         "worker-2",
     }
-    assert write_credentials(
-        tmp_path / "own", WORKERS, "team"
-    )  # the group changed: the tokens file too
+    # the group changed: the tokens file too
+    assert write_credentials(tmp_path / "own", WORKERS, "team")
     grouped = _files(tmp_path / "own")
     assert {g.store_group for g in parse_worker_tokens(grouped["worker-tokens"]).values()} == {
         "team"

@@ -150,7 +150,8 @@ def test_compose_topology(compose):
         "allocator",
         "worker-1",
         "worker-2",
-    ):  # and the KV tiers' shared store (a file:// volume)
+    ):
+        # and the KV tiers' shared store (a file:// volume)
         assert s[name]["volumes"] == [f"{own[name]}:/credentials:ro", "kv-store:/kv-store"], name
     files = processes_files(["worker-1", "worker-2"])
     assert ADMIN_TOKEN in files["allocator"] and all(
@@ -197,9 +198,8 @@ def test_compose_topology(compose):
         assert w["command"][0] == "worker" and f["--model"] == "smollm2"
         assert f["--allocator"] == "allocator:50051" and alloc["--listen"].endswith(":50051")
         assert "--enable-prefix-caching" in f and f["--host"] == "0.0.0.0"
-        assert (
-            float(f["--kv-offloading-size"]) > 0 and "--no-kv-shared-store" not in f
-        )  # both tiers on
+        # both tiers on
+        assert float(f["--kv-offloading-size"]) > 0 and "--no-kv-shared-store" not in f
         # internal: reached by the router at the URL it registers with its pool
         assert "ports" not in w and w["expose"] == [f["--port"]]
         assert f["--advertise-url"] == f"http://{name}:{f['--port']}"
@@ -572,9 +572,8 @@ def test_k8s_settings_are_read_by_the_clis(monkeypatch):
         add(parser)
         parsed[name] = from_args(config, parser.parse_args([]))
     for key, value in settings.items():
-        component, flag = key.removeprefix("PAGEDKV_").split(
-            "_", 1
-        )  # PAGEDKV_<COMPONENT>_<SETTING>
+        # PAGEDKV_<COMPONENT>_<SETTING>
+        component, flag = key.removeprefix("PAGEDKV_").split("_", 1)
         got = getattr(parsed[component.lower()], flag.lower())
         if isinstance(got, bool):
             assert got is True, key

@@ -39,9 +39,8 @@ def ask(url: str, model: str, prompt: list[int], stream: bool = False) -> list[i
             for t in ch.model_dump().get("token_ids") or []
         ]
     choice = client.completions.create(**kw).choices[0]
-    assert (
-        choice.text == "" and choice.finish_reason == "length"
-    )  # no tokenizer: ids only, never an eos
+    # no tokenizer: ids only, never an eos
+    assert choice.text == "" and choice.finish_reason == "length"
     return choice.model_dump()["token_ids"]
 
 

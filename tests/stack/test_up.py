@@ -408,9 +408,8 @@ def test_up_restarts_a_killed_allocator_and_no_stream_is_cut(tmp_path):
             killed.set()
             results = [s.result(timeout=300) for s in streams]
         for events, after_kill in results:
-            assert (
-                events[-1] == "[DONE]" and after_kill > 1
-            )  # it was in flight: the kill fell in the middle
+            # it was in flight: the kill fell in the middle
+            assert events[-1] == "[DONE]" and after_kill > 1
             chunks = [json.loads(e) for e in events[:-1]]
             assert [c for c in chunks if "error" in c] == []
             assert [

@@ -134,9 +134,8 @@ def random_steps(seed: int, steps: int, max_ops: int = 6, vocab: int = 6) -> lis
                     [rng.randrange(vocab) for _ in range(rng.randint(0, 6))],
                 )
                 ops.append(Append(seq, toks, rng.choice((0, 0, 0, 1, 2, 5))))
-                reserved[seq] = (
-                    max(0, reserved.get(seq, 0) - len(toks)) + ops[-1].reserve
-                )  # if it succeeds
+                # if it succeeds
+                reserved[seq] = max(0, reserved.get(seq, 0) - len(toks)) + ops[-1].reserve
             elif k < 0.7:
                 # Reserved slots given back (refused for more than the sequence holds).
                 seq = rng.choice([s for s in live if reserved.get(s)] or live)

@@ -43,9 +43,8 @@ def bench(*extra: str) -> dict:
 
 
 def check_system(s: dict, pool_slots: int | None = None) -> None:
-    assert (
-        s["tokens_generated"] == REQUESTS * MAX_TOKENS
-    )  # ignore_eos: every request runs to max_tokens
+    # ignore_eos: every request runs to max_tokens
+    assert s["tokens_generated"] == REQUESTS * MAX_TOKENS
     for key in TIMING_KEYS:
         assert s[key] > 0, key
     assert s["ttft_p50_s"] <= s["ttft_p90_s"] <= s["wall_s"]
@@ -82,9 +81,8 @@ def test_engine_only():
     on, off = out["systems"]["engine"], out["systems"]["engine_no_prefix_cache_torch"]
     for s in out["systems"].values():
         check_system(s, slots)
-        assert (
-            s["outputs_match_engine"] == REQUESTS
-        )  # greedy: same tokens with the cache on or off, either backend
+        # greedy: same tokens with the cache on or off, either backend
+        assert s["outputs_match_engine"] == REQUESTS
     # The shared system prompt is served from the prefix cache, and stored once.
     assert on["prefix_cache"] and 0 < on["prefix_hit_tokens"] < on["prefix_queried_tokens"]
     assert off["prefix_hit_tokens"] == 0
@@ -98,9 +96,8 @@ def test_engine_only():
 def test_against_transformers():
     pytest.importorskip("transformers")
     out = bench("--systems", "hf_static,hf_continuous")
-    assert (
-        out["workload"]["hf_static_batch_size"] == SERVE["small"].batch_size < REQUESTS
-    )  # more than one batch
+    # more than one batch
+    assert out["workload"]["hf_static_batch_size"] == SERVE["small"].batch_size < REQUESTS
     assert (
         "engine_no_prefix_cache" not in out["systems"]
         and "engine_no_prefix_cache" not in out["skipped"]
@@ -140,9 +137,8 @@ def test_through_each_allocator_async_on_and_off():
     assert list(systems) == names + [f"{n}_sync" for n in names]
     for key, s in systems.items():
         assert s["tokens_generated"] == REQUESTS * MAX_TOKENS
-        assert (
-            s["outputs_match_first"] == REQUESTS
-        )  # the same greedy tokens, whichever allocator and scheduling
+        # the same greedy tokens, whichever allocator and scheduling
+        assert s["outputs_match_first"] == REQUESTS
         assert s["async_scheduling"] is not key.endswith("_sync")
         assert s["allocator"] == key.removesuffix("_sync")
         for k in ("tokens_per_s", "mean_step_ms", "tpot_ms", "ratio_to_embedded"):

@@ -8,15 +8,25 @@ import sys
 
 import pytest
 
+# fmt: skip
 LLAMA3_8B = {
-    "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "num_attention_heads": 32,
-    "num_hidden_layers": 32, "num_key_value_heads": 8, "max_position_embeddings": 8192,
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 8192,
     "torch_dtype": "bfloat16",
-}  # fmt: skip
+}
+# fmt: skip
 OPT_13B = {
-    "architectures": ["OPTForCausalLM"], "hidden_size": 5120, "num_attention_heads": 40,
-    "num_hidden_layers": 40, "max_position_embeddings": 2048, "torch_dtype": "float16",
-}  # fmt: skip
+    "architectures": ["OPTForCausalLM"],
+    "hidden_size": 5120,
+    "num_attention_heads": 40,
+    "num_hidden_layers": 40,
+    "max_position_embeddings": 2048,
+    "torch_dtype": "float16",
+}
 
 
 def pagedkv(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -114,9 +124,8 @@ def test_simulate_sweep_and_plot(tmp_path):
     sweep = out["sweep"]
     assert [r["block_size"] for r in sweep] == list(range(1, 17))
     assert sweep[0]["wasted_slots"] == 0  # block size 1 wastes nothing
-    assert all(
-        r["wasted_slots"] < r["block_size"] * r["admitted"] for r in sweep
-    )  # under a block a request
+    # under a block a request
+    assert all(r["wasted_slots"] < r["block_size"] * r["admitted"] for r in sweep)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

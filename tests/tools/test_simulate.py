@@ -44,9 +44,8 @@ def test_every_request_takes_its_own_blocks_when_all_fit():
     from pagedkv.tools.simulate import MAX_LEN, MIN_LEN, SEED, draw_lengths
 
     lengths = draw_lengths(50, MIN_LEN, MAX_LEN, SEED)
-    assert (
-        lengths == draw_lengths(500, MIN_LEN, MAX_LEN, SEED)[:50]
-    )  # the first 50 of the article's 500
+    # the first 50 of the article's 500
+    assert lengths == draw_lengths(500, MIN_LEN, MAX_LEN, SEED)[:50]
     few = simulate("--requests", "50")
     for r in few["sweep"]:
         B = r["block_size"]

@@ -73,9 +73,8 @@ def test_a_thousand_idle_connections_cost_no_thread_and_metrics_and_grpc_answer(
         try:
             time.sleep(1.0)
             assert _threads(server.pid) <= before + 4  # a socket each, not a thread
-            status, body = _get(
-                server.metrics_url, timeout=10
-            )  # answers at all: the figure is the bench's
+            # answers at all: the figure is the bench's
+            status, body = _get(server.metrics_url, timeout=10)
             assert status == 200 and b"pagedkv_allocator_pools" in body
             status, first = _get(_base(server) + "/pools/stream", timeout=10)
             assert status == 200 and first == b"retry: 2000\n"

@@ -88,9 +88,8 @@ def test_page_and_stream_need_the_admin_or_router_token(allocator):
         ), path
     assert get(allocator.base + "/pools", ROUTER)[0] == 200
     assert get(allocator.base + "/pools", ADMIN)[0] == 200
-    assert (
-        get(f"{allocator.base}/pools?token={ROUTER}")[0] == 200
-    )  # how the page's EventSource sends it
+    # how the page's EventSource sends it
+    assert get(f"{allocator.base}/pools?token={ROUTER}")[0] == 200
     assert get(allocator.base + "/pools/stream", ADMIN)[0] == 200
     # /metrics stays open, as it was
     status, body = get(allocator.metrics_url)

@@ -486,9 +486,8 @@ def test_an_allocator_from_before_unreserve_is_sent_none(tiny, monkeypatch):
         assert given_back == 0
         reference = _late_arrivals(make(tiny, num_lookahead_slots=0, **LATE_POOL))
         assert tokens == reference[0]
-        assert (
-            first["r5"] > reference[1]["r5"]
-        )  # it waited for the slots ahead, as before UNRESERVE
+        # it waited for the slots ahead, as before UNRESERVE
+        assert first["r5"] > reference[1]["r5"]
     finally:
         server.stop(0).wait()
         service.close()

@@ -78,9 +78,8 @@ def test_the_first_word_keeps_its_space(name):
         len(tok.encode(PROMPT, add_special_tokens=False)) :
     ]
     text, deltas, _ = _run(name, prompt, output)
-    expected = (
-        " paris , of course" if name == "wordpiece" else COMPLETION
-    )  # (lowercased, words spaced)
+    # (lowercased, words spaced)
+    expected = " paris , of course" if name == "wordpiece" else COMPLETION
     assert text == "".join(deltas) == expected == _rule(name, prompt, output)
 
 

@@ -75,6 +75,23 @@ def test_tiny_pool_preempts_and_matches(tiny, reference):
     assert text == engine.num_preemptions
 
 
+@pytest.mark.parametrize("caching", [False, True])
+def test_queried_tokens_agree_with_the_allocator(tiny, reference, caching):
+    """The worker counts the prompt tokens looked up as its pool does: none with caching off."""
+    engine = make(tiny, enable_prefix_caching=caching)
+    assert run(engine, prompts_mixed()) == reference
+    labels = {"worker": "worker-0", "model": "tiny-random", "model_name": "tiny-random"}
+    sample = engine.metrics.registry.get_sample_value
+    queried = sample("pagedkv_worker_prefix_cache_queried_tokens_total", labels) or 0
+    hit = sample("pagedkv_worker_prefix_cache_hit_tokens_total", labels) or 0
+    st = engine.allocator.stats()
+    assert (queried, hit) == (st.prefix_queried_tokens, st.prefix_hit_tokens)
+    if caching:
+        assert queried == sum(map(len, prompts_mixed())) and hit > 0
+    else:
+        assert queried == 0
+
+
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_prefix_caching_matches_and_hits(tiny, reference, block_size):
     engine = make(

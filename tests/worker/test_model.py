@@ -73,9 +73,8 @@ def _save_checkpoint(kind: str, folder) -> torch.nn.Module:
     torch.manual_seed(1234)
     hf = transformers.AutoModelForCausalLM.from_config(_hf_config(kind), torch_dtype=torch.float32)
     with torch.no_grad():
-        for (
-            p
-        ) in hf.parameters():  # also randomises biases and norm weights (zeros / ones by default)
+        for p in hf.parameters():
+            # also randomises biases and norm weights (zeros / ones by default)
             p.normal_(0.0, 0.15)
     hf.eval()
     hf.save_pretrained(folder)

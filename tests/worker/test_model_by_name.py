@@ -116,9 +116,8 @@ def test_dtype_auto_is_float32_on_cpu_and_the_config_dtype_on_cuda(offline_cache
     cuda = torch.device("cuda")
     assert resolve_dtype("auto", cuda, declared="bfloat16") == torch.bfloat16
     assert resolve_dtype("auto", cuda, declared="float16") == torch.float16
-    assert (
-        resolve_dtype("auto", cuda, declared="float32") == torch.bfloat16
-    )  # as vLLM serves float32 models
+    # as vLLM serves float32 models
+    assert resolve_dtype("auto", cuda, declared="float32") == torch.bfloat16
     assert resolve_dtype("half", torch.device("cpu")) == torch.float16
 
 

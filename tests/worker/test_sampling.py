@@ -160,18 +160,16 @@ def test_n4_shares_prompt_blocks_and_copies_the_partial_one(checkpoint, ahead):
     assert all(t[:2] == full for t in tables.values())
     lasts = {t[2] for t in tables.values()}
     assert len(lasts) == 4  # each sample writes its own copy of the partial block...
-    assert (
-        pool.copies - copies_before == 3
-    )  # ...3 copies on write, the last writer keeps the original
+    # ...3 copies on write, the last writer keeps the original
+    assert pool.copies - copies_before == 3
     assert parent_table[2] in lasts
     # memory: the prompt's full blocks once plus each sample's own tail
     for _ in range(5):
         engine.step()
     seqs = engine._seqs["r"]
     # stored: all but the last token (async: the last one's slot too, reserved ahead)
-    own = sum(
-        -(-(len(s.token_ids) - (0 if ahead else 1) - 8) // 4) for s in seqs
-    )  # past the 8 shared
+    # past the 8 shared
+    own = sum(-(-(len(s.token_ids) - (0 if ahead else 1) - 8) // 4) for s in seqs)
     assert engine.allocator.stats().used_blocks == 2 + own
     while engine.has_unfinished():
         engine.step()
@@ -268,9 +266,8 @@ def _assert_prompt_logprobs(hf, prompt: list[int], lps, k: int) -> None:
     """`lps` equal log_softmax of transformers' logits at each prompt position."""
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
-    assert (
-        len(lps) == len(prompt) and lps[0] is None
-    )  # the first token has no logprob (OpenAI, vLLM)
+    # the first token has no logprob (OpenAI, vLLM)
+    assert len(lps) == len(prompt) and lps[0] is None
     for pos in range(1, len(prompt)):
         lp, row = lps[pos], ref[pos - 1]
         assert lp.token_id == prompt[pos]
@@ -287,9 +284,8 @@ def _assert_prompt_logprobs(hf, prompt: list[int], lps, k: int) -> None:
 LONG = [(7 * i + 3) % 97 for i in range(23)]  # 23 tokens: 5 full blocks of 4 and a partial one
 
 
-@pytest.mark.parametrize(
-    "batched_tokens", [2048, 5, 4]
-)  # whole prompts; chunks across and on block edges
+# whole prompts; chunks across and on block edges
+@pytest.mark.parametrize("batched_tokens", [2048, 5, 4])
 def test_prompt_logprobs_are_log_softmax_at_every_position(checkpoint, batched_tokens, monkeypatch):
     hf, loaded = checkpoint
     if batched_tokens > len(LONG):  # whole prompts: their logits in slices of 3 rows

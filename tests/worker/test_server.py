@@ -264,11 +264,12 @@ def test_n_samples_completions_and_chat(client):
     one = client.completions.create(prompt="fork me", max_tokens=6, **GREEDY).choices[0].text
     r = client.completions.create(prompt="fork me", max_tokens=6, n=3, **GREEDY)
     assert [c.index for c in r.choices] == [0, 1, 2] and {c.text for c in r.choices} == {one}
+    # the prompt counted once
     assert (
         r.usage.completion_tokens == 18
         and r.usage.prompt_tokens
         == client.completions.create(prompt="fork me", max_tokens=1, **GREEDY).usage.prompt_tokens
-    )  # the prompt counted once
+    )
     seeded = dict(model="tiny-random", prompt="fork me", max_tokens=8, n=4, temperature=1.0, seed=7)
     a = [c.text for c in client.completions.create(**seeded).choices]
     assert a == [c.text for c in client.completions.create(**seeded).choices] and len(set(a)) > 1
@@ -303,9 +304,8 @@ def test_batched_prompts_each_get_their_choices(client):
     ]
     r = client.completions.create(prompt=prompts, max_tokens=4, n=2, **GREEDY)
     assert [c.index for c in r.choices] == list(range(6))
-    assert [c.text for c in r.choices] == [
-        s for s in singles for _ in range(2)
-    ]  # index = prompt * n + sample
+    # index = prompt * n + sample
+    assert [c.text for c in r.choices] == [s for s in singles for _ in range(2)]
     singles.append(
         client.completions.create(prompt=[5, 6, 7], max_tokens=3, **GREEDY).choices[0].text
     )
@@ -326,9 +326,8 @@ def test_completion_logprobs_and_echo(client):
     )
     for tok, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
         # the top 3 and the chosen token (tiny-random's byte tokens may share a spelling)
-        assert (
-            value <= 0 and 1 <= len(top) <= 4 and top[tok] == value == max(top.values())
-        )  # greedy
+        # greedy
+        assert value <= 0 and 1 <= len(top) <= 4 and top[tok] == value == max(top.values())
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
     echo = client.completions.create(prompt="echo me", max_tokens=3, echo=True, **GREEDY)
     plain = client.completions.create(prompt="echo me", max_tokens=3, **GREEDY)
@@ -387,9 +386,8 @@ def test_echo_with_logprobs_covers_the_prompt(client):
             assert [int(t) for t in plp[pos] if int(t) != prompt[pos]] == [
                 t for t, _ in ref.top if t != prompt[pos]
             ]
-        assert (
-            r.usage.prompt_tokens_details.cached_tokens == 0
-        )  # never served from the prefix cache
+        # never served from the prefix cache
+        assert r.usage.prompt_tokens_details.cached_tokens == 0
     # streamed: the first chunk carries the prompt's logprobs, the offsets go on
     tokens, offsets, values = [], [], []
     for c in client.completions.create(

@@ -99,14 +99,12 @@ def test_host_tier_same_tokens_hits_and_time(llama, reference, async_scheduling)
     assert engine.overlapped == async_scheduling
     host = engine.tiers.host
     assert host.num_slots == 256 and not host.pinned  # counted as on CUDA; no memory taken
-    assert (
-        tokens(engine, prompts(0)) == reference[0]
-    )  # 12 prompts on 40 blocks: evictions, preemptions
+    # 12 prompts on 40 blocks: evictions, preemptions
+    assert tokens(engine, prompts(0)) == reference[0]
     pool = engine.allocator.pool
     hits_before = pool.stats().prefix_hit_tokens
-    again = [
-        engine.generate([p], PARAMS)[0] for p in prompts(0)
-    ]  # one at a time: found in the host tier
+    # one at a time: found in the host tier
+    again = [engine.generate([p], PARAMS)[0] for p in prompts(0)]
     assert [o.token_ids for o in again] == reference[0]
     c = settle(engine)
     assert c["host_saves"] > 40 and c["saves_confirmed"] == c["host_saves"] and c["host_loads"] > 40
@@ -117,9 +115,8 @@ def test_host_tier_same_tokens_hits_and_time(llama, reference, async_scheduling)
     assert moved_seconds(engine) == pytest.approx(
         (c["host_saves"] + c["host_loads"]) * 8.192e-6, rel=1e-9
     )
-    assert engine.clock.now() == pytest.approx(
-        engine.runner.device_seconds
-    )  # the virtual clock: device time
+    # the virtual clock: device time
+    assert engine.clock.now() == pytest.approx(engine.runner.device_seconds)
 
 
 def test_a_prompt_back_from_the_host_tier_costs_its_loads(llama):

@@ -107,9 +107,8 @@ def test_completion_text_echo_and_logprobs(family):
         assert whole.text == expected
         shown = [t not in tok.special_ids for t in ids]
         _pieces_agree(whole.text, whole.logprobs.tokens, whole.logprobs.text_offset, shown)
-        for i, t in enumerate(
-            whole.logprobs.tokens
-        ):  # the chosen token among the top ones, spelled alike
+        for i, t in enumerate(whole.logprobs.tokens):
+            # the chosen token among the top ones, spelled alike
             # (the likeliest of the tokens sharing its
             # spelling; logprobs are taken before logit_bias)
             assert whole.logprobs.top_logprobs[i][t] >= whole.logprobs.token_logprobs[i]

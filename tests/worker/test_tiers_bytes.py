@@ -211,9 +211,8 @@ def test_host_moves_match_a_model_of_slots_and_blocks(moves):
             host.save([b for b, _ in pairs], [s for _, s in pairs])
             slots.update({s: blocks[b] for b, s in pairs})
         else:
-            pairs = list(
-                {b: (b, s) for b, s in pairs if s in slots}.values()
-            )  # written slots, distinct blocks
+            # written slots, distinct blocks
+            pairs = list({b: (b, s) for b, s in pairs if s in slots}.values())
             host.load([s for _, s in pairs], [b for b, _ in pairs])
             blocks.update({b: slots[s] for b, s in pairs})
         assert {b: block_bytes(pool, b) for b in range(pool.num_blocks)} == blocks
@@ -250,9 +249,8 @@ def test_the_offloading_size_in_gib_gives_slots_or_a_one_line_error():
         with pytest.raises(ValueError, match=pattern) as err:
             host_slots_for_size(size, 1024**2, available_bytes=2 * 1024**3)
         assert "\n" not in str(err.value) and "--kv-offloading-size" in str(err.value)
-    with pytest.raises(
-        ValueError, match="more than the memory available"
-    ):  # the machine's MemAvailable
+    with pytest.raises(ValueError, match="more than the memory available"):
+        # the machine's MemAvailable
         HostMemory.from_size(make_pool(), 1e6)
     pool = make_pool()
     assert HostMemory.from_size(pool, 0) is None
@@ -315,9 +313,9 @@ def test_a_sealed_entry_opens_only_under_its_key_and_store_key():
     ns = f"g1.{layout.key}"
     entry = encode_entry(layout, h, payload, seal=seal, namespace=ns)
     assert bytes(decode_entry(entry, layout, h, seal=seal, namespace=ns)) == payload
-    assert (
-        payload not in entry and payload[:64] not in entry
-    )  # a reader without the key sees no K/V
+    # a reader without the key sees no K/V
+    assert payload not in entry and payload[:64] not in entry
+    # each sealing draws its own salt ...
     assert (
         bytes(
             decode_entry(
@@ -329,10 +327,9 @@ def test_a_sealed_entry_opens_only_under_its_key_and_store_key():
             )
         )
         == payload
-    )  # each sealing draws its own salt ...
-    assert (
-        encode_entry(layout, h, payload, seal=seal, namespace=ns) != entry
-    )  # ... so no two are alike
+    )
+    # ... so no two are alike
+    assert encode_entry(layout, h, payload, seal=seal, namespace=ns) != entry
 
     def refused(data, **kw) -> str:
         got = decode_entry(data, layout, h, **{"seal": seal, "namespace": ns, **kw})
@@ -346,9 +343,8 @@ def test_a_sealed_entry_opens_only_under_its_key_and_store_key():
         b[at] ^= 0x01  # the salt, the ciphertext, the tag
     assert [refused(bytes(b)) for b in flipped] == ["seal"] * 3
     assert refused(encode_entry(layout, h, payload)) == "seal"  # plain, valid checksum: a forger's
-    assert (
-        refused(encode_entry(layout, h, payload, seal=other, namespace=ns)) == "seal"
-    )  # another group's key
+    # another group's key
+    assert refused(encode_entry(layout, h, payload, seal=other, namespace=ns)) == "seal"
     assert refused(entry, namespace=f"g2.{layout.key}") == "seal"  # moved to another group's key
     assert refused(entry, seal=None) == "seal"  # a worker without the key cannot read it
     assert refused(entry[:-1]) == "checksum"
@@ -399,9 +395,8 @@ def test_kv_to_store_to_kv_gives_the_same_bytes(store, dtype):
     saved = {b: block_bytes(pool, b) for b in range(pool.num_blocks)}
     hs = hashes(6, layout.key)
     assert mover.save_blocks([3, 1, 4], hs[:3]) == [True] * 3
-    host.save(
-        [5, 9, 2], [2, 0, 3]
-    )  # a host save beside the store's: the store reads KV blocks only
+    # a host save beside the store's: the store reads KV blocks only
+    host.save([5, 9, 2], [2, 0, 3])
     assert mover.save_blocks([5, 9, 2], hs[3:]) == [True] * 3
     fresh = make_pool(dtype, seed=1)
     pool.k_blocks.copy_(fresh.k_blocks)
@@ -425,9 +420,8 @@ def test_kv_to_store_to_kv_gives_the_same_bytes(store, dtype):
     assert sample(metrics, "store_errors_total", "shared") == 0
     assert mover.delete(hs[:2])
     assert mover.load_blocks(hs[:2], [1, 2]) == [LoadOutcome(False, "missing")] * 2
-    assert (
-        sample(metrics, "refused_entries_total", "shared", reason="missing") == 3
-    )  # the miss above too
+    # the miss above too
+    assert sample(metrics, "refused_entries_total", "shared", reason="missing") == 3
 
 
 def test_wrong_layout_and_wrong_checksum_entries_are_refused_and_counted(store, caplog):
@@ -454,9 +448,8 @@ def test_wrong_layout_and_wrong_checksum_entries_are_refused_and_counted(store, 
         LoadOutcome(True),
     ]
     assert [o.refused for o in got] == [True, True, True, False]
-    assert {b: block_bytes(pool, b) for b in range(pool.num_blocks)} == before | {
-        8: before[3]
-    }  # never loaded
+    # never loaded
+    assert {b: block_bytes(pool, b) for b in range(pool.num_blocks)} == before | {8: before[3]}
     for reason in ("checksum", "layout", "format"):
         assert sample(metrics, "refused_entries_total", "shared", reason=reason) == 1
     assert sample(metrics, "loaded_blocks_total", "shared") == 1
@@ -590,9 +583,8 @@ def test_a_redis_store_killed_mid_run_degrades_to_misses(caplog):
             now[0] += 5.0
             assert mover.load_blocks(hs[:1], [7]) == [LoadOutcome(False, "unavailable")]
             assert sample(metrics, "store_errors_total", "shared") == 3
-            assert (
-                sum("unreachable" in r.getMessage() for r in caplog.records) == 1
-            )  # once per outage
+            # once per outage
+            assert sum("unreachable" in r.getMessage() for r in caplog.records) == 1
             assert {b: block_bytes(pool, b) for b in range(pool.num_blocks)} == before
             redis.start().wait_healthy(15)
             now[0] += 5.0
@@ -649,9 +641,7 @@ def test_cuda_host_tier_is_pinned_and_copies_on_a_side_stream(tmp_path):
         host=host,
         seal=StoreSeal(GROUP_KEY),
     )
-    assert mover.save_blocks([8, 3], hashes(2, "gpu")) == [
-        True,
-        True,
-    ]  # (loaded above: blocks 7's and 2's bytes)
+    # (loaded above: blocks 7's and 2's bytes)
+    assert mover.save_blocks([8, 3], hashes(2, "gpu")) == [True, True]
     assert mover.load_blocks(hashes(2, "gpu"), [0, 2]) == [LoadOutcome(True)] * 2
     assert [block_bytes(pool, b) for b in (0, 2)] == [saved[7], saved[2]]

@@ -95,9 +95,8 @@ def tier_metric(engine: LLMEngine, name: str, tier: str, **labels) -> float | No
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_host_tier_same_tokens_and_hits(tiny, reference, async_scheduling):
     engine = make(tiny, kv_offloading_size=gib(tiny, 256), async_scheduling=async_scheduling)
-    assert (
-        tokens(engine, prompts(0)) == reference[0]
-    )  # 12 prompts at once on 40 blocks: evictions, preemptions
+    # 12 prompts at once on 40 blocks: evictions, preemptions
+    assert tokens(engine, prompts(0)) == reference[0]
     pool = engine.allocator.pool
     hits_before, host_before = pool.stats().prefix_hit_tokens, pool.tiers.stats.host_hit_tokens
     # one at a time again: each finds its prompt in the KV pool or (mostly) the host tier
@@ -107,9 +106,8 @@ def test_host_tier_same_tokens_and_hits(tiny, reference, async_scheduling):
     assert c["host_saves"] > 40 and c["saves_confirmed"] == c["host_saves"] and c["host_loads"] > 40
     host_hits = c["host_hit_tokens"] - host_before
     cached = sum(o.num_cached_tokens for o in again)
-    assert (
-        cached == pool.stats().prefix_hit_tokens - hits_before
-    )  # every tier's hits, as the usage says
+    # every tier's hits, as the usage says
+    assert cached == pool.stats().prefix_hit_tokens - hits_before
     assert cached >= host_hits > cached // 2
     assert (
         tier_metric(engine, "pagedkv_worker_kv_tier_hit_tokens_total", "host")
@@ -169,9 +167,8 @@ def test_two_engines_share_the_store(tiny, reference, tmp_path, host_blocks, key
     ca = settle(a)
     assert ca["store_saves"] > 20 and ca["saves_confirmed"] >= ca["store_saves"]
     b = make(tiny, in_group(store), kv_offloading_size=size, worker_id="b", kv_store_key=key)
-    outs = [
-        b.generate([p], GREEDY)[0] for p in prompts(1)
-    ]  # one at a time: no preemption, one admission each
+    # one at a time: no preemption, one admission each
+    outs = [b.generate([p], GREEDY)[0] for p in prompts(1)]
     assert [o.token_ids for o in outs] == reference[1]
     cb = settle(b)
     assert cb["store_loads"] > 20 and cb["refused_loads"] == 0
@@ -200,9 +197,8 @@ def test_refused_store_entries_are_computed(tiny, reference, tmp_path):
             broken += 1
     assert broken == len(index.lru.present) > 20
     b = make(tiny, lambda spec: EmbeddedAllocator(spec, shared_store=store), worker_id="b")
-    alone = b.generate(prompts(1)[:1], GREEDY)[
-        0
-    ]  # its prompt was in the store: every block refused
+    # its prompt was in the store: every block refused
+    alone = b.generate(prompts(1)[:1], GREEDY)[0]
     outs = b.generate(prompts(1), GREEDY)
     assert [o.token_ids for o in outs] == reference[1] and alone.token_ids == reference[1][0]
     assert alone.num_cached_tokens == 0
@@ -210,9 +206,8 @@ def test_refused_store_entries_are_computed(tiny, reference, tmp_path):
     refused = tier_metric(
         b, "pagedkv_worker_kv_tier_refused_entries_total", "shared", reason="checksum"
     )
-    assert (
-        refused == cb["refused_loads"] == index.stats.refused_drops > 20
-    )  # reported, and the index dropped them
+    # reported, and the index dropped them
+    assert refused == cb["refused_loads"] == index.stats.refused_drops > 20
     # the loads that were not refused: entries b saved again itself (the refused ones it computed)
     loaded = cb["store_loads"] - cb["refused_loads"]
     assert tier_metric(b, "pagedkv_worker_kv_tier_hit_tokens_total", "shared") == loaded * BLOCK
@@ -240,9 +235,8 @@ def test_forged_entries_never_reach_a_worker_with_a_store_key(tiny, reference, t
             h = bytes.fromhex(hex_hash)
             got = decode_entry(p.read_bytes(), layout, h)  # a reader without the key
             assert isinstance(got, Refused) and got.reason == "seal"
-            p.write_bytes(
-                encode_entry(layout, h, os.urandom(layout.block_bytes))
-            )  # plain, checksum valid
+            # plain, checksum valid
+            p.write_bytes(encode_entry(layout, h, os.urandom(layout.block_bytes)))
             forged += 1
     assert forged == len(index.lru.present) > 20
     b = make(tiny, in_group(store), worker_id="b", kv_store_key=GROUP_KEY)
@@ -343,9 +337,8 @@ def test_cached_tokens_over_http(worker_process, tiny):
         hits = metric(url, "pagedkv_worker_kv_tier_hit_tokens_total", {"tier": "host"})
         assert hits and hits > 0
         assert again.usage.prompt_tokens_details.cached_tokens >= hits
-        assert (
-            again.usage.prompt_tokens_details.cached_tokens == 36
-        )  # every block but the last token's
+        # every block but the last token's
+        assert again.usage.prompt_tokens_details.cached_tokens == 36
 
 
 @pytest.mark.parametrize(
@@ -373,8 +366,7 @@ def test_bad_tier_settings_are_one_line_errors(args, needle):
     )
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    if not lines[0].startswith(
-        "usage:"
-    ):  # (a flag's own parse error comes after the usage, as argparse has it)
+    if not lines[0].startswith("usage:"):
+        # (a flag's own parse error comes after the usage, as argparse has it)
         assert len(lines) == 1, proc.stderr
     assert needle in lines[-1] and "Traceback" not in proc.stderr, proc.stderr

@@ -91,9 +91,8 @@ def test_prefix_caching_flag_defaults_on_and_turns_off(monkeypatch):
     assert _parse("--no-enable-prefix-caching").enable_prefix_caching is False
     monkeypatch.setenv("PAGEDKV_WORKER_ENABLE_PREFIX_CACHING", "false")
     assert _parse().enable_prefix_caching is False
-    assert (
-        _parse("--enable-prefix-caching").enable_prefix_caching is True
-    )  # a flag wins over its variable
+    # a flag wins over its variable
+    assert _parse("--enable-prefix-caching").enable_prefix_caching is True
     monkeypatch.setenv("PAGEDKV_WORKER_ENABLE_PREFIX_CACHING", "maybe")
     with pytest.raises(SystemExit):
         _parse()
@@ -157,14 +156,12 @@ def test_api_key_guards_every_v1_route(server, client):
             exc.value.body["code"] == "invalid_api_key" and "API key" in exc.value.body["message"]
         )
         call(client)  # the right key passes
-    r = httpx.post(
-        f"{server}/v1/completions", json={"model": SERVED, "prompt": "hi"}
-    )  # no header at all
+    # no header at all
+    r = httpx.post(f"{server}/v1/completions", json={"model": SERVED, "prompt": "hi"})
     assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
-    assert (
-        httpx.get(f"{server}/v1/nothing").status_code == 401
-    )  # unknown /v1 routes too: nothing leaks
+    # unknown /v1 routes too: nothing leaks
+    assert httpx.get(f"{server}/v1/nothing").status_code == 401
     # open, as in vLLM
     for path in ("/health", "/metrics", "/version"):
         assert httpx.get(f"{server}{path}").status_code == 200, path

@@ -50,9 +50,8 @@ from worker.kv_quant import is_fp8
 __all__ = ["DTYPES", "compile_kernels", "numba_decode"]
 
 DTYPES = (torch.float32,)  # the query dtypes; the cache is of the same dtype or fp8
-_CODES = torch.arange(256, dtype=torch.int32, device="cpu").to(
-    torch.uint8
-)  # (imported under any default device)
+# (imported under any default device)
+_CODES = torch.arange(256, dtype=torch.int32, device="cpu").to(torch.uint8)
 
 if "NUMBA_THREADING_LAYER" not in os.environ:
     numba.config.THREADING_LAYER = "workqueue"
@@ -97,9 +96,8 @@ def _paged_decode(
         running_max = np.full(num_q_heads, -np.inf, dtype=np.float32)
         running_sum = np.zeros(num_q_heads, dtype=np.float32)
         acc = np.zeros((num_q_heads, head_dim), dtype=np.float32)
-        scores = np.empty(
-            (CHUNK * block_size, num_q_heads), dtype=np.float32
-        )  # [chunk position, head]
+        # [chunk position, head]
+        scores = np.empty((CHUNK * block_size, num_q_heads), dtype=np.float32)
         blocks = np.empty(CHUNK, dtype=np.int64)
         num_blocks = _blocks_for(context, block_size)
         for first in range(0, num_blocks, CHUNK):
@@ -216,9 +214,8 @@ def numba_decode(
         _serial(*args)
         return out
     with _launch:
-        numba.set_num_threads(
-            threads
-        )  # per calling thread in numba; torch's is the one --threads sets
+        # per calling thread in numba; torch's is the one --threads sets
+        numba.set_num_threads(threads)
         _parallel(*args)
     return out
 

@@ -1,21 +1,17 @@
 """Streaming API over LLMEngine for the HTTP server.
 
-The engine loop runs in one background thread (torch releases the GIL in its
-kernels, so the event loop stays responsive); requests and aborts cross into
-it through a queue, outputs come back to each request's asyncio.Queue through
-`loop.call_soon_threadsafe`. A client that goes away (its async generator is
-closed) has its request aborted, and the sequence's blocks are freed at the
-next step.
-
-The allocator away: the engine thread keeps sending the same step until it is
-answered (so everything the allocator accepted is computed), while a watchdog
-thread fails every request in flight with `AllocatorFault` once the allocator
-has not answered for `allocator_give_up_after_s`; new requests are refused the
-same way until it answers again. While idle, the engine thread probes a remote
-allocator, so `problem()` (GET /health) is true without traffic too.
-
-The engine thread dead (an error outside a step): every request in flight and
-every new one fails with `EngineDeadError`, and `dead()` (GET /health) says so.
+- The engine loop runs in one background thread (torch releases the GIL in
+  its kernels); requests and aborts cross into it through a queue, outputs
+  come back to each request's asyncio.Queue by `loop.call_soon_threadsafe`.
+  A client that goes away (its generator closed) has its request aborted;
+  its blocks are freed at the next step.
+- The allocator away: the engine thread sends the same step until answered,
+  while a watchdog fails every request in flight with `AllocatorFault` once
+  the allocator has not answered for `allocator_give_up_after_s`, and new
+  ones the same way until it answers. While idle the engine thread probes a
+  remote allocator, so `problem()` (GET /health) is true without traffic.
+- The engine thread dead (an error outside a step): every request in flight
+  and every new one fails with `EngineDeadError`; `dead()` says so.
 """
 
 from __future__ import annotations

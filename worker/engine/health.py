@@ -1,15 +1,12 @@
-"""Is the allocator answering this worker? The facts /health and the give-up read.
-(And `EngineDeadError`: the engine thread itself is gone.)
+"""Is the allocator answering this worker? The facts /health and the give-up
+read (and `EngineDeadError`: the engine thread itself is gone).
 
-The engine thread is the only one that calls the allocator for the engine
-(steps, and a probe while idle), and it tells `AllocatorHealth` when a call
-starts, when it got an answer, when it got none (`AllocatorUnavailable`) and
-when the allocator refused it (any other error: the pool is lost to this
-worker, e.g. its re-registration was refused). Other threads only read.
-
-"Unreachable for" is measured from the start of the first call that went
-unanswered, so a call stuck in the client's own retries counts from its first
-attempt. Any answer resets it.
+Only the engine thread calls the allocator for the engine (steps, and a probe
+while idle) and tells `AllocatorHealth` when a call starts, is answered, goes
+unanswered (`AllocatorUnavailable`) or is refused (any other error: the pool
+is lost to this worker); other threads only read. "Unreachable for" counts
+from the start of the first unanswered call (its client's retries included);
+any answer resets it.
 """
 
 from __future__ import annotations

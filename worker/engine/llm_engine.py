@@ -2,19 +2,15 @@
 an output processor.
 
 `LLMEngine.step()` is one iteration of continuous batching: the scheduler
-plans it (one allocator Step call), the model runner computes every scheduled
-token at once (prefill chunks and decodes mixed) and samples the sequences
-that reached their last token, the output processor checks stop conditions
-and detokenizes. With async scheduling the next step's call is planned and
-sent while a step computes; on a device whose launch returns at once (sim:)
-a step is launched behind the one computing, whose tokens are processed
-meanwhile (`_step`; docs/architecture.md, "Overlapped steps"). `generate()`
-is the offline API on top; `AsyncLLMEngine` (async_engine.py) the streaming
-one.
-
-A request with `n > 1` is n sequences under one request id (`index` 0..n-1):
-sample 0 computes the prompt, the others draw their first token from its
-logits and are forked from it in the allocator (scheduler.py).
+plans it (one allocator Step call), the model runner computes every
+scheduled token at once and samples the sequences that reached their last
+token, the output processor checks stops and detokenizes. With async
+scheduling the next call is planned and sent while a step computes; on a
+device whose launch returns at once (`sim:`) steps overlap (`_step`;
+docs/architecture.md, "Overlapped steps"). `generate()` is the offline API;
+`AsyncLLMEngine` (async_engine.py) the streaming one. A request with `n > 1`
+is n sequences under one request id (`index` 0..n-1): sample 0 computes the
+prompt, the others are forked from it (scheduler.py).
 """
 
 from __future__ import annotations
@@ -145,9 +141,8 @@ class LLMEngine:
                     "on_unavailable": self._allocator_unavailable,
                 }
             allocator = connect(config.allocator, spec, **options)
-        elif not isinstance(
-            allocator, AllocatorClient
-        ):  # a factory of the client, given the pool's spec
+        elif not isinstance(allocator, AllocatorClient):
+            # a factory of the client, given the pool's spec
             allocator = allocator(spec)
         self.allocator = allocator
         if tiers is not None:
@@ -181,9 +176,8 @@ class LLMEngine:
             reservation=config.kv_reservation,
             most_slots=self.prompt_limit,
         )
-        self.metrics.slots_ahead.set_function(
-            self.scheduler.slots_ahead
-        )  # summed at scrape time, not per step
+        # summed at scrape time, not per step
+        self.metrics.slots_ahead.set_function(self.scheduler.slots_ahead)
         # The allocator away: the step is sent again until answered (a stall, not an error).
         self.scheduler.calls.on_stall = self.metrics.allocator_unavailable_seconds.inc
         self.scheduler.tiers = tiers

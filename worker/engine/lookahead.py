@@ -1,17 +1,14 @@
-"""Slots ahead (`--num-lookahead-slots`): the policy of holding them, and of giving them back.
+"""Slots ahead (`--num-lookahead-slots`): when to hold them, and when to give them back.
 
-A call holds each sequence it samples for that many slots past its next
-token (reserved: their values are not known yet), so the steps after it
-compute in slots held already and make NO allocator call until a sequence
-runs out of them, new requests are admitted, or a sample forks. The values
-of the tokens those steps computed ride the next call.
-
-Slots ahead are all or none, and never at anyone's cost: taken only when
-the free blocks past the watermark hold every sampling sequence's slots
-ahead, what every running one needs next, and the blocks of a request that
-waits only for the token budget. A step short of blocks takes them back
-(`Unreserve`) before it preempts or leaves a request waiting. The block
-arithmetic is the pool's (`PoolPlan`); these functions decide who and when.
+A call holds each sequence it samples for that many reserved slots past its
+next token, so the steps after it make no allocator call until a sequence
+runs out, a request is admitted or a sample forks; their tokens' values ride
+the next call. Slots ahead are all or none, taken only when the free blocks
+past the watermark hold them, what every running sequence needs next and the
+blocks of a request that waits only for the token budget; a step short of
+blocks gives them back (`Unreserve`) before it preempts or leaves a request
+waiting. The block arithmetic is `PoolPlan`'s; these functions decide who
+and when. The rules: docs/architecture.md, "Steps without a call".
 """
 
 from __future__ import annotations

@@ -59,9 +59,8 @@ class ModelRunner:
         )
         check_kv_dtype(self.model.attn_backend, dtype, self.device)
         prepare = getattr(self.model.attn_backend, "prepare", None)
-        if (
-            dtype != model_dtype and prepare is not None
-        ):  # the model's own dtype was prepared at load
+        if dtype != model_dtype and prepare is not None:
+            # the model's own dtype was prepared at load
             prepare(model_dtype, dtype)
         if config.num_blocks is not None:
             self.kv_pool = KVPool(
@@ -170,9 +169,8 @@ class ModelRunner:
             if lps is None:
                 continue
             lo = max(first, len(lps) - 1)  # the next position whose logprobs are missing
-            hi = min(
-                first + e.num_new, seq.num_prompt_tokens - 1
-            )  # the last prompt position samples
+            # the last prompt position samples
+            hi = min(first + e.num_new, seq.num_prompt_tokens - 1)
             if lo >= hi:
                 continue
             # A cache hit past the known positions would leave a gap (the salt prevents it).

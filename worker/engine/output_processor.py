@@ -1,16 +1,13 @@
 """From sampled tokens to what a client sees: `RequestOutput`.
 
 `OutputProcessor.process(seq, token)` decides whether the token ends the
-sequence (a stop or eos token, the length limit, a stop string), extends the
-sequence's text through its incremental detokenizer, and returns the step's
-output: every token and character so far plus this step's delta. The text is
-what vLLM returns: decode(prompt + output) minus decode(prompt), the
-detokenizer being primed with the prompt's last tokens.
-
-vLLM's rules: nothing stops a sequence (stop token, eos, stop string) before
-`min_tokens` tokens; the stop token and stop string are cut from the text
-unless `include_stop_str_in_output`; `stop_reason` is the stop string or stop
-token id that ended it (None for eos or the length limit).
+sequence (a stop or eos token, the length limit, a stop string), extends its
+text through its incremental detokenizer (primed with the prompt's last
+tokens, so the text is decode(prompt + output) minus decode(prompt)), and
+returns every token and character so far plus this step's delta. vLLM's
+rules: nothing stops a sequence before `min_tokens`; the stop token and stop
+string are cut from the text unless `include_stop_str_in_output`;
+`stop_reason` is the stop string or stop token id (None for eos or length).
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """How many KV slots a request holds from its admission (`EngineConfig.kv_reservation`).
 
-`paged` (the default) holds only what a step computes: blocks come as the
-sequence grows. The other modes are the servers before paging, kept as
-baselines the benchmark compares with (`pagedkv bench reservation`): each
-request holds one reservation from its admission to its end, and every
-token it computes lands inside it.
-
-- `max`: the most tokens a sequence can have (FasterTransformer, Orca (Max));
-- `pow2`: the next power of two of prompt + output (Orca (Pow2));
-- `oracle`: exactly prompt + output (Orca (Oracle)).
-
-Output is the request's `max_tokens`: its output length when it ignores
-EOS, as the benchmark's requests do. No reservation passes the most
-slots a sequence can hold (`most`: the context length, or the KV pool
-when smaller), which every prompt + `max_tokens` fits.
+`paged` (the default): none ahead, blocks as the sequence grows. `max`: the
+most tokens a sequence can have; `pow2`: the next power of two of prompt +
+output; `oracle`: exactly prompt + output. Output is the request's
+`max_tokens` (its length when it ignores EOS, as the benchmark's requests
+do); no reservation passes `most` (the context length, or the KV pool when
+smaller), which every prompt + `max_tokens` fits. The baselines and their
+rules: docs/architecture.md, "Reservations at admission".
 """
 
 from __future__ import annotations

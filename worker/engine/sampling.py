@@ -35,9 +35,8 @@ class SamplingError(ValueError):
 
 
 def _number(value: object) -> bool:
-    return (
-        isinstance(value, int | float) and not isinstance(value, bool) and value == value
-    )  # not NaN
+    # not NaN
+    return isinstance(value, int | float) and not isinstance(value, bool) and value == value
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,25 +1,16 @@
 """Continuous batching over the allocator: one Step call per engine step.
 
-Order and policy live here: who runs, who is admitted, who waits, who is
-preempted. What an operation takes from the pool or gives back is the
-pool's own arithmetic, asked of its planning view (`PoolPlan`, in the
-allocator core), built from the block tables the allocator's answers gave.
-
-Each call sends: frees (finished, aborted, this step's preemption
-victims); forks of parallel samples from the sample that computed their
-prompt; the running sequences in admission order, each with its next
-tokens (one for a decode, a chunk of a prefill); then waiting requests
-admitted while the token budget, `max_num_seqs` and the free blocks allow.
-The step is planned against the pool BEFORE the call and preempts then
-(the newest lowest-priority sequence, recomputed later): every operation
-the allocator accepts is computed by this step's forward pass, so a block
-the prefix cache can find always holds real K/V.
-
-Async scheduling plans step N+1 and sends its call (`schedule_ahead`)
-before step N's forward pass, reserving the slot of each token step N
-samples; its value rides the next Append. Slots ahead: lookahead.py. The
-call, sent until answered: step_calls.py; its answer is applied here. The
-contract's rules and reasons: docs/architecture.md, "The block contract".
+`Scheduler` owns order and policy (who runs, is admitted, waits, is
+preempted) and every write to its queues, answers applied included. What an
+operation takes or frees is asked of the core's planning view (`PoolPlan`).
+A call carries, in order: frees (finished, aborted, this step's victims);
+forks of parallel samples; the running sequences in admission order, each
+with its next tokens; then admissions while the token budget, `max_num_seqs`
+and the free blocks allow. Preemption (newest lowest-priority first) is
+planned BEFORE the call, so the step computes every operation the allocator
+accepts. `schedule_ahead` plans step N+1 while step N computes (async).
+Slots ahead: lookahead.py; the call: step_calls.py. The rules and reasons:
+docs/architecture.md, "A request, end to end" (3) and "The block contract".
 """
 
 from __future__ import annotations
@@ -178,9 +169,8 @@ class Scheduler:
             return inflight.batch
         batch = StepBatch()
         plan = self._plan(batch, frozenset())
-        if (
-            not plan.ops and not self._report_due()
-        ):  # nothing to send: computed in slots held already
+        if not plan.ops and not self._report_due():
+            # nothing to send: computed in slots held already
             self._apply_results(plan, [], batch)
             return batch
         batch.allocator_call = True
@@ -205,9 +195,8 @@ class Scheduler:
         ahead = [s for s in sampling if len(s.token_ids) < s.max_computed_tokens]
         batch = StepBatch()
         plan = self._plan(batch, frozenset(ahead))
-        if (
-            not plan.ops and not self._report_due()
-        ):  # nothing to send: computed in slots held already
+        if not plan.ops and not self._report_due():
+            # nothing to send: computed in slots held already
             future: Future = Future()
             future.set_result([])
             self._inflight = InFlight(plan, batch, future)
@@ -500,9 +489,8 @@ class Scheduler:
         if seq in plan.forks:
             fork = plan.forks.pop(seq)
             ops.remove(fork)
-            if all(
-                f.parent != fork.parent for f in plan.forks.values()
-            ):  # nothing forks from it now
+            if all(f.parent != fork.parent for f in plan.forks.values()):
+                # nothing forks from it now
                 plan.forked_parents.discard(fork.parent)
                 if fork.parent in self._free_later:  # preempted: free it now
                     self._free_later.remove(fork.parent)
@@ -672,7 +660,8 @@ class Scheduler:
             seq.num_cached_tokens = r.cached_tokens
             seq.admitted_once = True
         batch.cached_tokens += r.cached_tokens
-        batch.queried_tokens += len(seq.token_ids)
+        if self.caching:  # looked up only with prefix caching on, as the allocator counts it
+            batch.queried_tokens += len(seq.token_ids)
         start = r.cached_tokens
         if seq.swap is not None:  # resumed, its tail swapped out: copied back, not computed
             start = self.tiers.swap_in(batch, seq, start, r.num_stored)  # type: ignore[union-attr]

@@ -57,7 +57,7 @@ class Sequence:
     num_held: int = 0
     num_reserved: int = 0
     block_table: list[int] = field(default_factory=list)
-    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admit
+    num_cached_tokens: int = 0  # cached tokens of its first admission ("Counts"), as usage says
     admitted_once: bool = False
     num_preemptions: int = 0
     finish_reason: str | None = None

@@ -1,18 +1,13 @@
 """The model runner of a simulated device (`--device sim:NAME`).
 
 It keeps the engine's contract (`launch(batch)`, then `collect(launched)`
-gives the sampled tokens) and the KV pool's shape, but computes nothing: a
+gives the sampled tokens) and the KV pool's shape, and computes nothing: a
 step's time is the roofline's (worker/sim/roofline.py) on the named GPU,
-queued on a `DeviceStream`, and each sampled token is a function of the
-sequence's tokens (worker/sim/tokens.py). The KV pool holds no tensor, only
-its shape: the allocator's block ids are all there is. It is sized from the
-simulated memory as on CUDA: a fraction of what the weights leave free, or a
-size, or a number of blocks, refused when it does not fit.
-
-KV tiers: the host tier and the store mover are the timed ones
-(worker/tiers/timed.py); each tier move, like each copy-on-write copy, is
-queued on the stream before the step's forward pass, a move between the
-device and host memory at the GPU's host link (`Roofline.host_seconds`).
+queued on a `DeviceStream`; a sampled token is a function of the sequence's
+tokens (worker/sim/tokens.py). The KV pool holds no tensor and is sized from
+the simulated memory as on CUDA. Tier moves and copy-on-write copies are
+queued on the stream before the step's forward pass (worker/tiers/timed.py).
+How and why: docs/simulator.md.
 """
 
 from __future__ import annotations
@@ -112,9 +107,8 @@ class SimRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         self.gpu = gpu(config.device.removeprefix(SIM_PREFIX))
         shape = loaded.config
-        if (
-            config.kv_cache_dtype != "auto"
-        ):  # the pool's bytes, and the bytes a step reads, are fp8's
+        if config.kv_cache_dtype != "auto":
+            # the pool's bytes, and the bytes a step reads, are fp8's
             shape = dataclasses.replace(
                 shape, kv_dtype=kv_cache_element(config.kv_cache_dtype, shape.dtype)
             )

@@ -1,13 +1,10 @@
 """A scheduler's Step calls to its allocator, each sent until it is answered.
 
-A step the allocator did not answer (AllocatorUnavailable: down,
-restarting, its Redis away) is sent again, the SAME operations, after
-pauses doubling from the first to the second value of `stall_backoff_s`,
-until it is answered: the plan of this step is made (preemptions,
-admissions), and the client reuses the step id, so the server applies it
-exactly once. `on_stall(seconds)` is told each pause. `health` is told
-whether each call was answered; any other error from the allocator is a
-refusal: it becomes AllocatorFault (the step fails, nothing was applied).
+A step not answered (`AllocatorUnavailable`: down, restarting, its Redis
+away) is sent again, the SAME operations under the same step id (applied
+exactly once), after pauses doubling from the first to the second value of
+`stall_backoff_s`; `on_stall(seconds)` is told each pause and `health` each
+outcome. Any other error is a refusal: `AllocatorFault` (nothing applied).
 """
 
 from __future__ import annotations

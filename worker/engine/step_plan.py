@@ -39,14 +39,14 @@ class StepBatch:
     entries: list[ScheduledSeq] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    failed: list[Sequence] = field(
-        default_factory=list
-    )  # finished with an error by the allocator's answer
+    # finished with an error by the allocator's answer
+    failed: list[Sequence] = field(default_factory=list)
     allocator_seconds: float = 0.0
     # its operations went out in an allocator call (else computed in slots held)
     allocator_call: bool = False
-    cached_tokens: int = 0  # prompt tokens served from the prefix cache this step
-    queried_tokens: int = 0
+    # prompt tokens this step's admissions did not compute (docs/architecture.md, "Counts")
+    cached_tokens: int = 0
+    queried_tokens: int = 0  # prompt tokens this step's admissions looked up
     # KV tiers (worker/engine/tiers.py): the answer's moves (None: no tier
     # moves), and swap mode's copies of preempted tails, (KV blocks, swap
     # slots) out and (swap slots, KV blocks) back in

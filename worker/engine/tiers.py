@@ -1,49 +1,24 @@
-"""The KV tiers in the engine: the tier moves of the allocator's answers
-applied around the forward pass, and what became of them reported in a
-later step (docs/architecture.md, "Tiers").
+"""The KV tiers in the engine: the allocator's tier moves applied around the
+forward pass, and their outcome reported in a later step.
 
-A step's moves ride its `StepBatch` (`moves`) and are applied by the model
-runner when it computes that batch, before its forward pass writes anything:
-(0) store deletes, (1) store saves, (2) host saves, then copy-on-write
-copies, then (4) host and store loads. Why at compute time and not when the
-answer arrives: with async scheduling the answer of step N+1 arrives before
-step N computes, and step N may still write the blocks step N+1 saves (the
-last tokens of a sequence freed in step N+1); batches compute in order, so
-every move of step N+1 comes after step N's forward pass and before its own.
+- A step's moves ride its `StepBatch` (`moves`) and `apply_tiers` applies them
+  when the batch computes, before its forward pass writes anything, in the
+  order store deletes, store saves, host saves, copy-on-write copies, loads.
+- Done: a host save when `HostMemory.save` returns (CPU), when its transfer's
+  event is done (CUDA, polled by `take_report`) or when the device stream has
+  done it (`sim:`); a store save or load at once. `take_report` hands what is
+  done to the next allocator call.
+- A store load not loaded is computed by the same forward pass: every entry
+  whose computed prefix holds that block computes from it on, those tokens are
+  not counted as cached (`_recompute`), and the hash is reported `refused`
+  unless the store did not answer.
+- Swap: half of the host tier's slots are the worker's (`swap_slots_for`). A
+  preempted sequence keeps the K/V of its last blocks there (all that fit, if
+  they include every block the allocator cannot find; else none); at resume
+  those past what the admission found are copied back, and a resume that found
+  less than where they start recomputes from what it found.
 
-On a simulated device (`sim:`) the byte movers are the runner's timed ones
-(worker/tiers/timed.py): each move is queued on the device stream in this
-order, behind the step in flight, so it comes after that step's forward pass
-and before its own just the same; no bytes move.
-
-Confirmations: a host save on the CPU is written when `HostMemory.save`
-returns; on CUDA when its transfer's event is done (`take_report` polls); on
-`sim:` when the device stream has done it.
-A store save or load answers at once (`StoreMover`). `take_report` hands
-the finished ones to the next allocator call (a later step: with async
-scheduling the call sent while a batch computes reports the batch before).
-
-A store load that is not loaded (refused: format, layout, checksum; or the
-entry missing) is computed by the same forward pass: every scheduled entry
-whose computed prefix holds that block computes from it (`_recompute`), its
-tokens are not counted as cached, and the hash is reported `refused` (the
-allocator drops the entry). A store that does not answer is a miss the same
-way, but its entries are not reported (the store may come back).
-
-Swap (`--preemption-mode swap`): half of the host tier's slots are the
-worker's own (the allocator is given the other half). A preempted sequence
-is freed as in recompute mode (its full hashed blocks become cached free
-blocks, saved to the host tier when evicted, found again at resume), and
-the worker copies the K/V of its blocks into its own slots: all of them
-when they fit, else the last ones, as long as they include every block the
-allocator cannot find (the partial last block, and full blocks whose token
-values no call carried yet); with less room nothing is kept. At resume the
-admission finds what it finds (KV pool, host tier, store), the kept blocks
-past it are copied back into the new blocks, and only the tokens never
-computed are computed. A resume that finds less than the kept blocks start
-from recomputes from what it found. (Why copies of blocks the allocator may
-also keep: a block evicted in the resume's own step is pending in the host
-tier, not findable, in that step.)
+The reasons: docs/architecture.md, "Tiers".
 """
 
 from __future__ import annotations
@@ -179,9 +154,8 @@ class EngineTiers:
         if shared_store:
             try:
                 self.open_store(shared_store, namespace, self._store_key)
-            except (
-                ValueError
-            ) as exc:  # the new store cannot be used here: no store, not a dead worker
+            except ValueError as exc:
+                # the new store cannot be used here: no store, not a dead worker
                 log.warning(
                     "the allocator's shared store changed to one this worker cannot use: %s", exc
                 )
@@ -229,10 +203,8 @@ class EngineTiers:
     def _host_saves(self, kv_blocks: list[int], slots: list[int]) -> None:
         try:
             transfer = self.host.save(kv_blocks, slots)  # type: ignore[union-attr]
-        except (
-            ValueError,
-            RuntimeError,
-        ) as exc:  # ids out of range, a copy that failed: the saves failed
+        except (ValueError, RuntimeError) as exc:
+            # ids out of range, a copy that failed: the saves failed
             log.warning("host tier: %d saves failed: %s", len(slots), exc)
             self._report.failed.extend(slots)
             return

@@ -98,9 +98,8 @@ class Attention(nn.Module):
         q = apply_rope(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        kv_pool.write(
-            self.layer, meta.slot_mapping, k, v
-        )  # write first: queries read their own K/V
+        # write first: queries read their own K/V
+        kv_pool.write(self.layer, meta.slot_mapping, k, v)
         out = backend(
             q,
             kv_pool.k_cache(self.layer),

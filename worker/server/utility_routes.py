@@ -46,9 +46,8 @@ router = APIRouter()
 def version() -> str:
     try:
         return importlib.metadata.version("pagedkv")
-    except (
-        importlib.metadata.PackageNotFoundError
-    ):  # run from a source tree that was never installed
+    except importlib.metadata.PackageNotFoundError:
+        # run from a source tree that was never installed
         return "0.0.0+unknown"
 
 
@@ -147,9 +146,8 @@ def _detokenize(core, ids: list[int]) -> bytes:
         raise ApiError(
             400, f"token id {bad} is out of range: ids are in [0, {vocab})", param="tokens"
         )
-    return dumps(
-        {"prompt": core.tokenizer.decode(ids, skip_special_tokens=False)}
-    )  # as vLLM: every token
+    # as vLLM: every token
+    return dumps({"prompt": core.tokenizer.decode(ids, skip_special_tokens=False)})
 
 
 @router.post("/detokenize")

@@ -98,9 +98,8 @@ class ModelShape:
                 4 * (hidden * hidden + hidden) + 2 * inter * hidden + inter + hidden + 4 * hidden
             )
             embedding = vocab * proj + (max_pos + 2) * hidden  # OPT's positions start at offset 2
-            other = 2 * hidden + (
-                2 * proj * hidden if proj != hidden else 0
-            )  # final norm; projections
+            # final norm; projections
+            other = 2 * hidden + (2 * proj * hidden if proj != hidden else 0)
             head = vocab * proj  # tied to the input embeddings
         else:
             bias = q + 2 * kv if kind == "qwen2" or cfg.get("attention_bias") else 0

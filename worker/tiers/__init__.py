@@ -1,8 +1,6 @@
-"""KV tiers below the KV pool, the worker's half: moving the bytes.
-
-The allocator decides every move (which block goes to which host slot or store
-entry, and when) and indexes where each block lives; this package only moves
-bytes and says per block whether it could:
+"""KV tiers below the KV pool, the worker's half: moving the bytes. The allocator
+decides every move and indexes where each block lives; this package moves
+bytes and says per block whether it could (docs/architecture.md, "Tiers"):
 
 - `KVLayout` (layout.py): the layout key and a block's bytes;
 - `HostMemory` (host.py): tier 1, host memory (pinned, side-stream copies on CUDA);
@@ -10,13 +8,9 @@ bytes and says per block whether it could:
 - `encode_entry` / `decode_entry` (entry.py): a store entry's header and checks;
 - `StoreSeal` (seal.py): a store group's key, sealing entries (AES-256-GCM);
 - `StoreMover` (mover.py): KV blocks to the store and back;
-- `TimedHostMemory`, `TimedStoreMover` (timed.py): the same on a simulated device,
-  each move timed on its stream, no bytes moved.
-
-A step applies its moves in this order before the forward pass writes: store saves
-(`StoreMover.save_blocks`), host saves (`HostMemory.save`), copy-on-write copies after
-`HostMemory.wait()`, loads (`HostMemory.load`, `StoreMover.load_blocks`), then
-`HostMemory.wait()` before the forward.
+- `TimedHostMemory`, `TimedStoreMover` (timed.py): the same on a simulated
+  device, each move timed on its stream, no bytes moved.
+The order a step applies them in: `worker.engine.tiers`.
 """
 
 from worker.tiers.entry import REFUSAL_REASONS, Refused, decode_entry, encode_entry, entry_key

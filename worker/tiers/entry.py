@@ -6,28 +6,18 @@ Header (little-endian, 96 bytes):
     block hash (32 bytes) | payload length u64 | 16 bytes: see below
 
 - plain (flags 0): the 16 bytes are the XXH3-128 of the payload, which follows;
-- sealed (flags 1, a worker with its store group's key, `seal.StoreSeal`): the 16
-  bytes are the entry key's salt; then the key id (8 bytes) and the payload
-  sealed with AES-256-GCM (its length + a 16-byte tag), the header, key id and
-  store key as associated data.
+- sealed (flags 1, `seal.StoreSeal`): the 16 bytes are the entry key's salt; then
+  the key id (8 bytes) and the payload sealed with AES-256-GCM (its length + a
+  16-byte tag), with the header, key id and store key as associated data.
 
-The entry's store key is `NAMESPACE-HASH` (the pool's store namespace, which the
-allocator gives at registration, and the block hash), so equal content has one
-key per group whoever of the group writes it. `decode_entry` checks every header
-field against what the reader asked for; a mismatch is a `Refused` value with its
-reason, and the payload is then never handed out:
-- `format`: not an entry of this format and version (short, wrong magic or version);
-- `layout`: written by a worker of another KV layout;
-- `checksum`: the bytes are not what was written (another hash in the header, a
-  length that disagrees, or the payload's checksum);
-- `seal`: a worker with a key reads sealed entries only, and only those that open
-  under its key (a plain entry, another group's key, or a forged or altered
-  entry); a worker without one cannot read sealed entries.
-
-XXH3-128 (the xxhash package) is a checksum against corruption at ~20 GB/s a core,
-not a signature: without a key, whoever can write the store can change what
-workers load. With one, only a holder of the group's key can (AES-GCM at
-~8 GB/s a core here).
+The store key is `NAMESPACE-HASH`, so equal content has one key per group.
+`decode_entry` checks every header field against what the reader asked for; a
+mismatch is a `Refused` value and the payload is never handed out. Reasons:
+`format` (short, wrong magic or version), `layout` (another KV layout),
+`checksum` (another hash in the header, a length that disagrees, or the
+payload's checksum), `seal` (a reader with a key met a plain entry, another
+group's, or a forged or altered one; a reader without a key met a sealed one).
+Why a checksum or a seal: docs/operations.md, "Security".
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
 """The host tier (tier 1): `num_slots` KV blocks in the worker's CPU memory.
 
-Slot-major: slot `s` is one block's payload (worker.tiers.layout), contiguous, so a
-slot is copied to or from the device in one call and written to the shared store
-as it lies.
-
-On CUDA the memory is pinned and every copy runs on a side stream, ordered after
-what the current stream had queued when the move was issued (the previous forward
-may still be writing the blocks a save reads). A step issues its saves and loads
-early and calls `wait()` before anything on the compute stream writes KV blocks
-(copy-on-write copies, the forward pass): a saved block may be reused by the step,
-a loaded one is read by it. On the CPU the copies are done when `save`/`load`
-return and `wait()` has nothing to do, so the same calls run and are tested
-everywhere.
-
-The allocator decides every move (which block, which slot, when); this class
-checks only that ids are in range and that a move's destinations are distinct.
+Slot-major: slot `s` is one block's payload (worker.tiers.layout), contiguous,
+so it is copied in one call and written to the store as it lies. On CUDA the
+memory is pinned and every copy runs on a side stream, ordered after what the
+current stream had queued when the move was issued; a step issues its saves
+and loads, then calls `wait()` before anything on the compute stream writes KV
+blocks (copy-on-write copies, the forward pass). On the CPU a copy is done
+when `save`/`load` return and `wait()` does nothing. The allocator decides
+every move; this class checks only that ids are in range and a move's
+destinations are distinct.
 """
 
 from __future__ import annotations

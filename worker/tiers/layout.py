@@ -1,18 +1,15 @@
 """The KV layout: what two workers must share for one's K/V bytes to be the other's.
 
-A block's payload (what the host tier holds in a slot and the shared store in an
-entry) is the block's K and V for every layer, in this order and native byte
-order (little-endian on every platform torch serves on):
+A block's payload (a host-tier slot, a store entry) is its K and V for every
+layer, in native byte order (little-endian wherever torch serves):
 
     [2 (K, V), num_layers, block_size, num_kv_heads, head_dim] of `dtype`
 
 The layout key is a digest of everything that fixes those bytes' meaning: the
 model fingerprint (weights and config), block size, element type, KV heads,
-head dim, layers, byte order and the payload order above; for an fp8 element
-type also every layer's K and V scale (a byte reads as `float(byte) * scale`).
-Workers whose keys are equal can load each other's blocks; the allocator keeps
-store entries per key, so an entry of an fp8 pool is never one of a bfloat16
-pool's, nor of an fp8 pool under other scales.
+head dim, layers, byte order and the payload order; for fp8 also every layer's
+K and V scale. Workers with equal keys load each other's blocks; the allocator
+keeps store entries per key (docs/architecture.md, "FP8 KV cache").
 """
 
 from __future__ import annotations
@@ -89,10 +86,8 @@ class KVLayout:
     @classmethod
     def of_pool(cls, pool: KVPool, model_fingerprint: str) -> KVLayout:
         """The layout of `pool`'s blocks for the model with `model_fingerprint`."""
-        scales = (
-            getattr(pool, "k_scales", ()),
-            getattr(pool, "v_scales", ()),
-        )  # (the simulated pool has none)
+        # (the simulated pool has none)
+        scales = (getattr(pool, "k_scales", ()), getattr(pool, "v_scales", ()))
         if str(pool.dtype).removeprefix("torch.") not in FP8_ELEMENTS:
             scales = (), ()
         return cls(

@@ -1,27 +1,17 @@
 """A store group's seal: AES-256-GCM over every shared-store entry a worker of
-the group writes, so the store holds nothing a reader outside the group can
-read or forge.
+the group writes.
 
 The group's secret (`--kv-store-key-file`, 32 bytes or more) gives one key by
-HKDF-SHA256; its `key_id` (8 bytes of an HMAC of it) travels in each entry so a
-worker holding another group's key says so instead of "forged". Each entry is
+HKDF-SHA256; its `key_id` (8 bytes of an HMAC of it) travels in each entry, so
+a reader with another group's key says so instead of "forged". Each entry is
 sealed under a key of its own, HMAC-SHA256(group key, 16 random bytes), with a
-zero nonce: a key seals one message, so no nonce is ever reused, whatever the
-number of entries (a random 96-bit nonce under one key would be good for about
-2^32 of them).
+zero nonce: a key seals one message, so no nonce is ever reused, however many
+entries (a random 96-bit nonce under one key would be good for about 2^32).
+The associated data is the entry's header and store key (`NAMESPACE-HASH`):
+an entry moved to another key, layout or block does not open.
 
-What it binds: the associated data is the entry's header and its store key
-(`NAMESPACE-HASH`), so an entry moved to another key, another layout or another
-block does not open. What it does not do: tell apart the group's own writers
-(the group is one trust domain, docs/operations.md "Security"), or hide which
-block hashes the store holds (store keys stay readable; a salted tenant's
-hashes cannot be guessed without its salt).
-
-Why one key per group, not per tenant (cache salt): a worker must be able to
-seal a block it evicts long after the request that computed it, and every
-worker of a group serves every tenant of the group, so it would hold every
-tenant's key anyway; against a reader outside the group the group key already
-hides every tenant.
+What it protects and what not, and why one key per group: docs/operations.md,
+"Security".
 """
 
 from __future__ import annotations

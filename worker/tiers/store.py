@@ -1,22 +1,17 @@
 """The shared store's backends: bytes by key, shared by the workers of one KV layout.
 
 The allocator's index is the authority on what the store holds (capacity, LRU,
-which entries are present); a backend only keeps bytes. So a backend needs no
-listing, no expiry and no locking: a key is written once per content (entries
-are content-addressed) and deleted best effort when the index drops it.
-
-- `file://PATH`: a directory on one host (a volume every worker mounts, or
-  /dev/shm). An entry is written to a temporary file and renamed into place, so a
-  reader sees all of it or nothing; entries fan out into two levels of 256
-  subdirectories so no directory grows past a few thousand entries.
-- `redis://HOST:PORT/DB[?key_prefix=P]` (or rediss://): one Redis string per entry
-  under the prefix (default `pagedkv:kv:`); batches go out as one pipeline.
-
-`open_store` checks at start that the store answers (a path it can write, a Redis
-that answers PING) and says what is wrong in one line (`StoreOpenError`, a
-ValueError): the one check of a store URL, `pagedkv_base.store_url`, which the
-allocator runs on its `--kv-shared-store` too. Later failures raise `StoreError`;
-the mover turns them into misses.
+presence); a backend only keeps bytes, so it needs no listing, expiry or
+locking: a key is written once per content and deleted best effort.
+- `file://PATH`: a directory on one host; an entry is written to a temporary
+  file and renamed into place (a reader sees all of it or nothing), under two
+  levels of 256 subdirectories (no directory past a few thousand entries).
+- `redis://HOST:PORT/DB[?key_prefix=P]` (or rediss://): one string per entry
+  under the prefix (default `pagedkv:kv:`); a batch is one pipeline.
+`open_store` checks at start that the store answers (`pagedkv_base.store_url`,
+the allocator's check too) and says what is wrong in one line
+(`StoreOpenError`, a ValueError). Later failures raise `StoreError`; the mover
+turns them into misses.
 """
 
 from __future__ import annotations

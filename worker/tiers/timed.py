@@ -1,24 +1,16 @@
 """Tier moves on a simulated device (`--device sim:NAME`): timed, no bytes moved.
 
-A simulated KV pool holds no tensors, so a tier move has no bytes to copy. These
-movers keep everything else of the real ones (`HostMemory`'s id checks, moves in
-flight and meter; `StoreMover`'s checks, store deletes and outage handling) and
-replace only the copy: `time(nbytes)` (the simulated runner's) queues the move
-on the device stream and answers its seconds and an event done when the stream
-has done it.
-
-- `TimedHostMemory`: host saves and loads. A save is done, so confirmed in the
-  next report, once the stream has done it, as a CUDA worker confirms a save
-  when its side-stream copy is done. Its slots are counted as the real tier's
-  (`HostMemory.from_size`, `host_slots_for_size`); no memory is taken.
-- `TimedStoreMover`: store saves and loads. A save writes nothing to the store
-  and is confirmed at once (a real store save answers when its bytes are
-  written); a load always loads. A simulated worker's entry is therefore an
-  entry of the allocator's index without bytes in the store. Only workers of
-  the same layout ever load an entry (the store namespace holds the layout key,
-  which holds the model fingerprint, and a simulated model's fingerprint is no
-  real model's), so no real worker is ever handed one. Deletes are real: the
-  store's LRU may evict any pool's entries, a real worker's bytes included.
+These movers keep everything of the real ones (`HostMemory`'s id checks, moves
+in flight and meter; `StoreMover`'s checks, store deletes and outage handling)
+but the copy: `time(nbytes)` (the simulated runner's) queues the move on the
+device stream and answers its seconds and an event done when the stream has
+done it.
+- `TimedHostMemory`: a save is confirmed once the stream has done it; slots are
+  counted as the real tier's (`host_slots_for_size`), no memory is taken.
+- `TimedStoreMover`: a save writes no bytes and is confirmed at once; a load
+  always loads; deletes are real.
+Why this is safe for real workers sharing the store: docs/simulator.md,
+"KV tiers".
 """
 
 from __future__ import annotations
@@ -94,9 +86,8 @@ class TimedStoreMover(StoreMover):
 
     def _save(self, kv_blocks: Sequence[int], hashes: Sequence[bytes]) -> list[bool]:
         n = len(kv_blocks)
-        seconds, _ = self._time(
-            n * self.layout.block_bytes
-        )  # device -> host, as a real save's gather
+        # device -> host, as a real save's gather
+        seconds, _ = self._time(n * self.layout.block_bytes)
         if self._meter is not None:
             self._meter.saved(n, n * self.layout.block_bytes, seconds)
         return [True] * n

@@ -5,11 +5,8 @@ from __future__ import annotations
 from pagedkv.bench.attacks.target import METRICS_PROBES, METRICS_TARGET_S
 from pagedkv.bench.harness import Table, cell
 
-OWN_TABLES = (
-    "prompt-reading",
-    "store-poisoning",
-    "evil-worker",
-)  # their details in tables of their own
+# their details in tables of their own
+OWN_TABLES = ("prompt-reading", "store-poisoning", "evil-worker")
 
 
 def tables(report: dict) -> list[Table]:

@@ -163,9 +163,8 @@ def slow_clients(t: Target, w: AttackWorkload) -> Iterator[dict]:
             time.sleep(max(0.0, t0 + body_check + 0.1 - time.monotonic()))
         waited = time.monotonic() - t0
 
-        def still_open(
-            socks, deadline_s: float
-        ) -> int | None:  # None: the attack ended before the deadline
+        def still_open(socks, deadline_s: float) -> int | None:
+            # None: the attack ended before the deadline
             return sum(not closed_by_peer(s) for s in socks) if waited > deadline_s + 1.0 else None
 
         open_heads = still_open(heads, w.router_header_timeout_s)

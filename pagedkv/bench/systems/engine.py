@@ -212,9 +212,8 @@ class _Trace:
     tokens: dict[str, list[int]] = field(default_factory=dict)
     allocated: list[int] | None = None  # slots in allocated blocks, per step; None: not sampled
     held: list[int] = field(default_factory=list)  # slots holding a token
-    logical: list[int] = field(
-        default_factory=list
-    )  # tokens the running sequences store, shared or not
+    # tokens the running sequences store, shared or not
+    logical: list[int] = field(default_factory=list)
 
     def step(self, engine, outputs, sample_kv: bool) -> None:
         now = time.perf_counter()
