@@ -7,9 +7,11 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
+from itertools import islice
 from typing import Any, Self
 
 from allocator_service.core import hashing, integrity, snapshot
+from allocator_service.core.block_ids import block_ids, shared
 from allocator_service.core.errors import InvalidArgument, UnknownSequence
 from allocator_service.core.limits import max_name_chars, max_sequences, max_table_entries
 from allocator_service.core.prefix_index import EventSink, PrefixIndex
@@ -17,6 +19,9 @@ from allocator_service.core.sequence import SeqEntry
 from allocator_service.core.state import PoolConfig, PoolParts, PoolStats
 from allocator_service.core.tiers import PoolTiers, SharedStore
 from allocator_service.core.validation import check_cache_salt, check_tokens
+
+# The array type of a block's fill: slots holding a token, at most MAX_BLOCK_SIZE.
+FILL = "H"
 
 # The counters `stats()` reports, kept in a dump.
 _COUNTERS = ("prefix_queried_tokens", "prefix_hit_tokens", "evictions", "copies", "out_of_blocks")
@@ -40,10 +45,14 @@ class PoolHoldings:
         self.root_hash = hashing.root_hash(config.model_fingerprint, config.block_size)
 
         n = config.num_blocks
-        self.ref_cnt: list[int] = [0] * n
-        self._fill: list[int] = [0] * n
+        # Arrays, not lists: 4 and 2 bytes a block instead of a pointer's 8
+        # (a refcount is at most the pool's sequences, a fill its block size).
+        self.ref_cnt: array[int] = array("i", [0]) * n
+        self._fill: array[int] = array(FILL, [0]) * n
         self.index = PrefixIndex([None] * n, event_sink)
-        self._uncached_free: deque[int] = deque(range(n))
+        # Every block id these hold is an object of the list all pools share.
+        self._ids = block_ids(n)
+        self._uncached_free: deque[int] = deque(islice(self._ids, n))
         # NOTE: an OrderedDict is the doubly linked list that lets a cache hit
         # pull a block out of the middle of the evictable queue in O(1).
         self._cached_free: OrderedDict[int, None] = OrderedDict()
@@ -204,14 +213,17 @@ class PoolHoldings:
         `stats()` counters given in `counters` (prefix_queried_tokens, ...);
         its tiers empty (`from_state` restores them)."""
         pool = cls(config, event_sink, store)
-        pool.ref_cnt = parts.ref_cnt
-        pool._fill = parts.fill
+        pool.ref_cnt = array("i", parts.ref_cnt)
+        pool._fill = array(FILL, parts.fill)
         pool.index = PrefixIndex(parts.block_hash, event_sink)
-        pool._uncached_free = deque(parts.uncached_free)
-        pool._cached_free = OrderedDict.fromkeys(parts.cached_free)
+        ids = pool._ids
+        pool._uncached_free = deque(shared(ids, parts.uncached_free))
+        pool._cached_free = OrderedDict.fromkeys(shared(ids, parts.cached_free))
         pool._stamp = array("q", parts.stamp)
         pool._clock = parts.clock
         pool._seqs = dict(parts.seqs)
+        for q in pool._seqs.values():
+            q.table = shared(ids, q.table)
         pool.table_entries = sum(len(q.table) for q in pool._seqs.values())
         pool.name_chars = sum(len(s) + len(q.salt or "") for s, q in pool._seqs.items())
         for name, value in counters.items():

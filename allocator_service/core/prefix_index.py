@@ -8,7 +8,9 @@ removes; the `BlockPool` decides when (it owns refcounts and free queues).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+
+from allocator_service.core.block_ids import block_ids
 
 # Event kinds passed to the optional event sink (the service turns them into
 # the KV event stream a router can follow).
@@ -34,7 +36,7 @@ class PrefixIndex:
         fresh pool, a restored dump's hashes otherwise). No events."""
         self.block_hash = block_hash
         self._holders: dict[bytes, int | dict[int, None]] = {}
-        for b, h in enumerate(block_hash):
+        for b, h in zip(block_ids(len(block_hash)), block_hash, strict=False):
             if h is not None:
                 self._add(b, h)
         self.event_sink = event_sink
@@ -57,7 +59,7 @@ class PrefixIndex:
         for h, holders in self._holders.items():
             yield h, [holders] if type(holders) is int else list(holders)
 
-    def pick(self, h: bytes, ref_cnt: list[int], stamp: list[int]) -> int | None:
+    def pick(self, h: bytes, ref_cnt: Sequence[int], stamp: Sequence[int]) -> int | None:
         """The block an admission shares for hash `h` (None: not cached): one
         in use if any (the lowest id), else the free one queued last."""
         holders = self._holders.get(h)
