@@ -107,8 +107,8 @@ class PoolParts(NamedTuple):
     dump stores (`snapshot.py`) and the invariants are checked over
     (`integrity.py`)."""
 
-    ref_cnt: Sequence[int]  # per block: block tables naming it
-    fill: Sequence[int]  # per block: slots holding a token
+    ref_cnt: list[int]  # per block: block tables naming it
+    fill: list[int]  # per block: slots holding a token
     block_hash: list[bytes | None]  # per block: its prefix hash (None: none)
     uncached_free: Sequence[int]  # free blocks holding nothing reusable, in hand-out order
     cached_free: Iterable[int]  # free blocks holding a hash, least recently freed first
