@@ -50,7 +50,11 @@ class PoolHoldings:
         self.index = PrefixIndex([None] * n, event_sink)
         # Every block id these hold is an object of the list all pools share.
         self._ids = block_ids(n)
-        self._uncached_free: deque[int] = deque(islice(self._ids, n))
+        # The free queue's front: ids `_fresh` to n-1, never handed out yet
+        # (a fresh pool hands out 0, 1, 2, ...), kept as that range instead of
+        # n entries of the deque; the blocks freed since follow in the deque.
+        self._fresh = 0
+        self._uncached_free: deque[int] = deque()
         # NOTE: an OrderedDict is the doubly linked list that lets a cache hit
         # pull a block out of the middle of the evictable queue in O(1).
         self._cached_free: OrderedDict[int, None] = OrderedDict()
@@ -89,7 +93,7 @@ class PoolHoldings:
     # ------------------------------------------------------------------ reads
     @property
     def num_free_blocks(self) -> int:
-        return len(self._uncached_free) + len(self._cached_free)
+        return self.num_blocks - self._fresh + len(self._uncached_free) + len(self._cached_free)
 
     def has_sequence(self, seq_id: str) -> bool:
         return seq_id in self._seqs
@@ -105,7 +109,7 @@ class PoolHoldings:
 
     def free_order(self) -> list[int]:
         """The order in which free blocks would be handed out, first first."""
-        return [*self._uncached_free, *self._cached_free]
+        return [*self._uncached(), *self._cached_free]
 
     def refcounts(self) -> dict[int, int]:
         return {b: c for b, c in enumerate(self.ref_cnt) if c > 0}
@@ -184,14 +188,20 @@ class PoolHoldings:
             raise UnknownSequence(seq_id)
         return seq
 
+    def _uncached(self) -> list[int]:
+        """The uncached free blocks in hand-out order: the ids never handed
+        out, then the deque."""
+        return [*islice(self._ids, self._fresh, self.num_blocks), *self._uncached_free]
+
     # ---------------------------------------- checks and dumps (own modules)
     def parts(self) -> PoolParts:
-        """The pool's containers as they are (no copies: read only)."""
+        """The pool's containers as they are, read only (no copies but the
+        uncached free queue's list: the ids never handed out, then the deque)."""
         return PoolParts(
             self.ref_cnt,
             self._fill,
             self.index.block_hash,
-            self._uncached_free,
+            self._uncached(),
             self._cached_free,
             self._stamp,
             self._clock,
@@ -215,6 +225,7 @@ class PoolHoldings:
         pool._fill = parts.fill
         pool.index = PrefixIndex(parts.block_hash, event_sink)
         ids = pool._ids
+        pool._fresh = pool.num_blocks
         pool._uncached_free = deque(shared(ids, parts.uncached_free))
         pool._cached_free = OrderedDict.fromkeys(shared(ids, parts.cached_free))
         pool._stamp = array("q", parts.stamp)

@@ -9,10 +9,14 @@ of one and several tokens filling reserved slots and reserving more,
 unreserves, forks, frees, bad input) through both give identical answers
 and identical state (tables, refcounts, free queues, hashes) after every
 step. The prefix index is checked against a dict of hash -> holders (the
-plain rules of `DictIndex`): the same answers, state, events and holders.
+plain rules of `DictIndex`), and the free queue's front of ids never handed
+out against a queue of every id (`PlainQueuePool`): the same answers, state,
+events and holders.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -139,6 +143,17 @@ class DictIndex:
         return dropped
 
 
+class PlainQueuePool(BlockPool):
+    """A free queue that starts as the deque of every id, 0 first, and a
+    prefix index that is a dict (`DictIndex`)."""
+
+    def __init__(self, config, event_sink=None) -> None:
+        super().__init__(config)
+        self._fresh = self.num_blocks
+        self._uncached_free = deque(range(self.num_blocks))
+        self.index = DictIndex(self.index.block_hash, event_sink)
+
+
 def _holders(pool) -> dict[bytes, list[int]]:
     return {h: sorted(holders) for h, holders in pool.index.entries()}
 
@@ -150,7 +165,9 @@ def _holders(pool) -> dict[bytes, list[int]]:
     host_blocks=st.sampled_from([0, 0, 3]),
 )
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-def test_the_prefix_index_table_is_the_dict_rules(seed, num_blocks, block_size, host_blocks):
+def test_the_index_table_and_the_fresh_ids_are_the_plain_rules(
+    seed, num_blocks, block_size, host_blocks
+):
     """Tiny token alphabets, so blocks share hashes, admissions hit and cached
     blocks are evicted (the table's deletions); now and then a lookup, a
     cache reset and a pool restored from its dump, whose index is rebuilt."""
@@ -160,14 +177,15 @@ def test_the_prefix_index_table_is_the_dict_rules(seed, num_blocks, block_size, 
     config = PoolConfig(num_blocks, block_size, True, "m", host_blocks=host_blocks)
     events: dict[str, list] = {"table": [], "dict": []}
     table = BlockPool(config, lambda *e: events["table"].append(e))
-    plain = BlockPool(config)
-    plain.index = DictIndex(plain.index.block_hash, lambda *e: events["dict"].append(e))
+    plain = PlainQueuePool(config, lambda *e: events["dict"].append(e))
     live: list[str] = []
     serial = [0]
     for _ in range(40):
         step = step_columns(_ops(rng, live, serial))
         assert run_step(table, step) == run_step(plain, step)
         assert table.to_state() == plain.to_state()
+        assert table.free_order() == plain.free_order()
+        assert table.num_free_blocks == plain.num_free_blocks
         assert events["table"] == events["dict"]
         assert _holders(table) == _holders(plain)
         tokens = [rng.randrange(3) for _ in range(rng.randrange(1, 12))]
