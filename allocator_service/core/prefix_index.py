@@ -111,19 +111,16 @@ class PrefixIndex:
         in use if any (the lowest id), else the free one queued last."""
         slots, mask, block_hash = self._slots, self._mask, self.block_hash
         i = hash(h) & mask
-        found: int | None = None
-        several: list[int] | None = None
-        while (b := slots[i]) != EMPTY:
-            if block_hash[b] == h:
-                if found is None:
-                    found = b
-                elif several is None:
-                    several = [found, b]
-                else:
-                    several.append(b)
+        while (b := slots[i]) != EMPTY and block_hash[b] != h:
             i = (i + 1) & mask
+        if b == EMPTY:
+            return None
+        several = None
+        while (s := slots[i := (i + 1) & mask]) != EMPTY:
+            if block_hash[s] == h:
+                several = [b, s] if several is None else [*several, s]
         if several is None:
-            return found
+            return b
         in_use = [b for b in several if ref_cnt[b] > 0]
         if in_use:
             return min(in_use)
@@ -132,7 +129,14 @@ class PrefixIndex:
     def register(self, b: int, h: bytes) -> None:
         """Block `b` now holds the full block hashed `h`."""
         self.block_hash[b] = h
-        self._add(b, h)
+        slots, mask = self._slots, self._mask
+        i = hash(h) & mask
+        while (s := slots[i]) != EMPTY:  # `_add`, inlined: one call a block filled
+            if s == b:
+                break
+            i = (i + 1) & mask
+        else:
+            slots[i] = b
         if self.event_sink is not None:
             self.event_sink(BLOCK_STORED, b, h)
 
