@@ -98,9 +98,8 @@ class Run:
         # drawn and processed; the device computes N, then N+1, in order.
         self.overlapped = overlapped
         self.launched: tuple | None = None
-        self.kv: dict[
-            int, tuple[int, ...]
-        ] = {}  # flat slot -> the prefix its K/V was computed from
+        # flat slot -> the prefix its K/V was computed from
+        self.kv: dict[int, tuple[int, ...]] = {}
         self.requests = w["requests"]
         self.families: dict[str, list[Sequence]] = {}
         plan, step = self.sched._plan, self.alloc.step

@@ -70,9 +70,8 @@ class Scheduler:
         # until then: they ride the next call (`_plan_finishing`).
         self._finishing: list[Sequence] = []
         self._flushed: list[Sequence] = []
-        self._free_later: list[
-            str
-        ] = []  # parents preempted in the call their samples fork in: freed next
+        # parents preempted in the call their samples fork in: freed next
+        self._free_later: list[str] = []
         # Frees of a step the allocator refused: they ride the next call, but
         # are not work by themselves (an allocator that keeps refusing would
         # otherwise be called again at once, forever).
