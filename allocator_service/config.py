@@ -17,8 +17,8 @@ class Limits:
     max_ops_per_step: int = 16384
     max_tokens_per_call: int = 1 << 20
     # Live pools, and blocks summed over them: the metadata of one block costs
-    # the server ~72 bytes, ~300 once it holds a cached hash, so 4M blocks is
-    # 0.3 to 1.2 GB (core/limits.py).
+    # the server ~45-80 bytes, ~165-265 once it holds a cached hash, so 4M
+    # blocks is 0.2 to 1.1 GB (core/limits.py).
     max_pools: int = 1024
     max_total_blocks: int = 1 << 22
     # Concurrent WatchEvents streams: each holds a server thread.

@@ -1,6 +1,9 @@
 """`pagedkv up`: the docker-compose topology as local processes.
 
-One allocator (gRPC, in-memory state unless told otherwise), N workers serving
+One allocator (gRPC, in-memory state unless told otherwise), N workers (or, with
+`--prefill-workers N --decode-workers M`, a prefill/decode fleet: N workers with
+`--kv-role prefill`, M with `--kv-role decode`, and a shared store for the
+allocator, file:// in the log folder) serving
 the OpenAI-style HTTP API on loopback, the router in front of them on port
 8000 (the one address clients use: it sends each request to the worker whose
 KV pool holds most of its prompt; `--no-router` leaves it out and the
@@ -62,7 +65,9 @@ def run(args: argparse.Namespace) -> int:
     console = Console(highlight=False)
     up = from_args(UpArgs, args)
     stack = LocalStack(
-        workers=up.workers,
+        workers=up.workers or 2,
+        kv_roles=up.kv_roles,
+        shared_store_gib=up.kv_shared_store_size,
         allocators=up.allocators,
         model=up.model,
         worker_args=worker_args_from(args),
@@ -126,7 +131,10 @@ def run(args: argparse.Namespace) -> int:
                 f"{stack.router_url}/v1  (the API)  {stack.router_url}/metrics",
             )
         for i, url in enumerate(stack.worker_urls, 1):
-            table.add_row(f"worker-{i}", str(procs[f"worker-{i}"].pid), f"{url}/v1  {url}/metrics")
+            role = f"  (--kv-role {up.kv_roles[i - 1]})" if up.kv_roles else ""
+            table.add_row(
+                f"worker-{i}", str(procs[f"worker-{i}"].pid), f"{url}/v1  {url}/metrics{role}"
+            )
         if stack.redis_url:
             table.add_row("redis", str(procs["redis"].pid), stack.redis_url)
         if stack.prometheus_url:

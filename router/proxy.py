@@ -207,9 +207,8 @@ class Proxy:
         placement = self.placement
         placement.enter(worker)
         upstream = None
-        sent: dict[
-            str, bool
-        ] = {}  # `_headers_sent` marks it once the request's head is on the wire
+        # `_headers_sent` marks it once the request's head is on the wire
+        sent: dict[str, bool] = {}
         try:
             upstream = await asyncio.wait_for(
                 self.http.post(

@@ -474,7 +474,8 @@ class WorkerMetrics:
             ),
             "hit_tokens": counter(
                 "kv_tier_hit_tokens",
-                'Prompt tokens of the blocks the tier loaded (docs/architecture.md, "Counts").',
+                "Prompt tokens of the blocks the tier loaded that stayed cached "
+                '(docs/architecture.md, "Counts").',
                 tier,
             ),
             "saved_blocks": counter(

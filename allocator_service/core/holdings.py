@@ -7,9 +7,11 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
+from itertools import islice
 from typing import Any, Self
 
 from allocator_service.core import hashing, integrity, snapshot
+from allocator_service.core.block_ids import block_ids, shared
 from allocator_service.core.errors import InvalidArgument, UnknownSequence
 from allocator_service.core.limits import max_name_chars, max_sequences, max_table_entries
 from allocator_service.core.prefix_index import EventSink, PrefixIndex
@@ -40,10 +42,19 @@ class PoolHoldings:
         self.root_hash = hashing.root_hash(config.model_fingerprint, config.block_size)
 
         n = config.num_blocks
+        # NOTE: lists, not arrays: an array would take 4 or 2 bytes a block
+        # instead of 8, but each access boxes an int, and a free or an append
+        # reads and writes these once a block (~25 ns more each).
         self.ref_cnt: list[int] = [0] * n
         self._fill: list[int] = [0] * n
         self.index = PrefixIndex([None] * n, event_sink)
-        self._uncached_free: deque[int] = deque(range(n))
+        # Every block id these hold is an object of the list all pools share.
+        self._ids = block_ids(n)
+        # The free queue's front: ids `_fresh` to n-1, never handed out yet
+        # (a fresh pool hands out 0, 1, 2, ...), kept as that range instead of
+        # n entries of the deque; the blocks freed since follow in the deque.
+        self._fresh = 0
+        self._uncached_free: deque[int] = deque()
         # NOTE: an OrderedDict is the doubly linked list that lets a cache hit
         # pull a block out of the middle of the evictable queue in O(1).
         self._cached_free: OrderedDict[int, None] = OrderedDict()
@@ -82,7 +93,7 @@ class PoolHoldings:
     # ------------------------------------------------------------------ reads
     @property
     def num_free_blocks(self) -> int:
-        return len(self._uncached_free) + len(self._cached_free)
+        return self.num_blocks - self._fresh + len(self._uncached_free) + len(self._cached_free)
 
     def has_sequence(self, seq_id: str) -> bool:
         return seq_id in self._seqs
@@ -98,7 +109,7 @@ class PoolHoldings:
 
     def free_order(self) -> list[int]:
         """The order in which free blocks would be handed out, first first."""
-        return [*self._uncached_free, *self._cached_free]
+        return [*self._uncached(), *self._cached_free]
 
     def refcounts(self) -> dict[int, int]:
         return {b: c for b, c in enumerate(self.ref_cnt) if c > 0}
@@ -149,7 +160,7 @@ class PoolHoldings:
         for every pool of one root (what `cached_prefix_tokens` answers)."""
         if not self.enable_prefix_caching:
             return 0
-        return hashing.leading_hits(hashes, self.index)
+        return self.index.leading_hits(hashes)
 
     def tier_blocks(self, hashes: Sequence[bytes]) -> tuple[int, int, int]:
         """How many of `hashes` (a prompt's chain, as `cached_blocks` takes)
@@ -177,14 +188,20 @@ class PoolHoldings:
             raise UnknownSequence(seq_id)
         return seq
 
+    def _uncached(self) -> list[int]:
+        """The uncached free blocks in hand-out order: the ids never handed
+        out, then the deque."""
+        return [*islice(self._ids, self._fresh, self.num_blocks), *self._uncached_free]
+
     # ---------------------------------------- checks and dumps (own modules)
     def parts(self) -> PoolParts:
-        """The pool's containers as they are (no copies: read only)."""
+        """The pool's containers as they are, read only (no copies but the
+        uncached free queue's list: the ids never handed out, then the deque)."""
         return PoolParts(
             self.ref_cnt,
             self._fill,
             self.index.block_hash,
-            self._uncached_free,
+            self._uncached(),
             self._cached_free,
             self._stamp,
             self._clock,
@@ -207,11 +224,15 @@ class PoolHoldings:
         pool.ref_cnt = parts.ref_cnt
         pool._fill = parts.fill
         pool.index = PrefixIndex(parts.block_hash, event_sink)
-        pool._uncached_free = deque(parts.uncached_free)
-        pool._cached_free = OrderedDict.fromkeys(parts.cached_free)
+        ids = pool._ids
+        pool._fresh = pool.num_blocks
+        pool._uncached_free = deque(shared(ids, parts.uncached_free))
+        pool._cached_free = OrderedDict.fromkeys(shared(ids, parts.cached_free))
         pool._stamp = array("q", parts.stamp)
         pool._clock = parts.clock
         pool._seqs = dict(parts.seqs)
+        for q in pool._seqs.values():
+            q.table = shared(ids, q.table)
         pool.table_entries = sum(len(q.table) for q in pool._seqs.values())
         pool.name_chars = sum(len(s) + len(q.salt or "") for s, q in pool._seqs.items())
         for name, value in counters.items():

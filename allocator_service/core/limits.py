@@ -11,8 +11,9 @@ from __future__ import annotations
 # Token ids travel as uint32 (the wire format and the block hash encoding).
 MAX_TOKEN_ID = 2**32 - 1
 
-# Blocks in one pool: the metadata of one block costs ~72 bytes of Python objects,
-# ~300 once it holds a cached hash (the RSS of a pool of 2^20 blocks, each cached).
+# Blocks in one pool: the metadata of one block costs ~80 bytes of Python objects,
+# ~185 once it holds a cached hash, ~265 once that block is free (the RSS of one
+# pool of 2^20 blocks; less where pools share their block ids: docs/performance.md).
 MAX_NUM_BLOCKS = 1 << 24
 
 # Token slots per block.

@@ -482,7 +482,10 @@ class BlockPool(PoolHoldings):
     def _take(self) -> int:
         """Pop the front of the free queue (caller checked there is one). A
         cached block whose hash no other block holds is saved a tier down."""
-        if self._uncached_free:
+        if self._fresh < self.num_blocks:
+            b = self._ids[self._fresh]
+            self._fresh += 1
+        elif self._uncached_free:
             b = self._uncached_free.popleft()
         else:
             b, _ = self._cached_free.popitem(last=False)

@@ -8,7 +8,10 @@ removes; the `BlockPool` decides when (it owns refcounts and free queues).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from array import array
+from collections.abc import Callable, Iterator, Sequence
+
+from allocator_service.core.block_ids import block_ids
 
 # Event kinds passed to the optional event sink (the service turns them into
 # the KV event stream a router can follow).
@@ -18,60 +21,122 @@ ALL_CLEARED = "all_cleared"
 
 EventSink = Callable[[str, int, bytes | None], None]
 
+# An empty slot of the index's table.
+EMPTY = -1
+
 
 class PrefixIndex:
     """`block_hash[b]` is the hash block `b` holds (None: nothing reusable);
-    every hash maps to the blocks holding it, in registration order.
+    every hash maps to the blocks holding it.
 
-    NOTE: a hash held by one block (nearly every hash) maps to that block's
-    id itself, and only a hash held by several to a dict of them: a dict per
-    hash cost ~200 bytes a cached block."""
+    NOTE: the map is an open-addressing table of block ids (an array, 4
+    bytes a slot, at least twice the pool's blocks: at most half full), not
+    a dict: a block's slot is found from its hash (linear probing) and its
+    key is `block_hash[b]` itself. A dict cost 40 bytes a cached block,
+    and an int object of 32 for each id it held."""
 
-    __slots__ = ("block_hash", "_holders", "event_sink")
+    __slots__ = ("block_hash", "_slots", "_mask", "event_sink")
 
     def __init__(self, block_hash: list[bytes | None], event_sink: EventSink | None = None) -> None:
         """An index over `block_hash` (one entry per block; all None for a
         fresh pool, a restored dump's hashes otherwise). No events."""
         self.block_hash = block_hash
-        self._holders: dict[bytes, int | dict[int, None]] = {}
-        for b, h in enumerate(block_hash):
+        size = 8
+        while size < 2 * len(block_hash):
+            size *= 2
+        self._slots = array("i", [EMPTY]) * size
+        self._mask = size - 1
+        for b, h in zip(block_ids(len(block_hash)), block_hash, strict=False):
             if h is not None:
                 self._add(b, h)
         self.event_sink = event_sink
 
     def _add(self, b: int, h: bytes) -> None:
-        holders = self._holders.get(h)
-        if holders is None:
-            self._holders[h] = b
-        elif type(holders) is int:
-            if holders != b:
-                self._holders[h] = {holders: None, b: None}
-        else:
-            holders[b] = None
+        slots, mask = self._slots, self._mask
+        i = hash(h) & mask
+        while (s := slots[i]) != EMPTY:
+            if s == b:
+                return
+            i = (i + 1) & mask
+        slots[i] = b
+
+    def holders(self, h: bytes) -> list[int]:
+        """The blocks holding `h`, in the table's order."""
+        slots, mask, block_hash = self._slots, self._mask, self.block_hash
+        found = []
+        i = hash(h) & mask
+        while (b := slots[i]) != EMPTY:
+            if block_hash[b] == h:
+                found.append(b)
+            i = (i + 1) & mask
+        return found
 
     def __contains__(self, h: bytes) -> bool:
-        return h in self._holders
+        slots, mask, block_hash = self._slots, self._mask, self.block_hash
+        i = hash(h) & mask
+        while (b := slots[i]) != EMPTY:
+            if block_hash[b] == h:
+                return True
+            i = (i + 1) & mask
+        return False
+
+    def leading_hits(self, hashes: Sequence[bytes]) -> int:
+        """How many of `hashes`, from the first, are indexed: the rule of
+        `hashing.leading_hits`, its lookups inlined in one call."""
+        slots, mask, block_hash = self._slots, self._mask, self.block_hash
+        hits = 0
+        for h in hashes:
+            i = hash(h) & mask
+            while (b := slots[i]) != EMPTY:
+                if block_hash[b] == h:
+                    break
+                i = (i + 1) & mask
+            else:
+                return hits
+            hits += 1
+        return hits
 
     def entries(self) -> Iterator[tuple[bytes, list[int]]]:
-        """(hash, its holders) for every indexed hash (integrity checks)."""
-        for h, holders in self._holders.items():
-            yield h, [holders] if type(holders) is int else list(holders)
+        """(hash, the blocks found holding it) for every indexed hash
+        (integrity checks: a block whose slot its hash does not reach is
+        missing from them)."""
+        seen: set[bytes] = set()
+        for b in self._slots:
+            if b != EMPTY and (h := self.block_hash[b]) is not None and h not in seen:
+                seen.add(h)
+                yield h, self.holders(h)
 
-    def pick(self, h: bytes, ref_cnt: list[int], stamp: list[int]) -> int | None:
+    def pick(self, h: bytes, ref_cnt: Sequence[int], stamp: Sequence[int]) -> int | None:
         """The block an admission shares for hash `h` (None: not cached): one
         in use if any (the lowest id), else the free one queued last."""
-        holders = self._holders.get(h)
-        if holders is None or type(holders) is int:
-            return holders
-        in_use = [b for b in holders if ref_cnt[b] > 0]
+        slots, mask, block_hash = self._slots, self._mask, self.block_hash
+        i = hash(h) & mask
+        while (b := slots[i]) != EMPTY and block_hash[b] != h:
+            i = (i + 1) & mask
+        if b == EMPTY:
+            return None
+        several = None
+        while (s := slots[i := (i + 1) & mask]) != EMPTY:
+            if block_hash[s] == h:
+                several = [b, s] if several is None else [*several, s]
+        if several is None:
+            return b
+        in_use = [b for b in several if ref_cnt[b] > 0]
         if in_use:
             return min(in_use)
-        return max(holders, key=stamp.__getitem__)
+        return max(several, key=stamp.__getitem__)
 
     def register(self, b: int, h: bytes) -> None:
         """Block `b` now holds the full block hashed `h`."""
         self.block_hash[b] = h
-        self._add(b, h)
+        slots, mask = self._slots, self._mask
+        i = hash(h) & mask
+        while (s := slots[i]) != EMPTY:  # `_add`, inlined: one call a block filled
+            if s == b:
+                break
+            i = (i + 1) & mask
+        else:
+            slots[i] = b
         if self.event_sink is not None:
             self.event_sink(BLOCK_STORED, b, h)
 
@@ -79,30 +144,33 @@ class PrefixIndex:
         """Forget the hash block `b` holds (it is about to be reused)."""
         h = self.block_hash[b]
         assert h is not None
-        holders = self._holders[h]
-        if type(holders) is int:
-            del self._holders[h]
-        else:
-            del holders[b]
-            if len(holders) <= 1:
-                if holders:
-                    self._holders[h] = next(iter(holders))
-                else:
-                    del self._holders[h]
-        self.block_hash[b] = None
+        slots, mask, block_hash = self._slots, self._mask, self.block_hash
+        i = hash(h) & mask
+        while (s := slots[i]) != b:
+            if s == EMPTY:
+                raise KeyError(f"block {b} is not in the prefix index")
+            i = (i + 1) & mask
+        # Backward-shift deletion: move up each later entry of the run that
+        # its own hash's probe reaches past the hole, so none is cut off.
+        j = i
+        while (s := slots[j := (j + 1) & mask]) != EMPTY:
+            home = hash(block_hash[s]) & mask
+            if (j - home) & mask >= (j - i) & mask:
+                slots[i] = s
+                i = j
+        slots[i] = EMPTY
+        block_hash[b] = None
         if self.event_sink is not None:
             self.event_sink(BLOCK_REMOVED, b, h)
 
     def clear(self) -> int:
         """Forget every hash; returns how many blocks held one."""
         dropped = 0
-        for blocks in self._holders.values():
-            if type(blocks) is int:
-                blocks = (blocks,)
-            dropped += len(blocks)
-            for b in blocks:
+        for b in self._slots:
+            if b != EMPTY:
+                dropped += 1
                 self.block_hash[b] = None
-        self._holders.clear()
+        self._slots = array("i", [EMPTY]) * len(self._slots)
         if self.event_sink is not None:
             self.event_sink(ALL_CLEARED, -1, None)
         return dropped

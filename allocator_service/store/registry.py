@@ -110,9 +110,8 @@ class Registry:
         self.pools: dict[str, PoolEntry] = {}
         self.current: dict[str, str] = {}  # worker id -> its live pool id
         self.epochs: dict[str, int] = {}  # worker id -> last epoch issued (remembered ones)
-        self.idle: dict[
-            str, None
-        ] = {}  # remembered worker ids without a live pool, idle longest first
+        # remembered worker ids without a live pool, idle longest first
+        self.idle: dict[str, None] = {}
         self.epoch_floor = 0  # at least every forgotten worker id's last epoch
         self.index = 0  # records applied (the journal index of the last one)
         self.events = events

@@ -40,6 +40,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "pagedkv.bench.tiers",
         "the KV tiers (none, host, host + shared store) on multi-turn chats",
     ),
+    "pd": (
+        "pagedkv.bench.pd",
+        "prefill/decode disaggregation (1 prefill + 1 decode worker) against 2 colocated "
+        "workers on chats mixed with long documents: TTFT, ITL, goodput, bytes moved",
+    ),
     "host": (
         "pagedkv.bench.host",
         "the host's time per step against a simulated GPU (sim:h100): device busy ratio, "

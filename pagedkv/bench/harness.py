@@ -342,6 +342,19 @@ def metric_samples(url: str) -> Iterator[Any]:
         yield from family.samples
 
 
+def tier_bytes(urls: Iterable[str]) -> dict[str, float]:
+    """The KV tiers' saved and loaded bytes so far, "saved:TIER" / "loaded:TIER", summed over
+    the workers at `urls` (absent: not exported)."""
+    got: dict[str, float] = {}
+    for url in urls:
+        for s in metric_samples(url):
+            for what in ("saved", "loaded"):
+                if s.name == f"pagedkv_worker_kv_tier_{what}_bytes_total":
+                    key = f"{what}:{s.labels.get('tier', '')}"
+                    got[key] = got.get(key, 0.0) + s.value
+    return got
+
+
 def log(name: str, message: str) -> None:
     """A progress line on stderr (stdout carries the report)."""
     print(f"[bench {name}] {message}", file=sys.stderr, flush=True)

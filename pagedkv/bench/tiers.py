@@ -178,26 +178,13 @@ def _turn(client, url: str, messages: list[dict], w: TiersWorkload, salt: str) -
     }
 
 
-def _tier_bytes(urls: tuple[str, ...]) -> dict[str, float]:
-    """The tiers' saved and loaded bytes so far, by tier, summed
-    over the workers (absent: not exported)."""
-    got: dict[str, float] = {}
-    for url in urls:
-        for s in harness.metric_samples(url):
-            for what in ("saved", "loaded"):
-                if s.name == f"pagedkv_worker_kv_tier_{what}_bytes_total":
-                    key = f"{what}:{s.labels.get('tier', '')}"
-                    got[key] = got.get(key, 0.0) + s.value
-    return got
-
-
 def _one_run(target: Target, chats: list[Chat], w: TiersWorkload, salt: str) -> dict[str, Any]:
     """Every conversation's turns through `target`, conversations taken in turn."""
     import httpx
 
     histories = [[{"role": "system", "content": chat.system}] for chat in chats]
     turns: list[dict] = []
-    before = _tier_bytes(target.workers)
+    before = harness.tier_bytes(target.workers)
     with httpx.Client(timeout=600) as client:
         t0 = time.perf_counter()
         for t in range(w.turns):
@@ -207,7 +194,7 @@ def _one_run(target: Target, chats: list[Chat], w: TiersWorkload, salt: str) -> 
                 histories[c].append({"role": "assistant", "content": got.get("text", "")})
                 turns.append({"conversation": c, "turn": t, **got})
         wall = time.perf_counter() - t0
-    after = _tier_bytes(target.workers)
+    after = harness.tier_bytes(target.workers)
     return _figures(turns, wall, {k: v - before.get(k, 0.0) for k, v in after.items()})
 
 

@@ -24,7 +24,29 @@ class UpArgs:
     # offered as flags of `pagedkv up` (their `stack=True` settings) and handed to each process
     hands_on: ClassVar[tuple[type, ...]] = (WorkerArgs, RouterArgs)
 
-    workers: int = setting(2, "number of worker processes")
+    workers: int | None = setting(
+        None,
+        "number of worker processes (each --kv-role both); not with --prefill-workers and "
+        "--decode-workers",
+        shown_default="`2`",
+    )
+    prefill_workers: int = setting(
+        0,
+        "a prefill/decode fleet: this many workers with --kv-role prefill (the router sends them "
+        "prompts to compute), beside --decode-workers; the allocator gets a shared store (file:// "
+        "in the log folder) their blocks move through",
+    )
+    decode_workers: int = setting(
+        0,
+        "a prefill/decode fleet: this many workers with --kv-role decode (the router sends them "
+        "each request, its prompt loaded from the shared store), beside --prefill-workers",
+    )
+    kv_shared_store_size: float = setting(
+        4.0,
+        "GiB the shared store of a prefill/decode fleet holds (the allocator's "
+        "--kv-shared-store-size)",
+        flag=False,
+    )
     model: str = setting(
         "smollm2",
         "model every worker serves (and the router tokenizes with): smollm2, "
@@ -100,3 +122,21 @@ class UpArgs:
     quiet: bool = setting(
         False, "do not echo the processes' output (it still goes to the log files)"
     )
+
+    def __post_init__(self) -> None:
+        pd = self.prefill_workers or self.decode_workers
+        if pd and self.workers is not None:
+            raise ValueError(
+                "--workers cannot be combined with --prefill-workers/--decode-workers: give "
+                "either --workers N (each worker both) or --prefill-workers N --decode-workers M"
+            )
+        if pd and not (self.prefill_workers >= 1 and self.decode_workers >= 1):
+            raise ValueError(
+                "a prefill/decode fleet needs --prefill-workers and --decode-workers, each at "
+                "least 1"
+            )
+
+    @property
+    def kv_roles(self) -> list[str]:
+        """Each worker's --kv-role, in start order; empty for a fleet of `--workers` (both)."""
+        return ["prefill"] * self.prefill_workers + ["decode"] * self.decode_workers

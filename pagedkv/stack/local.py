@@ -47,6 +47,10 @@ their binaries are on PATH::
   its leader serves; both run `--standby`, so either one, restarted,
   follows whichever leads then; each worker is given `LEADER,STANDBY` and the
   router `LEADER|STANDBY` per allocator, and they follow whichever leads.
+- `kv_roles=[ROLE, ...]`: a prefill/decode fleet, one worker per role
+  (`--kv-role prefill|decode|both`; `workers` is then their number), and an
+  allocator shared store their blocks move through: `file://<log dir>/kv-store`
+  of `shared_store_gib` GiB, unless `allocator_args` name one.
 - `allocators=N`: pools sharded over N allocator processes ("allocator",
   "allocator-2", ...; ports `allocator_port + i` and `allocator_metrics_port
   + i` when fixed); worker i registers with allocator ((i - 1) mod N), the
@@ -170,7 +174,17 @@ class LocalStack:
         env: Mapping[str, str] | None = None,
         guest_workers: Sequence[tuple[str, str]] = (),
         standby: bool = False,
+        kv_roles: Sequence[str] = (),
+        shared_store_gib: float = 4.0,
     ) -> None:
+        self.kv_roles = list(kv_roles)
+        self.shared_store_gib = shared_store_gib
+        workers = len(self.kv_roles) or workers
+        if self.kv_roles and allocators > 1:
+            raise StackError(
+                "a prefill/decode fleet moves its blocks through one allocator's shared store: "
+                "--allocators must be 1"
+            )
         if workers < 1:
             raise StackError("--workers must be at least 1")
         if not 1 <= allocators <= workers:
@@ -361,7 +375,7 @@ class LocalStack:
                     name,
                     model=self.model,
                     allocator="",
-                    args=[*share, *self.worker_args],
+                    args=[*share, *self.worker_args, *_role_args(self.kv_roles, i - 1)],
                     host=self.worker_host,
                     port=port,
                     connect_host=h,
@@ -370,6 +384,10 @@ class LocalStack:
             self.worker_urls.append(self.workers[-1].url)
 
         allocator_args: list[str] = []
+        if self.kv_roles and "--kv-shared-store" not in self.allocator_args:
+            store = (self.log_dir / "kv-store").resolve()
+            allocator_args += ["--kv-shared-store", f"file://{store}"]
+            allocator_args += ["--kv-shared-store-size", f"{self.shared_store_gib:g}"]
         to_allocator: list[str] = []  # what every worker needs to call it
         router_to_allocator: list[str] = []  # and the router
         allocator_env: dict[str, str] | None = None
@@ -653,6 +671,11 @@ class LocalStack:
             "pids": {name: proc.pid for name, proc in self.processes.items()},
             "log_dir": str(self.log_dir) if self.log_dir else None,
         }
+
+
+def _role_args(roles: Sequence[str], index: int) -> list[str]:
+    """Worker `index`'s (0-based) `--kv-role`, when the stack is given roles."""
+    return ["--kv-role", roles[index]] if roles else []
 
 
 def _shard_state(state: str, index: int) -> str:

@@ -1,21 +1,28 @@
 """The core's fast paths against its plain rules.
 
 `BlockPool.try_append` (an append whose slots fit in the sequence's private
-last block) and the packed hash chain are shortcuts. A pool whose
+last block), the packed hash chain and the prefix index's open-addressing
+table are shortcuts. A pool whose
 `try_append` always declines applies every append by the general rule; the
 same random steps (admits with and without reserved slots, decode appends
 of one and several tokens filling reserved slots and reserving more,
 unreserves, forks, frees, bad input) through both give identical answers
 and identical state (tables, refcounts, free queues, hashes) after every
-step.
+step. The prefix index is checked against a dict of hash -> holders (the
+plain rules of `DictIndex`), and the free queue's front of ids never handed
+out against a queue of every id (`PlainQueuePool`): the same answers, state,
+events and holders.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from allocator_service.core import BlockPool, PoolConfig
+from allocator_service.core.prefix_index import ALL_CLEARED, BLOCK_REMOVED, BLOCK_STORED
 from allocator_service.core.step import Admit, Append, Fork, Free, Unreserve, run_step, step_columns
 
 
@@ -80,3 +87,113 @@ def test_fast_append_answers_and_state_are_the_plain_rules(seed, num_blocks, blo
         assert run_step(fast, step) == run_step(plain, step)
         assert fast.to_state() == plain.to_state()
     assert fast.check_integrity()
+
+
+class DictIndex:
+    """The prefix index's plain rules: a dict of hash -> its holders, in
+    registration order (what `PrefixIndex`'s table must answer)."""
+
+    def __init__(self, block_hash, event_sink=None) -> None:
+        self.block_hash = block_hash
+        self.holders_of: dict[bytes, dict[int, None]] = {}
+        for b, h in enumerate(block_hash):
+            if h is not None:
+                self.holders_of.setdefault(h, {})[b] = None
+        self.event_sink = event_sink
+
+    def __contains__(self, h) -> bool:
+        return h in self.holders_of
+
+    def entries(self):
+        for h, holders in self.holders_of.items():
+            yield h, list(holders)
+
+    def pick(self, h, ref_cnt, stamp):
+        holders = self.holders_of.get(h)
+        if holders is None:
+            return None
+        in_use = [b for b in holders if ref_cnt[b] > 0]
+        if in_use:
+            return min(in_use)
+        return max(holders, key=stamp.__getitem__)
+
+    def register(self, b, h) -> None:
+        self.block_hash[b] = h
+        self.holders_of.setdefault(h, {})[b] = None
+        if self.event_sink is not None:
+            self.event_sink(BLOCK_STORED, b, h)
+
+    def evict(self, b) -> None:
+        h = self.block_hash[b]
+        del self.holders_of[h][b]
+        if not self.holders_of[h]:
+            del self.holders_of[h]
+        self.block_hash[b] = None
+        if self.event_sink is not None:
+            self.event_sink(BLOCK_REMOVED, b, h)
+
+    def clear(self) -> int:
+        dropped = sum(len(holders) for holders in self.holders_of.values())
+        for holders in self.holders_of.values():
+            for b in holders:
+                self.block_hash[b] = None
+        self.holders_of.clear()
+        if self.event_sink is not None:
+            self.event_sink(ALL_CLEARED, -1, None)
+        return dropped
+
+
+class PlainQueuePool(BlockPool):
+    """A free queue that starts as the deque of every id, 0 first, and a
+    prefix index that is a dict (`DictIndex`)."""
+
+    def __init__(self, config, event_sink=None) -> None:
+        super().__init__(config)
+        self._fresh = self.num_blocks
+        self._uncached_free = deque(range(self.num_blocks))
+        self.index = DictIndex(self.index.block_hash, event_sink)
+
+
+def _holders(pool) -> dict[bytes, list[int]]:
+    return {h: sorted(holders) for h, holders in pool.index.entries()}
+
+
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    num_blocks=st.integers(2, 40),
+    block_size=st.sampled_from([1, 2, 4]),
+    host_blocks=st.sampled_from([0, 0, 3]),
+)
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_the_index_table_and_the_fresh_ids_are_the_plain_rules(
+    seed, num_blocks, block_size, host_blocks
+):
+    """Tiny token alphabets, so blocks share hashes, admissions hit and cached
+    blocks are evicted (the table's deletions); now and then a lookup, a
+    cache reset and a pool restored from its dump, whose index is rebuilt."""
+    import random
+
+    rng = random.Random(seed)
+    config = PoolConfig(num_blocks, block_size, True, "m", host_blocks=host_blocks)
+    events: dict[str, list] = {"table": [], "dict": []}
+    table = BlockPool(config, lambda *e: events["table"].append(e))
+    plain = PlainQueuePool(config, lambda *e: events["dict"].append(e))
+    live: list[str] = []
+    serial = [0]
+    for _ in range(40):
+        step = step_columns(_ops(rng, live, serial))
+        assert run_step(table, step) == run_step(plain, step)
+        assert table.to_state() == plain.to_state()
+        assert table.free_order() == plain.free_order()
+        assert table.num_free_blocks == plain.num_free_blocks
+        assert events["table"] == events["dict"]
+        assert _holders(table) == _holders(plain)
+        tokens = [rng.randrange(3) for _ in range(rng.randrange(1, 12))]
+        assert table.cached_prefix_tokens(tokens) == plain.cached_prefix_tokens(tokens)
+        r = rng.random()
+        if r < 0.05:
+            assert table.reset_prefix_cache() == plain.reset_prefix_cache()
+        elif r < 0.15:
+            table = BlockPool.from_state(table.to_state(), lambda *e: events["table"].append(e))
+            assert _holders(table) == _holders(plain)
+        assert table.check_integrity()

@@ -37,16 +37,8 @@ from allocator_service.store.replay import replay
 from allocator_service.wire.codec import decode_results, fill_ops
 from allocator_service.wire.v1 import allocator_pb2 as pb
 from allocator_service.wire.v1 import allocator_pb2_grpc as pb_grpc
-from pagedkv.bench.restart import (
-    ALLOCATOR_ENV,
-    WORKER_ARGS,
-    _JournalTap,
-    _leading,
-    _Load,
-    _outcomes,
-    _reference,
-    _worker_counters,
-)
+from pagedkv.bench.restart import ALLOCATOR_ENV, WORKER_ARGS, _JournalTap, _leading
+from pagedkv.bench.restart_clients import Load, outcome_figures, reference_texts, worker_counters
 from tests.support.drills import MODEL, Stack, report, wait_for
 
 pytestmark = pytest.mark.slow
@@ -63,7 +55,7 @@ ENV = {
 def test_a_leader_stopped_past_its_lease_is_replaced_and_never_writes_again():
     with Stack(2, worker_args=WORKER_ARGS, env=ENV, redis=True, standby=True) as stack:
         urls = list(stack.worker_urls)
-        reference = _reference(urls, MODEL)
+        reference = reference_texts(urls, MODEL)
         old = stack.allocator
         assert _leading(stack.allocator_address) and not _leading(stack.standby_addresses[0])
         # a pool of the drill's own, to queue a step at the stopped leader
@@ -84,8 +76,8 @@ def test_a_leader_stopped_past_its_lease_is_replaced_and_never_writes_again():
         fill_ops(second.ops, step_columns(second_ops))
         metadata = (("authorization", f"Bearer {stack.token}"),)
         tap = _JournalTap(stack.redis_url).start()
-        before = _worker_counters(urls)
-        load = _Load(urls, MODEL, seed=5)
+        before = worker_counters(urls)
+        load = Load(urls, MODEL, seed=5)
         load.start()
         wait_for(lambda: load.count() >= 4, 120, "requests before the fault")
 
@@ -119,10 +111,10 @@ def test_a_leader_stopped_past_its_lease_is_replaced_and_never_writes_again():
         served = load.count()
         wait_for(lambda: load.count() > served + 4, 120, "requests after the old leader resumed")
         load.stop()
-        after = _worker_counters(urls)
+        after = worker_counters(urls)
         journal = tap.stop()
         probe.close()
-        figures = _outcomes(load.outcomes, reference, before, after, t0)
+        figures = outcome_figures(load.outcomes, reference, before, after, t0)
         fenced_lines = [line for line in old.proc.tail if "fenced" in line.lower()]
         report(
             "standby_sigstop",

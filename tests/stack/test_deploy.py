@@ -427,14 +427,19 @@ def test_dashboard_promql_parses(tmp_path):
 # ------------------------------------------------------------------ Kubernetes
 
 
-@pytest.fixture(scope="module")
-def k8s() -> list[dict]:
+def kustomize(folder: Path) -> list[dict]:
+    """The manifests `kubectl kustomize FOLDER` renders (skips without kubectl)."""
     exe = need("kubectl", "kubernetes-client")
     proc = subprocess.run(
-        [exe, "kustomize", str(DEPLOY / "k8s")], capture_output=True, text=True, timeout=60
+        [exe, "kustomize", str(folder)], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0, proc.stderr
     return [d for d in yaml.safe_load_all(proc.stdout) if d]
+
+
+@pytest.fixture(scope="module")
+def k8s() -> list[dict]:
+    return kustomize(DEPLOY / "k8s")
 
 
 def parse_quantity(q: str) -> int:

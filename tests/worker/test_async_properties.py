@@ -98,9 +98,8 @@ class Run:
         # drawn and processed; the device computes N, then N+1, in order.
         self.overlapped = overlapped
         self.launched: tuple | None = None
-        self.kv: dict[
-            int, tuple[int, ...]
-        ] = {}  # flat slot -> the prefix its K/V was computed from
+        # flat slot -> the prefix its K/V was computed from
+        self.kv: dict[int, tuple[int, ...]] = {}
         self.requests = w["requests"]
         self.families: dict[str, list[Sequence]] = {}
         plan, step = self.sched._plan, self.alloc.step
@@ -231,7 +230,7 @@ class Run:
 
     def check_tables(self) -> None:
         sched = self.sched
-        known = [*sched.running, *sched._finishing, *sched._flushed]
+        known = [*sched.running, *sched.releases.held()]
         for s in known:
             assert self.pool.block_table(s.alloc_id) == s.block_table
             # the allocator waits for the values of the same
@@ -239,7 +238,11 @@ class Run:
             held = self.pool._seqs[s.alloc_id]
             assert held.reserved == s.num_reserved <= self.async_scheduling + self.lookahead
             assert held.num_tokens == s.num_held >= s.num_stored >= s.num_valued
-        pending = {*(s.alloc_id for s in known), *sched._to_free, *sched._free_later}
+        pending = {
+            *(s.alloc_id for s in known),
+            *sched.releases.to_free,
+            *sched.releases.free_later,
+        }
         assert set(self.pool.tables()) <= pending, (
             "the allocator holds a sequence the worker forgot"
         )

@@ -21,12 +21,13 @@ from pathlib import Path
 import pytest
 
 from allocator_service.client import EmbeddedAllocator
+from allocator_service.core.hashing import prompt_chain
 from allocator_service.core.tiers import SharedStore
 from tests.support.http import metric, openai_client
 from worker.engine import EngineConfig, LLMEngine, SamplingParams
 from worker.kv_pool import bytes_per_block
 from worker.model.loader import load_model
-from worker.tiers import Refused, decode_entry, encode_entry
+from worker.tiers import Refused, decode_entry, encode_entry, entry_key
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 4
@@ -211,6 +212,34 @@ def test_refused_store_entries_are_computed(tiny, reference, tmp_path):
     # the loads that were not refused: entries b saved again itself (the refused ones it computed)
     loaded = cb["store_loads"] - cb["refused_loads"]
     assert tier_metric(b, "pagedkv_worker_kv_tier_hit_tokens_total", "shared") == loaded * BLOCK
+
+
+def test_loads_past_a_refused_block_are_not_hits(tiny, reference, tmp_path):
+    """A prompt whose first block's entry is corrupt computes from its start:
+    the later blocks it loaded are computed too, so the worker counts no hit
+    for them (its tier hits are cached tokens it kept, as usage reports)."""
+    index = SharedStore(1000 * 2048)
+    store = (f"file://{tmp_path}", index)
+    a = make(tiny, lambda spec: EmbeddedAllocator(spec, shared_store=store), worker_id="a")
+    prompt = prompts(1)[0]
+    assert tokens(a, [prompt]) == [reference[1][0]]
+    settle(a)
+    b = make(tiny, lambda spec: EmbeddedAllocator(spec, shared_store=store), worker_id="b")
+    config = b.allocator.spec.config
+    chain = prompt_chain(config.model_fingerprint, prompt, BLOCK)
+    assert len(chain) > 2 and all(
+        (b.allocator.store_namespace, h) in index.lru.present for h in chain
+    )
+    first = tmp_path.rglob(entry_key(b.allocator.store_namespace, chain[0]))
+    path = next(first)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF  # its checksum no longer holds
+    path.write_bytes(bytes(data))
+    out = b.generate([prompt], GREEDY)[0]
+    assert out.token_ids == reference[1][0] and out.num_cached_tokens == 0
+    cb = settle(b)
+    assert cb["store_loads"] == len(chain) and cb["refused_loads"] == 1
+    assert tier_metric(b, "pagedkv_worker_kv_tier_hit_tokens_total", "shared") in (None, 0)
 
 
 def test_forged_entries_never_reach_a_worker_with_a_store_key(tiny, reference, tmp_path):

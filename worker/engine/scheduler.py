@@ -9,8 +9,8 @@ with its next tokens; then admissions while the token budget, `max_num_seqs`
 and the free blocks allow. Preemption (newest lowest-priority first) is
 planned BEFORE the call, so the step computes every operation the allocator
 accepts. `schedule_ahead` plans step N+1 while step N computes (async).
-Slots ahead: lookahead.py; the call: step_calls.py. The rules and reasons:
-docs/architecture.md, "A request, end to end" (3) and "The block contract".
+Slots ahead: lookahead.py; the call: step_calls.py; frees: releases.py.
+Reasons: docs/architecture.md, "A request, end to end" (3), "The block contract".
 """
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ from concurrent.futures import Future
 from itertools import chain
 
 from allocator_service.client import OUT_OF_BLOCKS, UNKNOWN_SEQUENCE, AllocatorClient, PoolLost
-from allocator_service.core import UNRESERVE, Admit, Append, Fork, Free, Op, OpResult, StepAnswer
+from allocator_service.core import UNRESERVE, Admit, Fork, Free, Op, OpResult, StepAnswer
 from allocator_service.core.planner import PoolPlan, after_append, after_unreserve
 from allocator_service.core.tiers import TierReport
 from worker.engine.health import AllocatorFault
 from worker.engine.lookahead import plan_appends, unreserve_ahead
+from worker.engine.releases import Releases
 from worker.engine.reservation import reserved_slots
 from worker.engine.sequence import Sequence, Status
 from worker.engine.step_calls import Answer, StepCalls
@@ -63,20 +64,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
         self.running: list[Sequence] = []  # admission order
-        self._to_free: list[str] = []
-        # Finished (or aborted) while running: each is freed, or first sends
-        # the values of tokens it computed in steps that made no call
-        # (`_flushed` until its Free is sent). Their blocks count as held
-        # until then: they ride the next call (`_plan_finishing`).
-        self._finishing: list[Sequence] = []
-        self._flushed: list[Sequence] = []
-        self._free_later: list[
-            str
-        ] = []  # parents preempted in the call their samples fork in: freed next
-        # Frees of a step the allocator refused: they ride the next call, but
-        # are not work by themselves (an allocator that keeps refusing would
-        # otherwise be called again at once, forever).
-        self._refused_frees: list[str] = []
+        self.releases = Releases()  # sequences let go, until their Free is sent
         self.forking: list[Sequence] = []  # samples that drew their first token, to fork next step
         self.on_preempt = on_preempt
         self.calls = StepCalls(allocator, ahead=async_scheduling)  # each sent until answered
@@ -107,10 +95,10 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark finished; its blocks are freed in the next step's call (after
-        a last Append of values not sent yet: `_plan_finishing`)."""
+        a last Append of values not sent yet: `Releases.plan_finishing`)."""
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
-            self._finishing.append(seq)
+            self.releases.finishing.append(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         elif seq in self.forking:
@@ -125,26 +113,21 @@ class Scheduler:
         past what they computed: the slot of a token being sampled, lookahead
         slots, and those of finished sequences whose Free has not gone out."""
         return sum(
-            seq.num_held - seq.num_stored
-            for seq in chain(self.running, self._finishing, self._flushed)
+            seq.num_held - seq.num_stored for seq in chain(self.running, self.releases.held())
         )
 
     def has_work(self) -> bool:
-        # NOTE: a call in flight that only frees, once answered, leaves nothing
-        # to do: an idle engine need not step for it (the next `schedule`
-        # collects it). Until answered it is work: the engine steps to collect
-        # it, so nothing else (an idle probe) calls the client meanwhile; so
-        # is a refused one, whose error must not fail the next request.
-        # A tier report due is work too: a step sends it alone.
+        # NOTE: a call in flight that only frees leaves nothing to do once
+        # answered (the next `schedule` collects it). Until answered it is work:
+        # the engine steps to collect it, so nothing else (an idle probe) calls
+        # the client meanwhile; so is a refused one, whose error must not fail
+        # the next request. A tier report due is work too: a step sends it alone.
         inflight = self._inflight
         return bool(
             self.waiting
             or self.running
-            or self._to_free
             or self.forking
-            or self._free_later
-            or self._finishing
-            or self._flushed
+            or self.releases.is_work()
             or self._report_due()
             or (
                 inflight
@@ -234,19 +217,14 @@ class Scheduler:
         # The pool holds the tables of the sequences tracked here (finished
         # ones until their Free is sent); the others' Frees lead this call
         # (a parent freed after the forks of the last call: first in this one).
-        holders = chain(self.running, self._finishing, self._flushed)
+        holders = chain(self.running, self.releases.held())
         view = PoolPlan(self.num_blocks, self.block_size, (seq.block_table for seq in holders))
-        plan = StepPlan(
-            [Free(a) for a in chain(self._to_free, self._free_later, self._refused_frees)],
-            view,
-            self.max_num_batched_tokens,
-            ahead=ahead,
-        )
-        self._to_free = []
-        self._free_later = []
-        self._refused_frees = []
+        plan = StepPlan(self.releases.take_frees(), view, self.max_num_batched_tokens, ahead=ahead)
         if call:  # finished sequences ride it: freed first, so their blocks serve this step
-            self._plan_finishing(plan, ahead)
+            parents = {
+                c.fork_parent for c in chain(self.forking, ahead) if c.fork_parent is not None
+            }
+            self.releases.plan_finishing(plan, parents, self.caching)
         self._plan_forks(plan, self.forking)
         self.forking = []
         if ahead:  # the samples the running step draws a first token for: forked before it
@@ -267,50 +245,14 @@ class Scheduler:
         room or nothing else runs (else they ride the next call). Admissions
         make one too (`_plan`); they wait only while requests do."""
         if (
-            self._to_free
-            or self._free_later
-            or self._refused_frees
+            self.releases.frees_due()
             or self.forking
             or any(c.fork_parent is not None for c in ahead)
         ):
             return True
-        if (self._finishing or self._flushed) and (self.waiting or not self.running):
+        if self.releases.holds_any() and (self.waiting or not self.running):
             return True
         return any(len(seq.token_ids) + (seq in ahead) > seq.num_held for seq in self.running)
-
-    def _plan_finishing(self, plan: StepPlan, ahead: frozenset) -> None:
-        """Free the sequences that finished; one that computed tokens whose
-        values the allocator lacks (steps that made no call) and that fill a
-        block first sends them (the block is hashed, so findable as with a
-        call per step; a partly filled block never is) and is freed by a
-        later call: frees run first in a call. A parent whose samples may
-        fork in this call is freed by a later one too."""
-        parents = {c.fork_parent for c in chain(self.forking, ahead) if c.fork_parent is not None}
-        keep: list[Sequence] = []
-        for seq in self._flushed:
-            if seq in parents:
-                keep.append(seq)
-            else:
-                self._plan_free(plan, seq)
-        self._flushed = keep
-        for seq in self._finishing:
-            valued = seq.num_valued
-            if seq in parents:
-                self._flushed.append(seq)
-            elif self.caching and plan.view.completes_block(valued, seq.num_stored):
-                plan.flushes.append(
-                    (seq, Append(seq.alloc_id, seq.token_ids[valued : seq.num_stored]))
-                )
-                self._flushed.append(seq)
-            else:
-                self._plan_free(plan, seq)
-        self._finishing = []
-
-    @staticmethod
-    def _plan_free(plan: StepPlan, seq: Sequence) -> None:
-        """`seq` is freed first in this call: its blocks serve the step."""
-        plan.ops.insert(0, Free(seq.alloc_id))
-        plan.view.release(seq.block_table)
 
     def _plan_forks(self, plan: StepPlan, children: list[Sequence]) -> None:
         """Fork samples from their parent, which then holds exactly the
@@ -327,11 +269,9 @@ class Scheduler:
             predicted = child in plan.ahead
             if not predicted:
                 child.fork_parent = None
-            # (a finished parent is kept until its samples forked: `_plan_finishing`)
+            # (a finished parent is kept until its samples forked: `plan_finishing`)
             alive = parent is not None and (
-                parent.status is Status.RUNNING
-                or parent in self._finishing
-                or parent in self._flushed
+                parent.status is Status.RUNNING or self.releases.holds(parent)
             )
             if (
                 not alive
@@ -376,7 +316,7 @@ class Scheduler:
                 cost = view.append(seq.block_table, seq.num_held, max(end, seq.num_held))
                 if cost.need <= view.free:
                     break
-                if self._drop_flush(plan):
+                if self.releases.drop_flush(plan):
                     continue
                 if self._unreserve(plan, cost.need - view.free):
                     continue  # other sequences' slots ahead made the room
@@ -396,19 +336,6 @@ class Scheduler:
                 n, cost, known, end > seq.num_held or cost.cow >= 0, end == last
             )
             plan.budget -= n
-
-    def _drop_flush(self, plan: StepPlan) -> bool:
-        """Blocks ran short: free a finished sequence now instead of sending
-        its last values first. Those only keep its blocks cached one more
-        call; a call per step would have freed it in this one, so neither a
-        preemption nor a request left waiting is worth them. Whether there
-        was one."""
-        if not plan.flushes:
-            return False
-        fseq, _ = plan.flushes.pop()
-        self._flushed.remove(fseq)
-        self._plan_free(plan, fseq)
-        return True
 
     def _unreserve(self, plan: StepPlan, short: int) -> bool:
         """Slots ahead given back to make `short` blocks free (`unreserve_ahead`)."""
@@ -443,7 +370,7 @@ class Scheduler:
             if plan.budget <= 0:  # admitted next step, if its blocks are still free
                 plan.queued = worst
                 break
-            while worst > view.free - headroom and self._drop_flush(plan):
+            while worst > view.free - headroom and self.releases.drop_flush(plan):
                 pass
             if worst > view.free - headroom and not self._unreserve(
                 plan, worst - view.free + headroom
@@ -492,12 +419,12 @@ class Scheduler:
             if all(f.parent != fork.parent for f in plan.forks.values()):
                 # nothing forks from it now
                 plan.forked_parents.discard(fork.parent)
-                if fork.parent in self._free_later:  # preempted: free it now
-                    self._free_later.remove(fork.parent)
+                if fork.parent in self.releases.free_later:  # preempted: free it now
+                    self.releases.free_later.remove(fork.parent)
                     ops.insert(0, Free(fork.parent))
                     view.release(plan.deferred.pop(fork.parent))
         elif deferred:
-            self._free_later.append(seq.alloc_id)
+            self.releases.free_later.append(seq.alloc_id)
             plan.deferred[seq.alloc_id] = list(seq.block_table)
         else:
             ops.insert(0, Free(seq.alloc_id))
@@ -522,7 +449,7 @@ class Scheduler:
         for child in plan.forks:
             r = results[ri]
             ri += 1
-            if r.ok:  # (one finished while the call was out is in `_finishing` already)
+            if r.ok:  # (one finished while the call was out is in `releases` already)
                 child.block_table = list(r.append)
             # else: its append fails too (unknown sequence), which sends it back to wait
         for seq, op in plan.flushes:  # values of slots held: no table change
@@ -583,13 +510,13 @@ class Scheduler:
                 # so recompute this one from scratch.
                 self._preempt(batch, seq, r.error or "allocator_error")
                 if r.error != UNKNOWN_SEQUENCE:
-                    self._to_free.append(seq.alloc_id)
+                    self.releases.to_free.append(seq.alloc_id)
         for seq, op in zip(plan.admitting, plan.admits, strict=True):
             r = results[ri]
             ri += 1
             if seq.is_finished:  # aborted while the call was out (async)
                 if r.ok:  # admitted all the same: computed now, freed next step
-                    self._to_free.append(seq.alloc_id)
+                    self.releases.to_free.append(seq.alloc_id)
                     seq.block_table = list(r.append)
                     batch.add_finished(
                         seq, None, r, r.cached_tokens, r.num_stored - r.cached_tokens
@@ -632,17 +559,17 @@ class Scheduler:
         except PoolLost:
             # Every block is gone: all running sequences start over.
             if self.tiers is not None:
-                self.tiers.pool_lost(self.allocator.shared_store, self.allocator.store_namespace)
+                self.tiers.pool_lost(
+                    self.allocator.shared_store,
+                    self.allocator.store_namespace,
+                    self.allocator.peer_key,
+                )
             for seq in list(self.running):
                 self._preempt(batch, seq, "pool_lost")
-            self._to_free = []
-            self._free_later = []
-            self._refused_frees = []
-            self._finishing = []
-            self._flushed = []
+            self.releases.clear()
             return None
         except AllocatorFault:
-            self._refused_frees.extend(op.seq for op in ops if isinstance(op, Free))
+            self.releases.refuse(ops)
             if self.tiers is not None:
                 self.tiers.give_back(report)
             raise

@@ -6,7 +6,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from allocator_service.core import Admit, Append, Fork, Op, OpResult
+from allocator_service.core import Admit, Append, Fork, Free, Op, OpResult
 from allocator_service.core.planner import AppendCost, PoolPlan
 from allocator_service.core.tiers import Moves, TierReport
 from worker.engine.sequence import Sequence
@@ -144,6 +144,11 @@ class StepPlan:
     def free(self) -> int:
         """Blocks free for this step's appends and admits."""
         return self.view.free
+
+    def free_first(self, seq: Sequence) -> None:
+        """`seq` is freed first in this call: its blocks serve the step."""
+        self.ops.insert(0, Free(seq.alloc_id))
+        self.view.release(seq.block_table)
 
 
 @dataclass(slots=True)

@@ -205,14 +205,17 @@ class EngineTiers:
             if host is not None:
                 host.wait()  # a copy may write a block a host save reads
             copy_blocks(batch.copies)
-        if m is not None:
-            if m.host_loads:
-                host.load(m.host_loads[0::2], m.host_loads[1::2])  # type: ignore[union-attr]
-                self._host_meter.hit_tokens.inc(len(m.host_loads) // 2 * self.block_size)  # type: ignore[union-attr]
+        if m is not None and (m.host_loads or m.store_loads):
+            host_to = m.host_loads[1::2]
+            if host_to:
+                host.load(m.host_loads[0::2], host_to)  # type: ignore[union-attr]
+            store_to: list[int] = []
             if m.store_loads:
                 missed = self._store_loads(m, report)
+                store_to = [b for b in m.store_load_to if b not in missed]
                 if missed:
                     self._recompute(batch, missed)
+            self._count_hits(batch, host_to, store_to)
         for slots, blocks in batch.swap_in:
             host.load(slots, blocks)  # type: ignore[union-attr]
         if host is not None:
@@ -245,18 +248,24 @@ class EngineTiers:
         if self.store is None:
             return set(blocks)
         missed: set[int] = set()
-        loaded = 0
         outcomes = self.store.load_blocks(hashes, blocks, m.store_load_from or None)
         for h, block, outcome in zip(hashes, blocks, outcomes, strict=True):
             if outcome.loaded:
-                loaded += 1
                 continue
             missed.add(block)
             if outcome.reason != "unavailable":  # refused or missing: the allocator drops the entry
                 report.refused.append(h)
-        if loaded:
-            self._store_meter.hit_tokens.inc(loaded * self.block_size)  # type: ignore[union-attr]
         return missed
+
+    def _count_hits(self, batch: StepBatch, host_to: list[int], store_to: list[int]) -> None:
+        """Count the loaded blocks that stay cached: a block loaded past one
+        that was not is computed all the same (`_recompute`), so no hit."""
+        bs = self.block_size
+        kept = {b for e in batch.entries for b in e.table[: e.cached // bs]}
+        for meter, loaded in ((self._host_meter, host_to), (self._store_meter, store_to)):
+            hits = sum(1 for b in loaded if b in kept)
+            if hits:
+                meter.hit_tokens.inc(hits * bs)  # type: ignore[union-attr]
 
     def _recompute(self, batch: StepBatch, missed: set[int]) -> None:
         """Entries whose computed prefix holds a block not loaded compute from
