@@ -32,7 +32,12 @@ docs/architecture.md, "Tiers"):
   saved to the host tier and to the store, each unless it has the hash;
 - a full host tier reuses its LRU present entry's slot; a full store drops
   its LRU present entries, each a store delete;
-- a save that finds no room (everything pending or pinned) is skipped.
+- a save that finds no room (everything pending or pinned) is skipped;
+- a pool's pending store saves stay within its share of the store: all of
+  it while it is the only pool using the store, else the capacity over the
+  number of pools using it (`SharedStore.users`); a save past it is
+  skipped, so one pool that never confirms its saves (or whose entries are
+  as large as the store) cannot leave no room for every other pool's.
 
 Every store save reads a KV block (`Moves.store_save_from`): a freed or
 evicted block keeps its bytes until the step's forward pass, after the moves.
@@ -245,7 +250,7 @@ class SharedStore:
     must be applied in one global order (their journal's). Which pool awaits
     a pending entry's confirmation is that pool's record (`PoolTiers`)."""
 
-    __slots__ = ("lru", "stats")
+    __slots__ = ("lru", "stats", "users")
 
     def __init__(self, capacity_bytes: int) -> None:
         if type(capacity_bytes) is not int or capacity_bytes < 0:
@@ -254,6 +259,14 @@ class SharedStore:
             )
         self.lru = LruTier(capacity_bytes)
         self.stats = StoreStats()
+        # Pools using the store, counted by whoever holds the pools (the allocator's
+        # registry, from its journal and snapshots): each one's share of pending saves.
+        self.users = 0
+
+    def pending_share(self) -> int:
+        """The most bytes of pending saves one pool may have: the whole store
+        for a pool alone, else the capacity over the pools using it."""
+        return self.lru.capacity // self.users if self.users > 1 else self.lru.capacity
 
     @property
     def capacity_bytes(self) -> int:
@@ -490,7 +503,7 @@ class PoolTiers:
         if key in st.lru:
             return
         size = self.block_bytes
-        if not st.lru.can_fit(size):
+        if (len(self.store_pending) + 1) * size > st.pending_share() or not st.lru.can_fit(size):
             self.stats.saves_skipped += 1
             return
         m = self._m()
