@@ -21,8 +21,13 @@ class Limits:
     # blocks is 0.2 to 1.1 GB (core/limits.py).
     max_pools: int = 1024
     max_total_blocks: int = 1 << 22
-    # Concurrent WatchEvents streams: each holds a server thread.
+    # Concurrent WatchEvents streams (and the HTTP port's /pools streams): each
+    # holds a server thread.
     max_watchers: int = 8
+    # Beside them, WatchEvents streams of callers with the router token only, so
+    # that no other caller (an admin, /pools pages, anyone without tokens) can
+    # take every stream and keep the routers from following the pools.
+    max_router_watchers: int = 8
     # Concurrent StepStream calls (a worker's hot path as one long-lived
     # call): each holds a server thread too (started when a stream opens,
     # idle between its steps), so the server's thread pool is this much

@@ -201,9 +201,9 @@ async def _conversation(
             ]
 
 
-async def _workload(api: str, urls: list[str], args) -> tuple[Stats, list[dict], float]:
-    """The conversations through `api` (the router); KV
-    samples polled from every worker at `urls`."""
+async def _workload(api: str, key: str, urls: list[str], args) -> tuple[Stats, list[dict], float]:
+    """The conversations through `api` (the router) with API key `key`; KV samples polled from
+    every worker at `urls`."""
     import httpx
     import openai
     from tqdm import tqdm
@@ -219,7 +219,7 @@ async def _workload(api: str, urls: list[str], args) -> tuple[Stats, list[dict],
     stop = asyncio.Event()
     t0 = time.monotonic()
     poller = asyncio.create_task(_poll(urls, samples, stop, t0))
-    client = openai.AsyncOpenAI(base_url=f"{api}/v1", api_key="demo", max_retries=0, timeout=600)
+    client = openai.AsyncOpenAI(base_url=f"{api}/v1", api_key=key, max_retries=0, timeout=600)
     sem = asyncio.Semaphore(w.concurrency)
     with tqdm(total=sum(turns), desc="chat requests", unit="req") as bar:
 
@@ -363,9 +363,12 @@ def run(args: argparse.Namespace) -> int:
         model=args.model,
         worker_args=worker_args,
         router=True,
+        api_key=True,
         router_args=["--policy", args.policy],
     ) as stack:
-        stats, samples, wall = asyncio.run(_workload(stack.router_url, stack.worker_urls, args))
+        stats, samples, wall = asyncio.run(
+            _workload(stack.router_url, stack.api_key, stack.worker_urls, args)
+        )
         totals = _worker_totals(stack.worker_urls)
         routing = _routing(stack.router_url, args.policy)
     out_dir = Path(args.out)

@@ -86,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
         log_dir=up.log_dir,
         echo=not up.quiet,
         router=up.router,
+        api_key=up.api_key,
         router_port=up.router_port,
         router_args=to_argv(RouterArgs, args),
         # behind the router the workers are internal: loopback only
@@ -143,6 +144,14 @@ def run(args: argparse.Namespace) -> int:
         console.print(
             f"logs and credentials (admin-token, router-token, worker tokens): {stack.log_dir}   "
             "Ctrl-C stops everything"
+        )
+        keys = stack.describe()["api_keys_file"]
+        console.print(
+            f"API key: {keys}  (export OPENAI_API_KEY=$(cat {keys}); send it as "
+            "Authorization: Bearer KEY)"
+            if keys
+            else "[yellow]no API key (--no-api-key): any caller may use the API[/]",
+            soft_wrap=True,
         )
         if up.ready_file:
             Path(up.ready_file).write_text(json.dumps(stack.describe(), indent=2))

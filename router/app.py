@@ -18,11 +18,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import aiohttp
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
+from starlette.background import BackgroundTask, BackgroundTasks
 
 from allocator_service.core import InvalidArgument, check_cache_salt
 from pagedkv_base.api.bodies import off_loop, read_body
@@ -35,6 +36,7 @@ from router.metrics import RouterMetrics
 from router.placement import Placement
 from router.policy import Balance
 from router.proxy import Proxy
+from router.shares import KeyShares
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,7 @@ class Router:
         cache_salt_per_api_key: bool = True,
         balance: Balance | None = None,
         transfer_timeout: float = 5.0,
+        shares: KeyShares | None = None,
     ) -> None:
         """`allocators`: RouterClients, in the order of `Worker.allocator`; none:
         routing by load alone. `transfer_timeout`: the longest a split request waits
@@ -73,6 +76,7 @@ class Router:
         self.discovery = discovery
         self.policy = policy
         self.metrics = metrics or RouterMetrics()
+        self.shares = shares or KeyShares(0, 0)
         self.matching = Matcher(discovery, allocators, policy, self.metrics)
         self.placement = Placement(
             discovery, policy, balance or Balance(), self.metrics, cooldown_s
@@ -115,8 +119,30 @@ class Router:
         worker, or split between a prefill and a decode worker (`router.pd`)."""
         t0 = time.perf_counter()
         req = await read_body(request, model_cls)
-        req.check_sequences()
-        workers = self.placement.candidates_for(req.model)
+        asked = req.check_sequences()
+        try:
+            release = self.shares.admit(api_key_of(request), asked)
+        except ApiError:
+            self.metrics.failed.labels("key_share").inc()
+            raise
+        try:
+            response = await self._forward(request, kind, req, t0)
+        except BaseException:
+            release()
+            raise
+        if isinstance(response, StreamingResponse):  # given back when its answer ends
+            response.body_iterator = _then(response.body_iterator, release)
+            # (and after it is sent, or the client left, even if it never started)
+            response.background = BackgroundTasks(
+                [t for t in (response.background, BackgroundTask(release)) if t is not None]
+            )
+        else:
+            release()
+        return response
+
+    async def _forward(self, request: Request, kind: str, req, t0: float) -> Response:
+        placement = self.placement
+        workers = placement.candidates_for(req.model)
         if not workers:
             return self._no_model(req.model)
         try:
@@ -316,3 +342,12 @@ class Router:
         await self.proxy.close()
         for client in self.matching.allocators:
             await client.aclose()
+
+
+async def _then(chunks: AsyncIterator[bytes], release: Callable[[], None]) -> AsyncIterator[bytes]:
+    """`chunks`, then `release()` however they end (done, failed or the client gone)."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    finally:
+        release()

@@ -149,6 +149,13 @@ class RouterArgs:
         "cache_salt; 0 matches in the cache all keys share",
         flag=False,
     )
+    max_sequences_per_key: int = setting(
+        32,
+        "each API key's share: the most sequences (prompts times n) its requests may have in "
+        "flight through this router; one more is a 429 with Retry-After, so one client cannot "
+        "fill the workers ahead of the others (a larger request is let in alone); applies with "
+        "two keys or more; 0: no share",
+    )
     first_byte_timeout: float = setting(
         60.0,
         "seconds: a worker that has not answered a request's status in this long is skipped, and "
@@ -227,6 +234,8 @@ class RouterArgs:
     def __post_init__(self) -> None:
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1:
             raise ValueError("the balance thresholds are at least 0 (absolute) and 1 (relative)")
+        if self.max_sequences_per_key < 0:
+            raise ValueError("--max-sequences-per-key is a count of sequences, at least 0")
         if not 0 <= self.cache_threshold <= 1:
             raise ValueError("the cache threshold is a share of the prompt, from 0 to 1")
         if not self.allocator and not self.workers:
@@ -257,6 +266,7 @@ def build_router(args: argparse.Namespace):
     from router.app import Router
     from router.discovery import Discovery, MergedDiscovery
     from router.prefix_view import PrefixView
+    from router.shares import KeyShares
 
     r = from_args(RouterArgs, args)
     token = read_secret(r.router_token_file, "router token file") if r.router_token_file else None
@@ -296,6 +306,7 @@ def build_router(args: argparse.Namespace):
         discovery = (
             parts[0] if parts else Discovery(None, r.workers or (), refresh_s=r.refresh_interval)
         )
+    keys = api_keys(r.api_key, r.api_keys_file)
     return Router(
         tokenizer,
         discovery,
@@ -304,7 +315,8 @@ def build_router(args: argparse.Namespace):
         first_byte_timeout=r.first_byte_timeout,
         transfer_timeout=r.pd_transfer_timeout,
         max_answer_bytes=r.max_answer_mb << 20,
-        worker_api_key=next(iter(api_keys(r.api_key, r.api_keys_file)), None),
+        worker_api_key=next(iter(keys), None),
+        shares=KeyShares(r.max_sequences_per_key, len(keys)),
         cache_salt_per_api_key=r.cache_salt_per_api_key,
         balance=Balance(r.balance_abs_threshold, r.balance_rel_threshold, r.cache_threshold),
     )

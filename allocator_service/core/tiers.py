@@ -24,6 +24,11 @@ its location is its writer's pool id (`PoolTiers.writer`), each store load
 names it (`Moves.store_load_from`), and the writer's pool takes its entries
 with it when it is dropped.
 
+A pool's pending store saves stay within its share of the store: all of it
+while it is the only pool using the store, else the capacity over the number
+of pools using it (`SharedStore.users`); a save past it is skipped, so one
+pool that never confirms its saves cannot leave no room for the others'.
+
 Determinism: decisions read only the tiers' state and the operations applied,
 in order; no iteration depends on hashing, so a replay rebuilds the same state.
 The reasons: docs/architecture.md, "Tiers".
@@ -233,7 +238,7 @@ class SharedStore:
     `peer`: each entry's location is the pool id of its writer, which holds
     its bytes (else 0: the store holds them)."""
 
-    __slots__ = ("lru", "stats", "peer")
+    __slots__ = ("lru", "stats", "peer", "users")
 
     def __init__(self, capacity_bytes: int, peer: bool = False) -> None:
         if type(capacity_bytes) is not int or capacity_bytes < 0:
@@ -243,6 +248,14 @@ class SharedStore:
         self.lru = LruTier(capacity_bytes)
         self.stats = StoreStats()
         self.peer = peer
+        # Pools using the store, counted by whoever holds the pools (the allocator's
+        # registry, from its journal and snapshots): each one's share of pending saves.
+        self.users = 0
+
+    def pending_share(self) -> int:
+        """The most bytes of pending saves one pool may have: the whole store
+        for a pool alone, else the capacity over the pools using it."""
+        return self.lru.capacity // self.users if self.users > 1 else self.lru.capacity
 
     @property
     def capacity_bytes(self) -> int:
@@ -517,7 +530,7 @@ class PoolTiers:
         if key in st.lru:
             return
         size = self.block_bytes
-        if not st.lru.can_fit(size):
+        if (len(self.store_pending) + 1) * size > st.pending_share() or not st.lru.can_fit(size):
             self.stats.saves_skipped += 1
             return
         m = self._m()

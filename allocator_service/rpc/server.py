@@ -83,6 +83,7 @@ def create_server(
             max_workers=max_workers
             + limits.max_step_streams
             + limits.max_watchers
+            + limits.max_router_watchers
             + limits.max_slow_calls,
             thread_name_prefix="rpc",
         ),

@@ -22,6 +22,7 @@ from allocator_service.core.prefix_index import BLOCK_REMOVED, BLOCK_STORED
 from allocator_service.core.step import KINDS
 from allocator_service.fair_share import ROUTER
 from allocator_service.roles import ADMIN, caller_role
+from allocator_service.roles import ROUTER as ROUTER_ROLE
 from allocator_service.rpc import status
 from allocator_service.service import Advertised, AllocatorService, PoolRef
 from allocator_service.store.events import Event
@@ -251,7 +252,8 @@ class AllocatorServicer:
         wanted = watched_kinds(request.kinds)
         if request.snapshot and request.from_sequence:
             raise BadRequest("snapshot starts from the present: send from_sequence 0 with it")
-        service.streams.open_watcher()
+        router = caller_role() == ROUTER_ROLE  # a place kept for routers
+        service.streams.open_watcher(router)
         try:
             cursor = request.from_sequence or log.published
             if request.snapshot:  # the present first, then everything numbered from `cursor` on
@@ -285,7 +287,7 @@ class AllocatorServicer:
                 )
                 cursor = after
         finally:
-            service.streams.close_watcher()
+            service.streams.close_watcher(router)
 
 
 class _StreamEnd:

@@ -16,21 +16,26 @@ class Streams:
     def __init__(self, limits: Limits) -> None:
         self.limits = limits
         self._lock = threading.Lock()
-        self._watchers = 0
+        self._watchers = {False: 0, True: 0}  # others', the router role's
         self._step_streams: set[Callable[[], Any]] = set()  # each open StepStream's end()
         self._ended = False
 
-    def open_watcher(self) -> None:
+    def open_watcher(self, router: bool = False) -> None:
+        """Count an event stream in: a router's (`router`: a caller with the
+        router token) within `max_router_watchers`, any other's within
+        `max_watchers`, so no other caller can take a router's place."""
+        limit = self.limits.max_router_watchers if router else self.limits.max_watchers
         with self._lock:
-            if self._watchers >= self.limits.max_watchers:
+            if self._watchers[router] >= limit:
                 raise CapacityExceeded(
-                    f"the server serves at most {self.limits.max_watchers} event streams"
+                    f"the server serves at most {limit} event streams"
+                    + (" to routers" if router else " to callers other than routers")
                 )
-            self._watchers += 1
+            self._watchers[router] += 1
 
-    def close_watcher(self) -> None:
+    def close_watcher(self, router: bool = False) -> None:
         with self._lock:
-            self._watchers -= 1
+            self._watchers[router] -= 1
 
     def open_step_stream(self, end: Callable[[], Any]) -> None:
         """Count a StepStream in (`end()` ends it: `end_step_streams`)."""

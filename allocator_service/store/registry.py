@@ -211,6 +211,8 @@ class Registry:
             self._drop(old, "replaced", batch)
         pool_id = f"{worker_id}/{epoch}"
         block_pool, sink = pool if pool is not None else new_pool(config, self.store)
+        if block_pool.tiers is not None and block_pool.tiers.store is not None:
+            block_pool.tiers.store.users += 1  # its share of pending saves
         if config.use_shared_store:
             b = config.block_bytes
             self.store_min_bytes = min(self.store_min_bytes, b) if self.store_min_bytes else b
@@ -271,6 +273,8 @@ class Registry:
     def _drop(self, pool_id: str, reason: str, batch: RecordEvents) -> None:
         entry = self.pools.pop(pool_id)
         entry.pool.drop_store_pending()  # its worker will never confirm them
+        if self.uses_store(entry):
+            entry.pool.tiers.store.users -= 1
         if self.current.get(entry.worker_id) == pool_id:
             del self.current[entry.worker_id]
             self._idle(entry.worker_id)
@@ -406,6 +410,8 @@ class Registry:
                 protocol_version=p.get("protocol_version", 0),
             )
             reg.current[p["worker_id"]] = pool_id
+            if reg.uses_store(reg.pools[pool_id]):
+                reg.store.users += 1
         # absent in snapshots of older versions: every remembered id without a pool, in its order
         reg.epoch_floor = snap.get("epoch_floor", 0)
         for worker_id in snap.get("idle", [w for w in reg.epochs if w not in reg.current]):

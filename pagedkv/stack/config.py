@@ -58,6 +58,13 @@ class UpArgs:
     router: bool = setting(
         True, "run the router in front of the workers; --no-router: clients use the workers"
     )
+    api_key: bool = setting(
+        True,
+        "generate an API key (LOG_DIR/api-keys, kept across restarts) that the router and "
+        "every worker require as `Authorization: Bearer KEY`; --no-api-key: an open API, for "
+        "a development setup only (any caller may use it, and learn from cached tokens what "
+        "other callers sent)",
+    )
     router_port: int = setting(8000, "HTTP port of the router; 0 picks a free one")
     base_port: int = setting(
         8001, "HTTP port of worker 1; worker i gets base+i-1; 0 picks free ports", flag=False

@@ -16,7 +16,9 @@ readable by its owner only:
   `--router-token-file`);
 - `admin-token`: the allocator's `--admin-token-file`, for an operator;
 - `journal-key`: the allocator's journal key (`PAGEDKV_ALLOCATOR_JOURNAL_KEY_FILE`),
-  which keys the chain of its Redis journal.
+  which keys the chain of its Redis journal;
+- `api-keys`: the stack's API key, the router's and every worker's
+  `--api-keys-file`: what a client sends as `Authorization: Bearer KEY`.
 
 With `--split` each process also gets a folder of its own holding only its
 files, under the same names, for a deployment that mounts each process its
@@ -24,13 +26,13 @@ own folder (compose: a volume each), so a worker never sees the admin
 token or another worker's token:
 
 - `allocator/`: `worker-tokens`, `router-token`, `admin-token`, `journal-key`;
-- `router/`: `router-token`;
-- `<WORKER_ID>/`: `<WORKER_ID>.token`, `<WORKER_ID>.store-key`.
+- `router/`: `router-token`, `api-keys`;
+- `<WORKER_ID>/`: `<WORKER_ID>.token`, `<WORKER_ID>.store-key`, `api-keys`.
 
 Written again only when the workers (ids, addresses or group) differ from
-the folder's: a restarted container keeps its token. The journal key and the
-store keys are written once and never again (what was written under them
-must stay readable).
+the folder's: a restarted container keeps its token. The journal key, the
+store keys and the API key are written once and never again (what was
+written under them must stay readable; a client keeps its key).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from pathlib import Path
 
 WORKER_TOKENS, ROUTER_TOKEN, ADMIN_TOKEN = "worker-tokens", "router-token", "admin-token"
 JOURNAL_KEY = "journal-key"
+API_KEYS = "api-keys"
 STORE_GROUP = "stack"  # the store group of a stack's own workers (`pagedkv up`, docker-compose)
 
 
@@ -62,6 +65,14 @@ def write_secret(path: Path, text: str) -> None:
     with os.fdopen(fd, "w") as f:
         f.write(text)
     os.replace(tmp, path)
+
+
+def write_api_keys(directory: str | os.PathLike) -> Path:
+    """The folder's API keys file (`API_KEYS`), one key made when it has none; its path."""
+    path = Path(directory) / API_KEYS
+    if not path.exists():
+        write_secret(path, "sk-pagedkv-" + secrets.token_urlsafe(32) + "\n")
+    return path
 
 
 def _current(directory: Path) -> list[tuple[str, ...]] | None:
@@ -122,6 +133,7 @@ def write_credentials(
         check_store_group(store_group)
     if not (d / JOURNAL_KEY).exists():
         write_secret(d / JOURNAL_KEY, secrets.token_urlsafe(32) + "\n")
+    write_api_keys(d)
     _store_keys(d, [w for w, _ in members], store_group)
     _store_keys(d, [w for w, _ in others], None)
     rows = [(w, u, *group) for w, u in members] + others
@@ -145,8 +157,11 @@ def processes_files(workers: Sequence[str]) -> dict[str, list[str]]:
     """Each process's folder (`--split`) and the files it holds."""
     return {
         ALLOCATOR_DIR: [WORKER_TOKENS, ROUTER_TOKEN, ADMIN_TOKEN, JOURNAL_KEY],
-        ROUTER_DIR: [ROUTER_TOKEN],
-        **{w: [worker_token_file(Path(), w).name, store_key_file(Path(), w).name] for w in workers},
+        ROUTER_DIR: [ROUTER_TOKEN, API_KEYS],
+        **{
+            w: [worker_token_file(Path(), w).name, store_key_file(Path(), w).name, API_KEYS]
+            for w in workers
+        },
     }
 
 
@@ -217,7 +232,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise CliError(str(exc)) from exc
     print(
-        f"credentials for {len(pairs)} workers in "
-        f"{args.directory} ({'written' if written else 'kept'})"
+        f"credentials for {len(pairs)} workers in {args.directory} "
+        f"({'written' if written else 'kept'}); "
+        f"the clients' API key: {Path(args.directory) / API_KEYS}"
     )
     return 0

@@ -71,6 +71,9 @@ their binaries are on PATH::
   `token=T` instead: one shared worker token (`allocator-token`) and the
   router token `T-router`. `credentials=False` and no `token`: none at all
   (any caller may register a pool: a development setup).
+- `api_key=True`: an API key for the stack's clients (`api-keys` in the log
+  folder, kept when there; `api_key` reads it), which the router and every
+  worker require (`--api-keys-file`); without it their API is open.
 - `tls=(cert, key)`: the allocator serves TLS with that certificate (which
   must name localhost), and the workers are given what they need to call it.
 - The processes die with the thread that started the stack (see
@@ -99,12 +102,14 @@ from pathlib import Path
 
 from pagedkv.stack.credentials import (
     ADMIN_TOKEN,
+    API_KEYS,
     JOURNAL_KEY,
     ROUTER_TOKEN,
     STORE_GROUP,
     WORKER_TOKENS,
     store_key_file,
     worker_token_file,
+    write_api_keys,
     write_credentials,
     write_secret,
 )
@@ -166,6 +171,7 @@ class LocalStack:
         echo: bool = False,
         token: str | None = None,
         credentials: bool = True,
+        api_key: bool = False,
         tls: tuple[Path, Path] | None = None,
         router: bool = False,
         router_port: int = 0,
@@ -228,6 +234,7 @@ class LocalStack:
         self.grace = grace
         self.token = token
         self.credentials = credentials
+        self.want_api_key = api_key
         if guest_workers and (token is not None or not credentials):
             raise StackError(
                 "guest workers get generated credentials: give them without a token and with "
@@ -426,6 +433,11 @@ class LocalStack:
             ]
             allocator_env = {"PAGEDKV_ALLOCATOR_JOURNAL_KEY_FILE": str(self.log_dir / JOURNAL_KEY)}
             router_to_allocator += ["--router-token-file", str(self.log_dir / ROUTER_TOKEN)]
+        api_keys = (
+            ["--api-keys-file", str(write_api_keys(self.log_dir))] if self.want_api_key else []
+        )
+        for worker in self.workers:
+            worker.args += api_keys
         if self.tls is not None:
             cert, key = self.tls
             allocator_args += ["--tls-cert", str(cert), "--tls-key", str(key)]
@@ -517,7 +529,7 @@ class LocalStack:
                 name="router",
                 allocator=",".join("|".join(g) for g in groups),
                 model=self.model,
-                args=[*router_to_allocator, *self.router_args],
+                args=[*router_to_allocator, *api_keys, *self.router_args],
                 host=self.host,
                 port=rport,
                 connect_host=h,
@@ -650,6 +662,11 @@ class LocalStack:
         return self._read_secret(ROUTER_TOKEN)
 
     @property
+    def api_key(self) -> str | None:
+        """The key the stack's clients send (None: its API is open)."""
+        return self._read_secret(API_KEYS) if self.want_api_key else None
+
+    @property
     def admin_token(self) -> str | None:
         """The allocator's admin token (None: the stack has none)."""
         return self._read_secret(ADMIN_TOKEN)
@@ -670,6 +687,9 @@ class LocalStack:
             "redis": self.redis_url,
             "pids": {name: proc.pid for name, proc in self.processes.items()},
             "log_dir": str(self.log_dir) if self.log_dir else None,
+            "api_keys_file": str(self.log_dir / API_KEYS)
+            if self.want_api_key and self.log_dir
+            else None,
         }
 
 

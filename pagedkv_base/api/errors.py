@@ -35,6 +35,7 @@ class ApiError(Exception):
         param: str | None = None,
         type_: str = "invalid_request_error",
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = (
@@ -44,6 +45,7 @@ class ApiError(Exception):
             type_,
             code,
         )
+        self.headers = headers  # sent with the answer (a 429's Retry-After)
 
 
 def error_response(
@@ -56,7 +58,9 @@ def error_response(
 
 
 async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-    return error_response(exc.status, exc.message, exc.param, exc.type, exc.code)
+    response = error_response(exc.status, exc.message, exc.param, exc.type, exc.code)
+    response.headers.update(exc.headers or {})
+    return response
 
 
 async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -123,8 +123,9 @@ class BaseRequest(BaseModel):
     def prompts(self) -> int:
         return 1
 
-    def check_sequences(self) -> None:
-        """A 400 when the request asks for more than `MAX_SEQUENCES` sequences."""
+    def check_sequences(self) -> int:
+        """The sequences the request asks for (prompts times n); a 400 when more than
+        `MAX_SEQUENCES`."""
         asked = self.prompts() * max(self.n, 1)
         if asked > MAX_SEQUENCES:
             raise ApiError(
@@ -133,6 +134,7 @@ class BaseRequest(BaseModel):
                 f"this one asks for {asked} ({self.prompts()} prompts, n={self.n})",
                 param="n",
             )
+        return asked
 
 
 class CompletionRequest(BaseRequest):

@@ -21,6 +21,7 @@ from allocator_service.client import EmbeddedAllocator, PoolLost, PoolSpec, conn
 from allocator_service.client.grpc_client import GrpcAllocator
 from allocator_service.client.router_client import RouterClient
 from allocator_service.client.transport import error_reason
+from allocator_service.config import Limits
 from allocator_service.core import Admit, Append, Free, PoolConfig, UnknownSequence
 from allocator_service.wire.codec import encode_ops
 from allocator_service.wire.v1 import allocator_pb2 as pb
@@ -310,6 +311,32 @@ def test_register_with_a_live_worker_id_needs_its_credential(api):
     r = s.RegisterPool(mine, metadata=md)
     assert r.pool_id == "victim/2"
     assert code_of(s.Heartbeat, pb.HeartbeatRequest(pool=victim), metadata=md) == C.NOT_FOUND
+
+
+def test_event_streams_are_kept_for_routers_whatever_other_callers_hold(api):
+    """Every event stream other callers may open (here the admin's) taken: one
+    more of theirs is refused, and the router still follows the pools."""
+    s, _ = api
+    admin_md = (("authorization", f"Bearer {ADMIN_TOKEN}"),)
+    router_md = (("authorization", f"Bearer {ROUTER_TOKEN}"),)
+    watch = pb.WatchEventsRequest(snapshot=True)
+    held = []
+    try:
+        for _ in range(Limits().max_watchers):
+            held.append(s.WatchEvents(watch, metadata=admin_md, timeout=30))
+            next(held[-1])  # open: its first event came
+        with pytest.raises(grpc.RpcError) as err:
+            next(iter(s.WatchEvents(watch, metadata=admin_md, timeout=5)))
+        assert err.value.code() == C.RESOURCE_EXHAUSTED
+        assert "callers other than routers" in err.value.details()
+        for _ in range(Limits().max_router_watchers):
+            held.append(s.WatchEvents(watch, metadata=router_md, timeout=30))
+            events = [next(held[-1])]
+            while events[-1].kind != pb.KV_EVENT_KIND_SNAPSHOT_END:
+                events.append(next(held[-1]))
+    finally:
+        for stream in held:
+            stream.cancel()
 
 
 def test_roles(api, server):

@@ -13,6 +13,8 @@ of its own.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import grpc
 import pytest
 
@@ -154,3 +156,31 @@ def test_a_worker_cannot_name_its_own_group(server):
         assert "layout must be at most 64 characters of [A-Za-z0-9_-]" in refused.value.details()
     finally:
         channel.close()
+
+
+def test_a_pool_that_never_confirms_cannot_leave_no_room_for_others(server):
+    """The attacker's saves are never confirmed, each entry half the store: with
+    two pools using the store it may hold no more than half of it pending, so
+    the honest pool's saves are still issued."""
+    half = int(0.01 * 2**30) // 2
+    prompt = [(7 * j) % 250 + 3 for j in range(3 * BLOCK + 1)]
+    honest = pool(server, "honest")
+    evil = GrpcAllocator(
+        server.address,
+        PoolSpec(
+            "evil",
+            replace(honest.spec.config, block_bytes=half),
+            advertise_url="http://evil:8000",
+        ),
+        auth_token="tok-evil",
+        heartbeat=False,
+    )
+    try:
+        assert evil.step([Admit("hog", prompt)]).all_ok
+        hogged = evil.step([Free("hog")]).moves.store_saves
+        assert len(hogged) == 1  # one entry of half the store, never confirmed; no second
+        assert honest.step([Admit("v", prompt)]).all_ok
+        assert len(honest.step([Free("v")]).moves.store_saves) == 3
+    finally:
+        evil.close()
+        honest.close()

@@ -17,7 +17,8 @@ After every step: the pools are sound (`integrity_problems`), every present
 host or store entry names a location holding its hash's bytes, every block
 of every sequence holds the bytes of its own prompt's hash chain (so a load
 brought the right bytes and a pending entry was never a hit), every block the
-prefix cache can find holds its hash's bytes, and the capacities hold.
+prefix cache can find holds its hash's bytes, and the capacities hold, each
+pool's pending store saves within its share of the store.
 
 With a peer store (`peer://`) an entry's bytes are its writer's: each worker
 keeps what it saved, deletes only in its own memory, every load names the
@@ -107,6 +108,7 @@ class TiersMachine(RuleBasedStateMachine):
                 use_shared_store=use_store or i == 1,
             )
             self.workers.append(Worker(BlockPool(config, store=self.store), f"w{i}"))
+            self.store.users += config.use_shared_store  # as the allocator's registry counts them
 
     def _at(self, writer: str, layout: str, h: bytes) -> tuple:
         """Where an entry's bytes are: the store's, or in a peer store its writer's."""
@@ -271,6 +273,8 @@ class TiersMachine(RuleBasedStateMachine):
         for w in self.workers:
             pool = w.pool
             assert pool.integrity_problems() == []
+            # within its share of pending saves: all of the store alone, half of it of two
+            assert len(pool.tiers.store_pending) * BLOCK_BYTES <= self.store.pending_share()
             host = pool.tiers.host
             if host is not None:
                 assert len(host.lru) <= pool.config.host_blocks
@@ -299,6 +303,7 @@ class TiersMachine(RuleBasedStateMachine):
             return
         w = self.workers.pop()
         w.pool.drop_store_pending()
+        self.store.users -= w.pool.config.use_shared_store  # as the registry counts them
         if self.store.peer:
             self.store_bytes = {k: v for k, v in self.store_bytes.items() if k[0] != w.writer}
             lru = self.store.lru

@@ -32,6 +32,7 @@ def test_each_worker_gets_a_token_bound_to_its_id_and_address(tmp_path):
         "journal-key",
         "worker-1.store-key",
         "worker-2.store-key",
+        "api-keys",
     }
     for p in tmp_path.iterdir():
         assert stat.S_IMODE(p.stat().st_mode) == 0o600, p
@@ -41,7 +42,7 @@ def test_each_worker_gets_a_token_bound_to_its_id_and_address(tmp_path):
         files["worker-2.token"].strip(): WorkerGrant("worker-2", "http://worker-2:8000"),
     }
     tokens = [v.strip() for v in files.values() if "\n" == v[-1] and " " not in v.strip()]
-    assert len(set(tokens)) == len(tokens) == 7 and all(len(t) >= 40 for t in tokens)
+    assert len(set(tokens)) == len(tokens) == 8 and all(len(t) >= 40 for t in tokens)
 
 
 def test_a_restart_keeps_them_and_other_workers_renew_them(tmp_path):
@@ -54,8 +55,10 @@ def test_a_restart_keeps_them_and_other_workers_renew_them(tmp_path):
         WorkerGrant("worker-3", "http://worker-3:8000")
     }
     assert _files(tmp_path)["router-token"] != first["router-token"]
-    # the journal key is never written again: the journal keyed with it stays readable
+    # the journal key is never written again: the journal keyed with it stays readable;
+    # nor the API key: the clients keep theirs
     assert _files(tmp_path)["journal-key"] == first["journal-key"]
+    assert _files(tmp_path)["api-keys"] == first["api-keys"]
 
 
 def test_the_command_says_what_it_did_and_refuses_a_bad_worker(tmp_path):
@@ -153,9 +156,9 @@ def test_split_gives_each_process_only_its_own_files(tmp_path):
         "allocator": {
             n: files[n] for n in ("worker-tokens", "router-token", "admin-token", "journal-key")
         },
-        "router": {"router-token": files["router-token"]},
-        "worker-1": {n: files[n] for n in ("worker-1.token", "worker-1.store-key")},
-        "worker-2": {n: files[n] for n in ("worker-2.token", "worker-2.store-key")},
+        "router": {n: files[n] for n in ("router-token", "api-keys")},
+        "worker-1": {n: files[n] for n in ("worker-1.token", "worker-1.store-key", "api-keys")},
+        "worker-2": {n: files[n] for n in ("worker-2.token", "worker-2.store-key", "api-keys")},
     }
     assert all(
         stat.S_IMODE(p.stat().st_mode) == 0o600

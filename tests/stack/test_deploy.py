@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pagedkv.stack.credentials import ADMIN_TOKEN, processes_files
+from pagedkv.stack.credentials import ADMIN_TOKEN, API_KEYS, processes_files
 from pagedkv_base.settings import parse_threads
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -171,7 +171,11 @@ def test_compose_topology(compose):
         assert flags(s[name]["command"])["--allocator-token-file"] == f"/credentials/{name}.token"
         # the key of the store group both are in: their store entries are sealed
         assert flags(s[name]["command"])["--kv-store-key-file"] == f"/credentials/{name}.store-key"
-        assert {f"{name}.token", f"{name}.store-key"} == set(files[name])  # in its own folder
+        assert {f"{name}.token", f"{name}.store-key", API_KEYS} == set(files[name])
+    # the clients' API key, required by the router and by each worker (and only theirs)
+    for name in ("router", "worker-1", "worker-2"):
+        assert flags(s[name]["command"])["--api-keys-file"] == f"/credentials/{API_KEYS}", name
+    assert API_KEYS in files["router"] and API_KEYS not in files["allocator"]
     for name, svc in s.items():
         if name == "credentials":
             continue
@@ -509,6 +513,16 @@ def test_kustomize_renders_the_topology(k8s):
     assert (
         settings["data"]["PAGEDKV_ROUTER_ALLOCATOR"] == settings["data"]["PAGEDKV_WORKER_ALLOCATOR"]
     )
+
+    # the API wants a key: the router and the workers read it from a Secret the operator makes
+    for pod, component in ((worker, "WORKER"), (router, "ROUTER")):
+        [c] = pod["spec"]["containers"]
+        [mount] = c["volumeMounts"]
+        [volume] = pod["spec"]["volumes"]
+        assert volume["secret"]["secretName"] == "pagedkv-api-keys"
+        assert mount["name"] == volume["name"] and mount["readOnly"]
+        path = settings["data"][f"PAGEDKV_{component}_API_KEYS_FILE"]
+        assert path.startswith(mount["mountPath"] + "/")
 
     for pod in (worker, at, router):
         ann = pod["metadata"]["annotations"]

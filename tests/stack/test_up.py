@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import openai
 import pytest
 
 from pagedkv.stack import (
@@ -236,12 +237,14 @@ def test_up_starts_the_topology_and_stops_it_on_sigint(tmp_path):
         },
     ) as (up, info):
         assert len(info["workers"]) == 2 and len(set(info["workers"])) == 2
+        # an API key by default, in the file the ready file (and the console) names
+        key = Path(info["api_keys_file"]).read_text().strip()
+        auth = {"Authorization": f"Bearer {key}"}
         for url in info["workers"]:
             assert http_ok(f"{url}/health")
             # the settings given as the workers' variables reached them
-            card = json.loads(urllib.request.urlopen(f"{url}/v1/models", timeout=5).read())["data"][
-                0
-            ]
+            request = urllib.request.Request(f"{url}/v1/models", headers=auth)
+            card = json.loads(urllib.request.urlopen(request, timeout=5).read())["data"][0]
             assert card["max_model_len"] == 96
         assert grpc_health_ok(info["allocator"])
         # both workers registered their pools with the one allocator
@@ -252,6 +255,16 @@ def test_up_starts_the_topology_and_stops_it_on_sigint(tmp_path):
         import httpx
 
         assert httpx.get(f"{info['router']}/health", timeout=5).json()["workers"] == 2
+        # no key, no answer: at the router and at each worker
+        body = {"model": "tiny-random", "prompt": "Hello", "max_tokens": 3}
+        for url in (info["router"], *info["workers"]):
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 401, r.text
+        # with it, the openai client is served
+        client = openai.OpenAI(base_url=f"{info['router']}/v1", api_key=key, max_retries=0)
+        answer = client.completions.create(**body)
+        assert answer.usage.completion_tokens == 3
+        assert "API key: " + info["api_keys_file"] in (tmp_path / "up.log").read_text()
         assert all(url.startswith("http://127.0.0.1:") for url in info["workers"])  # internal
         family = _descendants(up.pid)
         assert set(info["pids"].values()) <= family
@@ -349,7 +362,7 @@ def test_local_stack_refuses_a_busy_port():
 
 
 def _stream(
-    url: str, prompt: str, started: threading.Event, killed: threading.Event
+    url: str, key: str, prompt: str, started: threading.Event, killed: threading.Event
 ) -> tuple[list[str], int]:
     """(the `data:` payloads of a streamed completion through `url`, as they came;
     how many came after `killed` was set)."""
@@ -364,7 +377,8 @@ def _stream(
         "temperature": 0,
         "stream": True,
     }
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
+    auth = {"Authorization": f"Bearer {key}"}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=auth, timeout=300) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if line.startswith("data: "):
@@ -394,11 +408,17 @@ def test_up_restarts_a_killed_allocator_and_no_stream_is_cut(tmp_path):
         env={"PAGEDKV_WORKER_BLOCK_SIZE": "4"},
     ) as (up, info):
         router = info["router"]
+        key = Path(info["api_keys_file"]).read_text().strip()
         starts, killed = [threading.Event() for _ in range(4)], threading.Event()
         with ThreadPoolExecutor(4) as pool:
             streams = [
                 pool.submit(
-                    _stream, router, f"Stream {i} says: " + "tell me more. " * 4, started, killed
+                    _stream,
+                    router,
+                    key,
+                    f"Stream {i} says: " + "tell me more. " * 4,
+                    started,
+                    killed,
                 )
                 for i, started in enumerate(starts)
             ]
@@ -423,6 +443,7 @@ def test_up_restarts_a_killed_allocator_and_no_stream_is_cut(tmp_path):
             r = httpx.post(
                 f"{router}/v1/completions",
                 timeout=60,
+                headers={"Authorization": f"Bearer {key}"},
                 json={"model": "tiny-random", "prompt": "After the restart", "max_tokens": 4},
             )
             if r.status_code == 200 or time.monotonic() > deadline:
