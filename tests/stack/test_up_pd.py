@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import openai
 
@@ -39,8 +40,9 @@ def test_up_serves_a_completion_split_between_a_prefill_and_a_decode_worker(tmp_
         env=env,
     ) as (up, info):
         assert {"allocator", "worker-1", "worker-2", "router"} == set(info["pids"])
+        key = Path(info["api_keys_file"]).read_text().strip()  # generated, as by default
         client = openai.OpenAI(
-            base_url=f"{info['router']}/v1", api_key="x", max_retries=0, timeout=120
+            base_url=f"{info['router']}/v1", api_key=key, max_retries=0, timeout=120
         )
         raw = client.completions.with_raw_response.create(
             model="tiny-random", prompt=PROMPT, max_tokens=8, temperature=0
