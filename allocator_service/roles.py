@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from allocator_service.core.errors import InvalidArgument
 from allocator_service.core.limits import MAX_STORE_GROUP_LEN, STORE_NAME_CHARS
-from allocator_service.core.tiers import check_store_names
+from allocator_service.core.tier_index import check_store_names
 from allocator_service.wire.attest import normalise_url
 from allocator_service.wire.errors import PermissionDenied, Unauthenticated
 

@@ -23,7 +23,8 @@ from allocator_service.core import (
     run_step,
     step_columns,
 )
-from allocator_service.core.tiers import SharedStore, TierReport
+from allocator_service.core.tier_index import SharedStore
+from allocator_service.core.tiers import TierReport
 
 
 class PoolLost(Exception):

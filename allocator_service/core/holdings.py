@@ -17,7 +17,8 @@ from allocator_service.core.limits import max_name_chars, max_sequences, max_tab
 from allocator_service.core.prefix_index import EventSink, PrefixIndex
 from allocator_service.core.sequence import SeqEntry
 from allocator_service.core.state import PoolConfig, PoolParts, PoolStats
-from allocator_service.core.tiers import PoolTiers, SharedStore
+from allocator_service.core.tier_index import SharedStore
+from allocator_service.core.tiers import PoolTiers
 from allocator_service.core.validation import check_cache_salt, check_tokens
 
 # The counters `stats()` reports, kept in a dump.

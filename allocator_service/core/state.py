@@ -19,7 +19,8 @@ from allocator_service.core.limits import (
 )
 from allocator_service.core.prefix_index import PrefixIndex
 from allocator_service.core.sequence import SeqEntry
-from allocator_service.core.tiers import PoolTiers, check_store_names, store_namespace
+from allocator_service.core.tier_index import check_store_names, store_namespace
+from allocator_service.core.tiers import PoolTiers
 
 # A pool's parts in prefill/decode disaggregation (docs/architecture.md).
 KV_ROLES = ("both", "prefill", "decode")

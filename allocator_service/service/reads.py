@@ -15,7 +15,7 @@ from typing import NamedTuple
 from allocator_service.config import Limits
 from allocator_service.core import PoolStats, snapshot
 from allocator_service.core.hashing import prompt_chain
-from allocator_service.core.tiers import StoreStats, TierStats
+from allocator_service.core.tier_index import StoreStats, TierStats
 from allocator_service.core.validation import check_cache_salt, check_tokens
 from allocator_service.service.changes import Changes, PoolRef
 from allocator_service.store.registry import PoolEntry

@@ -32,7 +32,7 @@ from typing import Any
 
 from allocator_service.core import BlockPool, PoolConfig, StepColumns, run_step
 from allocator_service.core.snapshot import dumps_chunked, to_packed
-from allocator_service.core.tiers import SharedStore
+from allocator_service.core.tier_index import SharedStore
 from allocator_service.store.events import POOL_DROPPED, POOL_REGISTERED, EventLog, RecordEvents
 from allocator_service.wire.codec import columns_from_proto, config_from_proto, result_to_proto
 from allocator_service.wire.v1 import allocator_pb2 as pb

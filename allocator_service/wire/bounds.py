@@ -22,7 +22,7 @@ from allocator_service.core.limits import (
 )
 from allocator_service.core.sequence import blocks_for
 from allocator_service.core.snapshot import HASH_BYTES
-from allocator_service.core.tiers import HASH_LEN
+from allocator_service.core.tier_index import HASH_LEN
 
 # Bytes of one operation's readable reason in a StepResponse, at most (a
 # longer one is cut): what lets `step_answer_bound` bound a step's answer.

@@ -23,7 +23,8 @@ from allocator_service.core import (
     step_columns,
 )
 from allocator_service.core import step as core_step
-from allocator_service.core.tiers import HASH_LEN, NO_MOVES, Moves, TierReport
+from allocator_service.core.tier_index import HASH_LEN
+from allocator_service.core.tiers import NO_MOVES, Moves, TierReport
 from allocator_service.wire.bounds import MAX_ERROR_MESSAGE_BYTES
 from allocator_service.wire.errors import (
     INVALID_ARGUMENT,

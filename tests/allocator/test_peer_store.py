@@ -12,7 +12,7 @@ import pytest
 
 from allocator_service.config import ServiceConfig
 from allocator_service.core import Admit, Free, PoolConfig
-from allocator_service.core.tiers import SharedStore
+from allocator_service.core.tier_index import SharedStore
 from allocator_service.service import AllocatorService, PoolRef
 from allocator_service.service.pools import Advertised
 from allocator_service.wire.codec import encode_ops, step_from_proto

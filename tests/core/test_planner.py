@@ -26,7 +26,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from allocator_service.core import BLOCK_STORED, BlockPool, InvalidArgument, OutOfBlocks, PoolConfig
 from allocator_service.core.planner import PoolPlan, after_append, reserve_for
-from allocator_service.core.tiers import SharedStore
+from allocator_service.core.tier_index import SharedStore
 
 tokens_st = st.lists(st.integers(0, 2), min_size=1, max_size=12)  # a tiny alphabet: shared prefixes
 

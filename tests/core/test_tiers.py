@@ -44,7 +44,7 @@ from allocator_service.core import (
 )
 from allocator_service.core.hashing import chain_hashes
 from allocator_service.core.step import StepAnswer
-from allocator_service.core.tiers import SharedStore
+from allocator_service.core.tier_index import SharedStore
 from tests.support.allocator import tier_report
 from tests.support.tiers import CONVERSATIONS, FATES
 

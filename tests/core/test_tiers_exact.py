@@ -27,7 +27,7 @@ from allocator_service.core import (
 )
 from allocator_service.core.hashing import chain_hashes
 from allocator_service.core.step import StepAnswer
-from allocator_service.core.tiers import SharedStore, StoreStats, TierStats
+from allocator_service.core.tier_index import SharedStore, StoreStats, TierStats
 from tests.support.allocator import tier_report
 
 CONFIG = PoolConfig(

@@ -18,7 +18,7 @@ from dataclasses import asdict, replace
 import pytest
 
 from allocator_service.client import EmbeddedAllocator
-from allocator_service.core.tiers import SharedStore
+from allocator_service.core.tier_index import SharedStore
 from worker.engine import EngineConfig, LLMEngine, SamplingParams
 from worker.model.sim import load_sim_model
 from worker.sim import write_config

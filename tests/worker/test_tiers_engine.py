@@ -22,7 +22,7 @@ import pytest
 
 from allocator_service.client import EmbeddedAllocator
 from allocator_service.core.hashing import prompt_chain
-from allocator_service.core.tiers import SharedStore
+from allocator_service.core.tier_index import SharedStore
 from tests.support.http import metric, openai_client
 from worker.engine import EngineConfig, LLMEngine, SamplingParams
 from worker.kv_pool import bytes_per_block
