@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from pagedkv.stack.local import FAST_EXIT_S, GIVE_UP_AFTER, RESTART_DELAYS
+from pagedkv.stack.services import FAST_EXIT_S, GIVE_UP_AFTER, RESTART_DELAYS
 from pagedkv_base.config import setting
 from pagedkv_base.settings import seconds
 from router.cli import RouterArgs

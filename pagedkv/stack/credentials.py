@@ -42,6 +42,7 @@ import os
 import secrets
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 WORKER_TOKENS, ROUTER_TOKEN, ADMIN_TOKEN = "worker-tokens", "router-token", "admin-token"
 JOURNAL_KEY = "journal-key"
@@ -151,6 +152,78 @@ def write_credentials(
 
 
 ALLOCATOR_DIR, ROUTER_DIR = "allocator", "router"
+
+
+class Wiring(NamedTuple):
+    """A local stack's credentials as its processes' command lines (`stack_wiring`)."""
+
+    allocator: list[str]  # the allocator's (and its standby's) flags
+    allocator_env: dict[str, str] | None  # the allocator's variables
+    to_allocator: list[str]  # what every worker needs to call the allocator
+    router_to_allocator: list[str]  # and the router
+    per_worker: dict[str, list[str]]  # worker id -> its own files
+    api_keys: list[str]  # the router's and every worker's
+
+
+def stack_wiring(
+    directory: Path,
+    workers: Sequence[tuple[str, str]],
+    *,
+    token: str | None,
+    credentials: bool,
+    guest_workers: Sequence[tuple[str, str]],
+    api_key: bool,
+    tls: tuple[Path, Path] | None,
+) -> Wiring:
+    """The credentials of `LocalStack`'s processes, written to `directory`: one
+    shared worker `token` (and its router token `TOKEN-router`), else with
+    `credentials` a token per worker (`workers`: (id, URL)) and per guest,
+    one store group for the stack's workers, the router's and admin tokens and
+    the journal key; with `api_key` the clients' key; with `tls` (cert, key)
+    what it takes to call the allocator."""
+    w = Wiring([], None, [], [], {}, [])
+    if token is not None:  # one shared worker token
+        token_file, router_file = directory / "allocator-token", directory / ROUTER_TOKEN
+        write_secret(token_file, token + "\n")
+        write_secret(router_file, token + "-router\n")
+        w.allocator.extend(["--auth-token-file", str(token_file)])
+        w.to_allocator.extend(["--allocator-token-file", str(token_file)])
+        # the router's own credential (the roles table), for this stack's router or another's
+        w.allocator.extend(["--router-token-file", str(router_file)])
+        w.router_to_allocator.extend(["--router-token-file", str(router_file)])
+    elif credentials:
+        # a token per worker, bound to its id and address; the stack's workers are one
+        # operator's: one store group, whose key seals their store entries
+        write_credentials(directory, workers, STORE_GROUP, guest_workers)
+        for worker_id, _ in workers:
+            w.per_worker[worker_id] = [
+                "--allocator-token-file",
+                str(worker_token_file(directory, worker_id)),
+                "--kv-store-key-file",
+                str(store_key_file(directory, worker_id)),
+            ]
+        w.allocator.extend(
+            [
+                "--worker-tokens-file",
+                str(directory / WORKER_TOKENS),
+                "--admin-token-file",
+                str(directory / ADMIN_TOKEN),
+                "--router-token-file",
+                str(directory / ROUTER_TOKEN),
+            ]
+        )
+        w = w._replace(
+            allocator_env={"PAGEDKV_ALLOCATOR_JOURNAL_KEY_FILE": str(directory / JOURNAL_KEY)}
+        )
+        w.router_to_allocator.extend(["--router-token-file", str(directory / ROUTER_TOKEN)])
+    if api_key:
+        w.api_keys.extend(["--api-keys-file", str(write_api_keys(directory))])
+    if tls is not None:
+        cert, key = tls
+        w.allocator.extend(["--tls-cert", str(cert), "--tls-key", str(key)])
+        w.to_allocator.extend(["--allocator-tls-ca", str(cert)])
+        w.router_to_allocator.extend(["--allocator-tls-ca", str(cert)])
+    return w
 
 
 def processes_files(workers: Sequence[str]) -> dict[str, list[str]]:

@@ -60,34 +60,20 @@ their binaries are on PATH::
   plus `shard-i:`). Their `--state`, `--listen` and `--metrics-port` are
   the stack's to set: `allocator_args` may not give them then. `allocator` / `allocator_address` are
   the first one's; `allocator_addresses` lists all.
-- Credentials (`credentials=True`, the default): generated for the stack, in
-  files of the log folder readable by this user only: each worker its own
-  token, bound to its id and address (`worker-tokens`, `worker-N.token`),
-  the workers one store group with its key (`worker-N.store-key`), the router's token
-  (`router-token`) and an admin token (`admin-token`). `guest_workers=[(ID, URL), ...]`: workers the
-  stack does not run, each also given its token (`ID.token`, bound to that id and address) and a
-  store group of its own: another operator's worker beside the stack's on
-  its allocator and shared store, or an attacker holding one token.
-  `token=T` instead: one shared worker token (`allocator-token`) and the
-  router token `T-router`. `credentials=False` and no `token`: none at all
-  (any caller may register a pool: a development setup).
-- `api_key=True`: an API key for the stack's clients (`api-keys` in the log
-  folder, kept when there; `api_key` reads it), which the router and every
-  worker require (`--api-keys-file`); without it their API is open.
+- Credentials (`credentials=True`, the default: a token per worker, bound to
+  its id and address, one store group, router and admin tokens), `token=T`
+  (one shared worker token), `api_key=True` (the clients' key, which the
+  router and every worker require), `guest_workers=[(ID, URL), ...]`
+  (workers the stack does not run, each given a token and a store group of
+  its own): written to the log folder, readable by this user only
+  (`credentials.stack_wiring`). Neither credentials nor a token: any caller
+  may register a pool (a development setup).
 - `tls=(cert, key)`: the allocator serves TLS with that certificate (which
   must name localhost), and the workers are given what they need to call it.
 - The processes die with the thread that started the stack (see
   `pagedkv.stack.process`): start it from one that outlives it.
-- `supervise()` (what `pagedkv up` runs once the stack is healthy) restarts
-  every process that exits, as compose's `restart: unless-stopped` does: on
-  the same address with the same arguments and log, after a delay that
-  doubles with each exit in a row within `FAST_EXIT_S` of its start
-  (`RESTART_DELAYS`), one line per restart (also kept in `restarts`). A
-  process that exits `GIVE_UP_AFTER` times in a row that fast is given up
-  on: StackError, with its last lines. An allocator with `--state memory`
-  comes back empty: each worker registers a new pool with it, recomputes
-  what it was computing, and the router proves the new pools before it
-  routes to them; with Redis state it comes back with every pool.
+- `supervise()` restarts every process that exits, as compose's
+  `restart: unless-stopped` does (its docstring says how).
 """
 
 from __future__ import annotations
@@ -100,19 +86,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from pagedkv.stack.credentials import (
-    ADMIN_TOKEN,
-    API_KEYS,
-    JOURNAL_KEY,
-    ROUTER_TOKEN,
-    STORE_GROUP,
-    WORKER_TOKENS,
-    store_key_file,
-    worker_token_file,
-    write_api_keys,
-    write_credentials,
-    write_secret,
-)
+from pagedkv.stack.credentials import ADMIN_TOKEN, API_KEYS, ROUTER_TOKEN, stack_wiring
 from pagedkv.stack.probes import free_port, port_in_use
 from pagedkv.stack.process import Process, StackError, stop_processes, wait_healthy
 from pagedkv.stack.services import (
@@ -123,15 +97,13 @@ from pagedkv.stack.services import (
     Service,
     WorkerProcess,
     prometheus_config,
+    supervise,
 )
 from pagedkv_base.settings import env_name, thread_share
 
 THREADS_ENV = env_name("worker", "--threads")
 # Seconds before restarting a process that exited: the first, its second, ... exit in a row within
 # FAST_EXIT_S of its start (an exit after a longer run: the first's).
-RESTART_DELAYS = (0.5, 1.0, 2.0, 4.0, 8.0)
-FAST_EXIT_S = 30.0
-GIVE_UP_AFTER = 5  # exits in a row that fast: the process is given up on
 _COLOURS = (
     "cyan",
     "magenta",
@@ -338,12 +310,6 @@ class LocalStack:
         self.services[service.name] = service
         return service
 
-    def _secret(self, name: str, value: str) -> Path:
-        """A file of the log folder holding `value`, readable by this user only."""
-        path = self.log_dir / name
-        write_secret(path, value + "\n")
-        return path
-
     def _warn(self, message: str) -> None:
         self.warnings.append(message)
         if self.console is not None:
@@ -395,84 +361,49 @@ class LocalStack:
             store = (self.log_dir / "kv-store").resolve()
             allocator_args += ["--kv-shared-store", f"file://{store}"]
             allocator_args += ["--kv-shared-store-size", f"{self.shared_store_gib:g}"]
-        to_allocator: list[str] = []  # what every worker needs to call it
-        router_to_allocator: list[str] = []  # and the router
-        allocator_env: dict[str, str] | None = None
-        if self.token is not None:  # one shared worker token
-            token_file = self._secret("allocator-token", self.token)
-            allocator_args += ["--auth-token-file", str(token_file)]
-            to_allocator += ["--allocator-token-file", str(token_file)]
-            # the router's own credential (the roles table), for this stack's router or another's
-            router_file = self._secret("router-token", self.token + "-router")
-            allocator_args += ["--router-token-file", str(router_file)]
-            router_to_allocator += ["--router-token-file", str(router_file)]
-        elif self.credentials:
-            # generated for this stack: a token per worker, bound to its id and address
-            # The stack's workers are one operator's: one store
-            # group, whose key seals their store entries.
-            write_credentials(
-                self.log_dir,
-                [(w.worker_id, w.url) for w in self.workers],
-                STORE_GROUP,
-                self.guest_workers,
-            )
-            for worker in self.workers:
-                worker.args += [
-                    "--allocator-token-file",
-                    str(worker_token_file(self.log_dir, worker.worker_id)),
-                    "--kv-store-key-file",
-                    str(store_key_file(self.log_dir, worker.worker_id)),
-                ]
-            allocator_args += [
-                "--worker-tokens-file",
-                str(self.log_dir / WORKER_TOKENS),
-                "--admin-token-file",
-                str(self.log_dir / ADMIN_TOKEN),
-                "--router-token-file",
-                str(self.log_dir / ROUTER_TOKEN),
-            ]
-            allocator_env = {"PAGEDKV_ALLOCATOR_JOURNAL_KEY_FILE": str(self.log_dir / JOURNAL_KEY)}
-            router_to_allocator += ["--router-token-file", str(self.log_dir / ROUTER_TOKEN)]
-        api_keys = (
-            ["--api-keys-file", str(write_api_keys(self.log_dir))] if self.want_api_key else []
+        wiring = stack_wiring(
+            self.log_dir,
+            [(w.worker_id, w.url) for w in self.workers],
+            token=self.token,
+            credentials=self.credentials,
+            guest_workers=self.guest_workers,
+            api_key=self.want_api_key,
+            tls=self.tls,
         )
+        allocator_args += wiring.allocator
+        allocator_env = wiring.allocator_env
         for worker in self.workers:
-            worker.args += api_keys
-        if self.tls is not None:
-            cert, key = self.tls
-            allocator_args += ["--tls-cert", str(cert), "--tls-key", str(key)]
-            to_allocator += ["--allocator-tls-ca", str(cert)]
-            router_to_allocator += ["--allocator-tls-ca", str(cert)]
+            worker.args += [*wiring.per_worker.get(worker.worker_id, ()), *wiring.api_keys]
         connect = "localhost" if self.tls is not None else h  # the certificate names localhost
-        for i in range(self.num_allocators):
-            name = "allocator" if i == 0 else f"allocator-{i + 1}"
-            aport = self._port(self.allocator_port + i if self.allocator_port else 0, f"the {name}")
+
+        def allocator_process(name: str, n: int, shard: int, standby: bool):
+            """Allocator process `name` (the n-th on the fixed ports); its address, its
+            metrics URL."""
+            aport = self._port(self.allocator_port + n if self.allocator_port else 0, f"the {name}")
             mport = self._port(
-                self.allocator_metrics_port + i if self.allocator_metrics_port else 0,
+                self.allocator_metrics_port + n if self.allocator_metrics_port else 0,
                 f"the {name}'s metrics",
             )
-            allocator = self._add(
+            args = ["--metrics-port", str(mport), "--state", _shard_state(state, shard)]
+            process = self._add(
                 AllocatorProcess,
-                [
-                    "--metrics-port",
-                    str(mport),
-                    "--state",
-                    _shard_state(state, i),
-                    # with a standby both run --standby: the first to start leads, and
-                    # either, restarted, follows whichever leads then
-                    *(["--standby"] if self.want_standby else []),
-                    *allocator_args,
-                    *self.allocator_args,
-                ],
+                [*args, *(["--standby"] if standby else []), *allocator_args, *self.allocator_args],
                 name=name,
                 listen=f"{self.host}:{aport}",
                 connect_host=connect,
                 probe_grpc=self.tls is None,
                 env=allocator_env,
             )
-            self.allocators.append(allocator)
-            self.allocator_addresses.append(f"{connect}:{aport}")
-            self.allocator_metrics_urls.append(f"http://{h}:{mport}/metrics")
+            return process, f"{connect}:{aport}", f"http://{h}:{mport}/metrics"
+
+        for i in range(self.num_allocators):
+            # with a standby both run --standby: the first to start leads, and either,
+            # restarted, follows whichever leads then
+            name = "allocator" if i == 0 else f"allocator-{i + 1}"
+            process, address, metrics = allocator_process(name, i, i, self.want_standby)
+            self.allocators.append(process)
+            self.allocator_addresses.append(address)
+            self.allocator_metrics_urls.append(metrics)
         self.allocator = self.allocators[0]
         self.allocator_address = self.allocator_addresses[0]
         self.allocator_metrics_url = self.allocator_metrics_urls[0]
@@ -481,34 +412,11 @@ class LocalStack:
         groups = [[a] for a in self.allocator_addresses]
         for i in range(self.num_allocators if self.want_standby else 0):
             name = f"{self.allocators[i].name}-standby"
-            n = self.num_allocators + i
-            aport = self._port(self.allocator_port + n if self.allocator_port else 0, f"the {name}")
-            mport = self._port(
-                self.allocator_metrics_port + n if self.allocator_metrics_port else 0,
-                f"the {name}'s metrics",
-            )
-            self.standbys.append(
-                self._add(
-                    AllocatorProcess,
-                    [
-                        "--standby",
-                        "--metrics-port",
-                        str(mport),
-                        "--state",
-                        _shard_state(state, i),
-                        *allocator_args,
-                        *self.allocator_args,
-                    ],
-                    name=name,
-                    listen=f"{self.host}:{aport}",
-                    connect_host=connect,
-                    probe_grpc=self.tls is None,
-                    env=allocator_env,
-                )
-            )
-            self.standby_addresses.append(f"{connect}:{aport}")
-            self.standby_metrics_urls.append(f"http://{h}:{mport}/metrics")
-            groups[i].append(self.standby_addresses[-1])
+            process, address, metrics = allocator_process(name, self.num_allocators + i, i, True)
+            self.standbys.append(process)
+            self.standby_addresses.append(address)
+            self.standby_metrics_urls.append(metrics)
+            groups[i].append(address)
         wait_healthy([(a.start().proc, a.healthy) for a in self.standbys], self.startup_timeout)
 
         # The workers share this machine: each takes 1/N of the cores unless told
@@ -518,7 +426,7 @@ class LocalStack:
         for i, worker in enumerate(self.workers):
             # a leader and its standby: it follows
             worker.allocator = ",".join(groups[i % self.num_allocators])
-            worker.args += to_allocator
+            worker.args += wiring.to_allocator
             checks.append((worker.start().proc, worker.healthy))
 
         if self.want_router:
@@ -529,7 +437,7 @@ class LocalStack:
                 name="router",
                 allocator=",".join("|".join(g) for g in groups),
                 model=self.model,
-                args=[*router_to_allocator, *api_keys, *self.router_args],
+                args=[*wiring.router_to_allocator, *wiring.api_keys, *self.router_args],
                 host=self.host,
                 port=rport,
                 connect_host=h,
@@ -571,44 +479,18 @@ class LocalStack:
         wait_healthy(checks, self.startup_timeout)
 
     def supervise(self) -> None:
-        """Restart each process that exits, until `stop()` (see the module
-        docstring); StackError when one keeps exiting fast. Run it from the
-        thread that started the stack: restarted processes die with the
-        thread that starts them."""
-        in_a_row: dict[str, int] = {}  # exits within FAST_EXIT_S of their start, in a row
-        due: dict[str, float] = {}  # name -> when it is restarted
-        while not self._stopping.is_set():
-            now = time.monotonic()
-            for name, service in list(self.services.items()):
-                proc = service.proc
-                if proc is None or proc.alive():
-                    continue
-                if name not in due:
-                    fast = now - service.started_at < FAST_EXIT_S
-                    n = in_a_row[name] = in_a_row.get(name, 0) + 1 if fast else 0
-                    if n >= GIVE_UP_AFTER:
-                        raise StackError(
-                            proc.describe_failure(
-                                f"exited ({proc.exit_status()}) {n} times in a row within "
-                                f"{FAST_EXIT_S:g} s of starting; given up on"
-                            )
-                        )
-                    delay = RESTART_DELAYS[min(max(n - 1, 0), len(RESTART_DELAYS) - 1)]
-                    due[name] = now + delay
-                    self._say(
-                        f"{name} exited ({proc.exit_status()}); restarting it in {delay:g} s "
-                        f"(restart {service.starts}"
-                        + (f", {n} fast exits in a row" if n else "")
-                        + ")"
-                    )
-                elif now >= due[name]:
-                    with self._lock:
-                        if self._stopping.is_set():
-                            return
-                        proc.finish()
-                        service.start()
-                    del due[name]
-            self._stopping.wait(0.1)
+        """Restart each process that exits, until `stop()` (what `pagedkv up` runs
+        once the stack is healthy): on the same address with the same arguments
+        and log, after a delay that doubles with each exit in a row within
+        `FAST_EXIT_S` of its start (`RESTART_DELAYS`), one line per restart
+        (also kept in `restarts`). A process that exits `GIVE_UP_AFTER` times in
+        a row that fast is given up on: StackError, with its last lines. An
+        allocator with `--state memory` comes back empty: each worker registers
+        a new pool with it, recomputes what it was computing, and the router
+        proves the new pools before it routes to them; with Redis state it
+        comes back with every pool. Run it from the thread that started the
+        stack: restarted processes die with the thread that starts them."""
+        supervise(self.services, self._stopping, self._lock, self._say)
 
     def _say(self, line: str) -> None:
         self.restarts.append(line)

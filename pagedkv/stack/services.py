@@ -15,11 +15,11 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from pagedkv.stack.probes import free_port, grpc_health_ok, http_ok, redis_ping_ok
-from pagedkv.stack.process import Process, stop_processes, wait_healthy
+from pagedkv.stack.process import Process, StackError, stop_processes, wait_healthy
 
 # What the allocator prints once it serves (allocator_service/rpc/server.py).
 _LISTENING = re.compile(r"listening on (\S+):(\d+) ")
@@ -384,3 +384,52 @@ def start_redis(timeout: float = 15.0) -> RedisProcess:
     except BaseException:
         redis.stop()
         raise
+
+
+# How a supervised stack restarts a process that exits (`supervise`).
+RESTART_DELAYS = (0.5, 1.0, 2.0, 4.0, 8.0)
+FAST_EXIT_S = 30.0
+GIVE_UP_AFTER = 5  # exits in a row that fast: the process is given up on
+
+
+def supervise(
+    services: Mapping[str, Service],
+    stopping: threading.Event,
+    lock: threading.Lock,
+    say: Callable[[str], None],
+) -> None:
+    """Restart each of `services` that exits until `stopping` is set, one line
+    each through `say` (`LocalStack.supervise` says how); StackError when one
+    keeps exiting fast."""
+    in_a_row: dict[str, int] = {}  # exits within FAST_EXIT_S of their start, in a row
+    due: dict[str, float] = {}  # name -> when it is restarted
+    while not stopping.is_set():
+        now = time.monotonic()
+        for name, service in list(services.items()):
+            proc = service.proc
+            if proc is None or proc.alive():
+                continue
+            if name not in due:
+                fast = now - service.started_at < FAST_EXIT_S
+                n = in_a_row[name] = in_a_row.get(name, 0) + 1 if fast else 0
+                if n >= GIVE_UP_AFTER:
+                    raise StackError(
+                        proc.describe_failure(
+                            f"exited ({proc.exit_status()}) {n} times in a row within "
+                            f"{FAST_EXIT_S:g} s of starting; given up on"
+                        )
+                    )
+                delay = RESTART_DELAYS[min(max(n - 1, 0), len(RESTART_DELAYS) - 1)]
+                due[name] = now + delay
+                say(
+                    f"{name} exited ({proc.exit_status()}); restarting it in {delay:g} s "
+                    f"(restart {service.starts}" + (f", {n} fast exits in a row" if n else "") + ")"
+                )
+            elif now >= due[name]:
+                with lock:
+                    if stopping.is_set():
+                        return
+                    proc.finish()
+                    service.start()
+                del due[name]
+        stopping.wait(0.1)

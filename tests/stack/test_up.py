@@ -459,9 +459,9 @@ def test_up_restarts_a_killed_allocator_and_no_stream_is_cut(tmp_path):
 
 
 def test_a_process_that_keeps_exiting_fast_is_given_up_on(monkeypatch):
-    import pagedkv.stack.local as local
+    import pagedkv.stack.services as services
 
-    monkeypatch.setattr(local, "RESTART_DELAYS", (0.0, 0.1))
+    monkeypatch.setattr(services, "RESTART_DELAYS", (0.0, 0.1))
 
     class Crashing(Service):
         def argv(self) -> list[str]:
@@ -472,7 +472,7 @@ def test_a_process_that_keeps_exiting_fast_is_given_up_on(monkeypatch):
     with pytest.raises(StackError) as err:
         stack.supervise()
     assert str(err.value).startswith(
-        f"worker-1 exited (status 3) {local.GIVE_UP_AFTER} "
+        f"worker-1 exited (status 3) {services.GIVE_UP_AFTER} "
         "times in a row within 30 s of starting; given up on"
     )
     assert "boom: no such model" in str(err.value)
@@ -480,6 +480,6 @@ def test_a_process_that_keeps_exiting_fast_is_given_up_on(monkeypatch):
     assert stack.restarts == [
         f"worker-1 exited (status 3); restarting it in {0.0 if n == 1 else 0.1:g} s "
         f"(restart {n}, {n} fast exits in a row)"
-        for n in range(1, local.GIVE_UP_AFTER)
+        for n in range(1, services.GIVE_UP_AFTER)
     ]
     stack.stop()
