@@ -218,11 +218,7 @@ class LLMEngine:
             return
         except PoolLost:  # registered afresh; nothing is running, so nothing to recompute
             if self.tiers is not None:
-                self.tiers.pool_lost(
-                    self.allocator.shared_store,
-                    self.allocator.store_namespace,
-                    self.allocator.peer_key,
-                )
+                self.tiers.pool_lost(self.allocator)
         except Exception as exc:  # noqa: BLE001 - a refusal: /health says so until an answer
             health.refused(exc)
             return

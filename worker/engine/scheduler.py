@@ -559,11 +559,7 @@ class Scheduler:
         except PoolLost:
             # Every block is gone: all running sequences start over.
             if self.tiers is not None:
-                self.tiers.pool_lost(
-                    self.allocator.shared_store,
-                    self.allocator.store_namespace,
-                    self.allocator.peer_key,
-                )
+                self.tiers.pool_lost(self.allocator)
             for seq in list(self.running):
                 self._preempt(batch, seq, "pool_lost")
             self.releases.clear()

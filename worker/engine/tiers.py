@@ -28,6 +28,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import NamedTuple
 
+from allocator_service.client import AllocatorClient
 from allocator_service.core import blocks_for
 from allocator_service.core.tiers import Moves, TierReport
 from worker.engine.step_plan import StepBatch
@@ -153,13 +154,13 @@ class EngineTiers:
         for mine, theirs in zip(self._report, report, strict=True):
             mine[:0] = theirs
 
-    def pool_lost(
-        self, shared_store: str | None = None, namespace: str = "", peer_key: str = ""
-    ) -> None:
+    def pool_lost(self, allocator: AllocatorClient) -> None:
         """The allocator dropped the pool: a report names the old pool's moves, so none goes out.
-        The fresh pool uses the store the allocator names now (`shared_store`, its `namespace`):
-        an allocator restarted on another store drops the pools of the old one, whose workers
-        must not write there any more."""
+        The fresh pool uses the store `allocator` names now (its `shared_store`, namespace and
+        peer key): an allocator restarted on another store drops the pools of the old one, whose
+        workers must not write there any more."""
+        shared_store, namespace = allocator.shared_store, allocator.store_namespace
+        peer_key = allocator.peer_key
         self._report = TierReport([], [], [], [], [])
         self._saving.clear()
         self._written.clear()
