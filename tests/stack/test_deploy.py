@@ -1,78 +1,32 @@
-"""Deployment files: docker-compose, Dockerfiles, Prometheus, Grafana, kustomize.
+"""Deployment files: docker-compose, Dockerfiles, Prometheus, Grafana (the kustomize
+manifests: tests/stack/test_deploy_k8s.py).
 
-No Docker engine or cluster runs here: the files are checked with the tools
-that work offline (docker-compose config, promtool, kubectl kustomize; each
-test says when its tool is missing and skips) and structurally with PyYAML.
+No Docker engine runs here: the files are checked with the tools that work offline
+(docker-compose config, promtool; each test says when its tool is missing and skips) and
+structurally with PyYAML.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import re
-import shutil
 import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 import yaml
 
 from pagedkv.stack.credentials import ADMIN_TOKEN, API_KEYS, processes_files
 from pagedkv_base.settings import parse_threads
+from tests.support.deploy import DEPLOY, ROOT, SERVICES, flags, need, with_defaults
 
-ROOT = Path(__file__).resolve().parents[2]
-DEPLOY = ROOT / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "pagedkv.json"
 PROM_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
-SERVICES = {
-    "credentials",
-    "redis",
-    "allocator",
-    "allocator-standby",
-    "worker-1",
-    "worker-2",
-    "router",
-    "prometheus",
-    "grafana",
-}
-
-
-def need(binary: str, package: str) -> str:
-    path = shutil.which(binary)
-    if path is None:
-        pytest.skip(
-            f"skipped: no `{binary}` on PATH (Debian package `{package}`; .ci/run installs it)"
-        )
-    return path
-
-
-def flags(command: list[str]) -> dict[str, str]:
-    """--name=value / --name value / --switch (value "") of a container command."""
-    out, i = {}, 0
-    while i < len(command):
-        word = command[i]
-        if word.startswith("--"):
-            if "=" in word:
-                k, v = word.split("=", 1)
-            elif i + 1 < len(command) and not command[i + 1].startswith("--"):
-                k, v = word, command[i + 1]
-                i += 1
-            else:
-                k, v = word, ""
-            out[k] = v
-        i += 1
-    return out
 
 
 # ------------------------------------------------------------------ docker-compose
-
-
-def with_defaults(text: str) -> str:
-    """The compose file as a user without settings gets it: ${VAR:-default} -> default."""
-    return re.sub(r"\$\{[A-Z0-9_]+:-([^}]*)\}", r"\1", text)
 
 
 @pytest.fixture(scope="module")
@@ -429,179 +383,3 @@ def test_dashboard_promql_parses(tmp_path):
 
 
 # ------------------------------------------------------------------ Kubernetes
-
-
-def kustomize(folder: Path) -> list[dict]:
-    """The manifests `kubectl kustomize FOLDER` renders (skips without kubectl)."""
-    exe = need("kubectl", "kubernetes-client")
-    proc = subprocess.run(
-        [exe, "kustomize", str(folder)], capture_output=True, text=True, timeout=60
-    )
-    assert proc.returncode == 0, proc.stderr
-    return [d for d in yaml.safe_load_all(proc.stdout) if d]
-
-
-@pytest.fixture(scope="module")
-def k8s() -> list[dict]:
-    return kustomize(DEPLOY / "k8s")
-
-
-def parse_quantity(q: str) -> int:
-    """Bytes of a Kubernetes memory quantity (16Gi) or a Redis one (3gb)."""
-    for unit, scale in (
-        ("Ki", 2**10),
-        ("Mi", 2**20),
-        ("Gi", 2**30),
-        ("kb", 2**10),
-        ("mb", 2**20),
-        ("gb", 2**30),
-    ):
-        if q.endswith(unit):
-            return int(float(q[: -len(unit)]) * scale)
-    return int(q)
-
-
-def _one(docs: list[dict], kind: str, name: str) -> dict:
-    [doc] = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
-    return doc
-
-
-def test_kustomize_renders_the_topology(k8s):
-    kinds = {d["kind"] for d in k8s}
-    assert {"Namespace", "ConfigMap", "Service", "Deployment", "StatefulSet"} <= kinds
-    assert all(d["metadata"].get("namespace") == "pagedkv" for d in k8s if d["kind"] != "Namespace")
-    [settings] = [d for d in k8s if d["kind"] == "ConfigMap"]
-
-    worker = _one(k8s, "Deployment", "worker")["spec"]["template"]
-    [wc] = worker["spec"]["containers"]
-    assert wc["resources"]["limits"]["nvidia.com/gpu"] == 1
-    assert wc["image"] == "pagedkv:cuda" and wc["args"][0] == "worker"
-    assert flags(wc["args"])["--device"] == "cuda"
-    port = int(flags(wc["args"])["--port"])
-    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
-        assert wc[probe]["httpGet"]["path"] == "/health", probe
-    assert worker["metadata"]["annotations"]["prometheus.io/port"] == str(port)
-
-    alloc = _one(k8s, "Deployment", "allocator")
-    at = alloc["spec"]["template"]
-    [ac] = at["spec"]["containers"]
-    # two replicas, both hot standbys of each other: the lease in Redis picks the leader, whom alone
-    # the readiness probe (the Allocator service's health) lets the Service send calls to
-    assert alloc["spec"]["replicas"] == 2
-    af = flags(ac["args"])
-    assert "--standby" in af and af["--advertise-address"] == "$(POD_IP):50051"
-    assert ac["readinessProbe"]["grpc"]["service"] == "pagedkv.v1.Allocator"
-    assert {e["name"]: e for e in ac["env"]}["POD_IP"]["valueFrom"]["fieldRef"][
-        "fieldPath"
-    ] == "status.podIP"
-    assert ac["image"] == "pagedkv:cpu" and ac["args"][0] == "allocator"
-    for probe in ("readinessProbe", "livenessProbe"):
-        assert ac[probe]["grpc"]["port"] == int(af["--listen"].rsplit(":", 1)[1]), probe
-    assert at["metadata"]["annotations"]["prometheus.io/port"] == af["--metrics-port"]
-
-    router = _one(k8s, "Deployment", "router")["spec"]["template"]
-    [rc] = router["spec"]["containers"]
-    assert rc["image"] == "pagedkv:cpu" and rc["args"][0] == "router"
-    assert rc["readinessProbe"]["httpGet"]["path"] == "/health"
-    assert (
-        flags(rc["args"])["--listen"].endswith(":8000")
-        and router["metadata"]["annotations"]["prometheus.io/port"] == "8000"
-    )
-    env = {e["name"]: e for e in wc["env"]}
-    assert env["PAGEDKV_WORKER_ADVERTISE_URL"]["value"] == f"http://$(POD_IP):{port}"
-    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
-    assert (
-        settings["data"]["PAGEDKV_ROUTER_ALLOCATOR"] == settings["data"]["PAGEDKV_WORKER_ALLOCATOR"]
-    )
-
-    # the API wants a key: the router and the workers read it from a Secret the operator makes
-    for pod, component in ((worker, "WORKER"), (router, "ROUTER")):
-        [c] = pod["spec"]["containers"]
-        [mount] = c["volumeMounts"]
-        [volume] = pod["spec"]["volumes"]
-        assert volume["secret"]["secretName"] == "pagedkv-api-keys"
-        assert mount["name"] == volume["name"] and mount["readOnly"]
-        path = settings["data"][f"PAGEDKV_{component}_API_KEYS_FILE"]
-        assert path.startswith(mount["mountPath"] + "/")
-
-    for pod in (worker, at, router):
-        ann = pod["metadata"]["annotations"]
-        assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/path"] == "/metrics"
-        [c] = pod["spec"]["containers"]
-        assert c["envFrom"][0]["configMapRef"]["name"] == settings["metadata"]["name"]
-
-    redis = _one(k8s, "StatefulSet", "redis")
-    [rc] = redis["spec"]["template"]["spec"]["containers"]
-    assert flags(rc["args"])["--appendonly"] == "yes"
-    assert redis["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
-    assert {"redis", "allocator", "worker", "router"} <= {
-        d["metadata"]["name"] for d in k8s if d["kind"] == "Service"
-    }
-    # KV tiers: a host tier per worker within its pod's
-    # memory, a shared store in its own Redis (no AOF)
-    data = settings["data"]
-    assert float(data["PAGEDKV_WORKER_KV_OFFLOADING_SIZE"]) * 2**30 < parse_quantity(
-        wc["resources"]["limits"]["memory"]
-    )
-    assert data["PAGEDKV_ALLOCATOR_KV_SHARED_STORE"] == "redis://kv-store:6379/0"
-    [kc] = _one(k8s, "Deployment", "kv-store")["spec"]["template"]["spec"]["containers"]
-    assert flags(kc["args"])["--appendonly"] == "no" and "kv-store" in {
-        d["metadata"]["name"] for d in k8s if d["kind"] == "Service"
-    }
-    assert float(data["PAGEDKV_ALLOCATOR_KV_SHARED_STORE_SIZE"]) * 2**30 < parse_quantity(
-        flags(kc["args"])["--maxmemory"]
-    )
-    state = settings["data"]["PAGEDKV_ALLOCATOR_STATE"]
-    assert (
-        state == "redis://redis:6379/0"
-        and settings["data"]["PAGEDKV_WORKER_ALLOCATOR"] == "allocator:50051"
-    )
-
-
-def test_k8s_settings_are_read_by_the_clis(monkeypatch):
-    """Every key of deploy/k8s/settings.env is a setting of the worker, allocator or router (a
-    flag's variable, or a variable-only setting), and each process reads it."""
-    from allocator_service.cli import AllocatorArgs
-    from allocator_service.cli import add_arguments as allocator_arguments
-    from pagedkv_base.config import from_args
-    from router.cli import RouterArgs
-    from router.cli import add_arguments as router_arguments
-    from worker.cli import WorkerArgs
-    from worker.cli import add_arguments as worker_arguments
-
-    settings = dict(
-        line.split("=", 1)
-        for line in (DEPLOY / "k8s" / "settings.env").read_text().splitlines()
-        if line.strip() and not line.startswith("#")
-    )
-    for key, value in settings.items():
-        monkeypatch.setenv(key, value)
-    parsed = {}
-    for name, add, config in (
-        ("worker", worker_arguments, WorkerArgs),
-        ("allocator", allocator_arguments, AllocatorArgs),
-        ("router", router_arguments, RouterArgs),
-    ):
-        parser = argparse.ArgumentParser()
-        add(parser)
-        parsed[name] = from_args(config, parser.parse_args([]))
-    for key, value in settings.items():
-        # PAGEDKV_<COMPONENT>_<SETTING>
-        component, flag = key.removeprefix("PAGEDKV_").split("_", 1)
-        got = getattr(parsed[component.lower()], flag.lower())
-        if isinstance(got, bool):
-            assert got is True, key
-        elif isinstance(got, int | float):
-            assert got == float(value), key
-        elif isinstance(got, list):  # a comma-separated list (the router's allocators)
-            assert ",".join(got) == value, key
-        else:
-            assert got == value, key
-
-
-def test_k8s_manifests_match_the_api_schemas(k8s):
-    kv = pytest.importorskip(
-        "kubernetes_validate", reason="skipped: `kubernetes-validate` (PyPI) not installed"
-    )
-    for doc in k8s:
-        kv.validate(doc, "1.32.0", strict=True)

@@ -1,7 +1,7 @@
 """The prefill/decode variants of the deployment files: deploy/compose.pd.yaml over
 docker-compose.yml, and the kustomize overlay deploy/k8s-pd, checked offline as
-tests/stack/test_deploy.py checks the others (docker-compose config, kubectl kustomize,
-kubernetes-validate; each skips, saying so, without its tool)."""
+tests/stack/test_deploy.py and test_deploy_k8s.py check the others (docker-compose config,
+kubectl kustomize, kubernetes-validate; each skips, saying so, without its tool)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import yaml
 
-from tests.stack.test_deploy import (
+from tests.support.deploy import (
     DEPLOY,
     ROOT,
     SERVICES,
