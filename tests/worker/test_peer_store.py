@@ -13,8 +13,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from tests.worker.test_tiers_bytes import block_bytes, fingerprint, hashes, make_pool, new_metrics
-from tests.worker.test_tiers_bytes import sample as tier_sample
+from tests.support.kv_bytes import block_bytes, fingerprint, hashes, make_pool, new_metrics
+from tests.support.kv_bytes import sample as tier_sample
 from worker.tiers import KVLayout, LoadOutcome, PeerStore, StoreMover, StoreOpenError, open_store
 from worker.tiers.entry import HEADER_BYTES
 from worker.tiers.store import PEER_ROUTE
