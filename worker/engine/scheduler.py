@@ -202,14 +202,14 @@ class Scheduler:
             self._apply_results(inflight.plan, results, batch)
 
     def close(self) -> None:
-        """Wait for a call in flight (its answer is dropped) and stop the call thread."""
+        """Stop the call thread, then drop the answer of a call in flight."""
+        self.calls.close()
         inflight, self._inflight = self._inflight, None
         if inflight is not None:
             try:
                 inflight.future.result()
             except Exception:  # noqa: BLE001, S110 - closing: nothing more to compute
                 pass
-        self.calls.close()
 
     def _plan(self, batch: StepBatch, ahead: frozenset) -> StepPlan:
         """One step's operations, against the pool as they leave it (`PoolPlan`)."""

@@ -9,6 +9,7 @@ outcome. Any other error is a refusal: `AllocatorFault` (nothing applied).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -44,6 +45,7 @@ class StepCalls:
         # thread would only interleave it with the forward pass: it runs
         # inline, still planned and applied a step ahead (the same rules,
         # whichever client).
+        self._closing = threading.Event()  # set by `close`: an unanswered step stops waiting
         self._executor: ThreadPoolExecutor | None = None
         if ahead and not isinstance(allocator, EmbeddedAllocator):
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="allocator-call")
@@ -60,7 +62,8 @@ class StepCalls:
                 )
             except AllocatorUnavailable:
                 health.unanswered()
-                time.sleep(pause)
+                if self._closing.wait(pause):  # shutting down: the answer would be dropped
+                    raise
                 if self.on_stall is not None:
                     self.on_stall(pause)
                 pause = min(pause * 2, self.stall_backoff_s[1])
@@ -106,6 +109,9 @@ class StepCalls:
         self.wait_total += seconds
 
     def close(self) -> None:
-        """Stop the call thread (after the call it runs, if any)."""
+        """Stop the call thread: a step the allocator does not answer is given up
+        after the client's own retries (a worker shutting down with its allocator
+        gone must not wait for it to come back)."""
+        self._closing.set()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
