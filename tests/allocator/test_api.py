@@ -472,6 +472,8 @@ def test_metrics_endpoint(server, api):
         ),
         metadata=md,
     )
+    with pytest.raises(grpc.RpcError):  # without its credential: refused, and counted
+        s.Step(pb.StepRequest(pool=ref, step_id=2, ops=encode_ops([Append("a", [1])])))
     text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
     labels = 'pool_id="metrics-w/1",worker_id="metrics-w"'
     for line in (
