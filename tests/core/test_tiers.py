@@ -79,6 +79,9 @@ class TiersMachine(RuleBasedStateMachine):
         self.workers: list[Worker] = []
         # (layout, hash) -> bytes; a peer store: (writer, layout, hash) -> bytes
         self.store_bytes: dict[tuple, object] = {}
+        # Corrupt entries a worker found and died before reporting: they stay in the
+        # index (present, with garbage) until another worker's load refuses them too.
+        self.unreported: set[bytes] = set()
         self.counter = 0
 
     @initialize(
@@ -251,7 +254,9 @@ class TiersMachine(RuleBasedStateMachine):
 
     def _corrupt(self) -> set:
         """Store keys found corrupt whose refusal is not reported yet."""
-        return {(LAYOUT, h) for w in self.workers for h in w.refused}
+        return {(LAYOUT, h) for h in self.unreported} | {
+            (LAYOUT, h) for w in self.workers for h in w.refused
+        }
 
     def _compute(self, w: Worker, sid: str, first: int) -> None:
         table, chain = w.pool.block_table(sid), w.chain(sid)
@@ -302,6 +307,7 @@ class TiersMachine(RuleBasedStateMachine):
         if now:
             return
         w = self.workers.pop()
+        self.unreported.update(w.refused)  # it dies before its next step reports them
         w.pool.drop_store_pending()
         self.store.users -= w.pool.config.use_shared_store  # as the registry counts them
         if self.store.peer:

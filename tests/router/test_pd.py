@@ -47,7 +47,10 @@ def _router(allocator: str) -> RouterProcess:
         model=MODEL,
         allocator=allocator,
         args=["--log-level", "warning"],
-        env={"PAGEDKV_ROUTER_PD_TRANSFER_TIMEOUT": "1"},
+        # long enough for a busy machine to confirm the blocks (a transfer cut short is
+        # computed, which the cached-token checks would read as a failure), short enough
+        # for the failing-store case, which waits it out
+        env={"PAGEDKV_ROUTER_PD_TRANSFER_TIMEOUT": "15"},
     )
 
 

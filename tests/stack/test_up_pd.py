@@ -26,7 +26,13 @@ def _pagedkv_up(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_up_serves_a_completion_split_between_a_prefill_and_a_decode_worker(tmp_path):
-    env = {"PAGEDKV_WORKER_BLOCK_SIZE": "4", "PAGEDKV_WORKER_MAX_MODEL_LEN": "128"}
+    env = {
+        "PAGEDKV_WORKER_BLOCK_SIZE": "4",
+        "PAGEDKV_WORKER_MAX_MODEL_LEN": "128",
+        # a busy machine may take seconds to confirm the blocks: the router waits for them
+        # (past the timeout the decode worker computes them, an answer this test cannot tell)
+        "PAGEDKV_ROUTER_PD_TRANSFER_TIMEOUT": "120",
+    }
     with _up(
         tmp_path,
         "--prefill-workers",
