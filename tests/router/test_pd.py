@@ -22,63 +22,19 @@ import httpx
 import openai
 import pytest
 
-from allocator_service.client.router_client import RouterClient
-from pagedkv.stack import RouterProcess, WorkerProcess
 from tests.support.drills import scrape, wait_for
 from tests.support.http import metric
-
-MODEL = "tiny-random"
-BLOCK = 4
-WORKER_ARGS = ["--num-blocks", "96", "--block-size", str(BLOCK), "--max-model-len", "256"]
-PROMPT = "{}: the prefill worker computes this prompt, and the decode worker loads it"
-
-
-def _worker(name: str, allocator: str, *args: str) -> WorkerProcess:
-    return WorkerProcess(
-        name,
-        model=MODEL,
-        allocator=allocator,
-        args=["--log-level", "warning", "--threads", "1", *WORKER_ARGS, *args],
-    )
-
-
-def _router(allocator: str) -> RouterProcess:
-    return RouterProcess(
-        model=MODEL,
-        allocator=allocator,
-        args=["--log-level", "warning"],
-        # long enough for a busy machine to confirm the blocks (a transfer cut short is
-        # computed, which the cached-token checks would read as a failure), short enough
-        # for the failing-store case, which waits it out
-        env={"PAGEDKV_ROUTER_PD_TRANSFER_TIMEOUT": "15"},
-    )
-
-
-def _client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-def _texts(url: str, prompt: str, *, n: int = 1, stream: bool = False, chat: bool = False):
-    """(texts by choice index, usage, headers) of one greedy request through `url`."""
-    kw = dict(model=MODEL, max_tokens=8, temperature=0, n=n, stream=stream)
-    if stream:
-        kw["stream_options"] = {"include_usage": True}
-    c = _client(url)
-    if chat:
-        raw = c.chat.completions.with_raw_response.create(
-            messages=[{"role": "user", "content": prompt}], **kw
-        )
-    else:
-        raw = c.completions.with_raw_response.create(prompt=prompt, **kw)
-    answer = raw.parse()
-    texts = [""] * n
-    usage = None
-    for part in answer if stream else [answer]:
-        usage = part.usage or usage
-        for ch in part.choices:
-            piece = (ch.delta.content if stream else ch.message.content) if chat else ch.text
-            texts[ch.index] += piece or ""
-    return texts, usage, raw.headers
+from tests.support.pd import (
+    BLOCK,
+    MODEL,
+    PROMPT,
+    WORKER_ARGS,
+    answer_texts,
+    no_blocks_held,
+    outcome_count,
+    pd_fleet,
+    pools_by_worker,
+)
 
 
 @pytest.fixture(scope="module")
@@ -91,56 +47,8 @@ def reference(worker_process):
 @pytest.fixture(scope="module")
 def fleet(allocator_server, tmp_path_factory):
     store = tmp_path_factory.mktemp("kv-store")
-    with allocator_server(
-        "--kv-shared-store",
-        f"file://{store}",
-        "--kv-shared-store-size",
-        "0.05",
-        "--metrics-port",
-        "0",
-        env={"PAGEDKV_ALLOCATOR_LEASE_TTL": "5"},
-    ) as alloc:
-        prefill = _worker("prefill-1", alloc.address, "--kv-role", "prefill").start()
-        decode = _worker("decode-1", alloc.address, "--kv-role", "decode").start()
-        router = None
-        try:
-            prefill.wait_healthy(120)
-            decode.wait_healthy(120)
-            router = _router(alloc.address).start()
-            router.wait_healthy(60)
-            wait_for(
-                lambda: httpx.get(f"{router.url}/health").json()["workers"] == 2,
-                30,
-                "the router to know both workers",
-            )
-            yield {
-                "allocator": alloc,
-                "prefill": prefill,
-                "decode": decode,
-                "router": router,
-                "store": store,
-            }
-        finally:
-            for p in (router, prefill, decode):
-                if p is not None:
-                    p.terminate()
-
-
-def _pools(alloc) -> dict[str, object]:
-    return {p.worker_id: p for p in RouterClient(alloc.address).list_pools()}
-
-
-def _outcome(fleet, outcome: str) -> float:
-    url = fleet["router"].url
-    return metric(url, "pagedkv_router_pd_requests_total", {"outcome": outcome})
-
-
-def _no_blocks_held(alloc) -> None:
-    wait_for(
-        lambda: all(p.used_blocks == 0 for p in _pools(alloc).values()),
-        30,
-        "every pool to hold no block",
-    )
+    with pd_fleet(allocator_server, f"file://{store}") as f:
+        yield {**f, "store": store}
 
 
 @pytest.mark.parametrize(
@@ -148,11 +56,11 @@ def _no_blocks_held(alloc) -> None:
 )
 def test_a_split_request_answers_as_a_both_worker_does(fleet, reference, n, stream, chat):
     prompt = PROMPT.format(f"{n}-{stream}-{chat}")
-    expected, ref_usage, _ = _texts(reference, prompt, n=n, chat=chat)
-    before = _outcome(fleet, "transferred")
+    expected, ref_usage, _ = answer_texts(reference, prompt, n=n, chat=chat)
+    before = outcome_count(fleet, "transferred")
     legs = metric(fleet["router"].url, "pagedkv_router_pd_prefill_seconds_count")
-    texts, usage, headers = _texts(fleet["router"].url, prompt, n=n, stream=stream, chat=chat)
-    assert _outcome(fleet, "transferred") == before + 1
+    texts, usage, headers = answer_texts(fleet["router"].url, prompt, n=n, stream=stream, chat=chat)
+    assert outcome_count(fleet, "transferred") == before + 1
     assert metric(fleet["router"].url, "pagedkv_router_pd_prefill_seconds_count") == legs + 1
     assert texts == expected
     assert headers["x-pagedkv-prefill-worker"] == "prefill-1"
@@ -162,16 +70,16 @@ def test_a_split_request_answers_as_a_both_worker_does(fleet, reference, n, stre
     want = (usage.prompt_tokens - 1) // BLOCK * BLOCK
     assert want > 0
     assert usage.prompt_tokens_details.cached_tokens == want
-    _no_blocks_held(fleet["allocator"])
+    no_blocks_held(fleet["allocator"])
 
 
 def test_a_prefill_worker_asked_directly_answers_as_any_worker(fleet, reference):
     prompt = PROMPT.format("asked directly")
-    assert _texts(fleet["prefill"].url, prompt)[0] == _texts(reference, prompt)[0]
+    assert answer_texts(fleet["prefill"].url, prompt)[0] == answer_texts(reference, prompt)[0]
 
 
 def test_the_roles_show_in_the_listing_the_pools_page_and_metrics(fleet):
-    pools = _pools(fleet["allocator"])
+    pools = pools_by_worker(fleet["allocator"])
     assert {w: p.kv_role for w, p in pools.items()} == {
         "prefill-1": "prefill",
         "decode-1": "decode",
@@ -195,27 +103,27 @@ def test_the_roles_show_in_the_listing_the_pools_page_and_metrics(fleet):
 
 def test_a_failing_store_leaves_the_decode_worker_to_compute_the_prompt(fleet, reference):
     prompt = PROMPT.format("the store fails")
-    expected, _, _ = _texts(reference, prompt)
+    expected, _, _ = answer_texts(reference, prompt)
     store = fleet["store"]
-    before = _outcome(fleet, "incomplete")
+    before = outcome_count(fleet, "incomplete")
     moved = store.with_name(store.name + "-away")
     store.rename(moved)
     store.write_text("not a directory: every save and load fails\n")
     try:
-        texts, usage, headers = _texts(fleet["router"].url, prompt)
+        texts, usage, headers = answer_texts(fleet["router"].url, prompt)
     finally:
         store.unlink()
         moved.rename(store)
     assert texts == expected
     assert headers["x-pagedkv-prefill-worker"] == "prefill-1"
     assert usage.prompt_tokens_details.cached_tokens == 0  # nothing found: all computed
-    assert _outcome(fleet, "incomplete") == before + 1
-    _no_blocks_held(fleet["allocator"])
+    assert outcome_count(fleet, "incomplete") == before + 1
+    no_blocks_held(fleet["allocator"])
 
 
 def _in_flight(url: str, prompt: str):
     pool = concurrent.futures.ThreadPoolExecutor(1)
-    return pool, pool.submit(_texts, url, prompt)
+    return pool, pool.submit(answer_texts, url, prompt)
 
 
 def test_a_decode_worker_killed_after_the_transfer_fails_with_a_clear_error(fleet):
@@ -237,8 +145,10 @@ def test_a_decode_worker_killed_after_the_transfer_fails_with_a_clear_error(flee
     assert err.value.status_code == 503
     assert err.value.body["code"] == "no_worker_available"
     # the prefill pool holds nothing; the dead pool goes at its lease's end
-    wait_for(lambda: "decode-1" not in _pools(fleet["allocator"]), 30, "the dead pool to go")
-    _no_blocks_held(fleet["allocator"])
+    wait_for(
+        lambda: "decode-1" not in pools_by_worker(fleet["allocator"]), 30, "the dead pool to go"
+    )
+    no_blocks_held(fleet["allocator"])
     decode.start().wait_healthy(120)  # back for the next test
     wait_for(
         lambda: httpx.get(f"{fleet['router'].url}/health").json()["workers"] == 2,
@@ -249,7 +159,7 @@ def test_a_decode_worker_killed_after_the_transfer_fails_with_a_clear_error(flee
 
 def test_a_prefill_worker_killed_mid_request_leaves_the_decode_worker_to_compute(fleet, reference):
     prompt = PROMPT.format("the prefill worker dies")
-    expected, _, _ = _texts(reference, prompt)
+    expected, _, _ = answer_texts(reference, prompt)
     prefill = fleet["prefill"]
     os.kill(prefill.proc.pid, signal.SIGSTOP)  # it takes the request and answers nothing
     pool, future = _in_flight(fleet["router"].url, prompt)
@@ -269,10 +179,12 @@ def test_a_prefill_worker_killed_mid_request_leaves_the_decode_worker_to_compute
     assert texts == expected
     assert headers["x-pagedkv-prefill-worker"] == ""  # no prefill worker answered
     assert headers["x-pagedkv-worker"] == "decode-1"
-    assert _outcome(fleet, "prefill_failed") == 1
+    assert outcome_count(fleet, "prefill_failed") == 1
     # its pool dropped at its lease's end; the decode pool holds nothing
-    wait_for(lambda: "prefill-1" not in _pools(fleet["allocator"]), 30, "the dead pool to go")
-    _no_blocks_held(fleet["allocator"])
+    wait_for(
+        lambda: "prefill-1" not in pools_by_worker(fleet["allocator"]), 30, "the dead pool to go"
+    )
+    no_blocks_held(fleet["allocator"])
     # a decode-only fleet now: the router says why it cannot answer
     wait_for(
         lambda: httpx.get(f"{fleet['router'].url}/health").json()["workers"] == 1,
@@ -280,7 +192,7 @@ def test_a_prefill_worker_killed_mid_request_leaves_the_decode_worker_to_compute
         "the router to drop the prefill worker",
     )
     with pytest.raises(openai.APIStatusError) as err:
-        _texts(fleet["router"].url, prompt)
+        answer_texts(fleet["router"].url, prompt)
     assert err.value.status_code == 503
     assert err.value.body["code"] == "no_worker_for_role"
     assert "only decode workers" in err.value.body["message"]

@@ -23,11 +23,19 @@ from allocator_service.client import PoolSpec
 from allocator_service.client.grpc_client import GrpcAllocator
 from allocator_service.client.router_client import RouterClient
 from allocator_service.core import PoolConfig
-from tests.router.test_pd import BLOCK, MODEL, PROMPT, _no_blocks_held, _outcome, _pools, _texts
-from tests.router.test_pd import _router as _start_router
-from tests.router.test_pd import _worker as _start_worker
 from tests.support.drills import wait_for
 from tests.support.http import metric
+from tests.support.pd import (
+    BLOCK,
+    MODEL,
+    PROMPT,
+    WORKER_ARGS,
+    answer_texts,
+    no_blocks_held,
+    outcome_count,
+    pd_fleet,
+    pools_by_worker,
+)
 from worker.tiers.store import PEER_ROUTE
 
 
@@ -38,41 +46,14 @@ def _tier(url: str, name: str) -> float:
 @pytest.fixture(scope="module")
 def reference(worker_process):
     """A `both` worker of its own (embedded allocator, no store): the texts to match."""
-    from tests.router.test_pd import WORKER_ARGS
-
     with worker_process("--model", MODEL, *WORKER_ARGS) as url:
         yield url
 
 
 @pytest.fixture(scope="module")
 def fleet(allocator_server):
-    with allocator_server(
-        "--kv-shared-store",
-        "peer://",
-        "--kv-shared-store-size",
-        "0.05",
-        "--metrics-port",
-        "0",
-        env={"PAGEDKV_ALLOCATOR_LEASE_TTL": "5"},
-    ) as alloc:
-        prefill = _start_worker("prefill-1", alloc.address, "--kv-role", "prefill").start()
-        decode = _start_worker("decode-1", alloc.address, "--kv-role", "decode").start()
-        router = None
-        try:
-            prefill.wait_healthy(120)
-            decode.wait_healthy(120)
-            router = _start_router(alloc.address).start()
-            router.wait_healthy(60)
-            wait_for(
-                lambda: httpx.get(f"{router.url}/health").json()["workers"] == 2,
-                30,
-                "the router to know both workers",
-            )
-            yield {"allocator": alloc, "prefill": prefill, "decode": decode, "router": router}
-        finally:
-            for p in (router, prefill, decode):
-                if p is not None:
-                    p.terminate()
+    with pd_fleet(allocator_server, "peer://") as f:
+        yield f
 
 
 @pytest.mark.parametrize(
@@ -82,13 +63,13 @@ def test_a_split_request_over_the_direct_path_answers_as_a_both_worker(
     fleet, reference, n, stream, chat
 ):
     prompt = PROMPT.format(f"{n}-{stream}-{chat} over the direct path")
-    expected, ref_usage, _ = _texts(reference, prompt, n=n, chat=chat)
+    expected, ref_usage, _ = answer_texts(reference, prompt, n=n, chat=chat)
     prefill, decode = fleet["prefill"].url, fleet["decode"].url
     served, loaded = _tier(prefill, "served_blocks"), _tier(decode, "loaded_blocks")
-    before = _outcome(fleet, "transferred")
-    texts, usage, headers = _texts(fleet["router"].url, prompt, n=n, stream=stream, chat=chat)
+    before = outcome_count(fleet, "transferred")
+    texts, usage, headers = answer_texts(fleet["router"].url, prompt, n=n, stream=stream, chat=chat)
     assert texts == expected
-    assert _outcome(fleet, "transferred") == before + 1
+    assert outcome_count(fleet, "transferred") == before + 1
     assert headers["x-pagedkv-prefill-worker"] == "prefill-1"
     assert headers["x-pagedkv-worker"] == "decode-1"
     assert usage.prompt_tokens == ref_usage.prompt_tokens
@@ -101,7 +82,7 @@ def test_a_split_request_over_the_direct_path_answers_as_a_both_worker(
     # what the prefill worker holds of the store is in its memory, within the store's size
     held = metric(prefill, "pagedkv_worker_kv_tier_used_bytes", {"tier": "shared"})
     assert 0 < held <= metric(prefill, "pagedkv_worker_kv_tier_capacity_bytes", {"tier": "shared"})
-    _no_blocks_held(fleet["allocator"])
+    no_blocks_held(fleet["allocator"])
 
 
 def test_the_peer_route_answers_only_the_store_groups_key(fleet):
@@ -137,15 +118,15 @@ def test_the_peer_route_answers_only_the_store_groups_key(fleet):
 def test_a_killed_prefill_worker_leaves_the_decode_worker_to_compute(fleet, reference):
     """Last in the module: the prefill worker stays dead."""
     prompt = PROMPT.format("the prefill worker dies after its leg, peer")
-    expected, _, _ = _texts(reference, prompt)
+    expected, _, _ = answer_texts(reference, prompt)
     prefill, decode, alloc = fleet["prefill"], fleet["decode"], fleet["allocator"]
     # the prefill worker computes the prompt; its blocks are indexed as its entries
-    assert _texts(prefill.url, prompt)[0] == expected
+    assert answer_texts(prefill.url, prompt)[0] == expected
     tokens = httpx.post(
         f"{prefill.url}/tokenize", json={"model": MODEL, "prompt": prompt}, timeout=10
     ).json()["tokens"]
     want = (len(tokens) - 1) // BLOCK * BLOCK
-    pools = _pools(alloc)
+    pools = pools_by_worker(alloc)
     router_client = RouterClient(alloc.address)
 
     def decode_finds_them() -> bool:
@@ -156,7 +137,7 @@ def test_a_killed_prefill_worker_leaves_the_decode_worker_to_compute(fleet, refe
     errors = _tier(decode.url, "store_errors")
     prefill.kill()  # SIGKILL, reaped
     # asked while the dead worker's entries are still indexed: the pull fails, it computes
-    texts, usage, _ = _texts(decode.url, prompt)
+    texts, usage, _ = answer_texts(decode.url, prompt)
     assert texts == expected
     assert usage.prompt_tokens_details.cached_tokens == 0
     assert _tier(decode.url, "store_errors") == errors + 1
@@ -166,14 +147,14 @@ def test_a_killed_prefill_worker_leaves_the_decode_worker_to_compute(fleet, refe
     )  # a writer that does not answer is a miss, not a refusal
     # the dead pool goes at its lease's end, and every entry it wrote with it: those left
     # are the decode worker's own (the blocks its answers filled)
-    wait_for(lambda: "prefill-1" not in _pools(alloc), 30, "the dead pool to go")
+    wait_for(lambda: "prefill-1" not in pools_by_worker(alloc), 30, "the dead pool to go")
     page = alloc.metrics_url.removesuffix("/metrics")
     assert metric(page, "pagedkv_allocator_shared_store_entries") == _tier(
         decode.url, "saved_blocks"
     )
-    _no_blocks_held(alloc)
+    no_blocks_held(alloc)
     # the decode worker still answers it, from its own KV pool now
-    texts, usage, _ = _texts(decode.url, prompt)
+    texts, usage, _ = answer_texts(decode.url, prompt)
     assert texts == expected and usage.prompt_tokens_details.cached_tokens == want
     router_client.close()
 
