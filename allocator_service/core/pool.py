@@ -405,11 +405,14 @@ class BlockPool(PoolHoldings):
         entry missing; it computed those tokens). Written saves become
         findable; failed and refused entries leave the index (a store delete
         is issued for them). InvalidArgument, changing nothing, for an id the
-        pool could not have issued; an id of nothing pending is ignored."""
+        pool could not have issued; an id of nothing pending is ignored, and
+        so is a refusal of a hash no block of this pool holds: a worker can
+        drop from the shared store only entries of what its own pool holds,
+        not empty the index every pool shares."""
         args = (list(saved), list(failed), list(store_saved), list(store_failed), list(refused))
         self.check_report(*args)
         if self.tiers is not None:
-            self.tiers.confirm(*args)
+            self.tiers.confirm(*args, holds=self.index.__contains__)
 
     def check_report(
         self,

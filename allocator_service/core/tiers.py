@@ -30,7 +30,7 @@ The reasons: docs/architecture.md, "Tiers".
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 from allocator_service.core.errors import InvalidArgument
@@ -255,10 +255,12 @@ class PoolTiers:
         store_saved: list[bytes],
         store_failed: list[bytes],
         refused: list[bytes],
+        holds: Callable[[bytes], bool],
     ) -> None:
         """Apply a worker's report (checked by `check_confirmations` first):
         saves written become present, failed ones are dropped, refused store
-        entries are dropped (and deleted). Ids of nothing pending are counted
+        entries the pool `holds` are dropped (and deleted). Ids of nothing
+        pending, and refusals of hashes the pool does not hold, are counted
         and ignored."""
         c = self.stats
         host = self.host
@@ -296,6 +298,9 @@ class PoolTiers:
             else:
                 c.stale_confirmations += 1
         for h in refused:
+            if not holds(h):
+                c.stale_confirmations += 1
+                continue
             key = (self.namespace, h)
             c.refused_loads += 1
             if key in st.lru.present:  # type: ignore[union-attr]

@@ -101,12 +101,22 @@ def test_freed_blocks_go_to_the_store_and_evicted_ones_to_the_host_tier() -> Non
         "store_load_to": [3, 2],
     }
 
+    # The worker refused B's head from the store (a bad checksum) and
+    # computed it: the entry leaves the index, its key is deleted first of
+    # the answer's moves, and freeing D writes the computed block back.
     # D evicts B's blocks: B's last is in the host tier; the other two take
     # the LRU host slots (A's head, then A's second): A leaves the host tier
     # and is still found, in the store.
-    r = step(pool, [Free("d"), Admit("e", D)])
-    assert moves(r) == {"host_saves": [2, 2, 3, 1]}
+    r = step(pool, [Free("d"), Admit("e", D)], refused=[hB[0]])
+    assert moves(r) == {
+        "store_deletes": [hB[0]],
+        "store_delete_layouts": ["L"],
+        "store_saves": [hB[0]],
+        "store_save_from": [3],
+        "host_saves": [2, 2, 3, 1],
+    }
     assert pool.tier_blocks(hA[:3]) == (0, 1, 2) and stats.host_evictions == 2
+    assert stats.refused_loads == 1
 
     # D is freed: written through, the third save dropping the store's LRU
     # entry (A's last block: a chain's tail was saved, so dropped, first). E
@@ -122,20 +132,51 @@ def test_freed_blocks_go_to_the_store_and_evicted_ones_to_the_host_tier() -> Non
     }
     assert stats.saves_skipped == 3
 
-    # The worker's report: two store saves written, one failed, a store load
-    # refused (a bad checksum): the failed and refused entries leave the
-    # index and their keys are deleted, first of the answer's moves. D's head
-    # is in no tier, so D is not found at all.
+    # The worker's report: two store saves written, one failed (it leaves
+    # the index, its key deleted); a refusal of B's second block, which no
+    # block of this pool holds any more, is ignored: a pool drops only
+    # entries of what it holds. D's head is in no tier, so D is not found.
     r = step(
-        pool, [], saved=[0, 3], store_saved=[hD[2], hD[1]], store_failed=[hD[0]], refused=[hB[0]]
+        pool, [], saved=[0, 3], store_saved=[hD[2], hD[1]], store_failed=[hD[0]], refused=[hB[1]]
     )
-    assert moves(r) == {"store_deletes": [hD[0], hB[0]], "store_delete_layouts": ["L", "L"]}
+    assert moves(r) == {"store_deletes": [hD[0]], "store_delete_layouts": ["L"]}
     assert pool.tier_blocks(hD[:3]) == (0, 0, 0) and pool.tier_blocks(hB[:3]) == (0, 0, 0)
     assert [h for _, h in store.lru.present] == [hA[1], hA[0], hB[2], hB[1], hD[2], hD[1]]
-    assert store.lru.used == 600 and not store.lru.pending
+    assert store.lru.used == 700 and list(store.lru.pending) == [("L", hB[0])]
     assert pool.stats().prefix_hit_tokens == 12
     assert stats.host_hit_tokens == 8 and stats.store_hit_tokens == 4
     assert stats.refused_loads == 1 and stats.saves_failed == 1
+    assert stats.stale_confirmations == 1
+
+
+def test_a_pool_refuses_only_entries_it_holds() -> None:
+    """A worker's report of a refused store load drops the entry for every
+    pool that shares the store, so it counts only for a hash its own pool
+    holds: one worker cannot empty the index the others find their prefixes
+    in by naming hashes it never loaded."""
+    config = PoolConfig(4, 2, True, "m", layout="L", block_bytes=100, use_shared_store=True)
+    store = SharedStore(800)
+    writer, other = BlockPool(config, store=store), BlockPool(config, store=store)
+    store.users = 2
+    hA = hashes(A)
+    step(writer, [Admit("a", A)])
+    r = step(writer, [Free("a")])
+    step(writer, [], store_saved=r.moves.store_saves)
+    assert other.tier_blocks(hA[:3]) == (0, 0, 3)  # (KV pool, host tier, store)
+
+    # The other pool names A's hashes refused without having loaded them:
+    # ignored (counted stale), the entries stay for everyone.
+    r = step(other, [], refused=hA[:3])
+    assert moves(r) == {} and other.tiers.stats.refused_loads == 0
+    assert other.tiers.stats.stale_confirmations == 3
+    assert other.tier_blocks(hA[:3]) == (0, 0, 3) and len(store.lru.present) == 3
+
+    # Once it loads A's head and refuses it, the entry leaves the index.
+    r = step(other, [Admit("b", A[:3])])
+    assert r.cached_tokens == [2] and moves(r)["store_loads"] == [hA[0]]
+    r = step(other, [], refused=[hA[0]])
+    assert moves(r) == {"store_deletes": [hA[0]], "store_delete_layouts": ["L"]}
+    assert other.tiers.stats.refused_loads == 1 and len(store.lru.present) == 2
 
 
 def test_a_full_store_drops_its_lru_entry() -> None:
