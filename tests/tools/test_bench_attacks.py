@@ -105,3 +105,11 @@ def test_bench_attacks_small(tmp_path):
     assert d["answers_changed_planted"] + d["answers_changed_overwritten"] > 0, d
     d = without["prompt-reading"]["details"]
     assert d["entries_decoded"] > 0 and d["tokens_recovered"] > 0 and d["secret_read_back"], d
+    # on either stack a pool's refusals of entries it never loaded leave the index whole: worker-1
+    # loads every full block of the prompts worker-2 saved
+    for kind in STACKS:
+        emptying = {r["attack"]: r for r in report["stacks"][kind]["attacks"]}["store-emptying"]
+        d = emptying["details"]
+        assert not emptying["succeeded"] and d["hashes_named"] > 0, (kind, d)
+        assert d["store_entries_after"] == d["store_entries_before"] > 0, (kind, d)
+        assert d["victim_tokens_loaded"] == d["victim_tokens_expected"] > 0, (kind, d)

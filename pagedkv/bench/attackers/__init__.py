@@ -16,10 +16,11 @@ tests/drills/test_time_isolation.py) and `pagedkv bench attacks` run them.
   allows (forks with the longest ids).
 - `SnapshotWatchers`: `WatchEvents` streams that each ask for the snapshot
   of every pool's cached blocks and read it slowly.
-- `PublicModel`, `plant_entries`, `overwrite_entries`, `read_entries`: the
-  shared store against a worker of another group and whoever reads or writes
-  its files: forged K/V under a valid header and checksum, planted through
-  the protocol or written over existing entries, and entries read back into
+- `PublicModel`, `plant_entries`, `overwrite_entries`, `refuse_entries`,
+  `read_entries`: the shared store against a worker of another group and
+  whoever reads or writes its files: forged K/V under a valid header and
+  checksum, planted through the protocol or written over existing entries,
+  every entry a pool can name reported refused, and entries read back into
   prompt tokens (layer 0's V of a token depends on the token alone, so the
   public weights map each V row back to its token).
 - `BadWorker`: a loopback server speaking just enough HTTP/1.1 to fail a
@@ -57,6 +58,7 @@ from pagedkv.bench.attackers.store import (
     overwrite_entries,
     plant_entries,
     read_entries,
+    refuse_entries,
     store_entries,
     text_read_back,
 )
@@ -82,6 +84,7 @@ __all__ = [
     "overwrite_entries",
     "plant_entries",
     "read_entries",
+    "refuse_entries",
     "store_entries",
     "text_read_back",
     "BAD_MODES",

@@ -95,6 +95,16 @@ def plant_entries(pool: GrpcAllocator, prompts: list[list[int]], model: PublicMo
     return planted
 
 
+def refuse_entries(pool: GrpcAllocator, hashes: list[bytes]) -> None:
+    """A worker's own pool reporting every hash in `hashes` as a store load it refused
+    (a bad checksum), which drops an entry from the index every pool of its store
+    namespace finds prefixes in, in one Step per 4,096 hashes."""
+    from allocator_service.core.tiers import TierReport
+
+    for i in range(0, len(hashes), 4096):
+        pool.step([], TierReport([], [], [], [], hashes[i : i + 4096]))
+
+
 def store_entries(root) -> list[tuple[object, str, bytes]]:
     """Every entry file of a file:// store's folder: (path, its store namespace, block hash)."""
     from pathlib import Path

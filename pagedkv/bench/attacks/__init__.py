@@ -52,6 +52,11 @@ rogue pool, with worker-1's token too):
   worker-1 is then sent those. Succeeded: worker-1 loaded a forged entry
   (its shared-tier hit tokens) or answered other text than the same prompt
   computed under a fresh salt.
+- store emptying: worker-2 computes prompts (saved to the store); the
+  attacker's own pool reports every entry hash it reads off the store's
+  folder as a load it refused; worker-1 is then sent those prompts.
+  Succeeded: the store's index lost entries, or worker-1 loaded fewer of
+  their tokens than worker-2 saved.
 - evil worker: the attacker's pool at its address, proven to the router by a
   server of its own (`BadWorker`) serving a model of its own name (only the
   attack's requests go to it): `evil_answers` answers of `evil_answer_mb`

@@ -27,7 +27,7 @@ from pagedkv.bench.attacks.service import (
     snapshot_amplification,
     snapshot_watchers,
 )
-from pagedkv.bench.attacks.store import prompt_reading, store_poisoning
+from pagedkv.bench.attacks.store import prompt_reading, store_emptying, store_poisoning
 from pagedkv.bench.attacks.target import (
     ATTACKER,
     KEPT_ERRORS,
@@ -58,6 +58,7 @@ ATTACK_NAMES: dict[
     "snapshot-watchers": snapshot_watchers,
     "prompt-reading": prompt_reading,
     "store-poisoning": store_poisoning,
+    "store-emptying": store_emptying,
     "evil-worker": evil_worker,
 }
 

@@ -1,4 +1,4 @@
-"""The attacks on the shared KV store: prompt reading and store poisoning."""
+"""The attacks on the shared KV store: prompt reading, store poisoning and store emptying."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from pagedkv.bench.attacks.target import (
     MODEL,
     STORE_MAX_TOKENS,
     Target,
+    metric,
     running,
 )
 from pagedkv.bench.workloads import AttackWorkload
@@ -103,11 +104,75 @@ def prompt_reading(t: Target, w: AttackWorkload) -> contextlib.AbstractContextMa
     return running(work)
 
 
+def _attacker_pool(t: Target, model):
+    """The attacker's own pool on the stack's shared store, with its own worker token."""
+    from allocator_service.client import PoolSpec
+    from allocator_service.client.grpc_client import GrpcAllocator
+    from allocator_service.core import PoolConfig
+
+    config = PoolConfig(
+        num_blocks=256,
+        block_size=BLOCK_SIZE,
+        enable_prefix_caching=True,
+        model_fingerprint=model.loaded.fingerprint,
+        layout=model.layout.key,
+        block_bytes=model.layout.block_bytes,
+        use_shared_store=True,
+    )
+    return GrpcAllocator(
+        t.allocator,
+        PoolSpec(ATTACKER, config, advertise_url=t.attacker_url, served_model_name=ATTACKER),
+        auth_token=t.attacker_token,
+        retries=0,
+        register_wait_s=0,
+    )
+
+
+def store_emptying(t: Target, w: AttackWorkload) -> contextlib.AbstractContextManager[dict]:
+    """Worker-2 computes prompts (their blocks saved to the store); the attacker's own pool
+    reports every entry hash it can read off the store's folder as a load it refused; then
+    worker-1 is sent those prompts. Succeeded: worker-1 loaded fewer of their tokens from the
+    store than worker-2 saved (the entries left the index)."""
+
+    def work() -> dict:
+        from pagedkv.bench.attackers import refuse_entries, store_entries
+
+        model = _public_model()
+        rng = random.Random(45)
+        prompts = [
+            [rng.randrange(3, 259) for _ in range(w.prompt_blocks * BLOCK_SIZE + 1)]
+            for _ in range(w.poison_prompts)
+        ]
+        for p in prompts:
+            _complete(t.writer, p)
+        _settle(t.writer)
+        entries = metric(t.stack.allocator_metrics_url, "pagedkv_allocator_shared_store_entries")
+        hashes = [h for _, _, h in store_entries(t.store_dir)]
+        pool = _attacker_pool(t, model)
+        try:
+            refuse_entries(pool, hashes)
+        finally:
+            pool.close()
+        left = metric(t.stack.allocator_metrics_url, "pagedkv_allocator_shared_store_entries")
+        hits0, _ = _shared_tier(t.worker)
+        for p in prompts:
+            _complete(t.worker, p)
+        hits1, _ = _shared_tier(t.worker)
+        expected = len(prompts) * w.prompt_blocks * BLOCK_SIZE
+        return {
+            "hashes_named": len(hashes),
+            "store_entries_before": int(entries),
+            "store_entries_after": int(left),
+            "victim_tokens_expected": expected,
+            "victim_tokens_loaded": int(hits1 - hits0),
+            "reached": left < entries or hits1 - hits0 < expected,
+        }
+
+    return running(work)
+
+
 def store_poisoning(t: Target, w: AttackWorkload) -> contextlib.AbstractContextManager[dict]:
     def work() -> dict:
-        from allocator_service.client import PoolSpec
-        from allocator_service.client.grpc_client import GrpcAllocator
-        from allocator_service.core import PoolConfig
         from pagedkv.bench.attackers import overwrite_entries, plant_entries
         from worker.tiers import open_store
 
@@ -123,22 +188,7 @@ def store_poisoning(t: Target, w: AttackWorkload) -> contextlib.AbstractContextM
         want = [_complete(t.worker, p, salt=uuid.uuid4().hex) for p in prompts]
         hits0, refused0 = _shared_tier(t.worker)
         # (a) through the protocol: the attacker's own pool, with its own token
-        config = PoolConfig(
-            num_blocks=256,
-            block_size=BLOCK_SIZE,
-            enable_prefix_caching=True,
-            model_fingerprint=model.loaded.fingerprint,
-            layout=model.layout.key,
-            block_bytes=model.layout.block_bytes,
-            use_shared_store=True,
-        )
-        pool = GrpcAllocator(
-            t.allocator,
-            PoolSpec(ATTACKER, config, advertise_url=t.attacker_url, served_model_name=ATTACKER),
-            auth_token=t.attacker_token,
-            retries=0,
-            register_wait_s=0,
-        )
+        pool = _attacker_pool(t, model)
         try:
             with open_store(pool.shared_store) as store:
                 planted = plant_entries(pool, planted_for, model, store)
