@@ -174,6 +174,15 @@ class AllocatorArgs:
         metavar="PATH",
         flag=False,
     )
+    journal_anchor_file: str | None = setting(
+        None,
+        "with --state redis: a file of this instance's (outside Redis) where it notes the last "
+        "record it wrote (about once a second); a load that finds Redis ending before that record, "
+        "or holding another record there, is refused (the store was rolled back or replaced). "
+        "Delete the file after restoring Redis from a backup on purpose",
+        metavar="PATH",
+        flag=False,
+    )
     kv_shared_store: str | None = setting(
         None,
         "the KV store this allocator's workers share (tier 2 below their host tiers): file://PATH "
@@ -228,6 +237,11 @@ class AllocatorArgs:
             )
         if self.standby and self.state == "memory":
             raise ValueError("--standby follows a journal: it needs --state redis://...")
+        if self.journal_anchor_file and self.state == "memory":
+            raise ValueError(
+                f"{name_of(AllocatorArgs, 'journal_anchor_file')} anchors a journal: "
+                "it needs --state redis://..."
+            )
         if self.advertise_address is not None and ":" not in self.advertise_address:
             raise ValueError(f"--advertise-address wants HOST:PORT, not {self.advertise_address!r}")
         if self.redis_wait_replicas < 0 or not self.redis_wait_timeout > 0:
@@ -303,6 +317,7 @@ def options_from_args(args: argparse.Namespace):
             store_groups={g.worker_id: g.store_group for g in worker_tokens.values()},
             max_pool_blocks=a.max_pool_blocks,
             journal_key=journal_key,
+            journal_anchor_file=a.journal_anchor_file,
             shared_store=a.kv_shared_store or "",
             shared_store_bytes=int(a.kv_shared_store_size * 2**30),
             standby=a.standby,
@@ -331,6 +346,7 @@ def options_from_args(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     import logging
     import sys
+    from pathlib import Path
 
     logging.basicConfig(
         level=args.log_level,
@@ -338,6 +354,7 @@ def run(args: argparse.Namespace) -> int:
         stream=sys.stderr,
     )
     from allocator_service.rpc.server import serve
+    from allocator_service.store.anchor import read_anchor
     from allocator_service.store.registry import CorruptState
     from allocator_service.store.replay import check
     from allocator_service.wire.errors import StoreUnavailable
@@ -345,8 +362,10 @@ def run(args: argparse.Namespace) -> int:
     options = options_from_args(args)  # a CliError: exit 2, reported by run_command
     if args.check:
         try:
-            return check(options.state, key=options.config.journal_key)
-        except StoreUnavailable as exc:
+            anchor_file = options.config.journal_anchor_file
+            anchor = read_anchor(Path(anchor_file)) if anchor_file else None
+            return check(options.state, key=options.config.journal_key, anchor=anchor)
+        except (StoreUnavailable, CorruptState) as exc:
             print(f"pagedkv allocator --check: cannot read the state: {exc}", file=sys.stderr)
             return 1
     try:

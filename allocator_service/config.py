@@ -88,6 +88,9 @@ class ServiceConfig:
     # HMAC-SHA256 under it (`store/framing.py`); None: plain SHA-256, and
     # whoever can write to Redis is trusted with the state.
     journal_key: bytes | None = field(default=None, repr=False)
+    # Where this instance notes the last record it wrote (`store/anchor.py`),
+    # checked at each load: a state store rolled back or replaced is refused.
+    journal_anchor_file: str | None = None
     # The shared KV store (`--kv-shared-store`): its URL ("" for none) and
     # the bytes its index may hold (`core.tiers.SharedStore`).
     shared_store: str = ""

@@ -15,13 +15,9 @@ get NOT_FOUND, re-register and recompute), the store is seeded again from
 what is left (epochs and event numbers carry on, so no pool id is reissued),
 and the service is healthy again.
 
-A standby (`--standby`, `store/leader.py`) holds the same registry without
-writing: `begin` claims the state or, while another instance leads, follows
-it (`follow`: each entry the leader writes goes through the same verified
-replay as a restart, `replay.Replayer`), and `takeover` makes it the leader
-once it has claimed the state (the rest of the journal applied, the head
-checked; anything unsound: the whole verified load). A leader whose write is
-fenced (another instance claimed the state) is `deposed`: it follows again.
+A standby (`--standby`) holds the same registry without writing: `begin`,
+`follow` and `takeover` are its side of `store/leader.py`. The journal anchor
+(`store/anchor.py`) notes what this instance wrote, checked at every load.
 """
 
 from __future__ import annotations
@@ -35,6 +31,7 @@ from typing import Any
 from allocator_service.config import ServiceConfig
 from allocator_service.core.pause_points import Unpaced
 from allocator_service.leases import LeaseTable
+from allocator_service.store.anchor import JournalAnchor
 from allocator_service.store.cut import REDIS_MAX_VALUE_BYTES, SNAPSHOT_TOO_LARGE, Cut, over_share
 from allocator_service.store.events import EventLog
 from allocator_service.store.framing import (
@@ -48,6 +45,7 @@ from allocator_service.store.framing import (
 from allocator_service.store.journal import Loaded, MemoryJournal, RedisJournal
 from allocator_service.store.registry import CorruptState, PoolEntry, Registry, pool_snapshot_json
 from allocator_service.store.replay import Replayer, replay
+from allocator_service.store.standby import Standby
 from allocator_service.wire.errors import StoreFenced, StoreLost, StoreUnavailable
 from allocator_service.wire.v1 import journal_pb2 as jpb
 
@@ -58,7 +56,7 @@ SNAPSHOT_BACKOFF_S = 1.0
 SNAPSHOT_BACKOFF_CAP_S = 60.0
 
 
-class DurableState:
+class DurableState(Standby):
     # How often the store watch looks at the state store (durable only).
     store_check_s = 1.0
 
@@ -78,6 +76,7 @@ class DurableState:
         self.lock = lock  # the service's mutation lock: the one order of records
         self._clock = clock
         self.registry = Registry(events)
+        self.anchor = JournalAnchor(config.journal_anchor_file, clock)
         self._stale = False  # memory may lack the last journal write: reload first
         self._chain = ZERO_CHAIN  # chain digest of the last record written
         self._head = b""  # the head marker that record set in the store
@@ -123,7 +122,12 @@ class DurableState:
     def _restore(self, loaded: Loaded) -> None:
         """`load` of what the store held (mutation lock held)."""
         registry, report = replay(
-            loaded.snapshot, loaded.entries, loaded.head, self.events, self.config.journal_key
+            loaded.snapshot,
+            loaded.entries,
+            loaded.head,
+            self.events,
+            self.config.journal_key,
+            self.anchor.read(),
         )
         fatal = report.fatal
         if fatal is not None:
@@ -131,12 +135,13 @@ class DurableState:
                 f"the journal in {self.journal.describe()} is damaged at {fatal}. Inspect it with "
                 "`pagedkv allocator --state URL --check`; to start over, delete the keys "
                 "<prefix>journal, <prefix>snapshot and <prefix>head (every worker then "
-                "re-registers and recomputes once): see "
+                "re-registers and recomputes once), and the journal anchor file if one is set: see "
                 "docs/operations.md, 'A journal that cannot be replayed'"
             )
         self.registry = registry
         self._chain = report.chain
         self._head = head_marker(registry.index, self._chain) if loaded.head is not None else b""
+        self.anchor.note(registry.index, self._chain, force=True)
         self.leases.rearm(list(registry.pools))
         self._since_snapshot = len(loaded.entries)
         self._snapshot_index = report.snapshot_index
@@ -188,6 +193,7 @@ class DurableState:
             encode_snapshot(self.registry.to_snapshot(self._chain), key=self.config.journal_key),
             self._head,
         )
+        self.anchor.note(self.registry.index, self._chain, force=True)
         self._since_snapshot = 0
         self._snapshot_index = self.registry.index
 
@@ -236,6 +242,7 @@ class DurableState:
         with self.store_write():
             self.journal.append(entry, self._head, head)
         self._chain, self._head = chain, head
+        self.anchor.note(index, chain)
 
     def begin_apply(self) -> None:
         """A record's pool part is about to run outside the mutation lock."""
@@ -498,95 +505,6 @@ class DurableState:
                 self._set_health(False, f"the state store is unreachable: {exc}")
                 return
             self._set_health(True, "")
-
-    # ---------------------------------------------------------- the standby
-    def begin(self, standby: bool) -> bool:
-        """At start (mutation lock held): claim the state and load it (True),
-        or, as a standby while another instance holds the leader lease,
-        follow it (False). Without `standby` the state is claimed at once."""
-        if self.journal.claim(force=not standby):
-            self.load(take_ownership=False)
-            return True
-        self.follow_from_start()
-        return False
-
-    def follow_from_start(self) -> None:
-        """Follow the leader from the stored snapshot and journal, as a
-        restart would load them (mutation lock held): at start as a
-        standby, after being deposed, or when the journal no longer holds
-        the next record this standby needs (a snapshot trimmed past it, a
-        reseed)."""
-        self._quiesce()
-        loaded = self.journal.load(take_ownership=False, check_owner=False)
-        follower = Replayer(loaded.snapshot, self.events, self.config.journal_key)
-        for raw in loaded.entries:
-            if not follower.feed(raw):
-                log.error(
-                    "standby: the stored journal cannot be followed (%s); loading it again at the "
-                    "next look",
-                    follower.report.fatal,
-                )
-                break
-        self._follow(follower, loaded.head or b"")
-        self.leases.rearm([])  # a standby expires no lease: its leader does
-        self._stale, self._lost = False, None
-        self.deposed.clear()
-        self._set_role(leading=False)
-
-    def _follow(self, follower: Replayer, head: bytes) -> None:
-        self._follower = follower
-        self.registry = follower.registry
-        self._chain = follower.chain if follower.chain is not None else ZERO_CHAIN
-        self._head = head
-
-    def follow(self) -> str:
-        """One look at the store for a standby (mutation lock held): apply
-        the entries the leader wrote since the last look. Returns the leader
-        lease's value (empty: nobody holds it)."""
-        tail = self.journal.tail(self.registry.index)
-        follower = self._follower
-        if tail.entries is None or follower is None or follower.stopped:
-            self.follow_from_start()
-            return tail.leader
-        for raw in tail.entries:
-            if not follower.feed(raw):
-                log.error(
-                    "standby: a journal entry cannot be followed (%s); loading the state again",
-                    follower.report.fatal,
-                )
-                self.follow_from_start()
-                return tail.leader
-        self._follow(follower, tail.head)
-        return tail.leader
-
-    def takeover(self) -> None:
-        """This standby claimed the state (mutation lock held): apply the
-        rest of the journal and check it ends at the stored head, then serve
-        from what it holds; a follower that met any problem loads the whole
-        state instead (the verified load, which stores its repair)."""
-        follower = self._follower
-        tail = self.journal.tail(self.registry.index)
-        sound = follower is not None and tail.entries is not None and not follower.report.problems
-        if sound:
-            for raw in tail.entries:
-                follower.feed(raw)
-            report = follower.finish(tail.head or None)
-            sound = not report.problems
-        if not sound:
-            log.warning(
-                "standby: the followed state is not sound; loading the whole state to take over"
-            )
-            self.load(take_ownership=False)
-            return
-        self._follow(follower, tail.head)
-        self._snapshot_index = tail.base
-        self._since_snapshot = self.registry.index - tail.base
-        # every worker gets a full lease to find this server
-        self.leases.rearm(list(self.registry.pools))
-        self._follower = None
-        self._stale, self._lost = False, None
-        self.deposed.clear()  # a fenced write while it followed is not this term's
-        self._set_role(leading=True)
 
     def _set_role(self, leading: bool) -> None:
         changed = leading != self.leading

@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 from google.protobuf.message import DecodeError
 
+from allocator_service.store.anchor import Anchor
 from allocator_service.store.events import EventLog
 from allocator_service.store.framing import (
     FRAME,
@@ -95,9 +96,16 @@ class Replayer:
     be pinned on one pool is `fatal` in the report, and `feed` refuses every
     entry after it (the registry is then incomplete and must not be served)."""
 
-    def __init__(self, snapshot: bytes | None, events: EventLog, key: bytes | None = None) -> None:
+    def __init__(
+        self,
+        snapshot: bytes | None,
+        events: EventLog,
+        key: bytes | None = None,
+        anchor: Anchor | None = None,
+    ) -> None:
         self.report = ReplayReport()
         self.key = key
+        self.anchor = anchor  # the last record this instance wrote (`store/anchor.py`)
         self.registry = Registry(events)
         events.reset(1)
         # None: unknown (after a damaged entry or an older snapshot)
@@ -117,6 +125,21 @@ class Replayer:
             self.report.snapshot_index = self.registry.index
             self.framed = not self.report.snapshot_legacy
             self.chain = bytes.fromhex(snap["chain"]) if "chain" in snap else None
+            self._check_anchor(-1, self.registry.index)
+
+    def _check_anchor(self, position: int, index: int) -> None:
+        """Record `index` was just replayed: fatal if it is the anchored one
+        with another chain digest (the store holds a different history)."""
+        a = self.anchor
+        if a is not None and a.index == index and self.chain is not None and self.chain != a.chain:
+            self._problem(
+                position,
+                index,
+                None,
+                f"differs from record {index} as this allocator wrote it (its journal anchor): "
+                "the state store holds another history",
+                fatal=True,
+            )
 
     def _problem(
         self,
@@ -269,18 +292,18 @@ class Replayer:
                 fatal=True,
             )
             return False
-        return True
+        self._check_anchor(position, index)
+        return not self.stopped
 
     def finish(self, head: bytes | None) -> ReplayReport:
-        """Check the head marker against what was replayed; the report."""
+        """Check the head marker and the anchor against what was replayed; the report."""
         report, registry, chain, problem = self.report, self.registry, self.chain, self._problem
         report.chain = chain if chain is not None else ZERO_CHAIN
-        if head is None:
-            report.head = "none"
-            return report
-        report.head = head.decode(errors="replace")
+        report.head = "none" if head is None else head.decode(errors="replace")
         hidx, _, hchain = report.head.partition(":")
-        if not hidx.isdigit():
+        if head is None:
+            pass
+        elif not hidx.isdigit():
             problem(-1, None, None, f"the head marker {report.head!r} is unreadable")
         elif int(hidx) > registry.index:
             problem(
@@ -300,6 +323,16 @@ class Replayer:
             )
         elif chain is not None and hchain != chain.hex():
             problem(-1, int(hidx), None, "the head marker's digest differs from the last record's")
+        if self.anchor is not None and self.anchor.index > registry.index:
+            problem(
+                -1,
+                self.anchor.index,
+                None,
+                f"the state store ends at record {registry.index} but this allocator wrote "
+                f"record {self.anchor.index} (its journal anchor): the store was rolled back "
+                "or replaced",
+                fatal=True,
+            )
         return report
 
 
@@ -309,14 +342,16 @@ def replay(
     head: bytes | None,
     events: EventLog,
     key: bytes | None = None,
+    anchor: Anchor | None = None,
 ) -> tuple[Registry, ReplayReport]:
     """Rebuild the registry from a stored snapshot and journal, checking
     every digest (keyed with `key`, the journal key, when given: then a
     record or snapshot not keyed with it fails), the record indices, each
-    pool's step chain and the head marker. Never raises on bad data: a problem that cannot be pinned
-    on one pool is `fatal` in the report and replay stops there (the registry is
-    then incomplete and must not be served)."""
-    replayer = Replayer(snapshot, events, key)
+    pool's step chain, the head marker and, when given, the `anchor` (the
+    last record this instance wrote). Never raises on bad data: a problem
+    that cannot be pinned on one pool is `fatal` in the report and replay
+    stops there (the registry is then incomplete and must not be served)."""
+    replayer = Replayer(snapshot, events, key, anchor)
     if replayer.stopped:
         return replayer.registry, replayer.report
     for raw in entries:
@@ -325,10 +360,12 @@ def replay(
     return replayer.registry, replayer.finish(head)
 
 
-def check(state: str, out=sys.stdout, key: bytes | None = None) -> int:
+def check(
+    state: str, out=sys.stdout, key: bytes | None = None, anchor: Anchor | None = None
+) -> int:
     """`--check`: verify the journal stored at `state` (its digests keyed
-    with `key`, the journal key, when given) without serving or writing;
-    print what was found; 0 if sound, 1 if not."""
+    with `key`, the journal key, and against `anchor`, when given) without
+    serving or writing; print what was found; 0 if sound, 1 if not."""
     journal = open_journal(state)
     if not journal.durable:
         print("pagedkv allocator --check: --state memory keeps no journal to check", file=out)
@@ -337,7 +374,9 @@ def check(state: str, out=sys.stdout, key: bytes | None = None) -> int:
         loaded = journal.load(take_ownership=False, check_owner=False)
     finally:
         journal.close()
-    registry, report = replay(loaded.snapshot, loaded.entries, loaded.head, EventLog(1), key)
+    registry, report = replay(
+        loaded.snapshot, loaded.entries, loaded.head, EventLog(1), key, anchor
+    )
     p = lambda text: print(text, file=out)  # noqa: E731
     p(f"state: {journal.describe()}")
     p(
@@ -357,6 +396,8 @@ def check(state: str, out=sys.stdout, key: bytes | None = None) -> int:
         f"{f' ({legacy} without digests: older format)' if legacy else ''}"
     )
     p(f"head: {report.head}")
+    if anchor is not None:
+        p(f"journal anchor: record {anchor.index}")
     p(f"last record: {registry.index}")
     p(f"pools: {len(registry.pools)}")
     for entry in registry.pools.values():
