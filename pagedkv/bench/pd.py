@@ -29,8 +29,12 @@ bound. From the workers' /metrics: the bytes the KV tiers saved and loaded (the 
 per request), and each worker's device utilization (its busy seconds over the run's wall time)
 and mean queue time (arrival -> first scheduled) and prefill time (first scheduled -> first
 token); from the router's: the split requests' prefill leg and their transfer (the wait after
-the prefill leg until the decode worker finds the prompt's blocks) per request, and what each
-transfer became.
+the prefill leg until the decode worker finds the prompt's blocks) per request, what each
+transfer became, the time to choose a worker and the MatchPrefix calls per request; from the
+processes themselves, each one's CPU seconds per request. On `sim:`, the report also gives what
+a prompt of the stream costs the prefill device on average (its roofline compute alone, in
+chunks of the worker's token budget, and its store saves over the host link): the rate at which
+one prefill device is full.
 
 `--rates LIST` sweeps instead: each system on one set of fresh processes takes a stream at each
 rate in turn, lowest first (`--requests` requests each, their prompts drawn anew per rate, so no
