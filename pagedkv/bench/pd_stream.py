@@ -23,6 +23,10 @@ _WORKER_SERIES = (
     "pagedkv_worker_request_prefill_time_seconds_count",
 )
 
+# the host time the worker's steps waited for their allocator calls (what async scheduling did
+# not hide: the device waits meanwhile)
+_WAIT = "pagedkv_worker_step_host_seconds_sum"
+
 
 async def _one(client, url: str, model: str, prompt: list[int], w: PDWorkload) -> dict:
     body = {
@@ -121,6 +125,8 @@ def _worker_series(url: str) -> dict[str, float]:
     for s in harness.metric_samples(url):
         if s.name in _WORKER_SERIES:
             got[s.name] = got.get(s.name, 0.0) + s.value
+        elif s.name == _WAIT and s.labels.get("part") == "allocator_wait":
+            got[_WAIT] = got.get(_WAIT, 0.0) + s.value
     return got
 
 
@@ -176,14 +182,16 @@ def _per(got: dict[str, float], name: str) -> float | None:
 
 
 def _workers(by_worker: dict, roles: dict[str, str], wall: float) -> dict[str, dict]:
-    """Each worker's role, device utilization (busy seconds / the run's wall time), and mean
-    queue (arrival -> first scheduled) and prefill (first scheduled -> first token) time."""
+    """Each worker's role, device utilization (busy seconds / the run's wall time), the share
+    of the run its steps waited for the allocator, and mean queue (arrival -> first scheduled)
+    and prefill (first scheduled -> first token) time."""
     out = {}
     for name, got in by_worker.items():
-        busy = got.get("pagedkv_worker_device_busy_seconds")
+        busy, wait = got.get("pagedkv_worker_device_busy_seconds"), got.get(_WAIT)
         out[name] = {
             "role": roles.get(name),
             "device_busy": round(busy / wall, 4) if busy is not None and wall > 0 else None,
+            "allocator_wait": round(wait / wall, 4) if wait is not None and wall > 0 else None,
             "queue_s_per_request": _per(got, "pagedkv_worker_request_queue_time_seconds"),
             "prefill_s_per_request": _per(got, "pagedkv_worker_request_prefill_time_seconds"),
             "requests": round(got.get("pagedkv_worker_request_queue_time_seconds_count", 0)),

@@ -70,6 +70,7 @@ def _worker_rows(summary: dict) -> list[list[str]]:
                     worker,
                     cell(w.get("role")),
                     _percent(w.get("device_busy")),
+                    _percent(w.get("allocator_wait")),
                     cell(w.get("requests")),
                     cell(w.get("queue_s_per_request"), ".4f"),
                     cell(w.get("prefill_s_per_request"), ".4f"),
@@ -125,7 +126,8 @@ def _why_not(report: dict) -> str | None:
     )
     return (
         f"goodput not met: pd's one prefill worker {need}was busy "
-        f"{_percent(prefill.get('device_busy'))}% of the run with requests queued "
+        f"{_percent(prefill.get('device_busy'))}% of the run (its steps waiting for the "
+        f"allocator {_percent(prefill.get('allocator_wait'))}%) with requests queued "
         f"{cell(prefill.get('queue_s_per_request'), '.2f')} s on average, so "
         f"{pd['ttft_missed']} of {pd['requests']} missed TTFT (TPOT: {pd['tpot_missed']}); "
         f"colocated spreads the prompts over two devices and met both SLOs for "
@@ -214,6 +216,7 @@ def _run_tables(report: dict) -> list[Table]:
                 "worker",
                 "role",
                 "device busy %",
+                "allocator wait %",
                 "requests",
                 "queue s / req",
                 "prefill s / req",
@@ -227,7 +230,10 @@ def _run_tables(report: dict) -> list[Table]:
                 "device busy: the worker's device seconds (pagedkv_worker_device_busy_seconds) "
                 "over the run's wall time (a decode step is bound by reading the weights, so a "
                 "device with any sequence running is busy: for decode this is not a measure of "
-                "spare capacity); queue: arrival at the worker -> first scheduled; prefill: first "
+                "spare capacity); allocator wait: the share of the run the worker's steps waited "
+                "for their allocator Step calls (pagedkv_worker_step_host_seconds, "
+                "allocator_wait: what async scheduling did not hide); queue: arrival at the "
+                "worker -> first scheduled; prefill: first "
                 "scheduled -> first token (the worker's request histograms, means over the "
                 "requests it answered). The system's own figures are on its first row: its "
                 "client's mean TTFT; the router's prefill leg (sending the prompt to the prefill "

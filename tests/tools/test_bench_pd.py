@@ -76,6 +76,7 @@ def _answered_by_every_system(report: dict, w) -> None:
         assert list(s["workers"]) == ["worker-1", "worker-2"], name
         for worker in s["workers"].values():
             assert 0 <= worker["device_busy"] <= 1.05, (name, worker)
+            assert 0 <= worker["allocator_wait"] <= 1, (name, worker)
             if worker["requests"]:
                 assert worker["device_busy"] > 0 and worker["queue_s_per_request"] >= 0
                 assert worker["prefill_s_per_request"] > 0, (name, worker)
