@@ -30,13 +30,17 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else 1000 * seconds
 
 
-def _percent(value: float | None) -> str:
-    return cell(None if value is None else 100 * value, ".0f")
+def _percent(value: float | None, spec: str = ".0f") -> str:
+    return cell(None if value is None else 100 * value, spec)
 
 
 def _stream_notes(report: dict) -> list[str]:
     st, slo = report["stream"], report["slo"]
-    at = f"Poisson arrivals at {st['rate_rps']:g}/s" if st.get("rate_rps") else "Poisson arrivals"
+    at = (
+        f"Poisson arrivals at {st['rate_rps']:g}/s"
+        if st.get("rate_rps")
+        else "Poisson arrivals at each swept rate (the workload's prompts drawn anew per rate)"
+    )
     return [
         f"{report['model']} on {report['device']} ({report['clock']} clock): {report['workload']}",
         f"{st['requests']} requests per stream ({st['documents']} long documents in "
@@ -124,10 +128,14 @@ def _why_not(report: dict) -> str | None:
         if d and rate
         else ""
     )
+    waited = (
+        f" (its steps waiting for the allocator {_percent(prefill['allocator_wait'])}% of it)"
+        if prefill.get("allocator_wait") is not None
+        else ""
+    )
     return (
         f"goodput not met: pd's one prefill worker {need}was busy "
-        f"{_percent(prefill.get('device_busy'))}% of the run (its steps waiting for the "
-        f"allocator {_percent(prefill.get('allocator_wait'))}%) with requests queued "
+        f"{_percent(prefill.get('device_busy'))}% of the run{waited} with requests queued "
         f"{cell(prefill.get('queue_s_per_request'), '.2f')} s on average, so "
         f"{pd['ttft_missed']} of {pd['requests']} missed TTFT (TPOT: {pd['tpot_missed']}); "
         f"colocated spreads the prompts over two devices and met both SLOs for "
@@ -280,7 +288,11 @@ def _sweep_tables(report: dict) -> list[Table]:
         for name in systems:
             p = sw["systems"][name][i]
             busy = "/".join(_percent(w["device_busy"]) for w in (p.get("workers") or {}).values())
-            row += [cell(p["goodput_rps"], ".3f"), _percent(p["slo_attainment"]), busy or "-"]
+            row += [
+                cell(p["goodput_rps"], ".3f"),
+                _percent(p["slo_attainment"], ".1f"),
+                busy or "-",
+            ]
         rows.append(row)
     notes = _stream_notes(report)
     notes.append(
