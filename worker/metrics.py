@@ -401,6 +401,12 @@ class WorkerMetrics:
             "computed: CUDA events on a GPU, the stream on a sim: device, the forward pass on "
             "the CPU.",
         ).labels(**lv)
+        self.device_busy_seconds = gauge(
+            "device_busy_seconds",
+            "Seconds the device computed since the worker started (the busy ratio's measure, "
+            "whole): its change over a span, divided by the span, is the device's utilization "
+            "over it.",
+        ).labels(**lv)
         self.allocator_step = hist(
             "allocator_step_seconds",
             "Time a step waited for its allocator Step call (with async "

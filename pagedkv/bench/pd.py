@@ -2,12 +2,15 @@
 
 Systems (`SYSTEMS`), each two workers behind the router (`pagedkv.stack.LocalStack`, real
 processes, the allocator service, credentials): `colocated` (both workers `--kv-role both`: each
-prefills and decodes its own requests) and `pd` (one `--kv-role prefill`, one `--kv-role
-decode`, the allocator holding a file:// shared store: the router sends a request's prompt to
-the prefill worker, then the request to the decode worker, whose admission loads the prompt's
-blocks from the store). They run one after the other, each on fresh processes. On `sim:` the
-store holds twice the stream's KV bytes (only the allocator's index: a simulated worker writes
-no bytes), so its LRU drops no prompt before the decode worker loads it.
+prefills and decodes its own requests), `pd` (one `--kv-role prefill`, one `--kv-role decode`,
+the allocator holding a file:// shared store: the router sends a request's prompt to the prefill
+worker, then the request to the decode worker, whose admission loads the prompt's blocks from
+the store) and `pd-peer` (the same two roles on a `peer://` store: no store runs, the decode
+worker pulls the blocks from the prefill worker's peer route). They run one after the other,
+each on fresh processes. On `sim:` the store holds twice the stream's KV bytes (only the
+allocator's index: a simulated worker writes no bytes and pulls none, so `pd` and `pd-peer`
+differ there only in the index's bookkeeping), so its LRU drops no prompt before the decode
+worker loads it.
 
 Workload (`workloads.PD`, `chats_and_documents`): one request stream, seeded, arriving as a
 Poisson process: chats (prompts of 200-1,000 tokens) mixed with long documents (4,000-8,000),
@@ -21,13 +24,27 @@ outputs and the bytes moved are the point there, not the times.
 Figures per system, from the client's clock: TTFT (sent -> first token), ITL (the gaps between
 streamed chunks, a chunk of k tokens counting its gap / k, k times), TPOT ((last token - first
 token) / (tokens - 1)), tokens/s (generated tokens / the run's wall time) and goodput (requests
-with TTFT <= 2 s and TPOT <= 50 ms, per second of the run). From the workers' /metrics: the
-bytes the KV tiers saved and loaded (the shared store's, per request); from the router's: the
-split requests' prefill leg and their transfer (the wait after the prefill leg until the decode
-worker finds the prompt's blocks) per request, and what each transfer became.
+with TTFT <= 2 s and TPOT <= 50 ms, per second of the run), and how many requests missed each
+bound. From the workers' /metrics: the bytes the KV tiers saved and loaded (the shared store's,
+per request), and each worker's device utilization (its busy seconds over the run's wall time)
+and mean queue time (arrival -> first scheduled) and prefill time (first scheduled -> first
+token); from the router's: the split requests' prefill leg and their transfer (the wait after
+the prefill leg until the decode worker finds the prompt's blocks) per request, what each
+transfer became, the time to choose a worker and the MatchPrefix calls per request; from the
+processes themselves, each one's CPU seconds per request. On `sim:`, the report also gives what
+a prompt of the stream costs the prefill device on average (its roofline compute alone, in
+chunks of the worker's token budget, and its store saves over the host link): the rate at which
+one prefill device is full.
+
+`--rates LIST` sweeps instead: each system on one set of fresh processes takes a stream at each
+rate in turn, lowest first (`--requests` requests each, their prompts drawn anew per rate, so no
+rate finds another's blocks cached), and the report gives each rate's goodput and SLO
+attainment (the share of requests meeting both bounds) per system, and each system's capacity:
+the highest rate swept at which at least 90% of the requests met both (DistServe's measure).
 
 Targets (`TARGETS`): pd's ITL p99 <= 0.5x colocated's; pd's goodput >= 1.3x colocated's; every
-request's greedy token ids identical between the systems (on `sim:` the ids are the
+request's greedy token ids identical between the systems (`pd-peer`'s ratios and outputs against
+colocated's are reported beside pd's, under `targets["pd-peer"]`) (on `sim:` the ids are the
 simulator's, a function of the sequence: compared all the same). Not a timed test: the figures
 are compared within one run.
 """
@@ -35,21 +52,22 @@ are compared within one run.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import math
 import tempfile
-import time
+from dataclasses import replace
 from typing import Any
 
 from pagedkv.bench import harness
-from pagedkv.bench.harness import Table, cell, verdict
+from pagedkv.bench.pd_stream import send
+from pagedkv.bench.pd_tables import tables
 from pagedkv.bench.workloads import PD, PDWorkload, chats_and_documents
 
-SYSTEMS = ("colocated", "pd")
-ROLES = {"colocated": (), "pd": ("prefill", "decode")}
+SYSTEMS = ("colocated", "pd", "pd-peer")
+ROLES = {"colocated": (), "pd": ("prefill", "decode"), "pd-peer": ("prefill", "decode")}
+STORES = {"pd-peer": "peer://"}  # the others: the stack's own (file://, for a P/D fleet)
+SPLIT = ("pd", "pd-peer")
 TARGETS = {"itl_p99_ratio": 0.5, "goodput_ratio": 1.3}
-PD_OUTCOMES = ("transferred", "incomplete", "prefill_failed")
+ATTAINMENT = 0.9  # a swept rate is within a system's capacity when this share meets both SLOs
 STORE_GIB = 4.0  # the shared store of real workers (their prompts are short)
 
 
@@ -61,6 +79,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="the workers' model: on a sim: device a public config (llama-3-8b, opt-13b), on "
         "cpu a model (tiny-random, smollm2, a path) [the workload's]",
+    )
+    p.add_argument(
+        "--requests",
+        type=harness.positive,
+        default=None,
+        metavar="N",
+        help="requests per stream (with --rates, per rate) [the workload's]",
+    )
+    p.add_argument(
+        "--rates",
+        type=harness.comma_list(low=1),
+        default=None,
+        metavar="LIST",
+        help="sweep these arrival rates (requests/s) instead: goodput and SLO attainment per "
+        "rate and system, and each system's capacity (the highest rate at which >= 90%% of "
+        "the requests meet both SLOs)",
     )
     harness.add_json_option(p)
 
@@ -76,6 +110,11 @@ def _stack(system: str, model: str, w: PDWorkload, store_gib: float):
         model=model,
         kv_roles=ROLES[system],
         shared_store_gib=store_gib,
+        allocator_args=(
+            ["--kv-shared-store", STORES[system], "--kv-shared-store-size", f"{store_gib:g}"]
+            if system in STORES
+            else []
+        ),
         worker_args=[
             "--device",
             w.device,
@@ -90,183 +129,12 @@ def _stack(system: str, model: str, w: PDWorkload, store_gib: float):
     )
 
 
-async def _one(client, url: str, model: str, prompt: list[int], w: PDWorkload) -> dict:
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": w.output_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    t0 = time.perf_counter()
-    ids: list[int] = []
-    stamps: list[tuple[float, int]] = []  # (seconds after sending, tokens in the chunk)
-    usage = None
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            return {"error": f"{r.status_code} {(await r.aread())[:200]!r}"}
-        worker = r.headers.get("x-pagedkv-worker")
-        prefill_worker = r.headers.get("x-pagedkv-prefill-worker")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                return {"error": chunk["error"].get("message", "")}
-            new = [t for c in chunk.get("choices") or () for t in c.get("token_ids") or ()]
-            if new:
-                stamps.append((time.perf_counter() - t0, len(new)))
-                ids += new
-            usage = chunk.get("usage") or usage
-    if not stamps:
-        return {"error": "no token streamed"}
-    itl = []
-    for (before, _), (at, k) in zip(stamps, stamps[1:], strict=False):
-        itl += [(at - before) / k] * k
-    ttft, last = stamps[0][0], stamps[-1][0]
-    details = (usage or {}).get("prompt_tokens_details") or {}
-    return {
-        "ttft_s": ttft,
-        "tpot_s": (last - ttft) / (len(ids) - 1) if len(ids) > 1 else None,
-        "itl_s": itl,
-        "end_s": last,
-        "token_ids": ids,
-        "prompt_tokens": len(prompt),
-        "cached_tokens": details.get("cached_tokens"),
-        "worker": worker,
-        "prefill_worker": prefill_worker,
-    }
-
-
-async def _stream(url: str, model: str, requests: list[tuple[float, list[int]]], w: PDWorkload):
-    """Every request sent at its arrival time; (results in request order, the run's wall time)."""
-    import httpx
-
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        t0 = time.perf_counter()
-
-        async def at(when: float, prompt: list[int]) -> dict:
-            await asyncio.sleep(max(0.0, t0 + when - time.perf_counter()))
-            sent = time.perf_counter() - t0
-            try:
-                got = await _one(client, url, model, prompt, w)
-            except httpx.HTTPError as exc:
-                got = {"error": f"{type(exc).__name__}: {exc}"}
-            return {"sent_s": sent, **got}
-
-        results = await asyncio.gather(*(at(when, prompt) for when, prompt in requests))
-        return results, time.perf_counter() - t0
-
-
-def _router_pd(url: str) -> dict[str, float]:
-    """The router's P/D counters so far: each outcome's count, and the legs' sums and counts."""
-    got: dict[str, float] = {}
-    for s in harness.metric_samples(url):
-        if s.name == "pagedkv_router_pd_requests_total":
-            got[s.labels.get("outcome", "")] = s.value
-        elif s.name.startswith(
-            ("pagedkv_router_pd_prefill_seconds_", "pagedkv_router_pd_transfer")
-        ):
-            if s.name.endswith(("_sum", "_count")):
-                got[s.name] = s.value
-    return got
-
-
-def _one_run(system: str, model: str, requests, w: PDWorkload, store_gib: float) -> dict:
-    with _stack(system, model, w, store_gib) as stack:
-        names = [worker.worker_id for worker in stack.workers]
-        before = [harness.tier_bytes([url]) for url in stack.worker_urls]
-        router_before = _router_pd(stack.router_url)
-        results, wall = asyncio.run(_stream(stack.router_url, model, requests, w))
-        by_worker = {
-            name: {k: v - was.get(k, 0.0) for k, v in harness.tier_bytes([url]).items()}
-            for name, url, was in zip(names, stack.worker_urls, before, strict=True)
-        }
-        router = {k: v - router_before.get(k, 0.0) for k, v in _router_pd(stack.router_url).items()}
-    return _figures(results, wall, by_worker, router, w)
-
-
-# -- figures ----------------------------------------------------------------------------------
-
-
-def _ms(value: float | None) -> float | None:
-    return None if value is None else round(1000 * value, 2)
-
-
-def _figures(results, wall: float, by_worker: dict, router: dict, w: PDWorkload) -> dict[str, Any]:
-    """A run's figures; `by_worker`: each worker's tier bytes over the run ("saved:TIER", ...)."""
-    tiers: dict[str, float] = {}
-    for got in by_worker.values():
-        for k, v in got.items():
-            tiers[k] = tiers.get(k, 0.0) + v
-    ok = [r for r in results if "error" not in r]
-    n = len(results)
-    itl = [g for r in ok for g in r["itl_s"]]
-    good = [
-        r
-        for r in ok
-        if r["ttft_s"] <= w.ttft_slo_s and r["tpot_s"] is not None and r["tpot_s"] <= w.tpot_slo_s
-    ]
-    tokens = sum(len(r["token_ids"]) for r in ok)
-    saved = [v for k, v in tiers.items() if k.startswith("saved:")]
-    loaded = [v for k, v in tiers.items() if k.startswith("loaded:")]
-
-    def per_request(values: list[float]) -> int | None:
-        return round(sum(values) / n) if values and n else None
-
-    def leg(name: str) -> float | None:
-        count = router.get(f"pagedkv_router_pd_{name}_seconds_count")
-        total = router.get(f"pagedkv_router_pd_{name}_seconds_sum")
-        return round(total / count, 4) if count and total is not None else None
-
-    split = sum(router.get(o, 0.0) for o in PD_OUTCOMES)
-    cached = [r["cached_tokens"] for r in ok if r["cached_tokens"] is not None]
-    return {
-        "requests": n,
-        "errors": n - len(ok),
-        "first_error": next((r["error"] for r in results if "error" in r), None),
-        "ttft_p50_s": _round(harness.percentile((r["ttft_s"] for r in ok), 0.5), 4),
-        "ttft_p99_s": _round(harness.percentile((r["ttft_s"] for r in ok), 0.99), 4),
-        "itl_p50_ms": _ms(harness.percentile(itl, 0.5)),
-        "itl_p99_ms": _ms(harness.percentile(itl, 0.99)),
-        "tpot_p50_ms": _ms(harness.percentile((r["tpot_s"] for r in ok), 0.5)),
-        "tpot_p99_ms": _ms(harness.percentile((r["tpot_s"] for r in ok), 0.99)),
-        "tokens_per_s": round(tokens / wall, 2) if wall > 0 else None,
-        "goodput_rps": round(len(good) / wall, 4) if wall > 0 else None,
-        "slo_met": len(good),
-        "wall_s": round(wall, 3),
-        # None: no worker exports the tiers' bytes (it has no tier below its pool)
-        "bytes_moved_per_request": per_request(saved + loaded),
-        "bytes_saved_per_request": per_request(saved),
-        "bytes_loaded_per_request": per_request(loaded),
-        # each worker's, in all: who saved and who loaded them
-        "bytes_by_worker": {
-            name: {k: round(v) for k, v in sorted(got.items())} for name, got in by_worker.items()
-        },
-        "split_requests": round(split) if router else None,
-        "transfers": {o: round(router[o]) for o in PD_OUTCOMES if o in router} or None,
-        "prefill_leg_s_per_request": leg("prefill"),
-        "transfer_s_per_request": leg("transfer_wait"),
-        "cached_tokens_per_request": round(sum(cached) / len(cached), 1) if cached else None,
-        "prefill_workers": sorted({r["prefill_worker"] for r in ok if r["prefill_worker"]}),
-        "answering_workers": sorted({r["worker"] for r in ok if r["worker"]}),
-        "_token_ids": [r.get("token_ids") for r in results],
-    }
-
-
-def _round(value: float | None, digits: int) -> float | None:
-    return None if value is None else round(value, digits)
-
-
-def _targets(summary: dict[str, dict]) -> dict[str, Any]:
-    co, pd = summary.get("colocated", {}), summary.get("pd", {})
-    itl = harness.ratio(pd.get("itl_p99_ms"), co.get("itl_p99_ms"))
-    goodput = harness.ratio(pd.get("goodput_rps"), co.get("goodput_rps"))
-    a, b = co.get("_token_ids"), pd.get("_token_ids")
+def _against(co: dict, other: dict) -> dict[str, Any]:
+    """`other`'s ITL p99 and goodput over colocated's, and whether every request both answered
+    got the same greedy token ids."""
+    itl = harness.ratio(other.get("itl_p99_ms"), co.get("itl_p99_ms"))
+    goodput = harness.ratio(other.get("goodput_rps"), co.get("goodput_rps"))
+    a, b = co.get("_token_ids"), other.get("_token_ids")
     differ = compared = None
     if a is not None and b is not None:  # the same requests, in the same order
         both = [(x, y) for x, y in zip(a, b, strict=True) if x is not None and y is not None]
@@ -284,6 +152,14 @@ def _targets(summary: dict[str, dict]) -> dict[str, Any]:
     }
 
 
+def _targets(summary: dict[str, dict]) -> dict[str, Any]:
+    co = summary.get("colocated", {})
+    out = _against(co, summary.get("pd", {}))
+    if "pd-peer" in summary:
+        out["pd-peer"] = _against(co, summary["pd-peer"])
+    return out
+
+
 def _store_gib(requests, w: PDWorkload, kv_bytes_per_token: int | None) -> float:
     """The shared store's size: twice every token of the stream (prompts and outputs), so that
     its LRU drops no prompt before the decode worker loads it (a simulated store holds no bytes:
@@ -294,35 +170,121 @@ def _store_gib(requests, w: PDWorkload, kv_bytes_per_token: int | None) -> float
     return float(math.ceil(2 * tokens * kv_bytes_per_token / 2**30))
 
 
+def _model(w: PDWorkload, name: str | None, folder: str) -> tuple[str, str, int | None]:
+    """(the workers' --model, its label, its KV bytes per token: None for a real model)."""
+    model = name or w.model
+    if not w.device.startswith("sim:"):
+        return model, model, None
+    from worker.sim import PUBLIC_CONFIGS, write_config
+    from worker.sim.shape import ModelShape
+
+    if model not in PUBLIC_CONFIGS:
+        from pagedkv_base.settings import CliError
+
+        raise CliError(f"--model on {w.device}: one of {', '.join(PUBLIC_CONFIGS)}, not {model!r}")
+    kv_bytes_per_token = ModelShape.from_config(PUBLIC_CONFIGS[model]).kv_bytes_per_token
+    return str(write_config(model, folder)), f"{model} (public config.json)", kv_bytes_per_token
+
+
+def _prefill_device_s(w: PDWorkload, model: str, requests) -> dict[str, float] | None:
+    """On `sim:`, what one request's prompt costs the prefill worker's device, on average:
+    its roofline time computed alone in chunks of the worker's token budget (`compute_s`), and
+    its whole blocks' store saves over the host link (`saves_s`). Times a rate, the share of a
+    prefill device the stream needs. None on real workers."""
+    if not w.device.startswith("sim:"):
+        return None
+    from worker.engine.config import EngineConfig
+    from worker.sim import PUBLIC_CONFIGS, Roofline, gpu
+    from worker.sim.shape import ModelShape
+
+    config = EngineConfig()
+    shape = ModelShape.from_config(PUBLIC_CONFIGS[model])
+    roofline = Roofline(gpu(w.device.removeprefix("sim:")), shape)
+    budget, block = config.max_num_batched_tokens, config.block_size
+    compute = saves = 0.0
+    for _, prompt in requests:
+        n = len(prompt)
+        for done in range(0, n, budget):
+            new = min(budget, n - done)
+            compute += roofline.step([(done, new, 1 if done + new == n else 0)]).seconds
+        saves += roofline.host_seconds(n // block * block * shape.kv_bytes_per_token)
+    return {
+        "compute_s": round(compute / len(requests), 5),
+        "saves_s": round(saves / len(requests), 5),
+    }
+
+
+def _streams(w: PDWorkload, n: int, rates: list[int] | None) -> list[tuple[PDWorkload, list]]:
+    """(the workload at its rate, its requests) per stream: the workload's own, or one per swept
+    rate, lowest first, each drawn from a seed of its own."""
+    if rates is None:
+        w = replace(w, requests=n)
+        return [(w, chats_and_documents(w))]
+    out = []
+    for i, rate in enumerate(sorted(rates)):
+        at = replace(w, requests=n, rate_rps=float(rate), seed=w.seed + 1000 * (i + 1))
+        out.append((at, chats_and_documents(at)))
+    return out
+
+
+def _runs(model: str, streams, w: PDWorkload, store_gib: float) -> dict[str, list[dict]]:
+    """Each system's figures per stream, the streams sent in turn to one set of its processes;
+    each stream's outputs compared with colocated's (`outputs_differing`)."""
+    out: dict[str, list[dict]] = {}
+    for system in SYSTEMS:
+        with _stack(system, model, w, store_gib) as stack:
+            out[system] = []
+            for at, requests in streams:
+                harness.log("pd", f"{system}: {at.requests} requests at {at.rate_rps:g} requests/s")
+                out[system].append(send(stack, model, requests, at))
+    return out
+
+
+def _capacity(points: list[dict]) -> float | None:
+    """The highest swept rate at which >= ATTAINMENT of the requests met both SLOs, error-free."""
+    return max(
+        (
+            p["rate_rps"]
+            for p in points
+            if p["slo_attainment"] is not None
+            and p["slo_attainment"] >= ATTAINMENT
+            and not p["errors"]
+        ),
+        default=None,
+    )
+
+
+def _sweep(runs: dict[str, list[dict]], streams) -> dict[str, Any]:
+    systems: dict[str, list[dict]] = {}
+    for system, figures in runs.items():
+        systems[system] = []
+        for i, ((at, _), f) in enumerate(zip(streams, figures, strict=True)):
+            compared = None if system == "colocated" else _against(runs["colocated"][i], f)
+            point = {"rate_rps": at.rate_rps, **f}
+            point["outputs_differing"] = compared and compared["outputs_differing"]
+            systems[system].append(point)
+    for points in systems.values():
+        for p in points:
+            del p["_token_ids"], p["bytes_by_worker"]
+    return {
+        "rates": [at.rate_rps for at, _ in streams],
+        "requests_per_rate": streams[0][0].requests,
+        "attainment": ATTAINMENT,
+        "systems": systems,
+        "capacity_rps": {system: _capacity(points) for system, points in systems.items()},
+    }
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     w = PD[args.workload]
-    requests = chats_and_documents(w)
+    streams = _streams(w, args.requests or w.requests, args.rates)
     with tempfile.TemporaryDirectory(prefix="pagedkv-bench-pd-") as folder:
-        model = args.model or w.model
-        label, kv_bytes_per_token = model, None
-        if w.device.startswith("sim:"):
-            from worker.sim import PUBLIC_CONFIGS, write_config
-            from worker.sim.shape import ModelShape
-
-            if model not in PUBLIC_CONFIGS:
-                from pagedkv_base.settings import CliError
-
-                raise CliError(
-                    f"--model on {w.device}: one of {', '.join(PUBLIC_CONFIGS)}, not {model!r}"
-                )
-            kv_bytes_per_token = ModelShape.from_config(PUBLIC_CONFIGS[model]).kv_bytes_per_token
-            model = str(write_config(model, folder))
-            label = f"{label} (public config.json)"
-        store_gib = _store_gib(requests, w, kv_bytes_per_token)
-        summary = {}
-        for system in SYSTEMS:
-            harness.log("pd", f"{system}: {w.requests} requests at {w.rate_rps:g} requests/s")
-            summary[system] = _one_run(system, model, requests, w, store_gib)
-    targets = _targets(summary)
-    for figures in summary.values():
-        del figures["_token_ids"]
-    lengths = [len(p) for _, p in requests]
-    return {
+        model, label, kv_bytes_per_token = _model(w, args.model, folder)
+        every = [r for _, requests in streams for r in requests]
+        store_gib = _store_gib(every, w, kv_bytes_per_token)
+        runs = _runs(model, streams, w, store_gib)
+    lengths = [len(p) for _, p in every]
+    report: dict[str, Any] = {
         "device": w.device,
         "clock": "wall",
         "model": label,
@@ -330,114 +292,28 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "shared_store_gib": store_gib,
         "workload": w.what,
         "stream": {
-            "requests": w.requests,
-            "rate_rps": w.rate_rps,
-            "documents": sum(n >= w.document_tokens[0] for n in lengths),
+            "requests": streams[0][0].requests,  # per stream
+            "streams": len(streams),
+            # a sweep's rates are in report["sweep"]
+            "rate_rps": None if args.rates else w.rate_rps,
+            "documents": sum(n >= w.document_tokens[0] for n in lengths),  # in all streams
             "prompt_tokens_mean": round(sum(lengths) / len(lengths), 1),
             "prompt_tokens_max": max(lengths),
             "output_tokens": w.output_tokens,
             "seed": w.seed,
+            "prefill_device_s_per_request": _prefill_device_s(w, args.model or w.model, every),
         },
         "slo": {"ttft_s": w.ttft_slo_s, "tpot_s": w.tpot_slo_s},
-        "summary": summary,
-        "targets": targets,
     }
-
-
-# -- tables -----------------------------------------------------------------------------------
-
-COLUMNS = (
-    ("system", None, ""),
-    ("TTFT p50 s", "ttft_p50_s", ".3f"),
-    ("TTFT p99 s", "ttft_p99_s", ".3f"),
-    ("ITL p50 ms", "itl_p50_ms", ".2f"),
-    ("ITL p99 ms", "itl_p99_ms", ".2f"),
-    ("tokens/s", "tokens_per_s", ".1f"),
-    ("goodput req/s", "goodput_rps", ".3f"),
-    ("bytes moved / req", "bytes_moved_per_request", ","),
-    ("transfer s / req", "transfer_s_per_request", ".4f"),
-    ("errors", "errors", ""),
-)
-
-
-def tables(report: dict) -> list[Table]:
-    rows = [
-        [name, *(cell(s.get(key), spec) for _, key, spec in COLUMNS[1:])]
-        for name, s in report["summary"].items()
-    ]
-    st, slo = report["stream"], report["slo"]
-    notes = [
-        f"{report['model']} on {report['device']} ({report['clock']} clock): {report['workload']}",
-        f"{st['requests']} requests ({st['documents']} long documents), prompts of "
-        f"{st['prompt_tokens_mean']:g} tokens on average (at most {st['prompt_tokens_max']}), "
-        f"{st['output_tokens']} output tokens each, Poisson arrivals at {st['rate_rps']:g}/s "
-        f"(seed {st['seed']}).",
-        f"goodput: requests with TTFT <= {slo['ttft_s']:g} s and TPOT <= "
-        f"{slo['tpot_s'] * 1000:g} ms, per second of the run; bytes moved: the KV tiers' saved "
-        "and loaded bytes (the workers' /metrics); transfer: the router's wait after a split "
-        "request's prefill leg until the decode worker finds its blocks.",
-    ]
-    if not report["device"].startswith("sim:"):
-        notes.append(
-            "Real workers on this machine's CPU: the outputs and the bytes moved are the point "
-            "here; the times are a CPU's, not a GPU's, and the targets on them compare nothing."
-        )
-    notes.append(
-        f"The shared store holds {cell(report.get('shared_store_gib'), 'g')} GiB (pd's allocator)."
-    )
-    for name, s in report["summary"].items():
-        if s.get("bytes_moved_per_request") is None:
-            notes.append(
-                f"{name}: bytes moved '-': its workers have no tier below their pools (no shared "
-                "store, no host tier), so they export no tier bytes; none move between them."
-            )
-        if s.get("split_requests"):
-            notes.append(
-                f"{name}: {s['split_requests']} requests split ({s['transfers']}), prefill leg "
-                f"{cell(s['prefill_leg_s_per_request'], '.4f')} s per request, "
-                f"{cell(s['cached_tokens_per_request'])} cached prompt tokens per request."
-            )
-        moved = [
-            f"{worker} {k.split(':')[0]} {v / s['requests']:,.0f} ({k.split(':')[1]} tier)"
-            for worker, got in (s.get("bytes_by_worker") or {}).items()
-            for k, v in got.items()
-            if v
-        ]
-        if moved and s["requests"]:
-            notes.append(f"{name}: bytes per request, by worker: " + "; ".join(moved) + ".")
-        if s.get("first_error"):
-            notes.append(f"{name}: first error: {s['first_error']}")
-    t = report["targets"]
-    target_rows = [
-        [
-            "ITL p99, pd / colocated",
-            cell(t["itl_p99_ratio"], ".3f"),
-            f"<= {t['itl_p99_ratio_target']:g}",
-            verdict(t["itl_p99_ratio_met"]),
-        ],
-        [
-            "goodput, pd / colocated",
-            cell(t["goodput_ratio"], ".3f"),
-            f">= {t['goodput_ratio_target']:g}",
-            verdict(t["goodput_ratio_met"]),
-        ],
-        [
-            f"requests whose greedy token ids differ (of {cell(t['outputs_compared'])} both "
-            "answered)",
-            cell(t["outputs_differing"]),
-            "0",
-            verdict(t["outputs_identical"]),
-        ],
-    ]
-    return [
-        Table(
-            "P/D disaggregation: 2 colocated workers vs 1 prefill + 1 decode",
-            [c for c, _, _ in COLUMNS],
-            rows,
-            notes,
-        ),
-        Table("P/D targets", ["figure", "value", "target", "outcome"], target_rows),
-    ]
+    if args.rates:
+        report["sweep"] = _sweep(runs, streams)
+        return report
+    summary = {system: figures[0] for system, figures in runs.items()}
+    targets = _targets(summary)
+    for figures in summary.values():
+        del figures["_token_ids"]
+    report["summary"], report["targets"] = summary, targets
+    return report
 
 
 def run(args: argparse.Namespace) -> int:

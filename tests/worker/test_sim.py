@@ -281,6 +281,10 @@ def test_virtual_latencies_are_the_sum_of_device_times(llama):
             "pagedkv_worker_device_busy_ratio", engine.metrics.labels
         )
         assert busy == 1.0  # on the virtual clock only device time passes
+        busy_s = engine.metrics.registry.get_sample_value(
+            "pagedkv_worker_device_busy_seconds", engine.metrics.labels
+        )
+        assert busy_s == pytest.approx(device)  # every step's device time, whole
     finally:
         engine.close()
 

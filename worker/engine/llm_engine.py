@@ -171,6 +171,7 @@ class LLMEngine:
         )
         self.metrics.threads.set_function(torch.get_num_threads)
         self.metrics.device_busy.set_function(self.busy.ratio)
+        self.metrics.device_busy_seconds.set_function(self.busy.computed)
         self.scheduler = Scheduler(
             allocator,
             config.max_num_seqs,
