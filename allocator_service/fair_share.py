@@ -60,6 +60,10 @@ from allocator_service.core.pause_points import pacing
 from allocator_service.wire.errors import TooManyCalls
 
 ROUTER = "(router)"
+# Windows after which `FairShare` brings its table of recent use to the
+# present (exp(50) is far from a float's overflow, and 50 windows of decay
+# leave 2e-22 of a tenant's use).
+_REBASE = 50.0
 
 
 class FairShare:
@@ -81,9 +85,15 @@ class FairShare:
         self.enabled = enabled
         self._cpu, self._clock = cpu, clock
         self._cond = threading.Condition(threading.Lock())
-        # tenant -> [recent CPU seconds, clock time they were decayed to,
-        #            clock time of its last charge]
+        # tenant -> [its recent CPU seconds as of clock time `_base`, clock
+        #            time of its last charge].
+        # NOTE: every tenant's use decays by the same factor, so the table
+        # keeps them all as of one time, `_base`: a tenant's recent use now is
+        # its entry times exp((_base - now) / window_s), and comparing two
+        # tenants compares their entries (one exp per look at the table, not
+        # one per tenant: a call looks at every tenant's use).
         self._use: dict[str, list[float]] = {}
+        self._base = clock()
         # tenant -> pool calls in flight (router calls make nobody wait)
         self._running: dict[str, int] = {}
         self._in_flight = 0
@@ -95,31 +105,44 @@ class FairShare:
         self.cpu_seconds = 0.0
 
     # ------------------------------------------------------------- the rule
-    def _recent(self, tenant: str, now: float) -> float:
-        """`tenant`'s recent CPU seconds, decayed to `now` (lock held)."""
-        use = self._use.get(tenant)
-        if use is None:
-            return 0.0
-        if now > use[1]:
-            use[0] *= math.exp((use[1] - now) / self.window_s)
-            use[1] = now
-        return use[0]
+    def _growth(self, now: float) -> float:
+        """exp((now - _base) / window_s): recent CPU seconds at `now` times
+        this are the table's. Past `_REBASE` windows the table is brought to
+        `now` first, so the factor stays far from overflow (lock held)."""
+        age = (now - self._base) / self.window_s
+        if age > _REBASE:
+            shrink = math.exp(-age)
+            for use in self._use.values():
+                use[0] *= shrink
+            self._base, age = now, 0.0
+        return math.exp(age)
 
     def _delay(self, tenant: str) -> float:
         """How long `tenant` should wait before it runs on (0: not at all;
         lock held). Only while another tenant is active: it has a pool call
         in flight or used CPU within the window."""
-        now = self._clock()
-        mine = self._recent(tenant, now)
-        others = [(t, self._recent(t, now)) for t in self._use if t != tenant]
-        active = sum(1 for t, use in others if self._running.get(t) or use > self._floor)
+        grow = self._growth(self._clock())
+        use, running = self._use, self._running
+        mine = use[tenant][0] if tenant in use else 0.0
+        # (in the table's terms: the floor and the slack times `grow`)
+        floor, lighter_than = self._floor * grow, mine - self.slack_s * grow
+        active, lighter = 0, False
+        for t, (theirs, _) in use.items():
+            if t == tenant:
+                continue
+            if running.get(t):
+                active += 1
+                lighter = lighter or theirs < lighter_than
+            elif theirs > floor:
+                active += 1
         if not active:
             return 0.0
         # A lighter pool's call is in flight: until it is answered (notified).
-        if any(self._running.get(t) and use < mine - self.slack_s for t, use in others):
+        if lighter:
             return self.max_wait_s
         # Over its share of the interpreter: until its use decays to the share
         # (a tenant using a fraction f of the time settles at f * window).
+        mine /= grow
         cap = self.window_s / (active + 1)
         return self.window_s * math.log(mine / cap) if mine > cap else 0.0
 
@@ -144,10 +167,12 @@ class FairShare:
     def _charge(self, tenant: str, seconds: float) -> None:
         """Add `seconds` of CPU to `tenant`'s recent use (lock held)."""
         now = self._clock()
-        self._recent(tenant, now)
-        use = self._use.setdefault(tenant, [0.0, now, now])
-        use[0] += seconds
-        use[2] = now
+        grow = self._growth(now)
+        use = self._use.get(tenant)
+        if use is None:
+            use = self._use[tenant] = [0.0, now]
+        use[0] += seconds * grow
+        use[1] = now
         self.cpu_seconds += seconds
 
     def _forget_idle(self) -> None:
@@ -158,7 +183,7 @@ class FairShare:
         now = self._pruned_at = self._clock()
         for tenant in [
             t
-            for t, (_, _, charged) in self._use.items()
+            for t, (_, charged) in self._use.items()
             if now - charged > 10 * self.window_s and not self._running.get(t)
         ]:
             del self._use[tenant]
@@ -210,8 +235,8 @@ class FairShare:
     def recent_cpu(self) -> dict[str, float]:
         """Each tenant's recent CPU seconds (decayed to now)."""
         with self._cond:
-            now = self._clock()
-            return {t: self._recent(t, now) for t in list(self._use)}
+            grow = self._growth(self._clock())
+            return {t: use / grow for t, (use, _) in self._use.items()}
 
 
 class CallSlots:

@@ -57,7 +57,6 @@ from allocator_service.core.validation import (
     check_cache_salt,
     check_seq_id,
     check_tokens,
-    tokens_ok,
 )
 
 
@@ -100,6 +99,8 @@ class BlockPool(PoolHoldings):
         cache_salt: str | None = None,
         num_new_tokens: int | None = None,
         reserve: int = 0,
+        *,
+        checked: bool = False,
     ) -> AdmitResult:
         """Create a sequence holding `tokens` (its prompt) and `reserve` slots
         after the tokens it stores, filled first by its next appends.
@@ -111,11 +112,13 @@ class BlockPool(PoolHoldings):
         issues its load. `cached_tokens` counts every block of the chain
         (shared or loaded: docs/architecture.md, "Tiers", "Counts");
         `num_new_tokens` bounds the tokens stored past it (chunked prefill).
+        `checked`: the caller found every token valid (`tokens_ok`) already.
         """
         check_seq_id(seq_id)
         if seq_id in self._seqs:
             raise SequenceExists(seq_id)
-        check_tokens(tokens)
+        if not checked:
+            check_tokens(tokens)
         check_cache_salt(cache_salt)
         names = _name_chars(seq_id, cache_salt)
         self._check_new_sequence(names)
@@ -180,7 +183,9 @@ class BlockPool(PoolHoldings):
         self._seqs[seq_id] = seq
         return AdmitResult(cached, stored, new_blocks, list(table))
 
-    def append(self, seq_id: str, tokens: Sequence[int], reserve: int = 0) -> AppendResult:
+    def append(
+        self, seq_id: str, tokens: Sequence[int], reserve: int = 0, *, checked: bool = False
+    ) -> AppendResult:
         """Store `tokens` after the sequence's last known token (decode, or the
         next chunk of a chunked prefill), then hold `reserve` more slots for
         tokens whose values are not known yet (async scheduling: the slot of a
@@ -190,15 +195,15 @@ class BlockPool(PoolHoldings):
         block: the slots are held), and only the rest take new slots. A write
         into a shared, not-full last block first moves the sequence to a
         private copy (copy-on-write). A block is hashed (findable) only once
-        every one of its slots has a known value."""
+        every one of its slots has a known value. `checked`: the caller
+        found every token valid (`tokens_ok`) already."""
         seq = self._seqs.get(seq_id)
         if seq is None:
             raise UnknownSequence(seq_id)
-        check_tokens(tokens)
+        if not checked:
+            check_tokens(tokens)
         if type(reserve) is not int or not 0 <= reserve <= MAX_RESERVE:
             raise InvalidArgument(f"reserve must be an integer in [0, {MAX_RESERVE}]")
-        if (keep := self.try_append(seq_id, tokens, reserve, checked=True)) >= 0:
-            return AppendResult(keep, [], [])
         table = seq.table
         k = append_slots(len(tokens), seq.reserved, reserve)[1]  # the slots it adds
         B = self.block_size
@@ -250,38 +255,58 @@ class BlockPool(PoolHoldings):
             self._hash_full_tail(seq)
         return AppendResult(keep, new_blocks, copies)
 
-    def try_append(
-        self, seq_id: str, tokens: Sequence[int], reserve: int = 0, checked: bool = False
-    ) -> int:
-        """`append` where every slot it adds fits in the sequence's private,
-        not-full last block (a decode step's append: no block taken, none
-        copied): returns the table length, the answer's `keep`. -1 when
-        `append` must handle it (a block to take or copy, an unknown
-        sequence, bad input); nothing was changed then. `checked`: the
-        caller found every token valid (`tokens_ok`) already."""
-        seq = self._seqs.get(seq_id)
-        if (
-            seq is None
-            or type(reserve) is not int
-            or not 0 <= reserve <= MAX_RESERVE
-            or not (checked or tokens_ok(tokens))
-        ):
-            return -1
-        n, table = seq.num_tokens, seq.table
-        held, reserved = after_append(n, seq.reserved, len(tokens), reserve)
-        if held != n:
-            B = self.block_size
-            offset = n % B
-            if not offset or held - n > B - offset or self.ref_cnt[last := table[-1]] != 1:
-                return -1
-            self._fill[last] += held - n
-        seq.num_tokens, seq.reserved = held, reserved
-        if tokens and self.enable_prefix_caching:
-            tail = seq.tail
-            tail.extend(tokens)
-            if len(tail) >= self.block_size:
-                self._hash_full_tail(seq)
-        return len(table)
+    def append_run(
+        self,
+        seq_ids: Sequence[str],
+        counts: Sequence[int],
+        tokens: Sequence[int],
+        reserved: Sequence[int],
+        keep: list[int],
+        i: int,
+        stop: int,
+        at: int,
+    ) -> tuple[int, int]:
+        """Operations i to stop - 1 of a step, each an APPEND (its sequence
+        `seq_ids[i]`, its tokens `counts[i]` of `tokens` from `at` on, every
+        token of the step found valid by the caller, `reserved[i]` slots
+        reserved after them), applied in turn as `append` applies them
+        while each one's slots fit in its sequence's private, not-full last
+        block (a decode step's append: no block taken, none copied, the
+        answer's `keep` the table length, written to `keep[i]`). Returns
+        (the first operation not applied, where its tokens start): stop, or
+        one `append` must apply (a block to take or copy, an unknown
+        sequence, bad input), of which nothing was changed.
+
+        NOTE: the fast path of `append`, one call for a run of operations
+        (the hot loop of a step); tests/core/test_fast_paths.py checks it
+        against `append` alone."""
+        seqs, fill, ref_cnt, B = self._seqs, self._fill, self.ref_cnt, self.block_size
+        caching = self.enable_prefix_caching
+        while i < stop:
+            seq = seqs.get(seq_ids[i])
+            reserve = reserved[i]
+            if seq is None or type(reserve) is not int or not 0 <= reserve <= MAX_RESERVE:
+                break
+            n, c = seq.num_tokens, counts[i]
+            held, seq_reserved = after_append(n, seq.reserved, c, reserve)
+            if held != n:
+                offset = n % B
+                if not offset or held - n > B - offset or ref_cnt[last := seq.table[-1]] != 1:
+                    break
+                fill[last] += held - n
+            seq.num_tokens, seq.reserved = held, seq_reserved
+            if c and caching:
+                tail = seq.tail
+                if c == 1:  # a decode step's one token: no slice
+                    tail.append(tokens[at])
+                else:
+                    tail += tokens[at : at + c]
+                if len(tail) >= B:
+                    self._hash_full_tail(seq)
+            keep[i] = len(seq.table)
+            at += c
+            i += 1
+        return i, at
 
     def unreserve(self, seq_id: str, slots: int) -> int:
         """Give back the last `slots` of the sequence's reserved slots (held

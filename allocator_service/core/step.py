@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from itertools import accumulate, chain
+from itertools import accumulate, chain, compress
 from typing import NamedTuple, overload
 
 from allocator_service.core.errors import (
@@ -72,6 +72,10 @@ class StepColumns(NamedTuple):
     # KV tiers (docs/architecture.md, "Tiers"): the worker's report on the
     # moves of earlier answers, applied before the operations (None: none).
     report: TierReport | None = None
+    # True: every token is known to be an int in [0, MAX_TOKEN_ID] (decoded
+    # from the wire's uint32 field: `wire.codec.columns_from_proto`), so
+    # `run_step` does not check them again. False: it checks them.
+    tokens_valid: bool = False
 
 
 @dataclass(slots=True)
@@ -232,7 +236,7 @@ def run_step(pool: BlockPool, step: StepColumns) -> StepAnswer:
     pool could not have issued raises InvalidArgument before anything
     changes), and the answer carries the moves the operations issued
     (`StepAnswer.moves`)."""
-    kinds, seqs, counts, tokens, salts, budgets, children, reserved, report = step
+    kinds, seqs, counts, tokens, salts, budgets, children, reserved, report, valid = step
     tiered = pool.tiers is not None
     if report is not None and any(report):
         pool.confirm(*report)
@@ -260,56 +264,69 @@ def run_step(pool: BlockPool, step: StepColumns) -> StepAnswer:
                     messages[i] = str(exc)
     end = 0  # where the next operation's tokens end
     admits = forks = 0  # ADMIT and FORK operations met so far
-    try_append = pool.try_append
     # every token of the step at once (C speed), not one operation at a time
-    checked = tokens_ok(tokens)
-    for i in range(n):
-        kind = kinds[i]
+    checked = valid or tokens_ok(tokens)
+    # NOTE: the appends of a decode step (slots in each sequence's private
+    # last block) take the pool's fast path, a run of them per call: no
+    # AppendResult, no copies (the hot loop of a step). With a bad token in
+    # the step every operation takes the general rules, which refuse it.
+    append_run = pool.append_run if checked else None
+    # the operations that are not APPENDs, then n: where each run of APPENDs stops
+    stops = [*compress(range(n), map(APPEND.__ne__, kinds)), n]
+    s = 0  # stops[s]: the first stop at or after operation i
+    i = 0
+    while i < n:
+        if append_run is not None and kinds[i] == APPEND:
+            while stops[s] < i:
+                s += 1
+            i, end = append_run(seqs, counts, tokens, reserved, keep, i, stops[s], end)
+            if i == n:
+                break
+        op = i  # applied by the general rules
+        i += 1
+        kind = kinds[op]
         start = end
-        end += counts[i]
-        # NOTE: a decode step's append (its slots in the sequence's private
-        # last block) takes the pool's fast path: no AppendResult, no copies
-        # (the hot loop of a step).
-        if kind == APPEND:
-            values = tokens[start:end]
-            if (k := try_append(seqs[i], values, reserved[i], checked)) >= 0:
-                keep[i] = k
-                continue
-        seq = seqs[i]
+        end += counts[op]
+        seq = seqs[op]
         try:
             if kind == APPEND:
-                r = pool.append(seq, values, reserved[i])
-                keep[i] = r.keep
+                r = pool.append(seq, tokens[start:end], reserved[op], checked=checked)
+                keep[op] = r.keep
                 if r.new_blocks:
                     appended += r.new_blocks
-                    num_appended[i] = len(r.new_blocks)
+                    num_appended[op] = len(r.new_blocks)
                 if r.copies:
-                    num_copies[i] = len(r.copies)
+                    num_copies[op] = len(r.copies)
                     copies.extend(chain.from_iterable(r.copies))
             elif kind == ADMIT:
                 admits += 1
                 a = pool.admit(
-                    seq, tokens[start:end], salts[admits - 1], budgets[admits - 1], reserved[i]
+                    seq,
+                    tokens[start:end],
+                    salts[admits - 1],
+                    budgets[admits - 1],
+                    reserved[op],
+                    checked=checked,
                 )
                 appended += a.table
-                num_appended[i] = len(a.table)
-                cached[i] = a.cached_tokens
-                stored[i] = a.num_stored
+                num_appended[op] = len(a.table)
+                cached[op] = a.cached_tokens
+                stored[op] = a.num_stored
             elif kind == FORK:
                 forks += 1
                 table = pool.fork(seq, children[forks - 1])
                 appended += table
-                num_appended[i] = len(table)
+                num_appended[op] = len(table)
             elif kind == UNRESERVE:
-                keep[i] = pool.unreserve(seq, reserved[i])
+                keep[op] = pool.unreserve(seq, reserved[op])
             elif kind != FREE:
                 # The service refuses unknown kinds before this; a journal
                 # written by a newer allocator must not replay with an
                 # operation skipped (its tables would differ from the workers').
                 raise ValueError(f"operation kind {kind} is not one this allocator applies")
         except AllocatorError as exc:
-            errors[i] = ERROR_NUMBER[exc.code]
-            messages[i] = str(exc)
+            errors[op] = ERROR_NUMBER[exc.code]
+            messages[op] = str(exc)
     return StepAnswer(
         errors,
         keep,

@@ -11,8 +11,9 @@ applied late never lets a later record's events jump ahead of it.
 Readers (one thread per watcher) take only the log's own small lock.
 
 Numbering costs O(batches), not O(events): a published batch keeps its
-events as the tuples it collected, under the number of its first one, and
-a reader builds `Event`s from them outside the lock. (A 32k-token admit
+events as the tuples it collected (`Event`'s fields after its number, the
+trailing defaults left out), under the number of its first one, and a
+reader builds `Event`s from them outside the lock. (A 32k-token admit
 stores 2,048 blocks: numbering them one by one under the log's lock made
 every other pool's Step, which finishes its own batch, wait for it.)
 """
@@ -78,6 +79,13 @@ class RecordEvents:
                 registered.get("served_model_name", ""),
             )
         )
+
+    def add_block(self, kind: str, pool_id: str, block_id: int, block_hash: bytes | None) -> None:
+        """A core event (block_stored, block_removed, all_cleared): `add`
+        with no other field. NOTE: kept as its first four fields (`Event`'s
+        defaults are the rest), one short tuple per block a step stores or
+        evicts (the hot path: a decode step stores a block per 16 tokens)."""
+        self.events.append((kind, pool_id, block_id if block_id > 0 else 0, block_hash or b""))
 
 
 class EventLog:

@@ -56,7 +56,7 @@ class _Sink:
         self.batch: RecordEvents | None = None
 
     def __call__(self, kind: str, block: int, block_hash: bytes | None) -> None:
-        self.batch.add(kind, self.pool_id, block, block_hash)
+        self.batch.add_block(kind, self.pool_id, block, block_hash)
 
 
 class CorruptState(RuntimeError):

@@ -76,7 +76,7 @@ def step_answer_bound(
     n = len(kinds)
     id_bytes = max(1, ((num_blocks - 1).bit_length() + 6) // 7)
     # only an ADMIT or APPEND takes blocks: a partial one and a copy each, at most
-    writers = sum(1 for k in kinds if k == core_step.APPEND or k == core_step.ADMIT)
+    writers = kinds.count(core_step.APPEND) + kinds.count(core_step.ADMIT)
     growth = (len(step.tokens) + (sum(reserved) if reserved else 0)) // block_size + 2 * writers
     ids = growth
     # the blocks FREEs release, each a store save (write-through), at most

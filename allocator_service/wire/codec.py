@@ -23,6 +23,7 @@ from allocator_service.core import (
     step_columns,
 )
 from allocator_service.core import step as core_step
+from allocator_service.core.limits import MAX_TOKEN_ID
 from allocator_service.core.tier_index import HASH_LEN
 from allocator_service.core.tiers import NO_MOVES, Moves, TierReport
 from allocator_service.wire.bounds import MAX_ERROR_MESSAGE_BYTES
@@ -53,6 +54,11 @@ assert core_step.ERROR_NUMBER == {
 }
 
 STATS_FIELDS = tuple(PoolStats.__slots__)
+
+# Every value of a uint32 field is a token id while MAX_TOKEN_ID is 2^32 - 1:
+# a decoded step's tokens need no check (`StepColumns.tokens_valid`).
+# (Checking them read every token of the field three times: type, min, max.)
+_WIRE_TOKENS_VALID = MAX_TOKEN_ID >= 2**32 - 1
 
 # RegisterPoolRequest.protocol_version: what this version's gRPC client
 # sends, and from which version on the server refuses a Step of the pool
@@ -127,6 +133,7 @@ def columns_from_proto(msg: pb.StepOps) -> StepColumns:
         list(msg.fork_children),
         list(msg.num_reserved),
         report,
+        _WIRE_TOKENS_VALID,
     )
 
 

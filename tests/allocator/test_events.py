@@ -60,3 +60,24 @@ def test_reset_starts_numbering_again_and_forgets_the_window():
     events, after, gap = log.read(100, 5, timeout=0)
     assert [(e.sequence, e.kind, e.block_id) for e in events] == [(100, "block_removed", 2)]
     assert (after, gap) == (101, False)
+
+
+core_events = st.tuples(
+    st.sampled_from(["block_stored", "block_removed", "all_cleared"]),
+    st.integers(-1, 2**20),
+    st.one_of(st.none(), st.binary(min_size=32, max_size=32)),
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(events=st.lists(core_events, max_size=20))
+def test_a_core_event_reads_back_as_the_same_event_through_either_method(events):
+    """`add_block`, the core's short form, and `add` give readers equal events."""
+    logs = EventLog(100), EventLog(100)
+    short, full = logs[0].begin(), logs[1].begin()
+    for kind, block, block_hash in events:
+        short.add_block(kind, "p", block, block_hash)
+        full.add(kind, "p", block, block_hash)
+    for log, b in zip(logs, (short, full), strict=True):
+        log.finish(b)
+    assert logs[0].read(1, 100, timeout=0) == logs[1].read(1, 100, timeout=0)

@@ -7,12 +7,15 @@ pacer installed. No assertion on a duration."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import threading
 import time
 import urllib.request
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from allocator_service.client import EmbeddedAllocator, PoolSpec
 from allocator_service.client.grpc_client import GrpcAllocator
@@ -115,6 +118,54 @@ def test_over_its_share_a_pool_waits_at_most_the_bound_and_runs():
     with off.call("y"):
         pass
     assert off.waits == 0 and off.recent_cpu() == {}
+
+
+class FakeClock(FakeCpu):
+    """Clock time that advances only when a test says so."""
+
+
+def _plain_recent(charges: list[tuple[str, float, float]], now: float, window: float) -> dict:
+    """Each tenant's recent CPU seconds by the plain rule: every charge
+    (tenant, clock time, seconds) decayed on its own to `now`."""
+    recent: dict[str, float] = {}
+    for tenant, at, seconds in charges:
+        recent[tenant] = recent.get(tenant, 0.0) + seconds * math.exp((at - now) / window)
+    return recent
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    calls=st.lists(
+        st.tuples(
+            st.sampled_from(["a", "b", "c", "d"]),
+            st.integers(0, 300).map(lambda ms: ms / 1000),  # clock seconds before the call
+            st.integers(0, 50).map(lambda ms: ms / 1000),  # its CPU seconds
+        ),
+        min_size=1,
+        max_size=40,
+    ),
+    window=st.sampled_from([0.01, 0.1, 1.0]),
+)
+def test_recent_use_kept_as_of_one_time_is_each_charge_decayed_on_its_own(calls, window):
+    """The table keeps every tenant's use as of one clock time (brought to
+    the present now and then): what it reports, and so every wait it decides,
+    is the plain rule's, each charge decayed from when it was made."""
+    cpu, clock = FakeCpu(), FakeClock()
+    fair = FairShare(window_s=window, cpu=cpu, clock=clock)
+    fair._delay = lambda tenant: 0.0  # the bookkeeping alone: a wait on a fake clock never ends
+    charges = []
+    for tenant, pause, seconds in calls:
+        clock.now += pause
+        with fair.call(tenant):
+            cpu.now += seconds
+        charges.append((tenant, clock.now, seconds))
+        recent = fair.recent_cpu()
+        plain = _plain_recent(charges, clock.now, window)
+        assert set(recent) <= set(plain)
+        for t, use in recent.items():
+            # a tenant idle for 10 windows is forgotten: under e^-10 of what it used
+            spent = sum(seconds for who, _, seconds in charges if who == t)
+            assert use == pytest.approx(plain[t], rel=1e-9, abs=1e-15 + math.exp(-10) * spent)
 
 
 def _busy_pool() -> BlockPool:
