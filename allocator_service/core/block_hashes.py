@@ -28,6 +28,10 @@ def key_of(h: bytes) -> int:
     return ~hash(h)
 
 
+# Blocks read at once where every block is read: no list of them all.
+_PIECE = 4096
+
+
 def _zeros(n: int) -> mmap.mmap:
     """`n` zero bytes that take memory only once written."""
     return mmap.mmap(-1, max(n, 1))
@@ -35,7 +39,8 @@ def _zeros(n: int) -> mmap.mmap:
 
 class BlockHashes(Sequence[bytes | None]):
     """`self[b]`: the hash block `b` holds (None: nothing reusable). Only
-    the prefix index writes it (`set`, `drop`, `drop_all`)."""
+    the prefix index writes it (`set`, `drop`, `drop_all`; `register` and
+    `evict` inline the first two)."""
 
     __slots__ = ("_n", "data", "keys")
 
@@ -79,9 +84,8 @@ class BlockHashes(Sequence[bytes | None]):
         return self.data[o : o + HASH_BYTES]
 
     def __iter__(self) -> Iterator[bytes | None]:
-        step = 4096  # a few at a time: no list of them all
-        for lo in range(0, self._n, step):
-            yield from self[lo : lo + step]
+        for lo in range(0, self._n, _PIECE):
+            yield from self[lo : lo + _PIECE]
 
     def copy(self) -> BlockHashes:
         """A copy of the column (two memory copies: quick to take under a
@@ -110,27 +114,26 @@ class BlockHashes(Sequence[bytes | None]):
 
     def num_held(self) -> int:
         """How many blocks hold a hash."""
-        keys, step = self.keys, 4096  # keys read a few at a time: no list of them all
+        keys = self.keys
         return self._n - sum(
-            keys[i : i + step].tolist().count(NO_HASH) for i in range(0, self._n, step)
+            keys[i : i + _PIECE].tolist().count(NO_HASH) for i in range(0, self._n, _PIECE)
         )
 
     def held(self) -> Iterable[int]:
         """The blocks holding a hash, in id order."""
         return (b for b, key in enumerate(self.keys) if key != NO_HASH)
 
-    def set(self, b: int, h: bytes) -> int:
-        """Block `b` now holds `h`; returns its key."""
-        if len(h) != HASH_BYTES:
-            raise ValueError(f"a block hash is {HASH_BYTES} bytes, not {len(h)}")
+    def set(self, b: int, h: bytes) -> None:
+        """Block `b` now holds `h` (IndexError, nothing changed, unless it
+        has `HASH_BYTES`: a memory map's slice keeps its size)."""
         o = b * HASH_BYTES
         self.data[o : o + HASH_BYTES] = h
-        key = self.keys[b] = ~hash(h)  # key_of(h), inlined: one call a block filled
-        return key
+        self.keys[b] = key_of(h)
 
     def drop(self, b: int) -> None:
         """Block `b` holds no hash any more."""
         self.keys[b] = NO_HASH
 
     def drop_all(self) -> None:
-        self.keys = memoryview(_zeros(8 * self._n)).cast("q")[: self._n]
+        """No block holds a hash any more."""
+        self.keys.cast("B")[:] = bytes(8 * self._n)

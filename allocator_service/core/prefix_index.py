@@ -11,7 +11,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 
-from allocator_service.core.block_hashes import HASH_BYTES, BlockHashes
+from allocator_service.core.block_hashes import HASH_BYTES, NO_HASH, BlockHashes
 
 # Event kinds passed to the optional event sink (the service turns them into
 # the KV event stream a router can follow).
@@ -36,11 +36,11 @@ class PrefixIndex:
     and a probe compares keys before hashes. A dict cost 40 bytes a cached
     block, and an int object of 32 for each id it held."""
 
-    __slots__ = ("block_hash", "_slots", "_mask", "event_sink")
+    __slots__ = ("block_hash", "_data", "_keys", "_slots", "_mask", "event_sink")
 
     def __init__(self, num_blocks: int, event_sink: EventSink | None = None) -> None:
         """An empty index of a pool of `num_blocks` blocks."""
-        self.block_hash = BlockHashes(num_blocks)
+        self._column(BlockHashes(num_blocks))
         size = 8
         while size < 2 * num_blocks:
             size *= 2
@@ -52,14 +52,18 @@ class PrefixIndex:
     def over(cls, block_hash: BlockHashes, event_sink: EventSink | None = None) -> PrefixIndex:
         """An index of the hashes `block_hash` holds (a restored dump's). No events."""
         index = cls(len(block_hash), event_sink)
-        index.block_hash = block_hash
+        index._column(block_hash)
         for b in block_hash.held():
             index._add(b)
         return index
 
+    def _column(self, block_hash: BlockHashes) -> None:
+        self.block_hash = block_hash
+        self._data, self._keys = block_hash.data, block_hash.keys  # read once a lookup
+
     def _add(self, b: int) -> None:
         slots, mask = self._slots, self._mask
-        i = self.block_hash.keys[b] & mask
+        i = self._keys[b] & mask
         while (s := slots[i]) != EMPTY:
             if s == b:
                 return
@@ -69,7 +73,7 @@ class PrefixIndex:
     def holders(self, h: bytes) -> list[int]:
         """The blocks holding `h`, in the table's order."""
         slots, mask = self._slots, self._mask
-        keys, data = self.block_hash.keys, self.block_hash.data
+        keys, data = self._keys, self._data
         found = []
         i = (key := ~hash(h)) & mask
         while (b := slots[i]) != EMPTY:
@@ -80,7 +84,7 @@ class PrefixIndex:
 
     def __contains__(self, h: bytes) -> bool:
         slots, mask = self._slots, self._mask
-        keys, data = self.block_hash.keys, self.block_hash.data
+        keys, data = self._keys, self._data
         i = (key := ~hash(h)) & mask
         while (b := slots[i]) != EMPTY:
             if keys[b] == key and data[(o := b * HASH_BYTES) : o + HASH_BYTES] == h:
@@ -92,7 +96,7 @@ class PrefixIndex:
         """How many of `hashes`, from the first, are indexed: the rule of
         `hashing.leading_hits`, its lookups inlined in one call."""
         slots, mask = self._slots, self._mask
-        keys, data = self.block_hash.keys, self.block_hash.data
+        keys, data = self._keys, self._data
         hits = 0
         for h in hashes:
             i = (key := ~hash(h)) & mask
@@ -119,7 +123,7 @@ class PrefixIndex:
         """The block an admission shares for hash `h` (None: not cached): one
         in use if any (the lowest id), else the free one queued last."""
         slots, mask = self._slots, self._mask
-        keys, data = self.block_hash.keys, self.block_hash.data
+        keys, data = self._keys, self._data
         i = (key := ~hash(h)) & mask
         while (b := slots[i]) != EMPTY and not (
             keys[b] == key and data[(o := b * HASH_BYTES) : o + HASH_BYTES] == h
@@ -140,7 +144,9 @@ class PrefixIndex:
 
     def register(self, b: int, h: bytes) -> None:
         """Block `b` now holds the full block hashed `h`."""
-        key = self.block_hash.set(b, h)
+        o = b * HASH_BYTES
+        self._data[o : o + HASH_BYTES] = h  # `BlockHashes.set`, inlined: one call a block filled
+        key = self._keys[b] = ~hash(h)
         slots, mask = self._slots, self._mask
         i = key & mask
         while (s := slots[i]) != EMPTY:  # `_add`, inlined: one call a block filled
@@ -154,11 +160,11 @@ class PrefixIndex:
 
     def evict(self, b: int) -> bytes:
         """Forget the hash block `b` holds (it is about to be reused); returns it."""
-        block_hash = self.block_hash
-        h = block_hash[b]
-        assert h is not None
-        slots, mask, keys = self._slots, self._mask, block_hash.keys
-        i = keys[b] & mask
+        slots, mask, keys = self._slots, self._mask, self._keys
+        key = keys[b]
+        assert key != NO_HASH
+        h = self._data[(o := b * HASH_BYTES) : o + HASH_BYTES]
+        i = key & mask
         while (s := slots[i]) != b:
             if s == EMPTY:
                 raise KeyError(f"block {b} is not in the prefix index")
@@ -172,7 +178,7 @@ class PrefixIndex:
                 slots[i] = s
                 i = j
         slots[i] = EMPTY
-        block_hash.drop(b)
+        keys[b] = NO_HASH  # `BlockHashes.drop`, inlined
         if self.event_sink is not None:
             self.event_sink(BLOCK_REMOVED, b, h)
         return h

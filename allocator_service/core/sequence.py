@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from allocator_service.core.block_hashes import HASH_BYTES, BlockHashes
+from allocator_service.core.block_hashes import BlockHashes
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -43,10 +43,9 @@ class SeqEntry:
 
     def link(self, block_hash: BlockHashes, i: int) -> bytes:
         """Hash `i` of its chain (i < num_hashed), to chain the next from."""
-        if i < len(self.apart):
-            return self.apart[i]
-        o = self.table[i] * HASH_BYTES
-        return block_hash.data[o : o + HASH_BYTES]
+        h = self.apart[i] if i < len(self.apart) else block_hash[self.table[i]]
+        assert h is not None, "a chain's block holds its hash (integrity_problems checks it)"
+        return h
 
     def detach(self, block_hash: BlockHashes) -> None:
         """Keep its whole chain apart (its blocks are about to lose their hashes)."""
