@@ -48,7 +48,7 @@ class PoolHoldings:
         # reads and writes these once a block (~25 ns more each).
         self.ref_cnt: list[int] = [0] * n
         self._fill: list[int] = [0] * n
-        self.index = PrefixIndex([None] * n, event_sink)
+        self.index = PrefixIndex(n, event_sink)
         # Every block id these hold is an object of the list all pools share.
         self._ids = block_ids(n)
         # The free queue's front: ids `_fresh` to n-1, never handed out yet
@@ -218,13 +218,15 @@ class PoolHoldings:
         event_sink: EventSink | None = None,
         store: SharedStore | None = None,
     ) -> Self:
-        """A pool holding `parts` (its lists taken over, not copied) and the
-        `stats()` counters given in `counters` (prefix_queried_tokens, ...);
-        its tiers empty (`from_state` restores them)."""
+        """A pool holding `parts` (its lists taken over, not copied; each
+        sequence keeps apart only the hashes of its chain that its blocks do
+        not hold) and the `stats()` counters given in `counters`
+        (prefix_queried_tokens, ...); its tiers empty (`from_state` restores
+        them)."""
         pool = cls(config, event_sink, store)
         pool.ref_cnt = parts.ref_cnt
         pool._fill = parts.fill
-        pool.index = PrefixIndex(parts.block_hash, event_sink)
+        pool.index = PrefixIndex.over(parts.block_hash, event_sink)
         ids = pool._ids
         pool._fresh = pool.num_blocks
         pool._uncached_free = deque(shared(ids, parts.uncached_free))
@@ -234,6 +236,7 @@ class PoolHoldings:
         pool._seqs = dict(parts.seqs)
         for q in pool._seqs.values():
             q.table = shared(ids, q.table)
+            q.compact(parts.block_hash)
         pool.table_entries = sum(len(q.table) for q in pool._seqs.values())
         pool.name_chars = sum(len(s) + len(q.salt or "") for s, q in pool._seqs.items())
         for name, value in counters.items():

@@ -41,12 +41,15 @@ def integrity_problems(pool: PoolState) -> list[str]:
             problems.append(f"{sid}: {seq.reserved} reserved slots of {seq.num_tokens}")
         known = seq.num_tokens - seq.reserved  # slots whose token values the pool has
         if pool.enable_prefix_caching and (
-            len(seq.hashes) != known // B or len(seq.tail) != known % B
+            seq.num_hashed != known // B or len(seq.tail) != known % B
         ):
             problems.append(
-                f"{sid}: {len(seq.hashes)} chain hashes and {len(seq.tail)} tail tokens "
+                f"{sid}: {seq.num_hashed} chain hashes and {len(seq.tail)} tail tokens "
                 f"for {known} known tokens"
             )
+        for i in range(len(seq.apart), min(seq.num_hashed, len(seq.table))):
+            if 0 <= (b := seq.table[i]) < n and not block_hash.holds(b):
+                problems.append(f"{sid}: chain hash {i} is its block {b}'s, which holds none")
     entries = sum(len(seq.table) for seq in seqs.values())
     if pool.table_entries != entries:
         problems.append(
@@ -82,11 +85,11 @@ def integrity_problems(pool: PoolState) -> list[str]:
         problems.append("a block is lost (neither free nor in a table)")
     for part in chunks(uncached):
         for b in part:
-            if block_hash[b] is not None:
+            if block_hash.holds(b):
                 problems.append(f"uncached free block {b} holds a hash")
     for part in chunks(cached):
         for b in part:
-            if block_hash[b] is None:
+            if not block_hash.holds(b):
                 problems.append(f"cached free block {b} holds no hash")
     indexed = 0
     for i, (h, holders) in enumerate(pool.index.entries()):
@@ -94,11 +97,11 @@ def integrity_problems(pool: PoolState) -> list[str]:
             pace()
         for b in holders:
             indexed += 1
-            if block_hash[b] != h:
+            if not block_hash.holds_hash(b, h):
                 problems.append(f"the cache index maps a hash to block {b}, which holds another")
             if fill[b] != B:
                 problems.append(f"cached block {b} is not full")
-    if indexed != sum(1 for h in block_hash if h is not None):
+    if indexed != block_hash.num_held():
         problems.append("a block holds a hash the cache index does not know")
     if pool.tiers is not None:
         problems.extend(pool.tiers.problems())

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from allocator_service.core import hashing
+from allocator_service.core.block_hashes import NO_HASH
 from allocator_service.core.errors import (
     InvalidArgument,
     OutOfBlocks,
@@ -178,7 +179,7 @@ class BlockPool(PoolHoldings):
             full = stored // B
             for i in range(len(hits), full):
                 self.index.register(table[i], hashes[i])
-            seq.hashes = hashes[:full]
+            seq.num_hashed = full
             seq.tail = list(tokens[full * B : stored])
         self._seqs[seq_id] = seq
         return AdmitResult(cached, stored, new_blocks, list(table))
@@ -341,14 +342,15 @@ class BlockPool(PoolHoldings):
     def _hash_full_tail(self, seq: SeqEntry) -> None:
         """Hash and register each block the sequence has just filled."""
         B, tail = self.block_size, seq.tail
+        i = seq.num_hashed
+        parent = seq.link(self.index.block_hash, i - 1) if i else self.root_hash
         while len(tail) >= B:
-            i = len(seq.hashes)
-            parent = seq.hashes[-1] if i else self.root_hash
             keys = hashing.salt_keys(seq.salt) if i == 0 else ()
-            h = hashing.block_hash(parent, tail[:B], keys)
-            seq.hashes.append(h)
-            self.index.register(seq.table[i], h)
+            parent = hashing.block_hash(parent, tail[:B], keys)
+            seq.num_hashed = i + 1
+            self.index.register(seq.table[i], parent)
             del tail[:B]
+            i += 1
 
     def fork(self, parent_id: str, child_id: str) -> list[int]:
         """The child shares every block of the parent (refcount + 1 each);
@@ -376,8 +378,9 @@ class BlockPool(PoolHoldings):
             table=list(parent.table),
             num_tokens=parent.num_tokens,
             salt=parent.salt,
-            hashes=list(parent.hashes),
             tail=list(parent.tail),
+            num_hashed=parent.num_hashed,
+            apart=parent.apart,
         )
         return list(parent.table)
 
@@ -393,8 +396,9 @@ class BlockPool(PoolHoldings):
         self.name_chars -= _name_chars(seq_id, seq.salt)
         cached: list[int] = []
         block_hash = self.index.block_hash
+        keys = block_hash.keys
         for b in release(self.ref_cnt, seq.table):
-            if block_hash[b] is None:
+            if keys[b] == NO_HASH:
                 self._uncached_free.append(b)
             else:
                 cached.append(b)
@@ -413,6 +417,8 @@ class BlockPool(PoolHoldings):
         Returns how many hashes were dropped."""
         self._uncached_free.extend(self._cached_free)
         self._cached_free.clear()
+        for seq in self._seqs.values():
+            seq.detach(self.index.block_hash)
         return self.index.clear()
 
     # ------------------------------------------------------------------ tiers
@@ -517,11 +523,10 @@ class BlockPool(PoolHoldings):
             b = self._uncached_free.popleft()
         else:
             b, _ = self._cached_free.popitem(last=False)
-            h = self.index.block_hash[b]
-            self.index.evict(b)
+            h = self.index.evict(b)
             self.evictions += 1
             if self.tiers is not None and h not in self.index:
-                self.tiers.evicted(b, h)  # type: ignore[arg-type]
+                self.tiers.evicted(b, h)
         self.ref_cnt[b] = 1
         self._fill[b] = 0
         return b

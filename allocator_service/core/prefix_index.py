@@ -11,7 +11,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 
-from allocator_service.core.block_ids import block_ids
+from allocator_service.core.block_hashes import HASH_BYTES, NO_HASH, BlockHashes
 
 # Event kinds passed to the optional event sink (the service turns them into
 # the KV event stream a router can follow).
@@ -31,29 +31,39 @@ class PrefixIndex:
 
     NOTE: the map is an open-addressing table of block ids (an array, 4
     bytes a slot, at least twice the pool's blocks: at most half full), not
-    a dict: a block's slot is found from its hash (linear probing) and its
-    key is `block_hash[b]` itself. A dict cost 40 bytes a cached block,
-    and an int object of 32 for each id it held."""
+    a dict: a block's slot is found from its hash's key (`block_hashes.key_of`, inlined
+    as `~hash(h)`; `block_hash.keys` holds each block's) by linear probing,
+    and a probe compares keys before hashes. A dict cost 40 bytes a cached
+    block, and an int object of 32 for each id it held."""
 
-    __slots__ = ("block_hash", "_slots", "_mask", "event_sink")
+    __slots__ = ("block_hash", "_data", "_keys", "_slots", "_mask", "event_sink")
 
-    def __init__(self, block_hash: list[bytes | None], event_sink: EventSink | None = None) -> None:
-        """An index over `block_hash` (one entry per block; all None for a
-        fresh pool, a restored dump's hashes otherwise). No events."""
-        self.block_hash = block_hash
+    def __init__(self, num_blocks: int, event_sink: EventSink | None = None) -> None:
+        """An empty index of a pool of `num_blocks` blocks."""
+        self._column(BlockHashes(num_blocks))
         size = 8
-        while size < 2 * len(block_hash):
+        while size < 2 * num_blocks:
             size *= 2
         self._slots = array("i", [EMPTY]) * size
         self._mask = size - 1
-        for b, h in zip(block_ids(len(block_hash)), block_hash, strict=False):
-            if h is not None:
-                self._add(b, h)
         self.event_sink = event_sink
 
-    def _add(self, b: int, h: bytes) -> None:
+    @classmethod
+    def over(cls, block_hash: BlockHashes, event_sink: EventSink | None = None) -> PrefixIndex:
+        """An index of the hashes `block_hash` holds (a restored dump's). No events."""
+        index = cls(len(block_hash), event_sink)
+        index._column(block_hash)
+        for b in block_hash.held():
+            index._add(b)
+        return index
+
+    def _column(self, block_hash: BlockHashes) -> None:
+        self.block_hash = block_hash
+        self._data, self._keys = block_hash.data, block_hash.keys  # read once a lookup
+
+    def _add(self, b: int) -> None:
         slots, mask = self._slots, self._mask
-        i = hash(h) & mask
+        i = self._keys[b] & mask
         while (s := slots[i]) != EMPTY:
             if s == b:
                 return
@@ -62,20 +72,22 @@ class PrefixIndex:
 
     def holders(self, h: bytes) -> list[int]:
         """The blocks holding `h`, in the table's order."""
-        slots, mask, block_hash = self._slots, self._mask, self.block_hash
+        slots, mask = self._slots, self._mask
+        keys, data = self._keys, self._data
         found = []
-        i = hash(h) & mask
+        i = (key := ~hash(h)) & mask
         while (b := slots[i]) != EMPTY:
-            if block_hash[b] == h:
+            if keys[b] == key and data[(o := b * HASH_BYTES) : o + HASH_BYTES] == h:
                 found.append(b)
             i = (i + 1) & mask
         return found
 
     def __contains__(self, h: bytes) -> bool:
-        slots, mask, block_hash = self._slots, self._mask, self.block_hash
-        i = hash(h) & mask
+        slots, mask = self._slots, self._mask
+        keys, data = self._keys, self._data
+        i = (key := ~hash(h)) & mask
         while (b := slots[i]) != EMPTY:
-            if block_hash[b] == h:
+            if keys[b] == key and data[(o := b * HASH_BYTES) : o + HASH_BYTES] == h:
                 return True
             i = (i + 1) & mask
         return False
@@ -83,12 +95,13 @@ class PrefixIndex:
     def leading_hits(self, hashes: Sequence[bytes]) -> int:
         """How many of `hashes`, from the first, are indexed: the rule of
         `hashing.leading_hits`, its lookups inlined in one call."""
-        slots, mask, block_hash = self._slots, self._mask, self.block_hash
+        slots, mask = self._slots, self._mask
+        keys, data = self._keys, self._data
         hits = 0
         for h in hashes:
-            i = hash(h) & mask
+            i = (key := ~hash(h)) & mask
             while (b := slots[i]) != EMPTY:
-                if block_hash[b] == h:
+                if keys[b] == key and data[(o := b * HASH_BYTES) : o + HASH_BYTES] == h:
                     break
                 i = (i + 1) & mask
             else:
@@ -109,15 +122,18 @@ class PrefixIndex:
     def pick(self, h: bytes, ref_cnt: Sequence[int], stamp: Sequence[int]) -> int | None:
         """The block an admission shares for hash `h` (None: not cached): one
         in use if any (the lowest id), else the free one queued last."""
-        slots, mask, block_hash = self._slots, self._mask, self.block_hash
-        i = hash(h) & mask
-        while (b := slots[i]) != EMPTY and block_hash[b] != h:
+        slots, mask = self._slots, self._mask
+        keys, data = self._keys, self._data
+        i = (key := ~hash(h)) & mask
+        while (b := slots[i]) != EMPTY and not (
+            keys[b] == key and data[(o := b * HASH_BYTES) : o + HASH_BYTES] == h
+        ):
             i = (i + 1) & mask
         if b == EMPTY:
             return None
         several = None
         while (s := slots[i := (i + 1) & mask]) != EMPTY:
-            if block_hash[s] == h:
+            if keys[s] == key and data[(o := s * HASH_BYTES) : o + HASH_BYTES] == h:
                 several = [b, s] if several is None else [*several, s]
         if several is None:
             return b
@@ -128,9 +144,11 @@ class PrefixIndex:
 
     def register(self, b: int, h: bytes) -> None:
         """Block `b` now holds the full block hashed `h`."""
-        self.block_hash[b] = h
+        o = b * HASH_BYTES
+        self._data[o : o + HASH_BYTES] = h  # `BlockHashes.set`, inlined: one call a block filled
+        key = self._keys[b] = ~hash(h)
         slots, mask = self._slots, self._mask
-        i = hash(h) & mask
+        i = key & mask
         while (s := slots[i]) != EMPTY:  # `_add`, inlined: one call a block filled
             if s == b:
                 break
@@ -140,12 +158,13 @@ class PrefixIndex:
         if self.event_sink is not None:
             self.event_sink(BLOCK_STORED, b, h)
 
-    def evict(self, b: int) -> None:
-        """Forget the hash block `b` holds (it is about to be reused)."""
-        h = self.block_hash[b]
-        assert h is not None
-        slots, mask, block_hash = self._slots, self._mask, self.block_hash
-        i = hash(h) & mask
+    def evict(self, b: int) -> bytes:
+        """Forget the hash block `b` holds (it is about to be reused); returns it."""
+        slots, mask, keys = self._slots, self._mask, self._keys
+        key = keys[b]
+        assert key != NO_HASH
+        h = self._data[(o := b * HASH_BYTES) : o + HASH_BYTES]
+        i = key & mask
         while (s := slots[i]) != b:
             if s == EMPTY:
                 raise KeyError(f"block {b} is not in the prefix index")
@@ -154,22 +173,20 @@ class PrefixIndex:
         # its own hash's probe reaches past the hole, so none is cut off.
         j = i
         while (s := slots[j := (j + 1) & mask]) != EMPTY:
-            home = hash(block_hash[s]) & mask
+            home = keys[s] & mask
             if (j - home) & mask >= (j - i) & mask:
                 slots[i] = s
                 i = j
         slots[i] = EMPTY
-        block_hash[b] = None
+        keys[b] = NO_HASH  # `BlockHashes.drop`, inlined
         if self.event_sink is not None:
             self.event_sink(BLOCK_REMOVED, b, h)
+        return h
 
     def clear(self) -> int:
         """Forget every hash; returns how many blocks held one."""
-        dropped = 0
-        for b in self._slots:
-            if b != EMPTY:
-                dropped += 1
-                self.block_hash[b] = None
+        dropped = self.block_hash.num_held()
+        self.block_hash.drop_all()
         self._slots = array("i", [EMPTY]) * len(self._slots)
         if self.event_sink is not None:
             self.event_sink(ALL_CLEARED, -1, None)

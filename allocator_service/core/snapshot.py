@@ -26,6 +26,7 @@ import zlib
 from array import array
 from typing import Any
 
+from allocator_service.core.block_hashes import HASH_BYTES, BlockHashes
 from allocator_service.core.pause_points import chunks, pace
 from allocator_service.core.sequence import SeqEntry
 from allocator_service.core.state import PoolState
@@ -48,7 +49,7 @@ def to_state(pool: PoolState) -> dict[str, Any]:
                 "table": list(q.table),
                 "num_tokens": q.num_tokens,
                 "salt": q.salt,
-                "hashes": [h.hex() for part in chunks(q.hashes) for h in part],
+                "hashes": [h.hex() for part in chunks(q.chain(p.block_hash)) for h in part],
                 "tail": list(q.tail),
                 # NOTE: only when set, so a dump without reservations has the
                 # keys every stored snapshot has (older ones read as 0).
@@ -121,20 +122,20 @@ def parts_of(state: dict[str, Any]) -> tuple[tuple, dict[str, int]]:
     if state.get("encoding") == PACKED:
         return _parts_of_packed(state)
     seqs = {
-        s: SeqEntry(
-            table=list(q["table"]),
-            num_tokens=q["num_tokens"],
-            salt=q["salt"],
-            hashes=[bytes.fromhex(h) for h in q["hashes"]],
-            tail=list(q["tail"]),
-            reserved=q.get("reserved", 0),
+        s: _seq(
+            list(q["table"]),
+            q["num_tokens"],
+            q["salt"],
+            [bytes.fromhex(h) for h in q["hashes"]],
+            list(q["tail"]),
+            q.get("reserved", 0),
         )
         for s, q in state["seqs"].items()
     }
     parts = (
         list(state["ref_cnt"]),
         list(state["fill"]),
-        [bytes.fromhex(h) if h else None for h in state["hash"]],
+        BlockHashes.of([bytes.fromhex(h) if h else None for h in state["hash"]]),
         state["uncached_free"],
         state["cached_free"],
         list(state["stamp"]),
@@ -147,8 +148,6 @@ def parts_of(state: dict[str, Any]) -> tuple[tuple, dict[str, int]]:
 # ------------------------------------------------------------ the packed dump
 
 PACKED = "packed/1"
-# Bytes of one block hash (SHA-256).
-HASH_BYTES = 32
 
 
 def _pack(values: Any, code: str = "q") -> str:
@@ -217,12 +216,13 @@ def _hash_segments(
     table: list[int],
     chains: list[list[bytes]],
     owner: array,
-    block_hash: list[bytes | None],
+    held: list[bytes | None],
     literal: list[bytes],
 ) -> list[int]:
     """Sequence `t`'s hash chain as (s, n) copies of sequence s's hashes at
     the same positions, (-1, n) runs equal to the hashes the table's blocks
-    hold there, and (-2, n) literals (appended to `literal`)."""
+    hold there (`held`, position by position), and (-2, n) literals
+    (appended to `literal`)."""
     segs: list[int] = []
     i, n = 0, len(hashes)
     while i < n:
@@ -233,7 +233,7 @@ def _hash_segments(
             i += k
             continue
         j = i
-        while j < n and block_hash[table[j]] == hashes[j]:
+        while j < n and held[j] == hashes[j]:
             j += 1
         if j > i:
             segs += (-1, j - i)
@@ -250,25 +250,20 @@ def to_packed(pool: PoolState) -> dict[str, Any]:
     docstring); `parts_of` reads it back exactly."""
     p = pool.parts()
     block_hash = p.block_hash
-    hashed = [
-        b for part in chunks(range(len(block_hash))) for b in part if block_hash[b] is not None
-    ]
+    hashed = [b for part in chunks(range(len(block_hash))) for b in part if block_hash.holds(b)]
     pace()
-    for b in hashed:
-        if len(block_hash[b]) != HASH_BYTES:
-            raise ValueError(
-                f"block {b} holds a hash of {len(block_hash[b])} bytes, not {HASH_BYTES}"
-            )
     owner = array("i", [-1]) * len(block_hash)
     tables: list[list[int]] = []
     chains: list[list[bytes]] = []
     seqs = []
     for t, (seq_id, q) in enumerate(p.seqs.items()):
         literal: list[bytes] = []
+        chain = q.chain(block_hash)
         table_segs = _table_segments(t, q.table, tables, owner)
-        hash_segs = _hash_segments(t, q.hashes, q.table, chains, owner, block_hash, literal)
+        held = block_hash.at(q.table[: len(chain)])
+        hash_segs = _hash_segments(t, chain, q.table, chains, owner, held, literal)
         tables.append(q.table)
-        chains.append(q.hashes)
+        chains.append(chain)
         seqs.append(
             [
                 seq_id,
@@ -288,7 +283,9 @@ def to_packed(pool: PoolState) -> dict[str, Any]:
         "ref_cnt": _pack(p.ref_cnt),
         "fill": _pack(p.fill),
         "hashed": _pack(hashed),
-        "hashes": base64.b64encode(b"".join(block_hash[b] for b in hashed)).decode(),
+        "hashes": base64.b64encode(
+            b"".join(block_hash.data[b * HASH_BYTES : (b + 1) * HASH_BYTES] for b in hashed)
+        ).decode(),
         "uncached_free": _pack(p.uncached_free),
         "cached_free": _pack(p.cached_free),
         "stamp": _pack(p.stamp),
@@ -329,18 +326,11 @@ def _parts_of_packed(state: dict[str, Any]) -> tuple[tuple, dict[str, int]]:
                 used += k
         tables.append(table)
         chains.append(hashes)
-        seqs[seq_id] = SeqEntry(
-            table=table,
-            num_tokens=num_tokens,
-            salt=salt,
-            hashes=hashes,
-            tail=list(tail),
-            reserved=reserved,
-        )
+        seqs[seq_id] = _seq(table, num_tokens, salt, hashes, list(tail), reserved)
     parts = (
         _unpack(state["ref_cnt"]),
         _unpack(state["fill"]),
-        block_hash,
+        BlockHashes.of(block_hash),
         _unpack(state["uncached_free"]),
         _unpack(state["cached_free"]),
         _unpack(state["stamp"]),
@@ -348,6 +338,27 @@ def _parts_of_packed(state: dict[str, Any]) -> tuple[tuple, dict[str, int]]:
         seqs,
     )
     return parts, dict(state["counters"])
+
+
+def _seq(
+    table: list[int],
+    num_tokens: int,
+    salt: str | None,
+    chain: list[bytes],
+    tail: list[int],
+    reserved: int,
+) -> SeqEntry:
+    """A dump's sequence, its whole chain kept apart (`from_parts` keeps
+    only what its blocks do not hold)."""
+    return SeqEntry(
+        table=table,
+        num_tokens=num_tokens,
+        salt=salt,
+        tail=tail,
+        reserved=reserved,
+        num_hashed=len(chain),
+        apart=tuple(chain),
+    )
 
 
 def pool_view(pool: PoolState) -> dict[str, Any]:

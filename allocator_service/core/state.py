@@ -9,6 +9,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
+from allocator_service.core.block_hashes import BlockHashes
 from allocator_service.core.errors import InvalidArgument
 from allocator_service.core.limits import (
     MAX_BLOCK_BYTES,
@@ -123,7 +124,7 @@ class PoolParts(NamedTuple):
 
     ref_cnt: list[int]  # per block: block tables naming it
     fill: list[int]  # per block: slots holding a token
-    block_hash: list[bytes | None]  # per block: its prefix hash (None: none)
+    block_hash: BlockHashes  # per block: its prefix hash (None: none)
     uncached_free: Sequence[int]  # free blocks holding nothing reusable, in hand-out order
     cached_free: Iterable[int]  # free blocks holding a hash, least recently freed first
     stamp: Sequence[int]  # per block: when it last joined the free queue (`clock` then)

@@ -43,11 +43,11 @@ class PoolFrame:
 
 def read_pool(entry) -> tuple[list[int], list[str | None], list[int], dict[str, Any], int]:
     """(state, owner, refcount) per block, the counters and the last step id
-    of a `PoolEntry`. Under the pool's lock: list copies only."""
+    of a `PoolEntry`. Under the pool's lock: copies only."""
     with entry.lock:
         pool = entry.pool
         ref = pool.ref_cnt[:]
-        hashes = pool.index.block_hash[:]
+        hashes = pool.index.block_hash.copy()
         free = pool.free_order()
         tables = pool.tables()
         step = entry.last_step_id

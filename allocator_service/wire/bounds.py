@@ -15,13 +15,13 @@ from typing import NamedTuple
 
 from allocator_service.core import BlockPool, StepColumns
 from allocator_service.core import step as core_step
+from allocator_service.core.block_hashes import HASH_BYTES
 from allocator_service.core.limits import (
     MAX_ADVERTISE_URL_LEN,
     MAX_STORE_NAMESPACE_LEN,
     max_table_entries,
 )
 from allocator_service.core.sequence import blocks_for
-from allocator_service.core.snapshot import HASH_BYTES
 from allocator_service.core.tier_index import HASH_LEN
 
 # Bytes of one operation's readable reason in a StepResponse, at most (a
@@ -147,8 +147,8 @@ def dump_floor(pool: BlockPool) -> int:
     list for the last items, so never more than the dump (the tests check
     it): a dump whose floor is over the answer limit is refused unbuilt."""
     p = pool.parts()
-    hashed = len(p.block_hash) - p.block_hash.count(None)
-    seq_hashes = sum(len(q.hashes) for q in p.seqs.values())
+    hashed = p.block_hash.num_held()
+    seq_hashes = sum(q.num_hashed for q in p.seqs.values())
     lists = 8 + 3 * len(p.seqs)
     return max(
         0, 11 * pool.num_blocks + 62 * hashed + 2 * pool.table_entries + 67 * seq_hashes - lists

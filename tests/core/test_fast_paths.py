@@ -12,17 +12,20 @@ refcounts, free queues, hashes) and identical events after every step.
 The prefix index is checked against a dict of hash -> holders (the plain
 rules of `DictIndex`), and the free queue's front of ids never handed out
 against a queue of every id (`PlainQueuePool`): the same answers, state,
-events and holders.
+events and holders. A sequence's hash chain, read from its blocks' hashes
+in the pool's column (`BlockHashes`) but where a cache reset or a dump keeps
+it apart, is checked against the chain hashes of the tokens it holds.
 """
 
 from __future__ import annotations
 
+import json
 from collections import deque
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from allocator_service.core import BlockPool, PoolConfig
+from allocator_service.core import AllocatorError, BlockPool, PoolConfig, hashing, snapshot
 from allocator_service.core.prefix_index import ALL_CLEARED, BLOCK_REMOVED, BLOCK_STORED
 from allocator_service.core.step import Admit, Append, Fork, Free, Unreserve, run_step, step_columns
 
@@ -101,7 +104,7 @@ class DictIndex:
     registration order (what `PrefixIndex`'s table must answer)."""
 
     def __init__(self, block_hash, event_sink=None) -> None:
-        self.block_hash = block_hash
+        self.block_hash = block_hash  # the pool's column (`BlockHashes`)
         self.holders_of: dict[bytes, dict[int, None]] = {}
         for b, h in enumerate(block_hash):
             if h is not None:
@@ -125,25 +128,26 @@ class DictIndex:
         return max(holders, key=stamp.__getitem__)
 
     def register(self, b, h) -> None:
-        self.block_hash[b] = h
+        self.block_hash.set(b, h)
         self.holders_of.setdefault(h, {})[b] = None
         if self.event_sink is not None:
             self.event_sink(BLOCK_STORED, b, h)
 
-    def evict(self, b) -> None:
+    def evict(self, b) -> bytes:
         h = self.block_hash[b]
         del self.holders_of[h][b]
         if not self.holders_of[h]:
             del self.holders_of[h]
-        self.block_hash[b] = None
+        self.block_hash.drop(b)
         if self.event_sink is not None:
             self.event_sink(BLOCK_REMOVED, b, h)
+        return h
 
     def clear(self) -> int:
         dropped = sum(len(holders) for holders in self.holders_of.values())
         for holders in self.holders_of.values():
             for b in holders:
-                self.block_hash[b] = None
+                self.block_hash.drop(b)
         self.holders_of.clear()
         if self.event_sink is not None:
             self.event_sink(ALL_CLEARED, -1, None)
@@ -165,13 +169,20 @@ def _holders(pool) -> dict[bytes, list[int]]:
     return {h: sorted(holders) for h, holders in pool.index.entries()}
 
 
-@given(
-    seed=st.integers(0, 2**32 - 1),
-    num_blocks=st.integers(2, 40),
-    block_size=st.sampled_from([1, 2, 4]),
-    host_blocks=st.sampled_from([0, 0, 3]),
-)
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def _caching_pools(test):
+    """Runs `test` on random seeds and small pools with prefix caching (and
+    now and then a host tier)."""
+    return settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])(
+        given(
+            seed=st.integers(0, 2**32 - 1),
+            num_blocks=st.integers(2, 40),
+            block_size=st.sampled_from([1, 2, 4]),
+            host_blocks=st.sampled_from([0, 0, 3]),
+        )(test)
+    )
+
+
+@_caching_pools
 def test_the_index_table_and_the_fresh_ids_are_the_plain_rules(
     seed, num_blocks, block_size, host_blocks
 ):
@@ -204,3 +215,86 @@ def test_the_index_table_and_the_fresh_ids_are_the_plain_rules(
             table = BlockPool.from_state(table.to_state(), lambda *e: events["table"].append(e))
             assert _holders(table) == _holders(plain)
         assert table.check_integrity()
+
+
+def _check_chains(pool: BlockPool, known: dict[str, list[int]], salts: dict[str, str | None]):
+    """Every sequence's chain, read from its blocks' hashes, is the plain
+    rule's (the chain hashes of the tokens it holds values for), and it keeps
+    apart only the leading hashes its blocks do not hold."""
+    block_hash = pool.index.block_hash
+    for seq_id, tokens in known.items():
+        seq = pool._seqs[seq_id]
+        assert seq.chain(block_hash) == hashing.chain_hashes(
+            pool.root_hash, tokens, pool.block_size, salts[seq_id]
+        )
+        if seq.apart:
+            last = len(seq.apart) - 1
+            assert not block_hash.holds_hash(seq.table[last], seq.apart[last])
+    assert list(block_hash) == [block_hash[b] for b in range(pool.num_blocks)]
+    assert block_hash.num_held() == sum(h is not None for h in block_hash)
+
+
+@_caching_pools
+def test_chains_read_from_the_blocks_hashes_are_the_plain_rule(
+    seed, num_blocks, block_size, host_blocks
+):
+    """Random admits (salted, chunked, reserving, loading from the host
+    tier), appends, unreserves, forks and frees, cache resets (which clear
+    the hashes of blocks in use: their sequences keep their chains apart)
+    and pools restored from their full and packed dumps (exact, keeping
+    apart only what no block holds)."""
+    import random
+
+    rng = random.Random(seed)
+    config = PoolConfig(num_blocks, block_size, True, "m", host_blocks=host_blocks)
+    pool = BlockPool(config)
+    known: dict[str, list[int]] = {}  # per sequence, the tokens whose values it holds
+    salts: dict[str, str | None] = {}
+    serial = 0
+    for _ in range(60):
+        r = rng.random()
+        live = list(known)
+        try:
+            if r < 0.25 or not live:
+                serial += 1
+                seq, salt = f"s{serial}", rng.choice([None, None, "t"])
+                tokens = [rng.randrange(3) for _ in range(rng.randrange(1, 14))]
+                got = pool.admit(
+                    seq,
+                    tokens,
+                    salt,
+                    num_new_tokens=rng.choice([None, None, 1, 3]),
+                    reserve=rng.choice([0, 0, 2]),
+                )
+                known[seq], salts[seq] = tokens[: got.num_stored], salt
+            elif r < 0.6:
+                seq = rng.choice(live)
+                tokens = [rng.randrange(3) for _ in range(rng.choice([0, 1, 1, 2, 5]))]
+                pool.append(seq, tokens, reserve=rng.choice([0, 0, 1, 3]))
+                known[seq] += tokens
+            elif r < 0.67:
+                pool.unreserve(rng.choice(live), rng.choice([1, 2]))
+            elif r < 0.77:
+                serial += 1
+                parent, child = rng.choice(live), f"s{serial}"
+                pool.fork(parent, child)
+                known[child], salts[child] = list(known[parent]), salts[parent]
+            elif r < 0.9:
+                seq = rng.choice(live)
+                pool.free(seq)
+                del known[seq]
+            elif r < 0.95:
+                before = pool.to_state()
+                dropped = pool.reset_prefix_cache()
+                assert dropped == sum(h is not None for h in before["hash"])
+                assert pool.to_state()["seqs"] == before["seqs"]
+            else:
+                dump = rng.choice([pool.to_state(), snapshot.to_packed(pool)])
+                restored = BlockPool.from_state(json.loads(json.dumps(dump)))
+                assert restored.to_state() == pool.to_state()
+                pool = restored
+        except AllocatorError:
+            pass
+        pool.confirm(saved=pool.take_moves().host_saves[1::2])  # tier hits load into blocks
+        _check_chains(pool, known, salts)
+        assert pool.check_integrity()

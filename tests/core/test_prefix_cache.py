@@ -143,6 +143,29 @@ def test_reset_prefix_cache_forgets_hashes_keeps_order():
     assert pool.check_integrity()
 
 
+def test_a_sequence_in_use_keeps_its_chain_through_a_reset():
+    """A reset clears the hashes of blocks in use, not the chains of their
+    sequences: the next block they fill chains from the hashes before it,
+    exactly as in a pool that was never reset, and a dump keeps them."""
+    tokens = list(range(1, 17))
+    pool, never = make(), make()
+    for p in (pool, never):
+        p.admit("A", tokens[:13])
+        p.fork("A", "A2")
+    assert pool.reset_prefix_cache() == 3
+    for p in (pool, never):
+        p.append("A", tokens[13:])
+    root = hashing.root_hash("m", B)
+    assert (
+        pool.index.block_hash[pool.block_table("A")[3]] == hashing.chain_hashes(root, tokens, B)[3]
+    )
+    assert pool.to_state()["seqs"] == never.to_state()["seqs"]
+    clone = BlockPool.from_state(json.loads(json.dumps(pool.to_state())))
+    assert clone.to_state() == pool.to_state()
+    assert clone.admit("B", tokens + [0]).cached_tokens == 0  # blocks 0-2 are no longer cached
+    assert clone.check_integrity() and pool.check_integrity()
+
+
 def test_chunked_admit_stores_only_the_budget():
     pool = make(num_blocks=10)
     pool.admit("A", list(range(1, 10)))
