@@ -51,10 +51,15 @@ class BlockHashes(Sequence[bytes | None]):
 
     @classmethod
     def of(cls, hashes: Sequence[bytes | None]) -> BlockHashes:
-        """A column holding `hashes` (one entry per block)."""
+        """A column holding `hashes` (one entry per block); ValueError if
+        one is not `HASH_BYTES` long (a dump or snapshot that is not ours)."""
         column = cls(len(hashes))
         for b, h in enumerate(hashes):
             if h is not None:
+                if len(h) != HASH_BYTES:
+                    raise ValueError(
+                        f"block {b}'s hash has {len(h)} bytes; a block hash has {HASH_BYTES}"
+                    )
                 column.set(b, h)
         return column
 

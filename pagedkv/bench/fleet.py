@@ -404,8 +404,7 @@ def _memory(w: FleetWorkload, cores: list[int]) -> dict:
                         enable_prefix_caching=True,
                         model_fingerprint="bench",
                     ),
-                ),
-                heartbeat=False,
+                ),  # heart-beating: on a busy machine the fill outlasts a lease
             )
             for i in range(w.memory_pools)
         ]

@@ -3,6 +3,7 @@ order, duplicate holders, all-or-nothing admits, stable hashes."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
@@ -12,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from allocator_service.core import BlockPool, OutOfBlocks, PoolConfig, hashing
+from allocator_service.core import BlockPool, OutOfBlocks, PoolConfig, hashing, snapshot
 
 B = 4
 
@@ -189,6 +190,22 @@ def test_state_round_trip_is_exact():
         p.append("B", [1, 2, 3, 4])
         p.admit("C", list(range(1, 14)), cache_salt="s")
     assert clone.to_state() == pool.to_state()
+
+
+def test_a_dump_with_a_short_hash_is_refused_with_its_reason():
+    """A dump is checked as it is read: a block hash that is not 32 bytes
+    (a dump or snapshot that is not ours) is a ValueError naming the block,
+    which a snapshot's replay reports as unusable, never a pool with it."""
+    pool = make(num_blocks=12)
+    pool.admit("A", list(range(1, 14)))
+    full, packed = pool.to_state(), snapshot.to_packed(pool)
+    full["hash"][1] = full["hash"][1][:-2]
+    with pytest.raises(ValueError, match="block 1's hash has 31 bytes; a block hash has 32"):
+        BlockPool.from_state(full)
+    raw = base64.b64decode(packed["hashes"])
+    packed["hashes"] = base64.b64encode(raw[:-1]).decode()
+    with pytest.raises(ValueError, match="hash has 31 bytes"):
+        BlockPool.from_state(packed)
 
 
 _HASH_SNIPPET = (
