@@ -214,9 +214,11 @@ class SharedStore:
     must be applied in one global order (their journal's). Which pool awaits
     a pending entry's confirmation is that pool's record (`PoolTiers`).
     `peer`: each entry's location is the pool id of its writer, which holds
-    its bytes (else 0: the store holds them)."""
+    its bytes (else 0: the store holds them); `deletes`: per writer, the
+    entries the index dropped on another pool's step, whose store deletes
+    go out in the writer's next step (`PoolTiers.take_moves`)."""
 
-    __slots__ = ("lru", "stats", "peer", "users")
+    __slots__ = ("lru", "stats", "peer", "users", "deletes")
 
     def __init__(self, capacity_bytes: int, peer: bool = False) -> None:
         if type(capacity_bytes) is not int or capacity_bytes < 0:
@@ -229,6 +231,7 @@ class SharedStore:
         # Pools using the store, counted by whoever holds the pools (the allocator's
         # registry, from its journal and snapshots): each one's share of pending saves.
         self.users = 0
+        self.deletes: dict[str, list[tuple[str, bytes]]] = {}
 
     def pending_share(self) -> int:
         """The most bytes of pending saves one pool may have: the whole store
@@ -259,6 +262,9 @@ class SharedStore:
         }
         if self.peer:
             state["peer"] = True
+            state["deletes"] = {
+                w: [[lay, h.hex()] for lay, h in keys] for w, keys in self.deletes.items()
+            }
         return state
 
     @classmethod
@@ -273,6 +279,10 @@ class SharedStore:
         )
         st.lru._pending_used = sum(s for _, s in st.lru.pending.values())
         st.stats = StoreStats.from_state(state["counters"])
+        st.deletes = {
+            w: [(lay, bytes.fromhex(h)) for lay, h in keys]
+            for w, keys in state.get("deletes", {}).items()
+        }
         return st
 
     def drop_writer(self, writer: str) -> int:
@@ -283,6 +293,7 @@ class SharedStore:
         gone = [k for part in (lru.present, lru.pending) for k, e in part.items() if e[0] == writer]
         for key in gone:
             lru.drop(key)
+        self.deletes.pop(writer, None)
         return len(gone)
 
     def integrity_problems(self) -> list[str]:
