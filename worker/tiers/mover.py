@@ -30,7 +30,7 @@ from worker.tiers.host import HostMemory
 from worker.tiers.layout import KVLayout
 from worker.tiers.meter import TierMeter
 from worker.tiers.seal import StoreSeal
-from worker.tiers.store import KVStore, StoreError
+from worker.tiers.store import KVStore, PullTimeSpent, StoreError
 
 __all__ = ["LoadOutcome", "StoreMover"]
 
@@ -222,21 +222,21 @@ class StoreMover:
     def _pull(self, keys: Sequence[str], sources: Sequence[str]) -> list:
         """A peer store's entries of `keys`, one call per writer `sources[i]`, all
         by the store's pull deadline: per key its bytes, None (the writer does not
-        hold it) or `_NO_ANSWER` (not asked: it did not answer lately)."""
+        hold it) or `_NO_ANSWER` (no answer in time, or not asked: it did not
+        answer lately, or the step's pull time was spent before its turn)."""
         found: list = [None] * len(keys)
         by_source: dict[str, list[int]] = {}
         for i, source in enumerate(sources):
             by_source.setdefault(source, []).append(i)
-        store = self.store
-        deadline = time.monotonic() + store.pull_timeout_s  # type: ignore[attr-defined]
+        deadline = time.monotonic() + self.store.pull_timeout_s  # type: ignore[attr-defined]
         for source, at in by_source.items():
             got = [_NO_ANSWER] * len(at)
-            if self._clock() >= self._writers_down.get(source, 0.0) and (
-                time.monotonic() < deadline or source.rstrip("/") == store.own_url  # type: ignore[attr-defined]
-            ):
+            if self._clock() >= self._writers_down.get(source, 0.0):
                 try:
-                    got = store.fetch(source, [keys[i] for i in at], deadline)  # type: ignore[attr-defined]
+                    got = self.store.fetch(source, [keys[i] for i in at], deadline)  # type: ignore[attr-defined]
                     self._writers_down.pop(source, None)
+                except PullTimeSpent:
+                    pass  # the writers before it took the time: asked next step
                 except StoreError as exc:
                     self._writer_failed(source, len(at), exc)
             for i, data in zip(at, got, strict=True):

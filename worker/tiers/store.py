@@ -50,6 +50,7 @@ __all__ = [
     "FileStore",
     "KVStore",
     "PeerStore",
+    "PullTimeSpent",
     "RedisStore",
     "StoreError",
     "StoreOpenError",
@@ -63,6 +64,10 @@ DEFAULT_REDIS_PREFIX = "pagedkv:kv:"
 
 class StoreError(Exception):
     """The store did not answer or could not do what was asked (I/O, connection)."""
+
+
+class PullTimeSpent(StoreError):
+    """A peer store's writer not asked: the step's pull deadline had passed."""
 
 
 class KVStore(ABC):
@@ -335,7 +340,7 @@ class PeerStore(KVStore):
             return self.get_many(keys)
         left = deadline - time.monotonic()
         if left <= 0:
-            raise StoreError(f"peer {source}: not asked, the step's pull time is spent")
+            raise PullTimeSpent(f"peer {source}: not asked, the step's pull time is spent")
         body = bytearray()
         try:
             with self._client.stream(
