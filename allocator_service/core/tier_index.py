@@ -17,6 +17,7 @@ import re
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, fields
+from itertools import islice
 from typing import Any
 
 from allocator_service.core.errors import InvalidArgument
@@ -231,7 +232,31 @@ class SharedStore:
         # Pools using the store, counted by whoever holds the pools (the allocator's
         # registry, from its journal and snapshots): each one's share of pending saves.
         self.users = 0
-        self.deletes: dict[str, list[tuple[str, bytes]]] = {}
+        self.deletes: dict[str, dict[tuple[str, bytes], None]] = {}
+
+    def owe(self, writer: str, key: tuple[str, bytes]) -> None:
+        """The index dropped peer entry `key` of `writer`: its delete is owed to it."""
+        self.deletes.setdefault(writer, {})[key] = None
+
+    def rewritten(self, writer: str, key: tuple[str, bytes]) -> None:
+        """`writer` saves `key` again: its new bytes replace the old, no delete is owed."""
+        owed = self.deletes.get(writer)
+        if owed is not None and key in owed:
+            del owed[key]
+            if not owed:
+                del self.deletes[writer]
+
+    def take_owed(self, writer: str, most: int) -> list[tuple[str, bytes]]:
+        """The first `most` deletes owed to `writer`, no longer owed."""
+        owed = self.deletes.get(writer)
+        if not owed:
+            return []
+        taken = list(islice(owed, most))
+        for key in taken:
+            del owed[key]
+        if not owed:
+            del self.deletes[writer]
+        return taken
 
     def pending_share(self) -> int:
         """The most bytes of pending saves one pool may have: the whole store
@@ -280,7 +305,7 @@ class SharedStore:
         st.lru._pending_used = sum(s for _, s in st.lru.pending.values())
         st.stats = StoreStats.from_state(state["counters"])
         st.deletes = {
-            w: [(lay, bytes.fromhex(h)) for lay, h in keys]
+            w: {(lay, bytes.fromhex(h)): None for lay, h in keys}
             for w, keys in state.get("deletes", {}).items()
         }
         return st

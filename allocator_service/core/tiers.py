@@ -45,6 +45,9 @@ from allocator_service.core.tier_index import (
 )
 
 HOST, STORE = 1, 2  # the tiers below the KV pool (tier 0), as `PoolTiers.find` names them
+# The most deletes other pools left a peer store writer that one of its answers carries (the rest
+# go in its next ones): each is a hash and a namespace, so the answer stays small.
+OWED_DELETES_PER_STEP = 1024
 
 
 class Moves(NamedTuple):
@@ -126,7 +129,7 @@ class PoolTiers:
         pool's worker, which holds its bytes, in its next step."""
         st = self.store
         if st.peer and writer != self.writer:  # type: ignore[union-attr]
-            st.deletes.setdefault(writer, []).append(key)  # type: ignore[union-attr,arg-type]
+            st.owe(writer, key)  # type: ignore[union-attr,arg-type]
             return
         m = self._m()
         m.store_deletes.append(key[1])
@@ -134,13 +137,13 @@ class PoolTiers:
 
     def take_moves(self) -> Moves:
         """The moves issued since the last call (the step's answer), with
-        the deletes of this pool's peer store entries other pools dropped;
-        ends the step: entries loaded in it are no longer pinned."""
-        if self.store is not None and self.store.peer and self.writer in self.store.deletes:
-            m = self._m()
-            for lay, h in self.store.deletes.pop(self.writer):
-                m.store_deletes.append(h)
-                m.store_delete_layouts.append(lay)
+        the deletes of this pool's peer store entries other pools dropped (at
+        most OWED_DELETES_PER_STEP, the rest in the next answers); ends the
+        step: entries loaded in it are no longer pinned."""
+        if self.store is not None and self.store.deletes:
+            for lay, h in self.store.take_owed(self.writer, OWED_DELETES_PER_STEP):
+                self._m().store_deletes.append(h)
+                self._m().store_delete_layouts.append(lay)
         m = self._moves
         self._moves = None
         if self.host is not None:
@@ -235,6 +238,8 @@ class PoolTiers:
             v = st.lru.victim()
             self._store_delete(v, st.lru.drop(v)[0])  # type: ignore[arg-type,index]
             st.stats.evictions += 1
+        if st.peer:
+            st.rewritten(self.writer, key)
         st.lru.add_pending(key, self.writer if st.peer else 0, size)
         self.store_pending[h] = None
         m.store_saves.append(h)

@@ -23,6 +23,7 @@ from allocator_service.core.limits import (
 from allocator_service.core.sequence import blocks_for
 from allocator_service.core.snapshot import HASH_BYTES
 from allocator_service.core.tier_index import HASH_LEN
+from allocator_service.core.tiers import OWED_DELETES_PER_STEP
 
 # Bytes of one operation's readable reason in a StepResponse, at most (a
 # longer one is cut): what lets `step_answer_bound` bound a step's answer.
@@ -74,8 +75,8 @@ def step_answer_bound(
     MAX_STORE_NAMESPACE_LEN ASCII characters. A load from a peer store
     names its writer's URL (`load_source_bytes`), and its answer carries the
     deletes of the pool's entries other pools dropped since its last step
-    (`owed_deletes`: each entry it wrote at most once, so never more than the
-    store holds)."""
+    (`owed_deletes`: OWED_DELETES_PER_STEP at most, and each entry it wrote
+    once at most, so never more than the store holds)."""
     kinds, reserved = step.kinds, step.num_reserved
     n = len(kinds)
     id_bytes = max(1, ((num_blocks - 1).bit_length() + 6) // 7)
@@ -140,7 +141,7 @@ def tier_bound(
         most,
         blocks_for(block_bytes, smallest_entry_bytes) if most else 0,
         MAX_ADVERTISE_URL_LEN + 4 if peer else 0,  # the URL, its tag and length
-        most if peer else 0,
+        min(most, OWED_DELETES_PER_STEP) if peer else 0,
     )
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from allocator_service.config import ServiceConfig
 from allocator_service.core import Admit, Free, PoolConfig
+from allocator_service.core import tiers as tiers_module
 from allocator_service.core.tier_index import SharedStore
 from allocator_service.service import AllocatorService, PoolRef
 from allocator_service.service.pools import Advertised
@@ -123,6 +124,27 @@ def test_entries_another_pools_save_evicts_are_deleted_by_their_writer(snapshot_
     assert _deletes(r.moves) == written
     assert set(r.moves.store_delete_layouts) == {"lay"}
     assert not _deletes(a.step([]).moves)  # owed once
+
+
+def test_owed_deletes_go_a_few_per_answer_and_never_delete_an_entry_written_again(monkeypatch):
+    """At most OWED_DELETES_PER_STEP owed deletes per answer (the answer stays
+    small); an entry its writer saves again before its delete went out is not
+    deleted after (its new bytes are what the index finds)."""
+    monkeypatch.setattr(tiers_module, "OWED_DELETES_PER_STEP", 1)
+    svc = _service(FakeJournal(), store_blocks=6)
+    a, b = Pool(svc, "prefill-1"), Pool(svc, "decode-1")
+    written = set(a.save("s", PROMPT))
+    b.save("t", [9000 + t for t in PROMPT])
+    b.save("u", [8000 + t for t in PROMPT])  # a's three entries evicted: three deletes owed
+    assert not _writers(svc).keys() & written
+    first = _deletes(a.step([Admit("again", PROMPT)]).moves)  # (its KV pool still holds them)
+    assert len(first) == 1 and first < written
+    r = a.step([Free("again")])  # written through again: the two left are no longer owed
+    saved = [r.moves.store_saves[i : i + 32] for i in range(0, len(r.moves.store_saves), 32)]
+    assert set(saved) == written and not _deletes(r.moves)
+    a.step([], saved)
+    assert not _deletes(a.step([]).moves)
+    assert all(_writers(svc)[h] == a.ref.pool_id for h in written)  # found, and still held
 
 
 def test_a_pool_without_an_advertised_url_cannot_use_a_peer_store():
