@@ -174,9 +174,11 @@ class Router:
         body: bytes | None = None,
         extra: Sequence[tuple[str, str]] = (),
         answer_headers: dict[str, str] | None = None,
+        prefill_leg: bool = False,
     ) -> Response:
         """The request (or `body`) placed among `workers` and sent to the first that takes
-        it; `matches`: the pools' matches when already asked."""
+        it; `matches`: the pools' matches when already asked. A `prefill_leg` is not
+        counted as a client request (its time is in pagedkv_router_pd_prefill_seconds)."""
         placement = self.placement
         if matches is None:
             matches = await self.matching.cached_tokens(workers, tokens, salt)
@@ -193,7 +195,8 @@ class Router:
         )
         rid, order = placement.place(workers, matches, tokens, salt, computing, seen)
         routing_s = time.perf_counter() - t0
-        self.metrics.routing_seconds.labels(self.policy).observe(routing_s)
+        if not prefill_leg:
+            self.metrics.routing_seconds.labels(self.policy).observe(routing_s)
         return await self.proxy.forward(
             request,
             order,
@@ -205,6 +208,7 @@ class Router:
             routing_s,
             body=body,
             answer_headers=answer_headers,
+            prefill_leg=prefill_leg,
         )
 
     async def _split(
@@ -267,6 +271,7 @@ class Router:
                 t0,
                 body=body,
                 extra=[(pd.TRANSFER_HEADER, "prefill")],
+                prefill_leg=True,
             )
         except ApiError as exc:  # no prefill worker answered: the decode worker computes it
             log.warning("prefill leg: %s; the decode worker computes the prompt", exc.message)

@@ -20,7 +20,9 @@ class RouterMetrics:
         r = self.registry = CollectorRegistry()
         self.routed = Counter(
             "pagedkv_router_requests",
-            "Requests sent to a worker (the one that answered).",
+            "Client requests sent to a worker (the one that answered the client: of a split "
+            "request, its decode worker; its prefill leg counts in "
+            "pagedkv_router_pd_prefill_legs).",
             ["worker", "policy"],
             registry=r,
         )
@@ -108,6 +110,12 @@ class RouterMetrics:
             "all found within PAGEDKV_ROUTER_PD_TRANSFER_TIMEOUT: it computes the rest), "
             "prefill_failed (no prefill worker answered: it computes the prompt).",
             ["outcome"],
+            registry=r,
+        )
+        self.pd_prefill_legs = Counter(
+            "pagedkv_router_pd_prefill_legs",
+            "Prefill legs of split requests a prefill worker answered.",
+            ["worker"],
             registry=r,
         )
         self.pd_prefill_seconds = Histogram(

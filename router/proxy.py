@@ -118,10 +118,12 @@ class Proxy:
         *,
         body: bytes | None = None,
         answer_headers: dict[str, str] | None = None,
+        prefill_leg: bool = False,
     ) -> Response:
         """`request`'s body (or `body`) to the workers of `order` ((worker, its cached
         tokens), best first, the first placed as request `rid`), with `auth` for the
-        client's credentials; `answer_headers` added to the answer's."""
+        client's credentials; `answer_headers` added to the answer's. A `prefill_leg`
+        counts as one, not as a client request (the decode leg is the client's)."""
         placement = self.placement
         policy = placement.policy
         best = max((c for _, c in order), default=0)
@@ -176,10 +178,13 @@ class Proxy:
             except BaseException:  # cancelled (the client left): nothing is computed for it
                 placement.failed(rid)
                 raise
-            self.metrics.routed.labels(worker.name, policy).inc()
-            self.metrics.prompt_tokens.labels(policy).inc(len(tokens or ()))
-            self.metrics.cached_chosen.labels(policy).inc(cached)
-            self.metrics.cached_best.labels(policy).inc(best)
+            if prefill_leg:
+                self.metrics.pd_prefill_legs.labels(worker.name).inc()
+            else:
+                self.metrics.routed.labels(worker.name, policy).inc()
+                self.metrics.prompt_tokens.labels(policy).inc(len(tokens or ()))
+                self.metrics.cached_chosen.labels(policy).inc(cached)
+                self.metrics.cached_best.labels(policy).inc(best)
             headers_out = self._answer_headers(worker, upstream, cached, routing_s)
             headers_out.update(answer_headers or {})
             if whole:  # the whole answer is here: one response, the worker's connection free

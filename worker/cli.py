@@ -150,6 +150,15 @@ class WorkerArgs:
         "sealed with it, so no one outside the group reads "
         "or forges them; without it entries are plain",
     )
+    kv_peer_pull_timeout: float = setting(
+        1.0,
+        "seconds: with a peer:// shared store, the most one step waits for the entries it pulls "
+        "from the workers that wrote them, all writers together (every running sequence waits "
+        "with it); what has not come by then is computed, and a writer that did not answer is "
+        "not asked again for a second",
+        parse=seconds,
+        flag=False,
+    )
     kv_role: str = setting(
         "both",
         "this worker's part in prefill/decode disaggregation: 'both' (whole requests), 'prefill' "
@@ -341,6 +350,7 @@ def engine_config(args: argparse.Namespace, dtype: str | None = None):
         kv_shared_store=w.kv_shared_store,
         kv_store_key=_store_key(w.kv_store_key_file) if w.kv_store_key_file else None,
         kv_role=w.kv_role,
+        kv_peer_pull_timeout_s=w.kv_peer_pull_timeout,
         preemption_mode=w.preemption_mode,
         device=w.device,
         clock=w.clock,

@@ -17,6 +17,7 @@ import re
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, fields
+from itertools import islice
 from typing import Any
 
 from allocator_service.core.errors import InvalidArgument
@@ -214,9 +215,11 @@ class SharedStore:
     must be applied in one global order (their journal's). Which pool awaits
     a pending entry's confirmation is that pool's record (`PoolTiers`).
     `peer`: each entry's location is the pool id of its writer, which holds
-    its bytes (else 0: the store holds them)."""
+    its bytes (else 0: the store holds them); `deletes`: per writer, the
+    entries the index dropped on another pool's step, whose store deletes
+    go out in the writer's next step (`PoolTiers.take_moves`)."""
 
-    __slots__ = ("lru", "stats", "peer", "users")
+    __slots__ = ("lru", "stats", "peer", "users", "deletes")
 
     def __init__(self, capacity_bytes: int, peer: bool = False) -> None:
         if type(capacity_bytes) is not int or capacity_bytes < 0:
@@ -229,6 +232,31 @@ class SharedStore:
         # Pools using the store, counted by whoever holds the pools (the allocator's
         # registry, from its journal and snapshots): each one's share of pending saves.
         self.users = 0
+        self.deletes: dict[str, dict[tuple[str, bytes], None]] = {}
+
+    def owe(self, writer: str, key: tuple[str, bytes]) -> None:
+        """The index dropped peer entry `key` of `writer`: its delete is owed to it."""
+        self.deletes.setdefault(writer, {})[key] = None
+
+    def rewritten(self, writer: str, key: tuple[str, bytes]) -> None:
+        """`writer` saves `key` again: its new bytes replace the old, no delete is owed."""
+        owed = self.deletes.get(writer)
+        if owed is not None and key in owed:
+            del owed[key]
+            if not owed:
+                del self.deletes[writer]
+
+    def take_owed(self, writer: str, most: int) -> list[tuple[str, bytes]]:
+        """The first `most` deletes owed to `writer`, no longer owed."""
+        owed = self.deletes.get(writer)
+        if not owed:
+            return []
+        taken = list(islice(owed, most))
+        for key in taken:
+            del owed[key]
+        if not owed:
+            del self.deletes[writer]
+        return taken
 
     def pending_share(self) -> int:
         """The most bytes of pending saves one pool may have: the whole store
@@ -259,6 +287,9 @@ class SharedStore:
         }
         if self.peer:
             state["peer"] = True
+            state["deletes"] = {
+                w: [[lay, h.hex()] for lay, h in keys] for w, keys in self.deletes.items()
+            }
         return state
 
     @classmethod
@@ -273,6 +304,10 @@ class SharedStore:
         )
         st.lru._pending_used = sum(s for _, s in st.lru.pending.values())
         st.stats = StoreStats.from_state(state["counters"])
+        st.deletes = {
+            w: {(lay, bytes.fromhex(h)): None for lay, h in keys}
+            for w, keys in state.get("deletes", {}).items()
+        }
         return st
 
     def drop_writer(self, writer: str) -> int:
@@ -283,6 +318,7 @@ class SharedStore:
         gone = [k for part in (lru.present, lru.pending) for k, e in part.items() if e[0] == writer]
         for key in gone:
             lru.drop(key)
+        self.deletes.pop(writer, None)
         return len(gone)
 
     def integrity_problems(self) -> list[str]:

@@ -16,7 +16,10 @@ A peer store (`SharedStore(peer=True)`, `--kv-shared-store peer://`) keeps
 no bytes anywhere shared: an entry stays with the worker that wrote it, so
 its location is its writer's pool id (`PoolTiers.writer`), each store load
 names it (`Moves.store_load_from`), and the writer's pool takes its entries
-with it when it is dropped.
+with it when it is dropped. An entry the index drops goes out as a store
+delete to its writer: in this step's answer when this pool wrote it, else in
+the writer's next step (`SharedStore.deletes`), so a writer's memory keeps
+only what the index can find (and what its next step deletes).
 
 A pool's pending store saves stay within its share of the store: all of it
 while it is the only pool using the store, else the capacity over the number
@@ -42,6 +45,9 @@ from allocator_service.core.tier_index import (
 )
 
 HOST, STORE = 1, 2  # the tiers below the KV pool (tier 0), as `PoolTiers.find` names them
+# The most deletes other pools left a peer store writer that one of its answers carries (the rest
+# go in its next ones): each is a hash and a namespace, so the answer stays small.
+OWED_DELETES_PER_STEP = 1024
 
 
 class Moves(NamedTuple):
@@ -117,9 +123,27 @@ class PoolTiers:
             self._moves = Moves([], [], [], [], [], [], [], [], [])
         return self._moves
 
+    def _store_delete(self, key: tuple[str, bytes], writer: str | int) -> None:
+        """The store delete of `key`, which the index dropped; `writer`: its
+        location. A peer store entry another pool wrote is deleted by that
+        pool's worker, which holds its bytes, in its next step."""
+        st = self.store
+        if st.peer and writer != self.writer:  # type: ignore[union-attr]
+            st.owe(writer, key)  # type: ignore[union-attr,arg-type]
+            return
+        m = self._m()
+        m.store_deletes.append(key[1])
+        m.store_delete_layouts.append(key[0])
+
     def take_moves(self) -> Moves:
-        """The moves issued since the last call (the step's answer); ends
-        the step: entries loaded in it are no longer pinned."""
+        """The moves issued since the last call (the step's answer), with
+        the deletes of this pool's peer store entries other pools dropped (at
+        most OWED_DELETES_PER_STEP, the rest in the next answers); ends the
+        step: entries loaded in it are no longer pinned."""
+        if self.store is not None and self.store.deletes:
+            for lay, h in self.store.take_owed(self.writer, OWED_DELETES_PER_STEP):
+                self._m().store_deletes.append(h)
+                self._m().store_delete_layouts.append(lay)
         m = self._moves
         self._moves = None
         if self.host is not None:
@@ -212,10 +236,10 @@ class PoolTiers:
         m = self._m()
         while st.lru.used + size > st.lru.capacity:
             v = st.lru.victim()
-            st.lru.drop(v)
+            self._store_delete(v, st.lru.drop(v)[0])  # type: ignore[arg-type,index]
             st.stats.evictions += 1
-            m.store_deletes.append(v[1])  # type: ignore[index]
-            m.store_delete_layouts.append(v[0])  # type: ignore[index]
+        if st.peer:
+            st.rewritten(self.writer, key)
         st.lru.add_pending(key, self.writer if st.peer else 0, size)
         self.store_pending[h] = None
         m.store_saves.append(h)
@@ -291,10 +315,9 @@ class PoolTiers:
         for h in store_failed:
             if h in pending:
                 del pending[h]
-                st.lru.drop((self.namespace, h))  # type: ignore[union-attr]
-                self._m().store_deletes.append(h)  # a partial write, best effort
-                self._m().store_delete_layouts.append(self.namespace)
-                c.saves_failed += 1
+                key = (self.namespace, h)
+                self._store_delete(key, st.lru.drop(key)[0])  # type: ignore[union-attr,index]
+                c.saves_failed += 1  # (its delete: a partial write, best effort)
             else:
                 c.stale_confirmations += 1
         for h in refused:
@@ -304,10 +327,8 @@ class PoolTiers:
             key = (self.namespace, h)
             c.refused_loads += 1
             if key in st.lru.present:  # type: ignore[union-attr]
-                st.lru.drop(key)  # type: ignore[union-attr]
+                self._store_delete(key, st.lru.drop(key)[0])  # type: ignore[union-attr,index]
                 st.stats.refused_drops += 1  # type: ignore[union-attr]
-                self._m().store_deletes.append(h)
-                self._m().store_delete_layouts.append(self.namespace)
 
     def drop_store_pending(self) -> int:
         """The pool is dropped: its unconfirmed store saves leave the store

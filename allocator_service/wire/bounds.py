@@ -23,6 +23,7 @@ from allocator_service.core.limits import (
 )
 from allocator_service.core.sequence import blocks_for
 from allocator_service.core.tier_index import HASH_LEN
+from allocator_service.core.tiers import OWED_DELETES_PER_STEP
 
 # Bytes of one operation's readable reason in a StepResponse, at most (a
 # longer one is cut): what lets `step_answer_bound` bound a step's answer.
@@ -39,6 +40,7 @@ class TierBound(NamedTuple):
     store_entries: int  # entries the shared store holds now (0: the pool uses none)
     deletes_per_save: int  # store entries one save may delete to make room, at most
     load_source_bytes: int = 0  # a peer store: what names one load's writer (its URL), at most
+    owed_deletes: int = 0  # a peer store: deletes other pools' steps left the pool, at most
 
 
 def step_answer_bound(
@@ -71,7 +73,10 @@ def step_answer_bound(
     fails or a refused load one more, never more than the store holds. A
     delete names its entry's store namespace, any pool's: at most
     MAX_STORE_NAMESPACE_LEN ASCII characters. A load from a peer store
-    names its writer's URL (`load_source_bytes`)."""
+    names its writer's URL (`load_source_bytes`), and its answer carries the
+    deletes of the pool's entries other pools dropped since its last step
+    (`owed_deletes`: OWED_DELETES_PER_STEP at most, and each entry it wrote
+    once at most, so never more than the store holds)."""
     kinds, reserved = step.kinds, step.num_reserved
     n = len(kinds)
     id_bytes = max(1, ((num_blocks - 1).bit_length() + 6) // 7)
@@ -119,6 +124,7 @@ def step_answer_bound(
             report = step.report
             reported = len(report.store_failed) + len(report.refused) if report is not None else 0
             deletes = min(tiers.store_entries, (growth + freed) * tiers.deletes_per_save + reported)
+            deletes += tiers.owed_deletes
             # a hash and a namespace with its tag
             bound += deletes * (HASH_LEN + MAX_STORE_NAMESPACE_LEN + 3)
     return bound
@@ -135,6 +141,7 @@ def tier_bound(
         most,
         blocks_for(block_bytes, smallest_entry_bytes) if most else 0,
         MAX_ADVERTISE_URL_LEN + 4 if peer else 0,  # the URL, its tag and length
+        min(most, OWED_DELETES_PER_STEP) if peer else 0,
     )
 
 

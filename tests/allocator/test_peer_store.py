@@ -12,6 +12,7 @@ import pytest
 
 from allocator_service.config import ServiceConfig
 from allocator_service.core import Admit, Free, PoolConfig
+from allocator_service.core import tiers as tiers_module
 from allocator_service.core.tier_index import SharedStore
 from allocator_service.service import AllocatorService, PoolRef
 from allocator_service.service.pools import Advertised
@@ -33,9 +34,13 @@ SHAPE = PoolConfig(
 PROMPT = list(range(3, 3 + 3 * BLOCK + 1))  # three full blocks before the last token
 
 
-def _service(journal: FakeJournal, snapshot_every: int = 1000) -> AllocatorService:
+def _service(
+    journal: FakeJournal, snapshot_every: int = 1000, store_blocks: int = 40
+) -> AllocatorService:
     config = ServiceConfig(
-        snapshot_every=snapshot_every, shared_store="peer://", shared_store_bytes=40 * BLOCK_BYTES
+        snapshot_every=snapshot_every,
+        shared_store="peer://",
+        shared_store_bytes=store_blocks * BLOCK_BYTES,
     )
     return AllocatorService(config, journal)
 
@@ -89,6 +94,57 @@ def test_a_load_names_the_writers_url_and_the_writer_takes_its_entries_along():
     # b's KV pool still holds them, cached: nothing is loaded from anywhere
     assert r.cached_tokens[0] == 3 * BLOCK and not r.moves.store_loads
     assert svc.registry.store.integrity_problems() == []
+
+
+def _deletes(moves) -> set[bytes]:
+    d = moves.store_deletes
+    return {d[i : i + 32] for i in range(0, len(d), 32)}
+
+
+@pytest.mark.parametrize("snapshot_every", [1000, 1])
+def test_entries_another_pools_save_evicts_are_deleted_by_their_writer(snapshot_every):
+    """The writer's worker holds a peer entry's bytes: when another pool's save
+    evicts it from the index, the delete goes to the writer (its next step),
+    not to the pool that evicted it, whose memory never held it; a restart in
+    between keeps it owed."""
+    journal = FakeJournal()
+    svc = _service(journal, snapshot_every, store_blocks=6)
+    a, b = Pool(svc, "prefill-1"), Pool(svc, "decode-1")
+    written = set(a.save("s", PROMPT))
+    b.save("t", [9000 + t for t in PROMPT])  # the store is full
+    b.step([Admit("u", [8000 + t for t in PROMPT])])
+    r = b.step([Free("u")])  # its saves evict a's entries
+    assert len(r.moves.store_saves) == 3 * 32
+    assert not _writers(svc).keys() & written
+    assert not _deletes(r.moves) & written
+    if snapshot_every == 1:  # the allocator restarts before the writer's next step
+        svc = _service(journal, snapshot_every, store_blocks=6)
+        a.svc = svc
+    r = a.step([])
+    assert _deletes(r.moves) == written
+    assert set(r.moves.store_delete_layouts) == {"lay"}
+    assert not _deletes(a.step([]).moves)  # owed once
+
+
+def test_owed_deletes_go_a_few_per_answer_and_never_delete_an_entry_written_again(monkeypatch):
+    """At most OWED_DELETES_PER_STEP owed deletes per answer (the answer stays
+    small); an entry its writer saves again before its delete went out is not
+    deleted after (its new bytes are what the index finds)."""
+    monkeypatch.setattr(tiers_module, "OWED_DELETES_PER_STEP", 1)
+    svc = _service(FakeJournal(), store_blocks=6)
+    a, b = Pool(svc, "prefill-1"), Pool(svc, "decode-1")
+    written = set(a.save("s", PROMPT))
+    b.save("t", [9000 + t for t in PROMPT])
+    b.save("u", [8000 + t for t in PROMPT])  # a's three entries evicted: three deletes owed
+    assert not _writers(svc).keys() & written
+    first = _deletes(a.step([Admit("again", PROMPT)]).moves)  # (its KV pool still holds them)
+    assert len(first) == 1 and first < written
+    r = a.step([Free("again")])  # written through again: the two left are no longer owed
+    saved = [r.moves.store_saves[i : i + 32] for i in range(0, len(r.moves.store_saves), 32)]
+    assert set(saved) == written and not _deletes(r.moves)
+    a.step([], saved)
+    assert not _deletes(a.step([]).moves)
+    assert all(_writers(svc)[h] == a.ref.pool_id for h in written)  # found, and still held
 
 
 def test_a_pool_without_an_advertised_url_cannot_use_a_peer_store():

@@ -21,7 +21,9 @@ prefix cache can find holds its hash's bytes, and the capacities hold, each
 pool's pending store saves within its share of the store.
 
 With a peer store (`peer://`) an entry's bytes are its writer's: each worker
-keeps what it saved, deletes only in its own memory, every load names the
+keeps what it saved, deletes only in its own memory (the allocator sends
+each delete to the entry's writer: its memory holds only what the index
+finds, what it is owed, and what a lost delete left), every load names the
 writer it reads from, and a pool dropped mid-run (its worker's memory gone)
 takes its entries out of the index, so no present entry lacks its bytes.
 """
@@ -79,6 +81,8 @@ class TiersMachine(RuleBasedStateMachine):
         self.workers: list[Worker] = []
         # (layout, hash) -> bytes; a peer store: (writer, layout, hash) -> bytes
         self.store_bytes: dict[tuple, object] = {}
+        # Where a store delete was lost (best effort): bytes left that nobody finds.
+        self.lost_deletes: set[tuple] = set()
         # Corrupt entries a worker found and died before reporting: they stay in the
         # index (present, with garbage) until another worker's load refuses them too.
         self.unreported: set[bytes] = set()
@@ -189,6 +193,8 @@ class TiersMachine(RuleBasedStateMachine):
         for h, layout in zip(m.store_deletes, m.store_delete_layouts, strict=True):  # (0)
             if data.draw(st.booleans()):  # best effort: some are lost
                 self.store_bytes.pop(self._at(w.writer, layout, h), None)
+            else:
+                self.lost_deletes.add(self._at(w.writer, layout, h))
         for h, src in zip(m.store_saves, m.store_save_from, strict=True):  # (1)
             assert h not in w.flight_store
             # a freed or evicted KV block: its bytes are its hash's until the forward pass
@@ -297,6 +303,23 @@ class TiersMachine(RuleBasedStateMachine):
             for h, holders in pool.index.entries():
                 for b in holders:
                     assert w.kv[b] == h, "the prefix cache finds a block without its bytes"
+
+    @invariant()
+    def writers_hold_only_what_the_index_finds(self) -> None:
+        """A peer store: each writer's memory holds entries the index names it
+        the writer of, the deletes it is owed (its next step's), and those
+        whose delete was lost; nothing another pool dropped stays behind."""
+        if not self.store.peer:
+            return
+        lru = self.store.lru
+        for key in self.store_bytes:
+            writer, layout, h = key
+            entry = lru.present.get((layout, h)) or lru.pending.get((layout, h))
+            assert (
+                (entry is not None and entry[0] == writer)
+                or (layout, h) in self.store.deletes.get(writer, ())
+                or key in self.lost_deletes
+            ), "a writer holds bytes of an entry nobody finds, and no delete is owed"
 
     @precondition(lambda self: len(self.workers) == 2 and self.counter >= 12)
     @rule(now=st.integers(0, 3))

@@ -73,6 +73,33 @@ def test_a_split_request_answers_as_a_both_worker_does(fleet, reference, n, stre
     no_blocks_held(fleet["allocator"])
 
 
+def test_a_split_request_counts_once_in_the_routers_request_series(fleet):
+    url = fleet["router"].url
+
+    def figures():
+        return [
+            metric(url, "pagedkv_router_requests_total", {"worker": w}) or 0
+            for w in ("prefill-1", "decode-1")
+        ] + [
+            metric(url, "pagedkv_router_pd_prefill_legs_total", {"worker": "prefill-1"}) or 0,
+            metric(url, "pagedkv_router_prompt_tokens_total") or 0,
+            metric(url, "pagedkv_router_routing_seconds_count") or 0,
+        ]
+
+    before = figures()
+    prompts = 0
+    for i in range(2):
+        _, usage, _ = answer_texts(url, PROMPT.format(f"counted-{i}"))
+        prompts += usage.prompt_tokens
+    prefill, decode, legs, prompt_tokens, routed = (
+        a - b for a, b in zip(figures(), before, strict=True)
+    )
+    # Two client requests: two on the decode worker that answered them, none on the
+    # prefill worker as client requests, two prefill legs, each prompt counted once.
+    assert (prefill, decode, legs, routed) == (0, 2, 2, 2)
+    assert prompt_tokens == prompts
+
+
 def test_a_prefill_worker_asked_directly_answers_as_any_worker(fleet, reference):
     prompt = PROMPT.format("asked directly")
     assert answer_texts(fleet["prefill"].url, prompt)[0] == answer_texts(reference, prompt)[0]

@@ -7,7 +7,9 @@ memory stays within the store's size; bad URLs are one-line errors."""
 
 from __future__ import annotations
 
+import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -147,6 +149,70 @@ def test_a_writer_that_does_not_answer_or_refuses_the_key_is_a_miss_not_a_refusa
     assert block_bytes(rpool, 1) == block_bytes(pool, 3)
     assert tier_sample(metrics, "store_errors_total", "shared") == 1
     assert reader.available  # one dead writer does not stop the loads from the others
+
+
+class Silent:
+    """A writer that takes connections and never answers (hung, or its host
+    overloaded); `trickle`: it sends its answer's head, then a byte at a time,
+    never all of it."""
+
+    def __init__(self, trickle: bool = False) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.stop = threading.Event()
+        if trickle:
+            threading.Thread(target=self._trickle, daemon=True).start()
+
+    def _trickle(self) -> None:
+        conn, _ = self.sock.accept()
+        conn.recv(65536)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n")
+        while not self.stop.wait(0.05):
+            conn.sendall(b"x")
+        conn.close()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.sock.close()
+
+
+def test_a_step_waits_for_writers_that_do_not_answer_at_most_its_pull_timeout(writer):
+    """The engine thread (every running sequence) waits for a step's pulls: at
+    most the pull timeout for all writers together, however many hang or
+    trickle, and not again for a writer that just did not answer."""
+    pool = make_pool(torch.float16)
+    layout = KVLayout.of_pool(pool, fingerprint())
+    hs = hashes(4, layout.key)
+    StoreMover(writer.store, layout, pool).save_blocks([1], hs[:1])
+    hung = [Silent() for _ in range(3)]
+    trickling = Silent(trickle=True)
+    timeout = 0.3
+    reader = StoreMover(
+        PeerStore("http://127.0.0.1:9/reader", KEY, 1 << 20, timeout),
+        layout,
+        make_pool(torch.float16, seed=1),
+        retry_interval_s=60,
+    )
+
+    def step(writers: list[str]) -> tuple[list[LoadOutcome], float]:
+        t0 = time.monotonic()
+        got = reader.load_blocks(hs[: len(writers)], list(range(len(writers))), writers)
+        return got, time.monotonic() - t0
+
+    try:
+        unanswered = [LoadOutcome(False, "unavailable")]
+        got, took = step([writer.url, hung[0].url])
+        assert got == [LoadOutcome(True)] + unanswered  # a miss, not a refusal: computed
+        assert took < 2 * timeout
+        got, took = step([hung[0].url])  # not asked again: no wait
+        assert got == unanswered and took < timeout / 3
+        got, took = step([w.url for w in hung[1:]] + [trickling.url])
+        assert got == unanswered * 3 and took < 2 * timeout  # not one timeout per writer
+        got, took = step([trickling.url])  # its answer never whole: cut at the timeout
+        assert got == unanswered and timeout / 2 < took < 2 * timeout
+    finally:
+        for w in (*hung, trickling):
+            w.close()
 
 
 def test_the_writers_memory_stays_within_the_stores_size():

@@ -42,6 +42,8 @@ class EngineConfig:
     # Its part in prefill/decode disaggregation (`--kv-role`: both, prefill, decode),
     # registered with the pool; prefill and decode move blocks through the shared store.
     kv_role: str = "both"
+    # With a peer:// store: the most seconds one step waits for its pulls, all writers together.
+    kv_peer_pull_timeout_s: float = 1.0
     # KV slots a request holds from its admission (reservation.py): "paged"
     # (none ahead: blocks as it grows), or a baseline of the servers before
     # paging, "max", "pow2" or "oracle" (a benchmark setting, not a flag).
@@ -89,6 +91,8 @@ class EngineConfig:
                 "PAGEDKV_WORKER_ALLOCATOR_UNHEALTHY_AFTER and "
                 "PAGEDKV_WORKER_ALLOCATOR_GIVE_UP_AFTER must be positive"
             )
+        if not 0 < self.kv_peer_pull_timeout_s < float("inf"):
+            raise ValueError("PAGEDKV_WORKER_KV_PEER_PULL_TIMEOUT must be a positive number")
         if self.advertise_url and not self.advertise_url.startswith(("http://", "https://")):
             raise ValueError(
                 f"--advertise-url must be an http:// or https:// URL, got {self.advertise_url!r}"

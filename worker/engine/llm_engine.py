@@ -155,6 +155,7 @@ class LLMEngine:
                         own_url=config.advertise_url,
                         peer_key=allocator.peer_key,
                         capacity=allocator.peer_store_bytes,
+                        pull_timeout_s=config.kv_peer_pull_timeout_s,
                     )
                 except ValueError:  # the store's URL cannot be used here: no pool left behind
                     allocator.close()

@@ -107,7 +107,8 @@ class EngineTiers:
     ) -> None:
         """Use the shared store at `url` (StoreOpenError, one line, when it cannot be used),
         its entries under `namespace` (the allocator's), sealed with the store group's `key`.
-        `peer`: a peer store's `own_url`, `peer_key` and `capacity` (`open_store`)."""
+        `peer`: a peer store's `own_url`, `peer_key`, `capacity` and `pull_timeout_s`
+        (`open_store`)."""
         self._store_key, self._peer = key, peer
         self._store_meter = self.metrics.tier("shared")
         store = open_store(url, **peer)  # type: ignore[arg-type]

@@ -7,7 +7,10 @@ allocator then never indexes them), logs one warning per outage, and counts each
 failed call in the meter. While it is down, calls skip it for `retry_interval_s`
 between tries, so a step does not wait on a dead host every time. A peer store's
 loads name their writers (`load_blocks(sources=...)`): each writer is asked apart,
-and one that does not answer makes its own loads misses, not the others'.
+all of a step's pulls within the store's `pull_timeout_s` (the engine thread waits
+for them, so every running sequence does), and one that does not answer in time
+makes its own loads misses, not the others', and is skipped the same way for
+`retry_interval_s`.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from worker.tiers.host import HostMemory
 from worker.tiers.layout import KVLayout
 from worker.tiers.meter import TierMeter
 from worker.tiers.seal import StoreSeal
-from worker.tiers.store import KVStore, StoreError
+from worker.tiers.store import KVStore, PullTimeSpent, StoreError
 
 __all__ = ["LoadOutcome", "StoreMover"]
 
@@ -88,6 +91,7 @@ class StoreMover:
         self._clock = clock
         self._down_since: float | None = None
         self._retry_at = 0.0
+        self._writers_down: dict[str, float] = {}  # a peer store's: writer -> when to ask again
 
     @property
     def available(self) -> bool:
@@ -216,24 +220,46 @@ class StoreMover:
     # -- inside -----------------------------------------------------------------
 
     def _pull(self, keys: Sequence[str], sources: Sequence[str]) -> list:
-        """A peer store's entries of `keys`, one call per writer `sources[i]`: per
-        key its bytes, None (the writer does not hold it) or `_NO_ANSWER`."""
+        """A peer store's entries of `keys`, one call per writer `sources[i]`, all
+        by the store's pull deadline: per key its bytes, None (the writer does not
+        hold it) or `_NO_ANSWER` (no answer in time, or not asked: it did not
+        answer lately, or the step's pull time was spent before its turn)."""
         found: list = [None] * len(keys)
         by_source: dict[str, list[int]] = {}
         for i, source in enumerate(sources):
             by_source.setdefault(source, []).append(i)
+        deadline = time.monotonic() + self.store.pull_timeout_s  # type: ignore[attr-defined]
         for source, at in by_source.items():
-            try:
-                got = self.store.fetch(source, [keys[i] for i in at])  # type: ignore[attr-defined]
-            except StoreError as exc:
-                # the writer may be gone or slow: its entries may still be fine, a miss now
-                if self._meter is not None:
-                    self._meter.store_error()
-                log.warning("shared store peer://: %d loads are misses: %s", len(at), exc)
-                got = [_NO_ANSWER] * len(at)
+            got = [_NO_ANSWER] * len(at)
+            if self._clock() >= self._writers_down.get(source, 0.0):
+                try:
+                    got = self.store.fetch(source, [keys[i] for i in at], deadline)  # type: ignore[attr-defined]
+                    self._writers_down.pop(source, None)
+                except PullTimeSpent:
+                    pass  # the writers before it took the time: asked next step
+                except StoreError as exc:
+                    self._writer_failed(source, len(at), exc)
             for i, data in zip(at, got, strict=True):
                 found[i] = data
         return found
+
+    def _writer_failed(self, source: str, loads: int, exc: StoreError) -> None:
+        """A peer store's writer did not answer in time: it may be gone or slow, its
+        entries may still be fine; its loads are misses now, and it is not asked
+        again for `retry_interval_s`."""
+        if self._meter is not None:
+            self._meter.store_error()
+        log.warning(
+            "shared store peer://: %d loads are misses, the writer is not asked for %g s: %s",
+            loads,
+            self._retry_interval_s,
+            exc,
+        )
+        now = self._clock()
+        down = self._writers_down
+        for writer in [w for w, again in down.items() if again <= now]:  # asked again already
+            del down[writer]
+        down[source] = now + self._retry_interval_s
 
     def _put(
         self, hashes: Sequence[bytes], payloads: Sequence[memoryview], t0: float

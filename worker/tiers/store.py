@@ -12,8 +12,9 @@ locking: a key is written once per content and deleted best effort.
   writes in its own memory (at most the store's capacity, least recently
   used dropped first) and serves them on its peer route; a reader pulls an
   entry from the worker the allocator names as its writer (`fetch`), one
-  POST per writer and step. The bytes are the same entries (`entry.py`), so
-  a reader checks them as it checks any store's.
+  POST per writer and step, all of a step's within its pull timeout. The
+  bytes are the same entries (`entry.py`), so a reader checks them as it
+  checks any store's.
 `open_store` checks at start that the store answers (`pagedkv_base.store_url`,
 the allocator's check too) and says what is wrong in one line
 (`StoreOpenError`, a ValueError). Later failures raise `StoreError`; the mover
@@ -29,6 +30,7 @@ import re
 import secrets
 import struct
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -48,6 +50,7 @@ __all__ = [
     "FileStore",
     "KVStore",
     "PeerStore",
+    "PullTimeSpent",
     "RedisStore",
     "StoreError",
     "StoreOpenError",
@@ -61,6 +64,10 @@ DEFAULT_REDIS_PREFIX = "pagedkv:kv:"
 
 class StoreError(Exception):
     """The store did not answer or could not do what was asked (I/O, connection)."""
+
+
+class PullTimeSpent(StoreError):
+    """A peer store's writer not asked: the step's pull deadline had passed."""
 
 
 class KVStore(ABC):
@@ -253,25 +260,27 @@ class PeerStore(KVStore):
     most `capacity_bytes` (least recently written or read dropped first), served
     to whoever presents `peer_key` (`serve`), and other workers' entries pulled
     from them (`fetch`). `own_url`: where others reach this worker (its
-    advertised URL); a load naming it is read here. `on_served(entries, bytes)`:
-    told of each answer served."""
+    advertised URL); a load naming it is read here. `pull_timeout_s`: the
+    most one step's pulls take, all writers together (the mover's deadline).
+    `on_served(entries, bytes)`: told of each answer served."""
 
     url = "peer://"
 
     def __init__(
-        self, own_url: str, peer_key: str, capacity_bytes: int, timeout_s: float = 1.0
+        self, own_url: str, peer_key: str, capacity_bytes: int, pull_timeout_s: float = 1.0
     ) -> None:
         import httpx
 
         self.own_url = own_url.rstrip("/")
         self.peer_key = peer_key
         self.capacity_bytes = capacity_bytes
+        self.pull_timeout_s = pull_timeout_s
         self.on_served: Callable[[int, int], None] | None = None
         self._entries: OrderedDict[str, bytes] = OrderedDict()
         self._used = 0
         self._lock = threading.Lock()
         self._errors = (httpx.HTTPError, OSError)
-        self._client = httpx.Client(timeout=timeout_s)
+        self._client = httpx.Client(timeout=pull_timeout_s)
 
     @property
     def used_bytes(self) -> int:
@@ -321,37 +330,55 @@ class PeerStore(KVStore):
             self.on_served(sum(e is not None for e in entries), len(body) - 8 * len(keys))
         return body
 
-    def fetch(self, source: str, keys: Sequence[str]) -> list[bytes | None]:
+    def fetch(self, source: str, keys: Sequence[str], deadline: float) -> list[bytes | None]:
         """The entries of `keys` from the worker at `source` (this one's own
         memory when it is this worker): None for one it does not hold;
-        StoreError when it does not answer in time or answers anything but
-        the entries asked for."""
+        StoreError when its whole answer has not come by `deadline`
+        (`time.monotonic()`), or it answers anything but the entries asked for."""
         source = source.rstrip("/")
         if not source or source == self.own_url:
             return self.get_many(keys)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise PullTimeSpent(f"peer {source}: not asked, the step's pull time is spent")
+        body = bytearray()
         try:
-            r = self._client.post(
+            with self._client.stream(
+                "POST",
                 source + PEER_ROUTE,
                 content="\n".join(keys).encode(),
                 headers={"Authorization": f"Bearer {self.peer_key}"},
-            )
+                timeout=left,
+            ) as r:
+                if r.status_code != 200:
+                    raise StoreError(f"peer {source}: answered {r.status_code}")
+                for chunk in r.iter_bytes():  # each read within `left`, the whole by the deadline
+                    body += chunk
+                    if time.monotonic() > deadline:
+                        raise StoreError(
+                            f"peer {source}: no whole answer within {self.pull_timeout_s:g} s"
+                        )
         except self._errors as exc:
             raise StoreError(f"peer {source}: no answer ({_one_line(exc)})") from exc
-        if r.status_code != 200:
-            raise StoreError(f"peer {source}: answered {r.status_code}")
-        return unframe_entries(r.content, len(keys))
+        return unframe_entries(bytes(body), len(keys))
 
     def close(self) -> None:
         self._client.close()
 
 
 def open_store(
-    url: str, timeout_s: float = 1.0, *, own_url: str = "", peer_key: str = "", capacity: int = 0
+    url: str,
+    timeout_s: float = 1.0,
+    *,
+    own_url: str = "",
+    peer_key: str = "",
+    capacity: int = 0,
+    pull_timeout_s: float = 1.0,
 ) -> KVStore:
     """The store at `url` (`file://PATH`, `redis://HOST:PORT/DB` or `peer://`),
     checked to answer; StoreOpenError (one line) when it cannot be used. A peer
     store: this worker's `own_url`, its group's `peer_key` and the store's
-    `capacity` in bytes, from the allocator."""
+    `capacity` in bytes, from the allocator, and `pull_timeout_s`."""
     check_store_url(url, timeout_s)
     kind, target = store_kind(url)
     if kind == PEER:
@@ -360,5 +387,5 @@ def open_store(
                 "shared store peer://: this worker needs an advertised URL (--advertise-url) "
                 "and the allocator's peer key and store size"
             )
-        return PeerStore(own_url, peer_key, capacity, timeout_s)
+        return PeerStore(own_url, peer_key, capacity, pull_timeout_s)
     return FileStore(target, url) if kind == FILE else RedisStore(url, timeout_s)
