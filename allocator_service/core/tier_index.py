@@ -23,9 +23,6 @@ from typing import Any
 from allocator_service.core.errors import InvalidArgument
 from allocator_service.core.limits import MAX_LAYOUT_LEN, MAX_STORE_GROUP_LEN, STORE_NAME_CHARS
 
-HASH_LEN = 32  # bytes of a block hash (SHA-256)
-
-
 _STORE_NAME = re.compile(f"[{STORE_NAME_CHARS}]*")
 
 

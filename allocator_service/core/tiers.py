@@ -36,9 +36,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
+from allocator_service.core.block_hashes import HASH_BYTES
 from allocator_service.core.errors import InvalidArgument
 from allocator_service.core.tier_index import (
-    HASH_LEN,
     HostSlotIndex,
     SharedStore,
     TierStats,
@@ -267,9 +267,9 @@ class PoolTiers:
                 "store confirmations for a pool that does not use the shared store"
             )
         for h in (*store_saved, *store_failed, *refused):
-            if type(h) is not bytes or len(h) != HASH_LEN:
+            if type(h) is not bytes or len(h) != HASH_BYTES:
                 raise InvalidArgument(
-                    f"a store confirmation must name a {HASH_LEN}-byte block hash"
+                    f"a store confirmation must name a {HASH_BYTES}-byte block hash"
                 )
 
     def confirm(

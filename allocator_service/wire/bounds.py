@@ -22,7 +22,6 @@ from allocator_service.core.limits import (
     max_table_entries,
 )
 from allocator_service.core.sequence import blocks_for
-from allocator_service.core.tier_index import HASH_LEN
 from allocator_service.core.tiers import OWED_DELETES_PER_STEP
 
 # Bytes of one operation's readable reason in a StepResponse, at most (a
@@ -118,15 +117,15 @@ def step_answer_bound(
     bound = 128 + n * (26 + 2 * id_bytes + MAX_ERROR_MESSAGE_BYTES + 3) + ids * id_bytes
     if tiers is not None:
         # per block taken: a host save (2 ids), a store save (a hash, 1 id), a load (a hash, 1 id)
-        bound += 64 + growth * (2 * HASH_LEN + 4 * id_bytes + tiers.load_source_bytes)
+        bound += 64 + growth * (2 * HASH_BYTES + 4 * id_bytes + tiers.load_source_bytes)
         if tiers.store_entries:
-            bound += freed * (HASH_LEN + id_bytes)  # a write-through: a hash, 1 id
+            bound += freed * (HASH_BYTES + id_bytes)  # a write-through: a hash, 1 id
             report = step.report
             reported = len(report.store_failed) + len(report.refused) if report is not None else 0
             deletes = min(tiers.store_entries, (growth + freed) * tiers.deletes_per_save + reported)
             deletes += tiers.owed_deletes
             # a hash and a namespace with its tag
-            bound += deletes * (HASH_LEN + MAX_STORE_NAMESPACE_LEN + 3)
+            bound += deletes * (HASH_BYTES + MAX_STORE_NAMESPACE_LEN + 3)
     return bound
 
 

@@ -23,8 +23,8 @@ from allocator_service.core import (
     step_columns,
 )
 from allocator_service.core import step as core_step
+from allocator_service.core.block_hashes import HASH_BYTES
 from allocator_service.core.limits import MAX_TOKEN_ID
-from allocator_service.core.tier_index import HASH_LEN
 from allocator_service.core.tiers import NO_MOVES, Moves, TierReport
 from allocator_service.wire.bounds import MAX_ERROR_MESSAGE_BYTES
 from allocator_service.wire.errors import (
@@ -138,9 +138,9 @@ def columns_from_proto(msg: pb.StepOps) -> StepColumns:
 
 
 def split_hashes(packed: bytes) -> list[bytes]:
-    """The hashes of a packed field (HASH_LEN bytes each, concatenated); a
+    """The hashes of a packed field (HASH_BYTES bytes each, concatenated); a
     short last one is kept short, for the core to refuse."""
-    return [packed[i : i + HASH_LEN] for i in range(0, len(packed), HASH_LEN)]
+    return [packed[i : i + HASH_BYTES] for i in range(0, len(packed), HASH_BYTES)]
 
 
 def encode_ops(ops: Sequence[Op]) -> pb.StepOps:

@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import xxhash
 
+from allocator_service.core.block_hashes import HASH_BYTES
 from worker.tiers.layout import KVLayout
 from worker.tiers.seal import KEY_ID_BYTES, TAG_BYTES, StoreSeal
 
@@ -43,7 +44,6 @@ __all__ = [
 
 MAGIC = b"PKVB"
 FORMAT_VERSION = 1
-HASH_BYTES = 32  # a block hash (allocator_service.core.hashing: SHA-256)
 _HEADER = struct.Struct(f"<4sHH32s{HASH_BYTES}sQ16s")
 HEADER_BYTES = _HEADER.size
 REFUSAL_REASONS = ("format", "layout", "checksum", "seal")
