@@ -270,6 +270,14 @@ def markdown(table: Table) -> str:
 # -- statistics and conditions -------------------------------------------------------------
 
 
+def sse_chunk(line: str) -> dict[str, Any] | None:
+    """The JSON of one line of an OpenAI-style event stream: None for a line
+    that is not `data: ...` and for the closing `data: [DONE]`."""
+    if not line.startswith("data: ") or line == "data: [DONE]":
+        return None
+    return json.loads(line[6:])
+
+
 def percentile(values: Iterable[float | None], q: float) -> float | None:
     """The nearest-rank `q` quantile (0 < q <= 1) of the
     values that are numbers; None if none are."""

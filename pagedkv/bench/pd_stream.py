@@ -5,7 +5,6 @@ what every figure means."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from typing import Any
 
@@ -49,9 +48,8 @@ async def _one(client, url: str, model: str, prompt: list[int], w: PDWorkload) -
         worker = r.headers.get("x-pagedkv-worker")
         prefill_worker = r.headers.get("x-pagedkv-prefill-worker")
         async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+            if (chunk := harness.sse_chunk(line)) is None:
                 continue
-            chunk = json.loads(line[6:])
             if "error" in chunk:
                 return {"error": chunk["error"].get("message", "")}
             new = [t for c in chunk.get("choices") or () for t in c.get("token_ids") or ()]

@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import multiprocessing
 import statistics
 import time
@@ -133,9 +132,8 @@ async def _one(
         routing_ms = float(r.headers.get("x-pagedkv-routing-ms", "nan"))
         worker = r.headers.get("x-pagedkv-worker", url)
         async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+            if (chunk := harness.sse_chunk(line)) is None:
                 continue
-            chunk = json.loads(line[6:])
             if "error" in chunk:
                 return {"error": chunk["error"].get("message", "")}
             if (

@@ -44,7 +44,6 @@ Not a timed test: compare the figures within one run.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from dataclasses import replace
@@ -157,9 +156,8 @@ def _turn(client, url: str, messages: list[dict], w: TiersWorkload, salt: str) -
             return {"error": f"{r.status_code} {r.read()[:200]!r}"}
         worker = r.headers.get("x-pagedkv-worker", url)
         for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+            if (chunk := harness.sse_chunk(line)) is None:
                 continue
-            chunk = json.loads(line[6:])
             if "error" in chunk:
                 return {"error": chunk["error"].get("message", "")}
             if chunk.get("choices") and (piece := chunk["choices"][0]["delta"].get("content")):
