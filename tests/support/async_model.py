@@ -204,10 +204,12 @@ class Run:
         known = [*sched.running, *sched.releases.held()]
         for s in known:
             assert self.pool.block_table(s.alloc_id) == s.block_table
-            # the allocator waits for the values of the same
-            # slots (so it hashes every block that fills)
+            # the allocator waits for the values of the same slots (so it
+            # hashes every block that fills); slots ahead end a block
             held = self.pool._seqs[s.alloc_id]
-            assert held.reserved == s.num_reserved <= self.async_scheduling + self.lookahead
+            rounding = self.pool.block_size - 1 if self.lookahead else 0
+            bound = self.async_scheduling + self.lookahead + rounding
+            assert held.reserved == s.num_reserved <= bound
             assert held.num_tokens == s.num_held >= s.num_stored >= s.num_valued
         pending = {
             *(s.alloc_id for s in known),

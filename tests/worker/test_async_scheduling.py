@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from allocator_service.client import EmbeddedAllocator, PoolSpec
-from allocator_service.core import Free, PoolConfig
+from allocator_service.core import Append, Free, PoolConfig, Unreserve
 from tests.worker.test_engine import make, prompts_mixed
 from worker.engine import AllocatorFault, EngineConfig, LLMEngine, SamplingParams
 
@@ -101,7 +101,9 @@ def test_lookahead_slots_skip_calls_and_keep_every_block_cached(tiny, on):
     same; and once the requests finish, every full block of what each
     computed (prompt and output but the last token) is in the prefix cache,
     as with a call per step: the values of the steps that made no call are
-    sent before the Free."""
+    sent before the Free. A call sends a sequence's Append only when it
+    takes slots or its values fill a block: 17-18 Appends for the 120 tokens
+    the requests decode, against 116-117 with a call per step."""
     prompts = [list(range(10 + i, 23 + 2 * i)) for i in range(4)]
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     runs = {}
@@ -114,9 +116,9 @@ def test_lookahead_slots_skip_calls_and_keep_every_block_cached(tiny, on):
             num_lookahead_slots=lookahead,
         )
         calls = []
-        step = engine.allocator.step
-        engine.allocator.step = lambda ops, step=step, calls=calls: (
-            calls.append(len(ops)),
+        step, pool = engine.allocator.step, engine.allocator.pool
+        engine.allocator.step = lambda ops, step=step, calls=calls, pool=pool: (
+            calls.append(_appends(pool, ops, 4)),
             step(ops),
         )[1]
         try:
@@ -128,21 +130,47 @@ def test_lookahead_slots_skip_calls_and_keep_every_block_cached(tiny, on):
             for prompt, out in zip(prompts, outs, strict=True):
                 computed = prompt + out.token_ids[:-1]
                 assert pool.cached_prefix_tokens([*computed, 0]) == len(computed) // 4 * 4
-            runs[lookahead] = ([o.token_ids for o in outs], len(calls))
+            runs[lookahead] = ([o.token_ids for o in outs], len(calls), sum(calls))
         finally:
             engine.close()
     assert runs[8][0] == runs[0][0]
     assert runs[0][1] >= 31
     assert runs[8][1] == 7
+    # Appends: one a token with a call per step; about two a block with lookahead
+    assert (runs[0][2], runs[8][2]) == ((117, 18) if on else (116, 17))
+
+
+def _appends(pool, ops: list, block_size: int) -> int:
+    """The Appends of a call about to go to `pool`; each takes slots
+    (`reserve`, or values past what the sequence holds, as after an
+    Unreserve) or fills a block with its values."""
+    given_back: dict[str, int] = {}
+    count = 0
+    for op in ops:
+        if isinstance(op, Unreserve):
+            given_back[op.seq] = op.slots
+        elif isinstance(op, Append):
+            count += 1
+            seq = pool._seqs[op.seq]
+            held = seq.num_tokens - given_back.get(op.seq, 0)
+            start = seq.num_tokens - seq.reserved  # the slots with values
+            takes = op.reserve > 0 or start + len(op.tokens) > held
+            fills = (start + len(op.tokens)) // block_size > start // block_size
+            assert takes or fills, (op, start, held)
+    return count
 
 
 def test_slots_held_ahead_are_exported(tiny):
     """`pagedkv_worker_kv_slots_ahead` reads the slots the allocator holds
     past what the sequences computed: none with a call per step (sync); with
     8 lookahead slots none after the prefill (an admission reserves none),
-    8 per sequence once the next call tops them up, one fewer each step
-    until the next; 0 once every request is done."""
+    once the next call tops them up 8 per sequence and the rest of the block
+    the 8th ends in, one fewer each step; the first to run out makes the
+    next call, which tops them all up again; 0 once every request is done."""
     prompts = [list(range(10 + i, 23 + 2 * i)) for i in range(4)]
+    # after the first decode step a sequence holds the slots to the end of
+    # the block of its 8th slot past its next token (block size 4): 38 in all
+    ahead = sum(-(-(len(p) + 1 + 8) // 4) * 4 - (len(p) + 1) for p in prompts)
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     for lookahead in (0, 8):
         engine = make(tiny, block_size=4, async_scheduling=False, num_lookahead_slots=lookahead)
@@ -157,11 +185,13 @@ def test_slots_held_ahead_are_exported(tiny):
                         "pagedkv_worker_kv_slots_ahead", engine.metrics.labels
                     )
                 )
+            # each step computes one token of each; the 8th step leaves one
+            # sequence none ahead, so the next step calls
             expected = (
-                [0] * len(readings) if not lookahead else [0, 32, 28, 24, 20, 16, 12, 8, 4, 0, 32]
+                [0] * len(readings) if not lookahead else [0, *range(ahead, ahead - 33, -4), ahead]
             )
             assert readings[: len(expected)] == expected, (lookahead, readings)
-            assert readings[-1] == 0 and max(readings) == 4 * lookahead
+            assert readings[-1] == 0 and max(readings) == (ahead if lookahead else 0)
         finally:
             engine.close()
 

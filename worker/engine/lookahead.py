@@ -1,14 +1,19 @@
 """Slots ahead (`--num-lookahead-slots`): when to hold them, and when to give them back.
 
-A call holds each sequence it samples for that many reserved slots past its
-next token, so the steps after it make no allocator call until a sequence
-runs out, a request is admitted or a sample forks; their tokens' values ride
-the next call. Slots ahead are all or none, taken only when the free blocks
-past the watermark hold them, what every running sequence needs next and the
-blocks of a request that waits only for the token budget; a step short of
-blocks gives them back (`Unreserve`) before it preempts or leaves a request
-waiting. The block arithmetic is `PoolPlan`'s; these functions decide who
-and when. The rules: docs/architecture.md, "Steps without a call".
+A call holds each sequence it samples for at least that many reserved slots
+past its next token, to the end of the block that holds the last of them,
+so the steps after it make no allocator call until a sequence runs out, a
+request is admitted or a sample forks. Their tokens' values ride a later
+call: the first that fills a block with them (the block is then hashed) or
+that takes slots for the sequence anyway; a call neither does for a
+sequence sends nothing for it. In steady decoding a sequence so appears in
+about two calls a block, not in every one. Slots ahead are all or none,
+taken only when the free blocks past the watermark hold them, what every
+running sequence needs next and the blocks of a request that waits only for
+the token budget; a step short of blocks gives them back (`Unreserve`)
+before it preempts or leaves a request waiting. The block arithmetic is
+`PoolPlan`'s; these functions decide who and when. The rules:
+docs/architecture.md, "Steps without a call".
 """
 
 from __future__ import annotations
@@ -20,9 +25,12 @@ from worker.engine.step_plan import StepPlan, Unreserved, priority_key
 
 
 def plan_appends(plan: StepPlan, running: list[Sequence], lookahead: int, watermark: int) -> None:
-    """The step makes a call: every running sequence sends the values it
-    has not sent, and each one that samples tops its slots up to
-    `lookahead` past its next token; then the admissions follow.
+    """The step makes a call: each running sequence that samples tops its
+    slots up to `lookahead` past its next token, rounded up to the end of
+    that slot's block; a running sequence sends the values it has not sent
+    when they fill a block, or with an Append it sends anyway (slots it
+    takes, an Unreserve, a copy, a parent whose samples wait to fork); then
+    the admissions follow.
     Lookahead is all or none: only when the free blocks past the
     watermark hold every running sequence's lookahead and what each still
     needs for its known tokens and its next one (so a sequence that gets
@@ -34,18 +42,20 @@ def plan_appends(plan: StepPlan, running: list[Sequence], lookahead: int, waterm
     # (before the Appends: the blocks they free may serve them)
     plan.ops.extend(Unreserve(seq.alloc_id, u.slots) for seq, u in plan.unreserves.items())
     wants: dict[Sequence, int] = {}  # sampling sequence -> the slots it wants held
+    # (not while samples wait to fork from it: a parent forks holding exactly its prompt)
+    parents = {seq for seq in plan.running if _samples_wait(seq)}
     for seq, p in plan.running.items():
         end = seq.num_stored + p.n
-        # (not while samples wait to fork from it: a parent forks holding
-        # exactly its prompt)
         if (
             lookahead
             and end >= len(seq.token_ids)  # this step samples it
             and seq not in plan.unreserves
-            and not any(c.fork_parent is seq and not c.is_finished for c in seq.children)
+            and seq not in parents
         ):
+            # whole blocks (slots of a block it takes anyway cost no block),
             # never past what the request can still compute
-            wants[seq] = min(end + lookahead, seq.max_computed_tokens)
+            want = view.blocks_for(end + lookahead) * view.block_size
+            wants[seq] = min(want, seq.max_computed_tokens)
     extra_total = sum(
         view.short_of(plan.running[seq].cost.blocks, want) for seq, want in wants.items()
     )
@@ -74,11 +84,25 @@ def plan_appends(plan: StepPlan, running: list[Sequence], lookahead: int, waterm
                 else:
                     target = max(target, view.fit(blocks, want))
             op = append_op(seq, end, target)
-        if op.tokens or target > seq.num_held:
+        valued = seq.num_valued
+        if (
+            target > seq.num_held
+            or u is not None
+            or p.must_call
+            or (
+                op.tokens
+                and (view.completes_block(valued, valued + len(op.tokens)) or seq in parents)
+            )
+        ):
             p.op = op
             p.held, p.reserved = after_append(held, reserved, len(op.tokens), op.reserve)
             plan.ops.append(op)
     plan.ops.extend(plan.admits)
+
+
+def _samples_wait(seq: Sequence) -> bool:
+    """Whether samples of `seq` wait to fork from it."""
+    return any(c.fork_parent is seq and not c.is_finished for c in seq.children)
 
 
 def blocks_to_come(plan: StepPlan, running: list[Sequence]) -> int:
