@@ -166,7 +166,7 @@ class BlockPool(PoolHoldings):
                 self.ref_cnt[b] += 1
         if loads:
             self._load(hits, hashes)
-        new_blocks = [self._take() for _ in range(need)]
+        new_blocks = self._take_run(need)
         for i, b in enumerate(new_blocks):
             self._fill[b] = min(B, stored + reserve - (len(hits) + i) * B)
         table = hits + new_blocks
@@ -177,8 +177,8 @@ class BlockPool(PoolHoldings):
             self.prefix_queried_tokens += n
             self.prefix_hit_tokens += cached
             full = stored // B
-            for i in range(len(hits), full):
-                self.index.register(table[i], hashes[i])
+            if full > len(hits):
+                self.index.register_run(table[len(hits) : full], hashes[len(hits) : full])
             seq.num_hashed = full
             seq.tail = list(tokens[full * B : stored])
         self._seqs[seq_id] = seq
@@ -512,6 +512,20 @@ class BlockPool(PoolHoldings):
                 self.index.register(nb, hashes[i])
                 tiers.load(hashes[i], -b, nb, B)
                 hits[i] = nb
+
+    def _take_run(self, n: int) -> list[int]:
+        """`n` blocks popped from the front of the free queue, as `n` calls of
+        `_take` (the caller checked there are as many): the fresh ids as one
+        slice, then the rest one by one."""
+        fresh = min(n, self.num_blocks - self._fresh)
+        taken = self._ids[self._fresh : self._fresh + fresh]
+        self._fresh += fresh
+        ref_cnt, fill = self.ref_cnt, self._fill
+        for b in taken:
+            ref_cnt[b] = 1
+            fill[b] = 0
+        taken += [self._take() for _ in range(n - fresh)]
+        return taken
 
     def _take(self) -> int:
         """Pop the front of the free queue (caller checked there is one). A

@@ -158,6 +158,26 @@ class PrefixIndex:
         if self.event_sink is not None:
             self.event_sink(BLOCK_STORED, b, h)
 
+    def register_run(self, blocks: Sequence[int], hashes: Sequence[bytes]) -> None:
+        """`register(b, h)` for each pair of `blocks` and `hashes`, in order
+        (an admission's blocks). NOTE: its loop inlines `register`'s: one
+        call a prompt, not one a block."""
+        data, keys, slots, mask = self._data, self._keys, self._slots, self._mask
+        sink = self.event_sink
+        for b, h in zip(blocks, hashes, strict=True):
+            o = b * HASH_BYTES
+            data[o : o + HASH_BYTES] = h
+            key = keys[b] = ~hash(h)
+            i = key & mask
+            while (s := slots[i]) != EMPTY:
+                if s == b:
+                    break
+                i = (i + 1) & mask
+            else:
+                slots[i] = b
+            if sink is not None:
+                sink(BLOCK_STORED, b, h)
+
     def evict(self, b: int) -> bytes:
         """Forget the hash block `b` holds (it is about to be reused); returns it."""
         slots, mask, keys = self._slots, self._mask, self._keys

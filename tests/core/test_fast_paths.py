@@ -14,7 +14,8 @@ rules of `DictIndex`), and the free queue's front of ids never handed out
 against a queue of every id (`PlainQueuePool`): the same answers, state,
 events and holders. A sequence's hash chain, read from its blocks' hashes
 in the pool's column (`BlockHashes`) but where a cache reset or a dump keeps
-it apart, is checked against the chain hashes of the tokens it holds.
+it apart, is checked against the chain hashes of the tokens it holds, and
+the packed chain (`hashing.chain_hashes`) against each block hashed alone.
 """
 
 from __future__ import annotations
@@ -132,6 +133,10 @@ class DictIndex:
         self.holders_of.setdefault(h, {})[b] = None
         if self.event_sink is not None:
             self.event_sink(BLOCK_STORED, b, h)
+
+    def register_run(self, blocks, hashes) -> None:
+        for b, h in zip(blocks, hashes, strict=True):
+            self.register(b, h)
 
     def evict(self, b) -> bytes:
         h = self.block_hash[b]
@@ -298,3 +303,25 @@ def test_chains_read_from_the_blocks_hashes_are_the_plain_rule(
         pool.confirm(saved=pool.take_moves().host_saves[1::2])  # tier hits load into blocks
         _check_chains(pool, known, salts)
         assert pool.check_integrity()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 2**32 - 1), max_size=2_200),
+    block_size=st.sampled_from([1, 3, 16, 32]),
+    salt=st.sampled_from([None, "", "tenant-a"]),
+    limit=st.none() | st.integers(0, 150),
+)
+def test_the_packed_hash_chain_is_the_plain_rule(tokens, block_size, salt, limit):
+    """`chain_hashes` (packed 64 blocks at a time, the blocks after the first
+    hashed inline) against each full block hashed from its parent by
+    `block_hash`, the first with its salt: the same hashes, over chunk
+    boundaries, salted or not, bounded or not."""
+    root = hashing.root_hash("m", block_size)
+    n = len(tokens) // block_size if limit is None else min(len(tokens) // block_size, limit)
+    plain, parent = [], root
+    for i in range(n):
+        keys = hashing.salt_keys(salt) if i == 0 else ()
+        parent = hashing.block_hash(parent, tokens[i * block_size : (i + 1) * block_size], keys)
+        plain.append(parent)
+    assert hashing.chain_hashes(root, tokens, block_size, salt, limit) == plain
