@@ -177,8 +177,10 @@ class WorkerArgs:
     )
     num_lookahead_slots: int = setting(
         8,
-        "slots an allocator call holds for each decoding sequence past its next token, so the next "
-        "N steps make no call unless one runs out or requests arrive (0: a call every step)",
+        "slots an allocator call holds for each decoding sequence past its next token (and the "
+        "rest of that slot's block), so the next N steps make no call unless one runs out or "
+        "requests arrive; a call carries a sequence only when it takes slots or fills a block "
+        "(0: a call every step)",
         metavar="N",
     )
     device: str = setting(
