@@ -82,30 +82,43 @@ def chain_hashes(
     cache_salt: str | None = None,
     limit_blocks: int | None = None,
 ) -> list[bytes]:
-    """Hashes of the full blocks of `token_ids` (at most `limit_blocks`)."""
+    """Hashes of the full blocks of `token_ids` (at most `limit_blocks`),
+    the first chained from `root` with the salt's extra keys; a pause point
+    before every `_PACE_BLOCKS` blocks."""
     n = len(token_ids) // block_size
     if limit_blocks is not None:
         n = min(n, limit_blocks)
     out: list[bytes] = []
-    parent = root
-    width = 4 * block_size  # bytes of one block's packed tokens
-    count = _U32.pack(block_size)
-    sha256 = hashlib.sha256
-    # Packed a chunk of blocks at a time (one struct call, not one per block).
     for first in range(0, n, _PACE_BLOCKS):
         pace()
         last = min(n, first + _PACE_BLOCKS)
-        packed = _pack(token_ids[first * block_size : last * block_size])
-        start = 0
-        if first == 0:  # the first block's extra keys (its salt)
-            parent = _digest(parent, packed[:width], block_size, salt_keys(cache_salt))
-            out.append(parent)
-            start = width
-        # NOTE: `_digest` of a block with no extra keys, inlined: one hash
-        # of the joined fields (one call a block, not five)
-        for at in range(start, (last - first) * width, width):
-            parent = sha256(b"".join((parent, count, packed[at : at + width], _NO_KEYS))).digest()
-            out.append(parent)
+        blocks = token_ids[first * block_size : last * block_size]
+        out += extend_chain(
+            out[-1] if out else root, blocks, block_size, cache_salt if first == 0 else None
+        )
+    return out
+
+
+def extend_chain(
+    parent: bytes, token_ids: Sequence[int], block_size: int, cache_salt: str | None = None
+) -> list[bytes]:
+    """Hashes of the full blocks of `token_ids` chained from `parent`, the
+    first with the salt's extra keys (a sequence's first block): the blocks a
+    decode fills, or a chunk of `chain_hashes`. No pause point."""
+    n = len(token_ids) // block_size
+    if not n:
+        return []
+    width = 4 * block_size  # bytes of one block's packed tokens
+    # Packed at once (one struct call, not one per block).
+    packed = _pack(token_ids[: n * block_size] if len(token_ids) > n * block_size else token_ids)
+    parent = _digest(parent, packed[:width], block_size, salt_keys(cache_salt))
+    out = [parent]
+    count, sha256 = _U32.pack(block_size), hashlib.sha256
+    # NOTE: `_digest` of a block with no extra keys, inlined: one hash of the
+    # joined fields (one call a block, not five)
+    for at in range(width, n * width, width):
+        parent = sha256(b"".join((parent, count, packed[at : at + width], _NO_KEYS))).digest()
+        out.append(parent)
     return out
 
 

@@ -344,13 +344,14 @@ class BlockPool(PoolHoldings):
         B, tail = self.block_size, seq.tail
         i = seq.num_hashed
         parent = seq.link(self.index.block_hash, i - 1) if i else self.root_hash
-        while len(tail) >= B:
-            keys = hashing.salt_keys(seq.salt) if i == 0 else ()
-            parent = hashing.block_hash(parent, tail[:B], keys)
-            seq.num_hashed = i + 1
-            self.index.register(seq.table[i], parent)
-            del tail[:B]
-            i += 1
+        hashes = hashing.extend_chain(parent, tail, B, seq.salt if i == 0 else None)
+        full = len(hashes)
+        seq.num_hashed = i + full
+        if full == 1:  # a decode's block
+            self.index.register(seq.table[i], hashes[0])
+        else:
+            self.index.register_run(seq.table[i : i + full], hashes)
+        del tail[: full * B]
 
     def fork(self, parent_id: str, child_id: str) -> list[int]:
         """The child shares every block of the parent (refcount + 1 each);
