@@ -1,19 +1,25 @@
 """`pagedkv bench pd`: the report's shape and sane values on the small simulated
-configuration (12 requests on sim:h100), on real CPU workers (tiny-random) and in a rate
-sweep; the figures themselves are compared only within a run (docs/benchmarks.md), never
-here."""
+configuration (12 requests on sim:h100), on real CPU workers (tiny-random, the first
+CPU_REQUESTS requests of the cpu workload) and in a rate sweep; the figures themselves are
+compared only within a run (docs/benchmarks.md), never here."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
 from pagedkv.bench.pd import SYSTEMS
 from pagedkv.bench.report import render
 from pagedkv.bench.workloads import PD
+
+# Real workers each answer every request in turn: three (a document among them at the
+# workload's seed) show the split and the bytes moved as well as its six.
+CPU_REQUESTS = 3
+SWEEP_REQUESTS = 3  # per swept rate
 
 
 def _bench(tmp_path_factory, workload: str, *more: str) -> tuple[dict, str]:
@@ -46,7 +52,7 @@ def sim(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cpu(tmp_path_factory):
-    return _bench(tmp_path_factory, "cpu")
+    return _bench(tmp_path_factory, "cpu", "--requests", str(CPU_REQUESTS))
 
 
 def _split_by_role(name: str, s: dict, requests: int) -> None:
@@ -114,7 +120,7 @@ def test_simulated_pair_colocated_and_split(sim):
 
 def test_real_cpu_workers_answer_the_same_split_or_not(cpu):
     report, _ = cpu
-    _answered_by_every_system(report, PD["cpu"])
+    _answered_by_every_system(report, replace(PD["cpu"], requests=CPU_REQUESTS))
     assert report["device"] == "cpu" and report["model"] == "tiny-random"
     # real bytes: what the prefill worker saved, the decode worker loaded, through the file
     # store and straight from the prefill worker's memory alike
@@ -125,21 +131,22 @@ def test_real_cpu_workers_answer_the_same_split_or_not(cpu):
 
 
 def test_rate_sweep_reports_goodput_per_rate_and_capacity(tmp_path_factory):
-    report, stdout = _bench(tmp_path_factory, "small", "--rates", "8,2", "--requests", "6")
+    n = SWEEP_REQUESTS
+    report, stdout = _bench(tmp_path_factory, "small", "--rates", "8,2", "--requests", str(n))
     assert "summary" not in report and "targets" not in report
     sw = report["sweep"]
-    assert sw["rates"] == [2.0, 8.0] and sw["requests_per_rate"] == 6  # lowest first
+    assert sw["rates"] == [2.0, 8.0] and sw["requests_per_rate"] == n  # lowest first
     assert list(sw["systems"]) == list(SYSTEMS)
     for name, points in sw["systems"].items():
         assert [p["rate_rps"] for p in points] == sw["rates"]
         for p in points:
-            assert p["requests"] == 6 and p["errors"] == 0, (name, p["first_error"])
-            assert p["slo_attainment"] == pytest.approx(p["slo_met"] / 6, abs=1e-4)
+            assert p["requests"] == n and p["errors"] == 0, (name, p["first_error"])
+            assert p["slo_attainment"] == pytest.approx(p["slo_met"] / n, abs=1e-4)
             assert p["goodput_rps"] == pytest.approx(p["slo_met"] / p["wall_s"], rel=1e-3)
             # the same requests at each rate on every system: the same greedy ids
             assert p["outputs_differing"] == (None if name == "colocated" else 0)
             if name != "colocated":
-                _split_by_role(name, p, 6)
+                _split_by_role(name, p, n)
         met = [p["rate_rps"] for p in points if p["slo_attainment"] >= sw["attainment"]]
         assert sw["capacity_rps"][name] == (max(met) if met else None)
     assert report["stream"]["rate_rps"] is None and report["stream"]["streams"] == 2
