@@ -16,10 +16,10 @@ from pagedkv.bench.pd import SYSTEMS
 from pagedkv.bench.report import render
 from pagedkv.bench.workloads import PD
 
-# Real workers each answer every request in turn: three (a document among them at the
-# workload's seed) show the split and the bytes moved as well as its six.
+# The three systems take the stream one after the other, each on fresh real workers: the cpu
+# workload's first three requests (two of them documents at its seed) show the split, the bytes
+# moved and the identical ids as its six do.
 CPU_REQUESTS = 3
-SWEEP_REQUESTS = 3  # per swept rate
 
 
 def _bench(tmp_path_factory, workload: str, *more: str) -> tuple[dict, str]:
@@ -131,22 +131,21 @@ def test_real_cpu_workers_answer_the_same_split_or_not(cpu):
 
 
 def test_rate_sweep_reports_goodput_per_rate_and_capacity(tmp_path_factory):
-    n = SWEEP_REQUESTS
-    report, stdout = _bench(tmp_path_factory, "small", "--rates", "8,2", "--requests", str(n))
+    report, stdout = _bench(tmp_path_factory, "small", "--rates", "8,2", "--requests", "6")
     assert "summary" not in report and "targets" not in report
     sw = report["sweep"]
-    assert sw["rates"] == [2.0, 8.0] and sw["requests_per_rate"] == n  # lowest first
+    assert sw["rates"] == [2.0, 8.0] and sw["requests_per_rate"] == 6  # lowest first
     assert list(sw["systems"]) == list(SYSTEMS)
     for name, points in sw["systems"].items():
         assert [p["rate_rps"] for p in points] == sw["rates"]
         for p in points:
-            assert p["requests"] == n and p["errors"] == 0, (name, p["first_error"])
-            assert p["slo_attainment"] == pytest.approx(p["slo_met"] / n, abs=1e-4)
+            assert p["requests"] == 6 and p["errors"] == 0, (name, p["first_error"])
+            assert p["slo_attainment"] == pytest.approx(p["slo_met"] / 6, abs=1e-4)
             assert p["goodput_rps"] == pytest.approx(p["slo_met"] / p["wall_s"], rel=1e-3)
             # the same requests at each rate on every system: the same greedy ids
             assert p["outputs_differing"] == (None if name == "colocated" else 0)
             if name != "colocated":
-                _split_by_role(name, p, n)
+                _split_by_role(name, p, 6)
         met = [p["rate_rps"] for p in points if p["slo_attainment"] >= sw["attainment"]]
         assert sw["capacity_rps"][name] == (max(met) if met else None)
     assert report["stream"]["rate_rps"] is None and report["stream"]["streams"] == 2
