@@ -28,8 +28,10 @@ __all__ = ["LlamaForCausalLM", "rope_inv_freq"]
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    """Inverse rotary frequencies [head_dim / 2], float32, with scaling applied."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    """Inverse rotary frequencies [head_dim / 2], float32 on the CPU (under a device context
+    too: on the meta device this arithmetic would import torch._dynamo), with scaling applied."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
     if scaling is None:
         return inv_freq
     if scaling.kind == "linear":
@@ -141,7 +143,13 @@ class DecoderStack(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # NOTE: given its weight, nn.Embedding skips its random init: on the meta device that
+        # init (normal_) goes through torch._refs, which imports torch._dynamo (seconds).
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size,
+            config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size),
+        )
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -131,18 +131,22 @@ def idle_connections(t: Target, w: AttackWorkload) -> Iterator[dict]:
 
 def _metrics_waits(url: str, probes: int = METRICS_PROBES) -> list[float | None]:
     """Seconds each of `probes` GETs of `url` took, a new connection each
-    (None: not a 200 within 10 s), METRICS_PAUSE_S apart."""
+    (None: not a 200 within 10 s), METRICS_PAUSE_S apart. One client keeps
+    no connection: each GET connects anew, and the client's own set-up is
+    not timed."""
     import httpx
 
     waits: list[float | None] = []
-    for _ in range(probes):
-        t0 = time.perf_counter()
-        try:
-            ok = httpx.get(url, timeout=10).status_code == 200
-        except httpx.HTTPError:
-            ok = False
-        waits.append(time.perf_counter() - t0 if ok else None)
-        time.sleep(METRICS_PAUSE_S)
+    no_keepalive = httpx.Limits(max_keepalive_connections=0)
+    with httpx.Client(limits=no_keepalive, timeout=10) as client:
+        for _ in range(probes):
+            t0 = time.perf_counter()
+            try:
+                ok = client.get(url).status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            waits.append(time.perf_counter() - t0 if ok else None)
+            time.sleep(METRICS_PAUSE_S)
     return waits
 
 

@@ -48,10 +48,10 @@ ATTACKS = {
         "and 2 trickled ones from an evil worker (the router's first-byte timeout 10 s)"
     ),
     "small": AttackWorkload(
-        "1 s alone, 2 s of each attack, every attack smaller; the router's read deadlines "
+        "0.5 s alone, 1 s of each attack, every attack smaller; the router's read deadlines "
         "1 s each, its first-byte timeout 1.5 s",
-        baseline_s=1.0,
-        attack_s=2.0,
+        baseline_s=0.5,
+        attack_s=1.0,
         victim_seqs=4,
         idle_connections=100,
         slow_clients=10,
