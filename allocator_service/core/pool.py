@@ -302,7 +302,7 @@ class BlockPool(PoolHoldings):
                     tail.append(tokens[at])
                 else:
                     tail += tokens[at : at + c]
-                if len(tail) >= B:
+                if len(tail) >= B:  # (checked here too: one call fewer a token)
                     self._hash_full_tail(seq)
             keep[i] = len(seq.table)
             at += c
@@ -342,6 +342,8 @@ class BlockPool(PoolHoldings):
     def _hash_full_tail(self, seq: SeqEntry) -> None:
         """Hash and register each block the sequence has just filled."""
         B, tail = self.block_size, seq.tail
+        if len(tail) < B:
+            return
         i = seq.num_hashed
         parent = seq.link(self.index.block_hash, i - 1) if i else self.root_hash
         hashes = hashing.extend_chain(parent, tail, B, seq.salt if i == 0 else None)
