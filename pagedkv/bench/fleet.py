@@ -127,6 +127,7 @@ def measure(args: argparse.Namespace) -> dict:
                 "step_p99_ms",
                 "device_idle",
                 "allocator_cpu_per_s",
+                "allocator_cpu_ms_per_step",
                 "allocator_rss_mib",
                 "errors",
             )
@@ -297,6 +298,8 @@ def _case(recording, m: int, n: int, cores: list[int], profile: str | None = Non
             (round(r.idle_s / r.wall_s, 4) for r in runs if r.wall_s > 0), default=None
         ),
         "allocator_cpu_per_s": round((cpu1 - cpu0) / (t1 - t0), 3),
+        # the same replayed Steps cost this much whatever the answers' delays
+        "allocator_cpu_ms_per_step": round((cpu1 - cpu0) / calls * 1e3, 3) if calls else None,
         "allocator_rss_mib": round(rss / 2**20, 1),
         "errors": len(failed) + mismatches,
         "failed_calls": len(failed),
@@ -441,6 +444,7 @@ def tables(report: dict) -> list[Table]:
             cell(c["step_p99_ms"], ".2f"),
             cell(None if c["device_idle"] is None else 100 * c["device_idle"], ".1f"),
             cell(c["allocator_cpu_per_s"], ".2f"),
+            cell(c.get("allocator_cpu_ms_per_step"), ".2f"),
             cell(c["allocator_rss_mib"], ".0f"),
             cell(c["errors"]),
             cell(c["unary_workers"]),
@@ -459,8 +463,10 @@ def tables(report: dict) -> list[Table]:
         f"requests of {cell(rec['request_bytes_mean'], ',')} bytes on average.",
         "Step ms: where the load generator sees it. Idle %: sum of max(0, Step latency - device "
         "step time) over the workers' wall time. CPU s/s and RSS: the allocator processes', "
-        "summed. Errors: failed calls and answers unlike the recording's. Unary: workers whose "
-        "StepStream the server refused (its stream limit), sending unary Steps as a worker does. "
+        "summed; CPU ms/Step: their CPU per Step replayed (the same Steps' cost, however late "
+        "their answers). Errors: failed calls and answers unlike the recording's. Unary: "
+        "workers whose StepStream the server refused (its stream limit), sending unary Steps as "
+        "a worker does. "
         "Loadgen: its CPU per call, and how late it sent (p99). Others' CPU: the machine's CPU "
         "that processes other than the benchmark's took meanwhile (they share the pinned cores).",
         f"Knee (the most workers at <= {100 * t['idle_target']:.0f}% device idle): {knees}. "
@@ -486,6 +492,7 @@ def tables(report: dict) -> list[Table]:
                 "Step p99 ms",
                 "idle %",
                 "CPU s/s",
+                "CPU ms/Step",
                 "RSS MiB",
                 "errors",
                 "unary",
