@@ -110,7 +110,7 @@ def extend_chain(
         return []
     width = 4 * block_size  # bytes of one block's packed tokens
     # Packed at once (one struct call, not one per block).
-    packed = _pack(token_ids[: n * block_size] if len(token_ids) > n * block_size else token_ids)
+    packed = _pack(token_ids[: n * block_size])
     parent = _digest(parent, packed[:width], block_size, salt_keys(cache_salt))
     out = [parent]
     count, sha256 = _U32.pack(block_size), hashlib.sha256

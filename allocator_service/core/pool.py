@@ -349,10 +349,7 @@ class BlockPool(PoolHoldings):
         hashes = hashing.extend_chain(parent, tail, B, seq.salt if i == 0 else None)
         full = len(hashes)
         seq.num_hashed = i + full
-        if full == 1:  # a decode's block
-            self.index.register(seq.table[i], hashes[0])
-        else:
-            self.index.register_run(seq.table[i : i + full], hashes)
+        self.index.register_run(seq.table[i : i + full], hashes)
         del tail[: full * B]
 
     def fork(self, parent_id: str, child_id: str) -> list[int]:

@@ -144,24 +144,13 @@ class PrefixIndex:
 
     def register(self, b: int, h: bytes) -> None:
         """Block `b` now holds the full block hashed `h`."""
-        o = b * HASH_BYTES
-        self._data[o : o + HASH_BYTES] = h  # `BlockHashes.set`, inlined: one call a block filled
-        key = self._keys[b] = ~hash(h)
-        slots, mask = self._slots, self._mask
-        i = key & mask
-        while (s := slots[i]) != EMPTY:  # `_add`, inlined: one call a block filled
-            if s == b:
-                break
-            i = (i + 1) & mask
-        else:
-            slots[i] = b
-        if self.event_sink is not None:
-            self.event_sink(BLOCK_STORED, b, h)
+        self.register_run((b,), (h,))
 
     def register_run(self, blocks: Sequence[int], hashes: Sequence[bytes]) -> None:
-        """`register(b, h)` for each pair of `blocks` and `hashes`, in order
-        (an admission's blocks). NOTE: its loop inlines `register`'s: one
-        call a prompt, not one a block."""
+        """Each block of `blocks` now holds the full block hashed as the
+        same entry of `hashes`, in order (an admission's blocks, those a
+        decode fills). NOTE: `BlockHashes.set` and `_add` inlined: one call
+        a prompt, not three a block."""
         data, keys, slots, mask = self._data, self._keys, self._slots, self._mask
         sink = self.event_sink
         for b, h in zip(blocks, hashes, strict=True):
