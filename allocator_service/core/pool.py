@@ -167,8 +167,11 @@ class BlockPool(PoolHoldings):
         if loads:
             self._load(hits, hashes)
         new_blocks = self._take_run(need)
-        for i, b in enumerate(new_blocks):
-            self._fill[b] = min(B, stored + reserve - (len(hits) + i) * B)
+        if new_blocks:  # each full but the last, which holds the rest
+            fill = self._fill
+            for b in new_blocks:
+                fill[b] = B
+            fill[new_blocks[-1]] = stored + reserve - (len(hits) + need - 1) * B
         table = hits + new_blocks
         self.table_entries += len(table)
         self.name_chars += names
@@ -402,10 +405,12 @@ class BlockPool(PoolHoldings):
                 self._uncached_free.append(b)
             else:
                 cached.append(b)
+        clock, stamp, queue = self._clock, self._stamp, self._cached_free
         for b in reversed(cached):
-            self._clock += 1
-            self._stamp[b] = self._clock
-            self._cached_free[b] = None
+            clock += 1
+            stamp[b] = clock
+            queue[b] = None
+        self._clock = clock
         if self.tiers is not None:
             for b in reversed(cached):
                 # tail first: a full store drops a chain's tail before its head
@@ -514,33 +519,35 @@ class BlockPool(PoolHoldings):
                 hits[i] = nb
 
     def _take_run(self, n: int) -> list[int]:
-        """`n` blocks popped from the front of the free queue, as `n` calls of
-        `_take` (the caller checked there are as many): the fresh ids as one
-        slice, then the rest one by one."""
+        """`n` blocks popped from the front of the free queue (the caller
+        checked there are as many): the ids never used, then the uncached
+        free blocks, then the cached ones, least recently freed first, each
+        evicted from the prefix index. A cached block whose hash no other
+        block holds is saved a tier down."""
         fresh = min(n, self.num_blocks - self._fresh)
         taken = self._ids[self._fresh : self._fresh + fresh]
         self._fresh += fresh
+        if (rest := n - fresh) and (uncached := self._uncached_free):
+            taken += [uncached.popleft() for _ in range(min(rest, len(uncached)))]
+            rest = n - len(taken)
+        if rest:
+            pop = self._cached_free.popitem
+            evicted = [pop(last=False)[0] for _ in range(rest)]
+            self.evictions += rest
+            if self.tiers is None:
+                self.index.evict_run(evicted)
+            else:  # in turn: whether another block still holds a hash changes
+                for b in evicted:
+                    h = self.index.evict(b)
+                    if h not in self.index:
+                        self.tiers.evicted(b, h)
+            taken += evicted
         ref_cnt, fill = self.ref_cnt, self._fill
         for b in taken:
             ref_cnt[b] = 1
             fill[b] = 0
-        taken += [self._take() for _ in range(n - fresh)]
         return taken
 
     def _take(self) -> int:
-        """Pop the front of the free queue (caller checked there is one). A
-        cached block whose hash no other block holds is saved a tier down."""
-        if self._fresh < self.num_blocks:
-            b = self._ids[self._fresh]
-            self._fresh += 1
-        elif self._uncached_free:
-            b = self._uncached_free.popleft()
-        else:
-            b, _ = self._cached_free.popitem(last=False)
-            h = self.index.evict(b)
-            self.evictions += 1
-            if self.tiers is not None and h not in self.index:
-                self.tiers.evicted(b, h)
-        self.ref_cnt[b] = 1
-        self._fill[b] = 0
-        return b
+        """Pop the front of the free queue: `_take_run` of one."""
+        return self._take_run(1)[0]

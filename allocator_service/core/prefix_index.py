@@ -19,7 +19,9 @@ BLOCK_STORED = "block_stored"
 BLOCK_REMOVED = "block_removed"
 ALL_CLEARED = "all_cleared"
 
-EventSink = Callable[[str, int, bytes | None], None]
+# Called with a run of events of one kind, in order: (kind, the blocks, their
+# hashes); ALL_CLEARED names block -1 and no hash.
+EventSink = Callable[[str, Sequence[int], Sequence[bytes | None]], None]
 
 # An empty slot of the index's table.
 EMPTY = -1
@@ -164,33 +166,43 @@ class PrefixIndex:
                 i = (i + 1) & mask
             else:
                 slots[i] = b
-            if sink is not None:
-                sink(BLOCK_STORED, b, h)
+        if sink is not None:
+            sink(BLOCK_STORED, blocks, hashes)
 
     def evict(self, b: int) -> bytes:
         """Forget the hash block `b` holds (it is about to be reused); returns it."""
-        slots, mask, keys = self._slots, self._mask, self._keys
-        key = keys[b]
-        assert key != NO_HASH
-        h = self._data[(o := b * HASH_BYTES) : o + HASH_BYTES]
-        i = key & mask
-        while (s := slots[i]) != b:
-            if s == EMPTY:
-                raise KeyError(f"block {b} is not in the prefix index")
-            i = (i + 1) & mask
-        # Backward-shift deletion: move up each later entry of the run that
-        # its own hash's probe reaches past the hole, so none is cut off.
-        j = i
-        while (s := slots[j := (j + 1) & mask]) != EMPTY:
-            home = keys[s] & mask
-            if (j - home) & mask >= (j - i) & mask:
-                slots[i] = s
-                i = j
-        slots[i] = EMPTY
-        keys[b] = NO_HASH  # `BlockHashes.drop`, inlined
-        if self.event_sink is not None:
-            self.event_sink(BLOCK_REMOVED, b, h)
-        return h
+        return self.evict_run((b,))[0]
+
+    def evict_run(self, blocks: Sequence[int]) -> list[bytes]:
+        """Forget the hash each of `blocks` holds, in order (blocks about to
+        be reused: an admission's evictions); returns them. NOTE: one call a
+        run of evictions, not one a block (the admissions of a full cache)."""
+        slots, mask, keys, data = self._slots, self._mask, self._keys, self._data
+        sink = self.event_sink
+        out: list[bytes] = []
+        for b in blocks:
+            key = keys[b]
+            assert key != NO_HASH
+            h = data[(o := b * HASH_BYTES) : o + HASH_BYTES]
+            i = key & mask
+            while (s := slots[i]) != b:
+                if s == EMPTY:
+                    raise KeyError(f"block {b} is not in the prefix index")
+                i = (i + 1) & mask
+            # Backward-shift deletion: move up each later entry of the run that
+            # its own hash's probe reaches past the hole, so none is cut off.
+            j = i
+            while (s := slots[j := (j + 1) & mask]) != EMPTY:
+                home = keys[s] & mask
+                if (j - home) & mask >= (j - i) & mask:
+                    slots[i] = s
+                    i = j
+            slots[i] = EMPTY
+            keys[b] = NO_HASH  # `BlockHashes.drop`, inlined
+            out.append(h)
+        if sink is not None:
+            sink(BLOCK_REMOVED, blocks, out)
+        return out
 
     def clear(self) -> int:
         """Forget every hash; returns how many blocks held one."""
@@ -198,5 +210,5 @@ class PrefixIndex:
         self.block_hash.drop_all()
         self._slots = array("i", [EMPTY]) * len(self._slots)
         if self.event_sink is not None:
-            self.event_sink(ALL_CLEARED, -1, None)
+            self.event_sink(ALL_CLEARED, (-1,), (None,))
         return dropped

@@ -23,6 +23,7 @@ from __future__ import annotations
 import bisect
 import threading
 from collections import deque
+from collections.abc import Sequence
 from typing import NamedTuple
 
 
@@ -80,12 +81,20 @@ class RecordEvents:
             )
         )
 
-    def add_block(self, kind: str, pool_id: str, block_id: int, block_hash: bytes | None) -> None:
-        """A core event (block_stored, block_removed, all_cleared): `add`
-        with no other field. NOTE: kept as its first four fields (`Event`'s
-        defaults are the rest), one short tuple per block a step stores or
-        evicts (the hot path: a decode step stores a block per 16 tokens)."""
-        self.events.append((kind, pool_id, block_id if block_id > 0 else 0, block_hash or b""))
+    def add_blocks(
+        self,
+        kind: str,
+        pool_id: str,
+        blocks: Sequence[int],
+        hashes: Sequence[bytes | None],
+    ) -> None:
+        """A run of core events of one kind (block_stored, block_removed,
+        all_cleared), in order: `add` with no other field. NOTE: each kept
+        as its first four fields (`Event`'s defaults are the rest), one short
+        tuple per block a step stores or evicts, one call a run (the hot
+        path: a decode step stores a block per 16 tokens)."""
+        runs = zip(blocks, hashes, strict=True)
+        self.events += [(kind, pool_id, b if b > 0 else 0, h or b"") for b, h in runs]
 
 
 class EventLog:

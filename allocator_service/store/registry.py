@@ -27,6 +27,7 @@ from __future__ import annotations
 import base64
 import hmac
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,8 +56,8 @@ class _Sink:
         self.pool_id = pool_id
         self.batch: RecordEvents | None = None
 
-    def __call__(self, kind: str, block: int, block_hash: bytes | None) -> None:
-        self.batch.add_block(kind, self.pool_id, block, block_hash)
+    def __call__(self, kind: str, blocks: Sequence[int], hashes: Sequence[bytes | None]) -> None:
+        self.batch.add_blocks(kind, self.pool_id, blocks, hashes)
 
 
 class CorruptState(RuntimeError):

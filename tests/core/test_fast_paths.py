@@ -85,8 +85,8 @@ def test_fast_append_answers_and_state_are_the_plain_rules(seed, num_blocks, blo
     rng = random.Random(seed)
     config = PoolConfig(num_blocks, block_size, caching, "m")
     events: dict[str, list] = {"fast": [], "plain": []}
-    fast = BlockPool(config, lambda *e: events["fast"].append(e))
-    plain = PlainPool(config, lambda *e: events["plain"].append(e))
+    fast = BlockPool(config, _recorder(events["fast"]))
+    plain = PlainPool(config, _recorder(events["plain"]))
     live: list[str] = []
     serial = [0]
     for _ in range(40):
@@ -98,6 +98,13 @@ def test_fast_append_answers_and_state_are_the_plain_rules(seed, num_blocks, blo
         assert fast.to_state() == plain.to_state()
         assert events["fast"] == events["plain"]
     assert fast.check_integrity()
+
+
+def _recorder(out: list):
+    """An event sink that keeps each event of a run as (kind, block, hash)."""
+    return lambda kind, blocks, hashes: out.extend(
+        (kind, b, h) for b, h in zip(blocks, hashes, strict=True)
+    )
 
 
 class DictIndex:
@@ -132,7 +139,7 @@ class DictIndex:
         self.block_hash.set(b, h)
         self.holders_of.setdefault(h, {})[b] = None
         if self.event_sink is not None:
-            self.event_sink(BLOCK_STORED, b, h)
+            self.event_sink(BLOCK_STORED, (b,), (h,))
 
     def register_run(self, blocks, hashes) -> None:
         for b, h in zip(blocks, hashes, strict=True):
@@ -145,8 +152,11 @@ class DictIndex:
             del self.holders_of[h]
         self.block_hash.drop(b)
         if self.event_sink is not None:
-            self.event_sink(BLOCK_REMOVED, b, h)
+            self.event_sink(BLOCK_REMOVED, (b,), (h,))
         return h
+
+    def evict_run(self, blocks) -> list[bytes]:
+        return [self.evict(b) for b in blocks]
 
     def clear(self) -> int:
         dropped = sum(len(holders) for holders in self.holders_of.values())
@@ -155,7 +165,7 @@ class DictIndex:
                 self.block_hash.drop(b)
         self.holders_of.clear()
         if self.event_sink is not None:
-            self.event_sink(ALL_CLEARED, -1, None)
+            self.event_sink(ALL_CLEARED, (-1,), (None,))
         return dropped
 
 
@@ -199,8 +209,8 @@ def test_the_index_table_and_the_fresh_ids_are_the_plain_rules(
     rng = random.Random(seed)
     config = PoolConfig(num_blocks, block_size, True, "m", host_blocks=host_blocks)
     events: dict[str, list] = {"table": [], "dict": []}
-    table = BlockPool(config, lambda *e: events["table"].append(e))
-    plain = PlainQueuePool(config, lambda *e: events["dict"].append(e))
+    table = BlockPool(config, _recorder(events["table"]))
+    plain = PlainQueuePool(config, _recorder(events["dict"]))
     live: list[str] = []
     serial = [0]
     for _ in range(40):
@@ -217,7 +227,7 @@ def test_the_index_table_and_the_fresh_ids_are_the_plain_rules(
         if r < 0.05:
             assert table.reset_prefix_cache() == plain.reset_prefix_cache()
         elif r < 0.15:
-            table = BlockPool.from_state(table.to_state(), lambda *e: events["table"].append(e))
+            table = BlockPool.from_state(table.to_state(), _recorder(events["table"]))
             assert _holders(table) == _holders(plain)
         assert table.check_integrity()
 
