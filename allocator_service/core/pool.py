@@ -519,11 +519,13 @@ class BlockPool(PoolHoldings):
                 hits[i] = nb
 
     def _take_run(self, n: int) -> list[int]:
-        """`n` blocks popped from the front of the free queue (the caller
-        checked there are as many): the ids never used, then the uncached
-        free blocks, then the cached ones, least recently freed first, each
-        evicted from the prefix index. A cached block whose hash no other
-        block holds is saved a tier down."""
+        """`n` blocks popped from the front of the free queue, as `n` calls of
+        `_take` (the caller checked there are as many): the never-used ids,
+        the uncached free blocks and the cached ones each as one run.
+
+        NOTE: the run form of `_take` (an admission's blocks: one index call
+        for its evictions, not one a block); tests/core/test_fast_paths.py
+        checks it against `_take` one block at a time."""
         fresh = min(n, self.num_blocks - self._fresh)
         taken = self._ids[self._fresh : self._fresh + fresh]
         self._fresh += fresh
@@ -536,7 +538,7 @@ class BlockPool(PoolHoldings):
             self.evictions += rest
             if self.tiers is None:
                 self.index.evict_run(evicted)
-            else:  # in turn: whether another block still holds a hash changes
+            else:  # in turn: whether another block still holds a hash decides a save
                 for b in evicted:
                     h = self.index.evict(b)
                     if h not in self.index:
@@ -549,5 +551,19 @@ class BlockPool(PoolHoldings):
         return taken
 
     def _take(self) -> int:
-        """Pop the front of the free queue: `_take_run` of one."""
-        return self._take_run(1)[0]
+        """Pop the front of the free queue (caller checked there is one). A
+        cached block whose hash no other block holds is saved a tier down."""
+        if self._fresh < self.num_blocks:
+            b = self._ids[self._fresh]
+            self._fresh += 1
+        elif self._uncached_free:
+            b = self._uncached_free.popleft()
+        else:
+            b, _ = self._cached_free.popitem(last=False)
+            h = self.index.evict(b)
+            self.evictions += 1
+            if self.tiers is not None and h not in self.index:
+                self.tiers.evicted(b, h)
+        self.ref_cnt[b] = 1
+        self._fill[b] = 0
+        return b

@@ -20,8 +20,8 @@ BLOCK_REMOVED = "block_removed"
 ALL_CLEARED = "all_cleared"
 
 # Called with a run of events of one kind, in order: (kind, the blocks, their
-# hashes); ALL_CLEARED names block -1 and no hash.
-EventSink = Callable[[str, Sequence[int], Sequence[bytes | None]], None]
+# hashes); ALL_CLEARED names none: block 0 and an empty hash.
+EventSink = Callable[[str, Sequence[int], Sequence[bytes]], None]
 
 # An empty slot of the index's table.
 EMPTY = -1
@@ -210,5 +210,5 @@ class PrefixIndex:
         self.block_hash.drop_all()
         self._slots = array("i", [EMPTY]) * len(self._slots)
         if self.event_sink is not None:
-            self.event_sink(ALL_CLEARED, (-1,), (None,))
+            self.event_sink(ALL_CLEARED, (0,), (b"",))
         return dropped

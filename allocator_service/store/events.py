@@ -24,6 +24,7 @@ import bisect
 import threading
 from collections import deque
 from collections.abc import Sequence
+from itertools import repeat
 from typing import NamedTuple
 
 
@@ -82,19 +83,15 @@ class RecordEvents:
         )
 
     def add_blocks(
-        self,
-        kind: str,
-        pool_id: str,
-        blocks: Sequence[int],
-        hashes: Sequence[bytes | None],
+        self, kind: str, pool_id: str, blocks: Sequence[int], hashes: Sequence[bytes]
     ) -> None:
         """A run of core events of one kind (block_stored, block_removed,
-        all_cleared), in order: `add` with no other field. NOTE: each kept
-        as its first four fields (`Event`'s defaults are the rest), one short
-        tuple per block a step stores or evicts, one call a run (the hot
-        path: a decode step stores a block per 16 tokens)."""
-        runs = zip(blocks, hashes, strict=True)
-        self.events += [(kind, pool_id, b if b > 0 else 0, h or b"") for b, h in runs]
+        all_cleared: block 0, hash b""), in order: `add` with no other
+        field. NOTE: each kept as its first four fields (`Event`'s defaults
+        are the rest), one short tuple per block a step stores or evicts,
+        built at C speed (the hot path: a decode step stores a block per 16
+        tokens)."""
+        self.events += zip(repeat(kind), repeat(pool_id), blocks, hashes)
 
 
 class EventLog:

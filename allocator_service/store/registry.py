@@ -56,7 +56,7 @@ class _Sink:
         self.pool_id = pool_id
         self.batch: RecordEvents | None = None
 
-    def __call__(self, kind: str, blocks: Sequence[int], hashes: Sequence[bytes | None]) -> None:
+    def __call__(self, kind: str, blocks: Sequence[int], hashes: Sequence[bytes]) -> None:
         self.batch.add_blocks(kind, self.pool_id, blocks, hashes)
 
 

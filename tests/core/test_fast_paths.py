@@ -11,8 +11,8 @@ bad input) through both give identical answers, identical state (tables,
 refcounts, free queues, hashes) and identical events after every step.
 The prefix index is checked against a dict of hash -> holders (the plain
 rules of `DictIndex`), and the free queue's front of ids never handed out
-against a queue of every id (`PlainQueuePool`): the same answers, state,
-events and holders. A sequence's hash chain, read from its blocks' hashes
+and its runs against a queue of every id taken one block at a time
+(`PlainQueuePool`): the same answers, state, events and holders. A sequence's hash chain, read from its blocks' hashes
 in the pool's column (`BlockHashes`) but where a cache reset or a dump keeps
 it apart, is checked against the chain hashes of the tokens it holds, and
 the packed chain (`hashing.chain_hashes`) against each block hashed alone.
@@ -165,19 +165,23 @@ class DictIndex:
                 self.block_hash.drop(b)
         self.holders_of.clear()
         if self.event_sink is not None:
-            self.event_sink(ALL_CLEARED, (-1,), (None,))
+            self.event_sink(ALL_CLEARED, (0,), (b"",))
         return dropped
 
 
 class PlainQueuePool(BlockPool):
-    """A free queue that starts as the deque of every id, 0 first, and a
-    prefix index that is a dict (`DictIndex`)."""
+    """A free queue that starts as the deque of every id, 0 first, whose
+    blocks are taken one at a time (`_take`, never a run), and a prefix
+    index that is a dict (`DictIndex`)."""
 
     def __init__(self, config, event_sink=None) -> None:
         super().__init__(config)
         self._fresh = self.num_blocks
         self._uncached_free = deque(range(self.num_blocks))
         self.index = DictIndex(self.index.block_hash, event_sink)
+
+    def _take_run(self, n):
+        return [self._take() for _ in range(n)]
 
 
 def _holders(pool) -> dict[bytes, list[int]]:
