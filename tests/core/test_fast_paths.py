@@ -12,10 +12,11 @@ refcounts, free queues, hashes) and identical events after every step.
 The prefix index is checked against a dict of hash -> holders (the plain
 rules of `DictIndex`), and the free queue's front of ids never handed out
 and its runs against a queue of every id taken one block at a time
-(`PlainQueuePool`): the same answers, state, events and holders. A sequence's hash chain, read from its blocks' hashes
-in the pool's column (`BlockHashes`) but where a cache reset or a dump keeps
-it apart, is checked against the chain hashes of the tokens it holds, and
-the packed chain (`hashing.chain_hashes`) against each block hashed alone.
+(`PlainQueuePool`): the same answers, state, events and holders. A
+sequence's hash chain, read from its blocks' hashes in the pool's column
+(`BlockHashes`) but where a cache reset or a dump keeps it apart, is checked
+against the chain hashes of the tokens it holds, and the packed chain
+(`hashing.chain_hashes`) against each block hashed alone.
 """
 
 from __future__ import annotations
