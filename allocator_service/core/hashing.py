@@ -111,12 +111,14 @@ def extend_chain(
     width = 4 * block_size  # bytes of one block's packed tokens
     # Packed at once (one struct call, not one per block).
     packed = _pack(token_ids[: n * block_size])
-    parent = _digest(parent, packed[:width], block_size, salt_keys(cache_salt))
-    out = [parent]
+    out: list[bytes] = []
+    if keys := salt_keys(cache_salt):  # the first block's extra keys
+        parent = _digest(parent, packed[:width], block_size, keys)
+        out.append(parent)
     count, sha256 = _U32.pack(block_size), hashlib.sha256
     # NOTE: `_digest` of a block with no extra keys, inlined: one hash of the
-    # joined fields (one call a block, not five)
-    for at in range(width, n * width, width):
+    # joined fields (one call a block, not five; a decode fills one block)
+    for at in range(width if out else 0, n * width, width):
         parent = sha256(b"".join((parent, count, packed[at : at + width], _NO_KEYS))).digest()
         out.append(parent)
     return out

@@ -328,8 +328,8 @@ def test_chains_read_from_the_blocks_hashes_are_the_plain_rule(
     limit=st.none() | st.integers(0, 150),
 )
 def test_the_packed_hash_chain_is_the_plain_rule(tokens, block_size, salt, limit):
-    """`chain_hashes` (packed 64 blocks at a time, the blocks after the first
-    hashed inline) against each full block hashed from its parent by
+    """`chain_hashes` (packed 64 blocks at a time, every block but a salted
+    first hashed inline) against each full block hashed from its parent by
     `block_hash`, the first with its salt: the same hashes, over chunk
     boundaries, salted or not, bounded or not."""
     root = hashing.root_hash("m", block_size)
