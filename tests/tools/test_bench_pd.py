@@ -131,10 +131,12 @@ def test_real_cpu_workers_answer_the_same_split_or_not(cpu):
 
 
 def test_rate_sweep_reports_goodput_per_rate_and_capacity(tmp_path_factory):
-    report, stdout = _bench(tmp_path_factory, "small", "--rates", "8,2", "--requests", "6")
+    # 6 requests a rate keep the stream at 8 requests/s long enough for the goodput check's 1e-3
+    # tolerance (wall_s is rounded to the millisecond); two rates, the lower one at 4 requests/s
+    report, stdout = _bench(tmp_path_factory, "small", "--rates", "8,4", "--requests", "6")
     assert "summary" not in report and "targets" not in report
     sw = report["sweep"]
-    assert sw["rates"] == [2.0, 8.0] and sw["requests_per_rate"] == 6  # lowest first
+    assert sw["rates"] == [4.0, 8.0] and sw["requests_per_rate"] == 6  # lowest first
     assert list(sw["systems"]) == list(SYSTEMS)
     for name, points in sw["systems"].items():
         assert [p["rate_rps"] for p in points] == sw["rates"]
