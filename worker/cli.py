@@ -179,8 +179,8 @@ class WorkerArgs:
         8,
         "slots an allocator call holds for each decoding sequence past its next token (and the "
         "rest of that slot's block), so the next N steps make no call unless one runs out or "
-        "requests arrive; a call carries a sequence only when it takes slots or fills a block "
-        "(0: a call every step)",
+        "requests arrive; a call carries a sequence only when it takes slots, its values riding "
+        "along (0: a call every step)",
         metavar="N",
     )
     device: str = setting(

@@ -3,11 +3,13 @@
 A call holds each sequence it samples for at least that many reserved slots
 past its next token, to the end of the block that holds the last of them,
 so the steps after it make no allocator call until a sequence runs out, a
-request is admitted or a sample forks. Their tokens' values ride a later
-call: the first that fills a block with them (the block is then hashed) or
-that takes slots for the sequence anyway; a call neither does for a
-sequence sends nothing for it. In steady decoding a sequence so appears in
-about two calls a block, not in every one. Slots ahead are all or none,
+request is admitted or a sample forks. Their tokens' values ride the next
+Append the sequence sends anyway (slots it takes, a copy, samples that wait
+to fork), or its finishing flush; a call that takes nothing for a sequence
+sends nothing for it. In steady decoding a sequence so appears in about one
+call a block, not in every one, and a block it fills is hashed (findable)
+with that call: at most a block of tokens later than with a call per step.
+Slots ahead are all or none,
 taken only when the free blocks past the watermark hold them, what every
 running sequence needs next and the blocks of a request that waits only for
 the token budget; a step short of blocks gives them back (`Unreserve`)
@@ -28,9 +30,8 @@ def plan_appends(plan: StepPlan, running: list[Sequence], lookahead: int, waterm
     """The step makes a call: each running sequence that samples tops its
     slots up to `lookahead` past its next token, rounded up to the end of
     that slot's block; a running sequence sends the values it has not sent
-    when they fill a block, or with an Append it sends anyway (slots it
-    takes, an Unreserve, a copy, a parent whose samples wait to fork); then
-    the admissions follow.
+    with an Append it sends anyway (slots it takes, an Unreserve, a copy, a
+    parent whose samples wait to fork); then the admissions follow.
     Lookahead is all or none: only when the free blocks past the
     watermark hold every running sequence's lookahead and what each still
     needs for its known tokens and its next one (so a sequence that gets
@@ -84,16 +85,7 @@ def plan_appends(plan: StepPlan, running: list[Sequence], lookahead: int, waterm
                 else:
                     target = max(target, view.fit(blocks, want))
             op = append_op(seq, end, target)
-        valued = seq.num_valued
-        if (
-            target > seq.num_held
-            or u is not None
-            or p.must_call
-            or (
-                op.tokens
-                and (view.completes_block(valued, valued + len(op.tokens)) or seq in parents)
-            )
-        ):
+        if target > seq.num_held or u is not None or p.must_call or (op.tokens and seq in parents):
             p.op = op
             p.held, p.reserved = after_append(held, reserved, len(op.tokens), op.reserve)
             plan.ops.append(op)
