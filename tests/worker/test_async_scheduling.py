@@ -138,7 +138,6 @@ def test_lookahead_slots_skip_calls_and_keep_every_block_cached(tiny, on):
     assert runs[8][0] == runs[0][0]
     assert runs[0][1] >= 31
     assert runs[8][1] == 7
-    # Appends: one a token with a call per step; about two a block with lookahead
     # Appends: one a token with a call per step; with lookahead, those that
     # take slots (about one a block) and at most a flush a request
     assert (runs[0][2], runs[8][2]) == ((117, 17) if on else (116, 16))
