@@ -135,7 +135,7 @@ def measure(args: argparse.Namespace) -> dict:
     return {
         "device": "sim:h100",
         "model": "llama-3-8b (public config.json, bfloat16)",
-        "workload": w.what,
+        "workload": f"{w.what}; replayed by {', '.join(map(str, workers))} workers",
         "cores": len(cores),
         "recording": {
             "lookahead": recording.lookahead,

@@ -125,12 +125,11 @@ FLEET = {
     "default": FleetWorkload(
         "one Llama-3-8B worker on sim:h100 with 256 sequences running (prompts of 500-1,500 "
         "tokens, outputs of 200-400, a new request as each finishes) recorded for 400 steps past "
-        "its warm-up, replayed by 1 to 32 workers; 16 pools of 65,536 blocks for the memory figure",
+        "its warm-up; 16 pools of 65,536 blocks for the memory figure",
         HostWorkload("256 sequences", sizes=(256,), steps=400),
     ),
     "small": FleetWorkload(
-        "4 sequences of 50-100 prompt tokens recorded for "
-        "30 steps, replayed by 1 and 2 workers; 4,096 blocks",
+        "4 sequences of 50-100 prompt tokens recorded for 30 steps; 4,096 blocks",
         HostWorkload(
             "4 sequences", sizes=(4,), steps=30, prompt_tokens=(50, 100), output_tokens=(20, 40)
         ),
