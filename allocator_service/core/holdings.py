@@ -10,6 +10,8 @@ from collections.abc import Mapping, Sequence
 from itertools import islice
 from typing import Any, Self
 
+from mypy_extensions import mypyc_attr
+
 from allocator_service.core import hashing, integrity, snapshot
 from allocator_service.core.block_ids import block_ids, shared
 from allocator_service.core.errors import InvalidArgument, UnknownSequence
@@ -25,6 +27,7 @@ from allocator_service.core.validation import check_cache_salt, check_tokens
 _COUNTERS = ("prefix_queried_tokens", "prefix_hit_tokens", "evictions", "copies", "out_of_blocks")
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class PoolHoldings:
     """A pool's blocks, tables, refcounts, prefix index and tiers, read
     (`stats`, tables, prefix lookups), dumped and checked. Pure Python,

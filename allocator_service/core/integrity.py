@@ -9,8 +9,8 @@ is reported as readable lines rather than raised.
 
 from __future__ import annotations
 
+from allocator_service.core.blocks import blocks_for
 from allocator_service.core.pause_points import CHUNK, chunks, pace
-from allocator_service.core.sequence import blocks_for
 from allocator_service.core.state import PoolState
 
 

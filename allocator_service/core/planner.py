@@ -15,7 +15,7 @@ from collections.abc import Iterable, MutableSequence, Sequence
 from itertools import chain
 from typing import NamedTuple
 
-from allocator_service.core.sequence import blocks_for
+from allocator_service.core.blocks import blocks_for
 
 
 # ------------------------------------------------------------------ the rules

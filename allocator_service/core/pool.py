@@ -24,6 +24,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from mypy_extensions import mypyc_attr
+
 from allocator_service.core import hashing
 from allocator_service.core.block_hashes import NO_HASH
 from allocator_service.core.errors import (
@@ -81,6 +83,7 @@ def _name_chars(seq_id: str, salt: str | None) -> int:
     return len(seq_id) + (len(salt) if salt else 0)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class BlockPool(PoolHoldings):
     """Block allocator for one worker's KV pool: every change to what it
     holds (`PoolHoldings`). Callers serialise access (the service holds one
@@ -98,8 +101,8 @@ class BlockPool(PoolHoldings):
         seq_id: str,
         tokens: Sequence[int],
         cache_salt: str | None = None,
-        num_new_tokens: int | None = None,
-        reserve: int = 0,
+        num_new_tokens: object = None,
+        reserve: object = 0,
         *,
         checked: bool = False,
     ) -> AdmitResult:
@@ -188,7 +191,7 @@ class BlockPool(PoolHoldings):
         return AdmitResult(cached, stored, new_blocks, list(table))
 
     def append(
-        self, seq_id: str, tokens: Sequence[int], reserve: int = 0, *, checked: bool = False
+        self, seq_id: str, tokens: Sequence[int], reserve: object = 0, *, checked: bool = False
     ) -> AppendResult:
         """Store `tokens` after the sequence's last known token (decode, or the
         next chunk of a chunked prefill), then hold `reserve` more slots for
@@ -288,7 +291,7 @@ class BlockPool(PoolHoldings):
         caching = self.enable_prefix_caching
         while i < stop:
             seq = seqs.get(seq_ids[i])
-            reserve = reserved[i]
+            reserve: object = reserved[i]
             if seq is None or type(reserve) is not int or not 0 <= reserve <= MAX_RESERVE:
                 break
             n, c = seq.num_tokens, counts[i]
@@ -312,7 +315,7 @@ class BlockPool(PoolHoldings):
             i += 1
         return i, at
 
-    def unreserve(self, seq_id: str, slots: int) -> int:
+    def unreserve(self, seq_id: str, slots: object) -> int:
         """Give back the last `slots` of the sequence's reserved slots (held
         for tokens whose values were never sent: a worker's lookahead it no
         longer wants). Blocks left holding no slot return to the uncached

@@ -11,6 +11,8 @@ from __future__ import annotations
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 
+from mypy_extensions import mypyc_attr
+
 from allocator_service.core.block_hashes import HASH_BYTES, NO_HASH, BlockHashes
 
 # Event kinds passed to the optional event sink (the service turns them into
@@ -27,6 +29,7 @@ EventSink = Callable[[str, Sequence[int], Sequence[bytes]], None]
 EMPTY = -1
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class PrefixIndex:
     """`block_hash[b]` is the hash block `b` holds (None: nothing reusable);
     every hash maps to the blocks holding it.

@@ -1,16 +1,11 @@
-"""One sequence's entry in a `BlockPool`, and how many blocks its tokens take."""
+"""One sequence's entry in a `BlockPool`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 from allocator_service.core.block_hashes import BlockHashes
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    """Blocks that hold `num_tokens` tokens: a table's length (the block
-    contract: token p lives in block p // block_size)."""
-    return -(-num_tokens // block_size)
 
 
 @dataclass(slots=True)
@@ -39,7 +34,7 @@ class SeqEntry:
         """The hashes of its full blocks, first first: its prefix chain."""
         own = block_hash.at(self.table[len(self.apart) : self.num_hashed])
         assert None not in own, "a chain's block holds its hash (integrity_problems checks it)"
-        return [*self.apart, *own]
+        return [*self.apart, *cast(list[bytes], own)]
 
     def link(self, block_hash: BlockHashes, i: int) -> bytes:
         """Hash `i` of its chain (i < num_hashed), to chain the next from."""

@@ -318,7 +318,7 @@ def _parts_of_packed(state: dict[str, Any]) -> tuple[tuple, dict[str, int]]:
             if s >= 0:
                 hashes += chains[s][i : i + k]
             elif s == -1:
-                hashes += (block_hash[b] for b in table[i : i + k])
+                hashes += (block_hash[b] for b in table[i : i + k])  # type: ignore[misc]
             else:
                 hashes += (
                     lit[j * HASH_BYTES : (j + 1) * HASH_BYTES] for j in range(used, used + k)

@@ -153,7 +153,7 @@ class StepAnswer(Sequence[OpResult]):
         if self._starts is None:
             self._starts = list(accumulate(self.num_appended, initial=0))
         a = self._starts[i]
-        return self.appended[a : a + n]
+        return list(self.appended[a : a + n])
 
     def copies_of(self, i: int) -> list[tuple[int, int]]:
         """The (src, dst) block copies operation i needs first."""
@@ -400,8 +400,7 @@ def step_columns(ops: Sequence[Op], report: TierReport | None = None) -> StepCol
     children: list[str] = []
     reserved: list[int] = []  # filled in only once an operation reserves
     for i, op in enumerate(ops):
-        t = type(op)
-        if t is Append:
+        if type(op) is Append:
             kind(APPEND)
             seq(op.seq)
             count(len(op.tokens))
@@ -410,11 +409,11 @@ def step_columns(ops: Sequence[Op], report: TierReport | None = None) -> StepCol
                 if len(reserved) < i:
                     reserved.extend([0] * (i - len(reserved)))
                 reserved.append(op.reserve)
-        elif t is Free:
+        elif type(op) is Free:
             kind(FREE)
             seq(op.seq)
             count(0)
-        elif t is Admit:
+        elif type(op) is Admit:
             kind(ADMIT)
             seq(op.seq)
             count(len(op.tokens))
@@ -425,12 +424,12 @@ def step_columns(ops: Sequence[Op], report: TierReport | None = None) -> StepCol
                 if len(reserved) < i:
                     reserved.extend([0] * (i - len(reserved)))
                 reserved.append(op.reserve)
-        elif t is Fork:
+        elif type(op) is Fork:
             kind(FORK)
             seq(op.parent)
             count(0)
             children.append(op.child)
-        elif t is Unreserve:
+        elif type(op) is Unreserve:
             kind(UNRESERVE)
             seq(op.seq)
             count(0)

@@ -162,8 +162,8 @@ class HostSlotIndex:
     def to_state(self) -> dict[str, Any]:
         return {
             "capacity": self.lru.capacity,
-            "present": [[h.hex(), s] for h, (s, _) in self.lru.present.items()],
-            "pending": [[h.hex(), s] for h, (s, _) in self.lru.pending.items()],
+            "present": [[h.hex(), s] for h, (s, _) in self.lru.present.items()],  # type: ignore[attr-defined]
+            "pending": [[h.hex(), s] for h, (s, _) in self.lru.pending.items()],  # type: ignore[attr-defined]
             "free_slots": list(self.free_slots),
         }
 

@@ -183,7 +183,7 @@ class PoolTiers:
             m.store_load_to.append(block)
             store = self.store
             if store.peer:  # type: ignore[union-attr]
-                m.store_load_from.append(store.lru.present[(self.namespace, h)][0])  # type: ignore[union-attr]
+                m.store_load_from.append(store.lru.present[(self.namespace, h)][0])  # type: ignore[union-attr,arg-type]
             self.stats.store_loads += 1
             self.stats.store_hit_tokens += block_size
 
@@ -240,7 +240,7 @@ class PoolTiers:
             st.stats.evictions += 1
         if st.peer:
             st.rewritten(self.writer, key)
-        st.lru.add_pending(key, self.writer if st.peer else 0, size)
+        st.lru.add_pending(key, self.writer if st.peer else 0, size)  # type: ignore[arg-type]
         self.store_pending[h] = None
         m.store_saves.append(h)
         m.store_save_from.append(src)

@@ -8,6 +8,7 @@ raises `InvalidArgument` and changes nothing.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 from allocator_service.core.errors import InvalidArgument
 from allocator_service.core.limits import MAX_SALT_LEN, MAX_SEQ_ID_LEN, MAX_TOKEN_ID
@@ -42,7 +43,7 @@ def check_cache_salt(cache_salt: object) -> None:
 _INT_ONLY = {int}
 
 
-def tokens_ok(tokens: Sequence[int]) -> bool:
+def tokens_ok(tokens: Sequence[object]) -> bool:
     """Whether every token id is an int in [0, MAX_TOKEN_ID] (`check_tokens`' rule)."""
     if not tokens:
         return True
@@ -50,10 +51,13 @@ def tokens_ok(tokens: Sequence[int]) -> bool:
         t = tokens[0]
         return type(t) is int and 0 <= t <= MAX_TOKEN_ID
     # type() is int, not isinstance: bools and floats are not token ids.
-    return set(map(type, tokens)) <= _INT_ONLY and 0 <= min(tokens) and max(tokens) <= MAX_TOKEN_ID
+    if not set(map(type, tokens)) <= _INT_ONLY:
+        return False
+    ints = cast(Sequence[int], tokens)
+    return 0 <= min(ints) and max(ints) <= MAX_TOKEN_ID
 
 
-def check_tokens(tokens: Sequence[int]) -> None:
+def check_tokens(tokens: Sequence[object]) -> None:
     """InvalidArgument unless every token id is an int in [0, MAX_TOKEN_ID]."""
     if not tokens_ok(tokens):
         raise InvalidArgument(f"token ids must be integers in [0, {MAX_TOKEN_ID}]")

@@ -16,12 +16,12 @@ from typing import NamedTuple
 from allocator_service.core import BlockPool, StepColumns
 from allocator_service.core import step as core_step
 from allocator_service.core.block_hashes import HASH_BYTES
+from allocator_service.core.blocks import blocks_for
 from allocator_service.core.limits import (
     MAX_ADVERTISE_URL_LEN,
     MAX_STORE_NAMESPACE_LEN,
     max_table_entries,
 )
-from allocator_service.core.sequence import blocks_for
 from allocator_service.core.tiers import OWED_DELETES_PER_STEP
 
 # Bytes of one operation's readable reason in a StepResponse, at most (a

@@ -10,6 +10,7 @@ copying lists; the one step semantics is the core's `run_step`.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -53,7 +54,7 @@ assert core_step.ERROR_NUMBER == {
     POOL_LIMIT: pb.OP_ERROR_POOL_LIMIT,
 }
 
-STATS_FIELDS = tuple(PoolStats.__slots__)
+STATS_FIELDS = tuple(f.name for f in dataclasses.fields(PoolStats))
 
 # Every value of a uint32 field is a token id while MAX_TOKEN_ID is 2^32 - 1:
 # a decoded step's tokens need no check (`StepColumns.tokens_valid`).

@@ -25,6 +25,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from allocator_service.core import native
+
 STDOUT = "-"
 
 
@@ -164,6 +166,8 @@ def environment(name: str, args: argparse.Namespace) -> dict[str, Any]:
         # Other work on the machine slows every figure: say how busy it was.
         "load_average_1m_start": load_average(),
         "python": platform.python_version(),
+        # the allocator core's build: "mypyc" (compiled) or "python" (source)
+        "core_build": native.BUILD,
     }
 
 

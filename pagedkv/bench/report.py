@@ -75,6 +75,9 @@ def render(results: list[tuple[str, dict]], folder: str = DEFAULT_RESULTS) -> st
     )
 
 
+CORE_BUILDS = {"mypyc": "compiled (mypyc)", "python": "Python source"}
+
+
 def _section(path: str, report: dict) -> str:
     env = report["environment"]
     tables = importlib.import_module(BENCHMARKS[env["benchmark"]][0]).tables(report)
@@ -85,6 +88,8 @@ def _section(path: str, report: dict) -> str:
     load = env.get("load_average_1m_start"), env.get("load_average_1m_end")
     if all(v is not None for v in load):
         machine += f"; load average {load[0]} at the start, {load[1]} at the end"
+    if env.get("core_build"):
+        machine += f"; allocator core: {CORE_BUILDS.get(env['core_build'], env['core_build'])}"
     date = env["date"].replace("T", " ").removesuffix("Z")[:16] + " UTC"
     lines = [
         f"## {Path(path).stem}",

@@ -28,7 +28,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from allocator_service.core import AllocatorError, BlockPool, PoolConfig, hashing, snapshot
-from allocator_service.core.prefix_index import ALL_CLEARED, BLOCK_REMOVED, BLOCK_STORED
+from allocator_service.core.prefix_index import (
+    ALL_CLEARED,
+    BLOCK_REMOVED,
+    BLOCK_STORED,
+    PrefixIndex,
+)
 from allocator_service.core.step import Admit, Append, Fork, Free, Unreserve, run_step, step_columns
 
 
@@ -108,7 +113,7 @@ def _recorder(out: list):
     )
 
 
-class DictIndex:
+class DictIndex(PrefixIndex):
     """The prefix index's plain rules: a dict of hash -> its holders, in
     registration order (what `PrefixIndex`'s table must answer)."""
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from allocator_service.core.sequence import blocks_for
+from allocator_service.core.blocks import blocks_for
 from worker.engine import EngineConfig, LLMEngine, SamplingParams
 from worker.engine.reservation import RESERVATIONS, reserved_slots
 from worker.model.loader import load_model
