@@ -15,6 +15,7 @@ from setuptools import setup
 COMPILED = [
     f"allocator_service/core/{name}.py"
     for name in (
+        "block_hashes",
         "hashing",
         "holdings",
         "planner",
