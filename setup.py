@@ -34,6 +34,10 @@ def _ext_modules() -> list:
     if shutil.which(compiler) is None:
         print(f"pagedkv: no C compiler ({compiler}); the allocator core stays pure Python")
         return []
+    headers = os.path.join(sysconfig.get_paths()["include"], "Python.h")
+    if not os.path.isfile(headers):
+        print(f"pagedkv: no Python headers ({headers}); the allocator core stays pure Python")
+        return []
     from mypyc.build import mypycify
 
     return mypycify(COMPILED, opt_level="3", group_name="allocator_service.core.compiled")

@@ -8,8 +8,9 @@ instead when
 - `PAGEDKV_PURE_PYTHON=1` is set (to debug or profile the core line by line),
 - nothing was compiled (no C compiler at install), or
 - a compiled module is older than its source (edited since the last
-  `make install`). Every compiled module then runs as source, since the
-  compiled ones call each other directly, and a warning says how to rebuild.
+  `make install`), or the library the compiled modules share is missing.
+  Every compiled module then runs as source, since the compiled ones call
+  each other directly, and a warning says how to rebuild.
 
 Imported first by the package, before any module it decides about.
 """
@@ -59,6 +60,12 @@ def _choose() -> str:
         return "python"
     if os.environ.get("PAGEDKV_PURE_PYTHON") == "1":
         reason = None
+    elif not any(_HERE.glob("*__mypyc" + _SUFFIX)):
+        # the library the compiled modules share is missing: a build that did not finish
+        reason = (
+            "the compiled allocator core is incomplete (no *__mypyc library); running the "
+            "source. `make install` (or `pip install -e .`) compiles it again"
+        )
     else:
         stale = sorted(
             n

@@ -72,6 +72,19 @@ def test_a_source_edited_since_the_build_runs_as_source_with_a_warning(tmp_path:
 
 
 @needs_compiled
+def test_a_build_without_its_shared_library_runs_as_source_with_a_warning(tmp_path: Path) -> None:
+    """The compiled modules load one library they share: without it (a
+    build that did not finish) the source runs instead of an ImportError."""
+    copy = tmp_path / "allocator_service"
+    shutil.copytree(ROOT / "allocator_service", copy, ignore=shutil.ignore_patterns("__pycache__"))
+    for lib in (copy / "core").glob("*__mypyc*"):
+        lib.unlink()
+    done = _run(tmp_path)
+    assert done.stdout.split() == ["python", "True", "True"], done.stderr
+    assert "the compiled allocator core is incomplete" in done.stderr
+
+
+@needs_compiled
 def test_the_core_rules_hold_as_source_too() -> None:
     """Where no C compiler is found (the CPU image) the core runs as source:
     the fast paths' and the Step's property tests pass there as well."""
