@@ -62,10 +62,7 @@ def _choose() -> str:
         reason = None
     elif not any(_HERE.glob("*__mypyc" + _SUFFIX)):
         # the library the compiled modules share is missing: a build that did not finish
-        reason = (
-            "the compiled allocator core is incomplete (no *__mypyc library); running the "
-            "source. `make install` (or `pip install -e .`) compiles it again"
-        )
+        reason = "the compiled allocator core is incomplete (no *__mypyc library)"
     else:
         stale = sorted(
             n
@@ -74,13 +71,15 @@ def _choose() -> str:
         )
         if not stale:
             return "mypyc"
-        reason = (
-            f"the compiled allocator core is older than its source ({', '.join(stale)}.py); "
-            "running the source. `make install` (or `pip install -e .`) compiles it again"
-        )
+        reason = f"the compiled allocator core is older than its source ({', '.join(stale)}.py)"
     sys.meta_path.insert(0, _SourceFirst(frozenset(compiled)))
     if reason:
-        warnings.warn(reason, RuntimeWarning, stacklevel=1)
+        warnings.warn(
+            f"{reason}; running the source. `make install` (or `pip install -e .`) "
+            "compiles it again",
+            RuntimeWarning,
+            stacklevel=1,
+        )
     return "python"
 
 

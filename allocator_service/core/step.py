@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate, chain, compress
-from typing import NamedTuple, overload
+from typing import NamedTuple, cast, overload
 
 from allocator_service.core.errors import (
     AllocatorError,
@@ -153,7 +153,8 @@ class StepAnswer(Sequence[OpResult]):
         if self._starts is None:
             self._starts = list(accumulate(self.num_appended, initial=0))
         a = self._starts[i]
-        return list(self.appended[a : a + n])
+        # a slice of a list, or of the wire's repeated field, is a list
+        return cast(list[int], self.appended[a : a + n])
 
     def copies_of(self, i: int) -> list[tuple[int, int]]:
         """The (src, dst) block copies operation i needs first."""

@@ -39,6 +39,13 @@ def _run(pythonpath: Path, **env: str) -> subprocess.CompletedProcess:
     )
 
 
+def _copy(tmp_path: Path) -> Path:
+    """A copy of the package, compiled build and all, its times kept."""
+    copy = tmp_path / "allocator_service"
+    shutil.copytree(ROOT / "allocator_service", copy, ignore=shutil.ignore_patterns("__pycache__"))
+    return copy
+
+
 @needs_compiled
 def test_the_compiled_build_runs_where_it_is_current() -> None:
     assert native.BUILD == "mypyc"
@@ -58,8 +65,7 @@ def test_pure_python_runs_every_module_as_source() -> None:
 def test_a_source_edited_since_the_build_runs_as_source_with_a_warning(tmp_path: Path) -> None:
     """One stale module takes the whole compiled group back to source (the
     compiled modules call each other directly), and says how to rebuild."""
-    copy = tmp_path / "allocator_service"
-    shutil.copytree(ROOT / "allocator_service", copy, ignore=shutil.ignore_patterns("__pycache__"))
+    copy = _copy(tmp_path)
     done = _run(tmp_path)
     assert done.stdout.split() == ["mypyc", "False", "False"], done.stderr
     source = copy / "core" / "pool.py"
@@ -75,8 +81,7 @@ def test_a_source_edited_since_the_build_runs_as_source_with_a_warning(tmp_path:
 def test_a_build_without_its_shared_library_runs_as_source_with_a_warning(tmp_path: Path) -> None:
     """The compiled modules load one library they share: without it (a
     build that did not finish) the source runs instead of an ImportError."""
-    copy = tmp_path / "allocator_service"
-    shutil.copytree(ROOT / "allocator_service", copy, ignore=shutil.ignore_patterns("__pycache__"))
+    copy = _copy(tmp_path)
     for lib in (copy / "core").glob("*__mypyc*"):
         lib.unlink()
     done = _run(tmp_path)
