@@ -13,11 +13,19 @@ its worker id; cross-pool router calls to one tenant, `ROUTER`): the CPU
 time of the thread that serves it (`time.thread_time`), kept as a sum that
 decays with a time constant of `window_s` (the tenant's recent CPU use).
 When tenants contend, the one that used more waits for the one that used
-less: a call about to start, and a long call at each pause point of the
-core (`core/pause_points.py`, between chunks of work), waits while a call of a
+less: a call that has run `slice_s` of CPU (its time slice: a short call,
+such as a decode Step, never yields), at each pause point of the core
+(`core/pause_points.py`, between chunks of work), waits while a call of a
 tenant whose recent use is at least `slack_s` lower is in flight, so the
 heavy pool yields the interpreter to the light one and runs again once that
-call is answered. Like a CPU scheduler's fair share, nothing is refused
+call is answered. And while another tenant is active (a call in flight, or
+CPU used within the window), a tenant that used over half of the window
+waits, before a call and at pause points, until its use decays to half:
+a heavy pool leaves the interpreter free for the others' calls as they
+arrive, while a fleet of equal pools, each far below half, never waits
+for a share. Looking costs O(calls in flight), not O(tenants): the
+tenants are scanned only for a pool over half. Like a CPU scheduler's
+fair share, nothing is refused
 and no result changes; a wait lasts at most `max_wait_s` at a time, and
 a tenant that waits uses no CPU, so its recent use falls until it is no
 longer the heavier one: none can be starved.
@@ -72,14 +80,28 @@ class FairShare:
         window_s: float = 0.1,
         slack_s: float = 0.002,
         max_wait_s: float = 0.05,
+        slice_s: float = 0.01,
         *,
         enabled: bool = True,
+        on_long_calls: Callable[[bool], None] | None = None,
         cpu: Callable[[], float] = time.thread_time,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not (window_s > 0 and slack_s >= 0 and max_wait_s > 0):
-            raise ValueError("window_s and max_wait_s must be positive, slack_s not negative")
+        if not (window_s > 0 and slack_s >= 0 and max_wait_s > 0 and slice_s >= 0):
+            raise ValueError(
+                "window_s and max_wait_s must be positive, slack_s and slice_s not negative"
+            )
         self.window_s, self.slack_s, self.max_wait_s = window_s, slack_s, max_wait_s
+        # The CPU a call runs before it yields to lighter pools' calls (its
+        # time slice): longer than a worker's decode Step, so that a fleet's
+        # Steps never wait for each other, while a long call (a 32k-token
+        # admit, a dump) yields within this much.
+        self.slice_s = slice_s
+        # Called with True as a call passes its slice while no other has,
+        # and with False as the last such call ends (the server shortens
+        # the interpreter's switch interval meanwhile: rpc/server.py).
+        self.on_long_calls = on_long_calls
+        self._long = 0  # calls in flight past their slice
         # Recent use below this counts as idle (1% of the time).
         self._floor = window_s / 100
         self.enabled = enabled
@@ -117,38 +139,43 @@ class FairShare:
             self._base, age = now, 0.0
         return math.exp(age)
 
-    def _delay(self, tenant: str) -> float:
+    def _delay(self, tenant: str, yields: bool) -> float:
         """How long `tenant` should wait before it runs on (0: not at all;
-        lock held). Only while another tenant is active: it has a pool call
-        in flight or used CPU within the window."""
+        lock held). `yields`: its call is past its time slice (`slice_s`),
+        so it yields to a lighter pool's call in flight. It looks at the
+        calls in flight (a few), and at every tenant only when `tenant`
+        holds over half the interpreter."""
         grow = self._growth(self._clock())
-        use, running = self._use, self._running
-        mine = use[tenant][0] if tenant in use else 0.0
-        # (in the table's terms: the floor and the slack times `grow`)
-        floor, lighter_than = self._floor * grow, mine - self.slack_s * grow
-        active, lighter = 0, False
-        for t, (theirs, _) in use.items():
-            if t == tenant:
-                continue
-            if running.get(t):
-                active += 1
-                lighter = lighter or theirs < lighter_than
-            elif theirs > floor:
-                active += 1
-        if not active:
+        use = self._use
+        entry = use.get(tenant)
+        mine = entry[0] if entry is not None else 0.0
+        # (in the table's terms: the slack and the half times `grow`)
+        lighter_than = mine - self.slack_s * grow
+        if yields and lighter_than > 0:
+            for t in self._running:
+                theirs = use.get(t)
+                if t != tenant and (theirs is None or theirs[0] < lighter_than):
+                    # A lighter pool's call is in flight: until it is answered (notified).
+                    return self.max_wait_s
+        # Over half the interpreter while another tenant is active: until its
+        # use decays to half. (A tenant using a fraction f of the time settles
+        # at f * window; one pool among many equal ones never gets near it.)
+        half = self.window_s / 2 * grow
+        if mine <= half or not self._others_active(tenant, grow):
             return 0.0
-        # A lighter pool's call is in flight: until it is answered (notified).
-        if lighter:
-            return self.max_wait_s
-        # Over its share of the interpreter: until its use decays to the share
-        # (a tenant using a fraction f of the time settles at f * window).
-        mine /= grow
-        cap = self.window_s / (active + 1)
-        return self.window_s * math.log(mine / cap) if mine > cap else 0.0
+        return self.window_s * math.log(mine / half)
 
-    def _wait(self, tenant: str) -> None:
+    def _others_active(self, tenant: str, grow: float) -> bool:
+        """Whether a tenant but `tenant` has a pool call in flight or used CPU
+        within the window (lock held)."""
+        floor = self._floor * grow
+        return any(t != tenant for t in self._running) or any(
+            t != tenant and theirs > floor for t, (theirs, _) in self._use.items()
+        )
+
+    def _wait(self, tenant: str, yields: bool) -> None:
         """Wait as `_delay` says, at most `max_wait_s` in all (lock held)."""
-        delay = self._delay(tenant)
+        delay = self._delay(tenant, yields)
         if delay <= 0:
             return
         t0 = self._clock()
@@ -158,7 +185,7 @@ class FairShare:
             while delay > 0 and waited < self.max_wait_s:
                 self._cond.wait(min(delay, self.max_wait_s - waited))
                 waited = self._clock() - t0
-                delay = self._delay(tenant)
+                delay = self._delay(tenant, yields)
         finally:
             self.waiting -= 1
         self.waits += 1
@@ -198,23 +225,28 @@ class FairShare:
             return
         cpu = self._cpu
         mark = [cpu()]
+        first = mark[:]  # the call's CPU clock as it started
+        long = [False]  # past its slice
 
         def pace() -> None:
             """At a pause point: charge the CPU so far, then maybe wait."""
+            now = cpu()
+            if not long[0] and now - first[0] >= self.slice_s:
+                long[0] = True
+                self._count_long(1)
             if len(self._use) <= 1 and self._in_flight <= self._running.get(tenant, 0):
                 return  # no other tenant: nothing to yield to (read without the lock)
-            now = cpu()
             with self._cond:
                 self._charge(tenant, now - mark[0])
-                self._wait(tenant)
+                self._wait(tenant, long[0])
             mark[0] = cpu()
 
         with self._cond:
-            self._wait(tenant)
+            self._wait(tenant, False)
             if pool_call:
                 self._running[tenant] = self._running.get(tenant, 0) + 1
                 self._in_flight += 1
-        mark[0] = cpu()
+        mark[0] = first[0] = cpu()
         try:
             with pacing(pace):
                 yield
@@ -228,9 +260,20 @@ class FairShare:
                         del self._running[tenant]
                     else:
                         self._running[tenant] -= 1
-                    self._cond.notify_all()
+                    if self.waiting:
+                        self._cond.notify_all()
                 if self._clock() - self._pruned_at > self.window_s:
                     self._forget_idle()
+            if long[0]:
+                self._count_long(-1)
+
+    def _count_long(self, change: int) -> None:
+        """One more (+1) or one fewer (-1) call past its slice in flight;
+        `on_long_calls` hears when there come to be some, or none."""
+        with self._cond:
+            self._long += change
+            if self.on_long_calls is not None and self._long == (1 if change > 0 else 0):
+                self.on_long_calls(self._long > 0)
 
     def recent_cpu(self) -> dict[str, float]:
         """Each tenant's recent CPU seconds (decayed to now)."""

@@ -33,10 +33,17 @@ from allocator_service.service import AllocatorService
 
 log = logging.getLogger("allocator_service")
 
-# The interpreter's thread switch interval in the server process (Python's
-# default is 5 ms): how long one pool's CPU-bound call can keep another pool's
-# request from running at a stretch (docs/reliability.md, "Isolation and bounded cost").
-GIL_SWITCH_S = 0.0005
+# The interpreter's thread switch interval in the server process: how long
+# one thread's Python code keeps the interpreter while another waits for it.
+# Python's 5 ms while every call in flight is short: a fleet's Steps, each a
+# millisecond or two, then run to their end one after another instead of in
+# 0.5 ms turns, where each took as long as all of them together
+# (docs/performance.md, "The switch interval"). 0.5 ms while a call runs past
+# its fair-share slice (a 32k-token admit, a dump: `FairShare.slice_s`), so
+# that it keeps another pool's request from running for 0.5 ms at a stretch
+# (docs/reliability.md, "Isolation and bounded cost").
+GIL_SWITCH_S = 0.005
+LONG_CALL_SWITCH_S = 0.0005
 # The garbage collector's thresholds in the server process. A Step's own
 # objects (its decoded request, lists of ids, its answer) die within the
 # Step while the pools' state lives on: the young generation is collected
@@ -203,11 +210,14 @@ def serve(opts: ServeOptions) -> int:
         address=opts.advertise_address or advertised(listen),
         lease_s=opts.leader_lease_s,
     )
-    # One pool's long Python work must not keep another pool's Step waiting
-    # for the interpreter: hand it over every GIL_SWITCH_S instead of 5 ms.
     sys.setswitchinterval(GIL_SWITCH_S)
     gc.set_threshold(*GC_THRESHOLDS)
     service = AllocatorService(opts.config, journal)
+    # One pool's long Python work must not keep another pool's Step waiting
+    # for the interpreter: hand it over every LONG_CALL_SWITCH_S meanwhile.
+    service.fair.on_long_calls = lambda some: sys.setswitchinterval(
+        LONG_CALL_SWITCH_S if some else GIL_SWITCH_S
+    )
     registry, histogram = make_registry(service)
     health_servicer = health.HealthServicer()
     tls = (opts.tls_cert, opts.tls_key) if opts.tls_cert and opts.tls_key else None

@@ -1,8 +1,9 @@
-"""The per-pool CPU fair share (`allocator_service/fair_share.py`): a pool that
-used more CPU waits for a lighter pool's call, and over its share while pools
-contend; it is delayed, never refused, and its answers do not change. The
-core's long loops reach their pause points and give the same results with a
-pacer installed. No assertion on a duration."""
+"""The per-pool CPU fair share (`allocator_service/fair_share.py`): past its
+time slice a pool that used more CPU waits for a lighter pool's call, and
+over half the interpreter while pools contend; it is delayed, never
+refused, and its answers do not change. The core's long loops reach their
+pause points and give the same results with a pacer installed. No
+assertion on a duration."""
 
 from __future__ import annotations
 
@@ -44,17 +45,17 @@ class FakeCpu:
         return self.now
 
 
-def test_a_heavier_pool_waits_for_a_lighter_pools_call_and_then_runs():
+def test_past_its_time_slice_a_heavier_pools_call_waits_for_a_lighter_pools_call():
     cpu = FakeCpu()
     # A window so long that nothing decays during the test; a wait bound
     # long enough that only the lighter call's end can release the heavy one.
-    fair = FairShare(window_s=1000.0, max_wait_s=60.0, cpu=cpu)
+    fair = FairShare(window_s=1000.0, slack_s=0.002, max_wait_s=60.0, slice_s=0.002, cpu=cpu)
     with fair.call("heavy"):
-        cpu.now += 100.0  # the heavy pool's recent use: 100 s of CPU
+        cpu.now += 100.0  # the heavy pool's recent use: 100 s of CPU (under half the window)
     with fair.call("light"):
         cpu.now += 1.0
-    light_in, light_out, heavy_ran = threading.Event(), threading.Event(), threading.Event()
-    answers = []
+    light_in, light_out = threading.Event(), threading.Event()
+    progress = []
 
     def light() -> None:
         with fair.call("light"):
@@ -63,8 +64,13 @@ def test_a_heavier_pool_waits_for_a_lighter_pools_call_and_then_runs():
 
     def heavy() -> None:
         with fair.call("heavy"):
-            heavy_ran.set()
-            answers.append("heavy's answer")
+            progress.append("started")  # a call starts at once
+            cpu.now += 0.001
+            pace()  # within its time slice (slice_s of CPU): runs on
+            progress.append("within its slice")
+            cpu.now += 0.001
+            pace()  # past it: yields to the lighter pool's call in flight
+            progress.append("past its slice")
 
     a = threading.Thread(target=light)
     a.start()
@@ -72,13 +78,13 @@ def test_a_heavier_pool_waits_for_a_lighter_pools_call_and_then_runs():
     b = threading.Thread(target=heavy)
     b.start()
     _until(lambda: fair.waiting == 1, "waiting")
-    assert not heavy_ran.is_set()  # held while the lighter pool's call runs
+    assert progress == ["started", "within its slice"]  # held while the lighter call runs
     light_out.set()
     a.join(30)
     b.join(30)
-    assert answers == ["heavy's answer"]  # delayed, never refused
+    assert progress == ["started", "within its slice", "past its slice"]  # delayed, never refused
     assert fair.waits == 1 and fair.waiting == 0
-    # The lighter pool never waits for the heavier one.
+    # The lighter pool never waits for the heavier one, past its slice too.
     heavy_in, heavy_out = threading.Event(), threading.Event()
 
     def heavy_again() -> None:
@@ -90,15 +96,16 @@ def test_a_heavier_pool_waits_for_a_lighter_pools_call_and_then_runs():
     c.start()
     assert heavy_in.wait(30)
     with fair.call("light"):
-        pass
+        cpu.now += 0.01
+        pace()
     heavy_out.set()
     c.join(30)
     assert fair.waits == 1
 
 
 def test_over_its_share_a_pool_waits_at_most_the_bound_and_runs():
-    """Two active pools: one with 0.9 of the window's CPU is over its half
-    and waits (bounded by max_wait_s, then it runs); alone it never waits."""
+    """Two active pools: one with 0.9 of the window's CPU is over half of
+    it and waits (bounded by max_wait_s, then it runs); alone it never waits."""
     cpu = FakeCpu()
     fair = FairShare(window_s=1.0, max_wait_s=0.01, cpu=cpu)
     with fair.call("alone"):
@@ -118,6 +125,51 @@ def test_over_its_share_a_pool_waits_at_most_the_bound_and_runs():
     with off.call("y"):
         pass
     assert off.waits == 0 and off.recent_cpu() == {}
+
+
+def test_a_fleet_of_equal_pools_never_waits_for_a_share():
+    """32 pools, each a 2 ms call every 80 ms: the interpreter is 80% busy
+    and each pool far below half of it, so no call waits (a pool's share
+    of 1/33 of the window would hold each one after every call)."""
+    cpu, clock = FakeCpu(), FakeClock()
+    start = time.monotonic()
+    fair = FairShare(
+        window_s=0.1,
+        max_wait_s=0.01,
+        cpu=cpu,
+        # the test's clock, and real time too: a wait (were there one) ends
+        clock=lambda: clock.now + time.monotonic() - start,
+    )
+    for _ in range(20):
+        for pool in range(32):
+            with fair.call(f"pool-{pool}"):
+                cpu.now += 0.002
+                pace()
+            clock.now += 0.0025
+    assert fair.waits == 0
+    assert len(fair.recent_cpu()) == 32
+
+
+def test_the_server_hears_when_calls_run_past_their_slice_and_when_none_does():
+    """`on_long_calls` (the server shortens the switch interval meanwhile):
+    True as the first call passes its slice, False as the last such ends;
+    never for calls within their slice."""
+    cpu, heard = FakeCpu(), []
+    fair = FairShare(slice_s=0.01, cpu=cpu, on_long_calls=heard.append)
+    with fair.call("steps"):
+        cpu.now += 0.009
+        pace()
+    assert heard == []
+    with fair.call("heavy"):
+        cpu.now += 0.01
+        pace()
+        assert heard == [True]
+        with fair.call("other heavy"):  # a second one meanwhile: nothing new to hear
+            cpu.now += 0.02
+            pace()
+            pace()
+        assert heard == [True]
+    assert heard == [True, False]
 
 
 class FakeClock(FakeCpu):
@@ -152,7 +204,8 @@ def test_recent_use_kept_as_of_one_time_is_each_charge_decayed_on_its_own(calls,
     is the plain rule's, each charge decayed from when it was made."""
     cpu, clock = FakeCpu(), FakeClock()
     fair = FairShare(window_s=window, cpu=cpu, clock=clock)
-    fair._delay = lambda tenant: 0.0  # the bookkeeping alone: a wait on a fake clock never ends
+    # the bookkeeping alone: a wait on a fake clock never ends
+    fair._delay = lambda tenant, yields: 0.0
     charges = []
     for tenant, pause, seconds in calls:
         clock.now += pause
