@@ -217,28 +217,31 @@ class FairShare:
 
     # ------------------------------------------------------------ the calls
     @contextmanager
-    def call(self, tenant: str, *, pool_call: bool = True) -> Iterator[None]:
+    def call(self, tenant: str, *, pool_call: bool = True, long: bool = False) -> Iterator[None]:
         """Run one call of `tenant` under the fair share: it may wait before
-        it starts and at the core's pause points; its CPU time is charged."""
+        it starts and at the core's pause points; its CPU time is charged.
+        `long`: a call that may be long (a slow read, a router's call),
+        counted as past its slice from its start: many of them, each within
+        its slice, would otherwise keep the interpreter in long turns."""
         if not self.enabled:
             yield
             return
         cpu = self._cpu
         mark = [cpu()]
         first = mark[:]  # the call's CPU clock as it started
-        long = [False]  # past its slice
+        past = [long]  # past its slice (or counted so from the start)
 
         def pace() -> None:
             """At a pause point: charge the CPU so far, then maybe wait."""
             now = cpu()
-            if not long[0] and now - first[0] >= self.slice_s:
-                long[0] = True
+            if not past[0] and now - first[0] >= self.slice_s:
+                past[0] = True
                 self._count_long(1)
             if len(self._use) <= 1 and self._in_flight <= self._running.get(tenant, 0):
                 return  # no other tenant: nothing to yield to (read without the lock)
             with self._cond:
                 self._charge(tenant, now - mark[0])
-                self._wait(tenant, long[0])
+                self._wait(tenant, past[0])
             mark[0] = cpu()
 
         with self._cond:
@@ -246,6 +249,8 @@ class FairShare:
             if pool_call:
                 self._running[tenant] = self._running.get(tenant, 0) + 1
                 self._in_flight += 1
+        if long:
+            self._count_long(1)
         mark[0] = first[0] = cpu()
         try:
             with pacing(pace):
@@ -264,7 +269,7 @@ class FairShare:
                         self._cond.notify_all()
                 if self._clock() - self._pruned_at > self.window_s:
                     self._forget_idle()
-            if long[0]:
+            if past[0]:
                 self._count_long(-1)
 
     def _count_long(self, change: int) -> None:

@@ -38,9 +38,10 @@ log = logging.getLogger("allocator_service")
 # Python's 5 ms while every call in flight is short: a fleet's Steps, each a
 # millisecond or two, then run to their end one after another instead of in
 # 0.5 ms turns, where each took as long as all of them together
-# (docs/performance.md, "The switch interval"). 0.5 ms while a call runs past
-# its fair-share slice (a 32k-token admit, a dump: `FairShare.slice_s`), so
-# that it keeps another pool's request from running for 0.5 ms at a stretch
+# (docs/performance.md, "Threads taking turns"). 0.5 ms while a call runs
+# past its fair-share slice (a 32k-token admit: `FairShare.slice_s`) or a
+# call that may be long is in flight (a slow read, a router's call), so that
+# it keeps another pool's request from running for 0.5 ms at a stretch
 # (docs/reliability.md, "Isolation and bounded cost").
 GIL_SWITCH_S = 0.005
 LONG_CALL_SWITCH_S = 0.0005

@@ -380,9 +380,10 @@ def _unary(name: str, fn: Callable, service: AllocatorService) -> Callable:
             if slotted and caller_role() != ADMIN:
                 # the credential first: a caller without it must not take the pool's slots
                 service.changes.authorize(pool_ref(request.pool))
-                with slots.take(who), fair.call(who):
+                with slots.take(who), fair.call(who, long=True):
                     return fn(request, context)
-            with fair.call(who, pool_call=pool_call):
+            # (slow reads and a router's calls: short turns from their start)
+            with fair.call(who, pool_call=pool_call, long=slotted or not pool_call):
                 return fn(request, context)
         except Exception as exc:
             status.abort(context, exc, name)

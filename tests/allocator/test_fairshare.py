@@ -153,7 +153,8 @@ def test_a_fleet_of_equal_pools_never_waits_for_a_share():
 def test_the_server_hears_when_calls_run_past_their_slice_and_when_none_does():
     """`on_long_calls` (the server shortens the switch interval meanwhile):
     True as the first call passes its slice, False as the last such ends;
-    never for calls within their slice."""
+    never for calls within their slice; a call that may be long (`long`)
+    from its start."""
     cpu, heard = FakeCpu(), []
     fair = FairShare(slice_s=0.01, cpu=cpu, on_long_calls=heard.append)
     with fair.call("steps"):
@@ -170,6 +171,9 @@ def test_the_server_hears_when_calls_run_past_their_slice_and_when_none_does():
             pace()
         assert heard == [True]
     assert heard == [True, False]
+    with fair.call("reader", long=True):  # a slow read: counted from its start
+        assert heard == [True, False, True]
+    assert heard == [True, False, True, False]
 
 
 class FakeClock(FakeCpu):
