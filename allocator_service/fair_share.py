@@ -25,10 +25,10 @@ a heavy pool leaves the interpreter free for the others' calls as they
 arrive, while a fleet of equal pools, each far below half, never waits
 for a share. Looking costs O(calls in flight), not O(tenants): the
 tenants are scanned only for a pool over half. Like a CPU scheduler's
-fair share, nothing is refused
-and no result changes; a wait lasts at most `max_wait_s` at a time, and
-a tenant that waits uses no CPU, so its recent use falls until it is no
-longer the heavier one: none can be starved.
+fair share, nothing is refused and no result changes; a wait lasts at
+most `max_wait_s` at a time, and a tenant that waits uses no CPU, so its
+recent use falls until it is no longer the heavier one: none can be
+starved.
 
 Only pool calls make others wait; a router call does not (it takes every
 pool's lock in turn, and a pool waiting at a pause point holds its own).
@@ -97,11 +97,12 @@ class FairShare:
         # Steps never wait for each other, while a long call (a 32k-token
         # admit, a dump) yields within this much.
         self.slice_s = slice_s
-        # Called with True as a call passes its slice while no other has,
-        # and with False as the last such call ends (the server shortens
-        # the interpreter's switch interval meanwhile: rpc/server.py).
+        # Called with True as the first long call begins (one past its
+        # slice, or one `call(long=True)` counts so from its start), and
+        # with False as the last ends (the server shortens the interpreter's
+        # switch interval meanwhile: rpc/server.py).
         self.on_long_calls = on_long_calls
-        self._long = 0  # calls in flight past their slice
+        self._long = 0  # long calls in flight
         # Recent use below this counts as idle (1% of the time).
         self._floor = window_s / 100
         self.enabled = enabled
@@ -228,7 +229,7 @@ class FairShare:
             return
         cpu = self._cpu
         mark = [cpu()]
-        first = mark[:]  # the call's CPU clock as it started
+        first = [0.0]  # the call's CPU clock as it started (after any wait)
         past = [long]  # past its slice (or counted so from the start)
 
         def pace() -> None:
@@ -273,7 +274,7 @@ class FairShare:
                 self._count_long(-1)
 
     def _count_long(self, change: int) -> None:
-        """One more (+1) or one fewer (-1) call past its slice in flight;
+        """One more (+1) or one fewer (-1) long call in flight;
         `on_long_calls` hears when there come to be some, or none."""
         with self._cond:
             self._long += change
