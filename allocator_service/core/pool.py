@@ -269,6 +269,8 @@ class BlockPool(PoolHoldings):
         tokens: Sequence[int],
         reserved: Sequence[int],
         keep: list[int],
+        num_appended: list[int],
+        appended: list[int],
         i: int,
         stop: int,
         at: int,
@@ -277,12 +279,15 @@ class BlockPool(PoolHoldings):
         `seq_ids[i]`, its tokens `counts[i]` of `tokens` from `at` on, every
         token of the step found valid by the caller, `reserved[i]` slots
         reserved after them), applied in turn as `append` applies them
-        while each one's slots fit in its sequence's private, not-full last
-        block (a decode step's append: no block taken, none copied, the
-        answer's `keep` the table length, written to `keep[i]`). Returns
-        (the first operation not applied, where its tokens start): stop, or
-        one `append` must apply (a block to take or copy, an unknown
-        sequence, bad input), of which nothing was changed.
+        while none copies a block: its slots fit in its sequence's private,
+        not-full last block (a decode step's append), or the blocks it
+        takes from the free queue are there (an append that crosses a
+        block's end). Each one's answer is written to `keep[i]` (the table
+        entries kept), `num_appended[i]` (the blocks taken) and the end of
+        `appended` (their ids). Returns (the first operation not applied,
+        where its tokens start): stop, or one `append` must apply (a copy on
+        write, too few free blocks, a pool limit, an unknown sequence, bad
+        input), of which nothing was changed.
 
         NOTE: the fast path of `append`, one call for a run of operations
         (the hot loop of a step); tests/core/test_fast_paths.py checks it
@@ -296,11 +301,34 @@ class BlockPool(PoolHoldings):
                 break
             n, c = seq.num_tokens, counts[i]
             held, seq_reserved = after_append(n, seq.reserved, c, reserve)
+            table = seq.table
+            kept = len(table)
             if held != n:
                 offset = n % B
-                if not offset or held - n > B - offset or ref_cnt[last := seq.table[-1]] != 1:
-                    break
-                fill[last] += held - n
+                if offset and ref_cnt[table[-1]] != 1:
+                    break  # a write into a shared block: copy on write
+                room = B - offset if offset else 0
+                if held - n <= room:
+                    fill[table[-1]] += held - n
+                else:
+                    left = held - n - room
+                    need = (left + B - 1) // B
+                    if (
+                        need > self.num_free_blocks
+                        or self.table_entries + need > self.max_table_entries
+                    ):
+                        break  # refused by `append`'s rules
+                    if room:
+                        fill[table[-1]] = B
+                    self.table_entries += need
+                    while left > 0:
+                        b = self._take()
+                        put = min(B, left)
+                        fill[b] = put
+                        table.append(b)
+                        appended.append(b)
+                        left -= put
+                    num_appended[i] = need
             seq.num_tokens, seq.reserved = held, seq_reserved
             if c and caching:
                 tail = seq.tail
@@ -310,7 +338,7 @@ class BlockPool(PoolHoldings):
                     tail += tokens[at : at + c]
                 if len(tail) >= B:  # (checked here too: one call fewer a token)
                     self._hash_full_tail(seq)
-            keep[i] = len(seq.table)
+            keep[i] = kept
             at += c
             i += 1
         return i, at

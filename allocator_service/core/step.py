@@ -268,9 +268,10 @@ def run_step(pool: BlockPool, step: StepColumns) -> StepAnswer:
     # every token of the step at once (C speed), not one operation at a time
     checked = valid or tokens_ok(tokens)
     # NOTE: the appends of a decode step (slots in each sequence's private
-    # last block) take the pool's fast path, a run of them per call: no
-    # AppendResult, no copies (the hot loop of a step). With a bad token in
-    # the step every operation takes the general rules, which refuse it.
+    # last block, or blocks from the free queue past its end) take the pool's
+    # fast path, a run of them per call: no AppendResult, no copies (the hot
+    # loop of a step). With a bad token in the step every operation takes
+    # the general rules, which refuse it.
     append_run = pool.append_run if checked else None
     # the operations that are not APPENDs, then n: where each run of APPENDs stops
     stops = [*compress(range(n), map(APPEND.__ne__, kinds)), n]
@@ -280,7 +281,9 @@ def run_step(pool: BlockPool, step: StepColumns) -> StepAnswer:
         if append_run is not None and kinds[i] == APPEND:
             while stops[s] < i:
                 s += 1
-            i, end = append_run(seqs, counts, tokens, reserved, keep, i, stops[s], end)
+            i, end = append_run(
+                seqs, counts, tokens, reserved, keep, num_appended, appended, i, stops[s], end
+            )
             if i == n:
                 break
         op = i  # applied by the general rules

@@ -1,7 +1,7 @@
 """The core's fast paths against its plain rules.
 
-`BlockPool.append_run` (a run of appends whose slots fit in their
-sequences' private last blocks), a step whose tokens are known valid
+`BlockPool.append_run` (a run of appends that copy no block: slots in
+their sequences' private last blocks, or blocks taken past their ends), a step whose tokens are known valid
 (`StepColumns.tokens_valid`), the packed hash chain and the prefix index's
 open-addressing table are shortcuts. A pool whose `append_run` always
 declines applies every append by the general rule; the same random steps
@@ -40,7 +40,9 @@ from allocator_service.core.step import Admit, Append, Fork, Free, Unreserve, ru
 class PlainPool(BlockPool):
     """Every append by the general rule."""
 
-    def append_run(self, seq_ids, counts, tokens, reserved, keep, i, stop, at):
+    def append_run(
+        self, seq_ids, counts, tokens, reserved, keep, num_appended, appended, i, stop, at
+    ):
         return i, at
 
 
