@@ -11,7 +11,8 @@ import sysconfig
 from setuptools import setup
 
 # The core's per-operation and per-block loops: a Step's appends and
-# admissions, the hash chain, the prefix index, the tables they change.
+# admissions, the hash chain, the prefix index, the tables they change, the
+# step's loop over its operations.
 COMPILED = [
     f"allocator_service/core/{name}.py"
     for name in (
@@ -21,6 +22,7 @@ COMPILED = [
         "planner",
         "pool",
         "prefix_index",
+        "run",
         "sequence",
         "validation",
     )

@@ -19,6 +19,7 @@ from allocator_service.core.errors import (
 )
 from allocator_service.core.pool import AdmitResult, AppendResult, BlockPool
 from allocator_service.core.prefix_index import ALL_CLEARED, BLOCK_REMOVED, BLOCK_STORED
+from allocator_service.core.run import execute_step, run_step, step_columns
 from allocator_service.core.state import PoolConfig, PoolStats
 from allocator_service.core.step import (
     KINDS,
@@ -32,9 +33,6 @@ from allocator_service.core.step import (
     StepAnswer,
     StepColumns,
     Unreserve,
-    execute_step,
-    run_step,
-    step_columns,
 )
 from allocator_service.core.validation import check_cache_salt
 

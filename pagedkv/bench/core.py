@@ -28,7 +28,8 @@ import time
 from pathlib import Path
 
 from allocator_service.core import BlockPool, PoolConfig, blocks_for
-from allocator_service.core.step import Append, Free, run_step, step_columns
+from allocator_service.core.run import run_step, step_columns
+from allocator_service.core.step import Append, Free
 from pagedkv.bench import harness
 from pagedkv.bench.harness import Table, cell
 from pagedkv.bench.workloads import (

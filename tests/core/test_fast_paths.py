@@ -1,10 +1,11 @@
 """The core's fast paths against its plain rules.
 
 `BlockPool.append_run` (a run of appends that copy no block: slots in
-their sequences' private last blocks, or blocks taken past their ends), a step whose tokens are known valid
-(`StepColumns.tokens_valid`), the packed hash chain and the prefix index's
-open-addressing table are shortcuts. A pool whose `append_run` always
-declines applies every append by the general rule; the same random steps
+their sequences' private last blocks, or blocks taken past their ends), a
+step whose tokens are known valid (`StepColumns.tokens_valid`), the packed
+hash chain and the prefix index's open-addressing table are shortcuts. A
+pool whose `append_run` always declines applies every append by the
+general rule; the same random steps
 (admits with and without reserved slots, decode appends of one and several
 tokens filling reserved slots and reserving more, unreserves, forks, frees,
 bad input) through both give identical answers, identical state (tables,
@@ -34,7 +35,8 @@ from allocator_service.core.prefix_index import (
     BLOCK_STORED,
     PrefixIndex,
 )
-from allocator_service.core.step import Admit, Append, Fork, Free, Unreserve, run_step, step_columns
+from allocator_service.core.run import run_step, step_columns
+from allocator_service.core.step import Admit, Append, Fork, Free, Unreserve
 
 
 class PlainPool(BlockPool):
