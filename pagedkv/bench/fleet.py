@@ -26,7 +26,11 @@ Per (M, N), over the Steps past the recorded worker's warm-up:
 
 `knee_workers` (per M): the largest N that kept device idle at or below 1%.
 Memory: an allocator's RSS per block of state, empty pools and pools filled
-with hashed blocks. `--profile PATH`: one more replay, at the knee, with the
+with hashed blocks. The call floor: the allocator's CPU per Step that
+carries no operation, run in process (the servicer's `Step`) and sent over
+StepStream and as unary calls to an allocator process: what every call
+pays before its operations, and how much of it the transport is.
+`--profile PATH`: one more replay, at the knee, with the
 allocator's every thread under cProfile (`systems.profiled`: thread CPU
 time, so the profiler's own cost inflates every figure: read the shares);
 its stats go to PATH (pstats) and its top lines to the report, by
@@ -154,6 +158,7 @@ def measure(args: argparse.Namespace) -> dict:
         "summary": summary,
         "cases": cases,
         "memory": _memory(w, cores),
+        "call_floor": _call_floor(w.floor_calls, cores),
         "profile": profile,
         "targets": {"knee_workers": knees, "idle_target": IDLE_TARGET},
     }
@@ -435,6 +440,68 @@ def _memory(w: FleetWorkload, cores: list[int]) -> dict:
     }
 
 
+def _call_floor(calls: int, cores: list[int]) -> dict:
+    """The allocator's CPU per Step with no operation (one pool, prefix
+    caching on): `calls` of them in this process through the servicer (the
+    service's own path, no transport), over one StepStream and as unary
+    calls to an allocator process, one at a time (its CPU from /proc)."""
+    import grpc
+    import psutil
+
+    from allocator_service.core import PoolConfig
+    from allocator_service.rpc.servicer import AllocatorServicer
+    from allocator_service.service import Advertised, AllocatorService
+    from allocator_service.wire.codec import PROTOCOL_VERSION, shape_to_proto
+    from allocator_service.wire.v1 import allocator_pb2 as pb
+    from allocator_service.wire.v1.allocator_pb2_grpc import AllocatorStub
+
+    config = PoolConfig(1024, 16, True, "bench")
+
+    def steps(ref: pb.PoolRef, first: int, n: int):
+        return (
+            pb.StepRequest(pool=ref, step_id=k, prev_step_id=k - 1) for k in range(first, first + n)
+        )
+
+    service = AllocatorService()
+    try:
+        servicer = AllocatorServicer(service)
+        r = service.pools.register("floor", config, "", Advertised("", ""), PROTOCOL_VERSION)
+        requests = list(steps(pb.PoolRef(pool_id=r.pool_id, credential=r.credential), 1, calls))
+        t0 = time.thread_time()
+        for request in requests:
+            with service.fair.call(r.pool_id):
+                servicer.Step(request, None).SerializeToString()
+        in_process = (time.thread_time() - t0) / calls
+    finally:
+        service.close()
+    with contextlib.ExitStack() as stack:
+        server = _allocators(stack, 1, cores)[0]
+        proc = psutil.Process(server.pid)
+        channel = stack.enter_context(grpc.insecure_channel(server.address))
+        stub = AllocatorStub(channel)
+        reg = stub.RegisterPool(
+            pb.RegisterPoolRequest(
+                worker_id="floor", shape=shape_to_proto(config), protocol_version=PROTOCOL_VERSION
+            )
+        )
+        ref = pb.PoolRef(pool_id=reg.pool_id, credential=reg.credential)
+        with _pinned_after(cores, 1):
+            cpu0 = _cpu([proc])
+            answered = sum(1 for _ in stub.StepStream(steps(ref, 1, calls)))
+            cpu1 = _cpu([proc])
+            for request in steps(ref, calls + 1, calls):
+                stub.Step(request)
+            cpu2 = _cpu([proc])
+    if answered != calls:
+        raise RuntimeError(f"the StepStream answered {answered} of {calls} Steps")
+    return {
+        "calls": calls,
+        "in_process_us": round(in_process * 1e6, 1),
+        "stream_us": round((cpu1 - cpu0) / calls * 1e6, 1),
+        "unary_us": round((cpu2 - cpu1) / calls * 1e6, 1),
+    }
+
+
 def tables(report: dict) -> list[Table]:
     rows = [
         [
@@ -513,6 +580,27 @@ def tables(report: dict) -> list[Table]:
             ],
         ),
     ]
+    floor = report.get("call_floor")
+    if floor:
+        out.append(
+            Table(
+                "What a call costs the allocator: a Step with no operation",
+                ["path", "allocator CPU us per Step"],
+                [
+                    [what, cell(floor.get(key), ".0f")]
+                    for what, key in (
+                        ("in process (the servicer's Step, no transport)", "in_process_us"),
+                        ("StepStream (gRPC)", "stream_us"),
+                        ("unary Step (gRPC)", "unary_us"),
+                    )
+                ],
+                [
+                    f"{floor['calls']:,} Steps each way, one at a time, one pool; over gRPC the "
+                    "allocator process's CPU (its every thread) per Step. A replayed Step "
+                    "pays this before its operations."
+                ],
+            )
+        )
     profile = report.get("profile")
     if profile:
         for key in ("cumulative", "self"):

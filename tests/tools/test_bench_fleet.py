@@ -73,4 +73,7 @@ def test_bench_fleet_json():
             assert case["errors"] == 0 and case["step_p50_ms"] > 0 and case["allocator_rss_mib"] > 0
     assert set(out["targets"]["knee_workers"]) == {"1", "2"}
     assert out["memory"]["blocks"] == w.memory_blocks and out["memory"]["bytes_per_block_full"] > 0
+    floor = out["call_floor"]
+    assert floor["calls"] == w.floor_calls
+    assert all(floor[k] > 0 for k in ("in_process_us", "stream_us", "unary_us"))
     assert out["profile"] is None

@@ -119,6 +119,7 @@ class FleetWorkload:
     workers: tuple[int, ...] = (1, 4, 8, 12, 16, 20, 24, 32)
     memory_blocks: int = 1 << 20  # blocks of state for the RSS per block
     memory_pools: int = 16
+    floor_calls: int = 4000  # Steps with no operation, for what a call itself costs
 
 
 FLEET = {
@@ -136,6 +137,7 @@ FLEET = {
         workers=(1, 2),
         memory_blocks=4096,
         memory_pools=2,
+        floor_calls=200,
     ),
 }
 
