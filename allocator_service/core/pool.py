@@ -319,7 +319,7 @@ class BlockPool(PoolHoldings):
                     ):
                         break  # refused by `append`'s rules
                     if room:
-                        fill[table[-1]] = B
+                        fill[table[-1]] += room
                     self.table_entries += need
                     while left > 0:
                         b = self._take()
