@@ -312,11 +312,8 @@ class BlockPool(PoolHoldings):
                     fill[table[-1]] += held - n
                 else:
                     left = held - n - room
-                    need = (left + B - 1) // B
-                    if (
-                        need > self.num_free_blocks
-                        or self.table_entries + need > self.max_table_entries
-                    ):
+                    need = append_blocks(n, held - n, 1, B)[0]  # (no copy: checked above)
+                    if need > self.num_free_blocks or not self._entries_fit(need):
                         break  # refused by `append`'s rules
                     if room:
                         fill[table[-1]] += room
@@ -525,8 +522,11 @@ class BlockPool(PoolHoldings):
                 f"{MIN_NAME_CHARS}; in use: {self.name_chars})"
             )
 
+    def _entries_fit(self, added: int) -> bool:
+        return self.table_entries + added <= self.max_table_entries
+
     def _check_new_entries(self, added: int) -> None:
-        if self.table_entries + added > self.max_table_entries:
+        if not self._entries_fit(added):
             raise PoolLimit(
                 f"{added} more block-table entries would exceed the pool's maximum of "
                 f"{self.max_table_entries} ({TABLE_ENTRIES_PER_BLOCK} per block, at least "

@@ -163,7 +163,7 @@ def step_columns(ops: Sequence[Op], report: TierReport | None = None) -> StepCol
     salts: list[str | None] = []
     budgets: list[int | None] = []
     children: list[str] = []
-    reserved: list[int] = []  # filled in only once an operation reserves
+    reserves: list[tuple[int, int]] = []  # (operation, slots) of those that reserve or give back
     for i, op in enumerate(ops):
         if type(op) is Append:
             kind(APPEND)
@@ -171,9 +171,7 @@ def step_columns(ops: Sequence[Op], report: TierReport | None = None) -> StepCol
             count(len(op.tokens))
             extend(op.tokens)
             if op.reserve:
-                if len(reserved) < i:
-                    reserved.extend([0] * (i - len(reserved)))
-                reserved.append(op.reserve)
+                reserves.append((i, op.reserve))
         elif type(op) is Free:
             kind(FREE)
             seq(op.seq)
@@ -186,9 +184,7 @@ def step_columns(ops: Sequence[Op], report: TierReport | None = None) -> StepCol
             salts.append(op.salt)
             budgets.append(op.num_new_tokens)
             if op.reserve:
-                if len(reserved) < i:
-                    reserved.extend([0] * (i - len(reserved)))
-                reserved.append(op.reserve)
+                reserves.append((i, op.reserve))
         elif type(op) is Fork:
             kind(FORK)
             seq(op.parent)
@@ -198,13 +194,14 @@ def step_columns(ops: Sequence[Op], report: TierReport | None = None) -> StepCol
             kind(UNRESERVE)
             seq(op.seq)
             count(0)
-            if len(reserved) < i:
-                reserved.extend([0] * (i - len(reserved)))
-            reserved.append(op.slots)
+            reserves.append((i, op.slots))
         else:
             raise TypeError(f"not an operation: {op!r}")
-    if reserved and len(reserved) < len(kinds):
-        reserved.extend([0] * (len(kinds) - len(reserved)))
+    reserved: list[int] = []  # empty unless an operation reserves or gives back
+    if reserves:
+        reserved = [0] * len(kinds)
+        for i, slots in reserves:
+            reserved[i] = slots
     return StepColumns(kinds, seqs, counts, tokens, salts, budgets, children, reserved, report)
 
 
