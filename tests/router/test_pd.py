@@ -30,6 +30,7 @@ from tests.support.pd import (
     PROMPT,
     WORKER_ARGS,
     answer_texts,
+    fleet_story,
     no_blocks_held,
     outcome_count,
     pd_fleet,
@@ -60,7 +61,7 @@ def test_a_split_request_answers_as_a_both_worker_does(fleet, reference, n, stre
     before = outcome_count(fleet, "transferred")
     legs = metric(fleet["router"].url, "pagedkv_router_pd_prefill_seconds_count")
     texts, usage, headers = answer_texts(fleet["router"].url, prompt, n=n, stream=stream, chat=chat)
-    assert outcome_count(fleet, "transferred") == before + 1
+    assert outcome_count(fleet, "transferred") == before + 1, fleet_story(fleet)
     assert metric(fleet["router"].url, "pagedkv_router_pd_prefill_seconds_count") == legs + 1
     assert texts == expected
     assert headers["x-pagedkv-prefill-worker"] == "prefill-1"
@@ -69,7 +70,7 @@ def test_a_split_request_answers_as_a_both_worker_does(fleet, reference, n, stre
     assert usage.prompt_tokens == ref_usage.prompt_tokens
     want = (usage.prompt_tokens - 1) // BLOCK * BLOCK
     assert want > 0
-    assert usage.prompt_tokens_details.cached_tokens == want
+    assert usage.prompt_tokens_details.cached_tokens == want, fleet_story(fleet)
     no_blocks_held(fleet["allocator"])
 
 

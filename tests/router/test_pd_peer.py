@@ -31,6 +31,7 @@ from tests.support.pd import (
     PROMPT,
     WORKER_ARGS,
     answer_texts,
+    fleet_story,
     no_blocks_held,
     outcome_count,
     pd_fleet,
@@ -69,13 +70,13 @@ def test_a_split_request_over_the_direct_path_answers_as_a_both_worker(
     before = outcome_count(fleet, "transferred")
     texts, usage, headers = answer_texts(fleet["router"].url, prompt, n=n, stream=stream, chat=chat)
     assert texts == expected
-    assert outcome_count(fleet, "transferred") == before + 1
+    assert outcome_count(fleet, "transferred") == before + 1, fleet_story(fleet)
     assert headers["x-pagedkv-prefill-worker"] == "prefill-1"
     assert headers["x-pagedkv-worker"] == "decode-1"
     assert usage.prompt_tokens == ref_usage.prompt_tokens
     want = (usage.prompt_tokens - 1) // BLOCK * BLOCK
     assert want > 0
-    assert usage.prompt_tokens_details.cached_tokens == want
+    assert usage.prompt_tokens_details.cached_tokens == want, fleet_story(fleet)
     # every block the decode worker loaded, the prefill worker served it
     assert _tier(decode, "loaded_blocks") - loaded == want // BLOCK
     assert _tier(prefill, "served_blocks") - served == want // BLOCK

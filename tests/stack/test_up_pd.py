@@ -11,6 +11,7 @@ from pathlib import Path
 import openai
 
 from tests.stack.test_up import FREE_PORTS, _up
+from tests.support.pd import split_story
 
 PROMPT = "The quick brown fox jumps over the lazy dog and runs into the forest far away"
 
@@ -23,6 +24,13 @@ def _pagedkv_up(*args: str) -> subprocess.CompletedProcess:
         timeout=60,
         env={**os.environ, **FREE_PORTS},
     )
+
+
+def _story(tmp_path: Path, info: dict) -> str:
+    """The router's split outcomes and the stack's logs, for a failed split check."""
+    logs = {p.name: p.read_text() for p in sorted(Path(info["log_dir"]).glob("*.log"))}
+    workers = {f"worker-{i}": url for i, url in enumerate(info["workers"], 1)}
+    return split_story(info["router"], workers, {"up": (tmp_path / "up.log").read_text(), **logs})
 
 
 def test_up_serves_a_completion_split_between_a_prefill_and_a_decode_worker(tmp_path):
@@ -60,7 +68,7 @@ def test_up_serves_a_completion_split_between_a_prefill_and_a_decode_worker(tmp_
         assert raw.headers["x-pagedkv-worker"] == "worker-2"
         assert done.usage.completion_tokens == 8 and done.choices[0].text
         cached = done.usage.prompt_tokens_details.cached_tokens
-        assert cached >= (done.usage.prompt_tokens - 1) // 4 * 4 > 0
+        assert cached >= (done.usage.prompt_tokens - 1) // 4 * 4 > 0, _story(tmp_path, info)
     out = (tmp_path / "up.log").read_text()
     assert "--kv-role prefill" in out and "--kv-role decode" in out  # the table names the roles
 

@@ -77,6 +77,43 @@ def outcome_count(fleet, outcome: str) -> float:
     return metric(url, "pagedkv_router_pd_requests_total", {"outcome": outcome})
 
 
+OUTCOMES = ("transferred", "incomplete", "prefill_failed")
+
+
+def split_story(
+    router_url: str, workers: dict[str, str], logs: dict[str, str], lines: int = 40
+) -> str:
+    """What a failed split check prints: the router's split outcomes and wait, each worker's
+    shared-tier series (`workers`: name -> URL) and the last `lines` of each process's log
+    (`logs`: name -> its text), so a failure on a busy machine says which leg fell short."""
+    out = [
+        "router outcomes: "
+        + ", ".join(
+            f"{o}={metric(router_url, 'pagedkv_router_pd_requests_total', {'outcome': o})}"
+            for o in OUTCOMES
+        )
+        + f"; transfer wait {metric(router_url, 'pagedkv_router_pd_transfer_wait_seconds_sum')} s"
+    ]
+    for name, url in workers.items():
+        text = httpx.get(f"{url}/metrics", timeout=5).text
+        out += [f"---- {name} {url}"]
+        out += [
+            x
+            for x in text.splitlines()
+            if "kv_tier_" in x and 'tier="shared"' in x and "_created{" not in x
+        ]
+    for name, text in logs.items():
+        out += [f"---- {name}", *text.splitlines()[-lines:]]
+    return "\n".join(out)
+
+
+def fleet_story(fleet) -> str:
+    """`split_story` of a `pd_fleet`."""
+    workers = {n: fleet[n].url for n in ("prefill", "decode")}
+    logs = {n: fleet[n].log() for n in ("router", "prefill", "decode", "allocator")}
+    return split_story(fleet["router"].url, workers, logs)
+
+
 def no_blocks_held(alloc) -> None:
     wait_for(
         lambda: all(p.used_blocks == 0 for p in pools_by_worker(alloc).values()),
