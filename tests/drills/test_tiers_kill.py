@@ -35,14 +35,15 @@ WORKER_ARGS = [
     "--kv-offloading-size",
     "0.0001",
 ]
+BURST_TOKENS = 64
 PROMPTS = [" ".join(f"conversation {c} line {i} says hello" for i in range(3)) for c in range(12)]
 
 
-def complete(url: str, prompt: str, salt: str | None = None) -> str | None:
+def complete(url: str, prompt: str, salt: str | None = None, max_tokens: int = 8) -> str | None:
     body = {
         "model": "tiny-random",
         "prompt": prompt,
-        "max_tokens": 8,
+        "max_tokens": max_tokens,
         "temperature": 0,
         "ignore_eos": True,
     }
@@ -82,7 +83,8 @@ def test_a_worker_killed_mid_saves_leaves_no_entry_that_is_not_whole(tmp_path):
         wait_for(quiet, 60, "worker 1's last report", interval_s=0.5)
         before = saved()
         with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
-            futures = [pool.submit(complete, one, p) for p in PROMPTS[1:]]
+            # long answers: the burst is still in flight at the first save, even on a busy machine
+            futures = [pool.submit(complete, one, p, None, BURST_TOKENS) for p in PROMPTS[1:]]
             wait_for(lambda: saved() > before, 60, "worker 1's next store saves", interval_s=0.01)
             stack.workers[0].kill()
             answered = sum(f.result() is not None for f in futures)

@@ -72,7 +72,9 @@ def _answered_by_every_system(report: dict, w) -> None:
     for name, s in report["summary"].items():
         assert s["requests"] == w.requests and s["errors"] == 0, (name, s["first_error"])
         assert 0 < s["ttft_p50_s"] <= s["ttft_p99_s"], name
-        assert 0 < s["itl_p50_ms"] <= s["itl_p99_ms"], name
+        # tokens read in one chunk are stamped microseconds apart: a p50 of 0.00 ms on a busy
+        # machine is what the client saw
+        assert 0 <= s["itl_p50_ms"] <= s["itl_p99_ms"] and s["itl_p99_ms"] > 0, name
         assert s["tokens_per_s"] > 0 and s["slo_met"] <= s["requests"]
         assert s["goodput_rps"] == pytest.approx(s["slo_met"] / s["wall_s"], abs=1e-3)
         # a request meets both bounds, or misses at least one of them
