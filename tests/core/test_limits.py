@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from allocator_service.core import (
     Admit,
@@ -19,6 +21,7 @@ from allocator_service.core import (
     execute_step,
 )
 from allocator_service.core.limits import (
+    MAX_TOKEN_ID,
     MIN_SEQUENCES,
     MIN_TABLE_ENTRIES,
     SEQUENCES_PER_BLOCK,
@@ -26,6 +29,7 @@ from allocator_service.core.limits import (
     max_sequences,
     max_table_entries,
 )
+from allocator_service.core.validation import check_tokens, tokens_ok
 
 
 def dumped(pool: BlockPool) -> str:
@@ -151,3 +155,26 @@ def test_names_are_bounded_in_characters():
     assert pool.name_chars == (MIN_SEQUENCES - 1) * each + len("short") + 1
     assert BlockPool.from_state(pool.to_state()).name_chars == pool.name_chars
     assert pool.check_integrity()
+
+
+_TOKENISH = st.one_of(
+    st.integers(min_value=-3, max_value=MAX_TOKEN_ID + 3),
+    st.sampled_from([0, MAX_TOKEN_ID, MAX_TOKEN_ID + 1, -1, 2**70]),
+    st.booleans(),
+    st.floats(allow_nan=False, min_value=0, max_value=10),
+    st.text(max_size=2),
+    st.none(),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_TOKENISH, max_size=40), st.sampled_from([list, tuple]))
+def test_the_token_check_is_one_rule_over_every_kind_of_sequence(tokens, kind):
+    # an int (not a bool, not a float) in [0, MAX_TOKEN_ID], each one, in a list or not
+    want = all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in tokens)
+    assert tokens_ok(kind(tokens)) is want
+    if want:
+        check_tokens(kind(tokens))
+    else:
+        with pytest.raises(InvalidArgument, match="token ids must be integers"):
+            check_tokens(kind(tokens))
