@@ -10,8 +10,10 @@ system prompt, so admits hit the cache.
 (`workloads.decode_steps`: 256 running sequences, each appending one token a
 step, a few finishing and as many arriving) through this core's `run_step`
 and through vLLM's `KVCacheManager` (`systems/vllm_kv.py`, run by
-`--vllm-python`, an interpreter where vLLM is installed), and reports the CPU
-time per step of each side by side. Without vLLM that comparison is skipped
+`--vllm-python`, an interpreter where vLLM is installed), in three rounds that
+alternate the two, and reports the CPU time per step of each side by side: each
+figure the median of the rounds', the ratio the median of each round's own
+ratio (the machine's speed drifts between rounds). Without vLLM that comparison is skipped
 and says why.
 """
 
@@ -45,6 +47,8 @@ from pagedkv.bench.workloads import (
 AGAINST = ("vllm",)
 DECODE_SEQS = 256  # running sequences of the side-by-side decode steps
 DECODE_STEPS, DECODE_WARMUP = 400, 50
+# Alternating rounds of the two sides (`_against`).
+ROUNDS = 3
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -177,37 +181,62 @@ def _vllm_decode(steps: list[list], num_blocks: int, block_size: int, python: st
 
 
 def _against(system: str, python: str, block_size: int) -> dict:
+    """The decode steps through this core and through vLLM's manager, in ROUNDS alternating
+    rounds (this machine's speed drifts: each round's ratio compares neighbours in time)."""
     steps, num_blocks = _decode_stream(block_size)
     ops = sum(len(s) for s in steps[1 + DECODE_WARMUP :]) / DECODE_STEPS
-    mine = _pagedkv_decode(steps, num_blocks, block_size)[1 + DECODE_WARMUP :]
     out = {
         "system": system,
         "seqs": DECODE_SEQS,
         "steps": DECODE_STEPS,
         "ops_per_step": ops,
         "block_size": block_size,
+    }
+    rounds = []
+    for _ in range(ROUNDS):
+        mine = _pagedkv_decode(steps, num_blocks, block_size)[1 + DECODE_WARMUP :]
+        theirs = _vllm_decode(steps, num_blocks, block_size, python)
+        if "skipped" in theirs:
+            return (
+                out
+                | combine([_figures(mine, None)])
+                | {
+                    "skipped": theirs["skipped"],
+                    "version": None,
+                }
+            )
+        rounds.append(_figures(mine, theirs["step_cpu_s"][1 + DECODE_WARMUP :]))
+        out["version"] = theirs["vllm"]
+    return out | combine(rounds)
+
+
+def _figures(mine: list[float], theirs: list[float] | None) -> dict:
+    """One round's CPU ms per step, p50 and mean, of each side and their ratios (None where
+    vLLM did not run)."""
+    r: dict = {
         "pagedkv_step_ms_p50": 1e3 * statistics.median(mine),
         "pagedkv_step_ms_mean": 1e3 * statistics.fmean(mine),
+        "vllm_step_ms_p50": None,
+        "vllm_step_ms_mean": None,
+        "ratio_p50": None,
+        "ratio_mean": None,
     }
-    theirs = _vllm_decode(steps, num_blocks, block_size, python)
-    if "skipped" in theirs:
-        return out | {
-            "skipped": theirs["skipped"],
-            "version": None,
-            "vllm_step_ms_p50": None,
-            "vllm_step_ms_mean": None,
-            "ratio_p50": None,
-            "ratio_mean": None,
-        }
-    cpu = theirs["step_cpu_s"][1 + DECODE_WARMUP :]
-    p50, mean = 1e3 * statistics.median(cpu), 1e3 * statistics.fmean(cpu)
-    return out | {
-        "version": theirs["vllm"],
-        "vllm_step_ms_p50": p50,
-        "vllm_step_ms_mean": mean,
-        "ratio_p50": out["pagedkv_step_ms_p50"] / p50,
-        "ratio_mean": out["pagedkv_step_ms_mean"] / mean,
-    }
+    if theirs is not None:
+        r["vllm_step_ms_p50"] = 1e3 * statistics.median(theirs)
+        r["vllm_step_ms_mean"] = 1e3 * statistics.fmean(theirs)
+        r["ratio_p50"] = r["pagedkv_step_ms_p50"] / r["vllm_step_ms_p50"]
+        r["ratio_mean"] = r["pagedkv_step_ms_mean"] / r["vllm_step_ms_mean"]
+    return r
+
+
+def combine(rounds: list[dict]) -> dict:
+    """The figures of the comparison: each one the median over `rounds` (`_figures`), the
+    ratios the median of each round's own ratio, and the rounds themselves."""
+    out: dict = {"rounds": rounds}
+    for key in rounds[0]:
+        values = [r[key] for r in rounds if r[key] is not None]
+        out[key] = statistics.median(values) if values else None
+    return out
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -272,7 +301,10 @@ def _against_table(a: dict) -> Table:
     notes = (
         [f"vLLM skipped: {a['skipped']}"]
         if a.get("skipped")
-        else [f"PagedKV takes {a['ratio_p50']:.2f}x vLLM's CPU time per step (p50)"]
+        else [
+            f"PagedKV takes {a['ratio_p50']:.2f}x vLLM's CPU time per step (p50; the median of "
+            f"{len(a.get('rounds', []))} alternating rounds: {_ratios(a.get('rounds', []))})"
+        ]
     )
     return Table(
         title=f"one decode step of {a['seqs']} sequences ({a['ops_per_step']:.0f} operations: "
@@ -282,6 +314,10 @@ def _against_table(a: dict) -> Table:
         rows=rows,
         notes=notes,
     )
+
+
+def _ratios(rounds: list[dict]) -> str:
+    return ", ".join(f"{r['ratio_p50']:.2f}x" for r in rounds) or "one run"
 
 
 def figures(report: dict) -> dict[str, tuple[float | None, bool]]:

@@ -155,6 +155,25 @@ def test_bench_core_against_vllm_says_why_it_skipped():
     assert "vLLM is not installed" in a["skipped"] and "--vllm-python" in a["skipped"]
 
 
+def test_the_vllm_comparison_takes_each_figure_as_the_median_of_its_rounds():
+    from pagedkv.bench.core import _figures, combine
+
+    # three alternating rounds, the machine's speed drifting: each ratio is its own round's
+    rounds = [
+        _figures([0.0002] * 3, [0.0010] * 3),
+        _figures([0.0004] * 3, [0.0040] * 3),
+        _figures([0.0003] * 3, [0.0035] * 3),
+    ]
+    a = combine(rounds)
+    assert [round(r["ratio_p50"], 3) for r in a["rounds"]] == [0.2, 0.1, 0.086]
+    assert round(a["ratio_p50"], 3) == 0.1  # not 0.3 / 3.5 of the medians taken apart
+    assert round(a["pagedkv_step_ms_p50"], 3) == 0.3 and round(a["vllm_step_ms_p50"], 3) == 3.5
+    # where vLLM did not run, its figures and the ratios are null, never 0
+    alone = combine([_figures([0.0003] * 3, None)])
+    assert alone["vllm_step_ms_p50"] is None and alone["ratio_p50"] is None
+    assert round(alone["pagedkv_step_ms_p50"], 3) == 0.3
+
+
 def _walk(parser, path=()):
     import argparse
 
