@@ -164,20 +164,24 @@ def step_columns(ops: Sequence[Op], report: TierReport | None = None) -> StepCol
     budgets: list[int | None] = []
     children: list[str] = []
     reserves: list[tuple[int, int]] = []  # (operation, slots) of those that reserve or give back
+    # NOTE: the operation types and kinds in locals: they live in `step.py`, which is not
+    # compiled, and a global of an interpreted module is a dict lookup at each use.
+    append_op, free_op, admit_op, fork_op, unreserve_op = Append, Free, Admit, Fork, Unreserve
+    append_k, free_k, admit_k, fork_k, unreserve_k = APPEND, FREE, ADMIT, FORK, UNRESERVE
     for i, op in enumerate(ops):
-        if type(op) is Append:
-            kind(APPEND)
+        if type(op) is append_op:
+            kind(append_k)
             seq(op.seq)
             count(len(op.tokens))
             extend(op.tokens)
             if op.reserve:
                 reserves.append((i, op.reserve))
-        elif type(op) is Free:
-            kind(FREE)
+        elif type(op) is free_op:
+            kind(free_k)
             seq(op.seq)
             count(0)
-        elif type(op) is Admit:
-            kind(ADMIT)
+        elif type(op) is admit_op:
+            kind(admit_k)
             seq(op.seq)
             count(len(op.tokens))
             extend(op.tokens)
@@ -185,13 +189,13 @@ def step_columns(ops: Sequence[Op], report: TierReport | None = None) -> StepCol
             budgets.append(op.num_new_tokens)
             if op.reserve:
                 reserves.append((i, op.reserve))
-        elif type(op) is Fork:
-            kind(FORK)
+        elif type(op) is fork_op:
+            kind(fork_k)
             seq(op.parent)
             count(0)
             children.append(op.child)
-        elif type(op) is Unreserve:
-            kind(UNRESERVE)
+        elif type(op) is unreserve_op:
+            kind(unreserve_k)
             seq(op.seq)
             count(0)
             reserves.append((i, op.slots))
