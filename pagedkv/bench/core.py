@@ -58,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=AGAINST,
         default=None,
         help="also run 256-sequence decode steps through this core and through vLLM's "
-        "KVCacheManager, CPU time per step side by side",
+        "KVCacheManager in three alternating rounds, CPU time per step side by side",
     )
     p.add_argument(
         "--vllm-python",
