@@ -303,7 +303,7 @@ def _against_table(a: dict) -> Table:
         if a.get("skipped")
         else [
             f"PagedKV takes {a['ratio_p50']:.2f}x vLLM's CPU time per step (p50; the median of "
-            f"{len(a.get('rounds', []))} alternating rounds: {_ratios(a.get('rounds', []))})"
+            f"{len(a['rounds'])} alternating rounds: {_ratios(a['rounds'])})"
         ]
     )
     return Table(
@@ -317,7 +317,7 @@ def _against_table(a: dict) -> Table:
 
 
 def _ratios(rounds: list[dict]) -> str:
-    return ", ".join(f"{r['ratio_p50']:.2f}x" for r in rounds) or "one run"
+    return ", ".join(f"{r['ratio_p50']:.2f}x" for r in rounds)
 
 
 def figures(report: dict) -> dict[str, tuple[float | None, bool]]:

@@ -73,8 +73,12 @@ def pools_by_worker(alloc) -> dict[str, object]:
 
 
 def outcome_count(fleet, outcome: str) -> float:
-    url = fleet["router"].url
-    return metric(url, "pagedkv_router_pd_requests_total", {"outcome": outcome})
+    return router_outcomes(fleet["router"].url, outcome)
+
+
+def router_outcomes(router_url: str, outcome: str) -> float:
+    """The split requests the router at `router_url` counted under `outcome`."""
+    return metric(router_url, "pagedkv_router_pd_requests_total", {"outcome": outcome})
 
 
 OUTCOMES = ("transferred", "incomplete", "prefill_failed")
@@ -88,10 +92,7 @@ def split_story(
     (`logs`: name -> its text), so a failure on a busy machine says which leg fell short."""
     out = [
         "router outcomes: "
-        + ", ".join(
-            f"{o}={metric(router_url, 'pagedkv_router_pd_requests_total', {'outcome': o})}"
-            for o in OUTCOMES
-        )
+        + ", ".join(f"{o}={router_outcomes(router_url, o)}" for o in OUTCOMES)
         + f"; transfer wait {metric(router_url, 'pagedkv_router_pd_transfer_wait_seconds_sum')} s"
     ]
     for name, url in workers.items():
